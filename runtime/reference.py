@@ -1,0 +1,93 @@
+"""The single-process reference engine: the oracle the split runtime is tested against.
+
+Whole model in this process, static KV cache, chunked prefill, one decode step per token, and the
+same generation loop (`runtime.generate`) the split runtime uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.generate import (
+    Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
+)
+from runtime.tokenizer import TextTokenizer
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.sampling import SamplingParams, sample_rows
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported (use one of {', '.join(DTYPES)})")
+
+
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class ReferenceEngine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_context: int = 4096,
+        prefill_chunk: int = 256,
+        device: str = "cpu",
+    ) -> None:
+        ckpt = open_checkpoint(model_path)
+        self.config = ckpt.config
+        self.tokenizer = TextTokenizer.from_path(model_path)
+        model = load_layer_range(ckpt, 0, ckpt.config.num_layers, torch_dtype(dtype), device)
+        self.executor = RangeExecutor(model, max_context, device=device)
+        self.chunk = prefill_chunk
+        self.eos_ids = tuple(self.tokenizer.eos_ids) or tuple(self.config.eos_token_ids)
+
+    # -- Engine protocol --------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
+                want_logits: bool = False) -> StepOutput:
+        x = torch.tensor(list(tokens), dtype=torch.long)
+        logits = self.executor.run(x, pos)[-1]
+        token = None
+        if sample is not None:
+            token = self.executor.sample(logits[None], {**sample.wire(), "seed": seed},
+                                         pos + len(tokens))
+        return StepOutput(token, logits.cpu().numpy() if want_logits else None)
+
+    def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
+                      seed: int) -> int:
+        w = sample.wire()
+        return sample_rows(torch.from_numpy(logits)[None], w["temperature"], w["top_k"],
+                           w["top_p"], seed, [position])[0]
+
+    def logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits of every row of a fresh sequence, computed in prefill chunks."""
+        from runtime.chunking import prefill_chunks
+
+        rows = []
+        for a, b in prefill_chunks(tokens, 0, len(tokens), self.chunk, self.eos_ids):
+            x = torch.tensor(list(tokens[a:b]), dtype=torch.long)
+            rows.append(self.executor.run(x, a, all_logits=True))
+        return torch.cat(rows)
+
+    # -- generation ---------------------------------------------------------------------------
+    def stream(self, prompt: Sequence[int], params: SamplingParams,
+               progress: Progress) -> Iterator[Delta]:
+        seed = params.seed if params.seed is not None else new_seed()
+        toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
+                            turn_end_ids=self.eos_ids, context=self.executor.max_len)
+        return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> GenerationResult:
+        progress = Progress()
+        return collect(self.stream(prompt, params, progress), progress, len(prompt))

@@ -1,0 +1,1 @@
+"""shards package."""

@@ -1,0 +1,76 @@
+"""Open a checkpoint (HF folder or GGUF file) and build a `LayerRange` holding only its tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from shards.errors import CheckpointError
+from shards.model import LayerRange, rope_inv_freq
+from shards.model_config import ModelConfig
+from shards.weights import range_tensor_shapes, source_name
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoint(Protocol):
+    path: Path
+    config: ModelConfig
+
+    def has(self, name: str) -> bool: ...
+
+    def load(
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]: ...
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        from shards.checkpoint_hf import HFCheckpoint
+
+        return HFCheckpoint(p)
+    if p.is_file() and p.suffix == ".gguf":
+        from shards.checkpoint_gguf import GGUFFile
+
+        return GGUFFile(p)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder")
+    raise CheckpointError(f"{p}: expected a Hugging Face model folder or a .gguf file")
+
+
+def load_layer_range(
+    ckpt: Checkpoint,
+    start: int,
+    end: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LayerRange:
+    """Build layers [start, end) of `ckpt`, reading only the tensors that range needs."""
+    cfg = ckpt.config
+    if not 0 <= start < end <= cfg.num_layers:
+        raise CheckpointError(
+            f"{ckpt.path}: layer range {start}:{end} is outside the model's {cfg.num_layers} layers"
+        )
+    t0 = time.perf_counter()
+    shapes = range_tensor_shapes(cfg, start, end)
+    sources = {name: source_name(cfg, name) for name in shapes}
+    tensors = ckpt.load(shapes, sources, dtype)
+    with torch.device("meta"):
+        model = LayerRange(cfg, start, end)
+    state = {model.local_name(k): v for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:  # a bug in the name tables, not bad input
+        raise RuntimeError(f"internal name mismatch: missing={missing} unexpected={unexpected}")
+    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the state dict
+    model.to(device).eval().requires_grad_(False)
+    log.info(
+        "loaded layers %d:%d of %s (%d tensors, %.1f s)",
+        start, end, ckpt.path.name, len(shapes), time.perf_counter() - t0,
+    )
+    return model
+

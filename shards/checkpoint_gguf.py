@@ -1,0 +1,181 @@
+"""GGUF files (llama.cpp): architecture from the header, tensors dequantized to the run dtype.
+
+llama.cpp stores the rows of `attn_q` / `attn_k` of llama-architecture models permuted for its
+rotary layout; `load` undoes that per head so the HF-style rotary in `shards.model` applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shards.errors import CheckpointError
+from shards.gguf_header import GGUFHeader
+from shards.model_config import ModelConfig
+
+try:
+    import gguf
+    from gguf.quants import dequantize
+except ImportError as e:  # pragma: no cover - gguf is a hard dependency
+    raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
+
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+     Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+# GGUF architecture -> HF model_type; only llama permutes q/k rows.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_PER_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_TO_GGUF_LAYER = {v: k for k, v in _PER_LAYER.items()}
+_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL.items()}
+
+
+def gguf_name(canonical: str) -> str:
+    """Canonical HF tensor name -> GGUF tensor name."""
+    if canonical in _TO_GGUF_GLOBAL:
+        return _TO_GGUF_GLOBAL[canonical]
+    parts = canonical.split(".", 3)  # model, layers, idx, rest
+    return f"blk.{parts[2]}.{_TO_GGUF_LAYER[parts[3]]}"
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head rotary row permutation of attn_q / attn_k."""
+    d = w.shape[0] // heads // 2
+    return w.reshape(heads, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """The permutation llama.cpp's converter applies (inverse of `unpermute_rows`)."""
+    d = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, d, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.header = GGUFHeader(path)
+        self.tensors = self.header.tensors
+        arch = self.field("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{path}: general.architecture={arch!r} is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        self.arch = arch
+        self.config = self._config()
+
+    def field(self, key: str, default: Any = ...) -> Any:
+        if key not in self.header.fields:
+            if default is ...:
+                raise CheckpointError(f"{self.path}: required GGUF field {key!r} is missing")
+            return default
+        return self.header.fields[key]
+
+    def _config(self) -> ModelConfig:
+        a = self.arch
+        heads = int(self.field(f"{a}.attention.head_count"))
+        hidden = int(self.field(f"{a}.embedding_length"))
+        head_dim = int(self.field(f"{a}.attention.key_length", 0) or hidden // heads)
+        tok_embd = self.tensors.get("token_embd.weight")
+        vocab = self.field(f"{a}.vocab_size", None)
+        if vocab is None:
+            if tok_embd is None:
+                raise CheckpointError(f"{self.path}: tensor 'token_embd.weight' is missing")
+            vocab = int(tok_embd.shape[-1])
+        rope: dict[str, Any] = {}
+        scaling = self.field(f"{a}.rope.scaling.type", None)
+        if scaling == "linear":
+            rope = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise CheckpointError(f"{self.path}: {a}.rope.scaling.type={scaling!r} is not supported")
+        eos = self.field("tokenizer.ggml.eos_token_id", None)
+        return ModelConfig(
+            model_type=ARCHITECTURES[a],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_layers=int(self.field(f"{a}.block_count")),
+            num_heads=heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon")),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            rope_scaling=tuple(sorted(rope.items())),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    def has(self, name: str) -> bool:
+        return gguf_name(name) in self.tensors
+
+    def _read(self, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
+        gname = gguf_name(canonical)
+        t = self.tensors.get(gname)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {gname!r} is missing (for {canonical!r})")
+        try:
+            qtype = Q(t.type)
+        except ValueError:
+            qtype = None
+        if qtype not in SUPPORTED_TYPES:
+            qname = qtype.name if qtype is not None else f"#{t.type}"
+            raise CheckpointError(
+                f"{self.path}: tensor {gname!r} has quantization type {qname}, which is not "
+                f"supported (supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
+            )
+        got = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        if got != shape:
+            raise CheckpointError(
+                f"{self.path}: tensor {gname!r} has shape {got}, expected {shape} from the header"
+            )
+        try:
+            w = dequantize(self.header.raw(t), qtype)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if self.arch == "llama" and canonical.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rows(w, self.config.num_heads)
+        elif self.arch == "llama" and canonical.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rows(w, self.config.num_kv_heads)
+        return w
+
+    def load(
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        cache: dict[str, torch.Tensor] = {}
+        for name, src in sources.items():
+            if src not in cache:
+                w = self._read(src, shapes[name])
+                cache[src] = torch.tensor(w, dtype=dtype)  # copy out of the read-only map
+            out[name] = cache[src]
+        return out

@@ -1,0 +1,215 @@
+"""Decoder-only transformer for the Llama family, Qwen2 and Qwen3, built for a layer range.
+
+Pure torch: this module knows nothing of processes. A `LayerRange` holds layers [start, end) of
+the model; only the first range owns the token embedding, only the last the final norm and the
+LM head (tied embeddings are loaded on both). Every range reads and writes its own `KVCache`.
+
+Shapes: n = tokens in this step, H = query heads, G = KV heads, D = head dim, T = keys attended.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.kv_cache import KVCache
+from shards.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    p = cfg.rope_params
+    if cfg.rope_type == "linear":
+        inv = inv / float(p["factor"])
+    elif cfg.rope_type == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old_ctx = float(p["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (n, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (n, heads, D); cos/sin: (n, D)
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def causal_mask(pos: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask (n, pos + n): query pos+i sees keys 0..pos+i. None for one token."""
+    if n == 1:
+        return None
+    q = torch.arange(pos, pos + n, device=device)[:, None]
+    k = torch.arange(pos + n, device=device)[None, :]
+    return k <= q
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (n, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        layer: int,
+        slot: int,
+        pos: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = kv.append(layer, slot, pos, k, v)  # (T, G, D) each
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, H, n, D)
+            keys.transpose(0, 1)[None],  # (1, G, T, D)
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # (1, H, n, D)
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv, layer, slot, pos, mask) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, pos, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LayerRange(nn.Module):
+    """Layers [start, end) of a model; first range embeds tokens, last range returns logits."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside 0..{cfg.num_layers}")
+        self.cfg, self.start, self.end = cfg, start, end
+        self.is_first, self.is_last = start == 0, end == cfg.num_layers
+        self.embed_tokens = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(start, end))
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.norm = self.lm_head = None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (n,) token ids on the first range, else (n, hidden)
+        pos: int,
+        kv: KVCache,
+        slot: int = 0,
+        logit_rows: slice | None = None,
+        taps: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run this range for n tokens at positions [pos, pos + n).
+
+        Returns hidden states (n, hidden), or on the last range the logits of `logit_rows`
+        (all rows when None). `taps`, when given, maps a global layer index to where its
+        output rows are stored (used to feed a feature-conditioned draft).
+        """
+        h = self.embed_tokens(x) if self.is_first else x
+        n = h.shape[0]
+        positions = torch.arange(pos, pos + n, device=h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        mask = causal_mask(pos, n, h.device)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv, i, slot, pos, mask)
+            if taps is not None and self.start + i in taps:
+                taps[self.start + i] = h
+        if not self.is_last:
+            return h
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float()
+
+    def local_name(self, name: str) -> str:
+        """Map a canonical HF tensor name to this module's parameter name."""
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens.weight"
+        if name == "model.norm.weight":
+            return "norm.weight"
+        if name == "lm_head.weight":
+            return "lm_head.weight"
+        prefix, idx, rest = name.split(".", 3)[1], name.split(".")[2], name.split(".", 3)[3]
+        assert prefix == "layers", name
+        return f"layers.{int(idx) - self.start}.{rest}"

@@ -1,0 +1,98 @@
+"""Token sampling: greedy, temperature, top-k, top-p, seeded.
+
+Sampling is stateless: the random draw for the token at position p comes from a generator seeded
+with mix(seed, p). The same request therefore samples the same tokens whether or not its prefix
+was restored from a cache, whichever process samples, and however the steps were batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def wire(self) -> dict:
+        """The fields a sampling shard needs, as a plain dict for the control protocol."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "seed": self.seed or 0}
+
+
+def mix_seed(seed: int, position: int, stream: int = 0) -> int:
+    """splitmix64 of (seed, position, stream): a well-spread 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + stream) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Probabilities (rows, V) after temperature, top-k and top-p; float32."""
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sp, idx = torch.sort(probs, dim=-1, descending=True)
+        cum = torch.cumsum(sp, dim=-1)
+        drop = cum - sp > top_p  # keep the smallest prefix whose mass reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def seeded_exponential(shape: Sequence[int], seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return torch.empty(tuple(shape), device=device).exponential_(generator=g)
+
+
+def sample_rows(
+    logits: torch.Tensor,  # (rows, V)
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    positions: Sequence[int],
+) -> list[int]:
+    """One token per row; row i samples the token that goes to `positions[i]`."""
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(dim=-1).tolist()
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    out = []
+    for i, p in enumerate(positions):
+        noise = seeded_exponential(probs.shape[-1:], mix_seed(seed, p), probs.device)
+        out.append(int(torch.argmax(probs[i] / noise)))
+    return out

@@ -1,0 +1,205 @@
+"""Tiny random-weight checkpoints for tests: a real HF folder (config, safetensors, tokenizer) in a
+few hundred KB, for each supported family, seeded so every run writes the same bytes. Also a GGUF
+writer for them, so the GGUF path is tested without a download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers import models as tk_models
+
+from shards.model_config import config_from_hf
+from shards.weights import range_tensor_shapes
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# A few merges so words become multi-byte tokens, as in real BPE vocabularies.
+_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+           ("Ġ", "s"), ("r", "e"), ("a", "t")]
+
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    },
+    "llama3-rope": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    },
+    "llama-linear-rope": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False,
+    },
+}
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level BPE: 3 ChatML specials, the 256 byte symbols and a few merges."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    for a, b in _MERGES:
+        vocab.setdefault(a + b, len(vocab))
+    tk = Tokenizer(tk_models.BPE(vocab=vocab, merges=_MERGES, fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tk
+
+
+def write_tiny_checkpoint(
+    out: str | Path,
+    family: str = "llama",
+    *,
+    num_layers: int = 6,
+    seed: int = 0,
+    vocab_size: int = 320,
+    max_position_embeddings: int = 4096,
+    files: int = 1,
+    std: float = 0.08,
+) -> Path:
+    """Write a seeded random-weight HF folder for `family`; `files` > 1 writes a sharded one."""
+    if family not in FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILY_CONFIGS)})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = {
+        **FAMILY_CONFIGS[family],
+        "num_hidden_layers": num_layers, "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "bos_token_id": None, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32",
+    }
+    cfg = config_from_hf(raw, out / "config.json")
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in range_tensor_shapes(cfg, 0, cfg.num_layers).items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = std * torch.randn(shape, generator=gen)
+        tensors[name] = t.contiguous()
+    names = sorted(tensors)
+    if files <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        per = -(-len(names) // files)
+        weight_map = {}
+        for i in range(files):
+            fname = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+            part = {k: tensors[k] for k in names[i * per:(i + 1) * per]}
+            save_file(part, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in part})
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+        )
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
+    tiny_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "model_max_length": max_position_embeddings,
+    }, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}, indent=1))
+    return out
+
+
+def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """Convert a tiny llama-family HF folder to GGUF the way llama.cpp's converter does
+    (q/k rows permuted, tokenizer in the header); matrices stored as `qtype`."""
+    import gguf
+    from gguf.quants import quantize
+
+    from shards.checkpoint_gguf import gguf_name, permute_rows
+    from shards.checkpoint_hf import HFCheckpoint
+
+    ckpt = HFCheckpoint(Path(hf_folder))
+    cfg = ckpt.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(cfg.rope_params["factor"]))
+    elif cfg.rope_type != "default":
+        raise ValueError(f"rope type {cfg.rope_type} has no GGUF form in this writer")
+    tok = json.loads((Path(hf_folder) / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg.vocab_size)]
+    types = [3 if t in SPECIAL_TOKENS else (5 if t.startswith("[PAD") else 1) for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+    shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    tensors = ckpt.load(shapes, {k: k for k in shapes}, torch.float32)
+    q = gguf.GGMLQuantizationType[qtype]
+    for name, t in tensors.items():
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            a = permute_rows(a, cfg.num_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            a = permute_rows(a, cfg.num_kv_heads)
+        if a.ndim == 1 or q == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
+        else:
+            data = quantize(a, q)
+            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

@@ -1,0 +1,54 @@
+"""Which tensors a layer range needs, by canonical (Hugging Face) name, with their shapes."""
+
+from __future__ import annotations
+
+from shards.model_config import ModelConfig
+
+
+def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    p = f"model.layers.{layer}."
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (qd, h),
+        p + "self_attn.k_proj.weight": (kvd, h),
+        p + "self_attn.v_proj.weight": (kvd, h),
+        p + "self_attn.o_proj.weight": (h, qd),
+        p + "mlp.gate_proj.weight": (f, h),
+        p + "mlp.up_proj.weight": (f, h),
+        p + "mlp.down_proj.weight": (h, f),
+    }
+    if cfg.attention_bias:
+        shapes[p + "self_attn.q_proj.bias"] = (qd,)
+        shapes[p + "self_attn.k_proj.bias"] = (kvd,)
+        shapes[p + "self_attn.v_proj.bias"] = (kvd,)
+    if cfg.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    return shapes
+
+
+def range_tensor_shapes(cfg: ModelConfig, start: int, end: int) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor name -> shape for layers [start, end) (plus embedding / head / norm).
+
+    `lm_head.weight` is listed for the last range even when embeddings are tied; loaders then
+    read it from `model.embed_tokens.weight` (see `source_name`).
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    if start == 0:
+        shapes["model.embed_tokens.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for layer in range(start, end):
+        shapes.update(layer_tensor_shapes(cfg, layer))
+    if end == cfg.num_layers:
+        shapes["model.norm.weight"] = (cfg.hidden_size,)
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def source_name(cfg: ModelConfig, name: str) -> str:
+    """The stored tensor that provides canonical `name` (tied LM head reads the embedding)."""
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return name

@@ -1,0 +1,62 @@
+"""Chat templates render as transformers renders them; streaming text handles UTF-8 and stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.textstream import TextStream
+from runtime.tokenizer import TextTokenizer
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye 🙂"},
+]
+
+
+def test_chat_template_matches_transformers(tiny_llama):
+    transformers = pytest.importorskip("transformers")
+    ours = TextTokenizer.from_path(tiny_llama)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tiny_llama))
+    text = ours.render_chat(MESSAGES)
+    assert text == theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = theirs.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert ours.encode_chat(MESSAGES) == list(ids)
+
+
+def test_template_errors_are_clear(tmp_path):
+    from shards.errors import CheckpointError
+    from shards.tiny import tiny_tokenizer
+
+    tk = TextTokenizer(tiny_tokenizer(), bos_id=None, eos_ids=[2], add_bos=False,
+                       chat_template=None, source="x")
+    with pytest.raises(CheckpointError, match="no chat template"):
+        tk.render_chat(MESSAGES)
+
+
+def _stream(tk, text, stop=()):
+    ids = tk.encode(text, add_special_tokens=False)
+    s = TextStream(tk, stop)
+    out = ""
+    for i in ids:
+        out += s.push(i)
+        if s.stopped:
+            break
+    return out + s.finish(), s.stopped
+
+
+def test_stream_reassembles_utf8(tiny_llama):
+    tk = TextTokenizer.from_path(tiny_llama)
+    text = "naïve 日本語 🙂 end"
+    out, stopped = _stream(tk, text)
+    assert out == text and not stopped
+
+
+def test_stream_stop_strings_span_tokens(tiny_llama):
+    tk = TextTokenizer.from_path(tiny_llama)
+    out, stopped = _stream(tk, "alpha beta STOP gamma", stop=("STOP",))
+    assert stopped and out == "alpha beta "
+    out, stopped = _stream(tk, "alpha ST beta", stop=("STOP",))
+    assert not stopped and out == "alpha ST beta"  # held-back prefix released at the end

@@ -1,0 +1,68 @@
+"""Our model equals HF transformers on tiny random checkpoints, whole and split into ranges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.tiny import FAMILY_CONFIGS
+
+transformers = pytest.importorskip("transformers")  # a declared test dependency
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _chunked_logits(ex: RangeExecutor, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    return torch.cat([ex.run(ids[a:a + chunk], a, all_logits=True)
+                      for a in range(0, len(ids), chunk)])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_logits_match_transformers(tiny_models, family):
+    path = tiny_models[family]
+    ckpt = open_checkpoint(path)
+    ex = RangeExecutor(load_layer_range(ckpt, 0, ckpt.config.num_layers), max_len=256)
+    ids = _ids(70)
+    ours = _chunked_logits(ex, ids, 32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("split", [(0, 2, 4, 6), (0, 1, 6), (0, 5, 6)])
+def test_range_by_range_equals_whole(tiny_models, family, split):
+    ckpt = open_checkpoint(tiny_models[family])
+    whole = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=128)
+    parts = [RangeExecutor(load_layer_range(ckpt, a, b), max_len=128)
+             for a, b in zip(split[:-1], split[1:])]
+    assert parts[0].model.embed_tokens is not None and parts[0].model.lm_head is None
+    assert parts[-1].model.lm_head is not None and parts[-1].model.embed_tokens is None
+    ids = _ids(40, seed=2)
+    for a in range(0, 40, 16):  # prefill chunks, then two decode steps
+        x = ids[a:a + 16]
+        for p in parts:
+            x = p.run(x, a, all_logits=True)
+        assert torch.equal(x, whole.run(ids[a:a + 16], a, all_logits=True))
+    for pos in (40, 41):
+        x = torch.tensor([7])
+        for p in parts:
+            x = p.run(x, pos)
+        assert torch.equal(x, whole.run(torch.tensor([7]), pos))
+
+
+def test_only_needed_tensors_are_loaded(tiny_llama):
+    ckpt = open_checkpoint(tiny_llama)
+    mid = load_layer_range(ckpt, 2, 4)
+    names = {n for n, _ in mid.named_parameters()}
+    assert all(n.startswith(("layers.0.", "layers.1.")) for n in names), names
+    last = load_layer_range(ckpt, 4, 6)
+    # tied embeddings: the last range's head is the embedding matrix
+    emb = load_layer_range(ckpt, 0, 1).embed_tokens.weight
+    assert torch.equal(last.lm_head.weight, emb)
