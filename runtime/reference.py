@@ -18,18 +18,9 @@ from runtime.generate import (
 )
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
 from shards.sampling import SamplingParams, sample_rows
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported (use one of {', '.join(DTYPES)})")
-
 
 def new_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1

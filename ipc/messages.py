@@ -1,0 +1,119 @@
+"""Every message that crosses a process boundary, and the one codec for them (msgpack).
+
+A message is a msgpack map with `type` and `v` (protocol version), sent as the first frame of a
+zmq multipart message; tensor bytes, when any, follow as raw out-of-band frames. zmq delivers a
+multipart message whole or not at all, so a rejected message is always consumed entirely: the
+channel is never left half-read. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
+MAX_FRAMES = 4
+
+NoneType = type(None)
+Num = (int, float)
+
+# type -> {field: allowed python types}. Fields not listed are ignored (forward compatible);
+# listed fields are required and type-checked.
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    # authentication (any peer -> shard, shard -> peer)
+    "hello": {"nonce": (bytes,), "role": (str,)},
+    "challenge": {"nonce": (bytes,)},
+    "auth": {"mac": (bytes,)},
+    "welcome": {"index": (int,), "layers": (list,), "device": (str,), "pid": (int,)},
+    # coordinator -> shard setup
+    "configure": {"session": (bytes,), "next": (dict, NoneType), "max_context": (int,),
+                  "max_step_tokens": (int,), "slots": (int,), "transport": (str,)},
+    "configured": {"info": (dict,)},
+    # upstream shard -> downstream shard: set up the activation transport of this edge
+    "link": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
+             "hidden": (int,), "max_step_tokens": (int,)},
+    "linked": {"transport": (str,), "ring": (dict, NoneType)},
+    "link_done": {},
+    # data plane
+    "step": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,),
+             "sample": (dict, NoneType), "logits": (bool,), "act": (dict, NoneType)},
+    "result": {"sid": (int,), "token": (int, NoneType), "has_logits": (bool,)},
+    "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
+    # supervision and errors
+    "ping": {},
+    "pong": {"busy": (bool,)},
+    "error": {"message": (str,), "code": (str,)},
+    "shutdown": {},
+    "bye": {},
+}
+# how many payload frames follow the header, by type (None: checked by the handler)
+PAYLOAD_FRAMES: dict[str, int | None] = {"step": None, "result": None, "sample": 1}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; `code` is a short machine-readable reason."""
+
+    def __init__(self, message: str, code: str = "bad_message") -> None:
+        super().__init__(message)
+        self.code = code
+        self.sid: int | None = None
+
+
+def message(type_: str, **fields: Any) -> dict[str, Any]:
+    if type_ not in SCHEMAS:
+        raise ValueError(f"unknown message type {type_!r}")
+    return {"type": type_, "v": PROTOCOL_VERSION, **fields}
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]:
+    """Parse and validate one header frame; raise ProtocolError naming what is wrong."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}", "oversized")
+    try:
+        msg = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not valid msgpack ({type(e).__name__}: {e})", "malformed")
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"header is a {type(msg).__name__}, expected a map", "malformed")
+    t = msg.get("type")
+    if t not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {t!r}", "unknown_type")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{t}: protocol version {msg.get('v')!r}, this side speaks {PROTOCOL_VERSION}",
+            "version",
+        )
+    for field, types in SCHEMAS[t].items():
+        if field not in msg:
+            raise ProtocolError(f"{t}: field {field!r} is missing")
+        value = msg[field]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = "/".join(x.__name__ for x in types)
+            raise ProtocolError(f"{t}: field {field!r} must be {names}, got {type(value).__name__}")
+    expected = PAYLOAD_FRAMES.get(t, 0)
+    if expected is not None and payload_frames != expected:
+        raise ProtocolError(f"{t}: expected {expected} payload frames, got {payload_frames}")
+    if payload_frames > MAX_FRAMES:
+        raise ProtocolError(f"{t}: {payload_frames} payload frames is too many")
+    return msg
+
+
+def best_effort_sid(frame: bytes | memoryview) -> int | None:
+    """The `sid` of a rejected message, if it can be read at all (so its sender can match the
+    error to the operation it belongs to)."""
+    try:
+        msg = msgpack.unpackb(bytes(frame[:MAX_HEADER_BYTES]), raw=False)
+    except Exception:  # noqa: BLE001 - unreadable: no sid
+        return None
+    sid = msg.get("sid") if isinstance(msg, dict) else None
+    return sid if isinstance(sid, int) and not isinstance(sid, bool) else None
+
+
+def error(message_: str, code: str = "error", **extra: Any) -> dict[str, Any]:
+    return message("error", message=message_, code=code, **extra)

@@ -1,0 +1,104 @@
+"""zmq sockets and framing: one place that sends and receives protocol messages."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ipc.messages import ProtocolError, best_effort_sid, decode, encode
+
+HEARTBEAT_IVL_MS = 200
+HEARTBEAT_TIMEOUT_MS = 1000  # a stopped or unreachable peer is dropped after this
+MAX_MESSAGE_BYTES = 4 << 30  # zmq drops a peer that sends a larger message
+
+
+def context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+def run_dir() -> Path:
+    """A private (0700) directory for this process's ipc:// sockets; the pid keeps tests apart."""
+    d = Path(tempfile.mkdtemp(prefix=f"layersplit-{os.getpid()}-"))
+    d.chmod(0o700)
+    return d
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_loopback(address: str) -> bool:
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost",):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def configure(sock: zmq.Socket, identity: bytes | None = None) -> zmq.Socket:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    return sock
+
+
+def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),
+         route: bytes | None = None) -> None:
+    parts: list[Any] = [] if route is None else [route]
+    parts.append(encode(msg))
+    parts.extend(frames)
+    sock.send_multipart(parts, copy=False)
+
+
+def recv(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, dict[str, Any] | None,
+                                                          list[zmq.Frame], ProtocolError | None]:
+    """Receive one whole multipart message: (route, msg, payload frames, error).
+
+    A message that fails validation comes back with msg=None and the error (its `sid` attribute
+    holds the rejected message's sid when readable); it has been read completely, so the next
+    recv starts at the next message."""
+    parts = sock.recv_multipart(copy=False)
+    route = None
+    if routed:
+        route, parts = parts[0].bytes, parts[1:]
+    if not parts:
+        return route, None, [], ProtocolError("empty message", "malformed")
+    try:
+        msg = decode(parts[0].buffer, len(parts) - 1)
+    except ProtocolError as e:
+        e.sid = best_effort_sid(parts[0].buffer)
+        return route, None, [], e
+    return route, msg, parts[1:], None
+
+
+def request(sock: zmq.Socket, msg: dict[str, Any], timeout_s: float,
+            frames: Sequence[Any] = ()) -> tuple[dict[str, Any], list[zmq.Frame]]:
+    """Send and wait for the reply on a DEALER socket; raise TimeoutError or ProtocolError."""
+    send(sock, msg, frames)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sock.poll(int(left * 1000)):
+            raise TimeoutError(f"no reply to {msg['type']!r} within {timeout_s:.1f} s")
+        _, reply, payload, err = recv(sock)
+        if err is not None:
+            raise err
+        return reply, payload

@@ -1,0 +1,3 @@
+from launch.cli import main
+
+raise SystemExit(main())

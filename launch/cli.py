@@ -1,0 +1,174 @@
+"""`layersplit` command line: generate, serve, shard, bench, cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _setup_logging(verbose: bool, prefix: str = "") -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args: argparse.Namespace):
+    from shards.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _raise_on_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# ---- generate ------------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime.config import from_args
+    from runtime.coordinator import Coordinator
+    from runtime.generate import Progress, collect
+
+    cfg = from_args(args)
+    params = _sampling(args)
+    _raise_on_sigterm()
+    with Coordinator(cfg) as coord:
+        tok = coord.tokenizer
+        if args.chat:
+            prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
+        else:
+            prompt = tok.encode(args.prompt)
+        progress = Progress()
+        deltas = coord.stream(prompt, params, progress)
+        if args.json:
+            result = collect(deltas, progress, len(prompt))
+            print(json.dumps(result.to_json(), ensure_ascii=False))
+        else:
+            for d in deltas:
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            print(f"[{len(progress.generated)} tokens, {len(coord.shards)} shards, "
+                  f"TTFT {progress.ttft_s * 1000:.0f} ms, {progress.decode_tok_s:.1f} tok/s, "
+                  f"finish: {progress.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# ---- shard ---------------------------------------------------------------------------------------
+def cmd_shard(args: argparse.Namespace) -> int:
+    from ipc.auth import load_secret
+    from ipc.sockets import is_loopback
+    from runtime.model_store import resolve_model
+    from shards.worker import ShardSpec, run_shard
+
+    secret = load_secret(args.secret_file)
+    if secret is None:
+        print("layersplit shard: no shared secret; set LAYERSPLIT_SECRET or --secret-file "
+              "(the coordinator must use the same one)", file=sys.stderr)
+        return 2
+    if args.listen.startswith("tcp://") and not is_loopback(args.listen):
+        logging.getLogger("layersplit").warning(
+            "listening on %s, reachable from other hosts; peers must prove the shared secret",
+            args.listen)
+    try:
+        start, end = (int(x) for x in args.layers.split(":"))
+    except ValueError:
+        print(f"layersplit shard: --layers {args.layers!r}: write START:END", file=sys.stderr)
+        return 2
+    try:
+        model = str(resolve_model(args.model))
+    except (FileNotFoundError, RuntimeError) as e:
+        return _startup_error(args, str(e))
+    spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
+                     dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid)
+    rc = run_shard(spec, secret)
+    if rc == 2 and args.error_file:
+        _startup_error(args, "failed to start (see its log above)", overwrite=False)
+    return rc
+
+
+def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) -> int:
+    print(f"layersplit shard: {text}", file=sys.stderr)
+    if args.error_file and (overwrite or not Path(args.error_file).exists()):
+        Path(args.error_file).write_text(text)
+    return 2
+
+
+# ---- parser --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from runtime.config import add_flags
+
+    p = argparse.ArgumentParser(prog="layersplit", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text across shard processes")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_flags(g)
+    _sampling_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("shard", help="run one shard (started by hand on another host)")
+    s.add_argument("--listen", required=True, help="tcp://HOST:PORT (loopback unless told)")
+    s.add_argument("--model", default="default")
+    s.add_argument("--layers", required=True, help="START:END")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--secret-file", default=None)
+    s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)
+    s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)
+    s.set_defaults(func=cmd_shard)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prefix = f"[shard {args.index}] " if args.command == "shard" and args.index >= 0 else ""
+    _setup_logging(args.verbose, prefix)
+    from runtime.config import ConfigError
+    from runtime.coordinator import ShardFailure
+    from shards.errors import CheckpointError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"layersplit {args.command}: {e}", file=sys.stderr)
+        return 2
+    except ShardFailure as e:
+        print(f"layersplit {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

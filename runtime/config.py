@@ -1,0 +1,195 @@
+"""Runtime configuration: one frozen dataclass, loaded from TOML and overridden by CLI flags.
+
+Every key has a CLI flag of the same name (`max_context` -> `--max-context`). Unknown keys and
+values of the wrong type are rejected with a message naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad config file or flag; the message says which key and what to change."""
+
+
+def _field(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    model: str = _field("default", "HF folder or .gguf file; 'default' = SmolLM2-135M-Instruct")
+    devices: tuple[str, ...] = _field(("cpu", "cpu"), "one device per shard: cpu, cuda:N")
+    split: tuple[int, ...] | None = _field(None, "layers per shard, e.g. 15,15 (sums to the "
+                                                 "model's layer count); default: even")
+    layers: tuple[str, ...] | None = _field(None, "explicit ranges per shard, e.g. 0:10,10:30")
+    weights: tuple[float, ...] | None = _field(None, "relative share of layers per shard")
+    dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 on CPU, "
+                                "bfloat16 on GPU")
+    max_context: int = _field(4096, "tokens of KV cache per sequence (prompt + output)")
+    prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
+    transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
+                                                   "cuda-ipc, shm, zmq")
+    threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
+    shard_addresses: tuple[str, ...] = _field((), "per shard: '' to start it here, or the "
+                                                  "tcp:// address of a `layersplit shard`")
+    local_addresses: str = _field("ipc", "how local shards listen: ipc (unix sockets) or tcp "
+                                         "(loopback)")
+    secret_file: str | None = _field(None, "file holding the shared secret for remote shards "
+                                           "(else $LAYERSPLIT_SECRET)")
+    startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
+    step_timeout: float = _field(600.0, "seconds a single step may take before the shard is "
+                                        "declared hung")
+
+    def __post_init__(self) -> None:
+        if self.max_context < 2:
+            raise ConfigError(f"max_context={self.max_context}: must be at least 2")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
+        if self.local_addresses not in ("ipc", "tcp"):
+            raise ConfigError(f"local_addresses={self.local_addresses!r}: use 'ipc' or 'tcp'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads}: must be at least 1")
+        if not self.devices:
+            raise ConfigError("devices is empty: list one device per shard, e.g. cpu,cpu")
+
+    @property
+    def run_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if all(d == "cpu" for d in self.devices) else "bfloat16"
+
+    def replace(self, **changes: Any) -> RuntimeConfig:
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RuntimeConfig)}
+_HINTS = typing.get_type_hints(RuntimeConfig)
+
+
+def _base_types(hint: Any) -> tuple[Any, bool]:
+    """(inner type, optional) of a field annotation."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], True
+    return hint, False
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    hint, optional = _base_types(_HINTS[key])
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{source}: {key} must not be empty")
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        elem = typing.get_args(hint)[0]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",")] if value.strip() else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {key} must be a list, got {type(value).__name__}")
+        return tuple(_scalar(key, v, elem, source) for v in value)
+    return _scalar(key, value, hint, source)
+
+
+def _scalar(key: str, value: Any, typ: Any, source: str) -> Any:
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(value)
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key}={value!r} is not a valid {typ.__name__}") from None
+    raise ConfigError(f"{source}: {key} has an unsupported type")
+
+
+def from_mapping(values: Mapping[str, Any], source: str,
+                 base: RuntimeConfig | None = None) -> RuntimeConfig:
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+            f"(known: {', '.join(FIELDS)})"
+        )
+    changes = {k: _coerce(k, v, source) for k, v in values.items()}
+    try:
+        return dataclasses.replace(base or RuntimeConfig(), **changes)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    # sections are for readability only: [placement] devices = ... is the key `devices`
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            for k2, v2 in v.items():
+                if k2 in flat:
+                    raise ConfigError(f"{p}: key {k2} appears twice")
+                flat[k2] = v2
+        else:
+            if k in flat:
+                raise ConfigError(f"{p}: key {k} appears twice")
+            flat[k] = v
+    return flat
+
+
+def add_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per config key (values parsed and validated by `from_mapping`)."""
+    group = parser.add_argument_group("runtime configuration (each also a config-file key)")
+    group.add_argument("--config", help="TOML config file; flags override its keys")
+    for name, f in FIELDS.items():
+        if name in skip:
+            continue
+        group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
+                           help=f.metadata.get("help"))
+
+
+def from_args(args: argparse.Namespace) -> RuntimeConfig:
+    cfg = RuntimeConfig()
+    if getattr(args, "config", None):
+        cfg = from_mapping(load_toml(args.config), str(args.config))
+    flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    return from_mapping(flags, "command line", base=cfg) if flags else cfg

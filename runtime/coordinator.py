@@ -1,0 +1,334 @@
+"""The coordinator: starts the shard chain, drives generation, notices failures.
+
+Data plane: coordinator -> shard 0 -> shard 1 -> ... -> last shard -> coordinator. The coordinator
+sends token ids to shard 0 and receives sampled tokens (and logits when asked) from the last
+shard; it never relays activations. It knows of tensors only what the shards report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ipc import auth
+from ipc.messages import ProtocolError, message
+from ipc.sockets import configure as configure_socket
+from ipc.sockets import context, free_tcp_port, recv, run_dir, send
+from runtime.config import RuntimeConfig
+from runtime.generate import (
+    Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
+)
+from runtime.model_store import resolve_model
+from runtime.placement import Placement, check_local_devices, plan
+from runtime.reference import new_seed
+from runtime.supervisor import LocalProcess, spawn_shard, stop_all
+from runtime.tokenizer import TextTokenizer
+from shards.checkpoint import open_checkpoint
+from shards.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+POLL_MS = 50
+REMOTE_CONNECT_S = 30.0
+
+
+class ShardFailure(RuntimeError):
+    """A shard died, hung, or reported an error; the message names the shard."""
+
+
+class _Shard:
+    def __init__(self, index: int, address: str, sock: zmq.Socket, monitor: zmq.Socket,
+                 proc: LocalProcess | None) -> None:
+        self.index, self.address, self.sock, self.monitor, self.proc = (
+            index, address, sock, monitor, proc)
+        self.info: dict[str, Any] = {}
+
+
+class Coordinator:
+    """Owns the shard processes of one model; `generate` / `stream` run one sequence at a time."""
+
+    def __init__(self, config: RuntimeConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        ckpt = open_checkpoint(self.model_path)
+        self.model_config = ckpt.config
+        self.placement: Placement = plan(config, ckpt.config.num_layers)
+        check_local_devices(self.placement)
+        self.tokenizer = TextTokenizer.from_path(self.model_path)
+        self.eos_ids = tuple(self.tokenizer.eos_ids) or tuple(self.model_config.eos_token_ids)
+        self.chunk = config.prefill_chunk
+        self.dtype = config.run_dtype
+        self.shards: list[_Shard] = []
+        self.procs: list[LocalProcess] = []
+        self.failed: str | None = None
+        self._sid = 0
+        self._run_dir: Path | None = None
+        self._ctx = context()
+        self.session = os.urandom(16)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cfg, shards = self.config, self.placement.shards
+        remote = any(s.address for s in shards)
+        secret = auth.load_secret(cfg.secret_file) if remote else None
+        if remote and secret is None:
+            raise ShardFailure("remote shards need the shared secret: set --secret-file or "
+                               f"${auth.SECRET_ENV} (the same one the shards were started with)")
+        self.secret = secret or auth.new_secret()
+        self._run_dir = run_dir()
+        local_cpu = sum(1 for s in shards if s.address is None and s.device == "cpu")
+        threads = cfg.threads or (max(1, (os.cpu_count() or 1) // max(local_cpu, 1))
+                                  if local_cpu else None)
+        t0 = time.perf_counter()
+        try:
+            addresses = []
+            for s in shards:
+                if s.address:
+                    addresses.append(s.address)
+                    continue
+                if cfg.local_addresses == "tcp":
+                    addr = f"tcp://127.0.0.1:{free_tcp_port()}"
+                else:
+                    addr = f"ipc://{self._run_dir}/shard{s.index}.sock"
+                addresses.append(addr)
+                proc = spawn_shard(s, addr, str(self.model_path), self.dtype,
+                                   threads if s.device == "cpu" else None, self.secret,
+                                   self._run_dir)
+                self.procs.append(proc)
+            for s, addr in zip(shards, addresses):
+                sock = configure_socket(self._ctx.socket(zmq.DEALER),
+                                        identity=b"coord-" + self.session[:8])
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                sock.connect(addr)
+                proc = next((p for p in self.procs if p.plan.index == s.index), None)
+                self.shards.append(_Shard(s.index, addr, sock, monitor, proc))
+            for sh in self.shards:
+                deadline = t0 + cfg.startup_timeout
+                if sh.proc is None:  # a remote shard is already loaded: it answers at once
+                    deadline = min(deadline, time.monotonic() + REMOTE_CONNECT_S)
+                self._handshake(sh, deadline)
+            max_step = max(cfg.prefill_chunk, 1)
+            for sh in reversed(self.shards):  # downstream first, so each link finds its peer
+                nxt = None
+                if sh.index + 1 < len(self.shards):
+                    nxt = {"address": self.shards[sh.index + 1].address}
+                transport = (self.placement.transports[sh.index]
+                             if sh.index < len(self.placement.transports) else "auto")
+                reply = self._call(sh, message(
+                    "configure", session=self.session, next=nxt, max_context=cfg.max_context,
+                    max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
+                ), t0 + cfg.startup_timeout)
+                sh.info = reply["info"]
+                log.info(
+                    "shard %d ready: layers %d:%d on %s, %.0f MB, KV %d tokens (%.0f MB), "
+                    "out via %s", sh.index, *sh.info["layers"], sh.info["device"],
+                    sh.info["memory_bytes"] / 2**20, sh.info["kv_capacity_tokens"],
+                    sh.info["kv_bytes"] / 2**20, sh.info["transport_out"],
+                )
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for sh in self.shards:
+            try:  # local shards exit; remote ones keep serving and await the next coordinator
+                if self.failed is None and sh.proc is not None and not sh.sock.closed:
+                    send(sh.sock, message("shutdown"))
+            except zmq.ZMQError:
+                pass
+        if self.failed is None:
+            stop_all(self.procs)
+        else:  # a failed group is torn down at once: a hung shard will not answer SIGTERM,
+            stop_all(self.procs, grace_s=0.0, term_s=0.0)  # and its KV is lost anyway
+        for sh in self.shards:
+            sh.monitor.close(0)
+            sh.sock.disable_monitor()
+            sh.sock.close(0)
+        self.shards, self.procs = [], []
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
+
+    def shard_info(self) -> list[dict[str, Any]]:
+        return [dict(sh.info) for sh in self.shards]
+
+    # ---- messaging ----------------------------------------------------------------------------
+    def _handshake(self, sh: _Shard, deadline: float) -> None:
+        nonce = auth.new_nonce()
+        try:
+            reply = self._call(sh, message("hello", nonce=nonce, role="coordinator"), deadline)
+        except ShardFailure as e:
+            if sh.proc is None and "no answer" in str(e):
+                raise ShardFailure(f"remote shard {sh.index} at {sh.address} did not answer; "
+                                   "is `layersplit shard` running there and reachable?") from e
+            raise
+        if reply["type"] != "challenge":
+            raise ShardFailure(f"shard {sh.index} at {sh.address}: unexpected {reply['type']}")
+        mac = auth.mac(self.secret, reply["nonce"], nonce, "coordinator")
+        reply = self._call(sh, message("auth", mac=mac), deadline)
+        if reply["type"] != "welcome":
+            raise ShardFailure(f"shard {sh.index} at {sh.address}: handshake failed")
+        planned = self.placement.shards[sh.index]
+        want = [planned.start, planned.end]
+        if reply["layers"] != want:
+            raise ShardFailure(
+                f"shard {sh.index} at {sh.address} holds layers {reply['layers'][0]}:"
+                f"{reply['layers'][1]}, but the placement wants {want[0]}:{want[1]}; start it "
+                f"with --layers {want[0]}:{want[1]}")
+
+    def _call(self, sh: _Shard, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
+        send(sh.sock, msg)
+        reply, _ = self._wait(lambda s, m: s is sh, deadline, f"{msg['type']} to shard {sh.index}")
+        return reply
+
+    def _drain(self) -> None:
+        """Discard replies nobody waits for (e.g. to a rejected stray frame) before a new op."""
+        for sh in self.shards:
+            while sh.sock.poll(0):
+                _, msg, _, err = recv(sh.sock)
+                log.warning("shard %d: discarding stale %s", sh.index,
+                            err if err is not None else msg.get("message", msg["type"]))
+
+    def _wait(self, match, deadline: float, what: str,
+              sid: int | None = None) -> tuple[dict[str, Any], list]:
+        """Poll every shard socket until `match(shard, msg)`; raise on any failure.
+
+        An error reply fails the operation if it names this op's `sid` or no sid at all; an
+        error of another (earlier) op is logged and skipped. A dead or unreachable shard fails
+        the whole runtime."""
+        poller = zmq.Poller()
+        for sh in self.shards:
+            poller.register(sh.sock, zmq.POLLIN)
+            poller.register(sh.monitor, zmq.POLLIN)
+        by_sock = {sh.sock: sh for sh in self.shards}
+        by_mon = {sh.monitor: sh for sh in self.shards}
+        while True:
+            self._check_alive()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(f"no answer to {what} within the time limit; a shard may be "
+                                 "hung (see step_timeout / startup_timeout)")
+            for sock, _ in poller.poll(min(POLL_MS, max(1, int(left * 1000)))):
+                if sock in by_mon:
+                    recv_monitor_message(sock)
+                    sh = by_mon[sock]
+                    if sh.proc is not None:  # a local shard: say how it died, if it did
+                        try:
+                            sh.proc.proc.wait(0.1)
+                        except Exception:  # noqa: BLE001 - still running: it hangs
+                            pass
+                        self._check_alive()
+                    raise self._fail(f"lost the connection to shard {sh.index} at {sh.address} "
+                                     "(it stopped answering heartbeats)")
+                sh = by_sock[sock]
+                _, msg, frames, err = recv(sock)
+                if err is not None:
+                    raise self._fail(f"shard {sh.index} sent a malformed message: {err}")
+                if msg["type"] == "error":
+                    err_sid = msg.get("sid")
+                    if err_sid == sid and sid is not None or msg["code"] == "bad_upstream" or \
+                            (sid is None and err_sid is None):
+                        raise self._fail(msg["message"], keep_running=True)
+                    # an error about some other (earlier, or unreadable) message: not this op's
+                    log.warning("shard %d: %s", sh.index, msg["message"])
+                    continue
+                if match(sh, msg):
+                    return msg, frames
+                log.debug("ignoring %s from shard %d while waiting for %s", msg["type"],
+                          sh.index, what)
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            why = p.failure()
+            if why is not None:
+                raise self._fail(why)
+
+    def _fail(self, why: str, keep_running: bool = False) -> ShardFailure:
+        """Record a failure; unless it is a recoverable request error, stop all shards."""
+        if keep_running:
+            return ShardFailure(why)
+        self.failed = why
+        log.error("shard failure: %s; stopping all shards", why)
+        self.close()
+        return ShardFailure(why)
+
+    def _ensure_up(self) -> None:
+        if self.failed is not None:
+            raise ShardFailure(f"the runtime is down: {self.failed}")
+        if not self.shards:
+            raise ShardFailure("the runtime is not started")
+
+    # ---- Engine protocol ----------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
+                want_logits: bool = False) -> StepOutput:
+        self._ensure_up()
+        self._drain()
+        self._sid += 1
+        sid = self._sid
+        wire = None if sample is None else {**sample.wire(), "seed": seed}
+        ids = np.asarray(tokens, dtype=np.int64)
+        send(self.shards[0].sock, message("step", sid=sid, slot=0, pos=pos, n=len(ids),
+                                          sample=wire, logits=want_logits, act=None), [ids])
+        last = self.shards[-1]
+        msg, frames = self._wait(
+            lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
+            time.monotonic() + self.config.step_timeout, f"step {sid}", sid)
+        logits = None
+        if msg["has_logits"]:
+            if len(frames) != 1:
+                raise self._fail("last shard sent a result without its logits frame")
+            logits = np.frombuffer(frames[0].buffer, dtype=np.float32).copy()
+        return StepOutput(msg["token"], logits)
+
+    def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
+                      seed: int) -> int:
+        self._ensure_up()
+        self._drain()
+        self._sid += 1
+        sid = self._sid
+        last = self.shards[-1]
+        send(last.sock, message("sample", sid=sid, position=position,
+                                sample={**sample.wire(), "seed": seed}),
+             [np.ascontiguousarray(logits, dtype=np.float32)])
+        msg, _ = self._wait(lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
+                            time.monotonic() + self.config.step_timeout, f"sample {sid}", sid)
+        return int(msg["token"])
+
+    # ---- generation ---------------------------------------------------------------------------
+    def check_prompt(self, prompt: Sequence[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.config.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; max_context is "
+                             f"{self.config.max_context}")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary")
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams,
+               progress: Progress) -> Iterator[Delta]:
+        self.check_prompt(prompt)
+        seed = params.seed if params.seed is not None else new_seed()
+        toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
+                            turn_end_ids=self.eos_ids, context=self.config.max_context)
+        return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> GenerationResult:
+        progress = Progress()
+        return collect(self.stream(prompt, params, progress), progress, len(prompt))

@@ -1,0 +1,112 @@
+"""Starting, watching and stopping local shard processes.
+
+Shards are started as fresh interpreters (spawn semantics: no fork, no inherited state, nothing
+pickled); the secret travels in the environment, never on the command line. Every exit path stops
+every child, and sweeps shared memory a killed child had not yet handed over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from ipc.auth import SECRET_ENV
+from ipc.shm import sweep
+from runtime.placement import ShardPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class LocalProcess:
+    plan: ShardPlan
+    proc: subprocess.Popen
+    error_file: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def failure(self) -> str | None:
+        """A description of why the process is gone, or None while it runs."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        how = f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else \
+            f"exited with code {rc}"
+        detail = ""
+        try:
+            text = self.error_file.read_text().strip()
+            if text:
+                detail = f": {text}"
+        except OSError:
+            pass
+        return (f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device}, "
+                f"pid {self.pid}) {how}{detail}")
+
+
+def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
+                secret: bytes, run_dir: Path) -> LocalProcess:
+    error_file = run_dir / f"shard{plan.index}.error"
+    cmd = [sys.executable, "-m", "launch.cli", "shard", "--listen", listen, "--model", model,
+           "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
+           "--parent-pid", str(os.getpid()), "--index", str(plan.index),
+           "--error-file", str(error_file)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    env = {**os.environ, SECRET_ENV: secret.hex()}
+    if plan.device.startswith("cuda"):
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
+    return LocalProcess(plan, proc, error_file)
+
+
+def stop_all(procs: list[LocalProcess], grace_s: float = 5.0, term_s: float = 2.0) -> None:
+    """Wait for shards to exit (they were asked to), then SIGTERM, then SIGKILL. No orphans."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.proc.poll() is None]
+        if not alive:
+            break
+        if sig == signal.SIGTERM and term_s <= 0:
+            continue
+        for p in alive:
+            log.log(logging.WARNING if grace_s > 0 else logging.DEBUG,
+                    "shard %d (pid %d) still running; sending %s", p.plan.index, p.pid, sig.name)
+            _kill_tree(p.pid, sig)
+        for p in alive:
+            try:
+                p.proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+    for p in procs:
+        removed = sweep(p.pid)
+        if removed:
+            log.info("removed shared memory left by shard %d: %s", p.plan.index, removed)
+
+
+def _kill_tree(pid: int, sig: signal.Signals) -> None:
+    try:
+        parent = psutil.Process(pid)
+        for child in parent.children(recursive=True):
+            child.send_signal(sig)
+        parent.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass

@@ -1,0 +1,61 @@
+"""Helpers for multi-process tests: traces of logits, leak checks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from runtime.chunking import prefill_chunks
+from shards.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def trace(engine, prompt: list[int], steps: int, chunk: int, turn_end_ids=(2,)):
+    """Greedy-run `engine` (reference or coordinator) and return (tokens, logits per step)."""
+    logits, tokens = [], []
+    out = None
+    for a, b in prefill_chunks(prompt, 0, len(prompt), chunk, turn_end_ids):
+        out = engine.forward(prompt[a:b], a, GREEDY, 0, want_logits=True)
+        logits.append(out.logits)
+    tok, pos = out.token, len(prompt)
+    for _ in range(steps):
+        tokens.append(tok)
+        out = engine.forward([tok], pos, GREEDY, 0, want_logits=True)
+        logits.append(out.logits)
+        tok, pos = out.token, pos + 1
+    return tokens, np.stack(logits)
+
+
+def layersplit_shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("layersplit-*")}
+
+
+def shard_children(pid: int | None = None) -> list[psutil.Process]:
+    """Live shard processes started by `pid` (default: this process)."""
+    try:
+        kids = psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for k in kids:
+        try:
+            if "launch.cli" in " ".join(k.cmdline()) and k.status() != psutil.STATUS_ZOMBIE:
+                out.append(k)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive

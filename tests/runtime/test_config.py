@@ -1,0 +1,54 @@
+"""Config files and flags: every shipped config is valid; bad keys and values are named."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from runtime.config import ConfigError, add_flags, from_args, from_mapping, load_toml
+from runtime.placement import even_split, plan, weighted_split
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_are_valid(path):
+    cfg = from_mapping(load_toml(path), str(path))
+    p = plan(cfg, 30)  # the default model's layer count
+    assert p.shards[0].start == 0 and p.shards[-1].end == 30
+
+
+def test_unknown_key_and_bad_type(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('modle = "x"\n')
+    with pytest.raises(ConfigError, match=r"c\.toml: unknown key modle"):
+        from_mapping(load_toml(f), str(f))
+    f.write_text("max_context = 'lots'\n")
+    with pytest.raises(ConfigError, match="max_context='lots'"):
+        from_mapping(load_toml(f), str(f))
+    f.write_text("max_context = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_toml(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="local_addresses"):
+        from_mapping({"local_addresses": "carrier"}, "x")
+
+
+def test_flags_override_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[placement]\ndevices = ["cpu", "cpu", "cpu"]\nsplit = [2, 2, 2]\n')
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    cfg = from_args(p.parse_args(["--config", str(f), "--split", "1,2,3", "--max-context", "99"]))
+    assert cfg.devices == ("cpu", "cpu", "cpu") and cfg.split == (1, 2, 3)
+    assert cfg.max_context == 99
+
+
+def test_splits():
+    assert even_split(30, 4) == [8, 8, 7, 7]
+    assert weighted_split(30, (1.0, 2.0)) == [10, 20]
+    assert weighted_split(5, (100.0, 1.0, 1.0)) == [3, 1, 1]
+    assert sum(weighted_split(36, (0.3, 0.3, 0.4))) == 36

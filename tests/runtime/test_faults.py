@@ -1,0 +1,237 @@
+"""Supervision: dead or hung shards are noticed fast, nothing is left behind, bad frames are
+refused without desynchronizing anything, unauthenticated peers are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import psutil
+import pytest
+import zmq
+
+from ipc import auth
+from ipc.messages import encode, message
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator, ShardFailure
+from runtime.generate import Progress
+from runtime.placement import PlacementError
+from shards.sampling import SamplingParams
+from tests.helpers import layersplit_shm, shard_children, wait_gone
+
+LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+
+def _cfg(model, n=2, **kw):
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=16,
+                         max_context=4096, threads=1, **kw)
+
+
+def _prompt(coord):
+    return coord.tokenizer.encode("the cat sat on the mat")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill9_mid_decode_fails_fast_and_cleans_up(tiny_llama, victim):
+    before = layersplit_shm()
+    coord = Coordinator(_cfg(tiny_llama, transport=("shm",)))
+    coord.start()
+    pids = [p.pid for p in coord.procs]
+    stream = coord.stream(_prompt(coord), LONG, Progress())
+    for _, _ in zip(range(5), stream):
+        pass
+    os.kill(pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(ShardFailure) as e:
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 2.0
+    msg = str(e.value)
+    assert f"shard {victim}" in msg and "SIGKILL" in msg
+    assert wait_gone(pids) == []
+    assert layersplit_shm() - before == set()
+    with pytest.raises(ShardFailure, match="runtime is down"):
+        coord.generate(_prompt(coord), SamplingParams(max_tokens=2))
+    coord.close()
+
+
+@pytest.mark.slow
+def test_hung_shard_is_noticed_within_2s(tiny_llama):
+    coord = Coordinator(_cfg(tiny_llama))
+    coord.start()
+    pids = [p.pid for p in coord.procs]
+    stream = coord.stream(_prompt(coord), LONG, Progress())
+    next(stream)
+    os.kill(pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(ShardFailure, match="shard 1"):
+        for _ in stream:
+            pass
+    assert time.monotonic() - t0 < 2.0
+    assert wait_gone(pids) == []
+    coord.close()
+
+
+def _run_cli(model, *extra):
+    cmd = [sys.executable, "-m", "launch.cli", "generate", "the cat", "--model", str(model),
+           "--devices", "cpu,cpu", "--threads", "1", "--max-tokens", "100000", "--ignore-eos",
+           "--prefill-chunk", "16", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_shards(proc, n=2, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = shard_children(proc.pid)
+        if len(kids) == n and proc.stdout.readable():
+            return kids
+        time.sleep(0.1)
+    raise AssertionError("shards did not start")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_coordinator_signal_exits_cleanly(tiny_llama, sig):
+    before = layersplit_shm()
+    proc = _run_cli(tiny_llama)
+    kids = _wait_for_shards(proc)
+    proc.stdout.read(20)  # generation is under way
+    proc.send_signal(sig)
+    proc.wait(timeout=20)
+    assert proc.returncode in (128 + sig, 130, 1), proc.stderr.read()
+    assert wait_gone([k.pid for k in kids]) == []
+    assert layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_coordinator_kill9_orphans_exit(tiny_llama):
+    before = layersplit_shm()
+    proc = _run_cli(tiny_llama)
+    kids = _wait_for_shards(proc)
+    proc.stdout.read(20)
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_gone([k.pid for k in kids], timeout=5) == []
+    assert layersplit_shm() - before == set()
+
+
+# ---- bad frames ------------------------------------------------------------------------------
+def _peer(address, secret=None, role="upstream"):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    if secret is not None:
+        nonce = auth.new_nonce()
+        s.send(encode(message("hello", nonce=nonce, role=role)))
+        assert s.poll(5000)
+        ch = msgpack.unpackb(s.recv())
+        s.send(encode(message("auth", mac=auth.mac(secret, ch["nonce"], nonce, role))))
+        assert s.poll(5000)
+        assert msgpack.unpackb(s.recv())["type"] == "welcome"
+    return s
+
+
+def _reply(s):
+    assert s.poll(5000), "no reply"
+    return msgpack.unpackb(s.recv_multipart()[0])
+
+
+@pytest.mark.slow
+def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    with Coordinator(_cfg(tiny_llama, n=3, local_addresses="tcp")) as coord:
+        prompt = _prompt(coord)
+        want = coord.generate(prompt, p).tokens
+        for sh in coord.shards:
+            # unauthenticated garbage, not msgpack
+            s = _peer(sh.address)
+            s.send(b"\xc1\xff garbage")
+            r = _reply(s)
+            assert r["type"] == "error" and r["code"] == "malformed"
+            # unauthenticated but well-formed: refused
+            s.send(encode(message("configure", session=b"x", next=None, max_context=8,
+                                  max_step_tokens=1, slots=1, transport="zmq")))
+            r = _reply(s)
+            assert r["type"] == "error" and r["code"] == "unauthenticated"
+            # authenticated peer: garbage, unknown type, wrong field type, oversized, bad frames
+            a = _peer(sh.address, coord.secret)
+            a.send(b"\x93\x01\x02")
+            assert _reply(a)["code"] == "malformed"
+            a.send(encode({"type": "teleport", "v": 1}))
+            assert _reply(a)["code"] == "unknown_type"
+            a.send(encode({"type": "step", "v": 1, "sid": "one"}))
+            assert "field" in _reply(a)["message"]
+            a.send(encode({"type": "ping", "v": 1, "pad": b"x" * (2 << 20)}))
+            assert _reply(a)["code"] == "oversized"
+            a.send_multipart([encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None,
+                                             logits=False, act={"kind": "zmq"})),
+                              b"1234", b"5678", b"9", b"0", b"1"])
+            assert _reply(a)["type"] == "error"
+            a.send(encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None, logits=False,
+                                  act={"kind": "zmq", "dtype": "float32", "shape": [1, 64]})))
+            assert _reply(a)["code"] == "unexpected"  # not the linked upstream
+            a.close()
+            s.close()
+            # garbage on the coordinator's own control channel
+            sh.sock.send(b"\xc1 not msgpack")
+        assert coord.generate(prompt, p).tokens == want  # stale error replies are discarded
+
+
+@pytest.mark.slow
+def test_wrong_secret_is_refused(tiny_llama):
+    with Coordinator(_cfg(tiny_llama, n=1, local_addresses="tcp")) as coord:
+        s = _peer(coord.shards[0].address)
+        nonce = auth.new_nonce()
+        s.send(encode(message("hello", nonce=nonce, role="coordinator")))
+        ch = _reply(s)
+        s.send(encode(message("auth", mac=auth.mac(b"wrong", ch["nonce"], nonce, "coordinator"))))
+        r = _reply(s)
+        assert r["type"] == "error" and "authentication failed" in r["message"]
+        s.send(encode(message("shutdown")))
+        assert _reply(s)["code"] == "unauthenticated"
+        s.close()
+        out = coord.generate(_prompt(coord), SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out.tokens) == 3
+
+
+# ---- invalid placements -----------------------------------------------------------------------
+@pytest.mark.parametrize("kw,match", [
+    ({"layers": ("0:4", "3:6")}, "overlap"),
+    ({"layers": ("0:3", "4:6")}, "layers 3:4 are not covered"),
+    ({"layers": ("0:3", "3:5")}, "layers 5:6 are not covered"),
+    ({"split": (3, 2)}, "adds up to 5"),
+    ({"split": (6, 0)}, "at least 1 layer"),
+    ({"devices": ("cpu",) * 7}, "only 6 layers"),
+    ({"devices": ("cpu", "tpu:0")}, "unknown device 'tpu:0'"),
+    ({"devices": ("cpu", "cuda:7")}, "cuda:7 does not exist"),
+    ({"transport": ("cuda-ipc",)}, "cuda-ipc needs two CUDA devices"),
+    ({"transport": ("carrier-pigeon",)}, "unknown"),
+    ({"split": (3, 3), "weights": (1.0, 1.0)}, "only one of"),
+])
+def test_invalid_placement_rejected_before_any_process(tiny_llama, kw, match):
+    kw = {"devices": ("cpu", "cpu"), **kw}
+    with pytest.raises(PlacementError, match=match):
+        Coordinator(RuntimeConfig(model=str(tiny_llama), **kw))
+    assert shard_children() == []
+
+
+def test_invalid_placement_cli_exit_code(tiny_llama):
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "hi", "--model",
+                        str(tiny_llama), "--layers", "0:4,3:6"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "overlap" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "hi", "--model",
+                        str(tiny_llama), "--max-context", "many"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "max_context='many'" in r.stderr
+
+
+def test_psutil_sees_no_leftovers():
+    assert [p for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and "launch.cli" in " ".join(p.cmdline())] == []
