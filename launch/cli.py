@@ -104,7 +104,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
     except (FileNotFoundError, RuntimeError) as e:
         return _startup_error(args, str(e))
     spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
-                     dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid)
+                     dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid,
+                     seed=args.random_seed)
     rc = run_shard(spec, secret)
     if rc == 2 and args.error_file:
         _startup_error(args, "failed to start (see its log above)", overwrite=False)
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--random-seed", type=int, default=0, help="seed of random:NAME weights")
     s.add_argument("--secret-file", default=None)
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)

@@ -33,7 +33,9 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
-    model: str = _field("default", "HF folder or .gguf file; 'default' = SmolLM2-135M-Instruct")
+    model: str = _field("default", "HF folder or .gguf file; 'default' = SmolLM2-135M-Instruct; "
+                                   "random:NAME = seeded random weights of configs/models/NAME")
+    random_seed: int = _field(0, "seed of random:NAME weights")
     devices: tuple[str, ...] = _field(("cpu", "cpu"), "one device per shard: cpu, cuda:N")
     split: tuple[int, ...] | None = _field(None, "layers per shard, e.g. 15,15 (sums to the "
                                                  "model's layer count); default: even")
@@ -45,6 +47,8 @@ class RuntimeConfig:
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
+    cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
+    graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
     shard_addresses: tuple[str, ...] = _field((), "per shard: '' to start it here, or the "
                                                   "tcp:// address of a `layersplit shard`")

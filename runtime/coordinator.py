@@ -58,12 +58,13 @@ class Coordinator:
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
-        ckpt = open_checkpoint(self.model_path)
+        ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
         self.placement: Placement = plan(config, ckpt.config.num_layers)
         check_local_devices(self.placement)
-        self.tokenizer = TextTokenizer.from_path(self.model_path)
-        self.eos_ids = tuple(self.tokenizer.eos_ids) or tuple(self.model_config.eos_token_ids)
+        self.tokenizer = TextTokenizer.for_model(self.model_path)
+        tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
+        self.eos_ids = tok_eos or tuple(self.model_config.eos_token_ids)
         self.chunk = config.prefill_chunk
         self.dtype = config.run_dtype
         self.shards: list[_Shard] = []
@@ -108,7 +109,7 @@ class Coordinator:
                 addresses.append(addr)
                 proc = spawn_shard(s, addr, str(self.model_path), self.dtype,
                                    threads if s.device == "cpu" else None, self.secret,
-                                   self._run_dir)
+                                   self._run_dir, cfg.random_seed)
                 self.procs.append(proc)
             for s, addr in zip(shards, addresses):
                 sock = configure_socket(self._ctx.socket(zmq.DEALER),
@@ -132,6 +133,7 @@ class Coordinator:
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
+                    cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                 ), t0 + cfg.startup_timeout)
                 sh.info = reply["info"]
                 log.info(
@@ -324,6 +326,8 @@ class Coordinator:
     def stream(self, prompt: Sequence[int], params: SamplingParams,
                progress: Progress) -> Iterator[Delta]:
         self.check_prompt(prompt)
+        if self.tokenizer is None and params.stop:
+            raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         seed = params.seed if params.seed is not None else new_seed()
         toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
                             turn_end_ids=self.eos_ids, context=self.config.max_context)

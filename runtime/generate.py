@@ -131,16 +131,17 @@ def token_stream(
 
 def stream_generation(
     tokens: Iterator[int],
-    tokenizer: TextTokenizer,
+    tokenizer: TextTokenizer | None,
     params: SamplingParams,
     eos_ids: Collection[int],
     progress: Progress,
 ) -> Iterator[Delta]:
-    """Apply max_tokens, stop tokens and stop strings to a token stream; yield text deltas."""
+    """Apply max_tokens, stop tokens and stop strings to a token stream; yield text deltas
+    (empty text without a tokenizer: random-weight models for benchmarks)."""
     stops = set(params.stop_token_ids)
     if not params.ignore_eos:
         stops.update(eos_ids)
-    text = TextStream(tokenizer, params.stop)
+    text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
     try:
         if params.max_tokens == 0:
             progress.finish_reason = "length"
@@ -152,9 +153,9 @@ def stream_generation(
                 progress.finish_reason = "stop"
                 break
             progress.generated.append(tok)
-            delta = text.push(tok)
+            delta = text.push(tok) if text is not None else ""
             progress.text += delta
-            if text.stopped:
+            if text is not None and text.stopped:
                 progress.finish_reason = "stop"
                 if delta:
                     yield Delta(tok, delta)
@@ -163,7 +164,7 @@ def stream_generation(
             if len(progress.generated) >= params.max_tokens:
                 progress.finish_reason = "length"
                 break
-        tail = text.finish()
+        tail = text.finish() if text is not None else ""
         if tail:
             progress.text += tail
             yield Delta(-1, tail)

@@ -76,10 +76,12 @@ def fetch_default_model() -> Path:
         return target
 
 
-def resolve_model(spec: str | os.PathLike | None) -> Path:
+def resolve_model(spec: str | os.PathLike | None) -> Path | str:
     """A model argument -> a local path. None or 'default' means the default model."""
     if spec is None or str(spec) == "default":
         return fetch_default_model()
+    if str(spec).startswith("random:"):  # seeded random weights of a named shape
+        return str(spec)
     p = Path(spec).expanduser()
     if not p.exists():
         raise FileNotFoundError(

@@ -57,12 +57,12 @@ class LocalProcess:
 
 
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
-                secret: bytes, run_dir: Path) -> LocalProcess:
+                secret: bytes, run_dir: Path, seed: int = 0) -> LocalProcess:
     error_file = run_dir / f"shard{plan.index}.error"
     cmd = [sys.executable, "-m", "launch.cli", "shard", "--listen", listen, "--model", model,
            "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
-           "--error-file", str(error_file)]
+           "--error-file", str(error_file), "--random-seed", str(seed)]
     if threads:
         cmd += ["--threads", str(threads)]
     env = {**os.environ, SECRET_ENV: secret.hex()}

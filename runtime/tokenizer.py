@@ -81,6 +81,13 @@ class TextTokenizer:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
+    def for_model(cls, path: str | Path) -> TextTokenizer | None:
+        """The model's tokenizer; None for random weights (they have none)."""
+        if str(path).startswith("random:"):
+            return None
+        return cls.from_path(path)
+
+    @classmethod
     def from_path(cls, path: str | Path) -> TextTokenizer:
         p = Path(path).expanduser()
         if p.is_dir():

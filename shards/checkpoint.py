@@ -24,11 +24,23 @@ class Checkpoint(Protocol):
     def has(self, name: str) -> bool: ...
 
     def load(
-        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]: ...
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+RANDOM_PREFIX = "random:"
+
+
+def open_checkpoint(path: str | Path, seed: int = 0) -> Checkpoint:
+    """An HF folder, a .gguf file, or `random:NAME` / `random:/path/to/folder-with-config`
+    (seeded random weights of that shape, for speed work)."""
+    if str(path).startswith(RANDOM_PREFIX):
+        from shards.random_weights import RandomCheckpoint, preset_path
+
+        spec = str(path)[len(RANDOM_PREFIX):]
+        folder = Path(spec) if "/" in spec else preset_path(spec)
+        return RandomCheckpoint(folder, seed)
     p = Path(path).expanduser()
     if p.is_dir():
         from shards.checkpoint_hf import HFCheckpoint
@@ -59,7 +71,7 @@ def load_layer_range(
     t0 = time.perf_counter()
     shapes = range_tensor_shapes(cfg, start, end)
     sources = {name: source_name(cfg, name) for name in shapes}
-    tensors = ckpt.load(shapes, sources, dtype)
+    tensors = ckpt.load(shapes, sources, dtype, device)
     with torch.device("meta"):
         model = LayerRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}

@@ -169,13 +169,14 @@ class GGUFFile:
         return w
 
     def load(
-        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():
             if src not in cache:
                 w = self._read(src, shapes[name])
-                cache[src] = torch.tensor(w, dtype=dtype)  # copy out of the read-only map
+                cache[src] = torch.tensor(w, dtype=dtype, device=device)  # copy out of the map
             out[name] = cache[src]
         return out

@@ -54,7 +54,8 @@ class HFCheckpoint:
         return name in self.weight_map
 
     def load(
-        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]:
         """Read each canonical name from its source tensor, checking shape; one pass per file."""
         by_file: dict[str, list[str]] = {}
@@ -83,6 +84,6 @@ class HFCheckpoint:
                                 f"{fpath}: tensor {src!r} has shape {tuple(t.shape)}, "
                                 f"expected {shapes[name]} from config.json"
                             )
-                        cache[src] = t.to(dtype)
+                        cache[src] = t.to(device=device, dtype=dtype)
                     out[name] = cache[src]
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shards.graphs import StaticDecoder
 from shards.kv_cache import KVCache, KVLayout
 from shards.model import LayerRange
 from shards.sampling import sample_rows
@@ -15,7 +16,8 @@ from shards.sampling import sample_rows
 
 class RangeExecutor:
     def __init__(
-        self, model: LayerRange, max_len: int, slots: int = 1, device: torch.device | str = "cpu"
+        self, model: LayerRange, max_len: int, slots: int = 1, device: torch.device | str = "cpu",
+        static_decode: bool | None = None, graph_bucket: int = 256,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -23,6 +25,9 @@ class RangeExecutor:
         self.dtype = next(model.parameters()).dtype
         self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv = KVCache(self.layout, max_len, slots, self.device)
+        if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
+            static_decode = self.device.type == "cuda"
+        self.static = StaticDecoder(model, self.kv, graph_bucket) if static_decode else None
 
     @property
     def max_len(self) -> int:
@@ -44,6 +49,8 @@ class RangeExecutor:
             raise ValueError(
                 f"positions {pos}..{pos + n} exceed the context of {self.kv.max_len} tokens"
             )
+        if n == 1 and self.static is not None and taps is None:
+            return self.static.run(x, pos, slot)
         rows = None if all_logits else slice(n - 1, n)
         return self.model(x.to(self.device), pos, self.kv, slot, logit_rows=rows, taps=taps)
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from shards.model import StepInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,15 +47,19 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def append(
-        self, layer: int, slot: int, pos: int, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store rows [pos, pos + n) and return views of rows [0, pos + n)."""
-        end = pos + k.shape[0]
-        if end > self.max_len:
-            raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {end}")
-        self.k[layer, slot, pos:end] = k
-        self.v[layer, slot, pos:end] = v
-        return self.k[layer, slot, :end], self.v[layer, slot, :end]
+        """Store the step's rows and return views of the rows it attends, [0, step.kv_len)."""
+        if step.kv_len > self.max_len:
+            raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
+        if step.pos is not None:
+            end = step.pos + k.shape[0]
+            self.k[layer, slot, step.pos:end] = k
+            self.v[layer, slot, step.pos:end] = v
+        else:  # position known only on the device (a captured graph)
+            self.k[layer, slot].index_copy_(0, step.positions, k)
+            self.v[layer, slot].index_copy_(0, step.positions, v)
+        return self.k[layer, slot, :step.kv_len], self.v[layer, slot, :step.kv_len]
 
     def rows(self, layer: int, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads, head_dim)."""

@@ -9,6 +9,7 @@ Shapes: n = tokens in this step, H = query heads, G = KV heads, D = head dim, T 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -71,13 +72,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
-def causal_mask(pos: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask (n, pos + n): query pos+i sees keys 0..pos+i. None for one token."""
-    if n == 1:
-        return None
-    q = torch.arange(pos, pos + n, device=device)[:, None]
-    k = torch.arange(pos + n, device=device)[None, :]
-    return k <= q
+@dataclasses.dataclass(slots=True)
+class StepInfo:
+    """Where a step's n tokens go and which keys they attend.
+
+    Eager steps (`eager`) write KV rows by slice and attend exactly pos + n keys. Static steps
+    (`static`, for CUDA-graph capture) take the position from a device tensor, write rows with
+    `index_copy_` and attend a fixed `kv_len` keys under a mask, so one captured graph serves
+    every position up to `kv_len`.
+    """
+
+    positions: torch.Tensor  # (n,) long, on the model's device
+    kv_len: int  # key rows attended
+    mask: torch.Tensor | None  # (n, kv_len) bool, True = attend; None = all (eager decode)
+    pos: int | None  # first position, when known on the host (eager)
+    grouped: bool = False  # attend with query heads grouped per KV head (static decode)
+
+    @staticmethod
+    def eager(pos: int, n: int, device: torch.device) -> StepInfo:
+        positions = torch.arange(pos, pos + n, device=device)
+        mask = None
+        if n > 1:
+            mask = torch.arange(pos + n, device=device)[None, :] <= positions[:, None]
+        return StepInfo(positions, pos + n, mask, pos)
+
+    @staticmethod
+    def static(pos: torch.Tensor, n: int, kv_len: int) -> StepInfo:
+        """`pos`: a (1,) long device tensor holding the first position (graph input)."""
+        positions = pos + torch.arange(n, device=pos.device)
+        mask = torch.arange(kv_len, device=pos.device)[None, :] <= positions[:, None]
+        return StepInfo(positions, kv_len, mask, None, grouped=True)
 
 
 class Attention(nn.Module):
@@ -103,8 +127,7 @@ class Attention(nn.Module):
         kv: KVCache,
         layer: int,
         slot: int,
-        pos: int,
-        mask: torch.Tensor | None,
+        step: StepInfo,
     ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
@@ -113,15 +136,32 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = kv.append(layer, slot, pos, k, v)  # (T, G, D) each
+        keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
+        if step.grouped:
+            return self.o_proj(self._grouped(q, keys, values, step.mask))
+        from_start = step.pos == 0 and n > 1  # plain causal: flash attention applies
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # (1, H, n, D)
             keys.transpose(0, 1)[None],  # (1, G, T, D)
             values.transpose(0, 1)[None],
-            attn_mask=mask,
+            attn_mask=None if from_start else step.mask,
+            is_causal=from_start,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # (1, H, n, D)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+    def _grouped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """GQA as plain attention: the H/G query heads of each KV head become extra query rows,
+        so no kernel needs GQA support and K/V are never repeated."""
+        n, g = q.shape[0], self.num_kv_heads
+        r = self.num_heads // g
+        qg = q.view(n, g, r, self.head_dim).permute(1, 2, 0, 3).reshape(1, g, r * n, self.head_dim)
+        m = None if mask is None else mask.repeat(r, 1)[None, None]  # (1, 1, r*n, T)
+        out = F.scaled_dot_product_attention(
+            qg, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=m
+        )  # (1, G, r*n, D)
+        return out[0].view(g, r, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
 
 
 class MLP(nn.Module):
@@ -143,8 +183,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv, layer, slot, pos, mask) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, pos, mask)
+    def forward(self, h, cos, sin, kv, layer, slot, step: StepInfo) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -175,25 +215,24 @@ class LayerRange(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (n,) token ids on the first range, else (n, hidden)
-        pos: int,
+        step: StepInfo | int,
         kv: KVCache,
         slot: int = 0,
         logit_rows: slice | None = None,
         taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run this range for n tokens at positions [pos, pos + n).
+        """Run this range for n tokens at positions [pos, pos + n) (`step`: pos or a StepInfo).
 
         Returns hidden states (n, hidden), or on the last range the logits of `logit_rows`
         (all rows when None). `taps`, when given, maps a global layer index to where its
         output rows are stored (used to feed a feature-conditioned draft).
         """
         h = self.embed_tokens(x) if self.is_first else x
-        n = h.shape[0]
-        positions = torch.arange(pos, pos + n, device=h.device)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        mask = causal_mask(pos, n, h.device)
+        if isinstance(step, int):
+            step = StepInfo.eager(step, h.shape[0], h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, i, slot, pos, mask)
+            h = layer(h, cos, sin, kv, i, slot, step)
             if taps is not None and self.start + i in taps:
                 taps[self.start + i] = h
         if not self.is_last:

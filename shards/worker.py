@@ -45,6 +45,7 @@ class ShardSpec:
     dtype: str = "float32"
     threads: int | None = None
     parent_pid: int | None = None
+    seed: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,7 +81,7 @@ class ShardServer:
         self.busy = False
         self.transport_kind = "none"
         t0 = time.perf_counter()
-        ckpt = open_checkpoint(spec.model)
+        ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
         self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
                                       self.device)
@@ -212,11 +213,16 @@ class ShardServer:
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         if max_ctx <= 0 or max_step <= 0 or msg["slots"] != 1:
             raise ProtocolError("configure: max_context and max_step_tokens must be > 0, slots 1")
-        if self.executor is None or self.executor.max_len != max_ctx:
+        graphs = bool(msg.get("cuda_graphs", True)) and self.device.type == "cuda"
+        bucket = int(msg.get("graph_bucket", 256))
+        ex = self.executor
+        if ex is None or ex.max_len != max_ctx or (ex.static is not None) != graphs or \
+                (ex.static is not None and ex.static.bucket != bucket):
             self.executor = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.executor = RangeExecutor(self.model, max_ctx, 1, self.device)
+            self.executor = RangeExecutor(self.model, max_ctx, 1, self.device,
+                                          static_decode=graphs, graph_bucket=bucket)
         self.max_step = max_step
         nxt = msg["next"]
         if nxt is not None:

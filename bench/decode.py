@@ -1,0 +1,225 @@
+"""Decode and prefill speed of the split runtime next to its baselines, all in one run.
+
+For one model and several layouts (1 shard, 2 shards, ...): TTFT, prefill tok/s and decode tok/s
+at batch 1, through the real runtime (coordinator + shard processes). Baselines from the same
+run: HF transformers `generate()` on the very same weights (`--hf`), and the HBM floor, the
+bytes of weights read per token divided by the device-to-device copy bandwidth measured now
+(`--floor`).
+
+    python bench/decode.py --model random:qwen3-8b --layouts cuda:0 cuda:0,cuda:1 --hf --floor
+    python bench/decode.py --model default --layouts cpu cpu,cpu --new-tokens 64
+
+Prints a table last; `--json FILE` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.coordinator import Coordinator  # noqa: E402
+from runtime.generate import Progress, collect  # noqa: E402
+from runtime.model_store import resolve_model  # noqa: E402
+from shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
+from shards.sampling import SamplingParams  # noqa: E402
+
+log = logging.getLogger("bench.decode")
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def run_layout(args, devices: list[str], prompt: list[int]) -> dict:
+    cfg = RuntimeConfig(model=args.model, devices=tuple(devices), max_context=args.max_context,
+                        prefill_chunk=args.prefill_chunk, transport=(args.transport,),
+                        cuda_graphs=not args.no_graphs, dtype=args.dtype,
+                        threads=args.threads)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    row: dict = {"layout": ",".join(devices), "shards": len(devices)}
+    with Coordinator(cfg) as coord:
+        row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
+        runs = []
+        for i in range(args.repeats + 1):  # the first run captures graphs / warms caches
+            progress = Progress()
+            r = collect(coord.stream(prompt, params, progress), progress, len(prompt))
+            assert len(r.tokens) == args.new_tokens, len(r.tokens)
+            if i:
+                runs.append(r)
+        best = max(runs, key=lambda r: r.decode_tok_s)
+        row.update(ttft_s=min(r.ttft_s for r in runs), decode_tok_s=best.decode_tok_s,
+                   tokens=best.tokens[:16])
+        for n in args.prefill:
+            long_prompt = prompt_ids(n, coord.model_config.vocab_size, seed=n)
+            one = SamplingParams(max_tokens=1, ignore_eos=True)
+            times = []
+            for _ in range(2):
+                p = Progress()
+                collect(coord.stream(long_prompt, one, p), p, n)
+                times.append(p.ttft_s)
+            row[f"prefill_{n}_s"] = min(times)
+    return row
+
+
+def hf_baseline(args, prompt: list[int], device: str) -> dict:
+    """transformers generate() (greedy, its dynamic KV cache, SDPA) on the same weights."""
+    import transformers
+
+    ckpt = open_checkpoint(resolve_model(args.model), 0)
+    cfg = ckpt.config
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[args.hf_dtype]
+    model = load_layer_range(ckpt, 0, cfg.num_layers, dtype, device)
+    hf_cfg = transformers.AutoConfig.for_model(
+        cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=max(cfg.max_position_embeddings, args.max_context),
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
+    )
+    with torch.device(device):  # buffers (rotary) are built here; weights replaced below
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                           dtype=dtype)
+    state = {}
+    for k, v in model.state_dict().items():
+        name = {"embed_tokens.weight": "model.embed_tokens.weight",
+                "norm.weight": "model.norm.weight"}.get(k, k)
+        if k.startswith("layers."):
+            name = "model." + k
+        state[name] = v
+    hf.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    hf = hf.to(device).eval()
+    del model
+    ids = torch.tensor([prompt], device=device)
+    row = {"layout": f"HF transformers {transformers.__version__} ({device})", "shards": 1,
+           "transport": "-"}
+    with torch.inference_mode():
+        def gen(n):
+            torch.cuda.synchronize() if device.startswith("cuda") else None
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize() if device.startswith("cuda") else None
+            return time.perf_counter() - t0, out
+
+        gen(4)
+        t1, _ = gen(1)
+        tn, out = gen(args.new_tokens)
+        row.update(ttft_s=t1, decode_tok_s=(args.new_tokens - 1) / max(tn - t1, 1e-9),
+                   tokens=out[0, len(prompt):len(prompt) + 16].tolist())
+        for n in args.prefill:
+            x = torch.tensor([prompt_ids(n, cfg.vocab_size, seed=n)], device=device)
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize() if device.startswith("cuda") else None
+                t0 = time.perf_counter()
+                hf(x, logits_to_keep=1)
+                torch.cuda.synchronize() if device.startswith("cuda") else None
+                times.append(time.perf_counter() - t0)
+            row[f"prefill_{n}_s"] = min(times)
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return row
+
+
+def hbm_floor(args, device: str) -> dict:
+    """Copy bandwidth (read + write) now, and weights read per decoded token."""
+    ckpt = open_checkpoint(resolve_model(args.model), 0)
+    cfg = ckpt.config
+    from shards.weights import range_tensor_shapes
+
+    itemsize = torch.empty((), dtype=getattr(torch, args.hf_dtype)).element_size()
+    per_token = 0
+    for name, shape in range_tensor_shapes(cfg, 0, cfg.num_layers).items():
+        n = 1
+        for s in shape:
+            n *= s
+        if name == "model.embed_tokens.weight":
+            n = cfg.hidden_size  # one row is read
+        per_token += n * itemsize
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
+    del x, y
+    torch.cuda.empty_cache()
+    return {"copy_GBps": bw / 1e9, "weight_bytes_per_token": per_token,
+            "floor_tok_s": bw / per_token}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--layouts", nargs="+", default=["cpu", "cpu,cpu"],
+                    help="each: comma-separated devices of one run")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--transport", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--hf-dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--hf", action="store_true", help="HF transformers baseline")
+    ap.add_argument("--floor", action="store_true", help="HBM floor (CUDA only)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ckpt = open_checkpoint(resolve_model(args.model), 0)
+    prompt = prompt_ids(args.prompt_len, ckpt.config.vocab_size)
+    rows = [run_layout(args, layout.split(","), prompt) for layout in args.layouts]
+    first_dev = args.layouts[0].split(",")[0]
+    if args.hf:
+        rows.append(hf_baseline(args, prompt, first_dev))
+    floor = hbm_floor(args, first_dev) if args.floor and first_dev.startswith("cuda") else None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else os.uname().machine
+    out = {"model": args.model, "device": gpu, "prompt_len": args.prompt_len,
+           "new_tokens": args.new_tokens, "rows": rows, "floor": floor}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    base = rows[0]["decode_tok_s"]
+    print(f"\n{args.model} on {gpu}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+          "batch 1")
+    cols = [f"prefill_{n}_s" for n in args.prefill]
+    print(f"{'layout':<40} {'transport':<9} {'TTFT ms':>8} {'decode tok/s':>12} "
+          f"{'vs first':>8} " + " ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        extra = " ".join(f"{r.get(c, float('nan')) * 1000:>11.0f} ms" for c in cols)
+        print(f"{r['layout']:<40} {r['transport']:<9} {r['ttft_s'] * 1000:>8.1f} "
+              f"{r['decode_tok_s']:>12.1f} {r['decode_tok_s'] / base:>8.3f} {extra}")
+    if floor:
+        print(f"HBM floor: copy {floor['copy_GBps']:.0f} GB/s (read+write), "
+              f"{floor['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token -> "
+              f"{floor['floor_tok_s']:.0f} tok/s; first layout at "
+              f"{base / floor['floor_tok_s']:.1%} of it")
+    same = [r["tokens"] == rows[0]["tokens"] for r in rows]
+    print(f"first 16 greedy tokens equal to the first layout's: {same}")
+
+
+if __name__ == "__main__":
+    main()

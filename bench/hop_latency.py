@@ -1,0 +1,157 @@
+"""Hop latency of each activation transport: one-way time for `tokens x hidden` activations.
+
+Two processes ping-pong an activation over the real transport classes (`ipc/transport.py`),
+each edge set up as the runtime sets it up (receiver offers, sender maps). One-way latency is
+half the round trip; the receive side counts only once the tensor is usable on its device.
+
+    python bench/hop_latency.py --devices cpu,cpu --transports zmq-ipc,zmq-tcp,shm
+    python bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc
+
+Prints a table last; `--json FILE` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import msgpack  # noqa: E402
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from ipc import transport  # noqa: E402
+from ipc.messages import message  # noqa: E402
+from ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
+
+DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _setup(sock: zmq.Socket, kind: str, max_bytes: int, dev: torch.device):
+    """Exchange ring offers with the peer: returns (sender, receiver) of this side."""
+    rkind = "zmq" if kind.startswith("zmq") else kind
+    receiver, ring = transport.offer(rkind, max_bytes, dev)
+    sock.send(msgpack.packb({"ring": ring}, use_bin_type=True))
+    peer = msgpack.unpackb(sock.recv(), raw=False)
+    sender = transport.accept(rkind, peer["ring"])
+    sock.send(b"mapped")
+    assert sock.recv() == b"mapped"
+    if ring is not None:
+        receiver.ring.unlink()
+    return sender, receiver
+
+
+def _one(sock, sender, receiver, x, dev):
+    sender.send(sock, message("step", sid=0, slot=0, pos=0, n=x.shape[0], sample=None,
+                              logits=False, act=None), x)
+    _, msg, frames, err = recv(sock)
+    assert err is None, err
+    y = receiver.read(msg["act"], frames)
+    _sync(dev)
+    receiver.release(msg["act"])
+    return y
+
+
+def peer_main(args) -> None:
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.connect(args.address)
+    while True:
+        cmd = msgpack.unpackb(sock.recv(), raw=False)
+        if cmd["op"] == "stop":
+            break
+        sender, receiver = _setup(sock, cmd["kind"], cmd["max_bytes"], dev)
+        for _ in range(cmd["iters"]):
+            _, msg, frames, err = recv(sock)
+            y = receiver.read(msg["act"], frames)
+            _sync(dev)
+            receiver.release(msg["act"])
+            sender.send(sock, message("step", sid=0, slot=0, pos=0, n=y.shape[0], sample=None,
+                                      logits=False, act=None), y)
+        sender.close()
+        receiver.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", default="cpu,cpu")
+    ap.add_argument("--transports", default="zmq-ipc,zmq-tcp,shm")
+    ap.add_argument("--tokens", default="1,512")
+    ap.add_argument("--hidden", default="576,4096,8192")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.peer:
+        return peer_main(args)
+    d0, d1 = args.devices.split(",")
+    dev = torch.device(d0)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dtype = DTYPE[dev.type]
+    rows = []
+    for kind in args.transports.split(","):
+        where = run_dir()
+        addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if kind == "zmq-tcp"
+                else f"ipc://{where}/hop.sock")
+        sock = zmq.Context.instance().socket(zmq.PAIR)
+        sock.bind(addr)
+        peer = subprocess.Popen([sys.executable, __file__, "--peer", "--address", addr,
+                                 "--device", d1])
+        try:
+            for hidden in map(int, args.hidden.split(",")):
+                for tokens in map(int, args.tokens.split(",")):
+                    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+                    nbytes = x.numel() * x.element_size()
+                    iters = args.iters if nbytes < 1 << 24 else max(30, args.iters // 10)
+                    sock.send(msgpack.packb({"op": "run", "kind": kind, "max_bytes": nbytes,
+                                             "iters": iters + 10}))
+                    sender, receiver = _setup(sock, kind, nbytes, dev)
+                    times = []
+                    for i in range(iters + 10):
+                        t0 = time.perf_counter()
+                        y = _one(sock, sender, receiver, x, dev)
+                        if i >= 10:
+                            times.append((time.perf_counter() - t0) / 2)
+                    assert torch.equal(y.to(x.device), x)
+                    sender.close()
+                    receiver.close()
+                    times.sort()
+                    rows.append({"transport": kind, "devices": args.devices, "hidden": hidden,
+                                 "tokens": tokens, "bytes": nbytes,
+                                 "median_us": statistics.median(times) * 1e6,
+                                 "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6})
+        finally:
+            sock.send(msgpack.packb({"op": "stop"}))
+            peer.wait(30)
+            sock.close(0)
+            os.rmdir(where) if not os.listdir(where) else None
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nhop latency, one way (devices {args.devices}, {dtype}), "
+          f"host {os.uname().nodename}")
+    print(f"{'transport':<10} {'hidden':>6} {'tokens':>6} {'bytes':>10} {'median us':>10} "
+          f"{'p99 us':>9}")
+    for r in rows:
+        print(f"{r['transport']:<10} {r['hidden']:>6} {r['tokens']:>6} {r['bytes']:>10} "
+              f"{r['median_us']:>10.1f} {r['p99_us']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Seeded random weights for a model config, for speed work on published shapes.
+
+Throughput does not depend on the values of the weights, so an 8B- or 32B-shape model needs no
+checkpoint: each tensor is drawn from a generator seeded by (seed, tensor name), on the device
+that will hold it. Every process therefore builds exactly the tensors of its own layer range,
+and a 1-shard and a 2-shard run of the same seed hold identical weights.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+from shards.errors import CheckpointError
+from shards.model_config import ModelConfig, read_hf_config
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def preset_path(name: str) -> Path:
+    """`random:NAME` -> configs/models/NAME (a folder with a config.json)."""
+    p = PRESETS_DIR / name
+    if not (p / "config.json").is_file():
+        known = sorted(d.name for d in PRESETS_DIR.iterdir()) if PRESETS_DIR.is_dir() else []
+        raise CheckpointError(f"random:{name}: no such model shape (known: {', '.join(known)})")
+    return p
+
+
+class RandomCheckpoint:
+    def __init__(self, folder: Path, seed: int = 0, std: float = 0.02) -> None:
+        self.path = folder
+        self.config: ModelConfig = read_hf_config(folder)
+        self.seed, self.std = seed, std
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device | str) -> torch.Tensor:
+        g = torch.Generator(device=device)
+        g.manual_seed((self.seed << 32) ^ zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.05 * torch.randn(shape, generator=g, device=device)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g, device=device)
+        else:
+            t = self.std * torch.randn(shape, generator=g, device=device)
+        return t.to(dtype)
+
+    def load(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+             dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        made: dict[str, torch.Tensor] = {}
+        for name, src in sources.items():
+            if src not in made:
+                made[src] = self.tensor(src, shapes[name], dtype, device)
+            out[name] = made[src]
+        return out

@@ -1,0 +1,90 @@
+"""GPU path tests (run on a CUDA machine: `python -m pytest -m gpu`).
+
+The CUDA-graph decode step against the eager step and the CPU, and the split runtime over
+cuda-ipc against one GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.sampling import SamplingParams
+from tests.helpers import layersplit_shm, shard_children, trace
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _gpus() -> list[str]:
+    n = torch.cuda.device_count()
+    return ["cuda:0", "cuda:1"] if n >= 2 else ["cuda:0", "cuda:0"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
+    ckpt = open_checkpoint(tiny_models[family])
+    cpu = RangeExecutor(load_layer_range(ckpt, 0, 6), 256, device="cpu")
+    eager = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.float32, "cuda:0"), 256,
+                          device="cuda:0", static_decode=False)
+    graph = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.float32, "cuda:0"), 256,
+                          device="cuda:0", static_decode=True, graph_bucket=32)
+    assert graph.static is not None and graph.static.capture
+    ids = torch.arange(3, 43)
+    for ex in (cpu, eager, graph):
+        ex.run(ids, 0)
+    t = [int(ids[-1])] * 3
+    for pos in range(40, 120):
+        outs = [ex.run(torch.tensor([tok]), pos).float().cpu()
+                for ex, tok in zip((cpu, eager, graph), t)]
+        assert (outs[1] - outs[2]).abs().max() < 1e-4
+        assert (outs[0] - outs[2]).abs().max() < 1e-3
+        t = [int(o.argmax()) for o in outs]
+        assert t[0] == t[1] == t[2]
+    assert len(graph.static.graphs) >= 3  # buckets 64, 96, 128 were captured
+
+
+def test_bf16_graph_decode_tracks_eager(tiny_llama):
+    ckpt = open_checkpoint(tiny_llama)
+    eager = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.bfloat16, "cuda:0"), 256,
+                          device="cuda:0", static_decode=False)
+    graph = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.bfloat16, "cuda:0"), 256,
+                          device="cuda:0", static_decode=True)
+    ids = torch.arange(3, 30)
+    a, b = eager.run(ids, 0), graph.run(ids, 0)
+    for pos in range(27, 40):
+        a = eager.run(torch.tensor([5]), pos)
+        b = graph.run(torch.tensor([5]), pos)
+        assert (a - b).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("transport", ["cuda-ipc", "shm", "zmq"])
+def test_two_gpu_split_equals_one_gpu(tiny_llama, transport):
+    before = layersplit_shm()
+    base = dict(model=str(tiny_llama), prefill_chunk=16, max_context=256, dtype="float32")
+    one = RuntimeConfig(devices=("cuda:0",), **base)
+    two = RuntimeConfig(devices=tuple(_gpus()), transport=(transport,), **base)
+    prompt = list(range(3, 60))
+    with Coordinator(one) as c:
+        ref_tokens, ref_logits = trace(c, prompt, 24, 16)
+    with Coordinator(two) as c:
+        assert c.shard_info()[0]["transport_out"] == transport
+        tokens, logits = trace(c, prompt, 24, 16)
+        p = SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True)
+        sampled = c.generate(prompt, p).tokens
+    assert tokens == ref_tokens
+    assert abs(logits - ref_logits).max() < 1e-4
+    with Coordinator(one) as c:
+        assert c.generate(prompt, p).tokens == sampled
+    assert shard_children() == [] and layersplit_shm() - before == set()
+
+
+def test_auto_picks_cuda_ipc_between_gpus(tiny_llama):
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=tuple(_gpus()), max_context=128)
+    with Coordinator(cfg) as c:
+        assert c.shard_info()[0]["transport_out"] == "cuda-ipc"
+        assert len(c.generate(list(range(3, 20)),
+                              SamplingParams(max_tokens=5, ignore_eos=True)).tokens) == 5
