@@ -13,7 +13,20 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export LAYERSPLIT_HOME=/tmp/lshome
 mkdir -p $LAYERSPLIT_HOME/models
 log() { echo "=== $* ($(date +%T))"; }
-if [ "$stage" = 1 ]; then
+if [ "$stage" = quick ]; then  # diagnostics: no model files needed (random weights)
+  log hop latency
+  python3 bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc \
+    --hidden 576,4096,8192 --iters 300 --json "$OUT/hop_gpu.json" 2>&1 | tail -12 | tee "$OUT/hop_gpu.txt"
+  log profile
+  python3 bench/profile_decode.py --model random:qwen3-8b 2>&1 | tail -22 | tee "$OUT/profile_8b.txt"
+  python3 bench/profile_decode.py --model random:qwen3-8b --no-compile 2>&1 | tail -3 | tee -a "$OUT/profile_8b.txt"
+  log smollm2 shape decode
+  python3 bench/decode.py --model random:smollm2-135m-shape --layouts cuda:0 cuda:0,cuda:1 \
+    --prompt-len 512 --new-tokens 256 --max-context 2048 2>&1 | tail -6 | tee "$OUT/decode_smol_shape.txt"
+  log 8B decode
+  python3 bench/decode.py --model random:qwen3-8b --layouts cuda:0 cuda:0,cuda:1 --prompt-len 512 \
+    --new-tokens 256 --max-context 2048 --floor 2>&1 | tail -7 | tee "$OUT/decode_8b.txt"
+elif [ "$stage" = 1 ]; then
   cp .device-carry/smol.part00 /tmp/smol.part00
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
   nvidia-smi topo -m | tee -a "$OUT/gpus.txt"

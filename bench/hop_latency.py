@@ -3,6 +3,8 @@
 Two processes ping-pong an activation over the real transport classes (`ipc/transport.py`),
 each edge set up as the runtime sets it up (receiver offers, sender maps). One-way latency is
 half the round trip; the receive side counts only once the tensor is usable on its device.
+Ring transports (shm, cuda-ipc) are waited on by spinning, as the runtime does on GPU hosts
+(`--no-spin`: sleep on the zmq doorbell instead, as on CPU-only hosts).
 
     python bench/hop_latency.py --devices cpu,cpu --transports zmq-ipc,zmq-tcp,shm
     python bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc
@@ -40,28 +42,47 @@ def _sync(dev: torch.device) -> None:
 
 
 def _setup(sock: zmq.Socket, kind: str, max_bytes: int, dev: torch.device):
-    """Exchange ring offers with the peer: returns (sender, receiver) of this side."""
+    """Exchange ring offers with the peer: returns (sender, inbox or None) of this side."""
     rkind = "zmq" if kind.startswith("zmq") else kind
-    receiver, ring = transport.offer(rkind, max_bytes, dev)
-    sock.send(msgpack.packb({"ring": ring}, use_bin_type=True))
+    inbox, desc = transport.offer(rkind, max_bytes, dev)
+    sock.send(msgpack.packb({"desc": desc}, use_bin_type=True))
     peer = msgpack.unpackb(sock.recv(), raw=False)
-    sender = transport.accept(rkind, peer["ring"])
+    sender = transport.accept(rkind, peer["desc"], lambda: sock.send(b"wake"), sock=sock)
     sock.send(b"mapped")
     assert sock.recv() == b"mapped"
-    if ring is not None:
-        receiver.ring.unlink()
-    return sender, receiver
+    return sender, inbox
 
 
-def _one(sock, sender, receiver, x, dev):
-    sender.send(sock, message("step", sid=0, slot=0, pos=0, n=x.shape[0], sample=None,
-                              logits=False, act=None), x)
-    _, msg, frames, err = recv(sock)
-    assert err is None, err
-    y = receiver.read(msg["act"], frames)
-    _sync(dev)
-    receiver.release(msg["act"])
-    return y
+def _receive(sock, inbox, dev, spin: bool):
+    if inbox is None:
+        _, msg, frames, err = recv(sock)
+        assert err is None, err
+        y = transport.zmq_tensor(msg, frames).to(dev)
+        _sync(dev)
+        return y
+    while True:
+        if inbox.ready():
+            msg, y, seq = inbox.poll()
+            _sync(dev)
+            y = y.clone()
+            inbox.release(seq)
+            return y
+        if not spin:
+            inbox.sleep(True)
+            if not inbox.ready():
+                sock.poll(2)
+                while sock.poll(0):
+                    sock.recv()  # doorbells
+            inbox.sleep(False)
+
+
+def _step(n):
+    return message("step", sid=0, slot=0, pos=0, n=n, sample=None, logits=False, act=None)
+
+
+def _one(sock, sender, inbox, x, dev, spin):
+    sender.send(_step(x.shape[0]), x)
+    return _receive(sock, inbox, dev, spin)
 
 
 def peer_main(args) -> None:
@@ -74,16 +95,13 @@ def peer_main(args) -> None:
         cmd = msgpack.unpackb(sock.recv(), raw=False)
         if cmd["op"] == "stop":
             break
-        sender, receiver = _setup(sock, cmd["kind"], cmd["max_bytes"], dev)
+        sender, inbox = _setup(sock, cmd["kind"], cmd["max_bytes"], dev)
         for _ in range(cmd["iters"]):
-            _, msg, frames, err = recv(sock)
-            y = receiver.read(msg["act"], frames)
-            _sync(dev)
-            receiver.release(msg["act"])
-            sender.send(sock, message("step", sid=0, slot=0, pos=0, n=y.shape[0], sample=None,
-                                      logits=False, act=None), y)
+            y = _receive(sock, inbox, dev, cmd["spin"])
+            sender.send(_step(y.shape[0]), y)
         sender.close()
-        receiver.close()
+        if inbox is not None:
+            inbox.close()
 
 
 def main() -> None:
@@ -94,6 +112,7 @@ def main() -> None:
     ap.add_argument("--hidden", default="576,4096,8192")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-spin", action="store_true")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
@@ -120,18 +139,20 @@ def main() -> None:
                     x = torch.randn(tokens, hidden, device=dev).to(dtype)
                     nbytes = x.numel() * x.element_size()
                     iters = args.iters if nbytes < 1 << 24 else max(30, args.iters // 10)
+                    spin = not args.no_spin
                     sock.send(msgpack.packb({"op": "run", "kind": kind, "max_bytes": nbytes,
-                                             "iters": iters + 10}))
-                    sender, receiver = _setup(sock, kind, nbytes, dev)
+                                             "iters": iters + 10, "spin": spin}))
+                    sender, inbox = _setup(sock, kind, nbytes, dev)
                     times = []
                     for i in range(iters + 10):
                         t0 = time.perf_counter()
-                        y = _one(sock, sender, receiver, x, dev)
+                        y = _one(sock, sender, inbox, x, dev, spin)
                         if i >= 10:
                             times.append((time.perf_counter() - t0) / 2)
                     assert torch.equal(y.to(x.device), x)
                     sender.close()
-                    receiver.close()
+                    if inbox is not None:
+                        inbox.close()
                     times.sort()
                     rows.append({"transport": kind, "devices": args.devices, "hidden": hidden,
                                  "tokens": tokens, "bytes": nbytes,
@@ -144,7 +165,8 @@ def main() -> None:
             os.rmdir(where) if not os.listdir(where) else None
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\nhop latency, one way (devices {args.devices}, {dtype}), "
+    print(f"\nhop latency, one way (devices {args.devices}, {dtype}, "
+          f"{'sleep on doorbell' if args.no_spin else 'spin-wait'} on rings), "
           f"host {os.uname().nodename}")
     print(f"{'transport':<10} {'hidden':>6} {'tokens':>6} {'bytes':>10} {'median us':>10} "
           f"{'p99 us':>9}")

@@ -26,7 +26,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"nonce": (bytes,), "role": (str,)},
     "challenge": {"nonce": (bytes,)},
     "auth": {"mac": (bytes,)},
-    "welcome": {"index": (int,), "layers": (list,), "device": (str,), "pid": (int,)},
+    "welcome": {"index": (int,), "layers": (list,), "device": (str,), "pid": (int,),
+                "host": (str,)},
     # coordinator -> shard setup
     "configure": {"session": (bytes,), "next": (dict, NoneType), "max_context": (int,),
                   "max_step_tokens": (int,), "slots": (int,), "transport": (str,)},
@@ -35,13 +36,14 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "link": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "hidden": (int,), "max_step_tokens": (int,)},
     "linked": {"transport": (str,), "ring": (dict, NoneType)},
-    "link_done": {},
     # data plane
     "step": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,),
              "sample": (dict, NoneType), "logits": (bool,), "act": (dict, NoneType)},
-    "result": {"sid": (int,), "token": (int, NoneType), "has_logits": (bool,)},
+    "result": {"sid": (int,), "token": (int, NoneType), "has_logits": (bool,),
+               "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
     # supervision and errors
+    "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},
     "pong": {"busy": (bool,)},
     "error": {"message": (str,), "code": (str,)},

@@ -1,12 +1,21 @@
-"""A host shared-memory ring: a control block plus fixed-size slots, one ring per chain edge.
+"""A host shared-memory ring: a single-producer single-consumer message queue between two
+processes of one host, waited on by spinning, with a zmq doorbell for a sleeping receiver.
 
-The receiver creates the segment in /dev/shm with mode 0600; the sender maps it; then the
-receiver unlinks the name at once. From then on the memory lives exactly as long as the two
-mappings, so no exit path, clean or kill -9, can leave a segment behind. Until that moment the
-creator unlinks on any exit, and the coordinator sweeps `layersplit-<pid>-*` of dead children.
+Layout: a 192-byte control block (`released` written by the receiver, `published` by the sender,
+`sleeping` by the receiver, each on its own cache line), then `slots` slots of
+[u32 header length | header (msgpack) | payload]. A message is visible once `published` passes
+its sequence number; the payload may also live elsewhere (a device ring, for cuda-ipc).
 
-Flow control: the sender numbers messages (seq) and may write slot seq % slots only once the
-receiver has released seq - slots (the `released` counter in the control block).
+Waiting is by polling shared memory, not by a syscall: a process on another core sees a message
+within a microsecond, with no wake-up of a sleeping thread. A receiver that has been idle for its
+spin window sets `sleeping` and blocks on its zmq socket; a sender that finds it sleeping rings
+a doorbell (a tiny zmq message). Without a memory fence a doorbell can be missed in a rare race;
+the sleeper's poll timeout (`SLEEP_POLL_MS`) bounds the cost of that.
+
+Lifetime: one side creates the segment in /dev/shm with mode 0600, the other maps it and at once
+unlinks the name. From then on the memory lives exactly as long as the two mappings, so no exit
+path, clean or kill -9, can leave a segment behind. The coordinator sweeps `layersplit-<pid>-*`
+of children killed before that point.
 """
 
 from __future__ import annotations
@@ -20,7 +29,11 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "layersplit-"
-CONTROL_BYTES = 64  # [0:8) released counter (uint64, written by the receiver only)
+CONTROL_BYTES = 192
+_RELEASED, _PUBLISHED, _SLEEPING = 0, 64, 128
+HEADER_CAP = 4088  # bytes of msgpack header per slot (a step header is ~150)
+SLOT_HEADER = 8 + HEADER_CAP
+SLEEP_POLL_MS = 2
 
 
 def segment_name() -> str:
@@ -39,21 +52,28 @@ def sweep(pid: int) -> list[str]:
     return removed
 
 
-class ShmRing:
-    def __init__(self, name: str, mm: mmap.mmap, slots: int, slot_bytes: int, owner: bool) -> None:
-        self.name, self.mm, self.slots, self.slot_bytes = name, mm, slots, slot_bytes
-        self.owner = owner
-        self.linked = False
-        self.buf = memoryview(mm)
+def _stride(payload_bytes: int) -> int:
+    return -(-(SLOT_HEADER + payload_bytes) // 64) * 64
 
-    @property
-    def size(self) -> int:
-        return CONTROL_BYTES + self.slots * self.slot_bytes
+
+class ShmRing:
+    def __init__(self, name: str, mm: mmap.mmap, slots: int, payload_bytes: int) -> None:
+        self.name, self.mm, self.slots, self.payload_bytes = name, mm, slots, payload_bytes
+        self.stride = _stride(payload_bytes)
+        self.buf = memoryview(mm)
+        self.unlinked = False
+
+    @staticmethod
+    def size_for(slots: int, payload_bytes: int) -> int:
+        return CONTROL_BYTES + slots * _stride(payload_bytes)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "slots": self.slots, "payload_bytes": self.payload_bytes}
 
     @classmethod
-    def create(cls, slots: int, slot_bytes: int) -> ShmRing:
+    def create(cls, slots: int, payload_bytes: int) -> ShmRing:
         name = segment_name()
-        size = CONTROL_BYTES + slots * slot_bytes
+        size = cls.size_for(slots, payload_bytes)
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -64,43 +84,71 @@ class ShmRing:
             (SHM_DIR / name).unlink(missing_ok=True)
             raise
         os.close(fd)
-        return cls(name, mm, slots, slot_bytes, owner=True)
+        return cls(name, mm, slots, payload_bytes)
 
     @classmethod
-    def attach(cls, name: str, slots: int, slot_bytes: int) -> ShmRing:
-        if not name.startswith(PREFIX) or "/" in name:
-            raise ValueError(f"shared-memory name {name!r} is not one of ours")
+    def attach(cls, desc: dict) -> ShmRing:
+        """Map a ring another process created (and unlink its name: both ends now hold it)."""
+        try:
+            name, slots, payload = str(desc["name"]), int(desc["slots"]), int(desc["payload_bytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad shared-memory ring description {desc!r}") from e
+        if not name.startswith(PREFIX) or "/" in name or slots < 1 or payload < 0:
+            raise ValueError(f"shared-memory ring {name!r} is not one of ours")
         fd = os.open(SHM_DIR / name, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            if size != CONTROL_BYTES + slots * slot_bytes:
+            if size != cls.size_for(slots, payload):
                 raise ValueError(f"shared memory {name} has {size} bytes, expected "
-                                 f"{CONTROL_BYTES + slots * slot_bytes}")
+                                 f"{cls.size_for(slots, payload)}")
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        return cls(name, mm, slots, slot_bytes, owner=False)
+        ring = cls(name, mm, slots, payload)
+        ring.unlink()
+        return ring
 
     def unlink(self) -> None:
-        """Remove the name (memory stays while mapped). Idempotent."""
-        if self.owner and not self.linked:
+        """Remove the name (the memory stays while mapped). Idempotent, either side."""
+        if not self.unlinked:
             (SHM_DIR / self.name).unlink(missing_ok=True)
-            self.linked = True
+            self.unlinked = True
 
     # -- counters ---------------------------------------------------------------------------------
+    def _get(self, off: int) -> int:
+        return struct.unpack_from("<Q", self.buf, off)[0]
+
+    def _set(self, off: int, v: int) -> None:
+        struct.pack_into("<Q", self.buf, off, v)
+
     @property
     def released(self) -> int:
-        return struct.unpack_from("<Q", self.buf, 0)[0]
+        return self._get(_RELEASED)
+
+    @property
+    def published(self) -> int:
+        return self._get(_PUBLISHED)
+
+    @property
+    def sleeping(self) -> bool:
+        return self._get(_SLEEPING) != 0
+
+    def set_sleeping(self, value: bool) -> None:
+        self._set(_SLEEPING, 1 if value else 0)
 
     def release(self, seq: int) -> None:
         """Receiver: every message up to and including `seq` is consumed."""
-        struct.pack_into("<Q", self.buf, 0, seq + 1)
+        self._set(_RELEASED, seq + 1)
+
+    def publish(self, seq: int) -> None:
+        """Sender: message `seq` (header and payload) is complete."""
+        self._set(_PUBLISHED, seq + 1)
 
     def wait_free(self, seq: int, timeout_s: float = 60.0) -> int:
         """Sender: block until message `seq` may be written; return its slot."""
         if seq - self.released >= self.slots:
             deadline = time.monotonic() + timeout_s
-            delay = 20e-6
+            delay = 10e-6
             while seq - self.released >= self.slots:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"shared-memory ring {self.name}: receiver stalled")
@@ -108,9 +156,25 @@ class ShmRing:
                 delay = min(delay * 2, 1e-3)
         return seq % self.slots
 
-    def slot(self, index: int) -> memoryview:
-        start = CONTROL_BYTES + index * self.slot_bytes
-        return self.buf[start:start + self.slot_bytes]
+    # -- slots ------------------------------------------------------------------------------------
+    def _slot(self, index: int) -> int:
+        return CONTROL_BYTES + index * self.stride
+
+    def write_header(self, index: int, header: bytes) -> None:
+        if len(header) > HEADER_CAP:
+            raise ValueError(f"message header of {len(header)} bytes exceeds {HEADER_CAP}")
+        off = self._slot(index)
+        self.buf[off + 8:off + 8 + len(header)] = header
+        struct.pack_into("<I", self.buf, off, len(header))
+
+    def read_header(self, index: int) -> memoryview:
+        off = self._slot(index)
+        n = struct.unpack_from("<I", self.buf, off)[0]
+        return self.buf[off + 8:off + 8 + min(n, HEADER_CAP)]
+
+    def payload(self, index: int) -> memoryview:
+        off = self._slot(index) + SLOT_HEADER
+        return self.buf[off:off + self.payload_bytes]
 
     def close(self) -> None:
         self.unlink()

@@ -1,23 +1,30 @@
-"""Activation transports of one chain edge: `zmq`, `shm`, `cuda-ipc`, one interface.
+"""Moving step messages and their tensors between processes: `zmq`, `shm`, `cuda-ipc`.
 
-The downstream shard owns the edge's memory (`offer`), the upstream shard maps it (`accept`).
-Every transport sends a small notification on the zmq data socket; `zmq` carries the tensor bytes
-in the same multipart message, `shm` and `cuda-ipc` put them in a ring the receiver owns.
+One interface: a `Sender` posts (header, tensor); a ring `Inbox` is polled for (header, tensor).
+
+- `zmq`: header and tensor bytes as one multipart message on a socket (any host).
+- `shm`: header and payload in a shared-memory ring (`ipc.shm.ShmRing`), waited on by spinning.
+- `cuda-ipc`: header in a shared-memory ring, payload in a device ring the receiver shares by
+  CUDA IPC handle (torch's `_share_cuda_`, HIP IPC on ROCm); the sender copies device to device
+  and synchronizes the copy before publishing.
+
+The receiving side owns the memory (`offer`), the sending side maps it (`accept`). The same ring
+carries token ids from the coordinator to shard 0 and results from the last shard back.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import zmq
 
-from ipc.messages import ProtocolError
+from ipc.messages import ProtocolError, decode, encode
 from ipc.shm import ShmRing
 from ipc.sockets import send
 
@@ -28,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-# zmq frames are read-only buffers; activations are never written in place by the model.
+# zmq frames are read-only buffers; received tensors are never written in place.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
@@ -46,21 +53,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def tensor_from(buf: Any, act: dict[str, Any]) -> torch.Tensor:
-    dtype = DTYPES.get(act.get("dtype"))
-    shape = act.get("shape")
-    if dtype is None or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0
-                                                               for s in shape):
-        raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     n = 1
     for s in shape:
         n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _act(act: Any) -> tuple[torch.dtype, list[int]]:
+    if not isinstance(act, dict):
+        raise ProtocolError(f"activation descriptor must be a map, got {type(act).__name__}")
+    dtype, shape = DTYPES.get(act.get("dtype")), act.get("shape")
+    if dtype is None or not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
+    return dtype, shape
+
+
+def tensor_from(buf: Any, act: dict[str, Any]) -> torch.Tensor:
+    """View `buf` as the tensor `act` describes (dtype, shape); refuse one that does not fit."""
+    dtype, shape = _act(act)
+    nbytes = _nbytes(dtype, shape)
     if nbytes > len(buf):
         raise ProtocolError(f"activation of {nbytes} bytes does not fit its {len(buf)}-byte buffer")
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else \
-        torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def resolve(requested: str, sender_host: str, sender_device: str, receiver_device: str) -> str:
@@ -99,173 +117,142 @@ def cuda_peer_ok(a: str, b: str) -> bool:
 class Sender(Protocol):
     kind: str
 
-    def send(self, sock: zmq.Socket, header: dict[str, Any], t: torch.Tensor) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Receiver(Protocol):
-    kind: str
-
-    def read(self, act: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor: ...
-
-    def release(self, act: dict[str, Any]) -> None: ...
+    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None: ...
 
     def close(self) -> None: ...
 
 
 # ---- zmq ---------------------------------------------------------------------------------------
 class ZmqSender:
+    """Header and tensor bytes as one multipart message (`route` for a ROUTER socket)."""
+
     kind = "zmq"
 
-    def send(self, sock: zmq.Socket, header: dict[str, Any], t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        header["act"] = {"kind": "zmq", "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
-        send(sock, header, [tensor_bytes(t)])
+    def __init__(self, sock: zmq.Socket, route: bytes | None = None) -> None:
+        self.sock, self.route = sock, route
+
+    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
+        frames = []
+        if t is not None:
+            t = t.detach().to("cpu").contiguous()
+            header["act"] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+            frames = [tensor_bytes(t)]
+        send(self.sock, header, frames, route=self.route)
 
     def close(self) -> None:
         pass
 
 
-class ZmqReceiver:
-    kind = "zmq"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def read(self, act: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor:
-        if len(frames) != 1:
-            raise ProtocolError(f"zmq activation needs 1 payload frame, got {len(frames)}")
-        return tensor_from(frames[0].buffer, act).to(self.device)
-
-    def release(self, act: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-# ---- shm ---------------------------------------------------------------------------------------
-class _RingChecks:
-    ring: ShmRing
-    expected_seq: int
-
-    def _check(self, act: dict[str, Any], frames: list[zmq.Frame]) -> int:
-        seq = act.get("seq")
+def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | None:
+    """The tensor of a zmq step/result message (None when it carries none)."""
+    if msg.get("act") is None:
         if frames:
-            raise ProtocolError(f"{self.kind} activation carries no payload frames")
-        if not isinstance(seq, int) or seq != self.expected_seq:
-            raise ProtocolError(f"{self.kind}: expected message seq {self.expected_seq}, got {seq!r}")
-        return seq % self.ring.slots
+            raise ProtocolError(f"{msg['type']}: payload frame without an activation descriptor")
+        return None
+    if len(frames) != 1:
+        raise ProtocolError(f"{msg['type']}: expected 1 payload frame, got {len(frames)}")
+    return tensor_from(frames[0].buffer, msg["act"])
 
-    def release(self, act: dict[str, Any]) -> None:
-        self.ring.release(act["seq"])
 
-    def reset_after_error(self, act: dict[str, Any] | None) -> None:
-        """Consume the bad message so the ring and the sender stay in step."""
-        seq = act.get("seq") if isinstance(act, dict) else None
-        if isinstance(seq, int) and seq == self.expected_seq:
-            self.expected_seq += 1
+# ---- rings (shm, cuda-ipc) -----------------------------------------------------------------------
+class RingSender:
+    """Posts into a ring another process polls. Payload in the ring's host slot, or, with
+    `device_buffer`, in a device ring (copied device to device, synchronized before publish)."""
+
+    def __init__(self, ring: ShmRing, doorbell: Callable[[], None] | None = None,
+                 device_buffer: torch.Tensor | None = None, device_slot_bytes: int = 0) -> None:
+        self.ring, self.doorbell = ring, doorbell
+        self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
+        self.kind = "cuda-ipc" if device_buffer is not None else "shm"
+        self.seq = 0
+
+    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
+        slot = self.ring.wait_free(self.seq)
+        if t is not None:
+            t = t.detach().contiguous()
+            nbytes = t.numel() * t.element_size()
+            if self.device_buffer is not None:
+                if nbytes > self.device_slot_bytes:
+                    raise ValueError(f"tensor of {nbytes} bytes exceeds the cuda-ipc slot "
+                                     f"({self.device_slot_bytes} bytes)")
+                start = slot * self.device_slot_bytes
+                dst = self.device_buffer[start:start + nbytes]
+                dst.copy_(t.view(torch.uint8).reshape(-1), non_blocking=True)
+                torch.cuda.current_stream(t.device).synchronize()
+                if dst.device != t.device:
+                    torch.cuda.current_stream(dst.device).synchronize()
+            else:
+                if nbytes > self.ring.payload_bytes:
+                    raise ValueError(f"tensor of {nbytes} bytes exceeds the shm slot "
+                                     f"({self.ring.payload_bytes} bytes)")
+                host = t.to("cpu")
+                # a plain memcpy (numpy): no intra-op thread pool to wake for a host copy
+                np.copyto(np.frombuffer(self.ring.payload(slot), dtype=np.uint8, count=nbytes),
+                          host.view(torch.uint8).reshape(-1).numpy())
+            header["act"] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+        header["seq"] = self.seq
+        self.ring.write_header(slot, encode(header))
+        self.ring.publish(self.seq)
+        self.seq += 1
+        if self.doorbell is not None and self.ring.sleeping:
+            self.doorbell()
+
+    def close(self) -> None:
+        self.ring.close()
+        self.device_buffer = None
+
+
+class RingInbox:
+    """The receiving end of a ring: `poll()` returns the next (header, tensor, seq) or None.
+
+    A malformed message is consumed before the error is raised, so the ring stays in step."""
+
+    def __init__(self, ring: ShmRing, device: torch.device,
+                 device_buffer: torch.Tensor | None = None, device_slot_bytes: int = 0) -> None:
+        self.ring, self.device = ring, device
+        self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
+        self.kind = "cuda-ipc" if device_buffer is not None else "shm"
+        self.expected = 0
+
+    def ready(self) -> bool:
+        return self.ring.published > self.expected
+
+    def poll(self) -> tuple[dict[str, Any], torch.Tensor | None, int] | None:
+        if self.ring.published <= self.expected:
+            return None
+        seq = self.expected
+        slot = seq % self.ring.slots
+        self.expected += 1
+        try:
+            msg = decode(self.ring.read_header(slot))
+            if msg.get("seq") != seq:
+                raise ProtocolError(f"ring message carries seq {msg.get('seq')!r}, expected {seq}")
+            t = None
+            if msg.get("act") is not None:
+                if self.device_buffer is not None:
+                    dtype, shape = _act(msg["act"])
+                    nbytes = _nbytes(dtype, shape)
+                    if nbytes > self.device_slot_bytes:
+                        raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
+                    start = slot * self.device_slot_bytes
+                    t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+                else:
+                    t = tensor_from(self.ring.payload(slot), msg["act"]).to(self.device)
+        except ProtocolError as e:
             self.ring.release(seq)
+            e.sid = None
+            raise
+        return msg, t, seq
 
+    def release(self, seq: int) -> None:
+        self.ring.release(seq)
 
-class ShmSender:
-    kind = "shm"
-
-    def __init__(self, ring: ShmRing) -> None:
-        self.ring, self.seq = ring, 0
-
-    def send(self, sock: zmq.Socket, header: dict[str, Any], t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.ring.slot_bytes:
-            raise ValueError(f"activation of {nbytes} bytes exceeds the shm slot "
-                             f"({self.ring.slot_bytes} bytes)")
-        slot = self.ring.wait_free(self.seq)
-        # a plain memcpy (numpy): no intra-op thread pool to wake for a host copy
-        np.copyto(np.frombuffer(self.ring.slot(slot), dtype=np.uint8, count=nbytes),
-                  t.view(torch.uint8).reshape(-1).numpy())
-        header["act"] = {"kind": "shm", "seq": self.seq, "dtype": DTYPE_NAMES[t.dtype],
-                         "shape": list(t.shape)}
-        self.seq += 1
-        send(sock, header)
+    def sleep(self, value: bool) -> None:
+        self.ring.set_sleeping(value)
 
     def close(self) -> None:
         self.ring.close()
-
-
-class ShmReceiver(_RingChecks):
-    kind = "shm"
-
-    def __init__(self, ring: ShmRing, device: torch.device) -> None:
-        self.ring, self.device, self.expected_seq = ring, device, 0
-
-    def read(self, act: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor:
-        slot = self._check(act, frames)
-        t = tensor_from(self.ring.slot(slot), act)
-        self.expected_seq += 1
-        return t.to(self.device)  # zero-copy on CPU: the slot is released after the step
-
-    def close(self) -> None:
-        self.ring.close()
-
-
-# ---- cuda-ipc ----------------------------------------------------------------------------------
-class CudaIpcSender:
-    """Copies device-to-device into the receiver's ring (mapped by IPC handle), then syncs the
-    copy before the notification leaves, so the receiver may read the slot at once."""
-
-    kind = "cuda-ipc"
-
-    def __init__(self, ring: ShmRing, buffer: torch.Tensor, slot_bytes: int) -> None:
-        self.ring, self.buffer, self.slot_bytes, self.seq = ring, buffer, slot_bytes, 0
-
-    def send(self, sock: zmq.Socket, header: dict[str, Any], t: torch.Tensor) -> None:
-        t = t.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"activation of {nbytes} bytes exceeds the cuda-ipc slot "
-                             f"({self.slot_bytes} bytes)")
-        slot = self.ring.wait_free(self.seq)
-        dst = self.buffer[slot * self.slot_bytes: slot * self.slot_bytes + nbytes]
-        dst.copy_(t.view(torch.uint8).reshape(-1), non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        torch.cuda.current_stream(dst.device).synchronize()
-        header["act"] = {"kind": "cuda-ipc", "seq": self.seq, "dtype": DTYPE_NAMES[t.dtype],
-                         "shape": list(t.shape)}
-        self.seq += 1
-        send(sock, header)
-
-    def close(self) -> None:
-        self.ring.close()
-        self.buffer = None  # type: ignore[assignment]
-
-
-class CudaIpcReceiver(_RingChecks):
-    kind = "cuda-ipc"
-
-    def __init__(self, ring: ShmRing, buffer: torch.Tensor, slot_bytes: int) -> None:
-        self.ring, self.buffer, self.slot_bytes, self.expected_seq = ring, buffer, slot_bytes, 0
-
-    def read(self, act: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor:
-        slot = self._check(act, frames)
-        dtype = DTYPES.get(act.get("dtype"))
-        shape = act.get("shape")
-        if dtype is None or not isinstance(shape, list):
-            raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
-        n = 1
-        for s in shape:
-            n *= int(s)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if nbytes > self.slot_bytes:
-            raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
-        self.expected_seq += 1
-        start = slot * self.slot_bytes
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
-
-    def close(self) -> None:
-        self.ring.close()
-        self.buffer = None  # type: ignore[assignment]
+        self.device_buffer = None
 
 
 def _share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
@@ -273,48 +260,52 @@ def _share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
     (dev, handle, size, offset, ref_handle, ref_offset, ev_handle, ev_sync) = storage._share_cuda_()
     return {"device": int(dev), "handle": bytes(handle), "size": int(size), "offset": int(offset),
             "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-            "event_handle": bytes(ev_handle) if ev_handle else b"", "event_sync": bool(ev_sync)}
+            "event_handle": bytes(ev_handle) if ev_handle else None, "event_sync": bool(ev_sync)}
 
 
 def _open_cuda(h: dict[str, Any]) -> torch.Tensor:
+    torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
-        h["event_handle"] or None, h["event_sync"],
+        h["event_handle"], h["event_sync"],
     )
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
-# ---- link setup ----------------------------------------------------------------------------------
-def offer(kind: str, slot_bytes: int, device: torch.device) -> tuple[Receiver, dict | None]:
-    """Receiver side: create this edge's memory; return the receiver and what the sender needs."""
+# ---- setup -----------------------------------------------------------------------------------------
+def offer(kind: str, payload_bytes: int, device: torch.device,
+          header_only_payload: int = 0) -> tuple[RingInbox | None, dict | None]:
+    """Receiver side: create the memory of an inbound edge; return the inbox (None for zmq)
+    and what the sender needs to map it."""
     if kind == "zmq":
-        return ZmqReceiver(device), None
-    ring = ShmRing.create(RING_SLOTS, slot_bytes if kind == "shm" else 0)
-    try:
-        if kind == "shm":
-            return ShmReceiver(ring, device), {"name": ring.name, "slots": RING_SLOTS,
-                                               "slot_bytes": slot_bytes}
-        buffer = torch.empty(RING_SLOTS * slot_bytes, dtype=torch.uint8, device=device)
-        return CudaIpcReceiver(ring, buffer, slot_bytes), {
-            "name": ring.name, "slots": RING_SLOTS, "slot_bytes": 0,
-            "cuda": _share_cuda(buffer), "cuda_slot_bytes": slot_bytes,
-        }
-    except BaseException:
-        ring.close()
-        raise
+        return None, None
+    if kind == "shm":
+        ring = ShmRing.create(RING_SLOTS, payload_bytes)
+        return RingInbox(ring, device), {"ring": ring.describe()}
+    if kind == "cuda-ipc":
+        ring = ShmRing.create(RING_SLOTS, header_only_payload)
+        try:
+            buf = torch.empty(RING_SLOTS * payload_bytes, dtype=torch.uint8, device=device)
+            return RingInbox(ring, device, buf, payload_bytes), {
+                "ring": ring.describe(), "cuda": _share_cuda(buf), "cuda_slot_bytes": payload_bytes}
+        except BaseException:
+            ring.close()
+            raise
+    raise ValueError(f"unknown transport {kind!r}")
 
 
-def accept(kind: str, ring: dict | None) -> Sender:
+def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
+           sock: zmq.Socket | None = None) -> Sender:
     """Sender side: map what the receiver offered."""
     if kind == "zmq":
-        return ZmqSender()
-    if not isinstance(ring, dict):
+        if sock is None:
+            raise ValueError("a zmq sender needs its socket")
+        return ZmqSender(sock)
+    if not isinstance(desc, dict) or not isinstance(desc.get("ring"), dict):
         raise ProtocolError(f"{kind} link reply carries no ring description")
-    shm = ShmRing.attach(str(ring["name"]), int(ring["slots"]), int(ring["slot_bytes"]))
+    ring = ShmRing.attach(desc["ring"])
     if kind == "shm":
-        return ShmSender(shm)
-    return CudaIpcSender(shm, _open_cuda(ring["cuda"]), int(ring["cuda_slot_bytes"]))
-
-
-def describe() -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": host_id()}
+        return RingSender(ring, doorbell)
+    if kind == "cuda-ipc":
+        return RingSender(ring, doorbell, _open_cuda(desc["cuda"]), int(desc["cuda_slot_bytes"]))
+    raise ValueError(f"unknown transport {kind!r}")

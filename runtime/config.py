@@ -48,7 +48,10 @@ class RuntimeConfig:
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
+    torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
+    spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
+                                         "sleeping (default: 20 with GPUs, 0 on CPU)")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
     shard_addresses: tuple[str, ...] = _field((), "per shard: '' to start it here, or the "
                                                   "tcp:// address of a `layersplit shard`")

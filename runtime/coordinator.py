@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import auth
 from ipc.messages import ProtocolError, message
+from ipc.shm import SLEEP_POLL_MS
+from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import context, free_tcp_port, recv, run_dir, send
 from runtime.config import RuntimeConfig
@@ -37,6 +40,7 @@ from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
+
 REMOTE_CONNECT_S = 30.0
 
 
@@ -50,6 +54,7 @@ class _Shard:
         self.index, self.address, self.sock, self.monitor, self.proc = (
             index, address, sock, monitor, proc)
         self.info: dict[str, Any] = {}
+        self.local = False  # on this host: steps and results may travel through shared memory
 
 
 class Coordinator:
@@ -74,6 +79,13 @@ class Coordinator:
         self._run_dir: Path | None = None
         self._ctx = context()
         self.session = os.urandom(16)
+        self._poller = zmq.Poller()
+        self._steps: Sender | None = None  # steps to shard 0
+        self._results: RingInbox | None = None  # results from the last shard, when local
+        if config.spin_ms is not None:
+            self.spin_ms = config.spin_ms
+        else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
+            self.spin_ms = 0.0 if all(s.device == "cpu" for s in self.placement.shards) else 20.0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> Coordinator:
@@ -118,24 +130,43 @@ class Coordinator:
                 sock.connect(addr)
                 proc = next((p for p in self.procs if p.plan.index == s.index), None)
                 self.shards.append(_Shard(s.index, addr, sock, monitor, proc))
+                self._poller.register(sock, zmq.POLLIN)
+                self._poller.register(monitor, zmq.POLLIN)
             for sh in self.shards:
                 deadline = t0 + cfg.startup_timeout
                 if sh.proc is None:  # a remote shard is already loaded: it answers at once
                     deadline = min(deadline, time.monotonic() + REMOTE_CONNECT_S)
                 self._handshake(sh, deadline)
             max_step = max(cfg.prefill_chunk, 1)
+            first, last = self.shards[0], self.shards[-1]
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
                     nxt = {"address": self.shards[sh.index + 1].address}
                 transport = (self.placement.transports[sh.index]
                              if sh.index < len(self.placement.transports) else "auto")
+                extra: dict[str, Any] = {}
+                if sh is last and sh.local:  # results come back through a ring we own
+                    self._results, desc = offer("shm", self.model_config.vocab_size * 4,
+                                                torch.device("cpu"))
+                    extra["results"] = desc
+                if sh is first and sh.local:
+                    extra["inbox"] = True
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
+                    torch_compile=cfg.torch_compile,
+                    spin_ms=self.spin_ms, **extra,
                 ), t0 + cfg.startup_timeout)
                 sh.info = reply["info"]
+                if sh is first:
+                    inbox = sh.info.pop("inbox", None)
+                    if inbox is not None:
+                        sock = sh.sock
+                        self._steps = accept("shm", inbox, lambda: send(sock, message("wake")))
+                    else:
+                        self._steps = ZmqSender(sh.sock)
                 log.info(
                     "shard %d ready: layers %d:%d on %s, %.0f MB, KV %d tokens (%.0f MB), "
                     "out via %s", sh.index, *sh.info["layers"], sh.info["device"],
@@ -148,6 +179,10 @@ class Coordinator:
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
     def close(self) -> None:
+        for ring in (self._steps, self._results):
+            if ring is not None:
+                ring.close()
+        self._steps = self._results = None
         for sh in self.shards:
             try:  # local shards exit; remote ones keep serving and await the next coordinator
                 if self.failed is None and sh.proc is not None and not sh.sock.closed:
@@ -158,6 +193,7 @@ class Coordinator:
             stop_all(self.procs)
         else:  # a failed group is torn down at once: a hung shard will not answer SIGTERM,
             stop_all(self.procs, grace_s=0.0, term_s=0.0)  # and its KV is lost anyway
+        self._poller = zmq.Poller()
         for sh in self.shards:
             sh.monitor.close(0)
             sh.sock.disable_monitor()
@@ -186,6 +222,7 @@ class Coordinator:
         reply = self._call(sh, message("auth", mac=mac), deadline)
         if reply["type"] != "welcome":
             raise ShardFailure(f"shard {sh.index} at {sh.address}: handshake failed")
+        sh.local = reply["host"] == host_id()
         planned = self.placement.shards[sh.index]
         want = [planned.start, planned.end]
         if reply["layers"] != want:
@@ -208,25 +245,47 @@ class Coordinator:
                             err if err is not None else msg.get("message", msg["type"]))
 
     def _wait(self, match, deadline: float, what: str,
-              sid: int | None = None) -> tuple[dict[str, Any], list]:
+              sid: int | None = None) -> tuple[dict[str, Any], Any]:
         """Poll every shard socket until `match(shard, msg)`; raise on any failure.
 
         An error reply fails the operation if it names this op's `sid` or no sid at all; an
         error of another (earlier) op is logged and skipped. A dead or unreachable shard fails
         the whole runtime."""
-        poller = zmq.Poller()
-        for sh in self.shards:
-            poller.register(sh.sock, zmq.POLLIN)
-            poller.register(sh.monitor, zmq.POLLIN)
+        poller = self._poller
         by_sock = {sh.sock: sh for sh in self.shards}
         by_mon = {sh.monitor: sh for sh in self.shards}
+        ring = self._results
+        last = self.shards[-1] if self.shards else None
+        spin_until = time.monotonic() + self.spin_ms / 1000.0
+        next_check = 0.0
         while True:
-            self._check_alive()
-            left = deadline - time.monotonic()
+            if ring is not None and ring.ready():
+                got = self._ring_message(ring)
+                if got is not None and match(last, got[0]):
+                    return got
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_alive()
+                next_check = now + POLL_MS / 1000.0
+            left = deadline - now
             if left <= 0:
                 raise self._fail(f"no answer to {what} within the time limit; a shard may be "
                                  "hung (see step_timeout / startup_timeout)")
-            for sock, _ in poller.poll(min(POLL_MS, max(1, int(left * 1000)))):
+            if now < spin_until:
+                timeout = 0
+            else:
+                timeout = min(SLEEP_POLL_MS if ring is not None else POLL_MS,
+                              max(1, int(left * 1000)))
+                if ring is not None:  # announce sleep, then look once more
+                    ring.sleep(True)
+                    if ring.ready():
+                        ring.sleep(False)
+                        continue
+            events = poller.poll(timeout)
+            if ring is not None and timeout:
+                ring.sleep(False)
+            for sock, _ in events:
                 if sock in by_mon:
                     recv_monitor_message(sock)
                     sh = by_mon[sock]
@@ -242,6 +301,8 @@ class Coordinator:
                 _, msg, frames, err = recv(sock)
                 if err is not None:
                     raise self._fail(f"shard {sh.index} sent a malformed message: {err}")
+                if msg["type"] == "wake":
+                    continue
                 if msg["type"] == "error":
                     err_sid = msg.get("sid")
                     if err_sid == sid and sid is not None or msg["code"] == "bad_upstream" or \
@@ -251,9 +312,21 @@ class Coordinator:
                     log.warning("shard %d: %s", sh.index, msg["message"])
                     continue
                 if match(sh, msg):
-                    return msg, frames
+                    return msg, zmq_tensor(msg, frames) if msg["type"] == "result" else frames
                 log.debug("ignoring %s from shard %d while waiting for %s", msg["type"],
                           sh.index, what)
+
+    def _ring_message(self, ring: RingInbox) -> tuple[dict[str, Any], Any] | None:
+        try:
+            got = ring.poll()
+        except ProtocolError as e:
+            raise self._fail(f"malformed result from the last shard: {e}") from None
+        if got is None:
+            return None
+        msg, t, seq = got
+        t = None if t is None else t.clone()  # the slot is released now
+        ring.release(seq)
+        return msg, t
 
     def _check_alive(self) -> None:
         for p in self.procs:
@@ -284,19 +357,16 @@ class Coordinator:
         self._sid += 1
         sid = self._sid
         wire = None if sample is None else {**sample.wire(), "seed": seed}
-        ids = np.asarray(tokens, dtype=np.int64)
-        send(self.shards[0].sock, message("step", sid=sid, slot=0, pos=pos, n=len(ids),
-                                          sample=wire, logits=want_logits, act=None), [ids])
+        ids = torch.tensor(list(tokens), dtype=torch.int64)
+        self._steps.send(message("step", sid=sid, slot=0, pos=pos, n=len(ids), sample=wire,
+                                 logits=want_logits, act=None), ids)
         last = self.shards[-1]
-        msg, frames = self._wait(
+        msg, logits = self._wait(
             lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
             time.monotonic() + self.config.step_timeout, f"step {sid}", sid)
-        logits = None
-        if msg["has_logits"]:
-            if len(frames) != 1:
-                raise self._fail("last shard sent a result without its logits frame")
-            logits = np.frombuffer(frames[0].buffer, dtype=np.float32).copy()
-        return StepOutput(msg["token"], logits)
+        if msg["has_logits"] and logits is None:
+            raise self._fail("the last shard sent a result without its logits")
+        return StepOutput(msg["token"], None if logits is None else logits.numpy().copy())
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int:

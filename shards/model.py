@@ -118,6 +118,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (fewer, larger kernels on a GPU)."""
+        ps = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(1, 1, bias=ps[0].bias is not None, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in ps]), requires_grad=False)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in ps]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, h, g, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([h * d, g * d, g * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(n, h, d), k.view(n, g, d), v.view(n, g, d)
 
     def forward(
         self,
@@ -130,9 +149,7 @@ class Attention(nn.Module):
         step: StepInfo,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -170,8 +187,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
+
+    def fuse(self) -> None:
+        fused = nn.Linear(1, 1, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
+                                    requires_grad=False)
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -182,8 +210,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fast = None  # a compiled decode step (shards.fused), set on GPUs
 
     def forward(self, h, cos, sin, kv, layer, slot, step: StepInfo) -> torch.Tensor:
+        if self.fast is not None and step.grouped:
+            return self.fast(self, h, cos, sin, kv, layer, slot, step)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 

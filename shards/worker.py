@@ -1,10 +1,13 @@
-"""A shard process: owns layers [start, end) and their KV cache, serves one zmq ROUTER socket.
+"""A shard process: owns layers [start, end) and their KV cache.
 
-Everything that reaches the shard arrives on that socket: control requests from the coordinator,
-activations (or their notifications) from the upstream shard, link setup from the upstream shard.
-Every peer must first prove it holds the shared secret (`ipc.auth`). The shard forwards its
-output to the downstream shard over the edge's transport; the last shard sends sampled tokens
-(and logits when asked) back to the coordinator.
+Inbound: one zmq ROUTER socket for control (from the coordinator), link setup and zmq-transport
+steps (from the upstream shard); and, on one host, a shared-memory ring (`ipc.transport.RingInbox`)
+that carries the steps themselves. Every zmq peer must first prove it holds the shared secret
+(`ipc.auth`). Outbound: the step's output goes to the downstream shard over the edge's transport;
+the last shard sends the sampled token (and logits when asked) to the coordinator.
+
+The loop spins on its inbox for `spin_ms` after the last message (no wake-up latency on the
+decode path), then sleeps on the ROUTER socket until a doorbell or a control message arrives.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import zmq
 
 from ipc import auth, transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
+from ipc.shm import SLEEP_POLL_MS
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import context, recv, request, send
-from ipc.transport import tensor_bytes, tensor_from
+from ipc.transport import RingSender, ZmqSender, tensor_from, zmq_tensor
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
+from shards.fused import fuse_projections
 from shards.sampling import sample_rows
 
 log = logging.getLogger("layersplit.shard")
@@ -56,6 +61,10 @@ class Peer:
     authed: bool = False
 
 
+ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake"},
+           "upstream": {"link", "step", "wake"}}
+
+
 class ShardServer:
     def __init__(self, spec: ShardSpec, secret: bytes) -> None:
         self.spec, self.secret = spec, secret
@@ -68,18 +77,22 @@ class ShardServer:
         self.router = configure_socket(self.ctx.socket(zmq.ROUTER))
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.bind(spec.listen)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
         self.peers: dict[bytes, Peer] = {}
         self.coordinator: bytes | None = None
         self.upstream: bytes | None = None
         self.down: zmq.Socket | None = None
-        self.sender: transport.Sender | None = None
-        self.receiver: transport.Receiver | None = None
-        self.pending_receiver: transport.Receiver | None = None
+        self.out: transport.Sender | None = None  # downstream edge, or results (last shard)
+        self.inbox: transport.RingInbox | None = None  # steps, when they come through a ring
         self.executor: RangeExecutor | None = None
         self.index = -1
         self.running = True
         self.busy = False
+        self.spin_s = 0.0
         self.transport_kind = "none"
+        self.max_step = 0
+        self.fused = False
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -89,63 +102,108 @@ class ShardServer:
 
     # ---- main loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        idle_since = time.monotonic()
         while self.running:
-            if self.down is not None and self.down not in dict(poller.sockets):
-                poller.register(self.down, zmq.POLLIN)
-            for sock, _ in poller.poll(200):
-                if sock is self.router:
-                    self._handle_router()
-                else:
-                    self._handle_downstream_reply()
+            worked = False
+            if self.inbox is not None and self.inbox.ready():
+                self._handle_inbox()
+                worked = True
+            if self._poll_sockets(0):
+                worked = True
+            now = time.monotonic()
+            if worked:
+                idle_since = now
+                continue
+            if now - idle_since < self.spin_s:
+                continue
+            inbox = self.inbox
+            if inbox is not None:  # announce sleep, then look once more (a post may race us)
+                inbox.sleep(True)
+                if inbox.ready():
+                    inbox.sleep(False)
+                    continue
+            self._poll_sockets(SLEEP_POLL_MS if inbox is not None else 200)
+            if inbox is not None and inbox is self.inbox:  # (a reconfigure may have closed it)
+                inbox.sleep(False)
+
+    def _poll_sockets(self, timeout_ms: int) -> bool:
+        events = self.poller.poll(timeout_ms)
+        for sock, _ in events:
+            if sock is self.router:
+                self._handle_router()
+            else:
+                self._handle_downstream_reply()
+        return bool(events)
+
+    def _handle_inbox(self) -> None:
+        assert self.inbox is not None
+        try:
+            got = self.inbox.poll()
+        except ProtocolError as e:
+            self._report(error(f"shard {self.index}: bad message in its inbound ring: {e}",
+                               e.code, sid=None))
+            return
+        if got is None:
+            return
+        msg, x, seq = got
+        inbox = self.inbox
+        try:
+            if msg["type"] != "step":
+                raise ProtocolError(f"ring message of type {msg['type']!r}, expected 'step'")
+            self._step(msg, x)
+        except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+            self._step_failed(msg, e)
+        finally:
+            inbox.release(seq)
 
     def _handle_router(self) -> None:
         route, msg, frames, err = recv(self.router, routed=True)
         assert route is not None
         if err is not None:
             self._reply(route, error(f"shard {self.index}: {err}", err.code, sid=err.sid))
-            self._note_bad_frame(route, None, err.sid)
+            self._note_bad_upstream(route, err.sid)
             return
         t = msg["type"]
-        peer = self.peers.get(route)
         if t == "hello":
             return self._on_hello(route, msg)
         if t == "auth":
             return self._on_auth(route, msg)
+        peer = self.peers.get(route)
         if peer is None or not peer.authed:
             self._reply(route, error(f"shard {self.index}: unauthenticated peer; send hello "
                                      "and auth with the shared secret first", "unauthenticated"))
             return
-        handler = getattr(self, f"_on_{t}", None)
-        allowed = {"coordinator": {"configure", "ping", "shutdown", "step", "sample"},
-                   "upstream": {"link", "link_done", "step"}}[peer.role]
-        if handler is None or t not in allowed:
+        if t not in ALLOWED[peer.role]:
             self._reply(route, error(f"shard {self.index}: {peer.role} may not send {t!r}",
-                                     "unexpected"))
+                                     "unexpected", sid=msg.get("sid")))
             return
         try:
-            handler(route, msg, frames)
+            if t == "step":
+                expected = self.coordinator if self.model.is_first else self.upstream
+                if route != expected or self.inbox is not None:
+                    raise ProtocolError("step from a peer that does not feed this shard",
+                                        "unexpected")
+                self._step(msg, zmq_tensor(msg, frames))
+            elif t != "wake":
+                getattr(self, f"_on_{t}")(route, msg, frames)
         except ProtocolError as e:
-            sid = msg.get("sid")
-            self._reply(route, error(f"shard {self.index}: {e}", e.code, sid=sid))
-            self._note_bad_frame(route, msg, sid)
-        except Exception as e:  # report, keep serving
-            log.exception("shard %d: %s failed", self.index, t)
-            self._report(error(f"shard {self.index} ({self.spec.start}:{self.spec.end}): "
-                               f"{t} failed: {type(e).__name__}: {e}", "failed",
-                               sid=msg.get("sid")), route)
+            self._reply(route, error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid")))
+            self._note_bad_upstream(route, msg.get("sid"))
+        except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+            self._step_failed(msg, e, route)
 
-    def _note_bad_frame(self, route: bytes, msg: dict | None, sid: int | None) -> None:
-        """A rejected message from the linked upstream shard: consume it from the ring so both
-        ends stay in step, and tell the coordinator, whose step it was."""
-        if route != self.upstream or self.upstream is None:
+    def _step_failed(self, msg: dict[str, Any], e: Exception, route: bytes | None = None) -> None:
+        if isinstance(e, ProtocolError):
+            self._report(error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid")), route)
             return
-        act = msg.get("act") if msg else None
-        reset = getattr(self.receiver, "reset_after_error", None)
-        if reset is not None:
-            reset(act)
-        if self.coordinator is not None:
+        log.exception("shard %d: %s failed", self.index, msg.get("type"))
+        self._report(error(f"shard {self.index} ({self.spec.start}:{self.spec.end}): "
+                           f"{msg.get('type')} failed: {type(e).__name__}: {e}", "failed",
+                           sid=msg.get("sid")), route)
+
+    def _note_bad_upstream(self, route: bytes, sid: int | None) -> None:
+        """A message the linked upstream shard sent was rejected: the coordinator's step fails."""
+        if route == self.upstream and self.upstream is not None and self.coordinator is not None:
             self._reply(self.coordinator, error(
                 f"shard {self.index}: rejected a malformed message from its upstream shard",
                 "bad_upstream", sid=sid))
@@ -156,7 +214,7 @@ class ShardServer:
         _, msg, _, err = recv(self.down)
         if err is not None:
             msg = error(f"shard {self.index}: malformed reply from downstream: {err}", err.code)
-        if self.coordinator is not None:
+        if self.coordinator is not None and msg["type"] != "wake":
             self._reply(self.coordinator, msg)
 
     def _reply(self, route: bytes, msg: dict[str, Any], frames: list = ()) -> None:
@@ -175,7 +233,7 @@ class ShardServer:
     # ---- authentication ---------------------------------------------------------------------
     def _on_hello(self, route: bytes, msg: dict[str, Any]) -> None:
         role = msg["role"]
-        if role not in ("coordinator", "upstream"):
+        if role not in ALLOWED:
             self._reply(route, error(f"unknown role {role!r}", "bad_message"))
             return
         peer = Peer(role, auth.new_nonce(), msg["nonce"])
@@ -198,13 +256,13 @@ class ShardServer:
             self.coordinator = route
         self._reply(route, message("welcome", index=self.index,
                                    layers=[self.spec.start, self.spec.end],
-                                   device=self.spec.device, pid=os.getpid()))
+                                   device=self.spec.device, pid=os.getpid(),
+                                   host=transport.host_id()))
 
     def _reset_session(self) -> None:
         """A new coordinator took over (remote shards outlive coordinators)."""
         self.peers = {r: p for r, p in self.peers.items() if p.role == "coordinator"}
         self._close_links()
-        self.upstream = None
 
     # ---- setup ------------------------------------------------------------------------------
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
@@ -214,7 +272,11 @@ class ShardServer:
         if max_ctx <= 0 or max_step <= 0 or msg["slots"] != 1:
             raise ProtocolError("configure: max_context and max_step_tokens must be > 0, slots 1")
         graphs = bool(msg.get("cuda_graphs", True)) and self.device.type == "cuda"
+        if self.device.type == "cuda" and not self.fused:
+            fuse_projections(self.model, compile=bool(msg.get("torch_compile", True)))
+            self.fused = True
         bucket = int(msg.get("graph_bucket", 256))
+        self.spin_s = max(0.0, float(msg.get("spin_ms", 0.0))) / 1000.0
         ex = self.executor
         if ex is None or ex.max_len != max_ctx or (ex.static is not None) != graphs or \
                 (ex.static is not None and ex.static.bucket != bucket):
@@ -224,10 +286,21 @@ class ShardServer:
             self.executor = RangeExecutor(self.model, max_ctx, 1, self.device,
                                           static_decode=graphs, graph_bucket=bucket)
         self.max_step = max_step
+        info_extra: dict[str, Any] = {}
+        if self.model.is_first and msg.get("inbox"):  # the coordinator shares this host
+            self.inbox, desc = transport.offer("shm", max_step * 8, self.device)
+            info_extra["inbox"] = desc
         nxt = msg["next"]
         if nxt is not None:
             self._link_downstream(nxt, msg["session"], msg["transport"])
-        self._reply(route, message("configured", info=self.info()))
+        elif self.model.is_last:
+            results = msg.get("results")
+            if results is not None:  # the coordinator's result ring
+                doorbell = lambda: self._reply(self.coordinator, message("wake"))  # noqa: E731
+                self.out = transport.accept("shm", results, doorbell)
+            else:
+                self.out = ZmqSender(self.router, route)
+        self._reply(route, message("configured", info={**self.info(), **info_extra}))
 
     def _link_downstream(self, nxt: dict[str, Any], session: bytes, requested: str) -> None:
         addr = nxt.get("address")
@@ -242,16 +315,16 @@ class ShardServer:
         mac = auth.mac(self.secret, reply["nonce"], nonce, "upstream")
         reply, _ = request(self.down, message("auth", mac=mac), LINK_TIMEOUT_S)
         _expect(reply, "welcome")
-        hidden = self.cfg.hidden_size
         reply, _ = request(self.down, message(
             "link", transport=requested, host=transport.host_id(), device=self.spec.device,
-            dtype=self.spec.dtype, hidden=hidden, max_step_tokens=self.max_step,
+            dtype=self.spec.dtype, hidden=self.cfg.hidden_size, max_step_tokens=self.max_step,
         ), LINK_TIMEOUT_S)
         _expect(reply, "linked")
-        self.sender = transport.accept(reply["transport"], reply["ring"])
+        down = self.down
+        self.out = transport.accept(reply["transport"], reply["ring"],
+                                    lambda: send(down, message("wake")), sock=down)
         self.transport_kind = reply["transport"]
-        reply, _ = request(self.down, message("link_done"), LINK_TIMEOUT_S)
-        _expect(reply, "bye")
+        self.poller.register(self.down, zmq.POLLIN)
 
     def _on_link(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         try:
@@ -260,21 +333,15 @@ class ShardServer:
             raise ProtocolError(str(e), "bad_transport") from e
         if msg["hidden"] != self.cfg.hidden_size:
             raise ProtocolError(f"link: hidden size {msg['hidden']} != {self.cfg.hidden_size}")
+        if msg["dtype"] not in transport.DTYPES:
+            raise ProtocolError(f"link: unknown dtype {msg['dtype']!r}")
         itemsize = torch.empty((), dtype=transport.DTYPES[msg["dtype"]]).element_size()
-        slot_bytes = msg["max_step_tokens"] * msg["hidden"] * itemsize
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver, ring = transport.offer(kind, slot_bytes, self.device)
+        payload = msg["max_step_tokens"] * msg["hidden"] * itemsize
+        if self.inbox is not None:
+            self.inbox.close()
+        self.inbox, desc = transport.offer(kind, payload, self.device)
         self.upstream = route  # the peer that linked is the one whose steps we take
-        self.pending_receiver = self.receiver
-        self._reply(route, message("linked", transport=kind, ring=ring))
-
-    def _on_link_done(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        ring = getattr(self.pending_receiver, "ring", None)
-        if ring is not None:
-            ring.unlink()  # both ends have it mapped: the name is no longer needed
-        self.pending_receiver = None
-        self._reply(route, message("bye"))
+        self._reply(route, message("linked", transport=kind, ring=desc))
 
     def info(self) -> dict[str, Any]:
         ex = self.executor
@@ -295,44 +362,32 @@ class ShardServer:
         }
 
     # ---- data plane -------------------------------------------------------------------------
-    def _on_step(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        if self.executor is None:
+    def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+        if self.executor is None or self.out is None:
             raise ProtocolError("step before configure", "unexpected")
         n, pos = msg["n"], msg["pos"]
         if not 0 < n <= self.max_step or pos < 0 or pos + n > self.executor.max_len:
             raise ProtocolError(f"step: n={n} pos={pos} outside 1..{self.max_step} tokens "
                                 f"within a context of {self.executor.max_len}")
-        first = self.model.is_first
-        expected_route = self.coordinator if first else self.upstream
-        if route != expected_route:
-            raise ProtocolError("step from a peer that does not feed this shard", "unexpected")
-        act = msg["act"]
-        if first:
-            if len(frames) != 1:
-                raise ProtocolError(f"step: expected 1 token frame, got {len(frames)}")
-            x = tensor_from(frames[0].buffer, {"dtype": "int64", "shape": [n]})
+        if x is None:
+            raise ProtocolError("step without its tensor")
+        if self.model.is_first:
+            if x.dtype != torch.int64 or tuple(x.shape) != (n,):
+                raise ProtocolError(f"step: expected {n} int64 token ids, got {x.dtype} "
+                                    f"{tuple(x.shape)}")
             if int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size:
                 raise ProtocolError(f"step: token id outside the vocabulary 0..{self.cfg.vocab_size}")
-        else:
-            if self.receiver is None or not isinstance(act, dict):
-                raise ProtocolError("step: no activation descriptor or no link")
-            x = self.receiver.read(act, frames)
-            if tuple(x.shape) != (n, self.cfg.hidden_size):
-                self.receiver.release(act)
-                raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
-                                    f"({n}, {self.cfg.hidden_size})")
+        elif tuple(x.shape) != (n, self.cfg.hidden_size):
+            raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
+                                f"({n}, {self.cfg.hidden_size})")
         self.busy = True
         try:
             out = self.executor.run(x, pos, msg["slot"], all_logits=False)
         finally:
             self.busy = False
-            if not first:
-                self.receiver.release(act)
         if not self.model.is_last:
-            header = message("step", sid=msg["sid"], slot=msg["slot"], pos=pos, n=n,
-                             sample=msg["sample"], logits=msg["logits"], act=None)
-            assert self.sender is not None and self.down is not None
-            self.sender.send(self.down, header, out)
+            self.out.send(message("step", sid=msg["sid"], slot=msg["slot"], pos=pos, n=n,
+                                  sample=msg["sample"], logits=msg["logits"], act=None), out)
             return
         logits = out[-1]
         token = None
@@ -340,9 +395,9 @@ class ShardServer:
             s = msg["sample"]
             token = sample_rows(logits[None], float(s["temperature"]), int(s["top_k"]),
                                 float(s["top_p"]), int(s["seed"]), [pos + n])[0]
-        frames_out = [tensor_bytes(logits.float().cpu())] if msg["logits"] else []
-        self._reply(self.coordinator, message("result", sid=msg["sid"], token=token,
-                                              has_logits=bool(msg["logits"])), frames_out)
+        self.out.send(message("result", sid=msg["sid"], token=token,
+                              has_logits=bool(msg["logits"]), act=None),
+                      logits.float().cpu() if msg["logits"] else None)
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""
@@ -354,7 +409,8 @@ class ShardServer:
         token = sample_rows(logits.to(self.device)[None], float(s["temperature"]),
                             int(s["top_k"]), float(s["top_p"]), int(s["seed"]),
                             [msg["position"]])[0]
-        self._reply(route, message("result", sid=msg["sid"], token=token, has_logits=False))
+        self._reply(route, message("result", sid=msg["sid"], token=token, has_logits=False,
+                                   act=None))
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy))
@@ -365,11 +421,12 @@ class ShardServer:
 
     # ---- teardown ---------------------------------------------------------------------------
     def _close_links(self) -> None:
-        for t in (self.sender, self.receiver):
+        for t in (self.out, self.inbox):
             if t is not None:
                 t.close()
-        self.sender = self.receiver = self.pending_receiver = None
+        self.out = self.inbox = None
         if self.down is not None:
+            self.poller.unregister(self.down)
             self.down.close(0)
             self.down = None
         self.transport_kind = "none"
@@ -410,11 +467,12 @@ def run_shard(spec: ShardSpec, secret: bytes) -> int:
     """Entry point of a shard process. Exit codes: 0 clean, 2 startup error, 3 orphaned."""
     server: ShardServer | None = None
 
-    def cleanup() -> None:
-        if server is not None and server.receiver is not None:
-            ring = getattr(server.receiver, "ring", None)
-            if ring is not None:
-                ring.unlink()
+    def cleanup() -> None:  # names of rings not yet mapped by their peer
+        if server is not None:
+            for t in (server.inbox, server.out):
+                ring = getattr(t, "ring", None)
+                if ring is not None:
+                    ring.unlink()
 
     if spec.parent_pid:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator orders our shutdown
@@ -422,7 +480,7 @@ def run_shard(spec: ShardSpec, secret: bytes) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server = ShardServer(spec, secret)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - reported through the exit code and the log
         log.error("shard %s:%s on %s failed to start: %s", spec.start, spec.end, spec.device, e)
         return 2
     log.info("shard layers %d:%d on %s listening on %s", spec.start, spec.end, spec.device,

@@ -12,6 +12,7 @@ from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.executor import RangeExecutor
+from shards.fused import fuse_projections
 from shards.sampling import SamplingParams
 from tests.helpers import layersplit_shm, shard_children, trace
 
@@ -32,19 +33,24 @@ def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
                           device="cuda:0", static_decode=False)
     graph = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.float32, "cuda:0"), 256,
                           device="cuda:0", static_decode=True, graph_bucket=32)
+    fused_model = load_layer_range(ckpt, 0, 6, torch.float32, "cuda:0")
+    fuse_projections(fused_model, compile=True)
+    fused = RangeExecutor(fused_model, 256, device="cuda:0", static_decode=True, graph_bucket=32)
     assert graph.static is not None and graph.static.capture
+    runs = (cpu, eager, graph, fused)
     ids = torch.arange(3, 43)
-    for ex in (cpu, eager, graph):
+    for ex in runs:
         ex.run(ids, 0)
-    t = [int(ids[-1])] * 3
+    t = [int(ids[-1])] * len(runs)
     for pos in range(40, 120):
-        outs = [ex.run(torch.tensor([tok]), pos).float().cpu()
-                for ex, tok in zip((cpu, eager, graph), t)]
+        outs = [ex.run(torch.tensor([tok]), pos).float().cpu() for ex, tok in zip(runs, t)]
         assert (outs[1] - outs[2]).abs().max() < 1e-4
         assert (outs[0] - outs[2]).abs().max() < 1e-3
+        assert (outs[0] - outs[3]).abs().max() < 1e-3
         t = [int(o.argmax()) for o in outs]
-        assert t[0] == t[1] == t[2]
+        assert len(set(t)) == 1
     assert len(graph.static.graphs) >= 3  # buckets 64, 96, 128 were captured
+    assert fused_model.layers[0].fast.compiled  # torch.compile worked here
 
 
 def test_bf16_graph_decode_tracks_eager(tiny_llama):

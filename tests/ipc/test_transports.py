@@ -1,4 +1,5 @@
-"""Each CPU transport moves tensors exactly; the shm ring enforces flow control and mode 0600."""
+"""Each CPU transport moves tensors exactly; the shm ring enforces flow control, mode 0600,
+spin/sleep signalling, and consumes a malformed message without losing step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import zmq
 
 from ipc import transport
-from ipc.messages import ProtocolError, message
+from ipc.messages import ProtocolError, encode, message
 from ipc.shm import SHM_DIR, ShmRing
 from ipc.sockets import recv
 
@@ -27,34 +28,47 @@ def pair():
     b.close(0)
 
 
-@pytest.mark.parametrize("kind", ["zmq", "shm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_roundtrip(pair, kind, dtype):
+def _step(i, n):
+    return message("step", sid=i, slot=0, pos=0, n=n, sample=None, logits=False, act=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_zmq_roundtrip(pair, dtype):
     a, b = pair
-    recv_side, ring = transport.offer(kind, 8 * 64 * 4, torch.device("cpu"))
-    send_side = transport.accept(kind, ring)
-    if ring:
-        recv_side.ring.unlink()
-        assert not (SHM_DIR / ring["name"]).exists()  # name gone, memory still mapped
+    s = transport.accept("zmq", None, None, sock=a)
+    t = (torch.randn(5, 64) * 100).to(dtype)
+    s.send(_step(0, 5), t)
+    _, msg, frames, err = recv(b)
+    assert err is None and torch.equal(transport.zmq_tensor(msg, frames), t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_roundtrip_and_flow_control(dtype):
+    inbox, desc = transport.offer("shm", 8 * 64 * 4, torch.device("cpu"))
+    rings = 0
+    bells = []
+    sender = transport.accept("shm", desc, lambda: bells.append(1))
+    assert not (SHM_DIR / desc["ring"]["name"]).exists()  # name gone once both ends map it
     for i in range(10):  # more messages than ring slots
         t = torch.randn(1 + i % 8, 64).to(dtype)
-        send_side.send(a, message("step", sid=i, slot=0, pos=0, n=t.shape[0], sample=None,
-                                  logits=False, act=None), t)
-        _, msg, frames, err = recv(b)
-        assert err is None
-        got = recv_side.read(msg["act"], frames)
-        assert got.dtype == dtype and torch.equal(got, t)
-        recv_side.release(msg["act"])
-    send_side.close()
-    recv_side.close()
+        sender.send(_step(i, t.shape[0]), t)
+        msg, got, seq = inbox.poll()
+        assert msg["sid"] == i and got.dtype == dtype and torch.equal(got, t)
+        inbox.release(seq)
+        rings += 1
+    assert inbox.poll() is None and bells == []  # an awake receiver needs no doorbell
+    inbox.sleep(True)
+    sender.send(_step(10, 1), torch.ones(1, 64))
+    assert bells == [1]
+    sender.close()
+    inbox.close()
 
 
-def test_shm_is_private_and_flow_controlled():
+def test_shm_is_private_and_blocks_a_fast_sender():
     ring = ShmRing.create(2, 16)
     try:
-        mode = stat.S_IMODE((SHM_DIR / ring.name).stat().st_mode)
-        assert mode == 0o600
-        other = ShmRing.attach(ring.name, 2, 16)
+        assert stat.S_IMODE((SHM_DIR / ring.name).stat().st_mode) == 0o600
+        other = ShmRing.attach(ring.describe())
         assert other.wait_free(0) == 0 and other.wait_free(1) == 1
         done = threading.Event()
 
@@ -68,37 +82,46 @@ def test_shm_is_private_and_flow_controlled():
         ring.release(0)
         assert done.wait(2)
         th.join()
-        with pytest.raises(ValueError):
-            ShmRing.attach(ring.name, 3, 16)  # wrong geometry is refused
-        with pytest.raises(ValueError):
-            ShmRing.attach("../etc/passwd", 1, 1)
         other.close()
+        with pytest.raises(ValueError):
+            ShmRing.attach({"name": "../etc/passwd", "slots": 1, "payload_bytes": 1})
+        with pytest.raises(ValueError):
+            ShmRing.attach({"name": ring.name})
     finally:
-        ring.unlink()
         ring.close()
 
 
-def test_bad_ring_message_is_consumed(pair):
-    a, b = pair
-    r, ring = transport.offer("shm", 256, torch.device("cpu"))
-    s = transport.accept("shm", ring)
-    r.ring.unlink()
-    s.send(a, message("step", sid=0, slot=0, pos=0, n=1, sample=None, logits=False, act=None),
-           torch.ones(1, 4))
-    _, msg, frames, _ = recv(b)
-    bad = dict(msg["act"], dtype="complex128")
+def test_wrong_geometry_is_refused():
+    ring = ShmRing.create(2, 16)
+    try:
+        with pytest.raises(ValueError, match="expected"):
+            ShmRing.attach({**ring.describe(), "slots": 3})
+    finally:
+        ring.close()
+
+
+def test_bad_ring_message_is_consumed():
+    inbox, desc = transport.offer("shm", 256, torch.device("cpu"))
+    sender = transport.accept("shm", desc, None)
+    ring = sender.ring
+    # a garbage header in the next slot, published
+    ring.write_header(0, b"\xc1 garbage")
+    ring.publish(0)
     with pytest.raises(ProtocolError):
-        r.read(bad, frames)
-    r.reset_after_error(msg["act"])
-    # the next message lines up again
-    s.send(a, message("step", sid=1, slot=0, pos=0, n=1, sample=None, logits=False, act=None),
-           torch.full((1, 4), 2.0))
-    _, msg, frames, _ = recv(b)
-    assert torch.equal(r.read(msg["act"], frames), torch.full((1, 4), 2.0))
-    with pytest.raises(ProtocolError, match="seq"):
-        r.read(msg["act"], frames)  # a replayed notification is refused
-    s.close()
-    r.close()
+        inbox.poll()
+    # a well-formed header that claims a tensor larger than the slot
+    ring.write_header(1, encode({**_step(1, 1), "seq": 1,
+                                 "act": {"dtype": "float32", "shape": [1000, 1000]}}))
+    ring.publish(1)
+    with pytest.raises(ProtocolError, match="does not fit"):
+        inbox.poll()
+    assert ring.released == 2  # both consumed: the sender is not blocked
+    sender.seq = 2
+    sender.send(_step(2, 1), torch.full((1, 4), 2.0))
+    msg, t, seq = inbox.poll()
+    assert msg["sid"] == 2 and torch.equal(t, torch.full((1, 4), 2.0))
+    sender.close()
+    inbox.close()
 
 
 def test_resolve():

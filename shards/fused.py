@@ -1,0 +1,91 @@
+"""The GPU decode step of a layer with its elementwise work fused by torch.compile.
+
+A decode step of one layer is ~60 kernels in eager PyTorch (each RMSNorm alone is eight); inside
+a CUDA graph each still costs ~2 us, several ms per token for a 36-layer model. Here the work
+before attention (norm, fused q/k/v matmul, q/k norm, rotary) and after it (o_proj, residual,
+norm, fused gate/up matmul, SiLU, down, residual) are two functions compiled once and shared by
+every layer (weights are arguments, so one compilation serves all layers of a shape). Attention
+stays eager (its key count changes with the graph bucket). Same math as `shards.model`; the GPU
+tests compare the two.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return w * x32.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def pre_attention(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int,
+                  hd: int):
+    x = _rms(h, ln_w, eps)
+    q, k, v = F.linear(x, qkv_w, qkv_b).split([nh * hd, ng * hd, ng * hd], dim=-1)
+    n = h.shape[0]
+    q, k, v = q.reshape(n, nh, hd), k.reshape(n, ng, hd), v.reshape(n, ng, hd)
+    if qn_w is not None:
+        q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v.contiguous()
+
+
+def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
+    h = h + F.linear(attn, o_w)
+    g, u = F.linear(_rms(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    return h + F.linear(F.silu(g) * u, down_w)
+
+
+class FusedDecode:
+    """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
+
+    def __init__(self, compile: bool = True) -> None:
+        self.pre, self.post = pre_attention, post_attention
+        self.compiled = compile
+        if compile:
+            self.pre = torch.compile(pre_attention, fullgraph=True, dynamic=False)
+            self.post = torch.compile(post_attention, fullgraph=True, dynamic=False)
+
+    def __call__(self, layer, h, cos, sin, kv, index, slot, step):
+        try:
+            return self._run(layer, h, cos, sin, kv, index, slot, step)
+        except Exception as e:  # noqa: BLE001 - a compiler failure must not stop serving
+            if not self.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            log.warning("torch.compile of the decode step failed (%s: %s); running it eager",
+                        type(e).__name__, e)
+            self.pre, self.post, self.compiled = pre_attention, post_attention, False
+            return self._run(layer, h, cos, sin, kv, index, slot, step)
+
+    def _run(self, layer, h, cos, sin, kv, index, slot, step):
+        a, m = layer.self_attn, layer.mlp
+        eps = layer.input_layernorm.eps
+        q, k, v = self.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+                           None if a.q_norm is None else a.q_norm.weight,
+                           None if a.k_norm is None else a.k_norm.weight,
+                           cos, sin, eps, a.num_heads, a.num_kv_heads, a.head_dim)
+        keys, values = kv.append(index, slot, step, k, v)
+        attn = a._grouped(q, keys, values, step.mask)
+        return self.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                         m.gate_up_proj.weight, m.down_proj.weight, eps)
+
+
+def fuse_projections(model, compile: bool = True) -> None:
+    """Fuse q/k/v and gate/up weights of every layer and install the fused decode step."""
+    fast = FusedDecode(compile)
+    for layer in model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+        layer.fast = fast
