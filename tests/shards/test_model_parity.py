@@ -86,7 +86,7 @@ def test_static_decode_path_matches_eager(tiny_models):
             assert (la - lb).abs().max().item() < 1e-5
             ta, tb = int(la.argmax()), int(lb.argmax())
             assert ta == tb
-        assert torch.allclose(eager.kv.k[:, :, :80], static.kv.k[:, :, :80], atol=1e-6)
+        assert torch.allclose(eager.kv.k[:, :, :80], static.kv.k[:, :, :80], atol=1e-5)
 
 
 def test_fused_projections_equal_separate(tiny_models):
