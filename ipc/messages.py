@@ -42,6 +42,15 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "result": {"sid": (int,), "token": (int, NoneType), "has_logits": (bool,),
                "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
+    # prefix cache (coordinator -> shard; `ok` / `saved` back)
+    "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
+    "snap_restore": {"entries": (list,), "slot": (int,)},
+    "snap_drop": {"entries": (list,)},
+    "snap_save": {"entry": (int,), "path": (str,), "items": (list,)},
+    "snap_load": {"path": (str,), "slot": (int,), "items": (list,)},
+    "ok": {"info": (dict,)},
+    "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
+              "error": (str, NoneType)},
     # supervision and errors
     "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},

@@ -47,6 +47,10 @@ class RuntimeConfig:
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
+    prefix_cache: bool = _field(True, "reuse the KV of cached prompt prefixes")
+    cache_ram_gb: float = _field(4.0, "host memory for KV snapshots (RAM tier), GiB")
+    kv_cache_dir: str | None = _field(None, "directory of the disk tier (survives restarts)")
+    kv_cache_max_gb: float = _field(64.0, "size cap of the disk tier, GiB")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")

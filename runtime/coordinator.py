@@ -26,6 +26,8 @@ from ipc.shm import SLEEP_POLL_MS
 from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import context, free_tcp_port, recv, run_dir, send
+from runtime.cache_ops import CacheManager, Restored
+from runtime.chunking import cut_points
 from runtime.config import RuntimeConfig
 from runtime.generate import (
     Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
@@ -80,6 +82,7 @@ class Coordinator:
         self._ctx = context()
         self.session = os.urandom(16)
         self._poller = zmq.Poller()
+        self.cache: CacheManager | None = None
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
         if config.spin_ms is not None:
@@ -157,6 +160,8 @@ class Coordinator:
                     max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                     torch_compile=cfg.torch_compile,
+                    cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
+                    if cfg.kv_cache_dir else None,
                     spin_ms=self.spin_ms, **extra,
                 ), t0 + cfg.startup_timeout)
                 sh.info = reply["info"]
@@ -173,12 +178,17 @@ class Coordinator:
                     sh.info["memory_bytes"] / 2**20, sh.info["kv_capacity_tokens"],
                     sh.info["kv_bytes"] / 2**20, sh.info["transport_out"],
                 )
+            if cfg.prefix_cache:
+                self.cache = CacheManager(self)
         except BaseException:
             self.close()
             raise
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
     def close(self) -> None:
+        if self.cache is not None and self.failed is None and self.shards:
+            self._finish_saves(timeout_s=120.0)
+        self.cache = None
         for ring in (self._steps, self._results):
             if ring is not None:
                 ring.close()
@@ -202,6 +212,36 @@ class Coordinator:
         if self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
+
+    def _finish_saves(self, timeout_s: float) -> None:
+        """Let pending cache writes complete (graceful shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        cache = self.cache
+        try:
+            while cache.pending() and time.monotonic() < deadline:
+                self._drain(wait_ms=20)
+                cache.poll_done()
+            cache.poll_done()
+        except ShardFailure:
+            pass
+        if cache.pending():
+            log.warning("prefix cache: %d saves still pending at shutdown; abandoned",
+                        cache.pending())
+
+    def call_all(self, make) -> list[dict[str, Any]]:
+        """Send `make(shard)` to every shard; return their `ok` replies in shard order."""
+        self._ensure_up()
+        self._drain()
+        sid = self._new_sid()
+        for sh in self.shards:
+            send(sh.sock, {**make(sh), "sid": sid})
+        replies: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + self.config.step_timeout
+        while len(replies) < len(self.shards):
+            msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
+                                deadline, "a prefix-cache operation", sid)
+            replies[msg["_shard"]] = msg
+        return [replies[i] for i in range(len(self.shards))]
 
     def shard_info(self) -> list[dict[str, Any]]:
         return [dict(sh.info) for sh in self.shards]
@@ -231,16 +271,30 @@ class Coordinator:
                 f"{reply['layers'][1]}, but the placement wants {want[0]}:{want[1]}; start it "
                 f"with --layers {want[0]}:{want[1]}")
 
+    def _new_sid(self) -> int:
+        self._sid += 1
+        return self._sid
+
     def _call(self, sh: _Shard, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
-        send(sh.sock, msg)
-        reply, _ = self._wait(lambda s, m: s is sh, deadline, f"{msg['type']} to shard {sh.index}")
+        sid = self._new_sid()
+        send(sh.sock, {**msg, "sid": sid})
+        reply, _ = self._wait(lambda s, m: s is sh, deadline, f"{msg['type']} to shard {sh.index}",
+                              sid)
         return reply
 
-    def _drain(self) -> None:
-        """Discard replies nobody waits for (e.g. to a rejected stray frame) before a new op."""
+    def _drain(self, wait_ms: int = 0) -> None:
+        """Handle messages nobody waits for: finished saves; stale replies (e.g. to a rejected
+        stray frame) are discarded before a new operation."""
+        if wait_ms:
+            self._poller.poll(wait_ms)
         for sh in self.shards:
             while sh.sock.poll(0):
                 _, msg, _, err = recv(sh.sock)
+                if err is None and msg["type"] == "saved" and self.cache is not None:
+                    self.cache.on_saved(sh.index, msg)
+                    continue
+                if err is None and msg["type"] == "wake":
+                    continue
                 log.warning("shard %d: discarding stale %s", sh.index,
                             err if err is not None else msg.get("message", msg["type"]))
 
@@ -303,10 +357,13 @@ class Coordinator:
                     raise self._fail(f"shard {sh.index} sent a malformed message: {err}")
                 if msg["type"] == "wake":
                     continue
+                if msg["type"] == "saved" and self.cache is not None:
+                    self.cache.on_saved(sh.index, msg)
+                    continue
+                msg["_shard"] = sh.index
                 if msg["type"] == "error":
                     err_sid = msg.get("sid")
-                    if err_sid == sid and sid is not None or msg["code"] == "bad_upstream" or \
-                            (sid is None and err_sid is None):
+                    if (sid is not None and err_sid == sid) or msg["code"] == "bad_upstream":
                         raise self._fail(msg["message"], keep_running=True)
                     # an error about some other (earlier, or unreadable) message: not this op's
                     log.warning("shard %d: %s", sh.index, msg["message"])
@@ -354,10 +411,10 @@ class Coordinator:
                 want_logits: bool = False) -> StepOutput:
         self._ensure_up()
         self._drain()
-        self._sid += 1
-        sid = self._sid
+        sid = self._new_sid()
         wire = None if sample is None else {**sample.wire(), "seed": seed}
         ids = torch.tensor(list(tokens), dtype=torch.int64)
+        t_step = time.perf_counter()
         self._steps.send(message("step", sid=sid, slot=0, pos=pos, n=len(ids), sample=wire,
                                  logits=want_logits, act=None), ids)
         last = self.shards[-1]
@@ -366,14 +423,15 @@ class Coordinator:
             time.monotonic() + self.config.step_timeout, f"step {sid}", sid)
         if msg["has_logits"] and logits is None:
             raise self._fail("the last shard sent a result without its logits")
+        if self.cache is not None and len(ids) > 1:
+            self.cache.note_prefill(len(ids), time.perf_counter() - t_step)
         return StepOutput(msg["token"], None if logits is None else logits.numpy().copy())
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int:
         self._ensure_up()
         self._drain()
-        self._sid += 1
-        sid = self._sid
+        sid = self._new_sid()
         last = self.shards[-1]
         send(last.sock, message("sample", sid=sid, position=position,
                                 sample={**sample.wire(), "seed": seed}),
@@ -393,16 +451,41 @@ class Coordinator:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary")
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams,
-               progress: Progress) -> Iterator[Delta]:
+    def stream(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
+               use_cache: bool = True) -> Iterator[Delta]:
+        """Generate for one prompt: restore its longest cached prefix, prefill the rest in
+        chunks (snapshotting at its cache points), then decode. Text deltas are yielded."""
         self.check_prompt(prompt)
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         seed = params.seed if params.seed is not None else new_seed()
+        cache = self.cache if use_cache else None
+        restored = Restored()
+        points: list[int] = []
+        if cache is not None:
+            cuts = cut_points(prompt, self.chunk, self.eos_ids)
+            restored = cache.restore(prompt, cuts)
+            progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
+            # snapshot at the last cut inside the prompt (restorable into any longer prompt)
+            # and at its very end (an exact repeat then needs no forward pass)
+            last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
+            points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
+        parent = [restored.leaf]
+
+        def on_boundary(end: int, logits: np.ndarray | None) -> None:
+            if end in points:
+                e = cache.snapshot(prompt, end, logits, parent[0])
+                if e is not None:
+                    parent[0] = e
+
         toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
-                            turn_end_ids=self.eos_ids, context=self.config.max_context)
+                            turn_end_ids=self.eos_ids, start=restored.length,
+                            start_logits=restored.logits, context=self.config.max_context,
+                            on_prefill_boundary=on_boundary if points else None,
+                            logits_at=points)
         return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], params: SamplingParams,
+                 use_cache: bool = True) -> GenerationResult:
         progress = Progress()
-        return collect(self.stream(prompt, params, progress), progress, len(prompt))
+        return collect(self.stream(prompt, params, progress, use_cache), progress, len(prompt))

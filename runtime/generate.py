@@ -72,6 +72,8 @@ class Progress:
     finish_reason: str = "length"
     generated: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+    cached_tokens: int = 0
+    cache_tier: str = "none"
 
     @property
     def ttft_s(self) -> float:
@@ -185,4 +187,6 @@ def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> 
         finish_reason=progress.finish_reason,
         ttft_s=progress.ttft_s,
         decode_tok_s=progress.decode_tok_s,
+        cached_tokens=progress.cached_tokens,
+        cache_tier=progress.cache_tier,
     )

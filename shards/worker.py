@@ -35,6 +35,7 @@ from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
 from shards.fused import fuse_projections
 from shards.sampling import sample_rows
+from shards.snapshots import SnapshotStore, entry_path_ok
 
 log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
@@ -61,7 +62,8 @@ class Peer:
     authed: bool = False
 
 
-ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake"},
+ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake",
+                           "snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load"},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -93,6 +95,8 @@ class ShardServer:
         self.transport_kind = "none"
         self.max_step = 0
         self.fused = False
+        self.snapshots: SnapshotStore | None = None
+        self.cache_dir: str | None = None
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -104,7 +108,7 @@ class ShardServer:
     def serve_forever(self) -> None:
         idle_since = time.monotonic()
         while self.running:
-            worked = False
+            worked = self._report_saves()
             if self.inbox is not None and self.inbox.ready():
                 self._handle_inbox()
                 worked = True
@@ -125,6 +129,17 @@ class ShardServer:
             self._poll_sockets(SLEEP_POLL_MS if inbox is not None else 200)
             if inbox is not None and inbox is self.inbox:  # (a reconfigure may have closed it)
                 inbox.sleep(False)
+
+    def _report_saves(self) -> bool:
+        """Tell the coordinator about disk writes the background threads finished."""
+        if self.snapshots is None or self.snapshots.results.empty():
+            return False
+        while not self.snapshots.results.empty():
+            entry, path, sums, err = self.snapshots.results.get_nowait()
+            if self.coordinator is not None:
+                self._reply(self.coordinator, message("saved", entry=entry, path=path,
+                                                      checksums=sums, error=err))
+        return True
 
     def _poll_sockets(self, timeout_ms: int) -> bool:
         events = self.poller.poll(timeout_ms)
@@ -171,7 +186,8 @@ class ShardServer:
         peer = self.peers.get(route)
         if peer is None or not peer.authed:
             self._reply(route, error(f"shard {self.index}: unauthenticated peer; send hello "
-                                     "and auth with the shared secret first", "unauthenticated"))
+                                     "and auth with the shared secret first", "unauthenticated",
+                                     sid=msg.get("sid")))
             return
         if t not in ALLOWED[peer.role]:
             self._reply(route, error(f"shard {self.index}: {peer.role} may not send {t!r}",
@@ -234,7 +250,7 @@ class ShardServer:
     def _on_hello(self, route: bytes, msg: dict[str, Any]) -> None:
         role = msg["role"]
         if role not in ALLOWED:
-            self._reply(route, error(f"unknown role {role!r}", "bad_message"))
+            self._reply(route, error(f"unknown role {role!r}", "bad_message", sid=msg.get("sid")))
             return
         peer = Peer(role, auth.new_nonce(), msg["nonce"])
         self.peers[route] = peer
@@ -247,7 +263,7 @@ class ShardServer:
             self.peers.pop(route, None)
             log.warning("shard: refused a peer that failed authentication")
             self._reply(route, error("authentication failed: wrong shared secret",
-                                     "unauthenticated"))
+                                     "unauthenticated", sid=msg.get("sid")))
             return
         peer.authed = True
         if peer.role == "coordinator":
@@ -285,6 +301,8 @@ class ShardServer:
                 torch.cuda.empty_cache()
             self.executor = RangeExecutor(self.model, max_ctx, 1, self.device,
                                           static_decode=graphs, graph_bucket=bucket)
+            self.snapshots = SnapshotStore(self.executor.kv)
+        self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
         info_extra: dict[str, Any] = {}
         if self.model.is_first and msg.get("inbox"):  # the coordinator shares this host
@@ -411,6 +429,63 @@ class ShardServer:
                             [msg["position"]])[0]
         self._reply(route, message("result", sid=msg["sid"], token=token, has_logits=False,
                                    act=None))
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def _snap_store(self) -> SnapshotStore:
+        if self.snapshots is None:
+            raise ProtocolError("prefix-cache operation before configure", "unexpected")
+        return self.snapshots
+
+    def _ok(self, route: bytes, msg: dict[str, Any], **info: Any) -> None:
+        self._reply(route, message("ok", info=info, sid=msg.get("sid")))
+
+    def _on_snap_take(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        n = self._snap_store().take(msg["entry"], msg["slot"], msg["start"], msg["end"])
+        self._ok(route, msg, bytes=n)
+
+    def _on_snap_restore(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        store = self._snap_store()
+        missing = [e for e in msg["entries"] if e not in store.entries]
+        if missing:
+            raise ProtocolError(f"snap_restore: no snapshot {missing[0]} on this shard",
+                                "unknown_entry")
+        for e in msg["entries"]:
+            store.restore(e, msg["slot"])
+        self._ok(route, msg)
+
+    def _on_snap_drop(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        store = self._snap_store()
+        for e in msg["entries"]:
+            store.drop(e)
+        self._ok(route, msg, bytes=store.nbytes)
+
+    def _file_items(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        if not entry_path_ok(msg["path"], self.cache_dir):
+            raise ProtocolError(f"{msg['path']} is outside the cache directory", "bad_path")
+        items = msg["items"]
+        nl = self.spec.end - self.spec.start
+        for it in items:
+            if not isinstance(it, dict) or not isinstance(it.get("layer"), int) or \
+                    not 0 <= it["layer"] < nl or it.get("kind") not in ("k", "v") or \
+                    not isinstance(it.get("offset"), int) or it["offset"] < 0:
+                raise ProtocolError(f"bad cache-file item {it!r}")
+        return items
+
+    def _on_snap_save(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        store = self._snap_store()
+        if msg["entry"] not in store.entries:
+            raise ProtocolError(f"snap_save: no snapshot {msg['entry']}", "unknown_entry")
+        store.save(msg["entry"], msg["path"], self._file_items(msg))
+        self._ok(route, msg)
+
+    def _on_snap_load(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        store = self._snap_store()
+        try:
+            n = store.load(msg["path"], msg["slot"], self._file_items(msg))
+        except (OSError, ValueError) as e:
+            self._ok(route, msg, error=f"{type(e).__name__}: {e}")
+            return
+        self._ok(route, msg, bytes=n)
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy))

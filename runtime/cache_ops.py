@@ -1,0 +1,386 @@
+"""Prefix-cache operations of the coordinator: look up, restore, snapshot, save to disk.
+
+The coordinator sends the shards small control messages; the KV bytes never pass through it.
+A disk save: the coordinator creates `<key>.<pid>.tmp` at its final size with the header (zeroed
+checksums) and writes the tokens and logits; every shard writes its own tensors at their
+offsets from its snapshot memory, in the background, and reports checksums; a finalizer thread
+then fills in the checksums, fsyncs, renames the file into place and fsyncs the directory.
+Restores read tensors by global layer, so any split can read a file any other split wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ipc.kv_file import DTYPE_CODES, KVFileError, checksum, kv_name, layer_tensors, plan
+from ipc.kv_file import read_layout, write_header
+from ipc.messages import message
+from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
+from runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
+
+if TYPE_CHECKING:
+    from runtime.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+EWMA = 0.3
+
+
+@dataclasses.dataclass
+class SaveJob:
+    entry: Entry
+    layout: Any
+    tmp: Path
+    fd: int
+    waiting: set[int]
+    sums: dict[str, str]
+    failed: str | None = None
+
+
+@dataclasses.dataclass
+class Restored:
+    length: int = 0
+    logits: np.ndarray | None = None
+    tier: str = "none"
+    leaf: Entry | None = None
+
+
+class CacheManager:
+    def __init__(self, coord: Coordinator) -> None:
+        cfg = coord.config
+        self.coord = coord
+        tok = coord.tokenizer
+        self.fingerprint = model_fingerprint(
+            coord.model_config.to_dict(), weights_identity(coord.model_path), coord.dtype,
+            tok.chat_template if tok else None, coord.chunk, coord.eos_ids)
+        disk = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else None
+        self.index = PrefixIndex(self.fingerprint, int(cfg.cache_ram_gb * 2**30), disk,
+                                 int(cfg.kv_cache_max_gb * 2**30))
+        self.stats = self.index.stats
+        infos = coord.shard_info()
+        self.split = [i["layers"] for i in infos]
+        self.layouts = [i["kv_layout"] for i in infos]
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+        self.row_bytes = sum(lay["layers"] * 2 * lay["kv_heads"] * lay["head_dim"]
+                             * itemsize[lay["dtype"]] for lay in self.layouts)
+        self.jobs: dict[int, SaveJob] = {}
+        self.done: queue.Queue = queue.Queue()
+        self.prefill_rate: float | None = None  # tokens/s, measured
+        self.disk_rate: float | None = None  # bytes/s, measured
+        self._threads: list[threading.Thread] = []
+
+    # ---- keys ---------------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
+        return prefix_keys(self.fingerprint, tokens, self.coord.chunk, lengths)
+
+    # ---- restore ------------------------------------------------------------------------------
+    def restore(self, prompt: Sequence[int], cuts: Sequence[int]) -> Restored:
+        self.poll_done()
+        n = len(prompt)
+        candidates = sorted({n, *[c for c in cuts if c <= n]})
+        chain = self.index.lookup(self.keys(prompt, candidates))
+        if not chain:
+            self.stats.misses += 1
+            return Restored()
+        chain = self._worth_restoring(chain)
+        if not chain:
+            self.stats.misses += 1
+            self.stats.skipped_slow_restore += 1
+            return Restored()
+        t0 = time.perf_counter()
+        for e in chain:
+            e.pins += 1
+        out = Restored()
+        try:
+            ram_run: list[Entry] = []
+            for e in chain:
+                if e.in_ram:
+                    ram_run.append(e)
+                    continue
+                self._restore_ram(ram_run)
+                ram_run = []
+                if not self._restore_disk(e, prompt):
+                    break
+                out.tier = "disk"
+                out.length, out.leaf = e.length, e
+            else:
+                self._restore_ram(ram_run)
+                if ram_run:
+                    out.length, out.leaf = ram_run[-1].length, ram_run[-1]
+        finally:
+            for e in chain:
+                e.pins -= 1
+        if out.leaf is None:
+            self.stats.misses += 1
+            return Restored()
+        if out.tier == "none":
+            out.tier = "ram"
+        if out.tier == "disk":
+            self.stats.hits_disk += 1
+        else:
+            self.stats.hits_ram += 1
+        self.index.touch(self.index.chain(out.leaf))
+        if out.length == n:
+            out.logits = self._logits(out.leaf)
+            if out.logits is None:  # unreadable logits: back off to a prefill of the last row
+                out.length, out.leaf = out.leaf.start, self.index.entries.get(out.leaf.parent or "")
+                if out.leaf is None:
+                    out.length, out.tier = 0, "none"
+        self.stats.tokens_restored += out.length
+        self.stats.restore_s += time.perf_counter() - t0
+        return out
+
+    def _worth_restoring(self, chain: list[Entry]) -> list[Entry]:
+        """Drop disk links whose read would take longer than prefilling their tokens, judged by
+        rates measured in this run (a fast GPU with a slow disk re-prefills faster)."""
+        first_disk = next((i for i, e in enumerate(chain) if not e.in_ram), None)
+        if first_disk is None or self.prefill_rate is None or self.disk_rate is None:
+            return chain
+        disk_bytes = sum(e.kv_bytes for e in chain[first_disk:])
+        tokens = chain[-1].length - (chain[first_disk - 1].length if first_disk else 0)
+        if disk_bytes / self.disk_rate > tokens / self.prefill_rate:
+            log.info("prefix cache: prefilling %d tokens (est. %.2f s) beats reading %.1f MB "
+                     "(est. %.2f s)", tokens, tokens / self.prefill_rate, disk_bytes / 1e6,
+                     disk_bytes / self.disk_rate)
+            return chain[:first_disk]
+        return chain
+
+    def _restore_ram(self, run: list[Entry]) -> None:
+        if run:
+            self.coord.call_all(lambda sh: message(
+                "snap_restore", entries=[e.ram_id for e in run], slot=0))
+
+    def _restore_disk(self, e: Entry, prompt: Sequence[int]) -> bool:
+        t0 = time.perf_counter()
+        try:
+            layout = read_layout(e.path)
+            self._check_tokens(e, layout, prompt)
+        except (KVFileError, OSError) as err:
+            self._bad(e, str(err))
+            return False
+        by_layer = layer_tensors(layout)
+        msgs = {}
+        for sh_index, (a, b) in enumerate(self.split):
+            items = []
+            for layer in range(a, b):
+                for kind in ("k", "v"):
+                    name = by_layer.get((layer, kind))
+                    if name is None:
+                        self._bad(e, f"no tensor for layer {layer} {kind}")
+                        return False
+                    t = layout.tensors[name]
+                    items.append({"name": name, "layer": layer - a, "kind": kind,
+                                  "offset": layout.offset(name), "nbytes": t.nbytes,
+                                  "start": e.start, "end": e.length,
+                                  "checksum": layout.checksums[name]})
+            msgs[sh_index] = message("snap_load", path=str(e.path), slot=0, items=items)
+        replies = self.coord.call_all(lambda sh: msgs[sh.index])
+        errors = [r["info"]["error"] for r in replies if "error" in r["info"]]
+        if errors:
+            self._bad(e, errors[0])
+            return False
+        nbytes = sum(r["info"]["bytes"] for r in replies)
+        dt = time.perf_counter() - t0
+        self.stats.bytes_restored_disk += nbytes
+        rate = nbytes / max(dt, 1e-6)
+        self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
+        self._take(e)  # keep a RAM copy: the next hit needs no disk read
+        return True
+
+    def _check_tokens(self, e: Entry, layout, prompt: Sequence[int]) -> None:
+        t = layout.tensors.get("tokens")
+        if t is None or t.shape != (e.length,):
+            raise KVFileError(f"{e.path.name}: no tokens tensor of length {e.length}")
+        with open(e.path, "rb") as f:
+            f.seek(layout.offset("tokens"))
+            raw = f.read(t.nbytes)
+        if checksum(raw) != layout.checksums["tokens"]:
+            raise KVFileError(f"{e.path.name}: tokens checksum mismatch")
+        if np.frombuffer(raw, dtype="<i4").tolist() != list(prompt[:e.length]):
+            raise KVFileError(f"{e.path.name}: holds other tokens than its key says")
+        if int(layout.metadata.get("start", -1)) != e.start:
+            raise KVFileError(f"{e.path.name}: start row does not match the index")
+
+    def _logits(self, e: Entry) -> np.ndarray | None:
+        if e.logits is not None:
+            return e.logits
+        try:
+            layout = read_layout(e.path)
+            t = layout.tensors["prefill_logits"]
+            with open(e.path, "rb") as f:
+                f.seek(layout.offset("prefill_logits"))
+                raw = f.read(t.nbytes)
+            if checksum(raw) != layout.checksums["prefill_logits"]:
+                raise KVFileError(f"{e.path.name}: logits checksum mismatch")
+        except (KVFileError, OSError, KeyError) as err:
+            self._bad(e, str(err))
+            return None
+        e.logits = np.frombuffer(raw, dtype="<f4").copy()
+        return e.logits
+
+    def _bad(self, e: Entry, why: str) -> None:
+        if e.path is not None and e.path.exists():
+            self.index.quarantine(e.path, why)
+        else:
+            log.warning("prefix cache: entry %s unusable: %s", e.key[:12], why)
+        e.path = None
+        if not e.in_ram:
+            self.index.drop_entry(e)
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def snapshot(self, prompt: Sequence[int], length: int, logits: np.ndarray | None,
+                 parent: Entry | None) -> Entry | None:
+        """Cache rows [parent.length, length) of the live sequence as a child of `parent`."""
+        self.poll_done()
+        key = self.keys(prompt, [length])[length]
+        have = self.index.entries.get(key)
+        if have is not None:
+            self.index.touch([have])
+            return have
+        if logits is None:
+            return None
+        start = parent.length if parent is not None else 0
+        e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
+                  tokens=tuple(prompt[:length]), logits=logits,
+                  kv_bytes=(length - start) * self.row_bytes)
+        if parent is not None:
+            parent.pins += 1
+        try:
+            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+        finally:
+            if parent is not None:
+                parent.pins -= 1
+        self._take(e)
+        self.index.add(e)
+        if self.index.dir is not None:
+            self._save(e)
+        return e
+
+    def _take(self, e: Entry) -> None:
+        ram_id = self.index.new_ram_id()
+        self.coord.call_all(lambda sh: message("snap_take", entry=ram_id, slot=0,
+                                               start=e.start, end=e.length))
+        e.ram_id = ram_id
+
+    def _drop_ram(self, ram_ids: list[int]) -> None:
+        if ram_ids:
+            self.coord.call_all(lambda sh: message("snap_drop", entries=ram_ids))
+
+    def enforce_ram_cap(self) -> None:
+        self._drop_ram(self.index.evict_ram())
+
+    # ---- disk writes ----------------------------------------------------------------------------
+    def _save(self, e: Entry) -> None:
+        vocab = self.coord.model_config.vocab_size
+        tensors = []
+        for s, ((a, b), lay) in enumerate(zip(self.split, self.layouts)):
+            code = DTYPE_CODES[lay["dtype"]]
+            shape = (e.length - e.start, lay["kv_heads"], lay["head_dim"])
+            for layer in range(a, b):
+                tensors += [(kv_name(s, layer, "k"), code, shape),
+                            (kv_name(s, layer, "v"), code, shape)]
+        tensors += [("tokens", "I32", (e.length,)), ("prefill_logits", "F32", (vocab,))]
+        layout = plan(tensors, metadata_for(e, self.fingerprint, self.layouts, self.split))
+        tmp = self.index.tmp_path_for(e.key)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: marks the writer alive
+            os.ftruncate(fd, layout.file_size)
+            with os.fdopen(os.dup(fd), "r+b") as f:
+                write_header(f, layout)
+            sums = {}
+            for name, arr in (("tokens", np.asarray(e.tokens, dtype="<i4")),
+                              ("prefill_logits", np.asarray(e.logits, dtype="<f4"))):
+                data = arr.tobytes()
+                os.pwrite(fd, data, layout.offset(name))
+                sums[name] = checksum(data)
+        except OSError as err:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            log.warning("prefix cache: cannot create %s: %s", tmp, err)
+            self.stats.save_errors += 1
+            return
+        job = SaveJob(e, layout, tmp, fd, set(range(len(self.split))), sums)
+        self.jobs[e.ram_id] = job
+        e.saving = True
+
+        def items(sh) -> list[dict[str, Any]]:
+            a, b = self.split[sh.index]
+            return [{"name": kv_name(sh.index, layer, kind), "layer": layer - a, "kind": kind,
+                     "offset": layout.offset(kv_name(sh.index, layer, kind))}
+                    for layer in range(a, b) for kind in ("k", "v")]
+
+        self.coord.call_all(lambda sh: message("snap_save", entry=e.ram_id, path=str(tmp),
+                                               items=items(sh)))
+
+    def on_saved(self, shard: int, msg: dict[str, Any]) -> None:
+        job = self.jobs.get(msg["entry"])
+        if job is None or shard not in job.waiting:
+            return
+        job.waiting.discard(shard)
+        if msg["error"]:
+            job.failed = f"shard {shard}: {msg['error']}"
+        else:
+            job.sums.update(msg["checksums"])
+        if not job.waiting:
+            del self.jobs[msg["entry"]]
+            th = threading.Thread(target=self._finalize, args=(job,), daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def _finalize(self, job: SaveJob) -> None:
+        """Checksums in, fsync, atomic rename, directory fsync (a background thread)."""
+        final = self.index.path_for(job.entry.key)
+        try:
+            if job.failed:
+                raise OSError(job.failed)
+            job.layout.checksums = job.sums
+            with os.fdopen(os.dup(job.fd), "r+b") as f:
+                write_header(f, job.layout)
+                f.flush()
+            os.fsync(job.fd)
+            os.replace(job.tmp, final)
+            fsync_dir(final.parent)
+            self.done.put((job.entry, final, job.layout.file_size, None))
+        except OSError as err:
+            job.tmp.unlink(missing_ok=True)
+            self.done.put((job.entry, None, 0, str(err)))
+        finally:
+            os.close(job.fd)  # releases the writer's lock
+
+    def poll_done(self) -> None:
+        """Apply finished saves to the index (main thread only), then the size caps."""
+        changed = False
+        while not self.done.empty():
+            e, path, size, err = self.done.get_nowait()
+            e.saving = False
+            changed = True
+            if err is not None:
+                self.stats.save_errors += 1
+                log.warning("prefix cache: saving %s failed: %s", e.key[:12], err)
+                continue
+            e.path = path
+            self.stats.saves += 1
+            self.stats.bytes_written += size
+        if changed:
+            self.index.evict_disk()
+            self.enforce_ram_cap()
+
+    def pending(self) -> int:
+        return len(self.jobs) + sum(th.is_alive() for th in self._threads)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_rate = rate if self.prefill_rate is None else \
+                (1 - EWMA) * self.prefill_rate + EWMA * rate

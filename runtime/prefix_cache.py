@@ -1,0 +1,263 @@
+"""The coordinator's prefix index: which prefixes are cached, in which tier, and what to evict.
+
+An entry holds the KV rows [start, length) of a prefix whose rows [0, start) belong to its parent
+entry (a delta), plus the tokens and the logits of its last row. Its rows live in the shards'
+host memory (RAM tier, `ram_id`) and/or in one file (disk tier, `path`). Restoring an entry
+restores its chain, root first.
+
+Eviction is least-recently-used per tier, under a byte cap, and never strands a child: an entry
+leaves a tier only if it stays in another tier or has no children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ipc.kv_file import KVFileError, read_layout
+
+log = logging.getLogger(__name__)
+SUFFIX = ".safetensors"
+
+
+@dataclasses.dataclass
+class Entry:
+    key: str
+    length: int
+    start: int
+    parent: str | None
+    tokens: tuple[int, ...]
+    logits: np.ndarray | None  # in memory; None for a disk entry not yet read
+    kv_bytes: int
+    ram_id: int | None = None
+    path: Path | None = None
+    last_used: float = dataclasses.field(default_factory=time.time)
+    pins: int = 0
+    saving: bool = False
+
+    @property
+    def in_ram(self) -> bool:
+        return self.ram_id is not None
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits_ram: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    skipped_slow_restore: int = 0
+    tokens_restored: int = 0
+    restore_s: float = 0.0
+    bytes_restored_disk: int = 0
+    bytes_written: int = 0
+    saves: int = 0
+    save_errors: int = 0
+    bad_files: int = 0
+    evicted_ram: int = 0
+    evicted_disk: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PrefixIndex:
+    def __init__(self, fingerprint: str, ram_bytes: int, disk_dir: Path | None,
+                 disk_bytes: int) -> None:
+        self.fingerprint = fingerprint
+        self.ram_cap, self.disk_cap = ram_bytes, disk_bytes
+        self.dir = disk_dir
+        self.entries: dict[str, Entry] = {}
+        self.stats = CacheStats()
+        self._next_ram_id = 1
+        if disk_dir is not None:
+            disk_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_tmp()
+            self._scan()
+
+    # ---- structure ------------------------------------------------------------------------------
+    def new_ram_id(self) -> int:
+        self._next_ram_id += 1
+        return self._next_ram_id
+
+    def children(self, key: str) -> list[Entry]:
+        return [e for e in self.entries.values() if e.parent == key]
+
+    def chain(self, entry: Entry) -> list[Entry]:
+        """Root-first chain ending at `entry`, cut before the first missing link."""
+        links = [entry]
+        while links[-1].parent is not None:
+            parent = self.entries.get(links[-1].parent)
+            if parent is None:
+                return []  # a broken chain: only its complete head is usable
+            links.append(parent)
+        return links[::-1]
+
+    def lookup(self, keys: dict[int, str]) -> list[Entry]:
+        """The chain of the longest cached prefix among `keys` (length -> key). A chain with a
+        missing link is skipped, so a shorter candidate (the last good link) is found instead."""
+        for length in sorted(keys, reverse=True):
+            e = self.entries.get(keys[length])
+            if e is not None and e.length == length:
+                chain = self.chain(e)
+                if chain:
+                    return chain
+        return []
+
+    def add(self, entry: Entry) -> None:
+        self.entries[entry.key] = entry
+
+    def touch(self, entries: Iterable[Entry]) -> None:
+        now = time.time()
+        for e in entries:
+            e.last_used = now
+            if e.path is not None:
+                try:
+                    os.utime(e.path)  # recency survives restarts
+                except OSError:
+                    pass
+
+    # ---- eviction --------------------------------------------------------------------------------
+    def ram_bytes(self) -> int:
+        return sum(e.kv_bytes for e in self.entries.values() if e.in_ram)
+
+    def disk_bytes(self) -> int:
+        return sum(e.path.stat().st_size for e in self.entries.values()
+                   if e.path is not None and e.path.exists())
+
+    def _evictable(self, e: Entry, keep_other_tier: bool) -> bool:
+        return e.pins == 0 and not e.saving and (keep_other_tier or not self.children(e.key))
+
+    def evict_ram(self, extra: int = 0) -> list[int]:
+        """Snapshot ids to drop from the shards so the RAM tier fits its cap (`extra` more)."""
+        dropped = []
+        while self.ram_bytes() + extra > self.ram_cap:
+            cands = sorted((e for e in self.entries.values() if e.in_ram and
+                            self._evictable(e, e.path is not None)), key=lambda e: e.last_used)
+            if not cands:
+                break
+            e = cands[0]
+            dropped.append(e.ram_id)
+            e.ram_id = None
+            self.stats.evicted_ram += 1
+            if e.path is None:
+                del self.entries[e.key]
+        return dropped
+
+    def evict_disk(self) -> None:
+        if self.dir is None:
+            return
+        while self.disk_bytes() > self.disk_cap:
+            cands = sorted((e for e in self.entries.values() if e.path is not None and
+                            self._evictable(e, e.in_ram)), key=lambda e: e.last_used)
+            if not cands:
+                break
+            e = cands[0]
+            self._unlink(e.path)
+            e.path = None
+            self.stats.evicted_disk += 1
+            if not e.in_ram:
+                del self.entries[e.key]
+
+    # ---- disk directory --------------------------------------------------------------------------
+    def path_for(self, key: str) -> Path:
+        assert self.dir is not None
+        return self.dir / f"{key}{SUFFIX}"
+
+    def tmp_path_for(self, key: str) -> Path:
+        assert self.dir is not None
+        return self.dir / f"{key}.{os.getpid()}.tmp"
+
+    def _remove_stale_tmp(self) -> None:
+        """A writer holds an exclusive lock on its .tmp for its whole life: a .tmp we can lock
+        belongs to a dead writer (another live server's files are left alone)."""
+        for p in self.dir.glob("*.tmp"):
+            try:
+                with open(p, "rb") as f:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    p.unlink()
+                    log.info("removed the partial cache file %s of a dead writer", p.name)
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass
+
+    def _scan(self) -> None:
+        """Rebuild the index from the entry files' headers (no tensor data is read)."""
+        t0 = time.perf_counter()
+        found = bad = other = 0
+        for p in sorted(self.dir.glob(f"*{SUFFIX}")):
+            try:
+                layout = read_layout(p)
+            except KVFileError as e:
+                self.quarantine(p, str(e))
+                bad += 1
+                continue
+            m = layout.metadata
+            if m.get("fingerprint") != self.fingerprint:
+                other += 1
+                continue
+            try:
+                e = Entry(key=m["key"], length=int(m["length"]), start=int(m["start"]),
+                          parent=m["parent"] or None, tokens=(), logits=None,
+                          kv_bytes=int(m["kv_bytes"]), path=p, last_used=p.stat().st_mtime)
+            except (KeyError, ValueError) as err:
+                self.quarantine(p, f"metadata: {err}")
+                bad += 1
+                continue
+            if p.name != f"{e.key}{SUFFIX}":
+                self.quarantine(p, "file name does not match its key")
+                bad += 1
+                continue
+            self.entries[e.key] = e
+            found += 1
+        log.info("prefix cache %s: %d entries (%d other models, %d bad) indexed in %.3f s",
+                 self.dir, found, other, bad, time.perf_counter() - t0)
+
+    def quarantine(self, path: Path, why: str) -> None:
+        """Move a bad file aside (kept for inspection, never read again) and log why."""
+        self.stats.bad_files += 1
+        log.warning("prefix cache: %s is unusable (%s); moved aside", path.name, why)
+        try:
+            os.replace(path, path.with_name(path.name + ".bad"))
+        except OSError:
+            self._unlink(path)
+
+    @staticmethod
+    def _unlink(path: Path | None) -> None:
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def drop_entry(self, e: Entry) -> None:
+        """Forget an entry whose file turned out bad (and its now-stranded descendants)."""
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            self.entries.pop(x.key, None)
+            stack.extend(self.children(x.key))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def metadata_for(entry: Entry, fingerprint: str, kv_layout: list[dict], split: list[list[int]]
+                 ) -> dict[str, str]:
+    return {"fingerprint": fingerprint, "key": entry.key, "parent": entry.parent or "",
+            "start": str(entry.start), "length": str(entry.length),
+            "kv_bytes": str(entry.kv_bytes), "kv_layout": json.dumps(kv_layout),
+            "split": json.dumps(split)}

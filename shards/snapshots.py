@@ -1,0 +1,169 @@
+"""A shard's prefix-cache memory: host copies of KV rows, and their disk reads and writes.
+
+`take` copies rows [start, end) of every local layer out of the live KV cache into a host
+buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile; rows below the prompt's
+end never change during decode). `restore` copies them back. `save` writes them, from that
+same memory, into their places in an entry file the coordinator created (no staging copy), in a
+background thread; `load` reads an entry file's rows for this shard's layers straight into the
+live KV cache (CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ipc.kv_file import checksum
+from shards.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Snap:
+    start: int
+    end: int
+    k: torch.Tensor  # (layers, rows, kv_heads, head_dim), host
+    v: torch.Tensor
+    done: Any  # a CUDA event, or None when the copy was synchronous
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, any dtype."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+
+
+class SnapshotStore:
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.device = kv.k.device
+        self.cuda = self.device.type == "cuda"
+        self.entries: dict[int, Snap] = {}
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.results: queue.Queue = queue.Queue()  # finished saves, for the main loop
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.entries.values())
+
+    # ---- RAM tier ---------------------------------------------------------------------------
+    def take(self, entry: int, slot: int, start: int, end: int) -> int:
+        if not 0 <= start < end <= self.kv.max_len:
+            raise ValueError(f"snapshot rows {start}:{end} outside the KV cache")
+        src_k, src_v = self.kv.k[:, slot, start:end], self.kv.v[:, slot, start:end]
+        k = torch.empty(src_k.shape, dtype=src_k.dtype, pin_memory=self.cuda)
+        v = torch.empty(src_v.shape, dtype=src_v.dtype, pin_memory=self.cuda)
+        done = None
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                k.copy_(src_k, non_blocking=True)
+                v.copy_(src_v, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+        else:
+            k.copy_(src_k)
+            v.copy_(src_v)
+        self.entries[entry] = Snap(start, end, k, v, done)
+        return 2 * k.numel() * k.element_size()
+
+    def restore(self, entry: int, slot: int) -> None:
+        s = self.entries[entry]
+        s.wait()
+        self.kv.k[:, slot, s.start:s.end].copy_(s.k, non_blocking=self.cuda)
+        self.kv.v[:, slot, s.start:s.end].copy_(s.v, non_blocking=self.cuda)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def drop(self, entry: int) -> None:
+        self.entries.pop(entry, None)
+
+    # ---- disk tier --------------------------------------------------------------------------
+    def save(self, entry: int, path: str, items: list[dict[str, Any]]) -> None:
+        """Write this shard's tensors of `entry` into `path` at their offsets, in the background.
+        items: {name, layer (local index), kind 'k'|'v', offset}. The outcome goes to
+        `results` as (entry, path, checksums or None, error or None)."""
+        snap = self.entries[entry]
+
+        def run() -> None:
+            try:
+                snap.wait()
+                sums = {}
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    for it in items:
+                        t = (snap.k if it["kind"] == "k" else snap.v)[it["layer"]]
+                        data = _bytes(t)
+                        written = os.pwrite(fd, data, it["offset"])
+                        if written != len(data):
+                            raise OSError(f"short write ({written} of {len(data)} bytes)")
+                        sums[it["name"]] = checksum(data)
+                finally:
+                    os.close(fd)
+                self.results.put((entry, path, sums, None))
+            except Exception as e:  # noqa: BLE001 - reported to the coordinator
+                self.results.put((entry, path, None, f"{type(e).__name__}: {e}"))
+
+        threading.Thread(target=run, name=f"save-{entry}", daemon=True).start()
+
+    def load(self, path: str, slot: int, items: list[dict[str, Any]]) -> int:
+        """Read rows into the live KV cache, verifying checksums. items: {name, layer (local),
+        kind, offset, nbytes, start, end, checksum}. Returns bytes read; raises on a mismatch
+        (the rows read so far are then garbage above the last good link, which is harmless:
+        they are overwritten by the prefill that follows)."""
+        total = 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for it in items:
+                dst = (self.kv.k if it["kind"] == "k" else self.kv.v)[it["layer"], slot,
+                                                                      it["start"]:it["end"]]
+                nbytes = dst.numel() * dst.element_size()
+                if nbytes != it["nbytes"]:
+                    raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
+                                     f"{nbytes} expected by this shard's KV layout")
+                if self.cuda:
+                    buf = self._stage(nbytes)
+                    view = _bytes(buf)
+                else:
+                    buf, view = dst, _bytes(dst)
+                got = os.preadv(fd, [view], it["offset"])
+                if got != nbytes:
+                    raise ValueError(f"{it['name']}: short read ({got} of {nbytes} bytes)")
+                if checksum(view) != it["checksum"]:
+                    raise ValueError(f"{it['name']}: checksum mismatch")
+                if self.cuda:
+                    dst.view(torch.uint8).reshape(-1).copy_(buf.reshape(-1), non_blocking=True)
+                    torch.cuda.current_stream(self.device).synchronize()
+                total += nbytes
+        finally:
+            os.close(fd)
+        return total
+
+    def _stage(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[:nbytes]
+
+
+def entry_path_ok(path: str, cache_dir: str | None) -> bool:
+    """Shards only touch files inside the cache directory they were configured with."""
+    if cache_dir is None:
+        return False
+    p, d = Path(path).resolve(), Path(cache_dir).resolve()
+    return d in p.parents
