@@ -92,13 +92,14 @@ class Layout:
 
 
 def plan(tensors: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> Layout:
-    """Lay out tensors (name, dtype code, shape) back to back, 64-byte aligned."""
+    """Lay out tensors (name, dtype code, shape) back to back in the given order (safetensors
+    allows no gaps; KV tensors first keeps them aligned, the data section starts 64-aligned)."""
     specs: dict[str, TensorSpec] = {}
     pos = 0
     for name, dtype, shape in tensors:
         t = TensorSpec(name, dtype, tuple(shape))
         t.begin, t.end = pos, pos + t.nbytes
-        pos = -(-t.end // ALIGN) * ALIGN
+        pos = t.end
         specs[name] = t
     meta = {"format": FORMAT, "version": VERSION, "created": f"{time.time():.3f}", **metadata}
     layout = Layout(specs, meta)

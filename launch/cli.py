@@ -119,6 +119,17 @@ def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) 
     return 2
 
 
+# ---- cache -----------------------------------------------------------------------------------------
+def cmd_cache(args: argparse.Namespace) -> int:
+    from runtime import cache_admin
+
+    if args.action == "ls":
+        return cache_admin.cmd_ls(args.dir)
+    if args.action == "verify":
+        return cache_admin.cmd_verify(args.dir)
+    return cache_admin.cmd_prune(args.dir, args.max_gb)
+
+
 # ---- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from runtime.config import add_flags
@@ -148,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)
     s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_shard)
+
+    c = sub.add_parser("cache", help="inspect, verify or prune a disk-cache directory")
+    c.add_argument("action", choices=["ls", "verify", "prune"])
+    c.add_argument("dir")
+    c.add_argument("--max-gb", type=float, default=64.0, help="prune: size to shrink to")
+    c.set_defaults(func=cmd_cache)
     return p
 
 

@@ -249,19 +249,21 @@ class CacheManager:
             return have
         if logits is None:
             return None
+        if parent is not None and self.index.entries.get(parent.key) is not parent:
+            parent = None  # evicted meanwhile: the live KV still holds its rows, so go full
         start = parent.length if parent is not None else 0
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
-                  kv_bytes=(length - start) * self.row_bytes)
-        if parent is not None:
-            parent.pins += 1
+                  kv_bytes=(length - start) * self.row_bytes, pins=1)
+        self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+            self._take(e)
+        except BaseException:
+            self.index.entries.pop(e.key, None)
+            raise
         finally:
-            if parent is not None:
-                parent.pins -= 1
-        self._take(e)
-        self.index.add(e)
+            e.pins -= 1
         if self.index.dir is not None:
             self._save(e)
         return e

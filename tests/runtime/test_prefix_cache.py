@@ -1,0 +1,313 @@
+"""Invariant 3: output after a RAM or disk restore equals the cold output; invariant 4 for
+cache files: nothing half-written is ever visible, nothing bad is ever read back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from runtime.cache_admin import verify
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator
+from runtime.reference import ReferenceEngine
+from shards.sampling import SamplingParams
+from tests.helpers import layersplit_shm, shard_children
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_llama):
+    return ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=512)
+
+
+@pytest.fixture(scope="module")
+def prompts(ref):
+    base = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)
+    return base, base + ref.tokenizer.encode(" and then it ran far away into the woods")
+
+
+def cfg(model, n=2, cache_dir=None, **kw):
+    kw = {"max_context": 512, **kw}
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
+                         threads=1, kv_cache_dir=str(cache_dir) if cache_dir else None, **kw)
+
+
+def entries(d: Path) -> list[Path]:
+    return sorted(d.glob("*.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ram_and_disk_hits_equal_cold(tiny_llama, ref, prompts, tmp_path, n):
+    short, longer = prompts
+    want = {id(p): (ref.generate(p, GREEDY).tokens, ref.generate(p, SAMPLED).tokens)
+            for p in prompts}
+    with Coordinator(cfg(tiny_llama, n, tmp_path)) as c:
+        r = c.generate(short, GREEDY)
+        assert (r.cache_tier, r.cached_tokens) == ("none", 0)
+        assert r.tokens == want[id(short)][0]
+        for params, i in ((GREEDY, 0), (SAMPLED, 1)):  # exact hit: no forward pass at all
+            r = c.generate(short, params)
+            assert (r.cache_tier, r.cached_tokens) == ("ram", len(short))
+            assert r.tokens == want[id(short)][i]
+        r = c.generate(longer, SAMPLED)  # partial hit at the last chunk boundary
+        assert r.cache_tier == "ram" and r.cached_tokens == len(short) // CHUNK * CHUNK
+        assert r.tokens == want[id(longer)][1]
+    with Coordinator(cfg(tiny_llama, n, tmp_path)) as c:  # a restart: the disk tier
+        for p in (short, longer):
+            r = c.generate(p, GREEDY)
+            assert r.cache_tier == "disk" and r.cached_tokens == len(p)
+            assert r.tokens == want[id(p)][0]
+        assert c.cache.stats.hits_disk == 2
+        r = c.generate(longer, SAMPLED)  # now from the RAM copy the disk restore left
+        assert r.cache_tier == "ram" and r.tokens == want[id(longer)][1]
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_cross_split_restore(tiny_llama, ref, prompts, tmp_path):
+    short, longer = prompts
+    want = ref.generate(longer, GREEDY).tokens
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+    # 1 shard reads the 2-shard files (and writes the longer prompt's entries), then an uneven
+    # 3-shard split reads the 1-shard file: an exact hit, no forward pass
+    for n, split, cached in ((1, None, len(short) // CHUNK * CHUNK), (3, (1, 3, 2), len(longer))):
+        with Coordinator(cfg(tiny_llama, n, tmp_path, split=split)) as c:
+            r = c.generate(longer, GREEDY)
+            assert r.cache_tier == "disk" and r.cached_tokens == cached
+            assert r.tokens == want
+
+
+def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
+    short, _ = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+        kv_heads, head_dim = c.model_config.num_kv_heads, c.model_config.head_dim
+        vocab = c.model_config.vocab_size
+    files = entries(tmp_path)
+    assert len(files) == 2  # the last chunk boundary, and the whole prompt (a delta child)
+    for f in files:
+        assert verify(f) is None
+        assert (f.stat().st_mode & 0o777) == 0o600
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata()
+            start, length = int(meta["start"]), int(meta["length"])
+            names = set(st.keys())
+            assert names == {f"ls{s}.L{layer}.{k}" for s, layers in ((0, range(3)), (1, range(3, 6)))
+                             for layer in layers for k in "kv"} | {"tokens", "prefill_logits"}
+            assert st.get_tensor("ls1.L4.v").shape == (length - start, kv_heads, head_dim)
+            assert st.get_tensor("tokens").tolist() == short[:length]
+            assert st.get_tensor("prefill_logits").shape == (vocab,)
+            assert json.loads(meta["split"]) == [[0, 3], [3, 6]]
+            assert set(json.loads(meta["checksums"])) == names
+            for key in ("fingerprint", "key", "parent", "kv_layout", "created", "version"):
+                assert key in meta
+    child = [f for f in files if safe_open(str(f), "pt").metadata()["parent"]]
+    assert len(child) == 1
+
+
+@pytest.mark.slow
+def test_ten_turn_chat_writes_only_new_rows(tiny_llama, ref, tmp_path):
+    tok = ref.tokenizer
+    msgs = [{"role": "system", "content": "You answer briefly."}]
+    turns = []
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        row_bytes = c.cache.row_bytes
+        for i in range(10):
+            msgs.append({"role": "user", "content": f"question number {i} about foxes"})
+            prompt = tok.encode_chat(msgs)
+            before = c.cache.stats.bytes_written
+            r = c.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+            c._finish_saves(30)
+            written = c.cache.stats.bytes_written - before
+            turns.append((prompt, r, written))
+            msgs.append({"role": "assistant", "content": r.text})
+    for i, (prompt, r, written) in enumerate(turns):
+        assert r.tokens == ref.generate(prompt, SamplingParams(max_tokens=6,
+                                                               ignore_eos=True)).tokens
+        if i:
+            assert r.cache_tier == "ram" and r.cached_tokens > 0
+            new_rows = len(prompt) - r.cached_tokens
+            # only rows after the restored prefix are written (plus tokens, logits, headers)
+            assert written < (new_rows + 4) * row_bytes + 2 * (len(prompt) * 4 + 1400 + 4096)
+            assert written < len(prompt) * row_bytes  # never the whole prefix again
+    last_prompt = turns[-1][0]
+    want = ref.generate(last_prompt, GREEDY).tokens
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:  # restart: through the chain
+        r = c.generate(last_prompt, GREEDY)
+        assert r.cache_tier == "disk" and r.cached_tokens == len(last_prompt)
+        assert r.tokens == want
+        chain = c.cache.index.chain(c.cache.index.entries[
+            c.cache.keys(last_prompt, [len(last_prompt)])[len(last_prompt)]])
+        assert len(chain) >= 8
+        middle = chain[len(chain) // 2]
+    middle.path.unlink()  # a missing middle link: restore stops at the last good one
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        r = c.generate(last_prompt, GREEDY)
+        assert r.cache_tier == "disk" and r.cached_tokens == middle.start
+        assert r.tokens == want
+
+
+def _corrupt(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "flip":
+        data[8 + n + 10] ^= 0xFF  # inside the first KV tensor
+        path.write_bytes(bytes(data))
+    elif how == "header":
+        data[8:8 + n] = bytes(data[8:8 + n]).replace(b'"version":"1"', b'"version":"9"')
+        path.write_bytes(bytes(data))
+    elif how == "garbage":
+        path.write_bytes(b"\x00" * 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncate", "flip", "header", "garbage"])
+def test_corrupt_files_are_misses(tiny_llama, ref, prompts, tmp_path, how, caplog):
+    short, longer = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+    root = [f for f in entries(tmp_path) if not safe_open(str(f), "pt").metadata()["parent"]][0]
+    _corrupt(root, how)
+    caplog.set_level(logging.WARNING)
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        r = c.generate(longer, GREEDY)
+        assert r.tokens == ref.generate(longer, GREEDY).tokens
+        assert r.cache_tier == "none" and r.cached_tokens == 0
+        assert c.cache.stats.bad_files >= 1
+    assert any("unusable" in m or "mismatch" in m for m in caplog.messages)
+    assert not root.exists() and root.with_name(root.name + ".bad").exists()
+
+
+@pytest.mark.slow
+def test_entries_of_another_model_are_ignored(tiny_models, ref, prompts, tmp_path):
+    short, _ = prompts
+    with Coordinator(cfg(tiny_models["llama-linear-rope"], 2, tmp_path)) as c:
+        c.generate(short[:40], GREEDY)
+    other = entries(tmp_path)
+    with Coordinator(cfg(tiny_models["llama"], 2, tmp_path)) as c:
+        r = c.generate(short[:40], GREEDY)
+        assert r.cache_tier == "none"
+        assert r.tokens == ref.generate(short[:40], GREEDY).tokens
+    assert all(p.exists() for p in other)  # another model's files are left alone
+
+
+def _cli(model, prompt, cache_dir, *extra):
+    return [sys.executable, "-m", "launch.cli", "generate", prompt, "--model", str(model),
+            "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", str(CHUNK),
+            "--kv-cache-dir", str(cache_dir), "--json", *extra]
+
+
+@pytest.mark.slow
+def test_restart_persistence_via_cli(tiny_llama, ref, tmp_path):
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    longer = text + "and then it ran far away"
+    # a server-like run stopped with SIGTERM while it decodes: saves still complete
+    p = subprocess.Popen(_cli(tiny_llama, text, tmp_path, "--max-tokens", "100000",
+                              "--ignore-eos"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while len(entries(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    p.wait(30)
+    assert len(entries(tmp_path)) == 2 and all(verify(f) is None for f in entries(tmp_path))
+    for prompt in (text, longer):
+        out = subprocess.run(_cli(tiny_llama, prompt, tmp_path, "--max-tokens", "8",
+                                  "--ignore-eos"), capture_output=True, text=True, timeout=120)
+        res = json.loads(out.stdout)
+        ids = ref.tokenizer.encode(prompt)
+        assert res["cache_tier"] == "disk"
+        assert res["cached_tokens"] == (len(ids) if prompt == text else
+                                        len(ref.tokenizer.encode(text)) // CHUNK * CHUNK)
+        assert res["tokens"] == ref.generate(ids, SamplingParams(max_tokens=8,
+                                                                 ignore_eos=True)).tokens
+
+
+@pytest.mark.slow
+def test_kill9_mid_save_leaves_no_partial_entry(tiny_llama, ref, tmp_path):
+    text = "a rather long prompt about foxes and dogs and cats " * 30
+    before = layersplit_shm()
+    for _ in range(3):
+        p = subprocess.Popen(_cli(tiny_llama, text, tmp_path, "--max-tokens", "100000",
+                                  "--ignore-eos", "--max-context", "4096"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("*.tmp")) and not entries(tmp_path) and \
+                time.monotonic() < deadline:
+            time.sleep(0.001)
+        p.kill()
+        p.wait(10)
+        time.sleep(1.0)  # the orphaned shards notice and exit
+        for f in entries(tmp_path):  # whatever is visible is complete and correct
+            assert verify(f) is None, f
+    with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=4096)) as c:
+        assert not list(tmp_path.glob("*.tmp"))  # dead writers' partial files are removed
+        ids = ref.tokenizer.encode(text)
+        r = c.generate(ids, GREEDY)
+        big_ref = ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=4096)
+        assert r.tokens == big_ref.generate(ids, GREEDY).tokens
+    assert shard_children() == [] and layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_two_servers_share_a_directory(tiny_llama, ref, prompts, tmp_path):
+    short, longer = prompts
+    with Coordinator(cfg(tiny_llama, 1, tmp_path)) as a, \
+            Coordinator(cfg(tiny_llama, 2, tmp_path)) as b:
+        ra = a.generate(short, GREEDY)
+        rb = b.generate(short, GREEDY)  # same keys, written twice: atomic renames, same bytes
+        a._finish_saves(30)
+        b._finish_saves(30)
+        assert ra.tokens == rb.tokens
+        assert all(verify(f) is None for f in entries(tmp_path))
+        # a fresh server on the same directory does not delete the others' files
+        with Coordinator(cfg(tiny_llama, 1, tmp_path)) as c:
+            assert c.generate(longer, GREEDY).cache_tier == "disk"
+        assert len(entries(tmp_path)) >= 2
+
+
+@pytest.mark.slow
+def test_size_caps_evict_leaves_first(tiny_llama, ref, tmp_path):
+    tok = ref.tokenizer
+    with Coordinator(cfg(tiny_llama, 2, tmp_path, kv_cache_max_gb=60e3 / 2**30,
+                         cache_ram_gb=40e3 / 2**30)) as c:
+        for i in range(6):
+            c.generate(tok.encode(f"prompt {i} " * 20), GREEDY)
+            c._finish_saves(30)
+            idx = c.cache.index
+            assert idx.disk_bytes() <= 60e3 and idx.ram_bytes() <= 40e3
+            for e in idx.entries.values():  # no child without its parent
+                assert e.parent is None or e.parent in idx.entries
+        assert c.cache.stats.evicted_disk > 0 and c.cache.stats.evicted_ram > 0
+
+
+def test_cache_cli(tiny_llama, prompts, tmp_path):
+    short, _ = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "launch.cli", "cache", *a],  # noqa
+                                    capture_output=True, text=True, timeout=60)
+    out = run("ls", str(tmp_path))
+    assert out.returncode == 0 and "2 entries" in out.stdout
+    assert run("verify", str(tmp_path)).returncode == 0
+    _corrupt(entries(tmp_path)[0], "flip")
+    bad = run("verify", str(tmp_path))
+    assert bad.returncode == 1 and "checksum mismatch" in bad.stdout
+    out = run("prune", str(tmp_path), "--max-gb", "0")
+    assert out.returncode == 0 and entries(tmp_path) == []
