@@ -45,6 +45,7 @@ class SaveJob:
     waiting: set[int]
     sums: dict[str, str]
     failed: str | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class CacheManager:
         self.prefill_rate: float | None = None  # tokens/s, measured
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
+        self.deferred_takes: list[Entry] = []
 
     # ---- keys ---------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
@@ -192,10 +194,20 @@ class CacheManager:
         nbytes = sum(r["info"]["bytes"] for r in replies)
         dt = time.perf_counter() - t0
         self.stats.bytes_restored_disk += nbytes
+        self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
-        self._take(e)  # keep a RAM copy: the next hit needs no disk read
+        self.deferred_takes.append(e)  # a RAM copy, once the first token is out
         return True
+
+    def take_deferred(self) -> None:
+        """RAM copies of entries just restored from disk (after the first token: the rows
+        below the prompt's end do not change while the sequence decodes)."""
+        while self.deferred_takes:
+            e = self.deferred_takes.pop()
+            if self.index.entries.get(e.key) is e and not e.in_ram:
+                self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+                self._take(e)
 
     def _check_tokens(self, e: Entry, layout, prompt: Sequence[int]) -> None:
         t = layout.tensors.get("tokens")
@@ -353,10 +365,11 @@ class CacheManager:
             os.fsync(job.fd)
             os.replace(job.tmp, final)
             fsync_dir(final.parent)
-            self.done.put((job.entry, final, job.layout.file_size, None))
+            self.done.put((job.entry, final, job.layout.file_size, None,
+                           time.perf_counter() - job.started))
         except OSError as err:
             job.tmp.unlink(missing_ok=True)
-            self.done.put((job.entry, None, 0, str(err)))
+            self.done.put((job.entry, None, 0, str(err), 0.0))
         finally:
             os.close(job.fd)  # releases the writer's lock
 
@@ -364,7 +377,7 @@ class CacheManager:
         """Apply finished saves to the index (main thread only), then the size caps."""
         changed = False
         while not self.done.empty():
-            e, path, size, err = self.done.get_nowait()
+            e, path, size, err, seconds = self.done.get_nowait()
             e.saving = False
             changed = True
             if err is not None:
@@ -374,6 +387,7 @@ class CacheManager:
             e.path = path
             self.stats.saves += 1
             self.stats.bytes_written += size
+            self.stats.save_s += seconds
         if changed:
             self.index.evict_disk()
             self.enforce_ram_cap()

@@ -46,6 +46,19 @@ POLL_MS = 50
 REMOTE_CONNECT_S = 30.0
 
 
+def _after_first(tokens: Iterator[int], fn) -> Iterator[int]:
+    """Run `fn` once the first token has been handed out."""
+    first = True
+    try:
+        for t in tokens:
+            yield t
+            if first:
+                first = False
+                fn()
+    finally:
+        tokens.close()
+
+
 class ShardFailure(RuntimeError):
     """A shard died, hung, or reported an error; the message names the shard."""
 
@@ -483,6 +496,8 @@ class Coordinator:
                             start_logits=restored.logits, context=self.config.max_context,
                             on_prefill_boundary=on_boundary if points else None,
                             logits_at=points)
+        if cache is not None and cache.deferred_takes:
+            toks = _after_first(toks, cache.take_deferred)
         return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams,

@@ -57,7 +57,9 @@ class CacheStats:
     tokens_restored: int = 0
     restore_s: float = 0.0
     bytes_restored_disk: int = 0
+    disk_read_s: float = 0.0
     bytes_written: int = 0
+    save_s: float = 0.0  # from the RAM snapshot to the renamed file, summed
     saves: int = 0
     save_errors: int = 0
     bad_files: int = 0

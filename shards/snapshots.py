@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ class SnapshotStore:
         self.entries: dict[int, Snap] = {}
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.results: queue.Queue = queue.Queue()  # finished saves, for the main loop
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None, None]
 
     @property
     def nbytes(self) -> int:
@@ -125,40 +126,64 @@ class SnapshotStore:
     def load(self, path: str, slot: int, items: list[dict[str, Any]]) -> int:
         """Read rows into the live KV cache, verifying checksums. items: {name, layer (local),
         kind, offset, nbytes, start, end, checksum}. Returns bytes read; raises on a mismatch
-        (the rows read so far are then garbage above the last good link, which is harmless:
-        they are overwritten by the prefill that follows)."""
-        total = 0
+        (rows read so far are then garbage above the last good link, which is harmless: the
+        prefill that follows overwrites them).
+
+        Pipelined: a reader thread fetches tensor i+1 while tensor i is hashed (and, on a GPU,
+        copied to the device from one of two pinned buffers)."""
+        dsts = []
+        for it in items:
+            dst = (self.kv.k if it["kind"] == "k" else self.kv.v)[it["layer"], slot,
+                                                                  it["start"]:it["end"]]
+            if dst.numel() * dst.element_size() != it["nbytes"]:
+                raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
+                                 f"{dst.numel() * dst.element_size()} expected by this shard")
+            dsts.append(dst)
         fd = os.open(path, os.O_RDONLY)
+        pool = ThreadPoolExecutor(1)
+        events: list[Any] = [None, None]
         try:
-            for it in items:
-                dst = (self.kv.k if it["kind"] == "k" else self.kv.v)[it["layer"], slot,
-                                                                      it["start"]:it["end"]]
-                nbytes = dst.numel() * dst.element_size()
-                if nbytes != it["nbytes"]:
-                    raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
-                                     f"{nbytes} expected by this shard's KV layout")
+            def fetch(i: int) -> memoryview:
+                it = items[i]
                 if self.cuda:
-                    buf = self._stage(nbytes)
-                    view = _bytes(buf)
+                    if events[i % 2] is not None:
+                        events[i % 2].synchronize()  # the buffer's last copy has left
+                    view = _bytes(self._stage(i % 2, it["nbytes"]))
                 else:
-                    buf, view = dst, _bytes(dst)
+                    view = _bytes(dsts[i])
                 got = os.preadv(fd, [view], it["offset"])
-                if got != nbytes:
-                    raise ValueError(f"{it['name']}: short read ({got} of {nbytes} bytes)")
+                if got != it["nbytes"]:
+                    raise ValueError(f"{it['name']}: short read ({got} of {it['nbytes']} bytes)")
+                return view
+
+            nxt = pool.submit(fetch, 0) if items else None
+            for i, it in enumerate(items):
+                view = nxt.result()
+                nxt = pool.submit(fetch, i + 1) if i + 1 < len(items) else None
                 if checksum(view) != it["checksum"]:
                     raise ValueError(f"{it['name']}: checksum mismatch")
                 if self.cuda:
-                    dst.view(torch.uint8).reshape(-1).copy_(buf.reshape(-1), non_blocking=True)
-                    torch.cuda.current_stream(self.device).synchronize()
-                total += nbytes
+                    src = self._staging[i % 2][:it["nbytes"]]
+                    dsts[i].view(torch.uint8).reshape(-1).copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.device))
+                    events[i % 2] = ev
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
         finally:
+            if nxt is not None:
+                try:
+                    nxt.result()
+                except Exception:  # noqa: BLE001 - the first error was already raised
+                    pass
+            pool.shutdown()
             os.close(fd)
-        return total
+        return sum(it["nbytes"] for it in items)
 
-    def _stage(self, nbytes: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._staging[:nbytes]
+    def _stage(self, which: int, nbytes: int) -> torch.Tensor:
+        if self._staging[which] is None or self._staging[which].numel() < nbytes:
+            self._staging[which] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._staging[which][:nbytes]
 
 
 def entry_path_ok(path: str, cache_dir: str | None) -> bool:

@@ -1,0 +1,144 @@
+"""Prefix cache: TTFT of a cold prefill vs a RAM-tier restore vs a disk restore after a restart
+(page cache cold and warm), restore GB/s next to a raw sequential read of the same files, and
+save GB/s next to a raw write, all in one run.
+
+    python bench/prefix_cache.py --model default --devices cpu,cpu --lengths 1024,4096,8000
+    python bench/prefix_cache.py --model random:qwen3-8b --devices cuda:0,cuda:1 --lengths 8192,32768
+
+Each length uses a prompt of that many tokens, repeated exactly (an exact hit restores every
+row and samples from the stored logits: its TTFT is the restore itself). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.coordinator import Coordinator  # noqa: E402
+from shards.sampling import SamplingParams  # noqa: E402
+
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(files: list[Path]) -> tuple[int, float]:
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    total, t0 = 0, time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [view]):
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def raw_write(directory: Path, nbytes: int) -> float:
+    p = directory / "raw-write.bin"
+    chunk = os.urandom(1 << 20) * 64
+    t0 = time.perf_counter()
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[:min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t0
+    p.unlink()
+    return nbytes / dt
+
+
+def ttft(coord: Coordinator, prompt: list[int]) -> tuple[float, str, int]:
+    t0 = time.perf_counter()
+    r = coord.generate(prompt, ONE)
+    return time.perf_counter() - t0, r.cache_tier, r.cached_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--devices", default="cpu,cpu")
+    ap.add_argument("--lengths", default="1024,4096,8000")
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--dir", default=None, help="cache directory (default: a temporary one)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    root = Path(args.dir or tempfile.mkdtemp(prefix="lsbench-"))
+    rows = []
+    for n in lengths:
+        d = root / f"kv{n}"
+        shutil.rmtree(d, ignore_errors=True)
+        cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")),
+                            max_context=n + 64, prefill_chunk=args.prefill_chunk,
+                            kv_cache_dir=str(d), cache_ram_gb=64)
+        prompt = [(i * 7919) % 30000 + 10 for i in range(n)]
+        row: dict = {"tokens": n}
+        with Coordinator(cfg) as c:
+            warm = [(i * 104729) % 30000 + 10 for i in range(min(n, 2 * args.prefill_chunk))]
+            c.generate(warm, ONE, use_cache=False)  # warm up kernels and allocators
+            row["cold_s"], _, _ = ttft(c, prompt)
+            c._finish_saves(600)
+            row["ram_s"], tier, cached = ttft(c, prompt)
+            assert tier == "ram" and cached == n, (tier, cached)
+            st = c.cache.stats
+            row["save_GBps"] = st.bytes_written / max(st.save_s, 1e-9) / 1e9
+            row["file_bytes"] = st.bytes_written
+        files = sorted(d.glob("*.safetensors"))
+        for label in ("disk_cold", "disk_warm"):
+            if label == "disk_cold":
+                drop_page_cache(files)
+            with Coordinator(cfg) as c:
+                row[f"{label}_s"], tier, cached = ttft(c, prompt)
+                assert tier == "disk" and cached == n, (tier, cached)
+                row[f"{label}_GBps"] = c.cache.stats.bytes_restored_disk / max(
+                    c.cache.stats.disk_read_s, 1e-9) / 1e9
+        drop_page_cache(files)
+        nbytes, dt = raw_read(files)
+        row["raw_read_cold_GBps"] = nbytes / dt / 1e9
+        nbytes, dt = raw_read(files)
+        row["raw_read_warm_GBps"] = nbytes / dt / 1e9
+        row["raw_write_GBps"] = raw_write(d, row["file_bytes"]) / 1e9
+        rows.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nprefix cache, {args.model} on {args.devices}; TTFT of an exact repeat "
+          "(restore + first token)")
+    print(f"{'tokens':>7} {'cold ms':>9} {'RAM ms':>8} {'disk cold ms':>12} {'disk warm ms':>12} "
+          f"{'disk/cold':>9} {'restore GB/s cold|warm':>22} {'raw read cold|warm':>19} "
+          f"{'save GB/s':>9} {'raw write':>9}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['cold_s'] * 1e3:>9.1f} {r['ram_s'] * 1e3:>8.1f} "
+              f"{r['disk_cold_s'] * 1e3:>12.1f} {r['disk_warm_s'] * 1e3:>12.1f} "
+              f"{r['disk_cold_s'] / r['cold_s']:>9.3f} "
+              f"{r['disk_cold_GBps']:>10.2f} | {r['disk_warm_GBps']:<9.2f} "
+              f"{r['raw_read_cold_GBps']:>8.2f} | {r['raw_read_warm_GBps']:<8.2f} "
+              f"{r['save_GBps']:>9.2f} {r['raw_write_GBps']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
