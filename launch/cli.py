@@ -78,6 +78,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serve ---------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime.config import from_args
+
+    try:
+        from runtime.server import serve
+    except ImportError as e:
+        print(f"layersplit serve needs the server extra: pip install 'layersplit[server]' ({e})",
+              file=sys.stderr)
+        return 2
+    return serve(from_args(args))
+
+
 # ---- shard ---------------------------------------------------------------------------------------
 def cmd_shard(args: argparse.Namespace) -> int:
     from ipc.auth import load_secret
@@ -145,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(g)
     _sampling_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_flags(v)
+    v.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("shard", help="run one shard (started by hand on another host)")
     s.add_argument("--listen", required=True, help="tcp://HOST:PORT (loopback unless told)")

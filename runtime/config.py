@@ -63,6 +63,14 @@ class RuntimeConfig:
                                          "(loopback)")
     secret_file: str | None = _field(None, "file holding the shared secret for remote shards "
                                            "(else $LAYERSPLIT_SECRET)")
+    host: str = _field("127.0.0.1", "serve: address to bind (loopback unless told otherwise)")
+    port: int = _field(8000, "serve: TCP port")
+    api_key: str | None = _field(None, "serve: require 'Authorization: Bearer KEY' on /v1/*")
+    served_model_name: str | None = _field(None, "serve: the model id clients use "
+                                                  "(default: from the model path)")
+    restart_on_failure: bool = _field(True, "serve: restart the shard group after a shard "
+                                            "failure (else exit)")
+    grace_s: float = _field(30.0, "serve: seconds in-flight requests get on SIGTERM")
     startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
     step_timeout: float = _field(600.0, "seconds a single step may take before the shard is "
                                         "declared hung")

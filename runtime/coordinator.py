@@ -95,6 +95,7 @@ class Coordinator:
         self._ctx = context()
         self.session = os.urandom(16)
         self._poller = zmq.Poller()
+        self.step_observer = None  # (kind, seconds) -> None, e.g. a metrics histogram
         self.cache: CacheManager | None = None
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
@@ -436,8 +437,11 @@ class Coordinator:
             time.monotonic() + self.config.step_timeout, f"step {sid}", sid)
         if msg["has_logits"] and logits is None:
             raise self._fail("the last shard sent a result without its logits")
+        dt = time.perf_counter() - t_step
         if self.cache is not None and len(ids) > 1:
-            self.cache.note_prefill(len(ids), time.perf_counter() - t_step)
+            self.cache.note_prefill(len(ids), dt)
+        if self.step_observer is not None:
+            self.step_observer("prefill" if len(ids) > 1 else "decode", dt)
         return StepOutput(msg["token"], None if logits is None else logits.numpy().copy())
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,

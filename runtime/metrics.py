@@ -1,0 +1,47 @@
+"""Prometheus metrics of the server (prometheus-client), one registry per server instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+                   2.5, 5, 10, 20, 40, 80)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("layersplit_requests", "HTTP requests, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("layersplit_time_to_first_token_seconds",
+                              "request arrival to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("layersplit_inter_token_latency_seconds",
+                             "time between streamed tokens", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.prompt_tokens = Counter("layersplit_prompt_tokens", "prompt tokens received",
+                                     registry=r)
+        self.generated_tokens = Counter("layersplit_generation_tokens", "tokens generated",
+                                        registry=r)
+        self.decode_tok_s = Gauge("layersplit_decode_tokens_per_second",
+                                  "decode speed of the last finished request", registry=r)
+        self.queue = Gauge("layersplit_queue_depth", "requests waiting for the engine",
+                           registry=r)
+        self.cache_hits = Counter("layersplit_prefix_cache_hits", "prefix-cache hits by tier",
+                                  ["tier"], registry=r)
+        self.cache_misses = Counter("layersplit_prefix_cache_misses", "prefix-cache misses",
+                                    registry=r)
+        self.cached_tokens = Counter("layersplit_prefix_cache_restored_tokens",
+                                     "prompt tokens served from the prefix cache", registry=r)
+        self.cache_bytes_written = Gauge("layersplit_prefix_cache_bytes_written",
+                                         "bytes written to the disk tier", registry=r)
+        self.acceptance = Histogram("layersplit_spec_acceptance_length",
+                                    "tokens committed per speculative verify step",
+                                    buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16),
+                                    registry=r)
+        self.step_time = Histogram("layersplit_step_seconds", "one forward step through the "
+                                   "shard chain, by kind", ["kind"], buckets=LATENCY_BUCKETS,
+                                   registry=r)
+        self.shard_restarts = Counter("layersplit_shard_restarts",
+                                      "restarts of the shard group after a failure", registry=r)
+        self.up = Gauge("layersplit_ready", "1 when the engine serves requests", registry=r)

@@ -1,0 +1,146 @@
+"""OpenAI-compatible request bodies: parsing and validation, with errors that name the field.
+
+Unsupported parameters are rejected (400) when they would change the output and ignored when
+they would not (`user`, `logit_bias` of `{}`), as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shards.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A bad request; rendered as OpenAI's error JSON with `param` naming the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.type, self.code = param, status, type_, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    use_cache: bool
+    speculative: bool | None
+
+
+def _get(body: dict, name: str, types: tuple, default: Any = None, allow_none: bool = True):
+    if name not in body or (body[name] is None and allow_none):
+        return default
+    v = body[name]
+    if isinstance(v, bool) and bool not in types:
+        raise RequestError(f"'{name}' must be {' or '.join(t.__name__ for t in types)}", name)
+    if not isinstance(v, types):
+        raise RequestError(f"'{name}' must be {' or '.join(t.__name__ for t in types)}, "
+                           f"got {type(v).__name__}", name)
+    return v
+
+
+_REJECT_IF = {  # parameter -> the value that is harmless (anything else is refused)
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "n": (None, 1),
+}
+
+
+def parse(body: Any, kind: str, served_model: str) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    for name, harmless in _REJECT_IF.items():
+        if name in body and body[name] not in harmless:
+            if name == "response_format" and body[name] in ({"type": "text"},):
+                continue
+            raise RequestError(f"'{name}'={body[name]!r} is not supported by this server", name)
+    model = _get(body, "model", (str,), served_model)
+    if model != served_model:
+        raise RequestError(f"the model '{model}' does not exist; this server serves "
+                           f"'{served_model}'", "model", status=404, code="model_not_found")
+    prompt_text = prompt_ids = messages = None
+    if kind == "completion":
+        if "prompt" not in body:
+            raise RequestError("'prompt' is required", "prompt")
+        p = body["prompt"]
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, str):
+            prompt_text = p
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                         for t in p):
+            prompt_ids = list(p)
+        else:
+            raise RequestError("'prompt' must be a string or a list of token ids (one prompt "
+                               "per request)", "prompt")
+    else:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError("'messages' must be a non-empty list", "messages")
+        messages = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a 'role'",
+                                   f"messages[{i}]")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}]
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise RequestError(f"messages[{i}].content: only text parts are "
+                                           "supported", f"messages[{i}].content")
+                    parts.append(str(part.get("text", "")))
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise RequestError(f"messages[{i}].content must be a string",
+                                   f"messages[{i}].content")
+            messages.append({"role": m["role"], "content": content})
+    default_max = 16 if kind == "completion" else None
+    max_tokens = _get(body, "max_tokens", (int,), None)
+    if kind == "chat":
+        max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else 1 << 30
+    if max_tokens < 0:
+        raise RequestError("'max_tokens' must be >= 0", "max_tokens")
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    if not 0 <= temperature <= 2:
+        raise RequestError("'temperature' must be between 0 and 2", "temperature")
+    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    if not 0 < top_p <= 1:
+        raise RequestError("'top_p' must be in (0, 1]", "top_p")
+    top_k = _get(body, "top_k", (int,), 0)
+    if top_k < 0 and top_k != -1:
+        raise RequestError("'top_k' must be >= 0 (0 or -1: off)", "top_k")
+    seed = _get(body, "seed", (int,), None)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > 4:
+        raise RequestError("'stop' must be a string or a list of up to 4 strings", "stop")
+    stream = _get(body, "stream", (bool,), False)
+    opts = _get(body, "stream_options", (dict,), {})
+    include_usage = bool(opts.get("include_usage", False))
+    use_cache = _get(body, "use_cache", (bool,), True)
+    speculative = _get(body, "speculative", (bool,), None)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                            top_k=max(top_k, 0), top_p=top_p, seed=seed, stop=tuple(stop),
+                            ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)))
+    return ParsedRequest(kind, model, prompt_text, prompt_ids, messages, params, stream,
+                         include_usage, use_cache, speculative)

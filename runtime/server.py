@@ -1,0 +1,420 @@
+"""`layersplit serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the runtime.
+
+One engine thread owns the coordinator (its sockets are used from that thread only) and serves
+queued requests in arrival order, one sequence at a time; HTTP handlers talk to it through
+thread-safe queues. A client that disconnects cancels its request at the next token. A shard
+failure fails the requests in flight with 503, `/health` reports it, and the shard group is
+restarted (or the server exits, with `restart_on_failure = false`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator, ShardFailure
+from runtime.generate import Progress
+from runtime.metrics import Metrics
+from runtime.openai_api import ParsedRequest, RequestError, parse
+
+log = logging.getLogger("layersplit.server")
+
+
+@dataclasses.dataclass
+class Job:
+    req: ParsedRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+    def emit(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            self.cancelled = True
+
+
+class Engine:
+    """The coordinator, its request queue and its health, on a thread of its own."""
+
+    def __init__(self, config: RuntimeConfig, metrics: Metrics) -> None:
+        self.config, self.metrics = config, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.status, self.reason = "loading", "starting the shards"
+        self.coord: Coordinator | None = None
+        self.served_model = config.served_model_name or _model_name(config.model)
+        self.tokenizer = None
+        self.max_context = config.max_context
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self.fatal: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Finish or cancel what is in flight within the grace period, then stop the shards."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while not self.jobs.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while True:  # what did not start in time is cancelled
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(("error", 503, "the server is shutting down"))
+        self.jobs.put(None)
+        self._thread.join(max(1.0, deadline - time.monotonic()) + 150)
+
+    def submit(self, job: Job) -> None:
+        if self.status != "ready":
+            raise RequestError(f"the engine is {self.status}: {self.reason}", None, status=503,
+                               type_="service_unavailable")
+        self.jobs.put(job)
+        self.metrics.queue.set(self.jobs.qsize())
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _boot(self) -> None:
+        self.status, self.reason = "loading", "starting the shards"
+        self.metrics.up.set(0)
+        coord = Coordinator(self.config)
+        coord.start()
+        coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
+        self.coord, self.tokenizer = coord, coord.tokenizer
+        self.status, self.reason = "ready", ""
+        self.metrics.up.set(1)
+
+    def _run(self) -> None:
+        try:
+            self._boot()
+        except Exception as e:  # noqa: BLE001 - reported through /health and the exit path
+            log.error("could not start the shards: %s", e)
+            self.status, self.reason, self.fatal = "degraded", str(e), str(e)
+            _exit_soon()
+            return
+        while True:
+            job = self.jobs.get()
+            self.metrics.queue.set(self.jobs.qsize())
+            if job is None:
+                break
+            if job.cancelled:
+                continue
+            try:
+                self._serve(job)
+            except ShardFailure as e:
+                job.emit(("error", 503, str(e)))
+                self._recover(str(e))
+        if self.coord is not None:
+            self.coord.close()
+            self.coord = None
+
+    def _recover(self, why: str) -> None:
+        self.status, self.reason = "degraded", why
+        self.metrics.up.set(0)
+        if self.coord is not None:
+            self.coord.close()
+            self.coord = None
+        if self._stopping:
+            return
+        if not self.config.restart_on_failure:
+            log.error("a shard failed (%s); exiting (restart_on_failure is off)", why)
+            self.fatal = why
+            _exit_soon()
+            return
+        log.warning("a shard failed (%s); restarting the shard group", why)
+        self.metrics.shard_restarts.inc()
+        while not self._stopping:
+            try:
+                self._boot()
+                return
+            except Exception as e:  # noqa: BLE001 - keep trying, report via /health
+                self.status, self.reason = "degraded", f"restart failed: {e}"
+                log.error("restart of the shard group failed: %s; retrying in 5 s", e)
+                time.sleep(5)
+
+    def _serve(self, job: Job) -> None:
+        coord, req = self.coord, job.req
+        try:
+            if req.kind == "chat":
+                ids = coord.tokenizer.encode_chat(req.messages)
+            elif req.prompt_ids is not None:
+                ids = req.prompt_ids
+            else:
+                ids = coord.tokenizer.encode(req.prompt_text)
+            if len(ids) >= coord.config.max_context:
+                field = "messages" if req.kind == "chat" else "prompt"
+                raise RequestError(f"the prompt has {len(ids)} tokens; this server's context "
+                                   f"is {coord.config.max_context} tokens", field)
+            coord.check_prompt(ids)
+        except (RequestError, ValueError) as e:
+            err = e if isinstance(e, RequestError) else RequestError(str(e), "prompt")
+            job.emit(("error", err.status, err))
+            return
+        progress = Progress()
+        self.metrics.prompt_tokens.inc(len(ids))
+        deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache)
+        last = None
+        try:
+            for d in deltas:
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - job.arrived)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                if job.cancelled:
+                    break
+                job.emit(("delta", d.text))
+        finally:
+            deltas.close()
+        n = len(progress.generated)
+        self.metrics.generated_tokens.inc(n)
+        if progress.decode_tok_s:
+            self.metrics.decode_tok_s.set(progress.decode_tok_s)
+        if progress.cache_tier != "none":
+            self.metrics.cache_hits.labels(progress.cache_tier).inc()
+            self.metrics.cached_tokens.inc(progress.cached_tokens)
+        elif req.use_cache and coord.cache is not None:
+            self.metrics.cache_misses.inc()
+        if coord.cache is not None:
+            self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
+        job.emit(("done", {
+            "finish_reason": "cancelled" if job.cancelled else progress.finish_reason,
+            "prompt_tokens": len(ids), "completion_tokens": n,
+            "cached_tokens": progress.cached_tokens,
+        }))
+
+
+def _model_name(model: str) -> str:
+    if model in ("default", ""):
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(str(model).rstrip("/")) or str(model)
+
+
+def _exit_soon() -> None:
+    """Stop the server process (uvicorn shuts down on SIGTERM)."""
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+
+
+def _error(e: RequestError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(config: RuntimeConfig) -> FastAPI:
+    metrics = Metrics()
+    engine = Engine(config, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.stop, config.grace_s)
+
+    app = FastAPI(title="layersplit", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if config.api_key and path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if got != f"Bearer {config.api_key}":
+                resp = _error(RequestError("invalid or missing API key (Authorization: Bearer "
+                                           "...)", None, status=401,
+                                           type_="authentication_error"))
+                metrics.requests.labels(path, "401").inc()
+                return resp
+        response = await call_next(request)
+        if path.startswith("/v1/"):
+            metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": engine.status}
+        if engine.reason:
+            body["reason"] = engine.reason
+        return JSONResponse(body, status_code=200 if engine.status == "ready" else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": engine.served_model, "object": "model", "created": int(time.time()),
+            "owned_by": "layersplit", "max_model_len": config.max_context}]})
+
+    async def handle(request: Request, kind: str):
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                raise RequestError(f"the body is not valid JSON: {e}", None) from None
+            req = parse(body, kind, engine.served_model)
+            loop = asyncio.get_running_loop()
+            job = Job(req, loop, asyncio.Queue())
+            engine.submit(job)
+        except RequestError as e:
+            return _error(e)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(_sse(job, rid, created, kind, engine.served_model),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text = []
+        try:
+            while True:
+                kind_, payload = await _next(job, request)
+                if kind_ == "delta":
+                    text.append(payload)
+                elif kind_ == "error":
+                    status, err = payload
+                    return _error(err if isinstance(err, RequestError) else RequestError(
+                        str(err), None, status=status, type_="service_unavailable"
+                        if status == 503 else "server_error"))
+                elif kind_ == "done":
+                    return JSONResponse(_final(rid, created, kind, engine.served_model,
+                                               "".join(text), payload))
+                elif kind_ == "disconnected":
+                    return Response(status_code=499)
+        finally:
+            job.cancelled = True
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    return app
+
+
+async def _next(job: Job, request: Request) -> tuple[str, Any]:
+    """The next engine event for this job; notices a client that went away."""
+    while True:
+        try:
+            item = await asyncio.wait_for(job.out.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled = True
+                return "disconnected", None
+            continue
+        kind = item[0]
+        if kind == "error":
+            return "error", item[1:]
+        return kind, item[1]
+
+
+def _usage(done: dict) -> dict:
+    return {"prompt_tokens": done["prompt_tokens"],
+            "completion_tokens": done["completion_tokens"],
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
+
+
+def _final(rid: str, created: int, kind: str, model: str, text: str, done: dict) -> dict:
+    finish = done["finish_reason"]
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [choice], "usage": _usage(done)}
+
+
+async def _sse(job: Job, rid: str, created: int, kind: str, model: str) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+        if kind == "chat":
+            d: dict = {}
+            if role:
+                d["role"] = "assistant"
+            if delta is not None:
+                d["content"] = delta
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish,
+                      "logprobs": None}
+        return {"id": rid, "object": obj, "created": created, "model": model,
+                "choices": [choice]}
+
+    def sse(obj_: dict) -> bytes:
+        return f"data: {json.dumps(obj_, ensure_ascii=False)}\n\n".encode()
+
+    try:
+        if kind == "chat":
+            yield sse(chunk("", None, role=True))
+        while True:
+            item = await job.out.get()
+            if item[0] == "delta":
+                if item[1]:
+                    yield sse(chunk(item[1], None))
+            elif item[0] == "error":
+                status, err = item[1], item[2]
+                body = err.body() if isinstance(err, RequestError) else {"error": {
+                    "message": str(err), "type": "service_unavailable" if status == 503
+                    else "server_error", "param": None, "code": status}}
+                yield sse(body)
+                break
+            elif item[0] == "done":
+                done = item[1]
+                last = chunk(None if kind == "chat" else "", done["finish_reason"])
+                yield sse(last)
+                if job.req.include_usage:
+                    yield sse({"id": rid, "object": obj, "created": created, "model": model,
+                               "choices": [], "usage": _usage(done)})
+                break
+        yield b"data: [DONE]\n\n"
+    finally:
+        job.cancelled = True  # a client that went away stops the generation at the next token
+
+
+def serve(config: RuntimeConfig) -> int:
+    import uvicorn
+
+    app = create_app(config)
+    engine: Engine = app.state.engine
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                        timeout_graceful_shutdown=int(config.grace_s), access_log=False)
+    server = uvicorn.Server(uv)
+
+    def announce() -> None:
+        while engine.status == "loading" and not server.should_exit:
+            time.sleep(0.1)
+        if engine.status == "ready":
+            host = config.host if ":" not in config.host else f"[{config.host}]"
+            print(f"layersplit: serving {engine.served_model} on http://{host}:{config.port}/v1 "
+                  f"({len(engine.coord.shards)} shards)", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    return 1 if engine.fatal else 0

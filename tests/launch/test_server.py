@@ -1,0 +1,295 @@
+"""The real server on a loopback port, driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ipc.sockets import free_tcp_port
+from runtime.reference import ReferenceEngine
+from shards.sampling import SamplingParams
+from tests.helpers import layersplit_shm, shard_children, wait_gone
+
+openai = pytest.importorskip("openai")
+
+
+class Server:
+    def __init__(self, model: Path, *extra: str, cache_dir: Path | None = None) -> None:
+        self.port = free_tcp_port()
+        cmd = [sys.executable, "-m", "launch.cli", "serve", "--model", str(model),
+               "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", "16",
+               "--port", str(self.port), "--max-context", "512", *extra]
+        if cache_dir is not None:
+            cmd += ["--kv-cache-dir", str(cache_dir)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server died: {self.proc.stderr.read()[-2000:]}")
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("server did not become ready")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stop(self) -> int:
+        """SIGTERM; returns 0 for a clean shutdown (uvicorn re-raises the signal once it has
+        shut down gracefully, so -SIGTERM is clean too)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(60)
+        finally:
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+        return 0 if rc in (0, -signal.SIGTERM) else rc
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = Server(tiny_llama)
+    yield s
+    assert s.stop() == 0
+    assert shard_children() == []
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_llama):
+    return ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=512)
+
+
+MODEL = "llama"  # served model id: the checkpoint folder's name
+
+
+@pytest.mark.slow
+def test_completions_and_chat_streamed_equal_unstreamed(server, ref):
+    c = server.client
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.completions.create(model=MODEL, prompt="the quick brown fox", max_tokens=10,
+                             temperature=0)
+    want = ref.generate(ref.tokenizer.encode("the quick brown fox"),
+                        SamplingParams(max_tokens=10))
+    assert r.choices[0].text == want.text
+    assert r.usage.completion_tokens == len(want.tokens)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="the quick brown fox", max_tokens=10, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    msgs = [{"role": "user", "content": "tell me about foxes"}]
+    chat = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    ids = ref.tokenizer.encode_chat(msgs)
+    assert chat.usage.prompt_tokens == len(ids)
+    assert chat.choices[0].message.content == ref.generate(
+        ids, SamplingParams(max_tokens=12)).text
+
+
+@pytest.mark.slow
+def test_seeded_sampling_and_stop(server):
+    c = server.client
+    kw = dict(model=MODEL, prompt="once upon a time", max_tokens=16, temperature=1.0,
+              top_p=0.9, seed=7)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    # a random-weight model emits many partial UTF-8 bytes: pick a prompt whose greedy text
+    # has a clean two-character piece to stop at
+    for i in range(40):
+        prompt = f"prompt {i}:"
+        text = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                    temperature=0).choices[0].text
+        clean = [j for j in range(1, len(text) - 2) if "\ufffd" not in text[j:j + 2]
+                 and text[j:j + 2].strip() and text.find(text[j:j + 2]) == j]
+        if clean:
+            stop = text[clean[0]:clean[0] + 2]
+            break
+    else:
+        raise AssertionError("no prompt gave a clean stop string")
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                             stop=[stop])
+    assert r.choices[0].text == text[:clean[0]] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_cached_tokens_grow_on_the_second_turn(server):
+    c = server.client
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"}]
+    r1 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "second question"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens > \
+        r1.usage.prompt_tokens_details.cached_tokens
+    off = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                    extra_body={"use_cache": False})
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+    assert off.choices[0].message.content == r2.choices[0].message.content
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b'{"prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": "ten"}', 400, "max_tokens"),
+    (b'{"prompt": 5}', 400, "prompt"),
+    (b'{"prompt": "x", "temperature": 9}', 400, "temperature"),
+    (b'{"prompt": "x", "n": 3}', 400, "n"),
+    (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
+    (b'{"prompt": "' + b"word " * 600 + b'"}', 400, "prompt"),
+    (b'[1, 2]', 400, None),
+])
+@pytest.mark.slow
+def test_invalid_requests(server, body, status, param):
+    r = httpx.post(server.url + "/v1/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+@pytest.mark.slow
+def test_chat_validation(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": 5}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_streams(server, ref):
+    prompts = [f"story number {i} begins" for i in range(16)]
+
+    def one(p):
+        return "".join(ch.choices[0].text for ch in server.client.completions.create(
+            model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True))
+
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(one, prompts))
+    for p, text in zip(prompts, got):
+        assert text == ref.generate(ref.tokenizer.encode(p), SamplingParams(max_tokens=8)).text
+
+
+@pytest.mark.slow
+def test_metrics_and_health(server):
+    server.client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ready"
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("layersplit_requests_total", "layersplit_time_to_first_token_seconds",
+                 "layersplit_inter_token_latency_seconds", "layersplit_prefix_cache_hits",
+                 "layersplit_step_seconds", "layersplit_shard_restarts",
+                 "layersplit_generation_tokens", "layersplit_spec_acceptance_length"):
+        assert name in text, name
+
+
+@pytest.mark.slow
+def test_client_disconnect_cancels(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30, json={
+            "prompt": "go on forever", "max_tokens": 100000, "stream": True,
+            "ignore_eos": True, "temperature": 0}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    # the engine is free again quickly: the next request is served
+    t0 = time.monotonic()
+    server.client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.slow
+def test_api_key(tiny_llama):
+    s = Server(tiny_llama, "--api-key", "sekret")
+    try:
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.models.list().data[0].id == MODEL
+        assert httpx.get(s.url + "/health").status_code == 200  # health stays open
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_restart_reports_cached_tokens_from_disk(tiny_llama, tmp_path):
+    msgs = [{"role": "user", "content": "remember this long question about foxes and dogs"}]
+    s = Server(tiny_llama, cache_dir=tmp_path)
+    try:
+        first = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                                 temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert s.stop() == 0  # SIGTERM: pending cache writes finish first
+    s = Server(tiny_llama, cache_dir=tmp_path)
+    try:
+        again = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                                 temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+        assert again.choices[0].message.content == first.choices[0].message.content
+        assert 'layersplit_prefix_cache_hits_total{tier="disk"} 1.0' in \
+            httpx.get(s.url + "/metrics").text
+    finally:
+        assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_shard_kill_mid_stream(tiny_llama):
+    before = layersplit_shm()
+    s = Server(tiny_llama)
+    try:
+        kids = shard_children(s.proc.pid)
+        assert len(kids) == 2
+        events = []
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30, json={
+                "prompt": "go", "max_tokens": 100000, "stream": True, "ignore_eos": True}) as r:
+            for i, line in enumerate(r.iter_lines()):
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if i == 6:
+                    os.kill(kids[1].pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "shard 1" in err["message"]
+        h = httpx.get(s.url + "/health")
+        assert h.status_code == 503 or h.json()["status"] in ("loading", "ready")
+        assert wait_gone([k.pid for k in kids]) == []
+        deadline = time.monotonic() + 60  # the shard group is restarted
+        while httpx.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = s.client.completions.create(model=MODEL, prompt="after", max_tokens=3,
+                                        temperature=0)
+        assert r.usage.completion_tokens == 3
+        assert "layersplit_shard_restarts_total 1.0" in httpx.get(s.url + "/metrics").text
+    finally:
+        assert s.stop() == 0
+    assert shard_children(s.proc.pid) == [] and layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_request(tiny_llama):
+    s = Server(tiny_llama, "--grace-s", "20")
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long", max_tokens=150,
+                        temperature=0, extra_body={"ignore_eos": True})
+        time.sleep(1.0)
+        s.proc.send_signal(signal.SIGTERM)
+        r = fut.result(timeout=60)
+    assert r.usage.completion_tokens == 150
+    assert s.stop() == 0
