@@ -108,6 +108,7 @@ def main() -> None:
             st = c.cache.stats
             row["save_GBps"] = st.bytes_written / max(st.save_s, 1e-9) / 1e9
             row["file_bytes"] = st.bytes_written
+            row["prefill_rate_tok_s"] = c.cache.prefill_rate
         files = sorted(d.glob("*.safetensors"))
         for label in ("disk_cold", "disk_warm"):
             if label == "disk_cold":
@@ -117,12 +118,22 @@ def main() -> None:
                 assert tier == "disk" and cached == n, (tier, cached)
                 row[f"{label}_GBps"] = c.cache.stats.bytes_restored_disk / max(
                     c.cache.stats.disk_read_s, 1e-9) / 1e9
+                row[f"{label}_rate_Bps"] = c.cache.disk_rate
         drop_page_cache(files)
         nbytes, dt = raw_read(files)
         row["raw_read_cold_GBps"] = nbytes / dt / 1e9
         nbytes, dt = raw_read(files)
         row["raw_read_warm_GBps"] = nbytes / dt / 1e9
         row["raw_write_GBps"] = raw_write(d, row["file_bytes"]) / 1e9
+        # the choice the runtime makes from the rates it measured in this run, vs the truth
+        kv_bytes = row["file_bytes"]
+        if row["prefill_rate_tok_s"] and row["disk_cold_rate_Bps"]:
+            est_restore = kv_bytes / row["disk_cold_rate_Bps"]
+            est_prefill = n / row["prefill_rate_tok_s"]
+            row["choice"] = "restore" if est_restore <= est_prefill else "prefill"
+        else:
+            row["choice"] = "restore"
+        row["best"] = "restore" if row["disk_cold_s"] <= row["cold_s"] else "prefill"
         rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -130,14 +141,15 @@ def main() -> None:
           "(restore + first token)")
     print(f"{'tokens':>7} {'cold ms':>9} {'RAM ms':>8} {'disk cold ms':>12} {'disk warm ms':>12} "
           f"{'disk/cold':>9} {'restore GB/s cold|warm':>22} {'raw read cold|warm':>19} "
-          f"{'save GB/s':>9} {'raw write':>9}")
+          f"{'save GB/s':>9} {'raw write':>9} {'choice/best':>15}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['cold_s'] * 1e3:>9.1f} {r['ram_s'] * 1e3:>8.1f} "
               f"{r['disk_cold_s'] * 1e3:>12.1f} {r['disk_warm_s'] * 1e3:>12.1f} "
               f"{r['disk_cold_s'] / r['cold_s']:>9.3f} "
               f"{r['disk_cold_GBps']:>10.2f} | {r['disk_warm_GBps']:<9.2f} "
               f"{r['raw_read_cold_GBps']:>8.2f} | {r['raw_read_warm_GBps']:<8.2f} "
-              f"{r['save_GBps']:>9.2f} {r['raw_write_GBps']:>9.2f}")
+              f"{r['save_GBps']:>9.2f} {r['raw_write_GBps']:>9.2f} "
+              f"{r['choice'] + '/' + r['best']:>15}")
 
 
 if __name__ == "__main__":

@@ -31,17 +31,16 @@ log = logging.getLogger(__name__)
 class Snap:
     start: int
     end: int
-    k: torch.Tensor  # (layers, rows, kv_heads, head_dim), host
-    v: torch.Tensor
-    done: Any  # a CUDA event, or None when the copy was synchronous
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+    nbytes: int
+    k: torch.Tensor | None = None  # (layers, rows, kv_heads, head_dim), host
+    v: torch.Tensor | None = None
+    error: str | None = None
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
+        self.ready.wait()
+        if self.error is not None:
+            raise RuntimeError(f"snapshot copy failed: {self.error}")
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -65,28 +64,47 @@ class SnapshotStore:
 
     # ---- RAM tier ---------------------------------------------------------------------------
     def take(self, entry: int, slot: int, start: int, end: int) -> int:
+        """Start copying rows [start, end) out; returns at once (a background thread allocates
+        the host buffers, pinned on GPUs, and copies). Rows below the prompt's end do not
+        change while the sequence decodes, so the next steps need not wait."""
         if not 0 <= start < end <= self.kv.max_len:
             raise ValueError(f"snapshot rows {start}:{end} outside the KV cache")
         src_k, src_v = self.kv.k[:, slot, start:end], self.kv.v[:, slot, start:end]
-        k = torch.empty(src_k.shape, dtype=src_k.dtype, pin_memory=self.cuda)
-        v = torch.empty(src_v.shape, dtype=src_v.dtype, pin_memory=self.cuda)
-        done = None
-        if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                k.copy_(src_k, non_blocking=True)
-                v.copy_(src_v, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-        else:
-            k.copy_(src_k)
-            v.copy_(src_v)
-        self.entries[entry] = Snap(start, end, k, v, done)
-        return 2 * k.numel() * k.element_size()
+        snap = Snap(start, end, 2 * src_k.numel() * src_k.element_size())
+        after = None
+        if self.cuda:  # the copy must follow the step that wrote these rows
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+
+        def run() -> None:
+            try:
+                if self.cuda:
+                    torch.cuda.set_device(self.device)
+                k = torch.empty(src_k.shape, dtype=src_k.dtype, pin_memory=self.cuda)
+                v = torch.empty(src_v.shape, dtype=src_v.dtype, pin_memory=self.cuda)
+                if self.cuda:
+                    with torch.cuda.stream(self.copy_stream):
+                        self.copy_stream.wait_event(after)
+                        k.copy_(src_k, non_blocking=True)
+                        v.copy_(src_v, non_blocking=True)
+                    self.copy_stream.synchronize()
+                else:
+                    k.copy_(src_k)
+                    v.copy_(src_v)
+                snap.k, snap.v = k, v
+            except Exception as e:  # noqa: BLE001 - surfaces at restore/save
+                snap.error = f"{type(e).__name__}: {e}"
+            finally:
+                snap.ready.set()
+
+        self.entries[entry] = snap
+        threading.Thread(target=run, name=f"snap-{entry}", daemon=True).start()
+        return snap.nbytes
 
     def restore(self, entry: int, slot: int) -> None:
         s = self.entries[entry]
         s.wait()
+        assert s.k is not None and s.v is not None
         self.kv.k[:, slot, s.start:s.end].copy_(s.k, non_blocking=self.cuda)
         self.kv.v[:, slot, s.start:s.end].copy_(s.v, non_blocking=self.cuda)
         if self.cuda:
@@ -105,6 +123,7 @@ class SnapshotStore:
         def run() -> None:
             try:
                 snap.wait()
+                assert snap.k is not None and snap.v is not None
                 sums = {}
                 fd = os.open(path, os.O_WRONLY)
                 try:

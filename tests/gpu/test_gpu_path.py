@@ -94,3 +94,22 @@ def test_auto_picks_cuda_ipc_between_gpus(tiny_llama):
         assert c.shard_info()[0]["transport_out"] == "cuda-ipc"
         assert len(c.generate(list(range(3, 20)),
                               SamplingParams(max_tokens=5, ignore_eos=True)).tokens) == 5
+
+
+def test_prefix_cache_on_gpus(tiny_llama, tmp_path):
+    """RAM and disk restores on GPUs (pinned snapshots, side-stream copies, pipelined verified
+    reads) continue exactly like the cold run."""
+    base = dict(model=str(tiny_llama), prefill_chunk=16, max_context=256, dtype="float32",
+                kv_cache_dir=str(tmp_path))
+    cfg = RuntimeConfig(devices=tuple(_gpus()), **base)
+    prompt = list(range(3, 90))
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    with Coordinator(cfg) as c:
+        cold = c.generate(prompt, p)
+        warm = c.generate(prompt + [5, 6, 7], p)
+        assert warm.cache_tier == "ram" and warm.cached_tokens == 80
+        again = c.generate(prompt, p)
+        assert again.cache_tier == "ram" and again.tokens == cold.tokens
+    with Coordinator(RuntimeConfig(devices=("cuda:0",), **base)) as c:
+        r = c.generate(prompt, p)
+        assert r.cache_tier == "disk" and r.tokens == cold.tokens
