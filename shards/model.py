@@ -157,13 +157,20 @@ class Attention(nn.Module):
         if step.grouped:
             return self.o_proj(self._grouped(q, keys, values, step.mask))
         from_start = step.pos == 0 and n > 1  # plain causal: flash attention applies
+        gqa = self.num_heads != self.num_kv_heads
+        if gqa and step.mask is not None and not from_start and keys.is_cuda:
+            # a chunk after the first, on a GPU: the fused kernels that take a mask do not
+            # take GQA (the fallback would materialize n x T scores per head), so repeat K/V
+            r = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(r, dim=1), values.repeat_interleave(r, dim=1)
+            gqa = False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # (1, H, n, D)
             keys.transpose(0, 1)[None],  # (1, G, T, D)
             values.transpose(0, 1)[None],
             attn_mask=None if from_start else step.mask,
             is_causal=from_start,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            enable_gqa=gqa,
         )  # (1, H, n, D)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
