@@ -108,7 +108,7 @@ def main() -> None:
             st = c.cache.stats
             row["save_GBps"] = st.bytes_written / max(st.save_s, 1e-9) / 1e9
             row["file_bytes"] = st.bytes_written
-            row["prefill_rate_tok_s"] = c.cache.prefill_rate
+            est_prefill_s = c.cache.prefill_seconds(n, n)
         files = sorted(d.glob("*.safetensors"))
         for label in ("disk_cold", "disk_warm"):
             if label == "disk_cold":
@@ -126,13 +126,9 @@ def main() -> None:
         row["raw_read_warm_GBps"] = nbytes / dt / 1e9
         row["raw_write_GBps"] = raw_write(d, row["file_bytes"]) / 1e9
         # the choice the runtime makes from the rates it measured in this run, vs the truth
-        kv_bytes = row["file_bytes"]
-        if row["prefill_rate_tok_s"] and row["disk_cold_rate_Bps"]:
-            est_restore = kv_bytes / row["disk_cold_rate_Bps"]
-            est_prefill = n / row["prefill_rate_tok_s"]
-            row["choice"] = "restore" if est_restore <= est_prefill else "prefill"
-        else:
-            row["choice"] = "restore"
+        est_restore_s = row["file_bytes"] / row["disk_cold_rate_Bps"]
+        row["choice"] = "restore" if est_prefill_s is None or est_restore_s <= est_prefill_s \
+            else "prefill"
         row["best"] = "restore" if row["disk_cold_s"] <= row["cold_s"] else "prefill"
         rows.append(row)
     if args.json:

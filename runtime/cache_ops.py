@@ -76,7 +76,7 @@ class CacheManager:
                              * itemsize[lay["dtype"]] for lay in self.layouts)
         self.jobs: dict[int, SaveJob] = {}
         self.done: queue.Queue = queue.Queue()
-        self.prefill_rate: float | None = None  # tokens/s, measured
+        self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
         self.deferred_takes: list[Entry] = []
@@ -146,16 +146,42 @@ class CacheManager:
         """Drop disk links whose read would take longer than prefilling their tokens, judged by
         rates measured in this run (a fast GPU with a slow disk re-prefills faster)."""
         first_disk = next((i for i, e in enumerate(chain) if not e.in_ram), None)
-        if first_disk is None or self.prefill_rate is None or self.disk_rate is None:
+        if first_disk is None:
             return chain
         disk_bytes = sum(e.kv_bytes for e in chain[first_disk:])
-        tokens = chain[-1].length - (chain[first_disk - 1].length if first_disk else 0)
-        if disk_bytes / self.disk_rate > tokens / self.prefill_rate:
-            log.info("prefix cache: prefilling %d tokens (est. %.2f s) beats reading %.1f MB "
-                     "(est. %.2f s)", tokens, tokens / self.prefill_rate, disk_bytes / 1e6,
-                     disk_bytes / self.disk_rate)
+        start = chain[first_disk - 1].length if first_disk else 0
+        if self.choose(chain[-1].length, chain[-1].length - start, disk_bytes) == "prefill":
             return chain[:first_disk]
         return chain
+
+    def choose(self, end: int, tokens: int, disk_bytes: int) -> str:
+        """'restore' or 'prefill' for `tokens` prompt tokens ending at `end` whose KV is
+        `disk_bytes` on disk, from the rates measured so far (restore while unknown)."""
+        prefill_s = self.prefill_seconds(end, tokens)
+        if prefill_s is None or self.disk_rate is None:
+            return "restore"
+        restore_s = disk_bytes / self.disk_rate
+        if restore_s > prefill_s:
+            log.info("prefix cache: prefilling %d tokens (est. %.2f s) beats reading %.1f MB "
+                     "(est. %.2f s)", tokens, prefill_s, disk_bytes / 1e6, restore_s)
+            return "prefill"
+        return "restore"
+
+    def prefill_seconds(self, end: int, tokens: int) -> float | None:
+        """Estimated time to prefill `tokens` tokens ending at position `end`: prefill speed
+        depends on the context length, so rates are kept per power-of-two length bucket."""
+        if not self.prefill_rates:
+            return None
+        b = min(self.prefill_rates, key=lambda k: abs(k - end.bit_length()))
+        return tokens / self.prefill_rates[b]
+
+    def note_prefill(self, end: int, tokens: int, seconds: float) -> None:
+        """A whole prefill (request start to first token, restores excluded) measured."""
+        if tokens < 16 or seconds <= 0:
+            return
+        b, rate = end.bit_length(), tokens / seconds
+        old = self.prefill_rates.get(b)
+        self.prefill_rates[b] = rate if old is None else (1 - EWMA) * old + EWMA * rate
 
     def _restore_ram(self, run: list[Entry]) -> None:
         if run:
@@ -395,8 +421,3 @@ class CacheManager:
     def pending(self) -> int:
         return len(self.jobs) + sum(th.is_alive() for th in self._threads)
 
-    def note_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens >= 16 and seconds > 0:
-            rate = tokens / seconds
-            self.prefill_rate = rate if self.prefill_rate is None else \
-                (1 - EWMA) * self.prefill_rate + EWMA * rate

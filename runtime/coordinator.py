@@ -438,8 +438,6 @@ class Coordinator:
         if msg["has_logits"] and logits is None:
             raise self._fail("the last shard sent a result without its logits")
         dt = time.perf_counter() - t_step
-        if self.cache is not None and len(ids) > 1:
-            self.cache.note_prefill(len(ids), dt)
         if self.step_observer is not None:
             self.step_observer("prefill" if len(ids) > 1 else "decode", dt)
         return StepOutput(msg["token"], None if logits is None else logits.numpy().copy())
@@ -500,8 +498,16 @@ class Coordinator:
                             start_logits=restored.logits, context=self.config.max_context,
                             on_prefill_boundary=on_boundary if points else None,
                             logits_at=points)
-        if cache is not None and cache.deferred_takes:
-            toks = _after_first(toks, cache.take_deferred)
+        if cache is not None:
+            t_prefill = time.perf_counter()
+
+            def first_token_out() -> None:
+                if restored.length < len(prompt):
+                    cache.note_prefill(len(prompt), len(prompt) - restored.length,
+                                       time.perf_counter() - t_prefill)
+                cache.take_deferred()
+
+            toks = _after_first(toks, first_token_out)
         return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams,

@@ -68,6 +68,8 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     env = {**os.environ, SECRET_ENV: secret.hex()}
     if plan.device.startswith("cuda"):
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+        # torch.compile in-process: no pool of compile workers to outlive or slow a shutdown
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
     return LocalProcess(plan, proc, error_file)

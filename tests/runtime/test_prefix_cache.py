@@ -311,3 +311,22 @@ def test_cache_cli(tiny_llama, prompts, tmp_path):
     assert bad.returncode == 1 and "checksum mismatch" in bad.stdout
     out = run("prune", str(tmp_path), "--max-gb", "0")
     assert out.returncode == 0 and entries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_slow_disk_is_not_read(tiny_llama, ref, prompts, tmp_path):
+    """When the measured disk rate makes a restore slower than the measured prefill, the
+    runtime prefills instead (and the output is the same)."""
+    short, longer = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        assert c.cache.choose(len(short), len(short), 10**6) == "restore"  # rates unknown
+        c.cache.note_prefill(len(short), len(short), 0.01)  # a fast prefill
+        c.cache.disk_rate = 1e3  # and a very slow disk
+        assert c.cache.choose(len(short), len(short), 10**6) == "prefill"
+        r = c.generate(longer, GREEDY)
+        assert r.cache_tier == "none" and c.cache.stats.skipped_slow_restore == 1
+        assert r.tokens == ref.generate(longer, GREEDY).tokens
+        c.cache.disk_rate = 1e12  # a fast disk: restore again
+        assert c.generate(longer, GREEDY).cache_tier in ("disk", "ram")
