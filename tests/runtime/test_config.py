@@ -52,3 +52,11 @@ def test_splits():
     assert weighted_split(30, (1.0, 2.0)) == [10, 20]
     assert weighted_split(5, (100.0, 1.0, 1.0)) == [3, 1, 1]
     assert sum(weighted_split(36, (0.3, 0.3, 0.4))) == 36
+
+
+def test_every_key_is_documented():
+    from runtime.config import FIELDS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for name in FIELDS:
+        assert f"`{name}`" in doc, name
