@@ -153,11 +153,15 @@ def read_layout(path: Path) -> Layout:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise KVFileError(f"{path.name}: malformed header ({type(e).__name__}: {e})") from e
+    if not isinstance(meta, dict):
+        raise KVFileError(f"{path.name}: malformed metadata")
+    if not isinstance(sums, dict) or set(sums) != set(tensors) or \
+            not all(isinstance(v, str) for v in sums.values()) or \
+            not all(isinstance(v, str) for v in meta.values()):
+        raise KVFileError(f"{path.name}: checksums or metadata malformed")
     layout = Layout(tensors, meta, n, sums)
     if size < layout.file_size:
         raise KVFileError(f"{path.name}: truncated ({size} of {layout.file_size} bytes)")
-    if set(sums) != set(tensors):
-        raise KVFileError(f"{path.name}: checksums do not cover every tensor")
     return layout
 
 

@@ -88,6 +88,7 @@ class CacheManager:
     # ---- restore ------------------------------------------------------------------------------
     def restore(self, prompt: Sequence[int], cuts: Sequence[int]) -> Restored:
         self.poll_done()
+        self.deferred_takes.clear()  # a RAM copy not taken in time is simply not taken
         n = len(prompt)
         candidates = sorted({n, *[c for c in cuts if c <= n]})
         chain = self.index.lookup(self.keys(prompt, candidates))
@@ -110,6 +111,8 @@ class CacheManager:
                     ram_run.append(e)
                     continue
                 self._restore_ram(ram_run)
+                if ram_run:
+                    out.length, out.leaf = ram_run[-1].length, ram_run[-1]
                 ram_run = []
                 if not self._restore_disk(e, prompt):
                     break
@@ -273,7 +276,11 @@ class CacheManager:
             log.warning("prefix cache: entry %s unusable: %s", e.key[:12], why)
         e.path = None
         if not e.in_ram:
-            self.index.drop_entry(e)
+            gone = self.index.drop_entry(e)
+            self._drop_ram([x.ram_id for x in gone if x.ram_id is not None])
+            for x in gone:
+                if x is not e and x.path is not None:
+                    x.path.unlink(missing_ok=True)  # unreachable without its parent
 
     # ---- snapshots ----------------------------------------------------------------------------
     def snapshot(self, prompt: Sequence[int], length: int, logits: np.ndarray | None,
@@ -360,13 +367,33 @@ class CacheManager:
                      "offset": layout.offset(kv_name(sh.index, layer, kind))}
                     for layer in range(a, b) for kind in ("k", "v")]
 
-        self.coord.call_all(lambda sh: message("snap_save", entry=e.ram_id, path=str(tmp),
-                                               items=items(sh)))
+        try:
+            self.coord.call_all(lambda sh: message("snap_save", entry=e.ram_id, path=str(tmp),
+                                                   items=items(sh)))
+        except BaseException:
+            self.jobs.pop(e.ram_id, None)
+            self._discard(job)
+            raise
+
+    @staticmethod
+    def _discard(job: SaveJob) -> None:
+        job.entry.saving = False
+        try:
+            os.close(job.fd)
+        except OSError:
+            pass
+        job.tmp.unlink(missing_ok=True)
+
+    def abandon_saves(self) -> None:
+        """Saves that can no longer complete (shards gone): remove their partial files."""
+        for job in self.jobs.values():
+            self._discard(job)
+        self.jobs.clear()
 
     def on_saved(self, shard: int, msg: dict[str, Any]) -> None:
         job = self.jobs.get(msg["entry"])
-        if job is None or shard not in job.waiting:
-            return
+        if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
+            return  # not one of this run's saves (e.g. a remote shard's earlier session)
         job.waiting.discard(shard)
         if msg["error"]:
             job.failed = f"shard {shard}: {msg['error']}"
@@ -393,7 +420,7 @@ class CacheManager:
             fsync_dir(final.parent)
             self.done.put((job.entry, final, job.layout.file_size, None,
                            time.perf_counter() - job.started))
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
             job.tmp.unlink(missing_ok=True)
             self.done.put((job.entry, None, 0, str(err), 0.0))
         finally:
@@ -405,6 +432,10 @@ class CacheManager:
         while not self.done.empty():
             e, path, size, err, seconds = self.done.get_nowait()
             e.saving = False
+            if self.index.entries.get(e.key) is not e:  # dropped meanwhile: file unreachable
+                if path is not None:
+                    path.unlink(missing_ok=True)
+                continue
             changed = True
             if err is not None:
                 self.stats.save_errors += 1
@@ -415,7 +446,7 @@ class CacheManager:
             self.stats.bytes_written += size
             self.stats.save_s += seconds
         if changed:
-            self.index.evict_disk()
+            self._drop_ram(self.index.evict_disk())
             self.enforce_ram_cap()
 
     def pending(self) -> int:

@@ -47,20 +47,25 @@ REMOTE_CONNECT_S = 30.0
 
 
 def _after_first(tokens: Iterator[int], fn) -> Iterator[int]:
-    """Run `fn` once the first token has been handed out."""
+    """Run `fn` once the first token exists (the prefill is done), before handing it out."""
     first = True
     try:
         for t in tokens:
-            yield t
             if first:
                 first = False
                 fn()
+            yield t
     finally:
         tokens.close()
 
 
 class ShardFailure(RuntimeError):
-    """A shard died, hung, or reported an error; the message names the shard."""
+    """A shard died, hung, or reported an error; the message names the shard. `runtime_down`
+    is False for an error of one request after which the shards still serve."""
+
+    def __init__(self, message: str, runtime_down: bool = True) -> None:
+        super().__init__(message)
+        self.runtime_down = runtime_down
 
 
 class _Shard:
@@ -202,6 +207,8 @@ class Coordinator:
     def close(self) -> None:
         if self.cache is not None and self.failed is None and self.shards:
             self._finish_saves(timeout_s=120.0)
+        if self.cache is not None:
+            self.cache.abandon_saves()
         self.cache = None
         for ring in (self._steps, self._results):
             if ring is not None:
@@ -408,7 +415,7 @@ class Coordinator:
     def _fail(self, why: str, keep_running: bool = False) -> ShardFailure:
         """Record a failure; unless it is a recoverable request error, stop all shards."""
         if keep_running:
-            return ShardFailure(why)
+            return ShardFailure(why, runtime_down=False)
         self.failed = why
         log.error("shard failure: %s; stopping all shards", why)
         self.close()

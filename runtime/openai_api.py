@@ -39,6 +39,16 @@ class ParsedRequest:
     speculative: bool | None
 
 
+def _finite(v: int | float, name: str) -> float:
+    try:
+        f = float(v)
+    except OverflowError:
+        raise RequestError(f"'{name}' is out of range", name) from None
+    if f != f or f in (float("inf"), float("-inf")):
+        raise RequestError(f"'{name}' must be a finite number", name)
+    return f
+
+
 def _get(body: dict, name: str, types: tuple, default: Any = None, allow_none: bool = True):
     if name not in body or (body[name] is None and allow_none):
         return default
@@ -111,22 +121,28 @@ def parse(body: Any, kind: str, served_model: str) -> ParsedRequest:
             messages.append({"role": m["role"], "content": content})
     default_max = 16 if kind == "completion" else None
     max_tokens = _get(body, "max_tokens", (int,), None)
+    if max_tokens is not None and max_tokens >= 1 << 31:
+        max_tokens = (1 << 31) - 1
     if kind == "chat":
         max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else 1 << 30
     if max_tokens < 0:
         raise RequestError("'max_tokens' must be >= 0", "max_tokens")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    temperature = _finite(_get(body, "temperature", (int, float), 1.0), "temperature")
     if not 0 <= temperature <= 2:
         raise RequestError("'temperature' must be between 0 and 2", "temperature")
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    top_p = _finite(_get(body, "top_p", (int, float), 1.0), "top_p")
     if not 0 < top_p <= 1:
         raise RequestError("'top_p' must be in (0, 1]", "top_p")
     top_k = _get(body, "top_k", (int,), 0)
-    if top_k < 0 and top_k != -1:
-        raise RequestError("'top_k' must be >= 0 (0 or -1: off)", "top_k")
+    if (top_k < 0 and top_k != -1) or top_k >= 1 << 31:
+        raise RequestError("'top_k' must be in 0..2**31-1 (0 or -1: off)", "top_k")
     seed = _get(body, "seed", (int,), None)
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise RequestError("'seed' must fit in 64 bits", "seed")
+    if seed is not None and seed < 0:
+        seed &= (1 << 63) - 1
     stop = body.get("stop")
     if stop is None:
         stop = []

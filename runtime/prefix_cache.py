@@ -137,13 +137,45 @@ class PrefixIndex:
     def _evictable(self, e: Entry, keep_other_tier: bool) -> bool:
         return e.pins == 0 and not e.saving and (keep_other_tier or not self.children(e.key))
 
+    def _drop_descendants(self, e: Entry, dropped: list[int]) -> bool:
+        """Remove every descendant of `e` from every tier (leaves first), so `e` may leave a
+        tier it alone holds. False if one of them is in use."""
+        subtree, stack = [], list(self.children(e.key))
+        while stack:
+            x = stack.pop()
+            subtree.append(x)
+            stack.extend(self.children(x.key))
+        if any(x.pins or x.saving for x in subtree):
+            return False
+        for x in reversed(subtree):
+            if x.ram_id is not None:
+                dropped.append(x.ram_id)
+                self.stats.evicted_ram += 1
+            if x.path is not None:
+                self._unlink(x.path)
+                self.stats.evicted_disk += 1
+            self.entries.pop(x.key, None)
+        return True
+
+    def _unstick(self, tier: str, dropped: list[int]) -> bool:
+        """When every entry of a tier is some child's only parent copy, evict the least
+        recently used one's subtree so that the cap can still be met."""
+        held = [e for e in self.entries.values() if (e.in_ram if tier == "ram" else
+                e.path is not None) and not e.pins and not e.saving]
+        for e in sorted(held, key=lambda e: e.last_used):
+            if self._drop_descendants(e, dropped):
+                return True
+        return False
+
     def evict_ram(self, extra: int = 0) -> list[int]:
         """Snapshot ids to drop from the shards so the RAM tier fits its cap (`extra` more)."""
-        dropped = []
+        dropped: list[int] = []
         while self.ram_bytes() + extra > self.ram_cap:
             cands = sorted((e for e in self.entries.values() if e.in_ram and
                             self._evictable(e, e.path is not None)), key=lambda e: e.last_used)
             if not cands:
+                if self._unstick("ram", dropped):
+                    continue
                 break
             e = cands[0]
             dropped.append(e.ram_id)
@@ -153,13 +185,18 @@ class PrefixIndex:
                 del self.entries[e.key]
         return dropped
 
-    def evict_disk(self) -> None:
+    def evict_disk(self) -> list[int]:
+        """Delete files so the disk tier fits its cap; returns snapshot ids of entries that
+        had to go entirely (for the shards to drop)."""
+        dropped: list[int] = []
         if self.dir is None:
-            return
+            return dropped
         while self.disk_bytes() > self.disk_cap:
             cands = sorted((e for e in self.entries.values() if e.path is not None and
                             self._evictable(e, e.in_ram)), key=lambda e: e.last_used)
             if not cands:
+                if self._unstick("disk", dropped):
+                    continue
                 break
             e = cands[0]
             self._unlink(e.path)
@@ -167,6 +204,7 @@ class PrefixIndex:
             self.stats.evicted_disk += 1
             if not e.in_ram:
                 del self.entries[e.key]
+        return dropped
 
     # ---- disk directory --------------------------------------------------------------------------
     def path_for(self, key: str) -> Path:
@@ -210,7 +248,7 @@ class PrefixIndex:
                 e = Entry(key=m["key"], length=int(m["length"]), start=int(m["start"]),
                           parent=m["parent"] or None, tokens=(), logits=None,
                           kv_bytes=int(m["kv_bytes"]), path=p, last_used=p.stat().st_mtime)
-            except (KeyError, ValueError) as err:
+            except (KeyError, ValueError, TypeError) as err:
                 self.quarantine(p, f"metadata: {err}")
                 bad += 1
                 continue
@@ -240,13 +278,16 @@ class PrefixIndex:
             except FileNotFoundError:
                 pass
 
-    def drop_entry(self, e: Entry) -> None:
-        """Forget an entry whose file turned out bad (and its now-stranded descendants)."""
-        stack = [e]
+    def drop_entry(self, e: Entry) -> list[Entry]:
+        """Forget an entry whose file turned out bad and its now-stranded descendants; returns
+        them all (their RAM copies and files are the caller's to release)."""
+        stack, gone = [e], []
         while stack:
             x = stack.pop()
-            self.entries.pop(x.key, None)
+            if self.entries.pop(x.key, None) is not None:
+                gone.append(x)
             stack.extend(self.children(x.key))
+        return gone
 
 
 def fsync_dir(path: Path) -> None:

@@ -122,7 +122,11 @@ class Engine:
                 self._serve(job)
             except ShardFailure as e:
                 job.emit(("error", 503, str(e)))
-                self._recover(str(e))
+                if e.runtime_down:
+                    self._recover(str(e))
+            except Exception as e:  # noqa: BLE001 - one request's failure; the engine goes on
+                log.exception("request failed")
+                job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
         if self.coord is not None:
             self.coord.close()
             self.coord = None
@@ -153,6 +157,9 @@ class Engine:
 
     def _serve(self, job: Job) -> None:
         coord, req = self.coord, job.req
+        if coord is None:
+            job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
+            return
         try:
             if req.kind == "chat":
                 ids = coord.tokenizer.encode_chat(req.messages)
@@ -171,7 +178,11 @@ class Engine:
             return
         progress = Progress()
         self.metrics.prompt_tokens.inc(len(ids))
-        deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache)
+        try:
+            deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache)
+        except ValueError as e:
+            job.emit(("error", 400, RequestError(str(e), None)))
+            return
         last = None
         try:
             for d in deltas:

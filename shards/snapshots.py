@@ -101,6 +101,15 @@ class SnapshotStore:
         threading.Thread(target=run, name=f"snap-{entry}", daemon=True).start()
         return snap.nbytes
 
+    def pending_end(self) -> int:
+        """Highest row end of snapshots whose copy has not finished (0 if none)."""
+        return max((s.end for s in self.entries.values() if not s.ready.is_set()), default=0)
+
+    def wait_pending(self) -> None:
+        """Until every started copy is done (before the live rows they read are rewritten)."""
+        for s in list(self.entries.values()):
+            s.ready.wait()
+
     def restore(self, entry: int, slot: int) -> None:
         s = self.entries[entry]
         s.wait()

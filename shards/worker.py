@@ -169,6 +169,8 @@ class ShardServer:
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
         finally:
+            if self.device.type == "cuda":  # kernels reading the slot must be done with it
+                torch.cuda.current_stream(self.device).synchronize()
             inbox.release(seq)
 
     def _handle_router(self) -> None:
@@ -276,9 +278,13 @@ class ShardServer:
                                    host=transport.host_id()))
 
     def _reset_session(self) -> None:
-        """A new coordinator took over (remote shards outlive coordinators)."""
+        """A new coordinator took over (remote shards outlive coordinators): its predecessor's
+        links and snapshots are gone with it."""
         self.peers = {r: p for r, p in self.peers.items() if p.role == "coordinator"}
         self._close_links()
+        if self.snapshots is not None:
+            self.snapshots.wait_pending()
+            self.snapshots.entries.clear()
 
     # ---- setup ------------------------------------------------------------------------------
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
@@ -398,6 +404,8 @@ class ShardServer:
         elif tuple(x.shape) != (n, self.cfg.hidden_size):
             raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
                                 f"({n}, {self.cfg.hidden_size})")
+        if self.snapshots is not None and pos < self.snapshots.pending_end():
+            self.snapshots.wait_pending()  # a new sequence overwrites rows still being copied
         self.busy = True
         try:
             out = self.executor.run(x, pos, msg["slot"], all_logits=False)
@@ -449,6 +457,7 @@ class ShardServer:
         if missing:
             raise ProtocolError(f"snap_restore: no snapshot {missing[0]} on this shard",
                                 "unknown_entry")
+        store.wait_pending()
         for e in msg["entries"]:
             store.restore(e, msg["slot"])
         self._ok(route, msg)
@@ -480,6 +489,7 @@ class ShardServer:
 
     def _on_snap_load(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         store = self._snap_store()
+        store.wait_pending()
         try:
             n = store.load(msg["path"], msg["slot"], self._file_items(msg))
         except (OSError, ValueError) as e:
@@ -501,9 +511,12 @@ class ShardServer:
                 t.close()
         self.out = self.inbox = None
         if self.down is not None:
-            self.poller.unregister(self.down)
-            self.down.close(0)
-            self.down = None
+            down, self.down = self.down, None
+            try:
+                self.poller.unregister(down)
+            except KeyError:  # the link failed before it was registered
+                pass
+            down.close(0)
         self.transport_kind = "none"
 
     def close(self) -> None:

@@ -155,6 +155,9 @@ def test_cached_tokens_grow_on_the_second_turn(server):
     (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', 400, "prompt"),
     (b'[1, 2]', 400, None),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', 400, "seed"),
+    (b'{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
+    (b'{"prompt": "x", "top_k": 1099511627776}', 400, "top_k"),
 ])
 @pytest.mark.slow
 def test_invalid_requests(server, body, status, param):

@@ -175,10 +175,17 @@ def _corrupt(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
     elif how == "garbage":
         path.write_bytes(b"\x00" * 64)
+    elif how == "checksums":  # well-formed JSON, nonsense metadata: same length, same offsets
+        head = bytes(data[8:8 + n])
+        i = head.index(b'"checksums":"') + len(b'"checksums":"')
+        j = head.index(b'"', head.index(b"}", i))
+        bad = b'5' + b" " * (j - i - 1)
+        data[8 + i:8 + j] = bad
+        path.write_bytes(bytes(data))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["truncate", "flip", "header", "garbage"])
+@pytest.mark.parametrize("how", ["truncate", "flip", "header", "garbage", "checksums"])
 def test_corrupt_files_are_misses(tiny_llama, ref, prompts, tmp_path, how, caplog):
     short, longer = prompts
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
@@ -291,7 +298,9 @@ def test_size_caps_evict_leaves_first(tiny_llama, ref, tmp_path):
             c.generate(tok.encode(f"prompt {i} " * 20), GREEDY)
             c._finish_saves(30)
             idx = c.cache.index
-            assert idx.disk_bytes() <= 60e3 and idx.ram_bytes() <= 40e3
+            assert idx.disk_bytes() <= 60e3 and idx.ram_bytes() <= 40e3, [
+                (e.key[:6], e.start, e.length, e.in_ram, e.path is not None, e.saving, e.pins,
+                 e.parent and e.parent[:6]) for e in idx.entries.values()]
             for e in idx.entries.values():  # no child without its parent
                 assert e.parent is None or e.parent in idx.entries
         assert c.cache.stats.evicted_disk > 0 and c.cache.stats.evicted_ram > 0
@@ -330,3 +339,22 @@ def test_slow_disk_is_not_read(tiny_llama, ref, prompts, tmp_path):
         assert r.tokens == ref.generate(longer, GREEDY).tokens
         c.cache.disk_rate = 1e12  # a fast disk: restore again
         assert c.generate(longer, GREEDY).cache_tier in ("disk", "ram")
+
+
+@pytest.mark.slow
+def test_disk_hit_with_one_token_then_other_prompt(tiny_llama, ref, prompts, tmp_path):
+    """A disk restore whose request ends at its first token must not leave a pending RAM copy
+    that would later snapshot another prompt's rows under the old key."""
+    short, longer = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        c.generate(short, GREEDY)
+    other = ref.tokenizer.encode("a completely different prompt about cats and mice " * 3)
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        r = c.generate(short, SamplingParams(max_tokens=1, ignore_eos=True))
+        assert r.cache_tier == "disk"
+        assert c.generate(other, GREEDY).tokens == ref.generate(other, GREEDY).tokens
+        again = c.generate(short, GREEDY)
+        assert again.cached_tokens == len(short)
+        assert again.tokens == ref.generate(short, GREEDY).tokens
+        r = c.generate(longer, GREEDY)
+        assert r.tokens == ref.generate(longer, GREEDY).tokens
