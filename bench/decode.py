@@ -32,6 +32,7 @@ from runtime.coordinator import Coordinator  # noqa: E402
 from runtime.generate import Progress, collect  # noqa: E402
 from runtime.model_store import resolve_model  # noqa: E402
 from shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
+from shards.hf_convert import hf_causal_lm  # noqa: E402
 from shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.decode")
@@ -83,28 +84,7 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[args.hf_dtype]
     model = load_layer_range(ckpt, 0, cfg.num_layers, dtype, device)
-    hf_cfg = transformers.AutoConfig.for_model(
-        cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=max(cfg.max_position_embeddings, args.max_context),
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
-    )
-    with torch.device(device):  # buffers (rotary) are built here; weights replaced below
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
-                                                           dtype=dtype)
-    state = {}
-    for k, v in model.state_dict().items():
-        name = {"embed_tokens.weight": "model.embed_tokens.weight",
-                "norm.weight": "model.norm.weight"}.get(k, k)
-        if k.startswith("layers."):
-            name = "model." + k
-        state[name] = v
-    hf.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        hf.tie_weights()
-    hf = hf.to(device).eval()
+    hf = hf_causal_lm(model, device, dtype, args.max_context)
     del model
     ids = torch.tensor([prompt], device=device)
     row = {"layout": f"HF transformers {transformers.__version__} ({device})", "shards": 1,

@@ -33,6 +33,8 @@ ALIGN = 64
 DTYPE_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32"}
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4}
 ZERO_SUM = "0" * 16
+FEATURE_META = "draft.feature_meta"  # I32 [row width, tapped target layers...]
+FEATURE_DATA = "draft.feature_data"  # (rows, width): tapped layers' rows side by side
 
 
 class KVFileError(ValueError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: speculative decoding (verify steps, feature rows, the draft)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -37,10 +37,15 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
              "hidden": (int,), "max_step_tokens": (int,)},
     "linked": {"transport": (str,), "ring": (dict, NoneType)},
     # data plane
+    # `draft`: the draft tokens of a verify step (the step's tokens after the first), else None;
+    # `feat`: shards that tap layers send those layers' rows to the draft process
     "step": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,),
-             "sample": (dict, NoneType), "logits": (bool,), "act": (dict, NoneType)},
-    "result": {"sid": (int,), "token": (int, NoneType), "has_logits": (bool,),
-               "act": (dict, NoneType)},
+             "sample": (dict, NoneType), "logits": (bool,), "act": (dict, NoneType),
+             "draft": (list, NoneType), "feat": (bool,)},
+    # `token`: sampled for the position after the last accepted row; `accepted`: draft tokens
+    # a verify step kept (0 otherwise)
+    "result": {"sid": (int,), "token": (int, NoneType), "accepted": (int,),
+               "has_logits": (bool,), "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
     # prefix cache (coordinator -> shard; `ok` / `saved` back)
     "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
@@ -51,6 +56,20 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "ok": {"info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType)},
+    # speculative decoding: coordinator -> draft process
+    "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
+                        "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num},
+    "draft_begin": {"sid": (int,)},  # a new sequence: forget the context of the last one
+    "propose": {"sid": (int,), "pos": (int,), "n": (int,), "token": (int,), "start": (int,),
+                "sync": (int,)},
+    "proposal": {"sid": (int,), "tokens": (list,)},
+    "draft_features": {"sid": (int,), "start": (int,), "end": (int,)},
+    "features": {"sid": (int,), "act": (dict,)},
+    # shard -> draft process: set up a feature link, then feature rows of tapped layers
+    "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
+             "layers": (list,), "width": (int,), "max_rows": (int,)},
+    "feat": {"sid": (int,), "pos": (int,), "n": (int,), "layers": (list,), "last": (bool,),
+             "act": (dict, NoneType)},
     # supervision and errors
     "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},
@@ -60,7 +79,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "bye": {},
 }
 # how many payload frames follow the header, by type (None: checked by the handler)
-PAYLOAD_FRAMES: dict[str, int | None] = {"step": None, "result": None, "sample": 1}
+PAYLOAD_FRAMES: dict[str, int | None] = {"step": None, "result": None, "sample": 1,
+                                         "propose": None, "feat": None, "features": 1}
 
 
 class ProtocolError(ValueError):

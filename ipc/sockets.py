@@ -60,6 +60,14 @@ def configure(sock: zmq.Socket, identity: bytes | None = None) -> zmq.Socket:
     return sock
 
 
+def bind_router(listen: str) -> zmq.Socket:
+    """A server's socket: every peer by its identity; replies to a departed peer raise."""
+    sock = configure(context().socket(zmq.ROUTER))
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind(listen)
+    return sock
+
+
 def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),
          route: bytes | None = None) -> None:
     parts: list[Any] = [] if route is None else [route]

@@ -167,9 +167,10 @@ class RingSender:
         self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
         self.kind = "cuda-ipc" if device_buffer is not None else "shm"
         self.seq = 0
+        self.timeout_s = 60.0  # a receiver that takes nothing for this long has stalled
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
-        slot = self.ring.wait_free(self.seq)
+        slot = self.ring.wait_free(self.seq, self.timeout_s)
         if t is not None:
             t = t.detach().contiguous()
             nbytes = t.numel() * t.element_size()

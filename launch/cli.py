@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -125,6 +124,28 @@ def cmd_shard(args: argparse.Namespace) -> int:
     return rc
 
 
+# ---- draft (started by the coordinator) ---------------------------------------------------------
+def cmd_draft(args: argparse.Namespace) -> int:
+    from draft.server import DraftSpec, run_draft
+    from ipc.auth import load_secret
+    from runtime.model_store import resolve_model
+
+    secret = load_secret(None)
+    if secret is None:
+        print("layersplit draft: no shared secret in $LAYERSPLIT_SECRET (the coordinator starts "
+              "this process)", file=sys.stderr)
+        return 2
+    try:
+        target = str(resolve_model(args.target))
+    except (FileNotFoundError, RuntimeError) as e:
+        return _startup_error(args, str(e))
+    spec = DraftSpec(listen=args.listen, draft=args.draft, target=target,
+                     max_context=args.max_context, device=args.device, dtype=args.dtype,
+                     threads=args.threads, parent_pid=args.parent_pid, seed=args.random_seed,
+                     block_size=args.block_size, graphs=not args.no_graphs)
+    return run_draft(spec, secret, args.error_file)
+
+
 def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) -> int:
     print(f"layersplit shard: {text}", file=sys.stderr)
     if args.error_file and (overwrite or not Path(args.error_file).exists()):
@@ -177,6 +198,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_shard)
 
+    d = sub.add_parser("draft", help=argparse.SUPPRESS)  # started by the coordinator
+    d.add_argument("--listen", required=True)
+    d.add_argument("--draft", required=True)
+    d.add_argument("--target", required=True)
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", default="float32")
+    d.add_argument("--max-context", type=int, required=True)
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--block-size", type=int, default=None)
+    d.add_argument("--no-graphs", action="store_true")
+    d.add_argument("--random-seed", type=int, default=0)
+    d.add_argument("--parent-pid", type=int, default=None)
+    d.add_argument("--error-file", default=None)
+    d.set_defaults(func=cmd_draft, index=-1)
+
     c = sub.add_parser("cache", help="inspect, verify or prune a disk-cache directory")
     c.add_argument("action", choices=["ls", "verify", "prune"])
     c.add_argument("dir")
@@ -189,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prefix = f"[shard {args.index}] " if args.command == "shard" and args.index >= 0 else ""
+    if args.command == "draft":
+        prefix = "[draft] "
     _setup_logging(args.verbose, prefix)
     from runtime.config import ConfigError
     from runtime.coordinator import ShardFailure

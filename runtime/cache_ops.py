@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import logging
 import os
 import queue
@@ -23,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ipc.kv_file import DTYPE_CODES, KVFileError, checksum, kv_name, layer_tensors, plan
-from ipc.kv_file import read_layout, write_header
+from ipc.kv_file import (
+    DTYPE_CODES, FEATURE_DATA, FEATURE_META, KVFileError, checksum, kv_name, layer_tensors,
+    plan, read_layout, write_header,
+)
 from ipc.messages import message
 from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
 from runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
@@ -54,6 +57,7 @@ class Restored:
     logits: np.ndarray | None = None
     tier: str = "none"
     leaf: Entry | None = None
+    features: bool = True  # the draft got the feature rows of [0, length) too
 
 
 class CacheManager:
@@ -80,6 +84,18 @@ class CacheManager:
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
         self.deferred_takes: list[Entry] = []
+        # the draft's feature rows go with every entry while a feature-conditioned draft serves
+        self.taps = list(coord.draft_info.get("taps", [])) if coord.feeding else []
+        self.feature_width = int(coord.draft_info.get("width", 0))
+        self.feature_dtype = coord.draft_info.get("dtype", coord.dtype)
+        self.index.mark_features(self._feature_tag())
+
+    def _feature_tag(self) -> str:
+        """What an entry's feature rows must be to serve this draft (metadata `features`)."""
+        return json.dumps({"taps": self.taps, "width": self.feature_width}) if self.taps else ""
+
+    def _with_features(self, entries: Sequence[Entry]) -> bool:
+        return bool(self.taps) and self.coord.feeding and all(e.features for e in entries)
 
     # ---- keys ---------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
@@ -103,23 +119,25 @@ class CacheManager:
         t0 = time.perf_counter()
         for e in chain:
             e.pins += 1
-        out = Restored()
+        out = Restored(features=self._with_features(chain))
         try:
             ram_run: list[Entry] = []
             for e in chain:
                 if e.in_ram:
                     ram_run.append(e)
                     continue
-                self._restore_ram(ram_run)
+                out.features &= self._restore_ram(ram_run, out.features)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
                 ram_run = []
-                if not self._restore_disk(e, prompt):
+                ok, feats = self._restore_disk(e, prompt, out.features)
+                if not ok:
                     break
+                out.features &= feats
                 out.tier = "disk"
                 out.length, out.leaf = e.length, e
             else:
-                self._restore_ram(ram_run)
+                out.features &= self._restore_ram(ram_run, out.features)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
         finally:
@@ -186,19 +204,25 @@ class CacheManager:
         old = self.prefill_rates.get(b)
         self.prefill_rates[b] = rate if old is None else (1 - EWMA) * old + EWMA * rate
 
-    def _restore_ram(self, run: list[Entry]) -> None:
-        if run:
-            self.coord.call_all(lambda sh: message(
-                "snap_restore", entries=[e.ram_id for e in run], slot=0))
+    def _restore_ram(self, run: list[Entry], features: bool) -> bool:
+        """Restore a run of RAM entries; True if the draft got their feature rows too."""
+        if not run:
+            return True
+        msg = message("snap_restore", entries=[e.ram_id for e in run], slot=0)
+        replies = self.coord.call_all(lambda sh: msg, draft=msg if features else None)
+        return features and any(r["_shard"] < 0 for r in replies)
 
-    def _restore_disk(self, e: Entry, prompt: Sequence[int]) -> bool:
+    def _restore_disk(self, e: Entry, prompt: Sequence[int], features: bool
+                      ) -> tuple[bool, bool]:
+        """Read one entry file into the shards (and its feature rows into the draft):
+        (restored, feature rows restored)."""
         t0 = time.perf_counter()
         try:
             layout = read_layout(e.path)
             self._check_tokens(e, layout, prompt)
         except (KVFileError, OSError) as err:
             self._bad(e, str(err))
-            return False
+            return False, False
         by_layer = layer_tensors(layout)
         msgs = {}
         for sh_index, (a, b) in enumerate(self.split):
@@ -208,18 +232,27 @@ class CacheManager:
                     name = by_layer.get((layer, kind))
                     if name is None:
                         self._bad(e, f"no tensor for layer {layer} {kind}")
-                        return False
+                        return False, False
                     t = layout.tensors[name]
                     items.append({"name": name, "layer": layer - a, "kind": kind,
                                   "offset": layout.offset(name), "nbytes": t.nbytes,
                                   "start": e.start, "end": e.length,
                                   "checksum": layout.checksums[name]})
             msgs[sh_index] = message("snap_load", path=str(e.path), slot=0, items=items)
-        replies = self.coord.call_all(lambda sh: msgs[sh.index])
-        errors = [r["info"]["error"] for r in replies if "error" in r["info"]]
+        feat = self._feature_item(e, layout) if features else None
+        draft = None if feat is None else message("snap_load", path=str(e.path), slot=0,
+                                                  items=[feat])
+        replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
+        errors = [r["info"]["error"] for r in replies
+                  if "error" in r["info"] and r["_shard"] >= 0]
         if errors:
             self._bad(e, errors[0])
-            return False
+            return False, False
+        feats = draft is not None and any(r["_shard"] < 0 and "error" not in r["info"]
+                                          for r in replies)
+        if draft is not None and not feats:
+            log.warning("prefix cache: %s: the draft's feature rows could not be read; this "
+                        "request runs without speculation", e.path.name)
         nbytes = sum(r["info"]["bytes"] for r in replies)
         dt = time.perf_counter() - t0
         self.stats.bytes_restored_disk += nbytes
@@ -227,7 +260,19 @@ class CacheManager:
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
         self.deferred_takes.append(e)  # a RAM copy, once the first token is out
-        return True
+        return True, feats
+
+    def _feature_item(self, e: Entry, layout) -> dict[str, Any] | None:
+        """The draft's part of an entry file, if it has one this draft can use."""
+        t = layout.tensors.get(FEATURE_DATA)
+        meta = layout.tensors.get(FEATURE_META)
+        if t is None or meta is None or layout.metadata.get("features") != self._feature_tag():
+            return None
+        if t.shape != (e.length - e.start, self.feature_width):
+            return None
+        return {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
+                "offset": layout.offset(FEATURE_DATA), "nbytes": t.nbytes, "start": e.start,
+                "end": e.length, "checksum": layout.checksums[FEATURE_DATA]}
 
     def take_deferred(self) -> None:
         """RAM copies of entries just restored from disk (after the first token: the rows
@@ -314,14 +359,21 @@ class CacheManager:
         return e
 
     def _take(self, e: Entry) -> None:
+        """RAM copies of the entry's rows on every shard, and of its feature rows on the draft
+        when the draft holds those of the whole live sequence."""
         ram_id = self.index.new_ram_id()
-        self.coord.call_all(lambda sh: message("snap_take", entry=ram_id, slot=0,
-                                               start=e.start, end=e.length))
+        take = message("snap_take", entry=ram_id, slot=0, start=e.start, end=e.length)
+        draft = None
+        if self.taps and self.coord.live_features:  # after the rows of the last step arrive
+            draft = {**take, "sync": self.coord._feat_sid}
+        replies = self.coord.call_all(lambda sh: take, draft=draft)
         e.ram_id = ram_id
+        e.features = draft is not None and any(r["_shard"] < 0 for r in replies)
 
     def _drop_ram(self, ram_ids: list[int]) -> None:
         if ram_ids:
-            self.coord.call_all(lambda sh: message("snap_drop", entries=ram_ids))
+            drop = message("snap_drop", entries=ram_ids)
+            self.coord.call_all(lambda sh: drop, draft=drop if self.taps else None)
 
     def enforce_ram_cap(self) -> None:
         self._drop_ram(self.index.evict_ram())
@@ -337,7 +389,13 @@ class CacheManager:
                 tensors += [(kv_name(s, layer, "k"), code, shape),
                             (kv_name(s, layer, "v"), code, shape)]
         tensors += [("tokens", "I32", (e.length,)), ("prefill_logits", "F32", (vocab,))]
-        layout = plan(tensors, metadata_for(e, self.fingerprint, self.layouts, self.split))
+        meta = np.asarray([self.feature_width, *self.taps], dtype="<i4")
+        if e.features:
+            tensors += [(FEATURE_META, "I32", meta.shape),
+                        (FEATURE_DATA, DTYPE_CODES[self.feature_dtype],
+                         (e.length - e.start, self.feature_width))]
+        layout = plan(tensors, metadata_for(e, self.fingerprint, self.layouts, self.split,
+                                            self._feature_tag() if e.features else ""))
         tmp = self.index.tmp_path_for(e.key)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -346,8 +404,11 @@ class CacheManager:
             with os.fdopen(os.dup(fd), "r+b") as f:
                 write_header(f, layout)
             sums = {}
-            for name, arr in (("tokens", np.asarray(e.tokens, dtype="<i4")),
-                              ("prefill_logits", np.asarray(e.logits, dtype="<f4"))):
+            own = [("tokens", np.asarray(e.tokens, dtype="<i4")),
+                   ("prefill_logits", np.asarray(e.logits, dtype="<f4"))]
+            if e.features:
+                own.append((FEATURE_META, meta))
+            for name, arr in own:
                 data = arr.tobytes()
                 os.pwrite(fd, data, layout.offset(name))
                 sums[name] = checksum(data)
@@ -357,9 +418,15 @@ class CacheManager:
             log.warning("prefix cache: cannot create %s: %s", tmp, err)
             self.stats.save_errors += 1
             return
-        job = SaveJob(e, layout, tmp, fd, set(range(len(self.split))), sums)
+        writers = set(range(len(self.split))) | ({-1} if e.features else set())
+        job = SaveJob(e, layout, tmp, fd, writers, sums)
         self.jobs[e.ram_id] = job
         e.saving = True
+        draft = None
+        if e.features:
+            draft = message("snap_save", entry=e.ram_id, path=str(tmp), items=[
+                {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
+                 "offset": layout.offset(FEATURE_DATA)}])
 
         def items(sh) -> list[dict[str, Any]]:
             a, b = self.split[sh.index]
@@ -368,8 +435,11 @@ class CacheManager:
                     for layer in range(a, b) for kind in ("k", "v")]
 
         try:
-            self.coord.call_all(lambda sh: message("snap_save", entry=e.ram_id, path=str(tmp),
-                                                   items=items(sh)))
+            replies = self.coord.call_all(lambda sh: message(
+                "snap_save", entry=e.ram_id, path=str(tmp), items=items(sh)), draft=draft)
+            if draft is not None and not any(r["_shard"] < 0 for r in replies):
+                self.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
+                                   "error": "the draft could not write its feature rows"})
         except BaseException:
             self.jobs.pop(e.ram_id, None)
             self._discard(job)

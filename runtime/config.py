@@ -51,6 +51,17 @@ class RuntimeConfig:
     cache_ram_gb: float = _field(4.0, "host memory for KV snapshots (RAM tier), GiB")
     kv_cache_dir: str | None = _field(None, "directory of the disk tier (survives restarts)")
     kv_cache_max_gb: float = _field(64.0, "size cap of the disk tier, GiB")
+    draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
+                                "target's tokenizer (classic), 'default' (the bundled draft of "
+                                "the default model), 'none'; auto = the bundled draft when the "
+                                "default model runs on GPUs")
+    draft_device: str | None = _field(None, "device of the draft process (default: the last "
+                                            "shard's)")
+    spec_block: int | None = _field(None, "rows per verify step: the last token and up to "
+                                          "spec_block - 1 draft tokens (default: the draft's "
+                                          "block size; 5 for a classic draft)")
+    spec_required: bool = _field(False, "fail requests when the draft fails (default: go on "
+                                        "without speculation, logged)")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
@@ -88,6 +99,11 @@ class RuntimeConfig:
             raise ConfigError(f"threads={self.threads}: must be at least 1")
         if not self.devices:
             raise ConfigError("devices is empty: list one device per shard, e.g. cpu,cpu")
+        if self.spec_block is not None and self.spec_block < 2:
+            raise ConfigError(f"spec_block={self.spec_block}: must be at least 2 (the last "
+                              "token and one draft token)")
+        if not self.draft:
+            raise ConfigError("draft is empty: give a path, 'default', 'auto' or 'none'")
 
     @property
     def run_dtype(self) -> str:

@@ -32,10 +32,12 @@ from runtime.config import RuntimeConfig
 from runtime.generate import (
     Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
 )
-from runtime.model_store import resolve_model
-from runtime.placement import Placement, check_local_devices, plan
+from runtime.model_store import resolve_draft, resolve_model
+from runtime.placement import Placement, check_local_devices, normalize_device, plan
 from runtime.reference import new_seed
-from runtime.supervisor import LocalProcess, spawn_shard, stop_all
+from runtime.errors import DraftError, DraftLost, ShardFailure
+from runtime.speculative import DraftClient, SpecStats, draft_taps
+from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
 from shards.sampling import SamplingParams
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 POLL_MS = 50
 
 REMOTE_CONNECT_S = 30.0
+
+
+def _name(sh: _Shard) -> str:
+    return "the draft process" if sh.index < 0 else f"shard {sh.index}"
 
 
 def _after_first(tokens: Iterator[int], fn) -> Iterator[int]:
@@ -59,16 +65,9 @@ def _after_first(tokens: Iterator[int], fn) -> Iterator[int]:
         tokens.close()
 
 
-class ShardFailure(RuntimeError):
-    """A shard died, hung, or reported an error; the message names the shard. `runtime_down`
-    is False for an error of one request after which the shards still serve."""
-
-    def __init__(self, message: str, runtime_down: bool = True) -> None:
-        super().__init__(message)
-        self.runtime_down = runtime_down
-
-
 class _Shard:
+    """A server process of the run: a shard (index 0..N-1) or the draft process (index -1)."""
+
     def __init__(self, index: int, address: str, sock: zmq.Socket, monitor: zmq.Socket,
                  proc: LocalProcess | None) -> None:
         self.index, self.address, self.sock, self.monitor, self.proc = (
@@ -104,6 +103,15 @@ class Coordinator:
         self.cache: CacheManager | None = None
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
+        self.draft_device = normalize_device(config.draft_device or
+                                             self.placement.shards[-1].device)
+        self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)
+        self.draft: _Shard | None = None  # the draft process, while it serves
+        self.draft_info: dict[str, Any] = {}
+        self.draft_down: str | None = None  # why speculation stopped, if it did
+        self._draft_proc: LocalProcess | None = None
+        self._feat_sid = 0  # the last step whose tapped rows went to the draft
+        self.live_features = False  # the draft holds feature rows of the whole live sequence
         if config.spin_ms is not None:
             self.spin_ms = config.spin_ms
         else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
@@ -145,6 +153,8 @@ class Coordinator:
                                    threads if s.device == "cpu" else None, self.secret,
                                    self._run_dir, cfg.random_seed)
                 self.procs.append(proc)
+            if self.draft_path is not None:
+                self._spawn_draft(threads)
             for s, addr in zip(shards, addresses):
                 sock = configure_socket(self._ctx.socket(zmq.DEALER),
                                         identity=b"coord-" + self.session[:8])
@@ -160,6 +170,11 @@ class Coordinator:
                     deadline = min(deadline, time.monotonic() + REMOTE_CONNECT_S)
                 self._handshake(sh, deadline)
             max_step = max(cfg.prefill_chunk, 1)
+            try:
+                taps = self._configure_draft(t0 + cfg.startup_timeout, max_step)
+            except (DraftLost, DraftError) as e:
+                raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
+                                   f"{e}") from None
             first, last = self.shards[0], self.shards[-1]
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
@@ -174,6 +189,12 @@ class Coordinator:
                     extra["results"] = desc
                 if sh is first and sh.local:
                     extra["inbox"] = True
+                planned = self.placement.shards[sh.index]
+                mine = [t for t in taps if planned.start <= t < planned.end]
+                if mine and self.draft is not None:
+                    feed = cfg.transport[0] if len(cfg.transport) == 1 else "auto"
+                    extra.update(taps=mine, draft={"address": self.draft.address,
+                                                   "transport": feed})
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
@@ -204,6 +225,93 @@ class Coordinator:
             raise
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
+    # ---- the draft process --------------------------------------------------------------------
+    def _spawn_draft(self, threads: int | None) -> None:
+        cfg = self.config
+        addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
+                else f"ipc://{self._run_dir}/draft.sock")
+        self._draft_proc = spawn_draft(
+            str(self.draft_path), str(self.model_path), addr, self.draft_device, self.dtype,
+            cfg.max_context, threads if self.draft_device == "cpu" else None, self.secret,
+            self._run_dir, cfg.random_seed, cfg.spec_block, cfg.cuda_graphs)
+        sock = configure_socket(self._ctx.socket(zmq.DEALER),
+                                identity=b"coord-" + self.session[:8])
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(addr)
+        self.draft = _Shard(-1, addr, sock, monitor, self._draft_proc)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _configure_draft(self, deadline: float, max_step: int) -> list[int]:
+        """Authenticate and configure the draft process (before the shards that feed it);
+        returns the target layers it taps. A draft that cannot start fails the start."""
+        d = self.draft
+        if d is None:
+            if self.draft_path is not None:  # it died while the shards were loading
+                raise DraftLost(self.draft_down or "it is gone")
+            return []
+        nonce = auth.new_nonce()
+        reply = self._call(d, message("hello", nonce=nonce, role="coordinator"), deadline)
+        if reply["type"] == "challenge":
+            reply = self._call(d, message("auth", mac=auth.mac(self.secret, reply["nonce"], nonce,
+                                                               "coordinator")), deadline)
+        if reply["type"] != "welcome":
+            raise ShardFailure(f"the draft process refused the handshake: {reply.get('message')}")
+        taps = draft_taps(self.draft_path)
+        # each shard sends the rows of the tapped layers it owns
+        feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
+        reply = self._call(d, message(
+            "draft_configure", session=self.session, max_context=self.config.max_context,
+            max_rows=max_step, feeders=[f for f in feeders if f], spin_ms=self.spin_ms,
+            cache_dir=str(Path(self.config.kv_cache_dir).expanduser().resolve())
+            if self.config.kv_cache_dir else None), deadline)
+        self.draft_info = reply["info"]
+        log.info("draft ready: %s on %s, %d tokens per verify step%s, %.0f MB",
+                 self.draft_info["kind"], self.draft_info["device"],
+                 self.draft_info["block_size"],
+                 f", taps layers {taps}" if taps else "",
+                 self.draft_info["memory_bytes"] / 2**20)
+        return taps
+
+    def _lose_draft(self, why: str) -> None:
+        """The draft failed: speculation stops for the rest of this run (logged); the shards
+        stop sending it rows (steps say so), and it is killed if it still runs."""
+        d = self.draft
+        if d is None:
+            return
+        self.draft, self.draft_down = None, why
+        log.warning("speculative decoding stops: %s", why)
+        for sock in (d.sock, d.monitor):
+            try:
+                self._poller.unregister(sock)
+            except KeyError:
+                pass
+        d.monitor.close(0)
+        d.sock.disable_monitor()
+        d.sock.close(0)
+        if self._draft_proc is not None:
+            stop_all([self._draft_proc], grace_s=0.0, term_s=0.0)
+
+    @property
+    def feeding(self) -> bool:
+        """Steps send tapped rows to the draft (a feature-conditioned draft serves)."""
+        return self.draft is not None and bool(self.draft_info.get("taps"))
+
+    def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]:
+        """One request to the draft process and its reply. Raises DraftLost if the draft is
+        gone (speculation is then off), DraftError for an error reply."""
+        d = self.draft
+        if d is None:
+            raise DraftLost(self.draft_down or "no draft process")
+        self._ensure_up()
+        self._drain()
+        sid = self._new_sid()
+        send(d.sock, {**msg, "sid": sid}, frames)
+        reply, frames = self._wait(lambda s, m: s is d and m.get("sid") == sid,
+                                   time.monotonic() + self.config.step_timeout,
+                                   f"{msg['type']} to the draft", sid, on_draft=True)
+        return reply if not frames else {**reply, "_frames": frames}
+
     def close(self) -> None:
         if self.cache is not None and self.failed is None and self.shards:
             self._finish_saves(timeout_s=120.0)
@@ -214,22 +322,24 @@ class Coordinator:
             if ring is not None:
                 ring.close()
         self._steps = self._results = None
-        for sh in self.shards:
+        members = self.shards + ([self.draft] if self.draft is not None else [])
+        for sh in members:
             try:  # local shards exit; remote ones keep serving and await the next coordinator
                 if self.failed is None and sh.proc is not None and not sh.sock.closed:
                     send(sh.sock, message("shutdown"))
             except zmq.ZMQError:
                 pass
+        procs = self.procs + ([self._draft_proc] if self._draft_proc is not None else [])
         if self.failed is None:
-            stop_all(self.procs)
+            stop_all(procs)
         else:  # a failed group is torn down at once: a hung shard will not answer SIGTERM,
-            stop_all(self.procs, grace_s=0.0, term_s=0.0)  # and its KV is lost anyway
+            stop_all(procs, grace_s=0.0, term_s=0.0)  # and its KV is lost anyway
         self._poller = zmq.Poller()
-        for sh in self.shards:
+        for sh in members:
             sh.monitor.close(0)
             sh.sock.disable_monitor()
             sh.sock.close(0)
-        self.shards, self.procs = [], []
+        self.shards, self.procs, self.draft, self._draft_proc = [], [], None, None
         if self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
@@ -249,20 +359,30 @@ class Coordinator:
             log.warning("prefix cache: %d saves still pending at shutdown; abandoned",
                         cache.pending())
 
-    def call_all(self, make) -> list[dict[str, Any]]:
-        """Send `make(shard)` to every shard; return their `ok` replies in shard order."""
+    def call_all(self, make, draft: Any = None) -> list[dict[str, Any]]:
+        """Send `make(shard)` to every shard, and `draft` to the draft process when given and
+        it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
+        meanwhile just does not reply (speculation is off from then on)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         for sh in self.shards:
             send(sh.sock, {**make(sh), "sid": sid})
+        d = self.draft if draft is not None else None
+        if d is not None:
+            send(d.sock, {**draft, "sid": sid})
         replies: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.config.step_timeout
-        while len(replies) < len(self.shards):
-            msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
-                                deadline, "a prefix-cache operation", sid)
+        while len(replies) < len(self.shards) + (d is not None and self.draft is d):
+            try:
+                msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
+                                    deadline, "a prefix-cache operation", sid)
+            except DraftError as e:  # the draft refused its part: not the shards' op
+                log.warning("prefix cache: %s", e)
+                d = None
+                continue
             replies[msg["_shard"]] = msg
-        return [replies[i] for i in range(len(self.shards))]
+        return [replies[i] for i in sorted(replies, key=lambda i: (i < 0, i))]
 
     def shard_info(self) -> list[dict[str, Any]]:
         return [dict(sh.info) for sh in self.shards]
@@ -299,8 +419,8 @@ class Coordinator:
     def _call(self, sh: _Shard, msg: dict[str, Any], deadline: float) -> dict[str, Any]:
         sid = self._new_sid()
         send(sh.sock, {**msg, "sid": sid})
-        reply, _ = self._wait(lambda s, m: s is sh, deadline, f"{msg['type']} to shard {sh.index}",
-                              sid)
+        reply, _ = self._wait(lambda s, m: s is sh, deadline, f"{msg['type']} to {_name(sh)}",
+                              sid, on_draft=sh.index < 0)
         return reply
 
     def _drain(self, wait_ms: int = 0) -> None:
@@ -308,7 +428,7 @@ class Coordinator:
         stray frame) are discarded before a new operation."""
         if wait_ms:
             self._poller.poll(wait_ms)
-        for sh in self.shards:
+        for sh in self.shards + ([self.draft] if self.draft is not None else []):
             while sh.sock.poll(0):
                 _, msg, _, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
@@ -316,24 +436,27 @@ class Coordinator:
                     continue
                 if err is None and msg["type"] == "wake":
                     continue
-                log.warning("shard %d: discarding stale %s", sh.index,
+                log.warning("%s: discarding stale %s", _name(sh),
                             err if err is not None else msg.get("message", msg["type"]))
 
-    def _wait(self, match, deadline: float, what: str,
-              sid: int | None = None) -> tuple[dict[str, Any], Any]:
-        """Poll every shard socket until `match(shard, msg)`; raise on any failure.
+    def _wait(self, match, deadline: float, what: str, sid: int | None = None,
+              on_draft: bool = False) -> tuple[dict[str, Any], Any]:
+        """Poll every shard socket (and the draft's) until `match(shard, msg)`; raise on any
+        failure.
 
         An error reply fails the operation if it names this op's `sid` or no sid at all; an
         error of another (earlier) op is logged and skipped. A dead or unreachable shard fails
-        the whole runtime."""
+        the whole runtime. A dead draft only stops speculation: DraftLost is raised when this
+        op waits on the draft (`on_draft`), else the wait goes on."""
         poller = self._poller
-        by_sock = {sh.sock: sh for sh in self.shards}
-        by_mon = {sh.monitor: sh for sh in self.shards}
         ring = self._results
         last = self.shards[-1] if self.shards else None
         spin_until = time.monotonic() + self.spin_ms / 1000.0
         next_check = 0.0
         while True:
+            members = self.shards + ([self.draft] if self.draft is not None else [])
+            by_sock = {sh.sock: sh for sh in members}
+            by_mon = {sh.monitor: sh for sh in members}
             if ring is not None and ring.ready():
                 got = self._ring_message(ring)
                 if got is not None and match(last, got[0]):
@@ -341,10 +464,13 @@ class Coordinator:
                 continue
             now = time.monotonic()
             if now >= next_check:
-                self._check_alive()
+                self._check_alive(on_draft)
                 next_check = now + POLL_MS / 1000.0
             left = deadline - now
             if left <= 0:
+                if on_draft:
+                    self._lose_draft(f"no answer to {what} within the time limit")
+                    raise DraftLost(f"no answer to {what} within the time limit")
                 raise self._fail(f"no answer to {what} within the time limit; a shard may be "
                                  "hung (see step_timeout / startup_timeout)")
             if now < spin_until:
@@ -364,18 +490,28 @@ class Coordinator:
                 if sock in by_mon:
                     recv_monitor_message(sock)
                     sh = by_mon[sock]
-                    if sh.proc is not None:  # a local shard: say how it died, if it did
+                    if sh.proc is not None:  # a local process: say how it died, if it did
                         try:
                             sh.proc.proc.wait(0.1)
                         except Exception:  # noqa: BLE001 - still running: it hangs
                             pass
-                        self._check_alive()
-                    raise self._fail(f"lost the connection to shard {sh.index} at {sh.address} "
-                                     "(it stopped answering heartbeats)")
-                sh = by_sock[sock]
+                        self._check_alive(on_draft)
+                    why = (f"lost the connection to {_name(sh)} at {sh.address} (it stopped "
+                           "answering heartbeats)")
+                    if sh.index < 0:
+                        self._draft_failed(why, on_draft)
+                        break  # the poller changed
+                    raise self._fail(why)
+                sh = by_sock.get(sock)
+                if sh is None:  # a draft dropped earlier in this batch of events
+                    continue
                 _, msg, frames, err = recv(sock)
                 if err is not None:
-                    raise self._fail(f"shard {sh.index} sent a malformed message: {err}")
+                    why = f"{_name(sh)} sent a malformed message: {err}"
+                    if sh.index < 0:
+                        self._draft_failed(why, on_draft)
+                        break
+                    raise self._fail(why)
                 if msg["type"] == "wake":
                     continue
                 if msg["type"] == "saved" and self.cache is not None:
@@ -384,15 +520,26 @@ class Coordinator:
                 msg["_shard"] = sh.index
                 if msg["type"] == "error":
                     err_sid = msg.get("sid")
-                    if (sid is not None and err_sid == sid) or msg["code"] == "bad_upstream":
+                    mine = sid is not None and err_sid == sid
+                    if sh.index < 0:
+                        if mine:
+                            raise DraftError(msg["message"])
+                        log.warning("%s", msg["message"])
+                        continue
+                    if mine or msg["code"] == "bad_upstream":
                         raise self._fail(msg["message"], keep_running=True)
                     # an error about some other (earlier, or unreadable) message: not this op's
                     log.warning("shard %d: %s", sh.index, msg["message"])
                     continue
                 if match(sh, msg):
                     return msg, zmq_tensor(msg, frames) if msg["type"] == "result" else frames
-                log.debug("ignoring %s from shard %d while waiting for %s", msg["type"],
-                          sh.index, what)
+                log.debug("ignoring %s from %s while waiting for %s", msg["type"], _name(sh),
+                          what)
+
+    def _draft_failed(self, why: str, on_draft: bool) -> None:
+        self._lose_draft(why)
+        if on_draft:
+            raise DraftLost(why)
 
     def _ring_message(self, ring: RingInbox) -> tuple[dict[str, Any], Any] | None:
         try:
@@ -406,11 +553,15 @@ class Coordinator:
         ring.release(seq)
         return msg, t
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, on_draft: bool = False) -> None:
         for p in self.procs:
             why = p.failure()
             if why is not None:
                 raise self._fail(why)
+        if self.draft is not None and self._draft_proc is not None:
+            why = self._draft_proc.failure()
+            if why is not None:
+                self._draft_failed(why, on_draft)
 
     def _fail(self, why: str, keep_running: bool = False) -> ShardFailure:
         """Record a failure; unless it is a recoverable request error, stop all shards."""
@@ -429,15 +580,20 @@ class Coordinator:
 
     # ---- Engine protocol ----------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
-                want_logits: bool = False) -> StepOutput:
+                want_logits: bool = False, draft: Sequence[int] | None = None) -> StepOutput:
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         wire = None if sample is None else {**sample.wire(), "seed": seed}
         ids = torch.tensor(list(tokens), dtype=torch.int64)
+        feat = self.feeding
+        if feat:
+            self._feat_sid = sid
         t_step = time.perf_counter()
         self._steps.send(message("step", sid=sid, slot=0, pos=pos, n=len(ids), sample=wire,
-                                 logits=want_logits, act=None), ids)
+                                 logits=want_logits, act=None,
+                                 draft=None if draft is None else [int(t) for t in draft],
+                                 feat=feat), ids)
         last = self.shards[-1]
         msg, logits = self._wait(
             lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
@@ -446,8 +602,10 @@ class Coordinator:
             raise self._fail("the last shard sent a result without its logits")
         dt = time.perf_counter() - t_step
         if self.step_observer is not None:
-            self.step_observer("prefill" if len(ids) > 1 else "decode", dt)
-        return StepOutput(msg["token"], None if logits is None else logits.numpy().copy())
+            kind = "verify" if draft is not None else "prefill" if len(ids) > 1 else "decode"
+            self.step_observer(kind, dt)
+        return StepOutput(msg["token"], None if logits is None else logits.numpy().copy(),
+                          msg["accepted"])
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int:
@@ -474,13 +632,19 @@ class Coordinator:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary")
 
     def stream(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
-               use_cache: bool = True) -> Iterator[Delta]:
+               use_cache: bool = True, speculative: bool | None = None) -> Iterator[Delta]:
         """Generate for one prompt: restore its longest cached prefix, prefill the rest in
-        chunks (snapshotting at its cache points), then decode. Text deltas are yielded."""
+        chunks (snapshotting at its cache points), then decode, speculatively when a draft
+        serves (unless `speculative` is False). Text deltas are yielded."""
         self.check_prompt(prompt)
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         seed = params.seed if params.seed is not None else new_seed()
+        drafter = None
+        if self.draft is not None:
+            progress.spec = SpecStats()
+            drafter = DraftClient(self, progress.spec, self.config.spec_required)
+            drafter.begin()
         cache = self.cache if use_cache else None
         restored = Restored()
         points: list[int] = []
@@ -492,6 +656,15 @@ class Coordinator:
             # and at its very end (an exact repeat then needs no forward pass)
             last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
             points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
+        # the draft's context is whole if every row it needs came from this run's steps or
+        # from the cache with its feature rows
+        self.live_features = self.feeding and (restored.length == 0 or restored.features)
+        if drafter is not None and (speculative is False or not drafter.active or (
+                self.feeding and not self.live_features)):
+            if speculative is not False and drafter.active:
+                log.info("no speculation for this request: the restored prefix carries no "
+                         "draft feature rows")
+            drafter = None
         parent = [restored.leaf]
 
         def on_boundary(end: int, logits: np.ndarray | None) -> None:
@@ -504,7 +677,7 @@ class Coordinator:
                             turn_end_ids=self.eos_ids, start=restored.length,
                             start_logits=restored.logits, context=self.config.max_context,
                             on_prefill_boundary=on_boundary if points else None,
-                            logits_at=points)
+                            logits_at=points, drafter=drafter)
         if cache is not None:
             t_prefill = time.perf_counter()
 
@@ -517,7 +690,8 @@ class Coordinator:
             toks = _after_first(toks, first_token_out)
         return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
 
-    def generate(self, prompt: Sequence[int], params: SamplingParams,
-                 use_cache: bool = True) -> GenerationResult:
+    def generate(self, prompt: Sequence[int], params: SamplingParams, use_cache: bool = True,
+                 speculative: bool | None = None) -> GenerationResult:
         progress = Progress()
-        return collect(self.stream(prompt, params, progress, use_cache), progress, len(prompt))
+        return collect(self.stream(prompt, params, progress, use_cache, speculative), progress,
+                       len(prompt))

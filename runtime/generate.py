@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,16 +21,19 @@ from shards.sampling import SamplingParams
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
-    token: int | None  # sampled token for the position after the step's last row
+    token: int | None  # sampled token for the position after the step's last row (after the
+    # last accepted row, for a verify step)
     logits: np.ndarray | None = None  # float32 (vocab,) of the last row, when asked
+    accepted: int = 0  # draft tokens a verify step kept
 
 
 class Engine(Protocol):
-    """One sequence's forward steps. `sample` is None for a prefill chunk that is not the last."""
+    """One sequence's forward steps. `sample` is None for a prefill chunk that is not the last.
+    With `draft`, the step verifies draft tokens: tokens = [last token, *draft]."""
 
     def forward(
         self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
-        want_logits: bool = False,
+        want_logits: bool = False, draft: Sequence[int] | None = None,
     ) -> StepOutput: ...
 
     def sample_logits(
@@ -74,6 +77,7 @@ class Progress:
     text: str = ""
     cached_tokens: int = 0
     cache_tier: str = "none"
+    spec: Any = None  # runtime.speculative.SpecStats, when a draft served the request
 
     @property
     def ttft_s(self) -> float:
@@ -85,6 +89,19 @@ class Progress:
         if n <= 0 or self.first_token_at is None or self.finished_at is None:
             return 0.0
         return n / max(self.finished_at - self.first_token_at, 1e-9)
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for one sequence (`runtime.speculative.DraftClient`)."""
+
+    block: int  # rows of a verify step: the last token and up to block - 1 draft tokens
+
+    def propose(self, seq: Sequence[int], pos: int, n: int) -> list[int]:
+        """Up to n draft tokens for positions pos+1.., after seq[pos] (committed tokens are
+        seq[:pos + 1]); [] when there are none (the step is then a plain decode step)."""
+
+    def verified(self, pos: int, proposed: int, accepted: int) -> None:
+        """The verify step at `pos` kept `accepted` of `proposed` draft tokens."""
 
 
 def token_stream(
@@ -100,11 +117,17 @@ def token_stream(
     on_prefill_boundary: Callable[[int, np.ndarray | None], None] | None = None,
     logits_at: Collection[int] = (),
     context: int | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[int]:
     """Yield generated tokens forever (the caller stops). KV rows [0, start) must already hold
     the prefix; with start == len(prompt), `start_logits` are the logits of the last prompt row.
     `on_prefill_boundary(end, logits)` runs after each prefill chunk; logits are returned for
-    chunk ends listed in `logits_at`. The stream ends when the context (`context` tokens) is full."""
+    chunk ends listed in `logits_at`. The stream ends when the context (`context` tokens) is full.
+
+    With a `drafter`, each step after the first token verifies the draft tokens it proposes:
+    the step's rows are [last token, *draft], and it yields the draft tokens the target kept,
+    then continues from the token the target drew after them (`shards.sampling.accept_draft`).
+    Every yielded token is the one plain decoding yields."""
     n = len(prompt)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -124,11 +147,24 @@ def token_stream(
         assert out is not None and out.token is not None
         token = out.token
     pos = n
+    seq = list(prompt)
     while context is None or pos < context:  # prompt + generated never exceed the context
-        yield token
-        out = engine.forward([token], pos, params, seed)
+        yield token  # at position pos
+        seq.append(token)
+        drafts = []
+        if drafter is not None:
+            room = drafter.block if context is None else min(drafter.block, context - pos)
+            drafts = drafter.propose(seq, pos, room - 1) if room > 1 else []
+        if drafts:
+            out = engine.forward([token, *drafts], pos, params, seed, draft=drafts)
+            drafter.verified(pos, len(drafts), out.accepted)
+            for t in drafts[:out.accepted]:
+                yield t
+                seq.append(t)
+        else:
+            out = engine.forward([token], pos, params, seed)
         assert out.token is not None
-        token, pos = out.token, pos + 1
+        token, pos = out.token, pos + 1 + out.accepted
 
 
 def stream_generation(
@@ -189,4 +225,5 @@ def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> 
         decode_tok_s=progress.decode_tok_s,
         cached_tokens=progress.cached_tokens,
         cache_tier=progress.cache_tier,
+        acceptance_length=None if progress.spec is None else progress.spec.acceptance_length,
     )

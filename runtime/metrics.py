@@ -36,12 +36,35 @@ class Metrics:
         self.cache_bytes_written = Gauge("layersplit_prefix_cache_bytes_written",
                                          "bytes written to the disk tier", registry=r)
         self.acceptance = Histogram("layersplit_spec_acceptance_length",
-                                    "tokens committed per speculative verify step",
+                                    "mean tokens committed per speculative verify step, one "
+                                    "observation per request",
                                     buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 16),
                                     registry=r)
+        self.spec_proposed = Counter("layersplit_spec_proposed_tokens", "draft tokens proposed, "
+                                     "by position in the draft block", ["position"], registry=r)
+        self.spec_accepted = Counter("layersplit_spec_accepted_tokens", "draft tokens the "
+                                     "target kept, by position in the draft block",
+                                     ["position"], registry=r)
+        self.spec_verifies = Counter("layersplit_spec_verify_steps", "speculative verify steps",
+                                     registry=r)
+        self.spec_draft_s = Counter("layersplit_spec_draft_seconds", "time spent waiting for "
+                                    "draft proposals", registry=r)
+        self.spec_verify_s = Counter("layersplit_spec_verify_seconds", "time spent in verify "
+                                     "steps", registry=r)
         self.step_time = Histogram("layersplit_step_seconds", "one forward step through the "
                                    "shard chain, by kind", ["kind"], buckets=LATENCY_BUCKETS,
                                    registry=r)
         self.shard_restarts = Counter("layersplit_shard_restarts",
                                       "restarts of the shard group after a failure", registry=r)
         self.up = Gauge("layersplit_ready", "1 when the engine serves requests", registry=r)
+
+    def observe_speculation(self, spec) -> None:
+        """One request's `runtime.speculative.SpecStats`."""
+        if spec.acceptance_length is not None:
+            self.acceptance.observe(spec.acceptance_length)
+        for j, (p, a) in enumerate(zip(spec.proposed_at, spec.accepted_at), start=1):
+            self.spec_proposed.labels(str(j)).inc(p)
+            self.spec_accepted.labels(str(j)).inc(a)
+        self.spec_verifies.inc(spec.verifies)
+        self.spec_draft_s.inc(spec.draft_s)
+        self.spec_verify_s.inc(spec.verify_s)

@@ -76,6 +76,31 @@ def fetch_default_model() -> Path:
         return target
 
 
+BUNDLED_DRAFT = Path(__file__).resolve().parents[1] / "draft" / "weights" / "smollm2-135m-dflash"
+
+
+def resolve_draft(spec: str, model: Path | str, draft_device: str) -> Path | str | None:
+    """The draft checkpoint to run, or None for no speculation.
+
+    'none': off. 'default': the bundled DFlash draft of the default model. 'auto': that draft
+    when the default model runs and the draft's device is a GPU (on a CPU, verify steps run row
+    by row to stay bit-exact, so speculation does not pay). Else a path (or random:NAME)."""
+    if spec == "none":
+        return None
+    is_default = Path(str(model)).name == Path(DEFAULT_MODEL_MEMBER).name
+    if spec == "auto":
+        use = is_default and draft_device.startswith("cuda") and BUNDLED_DRAFT.is_dir()
+        return BUNDLED_DRAFT if use else None
+    if spec == "default":
+        if not is_default:
+            raise FileNotFoundError(f"the bundled draft is trained for {DEFAULT_MODEL_NAME}, not "
+                                    f"{model}; pass --draft PATH or --draft none")
+        if not BUNDLED_DRAFT.is_dir():
+            raise FileNotFoundError(f"the bundled draft is missing at {BUNDLED_DRAFT}")
+        return BUNDLED_DRAFT
+    return resolve_model(spec)
+
+
 def resolve_model(spec: str | os.PathLike | None) -> Path | str:
     """A model argument -> a local path. None or 'default' means the default model."""
     if spec is None or str(spec) == "default":

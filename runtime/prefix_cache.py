@@ -42,6 +42,8 @@ class Entry:
     last_used: float = dataclasses.field(default_factory=time.time)
     pins: int = 0
     saving: bool = False
+    features: bool = False  # the draft's feature rows of [start, length) are kept with it
+    feature_tag: str = ""  # of a file found on disk: the kind of feature rows it holds
 
     @property
     def in_ram(self) -> bool:
@@ -83,6 +85,11 @@ class PrefixIndex:
             disk_dir.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
             self._scan()
+
+    def mark_features(self, tag: str) -> None:
+        """Entries found on disk serve the draft if their feature rows are of its kind."""
+        for e in self.entries.values():
+            e.features = bool(tag) and e.feature_tag == tag
 
     # ---- structure ------------------------------------------------------------------------------
     def new_ram_id(self) -> int:
@@ -247,7 +254,8 @@ class PrefixIndex:
             try:
                 e = Entry(key=m["key"], length=int(m["length"]), start=int(m["start"]),
                           parent=m["parent"] or None, tokens=(), logits=None,
-                          kv_bytes=int(m["kv_bytes"]), path=p, last_used=p.stat().st_mtime)
+                          kv_bytes=int(m["kv_bytes"]), path=p, last_used=p.stat().st_mtime,
+                          feature_tag=m.get("features", ""))
             except (KeyError, ValueError, TypeError) as err:
                 self.quarantine(p, f"metadata: {err}")
                 bad += 1
@@ -298,9 +306,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def metadata_for(entry: Entry, fingerprint: str, kv_layout: list[dict], split: list[list[int]]
-                 ) -> dict[str, str]:
+def metadata_for(entry: Entry, fingerprint: str, kv_layout: list[dict], split: list[list[int]],
+                 features: str = "") -> dict[str, str]:
     return {"fingerprint": fingerprint, "key": entry.key, "parent": entry.parent or "",
             "start": str(entry.start), "length": str(entry.length),
             "kv_bytes": str(entry.kv_bytes), "kv_layout": json.dumps(kv_layout),
-            "split": json.dumps(split)}
+            "split": json.dumps(split), "features": features}

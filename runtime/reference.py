@@ -20,7 +20,7 @@ from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
-from shards.sampling import SamplingParams, sample_rows
+from shards.sampling import SamplingParams, accept_draft, sample_rows
 
 def new_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
@@ -46,8 +46,14 @@ class ReferenceEngine:
 
     # -- Engine protocol --------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
-                want_logits: bool = False) -> StepOutput:
+                want_logits: bool = False, draft: Sequence[int] | None = None) -> StepOutput:
         x = torch.tensor(list(tokens), dtype=torch.long)
+        if draft is not None:  # a verify step, exactly as the last shard runs it
+            rows = self.executor.run(x, pos, all_logits=True, verify=True)
+            w = sample.wire()
+            k, token = accept_draft(rows, list(draft), w["temperature"], w["top_k"], w["top_p"],
+                                    seed, pos)
+            return StepOutput(token, rows[k].cpu().numpy() if want_logits else None, k)
         logits = self.executor.run(x, pos)[-1]
         token = None
         if sample is not None:

@@ -179,7 +179,8 @@ class Engine:
         progress = Progress()
         self.metrics.prompt_tokens.inc(len(ids))
         try:
-            deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache)
+            deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache,
+                                  speculative=req.speculative)
         except ValueError as e:
             job.emit(("error", 400, RequestError(str(e), None)))
             return
@@ -208,6 +209,8 @@ class Engine:
             self.metrics.cache_misses.inc()
         if coord.cache is not None:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
+        if progress.spec is not None:
+            self.metrics.observe_speculation(progress.spec)
         job.emit(("done", {
             "finish_reason": "cancelled" if job.cancelled else progress.finish_reason,
             "prompt_tokens": len(ids), "completion_tokens": n,
@@ -264,6 +267,11 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         body = {"status": engine.status}
         if engine.reason:
             body["reason"] = engine.reason
+        coord = engine.coord
+        if coord is not None:
+            body["speculation"] = (f"on ({coord.draft_info.get('kind')} draft)"
+                                   if coord.draft is not None else
+                                   f"off: {coord.draft_down}" if coord.draft_down else "off")
         return JSONResponse(body, status_code=200 if engine.status == "ready" else 503)
 
     @app.get("/metrics")

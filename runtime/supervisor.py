@@ -52,8 +52,13 @@ class LocalProcess:
                 detail = f": {text}"
         except OSError:
             pass
-        return (f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device}, "
-                f"pid {self.pid}) {how}{detail}")
+        return f"{self.name} (pid {self.pid}) {how}{detail}"
+
+    @property
+    def name(self) -> str:
+        if self.plan.index < 0:
+            return f"the draft process (on {self.plan.device})"
+        return f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device})"
 
 
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
@@ -65,14 +70,39 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
            "--error-file", str(error_file), "--random-seed", str(seed)]
     if threads:
         cmd += ["--threads", str(threads)]
+    proc = _start(cmd, secret, plan.device)
+    log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
+    return LocalProcess(plan, proc, error_file)
+
+
+def _start(cmd: list[str], secret: bytes, device: str) -> subprocess.Popen:
     env = {**os.environ, SECRET_ENV: secret.hex()}
-    if plan.device.startswith("cuda"):
+    if device.startswith("cuda"):
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
         # torch.compile in-process: no pool of compile workers to outlive or slow a shutdown
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-    log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
-    return LocalProcess(plan, proc, error_file)
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+
+def spawn_draft(draft: str, target: str, listen: str, device: str, dtype: str,
+                max_context: int, threads: int | None, secret: bytes, run_dir: Path,
+                seed: int = 0, block_size: int | None = None, graphs: bool = True
+                ) -> LocalProcess:
+    """The draft process, supervised like a shard (`ShardPlan.index` -1 names it)."""
+    error_file = run_dir / "draft.error"
+    cmd = [sys.executable, "-m", "launch.cli", "draft", "--listen", listen, "--draft", draft,
+           "--target", target, "--device", device, "--dtype", dtype,
+           "--max-context", str(max_context), "--parent-pid", str(os.getpid()),
+           "--error-file", str(error_file), "--random-seed", str(seed)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if block_size:
+        cmd += ["--block-size", str(block_size)]
+    if not graphs:
+        cmd += ["--no-graphs"]
+    proc = _start(cmd, secret, device)
+    log.debug("started the draft process (pid %d): %s", proc.pid, " ".join(cmd))
+    return LocalProcess(ShardPlan(-1, 0, 0, device, None), proc, error_file)
 
 
 def stop_all(procs: list[LocalProcess], grace_s: float = 5.0, term_s: float = 2.0) -> None:
@@ -91,7 +121,7 @@ def stop_all(procs: list[LocalProcess], grace_s: float = 5.0, term_s: float = 2.
             continue
         for p in alive:
             log.log(logging.WARNING if grace_s > 0 else logging.DEBUG,
-                    "shard %d (pid %d) still running; sending %s", p.plan.index, p.pid, sig.name)
+                    "%s still running; sending %s", p.name, sig.name)
             _kill_tree(p.pid, sig)
         for p in alive:
             try:
@@ -101,7 +131,7 @@ def stop_all(procs: list[LocalProcess], grace_s: float = 5.0, term_s: float = 2.
     for p in procs:
         removed = sweep(p.pid)
         if removed:
-            log.info("removed shared memory left by shard %d: %s", p.plan.index, removed)
+            log.info("removed shared memory left by %s: %s", p.name, removed)
 
 
 def _kill_tree(pid: int, sig: signal.Signals) -> None:

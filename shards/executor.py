@@ -2,6 +2,12 @@
 
 The reference engine runs the whole model through one executor; a shard process runs its
 range through one, so both take exactly the same arithmetic path.
+
+Three kinds of step: a prefill chunk (eager, many rows), a decode step (one row; a CUDA graph on
+GPUs), and a speculative verify step (the last token and the draft tokens). On GPUs a verify step
+is one batched graph. On the CPU it runs row by row, each row exactly as a decode step would
+run it: a batched matmul need not round like a one-row one, and speculative greedy output must
+equal plain greedy output token for token.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from shards.kv_cache import KVCache, KVLayout
 from shards.model import LayerRange
 from shards.sampling import sample_rows
 
+MAX_VERIFY_ROWS = 32  # a verify step longer than this (a huge draft block) runs eagerly
+
 
 class RangeExecutor:
     def __init__(
         self, model: LayerRange, max_len: int, slots: int = 1, device: torch.device | str = "cpu",
-        static_decode: bool | None = None, graph_bucket: int = 256,
+        static_decode: bool | None = None, graph_bucket: int = 256, taps: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -25,9 +33,12 @@ class RangeExecutor:
         self.dtype = next(model.parameters()).dtype
         self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv = KVCache(self.layout, max_len, slots, self.device)
+        self.taps = tuple(t for t in taps if model.start <= t < model.end)
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
-        self.static = StaticDecoder(model, self.kv, graph_bucket) if static_decode else None
+        self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps)
+                       if static_decode else None)
+        self.rowwise_verify = self.device.type != "cuda"
 
     @property
     def max_len(self) -> int:
@@ -41,18 +52,43 @@ class RangeExecutor:
         slot: int = 0,
         all_logits: bool = False,
         taps: dict[int, torch.Tensor] | None = None,
+        verify: bool = False,
     ) -> torch.Tensor:
-        """Hidden states (n, hidden) out of this range, or logits on the last range
-        (of the last row, or of every row with `all_logits`)."""
+        """Hidden states (n, hidden) out of this range, or logits on the last range (of the last
+        row, or of every row with `all_logits`). With `taps` (a dict), the rows of this range's
+        tapped layers are stored in it by global layer index."""
         n = x.shape[0]
         if pos + n > self.kv.max_len:
             raise ValueError(
                 f"positions {pos}..{pos + n} exceed the context of {self.kv.max_len} tokens"
             )
-        if n == 1 and self.static is not None and taps is None:
-            return self.static.run(x, pos, slot)
+        if self.static is not None and (n == 1 or (verify and n <= MAX_VERIFY_ROWS)):
+            out, rows = self.static.run(x, pos, slot)
+            if taps is not None:
+                taps.update(rows)
+            return out if all_logits or not self.model.is_last else out[-1:]
+        if verify and self.rowwise_verify:
+            return self._rowwise(x, pos, slot, all_logits, taps)
         rows = None if all_logits else slice(n - 1, n)
-        return self.model(x.to(self.device), pos, self.kv, slot, logit_rows=rows, taps=taps)
+        want = None if taps is None else dict.fromkeys(self.taps)
+        out = self.model(x.to(self.device), pos, self.kv, slot, logit_rows=rows, taps=want)
+        if taps is not None:
+            taps.update(want)
+        return out
+
+    def _rowwise(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
+                 taps: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """A verify step as len(x) decode steps, each bit-identical to a plain decode step."""
+        outs, tapped = [], []
+        for j in range(x.shape[0]):
+            want = None if taps is None else dict.fromkeys(self.taps)
+            outs.append(self.model(x[j:j + 1].to(self.device), pos + j, self.kv, slot,
+                                   logit_rows=slice(0, 1), taps=want))
+            tapped.append(want)
+        if taps is not None:
+            taps.update({layer: torch.cat([t[layer] for t in tapped]) for layer in self.taps})
+        out = torch.cat(outs)
+        return out if all_logits or not self.model.is_last else out[-1:]
 
     def sample(self, logits: torch.Tensor, sample: dict, position: int) -> int:
         """Sample the token for `position` from one row of logits."""

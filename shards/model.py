@@ -266,8 +266,8 @@ class LayerRange(nn.Module):
         """Run this range for n tokens at positions [pos, pos + n) (`step`: pos or a StepInfo).
 
         Returns hidden states (n, hidden), or on the last range the logits of `logit_rows`
-        (all rows when None). `taps`, when given, maps a global layer index to where its
-        output rows are stored (used to feed a feature-conditioned draft).
+        (all rows when None). `taps`, when given, has a key per global layer index whose output
+        rows (n, hidden) are stored under it (they feed a feature-conditioned draft).
         """
         h = self.embed_tokens(x) if self.is_first else x
         if isinstance(step, int):
@@ -276,7 +276,9 @@ class LayerRange(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, i, slot, step)
             if taps is not None and self.start + i in taps:
-                taps[self.start + i] = h
+                # as HF's hidden_states[layer + 1]: the last layer's output is after the norm
+                last = self.start + i == self.cfg.num_layers - 1
+                taps[self.start + i] = self.norm(h) if last else h
         if not self.is_last:
             return h
         if logit_rows is not None:

@@ -96,3 +96,42 @@ def sample_rows(
         noise = seeded_exponential(probs.shape[-1:], mix_seed(seed, p), probs.device)
         out.append(int(torch.argmax(probs[i] / noise)))
     return out
+
+
+def accept_draft(
+    logits: torch.Tensor,  # (n, V): rows of the step [last token, d_1, ..., d_{n-1}]
+    draft: Sequence[int],  # d_1 .. d_{n-1}
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    pos: int,  # position of the step's first row
+) -> tuple[int, int]:
+    """Verify draft tokens: (how many to keep, the token that follows the kept ones).
+
+    Row j gives the target's token for position pos + j + 1, drawn exactly as plain decoding
+    draws it (greedy: the argmax; sampling: the seeded draw of that position). Draft token
+    d_{j+1} is kept while it equals that token; the first differing draw is emitted instead,
+    and after n - 1 kept tokens the last row's draw is the bonus token.
+
+    This is rejection sampling for a draft that proposes one token per position (a point mass
+    q = δ_d): d is accepted with probability p(d) = min(1, p(d)/q(d)), and a rejected position
+    emits a draw from p restricted to tokens other than d, which is the residual (p - q)+
+    renormalized. So the output distribution is exactly the target's; more than that, each
+    emitted token is the one plain decoding with the same seed emits, so speculative output
+    equals plain output token for token, greedy or sampled.
+    """
+    n = logits.shape[0]
+    if len(draft) != n - 1:
+        raise ValueError(f"{n} rows verify {n - 1} draft tokens, got {len(draft)}")
+    if temperature == 0 or top_k == 1:
+        toks = logits.argmax(dim=-1).tolist()
+        k = 0
+        while k < n - 1 and draft[k] == toks[k]:
+            k += 1
+        return k, toks[k]
+    for k in range(n):  # draw row by row, stopping at the first mismatch
+        tok = sample_rows(logits[k:k + 1], temperature, top_k, top_p, seed, [pos + k + 1])[0]
+        if k == n - 1 or draft[k] != tok:
+            return k, tok
+    raise AssertionError("unreachable")

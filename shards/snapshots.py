@@ -1,6 +1,8 @@
-"""A shard's prefix-cache memory: host copies of KV rows, and their disk reads and writes.
+"""A process's prefix-cache memory: host copies of position-indexed rows (a shard's KV cache,
+the draft process's feature rows), and their disk reads and writes.
 
-`take` copies rows [start, end) of every local layer out of the live KV cache into a host
+The store serves named tensors shaped (layers, slots, max_len, ...): a shard's `k` and `v`, the
+draft's `feat`. `take` copies rows [start, end) of every layer of every tensor into a host
 buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile; rows below the prompt's
 end never change during decode). `restore` copies them back. `save` writes them, from that
 same memory, into their places in an entry file the coordinator created (no staging copy), in a
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from ipc.kv_file import checksum
-from shards.kv_cache import KVCache
+from ipc.messages import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,7 @@ class Snap:
     start: int
     end: int
     nbytes: int
-    k: torch.Tensor | None = None  # (layers, rows, kv_heads, head_dim), host
-    v: torch.Tensor | None = None
+    rows: dict[str, torch.Tensor] | None = None  # name -> (layers, rows, ...), host
     error: str | None = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -49,9 +50,11 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class SnapshotStore:
-    def __init__(self, kv: KVCache) -> None:
-        self.kv = kv
-        self.device = kv.k.device
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors  # name -> (layers, slots, max_len, ...), live
+        first = next(iter(tensors.values()))
+        self.max_len = first.shape[2]
+        self.device = first.device
         self.cuda = self.device.type == "cuda"
         self.entries: dict[int, Snap] = {}
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -67,10 +70,10 @@ class SnapshotStore:
         """Start copying rows [start, end) out; returns at once (a background thread allocates
         the host buffers, pinned on GPUs, and copies). Rows below the prompt's end do not
         change while the sequence decodes, so the next steps need not wait."""
-        if not 0 <= start < end <= self.kv.max_len:
-            raise ValueError(f"snapshot rows {start}:{end} outside the KV cache")
-        src_k, src_v = self.kv.k[:, slot, start:end], self.kv.v[:, slot, start:end]
-        snap = Snap(start, end, 2 * src_k.numel() * src_k.element_size())
+        if not 0 <= start < end <= self.max_len:
+            raise ValueError(f"snapshot rows {start}:{end} outside the cache of {self.max_len}")
+        srcs = {name: t[:, slot, start:end] for name, t in self.tensors.items()}
+        snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()))
         after = None
         if self.cuda:  # the copy must follow the step that wrote these rows
             after = torch.cuda.Event()
@@ -80,18 +83,18 @@ class SnapshotStore:
             try:
                 if self.cuda:
                     torch.cuda.set_device(self.device)
-                k = torch.empty(src_k.shape, dtype=src_k.dtype, pin_memory=self.cuda)
-                v = torch.empty(src_v.shape, dtype=src_v.dtype, pin_memory=self.cuda)
+                rows = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                        for name, t in srcs.items()}
                 if self.cuda:
                     with torch.cuda.stream(self.copy_stream):
                         self.copy_stream.wait_event(after)
-                        k.copy_(src_k, non_blocking=True)
-                        v.copy_(src_v, non_blocking=True)
+                        for name, t in srcs.items():
+                            rows[name].copy_(t, non_blocking=True)
                     self.copy_stream.synchronize()
                 else:
-                    k.copy_(src_k)
-                    v.copy_(src_v)
-                snap.k, snap.v = k, v
+                    for name, t in srcs.items():
+                        rows[name].copy_(t)
+                snap.rows = rows
             except Exception as e:  # noqa: BLE001 - surfaces at restore/save
                 snap.error = f"{type(e).__name__}: {e}"
             finally:
@@ -113,9 +116,9 @@ class SnapshotStore:
     def restore(self, entry: int, slot: int) -> None:
         s = self.entries[entry]
         s.wait()
-        assert s.k is not None and s.v is not None
-        self.kv.k[:, slot, s.start:s.end].copy_(s.k, non_blocking=self.cuda)
-        self.kv.v[:, slot, s.start:s.end].copy_(s.v, non_blocking=self.cuda)
+        assert s.rows is not None
+        for name, t in self.tensors.items():
+            t[:, slot, s.start:s.end].copy_(s.rows[name], non_blocking=self.cuda)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -125,19 +128,19 @@ class SnapshotStore:
     # ---- disk tier --------------------------------------------------------------------------
     def save(self, entry: int, path: str, items: list[dict[str, Any]]) -> None:
         """Write this shard's tensors of `entry` into `path` at their offsets, in the background.
-        items: {name, layer (local index), kind 'k'|'v', offset}. The outcome goes to
+        items: {name, layer (local index), kind (a tensor name), offset}. The outcome goes to
         `results` as (entry, path, checksums or None, error or None)."""
         snap = self.entries[entry]
 
         def run() -> None:
             try:
                 snap.wait()
-                assert snap.k is not None and snap.v is not None
+                assert snap.rows is not None
                 sums = {}
                 fd = os.open(path, os.O_WRONLY)
                 try:
                     for it in items:
-                        t = (snap.k if it["kind"] == "k" else snap.v)[it["layer"]]
+                        t = snap.rows[it["kind"]][it["layer"]]
                         data = _bytes(t)
                         written = os.pwrite(fd, data, it["offset"])
                         if written != len(data):
@@ -152,7 +155,7 @@ class SnapshotStore:
         threading.Thread(target=run, name=f"save-{entry}", daemon=True).start()
 
     def load(self, path: str, slot: int, items: list[dict[str, Any]]) -> int:
-        """Read rows into the live KV cache, verifying checksums. items: {name, layer (local),
+        """Read rows into the live tensors, verifying checksums. items: {name, layer (local),
         kind, offset, nbytes, start, end, checksum}. Returns bytes read; raises on a mismatch
         (rows read so far are then garbage above the last good link, which is harmless: the
         prefill that follows overwrites them).
@@ -161,8 +164,7 @@ class SnapshotStore:
         copied to the device from one of two pinned buffers)."""
         dsts = []
         for it in items:
-            dst = (self.kv.k if it["kind"] == "k" else self.kv.v)[it["layer"], slot,
-                                                                  it["start"]:it["end"]]
+            dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
             if dst.numel() * dst.element_size() != it["nbytes"]:
                 raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
                                  f"{dst.numel() * dst.element_size()} expected by this shard")
@@ -214,9 +216,62 @@ class SnapshotStore:
         return self._staging[which][:nbytes]
 
 
+def check_items(store: SnapshotStore, items: Any) -> list[dict[str, Any]]:
+    """Validate the file items of a snap_save / snap_load against this store's tensors."""
+    if not isinstance(items, list):
+        raise ValueError("cache-file items must be a list")
+    for it in items:
+        t = store.tensors.get(it.get("kind")) if isinstance(it, dict) else None
+        if t is None or not isinstance(it.get("layer"), int) or \
+                not 0 <= it["layer"] < t.shape[0] or \
+                not isinstance(it.get("offset"), int) or it["offset"] < 0:
+            raise ValueError(f"bad cache-file item {it!r}")
+    return items
+
+
 def entry_path_ok(path: str, cache_dir: str | None) -> bool:
     """Shards only touch files inside the cache directory they were configured with."""
     if cache_dir is None:
         return False
     p, d = Path(path).resolve(), Path(cache_dir).resolve()
     return d in p.parents
+
+
+SNAP_OPS = ("snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load")
+
+
+def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None) -> dict[str, Any]:
+    """Carry out one prefix-cache message (`SNAP_OPS`) on `store`; returns the info of its `ok`
+    reply. A request that cannot be right raises ProtocolError; an unreadable file is reported
+    in the info (`error`), as a miss, not as a protocol failure."""
+    t = msg["type"]
+    if t == "snap_take":
+        return {"bytes": store.take(msg["entry"], msg["slot"], msg["start"], msg["end"])}
+    if t == "snap_drop":
+        for e in msg["entries"]:
+            store.drop(e)
+        return {"bytes": store.nbytes}
+    if t == "snap_restore":
+        missing = [e for e in msg["entries"] if e not in store.entries]
+        if missing:
+            raise ProtocolError(f"snap_restore: no snapshot {missing[0]} here", "unknown_entry")
+        store.wait_pending()
+        for e in msg["entries"]:
+            store.restore(e, msg["slot"])
+        return {}
+    if not entry_path_ok(msg["path"], cache_dir):
+        raise ProtocolError(f"{msg['path']} is outside the cache directory", "bad_path")
+    try:
+        items = check_items(store, msg["items"])
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
+    if t == "snap_save":
+        if msg["entry"] not in store.entries:
+            raise ProtocolError(f"snap_save: no snapshot {msg['entry']}", "unknown_entry")
+        store.save(msg["entry"], msg["path"], items)
+        return {}
+    store.wait_pending()
+    try:
+        return {"bytes": store.load(msg["path"], msg["slot"], items)}
+    except (OSError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}

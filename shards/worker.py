@@ -24,21 +24,25 @@ import psutil
 import torch
 import zmq
 
-from ipc import auth, transport
+from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
+from ipc.peers import AUTH_FAILED, Gate, expect, handshake
 from ipc.shm import SLEEP_POLL_MS
 from ipc.sockets import configure as configure_socket
-from ipc.sockets import context, recv, request, send
-from ipc.transport import RingSender, ZmqSender, tensor_from, zmq_tensor
+from ipc.sockets import bind_router, context, recv, request, send
+from ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.device import use_device
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
 from shards.fused import fuse_projections
-from shards.sampling import sample_rows
-from shards.snapshots import SnapshotStore, entry_path_ok
+from shards.sampling import accept_draft, sample_rows
+from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
 
 log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
+FEED_TIMEOUT_S = 5.0  # a draft that takes no rows for this long is dropped, the step goes on
+FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pieces)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,39 +58,27 @@ class ShardSpec:
     seed: int = 0
 
 
-@dataclasses.dataclass(slots=True)
-class Peer:
-    role: str
-    nonce: bytes
-    client_nonce: bytes
-    authed: bool = False
-
-
-ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake",
-                           "snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load"},
+ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
 class ShardServer:
     def __init__(self, spec: ShardSpec, secret: bytes) -> None:
         self.spec, self.secret = spec, secret
-        self.device = torch.device(spec.device)
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = use_device(spec.device, spec.threads)
         self.ctx = context()
-        self.router = configure_socket(self.ctx.socket(zmq.ROUTER))
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.bind(spec.listen)
+        self.router = bind_router(spec.listen)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.peers: dict[bytes, Peer] = {}
+        self.gate = Gate(secret, ALLOWED, f"shard {spec.start}:{spec.end}")
         self.coordinator: bytes | None = None
         self.upstream: bytes | None = None
         self.down: zmq.Socket | None = None
         self.out: transport.Sender | None = None  # downstream edge, or results (last shard)
         self.inbox: transport.RingInbox | None = None  # steps, when they come through a ring
+        self.taps: tuple[int, ...] = ()  # global layers whose rows feed the draft process
+        self.feed_sock: zmq.Socket | None = None
+        self.feed: transport.Sender | None = None  # feature rows to the draft process
         self.executor: RangeExecutor | None = None
         self.index = -1
         self.running = True
@@ -146,8 +138,10 @@ class ShardServer:
         for sock, _ in events:
             if sock is self.router:
                 self._handle_router()
-            else:
+            elif sock is self.down:
                 self._handle_downstream_reply()
+            else:
+                self._handle_draft_reply(sock)
         return bool(events)
 
     def _handle_inbox(self) -> None:
@@ -180,21 +174,11 @@ class ShardServer:
             self._reply(route, error(f"shard {self.index}: {err}", err.code, sid=err.sid))
             self._note_bad_upstream(route, err.sid)
             return
+        if not self.gate.screen(route, msg, self._reply):
+            return
         t = msg["type"]
-        if t == "hello":
-            return self._on_hello(route, msg)
         if t == "auth":
             return self._on_auth(route, msg)
-        peer = self.peers.get(route)
-        if peer is None or not peer.authed:
-            self._reply(route, error(f"shard {self.index}: unauthenticated peer; send hello "
-                                     "and auth with the shared secret first", "unauthenticated",
-                                     sid=msg.get("sid")))
-            return
-        if t not in ALLOWED[peer.role]:
-            self._reply(route, error(f"shard {self.index}: {peer.role} may not send {t!r}",
-                                     "unexpected", sid=msg.get("sid")))
-            return
         try:
             if t == "step":
                 expected = self.coordinator if self.model.is_first else self.upstream
@@ -202,6 +186,10 @@ class ShardServer:
                     raise ProtocolError("step from a peer that does not feed this shard",
                                         "unexpected")
                 self._step(msg, zmq_tensor(msg, frames))
+            elif t in SNAP_OPS:
+                self._reply(route, message("ok", info=snap_op(self._snap_store(), msg,
+                                                              self.cache_dir),
+                                           sid=msg.get("sid")))
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)
         except ProtocolError as e:
@@ -235,6 +223,13 @@ class ShardServer:
         if self.coordinator is not None and msg["type"] != "wake":
             self._reply(self.coordinator, msg)
 
+    def _handle_draft_reply(self, sock: zmq.Socket) -> None:
+        """The draft reports refused feature frames to the coordinator itself: log only."""
+        _, msg, _, err = recv(sock)
+        if err is not None or msg["type"] != "wake":
+            log.warning("shard %d: the draft process says: %s", self.index,
+                        err if err is not None else msg.get("message", msg["type"]))
+
     def _reply(self, route: bytes, msg: dict[str, Any], frames: list = ()) -> None:
         try:
             send(self.router, msg, frames, route=route)
@@ -249,25 +244,11 @@ class ShardServer:
             self._reply(route, msg)
 
     # ---- authentication ---------------------------------------------------------------------
-    def _on_hello(self, route: bytes, msg: dict[str, Any]) -> None:
-        role = msg["role"]
-        if role not in ALLOWED:
-            self._reply(route, error(f"unknown role {role!r}", "bad_message", sid=msg.get("sid")))
-            return
-        peer = Peer(role, auth.new_nonce(), msg["nonce"])
-        self.peers[route] = peer
-        self._reply(route, message("challenge", nonce=peer.nonce))
-
     def _on_auth(self, route: bytes, msg: dict[str, Any]) -> None:
-        peer = self.peers.get(route)
-        if peer is None or not auth.verify(self.secret, peer.nonce, peer.client_nonce, peer.role,
-                                           msg["mac"]):
-            self.peers.pop(route, None)
-            log.warning("shard: refused a peer that failed authentication")
-            self._reply(route, error("authentication failed: wrong shared secret",
-                                     "unauthenticated", sid=msg.get("sid")))
+        peer = self.gate.authenticate(route, msg)
+        if peer is None:
+            self._reply(route, error(AUTH_FAILED, "unauthenticated", sid=msg.get("sid")))
             return
-        peer.authed = True
         if peer.role == "coordinator":
             if self.coordinator is not None and self.coordinator != route:
                 self._reset_session()
@@ -280,7 +261,7 @@ class ShardServer:
     def _reset_session(self) -> None:
         """A new coordinator took over (remote shards outlive coordinators): its predecessor's
         links and snapshots are gone with it."""
-        self.peers = {r: p for r, p in self.peers.items() if p.role == "coordinator"}
+        self.gate.keep_only("coordinator")
         self._close_links()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
@@ -294,6 +275,11 @@ class ShardServer:
         if max_ctx <= 0 or max_step <= 0 or msg["slots"] != 1:
             raise ProtocolError("configure: max_context and max_step_tokens must be > 0, slots 1")
         graphs = bool(msg.get("cuda_graphs", True)) and self.device.type == "cuda"
+        taps = msg.get("taps") or []
+        if not isinstance(taps, list) or not all(
+                isinstance(t, int) and self.spec.start <= t < self.spec.end for t in taps):
+            raise ProtocolError(f"configure: taps {taps!r} must be layers of "
+                                f"{self.spec.start}:{self.spec.end}")
         if self.device.type == "cuda" and not self.fused:
             fuse_projections(self.model, compile=bool(msg.get("torch_compile", True)))
             self.fused = True
@@ -301,19 +287,23 @@ class ShardServer:
         self.spin_s = max(0.0, float(msg.get("spin_ms", 0.0))) / 1000.0
         ex = self.executor
         if ex is None or ex.max_len != max_ctx or (ex.static is not None) != graphs or \
-                (ex.static is not None and ex.static.bucket != bucket):
+                (ex.static is not None and ex.static.bucket != bucket) or ex.taps != tuple(taps):
             self.executor = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self.executor = RangeExecutor(self.model, max_ctx, 1, self.device,
-                                          static_decode=graphs, graph_bucket=bucket)
-            self.snapshots = SnapshotStore(self.executor.kv)
+                                          static_decode=graphs, graph_bucket=bucket,
+                                          taps=tuple(taps))
+            self.snapshots = SnapshotStore({"k": self.executor.kv.k, "v": self.executor.kv.v})
+        self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
         info_extra: dict[str, Any] = {}
         if self.model.is_first and msg.get("inbox"):  # the coordinator shares this host
             self.inbox, desc = transport.offer("shm", max_step * 8, self.device)
             info_extra["inbox"] = desc
+        if self.taps and msg.get("draft") is not None:
+            self._link_draft(msg["draft"], msg["session"])
         nxt = msg["next"]
         if nxt is not None:
             self._link_downstream(nxt, msg["session"], msg["transport"])
@@ -326,29 +316,50 @@ class ShardServer:
                 self.out = ZmqSender(self.router, route)
         self._reply(route, message("configured", info={**self.info(), **info_extra}))
 
+    def _dealer(self, address: Any, session: bytes, what: str) -> zmq.Socket:
+        """A DEALER socket connected and authenticated to another server of this run."""
+        if not isinstance(address, str):
+            raise ProtocolError(f"configure: {what} address must be a string")
+        ident = f"shard{self.index}-{what}-".encode() + session[:8] + os.urandom(4)
+        sock = configure_socket(self.ctx.socket(zmq.DEALER), identity=ident)
+        sock.connect(address)
+        try:
+            handshake(sock, self.secret, "upstream" if what == "next" else "feeder",
+                      LINK_TIMEOUT_S, f"the {what} process")
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
     def _link_downstream(self, nxt: dict[str, Any], session: bytes, requested: str) -> None:
-        addr = nxt.get("address")
-        if not isinstance(addr, str):
-            raise ProtocolError("configure: next.address must be a string")
-        ident = f"shard{self.index}-".encode() + session[:8] + os.urandom(4)
-        self.down = configure_socket(self.ctx.socket(zmq.DEALER), identity=ident)
-        self.down.connect(addr)
-        nonce = auth.new_nonce()
-        reply, _ = request(self.down, message("hello", nonce=nonce, role="upstream"), LINK_TIMEOUT_S)
-        _expect(reply, "challenge")
-        mac = auth.mac(self.secret, reply["nonce"], nonce, "upstream")
-        reply, _ = request(self.down, message("auth", mac=mac), LINK_TIMEOUT_S)
-        _expect(reply, "welcome")
-        reply, _ = request(self.down, message(
+        self.down = down = self._dealer(nxt.get("address"), session, "next")
+        reply, _ = request(down, message(
             "link", transport=requested, host=transport.host_id(), device=self.spec.device,
             dtype=self.spec.dtype, hidden=self.cfg.hidden_size, max_step_tokens=self.max_step,
         ), LINK_TIMEOUT_S)
-        _expect(reply, "linked")
-        down = self.down
+        expect(reply, "linked", "the downstream shard")
         self.out = transport.accept(reply["transport"], reply["ring"],
                                     lambda: send(down, message("wake")), sock=down)
         self.transport_kind = reply["transport"]
-        self.poller.register(self.down, zmq.POLLIN)
+        self.poller.register(down, zmq.POLLIN)
+
+    def _link_draft(self, desc: Any, session: bytes) -> None:
+        """Feature rows of this shard's tapped layers go to the draft process."""
+        if not isinstance(desc, dict):
+            raise ProtocolError("configure: draft must be a map")
+        self.feed_sock = sock = self._dealer(desc.get("address"), session, "draft")
+        width = len(self.taps) * self.cfg.hidden_size
+        reply, _ = request(sock, message(
+            "feed", transport=str(desc.get("transport", "auto")), host=transport.host_id(),
+            device=self.spec.device, dtype=self.spec.dtype, layers=list(self.taps), width=width,
+            max_rows=min(self.max_step, FEED_ROWS)), LINK_TIMEOUT_S)
+        expect(reply, "linked", "the draft process")
+        sock.setsockopt(zmq.SNDTIMEO, int(FEED_TIMEOUT_S * 1000))
+        self.feed = transport.accept(reply["transport"], reply["ring"],
+                                     lambda: send(sock, message("wake")), sock=sock)
+        if isinstance(self.feed, transport.RingSender):
+            self.feed.timeout_s = FEED_TIMEOUT_S
+        self.poller.register(sock, zmq.POLLIN)
 
     def _on_link(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         try:
@@ -404,26 +415,57 @@ class ShardServer:
         elif tuple(x.shape) != (n, self.cfg.hidden_size):
             raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
                                 f"({n}, {self.cfg.hidden_size})")
+        draft = msg["draft"]
+        if draft is not None and (len(draft) != n - 1 or not all(
+                isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in draft)):
+            raise ProtocolError(f"step: a verify step of {n} rows carries {n - 1} draft token "
+                                f"ids of the vocabulary, got {draft!r}"[:300])
+        if draft is not None and msg["sample"] is None:
+            raise ProtocolError("step: a verify step needs its sampling parameters")
         if self.snapshots is not None and pos < self.snapshots.pending_end():
             self.snapshots.wait_pending()  # a new sequence overwrites rows still being copied
+        taps = {} if msg["feat"] and self.feed is not None else None
         self.busy = True
         try:
-            out = self.executor.run(x, pos, msg["slot"], all_logits=False)
+            out = self.executor.run(x, pos, msg["slot"], all_logits=draft is not None,
+                                    taps=taps, verify=draft is not None)
         finally:
             self.busy = False
+        if taps:  # the draft gets the rows before anything moves downstream
+            self._send_features(msg["sid"], pos, n, taps)
         if not self.model.is_last:
             self.out.send(message("step", sid=msg["sid"], slot=msg["slot"], pos=pos, n=n,
-                                  sample=msg["sample"], logits=msg["logits"], act=None), out)
+                                  sample=msg["sample"], logits=msg["logits"], act=None,
+                                  draft=draft, feat=msg["feat"]), out)
             return
         logits = out[-1]
-        token = None
+        token, accepted = None, 0
         if msg["sample"] is not None:
             s = msg["sample"]
-            token = sample_rows(logits[None], float(s["temperature"]), int(s["top_k"]),
-                                float(s["top_p"]), int(s["seed"]), [pos + n])[0]
-        self.out.send(message("result", sid=msg["sid"], token=token,
+            temp, top_k, top_p, seed = (float(s["temperature"]), int(s["top_k"]),
+                                        float(s["top_p"]), int(s["seed"]))
+            if draft is not None:
+                accepted, token = accept_draft(out, draft, temp, top_k, top_p, seed, pos)
+            else:
+                token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
+        self.out.send(message("result", sid=msg["sid"], token=token, accepted=accepted,
                               has_logits=bool(msg["logits"]), act=None),
                       logits.float().cpu() if msg["logits"] else None)
+
+    def _send_features(self, sid: int, pos: int, n: int, taps: dict[int, torch.Tensor]) -> None:
+        """Rows of the tapped layers, side by side, in pieces of at most FEED_ROWS rows. A draft
+        that stopped taking them is dropped (logged): the target's step never waits on it."""
+        rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
+        try:
+            for a in range(0, n, FEED_ROWS):
+                b = min(n, a + FEED_ROWS)
+                self.feed.send(message("feat", sid=sid, pos=pos + a, n=b - a,
+                                       layers=list(self.taps), last=b == n, act=None),
+                               rows[a:b])
+        except (TimeoutError, zmq.ZMQError) as e:
+            log.warning("shard %d: the draft process takes no feature rows (%s); no longer "
+                        "sending them", self.index, e)
+            self._close_feed()
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""
@@ -435,67 +477,14 @@ class ShardServer:
         token = sample_rows(logits.to(self.device)[None], float(s["temperature"]),
                             int(s["top_k"]), float(s["top_p"]), int(s["seed"]),
                             [msg["position"]])[0]
-        self._reply(route, message("result", sid=msg["sid"], token=token, has_logits=False,
-                                   act=None))
+        self._reply(route, message("result", sid=msg["sid"], token=token, accepted=0,
+                                   has_logits=False, act=None))
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _snap_store(self) -> SnapshotStore:
         if self.snapshots is None:
             raise ProtocolError("prefix-cache operation before configure", "unexpected")
         return self.snapshots
-
-    def _ok(self, route: bytes, msg: dict[str, Any], **info: Any) -> None:
-        self._reply(route, message("ok", info=info, sid=msg.get("sid")))
-
-    def _on_snap_take(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        n = self._snap_store().take(msg["entry"], msg["slot"], msg["start"], msg["end"])
-        self._ok(route, msg, bytes=n)
-
-    def _on_snap_restore(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        store = self._snap_store()
-        missing = [e for e in msg["entries"] if e not in store.entries]
-        if missing:
-            raise ProtocolError(f"snap_restore: no snapshot {missing[0]} on this shard",
-                                "unknown_entry")
-        store.wait_pending()
-        for e in msg["entries"]:
-            store.restore(e, msg["slot"])
-        self._ok(route, msg)
-
-    def _on_snap_drop(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        store = self._snap_store()
-        for e in msg["entries"]:
-            store.drop(e)
-        self._ok(route, msg, bytes=store.nbytes)
-
-    def _file_items(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
-        if not entry_path_ok(msg["path"], self.cache_dir):
-            raise ProtocolError(f"{msg['path']} is outside the cache directory", "bad_path")
-        items = msg["items"]
-        nl = self.spec.end - self.spec.start
-        for it in items:
-            if not isinstance(it, dict) or not isinstance(it.get("layer"), int) or \
-                    not 0 <= it["layer"] < nl or it.get("kind") not in ("k", "v") or \
-                    not isinstance(it.get("offset"), int) or it["offset"] < 0:
-                raise ProtocolError(f"bad cache-file item {it!r}")
-        return items
-
-    def _on_snap_save(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        store = self._snap_store()
-        if msg["entry"] not in store.entries:
-            raise ProtocolError(f"snap_save: no snapshot {msg['entry']}", "unknown_entry")
-        store.save(msg["entry"], msg["path"], self._file_items(msg))
-        self._ok(route, msg)
-
-    def _on_snap_load(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        store = self._snap_store()
-        store.wait_pending()
-        try:
-            n = store.load(msg["path"], msg["slot"], self._file_items(msg))
-        except (OSError, ValueError) as e:
-            self._ok(route, msg, error=f"{type(e).__name__}: {e}")
-            return
-        self._ok(route, msg, bytes=n)
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy))
@@ -505,11 +494,24 @@ class ShardServer:
         self.running = False
 
     # ---- teardown ---------------------------------------------------------------------------
+    def _close_feed(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+        self.feed = None
+        if self.feed_sock is not None:
+            sock, self.feed_sock = self.feed_sock, None
+            try:
+                self.poller.unregister(sock)
+            except KeyError:
+                pass
+            sock.close(0)
+
     def _close_links(self) -> None:
         for t in (self.out, self.inbox):
             if t is not None:
                 t.close()
         self.out = self.inbox = None
+        self._close_feed()
         if self.down is not None:
             down, self.down = self.down, None
             try:
@@ -523,12 +525,6 @@ class ShardServer:
         self._close_links()
         if not self.router.closed:
             self.router.close(0)
-
-
-def _expect(reply: dict[str, Any], t: str) -> None:
-    if reply.get("type") != t:
-        detail = reply.get("message") if reply.get("type") == "error" else reply.get("type")
-        raise ProtocolError(f"expected {t!r} from the downstream shard, got: {detail}")
 
 
 def watch_parent(parent_pid: int, on_gone) -> threading.Thread:
@@ -557,7 +553,7 @@ def run_shard(spec: ShardSpec, secret: bytes) -> int:
 
     def cleanup() -> None:  # names of rings not yet mapped by their peer
         if server is not None:
-            for t in (server.inbox, server.out):
+            for t in (server.inbox, server.out, server.feed):
                 ring = getattr(t, "ring", None)
                 if ring is not None:
                     ring.unlink()

@@ -11,7 +11,8 @@ from ipc.messages import (
 
 
 def test_roundtrip():
-    m = message("step", sid=3, slot=0, pos=7, n=2, sample=None, logits=True, act=None)
+    m = message("step", sid=3, slot=0, pos=7, n=2, sample=None, logits=True, act=None,
+                draft=[5], feat=True)
     assert decode(encode(m), payload_frames=1) == m
 
 
@@ -33,7 +34,8 @@ def test_rejections(frame, code):
 
 def test_bool_is_not_int_and_frame_counts_are_checked():
     with pytest.raises(ProtocolError, match="sid"):
-        decode(encode({"type": "result", "v": 1, "sid": True, "token": 1, "has_logits": False}))
+        decode(encode({"type": "result", "v": PROTOCOL_VERSION, "sid": True, "token": 1,
+                            "accepted": 0, "has_logits": False}))
     with pytest.raises(ProtocolError, match="payload frames"):
         decode(encode(message("sample", sid=1, position=0, sample={})), payload_frames=0)
     with pytest.raises(ProtocolError, match="payload frames"):

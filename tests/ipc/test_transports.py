@@ -29,7 +29,8 @@ def pair():
 
 
 def _step(i, n):
-    return message("step", sid=i, slot=0, pos=0, n=n, sample=None, logits=False, act=None)
+    return message("step", sid=i, slot=0, pos=0, n=n, sample=None, logits=False, act=None,
+                   draft=None, feat=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])

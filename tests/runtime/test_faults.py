@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from ipc import auth
-from ipc.messages import encode, message
+from ipc.messages import PROTOCOL_VERSION, encode, message
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
 from runtime.generate import Progress
@@ -163,18 +163,20 @@ def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
             a = _peer(sh.address, coord.secret)
             a.send(b"\x93\x01\x02")
             assert _reply(a)["code"] == "malformed"
-            a.send(encode({"type": "teleport", "v": 1}))
+            a.send(encode({"type": "teleport", "v": PROTOCOL_VERSION}))
             assert _reply(a)["code"] == "unknown_type"
-            a.send(encode({"type": "step", "v": 1, "sid": "one"}))
+            a.send(encode({"type": "step", "v": PROTOCOL_VERSION, "sid": "one"}))
             assert "field" in _reply(a)["message"]
-            a.send(encode({"type": "ping", "v": 1, "pad": b"x" * (2 << 20)}))
+            a.send(encode({"type": "ping", "v": PROTOCOL_VERSION, "pad": b"x" * (2 << 20)}))
             assert _reply(a)["code"] == "oversized"
             a.send_multipart([encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None,
-                                             logits=False, act={"kind": "zmq"})),
+                                             logits=False, act={"kind": "zmq"}, draft=None,
+                                             feat=False)),
                               b"1234", b"5678", b"9", b"0", b"1"])
             assert _reply(a)["type"] == "error"
             a.send(encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None, logits=False,
-                                  act={"kind": "zmq", "dtype": "float32", "shape": [1, 64]})))
+                                  act={"kind": "zmq", "dtype": "float32", "shape": [1, 64]},
+                                  draft=None, feat=False)))
             assert _reply(a)["code"] == "unexpected"  # not the linked upstream
             a.close()
             s.close()

@@ -1,0 +1,114 @@
+"""Speculative decoding next to plain decoding, same model, same split, same run.
+
+For each draft (none, then each given): the real runtime (coordinator + shard processes + draft
+process), greedy generation on the held-out prompt set of `draft.prompts` (chat and code), one
+warm-up pass then a timed pass. Reports decode tok/s (generated tokens over decode time, all
+prompts together), the speed-up over plain decoding in this run, the acceptance length (mean
+tokens committed per verify step), the acceptance rate per draft position, draft and verify time
+per step, and how many outputs equal the plain ones token for token.
+
+    python bench/speculative.py --model default --devices cuda:0,cuda:1 \\
+        --drafts default,/path/to/classic-draft --new-tokens 256
+
+Prints a table last; `--json FILE` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.coordinator import Coordinator  # noqa: E402
+from runtime.generate import Progress, collect  # noqa: E402
+from runtime.speculative import SpecStats  # noqa: E402
+from shards.sampling import SamplingParams  # noqa: E402
+
+log = logging.getLogger("bench.speculative")
+
+
+def run(args, draft: str, plain_tokens: dict | None) -> dict:
+    cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
+                        max_context=args.max_context, transport=(args.transport,),
+                        spec_block=args.block, threads=args.threads, prefix_cache=False)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
+    row: dict = {"draft": "none" if draft == "none" else Path(draft).name}
+    with Coordinator(cfg) as coord:
+        row["kind"] = coord.draft_info.get("kind", "-") if coord.draft else "-"
+        row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
+        prompts = [coord.tokenizer.encode_chat([{"role": "user", "content": q}])
+                   for q in EVAL_CHAT + EVAL_CODE]
+        for p in prompts[:2]:  # warm-up: graph capture, compilation, caches
+            collect(coord.stream(p, params, Progress()), Progress(), len(p))
+        tokens, seconds, same = 0, 0.0, 0
+        total = SpecStats()
+        outs = {}
+        for i, p in enumerate(prompts):
+            progress = Progress()
+            r = collect(coord.stream(p, params, progress), progress, len(p))
+            n = len(r.tokens) - 1
+            if n > 0:
+                tokens += n
+                seconds += n / max(r.decode_tok_s, 1e-9)
+            outs[i] = r.tokens
+            if plain_tokens is not None and plain_tokens.get(i) == r.tokens:
+                same += 1
+            if progress.spec is not None:
+                total.merge(progress.spec)
+        row.update(decode_tok_s=tokens / max(seconds, 1e-9), tokens=tokens, prompts=len(prompts),
+                   same_as_plain=same if plain_tokens is not None else None,
+                   acceptance_length=total.acceptance_length,
+                   acceptance_by_position=[round(x, 3) for x in total.acceptance_rates()],
+                   draft_ms=1000 * total.draft_s / max(total.verifies, 1),
+                   draft_compute_ms=1000 * total.draft_compute_s / max(total.verifies, 1),
+                   verify_ms=1000 * total.verify_s / max(total.verifies, 1),
+                   outputs=outs)
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--devices", default="cuda:0,cuda:1")
+    p.add_argument("--drafts", default="default", help="comma-separated drafts to compare")
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--block", type=int, default=None, help="spec_block (rows per verify)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    rows = [run(args, "none", None)]
+    plain = rows[0]["outputs"]
+    for d in args.drafts.split(","):
+        rows.append(run(args, d, plain))
+    base = rows[0]["decode_tok_s"]
+    for r in rows:
+        r["speedup"] = r["decode_tok_s"] / base
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nmodel {args.model}, devices {args.devices}, {rows[0]['prompts']} prompts "
+          f"(chat + code), greedy, up to {args.new_tokens} new tokens")
+    print("| draft | kind | decode tok/s | vs plain | acceptance length | per position | "
+          "draft ms/step (computing) | verify ms/step | same as plain |")
+    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    for r in rows:
+        acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
+        same = "-" if r["same_as_plain"] is None else f"{r['same_as_plain']}/{r['prompts']}"
+        print(f"| {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f} | "
+              f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
+              f"{r['verify_ms']:.2f} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

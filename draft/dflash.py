@@ -1,0 +1,274 @@
+"""A DFlash-style block draft: a few Qwen3-style layers conditioned on the target's hidden states.
+
+The rows of the target's tapped layers (`target_layer_ids`) at every committed position are
+concatenated, projected by `fc` and normalised (`hidden_norm`): one context row per position.
+Every draft layer turns the context rows into keys and values of its own attention (k_proj, the
+layer's k_norm and rotary; v_proj), kept in a KV cache like a decoder's. A block
+`[last token, mask × (B-1)]` at positions `[p, p + B)` then runs through the layers in one
+forward pass, each block row attending every context row and every block row (not causal); the
+final norm and the *target's* LM head give logits for positions p+1 .. p+B-1, and tokens are
+embedded with the target's embedding. Pure torch, no processes.
+
+Checkpoints use the published DFlash layout: `config.json` (a Qwen3 config plus `block_size`,
+`num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`) and safetensors with
+`fc.weight`, `hidden_norm.weight`, `layers.{i}.*` (Qwen3 decoder layer names), `norm.weight`.
+
+Shapes: n = context rows, m = block rows, H = hidden, F = len(target_layer_ids) * H.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shards.errors import CheckpointError
+from shards.kv_cache import KVCache
+from shards.model import DecoderLayer, RMSNorm, StepInfo, apply_rope, rope_cos_sin, rope_inv_freq
+from shards.model_config import ModelConfig, config_from_hf
+from shards.weights import layer_tensor_shapes
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps when a config names none: spread over layers 1 .. L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1)))
+            for i in range(num_draft_layers)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    model: ModelConfig  # the draft layers' shapes (Qwen3: q/k norms)
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int | None
+    embedding_scale: float = 1.0
+
+    @property
+    def width(self) -> int:
+        """Features per context row: the tapped layers' rows side by side."""
+        return len(self.target_layer_ids) * self.model.hidden_size
+
+    def check_target(self, target: ModelConfig, source: str | Path) -> None:
+        """A draft trained for another target is refused with the field that differs."""
+        m = self.model
+        if m.hidden_size != target.hidden_size:
+            raise CheckpointError(f"{source}: draft hidden_size {m.hidden_size} != the target's "
+                                  f"{target.hidden_size}")
+        if m.vocab_size != target.vocab_size:
+            raise CheckpointError(f"{source}: draft vocab_size {m.vocab_size} != the target's "
+                                  f"{target.vocab_size}")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            raise CheckpointError(f"{source}: draft was trained for a target of "
+                                  f"{self.num_target_layers} layers; this one has "
+                                  f"{target.num_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise CheckpointError(f"{source}: target_layer_ids {list(self.target_layer_ids)} "
+                                  f"name layer {bad[0]}, outside the target's "
+                                  f"0..{target.num_layers - 1}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise CheckpointError(f"{source}: mask_token_id {self.mask_token_id} is outside the "
+                                  f"vocabulary 0..{target.vocab_size - 1}")
+
+
+def is_dflash(folder: Path) -> bool:
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and (ARCHITECTURE in (raw.get("architectures") or ())
+                                      or "dflash_config" in raw)
+
+
+def read_dflash_config(folder: Path) -> DFlashConfig:
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON: {e}") from e
+    return read_dflash_config_dict(raw, path)
+
+
+def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
+    """Parse a DFlash config; every error names the field and the file."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    sub: dict[str, Any] = raw.get("dflash_config") or {}
+    if not isinstance(sub, dict):
+        raise CheckpointError(f"{path}: dflash_config must be an object")
+
+    def field(name: str, default: Any = None) -> Any:
+        return sub.get(name, raw.get(name, default))
+
+    model = config_from_hf({**raw, "model_type": "qwen3"}, path)
+    block = field("block_size")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 2:
+        raise CheckpointError(f"{path}: block_size must be an integer >= 2, got {block!r}")
+    mask = field("mask_token_id")
+    if not isinstance(mask, int) or isinstance(mask, bool):
+        raise CheckpointError(f"{path}: mask_token_id must be an integer, got {mask!r}")
+    n_target = raw.get("num_target_layers")
+    taps = field("target_layer_ids")
+    if taps is None:
+        if n_target is None:
+            raise CheckpointError(f"{path}: needs target_layer_ids or num_target_layers")
+        taps = default_target_layers(int(n_target), model.num_layers)
+    if not isinstance(taps, list) or not taps or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in taps):
+        raise CheckpointError(f"{path}: target_layer_ids must be a non-empty list of integers")
+    if sorted(set(taps)) != taps:
+        raise CheckpointError(f"{path}: target_layer_ids must be increasing, got {taps}")
+    return DFlashConfig(model, block, tuple(taps), mask,
+                        None if n_target is None else int(n_target),
+                        float(field("input_embedding_scale", 1.0)))
+
+
+def dflash_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Stored tensor name -> shape, in the published layout (no `model.` prefix)."""
+    m = cfg.model
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (m.hidden_size, cfg.width),
+        "hidden_norm.weight": (m.hidden_size,),
+        "norm.weight": (m.hidden_size,),
+    }
+    for i in range(m.num_layers):
+        for name, shape in layer_tensor_shapes(m, i).items():
+            shapes[name[len("model."):]] = shape
+    return shapes
+
+
+class DFlashDraft(nn.Module):
+    """The draft's own weights. Context rows go in with `write_context`, a block with `block`."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        m = cfg.model
+        self.fc = nn.Linear(cfg.width, m.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(m) for _ in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(m), persistent=False)
+
+    def context(self, feats: torch.Tensor) -> torch.Tensor:
+        """(n, F) tapped rows -> (n, H) context rows."""
+        return self.hidden_norm(self.fc(feats))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor, layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (after k_norm and rotary) and values of context rows for one layer: (n, G, D)."""
+        attn = self.layers[layer].self_attn
+        _, k, v = attn.project(ctx)
+        if attn.k_norm is not None:
+            k = attn.k_norm(k)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        return apply_rope(k, cos, sin), v
+
+    def write_context(self, feats: torch.Tensor, pos: int, kv: KVCache, slot: int = 0) -> None:
+        """Store the keys and values of context rows at positions [pos, pos + n)."""
+        ctx = self.context(feats)
+        positions = torch.arange(pos, pos + ctx.shape[0], device=ctx.device)
+        for i in range(len(self.layers)):
+            k, v = self.context_kv(ctx, positions, i)
+            kv.k[i, slot, pos:pos + ctx.shape[0]] = k
+            kv.v[i, slot, pos:pos + ctx.shape[0]] = v
+
+    def block(self, x: torch.Tensor, step: StepInfo, kv: KVCache, slot: int = 0) -> torch.Tensor:
+        """Normed hidden rows (m, H) of a block of embedded tokens x (m, H) at `step`'s
+        positions; its keys and values are written to `kv` after the context's."""
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, x.dtype)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv, i, slot, step)
+        return self.norm(h)
+
+
+def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
+    """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m."""
+    return StepInfo(torch.arange(pos, pos + m, device=device), pos + m, None, pos)
+
+
+def static_block_step(pos: torch.Tensor, m: int, kv_len: int) -> StepInfo:
+    """The same, for a captured graph: the position is a device tensor, keys are a fixed bucket
+    of `kv_len` rows of which those < pos + m are seen."""
+    positions = pos + torch.arange(m, device=pos.device)
+    seen = torch.arange(kv_len, device=pos.device)[None, :] < (pos + m)
+    return StepInfo(positions, kv_len, seen.expand(m, kv_len), None, grouped=True)
+
+
+def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
+                device: torch.device | str) -> DFlashDraft:
+    """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors)."""
+    from shards.checkpoint_hf import HFCheckpoint
+
+    ckpt = HFCheckpoint(folder)
+    shapes = dflash_tensor_shapes(cfg)
+    tensors = ckpt.load(shapes, {k: k for k in shapes}, dtype, device)
+    with torch.device("meta"):
+        model = DFlashDraft(cfg)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.inv_freq = rope_inv_freq(cfg.model)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def dflash_config_dict(target: ModelConfig, *, layers: int, taps: list[int], block_size: int,
+                       mask_token_id: int, intermediate_size: int | None = None) -> dict:
+    """A `config.json` for a DFlash draft of `target` (same width and heads as the target)."""
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": layers, "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings,
+        "vocab_size": target.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
+        "hidden_act": "silu", "block_size": block_size, "num_target_layers": target.num_layers,
+        "dflash_config": {"target_layer_ids": list(taps), "mask_token_id": mask_token_id},
+        "torch_dtype": "bfloat16",
+    }
+
+
+def save_dflash(model: DFlashDraft, config: dict, folder: Path,
+                dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a draft in the published layout (an unfused model: q/k/v and gate/up apart)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    expected = set(dflash_tensor_shapes(model.cfg))
+    if set(state) != expected:
+        raise ValueError(f"cannot save a fused or foreign model: {sorted(set(state) ^ expected)}")
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def write_random_dflash(target: ModelConfig, folder: Path, *, layers: int = 1,
+                        taps: list[int] | None = None, block_size: int = 4,
+                        mask_token_id: int = 0, seed: int = 0, std: float = 0.08) -> Path:
+    """A seeded random-weight DFlash draft of `target` (for tests)."""
+    taps = taps if taps is not None else default_target_layers(target.num_layers, layers)
+    raw = dflash_config_dict(target, layers=layers, taps=taps, block_size=block_size,
+                             mask_token_id=mask_token_id)
+    cfg = read_dflash_config_dict(raw, Path(folder) / "config.json")
+    model = DFlashDraft(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return save_dflash(model, raw, Path(folder), torch.float32)

@@ -1,0 +1,246 @@
+"""Proposers: what the draft process runs. One small interface, two kinds.
+
+- `DFlashProposer`: a feature-conditioned block draft (`draft.dflash`). The target's tapped rows
+  arrive by position (`write_features`) into a position-indexed store; a proposal projects the
+  committed rows it has not seen yet into the draft's KV cache, then drafts a whole block in one
+  forward pass. Rows of rejected positions are simply overwritten later: only rows below the
+  position of the proposal's last token are ever read.
+- `ClassicProposer`: any smaller model with the target's tokenizer, drafting autoregressively
+  with its own KV cache.
+
+Drafts are deterministic (argmax): see `shards.sampling.accept_draft` for why that keeps
+sampled output exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from draft.dflash import (
+    DFlashConfig, DFlashDraft, block_step, is_dflash, load_dflash, read_dflash_config,
+    static_block_step,
+)
+from runtime.chunking import prefill_chunks
+from shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
+from shards.errors import CheckpointError
+from shards.executor import RangeExecutor
+from shards.graphs import capture
+from shards.kv_cache import KVCache, KVLayout
+from shards.weights import source_name
+
+log = logging.getLogger(__name__)
+CLASSIC_BLOCK = 5  # a classic draft proposes 4 tokens per verify unless told otherwise
+CLASSIC_CHUNK = 256
+
+
+class Proposer(Protocol):
+    kind: str  # "dflash" | "classic"
+    block_size: int  # rows of a verify step: the last token and block_size - 1 draft tokens
+
+    def begin(self) -> None:
+        """A new sequence starts: forget the last one's context."""
+
+    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None,
+                start: int) -> list[int]:
+        """n draft tokens for positions pos+1 .. pos+n, after `token` at position pos.
+        `tokens`: committed tokens at [start, pos) the proposer has not seen (classic)."""
+
+
+class DFlashProposer:
+    kind = "dflash"
+
+    def __init__(self, draft: DFlashDraft, embed: torch.Tensor, head: torch.Tensor,
+                 max_len: int, device: torch.device, graphs: bool, bucket: int = 256) -> None:
+        cfg: DFlashConfig = draft.cfg
+        self.draft, self.cfg = draft, cfg
+        self.embed, self.head = embed, head
+        self.block_size = cfg.block_size
+        self.device = device
+        dtype = embed.dtype
+        self.features = torch.zeros(1, 1, max_len, cfg.width, dtype=dtype, device=device)
+        m = cfg.model
+        layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
+        self.kv = KVCache(layout, max_len + cfg.block_size, 1, device)
+        self.done = 0  # context rows [0, done) are in the KV cache
+        self.bucket = bucket
+        self.static = graphs  # the fixed-shape step (captured on CUDA; run as is elsewhere)
+        self.capture = graphs and device.type == "cuda"
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._done_t = torch.zeros(1, dtype=torch.long, device=device)
+        self._pos_t = torch.zeros(1, dtype=torch.long, device=device)
+        self._token_t = torch.zeros(1, dtype=torch.long, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.features.shape[2]
+
+    def begin(self) -> None:
+        self.done = 0
+
+    def write_features(self, column: int, pos: int, rows: torch.Tensor) -> None:
+        """Rows (n, w) of some tapped layers, for positions [pos, pos + n), at `column`."""
+        n, w = rows.shape
+        self.features[0, 0, pos:pos + n, column:column + w].copy_(rows, non_blocking=True)
+
+    def _block_ids(self, token: torch.Tensor, m: int) -> torch.Tensor:
+        mask = torch.full((m - 1,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
+        return torch.cat([token.reshape(1), mask])
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        return x * self.cfg.embedding_scale if self.cfg.embedding_scale != 1.0 else x
+
+    @torch.inference_mode()
+    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
+                start: int = 0) -> list[int]:
+        return self.logits(token, pos, n).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def logits(self, token: int, pos: int, n: int) -> torch.Tensor:
+        """(n, V) logits of the draft tokens for positions pos+1 .. pos+n."""
+        if not 1 <= pos < self.max_len or not 1 <= n < self.block_size:
+            raise ValueError(f"propose: position {pos} / {n} tokens outside 1..{self.max_len - 1}"
+                             f" / 1..{self.block_size - 1}")
+        m = n + 1
+        self.done = min(self.done, pos)
+        if self.static and n == self.block_size - 1:
+            return self._static_logits(token, pos)
+        if self.done < pos:
+            self.draft.write_context(self.features[0, 0, self.done:pos], self.done, self.kv)
+            self.done = pos
+        ids = self._block_ids(torch.tensor([token], device=self.device), m)
+        h = self.draft.block(self._embed(ids), block_step(pos, m, self.device), self.kv)
+        return h[1:] @ self.head.T
+
+    # ---- the captured path (GPU): new context rows and the block in one graph ----------------
+    def _graph_step(self, kv_len: int) -> torch.Tensor:
+        b = self.block_size
+        ctx_pos = self._done_t + torch.arange(b, device=self.device)  # up to b new context rows
+        feats = self.features[0, 0].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
+        ctx = self.draft.context(feats)
+        for i in range(len(self.draft.layers)):
+            k, v = self.draft.context_kv(ctx, ctx_pos, i)
+            self.kv.k[i, 0].index_copy_(0, ctx_pos, k)
+            self.kv.v[i, 0].index_copy_(0, ctx_pos, v)
+        # rows written past the proposal's position are junk, overwritten by the block's own
+        ids = self._block_ids(self._token_t, b)
+        h = self.draft.block(self._embed(ids), static_block_step(self._pos_t, b, kv_len), self.kv)
+        return h[1:] @ self.head.T
+
+    def _static_logits(self, token: int, pos: int) -> torch.Tensor:
+        if pos - self.done > self.block_size:  # a long new context (a prompt): eagerly first
+            self.draft.write_context(self.features[0, 0, self.done:pos], self.done, self.kv)
+            self.done = pos
+        self._done_t.fill_(self.done)
+        self._pos_t.fill_(pos)
+        self._token_t.fill_(token)
+        kv_len = min(-(-(pos + self.block_size) // self.bucket) * self.bucket, self.kv.max_len)
+        if not self.capture:
+            out = self._graph_step(kv_len)
+            self.done = pos
+            return out
+        key = (kv_len, self.block_size)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = capture(lambda: self._graph_step(kv_len), self.pool)
+            self.graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        self.done = pos
+        return out
+
+
+class ClassicProposer:
+    kind = "classic"
+
+    def __init__(self, executor: RangeExecutor, block_size: int = CLASSIC_BLOCK) -> None:
+        self.ex = executor
+        self.block_size = block_size
+
+    def begin(self) -> None:
+        pass  # the coordinator says where the draft's own KV is valid (`start`)
+
+    @torch.inference_mode()
+    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
+                start: int = 0) -> list[int]:
+        if pos + n > self.ex.max_len or n < 1:
+            raise ValueError(f"propose: {n} tokens after position {pos} exceed the draft's "
+                             f"context of {self.ex.max_len}")
+        given = [] if tokens is None else tokens.tolist()
+        if start + len(given) != pos:
+            raise ValueError(f"propose: tokens cover [{start}, {start + len(given)}), "
+                             f"expected [{start}, {pos})")
+        for a, b in prefill_chunks(given, 0, len(given), CLASSIC_CHUNK, ()):
+            self.ex.run(torch.tensor(given[a:b]), start + a)
+        out, x = [], token
+        for j in range(n):
+            logits = self.ex.run(torch.tensor([x]), pos + j)
+            x = int(logits[-1].argmax())
+            out.append(x)
+        return out
+
+
+def _target_tensors(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = ckpt.config
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    t = ckpt.load(dict.fromkeys(names, shape), {n: source_name(cfg, n) for n in names}, dtype,
+                  device)
+    return t[names[0]], t[names[1]]
+
+
+def _same_vocab(draft: Path, target: Path) -> None:
+    """A classic draft must share the target's tokenizer: same tokens, same ids."""
+    from runtime.tokenizer import TextTokenizer
+
+    a, b = TextTokenizer.for_model(draft), TextTokenizer.for_model(target)
+    if a is None or b is None:
+        return
+    if a.tk.get_vocab() != b.tk.get_vocab():
+        raise CheckpointError(f"{draft}: the draft's tokenizer differs from the target's "
+                              f"({target}); a classic draft needs the same vocabulary")
+
+
+def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: torch.dtype,
+                  max_len: int, graphs: bool = True, block_size: int | None = None,
+                  seed: int = 0) -> Proposer:
+    """Open a draft checkpoint for `target`: a DFlash folder, or any model (classic)."""
+    dev = torch.device(device)
+    path = Path(draft)
+    target_ckpt = open_checkpoint(target, seed)
+    if path.is_dir() and is_dflash(path):
+        cfg = read_dflash_config(path)
+        cfg.check_target(target_ckpt.config, path / "config.json")
+        model = load_dflash(path, cfg, dtype, dev)
+        if dev.type == "cuda":
+            from shards.fused import fuse_projections
+
+            fuse_projections(model, compile=graphs)
+        embed, head = _target_tensors(target_ckpt, dtype, dev)
+        p = DFlashProposer(model, embed, head, max_len, dev, graphs and dev.type == "cuda")
+        if block_size is not None:
+            p.block_size = max(2, min(block_size, cfg.block_size))
+        log.info("DFlash draft %s: %d layers, block %d, taps %s", path.name,
+                 cfg.model.num_layers, p.block_size, list(cfg.target_layer_ids))
+        return p
+    ckpt = open_checkpoint(path, seed)
+    tc = target_ckpt.config
+    if ckpt.config.vocab_size != tc.vocab_size:
+        raise CheckpointError(f"{path}: draft vocab_size {ckpt.config.vocab_size} != the "
+                              f"target's {tc.vocab_size}")
+    if not str(draft).startswith("random:") and not str(target).startswith("random:"):
+        _same_vocab(path, Path(target))
+    model = load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, dev)
+    block = block_size or CLASSIC_BLOCK
+    ex = RangeExecutor(model, max_len + block, device=dev, static_decode=graphs and
+                       dev.type == "cuda")
+    log.info("classic draft %s: %d layers, %d tokens per proposal", path.name,
+             ckpt.config.num_layers, block - 1)
+    return ClassicProposer(ex, block)

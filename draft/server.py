@@ -1,0 +1,444 @@
+"""The draft process: proposes draft tokens for the coordinator's speculative loop.
+
+Inbound: one zmq ROUTER socket. The coordinator configures it, starts sequences and asks for
+proposals; every shard that owns a tapped layer (a *feeder*) links to it once and then sends,
+for every step, its tapped layers' rows (`feat`) over the edge's transport: a shared-memory or
+CUDA-IPC ring polled here, or zmq frames on the ROUTER. Rows land in the proposer's
+position-indexed store; a proposal first waits until every feeder has delivered the rows of the
+step the coordinator names (`sync`), so no proposal reads a row that is still on its way.
+
+A malformed frame gets an error reply and is consumed whole (zmq delivers multipart messages
+whole; a ring slot is released before the error is raised), so the next message is read from
+its start. A rejected feature frame also marks the sequence's context as incomplete: its
+proposals are refused until the next sequence begins, never computed from a wrong context.
+
+The draft's feature rows are part of prefix-cache entries: the same snapshot messages as a
+shard's (`shards.snapshots`), over tensor `feat`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import zmq
+
+from draft.proposer import DFlashProposer, Proposer, load_proposer
+from ipc import transport
+from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
+from ipc.peers import AUTH_FAILED, Gate
+from ipc.shm import SLEEP_POLL_MS
+from ipc.sockets import bind_router, recv, send
+from ipc.transport import tensor_bytes, zmq_tensor
+from shards.device import use_device
+from shards.dtypes import torch_dtype
+from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
+
+log = logging.getLogger("layersplit.draft")
+FEATURE_WAIT_S = 30.0
+
+ALLOWED = {
+    "coordinator": {"draft_configure", "draft_begin", "propose", "draft_features", "ping",
+                    "shutdown", "wake", *SNAP_OPS},
+    "feeder": {"feed", "feat", "wake"},
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftSpec:
+    listen: str
+    draft: str
+    target: str
+    max_context: int
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+    parent_pid: int | None = None
+    seed: int = 0
+    block_size: int | None = None
+    graphs: bool = True
+
+
+@dataclasses.dataclass
+class Feeder:
+    """A shard that sends rows of its tapped layers."""
+
+    layers: tuple[int, ...]
+    column: int  # where its rows go in a feature row
+    width: int
+    route: bytes | None = None
+    inbox: transport.RingInbox | None = None
+    fed_sid: int = 0  # the last step whose rows arrived whole (step sids start at 1)
+    rejected: str | None = None  # a feature frame of this sequence was refused
+
+
+class DraftServer:
+    def __init__(self, spec: DraftSpec, secret: bytes) -> None:
+        self.spec = spec
+        self.device = use_device(spec.device, spec.threads)
+        self.router = bind_router(spec.listen)
+        self.gate = Gate(secret, ALLOWED, "draft")
+        self.coordinator: bytes | None = None
+        self.feeders: list[Feeder] = []
+        self.deferred: collections.deque = collections.deque()
+        self.running = True
+        self.spin_s = 0.0
+        self.cache_dir: str | None = None
+        t0 = time.perf_counter()
+        self.proposer: Proposer = load_proposer(
+            spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
+            graphs=spec.graphs, block_size=spec.block_size, seed=spec.seed)
+        self.snapshots = (SnapshotStore({"feat": self.proposer.features})
+                          if isinstance(self.proposer, DFlashProposer) else None)
+        self.load_s = time.perf_counter() - t0
+
+    # ---- main loop ------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        idle_since = time.monotonic()
+        while self.running:
+            worked = self._report_saves()
+            if self._drain_inboxes():
+                worked = True
+            if self.deferred:
+                self._dispatch(*self.deferred.popleft())
+                worked = True
+            if self._poll_router(0):
+                worked = True
+            now = time.monotonic()
+            if worked:
+                idle_since = now
+                continue
+            if now - idle_since < self.spin_s:
+                continue
+            inboxes = [f.inbox for f in self.feeders if f.inbox is not None]
+            for ib in inboxes:  # announce sleep, then look once more (a post may race us)
+                ib.sleep(True)
+            if not any(ib.ready() for ib in inboxes):
+                self._poll_router(SLEEP_POLL_MS if inboxes else 200)
+            for ib in inboxes:
+                ib.sleep(False)
+
+    def _poll_router(self, timeout_ms: int, feeders_only: bool = False) -> bool:
+        if not self.router.poll(timeout_ms):
+            return False
+        while self.router.poll(0):
+            route, msg, frames, err = recv(self.router, routed=True)
+            assert route is not None
+            if err is not None:
+                self._reply(route, error(f"draft: {err}", err.code, sid=err.sid))
+                self._feeder_frame_rejected(route, str(err))
+                continue
+            if feeders_only and self.gate.role(route) != "feeder" and \
+                    msg["type"] not in ("hello", "auth"):
+                self.deferred.append((route, msg, frames))  # after the wait in progress
+                continue
+            self._dispatch(route, msg, frames)
+        return True
+
+    def _dispatch(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        if not self.gate.screen(route, msg, self._reply):
+            return
+        t = msg["type"]
+        if t == "auth":
+            return self._on_auth(route, msg)
+        try:
+            if t in SNAP_OPS:
+                if self.snapshots is None:
+                    raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
+                if isinstance(msg.get("sync"), int):  # a snapshot of rows still on their way
+                    self._wait_features(msg["sync"])
+                self._reply(route, message("ok", info=snap_op(self.snapshots, msg,
+                                                              self.cache_dir),
+                                           sid=msg.get("sid")))
+            elif t == "feat":
+                self._on_feat(route, msg, zmq_tensor(msg, frames))
+            elif t != "wake":
+                getattr(self, f"_on_{t}")(route, msg, frames)
+        except ProtocolError as e:
+            self._reply(route, error(f"draft: {e}", e.code, sid=msg.get("sid")))
+            if t == "feat":
+                self._feeder_frame_rejected(route, str(e))
+        except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+            log.exception("draft: %s failed", t)
+            self._reply(route, error(f"draft: {t} failed: {type(e).__name__}: {e}", "failed",
+                                     sid=msg.get("sid")))
+
+    def _reply(self, route: bytes, msg: dict[str, Any], frames: list = ()) -> None:
+        try:
+            send(self.router, msg, frames, route=route)
+        except zmq.ZMQError as e:  # peer gone (ROUTER_MANDATORY)
+            log.warning("draft: cannot reply to a departed peer: %s", e)
+
+    def _report_saves(self) -> bool:
+        store = self.snapshots
+        if store is None or store.results.empty():
+            return False
+        while not store.results.empty():
+            entry, path, sums, err = store.results.get_nowait()
+            if self.coordinator is not None:
+                self._reply(self.coordinator, message("saved", entry=entry, path=path,
+                                                      checksums=sums, error=err))
+        return True
+
+    # ---- authentication and setup ---------------------------------------------------------------
+    def _on_auth(self, route: bytes, msg: dict[str, Any]) -> None:
+        peer = self.gate.authenticate(route, msg)
+        if peer is None:
+            self._reply(route, error(AUTH_FAILED, "unauthenticated", sid=msg.get("sid")))
+            return
+        if peer.role == "coordinator":
+            if self.coordinator is not None and self.coordinator != route:
+                self.gate.keep_only("coordinator")
+                self._close_feeders()
+            self.coordinator = route
+        self._reply(route, message("welcome", index=-1, layers=[], device=self.spec.device,
+                                   pid=os.getpid(), host=transport.host_id()))
+
+    def _on_draft_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        if msg["max_context"] != self.spec.max_context:
+            raise ProtocolError(f"draft_configure: max_context {msg['max_context']} != "
+                                f"{self.spec.max_context} this draft was started with")
+        self._close_feeders()
+        self.spin_s = max(0.0, float(msg["spin_ms"])) / 1000.0
+        self.cache_dir = msg["cache_dir"]
+        p = self.proposer
+        if isinstance(p, DFlashProposer):
+            taps = list(p.cfg.target_layer_ids)
+            hidden = p.cfg.model.hidden_size
+            for layers in msg["feeders"]:
+                if not isinstance(layers, list) or not layers or any(
+                        x not in taps for x in layers):
+                    raise ProtocolError(f"draft_configure: feeder layers {layers!r} are not "
+                                        f"among the draft's taps {taps}")
+                self.feeders.append(Feeder(tuple(layers), taps.index(layers[0]) * hidden,
+                                           len(layers) * hidden))
+            fed = sorted(x for f in self.feeders for x in f.layers)
+            if fed != taps:
+                raise ProtocolError(f"draft_configure: feeders cover layers {fed}, the draft "
+                                    f"needs {taps}")
+        self._reply(route, message("configured", info=self.info()))
+
+    def info(self) -> dict[str, Any]:
+        p = self.proposer
+        if self.device.type == "cuda":
+            mem = torch.cuda.memory_allocated(self.device)
+        else:
+            mem = psutil.Process().memory_info().rss
+        out = {"kind": p.kind, "block_size": p.block_size, "device": self.spec.device,
+               "dtype": self.spec.dtype, "pid": os.getpid(), "memory_bytes": int(mem),
+               "load_s": round(self.load_s, 3), "protocol": PROTOCOL_VERSION,
+               "taps": [], "width": 0}
+        if isinstance(p, DFlashProposer):
+            out.update(taps=list(p.cfg.target_layer_ids), width=p.cfg.width,
+                       hidden=p.cfg.model.hidden_size)
+        return out
+
+    def _on_feed(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """A feeder links: pick the edge's transport and offer it an inbox."""
+        feeder = next((f for f in self.feeders if list(f.layers) == msg["layers"]), None)
+        if feeder is None:
+            raise ProtocolError(f"feed: layers {msg['layers']} are not a configured feeder",
+                                "unexpected")
+        if feeder.route is not None and feeder.route != route:
+            raise ProtocolError(f"feed: the feeder of layers {msg['layers']} is linked already",
+                                "unexpected")
+        if msg["width"] != feeder.width or msg["dtype"] != self.spec.dtype:
+            raise ProtocolError(f"feed: rows of {msg['width']} {msg['dtype']} values; this "
+                                f"draft takes {feeder.width} {self.spec.dtype}")
+        try:
+            kind = transport.resolve(msg["transport"], msg["host"], msg["device"],
+                                     self.spec.device)
+        except ValueError as e:
+            raise ProtocolError(str(e), "bad_transport") from e
+        if feeder.inbox is not None:
+            feeder.inbox.close()
+        itemsize = torch.empty((), dtype=torch_dtype(self.spec.dtype)).element_size()
+        feeder.inbox, desc = transport.offer(kind, msg["max_rows"] * feeder.width * itemsize,
+                                             self.device)
+        feeder.route, feeder.fed_sid, feeder.rejected = route, 0, None
+        self._reply(route, message("linked", transport=kind, ring=desc))
+
+    def _close_feeders(self) -> None:
+        for f in self.feeders:
+            if f.inbox is not None:
+                f.inbox.close()
+        self.feeders = []
+
+    # ---- feature rows ----------------------------------------------------------------------------
+    def _drain_inboxes(self) -> bool:
+        worked = False
+        for f in self.feeders:
+            while f.inbox is not None and f.inbox.ready():
+                worked = True
+                inbox = f.inbox
+                try:
+                    got = inbox.poll()
+                except ProtocolError as e:
+                    self._refuse_feature(f, str(e))
+                    continue
+                if got is None:
+                    break
+                msg, rows, seq = got
+                try:
+                    if msg["type"] != "feat":
+                        raise ProtocolError(f"ring message of type {msg['type']!r}, expected "
+                                            "'feat'")
+                    self._store_rows(f, msg, rows)
+                except ProtocolError as e:
+                    self._refuse_feature(f, str(e))
+                finally:
+                    if self.device.type == "cuda":  # the copy out of the slot must be done
+                        torch.cuda.current_stream(self.device).synchronize()
+                    inbox.release(seq)
+        return worked
+
+    def _on_feat(self, route: bytes, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
+        f = next((f for f in self.feeders if f.route == route), None)
+        if f is None or f.inbox is not None:
+            raise ProtocolError("feat from a peer that is not a zmq feeder", "unexpected")
+        self._store_rows(f, msg, rows)
+
+    def _store_rows(self, f: Feeder, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
+        p = self.proposer
+        assert isinstance(p, DFlashProposer)
+        n, pos = msg["n"], msg["pos"]
+        if list(f.layers) != msg["layers"]:
+            raise ProtocolError(f"feat: layers {msg['layers']}, this feeder sends "
+                                f"{list(f.layers)}")
+        if rows is None or tuple(rows.shape) != (n, f.width):
+            got = None if rows is None else tuple(rows.shape)
+            raise ProtocolError(f"feat: rows of shape {got}, expected ({n}, {f.width})")
+        if not 0 <= pos or pos + n > p.max_len or n < 1:
+            raise ProtocolError(f"feat: positions {pos}..{pos + n} outside the context of "
+                                f"{p.max_len}")
+        p.write_features(f.column, pos, rows.to(self.device, p.features.dtype))
+        if msg["last"]:
+            f.fed_sid = msg["sid"]
+
+    def _refuse_feature(self, f: Feeder, why: str) -> None:
+        log.warning("draft: refused a feature frame from the feeder of layers %s: %s",
+                    list(f.layers), why)
+        f.rejected = why
+        if self.coordinator is not None:
+            self._reply(self.coordinator, error(f"draft: feature frame from the feeder of "
+                                                f"layers {list(f.layers)} refused: {why}",
+                                                "bad_feature"))
+
+    def _feeder_frame_rejected(self, route: bytes, why: str) -> None:
+        f = next((f for f in self.feeders if f.route == route), None)
+        if f is not None:
+            self._refuse_feature(f, why)
+
+    def _wait_features(self, sync: int) -> None:
+        """Until every feeder has delivered the rows of step `sync` (and those before)."""
+        deadline = time.monotonic() + FEATURE_WAIT_S
+        while True:
+            bad = next((f for f in self.feeders if f.rejected is not None), None)
+            if bad is not None:
+                raise ProtocolError(f"the context of this sequence is incomplete: a feature "
+                                    f"frame of layers {list(bad.layers)} was refused "
+                                    f"({bad.rejected})", "bad_feature")
+            late = [f for f in self.feeders if f.fed_sid < sync]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                raise ProtocolError(f"rows of step {sync} did not arrive from the feeder of "
+                                    f"layers {list(late[0].layers)} within {FEATURE_WAIT_S} s",
+                                    "late_feature")
+            if not self._drain_inboxes():
+                self._poll_router(1 if any(f.inbox is None for f in late) else 0,
+                                  feeders_only=True)
+
+    # ---- coordinator requests --------------------------------------------------------------------
+    def _on_draft_begin(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        self.proposer.begin()
+        for f in self.feeders:
+            f.rejected = None
+        self._reply(route, message("ok", info={}, sid=msg["sid"]))
+
+    def _on_propose(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        tokens = None
+        if frames:
+            if len(frames) != 1:
+                raise ProtocolError(f"propose: expected at most 1 payload frame, got "
+                                    f"{len(frames)}")
+            tokens = transport.tensor_from(frames[0].buffer, {
+                "dtype": "int64", "shape": [len(frames[0].buffer) // 8]})
+        if isinstance(self.proposer, DFlashProposer):
+            self._wait_features(msg["sync"])
+        t0 = time.perf_counter()
+        try:
+            out = self.proposer.propose(msg["token"], msg["pos"], msg["n"], tokens, msg["start"])
+        except ValueError as e:
+            raise ProtocolError(str(e)) from e
+        self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
+                                   compute_s=time.perf_counter() - t0))
+
+    def _on_draft_features(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """The stored feature rows [start, end) (for inspection and tests)."""
+        p = self.proposer
+        if not isinstance(p, DFlashProposer):
+            raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
+        a, b = msg["start"], msg["end"]
+        if not 0 <= a < b <= p.max_len:
+            raise ProtocolError(f"draft_features: rows {a}:{b} outside 0..{p.max_len}")
+        rows = p.features[0, 0, a:b].float().cpu().contiguous()
+        self._reply(route, message("features", sid=msg["sid"], act={
+            "dtype": "float32", "shape": list(rows.shape)}), [tensor_bytes(rows)])
+
+    def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        self._reply(route, message("pong", busy=False))
+
+    def _on_shutdown(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        self._reply(route, message("bye"))
+        self.running = False
+
+    def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait_pending()
+        self._close_feeders()
+        if not self.router.closed:
+            self.router.close(0)
+
+
+def run_draft(spec: DraftSpec, secret: bytes, error_file: str | None = None) -> int:
+    """Entry point of the draft process. Exit codes: 0 clean, 2 startup error, 3 orphaned.
+    A startup error's text goes to `error_file` too, for the coordinator to report."""
+    import signal
+
+    from shards.worker import _exit_on_signal, watch_parent
+
+    server: DraftServer | None = None
+
+    def cleanup() -> None:
+        if server is not None:
+            for f in server.feeders:
+                ring = getattr(f.inbox, "ring", None)
+                if ring is not None:
+                    ring.unlink()
+
+    if spec.parent_pid:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        watch_parent(spec.parent_pid, cleanup)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        server = DraftServer(spec, secret)
+    except Exception as e:  # noqa: BLE001 - reported through the exit code and the log
+        log.error("draft %s on %s failed to start: %s", spec.draft, spec.device, e)
+        if error_file:
+            Path(error_file).write_text(f"{type(e).__name__}: {e}")
+        return 2
+    log.info("draft (%s) on %s listening on %s", server.proposer.kind, spec.device, spec.listen)
+    try:
+        server.serve_forever()
+    finally:
+        cleanup()
+        server.close()
+    return 0

@@ -1,0 +1,45 @@
+"""An HF transformers model holding the very same weights as a full `LayerRange`.
+
+Used where transformers is the tool for the job and is installed (the HF baseline of the
+benchmarks, batched generation when training a draft); the runtime itself never needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shards.model import LayerRange
+
+
+def hf_causal_lm(model: LayerRange, device: str, dtype: torch.dtype, max_context: int):
+    """A transformers CausalLM (SDPA attention) sharing `model`'s tensors (no copy)."""
+    import transformers
+
+    cfg = model.cfg
+    if not (model.is_first and model.is_last):
+        raise ValueError("an HF model needs the whole model, not a layer range")
+    extra = {}
+    if cfg.rope_type != "default":
+        extra["rope_scaling"] = {"rope_type": cfg.rope_type, **cfg.rope_params}
+    hf_cfg = transformers.AutoConfig.for_model(
+        cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=max(cfg.max_position_embeddings, max_context),
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias, **extra,
+    )
+    with torch.device(device):  # buffers (rotary) are built here; weights replaced below
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                           dtype=dtype)
+    state = {}
+    for k, v in model.state_dict().items():
+        name = {"embed_tokens.weight": "model.embed_tokens.weight",
+                "norm.weight": "model.norm.weight"}.get(k, k)
+        if k.startswith("layers."):
+            name = "model." + k
+        state[name] = v
+    hf.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.to(device).eval()

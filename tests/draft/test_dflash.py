@@ -1,0 +1,99 @@
+"""The DFlash draft model: its checkpoint layout and the errors of a mismatched draft, and that
+its three forms compute the same thing: the training forward (many blocks at once under a mask),
+the eager proposal, and the fixed-shape step that is captured in a CUDA graph on GPUs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draft.dflash import dflash_tensor_shapes, load_dflash, read_dflash_config, write_random_dflash
+from draft.proposer import DFlashProposer, load_proposer
+from draft.train import block_logits
+from shards.errors import CheckpointError
+from shards.model_config import read_hf_config
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_llama, tmp_path_factory):
+    return write_random_dflash(read_hf_config(tiny_llama), tmp_path_factory.mktemp("dflash"),
+                               layers=2, taps=[1, 3, 5], block_size=4)
+
+
+def test_published_layout_loads(draft_dir, tiny_llama):
+    cfg = read_dflash_config(draft_dir)
+    assert cfg.block_size == 4 and cfg.target_layer_ids == (1, 3, 5) and cfg.width == 3 * 64
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(dflash_tensor_shapes(cfg))
+        assert "fc.weight" in f.keys() and "layers.1.self_attn.k_norm.weight" in f.keys()
+    p = load_proposer(draft_dir, tiny_llama, "cpu", torch.float32, 64)
+    assert isinstance(p, DFlashProposer) and p.block_size == 4
+
+
+def _edit(src, dst, change):
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    change(raw)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda r: r.update(hidden_size=32), "hidden_size"),
+    (lambda r: r.update(vocab_size=999), "vocab_size 999"),
+    (lambda r: r["dflash_config"].update(target_layer_ids=[1, 9]), "layer 9"),
+    (lambda r: r["dflash_config"].update(mask_token_id=10_000), "mask_token_id"),
+    (lambda r: r.update(num_target_layers=30), "30 layers"),
+    (lambda r: r.update(block_size=1), "block_size"),
+    (lambda r: r["dflash_config"].update(target_layer_ids=[3, 1]), "increasing"),
+])
+def test_mismatched_draft_is_refused(draft_dir, tiny_llama, tmp_path, change, match):
+    bad = _edit(draft_dir, tmp_path / "bad", change)
+    with pytest.raises(CheckpointError, match=match):
+        load_proposer(bad, tiny_llama, "cpu", torch.float32, 64)
+
+
+@pytest.mark.parametrize("tensor,how", [("fc.weight", "missing"), ("norm.weight", "shape")])
+def test_bad_tensors_are_named(draft_dir, tiny_llama, tmp_path, tensor, how):
+    bad = tmp_path / "bad"
+    shutil.copytree(draft_dir, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    if how == "missing":
+        del state[tensor]
+    else:
+        state[tensor] = torch.ones(7)
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=tensor):
+        load_proposer(bad, tiny_llama, "cpu", torch.float32, 64)
+
+
+def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
+    cfg = read_dflash_config(draft_dir)
+    model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden, length = 320, 64, 40
+    embed = torch.randn(vocab, hidden, generator=g)
+    head = torch.randn(vocab, hidden, generator=g)
+    feats = torch.randn(length, cfg.width, generator=g)
+    tokens = torch.randint(0, vocab, (length,), generator=g)
+    eager = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=False)
+    static = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=True, bucket=16)
+    for p in (eager, static):
+        p.write_features(0, 0, feats)
+    anchors = [5, 6, 9, 17, 30]  # gaps of 1, 3 (inside one block) and 8, 13 (longer)
+    trained = block_logits(model, head, embed, feats[None], tokens[None],
+                           torch.tensor([anchors]), 4, cfg.mask_token_id)[0]
+    for j, a in enumerate(anchors):
+        want = trained[j]  # (3, V)
+        got_e = eager.logits(int(tokens[a]), a, 3)
+        got_s = static.logits(int(tokens[a]), a, 3)
+        assert torch.allclose(got_e, want, atol=1e-4), (a, (got_e - want).abs().max())
+        assert torch.allclose(got_s, want, atol=1e-4), (a, (got_s - want).abs().max())
+    # a shorter block (near the end of the context) goes the eager way in both
+    assert torch.allclose(static.logits(int(tokens[33]), 33, 2),
+                          eager.logits(int(tokens[33]), 33, 2), atol=1e-5)

@@ -1,0 +1,70 @@
+"""The draft process's feature channel: a malformed frame in a feeder's shared-memory ring is
+consumed and refused, the frames after it are read from their start (no desync), and the
+sequence whose context it broke gets no proposals until the next one begins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.dflash import write_random_dflash
+from draft.server import DraftServer, DraftSpec
+from ipc.messages import ProtocolError, message
+from ipc.transport import accept, host_id
+from shards.model_config import read_hf_config
+
+
+@pytest.fixture()
+def server(tiny_llama, tmp_path):
+    draft = write_random_dflash(read_hf_config(tiny_llama), tmp_path / "d", layers=1,
+                                taps=[1, 4], block_size=4)
+    s = DraftServer(DraftSpec(listen=f"ipc://{tmp_path}/draft.sock", draft=str(draft),
+                              target=str(tiny_llama), max_context=64), b"secret")
+    s._on_draft_configure(b"coord", message(
+        "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
+        cache_dir=None, spin_ms=0), [])
+    yield s
+    s.close()
+
+
+def _feeder(server, route, layers):
+    server._on_feed(route, message("feed", transport="shm", host=host_id(), device="cpu",
+                                   dtype="float32", layers=layers, width=64, max_rows=16), [])
+    f = next(f for f in server.feeders if list(f.layers) == layers)
+    return accept("shm", {"ring": f.inbox.ring.describe()}, None), f
+
+
+def _feat(sid, pos, n, layers):
+    return message("feat", sid=sid, pos=pos, n=n, layers=layers, last=True, act=None)
+
+
+def test_bad_frames_are_refused_without_desync(server):
+    first, f1 = _feeder(server, b"shard0", [1])
+    second, f2 = _feeder(server, b"shard1", [4])
+    first.send(_feat(1, 0, 2, [1]), torch.zeros(3, 64))  # 3 rows said to be 2
+    first.ring.write_header(first.ring.wait_free(first.seq), b"\xc1 not msgpack")  # garbage
+    first.ring.publish(first.seq)
+    first.seq += 1
+    first.send(_feat(1, 0, 2, [4]), torch.ones(2, 64))  # the other feeder's layers
+    first.send(_feat(2, 0, 2, [1]), torch.full((2, 64), 7.0))  # a good frame after them
+    second.send(_feat(2, 0, 2, [4]), torch.full((2, 64), 9.0))
+    server._drain_inboxes()
+    feats = server.proposer.features[0, 0]
+    assert torch.equal(feats[:2, :64], torch.full((2, 64), 7.0))  # read from its start
+    assert torch.equal(feats[:2, 64:], torch.full((2, 64), 9.0))
+    assert f1.fed_sid == 2 and f2.fed_sid == 2
+    assert f1.rejected is not None and f2.rejected is None
+    with pytest.raises(ProtocolError, match="incomplete"):  # no proposal from a broken context
+        server._wait_features(2)
+    server._on_draft_begin(b"coord", message("draft_begin", sid=3), [])
+    server._wait_features(2)  # a new sequence starts whole
+    assert len(server.proposer.propose(5, 2, 3)) == 3
+
+
+def test_a_linked_feeder_cannot_be_taken_over(server):
+    _feeder(server, b"shard0", [1])
+    with pytest.raises(ProtocolError, match="linked already"):
+        _feeder(server, b"intruder", [1])
+    with pytest.raises(ProtocolError, match="not a configured feeder"):
+        _feeder(server, b"intruder", [2])
+
