@@ -1,8 +1,8 @@
 """Prompts for training a draft and for measuring acceptance, available offline.
 
 Training prompts are templates crossed with topics and coding tasks; the evaluation set is a fixed
-list of chat and code prompts that shares no topic with them, so reported acceptance is measured
-on prompts the draft never saw.
+list of chat and code prompts none of which is a training prompt (some touch a training topic),
+so reported acceptance is measured on prompts the draft never saw.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ CODE_TEMPLATES = (
     "Write a Python function that {t} and explain how it works.",
 )
 
-# held out: none of these topics or tasks appears in the training prompts
+# held out: none of these is a training prompt
 EVAL_CHAT = (
     "What is the capital of France?",
     "Explain what a hash function is, briefly.",

@@ -83,6 +83,13 @@ class DFlashProposer:
     def begin(self) -> None:
         self.done = 0
 
+    def warm_up(self) -> None:
+        """Run the captured step once (compilation, capture) on rows no sequence holds yet."""
+        if self.static:
+            self.begin()
+            self.logits(0, 1, self.block_size - 1)
+            self.begin()
+
     def write_features(self, column: int, pos: int, rows: torch.Tensor) -> None:
         """Rows (n, w) of some tapped layers, for positions [pos, pos + n), at `column`."""
         n, w = rows.shape

@@ -223,6 +223,7 @@ class DraftServer:
             if fed != taps:
                 raise ProtocolError(f"draft_configure: feeders cover layers {fed}, the draft "
                                     f"needs {taps}")
+            p.warm_up()  # compile and capture now, not in the first request's proposal
         self._reply(route, message("configured", info=self.info()))
 
     def info(self) -> dict[str, Any]:
@@ -318,6 +319,8 @@ class DraftServer:
         if not 0 <= pos or pos + n > p.max_len or n < 1:
             raise ProtocolError(f"feat: positions {pos}..{pos + n} outside the context of "
                                 f"{p.max_len}")
+        if self.snapshots is not None and pos < self.snapshots.pending_end():
+            self.snapshots.wait_pending()  # a snapshot still copies the rows these replace
         p.write_features(f.column, pos, rows.to(self.device, p.features.dtype))
         if msg["last"]:
             f.fed_sid = msg["sid"]

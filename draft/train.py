@@ -5,17 +5,19 @@
 
 Data, all offline: chat prompts (`draft.prompts`) answered by the target itself, greedy and
 sampled (its own continuations are what the draft must predict), and Python source files found on
-the machine, continued by the target. Every sequence then runs through the target once, by the
-runtime's own model code, for the rows of the tapped layers (the draft's context) and the
-target's greedy token at every position (the labels: a draft token is accepted exactly when it
-equals that token).
+the machine, continued by the target. Every sequence then runs through the target once
+(batched), for the rows of the tapped layers (the draft's context) and the target's
+distribution at every position, which the draft learns (KL); a greedy verify keeps a draft token
+exactly when it is that distribution's argmax.
 
 Each training example is a block: an anchor position a, the block [token at a, mask × (B-1)] at
-positions a..a+B-1, the context rows of positions < a, and the labels of positions a+1..a+B-1,
-weighted by exp(-(k-1)/4) for the k-th draft token (a later one only counts once the earlier
-ones were accepted). Many blocks of one sequence train at once under an attention mask.
+positions a..a+B-1, the context rows of positions < a, and the target's distributions for
+positions a+1..a+B-1, weighted by exp(-(k-1)/4) for the k-th draft token (a later one only
+counts once the earlier ones were accepted). Many blocks of one sequence train at once under an
+attention mask.
 
-Reports the acceptance length the draft would reach on held-out prompts (`draft.prompts.EVAL_*`)
+Reports the tokens per verify step the draft would reach on held-out prompts
+(`draft.prompts.EVAL_*`, decoded as the runtime decodes), keeps the best state by that measure,
 and writes the draft in the published DFlash layout (config.json + model.safetensors).
 """
 

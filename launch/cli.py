@@ -147,7 +147,7 @@ def cmd_draft(args: argparse.Namespace) -> int:
 
 
 def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) -> int:
-    print(f"layersplit shard: {text}", file=sys.stderr)
+    print(f"layersplit {args.command}: {text}", file=sys.stderr)
     if args.error_file and (overwrite or not Path(args.error_file).exists()):
         Path(args.error_file).write_text(text)
     return 2

@@ -49,6 +49,7 @@ class SaveJob:
     sums: dict[str, str]
     failed: str | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    without_features: bool = False  # the draft's part failed: the file is cut before it
 
 
 @dataclasses.dataclass
@@ -72,10 +73,10 @@ class CacheManager:
         self.index = PrefixIndex(self.fingerprint, int(cfg.cache_ram_gb * 2**30), disk,
                                  int(cfg.kv_cache_max_gb * 2**30))
         self.stats = self.index.stats
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
         infos = coord.shard_info()
         self.split = [i["layers"] for i in infos]
         self.layouts = [i["kv_layout"] for i in infos]
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
         self.row_bytes = sum(lay["layers"] * 2 * lay["kv_heads"] * lay["head_dim"]
                              * itemsize[lay["dtype"]] for lay in self.layouts)
         self.jobs: dict[int, SaveJob] = {}
@@ -88,6 +89,7 @@ class CacheManager:
         self.taps = list(coord.draft_info.get("taps", [])) if coord.feeding else []
         self.feature_width = int(coord.draft_info.get("width", 0))
         self.feature_dtype = coord.draft_info.get("dtype", coord.dtype)
+        self.feature_row_bytes = self.feature_width * itemsize[self.feature_dtype]
         self.index.mark_features(self._feature_tag())
 
     def _feature_tag(self) -> str:
@@ -342,13 +344,18 @@ class CacheManager:
         if parent is not None and self.index.entries.get(parent.key) is not parent:
             parent = None  # evicted meanwhile: the live KV still holds its rows, so go full
         start = parent.length if parent is not None else 0
+        feature_bytes = 0  # the draft's rows count against the caps too
+        if self.taps and self.coord.live_features:
+            feature_bytes = (length - start) * self.feature_row_bytes
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
-                  kv_bytes=(length - start) * self.row_bytes, pins=1)
+                  kv_bytes=(length - start) * self.row_bytes + feature_bytes, pins=1)
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
             self._take(e)
+            if not e.features:
+                e.kv_bytes -= feature_bytes
         except BaseException:
             self.index.entries.pop(e.key, None)
             raise
@@ -439,7 +446,7 @@ class CacheManager:
                 "snap_save", entry=e.ram_id, path=str(tmp), items=items(sh)), draft=draft)
             if draft is not None and not any(r["_shard"] < 0 for r in replies):
                 self.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
-                                   "error": "the draft could not write its feature rows"})
+                                   "error": "the draft did not take its part of the save"})
         except BaseException:
             self.jobs.pop(e.ram_id, None)
             self._discard(job)
@@ -460,12 +467,26 @@ class CacheManager:
             self._discard(job)
         self.jobs.clear()
 
+    def draft_lost(self) -> None:
+        """The draft is gone: saves waiting for its feature rows finish without them."""
+        for ram_id, job in list(self.jobs.items()):
+            if -1 in job.waiting:
+                self.on_saved(-1, {"entry": ram_id, "path": str(job.tmp), "checksums": None,
+                                   "error": "the draft process is gone"})
+
     def on_saved(self, shard: int, msg: dict[str, Any]) -> None:
         job = self.jobs.get(msg["entry"])
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier session)
         job.waiting.discard(shard)
-        if msg["error"]:
+        if msg["error"] and shard < 0:  # the KV is still good: keep it, without the features
+            log.warning("prefix cache: %s is saved without its draft feature rows: %s",
+                        job.entry.key[:12], msg["error"])
+            job.without_features = True
+            e = job.entry
+            e.features = False
+            e.kv_bytes = (e.length - e.start) * self.row_bytes
+        elif msg["error"]:
             job.failed = f"shard {shard}: {msg['error']}"
         else:
             job.sums.update(msg["checksums"])
@@ -481,6 +502,12 @@ class CacheManager:
         try:
             if job.failed:
                 raise OSError(job.failed)
+            if job.without_features:  # they are the file's last tensors: cut them off
+                for name in (FEATURE_META, FEATURE_DATA):
+                    job.layout.tensors.pop(name, None)
+                    job.sums.pop(name, None)
+                job.layout.metadata.update(features="", kv_bytes=str(job.entry.kv_bytes))
+                os.ftruncate(job.fd, job.layout.file_size)
             job.layout.checksums = job.sums
             with os.fdopen(os.dup(job.fd), "r+b") as f:
                 write_header(f, job.layout)

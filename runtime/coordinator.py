@@ -33,7 +33,9 @@ from runtime.generate import (
     Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
 )
 from runtime.model_store import resolve_draft, resolve_model
-from runtime.placement import Placement, check_local_devices, normalize_device, plan
+from runtime.placement import (
+    Placement, PlacementError, ShardPlan, check_local_devices, normalize_device, plan,
+)
 from runtime.reference import new_seed
 from runtime.errors import DraftError, DraftLost, ShardFailure
 from runtime.speculative import DraftClient, SpecStats, draft_taps
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 50
 
 REMOTE_CONNECT_S = 30.0
+DRAFT_TIMEOUT_S = 60.0  # a proposal (or the draft's part of a cache operation) never takes this
 
 
 def _name(sh: _Shard) -> str:
@@ -106,6 +109,7 @@ class Coordinator:
         self.draft_device = normalize_device(config.draft_device or
                                              self.placement.shards[-1].device)
         self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)
+        self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
         self.draft_info: dict[str, Any] = {}
         self.draft_down: str | None = None  # why speculation stopped, if it did
@@ -226,6 +230,23 @@ class Coordinator:
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
     # ---- the draft process --------------------------------------------------------------------
+    def _check_draft_placement(self) -> None:
+        """The draft process runs on this host: its device must be here, and the shards that
+        feed it their rows too (`auto` gives up speculation when some shard is remote)."""
+        if self.draft_path is None:
+            return
+        remote = [s for s in self.placement.shards if s.address]
+        if remote and self.config.draft == "auto":
+            self.draft_path = None
+            return
+        taps = draft_taps(self.draft_path)
+        far = [s.index for s in remote if any(s.start <= t < s.end for t in taps)]
+        if far:
+            raise PlacementError(f"shard {far[0]} is remote but owns a layer the DFlash draft "
+                                 f"taps ({taps}); its rows cannot reach the draft process here. "
+                                 "Use a classic draft or --draft none")
+        check_local_devices(Placement((ShardPlan(-1, 0, 1, self.draft_device, None),), ()))
+
     def _spawn_draft(self, threads: int | None) -> None:
         cfg = self.config
         addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
@@ -281,6 +302,8 @@ class Coordinator:
             return
         self.draft, self.draft_down = None, why
         log.warning("speculative decoding stops: %s", why)
+        if self.cache is not None:  # saves waiting for its feature rows go on without them
+            self.cache.draft_lost()
         for sock in (d.sock, d.monitor):
             try:
                 self._poller.unregister(sock)
@@ -307,9 +330,10 @@ class Coordinator:
         self._drain()
         sid = self._new_sid()
         send(d.sock, {**msg, "sid": sid}, frames)
+        timeout = min(self.config.step_timeout, DRAFT_TIMEOUT_S)  # the draft is warm by now
         reply, frames = self._wait(lambda s, m: s is d and m.get("sid") == sid,
-                                   time.monotonic() + self.config.step_timeout,
-                                   f"{msg['type']} to the draft", sid, on_draft=True)
+                                   time.monotonic() + timeout, f"{msg['type']} to the draft",
+                                   sid, on_draft=True)
         return reply if not frames else {**reply, "_frames": frames}
 
     def close(self) -> None:
@@ -368,19 +392,22 @@ class Coordinator:
         sid = self._new_sid()
         for sh in self.shards:
             send(sh.sock, {**make(sh), "sid": sid})
-        d = self.draft if draft is not None else None
-        if d is not None:
-            send(d.sock, {**draft, "sid": sid})
+        pending = {sh.index for sh in self.shards}
+        if draft is not None and self.draft is not None:
+            send(self.draft.sock, {**draft, "sid": sid})
+            pending.add(-1)
         replies: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.config.step_timeout
-        while len(replies) < len(self.shards) + (d is not None and self.draft is d):
-            try:
+        while pending:
+            try:  # a draft that fails or times out here only stops speculation
                 msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
-                                    deadline, "a prefix-cache operation", sid)
-            except DraftError as e:  # the draft refused its part: not the shards' op
+                                    deadline, "a prefix-cache operation", sid,
+                                    on_draft=-1 in pending, blame_draft=lambda: pending == {-1})
+            except (DraftError, DraftLost) as e:  # the draft's part failed: not the shards'
                 log.warning("prefix cache: %s", e)
-                d = None
+                pending.discard(-1)
                 continue
+            pending.discard(msg["_shard"])
             replies[msg["_shard"]] = msg
         return [replies[i] for i in sorted(replies, key=lambda i: (i < 0, i))]
 
@@ -440,14 +467,15 @@ class Coordinator:
                             err if err is not None else msg.get("message", msg["type"]))
 
     def _wait(self, match, deadline: float, what: str, sid: int | None = None,
-              on_draft: bool = False) -> tuple[dict[str, Any], Any]:
+              on_draft: bool = False, blame_draft=lambda: True) -> tuple[dict[str, Any], Any]:
         """Poll every shard socket (and the draft's) until `match(shard, msg)`; raise on any
         failure.
 
         An error reply fails the operation if it names this op's `sid` or no sid at all; an
         error of another (earlier) op is logged and skipped. A dead or unreachable shard fails
         the whole runtime. A dead draft only stops speculation: DraftLost is raised when this
-        op waits on the draft (`on_draft`), else the wait goes on."""
+        op waits on the draft (`on_draft`), else the wait goes on; so does the deadline, when
+        only the draft's answer is missing (`blame_draft()`)."""
         poller = self._poller
         ring = self._results
         last = self.shards[-1] if self.shards else None
@@ -468,7 +496,7 @@ class Coordinator:
                 next_check = now + POLL_MS / 1000.0
             left = deadline - now
             if left <= 0:
-                if on_draft:
+                if on_draft and blame_draft():
                     self._lose_draft(f"no answer to {what} within the time limit")
                     raise DraftLost(f"no answer to {what} within the time limit")
                 raise self._fail(f"no answer to {what} within the time limit; a shard may be "
@@ -525,6 +553,9 @@ class Coordinator:
                         if mine:
                             raise DraftError(msg["message"])
                         log.warning("%s", msg["message"])
+                        continue
+                    if msg["code"] == "feed_lost":  # a shard could not hand the draft its rows
+                        self._lose_draft(msg["message"])
                         continue
                     if mine or msg["code"] == "bad_upstream":
                         raise self._fail(msg["message"], keep_running=True)
@@ -640,8 +671,11 @@ class Coordinator:
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         seed = params.seed if params.seed is not None else new_seed()
+        if self.config.spec_required and self.draft_path is not None and self.draft is None:
+            raise ShardFailure(f"speculation is required (spec_required) but the draft is gone: "
+                               f"{self.draft_down}")
         drafter = None
-        if self.draft is not None:
+        if self.draft is not None and speculative is not False:
             progress.spec = SpecStats()
             drafter = DraftClient(self, progress.spec, self.config.spec_required)
             drafter.begin()
@@ -659,9 +693,9 @@ class Coordinator:
         # the draft's context is whole if every row it needs came from this run's steps or
         # from the cache with its feature rows
         self.live_features = self.feeding and (restored.length == 0 or restored.features)
-        if drafter is not None and (speculative is False or not drafter.active or (
-                self.feeding and not self.live_features)):
-            if speculative is not False and drafter.active:
+        if drafter is not None and (not drafter.active or (self.feeding and
+                                                           not self.live_features)):
+            if drafter.active:
                 log.info("no speculation for this request: the restored prefix carries no "
                          "draft feature rows")
             drafter = None

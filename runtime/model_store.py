@@ -98,6 +98,10 @@ def resolve_draft(spec: str, model: Path | str, draft_device: str) -> Path | str
         if not BUNDLED_DRAFT.is_dir():
             raise FileNotFoundError(f"the bundled draft is missing at {BUNDLED_DRAFT}")
         return BUNDLED_DRAFT
+    if not spec.startswith("random:") and not Path(spec).expanduser().exists():
+        raise FileNotFoundError(f"draft {spec!r} does not exist; pass a DFlash draft folder, a "
+                                "smaller model with the target's tokenizer, 'default', 'auto' "
+                                "or 'none'")
     return resolve_model(spec)
 
 

@@ -90,8 +90,9 @@ class DraftClient:
         self.coord, self.stats, self.required = coord, stats, required
         info = coord.draft_info
         self.kind = info["kind"]
-        self.block = int(coord.config.spec_block or info["block_size"])
-        self.block = max(2, min(self.block, int(info["block_size"])))
+        # a verify step is a step: no more rows than the shards take (prefill_chunk)
+        self.block = min(int(coord.config.spec_block or info["block_size"]),
+                         int(info["block_size"]), coord.chunk)
         self.vocab = coord.model_config.vocab_size
         self.start = 0  # classic: the draft's own KV holds the committed rows [0, start)
         self.active = True
@@ -124,9 +125,9 @@ class DraftClient:
             reply = self.coord.draft_request(message(
                 "propose", pos=pos, n=n, token=int(seq[pos]), start=start,
                 sync=self.coord._feat_sid), frames)
-            tokens = reply["tokens"]
-            if len(tokens) > n or not all(isinstance(t, int) and 0 <= t < self.vocab
-                                          for t in tokens):
+            tokens = reply.get("tokens") if reply.get("type") == "proposal" else None
+            if not isinstance(tokens, list) or len(tokens) > n or not all(
+                    isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
                 raise DraftError(f"the draft proposed {str(tokens)[:80]}: not up to {n} token "
                                  "ids of the vocabulary")
         except (DraftLost, DraftError) as e:

@@ -41,7 +41,7 @@ from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
 
 log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
-FEED_TIMEOUT_S = 5.0  # a draft that takes no rows for this long is dropped, the step goes on
+FEED_TIMEOUT_S = 2.0  # a draft that takes no rows for this long is dropped, the step goes on
 FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pieces)
 
 
@@ -466,6 +466,8 @@ class ShardServer:
             log.warning("shard %d: the draft process takes no feature rows (%s); no longer "
                         "sending them", self.index, e)
             self._close_feed()
+            self._report(error(f"shard {self.index} could not hand the draft process its "
+                               f"feature rows ({e}); speculation stops", "feed_lost"))
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""

@@ -5,23 +5,28 @@ that dies or sends garbage costs speculation, never tokens."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import time
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draft.dflash import write_random_dflash
+from draft.dflash import load_dflash, read_dflash_config, save_dflash, write_random_dflash
+from draft.train import block_logits, greedy_labels, optimize, target_rows
 from ipc.messages import message
 from runtime.chunking import prefill_chunks
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
+from runtime.placement import PlacementError
 from runtime.errors import DraftError
-from runtime.generate import Progress
+from runtime.generate import Progress, collect
 from runtime.reference import ReferenceEngine
+from runtime.speculative import SpecStats
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.executor import RangeExecutor
 from shards.model_config import read_hf_config
@@ -49,6 +54,41 @@ def dflash(target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fitted(target, tmp_path_factory):
+    """A DFlash draft fitted to the target's own continuations of the test prompts (greedy and
+    sampled): its drafts are kept often, not always, so verify steps keep some draft tokens and
+    reject others, and accepted positions' feature rows matter."""
+    ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
+    seqs = []
+    for prompt in _prompts(ref.tokenizer):
+        for params in (GREEDY, SAMPLED):
+            seqs.append(prompt + ref.generate(prompt, params).tokens)
+    model = load_layer_range(open_checkpoint(target), 0, 6)
+    feats, final, lengths = target_rows(model, seqs, [1, 4], "cpu")
+    feats = feats.clone()  # out of inference mode: it feeds a graph that is trained
+    head, embed = model.lm_head.weight, model.embed_tokens.weight
+    labels = greedy_labels(final, head)
+    tokens = torch.zeros(len(seqs), feats.shape[1], dtype=torch.long)
+    for i, s_ in enumerate(seqs):
+        tokens[i, :len(s_)] = torch.tensor(s_)
+    path = write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("fitted"),
+                               layers=1, taps=[1, 4], block_size=4)
+    cfg = read_dflash_config(path)
+    draft = load_dflash(path, cfg, torch.float32, "cpu").train().requires_grad_(True)
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    anchors = torch.stack([torch.randperm(int(n) - 4, generator=torch.Generator().manual_seed(i))
+                           [:32] + 1 for i, n in enumerate(lengths)])
+    want = labels[torch.arange(len(seqs))[:, None, None], anchors[:, :, None] + torch.arange(3)]
+    for _ in range(150):
+        logits = block_logits(draft, head, embed, feats, tokens, anchors, 4, cfg.mask_token_id)
+        optimize(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                   want.reshape(-1)), list(draft.parameters()),
+                 opt)
+    return save_dflash(draft.eval(), json.loads((path / "config.json").read_text()), path,
+                       torch.float32)
+
+
+@pytest.fixture(scope="module")
 def near(target, tmp_path_factory):
     """A classic draft: the target with noise on its weights (it agrees often, not always)."""
     out = tmp_path_factory.mktemp("near") / "m"
@@ -72,27 +112,46 @@ def _prompts(tok):
 CASES = [(1, "auto"), (2, "shm"), (2, "zmq"), (3, "zmq")]
 
 
+def _compare(coord, prompts) -> SpecStats:
+    """Plain and speculative outputs of every prompt, greedy and sampled, must be equal; the
+    speculation statistics of all the speculative runs are returned."""
+    total = SpecStats()
+    for prompt in prompts:
+        for params in (GREEDY, SAMPLED):
+            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
+            progress = Progress()
+            spec = collect(coord.stream(prompt, params, progress, use_cache=False), progress,
+                           len(prompt))
+            assert spec.tokens == plain.tokens
+            assert plain.acceptance_length is None and progress.spec.verifies > 0
+            total.merge(progress.spec)
+    return total
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n,transport", CASES, ids=[f"{n}shard-{t}" for n, t in CASES])
 @pytest.mark.parametrize("kind", ["dflash", "classic"])
-def test_speculative_equals_plain(target, dflash, near, n, transport, kind):
+def test_speculative_equals_plain(target, fitted, near, n, transport, kind):
     before = layersplit_shm()
-    draft = dflash if kind == "dflash" else near
+    draft = fitted if kind == "dflash" else near
     with Coordinator(_cfg(target, n, draft, transport=(transport,))) as coord:
         assert coord.draft_info["kind"] == kind
-        accepted = []
-        for prompt in _prompts(coord.tokenizer):
-            for params in (GREEDY, SAMPLED):
-                plain = coord.generate(prompt, params, use_cache=False, speculative=False)
-                spec = coord.generate(prompt, params, use_cache=False)
-                assert spec.tokens == plain.tokens
-                assert plain.acceptance_length is None and spec.acceptance_length >= 1.0
-                accepted.append(spec.acceptance_length)
-        if kind == "classic":  # the near draft is right often: whole runs of drafts were kept
-            assert max(accepted) > 1.5
+        stats = _compare(coord, _prompts(coord.tokenizer))
+        # verify steps kept whole runs of draft tokens, and rejected others: both paths ran
+        assert stats.acceptance_length > 1.3
+        assert 0 < stats.accepted_at[0] < stats.proposed_at[0]
+        assert 0 < stats.accepted_at[1] < stats.proposed_at[1]
         assert len(shard_children()) == n + 1
     assert shard_children() == []
     assert layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_random_dflash_draft_equals_plain(target, dflash):
+    """An untrained draft: every draft token rejected, output still the target's."""
+    with Coordinator(_cfg(target, 3, dflash)) as coord:
+        stats = _compare(coord, _prompts(coord.tokenizer))
+        assert stats.acceptance_length < 1.1
 
 
 @pytest.mark.slow
@@ -105,14 +164,16 @@ def test_plain_and_speculative_equal_the_reference(target, near):
 
 
 @pytest.mark.slow
-def test_feature_rows_come_from_the_right_shards(target, dflash):
+def test_feature_rows_come_from_the_right_shards(target, fitted):
     """The draft's rows are bit-equal to the reference's rows of the tapped layers (layer 1 from
-    shard 0, layer 4 from shard 1) at every committed position."""
+    shard 0, layer 4 from shard 1) at every committed position: prompt rows, and the rows of
+    verify steps, kept draft tokens included."""
     ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
     prompt = _prompts(ref.tokenizer)[0]
-    with Coordinator(_cfg(target, 2, dflash)) as coord:
+    with Coordinator(_cfg(target, 2, fitted)) as coord:
         assert [s.get("transport_out") for s in coord.shard_info()] == ["shm", "none"]
         out = coord.generate(prompt, GREEDY, use_cache=False)
+        assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
         committed = len(prompt) + len(out.tokens) - 1
         reply = coord.draft_request(message("draft_features", start=0, end=committed))
         rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
@@ -134,29 +195,42 @@ def test_feature_rows_come_from_the_right_shards(target, dflash):
 
 
 @pytest.mark.slow
-def test_restored_prefix_keeps_speculating(target, dflash, tmp_path):
+def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
     """RAM and disk hits (after a restart) restore the draft's feature rows with the KV: the
-    rows are bit-equal, speculation goes on at once, the output is unchanged."""
-    cfg = _cfg(target, 2, dflash, kv_cache_dir=str(tmp_path))
+    rows are bit-equal, speculation goes on at once with the same acceptance, the output is
+    unchanged."""
+    cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path))
+
+    def rows(coord, n):
+        reply = coord.draft_request(message("draft_features", start=0, end=n))
+        return bytes(reply["_frames"][0].buffer)
+
     with Coordinator(cfg) as coord:
         prompt = _prompts(coord.tokenizer)[0]
         n = len(prompt)
         cold = coord.generate(prompt, GREEDY)
-        rows_cold = coord.draft_request(message("draft_features", start=0, end=n))
+        assert cold.acceptance_length > 1.5
+        rows_cold = rows(coord, n)
+        other = coord.tokenizer.encode("a different prompt " * 8)  # overwrites rows [0, n)
+        coord.generate(other, GREEDY, use_cache=False)
+        assert rows(coord, n) != rows_cold
         ram = coord.generate(prompt, GREEDY)
         assert ram.cache_tier == "ram" and ram.cached_tokens == n
         assert ram.tokens == cold.tokens and ram.acceptance_length == cold.acceptance_length
+        assert rows(coord, n) == rows_cold
     with Coordinator(cfg) as coord:
         disk = coord.generate(prompt, GREEDY)
         assert disk.cache_tier == "disk" and disk.cached_tokens == n
         assert disk.tokens == cold.tokens
         assert disk.acceptance_length == cold.acceptance_length  # speculation went on
-        rows = coord.draft_request(message("draft_features", start=0, end=n))
-        assert bytes(rows["_frames"][0].buffer) == bytes(rows_cold["_frames"][0].buffer)
+        assert rows(coord, n) == rows_cold
         # a longer prompt sharing the prefix restores it and speculates over the rest
         longer = prompt + coord.tokenizer.encode(" and the dog")
-        assert coord.generate(longer, GREEDY).tokens == coord.generate(
-            longer, GREEDY, use_cache=False, speculative=False).tokens
+        warm = coord.generate(longer, GREEDY)
+        assert warm.cache_tier == "ram" and warm.cached_tokens > 0
+        assert warm.acceptance_length is not None
+        assert warm.tokens == coord.generate(longer, GREEDY, use_cache=False,
+                                             speculative=False).tokens
 
 
 # ---- faults ------------------------------------------------------------------------------------
@@ -197,10 +271,11 @@ def test_draft_killed_with_speculation_required_fails_clearly(target, near):
 
 
 @pytest.mark.slow
-def test_malformed_draft_frames_are_refused_without_desync(target, dflash):
-    with Coordinator(_cfg(target, 2, dflash, transport=("zmq",))) as coord:
+def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
+    with Coordinator(_cfg(target, 2, fitted, transport=("zmq",))) as coord:
         prompt = _prompts(coord.tokenizer)[0]
         want = coord.generate(prompt, GREEDY, use_cache=False)
+        assert want.acceptance_length > 1.5
         # a propose with payload frames it cannot have, one with a missing field, garbage
         for frames, extra in (([b"\x01\x02\x03", b"x"], {}), ([], {"drop": "token"})):
             msg = message("propose", pos=len(prompt), n=3, token=1, start=0, sync=0)
@@ -214,6 +289,7 @@ def test_malformed_draft_frames_are_refused_without_desync(target, dflash):
         assert coord.draft is not None
 
 
+@pytest.mark.slow
 def test_configuring_an_incompatible_draft_fails_before_serving(target, tmp_path):
     other = write_tiny_checkpoint(tmp_path / "other", "llama", vocab_size=300)
     with pytest.raises(ShardFailure, match="vocab_size 300"):
@@ -242,3 +318,55 @@ def test_bundled_draft_on_the_default_model(default_model, tmp_path):
         again = coord.generate(prompt, params)
         assert again.cache_tier == "disk" and again.tokens == plain.tokens
         assert again.acceptance_length == spec.acceptance_length
+
+
+@pytest.mark.slow
+def test_draft_hung_during_a_cache_operation_stops_only_speculation(target, fitted, tmp_path):
+    """A draft that stops answering while a snapshot waits for its part: the snapshot goes on
+    without the feature rows, within seconds (not step_timeout), and the shards keep serving."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path), step_timeout=120)
+    with Coordinator(cfg) as coord:
+        prompt = _prompts(coord.tokenizer)[0]
+        want = coord.generate(prompt, params, use_cache=False, speculative=False).tokens
+        pid = coord._draft_proc.pid
+        os.kill(pid, signal.SIGSTOP)  # alive, silent: only its heartbeats stop
+        t0 = time.monotonic()
+        r = coord.generate(prompt, params, speculative=False)  # snapshots ask the draft too
+        assert time.monotonic() - t0 < 10
+        assert r.tokens == want and coord.draft is None and coord.failed is None
+        assert wait_gone([pid]) == []
+        again = coord.generate(prompt, params)
+        assert again.cache_tier == "ram" and again.tokens == want
+        assert again.acceptance_length is None
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_speculation_required_and_the_draft_gone_fails_every_request(target, near):
+    with Coordinator(_cfg(target, 2, near, spec_required=True)) as coord:
+        prompt = _prompts(coord.tokenizer)[1]
+        coord.generate(prompt, GREEDY, speculative=False, use_cache=False)
+        coord._lose_draft("killed by the test")
+        with pytest.raises(ShardFailure, match="spec_required"):
+            coord.generate(prompt, GREEDY, use_cache=False)
+
+
+@pytest.mark.slow
+def test_verify_steps_never_exceed_the_prefill_chunk(target, fitted):
+    """prefill_chunk sizes every step buffer: a draft block larger than it is cut to fit."""
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=2,
+                        max_context=256, threads=1, draft=str(fitted))
+    with Coordinator(cfg) as coord:
+        prompt = _prompts(coord.tokenizer)[1]
+        plain = coord.generate(prompt, GREEDY, use_cache=False, speculative=False)
+        spec = coord.generate(prompt, GREEDY, use_cache=False)
+        assert spec.tokens == plain.tokens and spec.acceptance_length > 1.0
+
+
+def test_a_dflash_draft_needs_its_feeding_shards_here(target, fitted):
+    cfg = _cfg(target, 2, fitted, shard_addresses=("", "tcp://10.0.0.2:7700"))
+    with pytest.raises(PlacementError, match="shard 1 is remote"):
+        Coordinator(cfg)
+    auto = _cfg(target, 2, "auto", shard_addresses=("", "tcp://10.0.0.2:7700"))
+    assert Coordinator(auto).draft_path is None  # (no default model: auto is off anyway)

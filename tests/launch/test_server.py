@@ -296,3 +296,31 @@ def test_sigterm_finishes_in_flight_request(tiny_llama):
         r = fut.result(timeout=60)
     assert r.usage.completion_tokens == 150
     assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_speculation_per_request_and_its_metrics(tiny_llama):
+    """With a draft (here a classic one: the target itself, so drafts are kept), requests
+    speculate unless they say `speculative: false`; the text is the same; /metrics and /health
+    report it."""
+    s = Server(tiny_llama, "--draft", str(tiny_llama))
+    kids = [k.pid for k in shard_children(s.proc.pid)]
+    try:
+        assert len(kids) == 3  # two shards and the draft process
+        health = httpx.get(s.url + "/health").json()
+        assert health["speculation"] == "on (classic draft)"
+        body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        spec = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        plain = httpx.post(s.url + "/v1/completions", json={**body, "speculative": False},
+                           timeout=60).json()
+        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+        metrics = httpx.get(s.url + "/metrics").text
+        verifies = [line for line in metrics.splitlines()
+                    if line.startswith("layersplit_spec_verify_steps_total ")]
+        assert verifies and float(verifies[0].split()[1]) >= 3  # 24 tokens, up to 5 a step
+        assert 'layersplit_spec_accepted_tokens_total{position="1"}' in metrics
+        assert 'layersplit_step_seconds_count{kind="verify"}' in metrics
+    finally:
+        assert s.stop() == 0
+    assert wait_gone(kids) == []
