@@ -34,7 +34,7 @@ from draft.proposer import DFlashProposer, Proposer, load_proposer
 from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from ipc.peers import AUTH_FAILED, Gate
-from ipc.shm import SLEEP_POLL_MS
+from ipc.serve_loop import serve
 from ipc.sockets import bind_router, recv, send
 from ipc.transport import tensor_bytes, zmq_tensor
 from shards.device import use_device
@@ -101,29 +101,18 @@ class DraftServer:
 
     # ---- main loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        idle_since = time.monotonic()
-        while self.running:
-            worked = self._report_saves()
-            if self._drain_inboxes():
-                worked = True
-            if self.deferred:
-                self._dispatch(*self.deferred.popleft())
-                worked = True
-            if self._poll_router(0):
-                worked = True
-            now = time.monotonic()
-            if worked:
-                idle_since = now
-                continue
-            if now - idle_since < self.spin_s:
-                continue
-            inboxes = [f.inbox for f in self.feeders if f.inbox is not None]
-            for ib in inboxes:  # announce sleep, then look once more (a post may race us)
-                ib.sleep(True)
-            if not any(ib.ready() for ib in inboxes):
-                self._poll_router(SLEEP_POLL_MS if inboxes else 200)
-            for ib in inboxes:
-                ib.sleep(False)
+        serve(lambda: self.running, self._work,
+              lambda: [f.inbox for f in self.feeders if f.inbox is not None],
+              self._poll_router, lambda: self.spin_s)
+
+    def _work(self) -> bool:
+        worked = self._report_saves()
+        if self._drain_inboxes():
+            worked = True
+        if self.deferred:
+            self._dispatch(*self.deferred.popleft())
+            worked = True
+        return self._poll_router(0) or worked
 
     def _poll_router(self, timeout_ms: int, feeders_only: bool = False) -> bool:
         if not self.router.poll(timeout_ms):
@@ -392,6 +381,7 @@ class DraftServer:
         a, b = msg["start"], msg["end"]
         if not 0 <= a < b <= p.max_len:
             raise ProtocolError(f"draft_features: rows {a}:{b} outside 0..{p.max_len}")
+        self._wait_features(msg["sync"])  # the rows of that step may still be on their way
         rows = p.features[0, 0, a:b].float().cpu().contiguous()
         self._reply(route, message("features", sid=msg["sid"], act={
             "dtype": "float32", "shape": list(rows.shape)}), [tensor_bytes(rows)])

@@ -63,7 +63,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "propose": {"sid": (int,), "pos": (int,), "n": (int,), "token": (int,), "start": (int,),
                 "sync": (int,)},
     "proposal": {"sid": (int,), "tokens": (list,)},
-    "draft_features": {"sid": (int,), "start": (int,), "end": (int,)},
+    "draft_features": {"sid": (int,), "start": (int,), "end": (int,), "sync": (int,)},
     "features": {"sid": (int,), "act": (dict,)},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),

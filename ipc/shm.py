@@ -62,6 +62,7 @@ class ShmRing:
         self.stride = _stride(payload_bytes)
         self.buf = memoryview(mm)
         self.unlinked = False
+        self.closed = False
 
     @staticmethod
     def size_for(slots: int, payload_bytes: int) -> int:
@@ -178,6 +179,7 @@ class ShmRing:
 
     def close(self) -> None:
         self.unlink()
+        self.closed = True
         try:
             self.buf.release()
             self.mm.close()

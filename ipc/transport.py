@@ -250,6 +250,10 @@ class RingInbox:
     def sleep(self, value: bool) -> None:
         self.ring.set_sleeping(value)
 
+    @property
+    def closed(self) -> bool:
+        return self.ring.closed
+
     def close(self) -> None:
         self.ring.close()
         self.device_buffer = None

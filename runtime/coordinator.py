@@ -307,7 +307,7 @@ class Coordinator:
         for sock in (d.sock, d.monitor):
             try:
                 self._poller.unregister(sock)
-            except KeyError:
+            except KeyError:  # never registered: the draft failed while starting
                 pass
         d.monitor.close(0)
         d.sock.disable_monitor()

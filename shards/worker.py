@@ -27,7 +27,7 @@ import zmq
 from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from ipc.peers import AUTH_FAILED, Gate, expect, handshake
-from ipc.shm import SLEEP_POLL_MS
+from ipc.serve_loop import serve
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import bind_router, context, recv, request, send
 from ipc.transport import ZmqSender, tensor_from, zmq_tensor
@@ -98,29 +98,15 @@ class ShardServer:
 
     # ---- main loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        idle_since = time.monotonic()
-        while self.running:
-            worked = self._report_saves()
-            if self.inbox is not None and self.inbox.ready():
-                self._handle_inbox()
-                worked = True
-            if self._poll_sockets(0):
-                worked = True
-            now = time.monotonic()
-            if worked:
-                idle_since = now
-                continue
-            if now - idle_since < self.spin_s:
-                continue
-            inbox = self.inbox
-            if inbox is not None:  # announce sleep, then look once more (a post may race us)
-                inbox.sleep(True)
-                if inbox.ready():
-                    inbox.sleep(False)
-                    continue
-            self._poll_sockets(SLEEP_POLL_MS if inbox is not None else 200)
-            if inbox is not None and inbox is self.inbox:  # (a reconfigure may have closed it)
-                inbox.sleep(False)
+        serve(lambda: self.running, self._work, lambda: [self.inbox] if self.inbox else [],
+              self._poll_sockets, lambda: self.spin_s)
+
+    def _work(self) -> bool:
+        worked = self._report_saves()
+        if self.inbox is not None and self.inbox.ready():
+            self._handle_inbox()
+            worked = True
+        return self._poll_sockets(0) or worked
 
     def _report_saves(self) -> bool:
         """Tell the coordinator about disk writes the background threads finished."""
@@ -496,17 +482,21 @@ class ShardServer:
         self.running = False
 
     # ---- teardown ---------------------------------------------------------------------------
+    def _drop_socket(self, sock: zmq.Socket | None) -> None:
+        if sock is None:
+            return
+        try:
+            self.poller.unregister(sock)
+        except KeyError:  # the link failed before it was registered
+            pass
+        sock.close(0)
+
     def _close_feed(self) -> None:
         if self.feed is not None:
             self.feed.close()
         self.feed = None
-        if self.feed_sock is not None:
-            sock, self.feed_sock = self.feed_sock, None
-            try:
-                self.poller.unregister(sock)
-            except KeyError:
-                pass
-            sock.close(0)
+        self._drop_socket(self.feed_sock)
+        self.feed_sock = None
 
     def _close_links(self) -> None:
         for t in (self.out, self.inbox):
@@ -514,13 +504,8 @@ class ShardServer:
                 t.close()
         self.out = self.inbox = None
         self._close_feed()
-        if self.down is not None:
-            down, self.down = self.down, None
-            try:
-                self.poller.unregister(down)
-            except KeyError:  # the link failed before it was registered
-                pass
-            down.close(0)
+        self._drop_socket(self.down)
+        self.down = None
         self.transport_kind = "none"
 
     def close(self) -> None:

@@ -175,7 +175,8 @@ def test_feature_rows_come_from_the_right_shards(target, fitted):
         out = coord.generate(prompt, GREEDY, use_cache=False)
         assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
         committed = len(prompt) + len(out.tokens) - 1
-        reply = coord.draft_request(message("draft_features", start=0, end=committed))
+        reply = coord.draft_request(message("draft_features", start=0, end=committed,
+                                                   sync=coord._feat_sid))
         rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
     seq = prompt + out.tokens[:-1]
     ckpt = open_checkpoint(target)
@@ -202,7 +203,7 @@ def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
     cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path))
 
     def rows(coord, n):
-        reply = coord.draft_request(message("draft_features", start=0, end=n))
+        reply = coord.draft_request(message("draft_features", start=0, end=n, sync=coord._feat_sid))
         return bytes(reply["_frames"][0].buffer)
 
     with Coordinator(cfg) as coord:
@@ -333,7 +334,7 @@ def test_draft_hung_during_a_cache_operation_stops_only_speculation(target, fitt
         os.kill(pid, signal.SIGSTOP)  # alive, silent: only its heartbeats stop
         t0 = time.monotonic()
         r = coord.generate(prompt, params, speculative=False)  # snapshots ask the draft too
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 10  # (4 s here: heartbeats, then 2 s per feeding shard)
         assert r.tokens == want and coord.draft is None and coord.failed is None
         assert wait_gone([pid]) == []
         again = coord.generate(prompt, params)
