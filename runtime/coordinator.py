@@ -481,10 +481,13 @@ class Coordinator:
         last = self.shards[-1] if self.shards else None
         spin_until = time.monotonic() + self.spin_ms / 1000.0
         next_check = 0.0
+        seen_draft: Any = False  # the draft the maps below were built with
         while True:
-            members = self.shards + ([self.draft] if self.draft is not None else [])
-            by_sock = {sh.sock: sh for sh in members}
-            by_mon = {sh.monitor: sh for sh in members}
+            if self.draft is not seen_draft:  # built again only when the draft is lost
+                seen_draft = self.draft
+                members = self.shards + ([self.draft] if self.draft is not None else [])
+                by_sock = {sh.sock: sh for sh in members}
+                by_mon = {sh.monitor: sh for sh in members}
             if ring is not None and ring.ready():
                 got = self._ring_message(ring)
                 if got is not None and match(last, got[0]):

@@ -60,3 +60,28 @@ def test_every_key_is_documented():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for name in FIELDS:
         assert f"`{name}`" in doc, name
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"spec_block": 1}, "spec_block=1: must be at least 2"),
+    ({"spec_block": "many"}, "spec_block='many' is not a valid int"),
+    ({"draft": ""}, "draft is empty"),
+    ({"spec_required": "perhaps"}, "spec_required='perhaps' is not a valid bool"),
+])
+def test_bad_speculation_keys_are_named(values, match):
+    with pytest.raises(ConfigError, match=match):
+        from_mapping(values, "test")
+
+
+def test_draft_names_resolve_or_say_what_to_pass(tmp_path):
+    from runtime.model_store import BUNDLED_DRAFT, resolve_draft
+
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert resolve_draft("none", gguf, "cuda:0") is None
+    assert resolve_draft("auto", gguf, "cpu") is None  # row-by-row verify would not pay
+    assert resolve_draft("auto", gguf, "cuda:0") == BUNDLED_DRAFT
+    assert resolve_draft("auto", tmp_path / "other-model", "cuda:0") is None
+    with pytest.raises(FileNotFoundError, match="trained for SmolLM2"):
+        resolve_draft("default", tmp_path / "other-model", "cpu")
+    with pytest.raises(FileNotFoundError, match="draft '/nowhere' does not exist"):
+        resolve_draft("/nowhere", gguf, "cpu")
