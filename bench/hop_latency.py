@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from ipc import transport  # noqa: E402
-from ipc.messages import message  # noqa: E402
+from ipc.messages import message, segment  # noqa: E402
 from ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
 
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
@@ -77,7 +77,7 @@ def _receive(sock, inbox, dev, spin: bool):
 
 
 def _step(n):
-    return message("step", sid=0, slot=0, pos=0, n=n, sample=None, logits=False, act=None)
+    return message("step", sid=0, seqs=[segment(0, 0, n)], act=None)
 
 
 def _one(sock, sender, inbox, x, dev, spin):

@@ -39,13 +39,19 @@ CLASSIC_CHUNK = 256
 
 
 class Proposer(Protocol):
+    """One draft context per slot (the slots of the target's KV cache: one per sequence)."""
+
     kind: str  # "dflash" | "classic"
     block_size: int  # rows of a verify step: the last token and block_size - 1 draft tokens
+    slots: int
 
-    def begin(self) -> None:
-        """A new sequence starts: forget the last one's context."""
+    def set_slots(self, slots: int) -> None:
+        """Hold `slots` sequences' contexts (all forgotten)."""
 
-    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None,
+    def begin(self, slot: int) -> None:
+        """A new sequence starts in `slot`: forget the last one's context."""
+
+    def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None,
                 start: int) -> list[int]:
         """n draft tokens for positions pos+1 .. pos+n, after `token` at position pos.
         `tokens`: committed tokens at [start, pos) the proposer has not seen (classic)."""
@@ -61,13 +67,9 @@ class DFlashProposer:
         self.embed, self.head = embed, head
         self.block_size = cfg.block_size
         self.device = device
-        dtype = embed.dtype
-        self.features = torch.zeros(1, 1, max_len, cfg.width, dtype=dtype, device=device)
-        m = cfg.model
-        layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
-        self.kv = KVCache(layout, max_len + cfg.block_size, 1, device)
-        self.done = 0  # context rows [0, done) are in the KV cache
+        self.context_len = max_len
         self.bucket = bucket
+        self.set_slots(1)
         self.static = graphs  # the fixed-shape step (captured on CUDA; run as is elsewhere)
         self.capture = graphs and device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -76,24 +78,34 @@ class DFlashProposer:
         self._pos_t = torch.zeros(1, dtype=torch.long, device=device)
         self._token_t = torch.zeros(1, dtype=torch.long, device=device)
 
+    def set_slots(self, slots: int) -> None:
+        dtype, m = self.embed.dtype, self.cfg.model
+        self.slots = slots
+        self.features = torch.zeros(1, slots, self.context_len, self.cfg.width, dtype=dtype,
+                                    device=self.device)
+        layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
+        self.kv = KVCache(layout, self.context_len + self.cfg.block_size, slots, self.device)
+        self.done = [0] * slots  # per slot: context rows [0, done) are in the KV cache
+        self.graphs = {}
+
     @property
     def max_len(self) -> int:
         return self.features.shape[2]
 
-    def begin(self) -> None:
-        self.done = 0
+    def begin(self, slot: int) -> None:
+        self.done[slot] = 0
 
     def warm_up(self) -> None:
         """Run the captured step once (compilation, capture) on rows no sequence holds yet."""
         if self.static:
-            self.begin()
-            self.logits(0, 1, self.block_size - 1)
-            self.begin()
+            self.logits(0, 0, 1, self.block_size - 1)
+            self.begin(0)
 
-    def write_features(self, column: int, pos: int, rows: torch.Tensor) -> None:
-        """Rows (n, w) of some tapped layers, for positions [pos, pos + n), at `column`."""
+    def write_features(self, slot: int, column: int, pos: int, rows: torch.Tensor) -> None:
+        """Rows (n, w) of some tapped layers, for positions [pos, pos + n) of `slot`'s
+        sequence, at `column`."""
         n, w = rows.shape
-        self.features[0, 0, pos:pos + n, column:column + w].copy_(rows, non_blocking=True)
+        self.features[0, slot, pos:pos + n, column:column + w].copy_(rows, non_blocking=True)
 
     def _block_ids(self, token: torch.Tensor, m: int) -> torch.Tensor:
         mask = torch.full((m - 1,), self.cfg.mask_token_id, dtype=torch.long, device=self.device)
@@ -104,78 +116,93 @@ class DFlashProposer:
         return x * self.cfg.embedding_scale if self.cfg.embedding_scale != 1.0 else x
 
     @torch.inference_mode()
-    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
+    def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
                 start: int = 0) -> list[int]:
-        return self.logits(token, pos, n).argmax(-1).tolist()
+        return self.logits(slot, token, pos, n).argmax(-1).tolist()
 
     @torch.inference_mode()
-    def logits(self, token: int, pos: int, n: int) -> torch.Tensor:
-        """(n, V) logits of the draft tokens for positions pos+1 .. pos+n."""
+    def logits(self, slot: int, token: int, pos: int, n: int) -> torch.Tensor:
+        """(n, V) logits of the draft tokens for positions pos+1 .. pos+n of `slot`'s
+        sequence."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
         if not 1 <= pos < self.max_len or not 1 <= n < self.block_size:
             raise ValueError(f"propose: position {pos} / {n} tokens outside 1..{self.max_len - 1}"
                              f" / 1..{self.block_size - 1}")
         m = n + 1
-        self.done = min(self.done, pos)
+        self.done[slot] = min(self.done[slot], pos)
         if self.static and n == self.block_size - 1:
-            return self._static_logits(token, pos)
-        if self.done < pos:
-            self.draft.write_context(self.features[0, 0, self.done:pos], self.done, self.kv)
-            self.done = pos
+            return self._static_logits(slot, token, pos)
+        done = self.done[slot]
+        if done < pos:
+            self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
+            self.done[slot] = pos
         ids = self._block_ids(torch.tensor([token], device=self.device), m)
-        h = self.draft.block(self._embed(ids), block_step(pos, m, self.device), self.kv)
+        h = self.draft.block(self._embed(ids), block_step(pos, m, self.device), self.kv, slot)
         return h[1:] @ self.head.T
 
     # ---- the captured path (GPU): new context rows and the block in one graph ----------------
-    def _graph_step(self, kv_len: int) -> torch.Tensor:
+    def _graph_step(self, slot: int, kv_len: int) -> torch.Tensor:
         b = self.block_size
         ctx_pos = self._done_t + torch.arange(b, device=self.device)  # up to b new context rows
-        feats = self.features[0, 0].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
+        feats = self.features[0, slot].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
         ctx = self.draft.context(feats)
         for i in range(len(self.draft.layers)):
             k, v = self.draft.context_kv(ctx, ctx_pos, i)
-            self.kv.k[i, 0].index_copy_(0, ctx_pos, k)
-            self.kv.v[i, 0].index_copy_(0, ctx_pos, v)
+            self.kv.k[i, slot].index_copy_(0, ctx_pos, k)
+            self.kv.v[i, slot].index_copy_(0, ctx_pos, v)
         # rows written past the proposal's position are junk, overwritten by the block's own
         ids = self._block_ids(self._token_t, b)
-        h = self.draft.block(self._embed(ids), static_block_step(self._pos_t, b, kv_len), self.kv)
+        h = self.draft.block(self._embed(ids), static_block_step(self._pos_t, b, kv_len), self.kv,
+                             slot)
         return h[1:] @ self.head.T
 
-    def _static_logits(self, token: int, pos: int) -> torch.Tensor:
-        if pos - self.done > self.block_size:  # a long new context (a prompt): eagerly first
-            self.draft.write_context(self.features[0, 0, self.done:pos], self.done, self.kv)
-            self.done = pos
-        self._done_t.fill_(self.done)
+    def _static_logits(self, slot: int, token: int, pos: int) -> torch.Tensor:
+        done = self.done[slot]
+        if pos - done > self.block_size:  # a long new context (a prompt): eagerly first
+            self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
+            done = pos
+        self._done_t.fill_(done)
         self._pos_t.fill_(pos)
         self._token_t.fill_(token)
         kv_len = min(-(-(pos + self.block_size) // self.bucket) * self.bucket, self.kv.max_len)
+        self.done[slot] = pos
         if not self.capture:
-            out = self._graph_step(kv_len)
-            self.done = pos
-            return out
-        key = (kv_len, self.block_size)
+            return self._graph_step(slot, kv_len)
+        key = (slot, kv_len, self.block_size)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = capture(lambda: self._graph_step(kv_len), self.pool)
+            entry = capture(lambda: self._graph_step(slot, kv_len), self.pool)
             self.graphs[key] = entry
         graph, out = entry
         graph.replay()
-        self.done = pos
         return out
 
 
 class ClassicProposer:
     kind = "classic"
 
-    def __init__(self, executor: RangeExecutor, block_size: int = CLASSIC_BLOCK) -> None:
-        self.ex = executor
+    def __init__(self, model, max_len: int, device: torch.device, graphs: bool,
+                 block_size: int = CLASSIC_BLOCK) -> None:
+        self.model, self.max_len, self.device = model, max_len, device
+        self.static_decode = graphs
         self.block_size = block_size
+        self.set_slots(1)
 
-    def begin(self) -> None:
+    def set_slots(self, slots: int) -> None:
+        self.slots = slots
+        self.ex = None  # (free the old cache first)
+        self.ex = RangeExecutor(self.model, self.max_len + self.block_size, slots,
+                                device=self.device, static_decode=self.static_decode)
+
+    def begin(self, slot: int) -> None:
         pass  # the coordinator says where the draft's own KV is valid (`start`)
 
     @torch.inference_mode()
-    def propose(self, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
-                start: int = 0) -> list[int]:
+    def propose(self, slot: int, token: int, pos: int, n: int,
+                tokens: torch.Tensor | None = None, start: int = 0) -> list[int]:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
         if pos + n > self.ex.max_len or n < 1:
             raise ValueError(f"propose: {n} tokens after position {pos} exceed the draft's "
                              f"context of {self.ex.max_len}")
@@ -184,10 +211,10 @@ class ClassicProposer:
             raise ValueError(f"propose: tokens cover [{start}, {start + len(given)}), "
                              f"expected [{start}, {pos})")
         for a, b in prefill_chunks(given, 0, len(given), CLASSIC_CHUNK, ()):
-            self.ex.run(torch.tensor(given[a:b]), start + a)
+            self.ex.run(torch.tensor(given[a:b]), start + a, slot)
         out, x = [], token
         for j in range(n):
-            logits = self.ex.run(torch.tensor([x]), pos + j)
+            logits = self.ex.run(torch.tensor([x]), pos + j, slot)
             x = int(logits[-1].argmax())
             out.append(x)
         return out
@@ -246,8 +273,6 @@ def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: tor
         _same_vocab(path, Path(target))
     model = load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, dev)
     block = block_size or CLASSIC_BLOCK
-    ex = RangeExecutor(model, max_len + block, device=dev, static_decode=graphs and
-                       dev.type == "cuda")
     log.info("classic draft %s: %d layers, %d tokens per proposal", path.name,
              ckpt.config.num_layers, block - 1)
-    return ClassicProposer(ex, block)
+    return ClassicProposer(model, max_len, dev, graphs and dev.type == "cuda", block)

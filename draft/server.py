@@ -43,6 +43,7 @@ from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
+MAX_SLOTS = 1024
 
 ALLOWED = {
     "coordinator": {"draft_configure", "draft_begin", "propose", "draft_features", "ping",
@@ -76,7 +77,8 @@ class Feeder:
     route: bytes | None = None
     inbox: transport.RingInbox | None = None
     fed_sid: int = 0  # the last step whose rows arrived whole (step sids start at 1)
-    rejected: str | None = None  # a feature frame of this sequence was refused
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)  # slot -> why a
+    # feature frame of the slot's sequence was refused
 
 
 class DraftServer:
@@ -95,9 +97,15 @@ class DraftServer:
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
             graphs=spec.graphs, block_size=spec.block_size, seed=spec.seed)
+        self.snapshots: SnapshotStore | None = None
+        self._new_snapshots()
+        self.load_s = time.perf_counter() - t0
+
+    def _new_snapshots(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.wait_pending()
         self.snapshots = (SnapshotStore({"feat": self.proposer.features})
                           if isinstance(self.proposer, DFlashProposer) else None)
-        self.load_s = time.perf_counter() - t0
 
     # ---- main loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -142,7 +150,7 @@ class DraftServer:
                 if self.snapshots is None:
                     raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
                 if isinstance(msg.get("sync"), int):  # a snapshot of rows still on their way
-                    self._wait_features(msg["sync"])
+                    self._wait_features(msg["sync"], msg.get("slot", 0))
                 self._reply(route, message("ok", info=snap_op(self.snapshots, msg,
                                                               self.cache_dir),
                                            sid=msg.get("sid")))
@@ -153,7 +161,7 @@ class DraftServer:
         except ProtocolError as e:
             self._reply(route, error(f"draft: {e}", e.code, sid=msg.get("sid")))
             if t == "feat":
-                self._feeder_frame_rejected(route, str(e))
+                self._feeder_frame_rejected(route, str(e), msg.get("slot"))
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             log.exception("draft: %s failed", t)
             self._reply(route, error(f"draft: {t} failed: {type(e).__name__}: {e}", "failed",
@@ -194,10 +202,15 @@ class DraftServer:
         if msg["max_context"] != self.spec.max_context:
             raise ProtocolError(f"draft_configure: max_context {msg['max_context']} != "
                                 f"{self.spec.max_context} this draft was started with")
+        if not 1 <= msg["slots"] <= MAX_SLOTS:
+            raise ProtocolError(f"draft_configure: slots {msg['slots']} outside 1..{MAX_SLOTS}")
         self._close_feeders()
         self.spin_s = max(0.0, float(msg["spin_ms"])) / 1000.0
         self.cache_dir = msg["cache_dir"]
         p = self.proposer
+        if p.slots != msg["slots"]:  # one context per sequence of the target's batch
+            p.set_slots(msg["slots"])
+            self._new_snapshots()
         if isinstance(p, DFlashProposer):
             taps = list(p.cfg.target_layer_ids)
             hidden = p.cfg.model.hidden_size
@@ -252,7 +265,7 @@ class DraftServer:
         itemsize = torch.empty((), dtype=torch_dtype(self.spec.dtype)).element_size()
         feeder.inbox, desc = transport.offer(kind, msg["max_rows"] * feeder.width * itemsize,
                                              self.device)
-        feeder.route, feeder.fed_sid, feeder.rejected = route, 0, None
+        feeder.route, feeder.fed_sid, feeder.rejected = route, 0, {}
         self._reply(route, message("linked", transport=kind, ring=desc))
 
     def _close_feeders(self) -> None:
@@ -282,7 +295,7 @@ class DraftServer:
                                             "'feat'")
                     self._store_rows(f, msg, rows)
                 except ProtocolError as e:
-                    self._refuse_feature(f, str(e))
+                    self._refuse_feature(f, str(e), msg.get("slot"))
                 finally:
                     if self.device.type == "cuda":  # the copy out of the slot must be done
                         torch.cuda.current_stream(self.device).synchronize()
@@ -298,7 +311,9 @@ class DraftServer:
     def _store_rows(self, f: Feeder, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
         p = self.proposer
         assert isinstance(p, DFlashProposer)
-        n, pos = msg["n"], msg["pos"]
+        n, pos, slot = msg["n"], msg["pos"], msg["slot"]
+        if not 0 <= slot < p.slots:
+            raise ProtocolError(f"feat: slot {slot} outside 0..{p.slots - 1}")
         if list(f.layers) != msg["layers"]:
             raise ProtocolError(f"feat: layers {msg['layers']}, this feeder sends "
                                 f"{list(f.layers)}")
@@ -308,35 +323,41 @@ class DraftServer:
         if not 0 <= pos or pos + n > p.max_len or n < 1:
             raise ProtocolError(f"feat: positions {pos}..{pos + n} outside the context of "
                                 f"{p.max_len}")
-        if self.snapshots is not None and pos < self.snapshots.pending_end():
+        if self.snapshots is not None and pos < self.snapshots.pending_end(slot):
             self.snapshots.wait_pending()  # a snapshot still copies the rows these replace
-        p.write_features(f.column, pos, rows.to(self.device, p.features.dtype))
+        p.write_features(slot, f.column, pos, rows.to(self.device, p.features.dtype))
         if msg["last"]:
             f.fed_sid = msg["sid"]
 
-    def _refuse_feature(self, f: Feeder, why: str) -> None:
+    def _refuse_feature(self, f: Feeder, why: str, slot: int | None = None) -> None:
+        """A feature frame was refused: the context of its slot's sequence (of every slot,
+        when the frame is unreadable) is incomplete until that slot's next sequence begins."""
         log.warning("draft: refused a feature frame from the feeder of layers %s: %s",
                     list(f.layers), why)
-        f.rejected = why
+        slots = [slot] if isinstance(slot, int) and 0 <= slot < self.proposer.slots else \
+            range(self.proposer.slots)
+        for s in slots:
+            f.rejected[s] = why
         if self.coordinator is not None:
             self._reply(self.coordinator, error(f"draft: feature frame from the feeder of "
                                                 f"layers {list(f.layers)} refused: {why}",
                                                 "bad_feature"))
 
-    def _feeder_frame_rejected(self, route: bytes, why: str) -> None:
+    def _feeder_frame_rejected(self, route: bytes, why: str, slot: int | None = None) -> None:
         f = next((f for f in self.feeders if f.route == route), None)
         if f is not None:
-            self._refuse_feature(f, why)
+            self._refuse_feature(f, why, slot)
 
-    def _wait_features(self, sync: int) -> None:
-        """Until every feeder has delivered the rows of step `sync` (and those before)."""
+    def _wait_features(self, sync: int, slot: int) -> None:
+        """Until every feeder has delivered the rows of step `sync` (and those before); the
+        context of `slot`'s sequence must be whole."""
         deadline = time.monotonic() + FEATURE_WAIT_S
         while True:
-            bad = next((f for f in self.feeders if f.rejected is not None), None)
+            bad = next((f for f in self.feeders if slot in f.rejected), None)
             if bad is not None:
                 raise ProtocolError(f"the context of this sequence is incomplete: a feature "
                                     f"frame of layers {list(bad.layers)} was refused "
-                                    f"({bad.rejected})", "bad_feature")
+                                    f"({bad.rejected[slot]})", "bad_feature")
             late = [f for f in self.feeders if f.fed_sid < sync]
             if not late:
                 return
@@ -350,9 +371,12 @@ class DraftServer:
 
     # ---- coordinator requests --------------------------------------------------------------------
     def _on_draft_begin(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        self.proposer.begin()
+        slot = msg["slot"]
+        if not 0 <= slot < self.proposer.slots:
+            raise ProtocolError(f"draft_begin: slot {slot} outside 0..{self.proposer.slots - 1}")
+        self.proposer.begin(slot)
         for f in self.feeders:
-            f.rejected = None
+            f.rejected.pop(slot, None)
         self._reply(route, message("ok", info={}, sid=msg["sid"]))
 
     def _on_propose(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
@@ -364,10 +388,11 @@ class DraftServer:
             tokens = transport.tensor_from(frames[0].buffer, {
                 "dtype": "int64", "shape": [len(frames[0].buffer) // 8]})
         if isinstance(self.proposer, DFlashProposer):
-            self._wait_features(msg["sync"])
+            self._wait_features(msg["sync"], msg["slot"])
         t0 = time.perf_counter()
         try:
-            out = self.proposer.propose(msg["token"], msg["pos"], msg["n"], tokens, msg["start"])
+            out = self.proposer.propose(msg["slot"], msg["token"], msg["pos"], msg["n"], tokens,
+                                        msg["start"])
         except ValueError as e:
             raise ProtocolError(str(e)) from e
         self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
@@ -378,11 +403,12 @@ class DraftServer:
         p = self.proposer
         if not isinstance(p, DFlashProposer):
             raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
-        a, b = msg["start"], msg["end"]
-        if not 0 <= a < b <= p.max_len:
-            raise ProtocolError(f"draft_features: rows {a}:{b} outside 0..{p.max_len}")
-        self._wait_features(msg["sync"])  # the rows of that step may still be on their way
-        rows = p.features[0, 0, a:b].float().cpu().contiguous()
+        a, b, slot = msg["start"], msg["end"], msg["slot"]
+        if not 0 <= a < b <= p.max_len or not 0 <= slot < p.slots:
+            raise ProtocolError(f"draft_features: rows {a}:{b} of slot {slot} outside "
+                                f"0..{p.max_len} of 0..{p.slots - 1}")
+        self._wait_features(msg["sync"], slot)  # the rows of that step may still be on their way
+        rows = p.features[0, slot, a:b].float().cpu().contiguous()
         self._reply(route, message("features", sid=msg["sid"], act={
             "dtype": "float32", "shape": list(rows.shape)}), [tensor_bytes(rows)])
 

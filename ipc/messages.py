@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: speculative decoding (verify steps, feature rows, the draft)
+PROTOCOL_VERSION = 3  # 2: speculative decoding; 3: batched steps (several sequences per step)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -36,16 +36,11 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "link": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "hidden": (int,), "max_step_tokens": (int,)},
     "linked": {"transport": (str,), "ring": (dict, NoneType)},
-    # data plane
-    # `draft`: the draft tokens of a verify step (the step's tokens after the first), else None;
-    # `feat`: shards that tap layers send those layers' rows to the draft process
-    "step": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,),
-             "sample": (dict, NoneType), "logits": (bool,), "act": (dict, NoneType),
-             "draft": (list, NoneType), "feat": (bool,)},
-    # `token`: sampled for the position after the last accepted row; `accepted`: draft tokens
-    # a verify step kept (0 otherwise)
-    "result": {"sid": (int,), "token": (int, NoneType), "accepted": (int,),
-               "has_logits": (bool,), "act": (dict, NoneType)},
+    # data plane: a step carries one segment per sequence (`seqs`, SEGMENT below); its tensor
+    # holds the segments' rows one after the other. The result has one `outs` entry (OUTCOME)
+    # per segment, and the logits rows of the segments that asked for them.
+    "step": {"sid": (int,), "seqs": (list,), "act": (dict, NoneType)},
+    "result": {"sid": (int,), "outs": (list,), "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
     # prefix cache (coordinator -> shard; `ok` / `saved` back)
     "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
@@ -57,19 +52,23 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType)},
     # speculative decoding: coordinator -> draft process
+    # (the draft keeps one context per KV slot: `slot` is the sequence's slot in the shards)
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
-                        "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num},
-    "draft_begin": {"sid": (int,)},  # a new sequence: forget the context of the last one
-    "propose": {"sid": (int,), "pos": (int,), "n": (int,), "token": (int,), "start": (int,),
-                "sync": (int,)},
+                        "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num,
+                        "slots": (int,)},
+    # a new sequence in `slot`: forget the context of the slot's last one
+    "draft_begin": {"sid": (int,), "slot": (int,)},
+    "propose": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "token": (int,),
+                "start": (int,), "sync": (int,)},
     "proposal": {"sid": (int,), "tokens": (list,)},
-    "draft_features": {"sid": (int,), "start": (int,), "end": (int,), "sync": (int,)},
+    "draft_features": {"sid": (int,), "slot": (int,), "start": (int,), "end": (int,),
+                       "sync": (int,)},
     "features": {"sid": (int,), "act": (dict,)},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "layers": (list,), "width": (int,), "max_rows": (int,)},
-    "feat": {"sid": (int,), "pos": (int,), "n": (int,), "layers": (list,), "last": (bool,),
-             "act": (dict, NoneType)},
+    "feat": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "layers": (list,),
+             "last": (bool,), "act": (dict, NoneType)},
     # supervision and errors
     "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},
@@ -78,6 +77,18 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "shutdown": {},
     "bye": {},
 }
+# one sequence's part of a step. `draft`: the draft tokens of a verify segment (its tokens after
+# the first), else None; `feat`: shards that tap layers send those layers' rows to the draft
+SEGMENT: dict[str, tuple[type, ...]] = {
+    "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
+    "draft": (list, NoneType), "feat": (bool,)}
+# one segment's outcome. `token`: sampled for the position after the last accepted row (None
+# when the segment was not sampled); `accepted`: draft tokens a verify segment kept
+OUTCOME: dict[str, tuple[type, ...]] = {"token": (int, NoneType), "accepted": (int,),
+                                        "logits": (bool,)}
+MAX_SEGMENTS = 512  # sequences in one step (a ring slot's header holds this many)
+NESTED = {"step": ("seqs", SEGMENT), "result": ("outs", OUTCOME)}
+
 # how many payload frames follow the header, by type (None: checked by the handler)
 PAYLOAD_FRAMES: dict[str, int | None] = {"step": None, "result": None, "sample": 1,
                                          "propose": None, "feat": None, "features": 1}
@@ -120,19 +131,41 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
             f"{t}: protocol version {msg.get('v')!r}, this side speaks {PROTOCOL_VERSION}",
             "version",
         )
-    for field, types in SCHEMAS[t].items():
-        if field not in msg:
-            raise ProtocolError(f"{t}: field {field!r} is missing")
-        value = msg[field]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = "/".join(x.__name__ for x in types)
-            raise ProtocolError(f"{t}: field {field!r} must be {names}, got {type(value).__name__}")
+    _check_fields(msg, SCHEMAS[t], t)
+    if t in NESTED:
+        field, schema = NESTED[t]
+        items = msg[field]
+        if not 1 <= len(items) <= MAX_SEGMENTS:
+            raise ProtocolError(f"{t}: {field} must hold 1..{MAX_SEGMENTS} entries, "
+                                f"got {len(items)}")
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ProtocolError(f"{t}: {field}[{i}] is a {type(item).__name__}, expected a map")
+            _check_fields(item, schema, f"{t}: {field}[{i}]")
     expected = PAYLOAD_FRAMES.get(t, 0)
     if expected is not None and payload_frames != expected:
         raise ProtocolError(f"{t}: expected {expected} payload frames, got {payload_frames}")
     if payload_frames > MAX_FRAMES:
         raise ProtocolError(f"{t}: {payload_frames} payload frames is too many")
     return msg
+
+
+def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], where: str) -> None:
+    for field, types in schema.items():
+        if field not in msg:
+            raise ProtocolError(f"{where}: field {field!r} is missing")
+        value = msg[field]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = "/".join(x.__name__ for x in types)
+            raise ProtocolError(f"{where}: field {field!r} must be {names}, "
+                                f"got {type(value).__name__}")
+
+
+def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: bool = False,
+            draft: list[int] | None = None, feat: bool = False) -> dict[str, Any]:
+    """One sequence's part of a step (SEGMENT)."""
+    return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
+            "draft": draft, "feat": feat}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

@@ -31,7 +31,8 @@ SHM_DIR = Path("/dev/shm")
 PREFIX = "layersplit-"
 CONTROL_BYTES = 192
 _RELEASED, _PUBLISHED, _SLEEPING = 0, 64, 128
-HEADER_CAP = 4088  # bytes of msgpack header per slot (a step header is ~150)
+HEADER_CAP = (128 << 10) - 8  # bytes of msgpack header per slot: a step of MAX_SEGMENTS
+# sequences, verify segments with their draft tokens included (one segment is ~100-250 bytes)
 SLOT_HEADER = 8 + HEADER_CAP
 SLEEP_POLL_MS = 2
 

@@ -84,7 +84,7 @@ class CacheManager:
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
-        self.deferred_takes: list[Entry] = []
+        self.deferred_takes: list[tuple[Entry, int, bool]] = []  # (entry, slot, features)
         # the draft's feature rows go with every entry while a feature-conditioned draft serves
         self.taps = list(coord.draft_info.get("taps", [])) if coord.feeding else []
         self.feature_width = int(coord.draft_info.get("width", 0))
@@ -104,9 +104,13 @@ class CacheManager:
         return prefix_keys(self.fingerprint, tokens, self.coord.chunk, lengths)
 
     # ---- restore ------------------------------------------------------------------------------
-    def restore(self, prompt: Sequence[int], cuts: Sequence[int]) -> Restored:
+    def restore(self, prompt: Sequence[int], cuts: Sequence[int], slot: int,
+                features: bool) -> Restored:
+        """Restore the longest cached prefix of `prompt` into KV slot `slot`; with `features`
+        (the sequence feeds the draft process) the draft gets the entries' feature rows too."""
         self.poll_done()
-        self.deferred_takes.clear()  # a RAM copy not taken in time is simply not taken
+        # a RAM copy not taken in time (by the slot's last sequence) is simply not taken
+        self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
         n = len(prompt)
         candidates = sorted({n, *[c for c in cuts if c <= n]})
         chain = self.index.lookup(self.keys(prompt, candidates))
@@ -121,25 +125,25 @@ class CacheManager:
         t0 = time.perf_counter()
         for e in chain:
             e.pins += 1
-        out = Restored(features=self._with_features(chain))
+        out = Restored(features=features and self._with_features(chain))
         try:
             ram_run: list[Entry] = []
             for e in chain:
                 if e.in_ram:
                     ram_run.append(e)
                     continue
-                out.features &= self._restore_ram(ram_run, out.features)
+                out.features &= self._restore_ram(ram_run, out.features, slot)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
                 ram_run = []
-                ok, feats = self._restore_disk(e, prompt, out.features)
+                ok, feats = self._restore_disk(e, prompt, out.features, slot)
                 if not ok:
                     break
                 out.features &= feats
                 out.tier = "disk"
                 out.length, out.leaf = e.length, e
             else:
-                out.features &= self._restore_ram(ram_run, out.features)
+                out.features &= self._restore_ram(ram_run, out.features, slot)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
         finally:
@@ -206,15 +210,15 @@ class CacheManager:
         old = self.prefill_rates.get(b)
         self.prefill_rates[b] = rate if old is None else (1 - EWMA) * old + EWMA * rate
 
-    def _restore_ram(self, run: list[Entry], features: bool) -> bool:
+    def _restore_ram(self, run: list[Entry], features: bool, slot: int) -> bool:
         """Restore a run of RAM entries; True if the draft got their feature rows too."""
         if not run:
             return True
-        msg = message("snap_restore", entries=[e.ram_id for e in run], slot=0)
+        msg = message("snap_restore", entries=[e.ram_id for e in run], slot=slot)
         replies = self.coord.call_all(lambda sh: msg, draft=msg if features else None)
         return features and any(r["_shard"] < 0 for r in replies)
 
-    def _restore_disk(self, e: Entry, prompt: Sequence[int], features: bool
+    def _restore_disk(self, e: Entry, prompt: Sequence[int], features: bool, slot: int
                       ) -> tuple[bool, bool]:
         """Read one entry file into the shards (and its feature rows into the draft):
         (restored, feature rows restored)."""
@@ -240,9 +244,9 @@ class CacheManager:
                                   "offset": layout.offset(name), "nbytes": t.nbytes,
                                   "start": e.start, "end": e.length,
                                   "checksum": layout.checksums[name]})
-            msgs[sh_index] = message("snap_load", path=str(e.path), slot=0, items=items)
+            msgs[sh_index] = message("snap_load", path=str(e.path), slot=slot, items=items)
         feat = self._feature_item(e, layout) if features else None
-        draft = None if feat is None else message("snap_load", path=str(e.path), slot=0,
+        draft = None if feat is None else message("snap_load", path=str(e.path), slot=slot,
                                                   items=[feat])
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
@@ -261,7 +265,7 @@ class CacheManager:
         self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
-        self.deferred_takes.append(e)  # a RAM copy, once the first token is out
+        self.deferred_takes.append((e, slot, feats))  # a RAM copy, once the first token is out
         return True, feats
 
     def _feature_item(self, e: Entry, layout) -> dict[str, Any] | None:
@@ -276,14 +280,15 @@ class CacheManager:
                 "offset": layout.offset(FEATURE_DATA), "nbytes": t.nbytes, "start": e.start,
                 "end": e.length, "checksum": layout.checksums[FEATURE_DATA]}
 
-    def take_deferred(self) -> None:
+    def take_deferred(self, slot: int) -> None:
         """RAM copies of entries just restored from disk (after the first token: the rows
         below the prompt's end do not change while the sequence decodes)."""
-        while self.deferred_takes:
-            e = self.deferred_takes.pop()
+        mine = [d for d in self.deferred_takes if d[1] == slot]
+        self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
+        for e, _, features in reversed(mine):
             if self.index.entries.get(e.key) is e and not e.in_ram:
                 self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
-                self._take(e)
+                self._take(e, slot, features)
 
     def _check_tokens(self, e: Entry, layout, prompt: Sequence[int]) -> None:
         t = layout.tensors.get("tokens")
@@ -331,8 +336,10 @@ class CacheManager:
 
     # ---- snapshots ----------------------------------------------------------------------------
     def snapshot(self, prompt: Sequence[int], length: int, logits: np.ndarray | None,
-                 parent: Entry | None) -> Entry | None:
-        """Cache rows [parent.length, length) of the live sequence as a child of `parent`."""
+                 parent: Entry | None, slot: int, features: bool) -> Entry | None:
+        """Cache rows [parent.length, length) of the sequence in KV slot `slot` as a child of
+        `parent`; with `features`, the draft holds that sequence's feature rows of [0, length)
+        and the entry carries them."""
         self.poll_done()
         key = self.keys(prompt, [length])[length]
         have = self.index.entries.get(key)
@@ -345,7 +352,7 @@ class CacheManager:
             parent = None  # evicted meanwhile: the live KV still holds its rows, so go full
         start = parent.length if parent is not None else 0
         feature_bytes = 0  # the draft's rows count against the caps too
-        if self.taps and self.coord.live_features:
+        if self.taps and features:
             feature_bytes = (length - start) * self.feature_row_bytes
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
@@ -353,7 +360,7 @@ class CacheManager:
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
-            self._take(e)
+            self._take(e, slot, features)
             if not e.features:
                 e.kv_bytes -= feature_bytes
         except BaseException:
@@ -365,14 +372,14 @@ class CacheManager:
             self._save(e)
         return e
 
-    def _take(self, e: Entry) -> None:
-        """RAM copies of the entry's rows on every shard, and of its feature rows on the draft
-        when the draft holds those of the whole live sequence."""
+    def _take(self, e: Entry, slot: int, features: bool) -> None:
+        """RAM copies of the entry's rows of KV slot `slot` on every shard, and of its feature
+        rows on the draft when the draft holds those of the whole sequence (`features`)."""
         ram_id = self.index.new_ram_id()
-        take = message("snap_take", entry=ram_id, slot=0, start=e.start, end=e.length)
+        take = message("snap_take", entry=ram_id, slot=slot, start=e.start, end=e.length)
         draft = None
-        if self.taps and self.coord.live_features:  # after the rows of the last step arrive
-            draft = {**take, "sync": self.coord._feat_sid}
+        if self.taps and features:  # after the rows of the last step arrive
+            draft = {**take, "sync": self.coord.feat_sid(slot)}
         replies = self.coord.call_all(lambda sh: take, draft=draft)
         e.ram_id = ram_id
         e.features = draft is not None and any(r["_shard"] < 0 for r in replies)

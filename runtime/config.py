@@ -45,6 +45,9 @@ class RuntimeConfig:
                                 "bfloat16 on GPU")
     max_context: int = _field(4096, "tokens of KV cache per sequence (prompt + output)")
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
+    max_seqs: int = _field(8, "sequences decoded at once (KV slots of max_context tokens each)")
+    micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
+                                   "once; 0 = auto (the number of shards)")
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
     prefix_cache: bool = _field(True, "reuse the KV of cached prompt prefixes")
@@ -60,6 +63,8 @@ class RuntimeConfig:
     spec_block: int | None = _field(None, "rows per verify step: the last token and up to "
                                           "spec_block - 1 draft tokens (default: the draft's "
                                           "block size; 5 for a classic draft)")
+    spec_max_seqs: int = _field(1, "sequences of the batch that speculate at once (each feeds "
+                                   "the draft; the others decode plainly in the same steps)")
     spec_required: bool = _field(False, "fail requests when the draft fails (default: go on "
                                         "without speculation, logged)")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
@@ -91,6 +96,12 @@ class RuntimeConfig:
             raise ConfigError(f"max_context={self.max_context}: must be at least 2")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
+        if self.spec_max_seqs < 0:
+            raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if not 1 <= self.max_seqs <= 512:
+            raise ConfigError(f"max_seqs={self.max_seqs}: use 1..512")
+        if not 0 <= self.micro_batches <= 4:
+            raise ConfigError(f"micro_batches={self.micro_batches}: use 0 (auto) to 4")
         if self.local_addresses not in ("ipc", "tcp"):
             raise ConfigError(f"local_addresses={self.local_addresses!r}: use 'ipc' or 'tcp'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

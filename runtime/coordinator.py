@@ -7,6 +7,7 @@ shard; it never relays activations. It knows of tensors only what the shards rep
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import auth
-from ipc.messages import ProtocolError, message
+from ipc.messages import ProtocolError, message, segment
 from ipc.shm import SLEEP_POLL_MS
 from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
 from ipc.sockets import configure as configure_socket
@@ -29,14 +30,17 @@ from ipc.sockets import context, free_tcp_port, recv, run_dir, send
 from runtime.cache_ops import CacheManager, Restored
 from runtime.chunking import cut_points
 from runtime.config import RuntimeConfig
+from runtime.batching import MAX_IN_FLIGHT, Batcher, Request
 from runtime.generate import (
-    Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
+    Delta, GenerationResult, OutputStream, Program, Progress, StepOutput, StepRequest, collect,
+    sequence_program,
 )
 from runtime.model_store import resolve_draft, resolve_model
 from runtime.placement import (
     Placement, PlacementError, ShardPlan, check_local_devices, normalize_device, plan,
 )
 from runtime.reference import new_seed
+from runtime.scheduler import SchedulerConfig
 from runtime.errors import DraftError, DraftLost, ShardFailure
 from runtime.speculative import DraftClient, SpecStats, draft_taps
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
@@ -55,19 +59,6 @@ def _name(sh: _Shard) -> str:
     return "the draft process" if sh.index < 0 else f"shard {sh.index}"
 
 
-def _after_first(tokens: Iterator[int], fn) -> Iterator[int]:
-    """Run `fn` once the first token exists (the prefill is done), before handing it out."""
-    first = True
-    try:
-        for t in tokens:
-            if first:
-                first = False
-                fn()
-            yield t
-    finally:
-        tokens.close()
-
-
 class _Shard:
     """A server process of the run: a shard (index 0..N-1) or the draft process (index -1)."""
 
@@ -80,7 +71,9 @@ class _Shard:
 
 
 class Coordinator:
-    """Owns the shard processes of one model; `generate` / `stream` run one sequence at a time."""
+    """Owns the shard processes of one model and drives generation: every request is a sequence
+    of the batch (`runtime.batching`); `generate` / `stream` serve one, `submit` + `batcher`
+    serve many (the HTTP server)."""
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
@@ -114,8 +107,15 @@ class Coordinator:
         self.draft_info: dict[str, Any] = {}
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | None = None
-        self._feat_sid = 0  # the last step whose tapped rows went to the draft
-        self.live_features = False  # the draft holds feature rows of the whole live sequence
+        self._feat_sids: dict[int, int] = {}  # slot -> the last step whose tapped rows of that
+        # slot's sequence went to the draft
+        self._feeding: set[int] = set()  # requests that feed the draft their rows now
+        self._in_flight: dict[int, tuple[float, float, str, int]] = {}  # step sid -> deadline,
+        # start, kind, segments
+        self._done: dict[int, Any] = {}  # step sid -> (result, logits, segments) or its failure
+        self._back: collections.deque[int] = collections.deque(maxlen=256)  # sids of steps
+        # back lately (a duplicate error about one is not about anything in flight)
+        self.batcher: Batcher | None = None
         if config.spin_ms is not None:
             self.spin_ms = config.spin_ms
         else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
@@ -173,12 +173,14 @@ class Coordinator:
                 if sh.proc is None:  # a remote shard is already loaded: it answers at once
                     deadline = min(deadline, time.monotonic() + REMOTE_CONNECT_S)
                 self._handshake(sh, deadline)
-            max_step = max(cfg.prefill_chunk, 1)
             try:
-                taps = self._configure_draft(t0 + cfg.startup_timeout, max_step)
+                taps = self._configure_draft(t0 + cfg.startup_timeout, max(cfg.prefill_chunk, 1))
             except (DraftLost, DraftError) as e:
                 raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
                                    f"{e}") from None
+            # a step carries one prefill chunk and every sequence's decode or verify rows
+            block = int(self.draft_info.get("block_size", 1)) if self.draft is not None else 1
+            max_step = max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
             first, last = self.shards[0], self.shards[-1]
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
@@ -188,8 +190,9 @@ class Coordinator:
                              if sh.index < len(self.placement.transports) else "auto")
                 extra: dict[str, Any] = {}
                 if sh is last and sh.local:  # results come back through a ring we own
-                    self._results, desc = offer("shm", self.model_config.vocab_size * 4,
-                                                torch.device("cpu"))
+                    # (a logits row for each sequence of a step at most)
+                    self._results, desc = offer("shm", self.model_config.vocab_size * 4 *
+                                                cfg.max_seqs, torch.device("cpu"))
                     extra["results"] = desc
                 if sh is first and sh.local:
                     extra["inbox"] = True
@@ -201,7 +204,8 @@ class Coordinator:
                                                    "transport": feed})
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
-                    max_step_tokens=max_step, slots=1, transport=transport, index=sh.index,
+                    max_step_tokens=max_step, slots=cfg.max_seqs, transport=transport,
+                    index=sh.index,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                     torch_compile=cfg.torch_compile,
                     cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
@@ -224,6 +228,10 @@ class Coordinator:
                 )
             if cfg.prefix_cache:
                 self.cache = CacheManager(self)
+            groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)
+            self.batcher = Batcher(self, SchedulerConfig(
+                slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=max(self.chunk, 1),
+                micro_batches=groups, step_tokens=max_step))
         except BaseException:
             self.close()
             raise
@@ -284,6 +292,7 @@ class Coordinator:
         reply = self._call(d, message(
             "draft_configure", session=self.session, max_context=self.config.max_context,
             max_rows=max_step, feeders=[f for f in feeders if f], spin_ms=self.spin_ms,
+            slots=self.config.max_seqs,
             cache_dir=str(Path(self.config.kv_cache_dir).expanduser().resolve())
             if self.config.kv_cache_dir else None), deadline)
         self.draft_info = reply["info"]
@@ -337,6 +346,12 @@ class Coordinator:
         return reply if not frames else {**reply, "_frames": frames}
 
     def close(self) -> None:
+        if self.failed is None and self.shards and self._in_flight:
+            try:  # steps still in the chain (of cancelled requests): let them out first
+                self._wait(lambda s, m: False, time.monotonic() + 10.0, "steps at shutdown",
+                           until=lambda: not self._in_flight)
+            except ShardFailure:
+                pass
         if self.cache is not None and self.failed is None and self.shards:
             self._finish_saves(timeout_s=120.0)
         if self.cache is not None:
@@ -414,6 +429,13 @@ class Coordinator:
     def shard_info(self) -> list[dict[str, Any]]:
         return [dict(sh.info) for sh in self.shards]
 
+    def shard_busy_s(self) -> list[float]:
+        """Seconds each shard has spent on steps so far (a utilization profile)."""
+        self._ensure_up()
+        deadline = time.monotonic() + self.config.step_timeout
+        return [float(self._call(sh, message("ping"), deadline).get("busy_s", 0.0))
+                for sh in self.shards]
+
     # ---- messaging ----------------------------------------------------------------------------
     def _handshake(self, sh: _Shard, deadline: float) -> None:
         nonce = auth.new_nonce()
@@ -457,17 +479,44 @@ class Coordinator:
             self._poller.poll(wait_ms)
         for sh in self.shards + ([self.draft] if self.draft is not None else []):
             while sh.sock.poll(0):
-                _, msg, _, err = recv(sh.sock)
+                _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
                     self.cache.on_saved(sh.index, msg)
                     continue
                 if err is None and msg["type"] == "wake":
                     continue
+                if err is None and self._stash(sh, msg, frames):
+                    continue
+                if err is None and msg["type"] == "error" and msg["code"] == "feed_lost":
+                    self._lose_draft(msg["message"])
+                    continue
                 log.warning("%s: discarding stale %s", _name(sh),
                             err if err is not None else msg.get("message", msg["type"]))
 
+    def _stash(self, sh: _Shard, msg: dict[str, Any], frames: Any) -> bool:
+        """Keep the result (or the error) of a step in flight for `step_outputs`; False if the
+        message is about something else."""
+        sid = msg.get("sid")
+        if sh.index < 0 or sid not in self._in_flight:
+            return False
+        _, t0, kind, nseg = self._in_flight[sid]
+        if msg["type"] == "result" and sh is self.shards[-1]:
+            t = frames if frames is None or isinstance(frames, torch.Tensor) else \
+                zmq_tensor(msg, frames)
+            self._done[sid] = (msg, None if t is None else t.clone(), nseg)
+        elif msg["type"] == "error" and msg["code"] != "feed_lost":
+            self._done[sid] = ShardFailure(msg["message"], runtime_down=False)
+        else:
+            return False
+        del self._in_flight[sid]
+        self._back.append(sid)
+        if self.step_observer is not None and msg["type"] == "result":
+            self.step_observer(kind, time.perf_counter() - t0)
+        return True
+
     def _wait(self, match, deadline: float, what: str, sid: int | None = None,
-              on_draft: bool = False, blame_draft=lambda: True) -> tuple[dict[str, Any], Any]:
+              on_draft: bool = False, blame_draft=lambda: True,
+              until=None) -> tuple[dict[str, Any], Any] | None:
         """Poll every shard socket (and the draft's) until `match(shard, msg)`; raise on any
         failure.
 
@@ -475,7 +524,9 @@ class Coordinator:
         error of another (earlier) op is logged and skipped. A dead or unreachable shard fails
         the whole runtime. A dead draft only stops speculation: DraftLost is raised when this
         op waits on the draft (`on_draft`), else the wait goes on; so does the deadline, when
-        only the draft's answer is missing (`blame_draft()`)."""
+        only the draft's answer is missing (`blame_draft()`). Results and errors of steps in
+        flight are kept for `step_outputs` on the way; with `until`, the wait ends (None) as soon
+        as `until()` holds."""
         poller = self._poller
         ring = self._results
         last = self.shards[-1] if self.shards else None
@@ -488,9 +539,11 @@ class Coordinator:
                 members = self.shards + ([self.draft] if self.draft is not None else [])
                 by_sock = {sh.sock: sh for sh in members}
                 by_mon = {sh.monitor: sh for sh in members}
+            if until is not None and until():
+                return None
             if ring is not None and ring.ready():
                 got = self._ring_message(ring)
-                if got is not None and match(last, got[0]):
+                if got is not None and not self._stash(last, *got) and match(last, got[0]):
                     return got
                 continue
             now = time.monotonic()
@@ -549,6 +602,8 @@ class Coordinator:
                     self.cache.on_saved(sh.index, msg)
                     continue
                 msg["_shard"] = sh.index
+                if self._stash(sh, msg, frames):
+                    continue
                 if msg["type"] == "error":
                     err_sid = msg.get("sid")
                     mine = sid is not None and err_sid == sid
@@ -559,6 +614,11 @@ class Coordinator:
                         continue
                     if msg["code"] == "feed_lost":  # a shard could not hand the draft its rows
                         self._lose_draft(msg["message"])
+                        break  # the draft's socket, maybe among these events, is closed
+                    if err_sid is not None and err_sid in self._back:
+                        # a second report of a step that failed already (shards behind a zmq
+                        # edge also pass their errors back upstream)
+                        log.debug("%s: %s", _name(sh), msg["message"])
                         continue
                     if mine or msg["code"] == "bad_upstream":
                         raise self._fail(msg["message"], keep_running=True)
@@ -612,34 +672,87 @@ class Coordinator:
         if not self.shards:
             raise ShardFailure("the runtime is not started")
 
-    # ---- Engine protocol ----------------------------------------------------------------------
-    def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
-                want_logits: bool = False, draft: Sequence[int] | None = None) -> StepOutput:
+    # ---- steps ----------------------------------------------------------------------------------
+    def send_step(self, segs: Sequence[tuple[int, StepRequest, bool]]) -> int:
+        """Send one step, a segment per (slot, request, feeds the draft); returns its sid. Its
+        outputs are collected with `wait_steps` and `step_outputs`."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
-        wire = None if sample is None else {**sample.wire(), "seed": seed}
-        ids = torch.tensor(list(tokens), dtype=torch.int64)
-        feat = self.feeding
-        if feat:
-            self._feat_sid = sid
-        t_step = time.perf_counter()
-        self._steps.send(message("step", sid=sid, slot=0, pos=pos, n=len(ids), sample=wire,
-                                 logits=want_logits, act=None,
-                                 draft=None if draft is None else [int(t) for t in draft],
-                                 feat=feat), ids)
-        last = self.shards[-1]
-        msg, logits = self._wait(
-            lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
-            time.monotonic() + self.config.step_timeout, f"step {sid}", sid)
-        if msg["has_logits"] and logits is None:
-            raise self._fail("the last shard sent a result without its logits")
-        dt = time.perf_counter() - t_step
-        if self.step_observer is not None:
-            kind = "verify" if draft is not None else "prefill" if len(ids) > 1 else "decode"
-            self.step_observer(kind, dt)
-        return StepOutput(msg["token"], None if logits is None else logits.numpy().copy(),
-                          msg["accepted"])
+        wire, ids = [], []
+        for slot, r, feat in segs:
+            feat = feat and self.feeding
+            if feat:
+                self._feat_sids[slot] = sid
+            sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
+            wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
+                                None if r.draft is None else [int(t) for t in r.draft], feat))
+            ids.extend(r.tokens)
+        first = segs[0][1]
+        kind = ("verify" if first.draft is not None else
+                "prefill" if len(first.tokens) > 1 else "decode")
+        self._steps.send(message("step", sid=sid, seqs=wire, act=None),
+                         torch.tensor(ids, dtype=torch.int64))
+        self._in_flight[sid] = (time.monotonic() + self.config.step_timeout, time.perf_counter(),
+                                kind, len(wire))
+        return sid
+
+    def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
+                want_logits: bool = False, draft: Sequence[int] | None = None,
+                slot: int = 0) -> StepOutput:
+        """One step of one sequence in `slot`, waited for (the `runtime.generate.Engine`
+        protocol: traces and tests drive single steps with it)."""
+        sid = self.send_step([(slot, StepRequest(list(tokens), pos, sample, seed, want_logits,
+                                                 None if draft is None else list(draft)),
+                               self.feeding)])
+        if sid not in self._done:
+            self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
+                       until=lambda: sid in self._done)
+        return self.step_outputs(sid)[0]
+
+    def feat_sid(self, slot: int) -> int:
+        """The last step that sent the draft feature rows of `slot`'s sequence (a proposal or
+        a snapshot of that sequence waits for them)."""
+        return self._feat_sids.get(slot, 0)
+
+    def wait_steps(self) -> list[int]:
+        """Wait until at least one step in flight is back; returns the sids of those back."""
+        self._ensure_up()
+        if not self._done and self._in_flight:
+            oldest = min(self._in_flight)
+            self._wait(lambda s, m: False, self._in_flight[oldest][0], f"step {oldest}",
+                       until=lambda: bool(self._done))
+        return list(self._done)
+
+    def forget_steps(self, sids: Sequence[int] | None = None) -> None:
+        """Drop what is known of these steps (all: the runtime is down); a late result of one
+        is then discarded."""
+        for sid in list(self._in_flight) + list(self._done) if sids is None else sids:
+            self._in_flight.pop(sid, None)
+            self._done.pop(sid, None)
+            self._back.append(sid)
+
+    def step_outputs(self, sid: int) -> list[StepOutput]:
+        """The outputs of a step that is back, one per segment; raises its failure."""
+        got = self._done.pop(sid)
+        if isinstance(got, ShardFailure):
+            raise got
+        msg, logits, nseg = got
+        if len(msg["outs"]) != nseg:
+            raise self._fail(f"the last shard returned {len(msg['outs'])} outcomes for a step of "
+                             f"{nseg} sequences")
+        outs, row = [], 0
+        for o in msg["outs"]:
+            lg = None
+            if o["logits"]:
+                if logits is None or row >= len(logits):
+                    raise self._fail("the last shard sent a result without its logits")
+                lg = logits[row].numpy().copy()
+                row += 1
+            outs.append(StepOutput(o["token"], lg, o["accepted"]))
+        if logits is not None and row != len(logits):
+            raise self._fail(f"the last shard returned {len(logits)} logits rows for {row}")
+        return outs
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int:
@@ -652,7 +765,7 @@ class Coordinator:
              [np.ascontiguousarray(logits, dtype=np.float32)])
         msg, _ = self._wait(lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
                             time.monotonic() + self.config.step_timeout, f"sample {sid}", sid)
-        return int(msg["token"])
+        return int(msg["outs"][0]["token"])
 
     # ---- generation ---------------------------------------------------------------------------
     def check_prompt(self, prompt: Sequence[int]) -> None:
@@ -665,70 +778,152 @@ class Coordinator:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary")
 
-    def stream(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
-               use_cache: bool = True, speculative: bool | None = None) -> Iterator[Delta]:
-        """Generate for one prompt: restore its longest cached prefix, prefill the rest in
-        chunks (snapshotting at its cache points), then decode, speculatively when a draft
-        serves (unless `speculative` is False). Text deltas are yielded."""
+    def submit(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
+               use_cache: bool = True, speculative: bool | None = None) -> Request:
+        """Queue one prompt in the batch (`batcher.run_once` then runs it); its tokens appear
+        in the request's `tokens` as they are generated."""
+        self._ensure_up()
         self.check_prompt(prompt)
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
-        seed = params.seed if params.seed is not None else new_seed()
         if self.config.spec_required and self.draft_path is not None and self.draft is None:
             raise ShardFailure(f"speculation is required (spec_required) but the draft is gone: "
                                f"{self.draft_down}")
-        drafter = None
-        if self.draft is not None and speculative is not False:
-            progress.spec = SpecStats()
-            drafter = DraftClient(self, progress.spec, self.config.spec_required)
-            drafter.begin()
-        cache = self.cache if use_cache else None
-        restored = Restored()
-        points: list[int] = []
-        if cache is not None:
-            cuts = cut_points(prompt, self.chunk, self.eos_ids)
-            restored = cache.restore(prompt, cuts)
-            progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
-            # snapshot at the last cut inside the prompt (restorable into any longer prompt)
-            # and at its very end (an exact repeat then needs no forward pass)
-            last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
-            points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
-        # the draft's context is whole if every row it needs came from this run's steps or
-        # from the cache with its feature rows
-        self.live_features = self.feeding and (restored.length == 0 or restored.features)
-        if drafter is not None and (not drafter.active or (self.feeding and
-                                                           not self.live_features)):
-            if drafter.active:
-                log.info("no speculation for this request: the restored prefix carries no "
-                         "draft feature rows")
+        prompt = list(prompt)
+        holder: list[Request] = []
+        req = self.batcher.submit(len(prompt), lambda slot: self._program(
+            holder[0], prompt, params, progress, use_cache, speculative, slot),
+            OutputStream(self.tokenizer, params, self.eos_ids, progress))
+        holder.append(req)
+        return req
+
+    def deltas(self, req: Request) -> Iterator[Delta]:
+        """The request's text deltas as the batch produces them (running the batch meanwhile);
+        closing the iterator cancels the request."""
+        try:
+            while True:
+                while not req.deltas and not req.done:
+                    self.batcher.run_once()
+                if req.deltas:
+                    yield req.deltas.popleft()
+                elif req.error is not None:
+                    raise req.error
+                else:
+                    return
+        finally:
+            if self.batcher is not None:
+                self.batcher.cancel(req)
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
+               use_cache: bool = True, speculative: bool | None = None) -> Iterator[Delta]:
+        """Generate for one prompt; text deltas are yielded (see `_program`)."""
+        return self.deltas(self.submit(prompt, params, progress, use_cache, speculative))
+
+    def _program(self, req: Request, prompt: list[int], params: SamplingParams,
+                 progress: Progress, use_cache: bool, speculative: bool | None,
+                 slot: int) -> Program:
+        """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
+        chunks (snapshotting at its cache points), then decode, speculatively when the draft
+        serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
+        it already; a feeding sequence sends the draft its rows, in its slot."""
+        seed = params.seed if params.seed is not None else new_seed()
+        # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
+        # with its own draft context, in its slot; one asked not to speculate still feeds it,
+        # so its cache entries carry feature rows); the others decode plainly in the same steps
+        owner = self.draft is not None and len(self._feeding) < self.config.spec_max_seqs
+        if owner:
+            self._feeding.add(req.rid)
+        prog = None
+        try:
             drafter = None
-        parent = [restored.leaf]
+            if owner and speculative is not False:
+                progress.spec = SpecStats()
+                drafter = DraftClient(self, progress.spec, self.config.spec_required, slot)
+                drafter.begin()
+            cache = self.cache if use_cache else None
+            restored = Restored()
+            points: list[int] = []
+            if cache is not None:
+                cuts = cut_points(prompt, self.chunk, self.eos_ids)
+                restored = cache.restore(prompt, cuts, slot, features=owner)
+                progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
+                # snapshot at the last cut inside the prompt (restorable into any longer prompt)
+                # and at its very end (an exact repeat then needs no forward pass)
+                last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
+                points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
+            # the draft's context is whole if every row it needs came from this sequence's steps
+            # or from the cache with its feature rows
+            req.feat = owner and self.feeding
+            live = req.feat and (restored.length == 0 or restored.features)
+            if drafter is not None and (not drafter.active or (self.feeding and not live)):
+                if drafter.active:
+                    log.info("no speculation for this request: the restored prefix carries no "
+                             "draft feature rows")
+                drafter = None
+            parent = [restored.leaf]
 
-        def on_boundary(end: int, logits: np.ndarray | None) -> None:
-            if end in points:
-                e = cache.snapshot(prompt, end, logits, parent[0])
-                if e is not None:
-                    parent[0] = e
+            def on_boundary(end: int, logits: np.ndarray | None) -> None:
+                if end in points:
+                    e = cache.snapshot(prompt, end, logits, parent[0], slot, features=live)
+                    if e is not None:
+                        parent[0] = e
 
-        toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
-                            turn_end_ids=self.eos_ids, start=restored.length,
-                            start_logits=restored.logits, context=self.config.max_context,
-                            on_prefill_boundary=on_boundary if points else None,
-                            logits_at=points, drafter=drafter)
-        if cache is not None:
+            prog = sequence_program(prompt, params, seed, chunk=self.chunk,
+                                    turn_end_ids=self.eos_ids, start=restored.length,
+                                    start_logits=restored.logits,
+                                    context=self.config.max_context,
+                                    on_prefill_boundary=on_boundary if points else None,
+                                    logits_at=points, drafter=drafter)
             t_prefill = time.perf_counter()
-
-            def first_token_out() -> None:
+            item = next(prog)
+            while not isinstance(item, int):
+                item = prog.send((yield item))
+            if cache is not None:  # the first token is out: the prefill is done
                 if restored.length < len(prompt):
                     cache.note_prefill(len(prompt), len(prompt) - restored.length,
                                        time.perf_counter() - t_prefill)
-                cache.take_deferred()
-
-            toks = _after_first(toks, first_token_out)
-        return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
+                cache.take_deferred(slot)
+            while True:
+                item = prog.send((yield item))
+        except StopIteration:
+            return
+        finally:
+            if prog is not None:
+                prog.close()
+            self._feeding.discard(req.rid)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, use_cache: bool = True,
                  speculative: bool | None = None) -> GenerationResult:
         progress = Progress()
         return collect(self.stream(prompt, params, progress, use_cache, speculative), progress,
                        len(prompt))
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]],
+                       params: Sequence[SamplingParams], use_cache: bool = True,
+                       speculative: Sequence[bool | None] | None = None,
+                       progress: Sequence[Progress] | None = None) -> list[GenerationResult]:
+        """Generate for several prompts at once (one continuous batch); results in order
+        (`progress`, when given, one per prompt, gets each one's timings)."""
+        spec = list(speculative) if speculative is not None else [None] * len(prompts)
+        progs = list(progress) if progress is not None else [Progress() for _ in prompts]
+        for p in prompts:  # every prompt is checked before any is queued
+            self.check_prompt(p)
+        reqs: list[Request] = []
+        try:
+            for p, sp, pr, s in zip(prompts, params, progs, spec, strict=True):
+                reqs.append(self.submit(p, sp, pr, use_cache, s))
+        except BaseException:
+            for r in reqs:
+                self.batcher.cancel(r)
+            raise
+        streams = [self.deltas(r) for r in reqs]
+        live = list(range(len(streams)))
+        try:
+            while live:  # each pull runs the batch until that stream has a token
+                for i in list(live):
+                    if next(streams[i], None) is None:
+                        live.remove(i)
+        finally:
+            for st in streams:
+                st.close()
+        return [collect(iter(()), pr, len(p)) for p, pr in zip(prompts, progs, strict=True)]

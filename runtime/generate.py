@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -78,6 +78,7 @@ class Progress:
     cached_tokens: int = 0
     cache_tier: str = "none"
     spec: Any = None  # runtime.speculative.SpecStats, when a draft served the request
+    token_times: list[float] = dataclasses.field(default_factory=list)  # when each came out
 
     @property
     def ttft_s(self) -> float:
@@ -104,8 +105,37 @@ class Drafter(Protocol):
         """The verify step at `pos` kept `accepted` of `proposed` draft tokens."""
 
 
-def token_stream(
-    engine: Engine,
+@dataclasses.dataclass(slots=True)
+class StepRequest:
+    """A forward step a sequence program asks for (`Engine.forward`'s arguments). `wait`:
+    the program needs the step's output before it can go on; a prefill chunk whose output
+    nobody reads does not, so the next chunk may follow it into the pipeline at once."""
+
+    tokens: list[int]
+    pos: int
+    sample: SamplingParams | None
+    seed: int
+    want_logits: bool = False
+    draft: list[int] | None = None
+    wait: bool = True
+
+
+@dataclasses.dataclass(slots=True)
+class SampleRequest:
+    """A token to draw from stored logits (an exact prefix-cache hit)."""
+
+    logits: np.ndarray
+    position: int
+    sample: SamplingParams
+    seed: int
+
+
+# A sequence program yields StepRequest (and is sent a StepOutput, or None when `wait` is
+# false), SampleRequest (sent the token) and int (a generated token; sent None).
+Program = Generator["StepRequest | SampleRequest | int", "StepOutput | int | None", None]
+
+
+def sequence_program(
     prompt: Sequence[int],
     params: SamplingParams,
     seed: int,
@@ -118,11 +148,13 @@ def token_stream(
     logits_at: Collection[int] = (),
     context: int | None = None,
     drafter: Drafter | None = None,
-) -> Iterator[int]:
-    """Yield generated tokens forever (the caller stops). KV rows [0, start) must already hold
-    the prefix; with start == len(prompt), `start_logits` are the logits of the last prompt row.
-    `on_prefill_boundary(end, logits)` runs after each prefill chunk; logits are returned for
-    chunk ends listed in `logits_at`. The stream ends when the context (`context` tokens) is full.
+) -> Program:
+    """One sequence's generation as the steps it needs, for a driver to run (alone:
+    `token_stream`; batched with others: `runtime.batching`). Yields generated tokens forever
+    (the caller stops). KV rows [0, start) must already hold the prefix; with start ==
+    len(prompt), `start_logits` are the logits of the last prompt row. `on_prefill_boundary(end,
+    logits)` runs after each prefill chunk whose output was waited for; logits are returned for
+    chunk ends listed in `logits_at`. It ends when the context (`context` tokens) is full.
 
     With a `drafter`, each step after the first token verifies the draft tokens it proposes:
     the step's rows are [last token, *draft], and it yields the draft tokens the target kept,
@@ -134,15 +166,15 @@ def token_stream(
     if start == n:
         if start_logits is None:
             raise ValueError("an exact prefix hit needs the stored logits of the last prompt row")
-        token = engine.sample_logits(start_logits, n, params, seed)
+        token = yield SampleRequest(start_logits, n, params, seed)
     else:
         out = None
         for a, b in prefill_chunks(prompt, start, n, chunk, turn_end_ids):
             last = b == n
-            out = engine.forward(
-                prompt[a:b], a, params if last else None, seed, want_logits=b in logits_at
-            )
-            if on_prefill_boundary is not None:
+            needed = last or b in logits_at
+            out = yield StepRequest(list(prompt[a:b]), a, params if last else None, seed,
+                                    want_logits=b in logits_at, wait=needed)
+            if on_prefill_boundary is not None and needed:
                 on_prefill_boundary(b, out.logits)
         assert out is not None and out.token is not None
         token = out.token
@@ -156,15 +188,88 @@ def token_stream(
             room = drafter.block if context is None else min(drafter.block, context - pos)
             drafts = drafter.propose(seq, pos, room - 1) if room > 1 else []
         if drafts:
-            out = engine.forward([token, *drafts], pos, params, seed, draft=drafts)
+            out = yield StepRequest([token, *drafts], pos, params, seed, draft=drafts)
             drafter.verified(pos, len(drafts), out.accepted)
             for t in drafts[:out.accepted]:
                 yield t
                 seq.append(t)
         else:
-            out = engine.forward([token], pos, params, seed)
+            out = yield StepRequest([token], pos, params, seed)
         assert out.token is not None
         token, pos = out.token, pos + 1 + out.accepted
+
+
+def drive(engine: Engine, program: Program) -> Iterator[int]:
+    """Run a sequence program step by step on `engine`, yielding its tokens."""
+    try:
+        item = next(program)
+        while True:
+            if isinstance(item, StepRequest):
+                item = program.send(engine.forward(item.tokens, item.pos, item.sample, item.seed,
+                                                   item.want_logits, item.draft))
+            elif isinstance(item, SampleRequest):
+                item = program.send(engine.sample_logits(item.logits, item.position, item.sample,
+                                                         item.seed))
+            else:
+                yield item
+                item = next(program)
+    except StopIteration:
+        return
+    finally:
+        program.close()
+
+
+def token_stream(engine: Engine, prompt: Sequence[int], params: SamplingParams, seed: int,
+                 **kw: Any) -> Iterator[int]:
+    """Generated tokens of one sequence run alone on `engine` (`sequence_program`'s options)."""
+    return drive(engine, sequence_program(prompt, params, seed, **kw))
+
+
+class OutputStream:
+    """Applies max_tokens, stop tokens and stop strings to one sequence's tokens as they are
+    pushed, turning them into text deltas (empty text without a tokenizer: random-weight models
+    for benchmarks). `finished` once the sequence must stop; `close` gives the held-back tail."""
+
+    def __init__(self, tokenizer: TextTokenizer | None, params: SamplingParams,
+                 eos_ids: Collection[int], progress: Progress) -> None:
+        self.params, self.progress = params, progress
+        self.stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stops.update(eos_ids)
+        self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        self.finished = params.max_tokens == 0
+        if self.finished:
+            progress.finish_reason = "length"
+
+    def push(self, tok: int) -> list[Delta]:
+        progress = self.progress
+        now = time.perf_counter()
+        if progress.first_token_at is None:
+            progress.first_token_at = now
+        progress.token_times.append(now)
+        if tok in self.stops:
+            progress.finish_reason = "stop"
+            self.finished = True
+            return []
+        progress.generated.append(tok)
+        delta = self.text.push(tok) if self.text is not None else ""
+        progress.text += delta
+        if self.text is not None and self.text.stopped:
+            progress.finish_reason = "stop"
+            self.finished = True
+            return [Delta(tok, delta)] if delta else []
+        if len(progress.generated) >= self.params.max_tokens:
+            progress.finish_reason = "length"
+            self.finished = True
+        return [Delta(tok, delta)]
+
+    def close(self) -> list[Delta]:
+        tail = self.text.finish() if self.text is not None else ""
+        self.progress.finished_at = time.perf_counter()
+        if tail:
+            self.progress.text += tail
+            return [Delta(-1, tail)]
+        return []
 
 
 def stream_generation(
@@ -174,38 +279,15 @@ def stream_generation(
     eos_ids: Collection[int],
     progress: Progress,
 ) -> Iterator[Delta]:
-    """Apply max_tokens, stop tokens and stop strings to a token stream; yield text deltas
-    (empty text without a tokenizer: random-weight models for benchmarks)."""
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(eos_ids)
-    text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+    """`OutputStream` over a token iterator: yields text deltas until the sequence stops."""
+    out = OutputStream(tokenizer, params, eos_ids, progress)
     try:
-        if params.max_tokens == 0:
-            progress.finish_reason = "length"
-            return
-        for tok in tokens:
-            if progress.first_token_at is None:
-                progress.first_token_at = time.perf_counter()
-            if tok in stops:
-                progress.finish_reason = "stop"
-                break
-            progress.generated.append(tok)
-            delta = text.push(tok) if text is not None else ""
-            progress.text += delta
-            if text is not None and text.stopped:
-                progress.finish_reason = "stop"
-                if delta:
-                    yield Delta(tok, delta)
-                break
-            yield Delta(tok, delta)
-            if len(progress.generated) >= params.max_tokens:
-                progress.finish_reason = "length"
-                break
-        tail = text.finish() if text is not None else ""
-        if tail:
-            progress.text += tail
-            yield Delta(-1, tail)
+        if not out.finished:
+            for tok in tokens:
+                yield from out.push(tok)
+                if out.finished:
+                    break
+        yield from out.close()
     finally:
         tokens_close = getattr(tokens, "close", None)
         if tokens_close is not None:

@@ -27,6 +27,8 @@ class Metrics:
                                   "decode speed of the last finished request", registry=r)
         self.queue = Gauge("layersplit_queue_depth", "requests waiting for the engine",
                            registry=r)
+        self.running = Gauge("layersplit_running_requests", "requests in the running batch "
+                             "(admitted or waiting for a KV slot)", registry=r)
         self.cache_hits = Counter("layersplit_prefix_cache_hits", "prefix-cache hits by tier",
                                   ["tier"], registry=r)
         self.cache_misses = Counter("layersplit_prefix_cache_misses", "prefix-cache misses",
@@ -54,6 +56,9 @@ class Metrics:
         self.step_time = Histogram("layersplit_step_seconds", "one forward step through the "
                                    "shard chain, by kind", ["kind"], buckets=LATENCY_BUCKETS,
                                    registry=r)
+        self.step_sequences = Histogram("layersplit_step_sequences", "sequences batched in one "
+                                        "step", buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+                                        registry=r)
         self.shard_restarts = Counter("layersplit_shard_restarts",
                                       "restarts of the shard group after a failure", registry=r)
         self.up = Gauge("layersplit_ready", "1 when the engine serves requests", registry=r)

@@ -1,10 +1,11 @@
 """`layersplit serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the runtime.
 
-One engine thread owns the coordinator (its sockets are used from that thread only) and serves
-queued requests in arrival order, one sequence at a time; HTTP handlers talk to it through
-thread-safe queues. A client that disconnects cancels its request at the next token. A shard
-failure fails the requests in flight with 503, `/health` reports it, and the shard group is
-restarted (or the server exits, with `restart_on_failure = false`).
+One engine thread owns the coordinator (its sockets are used from that thread only) and runs
+every request in one continuous batch (`runtime.batching`): new requests join between steps,
+finished ones leave at once; HTTP handlers talk to it through thread-safe queues. A client
+that disconnects cancels its request at the next step. A shard failure fails the requests in
+flight with 503, `/health` reports it, and the shard group is restarted (or the server exits,
+with `restart_on_failure = false`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
+from runtime.batching import Request as BatchRequest
 from runtime.generate import Progress
 from runtime.metrics import Metrics
 from runtime.openai_api import ParsedRequest, RequestError, parse
@@ -64,26 +66,19 @@ class Engine:
         self.max_context = config.max_context
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopping = False
+        self._stop_at = float("inf")
         self.fatal: str | None = None
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, grace_s: float) -> None:
-        """Finish or cancel what is in flight within the grace period, then stop the shards."""
+        """Let the running requests finish within the grace period (those still waiting for a
+        KV slot get 503 at once, those still running at its end too), then stop the shards."""
+        self._stop_at = time.monotonic() + grace_s
         self._stopping = True
-        deadline = time.monotonic() + grace_s
-        while not self.jobs.empty() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        while True:  # what did not start in time is cancelled
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit(("error", 503, "the server is shutting down"))
         self.jobs.put(None)
-        self._thread.join(max(1.0, deadline - time.monotonic()) + 150)
+        self._thread.join(grace_s + 150)
 
     def submit(self, job: Job) -> None:
         if self.status != "ready":
@@ -99,6 +94,7 @@ class Engine:
         coord = Coordinator(self.config)
         coord.start()
         coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
+        coord.batcher.step_observer = self.metrics.step_sequences.observe
         self.coord, self.tokenizer = coord, coord.tokenizer
         self.status, self.reason = "ready", ""
         self.metrics.up.set(1)
@@ -111,22 +107,48 @@ class Engine:
             self.status, self.reason, self.fatal = "degraded", str(e), str(e)
             _exit_soon()
             return
+        active: list[Active] = []
+        stopping = False
         while True:
-            job = self.jobs.get()
-            self.metrics.queue.set(self.jobs.qsize())
-            if job is None:
+            busy = bool(active) or (self.coord is not None and self.coord.batcher.busy)
+            while not stopping:  # take every job that waits (block only when idle)
+                try:
+                    job = self.jobs.get(timeout=0.2) if not busy else self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self.metrics.queue.set(self.jobs.qsize())
+                if job is None:
+                    stopping = True
+                    break
+                if not job.cancelled:
+                    a = self._start(job)
+                    if a is not None:
+                        active.append(a)
+                        busy = True
+            coord = self.coord
+            if stopping:
+                active = self._shut_out(active)
+            if stopping and not active:
                 break
-            if job.cancelled:
+            if coord is None or not coord.batcher.busy:
                 continue
             try:
-                self._serve(job)
-            except ShardFailure as e:
-                job.emit(("error", 503, str(e)))
-                if e.runtime_down:
-                    self._recover(str(e))
-            except Exception as e:  # noqa: BLE001 - one request's failure; the engine goes on
-                log.exception("request failed")
-                job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+                coord.batcher.run_once()
+            except Exception as e:  # noqa: BLE001 - a bug: the batch's requests fail, and the
+                # shard group restarts (its steps in flight are in an unknown state)
+                log.exception("the batch failed")
+                for a in active:
+                    a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+                active = []
+                self._recover(f"internal error: {type(e).__name__}: {e}")
+                continue
+            active = [a for a in active if not self._pump(a)]
+            self.metrics.running.set(len(active))
+            if coord.failed is not None:
+                for a in active:
+                    a.job.emit(("error", 503, f"the runtime is down: {coord.failed}"))
+                active = []
+                self._recover(coord.failed)
         if self.coord is not None:
             self.coord.close()
             self.coord = None
@@ -155,11 +177,30 @@ class Engine:
                 log.error("restart of the shard group failed: %s; retrying in 5 s", e)
                 time.sleep(5)
 
-    def _serve(self, job: Job) -> None:
+    def _shut_out(self, active: list[Active]) -> list[Active]:
+        """Shutting down: requests still waiting for a KV slot, and every one past the grace
+        period, get 503."""
+        if self.coord is None:
+            for a in active:
+                a.job.emit(("error", 503, "the server is shutting down"))
+            return []
+        late = time.monotonic() > self._stop_at
+        keep = []
+        for a in active:
+            waiting = not a.req.done and a.req.slot < 0
+            if (late or waiting) and not a.req.done:
+                self.coord.batcher.cancel(a.req)
+                a.job.emit(("error", 503, "the server is shutting down"))
+            else:
+                keep.append(a)
+        return keep
+
+    def _start(self, job: Job) -> Active | None:
+        """Tokenize and check a job and queue it in the batch; None if it failed at once."""
         coord, req = self.coord, job.req
         if coord is None:
             job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
-            return
+            return None
         try:
             if req.kind == "chat":
                 ids = coord.tokenizer.encode_chat(req.messages)
@@ -175,29 +216,49 @@ class Engine:
         except (RequestError, ValueError) as e:
             err = e if isinstance(e, RequestError) else RequestError(str(e), "prompt")
             job.emit(("error", err.status, err))
-            return
+            return None
         progress = Progress()
         self.metrics.prompt_tokens.inc(len(ids))
         try:
-            deltas = coord.stream(ids, req.params, progress, use_cache=req.use_cache,
-                                  speculative=req.speculative)
+            r = coord.submit(ids, req.params, progress, use_cache=req.use_cache,
+                             speculative=req.speculative)
         except ValueError as e:
             job.emit(("error", 400, RequestError(str(e), None)))
-            return
-        last = None
-        try:
-            for d in deltas:
-                now = time.perf_counter()
-                if last is None:
-                    self.metrics.ttft.observe(now - job.arrived)
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                if job.cancelled:
-                    break
-                job.emit(("delta", d.text))
-        finally:
-            deltas.close()
+            return None
+        except ShardFailure as e:
+            job.emit(("error", 503, str(e)))
+            return None
+        return Active(job, r, progress, len(ids))
+
+    def _pump(self, a: Active) -> bool:
+        """Hand the request's new text to its client; True once it is over."""
+        req = a.req
+        while req.deltas and not a.job.cancelled:
+            d = req.deltas.popleft()
+            now = time.perf_counter()
+            if a.last is None:
+                self.metrics.ttft.observe(now - a.job.arrived)
+            else:
+                self.metrics.itl.observe(now - a.last)
+            a.last = now
+            a.job.emit(("delta", d.text))
+        if a.job.cancelled:
+            self.coord.batcher.cancel(req)  # its slot is free at once
+        if not req.done:
+            return False
+        if req.error is not None and not a.job.cancelled:
+            e = req.error
+            if isinstance(e, ShardFailure):
+                a.job.emit(("error", 503, str(e)))
+            else:
+                log.error("request failed: %s: %s", type(e).__name__, e)
+                a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            return True
+        self._finish(a)
+        return True
+
+    def _finish(self, a: Active) -> None:
+        coord, progress, req = self.coord, a.progress, a.job.req
         n = len(progress.generated)
         self.metrics.generated_tokens.inc(n)
         if progress.decode_tok_s:
@@ -211,11 +272,22 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
-        job.emit(("done", {
-            "finish_reason": "cancelled" if job.cancelled else progress.finish_reason,
-            "prompt_tokens": len(ids), "completion_tokens": n,
+        a.job.emit(("done", {
+            "finish_reason": "cancelled" if a.job.cancelled else progress.finish_reason,
+            "prompt_tokens": a.prompt_tokens, "completion_tokens": n,
             "cached_tokens": progress.cached_tokens,
         }))
+
+
+@dataclasses.dataclass
+class Active:
+    """A job in the batch."""
+
+    job: Job
+    req: BatchRequest
+    progress: Progress
+    prompt_tokens: int
+    last: float | None = None  # when its last token went out
 
 
 def _model_name(model: str) -> str:

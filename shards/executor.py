@@ -12,6 +12,8 @@ equal plain greedy output token for token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from shards.graphs import StaticDecoder
@@ -20,6 +22,18 @@ from shards.model import LayerRange
 from shards.sampling import sample_rows
 
 MAX_VERIFY_ROWS = 32  # a verify step longer than this (a huge draft block) runs eagerly
+
+
+@dataclasses.dataclass(slots=True)
+class Segment:
+    """One sequence's rows in a batched step: `n` rows at positions [pos, pos + n) of `slot`."""
+
+    slot: int
+    pos: int
+    n: int
+    verify: bool = False  # a speculative verify segment (last token + draft tokens)
+    all_logits: bool = False  # logits of every row (else of the last), on the last range
+    taps: dict[int, torch.Tensor] | None = None  # filled with the tapped layers' rows
 
 
 class RangeExecutor:
@@ -75,6 +89,39 @@ class RangeExecutor:
         if taps is not None:
             taps.update(want)
         return out
+
+    def run_segments(self, x: torch.Tensor, segs: list[Segment]) -> list[torch.Tensor]:
+        """Run a batched step: `x` holds the segments' rows one after the other; returns each
+        segment's output as `run` would (hidden rows, or logits).
+
+        On GPUs the one-row decode segments of several sequences run as one batched step (one
+        CUDA graph); every other segment, and everything on the CPU, runs on its own, exactly as
+        it would alone, so a sequence's output never depends on what it was batched with there
+        (a CPU matmul over more rows need not round each row as a one-row matmul does)."""
+        starts = [0]
+        for s in segs:
+            starts.append(starts[-1] + s.n)
+        outs: list[torch.Tensor | None] = [None] * len(segs)
+        if self.static is not None and self.device.type == "cuda":
+            group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify and s.taps is None]
+            if len(group) >= 2:
+                rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
+                out = self.static.run_batch(rows.to(self.device), [segs[i].slot for i in group],
+                                            [segs[i].pos for i in group])
+                for j, i in enumerate(group):
+                    outs[i] = out[j:j + 1]
+        alone = sum(o is None for o in outs) == 1
+        for i, s in enumerate(segs):
+            if outs[i] is None:
+                outs[i] = self.run(x[starts[i]:starts[i + 1]], s.pos, s.slot,
+                                   all_logits=s.all_logits, taps=s.taps, verify=s.verify)
+                if self.static is not None and not alone:
+                    # a graph's outputs are static buffers that the next graph's replay may
+                    # overwrite (captures share one memory pool): keep copies
+                    outs[i] = outs[i].clone()
+                    if s.taps:
+                        s.taps.update({k: v.clone() for k, v in s.taps.items()})
+        return outs
 
     def _rowwise(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
                  taps: dict[int, torch.Tensor] | None) -> torch.Tensor:

@@ -7,6 +7,11 @@ norm, fused gate/up matmul, SiLU, down, residual) are two functions compiled onc
 every layer (weights are arguments, so one compilation serves all layers of a shape). Attention
 stays eager (its key count changes with the graph bucket). Same math as `shards.model`; the GPU
 tests compare the two.
+
+Batched decode steps (`StepInfo.batched`) run the same two functions on their padded rows, but
+compiled under code objects of their own: dynamo allows 8 compiled shapes per code object (with
+fullgraph a 9th raises), and each batch bucket is a shape, so sharing would starve the
+single-sequence and verify steps.
 """
 
 from __future__ import annotations
@@ -48,38 +53,69 @@ def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
     return h + F.linear(F.silu(g) * u, down_w)
 
 
+def pre_attention_batch(*args):
+    """`pre_attention` under its own code object, for batched steps (see the module doc)."""
+    return pre_attention(*args)
+
+
+def post_attention_batch(*args):
+    """`post_attention` under its own code object, for batched steps (see the module doc)."""
+    return post_attention(*args)
+
+
+class _Stages:
+    """The functions before and after attention for one kind of step, compiled or eager."""
+
+    def __init__(self, pre, post, compile: bool) -> None:
+        self.pre, self.post, self.compiled = pre, post, compile
+        if compile:
+            self.pre = torch.compile(pre, fullgraph=True, dynamic=False)
+            self.post = torch.compile(post, fullgraph=True, dynamic=False)
+
+    def uncompile(self) -> None:
+        self.pre, self.post, self.compiled = pre_attention, post_attention, False
+
+
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
     def __init__(self, compile: bool = True) -> None:
-        self.pre, self.post = pre_attention, post_attention
-        self.compiled = compile
-        if compile:
-            self.pre = torch.compile(pre_attention, fullgraph=True, dynamic=False)
-            self.post = torch.compile(post_attention, fullgraph=True, dynamic=False)
+        self.single = _Stages(pre_attention, post_attention, compile)
+        self.batched = _Stages(pre_attention_batch, post_attention_batch, compile)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether single-sequence steps run compiled (False after a compiler failure)."""
+        return self.single.compiled
 
     def __call__(self, layer, h, cos, sin, kv, index, slot, step):
+        stages = self.single if step.lo is None else self.batched
         try:
-            return self._run(layer, h, cos, sin, kv, index, slot, step)
-        except Exception as e:  # noqa: BLE001 - a compiler failure must not stop serving
-            if not self.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
+            return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+        except Exception as e:
+            if not stages.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
                 raise
             log.warning("torch.compile of the decode step failed (%s: %s); running it eager",
                         type(e).__name__, e)
-            self.pre, self.post, self.compiled = pre_attention, post_attention, False
-            return self._run(layer, h, cos, sin, kv, index, slot, step)
+            stages.uncompile()
+            return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
 
-    def _run(self, layer, h, cos, sin, kv, index, slot, step):
+    @staticmethod
+    def _run(stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
-        q, k, v = self.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
-                           None if a.q_norm is None else a.q_norm.weight,
-                           None if a.k_norm is None else a.k_norm.weight,
-                           cos, sin, eps, a.num_heads, a.num_kv_heads, a.head_dim)
-        keys, values = kv.append(index, slot, step, k, v)
-        attn = a._grouped(q, keys, values, step.mask)
-        return self.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                         m.gate_up_proj.weight, m.down_proj.weight, eps)
+        q, k, v = stages.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                             a.qkv_proj.bias, None if a.q_norm is None else a.q_norm.weight,
+                             None if a.k_norm is None else a.k_norm.weight,
+                             cos, sin, eps, a.num_heads, a.num_kv_heads, a.head_dim)
+        if step.lo is None:
+            keys, values = kv.append(index, slot, step, k, v)
+            attn = a._grouped(q, keys, values, step.mask)
+        else:
+            keys, values = kv.append_batch(index, step, k, v)
+            attn = a._grouped_batch(q, keys, values, step.mask)
+        return stages.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                           m.gate_up_proj.weight, m.down_proj.weight, eps)
 
 
 def fuse_projections(model, compile: bool = True) -> None:

@@ -9,6 +9,12 @@ one graph serves every position of its bucket (`StepInfo.static`). A speculative
 the same with a few rows (the last token and the draft tokens); the rows of tapped layers (fed
 to a feature-conditioned draft) are outputs of the graph.
 
+A batched decode step (continuous batching) runs one token of each of several sequences, each
+in its own KV slot at its own position, as one graph over a window of slots [lo, lo + Bp): Bp
+is a bucket (`batch_window`), the window's slots not in the batch are padding rows that write
+only the scratch row of their slot (`StepInfo.batched`). Positions are a device buffer, so one
+graph per (lo, Bp, KV-length bucket) serves every mix of positions in that bucket.
+
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.
 """
@@ -16,6 +22,7 @@ tests compare with the eager path; on CUDA it captures and replays.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -25,6 +32,33 @@ from shards.model import LayerRange, StepInfo
 log = logging.getLogger(__name__)
 
 Outputs = tuple[torch.Tensor, dict[int, torch.Tensor]]
+BatchGraph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a batched step's graph, output rows
+
+BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # padded batch sizes; above 64, multiples of 64
+
+
+def batch_bucket(n: int) -> int:
+    """The smallest padded batch size that holds n rows."""
+    for b in BATCH_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 64) * 64
+
+
+def batch_window(slots: Sequence[int], n_slots: int) -> tuple[int, int]:
+    """(lo, Bp): the window of slots [lo, lo + Bp) a batched step over `slots` runs on.
+
+    Bp is the bucket of the slots' span (the whole cache when that is no smaller), and the
+    window stays inside the cache's `n_slots` slots; a graph is captured per window."""
+    if not slots or len(set(slots)) != len(slots):
+        raise ValueError(f"a batched step needs distinct slots, got {list(slots)}")
+    first, last = min(slots), max(slots)
+    if first < 0 or last >= n_slots:
+        raise ValueError(f"slots {list(slots)} outside the cache's {n_slots} slots")
+    bp = batch_bucket(last - first + 1)
+    if bp >= n_slots:
+        return 0, n_slots
+    return min(first, n_slots - bp), bp
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -52,20 +86,25 @@ class StaticDecoder:
         self.inputs: dict[int, torch.Tensor] = {}  # rows -> static input buffer
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
+        # batched steps: Bp -> (input rows, positions), and (lo, Bp, kv_len) -> graph, output
+        self.batch_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batch_graphs: dict[tuple[int, int, int], BatchGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def kv_len(self, pos: int, n: int = 1) -> int:
         return min(-(-(pos + n) // self.bucket) * self.bucket, self.kv.max_len)
 
+    def _zeros(self, n: int) -> torch.Tensor:
+        """A static input buffer of n rows: token ids on the first range, else hidden rows."""
+        dev = self.kv.k.device
+        if self.model.is_first:
+            return torch.zeros(n, dtype=torch.long, device=dev)
+        return torch.zeros(n, self.model.cfg.hidden_size, dtype=self.kv.k.dtype, device=dev)
+
     def _input(self, n: int) -> torch.Tensor:
         x = self.inputs.get(n)
         if x is None:
-            dev = self.kv.k.device
-            if self.model.is_first:
-                x = torch.zeros(n, dtype=torch.long, device=dev)
-            else:
-                x = torch.zeros(n, self.model.cfg.hidden_size, dtype=self.kv.k.dtype, device=dev)
-            self.inputs[n] = x
+            x = self.inputs[n] = self._zeros(n)
         return x
 
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
@@ -94,3 +133,58 @@ class StaticDecoder:
         graph, out = entry
         graph.replay()
         return out
+
+    def _batch_input(self, bp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bufs = self.batch_inputs.get(bp)
+        if bufs is None:
+            x = self._zeros(bp)
+            bufs = self.batch_inputs[bp] = (x, torch.zeros(bp, dtype=torch.long, device=x.device))
+        return bufs
+
+    def _batch_step(self, lo: int, bp: int, kv_len: int) -> torch.Tensor:
+        x, positions = self._batch_input(bp)
+        return self.model(x, StepInfo.batched(positions, lo, kv_len), self.kv, lo)
+
+    def _load_batch(self, x: torch.Tensor, slots: list[int], positions: list[int], lo: int,
+                    bp: int) -> torch.Tensor:
+        """Fill the static buffers of a batched step over slots [lo, lo + bp); returns each
+        given row's index in the window. Padding rows get input zero and the scratch row's
+        position, so they write only there."""
+        buf, pos = self._batch_input(bp)
+        order = torch.tensor([s - lo for s in slots], device=buf.device)
+        padded = [self.kv.max_len] * bp
+        for s, p in zip(slots, positions):
+            padded[s - lo] = p
+        pos.copy_(torch.tensor(padded))
+        buf.zero_()
+        buf.index_copy_(0, order, x.to(buf.device, buf.dtype).reshape(-1, *buf.shape[1:]))
+        return order
+
+    @torch.inference_mode()
+    def run_batch(self, x: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of len(slots) sequences: row i is the token (first range) or hidden
+        row of the sequence in slot `slots[i]`, at position `positions[i]`. Returns the output
+        rows in that order (a new tensor): hidden (B, hidden), or float32 logits (B, vocab) on
+        the last range.
+
+        The rows run padded to a window of slots (`batch_window`); every other slot's KV rows
+        [0, max_len) are left as they were."""
+        if not len(slots) == len(positions) == x.shape[0]:
+            raise ValueError(f"{x.shape[0]} rows, {len(slots)} slots, {len(positions)} positions")
+        if not all(0 <= p < self.kv.max_len for p in positions):
+            raise ValueError(f"positions {positions} outside the context of {self.kv.max_len}")
+        lo, bp = batch_window(slots, self.kv.slots)
+        order = self._load_batch(x, slots, positions, lo, bp)
+        kv_len = self.kv_len(max(positions))
+        if not self.capture:
+            return self._batch_step(lo, bp, kv_len)[order]
+        key = (lo, bp, kv_len)
+        entry = self.batch_graphs.get(key)
+        if entry is None:
+            entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
+            log.debug("captured a %d-slot batched step graph for layers %d:%d, slots %d:%d, "
+                      "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)
+            self.batch_graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        return out[order]

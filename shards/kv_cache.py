@@ -2,12 +2,17 @@
 
 Layout per tensor: (layers, slots, max_len, kv_heads, head_dim). Rows [0, P) of one layer and
 slot are one contiguous block, so a snapshot or a disk write of a prefix is a single copy.
+
+Each slot has one more row, at index max_len, that nothing reads: the scratch row. A batched
+decode step (`StepInfo.batched`) pads its batch with rows of slots not in it and writes their
+K/V there, so a padding row never changes a live one. `k` and `v` are views of the usable rows
+[0, max_len) of the storage `k_store` and `v_store` (max_len + 1 rows per slot), so whoever
+reads or snapshots `k` and `v` never sees the scratch row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,13 +43,15 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         self.layout, self.max_len, self.slots = layout, max_len, slots
-        shape = (layout.layers, slots, max_len, layout.kv_heads, layout.head_dim)
-        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        shape = (layout.layers, slots, max_len + 1, layout.kv_heads, layout.head_dim)
+        self.k_store = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.v_store = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.k, self.v = self.k_store[:, :, :max_len], self.v_store[:, :, :max_len]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes allocated, scratch rows included."""
+        return 2 * self.k_store.numel() * self.k_store.element_size()
 
     def append(
         self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
@@ -60,6 +67,20 @@ class KVCache:
             self.k[layer, slot].index_copy_(0, step.positions, k)
             self.v[layer, slot].index_copy_(0, step.positions, v)
         return self.k[layer, slot, :step.kv_len], self.v[layer, slot, :step.kv_len]
+
+    def append_batch(
+        self, layer: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store row b of a batched step at position `step.positions[b]` of slot `step.lo + b`
+        (the scratch row for a padding row) and return views of the rows the step attends:
+        rows [0, step.kv_len) of slots [lo, lo + B), each (B, kv_len, kv_heads, head_dim)."""
+        if step.kv_len > self.max_len:
+            raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
+        where = (step.slots, step.positions)  # device tensors: no host sync, graph-safe
+        self.k_store[layer].index_put_(where, k)
+        self.v_store[layer].index_put_(where, v)
+        lo, hi = step.lo, step.lo + k.shape[0]
+        return self.k[layer, lo:hi, :step.kv_len], self.v[layer, lo:hi, :step.kv_len]
 
     def rows(self, layer: int, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads, head_dim)."""

@@ -79,7 +79,8 @@ class StepInfo:
     Eager steps (`eager`) write KV rows by slice and attend exactly pos + n keys. Static steps
     (`static`, for CUDA-graph capture) take the position from a device tensor, write rows with
     `index_copy_` and attend a fixed `kv_len` keys under a mask, so one captured graph serves
-    every position up to `kv_len`.
+    every position up to `kv_len`. Batched steps (`batched`, continuous batching) are static
+    decode steps of several sequences at once: row b is one token of the sequence in slot lo + b.
     """
 
     positions: torch.Tensor  # (n,) long, on the model's device
@@ -87,6 +88,8 @@ class StepInfo:
     mask: torch.Tensor | None  # (n, kv_len) bool, True = attend; None = all (eager decode)
     pos: int | None  # first position, when known on the host (eager)
     grouped: bool = False  # attend with query heads grouped per KV head (static decode)
+    lo: int | None = None  # batched step: the slot of row 0
+    slots: torch.Tensor | None = None  # batched step: (n,) long, the slot of each row
 
     @staticmethod
     def eager(pos: int, n: int, device: torch.device) -> StepInfo:
@@ -102,6 +105,17 @@ class StepInfo:
         positions = pos + torch.arange(n, device=pos.device)
         mask = torch.arange(kv_len, device=pos.device)[None, :] <= positions[:, None]
         return StepInfo(positions, kv_len, mask, None, grouped=True)
+
+    @staticmethod
+    def batched(positions: torch.Tensor, lo: int, kv_len: int) -> StepInfo:
+        """One decode row per slot of [lo, lo + B): row b at position `positions[b]` of slot
+        lo + b, attending that slot's keys [0, kv_len). `positions`: (B,) long on the device (a
+        graph input); a padding row's position is the cache's scratch row (`KVCache.max_len`),
+        which no real row attends."""
+        dev = positions.device
+        mask = torch.arange(kv_len, device=dev)[None, :] <= positions[:, None]
+        slots = lo + torch.arange(positions.shape[0], device=dev)
+        return StepInfo(positions, kv_len, mask, None, grouped=True, lo=lo, slots=slots)
 
 
 class Attention(nn.Module):
@@ -153,6 +167,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step.lo is not None:  # a batched decode step: `slot` is unused
+            keys, values = kv.append_batch(layer, step, k, v)  # (n, T, G, D) each
+            return self.o_proj(self._grouped_batch(q, keys, values, step.mask))
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
         if step.grouped:
             return self.o_proj(self._grouped(q, keys, values, step.mask))
@@ -190,6 +207,18 @@ class Attention(nn.Module):
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.matmul(probs, values.transpose(0, 1))  # (G, r*n, D)
         return out.view(g, r, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+
+    def _grouped_batch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """`_grouped` for a batched step: query row b (its H heads as G groups of H/G) attends
+        keys[b] (T, G, D), the keys of its own slot, under mask row b."""
+        b, g, d = q.shape[0], self.num_kv_heads, self.head_dim
+        qg = q.reshape(b, g, self.num_heads // g, d)  # (B, G, r, D)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * (d ** -0.5)  # (B, G, r, T)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (B, G, r, D)
+        return out.reshape(b, -1)
 
 
 class MLP(nn.Module):
@@ -263,7 +292,8 @@ class LayerRange(nn.Module):
         logit_rows: slice | None = None,
         taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Run this range for n tokens at positions [pos, pos + n) (`step`: pos or a StepInfo).
+        """Run this range for n tokens at positions [pos, pos + n) (`step`: pos or a StepInfo),
+        or for one token of each of n sequences (`StepInfo.batched`; `slot` is then unused).
 
         Returns hidden states (n, hidden), or on the last range the logits of `logit_rows`
         (all rows when None). `taps`, when given, has a key per global layer index whose output

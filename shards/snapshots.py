@@ -34,6 +34,7 @@ class Snap:
     start: int
     end: int
     nbytes: int
+    slot: int = 0  # the live slot the rows were taken from
     rows: dict[str, torch.Tensor] | None = None  # name -> (layers, rows, ...), host
     error: str | None = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -50,10 +51,11 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class SnapshotStore:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors  # name -> (layers, slots, max_len, ...), live
+    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None) -> None:
+        self.tensors = tensors  # name -> (layers, slots, rows, ...), live
         first = next(iter(tensors.values()))
-        self.max_len = first.shape[2]
+        self.max_len = first.shape[2] if max_len is None else max_len  # rows a snapshot may hold
+        self.slots = first.shape[1]
         self.device = first.device
         self.cuda = self.device.type == "cuda"
         self.entries: dict[int, Snap] = {}
@@ -72,8 +74,9 @@ class SnapshotStore:
         change while the sequence decodes, so the next steps need not wait."""
         if not 0 <= start < end <= self.max_len:
             raise ValueError(f"snapshot rows {start}:{end} outside the cache of {self.max_len}")
+        self.check_slot(slot)
         srcs = {name: t[:, slot, start:end] for name, t in self.tensors.items()}
-        snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()))
+        snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()), slot)
         after = None
         if self.cuda:  # the copy must follow the step that wrote these rows
             after = torch.cuda.Event()
@@ -104,9 +107,14 @@ class SnapshotStore:
         threading.Thread(target=run, name=f"snap-{entry}", daemon=True).start()
         return snap.nbytes
 
-    def pending_end(self) -> int:
-        """Highest row end of snapshots whose copy has not finished (0 if none)."""
-        return max((s.end for s in self.entries.values() if not s.ready.is_set()), default=0)
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside the {self.slots} slots of this cache")
+
+    def pending_end(self, slot: int) -> int:
+        """Highest row end of `slot`'s snapshots whose copy has not finished (0 if none)."""
+        return max((s.end for s in self.entries.values()
+                    if s.slot == slot and not s.ready.is_set()), default=0)
 
     def wait_pending(self) -> None:
         """Until every started copy is done (before the live rows they read are rewritten)."""
@@ -114,6 +122,7 @@ class SnapshotStore:
             s.ready.wait()
 
     def restore(self, entry: int, slot: int) -> None:
+        self.check_slot(slot)
         s = self.entries[entry]
         s.wait()
         assert s.rows is not None
@@ -162,6 +171,7 @@ class SnapshotStore:
 
         Pipelined: a reader thread fetches tensor i+1 while tensor i is hashed (and, on a GPU,
         copied to the device from one of two pinned buffers)."""
+        self.check_slot(slot)
         dsts = []
         for it in items:
             dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]

@@ -34,7 +34,7 @@ from ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.device import use_device
 from shards.dtypes import torch_dtype
-from shards.executor import RangeExecutor
+from shards.executor import RangeExecutor, Segment
 from shards.fused import fuse_projections
 from shards.sampling import accept_draft, sample_rows
 from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
@@ -43,6 +43,7 @@ log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
 FEED_TIMEOUT_S = 2.0  # a draft that takes no rows for this long is dropped, the step goes on
 FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pieces)
+MAX_SLOTS = 1024  # sequences a shard's KV cache may hold
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ class ShardServer:
         self.index = -1
         self.running = True
         self.busy = False
+        self.busy_s = 0.0  # seconds spent computing steps (a utilization profile reads it)
         self.spin_s = 0.0
         self.transport_kind = "none"
         self.max_step = 0
@@ -258,8 +260,10 @@ class ShardServer:
         self.index = int(msg.get("index", self.index))
         self._close_links()
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
-        if max_ctx <= 0 or max_step <= 0 or msg["slots"] != 1:
-            raise ProtocolError("configure: max_context and max_step_tokens must be > 0, slots 1")
+        slots = msg["slots"]
+        if max_ctx <= 0 or max_step <= 0 or not 1 <= slots <= MAX_SLOTS:
+            raise ProtocolError(f"configure: max_context and max_step_tokens must be > 0, slots "
+                                f"1..{MAX_SLOTS}")
         graphs = bool(msg.get("cuda_graphs", True)) and self.device.type == "cuda"
         taps = msg.get("taps") or []
         if not isinstance(taps, list) or not all(
@@ -272,15 +276,17 @@ class ShardServer:
         bucket = int(msg.get("graph_bucket", 256))
         self.spin_s = max(0.0, float(msg.get("spin_ms", 0.0))) / 1000.0
         ex = self.executor
-        if ex is None or ex.max_len != max_ctx or (ex.static is not None) != graphs or \
+        if ex is None or ex.max_len != max_ctx or ex.kv.slots != slots or \
+                (ex.static is not None) != graphs or \
                 (ex.static is not None and ex.static.bucket != bucket) or ex.taps != tuple(taps):
             self.executor = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self.executor = RangeExecutor(self.model, max_ctx, 1, self.device,
+            self.executor = RangeExecutor(self.model, max_ctx, slots, self.device,
                                           static_decode=graphs, graph_bucket=bucket,
                                           taps=tuple(taps))
-            self.snapshots = SnapshotStore({"k": self.executor.kv.k, "v": self.executor.kv.v})
+            self.snapshots = SnapshotStore({"k": self.executor.kv.k, "v": self.executor.kv.v},
+                                           max_ctx)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -374,7 +380,7 @@ class ShardServer:
             "index": self.index, "layers": [self.spec.start, self.spec.end],
             "device": self.spec.device, "dtype": self.spec.dtype, "pid": os.getpid(),
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
-            "kv_capacity_tokens": ex.max_len if ex else 0,
+            "kv_capacity_tokens": ex.max_len if ex else 0, "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
             "kv_layout": {"layers": self.spec.end - self.spec.start,
                           "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
@@ -383,70 +389,117 @@ class ShardServer:
         }
 
     # ---- data plane -------------------------------------------------------------------------
-    def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
-        if self.executor is None or self.out is None:
+    def _segments(self, msg: dict[str, Any], x: torch.Tensor | None) -> list[Segment]:
+        """Check a step's segments against this shard's configuration and its tensor."""
+        ex = self.executor
+        if ex is None or self.out is None:
             raise ProtocolError("step before configure", "unexpected")
-        n, pos = msg["n"], msg["pos"]
-        if not 0 < n <= self.max_step or pos < 0 or pos + n > self.executor.max_len:
-            raise ProtocolError(f"step: n={n} pos={pos} outside 1..{self.max_step} tokens "
-                                f"within a context of {self.executor.max_len}")
+        segs, slots, rows = [], set(), 0
+        for i, seg in enumerate(msg["seqs"]):
+            slot, pos, n, draft = seg["slot"], seg["pos"], seg["n"], seg["draft"]
+            where = f"step: segment {i}"
+            if not 0 <= slot < ex.kv.slots or slot in slots:
+                raise ProtocolError(f"{where}: slot {slot} is outside 0..{ex.kv.slots - 1} or "
+                                    "repeated in the step")
+            if n <= 0 or pos < 0 or pos + n > ex.max_len:
+                raise ProtocolError(f"{where}: n={n} pos={pos} outside a context of "
+                                    f"{ex.max_len}")
+            if draft is not None and (len(draft) != n - 1 or not all(
+                    isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in draft)):
+                raise ProtocolError(f"{where}: a verify segment of {n} rows carries {n - 1} "
+                                    f"draft token ids of the vocabulary, got {draft!r}"[:300])
+            if draft is not None and seg["sample"] is None:
+                raise ProtocolError(f"{where}: a verify segment needs its sampling parameters")
+            if seg["sample"] is not None:
+                _check_sample(seg["sample"], where)
+            slots.add(slot)
+            rows += n
+            segs.append(Segment(slot, pos, n, verify=draft is not None,
+                                all_logits=draft is not None,
+                                taps={} if seg["feat"] and self.feed is not None else None))
+        if rows > self.max_step:
+            raise ProtocolError(f"step: {rows} rows exceed the {self.max_step} a step may carry")
         if x is None:
             raise ProtocolError("step without its tensor")
         if self.model.is_first:
-            if x.dtype != torch.int64 or tuple(x.shape) != (n,):
-                raise ProtocolError(f"step: expected {n} int64 token ids, got {x.dtype} "
+            if x.dtype != torch.int64 or tuple(x.shape) != (rows,):
+                raise ProtocolError(f"step: expected {rows} int64 token ids, got {x.dtype} "
                                     f"{tuple(x.shape)}")
             if int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size:
-                raise ProtocolError(f"step: token id outside the vocabulary 0..{self.cfg.vocab_size}")
-        elif tuple(x.shape) != (n, self.cfg.hidden_size):
+                raise ProtocolError(f"step: token id outside the vocabulary "
+                                    f"0..{self.cfg.vocab_size}")
+        elif tuple(x.shape) != (rows, self.cfg.hidden_size):
             raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
-                                f"({n}, {self.cfg.hidden_size})")
-        draft = msg["draft"]
-        if draft is not None and (len(draft) != n - 1 or not all(
-                isinstance(t, int) and 0 <= t < self.cfg.vocab_size for t in draft)):
-            raise ProtocolError(f"step: a verify step of {n} rows carries {n - 1} draft token "
-                                f"ids of the vocabulary, got {draft!r}"[:300])
-        if draft is not None and msg["sample"] is None:
-            raise ProtocolError("step: a verify step needs its sampling parameters")
-        if self.snapshots is not None and pos < self.snapshots.pending_end():
-            self.snapshots.wait_pending()  # a new sequence overwrites rows still being copied
-        taps = {} if msg["feat"] and self.feed is not None else None
+                                f"({rows}, {self.cfg.hidden_size})")
+        return segs
+
+    def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._run_step(msg, x)
+        finally:  # (the step's output is on its way: the device is done with it)
+            self.busy_s += time.perf_counter() - t0
+
+    def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+        segs = self._segments(msg, x)
+        if self.snapshots is not None:
+            for s in segs:  # a new sequence overwrites rows still being copied out
+                if s.pos < self.snapshots.pending_end(s.slot):
+                    self.snapshots.wait_pending()
         self.busy = True
         try:
-            out = self.executor.run(x, pos, msg["slot"], all_logits=draft is not None,
-                                    taps=taps, verify=draft is not None)
+            outs = self.executor.run_segments(x, segs)
         finally:
             self.busy = False
-        if taps:  # the draft gets the rows before anything moves downstream
-            self._send_features(msg["sid"], pos, n, taps)
+        fed = [s for s in segs if s.taps]
+        for i, s in enumerate(fed):  # the draft gets the rows before anything moves downstream
+            if self.feed is not None:
+                self._send_features(msg["sid"], s.slot, s.pos, s.n, s.taps, i == len(fed) - 1)
         if not self.model.is_last:
-            self.out.send(message("step", sid=msg["sid"], slot=msg["slot"], pos=pos, n=n,
-                                  sample=msg["sample"], logits=msg["logits"], act=None,
-                                  draft=draft, feat=msg["feat"]), out)
+            self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
+                          outs[0] if len(outs) == 1 else torch.cat(outs))
             return
-        logits = out[-1]
-        token, accepted = None, 0
-        if msg["sample"] is not None:
-            s = msg["sample"]
-            temp, top_k, top_p, seed = (float(s["temperature"]), int(s["top_k"]),
-                                        float(s["top_p"]), int(s["seed"]))
-            if draft is not None:
-                accepted, token = accept_draft(out, draft, temp, top_k, top_p, seed, pos)
-            else:
-                token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
-        self.out.send(message("result", sid=msg["sid"], token=token, accepted=accepted,
-                              has_logits=bool(msg["logits"]), act=None),
-                      logits.float().cpu() if msg["logits"] else None)
+        results, logits_rows = [], []
+        greedy = {}  # plain greedy segments: one argmax for all (one device sync)
+        plain = [i for i, seg in enumerate(msg["seqs"]) if seg["draft"] is None and
+                 seg["sample"] is not None and (float(seg["sample"]["temperature"]) == 0 or
+                                                int(seg["sample"]["top_k"]) == 1)]
+        if len(plain) > 1:
+            rows = torch.stack([outs[i][-1] for i in plain]).argmax(dim=-1).tolist()
+            greedy = dict(zip(plain, rows))
+        for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
+            logits = out[-1]
+            token, accepted = None, 0
+            if i in greedy:
+                token = greedy[i]
+            elif seg["sample"] is not None:
+                sp = seg["sample"]
+                temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
+                                            float(sp["top_p"]), int(sp["seed"]))
+                pos, n = seg["pos"], seg["n"]
+                if seg["draft"] is not None:
+                    accepted, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed,
+                                                   pos)
+                else:
+                    token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
+            results.append({"token": token, "accepted": accepted, "logits": seg["logits"]})
+            if seg["logits"]:
+                logits_rows.append(logits.float()[None])
+        self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
+                      torch.cat(logits_rows).cpu() if logits_rows else None)
 
-    def _send_features(self, sid: int, pos: int, n: int, taps: dict[int, torch.Tensor]) -> None:
-        """Rows of the tapped layers, side by side, in pieces of at most FEED_ROWS rows. A draft
+    def _send_features(self, sid: int, slot: int, pos: int, n: int,
+                       taps: dict[int, torch.Tensor], step_end: bool) -> None:
+        """Rows of the tapped layers, side by side, in pieces of at most FEED_ROWS rows; the
+        step's last piece says so (`last`: the draft then has all of the step's rows). A draft
         that stopped taking them is dropped (logged): the target's step never waits on it."""
         rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
         try:
             for a in range(0, n, FEED_ROWS):
                 b = min(n, a + FEED_ROWS)
-                self.feed.send(message("feat", sid=sid, pos=pos + a, n=b - a,
-                                       layers=list(self.taps), last=b == n, act=None),
+                self.feed.send(message("feat", sid=sid, slot=slot, pos=pos + a, n=b - a,
+                                       layers=list(self.taps), last=step_end and b == n,
+                                       act=None),
                                rows[a:b])
         except (TimeoutError, zmq.ZMQError) as e:
             log.warning("shard %d: the draft process takes no feature rows (%s); no longer "
@@ -462,11 +515,13 @@ class ShardServer:
         logits = tensor_from(frames[0].buffer, {"dtype": "float32",
                                                 "shape": [self.cfg.vocab_size]})
         s = msg["sample"]
+        _check_sample(s, "sample")
         token = sample_rows(logits.to(self.device)[None], float(s["temperature"]),
                             int(s["top_k"]), float(s["top_p"]), int(s["seed"]),
                             [msg["position"]])[0]
-        self._reply(route, message("result", sid=msg["sid"], token=token, accepted=0,
-                                   has_logits=False, act=None))
+        self._reply(route, message("result", sid=msg["sid"],
+                                   outs=[{"token": token, "accepted": 0, "logits": False}],
+                                   act=None))
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _snap_store(self) -> SnapshotStore:
@@ -475,7 +530,7 @@ class ShardServer:
         return self.snapshots
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        self._reply(route, message("pong", busy=self.busy))
+        self._reply(route, message("pong", busy=self.busy, busy_s=self.busy_s))
 
     def _on_shutdown(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("bye"))
@@ -512,6 +567,20 @@ class ShardServer:
         self._close_links()
         if not self.router.closed:
             self.router.close(0)
+
+
+SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),
+                 "seed": (int,)}
+
+
+def _check_sample(sample: dict[str, Any], where: str) -> None:
+    """A segment's sampling parameters, checked before any compute."""
+    for name, types in SAMPLE_FIELDS.items():
+        v = sample.get(name)
+        if not isinstance(v, types) or isinstance(v, bool):
+            raise ProtocolError(f"{where}: sample field {name!r} must be a number, got {v!r}")
+    if sample["temperature"] < 0 or sample["top_k"] < 0 or not 0 < sample["top_p"] <= 1:
+        raise ProtocolError(f"{where}: sampling parameters out of range: {sample!r}"[:300])
 
 
 def watch_parent(parent_pid: int, on_gone) -> threading.Thread:

@@ -33,6 +33,23 @@ def tiny_llama(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def target(tmp_path_factory) -> Path:
+    """A tiny llama whose greedy output is not degenerate (larger weights): the speculation
+    and batching tests' target."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "llama", "llama", std=0.2)
+
+
+@pytest.fixture(scope="session")
+def dflash(target, tmp_path_factory) -> Path:
+    """A random DFlash draft for `target`, tapping a layer of each of 2 shards (0:3, 3:6)."""
+    from draft.dflash import write_random_dflash
+    from shards.model_config import read_hf_config
+
+    return write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("dflash"),
+                               layers=1, taps=[1, 4], block_size=4)
+
+
+@pytest.fixture(scope="session")
 def default_model() -> Path:
     """The default model's GGUF, fetched once per machine into $LAYERSPLIT_HOME."""
     from runtime.model_store import fetch_default_model

@@ -84,16 +84,16 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
     eager = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=False)
     static = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=True, bucket=16)
     for p in (eager, static):
-        p.write_features(0, 0, feats)
+        p.write_features(0, 0, 0, feats)
     anchors = [5, 6, 9, 17, 30]  # gaps of 1, 3 (inside one block) and 8, 13 (longer)
     trained = block_logits(model, head, embed, feats[None], tokens[None],
                            torch.tensor([anchors]), 4, cfg.mask_token_id)[0]
     for j, a in enumerate(anchors):
         want = trained[j]  # (3, V)
-        got_e = eager.logits(int(tokens[a]), a, 3)
-        got_s = static.logits(int(tokens[a]), a, 3)
+        got_e = eager.logits(0, int(tokens[a]), a, 3)
+        got_s = static.logits(0, int(tokens[a]), a, 3)
         assert torch.allclose(got_e, want, atol=1e-4), (a, (got_e - want).abs().max())
         assert torch.allclose(got_s, want, atol=1e-4), (a, (got_s - want).abs().max())
     # a shorter block (near the end of the context) goes the eager way in both
-    assert torch.allclose(static.logits(int(tokens[33]), 33, 2),
-                          eager.logits(int(tokens[33]), 33, 2), atol=1e-5)
+    assert torch.allclose(static.logits(0, int(tokens[33]), 33, 2),
+                          eager.logits(0, int(tokens[33]), 33, 2), atol=1e-5)

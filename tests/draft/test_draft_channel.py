@@ -22,7 +22,7 @@ def server(tiny_llama, tmp_path):
                               target=str(tiny_llama), max_context=64), b"secret")
     s._on_draft_configure(b"coord", message(
         "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
-        cache_dir=None, spin_ms=0), [])
+        cache_dir=None, spin_ms=0, slots=2), [])
     yield s
     s.close()
 
@@ -34,8 +34,8 @@ def _feeder(server, route, layers):
     return accept("shm", {"ring": f.inbox.ring.describe()}, None), f
 
 
-def _feat(sid, pos, n, layers):
-    return message("feat", sid=sid, pos=pos, n=n, layers=layers, last=True, act=None)
+def _feat(sid, pos, n, layers, slot=0):
+    return message("feat", sid=sid, slot=slot, pos=pos, n=n, layers=layers, last=True, act=None)
 
 
 def test_bad_frames_are_refused_without_desync(server):
@@ -48,17 +48,22 @@ def test_bad_frames_are_refused_without_desync(server):
     first.send(_feat(1, 0, 2, [4]), torch.ones(2, 64))  # the other feeder's layers
     first.send(_feat(2, 0, 2, [1]), torch.full((2, 64), 7.0))  # a good frame after them
     second.send(_feat(2, 0, 2, [4]), torch.full((2, 64), 9.0))
+    second.send(_feat(2, 0, 1, [4], slot=1), torch.full((1, 64), 5.0))  # another sequence's
     server._drain_inboxes()
     feats = server.proposer.features[0, 0]
     assert torch.equal(feats[:2, :64], torch.full((2, 64), 7.0))  # read from its start
     assert torch.equal(feats[:2, 64:], torch.full((2, 64), 9.0))
+    assert torch.equal(server.proposer.features[0, 1, :1, 64:], torch.full((1, 64), 5.0))
     assert f1.fed_sid == 2 and f2.fed_sid == 2
-    assert f1.rejected is not None and f2.rejected is None
+    # the unreadable frame may have been any sequence's: every slot's context is incomplete
+    assert set(f1.rejected) == {0, 1} and not f2.rejected
     with pytest.raises(ProtocolError, match="incomplete"):  # no proposal from a broken context
-        server._wait_features(2)
-    server._on_draft_begin(b"coord", message("draft_begin", sid=3), [])
-    server._wait_features(2)  # a new sequence starts whole
-    assert len(server.proposer.propose(5, 2, 3)) == 3
+        server._wait_features(2, 0)
+    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0), [])
+    server._wait_features(2, 0)  # a new sequence starts whole
+    with pytest.raises(ProtocolError, match="incomplete"):  # the other slot's still is not
+        server._wait_features(2, 1)
+    assert len(server.proposer.propose(0, 5, 2, 3)) == 3
 
 
 def test_a_linked_feeder_cannot_be_taken_over(server):

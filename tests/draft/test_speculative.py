@@ -41,19 +41,6 @@ TEXT = "<|im_start|>user\nthe cat sat on the mat<|im_end|>\n<|im_start|>assistan
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    """A tiny llama whose greedy output is not degenerate (larger weights)."""
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "llama", "llama", std=0.2)
-
-
-@pytest.fixture(scope="module")
-def dflash(target, tmp_path_factory):
-    """A random DFlash draft tapping a layer of each of 2 shards (0:3, 3:6)."""
-    return write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("dflash"),
-                               layers=1, taps=[1, 4], block_size=4)
-
-
-@pytest.fixture(scope="module")
 def fitted(target, tmp_path_factory):
     """A DFlash draft fitted to the target's own continuations of the test prompts (greedy and
     sampled): its drafts are kept often, not always, so verify steps keep some draft tokens and
@@ -175,8 +162,8 @@ def test_feature_rows_come_from_the_right_shards(target, fitted):
         out = coord.generate(prompt, GREEDY, use_cache=False)
         assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
         committed = len(prompt) + len(out.tokens) - 1
-        reply = coord.draft_request(message("draft_features", start=0, end=committed,
-                                                   sync=coord._feat_sid))
+        reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
+                                            sync=coord.feat_sid(0)))
         rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
     seq = prompt + out.tokens[:-1]
     ckpt = open_checkpoint(target)
@@ -203,7 +190,8 @@ def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
     cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path))
 
     def rows(coord, n):
-        reply = coord.draft_request(message("draft_features", start=0, end=n, sync=coord._feat_sid))
+        reply = coord.draft_request(message("draft_features", slot=0, start=0, end=n,
+                                            sync=coord.feat_sid(0)))
         return bytes(reply["_frames"][0].buffer)
 
     with Coordinator(cfg) as coord:
@@ -279,7 +267,7 @@ def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
         assert want.acceptance_length > 1.5
         # a propose with payload frames it cannot have, one with a missing field, garbage
         for frames, extra in (([b"\x01\x02\x03", b"x"], {}), ([], {"drop": "token"})):
-            msg = message("propose", pos=len(prompt), n=3, token=1, start=0, sync=0)
+            msg = message("propose", slot=0, pos=len(prompt), n=3, token=1, start=0, sync=0)
             msg.pop(extra.get("drop", "-"), None)
             with pytest.raises(DraftError):
                 coord.draft_request(msg, frames)

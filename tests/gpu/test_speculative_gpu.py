@@ -70,10 +70,10 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path):
     graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32)
     assert graph.capture
     for p in (eager, graph):
-        p.write_features(0, 0, feats)
+        p.write_features(0, 0, 0, feats)
     for pos in (20, 21, 24, 30, 57, 100):
-        a = eager.logits(7, pos, 3)
-        b = graph.logits(7, pos, 3)
+        a = eager.logits(0, 7, pos, 3)
+        b = graph.logits(0, 7, pos, 3)
         assert (a - b).abs().max() < 1e-3, pos
     assert len(graph.graphs) >= 3
 

@@ -6,14 +6,30 @@ import msgpack
 import pytest
 
 from ipc.messages import (
-    MAX_HEADER_BYTES, PROTOCOL_VERSION, ProtocolError, best_effort_sid, decode, encode, message,
+    MAX_HEADER_BYTES, MAX_SEGMENTS, PROTOCOL_VERSION, ProtocolError, best_effort_sid, decode,
+    encode, message, segment,
 )
 
 
 def test_roundtrip():
-    m = message("step", sid=3, slot=0, pos=7, n=2, sample=None, logits=True, act=None,
-                draft=[5], feat=True)
+    m = message("step", sid=3, seqs=[segment(0, 7, 2, None, True, [5], True),
+                                     segment(3, 1, 1)], act=None)
     assert decode(encode(m), payload_frames=1) == m
+
+
+@pytest.mark.parametrize("seqs,why", [
+    ([], "1..512 entries"),
+    ([segment(0, 0, 1)] * (MAX_SEGMENTS + 1), "1..512 entries"),
+    ([7], r"seqs\[0\] is a int"),
+    ([{"slot": 0, "pos": 0, "n": 1}], r"seqs\[0\]: field 'sample' is missing"),
+    ([segment(0, 0, 1), {**segment(1, 0, 1), "n": "2"}], r"seqs\[1\]: field 'n' must be int"),
+    ([{**segment(0, 0, 1), "feat": 1}], "field 'feat' must be bool"),
+])
+def test_bad_segments_are_named(seqs, why):
+    with pytest.raises(ProtocolError, match=why):
+        decode(encode(message("step", sid=1, seqs=seqs, act=None)))
+    with pytest.raises(ProtocolError, match="outs"):
+        decode(encode(message("result", sid=1, outs=[{"token": 1}], act=None)))
 
 
 @pytest.mark.parametrize("frame,code", [
@@ -34,8 +50,8 @@ def test_rejections(frame, code):
 
 def test_bool_is_not_int_and_frame_counts_are_checked():
     with pytest.raises(ProtocolError, match="sid"):
-        decode(encode({"type": "result", "v": PROTOCOL_VERSION, "sid": True, "token": 1,
-                            "accepted": 0, "has_logits": False}))
+        decode(encode({"type": "result", "v": PROTOCOL_VERSION, "sid": True,
+                       "outs": [{"token": 1, "accepted": 0, "logits": False}], "act": None}))
     with pytest.raises(ProtocolError, match="payload frames"):
         decode(encode(message("sample", sid=1, position=0, sample={})), payload_frames=0)
     with pytest.raises(ProtocolError, match="payload frames"):
@@ -55,3 +71,14 @@ def test_no_pickle_in_the_codebase():
         for f in (root / pkg).rglob("*.py"):
             text = f.read_text()
             assert "import pickle" not in text and "weights_only=False" not in text, f
+
+
+def test_the_largest_step_header_fits_a_ring_slot():
+    """MAX_SEGMENTS verify segments with 15 draft tokens, large ids and seeds."""
+    from ipc.shm import HEADER_CAP
+
+    seg = segment(511, 100_000, 16, {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
+                                     "seed": 2**62}, True, [150_000] * 15, True)
+    m = message("step", sid=2**40, seqs=[seg] * MAX_SEGMENTS,
+                act={"dtype": "bfloat16", "shape": [8192, 8192]})
+    assert len(encode(m)) <= HEADER_CAP

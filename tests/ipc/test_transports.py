@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from ipc import transport
-from ipc.messages import ProtocolError, encode, message
+from ipc.messages import ProtocolError, encode, message, segment
 from ipc.shm import SHM_DIR, ShmRing
 from ipc.sockets import recv
 
@@ -29,8 +29,7 @@ def pair():
 
 
 def _step(i, n):
-    return message("step", sid=i, slot=0, pos=0, n=n, sample=None, logits=False, act=None,
-                   draft=None, feat=False)
+    return message("step", sid=i, seqs=[segment(0, 0, n)], act=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,6 +190,11 @@ def test_sixteen_concurrent_streams(server, ref):
         got = list(ex.map(one, prompts))
     for p, text in zip(prompts, got):
         assert text == ref.generate(ref.tokenizer.encode(p), SamplingParams(max_tokens=8)).text
+    # they ran as one continuous batch: some steps carried several sequences
+    metrics = httpx.get(server.url + "/metrics").text
+    single = float(re.search(r'layersplit_step_sequences_bucket\{le="1.0"\} (\S+)', metrics)[1])
+    steps = float(re.search(r"layersplit_step_sequences_count (\S+)", metrics)[1])
+    assert steps > single
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from ipc import auth
-from ipc.messages import PROTOCOL_VERSION, encode, message
+from ipc.messages import PROTOCOL_VERSION, encode, message, segment
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
 from runtime.generate import Progress
@@ -169,14 +169,12 @@ def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
             assert "field" in _reply(a)["message"]
             a.send(encode({"type": "ping", "v": PROTOCOL_VERSION, "pad": b"x" * (2 << 20)}))
             assert _reply(a)["code"] == "oversized"
-            a.send_multipart([encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None,
-                                             logits=False, act={"kind": "zmq"}, draft=None,
-                                             feat=False)),
+            a.send_multipart([encode(message("step", sid=1, seqs=[segment(0, 0, 1)],
+                                             act={"kind": "zmq"})),
                               b"1234", b"5678", b"9", b"0", b"1"])
             assert _reply(a)["type"] == "error"
-            a.send(encode(message("step", sid=1, slot=0, pos=0, n=1, sample=None, logits=False,
-                                  act={"kind": "zmq", "dtype": "float32", "shape": [1, 64]},
-                                  draft=None, feat=False)))
+            a.send(encode(message("step", sid=1, seqs=[segment(0, 0, 1)],
+                                  act={"kind": "zmq", "dtype": "float32", "shape": [1, 64]})))
             assert _reply(a)["code"] == "unexpected"  # not the linked upstream
             a.close()
             s.close()

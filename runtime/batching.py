@@ -1,0 +1,293 @@
+"""Continuous batching: many sequence programs (`runtime.generate.sequence_program`) share the
+shard chain, with a step of every micro-batch in flight.
+
+Each request gets a KV slot from the scheduler (`runtime.scheduler`), then its program runs:
+the steps it asks for are batched with the other sequences of its micro-batch into one step
+message (one segment per sequence), and its tokens come out as the results return. Up to
+`MAX_IN_FLIGHT` steps travel the chain at once: one per micro-batch, so while shard i works on
+one micro-batch shard i+1 works on the previous one, plus prefill chunks whose output no program
+waits for (the chunks of one long prompt then flow through the shards overlapped: shard i
+prefills chunk k while shard i+1 prefills chunk k-1).
+
+Every shard takes steps in the order they were sent, so a sequence's steps reach each shard in
+order, and a slot is handed to the next request only when no step of its last owner is still
+in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from runtime.errors import ShardFailure
+from runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
+from runtime.scheduler import Ready, Scheduler, SchedulerConfig
+
+if TYPE_CHECKING:
+    from runtime.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+MAX_IN_FLIGHT = 4  # steps in the chain at once; no ring of the chain (4 slots) then fills up
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence in the batch. `deltas` fill as it generates; `done` once it stopped (its
+    stop rules, the context, a cancel, or a failure: `error`) and its slot is free."""
+
+    rid: int
+    prompt_tokens: int
+    make: Callable[[int], Program]  # slot -> the sequence's program
+    out: OutputStream  # stop rules and text of its tokens
+    deltas: deque[Delta] = dataclasses.field(default_factory=deque)  # text not yet taken
+    done: bool = False
+    error: BaseException | None = None
+    cancelled: bool = False
+    slot: int = -1
+    program: Program | None = None
+    pending: StepRequest | None = None  # the step it asks for, not sent yet
+    in_flight: int = 0  # its steps in the chain
+    waits: int | None = None  # the step whose output its program waits for
+    feat: bool = False  # its segments feed the draft process
+
+
+@dataclasses.dataclass(slots=True)
+class BatchStats:
+    steps: int = 0  # steps sent
+    segments: int = 0  # sequences' segments in them
+    widest: int = 0  # most segments in one step
+    most_in_flight: int = 0  # most steps in the chain at once
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    sid: int
+    reqs: list[Request]
+    group: int | None  # the micro-batch whose step it is (None: extra prefill chunks)
+
+
+class Batcher:
+    def __init__(self, coord: Coordinator, config: SchedulerConfig) -> None:
+        self.coord = coord
+        self.sched = Scheduler(config)
+        self.requests: dict[int, Request] = {}
+        self.steps: dict[int, _Step] = {}
+        self._ids = itertools.count(1)
+        self.stats = BatchStats()
+        self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(self, prompt_tokens: int, make: Callable[[int], Program],
+               out: OutputStream) -> Request:
+        req = Request(next(self._ids), prompt_tokens, make, out)
+        if out.finished:  # nothing to generate (max_tokens 0)
+            self._end(req, admitted=False)
+            return req
+        self.sched.submit(req.rid, prompt_tokens)
+        self.requests[req.rid] = req
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: its slot is free at once (or when its last step in flight is back)."""
+        if req.done or req.cancelled:
+            return
+        req.cancelled = True
+        if self.sched.cancel_waiting(req.rid):
+            self._end(req, admitted=False)
+        elif req.in_flight == 0:
+            self._end(req)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run_once(self) -> None:
+        """Admit what fits, send the steps that are ready, and take in the results that come
+        back (waiting for one when steps are in flight)."""
+        if self.coord.failed is not None:  # the runtime went down under some request
+            self._fail_all(ShardFailure(f"the runtime is down: {self.coord.failed}"))
+            return
+        self._admit()
+        self._send_ready()
+        if self.steps:
+            try:
+                sids = self.coord.wait_steps()
+            except ShardFailure as e:
+                if e.runtime_down:  # every request fails with the runtime
+                    self._fail_all(e)
+                else:  # an error no step in flight claims: the steps go on
+                    log.warning("%s", e)
+                return
+            for sid in sids:
+                self._dispatch(sid)
+
+    def _admit(self) -> None:
+        for rid, slot in self.sched.admit():
+            req = self.requests.get(rid)
+            if req is None:  # every request failed meanwhile (the runtime went down)
+                continue
+            req.slot = slot
+            try:
+                req.program = req.make(slot)
+            except BaseException as e:  # noqa: BLE001 - this request fails, the rest go on
+                self._fail(req, e)
+                continue
+            self._advance(req, None)
+
+    def _advance(self, req: Request, value: Any) -> None:
+        """Run the program until it asks for a step (or ends)."""
+        try:
+            item = req.program.send(value)
+            while True:
+                if req.cancelled:
+                    raise StopIteration
+                if isinstance(item, int):
+                    req.deltas.extend(req.out.push(item))
+                    if req.out.finished:  # its stop rules say so: the slot is free at once
+                        raise StopIteration
+                    item = req.program.send(None)
+                elif isinstance(item, SampleRequest):
+                    token = self.coord.sample_logits(item.logits, item.position, item.sample,
+                                                     item.seed)
+                    item = req.program.send(token)
+                else:
+                    req.pending = item
+                    return
+        except StopIteration:
+            if req.in_flight == 0:
+                self._end(req)
+            else:
+                req.cancelled = True  # ends when its steps in flight are back
+        except BaseException as e:  # noqa: BLE001 - this request fails, the rest go on
+            self._fail(req, e)
+            if isinstance(e, ShardFailure) and e.runtime_down:
+                self._fail_all(e)
+
+    def _ready(self, req: Request) -> bool:
+        return req.pending is not None and req.waits is None and not req.cancelled
+
+    def _send_ready(self) -> None:
+        busy_groups = {s.group for s in self.steps.values() if s.group is not None}
+        running = [self.requests[rid] for rid in self.sched.running]
+        for g in range(self.sched.config.micro_batches):
+            if g in busy_groups or len(self.steps) >= MAX_IN_FLIGHT:
+                continue
+            ready = [r for r in running if self._ready(r) and self.sched.group_of(r.rid) == g]
+            if ready:
+                self._send(ready, g)
+        # prefill chunks nobody waits for may follow at once (a long prompt's pipeline), while
+        # every micro-batch keeps a place in the chain
+        running = [self.requests[rid] for rid in self.sched.running if rid in self.requests]
+        busy = {s.group for s in self.steps.values() if s.group is not None}
+        idle = len({self.sched.group_of(r.rid) for r in running} - busy)
+        while len(self.steps) + idle < MAX_IN_FLIGHT:
+            free = [r for r in running if self._ready(r) and not r.pending.wait]
+            if not free:
+                break
+            self._send(free, None)
+
+    def _send(self, ready: list[Request], group: int | None) -> None:
+        by_rid = {r.rid: r for r in ready}
+        chosen = self.sched.plan([Ready(r.rid, len(r.pending.tokens),
+                                        r.pending.sample is not None and r.pending.wait)
+                                  for r in ready])
+        reqs = [by_rid[rid] for rid in chosen]
+        try:
+            sid = self.coord.send_step([(r.slot, r.pending, r.feat) for r in reqs])
+        except ShardFailure as e:
+            for r in reqs:
+                self._fail(r, e)
+            if e.runtime_down:
+                self._fail_all(e)
+            return
+        self.steps[sid] = _Step(sid, reqs, group)
+        self.stats.steps += 1
+        self.stats.segments += len(reqs)
+        self.stats.widest = max(self.stats.widest, len(reqs))
+        self.stats.most_in_flight = max(self.stats.most_in_flight, len(self.steps))
+        if self.step_observer is not None:
+            self.step_observer(len(reqs))
+        for r in reqs:
+            step, r.pending = r.pending, None
+            r.in_flight += 1
+            self.sched.grow(r.rid, step.pos + len(step.tokens))
+            if step.wait:
+                r.waits = sid
+            else:
+                self._advance(r, None)
+
+    def _dispatch(self, sid: int) -> None:
+        step = self.steps.pop(sid, None)
+        if step is None:  # (a step of requests failed meanwhile)
+            self.coord.forget_steps([sid])
+            return
+        try:
+            outs = self.coord.step_outputs(sid)
+        except ShardFailure as e:
+            for r in step.reqs:
+                r.in_flight -= 1
+                r.waits = None
+                self._fail(r, e)
+            if e.runtime_down:
+                self._fail_all(e)
+            return
+        for r, out in zip(step.reqs, outs):
+            r.in_flight -= 1
+            if r.done:
+                continue
+            if r.waits == sid:
+                r.waits = None
+                if not r.cancelled:
+                    self._advance(r, out)
+            if r.cancelled and r.in_flight == 0 and not r.done:
+                self._end(r)
+
+    # ---- endings ------------------------------------------------------------------------------
+    def _fail(self, req: Request, e: BaseException) -> None:
+        if req.done:
+            return
+        req.error = e
+        if req.in_flight == 0:
+            self._end(req)
+        else:
+            req.cancelled = True
+
+    def _fail_all(self, e: BaseException) -> None:
+        """The runtime is down: every request fails (its steps in flight are lost with it)."""
+        self.steps.clear()
+        self.coord.forget_steps()
+        for req in list(self.requests.values()):
+            req.in_flight = 0
+            if req.error is None:
+                req.error = e
+            self._end(req, admitted=req.rid in self.sched.running)
+        for rid, _ in list(self.sched.waiting):
+            self.sched.cancel_waiting(rid)
+
+    def _end(self, req: Request, admitted: bool = True) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.pending = None
+        req.deltas.extend(req.out.close())
+        if req.program is not None:
+            try:
+                req.program.close()  # its cleanup (draft ownership, cache pins) runs now
+            except BaseException as e:  # noqa: BLE001 - reported on the request
+                log.warning("request %d: cleanup failed: %s", req.rid, e)
+        if admitted and req.rid in self.sched.running:
+            self.sched.release(req.rid)
+        self.requests.pop(req.rid, None)
+
+    def check(self) -> None:
+        """Every slot is held by a live request, every live step by its requests (tests)."""
+        self.sched.check()
+        assert set(self.sched.running) <= set(self.requests)
+        for st in self.steps.values():
+            assert all(r.in_flight > 0 for r in st.reqs)
+

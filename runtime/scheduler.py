@@ -1,0 +1,184 @@
+"""Which requests hold KV-cache slots, and which sequences go into each step: pure bookkeeping,
+no tensors, no processes (`runtime.batching` drives it).
+
+- **Slots and blocks.** Each shard's KV cache holds `slots` sequences of up to `slot_tokens`
+  rows. A running sequence holds one slot and the KV blocks (`block_tokens` rows each) its
+  tokens fill; rows a prefix-cache restore put into the slot are the sequence's own blocks,
+  counted once, like the rows it computes. A request is admitted, first come first served,
+  when a slot and the blocks of its prompt are free.
+- **Micro-batches.** Slots are split into `micro_batches` contiguous groups; a sequence runs in
+  the group of its slot. The driver keeps one step of each group in flight, so with N groups
+  shard i works on group k's step while shard i+1 works on group k-1's. New sequences go to the
+  group with the fewest.
+- **Steps.** A group's next step takes every decode (and verify) segment that is ready, then
+  prefill chunks, oldest request first, while the step's row budget (`step_tokens`) allows:
+  a long prompt never holds up the tokens of running streams by more than one chunk per step,
+  and no request waits behind an unbounded stream of later ones (admission is FIFO, prefill is
+  oldest first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Hashable, Sequence
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    slots: int
+    slot_tokens: int  # KV rows per slot (max_context)
+    block_tokens: int  # KV accounting granularity
+    micro_batches: int
+    step_tokens: int  # rows one step may carry
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.slot_tokens < 1 or self.block_tokens < 1:
+            raise ValueError(f"scheduler: bad sizes {self}")
+        if not 1 <= self.micro_batches <= self.slots:
+            raise ValueError(f"micro_batches={self.micro_batches} must be 1..slots ({self.slots})")
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens={self.step_tokens} must be at least 1")
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return -(-self.slot_tokens // self.block_tokens)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ready:
+    """A running sequence's next segment: `rows` rows; `decode` for a decode or verify step (a
+    token stream waits on it), else a prefill chunk."""
+
+    rid: Hashable
+    rows: int
+    decode: bool
+
+
+@dataclasses.dataclass(slots=True)
+class Running:
+    rid: Hashable
+    slot: int
+    group: int
+    order: int  # admission order (oldest first)
+    blocks: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        c = config
+        self.total_blocks = c.slots * c.blocks_per_slot
+        self.free_blocks = self.total_blocks
+        bounds = [g * c.slots // c.micro_batches for g in range(c.micro_batches + 1)]
+        self.group_slots = [range(bounds[g], bounds[g + 1]) for g in range(c.micro_batches)]
+        self.free_slots: list[list[int]] = [list(r) for r in self.group_slots]
+        self.waiting: deque[tuple[Hashable, int]] = deque()  # (rid, prompt tokens)
+        self.running: dict[Hashable, Running] = {}
+        self._order = 0
+
+    # ---- admission ----------------------------------------------------------------------------
+    def submit(self, rid: Hashable, prompt_tokens: int) -> None:
+        if rid in self.running or any(r == rid for r, _ in self.waiting):
+            raise ValueError(f"request {rid!r} is already known")
+        if not 0 < prompt_tokens <= self.config.slot_tokens:
+            raise ValueError(f"request {rid!r}: a prompt of {prompt_tokens} tokens does not fit "
+                             f"a slot of {self.config.slot_tokens}")
+        self.waiting.append((rid, prompt_tokens))
+
+    def admit(self) -> list[tuple[Hashable, int]]:
+        """Admit waiting requests in arrival order while a slot and their prompt's blocks are
+        free; returns (rid, slot) of each. The first that does not fit stops admission (FIFO:
+        a large request is not overtaken forever by small ones)."""
+        admitted = []
+        while self.waiting:
+            rid, prompt = self.waiting[0]
+            need = self._blocks(prompt)
+            group = self._emptiest_group()
+            if group is None or need > self.free_blocks:
+                break
+            self.waiting.popleft()
+            slot = self.free_slots[group].pop(0)
+            self.running[rid] = Running(rid, slot, group, self._order)
+            self._order += 1
+            self._take(self.running[rid], need)
+            admitted.append((rid, slot))
+        return admitted
+
+    def _emptiest_group(self) -> int | None:
+        best = None
+        for g, free in enumerate(self.free_slots):
+            if free and (best is None or len(free) > len(self.free_slots[best])):
+                best = g
+        return best
+
+    # ---- KV blocks ----------------------------------------------------------------------------
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_tokens)
+
+    def _take(self, r: Running, blocks: int) -> None:
+        extra = blocks - r.blocks
+        if extra <= 0:
+            return
+        if blocks > self.config.blocks_per_slot or extra > self.free_blocks:
+            raise RuntimeError(f"request {r.rid!r}: {blocks} KV blocks exceed its slot or the "
+                               f"{self.free_blocks} free")
+        self.free_blocks -= extra
+        r.blocks = blocks
+
+    def grow(self, rid: Hashable, tokens: int) -> None:
+        """The sequence's slot now holds `tokens` rows (restored and computed alike)."""
+        if tokens > self.config.slot_tokens:
+            raise ValueError(f"request {rid!r}: {tokens} tokens exceed a slot of "
+                             f"{self.config.slot_tokens}")
+        self._take(self.running[rid], self._blocks(tokens))
+
+    def release(self, rid: Hashable) -> None:
+        """A sequence finished, failed or was cancelled (with no step of it in flight): its
+        slot and blocks are free at once."""
+        r = self.running.pop(rid)
+        self.free_blocks += r.blocks
+        free = self.free_slots[r.group]
+        free.append(r.slot)
+        free.sort()
+
+    def cancel_waiting(self, rid: Hashable) -> bool:
+        """Drop a request that was not admitted yet; False if it is not waiting."""
+        for i, (r, _) in enumerate(self.waiting):
+            if r == rid:
+                del self.waiting[i]
+                return True
+        return False
+
+    # ---- steps --------------------------------------------------------------------------------
+    def plan(self, ready: Sequence[Ready]) -> list[Hashable]:
+        """The sequences of the next step, from the ready segments of one group (or of any
+        group, for prefill chunks that need not wait): decode segments first, then prefill
+        chunks oldest first, within the row budget (a step always takes at least one)."""
+        budget = self.config.step_tokens
+        by_age = sorted(ready, key=lambda s: (not s.decode, self.running[s.rid].order))
+        chosen, rows = [], 0
+        for s in by_age:
+            if chosen and rows + s.rows > budget:
+                if s.decode:
+                    continue
+                break  # prefill stays oldest first: a younger chunk does not jump the queue
+            chosen.append(s.rid)
+            rows += s.rows
+        return chosen
+
+    def group_of(self, rid: Hashable) -> int:
+        return self.running[rid].group
+
+    def check(self) -> None:
+        """Invariants (the property tests call this after every operation)."""
+        held = [r.slot for r in self.running.values()]
+        free = [s for f in self.free_slots for s in f]
+        assert len(set(held)) == len(held), "a slot is held twice"
+        assert not set(held) & set(free), "a held slot is also free"
+        assert sorted(held + free) == list(range(self.config.slots)), "a slot leaked"
+        for r in self.running.values():
+            assert r.slot in self.group_slots[r.group], "a sequence runs outside its group"
+            assert 0 <= r.blocks <= self.config.blocks_per_slot
+        assert self.free_blocks + sum(r.blocks for r in self.running.values()) == \
+            self.total_blocks, "KV blocks leaked or double-counted"

@@ -1,0 +1,147 @@
+"""A batched decode step (several sequences, one token each, each in its own KV slot at its own
+position) equals each sequence's own eager decode step, and leaves every other slot alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.fused import fuse_projections
+from shards.graphs import batch_bucket, batch_window
+from shards.kv_cache import KVCache, KVLayout
+
+SLOTS, MAX_LEN, BUCKET = 5, 48, 16
+PROMPT_LENS = (7, 16, 3, 20, 9)  # per slot: positions cross graph-bucket boundaries
+
+
+def test_batch_bucket():
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17, 64, 65, 128, 129)] == \
+        [2, 2, 4, 8, 16, 32, 64, 128, 128, 192]
+
+
+@pytest.mark.parametrize(("slots", "n_slots", "window"), [
+    ([0, 2, 3], 5, (0, 4)),  # slot 1 pads
+    ([3, 1], 5, (1, 4)),  # the window stays inside the cache
+    ([0, 4], 5, (0, 5)),  # the span's bucket (8) is wider than the cache
+    ([7], 100, (7, 2)),
+    ([99], 100, (98, 2)),
+    ([10, 40], 100, (10, 32)),  # two rows, but a span of 31
+    ([10, 42], 100, (10, 64)),
+    ([90, 99], 100, (84, 16)),
+    ([0, 99], 200, (0, 128)),
+    ([0], 1, (0, 1)),
+])
+def test_batch_window(slots, n_slots, window):
+    assert batch_window(slots, n_slots) == window
+
+
+def test_batch_window_covers_the_slots():
+    rng = random.Random(0)
+    for _ in range(500):
+        n_slots = rng.randint(1, 300)
+        slots = rng.sample(range(n_slots), rng.randint(1, min(n_slots, 70)))
+        lo, bp = batch_window(slots, n_slots)
+        assert 0 <= lo and lo + bp <= n_slots and all(lo <= s < lo + bp for s in slots)
+        assert bp == n_slots or bp == batch_bucket(max(slots) - min(slots) + 1)
+
+
+@pytest.mark.parametrize("slots", [[], [1, 1], [5], [-1]])
+def test_batch_window_rejects(slots):
+    with pytest.raises(ValueError):
+        batch_window(slots, 5)
+
+
+def test_scratch_row_is_not_visible():
+    kv = KVCache(KVLayout(2, 2, 4, torch.float32), max_len=10, slots=3)
+    assert kv.k.shape == (2, 3, 10, 2, 4) and kv.k_store.shape == (2, 3, 11, 2, 4)
+    assert kv.k.data_ptr() == kv.k_store.data_ptr()
+    assert kv.nbytes == 2 * kv.k_store.numel() * 4
+
+
+def _range(ckpt, start: int, end: int, fused: bool):
+    model = load_layer_range(ckpt, start, end)
+    if fused:
+        fuse_projections(model, compile=False)
+    return model
+
+
+def _inputs(model, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if model.is_first:
+        return torch.randint(3, 300, (n,), generator=g)
+    return torch.randn(n, model.cfg.hidden_size, generator=g)
+
+
+def _prefilled(ckpt, start: int, end: int, fused: bool) -> RangeExecutor:
+    """An executor with a static decoder whose slots hold prompts of PROMPT_LENS."""
+    ex = RangeExecutor(_range(ckpt, start, end, fused), MAX_LEN, SLOTS, static_decode=True,
+                       graph_bucket=BUCKET)
+    for slot, n in enumerate(PROMPT_LENS):
+        ex.run(_inputs(ex.model, n, seed=slot), 0, slot)
+    return ex
+
+
+def _reference(ckpt, start: int, end: int, batched: RangeExecutor) -> RangeExecutor:
+    """The plain eager path (separate projections) on a copy of `batched`'s KV cache."""
+    ref = RangeExecutor(load_layer_range(ckpt, start, end), MAX_LEN, SLOTS,
+                        static_decode=False)
+    ref.kv.k_store.copy_(batched.kv.k_store)
+    ref.kv.v_store.copy_(batched.kv.v_store)
+    return ref
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("layers", [(0, 6), (2, 4)])
+@pytest.mark.parametrize("slots", [[0, 2, 3], [3, 1], [0, 4], [4, 0, 1, 2, 3], [2]])
+def test_batched_step_equals_eager_steps(tiny_models, layers, slots, fused):
+    ckpt = open_checkpoint(tiny_models["qwen3"])
+    ex = _prefilled(ckpt, *layers, fused)
+    ref = _reference(ckpt, *layers, ex)
+    assert ex.static is not None
+    positions = [PROMPT_LENS[s] for s in slots]
+    for step in range(3):  # consecutive steps; slot 3 crosses a graph bucket (20 -> 32 keys)
+        x = _inputs(ex.model, len(slots), seed=100 + step)
+        before = ex.kv.k.clone(), ex.kv.v.clone()
+        out = ex.static.run_batch(x, slots, positions)
+        want = torch.cat([ref.run(x[i:i + 1], p, s)
+                          for i, (s, p) in enumerate(zip(slots, positions))])
+        assert out.shape == want.shape and out.dtype == want.dtype
+        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+        for s in range(SLOTS):
+            if s in slots:  # the new rows: as the eager step wrote them
+                assert torch.allclose(ex.kv.k[:, s], ref.kv.k[:, s], atol=1e-5)
+                assert torch.allclose(ex.kv.v[:, s], ref.kv.v[:, s], atol=1e-5)
+            else:  # padding slots in the window and slots outside it: untouched
+                assert torch.equal(ex.kv.k[:, s], before[0][:, s])
+                assert torch.equal(ex.kv.v[:, s], before[1][:, s])
+        positions = [p + 1 for p in positions]
+
+
+def test_run_batch_rejects_bad_steps(tiny_llama):
+    ex = _prefilled(open_checkpoint(tiny_llama), 0, 6, fused=False)
+    ids = torch.tensor([5, 6])
+    with pytest.raises(ValueError):
+        ex.static.run_batch(ids, [0, 1], [3])
+    with pytest.raises(ValueError):
+        ex.static.run_batch(ids, [0, 0], [3, 4])
+    with pytest.raises(ValueError):
+        ex.static.run_batch(ids, [0, 1], [3, MAX_LEN])
+
+
+def test_single_steps_after_a_batched_step(tiny_llama):
+    """A batched step's KV rows serve later single-sequence static steps like eager ones."""
+    ckpt = open_checkpoint(tiny_llama)
+    ex = _prefilled(ckpt, 0, 6, fused=False)
+    ref = _reference(ckpt, 0, 6, ex)
+    slots = [1, 3]
+    positions = [PROMPT_LENS[s] for s in slots]
+    ex.static.run_batch(torch.tensor([11, 12]), slots, positions)
+    for s, p, t in zip(slots, positions, (11, 12)):
+        ref.run(torch.tensor([t]), p, s)
+    for s, p in zip(slots, positions):
+        a, b = ex.run(torch.tensor([9]), p + 1, s), ref.run(torch.tensor([9]), p + 1, s)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
