@@ -47,7 +47,7 @@ def run_layout(args, devices: list[str], prompt: list[int]) -> dict:
     cfg = RuntimeConfig(model=args.model, devices=tuple(devices), max_context=args.max_context,
                         prefill_chunk=args.prefill_chunk, transport=(args.transport,),
                         cuda_graphs=not args.no_graphs, dtype=args.dtype,
-                        threads=args.threads)
+                        threads=args.threads, draft=args.draft)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     row: dict = {"layout": ",".join(devices), "shards": len(devices)}
     with Coordinator(cfg) as coord:
@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--draft", default="none", help="speculative draft (default: none, plain "
+                    "decoding)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hf", action="store_true", help="HF transformers baseline")
     ap.add_argument("--floor", action="store_true", help="HBM floor (CUDA only)")

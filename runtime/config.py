@@ -47,7 +47,8 @@ class RuntimeConfig:
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
     max_seqs: int = _field(8, "sequences decoded at once (KV slots of max_context tokens each)")
     micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
-                                   "once; 0 = auto (the number of shards)")
+                                   "once; 0 = auto (the number of shards); at most max_seqs "
+                                   "and 4")
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
     prefix_cache: bool = _field(True, "reuse the KV of cached prompt prefixes")

@@ -348,8 +348,9 @@ class Coordinator:
     def close(self) -> None:
         if self.failed is None and self.shards and self._in_flight:
             try:  # steps still in the chain (of cancelled requests): let them out first
-                self._wait(lambda s, m: False, time.monotonic() + 10.0, "steps at shutdown",
-                           until=lambda: not self._in_flight)
+                self._wait(lambda s, m: False, min(max(d for d, *_ in self._in_flight.values()),
+                                                   time.monotonic() + 60.0),
+                           "steps at shutdown", until=lambda: not self._in_flight)
             except ShardFailure:
                 pass
         if self.cache is not None and self.failed is None and self.shards:
@@ -574,14 +575,17 @@ class Coordinator:
                 if sock in by_mon:
                     recv_monitor_message(sock)
                     sh = by_mon[sock]
-                    if sh.proc is not None:  # a local process: say how it died, if it did
-                        try:
-                            sh.proc.proc.wait(0.1)
-                        except Exception:  # noqa: BLE001 - still running: it hangs
-                            pass
-                        self._check_alive(on_draft)
                     why = (f"lost the connection to {_name(sh)} at {sh.address} (it stopped "
                            "answering heartbeats)")
+                    if sh.proc is not None:  # a local process: say how it died, if it did
+                        try:
+                            sh.proc.proc.wait(0.5)
+                        except Exception:  # noqa: BLE001 - still running: it hangs, or exits
+                            pass
+                        self._check_alive(on_draft)
+                        said = sh.proc.error_text()  # (written before it exits)
+                        if said:
+                            why = f"{sh.proc.name} failed: {said}"
                     if sh.index < 0:
                         self._draft_failed(why, on_draft)
                         break  # the poller changed
@@ -787,8 +791,9 @@ class Coordinator:
         if self.tokenizer is None and params.stop:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         if self.config.spec_required and self.draft_path is not None and self.draft is None:
-            raise ShardFailure(f"speculation is required (spec_required) but the draft is gone: "
-                               f"{self.draft_down}")
+            # the runtime is down without its draft: a server restarts the group, draft included
+            raise self._fail(f"speculation is required (spec_required) but the draft is gone: "
+                             f"{self.draft_down}")
         prompt = list(prompt)
         holder: list[Request] = []
         req = self.batcher.submit(len(prompt), lambda slot: self._program(
@@ -840,6 +845,11 @@ class Coordinator:
                 progress.spec = SpecStats()
                 drafter = DraftClient(self, progress.spec, self.config.spec_required, slot)
                 drafter.begin()
+            elif owner:  # it only feeds: the slot's draft context starts afresh all the same
+                try:
+                    self.draft_request(message("draft_begin", slot=slot))
+                except (DraftLost, DraftError) as e:
+                    log.warning("the draft did not start a context for this request: %s", e)
             cache = self.cache if use_cache else None
             restored = Restored()
             points: list[int] = []
@@ -926,4 +936,6 @@ class Coordinator:
         finally:
             for st in streams:
                 st.close()
+            for r in reqs:  # (a stream never started does not cancel its request on close)
+                self.batcher.cancel(r)
         return [collect(iter(()), pr, len(p)) for p, pr in zip(prompts, progs, strict=True)]

@@ -110,7 +110,8 @@ class Engine:
         active: list[Active] = []
         stopping = False
         while True:
-            busy = bool(active) or (self.coord is not None and self.coord.batcher.busy)
+            busy = any(not a.req.done or a.req.deltas for a in active) or (
+                self.coord is not None and self.coord.batcher.busy)
             while not stopping:  # take every job that waits (block only when idle)
                 try:
                     job = self.jobs.get(timeout=0.2) if not busy else self.jobs.get_nowait()
@@ -130,18 +131,19 @@ class Engine:
                 active = self._shut_out(active)
             if stopping and not active:
                 break
-            if coord is None or not coord.batcher.busy:
+            if coord is None:
                 continue
-            try:
-                coord.batcher.run_once()
-            except Exception as e:  # noqa: BLE001 - a bug: the batch's requests fail, and the
-                # shard group restarts (its steps in flight are in an unknown state)
-                log.exception("the batch failed")
-                for a in active:
-                    a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
-                active = []
-                self._recover(f"internal error: {type(e).__name__}: {e}")
-                continue
+            if coord.batcher.busy:
+                try:
+                    coord.batcher.run_once()
+                except Exception as e:  # noqa: BLE001 - a bug: the batch's requests fail, and
+                    # the shard group restarts (its steps in flight are in an unknown state)
+                    log.exception("the batch failed")
+                    for a in active:
+                        a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+                    active = []
+                    self._recover(f"internal error: {type(e).__name__}: {e}")
+                    continue
             active = [a for a in active if not self._pump(a)]
             self.metrics.running.set(len(active))
             if coord.failed is not None:

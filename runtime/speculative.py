@@ -108,8 +108,10 @@ class DraftClient:
     def _stop(self, e: Exception) -> None:
         self.active = False
         if self.required:
-            raise ShardFailure(f"speculation is required (spec_required) but the draft "
-                               f"failed: {e}", runtime_down=isinstance(e, DraftLost))
+            why = f"speculation is required (spec_required) but the draft failed: {e}"
+            if isinstance(e, DraftLost):  # the whole group restarts (the server), draft included
+                raise self.coord._fail(why)
+            raise ShardFailure(why, runtime_down=False)
         log.warning("this request goes on without speculation: %s", e)
 
     def propose(self, seq: Sequence[int], pos: int, n: int) -> list[int]:

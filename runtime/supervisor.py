@@ -45,14 +45,15 @@ class LocalProcess:
             return None
         how = f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0 else \
             f"exited with code {rc}"
-        detail = ""
+        text = self.error_text()
+        return f"{self.name} (pid {self.pid}) {how}{': ' + text if text else ''}"
+
+    def error_text(self) -> str:
+        """What the process wrote about its failure (before exiting), or ''."""
         try:
-            text = self.error_file.read_text().strip()
-            if text:
-                detail = f": {text}"
+            return self.error_file.read_text().strip()
         except OSError:
-            pass
-        return f"{self.name} (pid {self.pid}) {how}{detail}"
+            return ""
 
     @property
     def name(self) -> str:

@@ -130,6 +130,22 @@ def test_seeded_sampling_and_stop(server):
 
 
 @pytest.mark.slow
+def test_zero_max_tokens_answers_at_once(server):
+    """A request with nothing to generate ends at submission: answered, streamed or not, and
+    the engine is not left busy with it."""
+    c = server.client
+    t0 = time.monotonic()
+    r = c.completions.create(model=MODEL, prompt="nothing", max_tokens=0)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 0
+    chunks = list(c.completions.create(model=MODEL, prompt="nothing", max_tokens=0,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ""
+    assert c.completions.create(model=MODEL, prompt="next", max_tokens=2,
+                                temperature=0).usage.completion_tokens == 2
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.slow
 def test_cached_tokens_grow_on_the_second_turn(server):
     c = server.client
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"}]

@@ -6,6 +6,8 @@ cancellation; the scheduler holds no slot or block afterwards."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
@@ -118,3 +120,46 @@ def test_long_prompt_chunks_overlap_in_the_chain(target):
         assert c.generate(prompt, p).tokens == ref.generate(prompt, p).tokens
         assert c.batcher.stats.most_in_flight >= 3
         _check_idle(c)
+
+
+@pytest.mark.slow
+def test_random_admissions_and_cancels(target):
+    """Random interleavings of submits, cancels and steps on a real 2-shard batch (3 slots, so
+    requests queue; RAM prefix cache on, so repeats hit it): no slot or block leaks, every
+    request ends, and every one not cancelled gets exactly its tokens run alone."""
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=8,
+                        max_context=128, max_seqs=3, micro_batches=2, threads=1, draft="none")
+    with Coordinator(cfg) as c:
+        prompts = [p[: 6 + 7 * i] for i, p in enumerate(_prompts(c.tokenizer)[2:8])]
+        params = [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(6)]
+        alone = [c.generate(p, sp, use_cache=False).tokens for p, sp in zip(prompts, params)]
+
+        @settings(max_examples=12, deadline=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(st.tuples(st.sampled_from(["submit", "cancel", "step", "step"]),
+                                  st.integers(0, 5)), min_size=4, max_size=30))
+        def run(ops):
+            live = []  # (prompt index, request, progress, cancelled)
+            for op, i in ops:
+                if op == "submit":
+                    pr = Progress()
+                    live.append([i, c.submit(prompts[i], params[i], pr), pr, False])
+                elif op == "cancel" and live:
+                    entry = live[i % len(live)]
+                    c.batcher.cancel(entry[1])
+                    entry[3] = True
+                elif c.batcher.busy:
+                    c.batcher.run_once()
+                c.batcher.check()
+            while c.batcher.busy:
+                c.batcher.run_once()
+                c.batcher.check()
+            for i, req, pr, cancelled in live:
+                assert req.done and req.error is None
+                if not cancelled:
+                    assert pr.generated == alone[i]
+                else:
+                    assert pr.generated == alone[i][:len(pr.generated)]
+            _check_idle(c)
+
+        run()
