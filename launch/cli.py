@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -48,11 +49,13 @@ def _raise_on_sigterm() -> None:
 
 # ---- generate ------------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from runtime.config import from_args
+    from runtime.config import explicit_keys, from_args
     from runtime.coordinator import Coordinator
     from runtime.generate import Progress, collect
 
     cfg = from_args(args)
+    if "max_seqs" not in explicit_keys(args):  # one prompt: one KV slot, not a server's batch
+        cfg = dataclasses.replace(cfg, max_seqs=1)
     params = _sampling(args)
     _raise_on_sigterm()
     with Coordinator(cfg) as coord:

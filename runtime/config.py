@@ -45,7 +45,8 @@ class RuntimeConfig:
                                 "bfloat16 on GPU")
     max_context: int = _field(4096, "tokens of KV cache per sequence (prompt + output)")
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
-    max_seqs: int = _field(8, "sequences decoded at once (KV slots of max_context tokens each)")
+    max_seqs: int = _field(8, "sequences decoded at once (KV slots of max_context tokens each); "
+                              "generate uses 1 unless set")
     micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
                                    "once; 0 = auto (the number of shards); at most max_seqs "
                                    "and 4")
@@ -232,6 +233,14 @@ def add_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> No
             continue
         group.add_argument(f"--{name.replace('_', '-')}", dest=f"cfg_{name}", default=None,
                            help=f.metadata.get("help"))
+
+
+def explicit_keys(args: argparse.Namespace) -> set[str]:
+    """The config keys the command line or its config file set."""
+    keys = {k[4:] for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    if getattr(args, "config", None):
+        keys |= set(load_toml(args.config))
+    return keys
 
 
 def from_args(args: argparse.Namespace) -> RuntimeConfig:

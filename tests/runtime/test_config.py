@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import ConfigError, add_flags, from_args, from_mapping, load_toml
+from runtime.config import (
+    ConfigError, add_flags, explicit_keys, from_args, from_mapping, load_toml,
+)
 from runtime.placement import even_split, plan, weighted_split
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
@@ -85,3 +87,14 @@ def test_draft_names_resolve_or_say_what_to_pass(tmp_path):
         resolve_draft("default", tmp_path / "other-model", "cpu")
     with pytest.raises(FileNotFoundError, match="draft '/nowhere' does not exist"):
         resolve_draft("/nowhere", gguf, "cpu")
+
+
+def test_explicit_keys_come_from_flags_and_the_file(tmp_path):
+    """`generate` runs one KV slot unless max_seqs is set by a flag or the config file."""
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    assert explicit_keys(parser.parse_args([])) == set()
+    assert explicit_keys(parser.parse_args(["--max-seqs", "4"])) == {"max_seqs"}
+    f = tmp_path / "c.toml"
+    f.write_text("[batch]\nmax_seqs = 2\n[placement]\ndevices = ['cpu']\n")
+    assert explicit_keys(parser.parse_args(["--config", str(f)])) == {"max_seqs", "devices"}
