@@ -52,7 +52,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType)},
     # speculative decoding: coordinator -> draft process
-    # (the draft keeps one context per KV slot: `slot` is the sequence's slot in the shards)
+    # (the draft keeps `slots` contexts, one per sequence that feeds it: `slot` names one)
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
                         "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num,
                         "slots": (int,)},
@@ -78,10 +78,11 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "bye": {},
 }
 # one sequence's part of a step. `draft`: the draft tokens of a verify segment (its tokens after
-# the first), else None; `feat`: shards that tap layers send those layers' rows to the draft
+# the first), else None; `feat`: the sequence's context in the draft process, to which shards
+# that tap layers send those layers' rows (None: the sequence does not feed the draft)
 SEGMENT: dict[str, tuple[type, ...]] = {
     "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
-    "draft": (list, NoneType), "feat": (bool,)}
+    "draft": (list, NoneType), "feat": (int, NoneType)}
 # one segment's outcome. `token`: sampled for the position after the last accepted row (None
 # when the segment was not sampled); `accepted`: draft tokens a verify segment kept
 OUTCOME: dict[str, tuple[type, ...]] = {"token": (int, NoneType), "accepted": (int,),
@@ -162,7 +163,7 @@ def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], wher
 
 
 def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: bool = False,
-            draft: list[int] | None = None, feat: bool = False) -> dict[str, Any]:
+            draft: list[int] | None = None, feat: int | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
             "draft": draft, "feat": feat}

@@ -52,7 +52,7 @@ class Request:
     pending: StepRequest | None = None  # the step it asks for, not sent yet
     in_flight: int = 0  # its steps in the chain
     waits: int | None = None  # the step whose output its program waits for
-    feat: bool = False  # its segments feed the draft process
+    feed: int | None = None  # its draft context, when its segments feed the draft process
 
 
 @dataclasses.dataclass(slots=True)
@@ -198,7 +198,7 @@ class Batcher:
                                   for r in ready])
         reqs = [by_rid[rid] for rid in chosen]
         try:
-            sid = self.coord.send_step([(r.slot, r.pending, r.feat) for r in reqs])
+            sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs])
         except ShardFailure as e:
             for r in reqs:
                 self._fail(r, e)

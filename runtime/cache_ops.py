@@ -84,7 +84,8 @@ class CacheManager:
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
-        self.deferred_takes: list[tuple[Entry, int, bool]] = []  # (entry, slot, features)
+        self.deferred_takes: list[tuple[Entry, int, int | None]] = []  # (entry, KV slot, the
+        # sequence's draft context when the draft got the entry's feature rows)
         # the draft's feature rows go with every entry while a feature-conditioned draft serves
         self.taps = list(coord.draft_info.get("taps", [])) if coord.feeding else []
         self.feature_width = int(coord.draft_info.get("width", 0))
@@ -105,9 +106,11 @@ class CacheManager:
 
     # ---- restore ------------------------------------------------------------------------------
     def restore(self, prompt: Sequence[int], cuts: Sequence[int], slot: int,
-                features: bool) -> Restored:
-        """Restore the longest cached prefix of `prompt` into KV slot `slot`; with `features`
-        (the sequence feeds the draft process) the draft gets the entries' feature rows too."""
+                context: int | None) -> Restored:
+        """Restore the longest cached prefix of `prompt` into KV slot `slot`; with a draft
+        `context` (the sequence feeds the draft process) the draft gets the entries' feature
+        rows too, into that context."""
+        features = context is not None
         self.poll_done()
         # a RAM copy not taken in time (by the slot's last sequence) is simply not taken
         self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
@@ -132,18 +135,21 @@ class CacheManager:
                 if e.in_ram:
                     ram_run.append(e)
                     continue
-                out.features &= self._restore_ram(ram_run, out.features, slot)
+                out.features &= self._restore_ram(ram_run, slot, context if out.features
+                                                  else None)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
                 ram_run = []
-                ok, feats = self._restore_disk(e, prompt, out.features, slot)
+                ok, feats = self._restore_disk(e, prompt, slot,
+                                               context if out.features else None)
                 if not ok:
                     break
                 out.features &= feats
                 out.tier = "disk"
                 out.length, out.leaf = e.length, e
             else:
-                out.features &= self._restore_ram(ram_run, out.features, slot)
+                out.features &= self._restore_ram(ram_run, slot, context if out.features
+                                                  else None)
                 if ram_run:
                     out.length, out.leaf = ram_run[-1].length, ram_run[-1]
         finally:
@@ -210,15 +216,17 @@ class CacheManager:
         old = self.prefill_rates.get(b)
         self.prefill_rates[b] = rate if old is None else (1 - EWMA) * old + EWMA * rate
 
-    def _restore_ram(self, run: list[Entry], features: bool, slot: int) -> bool:
-        """Restore a run of RAM entries; True if the draft got their feature rows too."""
+    def _restore_ram(self, run: list[Entry], slot: int, context: int | None) -> bool:
+        """Restore a run of RAM entries; True if the draft got their feature rows too (into
+        `context`, when given)."""
         if not run:
             return True
         msg = message("snap_restore", entries=[e.ram_id for e in run], slot=slot)
-        replies = self.coord.call_all(lambda sh: msg, draft=msg if features else None)
-        return features and any(r["_shard"] < 0 for r in replies)
+        draft = None if context is None else {**msg, "slot": context}
+        replies = self.coord.call_all(lambda sh: msg, draft=draft)
+        return draft is not None and any(r["_shard"] < 0 for r in replies)
 
-    def _restore_disk(self, e: Entry, prompt: Sequence[int], features: bool, slot: int
+    def _restore_disk(self, e: Entry, prompt: Sequence[int], slot: int, context: int | None
                       ) -> tuple[bool, bool]:
         """Read one entry file into the shards (and its feature rows into the draft):
         (restored, feature rows restored)."""
@@ -245,8 +253,8 @@ class CacheManager:
                                   "start": e.start, "end": e.length,
                                   "checksum": layout.checksums[name]})
             msgs[sh_index] = message("snap_load", path=str(e.path), slot=slot, items=items)
-        feat = self._feature_item(e, layout) if features else None
-        draft = None if feat is None else message("snap_load", path=str(e.path), slot=slot,
+        feat = self._feature_item(e, layout) if context is not None else None
+        draft = None if feat is None else message("snap_load", path=str(e.path), slot=context,
                                                   items=[feat])
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
@@ -265,7 +273,8 @@ class CacheManager:
         self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
-        self.deferred_takes.append((e, slot, feats))  # a RAM copy, once the first token is out
+        # a RAM copy, once the first token is out
+        self.deferred_takes.append((e, slot, context if feats else None))
         return True, feats
 
     def _feature_item(self, e: Entry, layout) -> dict[str, Any] | None:
@@ -285,10 +294,10 @@ class CacheManager:
         below the prompt's end do not change while the sequence decodes)."""
         mine = [d for d in self.deferred_takes if d[1] == slot]
         self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
-        for e, _, features in reversed(mine):
+        for e, _, context in reversed(mine):
             if self.index.entries.get(e.key) is e and not e.in_ram:
                 self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
-                self._take(e, slot, features)
+                self._take(e, slot, context)
 
     def _check_tokens(self, e: Entry, layout, prompt: Sequence[int]) -> None:
         t = layout.tensors.get("tokens")
@@ -336,10 +345,10 @@ class CacheManager:
 
     # ---- snapshots ----------------------------------------------------------------------------
     def snapshot(self, prompt: Sequence[int], length: int, logits: np.ndarray | None,
-                 parent: Entry | None, slot: int, features: bool) -> Entry | None:
+                 parent: Entry | None, slot: int, context: int | None) -> Entry | None:
         """Cache rows [parent.length, length) of the sequence in KV slot `slot` as a child of
-        `parent`; with `features`, the draft holds that sequence's feature rows of [0, length)
-        and the entry carries them."""
+        `parent`; with a draft `context`, the draft holds that sequence's feature rows of
+        [0, length) there and the entry carries them."""
         self.poll_done()
         key = self.keys(prompt, [length])[length]
         have = self.index.entries.get(key)
@@ -352,7 +361,7 @@ class CacheManager:
             parent = None  # evicted meanwhile: the live KV still holds its rows, so go full
         start = parent.length if parent is not None else 0
         feature_bytes = 0  # the draft's rows count against the caps too
-        if self.taps and features:
+        if self.taps and context is not None:
             feature_bytes = (length - start) * self.feature_row_bytes
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
@@ -360,7 +369,7 @@ class CacheManager:
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
-            self._take(e, slot, features)
+            self._take(e, slot, context)
             if not e.features:
                 e.kv_bytes -= feature_bytes
         except BaseException:
@@ -372,14 +381,14 @@ class CacheManager:
             self._save(e)
         return e
 
-    def _take(self, e: Entry, slot: int, features: bool) -> None:
+    def _take(self, e: Entry, slot: int, context: int | None) -> None:
         """RAM copies of the entry's rows of KV slot `slot` on every shard, and of its feature
-        rows on the draft when the draft holds those of the whole sequence (`features`)."""
+        rows on the draft when the draft's `context` holds those of the whole sequence."""
         ram_id = self.index.new_ram_id()
         take = message("snap_take", entry=ram_id, slot=slot, start=e.start, end=e.length)
         draft = None
-        if self.taps and features:  # after the rows of the last step arrive
-            draft = {**take, "sync": self.coord.feat_sid(slot)}
+        if self.taps and context is not None:  # after the rows of the last step arrive
+            draft = {**take, "slot": context, "sync": self.coord.feat_sid(context)}
         replies = self.coord.call_all(lambda sh: take, draft=draft)
         e.ram_id = ram_id
         e.features = draft is not None and any(r["_shard"] < 0 for r in replies)

@@ -65,8 +65,9 @@ class RuntimeConfig:
     spec_block: int | None = _field(None, "rows per verify step: the last token and up to "
                                           "spec_block - 1 draft tokens (default: the draft's "
                                           "block size; 5 for a classic draft)")
-    spec_max_seqs: int = _field(1, "sequences of the batch that speculate at once (each feeds "
-                                   "the draft; the others decode plainly in the same steps)")
+    spec_max_seqs: int = _field(1, "sequences of the batch that feed the draft and speculate at "
+                                   "once (the draft keeps a context for each; the others "
+                                   "decode plainly in the same steps)")
     spec_required: bool = _field(False, "fail requests when the draft fails (default: go on "
                                         "without speculation, logged)")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")

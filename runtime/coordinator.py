@@ -107,9 +107,10 @@ class Coordinator:
         self.draft_info: dict[str, Any] = {}
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | None = None
-        self._feat_sids: dict[int, int] = {}  # slot -> the last step whose tapped rows of that
-        # slot's sequence went to the draft
-        self._feeding: set[int] = set()  # requests that feed the draft their rows now
+        self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
+        # rows went to it
+        # the draft's contexts (spec_max_seqs of them) not held by a sequence that feeds it
+        self._free_contexts = list(range(config.spec_max_seqs))
         self._in_flight: dict[int, tuple[float, float, str, int]] = {}  # step sid -> deadline,
         # start, kind, segments
         self._done: dict[int, Any] = {}  # step sid -> (result, logits, segments) or its failure
@@ -292,7 +293,7 @@ class Coordinator:
         reply = self._call(d, message(
             "draft_configure", session=self.session, max_context=self.config.max_context,
             max_rows=max_step, feeders=[f for f in feeders if f], spin_ms=self.spin_ms,
-            slots=self.config.max_seqs,
+            slots=max(1, self.config.spec_max_seqs),
             cache_dir=str(Path(self.config.kv_cache_dir).expanduser().resolve())
             if self.config.kv_cache_dir else None), deadline)
         self.draft_info = reply["info"]
@@ -677,20 +678,20 @@ class Coordinator:
             raise ShardFailure("the runtime is not started")
 
     # ---- steps ----------------------------------------------------------------------------------
-    def send_step(self, segs: Sequence[tuple[int, StepRequest, bool]]) -> int:
-        """Send one step, a segment per (slot, request, feeds the draft); returns its sid. Its
-        outputs are collected with `wait_steps` and `step_outputs`."""
+    def send_step(self, segs: Sequence[tuple[int, StepRequest, int | None]]) -> int:
+        """Send one step, a segment per (KV slot, request, draft context it feeds or None);
+        returns its sid. Its outputs are collected with `wait_steps` and `step_outputs`."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         wire, ids = [], []
-        for slot, r, feat in segs:
-            feat = feat and self.feeding
-            if feat:
-                self._feat_sids[slot] = sid
+        for slot, r, feed in segs:
+            feed = feed if self.feeding else None
+            if feed is not None:
+                self._feat_sids[feed] = sid
             sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
-                                None if r.draft is None else [int(t) for t in r.draft], feat))
+                                None if r.draft is None else [int(t) for t in r.draft], feed))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None else
@@ -708,16 +709,16 @@ class Coordinator:
         protocol: traces and tests drive single steps with it)."""
         sid = self.send_step([(slot, StepRequest(list(tokens), pos, sample, seed, want_logits,
                                                  None if draft is None else list(draft)),
-                               self.feeding)])
+                               0 if self.feeding else None)])
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
                        until=lambda: sid in self._done)
         return self.step_outputs(sid)[0]
 
-    def feat_sid(self, slot: int) -> int:
-        """The last step that sent the draft feature rows of `slot`'s sequence (a proposal or
-        a snapshot of that sequence waits for them)."""
-        return self._feat_sids.get(slot, 0)
+    def feat_sid(self, context: int) -> int:
+        """The last step that sent feature rows to the draft's `context` (a proposal or a
+        snapshot of its sequence waits for them)."""
+        return self._feat_sids.get(context, 0)
 
     def wait_steps(self) -> list[int]:
         """Wait until at least one step in flight is back; returns the sids of those back."""
@@ -835,19 +836,18 @@ class Coordinator:
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
         # with its own draft context, in its slot; one asked not to speculate still feeds it,
         # so its cache entries carry feature rows); the others decode plainly in the same steps
-        owner = self.draft is not None and len(self._feeding) < self.config.spec_max_seqs
-        if owner:
-            self._feeding.add(req.rid)
+        context = (self._free_contexts.pop(0) if self.draft is not None and
+                   self._free_contexts else None)
         prog = None
         try:
             drafter = None
-            if owner and speculative is not False:
+            if context is not None and speculative is not False:
                 progress.spec = SpecStats()
-                drafter = DraftClient(self, progress.spec, self.config.spec_required, slot)
+                drafter = DraftClient(self, progress.spec, self.config.spec_required, context)
                 drafter.begin()
-            elif owner:  # it only feeds: the slot's draft context starts afresh all the same
+            elif context is not None:  # it only feeds: its context starts afresh all the same
                 try:
-                    self.draft_request(message("draft_begin", slot=slot))
+                    self.draft_request(message("draft_begin", slot=context))
                 except (DraftLost, DraftError) as e:
                     log.warning("the draft did not start a context for this request: %s", e)
             cache = self.cache if use_cache else None
@@ -855,7 +855,7 @@ class Coordinator:
             points: list[int] = []
             if cache is not None:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
-                restored = cache.restore(prompt, cuts, slot, features=owner)
+                restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
                 progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
                 # snapshot at the last cut inside the prompt (restorable into any longer prompt)
                 # and at its very end (an exact repeat then needs no forward pass)
@@ -863,8 +863,8 @@ class Coordinator:
                 points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
             # the draft's context is whole if every row it needs came from this sequence's steps
             # or from the cache with its feature rows
-            req.feat = owner and self.feeding
-            live = req.feat and (restored.length == 0 or restored.features)
+            req.feed = context if self.feeding else None
+            live = req.feed is not None and (restored.length == 0 or restored.features)
             if drafter is not None and (not drafter.active or (self.feeding and not live)):
                 if drafter.active:
                     log.info("no speculation for this request: the restored prefix carries no "
@@ -874,7 +874,8 @@ class Coordinator:
 
             def on_boundary(end: int, logits: np.ndarray | None) -> None:
                 if end in points:
-                    e = cache.snapshot(prompt, end, logits, parent[0], slot, features=live)
+                    e = cache.snapshot(prompt, end, logits, parent[0], slot,
+                                       req.feed if live else None)
                     if e is not None:
                         parent[0] = e
 
@@ -900,7 +901,8 @@ class Coordinator:
         finally:
             if prog is not None:
                 prog.close()
-            self._feeding.discard(req.rid)
+            if context is not None:
+                self._free_contexts = sorted([*self._free_contexts, context])
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, use_cache: bool = True,
                  speculative: bool | None = None) -> GenerationResult:

@@ -86,8 +86,10 @@ class SpecStats:
 class DraftClient:
     """The `Drafter` of one sequence: proposals from the draft process."""
 
-    def __init__(self, coord: Coordinator, stats: SpecStats, required: bool, slot: int) -> None:
-        self.coord, self.stats, self.required, self.slot = coord, stats, required, slot
+    def __init__(self, coord: Coordinator, stats: SpecStats, required: bool,
+                 context: int) -> None:
+        """`context`: the sequence's context in the draft process (its rows and draft KV)."""
+        self.coord, self.stats, self.required, self.context = coord, stats, required, context
         info = coord.draft_info
         self.kind = info["kind"]
         # a verify step is a step: no more rows than the shards take (prefill_chunk)
@@ -101,7 +103,7 @@ class DraftClient:
     def begin(self) -> None:
         """A new sequence: the draft forgets the last one."""
         try:
-            self.coord.draft_request(message("draft_begin", slot=self.slot))
+            self.coord.draft_request(message("draft_begin", slot=self.context))
         except (DraftLost, DraftError) as e:
             self._stop(e)
 
@@ -125,8 +127,8 @@ class DraftClient:
             frames = [np.asarray(seq[start:pos], dtype=np.int64)]
         try:
             reply = self.coord.draft_request(message(
-                "propose", slot=self.slot, pos=pos, n=n, token=int(seq[pos]), start=start,
-                sync=self.coord.feat_sid(self.slot)), frames)
+                "propose", slot=self.context, pos=pos, n=n, token=int(seq[pos]), start=start,
+                sync=self.coord.feat_sid(self.context)), frames)
             tokens = reply.get("tokens") if reply.get("type") == "proposal" else None
             if not isinstance(tokens, list) or len(tokens) > n or not all(
                     isinstance(t, int) and 0 <= t < self.vocab for t in tokens):

@@ -34,6 +34,7 @@ class Segment:
     verify: bool = False  # a speculative verify segment (last token + draft tokens)
     all_logits: bool = False  # logits of every row (else of the last), on the last range
     taps: dict[int, torch.Tensor] | None = None  # filled with the tapped layers' rows
+    feed: int | None = None  # the sequence's draft context, when the rows go to the draft
 
 
 class RangeExecutor:

@@ -414,9 +414,13 @@ class ShardServer:
                 _check_sample(seg["sample"], where)
             slots.add(slot)
             rows += n
+            feed = seg["feat"]
+            if feed is not None and feed < 0:
+                raise ProtocolError(f"{where}: draft context {feed} is negative")
             segs.append(Segment(slot, pos, n, verify=draft is not None,
                                 all_logits=draft is not None,
-                                taps={} if seg["feat"] and self.feed is not None else None))
+                                taps={} if feed is not None and self.feed is not None else None,
+                                feed=feed))
         if rows > self.max_step:
             raise ProtocolError(f"step: {rows} rows exceed the {self.max_step} a step may carry")
         if x is None:
@@ -454,7 +458,7 @@ class ShardServer:
         fed = [s for s in segs if s.taps]
         for i, s in enumerate(fed):  # the draft gets the rows before anything moves downstream
             if self.feed is not None:
-                self._send_features(msg["sid"], s.slot, s.pos, s.n, s.taps, i == len(fed) - 1)
+                self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, i == len(fed) - 1)
         if not self.model.is_last:
             self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
                           outs[0] if len(outs) == 1 else torch.cat(outs))
@@ -488,16 +492,17 @@ class ShardServer:
         self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
                       torch.cat(logits_rows).cpu() if logits_rows else None)
 
-    def _send_features(self, sid: int, slot: int, pos: int, n: int,
+    def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool) -> None:
-        """Rows of the tapped layers, side by side, in pieces of at most FEED_ROWS rows; the
+        """Rows of the tapped layers, side by side, for the sequence's draft context
+        (`context`), in pieces of at most FEED_ROWS rows; the
         step's last piece says so (`last`: the draft then has all of the step's rows). A draft
         that stopped taking them is dropped (logged): the target's step never waits on it."""
         rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
         try:
             for a in range(0, n, FEED_ROWS):
                 b = min(n, a + FEED_ROWS)
-                self.feed.send(message("feat", sid=sid, slot=slot, pos=pos + a, n=b - a,
+                self.feed.send(message("feat", sid=sid, slot=context, pos=pos + a, n=b - a,
                                        layers=list(self.taps), last=step_end and b == n,
                                        act=None),
                                rows[a:b])

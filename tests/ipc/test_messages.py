@@ -12,7 +12,7 @@ from ipc.messages import (
 
 
 def test_roundtrip():
-    m = message("step", sid=3, seqs=[segment(0, 7, 2, None, True, [5], True),
+    m = message("step", sid=3, seqs=[segment(0, 7, 2, None, True, [5], 0),
                                      segment(3, 1, 1)], act=None)
     assert decode(encode(m), payload_frames=1) == m
 
@@ -23,7 +23,7 @@ def test_roundtrip():
     ([7], r"seqs\[0\] is a int"),
     ([{"slot": 0, "pos": 0, "n": 1}], r"seqs\[0\]: field 'sample' is missing"),
     ([segment(0, 0, 1), {**segment(1, 0, 1), "n": "2"}], r"seqs\[1\]: field 'n' must be int"),
-    ([{**segment(0, 0, 1), "feat": 1}], "field 'feat' must be bool"),
+    ([{**segment(0, 0, 1), "feat": True}], "field 'feat' must be int/NoneType"),
 ])
 def test_bad_segments_are_named(seqs, why):
     with pytest.raises(ProtocolError, match=why):
@@ -78,7 +78,7 @@ def test_the_largest_step_header_fits_a_ring_slot():
     from ipc.shm import HEADER_CAP
 
     seg = segment(511, 100_000, 16, {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
-                                     "seed": 2**62}, True, [150_000] * 15, True)
+                                     "seed": 2**62}, True, [150_000] * 15, 1023)
     m = message("step", sid=2**40, seqs=[seg] * MAX_SEGMENTS,
                 act={"dtype": "bfloat16", "shape": [8192, 8192]})
     assert len(encode(m)) <= HEADER_CAP
