@@ -39,7 +39,7 @@ from ipc.sockets import bind_router, recv, send
 from ipc.transport import tensor_bytes, zmq_tensor
 from shards.device import use_device
 from shards.dtypes import torch_dtype
-from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
+from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
@@ -174,15 +174,11 @@ class DraftServer:
             log.warning("draft: cannot reply to a departed peer: %s", e)
 
     def _report_saves(self) -> bool:
-        store = self.snapshots
-        if store is None or store.results.empty():
-            return False
-        while not store.results.empty():
-            entry, path, sums, err = store.results.get_nowait()
-            if self.coordinator is not None:
-                self._reply(self.coordinator, message("saved", entry=entry, path=path,
-                                                      checksums=sums, error=err))
-        return True
+        return report_saves(self.snapshots, self._to_coordinator)
+
+    def _to_coordinator(self, msg: dict[str, Any]) -> None:
+        if self.coordinator is not None:
+            self._reply(self.coordinator, msg)
 
     # ---- authentication and setup ---------------------------------------------------------------
     def _on_auth(self, route: bytes, msg: dict[str, Any]) -> None:
@@ -338,10 +334,8 @@ class DraftServer:
             range(self.proposer.slots)
         for s in slots:
             f.rejected[s] = why
-        if self.coordinator is not None:
-            self._reply(self.coordinator, error(f"draft: feature frame from the feeder of "
-                                                f"layers {list(f.layers)} refused: {why}",
-                                                "bad_feature"))
+        self._to_coordinator(error(f"draft: feature frame from the feeder of layers "
+                                   f"{list(f.layers)} refused: {why}", "bad_feature"))
 
     def _feeder_frame_rejected(self, route: bytes, why: str, slot: int | None = None) -> None:
         f = next((f for f in self.feeders if f.route == route), None)

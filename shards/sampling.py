@@ -40,12 +40,17 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return is_greedy(self.temperature, self.top_k)
 
     def wire(self) -> dict:
         """The fields a sampling shard needs, as a plain dict for the control protocol."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
                 "seed": self.seed or 0}
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    """Sampling that always draws the argmax."""
+    return temperature == 0 or top_k == 1
 
 
 def mix_seed(seed: int, position: int, stream: int = 0) -> int:
@@ -88,7 +93,7 @@ def sample_rows(
     positions: Sequence[int],
 ) -> list[int]:
     """One token per row; row i samples the token that goes to `positions[i]`."""
-    if temperature == 0 or top_k == 1:
+    if is_greedy(temperature, top_k):
         return logits.argmax(dim=-1).tolist()
     probs = filtered_probs(logits, temperature, top_k, top_p)
     out = []
@@ -124,7 +129,7 @@ def accept_draft(
     n = logits.shape[0]
     if len(draft) != n - 1:
         raise ValueError(f"{n} rows verify {n - 1} draft tokens, got {len(draft)}")
-    if temperature == 0 or top_k == 1:
+    if is_greedy(temperature, top_k):
         toks = logits.argmax(dim=-1).tolist()
         k = 0
         while k < n - 1 and draft[k] == toks[k]:

@@ -18,13 +18,14 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ipc.kv_file import checksum
-from ipc.messages import ProtocolError
+from ipc.messages import ProtocolError, message
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,17 @@ def entry_path_ok(path: str, cache_dir: str | None) -> bool:
         return False
     p, d = Path(path).resolve(), Path(cache_dir).resolve()
     return d in p.parents
+
+
+def report_saves(store: SnapshotStore | None, send: Callable[[dict[str, Any]], None]) -> bool:
+    """Hand `send` a `saved` message for each disk write the background threads finished;
+    True if there was any."""
+    if store is None or store.results.empty():
+        return False
+    while not store.results.empty():
+        entry, path, sums, err = store.results.get_nowait()
+        send(message("saved", entry=entry, path=path, checksums=sums, error=err))
+    return True
 
 
 SNAP_OPS = ("snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load")

@@ -36,8 +36,8 @@ from shards.device import use_device
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
 from shards.fused import fuse_projections
-from shards.sampling import accept_draft, sample_rows
-from shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
+from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
+from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
@@ -112,14 +112,7 @@ class ShardServer:
 
     def _report_saves(self) -> bool:
         """Tell the coordinator about disk writes the background threads finished."""
-        if self.snapshots is None or self.snapshots.results.empty():
-            return False
-        while not self.snapshots.results.empty():
-            entry, path, sums, err = self.snapshots.results.get_nowait()
-            if self.coordinator is not None:
-                self._reply(self.coordinator, message("saved", entry=entry, path=path,
-                                                      checksums=sums, error=err))
-        return True
+        return report_saves(self.snapshots, self._report)
 
     def _poll_sockets(self, timeout_ms: int) -> bool:
         events = self.poller.poll(timeout_ms)
@@ -466,8 +459,8 @@ class ShardServer:
         results, logits_rows = [], []
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
         plain = [i for i, seg in enumerate(msg["seqs"]) if seg["draft"] is None and
-                 seg["sample"] is not None and (float(seg["sample"]["temperature"]) == 0 or
-                                                int(seg["sample"]["top_k"]) == 1)]
+                 seg["sample"] is not None and is_greedy(seg["sample"]["temperature"],
+                                                         seg["sample"]["top_k"])]
         if len(plain) > 1:
             rows = torch.stack([outs[i][-1] for i in plain]).argmax(dim=-1).tolist()
             greedy = dict(zip(plain, rows))
@@ -579,13 +572,17 @@ SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, fl
 
 
 def _check_sample(sample: dict[str, Any], where: str) -> None:
-    """A segment's sampling parameters, checked before any compute."""
+    """A segment's sampling parameters, checked before any compute (their ranges as a request's
+    are: `SamplingParams`)."""
     for name, types in SAMPLE_FIELDS.items():
         v = sample.get(name)
         if not isinstance(v, types) or isinstance(v, bool):
             raise ProtocolError(f"{where}: sample field {name!r} must be a number, got {v!r}")
-    if sample["temperature"] < 0 or sample["top_k"] < 0 or not 0 < sample["top_p"] <= 1:
-        raise ProtocolError(f"{where}: sampling parameters out of range: {sample!r}"[:300])
+    try:
+        SamplingParams(temperature=sample["temperature"], top_k=sample["top_k"],
+                       top_p=sample["top_p"], seed=sample["seed"])
+    except ValueError as e:
+        raise ProtocolError(f"{where}: {e}") from None
 
 
 def watch_parent(parent_pid: int, on_gone) -> threading.Thread:
