@@ -480,7 +480,7 @@ class Coordinator:
         if wait_ms:
             self._poller.poll(wait_ms)
         for sh in self.shards + ([self.draft] if self.draft is not None else []):
-            while sh.sock.poll(0):
+            while not sh.sock.closed and sh.sock.poll(0):  # (a draft lost meanwhile: closed)
                 _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
                     self.cache.on_saved(sh.index, msg)
