@@ -66,6 +66,28 @@ def test_bad_frames_are_refused_without_desync(server):
     assert len(server.proposer.propose(0, 5, 2, 3)) == 3
 
 
+def test_draft_contexts_out_of_range_are_refused(server):
+    """The draft keeps `slots` contexts (2 here): a feature frame, a new sequence or a proposal
+    for another one is refused by name. The frame's rows could have been any sequence's, so
+    every context is incomplete until its next sequence begins."""
+    first, f1 = _feeder(server, b"shard0", [1])
+    first.send(_feat(1, 0, 2, [1], slot=2), torch.zeros(2, 64))
+    server._drain_inboxes()
+    assert set(f1.rejected) == {0, 1} and "slot 2 outside 0..1" in f1.rejected[0]
+    with pytest.raises(ProtocolError, match="incomplete"):
+        server._wait_features(0, 0)
+    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0), [])
+    server._wait_features(0, 0)
+    with pytest.raises(ProtocolError, match="draft_begin: slot 2 outside 0..1"):
+        server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=2), [])
+    with pytest.raises(ProtocolError, match="slot 5 outside 0..1"):
+        server._on_propose(b"coord", message("propose", sid=5, slot=5, pos=2, n=3, token=1,
+                                              start=0, sync=0), [])
+    with pytest.raises(ProtocolError, match="slot 3 of 0..1|outside"):
+        server._on_draft_features(b"coord", message("draft_features", sid=6, slot=3, start=0,
+                                                      end=2, sync=0), [])
+
+
 def test_a_linked_feeder_cannot_be_taken_over(server):
     _feeder(server, b"shard0", [1])
     with pytest.raises(ProtocolError, match="linked already"):

@@ -69,6 +69,10 @@ def test_every_key_is_documented():
     ({"spec_block": "many"}, "spec_block='many' is not a valid int"),
     ({"draft": ""}, "draft is empty"),
     ({"spec_required": "perhaps"}, "spec_required='perhaps' is not a valid bool"),
+    ({"spec_max_seqs": -1}, "spec_max_seqs=-1: must be at least 0"),
+    ({"max_seqs": 0}, "max_seqs=0: use 1..512"),
+    ({"max_seqs": 513}, "max_seqs=513: use 1..512"),
+    ({"micro_batches": 5}, r"micro_batches=5: use 0 \(auto\) to 4"),
 ])
 def test_bad_speculation_keys_are_named(values, match):
     with pytest.raises(ConfigError, match=match):

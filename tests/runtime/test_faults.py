@@ -4,6 +4,7 @@ refused without desynchronizing anything, unauthenticated peers are refused."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 import msgpack
 import psutil
 import pytest
+import torch
 import zmq
 
 from ipc import auth
@@ -235,3 +237,35 @@ def test_invalid_placement_cli_exit_code(tiny_llama):
 def test_psutil_sees_no_leftovers():
     assert [p for p in psutil.Process().children(recursive=True)
             if p.status() != psutil.STATUS_ZOMBIE and "launch.cli" in " ".join(p.cmdline())] == []
+
+
+@pytest.mark.slow
+def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
+    """Steps whose segments cannot be right, sent where real steps go (the first shard's ring):
+    each gets an error naming what is wrong, before any compute; later requests are unchanged."""
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    with Coordinator(_cfg(tiny_llama, n=2, max_seqs=3)) as coord:
+        prompt = _prompt(coord)
+        want = coord.generate(prompt, p).tokens
+        greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+        cases = [
+            ([segment(3, 0, 1)], [5], "slot 3 is outside 0..2"),
+            ([segment(1, 0, 1), segment(1, 4, 1)], [5, 6], "slot 1 is outside 0..2 or repeated"),
+            ([segment(0, 4090, 8)], [5] * 8, "n=8 pos=4090 outside a context of 4096"),
+            ([segment(0, 0, 2)], [5], "expected 2 int64 token ids"),
+            ([segment(0, 0, 1, {**greedy, "temperature": -1.0})], [5],
+             "temperature must be >= 0"),
+            ([segment(0, 0, 1, {**greedy, "top_p": "all"})], [5], "'top_p' must be a number"),
+            ([segment(0, 0, 2, greedy, draft=[9999])], [5, 6], "draft token ids"),
+            ([segment(0, 0, 1, feat=-1)], [5], "draft context -1 is negative"),
+        ]
+        for seqs, ids, why in cases:
+            sid = coord._new_sid()
+            coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
+                              torch.tensor(ids, dtype=torch.int64))
+            with pytest.raises(ShardFailure, match=re.escape(why)):
+                coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
+            assert coord.failed is None
+        assert coord.generate(prompt, p).tokens == want
+        got = coord.generate_batch([prompt] * 3, [p] * 3)
+        assert [r.tokens for r in got] == [want] * 3
