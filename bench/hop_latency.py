@@ -2,7 +2,8 @@
 
 Two processes ping-pong an activation over the real transport classes (`ipc/transport.py`),
 each edge set up as the runtime sets it up (receiver offers, sender maps). One-way latency is
-half the round trip; the receive side counts only once the tensor is usable on its device.
+half the round trip, which ends once the echo has landed on the first side's device (its stream
+synchronized: every copy of the trip, and each side's wait for the other's, has run).
 Ring transports (shm, cuda-ipc) are waited on by spinning, as the runtime does on GPU hosts
 (`--no-spin`: sleep on the zmq doorbell instead, as on CPU-only hosts).
 
@@ -15,6 +16,7 @@ Prints a table last; `--json FILE` also writes the rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -53,20 +55,17 @@ def _setup(sock: zmq.Socket, kind: str, max_bytes: int, dev: torch.device):
     return sender, inbox
 
 
-def _receive(sock, inbox, dev, spin: bool):
+def _take(sock, inbox, dev, spin):
+    """The next activation on this side: (tensor usable in `dev`'s stream order, a callable that
+    hands its ring slot back)."""
     if inbox is None:
         _, msg, frames, err = recv(sock)
         assert err is None, err
-        y = transport.zmq_tensor(msg, frames).to(dev)
-        _sync(dev)
-        return y
+        return transport.zmq_tensor(msg, frames).to(dev), lambda: None
     while True:
         if inbox.ready():
             msg, y, seq = inbox.poll()
-            _sync(dev)
-            y = y.clone()
-            inbox.release(seq)
-            return y
+            return y, functools.partial(inbox.release, seq)
         if not spin:
             inbox.sleep(True)
             if not inbox.ready():
@@ -80,9 +79,20 @@ def _step(n):
     return message("step", sid=0, seqs=[segment(0, 0, n)], act=None)
 
 
-def _one(sock, sender, inbox, x, dev, spin):
+def _round_trip(sock, sender, inbox, x, dev, spin) -> tuple[float, torch.Tensor, tuple]:
+    """Send `x` and take the peer's echo; the clock stops once the echo is on this device
+    (a stream sync: the echo's copies, and the peer's, have run). Also returns the time of this
+    side's send call and of the final sync."""
+    t0 = time.perf_counter()
     sender.send(_step(x.shape[0]), x)
-    return _receive(sock, inbox, dev, spin)
+    t1 = time.perf_counter()
+    y, done = _take(sock, inbox, dev, spin)
+    t2 = time.perf_counter()
+    _sync(dev)
+    t3 = time.perf_counter()
+    y = y.clone()
+    done()
+    return t3 - t0, y, (t1 - t0, t3 - t2)
 
 
 def peer_main(args) -> None:
@@ -96,9 +106,11 @@ def peer_main(args) -> None:
         if cmd["op"] == "stop":
             break
         sender, inbox = _setup(sock, cmd["kind"], cmd["max_bytes"], dev)
-        for _ in range(cmd["iters"]):
-            y = _receive(sock, inbox, dev, cmd["spin"])
+        for _ in range(cmd["iters"]):  # echo straight out of the slot, as a shard forwards
+            y, done = _take(sock, inbox, dev, cmd["spin"])
             sender.send(_step(y.shape[0]), y)
+            done()
+        _sync(dev)
         sender.close()
         if inbox is not None:
             inbox.close()
@@ -143,12 +155,12 @@ def main() -> None:
                     sock.send(msgpack.packb({"op": "run", "kind": kind, "max_bytes": nbytes,
                                              "iters": iters + 10, "spin": spin}))
                     sender, inbox = _setup(sock, kind, nbytes, dev)
-                    times = []
+                    times, parts = [], []
                     for i in range(iters + 10):
-                        t0 = time.perf_counter()
-                        y = _one(sock, sender, inbox, x, dev, spin)
+                        elapsed, y, part = _round_trip(sock, sender, inbox, x, dev, spin)
                         if i >= 10:
-                            times.append((time.perf_counter() - t0) / 2)
+                            times.append(elapsed / 2)
+                            parts.append(part)
                     assert torch.equal(y.to(x.device), x)
                     sender.close()
                     if inbox is not None:
@@ -157,7 +169,9 @@ def main() -> None:
                     rows.append({"transport": kind, "devices": args.devices, "hidden": hidden,
                                  "tokens": tokens, "bytes": nbytes,
                                  "median_us": statistics.median(times) * 1e6,
-                                 "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6})
+                                 "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6,
+                                 "send_call_us": statistics.median(p[0] for p in parts) * 1e6,
+                                 "final_sync_us": statistics.median(p[1] for p in parts) * 1e6})
         finally:
             sock.send(msgpack.packb({"op": "stop"}))
             peer.wait(30)
@@ -168,11 +182,14 @@ def main() -> None:
     print(f"\nhop latency, one way (devices {args.devices}, {dtype}, "
           f"{'sleep on doorbell' if args.no_spin else 'spin-wait'} on rings), "
           f"host {os.uname().nodename}")
+    print("(send call, final sync: medians of the first side's send() and of its closing stream "
+          "sync, per round trip)")
     print(f"{'transport':<10} {'hidden':>6} {'tokens':>6} {'bytes':>10} {'median us':>10} "
-          f"{'p99 us':>9}")
+          f"{'p99 us':>9} {'send call':>9} {'sync':>7}")
     for r in rows:
         print(f"{r['transport']:<10} {r['hidden']:>6} {r['tokens']:>6} {r['bytes']:>10} "
-              f"{r['median_us']:>10.1f} {r['p99_us']:>9.1f}")
+              f"{r['median_us']:>10.1f} {r['p99_us']:>9.1f} {r['send_call_us']:>9.1f} "
+              f"{r['final_sync_us']:>7.1f}")
 
 
 if __name__ == "__main__":

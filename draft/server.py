@@ -292,9 +292,7 @@ class DraftServer:
                     self._store_rows(f, msg, rows)
                 except ProtocolError as e:
                     self._refuse_feature(f, str(e), msg.get("slot"))
-                finally:
-                    if self.device.type == "cuda":  # the copy out of the slot must be done
-                        torch.cuda.current_stream(self.device).synchronize()
+                finally:  # (a device slot is handed back once the copy out of it has run)
                     inbox.release(seq)
         return worked
 

@@ -6,7 +6,7 @@ One interface: a `Sender` posts (header, tensor); a ring `Inbox` is polled for (
 - `shm`: header and payload in a shared-memory ring (`ipc.shm.ShmRing`), waited on by spinning.
 - `cuda-ipc`: header in a shared-memory ring, payload in a device ring the receiver shares by
   CUDA IPC handle (torch's `_share_cuda_`, HIP IPC on ROCm); the sender copies device to device
-  and synchronizes the copy before publishing.
+  and CUDA IPC events order the two processes' streams, not host waits (`ipc.cuda_handoff`).
 
 The receiving side owns the memory (`offer`), the sending side maps it (`accept`). The same ring
 carries token ids from the coordinator to shard 0 and results from the last shard back.
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zmq
 
+from ipc.cuda_handoff import SlotReader, SlotWriter
 from ipc.messages import ProtocolError, decode, encode
 from ipc.shm import ShmRing
 from ipc.sockets import send
@@ -158,29 +159,29 @@ def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | N
 
 # ---- rings (shm, cuda-ipc) -----------------------------------------------------------------------
 class RingSender:
-    """Posts into a ring another process polls. Payload in the ring's host slot, or, with
-    `device_buffer`, in a device ring (copied device to device, synchronized before publish)."""
+    """Posts into a ring another process polls. Payload in the ring's host slot, or, with a
+    `device` writer (cuda-ipc), in the receiver's device ring."""
 
     def __init__(self, ring: ShmRing, doorbell: Callable[[], None] | None = None,
-                 device_buffer: torch.Tensor | None = None, device_slot_bytes: int = 0) -> None:
-        self.ring, self.doorbell = ring, doorbell
-        self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
-        self.kind = "cuda-ipc" if device_buffer is not None else "shm"
+                 device: SlotWriter | None = None) -> None:
+        self.ring, self.doorbell, self.device = ring, doorbell, device
+        self.kind = "cuda-ipc" if device is not None else "shm"
         self.seq = 0
         self.timeout_s = 60.0  # a receiver that takes nothing for this long has stalled
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
         slot = self.ring.wait_free(self.seq, self.timeout_s)
         if t is not None:
-            t = t.detach().contiguous()
+            if t.requires_grad:
+                t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
             nbytes = t.numel() * t.element_size()
-            if self.device_buffer is not None:
-                if nbytes > self.device_slot_bytes:
+            if self.device is not None:
+                if nbytes > self.device.slot_bytes:
                     raise ValueError(f"tensor of {nbytes} bytes exceeds the cuda-ipc slot "
-                                     f"({self.device_slot_bytes} bytes)")
-                start = slot * self.device_slot_bytes
-                dst = self.device_buffer[start:start + nbytes]
-                peer_copy(dst, t.view(torch.uint8).reshape(-1), nbytes)
+                                     f"({self.device.slot_bytes} bytes)")
+                header["ev"] = self.device.write(slot, t, nbytes)
             else:
                 if nbytes > self.ring.payload_bytes:
                     raise ValueError(f"tensor of {nbytes} bytes exceeds the shm slot "
@@ -199,18 +200,23 @@ class RingSender:
 
     def close(self) -> None:
         self.ring.close()
-        self.device_buffer = None
+        self.device = None
 
 
 class RingInbox:
     """The receiving end of a ring: `poll()` returns the next (header, tensor, seq) or None.
 
-    A malformed message is consumed before the error is raised, so the ring stays in step."""
+    The tensor views the ring until `release(seq)` (copy what is kept): host memory for shm
+    (moved to `device` first unless that is the CPU), a device slot for cuda-ipc, which the
+    current stream may read once `poll` returns. A malformed message is consumed before the
+    error is raised, so the ring stays in step."""
 
     def __init__(self, ring: ShmRing, device: torch.device,
                  device_buffer: torch.Tensor | None = None, device_slot_bytes: int = 0) -> None:
         self.ring, self.device = ring, device
         self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
+        self.reader = SlotReader(device, ring.slots) if device_buffer is not None else None
+        self.views: dict[Any, torch.Tensor] = {}  # (slot, dtype, shape) -> view of a device slot
         self.kind = "cuda-ipc" if device_buffer is not None else "shm"
         self.expected = 0
 
@@ -228,23 +234,42 @@ class RingInbox:
             if msg.get("seq") != seq:
                 raise ProtocolError(f"ring message carries seq {msg.get('seq')!r}, expected {seq}")
             t = None
-            if msg.get("act") is not None:
+            act = msg.get("act")
+            if act is not None:
                 if self.device_buffer is not None:
-                    dtype, shape = _act(msg["act"])
-                    nbytes = _numel(shape) * ITEMSIZE[dtype]
-                    if nbytes > self.device_slot_bytes:
-                        raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
-                    start = slot * self.device_slot_bytes
-                    t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+                    t = self._device_view(slot, act)
+                    self.reader.wait(slot, msg.get("ev"))
                 else:
                     t = tensor_from(self.ring.payload(slot), msg["act"]).to(self.device)
         except ProtocolError as e:
-            self.ring.release(seq)
+            self.release(seq)
             e.sid = None
             raise
         return msg, t, seq
 
+    def _device_view(self, slot: int, act: Any) -> torch.Tensor:
+        """The device slot viewed as the tensor `act` describes (views are kept: a decode step
+        sends the same shape every time, and a slice costs more than the copy it names)."""
+        shape = act.get("shape") if isinstance(act, dict) else None
+        key = (slot, act.get("dtype"), tuple(shape)) if isinstance(shape, list) else None
+        t = self.views.get(key)
+        if t is None:
+            dtype, shape = _act(act)
+            nbytes = _numel(shape) * ITEMSIZE[dtype]
+            if nbytes > self.device_slot_bytes:
+                raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
+            start = slot * self.device_slot_bytes
+            t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+            if len(self.views) >= 256:
+                self.views.clear()
+            self.views[key] = t
+        return t
+
     def release(self, seq: int) -> None:
+        """Message `seq` is done with: every read of its slot has been made (host memory) or
+        enqueued on the current stream (a device slot)."""
+        if self.reader is not None:
+            self.reader.done(seq % self.ring.slots)
         self.ring.release(seq)
 
     def sleep(self, value: bool) -> None:
@@ -257,42 +282,8 @@ class RingInbox:
     def close(self) -> None:
         self.ring.close()
         self.device_buffer = None
-
-
-_cupy: Any = None
-
-
-def peer_copy(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
-    """Copy `src` (this process's device) into `dst` (an IPC-mapped buffer, maybe of another
-    device) and wait until it has landed.
-
-    With CuPy: one cudaMemcpyAsync (cudaMemcpyDefault: P2P over NVLink/PCIe) on the source
-    device's current stream, then one stream sync. torch's cross-device `copy_` would also
-    order both devices' streams with events, several extra driver calls per hop; it is the
-    fallback where CuPy is missing (ROCm: HIP IPC through torch)."""
-    global _cupy
-    stream = torch.cuda.current_stream(src.device)
-    if dst.device != src.device and _cupy is None:
-        try:
-            import cupy
-
-            _cupy = cupy
-        except ImportError:
-            _cupy = False
-    if dst.device != src.device and _cupy:
-        with _cupy.cuda.Device(src.device.index):
-            try:
-                _cupy.cuda.runtime.deviceEnablePeerAccess(dst.device.index)
-            except _cupy.cuda.runtime.CUDARuntimeError:
-                pass  # already enabled (or not possible: the copy is then staged)
-            _cupy.cuda.runtime.memcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes,
-                                           _cupy.cuda.runtime.memcpyDefault, stream.cuda_stream)
-        stream.synchronize()
-        return
-    dst.copy_(src, non_blocking=True)
-    stream.synchronize()
-    if dst.device != src.device:
-        torch.cuda.current_stream(dst.device).synchronize()
+        self.reader = None
+        self.views.clear()
 
 
 def _share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
@@ -326,8 +317,9 @@ def offer(kind: str, payload_bytes: int, device: torch.device,
         ring = ShmRing.create(RING_SLOTS, header_only_payload)
         try:
             buf = torch.empty(RING_SLOTS * payload_bytes, dtype=torch.uint8, device=device)
-            return RingInbox(ring, device, buf, payload_bytes), {
-                "ring": ring.describe(), "cuda": _share_cuda(buf), "cuda_slot_bytes": payload_bytes}
+            inbox = RingInbox(ring, device, buf, payload_bytes)
+            return inbox, {"ring": ring.describe(), "cuda": _share_cuda(buf),
+                           "cuda_slot_bytes": payload_bytes, "consumed": inbox.reader.handles}
         except BaseException:
             ring.close()
             raise
@@ -347,5 +339,10 @@ def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
     if kind == "shm":
         return RingSender(ring, doorbell)
     if kind == "cuda-ipc":
-        return RingSender(ring, doorbell, _open_cuda(desc["cuda"]), int(desc["cuda_slot_bytes"]))
+        consumed = desc.get("consumed")
+        if consumed is not None and not (isinstance(consumed, list) and len(consumed) ==
+                                         ring.slots and all(isinstance(h, bytes) for h in consumed)):
+            raise ProtocolError("cuda-ipc link reply: bad consumed-event handles")
+        return RingSender(ring, doorbell, SlotWriter(_open_cuda(desc["cuda"]),
+                                                     int(desc["cuda_slot_bytes"]), consumed))
     raise ValueError(f"unknown transport {kind!r}")

@@ -31,6 +31,7 @@ from ipc.serve_loop import serve
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import bind_router, context, recv, request, send
 from ipc.transport import ZmqSender, tensor_from, zmq_tensor
+from shards.busy_clock import BusyClock
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.device import use_device
 from shards.dtypes import torch_dtype
@@ -84,7 +85,7 @@ class ShardServer:
         self.index = -1
         self.running = True
         self.busy = False
-        self.busy_s = 0.0  # seconds spent computing steps (a utilization profile reads it)
+        self.clock = BusyClock(self.device)  # seconds the device spent on steps
         self.spin_s = 0.0
         self.transport_kind = "none"
         self.max_step = 0
@@ -143,9 +144,7 @@ class ShardServer:
             self._step(msg, x)
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
-        finally:
-            if self.device.type == "cuda":  # kernels reading the slot must be done with it
-                torch.cuda.current_stream(self.device).synchronize()
+        finally:  # (a device slot is handed back once the kernels reading it have run)
             inbox.release(seq)
 
     def _handle_router(self) -> None:
@@ -285,7 +284,8 @@ class ShardServer:
         self.max_step = max_step
         info_extra: dict[str, Any] = {}
         if self.model.is_first and msg.get("inbox"):  # the coordinator shares this host
-            self.inbox, desc = transport.offer("shm", max_step * 8, self.device)
+            # token ids stay on the host until checked (`_segments`)
+            self.inbox, desc = transport.offer("shm", max_step * 8, torch.device("cpu"))
             info_extra["inbox"] = desc
         if self.taps and msg.get("draft") is not None:
             self._link_draft(msg["draft"], msg["session"])
@@ -431,14 +431,17 @@ class ShardServer:
         return segs
 
     def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
-        t0 = time.perf_counter()
+        started = self.clock.start()
         try:
             self._run_step(msg, x)
-        finally:  # (the step's output is on its way: the device is done with it)
-            self.busy_s += time.perf_counter() - t0
+        finally:
+            self.clock.stop(started)
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         segs = self._segments(msg, x)
+        if x.device != self.device and self.device.type == "cuda":
+            # through pinned memory: the host does not wait for the device to take it
+            x = x.pin_memory().to(self.device, non_blocking=True)
         if self.snapshots is not None:
             for s in segs:  # a new sequence overwrites rows still being copied out
                 if s.pos < self.snapshots.pending_end(s.slot):
@@ -528,7 +531,7 @@ class ShardServer:
         return self.snapshots
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
-        self._reply(route, message("pong", busy=self.busy, busy_s=self.busy_s))
+        self._reply(route, message("pong", busy=self.busy, busy_s=self.clock.seconds()))
 
     def _on_shutdown(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("bye"))
