@@ -31,6 +31,7 @@ from ipc.messages import ProtocolError
 log = logging.getLogger(__name__)
 
 _cupy: Any = None
+IPC_EVENTS_OFF = False  # as on a platform without IPC events (a test of the fallback sets it)
 
 
 def _load_cupy() -> Any:
@@ -49,6 +50,8 @@ def _load_cupy() -> Any:
 
 def _ipc_events(n: int, device: torch.device) -> tuple[list[torch.cuda.Event], list[bytes]] | None:
     """n interprocess events on `device` and their handles; None where the platform has none."""
+    if IPC_EVENTS_OFF:
+        return None
     try:
         with torch.cuda.device(device):
             events = [torch.cuda.Event(interprocess=True) for _ in range(n)]
@@ -75,9 +78,15 @@ class SlotWriter:
         self.ready: list[torch.cuda.Event] | None = None
         self.ready_desc: list[list[Any]] = []
         self.raw = False  # CuPy's runtime calls on the current device
+        self.stream_raw = 0
+        self.consumed_raw: list[int] = []
+        self.ready_raw: list[int] | None = None
 
     def _bind(self, device: torch.device) -> None:
-        self.device_index, self.stream = device.index, torch.cuda.current_stream(device)
+        """Take this process's stream and events for copies from `device`. Bound only once all
+        of it succeeded: a failed bind is tried again on the next copy, never half applied."""
+        self.device_index = -1
+        self.stream = torch.cuda.current_stream(device)
         cupy = _load_cupy()
         self.raw = bool(cupy) and torch.cuda.current_device() == device.index
         self.ring_index = self.ring.device.index
@@ -88,6 +97,7 @@ class SlotWriter:
             except cupy.cuda.runtime.CUDARuntimeError:
                 pass  # already enabled (or impossible: the driver then stages the copy)
         if not self.consumed_handles:  # the receiver synchronizes before it frees a slot
+            self.device_index = device.index
             return
         try:  # opened into this process's own device context, as the receiver opens ours
             self.consumed = [torch.cuda.Event.from_ipc_handle(device, h)
@@ -99,6 +109,16 @@ class SlotWriter:
         if made is not None:
             self.ready = made[0]
             self.ready_desc = [[device.index, h] for h in made[1]]
+        if self.raw:  # the raw handles of the hot path
+            self.stream_raw = self.stream.cuda_stream
+            self.consumed_raw = [e.cuda_event for e in self.consumed]
+            self.ready_raw = None if self.ready is None else [e.cuda_event for e in self.ready]
+        self.device_index = device.index
+
+    def close(self) -> None:
+        """Before the mapping goes: the last copies into the receiver's memory have landed."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def write(self, slot: int, src: torch.Tensor, nbytes: int) -> list[Any] | None:
         """Enqueue the copy of `src` (contiguous, on this process's device) into `slot`; returns
@@ -109,9 +129,9 @@ class SlotWriter:
         stream = self.stream
         if self.raw:
             rt = _cupy.cuda.runtime
-            handle = stream.cuda_stream
+            handle = self.stream_raw
             if self.consumed is not None:
-                rt.streamWaitEvent(handle, self.consumed[slot].cuda_event, 0)
+                rt.streamWaitEvent(handle, self.consumed_raw[slot], 0)
             if self.peer:  # an explicit peer copy: no pointer lookups to find the devices
                 rt.memcpyPeerAsync(self.base + slot * self.slot_bytes, self.ring_index,
                                    src.data_ptr(), self.device_index, nbytes, handle)
@@ -119,7 +139,7 @@ class SlotWriter:
                 rt.memcpyAsync(self.base + slot * self.slot_bytes, src.data_ptr(), nbytes,
                                rt.memcpyDeviceToDevice, handle)
             if self.ready is not None:
-                rt.eventRecord(self.ready[slot].cuda_event, handle)
+                rt.eventRecord(self.ready_raw[slot], handle)
                 return self.ready_desc[slot]
         else:
             if self.consumed is not None:
@@ -145,15 +165,20 @@ class SlotReader:
         self.device = device
         made = _ipc_events(slots, device)
         self.consumed, self.handles = (None, None) if made is None else made
-        self.ready: dict[int, tuple[bytes, torch.cuda.Event]] = {}
+        # slot -> (handle bytes, opened event, its raw handle)
+        self.ready: dict[int, tuple[bytes, torch.cuda.Event, int]] = {}
         self.stream: torch.cuda.Stream | None = None
         self.rt = None  # CuPy's runtime module, for raw wait/record calls
+        self.stream_raw = 0
+        self.consumed_raw: list[int] = []
 
     def _stream(self) -> torch.cuda.Stream:
         if self.stream is None:
             self.stream = torch.cuda.current_stream(self.device)
             cupy = _load_cupy()
             self.rt = cupy.cuda.runtime if cupy else None
+            self.stream_raw = self.stream.cuda_stream
+            self.consumed_raw = [e.cuda_event for e in self.consumed or ()]
         return self.stream
 
     def wait(self, slot: int, ev: Any) -> None:
@@ -171,12 +196,17 @@ class SlotReader:
             except RuntimeError as e:
                 raise ProtocolError(f"cuda-ipc: cannot open the sender's ready event: {e}") \
                     from None
-            known = self.ready[slot] = (ev[1], event)
+            known = self.ready[slot] = (ev[1], event, event.cuda_event)
         stream = self._stream()
         if self.rt is not None:
-            self.rt.streamWaitEvent(stream.cuda_stream, known[1].cuda_event, 0)
+            self.rt.streamWaitEvent(self.stream_raw, known[2], 0)
         else:
             stream.wait_event(known[1])
+
+    def close(self) -> None:
+        """Before the ring is freed: no kernel of ours still reads it."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def done(self, slot: int) -> None:
         """Every read of `slot` is enqueued: the sender may overwrite it once they have run."""
@@ -184,6 +214,6 @@ class SlotReader:
         if self.consumed is None:
             stream.synchronize()
         elif self.rt is not None:
-            self.rt.eventRecord(self.consumed[slot].cuda_event, stream.cuda_stream)
+            self.rt.eventRecord(self.consumed_raw[slot], self.stream_raw)
         else:
             self.consumed[slot].record(stream)

@@ -12,7 +12,8 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: speculative decoding; 3: batched steps (several sequences per step)
+PROTOCOL_VERSION = 4  # 2: speculative decoding; 3: batched steps (several sequences per step);
+# 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 

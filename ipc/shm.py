@@ -64,6 +64,7 @@ class ShmRing:
         self.buf = memoryview(mm)
         self.unlinked = False
         self.closed = False
+        self._known_released = 0  # the sender's last read of `released` (it only grows)
 
     @staticmethod
     def size_for(slots: int, payload_bytes: int) -> int:
@@ -147,8 +148,12 @@ class ShmRing:
         self._set(_PUBLISHED, seq + 1)
 
     def wait_free(self, seq: int, timeout_s: float = 60.0) -> int:
-        """Sender: block until message `seq` may be written; return its slot."""
-        if seq - self.released >= self.slots:
+        """Sender: block until message `seq` may be written; return its slot. (The receiver's
+        counter is read only when the last one read does not already free the slot.)"""
+        if seq - self._known_released < self.slots:
+            return seq % self.slots
+        self._known_released = self.released
+        if seq - self._known_released >= self.slots:
             deadline = time.monotonic() + timeout_s
             delay = 10e-6
             while seq - self.released >= self.slots:
@@ -156,6 +161,7 @@ class ShmRing:
                     raise TimeoutError(f"shared-memory ring {self.name}: receiver stalled")
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
+            self._known_released = self.released
         return seq % self.slots
 
     # -- slots ------------------------------------------------------------------------------------

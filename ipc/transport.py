@@ -65,7 +65,8 @@ def _numel(shape: list[int]) -> int:
 def _act(act: Any) -> tuple[torch.dtype, list[int]]:
     if not isinstance(act, dict):
         raise ProtocolError(f"activation descriptor must be a map, got {type(act).__name__}")
-    dtype, shape = DTYPES.get(act.get("dtype")), act.get("shape")
+    name, shape = act.get("dtype"), act.get("shape")
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None or not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
@@ -199,6 +200,8 @@ class RingSender:
             self.doorbell()
 
     def close(self) -> None:
+        if self.device is not None:
+            self.device.close()
         self.ring.close()
         self.device = None
 
@@ -250,9 +253,13 @@ class RingInbox:
     def _device_view(self, slot: int, act: Any) -> torch.Tensor:
         """The device slot viewed as the tensor `act` describes (views are kept: a decode step
         sends the same shape every time, and a slice costs more than the copy it names)."""
-        shape = act.get("shape") if isinstance(act, dict) else None
-        key = (slot, act.get("dtype"), tuple(shape)) if isinstance(shape, list) else None
-        t = self.views.get(key)
+        key = None
+        if isinstance(act, dict):
+            dtype, shape = act.get("dtype"), act.get("shape")
+            if isinstance(dtype, str) and isinstance(shape, list) and all(
+                    type(d) is int for d in shape):
+                key = (slot, dtype, tuple(shape))
+        t = self.views.get(key) if key is not None else None
         if t is None:
             dtype, shape = _act(act)
             nbytes = _numel(shape) * ITEMSIZE[dtype]
@@ -262,7 +269,8 @@ class RingInbox:
             t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
             if len(self.views) >= 256:
                 self.views.clear()
-            self.views[key] = t
+            if key is not None:
+                self.views[key] = t
         return t
 
     def release(self, seq: int) -> None:
@@ -280,6 +288,8 @@ class RingInbox:
         return self.ring.closed
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         self.ring.close()
         self.device_buffer = None
         self.reader = None
@@ -335,14 +345,18 @@ def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
         return ZmqSender(sock)
     if not isinstance(desc, dict) or not isinstance(desc.get("ring"), dict):
         raise ProtocolError(f"{kind} link reply carries no ring description")
+    if kind not in ("shm", "cuda-ipc"):
+        raise ValueError(f"unknown transport {kind!r}")
     ring = ShmRing.attach(desc["ring"])
     if kind == "shm":
         return RingSender(ring, doorbell)
-    if kind == "cuda-ipc":
+    try:
         consumed = desc.get("consumed")
         if consumed is not None and not (isinstance(consumed, list) and len(consumed) ==
                                          ring.slots and all(isinstance(h, bytes) for h in consumed)):
             raise ProtocolError("cuda-ipc link reply: bad consumed-event handles")
         return RingSender(ring, doorbell, SlotWriter(_open_cuda(desc["cuda"]),
                                                      int(desc["cuda_slot_bytes"]), consumed))
-    raise ValueError(f"unknown transport {kind!r}")
+    except BaseException:
+        ring.close()
+        raise

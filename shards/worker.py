@@ -439,7 +439,7 @@ class ShardServer:
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         segs = self._segments(msg, x)
-        if x.device != self.device and self.device.type == "cuda":
+        if not x.is_cuda and self.device.type == "cuda":
             # through pinned memory: the host does not wait for the device to take it
             x = x.pin_memory().to(self.device, non_blocking=True)
         if self.snapshots is not None:

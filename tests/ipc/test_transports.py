@@ -115,8 +115,15 @@ def test_bad_ring_message_is_consumed():
     ring.publish(1)
     with pytest.raises(ProtocolError, match="does not fit"):
         inbox.poll()
-    assert ring.released == 2  # both consumed: the sender is not blocked
-    sender.seq = 2
+    # descriptors of the wrong types (an unhashable dtype, nested shapes)
+    for seq, act in ((2, {"dtype": ["float32"], "shape": [1, 4]}),
+                     (3, {"dtype": "float32", "shape": [[1], 4]})):
+        ring.write_header(seq % ring.slots, encode({**_step(seq, 1), "seq": seq, "act": act}))
+        ring.publish(seq)
+        with pytest.raises(ProtocolError, match="bad dtype/shape"):
+            inbox.poll()
+    assert ring.released == 4  # all consumed: the sender is not blocked
+    sender.seq = 4
     sender.send(_step(2, 1), torch.full((1, 4), 2.0))
     msg, t, seq = inbox.poll()
     assert msg["sid"] == 2 and torch.equal(t, torch.full((1, 4), 2.0))
@@ -132,3 +139,14 @@ def test_resolve():
         transport.resolve("shm", "elsewhere/1", "cpu", "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         transport.resolve("cuda-ipc", h, "cpu", "cpu")
+
+
+def test_cuda_ipc_link_reply_with_bad_event_handles_is_refused():
+    """Checked before any CUDA call, and the mapped ring is let go."""
+    for bad in ("nope", [b"x"], ["h"] * transport.RING_SLOTS):
+        inbox, desc = transport.offer("shm", 64, torch.device("cpu"))  # (a ring maps once)
+        try:
+            with pytest.raises(ProtocolError, match="consumed-event handles"):
+                transport.accept("cuda-ipc", {**desc, "consumed": bad}, None)
+        finally:
+            inbox.close()
