@@ -14,9 +14,10 @@ device-to-device copy. Two CUDA IPC events per slot order the two processes' str
   is only given after that record, so the wait always sees it.
 
 An event is recorded only by the process that created it; the other opens it by handle into the
-context of its own device (torch's `Event(interprocess=True)`; HIP IPC events on ROCm). A platform without IPC events falls back to
-the host waits of old: the sender synchronizes its copy before publishing (no `ev` in the
-header), the receiver synchronizes its stream before releasing a slot.
+context of its own device (torch's `Event(interprocess=True)`; HIP IPC events on ROCm). A
+platform without IPC events falls back to the host waits of old: the sender synchronizes its
+copy before publishing (no `ev` in the header), the receiver synchronizes its stream before
+releasing a slot.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class SlotWriter:
 
     def __init__(self, ring: torch.Tensor, slot_bytes: int, consumed: list[bytes] | None) -> None:
         self.ring, self.slot_bytes = ring, slot_bytes
-        self.base = ring.data_ptr()
+        self.base, self.ring_index = ring.data_ptr(), ring.device.index
         self.consumed_handles = consumed
         self.consumed: list[torch.cuda.Event] | None = None
         self.device_index = -1  # the source device, bound on the first copy
@@ -78,6 +79,7 @@ class SlotWriter:
         self.ready: list[torch.cuda.Event] | None = None
         self.ready_desc: list[list[Any]] = []
         self.raw = False  # CuPy's runtime calls on the current device
+        self.peer = False  # the source is another device than the ring's
         self.stream_raw = 0
         self.consumed_raw: list[int] = []
         self.ready_raw: list[int] | None = None
@@ -89,11 +91,10 @@ class SlotWriter:
         self.stream = torch.cuda.current_stream(device)
         cupy = _load_cupy()
         self.raw = bool(cupy) and torch.cuda.current_device() == device.index
-        self.ring_index = self.ring.device.index
-        self.peer = device != self.ring.device
-        if self.raw and device != self.ring.device:
+        self.peer = device.index != self.ring_index
+        if self.raw and self.peer:
             try:
-                cupy.cuda.runtime.deviceEnablePeerAccess(self.ring.device.index)
+                cupy.cuda.runtime.deviceEnablePeerAccess(self.ring_index)
             except cupy.cuda.runtime.CUDARuntimeError:
                 pass  # already enabled (or impossible: the driver then stages the copy)
         if not self.consumed_handles:  # the receiver synchronizes before it frees a slot
@@ -151,7 +152,7 @@ class SlotWriter:
                 self.ready[slot].record(stream)
                 return self.ready_desc[slot]
         stream.synchronize()
-        if self.ring.device != src.device and not self.raw:
+        if self.peer and not self.raw:
             torch.cuda.current_stream(self.ring.device).synchronize()
         return None
 
@@ -186,11 +187,11 @@ class SlotReader:
         (`ev` from the header; None when the sender synchronized its copy itself)."""
         if ev is None:
             return
+        if not (isinstance(ev, list) and len(ev) == 2 and isinstance(ev[0], int)
+                and isinstance(ev[1], bytes)):
+            raise ProtocolError(f"cuda-ipc message carries a bad ready event {ev!r}"[:200])
         known = self.ready.get(slot)
-        if known is None or not isinstance(ev, list) or len(ev) != 2 or known[0] != ev[1]:
-            if not (isinstance(ev, list) and len(ev) == 2 and isinstance(ev[0], int)
-                    and isinstance(ev[1], bytes)):
-                raise ProtocolError(f"cuda-ipc message carries a bad ready event {ev!r}"[:200])
+        if known is None or known[0] != ev[1]:
             try:
                 event = torch.cuda.Event.from_ipc_handle(self.device, ev[1])
             except RuntimeError as e:
