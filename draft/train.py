@@ -1,14 +1,19 @@
 """Train a DFlash-style draft for a target model, on one GPU, in minutes.
 
     python -m draft.train --target default --out draft/weights/smollm2-135m-dflash \\
-        --device cuda:0 --seconds 240
+        --device cuda:0 --layers 3 --intermediate 1024 --seconds 300
 
-Data, all offline: chat prompts (`draft.prompts`) answered by the target itself, greedy and
-sampled (its own continuations are what the draft must predict), and Python source files found on
-the machine, continued by the target. Every sequence then runs through the target once
-(batched), for the rows of the tapped layers (the draft's context) and the target's
-distribution at every position, which the draft learns (KL); a greedy verify keeps a draft token
-exactly when it is that distribution's argmax.
+Data, all offline, all the target's own text (its continuations are what the draft must
+predict): its greedy answers to template chat prompts (`draft.prompts`) and to user turns it
+writes itself (sampled from the chat template up to a user message's text: the Magpie recipe,
+thousands of distinct prompts), its continuations of Python source files found on the
+machine, and a quarter of the chat prompts answered again, sampled (last: a generation budget,
+`--gen-seconds`, cuts what it has not reached). `--save-data` keeps the sequences
+(token ids, safetensors) and `--data` trains on saved ones instead of generating: several GPUs
+can generate disjoint shares at once (`--part I/N`) and every one of them train on all of them.
+Every sequence then runs through the target once (batched), for the rows of the tapped layers
+(the draft's context) and the target's distribution at every position, which the draft learns
+(KL); a greedy verify keeps a draft token exactly when it is that distribution's argmax.
 
 Each training example is a block: an anchor position a, the block [token at a, mask × (B-1)] at
 positions a..a+B-1, the context rows of positions < a, and the target's distributions for
@@ -16,14 +21,17 @@ positions a+1..a+B-1, weighted by exp(-(k-1)/4) for the k-th draft token (a late
 counts once the earlier ones were accepted). Many blocks of one sequence train at once under an
 attention mask.
 
-Reports the tokens per verify step the draft would reach on held-out prompts
-(`draft.prompts.EVAL_*`, decoded as the runtime decodes), keeps the best state by that measure,
-and writes the draft in the published DFlash layout (config.json + model.safetensors).
+Measures the tokens per verify step the draft would reach (decoding greedy answers as the
+runtime decodes) on held-out answers to user turns the target wrote (`--val`), keeps the best
+state by that measure, reports it on the evaluation prompts (`draft.prompts.EVAL_*`, which the
+benchmark uses and which never choose the state), and writes the draft in the published DFlash
+layout (config.json + model.safetensors).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -49,6 +57,9 @@ log = logging.getLogger("layersplit.train")
 
 
 # ---- data ----------------------------------------------------------------------------------------
+SENTINEL = "\x00USER-TURN\x00"
+
+
 def python_sources(limit_chars: int, seed: int) -> list[str]:
     """Python files of this machine's standard library and site-packages."""
     roots = [sysconfig.get_paths()["stdlib"], *site.getsitepackages()]
@@ -56,6 +67,7 @@ def python_sources(limit_chars: int, seed: int) -> list[str]:
     for r in roots:
         for dp, _, fn in os.walk(r):
             files += [os.path.join(dp, f) for f in fn if f.endswith(".py")]
+    files.sort()
     random.Random(seed).shuffle(files)
     out, total = [], 0
     for f in files:
@@ -74,66 +86,180 @@ def python_sources(limit_chars: int, seed: int) -> list[str]:
 @torch.inference_mode()
 def continuations(target: LayerRange, prompts: list[list[int]], new_tokens: int,
                   temperature: float, batch: int, device: str, pad_id: int,
-                  eos_ids: tuple[int, ...]) -> list[list[int]]:
-    """The target's continuation of each prompt (batched, transformers' generate)."""
+                  eos_ids: tuple[int, ...], deadline: float | None = None) -> list[list[int]]:
+    """The target's continuation of each prompt (batched, transformers' generate), in the
+    prompts' order. Past `deadline` (time.perf_counter()) no new batch starts: the result is
+    then the continuations of the first prompts only."""
+    if not prompts:
+        return []
     hf = hf_causal_lm(target, device, next(target.parameters()).dtype,
                       max(len(p) for p in prompts) + new_tokens)
     out: list[list[int]] = []
+    t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
+        if deadline is not None and time.perf_counter() > deadline:
+            log.warning("generation budget spent: %d of %d prompts answered", len(out),
+                        len(prompts))
+            break
         group = prompts[i:i + batch]
         width = max(len(p) for p in group)
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for j, p in enumerate(group):  # left padding
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        for row, p in enumerate(group):  # left padding
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
         sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0,
                     "top_k": 0} if temperature > 0 else {"do_sample": False}
         gen = hf.generate(ids.to(device), attention_mask=mask.to(device),
                           max_new_tokens=new_tokens, pad_token_id=pad_id,
-                          eos_token_id=list(eos_ids) or None, **sampling)
-        for j, p in enumerate(group):
-            cont = gen[j, width:].tolist()
+                          eos_token_id=list(eos_ids) or None, **sampling).tolist()
+        for row, p in enumerate(group):
+            cont = gen[row][width:]
             for k, t in enumerate(cont):
                 if t in eos_ids:
                     cont = cont[:k + 1]
                     break
             out.append(p + cont)
-        log.info("generated %d / %d continuations", len(out), len(prompts))
+        log.info("generated %d / %d continuations (%.0f s)", len(out), len(prompts),
+                 time.perf_counter() - t0)
     del hf
     return out
 
 
+def user_turn_prefix(tok: TextTokenizer) -> list[int]:
+    """The chat template's tokens up to where a user message's text begins."""
+    text = tok.render_chat([{"role": "user", "content": SENTINEL}])
+    return tok.encode(text[:text.index(SENTINEL)], add_special_tokens=False)
+
+
+def self_written_prompts(target: LayerRange, tok: TextTokenizer, n: int, batch: int,
+                         device: str, pad_id: int, eos_ids: tuple[int, ...],
+                         max_tokens: int = 64) -> list[str]:
+    """User turns the target writes itself (the Magpie recipe): the chat template up to a user
+    message's text, sampled at temperature 1 until the turn ends. Kept: turns that ended, of 3
+    words or more, each once. Diverse prompts, all offline, in the target's own domain."""
+    prefix = user_turn_prefix(tok)
+    seqs = continuations(target, [prefix] * n, max_tokens, 1.0, batch, device, pad_id, eos_ids)
+    seen: set[str] = set()
+    out = []
+    for s in seqs:
+        turn = s[len(prefix):]
+        if not turn or turn[-1] not in eos_ids:
+            continue
+        text = tok.decode(turn[:-1]).strip()
+        if len(text.split()) >= 3 and text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+Part = tuple[list[list[int]], list[int]]  # sequences, and where each one's generated part starts
+
+
+def save_sequences(path: Path, parts: dict[str, Part]) -> None:
+    """Named sets of sequences (token ids; uint16 where they fit) as safetensors, no pickle."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, (seqs, starts) in parts.items():
+        flat = torch.tensor([t for s in seqs for t in s], dtype=torch.int32)
+        if flat.numel() and int(flat.max()) < 65536 and int(flat.min()) >= 0:
+            flat = flat.to(torch.uint16)
+        tensors |= {f"{name}.tokens": flat, f"{name}.lengths": torch.tensor([len(s) for s in seqs]),
+                    f"{name}.starts": torch.tensor(starts, dtype=torch.long)}
+    save_file(tensors, str(path))
+
+
+def load_sequences(path: Path) -> dict[str, Part]:
+    """What `save_sequences` wrote; a file of another shape is refused, naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        data = load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: not a sequence file of draft.train ({e})") from e
+    parts: dict[str, Part] = {}
+    for name in sorted({k.rsplit(".", 1)[0] for k in data}):
+        try:
+            flat, lengths, starts = (data[f"{name}.{x}"] for x in ("tokens", "lengths", "starts"))
+        except KeyError as e:
+            raise ValueError(f"{path}: set {name!r} lacks {e}") from e
+        if (flat.ndim != 1 or lengths.ndim != 1 or lengths.shape != starts.shape
+                or int(lengths.sum()) != flat.numel() or bool((lengths <= 0).any())
+                or bool((starts < 0).any()) or bool((starts > lengths).any())):
+            raise ValueError(f"{path}: set {name!r}: tokens, lengths and starts disagree")
+        seqs = [s.tolist() for s in torch.split(flat.long(), lengths.tolist())]
+        parts[name] = (seqs, starts.tolist())
+    return parts
+
+
+@dataclasses.dataclass
+class Rows:
+    """Every sequence's target rows, packed: sequence i is rows offsets[i] .. + lengths[i].
+    feats: the tapped layers' rows side by side (the draft's context; HF's
+    hidden_states[layer + 1] is the runtime's tap of `layer`); final: the target's normed last
+    hidden rows, whose LM-head logits are the distribution the draft learns."""
+
+    tokens: torch.Tensor   # (total,)
+    feats: torch.Tensor    # (total, F)
+    final: torch.Tensor    # (total, H)
+    offsets: torch.Tensor  # (N,)
+    lengths: torch.Tensor  # (N,)
+    starts: torch.Tensor   # (N,): first generated position
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def index(self, idx: torch.Tensor, n: int) -> torch.Tensor:
+        """(b, n) packed row numbers of positions 0..n-1 of sequences idx (past a sequence's
+        end: its last row; no real block sees those)."""
+        pos = torch.arange(n, device=idx.device)[None].minimum(self.lengths[idx][:, None] - 1)
+        return self.offsets[idx][:, None] + pos
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(feats (b, n, F), tokens (b, n), final (b, n, H)) of sequences idx, padded."""
+        at = self.index(idx, int(self.lengths[idx].max()))
+        return self.feats[at], self.tokens[at], self.final[at]
+
+
 @torch.inference_mode()
-def target_rows(target: LayerRange, seqs: list[list[int]], taps: list[int], device: str,
-                batch: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features (N, T, F), final hidden rows (N, T, H), lengths (N,)) of every sequence: the
-    tapped layers' rows at every position (the draft's context; HF's hidden_states[layer + 1]
-    is the runtime's tap of `layer`) and the target's normed last hidden rows, whose LM-head
-    logits are the distribution the draft learns (the argmax is the token it must match)."""
-    n, width = len(seqs), max(len(s) for s in seqs)
+def target_rows(target: LayerRange, seqs: list[list[int]], starts: list[int], taps: list[int],
+                device: str, batch: int = 64) -> Rows:
+    """Run every sequence through the target once (batched, sorted by length)."""
     cfg = target.cfg
     dtype = next(target.parameters()).dtype
-    hf = hf_causal_lm(target, device, dtype, width)
-    feats = torch.zeros(n, width, len(taps) * cfg.hidden_size, dtype=dtype, device=device)
-    final = torch.zeros(n, width, cfg.hidden_size, dtype=dtype, device=device)
-    order = sorted(range(n), key=lambda i: len(seqs[i]))  # similar lengths batch together
-    for b in range(0, n, batch):
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    total = int(lengths.sum())
+    hf = hf_causal_lm(target, device, dtype, max((len(s) for s in seqs), default=1))
+    feats = torch.empty(total, len(taps) * cfg.hidden_size, dtype=dtype, device=device)
+    final = torch.empty(total, cfg.hidden_size, dtype=dtype, device=device)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for b in range(0, len(seqs), batch):
         idx = order[b:b + batch]
         w = max(len(seqs[i]) for i in idx)
         ids = torch.zeros(len(idx), w, dtype=torch.long)
         for j, i in enumerate(idx):  # right padding: rows of real tokens never see it
             ids[j, :len(seqs[i])] = torch.tensor(seqs[i])
         out = hf.model(ids.to(device), output_hidden_states=True)
-        feats[idx, :w] = torch.cat([out.hidden_states[t + 1] for t in taps], dim=-1)
-        final[idx, :w] = out.last_hidden_state
+        f = torch.cat([out.hidden_states[t + 1] for t in taps], dim=-1)
+        for j, i in enumerate(idx):
+            o, n = int(offsets[i]), len(seqs[i])
+            feats[o:o + n] = f[j, :n]
+            final[o:o + n] = out.last_hidden_state[j, :n]
     del hf
-    return feats, final, torch.tensor([len(s) for s in seqs], device=device)
+    tokens = torch.tensor([t for s in seqs for t in s], dtype=torch.long).to(device)
+    return Rows(tokens, feats, final, offsets.to(device), lengths.to(device),
+                torch.tensor(starts, dtype=torch.long, device=device))
 
 
-def greedy_labels(final: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """The target's argmax token after every position (N, T)."""
-    return torch.stack([(f.float() @ head.float().T).argmax(-1) for f in final])
+def greedy_labels(final: torch.Tensor, head: torch.Tensor, chunk: int = 32768) -> torch.Tensor:
+    """The target's argmax token after every row of `final` (..., H) -> (...)."""
+    flat = final.reshape(-1, final.shape[-1])
+    out = torch.cat([(flat[i:i + chunk].float() @ head.float().T).argmax(-1)
+                     for i in range(0, len(flat), chunk)] or [flat.new_zeros(0, dtype=torch.long)])
+    return out.reshape(final.shape[:-1])
 
 
 # ---- the training forward (batched; the same math as DFlashDraft.block with context) -----------
@@ -181,7 +307,7 @@ def block_logits(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor,
 
 def sample_anchors(lengths: torch.Tensor, starts: torch.Tensor, m: int, block: int,
                    gen: torch.Generator) -> torch.Tensor:
-    """m anchors per sequence in [max(1, start - 8), length - block]."""
+    """m anchors per sequence in [max(1, start - 8), length - block)."""
     lo = (starts - 8).clamp_min(1)
     hi = (lengths - block).clamp_min(lo + 1)
     u = torch.rand(len(lengths), m, generator=gen, device=lengths.device)
@@ -189,20 +315,24 @@ def sample_anchors(lengths: torch.Tensor, starts: torch.Tensor, m: int, block: i
 
 
 @torch.no_grad()
-def acceptance(draft: DFlashDraft, head, embed, feats, tokens, labels, lengths, starts,
-               block: int, mask_id: int) -> float:
+def acceptance(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, rows: Rows,
+               labels: torch.Tensor, block: int, mask_id: int) -> float:
     """Tokens per verify step the runtime would commit decoding these (greedy) continuations:
     walk each one as the runtime does, a verify at the position after the last committed
-    token, which commits 1 + the run of leading draft tokens equal to the target's."""
+    token, which commits 1 + the run of leading draft tokens equal to the target's (`labels`:
+    the target's argmax after every packed row)."""
     committed, verifies = 0, 0
-    for i in range(len(lengths)):
-        lo, hi = int(starts[i]), int(lengths[i]) - block + 1
+    dev = rows.feats.device
+    for i in range(len(rows)):
+        lo, hi = int(rows.starts[i]), int(rows.lengths[i]) - block + 1
         if hi <= lo:
             continue
-        a = torch.arange(lo, hi, device=feats.device)
-        logits = block_logits(draft, head, embed, feats[i:i + 1], tokens[i:i + 1], a[None],
-                              block, mask_id)[0]
-        want = labels[i][a[:, None] + torch.arange(block - 1, device=a.device)]
+        idx = torch.tensor([i], device=dev)
+        feats, tokens, _ = rows.batch(idx)
+        a = torch.arange(lo, hi, device=dev)
+        logits = block_logits(draft, head, embed, feats, tokens, a[None], block, mask_id)[0]
+        lab = labels[rows.index(idx, int(rows.lengths[i]))[0]]
+        want = lab[a[:, None] + torch.arange(block - 1, device=dev)]
         runs = (logits.argmax(-1) == want).int().cumprod(-1).sum(-1).tolist()
         pos = 0
         while pos < len(runs):
@@ -213,15 +343,19 @@ def acceptance(draft: DFlashDraft, head, embed, feats, tokens, labels, lengths, 
 
 
 def init_draft(target: LayerRange, cfg_raw: dict, path: Path) -> DFlashDraft:
-    """Draft layers start as copies of the target's last layers; fc starts by passing the last
-    tapped layer's rows through."""
+    """Draft layers start as copies of the target's last layers (a narrower FFN keeps the first
+    of the target's neurons); fc starts by passing the last tapped layer's rows through."""
     cfg = read_dflash_config_dict(cfg_raw, path)
     draft = DFlashDraft(cfg)
     src = target.layers[-cfg.model.num_layers:]
     with torch.no_grad():
         for mine, theirs in zip(draft.layers, src):
-            state = {k: v for k, v in theirs.state_dict().items()}
-            missing, _ = mine.load_state_dict(state, strict=False)
+            want = mine.state_dict()
+            for k, v in theirs.state_dict().items():
+                if k in want:  # the overlap of the two shapes (an FFN of another width)
+                    sl = tuple(slice(0, min(a, b)) for a, b in zip(want[k].shape, v.shape))
+                    want[k][sl].copy_(v[sl])
+            missing = [k for k in want if k not in theirs.state_dict()]
             assert all("norm" in k for k in missing), missing
         h = cfg.model.hidden_size
         draft.fc.weight.zero_()
@@ -242,9 +376,8 @@ def optimize(loss: torch.Tensor, params: list, opt: torch.optim.Optimizer) -> to
 
 
 # ---- a classic draft: the target's first layers, distilled ---------------------------------------
-def train_classic(target: LayerRange, tok: TextTokenizer, tokens: torch.Tensor,
-                  lengths: torch.Tensor, layers: int, seconds: float, out: Path, device: str,
-                  lr: float, seed: int) -> Path:
+def train_classic(target: LayerRange, tok: TextTokenizer, rows: Rows, layers: int,
+                  seconds: float, out: Path, device: str, lr: float, seed: int) -> Path:
     """A small model with the target's tokenizer: its first `layers` layers, final norm and
     embeddings, the layers trained to match the target's next-token distribution (KL) on the
     same sequences. Written as an HF folder (with the tokenizer), usable as `--draft`."""
@@ -261,8 +394,9 @@ def train_classic(target: LayerRange, tok: TextTokenizer, tokens: torch.Tensor,
     draft.load_state_dict(state, assign=True, strict=True)
     draft.inv_freq = target.inv_freq.clone()
     draft = draft.to(device)
-    hf_t = hf_causal_lm(target, device, next(target.parameters()).dtype, tokens.shape[1])
-    hf_d = hf_causal_lm(draft, device, torch.float32, tokens.shape[1]).train()
+    width = int(rows.lengths.max())
+    hf_t = hf_causal_lm(target, device, next(target.parameters()).dtype, width)
+    hf_d = hf_causal_lm(draft, device, torch.float32, width).train()
     # the HF modules hold their own Parameter objects over the LayerRange's storage: train those
     params = [q for name, q in hf_d.named_parameters()
               if "embed_tokens" not in name and "lm_head" not in name]
@@ -271,10 +405,10 @@ def train_classic(target: LayerRange, tok: TextTokenizer, tokens: torch.Tensor,
     amp = device.startswith("cuda")
     t0, step = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
-        idx = torch.randint(0, len(tokens), (16,), generator=gen, device=device)
-        n = int(lengths[idx].max())
-        ids = tokens[idx, :n]
-        mask = (torch.arange(n, device=device)[None] < lengths[idx][:, None]).float()
+        idx = torch.randint(0, len(rows), (16,), generator=gen, device=device)
+        n = int(rows.lengths[idx].max())
+        ids = rows.tokens[rows.index(idx, n)]
+        mask = (torch.arange(n, device=device)[None] < rows.lengths[idx][:, None]).float()
         with torch.no_grad():
             want = F.log_softmax(hf_t(ids).logits.float(), -1)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
@@ -312,27 +446,89 @@ def train_classic(target: LayerRange, tok: TextTokenizer, tokens: torch.Tensor,
     return out
 
 
+def make_sequences(args: argparse.Namespace, target: LayerRange, tok: TextTokenizer,
+                   device: str, pad: int, eos: tuple[int, ...]) -> dict[str, Part]:
+    """The training set ("train") and the held-out set that picks the best state ("val"): the
+    target's own answers, greedy and sampled, to template prompts (`draft.prompts`) and to user
+    turns it writes itself, and its continuations of Python source files. `--part I/N` makes
+    the I-th of N disjoint shares (several GPUs generate at once; `--data` joins them)."""
+    part, parts = (int(x) for x in args.part.split("/"))
+    seed = args.seed + 1000 * part
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    written = self_written_prompts(target, tok, args.self_prompts // parts + args.val,
+                                   args.gen_batch, device, pad, eos)
+    val_q, written = written[:args.val], written[args.val:]
+    log.info("%d user turns written by the target (%.0f s), e.g. %r", len(written) + len(val_q),
+             time.perf_counter() - t0, written[:3])
+    templates = training_prompts(args.prompts, args.seed)[part::parts]
+    questions = templates + written
+    random.Random(seed).shuffle(questions)
+    chat = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    rng = random.Random(seed)
+    code = []
+    files = python_sources(args.code_files * 6000, args.seed)[:args.code_files][part::parts]
+    for text in files:
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) > 160:
+            a = rng.randrange(0, len(ids) - 128)
+            code.append(ids[a:a + rng.choice((48, 64, 96, 128))])
+    val = [tok.encode_chat([{"role": "user", "content": q}]) for q in val_q]
+    val_seqs = continuations(target, val, args.new_tokens, 0.0, args.gen_batch, device, pad, eos)
+    deadline = (time.perf_counter() + args.gen_seconds if args.gen_seconds is not None
+                else None)
+    sampled = chat[:int(len(chat) * args.sampled)]
+    # greedy answers first: they are what a greedy verify keeps; a spent budget cuts the rest
+    seqs = continuations(target, chat, args.new_tokens, 0.0, args.gen_batch, device, pad, eos,
+                         deadline)
+    starts = [len(q) for q in chat[:len(seqs)]]
+    more = continuations(target, code, args.new_tokens // 2, 0.0, args.gen_batch, device, pad,
+                         (), deadline)
+    seqs, starts = seqs + more, starts + [len(q) for q in code[:len(more)]]
+    more = continuations(target, sampled, args.new_tokens, 0.8, args.gen_batch, device, pad, eos,
+                         deadline)
+    seqs, starts = seqs + more, starts + [len(q) for q in sampled[:len(more)]]
+    for s_ in seqs[:2] + seqs[-1:]:
+        log.info("sample: %r", tok.decode(s_)[-300:])
+    log.info("%d sequences (%d tokens) in %.0f s", len(seqs), sum(map(len, seqs)),
+             time.perf_counter() - t0)
+    return {"train": (seqs, starts), "val": (val_seqs, [len(q) for q in val])}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="default", help="HF folder, .gguf, or 'default'")
-    p.add_argument("--out", required=True, help="folder to write the draft to")
+    p.add_argument("--out", default=None, help="folder to write the DFlash draft to")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seconds", type=float, default=240.0, help="training time")
+    p.add_argument("--seconds", type=float, default=300.0, help="training time")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--taps", default=None, help="target layers, e.g. 1,10,19,28 (default: "
                    "spread over the model)")
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=None, help="draft FFN width (default: "
                    "the target's)")
-    p.add_argument("--prompts", type=int, default=3400, help="chat prompts to answer greedily")
-    p.add_argument("--sampled", type=float, default=0.5, help="share of them answered again, "
-                   "sampled")
-    p.add_argument("--new-tokens", type=int, default=192)
-    p.add_argument("--code-files", type=int, default=600, help="source files to continue")
-    p.add_argument("--gen-batch", type=int, default=256)
-    p.add_argument("--batch", type=int, default=24, help="sequences per step")
+    p.add_argument("--data", default=None, help="comma-separated sequence files (written by "
+                   "--save-data) to train on instead of generating")
+    p.add_argument("--save-data", default=None, help="write the generated sequences here")
+    p.add_argument("--part", default="0/1", help="I/N: generate the I-th of N disjoint shares")
+    p.add_argument("--prompts", type=int, default=3400, help="template chat prompts (at most "
+                   "the 3,240 that draft.prompts makes)")
+    p.add_argument("--self-prompts", type=int, default=24000, help="user turns the target "
+                   "writes itself, before removing repeats (shared among the N of --part)")
+    p.add_argument("--val", type=int, default=64, help="user turns written besides those, held "
+                   "out: their answers pick the best state")
+    p.add_argument("--sampled", type=float, default=0.25, help="share of the chat prompts "
+                   "answered again, sampled")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--code-files", type=int, default=3000, help="source files to continue")
+    p.add_argument("--gen-batch", type=int, default=1024)
+    p.add_argument("--gen-seconds", type=float, default=None, help="budget for generating "
+                   "answers (user turns and held-out sets excluded)")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--anchors", type=int, default=24, help="blocks per sequence per step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=float, default=30.0, help="seconds between held-out "
+                   "measurements")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", default=None, help="write the metrics as JSON here")
     p.add_argument("--classic-out", default=None, help="also distil a classic draft (the "
@@ -353,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     taps = ([int(x) for x in args.taps.split(",")] if args.taps else
             [round(1 + i * (tcfg.num_layers - 3) / 3) for i in range(4)])
     eos = tuple(tok.eos_ids) or tuple(tcfg.eos_token_ids)
+    pad = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else 0
     mask_id = next((i for i in range(min(64, tcfg.vocab_size)) if tok.token_text(i) and
                     tok.token_text(i) not in ("<|im_start|>", "<|im_end|>") and
                     tok.token_text(i).startswith("<")), 0)
@@ -360,120 +557,141 @@ def main(argv: list[str] | None = None) -> int:
         model_path)).name, tcfg.num_layers, taps, args.block, mask_id, tok.token_text(mask_id))
 
     # -- sequences: the target's own answers and continuations --------------------------------
-    chat = [tok.encode_chat([{"role": "user", "content": q}])
-            for q in training_prompts(args.prompts, args.seed)]
-    rng = random.Random(args.seed)
-    code = []
-    for text in python_sources(args.code_files * 6000, args.seed)[:args.code_files]:
-        ids = tok.encode(text, add_special_tokens=False)
-        if len(ids) > 160:
-            a = rng.randrange(0, len(ids) - 128)
-            code.append(ids[a:a + rng.choice((48, 64, 96, 128))])
-    sampled = chat[:int(len(chat) * args.sampled)]
-    pad = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else 0
-    t0 = time.perf_counter()
-    seqs = continuations(target, chat, args.new_tokens, 0.0, args.gen_batch, dev, pad, eos)
-    seqs += continuations(target, sampled, args.new_tokens, 0.8, args.gen_batch, dev, pad, eos)
-    seqs += continuations(target, code, args.new_tokens // 2, 0.0, args.gen_batch, dev, pad, ())
-    starts = [len(q) for q in chat + sampled + code]
-    for s_ in (seqs[0], seqs[len(chat)], seqs[-1]):
-        log.info("sample: %r", tok.decode(s_)[-300:])
-    log.info("%d sequences (%d tokens) in %.0f s", len(seqs), sum(map(len, seqs)),
-             time.perf_counter() - t0)
+    if args.data:
+        sets: dict[str, Part] = {"train": ([], []), "val": ([], [])}
+        for f in args.data.split(","):
+            try:
+                loaded = load_sequences(Path(f))
+            except ValueError as e:
+                raise SystemExit(f"draft.train: --data: {e}") from e
+            for name, (s_, st) in loaded.items():
+                sets.setdefault(name, ([], []))
+                sets[name][0].extend(s_)
+                sets[name][1].extend(st)
+        log.info("loaded %d + %d sequences from %s", len(sets["train"][0]), len(sets["val"][0]),
+                 args.data)
+    else:
+        sets = make_sequences(args, target, tok, dev, pad, eos)
+        if args.save_data:
+            save_sequences(Path(args.save_data), sets)
+            log.info("wrote %s (%.1f MB)", args.save_data,
+                     Path(args.save_data).stat().st_size / 1e6)
+    if not (args.out or args.classic_out):
+        log.info("no --out nor --classic-out: done in %.0f s", time.perf_counter() - t00)
+        return 0
+    held_out = {tuple(q[:st]) for q, st in zip(*sets["val"])}
+    train_seqs, train_starts = sets["train"]
+    keep = [i for i, (q, st) in enumerate(zip(train_seqs, train_starts))
+            if tuple(q[:st]) not in held_out]
+    if len(keep) < len(train_seqs):  # shares generated apart may repeat a user turn
+        log.info("left out %d training sequences whose prompt is a held-out one",
+                 len(train_seqs) - len(keep))
+        sets["train"] = ([train_seqs[i] for i in keep], [train_starts[i] for i in keep])
     evals = [tok.encode_chat([{"role": "user", "content": q}]) for q in EVAL_CHAT + EVAL_CODE]
-    eval_seqs = continuations(target, evals, args.new_tokens, 0.0, args.gen_batch, dev, pad, eos)
-    keep = [i for i, s_ in enumerate(seqs) if len(s_) >= starts[i] + args.block + 1]
-    seqs, starts = [seqs[i] for i in keep], [starts[i] for i in keep]
+    sets["eval"] = (continuations(target, evals, args.new_tokens, 0.0, args.gen_batch, dev, pad,
+                                  eos), [len(q) for q in evals])
 
     t0 = time.perf_counter()
     head = target.lm_head.weight.detach()
     embed = target.embed_tokens.weight.detach()
-    feats, final, lengths = target_rows(target, seqs, taps, dev)
-    ev_feats, ev_final, ev_lengths = target_rows(target, eval_seqs, taps, dev)
-    ev_labels = greedy_labels(ev_final, head)
-    del ev_final
-    tokens = torch.zeros(len(seqs), feats.shape[1], dtype=torch.long, device=dev)
-    for i, s_ in enumerate(seqs):
-        tokens[i, :len(s_)] = torch.tensor(s_)
-    ev_tokens = torch.zeros(len(eval_seqs), ev_feats.shape[1], dtype=torch.long, device=dev)
-    for i, s_ in enumerate(eval_seqs):
-        ev_tokens[i, :len(s_)] = torch.tensor(s_)
-    starts_t = torch.tensor(starts, device=dev)
-    ev_starts = torch.tensor([len(q) for q in evals], device=dev)
-    log.info("target rows in %.0f s", time.perf_counter() - t0)
+    rows: dict[str, Rows] = {}
+    for name, (s_, st) in sets.items():
+        keep = [i for i, q in enumerate(s_) if len(q) >= st[i] + args.block + 1]
+        rows[name] = target_rows(target, [s_[i] for i in keep], [st[i] for i in keep], taps, dev)
+    train = rows["train"]
+    if len(train) == 0:
+        raise SystemExit("no training sequence is long enough for a block: generate more "
+                         "(--gen-seconds, --new-tokens) or pass --data")
+    labels = {k: greedy_labels(rows[k].final, head) for k in ("val", "eval")}
+    log.info("target rows of %d + %d + %d sequences (%d train rows) in %.0f s", len(train),
+             len(rows["val"]), len(rows["eval"]), len(train.tokens), time.perf_counter() - t0)
+    report: dict = {"target": Path(str(model_path)).name, "taps": taps, "block": args.block,
+                    "layers": args.layers, "sequences": len(train),
+                    "train_tokens": len(train.tokens)}
 
-    # -- train --------------------------------------------------------------------------------
-    out = Path(args.out)
-    raw = dflash_config_dict(tcfg, layers=args.layers, taps=taps, block_size=args.block,
-                             mask_token_id=mask_id, intermediate_size=args.intermediate)
-    draft = init_draft(target, raw, out / "config.json").to(dev)
-    embed, head = embed.float(), head.float()
-    params = [q for q in draft.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    weights = torch.exp(-torch.arange(args.block - 1, device=dev) / 4.0)
-    gen = torch.Generator(device=dev).manual_seed(args.seed)
-    amp = dev.startswith("cuda")
+    if args.out:
+        out = Path(args.out)
+        raw = dflash_config_dict(tcfg, layers=args.layers, taps=taps, block_size=args.block,
+                                 mask_token_id=mask_id, intermediate_size=args.intermediate)
+        draft = init_draft(target, raw, out / "config.json").to(dev)
+        fhead, fembed = head.float(), embed.float()
+        params = [q for q in draft.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        weights = torch.exp(-torch.arange(args.block - 1, device=dev) / 4.0)
+        gen = torch.Generator(device=dev).manual_seed(args.seed)
+        amp = dev.startswith("cuda")
 
-    def ev() -> float:
-        draft.eval()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            tau = acceptance(draft, head, embed, ev_feats, ev_tokens, ev_labels, ev_lengths,
-                             ev_starts, args.block, mask_id)
-        draft.train()
-        return tau
+        def measure(name: str) -> float:
+            draft.eval()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                tau = acceptance(draft, fhead, fembed, rows[name], labels[name], args.block,
+                                 mask_id)
+            draft.train()
+            return tau
 
-    best = tau0 = ev()
-    best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-    log.info("before training: %.2f tokens per verify on %d held-out prompts", tau0, len(evals))
-    step, t0 = 0, time.perf_counter()
-    history = []
-    batch_rows = torch.arange(args.batch, device=dev)[:, None, None]
-    offsets = torch.arange(args.block - 1, device=dev)
-    while time.perf_counter() - t0 < args.seconds:
-        frac = (time.perf_counter() - t0) / args.seconds
-        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi *
-                                                                              frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen, device=dev)
-        n = int(lengths[idx].max())
-        anchors = sample_anchors(lengths[idx], starts_t[idx], args.anchors, args.block, gen)
-        at = anchors[:, :, None] + offsets  # rows whose next token each draft token predicts
-        with torch.no_grad():  # the target's distribution there (distillation, not one label)
-            want = F.log_softmax(final[idx][batch_rows, at].float() @ head.T, -1)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-            logits = block_logits(draft, head, embed, feats[idx, :n].float(), tokens[idx, :n],
-                                  anchors, args.block, mask_id)
-        kl = F.kl_div(F.log_softmax(logits.float(), -1), want, log_target=True,
-                      reduction="none").sum(-1)
-        loss = optimize((kl * weights).sum(-1).mean() / weights.sum(), params, opt)
-        step += 1
-        if step % 250 == 0:
-            tau = ev()
-            history.append({"step": step, "loss": round(loss.item(), 4), "acceptance": tau})
-            if tau > best:
-                best = tau
-                best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-            log.info("step %d, %.0f s: KL %.3f, held-out %.2f tokens per verify (best %.2f)",
-                     step, time.perf_counter() - t0, loss.item(), tau, best)
-    tau = ev()
-    if tau < best:
-        draft.load_state_dict(best_state)
-    log.info("trained %d steps in %.0f s: held-out %.2f tokens per verify (last %.2f, "
-             "untrained %.2f)", step, time.perf_counter() - t0, max(tau, best), tau, tau0)
-    save_dflash(draft.cpu(), raw, out)
-    report = {"target": Path(str(model_path)).name, "taps": taps, "block": args.block,
-              "layers": args.layers, "steps": step, "train_seconds": args.seconds,
-              "sequences": len(seqs), "acceptance_before": tau0, "acceptance": max(tau, best),
-              "history": history, "total_seconds": time.perf_counter() - t00}
+        if len(rows["val"]) == 0:
+            log.warning("no held-out answer is long enough for a block: the last state is "
+                        "kept, not the best (raise --val or --new-tokens)")
+        best = tau0 = measure("val")
+        best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+        log.info("before training: %.2f tokens per verify on %d held-out answers", tau0,
+                 len(rows["val"]))
+        step, t0, next_eval = 0, time.perf_counter(), args.eval_every
+        history = []
+        batch_rows = torch.arange(args.batch, device=dev)[:, None, None]
+        offsets = torch.arange(args.block - 1, device=dev)
+        while (elapsed := time.perf_counter() - t0) < args.seconds:
+            frac = elapsed / args.seconds
+            lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+                math.pi * frac)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            idx = torch.randint(0, len(train), (args.batch,), generator=gen, device=dev)
+            at_rows = train.index(idx, int(train.lengths[idx].max()))
+            anchors = sample_anchors(train.lengths[idx], train.starts[idx], args.anchors,
+                                     args.block, gen)
+            at = anchors[:, :, None] + offsets  # rows whose next token each draft token predicts
+            with torch.no_grad():  # the target's distribution there (distillation)
+                want = F.log_softmax(train.final[at_rows[batch_rows, at]].float() @ fhead.T, -1)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+                logits = block_logits(draft, fhead, fembed, train.feats[at_rows].float(),
+                                      train.tokens[at_rows], anchors, args.block, mask_id)
+            kl = F.kl_div(F.log_softmax(logits.float(), -1), want, log_target=True,
+                          reduction="none").sum(-1)
+            loss = optimize((kl * weights).sum(-1).mean() / weights.sum(), params, opt)
+            step += 1
+            if time.perf_counter() - t0 >= next_eval:
+                next_eval += args.eval_every
+                tau = measure("val")
+                history.append({"step": step, "seconds": round(time.perf_counter() - t0),
+                                "loss": round(loss.item(), 4), "val": round(tau, 3)})
+                if tau > best:
+                    best = tau
+                    best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+                log.info("step %d, %.0f s: KL %.3f, held-out %.2f tokens per verify (best %.2f)",
+                         step, time.perf_counter() - t0, loss.item(), tau, best)
+        tau = measure("val")
+        if tau >= best:
+            best = tau
+        else:
+            draft.load_state_dict(best_state)
+        ev = measure("eval")
+        log.info("trained %d steps in %.0f s: %.2f tokens per verify on the held-out answers "
+                 "(last %.2f, untrained %.2f); %.2f on the %d evaluation prompts", step,
+                 time.perf_counter() - t0, best, tau, tau0, ev, len(rows["eval"]))
+        save_dflash(draft.cpu(), raw, out)
+        report |= {"steps": step, "train_seconds": args.seconds, "val_before": tau0,
+                   "val": best, "eval": ev, "history": history}
+        log.info("wrote %s (%.1f MB)", out, (out / "model.safetensors").stat().st_size / 1e6)
     if args.classic_out:
-        del feats, ev_feats, final
-        train_classic(target, tok, tokens, lengths, args.classic_layers, args.classic_seconds,
+        train.feats = train.final = torch.empty(0)  # the DFlash rows: not needed any more
+        del rows, labels
+        train_classic(target, tok, train, args.classic_layers, args.classic_seconds,
                       Path(args.classic_out), dev, args.lr, args.seed)
+    report["total_seconds"] = time.perf_counter() - t00
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
-    log.info("wrote %s (%.1f MB) in %.0f s in all", out,
-             (out / "model.safetensors").stat().st_size / 1e6, time.perf_counter() - t00)
+    log.info("done in %.0f s in all", time.perf_counter() - t00)
     return 0
 
 

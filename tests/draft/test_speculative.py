@@ -22,9 +22,9 @@ from ipc.messages import message
 from runtime.chunking import prefill_chunks
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
-from runtime.placement import PlacementError
 from runtime.errors import DraftError
 from runtime.generate import Progress, collect
+from runtime.placement import PlacementError
 from runtime.reference import ReferenceEngine
 from runtime.speculative import SpecStats
 from shards.checkpoint import load_layer_range, open_checkpoint
@@ -51,13 +51,12 @@ def fitted(target, tmp_path_factory):
         for params in (GREEDY, SAMPLED):
             seqs.append(prompt + ref.generate(prompt, params).tokens)
     model = load_layer_range(open_checkpoint(target), 0, 6)
-    feats, final, lengths = target_rows(model, seqs, [1, 4], "cpu")
+    rows = target_rows(model, seqs, [0] * len(seqs), [1, 4], "cpu")
+    feats, tokens, final = rows.batch(torch.arange(len(seqs)))
     feats = feats.clone()  # out of inference mode: it feeds a graph that is trained
+    lengths = rows.lengths
     head, embed = model.lm_head.weight, model.embed_tokens.weight
     labels = greedy_labels(final, head)
-    tokens = torch.zeros(len(seqs), feats.shape[1], dtype=torch.long)
-    for i, s_ in enumerate(seqs):
-        tokens[i, :len(s_)] = torch.tensor(s_)
     path = write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("fitted"),
                                layers=1, taps=[1, 4], block_size=4)
     cfg = read_dflash_config(path)

@@ -1,6 +1,7 @@
 """`python -m draft.train` end to end on a tiny target (CPU, seconds): it trains (the loss falls,
 the weights move), and writes a DFlash draft in the published layout and a classic draft, both of
-which the runtime's draft loader accepts for this target."""
+which the runtime's draft loader accepts for this target. The sequences it generates can be saved
+and trained on again; a file that is not such a sequence file is refused by name."""
 
 from __future__ import annotations
 
@@ -8,21 +9,26 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draft.proposer import ClassicProposer, DFlashProposer, load_proposer
+from draft.train import load_sequences, save_sequences
 from draft.train import main as train
 from shards.tiny import write_tiny_checkpoint
+
+SMALL = ["--device", "cpu", "--prompts", "12", "--self-prompts", "6", "--val", "2",
+         "--new-tokens", "24", "--code-files", "2", "--batch", "4", "--anchors", "4",
+         "--layers", "1", "--block", "4", "--taps", "1,4", "--gen-batch", "12",
+         "--eval-every", "1"]
 
 
 @pytest.mark.slow
 def test_training_writes_loadable_drafts(tmp_path):
     target = write_tiny_checkpoint(tmp_path / "t", "llama", std=0.2)
     out, classic, report = tmp_path / "dflash", tmp_path / "classic", tmp_path / "r.json"
-    rc = train(["--target", str(target), "--out", str(out), "--device", "cpu",
-                "--seconds", "4", "--prompts", "12", "--new-tokens", "24", "--code-files", "2",
-                "--batch", "4", "--anchors", "4", "--layers", "1", "--block", "4",
-                "--taps", "1,4", "--gen-batch", "12", "--classic-out", str(classic),
+    data = tmp_path / "seqs.safetensors"
+    rc = train(["--target", str(target), "--out", str(out), *SMALL, "--seconds", "4",
+                "--save-data", str(data), "--classic-out", str(classic),
                 "--classic-seconds", "2", "--classic-layers", "2", "--report", str(report)])
     assert rc == 0
     r = json.loads(report.read_text())
@@ -37,3 +43,36 @@ def test_training_writes_loadable_drafts(tmp_path):
     after = load_file(str(classic / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.allclose(before[name], after[name].float(), atol=1e-3)
+
+    # the saved sequences: 12 template prompts (and the user turns the target wrote) answered
+    # greedily, a quarter of them again sampled, source files continued; training on them
+    # again sees the same sequences
+    sets = load_sequences(data)
+    seqs, starts = sets["train"]
+    assert len(seqs) >= 12 + 3 and all(0 < s < len(q) for q, s in zip(seqs, starts))
+    again = tmp_path / "r2.json"
+    rc = train(["--target", str(target), "--out", str(tmp_path / "again"), *SMALL,
+                "--seconds", "1", "--data", f"{data},{data}", "--report", str(again)])
+    assert rc == 0 and json.loads(again.read_text())["sequences"] == 2 * r["sequences"]
+
+
+def test_sequence_files_round_trip_and_bad_ones_are_refused(tmp_path):
+    path = tmp_path / "s.safetensors"
+    sets = {"train": ([[1, 2, 3], [70000, 5]], [1, 2]), "val": ([[4, 5, 6, 7]], [2])}
+    save_sequences(path, sets)
+    assert load_sequences(path) == sets
+    (tmp_path / "junk").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="junk: not a sequence file"):
+        load_sequences(tmp_path / "junk")
+    bad = tmp_path / "bad.safetensors"
+    save_file({"train.tokens": torch.arange(5), "train.lengths": torch.tensor([3, 3]),
+               "train.starts": torch.tensor([1, 1])}, str(bad))
+    with pytest.raises(ValueError, match="bad.safetensors: set 'train': tokens, lengths and "
+                                         "starts disagree"):
+        load_sequences(bad)
+    save_file({"train.tokens": torch.arange(5)}, str(bad))
+    with pytest.raises(ValueError, match="set 'train' lacks"):
+        load_sequences(bad)
+    with pytest.raises(SystemExit, match="--data: .*junk: not a sequence file"):
+        train(["--target", str(write_tiny_checkpoint(tmp_path / "t", "llama")), "--data",
+               str(tmp_path / "junk"), "--device", "cpu"])
