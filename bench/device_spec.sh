@@ -16,7 +16,8 @@
 #            spent, with CONFIG's arguments; the draft comes back packed in $OUT.
 #                                         (carry .whl .device-carry/smol.part02 .device-carry/data0.st ...)
 #   stage S: plain vs speculative decoding, same split, same run, for each draft of DRAFTS
-#            (default: the bundled draft and the drafts of stage D)   (carry .whl [part02])
+#            (default: the bundled draft and the drafts of stage D), REPEAT times over (the
+#            median ratio is printed last)                          (carry .whl [part02])
 set -uo pipefail
 stage=${1:?stage A, P, D, L or S}
 devices=${2:-cuda:0,cuda:1}
@@ -90,6 +91,7 @@ elif [ "$stage" = S ]; then
   drafts=default
   for d in /tmp/drafts/*/; do [ -f "$d/config.json" ] && drafts=$drafts,${d%/}; done
   python3 bench/speculative.py --model default --devices "$devices" --drafts "${DRAFTS:-$drafts}" \
-    --new-tokens 256 --json "$OUT/spec.json" 2>&1 | tail -12 | tee "$OUT/spec.txt"
+    --new-tokens 256 --repeat "${REPEAT:-1}" --json "$OUT/spec.json" 2>&1 | tail -16 \
+    | tee "$OUT/spec.txt"
 fi
 log done

@@ -10,7 +10,9 @@ per step, and how many outputs equal the plain ones token for token.
     python bench/speculative.py --model default --devices cuda:0,cuda:1 \\
         --drafts default,/path/to/classic-draft --new-tokens 256
 
-Prints a table last; `--json FILE` also writes the rows.
+Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
+(plain, then each draft) N times over and adds each draft's median speed-up: a verify step's cost
+moves between runs on one machine, and the ratio with it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 from pathlib import Path
 
@@ -83,30 +86,39 @@ def main() -> int:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--block", type=int, default=None, help="spec_block (rows per verify)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=1, help="run plain and every draft this many "
+                   "times, in turn")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    rows = [run(args, "none", None)]
-    plain = rows[0]["outputs"]
-    for d in args.drafts.split(","):
-        rows.append(run(args, d, plain))
-    base = rows[0]["decode_tok_s"]
-    for r in rows:
-        r["speedup"] = r["decode_tok_s"] / base
+    rows = []
+    for rep in range(1, args.repeat + 1):
+        base = run(args, "none", None)
+        group = [base] + [run(args, d, base["outputs"]) for d in args.drafts.split(",")]
+        for r in group:
+            r["run"] = rep
+            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+        rows += group
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\nmodel {args.model}, devices {args.devices}, {rows[0]['prompts']} prompts "
           f"(chat + code), greedy, up to {args.new_tokens} new tokens")
-    print("| draft | kind | decode tok/s | vs plain | acceptance length | per position | "
+    print("| run | draft | kind | decode tok/s | vs plain | acceptance length | per position | "
           "draft ms/step (computing) | verify ms/step | same as plain |")
-    print("|---|---|---:|---:|---:|---|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
         same = "-" if r["same_as_plain"] is None else f"{r['same_as_plain']}/{r['prompts']}"
-        print(f"| {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | {r['speedup']:.2f} | "
+        print(f"| {r['run']} | {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | "
+              f"{r['speedup']:.2f} | "
               f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
               f"{r['verify_ms']:.2f} | {same} |")
+    if args.repeat > 1:
+        for d in dict.fromkeys(r["draft"] for r in rows if r["draft"] != "none"):
+            ratios = sorted(r["speedup"] for r in rows if r["draft"] == d)
+            print(f"{d}: median {statistics.median(ratios):.2f} x plain over {len(ratios)} runs "
+                  f"({', '.join(f'{x:.2f}' for x in ratios)})")
     return 0
 
 
