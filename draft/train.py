@@ -446,6 +446,85 @@ def train_classic(target: LayerRange, tok: TextTokenizer, rows: Rows, layers: in
     return out
 
 
+def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: dict[str, Rows],
+                 labels: dict[str, torch.Tensor], mask_id: int, out: Path) -> dict:
+    """The DFlash draft of config `raw`, trained on rows["train"] for args.seconds; the best
+    state by tokens per verify on rows["val"] is written to `out`. Returns the report's part."""
+    dev = args.device
+    train = rows["train"]
+    draft = init_draft(target, raw, out / "config.json").to(dev)
+    fhead = target.lm_head.weight.detach().float()
+    fembed = target.embed_tokens.weight.detach().float()
+    params = [q for q in draft.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    weights = torch.exp(-torch.arange(args.block - 1, device=dev) / 4.0)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    amp = dev.startswith("cuda")
+
+    def measure(name: str) -> float:
+        draft.eval()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            tau = acceptance(draft, fhead, fembed, rows[name], labels[name], args.block,
+                             mask_id)
+        draft.train()
+        return tau
+
+    if len(rows["val"]) == 0:
+        log.warning("no held-out answer is long enough for a block: the last state is "
+                    "kept, not the best (raise --val or --new-tokens)")
+    best = tau0 = measure("val")
+    best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    log.info("before training: %.2f tokens per verify on %d held-out answers", tau0,
+             len(rows["val"]))
+    step, t0, next_eval = 0, time.perf_counter(), args.eval_every
+    history = []
+    batch_rows = torch.arange(args.batch, device=dev)[:, None, None]
+    offsets = torch.arange(args.block - 1, device=dev)
+    while (elapsed := time.perf_counter() - t0) < args.seconds:
+        frac = elapsed / args.seconds
+        lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+            math.pi * frac)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(0, len(train), (args.batch,), generator=gen, device=dev)
+        at_rows = train.index(idx, int(train.lengths[idx].max()))
+        anchors = sample_anchors(train.lengths[idx], train.starts[idx], args.anchors,
+                                 args.block, gen)
+        at = anchors[:, :, None] + offsets  # rows whose next token each draft token predicts
+        with torch.no_grad():  # the target's distribution there (distillation)
+            want = F.log_softmax(train.final[at_rows[batch_rows, at]].float() @ fhead.T, -1)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            logits = block_logits(draft, fhead, fembed, train.feats[at_rows].float(),
+                                  train.tokens[at_rows], anchors, args.block, mask_id)
+        kl = F.kl_div(F.log_softmax(logits.float(), -1), want, log_target=True,
+                      reduction="none").sum(-1)
+        loss = optimize((kl * weights).sum(-1).mean() / weights.sum(), params, opt)
+        step += 1
+        if time.perf_counter() - t0 >= next_eval:
+            next_eval += args.eval_every
+            tau = measure("val")
+            history.append({"step": step, "seconds": round(time.perf_counter() - t0),
+                            "loss": round(loss.item(), 4), "val": round(tau, 3)})
+            if tau > best:
+                best = tau
+                best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+            log.info("step %d, %.0f s: KL %.3f, held-out %.2f tokens per verify (best %.2f)",
+                     step, time.perf_counter() - t0, loss.item(), tau, best)
+    tau = measure("val")
+    if tau >= best:
+        best = tau
+    else:
+        draft.load_state_dict(best_state)
+    ev = measure("eval")
+    log.info("trained %d steps in %.0f s: %.2f tokens per verify on the held-out answers "
+             "(last %.2f, untrained %.2f); %.2f on the %d evaluation prompts", step,
+             time.perf_counter() - t0, best, tau, tau0, ev, len(rows["eval"]))
+    save_dflash(draft.cpu(), raw, out)
+    log.info("wrote %s (%.1f MB)", out, (out / "model.safetensors").stat().st_size / 1e6)
+    return {"steps": step, "train_seconds": args.seconds, "val_before": tau0, "val": best,
+            "eval": ev, "history": history}
+
+
 def make_sequences(args: argparse.Namespace, target: LayerRange, tok: TextTokenizer,
                    device: str, pad: int, eos: tuple[int, ...]) -> dict[str, Part]:
     """The training set ("train") and the held-out set that picks the best state ("val"): the
@@ -593,7 +672,6 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     head = target.lm_head.weight.detach()
-    embed = target.embed_tokens.weight.detach()
     rows: dict[str, Rows] = {}
     for name, (s_, st) in sets.items():
         keep = [i for i, q in enumerate(s_) if len(q) >= st[i] + args.block + 1]
@@ -610,79 +688,9 @@ def main(argv: list[str] | None = None) -> int:
                     "train_tokens": len(train.tokens)}
 
     if args.out:
-        out = Path(args.out)
         raw = dflash_config_dict(tcfg, layers=args.layers, taps=taps, block_size=args.block,
                                  mask_token_id=mask_id, intermediate_size=args.intermediate)
-        draft = init_draft(target, raw, out / "config.json").to(dev)
-        fhead, fembed = head.float(), embed.float()
-        params = [q for q in draft.parameters() if q.requires_grad]
-        opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        weights = torch.exp(-torch.arange(args.block - 1, device=dev) / 4.0)
-        gen = torch.Generator(device=dev).manual_seed(args.seed)
-        amp = dev.startswith("cuda")
-
-        def measure(name: str) -> float:
-            draft.eval()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                tau = acceptance(draft, fhead, fembed, rows[name], labels[name], args.block,
-                                 mask_id)
-            draft.train()
-            return tau
-
-        if len(rows["val"]) == 0:
-            log.warning("no held-out answer is long enough for a block: the last state is "
-                        "kept, not the best (raise --val or --new-tokens)")
-        best = tau0 = measure("val")
-        best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-        log.info("before training: %.2f tokens per verify on %d held-out answers", tau0,
-                 len(rows["val"]))
-        step, t0, next_eval = 0, time.perf_counter(), args.eval_every
-        history = []
-        batch_rows = torch.arange(args.batch, device=dev)[:, None, None]
-        offsets = torch.arange(args.block - 1, device=dev)
-        while (elapsed := time.perf_counter() - t0) < args.seconds:
-            frac = elapsed / args.seconds
-            lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
-                math.pi * frac)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            idx = torch.randint(0, len(train), (args.batch,), generator=gen, device=dev)
-            at_rows = train.index(idx, int(train.lengths[idx].max()))
-            anchors = sample_anchors(train.lengths[idx], train.starts[idx], args.anchors,
-                                     args.block, gen)
-            at = anchors[:, :, None] + offsets  # rows whose next token each draft token predicts
-            with torch.no_grad():  # the target's distribution there (distillation)
-                want = F.log_softmax(train.final[at_rows[batch_rows, at]].float() @ fhead.T, -1)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
-                logits = block_logits(draft, fhead, fembed, train.feats[at_rows].float(),
-                                      train.tokens[at_rows], anchors, args.block, mask_id)
-            kl = F.kl_div(F.log_softmax(logits.float(), -1), want, log_target=True,
-                          reduction="none").sum(-1)
-            loss = optimize((kl * weights).sum(-1).mean() / weights.sum(), params, opt)
-            step += 1
-            if time.perf_counter() - t0 >= next_eval:
-                next_eval += args.eval_every
-                tau = measure("val")
-                history.append({"step": step, "seconds": round(time.perf_counter() - t0),
-                                "loss": round(loss.item(), 4), "val": round(tau, 3)})
-                if tau > best:
-                    best = tau
-                    best_state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
-                log.info("step %d, %.0f s: KL %.3f, held-out %.2f tokens per verify (best %.2f)",
-                         step, time.perf_counter() - t0, loss.item(), tau, best)
-        tau = measure("val")
-        if tau >= best:
-            best = tau
-        else:
-            draft.load_state_dict(best_state)
-        ev = measure("eval")
-        log.info("trained %d steps in %.0f s: %.2f tokens per verify on the held-out answers "
-                 "(last %.2f, untrained %.2f); %.2f on the %d evaluation prompts", step,
-                 time.perf_counter() - t0, best, tau, tau0, ev, len(rows["eval"]))
-        save_dflash(draft.cpu(), raw, out)
-        report |= {"steps": step, "train_seconds": args.seconds, "val_before": tau0,
-                   "val": best, "eval": ev, "history": history}
-        log.info("wrote %s (%.1f MB)", out, (out / "model.safetensors").stat().st_size / 1e6)
+        report |= train_dflash(args, target, raw, rows, labels, mask_id, Path(args.out))
     if args.classic_out:
         train.feats = train.final = torch.empty(0)  # the DFlash rows: not needed any more
         del rows, labels
