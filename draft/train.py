@@ -525,13 +525,24 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
             "eval": ev, "history": history}
 
 
+def part_arg(text: str) -> tuple[int, int]:
+    """`--part I/N`: the I-th (from 0) of N shares."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N, e.g. 0/2, got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"I/N needs 0 <= I < N, got {text!r}")
+    return i, n
+
+
 def make_sequences(args: argparse.Namespace, target: LayerRange, tok: TextTokenizer,
                    device: str, pad: int, eos: tuple[int, ...]) -> dict[str, Part]:
     """The training set ("train") and the held-out set that picks the best state ("val"): the
     target's own answers, greedy and sampled, to template prompts (`draft.prompts`) and to user
     turns it writes itself, and its continuations of Python source files. `--part I/N` makes
     the I-th of N disjoint shares (several GPUs generate at once; `--data` joins them)."""
-    part, parts = (int(x) for x in args.part.split("/"))
+    part, parts = args.part
     seed = args.seed + 1000 * part
     t0 = time.perf_counter()
     torch.manual_seed(seed)
@@ -589,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=None, help="comma-separated sequence files (written by "
                    "--save-data) to train on instead of generating")
     p.add_argument("--save-data", default=None, help="write the generated sequences here")
-    p.add_argument("--part", default="0/1", help="I/N: generate the I-th of N disjoint shares")
+    p.add_argument("--part", type=part_arg, default=(0, 1), help="I/N: generate the I-th (from "
+                   "0) of N disjoint shares")
     p.add_argument("--prompts", type=int, default=3400, help="template chat prompts (at most "
                    "the 3,240 that draft.prompts makes)")
     p.add_argument("--self-prompts", type=int, default=24000, help="user turns the target "

@@ -56,7 +56,7 @@ def test_training_writes_loadable_drafts(tmp_path):
     assert rc == 0 and json.loads(again.read_text())["sequences"] == 2 * r["sequences"]
 
 
-def test_sequence_files_round_trip_and_bad_ones_are_refused(tmp_path):
+def test_sequence_files_round_trip_and_bad_ones_are_refused(tmp_path, capsys):
     path = tmp_path / "s.safetensors"
     sets = {"train": ([[1, 2, 3], [70000, 5]], [1, 2]), "val": ([[4, 5, 6, 7]], [2])}
     save_sequences(path, sets)
@@ -73,6 +73,11 @@ def test_sequence_files_round_trip_and_bad_ones_are_refused(tmp_path):
     save_file({"train.tokens": torch.arange(5)}, str(bad))
     with pytest.raises(ValueError, match="set 'train' lacks"):
         load_sequences(bad)
+    for bad_part in ("2/2", "1", "a/b"):
+        with pytest.raises(SystemExit, match="2"):  # argparse's usage error
+            train(["--target", "x", "--part", bad_part])
+        err = capsys.readouterr().err
+        assert "argument --part: " in err and repr(bad_part) in err
     with pytest.raises(SystemExit, match="--data: .*junk: not a sequence file"):
         train(["--target", str(write_tiny_checkpoint(tmp_path / "t", "llama")), "--data",
                str(tmp_path / "junk"), "--device", "cpu"])
