@@ -15,11 +15,20 @@
 #            (data*.st, from stage D), then training until the call's 10 minutes are nearly
 #            spent, with CONFIG's arguments; the draft comes back packed in $OUT.
 #                                         (carry .whl .device-carry/smol.part02 .device-carry/data0.st ...)
+#   stage T: choose the bundled draft's token tree (NODES draft tokens) on the held-out answers
+#            of .device-carry/val.st (`python -m draft.tree`; the config comes back in $OUT), then
+#            stage S with it              (carry .whl .device-carry/smol.part02 .device-carry/val.st)
+#            val.st: the "val" sets of stage D's and L's sequence files, small enough to carry:
+#            python -c "from pathlib import Path; from draft.train import load_sequences as l,
+#            save_sequences as s; v = [l(Path(f))['val'] for f in ('data0.st', 'data1.st',
+#            'data2.st')]; s(Path('.device-carry/val.st'), {'val': (sum((a for a, _ in v), []),
+#            sum((b for _, b in v), []))})"
 #   stage S: plain vs speculative decoding, same split, same run, for each draft of DRAFTS
 #            (default: the bundled draft and the drafts of stage D), REPEAT times over (the
-#            median ratio is printed last)                          (carry .whl [part02])
+#            median ratio is printed last), each with token trees of TREES draft tokens (e.g.
+#            TREES=0,15,31; default: the draft's own tree)            (carry .whl [part02])
 set -uo pipefail
-stage=${1:?stage A, P, D, L or S}
+stage=${1:?stage A, P, D, L, T or S}
 devices=${2:-cuda:0,cuda:1}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -35,6 +44,14 @@ gpus=$(nvidia-smi -L | wc -l)
 dev=${DEV:-cuda}  # DEV=cpu with a stand-in nvidia-smi: a dry run of the stages' plumbing
 # draft configurations of stage D, one per GPU: name:extra arguments of draft.train
 CONFIGS=${CONFIGS:-"l2:--layers 2;l3:--layers 3 --intermediate 1024"}
+if [ "$stage" = T ]; then
+  join_model
+  log token tree of the bundled draft
+  python3 -m draft.tree default --data .device-carry/val.st --nodes "${NODES:-31}" \
+    --device $dev:0 2>&1 | grep -v Warning | tail -4 | tee "$OUT/tree.txt"
+  cp draft/weights/smollm2-135m-dflash/config.json "$OUT/"
+  stage=S
+fi
 if [ "$stage" = A ]; then
   nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
   log gpu tests
@@ -91,7 +108,12 @@ elif [ "$stage" = S ]; then
   drafts=default
   for d in /tmp/drafts/*/; do [ -f "$d/config.json" ] && drafts=$drafts,${d%/}; done
   python3 bench/speculative.py --model default --devices "$devices" --drafts "${DRAFTS:-$drafts}" \
-    --new-tokens 256 --repeat "${REPEAT:-1}" --json "$OUT/spec.json" 2>&1 | tail -16 \
+    --new-tokens 256 --repeat "${REPEAT:-1}" ${TREES:+--trees $TREES} \
+    ${DRAFT_DEVICES:+--draft-devices $DRAFT_DEVICES} ${DTYPE:+--dtype $DTYPE} --json "$OUT/spec.json" 2>&1 | tail -24 \
     | tee "$OUT/spec.txt"
+  python3 -c "import json
+for r in json.load(open('$OUT/spec.json')):
+    print(r['draft'], {k: round(r[k], 3) for k in ('prepared', 'off_chain', 'verdict_lag_ms',
+          'request_lag_ms', 'ready_lead_ms', 'draft_ms', 'verify_ms') if k in r})" | tee -a "$OUT/spec.txt"
 fi
 log done

@@ -10,7 +10,8 @@ per step, and how many outputs equal the plain ones token for token.
     python bench/speculative.py --model default --devices cuda:0,cuda:1 \\
         --drafts default,/path/to/classic-draft --new-tokens 256
 
-Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
+`--trees 0,15,31` runs each draft with token trees of that many draft tokens (0: a chain, one
+row each). Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
 (plain, then each draft) N times over and adds each draft's median speed-up: a verify step's cost
 moves between runs on one machine, and the ratio with it.
 """
@@ -36,12 +37,17 @@ from shards.sampling import SamplingParams  # noqa: E402
 log = logging.getLogger("bench.speculative")
 
 
-def run(args, draft: str, plain_tokens: dict | None) -> dict:
+def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
+        draft_device: str | None = None) -> dict:
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
+                        draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
-                        spec_block=args.block, threads=args.threads, prefix_cache=False)
+                        spec_block=args.block, spec_tree=tree, threads=args.threads,
+                        prefix_cache=False)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
-    row: dict = {"draft": "none" if draft == "none" else Path(draft).name}
+    row: dict = {"draft": "none" if draft == "none" else Path(draft).name
+                 + ("" if tree is None else f" tree={tree}")
+                 + ("" if draft_device is None else f" on {draft_device}")}
     with Coordinator(cfg) as coord:
         row["kind"] = coord.draft_info.get("kind", "-") if coord.draft else "-"
         row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
@@ -71,6 +77,11 @@ def run(args, draft: str, plain_tokens: dict | None) -> dict:
                    draft_ms=1000 * total.draft_s / max(total.verifies, 1),
                    draft_compute_ms=1000 * total.draft_compute_s / max(total.verifies, 1),
                    verify_ms=1000 * total.verify_s / max(total.verifies, 1),
+                   prepared=total.prepared / max(total.verifies, 1),
+                   verdict_lag_ms=1000 * total.verdict_lag_s / max(total.prepared, 1),
+                   request_lag_ms=1000 * total.request_lag_s / max(total.prepared, 1),
+                   ready_lead_ms=1000 * total.ready_lead_s / max(total.prepared, 1),
+                   off_chain=total.off_chain / max(total.verifies, 1),
                    outputs=outs)
     return row
 
@@ -85,7 +96,13 @@ def main() -> int:
     p.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--block", type=int, default=None, help="spec_block (rows per verify)")
+    p.add_argument("--trees", default=None, help="comma-separated spec_tree values to run each "
+                   "draft with (draft tokens of its token tree; 0: a chain); default: the "
+                   "draft's own")
+    p.add_argument("--draft-devices", default=None, help="comma-separated draft devices to "
+                   "run each draft on (default: the first shard's)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="the runtime's dtype (auto: bf16 on GPUs)")
     p.add_argument("--repeat", type=int, default=1, help="run plain and every draft this many "
                    "times, in turn")
     p.add_argument("--json", default=None)
@@ -94,7 +111,10 @@ def main() -> int:
     rows = []
     for rep in range(1, args.repeat + 1):
         base = run(args, "none", None)
-        group = [base] + [run(args, d, base["outputs"]) for d in args.drafts.split(",")]
+        trees = [None] if args.trees is None else [int(t) for t in args.trees.split(",")]
+        places = [None] if args.draft_devices is None else args.draft_devices.split(",")
+        group = [base] + [run(args, d, base["outputs"], t, place)
+                          for d in args.drafts.split(",") for t in trees for place in places]
         for r in group:
             r["run"] = rep
             r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]

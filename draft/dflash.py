@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draft.tree import Shape, read_shape
 from shards.errors import CheckpointError
 from shards.kv_cache import KVCache
 from shards.model import DecoderLayer, RMSNorm, StepInfo, apply_rope, rope_cos_sin, rope_inv_freq
@@ -52,6 +53,7 @@ class DFlashConfig:
     mask_token_id: int
     num_target_layers: int | None
     embedding_scale: float = 1.0
+    spec_tree: Shape | None = None  # the token tree it proposes (`draft.tree`); None: a chain
 
     @property
     def width(self) -> int:
@@ -130,7 +132,8 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
         raise CheckpointError(f"{path}: target_layer_ids must be increasing, got {taps}")
     return DFlashConfig(model, block, tuple(taps), mask,
                         None if n_target is None else int(n_target),
-                        float(field("input_embedding_scale", 1.0)))
+                        float(field("input_embedding_scale", 1.0)),
+                        read_shape(raw.get("spec_tree"), block, path))
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -251,8 +254,17 @@ def save_dflash(model: DFlashDraft, config: dict, folder: Path,
     if set(state) != expected:
         raise ValueError(f"cannot save a fused or foreign model: {sorted(set(state) ^ expected)}")
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    write_config(folder, config)
     return folder
+
+
+def write_config(folder: Path, config: dict) -> None:
+    """A draft's config.json; its token tree (`spec_tree`) one path a line."""
+    rest = json.dumps({k: v for k, v in config.items() if k != "spec_tree"}, indent=1)
+    if config.get("spec_tree"):
+        paths = ",\n  ".join(json.dumps(p) for p in config["spec_tree"])
+        rest = rest[:-2] + f',\n "spec_tree": [\n  {paths}\n ]\n}}'
+    (folder / "config.json").write_text(rest + "\n")
 
 
 def write_random_dflash(target: ModelConfig, folder: Path, *, layers: int = 1,

@@ -22,15 +22,22 @@ import torch
 import torch.nn.functional as F
 
 from draft.dflash import (
-    DFlashConfig, DFlashDraft, block_step, is_dflash, load_dflash, read_dflash_config,
+    DFlashConfig,
+    DFlashDraft,
+    block_step,
+    is_dflash,
+    load_dflash,
+    read_dflash_config,
     static_block_step,
 )
+from draft.tree import instantiate, width
 from runtime.chunking import prefill_chunks
 from shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
 from shards.errors import CheckpointError
 from shards.executor import RangeExecutor
 from shards.graphs import capture
 from shards.kv_cache import KVCache, KVLayout
+from shards.spec_tree import kept_moves
 from shards.weights import source_name
 
 log = logging.getLogger(__name__)
@@ -52,9 +59,13 @@ class Proposer(Protocol):
         """A new sequence starts in `slot`: forget the last one's context."""
 
     def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None,
-                start: int) -> list[int]:
-        """n draft tokens for positions pos+1 .. pos+n, after `token` at position pos.
-        `tokens`: committed tokens at [start, pos) the proposer has not seen (classic)."""
+                start: int, tree: int = 0,
+                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+        """Draft tokens for positions pos+1 .. pos+n, after `token` at position pos, and their
+        parents (`shards.spec_tree`; None: a chain of n). `tokens`: committed tokens at
+        [start, pos) the proposer has not seen (classic); `tree`: at most this many tokens as a
+        tree, where the draft has a tree shape (0: a chain); `kept`: the tree rows the last
+        verify step kept (their feature rows move into place first)."""
 
 
 class DFlashProposer:
@@ -117,18 +128,45 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
-                start: int = 0) -> list[int]:
-        return self.logits(slot, token, pos, n).argmax(-1).tolist()
+                start: int = 0, tree: int = 0,
+                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+        self._check(slot, pos, n)
+        if kept:
+            self.commit(slot, pos, kept)
+        logits = self.logits(slot, token, pos, n)
+        shape = self.cfg.spec_tree
+        if not tree or shape is None:
+            return logits.argmax(-1).tolist(), None
+        top = logits.topk(min(width(shape), logits.shape[-1]), dim=-1).indices.tolist()
+        return instantiate(shape, top, tree, n)
 
-    @torch.inference_mode()
-    def logits(self, slot: int, token: int, pos: int, n: int) -> torch.Tensor:
-        """(n, V) logits of the draft tokens for positions pos+1 .. pos+n of `slot`'s
-        sequence."""
+    def _check(self, slot: int, pos: int, n: int) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
         if not 1 <= pos < self.max_len or not 1 <= n < self.block_size:
             raise ValueError(f"propose: position {pos} / {n} tokens outside 1..{self.max_len - 1}"
                              f" / 1..{self.block_size - 1}")
+
+    def commit(self, slot: int, pos: int, kept: list[int]) -> None:
+        """Move the feature rows the last tree verify step kept (rows `kept` of the step before
+        `pos`) to their positions (`shards.spec_tree.kept_moves`); checked before anything
+        moves."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
+        src, dst = kept_moves(pos, kept)
+        if not src:
+            return
+        if not all(0 <= r < self.max_len for r in (*src, *dst)):
+            raise ValueError(f"propose: kept rows {src} -> {dst} outside the context of "
+                             f"{self.max_len}")
+        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
+        self.features[0, slot, d] = self.features[0, slot, s]
+
+    @torch.inference_mode()
+    def logits(self, slot: int, token: int, pos: int, n: int) -> torch.Tensor:
+        """(n, V) logits of the draft tokens for positions pos+1 .. pos+n of `slot`'s
+        sequence."""
+        self._check(slot, pos, n)
         m = n + 1
         self.done[slot] = min(self.done[slot], pos)
         if self.static and n == self.block_size - 1:
@@ -200,7 +238,9 @@ class ClassicProposer:
 
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int,
-                tokens: torch.Tensor | None = None, start: int = 0) -> list[int]:
+                tokens: torch.Tensor | None = None, start: int = 0, tree: int = 0,
+                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+        """A chain always (`tree` and `kept` do not apply: it proposes no trees)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
         if pos + n > self.ex.max_len or n < 1:
@@ -217,7 +257,7 @@ class ClassicProposer:
             logits = self.ex.run(torch.tensor([x]), pos + j, slot)
             x = int(logits[-1].argmax())
             out.append(x)
-        return out
+        return out, None
 
 
 def _target_tensors(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device

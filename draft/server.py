@@ -30,6 +30,7 @@ import psutil
 import torch
 import zmq
 
+from draft.prepared import Prepared, check_next, key_of
 from draft.proposer import DFlashProposer, Proposer, load_proposer
 from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
@@ -40,6 +41,7 @@ from ipc.transport import tensor_bytes, zmq_tensor
 from shards.device import use_device
 from shards.dtypes import torch_dtype
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from shards.spec_tree import check_path
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
@@ -90,6 +92,11 @@ class DraftServer:
         self.coordinator: bytes | None = None
         self.feeders: list[Feeder] = []
         self.deferred: collections.deque = collections.deque()
+        self.prepared = Prepared()  # proposals computed from verdicts, before they are asked
+        # per slot: the sid of its sequence's draft_begin; a frame of an older step (the last
+        # shard sends its rows after its result, so they may come after the next sequence's
+        # draft_begin) is of the sequence before and is not stored
+        self.begun: dict[int, int] = {}
         self.running = True
         self.spin_s = 0.0
         self.cache_dir: str | None = None
@@ -116,6 +123,8 @@ class DraftServer:
     def _work(self) -> bool:
         worked = self._report_saves()
         if self._drain_inboxes():
+            worked = True
+        if self._prepare():
             worked = True
         if self.deferred:
             self._dispatch(*self.deferred.popleft())
@@ -204,6 +213,7 @@ class DraftServer:
         self.spin_s = max(0.0, float(msg["spin_ms"])) / 1000.0
         self.cache_dir = msg["cache_dir"]
         p = self.proposer
+        self.prepared.forget()
         if p.slots != msg["slots"]:  # one context per sequence of the target's batch
             p.set_slots(msg["slots"])
             self._new_snapshots()
@@ -230,7 +240,9 @@ class DraftServer:
             mem = torch.cuda.memory_allocated(self.device)
         else:
             mem = psutil.Process().memory_info().rss
+        shape = p.cfg.spec_tree if isinstance(p, DFlashProposer) else None
         out = {"kind": p.kind, "block_size": p.block_size, "device": self.spec.device,
+               "tree_nodes": len(shape) if shape else 0,
                "dtype": self.spec.dtype, "pid": os.getpid(), "memory_bytes": int(mem),
                "load_s": round(self.load_s, 3), "protocol": PROTOCOL_VERSION,
                "taps": [], "width": 0}
@@ -317,11 +329,39 @@ class DraftServer:
         if not 0 <= pos or pos + n > p.max_len or n < 1:
             raise ProtocolError(f"feat: positions {pos}..{pos + n} outside the context of "
                                 f"{p.max_len}")
+        if msg["last"]:
+            f.fed_sid = max(f.fed_sid, msg["sid"])
+        if msg["sid"] < self.begun.get(slot, 0):
+            return  # the sequence before's, late: its rows and verdict are of no use now
         if self.snapshots is not None and pos < self.snapshots.pending_end(slot):
             self.snapshots.wait_pending()  # a snapshot still copies the rows these replace
         p.write_features(slot, f.column, pos, rows.to(self.device, p.features.dtype))
-        if msg["last"]:
-            f.fed_sid = msg["sid"]
+        if msg["next"] is not None:
+            try:
+                self.prepared.note(slot, msg["sid"], check_next(msg["next"]))
+            except ValueError as e:  # a hint only: the proposal is computed when asked for
+                log.warning("draft: the feeder of layers %s sent a next proposal it cannot "
+                            "prepare: %s", list(f.layers), e)
+
+    def _prepare(self) -> bool:
+        """Compute the proposals verdicts named, once their steps' rows are all here."""
+        due = self.prepared.due([f.fed_sid for f in self.feeders])
+        for slot, key in due:
+            if any(slot in f.rejected for f in self.feeders):
+                continue  # an incomplete context: the request will say so
+            pos, token, n, tree, kept = key
+            t0 = time.perf_counter()
+            try:
+                if kept is not None:
+                    self.proposer.commit(slot, pos, list(kept))
+                    self.prepared.committed(slot, key)
+                out = self.proposer.propose(slot, token, pos, n, None, 0, tree)
+            except Exception as e:  # noqa: BLE001 - a hint only: the request computes it
+                log.warning("draft: cannot prepare the proposal at %d of context %d: %s: %s",
+                            pos, slot, type(e).__name__, e)
+                continue
+            self.prepared.done(slot, key, out, time.perf_counter() - t0)
+        return bool(due)
 
     def _refuse_feature(self, f: Feeder, why: str, slot: int | None = None) -> None:
         """A feature frame was refused: the context of its slot's sequence (of every slot,
@@ -367,6 +407,8 @@ class DraftServer:
         if not 0 <= slot < self.proposer.slots:
             raise ProtocolError(f"draft_begin: slot {slot} outside 0..{self.proposer.slots - 1}")
         self.proposer.begin(slot)
+        self.prepared.forget(slot)
+        self.begun[slot] = msg["sid"]
         for f in self.feeders:
             f.rejected.pop(slot, None)
         self._reply(route, message("ok", info={}, sid=msg["sid"]))
@@ -381,14 +423,33 @@ class DraftServer:
                 "dtype": "int64", "shape": [len(frames[0].buffer) // 8]})
         if isinstance(self.proposer, DFlashProposer):
             self._wait_features(msg["sync"], msg["slot"])
+        kept = msg["kept"]
+        if kept is not None:
+            try:
+                check_path(kept, msg["pos"])
+            except ValueError as e:
+                raise ProtocolError(f"propose: {e}") from e
+        if msg["tree"] < 0:
+            raise ProtocolError(f"propose: tree {msg['tree']} is negative")
+        ready, move = self.prepared.take(msg["slot"], key_of(msg["pos"], msg["token"], msg["n"],
+                                                             msg["tree"], kept))
+        if ready is not None:
+            (out, parents), seconds = ready
+            verdict_at, ready_at = self.prepared.times.get(msg["slot"], (0.0, 0.0))
+            self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
+                                       parents=parents, compute_s=seconds, prepared=True,
+                                       verdict_at=verdict_at, ready_at=ready_at,
+                                       asked_at=time.monotonic()))
+            return
         t0 = time.perf_counter()
         try:
-            out = self.proposer.propose(msg["slot"], msg["token"], msg["pos"], msg["n"], tokens,
-                                        msg["start"])
+            out, parents = self.proposer.propose(msg["slot"], msg["token"], msg["pos"], msg["n"],
+                                                 tokens, msg["start"], msg["tree"],
+                                                 kept if move else None)
         except ValueError as e:
             raise ProtocolError(str(e)) from e
         self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
-                                   compute_s=time.perf_counter() - t0))
+                                   parents=parents, compute_s=time.perf_counter() - t0))
 
     def _on_draft_features(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """The stored feature rows [start, end) (for inspection and tests)."""

@@ -40,6 +40,7 @@ import random
 import site
 import sysconfig
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 
 from draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict, save_dflash
 from draft.prompts import EVAL_CHAT, EVAL_CODE, training_prompts
+from draft.tree import choose_shape
 from runtime.model_store import resolve_model
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
@@ -315,13 +317,12 @@ def sample_anchors(lengths: torch.Tensor, starts: torch.Tensor, m: int, block: i
 
 
 @torch.no_grad()
-def acceptance(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, rows: Rows,
-               labels: torch.Tensor, block: int, mask_id: int) -> float:
-    """Tokens per verify step the runtime would commit decoding these (greedy) continuations:
-    walk each one as the runtime does, a verify at the position after the last committed
-    token, which commits 1 + the run of leading draft tokens equal to the target's (`labels`:
-    the target's argmax after every packed row)."""
-    committed, verifies = 0, 0
+def label_ranks(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, rows: Rows,
+                labels: torch.Tensor, block: int, mask_id: int, k: int) -> list[torch.Tensor]:
+    """Per sequence, (anchors, block - 1): the rank of the target's token (`labels`: its argmax
+    after every packed row) among the draft's top k at each draft position of a block at every
+    generated position (k: not among them)."""
+    out = []
     dev = rows.feats.device
     for i in range(len(rows)):
         lo, hi = int(rows.starts[i]), int(rows.lengths[i]) - block + 1
@@ -333,13 +334,36 @@ def acceptance(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, rows
         logits = block_logits(draft, head, embed, feats, tokens, a[None], block, mask_id)[0]
         lab = labels[rows.index(idx, int(rows.lengths[i]))[0]]
         want = lab[a[:, None] + torch.arange(block - 1, device=dev)]
-        runs = (logits.argmax(-1) == want).int().cumprod(-1).sum(-1).tolist()
+        hit = logits.topk(k, dim=-1).indices == want[..., None]
+        out.append(torch.where(hit.any(-1), hit.int().argmax(-1), k).cpu())
+    return out
+
+
+def walk(ranks: list[torch.Tensor], shape: Sequence[Sequence[int]]) -> float:
+    """Tokens per verify step the runtime would commit decoding these continuations with a
+    draft of these `label_ranks` proposing the tree `shape` (`draft.tree`; a chain is [[0],
+    [0, 0], ...]): a verify at the position after the last committed token keeps the deepest
+    path of the tree the ranks follow, plus one."""
+    paths = {tuple(p) for p in shape}
+    committed, verifies = 0, 0
+    for r in ranks:
+        rows = r.tolist()
         pos = 0
-        while pos < len(runs):
-            committed += runs[pos] + 1
+        while pos < len(rows):
+            d = 0
+            while d < len(rows[pos]) and tuple(rows[pos][:d + 1]) in paths:
+                d += 1
+            committed += d + 1
             verifies += 1
-            pos += runs[pos] + 1
+            pos += d + 1
     return committed / max(verifies, 1)
+
+
+def acceptance(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, rows: Rows,
+               labels: torch.Tensor, block: int, mask_id: int) -> float:
+    """Tokens per verify step of a chain of block - 1 draft tokens (`walk`)."""
+    ranks = label_ranks(draft, head, embed, rows, labels, block, mask_id, 1)
+    return walk(ranks, [[0] * d for d in range(1, block)])
 
 
 def init_draft(target: LayerRange, cfg_raw: dict, path: Path) -> DFlashDraft:
@@ -519,10 +543,40 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
     log.info("trained %d steps in %.0f s: %.2f tokens per verify on the held-out answers "
              "(last %.2f, untrained %.2f); %.2f on the %d evaluation prompts", step,
              time.perf_counter() - t0, best, tau, tau0, ev, len(rows["eval"]))
+    report = {"steps": step, "train_seconds": args.seconds, "val_before": tau0, "val": best,
+              "eval": ev, "history": history}
+    if args.tree_nodes:
+        draft.eval()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            report |= tree_shape(draft, fhead, fembed, rows, labels, args.block, mask_id,
+                                 args.tree_nodes, raw)
     save_dflash(draft.cpu(), raw, out)
     log.info("wrote %s (%.1f MB)", out, (out / "model.safetensors").stat().st_size / 1e6)
-    return {"steps": step, "train_seconds": args.seconds, "val_before": tau0, "val": best,
-            "eval": ev, "history": history}
+    return report
+
+
+TREE_TOP_K = 8  # candidates per draft position a tree shape may use
+
+
+def tree_shape(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor,
+               rows: dict[str, Rows], labels: dict[str, torch.Tensor], block: int, mask_id: int,
+               nodes: int, raw: dict) -> dict:
+    """Choose the draft's token tree of `nodes` draft tokens on the held-out answers (set as
+    raw["spec_tree"]); returns tokens per verify with it on those and on the evaluation
+    prompts."""
+    val = label_ranks(draft, head, embed, rows["val"], labels["val"], block, mask_id,
+                      TREE_TOP_K)
+    shape = choose_shape(val, nodes, TREE_TOP_K)
+    if not shape:
+        log.warning("no token tree: the held-out answers hold no whole block")
+        return {"tree_nodes": 0}
+    raw["spec_tree"] = shape
+    ev = label_ranks(draft, head, embed, rows["eval"], labels["eval"], block, mask_id,
+                     TREE_TOP_K)
+    got = {"tree_nodes": len(shape), "val_tree": walk(val, shape), "eval_tree": walk(ev, shape)}
+    log.info("token tree of %d draft tokens: %.2f tokens per verify on the held-out answers, "
+             "%.2f on the evaluation prompts", len(shape), got["val_tree"], got["eval_tree"])
+    return got
 
 
 def part_arg(text: str) -> tuple[int, int]:
@@ -595,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--taps", default=None, help="target layers, e.g. 1,10,19,28 (default: "
                    "spread over the model)")
     p.add_argument("--block", type=int, default=8)
+    p.add_argument("--tree-nodes", type=int, default=31, help="draft tokens of the token tree "
+                   "the draft proposes, chosen on the held-out answers (0: none, a chain)")
     p.add_argument("--intermediate", type=int, default=None, help="draft FFN width (default: "
                    "the target's)")
     p.add_argument("--data", default=None, help="comma-separated sequence files (written by "

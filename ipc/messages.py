@@ -12,8 +12,10 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: speculative decoding; 3: batched steps (several sequences per step);
-# 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's)
+PROTOCOL_VERSION = 5  # 2: speculative decoding; 3: batched steps (several sequences per step);
+# 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
+# 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
+# `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -59,17 +61,21 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                         "slots": (int,)},
     # a new sequence in `slot`: forget the context of the slot's last one
     "draft_begin": {"sid": (int,), "slot": (int,)},
+    # `tree`: at most this many draft tokens as a tree (where the draft has a tree shape; n
+    # bounds its depth), 0: a chain of n; `kept`: the tree rows the last verify step kept
     "propose": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "token": (int,),
-                "start": (int,), "sync": (int,)},
-    "proposal": {"sid": (int,), "tokens": (list,)},
+                "start": (int,), "sync": (int,), "tree": (int,), "kept": (list, NoneType)},
+    "proposal": {"sid": (int,), "tokens": (list,), "parents": (list, NoneType)},
     "draft_features": {"sid": (int,), "slot": (int,), "start": (int,), "end": (int,),
                        "sync": (int,)},
     "features": {"sid": (int,), "act": (dict,)},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "layers": (list,), "width": (int,), "max_rows": (int,)},
+    # `next` (on a verify step's last piece from the last shard): the proposal the coordinator
+    # will ask for next ({pos, token, kept, n, tree}), which the draft prepares meanwhile
     "feat": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "layers": (list,),
-             "last": (bool,), "act": (dict, NoneType)},
+             "last": (bool,), "act": (dict, NoneType), "next": (dict, NoneType)},
     # supervision and errors
     "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},
@@ -80,14 +86,21 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 # one sequence's part of a step. `draft`: the draft tokens of a verify segment (its tokens after
 # the first), else None; `feat`: the sequence's context in the draft process, to which shards
-# that tap layers send those layers' rows (None: the sequence does not feed the draft)
+# that tap layers send those layers' rows (None: the sequence does not feed the draft);
+# `tree`: a verify segment's token tree, its draft rows' parents (None: a chain); `kept`: the
+# rows the sequence's last verify step kept of its tree, which every shard moves to their
+# positions before this segment runs (`shards.spec_tree.kept_moves`; None: nothing to move);
+# `then`: {n, tree}, the proposal the sequence will ask for after this verify step, which the
+# last shard passes to the draft with the verdict (`feat`'s `next`) so it is ready sooner
 SEGMENT: dict[str, tuple[type, ...]] = {
     "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
-    "draft": (list, NoneType), "feat": (int, NoneType)}
+    "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
+    "kept": (list, NoneType), "then": (dict, NoneType)}
 # one segment's outcome. `token`: sampled for the position after the last accepted row (None
-# when the segment was not sampled); `accepted`: draft tokens a verify segment kept
+# when the segment was not sampled); `accepted`: draft tokens a verify segment kept; `path`:
+# their rows, for a tree verify segment (else None)
 OUTCOME: dict[str, tuple[type, ...]] = {"token": (int, NoneType), "accepted": (int,),
-                                        "logits": (bool,)}
+                                        "logits": (bool,), "path": (list, NoneType)}
 MAX_SEGMENTS = 512  # sequences in one step (a ring slot's header holds this many)
 NESTED = {"step": ("seqs", SEGMENT), "result": ("outs", OUTCOME)}
 
@@ -164,10 +177,12 @@ def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], wher
 
 
 def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: bool = False,
-            draft: list[int] | None = None, feat: int | None = None) -> dict[str, Any]:
+            draft: list[int] | None = None, feat: int | None = None,
+            tree: list[int] | None = None, kept: list[int] | None = None,
+            then: dict | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
-            "draft": draft, "feat": feat}
+            "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

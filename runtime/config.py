@@ -60,11 +60,14 @@ class RuntimeConfig:
                                 "target's tokenizer (classic), 'default' (the bundled draft of "
                                 "the default model), 'none'; auto = the bundled draft when the "
                                 "default model runs on GPUs")
-    draft_device: str | None = _field(None, "device of the draft process (default: the last "
+    draft_device: str | None = _field(None, "device of the draft process (default: the first "
                                             "shard's)")
     spec_block: int | None = _field(None, "rows per verify step: the last token and up to "
                                           "spec_block - 1 draft tokens (default: the draft's "
                                           "block size; 5 for a classic draft)")
+    spec_tree: int | None = _field(None, "draft tokens of a verify step's token tree, where the "
+                                         "draft has a tree shape (default: its whole tree; 0: "
+                                         "a chain of spec_block - 1)")
     spec_max_seqs: int = _field(1, "sequences of the batch that feed the draft and speculate at "
                                    "once (the draft keeps a context for each; the others "
                                    "decode plainly in the same steps)")
@@ -116,6 +119,8 @@ class RuntimeConfig:
         if self.spec_block is not None and self.spec_block < 2:
             raise ConfigError(f"spec_block={self.spec_block}: must be at least 2 (the last "
                               "token and one draft token)")
+        if self.spec_tree is not None and self.spec_tree < 0:
+            raise ConfigError(f"spec_tree={self.spec_tree}: must be at least 0 (0: no tree)")
         if not self.draft:
             raise ConfigError("draft is empty: give a path, 'default', 'auto' or 'none'")
 

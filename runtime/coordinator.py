@@ -99,8 +99,10 @@ class Coordinator:
         self.cache: CacheManager | None = None
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
+        # the first shard's device: its GPU idles while the later shards finish the verify step,
+        # and a draft sharing the last shard's GPU was 10-15 % slower (bench/RESULTS.md)
         self.draft_device = normalize_device(config.draft_device or
-                                             self.placement.shards[-1].device)
+                                             self.placement.shards[0].device)
         self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)
         self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
@@ -179,9 +181,16 @@ class Coordinator:
             except (DraftLost, DraftError) as e:
                 raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
                                    f"{e}") from None
-            # a step carries one prefill chunk and every sequence's decode or verify rows
-            block = int(self.draft_info.get("block_size", 1)) if self.draft is not None else 1
-            max_step = max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
+            # a step carries one prefill chunk and every sequence's decode or verify rows (a
+            # token tree's for those that speculate)
+            info = self.draft_info if self.draft is not None else {}
+            block = int(info.get("block_size", 1))
+            tree = int(info.get("tree_nodes", 0))
+            if cfg.spec_tree is not None:
+                tree = min(tree, cfg.spec_tree)
+            extra = max(0, min(tree, max(cfg.prefill_chunk, 1) - 1) + 1 - block)
+            max_step = (max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
+                        + min(max(cfg.spec_max_seqs, 1), cfg.max_seqs) * extra)
             first, last = self.shards[0], self.shards[-1]
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
@@ -691,7 +700,8 @@ class Coordinator:
                 self._feat_sids[feed] = sid
             sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
-                                None if r.draft is None else [int(t) for t in r.draft], feed))
+                                None if r.draft is None else [int(t) for t in r.draft], feed,
+                                r.tree, r.kept, r.then if feed is not None else None))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None else
@@ -704,12 +714,15 @@ class Coordinator:
 
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
                 want_logits: bool = False, draft: Sequence[int] | None = None,
+                tree: Sequence[int] | None = None, kept: Sequence[int] | None = None,
                 slot: int = 0) -> StepOutput:
         """One step of one sequence in `slot`, waited for (the `runtime.generate.Engine`
         protocol: traces and tests drive single steps with it)."""
-        sid = self.send_step([(slot, StepRequest(list(tokens), pos, sample, seed, want_logits,
-                                                 None if draft is None else list(draft)),
-                               0 if self.feeding else None)])
+        req = StepRequest(list(tokens), pos, sample, seed, want_logits,
+                          None if draft is None else list(draft),
+                          tree=None if tree is None else list(tree),
+                          kept=None if kept is None else list(kept))
+        sid = self.send_step([(slot, req, 0 if self.feeding else None)])
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
                        until=lambda: sid in self._done)
@@ -754,7 +767,12 @@ class Coordinator:
                     raise self._fail("the last shard sent a result without its logits")
                 lg = logits[row].numpy().copy()
                 row += 1
-            outs.append(StepOutput(o["token"], lg, o["accepted"]))
+            path = o["path"]
+            if path is not None and (len(path) != o["accepted"] or not all(
+                    isinstance(j, int) for j in path)):
+                raise self._fail(f"the last shard returned the tree path {path[:40]} for "
+                                 f"{o['accepted']} kept tokens")
+            outs.append(StepOutput(o["token"], lg, o["accepted"], path))
         if logits is not None and row != len(logits):
             raise self._fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs

@@ -17,6 +17,7 @@ from runtime.chunking import prefill_chunks
 from runtime.textstream import TextStream
 from runtime.tokenizer import TextTokenizer
 from shards.sampling import SamplingParams
+from shards.spec_tree import depths
 
 
 @dataclasses.dataclass(slots=True)
@@ -25,15 +26,19 @@ class StepOutput:
     # last accepted row, for a verify step)
     logits: np.ndarray | None = None  # float32 (vocab,) of the last row, when asked
     accepted: int = 0  # draft tokens a verify step kept
+    path: list[int] | None = None  # their rows, for a tree verify step (`shards.spec_tree`)
 
 
 class Engine(Protocol):
     """One sequence's forward steps. `sample` is None for a prefill chunk that is not the last.
-    With `draft`, the step verifies draft tokens: tokens = [last token, *draft]."""
+    With `draft`, the step verifies draft tokens: tokens = [last token, *draft], a chain, or
+    the token tree `tree` (the draft rows' parents). `kept`: the rows the sequence's last verify
+    step kept of its tree, moved to their positions before this step (`shards.spec_tree`)."""
 
     def forward(
         self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
         want_logits: bool = False, draft: Sequence[int] | None = None,
+        tree: Sequence[int] | None = None, kept: Sequence[int] | None = None,
     ) -> StepOutput: ...
 
     def sample_logits(
@@ -95,14 +100,22 @@ class Progress:
 class Drafter(Protocol):
     """Proposes draft tokens for one sequence (`runtime.speculative.DraftClient`)."""
 
-    block: int  # rows of a verify step: the last token and up to block - 1 draft tokens
+    block: int  # the last token and up to block - 1 draft tokens in a row (a tree's depth)
+    rows: int  # rows of a verify step: the last token and up to rows - 1 draft tokens
 
-    def propose(self, seq: Sequence[int], pos: int, n: int) -> list[int]:
-        """Up to n draft tokens for positions pos+1.., after seq[pos] (committed tokens are
-        seq[:pos + 1]); [] when there are none (the step is then a plain decode step)."""
+    def propose(self, seq: Sequence[int], pos: int, n: int,
+                rows: int) -> tuple[list[int], list[int] | None]:
+        """Up to `rows` draft tokens for positions pos+1 .. pos+n, after seq[pos] (committed
+        tokens are seq[:pos + 1]), and their tree (parents; None: a chain); ([], None) when
+        there are none (the step is then a plain decode step)."""
 
-    def verified(self, pos: int, proposed: int, accepted: int) -> None:
-        """The verify step at `pos` kept `accepted` of `proposed` draft tokens."""
+    def then(self) -> dict | None:
+        """The proposal it will ask for after a verify step, when room allows a full one: told
+        to the draft with the verdict so it is ready sooner (None: nothing to prepare)."""
+
+    def verified(self, pos: int, proposed: int, accepted: int, path: list[int] | None) -> None:
+        """The verify step at `pos` kept `accepted` of `proposed` draft positions (`path`: the
+        rows kept, for a tree)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,6 +131,9 @@ class StepRequest:
     want_logits: bool = False
     draft: list[int] | None = None
     wait: bool = True
+    tree: list[int] | None = None
+    kept: list[int] | None = None
+    then: dict | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,21 +196,36 @@ def sequence_program(
         token = out.token
     pos = n
     seq = list(prompt)
+    kept = None  # the tree rows the last verify step kept, still to be moved into place
     while context is None or pos < context:  # prompt + generated never exceed the context
         yield token  # at position pos
         seq.append(token)
-        drafts = []
+        drafts, tree = [], None
         if drafter is not None:
             room = drafter.block if context is None else min(drafter.block, context - pos)
-            drafts = drafter.propose(seq, pos, room - 1) if room > 1 else []
+            rows = drafter.rows if context is None else min(drafter.rows, context - pos)
+            if room > 1:
+                drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
         if drafts:
-            out = yield StepRequest([token, *drafts], pos, params, seed, draft=drafts)
-            drafter.verified(pos, len(drafts), out.accepted)
-            for t in drafts[:out.accepted]:
-                yield t
-                seq.append(t)
+            # a full proposal fits after this step, whatever it keeps: the draft may prepare it
+            full = context is None or (context - pos - len(drafts) - 1
+                                       >= max(drafter.rows, drafter.block))
+            out = yield StepRequest([token, *drafts], pos, params, seed, draft=drafts,
+                                    tree=tree, kept=kept, then=drafter.then() if full else None)
+            path = out.path if tree is not None else list(range(1, out.accepted + 1))
+            if path is None or len(path) != out.accepted or any(
+                    not 1 <= j <= len(drafts) for j in path) or path != sorted(set(path)):
+                raise ValueError(f"a verify step returned the path {path} for "
+                                 f"{out.accepted} kept tokens of {len(drafts)}")
+            drafter.verified(pos, max(depths(tree)) if tree else len(drafts), out.accepted,
+                             path if tree is not None else None)
+            kept = path if path != list(range(1, len(path) + 1)) else None
+            for j in path:
+                yield drafts[j - 1]
+                seq.append(drafts[j - 1])
         else:
-            out = yield StepRequest([token], pos, params, seed)
+            out = yield StepRequest([token], pos, params, seed, kept=kept)
+            kept = None
         assert out.token is not None
         token, pos = out.token, pos + 1 + out.accepted
 
@@ -206,7 +237,8 @@ def drive(engine: Engine, program: Program) -> Iterator[int]:
         while True:
             if isinstance(item, StepRequest):
                 item = program.send(engine.forward(item.tokens, item.pos, item.sample, item.seed,
-                                                   item.want_logits, item.draft))
+                                                   item.want_logits, item.draft, item.tree,
+                                                   item.kept))
             elif isinstance(item, SampleRequest):
                 item = program.send(engine.sample_logits(item.logits, item.position, item.sample,
                                                          item.seed))

@@ -14,13 +14,21 @@ import numpy as np
 import torch
 
 from runtime.generate import (
-    Delta, GenerationResult, Progress, StepOutput, collect, stream_generation, token_stream,
+    Delta,
+    GenerationResult,
+    Progress,
+    StepOutput,
+    collect,
+    stream_generation,
+    token_stream,
 )
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
 from shards.sampling import SamplingParams, accept_draft, sample_rows
+from shards.spec_tree import kept_moves
+
 
 def new_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
@@ -46,14 +54,20 @@ class ReferenceEngine:
 
     # -- Engine protocol --------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
-                want_logits: bool = False, draft: Sequence[int] | None = None) -> StepOutput:
+                want_logits: bool = False, draft: Sequence[int] | None = None,
+                tree: Sequence[int] | None = None,
+                kept: Sequence[int] | None = None) -> StepOutput:
         x = torch.tensor(list(tokens), dtype=torch.long)
+        if kept:
+            self.executor.kv.move_rows(0, *kept_moves(pos, kept))
         if draft is not None:  # a verify step, exactly as the last shard runs it
-            rows = self.executor.run(x, pos, all_logits=True, verify=True)
+            rows = self.executor.run(x, pos, all_logits=True, verify=True, tree=tree)
             w = sample.wire()
-            k, token = accept_draft(rows, list(draft), w["temperature"], w["top_k"], w["top_p"],
-                                    seed, pos)
-            return StepOutput(token, rows[k].cpu().numpy() if want_logits else None, k)
+            path, token = accept_draft(rows, list(draft), w["temperature"], w["top_k"],
+                                       w["top_p"], seed, pos, tree)
+            last = rows[path[-1] if path else 0]
+            return StepOutput(token, last.cpu().numpy() if want_logits else None, len(path),
+                              list(path) if tree is not None else None)
         logits = self.executor.run(x, pos)[-1]
         token = None
         if sample is not None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ipc.messages import message
 from runtime.errors import DraftError, DraftLost, ShardFailure
+from shards.spec_tree import check_tree, depths
 
 if TYPE_CHECKING:
     from runtime.coordinator import Coordinator
@@ -44,6 +45,14 @@ class SpecStats:
     committed: int = 0  # tokens the verify steps committed: kept draft tokens + one each
     proposed_at: list[int] = dataclasses.field(default_factory=list)  # by draft position
     accepted_at: list[int] = dataclasses.field(default_factory=list)
+    off_chain: int = 0  # verify steps of a token tree that kept a path besides its first
+    prepared: int = 0  # proposals the draft had ready, prepared from the verdict
+    # of those (seconds, summed; one host clock): the verdict reached the draft after the result
+    # reached the coordinator's sequence; the request reached the draft after it was sent; the
+    # proposal was ready before the request was sent
+    verdict_lag_s: float = 0.0
+    request_lag_s: float = 0.0
+    ready_lead_s: float = 0.0
     draft_s: float = 0.0  # proposals, as the coordinator waits for them
     draft_compute_s: float = 0.0  # of which the draft process computed
     verify_s: float = 0.0
@@ -74,6 +83,11 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         self.verifies += other.verifies
         self.committed += other.committed
+        self.off_chain += other.off_chain
+        self.prepared += other.prepared
+        self.verdict_lag_s += other.verdict_lag_s
+        self.request_lag_s += other.request_lag_s
+        self.ready_lead_s += other.ready_lead_s
         self.draft_s += other.draft_s
         self.draft_compute_s += other.draft_compute_s
         self.verify_s += other.verify_s
@@ -95,10 +109,19 @@ class DraftClient:
         # a verify step is a step: no more rows than the shards take (prefill_chunk)
         self.block = min(int(coord.config.spec_block or info["block_size"]),
                          int(info["block_size"]), coord.chunk)
+        # a token tree of up to `tree` draft tokens where the draft has a tree shape
+        tree = int(info.get("tree_nodes", 0))
+        if coord.config.spec_tree is not None:
+            tree = min(tree, coord.config.spec_tree)
+        self.tree = min(tree, coord.chunk - 1) if self.block > 1 else 0
+        self.rows = 1 + self.tree if self.tree else self.block
+        # (position of the next proposal, tree rows the last verify kept): the draft moves them
+        self.kept: tuple[int, list[int]] | None = None
         self.vocab = coord.model_config.vocab_size
         self.start = 0  # classic: the draft's own KV holds the committed rows [0, start)
         self.active = True
         self._t_proposed = 0.0
+        self._t_verified = 0.0
 
     def begin(self) -> None:
         """A new sequence: the draft forgets the last one."""
@@ -116,9 +139,10 @@ class DraftClient:
             raise ShardFailure(why, runtime_down=False)
         log.warning("this request goes on without speculation: %s", e)
 
-    def propose(self, seq: Sequence[int], pos: int, n: int) -> list[int]:
+    def propose(self, seq: Sequence[int], pos: int, n: int,
+                rows: int) -> tuple[list[int], list[int] | None]:
         if not self.active:
-            return []
+            return [], None
         t0 = time.perf_counter()
         frames = []
         start = 0
@@ -126,27 +150,59 @@ class DraftClient:
             start = self.start
             frames = [np.asarray(seq[start:pos], dtype=np.int64)]
         try:
+            # a whole tree or a chain: a tree cut to fit the context's end would be a new
+            # shape of verify step (a graph, a compilation) for a handful of steps
+            tree = self.tree if self.tree and rows >= self.tree else 0
+            kept = self.kept[1] if self.kept is not None and self.kept[0] == pos else None
+            self.kept = None
+            t_sent = time.monotonic()
             reply = self.coord.draft_request(message(
                 "propose", slot=self.context, pos=pos, n=n, token=int(seq[pos]), start=start,
-                sync=self.coord.feat_sid(self.context)), frames)
+                sync=self.coord.feat_sid(self.context), tree=tree, kept=kept), frames)
             tokens = reply.get("tokens") if reply.get("type") == "proposal" else None
-            if not isinstance(tokens, list) or len(tokens) > n or not all(
+            parents = reply.get("parents")
+            if not isinstance(tokens, list) or len(tokens) > max(n, tree) or not all(
                     isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
-                raise DraftError(f"the draft proposed {str(tokens)[:80]}: not up to {n} token "
-                                 "ids of the vocabulary")
+                raise DraftError(f"the draft proposed {str(tokens)[:80]}: not up to "
+                                 f"{max(n, tree)} token ids of the vocabulary")
+            if parents is not None:
+                try:
+                    check_tree(parents, len(tokens))
+                except ValueError as e:
+                    raise DraftError(f"the draft proposed a malformed token tree: {e}") from e
+                if not tree or max(depths(parents)) > n:
+                    raise DraftError(f"the draft proposed a tree deeper than {n} or unasked")
+            elif len(tokens) > n:
+                raise DraftError(f"the draft proposed {len(tokens)} tokens in a row, not up "
+                                 f"to {n}")
         except (DraftLost, DraftError) as e:
             self._stop(e)
-            return []
+            return [], None
         now = time.perf_counter()
         self.stats.draft_s += now - t0
         compute = reply.get("compute_s")
         if isinstance(compute, float):
             self.stats.draft_compute_s += compute
+        if reply.get("prepared") is True and all(isinstance(reply.get(k), float) for k in (
+                "verdict_at", "ready_at", "asked_at")):
+            self.stats.prepared += 1
+            self.stats.verdict_lag_s += reply["verdict_at"] - self._t_verified
+            self.stats.request_lag_s += reply["asked_at"] - t_sent
+            self.stats.ready_lead_s += t_sent - reply["ready_at"]
         self._t_proposed = now
-        return tokens
+        return tokens, parents
 
-    def verified(self, pos: int, proposed: int, accepted: int) -> None:
+    def verified(self, pos: int, proposed: int, accepted: int, path: list[int] | None) -> None:
+        self._t_verified = time.monotonic()
         self.stats.verify_s += time.perf_counter() - self._t_proposed
         self.stats.add(proposed, accepted)
+        if path is not None and path != list(range(1, len(path) + 1)):
+            self.kept = (pos + accepted + 1, path)
+            self.stats.off_chain += 1
         if self.kind == "classic":  # its rows [pos, pos + kept] were computed from kept tokens
             self.start = pos + min(accepted, proposed - 1) + 1
+
+    def then(self) -> dict | None:
+        if not self.active or self.kind != "dflash":
+            return None
+        return {"n": self.block - 1, "tree": self.tree}

@@ -13,15 +13,17 @@ equal plain greedy output token for token.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
 from shards.graphs import StaticDecoder
 from shards.kv_cache import KVCache, KVLayout
-from shards.model import LayerRange
+from shards.model import LayerRange, StepInfo
 from shards.sampling import sample_rows
+from shards.spec_tree import depths, is_chain
 
-MAX_VERIFY_ROWS = 32  # a verify step longer than this (a huge draft block) runs eagerly
+MAX_VERIFY_ROWS = 64  # a verify step longer than this (a huge draft tree) runs eagerly
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,6 +34,7 @@ class Segment:
     pos: int
     n: int
     verify: bool = False  # a speculative verify segment (last token + draft tokens)
+    tree: list[int] | None = None  # a verify segment's token tree (`shards.spec_tree`); None: chain
     all_logits: bool = False  # logits of every row (else of the last), on the last range
     taps: dict[int, torch.Tensor] | None = None  # filled with the tapped layers' rows
     feed: int | None = None  # the sequence's draft context, when the rows go to the draft
@@ -68,25 +71,28 @@ class RangeExecutor:
         all_logits: bool = False,
         taps: dict[int, torch.Tensor] | None = None,
         verify: bool = False,
+        tree: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Hidden states (n, hidden) out of this range, or logits on the last range (of the last
         row, or of every row with `all_logits`). With `taps` (a dict), the rows of this range's
-        tapped layers are stored in it by global layer index."""
+        tapped layers are stored in it by global layer index. A verify step's rows are a chain,
+        or the token tree `tree` (parents, `shards.spec_tree`)."""
         n = x.shape[0]
         if pos + n > self.kv.max_len:
             raise ValueError(
                 f"positions {pos}..{pos + n} exceed the context of {self.kv.max_len} tokens"
             )
         if self.static is not None and (n == 1 or (verify and n <= MAX_VERIFY_ROWS)):
-            out, rows = self.static.run(x, pos, slot)
+            out, rows = self.static.run(x, pos, slot, tree if verify else None)
             if taps is not None:
                 taps.update(rows)
             return out if all_logits or not self.model.is_last else out[-1:]
         if verify and self.rowwise_verify:
-            return self._rowwise(x, pos, slot, all_logits, taps)
+            return self._rowwise(x, pos, slot, all_logits, taps, tree)
         rows = None if all_logits else slice(n - 1, n)
         want = None if taps is None else dict.fromkeys(self.taps)
-        out = self.model(x.to(self.device), pos, self.kv, slot, logit_rows=rows, taps=want)
+        step = StepInfo.tree(pos, tree, self.device) if verify and not is_chain(tree) else pos
+        out = self.model(x.to(self.device), step, self.kv, slot, logit_rows=rows, taps=want)
         if taps is not None:
             taps.update(want)
         return out
@@ -115,7 +121,8 @@ class RangeExecutor:
         for i, s in enumerate(segs):
             if outs[i] is None:
                 outs[i] = self.run(x[starts[i]:starts[i + 1]], s.pos, s.slot,
-                                   all_logits=s.all_logits, taps=s.taps, verify=s.verify)
+                                   all_logits=s.all_logits, taps=s.taps, verify=s.verify,
+                                   tree=s.tree)
                 if self.static is not None and not alone:
                     # a graph's outputs are static buffers that the next graph's replay may
                     # overwrite (captures share one memory pool): keep copies
@@ -125,14 +132,28 @@ class RangeExecutor:
         return outs
 
     def _rowwise(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
-                 taps: dict[int, torch.Tensor] | None) -> torch.Tensor:
-        """A verify step as len(x) decode steps, each bit-identical to a plain decode step."""
-        outs, tapped = [], []
-        for j in range(x.shape[0]):
+                 taps: dict[int, torch.Tensor] | None,
+                 tree: Sequence[int] | None = None) -> torch.Tensor:
+        """A verify step as len(x) decode steps, each bit-identical to a plain decode step.
+
+        A tree's rows run in their (depth-first) order, row j as the decode step at position
+        pos + depth(j): the rows below it then hold exactly its ancestors (a sibling's subtree
+        written there before is done). Each row's K/V are set aside and laid at row pos + j at
+        the end, where a graph's tree step leaves them (`shards.spec_tree`)."""
+        chain = is_chain(tree)
+        depth = list(range(x.shape[0])) if chain else depths(tree)
+        outs, tapped, kept = [], [], []
+        for j, d in enumerate(depth):
             want = None if taps is None else dict.fromkeys(self.taps)
-            outs.append(self.model(x[j:j + 1].to(self.device), pos + j, self.kv, slot,
+            outs.append(self.model(x[j:j + 1].to(self.device), pos + d, self.kv, slot,
                                    logit_rows=slice(0, 1), taps=want))
             tapped.append(want)
+            if not chain:
+                kept.append((self.kv.k[:, slot, pos + d].clone(),
+                             self.kv.v[:, slot, pos + d].clone()))
+        for j, (k, v) in enumerate(kept):
+            self.kv.k[:, slot, pos + j] = k
+            self.kv.v[:, slot, pos + j] = v
         if taps is not None:
             taps.update({layer: torch.cat([t[layer] for t in tapped]) for layer in self.taps})
         out = torch.cat(outs)

@@ -28,6 +28,7 @@ import torch
 
 from shards.kv_cache import KVCache
 from shards.model import LayerRange, StepInfo
+from shards.spec_tree import ancestors, depths
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class StaticDecoder:
         dev = kv.k.device
         self.capture = dev.type == "cuda"
         self.inputs: dict[int, torch.Tensor] = {}  # rows -> static input buffer
+        self.tree_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> buffers
+        self.trees: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # on device
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # batched steps: Bp -> (input rows, positions), and (lo, Bp, kv_len) -> graph, output
@@ -107,19 +110,49 @@ class StaticDecoder:
             x = self.inputs[n] = self._zeros(n)
         return x
 
+    def _tree_input(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static (depth, ancestors) buffers of n-row verify steps."""
+        bufs = self.tree_inputs.get(n)
+        if bufs is None:
+            dev = self.kv.k.device
+            bufs = self.tree_inputs[n] = (torch.zeros(n, dtype=torch.long, device=dev),
+                                          torch.zeros(n, n, dtype=torch.bool, device=dev))
+        return bufs
+
+    def _load_tree(self, n: int, parents: Sequence[int] | None) -> None:
+        key = tuple(range(n - 1)) if parents is None else tuple(parents)
+        src = self.trees.get(key)
+        if src is None:
+            if len(self.trees) >= 64:
+                self.trees.clear()
+            dev = self.kv.k.device
+            src = self.trees[key] = (torch.tensor(depths(key), device=dev),
+                                     ancestors(key).to(dev))
+        depth, anc = self._tree_input(n)
+        depth.copy_(src[0])
+        anc.copy_(src[1])
+
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
-        step = StepInfo.static(self.pos, n, kv_len)
+        if n > 1:
+            step = StepInfo.static_tree(self.pos, *self._tree_input(n), kv_len)
+        else:
+            step = StepInfo.static(self.pos, n, kv_len)
         taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
         out = self.model(self._input(n), step, self.kv, slot, logit_rows=slice(0, n), taps=taps)
         return out, taps
 
     @torch.inference_mode()
-    def run(self, x: torch.Tensor, pos: int, slot: int = 0) -> Outputs:
+    def run(self, x: torch.Tensor, pos: int, slot: int = 0,
+            parents: Sequence[int] | None = None) -> Outputs:
         """Hidden rows (or logits of every row, on the last range) of a step of len(x) rows at
-        positions [pos, pos + len(x)), and the rows of this range's tapped layers."""
+        positions [pos, pos + len(x)), and the rows of this range's tapped layers. A step of
+        several rows is a verify step: a chain, or the token tree `parents`
+        (`shards.spec_tree`)."""
         n = x.shape[0]
         self._input(n).copy_(x.reshape(self._input(n).shape))
         self.pos.fill_(pos)
+        if n > 1:
+            self._load_tree(n, parents)
         kv_len = self.kv_len(pos, n)
         if not self.capture:
             return self._step(slot, kv_len, n)

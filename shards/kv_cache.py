@@ -64,8 +64,9 @@ class KVCache:
             self.k[layer, slot, step.pos:end] = k
             self.v[layer, slot, step.pos:end] = v
         else:  # position known only on the device (a captured graph)
-            self.k[layer, slot].index_copy_(0, step.positions, k)
-            self.v[layer, slot].index_copy_(0, step.positions, v)
+            rows = step.positions if step.rows is None else step.rows
+            self.k[layer, slot].index_copy_(0, rows, k)
+            self.v[layer, slot].index_copy_(0, rows, v)
         return self.k[layer, slot, :step.kv_len], self.v[layer, slot, :step.kv_len]
 
     def append_batch(
@@ -81,6 +82,18 @@ class KVCache:
         self.v_store[layer].index_put_(where, v)
         lo, hi = step.lo, step.lo + k.shape[0]
         return self.k[layer, lo:hi, :step.kv_len], self.v[layer, lo:hi, :step.kv_len]
+
+    def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy rows `src` of every layer of `slot` to rows `dst` (the kept path of a tree
+        verify step, `shards.spec_tree.kept_moves`)."""
+        if not src:
+            return
+        if len(src) != len(dst) or not all(0 <= r < self.max_len for r in (*src, *dst)):
+            raise IndexError(f"KV rows {src} -> {dst} outside the cache's {self.max_len} rows")
+        dev = self.k.device
+        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        self.k[:, slot, d] = self.k[:, slot, s]
+        self.v[:, slot, d] = self.v[:, slot, s]
 
     def rows(self, layer: int, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads, head_dim)."""

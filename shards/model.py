@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from torch import nn
 
 from shards.kv_cache import KVCache
 from shards.model_config import ModelConfig
+from shards.spec_tree import ancestors, depths
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +92,7 @@ class StepInfo:
     grouped: bool = False  # attend with query heads grouped per KV head (static decode)
     lo: int | None = None  # batched step: the slot of row 0
     slots: torch.Tensor | None = None  # batched step: (n,) long, the slot of each row
+    rows: torch.Tensor | None = None  # static step: (n,) KV rows written, when not `positions`
 
     @staticmethod
     def eager(pos: int, n: int, device: torch.device) -> StepInfo:
@@ -105,6 +108,31 @@ class StepInfo:
         positions = pos + torch.arange(n, device=pos.device)
         mask = torch.arange(kv_len, device=pos.device)[None, :] <= positions[:, None]
         return StepInfo(positions, kv_len, mask, None, grouped=True)
+
+    @staticmethod
+    def tree(pos: int, parents: Sequence[int], device: torch.device) -> StepInfo:
+        """An eager verify step over a token tree (`shards.spec_tree`): row j at position
+        pos + depth(j), its K/V written at row pos + j, attending [0, pos) and its ancestors."""
+        anc = ancestors(parents)
+        n = anc.shape[0]
+        mask = torch.cat([torch.ones(n, pos, dtype=torch.bool), anc], dim=1).to(device)
+        positions = pos + torch.tensor(depths(parents), device=device)
+        return StepInfo(positions, pos + n, mask, pos)
+
+    @staticmethod
+    def static_tree(pos: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor,
+                    kv_len: int) -> StepInfo:
+        """`tree` for a captured graph: `pos` (1,), `depth` (n,) and `anc` (n, n) bool are
+        device tensors (graph inputs), so one graph serves every tree of n rows. A chain's
+        depth and ancestors make it `static`'s verify step."""
+        n = depth.shape[0]
+        dev = pos.device
+        keys = torch.arange(kv_len, device=dev)
+        rel = keys - pos
+        in_tree = (rel >= 0) & (rel < n)
+        mask = (keys < pos)[None, :] | (anc[:, rel.clamp(0, n - 1)] & in_tree[None, :])
+        rows = pos + torch.arange(n, device=dev)
+        return StepInfo(pos + depth, kv_len, mask, None, grouped=True, rows=rows)
 
     @staticmethod
     def batched(positions: torch.Tensor, lo: int, kv_len: int) -> StepInfo:

@@ -111,32 +111,44 @@ def accept_draft(
     top_p: float,
     seed: int,
     pos: int,  # position of the step's first row
-) -> tuple[int, int]:
-    """Verify draft tokens: (how many to keep, the token that follows the kept ones).
+    parents: Sequence[int] | None = None,  # a token tree (`shards.spec_tree`); None: a chain
+) -> tuple[list[int], int]:
+    """Verify draft tokens: (the rows kept, the token that follows the last kept one).
 
-    Row j gives the target's token for position pos + j + 1, drawn exactly as plain decoding
-    draws it (greedy: the argmax; sampling: the seeded draw of that position). Draft token
-    d_{j+1} is kept while it equals that token; the first differing draw is emitted instead,
-    and after n - 1 kept tokens the last row's draw is the bonus token.
+    The walk starts at row 0. At a row of depth d, the target's token for position pos + d + 1
+    is drawn exactly as plain decoding draws it (greedy: the argmax; sampling: the seeded draw
+    of that position); if a child of the row carries that token, the walk moves to it, else the
+    drawn token is emitted and the walk ends. For a chain this keeps the longest run of draft
+    tokens equal to the target's and then the bonus token.
 
-    This is rejection sampling for a draft that proposes one token per position (a point mass
-    q = δ_d): d is accepted with probability p(d) = min(1, p(d)/q(d)), and a rejected position
-    emits a draw from p restricted to tokens other than d, which is the residual (p - q)+
-    renormalized. So the output distribution is exactly the target's; more than that, each
-    emitted token is the one plain decoding with the same seed emits, so speculative output
-    equals plain output token for token, greedy or sampled.
+    For a chain this is rejection sampling for a draft that proposes one token per position (a
+    point mass q = δ_d): d is accepted with probability p(d) = min(1, p(d)/q(d)), and a rejected
+    position emits a draw from p restricted to tokens other than d, which is the residual
+    (p - q)+ renormalized; a tree tries several point masses at once and keeps the one the draw
+    names. So the output distribution is exactly the target's; more than that, each emitted
+    token is the one plain decoding with the same seed emits, so speculative output equals
+    plain output token for token, greedy or sampled.
     """
     n = logits.shape[0]
     if len(draft) != n - 1:
         raise ValueError(f"{n} rows verify {n - 1} draft tokens, got {len(draft)}")
-    if is_greedy(temperature, top_k):
-        toks = logits.argmax(dim=-1).tolist()
-        k = 0
-        while k < n - 1 and draft[k] == toks[k]:
-            k += 1
-        return k, toks[k]
-    for k in range(n):  # draw row by row, stopping at the first mismatch
-        tok = sample_rows(logits[k:k + 1], temperature, top_k, top_p, seed, [pos + k + 1])[0]
-        if k == n - 1 or draft[k] != tok:
-            return k, tok
-    raise AssertionError("unreachable")
+    if parents is None:
+        parents = range(n - 1)
+    children: list[dict[int, int]] = [{} for _ in range(n)]
+    for j, (p, t) in enumerate(zip(parents, draft), 1):
+        children[p].setdefault(t, j)
+    greedy = is_greedy(temperature, top_k)
+    toks = logits.argmax(dim=-1).tolist() if greedy else None  # one device sync for all rows
+    path: list[int] = []
+    row = 0
+    while True:
+        if greedy:
+            tok = toks[row]
+        else:
+            tok = sample_rows(logits[row:row + 1], temperature, top_k, top_p, seed,
+                              [pos + len(path) + 1])[0]
+        nxt = children[row].get(tok)
+        if nxt is None:
+            return path, tok
+        path.append(nxt)
+        row = nxt

@@ -38,6 +38,7 @@ from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
+from shards.spec_tree import check_path, check_tree, kept_moves
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
@@ -403,6 +404,23 @@ class ShardServer:
                                     f"draft token ids of the vocabulary, got {draft!r}"[:300])
             if draft is not None and seg["sample"] is None:
                 raise ProtocolError(f"{where}: a verify segment needs its sampling parameters")
+            tree, kept, then = seg["tree"], seg["kept"], seg["then"]
+            try:
+                if then is not None and (draft is None or not all(
+                        isinstance(then.get(k), int) and not isinstance(then.get(k), bool)
+                        and then[k] >= 0 for k in ("n", "tree"))):
+                    raise ValueError(f"then={then!r}: not a verify segment's next proposal "
+                                     "(n and tree, integers >= 0)")
+                if tree is not None:
+                    if draft is None:
+                        raise ValueError("a token tree without draft tokens")
+                    check_tree(tree, n - 1)
+                if kept is not None:
+                    check_path(kept, pos)
+                    if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
+                        raise ValueError(f"kept rows reach past the context of {ex.max_len}")
+            except ValueError as e:
+                raise ProtocolError(f"{where}: {e}") from e
             if seg["sample"] is not None:
                 _check_sample(seg["sample"], where)
             slots.add(slot)
@@ -410,7 +428,7 @@ class ShardServer:
             feed = seg["feat"]
             if feed is not None and feed < 0:
                 raise ProtocolError(f"{where}: draft context {feed} is negative")
-            segs.append(Segment(slot, pos, n, verify=draft is not None,
+            segs.append(Segment(slot, pos, n, verify=draft is not None, tree=tree,
                                 all_logits=draft is not None,
                                 taps={} if feed is not None and self.feed is not None else None,
                                 feed=feed))
@@ -446,18 +464,22 @@ class ShardServer:
             for s in segs:  # a new sequence overwrites rows still being copied out
                 if s.pos < self.snapshots.pending_end(s.slot):
                     self.snapshots.wait_pending()
+        for seg in msg["seqs"]:  # the rows the last tree verify step kept go where they belong
+            if seg["kept"]:
+                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
         self.busy = True
         try:
             outs = self.executor.run_segments(x, segs)
         finally:
             self.busy = False
-        fed = [s for s in segs if s.taps]
-        for i, s in enumerate(fed):  # the draft gets the rows before anything moves downstream
-            if self.feed is not None:
-                self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, i == len(fed) - 1)
-        if not self.model.is_last:
+        fed = [(i, s) for i, s in enumerate(segs) if s.taps]
+        if not self.model.is_last:  # the next shard first: the draft waits for rows it needs
             self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
                           outs[0] if len(outs) == 1 else torch.cat(outs))
+            for j, (_, s) in enumerate(fed):
+                if self.feed is not None:
+                    self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps,
+                                        j == len(fed) - 1)
             return
         results, logits_rows = [], []
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
@@ -469,7 +491,7 @@ class ShardServer:
             greedy = dict(zip(plain, rows))
         for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
             logits = out[-1]
-            token, accepted = None, 0
+            token, accepted, path = None, 0, None
             if i in greedy:
                 token = greedy[i]
             elif seg["sample"] is not None:
@@ -478,21 +500,31 @@ class ShardServer:
                                             float(sp["top_p"]), int(sp["seed"]))
                 pos, n = seg["pos"], seg["n"]
                 if seg["draft"] is not None:
-                    accepted, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed,
-                                                   pos)
+                    kept, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed, pos,
+                                               seg["tree"])
+                    accepted = len(kept)
+                    path = kept if seg["tree"] is not None else None
+                    logits = out[kept[-1] if kept else 0]
                 else:
                     token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
-            results.append({"token": token, "accepted": accepted, "logits": seg["logits"]})
+            results.append({"token": token, "accepted": accepted, "logits": seg["logits"],
+                            "path": path})
             if seg["logits"]:
                 logits_rows.append(logits.float()[None])
         self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
                       torch.cat(logits_rows).cpu() if logits_rows else None)
+        for j, (i, s) in enumerate(fed):  # with the verdict, the draft prepares its next proposal
+            if self.feed is not None:
+                self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1,
+                                    _next_proposal(msg["seqs"][i], results[i]))
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
-                       taps: dict[int, torch.Tensor], step_end: bool) -> None:
+                       taps: dict[int, torch.Tensor], step_end: bool,
+                       then: dict | None = None) -> None:
         """Rows of the tapped layers, side by side, for the sequence's draft context
         (`context`), in pieces of at most FEED_ROWS rows; the
-        step's last piece says so (`last`: the draft then has all of the step's rows). A draft
+        step's last piece says so (`last`: the draft then has all of the step's rows), and
+        carries `then`, the proposal to prepare. A draft
         that stopped taking them is dropped (logged): the target's step never waits on it."""
         rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
         try:
@@ -500,7 +532,7 @@ class ShardServer:
                 b = min(n, a + FEED_ROWS)
                 self.feed.send(message("feat", sid=sid, slot=context, pos=pos + a, n=b - a,
                                        layers=list(self.taps), last=step_end and b == n,
-                                       act=None),
+                                       act=None, next=then if b == n else None),
                                rows[a:b])
         except (TimeoutError, zmq.ZMQError) as e:
             log.warning("shard %d: the draft process takes no feature rows (%s); no longer "
@@ -521,7 +553,8 @@ class ShardServer:
                             int(s["top_k"]), float(s["top_p"]), int(s["seed"]),
                             [msg["position"]])[0]
         self._reply(route, message("result", sid=msg["sid"],
-                                   outs=[{"token": token, "accepted": 0, "logits": False}],
+                                   outs=[{"token": token, "accepted": 0, "logits": False,
+                                          "path": None}],
                                    act=None))
 
     # ---- prefix cache -----------------------------------------------------------------------
@@ -572,6 +605,18 @@ class ShardServer:
 
 SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),
                  "seed": (int,)}
+
+
+def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
+    """What the draft will be asked to propose after this verify segment (`feat`'s `next`):
+    the segment's `then` at the position after the kept tokens, after the target's token."""
+    then = seg["then"]
+    if then is None or seg["draft"] is None or result["token"] is None:
+        return None
+    path = result["path"]
+    kept = path if path and path != list(range(1, len(path) + 1)) else None
+    return {"pos": seg["pos"] + result["accepted"] + 1, "token": result["token"], "kept": kept,
+            "n": then["n"], "tree": then["tree"]}
 
 
 def _check_sample(sample: dict[str, Any], where: str) -> None:

@@ -34,8 +34,63 @@ def _feeder(server, route, layers):
     return accept("shm", {"ring": f.inbox.ring.describe()}, None), f
 
 
-def _feat(sid, pos, n, layers, slot=0):
-    return message("feat", sid=sid, slot=slot, pos=pos, n=n, layers=layers, last=True, act=None)
+def _feat(sid, pos, n, layers, slot=0, next=None):
+    return message("feat", sid=sid, slot=slot, pos=pos, n=n, layers=layers, last=True, act=None,
+                   next=next)
+
+
+def _rows(n):
+    return torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 64)  # row i holds i
+
+
+def test_a_verdict_prepares_the_next_proposal(server):
+    """The last feeder's verdict names the next proposal: the draft computes it once every
+    feeder's rows of that step are in, and the request finds it ready. A request for another
+    one is computed afresh, without moving the kept rows' features a second time."""
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    first, _ = _feeder(server, b"shard0", [1])
+    second, f2 = _feeder(server, b"shard1", [4])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    # a verify step at 3 of 6 rows kept rows 2 and 3 of its tree: the next proposal is at 6
+    nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0}
+    second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+    server._work()
+    assert server.prepared.pending and not server.prepared.ready  # shard 0's rows not here yet
+    first.send(_feat(2, 0, 9, [1]), _rows(9))
+    server._work()
+    assert 0 in server.prepared.ready
+    feats = server.proposer.features[0, 0, :, 0].tolist()
+    assert feats[3:7] == [3.0, 5.0, 6.0, 6.0]  # rows 5 and 6 moved to 4 and 5, once
+    ask = {"sid": 3, "slot": 0, "pos": 6, "n": 3, "start": 0, "sync": 2, "tree": 0,
+           "kept": [2, 3]}
+    # a request for another token: computed afresh, the rows not moved a second time
+    server._on_propose(b"coord", message("propose", token=7, **ask), [])
+    assert "prepared" not in sent[-1] and len(sent[-1]["tokens"]) == 3
+    assert server.proposer.features[0, 0, 3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0]
+    # the same verify step again: the request that matches finds its proposal ready
+    second.send(_feat(4, 0, 9, [4], next=nxt), _rows(9))
+    first.send(_feat(4, 0, 9, [1]), _rows(9))
+    server._work()
+    server._on_propose(b"coord", message("propose", token=5, **{**ask, "sync": 4}), [])
+    assert sent[-1]["type"] == "proposal" and sent[-1]["prepared"] is True
+    assert server.proposer.features[0, 0, 3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0]
+    assert sent[-1]["tokens"] == server.proposer.propose(0, 5, 6, 3)[0]  # as if asked now
+    # a verdict the draft cannot use is dropped (logged), the context stays whole
+    second.send(_feat(5, 7, 1, [4], next={"pos": -1}), _rows(1))
+    first.send(_feat(5, 7, 1, [1]), _rows(1))
+    server._work()
+    assert not server.prepared.pending and not f2.rejected
+    server._wait_features(5, 0)
+    # the next sequence begins before the last rows of the one before arrive (the last shard
+    # sends them after its result): they are not stored, their verdict is not prepared
+    server._on_draft_begin(b"coord", message("draft_begin", sid=9, slot=0), [])
+    second.send(_feat(8, 0, 9, [4], next=nxt), _rows(9) + 100)
+    first.send(_feat(8, 0, 9, [1]), _rows(9) + 100)
+    server._work()
+    assert not server.prepared.pending and not server.prepared.ready
+    assert server.proposer.features[0, 0, 0, 0].item() == 0.0
+    server._wait_features(8, 0)  # the feeders' progress still counts
 
 
 def test_bad_frames_are_refused_without_desync(server):
@@ -63,7 +118,7 @@ def test_bad_frames_are_refused_without_desync(server):
     server._wait_features(2, 0)  # a new sequence starts whole
     with pytest.raises(ProtocolError, match="incomplete"):  # the other slot's still is not
         server._wait_features(2, 1)
-    assert len(server.proposer.propose(0, 5, 2, 3)) == 3
+    assert len(server.proposer.propose(0, 5, 2, 3)[0]) == 3
 
 
 def test_draft_contexts_out_of_range_are_refused(server):
@@ -82,7 +137,7 @@ def test_draft_contexts_out_of_range_are_refused(server):
         server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=2), [])
     with pytest.raises(ProtocolError, match="slot 5 outside 0..1"):
         server._on_propose(b"coord", message("propose", sid=5, slot=5, pos=2, n=3, token=1,
-                                              start=0, sync=0), [])
+                                              start=0, sync=0, tree=0, kept=None), [])
     with pytest.raises(ProtocolError, match="slot 3 of 0..1|outside"):
         server._on_draft_features(b"coord", message("draft_features", sid=6, slot=3, start=0,
                                                       end=2, sync=0), [])

@@ -37,6 +37,7 @@ from tests.helpers import layersplit_shm, shard_children, wait_gone
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
+TREE = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [1, 0], [2]]  # the fitted draft's token tree
 TEXT = "<|im_start|>user\nthe cat sat on the mat<|im_end|>\n<|im_start|>assistant\nthe cat"
 
 
@@ -70,8 +71,9 @@ def fitted(target, tmp_path_factory):
         optimize(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                    want.reshape(-1)), list(draft.parameters()),
                  opt)
-    return save_dflash(draft.eval(), json.loads((path / "config.json").read_text()), path,
-                       torch.float32)
+    raw = json.loads((path / "config.json").read_text())
+    raw["spec_tree"] = TREE  # verify steps are token trees (`spec_tree=0`: chains)
+    return save_dflash(draft.eval(), raw, path, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,10 @@ def test_speculative_equals_plain(target, fitted, near, n, transport, kind):
         assert stats.acceptance_length > 1.3
         assert 0 < stats.accepted_at[0] < stats.proposed_at[0]
         assert 0 < stats.accepted_at[1] < stats.proposed_at[1]
+        if kind == "dflash":  # token trees: some steps kept a branch off the first path
+            assert stats.off_chain > 0
+            # and proposals prepared from the verdicts were used (12-38 of 91 on 2 cores)
+            assert stats.prepared > 0
         assert len(shard_children()) == n + 1
     assert shard_children() == []
     assert layersplit_shm() - before == set()
@@ -266,7 +272,8 @@ def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
         assert want.acceptance_length > 1.5
         # a propose with payload frames it cannot have, one with a missing field, garbage
         for frames, extra in (([b"\x01\x02\x03", b"x"], {}), ([], {"drop": "token"})):
-            msg = message("propose", slot=0, pos=len(prompt), n=3, token=1, start=0, sync=0)
+            msg = message("propose", slot=0, pos=len(prompt), n=3, token=1, start=0, sync=0,
+                          tree=0, kept=None)
             msg.pop(extra.get("drop", "-"), None)
             with pytest.raises(DraftError):
                 coord.draft_request(msg, frames)

@@ -33,6 +33,7 @@ def test_training_writes_loadable_drafts(tmp_path):
     assert rc == 0
     r = json.loads(report.read_text())
     assert r["taps"] == [1, 4] and r["steps"] > 500 and len(r["history"]) >= 2
+    assert "tree_nodes" in r  # its token tree was chosen (none: no candidate was ever right)
     assert r["history"][-1]["loss"] < r["history"][0]["loss"]  # the KL fell
     p = load_proposer(out, target, "cpu", torch.float32, 64)
     assert isinstance(p, DFlashProposer) and p.cfg.target_layer_ids == (1, 4)

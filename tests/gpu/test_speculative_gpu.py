@@ -6,6 +6,7 @@ over cuda-ipc with the feature rows on the GPU."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -52,6 +53,18 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
         for layer in (2, 5):
             assert (taps_c[layer] - taps_g[layer].float().cpu()).abs().max() < 1e-3
     assert any(k[2] == 5 for k in gpu.static.graphs)  # a 5-row graph was captured
+    # token trees through the same graphs (the tree is an input): row by row on the CPU
+    graphs = len(gpu.static.graphs)
+    for pos, tree in ((100, [0, 1, 0, 3]), (104, [0, 0, 0, 0]), (110, [0, 1, 2, 3])):
+        x = torch.randint(3, 300, (5,))
+        taps_c, taps_g = {}, {}
+        a = cpu.run(x, pos, all_logits=True, taps=taps_c, verify=True, tree=tree)
+        b = gpu.run(x, pos, all_logits=True, taps=taps_g, verify=True, tree=tree).float().cpu()
+        assert (a - b).abs().max() < 1e-3
+        for layer in (2, 5):
+            assert (taps_c[layer] - taps_g[layer].float().cpu()).abs().max() < 1e-3
+        assert (cpu.kv.k[:, 0, :pos + 5] - gpu.kv.k[:, 0, :pos + 5].cpu()).abs().max() < 1e-3
+    assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
 def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path):
@@ -88,13 +101,18 @@ def _near(target, out):
     return out
 
 
-@pytest.mark.parametrize("kind,dtype", [("dflash", "float32"), ("classic", "float32"),
-                                        ("classic", "bfloat16")])
+@pytest.mark.parametrize("kind,dtype", [("dflash", "float32"), ("dflash-tree", "float32"),
+                                        ("classic", "float32"), ("classic", "bfloat16")])
 def test_split_runtime_speculates_on_gpus(tiny_llama, tmp_path, kind, dtype):
     before = layersplit_shm()
     target = read_hf_config(tiny_llama)
     draft = (write_random_dflash(target, tmp_path / "d", layers=1, taps=[1, 4], block_size=4)
-             if kind == "dflash" else _near(tiny_llama, tmp_path / "near"))
+             if kind.startswith("dflash") else _near(tiny_llama, tmp_path / "near"))
+    if kind == "dflash-tree":  # verify steps of 7-token trees
+        raw = json.loads((draft / "config.json").read_text())
+        raw["spec_tree"] = [[0], [1], [0, 0], [2], [0, 0, 0], [1, 0], [0, 1]]
+        (draft / "config.json").write_text(json.dumps(raw))
+        kind = "dflash"
     cfg = RuntimeConfig(model=str(tiny_llama), devices=tuple(_gpus()), prefill_chunk=16,
                         max_context=256, dtype=dtype, draft=str(draft))
     prompt = list(range(3, 60))

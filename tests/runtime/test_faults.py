@@ -258,6 +258,11 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
             ([segment(0, 0, 1, {**greedy, "top_p": "all"})], [5], "'top_p' must be a number"),
             ([segment(0, 0, 2, greedy, draft=[9999])], [5, 6], "draft token ids"),
             ([segment(0, 0, 1, feat=-1)], [5], "draft context -1 is negative"),
+            ([segment(0, 4, 3, greedy, draft=[5, 6], tree=[0, 2])], [5, 6, 7],
+             "tree node 2: parent 2 is not on the path"),
+            ([segment(0, 4, 1, greedy, tree=[0])], [5], "a token tree without draft tokens"),
+            ([segment(0, 4, 1, greedy, kept=[2, 1])], [5], "kept tree rows [2, 1] before position 4"),
+            ([segment(0, 4094, 1, greedy, kept=[9])], [5], "kept rows reach past the context"),
         ]
         for seqs, ids, why in cases:
             sid = coord._new_sid()

@@ -1,0 +1,102 @@
+"""Proposals the draft computes before the coordinator asks for them.
+
+With a verify step's verdict, the last shard tells the draft which proposal the sequence will
+ask for next (`feat`'s `next`: position, the target's token, the tree rows kept, n, tree). The
+draft computes it as soon as every feeding shard has delivered that step's rows, while the
+verdict travels to the coordinator and the coordinator's request travels back; the request then
+finds it ready. A request that asks for anything else is computed as always: a prepared
+proposal is a cache, never a second source of truth.
+
+Its one subtlety: preparing a proposal moved the kept rows' features into place already, so the
+request that names the same kept rows must not move them again (`take`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from shards.spec_tree import check_path
+
+Key = tuple[int, int, int, int, tuple[int, ...] | None]  # pos, token, n, tree, kept
+Proposal = tuple[list[int], list[int] | None]  # tokens, parents
+
+
+def check_next(nxt: Any) -> Key:
+    """The key of a `next` hint; ValueError naming what is wrong."""
+    if not isinstance(nxt, dict):
+        raise ValueError(f"next={nxt!r}: not a map")
+    vals = [nxt.get(k) for k in ("pos", "token", "n", "tree")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+        raise ValueError(f"next={nxt!r}: pos, token, n and tree must be integers >= 0")
+    kept = nxt.get("kept")
+    if kept is not None and not (isinstance(kept, list) and all(
+            isinstance(j, int) and not isinstance(j, bool) for j in kept)):
+        raise ValueError(f"next={nxt!r}: kept must be a list of row numbers or null")
+    if kept is not None:
+        check_path(kept, vals[0])
+    return (*vals, None if kept is None else tuple(kept))
+
+
+def key_of(pos: int, token: int, n: int, tree: int, kept: Sequence[int] | None) -> Key:
+    return pos, token, n, tree, None if kept is None else tuple(kept)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """Per draft context (slot): a proposal waiting for its step's rows, or one computed."""
+
+    pending: dict[int, tuple[int, Key]] = dataclasses.field(default_factory=dict)
+    ready: dict[int, tuple[Key, Proposal, float]] = dataclasses.field(default_factory=dict)
+    # when (time.monotonic, one clock for every process of the host) the last verdict came and
+    # its proposal was ready, per slot: how far ahead of the request it was (metrics)
+    times: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # the (pos, kept) whose kept rows a preparation moved already, per slot (a preparation
+    # that fails after moving them must not have them moved again)
+    moved: dict[int, tuple[int, tuple[int, ...] | None]] = dataclasses.field(
+        default_factory=dict)
+
+    def note(self, slot: int, sid: int, key: Key) -> None:
+        """Step `sid`'s verdict names the next proposal of `slot`'s sequence."""
+        self.pending[slot] = (sid, key)
+        self.ready.pop(slot, None)
+        self.times[slot] = (time.monotonic(), 0.0)
+
+    def forget(self, slot: int | None = None) -> None:
+        """A new sequence in `slot` (None: every slot)."""
+        if slot is None:
+            self.pending.clear()
+            self.ready.clear()
+            self.moved.clear()
+        else:
+            self.pending.pop(slot, None)
+            self.ready.pop(slot, None)
+            self.moved.pop(slot, None)
+
+    def due(self, fed_sids: Sequence[int]) -> list[tuple[int, Key]]:
+        """The pending proposals whose rows every feeder delivered (removed from pending)."""
+        out = [(slot, key) for slot, (sid, key) in self.pending.items()
+               if all(f >= sid for f in fed_sids)]
+        for slot, _ in out:
+            del self.pending[slot]
+        return out
+
+    def committed(self, slot: int, key: Key) -> None:
+        """A preparation moved the kept rows of `key`'s verdict."""
+        self.moved[slot] = (key[0], key[4])
+
+    def done(self, slot: int, key: Key, proposal: Proposal, seconds: float) -> None:
+        self.ready[slot] = (key, proposal, seconds)
+        self.times[slot] = (self.times.get(slot, (0.0, 0.0))[0], time.monotonic())
+
+    def take(self, slot: int, key: Key) -> tuple[tuple[Proposal, float] | None, bool]:
+        """For a request of `slot` with `key`: (the prepared proposal and its compute time, or
+        None), and whether the request's kept rows still need moving."""
+        self.pending.pop(slot, None)  # asked for now: computed by the request itself
+        moved = self.moved.pop(slot, None) == (key[0], key[4])  # this verdict's kept rows
+        got = self.ready.pop(slot, None)
+        if got is not None and got[0] == key:
+            return (got[1], got[2]), False
+        return None, not moved

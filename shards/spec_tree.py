@@ -1,0 +1,85 @@
+"""Token trees of speculative verify steps: their shape, their attention mask, and where the
+kept rows go.
+
+A verify step's rows are the nodes of a tree: row 0 is the last committed token (the root), row
+j > 0 a draft token whose parent is row `parents[j - 1]` < j. A chain (`parents = [0, 1, 2,
+...]`) is the plain block. Rows are in depth-first preorder, so each node's ancestors are the
+rows on the path from the root to it, and every subtree is a run of consecutive rows.
+
+Row j sits at position pos + depth(j) (its rotary position) but its K/V are written at row
+pos + j of the cache; it attends the committed keys [0, pos) and its own ancestors. After the
+step, the kept path (rows n_1 < n_2 < ... < n_k, one per depth) is moved to rows pos + 1 ..
+pos + k (`kept_moves`), which every shard and the draft do before the sequence's next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+
+def chain(n: int) -> list[int]:
+    """The parents of a plain block of n draft tokens."""
+    return list(range(n))
+
+
+def check_tree(parents: Sequence[int], n_draft: int) -> None:
+    """Raise ValueError unless `parents` is a preorder tree of `n_draft` draft nodes."""
+    if len(parents) != n_draft:
+        raise ValueError(f"a tree of {n_draft} draft tokens needs {n_draft} parents, got "
+                         f"{len(parents)}")
+    stack = [0]  # the path from the root to the previous node
+    for j, p in enumerate(parents, 1):
+        if not isinstance(p, int) or isinstance(p, bool) or p not in stack:
+            raise ValueError(f"tree node {j}: parent {p!r} is not on the path to node {j - 1} "
+                             "(parents come before children, subtrees in depth-first order)")
+        del stack[stack.index(p) + 1:]
+        stack.append(j)
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every row (the root's is 0)."""
+    d = [0]
+    for p in parents:
+        d.append(d[p] + 1)
+    return d
+
+
+def ancestors(parents: Sequence[int]) -> torch.Tensor:
+    """(n, n) bool: [i, j] when row j is row i or one of its ancestors."""
+    n = len(parents) + 1
+    anc = torch.eye(n, dtype=torch.bool)
+    for j, p in enumerate(parents, 1):
+        anc[j] |= anc[p]
+    return anc
+
+
+def is_chain(parents: Sequence[int] | None) -> bool:
+    return parents is None or all(p == j for j, p in enumerate(parents))
+
+
+def check_path(path: Sequence[int], pos: int) -> None:
+    """Raise ValueError unless `path` can be the kept rows of the verify step that preceded a
+    step at `pos`: k rows, increasing, row d at or after depth d, ending at pos - 1."""
+    k = len(path)
+    if not all(isinstance(j, int) and not isinstance(j, bool) for j in path) or any(
+            j < d for d, j in enumerate(path, 1)) or any(
+            b <= a for a, b in itertools.pairwise(path)) or pos - k - 1 < 0:
+        raise ValueError(f"kept tree rows {list(path)[:40]} before position {pos}: not an "
+                         "increasing path of rows after the root")
+
+
+def kept_moves(pos: int, path: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(source rows, destination rows) that bring the kept path of the verify step before a
+    step at `pos` (rows n_1 .. n_k of a verify step at pos - k - 1) to the rows that step's
+    positions take, pos - k .. pos - 1. Moves in that order never read a row an earlier move
+    wrote (n_d >= d, increasing)."""
+    base = pos - len(path) - 1
+    src, dst = [], []
+    for d, j in enumerate(path, 1):
+        if j != d:
+            src.append(base + j)
+            dst.append(base + d)
+    return src, dst

@@ -1,0 +1,74 @@
+"""Token trees of verify steps (`shards.spec_tree`): their checks, and the verify step over a
+tree computes for every row exactly what plain decoding computes at that row's position, its
+kept rows moved into place (rowwise on the CPU, as one step under a tree mask otherwise)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.spec_tree import ancestors, check_path, check_tree, depths, kept_moves
+
+PARENTS = [0, 1, 1, 0, 4, 5, 0]  # rows 1-2-(3) | 4-5-6 | 7 under the root
+
+
+def test_tree_shape_helpers():
+    check_tree(PARENTS, 7)
+    assert depths(PARENTS) == [0, 1, 2, 2, 1, 2, 3, 1]
+    anc = ancestors(PARENTS)
+    assert anc[6].nonzero().flatten().tolist() == [0, 4, 5, 6]
+    assert anc[3].nonzero().flatten().tolist() == [0, 1, 3]
+    assert kept_moves(20, [4, 5, 6]) == ([20, 21, 22], [17, 18, 19])  # verify step at 16
+    assert kept_moves(13, [1, 2]) == ([], [])
+
+
+@pytest.mark.parametrize("parents,why", [
+    ([0, 2], "parent 2 is not on the path"),      # a parent after its child
+    ([0, 1, 0, 2], "parent 2 is not on the path"),  # row 2's subtree closed before row 4
+    ([0], "needs 2 parents"),
+    ([0, True], "parent True"),
+])
+def test_malformed_trees_are_refused(parents, why):
+    with pytest.raises(ValueError, match=why):
+        check_tree(parents, max(len(parents), 2))
+
+
+def test_malformed_kept_paths_are_refused():
+    check_path([1, 3], 10)
+    for bad in ([3, 1], [0], [2, 2], [1, "2"]):
+        with pytest.raises(ValueError, match="not an increasing path"):
+            check_path(bad, 10)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["rowwise", "tree-mask step"])
+def test_tree_verify_rows_equal_plain_decode_rows(target, static):
+    """Each row's logits equal a plain decode step's at that row's position after its branch;
+    after the kept path is moved, the KV rows equal the plain ones (the next step sees them)."""
+    ckpt = open_checkpoint(target)
+    model = load_layer_range(ckpt, 0, ckpt.config.num_layers)
+    prompt = torch.tensor([5, 9, 13, 2, 7, 11, 3, 8])
+    tokens = [4, 6, 12, 6, 10, 14, 1, 15]  # root + 7 draft tokens, rows of PARENTS
+    tree = RangeExecutor(model, 64, static_decode=static)
+    tree.run(prompt, 0)
+    pos = len(prompt)
+    got = tree.run(torch.tensor(tokens), pos, all_logits=True, verify=True, tree=PARENTS)
+    anc = ancestors(PARENTS)
+    for row in range(len(tokens)):
+        plain = RangeExecutor(model, 64)
+        plain.run(prompt, 0)
+        branch = anc[row].nonzero().flatten().tolist()
+        for i, r in enumerate(branch):
+            out = plain.run(torch.tensor([tokens[r]]), pos + i)
+        tol = 1e-4 if static else 0  # rowwise is bit-exact; one masked step rounds apart
+        torch.testing.assert_close(got[row], out[-1], atol=tol, rtol=tol)
+    path = [4, 5, 6]
+    tree.kv.move_rows(0, *kept_moves(pos + 4, path))
+    plain = RangeExecutor(model, 64)
+    plain.run(prompt, 0)
+    for i, r in enumerate([0, *path]):
+        plain.run(torch.tensor([tokens[r]]), pos + i)
+    for layer in range(model.num_layers):
+        torch.testing.assert_close(tree.kv.k[layer, 0, :pos + 4], plain.kv.k[layer, 0, :pos + 4],
+                                   atol=1e-5 if static else 0, rtol=1e-4 if static else 0)
