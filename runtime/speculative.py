@@ -47,6 +47,7 @@ class SpecStats:
     accepted_at: list[int] = dataclasses.field(default_factory=list)
     off_chain: int = 0  # verify steps of a token tree that kept a path besides its first
     prepared: int = 0  # proposals the draft had ready, prepared from the verdict
+    tokens_sent: int = 0  # committed tokens sent to a classic draft (each once, ideally)
     # of those (seconds, summed; one host clock): the verdict reached the draft after the result
     # reached the coordinator's sequence; the request reached the draft after it was sent; the
     # proposal was ready before the request was sent
@@ -85,6 +86,7 @@ class SpecStats:
         self.committed += other.committed
         self.off_chain += other.off_chain
         self.prepared += other.prepared
+        self.tokens_sent += other.tokens_sent
         self.verdict_lag_s += other.verdict_lag_s
         self.request_lag_s += other.request_lag_s
         self.ready_lead_s += other.ready_lead_s
@@ -149,6 +151,7 @@ class DraftClient:
         if self.kind == "classic":
             start = self.start
             frames = [np.asarray(seq[start:pos], dtype=np.int64)]
+            self.stats.tokens_sent += pos - start
         try:
             # a whole tree or a chain: a tree cut to fit the context's end would be a new
             # shape of verify step (a graph, a compilation) for a handful of steps
