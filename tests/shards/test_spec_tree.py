@@ -9,6 +9,7 @@ import torch
 
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.executor import RangeExecutor
+from shards.model import StepInfo
 from shards.spec_tree import ancestors, check_path, check_tree, depths, kept_moves
 
 PARENTS = [0, 1, 1, 0, 4, 5, 0]  # rows 1-2-(3) | 4-5-6 | 7 under the root
@@ -72,3 +73,24 @@ def test_tree_verify_rows_equal_plain_decode_rows(target, static):
     for layer in range(model.num_layers):
         torch.testing.assert_close(tree.kv.k[layer, 0, :pos + 4], plain.kv.k[layer, 0, :pos + 4],
                                    atol=1e-5 if static else 0, rtol=1e-4 if static else 0)
+
+
+def test_eager_tree_step_equals_rowwise(target):
+    """The eager tree step (a GPU verify step longer than the graphs take) against the rowwise
+    one: the same rows, and the same K/V at rows pos + j."""
+    ckpt = open_checkpoint(target)
+    model = load_layer_range(ckpt, 0, ckpt.config.num_layers)
+    prompt = torch.tensor([5, 9, 13, 2, 7, 11, 3, 8])
+    tokens = torch.tensor([4, 6, 12, 6, 10, 14, 1, 15])
+    pos = len(prompt)
+    rowwise = RangeExecutor(model, 64)
+    rowwise.run(prompt, 0)
+    want = rowwise.run(tokens, pos, all_logits=True, verify=True, tree=PARENTS)
+    eager = RangeExecutor(model, 64)
+    eager.run(prompt, 0)
+    with torch.inference_mode():
+        got = model(tokens, StepInfo.tree(pos, PARENTS, torch.device("cpu")), eager.kv)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    end = pos + len(tokens)
+    torch.testing.assert_close(eager.kv.k[:, 0, :end], rowwise.kv.k[:, 0, :end], atol=1e-5,
+                               rtol=1e-4)
