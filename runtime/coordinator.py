@@ -42,7 +42,7 @@ from runtime.placement import (
 from runtime.reference import new_seed
 from runtime.scheduler import SchedulerConfig
 from runtime.errors import DraftError, DraftLost, ShardFailure
-from runtime.speculative import DraftClient, SpecStats, draft_taps
+from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
@@ -185,10 +185,7 @@ class Coordinator:
             # token tree's for those that speculate)
             info = self.draft_info if self.draft is not None else {}
             block = int(info.get("block_size", 1))
-            tree = int(info.get("tree_nodes", 0))
-            if cfg.spec_tree is not None:
-                tree = min(tree, cfg.spec_tree)
-            extra = max(0, min(tree, max(cfg.prefill_chunk, 1) - 1) + 1 - block)
+            extra = max(0, tree_size(info, cfg, max(cfg.prefill_chunk, 1)) + 1 - block)
             max_step = (max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
                         + min(max(cfg.spec_max_seqs, 1), cfg.max_seqs) * extra)
             first, last = self.shards[0], self.shards[-1]

@@ -17,7 +17,7 @@ from runtime.chunking import prefill_chunks
 from runtime.textstream import TextStream
 from runtime.tokenizer import TextTokenizer
 from shards.sampling import SamplingParams
-from shards.spec_tree import depths
+from shards.spec_tree import depths, rows_to_move
 
 
 @dataclasses.dataclass(slots=True)
@@ -219,7 +219,7 @@ def sequence_program(
                                  f"{out.accepted} kept tokens of {len(drafts)}")
             drafter.verified(pos, max(depths(tree)) if tree else len(drafts), out.accepted,
                              path if tree is not None else None)
-            kept = path if path != list(range(1, len(path) + 1)) else None
+            kept = rows_to_move(path)
             for j in path:
                 yield drafts[j - 1]
                 seq.append(drafts[j - 1])

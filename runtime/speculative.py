@@ -14,15 +14,16 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ipc.messages import message
 from runtime.errors import DraftError, DraftLost, ShardFailure
-from shards.spec_tree import check_tree, depths
+from shards.spec_tree import check_tree, depths, rows_to_move
 
 if TYPE_CHECKING:
+    from runtime.config import RuntimeConfig
     from runtime.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,15 @@ def draft_taps(path: str | Path | None) -> list[int]:
     if path is None or not Path(str(path)).is_dir() or not is_dflash(Path(path)):
         return []
     return list(read_dflash_config(Path(path)).target_layer_ids)
+
+
+def tree_size(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> int:
+    """Draft tokens of a verify step's token tree (0: chains): the draft's tree (`info`, its
+    configure reply), at most `spec_tree`, and the rows of a step (`chunk`) allow."""
+    tree = int(info.get("tree_nodes", 0))
+    if config.spec_tree is not None:
+        tree = min(tree, config.spec_tree)
+    return min(tree, chunk - 1)
 
 
 @dataclasses.dataclass
@@ -112,10 +122,7 @@ class DraftClient:
         self.block = min(int(coord.config.spec_block or info["block_size"]),
                          int(info["block_size"]), coord.chunk)
         # a token tree of up to `tree` draft tokens where the draft has a tree shape
-        tree = int(info.get("tree_nodes", 0))
-        if coord.config.spec_tree is not None:
-            tree = min(tree, coord.config.spec_tree)
-        self.tree = min(tree, coord.chunk - 1) if self.block > 1 else 0
+        self.tree = tree_size(info, coord.config, coord.chunk) if self.block > 1 else 0
         self.rows = 1 + self.tree if self.tree else self.block
         # (position of the next proposal, tree rows the last verify kept): the draft moves them
         self.kept: tuple[int, list[int]] | None = None
@@ -199,8 +206,9 @@ class DraftClient:
         self._t_verified = time.monotonic()
         self.stats.verify_s += time.perf_counter() - self._t_proposed
         self.stats.add(proposed, accepted)
-        if path is not None and path != list(range(1, len(path) + 1)):
-            self.kept = (pos + accepted + 1, path)
+        moving = rows_to_move(path)
+        if moving is not None:
+            self.kept = (pos + accepted + 1, moving)
             self.stats.off_chain += 1
         if self.kind == "classic":  # its rows [pos, pos + kept] were computed from kept tokens
             self.start = pos + min(accepted, proposed - 1) + 1

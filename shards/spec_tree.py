@@ -60,6 +60,14 @@ def is_chain(parents: Sequence[int] | None) -> bool:
     return parents is None or all(p == j for j, p in enumerate(parents))
 
 
+def rows_to_move(path: Sequence[int] | None) -> list[int] | None:
+    """The kept rows of a verify step when some of them must move (`kept`), else None: a path
+    of rows 1 .. k (a chain's, or a tree's first branch) is where its positions are already."""
+    if not path or list(path) == list(range(1, len(path) + 1)):
+        return None
+    return list(path)
+
+
 def check_path(path: Sequence[int], pos: int) -> None:
     """Raise ValueError unless `path` can be the kept rows of the verify step that preceded a
     step at `pos`: k rows, increasing, row d at or after depth d, ending at pos - 1."""

@@ -38,7 +38,7 @@ from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
-from shards.spec_tree import check_path, check_tree, kept_moves
+from shards.spec_tree import check_path, check_tree, kept_moves, rows_to_move
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
@@ -613,9 +613,8 @@ def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
     then = seg["then"]
     if then is None or seg["draft"] is None or result["token"] is None:
         return None
-    path = result["path"]
-    kept = path if path and path != list(range(1, len(path) + 1)) else None
-    return {"pos": seg["pos"] + result["accepted"] + 1, "token": result["token"], "kept": kept,
+    return {"pos": seg["pos"] + result["accepted"] + 1, "token": result["token"],
+            "kept": rows_to_move(result["path"]),
             "n": then["n"], "tree": then["tree"]}
 
 
