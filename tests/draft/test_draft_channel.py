@@ -138,6 +138,18 @@ def test_draft_contexts_out_of_range_are_refused(server):
     with pytest.raises(ProtocolError, match="slot 5 outside 0..1"):
         server._on_propose(b"coord", message("propose", sid=5, slot=5, pos=2, n=3, token=1,
                                               start=0, sync=0, tree=0, kept=None), [])
+    # a tree size or kept rows that cannot be: refused by name, nothing moved
+    before = server.proposer.features.clone()
+    with pytest.raises(ProtocolError, match="propose: tree -1 is negative"):
+        server._on_propose(b"coord", message("propose", sid=6, slot=0, pos=2, n=3, token=1,
+                                              start=0, sync=0, tree=-1, kept=None), [])
+    with pytest.raises(ProtocolError, match=r"propose: kept tree rows \[2, 1\] before position 9"):
+        server._on_propose(b"coord", message("propose", sid=7, slot=0, pos=9, n=3, token=1,
+                                              start=0, sync=0, tree=0, kept=[2, 1]), [])
+    with pytest.raises(ProtocolError, match="kept rows .* outside the context of 64"):
+        server._on_propose(b"coord", message("propose", sid=8, slot=0, pos=60, n=3, token=1,
+                                              start=0, sync=0, tree=0, kept=[9]), [])
+    assert torch.equal(server.proposer.features, before)
     with pytest.raises(ProtocolError, match="slot 3 of 0..1|outside"):
         server._on_draft_features(b"coord", message("draft_features", sid=6, slot=3, start=0,
                                                       end=2, sync=0), [])

@@ -67,6 +67,7 @@ def test_every_key_is_documented():
 @pytest.mark.parametrize("values,match", [
     ({"spec_block": 1}, "spec_block=1: must be at least 2"),
     ({"spec_block": "many"}, "spec_block='many' is not a valid int"),
+    ({"spec_tree": -1}, "spec_tree=-1: must be at least 0"),
     ({"draft": ""}, "draft is empty"),
     ({"spec_required": "perhaps"}, "spec_required='perhaps' is not a valid bool"),
     ({"spec_max_seqs": -1}, "spec_max_seqs=-1: must be at least 0"),

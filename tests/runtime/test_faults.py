@@ -261,6 +261,10 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
             ([segment(0, 4, 3, greedy, draft=[5, 6], tree=[0, 2])], [5, 6, 7],
              "tree node 2: parent 2 is not on the path"),
             ([segment(0, 4, 1, greedy, tree=[0])], [5], "a token tree without draft tokens"),
+            ([segment(0, 4, 3, greedy, draft=[5, 6], then={"n": -1, "tree": 0})], [5, 6, 7],
+             "not a verify segment's next proposal"),
+            ([segment(0, 4, 1, greedy, then={"n": 3, "tree": 0})], [5],
+             "not a verify segment's next proposal"),
             ([segment(0, 4, 1, greedy, kept=[2, 1])], [5], "kept tree rows [2, 1] before position 4"),
             ([segment(0, 4094, 1, greedy, kept=[9])], [5], "kept rows reach past the context"),
         ]
