@@ -33,10 +33,12 @@ def test_training_writes_loadable_drafts(tmp_path):
     assert rc == 0
     r = json.loads(report.read_text())
     assert r["taps"] == [1, 4] and r["steps"] > 500 and len(r["history"]) >= 2
-    assert "tree_nodes" in r  # its token tree was chosen (none: no candidate was ever right)
     assert r["history"][-1]["loss"] < r["history"][0]["loss"]  # the KL fell
     p = load_proposer(out, target, "cpu", torch.float32, 64)
     assert isinstance(p, DFlashProposer) and p.cfg.target_layer_ids == (1, 4)
+    # its token tree, as chosen on the held-out answers, is the one its config carries (none
+    # when no candidate of this tiny draft was ever right)
+    assert len(p.cfg.spec_tree or ()) == r["tree_nodes"] <= 31
     c = load_proposer(classic, target, "cpu", torch.float32, 64)
     assert isinstance(c, ClassicProposer) and c.ex.model.num_layers == 2
     # the classic draft started as the target's first layers: distillation moved them
