@@ -13,7 +13,8 @@
 #   stage L: one draft trained longer on one GPU: GEN_S seconds of new answers (to user turns the
 #            target writes, seed of part 2) added to the sequence files carried in .device-carry
 #            (data*.st, from stage D), then training until the call's 10 minutes are nearly
-#            spent, with CONFIG's arguments; the draft comes back packed in $OUT.
+#            spent, with CONFIG's arguments (INIT=folder: going on from that draft, at LR);
+#            the draft comes back packed in $OUT.
 #                                         (carry .whl .device-carry/smol.part02 .device-carry/data0.st ...)
 #   stage T: choose the bundled draft's token tree (NODES draft tokens) on the held-out answers
 #            of .device-carry/val.st (`python -m draft.tree`; the config comes back in $OUT), then
@@ -98,7 +99,7 @@ elif [ "$stage" = L ]; then
   left=$(( ${CALL_S:-590} - SECONDS - 90 ))
   log train ${CONFIG:=--layers 3 --intermediate 1024} for $left s on $data
   python3 -m draft.train --device $dev:0 --data "$data" --out /tmp/drafts/long --seconds $left \
-    $CONFIG --report /tmp/drafts/report_long.json 2>&1 | grep -v Warning \
+    $CONFIG ${INIT:+--init $INIT} ${LR:+--lr $LR} --report /tmp/drafts/report_long.json 2>&1 | grep -v Warning \
     | grep -E "step|trained|before|rows|wrote|Error|error"
   cp /tmp/drafts/report_long.json "$OUT/"
   (cd /tmp/drafts && tar cf - long data2.st | split -b 15000000 -d -a 1 - "$OUT/long.tar.part")

@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draft.tree import Shape, read_shape
 from shards.errors import CheckpointError
+from shards.fused import rms_norm, rope
 from shards.kv_cache import KVCache
 from shards.model import DecoderLayer, RMSNorm, StepInfo, apply_rope, rope_cos_sin, rope_inv_freq
 from shards.model_config import ModelConfig, config_from_hf
@@ -177,6 +179,19 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
         return apply_rope(k, cos, sin), v
 
+    def kv_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per layer: the weight that maps a context row to its keys and values side by side,
+        and the layer's k_norm weight (None without one)."""
+        out = []
+        for layer in self.layers:
+            a = layer.self_attn
+            if a.qkv_proj is not None:  # fused (GPU): the k and v rows of the fused weight
+                w = a.qkv_proj.weight[a.num_heads * a.head_dim:]
+            else:
+                w = torch.cat([a.k_proj.weight, a.v_proj.weight])
+            out.append((w, None if a.k_norm is None else a.k_norm.weight))
+        return out
+
     def write_context(self, feats: torch.Tensor, pos: int, kv: KVCache, slot: int = 0) -> None:
         """Store the keys and values of context rows at positions [pos, pos + n)."""
         ctx = self.context(feats)
@@ -186,14 +201,43 @@ class DFlashDraft(nn.Module):
             kv.k[i, slot, pos:pos + ctx.shape[0]] = k
             kv.v[i, slot, pos:pos + ctx.shape[0]] = v
 
-    def block(self, x: torch.Tensor, step: StepInfo, kv: KVCache, slot: int = 0) -> torch.Tensor:
+    def block(self, x: torch.Tensor, step: StepInfo, kv: KVCache, slot: int = 0,
+              norm: bool = True) -> torch.Tensor:
         """Normed hidden rows (m, H) of a block of embedded tokens x (m, H) at `step`'s
-        positions; its keys and values are written to `kv` after the context's."""
+        positions (not normed with `norm=False`); its keys and values are written to `kv` after
+        the context's."""
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, x.dtype)
         h = x
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, i, slot, step)
-        return self.norm(h)
+        return self.norm(h) if norm else h
+
+
+def context_kv_all(feats: torch.Tensor, positions: torch.Tensor, fc_w: torch.Tensor,
+                   hn_w: torch.Tensor, kv_ws: list[torch.Tensor],
+                   kn_ws: list[torch.Tensor | None], inv_freq: torch.Tensor, eps: float,
+                   kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DFlashDraft.context_kv` of every layer at once: keys and values (L, n, G, D). A pure
+    function of its weights, so that torch.compile fuses the norms and rotary of all layers
+    into a few kernels (the captured step, `draft.proposer`)."""
+    ctx = rms_norm(F.linear(feats, fc_w), hn_w, eps)
+    cos, sin = rope_cos_sin(inv_freq, positions, ctx.dtype)
+    n, ks, vs = ctx.shape[0], [], []
+    for w, kn in zip(kv_ws, kn_ws):
+        k, v = F.linear(ctx, w).view(n, 2, kv_heads, head_dim).unbind(1)
+        if kn is not None:
+            k = rms_norm(k, kn, eps)
+        ks.append(rope(k, cos, sin))
+        vs.append(v)
+    return torch.stack(ks), torch.stack(vs)
+
+
+def head_top(h: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor, eps: float, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (n, V) of a block's un-normed rows, and the ids of each row's k best (n, k),
+    best first."""
+    logits = F.linear(rms_norm(h, norm_w, eps), head)
+    return logits, logits.topk(k, dim=-1).indices
 
 
 def block_step(pos: int, m: int, device: torch.device) -> StepInfo:

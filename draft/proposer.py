@@ -25,6 +25,8 @@ from draft.dflash import (
     DFlashConfig,
     DFlashDraft,
     block_step,
+    context_kv_all,
+    head_top,
     is_dflash,
     load_dflash,
     read_dflash_config,
@@ -83,11 +85,15 @@ class DFlashProposer:
         self.set_slots(1)
         self.static = graphs  # the fixed-shape step (captured on CUDA; run as is elsewhere)
         self.capture = graphs and device.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._done_t = torch.zeros(1, dtype=torch.long, device=device)
         self._pos_t = torch.zeros(1, dtype=torch.long, device=device)
-        self._token_t = torch.zeros(1, dtype=torch.long, device=device)
+        self._ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long,
+                               device=device)  # the block: [last token, mask, ...]
+        self._rows = torch.arange(cfg.block_size, device=device)
+        self.top_k = min(width(cfg.spec_tree), cfg.model.vocab_size) if cfg.spec_tree else 1
+        kv_ws = draft.kv_weights()
+        self._kv_ws, self._kn_ws = [w for w, _ in kv_ws], [n for _, n in kv_ws]
+        self._use_compiled(self.capture)
 
     def set_slots(self, slots: int) -> None:
         dtype, m = self.embed.dtype, self.cfg.model
@@ -97,7 +103,12 @@ class DFlashProposer:
         layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
         self.kv = KVCache(layout, self.context_len + self.cfg.block_size, slots, self.device)
         self.done = [0] * slots  # per slot: context rows [0, done) are in the KV cache
-        self.graphs = {}
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # a new memory pool: one whose graphs are all freed may not be captured into again
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     @property
     def max_len(self) -> int:
@@ -133,12 +144,15 @@ class DFlashProposer:
         self._check(slot, pos, n)
         if kept:
             self.commit(slot, pos, kept)
-        logits = self.logits(slot, token, pos, n)
+        logits, top = self._scores(slot, token, pos, n)
         shape = self.cfg.spec_tree
         if not tree or shape is None:
-            return logits.argmax(-1).tolist(), None
-        top = logits.topk(min(width(shape), logits.shape[-1]), dim=-1).indices.tolist()
-        return instantiate(shape, top, tree, n)
+            if top is None:
+                return logits.argmax(-1).tolist(), None
+            return top[:, 0].tolist(), None
+        if top is None:
+            top = logits.topk(min(width(shape), logits.shape[-1]), dim=-1).indices
+        return instantiate(shape, top.tolist(), tree, n)
 
     def _check(self, slot: int, pos: int, n: int) -> None:
         if not 0 <= slot < self.slots:
@@ -167,42 +181,56 @@ class DFlashProposer:
         """(n, V) logits of the draft tokens for positions pos+1 .. pos+n of `slot`'s
         sequence."""
         self._check(slot, pos, n)
+        return self._scores(slot, token, pos, n)[0]
+
+    def _scores(self, slot: int, token: int, pos: int, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits, and on the captured path each row's `top_k` best ids (else None)."""
         m = n + 1
         self.done[slot] = min(self.done[slot], pos)
         if self.static and n == self.block_size - 1:
-            return self._static_logits(slot, token, pos)
+            return self._static_scores(slot, token, pos)
         done = self.done[slot]
         if done < pos:
             self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
             self.done[slot] = pos
         ids = self._block_ids(torch.tensor([token], device=self.device), m)
         h = self.draft.block(self._embed(ids), block_step(pos, m, self.device), self.kv, slot)
-        return h[1:] @ self.head.T
+        return h[1:] @ self.head.T, None
 
     # ---- the captured path (GPU): new context rows and the block in one graph ----------------
-    def _graph_step(self, slot: int, kv_len: int) -> torch.Tensor:
-        b = self.block_size
-        ctx_pos = self._done_t + torch.arange(b, device=self.device)  # up to b new context rows
-        feats = self.features[0, slot].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
-        ctx = self.draft.context(feats)
-        for i in range(len(self.draft.layers)):
-            k, v = self.draft.context_kv(ctx, ctx_pos, i)
-            self.kv.k[i, slot].index_copy_(0, ctx_pos, k)
-            self.kv.v[i, slot].index_copy_(0, ctx_pos, v)
-        # rows written past the proposal's position are junk, overwritten by the block's own
-        ids = self._block_ids(self._token_t, b)
-        h = self.draft.block(self._embed(ids), static_block_step(self._pos_t, b, kv_len), self.kv,
-                             slot)
-        return h[1:] @ self.head.T
+    def _use_compiled(self, on: bool) -> None:
+        """The context's projection and the head as torch.compile'd functions (their norms and
+        rotary fused: a third of the captured step's kernels), or eager."""
+        self.compiled = on
+        compiled = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if on else \
+            (lambda f: f)
+        self._context_kv, self._head = compiled(context_kv_all), compiled(head_top)
+        self._forget_graphs()
 
-    def _static_logits(self, slot: int, token: int, pos: int) -> torch.Tensor:
+    def _graph_step(self, slot: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, d, m = self.block_size, self.draft, self.cfg.model
+        ctx_pos = self._done_t + self._rows[:b]  # up to b new context rows
+        feats = self.features[0, slot].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
+        k, v = self._context_kv(feats, ctx_pos, d.fc.weight, d.hidden_norm.weight, self._kv_ws,
+                                self._kn_ws, d.inv_freq, m.rms_norm_eps, m.num_kv_heads,
+                                m.head_dim)
+        self.kv.k[:, slot].index_copy_(1, ctx_pos, k)
+        self.kv.v[:, slot].index_copy_(1, ctx_pos, v)
+        # rows written past the proposal's position are junk, overwritten by the block's own
+        h = d.block(self._embed(self._ids[:b]), static_block_step(self._pos_t, b, kv_len),
+                    self.kv, slot, norm=False)
+        return self._head(h[1:], d.norm.weight, self.head, m.rms_norm_eps, self.top_k)
+
+    def _static_scores(self, slot: int, token: int, pos: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         done = self.done[slot]
         if pos - done > self.block_size:  # a long new context (a prompt): eagerly first
             self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
             done = pos
         self._done_t.fill_(done)
         self._pos_t.fill_(pos)
-        self._token_t.fill_(token)
+        self._ids[:1].fill_(token)
         kv_len = min(-(-(pos + self.block_size) // self.bucket) * self.bucket, self.kv.max_len)
         self.done[slot] = pos
         if not self.capture:
@@ -210,7 +238,15 @@ class DFlashProposer:
         key = (slot, kv_len, self.block_size)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = capture(lambda: self._graph_step(slot, kv_len), self.pool)
+            try:
+                entry = capture(lambda: self._graph_step(slot, kv_len), self.pool)
+            except Exception as e:
+                if not self.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise
+                log.warning("torch.compile of the draft's step failed (%s: %s); running it "
+                            "eager", type(e).__name__, e)
+                self._use_compiled(False)
+                entry = capture(lambda: self._graph_step(slot, kv_len), self.pool)
             self.graphs[key] = entry
         graph, out = entry
         graph.replay()

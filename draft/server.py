@@ -93,9 +93,9 @@ class DraftServer:
         self.feeders: list[Feeder] = []
         self.deferred: collections.deque = collections.deque()
         self.prepared = Prepared()  # proposals computed from verdicts, before they are asked
-        # per slot: the sid of its sequence's draft_begin; a frame of an older step (the last
-        # shard sends its rows after its result, so they may come after the next sequence's
-        # draft_begin) is of the sequence before and is not stored
+        # per slot: the sid of its sequence's draft_begin; a frame of an older step (rows come
+        # on the feeders' channels, the coordinator's messages on another, so they may come
+        # after the next sequence's draft_begin) is of the sequence before and is not stored
         self.begun: dict[int, int] = {}
         self.running = True
         self.spin_s = 0.0

@@ -14,6 +14,8 @@ can generate disjoint shares at once (`--part I/N`) and every one of them train 
 Every sequence then runs through the target once (batched), for the rows of the tapped layers
 (the draft's context) and the target's distribution at every position, which the draft learns
 (KL); a greedy verify keeps a draft token exactly when it is that distribution's argmax.
+`--init DIR` goes on training a written draft (its config fixes the shape), e.g. with a lower
+`--lr`: the learning rate warms up and decays on a cosine every run.
 
 Each training example is a block: an anchor position a, the block [token at a, mask × (B-1)] at
 positions a..a+B-1, the context rows of positions < a, and the target's distributions for
@@ -46,14 +48,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict, save_dflash
+from draft.dflash import (
+    DFlashDraft,
+    dflash_config_dict,
+    read_dflash_config,
+    read_dflash_config_dict,
+    save_dflash,
+)
 from draft.prompts import EVAL_CHAT, EVAL_CODE, training_prompts
 from draft.tree import choose_shape
 from runtime.model_store import resolve_model
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.errors import CheckpointError
 from shards.hf_convert import hf_causal_lm
 from shards.model import LayerRange, apply_rope, rope_cos_sin
+from shards.model_config import ModelConfig
 
 log = logging.getLogger("layersplit.train")
 
@@ -390,6 +400,20 @@ def init_draft(target: LayerRange, cfg_raw: dict, path: Path) -> DFlashDraft:
     return draft
 
 
+def start_config(args: argparse.Namespace, target: ModelConfig) -> tuple[list[int], int]:
+    """--init: the draft's shape is that of the draft to go on training (set in `args`);
+    returns its taps and mask token. A draft of another target is refused by name."""
+    path = Path(args.init)
+    try:
+        cfg = read_dflash_config(path)
+        cfg.check_target(target, path / "config.json")
+    except CheckpointError as e:
+        raise SystemExit(f"draft.train: --init: {e}") from e
+    args.layers, args.block = cfg.model.num_layers, cfg.block_size
+    args.intermediate = cfg.model.intermediate_size
+    return list(cfg.target_layer_ids), cfg.mask_token_id
+
+
 def optimize(loss: torch.Tensor, params: list, opt: torch.optim.Optimizer) -> torch.Tensor:
     """One step: backward, gradient norm clipped at 1, update."""
     loss.backward()
@@ -476,7 +500,12 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
     state by tokens per verify on rows["val"] is written to `out`. Returns the report's part."""
     dev = args.device
     train = rows["train"]
-    draft = init_draft(target, raw, out / "config.json").to(dev)
+    draft = init_draft(target, raw, out / "config.json")
+    if args.init:  # its shapes are those of `raw` (`start_config`)
+        from safetensors.torch import load_file
+
+        draft.load_state_dict(load_file(str(Path(args.init) / "model.safetensors")))
+    draft = draft.to(dev)
     fhead = target.lm_head.weight.detach().float()
     fembed = target.embed_tokens.weight.detach().float()
     params = [q for q in draft.parameters() if q.requires_grad]
@@ -674,6 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--anchors", type=int, default=24, help="blocks per sequence per step")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", default=None, help="go on training this DFlash draft (a folder; "
+                   "its config fixes --layers, --taps, --block and --intermediate)")
     p.add_argument("--eval-every", type=float, default=30.0, help="seconds between held-out "
                    "measurements")
     p.add_argument("--seed", type=int, default=0)
@@ -700,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     mask_id = next((i for i in range(min(64, tcfg.vocab_size)) if tok.token_text(i) and
                     tok.token_text(i) not in ("<|im_start|>", "<|im_end|>") and
                     tok.token_text(i).startswith("<")), 0)
+    if args.init:
+        taps, mask_id = start_config(args, tcfg)
     log.info("target %s: %d layers; taps %s; block %d; mask token %d (%r)", Path(str(
         model_path)).name, tcfg.num_layers, taps, args.block, mask_id, tok.token_text(mask_id))
 

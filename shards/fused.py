@@ -24,13 +24,13 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return w * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
@@ -38,18 +38,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def pre_attention(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int,
                   hd: int):
-    x = _rms(h, ln_w, eps)
+    x = rms_norm(h, ln_w, eps)
     q, k, v = F.linear(x, qkv_w, qkv_b).split([nh * hd, ng * hd, ng * hd], dim=-1)
     n = h.shape[0]
     q, k, v = q.reshape(n, nh, hd), k.reshape(n, ng, hd), v.reshape(n, ng, hd)
     if qn_w is not None:
-        q, k = _rms(q, qn_w, eps), _rms(k, kn_w, eps)
-    return _rope(q, cos, sin), _rope(k, cos, sin), v.contiguous()
+        q, k = rms_norm(q, qn_w, eps), rms_norm(k, kn_w, eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v.contiguous()
 
 
 def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
     h = h + F.linear(attn, o_w)
-    g, u = F.linear(_rms(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    g, u = F.linear(rms_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
     return h + F.linear(F.silu(g) * u, down_w)
 
 

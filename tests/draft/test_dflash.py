@@ -4,6 +4,7 @@ the eager proposal, and the fixed-shape step that is captured in a CUDA graph on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -97,3 +98,14 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
     # a shorter block (near the end of the context) goes the eager way in both
     assert torch.allclose(static.logits(0, int(tokens[33]), 33, 2),
                           eager.logits(0, int(tokens[33]), 33, 2), atol=1e-5)
+    # proposals: the static form takes each row's best ids from its own step (top-k in the
+    # graph), the eager one from the logits; chains and trees come out the same
+    shape = ((0,), (1,), (0, 0), (0, 1), (2,), (0, 0, 0))
+    for p in (eager, static):
+        p.cfg = dataclasses.replace(cfg, spec_tree=shape)
+    static.top_k = 3  # (set at construction from the config's tree)
+    for a in anchors:
+        for tree in (0, 4, 6):
+            want = eager.propose(0, int(tokens[a]), a, 3, tree=tree)
+            assert static.propose(0, int(tokens[a]), a, 3, tree=tree) == want, (a, tree)
+            assert want[1] is None if tree == 0 else len(want[0]) == tree

@@ -82,8 +82,9 @@ def test_a_verdict_prepares_the_next_proposal(server):
     server._work()
     assert not server.prepared.pending and not f2.rejected
     server._wait_features(5, 0)
-    # the next sequence begins before the last rows of the one before arrive (the last shard
-    # sends them after its result): they are not stored, their verdict is not prepared
+    # the next sequence begins before the last rows of the one before arrive (they travel on
+    # another channel than the coordinator's messages): they are not stored, their verdict is
+    # not prepared
     server._on_draft_begin(b"coord", message("draft_begin", sid=9, slot=0), [])
     second.send(_feat(8, 0, 9, [4], next=nxt), _rows(9) + 100)
     first.send(_feat(8, 0, 9, [1]), _rows(9) + 100)

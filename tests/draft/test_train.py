@@ -58,6 +58,21 @@ def test_training_writes_loadable_drafts(tmp_path):
                 "--seconds", "1", "--data", f"{data},{data}", "--report", str(again)])
     assert rc == 0 and json.loads(again.read_text())["sequences"] == 2 * r["sequences"]
 
+    # --init goes on from a written draft: with no time to train, the same weights come out
+    # (its config fixes the shape: --layers 3 is overridden)
+    rc = train(["--target", str(target), "--out", str(tmp_path / "cont"), *SMALL, "--seconds",
+                "0", "--data", str(data), "--init", str(out), "--layers", "3"])
+    assert rc == 0
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "cont" /
+                                                                    "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a draft of another target is refused by name
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "num_target_layers": 99}))
+    with pytest.raises(SystemExit, match="--init: .*trained for a target of 99 layers"):
+        train(["--target", str(target), "--out", str(tmp_path / "x"), *SMALL, "--data",
+               str(data), "--init", str(out)])
+
 
 def test_sequence_files_round_trip_and_bad_ones_are_refused(tmp_path, capsys):
     path = tmp_path / "s.safetensors"
