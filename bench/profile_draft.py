@@ -6,8 +6,8 @@ target's verify step, wall time and GPU time.
 Loads the draft as the draft process does (`load_proposer`: fused projections, the captured
 step) and the whole target as one shard would (fused, CUDA graphs). Times, each a median over
 `--steps`:
-- the proposal split in its parts: the kept rows' move (`commit`), the captured step's replay
-  (GPU time by CUDA events), the top-k and its copy to the host, the tree's instantiation;
+- the proposal, and its parts: the kept rows' move (`commit`), the captured step (wall, and GPU
+  time by CUDA events), the tree's instantiation;
 - the target's one-row decode step and its verify step of the draft's tree (and of a chain of
   the same rows, for the mask's cost), each with the sync a shard's result needs;
 then prints the torch profiler's kernel table of the proposal.
@@ -74,7 +74,6 @@ def profile_proposal(p: DFlashProposer, pos: int, steps: int) -> dict[str, float
     if cuda:
         res["step_gpu_ms"] = _ms(gpu)
     k = min(width(shape), out.shape[-1]) if shape else 1
-    res["topk_tolist_ms"] = _ms(_wall(lambda: out.topk(k, dim=-1).indices.tolist(), steps))
     top = out.topk(k, dim=-1).indices.tolist()
     if shape:
         res["instantiate_ms"] = _ms(_wall(lambda: instantiate(shape, top, nodes,

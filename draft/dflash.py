@@ -179,17 +179,20 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
         return apply_rope(k, cos, sin), v
 
-    def kv_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Per layer: the weight that maps a context row to its keys and values side by side,
-        and the layer's k_norm weight (None without one)."""
+    def kv_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Per layer: the weight (and bias, None without) that maps a context row to its keys
+        and values side by side, and the layer's k_norm weight (None without one)."""
         out = []
         for layer in self.layers:
             a = layer.self_attn
             if a.qkv_proj is not None:  # fused (GPU): the k and v rows of the fused weight
-                w = a.qkv_proj.weight[a.num_heads * a.head_dim:]
+                q_rows = a.num_heads * a.head_dim
+                w = a.qkv_proj.weight[q_rows:]
+                b = None if a.qkv_proj.bias is None else a.qkv_proj.bias[q_rows:]
             else:
                 w = torch.cat([a.k_proj.weight, a.v_proj.weight])
-            out.append((w, None if a.k_norm is None else a.k_norm.weight))
+                b = None if a.k_proj.bias is None else torch.cat([a.k_proj.bias, a.v_proj.bias])
+            out.append((w, b, None if a.k_norm is None else a.k_norm.weight))
         return out
 
     def write_context(self, feats: torch.Tensor, pos: int, kv: KVCache, slot: int = 0) -> None:
@@ -214,17 +217,18 @@ class DFlashDraft(nn.Module):
 
 
 def context_kv_all(feats: torch.Tensor, positions: torch.Tensor, fc_w: torch.Tensor,
-                   hn_w: torch.Tensor, kv_ws: list[torch.Tensor],
-                   kn_ws: list[torch.Tensor | None], inv_freq: torch.Tensor, eps: float,
-                   kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   hn_w: torch.Tensor,
+                   kv: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+                   inv_freq: torch.Tensor, eps: float, kv_heads: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`DFlashDraft.context_kv` of every layer at once: keys and values (L, n, G, D). A pure
     function of its weights, so that torch.compile fuses the norms and rotary of all layers
     into a few kernels (the captured step, `draft.proposer`)."""
     ctx = rms_norm(F.linear(feats, fc_w), hn_w, eps)
     cos, sin = rope_cos_sin(inv_freq, positions, ctx.dtype)
     n, ks, vs = ctx.shape[0], [], []
-    for w, kn in zip(kv_ws, kn_ws):
-        k, v = F.linear(ctx, w).view(n, 2, kv_heads, head_dim).unbind(1)
+    for w, b, kn in kv:  # (`DFlashDraft.kv_weights`)
+        k, v = F.linear(ctx, w, b).view(n, 2, kv_heads, head_dim).unbind(1)
         if kn is not None:
             k = rms_norm(k, kn, eps)
         ks.append(rope(k, cos, sin))

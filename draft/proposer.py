@@ -91,8 +91,7 @@ class DFlashProposer:
                                device=device)  # the block: [last token, mask, ...]
         self._rows = torch.arange(cfg.block_size, device=device)
         self.top_k = min(width(cfg.spec_tree), cfg.model.vocab_size) if cfg.spec_tree else 1
-        kv_ws = draft.kv_weights()
-        self._kv_ws, self._kn_ws = [w for w, _ in kv_ws], [n for _, n in kv_ws]
+        self._kv_weights = draft.kv_weights()
         self._use_compiled(self.capture)
 
     def set_slots(self, slots: int) -> None:
@@ -212,8 +211,8 @@ class DFlashProposer:
         b, d, m = self.block_size, self.draft, self.cfg.model
         ctx_pos = self._done_t + self._rows[:b]  # up to b new context rows
         feats = self.features[0, slot].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
-        k, v = self._context_kv(feats, ctx_pos, d.fc.weight, d.hidden_norm.weight, self._kv_ws,
-                                self._kn_ws, d.inv_freq, m.rms_norm_eps, m.num_kv_heads,
+        k, v = self._context_kv(feats, ctx_pos, d.fc.weight, d.hidden_norm.weight,
+                                self._kv_weights, d.inv_freq, m.rms_norm_eps, m.num_kv_heads,
                                 m.head_dim)
         self.kv.k[:, slot].index_copy_(1, ctx_pos, k)
         self.kv.v[:, slot].index_copy_(1, ctx_pos, v)

@@ -504,7 +504,11 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
     if args.init:  # its shapes are those of `raw` (`start_config`)
         from safetensors.torch import load_file
 
-        draft.load_state_dict(load_file(str(Path(args.init) / "model.safetensors")))
+        try:
+            draft.load_state_dict(load_file(str(Path(args.init) / "model.safetensors")))
+        except (OSError, RuntimeError) as e:  # (a draft of a shape this trainer does not make)
+            raise SystemExit(f"draft.train: --init {args.init}: cannot load its weights into "
+                             f"the draft its config describes: {e}") from e
     draft = draft.to(dev)
     fhead = target.lm_head.weight.detach().float()
     fembed = target.embed_tokens.weight.detach().float()

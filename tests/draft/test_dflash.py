@@ -109,3 +109,40 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
             want = eager.propose(0, int(tokens[a]), a, 3, tree=tree)
             assert static.propose(0, int(tokens[a]), a, 3, tree=tree) == want, (a, tree)
             assert want[1] is None if tree == 0 else len(want[0]) == tree
+
+
+@pytest.mark.parametrize("bias,fused", [(False, False), (True, False), (True, True)])
+def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fused):
+    """The captured step's `context_kv_all` (one function for every layer, compiled on GPUs)
+    computes what `context_kv` does layer by layer: with q/k/v biases too, and on fused
+    projections (GPUs) as on separate ones."""
+    from draft.dflash import (
+        DFlashDraft,
+        context_kv_all,
+        dflash_config_dict,
+        read_dflash_config_dict,
+    )
+    from shards.fused import fuse_projections
+
+    target = read_hf_config(tiny_llama)
+    raw = {**dflash_config_dict(target, layers=2, taps=[1, 4], block_size=4, mask_token_id=0),
+           "attention_bias": bias}
+    cfg = read_dflash_config_dict(raw, tiny_llama / "config.json")
+    torch.manual_seed(0)
+    model = DFlashDraft(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    if fused:
+        fuse_projections(model, compile=False)
+    feats, pos = torch.randn(5, cfg.width), torch.arange(7, 12)
+    m = cfg.model
+    with torch.no_grad():
+        k, v = context_kv_all(feats, pos, model.fc.weight, model.hidden_norm.weight,
+                              model.kv_weights(), model.inv_freq, m.rms_norm_eps,
+                              m.num_kv_heads, m.head_dim)
+        ctx = model.context(feats)
+        for i in range(m.num_layers):
+            want_k, want_v = model.context_kv(ctx, pos, i)
+            assert torch.allclose(k[i], want_k, atol=1e-5) and torch.allclose(v[i], want_v,
+                                                                               atol=1e-5)

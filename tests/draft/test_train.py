@@ -6,6 +6,7 @@ and trained on again; a file that is not such a sequence file is refused by name
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -66,6 +67,15 @@ def test_training_writes_loadable_drafts(tmp_path):
     a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "cont" /
                                                                     "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # weights that do not fit the draft its config describes are refused by name
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    del state["fc.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(SystemExit, match="(?s)--init .*bad: cannot load its weights.*fc.weight"):
+        train(["--target", str(target), "--out", str(tmp_path / "x"), *SMALL, "--data",
+               str(data), "--init", str(bad)])
     # a draft of another target is refused by name
     raw = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**raw, "num_target_layers": 99}))
