@@ -90,7 +90,6 @@ class DFlashProposer:
         self._ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long,
                                device=device)  # the block: [last token, mask, ...]
         self._rows = torch.arange(cfg.block_size, device=device)
-        self.top_k = min(width(cfg.spec_tree), cfg.model.vocab_size) if cfg.spec_tree else 1
         self._kv_weights = draft.kv_weights()
         self._use_compiled(self.capture)
 
@@ -108,6 +107,12 @@ class DFlashProposer:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         # a new memory pool: one whose graphs are all freed may not be captured into again
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    @property
+    def top_k(self) -> int:
+        """Candidates per draft position a proposal reads: its tree's width, 1 for chains."""
+        shape = self.cfg.spec_tree
+        return min(width(shape), self.cfg.model.vocab_size) if shape else 1
 
     @property
     def max_len(self) -> int:
@@ -150,7 +155,7 @@ class DFlashProposer:
                 return logits.argmax(-1).tolist(), None
             return top[:, 0].tolist(), None
         if top is None:
-            top = logits.topk(min(width(shape), logits.shape[-1]), dim=-1).indices
+            top = logits.topk(self.top_k, dim=-1).indices
         return instantiate(shape, top.tolist(), tree, n)
 
     def _check(self, slot: int, pos: int, n: int) -> None:

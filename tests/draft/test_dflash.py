@@ -103,7 +103,6 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
     shape = ((0,), (1,), (0, 0), (0, 1), (2,), (0, 0, 0))
     for p in (eager, static):
         p.cfg = dataclasses.replace(cfg, spec_tree=shape)
-    static.top_k = 3  # (set at construction from the config's tree)
     for a in anchors:
         for tree in (0, 4, 6):
             want = eager.propose(0, int(tokens[a]), a, 3, tree=tree)
