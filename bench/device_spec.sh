@@ -27,7 +27,8 @@
 #   stage S: plain vs speculative decoding, same split, same run, for each draft of DRAFTS
 #            (default: the bundled draft and the drafts of stage D), REPEAT times over (the
 #            median ratio is printed last), each with token trees of TREES draft tokens (e.g.
-#            TREES=0,15,31; default: the draft's own tree)            (carry .whl [part02])
+#            TREES=0,15,31; default: the draft's own tree; PUSH=on,off: with the draft handing
+#            its proposals to the first shard and without)            (carry .whl [part02])
 set -uo pipefail
 stage=${1:?stage A, P, D, L, T or S}
 devices=${2:-cuda:0,cuda:1}
@@ -109,7 +110,7 @@ elif [ "$stage" = S ]; then
   drafts=default
   for d in /tmp/drafts/*/; do [ -f "$d/config.json" ] && drafts=$drafts,${d%/}; done
   python3 bench/speculative.py --model default --devices "$devices" --drafts "${DRAFTS:-$drafts}" \
-    --new-tokens 256 --repeat "${REPEAT:-1}" ${TREES:+--trees $TREES} \
+    --new-tokens 256 --repeat "${REPEAT:-1}" ${TREES:+--trees $TREES} ${PUSH:+--push $PUSH} \
     ${DRAFT_DEVICES:+--draft-devices $DRAFT_DEVICES} ${DTYPE:+--dtype $DTYPE} --json "$OUT/spec.json" 2>&1 | tail -24 \
     | tee "$OUT/spec.txt"
   python3 -c "import json

@@ -10,7 +10,9 @@ per step, and how many outputs equal the plain ones token for token.
     python bench/speculative.py --model default --devices cuda:0,cuda:1 \\
         --drafts default,/path/to/classic-draft --new-tokens 256
 
-`--trees 0,15,31` runs each draft with token trees of that many draft tokens (0: a chain, one
+`--push on,off` runs each draft with the draft handing its prepared proposals to the first
+shard (`spec_push`, the default) and with the coordinator asking for each. `--trees 0,15,31`
+runs each draft with token trees of that many draft tokens (0: a chain, one
 row each). Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
 (plain, then each draft) N times over and adds each draft's median speed-up: a verify step's cost
 moves between runs on one machine, and the ratio with it.
@@ -38,16 +40,17 @@ log = logging.getLogger("bench.speculative")
 
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
-        draft_device: str | None = None) -> dict:
+        draft_device: str | None = None, push: bool = True) -> dict:
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
-                        prefix_cache=False)
+                        prefix_cache=False, spec_push=push)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
     row: dict = {"draft": "none" if draft == "none" else Path(draft).name
                  + ("" if tree is None else f" tree={tree}")
-                 + ("" if draft_device is None else f" on {draft_device}")}
+                 + ("" if draft_device is None else f" on {draft_device}")
+                 + ("" if push else " push off")}
     with Coordinator(cfg) as coord:
         row["kind"] = coord.draft_info.get("kind", "-") if coord.draft else "-"
         row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
@@ -105,6 +108,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto", help="the runtime's dtype (auto: bf16 on GPUs)")
     p.add_argument("--repeat", type=int, default=1, help="run plain and every draft this many "
                    "times, in turn")
+    p.add_argument("--push", default="on", help="comma-separated spec_push settings to run "
+                   "each draft with (on, off)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -113,8 +118,10 @@ def main() -> int:
         base = run(args, "none", None)
         trees = [None] if args.trees is None else [int(t) for t in args.trees.split(",")]
         places = [None] if args.draft_devices is None else args.draft_devices.split(",")
-        group = [base] + [run(args, d, base["outputs"], t, place)
-                          for d in args.drafts.split(",") for t in trees for place in places]
+        pushes = [x == "on" for x in args.push.split(",")]
+        group = [base] + [run(args, d, base["outputs"], t, place, push)
+                          for d in args.drafts.split(",") for t in trees for place in places
+                          for push in pushes]
         for r in group:
             r["run"] = rep
             r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]

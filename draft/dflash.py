@@ -29,7 +29,7 @@ from torch import nn
 
 from draft.tree import Shape, read_shape
 from shards.errors import CheckpointError
-from shards.fused import rms_norm, rope
+from shards.fused import post_attention, pre_attention, rms_norm, rope
 from shards.kv_cache import KVCache
 from shards.model import DecoderLayer, RMSNorm, StepInfo, apply_rope, rope_cos_sin, rope_inv_freq
 from shards.model_config import ModelConfig, config_from_hf
@@ -244,17 +244,87 @@ def head_top(h: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor, eps: flo
     return logits, logits.topk(k, dim=-1).indices
 
 
+LayerWeights = tuple  # (ln1, qkv, qkv bias, q_norm, k_norm, o, ln2, gate_up, down): `layer_weights`
+
+
+def layer_weights(layer: DecoderLayer) -> LayerWeights:
+    """A draft layer's weights as `draft_step` takes them: q/k/v and gate/up side by side (the
+    fused layer's own tensors on GPUs, concatenated copies of an unfused one's)."""
+    a, m = layer.self_attn, layer.mlp
+    if a.qkv_proj is not None:
+        qkv, qkv_b = a.qkv_proj.weight, a.qkv_proj.bias
+    else:
+        ps = (a.q_proj, a.k_proj, a.v_proj)
+        qkv = torch.cat([x.weight for x in ps])
+        qkv_b = None if a.q_proj.bias is None else torch.cat([x.bias for x in ps])
+    gu = m.gate_up_proj.weight if m.gate_up_proj is not None else torch.cat(
+        [m.gate_proj.weight, m.up_proj.weight])
+    return (layer.input_layernorm.weight, qkv, qkv_b,
+            None if a.q_norm is None else a.q_norm.weight,
+            None if a.k_norm is None else a.k_norm.weight,
+            a.o_proj.weight, layer.post_attention_layernorm.weight, gu, m.down_proj.weight)
+
+
+def _attend(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+            scale: float) -> torch.Tensor:
+    """Attention of q (m, H, D) over key sets (keys (T, G, D), values (T, G, D), seen (T,)
+    bool) taken as one, without joining them: GQA as `Attention._grouped`. (m, H * D)."""
+    m, nh, d = q.shape
+    g = parts[0][0].shape[1]
+    r = nh // g
+    qg = q.view(m, g, r, d).permute(1, 2, 0, 3).reshape(g, r * m, d)  # (G, r*m, D)
+    scores = [torch.matmul(qg, k.permute(1, 2, 0)).masked_fill(~seen, float("-inf"))
+              for k, _, seen in parts]
+    probs = torch.softmax(torch.cat(scores, -1).float() * scale, dim=-1).to(q.dtype)
+    out, a = None, 0
+    for (k, v, _), s in zip(parts, scores):
+        o = torch.matmul(probs[..., a:a + s.shape[-1]], v.transpose(0, 1))  # (G, r*m, D)
+        out, a = o if out is None else out + o, a + s.shape[-1]
+    return out.view(g, r, m, d).permute(2, 0, 1, 3).reshape(m, -1)
+
+
+def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor,
+               cache_k: torch.Tensor, cache_v: torch.Tensor, embed: torch.Tensor,
+               fc_w: torch.Tensor, hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
+               inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor, eps: float,
+               heads: int, kv_heads: int, head_dim: int, emb_scale: float, k: int
+               ) -> tuple[torch.Tensor, ...]:
+    """A whole proposal's step as a pure function of fixed shapes (captured, and compiled on
+    GPUs, by `draft.proposer`): the context rows [done, done + m) projected from `feats` (the
+    slot's feature store, (S, F)), then the block `ids` (m,) at [pos, pos + m) through every
+    layer, then the head and each row's k best.
+
+    Each block row attends the cached keys below `done` (`cache_k/v`: (L, T, G, D), T a bucket
+    of the cache), the new context rows below `pos` and every block row; nothing is written
+    here. Returns the new context rows' keys and values (L, m, G, D), for the caller to store
+    at [done, done + m), the logits (m - 1, V) and the top-k ids (m - 1, k). The same math as
+    `DFlashDraft.write_context` + `block` + the head, in another order of sums."""
+    m, dev = ids.shape[0], ids.device
+    rows = torch.arange(m, device=dev)
+    ctx_pos = done + rows
+    ck, cv = context_kv_all(feats.index_select(0, ctx_pos.clamp_max(feats.shape[0] - 1)),
+                            ctx_pos, fc_w, hn_w, kv, inv_freq, eps, kv_heads, head_dim)
+    seen_cache = torch.arange(cache_k.shape[1], device=dev) < done
+    seen_ctx = ctx_pos < pos
+    seen_block = torch.ones(m, dtype=torch.bool, device=dev)
+    h = F.embedding(ids, embed)
+    if emb_scale != 1.0:
+        h = h * emb_scale
+    cos, sin = rope_cos_sin(inv_freq, pos + rows, h.dtype)
+    scale = head_dim ** -0.5
+    for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
+        q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
+                                  head_dim)
+        attn = _attend(q, [(cache_k[i], cache_v[i], seen_cache), (ck[i], cv[i], seen_ctx),
+                           (kb, vb, seen_block)], scale)
+        h = post_attention(h, attn, o, ln2, gu, down, eps)
+    logits, top = head_top(h[1:], norm_w, head, eps, k)
+    return ck, cv, logits, top
+
+
 def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
     """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m."""
     return StepInfo(torch.arange(pos, pos + m, device=device), pos + m, None, pos)
-
-
-def static_block_step(pos: torch.Tensor, m: int, kv_len: int) -> StepInfo:
-    """The same, for a captured graph: the position is a device tensor, keys are a fixed bucket
-    of `kv_len` rows of which those < pos + m are seen."""
-    positions = pos + torch.arange(m, device=pos.device)
-    seen = torch.arange(kv_len, device=pos.device)[None, :] < (pos + m)
-    return StepInfo(positions, kv_len, seen.expand(m, kv_len), None, grouped=True)
 
 
 def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,

@@ -48,7 +48,7 @@ def key_of(pos: int, token: int, n: int, tree: int, kept: Sequence[int] | None) 
 class Prepared:
     """Per draft context (slot): a proposal waiting for its step's rows, or one computed."""
 
-    pending: dict[int, tuple[int, Key]] = dataclasses.field(default_factory=dict)
+    pending: dict[int, tuple[int, Key, bool]] = dataclasses.field(default_factory=dict)
     ready: dict[int, tuple[Key, Proposal, float]] = dataclasses.field(default_factory=dict)
     # when (time.monotonic, one clock for every process of the host) the last verdict came and
     # its proposal was ready, per slot: how far ahead of the request it was (metrics)
@@ -58,9 +58,10 @@ class Prepared:
     moved: dict[int, tuple[int, tuple[int, ...] | None]] = dataclasses.field(
         default_factory=dict)
 
-    def note(self, slot: int, sid: int, key: Key) -> None:
-        """Step `sid`'s verdict names the next proposal of `slot`'s sequence."""
-        self.pending[slot] = (sid, key)
+    def note(self, slot: int, sid: int, key: Key, push: bool = False) -> None:
+        """Step `sid`'s verdict names the next proposal of `slot`'s sequence (`push`: it goes
+        to the first shard, which holds that step for it)."""
+        self.pending[slot] = (sid, key, push)
         self.ready.pop(slot, None)
         self.times[slot] = (time.monotonic(), 0.0)
 
@@ -75,11 +76,12 @@ class Prepared:
             self.ready.pop(slot, None)
             self.moved.pop(slot, None)
 
-    def due(self, fed_sids: Sequence[int]) -> list[tuple[int, Key]]:
-        """The pending proposals whose rows every feeder delivered (removed from pending)."""
-        out = [(slot, key) for slot, (sid, key) in self.pending.items()
+    def due(self, fed_sids: Sequence[int]) -> list[tuple[int, int, Key, bool]]:
+        """The pending proposals whose rows every feeder delivered (removed from pending):
+        (slot, the sid of the verdict's step, key, push)."""
+        out = [(slot, sid, key, push) for slot, (sid, key, push) in self.pending.items()
                if all(f >= sid for f in fed_sids)]
-        for slot, _ in out:
+        for slot, *_ in out:
             del self.pending[slot]
         return out
 

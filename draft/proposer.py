@@ -25,12 +25,11 @@ from draft.dflash import (
     DFlashConfig,
     DFlashDraft,
     block_step,
-    context_kv_all,
-    head_top,
+    draft_step,
     is_dflash,
+    layer_weights,
     load_dflash,
     read_dflash_config,
-    static_block_step,
 )
 from draft.tree import instantiate, width
 from runtime.chunking import prefill_chunks
@@ -91,6 +90,7 @@ class DFlashProposer:
                                device=device)  # the block: [last token, mask, ...]
         self._rows = torch.arange(cfg.block_size, device=device)
         self._kv_weights = draft.kv_weights()
+        self._layers = [layer_weights(x) for x in draft.layers]
         self._use_compiled(self.capture)
 
     def set_slots(self, slots: int) -> None:
@@ -204,27 +204,28 @@ class DFlashProposer:
 
     # ---- the captured path (GPU): new context rows and the block in one graph ----------------
     def _use_compiled(self, on: bool) -> None:
-        """The context's projection and the head as torch.compile'd functions (their norms and
-        rotary fused: a third of the captured step's kernels), or eager."""
+        """The whole step (`draft.dflash.draft_step`) as one torch.compile'd function, dynamic
+        in the cache's bucket of keys (one compilation serves every bucket), or eager."""
         self.compiled = on
-        compiled = (lambda f: torch.compile(f, fullgraph=True, dynamic=False)) if on else \
-            (lambda f: f)
-        self._context_kv, self._head = compiled(context_kv_all), compiled(head_top)
+        self._step = torch.compile(draft_step, fullgraph=True) if on else draft_step
         self._forget_graphs()
 
     def _graph_step(self, slot: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, d, m = self.block_size, self.draft, self.cfg.model
-        ctx_pos = self._done_t + self._rows[:b]  # up to b new context rows
-        feats = self.features[0, slot].index_select(0, ctx_pos.clamp_max(self.max_len - 1))
-        k, v = self._context_kv(feats, ctx_pos, d.fc.weight, d.hidden_norm.weight,
-                                self._kv_weights, d.inv_freq, m.rms_norm_eps, m.num_kv_heads,
-                                m.head_dim)
+        keys, values = self.kv.k[:, slot, :kv_len], self.kv.v[:, slot, :kv_len]
+        if self.compiled:
+            torch._dynamo.mark_dynamic(keys, 1)
+            torch._dynamo.mark_dynamic(values, 1)
+        k, v, logits, top = self._step(
+            self.features[0, slot], self._done_t, self._pos_t, self._ids[:b], keys, values,
+            self.embed, d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers,
+            d.inv_freq, d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
+            m.head_dim, self.cfg.embedding_scale, self.top_k)
+        # rows past the proposal's position are junk: seen by no block, rewritten by the next
+        ctx_pos = self._done_t + self._rows[:b]
         self.kv.k[:, slot].index_copy_(1, ctx_pos, k)
         self.kv.v[:, slot].index_copy_(1, ctx_pos, v)
-        # rows written past the proposal's position are junk, overwritten by the block's own
-        h = d.block(self._embed(self._ids[:b]), static_block_step(self._pos_t, b, kv_len),
-                    self.kv, slot, norm=False)
-        return self._head(h[1:], d.norm.weight, self.head, m.rms_norm_eps, self.top_k)
+        return logits, top
 
     def _static_scores(self, slot: int, token: int, pos: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,7 @@ class DraftServer:
         self.running = True
         self.spin_s = 0.0
         self.cache_dir: str | None = None
+        self.push = False  # prepared proposals go to the first shard (the first feeder)
         t0 = time.perf_counter()
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
@@ -212,6 +213,7 @@ class DraftServer:
         self._close_feeders()
         self.spin_s = max(0.0, float(msg["spin_ms"])) / 1000.0
         self.cache_dir = msg["cache_dir"]
+        self.push = msg["push"]
         p = self.proposer
         self.prepared.forget()
         if p.slots != msg["slots"]:  # one context per sequence of the target's batch
@@ -227,6 +229,9 @@ class DraftServer:
                                         f"among the draft's taps {taps}")
                 self.feeders.append(Feeder(tuple(layers), taps.index(layers[0]) * hidden,
                                            len(layers) * hidden))
+            if self.push and not self.feeders:
+                raise ProtocolError("draft_configure: push needs the first shard among the "
+                                    "feeders")
             fed = sorted(x for f in self.feeders for x in f.layers)
             if fed != taps:
                 raise ProtocolError(f"draft_configure: feeders cover layers {fed}, the draft "
@@ -338,7 +343,8 @@ class DraftServer:
         p.write_features(slot, f.column, pos, rows.to(self.device, p.features.dtype))
         if msg["next"] is not None:
             try:
-                self.prepared.note(slot, msg["sid"], check_next(msg["next"]))
+                self.prepared.note(slot, msg["sid"], check_next(msg["next"]),
+                                   self.push and msg["next"].get("push") is True)
             except ValueError as e:  # a hint only: the proposal is computed when asked for
                 log.warning("draft: the feeder of layers %s sent a next proposal it cannot "
                             "prepare: %s", list(f.layers), e)
@@ -346,9 +352,13 @@ class DraftServer:
     def _prepare(self) -> bool:
         """Compute the proposals verdicts named, once their steps' rows are all here."""
         due = self.prepared.due([f.fed_sid for f in self.feeders])
-        for slot, key in due:
-            if any(slot in f.rejected for f in self.feeders):
-                continue  # an incomplete context: the request will say so
+        for slot, sid, key, push in due:
+            bad = next((f for f in self.feeders if slot in f.rejected), None)
+            if bad is not None:  # an incomplete context: a request would say so
+                if push:
+                    self._push(slot, sid, key, None, f"the context is incomplete: a feature "
+                               f"frame was refused ({bad.rejected[slot]})", 0.0)
+                continue
             pos, token, n, tree, kept = key
             t0 = time.perf_counter()
             try:
@@ -359,9 +369,28 @@ class DraftServer:
             except Exception as e:  # noqa: BLE001 - a hint only: the request computes it
                 log.warning("draft: cannot prepare the proposal at %d of context %d: %s: %s",
                             pos, slot, type(e).__name__, e)
+                if push:
+                    self._push(slot, sid, key, None, f"{type(e).__name__}: {e}", 0.0)
                 continue
-            self.prepared.done(slot, key, out, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if push:
+                self._push(slot, sid, key, out, None, seconds)
+            else:
+                self.prepared.done(slot, key, out, seconds)
         return bool(due)
+
+    def _push(self, slot: int, sid: int, key: tuple, out: tuple[list, list | None] | None,
+              why: str | None, seconds: float) -> None:
+        """Hand a prepared proposal (or why there is none) to the first shard, which holds
+        the sequence's next step for it (`shards.asked`)."""
+        route = self.feeders[0].route
+        if route is None:
+            return  # not linked: the step runs without it, after its wait
+        tokens, parents = (None, None) if out is None else ([int(t) for t in out[0]], out[1])
+        self._reply(route, message("drafted", feat=slot, after=sid,
+                                   key=[*key[:4], None if key[4] is None else list(key[4])],
+                                   tokens=tokens, parents=parents, error=why,
+                                   compute_s=seconds))
 
     def _refuse_feature(self, f: Feeder, why: str, slot: int | None = None) -> None:
         """A feature frame was refused: the context of its slot's sequence (of every slot,

@@ -12,10 +12,12 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 6  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
-# `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`)
+# `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
+# 6: proposals handed by the draft to the first shard (segment `ask`, outcome `asked`,
+# `drafted`, `draft_gone`, draft_configure `push`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -58,7 +60,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # (the draft keeps `slots` contexts, one per sequence that feeds it: `slot` names one)
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
                         "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num,
-                        "slots": (int,)},
+                        "slots": (int,), "push": (bool,)},
     # a new sequence in `slot`: forget the context of the slot's last one
     "draft_begin": {"sid": (int,), "slot": (int,)},
     # `tree`: at most this many draft tokens as a tree (where the draft has a tree shape; n
@@ -69,6 +71,15 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "draft_features": {"sid": (int,), "slot": (int,), "start": (int,), "end": (int,),
                        "sync": (int,)},
     "features": {"sid": (int,), "act": (dict,)},
+    # draft process -> first shard (when `push` was configured: the first feeder is the first
+    # shard): the proposal prepared from the verdict of step `after` for context `feat`, under
+    # its key [pos, token, n, tree, kept]; `tokens` None with `error` when it could not be
+    # prepared. The first shard holds a step whose segment `ask`s for it until it comes.
+    "drafted": {"feat": (int,), "after": (int,), "key": (list,), "tokens": (list, NoneType),
+                "parents": (list, NoneType), "error": (str, NoneType), "compute_s": Num},
+    # coordinator -> first shard: the draft process is gone; steps waiting for its proposals
+    # run without them
+    "draft_gone": {},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "layers": (list,), "width": (int,), "max_rows": (int,)},
@@ -91,16 +102,23 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 # rows the sequence's last verify step kept of its tree, which every shard moves to their
 # positions before this segment runs (`shards.spec_tree.kept_moves`; None: nothing to move);
 # `then`: {n, tree}, the proposal the sequence will ask for after this verify step, which the
-# last shard passes to the draft with the verdict (`feat`'s `next`) so it is ready sooner
+# last shard passes to the draft with the verdict (`feat`'s `next`) so it is ready sooner;
+# `ask`: {n, tree, after}, a decode segment (one row, its last token) whose draft tokens the
+# draft process hands the first shard (`drafted`, prepared from step `after`'s verdict); the
+# first shard makes it a verify segment with them, or leaves it a decode segment and says why
+# (`asked`: {draft, tree, missed, waited, compute}), and passes it on with `ask` None
 SEGMENT: dict[str, tuple[type, ...]] = {
     "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
     "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
-    "kept": (list, NoneType), "then": (dict, NoneType)}
+    "kept": (list, NoneType), "then": (dict, NoneType), "ask": (dict, NoneType),
+    "asked": (dict, NoneType)}
 # one segment's outcome. `token`: sampled for the position after the last accepted row (None
 # when the segment was not sampled); `accepted`: draft tokens a verify segment kept; `path`:
-# their rows, for a tree verify segment (else None)
+# their rows, for a tree verify segment (else None); `asked`: the segment's `asked` (what the
+# first shard made of its `ask`), else None
 OUTCOME: dict[str, tuple[type, ...]] = {"token": (int, NoneType), "accepted": (int,),
-                                        "logits": (bool,), "path": (list, NoneType)}
+                                        "logits": (bool,), "path": (list, NoneType),
+                                        "asked": (dict, NoneType)}
 MAX_SEGMENTS = 512  # sequences in one step (a ring slot's header holds this many)
 NESTED = {"step": ("seqs", SEGMENT), "result": ("outs", OUTCOME)}
 
@@ -179,10 +197,11 @@ def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], wher
 def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: bool = False,
             draft: list[int] | None = None, feat: int | None = None,
             tree: list[int] | None = None, kept: list[int] | None = None,
-            then: dict | None = None) -> dict[str, Any]:
+            then: dict | None = None, ask: dict | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
-            "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then}
+            "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then, "ask": ask,
+            "asked": None}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

@@ -193,7 +193,7 @@ class Batcher:
 
     def _send(self, ready: list[Request], group: int | None) -> None:
         by_rid = {r.rid: r for r in ready}
-        chosen = self.sched.plan([Ready(r.rid, len(r.pending.tokens),
+        chosen = self.sched.plan([Ready(r.rid, r.pending.rows,
                                         r.pending.sample is not None and r.pending.wait)
                                   for r in ready])
         reqs = [by_rid[rid] for rid in chosen]
@@ -215,7 +215,7 @@ class Batcher:
         for r in reqs:
             step, r.pending = r.pending, None
             r.in_flight += 1
-            self.sched.grow(r.rid, step.pos + len(step.tokens))
+            self.sched.grow(r.rid, step.pos + step.rows)
             if step.wait:
                 r.waits = sid
             else:

@@ -73,6 +73,10 @@ class RuntimeConfig:
                                    "decode plainly in the same steps)")
     spec_required: bool = _field(False, "fail requests when the draft fails (default: go on "
                                         "without speculation, logged)")
+    spec_push: bool = _field(True, "the draft hands the proposals it prepares from a verdict "
+                                   "to the first shard itself, which holds the next step for "
+                                   "them (where the first shard feeds the draft); off: the "
+                                   "coordinator asks for each and sends it on")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")

@@ -107,6 +107,7 @@ class Coordinator:
         self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
         self.draft_info: dict[str, Any] = {}
+        self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | None = None
         self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
@@ -296,9 +297,12 @@ class Coordinator:
         taps = draft_taps(self.draft_path)
         # each shard sends the rows of the tapped layers it owns
         feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
+        # the draft hands its prepared proposals to the first shard where that one feeds it
+        self.push_drafts = bool(self.config.spec_push and feeders and feeders[0])
         reply = self._call(d, message(
             "draft_configure", session=self.session, max_context=self.config.max_context,
             max_rows=max_step, feeders=[f for f in feeders if f], spin_ms=self.spin_ms,
+            push=self.push_drafts,
             slots=max(1, self.config.spec_max_seqs),
             cache_dir=str(Path(self.config.kv_cache_dir).expanduser().resolve())
             if self.config.kv_cache_dir else None), deadline)
@@ -318,6 +322,11 @@ class Coordinator:
             return
         self.draft, self.draft_down = None, why
         log.warning("speculative decoding stops: %s", why)
+        if self.push_drafts and self.shards and not self.shards[0].sock.closed:
+            try:  # a step the first shard holds for a proposal runs without it
+                send(self.shards[0].sock, message("draft_gone"))
+            except zmq.ZMQError:
+                pass
         if self.cache is not None:  # saves waiting for its feature rows go on without them
             self.cache.draft_lost()
         for sock in (d.sock, d.monitor):
@@ -693,15 +702,18 @@ class Coordinator:
         wire, ids = [], []
         for slot, r, feed in segs:
             feed = feed if self.feeding else None
+            sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
+            ask = None
+            if r.ask is not None and feed is not None:  # the proposal of the last verdict
+                ask = {**r.ask, "after": self._feat_sids.get(feed, 0)}
             if feed is not None:
                 self._feat_sids[feed] = sid
-            sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
-                                r.tree, r.kept, r.then if feed is not None else None))
+                                r.tree, r.kept, r.then if feed is not None else None, ask))
             ids.extend(r.tokens)
         first = segs[0][1]
-        kind = ("verify" if first.draft is not None else
+        kind = ("verify" if first.draft is not None or first.ask is not None else
                 "prefill" if len(first.tokens) > 1 else "decode")
         self._steps.send(message("step", sid=sid, seqs=wire, act=None),
                          torch.tensor(ids, dtype=torch.int64))
@@ -769,7 +781,7 @@ class Coordinator:
                     isinstance(j, int) for j in path)):
                 raise self._fail(f"the last shard returned the tree path {path[:40]} for "
                                  f"{o['accepted']} kept tokens")
-            outs.append(StepOutput(o["token"], lg, o["accepted"], path))
+            outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"]))
         if logits is not None and row != len(logits):
             raise self._fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs

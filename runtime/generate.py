@@ -27,6 +27,8 @@ class StepOutput:
     logits: np.ndarray | None = None  # float32 (vocab,) of the last row, when asked
     accepted: int = 0  # draft tokens a verify step kept
     path: list[int] | None = None  # their rows, for a tree verify step (`shards.spec_tree`)
+    asked: dict | None = None  # a step that asked for the draft's proposal: what came of it
+    # (the last shard's outcome `asked`: draft, tree, missed, waited, compute)
 
 
 class Engine(Protocol):
@@ -109,6 +111,14 @@ class Drafter(Protocol):
         tokens are seq[:pos + 1]), and their tree (parents; None: a chain); ([], None) when
         there are none (the step is then a plain decode step)."""
 
+    def ask(self, pos: int, n: int, rows: int) -> dict | None:
+        """Where the draft hands the proposal for `pos` to the first shard itself (prepared
+        from the last verdict): the step's `ask` ({n, tree}); None: ask with `propose`."""
+
+    def delivered(self, asked: dict | None) -> tuple[list[int], list[int] | None]:
+        """The draft tokens and tree an asking step got (`StepOutput.asked`); ([], None) when
+        none came (the step was then a plain decode step)."""
+
     def then(self) -> dict | None:
         """The proposal it will ask for after a verify step, when room allows a full one: told
         to the draft with the verdict so it is ready sooner (None: nothing to prepare)."""
@@ -134,6 +144,12 @@ class StepRequest:
     tree: list[int] | None = None
     kept: list[int] | None = None
     then: dict | None = None
+    ask: dict | None = None  # {n, tree}: its draft tokens come from the draft (`shards.asked`)
+
+    @property
+    def rows(self) -> int:
+        """The rows it may have: an asking step grows by its draft tokens on the way."""
+        return len(self.tokens) + (max(self.ask["n"], self.ask["tree"]) if self.ask else 0)
 
 
 @dataclasses.dataclass(slots=True)
@@ -200,18 +216,32 @@ def sequence_program(
     while context is None or pos < context:  # prompt + generated never exceed the context
         yield token  # at position pos
         seq.append(token)
-        drafts, tree = [], None
+        drafts, tree, ask = [], None, None
         if drafter is not None:
             room = drafter.block if context is None else min(drafter.block, context - pos)
             rows = drafter.rows if context is None else min(drafter.rows, context - pos)
             if room > 1:
-                drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
-        if drafts:
+                ask = drafter.ask(pos, room - 1, rows - 1)
+                if ask is None:
+                    drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
+        if ask is not None:  # the draft hands the first shard this step's draft tokens
+            full = context is None or (context - pos - max(ask["n"], ask["tree"]) - 1
+                                       >= max(drafter.rows, drafter.block))
+            out = yield StepRequest([token], pos, params, seed, kept=kept, ask=ask,
+                                    then=drafter.then() if full else None)
+            drafts, tree = drafter.delivered(out.asked)
+            if not drafts:  # it ran as a plain decode step
+                kept = None
+                assert out.token is not None
+                token, pos = out.token, pos + 1
+                continue
+        elif drafts:
             # a full proposal fits after this step, whatever it keeps: the draft may prepare it
             full = context is None or (context - pos - len(drafts) - 1
                                        >= max(drafter.rows, drafter.block))
             out = yield StepRequest([token, *drafts], pos, params, seed, draft=drafts,
                                     tree=tree, kept=kept, then=drafter.then() if full else None)
+        if drafts:
             path = out.path if tree is not None else list(range(1, out.accepted + 1))
             if path is None or len(path) != out.accepted or any(
                     not 1 <= j <= len(drafts) for j in path) or path != sorted(set(path)):

@@ -129,6 +129,11 @@ class DraftClient:
         self.vocab = coord.model_config.vocab_size
         self.start = 0  # classic: the draft's own KV holds the committed rows [0, start)
         self.active = True
+        # the draft hands the first shard the proposal it prepares from a verdict: the
+        # position of the one it prepares now (after a step that told it `then`), else None
+        self.push = coord.push_drafts and self.kind == "dflash"
+        self._told = False  # the step in flight told the draft `then`
+        self._pushed_at: int | None = None
         self._t_proposed = 0.0
         self._t_verified = 0.0
 
@@ -202,7 +207,41 @@ class DraftClient:
         self._t_proposed = now
         return tokens, parents
 
+    def ask(self, pos: int, n: int, rows: int) -> dict | None:
+        if not self.active or not self.push or self._pushed_at != pos:
+            return None
+        tree = self.tree if self.tree and rows >= self.tree else 0
+        if n != self.block - 1 or tree != self.tree:  # not the proposal the draft prepares
+            return None
+        self._t_proposed = time.perf_counter()
+        self.kept = None  # the draft moved the kept rows when it prepared the proposal
+        return {"n": n, "tree": tree}
+
+    def delivered(self, asked: dict | None) -> tuple[list[int], list[int] | None]:
+        """(Checked: the first shard verified these very tokens, so a malformed report is the
+        shards' fault, and fails the runtime.)"""
+        ok = isinstance(asked, dict) and isinstance(asked.get("waited"), float) and (
+            isinstance(asked.get("missed"), str) or isinstance(asked.get("draft"), list))
+        if not ok:
+            raise self.coord._fail(f"the last shard reported {str(asked)[:200]} for a step "
+                                   "that asked for draft tokens")
+        self.stats.draft_s += asked["waited"]
+        self._t_proposed += asked["waited"]  # (the wait is the draft's, not the verify's)
+        if asked["missed"] is not None:
+            self._stop(DraftError(f"the first shard got no proposal: {asked['missed']}"))
+            return [], None
+        tokens, parents = asked["draft"], asked["tree"]
+        if not tokens or not all(isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
+            raise self.coord._fail(f"the last shard reported draft tokens {str(tokens)[:80]}")
+        self.stats.prepared += 1
+        compute = asked.get("compute")
+        if isinstance(compute, float):
+            self.stats.draft_compute_s += compute
+        return tokens, parents
+
     def verified(self, pos: int, proposed: int, accepted: int, path: list[int] | None) -> None:
+        self._pushed_at = pos + accepted + 1 if self._told else None
+        self._told = False
         self._t_verified = time.monotonic()
         self.stats.verify_s += time.perf_counter() - self._t_proposed
         self.stats.add(proposed, accepted)
@@ -216,4 +255,5 @@ class DraftClient:
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":
             return None
-        return {"n": self.block - 1, "tree": self.tree}
+        self._told = self.push
+        return {"n": self.block - 1, "tree": self.tree, "push": self.push}

@@ -12,6 +12,7 @@ decode path), then sleeps on the ROUTER socket until a doorbell or a control mes
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -31,6 +32,7 @@ from ipc.serve_loop import serve
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import bind_router, context, recv, request, send
 from ipc.transport import ZmqSender, tensor_from, zmq_tensor
+from shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from shards.busy_clock import BusyClock
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.device import use_device
@@ -61,7 +63,8 @@ class ShardSpec:
     seed: int = 0
 
 
-ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake", *SNAP_OPS},
+ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake",
+                           "draft_gone", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -93,6 +96,13 @@ class ShardServer:
         self.fused = False
         self.snapshots: SnapshotStore | None = None
         self.cache_dir: str | None = None
+        # the first shard: a step held for the draft's proposals (`shards.asked`), the steps
+        # that came after it (run in order once it runs), the last proposal per draft context
+        self.held: tuple[dict[str, Any], torch.Tensor, float] | None = None
+        self.queued: collections.deque = collections.deque()
+        self.drafted: dict[int, dict[str, Any]] = {}
+        self.draft_gone: str | None = None  # why no proposal will come any more
+        self.bad_drafted: str | None = None  # a malformed proposal came for the held step
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -107,6 +117,8 @@ class ShardServer:
 
     def _work(self) -> bool:
         worked = self._report_saves()
+        if self.held is not None and self._run_held():
+            worked = True
         if self.inbox is not None and self.inbox.ready():
             self._handle_inbox()
             worked = True
@@ -205,11 +217,29 @@ class ShardServer:
             self._reply(self.coordinator, msg)
 
     def _handle_draft_reply(self, sock: zmq.Socket) -> None:
-        """The draft reports refused feature frames to the coordinator itself: log only."""
+        """Proposals the draft hands the first shard (`drafted`); anything else it says (it
+        reports refused feature frames to the coordinator itself) is logged. A malformed
+        proposal is dropped whole: the step waiting for it runs without (`shards.asked`)."""
         _, msg, _, err = recv(sock)
-        if err is not None or msg["type"] != "wake":
+        if err is None and msg["type"] == "drafted":
+            try:
+                check_drafted(msg, self.cfg.vocab_size)
+            except ProtocolError as e:
+                err = e
+            else:
+                last = self.drafted.get(msg["feat"])
+                if last is None or last["after"] <= msg["after"]:
+                    self.drafted[msg["feat"]] = msg
+                if self.held is not None:  # at once: the held step is the decode path
+                    self._run_held()
+                return
+        if err is not None:
+            self.bad_drafted = f"the draft process sent a malformed proposal ({err})"
+            log.warning("shard %d: %s; the step waiting for it runs without", self.index,
+                        self.bad_drafted)
+        elif msg["type"] != "wake":
             log.warning("shard %d: the draft process says: %s", self.index,
-                        err if err is not None else msg.get("message", msg["type"]))
+                        msg.get("message", msg["type"]))
 
     def _reply(self, route: bytes, msg: dict[str, Any], frames: list = ()) -> None:
         try:
@@ -252,6 +282,8 @@ class ShardServer:
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self.index = int(msg.get("index", self.index))
         self._close_links()
+        self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, None
+        self.queued.clear()
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         slots = msg["slots"]
         if max_ctx <= 0 or max_step <= 0 or not 1 <= slots <= MAX_SLOTS:
@@ -404,6 +436,9 @@ class ShardServer:
                                     f"draft token ids of the vocabulary, got {draft!r}"[:300])
             if draft is not None and seg["sample"] is None:
                 raise ProtocolError(f"{where}: a verify segment needs its sampling parameters")
+            if seg["ask"] is not None:
+                raise ProtocolError(f"{where}: asks for draft tokens, which only the first "
+                                    "shard takes, from the draft process")
             tree, kept, then = seg["tree"], seg["kept"], seg["then"]
             try:
                 if then is not None and (draft is None or not all(
@@ -449,6 +484,48 @@ class ShardServer:
         return segs
 
     def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+        """Run a step, in the order steps came: one that asks for the draft's proposals is held
+        until they come (`shards.asked`), and the steps after it wait behind it."""
+        if self.held is not None:  # (a copy: its ring slot is handed back)
+            self.queued.append((msg, None if x is None else x.clone()))
+            return
+        if self.model.is_first and x is not None and asked(msg):
+            self.held = (msg, x.clone(), time.monotonic())
+            self.bad_drafted = None
+            self._run_held()
+            return
+        self._run_timed(msg, x)
+
+    def _run_held(self) -> bool:
+        """Run the held step if its proposals came, the draft is gone or the wait is over, then
+        the steps queued behind it; returns whether it ran."""
+        assert self.held is not None
+        msg, x, since = self.held
+        waited = time.monotonic() - since
+        gone = self.draft_gone or self.bad_drafted or (
+            None if self.feed is not None else "no link to the draft process")
+        if not ready(msg, self.drafted) and gone is None and waited < DRAFT_WAIT_S:
+            return False
+        self.held = None
+        why = gone or f"no proposal within {DRAFT_WAIT_S:.0f} s"
+        try:
+            self._run_timed(msg, fill(msg, x, self.drafted, why, waited))
+        except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+            self._step_failed(msg, e)
+        while self.queued and self.held is None:
+            m, t = self.queued.popleft()
+            try:
+                self._step(m, t)
+            except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+                self._step_failed(m, e)
+        return True
+
+    def _on_draft_gone(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """The coordinator lost the draft process: no proposal will come."""
+        self.draft_gone = "the draft process is gone"
+        self.drafted.clear()
+
+    def _run_timed(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         started = self.clock.start()
         try:
             self._run_step(msg, x)
@@ -508,15 +585,23 @@ class ShardServer:
                 else:
                     token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
             results.append({"token": token, "accepted": accepted, "logits": seg["logits"],
-                            "path": path})
+                            "path": path, "asked": seg["asked"]})
             if seg["logits"]:
                 logits_rows.append(logits.float()[None])
-        self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
-                      torch.cat(logits_rows).cpu() if logits_rows else None)
-        for j, (i, s) in enumerate(fed):  # with the verdict, the draft prepares its next proposal
+        # with the verdict, the draft prepares its next proposal; when it hands that to the
+        # first shard, the coordinator is off the decode path, and the verdict goes first
+        pushed = any(seg["then"] is not None and seg["then"].get("push") is True
+                     for seg in msg["seqs"])
+        if not pushed:
+            self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
+                          torch.cat(logits_rows).cpu() if logits_rows else None)
+        for j, (i, s) in enumerate(fed):
             if self.feed is not None:
                 self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1,
                                     _next_proposal(msg["seqs"][i], results[i]))
+        if pushed:
+            self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
+                          torch.cat(logits_rows).cpu() if logits_rows else None)
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool,
@@ -554,7 +639,7 @@ class ShardServer:
                             [msg["position"]])[0]
         self._reply(route, message("result", sid=msg["sid"],
                                    outs=[{"token": token, "accepted": 0, "logits": False,
-                                          "path": None}],
+                                          "path": None, "asked": None}],
                                    act=None))
 
     # ---- prefix cache -----------------------------------------------------------------------
@@ -615,7 +700,7 @@ def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
         return None
     return {"pos": seg["pos"] + result["accepted"] + 1, "token": result["token"],
             "kept": rows_to_move(result["path"]),
-            "n": then["n"], "tree": then["tree"]}
+            "n": then["n"], "tree": then["tree"], "push": then.get("push") is True}
 
 
 def _check_sample(sample: dict[str, Any], where: str) -> None:

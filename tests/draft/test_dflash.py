@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -73,9 +74,17 @@ def test_bad_tensors_are_named(draft_dir, tiny_llama, tmp_path, tensor, how):
         load_proposer(bad, tiny_llama, "cpu", torch.float32, 64)
 
 
-def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
+@pytest.mark.parametrize("fused", [False, True])
+def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama, fused):
+    """The training form, the eager proposer and the static one (`draft_step`: the captured
+    step, on the weights of separate or fused projections) compute the same logits."""
+    from shards.fused import fuse_projections
+
     cfg = read_dflash_config(draft_dir)
     model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
+    fused_model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
+    if fused:
+        fuse_projections(fused_model, compile=False)
     g = torch.Generator().manual_seed(0)
     vocab, hidden, length = 320, 64, 40
     embed = torch.randn(vocab, hidden, generator=g)
@@ -83,7 +92,8 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama):
     feats = torch.randn(length, cfg.width, generator=g)
     tokens = torch.randint(0, vocab, (length,), generator=g)
     eager = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=False)
-    static = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=True, bucket=16)
+    static = DFlashProposer(fused_model, embed, head, 64, torch.device("cpu"), graphs=True,
+                            bucket=16)
     for p in (eager, static):
         p.write_features(0, 0, 0, feats)
     anchors = [5, 6, 9, 17, 30]  # gaps of 1, 3 (inside one block) and 8, 13 (longer)
@@ -145,3 +155,57 @@ def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fuse
             want_k, want_v = model.context_kv(ctx, pos, i)
             assert torch.allclose(k[i], want_k, atol=1e-5) and torch.allclose(v[i], want_v,
                                                                                atol=1e-5)
+
+
+@pytest.mark.parametrize("bias,fused", [(False, False), (True, False), (True, True)])
+def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
+    """`draft_step` (the captured step's function) gives the logits of the eager path
+    (`write_context` + `block` + head) and the context keys and values it stores, with q/k/v
+    biases too, on fused projections as on separate ones; cached rows past `done` and new
+    context rows past the block's position are not seen."""
+    from draft.dflash import (
+        DFlashDraft,
+        block_step,
+        dflash_config_dict,
+        draft_step,
+        layer_weights,
+        read_dflash_config_dict,
+    )
+    from shards.fused import fuse_projections
+    from shards.kv_cache import KVCache, KVLayout
+
+    target = read_hf_config(tiny_llama)
+    raw = {**dflash_config_dict(target, layers=2, taps=[1, 4], block_size=4, mask_token_id=0),
+           "attention_bias": bias}
+    cfg = read_dflash_config_dict(raw, tiny_llama / "config.json")
+    m = cfg.model
+    torch.manual_seed(0)
+    model = DFlashDraft(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    if fused:
+        fuse_projections(model, compile=False)
+    feats = torch.randn(40, cfg.width)
+    embed, head = torch.randn(m.vocab_size, m.hidden_size), torch.randn(m.vocab_size,
+                                                                          m.hidden_size)
+    done, pos, ids = 9, 12, torch.tensor([5, 0, 0, 0])
+    layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, torch.float32)
+    eager, cache = KVCache(layout, 48, 1, "cpu"), KVCache(layout, 48, 1, "cpu")
+    with torch.no_grad():
+        model.write_context(feats[:pos], 0, eager)
+        model.write_context(feats[:done], 0, cache)
+        cache.k[:, 0, done:].normal_()  # junk past `done`: must not be seen
+        cache.v[:, 0, done:].normal_()
+        h = model.block(F.embedding(ids, embed), block_step(pos, 4, torch.device("cpu")), eager)
+        want = h[1:] @ head.T
+        k, v, logits, top = draft_step(
+            feats, torch.tensor([done]), torch.tensor([pos]), ids, cache.k[:, 0, :32],
+            cache.v[:, 0, :32], embed, model.fc.weight, model.hidden_norm.weight,
+            model.kv_weights(), [layer_weights(x) for x in model.layers], model.inv_freq,
+            model.norm.weight, head, m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim,
+            1.0, 3)
+    assert torch.allclose(logits, want, atol=1e-4), (logits - want).abs().max()
+    assert torch.equal(top, logits.topk(3, dim=-1).indices)
+    assert torch.allclose(k[:, :pos - done], eager.k[:, 0, done:pos], atol=1e-5)
+    assert torch.allclose(v[:, :pos - done], eager.v[:, 0, done:pos], atol=1e-5)

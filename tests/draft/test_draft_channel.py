@@ -22,7 +22,7 @@ def server(tiny_llama, tmp_path):
                               target=str(tiny_llama), max_context=64), b"secret")
     s._on_draft_configure(b"coord", message(
         "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
-        cache_dir=None, spin_ms=0, slots=2), [])
+        cache_dir=None, spin_ms=0, slots=2, push=True), [])
     yield s
     s.close()
 
@@ -92,6 +92,37 @@ def test_a_verdict_prepares_the_next_proposal(server):
     assert not server.prepared.pending and not server.prepared.ready
     assert server.proposer.features[0, 0, 0, 0].item() == 0.0
     server._wait_features(8, 0)  # the feeders' progress still counts
+
+
+def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
+    """A verdict whose proposal goes to the first shard (`push`): the draft sends it to the
+    first feeder once every feeder's rows are in (`drafted`, under the verdict's key and
+    step), the proposal a request would get; one it cannot prepare, with why."""
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append((route, msg))
+    first, _ = _feeder(server, b"shard0", [1])
+    second, f2 = _feeder(server, b"shard1", [4])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    sent.clear()
+    nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0, "push": True}
+    second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+    server._work()
+    assert not sent  # the first shard's rows are not here yet
+    first.send(_feat(2, 0, 9, [1]), _rows(9))
+    server._work()
+    (route, msg), = sent
+    assert route == b"shard0" and msg["type"] == "drafted"
+    assert msg["feat"] == 0 and msg["after"] == 2 and msg["key"] == [6, 5, 3, 0, [2, 3]]
+    assert msg["error"] is None and msg["parents"] is None
+    assert msg["tokens"] == server.proposer.propose(0, 5, 6, 3)[0]
+    assert not server.prepared.ready  # handed over, not kept for a request
+    # a broken context: no proposal, and the first shard is told why at once
+    f2.rejected[0] = "a bad frame"
+    second.send(_feat(3, 0, 9, [4], next={**nxt, "kept": None}), _rows(9))
+    first.send(_feat(3, 0, 9, [1]), _rows(9))
+    server._work()
+    route, msg = sent[-1]
+    assert route == b"shard0" and msg["tokens"] is None and "a bad frame" in msg["error"]
 
 
 def test_bad_frames_are_refused_without_desync(server):

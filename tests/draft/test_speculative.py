@@ -254,6 +254,50 @@ def test_draft_killed_mid_request_generation_goes_on(target, near):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_proposals_handed_to_the_first_shard_equal_asked_ones(target, fitted, n):
+    """The draft hands the proposals it prepares from verdicts to the first shard (`spec_push`,
+    on by default where the first shard feeds it): the same tokens, the same acceptance as when
+    the coordinator asks for each, and most steps got theirs that way."""
+    runs = {}
+    for push in (True, False):
+        with Coordinator(_cfg(target, n, fitted, spec_push=push)) as coord:
+            assert coord.push_drafts is push
+            prompt = _prompts(coord.tokenizer)[0]
+            progress = Progress()
+            runs[push] = (collect(coord.stream(prompt, GREEDY, progress, use_cache=False),
+                                  progress, len(prompt)), progress.spec)
+    (pushed, stats), (asked, _) = runs[True], runs[False]
+    assert pushed.tokens == asked.tokens
+    assert pushed.acceptance_length == asked.acceptance_length > 1.5
+    # every verify step after the first of each run of them got its proposal from the draft
+    assert stats.prepared >= stats.verifies - 3 > 0
+
+
+@pytest.mark.slow
+def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted):
+    """The first shard holds a step for the draft's proposal when the draft dies: the step runs
+    without it (the coordinator tells the shard), and the generation goes on, exact."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    with Coordinator(_cfg(target, 2, fitted)) as coord:
+        assert coord.push_drafts
+        prompt = _prompts(coord.tokenizer)[0]
+        want = coord.generate(prompt, params, speculative=False, use_cache=False).tokens
+        progress = Progress()
+        stream = coord.stream(prompt, params, progress, use_cache=False)
+        got = [d.token for _, d in zip(range(12), stream)]
+        assert progress.spec.prepared > 0  # steps are being held for proposals by now
+        t0 = time.monotonic()
+        os.kill(coord._draft_proc.pid, signal.SIGKILL)
+        got += [d.token for d in stream if d.token >= 0]
+        assert got == want
+        assert time.monotonic() - t0 < 4.0  # not the shard's whole wait (DRAFT_WAIT_S)
+        assert coord.draft is None and "draft" in coord.draft_down
+        assert coord.generate(prompt, params, use_cache=False).tokens == want
+    assert shard_children() == []
+
+
+@pytest.mark.slow
 def test_draft_killed_with_speculation_required_fails_clearly(target, near):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, near, spec_required=True)) as coord:

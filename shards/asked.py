@@ -1,0 +1,136 @@
+"""The first shard's side of proposals the draft hands it directly.
+
+With the verdict of a verify step, the draft prepares the sequence's next proposal
+(`draft.prepared`). Where the first shard feeds the draft, the draft sends that proposal to it
+(`drafted`) instead of waiting for the coordinator to ask: the coordinator sends the next step at
+once as a decode segment that `ask`s for the proposal, and the first shard holds that step until
+the proposal comes, then makes the segment a verify segment with its tokens. The coordinator is
+then off the path between the draft and the shards: a round is the shards' verify step plus the
+draft's step, not two more trips through the coordinator.
+
+Nothing here trusts the proposal: a missing one (the draft is gone, it could not prepare it, it
+was late), one prepared for another key, or a malformed one leaves the segment a decode step
+of its one row, which is exact all the same; the outcome says why (`asked.missed`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ipc.messages import ProtocolError
+from shards.spec_tree import check_tree, depths
+
+DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs without it
+
+
+def asked(msg: dict[str, Any]) -> bool:
+    """Whether a step has a segment asking for the draft's proposal."""
+    return any(seg["ask"] is not None for seg in msg["seqs"])
+
+
+def check_drafted(msg: dict[str, Any], vocab: int) -> None:
+    """A `drafted` message's contents (its field types are checked on receipt); ProtocolError
+    naming what is wrong."""
+    key, tokens, parents = msg["key"], msg["tokens"], msg["parents"]
+    if len(key) != 5 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                for v in key[:4]) or not (
+            key[4] is None or isinstance(key[4], list)):
+        raise ProtocolError(f"drafted: key {key!r} is not [pos, token, n, tree, kept]"[:200])
+    if tokens is None:
+        if msg["error"] is None:
+            raise ProtocolError("drafted: neither tokens nor an error")
+        return
+    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                             for t in tokens):
+        raise ProtocolError(f"drafted: tokens {str(tokens)[:80]} are not token ids of the "
+                            f"vocabulary (0..{vocab - 1})")
+    if parents is not None:
+        try:
+            check_tree(parents, len(tokens))
+        except ValueError as e:
+            raise ProtocolError(f"drafted: a malformed token tree: {e}") from e
+
+
+def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None,
+              why_missing: str) -> tuple[list[int], list[int] | None] | str:
+    """The draft tokens (and tree) for an asked segment whose last token is `token`, or why
+    there are none."""
+    ask = seg["ask"]
+    if got is None or got["after"] < ask["after"]:
+        return why_missing
+    if got["tokens"] is None:
+        return f"the draft could not prepare it: {got['error']}"
+    want = [seg["pos"], token, ask["n"], ask["tree"], seg["kept"]]
+    if got["key"] != want:
+        return f"the draft prepared {got['key']} for step {got['after']}, not {want}"[:300]
+    tokens, parents = got["tokens"], got["parents"]
+    if parents is None and len(tokens) > ask["n"]:
+        return f"the draft proposed {len(tokens)} tokens in a row, not up to {ask['n']}"
+    if parents is not None and (not ask["tree"] or len(tokens) > ask["tree"]
+                                or max(depths(parents)) > ask["n"]):
+        return f"the draft proposed a tree of {len(tokens)} tokens, not up to {ask['tree']} " \
+               f"deep up to {ask['n']}"
+    return list(tokens), None if parents is None else list(parents)
+
+
+def check_ask(seg: dict[str, Any], where: str) -> None:
+    ask = seg["ask"]
+    if not all(isinstance(ask.get(k), int) and not isinstance(ask.get(k), bool) and ask[k] >= 0
+               for k in ("n", "tree", "after")):
+        raise ProtocolError(f"{where}: ask={ask!r} needs n, tree and after, integers >= 0"[:300])
+    if seg["n"] != 1 or seg["draft"] is not None or seg["tree"] is not None:
+        raise ProtocolError(f"{where}: a segment that asks for draft tokens must be one row "
+                            "with none of its own")
+    if seg["sample"] is None:
+        raise ProtocolError(f"{where}: a segment that asks for draft tokens needs its sampling "
+                            "parameters")
+
+
+def ready(msg: dict[str, Any], drafted: dict[int, dict[str, Any]]) -> bool:
+    """Whether every asked segment's proposal (or the draft's word that there is none) came."""
+    for seg in msg["seqs"]:
+        ask = seg["ask"]
+        if ask is not None:
+            got = drafted.get(seg["feat"]) if isinstance(seg["feat"], int) else None
+            if got is None or got["after"] < ask["after"]:
+                return False
+    return True
+
+
+def fill(msg: dict[str, Any], x: torch.Tensor, drafted: dict[int, dict[str, Any]],
+         why_missing: str, waited: float) -> torch.Tensor:
+    """Make each asked segment of the step `msg` (in place) a verify segment with its proposal
+    from `drafted` (context -> the last `drafted` message), or a decode segment that says why
+    not (`why_missing`: why for those whose proposal did not come); returns the step's token
+    ids with the draft tokens in place. ProtocolError for a malformed `ask`."""
+    ids = x.tolist()
+    out: list[int] = []
+    a = 0
+    for i, seg in enumerate(msg["seqs"]):
+        n = seg["n"]
+        rows, a = ids[a:a + n], a + n
+        ask = seg["ask"]
+        if ask is None:
+            out.extend(rows)
+            continue
+        if not isinstance(ask, dict):
+            raise ProtocolError(f"step: segment {i}: ask must be a map")
+        check_ask(seg, f"step: segment {i}")
+        got = drafted.get(seg["feat"]) if isinstance(seg["feat"], int) else None
+        found = _proposal(seg, rows[0], got, why_missing)
+        compute = float(got["compute_s"]) if got is not None else 0.0
+        if isinstance(found, str):
+            seg["then"] = None  # a decode segment: no verdict, nothing to prepare
+            seg["asked"] = {"draft": None, "tree": None, "missed": found, "waited": waited,
+                            "compute": 0.0}
+            out.extend(rows)
+        else:
+            tokens, parents = found
+            seg.update(n=1 + len(tokens), draft=tokens, tree=parents)
+            seg["asked"] = {"draft": tokens, "tree": parents, "missed": None, "waited": waited,
+                            "compute": compute}
+            out.extend([rows[0], *tokens])
+        seg["ask"] = None
+    return torch.tensor(out, dtype=torch.int64)
