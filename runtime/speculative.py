@@ -20,7 +20,7 @@ import numpy as np
 
 from ipc.messages import message
 from runtime.errors import DraftError, DraftLost, ShardFailure
-from shards.spec_tree import check_tree, depths, rows_to_move
+from shards.spec_tree import check_proposal, rows_to_move
 
 if TYPE_CHECKING:
     from runtime.config import RuntimeConfig
@@ -176,20 +176,10 @@ class DraftClient:
                 sync=self.coord.feat_sid(self.context), tree=tree, kept=kept), frames)
             tokens = reply.get("tokens") if reply.get("type") == "proposal" else None
             parents = reply.get("parents")
-            if not isinstance(tokens, list) or len(tokens) > max(n, tree) or not all(
-                    isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
-                raise DraftError(f"the draft proposed {str(tokens)[:80]}: not up to "
-                                 f"{max(n, tree)} token ids of the vocabulary")
-            if parents is not None:
-                try:
-                    check_tree(parents, len(tokens))
-                except ValueError as e:
-                    raise DraftError(f"the draft proposed a malformed token tree: {e}") from e
-                if not tree or max(depths(parents)) > n:
-                    raise DraftError(f"the draft proposed a tree deeper than {n} or unasked")
-            elif len(tokens) > n:
-                raise DraftError(f"the draft proposed {len(tokens)} tokens in a row, not up "
-                                 f"to {n}")
+            try:
+                check_proposal(tokens, parents, n, tree, self.vocab)
+            except ValueError as e:
+                raise DraftError(f"the draft proposed {e}") from e
         except (DraftLost, DraftError) as e:
             self._stop(e)
             return [], None

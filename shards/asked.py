@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ipc.messages import ProtocolError
-from shards.spec_tree import check_tree, depths
+from shards.spec_tree import check_proposal
 
 DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs without it
 
@@ -30,31 +30,21 @@ def asked(msg: dict[str, Any]) -> bool:
     return any(seg["ask"] is not None for seg in msg["seqs"])
 
 
-def check_drafted(msg: dict[str, Any], vocab: int) -> None:
-    """A `drafted` message's contents (its field types are checked on receipt); ProtocolError
-    naming what is wrong."""
-    key, tokens, parents = msg["key"], msg["tokens"], msg["parents"]
+def check_drafted(msg: dict[str, Any]) -> None:
+    """A `drafted` message's key and outcome (its field types are checked on receipt, its
+    tokens against the step that asked for them, `fill`); ProtocolError naming what is
+    wrong."""
+    key = msg["key"]
     if len(key) != 5 or not all(isinstance(v, int) and not isinstance(v, bool)
                                 for v in key[:4]) or not (
             key[4] is None or isinstance(key[4], list)):
         raise ProtocolError(f"drafted: key {key!r} is not [pos, token, n, tree, kept]"[:200])
-    if tokens is None:
-        if msg["error"] is None:
-            raise ProtocolError("drafted: neither tokens nor an error")
-        return
-    if not tokens or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                             for t in tokens):
-        raise ProtocolError(f"drafted: tokens {str(tokens)[:80]} are not token ids of the "
-                            f"vocabulary (0..{vocab - 1})")
-    if parents is not None:
-        try:
-            check_tree(parents, len(tokens))
-        except ValueError as e:
-            raise ProtocolError(f"drafted: a malformed token tree: {e}") from e
+    if msg["tokens"] is None and msg["error"] is None:
+        raise ProtocolError("drafted: neither tokens nor an error")
 
 
-def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None,
-              why_missing: str) -> tuple[list[int], list[int] | None] | str:
+def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None, why_missing: str,
+              vocab: int) -> tuple[list[int], list[int] | None] | str:
     """The draft tokens (and tree) for an asked segment whose last token is `token`, or why
     there are none."""
     ask = seg["ask"]
@@ -66,12 +56,12 @@ def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None,
     if got["key"] != want:
         return f"the draft prepared {got['key']} for step {got['after']}, not {want}"[:300]
     tokens, parents = got["tokens"], got["parents"]
-    if parents is None and len(tokens) > ask["n"]:
-        return f"the draft proposed {len(tokens)} tokens in a row, not up to {ask['n']}"
-    if parents is not None and (not ask["tree"] or len(tokens) > ask["tree"]
-                                or max(depths(parents)) > ask["n"]):
-        return f"the draft proposed a tree of {len(tokens)} tokens, not up to {ask['tree']} " \
-               f"deep up to {ask['n']}"
+    try:
+        if not tokens:
+            raise ValueError("no tokens")
+        check_proposal(tokens, parents, ask["n"], ask["tree"], vocab)
+    except ValueError as e:
+        return f"the draft proposed {e}"
     return list(tokens), None if parents is None else list(parents)
 
 
@@ -100,11 +90,12 @@ def ready(msg: dict[str, Any], drafted: dict[int, dict[str, Any]]) -> bool:
 
 
 def fill(msg: dict[str, Any], x: torch.Tensor, drafted: dict[int, dict[str, Any]],
-         why_missing: str, waited: float) -> torch.Tensor:
+         why_missing: str, waited: float, vocab: int) -> torch.Tensor:
     """Make each asked segment of the step `msg` (in place) a verify segment with its proposal
     from `drafted` (context -> the last `drafted` message), or a decode segment that says why
-    not (`why_missing`: why for those whose proposal did not come); returns the step's token
-    ids with the draft tokens in place. ProtocolError for a malformed `ask`."""
+    not (`why_missing`: why for those whose proposal did not come; a proposal of other than
+    token ids of `vocab`, too long or too deep is none); returns the step's token ids with the
+    draft tokens in place. ProtocolError for a malformed `ask`."""
     ids = x.tolist()
     out: list[int] = []
     a = 0
@@ -119,7 +110,7 @@ def fill(msg: dict[str, Any], x: torch.Tensor, drafted: dict[int, dict[str, Any]
             raise ProtocolError(f"step: segment {i}: ask must be a map")
         check_ask(seg, f"step: segment {i}")
         got = drafted.get(seg["feat"]) if isinstance(seg["feat"], int) else None
-        found = _proposal(seg, rows[0], got, why_missing)
+        found = _proposal(seg, rows[0], got, why_missing, vocab)
         compute = float(got["compute_s"]) if got is not None else 0.0
         if isinstance(found, str):
             seg["then"] = None  # a decode segment: no verdict, nothing to prepare

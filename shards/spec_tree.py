@@ -39,6 +39,24 @@ def check_tree(parents: Sequence[int], n_draft: int) -> None:
         stack.append(j)
 
 
+def check_proposal(tokens: object, parents: object, n: int, tree: int, vocab: int) -> None:
+    """A draft's proposal for a step that takes up to `n` tokens in a row, or a tree of up to
+    `tree` tokens (0: none) at most `n` deep: token ids of the vocabulary and, with `parents`, a
+    well-formed tree. ValueError naming what is wrong."""
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens):
+        raise ValueError(f"{str(tokens)[:80]}: not token ids of the vocabulary (0..{vocab - 1})")
+    if parents is None:
+        if len(tokens) > n:
+            raise ValueError(f"{len(tokens)} tokens in a row, not up to {n}")
+        return
+    if not isinstance(parents, list):
+        raise ValueError(f"parents {str(parents)[:80]}: not a list")
+    check_tree(parents, len(tokens))
+    if not tree or len(tokens) > tree or max(depths(parents), default=0) > n:
+        raise ValueError(f"a tree of {len(tokens)} tokens, not up to {tree} at most {n} deep")
+
+
 def depths(parents: Sequence[int]) -> list[int]:
     """Depth of every row (the root's is 0)."""
     d = [0]

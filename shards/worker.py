@@ -223,7 +223,7 @@ class ShardServer:
         _, msg, _, err = recv(sock)
         if err is None and msg["type"] == "drafted":
             try:
-                check_drafted(msg, self.cfg.vocab_size)
+                check_drafted(msg)
             except ProtocolError as e:
                 err = e
             else:
@@ -509,7 +509,7 @@ class ShardServer:
         self.held = None
         why = gone or f"no proposal within {DRAFT_WAIT_S:.0f} s"
         try:
-            self._run_timed(msg, fill(msg, x, self.drafted, why, waited))
+            self._run_timed(msg, fill(msg, x, self.drafted, why, waited, self.cfg.vocab_size))
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
         while self.queued and self.held is None:

@@ -38,9 +38,9 @@ def _drafted(tokens=(11, 12, 13, 14), parents=(0, 1, 2, 1), key=(20, 6, 3, 4, No
 def test_a_proposal_makes_the_segment_a_verify_segment():
     msg, x = _step()
     d = _drafted()
-    check_drafted(d, VOCAB)
+    check_drafted(d)
     assert ready(msg, {0: d}) and not ready(msg, {}) and not ready(msg, {0: _drafted(after=6)})
-    ids = fill(msg, x, {0: d}, "-", 0.5)
+    ids = fill(msg, x, {0: d}, "-", 0.5, VOCAB)
     assert ids.tolist() == [5, 6, 11, 12, 13, 14]
     plain, seg = msg["seqs"]
     assert plain["n"] == 1 and plain["asked"] is None
@@ -57,10 +57,18 @@ def test_a_proposal_makes_the_segment_a_verify_segment():
     (_drafted(key=(20, 7, 3, 4, None)), "not \\[20, 6, 3, 4, None\\]"),  # another token
     (_drafted(tokens=(1, 2, 3, 4), parents=None), "4 tokens in a row, not up to 3"),
     (_drafted(tokens=(1, 2, 3, 4, 5), parents=(0, 1, 2, 3, 4)), "a tree of 5 tokens"),
+    (_drafted(tokens=(1, VOCAB), parents=(0, 1)), "not token ids of the vocabulary"),
+    (_drafted(tokens=(1, True), parents=(0, 1)), "not token ids of the vocabulary"),
+    (_drafted(tokens=(), parents=None), "no tokens"),
+    (_drafted(parents=(0, 5, 1, 2)), "parent"),  # not a tree
+    (_drafted(tokens=(1, 2), parents=(0, 1)), None),  # (a good one, for contrast)
 ])
 def test_no_usable_proposal_leaves_a_decode_segment_that_says_why(got, why):
     msg, x = _step()
-    ids = fill(msg, x, {} if got is None else {0: got}, "the draft is gone", 1.0)
+    ids = fill(msg, x, {} if got is None else {0: got}, "the draft is gone", 1.0, VOCAB)
+    if why is None:
+        assert ids.tolist() == [5, 6, 1, 2] and msg["seqs"][1]["asked"]["missed"] is None
+        return
     assert ids.tolist() == [5, 6]
     seg = msg["seqs"][1]
     assert seg["n"] == 1 and seg["draft"] is None and seg["tree"] is None
@@ -73,27 +81,24 @@ def test_no_usable_proposal_leaves_a_decode_segment_that_says_why(got, why):
 
 def test_the_kept_rows_are_part_of_the_key():
     msg, x = _step(kept=[1, 3])
-    fill(msg, x, {0: _drafted()}, "-", 0.0)  # prepared without them: not this proposal
+    fill(msg, x, {0: _drafted()}, "-", 0.0, VOCAB)  # prepared without them: not this proposal
     assert msg["seqs"][1]["asked"]["missed"]
     msg, x = _step(kept=[1, 3])
-    fill(msg, x, {0: _drafted(key=(20, 6, 3, 4, [1, 3]))}, "-", 0.0)
+    fill(msg, x, {0: _drafted(key=(20, 6, 3, 4, [1, 3]))}, "-", 0.0, VOCAB)
     assert msg["seqs"][1]["draft"] == [11, 12, 13, 14]
 
 
 @pytest.mark.parametrize("change,match", [
     (lambda d: d.update(key=[1, 2, 3]), "not \\[pos, token, n, tree, kept\\]"),
     (lambda d: d.update(key=[1, 2, 3, True, None]), "not \\[pos, token, n, tree, kept\\]"),
-    (lambda d: d.update(tokens=[1, VOCAB]), "not token ids of the vocabulary"),
-    (lambda d: d.update(tokens=[]), "not token ids of the vocabulary"),
-    (lambda d: d.update(tokens=[1, "2"]), "not token ids of the vocabulary"),
-    (lambda d: d.update(parents=[0, 5, 1, 2]), "malformed token tree"),
+    (lambda d: d.update(key=[1, 2, 3, 4, 5]), "not \\[pos, token, n, tree, kept\\]"),
     (lambda d: d.update(tokens=None, error=None), "neither tokens nor an error"),
 ])
 def test_malformed_drafted_messages_are_refused_by_name(change, match):
     d = copy.deepcopy(_drafted())
     change(d)
     with pytest.raises(ProtocolError, match=match):
-        check_drafted(d, VOCAB)
+        check_drafted(d)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -109,4 +114,4 @@ def test_a_malformed_ask_is_refused_by_name(change, match):
     change(msg["seqs"][1])
     x = torch.arange(sum(s["n"] for s in msg["seqs"]))
     with pytest.raises(ProtocolError, match=match):
-        fill(msg, x, {0: _drafted()}, "-", 0.0)
+        fill(msg, x, {0: _drafted()}, "-", 0.0, VOCAB)

@@ -10,7 +10,7 @@ import torch
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.executor import RangeExecutor
 from shards.model import StepInfo
-from shards.spec_tree import ancestors, check_path, check_tree, depths, kept_moves
+from shards.spec_tree import ancestors, check_path, check_proposal, check_tree, depths, kept_moves
 
 PARENTS = [0, 1, 1, 0, 4, 5, 0]  # rows 1-2-(3) | 4-5-6 | 7 under the root
 
@@ -94,3 +94,28 @@ def test_eager_tree_step_equals_rowwise(target):
     end = pos + len(tokens)
     torch.testing.assert_close(eager.kv.k[:, 0, :end], rowwise.kv.k[:, 0, :end], atol=1e-5,
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,parents,match", [
+    ([1, 2, 3], None, None),
+    ([], None, None),  # no draft tokens: a plain step
+    ([1, 2, 3, 4], None, "4 tokens in a row, not up to 3"),
+    ([1, 100], None, "not token ids of the vocabulary"),
+    ([1, -1], None, "not token ids of the vocabulary"),
+    ([1, True], None, "not token ids of the vocabulary"),
+    ("12", None, "not token ids of the vocabulary"),
+    ([1, 2, 3, 4], [0, 1, 1, 0], None),
+    ([1, 2, 3, 4, 5], [0, 1, 1, 0, 4], "a tree of 5 tokens, not up to 4"),
+    ([1, 2, 3, 4], [0, 1, 2, 3], "at most 3 deep"),
+    ([1, 2], [0, 3], "parent"),
+    ([1, 2], (0, 1), "not a list"),
+])
+def test_a_proposal_is_checked_against_what_the_step_takes(tokens, parents, match):
+    """Up to n=3 tokens in a row or a tree of up to 4 at most 3 deep, of a vocabulary of 100."""
+    if match is None:
+        check_proposal(tokens, parents, 3, 4, 100)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_proposal(tokens, parents, 3, 4, 100)
+    with pytest.raises(ValueError, match="a tree of"):  # no tree asked for
+        check_proposal([1], [0], 3, 0, 100)
