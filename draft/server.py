@@ -45,6 +45,7 @@ from shards.spec_tree import check_path
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
+PUSH_TIMEOUT_S = 0.5  # a first shard whose proposals ring stays full this long: zmq instead
 MAX_SLOTS = 1024
 
 ALLOWED = {
@@ -79,6 +80,7 @@ class Feeder:
     route: bytes | None = None
     inbox: transport.RingInbox | None = None
     fed_sid: int = 0  # the last step whose rows arrived whole (step sids start at 1)
+    proposals: transport.Sender | None = None  # to the first shard: `drafted`, through shm
     rejected: dict[int, str] = dataclasses.field(default_factory=dict)  # slot -> why a
     # feature frame of the slot's sequence was refused
 
@@ -275,6 +277,18 @@ class DraftServer:
             raise ProtocolError(str(e), "bad_transport") from e
         if feeder.inbox is not None:
             feeder.inbox.close()
+        if feeder.proposals is not None:
+            feeder.proposals.close()
+            feeder.proposals = None
+        ring = msg.get("proposals")
+        if ring is not None:  # the first shard's ring for the proposals it is handed
+            try:
+                feeder.proposals = transport.accept(
+                    "shm", ring, lambda: self._reply(route, message("wake")))
+            except (ProtocolError, ValueError, OSError, KeyError, TypeError) as e:
+                raise ProtocolError(f"feed: cannot map the proposals ring: {e}",
+                                    "bad_transport") from e
+            feeder.proposals.timeout_s = PUSH_TIMEOUT_S
         itemsize = torch.empty((), dtype=torch_dtype(self.spec.dtype)).element_size()
         feeder.inbox, desc = transport.offer(kind, msg["max_rows"] * feeder.width * itemsize,
                                              self.device)
@@ -285,6 +299,8 @@ class DraftServer:
         for f in self.feeders:
             if f.inbox is not None:
                 f.inbox.close()
+            if f.proposals is not None:
+                f.proposals.close()
         self.feeders = []
 
     # ---- feature rows ----------------------------------------------------------------------------
@@ -383,14 +399,20 @@ class DraftServer:
               why: str | None, seconds: float) -> None:
         """Hand a prepared proposal (or why there is none) to the first shard, which holds
         the sequence's next step for it (`shards.asked`)."""
-        route = self.feeders[0].route
-        if route is None:
+        first = self.feeders[0]
+        if first.route is None:
             return  # not linked: the step runs without it, after its wait
         tokens, parents = (None, None) if out is None else ([int(t) for t in out[0]], out[1])
-        self._reply(route, message("drafted", feat=slot, after=sid,
-                                   key=[*key[:4], None if key[4] is None else list(key[4])],
-                                   tokens=tokens, parents=parents, error=why,
-                                   compute_s=seconds))
+        msg = message("drafted", feat=slot, after=sid,
+                      key=[*key[:4], None if key[4] is None else list(key[4])], tokens=tokens,
+                      parents=parents, error=why, compute_s=seconds)
+        if first.proposals is not None:
+            try:
+                first.proposals.send(msg, None)
+                return
+            except TimeoutError:  # its ring is full: it takes none; zmq then
+                log.warning("draft: the first shard takes no proposals from its ring")
+        self._reply(first.route, msg)
 
     def _refuse_feature(self, f: Feeder, why: str, slot: int | None = None) -> None:
         """A feature frame was refused: the context of its slot's sequence (of every slot,

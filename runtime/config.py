@@ -75,8 +75,8 @@ class RuntimeConfig:
                                         "without speculation, logged)")
     spec_push: bool = _field(True, "the draft hands the proposals it prepares from a verdict "
                                    "to the first shard itself, which holds the next step for "
-                                   "them (where the first shard feeds the draft); off: the "
-                                   "coordinator asks for each and sends it on")
+                                   "them (where the first and the last shard feed the draft); "
+                                   "off: the coordinator asks for each and sends it on")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")

@@ -298,7 +298,9 @@ class Coordinator:
         # each shard sends the rows of the tapped layers it owns
         feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
         # the draft hands its prepared proposals to the first shard where that one feeds it
-        self.push_drafts = bool(self.config.spec_push and feeders and feeders[0])
+        # and the last one does too (the verdict comes with the last shard's rows)
+        self.push_drafts = bool(self.config.spec_push and feeders and feeders[0]
+                                and feeders[-1])
         reply = self._call(d, message(
             "draft_configure", session=self.session, max_context=self.config.max_context,
             max_rows=max_step, feeders=[f for f in feeders if f], spin_ms=self.spin_ms,

@@ -198,7 +198,8 @@ class DraftClient:
         return tokens, parents
 
     def ask(self, pos: int, n: int, rows: int) -> dict | None:
-        if not self.active or not self.push or self._pushed_at != pos:
+        if not self.active or not self.push or self._pushed_at != pos or \
+                not self.coord.feeding:
             return None
         tree = self.tree if self.tree and rows >= self.tree else 0
         if n != self.block - 1 or tree != self.tree:  # not the proposal the draft prepares
@@ -210,6 +211,9 @@ class DraftClient:
     def delivered(self, asked: dict | None) -> tuple[list[int], list[int] | None]:
         """(Checked: the first shard verified these very tokens, so a malformed report is the
         shards' fault, and fails the runtime.)"""
+        if asked is None and self.coord.draft is None:  # lost before the step went out: the
+            self._stop(DraftLost(self.coord.draft_down or "the draft is gone"))  # step asked
+            return [], None  # for nothing and ran plain
         ok = isinstance(asked, dict) and isinstance(asked.get("waited"), float) and (
             isinstance(asked.get("missed"), str) or isinstance(asked.get("draft"), list))
         if not ok:
@@ -218,7 +222,8 @@ class DraftClient:
         self.stats.draft_s += asked["waited"]
         self._t_proposed += asked["waited"]  # (the wait is the draft's, not the verify's)
         if asked["missed"] is not None:
-            self._stop(DraftError(f"the first shard got no proposal: {asked['missed']}"))
+            why = f"the first shard got no proposal: {asked['missed']}"
+            self._stop(DraftLost(why) if self.coord.draft is None else DraftError(why))
             return [], None
         tokens, parents = asked["draft"], asked["tree"]
         if not tokens or not all(isinstance(t, int) and 0 <= t < self.vocab for t in tokens):

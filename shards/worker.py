@@ -47,6 +47,7 @@ log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0
 FEED_TIMEOUT_S = 2.0  # a draft that takes no rows for this long is dropped, the step goes on
 FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pieces)
+PROPOSAL_BYTES = 64  # a `drafted` message is all header: its ring slots need no payload
 MAX_SLOTS = 1024  # sequences a shard's KV cache may hold
 
 
@@ -101,8 +102,11 @@ class ShardServer:
         self.held: tuple[dict[str, Any], torch.Tensor, float] | None = None
         self.queued: collections.deque = collections.deque()
         self.drafted: dict[int, dict[str, Any]] = {}
+        self.proposals: transport.RingInbox | None = None  # the draft's `drafted`, on one host
         self.draft_gone: str | None = None  # why no proposal will come any more
-        self.bad_drafted: str | None = None  # a malformed proposal came for the held step
+        # malformed proposals, by draft context (None: unreadable, any context's): the next
+        # held step of that context runs without one, saying why
+        self.bad_drafted: dict[int | None, str] = {}
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -112,12 +116,16 @@ class ShardServer:
 
     # ---- main loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
-        serve(lambda: self.running, self._work, lambda: [self.inbox] if self.inbox else [],
+        serve(lambda: self.running, self._work,
+              lambda: [r for r in (self.inbox, self.proposals) if r is not None],
               self._poll_sockets, lambda: self.spin_s)
 
     def _work(self) -> bool:
         worked = self._report_saves()
         if self.held is not None and self._run_held():
+            worked = True
+        if self.proposals is not None and self.proposals.ready():
+            self._take_proposals()
             worked = True
         if self.inbox is not None and self.inbox.ready():
             self._handle_inbox()
@@ -217,29 +225,53 @@ class ShardServer:
             self._reply(self.coordinator, msg)
 
     def _handle_draft_reply(self, sock: zmq.Socket) -> None:
-        """Proposals the draft hands the first shard (`drafted`); anything else it says (it
-        reports refused feature frames to the coordinator itself) is logged. A malformed
-        proposal is dropped whole: the step waiting for it runs without (`shards.asked`)."""
+        """What the draft says on the feed link: proposals it hands the first shard
+        (`drafted`, when there is no shared-memory ring for them) or doorbells; anything else
+        (it reports refused feature frames to the coordinator itself) is logged."""
         _, msg, _, err = recv(sock)
-        if err is None and msg["type"] == "drafted":
+        if err is None and msg["type"] not in ("drafted", "wake"):
+            log.warning("shard %d: the draft process says: %s", self.index,
+                        msg.get("message", msg["type"]))
+        elif err is not None or msg["type"] == "drafted":
+            self._on_drafted(msg, err)
+
+    def _take_proposals(self) -> None:
+        """The `drafted` messages in the ring from the draft (a malformed one is consumed
+        whole and refused, `_on_drafted`)."""
+        assert self.proposals is not None
+        while self.proposals is not None and self.proposals.ready():
+            try:
+                got = self.proposals.poll()
+            except ProtocolError as e:
+                self._on_drafted(None, e)
+                continue
+            if got is None:
+                return
+            msg, _, seq = got
+            self.proposals.release(seq)
+            self._on_drafted(msg, None if msg["type"] == "drafted" else ProtocolError(
+                f"ring message of type {msg['type']!r}, expected 'drafted'"))
+
+    def _on_drafted(self, msg: dict[str, Any] | None, err: Exception | None) -> None:
+        """A proposal the draft hands the first shard (`shards.asked`): kept by draft context,
+        the latest step's; a held step waiting for it runs at once. A malformed one is
+        dropped, and the held step runs without one, saying why."""
+        if err is None:
             try:
                 check_drafted(msg)
             except ProtocolError as e:
                 err = e
-            else:
-                last = self.drafted.get(msg["feat"])
-                if last is None or last["after"] <= msg["after"]:
-                    self.drafted[msg["feat"]] = msg
-                if self.held is not None:  # at once: the held step is the decode path
-                    self._run_held()
-                return
         if err is not None:
-            self.bad_drafted = f"the draft process sent a malformed proposal ({err})"
-            log.warning("shard %d: %s; the step waiting for it runs without", self.index,
-                        self.bad_drafted)
-        elif msg["type"] != "wake":
-            log.warning("shard %d: the draft process says: %s", self.index,
-                        msg.get("message", msg["type"]))
+            feat = msg.get("feat") if isinstance(msg, dict) else None
+            why = f"the draft process sent a malformed proposal ({err})"
+            self.bad_drafted[feat if isinstance(feat, int) else None] = why
+            log.warning("shard %d: %s; the step waiting for it runs without", self.index, why)
+        else:
+            last = self.drafted.get(msg["feat"])
+            if last is None or last["after"] <= msg["after"]:
+                self.drafted[msg["feat"]] = msg
+        if self.held is not None:  # at once: the held step is the decode path
+            self._run_held()
 
     def _reply(self, route: bytes, msg: dict[str, Any], frames: list = ()) -> None:
         try:
@@ -282,7 +314,7 @@ class ShardServer:
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self.index = int(msg.get("index", self.index))
         self._close_links()
-        self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, None
+        self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         slots = msg["slots"]
@@ -367,10 +399,13 @@ class ShardServer:
             raise ProtocolError("configure: draft must be a map")
         self.feed_sock = sock = self._dealer(desc.get("address"), session, "draft")
         width = len(self.taps) * self.cfg.hidden_size
+        ring = None
+        if self.model.is_first:  # proposals the draft hands this shard come through shm
+            self.proposals, ring = transport.offer("shm", PROPOSAL_BYTES, torch.device("cpu"))
         reply, _ = request(sock, message(
             "feed", transport=str(desc.get("transport", "auto")), host=transport.host_id(),
             device=self.spec.device, dtype=self.spec.dtype, layers=list(self.taps), width=width,
-            max_rows=min(self.max_step, FEED_ROWS)), LINK_TIMEOUT_S)
+            max_rows=min(self.max_step, FEED_ROWS), proposals=ring), LINK_TIMEOUT_S)
         expect(reply, "linked", "the draft process")
         sock.setsockopt(zmq.SNDTIMEO, int(FEED_TIMEOUT_S * 1000))
         self.feed = transport.accept(reply["transport"], reply["ring"],
@@ -491,7 +526,6 @@ class ShardServer:
             return
         if self.model.is_first and x is not None and asked(msg):
             self.held = (msg, x.clone(), time.monotonic())
-            self.bad_drafted = None
             self._run_held()
             return
         self._run_timed(msg, x)
@@ -502,7 +536,10 @@ class ShardServer:
         assert self.held is not None
         msg, x, since = self.held
         waited = time.monotonic() - since
-        gone = self.draft_gone or self.bad_drafted or (
+        bad = [self.bad_drafted.pop(k) for k in [None, *(seg["feat"] for seg in msg["seqs"]
+                                                          if seg["ask"] is not None)]
+               if k in self.bad_drafted]
+        gone = self.draft_gone or (bad[0] if bad else None) or (
             None if self.feed is not None else "no link to the draft process")
         if not ready(msg, self.drafted) and gone is None and waited < DRAFT_WAIT_S:
             return False
@@ -669,6 +706,9 @@ class ShardServer:
         if self.feed is not None:
             self.feed.close()
         self.feed = None
+        if self.proposals is not None:
+            self.proposals.close()
+        self.proposals = None
         self._drop_socket(self.feed_sock)
         self.feed_sock = None
 
@@ -743,7 +783,7 @@ def run_shard(spec: ShardSpec, secret: bytes) -> int:
 
     def cleanup() -> None:  # names of rings not yet mapped by their peer
         if server is not None:
-            for t in (server.inbox, server.out, server.feed):
+            for t in (server.inbox, server.out, server.feed, server.proposals):
                 ring = getattr(t, "ring", None)
                 if ring is not None:
                     ring.unlink()

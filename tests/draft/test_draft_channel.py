@@ -125,6 +125,40 @@ def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
     assert route == b"shard0" and msg["tokens"] is None and "a bad frame" in msg["error"]
 
 
+def test_proposals_go_through_the_first_shards_ring(server):
+    """A first shard that offers a shared-memory ring for its proposals gets them there, not
+    over zmq; a ring that cannot be mapped is refused by name."""
+    from ipc.transport import offer
+
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    inbox, desc = offer("shm", 64, torch.device("cpu"))
+    try:
+        with pytest.raises(ProtocolError, match="cannot map the proposals ring"):
+            server._on_feed(b"shard0", message(
+                "feed", transport="shm", host=host_id(), device="cpu", dtype="float32",
+                layers=[1], width=64, max_rows=16, proposals={"ring": {"name": "nope"}}), [])
+        server._on_feed(b"shard0", message(
+            "feed", transport="shm", host=host_id(), device="cpu", dtype="float32", layers=[1],
+            width=64, max_rows=16, proposals=desc), [])
+        f1 = next(f for f in server.feeders if list(f.layers) == [1])
+        first = accept("shm", {"ring": f1.inbox.ring.describe()}, None)
+        second, _ = _feeder(server, b"shard1", [4])
+        server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+        sent.clear()
+        nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0, "push": True}
+        second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+        first.send(_feat(2, 0, 9, [1]), _rows(9))
+        server._work()
+        assert not [m for m in sent if m["type"] == "drafted"]  # not over zmq
+        msg, _, seq = inbox.poll()
+        inbox.release(seq)
+        assert msg["type"] == "drafted" and msg["after"] == 2 and msg["key"][:2] == [6, 5]
+        assert msg["tokens"] == server.proposer.propose(0, 5, 6, 3)[0]
+    finally:
+        inbox.close()
+
+
 def test_bad_frames_are_refused_without_desync(server):
     first, f1 = _feeder(server, b"shard0", [1])
     second, f2 = _feeder(server, b"shard1", [4])

@@ -298,6 +298,42 @@ def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("required", [False, True])
+def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, required):
+    """The coordinator loses the draft while a sequence is between a verdict and the step that
+    asks for its proposal (or while that step is held): the step runs plain, the generation
+    goes on exact; with spec_required it fails, naming the draft."""
+    with Coordinator(_cfg(target, 2, fitted, spec_required=required)) as coord:
+        prompt = _prompts(coord.tokenizer)[0]
+        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
+        progress = Progress()
+        stream = coord.stream(prompt, GREEDY, progress, use_cache=False)
+        got = [d.token for _, d in zip(range(12), stream)]
+        assert progress.spec.prepared > 0
+        coord._lose_draft("lost by the test")
+        if required:
+            with pytest.raises(ShardFailure, match="draft"):
+                for _ in stream:
+                    pass
+            return
+        got += [d.token for d in stream if d.token >= 0]
+        assert got == want
+        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+
+
+@pytest.mark.slow
+def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted):
+    """The verdict comes with the last shard's rows: a last shard that taps no layer sends
+    none, so the coordinator asks for every proposal (and speculation pays as before)."""
+    with Coordinator(_cfg(target, 2, fitted, split=(5, 1))) as coord:
+        assert not coord.push_drafts
+        prompt = _prompts(coord.tokenizer)[0]
+        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
+        got = coord.generate(prompt, GREEDY, use_cache=False)
+        assert got.tokens == want and got.acceptance_length > 1.5
+
+
+@pytest.mark.slow
 def test_draft_killed_with_speculation_required_fails_clearly(target, near):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, near, spec_required=True)) as coord:
