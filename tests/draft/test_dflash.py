@@ -120,17 +120,10 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama, fused):
             assert want[1] is None if tree == 0 else len(want[0]) == tree
 
 
-@pytest.mark.parametrize("bias,fused", [(False, False), (True, False), (True, True)])
-def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fused):
-    """The captured step's `context_kv_all` (one function for every layer, compiled on GPUs)
-    computes what `context_kv` does layer by layer: with q/k/v biases too, and on fused
-    projections (GPUs) as on separate ones."""
-    from draft.dflash import (
-        DFlashDraft,
-        context_kv_all,
-        dflash_config_dict,
-        read_dflash_config_dict,
-    )
+def _random_draft(tiny_llama, bias: bool, fused: bool):
+    """A 2-layer random draft of the tiny target, with q/k/v biases or not, its projections
+    fused (as on GPUs) or not."""
+    from draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict
     from shards.fused import fuse_projections
 
     target = read_hf_config(tiny_llama)
@@ -144,6 +137,17 @@ def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fuse
             p.normal_(0, 0.1)
     if fused:
         fuse_projections(model, compile=False)
+    return model, cfg
+
+
+@pytest.mark.parametrize("bias,fused", [(False, False), (True, False), (True, True)])
+def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fused):
+    """The captured step's `context_kv_all` (one function for every layer, compiled on GPUs)
+    computes what `context_kv` does layer by layer: with q/k/v biases too, and on fused
+    projections (GPUs) as on separate ones."""
+    from draft.dflash import context_kv_all
+
+    model, cfg = _random_draft(tiny_llama, bias, fused)
     feats, pos = torch.randn(5, cfg.width), torch.arange(7, 12)
     m = cfg.model
     with torch.no_grad():
@@ -163,29 +167,11 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
     (`write_context` + `block` + head) and the context keys and values it stores, with q/k/v
     biases too, on fused projections as on separate ones; cached rows past `done` and new
     context rows past the block's position are not seen."""
-    from draft.dflash import (
-        DFlashDraft,
-        block_step,
-        dflash_config_dict,
-        draft_step,
-        layer_weights,
-        read_dflash_config_dict,
-    )
-    from shards.fused import fuse_projections
+    from draft.dflash import block_step, draft_step, layer_weights
     from shards.kv_cache import KVCache, KVLayout
 
-    target = read_hf_config(tiny_llama)
-    raw = {**dflash_config_dict(target, layers=2, taps=[1, 4], block_size=4, mask_token_id=0),
-           "attention_bias": bias}
-    cfg = read_dflash_config_dict(raw, tiny_llama / "config.json")
+    model, cfg = _random_draft(tiny_llama, bias, fused)
     m = cfg.model
-    torch.manual_seed(0)
-    model = DFlashDraft(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    if fused:
-        fuse_projections(model, compile=False)
     feats = torch.randn(40, cfg.width)
     embed, head = torch.randn(m.vocab_size, m.hidden_size), torch.randn(m.vocab_size,
                                                                           m.hidden_size)
