@@ -327,8 +327,9 @@ class Coordinator:
         if self.push_drafts and self.shards and not self.shards[0].sock.closed:
             try:  # a step the first shard holds for a proposal runs without it
                 send(self.shards[0].sock, message("draft_gone"))
-            except zmq.ZMQError:
-                pass
+            except zmq.ZMQError as e:
+                log.warning("could not tell the first shard the draft is gone (%s): a step "
+                            "it holds runs after its wait", e)
         if self.cache is not None:  # saves waiting for its feature rows go on without them
             self.cache.draft_lost()
         for sock in (d.sock, d.monitor):

@@ -26,8 +26,14 @@ DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs wi
 
 
 def asked(msg: dict[str, Any]) -> bool:
-    """Whether a step has a segment asking for the draft's proposal."""
-    return any(seg["ask"] is not None for seg in msg["seqs"])
+    """Whether a step has a segment asking for the draft's proposal; its asks checked first
+    (ProtocolError naming what is wrong: such a step is refused, never held)."""
+    found = False
+    for i, seg in enumerate(msg["seqs"]):
+        if seg["ask"] is not None:
+            _check_ask(seg, f"step: segment {i}")
+            found = True
+    return found
 
 
 def check_drafted(msg: dict[str, Any]) -> None:
@@ -65,11 +71,16 @@ def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None, why_m
     return list(tokens), None if parents is None else list(parents)
 
 
-def check_ask(seg: dict[str, Any], where: str) -> None:
+def _check_ask(seg: dict[str, Any], where: str) -> None:
     ask = seg["ask"]
+    if not isinstance(ask, dict):
+        raise ProtocolError(f"{where}: ask must be a map")
     if not all(isinstance(ask.get(k), int) and not isinstance(ask.get(k), bool) and ask[k] >= 0
                for k in ("n", "tree", "after")):
         raise ProtocolError(f"{where}: ask={ask!r} needs n, tree and after, integers >= 0"[:300])
+    if not isinstance(seg["feat"], int):
+        raise ProtocolError(f"{where}: a segment that asks for draft tokens needs the "
+                            "sequence's draft context (feat)")
     if seg["n"] != 1 or seg["draft"] is not None or seg["tree"] is not None:
         raise ProtocolError(f"{where}: a segment that asks for draft tokens must be one row "
                             "with none of its own")
@@ -83,7 +94,7 @@ def ready(msg: dict[str, Any], drafted: dict[int, dict[str, Any]]) -> bool:
     for seg in msg["seqs"]:
         ask = seg["ask"]
         if ask is not None:
-            got = drafted.get(seg["feat"]) if isinstance(seg["feat"], int) else None
+            got = drafted.get(seg["feat"])
             if got is None or got["after"] < ask["after"]:
                 return False
     return True
@@ -95,21 +106,18 @@ def fill(msg: dict[str, Any], x: torch.Tensor, drafted: dict[int, dict[str, Any]
     from `drafted` (context -> the last `drafted` message), or a decode segment that says why
     not (`why_missing`: why for those whose proposal did not come; a proposal of other than
     token ids of `vocab`, too long or too deep is none); returns the step's token ids with the
-    draft tokens in place. ProtocolError for a malformed `ask`."""
+    draft tokens in place. Its asks were checked (`asked`)."""
     ids = x.tolist()
     out: list[int] = []
     a = 0
-    for i, seg in enumerate(msg["seqs"]):
+    for seg in msg["seqs"]:
         n = seg["n"]
         rows, a = ids[a:a + n], a + n
         ask = seg["ask"]
         if ask is None:
             out.extend(rows)
             continue
-        if not isinstance(ask, dict):
-            raise ProtocolError(f"step: segment {i}: ask must be a map")
-        check_ask(seg, f"step: segment {i}")
-        got = drafted.get(seg["feat"]) if isinstance(seg["feat"], int) else None
+        got = drafted.get(seg["feat"])
         found = _proposal(seg, rows[0], got, why_missing, vocab)
         compute = float(got["compute_s"]) if got is not None else 0.0
         if isinstance(found, str):

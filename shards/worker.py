@@ -629,16 +629,16 @@ class ShardServer:
         # first shard, the coordinator is off the decode path, and the verdict goes first
         pushed = any(seg["then"] is not None and seg["then"].get("push") is True
                      for seg in msg["seqs"])
+        result = (message("result", sid=msg["sid"], outs=results, act=None),
+                  torch.cat(logits_rows).cpu() if logits_rows else None)
         if not pushed:
-            self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
-                          torch.cat(logits_rows).cpu() if logits_rows else None)
+            self.out.send(*result)
         for j, (i, s) in enumerate(fed):
             if self.feed is not None:
                 self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1,
                                     _next_proposal(msg["seqs"][i], results[i]))
         if pushed:
-            self.out.send(message("result", sid=msg["sid"], outs=results, act=None),
-                          torch.cat(logits_rows).cpu() if logits_rows else None)
+            self.out.send(*result)
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ipc.messages import ProtocolError, decode, encode, message, segment
-from shards.asked import check_drafted, fill, ready
+from shards.asked import asked, check_drafted, fill, ready
 
 VOCAB = 100
 SAMPLE = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 1}
@@ -39,6 +39,7 @@ def test_a_proposal_makes_the_segment_a_verify_segment():
     msg, x = _step()
     d = _drafted()
     check_drafted(d)
+    assert asked(msg) and not asked(_step()[0] | {"seqs": _step()[0]["seqs"][:1]})
     assert ready(msg, {0: d}) and not ready(msg, {}) and not ready(msg, {0: _drafted(after=6)})
     ids = fill(msg, x, {0: d}, "-", 0.5, VOCAB)
     assert ids.tolist() == [5, 6, 11, 12, 13, 14]
@@ -108,10 +109,11 @@ def test_malformed_drafted_messages_are_refused_by_name(change, match):
     (lambda s: s.update(n=2), "one row with none of its own"),
     (lambda s: s.update(draft=[]), "one row with none of its own"),
     (lambda s: s.update(sample=None), "needs its sampling parameters"),
+    (lambda s: s.update(feat=None), "needs the sequence's draft context"),
 ])
 def test_a_malformed_ask_is_refused_by_name(change, match):
+    """Before the step is held (`asked`), so it is refused, never waited on."""
     msg, _ = _step()
     change(msg["seqs"][1])
-    x = torch.arange(sum(s["n"] for s in msg["seqs"]))
     with pytest.raises(ProtocolError, match=match):
-        fill(msg, x, {0: _drafted()}, "-", 0.0, VOCAB)
+        asked(msg)
