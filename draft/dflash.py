@@ -204,16 +204,15 @@ class DFlashDraft(nn.Module):
             kv.k[i, slot, pos:pos + ctx.shape[0]] = k
             kv.v[i, slot, pos:pos + ctx.shape[0]] = v
 
-    def block(self, x: torch.Tensor, step: StepInfo, kv: KVCache, slot: int = 0,
-              norm: bool = True) -> torch.Tensor:
+    def block(self, x: torch.Tensor, step: StepInfo, kv: KVCache, slot: int = 0
+              ) -> torch.Tensor:
         """Normed hidden rows (m, H) of a block of embedded tokens x (m, H) at `step`'s
-        positions (not normed with `norm=False`); its keys and values are written to `kv` after
-        the context's."""
+        positions; its keys and values are written to `kv` after the context's."""
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, x.dtype)
         h = x
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, i, slot, step)
-        return self.norm(h) if norm else h
+        return self.norm(h)
 
 
 def context_kv_all(feats: torch.Tensor, positions: torch.Tensor, fc_w: torch.Tensor,

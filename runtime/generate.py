@@ -224,23 +224,20 @@ def sequence_program(
                 ask = drafter.ask(pos, room - 1, rows - 1)
                 if ask is None:
                     drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
-        if ask is not None:  # the draft hands the first shard this step's draft tokens
-            full = context is None or (context - pos - max(ask["n"], ask["tree"]) - 1
-                                       >= max(drafter.rows, drafter.block))
-            out = yield StepRequest([token], pos, params, seed, kept=kept, ask=ask,
-                                    then=drafter.then() if full else None)
+        if ask is not None or drafts:
+            step = StepRequest([token, *drafts], pos, params, seed, draft=drafts or None,
+                               tree=tree, kept=kept, ask=ask)
+            # a full proposal fits after this step, whatever it keeps: the draft may prepare it
+            if context is None or context - pos - step.rows >= max(drafter.rows, drafter.block):
+                step.then = drafter.then()
+            out = yield step
+        if ask is not None:  # the draft handed the first shard this step's draft tokens
             drafts, tree = drafter.delivered(out.asked)
             if not drafts:  # it ran as a plain decode step
                 kept = None
                 assert out.token is not None
                 token, pos = out.token, pos + 1
                 continue
-        elif drafts:
-            # a full proposal fits after this step, whatever it keeps: the draft may prepare it
-            full = context is None or (context - pos - len(drafts) - 1
-                                       >= max(drafter.rows, drafter.block))
-            out = yield StepRequest([token, *drafts], pos, params, seed, draft=drafts,
-                                    tree=tree, kept=kept, then=drafter.then() if full else None)
         if drafts:
             path = out.path if tree is not None else list(range(1, out.accepted + 1))
             if path is None or len(path) != out.accepted or any(
