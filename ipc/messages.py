@@ -81,6 +81,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # run without them
     "draft_gone": {},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
+    # (the first shard's `feed` also carries `proposals`: the description of a shared-memory
+    # ring it offers for the `drafted` messages it is handed; optional, zmq without)
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "layers": (list,), "width": (int,), "max_rows": (int,)},
     # `next` (on a verify step's last piece from the last shard): the proposal the coordinator
