@@ -125,6 +125,13 @@ def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
     assert route == b"shard0" and msg["tokens"] is None and "a bad frame" in msg["error"]
 
 
+def test_push_without_feeders_is_refused(server):
+    with pytest.raises(ProtocolError, match="push needs the first shard among the feeders"):
+        server._on_draft_configure(b"coord", message(
+            "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[],
+            cache_dir=None, spin_ms=0, slots=2, push=True), [])
+
+
 def test_proposals_go_through_the_first_shards_ring(server):
     """A first shard that offers a shared-memory ring for its proposals gets them there, not
     over zmq; a ring that cannot be mapped is refused by name."""

@@ -70,6 +70,7 @@ def test_every_key_is_documented():
     ({"spec_tree": -1}, "spec_tree=-1: must be at least 0"),
     ({"draft": ""}, "draft is empty"),
     ({"spec_required": "perhaps"}, "spec_required='perhaps' is not a valid bool"),
+    ({"spec_push": "sometimes"}, "spec_push='sometimes' is not a valid bool"),
     ({"spec_max_seqs": -1}, "spec_max_seqs=-1: must be at least 0"),
     ({"max_seqs": 0}, "max_seqs=0: use 1..512"),
     ({"max_seqs": 513}, "max_seqs=513: use 1..512"),
