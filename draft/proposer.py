@@ -34,6 +34,7 @@ from draft.dflash import (
 from draft.tree import instantiate, width
 from runtime.chunking import prefill_chunks
 from shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
+from shards.device import to_device
 from shards.errors import CheckpointError
 from shards.executor import RangeExecutor
 from shards.graphs import capture
@@ -177,7 +178,8 @@ class DFlashProposer:
         if not all(0 <= r < self.max_len for r in (*src, *dst)):
             raise ValueError(f"propose: kept rows {src} -> {dst} outside the context of "
                              f"{self.max_len}")
-        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
+        idx = to_device([*src, *dst], self.device)
+        s, d = idx[:len(src)], idx[len(src):]
         self.features[0, slot, d] = self.features[0, slot, s]
 
     @torch.inference_mode()

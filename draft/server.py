@@ -51,7 +51,7 @@ MAX_SLOTS = 1024
 ALLOWED = {
     "coordinator": {"draft_configure", "draft_begin", "propose", "draft_features", "ping",
                     "shutdown", "wake", *SNAP_OPS},
-    "feeder": {"feed", "feat", "wake"},
+    "feeder": {"feed", "feat", "verdict", "wake"},
 }
 
 
@@ -168,6 +168,8 @@ class DraftServer:
                                            sid=msg.get("sid")))
             elif t == "feat":
                 self._on_feat(route, msg, zmq_tensor(msg, frames))
+            elif t == "verdict":
+                self._on_verdict(route, msg)
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)
         except ProtocolError as e:
@@ -319,10 +321,13 @@ class DraftServer:
                     break
                 msg, rows, seq = got
                 try:
-                    if msg["type"] != "feat":
+                    if msg["type"] == "verdict":
+                        self._note_verdict(msg)
+                    elif msg["type"] == "feat":
+                        self._store_rows(f, msg, rows)
+                    else:
                         raise ProtocolError(f"ring message of type {msg['type']!r}, expected "
-                                            "'feat'")
-                    self._store_rows(f, msg, rows)
+                                            "'feat' or 'verdict'")
                 except ProtocolError as e:
                     self._refuse_feature(f, str(e), msg.get("slot"))
                 finally:  # (a device slot is handed back once the copy out of it has run)
@@ -357,13 +362,34 @@ class DraftServer:
         if self.snapshots is not None and pos < self.snapshots.pending_end(slot):
             self.snapshots.wait_pending()  # a snapshot still copies the rows these replace
         p.write_features(slot, f.column, pos, rows.to(self.device, p.features.dtype))
-        if msg["next"] is not None:
-            try:
-                self.prepared.note(slot, msg["sid"], check_next(msg["next"]),
-                                   self.push and msg["next"].get("push") is True)
-            except ValueError as e:  # a hint only: the proposal is computed when asked for
-                log.warning("draft: the feeder of layers %s sent a next proposal it cannot "
-                            "prepare: %s", list(f.layers), e)
+
+    def _on_verdict(self, route: bytes, msg: dict[str, Any]) -> None:
+        f = next((f for f in self.feeders if f.route == route), None)
+        if f is None or f.inbox is not None:
+            raise ProtocolError("verdict from a peer that is not a zmq feeder", "unexpected")
+        self._note_verdict(msg)
+
+    def _note_verdict(self, msg: dict[str, Any]) -> None:
+        """A verify step's verdict (from the last shard, after the step's rows): the proposal
+        to prepare next for the sequence, computed once every feeder's rows of that step are
+        here (`_prepare`). It is a hint: a bad one is refused by name (to the coordinator) and
+        the context stays whole; the proposal is then computed when asked for, or the first
+        shard's held step runs without one after its wait."""
+        p = self.proposer
+        assert isinstance(p, DFlashProposer)
+        slot, nxt = msg["slot"], msg["next"]
+        try:
+            if not 0 <= slot < p.slots:
+                raise ValueError(f"slot {slot} outside 0..{p.slots - 1}")
+            key = check_next(nxt)
+        except ValueError as e:
+            log.warning("draft: refused a verdict: %s", e)
+            self._to_coordinator(error(f"draft: refused a verdict of step {msg['sid']}: {e}",
+                                       "bad_verdict"))
+            return
+        if msg["sid"] < self.begun.get(slot, 0):
+            return  # the sequence before's, late
+        self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)
 
     def _prepare(self) -> bool:
         """Compute the proposals verdicts named, once their steps' rows are all here."""

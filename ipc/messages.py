@@ -12,12 +12,13 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 6  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 7  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
 # 6: proposals handed by the draft to the first shard (segment `ask`, outcome `asked`,
-# `drafted`, `draft_gone`, draft_configure `push`)
+# `drafted`, `draft_gone`, draft_configure `push`); 7: `verdict` (was feat `next`), sent after
+# the step's rows, which go before the verdict is known
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -85,10 +86,14 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # ring it offers for the `drafted` messages it is handed; optional, zmq without)
     "feed": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "layers": (list,), "width": (int,), "max_rows": (int,)},
-    # `next` (on a verify step's last piece from the last shard): the proposal the coordinator
-    # will ask for next ({pos, token, kept, n, tree}), which the draft prepares meanwhile
+    # a feeder's rows of a step for draft context `slot` (`last`: the step's last piece)
     "feat": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "layers": (list,),
-             "last": (bool,), "act": (dict, NoneType), "next": (dict, NoneType)},
+             "last": (bool,), "act": (dict, NoneType)},
+    # after a verify step's rows, from the last shard: `next`, the proposal that will be asked
+    # for next ({pos, token, kept, n, tree, push}), which the draft prepares meanwhile. The
+    # rows go first, as soon as the step is launched: the draft takes them while the verdict
+    # is worked out, and starts the proposal as soon as the verdict comes
+    "verdict": {"sid": (int,), "slot": (int,), "next": (dict,)},
     # supervision and errors
     "wake": {},  # doorbell: a message waits in a shared-memory ring
     "ping": {},
@@ -104,7 +109,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 # rows the sequence's last verify step kept of its tree, which every shard moves to their
 # positions before this segment runs (`shards.spec_tree.kept_moves`; None: nothing to move);
 # `then`: {n, tree}, the proposal the sequence will ask for after this verify step, which the
-# last shard passes to the draft with the verdict (`feat`'s `next`) so it is ready sooner;
+# last shard passes to the draft with the verdict (`verdict`'s `next`) so it is ready sooner;
 # `ask`: {n, tree, after}, a decode segment (one row, its last token) whose draft tokens the
 # draft process hands the first shard (`drafted`, prepared from step `after`'s verdict); the
 # first shard makes it a verify segment with them, or leaves it a decode segment and says why

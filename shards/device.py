@@ -13,3 +13,16 @@ def use_device(device: str, threads: int | None) -> torch.device:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on `device`, without waiting for the device.
+
+    `torch.tensor(values, device=cuda)` copies from pageable memory and then synchronizes the
+    current stream: on the decode path that stalls the host until every kernel queued before it
+    has run (on a shard, until the upstream shard's step has landed). Through pinned memory the
+    copy is queued like a kernel; torch's pinned allocator keeps the buffer until it has run."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -21,6 +21,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from shards.model import group_queries
+
 log = logging.getLogger(__name__)
 
 
@@ -37,14 +39,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def pre_attention(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int,
-                  hd: int):
+                  hd: int, grouped: bool = False):
+    """q, k, v of a step; with `grouped`, q grouped per KV head (`group_queries`) for
+    `Attention._grouped`."""
     x = rms_norm(h, ln_w, eps)
     q, k, v = F.linear(x, qkv_w, qkv_b).split([nh * hd, ng * hd, ng * hd], dim=-1)
     n = h.shape[0]
     q, k, v = q.reshape(n, nh, hd), k.reshape(n, ng, hd), v.reshape(n, ng, hd)
     if qn_w is not None:
         q, k = rms_norm(q, qn_w, eps), rms_norm(k, kn_w, eps)
-    return rope(q, cos, sin), rope(k, cos, sin), v.contiguous()
+    q = rope(q, cos, sin)
+    return group_queries(q, ng) if grouped else q, rope(k, cos, sin), v.contiguous()
 
 
 def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
@@ -107,7 +112,8 @@ class FusedDecode:
         q, k, v = stages.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
                              a.qkv_proj.bias, None if a.q_norm is None else a.q_norm.weight,
                              None if a.k_norm is None else a.k_norm.weight,
-                             cos, sin, eps, a.num_heads, a.num_kv_heads, a.head_dim)
+                             cos, sin, eps, a.num_heads, a.num_kv_heads, a.head_dim,
+                             step.lo is None)
         if step.lo is None:
             keys, values = kv.append(index, slot, step, k, v)
             attn = a._grouped(q, keys, values, step.mask)

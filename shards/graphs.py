@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shards.device import to_device
 from shards.kv_cache import KVCache
 from shards.model import LayerRange, StepInfo
 from shards.spec_tree import ancestors, depths
@@ -87,6 +88,7 @@ class StaticDecoder:
         self.inputs: dict[int, torch.Tensor] = {}  # rows -> static input buffer
         self.tree_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> buffers
         self.trees: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # on device
+        self.loaded: dict[int, tuple[int, ...]] = {}  # rows -> the tree in the input buffers
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # batched steps: Bp -> (input rows, positions), and (lo, Bp, kv_len) -> graph, output
@@ -121,6 +123,8 @@ class StaticDecoder:
 
     def _load_tree(self, n: int, parents: Sequence[int] | None) -> None:
         key = tuple(range(n - 1)) if parents is None else tuple(parents)
+        if self.loaded.get(n) == key:  # the buffers hold it still (a draft's tree shape is fixed)
+            return
         src = self.trees.get(key)
         if src is None:
             if len(self.trees) >= 64:
@@ -131,6 +135,7 @@ class StaticDecoder:
         depth, anc = self._tree_input(n)
         depth.copy_(src[0])
         anc.copy_(src[1])
+        self.loaded[n] = key
 
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
         if n > 1:
@@ -184,11 +189,11 @@ class StaticDecoder:
         given row's index in the window. Padding rows get input zero and the scratch row's
         position, so they write only there."""
         buf, pos = self._batch_input(bp)
-        order = torch.tensor([s - lo for s in slots], device=buf.device)
+        order = to_device([s - lo for s in slots], buf.device)
         padded = [self.kv.max_len] * bp
         for s, p in zip(slots, positions):
             padded[s - lo] = p
-        pos.copy_(torch.tensor(padded))
+        pos.copy_(to_device(padded, pos.device))
         buf.zero_()
         buf.index_copy_(0, order, x.to(buf.device, buf.dtype).reshape(-1, *buf.shape[1:]))
         return order

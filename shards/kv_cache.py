@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shards.device import to_device
+
 if TYPE_CHECKING:
     from shards.model import StepInfo
 
@@ -90,8 +92,8 @@ class KVCache:
             return
         if len(src) != len(dst) or not all(0 <= r < self.max_len for r in (*src, *dst)):
             raise IndexError(f"KV rows {src} -> {dst} outside the cache's {self.max_len} rows")
-        dev = self.k.device
-        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        idx = to_device([*src, *dst], self.k.device)
+        s, d = idx[:len(src)], idx[len(src):]
         self.k[:, slot, d] = self.k[:, slot, s]
         self.v[:, slot, d] = self.v[:, slot, s]
 

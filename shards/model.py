@@ -146,6 +146,14 @@ class StepInfo:
         return StepInfo(positions, kv_len, mask, None, grouped=True, lo=lo, slots=slots)
 
 
+def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
+    """Queries (n, H, D) as (G, H/G * n, D): the query rows of each of the G KV heads, for
+    `Attention._grouped`. (Inside the compiled decode step, `shards.fused`, this layout is
+    written by the rotary's own kernel; eager, a verify step's several rows cost a copy.)"""
+    n, h, d = q.shape
+    return q.view(n, g, h // g, d).permute(1, 2, 0, 3).reshape(g, h // g * n, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -200,7 +208,8 @@ class Attention(nn.Module):
             return self.o_proj(self._grouped_batch(q, keys, values, step.mask))
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
         if step.grouped:
-            return self.o_proj(self._grouped(q, keys, values, step.mask))
+            return self.o_proj(self._grouped(group_queries(q, self.num_kv_heads), keys, values,
+                                             step.mask))
         from_start = step.pos == 0 and n > 1  # plain causal: flash attention applies
         gqa = self.num_heads != self.num_kv_heads
         if gqa and step.mask is not None and not from_start and keys.is_cuda:
@@ -219,16 +228,17 @@ class Attention(nn.Module):
         )  # (1, H, n, D)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
-    def _grouped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    def _grouped(self, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
-        """Decode attention (few queries, many keys) as two batched matmuls.
+        """Decode attention (few queries, many keys) as two batched matmuls, for queries
+        grouped by `group_queries`.
 
         GQA without repeating K/V: the H/G query heads of each KV head become extra query rows
         of that head. Plain matmuls beat the fused attention kernels at these shapes (a GPU
         profile showed 22 us per layer in cuDNN's flash kernel for 4 x 768 per head)."""
-        n, g, d = q.shape[0], self.num_kv_heads, self.head_dim
+        g, d = self.num_kv_heads, self.head_dim
         r = self.num_heads // g
-        qg = q.view(n, g, r, d).permute(1, 2, 0, 3).reshape(g, r * n, d)  # (G, r*n, D)
+        n = qg.shape[1] // r
         scores = torch.matmul(qg, keys.permute(1, 2, 0)) * (d ** -0.5)  # (G, r*n, T)
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))

@@ -485,10 +485,6 @@ class ShardServer:
                     if draft is None:
                         raise ValueError("a token tree without draft tokens")
                     check_tree(tree, n - 1)
-                if kept is not None:
-                    check_path(kept, pos)
-                    if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
-                        raise ValueError(f"kept rows reach past the context of {ex.max_len}")
             except ValueError as e:
                 raise ProtocolError(f"{where}: {e}") from e
             if seg["sample"] is not None:
@@ -510,7 +506,8 @@ class ShardServer:
             if x.dtype != torch.int64 or tuple(x.shape) != (rows,):
                 raise ProtocolError(f"step: expected {rows} int64 token ids, got {x.dtype} "
                                     f"{tuple(x.shape)}")
-            if int(x.min()) < 0 or int(x.max()) >= self.cfg.vocab_size:
+            lo, hi = torch.aminmax(x)
+            if int(lo) < 0 or int(hi) >= self.cfg.vocab_size:
                 raise ProtocolError(f"step: token id outside the vocabulary "
                                     f"0..{self.cfg.vocab_size}")
         elif tuple(x.shape) != (rows, self.cfg.hidden_size):
@@ -525,6 +522,9 @@ class ShardServer:
             self.queued.append((msg, None if x is None else x.clone()))
             return
         if self.model.is_first and x is not None and asked(msg):
+            # the kept rows move while the draft computes: the step then waits only for its
+            # draft tokens
+            self._move_kept(msg)
             self.held = (msg, x.clone(), time.monotonic())
             self._run_held()
             return
@@ -546,7 +546,8 @@ class ShardServer:
         self.held = None
         why = gone or f"no proposal within {DRAFT_WAIT_S:.0f} s"
         try:
-            self._run_timed(msg, fill(msg, x, self.drafted, why, waited, self.cfg.vocab_size))
+            self._run_timed(msg, fill(msg, x, self.drafted, why, waited, self.cfg.vocab_size),
+                            moved=True)
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
         while self.queued and self.held is None:
@@ -562,14 +563,43 @@ class ShardServer:
         self.draft_gone = "the draft process is gone"
         self.drafted.clear()
 
-    def _run_timed(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+    def _run_timed(self, msg: dict[str, Any], x: torch.Tensor | None,
+                   moved: bool = False) -> None:
         started = self.clock.start()
         try:
-            self._run_step(msg, x)
+            self._run_step(msg, x, moved)
         finally:
             self.clock.stop(started)
 
-    def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
+    def _move_kept(self, msg: dict[str, Any]) -> None:
+        """The rows each sequence's last tree verify step kept go where they belong
+        (`shards.spec_tree.kept_moves`); all of the step's are checked before any moves."""
+        ex = self.executor
+        if ex is None:
+            raise ProtocolError("step before configure", "unexpected")
+        moves = []
+        for i, seg in enumerate(msg["seqs"]):
+            slot, pos, kept = seg["slot"], seg["pos"], seg["kept"]
+            if kept is None:
+                continue
+            try:
+                if not 0 <= slot < ex.kv.slots:
+                    raise ValueError(f"slot {slot} is outside 0..{ex.kv.slots - 1}")
+                check_path(kept, pos)
+                if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
+                    raise ValueError(f"kept rows reach past the context of {ex.max_len}")
+            except ValueError as e:
+                raise ProtocolError(f"step: segment {i}: {e}") from e
+            if kept:
+                moves.append((slot, pos, kept))
+        for slot, pos, kept in moves:
+            if self.snapshots is not None and pos < self.snapshots.pending_end(slot):
+                self.snapshots.wait_pending()  # rows still being copied out
+            ex.kv.move_rows(slot, *kept_moves(pos, kept))
+
+    def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
+                  moved: bool = False) -> None:
+        """Run a step (`moved`: its kept rows were moved already, while it was held)."""
         segs = self._segments(msg, x)
         if not x.is_cuda and self.device.type == "cuda":
             # through pinned memory: the host does not wait for the device to take it
@@ -578,9 +608,8 @@ class ShardServer:
             for s in segs:  # a new sequence overwrites rows still being copied out
                 if s.pos < self.snapshots.pending_end(s.slot):
                     self.snapshots.wait_pending()
-        for seg in msg["seqs"]:  # the rows the last tree verify step kept go where they belong
-            if seg["kept"]:
-                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
+        if not moved:
+            self._move_kept(msg)
         self.busy = True
         try:
             outs = self.executor.run_segments(x, segs)
@@ -590,10 +619,10 @@ class ShardServer:
         if not self.model.is_last:  # the next shard first: the draft waits for rows it needs
             self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
                           outs[0] if len(outs) == 1 else torch.cat(outs))
-            for j, (_, s) in enumerate(fed):
-                if self.feed is not None:
-                    self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps,
-                                        j == len(fed) - 1)
+        # (on the last shard, before the verdict: the draft takes them while it is made)
+        for j, (_, s) in enumerate(fed):
+            self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
+        if not self.model.is_last:
             return
         results, logits_rows = [], []
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
@@ -625,43 +654,50 @@ class ShardServer:
                             "path": path, "asked": seg["asked"]})
             if seg["logits"]:
                 logits_rows.append(logits.float()[None])
-        # with the verdict, the draft prepares its next proposal; when it hands that to the
-        # first shard, the coordinator is off the decode path, and the verdict goes first
+        # with the verdict, the draft prepares its next proposal (it has the rows already);
+        # when it hands that to the first shard, the coordinator is off the decode path, and
+        # the verdict goes first
         pushed = any(seg["then"] is not None and seg["then"].get("push") is True
                      for seg in msg["seqs"])
         result = (message("result", sid=msg["sid"], outs=results, act=None),
                   torch.cat(logits_rows).cpu() if logits_rows else None)
         if not pushed:
             self.out.send(*result)
-        for j, (i, s) in enumerate(fed):
-            if self.feed is not None:
-                self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1,
-                                    _next_proposal(msg["seqs"][i], results[i]))
+        for i, s in fed:
+            nxt = _next_proposal(msg["seqs"][i], results[i])
+            if nxt is not None and self.feed is not None:
+                self._to_draft(message("verdict", sid=msg["sid"], slot=s.feed, next=nxt))
         if pushed:
             self.out.send(*result)
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
-                       taps: dict[int, torch.Tensor], step_end: bool,
-                       then: dict | None = None) -> None:
+                       taps: dict[int, torch.Tensor], step_end: bool) -> None:
         """Rows of the tapped layers, side by side, for the sequence's draft context
-        (`context`), in pieces of at most FEED_ROWS rows; the
-        step's last piece says so (`last`: the draft then has all of the step's rows), and
-        carries `then`, the proposal to prepare. A draft
-        that stopped taking them is dropped (logged): the target's step never waits on it."""
+        (`context`), in pieces of at most FEED_ROWS rows; the step's last piece says so
+        (`last`: the draft then has all of the step's rows)."""
+        if self.feed is None:
+            return
         rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
+        for a in range(0, n, FEED_ROWS):
+            b = min(n, a + FEED_ROWS)
+            if not self._to_draft(message("feat", sid=sid, slot=context, pos=pos + a, n=b - a,
+                                          layers=list(self.taps), last=step_end and b == n,
+                                          act=None), rows[a:b]):
+                return
+
+    def _to_draft(self, msg: dict[str, Any], rows: torch.Tensor | None = None) -> bool:
+        """Send the draft process a message of its feed; a draft that stopped taking them is
+        dropped (logged, and the coordinator told): the target's step never waits on it."""
         try:
-            for a in range(0, n, FEED_ROWS):
-                b = min(n, a + FEED_ROWS)
-                self.feed.send(message("feat", sid=sid, slot=context, pos=pos + a, n=b - a,
-                                       layers=list(self.taps), last=step_end and b == n,
-                                       act=None, next=then if b == n else None),
-                               rows[a:b])
+            self.feed.send(msg, rows)
+            return True
         except (TimeoutError, zmq.ZMQError) as e:
             log.warning("shard %d: the draft process takes no feature rows (%s); no longer "
                         "sending them", self.index, e)
             self._close_feed()
             self._report(error(f"shard {self.index} could not hand the draft process its "
                                f"feature rows ({e}); speculation stops", "feed_lost"))
+            return False
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""

@@ -34,9 +34,12 @@ def _feeder(server, route, layers):
     return accept("shm", {"ring": f.inbox.ring.describe()}, None), f
 
 
-def _feat(sid, pos, n, layers, slot=0, next=None):
-    return message("feat", sid=sid, slot=slot, pos=pos, n=n, layers=layers, last=True, act=None,
-                   next=next)
+def _feat(sid, pos, n, layers, slot=0):
+    return message("feat", sid=sid, slot=slot, pos=pos, n=n, layers=layers, last=True, act=None)
+
+
+def _verdict(sid, nxt, slot=0):
+    return message("verdict", sid=sid, slot=slot, next=nxt)
 
 
 def _rows(n):
@@ -54,7 +57,8 @@ def test_a_verdict_prepares_the_next_proposal(server):
     server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
     # a verify step at 3 of 6 rows kept rows 2 and 3 of its tree: the next proposal is at 6
     nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0}
-    second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+    second.send(_feat(2, 0, 9, [4]), _rows(9))
+    second.send(_verdict(2, nxt), None)
     server._work()
     assert server.prepared.pending and not server.prepared.ready  # shard 0's rows not here yet
     first.send(_feat(2, 0, 9, [1]), _rows(9))
@@ -69,24 +73,34 @@ def test_a_verdict_prepares_the_next_proposal(server):
     assert "prepared" not in sent[-1] and len(sent[-1]["tokens"]) == 3
     assert server.proposer.features[0, 0, 3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0]
     # the same verify step again: the request that matches finds its proposal ready
-    second.send(_feat(4, 0, 9, [4], next=nxt), _rows(9))
+    second.send(_feat(4, 0, 9, [4]), _rows(9))
+    second.send(_verdict(4, nxt), None)
     first.send(_feat(4, 0, 9, [1]), _rows(9))
     server._work()
     server._on_propose(b"coord", message("propose", token=5, **{**ask, "sync": 4}), [])
     assert sent[-1]["type"] == "proposal" and sent[-1]["prepared"] is True
     assert server.proposer.features[0, 0, 3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0]
     assert sent[-1]["tokens"] == server.proposer.propose(0, 5, 6, 3)[0]  # as if asked now
-    # a verdict the draft cannot use is dropped (logged), the context stays whole
-    second.send(_feat(5, 7, 1, [4], next={"pos": -1}), _rows(1))
+    # a verdict the draft cannot use is refused by name to the coordinator, the context
+    # stays whole
+    server.coordinator = b"coord"
+    second.send(_feat(5, 7, 1, [4]), _rows(1))
+    second.send(_verdict(5, {"pos": -1}), None)
+    second.send(_verdict(5, nxt, slot=7), None)
     first.send(_feat(5, 7, 1, [1]), _rows(1))
     server._work()
     assert not server.prepared.pending and not f2.rejected
+    refused = [m["message"] for m in sent if m["type"] == "error"]
+    assert [m["code"] for m in sent if m["type"] == "error"] == ["bad_verdict"] * 2
+    assert "verdict of step 5" in refused[0] and "pos, token, n and tree" in refused[0]
+    assert "slot 7 outside 0..1" in refused[1]
     server._wait_features(5, 0)
     # the next sequence begins before the last rows of the one before arrive (they travel on
     # another channel than the coordinator's messages): they are not stored, their verdict is
     # not prepared
     server._on_draft_begin(b"coord", message("draft_begin", sid=9, slot=0), [])
-    second.send(_feat(8, 0, 9, [4], next=nxt), _rows(9) + 100)
+    second.send(_feat(8, 0, 9, [4]), _rows(9) + 100)
+    second.send(_verdict(8, nxt), None)
     first.send(_feat(8, 0, 9, [1]), _rows(9) + 100)
     server._work()
     assert not server.prepared.pending and not server.prepared.ready
@@ -105,7 +119,8 @@ def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
     server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
     sent.clear()
     nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0, "push": True}
-    second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+    second.send(_feat(2, 0, 9, [4]), _rows(9))
+    second.send(_verdict(2, nxt), None)
     server._work()
     assert not sent  # the first shard's rows are not here yet
     first.send(_feat(2, 0, 9, [1]), _rows(9))
@@ -118,7 +133,8 @@ def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
     assert not server.prepared.ready  # handed over, not kept for a request
     # a broken context: no proposal, and the first shard is told why at once
     f2.rejected[0] = "a bad frame"
-    second.send(_feat(3, 0, 9, [4], next={**nxt, "kept": None}), _rows(9))
+    second.send(_feat(3, 0, 9, [4]), _rows(9))
+    second.send(_verdict(3, {**nxt, "kept": None}), None)
     first.send(_feat(3, 0, 9, [1]), _rows(9))
     server._work()
     route, msg = sent[-1]
@@ -154,7 +170,8 @@ def test_proposals_go_through_the_first_shards_ring(server):
         server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
         sent.clear()
         nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0, "push": True}
-        second.send(_feat(2, 0, 9, [4], next=nxt), _rows(9))
+        second.send(_feat(2, 0, 9, [4]), _rows(9))
+        second.send(_verdict(2, nxt), None)
         first.send(_feat(2, 0, 9, [1]), _rows(9))
         server._work()
         assert not [m for m in sent if m["type"] == "drafted"]  # not over zmq

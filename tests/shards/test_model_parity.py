@@ -106,3 +106,8 @@ def test_fused_projections_equal_separate(tiny_models):
         for pos in range(20, 40):
             a, b = plain.run(torch.tensor([9]), pos), fused.run(torch.tensor([9]), pos)
             assert (a - b).abs().max().item() < 1e-5
+        # a verify step of a token tree: several query rows per KV head (`group_queries`)
+        rows = torch.tensor([9, 3, 5, 7, 2])
+        a, b = (ex.run(rows, 40, all_logits=True, verify=True, tree=[0, 1, 1, 0])
+                for ex in (plain, fused))
+        assert a.shape[0] == 5 and (a - b).abs().max().item() < 1e-5
