@@ -1,14 +1,16 @@
 """Proposals the draft computes before the coordinator asks for them.
 
 With a verify step's verdict, the last shard tells the draft which proposal the sequence will
-ask for next (`feat`'s `next`: position, the target's token, the tree rows kept, n, tree). The
+ask for next (`verdict`'s `next`: position, the target's token, the tree rows kept, n, tree). The
 draft computes it as soon as every feeding shard has delivered that step's rows, while the
 verdict travels to the coordinator and the coordinator's request travels back; the request then
 finds it ready. A request that asks for anything else is computed as always: a prepared
 proposal is a cache, never a second source of truth.
 
-Its one subtlety: preparing a proposal moved the kept rows' features into place already, so the
-request that names the same kept rows must not move them again (`take`).
+Its subtleties: preparing a proposal moved the kept rows' features into place already, so the
+request that names the same kept rows must not move them again (`take`); and the verdict comes
+after its step's rows (and, asking, after the result), so a request may be served before it
+comes: the request moved the rows then, and the late verdict is dropped (`note`).
 """
 
 from __future__ import annotations
@@ -57,13 +59,19 @@ class Prepared:
     # that fails after moving them must not have them moved again)
     moved: dict[int, tuple[int, tuple[int, ...] | None]] = dataclasses.field(
         default_factory=dict)
+    # the last step whose rows a request served needed (its `sync`), per slot
+    served: dict[int, int] = dataclasses.field(default_factory=dict)
 
-    def note(self, slot: int, sid: int, key: Key, push: bool = False) -> None:
+    def note(self, slot: int, sid: int, key: Key, push: bool = False) -> bool:
         """Step `sid`'s verdict names the next proposal of `slot`'s sequence (`push`: it goes
-        to the first shard, which holds that step for it)."""
+        to the first shard, which holds that step for it). False, and dropped, when a request
+        that needed that step's rows was served already (it computed the proposal itself)."""
+        if sid <= self.served.get(slot, -1):
+            return False
         self.pending[slot] = (sid, key, push)
         self.ready.pop(slot, None)
         self.times[slot] = (time.monotonic(), 0.0)
+        return True
 
     def forget(self, slot: int | None = None) -> None:
         """A new sequence in `slot` (None: every slot)."""
@@ -71,10 +79,12 @@ class Prepared:
             self.pending.clear()
             self.ready.clear()
             self.moved.clear()
+            self.served.clear()
         else:
             self.pending.pop(slot, None)
             self.ready.pop(slot, None)
             self.moved.pop(slot, None)
+            self.served.pop(slot, None)
 
     def due(self, fed_sids: Sequence[int]) -> list[tuple[int, int, Key, bool]]:
         """The pending proposals whose rows every feeder delivered (removed from pending):
@@ -93,9 +103,12 @@ class Prepared:
         self.ready[slot] = (key, proposal, seconds)
         self.times[slot] = (self.times.get(slot, (0.0, 0.0))[0], time.monotonic())
 
-    def take(self, slot: int, key: Key) -> tuple[tuple[Proposal, float] | None, bool]:
-        """For a request of `slot` with `key`: (the prepared proposal and its compute time, or
-        None), and whether the request's kept rows still need moving."""
+    def take(self, slot: int, key: Key, sync: int = -1) -> tuple[tuple[Proposal, float] | None,
+                                                                   bool]:
+        """For a request of `slot` with `key`, which needed the rows of step `sync`: (the
+        prepared proposal and its compute time, or None), and whether the request's kept rows
+        still need moving."""
+        self.served[slot] = max(self.served.get(slot, -1), sync)
         self.pending.pop(slot, None)  # asked for now: computed by the request itself
         moved = self.moved.pop(slot, None) == (key[0], key[4])  # this verdict's kept rows
         got = self.ready.pop(slot, None)

@@ -389,7 +389,7 @@ class DraftServer:
             return
         if msg["sid"] < self.begun.get(slot, 0):
             return  # the sequence before's, late
-        self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)
+        self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)  # (or late)
 
     def _prepare(self) -> bool:
         """Compute the proposals verdicts named, once their steps' rows are all here."""
@@ -509,7 +509,7 @@ class DraftServer:
         if msg["tree"] < 0:
             raise ProtocolError(f"propose: tree {msg['tree']} is negative")
         ready, move = self.prepared.take(msg["slot"], key_of(msg["pos"], msg["token"], msg["n"],
-                                                             msg["tree"], kept))
+                                                             msg["tree"], kept), msg["sync"])
         if ready is not None:
             (out, parents), seconds = ready
             verdict_at, ready_at = self.prepared.times.get(msg["slot"], (0.0, 0.0))

@@ -450,8 +450,10 @@ class ShardServer:
         }
 
     # ---- data plane -------------------------------------------------------------------------
-    def _segments(self, msg: dict[str, Any], x: torch.Tensor | None) -> list[Segment]:
-        """Check a step's segments against this shard's configuration and its tensor."""
+    def _segments(self, msg: dict[str, Any], x: torch.Tensor | None,
+                  asking: bool = False) -> list[Segment]:
+        """Check a step's segments against this shard's configuration and its tensor
+        (`asking`: the first shard checks a step it will hold for the draft's tokens)."""
         ex = self.executor
         if ex is None or self.out is None:
             raise ProtocolError("step before configure", "unexpected")
@@ -471,12 +473,12 @@ class ShardServer:
                                     f"draft token ids of the vocabulary, got {draft!r}"[:300])
             if draft is not None and seg["sample"] is None:
                 raise ProtocolError(f"{where}: a verify segment needs its sampling parameters")
-            if seg["ask"] is not None:
+            if seg["ask"] is not None and not asking:
                 raise ProtocolError(f"{where}: asks for draft tokens, which only the first "
                                     "shard takes, from the draft process")
             tree, kept, then = seg["tree"], seg["kept"], seg["then"]
             try:
-                if then is not None and (draft is None or not all(
+                if then is not None and ((draft is None and seg["ask"] is None) or not all(
                         isinstance(then.get(k), int) and not isinstance(then.get(k), bool)
                         and then[k] >= 0 for k in ("n", "tree"))):
                     raise ValueError(f"then={then!r}: not a verify segment's next proposal "
@@ -522,8 +524,9 @@ class ShardServer:
             self.queued.append((msg, None if x is None else x.clone()))
             return
         if self.model.is_first and x is not None and asked(msg):
-            # the kept rows move while the draft computes: the step then waits only for its
-            # draft tokens
+            # the kept rows move while the draft computes (the step checked first): the step
+            # then waits only for its draft tokens
+            self._segments(msg, x, asking=True)
             self._move_kept(msg)
             self.held = (msg, x.clone(), time.monotonic())
             self._run_held()
@@ -573,7 +576,8 @@ class ShardServer:
 
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
-        (`shards.spec_tree.kept_moves`); all of the step's are checked before any moves."""
+        (`shards.spec_tree.kept_moves`); all of the step's are checked before any moves (the
+        rest of the step is checked before, `_segments`)."""
         ex = self.executor
         if ex is None:
             raise ProtocolError("step before configure", "unexpected")
@@ -769,7 +773,7 @@ SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, fl
 
 
 def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
-    """What the draft will be asked to propose after this verify segment (`feat`'s `next`):
+    """What the draft will be asked to propose after this verify segment (`verdict`'s `next`):
     the segment's `then` at the position after the kept tokens, after the target's token."""
     then = seg["then"]
     if then is None or seg["draft"] is None or result["token"] is None:

@@ -252,3 +252,32 @@ def test_a_linked_feeder_cannot_be_taken_over(server):
     with pytest.raises(ProtocolError, match="not a configured feeder"):
         _feeder(server, b"intruder", [2])
 
+
+
+def test_a_verdict_after_its_request_is_dropped(server):
+    """The last shard sends a step's rows, then the result, then the verdict: a request served
+    in between computed its proposal and moved the kept rows' features itself, so the late
+    verdict prepares nothing and moves nothing a second time."""
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    first, _ = _feeder(server, b"shard0", [1])
+    second, _ = _feeder(server, b"shard1", [4])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    first.send(_feat(2, 0, 9, [1]), _rows(9))
+    second.send(_feat(2, 0, 9, [4]), _rows(9))
+    server._work()
+    server._on_propose(b"coord", message("propose", sid=3, slot=0, pos=6, n=3, token=5, start=0,
+                                          sync=2, tree=0, kept=[2, 3]), [])
+    assert sent[-1]["type"] == "proposal" and len(sent[-1]["tokens"]) == 3
+    moved = server.proposer.features.clone()
+    assert moved[0, 0, 3:7, 0].tolist() == [3.0, 5.0, 6.0, 6.0]  # rows 5 and 6 moved once
+    second.send(_verdict(2, {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0}), None)
+    server._work()
+    assert not server.prepared.pending and not server.prepared.ready
+    assert torch.equal(server.proposer.features, moved)
+    # the next step's verdict (a later step than the request needed) is prepared as before
+    first.send(_feat(4, 9, 1, [1]), _rows(1))
+    second.send(_feat(4, 9, 1, [4]), _rows(1))
+    second.send(_verdict(4, {"pos": 10, "token": 5, "kept": None, "n": 3, "tree": 0}), None)
+    server._work()
+    assert 0 in server.prepared.ready

@@ -323,8 +323,9 @@ def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, req
 
 @pytest.mark.slow
 def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted):
-    """The verdict comes with the last shard's rows: a last shard that taps no layer sends
-    none, so the coordinator asks for every proposal (and speculation pays as before)."""
+    """The verdict comes from the last shard, after its rows: a last shard that taps no layer
+    sends neither, so the coordinator asks for every proposal (and speculation pays as
+    before)."""
     with Coordinator(_cfg(target, 2, fitted, split=(5, 1))) as coord:
         assert not coord.push_drafts
         prompt = _prompts(coord.tokenizer)[0]

@@ -248,6 +248,7 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
         prompt = _prompt(coord)
         want = coord.generate(prompt, p).tokens
         greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+        asking = {"n": 3, "tree": 0, "after": 1}
         cases = [
             ([segment(3, 0, 1)], [5], "slot 3 is outside 0..2"),
             ([segment(1, 0, 1), segment(1, 4, 1)], [5, 6], "slot 1 is outside 0..2 or repeated"),
@@ -273,6 +274,12 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
              "needs the sequence's draft context"),
             ([segment(0, 4, 2, greedy, feat=0, ask={"n": 3, "tree": 0, "after": 1})], [5, 6],
              "must be one row with none of its own"),
+            # a step to hold for the draft's tokens is checked whole before its kept rows move
+            ([segment(0, 4, 1, greedy, feat=0, kept=[1], ask=asking)], [10 ** 6],
+             "token id outside the vocabulary"),
+            ([segment(0, 4, 1, greedy, feat=0, kept=[1], ask=asking),
+              segment(0, 6, 1, greedy, feat=0, kept=[1], ask=asking)], [5, 6],
+             "slot 0 is outside 0..2 or repeated"),
         ]
         for seqs, ids, why in cases:
             sid = coord._new_sid()
