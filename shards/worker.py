@@ -476,7 +476,7 @@ class ShardServer:
             if seg["ask"] is not None and not asking:
                 raise ProtocolError(f"{where}: asks for draft tokens, which only the first "
                                     "shard takes, from the draft process")
-            tree, kept, then = seg["tree"], seg["kept"], seg["then"]
+            tree, then = seg["tree"], seg["then"]
             try:
                 if then is not None and ((draft is None and seg["ask"] is None) or not all(
                         isinstance(then.get(k), int) and not isinstance(then.get(k), bool)
