@@ -31,7 +31,15 @@ from draft.tree import Shape, read_shape
 from shards.errors import CheckpointError
 from shards.fused import post_attention, pre_attention, rms_norm, rope
 from shards.kv_cache import KVCache
-from shards.model import DecoderLayer, RMSNorm, StepInfo, apply_rope, rope_cos_sin, rope_inv_freq
+from shards.model import (
+    DecoderLayer,
+    RMSNorm,
+    StepInfo,
+    apply_rope,
+    group_queries,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from shards.model_config import ModelConfig, config_from_hf
 from shards.weights import layer_tensor_shapes
 
@@ -271,7 +279,7 @@ def _attend(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch
     m, nh, d = q.shape
     g = parts[0][0].shape[1]
     r = nh // g
-    qg = q.view(m, g, r, d).permute(1, 2, 0, 3).reshape(g, r * m, d)  # (G, r*m, D)
+    qg = group_queries(q, g)  # (G, r*m, D)
     scores = [torch.matmul(qg, k.permute(1, 2, 0)).masked_fill(~seen, float("-inf"))
               for k, _, seen in parts]
     probs = torch.softmax(torch.cat(scores, -1).float() * scale, dim=-1).to(q.dtype)

@@ -62,16 +62,15 @@ class Prepared:
     # the last step whose rows a request served needed (its `sync`), per slot
     served: dict[int, int] = dataclasses.field(default_factory=dict)
 
-    def note(self, slot: int, sid: int, key: Key, push: bool = False) -> bool:
+    def note(self, slot: int, sid: int, key: Key, push: bool = False) -> None:
         """Step `sid`'s verdict names the next proposal of `slot`'s sequence (`push`: it goes
-        to the first shard, which holds that step for it). False, and dropped, when a request
-        that needed that step's rows was served already (it computed the proposal itself)."""
+        to the first shard, which holds that step for it); dropped when a request that needed
+        that step's rows was served already (it computed the proposal itself)."""
         if sid <= self.served.get(slot, -1):
-            return False
+            return
         self.pending[slot] = (sid, key, push)
         self.ready.pop(slot, None)
         self.times[slot] = (time.monotonic(), 0.0)
-        return True
 
     def forget(self, slot: int | None = None) -> None:
         """A new sequence in `slot` (None: every slot)."""
@@ -103,8 +102,7 @@ class Prepared:
         self.ready[slot] = (key, proposal, seconds)
         self.times[slot] = (self.times.get(slot, (0.0, 0.0))[0], time.monotonic())
 
-    def take(self, slot: int, key: Key, sync: int = -1) -> tuple[tuple[Proposal, float] | None,
-                                                                   bool]:
+    def take(self, slot: int, key: Key, sync: int) -> tuple[tuple[Proposal, float] | None, bool]:
         """For a request of `slot` with `key`, which needed the rows of step `sync`: (the
         prepared proposal and its compute time, or None), and whether the request's kept rows
         still need moving."""

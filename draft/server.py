@@ -334,11 +334,15 @@ class DraftServer:
                     inbox.release(seq)
         return worked
 
-    def _on_feat(self, route: bytes, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
+    def _zmq_feeder(self, route: bytes, what: str) -> Feeder:
+        """The feeder linked over zmq as `route` (its messages come on the router)."""
         f = next((f for f in self.feeders if f.route == route), None)
         if f is None or f.inbox is not None:
-            raise ProtocolError("feat from a peer that is not a zmq feeder", "unexpected")
-        self._store_rows(f, msg, rows)
+            raise ProtocolError(f"{what} from a peer that is not a zmq feeder", "unexpected")
+        return f
+
+    def _on_feat(self, route: bytes, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
+        self._store_rows(self._zmq_feeder(route, "feat"), msg, rows)
 
     def _store_rows(self, f: Feeder, msg: dict[str, Any], rows: torch.Tensor | None) -> None:
         p = self.proposer
@@ -364,9 +368,7 @@ class DraftServer:
         p.write_features(slot, f.column, pos, rows.to(self.device, p.features.dtype))
 
     def _on_verdict(self, route: bytes, msg: dict[str, Any]) -> None:
-        f = next((f for f in self.feeders if f.route == route), None)
-        if f is None or f.inbox is not None:
-            raise ProtocolError("verdict from a peer that is not a zmq feeder", "unexpected")
+        self._zmq_feeder(route, "verdict")
         self._note_verdict(msg)
 
     def _note_verdict(self, msg: dict[str, Any]) -> None:
@@ -389,7 +391,7 @@ class DraftServer:
             return
         if msg["sid"] < self.begun.get(slot, 0):
             return  # the sequence before's, late
-        self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)  # (or late)
+        self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)
 
     def _prepare(self) -> bool:
         """Compute the proposals verdicts named, once their steps' rows are all here."""

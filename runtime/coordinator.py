@@ -298,7 +298,7 @@ class Coordinator:
         # each shard sends the rows of the tapped layers it owns
         feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
         # the draft hands its prepared proposals to the first shard where that one feeds it
-        # and the last one does too (the verdict comes with the last shard's rows)
+        # and the last one does too (the last shard sends the verdict on its feed)
         self.push_drafts = bool(self.config.spec_push and feeders and feeders[0]
                                 and feeders[-1])
         reply = self._call(d, message(

@@ -476,7 +476,7 @@ class ShardServer:
             if seg["ask"] is not None and not asking:
                 raise ProtocolError(f"{where}: asks for draft tokens, which only the first "
                                     "shard takes, from the draft process")
-            tree, then = seg["tree"], seg["then"]
+            tree, kept, then = seg["tree"], seg["kept"], seg["then"]
             try:
                 if then is not None and ((draft is None and seg["ask"] is None) or not all(
                         isinstance(then.get(k), int) and not isinstance(then.get(k), bool)
@@ -487,6 +487,10 @@ class ShardServer:
                     if draft is None:
                         raise ValueError("a token tree without draft tokens")
                     check_tree(tree, n - 1)
+                if kept is not None:
+                    check_path(kept, pos)
+                    if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
+                        raise ValueError(f"kept rows reach past the context of {ex.max_len}")
             except ValueError as e:
                 raise ProtocolError(f"{where}: {e}") from e
             if seg["sample"] is not None:
@@ -526,7 +530,7 @@ class ShardServer:
         if self.model.is_first and x is not None and asked(msg):
             # the kept rows move while the draft computes (the step checked first): the step
             # then waits only for its draft tokens
-            self._segments(msg, x, asking=True)
+            self._settle_snapshots(self._segments(msg, x, asking=True))
             self._move_kept(msg)
             self.held = (msg, x.clone(), time.monotonic())
             self._run_held()
@@ -574,32 +578,20 @@ class ShardServer:
         finally:
             self.clock.stop(started)
 
+    def _settle_snapshots(self, segs: list[Segment]) -> None:
+        """Before a step writes KV rows: snapshots still copying rows of its slots out finish
+        (a new sequence overwrites them)."""
+        if self.snapshots is not None:
+            for s in segs:
+                if s.pos < self.snapshots.pending_end(s.slot):
+                    self.snapshots.wait_pending()
+
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
-        (`shards.spec_tree.kept_moves`); all of the step's are checked before any moves (the
-        rest of the step is checked before, `_segments`)."""
-        ex = self.executor
-        if ex is None:
-            raise ProtocolError("step before configure", "unexpected")
-        moves = []
-        for i, seg in enumerate(msg["seqs"]):
-            slot, pos, kept = seg["slot"], seg["pos"], seg["kept"]
-            if kept is None:
-                continue
-            try:
-                if not 0 <= slot < ex.kv.slots:
-                    raise ValueError(f"slot {slot} is outside 0..{ex.kv.slots - 1}")
-                check_path(kept, pos)
-                if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
-                    raise ValueError(f"kept rows reach past the context of {ex.max_len}")
-            except ValueError as e:
-                raise ProtocolError(f"step: segment {i}: {e}") from e
-            if kept:
-                moves.append((slot, pos, kept))
-        for slot, pos, kept in moves:
-            if self.snapshots is not None and pos < self.snapshots.pending_end(slot):
-                self.snapshots.wait_pending()  # rows still being copied out
-            ex.kv.move_rows(slot, *kept_moves(pos, kept))
+        (`shards.spec_tree.kept_moves`); the step was checked (`_segments`)."""
+        for seg in msg["seqs"]:
+            if seg["kept"]:
+                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:
@@ -608,10 +600,7 @@ class ShardServer:
         if not x.is_cuda and self.device.type == "cuda":
             # through pinned memory: the host does not wait for the device to take it
             x = x.pin_memory().to(self.device, non_blocking=True)
-        if self.snapshots is not None:
-            for s in segs:  # a new sequence overwrites rows still being copied out
-                if s.pos < self.snapshots.pending_end(s.slot):
-                    self.snapshots.wait_pending()
+        self._settle_snapshots(segs)
         if not moved:
             self._move_kept(msg)
         self.busy = True
