@@ -281,3 +281,14 @@ def test_a_verdict_after_its_request_is_dropped(server):
     second.send(_verdict(4, {"pos": 10, "token": 5, "kept": None, "n": 3, "tree": 0}), None)
     server._work()
     assert 0 in server.prepared.ready
+
+
+def test_verdicts_over_zmq_come_only_from_zmq_feeders(server):
+    """A verdict on the router is a zmq feeder's: from any other peer, or from a feeder whose
+    messages come through a ring, it is refused by name and nothing is prepared."""
+    _feeder(server, b"shard1", [4])  # a ring feeder
+    nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0}
+    for route in (b"intruder", b"shard1"):
+        with pytest.raises(ProtocolError, match="verdict from a peer that is not a zmq feeder"):
+            server._on_verdict(route, _verdict(2, nxt))
+    assert not server.prepared.pending
