@@ -70,9 +70,39 @@ _REJECT_IF = {  # parameter -> the value that is harmless (anything else is refu
 }
 
 
+def bad_text_field(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a parsed JSON body that is not valid Unicode (a lone
+    surrogate such as "\\ud800" is valid JSON, but no tokenizer or encoder takes it); None
+    if every string is fine. Keys are checked as well as values."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if bad_text_field(k) is not None:  # a key itself: name the object that holds it
+                return path or "body"
+            found = bad_text_field(v, f"{path}.{k}" if path else k)
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            found = bad_text_field(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def parse(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None)
+    bad = bad_text_field(body)
+    if bad is not None:
+        raise RequestError(f"'{bad}' holds a string that is not valid Unicode (a lone UTF-16 "
+                           "surrogate escape such as \\ud800); send UTF-8 text", bad)
     for name, harmless in _REJECT_IF.items():
         if name in body and body[name] not in harmless:
             if name == "response_format" and body[name] in ({"type": "text"},):

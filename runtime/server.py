@@ -107,6 +107,32 @@ class Engine:
             self.status, self.reason, self.fatal = "degraded", str(e), str(e)
             _exit_soon()
             return
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - a bug outside any one request: the server
+            # cannot go on, so it says so and exits rather than leave every request hanging
+            log.exception("the engine loop failed")
+            self.status, self.reason, self.fatal = "degraded", str(e), str(e)
+            self.metrics.up.set(0)
+            for job in self._drain_jobs():
+                job.emit(("error", 503, f"the engine failed: {type(e).__name__}: {e}"))
+            _exit_soon()
+        finally:
+            if self.coord is not None:
+                self.coord.close()
+                self.coord = None
+
+    def _drain_jobs(self) -> list[Job]:
+        jobs = []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def _loop(self) -> None:
         active: list[Active] = []
         stopping = False
         while True:
@@ -122,7 +148,7 @@ class Engine:
                     stopping = True
                     break
                 if not job.cancelled:
-                    a = self._start(job)
+                    a = self._start_contained(job)
                     if a is not None:
                         active.append(a)
                         busy = True
@@ -144,16 +170,13 @@ class Engine:
                     active = []
                     self._recover(f"internal error: {type(e).__name__}: {e}")
                     continue
-            active = [a for a in active if not self._pump(a)]
+            active = [a for a in active if not self._pump_contained(a)]
             self.metrics.running.set(len(active))
             if coord.failed is not None:
                 for a in active:
                     a.job.emit(("error", 503, f"the runtime is down: {coord.failed}"))
                 active = []
                 self._recover(coord.failed)
-        if self.coord is not None:
-            self.coord.close()
-            self.coord = None
 
     def _recover(self, why: str) -> None:
         self.status, self.reason = "degraded", why
@@ -196,6 +219,27 @@ class Engine:
             else:
                 keep.append(a)
         return keep
+
+    def _start_contained(self, job: Job) -> Active | None:
+        """`_start`, where an exception fails this job alone (500) and never the engine thread:
+        one bad request must not take the server down."""
+        try:
+            return self._start(job)
+        except Exception as e:  # noqa: BLE001 - any bug here is this request's, not the server's
+            log.exception("request could not start")
+            job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            return None
+
+    def _pump_contained(self, a: Active) -> bool:
+        """`_pump`, where an exception fails this request alone (and frees its KV slot)."""
+        try:
+            return self._pump(a)
+        except Exception as e:  # noqa: BLE001 - as in _start_contained
+            log.exception("request failed while its output was handed on")
+            a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            if self.coord is not None and not a.req.done:
+                self.coord.batcher.cancel(a.req)
+            return True
 
     def _start(self, job: Job) -> Active | None:
         """Tokenize and check a job and queue it in the batch; None if it failed at once."""
@@ -303,8 +347,11 @@ def _exit_soon() -> None:
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
 
 
-def _error(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: RequestError) -> Response:
+    # ensure_ascii: a message that quotes the client's text may hold a lone surrogate, which
+    # JSONResponse's UTF-8 rendering cannot encode
+    return Response(json.dumps(e.body(), ensure_ascii=True), status_code=e.status,
+                    media_type="application/json")
 
 
 def create_app(config: RuntimeConfig) -> FastAPI:

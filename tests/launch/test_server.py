@@ -195,6 +195,32 @@ def test_chat_validation(server):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
+    ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', "body"),
+])
+def test_lone_surrogate_fails_alone(server, ref, path, body, param):
+    """Valid JSON that is not valid Unicode: a 400 naming the field, and the server goes on
+    (it used to kill the engine thread, so that every later request hung)."""
+    r = httpx.post(server.url + path, content=body,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    r = server.client.completions.create(model=MODEL, prompt="the next request", max_tokens=4,
+                                         temperature=0)
+    want = ref.generate(ref.tokenizer.encode("the next request"),
+                        SamplingParams(max_tokens=4, temperature=0))
+    assert r.choices[0].text == want.text
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.slow
 def test_sixteen_concurrent_streams(server, ref):
     prompts = [f"story number {i} begins" for i in range(16)]
 
