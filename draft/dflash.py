@@ -169,7 +169,7 @@ class DFlashDraft(nn.Module):
         m = cfg.model
         self.fc = nn.Linear(cfg.width, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(m) for _ in range(m.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(m, i) for i in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(m), persistent=False)
 

@@ -114,12 +114,16 @@ class GGUFFile:
         elif scaling not in (None, "none"):
             raise CheckpointError(f"{self.path}: {a}.rope.scaling.type={scaling!r} is not supported")
         eos = self.field("tokenizer.ggml.eos_token_id", None)
+        blocks = int(self.field(f"{a}.block_count"))
+        window = self.field(f"{a}.attention.sliding_window", None)
+        windows = {} if not window else {  # every layer, as transformers' Mistral
+            "layer_types": ("sliding_attention",) * blocks, "sliding_window": int(window)}
         return ModelConfig(
             model_type=ARCHITECTURES[a],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length")),
-            num_layers=int(self.field(f"{a}.block_count")),
+            num_layers=blocks,
             num_heads=heads,
             num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -132,6 +136,7 @@ class GGUFFile:
             rope_scaling=tuple(sorted(rope.items())),
             bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=() if eos is None else (int(eos),),
+            **windows,
         )
 
     def has(self, name: str) -> bool:

@@ -116,10 +116,10 @@ class FusedDecode:
                              step.lo is None)
         if step.lo is None:
             keys, values = kv.append(index, slot, step, k, v)
-            attn = a._grouped(q, keys, values, step.mask)
+            attn = a._grouped(q, keys, values, step.mask_for(a.window))
         else:
             keys, values = kv.append_batch(index, step, k, v)
-            attn = a._grouped_batch(q, keys, values, step.mask)
+            attn = a._grouped_batch(q, keys, values, step.mask_for(a.window))
         return stages.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 

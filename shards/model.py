@@ -93,6 +93,32 @@ class StepInfo:
     lo: int | None = None  # batched step: the slot of row 0
     slots: torch.Tensor | None = None  # batched step: (n,) long, the slot of each row
     rows: torch.Tensor | None = None  # static step: (n,) KV rows written, when not `positions`
+    windowed: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer that sees only keys within `window` positions of each query
+        (transformers' sliding window: key k is seen by query q iff q - window < k <= q), or
+        the step's own mask for full attention. Computed once per step and window.
+
+        A key's position is its KV row, except the rows a tree verify step writes: row
+        pos + j holds the token at position pos + depth(j), so those rows take the step's
+        positions (a deep tree in a short window still sees the right ancestors)."""
+        if window is None or (self.pos is not None and self.kv_len <= window):
+            return self.mask  # no query can be `window` positions past key 0
+        m = self.windowed.get(window)
+        if m is None:
+            dev = self.positions.device
+            key_pos = torch.arange(self.kv_len, device=dev)
+            if self.lo is None:  # a single sequence: its written rows may be a tree's
+                n = self.positions.shape[0]
+                rows = (self.rows if self.rows is not None else
+                        torch.arange(self.pos, self.pos + n, device=dev)
+                        if self.pos is not None else self.positions)
+                key_pos = key_pos.index_copy(0, rows, self.positions)
+            near = key_pos[None, :] > self.positions[:, None] - window
+            m = near if self.mask is None else self.mask & near
+            self.windowed[window] = m
+        return m
 
     @staticmethod
     def eager(pos: int, n: int, device: torch.device) -> StepInfo:
@@ -155,10 +181,11 @@ def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
+        self.window = cfg.window(layer)  # None: full causal attention
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
@@ -205,14 +232,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step.lo is not None:  # a batched decode step: `slot` is unused
             keys, values = kv.append_batch(layer, step, k, v)  # (n, T, G, D) each
-            return self.o_proj(self._grouped_batch(q, keys, values, step.mask))
+            return self.o_proj(self._grouped_batch(q, keys, values, step.mask_for(self.window)))
+        mask = step.mask_for(self.window)
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
         if step.grouped:
             return self.o_proj(self._grouped(group_queries(q, self.num_kv_heads), keys, values,
-                                             step.mask))
-        from_start = step.pos == 0 and n > 1  # plain causal: flash attention applies
+                                             mask))
+        # plain causal from position 0: flash attention applies (a window needs its mask)
+        from_start = step.pos == 0 and n > 1 and mask is step.mask
         gqa = self.num_heads != self.num_kv_heads
-        if gqa and step.mask is not None and not from_start and keys.is_cuda:
+        if gqa and mask is not None and not from_start and keys.is_cuda:
             # a chunk after the first, on a GPU: the fused kernels that take a mask do not
             # take GQA (the fallback would materialize n x T scores per head), so repeat K/V
             r = self.num_heads // self.num_kv_heads
@@ -222,7 +251,7 @@ class Attention(nn.Module):
             q.transpose(0, 1)[None],  # (1, H, n, D)
             keys.transpose(0, 1)[None],  # (1, G, T, D)
             values.transpose(0, 1)[None],
-            attn_mask=None if from_start else step.mask,
+            attn_mask=None if from_start else mask,
             is_causal=from_start,
             enable_gqa=gqa,
         )  # (1, H, n, D)
@@ -282,10 +311,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.fast = None  # a compiled decode step (shards.fused), set on GPUs
@@ -309,7 +338,7 @@ class LayerRange(nn.Module):
         self.embed_tokens = (
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(start, end))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(start, end))
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

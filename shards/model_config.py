@@ -17,6 +17,36 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen3": (False, True),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# config.json fields that never change a model's outputs at inference.
+METADATA_FIELDS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "_name_or_path", "name_or_path", "initializer_range", "use_cache", "pad_token_id",
+    "bos_token_id", "eos_token_id", "sep_token_id", "attention_dropout", "hidden_dropout",
+    "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict",
+    "tokenizer_class", "auto_map", "is_decoder", "is_encoder_decoder", "task_specific_params",
+    "problem_type", "finetuning_task", "chunk_size_feed_forward", "pruned_heads", "torchscript",
+    "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "prefix",
+    "decoder_start_token_id", "max_length", "min_length", "do_sample", "num_beams",
+    "temperature", "top_k", "top_p", "repetition_penalty", "use_bfloat16", "model_name",
+})
+# Fields read by `config_from_hf` for every family (their values are checked there).
+COMMON_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "hidden_act", "mlp_bias", "pretraining_tp",
+})
+# Family-specific fields the runtime implements.
+FAMILY_FIELDS: dict[str, frozenset[str]] = {
+    "llama": frozenset(),
+    "mistral": frozenset({"sliding_window", "layer_types"}),
+    "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
+                        "layer_types"}),
+    "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
+                        "layer_types"}),
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -38,6 +68,10 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention kind (HF's `layer_types`); empty: every layer full attention.
+    # "sliding_attention" layers attend the last `sliding_window` positions only.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -50,6 +84,24 @@ class ModelConfig:
                 f"rope_scaling.rope_type={self.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise CheckpointError(f"layer_types has {len(self.layer_types)} entries for "
+                                  f"{self.num_layers} layers")
+        for t in self.layer_types:
+            if t not in LAYER_TYPES:
+                raise CheckpointError(f"layer_types: {t!r} is not supported (supported: "
+                                      f"{', '.join(LAYER_TYPES)})")
+        if "sliding_attention" in self.layer_types and not (
+                isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise CheckpointError(f"sliding_window={self.sliding_window!r}: sliding-attention "
+                                  "layers need a positive window")
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of global layer `layer` (keys q - window < k <= q), or None
+        for full causal attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def rope_type(self) -> str:
@@ -61,9 +113,16 @@ class ModelConfig:
         return dict(self.rope_scaling)
 
     def to_dict(self) -> dict[str, Any]:
+        """A msgpack-able dict (`from_dict` reads it back). Fields added since the first
+        version are left out while unset, so a model's prefix-cache fingerprint (a hash of this
+        dict) is the same as before they existed and its cache entries stay valid."""
         d = dataclasses.asdict(self)
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
+        for name in ("layer_types", "sliding_window"):
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -71,6 +130,7 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = tuple((str(k), v) for k, v in d.get("rope_scaling", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
 
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
@@ -100,6 +160,7 @@ def config_from_hf(raw: dict[str, Any], source: str | Path) -> ModelConfig:
             raise CheckpointError(f"{source}: required field {key!r} is missing")
         return raw[key]
 
+    check_fields(raw, model_type, source)
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -110,7 +171,7 @@ def config_from_hf(raw: dict[str, Any], source: str | Path) -> ModelConfig:
     rope = {k: v for k, v in rope.items() if k != "rope_theta"}
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
-    return ModelConfig(
+    fields = dict(
         model_type=model_type,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -128,7 +189,69 @@ def config_from_hf(raw: dict[str, Any], source: str | Path) -> ModelConfig:
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
+        **_windows(raw, model_type, int(need("num_hidden_layers")), source),
     )
+    try:
+        return ModelConfig(**fields)
+    except CheckpointError as e:  # the dataclass's own checks: name the file too
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> None:
+    """Refuse, by name, a config field this family's code does not implement: a runtime that
+    ignored one (a logit soft-cap, a window, a bias) would answer with silently wrong tokens."""
+    known = METADATA_FIELDS | COMMON_FIELDS | FAMILY_FIELDS[model_type]
+    for key, value in raw.items():
+        if key not in known:
+            raise CheckpointError(
+                f"{source}: config field {key!r}={value!r} is not implemented for "
+                f"model_type={model_type!r}; layersplit refuses it rather than risk wrong "
+                "output (remove it from config.json only if it does not change the model)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    for key, harmless in (("mlp_bias", (None, False)), ("pretraining_tp", (None, 1))):
+        if raw.get(key) not in harmless:
+            raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported")
+
+
+def _windows(raw: dict[str, Any], model_type: str, layers: int,
+             source: str | Path) -> dict[str, Any]:
+    """`layer_types` and `sliding_window` as transformers derives them: Mistral windows every
+    layer; Qwen2/Qwen3 window layers >= `max_window_layers` when `use_sliding_window`; an
+    explicit `layer_types` wins."""
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or window <= 0):
+        raise CheckpointError(f"{source}: sliding_window={window!r} must be a positive integer")
+    types = raw.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise CheckpointError(f"{source}: layer_types must be a list of strings")
+        for t in types:
+            if t not in LAYER_TYPES:
+                raise CheckpointError(f"{source}: layer_types: {t!r} is not supported for "
+                                      f"model_type={model_type!r} (supported: "
+                                      f"{', '.join(LAYER_TYPES)})")
+        if "sliding_attention" not in types:
+            return {}  # all full attention: the same config as no layer_types at all
+        if window is None:
+            raise CheckpointError(f"{source}: layer_types has sliding_attention layers but "
+                                  "sliding_window is not set")
+        return {"layer_types": tuple(types), "sliding_window": window}
+    if window is None:
+        return {}
+    if model_type == "mistral":
+        first = 0
+    else:
+        first = int(raw.get("max_window_layers", 28))
+    types = tuple("sliding_attention" if i >= first else "full_attention"
+                  for i in range(layers))
+    if "sliding_attention" not in types:
+        return {}
+    return {"layer_types": types, "sliding_window": window}
 
 
 def read_hf_config(folder: Path) -> ModelConfig:

@@ -56,6 +56,19 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False,
     },
+    "mistral-window": {  # every layer windowed; the window is shorter than test prompts
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "hidden_act": "silu", "sliding_window": 12,
+    },
+    "qwen2-window": {  # layers >= 3 windowed (Qwen2's max_window_layers)
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": True,
+        "sliding_window": 10, "max_window_layers": 3,
+    },
     "qwen3": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
@@ -164,6 +177,10 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        if set(cfg.layer_types) != {"sliding_attention"}:
+            raise ValueError("GGUF holds one window for every layer, not per-layer windows")
+        w.add_sliding_window(cfg.sliding_window)
     if cfg.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(cfg.rope_params["factor"]))

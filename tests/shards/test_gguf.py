@@ -12,7 +12,8 @@ from shards.sampling import SamplingParams
 from shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-linear-rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama-linear-rope", "qwen2", "qwen3",
+                                    "mistral-window"])
 def test_f32_gguf_equals_hf_folder(tmp_path, family):
     folder = write_tiny_checkpoint(tmp_path / family, family, num_layers=3)
     path = write_tiny_gguf(folder, tmp_path / f"{family}.gguf", "F32")
@@ -22,7 +23,9 @@ def test_f32_gguf_equals_hf_folder(tmp_path, family):
     assert sa.keys() == sb.keys()
     for k in sa:  # the q/k row permutation is undone exactly
         assert torch.equal(sa[k], sb[k]), k
-    assert open_checkpoint(path).config.rope_type == open_checkpoint(folder).config.rope_type
+    ca, cb = open_checkpoint(folder).config, open_checkpoint(path).config
+    assert cb.rope_type == ca.rope_type
+    assert [cb.window(i) for i in range(3)] == [ca.window(i) for i in range(3)]
 
 
 @pytest.mark.parametrize("qtype,tol", [("F16", 2e-3), ("Q8_0", 2e-2), ("Q4_1", 0.3)])

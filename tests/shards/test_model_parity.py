@@ -71,7 +71,7 @@ def test_only_needed_tensors_are_loaded(tiny_llama):
 def test_static_decode_path_matches_eager(tiny_models):
     """The CUDA-graph step (static buffers, device-side position, bucketed masked attention,
     grouped GQA) run without capture on CPU gives the eager path's tokens and logits."""
-    for family in ("llama", "qwen3", "qwen2"):
+    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window"):
         ckpt = open_checkpoint(tiny_models[family])
         eager = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=False)
         static = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=True,
@@ -94,7 +94,7 @@ def test_fused_projections_equal_separate(tiny_models):
     uncompiled) gives the separate-weights path's logits on CPU."""
     from shards.fused import fuse_projections
 
-    for family in ("llama", "qwen2", "qwen3"):
+    for family in ("llama", "qwen2", "qwen3", "mistral-window"):
         ckpt = open_checkpoint(tiny_models[family])
         plain = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, static_decode=True,
                               graph_bucket=32)
@@ -111,3 +111,28 @@ def test_fused_projections_equal_separate(tiny_models):
         a, b = (ex.run(rows, 40, all_logits=True, verify=True, tree=[0, 1, 1, 0])
                 for ex in (plain, fused))
         assert a.shape[0] == 5 and (a - b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "llama"])
+def test_tree_verify_rows_equal_their_paths(tiny_models, family):
+    """Each row of a token-tree verify step gives the logits of its root-to-node path run as a
+    plain chain: the tree's mask (ancestors only, and in a sliding window the ancestors'
+    positions, not their KV rows) is right. Eager and static steps alike."""
+    from shards.spec_tree import ancestors
+
+    ckpt = open_checkpoint(tiny_models[family])
+    ids, pos = _ids(40, seed=5), 40
+    rows = torch.tensor([9, 3, 5, 7, 2, 11, 4])
+    parents = [0, 1, 1, 3, 0, 5]  # depths 1, 2, 2, 3, 1, 2: deeper than the window's slack
+    anc = ancestors(parents)
+    for static in (False, True):
+        tree_ex = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=static,
+                                graph_bucket=32)
+        tree_ex.run(ids, 0)
+        got = tree_ex.run(rows, pos, all_logits=True, verify=True, tree=parents)
+        for j in range(len(rows)):
+            path = [i for i in range(len(rows)) if anc[j, i]]
+            chain_ex = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96)
+            chain_ex.run(ids, 0)
+            want = chain_ex.run(rows[path], pos, all_logits=True)[-1]
+            assert (got[j] - want).abs().max().item() < 1e-5, (static, j)

@@ -1,0 +1,99 @@
+"""Sliding-window models (Mistral's `sliding_window`, Qwen2's windowed upper layers) through the
+split runtime: split exactness, restore and speculation, with prompts several windows long.
+
+Their parity with transformers is in tests/shards/test_model_parity.py; here the runtime's own
+invariants are checked on a model whose output a missing window would change."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator
+from runtime.reference import ReferenceEngine
+from shards.model_config import read_hf_config
+from shards.sampling import SamplingParams
+from shards.tiny import write_tiny_checkpoint
+from tests.helpers import shard_children, trace
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A windowed Mistral with weights large enough that its greedy output is not degenerate."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("window") / "mistral-window",
+                                 "mistral-window", std=0.2)
+    assert read_hf_config(path).sliding_window == 12  # shorter than every prompt below
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    return ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def prompt(ref):
+    ids = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    assert len(ids) > 2 * CHUNK
+    return ids
+
+
+def _cfg(model, n, **kw):
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
+                         max_context=256, threads=1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,transport", [(1, "auto"), (2, "shm"), (3, "zmq")])
+def test_windowed_split_equals_reference(model, ref, prompt, n, transport):
+    ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
+    assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
+    with Coordinator(_cfg(model, n, transport=(transport,))) as coord:
+        tokens, logits = trace(coord, prompt, 10, CHUNK)
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits)
+        assert coord.generate(prompt, SAMPLED).tokens == ref.generate(prompt, SAMPLED).tokens
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_windowed_restore_equals_cold(model, ref, prompt, tmp_path):
+    longer = prompt + ref.tokenizer.encode(" and then it ran far away")
+    want = {id(p): ref.generate(p, GREEDY).tokens for p in (prompt, longer)}
+    with Coordinator(_cfg(model, 2, kv_cache_dir=str(tmp_path))) as c:
+        assert c.generate(prompt, GREEDY).tokens == want[id(prompt)]
+        r = c.generate(longer, GREEDY)  # a RAM hit at a chunk boundary past the window
+        assert r.cache_tier == "ram" and r.cached_tokens > 12
+        assert r.tokens == want[id(longer)]
+    with Coordinator(_cfg(model, 3, kv_cache_dir=str(tmp_path))) as c:  # restart, other split
+        for p in (prompt, longer):
+            r = c.generate(p, GREEDY)
+            assert r.cache_tier == "disk" and r.tokens == want[id(p)]
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_windowed_speculation_equals_plain(model, prompt, tmp_path):
+    near = tmp_path / "near"  # a classic draft: the target with noise on its weights
+    shutil.copytree(model, near)
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + 0.01 * torch.randn(v.shape, generator=g)
+             for k, v in load_file(str(model / "model.safetensors")).items()}
+    save_file(state, str(near / "model.safetensors"))
+    with Coordinator(_cfg(model, 2, draft=str(near))) as coord:
+        for params in (GREEDY, SAMPLED):
+            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
+            spec = coord.generate(prompt, params, use_cache=False)
+            assert spec.tokens == plain.tokens
+            # draft tokens were kept and others rejected: both paths of a verify step ran
+            assert spec.acceptance_length is not None and 1.0 < spec.acceptance_length < 5.0
+    assert shard_children() == []
