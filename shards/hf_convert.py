@@ -21,6 +21,9 @@ def hf_causal_lm(model: LayerRange, device: str, dtype: torch.dtype, max_context
     extra = {}
     if cfg.rope_type != "default":
         extra["rope_scaling"] = {"rope_type": cfg.rope_type, **cfg.rope_params}
+    if cfg.layer_types:
+        extra.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window,
+                     use_sliding_window=True)
     hf_cfg = transformers.AutoConfig.for_model(
         cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
