@@ -31,16 +31,12 @@ from draft.tree import Shape, read_shape
 from shards.errors import CheckpointError
 from shards.fused import post_attention, pre_attention, rms_norm, rope
 from shards.kv_cache import KVCache
-from shards.model import (
-    DecoderLayer,
-    RMSNorm,
-    StepInfo,
-    apply_rope,
-    group_queries,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from shards.layers.attention import group_queries
+from shards.layers.norm import RMSNorm
+from shards.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from shards.layers.step import StepInfo
 from shards.model_config import ModelConfig, config_from_hf
+from shards.models.llama import DecoderLayer
 from shards.weights import layer_tensor_shapes
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -122,7 +118,7 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     def field(name: str, default: Any = None) -> Any:
         return sub.get(name, raw.get(name, default))
 
-    model = config_from_hf({**raw, "model_type": "qwen3"}, path)
+    model = config_from_hf({**raw, "model_type": "qwen3"}, path, strict=False)
     block = field("block_size")
     if not isinstance(block, int) or isinstance(block, bool) or block < 2:
         raise CheckpointError(f"{path}: block_size must be an integer >= 2, got {block!r}")
@@ -339,7 +335,7 @@ def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
     """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors)."""
     from shards.checkpoint_hf import HFCheckpoint
 
-    ckpt = HFCheckpoint(folder)
+    ckpt = HFCheckpoint(folder, strict=False)
     shapes = dflash_tensor_shapes(cfg)
     tensors = ckpt.load(shapes, {k: k for k in shapes}, dtype, device)
     with torch.device("meta"):

@@ -62,8 +62,9 @@ from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.errors import CheckpointError
 from shards.hf_convert import hf_causal_lm
-from shards.model import LayerRange, apply_rope, rope_cos_sin
+from shards.layers.rotary import apply_rope, rope_cos_sin
 from shards.model_config import ModelConfig
+from shards.models import LayerRange
 
 log = logging.getLogger("layersplit.train")
 

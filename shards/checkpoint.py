@@ -10,8 +10,9 @@ from typing import Protocol
 import torch
 
 from shards.errors import CheckpointError
-from shards.model import LayerRange, rope_inv_freq
+from shards.layers.rotary import rope_inv_freq
 from shards.model_config import ModelConfig
+from shards.models import LayerRange
 from shards.weights import range_tensor_shapes, source_name
 
 log = logging.getLogger(__name__)

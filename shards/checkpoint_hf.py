@@ -27,9 +27,10 @@ def _open(path: Path):
 class HFCheckpoint:
     """A Hugging Face folder. `load` reads canonical tensor names, one file at a time."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, strict: bool = True) -> None:
+        """`strict`: see `config_from_hf` (False for a draft's folder only)."""
         self.path = folder
-        self.config: ModelConfig = read_hf_config(folder)
+        self.config: ModelConfig = read_hf_config(folder, strict)
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:

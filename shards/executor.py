@@ -19,7 +19,8 @@ import torch
 
 from shards.graphs import StaticDecoder
 from shards.kv_cache import KVCache, KVLayout
-from shards.model import LayerRange, StepInfo
+from shards.layers.step import StepInfo
+from shards.models import LayerRange
 from shards.sampling import sample_rows
 from shards.spec_tree import depths, is_chain
 

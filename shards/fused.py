@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from shards.model import group_queries
+from shards.layers.attention import group_queries
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ import torch
 
 from shards.device import to_device
 from shards.kv_cache import KVCache
-from shards.model import LayerRange, StepInfo
+from shards.layers.step import StepInfo
+from shards.models import LayerRange
 from shards.spec_tree import ancestors, depths
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shards.model import LayerRange
+from shards.models import LayerRange
 
 
 def hf_causal_lm(model: LayerRange, device: str, dtype: torch.dtype, max_context: int):

@@ -145,8 +145,12 @@ def _eos_list(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def config_from_hf(raw: dict[str, Any], source: str | Path) -> ModelConfig:
-    """Build a ModelConfig from the dict of an HF `config.json`; errors name the field and file."""
+def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True) -> ModelConfig:
+    """Build a ModelConfig from the dict of an HF `config.json`; errors name the field and file.
+
+    `strict`: refuse every field the family does not implement (`check_fields`). Only a
+    speculative draft's config is read with strict=False: a field its code ignores can cost
+    acceptance, never a wrong token (the target verifies every one)."""
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(
@@ -160,7 +164,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path) -> ModelConfig:
             raise CheckpointError(f"{source}: required field {key!r} is missing")
         return raw[key]
 
-    check_fields(raw, model_type, source)
+    if strict:
+        check_fields(raw, model_type, source)
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -254,7 +259,7 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
     return {"layer_types": types, "sliding_window": window}
 
 
-def read_hf_config(folder: Path) -> ModelConfig:
+def read_hf_config(folder: Path, strict: bool = True) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
@@ -264,4 +269,4 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: cannot read JSON: {e}") from e
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
-    return config_from_hf(raw, path)
+    return config_from_hf(raw, path, strict)

@@ -1,0 +1,132 @@
+"""Self-attention over the KV cache (GQA, optional q/k RMSNorm, q/k/v bias, sliding window).
+
+Shapes: n = tokens in this step, H = query heads, G = KV heads, D = head dim, T = keys attended.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.kv_cache import KVCache
+from shards.layers.norm import RMSNorm
+from shards.layers.rotary import apply_rope
+from shards.layers.step import StepInfo
+from shards.model_config import ModelConfig
+
+
+def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
+    """Queries (n, H, D) as (G, H/G * n, D): the query rows of each of the G KV heads, for
+    `Attention._grouped`. (Inside the compiled decode step, `shards.fused`, this layout is
+    written by the rotary's own kernel; eager, a verify step's several rows cost a copy.)"""
+    n, h, d = q.shape
+    return q.view(n, g, h // g, d).permute(1, 2, 0, 3).reshape(g, h // g * n, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
+        self.window = cfg.window(layer)  # None: full causal attention
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v (fewer, larger kernels on a GPU)."""
+        ps = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(1, 1, bias=ps[0].bias is not None, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in ps]), requires_grad=False)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in ps]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, h, g, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([h * d, g * d, g * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.view(n, h, d), k.view(n, g, d), v.view(n, g, d)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (n, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        layer: int,
+        slot: int,
+        step: StepInfo,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.project(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step.lo is not None:  # a batched decode step: `slot` is unused
+            keys, values = kv.append_batch(layer, step, k, v)  # (n, T, G, D) each
+            return self.o_proj(self._grouped_batch(q, keys, values, step.mask_for(self.window)))
+        mask = step.mask_for(self.window)
+        keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
+        if step.grouped:
+            return self.o_proj(self._grouped(group_queries(q, self.num_kv_heads), keys, values,
+                                             mask))
+        # plain causal from position 0: flash attention applies (a window needs its mask)
+        from_start = step.pos == 0 and n > 1 and mask is step.mask
+        gqa = self.num_heads != self.num_kv_heads
+        if gqa and mask is not None and not from_start and keys.is_cuda:
+            # a chunk after the first, on a GPU: the fused kernels that take a mask do not
+            # take GQA (the fallback would materialize n x T scores per head), so repeat K/V
+            r = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(r, dim=1), values.repeat_interleave(r, dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # (1, H, n, D)
+            keys.transpose(0, 1)[None],  # (1, G, T, D)
+            values.transpose(0, 1)[None],
+            attn_mask=None if from_start else mask,
+            is_causal=from_start,
+            enable_gqa=gqa,
+        )  # (1, H, n, D)
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+    def _grouped(self, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention (few queries, many keys) as two batched matmuls, for queries
+        grouped by `group_queries`.
+
+        GQA without repeating K/V: the H/G query heads of each KV head become extra query rows
+        of that head. Plain matmuls beat the fused attention kernels at these shapes (a GPU
+        profile showed 22 us per layer in cuDNN's flash kernel for 4 x 768 per head)."""
+        g, d = self.num_kv_heads, self.head_dim
+        r = self.num_heads // g
+        n = qg.shape[1] // r
+        scores = torch.matmul(qg, keys.permute(1, 2, 0)) * (d ** -0.5)  # (G, r*n, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(0, 1))  # (G, r*n, D)
+        return out.view(g, r, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+
+    def _grouped_batch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """`_grouped` for a batched step: query row b (its H heads as G groups of H/G) attends
+        keys[b] (T, G, D), the keys of its own slot, under mask row b."""
+        b, g, d = q.shape[0], self.num_kv_heads, self.head_dim
+        qg = q.reshape(b, g, self.num_heads // g, d)  # (B, G, r, D)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * (d ** -0.5)  # (B, G, r, T)
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (B, G, r, D)
+        return out.reshape(b, -1)

@@ -1,0 +1,31 @@
+"""The gated SiLU MLP (SwiGLU) of Llama-like layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.model_config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
+
+    def fuse(self) -> None:
+        fused = nn.Linear(1, 1, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
+                                    requires_grad=False)
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

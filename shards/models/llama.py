@@ -1,0 +1,29 @@
+"""The decoder layer of the dense Llama-like families: Llama, Mistral, Qwen2 and Qwen3 (they
+differ only in config: q/k/v bias, q/k RMSNorm, sliding windows, rope scaling)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shards.layers.attention import Attention
+from shards.layers.mlp import MLP
+from shards.layers.norm import RMSNorm
+from shards.layers.step import StepInfo
+from shards.model_config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.fast = None  # a compiled decode step (shards.fused), set on GPUs
+
+    def forward(self, h, cos, sin, kv, layer, slot, step: StepInfo) -> torch.Tensor:
+        if self.fast is not None and step.grouped:
+            return self.fast(self, h, cos, sin, kv, layer, slot, step)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,90 @@
+"""A layer range of any family: layers [start, end) of a model, built for one shard.
+
+Pure torch: this module knows nothing of processes. A `LayerRange` holds layers [start, end) of
+the model; only the first range owns the token embedding, only the last the final norm and the
+LM head (tied embeddings are loaded on both). Every range reads and writes its own `KVCache`.
+Each layer comes from the family's module (`shards.models.registry`).
+
+Shapes: n = tokens in this step, hidden = the model's width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shards.kv_cache import KVCache
+from shards.layers.norm import RMSNorm
+from shards.layers.rotary import rope_cos_sin, rope_inv_freq
+from shards.layers.step import StepInfo
+from shards.model_config import ModelConfig
+from shards.models.registry import decoder_layer
+
+
+class LayerRange(nn.Module):
+    """Layers [start, end) of a model; first range embeds tokens, last range returns logits."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int) -> None:
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside 0..{cfg.num_layers}")
+        self.cfg, self.start, self.end = cfg, start, end
+        self.is_first, self.is_last = start == 0, end == cfg.num_layers
+        self.embed_tokens = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        )
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(start, end))
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.norm = self.lm_head = None
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (n,) token ids on the first range, else (n, hidden)
+        step: StepInfo | int,
+        kv: KVCache,
+        slot: int = 0,
+        logit_rows: slice | None = None,
+        taps: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run this range for n tokens at positions [pos, pos + n) (`step`: pos or a StepInfo),
+        or for one token of each of n sequences (`StepInfo.batched`; `slot` is then unused).
+
+        Returns hidden states (n, hidden), or on the last range the logits of `logit_rows`
+        (all rows when None). `taps`, when given, has a key per global layer index whose output
+        rows (n, hidden) are stored under it (they feed a feature-conditioned draft).
+        """
+        h = self.embed_tokens(x) if self.is_first else x
+        if isinstance(step, int):
+            step = StepInfo.eager(step, h.shape[0], h.device)
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv, i, slot, step)
+            if taps is not None and self.start + i in taps:
+                # as HF's hidden_states[layer + 1]: the last layer's output is after the norm
+                last = self.start + i == self.cfg.num_layers - 1
+                taps[self.start + i] = self.norm(h) if last else h
+        if not self.is_last:
+            return h
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float()
+
+    def local_name(self, name: str) -> str:
+        """Map a canonical HF tensor name to this module's parameter name."""
+        if name == "model.embed_tokens.weight":
+            return "embed_tokens.weight"
+        if name == "model.norm.weight":
+            return "norm.weight"
+        if name == "lm_head.weight":
+            return "lm_head.weight"
+        prefix, idx, rest = name.split(".", 3)[1], name.split(".")[2], name.split(".", 3)[3]
+        assert prefix == "layers", name
+        return f"layers.{int(idx) - self.start}.{rest}"

@@ -1,0 +1,31 @@
+"""From a config's `model_type` to the module of its family, and the layers it builds."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from shards.errors import CheckpointError
+from shards.model_config import ModelConfig
+
+# model_type -> the module under shards.models that builds its decoder layers
+FAMILY_MODULES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+}
+
+
+def family_module(cfg: ModelConfig):
+    name = FAMILY_MODULES.get(cfg.model_type)
+    if name is None:
+        raise CheckpointError(f"model_type={cfg.model_type!r} has no model code (known: "
+                              f"{', '.join(sorted(FAMILY_MODULES))})")
+    return importlib.import_module(f"shards.models.{name}")
+
+
+def decoder_layer(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Global layer `layer` of a model of `cfg`'s family, with fresh (uninitialised) weights."""
+    return family_module(cfg).DecoderLayer(cfg, layer)
