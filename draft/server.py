@@ -89,7 +89,7 @@ class DraftServer:
     def __init__(self, spec: DraftSpec, secret: bytes) -> None:
         self.spec = spec
         self.device = use_device(spec.device, spec.threads)
-        self.router = bind_router(spec.listen)
+        self.router = bind_router(spec.listen, secret)
         self.gate = Gate(secret, ALLOWED, "draft")
         self.coordinator: bytes | None = None
         self.feeders: list[Feeder] = []

@@ -29,8 +29,7 @@ from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from ipc.peers import AUTH_FAILED, Gate, expect, handshake
 from ipc.serve_loop import serve
-from ipc.sockets import configure as configure_socket
-from ipc.sockets import bind_router, context, recv, request, send
+from ipc.sockets import bind_router, connect_dealer, context, recv, request, send
 from ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from shards.busy_clock import BusyClock
@@ -74,7 +73,7 @@ class ShardServer:
         self.spec, self.secret = spec, secret
         self.device = use_device(spec.device, spec.threads)
         self.ctx = context()
-        self.router = bind_router(spec.listen)
+        self.router = bind_router(spec.listen, secret)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.gate = Gate(secret, ALLOWED, f"shard {spec.start}:{spec.end}")
@@ -371,8 +370,7 @@ class ShardServer:
         if not isinstance(address, str):
             raise ProtocolError(f"configure: {what} address must be a string")
         ident = f"shard{self.index}-{what}-".encode() + session[:8] + os.urandom(4)
-        sock = configure_socket(self.ctx.socket(zmq.DEALER), identity=ident)
-        sock.connect(address)
+        sock = connect_dealer(self.ctx, address, self.secret, identity=ident)
         try:
             handshake(sock, self.secret, "upstream" if what == "next" else "feeder",
                       LINK_TIMEOUT_S, f"the {what} process")
