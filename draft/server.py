@@ -164,7 +164,7 @@ class DraftServer:
                 if isinstance(msg.get("sync"), int):  # a snapshot of rows still on their way
                     self._wait_features(msg["sync"], msg.get("slot", 0))
                 self._reply(route, message("ok", info=snap_op(self.snapshots, msg,
-                                                              self.cache_dir),
+                                                              self.cache_dir, frames),
                                            sid=msg.get("sid")))
             elif t == "feat":
                 self._on_feat(route, msg, zmq_tensor(msg, frames))
@@ -190,9 +190,9 @@ class DraftServer:
     def _report_saves(self) -> bool:
         return report_saves(self.snapshots, self._to_coordinator)
 
-    def _to_coordinator(self, msg: dict[str, Any]) -> None:
+    def _to_coordinator(self, msg: dict[str, Any], frames: list[Any] = ()) -> None:
         if self.coordinator is not None:
-            self._reply(self.coordinator, msg)
+            self._reply(self.coordinator, msg, frames)
 
     # ---- authentication and setup ---------------------------------------------------------------
     def _on_auth(self, route: bytes, msg: dict[str, Any]) -> None:

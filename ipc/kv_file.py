@@ -19,6 +19,7 @@ later never moves the data; each writer fills its own tensors at their offsets.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -179,4 +180,18 @@ def layer_tensors(layout: Layout) -> dict[tuple[int, str], str]:
             _, layer, kind = name.split(".")
             if layer.startswith("L") and layer[1:].isdigit() and kind in ("k", "v"):
                 out[(int(layer[1:]), kind)] = name
+    return out
+
+
+def read_items(path: Path, items: list[dict]) -> list[bytes]:
+    """The bytes of each item ({offset, nbytes, ...}) of a cache file, in order: what a shard
+    that cannot reach the file is sent on restore (it checks them against the items'
+    checksums, as it would bytes it read itself)."""
+    out = []
+    with open(path, "rb") as f:
+        for it in items:
+            data = os.pread(f.fileno(), it["nbytes"], it["offset"])
+            if len(data) != it["nbytes"]:
+                raise OSError(f"{path.name}: short read of {it['name']}")
+            out.append(data)
     return out

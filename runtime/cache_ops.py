@@ -26,7 +26,7 @@ import numpy as np
 
 from ipc.kv_file import (
     DTYPE_CODES, FEATURE_DATA, FEATURE_META, KVFileError, checksum, kv_name, layer_tensors,
-    plan, read_layout, write_header,
+    plan, read_items, read_layout, write_header,
 )
 from ipc.messages import message
 from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
@@ -50,6 +50,9 @@ class SaveJob:
     failed: str | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     without_features: bool = False  # the draft's part failed: the file is cut before it
+    # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
+    streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
 
 
 @dataclasses.dataclass
@@ -252,10 +255,18 @@ class CacheManager:
                                   "offset": layout.offset(name), "nbytes": t.nbytes,
                                   "start": e.start, "end": e.length,
                                   "checksum": layout.checksums[name]})
-            msgs[sh_index] = message("snap_load", path=str(e.path), slot=slot, items=items)
+            stream = self.coord.shards[sh_index].streams_cache
+            msg = message("snap_load", path=str(e.path), slot=slot, items=items, stream=stream)
+            if stream:  # the shard gets the bytes, read here (checked there against checksums)
+                try:
+                    msg = (msg, read_items(e.path, items))
+                except OSError as err:
+                    self._bad(e, str(err))
+                    return False, False
+            msgs[sh_index] = msg
         feat = self._feature_item(e, layout) if context is not None else None
         draft = None if feat is None else message("snap_load", path=str(e.path), slot=context,
-                                                  items=[feat])
+                                                  items=[feat], stream=False)
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
                   if "error" in r["info"] and r["_shard"] >= 0]
@@ -449,7 +460,7 @@ class CacheManager:
         if e.features:
             draft = message("snap_save", entry=e.ram_id, path=str(tmp), items=[
                 {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
-                 "offset": layout.offset(FEATURE_DATA)}])
+                 "offset": layout.offset(FEATURE_DATA)}], stream=False)
 
         def items(sh) -> list[dict[str, Any]]:
             a, b = self.split[sh.index]
@@ -457,12 +468,19 @@ class CacheManager:
                      "offset": layout.offset(kv_name(sh.index, layer, kind))}
                     for layer in range(a, b) for kind in ("k", "v")]
 
+        def save_message(sh) -> dict[str, Any]:
+            its = items(sh)
+            if sh.streams_cache:
+                job.streamed_names[sh.index] = [it["name"] for it in its]
+            return message("snap_save", entry=e.ram_id, path=str(tmp), items=its,
+                           stream=sh.streams_cache)
+
         try:
-            replies = self.coord.call_all(lambda sh: message(
-                "snap_save", entry=e.ram_id, path=str(tmp), items=items(sh)), draft=draft)
+            replies = self.coord.call_all(save_message, draft=draft)
             if draft is not None and not any(r["_shard"] < 0 for r in replies):
                 self.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
-                                   "error": "the draft did not take its part of the save"})
+                                   "error": "the draft did not take its part of the save",
+                                   "names": []})
         except BaseException:
             self.jobs.pop(e.ram_id, None)
             self._discard(job)
@@ -490,11 +508,15 @@ class CacheManager:
                 self.on_saved(-1, {"entry": ram_id, "path": str(job.tmp), "checksums": None,
                                    "error": "the draft process is gone"})
 
-    def on_saved(self, shard: int, msg: dict[str, Any]) -> None:
+    def on_saved(self, shard: int, msg: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         job = self.jobs.get(msg["entry"])
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier session)
         job.waiting.discard(shard)
+        if not msg["error"]:
+            why = self._take_streamed(job, shard, msg, frames)
+            if why is not None:
+                msg = {**msg, "error": why}
         if msg["error"] and shard < 0:  # the KV is still good: keep it, without the features
             log.warning("prefix cache: %s is saved without its draft feature rows: %s",
                         job.entry.key[:12], msg["error"])
@@ -512,12 +534,37 @@ class CacheManager:
             th.start()
             self._threads.append(th)
 
+    @staticmethod
+    def _take_streamed(job: SaveJob, shard: int, msg: dict[str, Any],
+                       frames: Sequence[Any]) -> str | None:
+        """Keep the tensors a streaming shard sent for the file (written by `_finalize`); why
+        they cannot be taken, if so. Each must be the tensor it names, whole, with the checksum
+        the shard reported (which the file's header then records)."""
+        want = job.streamed_names.get(shard, [])
+        if msg["names"] != want or len(frames) != len(want):
+            return (f"sent {len(frames)} tensors named {msg['names'][:3]}..., expected "
+                    f"{len(want)} ({want[:3]}...)")
+        sums = msg["checksums"] or {}
+        for name, frame in zip(want, frames):
+            data = frame.buffer if hasattr(frame, "buffer") else frame
+            if len(data) != job.layout.tensors[name].nbytes:
+                return f"{name}: {len(data)} bytes, the file holds {job.layout.tensors[name].nbytes}"
+            if sums.get(name) != checksum(data):
+                return f"{name}: the bytes sent do not match their checksum"
+            job.streamed.append((job.layout.offset(name), data))
+        return None
+
     def _finalize(self, job: SaveJob) -> None:
-        """Checksums in, fsync, atomic rename, directory fsync (a background thread)."""
+        """Streamed tensors and checksums in, fsync, atomic rename, directory fsync (a
+        background thread)."""
         final = self.index.path_for(job.entry.key)
         try:
             if job.failed:
                 raise OSError(job.failed)
+            for offset, data in job.streamed:
+                if os.pwrite(job.fd, data, offset) != len(data):
+                    raise OSError(f"short write at offset {offset}")
+            job.streamed.clear()
             if job.without_features:  # they are the file's last tensors: cut them off
                 for name in (FEATURE_META, FEATURE_DATA):
                     job.layout.tensors.pop(name, None)

@@ -70,6 +70,13 @@ class _Shard:
         self.local = False  # on this host: steps and results may travel through shared memory
         self.welcomed = False  # its handshake completed
 
+    @property
+    def streams_cache(self) -> bool:
+        """A shard this coordinator did not start (`layersplit shard`, on another host or in a
+        container of its own) may not see the cache directory: its prefix-cache tensors travel
+        over its (encrypted) channel, and the coordinator reads and writes the file."""
+        return self.proc is None
+
 
 class Coordinator:
     """Owns the shard processes of one model and drives generation: every request is a sequence
@@ -419,14 +426,17 @@ class Coordinator:
                         cache.pending())
 
     def call_all(self, make, draft: Any = None) -> list[dict[str, Any]]:
-        """Send `make(shard)` to every shard, and `draft` to the draft process when given and
+        """Send `make(shard)` (a message, or a message and its payload frames) to every shard,
+        and `draft` to the draft process when given and
         it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
         meanwhile just does not reply (speculation is off from then on)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         for sh in self.shards:
-            send(sh.sock, {**make(sh), "sid": sid})
+            made = make(sh)  # a message, or (message, payload frames)
+            msg, frames = made if isinstance(made, tuple) else (made, ())
+            send(sh.sock, {**msg, "sid": sid}, frames)
         pending = {sh.index for sh in self.shards}
         if draft is not None and self.draft is not None:
             send(self.draft.sock, {**draft, "sid": sid})
@@ -503,7 +513,7 @@ class Coordinator:
             while not sh.sock.closed and sh.sock.poll(0):  # (a draft lost meanwhile: closed)
                 _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg)
+                    self.cache.on_saved(sh.index, msg, frames)
                     continue
                 if err is None and msg["type"] == "wake":
                     continue
@@ -629,7 +639,7 @@ class Coordinator:
                 if msg["type"] == "wake":
                     continue
                 if msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg)
+                    self.cache.on_saved(sh.index, msg, frames)
                     continue
                 msg["_shard"] = sh.index
                 if self._stash(sh, msg, frames):

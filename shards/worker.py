@@ -133,7 +133,11 @@ class ShardServer:
 
     def _report_saves(self) -> bool:
         """Tell the coordinator about disk writes the background threads finished."""
-        return report_saves(self.snapshots, self._report)
+        return report_saves(self.snapshots, self._to_coordinator)
+
+    def _to_coordinator(self, msg: dict[str, Any], frames: list[Any] = ()) -> None:
+        if self.coordinator is not None:
+            self._reply(self.coordinator, msg, frames)
 
     def _poll_sockets(self, timeout_ms: int) -> bool:
         events = self.poller.poll(timeout_ms)
@@ -188,7 +192,7 @@ class ShardServer:
                 self._step(msg, zmq_tensor(msg, frames))
             elif t in SNAP_OPS:
                 self._reply(route, message("ok", info=snap_op(self._snap_store(), msg,
-                                                              self.cache_dir),
+                                                              self.cache_dir, frames),
                                            sid=msg.get("sid")))
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)

@@ -189,3 +189,31 @@ def test_a_byte_changed_on_the_wire_is_refused(tiny_llama, remote_shard, monkeyp
         assert relay.flipped > 0
     finally:
         relay.close()
+
+
+@pytest.mark.slow
+def test_remote_shard_cache_travels_over_its_channel(tiny_llama, remote_shard, monkeypatch,
+                                                     tmp_path):
+    """A shard started by hand may not see the coordinator's cache directory: its tensors are
+    sent to the coordinator, written once into the one file there, and sent back on restore.
+    The entry restores after a restart, and into a split of local shards, bit for bit."""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", remote_shard), prefill_chunk=16, threads=1,
+                        max_context=256, kv_cache_dir=str(tmp_path))
+    ref = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256)
+    prompt = ref.tokenizer.encode("the cache crosses hosts " * 4)
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = ref.generate(prompt, p).tokens
+    with Coordinator(cfg) as coord:
+        assert coord.shards[1].streams_cache and not coord.shards[0].streams_cache
+        assert coord.generate(prompt, p).tokens == want
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert files  # written by the coordinator, with the remote shard's tensors in them
+    with Coordinator(cfg) as coord:  # a restart: the remote shard is sent its rows
+        r = coord.generate(prompt, p)
+        assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want)
+    local = cfg.replace(shard_addresses=(), split=(2, 4))
+    with Coordinator(local) as coord:  # and local shards read what the remote one sent
+        r = coord.generate(prompt, p)
+        assert (r.cache_tier, r.tokens) == ("disk", want)
