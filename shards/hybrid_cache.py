@@ -51,6 +51,10 @@ class HybridCache(KVCache):
         self.state[:, slot].zero_()
         self.pending.pop(slot, None)
 
+    def forget(self, slot: int) -> None:
+        """The slot's state was just restored from the prefix cache: no verify rows pend."""
+        self.pending.pop(slot, None)
+
     def save(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[:, slot].clone(), self.state[:, slot].clone()
 
@@ -69,7 +73,7 @@ class HybridCache(KVCache):
         the state of the last row it kept. `kept`: the kept rows of a tree (None: rows
         1 .. pos - verify_pos - 1, a chain's or a tree's first branch)."""
         got = self.pending.pop(slot, None)
-        if got is None:
+        if got is None or pos == 0:  # (a new sequence in the slot starts from zeros)
             return
         at, rows = got
         accepted = pos - at - 1

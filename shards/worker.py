@@ -40,7 +40,7 @@ from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
-from shards.spec_tree import check_path, check_tree, kept_moves, rows_to_move
+from shards.spec_tree import check_path, check_tree, rows_to_move
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
@@ -588,10 +588,10 @@ class ShardServer:
 
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
-        (`shards.spec_tree.kept_moves`); the step was checked (`_segments`)."""
+        (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
+        kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
         for seg in msg["seqs"]:
-            if seg["kept"]:
-                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
+            self.executor.before_step(seg["slot"], seg["pos"], seg["kept"])
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:

@@ -28,7 +28,8 @@ from shards.layers.gated_attention import (
 )
 from shards.layers.gated_delta import GatedDeltaNet
 from shards.layers.moe import SparseMoE, SwiGLU
-from shards.model import StepInfo, rope_cos_sin
+from shards.layers.rotary import rope_cos_sin
+from shards.layers.step import StepInfo
 from shards.model_config import ModelConfig
 
 
@@ -99,6 +100,11 @@ class HybridLayer(nn.Module):
         else:
             h = h + self.self_attn(x, cos, sin, kv, index, slot, step)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def DecoderLayer(cfg: ModelConfig, layer: int) -> HybridLayer:  # noqa: N802 - the registry's
+    """Global layer `layer` (the registry's entry point); ranges are `HybridRange`s."""
+    return HybridLayer(cfg, cfg.hybrid, layer)
 
 
 class HybridRange(nn.Module):
