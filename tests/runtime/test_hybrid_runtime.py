@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ipc.kv_file import read_layout
+from runtime.chunking import cut_points
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
 from runtime.generate import Progress, collect
@@ -104,8 +105,10 @@ def test_prefix_cache_restores_state_exactly(hybrid_models, refs, tmp_path):
     with Coordinator(_cfg(model, 2, kv_cache_dir=str(tmp_path), split=(1, 5))) as c:
         r = c.generate(first, GREEDY)
         assert r.cache_tier == "none" and r.tokens == cold[id(first)]
-        r = c.generate(second, GREEDY)  # restores the first prompt, prefills the new turn
-        assert (r.cache_tier, r.cached_tokens) == ("ram", len(first))
+        r = c.generate(second, GREEDY)  # restores the first turn, prefills the new one
+        last_turn = max(cut_points(first, CHUNK, (2,)))  # (the first prompt's last cut)
+        assert 0 < last_turn < len(first) and last_turn % CHUNK
+        assert (r.cache_tier, r.cached_tokens) == ("ram", last_turn)
         assert r.tokens == cold[id(second)]
         r = c.generate(first, GREEDY)  # an exact repeat: no forward pass before decoding
         assert r.cache_tier == "ram" and r.tokens == cold[id(first)]
