@@ -148,8 +148,7 @@ def near_hybrid(hybrid_models, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 2])
-def test_speculation_equals_plain(hybrid_models, near_hybrid, refs, n):
+def test_speculation_equals_plain(hybrid_models, near_hybrid, refs, n=2):
     model = hybrid_models["qwen3_5"]
     prompt = refs["qwen3_5"].tokenizer.encode(CHAT * 2)
     with Coordinator(_cfg(model, n, draft=str(near_hybrid), spec_block=4)) as c:
