@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ipc.kv_file import (
-    DTYPE_CODES, FEATURE_DATA, FEATURE_META, KVFileError, checksum, kv_name, layer_tensors,
-    plan, read_items, read_layout, write_header,
+    DTYPE_CODES, FEATURE_DATA, FEATURE_META, LAYER_KINDS, KVFileError, checksum, kv_name,
+    layer_tensors, plan, read_items, read_layout, write_header,
 )
 from ipc.messages import message
 from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
@@ -82,6 +83,12 @@ class CacheManager:
         self.layouts = [i["kv_layout"] for i in infos]
         self.row_bytes = sum(lay["layers"] * 2 * lay["kv_heads"] * lay["head_dim"]
                              * itemsize[lay["dtype"]] for lay in self.layouts)
+        # a hybrid model's entries hold each linear layer's state whole, besides KV rows
+        self.hybrid = any("linear_layers" in lay for lay in self.layouts)
+        self.state_bytes = sum(
+            len(lay["linear_layers"]) * (math.prod(lay["conv_shape"]) * itemsize[lay["dtype"]]
+                                         + math.prod(lay["state_shape"]) * 4)
+            for lay in self.layouts if "linear_layers" in lay)
         self.jobs: dict[int, SaveJob] = {}
         self.done: queue.Queue = queue.Queue()
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
@@ -102,6 +109,24 @@ class CacheManager:
 
     def _with_features(self, entries: Sequence[Entry]) -> bool:
         return bool(self.taps) and self.coord.feeding and all(e.features for e in entries)
+
+    def shard_tensors(self, s: int, rows: int) -> list[tuple[int, str, int, str, tuple]]:
+        """Shard `s`'s tensors of an entry of `rows` KV rows: (global layer, kind, index in
+        the shard's tensor of that kind, dtype code, shape)."""
+        (a, b), lay = self.split[s], self.layouts[s]
+        code = DTYPE_CODES[lay["dtype"]]
+        out = []
+        attn = lay.get("attn_layers", list(range(a, b)))
+        for i, layer in enumerate(attn):
+            shape = (rows, lay["kv_heads"], lay["head_dim"])
+            out += [(layer, "k", i, code, shape), (layer, "v", i, code, shape)]
+        for i, layer in enumerate(lay.get("linear_layers", [])):
+            out += [(layer, "conv", i, code, tuple(lay["conv_shape"])),
+                    (layer, "state", i, "F32", tuple(lay["state_shape"]))]
+        return sorted(out, key=lambda t: (t[0], LAYER_KINDS.index(t[1])))
+
+    def entry_bytes(self, rows: int) -> int:
+        return rows * self.row_bytes + self.state_bytes
 
     # ---- keys ---------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
@@ -145,6 +170,10 @@ class CacheManager:
                 ram_run = []
                 ok, feats = self._restore_disk(e, prompt, slot,
                                                context if out.features else None)
+                if not ok and self.hybrid:
+                    # a shard may hold the failed link's state: start over from position 0
+                    out.leaf = None
+                    break
                 if not ok:
                     break
                 out.features &= feats
@@ -170,6 +199,9 @@ class CacheManager:
         self.index.touch(self.index.chain(out.leaf))
         if out.length == n:
             out.logits = self._logits(out.leaf)
+            if out.logits is None and self.hybrid:  # the state is the leaf's: a miss
+                self.stats.misses += 1
+                return Restored()
             if out.logits is None:  # unreadable logits: back off to a prefill of the last row
                 out.length, out.leaf = out.leaf.start, self.index.entries.get(out.leaf.parent or "")
                 if out.leaf is None:
@@ -242,19 +274,18 @@ class CacheManager:
             return False, False
         by_layer = layer_tensors(layout)
         msgs = {}
-        for sh_index, (a, b) in enumerate(self.split):
+        for sh_index in range(len(self.split)):
             items = []
-            for layer in range(a, b):
-                for kind in ("k", "v"):
-                    name = by_layer.get((layer, kind))
-                    if name is None:
-                        self._bad(e, f"no tensor for layer {layer} {kind}")
-                        return False, False
-                    t = layout.tensors[name]
-                    items.append({"name": name, "layer": layer - a, "kind": kind,
-                                  "offset": layout.offset(name), "nbytes": t.nbytes,
-                                  "start": e.start, "end": e.length,
-                                  "checksum": layout.checksums[name]})
+            for layer, kind, index, _, _ in self.shard_tensors(sh_index, e.length - e.start):
+                name = by_layer.get((layer, kind))
+                if name is None:
+                    self._bad(e, f"no tensor for layer {layer} {kind}")
+                    return False, False
+                t = layout.tensors[name]
+                items.append({"name": name, "layer": index, "kind": kind,
+                              "offset": layout.offset(name), "nbytes": t.nbytes,
+                              "start": e.start, "end": e.length,
+                              "checksum": layout.checksums[name]})
             stream = self.coord.shards[sh_index].streams_cache
             msg = message("snap_load", path=str(e.path), slot=slot, items=items, stream=stream)
             if stream:  # the shard gets the bytes, read here (checked there against checksums)
@@ -284,8 +315,11 @@ class CacheManager:
         self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
-        # a RAM copy, once the first token is out
-        self.deferred_takes.append((e, slot, context if feats else None))
+        if self.hybrid:  # the state is the entry's only now: its RAM copy is taken at once
+            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+            self._take(e, slot, context if feats else None)
+        else:  # a RAM copy, once the first token is out
+            self.deferred_takes.append((e, slot, context if feats else None))
         return True, feats
 
     def _feature_item(self, e: Entry, layout) -> dict[str, Any] | None:
@@ -376,7 +410,7 @@ class CacheManager:
             feature_bytes = (length - start) * self.feature_row_bytes
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
-                  kv_bytes=(length - start) * self.row_bytes + feature_bytes, pins=1)
+                  kv_bytes=self.entry_bytes(length - start) + feature_bytes, pins=1)
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
@@ -416,12 +450,9 @@ class CacheManager:
     def _save(self, e: Entry) -> None:
         vocab = self.coord.model_config.vocab_size
         tensors = []
-        for s, ((a, b), lay) in enumerate(zip(self.split, self.layouts)):
-            code = DTYPE_CODES[lay["dtype"]]
-            shape = (e.length - e.start, lay["kv_heads"], lay["head_dim"])
-            for layer in range(a, b):
-                tensors += [(kv_name(s, layer, "k"), code, shape),
-                            (kv_name(s, layer, "v"), code, shape)]
+        for s in range(len(self.split)):
+            for layer, kind, _, code, shape in self.shard_tensors(s, e.length - e.start):
+                tensors.append((kv_name(s, layer, kind), code, shape))
         tensors += [("tokens", "I32", (e.length,)), ("prefill_logits", "F32", (vocab,))]
         meta = np.asarray([self.feature_width, *self.taps], dtype="<i4")
         if e.features:
@@ -463,10 +494,9 @@ class CacheManager:
                  "offset": layout.offset(FEATURE_DATA)}], stream=False)
 
         def items(sh) -> list[dict[str, Any]]:
-            a, b = self.split[sh.index]
-            return [{"name": kv_name(sh.index, layer, kind), "layer": layer - a, "kind": kind,
+            return [{"name": kv_name(sh.index, layer, kind), "layer": index, "kind": kind,
                      "offset": layout.offset(kv_name(sh.index, layer, kind))}
-                    for layer in range(a, b) for kind in ("k", "v")]
+                    for layer, kind, index, _, _ in self.shard_tensors(sh.index, 0)]
 
         def save_message(sh) -> dict[str, Any]:
             its = items(sh)
@@ -523,7 +553,7 @@ class CacheManager:
             job.without_features = True
             e = job.entry
             e.features = False
-            e.kv_bytes = (e.length - e.start) * self.row_bytes
+            e.kv_bytes = self.entry_bytes(e.length - e.start)
         elif msg["error"]:
             job.failed = f"shard {shard}: {msg['error']}"
         else:

@@ -13,6 +13,7 @@ from shards.errors import CheckpointError
 from shards.layers.rotary import rope_inv_freq
 from shards.model_config import ModelConfig
 from shards.models import LayerRange
+from shards.models.qwen3_5 import HybridRange
 from shards.weights import range_tensor_shapes, source_name
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,13 @@ def load_layer_range(
     sources = {name: source_name(cfg, name) for name in shapes}
     tensors = ckpt.load(shapes, sources, dtype, device)
     with torch.device("meta"):
-        model = LayerRange(cfg, start, end)
+        model = LayerRange(cfg, start, end) if cfg.hybrid is None else HybridRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:  # a bug in the name tables, not bad input
         raise RuntimeError(f"internal name mismatch: missing={missing} unexpected={unexpected}")
-    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the state dict
+    # buffers are not in the state dict
+    model.inv_freq = rope_inv_freq(cfg) if cfg.hybrid is None else model.rope_inv_freq()
     model.to(device).eval().requires_grad_(False)
     log.info(
         "loaded layers %d:%d of %s (%d tensors, %.1f s)",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.errors import CheckpointError
+from shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -72,6 +73,7 @@ class ModelConfig:
     # "sliding_attention" layers attend the last `sliding_window` positions only.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -123,6 +125,10 @@ class ModelConfig:
         for name in ("layer_types", "sliding_window"):
             if not d[name]:
                 del d[name]
+        if self.hybrid is not None:
+            d["hybrid"] = self.hybrid.to_dict()
+        else:
+            del d["hybrid"]
         return d
 
     @classmethod
@@ -131,6 +137,8 @@ class ModelConfig:
         d["rope_scaling"] = tuple((str(k), v) for k, v in d.get("rope_scaling", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        if d.get("hybrid") is not None:
+            d["hybrid"] = HybridSpec.from_dict(d["hybrid"])
         return cls(**d)
 
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
@@ -152,19 +160,26 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
     speculative draft's config is read with strict=False: a field its code ignores can cost
     acceptance, never a wrong token (the target verifies every one)."""
     model_type = raw.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+        raise CheckpointError(
+            f"{source}: a Qwen3.5 vision-language checkpoint (model_type 'qwen3_5', tensors "
+            "under model.language_model.) is not supported yet; use a text-only checkpoint "
+            "(Qwen3_5ForCausalLM, model_type 'qwen3_5_text')")
+    # hybrid families check their own fields (`shards.hybrid_config`), strictly always
+    hybrid = hybrid_from_hf(raw, source) if model_type in HYBRID_TYPES else None
+    if model_type not in FAMILIES and hybrid is None:
         raise CheckpointError(
             f"{source}: model_type={model_type!r} is not supported "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
+            f"(supported: {', '.join(sorted((*FAMILIES, *HYBRID_TYPES)))})"
         )
-    bias_default, qk_norm = FAMILIES[model_type]
+    bias_default, qk_norm = FAMILIES[model_type] if hybrid is None else (False, True)
 
     def need(key: str) -> Any:
         if key not in raw:
             raise CheckpointError(f"{source}: required field {key!r} is missing")
         return raw[key]
 
-    if strict:
+    if strict and hybrid is None:
         check_fields(raw, model_type, source)
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
@@ -194,7 +209,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
-        **_windows(raw, model_type, int(need("num_hidden_layers")), source),
+        **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
+           if hybrid is None else {"hybrid": hybrid}),
     )
     try:
         return ModelConfig(**fields)

@@ -52,8 +52,18 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class SnapshotStore:
-    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None) -> None:
+    """`tensors`: position-indexed rows, (layers, slots, rows, ...). `whole`: a hybrid model's
+    per-slot state, (layers, slots, ...), that holds the sequence up to its current position
+    and changes with every step: a snapshot copies it whole, at once (the coordinator takes a
+    snapshot right after the step that ends at its end), and a restore or load of a slot tells
+    `forget` (verify rows pending on the slot are then void)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None,
+                 whole: dict[str, torch.Tensor] | None = None,
+                 forget: Callable[[int], None] | None = None) -> None:
         self.tensors = tensors  # name -> (layers, slots, rows, ...), live
+        self.whole = whole or {}
+        self.forget = forget or (lambda slot: None)
         first = next(iter(tensors.values()))
         self.max_len = first.shape[2] if max_len is None else max_len  # rows a snapshot may hold
         self.slots = first.shape[1]
@@ -77,6 +87,8 @@ class SnapshotStore:
             raise ValueError(f"snapshot rows {start}:{end} outside the cache of {self.max_len}")
         self.check_slot(slot)
         srcs = {name: t[:, slot, start:end] for name, t in self.tensors.items()}
+        # the state changes with the next step: copied now (on the device's stream)
+        srcs.update({name: t[:, slot].clone() for name, t in self.whole.items()})
         snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()), slot)
         after = None
         if self.cuda:  # the copy must follow the step that wrote these rows
@@ -129,6 +141,9 @@ class SnapshotStore:
         assert s.rows is not None
         for name, t in self.tensors.items():
             t[:, slot, s.start:s.end].copy_(s.rows[name], non_blocking=self.cuda)
+        for name, t in self.whole.items():
+            t[:, slot].copy_(s.rows[name], non_blocking=self.cuda)
+        self.forget(slot)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -182,9 +197,13 @@ class SnapshotStore:
         Pipelined: a reader thread fetches tensor i+1 while tensor i is hashed (and, on a GPU,
         copied to the device from one of two pinned buffers)."""
         self.check_slot(slot)
+        self.forget(slot)
         dsts = []
         for it in items:
-            dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
+            if it["kind"] in self.whole:  # a state: the file holds it whole
+                dst = self.whole[it["kind"]][it["layer"], slot]
+            else:
+                dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
             if dst.numel() * dst.element_size() != it["nbytes"]:
                 raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
                                  f"{dst.numel() * dst.element_size()} expected by this shard")
@@ -249,7 +268,8 @@ def check_items(store: SnapshotStore, items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list):
         raise ValueError("cache-file items must be a list")
     for it in items:
-        t = store.tensors.get(it.get("kind")) if isinstance(it, dict) else None
+        kind = it.get("kind") if isinstance(it, dict) else None
+        t = store.tensors.get(kind, store.whole.get(kind)) if isinstance(kind, str) else None
         if t is None or not isinstance(it.get("layer"), int) or \
                 not 0 <= it["layer"] < t.shape[0] or \
                 not isinstance(it.get("offset"), int) or it["offset"] < 0:

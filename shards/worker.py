@@ -37,9 +37,10 @@ from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.device import use_device
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
+from shards.hybrid_cache import HybridCache
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
-from shards.spec_tree import check_path, check_tree, kept_moves, rows_to_move
+from shards.spec_tree import check_path, check_tree, rows_to_move
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
@@ -345,8 +346,11 @@ class ShardServer:
             self.executor = RangeExecutor(self.model, max_ctx, slots, self.device,
                                           static_decode=graphs, graph_bucket=bucket,
                                           taps=tuple(taps))
-            self.snapshots = SnapshotStore({"k": self.executor.kv.k, "v": self.executor.kv.v},
-                                           max_ctx)
+            kv = self.executor.kv
+            whole, forget = None, None
+            if isinstance(kv, HybridCache):
+                whole, forget = {"conv": kv.conv, "state": kv.state}, kv.forget
+            self.snapshots = SnapshotStore({"k": kv.k, "v": kv.v}, max_ctx, whole, forget)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -445,11 +449,26 @@ class ShardServer:
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
             "kv_capacity_tokens": ex.max_len if ex else 0, "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
-            "kv_layout": {"layers": self.spec.end - self.spec.start,
-                          "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
-                          "dtype": self.spec.dtype},
+            "kv_layout": self._kv_layout(),
             "transport_out": self.transport_kind, "protocol": PROTOCOL_VERSION,
         }
+
+    def _kv_layout(self) -> dict[str, Any]:
+        """What this shard's prefix-cache tensors are: K/V rows of `layers` layers, and on a
+        hybrid model which global layers those are (`attn_layers`) and the state of its
+        linear-attention layers (`linear_layers`: conv and recurrent state shapes)."""
+        lay: dict[str, Any] = {"layers": self.spec.end - self.spec.start,
+                               "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
+                               "dtype": self.spec.dtype}
+        model = self.model
+        if getattr(model, "spec", None) is not None:  # a hybrid range
+            sp = model.spec
+            lay.update(layers=len(model.attn_layers), attn_layers=list(model.attn_layers),
+                       linear_layers=list(model.linear_layers),
+                       conv_shape=[sp.conv_dim, sp.conv_kernel - 1],
+                       state_shape=[sp.num_value_heads, sp.key_head_dim, sp.value_head_dim],
+                       state_dtype="float32")
+        return lay
 
     # ---- data plane -------------------------------------------------------------------------
     def _segments(self, msg: dict[str, Any], x: torch.Tensor | None,
@@ -590,10 +609,10 @@ class ShardServer:
 
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
-        (`shards.spec_tree.kept_moves`); the step was checked (`_segments`)."""
+        (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
+        kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
         for seg in msg["seqs"]:
-            if seg["kept"]:
-                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
+            self.executor.before_step(seg["slot"], seg["pos"], seg["kept"])
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:

@@ -15,6 +15,8 @@ FAMILY_MODULES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_5_text": "qwen3_5",  # hybrid: ranges are shards.models.qwen3_5.HybridRange
+    "qwen3_next": "qwen3_5",
 }
 
 
