@@ -126,8 +126,12 @@ class FusedDecode:
 
 def fuse_projections(model, compile: bool = True) -> None:
     """Fuse q/k/v and gate/up weights of every layer and install the fused decode step."""
+    from shards.models.llama import DecoderLayer
+
     fast = FusedDecode(compile)
     for layer in model.layers:
+        if type(layer) is not DecoderLayer:  # another family's layer: its own eager path
+            continue
         layer.self_attn.fuse()
         layer.mlp.fuse()
         layer.fast = fast
