@@ -1,12 +1,12 @@
 """One layer's attention stage of a decode step: the compiled torch path against the Triton
 decode-attention kernel (`shards.kernels.decode_attention`), each captured in a CUDA graph.
 
-    python bench/attention_kernel.py [--keys 256,768,2048,8192] [--splits 0,256,512,1024]
+    python bench/attention_kernel.py [--keys 256,768,2048,8192] [--splits auto,0,128,256]
 
 Torch path: the compiled norm + q/k/v projection + q/k norm + rotary (`shards.fused.pre_attention`),
 `KVCache.append` (two index_copy_) and `Attention._grouped`. Kernel path: the compiled norm +
 projection (`shards.fused.norm_qkv`), then the kernel, once per key-split setting (keys per
-program before the keys are split; 0: never). Times are medians of graph replays of 100 layers
+program; 0: never split; auto: `key_split`). Times are medians of graph replays of 100 layers
 (distinct KV caches, so the keys come from HBM, not L2), per layer; also max |difference|.
 """
 
@@ -67,12 +67,13 @@ def time_graph(fn, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keys", default="256,768,2048,8192")
-    ap.add_argument("--splits", default="0,256,512,1024")
+    ap.add_argument("--splits", default="auto,0,128,256")
     args = ap.parse_args()
     dev, dt = "cuda:0", torch.bfloat16
-    splits = [int(s) for s in args.splits.split(",")]
-    print(f"{'shape':<14} {'keys':>6} {'torch us':>9} " +
-          " ".join(f"{'split ' + str(s):>11}" for s in splits) + "  max|diff|")
+    splits = [None if s == "auto" else int(s) for s in args.splits.split(",")]
+    heads = [f"split {'auto' if s is None else s}" for s in splits]
+    print(f"{'shape':<14} {'keys':>6} {'torch us':>9} " + " ".join(f"{c:>11}" for c in heads) +
+          "  max|diff|")
     for name, (hidden, h, g, d, qk_norm) in SHAPES.items():
         for t in [int(k) for k in args.keys.split(",")]:
             torch.manual_seed(0)
@@ -100,8 +101,8 @@ def main() -> None:
                     vc[i, 0].index_copy_(0, step.positions, v)
                     outs["torch"] = grouped(q, kc[i, 0, :t], vc[i, 0, :t], step.mask, g, d)
 
-            def kernel_path(split, outs=outs, kc=kc, vc=vc, layers=layers, h=h, step=step, nq=nq, qn=qn,
-                            kn=kn, cos=cos, sin=sin, x=x, ln=ln, w=w):
+            def kernel_path(split, outs=outs, kc=kc, vc=vc, layers=layers, h=h, step=step,
+                            nq=nq, qn=qn, kn=kn, cos=cos, sin=sin, x=x, ln=ln, w=w):
                 def run():
                     for i in range(layers):
                         qkv = nq(x, ln, w, None, 1e-6)

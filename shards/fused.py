@@ -71,9 +71,18 @@ def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
     return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
 
 
+def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h + x, rounded once as in h's dtype (the same value). Written in float32 so that inductor
+    does not make the add a GEMM epilogue (`addmm`: a copy of h, then the GEMM adds it) but
+    folds it into the norm that reads the sum: one kernel fewer per residual."""
+    return (h.float() + x.float()).to(h.dtype)
+
+
 def post_attention_next(h, attn, o_w, ln2_w, gu_w, down_w, eps: float, next_w, next_eps: float):
     """`post_attention`, and its output normalized by the next layer's input norm."""
-    h = post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps)
+    h = residual(h, F.linear(attn, o_w))
+    g, u = F.linear(rms_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    h = residual(h, F.linear(F.silu(g) * u, down_w))
     return h, rms_norm(h, next_w, next_eps)
 
 

@@ -2,8 +2,8 @@
 
 Replaces, per layer of a captured decode step, the q/k-norm + rotary kernels, the two
 `index_copy_` KV writes and the ~11 small kernels of `Attention._grouped` (two batched matmuls,
-scale, `~mask.repeat`, masked_fill, casts, softmax, layout copies) with one launch (two when
-the keys are split, see below). Same math as `shards.fused.pre_attention` + `KVCache.append` +
+scale, `~mask.repeat`, masked_fill, casts, softmax, layout copies) with one launch, or two
+when the keys are split (see below). Same math as `shards.fused.pre_attention` + `KVCache.append` +
 `Attention._grouped` (or `append_batch` + `_grouped_batch`); the GPU tests compare them.
 
 Input is the fused q/k/v projection of the step's rows, `qkv` (N, (H + 2G) * D), bias included.
@@ -22,9 +22,10 @@ program per (sequence, KV head, key split):
 
 Every K/V row a program writes is read only by that program (same head, same split): no
 ordering between programs is needed. Positions, rows and masks are device tensors: the kernel
-runs inside CUDA graphs with no host sync. With more than one key split (long contexts), each
-program writes a partial result (unnormalized output, running max, sum) and a second kernel
-combines them (flash-decoding).
+runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,
+so the keys are split among enough programs to fill the GPU (`key_split`): each program writes
+a partial result (unnormalized output, running max, sum) and a second kernel combines them
+(flash-decoding).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"
-DEFAULT_KEYS_PER_SPLIT = 1024  # keys per program before the keys are split (0: never split)
+SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"  # keys per split (0: never split); unset: `key_split`
 BLOCK_N = 64  # keys per block of the inner loop
 MAX_BLOCK_M = 64  # query rows (rows x heads of a group) per tile; more rows loop over tiles
 
@@ -123,21 +123,22 @@ def _attend(
         for b in range(key_blocks):
             t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
             ok_t = t < hi
+            # K, V and the mask issued together: a block costs one memory latency, not three
             kt = tl.load(KC + cache + t[None, :] * s_row + d[:, None], mask=ok_t[None, :],
                          other=0.0)  # (D, BLOCK_N)
+            vt = tl.load(VC + cache + t[:, None] * s_row + d[None, :], mask=ok_t[:, None],
+                         other=0.0)  # (BLOCK_N, D)
+            vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
             if IEEE:
                 qk = tl.dot(q, kt, input_precision="ieee")
             else:
                 qk = tl.dot(q, kt)
-            vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
             qk = tl.where(vis != 0, qk * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(qk - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(VC + cache + t[:, None] * s_row + d[None, :], mask=ok_t[:, None],
-                         other=0.0)  # (BLOCK_N, D)
             if IEEE:
                 pv = tl.dot(p.to(dt), vt, input_precision="ieee")
             else:
@@ -187,9 +188,33 @@ def _combine(
     tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
 
 
-def keys_per_split() -> int:
-    """Keys one program attends before a step's keys are split among programs."""
-    return int(os.environ.get(SPLIT_ENV, DEFAULT_KEYS_PER_SPLIT))
+_SMS: dict[torch.device, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else 4)
+    return n
+
+
+def key_split(keys: int, programs: int, device: torch.device,
+              split_keys: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) for `keys` keys and `programs` programs per split.
+
+    Each block of keys is one memory latency in a program's loop, so a step's keys are spread
+    over enough programs to fill the GPU (at least one block each); `split_keys` (or
+    `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never."""
+    if split_keys is None and os.environ.get(SPLIT_ENV):
+        split_keys = int(os.environ[SPLIT_ENV])
+    blocks = -(-keys // BLOCK_N)
+    if split_keys is None:
+        splits = max(1, min(blocks, _multiprocessors(device) // programs))
+    else:
+        splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))
+    per = -(-blocks // splits) * BLOCK_N  # whole blocks per split
+    return -(-keys // per), per
 
 
 def decode_attention(
@@ -208,7 +233,9 @@ def decode_attention(
     eps: float = 1e-6,
     split_keys: int | None = None,
 ) -> torch.Tensor:
-    """Attention output (N, H * D) of a step's rows; writes their K/V rows into the cache."""
+    """Attention output (N, H * D) of a step's rows; writes their K/V rows into the cache.
+    `split_keys`: keys per program (0: one program per sequence and KV head; None: `key_split`
+    decides)."""
     n_rows, width = qkv.shape
     _, _, g, d = k_cache.shape
     r = num_heads // g
@@ -227,9 +254,7 @@ def decode_attention(
         raise ValueError("decode_attention: K and V caches must share a (.., G, D) row layout")
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(n * r)))
     m_tiles = -(-n * r // block_m)
-    per = split_keys if split_keys is not None else keys_per_split()
-    splits = 1 if per <= 0 or t <= per else -(-t // per)
-    per = t if splits == 1 else -(-t // splits)
+    splits, per = key_split(t, n_seqs * g, qkv.device, split_keys)
     out = torch.empty(n_rows, num_heads * d, dtype=qkv.dtype, device=qkv.device)
     if splits > 1:
         m_pad = m_tiles * block_m

@@ -4,8 +4,8 @@ On a CUDA device (`python -m pytest -m gpu`). On a CPU, the same tests run throu
 interpreter with `TRITON_INTERPRET=1` (float32 only: the interpreter's bf16 matmul is wrong).
 
 Tolerances: float32 outputs within 1e-4 (relative norm) of the torch path; bf16 within 2e-2
-(bf16 rounds at 4e-3 per operation, and the two paths round at different points); KV rows the
-kernel writes equal the torch path's to one bf16 ulp.
+(bf16 rounds at 4e-3 per operation, and the two paths round at different points); V rows the
+kernel writes equal the torch path's, K rows within a few bf16 ulps (4e-2 absolute).
 """
 
 from __future__ import annotations
@@ -174,10 +174,25 @@ def test_decode_attention_matches_torch_path(case, dtype):
         kv.v_store[0, :, max_len] = ref_kv.v_store[0, :, max_len]
     assert torch.isfinite(got).all()
     assert _rel(got, want) < tol, _rel(got, want)
-    ulp = 0 if dtype == torch.float32 else 2 ** -7
-    assert torch.allclose(kv.v_store, ref_kv.v_store, atol=0, rtol=0)
+    assert torch.equal(kv.v_store, ref_kv.v_store)
+    # K: the torch path rounds x * cos and rot * sin to bf16 before adding them, the kernel
+    # only the sum; a few bf16 ulps of |x| (K values are O(1); a stale or missing row is O(10))
+    atol = 1e-5 if dtype == torch.float32 else 4e-2
     k_err = (kv.k_store.float() - ref_kv.k_store.float()).abs()
-    assert (k_err <= ulp * ref_kv.k_store.float().abs() + 1e-5).all(), float(k_err.max())
+    assert float(k_err.max()) <= atol, float(k_err.max())
+
+
+@pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192])
+@pytest.mark.parametrize("programs", [1, 3, 8, 48, 500])
+def test_key_split_covers_every_key_once(keys, programs):
+    from shards.kernels.decode_attention import BLOCK_N, key_split
+
+    for fixed in (None, 0, 100, 256):
+        splits, per = key_split(keys, programs, torch.device(DEV), fixed)
+        assert per % BLOCK_N == 0 and splits >= 1
+        assert (splits - 1) * per < keys <= splits * per  # no empty split, every key in one
+        if fixed == 0:
+            assert splits == 1
 
 
 def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots: int = 1):
