@@ -12,6 +12,13 @@ Batched decode steps (`StepInfo.batched`) run the same two functions on their pa
 compiled under code objects of their own: dynamo allows 8 compiled shapes per code object (with
 fullgraph a 9th raises), and each batch bucket is a shape, so sharing would starve the
 single-sequence and verify steps.
+
+With the Triton kernels (`shards.kernels`, on by default on CUDA; `LAYERSPLIT_FUSED_KERNELS=0`
+switches them off) a layer is fewer kernels: the q/k/v projection, one decode-attention kernel
+that also applies the q/k norm and rotary and writes the KV rows
+(`shards.kernels.decode_attention`), and the compiled post-attention stage, which also
+normalizes its output with the next layer's input norm (the residual add and the norm are one
+kernel), so the next layer starts at its projection.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from shards.kernels import fused_kernels_available
 from shards.layers.attention import group_queries
 
 log = logging.getLogger(__name__)
@@ -58,6 +66,36 @@ def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
     return h + F.linear(F.silu(g) * u, down_w)
 
 
+def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
+    """The q/k/v projection of a layer's normalized input (the first layer of a range)."""
+    return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
+
+
+def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h + x, rounded once as in h's dtype (the same value). Written in float32 so that inductor
+    does not make the add a GEMM epilogue (`addmm`: a copy of h, then the GEMM adds it) but
+    folds it into the norm that reads the sum: one kernel fewer per residual."""
+    return (h.float() + x.float()).to(h.dtype)
+
+
+def post_attention_next(h, attn, o_w, ln2_w, gu_w, down_w, eps: float, next_w, next_eps: float):
+    """`post_attention`, and its output normalized by the next layer's input norm."""
+    h = residual(h, F.linear(attn, o_w))
+    g, u = F.linear(rms_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    h = residual(h, F.linear(F.silu(g) * u, down_w))
+    return h, rms_norm(h, next_w, next_eps)
+
+
+def norm_qkv_batch(*args):
+    """`norm_qkv` under its own code object, for batched steps (see the module doc)."""
+    return norm_qkv(*args)
+
+
+def post_attention_next_batch(*args):
+    """`post_attention_next` under its own code object, for batched steps."""
+    return post_attention_next(*args)
+
+
 def pre_attention_batch(*args):
     """`pre_attention` under its own code object, for batched steps (see the module doc)."""
     return pre_attention(*args)
@@ -69,24 +107,35 @@ def post_attention_batch(*args):
 
 
 class _Stages:
-    """The functions before and after attention for one kind of step, compiled or eager."""
+    """The functions before and after attention for one kind of step, compiled or eager:
+    `pre`/`post` around the torch attention, `norm_qkv`/`post_next` around the kernel's."""
 
-    def __init__(self, pre, post, compile: bool) -> None:
+    def __init__(self, pre, post, norm_qkv_fn, post_next, compile: bool) -> None:
         self.pre, self.post, self.compiled = pre, post, compile
+        self.norm_qkv, self.post_next = norm_qkv_fn, post_next
         if compile:
-            self.pre = torch.compile(pre, fullgraph=True, dynamic=False)
-            self.post = torch.compile(post, fullgraph=True, dynamic=False)
+            self.pre, self.post, self.norm_qkv, self.post_next = (
+                torch.compile(f, fullgraph=True, dynamic=False)
+                for f in (pre, post, norm_qkv_fn, post_next))
 
     def uncompile(self) -> None:
         self.pre, self.post, self.compiled = pre_attention, post_attention, False
+        self.norm_qkv, self.post_next = norm_qkv, post_attention_next
 
 
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
-    def __init__(self, compile: bool = True) -> None:
-        self.single = _Stages(pre_attention, post_attention, compile)
-        self.batched = _Stages(pre_attention_batch, post_attention_batch, compile)
+    def __init__(self, compile: bool = True, kernels: bool | None = None) -> None:
+        self.single = _Stages(pre_attention, post_attention, norm_qkv, post_attention_next,
+                              compile)
+        self.batched = _Stages(pre_attention_batch, post_attention_batch, norm_qkv_batch,
+                               post_attention_next_batch, compile)
+        self.kernels = kernels  # the Triton kernels; None: decided by the device at first use
+        # id(layer) -> (weight, eps) of the input norm of the layer after it, in the same range
+        self.next_norm: dict[int, tuple[torch.Tensor, float]] = {}
+        # (h, norm(h)): the last layer's output and the next layer's normalized input
+        self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -97,16 +146,32 @@ class FusedDecode:
         stages = self.single if step.lo is None else self.batched
         try:
             return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
         except Exception as e:
-            if not stages.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
-                raise
+            err = e
+        if stages.compiled:
             log.warning("torch.compile of the decode step failed (%s: %s); running it eager",
-                        type(e).__name__, e)
+                        type(err).__name__, err)
             stages.uncompile()
-            return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+            try:
+                return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+            except (torch.cuda.OutOfMemoryError, IndexError):
+                raise
+            except Exception as e:
+                err = e
+        if not self.kernels:
+            raise err
+        log.warning("the Triton decode kernels failed (%s: %s); running the torch decode step",
+                    type(err).__name__, err)
+        self.kernels = False
+        return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
 
-    @staticmethod
-    def _run(stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+    def _run(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(h.device)
+        if self.kernels:
+            return self._run_kernels(stages, layer, h, cos, sin, kv, index, slot, step)
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
         q, k, v = stages.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
@@ -124,14 +189,59 @@ class FusedDecode:
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 
 
-def fuse_projections(model, compile: bool = True) -> None:
-    """Fuse q/k/v and gate/up weights of every layer and install the fused decode step."""
+    def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+        """A layer's step through the decode-attention kernel; its output normalized for the
+        next layer as well when that layer is in the range (see the module doc)."""
+        a, m = layer.self_attn, layer.mlp
+        eps = layer.input_layernorm.eps
+        normed, self._normed = self._normed, None
+        if normed is not None and normed[0] is h:
+            qkv = F.linear(normed[1], a.qkv_proj.weight, a.qkv_proj.bias)
+        else:
+            qkv = stages.norm_qkv(h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                                  a.qkv_proj.bias, eps)
+        if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
+            rows = step.positions if step.rows is None else step.rows
+            slot0, n_seqs = slot, 1
+        else:  # one row per slot of [lo, lo + B); a padding row's scratch row is not written
+            rows, slot0, n_seqs = step.positions, step.lo, h.shape[0]
+        if step.kv_len > kv.max_len:
+            raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
+        attn = decode_attention(
+            qkv, cos, sin, kv.k_store[index], kv.v_store[index], rows, slot0,
+            step.mask_for(a.window), n_seqs, a.num_heads,
+            None if a.q_norm is None else a.q_norm.weight,
+            None if a.k_norm is None else a.k_norm.weight, eps)
+        weights = (a.o_proj.weight, layer.post_attention_layernorm.weight,
+                   m.gate_up_proj.weight, m.down_proj.weight, eps)
+        nxt = self.next_norm.get(id(layer))
+        if nxt is None:
+            return stages.post(h, attn, *weights)
+        out, self._normed = stages.post_next(h, attn, *weights, *nxt)
+        return out
+
+
+def decode_attention(*args):
+    """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
+    never imported where the kernels do not run)."""
+    from shards.kernels.decode_attention import decode_attention as kernel
+
+    return kernel(*args)
+
+
+def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:
+    """Fuse q/k/v and gate/up weights of every layer and install the fused decode step.
+    `kernels`: use the Triton decode kernels (None: where `fused_kernels_available`)."""
     from shards.models.llama import DecoderLayer
 
-    fast = FusedDecode(compile)
-    for layer in model.layers:
-        if type(layer) is not DecoderLayer:  # another family's layer: its own eager path
-            continue
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
-        layer.fast = fast
+    fast = FusedDecode(compile, kernels)
+    layers = list(model.layers)
+    dense = [type(layer) is DecoderLayer for layer in layers]  # other families: their own path
+    for layer, ok in zip(layers, dense):
+        if ok:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            layer.fast = fast
+    for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
+        if dense[i] and dense[i + 1]:
+            fast.next_norm[id(layer)] = (nxt.input_layernorm.weight, nxt.input_layernorm.eps)
