@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt = tok.encode(args.prompt)
-        progress = Progress()
+        progress = Progress(logits=[] if args.dump_logits else None)
         deltas = coord.stream(prompt, params, progress)
         if args.json:
             result = collect(deltas, progress, len(prompt))
@@ -77,6 +77,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{len(progress.generated)} tokens, {len(coord.shards)} shards, "
                   f"TTFT {progress.ttft_s * 1000:.0f} ms, {progress.decode_tok_s:.1f} tok/s, "
                   f"finish: {progress.finish_reason}]", file=sys.stderr)
+    if args.dump_logits:
+        import numpy as np
+
+        np.save(args.dump_logits, np.stack(progress.logits).astype(np.float32))
     return 0
 
 
@@ -179,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--dump-logits", metavar="FILE.npy", default=None,
+                   help="save the logits each generated token was drawn from (float32, a row "
+                        "per token, a stop token's included) for tests and debugging; not with "
+                        "speculation")
     add_flags(g)
     _sampling_flags(g)
     g.set_defaults(func=cmd_generate)

@@ -914,7 +914,9 @@ class Coordinator:
                                     start_logits=restored.logits,
                                     context=self.config.max_context,
                                     on_prefill_boundary=on_boundary if points else None,
-                                    logits_at=points, drafter=drafter)
+                                    logits_at=points, drafter=drafter,
+                                    on_logits=None if progress.logits is None
+                                    else progress.logits.append)
             t_prefill = time.perf_counter()
             item = next(prog)
             while not isinstance(item, int):
