@@ -100,9 +100,12 @@ def _wait_for_shards(proc, n=2, timeout=60):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_coordinator_signal_exits_cleanly(tiny_llama, sig):
     before = layersplit_shm()
-    proc = _run_cli(tiny_llama)
+    # a context of 32768 tokens: the generation runs for minutes, it cannot end before the
+    # signal (with 4096 it once did, and the run exited 0)
+    proc = _run_cli(tiny_llama, "--max-context", "32768")
     kids = _wait_for_shards(proc)
-    proc.stdout.read(20)  # generation is under way
+    assert proc.stdout.read(1)  # generated text streams: the generation is under way
+    assert proc.poll() is None
     proc.send_signal(sig)
     proc.wait(timeout=20)
     assert proc.returncode in (128 + sig, 130, 1), proc.stderr.read()
