@@ -122,9 +122,11 @@ def cmd_shard(args: argparse.Namespace) -> int:
         model = str(resolve_model(args.model))
     except (FileNotFoundError, RuntimeError) as e:
         return _startup_error(args, str(e))
+    # started by a coordinator on this host: it watches the process, no heartbeats
+    heartbeat = None if args.parent_pid else (args.heartbeat_timeout or None)
     spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
                      dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid,
-                     seed=args.random_seed)
+                     seed=args.random_seed, heartbeat_s=heartbeat)
     rc = run_shard(spec, secret)
     if rc == 2 and args.error_file:
         _startup_error(args, "failed to start (see its log above)", overwrite=False)
@@ -173,7 +175,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from runtime.config import add_flags
+    from runtime.config import HEARTBEAT_TIMEOUT_S, add_flags
 
     p = argparse.ArgumentParser(prog="layersplit", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -204,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--random-seed", type=int, default=0, help="seed of random:NAME weights")
     s.add_argument("--secret-file", default=None)
+    s.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                   help="seconds of silence (zmq heartbeats) after which a peer is dropped; "
+                        "0: no heartbeats")
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)
     s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)

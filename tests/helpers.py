@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +88,17 @@ def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.05)
     return alive
+
+
+@contextlib.contextmanager
+def busy_load(n: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """`n` (default: twice the cores) busy-looping processes for the duration: a loaded machine."""
+    n = n or 2 * (os.cpu_count() or 1)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
