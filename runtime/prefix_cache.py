@@ -82,7 +82,7 @@ class PrefixIndex:
         self.stats = CacheStats()
         self._next_ram_id = 1
         if disk_dir is not None:
-            disk_dir.mkdir(parents=True, exist_ok=True)
+            _private_dir(disk_dir)
             self._remove_stale_tmp()
             self._scan()
 
@@ -312,3 +312,13 @@ def metadata_for(entry: Entry, fingerprint: str, kv_layout: list[dict], split: l
             "start": str(entry.start), "length": str(entry.length),
             "kv_bytes": str(entry.kv_bytes), "kv_layout": json.dumps(kv_layout),
             "split": json.dumps(split), "features": features}
+
+
+def _private_dir(path: Path) -> None:
+    """Create the cache directory 0700 (its entries are 0600: prompts can be read back from
+    them); an existing one others can enter is used as it is, with a warning."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("prefix cache: %s is open to other users (mode %o): its entries hold "
+                    "prompts; chmod 700 it", path, mode)

@@ -100,10 +100,12 @@ def test_cross_split_restore(tiny_llama, ref, prompts, tmp_path):
 
 def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
     short, _ = prompts
+    tmp_path = tmp_path / "new" / "kv"  # created by the cache: private (0700)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         c.generate(short, GREEDY)
         kv_heads, head_dim = c.model_config.num_kv_heads, c.model_config.head_dim
         vocab = c.model_config.vocab_size
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
     files = entries(tmp_path)
     assert len(files) == 2  # the last chunk boundary, and the whole prompt (a delta child)
     for f in files:
