@@ -104,7 +104,7 @@ class PrefixIndex:
         links = [entry]
         while links[-1].parent is not None:
             parent = self.entries.get(links[-1].parent)
-            if parent is None:
+            if parent is None or parent.length != links[-1].start:
                 return []  # a broken chain: only its complete head is usable
             links.append(parent)
         return links[::-1]
@@ -264,8 +264,25 @@ class PrefixIndex:
                 self.quarantine(p, "file name does not match its key")
                 bad += 1
                 continue
+            why = _inconsistent(layout, e)
+            if why:
+                self.quarantine(p, why)
+                bad += 1
+                continue
             self.entries[e.key] = e
             found += 1
+        for e in list(self.entries.values()):  # links whose rows do not meet
+            parent = self.entries.get(e.parent) if e.parent else None
+            if parent is not None and parent.length != e.start:
+                self.quarantine(e.path, f"its parent ends at row {parent.length}, it starts at "
+                                        f"{e.start}")
+                del self.entries[e.key]
+                bad += 1
+        orphans = [e for e in self.entries.values() if e.parent and e.parent not in self.entries]
+        if orphans:
+            log.warning("prefix cache: %d entries name a parent file that is missing (%s); "
+                        "they restore only once it is written again", len(orphans),
+                        ", ".join(e.path.name for e in orphans[:3]))
         log.info("prefix cache %s: %d entries (%d other models, %d bad) indexed in %.3f s",
                  self.dir, found, other, bad, time.perf_counter() - t0)
 
@@ -296,6 +313,24 @@ class PrefixIndex:
                 gone.append(x)
             stack.extend(self.children(x.key))
         return gone
+
+
+def _inconsistent(layout, e: Entry) -> str:
+    """What in an entry file's header contradicts itself ('' if nothing): the rows it holds,
+    its parent link, the length of its tokens."""
+    if not 0 <= e.start < e.length:
+        return f"rows {e.start}:{e.length}"
+    if (e.parent is None) != (e.start == 0):
+        return f"starts at row {e.start} with{'out' if e.parent is None else ''} a parent"
+    tokens = layout.tensors.get("tokens")
+    if tokens is None or tokens.shape != (e.length,):
+        return f"its tokens are not {e.length} long"
+    for name, t in layout.tensors.items():
+        if name.startswith("ls") and (not t.shape or t.shape[0] != e.length - e.start):
+            return f"{name} holds {t.shape[:1]} rows, not {e.length - e.start}"
+    if e.kv_bytes < 0:
+        return f"kv_bytes {e.kv_bytes}"
+    return ""
 
 
 def fsync_dir(path: Path) -> None:
