@@ -6,9 +6,9 @@ bytes cut short or flipped) is either still a valid message or a ProtocolError n
 problem, never another exception.
 
 A live shard: every invalid frame, from an unauthenticated peer, its coordinator (on the
-coordinator's own channel) or an authenticated upstream shard, gets an error reply with a code and a reason; the channel
-reads the next message from its start (a ping right after gets its answer); the run's output is
-unchanged at the end.
+coordinator's own channel) or an authenticated upstream shard, gets an error reply with a code
+and a reason; the channel reads the next message from its start (a ping right after gets its
+answer); the run's output is unchanged at the end.
 """
 
 from __future__ import annotations
