@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _setup_logging(verbose: bool, prefix: str = "") -> None:
@@ -237,6 +239,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_server_process(args: argparse.Namespace, usage_errors: tuple) -> NoReturn:
+    """Run a shard or draft process and leave it without interpreter finalization.
+
+    Once its loop has ended and its sockets and rings are closed, nothing is left to do; but
+    the garbage collection of finalization blocked on CPU shards for seconds (their
+    coordinator's grace period ran out, and it had to SIGTERM them), and C++ destructors of
+    library threads run then (`terminate called without an active exception`). Logs and
+    output are flushed, and the process exits with its code."""
+    code = 1
+    try:
+        code = args.func(args)
+    except usage_errors as e:
+        print(f"layersplit {args.command}: {e}", file=sys.stderr)
+        code = 2
+    except SystemExit as e:  # SIGTERM (the handler raises it), or argparse
+        code = e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - reported, then the same exit
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -248,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.coordinator import ShardFailure
     from shards.errors import CheckpointError
 
+    if args.command in ("shard", "draft"):
+        _run_server_process(args, (ConfigError, CheckpointError, FileNotFoundError, ValueError))
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -386,11 +387,17 @@ class Coordinator:
                 ring.close()
         self._steps = self._results = None
         members = self.shards + ([self.draft] if self.draft is not None else [])
+        # local shards exit, upstream first: a shard maps the ring its downstream neighbour owns
+        # (and the draft those of its feeders) and lets go of it by exiting before the owner
+        # does (a CUDA IPC owner that exits first warns of shared tensors not yet released);
+        # remote shards keep serving and await the next coordinator
+        grace = time.monotonic() + 5.0
         for sh in members:
-            try:  # local shards exit; remote ones keep serving and await the next coordinator
+            try:
                 if self.failed is None and sh.proc is not None and not sh.sock.closed:
                     send(sh.sock, message("shutdown"))
-            except zmq.ZMQError:
+                    sh.proc.proc.wait(max(0.0, grace - time.monotonic()))
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
         procs = self.procs + ([self._draft_proc] if self._draft_proc is not None else [])
         if self.failed is None:

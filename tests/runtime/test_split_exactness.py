@@ -42,7 +42,8 @@ def prompt(reference):
 @pytest.mark.parametrize("n,transport,addresses,split", CASES,
                          ids=[f"{c[0]}shard-{c[1]}-{c[2]}" + ("-uneven" if c[3] else "")
                               for c in CASES])
-def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, addresses, split):
+def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, addresses, split,
+                                caplog):
     before = layersplit_shm()
     cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu",) * n, transport=(transport,),
                         local_addresses=addresses, split=split, prefill_chunk=CHUNK,
@@ -65,3 +66,5 @@ def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, add
         assert len(kids) == n
     assert shard_children() == []
     assert layersplit_shm() - before == set()
+    # every shard left on its shutdown message, in the grace period (none had to be SIGTERMed)
+    assert not [m for m in caplog.messages if "still running" in m]
