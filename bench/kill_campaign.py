@@ -231,6 +231,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    import torch
+
+    torch.set_num_threads(1)  # the reference's arithmetic is the one-thread shards'
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_checkpoint(Path(tmp) / "llama", "llama")
         t0 = time.perf_counter()
