@@ -151,8 +151,9 @@ def read_layout(path: Path) -> Layout:
         for name, d in doc.items():
             t = TensorSpec(name, d["dtype"], tuple(int(x) for x in d["shape"]),
                            int(d["data_offsets"][0]), int(d["data_offsets"][1]))
-            if t.dtype not in ITEMSIZE or t.end - t.begin != t.nbytes:
-                raise KVFileError(f"{path.name}: tensor {name} has inconsistent size")
+            if t.dtype not in ITEMSIZE or t.end - t.begin != t.nbytes or t.begin < 0:
+                raise KVFileError(f"{path.name}: tensor {name} has inconsistent size or "
+                                  f"offsets ({t.dtype} {list(t.shape)} at {t.begin}:{t.end})")
             tensors[name] = t
     except KVFileError:
         raise

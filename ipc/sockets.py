@@ -16,8 +16,7 @@ import zmq
 from ipc.curve import needs_curve, secure_client, secure_server
 from ipc.messages import ProtocolError, best_effort_sid, decode, encode
 
-HEARTBEAT_IVL_MS = 200
-HEARTBEAT_TIMEOUT_MS = 1000  # a stopped or unreachable peer is dropped after this
+MIN_HEARTBEAT_IVL_MS = 100
 MAX_MESSAGE_BYTES = 4 << 30  # zmq drops a peer that sends a larger message
 
 
@@ -50,21 +49,29 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def configure(sock: zmq.Socket, identity: bytes | None = None) -> zmq.Socket:
+def configure(sock: zmq.Socket, identity: bytes | None = None,
+              heartbeat_s: float | None = None) -> zmq.Socket:
+    """Our socket options. With `heartbeat_s`, zmq heartbeats drop a peer that has not answered
+    for that long (remote peers: a host or link gone silent). Processes of one host are watched
+    through their process instead (`runtime.supervisor`): a heartbeat's fixed timeout cannot
+    tell a hung peer from a starved one on a loaded machine, and tore healthy CPU runs down."""
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    if heartbeat_s:
+        timeout_ms = max(int(heartbeat_s * 1000), 2 * MIN_HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(MIN_HEARTBEAT_IVL_MS, timeout_ms // 5))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     return sock
 
 
-def bind_router(listen: str, secret: bytes) -> zmq.Socket:
+def bind_router(listen: str, secret: bytes, heartbeat_s: float | None = None) -> zmq.Socket:
     """A server's socket: every peer by its identity; replies to a departed peer raise. On a
-    tcp:// address it is a CurveZMQ server keyed by `secret` (`ipc.curve`)."""
-    sock = configure(context().socket(zmq.ROUTER))
+    tcp:// address it is a CurveZMQ server keyed by `secret` (`ipc.curve`); `heartbeat_s`: see
+    `configure`."""
+    sock = configure(context().socket(zmq.ROUTER), heartbeat_s=heartbeat_s)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if needs_curve(listen):
         secure_server(sock, secret)
@@ -73,9 +80,10 @@ def bind_router(listen: str, secret: bytes) -> zmq.Socket:
 
 
 def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
-                   identity: bytes | None = None) -> zmq.Socket:
-    """A client's socket connected to a server of this run (encrypted on tcp://, `ipc.curve`)."""
-    sock = configure(ctx.socket(zmq.DEALER), identity=identity)
+                   identity: bytes | None = None, heartbeat_s: float | None = None) -> zmq.Socket:
+    """A client's socket connected to a server of this run (encrypted on tcp://, `ipc.curve`);
+    `heartbeat_s`: see `configure`."""
+    sock = configure(ctx.socket(zmq.DEALER), identity=identity, heartbeat_s=heartbeat_s)
     if needs_curve(address):
         secure_client(sock, secret)
     sock.connect(address)

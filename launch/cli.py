@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _setup_logging(verbose: bool, prefix: str = "") -> None:
@@ -64,7 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt = tok.encode(args.prompt)
-        progress = Progress()
+        progress = Progress(logits=[] if args.dump_logits else None)
         deltas = coord.stream(prompt, params, progress)
         if args.json:
             result = collect(deltas, progress, len(prompt))
@@ -77,6 +79,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{len(progress.generated)} tokens, {len(coord.shards)} shards, "
                   f"TTFT {progress.ttft_s * 1000:.0f} ms, {progress.decode_tok_s:.1f} tok/s, "
                   f"finish: {progress.finish_reason}]", file=sys.stderr)
+    if args.dump_logits:
+        import numpy as np
+
+        np.save(args.dump_logits, np.stack(progress.logits).astype(np.float32))
     return 0
 
 
@@ -118,9 +124,11 @@ def cmd_shard(args: argparse.Namespace) -> int:
         model = str(resolve_model(args.model))
     except (FileNotFoundError, RuntimeError) as e:
         return _startup_error(args, str(e))
+    # started by a coordinator on this host: it watches the process, no heartbeats
+    heartbeat = None if args.parent_pid else (args.heartbeat_timeout or None)
     spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
                      dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid,
-                     seed=args.random_seed)
+                     seed=args.random_seed, heartbeat_s=heartbeat)
     rc = run_shard(spec, secret)
     if rc == 2 and args.error_file:
         _startup_error(args, "failed to start (see its log above)", overwrite=False)
@@ -169,7 +177,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from runtime.config import add_flags
+    from runtime.config import HEARTBEAT_TIMEOUT_S, add_flags
 
     p = argparse.ArgumentParser(prog="layersplit", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -179,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--dump-logits", metavar="FILE.npy", default=None,
+                   help="save the logits each generated token was drawn from (float32, a row "
+                        "per token, a stop token's included) for tests and debugging; not with "
+                        "speculation")
     add_flags(g)
     _sampling_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -196,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--random-seed", type=int, default=0, help="seed of random:NAME weights")
     s.add_argument("--secret-file", default=None)
+    s.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+                   help="seconds of silence (zmq heartbeats) after which a peer is dropped; "
+                        "0: no heartbeats")
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)
     s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)
@@ -224,6 +239,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_server_process(args: argparse.Namespace, usage_errors: tuple) -> NoReturn:
+    """Run a shard or draft process and leave it without interpreter finalization.
+
+    Once its loop has ended and its sockets and rings are closed, nothing is left to do; but
+    the garbage collection of finalization blocked on CPU shards for seconds (their
+    coordinator's grace period ran out, and it had to SIGTERM them), and C++ destructors of
+    library threads run then (`terminate called without an active exception`). Logs and
+    output are flushed, and the process exits with its code."""
+    code = 1
+    try:
+        code = args.func(args)
+    except usage_errors as e:
+        print(f"layersplit {args.command}: {e}", file=sys.stderr)
+        code = 2
+    except SystemExit as e:  # SIGTERM (the handler raises it), or argparse
+        code = e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - reported, then the same exit
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -235,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.coordinator import ShardFailure
     from shards.errors import CheckpointError
 
+    if args.command in ("shard", "draft"):
+        _run_server_process(args, (ConfigError, CheckpointError, FileNotFoundError, ValueError))
     try:
         return args.func(args)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:

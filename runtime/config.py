@@ -21,6 +21,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+HEARTBEAT_TIMEOUT_S = 5.0  # remote shards: silence after which one is declared lost
+
+
 class ConfigError(ValueError):
     """A bad config file or flag; the message says which key and what to change."""
 
@@ -98,8 +101,16 @@ class RuntimeConfig:
                                             "failure (else exit)")
     grace_s: float = _field(30.0, "serve: seconds in-flight requests get on SIGTERM")
     startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
-    step_timeout: float = _field(600.0, "seconds a single step may take before the shard is "
-                                        "declared hung")
+    step_timeout: float = _field(600.0, "seconds a step may take before the shard is declared "
+                                        "hung while no step of its kind has come back yet "
+                                        "(warm-up), and for cache operations")
+    step_deadline_min: float = _field(10.0, "a step is declared hung (the run is torn down) "
+                                            "once it has taken this long and 20 x what steps "
+                                            "of its kind took per row so far")
+    heartbeat_timeout: float = _field(HEARTBEAT_TIMEOUT_S, "seconds a remote shard may leave "
+                                                           "zmq heartbeats unanswered before "
+                                                           "it is declared lost (local shards "
+                                                           "are watched as processes); 0: off")
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -127,6 +138,12 @@ class RuntimeConfig:
             raise ConfigError(f"spec_tree={self.spec_tree}: must be at least 0 (0: no tree)")
         if not self.draft:
             raise ConfigError("draft is empty: give a path, 'default', 'auto' or 'none'")
+        for key in ("step_timeout", "startup_timeout", "step_deadline_min"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}={getattr(self, key)}: must be more than 0 seconds")
+        if self.heartbeat_timeout < 0:
+            raise ConfigError(f"heartbeat_timeout={self.heartbeat_timeout}: must be 0 (off) "
+                              "or more seconds")
 
     @property
     def run_dtype(self) -> str:

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -43,6 +44,7 @@ from runtime.reference import new_seed
 from runtime.scheduler import SchedulerConfig
 from runtime.errors import DraftError, DraftLost, ShardFailure
 from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
+from runtime.step_deadlines import StepDeadlines
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
@@ -122,8 +124,9 @@ class Coordinator:
         # rows went to it
         # the draft's contexts (spec_max_seqs of them) not held by a sequence that feeds it
         self._free_contexts = list(range(config.spec_max_seqs))
-        self._in_flight: dict[int, tuple[float, float, str, int]] = {}  # step sid -> deadline,
-        # start, kind, segments
+        self._in_flight: dict[int, tuple[float, float, str, int, int]] = {}  # step sid ->
+        # deadline, start, kind, segments, rows
+        self.deadlines = StepDeadlines(config.step_deadline_min, config.step_timeout)
         self._done: dict[int, Any] = {}  # step sid -> (result, logits, segments) or its failure
         self._back: collections.deque[int] = collections.deque(maxlen=256)  # sids of steps
         # back lately (a duplicate error about one is not about anything in flight)
@@ -172,8 +175,10 @@ class Coordinator:
             if self.draft_path is not None:
                 self._spawn_draft(threads)
             for s, addr in zip(shards, addresses):
+                # heartbeats for remote shards only: local ones are watched as processes
                 sock = connect_dealer(self._ctx, addr, self.secret,
-                                      identity=b"coord-" + self.session[:8])
+                                      identity=b"coord-" + self.session[:8],
+                                      heartbeat_s=cfg.heartbeat_timeout if s.address else None)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 proc = next((p for p in self.procs if p.plan.index == s.index), None)
                 self.shards.append(_Shard(s.index, addr, sock, monitor, proc))
@@ -389,11 +394,17 @@ class Coordinator:
                 ring.close()
         self._steps = self._results = None
         members = self.shards + ([self.draft] if self.draft is not None else [])
+        # local shards exit, upstream first: a shard maps the ring its downstream neighbour owns
+        # (and the draft those of its feeders) and lets go of it by exiting before the owner
+        # does (a CUDA IPC owner that exits first warns of shared tensors not yet released);
+        # remote shards keep serving and await the next coordinator
+        grace = time.monotonic() + 5.0
         for sh in members:
-            try:  # local shards exit; remote ones keep serving and await the next coordinator
+            try:
                 if self.failed is None and sh.proc is not None and not sh.sock.closed:
                     send(sh.sock, message("shutdown"))
-            except zmq.ZMQError:
+                    sh.proc.proc.wait(max(0.0, grace - time.monotonic()))
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
         procs = self.procs + ([self._draft_proc] if self._draft_proc is not None else [])
         if self.failed is None:
@@ -531,8 +542,9 @@ class Coordinator:
         sid = msg.get("sid")
         if sh.index < 0 or sid not in self._in_flight:
             return False
-        _, t0, kind, nseg = self._in_flight[sid]
+        _, t0, kind, nseg, rows = self._in_flight[sid]
         if msg["type"] == "result" and sh is self.shards[-1]:
+            self.deadlines.observe(kind, rows, time.perf_counter() - t0)
             t = frames if frames is None or isinstance(frames, torch.Tensor) else \
                 zmq_tensor(msg, frames)
             self._done[sid] = (msg, None if t is None else t.clone(), nseg)
@@ -548,7 +560,7 @@ class Coordinator:
 
     def _wait(self, match, deadline: float, what: str, sid: int | None = None,
               on_draft: bool = False, blame_draft=lambda: True,
-              until=None) -> tuple[dict[str, Any], Any] | None:
+              until=None, step: int | None = None) -> tuple[dict[str, Any], Any] | None:
         """Poll every shard socket (and the draft's) until `match(shard, msg)`; raise on any
         failure.
 
@@ -558,7 +570,8 @@ class Coordinator:
         op waits on the draft (`on_draft`), else the wait goes on; so does the deadline, when
         only the draft's answer is missing (`blame_draft()`). Results and errors of steps in
         flight are kept for `step_outputs` on the way; with `until`, the wait ends (None) as soon
-        as `until()` holds."""
+        as `until()` holds. `step`: the step in flight whose deadline this is (for the message
+        when it is missed)."""
         poller = self._poller
         ring = self._results
         last = self.shards[-1] if self.shards else None
@@ -587,8 +600,7 @@ class Coordinator:
                 if on_draft and blame_draft():
                     self._lose_draft(f"no answer to {what} within the time limit")
                     raise DraftLost(f"no answer to {what} within the time limit")
-                raise self._fail(f"no answer to {what} within the time limit; a shard may be "
-                                 "hung (see step_timeout / startup_timeout)")
+                raise self._fail(self._late(what, step))
             if now < spin_until:
                 timeout = 0
             else:
@@ -606,8 +618,10 @@ class Coordinator:
                 if sock in by_mon:
                     recv_monitor_message(sock)
                     sh = by_mon[sock]
-                    why = (f"lost the connection to {_name(sh)} at {sh.address} (it stopped "
-                           "answering heartbeats)")
+                    why = (f"lost the connection to {_name(sh)} at {sh.address} (it closed, "
+                           f"or left heartbeats unanswered for {self.config.heartbeat_timeout} "
+                           "s: heartbeat_timeout)" if sh.proc is None else
+                           f"lost the connection to {_name(sh)} (it closed its socket)")
                     if not sh.welcomed and needs_curve(sh.address):
                         # CurveZMQ drops a handshake sealed to another key without a word
                         why = (f"{_name(sh)} at {sh.address}: authentication failed: the "
@@ -670,6 +684,20 @@ class Coordinator:
                 log.debug("ignoring %s from %s while waiting for %s", msg["type"], _name(sh),
                           what)
 
+    def _late(self, what: str, step: int | None) -> str:
+        """Why a wait ran out of time: the step's deadline, and the local processes that are
+        stopped (SIGSTOP, a debugger), when some are."""
+        if step in self._in_flight:
+            _, _, kind, _, rows = self._in_flight[step]
+            why = (f"{what} ({kind}, {rows} rows) missed its deadline of "
+                   f"{self.deadlines.describe(kind, rows)}")
+        else:
+            why = f"no answer to {what} within the time limit (step_timeout / startup_timeout)"
+        stopped = [p.name + f" (pid {p.pid})" for p in self.procs if p.stopped()]
+        if stopped:
+            return f"{why}: {', '.join(stopped)} is stopped and hung"
+        return f"{why}: a shard is hung or far slower than before"
+
     def _draft_failed(self, why: str, on_draft: bool) -> None:
         self._lose_draft(why)
         if on_draft:
@@ -686,6 +714,16 @@ class Coordinator:
         t = None if t is None else t.clone()  # the slot is released now
         ring.release(seq)
         return msg, t
+
+    def check_alive(self) -> None:
+        """Notice a local process that died while nothing waited on it (an idle server calls
+        this): a dead shard marks the runtime failed (`failed`), a dead draft stops
+        speculation."""
+        if self.failed is None and self.shards:
+            try:
+                self._check_alive()
+            except ShardFailure:
+                pass
 
     def _check_alive(self, on_draft: bool = False) -> None:
         for p in self.procs:
@@ -737,8 +775,10 @@ class Coordinator:
                 "prefill" if len(first.tokens) > 1 else "decode")
         self._steps.send(message("step", sid=sid, seqs=wire, act=None),
                          torch.tensor(ids, dtype=torch.int64))
-        self._in_flight[sid] = (time.monotonic() + self.config.step_timeout, time.perf_counter(),
-                                kind, len(wire))
+        rows = sum(r.rows for _, r, _ in segs)
+        ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
+        self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
+                                time.perf_counter(), kind, len(wire), rows)
         return sid
 
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
@@ -754,7 +794,7 @@ class Coordinator:
         sid = self.send_step([(slot, req, 0 if self.feeding else None)])
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
-                       until=lambda: sid in self._done)
+                       until=lambda: sid in self._done, step=sid)
         return self.step_outputs(sid)[0]
 
     def feat_sid(self, context: int) -> int:
@@ -768,7 +808,7 @@ class Coordinator:
         if not self._done and self._in_flight:
             oldest = min(self._in_flight)
             self._wait(lambda s, m: False, self._in_flight[oldest][0], f"step {oldest}",
-                       until=lambda: bool(self._done))
+                       until=lambda: bool(self._done), step=oldest)
         return list(self._done)
 
     def forget_steps(self, sids: Sequence[int] | None = None) -> None:
@@ -931,7 +971,9 @@ class Coordinator:
                                     start_logits=restored.logits,
                                     context=self.config.max_context,
                                     on_prefill_boundary=on_boundary if points else None,
-                                    logits_at=points, drafter=drafter)
+                                    logits_at=points, drafter=drafter,
+                                    on_logits=None if progress.logits is None
+                                    else progress.logits.append)
             t_prefill = time.perf_counter()
             item = next(prog)
             while not isinstance(item, int):

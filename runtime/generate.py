@@ -86,6 +86,9 @@ class Progress:
     cache_tier: str = "none"
     spec: Any = None  # runtime.speculative.SpecStats, when a draft served the request
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each came out
+    logits: list[np.ndarray] | None = None  # set to [] to record, for each token the sequence
+    # drew (a stop token included), the float32 logits it was drawn from: tests compare them
+    # position by position (`sequence_program`'s on_logits; not with speculation)
 
     @property
     def ttft_s(self) -> float:
@@ -180,6 +183,7 @@ def sequence_program(
     logits_at: Collection[int] = (),
     context: int | None = None,
     drafter: Drafter | None = None,
+    on_logits: Callable[[np.ndarray], None] | None = None,
 ) -> Program:
     """One sequence's generation as the steps it needs, for a driver to run (alone:
     `token_stream`; batched with others: `runtime.batching`). Yields generated tokens forever
@@ -191,13 +195,22 @@ def sequence_program(
     With a `drafter`, each step after the first token verifies the draft tokens it proposes:
     the step's rows are [last token, *draft], and it yields the draft tokens the target kept,
     then continues from the token the target drew after them (`shards.sampling.accept_draft`).
-    Every yielded token is the one plain decoding yields."""
+    Every yielded token is the one plain decoding yields.
+
+    `on_logits(logits)` (tests, debugging) is called with the logits each token is drawn from,
+    before the token is yielded; steps then return their logits (by default they do not)."""
     n = len(prompt)
     if n == 0:
         raise ValueError("the prompt is empty")
+    if on_logits is not None and drafter is not None:
+        raise ValueError("per-token logits are not recorded with speculation (a verify step "
+                         "returns the logits of its last kept row only); run it without a draft")
+    record = on_logits is not None
     if start == n:
         if start_logits is None:
             raise ValueError("an exact prefix hit needs the stored logits of the last prompt row")
+        if record:
+            on_logits(np.array(start_logits, dtype=np.float32))
         token = yield SampleRequest(start_logits, n, params, seed)
     else:
         out = None
@@ -205,10 +218,13 @@ def sequence_program(
             last = b == n
             needed = last or b in logits_at
             out = yield StepRequest(list(prompt[a:b]), a, params if last else None, seed,
-                                    want_logits=b in logits_at, wait=needed)
+                                    want_logits=b in logits_at or (last and record),
+                                    wait=needed)
             if on_prefill_boundary is not None and needed:
                 on_prefill_boundary(b, out.logits)
         assert out is not None and out.token is not None
+        if record:
+            on_logits(out.logits)
         token = out.token
     pos = n
     seq = list(prompt)
@@ -251,8 +267,10 @@ def sequence_program(
                 yield drafts[j - 1]
                 seq.append(drafts[j - 1])
         else:
-            out = yield StepRequest([token], pos, params, seed, kept=kept)
+            out = yield StepRequest([token], pos, params, seed, want_logits=record, kept=kept)
             kept = None
+            if record:
+                on_logits(out.logits)
         assert out.token is not None
         token, pos = out.token, pos + 1 + out.accepted
 

@@ -82,7 +82,7 @@ class PrefixIndex:
         self.stats = CacheStats()
         self._next_ram_id = 1
         if disk_dir is not None:
-            disk_dir.mkdir(parents=True, exist_ok=True)
+            _private_dir(disk_dir)
             self._remove_stale_tmp()
             self._scan()
 
@@ -104,7 +104,7 @@ class PrefixIndex:
         links = [entry]
         while links[-1].parent is not None:
             parent = self.entries.get(links[-1].parent)
-            if parent is None:
+            if parent is None or parent.length != links[-1].start:
                 return []  # a broken chain: only its complete head is usable
             links.append(parent)
         return links[::-1]
@@ -264,8 +264,25 @@ class PrefixIndex:
                 self.quarantine(p, "file name does not match its key")
                 bad += 1
                 continue
+            why = _inconsistent(layout, e)
+            if why:
+                self.quarantine(p, why)
+                bad += 1
+                continue
             self.entries[e.key] = e
             found += 1
+        for e in list(self.entries.values()):  # links whose rows do not meet
+            parent = self.entries.get(e.parent) if e.parent else None
+            if parent is not None and parent.length != e.start:
+                self.quarantine(e.path, f"its parent ends at row {parent.length}, it starts at "
+                                        f"{e.start}")
+                del self.entries[e.key]
+                bad += 1
+        orphans = [e for e in self.entries.values() if e.parent and e.parent not in self.entries]
+        if orphans:
+            log.warning("prefix cache: %d entries name a parent file that is missing (%s); "
+                        "they restore only once it is written again", len(orphans),
+                        ", ".join(e.path.name for e in orphans[:3]))
         log.info("prefix cache %s: %d entries (%d other models, %d bad) indexed in %.3f s",
                  self.dir, found, other, bad, time.perf_counter() - t0)
 
@@ -298,6 +315,24 @@ class PrefixIndex:
         return gone
 
 
+def _inconsistent(layout, e: Entry) -> str:
+    """What in an entry file's header contradicts itself ('' if nothing): the rows it holds,
+    its parent link, the length of its tokens."""
+    if not 0 <= e.start < e.length:
+        return f"rows {e.start}:{e.length}"
+    if (e.parent is None) != (e.start == 0):
+        return f"starts at row {e.start} with{'out' if e.parent is None else ''} a parent"
+    tokens = layout.tensors.get("tokens")
+    if tokens is None or tokens.shape != (e.length,):
+        return f"its tokens are not {e.length} long"
+    for name, t in layout.tensors.items():
+        if name.startswith("ls") and (not t.shape or t.shape[0] != e.length - e.start):
+            return f"{name} holds {t.shape[:1]} rows, not {e.length - e.start}"
+    if e.kv_bytes < 0:
+        return f"kv_bytes {e.kv_bytes}"
+    return ""
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -312,3 +347,13 @@ def metadata_for(entry: Entry, fingerprint: str, kv_layout: list[dict], split: l
             "start": str(entry.start), "length": str(entry.length),
             "kv_bytes": str(entry.kv_bytes), "kv_layout": json.dumps(kv_layout),
             "split": json.dumps(split), "features": features}
+
+
+def _private_dir(path: Path) -> None:
+    """Create the cache directory 0700 (its entries are 0600: prompts can be read back from
+    them); an existing one others can enter is used as it is, with a warning."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("prefix cache: %s is open to other users (mode %o): its entries hold "
+                    "prompts; chmod 700 it", path, mode)

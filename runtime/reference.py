@@ -94,7 +94,8 @@ class ReferenceEngine:
                progress: Progress) -> Iterator[Delta]:
         seed = params.seed if params.seed is not None else new_seed()
         toks = token_stream(self, prompt, params, seed, chunk=self.chunk,
-                            turn_end_ids=self.eos_ids, context=self.executor.max_len)
+                            turn_end_ids=self.eos_ids, context=self.executor.max_len,
+                            on_logits=None if progress.logits is None else progress.logits.append)
         return stream_generation(toks, self.tokenizer, params, self.eos_ids, progress)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> GenerationResult:

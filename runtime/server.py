@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -159,6 +160,8 @@ class Engine:
                 break
             if coord is None:
                 continue
+            if not active and not coord.batcher.busy:  # idle: a shard that dies now is
+                coord.check_alive()  # restarted at once, not found by the next request
             if coord.batcher.busy:
                 try:
                     coord.batcher.run_once()
@@ -372,7 +375,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         path = request.url.path
         if config.api_key and path.startswith("/v1/"):
             got = request.headers.get("authorization", "")
-            if got != f"Bearer {config.api_key}":
+            if not hmac.compare_digest(got.encode(), f"Bearer {config.api_key}".encode()):
                 resp = _error(RequestError("invalid or missing API key (Authorization: Bearer "
                                            "...)", None, status=401,
                                            type_="authentication_error"))

@@ -48,6 +48,14 @@ class LocalProcess:
         text = self.error_text()
         return f"{self.name} (pid {self.pid}) {how}{': ' + text if text else ''}"
 
+    def stopped(self) -> bool:
+        """The process is alive but stopped (SIGSTOP, a debugger): it will not answer."""
+        try:
+            return psutil.Process(self.pid).status() in (psutil.STATUS_STOPPED,
+                                                         psutil.STATUS_TRACING_STOP)
+        except psutil.Error:
+            return False
+
     def error_text(self) -> str:
         """What the process wrote about its failure (before exiting), or ''."""
         try:

@@ -62,6 +62,8 @@ class ShardSpec:
     threads: int | None = None
     parent_pid: int | None = None
     seed: int = 0
+    heartbeat_s: float | None = None  # zmq heartbeats on our sockets (a shard started by hand
+    # on another host); None for a shard the coordinator started here: it watches the process
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake",
@@ -74,7 +76,7 @@ class ShardServer:
         self.spec, self.secret = spec, secret
         self.device = use_device(spec.device, spec.threads)
         self.ctx = context()
-        self.router = bind_router(spec.listen, secret)
+        self.router = bind_router(spec.listen, secret, spec.heartbeat_s)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.gate = Gate(secret, ALLOWED, f"shard {spec.start}:{spec.end}")
@@ -378,7 +380,8 @@ class ShardServer:
         if not isinstance(address, str):
             raise ProtocolError(f"configure: {what} address must be a string")
         ident = f"shard{self.index}-{what}-".encode() + session[:8] + os.urandom(4)
-        sock = connect_dealer(self.ctx, address, self.secret, identity=ident)
+        sock = connect_dealer(self.ctx, address, self.secret, identity=ident,
+                              heartbeat_s=self.spec.heartbeat_s)
         try:
             handshake(sock, self.secret, "upstream" if what == "next" else "feeder",
                       LINK_TIMEOUT_S, f"the {what} process")

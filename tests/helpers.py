@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import psutil
 
 from runtime.chunking import prefill_chunks
+from runtime.generate import GenerationResult, Progress, collect
 from shards.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
@@ -29,6 +34,30 @@ def trace(engine, prompt: list[int], steps: int, chunk: int, turn_end_ids=(2,)):
         logits.append(out.logits)
         tok, pos = out.token, pos + 1
     return tokens, np.stack(logits)
+
+
+def run_logged(engine, prompt: list[int],
+               params: SamplingParams) -> tuple[GenerationResult, np.ndarray]:
+    """Generate with `engine` (reference or coordinator) through the whole generation loop and
+    return the result and the logits each token was drawn from (one row per token)."""
+    progress = Progress(logits=[])
+    result = collect(engine.stream(prompt, params, progress), progress, len(prompt))
+    return result, np.stack(progress.logits)
+
+
+def assert_same_run(got: tuple[GenerationResult, np.ndarray],
+                    want: tuple[GenerationResult, np.ndarray], what: str = "") -> None:
+    """The same tokens, and bit-identical logits at every generated position."""
+    (r, logits), (w, want_logits) = got, want
+    assert r.tokens == w.tokens, f"{what}: tokens {r.tokens} != {w.tokens}"
+    assert_same_logits(logits, want_logits, what)
+
+
+def assert_same_logits(logits: np.ndarray, want: np.ndarray, what: str = "") -> None:
+    assert logits.shape == want.shape, f"{what}: logits {logits.shape} != {want.shape}"
+    bad = [i for i in range(len(want)) if not np.array_equal(logits[i], want[i])]
+    assert not bad, (f"{what}: logits differ at generated positions {bad} (max "
+                     f"{np.abs(logits[bad[0]] - want[bad[0]]).max():.3e} at {bad[0]})")
 
 
 def layersplit_shm() -> set[str]:
@@ -59,3 +88,17 @@ def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.05)
     return alive
+
+
+@contextlib.contextmanager
+def busy_load(n: int | None = None) -> Iterator[list[subprocess.Popen]]:
+    """`n` (default: twice the cores) busy-looping processes for the duration: a loaded machine."""
+    n = n or 2 * (os.cpu_count() or 1)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()

@@ -273,6 +273,10 @@ def test_api_key(tiny_llama):
         assert httpx.get(s.url + "/v1/models").status_code == 401
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
         assert ok.models.list().data[0].id == MODEL
+        for wrong in (b"Bearer sekreT", b"Bearer sekret2", b"Bearer sek", b"sekret",
+                      b"Bearer s\xe9kret"):  # (compared in constant time, as bytes)
+            r = httpx.get(s.url + "/v1/models", headers={"Authorization": wrong})
+            assert r.status_code == 401, wrong
         assert httpx.get(s.url + "/health").status_code == 200  # health stays open
     finally:
         assert s.stop() == 0
@@ -328,6 +332,20 @@ def test_shard_kill_mid_stream(tiny_llama):
                                         temperature=0)
         assert r.usage.completion_tokens == 3
         assert "layersplit_shard_restarts_total 1.0" in httpx.get(s.url + "/metrics").text
+        # a shard that dies while the server is idle is noticed at once (within 2 s), not by
+        # the next request
+        kids = shard_children(s.proc.pid)
+        os.kill(kids[0].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        while "layersplit_shard_restarts_total 2.0" not in httpx.get(s.url + "/metrics").text:
+            assert time.monotonic() - t0 < 2.0, "an idle server did not notice a dead shard"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while httpx.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = s.client.completions.create(model=MODEL, prompt="again", max_tokens=3,
+                                        temperature=0)
+        assert r.usage.completion_tokens == 3
     finally:
         assert s.stop() == 0
     assert shard_children(s.proc.pid) == [] and layersplit_shm() - before == set()

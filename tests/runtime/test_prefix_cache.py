@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from safetensors import safe_open
 
@@ -20,11 +21,15 @@ from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
 from runtime.reference import ReferenceEngine
 from shards.sampling import SamplingParams
-from tests.helpers import layersplit_shm, shard_children
+from tests.helpers import (
+    assert_same_logits, assert_same_run, layersplit_shm, run_logged, shard_children,
+)
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+# Restored runs are compared to cold ones by their tokens and by the logits at every generated
+# position, bit for bit (`tests.helpers.assert_same_run`).
 
 
 @pytest.fixture(scope="module")
@@ -52,51 +57,55 @@ def entries(d: Path) -> list[Path]:
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_ram_and_disk_hits_equal_cold(tiny_llama, ref, prompts, tmp_path, n):
     short, longer = prompts
-    want = {id(p): (ref.generate(p, GREEDY).tokens, ref.generate(p, SAMPLED).tokens)
-            for p in prompts}
+    want = {(id(p), i): run_logged(ref, p, params) for p in prompts
+            for i, params in enumerate((GREEDY, SAMPLED))}
     with Coordinator(cfg(tiny_llama, n, tmp_path)) as c:
-        r = c.generate(short, GREEDY)
-        assert (r.cache_tier, r.cached_tokens) == ("none", 0)
-        assert r.tokens == want[id(short)][0]
+        got = run_logged(c, short, GREEDY)
+        assert (got[0].cache_tier, got[0].cached_tokens) == ("none", 0)
+        assert_same_run(got, want[id(short), 0], "cold")
         for params, i in ((GREEDY, 0), (SAMPLED, 1)):  # exact hit: no forward pass at all
-            r = c.generate(short, params)
-            assert (r.cache_tier, r.cached_tokens) == ("ram", len(short))
-            assert r.tokens == want[id(short)][i]
-        r = c.generate(longer, SAMPLED)  # partial hit at the last chunk boundary
-        assert r.cache_tier == "ram" and r.cached_tokens == len(short) // CHUNK * CHUNK
-        assert r.tokens == want[id(longer)][1]
+            got = run_logged(c, short, params)
+            assert (got[0].cache_tier, got[0].cached_tokens) == ("ram", len(short))
+            assert_same_run(got, want[id(short), i], "exact RAM hit")
+        got = run_logged(c, longer, SAMPLED)  # partial hit at the last chunk boundary
+        assert got[0].cache_tier == "ram"
+        assert got[0].cached_tokens == len(short) // CHUNK * CHUNK
+        assert_same_run(got, want[id(longer), 1], "partial RAM hit")
     with Coordinator(cfg(tiny_llama, n, tmp_path)) as c:  # a restart: the disk tier
         for p in (short, longer):
-            r = c.generate(p, GREEDY)
-            assert r.cache_tier == "disk" and r.cached_tokens == len(p)
-            assert r.tokens == want[id(p)][0]
+            got = run_logged(c, p, GREEDY)
+            assert got[0].cache_tier == "disk" and got[0].cached_tokens == len(p)
+            assert_same_run(got, want[id(p), 0], "disk hit")
         assert c.cache.stats.hits_disk == 2
-        r = c.generate(longer, SAMPLED)  # now from the RAM copy the disk restore left
-        assert r.cache_tier == "ram" and r.tokens == want[id(longer)][1]
+        got = run_logged(c, longer, SAMPLED)  # now from the RAM copy the disk restore left
+        assert got[0].cache_tier == "ram"
+        assert_same_run(got, want[id(longer), 1], "RAM hit after a disk restore")
     assert shard_children() == []
 
 
 @pytest.mark.slow
 def test_cross_split_restore(tiny_llama, ref, prompts, tmp_path):
     short, longer = prompts
-    want = ref.generate(longer, GREEDY).tokens
+    want = run_logged(ref, longer, GREEDY)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         c.generate(short, GREEDY)
     # 1 shard reads the 2-shard files (and writes the longer prompt's entries), then an uneven
     # 3-shard split reads the 1-shard file: an exact hit, no forward pass
     for n, split, cached in ((1, None, len(short) // CHUNK * CHUNK), (3, (1, 3, 2), len(longer))):
         with Coordinator(cfg(tiny_llama, n, tmp_path, split=split)) as c:
-            r = c.generate(longer, GREEDY)
-            assert r.cache_tier == "disk" and r.cached_tokens == cached
-            assert r.tokens == want
+            got = run_logged(c, longer, GREEDY)
+            assert got[0].cache_tier == "disk" and got[0].cached_tokens == cached
+            assert_same_run(got, want, f"{n} shards restoring another split's entries")
 
 
 def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
     short, _ = prompts
+    tmp_path = tmp_path / "new" / "kv"  # created by the cache: private (0700)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         c.generate(short, GREEDY)
         kv_heads, head_dim = c.model_config.num_kv_heads, c.model_config.head_dim
         vocab = c.model_config.vocab_size
+    assert (tmp_path.stat().st_mode & 0o777) == 0o700
     files = entries(tmp_path)
     assert len(files) == 2  # the last chunk boundary, and the whole prompt (a delta child)
     for f in files:
@@ -120,24 +129,28 @@ def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
 
 
 @pytest.mark.slow
-def test_ten_turn_chat_writes_only_new_rows(tiny_llama, ref, tmp_path):
+def test_ten_turn_chat_writes_only_new_rows(tiny_llama, tmp_path):
+    # the replies are random bytes, some of them 3 tokens each once they are text again
+    ref = ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=1024)
     tok = ref.tokenizer
     msgs = [{"role": "system", "content": "You answer briefly."}]
     turns = []
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+    with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=1024)) as c:
         row_bytes = c.cache.row_bytes
         for i in range(10):
             msgs.append({"role": "user", "content": f"question number {i} about foxes"})
             prompt = tok.encode_chat(msgs)
             before = c.cache.stats.bytes_written
-            r = c.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+            got = run_logged(c, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
             c._finish_saves(30)
             written = c.cache.stats.bytes_written - before
-            turns.append((prompt, r, written))
-            msgs.append({"role": "assistant", "content": r.text})
-    for i, (prompt, r, written) in enumerate(turns):
-        assert r.tokens == ref.generate(prompt, SamplingParams(max_tokens=6,
-                                                               ignore_eos=True)).tokens
+            turns.append((prompt, got, written))
+            msgs.append({"role": "assistant", "content": got[0].text})
+    for i, (prompt, got, written) in enumerate(turns):
+        assert_same_run(got, run_logged(ref, prompt, SamplingParams(max_tokens=6,
+                                                                    ignore_eos=True)),
+                        f"turn {i}")
+        r = got[0]
         if i:
             assert r.cache_tier == "ram" and r.cached_tokens > 0
             new_rows = len(prompt) - r.cached_tokens
@@ -145,20 +158,21 @@ def test_ten_turn_chat_writes_only_new_rows(tiny_llama, ref, tmp_path):
             assert written < (new_rows + 4) * row_bytes + 2 * (len(prompt) * 4 + 1400 + 4096)
             assert written < len(prompt) * row_bytes  # never the whole prefix again
     last_prompt = turns[-1][0]
-    want = ref.generate(last_prompt, GREEDY).tokens
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:  # restart: through the chain
-        r = c.generate(last_prompt, GREEDY)
-        assert r.cache_tier == "disk" and r.cached_tokens == len(last_prompt)
-        assert r.tokens == want
+    want = run_logged(ref, last_prompt, GREEDY)
+    # restart: through the chain
+    with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=1024)) as c:
+        got = run_logged(c, last_prompt, GREEDY)
+        assert got[0].cache_tier == "disk" and got[0].cached_tokens == len(last_prompt)
+        assert_same_run(got, want, "the whole chat restored from disk")
         chain = c.cache.index.chain(c.cache.index.entries[
             c.cache.keys(last_prompt, [len(last_prompt)])[len(last_prompt)]])
         assert len(chain) >= 8
         middle = chain[len(chain) // 2]
     middle.path.unlink()  # a missing middle link: restore stops at the last good one
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        r = c.generate(last_prompt, GREEDY)
-        assert r.cache_tier == "disk" and r.cached_tokens == middle.start
-        assert r.tokens == want
+    with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=1024)) as c:
+        got = run_logged(c, last_prompt, GREEDY)
+        assert got[0].cache_tier == "disk" and got[0].cached_tokens == middle.start
+        assert_same_run(got, want, "the chat restored up to a missing link")
 
 
 def _corrupt(path: Path, how: str) -> None:
@@ -193,9 +207,9 @@ def test_corrupt_files_are_misses(tiny_llama, ref, prompts, tmp_path, how, caplo
     _corrupt(root, how)
     caplog.set_level(logging.WARNING)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        r = c.generate(longer, GREEDY)
-        assert r.tokens == ref.generate(longer, GREEDY).tokens
-        assert r.cache_tier == "none" and r.cached_tokens == 0
+        got = run_logged(c, longer, GREEDY)
+        assert_same_run(got, run_logged(ref, longer, GREEDY), f"after a {how} file")
+        assert got[0].cache_tier == "none" and got[0].cached_tokens == 0
         assert c.cache.stats.bad_files >= 1
     assert any("unusable" in m or "mismatch" in m for m in caplog.messages)
     assert not root.exists() and root.with_name(root.name + ".bad").exists()
@@ -208,9 +222,9 @@ def test_entries_of_another_model_are_ignored(tiny_models, ref, prompts, tmp_pat
         c.generate(short[:40], GREEDY)
     other = entries(tmp_path)
     with Coordinator(cfg(tiny_models["llama"], 2, tmp_path)) as c:
-        r = c.generate(short[:40], GREEDY)
-        assert r.cache_tier == "none"
-        assert r.tokens == ref.generate(short[:40], GREEDY).tokens
+        got = run_logged(c, short[:40], GREEDY)
+        assert got[0].cache_tier == "none"
+        assert_same_run(got, run_logged(ref, short[:40], GREEDY), "beside another model's")
     assert all(p.exists() for p in other)  # another model's files are left alone
 
 
@@ -233,16 +247,19 @@ def test_restart_persistence_via_cli(tiny_llama, ref, tmp_path):
     p.send_signal(signal.SIGTERM)
     p.wait(30)
     assert len(entries(tmp_path)) == 2 and all(verify(f) is None for f in entries(tmp_path))
-    for prompt in (text, longer):
+    for i, prompt in enumerate((text, longer)):
+        dump = tmp_path.parent / f"{tmp_path.name}-logits{i}.npy"  # (outside the cache dir)
         out = subprocess.run(_cli(tiny_llama, prompt, tmp_path, "--max-tokens", "8",
-                                  "--ignore-eos"), capture_output=True, text=True, timeout=120)
+                                  "--ignore-eos", "--dump-logits", str(dump)),
+                             capture_output=True, text=True, timeout=120)
         res = json.loads(out.stdout)
         ids = ref.tokenizer.encode(prompt)
         assert res["cache_tier"] == "disk"
         assert res["cached_tokens"] == (len(ids) if prompt == text else
                                         len(ref.tokenizer.encode(text)) // CHUNK * CHUNK)
-        assert res["tokens"] == ref.generate(ids, SamplingParams(max_tokens=8,
-                                                                 ignore_eos=True)).tokens
+        want, want_logits = run_logged(ref, ids, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert res["tokens"] == want.tokens
+        assert_same_logits(np.load(dump), want_logits, f"CLI restart, prompt {i}")
 
 
 @pytest.mark.slow
@@ -265,9 +282,9 @@ def test_kill9_mid_save_leaves_no_partial_entry(tiny_llama, ref, tmp_path):
     with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=4096)) as c:
         assert not list(tmp_path.glob("*.tmp"))  # dead writers' partial files are removed
         ids = ref.tokenizer.encode(text)
-        r = c.generate(ids, GREEDY)
         big_ref = ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=4096)
-        assert r.tokens == big_ref.generate(ids, GREEDY).tokens
+        assert_same_run(run_logged(c, ids, GREEDY), run_logged(big_ref, ids, GREEDY),
+                        "after coordinators killed mid-save")
     assert shard_children() == [] and layersplit_shm() - before == set()
 
 
@@ -333,9 +350,9 @@ def test_slow_disk_is_not_read(tiny_llama, ref, prompts, tmp_path):
         c.cache.note_prefill(len(short), len(short), 0.01)  # a fast prefill
         c.cache.disk_rate = 1e3  # and a very slow disk
         assert c.cache.choose(len(short), len(short), 10**6) == "prefill"
-        r = c.generate(longer, GREEDY)
-        assert r.cache_tier == "none" and c.cache.stats.skipped_slow_restore == 1
-        assert r.tokens == ref.generate(longer, GREEDY).tokens
+        got = run_logged(c, longer, GREEDY)
+        assert got[0].cache_tier == "none" and c.cache.stats.skipped_slow_restore == 1
+        assert_same_run(got, run_logged(ref, longer, GREEDY), "prefilled instead")
         c.cache.disk_rate = 1e12  # a fast disk: restore again
         assert c.generate(longer, GREEDY).cache_tier in ("disk", "ram")
 
@@ -351,9 +368,9 @@ def test_disk_hit_with_one_token_then_other_prompt(tiny_llama, ref, prompts, tmp
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         r = c.generate(short, SamplingParams(max_tokens=1, ignore_eos=True))
         assert r.cache_tier == "disk"
-        assert c.generate(other, GREEDY).tokens == ref.generate(other, GREEDY).tokens
-        again = c.generate(short, GREEDY)
-        assert again.cached_tokens == len(short)
-        assert again.tokens == ref.generate(short, GREEDY).tokens
-        r = c.generate(longer, GREEDY)
-        assert r.tokens == ref.generate(longer, GREEDY).tokens
+        assert_same_run(run_logged(c, other, GREEDY), run_logged(ref, other, GREEDY), "other")
+        again = run_logged(c, short, GREEDY)
+        assert again[0].cached_tokens == len(short)
+        assert_same_run(again, run_logged(ref, short, GREEDY), "the first prompt again")
+        assert_same_run(run_logged(c, longer, GREEDY), run_logged(ref, longer, GREEDY),
+                        "a longer prompt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import pytest
 from ipc.sockets import free_tcp_port
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
+from runtime.generate import Progress
 from runtime.reference import ReferenceEngine
 from shards.sampling import SamplingParams
 from tests.helpers import wait_gone
@@ -20,15 +22,21 @@ SECRET = "a3" * 32
 
 
 @pytest.fixture
-def remote_shard(tiny_llama):
+def remote_process(tiny_llama):
     port = free_tcp_port()
     env = {**os.environ, "LAYERSPLIT_SECRET": SECRET}
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "shard", "--listen", f"tcp://127.0.0.1:{port}",
          "--model", str(tiny_llama), "--layers", "3:6", "--threads", "1"], env=env)
-    yield f"tcp://127.0.0.1:{port}"
+    yield f"tcp://127.0.0.1:{port}", proc
+    proc.send_signal(signal.SIGCONT)
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture
+def remote_shard(remote_process):
+    return remote_process[0]
 
 
 @pytest.mark.slow
@@ -48,6 +56,27 @@ def test_remote_shard_joins_and_matches_reference(tiny_llama, remote_shard, monk
     with Coordinator(cfg.replace(transport=("zmq",))) as coord:
         assert coord.shard_info()[0]["transport_out"] == "zmq"
         assert coord.generate(prompt, p).tokens == ref.generate(prompt, p).tokens
+
+
+@pytest.mark.slow
+def test_silent_remote_shard_is_lost_after_heartbeat_timeout(tiny_llama, remote_process,
+                                                             monkeypatch):
+    """Remote shards are watched by zmq heartbeats, with the configured timeout."""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    address, proc = remote_process
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", address), prefill_chunk=16, threads=1,
+                        max_context=4096, heartbeat_timeout=1.0)
+    with Coordinator(cfg) as coord:
+        stream = coord.stream(coord.tokenizer.encode("the cat sat"),
+                              SamplingParams(max_tokens=100_000, ignore_eos=True), Progress())
+        next(stream)
+        proc.send_signal(signal.SIGSTOP)  # silent, its sockets open: only heartbeats tell
+        t0 = time.monotonic()
+        with pytest.raises(ShardFailure, match=r"shard 1 at tcp://.*unanswered for 1.0 s"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 3.0
 
 
 @pytest.mark.slow

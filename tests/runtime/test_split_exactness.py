@@ -10,7 +10,7 @@ from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
 from runtime.reference import ReferenceEngine
 from shards.sampling import SamplingParams
-from tests.helpers import layersplit_shm, shard_children, trace
+from tests.helpers import assert_same_run, layersplit_shm, run_logged, shard_children, trace
 
 CHUNK = 16
 CASES = [  # (devices, transport, addresses, split)
@@ -42,7 +42,8 @@ def prompt(reference):
 @pytest.mark.parametrize("n,transport,addresses,split", CASES,
                          ids=[f"{c[0]}shard-{c[1]}-{c[2]}" + ("-uneven" if c[3] else "")
                               for c in CASES])
-def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, addresses, split):
+def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, addresses, split,
+                                caplog):
     before = layersplit_shm()
     cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu",) * n, transport=(transport,),
                         local_addresses=addresses, split=split, prefill_chunk=CHUNK,
@@ -54,10 +55,16 @@ def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, add
         tokens, logits = trace(coord, prompt, 12, CHUNK)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)  # bit for bit
-        # the full generation loop, with sampling on the last shard
-        p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
-        assert coord.generate(prompt, p).tokens == reference.generate(prompt, p).tokens
+        # the full generation loop (the batch), greedy and sampled on the last shard: tokens and
+        # the logits at every generated position
+        for p in (SamplingParams(max_tokens=16, ignore_eos=True),
+                  SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3,
+                                 ignore_eos=True)):
+            assert_same_run(run_logged(coord, prompt, p), run_logged(reference, prompt, p),
+                            f"{n} shards, temperature {p.temperature}")
         kids = shard_children()
         assert len(kids) == n
     assert shard_children() == []
     assert layersplit_shm() - before == set()
+    # every shard left on its shutdown message, in the grace period (none had to be SIGTERMed)
+    assert not [m for m in caplog.messages if "still running" in m]

@@ -110,7 +110,8 @@ def test_batched_step_equals_eager_steps(tiny_models, layers, slots, fused):
         want = torch.cat([ref.run(x[i:i + 1], p, s)
                           for i, (s, p) in enumerate(zip(slots, positions))])
         assert out.shape == want.shape and out.dtype == want.dtype
-        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+        # hidden rows of a middle range reach ~25: float32 rounding of the batched matmul
+        assert torch.allclose(out, want, atol=1e-4, rtol=1e-5), (out - want).abs().max()
         for s in range(SLOTS):
             if s in slots:  # the new rows: as the eager step wrote them
                 assert torch.allclose(ex.kv.k[:, s], ref.kv.k[:, s], atol=1e-5)

@@ -1,0 +1,254 @@
+"""Campaigns of kill -9, on the CPU with a tiny seeded model (issue 25).
+
+    python bench/kill_campaign.py shards --trials 50
+    python bench/kill_campaign.py save --trials 50
+
+`shards`: one `layersplit serve` (2 shards); each trial streams a long completion and kills a
+random shard with SIGKILL at a random moment 0-1.5 s after the request was sent (prefill or
+decode). Counted: the request ends with an error event within 2 s of the kill; the server
+restarts its shards and answers the next request; the killed group's processes are gone. At the
+end, after the server stops: no process and no /dev/shm segment left.
+
+`save`: each trial runs `layersplit generate` on a new long prompt with a disk cache and kills
+the coordinator with SIGKILL at a random moment 0-40 ms after its first partial file (.tmp)
+appears (mid-save). Then a fresh coordinator starts on the directory. Counted: no partial file
+left and no entry set aside as bad; the trial's prompt restores its longest complete cached
+prefix (and not more); the output equals the cold output (tokens and logits); the shards of the
+killed coordinator exit.
+
+Prints the counts; exit status 1 if any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from ipc.sockets import free_tcp_port  # noqa: E402
+from shards.tiny import write_tiny_checkpoint  # noqa: E402
+from tests.helpers import layersplit_shm, shard_children, wait_gone  # noqa: E402
+
+
+def _wait_healthy(url: str, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
+    shm_before = layersplit_shm()
+    port = free_tcp_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "serve", "--model", str(model), "--devices",
+         "cpu,cpu", "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
+         "--max-context", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    failures: list[str] = []
+    errored = restarted = gone = 0
+    latencies: list[float] = []
+    try:
+        if not _wait_healthy(url):
+            return ["the server did not start"]
+        for i in range(trials):
+            kids = shard_children(server.pid)
+            if len(kids) != 2:
+                failures.append(f"trial {i}: {len(kids)} shards before the trial")
+                _wait_healthy(url)
+                continue
+            victim = rng.choice(kids)
+            delay = rng.uniform(0.0, 1.5)
+            killed_at: list[float] = []
+
+            def kill(victim=victim, killed_at=killed_at) -> None:
+                killed_at.append(time.monotonic())
+                try:
+                    victim.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+
+            timer = threading.Timer(delay, kill)
+            last, error_at = None, None
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": "llama", "prompt": f"trial {i} " * rng.randint(1, 40),
+                    "max_tokens": 100000, "stream": True, "ignore_eos": True}) as r:
+                timer.start()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"error"' in line and error_at is None:
+                        error_at = time.monotonic()
+                        last = line
+            timer.join()
+            if error_at is None or not killed_at:
+                failures.append(f"trial {i}: the request ended without an error ({last})")
+            elif error_at - killed_at[0] > 2.0:
+                failures.append(f"trial {i}: the error came {error_at - killed_at[0]:.2f} s "
+                                "after the kill")
+            else:
+                errored += 1
+                latencies.append(error_at - killed_at[0])
+            if wait_gone([k.pid for k in kids], timeout=10) == []:
+                gone += 1
+            else:
+                failures.append(f"trial {i}: processes of the killed group still run")
+            if not _wait_healthy(url):
+                failures.append(f"trial {i}: the server did not come back")
+                break
+            try:
+                r = httpx.post(url + "/v1/completions", timeout=60, json={
+                    "model": "llama", "prompt": "after", "max_tokens": 3, "temperature": 0})
+                if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3:
+                    restarted += 1
+                else:
+                    failures.append(f"trial {i}: the next request got {r.status_code}")
+            except httpx.HTTPError as e:
+                failures.append(f"trial {i}: the next request failed: {e}")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            failures.append("the server did not stop on SIGTERM")
+    time.sleep(1.0)
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"])
+                 if f"--parent-pid {server.pid}" in " ".join(p.info["cmdline"] or [])]
+    leaked = layersplit_shm() - shm_before
+    print(f"shards: {trials} trials: {errored} requests errored within 2 s of the kill "
+          f"(max {max(latencies, default=0):.2f} s, median "
+          f"{sorted(latencies)[len(latencies) // 2] if latencies else 0:.2f} s), {gone} killed "
+          f"groups gone, {restarted} next requests served; after the server stopped: "
+          f"{len(leftovers)} processes, {len(leaked)} /dev/shm segments left")
+    if leftovers or leaked:
+        failures.append(f"left behind: processes {leftovers}, segments {sorted(leaked)}")
+    return failures
+
+
+def campaign_save(model: Path, trials: int, rng: random.Random, work: Path) -> list[str]:
+    import numpy as np
+    from safetensors import safe_open
+
+    from runtime.cache_admin import verify
+    from runtime.config import RuntimeConfig
+    from runtime.coordinator import Coordinator
+    from runtime.reference import ReferenceEngine
+    from shards.sampling import SamplingParams
+    from tests.helpers import run_logged
+
+    d = work / "kv"
+    ref = ReferenceEngine(model, prefill_chunk=16, max_context=4096)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    cfg = RuntimeConfig(model=str(model), devices=("cpu", "cpu"), prefill_chunk=16,
+                        max_context=4096, threads=1, kv_cache_dir=str(d))
+    failures: list[str] = []
+    mid_save = restored_ok = 0
+    shm_before = layersplit_shm()
+    for i in range(trials):
+        text = f"trial {i}: a rather long prompt about foxes and dogs and cats " * 30
+        p = subprocess.Popen(
+            [sys.executable, "-m", "launch.cli", "generate", text, "--model", str(model),
+             "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", "16",
+             "--kv-cache-dir", str(d), "--max-tokens", "100000", "--ignore-eos",
+             "--max-context", "4096", "--json"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kids = []
+        deadline = time.monotonic() + 120
+        seen = set(d.glob("*.safetensors")) if d.exists() else set()
+        while time.monotonic() < deadline and p.poll() is None:
+            kids = kids or shard_children(p.pid)
+            if d.exists() and (list(d.glob("*.tmp")) or set(d.glob("*.safetensors")) - seen):
+                break
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.04))
+        if d.exists() and list(d.glob("*.tmp")):
+            mid_save += 1
+        p.kill()
+        p.wait(10)
+        if wait_gone([k.pid for k in kids], timeout=10):
+            failures.append(f"trial {i}: shards of the killed coordinator still run")
+        complete = sorted(d.glob("*.safetensors"))
+        bad = [f.name for f in complete if verify(f) is not None]
+        if bad:
+            failures.append(f"trial {i}: visible entries that do not verify: {bad}")
+        ids = ref.tokenizer.encode(text)
+        longest = 0
+        for f in complete:
+            with safe_open(str(f), "pt") as st:
+                toks = st.get_tensor("tokens").tolist()
+            if toks == ids[:len(toks)]:
+                longest = max(longest, len(toks))
+        with Coordinator(cfg) as c:
+            tmp_left = list(d.glob("*.tmp"))
+            got, logits = run_logged(c, ids, greedy)
+            want, want_logits = run_logged(ref, ids, greedy)
+            stats = c.cache.stats
+            problems = []
+            if tmp_left:
+                problems.append(f"partial files left: {[t.name for t in tmp_left]}")
+            if stats.bad_files:
+                problems.append(f"{stats.bad_files} entries set aside as bad")
+            if got.cached_tokens != longest:
+                problems.append(f"restored {got.cached_tokens} tokens, {longest} were complete")
+            if got.tokens != want.tokens or not np.array_equal(logits, want_logits):
+                problems.append(f"output differs from the cold output ({got.tokens} vs "
+                                f"{want.tokens}, {logits.shape} vs {want_logits.shape}, "
+                                f"restored {got.cache_tier} {got.cached_tokens})")
+            if problems:
+                failures.append(f"trial {i}: " + "; ".join(problems))
+            else:
+                restored_ok += 1
+    leaked = layersplit_shm() - shm_before
+    print(f"save: {trials} trials ({mid_save} killed while a .tmp existed): {restored_ok} next "
+          f"starts found no partial entry and restored every complete one with the cold "
+          f"output; {len(leaked)} /dev/shm segments left")
+    if leaked:
+        failures.append(f"segments left: {sorted(leaked)}")
+    return failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=["shards", "save"])
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    import torch
+
+    torch.set_num_threads(1)  # the reference's arithmetic is the one-thread shards'
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_checkpoint(Path(tmp) / "llama", "llama")
+        t0 = time.perf_counter()
+        if args.which == "shards":
+            failures = campaign_shards(model, args.trials, rng)
+        else:
+            failures = campaign_save(model, args.trials, rng, Path(tmp))
+    print(f"{len(failures)} failed trials in {time.perf_counter() - t0:.0f} s")
+    for f in failures:
+        print("FAIL", f)
+    print(json.dumps({"which": args.which, "trials": args.trials, "failures": len(failures)}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server is stopped first
+    raise SystemExit(main())
