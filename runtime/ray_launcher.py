@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 RESOURCE_SLIVER = 0.001  # of a custom resource: it only picks the node, it limits nothing
 NODE_ID_LABEL = "ray.io/node-id"
 STOP_GRACE_S = 5.0
+EXIT_REPORT_WAIT_S = 0.2  # after a dropped channel, for the shard's exit report
+FAILED_STOP_S = 0.3  # how long the actors of a failed chain get to stop their shards
 
 
 def import_ray() -> Any:
@@ -192,9 +194,11 @@ class RayShard:
         return self
 
     def wait(self, timeout: float) -> None:
+        """Wait a moment for the exit report (not long: after a node loss none comes until Ray
+        declares the node dead, which takes longer than failures may take to be noticed)."""
         import ray
 
-        ray.wait([self.exit_ref], timeout=timeout)
+        ray.wait([self.exit_ref], timeout=min(timeout, EXIT_REPORT_WAIT_S))
 
     def _outcome(self) -> str | None:
         import ray
@@ -226,7 +230,8 @@ class RayShard:
         alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
         if not alive.get(self.node_id, False):
             return "its Ray node is gone"
-        return "its channel dropped; Ray still reports its node alive (a network fault?)"
+        return ("its channel dropped, and no exit was reported: its node or the network to it "
+                "failed (Ray has not declared the node dead yet)")
 
 
 def _first_line(e: BaseException) -> str:
@@ -344,10 +349,11 @@ class RayLauncher:
         ray = self.ray
         if self.actors:
             calls = [a.stop.remote(grace_s) for a in self.actors]
-            try:  # a dead actor's call fails at once; its shard exited with it (--parent-pid)
-                ray.wait(calls, num_returns=len(calls), timeout=grace_s + 8.0)
-            except ray.exceptions.RayError:
-                pass
+            # a failed chain is not waited for: an actor on a lost node answers only once Ray
+            # declares it dead, and `ray.kill` below SIGTERMs each worker's process group, its
+            # shard included (which then unlinks its rings itself)
+            ray.wait(calls, num_returns=len(calls),
+                     timeout=grace_s + 8.0 if grace_s > 0 else FAILED_STOP_S)
             for a in self.actors:
                 ray.kill(a, no_restart=True)
         if self.pg is not None:
