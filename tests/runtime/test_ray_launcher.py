@@ -10,23 +10,24 @@ import os
 import sys
 import time
 
+import numpy as np
+import psutil
+import pytest
+
+from runtime.config import ConfigError, RuntimeConfig
+from runtime.coordinator import Coordinator, ShardFailure
+from runtime.generate import Progress
+from runtime.ray_launcher import RayLauncher, cuda_visibility
+from runtime.reference import ReferenceEngine
+from shards.sampling import SamplingParams
+from tests.helpers import layersplit_shm, trace, wait_gone
+
 # Ray binds its servers to every interface and rewrites 127.0.0.1 to the machine's address
-# unless told it runs without a cluster network: keep all of it on loopback (before `import ray`)
+# unless told it runs without a cluster network: keep all of it on loopback. Read when ray is
+# first imported, which is below (ray is a test dependency: the `test` extra installs it).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import pytest  # noqa: E402
-import ray  # noqa: E402  (a test dependency: the `test` extra installs it)
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from runtime.config import ConfigError, RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator, ShardFailure  # noqa: E402
-from runtime.generate import Progress  # noqa: E402
-from runtime.ray_launcher import RayLauncher, cuda_visibility  # noqa: E402
-from runtime.reference import ReferenceEngine  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
-from tests.helpers import layersplit_shm, trace, wait_gone  # noqa: E402
+import ray
+from ray.cluster_utils import Cluster
 
 NODE = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
@@ -61,8 +62,8 @@ def cluster():
 
 
 def _config(model, **kw) -> RuntimeConfig:
-    base = dict(model=str(model), launcher="ray", prefill_chunk=16, threads=1, max_context=256,
-                startup_timeout=120)
+    base = {"model": str(model), "launcher": "ray", "prefill_chunk": 16, "threads": 1,
+            "max_context": 256, "startup_timeout": 120}
     return RuntimeConfig(**{**base, **kw})
 
 
