@@ -48,8 +48,21 @@ EXIT_REPORT_WAIT_S = 0.2  # after a dropped channel, for the shard's exit report
 FAILED_STOP_S = 0.3  # how long the actors of a failed chain get to stop their shards
 
 
-def import_ray() -> Any:
-    """Ray, or a ConfigError saying how to install it."""
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def import_ray(address: str = "auto") -> Any:
+    """Ray, or a ConfigError saying how to install it.
+
+    For a cluster on a loopback address (one machine, as `bench/ray_cluster.py` starts it) Ray
+    must not rewrite 127.0.0.1 to the machine's interface address, where nothing listens: Ray
+    reads that choice from `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` when first imported."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1") and "ray" not in sys.modules:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
+    # Ray's driver would take SIGTERM over (print a stack and die): layersplit's own shutdown
+    # (requests drained, shards stopped in order) keeps it
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     try:
         import ray
     except ImportError as e:
@@ -209,7 +222,7 @@ class RayShard:
         try:
             out = ray.get(self.exit_ref)
         except ray.exceptions.RayError as e:
-            return f"its Ray actor died: {_first_line(e)}"
+            return f"lost its Ray actor ({_first_line(e)})"
         rc = out["code"]
         how = (f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0
                else f"exited with code {rc}")
@@ -247,7 +260,7 @@ class RayLauncher:
     """Places and starts one chain's shards on a Ray cluster, and takes them down again."""
 
     def __init__(self, cfg: RuntimeConfig) -> None:
-        self.ray = import_ray()
+        self.ray = import_ray(cfg.ray_address)
         self.cfg = cfg
         self.joined = False  # this launcher called ray.init (and so calls ray.shutdown)
         self.pg: Any = None
