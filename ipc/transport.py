@@ -15,7 +15,6 @@ carries token ids from the coordinator to shard 0 and results from the last shar
 from __future__ import annotations
 
 import logging
-import socket
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ import torch
 import zmq
 
 from ipc.cuda_handoff import SlotReader, SlotWriter
+from ipc.hosts import host_id
 from ipc.messages import ProtocolError, decode, encode
 from ipc.shm import ShmRing
 from ipc.sockets import send
@@ -39,15 +39,6 @@ ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int64: 
 
 # zmq frames are read-only buffers; received tensors are never written in place.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
-
-
-def host_id() -> str:
-    """Identifies this machine (and boot), so two ends can tell they share memory."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -28,6 +28,11 @@ class ConfigError(ValueError):
     """A bad config file or flag; the message says which key and what to change."""
 
 
+LAUNCHERS = ("local", "ray")
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+RAY_KEYS = ("ray_address", "ray_strategy", "ray_resources", "ray_nodes")
+
+
 def _field(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: default, metadata={"help": help, **kw})
@@ -92,6 +97,19 @@ class RuntimeConfig:
                                          "(loopback)")
     secret_file: str | None = _field(None, "file holding the shared secret for remote shards "
                                            "(else $LAYERSPLIT_SECRET)")
+    launcher: str = _field("local", "how shards are started: local (processes here) or ray "
+                                    "(actors placed on a Ray cluster; pip install "
+                                    "'layersplit[ray]')")
+    ray_address: str = _field("auto", "launcher ray: the cluster to join: auto (the one "
+                                      "$RAY_ADDRESS or `ray start` on this machine names), "
+                                      "HOST:PORT, or local (start a one-node cluster here)")
+    ray_strategy: str = _field("PACK", "launcher ray: placement-group strategy: PACK, SPREAD, "
+                                       "STRICT_PACK or STRICT_SPREAD")
+    ray_resources: tuple[str, ...] = _field((), "launcher ray: per shard, '' or a custom "
+                                                "resource its node must have (it picks the "
+                                                "node, e.g. host_a,host_b,host_b)")
+    ray_nodes: tuple[str, ...] = _field((), "launcher ray: per shard, '' or the Ray node id "
+                                            "to place it on")
     host: str = _field("127.0.0.1", "serve: address to bind (loopback unless told otherwise)")
     port: int = _field(8000, "serve: TCP port")
     api_key: str | None = _field(None, "serve: require 'Authorization: Bearer KEY' on /v1/*")
@@ -144,6 +162,30 @@ class RuntimeConfig:
         if self.heartbeat_timeout < 0:
             raise ConfigError(f"heartbeat_timeout={self.heartbeat_timeout}: must be 0 (off) "
                               "or more seconds")
+        self._check_launcher()
+
+    def _check_launcher(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"launcher={self.launcher!r}: use {' or '.join(LAUNCHERS)}")
+        if self.launcher != "ray":
+            given = [k for k in RAY_KEYS if getattr(self, k) != FIELDS[k].default]
+            if given:
+                raise ConfigError(f"{given[0]} applies to launcher = 'ray' only (the launcher "
+                                  f"is {self.launcher!r})")
+            return
+        if self.shard_addresses:
+            raise ConfigError("shard_addresses and launcher = 'ray' do not mix: Ray places and "
+                              "starts every shard (leave shard_addresses empty)")
+        if self.ray_strategy not in RAY_STRATEGIES:
+            raise ConfigError(f"ray_strategy={self.ray_strategy!r}: use one of "
+                              f"{', '.join(RAY_STRATEGIES)}")
+        for key in ("ray_resources", "ray_nodes"):
+            given = getattr(self, key)
+            if given and len(given) != len(self.devices):
+                raise ConfigError(f"{key} has {len(given)} entries for {len(self.devices)} "
+                                  "devices: give one per shard ('' for none)")
+        if not self.ray_address:
+            raise ConfigError("ray_address is empty: give auto, HOST:PORT or local")
 
     @property
     def run_dtype(self) -> str:

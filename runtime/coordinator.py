@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
 from shards.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from runtime.ray_launcher import RayLauncher, RayShard
+
 log = logging.getLogger(__name__)
 POLL_MS = 50
 
@@ -76,8 +79,9 @@ class _Shard:
     def streams_cache(self) -> bool:
         """A shard this coordinator did not start (`layersplit shard`, on another host or in a
         container of its own) may not see the cache directory: its prefix-cache tensors travel
-        over its (encrypted) channel, and the coordinator reads and writes the file."""
-        return self.proc is None
+        over its (encrypted) channel, and the coordinator reads and writes the file. So do the
+        shards Ray placed on another node (`runtime.ray_launcher`)."""
+        return self.proc is None or not self.local
 
 
 class Coordinator:
@@ -91,7 +95,10 @@ class Coordinator:
         ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
         self.placement: Placement = plan(config, ckpt.config.num_layers)
-        check_local_devices(self.placement)
+        if config.launcher == "local":  # (Ray finds GPUs on its nodes)
+            check_local_devices(self.placement)
+        self.ray: RayLauncher | None = None  # launcher = "ray": the chain's actors
+        self.host = host_id()  # this coordinator's host, as the shards name theirs
         self.tokenizer = TextTokenizer.for_model(self.model_path)
         tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
         self.eos_ids = tok_eos or tuple(self.model_config.eos_token_ids)
@@ -158,8 +165,9 @@ class Coordinator:
                                   if local_cpu else None)
         t0 = time.perf_counter()
         try:
-            addresses = []
-            for s in shards:
+            ray_shards = self._start_ray(t0) if cfg.launcher == "ray" else []
+            addresses = [r.address for r in ray_shards]
+            for s in shards[len(ray_shards):]:
                 if s.address:
                     addresses.append(s.address)
                     continue
@@ -180,7 +188,8 @@ class Coordinator:
                                       identity=b"coord-" + self.session[:8],
                                       heartbeat_s=cfg.heartbeat_timeout if s.address else None)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                proc = next((p for p in self.procs if p.plan.index == s.index), None)
+                proc = next((p for p in [*self.procs, *ray_shards] if p.plan.index == s.index),
+                            None)
                 self.shards.append(_Shard(s.index, addr, sock, monitor, proc))
                 self._poller.register(sock, zmq.POLLIN)
                 self._poller.register(monitor, zmq.POLLIN)
@@ -257,12 +266,31 @@ class Coordinator:
             raise
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
+    def _start_ray(self, t0: float) -> list[RayShard]:
+        """launcher = "ray": place and start every shard on the Ray cluster."""
+        from runtime.ray_launcher import RayLauncher
+
+        self.ray = RayLauncher(self.config)
+        started = self.ray.start(self.placement.shards, self.config.model, self.dtype,
+                                 self.config.random_seed, self.secret,
+                                 time.monotonic() + self.config.startup_timeout - (
+                                     time.perf_counter() - t0))
+        self.host = self.ray.host_id
+        return started
+
     # ---- the draft process --------------------------------------------------------------------
     def _check_draft_placement(self) -> None:
         """The draft process runs on this host: its device must be here, and the shards that
         feed it their rows too (`auto` gives up speculation when some shard is remote)."""
         if self.draft_path is None:
             return
+        if self.config.launcher == "ray":  # (the draft is not placed through Ray yet)
+            if self.config.draft == "auto":
+                self.draft_path = None
+                return
+            raise PlacementError("a draft with launcher = 'ray' is not supported yet: the draft "
+                                 "process is not placed through Ray; use --draft none (or "
+                                 "auto, which turns speculation off under Ray)")
         remote = [s for s in self.placement.shards if s.address]
         if remote and self.config.draft == "auto":
             self.draft_path = None
@@ -411,6 +439,9 @@ class Coordinator:
             stop_all(procs)
         else:  # a failed group is torn down at once: a hung shard will not answer SIGTERM,
             stop_all(procs, grace_s=0.0, term_s=0.0)  # and its KV is lost anyway
+        if self.ray is not None:  # its actors, their shard processes and its placement group
+            self.ray.stop(grace_s=5.0 if self.failed is None else 0.0)
+            self.ray = None
         self._poller = zmq.Poller()
         for sh in members:
             sh.monitor.close(0)
@@ -495,7 +526,7 @@ class Coordinator:
         if reply["type"] != "welcome":
             raise ShardFailure(f"shard {sh.index} at {sh.address}: handshake failed")
         sh.welcomed = True
-        sh.local = reply["host"] == host_id()
+        sh.local = reply["host"] == self.host
         planned = self.placement.shards[sh.index]
         want = [planned.start, planned.end]
         if reply["layers"] != want:
@@ -730,6 +761,9 @@ class Coordinator:
             why = p.failure()
             if why is not None:
                 raise self._fail(why)
+        why = self.ray.failure() if self.ray is not None else None
+        if why is not None:
+            raise self._fail(why)
         if self.draft is not None and self._draft_proc is not None:
             why = self._draft_proc.failure()
             if why is not None:
