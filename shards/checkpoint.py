@@ -10,10 +10,11 @@ from typing import Protocol
 import torch
 
 from shards.errors import CheckpointError
+from shards.expert_weights import read_tensors
 from shards.layers.rotary import rope_inv_freq
 from shards.model_config import ModelConfig
 from shards.models import LayerRange
-from shards.weights import range_tensor_shapes, source_name
+from shards.weights import range_tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,7 @@ def load_layer_range(
         )
     t0 = time.perf_counter()
     shapes = range_tensor_shapes(cfg, start, end)
-    sources = {name: source_name(cfg, name) for name in shapes}
-    tensors = ckpt.load(shapes, sources, dtype, device)
+    tensors = read_tensors(ckpt, cfg, shapes, dtype, device)
     with torch.device("meta"):
         model = LayerRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}

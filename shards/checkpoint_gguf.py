@@ -140,7 +140,10 @@ class GGUFFile:
         )
 
     def has(self, name: str) -> bool:
-        return gguf_name(name) in self.tensors
+        try:
+            return gguf_name(name) in self.tensors
+        except KeyError:  # a name with no GGUF form (another layout's)
+            return False
 
     def _read(self, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
         gname = gguf_name(canonical)

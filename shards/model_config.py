@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.errors import CheckpointError
+from shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -15,6 +16,9 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
+    "qwen2_moe": (True, False),
+    "mixtral": (False, False),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -46,6 +50,7 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
                         "layer_types"}),
     "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
+    **MOE_FAMILY_FIELDS,
 }
 
 
@@ -72,6 +77,13 @@ class ModelConfig:
     # "sliding_attention" layers attend the last `sliding_window` positions only.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # Mixture of experts (`shards.moe_config`); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's hidden width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model whose MLP is dense
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -103,6 +115,10 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether global layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @property
     def rope_type(self) -> str:
         d = dict(self.rope_scaling)
@@ -120,7 +136,10 @@ class ModelConfig:
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
-        for name in ("layer_types", "sliding_window"):
+        d["dense_layers"] = list(self.dense_layers)
+        for name in ("layer_types", "sliding_window", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "norm_topk_prob",
+                     "shared_expert_intermediate_size", "dense_layers"):
             if not d[name]:
                 del d[name]
         return d
@@ -131,6 +150,7 @@ class ModelConfig:
         d["rope_scaling"] = tuple((str(k), v) for k, v in d.get("rope_scaling", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         return cls(**d)
 
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
@@ -189,12 +209,14 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         rope_theta=float(rope_theta),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", bias_default)),
+        attention_bias=bool(raw.get("qkv_bias" if model_type == "qwen2_moe" else
+                                    "attention_bias", bias_default)),
         qk_norm=qk_norm,
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
         **_windows(raw, model_type, int(need("num_hidden_layers")), source),
+        **moe_fields(raw, model_type, int(need("num_hidden_layers")), source),
     )
     try:
         return ModelConfig(**fields)
@@ -226,7 +248,8 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
     layer; Qwen2/Qwen3 window layers >= `max_window_layers` when `use_sliding_window`; an
     explicit `layer_types` wins."""
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not raw.get(
+            "use_sliding_window", False):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool)
                                or window <= 0):
@@ -248,12 +271,17 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
         return {"layer_types": tuple(types), "sliding_window": window}
     if window is None:
         return {}
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):  # every layer, as transformers
         first = 0
+    elif model_type == "qwen2_moe":  # transformers windows the even layers below the bound
+        bound = int(raw.get("max_window_layers", 28))
+        types = tuple("sliding_attention" if i % 2 == 0 and i < bound else "full_attention"
+                      for i in range(layers))
     else:
         first = int(raw.get("max_window_layers", 28))
-    types = tuple("sliding_attention" if i >= first else "full_attention"
-                  for i in range(layers))
+    if model_type != "qwen2_moe":
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(layers))
     if "sliding_attention" not in types:
         return {}
     return {"layer_types": types, "sliding_window": window}

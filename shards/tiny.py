@@ -76,7 +76,70 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
         "attention_bias": False, "use_sliding_window": False,
     },
+    "qwen3_moe": {  # layer 2 dense (mlp_only_layers); top-2 of 8 experts, renormalised
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [2], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False, "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    },
+    "mixtral": {  # top-2 of 4 experts in every layer; a window shorter than test prompts
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "hidden_size": 64, "intermediate_size": 48, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "hidden_act": "silu", "sliding_window": 24, "router_jitter_noise": 0.0,
+    },
+    "qwen2_moe": {  # shared expert; odd layers sparse (decoder_sparse_step 2); no renorm
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 6, "num_experts_per_tok": 3,
+        "norm_topk_prob": False, "decoder_sparse_step": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "qkv_bias": True,
+        "use_sliding_window": False,
+    },
 }
+# Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
+# {canonical part: name under `experts.N.`}); see `shards.expert_weights`.
+_HF_EXPERTS = {
+    "mixtral": ("block_sparse_moe.", {"gate": "w1.weight", "up": "w3.weight",
+                                      "down": "w2.weight"}),
+}
+_QWEN_EXPERTS = ("mlp.", {"gate": "gate_proj.weight", "up": "up_proj.weight",
+                          "down": "down_proj.weight"})
+
+
+def hf_expert_layout(model_type: str, tensors: dict[str, torch.Tensor],
+                     layout: str = "per_expert") -> dict[str, torch.Tensor]:
+    """Canonical tensors with the experts renamed as a checkpoint stores them: `per_expert`
+    (published checkpoints, transformers' save_pretrained) or `fused` (transformers 5's
+    in-memory `gate_up_proj`)."""
+    if layout not in ("per_expert", "fused"):
+        raise ValueError(f"unknown expert layout {layout!r}")
+    out: dict[str, torch.Tensor] = {}
+    prefix, names = _HF_EXPERTS.get(model_type, _QWEN_EXPERTS)
+    for name, t in tensors.items():
+        head, _, tail = name.partition(".mlp.")
+        if tail not in ("gate.weight", "experts.gate_proj", "experts.up_proj",
+                        "experts.down_proj"):
+            out[name] = t
+        elif tail == "gate.weight":
+            out[f"{head}.{prefix}gate.weight" if layout == "per_expert" else name] = t
+        elif layout == "fused":
+            if tail == "experts.gate_proj":
+                up = tensors[f"{head}.mlp.experts.up_proj"]
+                out[f"{head}.mlp.experts.gate_up_proj"] = torch.cat([t, up], dim=1)
+            elif tail == "experts.down_proj":
+                out[name] = t
+        else:
+            which = tail.removeprefix("experts.").removesuffix("_proj")
+            for e in range(t.shape[0]):
+                out[f"{head}.{prefix}experts.{e}.{names[which]}"] = t[e].contiguous()
+    return out
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -104,8 +167,11 @@ def write_tiny_checkpoint(
     max_position_embeddings: int = 4096,
     files: int = 1,
     std: float = 0.08,
+    expert_layout: str = "per_expert",
 ) -> Path:
-    """Write a seeded random-weight HF folder for `family`; `files` > 1 writes a sharded one."""
+    """Write a seeded random-weight HF folder for `family`; `files` > 1 writes a sharded one.
+    A MoE family's experts are stored per expert, or `expert_layout="fused"`
+    (`hf_expert_layout`); the weights are the same either way."""
     if family not in FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILY_CONFIGS)})")
     out = Path(out)
@@ -129,6 +195,8 @@ def write_tiny_checkpoint(
         else:
             t = std * torch.randn(shape, generator=gen)
         tensors[name] = t.contiguous()
+    if cfg.num_experts:
+        tensors = hf_expert_layout(cfg.model_type, tensors, expert_layout)
     names = sorted(tensors)
     if files <= 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -16,10 +16,12 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
         p + "self_attn.k_proj.weight": (kvd, h),
         p + "self_attn.v_proj.weight": (kvd, h),
         p + "self_attn.o_proj.weight": (h, qd),
+    }
+    shapes.update(moe_tensor_shapes(cfg, layer) if cfg.is_moe(layer) else {
         p + "mlp.gate_proj.weight": (f, h),
         p + "mlp.up_proj.weight": (f, h),
         p + "mlp.down_proj.weight": (h, f),
-    }
+    })
     if cfg.attention_bias:
         shapes[p + "self_attn.q_proj.bias"] = (qd,)
         shapes[p + "self_attn.k_proj.bias"] = (kvd,)
@@ -27,6 +29,28 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
     if cfg.qk_norm:
         shapes[p + "self_attn.q_norm.weight"] = (d,)
         shapes[p + "self_attn.k_norm.weight"] = (d,)
+    return shapes
+
+
+def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse MLP's tensors. The experts are canonically 3-D (transformers' fused layout,
+    gate and up apart); `shards.expert_weights` reads them from per-expert tensors too."""
+    h, e, i, s = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                  cfg.shared_expert_intermediate_size)
+    p = f"model.layers.{layer}.mlp."
+    shapes = {
+        p + "gate.weight": (e, h),
+        p + "experts.gate_proj": (e, i, h),
+        p + "experts.up_proj": (e, i, h),
+        p + "experts.down_proj": (e, h, i),
+    }
+    if s:
+        shapes.update({
+            p + "shared_expert.gate_proj.weight": (s, h),
+            p + "shared_expert.up_proj.weight": (s, h),
+            p + "shared_expert.down_proj.weight": (h, s),
+            p + "shared_expert_gate.weight": (1, h),
+        })
     return shapes
 
 

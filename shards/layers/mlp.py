@@ -10,11 +10,12 @@ from shards.model_config import ModelConfig
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        f = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, f, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, f, bias=False)
+        self.down_proj = nn.Linear(f, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
 
     def fuse(self) -> None:

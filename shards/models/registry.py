@@ -15,6 +15,9 @@ FAMILY_MODULES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "moe_llama",
+    "qwen2_moe": "moe_llama",
+    "mixtral": "moe_llama",
 }
 
 
