@@ -5,8 +5,8 @@ a CUDA graph each still costs ~2 us, several ms per token for a 36-layer model. 
 before attention (norm, fused q/k/v matmul, q/k norm, rotary) and after it (o_proj, residual,
 norm, fused gate/up matmul, SiLU, down, residual) are two functions compiled once and shared by
 every layer (weights are arguments, so one compilation serves all layers of a shape). Attention
-stays eager (its key count changes with the graph bucket). Same math as `shards.model`; the GPU
-tests compare the two.
+stays eager (its key count changes with the graph bucket). Same math as `shards.models`; the GPU
+tests compare the two. A mixture-of-experts layer's work after attention is `shards.fused_moe`.
 
 Batched decode steps (`StepInfo.batched`) run the same two functions on their padded rows, but
 compiled under code objects of their own: dynamo allows 8 compiled shapes per code object (with
@@ -21,6 +21,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from shards.layers.attention import group_queries
 
 log = logging.getLogger(__name__)
@@ -71,22 +72,25 @@ def post_attention_batch(*args):
 class _Stages:
     """The functions before and after attention for one kind of step, compiled or eager."""
 
-    def __init__(self, pre, post, compile: bool) -> None:
-        self.pre, self.post, self.compiled = pre, post, compile
+    def __init__(self, pre, post, post_moe, compile: bool) -> None:
+        self.pre, self.post, self.post_moe, self.compiled = pre, post, post_moe, compile
         if compile:
             self.pre = torch.compile(pre, fullgraph=True, dynamic=False)
             self.post = torch.compile(post, fullgraph=True, dynamic=False)
+            self.post_moe = torch.compile(post_moe, fullgraph=True, dynamic=False)
 
     def uncompile(self) -> None:
         self.pre, self.post, self.compiled = pre_attention, post_attention, False
+        self.post_moe = post_attention_moe
 
 
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
     def __init__(self, compile: bool = True) -> None:
-        self.single = _Stages(pre_attention, post_attention, compile)
-        self.batched = _Stages(pre_attention_batch, post_attention_batch, compile)
+        self.single = _Stages(pre_attention, post_attention, post_attention_moe, compile)
+        self.batched = _Stages(pre_attention_batch, post_attention_batch,
+                               post_attention_moe_batch, compile)
 
     @property
     def compiled(self) -> bool:
@@ -120,6 +124,8 @@ class FusedDecode:
         else:
             keys, values = kv.append_batch(index, step, k, v)
             attn = a._grouped_batch(q, keys, values, step.mask_for(a.window))
+        if hasattr(m, "experts"):  # a sparse MLP: `shards.fused_moe`
+            return stages.post_moe(h, attn, *moe_args(layer))
         return stages.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 

@@ -229,10 +229,12 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
 
     from shards.checkpoint_gguf import gguf_name, permute_rows
     from shards.checkpoint_hf import HFCheckpoint
+    from shards.expert_weights import read_tensors
 
     ckpt = HFCheckpoint(Path(hf_folder))
     cfg = ckpt.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -245,6 +247,13 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        if cfg.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.sliding_window:
         if set(cfg.layer_types) != {"sliding_attention"}:
             raise ValueError("GGUF holds one window for every layer, not per-layer windows")
@@ -270,7 +279,7 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
-    tensors = ckpt.load(shapes, {k: k for k in shapes}, torch.float32)
+    tensors = read_tensors(ckpt, cfg, shapes, torch.float32)
     q = gguf.GGMLQuantizationType[qtype]
     for name, t in tensors.items():
         a = t.numpy().astype(np.float32)

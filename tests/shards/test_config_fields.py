@@ -29,6 +29,17 @@ REFUSED = [
     ("qwen2", "layer_types", ["linear_attention"] * 4, "linear_attention"),
     ("qwen3", "use_qk_norm_scaling", True, "use_qk_norm_scaling"),
     ("qwen3", "layer_types", ["sliding_attention"] * 4, "sliding_window"),  # no window set
+    # mixture-of-experts routing variants the MoE families do not implement
+    ("qwen3_moe", "routed_scaling_factor", 2.5, "routed_scaling_factor"),
+    ("qwen3_moe", "scoring_func", "sigmoid", "scoring_func"),
+    ("qwen3_moe", "shared_expert_intermediate_size", 64, "shared_expert_intermediate_size"),
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok"),
+    ("qwen3_moe", "mlp_only_layers", "1,2", "mlp_only_layers"),
+    ("qwen3_moe", "decoder_sparse_step", 0, "decoder_sparse_step"),
+    ("qwen3_moe", "layer_types", ["full_attention"] * 4, "layer_types"),
+    ("mixtral", "n_shared_experts", 1, "n_shared_experts"),
+    ("mixtral", "num_local_experts", -1, "num_local_experts"),
+    ("qwen2_moe", "topk_group", 2, "topk_group"),
 ]
 
 
@@ -68,3 +79,30 @@ def test_windows_as_transformers_reads_them():
     assert [config_from_hf(explicit, "c").window(i) for i in range(4)] == [10, None, 10, None]
     # the config travels between processes as a dict
     assert type(qwen2).from_dict(qwen2.to_dict()) == qwen2
+
+
+def test_moe_fields_as_transformers_reads_them():
+    q3 = config_from_hf({**FAMILY_CONFIGS["qwen3_moe"], **BASE}, "c")
+    assert (q3.num_experts, q3.num_experts_per_tok, q3.moe_intermediate_size) == (8, 2, 32)
+    assert q3.norm_topk_prob and [q3.is_moe(i) for i in range(4)] == [True, True, False, True]
+    # transformers 5's save_pretrained writes Qwen3-MoE's num_experts as num_local_experts
+    raw = {**FAMILY_CONFIGS["qwen3_moe"], **BASE, "num_local_experts": 8}
+    del raw["num_experts"]
+    assert config_from_hf(raw, "c") == q3
+    q2 = config_from_hf({**FAMILY_CONFIGS["qwen2_moe"], **BASE}, "c")
+    assert [q2.is_moe(i) for i in range(4)] == [False, True, False, True]  # sparse step 2
+    assert q2.shared_expert_intermediate_size == 48 and not q2.norm_topk_prob
+    assert q2.attention_bias  # Qwen2-MoE's q/k/v bias is `qkv_bias`
+    mx = config_from_hf({**FAMILY_CONFIGS["mixtral"], **BASE}, "c")
+    assert mx.norm_topk_prob and mx.moe_intermediate_size == 48 and mx.window(3) == 24
+    no_experts = config_from_hf({**FAMILY_CONFIGS["qwen3_moe"], **BASE, "num_experts": 0}, "c")
+    assert not any(no_experts.is_moe(i) for i in range(4))  # transformers: all dense
+    # Qwen2-MoE windows the even layers below max_window_layers
+    win = config_from_hf({**FAMILY_CONFIGS["qwen2_moe"], **BASE, "use_sliding_window": True,
+                          "sliding_window": 8, "max_window_layers": 3}, "c")
+    assert [win.window(i) for i in range(4)] == [8, None, 8, None]
+    for cfg in (q3, q2, mx):
+        assert type(cfg).from_dict(cfg.to_dict()) == cfg
+    # a dense config's dict (its prefix-cache fingerprint) has no MoE keys
+    dense = config_from_hf({**FAMILY_CONFIGS["qwen3"], **BASE}, "c").to_dict()
+    assert not {"num_experts", "dense_layers", "norm_topk_prob"} & dense.keys()
