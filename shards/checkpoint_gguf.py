@@ -168,15 +168,15 @@ class GGUFFile:
         sparse = [i for i in range(blocks) if i not in dense]
         shexp = self.tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight") if sparse else None
         width = self.field(f"{a}.expert_feed_forward_length", None)
-        return dict(
-            num_experts=experts,
-            num_experts_per_tok=int(self.field(f"{a}.expert_used_count")),
-            moe_intermediate_size=int(width if width is not None
-                                      else self.field(f"{a}.feed_forward_length")),
-            norm_topk_prob=bool(self.field(f"{a}.expert_weights_norm", _NORM_TOPK[a])),
-            shared_expert_intermediate_size=0 if shexp is None else int(shexp.shape[-1]),
-            dense_layers=dense,
-        )
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(self.field(f"{a}.expert_used_count")),
+            "moe_intermediate_size": int(width if width is not None
+                                         else self.field(f"{a}.feed_forward_length")),
+            "norm_topk_prob": bool(self.field(f"{a}.expert_weights_norm", _NORM_TOPK[a])),
+            "shared_expert_intermediate_size": 0 if shexp is None else int(shexp.shape[-1]),
+            "dense_layers": dense,
+        }
 
     def has(self, name: str) -> bool:
         try:

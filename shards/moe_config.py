@@ -53,8 +53,8 @@ def moe_fields(raw: dict[str, Any], model_type: str, layers: int,
         raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be in 1..{experts} "
                               f"(the number of experts)")
     if model_type == "mixtral":
-        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
-                    moe_intermediate_size=_int(raw, "intermediate_size", source))
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": _int(raw, "intermediate_size", source)}
     step = _int(raw, "decoder_sparse_step", source, 1)
     if step < 1:
         raise CheckpointError(f"{source}: decoder_sparse_step={step} must be >= 1")
@@ -67,7 +67,7 @@ def moe_fields(raw: dict[str, Any], model_type: str, layers: int,
         return {}
     shared = (_int(raw, "shared_expert_intermediate_size", source)
               if model_type == "qwen2_moe" else 0)
-    return dict(num_experts=experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=_int(raw, "moe_intermediate_size", source),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=shared, dense_layers=dense)
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": _int(raw, "moe_intermediate_size", source),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": shared, "dense_layers": dense}

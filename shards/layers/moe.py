@@ -48,7 +48,7 @@ def loop_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
     """Sum over each row's k experts of weight * down(silu(gate(x)) * up(x)), one expert at a
     time in increasing id (each expert's rows in one matmul), as transformers computes it.
     Give either `gate_up` (E, 2I, H) or `gate` and `up` (E, I, H); `down` is (E, H, I)."""
-    n, k = idx.shape
+    k = idx.shape[1]
     out = torch.zeros_like(x)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -70,7 +70,7 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """`loop_experts` as two grouped GEMMs over the rows sorted by expert: no host sync, so it
     can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I)."""
-    n, k = idx.shape
+    k = idx.shape[1]
     e_count = down.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
