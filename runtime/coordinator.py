@@ -37,7 +37,8 @@ from runtime.generate import (
 )
 from runtime.model_store import resolve_draft, resolve_model
 from runtime.placement import (
-    Placement, PlacementError, ShardPlan, check_local_devices, normalize_device, plan,
+    Placement, PlacementError, ShardPlan, check_local_devices, describe_split, normalize_device,
+    plan,
 )
 from runtime.reference import new_seed
 from runtime.scheduler import SchedulerConfig
@@ -46,6 +47,7 @@ from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
+from shards.weights import layer_bytes
 from shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,11 @@ class Coordinator:
         self.model_path = resolve_model(config.model)
         ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
-        self.placement: Placement = plan(config, ckpt.config.num_layers)
+        itemsize = 4 if config.run_dtype == "float32" else 2
+        sizes = layer_bytes(ckpt.config, itemsize) if config.split == "auto" else None
+        self.placement: Placement = plan(config, ckpt.config.num_layers, sizes)
+        if sizes is not None:
+            log.info("split auto (by weight bytes): %s", describe_split(self.placement, sizes))
         check_local_devices(self.placement)
         self.tokenizer = TextTokenizer.for_model(self.model_path)
         tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()

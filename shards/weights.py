@@ -76,3 +76,21 @@ def source_name(cfg: ModelConfig, name: str) -> str:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return "model.embed_tokens.weight"
     return name
+
+
+def layer_bytes(cfg: ModelConfig, itemsize: int) -> tuple[list[int], int, int]:
+    """(bytes of each layer's weights, bytes the first range alone holds (the embedding), bytes
+    the last range alone holds (final norm and LM head, a copy of the embedding when tied)):
+    what `--split auto` balances. A MoE layer holds all its experts."""
+    def size(shapes: dict[str, tuple[int, ...]]) -> int:
+        total = 0
+        for shape in shapes.values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * itemsize
+        return total
+
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return ([size(layer_tensor_shapes(cfg, i)) for i in range(cfg.num_layers)],
+            v * h * itemsize, (v * h + h) * itemsize)
