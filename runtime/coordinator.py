@@ -47,8 +47,8 @@ from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
-from shards.weights import layer_bytes
 from shards.sampling import SamplingParams
+from shards.weights import layer_bytes
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
