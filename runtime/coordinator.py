@@ -29,7 +29,7 @@ from ipc.sockets import configure as configure_socket
 from ipc.sockets import context, free_tcp_port, recv, run_dir, send
 from runtime.cache_ops import CacheManager, Restored
 from runtime.chunking import cut_points
-from runtime.config import RuntimeConfig
+from runtime.config import ConfigError, RuntimeConfig
 from runtime.batching import MAX_IN_FLIGHT, Batcher, Request
 from runtime.generate import (
     Delta, GenerationResult, OutputStream, Program, Progress, StepOutput, StepRequest, collect,
@@ -47,6 +47,7 @@ from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
+from shards.layers.rotary import context_limit_error
 from shards.sampling import SamplingParams
 from shards.weights import layer_bytes
 
@@ -82,6 +83,8 @@ class Coordinator:
         self.model_path = resolve_model(config.model)
         ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
+        if (why := context_limit_error(ckpt.config, config.max_context)) is not None:
+            raise ConfigError(f"{self.model_path}: {why}")
         itemsize = 4 if config.run_dtype == "float32" else 2
         sizes = layer_bytes(ckpt.config, itemsize) if config.split == "auto" else None
         self.placement: Placement = plan(config, ckpt.config.num_layers, sizes)

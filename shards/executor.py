@@ -17,8 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
+from shards.errors import CheckpointError
 from shards.graphs import StaticDecoder
 from shards.kv_cache import KVCache, KVLayout
+from shards.layers.rotary import context_limit_error
 from shards.layers.step import StepInfo
 from shards.models import LayerRange
 from shards.sampling import sample_rows
@@ -49,6 +51,8 @@ class RangeExecutor:
         self.model = model
         self.device = torch.device(device)
         cfg = model.cfg
+        if (why := context_limit_error(cfg, max_len)) is not None:
+            raise CheckpointError(why)
         self.dtype = next(model.parameters()).dtype
         self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.kv = KVCache(self.layout, max_len, slots, self.device)

@@ -20,7 +20,17 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen2_moe": (True, False),
     "mixtral": (False, False),
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# the rope_scaling keys each type implements (others are refused by name)
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "original_max_position_embeddings", "truncate"}),
+    "dynamic": frozenset({"factor"}),
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # config.json fields that never change a model's outputs at inference.
@@ -96,6 +106,10 @@ class ModelConfig:
                 f"rope_scaling.rope_type={self.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
+        for key in self.rope_params:
+            if key not in ROPE_KEYS[self.rope_type] | {"rope_type", "type"}:
+                raise CheckpointError(f"rope_scaling.{key} is not implemented for rope_type="
+                                      f"{self.rope_type!r}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise CheckpointError(f"layer_types has {len(self.layer_types)} entries for "
                                   f"{self.num_layers} layers")

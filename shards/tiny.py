@@ -50,6 +50,14 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "hidden_act": "silu",
         "rope_scaling": {"rope_type": "linear", "factor": 4.0},
     },
+    "llama-yarn-rope": {  # YaRN past an original context shorter than test prompts
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 32},
+    },
     "qwen2": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
         "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,

@@ -15,7 +15,7 @@ from torch import nn
 
 from shards.kv_cache import KVCache
 from shards.layers.norm import RMSNorm
-from shards.layers.rotary import rope_cos_sin, rope_inv_freq
+from shards.layers.rotary import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from shards.layers.step import StepInfo
 from shards.model_config import ModelConfig
 from shards.models.registry import decoder_layer
@@ -40,6 +40,7 @@ class LayerRange(nn.Module):
         else:
             self.norm = self.lm_head = None
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +65,7 @@ class LayerRange(nn.Module):
         h = self.embed_tokens(x) if self.is_first else x
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
-        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype, self.rope_scale)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv, i, slot, step)
             if taps is not None and self.start + i in taps:
