@@ -11,7 +11,6 @@ import torch
 
 from shards.errors import CheckpointError
 from shards.expert_weights import read_tensors
-from shards.layers.rotary import rope_inv_freq
 from shards.model_config import ModelConfig
 from shards.models import LayerRange
 from shards.weights import range_tensor_shapes
@@ -79,7 +78,7 @@ def load_layer_range(
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:  # a bug in the name tables, not bad input
         raise RuntimeError(f"internal name mismatch: missing={missing} unexpected={unexpected}")
-    model.inv_freq = rope_inv_freq(cfg)  # buffers are not in the state dict
+    model.init_rope()  # buffers are not in the state dict
     model.to(device).eval().requires_grad_(False)
     log.info(
         "loaded layers %d:%d of %s (%d tensors, %.1f s)",

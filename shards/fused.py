@@ -134,6 +134,8 @@ def fuse_projections(model, compile: bool = True) -> None:
     """Fuse q/k/v and gate/up weights of every layer and install the fused decode step."""
     fast = FusedDecode(compile)
     for layer in model.layers:
+        if not getattr(layer, "fusable", True):  # a layout of its own (Gemma): stays eager
+            continue
         layer.self_attn.fuse()
         layer.mlp.fuse()
         layer.fast = fast

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shards.errors import CheckpointError
+from shards.gemma_config import GEMMA_FIELDS, gemma_fields
 from shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
@@ -19,6 +20,7 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen3_moe": (False, True),
     "qwen2_moe": (True, False),
     "mixtral": (False, False),
+    "gemma3_text": (False, True),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # the rope_scaling keys each type implements (others are refused by name)
@@ -61,6 +63,7 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
     **MOE_FAMILY_FIELDS,
+    "gemma3_text": GEMMA_FIELDS,
 }
 
 
@@ -94,6 +97,11 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model whose MLP is dense
+    # Gemma 3 (`shards.gemma_config`)
+    hidden_act: str = "silu"  # the MLP's activation: silu or gelu_pytorch_tanh
+    local_rope_theta: float | None = None  # sliding layers' rope base (unscaled); None: as full
+    attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -151,9 +159,12 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
         d["dense_layers"] = list(self.dense_layers)
+        if d["hidden_act"] == "silu":
+            del d["hidden_act"]
         for name in ("layer_types", "sliding_window", "num_experts", "num_experts_per_tok",
                      "moe_intermediate_size", "norm_topk_prob",
-                     "shared_expert_intermediate_size", "dense_layers"):
+                     "shared_expert_intermediate_size", "dense_layers", "local_rope_theta",
+                     "attn_scale", "final_logit_softcap"):
             if not d[name]:
                 del d[name]
         return d
@@ -229,9 +240,12 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
-        **_windows(raw, model_type, int(need("num_hidden_layers")), source),
+        **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
+           if model_type != "gemma3_text" else {}),
         **moe_fields(raw, model_type, int(need("num_hidden_layers")), source),
     )
+    if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)
+        fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))
     try:
         return ModelConfig(**fields)
     except CheckpointError as e:  # the dataclass's own checks: name the file too

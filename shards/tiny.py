@@ -110,6 +110,17 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "hidden_act": "silu", "qkv_bias": True,
         "use_sliding_window": False,
     },
+    "gemma3_text": {  # layers 2 and 5 global (scaled rope), the others windowed (local rope)
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_activation":
+        "gelu_pytorch_tanh", "query_pre_attn_scalar": 24, "sliding_window": 12,
+        "sliding_window_pattern": 3, "final_logit_softcapping": 3.0,
+        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "attention_bias": False,
+    },
 }
 # Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
 # {canonical part: name under `experts.N.`}); see `shards.expert_weights`.

@@ -29,6 +29,9 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
     if cfg.qk_norm:
         shapes[p + "self_attn.q_norm.weight"] = (d,)
         shapes[p + "self_attn.k_norm.weight"] = (d,)
+    if cfg.model_type == "gemma3_text":  # sandwich norms around the MLP
+        shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+        shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

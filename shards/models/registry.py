@@ -18,6 +18,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen3_moe": "moe_llama",
     "qwen2_moe": "moe_llama",
     "mixtral": "moe_llama",
+    "gemma3_text": "gemma3",
 }
 
 

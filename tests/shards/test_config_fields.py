@@ -45,6 +45,15 @@ REFUSED = [
     ("mixtral", "n_shared_experts", 1, "n_shared_experts"),
     ("mixtral", "num_local_experts", -1, "num_local_experts"),
     ("qwen2_moe", "topk_group", 2, "topk_group"),
+    ("gemma3_text", "attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("gemma3_text", "use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("gemma3_text", "hidden_activation", "gelu", "hidden_activation"),
+    ("gemma3_text", "final_logit_softcapping", -1.0, "final_logit_softcapping"),
+    ("gemma3_text", "rope_parameters", {"sliding_attention": {"rope_type": "linear",
+                                                              "factor": 2.0}},
+     "sliding_attention"),
+    ("gemma3_text", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
+    ("gemma3_text", "max_window_layers", 2, "max_window_layers"),
 ]
 
 
@@ -111,3 +120,26 @@ def test_moe_fields_as_transformers_reads_them():
     # a dense config's dict (its prefix-cache fingerprint) has no MoE keys
     dense = config_from_hf({**FAMILY_CONFIGS["qwen3"], **BASE}, "c").to_dict()
     assert not {"num_experts", "dense_layers", "norm_topk_prob"} & dense.keys()
+
+
+def test_gemma3_fields_as_transformers_reads_them():
+    g = config_from_hf({**FAMILY_CONFIGS["gemma3_text"], **BASE, "num_hidden_layers": 6}, "c")
+    assert [g.window(i) for i in range(6)] == [12, 12, None, 12, 12, None]  # pattern 3
+    assert g.local_rope_theta == 10000.0 and g.rope_theta == 1e6 and g.rope_type == "linear"
+    assert g.attn_scale == 24 ** -0.5 and g.final_logit_softcap == 3.0
+    assert g.tie_word_embeddings and g.hidden_act == "gelu_pytorch_tanh"
+    # transformers 5 writes the ropes nested by layer kind: the same model
+    nested = {k: v for k, v in FAMILY_CONFIGS["gemma3_text"].items()
+              if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    nested["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert config_from_hf({**nested, **BASE, "num_hidden_layers": 6}, "c") == g
+    # defaults: window 4096, every 6th layer global, head_dim 256, scalar 256
+    bare = {k: v for k, v in FAMILY_CONFIGS["gemma3_text"].items()
+            if k not in ("sliding_window", "sliding_window_pattern", "head_dim",
+                         "query_pre_attn_scalar")}
+    d = config_from_hf({**bare, **BASE, "num_hidden_layers": 7}, "c")
+    assert [d.window(i) for i in range(7)] == [4096] * 5 + [None, 4096]
+    assert d.head_dim == 256 and d.attn_scale == 256 ** -0.5
+    assert type(g).from_dict(g.to_dict()) == g
