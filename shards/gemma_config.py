@@ -14,6 +14,8 @@ GEMMA_FIELDS = frozenset({
     "sliding_window", "layer_types", "sliding_window_pattern", "rope_local_base_freq",
     "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
     "use_bidirectional_attention", "hidden_activation", "cache_implementation",
+    # written by save_pretrained beside `layer_types`; transformers reads only the unprefixed one
+    "_sliding_window_pattern",
 })
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
