@@ -63,7 +63,7 @@ def test_generate_cli_gives_transformers_greedy_tokens(tmp_path, family):
                         str(path), "--devices", ",".join(["cpu"] * shards), "--threads", "1",
                         "--max-tokens",
                         str(NEW), "--ignore-eos", "--json", "--draft", "none"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["tokens"] == want
     assert shard_children() == []
