@@ -66,6 +66,17 @@ def loop_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
     return out
 
 
+def grouped_gemm_applies(x: torch.Tensor) -> bool:
+    """Whether `grouped_experts` runs grouped GEMMs for `x` (CUDA kernels take bfloat16 only);
+    else it gathers each row's expert weights, which costs memory per row."""
+    return _grouped_mm is not None and (not x.is_cuda or x.dtype == torch.bfloat16)
+
+
+# rows (tokens x k) up to which a CUDA step without grouped GEMMs still gathers weights (a
+# decode or verify step, in its graph); longer steps loop over experts (one host sync)
+GATHER_ROWS = 64
+
+
 def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """`loop_experts` as two grouped GEMMs over the rows sorted by expert: no host sync, so it
@@ -79,7 +90,7 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[rows]
-    if _grouped_mm is not None and (not x.is_cuda or x.dtype == torch.bfloat16):
+    if grouped_gemm_applies(x):
         g, u = _grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         y = _grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
     else:  # no grouped GEMM for this device/dtype: gather each row's expert weights
@@ -119,7 +130,8 @@ class Experts(nn.Module):
         return torch.cat([self.gate_proj, self.up_proj], dim=1)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # no host sync: CUDA graphs and long prefills alike
+        if x.is_cuda and (grouped_gemm_applies(x) or idx.numel() <= GATHER_ROWS):
+            # no host sync: CUDA graphs and long prefills alike
             return grouped_experts(x, w, idx, self.gate_up(), self.down_proj)
         fused = self.gate_up_proj is not None
         return loop_experts(x, w, idx, self.gate_up_proj, None if fused else self.gate_proj,

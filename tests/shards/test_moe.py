@@ -34,6 +34,15 @@ def test_grouped_experts_equal_loop(n, norm, float_weights):
     want = loop_experts(x, w, idx, None, gate, up, down)
     got = grouped_experts(x, w, idx, torch.cat([gate, up], dim=1), down)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    import shards.layers.moe as moe  # without grouped GEMMs: each row's weights gathered
+
+    saved, moe._grouped_mm = moe._grouped_mm, None
+    try:
+        assert not moe.grouped_gemm_applies(x)
+        got = grouped_experts(x, w, idx, torch.cat([gate, up], dim=1), down)
+    finally:
+        moe._grouped_mm = saved
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     # by hand, for one row: the k chosen experts weighted by their router weights
     r = 0
     y = sum(w[r, j] * down[idx[r, j]] @ (torch.nn.functional.silu(gate[idx[r, j]] @ x[r])
