@@ -35,6 +35,11 @@ ROPE_KEYS = {
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# families whose q/k/v bias transformers fixes, whatever `attention_bias` says
+FIXED_QKV_BIAS = {"mistral": False, "mixtral": False, "qwen2": True}
+# families where transformers' `attention_bias` also biases o_proj (not implemented here)
+O_PROJ_BIAS = frozenset({"llama", "qwen3", "qwen3_moe", "gemma3_text"})
+
 # config.json fields that never change a model's outputs at inference.
 METADATA_FIELDS = frozenset({
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -234,8 +239,9 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         rope_theta=float(rope_theta),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("qkv_bias" if model_type == "qwen2_moe" else
-                                    "attention_bias", bias_default)),
+        attention_bias=(FIXED_QKV_BIAS[model_type] if model_type in FIXED_QKV_BIAS else
+                        bool(raw.get("qkv_bias" if model_type == "qwen2_moe" else
+                                     "attention_bias", bias_default))),
         qk_norm=qk_norm,
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
@@ -265,6 +271,9 @@ def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> No
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    if model_type in O_PROJ_BIAS and raw.get("attention_bias"):
+        raise CheckpointError(f"{source}: attention_bias=true also biases o_proj in "
+                              f"transformers' {model_type}, which is not implemented")
     for key, harmless in (("mlp_bias", (None, False)), ("pretraining_tp", (None, 1))):
         if raw.get(key) not in harmless:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported")

@@ -54,6 +54,10 @@ REFUSED = [
      "sliding_attention"),
     ("gemma3_text", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
     ("gemma3_text", "max_window_layers", 2, "max_window_layers"),
+    # transformers biases o_proj too there
+    ("llama", "attention_bias", True, "attention_bias=true also biases o_proj"),
+    ("qwen3_moe", "attention_bias", True, "o_proj"),
+    ("gemma3_text", "attention_bias", True, "o_proj"),
 ]
 
 
@@ -143,3 +147,12 @@ def test_gemma3_fields_as_transformers_reads_them():
     assert [d.window(i) for i in range(7)] == [4096] * 5 + [None, 4096]
     assert d.head_dim == 256 and d.attn_scale == 256 ** -0.5
     assert type(g).from_dict(g.to_dict()) == g
+
+
+def test_attention_bias_where_transformers_ignores_it():
+    """Mistral's, Mixtral's and Qwen2's q/k/v biases are fixed in transformers: the field is
+    inert there, as here."""
+    for family, fixed in (("mistral-window", False), ("mixtral", False), ("qwen2", True)):
+        for value in (True, False):
+            raw = {**FAMILY_CONFIGS[family], **BASE, "attention_bias": value}
+            assert config_from_hf(raw, "c").attention_bias is fixed
