@@ -1,7 +1,7 @@
 """The decode step after attention of a mixture-of-experts layer (`shards.fused`): o_proj,
 residual, norm, router, the selected experts as grouped GEMMs (`grouped_experts`: no host sync,
 so the step stays inside its CUDA graph; the rows of a verify or batched step are grouped by
-expert) and the shared expert where the family has one. Same math as `SparseMoE`; the CPU tests
+expert) and the shared expert where the family has one. Same math as `RoutedMoE`; the CPU tests
 compare the two.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shards.layers.moe import grouped_experts, route
+from shards.layers.routed_moe import grouped_experts, route
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

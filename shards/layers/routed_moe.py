@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks the top k of E
+"""Routed mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks the top k of E
 SwiGLU experts per token; their outputs are summed weighted by the router's probabilities.
 
 Shapes: n = tokens, H = hidden, E = experts, I = an expert's width, k = experts per token.
@@ -138,7 +138,7 @@ class Experts(nn.Module):
                             None if fused else self.up_proj, self.down_proj)
 
 
-class SparseMoE(nn.Module):
+class RoutedMoE(nn.Module):
     """Router + experts (+ Qwen2-MoE's sigmoid-gated shared expert); parameter names follow
     transformers' (`gate`, `experts`, `shared_expert`, `shared_expert_gate`)."""
 
