@@ -293,13 +293,20 @@ class ClassicProposer:
         if start + len(given) != pos:
             raise ValueError(f"propose: tokens cover [{start}, {start + len(given)}), "
                              f"expected [{start}, {pos})")
+        hybrid = self.ex.kv if self.ex.hybrid else None
+        if hybrid is not None:  # the state after the last kept row of the last proposal
+            hybrid.settle(slot, start, None)
         for a, b in prefill_chunks(given, 0, len(given), CLASSIC_CHUNK, ()):
             self.ex.run(torch.tensor(given[a:b]), start + a, slot)
-        out, x = [], token
+        out, x, states = [], token, []
         for j in range(n):
             logits = self.ex.run(torch.tensor([x]), pos + j, slot)
+            if hybrid is not None:
+                states.append(hybrid.save(slot))
             x = int(logits[-1].argmax())
             out.append(x)
+        if hybrid is not None:  # the next proposal's `start` says how many rows were kept
+            hybrid.keep_rows(slot, pos, states)
         return out, None
 
 

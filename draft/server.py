@@ -89,7 +89,7 @@ class DraftServer:
     def __init__(self, spec: DraftSpec, secret: bytes) -> None:
         self.spec = spec
         self.device = use_device(spec.device, spec.threads)
-        self.router = bind_router(spec.listen)
+        self.router = bind_router(spec.listen, secret)
         self.gate = Gate(secret, ALLOWED, "draft")
         self.coordinator: bytes | None = None
         self.feeders: list[Feeder] = []
@@ -164,7 +164,7 @@ class DraftServer:
                 if isinstance(msg.get("sync"), int):  # a snapshot of rows still on their way
                     self._wait_features(msg["sync"], msg.get("slot", 0))
                 self._reply(route, message("ok", info=snap_op(self.snapshots, msg,
-                                                              self.cache_dir),
+                                                              self.cache_dir, frames),
                                            sid=msg.get("sid")))
             elif t == "feat":
                 self._on_feat(route, msg, zmq_tensor(msg, frames))
@@ -190,9 +190,9 @@ class DraftServer:
     def _report_saves(self) -> bool:
         return report_saves(self.snapshots, self._to_coordinator)
 
-    def _to_coordinator(self, msg: dict[str, Any]) -> None:
+    def _to_coordinator(self, msg: dict[str, Any], frames: list[Any] = ()) -> None:
         if self.coordinator is not None:
-            self._reply(self.coordinator, msg)
+            self._reply(self.coordinator, msg, frames)
 
     # ---- authentication and setup ---------------------------------------------------------------
     def _on_auth(self, route: bytes, msg: dict[str, Any]) -> None:

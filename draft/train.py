@@ -538,8 +538,9 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
     history = []
     batch_rows = torch.arange(args.batch, device=dev)[:, None, None]
     offsets = torch.arange(args.block - 1, device=dev)
-    while (elapsed := time.perf_counter() - t0) < args.seconds:
-        frac = elapsed / args.seconds
+    while (elapsed := time.perf_counter() - t0) < args.seconds and (
+            not args.max_steps or step < args.max_steps):
+        frac = max(elapsed / args.seconds, step / args.max_steps if args.max_steps else 0.0)
         lr = args.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
             math.pi * frac)))
         for group in opt.param_groups:
@@ -679,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder to write the DFlash draft to")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seconds", type=float, default=300.0, help="training time")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many steps if sooner (0: time alone decides)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--taps", default=None, help="target layers, e.g. 1,10,19,28 (default: "
                    "spread over the model)")

@@ -8,7 +8,9 @@ fingerprint, key, parent key, first and last row, KV layout, the split that wrot
 checksum per tensor, creation time. Any safetensors reader opens the file.
 
 Tensors: `ls{shard}.L{layer}.k|v` (rows, kv_heads, head_dim) for the global layer index `layer`
-written by shard `shard`; `tokens` (I32, every token of the prefix, so the key can be checked);
+written by shard `shard`; for a linear-attention layer of a hybrid model instead
+`ls{shard}.L{layer}.conv` (conv_dim, kernel - 1) and `.state` (F32, value heads, key head dim,
+value head dim), the layer's state after the entry's last row, whole in every entry; `tokens` (I32, every token of the prefix, so the key can be checked);
 `prefill_logits` (F32, the logits of the prefix's last row); `draft.feature_meta`,
 `draft.feature_data` when speculative decoding is on.
 
@@ -19,6 +21,7 @@ later never moves the data; each writer fills its own tensors at their offsets.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -171,12 +174,29 @@ def kv_name(shard: int, layer: int, kind: str) -> str:
     return f"ls{shard}.L{layer}.{kind}"
 
 
+LAYER_KINDS = ("k", "v", "conv", "state")
+
+
 def layer_tensors(layout: Layout) -> dict[tuple[int, str], str]:
-    """(global layer, 'k'|'v') -> tensor name, whatever split wrote the file."""
+    """(global layer, 'k'|'v'|'conv'|'state') -> tensor name, whatever split wrote the file."""
     out = {}
     for name in layout.tensors:
         if name.startswith("ls") and name.count(".") == 2:
             _, layer, kind = name.split(".")
-            if layer.startswith("L") and layer[1:].isdigit() and kind in ("k", "v"):
+            if layer.startswith("L") and layer[1:].isdigit() and kind in LAYER_KINDS:
                 out[(int(layer[1:]), kind)] = name
+    return out
+
+
+def read_items(path: Path, items: list[dict]) -> list[bytes]:
+    """The bytes of each item ({offset, nbytes, ...}) of a cache file, in order: what a shard
+    that cannot reach the file is sent on restore (it checks them against the items'
+    checksums, as it would bytes it read itself)."""
+    out = []
+    with open(path, "rb") as f:
+        for it in items:
+            data = os.pread(f.fileno(), it["nbytes"], it["offset"])
+            if len(data) != it["nbytes"]:
+                raise OSError(f"{path.name}: short read of {it['name']}")
+            out.append(data)
     return out

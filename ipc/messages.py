@@ -12,13 +12,14 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 7  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 8  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
 # 6: proposals handed by the draft to the first shard (segment `ask`, outcome `asked`,
 # `drafted`, `draft_gone`, draft_configure `push`); 7: `verdict` (was feat `next`), sent after
-# the step's rows, which go before the verdict is known
+# the step's rows, which go before the verdict is known; 8: cache tensors streamed over the
+# channel (snap_save / snap_load `stream`, saved `names` + frames) for shards without the file
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -52,11 +53,14 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
     "snap_restore": {"entries": (list,), "slot": (int,)},
     "snap_drop": {"entries": (list,)},
-    "snap_save": {"entry": (int,), "path": (str,), "items": (list,)},
-    "snap_load": {"path": (str,), "slot": (int,), "items": (list,)},
+    # `stream`: the shard cannot reach the cache file (another host, or a filesystem of its
+    # own): a save sends its tensors back as `saved`'s frames, one per `names` entry, for the
+    # coordinator to write; a load gets them as frames, one per item, read by the coordinator
+    "snap_save": {"entry": (int,), "path": (str,), "items": (list,), "stream": (bool,)},
+    "snap_load": {"path": (str,), "slot": (int,), "items": (list,), "stream": (bool,)},
     "ok": {"info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
-              "error": (str, NoneType)},
+              "error": (str, NoneType), "names": (list,)},
     # speculative decoding: coordinator -> draft process
     # (the draft keeps `slots` contexts, one per sequence that feeds it: `slot` names one)
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
@@ -132,6 +136,10 @@ NESTED = {"step": ("seqs", SEGMENT), "result": ("outs", OUTCOME)}
 # how many payload frames follow the header, by type (None: checked by the handler)
 PAYLOAD_FRAMES: dict[str, int | None] = {"step": None, "result": None, "sample": 1,
                                          "propose": None, "feat": None, "features": 1}
+# streamed prefix-cache tensors: one frame per tensor the header names
+CACHE_FRAMES = {"saved": lambda m: len(m["names"]),
+                "snap_load": lambda m: len(m["items"]) if m["stream"] else 0}
+MAX_CACHE_FRAMES = 8192
 
 
 class ProtocolError(ValueError):
@@ -182,6 +190,12 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
             if not isinstance(item, dict):
                 raise ProtocolError(f"{t}: {field}[{i}] is a {type(item).__name__}, expected a map")
             _check_fields(item, schema, f"{t}: {field}[{i}]")
+    if t in CACHE_FRAMES:  # one frame per tensor a streamed cache message names
+        expected = CACHE_FRAMES[t](msg)
+        if payload_frames != expected or expected > MAX_CACHE_FRAMES:
+            raise ProtocolError(f"{t}: expected {expected} payload frames (at most "
+                                f"{MAX_CACHE_FRAMES}), got {payload_frames}")
+        return msg
     expected = PAYLOAD_FRAMES.get(t, 0)
     if expected is not None and payload_frames != expected:
         raise ProtocolError(f"{t}: expected {expected} payload frames, got {payload_frames}")

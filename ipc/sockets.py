@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+from ipc.curve import needs_curve, secure_client, secure_server
 from ipc.messages import ProtocolError, best_effort_sid, decode, encode
 
 HEARTBEAT_IVL_MS = 200
@@ -60,11 +61,24 @@ def configure(sock: zmq.Socket, identity: bytes | None = None) -> zmq.Socket:
     return sock
 
 
-def bind_router(listen: str) -> zmq.Socket:
-    """A server's socket: every peer by its identity; replies to a departed peer raise."""
+def bind_router(listen: str, secret: bytes) -> zmq.Socket:
+    """A server's socket: every peer by its identity; replies to a departed peer raise. On a
+    tcp:// address it is a CurveZMQ server keyed by `secret` (`ipc.curve`)."""
     sock = configure(context().socket(zmq.ROUTER))
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if needs_curve(listen):
+        secure_server(sock, secret)
     sock.bind(listen)
+    return sock
+
+
+def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
+                   identity: bytes | None = None) -> zmq.Socket:
+    """A client's socket connected to a server of this run (encrypted on tcp://, `ipc.curve`)."""
+    sock = configure(ctx.socket(zmq.DEALER), identity=identity)
+    if needs_curve(address):
+        secure_client(sock, secret)
+    sock.connect(address)
     return sock
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import math
 import os
 import queue
 import threading
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ipc.kv_file import (
-    DTYPE_CODES, FEATURE_DATA, FEATURE_META, KVFileError, checksum, kv_name, layer_tensors,
-    plan, read_layout, write_header,
+    DTYPE_CODES, FEATURE_DATA, FEATURE_META, LAYER_KINDS, KVFileError, checksum, kv_name,
+    layer_tensors, plan, read_items, read_layout, write_header,
 )
 from ipc.messages import message
 from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
@@ -50,6 +51,9 @@ class SaveJob:
     failed: str | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     without_features: bool = False  # the draft's part failed: the file is cut before it
+    # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
+    streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
 
 
 @dataclasses.dataclass
@@ -79,6 +83,12 @@ class CacheManager:
         self.layouts = [i["kv_layout"] for i in infos]
         self.row_bytes = sum(lay["layers"] * 2 * lay["kv_heads"] * lay["head_dim"]
                              * itemsize[lay["dtype"]] for lay in self.layouts)
+        # a hybrid model's entries hold each linear layer's state whole, besides KV rows
+        self.hybrid = any("linear_layers" in lay for lay in self.layouts)
+        self.state_bytes = sum(
+            len(lay["linear_layers"]) * (math.prod(lay["conv_shape"]) * itemsize[lay["dtype"]]
+                                         + math.prod(lay["state_shape"]) * 4)
+            for lay in self.layouts if "linear_layers" in lay)
         self.jobs: dict[int, SaveJob] = {}
         self.done: queue.Queue = queue.Queue()
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
@@ -99,6 +109,24 @@ class CacheManager:
 
     def _with_features(self, entries: Sequence[Entry]) -> bool:
         return bool(self.taps) and self.coord.feeding and all(e.features for e in entries)
+
+    def shard_tensors(self, s: int, rows: int) -> list[tuple[int, str, int, str, tuple]]:
+        """Shard `s`'s tensors of an entry of `rows` KV rows: (global layer, kind, index in
+        the shard's tensor of that kind, dtype code, shape)."""
+        (a, b), lay = self.split[s], self.layouts[s]
+        code = DTYPE_CODES[lay["dtype"]]
+        out = []
+        attn = lay.get("attn_layers", list(range(a, b)))
+        for i, layer in enumerate(attn):
+            shape = (rows, lay["kv_heads"], lay["head_dim"])
+            out += [(layer, "k", i, code, shape), (layer, "v", i, code, shape)]
+        for i, layer in enumerate(lay.get("linear_layers", [])):
+            out += [(layer, "conv", i, code, tuple(lay["conv_shape"])),
+                    (layer, "state", i, "F32", tuple(lay["state_shape"]))]
+        return sorted(out, key=lambda t: (t[0], LAYER_KINDS.index(t[1])))
+
+    def entry_bytes(self, rows: int) -> int:
+        return rows * self.row_bytes + self.state_bytes
 
     # ---- keys ---------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
@@ -142,6 +170,10 @@ class CacheManager:
                 ram_run = []
                 ok, feats = self._restore_disk(e, prompt, slot,
                                                context if out.features else None)
+                if not ok and self.hybrid:
+                    # a shard may hold the failed link's state: start over from position 0
+                    out.leaf = None
+                    break
                 if not ok:
                     break
                 out.features &= feats
@@ -167,6 +199,9 @@ class CacheManager:
         self.index.touch(self.index.chain(out.leaf))
         if out.length == n:
             out.logits = self._logits(out.leaf)
+            if out.logits is None and self.hybrid:  # the state is the leaf's: a miss
+                self.stats.misses += 1
+                return Restored()
             if out.logits is None:  # unreadable logits: back off to a prefill of the last row
                 out.length, out.leaf = out.leaf.start, self.index.entries.get(out.leaf.parent or "")
                 if out.leaf is None:
@@ -239,23 +274,30 @@ class CacheManager:
             return False, False
         by_layer = layer_tensors(layout)
         msgs = {}
-        for sh_index, (a, b) in enumerate(self.split):
+        for sh_index in range(len(self.split)):
             items = []
-            for layer in range(a, b):
-                for kind in ("k", "v"):
-                    name = by_layer.get((layer, kind))
-                    if name is None:
-                        self._bad(e, f"no tensor for layer {layer} {kind}")
-                        return False, False
-                    t = layout.tensors[name]
-                    items.append({"name": name, "layer": layer - a, "kind": kind,
-                                  "offset": layout.offset(name), "nbytes": t.nbytes,
-                                  "start": e.start, "end": e.length,
-                                  "checksum": layout.checksums[name]})
-            msgs[sh_index] = message("snap_load", path=str(e.path), slot=slot, items=items)
+            for layer, kind, index, _, _ in self.shard_tensors(sh_index, e.length - e.start):
+                name = by_layer.get((layer, kind))
+                if name is None:
+                    self._bad(e, f"no tensor for layer {layer} {kind}")
+                    return False, False
+                t = layout.tensors[name]
+                items.append({"name": name, "layer": index, "kind": kind,
+                              "offset": layout.offset(name), "nbytes": t.nbytes,
+                              "start": e.start, "end": e.length,
+                              "checksum": layout.checksums[name]})
+            stream = self.coord.shards[sh_index].streams_cache
+            msg = message("snap_load", path=str(e.path), slot=slot, items=items, stream=stream)
+            if stream:  # the shard gets the bytes, read here (checked there against checksums)
+                try:
+                    msg = (msg, read_items(e.path, items))
+                except OSError as err:
+                    self._bad(e, str(err))
+                    return False, False
+            msgs[sh_index] = msg
         feat = self._feature_item(e, layout) if context is not None else None
         draft = None if feat is None else message("snap_load", path=str(e.path), slot=context,
-                                                  items=[feat])
+                                                  items=[feat], stream=False)
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
                   if "error" in r["info"] and r["_shard"] >= 0]
@@ -273,8 +315,11 @@ class CacheManager:
         self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
-        # a RAM copy, once the first token is out
-        self.deferred_takes.append((e, slot, context if feats else None))
+        if self.hybrid:  # the state is the entry's only now: its RAM copy is taken at once
+            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+            self._take(e, slot, context if feats else None)
+        else:  # a RAM copy, once the first token is out
+            self.deferred_takes.append((e, slot, context if feats else None))
         return True, feats
 
     def _feature_item(self, e: Entry, layout) -> dict[str, Any] | None:
@@ -365,7 +410,7 @@ class CacheManager:
             feature_bytes = (length - start) * self.feature_row_bytes
         e = Entry(key=key, length=length, start=start, parent=parent.key if parent else None,
                   tokens=tuple(prompt[:length]), logits=logits,
-                  kv_bytes=(length - start) * self.row_bytes + feature_bytes, pins=1)
+                  kv_bytes=self.entry_bytes(length - start) + feature_bytes, pins=1)
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
             self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
@@ -405,12 +450,9 @@ class CacheManager:
     def _save(self, e: Entry) -> None:
         vocab = self.coord.model_config.vocab_size
         tensors = []
-        for s, ((a, b), lay) in enumerate(zip(self.split, self.layouts)):
-            code = DTYPE_CODES[lay["dtype"]]
-            shape = (e.length - e.start, lay["kv_heads"], lay["head_dim"])
-            for layer in range(a, b):
-                tensors += [(kv_name(s, layer, "k"), code, shape),
-                            (kv_name(s, layer, "v"), code, shape)]
+        for s in range(len(self.split)):
+            for layer, kind, _, code, shape in self.shard_tensors(s, e.length - e.start):
+                tensors.append((kv_name(s, layer, kind), code, shape))
         tensors += [("tokens", "I32", (e.length,)), ("prefill_logits", "F32", (vocab,))]
         meta = np.asarray([self.feature_width, *self.taps], dtype="<i4")
         if e.features:
@@ -449,20 +491,26 @@ class CacheManager:
         if e.features:
             draft = message("snap_save", entry=e.ram_id, path=str(tmp), items=[
                 {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
-                 "offset": layout.offset(FEATURE_DATA)}])
+                 "offset": layout.offset(FEATURE_DATA)}], stream=False)
 
         def items(sh) -> list[dict[str, Any]]:
-            a, b = self.split[sh.index]
-            return [{"name": kv_name(sh.index, layer, kind), "layer": layer - a, "kind": kind,
+            return [{"name": kv_name(sh.index, layer, kind), "layer": index, "kind": kind,
                      "offset": layout.offset(kv_name(sh.index, layer, kind))}
-                    for layer in range(a, b) for kind in ("k", "v")]
+                    for layer, kind, index, _, _ in self.shard_tensors(sh.index, 0)]
+
+        def save_message(sh) -> dict[str, Any]:
+            its = items(sh)
+            if sh.streams_cache:
+                job.streamed_names[sh.index] = [it["name"] for it in its]
+            return message("snap_save", entry=e.ram_id, path=str(tmp), items=its,
+                           stream=sh.streams_cache)
 
         try:
-            replies = self.coord.call_all(lambda sh: message(
-                "snap_save", entry=e.ram_id, path=str(tmp), items=items(sh)), draft=draft)
+            replies = self.coord.call_all(save_message, draft=draft)
             if draft is not None and not any(r["_shard"] < 0 for r in replies):
                 self.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
-                                   "error": "the draft did not take its part of the save"})
+                                   "error": "the draft did not take its part of the save",
+                                   "names": []})
         except BaseException:
             self.jobs.pop(e.ram_id, None)
             self._discard(job)
@@ -490,18 +538,22 @@ class CacheManager:
                 self.on_saved(-1, {"entry": ram_id, "path": str(job.tmp), "checksums": None,
                                    "error": "the draft process is gone"})
 
-    def on_saved(self, shard: int, msg: dict[str, Any]) -> None:
+    def on_saved(self, shard: int, msg: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         job = self.jobs.get(msg["entry"])
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier session)
         job.waiting.discard(shard)
+        if not msg["error"]:
+            why = self._take_streamed(job, shard, msg, frames)
+            if why is not None:
+                msg = {**msg, "error": why}
         if msg["error"] and shard < 0:  # the KV is still good: keep it, without the features
             log.warning("prefix cache: %s is saved without its draft feature rows: %s",
                         job.entry.key[:12], msg["error"])
             job.without_features = True
             e = job.entry
             e.features = False
-            e.kv_bytes = (e.length - e.start) * self.row_bytes
+            e.kv_bytes = self.entry_bytes(e.length - e.start)
         elif msg["error"]:
             job.failed = f"shard {shard}: {msg['error']}"
         else:
@@ -512,12 +564,37 @@ class CacheManager:
             th.start()
             self._threads.append(th)
 
+    @staticmethod
+    def _take_streamed(job: SaveJob, shard: int, msg: dict[str, Any],
+                       frames: Sequence[Any]) -> str | None:
+        """Keep the tensors a streaming shard sent for the file (written by `_finalize`); why
+        they cannot be taken, if so. Each must be the tensor it names, whole, with the checksum
+        the shard reported (which the file's header then records)."""
+        want = job.streamed_names.get(shard, [])
+        if msg["names"] != want or len(frames) != len(want):
+            return (f"sent {len(frames)} tensors named {msg['names'][:3]}..., expected "
+                    f"{len(want)} ({want[:3]}...)")
+        sums = msg["checksums"] or {}
+        for name, frame in zip(want, frames):
+            data = frame.buffer if hasattr(frame, "buffer") else frame
+            if len(data) != job.layout.tensors[name].nbytes:
+                return f"{name}: {len(data)} bytes, the file holds {job.layout.tensors[name].nbytes}"
+            if sums.get(name) != checksum(data):
+                return f"{name}: the bytes sent do not match their checksum"
+            job.streamed.append((job.layout.offset(name), data))
+        return None
+
     def _finalize(self, job: SaveJob) -> None:
-        """Checksums in, fsync, atomic rename, directory fsync (a background thread)."""
+        """Streamed tensors and checksums in, fsync, atomic rename, directory fsync (a
+        background thread)."""
         final = self.index.path_for(job.entry.key)
         try:
             if job.failed:
                 raise OSError(job.failed)
+            for offset, data in job.streamed:
+                if os.pwrite(job.fd, data, offset) != len(data):
+                    raise OSError(f"short write at offset {offset}")
+            job.streamed.clear()
             if job.without_features:  # they are the file's last tensors: cut them off
                 for name in (FEATURE_META, FEATURE_DATA):
                     job.layout.tensors.pop(name, None)

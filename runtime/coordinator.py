@@ -22,11 +22,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ipc import auth
+from ipc.curve import needs_curve
 from ipc.messages import ProtocolError, message, segment
 from ipc.shm import SLEEP_POLL_MS
 from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
-from ipc.sockets import configure as configure_socket
-from ipc.sockets import context, free_tcp_port, recv, run_dir, send
+from ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
 from runtime.cache_ops import CacheManager, Restored
 from runtime.chunking import cut_points
 from runtime.config import ConfigError, RuntimeConfig
@@ -71,6 +71,14 @@ class _Shard:
             index, address, sock, monitor, proc)
         self.info: dict[str, Any] = {}
         self.local = False  # on this host: steps and results may travel through shared memory
+        self.welcomed = False  # its handshake completed
+
+    @property
+    def streams_cache(self) -> bool:
+        """A shard this coordinator did not start (`layersplit shard`, on another host or in a
+        container of its own) may not see the cache directory: its prefix-cache tensors travel
+        over its (encrypted) channel, and the coordinator reads and writes the file."""
+        return self.proc is None
 
 
 class Coordinator:
@@ -173,10 +181,9 @@ class Coordinator:
             if self.draft_path is not None:
                 self._spawn_draft(threads)
             for s, addr in zip(shards, addresses):
-                sock = configure_socket(self._ctx.socket(zmq.DEALER),
-                                        identity=b"coord-" + self.session[:8])
+                sock = connect_dealer(self._ctx, addr, self.secret,
+                                      identity=b"coord-" + self.session[:8])
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                sock.connect(addr)
                 proc = next((p for p in self.procs if p.plan.index == s.index), None)
                 self.shards.append(_Shard(s.index, addr, sock, monitor, proc))
                 self._poller.register(sock, zmq.POLLIN)
@@ -280,10 +287,9 @@ class Coordinator:
             str(self.draft_path), str(self.model_path), addr, self.draft_device, self.dtype,
             cfg.max_context, threads if self.draft_device == "cpu" else None, self.secret,
             self._run_dir, cfg.random_seed, cfg.spec_block, cfg.cuda_graphs)
-        sock = configure_socket(self._ctx.socket(zmq.DEALER),
-                                identity=b"coord-" + self.session[:8])
+        sock = connect_dealer(self._ctx, addr, self.secret,
+                              identity=b"coord-" + self.session[:8])
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(addr)
         self.draft = _Shard(-1, addr, sock, monitor, self._draft_proc)
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
@@ -303,6 +309,7 @@ class Coordinator:
                                                                "coordinator")), deadline)
         if reply["type"] != "welcome":
             raise ShardFailure(f"the draft process refused the handshake: {reply.get('message')}")
+        d.welcomed = True
         taps = draft_taps(self.draft_path)
         # each shard sends the rows of the tapped layers it owns
         feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
@@ -428,14 +435,17 @@ class Coordinator:
                         cache.pending())
 
     def call_all(self, make, draft: Any = None) -> list[dict[str, Any]]:
-        """Send `make(shard)` to every shard, and `draft` to the draft process when given and
+        """Send `make(shard)` (a message, or a message and its payload frames) to every shard,
+        and `draft` to the draft process when given and
         it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
         meanwhile just does not reply (speculation is off from then on)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         for sh in self.shards:
-            send(sh.sock, {**make(sh), "sid": sid})
+            made = make(sh)  # a message, or (message, payload frames)
+            msg, frames = made if isinstance(made, tuple) else (made, ())
+            send(sh.sock, {**msg, "sid": sid}, frames)
         pending = {sh.index for sh in self.shards}
         if draft is not None and self.draft is not None:
             send(self.draft.sock, {**draft, "sid": sid})
@@ -473,7 +483,8 @@ class Coordinator:
         except ShardFailure as e:
             if sh.proc is None and "no answer" in str(e):
                 raise ShardFailure(f"remote shard {sh.index} at {sh.address} did not answer; "
-                                   "is `layersplit shard` running there and reachable?") from e
+                                   "is `layersplit shard` running there and reachable, with "
+                                   "the same shared secret?") from e
             raise
         if reply["type"] != "challenge":
             raise ShardFailure(f"shard {sh.index} at {sh.address}: unexpected {reply['type']}")
@@ -481,6 +492,7 @@ class Coordinator:
         reply = self._call(sh, message("auth", mac=mac), deadline)
         if reply["type"] != "welcome":
             raise ShardFailure(f"shard {sh.index} at {sh.address}: handshake failed")
+        sh.welcomed = True
         sh.local = reply["host"] == host_id()
         planned = self.placement.shards[sh.index]
         want = [planned.start, planned.end]
@@ -510,7 +522,7 @@ class Coordinator:
             while not sh.sock.closed and sh.sock.poll(0):  # (a draft lost meanwhile: closed)
                 _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg)
+                    self.cache.on_saved(sh.index, msg, frames)
                     continue
                 if err is None and msg["type"] == "wake":
                     continue
@@ -605,6 +617,11 @@ class Coordinator:
                     sh = by_mon[sock]
                     why = (f"lost the connection to {_name(sh)} at {sh.address} (it stopped "
                            "answering heartbeats)")
+                    if not sh.welcomed and needs_curve(sh.address):
+                        # CurveZMQ drops a handshake sealed to another key without a word
+                        why = (f"{_name(sh)} at {sh.address}: authentication failed: the "
+                               "encrypted channel did not open (a wrong shared secret, or no "
+                               "layersplit shard there); give both ends the same --secret-file")
                     if sh.proc is not None:  # a local process: say how it died, if it did
                         try:
                             sh.proc.proc.wait(0.5)
@@ -631,7 +648,7 @@ class Coordinator:
                 if msg["type"] == "wake":
                     continue
                 if msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg)
+                    self.cache.on_saved(sh.index, msg, frames)
                     continue
                 msg["_shard"] = sh.index
                 if self._stash(sh, msg, frames):

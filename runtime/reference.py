@@ -27,7 +27,6 @@ from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor
 from shards.sampling import SamplingParams, accept_draft, sample_rows
-from shards.spec_tree import kept_moves
 
 
 def new_seed() -> int:
@@ -58,8 +57,7 @@ class ReferenceEngine:
                 tree: Sequence[int] | None = None,
                 kept: Sequence[int] | None = None) -> StepOutput:
         x = torch.tensor(list(tokens), dtype=torch.long)
-        if kept:
-            self.executor.kv.move_rows(0, *kept_moves(pos, kept))
+        self.executor.before_step(0, pos, kept)
         if draft is not None:  # a verify step, exactly as the last shard runs it
             rows = self.executor.run(x, pos, all_logits=True, verify=True, tree=tree)
             w = sample.wire()

@@ -30,6 +30,8 @@ SUPPORTED_TYPES = frozenset(
 # GGUF architecture -> HF model_type; only llama permutes q/k rows.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "qwen2moe": "qwen2_moe"}  # llama with `expert_count`: Mixtral
+# hybrid (linear-attention) architectures whose GGUF layout is not read yet
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
 _PER_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -94,6 +96,11 @@ class GGUFFile:
         self.header = GGUFHeader(path)
         self.tensors = self.header.tensors
         arch = self.field("general.architecture")
+        if arch in HYBRID_ARCHITECTURES:
+            raise CheckpointError(
+                f"{path}: general.architecture={arch!r} is a hybrid (Gated DeltaNet) model; "
+                "its GGUF files are not supported yet: use its Hugging Face folder instead"
+            )
         if arch not in ARCHITECTURES:
             raise CheckpointError(
                 f"{path}: general.architecture={arch!r} is not supported "

@@ -19,12 +19,13 @@ import torch
 
 from shards.errors import CheckpointError
 from shards.graphs import StaticDecoder
+from shards.hybrid_cache import HybridCache
 from shards.kv_cache import KVCache, KVLayout
 from shards.layers.rotary import context_limit_error
 from shards.layers.step import StepInfo
 from shards.models import LayerRange
 from shards.sampling import sample_rows
-from shards.spec_tree import depths, is_chain
+from shards.spec_tree import depths, is_chain, kept_moves
 
 MAX_VERIFY_ROWS = 64  # a verify step longer than this (a huge draft tree) runs eagerly
 
@@ -54,18 +55,35 @@ class RangeExecutor:
         if (why := context_limit_error(cfg, max_len)) is not None:
             raise CheckpointError(why)
         self.dtype = next(model.parameters()).dtype
-        self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        self.kv = KVCache(self.layout, max_len, slots, self.device)
+        new_cache = getattr(model, "new_cache", None)  # a hybrid model's KV + state
+        self.hybrid = new_cache is not None
+        if self.hybrid:
+            self.kv: KVCache = new_cache(max_len, slots, self.device, self.dtype)
+            self.layout = self.kv.layout
+        else:
+            self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            self.kv = KVCache(self.layout, max_len, slots, self.device)
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
+        # a hybrid model's recurrent state moves by host-known positions: eager steps only,
+        # and verify steps row by row (each row's state kept until the next step settles it)
         self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps)
-                       if static_decode else None)
-        self.rowwise_verify = self.device.type != "cuda"
+                       if static_decode and not self.hybrid else None)
+        self.rowwise_verify = self.device.type != "cuda" or self.hybrid
 
     @property
     def max_len(self) -> int:
         return self.kv.max_len
+
+    def before_step(self, slot: int, pos: int, kept: Sequence[int] | None) -> None:
+        """What a sequence's step at `pos` needs first after a verify step: the K/V of the
+        tree rows it kept (`kept`) moved into place, and on a hybrid model the state of the
+        last row it kept made the live state."""
+        if kept:
+            self.kv.move_rows(slot, *kept_moves(pos, kept))
+        if isinstance(self.kv, HybridCache):
+            self.kv.settle(slot, pos, list(kept) if kept else None)
 
     @torch.inference_mode()
     def run(
@@ -148,17 +166,25 @@ class RangeExecutor:
         chain = is_chain(tree)
         depth = list(range(x.shape[0])) if chain else depths(tree)
         outs, tapped, kept = [], [], []
+        hybrid = self.kv if isinstance(self.kv, HybridCache) else None
+        states = []  # a hybrid model's state after each row
         for j, d in enumerate(depth):
             want = None if taps is None else dict.fromkeys(self.taps)
+            if hybrid is not None and not chain and j > 0 and tree[j - 1] != j - 1:
+                hybrid.load(slot, states[tree[j - 1]])  # row j follows its parent's state
             outs.append(self.model(x[j:j + 1].to(self.device), pos + d, self.kv, slot,
                                    logit_rows=slice(0, 1), taps=want))
             tapped.append(want)
+            if hybrid is not None:
+                states.append(hybrid.save(slot))
             if not chain:
                 kept.append((self.kv.k[:, slot, pos + d].clone(),
                              self.kv.v[:, slot, pos + d].clone()))
         for j, (k, v) in enumerate(kept):
             self.kv.k[:, slot, pos + j] = k
             self.kv.v[:, slot, pos + j] = v
+        if hybrid is not None:
+            hybrid.keep_rows(slot, pos, states)
         if taps is not None:
             taps.update({layer: torch.cat([t[layer] for t in tapped]) for layer in self.taps})
         out = torch.cat(outs)

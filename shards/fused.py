@@ -5,13 +5,21 @@ a CUDA graph each still costs ~2 us, several ms per token for a 36-layer model. 
 before attention (norm, fused q/k/v matmul, q/k norm, rotary) and after it (o_proj, residual,
 norm, fused gate/up matmul, SiLU, down, residual) are two functions compiled once and shared by
 every layer (weights are arguments, so one compilation serves all layers of a shape). Attention
-stays eager (its key count changes with the graph bucket). Same math as `shards.models`; the GPU
-tests compare the two. A mixture-of-experts layer's work after attention is `shards.fused_moe`.
+stays eager (its key count changes with the graph bucket). Same math as `shards.model`; the GPU
+tests compare the two.
 
 Batched decode steps (`StepInfo.batched`) run the same two functions on their padded rows, but
 compiled under code objects of their own: dynamo allows 8 compiled shapes per code object (with
 fullgraph a 9th raises), and each batch bucket is a shape, so sharing would starve the
 single-sequence and verify steps.
+
+With the Triton kernels (`shards.kernels`, on by default on CUDA; `LAYERSPLIT_FUSED_KERNELS=0`
+switches them off) a layer is fewer kernels: the q/k/v projection, one decode-attention kernel
+that also applies the q/k norm and rotary and writes the KV rows
+(`shards.kernels.decode_attention`), and the compiled post-attention stage, which also
+normalizes its output with the next layer's input norm (the residual add and the norm are one
+kernel), so the next layer starts at its projection. A mixture-of-experts layer's work after
+attention is `shards.fused_moe` (router and grouped-GEMM experts; no next-norm folding).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
+from shards.kernels import fused_kernels_available
 from shards.layers.attention import group_queries
 
 log = logging.getLogger(__name__)
@@ -59,6 +68,36 @@ def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
     return h + F.linear(F.silu(g) * u, down_w)
 
 
+def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
+    """The q/k/v projection of a layer's normalized input (the first layer of a range)."""
+    return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
+
+
+def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h + x, rounded once as in h's dtype (the same value). Written in float32 so that inductor
+    does not make the add a GEMM epilogue (`addmm`: a copy of h, then the GEMM adds it) but
+    folds it into the norm that reads the sum: one kernel fewer per residual."""
+    return (h.float() + x.float()).to(h.dtype)
+
+
+def post_attention_next(h, attn, o_w, ln2_w, gu_w, down_w, eps: float, next_w, next_eps: float):
+    """`post_attention`, and its output normalized by the next layer's input norm."""
+    h = residual(h, F.linear(attn, o_w))
+    g, u = F.linear(rms_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    h = residual(h, F.linear(F.silu(g) * u, down_w))
+    return h, rms_norm(h, next_w, next_eps)
+
+
+def norm_qkv_batch(*args):
+    """`norm_qkv` under its own code object, for batched steps (see the module doc)."""
+    return norm_qkv(*args)
+
+
+def post_attention_next_batch(*args):
+    """`post_attention_next` under its own code object, for batched steps."""
+    return post_attention_next(*args)
+
+
 def pre_attention_batch(*args):
     """`pre_attention` under its own code object, for batched steps (see the module doc)."""
     return pre_attention(*args)
@@ -70,27 +109,38 @@ def post_attention_batch(*args):
 
 
 class _Stages:
-    """The functions before and after attention for one kind of step, compiled or eager."""
+    """The functions before and after attention for one kind of step, compiled or eager:
+    `pre`/`post` around the torch attention, `norm_qkv`/`post_next` around the kernel's."""
 
-    def __init__(self, pre, post, post_moe, compile: bool) -> None:
-        self.pre, self.post, self.post_moe, self.compiled = pre, post, post_moe, compile
+    def __init__(self, pre, post, norm_qkv_fn, post_next, compile: bool,
+                 post_moe=post_attention_moe) -> None:
+        self.pre, self.post, self.compiled = pre, post, compile
+        self.norm_qkv, self.post_next = norm_qkv_fn, post_next
+        self.post_moe = post_moe  # a mixture-of-experts layer's (`shards.fused_moe`)
         if compile:
-            self.pre = torch.compile(pre, fullgraph=True, dynamic=False)
-            self.post = torch.compile(post, fullgraph=True, dynamic=False)
-            self.post_moe = torch.compile(post_moe, fullgraph=True, dynamic=False)
+            self.pre, self.post, self.norm_qkv, self.post_next, self.post_moe = (
+                torch.compile(f, fullgraph=True, dynamic=False)
+                for f in (pre, post, norm_qkv_fn, post_next, post_moe))
 
     def uncompile(self) -> None:
         self.pre, self.post, self.compiled = pre_attention, post_attention, False
+        self.norm_qkv, self.post_next = norm_qkv, post_attention_next
         self.post_moe = post_attention_moe
 
 
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
-    def __init__(self, compile: bool = True) -> None:
-        self.single = _Stages(pre_attention, post_attention, post_attention_moe, compile)
-        self.batched = _Stages(pre_attention_batch, post_attention_batch,
-                               post_attention_moe_batch, compile)
+    def __init__(self, compile: bool = True, kernels: bool | None = None) -> None:
+        self.single = _Stages(pre_attention, post_attention, norm_qkv, post_attention_next,
+                              compile)
+        self.batched = _Stages(pre_attention_batch, post_attention_batch, norm_qkv_batch,
+                               post_attention_next_batch, compile, post_attention_moe_batch)
+        self.kernels = kernels  # the Triton kernels; None: decided by the device at first use
+        # id(layer) -> (weight, eps) of the input norm of the layer after it, in the same range
+        self.next_norm: dict[int, tuple[torch.Tensor, float]] = {}
+        # (h, norm(h)): the last layer's output and the next layer's normalized input
+        self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -101,16 +151,32 @@ class FusedDecode:
         stages = self.single if step.lo is None else self.batched
         try:
             return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
         except Exception as e:
-            if not stages.compiled or isinstance(e, torch.cuda.OutOfMemoryError):
-                raise
+            err = e
+        if stages.compiled:
             log.warning("torch.compile of the decode step failed (%s: %s); running it eager",
-                        type(e).__name__, e)
+                        type(err).__name__, err)
             stages.uncompile()
-            return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+            try:
+                return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+            except (torch.cuda.OutOfMemoryError, IndexError):
+                raise
+            except Exception as e:
+                err = e
+        if not self.kernels:
+            raise err
+        log.warning("the Triton decode kernels failed (%s: %s); running the torch decode step",
+                    type(err).__name__, err)
+        self.kernels = False
+        return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
 
-    @staticmethod
-    def _run(stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+    def _run(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(h.device)
+        if self.kernels:
+            return self._run_kernels(stages, layer, h, cos, sin, kv, index, slot, step)
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
         q, k, v = stages.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
@@ -130,12 +196,64 @@ class FusedDecode:
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 
 
-def fuse_projections(model, compile: bool = True) -> None:
-    """Fuse q/k/v and gate/up weights of every layer and install the fused decode step."""
-    fast = FusedDecode(compile)
-    for layer in model.layers:
-        if not getattr(layer, "fusable", True):  # a layout of its own (Gemma): stays eager
-            continue
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
-        layer.fast = fast
+    def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
+        """A layer's step through the decode-attention kernel; its output normalized for the
+        next layer as well when that layer is in the range (see the module doc)."""
+        a, m = layer.self_attn, layer.mlp
+        eps = layer.input_layernorm.eps
+        normed, self._normed = self._normed, None
+        if normed is not None and normed[0] is h:
+            qkv = F.linear(normed[1], a.qkv_proj.weight, a.qkv_proj.bias)
+        else:
+            qkv = stages.norm_qkv(h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                                  a.qkv_proj.bias, eps)
+        if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
+            rows = step.positions if step.rows is None else step.rows
+            slot0, n_seqs = slot, 1
+        else:  # one row per slot of [lo, lo + B); a padding row's scratch row is not written
+            rows, slot0, n_seqs = step.positions, step.lo, h.shape[0]
+        if step.kv_len > kv.max_len:
+            raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
+        attn = decode_attention(
+            qkv, cos, sin, kv.k_store[index], kv.v_store[index], rows, slot0,
+            step.mask_for(a.window), n_seqs, a.num_heads,
+            None if a.q_norm is None else a.q_norm.weight,
+            None if a.k_norm is None else a.k_norm.weight, eps)
+        if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
+            return stages.post_moe(h, attn, *moe_args(layer))
+        weights = (a.o_proj.weight, layer.post_attention_layernorm.weight,
+                   m.gate_up_proj.weight, m.down_proj.weight, eps)
+        nxt = self.next_norm.get(id(layer))
+        if nxt is None:
+            return stages.post(h, attn, *weights)
+        out, self._normed = stages.post_next(h, attn, *weights, *nxt)
+        return out
+
+
+def decode_attention(*args):
+    """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
+    never imported where the kernels do not run)."""
+    from shards.kernels.decode_attention import decode_attention as kernel
+
+    return kernel(*args)
+
+
+def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:
+    """Fuse q/k/v and gate/up weights of every layer and install the fused decode step.
+    `kernels`: use the Triton decode kernels (None: where `fused_kernels_available`)."""
+    from shards.models import llama, moe_llama
+
+    fast = FusedDecode(compile, kernels)
+    layers = list(model.layers)
+    # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own
+    ok = [type(layer) in (llama.DecoderLayer, moe_llama.DecoderLayer) for layer in layers]
+    for layer, fuse in zip(layers, ok):
+        if fuse:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            layer.fast = fast
+    # a dense layer's post stage also norms its output for the next layer's projection
+    dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
+    for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
+        if dense[i] and ok[i + 1]:
+            fast.next_norm[id(layer)] = (nxt.input_layernorm.weight, nxt.input_layernorm.eps)

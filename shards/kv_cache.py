@@ -20,7 +20,7 @@ import torch
 from shards.device import to_device
 
 if TYPE_CHECKING:
-    from shards.model import StepInfo
+    from shards.layers.step import StepInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

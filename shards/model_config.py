@@ -10,6 +10,7 @@ from typing import Any
 from shards.errors import CheckpointError
 from shards.gemma_config import GEMMA_FIELDS, gemma_fields
 from shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
+from shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -107,6 +108,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # sliding layers' rope base (unscaled); None: as full
     attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -172,6 +174,10 @@ class ModelConfig:
                      "attn_scale", "final_logit_softcap"):
             if not d[name]:
                 del d[name]
+        if self.hybrid is not None:
+            d["hybrid"] = self.hybrid.to_dict()
+        else:
+            del d["hybrid"]
         return d
 
     @classmethod
@@ -181,6 +187,8 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
         d["dense_layers"] = tuple(d.get("dense_layers", ()))
+        if d.get("hybrid") is not None:
+            d["hybrid"] = HybridSpec.from_dict(d["hybrid"])
         return cls(**d)
 
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
@@ -202,19 +210,26 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
     speculative draft's config is read with strict=False: a field its code ignores can cost
     acceptance, never a wrong token (the target verifies every one)."""
     model_type = raw.get("model_type")
-    if model_type not in FAMILIES:
+    if model_type == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+        raise CheckpointError(
+            f"{source}: a Qwen3.5 vision-language checkpoint (model_type 'qwen3_5', tensors "
+            "under model.language_model.) is not supported yet; use a text-only checkpoint "
+            "(Qwen3_5ForCausalLM, model_type 'qwen3_5_text')")
+    # hybrid families check their own fields (`shards.hybrid_config`), strictly always
+    hybrid = hybrid_from_hf(raw, source) if model_type in HYBRID_TYPES else None
+    if model_type not in FAMILIES and hybrid is None:
         raise CheckpointError(
             f"{source}: model_type={model_type!r} is not supported "
-            f"(supported: {', '.join(sorted(FAMILIES))})"
+            f"(supported: {', '.join(sorted((*FAMILIES, *HYBRID_TYPES)))})"
         )
-    bias_default, qk_norm = FAMILIES[model_type]
+    bias_default, qk_norm = FAMILIES[model_type] if hybrid is None else (False, True)
 
     def need(key: str) -> Any:
         if key not in raw:
             raise CheckpointError(f"{source}: required field {key!r} is missing")
         return raw[key]
 
-    if strict:
+    if strict and hybrid is None:
         check_fields(raw, model_type, source)
     hidden = int(need("hidden_size"))
     heads = int(need("num_attention_heads"))
@@ -247,7 +262,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
         **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
-           if model_type != "gemma3_text" else {}),
+           if hybrid is None and model_type != "gemma3_text" else
+           {"hybrid": hybrid} if hybrid is not None else {}),
         **moe_fields(raw, model_type, int(need("num_hidden_layers")), source),
     )
     if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)

@@ -52,8 +52,18 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class SnapshotStore:
-    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None) -> None:
+    """`tensors`: position-indexed rows, (layers, slots, rows, ...). `whole`: a hybrid model's
+    per-slot state, (layers, slots, ...), that holds the sequence up to its current position
+    and changes with every step: a snapshot copies it whole, at once (the coordinator takes a
+    snapshot right after the step that ends at its end), and a restore or load of a slot tells
+    `forget` (verify rows pending on the slot are then void)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None,
+                 whole: dict[str, torch.Tensor] | None = None,
+                 forget: Callable[[int], None] | None = None) -> None:
         self.tensors = tensors  # name -> (layers, slots, rows, ...), live
+        self.whole = whole or {}
+        self.forget = forget or (lambda slot: None)
         first = next(iter(tensors.values()))
         self.max_len = first.shape[2] if max_len is None else max_len  # rows a snapshot may hold
         self.slots = first.shape[1]
@@ -77,6 +87,8 @@ class SnapshotStore:
             raise ValueError(f"snapshot rows {start}:{end} outside the cache of {self.max_len}")
         self.check_slot(slot)
         srcs = {name: t[:, slot, start:end] for name, t in self.tensors.items()}
+        # the state changes with the next step: copied now (on the device's stream)
+        srcs.update({name: t[:, slot].clone() for name, t in self.whole.items()})
         snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()), slot)
         after = None
         if self.cuda:  # the copy must follow the step that wrote these rows
@@ -129,6 +141,9 @@ class SnapshotStore:
         assert s.rows is not None
         for name, t in self.tensors.items():
             t[:, slot, s.start:s.end].copy_(s.rows[name], non_blocking=self.cuda)
+        for name, t in self.whole.items():
+            t[:, slot].copy_(s.rows[name], non_blocking=self.cuda)
+        self.forget(slot)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -136,51 +151,66 @@ class SnapshotStore:
         self.entries.pop(entry, None)
 
     # ---- disk tier --------------------------------------------------------------------------
-    def save(self, entry: int, path: str, items: list[dict[str, Any]]) -> None:
+    def save(self, entry: int, path: str, items: list[dict[str, Any]],
+             stream: bool = False) -> None:
         """Write this shard's tensors of `entry` into `path` at their offsets, in the background.
         items: {name, layer (local index), kind (a tensor name), offset}. The outcome goes to
-        `results` as (entry, path, checksums or None, error or None)."""
+        `results` as (entry, path, checksums or None, error or None, streamed): with `stream`
+        nothing is written here and `streamed` holds the tensors' bytes (views of the
+        snapshot's host rows, no copy) for the coordinator to write, in item order."""
         snap = self.entries[entry]
 
         def run() -> None:
             try:
                 snap.wait()
                 assert snap.rows is not None
-                sums = {}
-                fd = os.open(path, os.O_WRONLY)
+                sums, streamed = {}, []
+                fd = -1 if stream else os.open(path, os.O_WRONLY)
                 try:
                     for it in items:
                         t = snap.rows[it["kind"]][it["layer"]]
                         data = _bytes(t)
-                        written = os.pwrite(fd, data, it["offset"])
-                        if written != len(data):
-                            raise OSError(f"short write ({written} of {len(data)} bytes)")
+                        if stream:
+                            streamed.append(data)
+                        else:
+                            written = os.pwrite(fd, data, it["offset"])
+                            if written != len(data):
+                                raise OSError(f"short write ({written} of {len(data)} bytes)")
                         sums[it["name"]] = checksum(data)
                 finally:
-                    os.close(fd)
-                self.results.put((entry, path, sums, None))
+                    if fd >= 0:
+                        os.close(fd)
+                self.results.put((entry, path, sums, None, streamed))
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
-                self.results.put((entry, path, None, f"{type(e).__name__}: {e}"))
+                self.results.put((entry, path, None, f"{type(e).__name__}: {e}", []))
 
         threading.Thread(target=run, name=f"save-{entry}", daemon=True).start()
 
-    def load(self, path: str, slot: int, items: list[dict[str, Any]]) -> int:
+    def load(self, path: str | None, slot: int, items: list[dict[str, Any]],
+             frames: list[Any] | None = None) -> int:
         """Read rows into the live tensors, verifying checksums. items: {name, layer (local),
-        kind, offset, nbytes, start, end, checksum}. Returns bytes read; raises on a mismatch
-        (rows read so far are then garbage above the last good link, which is harmless: the
-        prefill that follows overwrites them).
+        kind, offset, nbytes, start, end, checksum}. The bytes come from the file at `path`, or
+        from `frames` (one per item, sent by the coordinator when this shard cannot reach the
+        file). Returns bytes read; raises on a mismatch (rows read so far are then garbage
+        above the last good link, which is harmless: the prefill that follows overwrites them).
 
         Pipelined: a reader thread fetches tensor i+1 while tensor i is hashed (and, on a GPU,
         copied to the device from one of two pinned buffers)."""
         self.check_slot(slot)
+        self.forget(slot)
         dsts = []
         for it in items:
-            dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
+            if it["kind"] in self.whole:  # a state: the file holds it whole
+                dst = self.whole[it["kind"]][it["layer"], slot]
+            else:
+                dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
             if dst.numel() * dst.element_size() != it["nbytes"]:
                 raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
                                  f"{dst.numel() * dst.element_size()} expected by this shard")
             dsts.append(dst)
-        fd = os.open(path, os.O_RDONLY)
+        if frames is not None and len(frames) != len(items):
+            raise ValueError(f"{len(frames)} tensors streamed for {len(items)} items")
+        fd = os.open(path, os.O_RDONLY) if frames is None else -1
         pool = ThreadPoolExecutor(1)
         events: list[Any] = [None, None]
         try:
@@ -192,7 +222,12 @@ class SnapshotStore:
                     view = _bytes(self._stage(i % 2, it["nbytes"]))
                 else:
                     view = _bytes(dsts[i])
-                got = os.preadv(fd, [view], it["offset"])
+                if frames is not None:
+                    got = len(frames[i])
+                    if got == it["nbytes"]:
+                        view[:] = frames[i]
+                else:
+                    got = os.preadv(fd, [view], it["offset"])
                 if got != it["nbytes"]:
                     raise ValueError(f"{it['name']}: short read ({got} of {it['nbytes']} bytes)")
                 return view
@@ -218,7 +253,8 @@ class SnapshotStore:
                 except Exception:  # noqa: BLE001 - the first error was already raised
                     pass
             pool.shutdown()
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         return sum(it["nbytes"] for it in items)
 
     def _stage(self, which: int, nbytes: int) -> torch.Tensor:
@@ -232,7 +268,8 @@ def check_items(store: SnapshotStore, items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list):
         raise ValueError("cache-file items must be a list")
     for it in items:
-        t = store.tensors.get(it.get("kind")) if isinstance(it, dict) else None
+        kind = it.get("kind") if isinstance(it, dict) else None
+        t = store.tensors.get(kind, store.whole.get(kind)) if isinstance(kind, str) else None
         if t is None or not isinstance(it.get("layer"), int) or \
                 not 0 <= it["layer"] < t.shape[0] or \
                 not isinstance(it.get("offset"), int) or it["offset"] < 0:
@@ -248,25 +285,32 @@ def entry_path_ok(path: str, cache_dir: str | None) -> bool:
     return d in p.parents
 
 
-def report_saves(store: SnapshotStore | None, send: Callable[[dict[str, Any]], None]) -> bool:
-    """Hand `send` a `saved` message for each disk write the background threads finished;
-    True if there was any."""
+def report_saves(store: SnapshotStore | None,
+                 send: Callable[[dict[str, Any], list[Any]], None]) -> bool:
+    """Hand `send` a `saved` message (and, for a streamed save, its tensors as frames) for each
+    disk write the background threads finished; True if there was any."""
     if store is None or store.results.empty():
         return False
     while not store.results.empty():
-        entry, path, sums, err = store.results.get_nowait()
-        send(message("saved", entry=entry, path=path, checksums=sums, error=err))
+        entry, path, sums, err, streamed = store.results.get_nowait()
+        names = list(sums) if streamed else []  # the frames' order (dicts keep insertion order)
+        send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names),
+             streamed)
     return True
 
 
 SNAP_OPS = ("snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load")
 
 
-def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None) -> dict[str, Any]:
+def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None,
+            frames: list[Any] = ()) -> dict[str, Any]:
     """Carry out one prefix-cache message (`SNAP_OPS`) on `store`; returns the info of its `ok`
     reply. A request that cannot be right raises ProtocolError; an unreadable file is reported
-    in the info (`error`), as a miss, not as a protocol failure."""
+    in the info (`error`), as a miss, not as a protocol failure. A streamed `snap_load`
+    carries its tensors in `frames`."""
     t = msg["type"]
+    if frames and not (t == "snap_load" and msg["stream"]):
+        raise ProtocolError(f"{t}: unexpected payload frames")
     if t == "snap_take":
         return {"bytes": store.take(msg["entry"], msg["slot"], msg["start"], msg["end"])}
     if t == "snap_drop":
@@ -281,7 +325,7 @@ def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None) ->
         for e in msg["entries"]:
             store.restore(e, msg["slot"])
         return {}
-    if not entry_path_ok(msg["path"], cache_dir):
+    if not msg["stream"] and not entry_path_ok(msg["path"], cache_dir):
         raise ProtocolError(f"{msg['path']} is outside the cache directory", "bad_path")
     try:
         items = check_items(store, msg["items"])
@@ -290,10 +334,12 @@ def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None) ->
     if t == "snap_save":
         if msg["entry"] not in store.entries:
             raise ProtocolError(f"snap_save: no snapshot {msg['entry']}", "unknown_entry")
-        store.save(msg["entry"], msg["path"], items)
+        store.save(msg["entry"], msg["path"], items, stream=msg["stream"])
         return {}
     store.wait_pending()
     try:
+        if msg["stream"]:
+            return {"bytes": store.load(None, msg["slot"], items, [f.buffer for f in frames])}
         return {"bytes": store.load(msg["path"], msg["slot"], items)}
     except (OSError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}

@@ -231,12 +231,72 @@ def write_tiny_checkpoint(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
         )
     (out / "config.json").write_text(json.dumps(raw, indent=1))
+    _write_tokenizer(out, max_position_embeddings)
+    return out
+
+
+def _write_tokenizer(out: Path, max_position_embeddings: int) -> None:
     tiny_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
         "pad_token": "<|endoftext|>", "model_max_length": max_position_embeddings,
     }, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}, indent=1))
+
+
+L, F = "linear_attention", "full_attention"
+# Tiny hybrid models: linear (L) and full (F) attention interleaved so that 1, 2 and 3 shards
+# split inside a run of linear layers and next to an attention layer; GQA, two conv widths,
+# two rotary fractions, Qwen3-Next's experts with one dense layer.
+HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_5": {
+        "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4, "layer_types": [L, L, F, L, L, F],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+    },
+    "qwen3_next": {
+        "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 3, "layer_types": [L, F, L, L, F, L],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24, "mlp_only_layers": [3],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.5},
+    },
+}
+
+
+def write_tiny_hybrid(out: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320,
+                      std: float = 0.1, **overrides: Any) -> Path:
+    """A seeded random Qwen3.5 (text) or Qwen3-Next folder made with transformers' own
+    classes and `save_pretrained` (transformers is a test dependency), with our tokenizer.
+    Weights are drawn larger than transformers' init so greedy output is not degenerate."""
+    import transformers
+
+    out = Path(out)
+    raw = {**HYBRID_CONFIGS[family], "vocab_size": vocab_size, "eos_token_id": 2,
+           "pad_token_id": 0, "num_hidden_layers": len(HYBRID_CONFIGS[family]["layer_types"]),
+           "max_position_embeddings": 4096, **overrides}
+    if family == "qwen3_5":
+        cfg, cls = transformers.Qwen3_5TextConfig(**raw), transformers.Qwen3_5ForCausalLM
+    else:
+        cfg, cls = transformers.Qwen3NextConfig(**raw), transformers.Qwen3NextForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.3 * noise)  # (zero-centred norms, decays and steps of all sizes)
+            else:
+                p.copy_(std * noise)
+    model.save_pretrained(out)
+    _write_tokenizer(out, raw["max_position_embeddings"])
     return out
 
 

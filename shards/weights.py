@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from shards.hybrid_config import hybrid_tensor_shapes
 from shards.model_config import ModelConfig
 
 
 def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    if cfg.hybrid is not None:
+        return hybrid_tensor_shapes(cfg, cfg.hybrid, layer)
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
     p = f"model.layers.{layer}."

@@ -29,8 +29,7 @@ from ipc import transport
 from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from ipc.peers import AUTH_FAILED, Gate, expect, handshake
 from ipc.serve_loop import serve
-from ipc.sockets import configure as configure_socket
-from ipc.sockets import bind_router, context, recv, request, send
+from ipc.sockets import bind_router, connect_dealer, context, recv, request, send
 from ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from shards.busy_clock import BusyClock
@@ -38,9 +37,10 @@ from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.device import use_device
 from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
+from shards.hybrid_cache import HybridCache
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
-from shards.spec_tree import check_path, check_tree, kept_moves, rows_to_move
+from shards.spec_tree import check_path, check_tree, rows_to_move
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
 log = logging.getLogger("layersplit.shard")
@@ -74,7 +74,7 @@ class ShardServer:
         self.spec, self.secret = spec, secret
         self.device = use_device(spec.device, spec.threads)
         self.ctx = context()
-        self.router = bind_router(spec.listen)
+        self.router = bind_router(spec.listen, secret)
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.gate = Gate(secret, ALLOWED, f"shard {spec.start}:{spec.end}")
@@ -134,7 +134,11 @@ class ShardServer:
 
     def _report_saves(self) -> bool:
         """Tell the coordinator about disk writes the background threads finished."""
-        return report_saves(self.snapshots, self._report)
+        return report_saves(self.snapshots, self._to_coordinator)
+
+    def _to_coordinator(self, msg: dict[str, Any], frames: list[Any] = ()) -> None:
+        if self.coordinator is not None:
+            self._reply(self.coordinator, msg, frames)
 
     def _poll_sockets(self, timeout_ms: int) -> bool:
         events = self.poller.poll(timeout_ms)
@@ -189,7 +193,7 @@ class ShardServer:
                 self._step(msg, zmq_tensor(msg, frames))
             elif t in SNAP_OPS:
                 self._reply(route, message("ok", info=snap_op(self._snap_store(), msg,
-                                                              self.cache_dir),
+                                                              self.cache_dir, frames),
                                            sid=msg.get("sid")))
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)
@@ -342,8 +346,11 @@ class ShardServer:
             self.executor = RangeExecutor(self.model, max_ctx, slots, self.device,
                                           static_decode=graphs, graph_bucket=bucket,
                                           taps=tuple(taps))
-            self.snapshots = SnapshotStore({"k": self.executor.kv.k, "v": self.executor.kv.v},
-                                           max_ctx)
+            kv = self.executor.kv
+            whole, forget = None, None
+            if isinstance(kv, HybridCache):
+                whole, forget = {"conv": kv.conv, "state": kv.state}, kv.forget
+            self.snapshots = SnapshotStore({"k": kv.k, "v": kv.v}, max_ctx, whole, forget)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -371,8 +378,7 @@ class ShardServer:
         if not isinstance(address, str):
             raise ProtocolError(f"configure: {what} address must be a string")
         ident = f"shard{self.index}-{what}-".encode() + session[:8] + os.urandom(4)
-        sock = configure_socket(self.ctx.socket(zmq.DEALER), identity=ident)
-        sock.connect(address)
+        sock = connect_dealer(self.ctx, address, self.secret, identity=ident)
         try:
             handshake(sock, self.secret, "upstream" if what == "next" else "feeder",
                       LINK_TIMEOUT_S, f"the {what} process")
@@ -443,11 +449,26 @@ class ShardServer:
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
             "kv_capacity_tokens": ex.max_len if ex else 0, "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
-            "kv_layout": {"layers": self.spec.end - self.spec.start,
-                          "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
-                          "dtype": self.spec.dtype},
+            "kv_layout": self._kv_layout(),
             "transport_out": self.transport_kind, "protocol": PROTOCOL_VERSION,
         }
+
+    def _kv_layout(self) -> dict[str, Any]:
+        """What this shard's prefix-cache tensors are: K/V rows of `layers` layers, and on a
+        hybrid model which global layers those are (`attn_layers`) and the state of its
+        linear-attention layers (`linear_layers`: conv and recurrent state shapes)."""
+        lay: dict[str, Any] = {"layers": self.spec.end - self.spec.start,
+                               "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
+                               "dtype": self.spec.dtype}
+        model = self.model
+        if getattr(model, "spec", None) is not None:  # a hybrid range
+            sp = model.spec
+            lay.update(layers=len(model.attn_layers), attn_layers=list(model.attn_layers),
+                       linear_layers=list(model.linear_layers),
+                       conv_shape=[sp.conv_dim, sp.conv_kernel - 1],
+                       state_shape=[sp.num_value_heads, sp.key_head_dim, sp.value_head_dim],
+                       state_dtype="float32")
+        return lay
 
     # ---- data plane -------------------------------------------------------------------------
     def _segments(self, msg: dict[str, Any], x: torch.Tensor | None,
@@ -588,10 +609,10 @@ class ShardServer:
 
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
-        (`shards.spec_tree.kept_moves`); the step was checked (`_segments`)."""
+        (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
+        kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
         for seg in msg["seqs"]:
-            if seg["kept"]:
-                self.executor.kv.move_rows(seg["slot"], *kept_moves(seg["pos"], seg["kept"]))
+            self.executor.before_step(seg["slot"], seg["pos"], seg["kept"])
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:

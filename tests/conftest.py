@@ -28,6 +28,15 @@ def tiny_models(tiny_root) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def hybrid_models(tiny_root) -> dict[str, Path]:
+    """family -> a tiny Qwen3.5 (text) / Qwen3-Next folder written by transformers' own
+    save_pretrained (6 layers, linear and full attention interleaved)."""
+    from shards.tiny import HYBRID_CONFIGS, write_tiny_hybrid
+
+    return {fam: write_tiny_hybrid(tiny_root / f"hybrid-{fam}", fam) for fam in HYBRID_CONFIGS}
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 

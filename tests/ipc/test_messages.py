@@ -58,6 +58,21 @@ def test_bool_is_not_int_and_frame_counts_are_checked():
         decode(encode(message("ping")), payload_frames=2)
 
 
+def test_streamed_cache_messages_carry_one_frame_per_named_tensor():
+    saved = message("saved", entry=1, path="p", checksums={}, error=None, names=["a", "b"])
+    assert decode(encode(saved), payload_frames=2)["names"] == ["a", "b"]
+    for frames in (0, 1, 3):
+        with pytest.raises(ProtocolError, match="expected 2 payload frames"):
+            decode(encode(saved), payload_frames=frames)
+    item = {"name": "a", "layer": 0, "kind": "k", "offset": 0}
+    load = message("snap_load", path="p", slot=0, items=[item, item], stream=True)
+    assert decode(encode(load), payload_frames=2)["stream"] is True
+    with pytest.raises(ProtocolError, match="expected 0 payload frames"):
+        decode(encode({**load, "stream": False}), payload_frames=2)
+    with pytest.raises(ProtocolError, match="at most"):
+        decode(encode({**saved, "names": ["a"] * 9000}), payload_frames=9000)
+
+
 def test_best_effort_sid():
     assert best_effort_sid(encode({"type": "step", "sid": 9})) == 9
     assert best_effort_sid(b"\xc1") is None

@@ -18,6 +18,7 @@ import zmq
 
 from ipc import auth
 from ipc.messages import PROTOCOL_VERSION, encode, message, segment
+from ipc.sockets import connect_dealer
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
 from runtime.generate import Progress
@@ -123,11 +124,10 @@ def test_coordinator_kill9_orphans_exit(tiny_llama):
 
 
 # ---- bad frames ------------------------------------------------------------------------------
-def _peer(address, secret=None, role="upstream"):
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
+def _peer(address, secret=None, role="upstream", channel=None):
+    """A raw peer; `channel`: the run's secret, to open the tcp:// edge's encrypted channel
+    (`ipc.curve`) without the HMAC handshake that `secret` then performs."""
+    s = connect_dealer(zmq.Context.instance(), address, channel or secret or b"")
     if secret is not None:
         nonce = auth.new_nonce()
         s.send(encode(message("hello", nonce=nonce, role=role)))
@@ -152,7 +152,7 @@ def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
         want = coord.generate(prompt, p).tokens
         for sh in coord.shards:
             # unauthenticated garbage, not msgpack
-            s = _peer(sh.address)
+            s = _peer(sh.address, channel=coord.secret)
             s.send(b"\xc1\xff garbage")
             r = _reply(s)
             assert r["type"] == "error" and r["code"] == "malformed"
@@ -188,7 +188,7 @@ def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
 @pytest.mark.slow
 def test_wrong_secret_is_refused(tiny_llama):
     with Coordinator(_cfg(tiny_llama, n=1, local_addresses="tcp")) as coord:
-        s = _peer(coord.shards[0].address)
+        s = _peer(coord.shards[0].address, channel=coord.secret)
         nonce = auth.new_nonce()
         s.send(encode(message("hello", nonce=nonce, role="coordinator")))
         ch = _reply(s)
@@ -198,6 +198,12 @@ def test_wrong_secret_is_refused(tiny_llama):
         s.send(encode(message("shutdown")))
         assert _reply(s)["code"] == "unauthenticated"
         s.close()
+        # without the secret the encrypted channel never opens: not even a hello is read
+        s = _peer(coord.shards[0].address, channel=b"wrong")
+        s.send(encode(message("hello", nonce=auth.new_nonce(), role="coordinator")))
+        assert not s.poll(2000)
+        s.close()
+        assert coord.generate(_prompt(coord), SamplingParams(max_tokens=2)).tokens
         out = coord.generate(_prompt(coord), SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(out.tokens) == 3
 

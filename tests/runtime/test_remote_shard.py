@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,3 +83,137 @@ def test_shard_cli_needs_a_secret(tiny_llama):
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "shared secret" in r.stderr
     assert wait_gone([]) == []
+
+
+class Relay:
+    """A man in the middle on loopback: forwards TCP both ways to `target`, and with `flip_at`
+    changes one byte of each client-to-server stream at that offset."""
+
+    def __init__(self, target: str, flip_at: int | None) -> None:
+        import socket
+        import threading
+
+        self.host, self.port = "127.0.0.1", free_tcp_port()
+        self.target = target[len("tcp://"):].rsplit(":", 1)
+        self.flip_at, self.flipped = flip_at, 0
+        self.server = socket.create_server((self.host, self.port))
+        self.server.settimeout(0.2)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                client, _ = self.server.accept()
+            except socket.timeout:
+                continue
+            except OSError:  # closed
+                return
+            upstream = None
+            for _ in range(300):  # the shard may still be loading: retry as zmq would
+                try:
+                    upstream = socket.create_connection((self.target[0], int(self.target[1])))
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.1)
+            if upstream is None:
+                client.close()
+                continue
+            for a, b, flip in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pipe, args=(a, b, flip), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def _pipe(self, src, dst, flip: bool) -> None:
+        seen = 0
+        src.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if flip and self.flip_at is not None and seen <= self.flip_at < seen + len(data):
+                i = self.flip_at - seen
+                data = data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1:]
+                self.flipped += 1
+            seen += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flip_at", [None, 150, 900])
+def test_a_byte_changed_on_the_wire_is_refused(tiny_llama, remote_shard, monkeypatch, flip_at):
+    """Every tcp:// edge is encrypted and authenticated (`ipc.curve`): a relay that changes one
+    byte, in the handshake (150) or in a message after it (900), breaks the chain with a clear
+    error, never a wrong token; the same relay passing bytes unchanged serves exact output."""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    relay = Relay(remote_shard, flip_at)
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", relay.address), transport=("zmq",),
+                        prefill_chunk=16, threads=1, max_context=256, startup_timeout=30)
+    ref = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256)
+    prompt = ref.tokenizer.encode("a relay sits on the wire " * 3)
+    p = SamplingParams(max_tokens=10, ignore_eos=True)
+    try:
+        if flip_at is None:
+            with Coordinator(cfg) as coord:
+                assert coord.generate(prompt, p).tokens == ref.generate(prompt, p).tokens
+            return
+        with pytest.raises(ShardFailure):
+            with Coordinator(cfg) as coord:
+                coord.generate(prompt, p)
+        assert relay.flipped > 0
+    finally:
+        relay.close()
+
+
+@pytest.mark.slow
+def test_remote_shard_cache_travels_over_its_channel(tiny_llama, remote_shard, monkeypatch,
+                                                     tmp_path):
+    """A shard started by hand may not see the coordinator's cache directory: its tensors are
+    sent to the coordinator, written once into the one file there, and sent back on restore.
+    The entry restores after a restart, and into a split of local shards, bit for bit."""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", remote_shard), prefill_chunk=16, threads=1,
+                        max_context=256, kv_cache_dir=str(tmp_path))
+    ref = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256)
+    prompt = ref.tokenizer.encode("the cache crosses hosts " * 4)
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = ref.generate(prompt, p).tokens
+    with Coordinator(cfg) as coord:
+        assert coord.shards[1].streams_cache and not coord.shards[0].streams_cache
+        assert coord.generate(prompt, p).tokens == want
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert files  # written by the coordinator, with the remote shard's tensors in them
+    with Coordinator(cfg) as coord:  # a restart: the remote shard is sent its rows
+        r = coord.generate(prompt, p)
+        assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want)
+    local = cfg.replace(shard_addresses=(), split=(2, 4))
+    with Coordinator(local) as coord:  # and local shards read what the remote one sent
+        r = coord.generate(prompt, p)
+        assert (r.cache_tier, r.tokens) == ("disk", want)

@@ -1,0 +1,83 @@
+"""Per-slot state of a hybrid layer range: the KV cache of its full-attention layers and the conv
+and recurrent state of its linear-attention (Gated DeltaNet) layers.
+
+`HybridCache` is a `KVCache` over the range's attention layers (index = the attention layer's
+rank within the range), plus
+- `conv`:  (linear layers, slots, conv_dim, K - 1), in the model dtype;
+- `state`: (linear layers, slots, Hv, Dk, Dv), float32 always (it accumulates over the whole
+  sequence);
+indexed by the linear layer's rank within the range. A KV row can be rewritten at will (a
+position's row depends only on that position's token); a recurrent state cannot: it is the
+state after exactly the tokens consumed so far. So:
+- a step at position 0 starts from zeros (`reset`);
+- a speculative verify step keeps the state after each of its rows (`keep_rows`), and the
+  sequence's next step, whose position says how many rows were kept (`settle`), picks the
+  state of the last kept row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shards.kv_cache import KVCache, KVLayout
+
+
+class HybridCache(KVCache):
+    def __init__(
+        self,
+        layout: KVLayout,
+        max_len: int,
+        slots: int,
+        device: torch.device | str,
+        linear_layers: int,
+        conv_shape: tuple[int, int],
+        state_shape: tuple[int, int, int],
+    ) -> None:
+        super().__init__(layout, max_len, slots, device)
+        self.conv = torch.zeros((linear_layers, slots, *conv_shape), dtype=layout.dtype,
+                                device=device)
+        self.state = torch.zeros((linear_layers, slots, *state_shape), dtype=torch.float32,
+                                 device=device)
+        # slot -> (position of its last verify step, [(conv, state) after each row])
+        self.pending: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+
+    def reset(self, slot: int) -> None:
+        """The state of an empty prefix."""
+        self.conv[:, slot].zero_()
+        self.state[:, slot].zero_()
+        self.pending.pop(slot, None)
+
+    def forget(self, slot: int) -> None:
+        """The slot's state was just restored from the prefix cache: no verify rows pend."""
+        self.pending.pop(slot, None)
+
+    def save(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv[:, slot].clone(), self.state[:, slot].clone()
+
+    def load(self, slot: int, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.conv[:, slot].copy_(saved[0])
+        self.state[:, slot].copy_(saved[1])
+
+    def keep_rows(self, slot: int, pos: int,
+                  rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A verify step at `pos` left the state after each of its rows (`rows`, row 0 = the
+        last committed token); the live state stays undecided until `settle`."""
+        self.pending[slot] = (pos, rows)
+
+    def settle(self, slot: int, pos: int, kept: list[int] | None) -> None:
+        """Before a step at `pos` of `slot`: if the slot's last step was a verify step, take
+        the state of the last row it kept. `kept`: the kept rows of a tree (None: rows
+        1 .. pos - verify_pos - 1, a chain's or a tree's first branch)."""
+        got = self.pending.pop(slot, None)
+        if got is None or pos == 0:  # (a new sequence in the slot starts from zeros)
+            return
+        at, rows = got
+        accepted = pos - at - 1
+        if not 0 <= accepted < len(rows):
+            raise ValueError(f"a step at {pos} after a verify step of {len(rows)} rows at {at}")
+        last = kept[-1] if kept else accepted
+        self.load(slot, rows[last])

@@ -1,0 +1,285 @@
+"""Decode attention in one Triton kernel: q/k RMSNorm, rotary, the KV write and attention.
+
+Replaces, per layer of a captured decode step, the q/k-norm + rotary kernels, the two
+`index_copy_` KV writes and the ~11 small kernels of `Attention._grouped` (two batched matmuls,
+scale, `~mask.repeat`, masked_fill, casts, softmax, layout copies) with one launch, or two
+when the keys are split (see below). Same math as `shards.fused.pre_attention` + `KVCache.append` +
+`Attention._grouped` (or `append_batch` + `_grouped_batch`); the GPU tests compare them.
+
+Input is the fused q/k/v projection of the step's rows, `qkv` (N, (H + 2G) * D), bias included.
+The step holds S sequences of n rows each: one sequence of n rows (a decode step, n = 1, or a
+verify chain/tree), or S sequences of one row (a batched step, sequence s in slot lo + s). One
+program per (sequence, KV head, key split):
+
+1. it normalizes and rotates the K rows of its head and writes K and V to the cache rows
+   `rows` (those that fall in its key split; a padding row's scratch row is past every split and
+   is not written), then a barrier makes them visible to its own threads;
+2. it normalizes and rotates the queries of the H/G heads that share its KV head (GQA without
+   repeating K/V: they are extra query rows, n * H/G of them) and attends its keys in blocks
+   with an online softmax, reading each K and V row once, under `mask` (S, n, T), the step's
+   own `StepInfo.mask_for(window)`, so causal, sliding-window and tree semantics are exactly
+   the torch path's.
+
+Every K/V row a program writes is read only by that program (same head, same split): no
+ordering between programs is needed. Positions, rows and masks are device tensors: the kernel
+runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,
+so the keys are split among enough programs to fill the GPU (`key_split`): each program writes
+a partial result (unnormalized output, running max, sum) and a second kernel combines them
+(flash-decoding).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"  # keys per split (0: never split); unset: `key_split`
+BLOCK_N = 64  # keys per block of the inner loop
+MAX_BLOCK_M = 64  # query rows (rows x heads of a group) per tile; more rows loop over tiles
+
+
+@triton.jit
+def _attend(
+    QKV, s_qkv,  # (N, (H + 2G) * D), row stride
+    QNW, KNW, eps,  # q/k RMSNorm weights (D,) when HAS_NORM
+    COS, SIN, s_cs,  # (N, D) each, row stride
+    KC, VC, s_slot, s_row,  # this layer's cache (slots, rows, G, D), head stride D
+    ROWS,  # (N,) int64: the cache row that step row r writes
+    slot0,  # the slot of sequence 0; sequence s uses slot0 + s
+    MASK, s_mseq, s_mrow,  # uint8 (S, n, T): query row i of sequence s sees key t
+    OUT, s_out,  # (N, H * D)
+    PO, PML,  # partials when SPLITS > 1: (S, G, SPLITS, M_PAD, D) and (S, G, SPLITS, M_PAD, 2)
+    T, keys_per_split, key_blocks, scale,  # key_blocks: cdiv(keys_per_split, BLOCK_N)
+    NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+    lo = sp * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, T)
+    H: tl.constexpr = G * R
+    HALF: tl.constexpr = D // 2
+    dt = KC.dtype.element_ty
+    d = tl.arange(0, D)
+    d_rot = (d + HALF) % D  # rotate_half: [-x2, x1]
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    cache = (slot0 + s) * s_slot + g * D
+    if HAS_NORM:
+        qw = tl.load(QNW + d).to(tl.float32)
+        qw_r = tl.load(QNW + d_rot).to(tl.float32)
+        kw = tl.load(KNW + d).to(tl.float32)
+        kw_r = tl.load(KNW + d_rot).to(tl.float32)
+
+    # 1. this head's new K/V rows, written where they fall in this program's keys
+    i = tl.arange(0, BLOCK_I)
+    row = s * NROWS + i
+    dest = tl.load(ROWS + row, mask=i < NROWS, other=-1)
+    wr = ((i < NROWS) & (dest >= lo) & (dest < hi))[:, None]
+    src = QKV + row[:, None] * s_qkv + (H + g) * D
+    k = tl.load(src + d[None, :], mask=wr, other=0.0).to(tl.float32)
+    k_r = tl.load(src + d_rot[None, :], mask=wr, other=0.0).to(tl.float32)
+    if HAS_NORM:  # as `rms_norm`: normalized, rounded, times the weight, rounded
+        inv = tl.rsqrt(tl.sum(k * k, 1) / D + eps)[:, None]
+        k = ((k * inv).to(dt).to(tl.float32) * kw[None, :]).to(dt).to(tl.float32)
+        k_r = ((k_r * inv).to(dt).to(tl.float32) * kw_r[None, :]).to(dt).to(tl.float32)
+    cs = row[:, None] * s_cs + d[None, :]
+    c = tl.load(COS + cs, mask=wr, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + cs, mask=wr, other=0.0).to(tl.float32)
+    k = k * c + sign[None, :] * k_r * sn
+    at = cache + dest[:, None] * s_row + d[None, :]
+    tl.store(KC + at, k.to(dt), mask=wr)
+    v = tl.load(src + G * D + d[None, :], mask=wr, other=0.0)
+    tl.store(VC + at, v, mask=wr)
+    tl.debug_barrier()  # the rows just written are read below by this program's threads
+
+    # 2. the queries of the R heads of this group, BLOCK_M (row, head) pairs at a time
+    for mt in tl.static_range(M_TILES):
+        m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        qi = m // R
+        head = g * R + m % R
+        ok_m = qi < NROWS
+        qrow = s * NROWS + qi
+        src = QKV + qrow[:, None] * s_qkv + head[:, None] * D
+        q = tl.load(src + d[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
+        q_r = tl.load(src + d_rot[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(q * q, 1) / D + eps)[:, None]
+            q = ((q * inv).to(dt).to(tl.float32) * qw[None, :]).to(dt).to(tl.float32)
+            q_r = ((q_r * inv).to(dt).to(tl.float32) * qw_r[None, :]).to(dt).to(tl.float32)
+        cs = qrow[:, None] * s_cs + d[None, :]
+        c = tl.load(COS + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
+        sn = tl.load(SIN + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
+        q = (q * c + sign[None, :] * q_r * sn).to(dt)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        vis_row = MASK + s * s_mseq + qi[:, None] * s_mrow
+        for b in range(key_blocks):
+            t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok_t = t < hi
+            # K, V and the mask issued together: a block costs one memory latency, not three
+            kt = tl.load(KC + cache + t[None, :] * s_row + d[:, None], mask=ok_t[None, :],
+                         other=0.0)  # (D, BLOCK_N)
+            vt = tl.load(VC + cache + t[:, None] * s_row + d[None, :], mask=ok_t[:, None],
+                         other=0.0)  # (BLOCK_N, D)
+            vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
+            if IEEE:
+                qk = tl.dot(q, kt, input_precision="ieee")
+            else:
+                qk = tl.dot(q, kt)
+            qk = tl.where(vis != 0, qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(qk - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                pv = tl.dot(p.to(dt), vt, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(dt), vt)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            dst = OUT + qrow[:, None] * s_out + head[:, None] * D + d[None, :]
+            tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
+        else:
+            part = ((s * G + g) * SPLITS + sp) * (M_TILES * BLOCK_M) + m
+            tl.store(PO + part[:, None] * D + d[None, :], acc)
+            tl.store(PML + part * 2, m_i)
+            tl.store(PML + part * 2 + 1, l_i)
+
+
+@triton.jit
+def _combine(
+    PO, PML, OUT, s_out,
+    NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Merge the key splits' partial results of `_attend` (one program per sequence, KV head
+    and query tile)."""
+    s = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    mt = tl.program_id(2)
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    qi = m // R
+    ok_m = qi < NROWS
+    first = (s * G + g) * SPLITS * (M_TILES * BLOCK_M) + m
+    big = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for sp in tl.static_range(SPLITS):
+        big = tl.maximum(big, tl.load(PML + (first + sp * M_TILES * BLOCK_M) * 2))
+    big = tl.where(big == float("-inf"), 0.0, big)
+    num = tl.zeros([BLOCK_M, D], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        part = first + sp * M_TILES * BLOCK_M
+        w = tl.exp2(tl.load(PML + part * 2) - big)
+        num += w[:, None] * tl.load(PO + part[:, None] * D + d[None, :])
+        den += w * tl.load(PML + part * 2 + 1)
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    dst = OUT + (s * NROWS + qi)[:, None] * s_out + (g * R + m % R)[:, None] * D + d[None, :]
+    tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else 4)
+    return n
+
+
+def key_split(keys: int, programs: int, device: torch.device,
+              split_keys: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) for `keys` keys and `programs` programs per split.
+
+    Each block of keys is one memory latency in a program's loop, so a step's keys are spread
+    over enough programs to fill the GPU (at least one block each); `split_keys` (or
+    `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never."""
+    if split_keys is None and os.environ.get(SPLIT_ENV):
+        split_keys = int(os.environ[SPLIT_ENV])
+    blocks = -(-keys // BLOCK_N)
+    if split_keys is None:
+        splits = max(1, min(blocks, _multiprocessors(device) // programs))
+    else:
+        splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))
+    per = -(-blocks // splits) * BLOCK_N  # whole blocks per split
+    return -(-keys // per), per
+
+
+def decode_attention(
+    qkv: torch.Tensor,  # (N, (H + 2G) * D)
+    cos: torch.Tensor,  # (N, D)
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # (slots, rows, G, D): one layer of `KVCache.k_store`
+    v_cache: torch.Tensor,
+    rows: torch.Tensor,  # (N,) long: the cache row each step row writes
+    slot0: int,  # the slot of sequence 0 (sequence s is in slot slot0 + s)
+    mask: torch.Tensor,  # (S, n, T) or (N, T) bool: which keys each query row sees
+    n_seqs: int,
+    num_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    split_keys: int | None = None,
+) -> torch.Tensor:
+    """Attention output (N, H * D) of a step's rows; writes their K/V rows into the cache.
+    `split_keys`: keys per program (0: one program per sequence and KV head; None: `key_split`
+    decides)."""
+    n_rows, width = qkv.shape
+    _, _, g, d = k_cache.shape
+    r = num_heads // g
+    if width != (num_heads + 2 * g) * d or num_heads % g or d & (d - 1) or d < 16:
+        raise ValueError(f"decode_attention: qkv width {width} for {num_heads} heads, {g} KV "
+                         f"heads of dim {d} (a power of two >= 16)")
+    n = n_rows // n_seqs
+    t = mask.shape[-1]
+    if t > k_cache.shape[1] or n_rows != n * n_seqs:
+        raise ValueError(f"decode_attention: {t} keys or {n_rows} rows in {n_seqs} sequences "
+                         f"do not fit a cache of {k_cache.shape[1]} rows")
+    mask = mask.reshape(n_seqs, n, t).view(torch.uint8)
+    if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or mask.stride(2) != 1:
+        raise ValueError("decode_attention: rows of qkv, cos, sin and mask must be contiguous")
+    if k_cache.stride()[2:] != (d, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("decode_attention: K and V caches must share a (.., G, D) row layout")
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(n * r)))
+    m_tiles = -(-n * r // block_m)
+    splits, per = key_split(t, n_seqs * g, qkv.device, split_keys)
+    out = torch.empty(n_rows, num_heads * d, dtype=qkv.dtype, device=qkv.device)
+    if splits > 1:
+        m_pad = m_tiles * block_m
+        po = torch.empty(n_seqs, g, splits, m_pad, d, dtype=torch.float32, device=qkv.device)
+        pml = torch.empty(n_seqs, g, splits, m_pad, 2, dtype=torch.float32, device=qkv.device)
+    else:
+        po = pml = out  # unused
+    has_norm = q_norm is not None
+    _attend[(n_seqs, g, splits)](
+        qkv, qkv.stride(0),
+        q_norm if has_norm else qkv, k_norm if has_norm else qkv, float(eps),
+        cos, sin, cos.stride(0),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        rows, slot0,
+        mask, mask.stride(0), mask.stride(1),
+        out, out.stride(0),
+        po, pml,
+        t, per, -(-per // BLOCK_N), d ** -0.5 * math.log2(math.e),
+        NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
+        BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=BLOCK_N, HAS_NORM=has_norm,
+        SPLITS=splits, IEEE=qkv.dtype == torch.float32, num_warps=4,
+    )
+    if splits > 1:
+        _combine[(n_seqs, g, m_tiles)](
+            po, pml, out, out.stride(0), NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m,
+            M_TILES=m_tiles, SPLITS=splits, num_warps=4,
+        )
+    return out

@@ -1,0 +1,193 @@
+"""Hybrid Qwen models for a layer range: Qwen3.5 (text) and Qwen3-Next.
+
+Layers alternate, as `layer_types` says, between
+- linear attention: a Gated DeltaNet block (`shards.layers.gated_delta`) whose per-sequence
+  state is a conv state and a recurrent state (`shards.hybrid_cache.HybridCache`);
+- full attention: GQA over the KV cache with q/k RMSNorms, a rotary embedding over the first
+  `partial_rotary_factor` of each head and a sigmoid output gate carried in `q_proj`.
+All RMSNorms but the delta block's output norm are zero-centred (weight 1 + w). The MLP is a
+SwiGLU, or for Qwen3-Next's sparse layers a mixture of experts with a shared expert.
+
+Prefill chunks run the chunked delta rule, one-token steps the recurrent one. For a tensor
+name of the checkpoint the module's parameter is `local_name(name)`, as for `LayerRange`.
+
+Shapes: n = tokens in this step, H / G = query / KV heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.hybrid_cache import HybridCache
+from shards.hybrid_config import HybridSpec
+from shards.kv_cache import KVLayout
+from shards.layers.gated_attention import (
+    ZeroCentredRMSNorm, apply_partial_rope, gate_output, rotary_dim, split_query_gate,
+)
+from shards.layers.gated_delta import GatedDeltaNet
+from shards.layers.moe import SparseMoE, SwiGLU
+from shards.layers.rotary import rope_cos_sin
+from shards.layers.step import StepInfo
+from shards.model_config import ModelConfig
+
+
+def hybrid_inv_freq(cfg: ModelConfig, spec: HybridSpec) -> torch.Tensor:
+    dim = rotary_dim(cfg.head_dim, spec.partial_rotary_factor)
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, 2 * h * d, bias=bias)  # query and gate
+        self.k_proj = nn.Linear(cfg.hidden_size, g * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, g * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
+                layer: int, slot: int, step: StepInfo) -> torch.Tensor:
+        n, h, g, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = split_query_gate(self.q_proj(x), h, d)
+        k = self.k_norm(self.k_proj(x).view(n, g, d))
+        v = self.v_proj(x).view(n, g, d)
+        q = apply_partial_rope(self.q_norm(q), cos, sin)
+        k = apply_partial_rope(k, cos, sin)
+        keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
+        from_start = step.pos == 0 and n > 1  # plain causal
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=None if from_start else step.mask, is_causal=from_start,
+            enable_gqa=h != g,
+        )  # (1, H, n, D)
+        return self.o_proj(gate_output(out[0].transpose(0, 1).reshape(n, h * d), gate))
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: HybridSpec, layer: int) -> None:
+        super().__init__()
+        self.linear = spec.is_linear(layer)
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, spec.num_key_heads, spec.num_value_heads, spec.key_head_dim,
+                spec.value_head_dim, spec.conv_kernel, cfg.rms_norm_eps, spec.fused_projections)
+        else:
+            self.self_attn = GatedAttention(cfg)
+        moe = spec.moe
+        if moe is not None and moe.is_sparse(layer):
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, moe.num_experts, moe.top_k,
+                                            moe.intermediate_size, moe.shared_intermediate_size,
+                                            moe.norm_topk_prob)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
+                index: int, slot: int, step: StepInfo) -> torch.Tensor:
+        """`index`: this layer's rank among the range's layers of its kind."""
+        x = self.input_layernorm(h)
+        if self.linear:
+            s = slice(slot, slot + 1)
+            out, _ = self.linear_attn(x[None], kv.conv[index, s], kv.state[index, s])
+            h = h + out[0]
+        else:
+            h = h + self.self_attn(x, cos, sin, kv, index, slot, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def DecoderLayer(cfg: ModelConfig, layer: int) -> HybridLayer:  # noqa: N802 - the registry's
+    """Global layer `layer` (the registry's entry point); ranges are `HybridRange`s."""
+    return HybridLayer(cfg, cfg.hybrid, layer)
+
+
+class HybridRange(nn.Module):
+    """Layers [start, end) of a hybrid model; as `shards.model.LayerRange`, the first range
+    embeds tokens and the last returns logits. Its cache is a `HybridCache` (`new_cache`)."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int,
+                 spec: HybridSpec | None = None) -> None:
+        super().__init__()
+        spec = spec if spec is not None else cfg.hybrid
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is outside 0..{cfg.num_layers}")
+        self.cfg, self.spec, self.start, self.end = cfg, spec, start, end
+        self.is_first, self.is_last = start == 0, end == cfg.num_layers
+        self.embed_tokens = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        )
+        self.layers = nn.ModuleList(HybridLayer(cfg, spec, i) for i in range(start, end))
+        # each layer's rank among the range's layers of its kind (its cache index)
+        self.linear_layers = [i for i in range(start, end) if spec.is_linear(i)]
+        self.attn_layers = [i for i in range(start, end) if not spec.is_linear(i)]
+        self.cache_index = [
+            (self.linear_layers if spec.is_linear(i) else self.attn_layers).index(i)
+            for i in range(start, end)
+        ]
+        if self.is_last:
+            self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.norm = self.lm_head = None
+        self.register_buffer("inv_freq", hybrid_inv_freq(cfg, spec), persistent=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        return hybrid_inv_freq(self.cfg, self.spec)
+
+    def new_cache(self, max_len: int, slots: int, device: torch.device | str,
+                  dtype: torch.dtype) -> HybridCache:
+        cfg, spec = self.cfg, self.spec
+        layout = KVLayout(len(self.attn_layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+        return HybridCache(layout, max_len, slots, device, len(self.linear_layers),
+                           (spec.conv_dim, spec.conv_kernel - 1),
+                           (spec.num_value_heads, spec.key_head_dim, spec.value_head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepInfo | int,
+        kv: HybridCache,
+        slot: int = 0,
+        logit_rows: slice | None = None,
+        taps: dict[int, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """As `LayerRange.forward`, for one sequence's rows (eager steps only: a batched or
+        captured step has no host position to carry the recurrent state by)."""
+        h = self.embed_tokens(x) if self.is_first else x
+        if isinstance(step, int):
+            step = StepInfo.eager(step, h.shape[0], h.device)
+        if step.pos is None or step.lo is not None:
+            raise NotImplementedError("hybrid models run eager steps only")
+        if step.pos == 0:
+            kv.reset(slot)
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv, self.cache_index[i], slot, step)
+            if taps is not None and self.start + i in taps:
+                last = self.start + i == self.cfg.num_layers - 1
+                taps[self.start + i] = self.norm(h) if last else h
+        if not self.is_last:
+            return h
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float()
+
+    def local_name(self, name: str) -> str:
+        """Map a canonical HF tensor name to this module's parameter name."""
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            return name.split(".", 1)[1]
+        if name == "lm_head.weight":
+            return name
+        _, layers, idx, rest = name.split(".", 3)
+        assert layers == "layers", name
+        return f"layers.{int(idx) - self.start}.{rest}"

@@ -1,0 +1,242 @@
+"""The Triton decode kernels (`shards.kernels`) against the torch decode path they replace.
+
+On a CUDA device (`python -m pytest -m gpu`). On a CPU, the same tests run through Triton's
+interpreter with `TRITON_INTERPRET=1` (float32 only: the interpreter's bf16 matmul is wrong).
+
+Tolerances: float32 outputs within 1e-4 (relative norm) of the torch path; bf16 within 2e-2
+(bf16 rounds at 4e-3 per operation, and the two paths round at different points); V rows the
+kernel writes equal the torch path's, K rows within a few bf16 ulps (4e-2 absolute).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shards.checkpoint import load_layer_range, open_checkpoint
+from shards.executor import RangeExecutor
+from shards.fused import fuse_projections, pre_attention, rms_norm
+from shards.kernels import fused_kernels_available
+from shards.kv_cache import KVCache, KVLayout
+from shards.layers.attention import Attention
+from shards.layers.step import StepInfo
+from shards.model_config import config_from_hf
+from shards.spec_tree import ancestors, depths
+from shards.tiny import FAMILY_CONFIGS
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
+
+if INTERPRET:  # Triton 3.6's interpreter takes int() of 1-element arrays, which NumPy 2.4 refuses
+    from triton.runtime import interpreter as _interp
+
+    _orig_patch = _interp._patch_lang_tensor
+
+    def _patch(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch
+
+
+def _attention(family: str, heads: int, kv_heads: int, head_dim: int, window: int | None,
+               dtype: torch.dtype) -> Attention:
+    raw = {**FAMILY_CONFIGS[family], "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "head_dim": head_dim, "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 64,
+           "max_position_embeddings": 4096}
+    if window is not None:
+        if family == "llama":  # Mistral: every layer windowed
+            raw.update(model_type="mistral", architectures=["MistralForCausalLM"],
+                       sliding_window=window)
+            raw.pop("attention_bias", None)
+        else:  # Qwen2/Qwen3: layers >= max_window_layers windowed
+            raw.update(sliding_window=window, use_sliding_window=True, max_window_layers=0)
+    a = Attention(config_from_hf(raw, "test"), 0)
+    assert a.window == window
+    with torch.no_grad():
+        for p in a.parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if p.ndim == 1 else 0.3))
+        if a.q_norm is not None:
+            a.q_norm.weight.copy_(1 + 0.2 * torch.randn_like(a.q_norm.weight))
+            a.k_norm.weight.copy_(1 + 0.2 * torch.randn_like(a.k_norm.weight))
+    a.fuse()
+    return a.to(DEV, dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _random_tree(n: int) -> list[int]:
+    """The parents of rows 1..n-1 of a random preorder tree (`shards.spec_tree`)."""
+    parents, path = [], [0]
+    for j in range(1, n):
+        p = path[int(torch.randint(0, len(path), ()))]
+        parents.append(p)
+        del path[path.index(p) + 1:]
+        path.append(j)
+    return parents
+
+
+def _poison(kv: KVCache, slot: int, rows: torch.Tensor) -> None:
+    """Stale values in the rows the step writes: a kernel that reads them before its own write
+    lands is far off (a large key dominates its softmax)."""
+    for r in rows.tolist():
+        if r < kv.max_len:
+            kv.k_store[0, slot, r] = 40.0
+            kv.v_store[0, slot, r] = 1e3
+
+
+CASES = [  # family, heads, kv heads, head dim, window, kind, rows, keys attended, split keys
+    ("llama", 9, 3, 64, None, "decode", 1, 256, None),
+    ("llama", 9, 3, 64, None, "decode", 1, 768, 256),
+    ("qwen3", 8, 2, 128, None, "decode", 1, 512, None),
+    ("qwen2", 4, 2, 32, 40, "decode", 1, 256, None),
+    ("llama", 4, 2, 16, 24, "tree", 7, 128, 64),
+    ("qwen3", 8, 2, 32, None, "tree", 31, 192, None),
+    ("llama", 4, 4, 16, None, "chain", 5, 64, None),
+    ("qwen3", 8, 2, 32, None, "batched", 6, 256, None),
+    ("qwen2", 4, 2, 32, 30, "batched", 4, 128, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_attention_matches_torch_path(case, dtype):
+    """One layer's kernel (norms, rotary, KV write, attention) against `pre_attention` +
+    `KVCache.append` + `Attention._grouped` (`append_batch` + `_grouped_batch` for batched
+    steps) on the same inputs, fresh random ones for each case."""
+    from shards.kernels.decode_attention import decode_attention
+
+    family, h, g, d, window, kind, n, kv_len, split = case
+    torch.manual_seed(CASES.index(case))
+    a = _attention(family, h, g, d, window, dtype)
+    slots, max_len = (8, kv_len + 16)
+    kv = KVCache(KVLayout(1, g, d, dtype), max_len, slots, DEV)
+    kv.k_store.normal_()
+    kv.v_store.normal_()
+    x = torch.randn(n, 64, device=DEV, dtype=dtype)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    if kind == "batched":
+        positions = torch.randint(0, kv_len, (n,), device=DEV)
+        positions[1] = max_len  # a padding row: writes the scratch row only
+        step = StepInfo.batched(positions, 2, kv_len)
+        rows, slot0, slot = positions, 2, None
+    else:
+        pos = torch.tensor([kv_len - n - 3], device=DEV)
+        if kind == "decode":
+            step = StepInfo.static(pos, 1, kv_len)
+        else:
+            parents = list(range(n - 1)) if kind == "chain" else _random_tree(n)
+            step = StepInfo.static_tree(pos, torch.tensor(depths(parents), device=DEV),
+                                        ancestors(parents).to(DEV), kv_len)
+        rows = step.positions if step.rows is None else step.rows
+        slot0 = slot = 3
+    freqs = step.positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    mask = step.mask_for(a.window)
+    ref_kv = KVCache(KVLayout(1, g, d, dtype), max_len, slots, DEV)
+    ref_kv.k_store.copy_(kv.k_store)
+    ref_kv.v_store.copy_(kv.v_store)
+    eps = 1e-6
+    qn = None if a.q_norm is None else a.q_norm.weight
+    kn = None if a.k_norm is None else a.k_norm.weight
+    with torch.inference_mode():
+        q, k, v = pre_attention(x, torch.ones(64, device=DEV, dtype=dtype), a.qkv_proj.weight,
+                                a.qkv_proj.bias, qn, kn, cos, sin, eps, h, g, d,
+                                kind != "batched")
+        x_n = rms_norm(x, torch.ones(64, device=DEV, dtype=dtype), eps)
+        if kind == "batched":
+            keys, values = ref_kv.append_batch(0, step, k, v)
+            want = a._grouped_batch(q, keys, values, mask)
+        else:
+            keys, values = ref_kv.append(0, slot, step, k, v)
+            want = a._grouped(q, keys, values, mask)
+        for s in range(n if kind == "batched" else 1):
+            _poison(kv, slot0 + s, rows[s:s + 1] if kind == "batched" else rows)
+        qkv = F.linear(x_n, a.qkv_proj.weight, a.qkv_proj.bias)
+        got = decode_attention(qkv, cos, sin, kv.k_store[0], kv.v_store[0], rows, slot0, mask,
+                               n if kind == "batched" else 1, h, qn, kn, eps, split)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if kind == "batched":  # the padding row's output is garbage in both paths
+        live = torch.arange(n, device=DEV) != 1
+        got, want = got[live], want[live]
+        kv.k_store[0, :, max_len] = ref_kv.k_store[0, :, max_len]
+        kv.v_store[0, :, max_len] = ref_kv.v_store[0, :, max_len]
+    assert torch.isfinite(got).all()
+    assert _rel(got, want) < tol, _rel(got, want)
+    assert torch.equal(kv.v_store, ref_kv.v_store)
+    # K: the torch path rounds x * cos and rot * sin to bf16 before adding them, the kernel
+    # only the sum; a few bf16 ulps of |x| (K values are O(1); a stale or missing row is O(10))
+    atol = 1e-5 if dtype == torch.float32 else 4e-2
+    k_err = (kv.k_store.float() - ref_kv.k_store.float()).abs()
+    assert float(k_err.max()) <= atol, float(k_err.max())
+
+
+@pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192])
+@pytest.mark.parametrize("programs", [1, 3, 8, 48, 500])
+def test_key_split_covers_every_key_once(keys, programs):
+    from shards.kernels.decode_attention import BLOCK_N, key_split
+
+    for fixed in (None, 0, 100, 256):
+        splits, per = key_split(keys, programs, torch.device(DEV), fixed)
+        assert per % BLOCK_N == 0 and splits >= 1
+        assert (splits - 1) * per < keys <= splits * per  # no empty split, every key in one
+        if fixed == 0:
+            assert splits == 1
+
+
+def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots: int = 1):
+    model = load_layer_range(open_checkpoint(path), 0, 6, dtype, DEV)
+    if kernels is not None:
+        fuse_projections(model, compile=DEV != "cpu", kernels=kernels)
+    return RangeExecutor(model, 256, slots, device=DEV, static_decode=True, graph_bucket=32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window"])
+def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
+    """Whole 6-layer models: graph decode steps, a tree verify step and batched steps with the
+    kernels against the compiled torch decode step (and the plain CPU path in float32)."""
+    path = tiny_models[family]
+    runs = {"kernels": _executor(path, family, dtype, True, slots=3),
+            "torch": _executor(path, family, dtype, False, slots=3)}
+    if dtype == torch.float32:
+        runs["cpu"] = RangeExecutor(load_layer_range(open_checkpoint(path), 0, 6), 256, 3,
+                                    device="cpu")
+    tol = 1e-3 if dtype == torch.float32 else 0.1
+    ids = torch.arange(3, 40)
+    for ex in runs.values():
+        for slot in range(3):
+            ex.run(ids[:30 + slot], 0, slot)
+
+    def same(outs: dict[str, torch.Tensor]) -> None:
+        ref = outs["torch"].float().cpu()
+        for name, o in outs.items():
+            err = float((o.float().cpu() - ref).abs().max())
+            assert err < tol, (name, err)
+
+    assert runs["kernels"].model.layers[0].fast.kernels  # the kernels ran (no fallback)
+    pos, tok = 30, 5
+    for _ in range(12 if DEV == "cpu" else 40):  # decode, crossing KV buckets 32 and 64
+        outs = {k: ex.run(torch.tensor([tok]), pos) for k, ex in runs.items()}
+        same(outs)
+        tok, pos = int(outs["torch"].argmax()), pos + 1
+    static = {k: runs[k].static for k in ("kernels", "torch")}  # graph steps on both
+    parents = [0, 0, 1, 1, 2, 3]  # a tree verify step of 7 rows
+    same({k: st.run(torch.tensor([tok, 7, 9, 11, 4, 6, 8]), pos, 0, parents)[0].clone()
+          for k, st in static.items()})
+    # a batched step over the other two slots, a padding row between them
+    same({k: st.run_batch(torch.tensor([6, 7]), [0, 2], [pos + 7, 32]).clone()
+          for k, st in static.items()})
+    kv, ref = runs["kernels"].kv, runs["torch"].kv  # the caches hold the same rows
+    assert torch.allclose(kv.k.float(), ref.k.float(), atol=tol)
+    assert torch.allclose(kv.v.float(), ref.v.float(), atol=tol)
