@@ -121,7 +121,7 @@ class ModelConfig:
                 f"rope_scaling.rope_type={self.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
-        for key in self.rope_params:
+        for key in self.rope_params if self.hybrid is None else ():  # hybrids check theirs
             if key not in ROPE_KEYS[self.rope_type] | {"rope_type", "type"}:
                 raise CheckpointError(f"rope_scaling.{key} is not implemented for rope_type="
                                       f"{self.rope_type!r}")
