@@ -2,7 +2,7 @@
 of attention and MLP normed before and after), norms that scale by 1 + weight, a tanh-GELU
 MLP, token embeddings scaled by sqrt(hidden), attention scores by query_pre_attn_scalar ** -0.5,
 sliding layers on their own rope base (`LayerRange` picks it by window) and soft-capped logits
-(`LayerRange`). Runs unfused on GPUs too (`shards.fused` is the Llama layout)."""
+(`LayerRange`). Runs unfused on GPUs too (`shards.fused` fuses the Llama layout only)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ def embed_scale(cfg: ModelConfig) -> float:
 
 
 class DecoderLayer(nn.Module):
-    fusable = False  # no compiled decode step for this layout
-
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
