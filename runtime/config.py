@@ -45,8 +45,10 @@ class RuntimeConfig:
                                    "random:NAME = seeded random weights of configs/models/NAME")
     random_seed: int = _field(0, "seed of random:NAME weights")
     devices: tuple[str, ...] = _field(("cpu", "cpu"), "one device per shard: cpu, cuda:N")
-    split: tuple[int, ...] | None = _field(None, "layers per shard, e.g. 15,15 (sums to the "
-                                                 "model's layer count); default: even")
+    split: tuple[int, ...] | str | None = _field(None, "layers per shard, e.g. 15,15 (sums "
+                                                       "to the model's layer count), or 'auto' "
+                                                       "(balanced by weight bytes); default: "
+                                                       "even")
     layers: tuple[str, ...] | None = _field(None, "explicit ranges per shard, e.g. 0:10,10:30")
     weights: tuple[float, ...] | None = _field(None, "relative share of layers per shard")
     dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 on CPU, "
@@ -211,6 +213,8 @@ def _base_types(hint: Any) -> tuple[Any, bool]:
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
+    if key == "split" and value in ("auto", ["auto"], ("auto",)):
+        return "auto"  # balanced by weight bytes (`runtime.placement.bytes_split`)
     hint, optional = _base_types(_HINTS[key])
     if value is None:
         if optional:

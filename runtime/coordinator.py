@@ -30,7 +30,7 @@ from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, 
 from ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
 from runtime.cache_ops import CacheManager, Restored
 from runtime.chunking import cut_points
-from runtime.config import RuntimeConfig
+from runtime.config import ConfigError, RuntimeConfig
 from runtime.batching import MAX_IN_FLIGHT, Batcher, Request
 from runtime.generate import (
     Delta, GenerationResult, OutputStream, Program, Progress, StepOutput, StepRequest, collect,
@@ -38,7 +38,8 @@ from runtime.generate import (
 )
 from runtime.model_store import resolve_draft, resolve_model
 from runtime.placement import (
-    Placement, PlacementError, ShardPlan, check_local_devices, normalize_device, plan,
+    Placement, PlacementError, ShardPlan, check_local_devices, describe_split, normalize_device,
+    plan,
 )
 from runtime.reference import new_seed
 from runtime.scheduler import SchedulerConfig
@@ -48,7 +49,9 @@ from runtime.step_deadlines import StepDeadlines
 from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
 from runtime.tokenizer import TextTokenizer
 from shards.checkpoint import open_checkpoint
+from shards.layers.rotary import context_limit_error
 from shards.sampling import SamplingParams
+from shards.weights import layer_bytes
 
 if TYPE_CHECKING:
     from runtime.ray_launcher import RayLauncher, RayShard
@@ -94,7 +97,13 @@ class Coordinator:
         self.model_path = resolve_model(config.model)
         ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
-        self.placement: Placement = plan(config, ckpt.config.num_layers)
+        if (why := context_limit_error(ckpt.config, config.max_context)) is not None:
+            raise ConfigError(f"{self.model_path}: {why}")
+        itemsize = 4 if config.run_dtype == "float32" else 2
+        sizes = layer_bytes(ckpt.config, itemsize) if config.split == "auto" else None
+        self.placement: Placement = plan(config, ckpt.config.num_layers, sizes)
+        if sizes is not None:
+            log.info("split auto (by weight bytes): %s", describe_split(self.placement, sizes))
         if config.launcher == "local":  # (Ray finds GPUs on its nodes)
             check_local_devices(self.placement)
         self.ray: RayLauncher | None = None  # launcher = "ray": the chain's actors

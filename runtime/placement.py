@@ -65,6 +65,39 @@ def weighted_split(num_layers: int, weights: tuple[float, ...]) -> list[int]:
     return counts
 
 
+def bytes_split(costs: list[int], shards: int, first: int = 0, last: int = 0) -> list[int]:
+    """Layers per shard for contiguous ranges whose largest byte total is the smallest it can
+    be: `costs[i]` = bytes of layer i, `first` / `last` = bytes only the first / last shard
+    holds (the embedding; the final norm and LM head). Ties go to the earliest split."""
+    n = len(costs)
+    if not 1 <= shards <= n:
+        raise PlacementError(f"{shards} shards for {n} layers")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(a: int, b: int) -> int:  # bytes of the shard holding layers [a, b)
+        return prefix[b] - prefix[a] + (first if a == 0 else 0) + (last if b == n else 0)
+
+    inf = float("inf")
+    # best[k][b]: the smallest largest shard over layers [0, b) in k shards; cut: where it starts
+    best = [[inf] * (n + 1) for _ in range(shards + 1)]
+    cut = [[0] * (n + 1) for _ in range(shards + 1)]
+    best[0][0] = 0
+    for k in range(1, shards + 1):
+        for b in range(k, n + 1):
+            for a in range(k - 1, b):
+                v = max(best[k - 1][a], cost(a, b))
+                if v < best[k][b]:
+                    best[k][b], cut[k][b] = v, a
+    counts, b = [], n
+    for k in range(shards, 0, -1):
+        a = cut[k][b]
+        counts.append(b - a)
+        b = a
+    return counts[::-1]
+
+
 def _ranges_from_strings(specs: tuple[str, ...], num_layers: int) -> list[tuple[int, int]]:
     ranges = []
     for s in specs:
@@ -93,7 +126,10 @@ def _ranges_from_strings(specs: tuple[str, ...], num_layers: int) -> list[tuple[
     return ranges
 
 
-def plan(cfg: RuntimeConfig, num_layers: int) -> Placement:
+def plan(cfg: RuntimeConfig, num_layers: int,
+         layer_bytes: tuple[list[int], int, int] | None = None) -> Placement:
+    """The placement of `cfg`. `layer_bytes` ((bytes per layer), first-only bytes, last-only
+    bytes; `shards.weights.layer_bytes`) is needed for `split = "auto"`."""
     devices = [normalize_device(d) for d in cfg.devices]
     n = len(devices)
     if n > num_layers:
@@ -107,7 +143,13 @@ def plan(cfg: RuntimeConfig, num_layers: int) -> Placement:
             raise PlacementError(f"{len(cfg.layers)} layer ranges for {n} devices")
         ranges = _ranges_from_strings(cfg.layers, num_layers)
     else:
-        if cfg.split is not None:
+        if cfg.split == "auto":
+            if layer_bytes is None:
+                raise PlacementError("split = auto needs the model's layer sizes")
+            counts = bytes_split(layer_bytes[0], n, layer_bytes[1], layer_bytes[2])
+        elif isinstance(cfg.split, str):
+            raise PlacementError(f"split {cfg.split!r}: give layer counts (e.g. 15,15) or auto")
+        elif cfg.split is not None:
             counts = list(cfg.split)
             if len(counts) != n:
                 raise PlacementError(f"split has {len(counts)} entries for {n} devices: give one "
@@ -155,6 +197,18 @@ def plan(cfg: RuntimeConfig, num_layers: int) -> Placement:
                                  "or auto for remote shards")
     shards = tuple(ShardPlan(i, a, b, devices[i], addresses[i]) for i, (a, b) in enumerate(ranges))
     return Placement(shards, tuple(transports))
+
+
+def describe_split(p: Placement, sizes: tuple[list[int], int, int]) -> str:
+    """Each shard's layers and weight bytes, e.g. `0:20 on cuda:0 (5.1 GB), ...`."""
+    costs, first, last = sizes
+    parts = []
+    for s in p.shards:
+        total = sum(costs[s.start:s.end]) + (first if s.start == 0 else 0) + \
+            (last if s.end == len(costs) else 0)
+        size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
+        parts.append(f"{s.layers} on {s.device} ({size})")
+    return ", ".join(parts)
 
 
 def check_local_devices(p: Placement) -> None:

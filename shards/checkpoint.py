@@ -10,11 +10,11 @@ from typing import Protocol
 import torch
 
 from shards.errors import CheckpointError
-from shards.layers.rotary import rope_inv_freq
+from shards.expert_weights import read_tensors
 from shards.model_config import ModelConfig
 from shards.models import LayerRange
 from shards.models.qwen3_5 import HybridRange
-from shards.weights import range_tensor_shapes, source_name
+from shards.weights import range_tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +72,17 @@ def load_layer_range(
         )
     t0 = time.perf_counter()
     shapes = range_tensor_shapes(cfg, start, end)
-    sources = {name: source_name(cfg, name) for name in shapes}
-    tensors = ckpt.load(shapes, sources, dtype, device)
+    tensors = read_tensors(ckpt, cfg, shapes, dtype, device)
     with torch.device("meta"):
         model = LayerRange(cfg, start, end) if cfg.hybrid is None else HybridRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:  # a bug in the name tables, not bad input
         raise RuntimeError(f"internal name mismatch: missing={missing} unexpected={unexpected}")
-    # buffers are not in the state dict
-    model.inv_freq = rope_inv_freq(cfg) if cfg.hybrid is None else model.rope_inv_freq()
+    if cfg.hybrid is None:  # buffers are not in the state dict
+        model.init_rope()
+    else:
+        model.inv_freq = model.rope_inv_freq()
     model.to(device).eval().requires_grad_(False)
     log.info(
         "loaded layers %d:%d of %s (%d tensors, %.1f s)",

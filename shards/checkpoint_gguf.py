@@ -28,7 +28,8 @@ SUPPORTED_TYPES = frozenset(
      Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 # GGUF architecture -> HF model_type; only llama permutes q/k rows.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+                 "qwen2moe": "qwen2_moe"}  # llama with `expert_count`: Mixtral
 # hybrid (linear-attention) architectures whose GGUF layout is not read yet
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -47,7 +48,19 @@ _PER_LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the experts stacked in 3-D tensors (`shards.weights.moe_tensor_shapes`)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# whether an arch renormalises the top-k router weights when `expert_weights_norm` is absent
+# (llama.cpp: Mixtral and Qwen3-MoE do, Qwen2-MoE does not)
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -125,8 +138,12 @@ class GGUFFile:
         window = self.field(f"{a}.attention.sliding_window", None)
         windows = {} if not window else {  # every layer, as transformers' Mistral
             "layer_types": ("sliding_attention",) * blocks, "sliding_window": int(window)}
+        moe = self._moe_fields(blocks)
+        model_type = ARCHITECTURES[a]
+        if a == "llama" and moe:
+            model_type = "mixtral"
         return ModelConfig(
-            model_type=ARCHITECTURES[a],
+            model_type=model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self.field(f"{a}.feed_forward_length")),
@@ -144,10 +161,35 @@ class GGUFFile:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=() if eos is None else (int(eos),),
             **windows,
+            **moe,
         )
 
+    def _moe_fields(self, blocks: int) -> dict[str, Any]:
+        """The MoE fields of the header: expert counts and widths; a layer without a router
+        tensor (`ffn_gate_inp`) is dense."""
+        a = self.arch
+        experts = int(self.field(f"{a}.expert_count", 0) or 0)
+        if not experts:
+            return {}
+        dense = tuple(i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors)
+        sparse = [i for i in range(blocks) if i not in dense]
+        shexp = self.tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight") if sparse else None
+        width = self.field(f"{a}.expert_feed_forward_length", None)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(self.field(f"{a}.expert_used_count")),
+            "moe_intermediate_size": int(width if width is not None
+                                         else self.field(f"{a}.feed_forward_length")),
+            "norm_topk_prob": bool(self.field(f"{a}.expert_weights_norm", _NORM_TOPK[a])),
+            "shared_expert_intermediate_size": 0 if shexp is None else int(shexp.shape[-1]),
+            "dense_layers": dense,
+        }
+
     def has(self, name: str) -> bool:
-        return gguf_name(name) in self.tensors
+        try:
+            return gguf_name(name) in self.tensors
+        except KeyError:  # a name with no GGUF form (another layout's)
+            return False
 
     def _read(self, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
         gname = gguf_name(canonical)

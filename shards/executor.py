@@ -17,9 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from shards.errors import CheckpointError
 from shards.graphs import StaticDecoder
 from shards.hybrid_cache import HybridCache
 from shards.kv_cache import KVCache, KVLayout
+from shards.layers.rotary import context_limit_error
 from shards.layers.step import StepInfo
 from shards.models import LayerRange
 from shards.sampling import sample_rows
@@ -50,6 +52,8 @@ class RangeExecutor:
         self.model = model
         self.device = torch.device(device)
         cfg = model.cfg
+        if (why := context_limit_error(cfg, max_len)) is not None:
+            raise CheckpointError(why)
         self.dtype = next(model.parameters()).dtype
         new_cache = getattr(model, "new_cache", None)  # a hybrid model's KV + state
         self.hybrid = new_cache is not None

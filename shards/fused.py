@@ -18,7 +18,8 @@ switches them off) a layer is fewer kernels: the q/k/v projection, one decode-at
 that also applies the q/k norm and rotary and writes the KV rows
 (`shards.kernels.decode_attention`), and the compiled post-attention stage, which also
 normalizes its output with the next layer's input norm (the residual add and the norm are one
-kernel), so the next layer starts at its projection.
+kernel), so the next layer starts at its projection. A mixture-of-experts layer's work after
+attention is `shards.fused_moe` (router and grouped-GEMM experts; no next-norm folding).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from shards.kernels import fused_kernels_available
 from shards.layers.attention import group_queries
 
@@ -110,17 +112,20 @@ class _Stages:
     """The functions before and after attention for one kind of step, compiled or eager:
     `pre`/`post` around the torch attention, `norm_qkv`/`post_next` around the kernel's."""
 
-    def __init__(self, pre, post, norm_qkv_fn, post_next, compile: bool) -> None:
+    def __init__(self, pre, post, norm_qkv_fn, post_next, compile: bool,
+                 post_moe=post_attention_moe) -> None:
         self.pre, self.post, self.compiled = pre, post, compile
         self.norm_qkv, self.post_next = norm_qkv_fn, post_next
+        self.post_moe = post_moe  # a mixture-of-experts layer's (`shards.fused_moe`)
         if compile:
-            self.pre, self.post, self.norm_qkv, self.post_next = (
+            self.pre, self.post, self.norm_qkv, self.post_next, self.post_moe = (
                 torch.compile(f, fullgraph=True, dynamic=False)
-                for f in (pre, post, norm_qkv_fn, post_next))
+                for f in (pre, post, norm_qkv_fn, post_next, post_moe))
 
     def uncompile(self) -> None:
         self.pre, self.post, self.compiled = pre_attention, post_attention, False
         self.norm_qkv, self.post_next = norm_qkv, post_attention_next
+        self.post_moe = post_attention_moe
 
 
 class FusedDecode:
@@ -130,7 +135,7 @@ class FusedDecode:
         self.single = _Stages(pre_attention, post_attention, norm_qkv, post_attention_next,
                               compile)
         self.batched = _Stages(pre_attention_batch, post_attention_batch, norm_qkv_batch,
-                               post_attention_next_batch, compile)
+                               post_attention_next_batch, compile, post_attention_moe_batch)
         self.kernels = kernels  # the Triton kernels; None: decided by the device at first use
         # id(layer) -> (weight, eps) of the input norm of the layer after it, in the same range
         self.next_norm: dict[int, tuple[torch.Tensor, float]] = {}
@@ -185,6 +190,8 @@ class FusedDecode:
         else:
             keys, values = kv.append_batch(index, step, k, v)
             attn = a._grouped_batch(q, keys, values, step.mask_for(a.window))
+        if hasattr(m, "experts"):  # a sparse MLP: `shards.fused_moe`
+            return stages.post_moe(h, attn, *moe_args(layer))
         return stages.post(h, attn, a.o_proj.weight, layer.post_attention_layernorm.weight,
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 
@@ -212,6 +219,8 @@ class FusedDecode:
             step.mask_for(a.window), n_seqs, a.num_heads,
             None if a.q_norm is None else a.q_norm.weight,
             None if a.k_norm is None else a.k_norm.weight, eps)
+        if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
+            return stages.post_moe(h, attn, *moe_args(layer))
         weights = (a.o_proj.weight, layer.post_attention_layernorm.weight,
                    m.gate_up_proj.weight, m.down_proj.weight, eps)
         nxt = self.next_norm.get(id(layer))
@@ -232,16 +241,19 @@ def decode_attention(*args):
 def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:
     """Fuse q/k/v and gate/up weights of every layer and install the fused decode step.
     `kernels`: use the Triton decode kernels (None: where `fused_kernels_available`)."""
-    from shards.models.llama import DecoderLayer
+    from shards.models import llama, moe_llama
 
     fast = FusedDecode(compile, kernels)
     layers = list(model.layers)
-    dense = [type(layer) is DecoderLayer for layer in layers]  # other families: their own path
-    for layer, ok in zip(layers, dense):
-        if ok:
+    # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own
+    ok = [type(layer) in (llama.DecoderLayer, moe_llama.DecoderLayer) for layer in layers]
+    for layer, fuse in zip(layers, ok):
+        if fuse:
             layer.self_attn.fuse()
             layer.mlp.fuse()
             layer.fast = fast
+    # a dense layer's post stage also norms its output for the next layer's projection
+    dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
     for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
-        if dense[i] and dense[i + 1]:
+        if dense[i] and ok[i + 1]:
             fast.next_norm[id(layer)] = (nxt.input_layernorm.weight, nxt.input_layernorm.eps)

@@ -18,6 +18,9 @@ def hf_causal_lm(model: LayerRange, device: str, dtype: torch.dtype, max_context
     cfg = model.cfg
     if not (model.is_first and model.is_last):
         raise ValueError("an HF model needs the whole model, not a layer range")
+    if cfg.num_experts or cfg.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"an HF copy of a {cfg.model_type} model is not built here (only the "
+                         "dense Llama-like families)")
     extra = {}
     if cfg.rope_type != "default":
         extra["rope_scaling"] = {"rope_type": cfg.rope_type, **cfg.rope_params}

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from shards.errors import CheckpointError
+from shards.gemma_config import GEMMA_FIELDS, gemma_fields
+from shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 from shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
@@ -16,9 +18,28 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
+    "qwen2_moe": (True, False),
+    "mixtral": (False, False),
+    "gemma3_text": (False, True),
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# the rope_scaling keys each type implements (others are refused by name)
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                       "mscale_all_dim", "original_max_position_embeddings", "truncate"}),
+    "dynamic": frozenset({"factor"}),
+}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# families whose q/k/v bias transformers fixes, whatever `attention_bias` says
+FIXED_QKV_BIAS = {"mistral": False, "mixtral": False, "qwen2": True}
+# families where transformers' `attention_bias` also biases o_proj (not implemented here)
+O_PROJ_BIAS = frozenset({"llama", "qwen3", "qwen3_moe", "gemma3_text"})
 
 # config.json fields that never change a model's outputs at inference.
 METADATA_FIELDS = frozenset({
@@ -47,6 +68,8 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
                         "layer_types"}),
     "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers",
                         "layer_types"}),
+    **MOE_FAMILY_FIELDS,
+    "gemma3_text": GEMMA_FIELDS,
 }
 
 
@@ -73,6 +96,18 @@ class ModelConfig:
     # "sliding_attention" layers attend the last `sliding_window` positions only.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # Mixture of experts (`shards.moe_config`); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's hidden width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers of a MoE model whose MLP is dense
+    # Gemma 3 (`shards.gemma_config`)
+    hidden_act: str = "silu"  # the MLP's activation: silu or gelu_pytorch_tanh
+    local_rope_theta: float | None = None  # sliding layers' rope base (unscaled); None: as full
+    attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
 
     def __post_init__(self) -> None:
@@ -86,6 +121,10 @@ class ModelConfig:
                 f"rope_scaling.rope_type={self.rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
+        for key in self.rope_params if self.hybrid is None else ():  # hybrids check theirs
+            if key not in ROPE_KEYS[self.rope_type] | {"rope_type", "type"}:
+                raise CheckpointError(f"rope_scaling.{key} is not implemented for rope_type="
+                                      f"{self.rope_type!r}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise CheckpointError(f"layer_types has {len(self.layer_types)} entries for "
                                   f"{self.num_layers} layers")
@@ -105,6 +144,10 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether global layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     @property
     def rope_type(self) -> str:
         d = dict(self.rope_scaling)
@@ -122,7 +165,13 @@ class ModelConfig:
         d["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
-        for name in ("layer_types", "sliding_window"):
+        d["dense_layers"] = list(self.dense_layers)
+        if d["hidden_act"] == "silu":
+            del d["hidden_act"]
+        for name in ("layer_types", "sliding_window", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "norm_topk_prob",
+                     "shared_expert_intermediate_size", "dense_layers", "local_rope_theta",
+                     "attn_scale", "final_logit_softcap"):
             if not d[name]:
                 del d[name]
         if self.hybrid is not None:
@@ -137,6 +186,7 @@ class ModelConfig:
         d["rope_scaling"] = tuple((str(k), v) for k, v in d.get("rope_scaling", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         if d.get("hybrid") is not None:
             d["hybrid"] = HybridSpec.from_dict(d["hybrid"])
         return cls(**d)
@@ -204,14 +254,20 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         rope_theta=float(rope_theta),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", bias_default)),
+        attention_bias=(FIXED_QKV_BIAS[model_type] if model_type in FIXED_QKV_BIAS else
+                        bool(raw.get("qkv_bias" if model_type == "qwen2_moe" else
+                                     "attention_bias", bias_default))),
         qk_norm=qk_norm,
         rope_scaling=tuple(sorted((str(k), v) for k, v in rope.items())),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
         **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
-           if hybrid is None else {"hybrid": hybrid}),
+           if hybrid is None and model_type != "gemma3_text" else
+           {"hybrid": hybrid} if hybrid is not None else {}),
+        **moe_fields(raw, model_type, int(need("num_hidden_layers")), source),
     )
+    if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)
+        fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))
     try:
         return ModelConfig(**fields)
     except CheckpointError as e:  # the dataclass's own checks: name the file too
@@ -231,6 +287,9 @@ def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> No
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    if model_type in O_PROJ_BIAS and raw.get("attention_bias"):
+        raise CheckpointError(f"{source}: attention_bias=true also biases o_proj in "
+                              f"transformers' {model_type}, which is not implemented")
     for key, harmless in (("mlp_bias", (None, False)), ("pretraining_tp", (None, 1))):
         if raw.get(key) not in harmless:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported")
@@ -242,7 +301,8 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
     layer; Qwen2/Qwen3 window layers >= `max_window_layers` when `use_sliding_window`; an
     explicit `layer_types` wins."""
     window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not raw.get(
+            "use_sliding_window", False):
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool)
                                or window <= 0):
@@ -264,12 +324,17 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
         return {"layer_types": tuple(types), "sliding_window": window}
     if window is None:
         return {}
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):  # every layer, as transformers
         first = 0
+    elif model_type == "qwen2_moe":  # transformers windows the even layers below the bound
+        bound = int(raw.get("max_window_layers", 28))
+        types = tuple("sliding_attention" if i % 2 == 0 and i < bound else "full_attention"
+                      for i in range(layers))
     else:
         first = int(raw.get("max_window_layers", 28))
-    types = tuple("sliding_attention" if i >= first else "full_attention"
-                  for i in range(layers))
+    if model_type != "qwen2_moe":
+        types = tuple("sliding_attention" if i >= first else "full_attention"
+                      for i in range(layers))
     if "sliding_attention" not in types:
         return {}
     return {"layer_types": types, "sliding_window": window}

@@ -50,6 +50,14 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "hidden_act": "silu",
         "rope_scaling": {"rope_type": "linear", "factor": 4.0},
     },
+    "llama-yarn-rope": {  # YaRN past an original context shorter than test prompts
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 32},
+    },
     "qwen2": {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
         "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
@@ -76,7 +84,81 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
         "attention_bias": False, "use_sliding_window": False,
     },
+    "qwen3_moe": {  # layer 2 dense (mlp_only_layers); top-2 of 8 experts, renormalised
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [2], "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "use_sliding_window": False, "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    },
+    "mixtral": {  # top-2 of 4 experts in every layer; a window shorter than test prompts
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "hidden_size": 64, "intermediate_size": 48, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "hidden_act": "silu", "sliding_window": 24, "router_jitter_noise": 0.0,
+    },
+    "qwen2_moe": {  # shared expert; odd layers sparse (decoder_sparse_step 2); no renorm
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "num_experts": 6, "num_experts_per_tok": 3,
+        "norm_topk_prob": False, "decoder_sparse_step": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "qkv_bias": True,
+        "use_sliding_window": False,
+    },
+    "gemma3_text": {  # layers 2 and 5 global (scaled rope), the others windowed (local rope)
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_activation":
+        "gelu_pytorch_tanh", "query_pre_attn_scalar": 24, "sliding_window": 12,
+        "sliding_window_pattern": 3, "final_logit_softcapping": 3.0,
+        "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "attention_bias": False,
+    },
 }
+# Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
+# {canonical part: name under `experts.N.`}); see `shards.expert_weights`.
+_HF_EXPERTS = {
+    "mixtral": ("block_sparse_moe.", {"gate": "w1.weight", "up": "w3.weight",
+                                      "down": "w2.weight"}),
+}
+_QWEN_EXPERTS = ("mlp.", {"gate": "gate_proj.weight", "up": "up_proj.weight",
+                          "down": "down_proj.weight"})
+
+
+def hf_expert_layout(model_type: str, tensors: dict[str, torch.Tensor],
+                     layout: str = "per_expert") -> dict[str, torch.Tensor]:
+    """Canonical tensors with the experts renamed as a checkpoint stores them: `per_expert`
+    (published checkpoints, transformers' save_pretrained) or `fused` (transformers 5's
+    in-memory `gate_up_proj`)."""
+    if layout not in ("per_expert", "fused"):
+        raise ValueError(f"unknown expert layout {layout!r}")
+    out: dict[str, torch.Tensor] = {}
+    prefix, names = _HF_EXPERTS.get(model_type, _QWEN_EXPERTS)
+    for name, t in tensors.items():
+        head, _, tail = name.partition(".mlp.")
+        if tail not in ("gate.weight", "experts.gate_proj", "experts.up_proj",
+                        "experts.down_proj"):
+            out[name] = t
+        elif tail == "gate.weight":
+            out[f"{head}.{prefix}gate.weight" if layout == "per_expert" else name] = t
+        elif layout == "fused":
+            if tail == "experts.gate_proj":
+                up = tensors[f"{head}.mlp.experts.up_proj"]
+                out[f"{head}.mlp.experts.gate_up_proj"] = torch.cat([t, up], dim=1)
+            elif tail == "experts.down_proj":
+                out[name] = t
+        else:
+            which = tail.removeprefix("experts.").removesuffix("_proj")
+            for e in range(t.shape[0]):
+                out[f"{head}.{prefix}experts.{e}.{names[which]}"] = t[e].contiguous()
+    return out
 
 
 def tiny_tokenizer() -> Tokenizer:
@@ -104,8 +186,11 @@ def write_tiny_checkpoint(
     max_position_embeddings: int = 4096,
     files: int = 1,
     std: float = 0.2,
+    expert_layout: str = "per_expert",
 ) -> Path:
     """Write a seeded random-weight HF folder for `family`; `files` > 1 writes a sharded one.
+    A MoE family's experts are stored per expert, or `expert_layout="fused"`
+    (`hf_expert_layout`); the weights are the same either way.
 
     `std` scales the matrices. At 0.2 every layer moves the logits by about a logit standard
     deviation, so greedy output varies and changes when any one layer's weights or KV rows are
@@ -134,6 +219,8 @@ def write_tiny_checkpoint(
         else:
             t = std * torch.randn(shape, generator=gen)
         tensors[name] = t.contiguous()
+    if cfg.num_experts:
+        tensors = hf_expert_layout(cfg.model_type, tensors, expert_layout)
     names = sorted(tensors)
     if files <= 1:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -226,10 +313,12 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
 
     from shards.checkpoint_gguf import gguf_name, permute_rows
     from shards.checkpoint_hf import HFCheckpoint
+    from shards.expert_weights import read_tensors
 
     ckpt = HFCheckpoint(Path(hf_folder))
     cfg = ckpt.config
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[cfg.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -242,6 +331,13 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        if cfg.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.sliding_window:
         if set(cfg.layer_types) != {"sliding_attention"}:
             raise ValueError("GGUF holds one window for every layer, not per-layer windows")
@@ -267,7 +363,7 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
-    tensors = ckpt.load(shapes, {k: k for k in shapes}, torch.float32)
+    tensors = read_tensors(ckpt, cfg, shapes, torch.float32)
     q = gguf.GGMLQuantizationType[qtype]
     for name, t in tensors.items():
         a = t.numpy().astype(np.float32)

@@ -19,10 +19,12 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
         p + "self_attn.k_proj.weight": (kvd, h),
         p + "self_attn.v_proj.weight": (kvd, h),
         p + "self_attn.o_proj.weight": (h, qd),
+    }
+    shapes.update(moe_tensor_shapes(cfg, layer) if cfg.is_moe(layer) else {
         p + "mlp.gate_proj.weight": (f, h),
         p + "mlp.up_proj.weight": (f, h),
         p + "mlp.down_proj.weight": (h, f),
-    }
+    })
     if cfg.attention_bias:
         shapes[p + "self_attn.q_proj.bias"] = (qd,)
         shapes[p + "self_attn.k_proj.bias"] = (kvd,)
@@ -30,6 +32,31 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
     if cfg.qk_norm:
         shapes[p + "self_attn.q_norm.weight"] = (d,)
         shapes[p + "self_attn.k_norm.weight"] = (d,)
+    if cfg.model_type == "gemma3_text":  # sandwich norms around the MLP
+        shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+        shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+    return shapes
+
+
+def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse MLP's tensors. The experts are canonically 3-D (transformers' fused layout,
+    gate and up apart); `shards.expert_weights` reads them from per-expert tensors too."""
+    h, e, i, s = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                  cfg.shared_expert_intermediate_size)
+    p = f"model.layers.{layer}.mlp."
+    shapes = {
+        p + "gate.weight": (e, h),
+        p + "experts.gate_proj": (e, i, h),
+        p + "experts.up_proj": (e, i, h),
+        p + "experts.down_proj": (e, h, i),
+    }
+    if s:
+        shapes.update({
+            p + "shared_expert.gate_proj.weight": (s, h),
+            p + "shared_expert.up_proj.weight": (s, h),
+            p + "shared_expert.down_proj.weight": (h, s),
+            p + "shared_expert_gate.weight": (1, h),
+        })
     return shapes
 
 
@@ -55,3 +82,21 @@ def source_name(cfg: ModelConfig, name: str) -> str:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return "model.embed_tokens.weight"
     return name
+
+
+def layer_bytes(cfg: ModelConfig, itemsize: int) -> tuple[list[int], int, int]:
+    """(bytes of each layer's weights, bytes the first range alone holds (the embedding), bytes
+    the last range alone holds (final norm and LM head, a copy of the embedding when tied)):
+    what `--split auto` balances. A MoE layer holds all its experts."""
+    def size(shapes: dict[str, tuple[int, ...]]) -> int:
+        total = 0
+        for shape in shapes.values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n * itemsize
+        return total
+
+    h, v = cfg.hidden_size, cfg.vocab_size
+    return ([size(layer_tensor_shapes(cfg, i)) for i in range(cfg.num_layers)],
+            v * h * itemsize, (v * h + h) * itemsize)

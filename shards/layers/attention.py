@@ -30,6 +30,8 @@ class Attention(nn.Module):
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
         self.window = cfg.window(layer)  # None: full causal attention
+        self.scale = cfg.attn_scale or d ** -0.5  # score scale (Gemma: query_pre_attn_scalar)
+        self.sdpa_scale = cfg.attn_scale  # None: SDPA's own 1/sqrt(D)
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, g * d, bias=cfg.attention_bias)
@@ -98,6 +100,7 @@ class Attention(nn.Module):
             attn_mask=None if from_start else mask,
             is_causal=from_start,
             enable_gqa=gqa,
+            scale=self.sdpa_scale,
         )  # (1, H, n, D)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
@@ -112,7 +115,7 @@ class Attention(nn.Module):
         g, d = self.num_kv_heads, self.head_dim
         r = self.num_heads // g
         n = qg.shape[1] // r
-        scores = torch.matmul(qg, keys.permute(1, 2, 0)) * (d ** -0.5)  # (G, r*n, T)
+        scores = torch.matmul(qg, keys.permute(1, 2, 0)) * self.scale  # (G, r*n, T)
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
@@ -125,7 +128,7 @@ class Attention(nn.Module):
         keys[b] (T, G, D), the keys of its own slot, under mask row b."""
         b, g, d = q.shape[0], self.num_kv_heads, self.head_dim
         qg = q.reshape(b, g, self.num_heads // g, d)  # (B, G, r, D)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * (d ** -0.5)  # (B, G, r, T)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # (B, G, r, T)
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # (B, G, r, D)

@@ -1,4 +1,4 @@
-"""The gated SiLU MLP (SwiGLU) of Llama-like layers."""
+"""The gated MLP of Llama-like layers: SwiGLU, or GeGLU (tanh GELU) for Gemma."""
 
 from __future__ import annotations
 
@@ -9,13 +9,23 @@ from torch import nn
 from shards.model_config import ModelConfig
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# config `hidden_act` -> function (`gelu_pytorch_tanh`: Gemma's)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        f = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, f, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, f, bias=False)
+        self.down_proj = nn.Linear(f, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def fuse(self) -> None:
         fused = nn.Linear(1, 1, bias=False, device="meta")
@@ -27,5 +37,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(g) * u)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act(g) * u)
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

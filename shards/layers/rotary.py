@@ -11,11 +11,15 @@ from shards.model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3."""
+    """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3, yarn,
+    dynamic (NTK; the same as default at positions below max_position_embeddings, the only
+    ones it serves: `context_limit_error`)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     p = cfg.rope_params
-    if cfg.rope_type == "linear":
+    if cfg.rope_type == "yarn":
+        inv = _yarn(cfg)[0]
+    elif cfg.rope_type == "linear":
         inv = inv / float(p["factor"])
     elif cfg.rope_type == "llama3":
         factor = float(p["factor"])
@@ -31,11 +35,70 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
+def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor, as transformers'
+    `_compute_yarn_parameters` computes them."""
+    p = cfg.rope_params
+    dim, base = cfg.head_dim, cfg.rope_theta
+    old_ctx = p.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = p.get("factor")
+    if factor is None:
+        factor = cfg.max_position_embeddings / old_ctx
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        attention = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+                     if mscale and mscale_all_dim else get_mscale(factor))
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor cos and sin are scaled by (YaRN's attention factor; 1 otherwise)."""
+    return _yarn(cfg)[1] if cfg.rope_type == "yarn" else 1.0
+
+
+def context_limit_error(cfg: ModelConfig, max_len: int) -> str | None:
+    """Why a KV cache of `max_len` positions cannot be served exactly, or None.
+
+    Dynamic NTK rope recomputes its frequencies in transformers from the longest position of
+    each forward call once it passes max_position_embeddings, so the keys past it depend on how
+    the sequence was split into calls (a whole prompt at once or chunk by chunk, one token or a
+    verify block); below it, it is the default rope. Those positions are refused."""
+    if cfg.rope_type == "dynamic" and max_len > cfg.max_position_embeddings:
+        return (f"rope_scaling.rope_type='dynamic' is exact only below max_position_embeddings="
+                f"{cfg.max_position_embeddings} (past it, transformers' frequencies depend on how "
+                f"the sequence is split into steps); set max_context <= "
+                f"{cfg.max_position_embeddings} (asked for {max_len})")
+    return None
+
+
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (n, D) of `positions`, times `scale` (`rope_attention_factor`)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # (n, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

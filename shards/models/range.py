@@ -10,15 +10,17 @@ Shapes: n = tokens in this step, hidden = the model's width.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from shards.kv_cache import KVCache
 from shards.layers.norm import RMSNorm
-from shards.layers.rotary import rope_cos_sin, rope_inv_freq
+from shards.layers.rotary import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from shards.layers.step import StepInfo
 from shards.model_config import ModelConfig
-from shards.models.registry import decoder_layer
+from shards.models.registry import decoder_layer, family_module
 
 
 class LayerRange(nn.Module):
@@ -30,16 +32,32 @@ class LayerRange(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is outside 0..{cfg.num_layers}")
         self.cfg, self.start, self.end = cfg, start, end
         self.is_first, self.is_last = start == 0, end == cfg.num_layers
+        family = family_module(cfg)
         self.embed_tokens = (
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         )
+        # optional family hooks: embeddings scaled (Gemma: sqrt(hidden)), the final norm's kind
+        scale = getattr(family, "embed_scale", None)
+        self.embed_scale = None if scale is None else scale(cfg)
         self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(start, end))
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = getattr(family, "FinalNorm", RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.norm = self.lm_head = None
+        self.rope_scale = rope_attention_factor(cfg)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)build the rope frequency buffers (they are not in a state dict): the model's, and
+        the sliding layers' own where the config gives them a base (`local_rope_theta`)."""
+        cfg = self.cfg
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        local = None
+        if cfg.local_rope_theta is not None:
+            local = rope_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta,
+                                                      rope_scaling=()))
+        self.register_buffer("local_inv_freq", local, persistent=False)
 
     @property
     def num_layers(self) -> int:
@@ -62,11 +80,18 @@ class LayerRange(nn.Module):
         rows (n, hidden) are stored under it (they feed a feature-conditioned draft).
         """
         h = self.embed_tokens(x) if self.is_first else x
+        if self.is_first and self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
-        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype, self.rope_scale)
+        local = (None if self.local_inv_freq is None else
+                 rope_cos_sin(self.local_inv_freq, step.positions, h.dtype))
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, i, slot, step)
+            if local is not None and self.cfg.window(self.start + i) is not None:
+                h = layer(h, *local, kv, i, slot, step)
+            else:
+                h = layer(h, cos, sin, kv, i, slot, step)
             if taps is not None and self.start + i in taps:
                 # as HF's hidden_states[layer + 1]: the last layer's output is after the norm
                 last = self.start + i == self.cfg.num_layers - 1
@@ -75,7 +100,11 @@ class LayerRange(nn.Module):
             return h
         if logit_rows is not None:
             h = h[logit_rows]
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # as transformers: in the run dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def local_name(self, name: str) -> str:
         """Map a canonical HF tensor name to this module's parameter name."""

@@ -15,6 +15,10 @@ FAMILY_MODULES: dict[str, str] = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    "qwen3_moe": "moe_llama",
+    "qwen2_moe": "moe_llama",
+    "mixtral": "moe_llama",
+    "gemma3_text": "gemma3",
     "qwen3_5_text": "qwen3_5",  # hybrid: ranges are shards.models.qwen3_5.HybridRange
     "qwen3_next": "qwen3_5",
 }

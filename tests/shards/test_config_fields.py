@@ -22,6 +22,11 @@ REFUSED = [
     ("llama", "quantization_config", {"quant_method": "awq"}, "quantization_config"),
     ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
     ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "longrope"),
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 2.0, "short_factor": [1.0]},
+     "short_factor"),
+    ("llama", "rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+    ("llama", "rope_scaling", {"rope_type": "dynamic", "factor": 2.0, "alpha": 1.0}, "alpha"),
     ("mistral-window", "layer_types", ["full_attention", "chunked_attention"] * 2,
      "chunked_attention"),
     ("mistral-window", "sliding_window", 0, "sliding_window"),
@@ -29,6 +34,30 @@ REFUSED = [
     ("qwen2", "layer_types", ["linear_attention"] * 4, "linear_attention"),
     ("qwen3", "use_qk_norm_scaling", True, "use_qk_norm_scaling"),
     ("qwen3", "layer_types", ["sliding_attention"] * 4, "sliding_window"),  # no window set
+    # mixture-of-experts routing variants the MoE families do not implement
+    ("qwen3_moe", "routed_scaling_factor", 2.5, "routed_scaling_factor"),
+    ("qwen3_moe", "scoring_func", "sigmoid", "scoring_func"),
+    ("qwen3_moe", "shared_expert_intermediate_size", 64, "shared_expert_intermediate_size"),
+    ("qwen3_moe", "num_experts_per_tok", 9, "num_experts_per_tok"),
+    ("qwen3_moe", "mlp_only_layers", "1,2", "mlp_only_layers"),
+    ("qwen3_moe", "decoder_sparse_step", 0, "decoder_sparse_step"),
+    ("qwen3_moe", "layer_types", ["full_attention"] * 4, "layer_types"),
+    ("mixtral", "n_shared_experts", 1, "n_shared_experts"),
+    ("mixtral", "num_local_experts", -1, "num_local_experts"),
+    ("qwen2_moe", "topk_group", 2, "topk_group"),
+    ("gemma3_text", "attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("gemma3_text", "use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("gemma3_text", "hidden_activation", "gelu", "hidden_activation"),
+    ("gemma3_text", "final_logit_softcapping", -1.0, "final_logit_softcapping"),
+    ("gemma3_text", "rope_parameters", {"sliding_attention": {"rope_type": "linear",
+                                                              "factor": 2.0}},
+     "sliding_attention"),
+    ("gemma3_text", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
+    ("gemma3_text", "max_window_layers", 2, "max_window_layers"),
+    # transformers biases o_proj too there
+    ("llama", "attention_bias", True, "attention_bias=true also biases o_proj"),
+    ("qwen3_moe", "attention_bias", True, "o_proj"),
+    ("gemma3_text", "attention_bias", True, "o_proj"),
 ]
 
 
@@ -68,3 +97,62 @@ def test_windows_as_transformers_reads_them():
     assert [config_from_hf(explicit, "c").window(i) for i in range(4)] == [10, None, 10, None]
     # the config travels between processes as a dict
     assert type(qwen2).from_dict(qwen2.to_dict()) == qwen2
+
+
+def test_moe_fields_as_transformers_reads_them():
+    q3 = config_from_hf({**FAMILY_CONFIGS["qwen3_moe"], **BASE}, "c")
+    assert (q3.num_experts, q3.num_experts_per_tok, q3.moe_intermediate_size) == (8, 2, 32)
+    assert q3.norm_topk_prob and [q3.is_moe(i) for i in range(4)] == [True, True, False, True]
+    # transformers 5's save_pretrained writes Qwen3-MoE's num_experts as num_local_experts
+    raw = {**FAMILY_CONFIGS["qwen3_moe"], **BASE, "num_local_experts": 8}
+    del raw["num_experts"]
+    assert config_from_hf(raw, "c") == q3
+    q2 = config_from_hf({**FAMILY_CONFIGS["qwen2_moe"], **BASE}, "c")
+    assert [q2.is_moe(i) for i in range(4)] == [False, True, False, True]  # sparse step 2
+    assert q2.shared_expert_intermediate_size == 48 and not q2.norm_topk_prob
+    assert q2.attention_bias  # Qwen2-MoE's q/k/v bias is `qkv_bias`
+    mx = config_from_hf({**FAMILY_CONFIGS["mixtral"], **BASE}, "c")
+    assert mx.norm_topk_prob and mx.moe_intermediate_size == 48 and mx.window(3) == 24
+    no_experts = config_from_hf({**FAMILY_CONFIGS["qwen3_moe"], **BASE, "num_experts": 0}, "c")
+    assert not any(no_experts.is_moe(i) for i in range(4))  # transformers: all dense
+    # Qwen2-MoE windows the even layers below max_window_layers
+    win = config_from_hf({**FAMILY_CONFIGS["qwen2_moe"], **BASE, "use_sliding_window": True,
+                          "sliding_window": 8, "max_window_layers": 3}, "c")
+    assert [win.window(i) for i in range(4)] == [8, None, 8, None]
+    for cfg in (q3, q2, mx):
+        assert type(cfg).from_dict(cfg.to_dict()) == cfg
+    # a dense config's dict (its prefix-cache fingerprint) has no MoE keys
+    dense = config_from_hf({**FAMILY_CONFIGS["qwen3"], **BASE}, "c").to_dict()
+    assert not {"num_experts", "dense_layers", "norm_topk_prob"} & dense.keys()
+
+
+def test_gemma3_fields_as_transformers_reads_them():
+    g = config_from_hf({**FAMILY_CONFIGS["gemma3_text"], **BASE, "num_hidden_layers": 6}, "c")
+    assert [g.window(i) for i in range(6)] == [12, 12, None, 12, 12, None]  # pattern 3
+    assert g.local_rope_theta == 10000.0 and g.rope_theta == 1e6 and g.rope_type == "linear"
+    assert g.attn_scale == 24 ** -0.5 and g.final_logit_softcap == 3.0
+    assert g.tie_word_embeddings and g.hidden_act == "gelu_pytorch_tanh"
+    # transformers 5 writes the ropes nested by layer kind: the same model
+    nested = {k: v for k, v in FAMILY_CONFIGS["gemma3_text"].items()
+              if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    nested["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert config_from_hf({**nested, **BASE, "num_hidden_layers": 6}, "c") == g
+    # defaults: window 4096, every 6th layer global, head_dim 256, scalar 256
+    bare = {k: v for k, v in FAMILY_CONFIGS["gemma3_text"].items()
+            if k not in ("sliding_window", "sliding_window_pattern", "head_dim",
+                         "query_pre_attn_scalar")}
+    d = config_from_hf({**bare, **BASE, "num_hidden_layers": 7}, "c")
+    assert [d.window(i) for i in range(7)] == [4096] * 5 + [None, 4096]
+    assert d.head_dim == 256 and d.attn_scale == 256 ** -0.5
+    assert type(g).from_dict(g.to_dict()) == g
+
+
+def test_attention_bias_where_transformers_ignores_it():
+    """Mistral's, Mixtral's and Qwen2's q/k/v biases are fixed in transformers: the field is
+    inert there, as here."""
+    for family, fixed in (("mistral-window", False), ("mixtral", False), ("qwen2", True)):
+        for value in (True, False):
+            raw = {**FAMILY_CONFIGS[family], **BASE, "attention_bias": value}
+            assert config_from_hf(raw, "c").attention_bias is fixed

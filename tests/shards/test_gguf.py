@@ -13,7 +13,7 @@ from shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-linear-rope", "qwen2", "qwen3",
-                                    "mistral-window"])
+                                    "mistral-window", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_f32_gguf_equals_hf_folder(tmp_path, family):
     folder = write_tiny_checkpoint(tmp_path / family, family, num_layers=3)
     path = write_tiny_gguf(folder, tmp_path / f"{family}.gguf", "F32")
@@ -26,6 +26,21 @@ def test_f32_gguf_equals_hf_folder(tmp_path, family):
     ca, cb = open_checkpoint(folder).config, open_checkpoint(path).config
     assert cb.rope_type == ca.rope_type
     assert [cb.window(i) for i in range(3)] == [ca.window(i) for i in range(3)]
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "shared_expert_intermediate_size", "dense_layers"):
+        assert getattr(cb, field) == getattr(ca, field), field
+    assert cb.model_type == ca.model_type or not ca.num_experts  # Mistral's GGUF arch: llama
+
+
+def test_quantized_moe_gguf_dequantizes_close(tmp_path):
+    """3-D expert tensors quantized by rows (llama.cpp's `ffn_*_exps`) read back close."""
+    folder = write_tiny_checkpoint(tmp_path / "m", "qwen3_moe", num_layers=2)
+    path = write_tiny_gguf(folder, tmp_path / "m-q8.gguf", "Q8_0")
+    a = load_layer_range(open_checkpoint(folder), 1, 2).state_dict()
+    b = load_layer_range(open_checkpoint(path), 1, 2).state_dict()
+    assert b["layers.0.mlp.experts.gate_proj"].shape == (8, 32, 64)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert 0 < worst < 2e-2
 
 
 @pytest.mark.parametrize("qtype,tol", [("F16", 2e-3), ("Q8_0", 2e-2), ("Q4_1", 0.3)])

@@ -71,7 +71,7 @@ def test_only_needed_tensors_are_loaded(tiny_llama):
 def test_static_decode_path_matches_eager(tiny_models):
     """The CUDA-graph step (static buffers, device-side position, bucketed masked attention,
     grouped GQA) run without capture on CPU gives the eager path's tokens and logits."""
-    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window"):
+    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window", "gemma3_text"):
         ckpt = open_checkpoint(tiny_models[family])
         eager = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=False)
         static = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=True,
@@ -95,7 +95,7 @@ def test_fused_projections_equal_separate(tiny_models):
     tiny models' logits reach ~10)."""
     from shards.fused import fuse_projections
 
-    for family in ("llama", "qwen2", "qwen3", "mistral-window"):
+    for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text"):
         ckpt = open_checkpoint(tiny_models[family])
         plain = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, static_decode=True,
                               graph_bucket=32)

@@ -1,0 +1,167 @@
+"""Routed mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks the top k of E
+SwiGLU experts per token; their outputs are summed weighted by the router's probabilities.
+
+Shapes: n = tokens, H = hidden, E = experts, I = an expert's width, k = experts per token.
+
+Two ways to run the experts, same math:
+- `loop_experts`: one pass per expert that some token picked, over the rows that picked it
+  (transformers' own order). Exact reference; costs one host sync per layer (the counts).
+- `grouped_experts`: the n*k (token, expert) rows sorted by expert and run as one grouped GEMM
+  (`torch.nn.functional.grouped_mm`) per projection. No host sync and fixed shapes, so it can
+  live in a CUDA graph: the decode path (`shards.fused`) and CUDA steps use it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shards.layers.mlp import MLP
+from shards.model_config import ModelConfig
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm: bool,
+          float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (n, k), expert ids (n, k)): softmax over all E router logits in float32, the
+    top k, renormalised to sum to 1 when `norm`. The weights stay float32 with
+    `float_weights` (Mixtral), else they take x's dtype (Qwen)."""
+    probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return (w if float_weights else w.to(x.dtype)), idx
+
+
+def _gate_up(gate_up: torch.Tensor | None, gate: torch.Tensor | None, up: torch.Tensor | None,
+             x: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate_up is not None:
+        return F.linear(x, gate_up[e]).chunk(2, dim=-1)
+    return F.linear(x, gate[e]), F.linear(x, up[e])
+
+
+def loop_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+                 gate_up: torch.Tensor | None, gate: torch.Tensor | None,
+                 up: torch.Tensor | None, down: torch.Tensor) -> torch.Tensor:
+    """Sum over each row's k experts of weight * down(silu(gate(x)) * up(x)), one expert at a
+    time in increasing id (each expert's rows in one matmul), as transformers computes it.
+    Give either `gate_up` (E, 2I, H) or `gate` and `up` (E, I, H); `down` is (E, H, I)."""
+    k = idx.shape[1]
+    out = torch.zeros_like(x)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=down.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pick = order[start:start + c]
+        start += c
+        rows = pick // k
+        g, u = _gate_up(gate_up, gate, up, x[rows], e)
+        y = F.linear(F.silu(g) * u, down[e]) * w.reshape(-1)[pick, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return out
+
+
+def grouped_gemm_applies(x: torch.Tensor) -> bool:
+    """Whether `grouped_experts` runs grouped GEMMs for `x` (CUDA kernels take bfloat16 only);
+    else it gathers each row's expert weights, which costs memory per row."""
+    return _grouped_mm is not None and (not x.is_cuda or x.dtype == torch.bfloat16)
+
+
+# rows (tokens x k) up to which a CUDA step without grouped GEMMs still gathers weights (a
+# decode or verify step, in its graph); longer steps loop over experts (one host sync)
+GATHER_ROWS = 64
+
+
+def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`loop_experts` as two grouped GEMMs over the rows sorted by expert: no host sync, so it
+    can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I)."""
+    k = idx.shape[1]
+    e_count = down.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = order // k
+    counts = torch.zeros(e_count, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[rows]
+    if grouped_gemm_applies(x):
+        g, u = _grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        y = _grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
+    else:  # no grouped GEMM for this device/dtype: gather each row's expert weights
+        ex = flat[order]
+        g, u = torch.bmm(gate_up[ex], xs[:, :, None]).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(down[ex], (F.silu(g) * u)[:, :, None]).squeeze(-1)
+    y = y * w.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as 3-D weights (the layout of transformers' fused experts)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(e, i, h))
+        self.up_proj = nn.Parameter(torch.empty(e, i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_proj: nn.Parameter | None = None  # set by `fuse` (GPU)
+
+    def fuse(self) -> None:
+        """One (E, 2I, H) gate/up weight: the grouped GEMM's layout."""
+        self.gate_up_proj = nn.Parameter(torch.cat([self.gate_proj, self.up_proj], dim=1),
+                                         requires_grad=False)
+        del self.gate_proj, self.up_proj
+
+    def gate_up(self) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            return self.gate_up_proj
+        return torch.cat([self.gate_proj, self.up_proj], dim=1)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and (grouped_gemm_applies(x) or idx.numel() <= GATHER_ROWS):
+            # no host sync: CUDA graphs and long prefills alike
+            return grouped_experts(x, w, idx, self.gate_up(), self.down_proj)
+        fused = self.gate_up_proj is not None
+        return loop_experts(x, w, idx, self.gate_up_proj, None if fused else self.gate_proj,
+                            None if fused else self.up_proj, self.down_proj)
+
+
+class RoutedMoE(nn.Module):
+    """Router + experts (+ Qwen2-MoE's sigmoid-gated shared expert); parameter names follow
+    transformers' (`gate`, `experts`, `shared_expert`, `shared_expert_gate`)."""
+
+    def __init__(self, cfg: ModelConfig, float_weights: bool = False) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.float_weights = float_weights
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def fuse(self) -> None:
+        self.experts.fuse()
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, idx = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.float_weights)
+        out = self.experts(x, w, idx)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,110 @@
+"""A mixture-of-experts model (Qwen3-MoE: sparse and dense layers) through the split runtime:
+split exactness over 1-3 shards, restore (RAM, disk, another split) and lossless speculation.
+
+Its parity with transformers is in tests/shards/test_model_parity.py; here the runtime's own
+invariants are checked on a model whose routing varies from token to token."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.config import RuntimeConfig
+from runtime.coordinator import Coordinator
+from runtime.placement import bytes_split
+from runtime.reference import ReferenceEngine
+from shards.model_config import read_hf_config
+from shards.sampling import SamplingParams
+from shards.tiny import write_tiny_checkpoint
+from shards.weights import layer_bytes
+from tests.helpers import shard_children, trace
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A Qwen3-MoE with weights large enough that its greedy output is not degenerate."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe",
+                                 std=0.2)
+    cfg = read_hf_config(path)
+    assert cfg.is_moe(0) and not cfg.is_moe(2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    return ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def prompt(ref):
+    ids = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    assert len(ids) > 2 * CHUNK
+    return ids
+
+
+def _cfg(model, n, **kw):
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
+                         max_context=256, threads=1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,transport,split", [(1, "auto", None), (2, "shm", None),
+                                               (3, "zmq", "auto")])
+def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, caplog):
+    ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
+    assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
+    caplog.set_level(logging.INFO, logger="runtime.coordinator")
+    with Coordinator(_cfg(model, n, transport=(transport,), split=split)) as coord:
+        if split == "auto":  # by weight bytes (tests/runtime/test_split_auto.py), shown
+            sizes = layer_bytes(read_hf_config(model), 4)
+            assert [s.end - s.start for s in coord.placement.shards] == bytes_split(sizes[0], 3,
+                                                                                   *sizes[1:])
+            assert "split auto (by weight bytes): 0:2 on cpu (0.6 MB), 2:4" in caplog.text
+        tokens, logits = trace(coord, prompt, 10, CHUNK)
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits)
+        assert coord.generate(prompt, SAMPLED).tokens == ref.generate(prompt, SAMPLED).tokens
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_moe_restore_equals_cold(model, ref, prompt, tmp_path):
+    longer = prompt + ref.tokenizer.encode(" and then it ran far away")
+    want = {id(p): ref.generate(p, GREEDY).tokens for p in (prompt, longer)}
+    with Coordinator(_cfg(model, 2, kv_cache_dir=str(tmp_path))) as c:
+        assert c.generate(prompt, GREEDY).tokens == want[id(prompt)]
+        r = c.generate(longer, GREEDY)  # a RAM hit at a chunk boundary
+        assert r.cache_tier == "ram" and r.cached_tokens >= CHUNK
+        assert r.tokens == want[id(longer)]
+    with Coordinator(_cfg(model, 3, kv_cache_dir=str(tmp_path))) as c:  # restart, other split
+        for p in (prompt, longer):
+            r = c.generate(p, GREEDY)
+            assert r.cache_tier == "disk" and r.tokens == want[id(p)]
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_moe_speculation_equals_plain(model, prompt, tmp_path):
+    near = tmp_path / "near"  # a classic draft: the target with noise on its weights
+    shutil.copytree(model, near)
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + 0.01 * torch.randn(v.shape, generator=g)
+             for k, v in load_file(str(model / "model.safetensors")).items()}
+    save_file(state, str(near / "model.safetensors"))
+    with Coordinator(_cfg(model, 2, draft=str(near))) as coord:
+        for params in (GREEDY, SAMPLED):
+            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
+            spec = coord.generate(prompt, params, use_cache=False)
+            assert spec.tokens == plain.tokens
+            # draft tokens were kept and others rejected: both paths of a verify step ran
+            assert spec.acceptance_length is not None and 1.0 < spec.acceptance_length < 5.0
+    assert shard_children() == []
