@@ -32,7 +32,10 @@ def test_logits_match_transformers(tiny_models, family):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     assert ours.shape == ref.shape
-    assert (ours - ref).abs().max().item() < 1e-5
+    # 1e-5 per unit of logit: float32 rounding of logits that reach ~10 (the tiny models'
+    # weights are large enough that every layer matters) moves them by about 1e-5
+    tol = 1e-5 * max(1.0, ref.abs().max().item())
+    assert (ours - ref).abs().max().item() < tol
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

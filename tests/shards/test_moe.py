@@ -84,7 +84,9 @@ def test_moe_batched_step_equals_eager_steps(tiny_models, fused):
         out = ex.static.run_batch(x, slots, positions)
         want = torch.cat([ref.run(x[i:i + 1], p, s)
                           for i, (s, p) in enumerate(zip(slots, positions))])
-        assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
+        # float32 rounding of hidden rows that reach ~10 (weights at the tiny models' scale)
+        assert torch.allclose(out, want, atol=1e-5 * max(1.0, want.abs().max().item()),
+                              rtol=1e-5)
         positions = [p + 1 for p in positions]
 
 

@@ -75,7 +75,9 @@ def test_every_layer_changes_the_output(tiny_models, family):
         saved = {k: v.clone() for k, v in layer.state_dict().items()}
         with torch.no_grad():  # the layer adds nothing to the residual stream
             layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            for name, w in layer.mlp.named_parameters():  # a dense MLP's or every expert's
+                if "down_proj" in name or name.endswith(("w2", "w2.weight")):
+                    w.zero_()
         check(f"layer {i}'s weights dropped", _decode(ref, prompt))
         layer.load_state_dict(saved)
     assert _decode(ref, prompt)[0] == tokens  # (every corruption was undone)
