@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from runtime.decoding import Decoding
 from shards.sampling import SamplingParams
 
 
@@ -25,6 +26,15 @@ class RequestError(ValueError):
                           "code": self.code}}
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the served model and the server's configuration bound a request by."""
+
+    vocab: int = 1 << 31
+    max_logprobs: int = 20  # top alternatives per token
+    max_n: int = 8  # choices per request
+
+
 @dataclasses.dataclass
 class ParsedRequest:
     kind: str  # "completion" | "chat"
@@ -37,6 +47,9 @@ class ParsedRequest:
     include_usage: bool
     use_cache: bool
     speculative: bool | None
+    n: int = 1
+    decoding: Decoding | None = None  # logprobs and logits processors (None: none)
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the output's
 
 
 def _finite(v: int | float, name: str) -> float:
@@ -62,11 +75,9 @@ def _get(body: dict, name: str, types: tuple, default: Any = None, allow_none: b
 
 
 _REJECT_IF = {  # parameter -> the value that is harmless (anything else is refused)
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
-    "functions": (None, []), "function_call": (None, "none"), "n": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"),
 }
 
 
@@ -96,7 +107,7 @@ def bad_text_field(value: Any, path: str = "") -> str | None:
     return None
 
 
-def parse(body: Any, kind: str, served_model: str) -> ParsedRequest:
+def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) -> ParsedRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None)
     bad = bad_text_field(body)
@@ -185,8 +196,80 @@ def parse(body: Any, kind: str, served_model: str) -> ParsedRequest:
     include_usage = bool(opts.get("include_usage", False))
     use_cache = _get(body, "use_cache", (bool,), True)
     speculative = _get(body, "speculative", (bool,), None)
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab
+               for t in stop_ids):
+        raise RequestError(f"'stop_token_ids' must be a list of token ids in 0..{limits.vocab - 1}",
+                           "stop_token_ids")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                             top_k=max(top_k, 0), top_p=top_p, seed=seed, stop=tuple(stop),
+                            stop_token_ids=tuple(stop_ids),
                             ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)))
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= limits.max_n:
+        raise RequestError(f"'n' must be in 1..{limits.max_n} (this server's max_seqs)", "n")
+    decoding, echo = _decoding(body, kind, limits, max_tokens)
+    if prompt_ids is not None and any(not 0 <= t < limits.vocab for t in prompt_ids):
+        raise RequestError(f"'prompt' holds a token id outside 0..{limits.vocab - 1}", "prompt")
     return ParsedRequest(kind, model, prompt_text, prompt_ids, messages, params, stream,
-                         include_usage, use_cache, speculative)
+                         include_usage, use_cache, speculative, n, decoding, echo)
+
+
+def _penalty(body: dict, name: str, lo: float, hi: float, default: float) -> float:
+    v = _finite(_get(body, name, (int, float), default), name)
+    if not lo <= v <= hi:
+        raise RequestError(f"'{name}' must be in [{lo}, {hi}]", name)
+    return v
+
+
+def _decoding(body: dict, kind: str, limits: Limits,
+              max_tokens: int) -> tuple[Decoding | None, bool]:
+    """The request's logprobs and logits processors (None: it asks for none), and `echo`."""
+    k_max = limits.max_logprobs
+    logprobs = prompt_lp = None
+    echo = False
+    if kind == "chat":
+        if _get(body, "logprobs", (bool,), False):
+            logprobs = _get(body, "top_logprobs", (int,), 0)
+            if not 0 <= logprobs <= k_max:
+                raise RequestError(f"'top_logprobs' must be in 0..{k_max}", "top_logprobs")
+        elif body.get("top_logprobs") not in (None, 0):
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        logprobs = _get(body, "logprobs", (int,), None)
+        if logprobs is not None and not 0 <= logprobs <= k_max:
+            raise RequestError(f"'logprobs' must be in 0..{k_max}", "logprobs")
+        if "top_logprobs" in body and body["top_logprobs"] is not None:
+            raise RequestError("'top_logprobs' is a chat parameter; completions take "
+                               "'logprobs': N", "top_logprobs")
+        echo = _get(body, "echo", (bool,), False)
+        if echo and logprobs is not None:
+            prompt_lp = logprobs
+    presence = _penalty(body, "presence_penalty", -2.0, 2.0, 0.0)
+    frequency = _penalty(body, "frequency_penalty", -2.0, 2.0, 0.0)
+    repetition = _finite(_get(body, "repetition_penalty", (int, float), 1.0),
+                         "repetition_penalty")
+    if not 0 < repetition <= 100:
+        raise RequestError("'repetition_penalty' must be in (0, 100] (1: off)",
+                           "repetition_penalty")
+    raw_bias = _get(body, "logit_bias", (dict,), {})
+    bias = []
+    for key, v in raw_bias.items():
+        try:
+            t = int(key)
+        except ValueError:
+            t = -1
+        if not 0 <= t < limits.vocab:
+            raise RequestError(f"'logit_bias' key {key!r} is not a token id in "
+                               f"0..{limits.vocab - 1}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise RequestError(f"'logit_bias' value {v!r} of token {key} must be a number in "
+                               "[-100, 100]", "logit_bias")
+        bias.append((t, float(v)))
+    min_tokens = _get(body, "min_tokens", (int,), 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise RequestError("'min_tokens' must be in 0..max_tokens", "min_tokens")
+    d = Decoding(logprobs=logprobs, prompt_logprobs=prompt_lp, presence_penalty=presence,
+                 frequency_penalty=frequency, repetition_penalty=repetition,
+                 logit_bias=tuple(sorted(bias)), min_tokens=min_tokens)
+    return (d if d != Decoding() else None), echo

@@ -8,6 +8,7 @@ was restored from a cache, whichever process samples, and however the steps were
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -152,3 +153,107 @@ def accept_draft(
             return path, tok
         path.append(nxt)
         row = nxt
+
+
+# ---- logits processing and logprobs (the `sample` dict's optional fields) -----------------------
+# A segment's `sample` may carry, besides SamplingParams.wire():
+#   "lp":   int >= 0: return the logprob of each emitted token and its top `lp` alternatives
+#   "bias": [[ids], [values]]: added to those logits (logit_bias, presence/frequency penalties,
+#           min_tokens' -inf on the stop tokens; the coordinator sums them per step)
+#   "rep":  float > 0 and "rep_ids": [ids]: the repetition penalty over those tokens (a
+#           positive logit divided by rep, a negative one multiplied)
+#   "mask": bytes: zlib of a little-endian bitmask of the vocabulary (bit t set: t allowed), a
+#           grammar's (`runtime.grammar`)
+# They apply in that order, before temperature; a segment with any of them is not speculated.
+PROCESSOR_KEYS = ("bias", "rep", "mask")
+
+
+def check_processors(sample: dict, vocab: int) -> str | None:
+    """What is wrong with a `sample` dict's optional fields, or None."""
+    lp = sample.get("lp")
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= vocab):
+        return f"lp={lp!r} must be an integer in 0..{vocab}"
+    bias = sample.get("bias")
+    if bias is not None:
+        if (not isinstance(bias, list) or len(bias) != 2 or len(bias[0]) != len(bias[1])
+                or not all(isinstance(t, int) and 0 <= t < vocab for t in bias[0])
+                or not all(isinstance(v, (int, float)) for v in bias[1])):
+            return "bias must be [[token ids of the vocabulary], [numbers]] of equal length"
+    rep = sample.get("rep")
+    if rep is not None:
+        ids = sample.get("rep_ids")
+        if not isinstance(rep, (int, float)) or isinstance(rep, bool) or not rep > 0:
+            return f"rep={rep!r} must be a number > 0"
+        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab
+                                                for t in ids):
+            return "rep_ids must be a list of token ids of the vocabulary"
+    mask = sample.get("mask")
+    if mask is not None:
+        if not isinstance(mask, bytes):
+            return "mask must be bytes (a zlib-compressed token bitmask)"
+        try:
+            raw = zlib.decompress(mask, bufsize=(vocab + 7) // 8)
+        except zlib.error as e:
+            return f"mask is not zlib data ({e})"
+        if len(raw) < (vocab + 7) // 8:
+            return f"mask holds {len(raw) * 8} bits for a vocabulary of {vocab}"
+    return None
+
+
+def has_processors(sample: dict | None) -> bool:
+    return sample is not None and any(sample.get(k) is not None for k in PROCESSOR_KEYS)
+
+
+def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask."""
+    raw = torch.frombuffer(bytearray(zlib.decompress(mask)), dtype=torch.uint8)
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.flatten()[:vocab].bool().to(device)
+
+
+def pack_mask(allowed: torch.Tensor) -> bytes:
+    """The inverse of `mask_bits`: (vocab,) bool -> zlib of a little-endian bitmask."""
+    a = allowed.to(torch.uint8).cpu()
+    pad = (-a.numel()) % 8
+    a = torch.cat([a, a.new_zeros(pad)]).view(-1, 8)
+    packed = (a << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return zlib.compress(packed.numpy().tobytes(), 1)
+
+
+def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
+    """Logits (rows, V) after the sample's repetition penalty, bias and grammar mask (a new
+    float32 tensor; the same logits when there are none)."""
+    if not has_processors(sample):
+        return logits
+    x = logits.float().clone()
+    rep = sample.get("rep")
+    if rep is not None and sample.get("rep_ids"):
+        ids = torch.tensor(sorted(set(sample["rep_ids"])), device=x.device)
+        v = x[:, ids]
+        x[:, ids] = torch.where(v > 0, v / rep, v * rep)
+    bias = sample.get("bias")
+    if bias is not None and bias[0]:
+        ids = torch.tensor(bias[0], device=x.device)
+        x.index_add_(1, ids, torch.tensor(bias[1], dtype=x.dtype, device=x.device)
+                     .expand(x.shape[0], -1).contiguous())
+    mask = sample.get("mask")
+    if mask is not None:
+        x = x.masked_fill(~mask_bits(mask, x.shape[-1], x.device), float("-inf"))
+    return x
+
+
+def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], temperature: float,
+                    k: int) -> list[list]:
+    """For row i of `logits` (rows, V) and the token `tokens[i]` drawn from it: [token, its
+    logprob, [top k ids], [their logprobs]], of the distribution after temperature (the
+    logits as they are when greedy: temperature 0 has no distribution of its own); before
+    top-k / top-p truncation, after the sample's processors."""
+    x = logits.float()
+    if temperature > 0:
+        x = x / temperature
+    lp = torch.log_softmax(x, dim=-1)
+    idx = torch.tensor(list(tokens), device=lp.device)
+    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    top_v, top_i = (torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [[int(t), float(c), ti, tv] for t, c, ti, tv in zip(tokens, chosen, top_i, top_v)]
