@@ -1,0 +1,51 @@
+"""The last shard's logits processors and logprobs (`shards.sampling`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shards.sampling import (
+    check_processors, logprob_entries, mask_bits, pack_mask, process_logits,
+)
+
+
+def test_mask_round_trip_and_processing_order():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 37, generator=g)
+    allowed = torch.rand(37, generator=g) > 0.5
+    assert torch.equal(mask_bits(pack_mask(allowed), 37, torch.device("cpu")), allowed)
+    sample = {"rep": 2.0, "rep_ids": [3, 4], "bias": [[4, 5], [1.0, -2.0]],
+              "mask": pack_mask(allowed)}
+    want = logits.clone()
+    for t in (3, 4):
+        want[:, t] = torch.where(want[:, t] > 0, want[:, t] / 2, want[:, t] * 2)
+    want[:, 4] += 1.0
+    want[:, 5] -= 2.0
+    want[:, ~allowed] = float("-inf")
+    assert torch.equal(process_logits(logits, sample), want)
+    assert process_logits(logits, {"temperature": 1.0}) is logits  # nothing to do: no copy
+
+
+def test_logprob_entries_are_of_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    (tok, lp, top_ids, top_lps), = logprob_entries(logits, [1], 0.5, 2)
+    want = torch.log_softmax(logits / 0.5, -1)[0]
+    assert tok == 1 and lp == float(want[1])
+    assert top_ids == [0, 1] and top_lps == [float(want[0]), float(want[1])]
+    (_, _, ids, lps), = logprob_entries(logits, [0], 0.0, 4)  # greedy: the logits' own
+    assert math.fsum(math.exp(v) for v in lps) == 1.0 or abs(
+        math.fsum(math.exp(v) for v in lps) - 1) < 1e-6
+    assert ids == [0, 1, 2, 3]
+
+
+def test_bad_processor_fields_are_named():
+    assert "lp" in check_processors({"lp": -1}, 10)
+    assert "bias" in check_processors({"bias": [[10], [1.0]]}, 10)
+    assert "rep" in check_processors({"rep": 0, "rep_ids": []}, 10)
+    assert "rep_ids" in check_processors({"rep": 1.1, "rep_ids": [11]}, 10)
+    assert "mask" in check_processors({"mask": b"not zlib"}, 10)
+    assert "mask holds 8 bits" in check_processors({"mask": pack_mask(torch.ones(8) > 0)}, 10)
+    assert check_processors({"lp": 3, "bias": [[1], [2]], "mask": pack_mask(
+        torch.ones(10) > 0)}, 10) is None
