@@ -71,6 +71,7 @@ class Engine:
         self._stopping = False
         self._stop_at = float("inf")
         self.fatal: str | None = None
+        self._followers: list[Active] = []  # first choices whose job's others wait for them
 
     def start(self) -> None:
         self._thread.start()
@@ -174,6 +175,8 @@ class Engine:
                     self._recover(f"internal error: {type(e).__name__}: {e}")
                     continue
             active = [a for a in active if not self._pump_contained(a)]
+            if self._followers:
+                active.extend(self._start_followers())
             self.metrics.running.set(len(active))
             if coord.failed is not None:
                 for a in active:
@@ -182,6 +185,7 @@ class Engine:
                 self._recover(coord.failed)
 
     def _recover(self, why: str) -> None:
+        self._followers = []  # their jobs failed with the rest
         self.status, self.reason = "degraded", why
         self.metrics.up.set(0)
         if self.coord is not None:
@@ -208,6 +212,9 @@ class Engine:
     def _shut_out(self, active: list[Active]) -> list[Active]:
         """Shutting down: requests still waiting for a KV slot, and every one past the grace
         period, get 503."""
+        for lead in self._followers:  # choices not started will not be
+            lead.job.emit(("error", 503, "the server is shutting down"))
+        self._followers = []
         if self.coord is None:
             for a in active:
                 a.job.emit(("error", 503, "the server is shutting down"))
@@ -272,23 +279,56 @@ class Engine:
             return []
         self.metrics.prompt_tokens.inc(len(ids))
         job.prompt_ids = list(ids)
+        # n > 1: the first choice prefills the prompt and snapshots it in the prefix cache;
+        # the others start once its first token is out, from that snapshot (no prefill)
+        shared = (req.n > 1 and req.use_cache and coord.cache is not None and
+                  (req.decoding is None or req.decoding.prompt_logprobs is None))
         started = []
-        for i in range(req.n):
-            params = req.params
-            if i and params.seed is not None:  # the choices of a seeded request differ
-                params = dataclasses.replace(params, seed=(params.seed + i) & ((1 << 63) - 1))
-            progress = Progress()
-            try:
-                r = coord.submit(ids, params, progress, use_cache=req.use_cache,
-                                 speculative=req.speculative, decoding=req.decoding)
-            except (ValueError, ShardFailure) as e:
-                for a in started:
-                    coord.batcher.cancel(a.req)
-                job.emit(("error", 400, RequestError(str(e), None)) if isinstance(e, ValueError)
-                         else ("error", 503, str(e)))
+        for i in range(1 if shared else req.n):
+            a = self._submit_choice(job, i)
+            if a is None:
+                for b in started:
+                    coord.batcher.cancel(b.req)
                 return []
-            job.started.append(r)
-            started.append(Active(job, r, progress, len(ids), i))
+            started.append(a)
+        if shared:
+            self._followers.append(started[0])
+        return started
+
+    def _submit_choice(self, job: Job, index: int) -> Active | None:
+        """Queue choice `index` of a tokenized job; None if it failed (the job is told)."""
+        coord, req = self.coord, job.req
+        params = req.params
+        if index and params.seed is not None:  # the choices of a seeded request differ
+            params = dataclasses.replace(params, seed=(params.seed + index) & ((1 << 63) - 1))
+        progress = Progress()
+        try:
+            r = coord.submit(job.prompt_ids, params, progress, use_cache=req.use_cache,
+                             speculative=req.speculative, decoding=req.decoding)
+        except (ValueError, ShardFailure) as e:
+            job.emit(("error", 400, RequestError(str(e), None)) if isinstance(e, ValueError)
+                     else ("error", 503, str(e)))
+            return None
+        job.started.append(r)
+        return Active(job, r, progress, len(job.prompt_ids), index)
+
+    def _start_followers(self) -> list[Active]:
+        """The other choices of the jobs whose first choice has its first token (its prompt's
+        snapshot is in the prefix cache) or is over."""
+        started, waiting = [], []
+        for lead in self._followers:
+            job = lead.job
+            if job.cancelled:
+                continue
+            if lead.progress.first_token_at is None and not lead.req.done:
+                waiting.append(lead)
+                continue
+            for i in range(1, job.req.n):
+                a = self._submit_choice(job, i)
+                if a is None:
+                    break
+                started.append(a)
+        self._followers = waiting
         return started
 
     def _pump(self, a: Active) -> bool:

@@ -113,15 +113,17 @@ def test_echo_returns_a_logprob_per_prompt_token_after_the_first(server, ref):
 @pytest.mark.slow
 def test_n_choices_and_their_limit(server):
     c = server.client
-    r = c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=8,
-                             temperature=1.0, seed=11, n=3)
+    hits = _ram_hits(server)
+    kw = dict(model=MODEL, prompt="n choices of one prompt", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(**kw, seed=11, n=3)
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
     assert len({ch.text for ch in r.choices}) > 1  # seeds differ per choice
-    single = c.completions.create(model=MODEL, prompt="once upon a time", max_tokens=8,
-                                  temperature=1.0, seed=11)
-    assert r.choices[0].text == single.choices[0].text
-    assert r.usage.completion_tokens == sum(
-        len(server_tokens(server, ch.text)) for ch in r.choices) or r.usage.completion_tokens > 8
+    assert r.usage.completion_tokens == 24
+    # the first choice prefilled the prompt; the others restored its snapshot
+    assert _ram_hits(server) == hits + 2
+    for i in range(3):  # each choice is the single request of its seed
+        assert c.completions.create(**kw, seed=11 + i).choices[0].text == r.choices[i].text
     chunks = list(c.chat.completions.create(model=MODEL, messages=[
         {"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0, seed=2, n=2,
         stream=True))
@@ -130,6 +132,12 @@ def test_n_choices_and_their_limit(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=MODEL, prompt="x", n=5)
     assert e.value.body["param"] == "n"
+
+
+def _ram_hits(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('layersplit_prefix_cache_hits_total{tier="ram"}'))
 
 
 def server_tokens(server, text: str) -> list[int]:
