@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,6 +36,8 @@ from runtime.generate import Progress
 from runtime.metrics import Metrics
 from runtime.openai_api import Limits, ParsedRequest, RequestError, parse
 from runtime.openai_render import Renderer, usage
+from runtime.decoding import Decoding
+from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 log = logging.getLogger("layersplit.server")
 
@@ -72,6 +75,23 @@ class Engine:
         self._stop_at = float("inf")
         self.fatal: str | None = None
         self._followers: list[Active] = []  # first choices whose job's others wait for them
+        self._grammars: Any = None  # runtime.grammar.GrammarCompiler, once a request needs it
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self):
+        """The grammar compiler of the served model's tokenizer (built on first use)."""
+        from runtime.grammar import GrammarCompiler
+
+        coord = self.coord
+        if coord is None or self.tokenizer is None:
+            raise RequestError(f"the engine is {self.status}: {self.reason}" if coord is None
+                               else "the model has no tokenizer: no structured output", None,
+                               status=503 if coord is None else 400)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, coord.model_config.vocab_size,
+                                                 coord.eos_ids)
+            return self._grammars
 
     def start(self) -> None:
         self._thread.start()
@@ -263,7 +283,7 @@ class Engine:
             return []
         try:
             if req.kind == "chat":
-                ids = coord.tokenizer.encode_chat(req.messages)
+                ids = coord.tokenizer.encode_chat(req.messages, tools=req.tools)
             elif req.prompt_ids is not None:
                 ids = req.prompt_ids
             else:
@@ -480,6 +500,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             except ValueError as e:
                 raise RequestError(f"the body is not valid JSON: {e}", None) from None
             req = parse(body, kind, engine.served_model, limits())
+            _constrain(engine, req)
             loop = asyncio.get_running_loop()
             job = Job(req, loop, asyncio.Queue())
             engine.submit(job)
@@ -512,7 +533,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             if "messages" in body:
                 req = parse({**body, "model": engine.served_model}, "chat",
                             engine.served_model, limits())
-                ids = tok.encode_chat(req.messages)
+                ids = tok.encode_chat(req.messages, tools=req.tools)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
@@ -550,6 +571,50 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         return await handle(request, "chat")
 
     return app
+
+
+def _constrain(engine: Engine, req: ParsedRequest) -> None:
+    """Check a request's tools against the model's template and compile the grammar its
+    response_format or tool_choice asks for (`runtime.grammar`); RequestError naming the field
+    when one cannot be."""
+    from runtime.grammar import GrammarError, tool_call_grammar
+
+    if req.tools:
+        tok = engine.tokenizer
+        if tok is None or tool_format(tok.chat_template) is None:
+            raise RequestError(f"the chat template of {engine.served_model} has no tool-call "
+                               "format this server parses (supported: Hermes-style "
+                               "<tool_call> JSON blocks, as Qwen2.5/Qwen3 and Hermes templates "
+                               "write them)", "tools")
+    if not req.tools and req.json_schema is None:
+        return
+    comp = engine.grammars()
+    for i, t in enumerate(req.tools or []):
+        params = t["function"].get("parameters")
+        if params is not None:
+            try:
+                comp.json_schema(params)
+            except GrammarError as e:
+                param = f"tools[{i}].function.parameters"
+                raise RequestError(f"'{param}' is not a JSON Schema this server can enforce: "
+                                   f"{e}", param) from None
+    grammar = None
+    if req.json_schema is not None:
+        try:
+            grammar = comp.json_schema(req.json_schema)
+        except GrammarError as e:
+            raise RequestError(f"'response_format' holds a schema that cannot be compiled: {e}",
+                               "response_format") from None
+    forced = req.forced_tools
+    if forced:
+        try:
+            grammar = comp.lark(tool_call_grammar(req.tools, forced, req.parallel_tool_calls))
+        except GrammarError as e:
+            raise RequestError(f"the tool calls of 'tool_choice' cannot be compiled: {e}",
+                               "tools") from None
+    if grammar is not None:
+        req.decoding = dataclasses.replace(req.decoding or Decoding(),
+                                           grammar=functools.partial(comp.matcher, grammar))
 
 
 async def _next(job: Job, request: Request) -> tuple[str, Any]:
@@ -658,8 +723,14 @@ class Output:
             text, finish = "".join(self.text[i]), self.done[i]["finish_reason"]
             lp = self._logprobs(i, self.lps[i], echo=True)
             if self.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "finish_reason": finish, "logprobs": lp})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.job.req.parses_tool_calls:
+                    message["content"], calls = parse_tool_calls(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": lp})
             else:
                 if self.job.req.echo:
                     text = self._echo_text() + text
@@ -670,13 +741,15 @@ class Output:
                 "choices": choices, "usage": self._usage()}
 
     def _chunk(self, index: int, text: str | None, finish: str | None, lp: dict | None = None,
-               role: bool = False) -> bytes:
+               role: bool = False, calls: list[dict] | None = None) -> bytes:
         if self.kind == "chat":
             d: dict = {}
             if role:
                 d["role"] = "assistant"
             if text is not None:
                 d["content"] = text
+            if calls:
+                d["tool_calls"] = calls
             choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": lp}
             obj = "chat.completion.chunk"
         else:
@@ -689,6 +762,8 @@ class Output:
     async def sse(self) -> AsyncIterator[bytes]:
         job, n = self.job, self.job.req.n
         echoed = [False] * n
+        parsers = [ToolCallStream() for _ in range(n)] if job.req.parses_tool_calls else None
+        called = [0] * n  # tool calls streamed, per choice
         try:
             if self.kind == "chat":
                 for i in range(n):
@@ -710,7 +785,27 @@ class Output:
                     lp = (self.render.completion_logprobs(self._echo_entries(i))
                           if self.wants_logprobs else None)
                     yield self._chunk(i, self._echo_text(), None, lp)
-                if kind == "delta" and (payload["text"] or payload["lp"]):
+                if parsers is not None:  # text and tool calls apart, as they complete
+                    events = parsers[i].push(payload["text"]) if kind == "delta" else []
+                    if kind == "done":
+                        events = parsers[i].finish()
+                    lp = (self._logprobs(i, payload["lp"], echo=False)
+                          if kind == "delta" and payload["lp"] else None)
+                    for what, value in events:
+                        if what == "text":
+                            yield self._chunk(i, value, None, lp)
+                        else:
+                            yield self._chunk(i, None, None, lp, calls=[
+                                {"index": called[i], **value}])
+                            called[i] += 1
+                        lp = None
+                    if lp is not None:
+                        yield self._chunk(i, "", None, lp)
+                    if kind == "done":
+                        finish = payload["finish_reason"]
+                        yield self._chunk(i, None, "tool_calls" if called[i] and
+                                          finish == "stop" else finish)
+                elif kind == "delta" and (payload["text"] or payload["lp"]):
                     lp = self._logprobs(i, payload["lp"], echo=False)
                     yield self._chunk(i, payload["text"], None, lp)
                 elif kind == "done":
