@@ -97,6 +97,9 @@ class RuntimeConfig:
     restart_on_failure: bool = _field(True, "serve: restart the shard group after a shard "
                                             "failure (else exit)")
     grace_s: float = _field(30.0, "serve: seconds in-flight requests get on SIGTERM")
+    chat_template: str | None = _field(None, "a Jinja chat template file that replaces the "
+                                             "checkpoint's (e.g. configs/templates/"
+                                             "chatml-tools.jinja: ChatML with Hermes tool calls)")
     max_logprobs: int = _field(20, "serve: most top alternatives a request may ask per token "
                                    "(top_logprobs, completions' logprobs)")
     startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
@@ -110,6 +113,8 @@ class RuntimeConfig:
             raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template={self.chat_template}: no such file")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs={self.max_logprobs}: must be at least 0")
         if not 1 <= self.max_seqs <= 512:

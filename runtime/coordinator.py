@@ -84,6 +84,12 @@ class Coordinator:
         self.placement: Placement = plan(config, ckpt.config.num_layers)
         check_local_devices(self.placement)
         self.tokenizer = TextTokenizer.for_model(self.model_path)
+        if config.chat_template and self.tokenizer is not None:
+            try:
+                self.tokenizer.chat_template = Path(config.chat_template).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"chat_template: cannot read {config.chat_template} ({e})"
+                                 ) from None
         tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
         self.eos_ids = tok_eos or tuple(self.model_config.eos_token_ids)
         self.chunk = config.prefill_chunk

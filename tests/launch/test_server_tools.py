@@ -1,12 +1,11 @@
 """Tool calls and structured output on the real server, through the official `openai` client:
-a Hermes-style template (Qwen2.5's), tool_choice required / named enforced by the grammar, the
+the bundled Hermes-style template (Qwen2.5's, `--chat-template`), tool_choice required / named enforced by the grammar, the
 round trip call -> tool result -> answer, response_format json_schema validated with
 `jsonschema`; schemas that cannot be compiled refused by name."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ from tests.helpers import shard_children
 from tests.launch.test_server import Server
 
 openai = pytest.importorskip("openai")
-MODEL = "hermes"
+MODEL = "llama"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -32,20 +31,13 @@ CLOCK = {"type": "function", "function": {
 USER = [{"role": "user", "content": "what is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def hermes_model(tiny_llama, tmp_path_factory) -> Path:
-    """The tiny model with Qwen2.5's Hermes-style chat template."""
-    out = tmp_path_factory.mktemp("hermes") / MODEL
-    shutil.copytree(tiny_llama, out)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = (Path(__file__).parent / "hermes_template.jinja").read_text()
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return out
+TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "templates" / "chatml-tools.jinja"
 
 
 @pytest.fixture(scope="module")
-def server(hermes_model):
-    s = Server(hermes_model, "--max-context", "2048")
+def server(tiny_llama):
+    """The tiny model (ChatML, as the default model) with the bundled Hermes-style template."""
+    s = Server(tiny_llama, "--max-context", "2048", "--chat-template", str(TEMPLATE))
     yield s
     assert s.stop() == 0
     assert shard_children() == []
@@ -76,7 +68,7 @@ def _streamed(chunks) -> tuple[str, list[dict], str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_tool_call_round_trip(server, hermes_model, stream):
+def test_tool_call_round_trip(server, tiny_llama, stream):
     c = server.client
     kw = dict(model=MODEL, tools=[WEATHER, CLOCK], temperature=0, max_tokens=120)
     if stream:
@@ -110,12 +102,13 @@ def test_tool_call_round_trip(server, hermes_model, stream):
     # the conversation went through the template as transformers renders it
     from transformers import AutoTokenizer
 
-    tk = AutoTokenizer.from_pretrained(hermes_model)
+    tk = AutoTokenizer.from_pretrained(tiny_llama)
     want = tk.apply_chat_template(
         USER + [{"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": name, "arguments": args}}]},
             {"role": "tool", "content": '{"temperature": 21}'}],
-        tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False)
+        tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False,
+        chat_template=TEMPLATE.read_text())
     got = httpx.post(server.url + "/tokenize", json={"messages": convo,
                                                      "tools": [WEATHER, CLOCK]}).json()
     assert got["tokens"] == tk(want, add_special_tokens=False)["input_ids"]
