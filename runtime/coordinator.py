@@ -23,7 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ipc import auth
 from ipc.messages import ProtocolError, message, segment
-from ipc.shm import SLEEP_POLL_MS
+from ipc.shm import HEADER_CAP, SLEEP_POLL_MS
 from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
 from ipc.sockets import configure as configure_socket
 from ipc.sockets import context, free_tcp_port, recv, run_dir, send
@@ -964,7 +964,9 @@ class Coordinator:
         if d is None:
             return {}
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
-        fields = StepFields(d, prompt, stops)
+        # every sequence of a step, and the step's own fields, share one ring slot's header
+        budget = (HEADER_CAP - 4096) // (self.config.max_seqs + 1)
+        fields = StepFields(d, prompt, stops, self.model_config.vocab_size, budget)
         return {"step_fields": fields, "on_output": progress.note_output,
                 "prompt_lp": None if d.prompt_logprobs is None else {
                     "k": d.prompt_logprobs, "temperature": params.temperature}}

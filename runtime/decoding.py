@@ -16,6 +16,10 @@ import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
+import torch
+
+from shards.sampling import pack_bias, pack_mask
+
 
 class TokenGrammar(Protocol):
     """A grammar that constrains one sequence's tokens (`runtime.grammar`)."""
@@ -44,12 +48,24 @@ class Decoding:
                     or self.grammar is not None)
 
 
-class StepFields:
-    """`sequence_program`'s `step_fields` for one sequence."""
+class ProcessorsTooLarge(ValueError):
+    """A sequence's processors no longer fit in a step's header (`StepFields`)."""
 
-    def __init__(self, d: Decoding, prompt: Sequence[int], stop_ids: Collection[int]) -> None:
-        self.d = d
-        self.prompt_ids = sorted(set(prompt)) if d.repetition_penalty != 1.0 else []
+
+class StepFields:
+    """`sequence_program`'s `step_fields` for one sequence. `budget`: the bytes its fields may
+    take in a step's header (every sequence of a step shares the header's room, `ipc.shm`):
+    a sequence whose penalties or masks outgrow it fails with ProcessorsTooLarge, never a
+    step of the whole batch."""
+
+    def __init__(self, d: Decoding, prompt: Sequence[int], stop_ids: Collection[int],
+                 vocab: int, budget: int) -> None:
+        self.d, self.vocab, self.budget = d, vocab, budget
+        self.seen = None
+        if d.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(sorted(set(prompt)), dtype=torch.long)] = True
+        self.counted = 0  # generated tokens already in `seen`
         self.stop_ids = sorted(set(stop_ids))
         self.grammar = d.grammar() if d.grammar is not None else None
 
@@ -68,12 +84,22 @@ class StepFields:
                 bias[t] = float("-inf")
         if bias:
             ids = sorted(bias)
-            out["bias"] = [ids, [bias[t] for t in ids]]
-        if d.repetition_penalty != 1.0:
+            out["bias"] = pack_bias(ids, [bias[t] for t in ids])
+        if self.seen is not None:
+            new = list(generated[self.counted:])
+            self.counted = len(generated)
+            if new:
+                self.seen[torch.tensor(new, dtype=torch.long)] = True
             out["rep"] = d.repetition_penalty
-            out["rep_ids"] = sorted(set(self.prompt_ids).union(generated))
+            out["rep_mask"] = pack_mask(self.seen)
         if self.grammar is not None:
             mask = self.grammar.mask(generated)
             if mask is not None:
                 out["mask"] = mask
+        size = sum(len(v) for v in out.values() if isinstance(v, bytes))
+        if size > self.budget:
+            raise ProcessorsTooLarge(
+                f"this request's penalties, logit_bias and grammar mask take {size} bytes a step "
+                f"after {len(generated)} tokens, more than the {self.budget} one sequence may "
+                "(fewer distinct tokens penalised, or a lower max_seqs, leaves more room)")
         return out or None

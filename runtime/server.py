@@ -36,7 +36,7 @@ from runtime.generate import Progress
 from runtime.metrics import Metrics
 from runtime.openai_api import Limits, ParsedRequest, RequestError, parse
 from runtime.openai_render import Renderer, usage
-from runtime.decoding import Decoding
+from runtime.decoding import Decoding, ProcessorsTooLarge
 from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 log = logging.getLogger("layersplit.server")
@@ -375,6 +375,8 @@ class Engine:
             e = req.error
             if isinstance(e, ShardFailure):
                 a.job.emit(("error", 503, str(e)))
+            elif isinstance(e, ProcessorsTooLarge):  # the request's own limit, named
+                a.job.emit(("error", 400, RequestError(str(e), None)))
             else:
                 log.error("request failed: %s: %s", type(e).__name__, e)
                 a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))

@@ -158,12 +158,14 @@ def accept_draft(
 # ---- logits processing and logprobs (the `sample` dict's optional fields) -----------------------
 # A segment's `sample` may carry, besides SamplingParams.wire():
 #   "lp":   int >= 0: return the logprob of each emitted token and its top `lp` alternatives
-#   "bias": [[ids], [values]]: added to those logits (logit_bias, presence/frequency penalties,
-#           min_tokens' -inf on the stop tokens; the coordinator sums them per step)
-#   "rep":  float > 0 and "rep_ids": [ids]: the repetition penalty over those tokens (a
-#           positive logit divided by rep, a negative one multiplied)
+#   "bias": bytes (`pack_bias`: int32 token ids, then their float32 values): added to those
+#           logits (logit_bias, presence/frequency penalties, min_tokens' -inf on the stop
+#           tokens; the coordinator sums them per step)
+#   "rep":  float > 0 and "rep_mask": a token mask (as "mask"): the repetition penalty over
+#           those tokens (a positive logit divided by rep, a negative one multiplied)
 #   "mask": bytes: zlib of a little-endian bitmask of the vocabulary (bit t set: t allowed), a
 #           grammar's (`runtime.grammar`)
+# (bytes, not lists: a step's header stays small whatever the vocabulary or the penalties)
 # They apply in that order, before temperature; a segment with any of them is not speculated.
 PROCESSOR_KEYS = ("bias", "rep", "mask")
 
@@ -175,29 +177,50 @@ def check_processors(sample: dict, vocab: int) -> str | None:
         return f"lp={lp!r} must be an integer in 0..{vocab}"
     bias = sample.get("bias")
     if bias is not None:
-        if (not isinstance(bias, list) or len(bias) != 2 or len(bias[0]) != len(bias[1])
-                or not all(isinstance(t, int) and 0 <= t < vocab for t in bias[0])
-                or not all(isinstance(v, (int, float)) for v in bias[1])):
-            return "bias must be [[token ids of the vocabulary], [numbers]] of equal length"
+        if not isinstance(bias, bytes) or len(bias) % 8:
+            return "bias must be bytes: int32 token ids, then as many float32 values"
+        ids, _ = unpack_bias(bias)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            return "bias names a token id outside the vocabulary"
     rep = sample.get("rep")
     if rep is not None:
-        ids = sample.get("rep_ids")
         if not isinstance(rep, (int, float)) or isinstance(rep, bool) or not rep > 0:
             return f"rep={rep!r} must be a number > 0"
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab
-                                                for t in ids):
-            return "rep_ids must be a list of token ids of the vocabulary"
-    mask = sample.get("mask")
-    if mask is not None:
-        if not isinstance(mask, bytes):
-            return "mask must be bytes (a zlib-compressed token bitmask)"
-        try:
-            raw = zlib.decompress(mask, bufsize=(vocab + 7) // 8)
-        except zlib.error as e:
-            return f"mask is not zlib data ({e})"
-        if len(raw) < (vocab + 7) // 8:
-            return f"mask holds {len(raw) * 8} bits for a vocabulary of {vocab}"
+        bad = _check_mask(sample.get("rep_mask"), vocab, "rep_mask")
+        if bad is not None:
+            return bad
+    if sample.get("mask") is not None:
+        return _check_mask(sample["mask"], vocab, "mask")
     return None
+
+
+def _check_mask(mask: object, vocab: int, name: str) -> str | None:
+    if not isinstance(mask, bytes):
+        return f"{name} must be bytes (a zlib-compressed token bitmask)"
+    need = (vocab + 7) // 8
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(mask, need + 64)  # (never more than a mask's worth inflated)
+    except zlib.error as e:
+        return f"{name} is not zlib data ({e})"
+    if len(raw) < need:
+        return f"{name} holds {len(raw) * 8} bits for a vocabulary of {vocab}"
+    return None
+
+
+def pack_bias(ids: Sequence[int], values: Sequence[float]) -> bytes:
+    """The sample's `bias`: int32 ids, then their float32 values."""
+    return (torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()
+            + torch.tensor(list(values), dtype=torch.float32).numpy().tobytes())
+
+
+def unpack_bias(b: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(b) // 8
+    if not n:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    raw = bytearray(b)
+    return (torch.frombuffer(raw, dtype=torch.int32, count=n).long(),
+            torch.frombuffer(raw, dtype=torch.float32, count=n, offset=4 * n))
 
 
 def has_processors(sample: dict | None) -> bool:
@@ -206,7 +229,8 @@ def has_processors(sample: dict | None) -> bool:
 
 def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask."""
-    raw = torch.frombuffer(bytearray(zlib.decompress(mask)), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(zlib.decompressobj().decompress(mask, (vocab + 7) // 8)),
+                           dtype=torch.uint8)
     bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
     return bits.flatten()[:vocab].bool().to(device)
 
@@ -227,15 +251,13 @@ def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
         return logits
     x = logits.float().clone()
     rep = sample.get("rep")
-    if rep is not None and sample.get("rep_ids"):
-        ids = torch.tensor(sorted(set(sample["rep_ids"])), device=x.device)
-        v = x[:, ids]
-        x[:, ids] = torch.where(v > 0, v / rep, v * rep)
+    if rep is not None:
+        seen = mask_bits(sample["rep_mask"], x.shape[-1], x.device)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     bias = sample.get("bias")
-    if bias is not None and bias[0]:
-        ids = torch.tensor(bias[0], device=x.device)
-        x.index_add_(1, ids, torch.tensor(bias[1], dtype=x.dtype, device=x.device)
-                     .expand(x.shape[0], -1).contiguous())
+    if bias:
+        ids, vals = unpack_bias(bias)
+        x.index_add_(1, ids.to(x.device), vals.to(x.device).expand(x.shape[0], -1).contiguous())
     mask = sample.get("mask")
     if mask is not None:
         x = x.masked_fill(~mask_bits(mask, x.shape[-1], x.device), float("-inf"))
