@@ -124,6 +124,15 @@ def test_n_choices_and_their_limit(server):
     assert _ram_hits(server) == hits + 2
     for i in range(3):  # each choice is the single request of its seed
         assert c.completions.create(**kw, seed=11 + i).choices[0].text == r.choices[i].text
+    # a follower's first token comes from the snapshot's stored logits: its logprobs too
+    hits = _ram_hits(server)
+    g = c.completions.create(model=MODEL, prompt="two greedy choices", max_tokens=4,
+                             temperature=0, n=2, logprobs=2, extra_body={"ignore_eos": True})
+    assert _ram_hits(server) == hits + 1
+    a, b = (ch.logprobs for ch in g.choices)
+    assert g.choices[0].text == g.choices[1].text and a.tokens == b.tokens
+    assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+    assert [sorted(t) for t in a.top_logprobs] == [sorted(t) for t in b.top_logprobs]
     chunks = list(c.chat.completions.create(model=MODEL, messages=[
         {"role": "user", "content": "hi"}], max_tokens=4, temperature=1.0, seed=2, n=2,
         stream=True))
