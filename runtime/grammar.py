@@ -37,7 +37,7 @@ class GrammarCompiler:
         self.vocab = vocab_size
         self.eos = list(eos_ids)
         self.ll = llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size,
-                                         eos_token=self.eos[0] if self.eos else None)
+                                         eos_token=self.eos or None)
         self._lock = threading.Lock()
 
     def json_schema(self, schema: Any) -> str:

@@ -1,7 +1,7 @@
 """Tool calls and structured output on the real server, through the official `openai` client:
-the bundled Hermes-style template (Qwen2.5's, `--chat-template`), tool_choice required / named enforced by the grammar, the
-round trip call -> tool result -> answer, response_format json_schema validated with
-`jsonschema`; schemas that cannot be compiled refused by name."""
+the bundled Hermes-style template (Qwen2.5's, `--chat-template`), tool_choice required / named
+enforced by the grammar, the round trip call -> tool result -> answer, response_format
+json_schema validated with `jsonschema`; schemas that cannot be compiled refused by name."""
 
 from __future__ import annotations
 
