@@ -476,3 +476,9 @@ def test_logprobs_under_speculation_equal_plain(target, fitted):
                 assert a[1] == pytest.approx(b[1], abs=1e-5)
                 assert a[3] == pytest.approx(b[3], abs=1e-5)
             assert spec.spec.accepted_at[0] > 0  # kept draft tokens had their logprobs
+        # a request with a logits processor runs plainly, even when asked to speculate
+        progress = Progress()
+        req = coord.submit(prompt, GREEDY, progress, use_cache=False, speculative=True,
+                           decoding=Decoding(logit_bias=((5, 0.5),)))
+        collect(coord.deltas(req), progress, len(prompt))
+        assert progress.spec is None and len(progress.generated) == GREEDY.max_tokens
