@@ -502,8 +502,9 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             except ValueError as e:
                 raise RequestError(f"the body is not valid JSON: {e}", None) from None
             req = parse(body, kind, engine.served_model, limits())
-            _constrain(engine, req)
             loop = asyncio.get_running_loop()
+            # (compiling a grammar may take a while: not on the event loop, which streams)
+            await loop.run_in_executor(None, _constrain, engine, req)
             job = Job(req, loop, asyncio.Queue())
             engine.submit(job)
         except RequestError as e:
@@ -581,6 +582,8 @@ def _constrain(engine: Engine, req: ParsedRequest) -> None:
     when one cannot be."""
     from runtime.grammar import GrammarError, tool_call_grammar
 
+    if engine.status != "ready":
+        return  # (refused with 503 when it is submitted)
     if req.tools:
         tok = engine.tokenizer
         if tok is None or tool_format(tok.chat_template) is None:
