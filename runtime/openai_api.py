@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies: parsing and validation, with errors that name the field.
 
 Unsupported parameters are rejected (400) when they would change the output and ignored when
-they would not (`user`, `logit_bias` of `{}`), as OpenAI-compatible servers do.
+they would not (`user`), as OpenAI-compatible servers do. Tool definitions and schemas are
+checked here for their shape; whether a grammar can enforce them is the server's check, with
+the model's tokenizer (`runtime.grammar`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,16 @@ _REJECT_IF = {  # parameter -> the value that is harmless (anything else is refu
     "best_of": (None, 1), "suffix": (None, ""),
     # the deprecated forms of tools and tool_choice
     "functions": (None, []), "function_call": (None, "none"),
+    # OpenAI's that would change the output and are not implemented
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    # vLLM's extensions that would change the output and are not implemented (structured
+    # output: send response_format; prompt logprobs: echo + logprobs)
+    "min_p": (None, 0, 0.0), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "bad_words": (None, []), "allowed_token_ids": (None,),
 }
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

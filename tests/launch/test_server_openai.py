@@ -231,6 +231,10 @@ def test_tokenize_and_detokenize(server, ref):
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+     "modalities"),
     # the tiny model's ChatML template writes no tool calls: tools are refused, not ignored
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
       "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
