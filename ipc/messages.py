@@ -19,7 +19,9 @@ PROTOCOL_VERSION = 8  # 2: speculative decoding; 3: batched steps (several seque
 # 6: proposals handed by the draft to the first shard (segment `ask`, outcome `asked`,
 # `drafted`, `draft_gone`, draft_configure `push`); 7: `verdict` (was feat `next`), sent after
 # the step's rows, which go before the verdict is known; 8: cache tensors streamed over the
-# channel (snap_save / snap_load `stream`, saved `names` + frames) for shards without the file
+# channel (snap_save / snap_load `stream`, saved `names` + frames) for shards without the file;
+# logprobs and logits processors (sample `lp`, `bias`, `rep`, `mask`; segment `plp`; outcome
+# `lp`, `plp`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -122,14 +124,21 @@ SEGMENT: dict[str, tuple[type, ...]] = {
     "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
     "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
     "kept": (list, NoneType), "then": (dict, NoneType), "ask": (dict, NoneType),
-    "asked": (dict, NoneType)}
+    "asked": (dict, NoneType), "plp": (dict, NoneType)}
+# `plp`: {targets, k, temperature}: the logprobs of a prompt chunk's next tokens (`targets`: the
+# token after each of its first len(targets) rows), for a request that echoes its prompt with
+# logprobs; the sample dict's optional fields (`lp`, `bias`, `rep`, `mask`) are described in
+# `shards.sampling`
 # one segment's outcome. `token`: sampled for the position after the last accepted row (None
 # when the segment was not sampled); `accepted`: draft tokens a verify segment kept; `path`:
 # their rows, for a tree verify segment (else None); `asked`: the segment's `asked` (what the
-# first shard made of its `ask`), else None
+# first shard made of its `ask`), else None; `lp`: with the sample's `lp`, one
+# `shards.sampling.logprob_entries` entry per token the segment emitted (kept draft tokens,
+# then `token`), else None; `plp`: the entries of the segment's `plp` targets, else None
 OUTCOME: dict[str, tuple[type, ...]] = {"token": (int, NoneType), "accepted": (int,),
                                         "logits": (bool,), "path": (list, NoneType),
-                                        "asked": (dict, NoneType)}
+                                        "asked": (dict, NoneType), "lp": (list, NoneType),
+                                        "plp": (list, NoneType)}
 MAX_SEGMENTS = 512  # sequences in one step (a ring slot's header holds this many)
 NESTED = {"step": ("seqs", SEGMENT), "result": ("outs", OUTCOME)}
 
@@ -218,11 +227,12 @@ def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], wher
 def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: bool = False,
             draft: list[int] | None = None, feat: int | None = None,
             tree: list[int] | None = None, kept: list[int] | None = None,
-            then: dict | None = None, ask: dict | None = None) -> dict[str, Any]:
+            then: dict | None = None, ask: dict | None = None,
+            plp: dict | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
             "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then, "ask": ask,
-            "asked": None}
+            "asked": None, "plp": plp}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

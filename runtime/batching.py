@@ -152,9 +152,13 @@ class Batcher:
                         raise StopIteration
                     item = req.program.send(None)
                 elif isinstance(item, SampleRequest):
-                    token = self.coord.sample_logits(item.logits, item.position, item.sample,
-                                                     item.seed)
-                    item = req.program.send(token)
+                    if item.extra is None:
+                        got = self.coord.sample_logits(item.logits, item.position, item.sample,
+                                                       item.seed)
+                    else:
+                        got = self.coord.sample_output(item.logits, item.position, item.sample,
+                                                       item.seed, item.extra)
+                    item = req.program.send(got)
                 else:
                     req.pending = item
                     return

@@ -120,6 +120,11 @@ class RuntimeConfig:
     restart_on_failure: bool = _field(True, "serve: restart the shard group after a shard "
                                             "failure (else exit)")
     grace_s: float = _field(30.0, "serve: seconds in-flight requests get on SIGTERM")
+    chat_template: str | None = _field(None, "a Jinja chat template file that replaces the "
+                                             "checkpoint's (e.g. configs/templates/"
+                                             "chatml-tools.jinja: ChatML with Hermes tool calls)")
+    max_logprobs: int = _field(20, "serve: most top alternatives a request may ask per token "
+                                   "(top_logprobs, completions' logprobs)")
     startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
     step_timeout: float = _field(600.0, "seconds a step may take before the shard is declared "
                                         "hung while no step of its kind has come back yet "
@@ -139,6 +144,10 @@ class RuntimeConfig:
             raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat_template={self.chat_template}: no such file")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs={self.max_logprobs}: must be at least 0")
         if not 1 <= self.max_seqs <= 512:
             raise ConfigError(f"max_seqs={self.max_seqs}: use 1..512")
         if not 0 <= self.micro_batches <= 4:

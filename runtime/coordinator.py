@@ -25,12 +25,13 @@ from zmq.utils.monitor import recv_monitor_message
 from ipc import auth
 from ipc.curve import needs_curve
 from ipc.messages import ProtocolError, message, segment
-from ipc.shm import SLEEP_POLL_MS
+from ipc.shm import HEADER_CAP, SLEEP_POLL_MS
 from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
 from ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
 from runtime.cache_ops import CacheManager, Restored
 from runtime.chunking import cut_points
 from runtime.config import ConfigError, RuntimeConfig
+from runtime.decoding import Decoding, StepFields
 from runtime.batching import MAX_IN_FLIGHT, Batcher, Request
 from runtime.generate import (
     Delta, GenerationResult, OutputStream, Program, Progress, StepOutput, StepRequest, collect,
@@ -109,6 +110,12 @@ class Coordinator:
         self.ray: RayLauncher | None = None  # launcher = "ray": the chain's actors
         self.host = host_id()  # this coordinator's host, as the shards name theirs
         self.tokenizer = TextTokenizer.for_model(self.model_path)
+        if config.chat_template and self.tokenizer is not None:
+            try:
+                self.tokenizer.chat_template = Path(config.chat_template).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"chat_template: cannot read {config.chat_template} ({e})"
+                                 ) from None
         tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
         self.eos_ids = tok_eos or tuple(self.model_config.eos_token_ids)
         self.chunk = config.prefill_chunk
@@ -803,7 +810,8 @@ class Coordinator:
         wire, ids = [], []
         for slot, r, feed in segs:
             feed = feed if self.feeding else None
-            sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed}
+            sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed,
+                                                    **(r.extra or {})}
             ask = None
             if r.ask is not None and feed is not None:  # the proposal of the last verdict
                 ask = {**r.ask, "after": self._feat_sids.get(feed, 0)}
@@ -811,7 +819,8 @@ class Coordinator:
                 self._feat_sids[feed] = sid
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
-                                r.tree, r.kept, r.then if feed is not None else None, ask))
+                                r.tree, r.kept, r.then if feed is not None else None, ask,
+                                r.plp))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -884,23 +893,31 @@ class Coordinator:
                     isinstance(j, int) for j in path)):
                 raise self._fail(f"the last shard returned the tree path {path[:40]} for "
                                  f"{o['accepted']} kept tokens")
-            outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"]))
+            outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"], o["lp"],
+                                   o["plp"]))
         if logits is not None and row != len(logits):
             raise self._fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int:
+        return self.sample_output(logits, position, sample, seed).token
+
+    def sample_output(self, logits: np.ndarray, position: int, sample: SamplingParams,
+                      seed: int, extra: dict | None = None) -> StepOutput:
+        """Draw the token at `position` from stored logits on the last shard (an exact
+        prefix-cache hit), with the optional sample fields `extra` (`shards.sampling`)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
         last = self.shards[-1]
         send(last.sock, message("sample", sid=sid, position=position,
-                                sample={**sample.wire(), "seed": seed}),
+                                sample={**sample.wire(), "seed": seed, **(extra or {})}),
              [np.ascontiguousarray(logits, dtype=np.float32)])
         msg, _ = self._wait(lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
                             time.monotonic() + self.config.step_timeout, f"sample {sid}", sid)
-        return int(msg["outs"][0]["token"])
+        o = msg["outs"][0]
+        return StepOutput(int(o["token"]), lp=o.get("lp"))
 
     # ---- generation ---------------------------------------------------------------------------
     def check_prompt(self, prompt: Sequence[int]) -> None:
@@ -914,9 +931,11 @@ class Coordinator:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary")
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
-               use_cache: bool = True, speculative: bool | None = None) -> Request:
+               use_cache: bool = True, speculative: bool | None = None,
+               decoding: Decoding | None = None) -> Request:
         """Queue one prompt in the batch (`batcher.run_once` then runs it); its tokens appear
-        in the request's `tokens` as they are generated."""
+        in the request's `tokens` as they are generated. `decoding`: logprobs and logits
+        processors (`runtime.decoding`); the logprobs land in `progress`."""
         self._ensure_up()
         self.check_prompt(prompt)
         if self.tokenizer is None and params.stop:
@@ -926,9 +945,13 @@ class Coordinator:
             raise self._fail(f"speculation is required (spec_required) but the draft is gone: "
                              f"{self.draft_down}")
         prompt = list(prompt)
+        if decoding is not None and decoding.prompt_logprobs is not None:
+            use_cache = False  # every prompt row is computed: a restored one has no logprobs
+        if decoding is not None and decoding.processes:
+            speculative = False  # each verify row would need processors of its own
         holder: list[Request] = []
         req = self.batcher.submit(len(prompt), lambda slot: self._program(
-            holder[0], prompt, params, progress, use_cache, speculative, slot),
+            holder[0], prompt, params, progress, use_cache, speculative, slot, decoding),
             OutputStream(self.tokenizer, params, self.eos_ids, progress))
         holder.append(req)
         return req
@@ -957,7 +980,7 @@ class Coordinator:
 
     def _program(self, req: Request, prompt: list[int], params: SamplingParams,
                  progress: Progress, use_cache: bool, speculative: bool | None,
-                 slot: int) -> Program:
+                 slot: int, decoding: Decoding | None = None) -> Program:
         """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
@@ -1016,7 +1039,8 @@ class Coordinator:
                                     on_prefill_boundary=on_boundary if points else None,
                                     logits_at=points, drafter=drafter,
                                     on_logits=None if progress.logits is None
-                                    else progress.logits.append)
+                                    else progress.logits.append,
+                                    **self._decoding_hooks(decoding, prompt, params, progress))
             t_prefill = time.perf_counter()
             item = next(prog)
             while not isinstance(item, int):
@@ -1035,6 +1059,19 @@ class Coordinator:
                 prog.close()
             if context is not None:
                 self._free_contexts = sorted([*self._free_contexts, context])
+
+    def _decoding_hooks(self, d: Decoding | None, prompt: list[int], params: SamplingParams,
+                        progress: Progress) -> dict[str, Any]:
+        """`sequence_program`'s step_fields, on_output and prompt_lp for a request's `d`."""
+        if d is None:
+            return {}
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_ids))
+        # every sequence of a step, and the step's own fields, share one ring slot's header
+        budget = (HEADER_CAP - 4096) // (self.config.max_seqs + 1)
+        fields = StepFields(d, prompt, stops, self.model_config.vocab_size, budget)
+        return {"step_fields": fields, "on_output": progress.note_output,
+                "prompt_lp": None if d.prompt_logprobs is None else {
+                    "k": d.prompt_logprobs, "temperature": params.temperature}}
 
     def generate(self, prompt: Sequence[int], params: SamplingParams, use_cache: bool = True,
                  speculative: bool | None = None) -> GenerationResult:

@@ -29,6 +29,8 @@ class StepOutput:
     path: list[int] | None = None  # their rows, for a tree verify step (`shards.spec_tree`)
     asked: dict | None = None  # a step that asked for the draft's proposal: what came of it
     # (the last shard's outcome `asked`: draft, tree, missed, waited, compute)
+    lp: list | None = None  # logprobs of the tokens it emitted (`shards.sampling.logprob_entries`)
+    plp: list | None = None  # logprobs of a prompt chunk's next tokens (StepRequest.plp)
 
 
 class Engine(Protocol):
@@ -54,6 +56,7 @@ class Delta:
 
     token: int
     text: str
+    lp: list | None = None  # the token's logprobs entry, when the request asked for them
 
 
 @dataclasses.dataclass(slots=True)
@@ -89,6 +92,16 @@ class Progress:
     logits: list[np.ndarray] | None = None  # set to [] to record, for each token the sequence
     # drew (a stop token included), the float32 logits it was drawn from: tests compare them
     # position by position (`sequence_program`'s on_logits; not with speculation)
+    logprobs: list = dataclasses.field(default_factory=list)  # an entry per token sampled
+    # (stop tokens included), when asked for (`shards.sampling.logprob_entries`)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # of prompt tokens 1..
+
+    def note_output(self, out: StepOutput) -> None:
+        """Keep a sampled step's logprobs (`sequence_program`'s `on_output`)."""
+        if out.plp:
+            self.prompt_logprobs.extend(out.plp)
+        if out.lp:
+            self.logprobs.extend(out.lp)
 
     @property
     def ttft_s(self) -> float:
@@ -148,6 +161,8 @@ class StepRequest:
     kept: list[int] | None = None
     then: dict | None = None
     ask: dict | None = None  # {n, tree}: its draft tokens come from the draft (`shards.asked`)
+    extra: dict | None = None  # optional sample fields: logprobs, processors (`shards.sampling`)
+    plp: dict | None = None  # {targets, k, temperature}: the prompt chunk's logprobs
 
     @property
     def rows(self) -> int:
@@ -163,6 +178,7 @@ class SampleRequest:
     position: int
     sample: SamplingParams
     seed: int
+    extra: dict | None = None  # as StepRequest.extra; with it, the program is sent a StepOutput
 
 
 # A sequence program yields StepRequest (and is sent a StepOutput, or None when `wait` is
@@ -184,6 +200,9 @@ def sequence_program(
     context: int | None = None,
     drafter: Drafter | None = None,
     on_logits: Callable[[np.ndarray], None] | None = None,
+    step_fields: Callable[[Sequence[int]], dict | None] | None = None,
+    on_output: Callable[[StepOutput], None] | None = None,
+    prompt_lp: dict | None = None,
 ) -> Program:
     """One sequence's generation as the steps it needs, for a driver to run (alone:
     `token_stream`; batched with others: `runtime.batching`). Yields generated tokens forever
@@ -197,8 +216,15 @@ def sequence_program(
     then continues from the token the target drew after them (`shards.sampling.accept_draft`).
     Every yielded token is the one plain decoding yields.
 
-    `on_logits(logits)` (tests, debugging) is called with the logits each token is drawn from,
-    before the token is yielded; steps then return their logits (by default they do not)."""
+    `step_fields(generated)` gives the optional sample fields (`shards.sampling`: logprobs,
+    logits processors) of the step that samples the token after `generated` (the tokens so
+    far); `on_output` is called with each sampled step's output (its logprobs). With
+    `prompt_lp` ({k, temperature}) every prefill chunk returns its rows' logprobs of the next
+    prompt token (`StepOutput.plp`; `start` must be 0).
+
+    `on_logits(logits)` (tests, debugging) is called with the logits each token is drawn from
+    (before any logits processor), before the token is yielded; steps then return their logits
+    (by default they do not)."""
     n = len(prompt)
     if n == 0:
         raise ValueError("the prompt is empty")
@@ -206,21 +232,33 @@ def sequence_program(
         raise ValueError("per-token logits are not recorded with speculation (a verify step "
                          "returns the logits of its last kept row only); run it without a draft")
     record = on_logits is not None
+
+    def fields(gen: Sequence[int]) -> dict | None:
+        return None if step_fields is None else step_fields(gen)
+
     if start == n:
         if start_logits is None:
             raise ValueError("an exact prefix hit needs the stored logits of the last prompt row")
         if record:
             on_logits(np.array(start_logits, dtype=np.float32))
-        token = yield SampleRequest(start_logits, n, params, seed)
+        got = yield SampleRequest(start_logits, n, params, seed, fields([]))
+        if isinstance(got, StepOutput):
+            if on_output is not None:
+                on_output(got)
+            got = got.token
+        token = got
     else:
         out = None
         for a, b in prefill_chunks(prompt, start, n, chunk, turn_end_ids):
             last = b == n
-            needed = last or b in logits_at
+            needed = last or b in logits_at or prompt_lp is not None
+            plp = None if prompt_lp is None else {**prompt_lp, "targets": list(prompt[a + 1:b + 1])}
             out = yield StepRequest(list(prompt[a:b]), a, params if last else None, seed,
                                     want_logits=b in logits_at or (last and record),
-                                    wait=needed)
-            if on_prefill_boundary is not None and needed:
+                                    wait=needed, extra=fields([]) if last else None, plp=plp)
+            if on_output is not None and needed and (last or plp is not None):
+                on_output(out)
+            if on_prefill_boundary is not None and (last or b in logits_at):
                 on_prefill_boundary(b, out.logits)
         assert out is not None and out.token is not None
         if record:
@@ -232,6 +270,7 @@ def sequence_program(
     while context is None or pos < context:  # prompt + generated never exceed the context
         yield token  # at position pos
         seq.append(token)
+        extra = fields(seq[n:])
         drafts, tree, ask = [], None, None
         if drafter is not None:
             room = drafter.block if context is None else min(drafter.block, context - pos)
@@ -242,11 +281,13 @@ def sequence_program(
                     drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
         if ask is not None or drafts:
             step = StepRequest([token, *drafts], pos, params, seed, draft=drafts or None,
-                               tree=tree, kept=kept, ask=ask)
+                               tree=tree, kept=kept, ask=ask, extra=extra)
             # a full proposal fits after this step, whatever it keeps: the draft may prepare it
             if context is None or context - pos - step.rows >= max(drafter.rows, drafter.block):
                 step.then = drafter.then()
             out = yield step
+            if on_output is not None:
+                on_output(out)
         if ask is not None:  # the draft handed the first shard this step's draft tokens
             drafts, tree = drafter.delivered(out.asked)
             if not drafts:  # it ran as a plain decode step
@@ -267,7 +308,10 @@ def sequence_program(
                 yield drafts[j - 1]
                 seq.append(drafts[j - 1])
         else:
-            out = yield StepRequest([token], pos, params, seed, want_logits=record, kept=kept)
+            out = yield StepRequest([token], pos, params, seed, want_logits=record, kept=kept,
+                                    extra=extra)
+            if on_output is not None:
+                on_output(out)
             kept = None
             if record:
                 on_logits(out.logits)
@@ -315,6 +359,7 @@ class OutputStream:
             self.stops.update(eos_ids)
         self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
         self.finished = params.max_tokens == 0
+        self.pushed = 0  # tokens pushed (stop tokens included): the index of their logprobs
         if self.finished:
             progress.finish_reason = "length"
 
@@ -324,6 +369,8 @@ class OutputStream:
         if progress.first_token_at is None:
             progress.first_token_at = now
         progress.token_times.append(now)
+        lp = (progress.logprobs[self.pushed] if self.pushed < len(progress.logprobs) else None)
+        self.pushed += 1
         if tok in self.stops:
             progress.finish_reason = "stop"
             self.finished = True
@@ -334,11 +381,11 @@ class OutputStream:
         if self.text is not None and self.text.stopped:
             progress.finish_reason = "stop"
             self.finished = True
-            return [Delta(tok, delta)] if delta else []
+            return [Delta(tok, delta, lp)] if delta or lp else []
         if len(progress.generated) >= self.params.max_tokens:
             progress.finish_reason = "length"
             self.finished = True
-        return [Delta(tok, delta)]
+        return [Delta(tok, delta, lp)]
 
     def close(self) -> list[Delta]:
         tail = self.text.finish() if self.text is not None else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -34,7 +35,10 @@ from runtime.coordinator import Coordinator, ShardFailure
 from runtime.batching import Request as BatchRequest
 from runtime.generate import Progress
 from runtime.metrics import Metrics
-from runtime.openai_api import ParsedRequest, RequestError, parse
+from runtime.openai_api import Limits, ParsedRequest, RequestError, parse
+from runtime.openai_render import Renderer, usage
+from runtime.decoding import Decoding, ProcessorsTooLarge
+from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 log = logging.getLogger("layersplit.server")
 
@@ -46,6 +50,8 @@ class Job:
     out: asyncio.Queue
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # once tokenized
+    started: list[BatchRequest] = dataclasses.field(default_factory=list)  # its sequences
 
     def emit(self, item: tuple) -> None:
         try:
@@ -69,6 +75,24 @@ class Engine:
         self._stopping = False
         self._stop_at = float("inf")
         self.fatal: str | None = None
+        self._followers: list[Active] = []  # first choices whose job's others wait for them
+        self._grammars: Any = None  # runtime.grammar.GrammarCompiler, once a request needs it
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self):
+        """The grammar compiler of the served model's tokenizer (built on first use)."""
+        from runtime.grammar import GrammarCompiler
+
+        coord = self.coord
+        if coord is None or self.tokenizer is None:
+            raise RequestError(f"the engine is {self.status}: {self.reason}" if coord is None
+                               else "the model has no tokenizer: no structured output", None,
+                               status=503 if coord is None else 400)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, coord.model_config.vocab_size,
+                                                 coord.eos_ids)
+            return self._grammars
 
     def start(self) -> None:
         self._thread.start()
@@ -149,9 +173,9 @@ class Engine:
                     stopping = True
                     break
                 if not job.cancelled:
-                    a = self._start_contained(job)
-                    if a is not None:
-                        active.append(a)
+                    started = self._start_contained(job)
+                    if started:
+                        active.extend(started)
                         busy = True
             coord = self.coord
             if stopping:
@@ -174,6 +198,8 @@ class Engine:
                     self._recover(f"internal error: {type(e).__name__}: {e}")
                     continue
             active = [a for a in active if not self._pump_contained(a)]
+            if self._followers:
+                active.extend(self._start_followers())
             self.metrics.running.set(len(active))
             if coord.failed is not None:
                 for a in active:
@@ -182,6 +208,7 @@ class Engine:
                 self._recover(coord.failed)
 
     def _recover(self, why: str) -> None:
+        self._followers = []  # their jobs failed with the rest
         self.status, self.reason = "degraded", why
         self.metrics.up.set(0)
         if self.coord is not None:
@@ -208,6 +235,9 @@ class Engine:
     def _shut_out(self, active: list[Active]) -> list[Active]:
         """Shutting down: requests still waiting for a KV slot, and every one past the grace
         period, get 503."""
+        for lead in self._followers:  # choices not started will not be
+            lead.job.emit(("error", 503, "the server is shutting down"))
+        self._followers = []
         if self.coord is None:
             for a in active:
                 a.job.emit(("error", 503, "the server is shutting down"))
@@ -223,7 +253,7 @@ class Engine:
                 keep.append(a)
         return keep
 
-    def _start_contained(self, job: Job) -> Active | None:
+    def _start_contained(self, job: Job) -> list[Active]:
         """`_start`, where an exception fails this job alone (500) and never the engine thread:
         one bad request must not take the server down."""
         try:
@@ -231,7 +261,10 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - any bug here is this request's, not the server's
             log.exception("request could not start")
             job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
-            return None
+            if self.coord is not None:
+                for r in job.started:
+                    self.coord.batcher.cancel(r)
+            return []
 
     def _pump_contained(self, a: Active) -> bool:
         """`_pump`, where an exception fails this request alone (and frees its KV slot)."""
@@ -244,15 +277,16 @@ class Engine:
                 self.coord.batcher.cancel(a.req)
             return True
 
-    def _start(self, job: Job) -> Active | None:
-        """Tokenize and check a job and queue it in the batch; None if it failed at once."""
+    def _start(self, job: Job) -> list[Active]:
+        """Tokenize and check a job and queue its `n` sequences in the batch; [] if it failed
+        at once."""
         coord, req = self.coord, job.req
         if coord is None:
             job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
-            return None
+            return []
         try:
             if req.kind == "chat":
-                ids = coord.tokenizer.encode_chat(req.messages)
+                ids = coord.tokenizer.encode_chat(req.messages, tools=req.tools)
             elif req.prompt_ids is not None:
                 ids = req.prompt_ids
             else:
@@ -265,19 +299,60 @@ class Engine:
         except (RequestError, ValueError) as e:
             err = e if isinstance(e, RequestError) else RequestError(str(e), "prompt")
             job.emit(("error", err.status, err))
-            return None
-        progress = Progress()
+            return []
         self.metrics.prompt_tokens.inc(len(ids))
+        job.prompt_ids = list(ids)
+        # n > 1: the first choice prefills the prompt and snapshots it in the prefix cache;
+        # the others start once its first token is out, from that snapshot (no prefill)
+        shared = (req.n > 1 and req.use_cache and coord.cache is not None and
+                  (req.decoding is None or req.decoding.prompt_logprobs is None))
+        started = []
+        for i in range(1 if shared else req.n):
+            a = self._submit_choice(job, i)
+            if a is None:
+                for b in started:
+                    coord.batcher.cancel(b.req)
+                return []
+            started.append(a)
+        if shared:
+            self._followers.append(started[0])
+        return started
+
+    def _submit_choice(self, job: Job, index: int) -> Active | None:
+        """Queue choice `index` of a tokenized job; None if it failed (the job is told)."""
+        coord, req = self.coord, job.req
+        params = req.params
+        if index and params.seed is not None:  # the choices of a seeded request differ
+            params = dataclasses.replace(params, seed=(params.seed + index) & ((1 << 63) - 1))
+        progress = Progress()
         try:
-            r = coord.submit(ids, req.params, progress, use_cache=req.use_cache,
-                             speculative=req.speculative)
-        except ValueError as e:
-            job.emit(("error", 400, RequestError(str(e), None)))
+            r = coord.submit(job.prompt_ids, params, progress, use_cache=req.use_cache,
+                             speculative=req.speculative, decoding=req.decoding)
+        except (ValueError, ShardFailure) as e:
+            job.emit(("error", 400, RequestError(str(e), None)) if isinstance(e, ValueError)
+                     else ("error", 503, str(e)))
             return None
-        except ShardFailure as e:
-            job.emit(("error", 503, str(e)))
-            return None
-        return Active(job, r, progress, len(ids))
+        job.started.append(r)
+        return Active(job, r, progress, len(job.prompt_ids), index)
+
+    def _start_followers(self) -> list[Active]:
+        """The other choices of the jobs whose first choice has its first token (its prompt's
+        snapshot is in the prefix cache) or is over."""
+        started, waiting = [], []
+        for lead in self._followers:
+            job = lead.job
+            if job.cancelled:
+                continue
+            if lead.progress.first_token_at is None and not lead.req.done:
+                waiting.append(lead)
+                continue
+            for i in range(1, job.req.n):
+                a = self._submit_choice(job, i)
+                if a is None:
+                    break
+                started.append(a)
+        self._followers = waiting
+        return started
 
     def _pump(self, a: Active) -> bool:
         """Hand the request's new text to its client; True once it is over."""
@@ -290,7 +365,11 @@ class Engine:
             else:
                 self.metrics.itl.observe(now - a.last)
             a.last = now
-            a.job.emit(("delta", d.text))
+            event = {"text": d.text, "lp": [d.lp] if d.lp is not None else []}
+            if not a.sent and a.job.req.echo:
+                event["echo"] = a.progress.prompt_logprobs
+            a.sent = True
+            a.job.emit(("delta", a.index, event))
         if a.job.cancelled:
             self.coord.batcher.cancel(req)  # its slot is free at once
         if not req.done:
@@ -299,6 +378,8 @@ class Engine:
             e = req.error
             if isinstance(e, ShardFailure):
                 a.job.emit(("error", 503, str(e)))
+            elif isinstance(e, ProcessorsTooLarge):  # the request's own limit, named
+                a.job.emit(("error", 400, RequestError(str(e), None)))
             else:
                 log.error("request failed: %s: %s", type(e).__name__, e)
                 a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
@@ -321,10 +402,11 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
-        a.job.emit(("done", {
+        a.job.emit(("done", a.index, {
             "finish_reason": "cancelled" if a.job.cancelled else progress.finish_reason,
             "prompt_tokens": a.prompt_tokens, "completion_tokens": n,
             "cached_tokens": progress.cached_tokens,
+            "echo": progress.prompt_logprobs if not a.sent and a.job.req.echo else None,
         }))
 
 
@@ -336,7 +418,9 @@ class Active:
     req: BatchRequest
     progress: Progress
     prompt_tokens: int
+    index: int = 0  # its choice of the job (n > 1)
     last: float | None = None  # when its last token went out
+    sent: bool = False  # a delta of it went out
 
 
 def _model_name(model: str) -> str:
@@ -408,6 +492,11 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             "id": engine.served_model, "object": "model", "created": int(time.time()),
             "owned_by": "layersplit", "max_model_len": config.max_context}]})
 
+    def limits() -> Limits:
+        vocab = (engine.coord.model_config.vocab_size if engine.coord is not None
+                 else Limits.vocab)
+        return Limits(vocab=vocab, max_logprobs=config.max_logprobs, max_n=config.max_seqs)
+
     async def handle(request: Request, kind: str):
         try:
             raw = await request.body()
@@ -415,36 +504,69 @@ def create_app(config: RuntimeConfig) -> FastAPI:
                 body = json.loads(raw)
             except ValueError as e:
                 raise RequestError(f"the body is not valid JSON: {e}", None) from None
-            req = parse(body, kind, engine.served_model)
+            req = parse(body, kind, engine.served_model, limits())
             loop = asyncio.get_running_loop()
+            # (compiling a grammar may take a while: not on the event loop, which streams)
+            await loop.run_in_executor(None, _constrain, engine, req)
             job = Job(req, loop, asyncio.Queue())
             engine.submit(job)
         except RequestError as e:
             return _error(e)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
+        out = Output(job, kind, engine.served_model, Renderer(engine.tokenizer))
         if req.stream:
-            return StreamingResponse(_sse(job, rid, created, kind, engine.served_model),
-                                     media_type="text/event-stream",
+            return StreamingResponse(out.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text = []
         try:
-            while True:
+            while not out.finished:
                 kind_, payload = await _next(job, request)
-                if kind_ == "delta":
-                    text.append(payload)
-                elif kind_ == "error":
+                if kind_ == "error":
                     status, err = payload
                     return _error(err if isinstance(err, RequestError) else RequestError(
                         str(err), None, status=status, type_="service_unavailable"
                         if status == 503 else "server_error"))
-                elif kind_ == "done":
-                    return JSONResponse(_final(rid, created, kind, engine.served_model,
-                                               "".join(text), payload))
-                elif kind_ == "disconnected":
+                if kind_ == "disconnected":
                     return Response(status_code=499)
+                out.take(kind_, *payload)
+            return JSONResponse(out.final())
         finally:
             job.cancelled = True
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await _json_body(request)
+            tok = _tokenizer_of(engine)
+            if "messages" in body:
+                req = parse({**body, "model": engine.served_model}, "chat",
+                            engine.served_model, limits())
+                ids = tok.encode_chat(req.messages, tools=req.tools)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise RequestError("'prompt' (a string) or 'messages' is required",
+                                       "prompt")
+                add = _get_bool(body, "add_special_tokens", True)
+                ids = tok.encode(prompt, add_special_tokens=add)
+        except RequestError as e:
+            return _error(e)
+        return JSONResponse({"count": len(ids), "max_model_len": config.max_context,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await _json_body(request)
+            tok = _tokenizer_of(engine)
+            ids = body.get("tokens")
+            vocab = limits().vocab
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                    for t in ids):
+                raise RequestError(f"'tokens' must be a list of token ids in 0..{vocab - 1}",
+                                   "tokens")
+        except RequestError as e:
+            return _error(e)
+        return JSONResponse({"prompt": tok.decode(ids, skip_special_tokens=False)})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -457,6 +579,52 @@ def create_app(config: RuntimeConfig) -> FastAPI:
     return app
 
 
+def _constrain(engine: Engine, req: ParsedRequest) -> None:
+    """Check a request's tools against the model's template and compile the grammar its
+    response_format or tool_choice asks for (`runtime.grammar`); RequestError naming the field
+    when one cannot be."""
+    from runtime.grammar import GrammarError, tool_call_grammar
+
+    if engine.status != "ready":
+        return  # (refused with 503 when it is submitted)
+    if req.tools:
+        tok = engine.tokenizer
+        if tok is None or tool_format(tok.chat_template) is None:
+            raise RequestError(f"the chat template of {engine.served_model} has no tool-call "
+                               "format this server parses (supported: Hermes-style "
+                               "<tool_call> JSON blocks, as Qwen2.5/Qwen3 and Hermes templates "
+                               "write them)", "tools")
+    if not req.tools and req.json_schema is None:
+        return
+    comp = engine.grammars()
+    for i, t in enumerate(req.tools or []):
+        params = t["function"].get("parameters")
+        if params is not None:
+            try:
+                comp.json_schema(params)
+            except GrammarError as e:
+                param = f"tools[{i}].function.parameters"
+                raise RequestError(f"'{param}' is not a JSON Schema this server can enforce: "
+                                   f"{e}", param) from None
+    grammar = None
+    if req.json_schema is not None:
+        try:
+            grammar = comp.json_schema(req.json_schema)
+        except GrammarError as e:
+            raise RequestError(f"'response_format' holds a schema that cannot be compiled: {e}",
+                               "response_format") from None
+    forced = req.forced_tools
+    if forced:
+        try:
+            grammar = comp.lark(tool_call_grammar(req.tools, forced, req.parallel_tool_calls))
+        except GrammarError as e:
+            raise RequestError(f"the tool calls of 'tool_choice' cannot be compiled: {e}",
+                               "tools") from None
+    if grammar is not None:
+        req.decoding = dataclasses.replace(req.decoding or Decoding(),
+                                           grammar=functools.partial(comp.matcher, grammar))
+
+
 async def _next(job: Job, request: Request) -> tuple[str, Any]:
     """The next engine event for this job; notices a client that went away."""
     while True:
@@ -467,78 +635,203 @@ async def _next(job: Job, request: Request) -> tuple[str, Any]:
                 job.cancelled = True
                 return "disconnected", None
             continue
-        kind = item[0]
-        if kind == "error":
-            return "error", item[1:]
-        return kind, item[1]
+        return item[0], item[1:]
 
 
-def _usage(done: dict) -> dict:
-    return {"prompt_tokens": done["prompt_tokens"],
-            "completion_tokens": done["completion_tokens"],
-            "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise RequestError(f"the body is not valid JSON: {e}", None) from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None)
+    return body
 
 
-def _final(rid: str, created: int, kind: str, model: str, text: str, done: dict) -> dict:
-    finish = done["finish_reason"]
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model,
-            "choices": [choice], "usage": _usage(done)}
+def _get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if not isinstance(v, bool):
+        raise RequestError(f"'{name}' must be a bool", name)
+    return v
 
 
-async def _sse(job: Job, rid: str, created: int, kind: str, model: str) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+def _tokenizer_of(engine: Engine):
+    if engine.tokenizer is None:
+        raise RequestError(f"the engine is {engine.status}: {engine.reason}" if engine.coord is
+                           None else "the model has no tokenizer", None,
+                           status=503 if engine.coord is None else 400)
+    return engine.tokenizer
 
-    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
-        if kind == "chat":
+
+class Output:
+    """One job's response: its choices' text and logprobs as the engine's events come, as a
+    whole (`final`) or as server-sent events (`sse`)."""
+
+    def __init__(self, job: Job, kind: str, model: str, render: Renderer) -> None:
+        self.job, self.kind, self.model, self.render = job, kind, model, render
+        self.rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        n = job.req.n
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.lps: list[list] = [[] for _ in range(n)]
+        self.echo: list[list | None] = [None] * n  # prompt logprobs, once known
+        self.done: list[dict | None] = [None] * n
+
+    @property
+    def finished(self) -> bool:
+        return all(d is not None for d in self.done)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        d = self.job.req.decoding
+        return d is not None and d.logprobs is not None
+
+    def take(self, kind: str, index: int, payload: dict) -> None:
+        if kind == "delta":
+            self.text[index].append(payload["text"])
+            self.lps[index].extend(payload["lp"])
+            if "echo" in payload:
+                self.echo[index] = payload["echo"]
+        elif kind == "done":
+            self.done[index] = payload
+            if payload.get("echo") is not None:
+                self.echo[index] = payload["echo"]
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def _echo_text(self) -> str:
+        req = self.job.req
+        if req.prompt_text is not None:
+            return req.prompt_text
+        return self.render.tok.decode(self.job.prompt_ids, skip_special_tokens=False) if (
+            self.render.tok is not None) else ""
+
+    def _echo_entries(self, index: int) -> list:
+        d = self.job.req.decoding
+        if d is None or d.prompt_logprobs is None:
+            return []
+        ids = self.job.prompt_ids
+        return [ids[0], *(self.echo[index] or [])] if ids else []
+
+    def _logprobs(self, index: int, entries: list, echo: bool) -> dict | None:
+        if self.kind == "chat":
+            return self.render.chat_logprobs(entries) if self.wants_logprobs else None
+        if not self.wants_logprobs:
+            return None
+        return self.render.completion_logprobs((self._echo_entries(index) if echo else [])
+                                               + entries)
+
+    def _usage(self) -> dict:
+        done = [d for d in self.done if d is not None]
+        return usage(done[0]["prompt_tokens"], sum(d["completion_tokens"] for d in done),
+                     done[0]["cached_tokens"])
+
+    def final(self) -> dict:
+        choices = []
+        for i in range(self.job.req.n):
+            text, finish = "".join(self.text[i]), self.done[i]["finish_reason"]
+            lp = self._logprobs(i, self.lps[i], echo=True)
+            if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.job.req.parses_tool_calls:
+                    message["content"], calls = parse_tool_calls(text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": lp})
+            else:
+                if self.job.req.echo:
+                    text = self._echo_text() + text
+                choices.append({"index": i, "text": text, "finish_reason": finish,
+                                "logprobs": lp})
+        return {"id": self.rid, "object": "chat.completion" if self.kind == "chat" else
+                "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
+
+    def _chunk(self, index: int, text: str | None, finish: str | None, lp: dict | None = None,
+               role: bool = False, calls: list[dict] | None = None) -> bytes:
+        if self.kind == "chat":
             d: dict = {}
             if role:
                 d["role"] = "assistant"
-            if delta is not None:
-                d["content"] = delta
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            if text is not None:
+                d["content"] = text
+            if calls:
+                d["tool_calls"] = calls
+            choice = {"index": index, "delta": d, "finish_reason": finish, "logprobs": lp}
+            obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish,
-                      "logprobs": None}
-        return {"id": rid, "object": obj, "created": created, "model": model,
-                "choices": [choice]}
+            choice = {"index": index, "text": text or "", "finish_reason": finish,
+                      "logprobs": lp}
+            obj = "text_completion"
+        return _sse_event({"id": self.rid, "object": obj, "created": self.created,
+                           "model": self.model, "choices": [choice]})
 
-    def sse(obj_: dict) -> bytes:
-        return f"data: {json.dumps(obj_, ensure_ascii=False)}\n\n".encode()
+    async def sse(self) -> AsyncIterator[bytes]:
+        job, n = self.job, self.job.req.n
+        echoed = [False] * n
+        parsers = [ToolCallStream() for _ in range(n)] if job.req.parses_tool_calls else None
+        called = [0] * n  # tool calls streamed, per choice
+        try:
+            if self.kind == "chat":
+                for i in range(n):
+                    yield self._chunk(i, "", None, role=True)
+            while not self.finished:
+                item = await job.out.get()
+                if item[0] == "error":
+                    status, err = item[1], item[2]
+                    body = err.body() if isinstance(err, RequestError) else {"error": {
+                        "message": str(err), "type": "service_unavailable" if status == 503
+                        else "server_error", "param": None, "code": status}}
+                    yield _sse_event(body)
+                    break
+                kind, i, payload = item
+                self.take(kind, i, payload)
+                if self.kind == "completion" and job.req.echo and not echoed[i] and (
+                        kind == "done" or "echo" in payload):
+                    echoed[i] = True
+                    lp = (self.render.completion_logprobs(self._echo_entries(i))
+                          if self.wants_logprobs else None)
+                    yield self._chunk(i, self._echo_text(), None, lp)
+                if parsers is not None:  # text and tool calls apart, as they complete
+                    events = parsers[i].push(payload["text"]) if kind == "delta" else []
+                    if kind == "done":
+                        events = parsers[i].finish()
+                    lp = (self._logprobs(i, payload["lp"], echo=False)
+                          if kind == "delta" and payload["lp"] else None)
+                    for what, value in events:
+                        if what == "text":
+                            yield self._chunk(i, value, None, lp)
+                        else:
+                            yield self._chunk(i, None, None, lp, calls=[
+                                {"index": called[i], **value}])
+                            called[i] += 1
+                        lp = None
+                    if lp is not None:
+                        yield self._chunk(i, "", None, lp)
+                    if kind == "done":
+                        finish = payload["finish_reason"]
+                        yield self._chunk(i, None, "tool_calls" if called[i] and
+                                          finish == "stop" else finish)
+                elif kind == "delta" and (payload["text"] or payload["lp"]):
+                    lp = self._logprobs(i, payload["lp"], echo=False)
+                    yield self._chunk(i, payload["text"], None, lp)
+                elif kind == "done":
+                    yield self._chunk(i, None if self.kind == "chat" else "",
+                                      payload["finish_reason"])
+            if self.finished and job.req.include_usage:
+                yield _sse_event({"id": self.rid, "object": "chat.completion.chunk"
+                                  if self.kind == "chat" else "text_completion",
+                                  "created": self.created, "model": self.model,
+                                  "choices": [], "usage": self._usage()})
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancelled = True  # a client that went away stops the generation at the next
+            # token
 
-    try:
-        if kind == "chat":
-            yield sse(chunk("", None, role=True))
-        while True:
-            item = await job.out.get()
-            if item[0] == "delta":
-                if item[1]:
-                    yield sse(chunk(item[1], None))
-            elif item[0] == "error":
-                status, err = item[1], item[2]
-                body = err.body() if isinstance(err, RequestError) else {"error": {
-                    "message": str(err), "type": "service_unavailable" if status == 503
-                    else "server_error", "param": None, "code": status}}
-                yield sse(body)
-                break
-            elif item[0] == "done":
-                done = item[1]
-                last = chunk(None if kind == "chat" else "", done["finish_reason"])
-                yield sse(last)
-                if job.req.include_usage:
-                    yield sse({"id": rid, "object": obj, "created": created, "model": model,
-                               "choices": [], "usage": _usage(done)})
-                break
-        yield b"data: [DONE]\n\n"
-    finally:
-        job.cancelled = True  # a client that went away stops the generation at the next token
+
+def _sse_event(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 def serve(config: RuntimeConfig) -> int:

@@ -221,21 +221,27 @@ class TextTokenizer:
         return env.from_string(self.chat_template)
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
+        """The conversation as the template writes it; `tools` (OpenAI's tool definitions)
+        are passed to the template as transformers passes them."""
         def text(i: int | None) -> str:
             return "" if i is None else (self.tk.id_to_token(i) or "")
 
+        extra = {"tools": list(tools)} if tools else {}
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=text(self.bos_id),
             eos_token=text(self.eos_ids[0] if self.eos_ids else None),
+            **extra,
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation, ready for the assistant's turn."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

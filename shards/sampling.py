@@ -8,6 +8,7 @@ was restored from a cache, whichever process samples, and however the steps were
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -152,3 +153,129 @@ def accept_draft(
             return path, tok
         path.append(nxt)
         row = nxt
+
+
+# ---- logits processing and logprobs (the `sample` dict's optional fields) -----------------------
+# A segment's `sample` may carry, besides SamplingParams.wire():
+#   "lp":   int >= 0: return the logprob of each emitted token and its top `lp` alternatives
+#   "bias": bytes (`pack_bias`: int32 token ids, then their float32 values): added to those
+#           logits (logit_bias, presence/frequency penalties, min_tokens' -inf on the stop
+#           tokens; the coordinator sums them per step)
+#   "rep":  float > 0 and "rep_mask": a token mask (as "mask"): the repetition penalty over
+#           those tokens (a positive logit divided by rep, a negative one multiplied)
+#   "mask": bytes: zlib of a little-endian bitmask of the vocabulary (bit t set: t allowed), a
+#           grammar's (`runtime.grammar`)
+# (bytes, not lists: a step's header stays small whatever the vocabulary or the penalties)
+# They apply in that order, before temperature; a segment with any of them is not speculated.
+PROCESSOR_KEYS = ("bias", "rep", "mask")
+
+
+def check_processors(sample: dict, vocab: int) -> str | None:
+    """What is wrong with a `sample` dict's optional fields, or None."""
+    lp = sample.get("lp")
+    if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= vocab):
+        return f"lp={lp!r} must be an integer in 0..{vocab}"
+    bias = sample.get("bias")
+    if bias is not None:
+        if not isinstance(bias, bytes) or len(bias) % 8:
+            return "bias must be bytes: int32 token ids, then as many float32 values"
+        ids, _ = unpack_bias(bias)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            return "bias names a token id outside the vocabulary"
+    rep = sample.get("rep")
+    if rep is not None:
+        if not isinstance(rep, (int, float)) or isinstance(rep, bool) or not rep > 0:
+            return f"rep={rep!r} must be a number > 0"
+        bad = _check_mask(sample.get("rep_mask"), vocab, "rep_mask")
+        if bad is not None:
+            return bad
+    if sample.get("mask") is not None:
+        return _check_mask(sample["mask"], vocab, "mask")
+    return None
+
+
+def _check_mask(mask: object, vocab: int, name: str) -> str | None:
+    if not isinstance(mask, bytes):
+        return f"{name} must be bytes (a zlib-compressed token bitmask)"
+    need = (vocab + 7) // 8
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(mask, need + 64)  # (never more than a mask's worth inflated)
+    except zlib.error as e:
+        return f"{name} is not zlib data ({e})"
+    if len(raw) < need:
+        return f"{name} holds {len(raw) * 8} bits for a vocabulary of {vocab}"
+    return None
+
+
+def pack_bias(ids: Sequence[int], values: Sequence[float]) -> bytes:
+    """The sample's `bias`: int32 ids, then their float32 values."""
+    return (torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()
+            + torch.tensor(list(values), dtype=torch.float32).numpy().tobytes())
+
+
+def unpack_bias(b: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(b) // 8
+    if not n:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0)
+    raw = bytearray(b)
+    return (torch.frombuffer(raw, dtype=torch.int32, count=n).long(),
+            torch.frombuffer(raw, dtype=torch.float32, count=n, offset=4 * n))
+
+
+def has_processors(sample: dict | None) -> bool:
+    return sample is not None and any(sample.get(k) is not None for k in PROCESSOR_KEYS)
+
+
+def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask."""
+    raw = torch.frombuffer(bytearray(zlib.decompressobj().decompress(mask, (vocab + 7) // 8)),
+                           dtype=torch.uint8)
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.flatten()[:vocab].bool().to(device)
+
+
+def pack_mask(allowed: torch.Tensor) -> bytes:
+    """The inverse of `mask_bits`: (vocab,) bool -> zlib of a little-endian bitmask."""
+    a = allowed.to(torch.uint8).cpu()
+    pad = (-a.numel()) % 8
+    a = torch.cat([a, a.new_zeros(pad)]).view(-1, 8)
+    packed = (a << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return zlib.compress(packed.numpy().tobytes(), 1)
+
+
+def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
+    """Logits (rows, V) after the sample's repetition penalty, bias and grammar mask (a new
+    float32 tensor; the same logits when there are none)."""
+    if not has_processors(sample):
+        return logits
+    x = logits.float().clone()
+    rep = sample.get("rep")
+    if rep is not None:
+        seen = mask_bits(sample["rep_mask"], x.shape[-1], x.device)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    bias = sample.get("bias")
+    if bias:
+        ids, vals = unpack_bias(bias)
+        x.index_add_(1, ids.to(x.device), vals.to(x.device).expand(x.shape[0], -1).contiguous())
+    mask = sample.get("mask")
+    if mask is not None:
+        x = x.masked_fill(~mask_bits(mask, x.shape[-1], x.device), float("-inf"))
+    return x
+
+
+def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], temperature: float,
+                    k: int) -> list[list]:
+    """For row i of `logits` (rows, V) and the token `tokens[i]` drawn from it: [token, its
+    logprob, [top k ids], [their logprobs]], of the distribution after temperature (the
+    logits as they are when greedy: temperature 0 has no distribution of its own); before
+    top-k / top-p truncation, after the sample's processors."""
+    x = logits.float()
+    if temperature > 0:
+        x = x / temperature
+    lp = torch.log_softmax(x, dim=-1)
+    idx = torch.tensor(list(tokens), device=lp.device)
+    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    top_v, top_i = (torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [[int(t), float(c), ti, tv] for t, c, ti, tv in zip(tokens, chosen, top_i, top_v)]

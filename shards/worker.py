@@ -39,7 +39,10 @@ from shards.dtypes import torch_dtype
 from shards.executor import RangeExecutor, Segment
 from shards.hybrid_cache import HybridCache
 from shards.fused import fuse_projections
-from shards.sampling import SamplingParams, accept_draft, is_greedy, sample_rows
+from shards.sampling import (
+    SamplingParams, accept_draft, check_processors, has_processors, is_greedy, logprob_entries,
+    process_logits, sample_rows,
+)
 from shards.spec_tree import check_path, check_tree, rows_to_move
 from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 
@@ -518,14 +521,21 @@ class ShardServer:
             except ValueError as e:
                 raise ProtocolError(f"{where}: {e}") from e
             if seg["sample"] is not None:
-                _check_sample(seg["sample"], where)
+                _check_sample(seg["sample"], where, self.cfg.vocab_size)
+                if has_processors(seg["sample"]) and (draft is not None or seg["ask"] is not None):
+                    raise ProtocolError(f"{where}: logits processors (bias, rep, mask) apply to "
+                                        "decode and prefill segments only, not verify ones")
+            plp = seg["plp"]
+            if plp is not None and not _prompt_lp_ok(plp, n, self.cfg.vocab_size):
+                raise ProtocolError(f"{where}: plp={str(plp)[:200]} is not {{targets: up to n "
+                                    "token ids, k: 0..vocab, temperature: >= 0}")
             slots.add(slot)
             rows += n
             feed = seg["feat"]
             if feed is not None and feed < 0:
                 raise ProtocolError(f"{where}: draft context {feed} is negative")
             segs.append(Segment(slot, pos, n, verify=draft is not None, tree=tree,
-                                all_logits=draft is not None,
+                                all_logits=draft is not None or plp is not None,
                                 taps={} if feed is not None and self.feed is not None else None,
                                 feed=feed))
         if rows > self.max_step:
@@ -645,30 +655,24 @@ class ShardServer:
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
         plain = [i for i, seg in enumerate(msg["seqs"]) if seg["draft"] is None and
                  seg["sample"] is not None and is_greedy(seg["sample"]["temperature"],
-                                                         seg["sample"]["top_k"])]
+                                                         seg["sample"]["top_k"])
+                 and seg["sample"].get("lp") is None and not has_processors(seg["sample"])]
         if len(plain) > 1:
             rows = torch.stack([outs[i][-1] for i in plain]).argmax(dim=-1).tolist()
             greedy = dict(zip(plain, rows))
         for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
             logits = out[-1]
-            token, accepted, path = None, 0, None
+            token, accepted, path, lp = None, 0, None, None
             if i in greedy:
                 token = greedy[i]
             elif seg["sample"] is not None:
-                sp = seg["sample"]
-                temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
-                                            float(sp["top_p"]), int(sp["seed"]))
-                pos, n = seg["pos"], seg["n"]
-                if seg["draft"] is not None:
-                    kept, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed, pos,
-                                               seg["tree"])
-                    accepted = len(kept)
-                    path = kept if seg["tree"] is not None else None
-                    logits = out[kept[-1] if kept else 0]
-                else:
-                    token = sample_rows(logits[None], temp, top_k, top_p, seed, [pos + n])[0]
+                token, accepted, path, logits, lp = _sample_segment(seg, out)
+            plp = seg["plp"]
+            if plp is not None:
+                plp = logprob_entries(out[:len(plp["targets"])], plp["targets"],
+                                      float(plp["temperature"]), plp["k"])
             results.append({"token": token, "accepted": accepted, "logits": seg["logits"],
-                            "path": path, "asked": seg["asked"]})
+                            "path": path, "asked": seg["asked"], "lp": lp, "plp": plp})
             if seg["logits"]:
                 logits_rows.append(logits.float()[None])
         # with the verdict, the draft prepares its next proposal (it has the rows already);
@@ -723,13 +727,15 @@ class ShardServer:
         logits = tensor_from(frames[0].buffer, {"dtype": "float32",
                                                 "shape": [self.cfg.vocab_size]})
         s = msg["sample"]
-        _check_sample(s, "sample")
-        token = sample_rows(logits.to(self.device)[None], float(s["temperature"]),
-                            int(s["top_k"]), float(s["top_p"]), int(s["seed"]),
-                            [msg["position"]])[0]
+        _check_sample(s, "sample", self.cfg.vocab_size)
+        x = process_logits(logits.to(self.device)[None], s)
+        token = sample_rows(x, float(s["temperature"]), int(s["top_k"]), float(s["top_p"]),
+                            int(s["seed"]), [msg["position"]])[0]
+        lp = (None if s.get("lp") is None else
+              logprob_entries(x, [token], float(s["temperature"]), s["lp"]))
         self._reply(route, message("result", sid=msg["sid"],
                                    outs=[{"token": token, "accepted": 0, "logits": False,
-                                          "path": None, "asked": None}],
+                                          "path": None, "asked": None, "lp": lp, "plp": None}],
                                    act=None))
 
     # ---- prefix cache -----------------------------------------------------------------------
@@ -796,9 +802,45 @@ def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
             "n": then["n"], "tree": then["tree"], "push": then.get("push") is True}
 
 
-def _check_sample(sample: dict[str, Any], where: str) -> None:
+def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
+        int, int, list[int] | None, torch.Tensor, list | None]:
+    """A sampled segment's outcome from its logits `out` (rows, V): the token, the draft tokens
+    kept and their tree path, the logits row the token came from, and the logprobs of the
+    tokens it emitted (with the sample's `lp`; a verify segment's from its own rows, so they
+    are exactly plain decoding's)."""
+    sp = seg["sample"]
+    temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
+                                float(sp["top_p"]), int(sp["seed"]))
+    pos, n, k = seg["pos"], seg["n"], sp.get("lp")
+    if seg["draft"] is not None:
+        kept, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed, pos,
+                                   seg["tree"])
+        lp = None
+        if k is not None:  # kept row j's token came from its parent row, `token` from the
+            # last kept row
+            parents = seg["tree"]
+            src = [parents[j - 1] if parents is not None else j - 1 for j in kept]
+            lp = logprob_entries(out[[*src, kept[-1] if kept else 0]],
+                                 [seg["draft"][j - 1] for j in kept] + [token], temp, k)
+        return (token, len(kept), kept if seg["tree"] is not None else None,
+                out[kept[-1] if kept else 0], lp)
+    x = process_logits(out[-1:], sp)
+    token = sample_rows(x, temp, top_k, top_p, seed, [pos + n])[0]
+    lp = None if k is None else logprob_entries(x, [token], temp, k)
+    return token, 0, None, out[-1], lp
+
+
+def _prompt_lp_ok(plp: dict[str, Any], n: int, vocab: int) -> bool:
+    targets, k, temp = plp.get("targets"), plp.get("k"), plp.get("temperature")
+    return (isinstance(targets, list) and len(targets) <= n
+            and all(isinstance(t, int) and 0 <= t < vocab for t in targets)
+            and isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= vocab
+            and isinstance(temp, (int, float)) and not isinstance(temp, bool) and temp >= 0)
+
+
+def _check_sample(sample: dict[str, Any], where: str, vocab: int) -> None:
     """A segment's sampling parameters, checked before any compute (their ranges as a request's
-    are: `SamplingParams`)."""
+    are: `SamplingParams`; the optional fields `shards.sampling.check_processors`)."""
     for name, types in SAMPLE_FIELDS.items():
         v = sample.get(name)
         if not isinstance(v, types) or isinstance(v, bool):
@@ -808,6 +850,9 @@ def _check_sample(sample: dict[str, Any], where: str) -> None:
                        top_p=sample["top_p"], seed=sample["seed"])
     except ValueError as e:
         raise ProtocolError(f"{where}: {e}") from None
+    bad = check_processors(sample, vocab)
+    if bad is not None:
+        raise ProtocolError(f"{where}: sample {bad}")
 
 
 def watch_parent(parent_pid: int, on_gone) -> threading.Thread:

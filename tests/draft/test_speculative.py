@@ -449,3 +449,36 @@ def test_a_dflash_draft_needs_its_feeding_shards_here(target, fitted):
         Coordinator(cfg)
     auto = _cfg(target, 2, "auto", shard_addresses=("", "tcp://10.0.0.2:7700"))
     assert Coordinator(auto).draft_path is None  # (no default model: auto is off anyway)
+
+
+@pytest.mark.slow
+def test_logprobs_under_speculation_equal_plain(target, fitted):
+    """Logprobs of a speculated request come from its verify steps' rows (kept tokens from
+    their parent rows in the token tree): equal to plain decoding's, greedy and sampled."""
+    from runtime.decoding import Decoding
+
+    with Coordinator(_cfg(target, 2, fitted)) as coord:
+        prompt = _prompts(coord.tokenizer)[0]
+        for params in (GREEDY, SAMPLED):
+            got = {}
+            for spec in (False, True):
+                progress = Progress()
+                req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
+                                   decoding=Decoding(logprobs=3))
+                collect(coord.deltas(req), progress, len(prompt))
+                assert (progress.spec is not None and progress.spec.verifies > 0) == spec
+                got[spec] = progress
+            plain, spec = got[False], got[True]
+            assert spec.generated == plain.generated
+            assert len(spec.logprobs) == len(plain.logprobs) >= len(plain.generated)
+            for a, b in zip(spec.logprobs, plain.logprobs):
+                assert a[0] == b[0] and a[2] == b[2]  # the token and its top 3
+                assert a[1] == pytest.approx(b[1], abs=1e-5)
+                assert a[3] == pytest.approx(b[3], abs=1e-5)
+            assert spec.spec.accepted_at[0] > 0  # kept draft tokens had their logprobs
+        # a request with a logits processor runs plainly, even when asked to speculate
+        progress = Progress()
+        req = coord.submit(prompt, GREEDY, progress, use_cache=False, speculative=True,
+                           decoding=Decoding(logit_bias=((5, 0.5),)))
+        collect(coord.deltas(req), progress, len(prompt))
+        assert progress.spec is None and len(progress.generated) == GREEDY.max_tokens

@@ -167,8 +167,8 @@ def test_cached_tokens_grow_on_the_second_turn(server):
     (b'{"prompt": "x", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"prompt": 5}', 400, "prompt"),
     (b'{"prompt": "x", "temperature": 9}', 400, "temperature"),
-    (b'{"prompt": "x", "n": 3}', 400, "n"),
-    (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs"),
+    (b'{"prompt": "x", "n": 9}', 400, "n"),  # over max_seqs
+    (b'{"prompt": "x", "logprobs": 21}', 400, "logprobs"),  # over max_logprobs
     (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', 400, "prompt"),
     (b'[1, 2]', 400, None),

@@ -73,6 +73,9 @@ def test_every_key_is_documented():
     ({"spec_push": "sometimes"}, "spec_push='sometimes' is not a valid bool"),
     ({"spec_max_seqs": -1}, "spec_max_seqs=-1: must be at least 0"),
     ({"max_seqs": 0}, "max_seqs=0: use 1..512"),
+    ({"chat_template": "/no/such/template.jinja"},
+     "chat_template=/no/such/template.jinja: no such file"),
+    ({"max_logprobs": -1}, "max_logprobs=-1: must be at least 0"),
     ({"max_seqs": 513}, "max_seqs=513: use 1..512"),
     ({"micro_batches": 5}, r"micro_batches=5: use 0 \(auto\) to 4"),
 ])

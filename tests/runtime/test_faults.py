@@ -24,7 +24,7 @@ from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator, ShardFailure
 from runtime.generate import Progress
 from runtime.placement import PlacementError
-from shards.sampling import SamplingParams
+from shards.sampling import SamplingParams, pack_bias
 from tests.helpers import busy_load, layersplit_shm, shard_children, wait_gone
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -300,6 +300,14 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
              "temperature must be >= 0"),
             ([segment(0, 0, 1, {**greedy, "top_p": "all"})], [5], "'top_p' must be a number"),
             ([segment(0, 0, 2, greedy, draft=[9999])], [5, 6], "draft token ids"),
+            ([segment(0, 0, 1, {**greedy, "bias": pack_bias([9999], [1.0])})], [5],
+             "bias names a token id outside the vocabulary"),
+            ([segment(0, 0, 1, {**greedy, "mask": b"junk"})], [5], "mask is not zlib data"),
+            ([segment(0, 0, 1, {**greedy, "lp": -2})], [5], "lp=-2 must be an integer"),
+            ([segment(0, 4, 2, {**greedy, "bias": pack_bias([1], [1.0])}, draft=[5])], [5, 6],
+             "logits processors (bias, rep, mask) apply to decode and prefill segments only"),
+            ([segment(0, 0, 2, greedy, plp={"targets": [1, 2, 3], "k": 1, "temperature": 0})],
+             [5, 6], "plp={'targets': [1, 2, 3]"),
             ([segment(0, 0, 1, feat=-1)], [5], "draft context -1 is negative"),
             ([segment(0, 4, 3, greedy, draft=[5, 6], tree=[0, 2])], [5, 6, 7],
              "tree node 2: parent 2 is not on the path"),

@@ -1,0 +1,109 @@
+"""Structured output: grammars that constrain a sequence's tokens, with llguidance.
+
+A request's `response_format` (json_object, json_schema) or a `tool_choice` that demands a call
+(`required`, a named function) becomes a grammar: a JSON schema, or a Lark grammar that wraps
+the calls' JSON in the template's tool-call blocks (`runtime.tool_calls`). It is compiled once
+per request when it arrives (a schema llguidance cannot compile is refused, 400, naming the
+field); each sequence then gets a matcher that the coordinator advances with its tokens and asks
+for the mask of the next token's allowed tokens, which the last shard applies before it samples
+(`shards.sampling`). Masks are computed between a sequence's steps, on the coordinator: the
+step after a token needs that token, so the chain never waits for a mask it could have had
+earlier. Constrained requests are not speculated (`runtime.decoding`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.torch as llg_torch
+
+from runtime.tokenizer import TextTokenizer
+
+
+class GrammarError(ValueError):
+    """A grammar or schema that cannot be compiled; the message says why."""
+
+
+class GrammarCompiler:
+    """llguidance's view of one model's tokenizer (built once: about a second on large
+    vocabularies)."""
+
+    def __init__(self, tokenizer: TextTokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.vocab = vocab_size
+        self.eos = list(eos_ids)
+        self.ll = llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=vocab_size,
+                                         eos_token=self.eos or None)
+        self._lock = threading.Lock()
+
+    def json_schema(self, schema: Any) -> str:
+        """The grammar of JSON text valid against `schema`; GrammarError if it cannot be."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False})
+        except (ValueError, TypeError) as e:
+            raise GrammarError(str(e)) from None
+        return self._checked(grammar)
+
+    def lark(self, text: str) -> str:
+        return self._checked(llguidance.LLMatcher.grammar_from_lark(text))
+
+    def _checked(self, grammar: str) -> str:
+        ok, err = True, ""
+        try:
+            err = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
+        except (ValueError, TypeError) as e:
+            err = str(e)
+        ok = not err
+        if not ok:
+            raise GrammarError(err)
+        return grammar
+
+    def matcher(self, grammar: str) -> SequenceGrammar:
+        return SequenceGrammar(llguidance.LLMatcher(self.ll, grammar), self.vocab)
+
+
+class SequenceGrammar:
+    """One sequence's matcher (`runtime.decoding.TokenGrammar`)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
+        self.m = matcher
+        self.vocab = vocab
+        self.seen = 0
+        self.bitmask = llg_torch.allocate_token_bitmask(1, vocab)
+
+    def mask(self, generated: Sequence[int]) -> bytes | None:
+        new = list(generated[self.seen:])
+        self.seen = len(generated)
+        if new and not self.m.consume_tokens(new):
+            raise GrammarError(f"the grammar refused the sampled tokens {new}: "
+                               f"{self.m.get_error()}")
+        llg_torch.fill_next_token_bitmask(self.m, self.bitmask, 0)
+        if self.m.is_error():
+            raise GrammarError(f"the grammar failed: {self.m.get_error()}")
+        # int32 words, little-endian: bit j of word w is token 32 w + j (`shards.sampling`)
+        return zlib.compress(self.bitmask[0].numpy().tobytes(), 1)
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], names: Sequence[str],
+                      parallel: bool) -> str:
+    """Lark text of one or more Hermes tool-call blocks calling one of `names` with arguments
+    valid against its parameters."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    alts = []
+    for i, name in enumerate(names):
+        params = by_name[name].get("parameters") or {"type": "object"}
+        schema = {"type": "object", "properties": {"name": {"const": name},
+                                                   "arguments": params},
+                  "required": ["name", "arguments"], "additionalProperties": False,
+                  "x-guidance": {"whitespace_flexible": False}}
+        alts.append((f"call_{i}", schema))
+    rules = [f"call_{i}: %json {json.dumps(s)}" for i, (_, s) in enumerate(alts)]
+    body = " | ".join(n for n, _ in alts)
+    call = f'"<tool_call>\\n" ({body}) "\\n</tool_call>"'
+    start = f"start: block (\"\\n\" block)*\nblock: {call}" if parallel else f"start: {call}"
+    return "\n".join([start, *rules])

@@ -1,0 +1,109 @@
+"""Tool calls in a model's output: the format its chat template teaches, parsed into OpenAI's
+`tool_calls` (whole, and as a stream).
+
+One format is supported: Hermes-style, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+</tool_call>`, one block per call, which the templates of Qwen2.5 / Qwen3, Hermes and the
+SmolLM-style ChatML-with-tools models teach. A template is taken to use it when it writes
+`<tool_call>`; a request with tools for a model whose template does not is refused (400, naming
+`tools`), never answered with calls left unparsed in the text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_format(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches: "hermes", or None (none this server
+    parses)."""
+    if chat_template and OPEN in chat_template and "tools" in chat_template:
+        return "hermes"
+    return None
+
+
+def _call(body: str) -> dict[str, Any] | None:
+    """An OpenAI tool call from the JSON inside one block; None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(
+                             args, ensure_ascii=False)}}
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the text outside the tool-call blocks, None if only blanks; the calls). A block whose
+    JSON is not a call stays in the text, as the model wrote it."""
+    stream = ToolCallStream()
+    content, calls = [], []
+    for kind, value in [*stream.push(text), *stream.finish()]:
+        (calls if kind == "call" else content).append(value)
+    joined = "".join(content)
+    return (joined if joined.strip() else None), calls
+
+
+class ToolCallStream:
+    """Text pushed piece by piece comes out as ("text", str) and ("call", dict) events: text
+    that may start a block is held back until it is known not to."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.inside = False
+        self.after_call = False  # newlines right after a call's block are its, not text
+
+    def push(self, text: str) -> list[tuple[str, Any]]:
+        self.buf += text
+        out: list[tuple[str, Any]] = []
+        while True:
+            if self.after_call and not self.inside:
+                self.buf = self.buf.lstrip("\n")
+                if not self.buf:
+                    return out
+                self.after_call = False
+            if self.inside:
+                end = self.buf.find(CLOSE)
+                if end < 0:
+                    return out
+                body = self.buf[:end]
+                self.buf = self.buf[end + len(CLOSE):]
+                self.inside = False
+                call = _call(body.strip())
+                out.append(("call", call) if call is not None else
+                           ("text", OPEN + body + CLOSE))
+                self.after_call = call is not None
+                continue
+            start = self.buf.find(OPEN)
+            if start >= 0:
+                if start:
+                    out.append(("text", self.buf[:start]))
+                self.buf = self.buf[start + len(OPEN):]
+                self.inside = True
+                continue
+            keep = _partial_open(self.buf)
+            if len(self.buf) > keep:
+                out.append(("text", self.buf[:len(self.buf) - keep]))
+                self.buf = self.buf[len(self.buf) - keep:]
+            return out
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The end of the output: a block never closed is text."""
+        rest = (OPEN if self.inside else "") + self.buf
+        self.buf, self.inside = "", False
+        return [("text", rest)] if rest else []
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of OPEN."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0

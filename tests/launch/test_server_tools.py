@@ -1,0 +1,198 @@
+"""Tool calls and structured output on the real server, through the official `openai` client:
+the bundled Hermes-style template (Qwen2.5's, `--chat-template`), tool_choice required / named
+enforced by the grammar, the round trip call -> tool result -> answer, response_format
+json_schema validated with `jsonschema`; schemas that cannot be compiled refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.helpers import shard_children
+from tests.launch.test_server import Server
+
+openai = pytest.importorskip("openai")
+MODEL = "llama"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "the time in a zone",
+    "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+USER = [{"role": "user", "content": "what is the weather in Paris?"}]
+
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "templates" / "chatml-tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    """The tiny model (ChatML, as the default model) with the bundled Hermes-style template."""
+    s = Server(tiny_llama, "--max-context", "2048", "--chat-template", str(TEMPLATE))
+    yield s
+    assert s.stop() == 0
+    assert shard_children() == []
+
+
+def _check_call(call, tool) -> dict:
+    assert call.type == "function" and call.function.name == tool["function"]["name"]
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def _streamed(chunks) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish reason) of a streamed chat answer."""
+    text, calls, finish = "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        text += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return text, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(server, tiny_llama, stream):
+    c = server.client
+    kw = dict(model=MODEL, tools=[WEATHER, CLOCK], temperature=0, max_tokens=120)
+    if stream:
+        _, calls, finish = _streamed(c.chat.completions.create(
+            messages=USER, tool_choice="required", stream=True, **kw))
+        assert finish == "tool_calls" and len(calls) >= 1
+        call = calls[0]
+        name, arguments, cid = call["name"], call["arguments"], call["id"]
+    else:
+        r = c.chat.completions.create(messages=USER, tool_choice="required", **kw)
+        assert r.choices[0].finish_reason == "tool_calls"
+        call = r.choices[0].message.tool_calls[0]
+        name, arguments, cid = call.function.name, call.function.arguments, call.id
+    tool = next(t for t in (WEATHER, CLOCK) if t["function"]["name"] == name)
+    args = json.loads(arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    convo = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name,
+                                                          "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": cid, "content": '{"temperature": 21}'}]
+    kw["max_tokens"] = 6
+    if stream:
+        text, calls, finish = _streamed(c.chat.completions.create(
+            messages=convo, tool_choice="none", stream=True,
+            stream_options={"include_usage": True}, **kw))
+    else:
+        r = c.chat.completions.create(messages=convo, tool_choice="none", **kw)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert isinstance(text, str) and finish in ("stop", "length")
+    # the conversation went through the template as transformers renders it
+    from transformers import AutoTokenizer
+
+    tk = AutoTokenizer.from_pretrained(tiny_llama)
+    want = tk.apply_chat_template(
+        USER + [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": args}}]},
+            {"role": "tool", "content": '{"temperature": 21}'}],
+        tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False,
+        chat_template=TEMPLATE.read_text())
+    got = httpx.post(server.url + "/tokenize", json={"messages": convo,
+                                                     "tools": [WEATHER, CLOCK]}).json()
+    assert got["tokens"] == tk(want, add_special_tokens=False)["input_ids"]
+    assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in want
+
+
+@pytest.mark.slow
+def test_named_tool_choice_always_yields_a_valid_call(server):
+    c = server.client
+    for seed in range(3):
+        r = c.chat.completions.create(
+            model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=seed,
+            max_tokens=120, tool_choice={"type": "function", "function": {"name": "get_time"}},
+            parallel_tool_calls=False)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        _check_call(calls[0], CLOCK)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string", "maxLength": 8},
+            "number": {"type": "integer", "minimum": 1, "maximum": 999}},
+            "required": ["street", "number"], "additionalProperties": False}},
+     "required": ["name", "address"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
+                 "maxItems": 3}},
+     "required": ["color", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "x": {"type": "number", "multipleOf": 0.25, "minimum": -10, "maximum": 10},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+     "required": ["x", "ok", "n"], "additionalProperties": False},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_responses_validate(server, temperature):
+    c = server.client
+    for i, schema in enumerate(SCHEMAS):
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "describe it"}],
+            temperature=temperature, seed=i, max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": f"s{i}", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    # any object: a random model's keys may run on past max_tokens (then cut, as OpenAI's)
+    r = c.completions.create(model=MODEL, prompt="a JSON object:", max_tokens=60,
+                             temperature=temperature, seed=5,
+                             extra_body={"response_format": {"type": "json_object"}})
+    text = r.choices[0].text
+    assert text.startswith("{")
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "no-such-type"}}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_bad_tools_and_schemas_are_refused_by_name(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": USER, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

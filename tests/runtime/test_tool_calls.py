@@ -1,0 +1,41 @@
+"""Hermes-style tool calls parsed from text, whole and streamed piece by piece."""
+
+from __future__ import annotations
+
+import json
+
+from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
+
+TEXT = ('let me look <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\ndone')
+
+
+def test_whole_text():
+    content, calls = parse_tool_calls(TEXT)
+    assert content == "let me look done"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("f", {"x": 1}), ("g", {})]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert parse_tool_calls("plain text") == ("plain text", [])
+    # a block whose JSON is not a call stays text; an unclosed block too
+    bad = "a <tool_call>{oops}</tool_call> b <tool_call>{\"name\": \"f\""
+    assert parse_tool_calls(bad) == (bad, [])
+
+
+def test_streamed_piece_by_piece_equals_whole():
+    for size in (1, 3, 7, 1000):
+        s, events = ToolCallStream(), []
+        for i in range(0, len(TEXT), size):
+            events += s.push(TEXT[i:i + size])
+        events += s.finish()
+        text = "".join(v for k, v in events if k == "text")
+        names = [v["function"]["name"] for k, v in events if k == "call"]
+        assert (text, names) == ("let me look done", ["f", "g"])
+        # no text that could start a block went out before it was known not to
+        assert all("<" not in v for k, v in events if k == "text")
+
+
+def test_template_detection():
+    assert tool_format("{% if tools %}...<tool_call>...{% endif %}") == "hermes"
+    assert tool_format("{{ message['content'] }}") is None
+    assert tool_format(None) is None
