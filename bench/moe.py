@@ -1,8 +1,8 @@
 """Decode speed of a mixture-of-experts model (Qwen3-30B-A3B shape, seeded random weights)
 through the real runtime: 1 shard vs 2 shards on the same device.
 
-For each layout: decode tok/s at batch 1 (best of `--repeats`, after a warm-up that captures the
-graphs), next to its floor on a GPU: the bytes of the parameters one token reads (attention,
+For each layout: decode tok/s at batch 1 (the median of `--repeats` runs, each listed, after a
+warm-up that captures the graphs), next to its floor on a GPU: the bytes of the parameters one token reads (attention,
 router, norms, its k experts of each MoE layer, the LM head, one embedding row) over the copy
 bandwidth measured now; then aggregate decode tok/s with `--streams` concurrent sequences
 (continuous batching; `bench/concurrency.py`'s measurement).
@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -102,7 +103,8 @@ def run_layout(args, devices: list[str]) -> dict:
             assert len(r.tokens) == args.new_tokens, len(r.tokens)
             if i:
                 rates.append(r.decode_tok_s)
-        row["decode_tok_s"] = max(rates)
+        row["decode_tok_s"] = statistics.median(rates)
+        row["runs"] = rates
         log.info("%s: batch 1 %.1f tok/s", row["layout"], row["decode_tok_s"])
         row["streams"] = {}
         for n in counts:
@@ -123,7 +125,7 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -157,7 +159,8 @@ def main() -> None:
     print("|---|---:|---:|---:|" + "---:|" * len(counts))
     for r in rows:
         vs_floor = f"{r['decode_tok_s'] / floor['floor_tok_s']:.0%}" if floor else "-"
-        print(f"| {r['shards']} shard(s) on {args.device} | {r['decode_tok_s']:.1f} | "
+        runs = "/".join(f"{x:.1f}" for x in r["runs"])
+        print(f"| {r['shards']} shard(s) on {args.device} | {r['decode_tok_s']:.1f} ({runs}) | "
               f"{r['decode_tok_s'] / base['decode_tok_s']:.3f} | {vs_floor} | "
               + " | ".join(f"{r['streams'][n]:.1f}" for n in counts) + " |")
     if floor:
