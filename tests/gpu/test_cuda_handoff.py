@@ -21,8 +21,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ipc import transport  # noqa: E402
-from ipc import cuda_handoff  # noqa: E402
+from ipc import (
+    cuda_handoff,  # noqa: E402
+    transport,  # noqa: E402
+)
 from ipc.messages import ProtocolError, encode, message, segment  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,

@@ -14,6 +14,7 @@ from shards.checkpoint import load_layer_range, open_checkpoint
 from shards.executor import RangeExecutor
 from shards.fused import fuse_projections
 from shards.sampling import SamplingParams
+from tests.gpu import near
 from tests.helpers import layersplit_shm, shard_children, trace
 
 pytestmark = [pytest.mark.gpu,
@@ -44,9 +45,9 @@ def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
     t = [int(ids[-1])] * len(runs)
     for pos in range(40, 120):
         outs = [ex.run(torch.tensor([tok]), pos).float().cpu() for ex, tok in zip(runs, t)]
-        assert (outs[1] - outs[2]).abs().max() < 1e-4
-        assert (outs[0] - outs[2]).abs().max() < 1e-3
-        assert (outs[0] - outs[3]).abs().max() < 1e-3
+        assert near(outs[1], outs[2], 1e-4)
+        assert near(outs[0], outs[2], 1e-3)
+        assert near(outs[0], outs[3], 1e-3)
         t = [int(o.argmax()) for o in outs]
         assert len(set(t)) == 1
     assert len(graph.static.graphs) >= 3  # buckets 64, 96, 128 were captured
@@ -64,7 +65,7 @@ def test_bf16_graph_decode_tracks_eager(tiny_llama):
     for pos in range(27, 40):
         a = eager.run(torch.tensor([5]), pos)
         b = graph.run(torch.tensor([5]), pos)
-        assert (a - b).abs().max() < 0.1
+        assert near(a, b, 0.1)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -91,12 +92,12 @@ def test_graph_batched_decode_matches_single_steps(tiny_models, fused):
         # (a graph's output is a static buffer the next replay may reuse: copy at once)
         want = torch.cat([single.run(torch.tensor([t]), pos[s], s).clone()
                           for s, t in zip(slots, ids)])
-        assert (out.cpu() - want.float().cpu()).abs().max() < 1e-3
+        assert near(out.cpu(), want.float().cpu(), 1e-3)
         for s, row in zip(slots, want):
             tok[s], pos[s] = int(row.argmax()), pos[s] + 1
     assert batched.static.capture and len(batched.static.batch_graphs) >= 6
-    assert torch.allclose(single.kv.k, batched.kv.k, atol=1e-3)
-    assert torch.allclose(single.kv.v, batched.kv.v, atol=1e-3)
+    assert near(single.kv.k, batched.kv.k, 1e-3)
+    assert near(single.kv.v, batched.kv.v, 1e-3)
     if fused:
         assert batched.model.layers[0].fast.batched.compiled
 

@@ -22,6 +22,7 @@ from shards.executor import RangeExecutor
 from shards.fused import fuse_projections
 from shards.model_config import read_hf_config
 from shards.sampling import SamplingParams
+from tests.gpu import near
 from tests.helpers import layersplit_shm, shard_children
 
 pytestmark = [pytest.mark.gpu,
@@ -49,9 +50,9 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
         a = cpu.run(x, pos, all_logits=True, taps=taps_c, verify=True)  # row by row
         b = gpu.run(x, pos, all_logits=True, taps=taps_g, verify=True).float().cpu()
         assert b.shape == (5, 320)
-        assert (a - b).abs().max() < 1e-3
+        assert near(a, b, 1e-3)
         for layer in (2, 5):
-            assert (taps_c[layer] - taps_g[layer].float().cpu()).abs().max() < 1e-3
+            assert near(taps_c[layer], taps_g[layer].float().cpu(), 1e-3)
     assert any(k[2] == 5 for k in gpu.static.graphs)  # a 5-row graph was captured
     # token trees through the same graphs (the tree is an input): row by row on the CPU
     graphs = len(gpu.static.graphs)
@@ -60,10 +61,10 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
         taps_c, taps_g = {}, {}
         a = cpu.run(x, pos, all_logits=True, taps=taps_c, verify=True, tree=tree)
         b = gpu.run(x, pos, all_logits=True, taps=taps_g, verify=True, tree=tree).float().cpu()
-        assert (a - b).abs().max() < 1e-3
+        assert near(a, b, 1e-3)
         for layer in (2, 5):
-            assert (taps_c[layer] - taps_g[layer].float().cpu()).abs().max() < 1e-3
-        assert (cpu.kv.k[:, 0, :pos + 5] - gpu.kv.k[:, 0, :pos + 5].cpu()).abs().max() < 1e-3
+            assert near(taps_c[layer], taps_g[layer].float().cpu(), 1e-3)
+        assert near(cpu.kv.k[:, 0, :pos + 5], gpu.kv.k[:, 0, :pos + 5].cpu(), 1e-3)
     assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
@@ -87,7 +88,7 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path):
     for pos in (20, 21, 24, 30, 57, 100):
         a = eager.logits(0, 7, pos, 3)
         b = graph.logits(0, 7, pos, 3)
-        assert (a - b).abs().max() < 1e-3, pos
+        assert near(a, b, 1e-3), pos
     assert len(graph.graphs) >= 3
 
 
