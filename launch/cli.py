@@ -124,8 +124,12 @@ def cmd_shard(args: argparse.Namespace) -> int:
         model = str(resolve_model(args.model))
     except (FileNotFoundError, RuntimeError) as e:
         return _startup_error(args, str(e))
-    # started by a coordinator on this host: it watches the process, no heartbeats
-    heartbeat = None if args.parent_pid else (args.heartbeat_timeout or None)
+    # started by a coordinator on this host: it watches the process, no heartbeats (unless
+    # asked for: a shard a Ray actor starts on another node keeps them)
+    if args.heartbeat_timeout is None:
+        heartbeat = None if args.parent_pid else HEARTBEAT_TIMEOUT_S
+    else:
+        heartbeat = args.heartbeat_timeout or None
     spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
                      dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid,
                      seed=args.random_seed, heartbeat_s=heartbeat)
@@ -208,9 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.add_argument("--random-seed", type=int, default=0, help="seed of random:NAME weights")
     s.add_argument("--secret-file", default=None)
-    s.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT_S,
+    s.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="seconds of silence (zmq heartbeats) after which a peer is dropped; "
-                        "0: no heartbeats")
+                        f"0: no heartbeats (default {HEARTBEAT_TIMEOUT_S})")
     s.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     s.add_argument("--index", type=int, default=-1, help=argparse.SUPPRESS)
     s.add_argument("--error-file", default=None, help=argparse.SUPPRESS)

@@ -199,10 +199,12 @@ class Coordinator:
             if self.draft_path is not None:
                 self._spawn_draft(threads)
             for s, addr in zip(shards, addresses):
-                # heartbeats for remote shards only: local ones are watched as processes
+                # heartbeats for shards on other hosts (by hand, or placed by Ray): local
+                # ones are watched as processes
+                remote = bool(s.address) or cfg.launcher == "ray"
                 sock = connect_dealer(self._ctx, addr, self.secret,
                                       identity=b"coord-" + self.session[:8],
-                                      heartbeat_s=cfg.heartbeat_timeout if s.address else None)
+                                      heartbeat_s=cfg.heartbeat_timeout if remote else None)
                 monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 proc = next((p for p in [*self.procs, *ray_shards] if p.plan.index == s.index),
                             None)

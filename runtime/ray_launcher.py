@@ -314,7 +314,9 @@ class RayLauncher:
                 child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
             argv = ["--model", model, "--layers", p.layers, "--device", device, "--dtype", dtype,
                     "--index", str(p.index), "--random-seed", str(seed),
-                    "--threads", str(cfg.threads or 1)]
+                    "--threads", str(cfg.threads or 1),
+                    # its node may vanish without a TCP reset: heartbeats, as a remote shard
+                    "--heartbeat-timeout", str(cfg.heartbeat_timeout)]
             calls.append(a.start.remote(argv, child_env, node_host_id(w["node_id"])))
         started = self._get(calls, deadline, "start shard processes")
         for p, a, w, s in zip(plans, self.actors, wheres, started, strict=True):

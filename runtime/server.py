@@ -35,7 +35,7 @@ from runtime.coordinator import Coordinator, ShardFailure
 from runtime.batching import Request as BatchRequest
 from runtime.generate import Progress
 from runtime.metrics import Metrics
-from runtime.openai_api import Limits, ParsedRequest, RequestError, parse
+from runtime.openai_api import Limits, ParsedRequest, RequestError, bad_text_field, parse
 from runtime.openai_render import Renderer, usage
 from runtime.decoding import Decoding, ProcessorsTooLarge
 from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
@@ -457,7 +457,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
     @app.middleware("http")
     async def _auth_and_count(request: Request, call_next):
         path = request.url.path
-        if config.api_key and path.startswith("/v1/"):
+        if config.api_key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
             got = request.headers.get("authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {config.api_key}".encode()):
                 resp = _error(RequestError("invalid or missing API key (Authorization: Bearer "
@@ -499,11 +499,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
 
     async def handle(request: Request, kind: str):
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except ValueError as e:
-                raise RequestError(f"the body is not valid JSON: {e}", None) from None
+            body = await _json_body(request)
             req = parse(body, kind, engine.served_model, limits())
             loop = asyncio.get_running_loop()
             # (compiling a grammar may take a while: not on the event loop, which streams)
@@ -536,17 +532,20 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         try:
             body = await _json_body(request)
             tok = _tokenizer_of(engine)
+            loop = asyncio.get_running_loop()  # (tokenizing is not for the event loop)
             if "messages" in body:
                 req = parse({**body, "model": engine.served_model}, "chat",
                             engine.served_model, limits())
-                ids = tok.encode_chat(req.messages, tools=req.tools)
+                ids = await loop.run_in_executor(
+                    None, functools.partial(tok.encode_chat, req.messages, tools=req.tools))
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise RequestError("'prompt' (a string) or 'messages' is required",
                                        "prompt")
                 add = _get_bool(body, "add_special_tokens", True)
-                ids = tok.encode(prompt, add_special_tokens=add)
+                ids = await loop.run_in_executor(
+                    None, functools.partial(tok.encode, prompt, add_special_tokens=add))
         except RequestError as e:
             return _error(e)
         return JSONResponse({"count": len(ids), "max_model_len": config.max_context,
@@ -639,12 +638,20 @@ async def _next(job: Job, request: Request) -> tuple[str, Any]:
 
 
 async def _json_body(request: Request) -> dict:
+    """The request's JSON object; RequestError (400) for a body that is not JSON, not an
+    object, nested past Python's recursion limit, or holds text that is not valid Unicode."""
     try:
         body = json.loads(await request.body())
+        bad = bad_text_field(body)
+    except RecursionError:
+        raise RequestError("the body is nested too deeply", None) from None
     except ValueError as e:
         raise RequestError(f"the body is not valid JSON: {e}", None) from None
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None)
+    if bad is not None:
+        raise RequestError(f"'{bad}' holds a string that is not valid Unicode (a lone UTF-16 "
+                           "surrogate escape such as \\ud800); send UTF-8 text", bad)
     return body
 
 

@@ -107,6 +107,12 @@ class GGUFFile:
                 f"(supported: {', '.join(ARCHITECTURES)})"
             )
         self.arch = arch
+        if "rope_freqs.weight" in self.tensors:  # llama.cpp's form of llama3 rope scaling
+            raise CheckpointError(
+                f"{path}: tensor 'rope_freqs.weight' (per-frequency rope factors, llama.cpp's "
+                "form of Llama 3.1+ rope scaling) is not supported; reading the file without "
+                "it would give wrong logits past the original context: use the model's Hugging "
+                "Face folder instead")
         self.config = self._config()
 
     def field(self, key: str, default: Any = ...) -> Any:

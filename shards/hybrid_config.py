@@ -90,7 +90,9 @@ class HybridSpec:
 def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     """The hybrid part of a `qwen3_5_text` / `qwen3_next` config.json; errors name the field."""
     model_type = raw["model_type"]
-    known = _INERT | (_MOE if model_type == "qwen3_next" else set())
+    from shards.model_config import METADATA_FIELDS  # (model_config imports this module)
+
+    known = _INERT | METADATA_FIELDS | (_MOE if model_type == "qwen3_next" else set())
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         raise CheckpointError(f"{source}: field {unknown[0]!r} of {model_type} is not supported "

@@ -52,13 +52,15 @@ METADATA_FIELDS = frozenset({
     "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "prefix",
     "decoder_start_token_id", "max_length", "min_length", "do_sample", "num_beams",
     "temperature", "top_k", "top_p", "repetition_penalty", "use_bfloat16", "model_name",
+    # seen in published Llama-family configs (SmolLM2's, older conversions): inert
+    "is_llama_config", "max_sequence_length", "transformers.js_config",
 })
 # Fields read by `config_from_hf` for every family (their values are checked there).
 COMMON_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
     "rope_scaling", "rope_parameters", "max_position_embeddings", "tie_word_embeddings",
-    "attention_bias", "hidden_act", "mlp_bias", "pretraining_tp",
+    "attention_bias", "hidden_act", "mlp_bias", "pretraining_tp", "rope_interleaved",
 })
 # Family-specific fields the runtime implements.
 FAMILY_FIELDS: dict[str, frozenset[str]] = {
@@ -290,7 +292,8 @@ def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> No
     if model_type in O_PROJ_BIAS and raw.get("attention_bias"):
         raise CheckpointError(f"{source}: attention_bias=true also biases o_proj in "
                               f"transformers' {model_type}, which is not implemented")
-    for key, harmless in (("mlp_bias", (None, False)), ("pretraining_tp", (None, 1))):
+    for key, harmless in (("mlp_bias", (None, False)), ("pretraining_tp", (None, 1)),
+                          ("rope_interleaved", (None, False))):
         if raw.get(key) not in harmless:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported")
 
@@ -316,6 +319,9 @@ def _windows(raw: dict[str, Any], model_type: str, layers: int,
                 raise CheckpointError(f"{source}: layer_types: {t!r} is not supported for "
                                       f"model_type={model_type!r} (supported: "
                                       f"{', '.join(LAYER_TYPES)})")
+        if model_type in ("mistral", "mixtral"):
+            types = None  # transformers' Mistral and Mixtral window every layer regardless
+    if types is not None:
         if "sliding_attention" not in types:
             return {}  # all full attention: the same config as no layer_types at all
         if window is None:

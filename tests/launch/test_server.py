@@ -172,6 +172,7 @@ def test_cached_tokens_grow_on_the_second_turn(server):
     (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
     (b'{"prompt": "' + b"word " * 600 + b'"}', 400, "prompt"),
     (b'[1, 2]', 400, None),
+    (b'{"prompt": ' + b'[' * 5000 + b']' * 5000 + b'}', 400, None),  # past the recursion limit
     (b'{"prompt": "x", "seed": 18446744073709551616}', 400, "seed"),
     (b'{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
     (b'{"prompt": "x", "top_k": 1099511627776}', 400, "top_k"),
@@ -278,6 +279,11 @@ def test_api_key(tiny_llama):
             r = httpx.get(s.url + "/v1/models", headers={"Authorization": wrong})
             assert r.status_code == 401, wrong
         assert httpx.get(s.url + "/health").status_code == 200  # health stays open
+        for path in ("/tokenize", "/detokenize"):  # they read the model's vocabulary too
+            assert httpx.post(s.url + path, json={"prompt": "hi"}).status_code == 401
+        r = httpx.post(s.url + "/tokenize", json={"prompt": "hi"},
+                       headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200 and r.json()["tokens"]
     finally:
         assert s.stop() == 0
 

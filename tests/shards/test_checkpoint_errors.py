@@ -86,7 +86,7 @@ def test_not_a_checkpoint(tmp_path):
         open_checkpoint(tmp_path / "x.bin")
 
 
-def _gguf_with(tmp_path, arch="llama", qtype=None):
+def _gguf_with(tmp_path, arch="llama", qtype=None, extra=()):
     """A minimal GGUF: header fields of a 1-layer llama, one tensor of the given raw type."""
     path = tmp_path / "bad.gguf"
     w = gguf.GGUFWriter(str(path), arch)
@@ -104,6 +104,8 @@ def _gguf_with(tmp_path, arch="llama", qtype=None):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = np.zeros((32, 64 // block * size), np.uint8)
         w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    for name in extra:
+        w.add_tensor(name, np.ones(8, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -122,6 +124,13 @@ def test_gguf_unsupported_quant_type(tmp_path):
 def test_gguf_unknown_architecture(tmp_path):
     path = _gguf_with(tmp_path, arch="rwkv6")
     with pytest.raises(CheckpointError, match="general.architecture='rwkv6'"):
+        open_checkpoint(path)
+
+
+def test_gguf_llama3_rope_factors_are_refused(tmp_path):
+    """llama.cpp stores Llama 3.1+ rope scaling as a tensor; read without it, logits drift."""
+    path = _gguf_with(tmp_path, extra=("rope_freqs.weight",))
+    with pytest.raises(CheckpointError, match="rope_freqs.weight"):
         open_checkpoint(path)
 
 

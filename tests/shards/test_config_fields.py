@@ -156,3 +156,20 @@ def test_attention_bias_where_transformers_ignores_it():
         for value in (True, False):
             raw = {**FAMILY_CONFIGS[family], **BASE, "attention_bias": value}
             assert config_from_hf(raw, "c").attention_bias is fixed
+
+
+def test_inert_fields_of_published_configs_are_accepted():
+    """Fields real Llama-family configs carry that change nothing (SmolLM2's config.json has
+    the first three) load; rope_interleaved is accepted only when off."""
+    raw = {**FAMILY_CONFIGS["llama"], **BASE, "is_llama_config": True, "rope_interleaved": False,
+           "transformers.js_config": {"dtype": "q4"}, "max_sequence_length": 2048}
+    config_from_hf(raw, "c")
+    with pytest.raises(CheckpointError, match="rope_interleaved"):
+        config_from_hf({**raw, "rope_interleaved": True}, "c")
+
+
+def test_mistral_windows_every_layer_whatever_layer_types_says():
+    """transformers' Mistral ignores layer_types (with a warning) and windows every layer."""
+    raw = {**FAMILY_CONFIGS["mistral-window"], **BASE,
+           "layer_types": ["full_attention", "sliding_attention"] * 2}
+    assert [config_from_hf(raw, "c").window(i) for i in range(4)] == [12] * 4
