@@ -325,8 +325,9 @@ def _inconsistent(layout, e: Entry) -> str:
     tokens = layout.tensors.get("tokens")
     if tokens is None or tokens.shape != (e.length,):
         return f"its tokens are not {e.length} long"
-    for name, t in layout.tensors.items():
-        if name.startswith("ls") and (not t.shape or t.shape[0] != e.length - e.start):
+    for name, t in layout.tensors.items():  # K/V rows; a hybrid layer's state is whole
+        if name.startswith("ls") and name.endswith((".k", ".v")) and (
+                not t.shape or t.shape[0] != e.length - e.start):
             return f"{name} holds {t.shape[:1]} rows, not {e.length - e.start}"
     if e.kv_bytes < 0:
         return f"kv_bytes {e.kv_bytes}"
