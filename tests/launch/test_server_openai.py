@@ -161,16 +161,20 @@ def test_logit_bias_penalties_min_tokens_and_stop_token_ids(server, ref):
     forced = c.completions.create(**base, logit_bias={"77": 100},
                                   extra_body={"ignore_eos": True})
     assert forced.choices[0].text == ref.tokenizer.decode([77] * 6)
-    # penalties: the output is greedy decoding of the penalised logits, computed here
+    # penalties: the output is greedy decoding of the penalised logits, computed here; long
+    # enough (24 tokens) that the plain output repeats tokens, so penalties change something
+    n_pen = 24
+    plain_long = ref.generate(ids, SamplingParams(max_tokens=n_pen, ignore_eos=True)).tokens
+    assert len(set(plain_long)) < n_pen
     for kw, want in (
             ({"frequency_penalty": 1.5, "presence_penalty": 0.5},
-             _greedy_penalised(ref, ids, 6, freq=1.5, pres=0.5)),
+             _greedy_penalised(ref, ids, n_pen, freq=1.5, pres=0.5)),
             ({"extra_body": {"repetition_penalty": 1.8, "ignore_eos": True}},
-             _greedy_penalised(ref, ids, 6, rep=1.8))):
+             _greedy_penalised(ref, ids, n_pen, rep=1.8))):
         extra = kw.pop("extra_body", {"ignore_eos": True})
-        r = c.completions.create(**base, **kw, extra_body=extra)
+        r = c.completions.create(**{**base, "max_tokens": n_pen}, **kw, extra_body=extra)
         assert r.choices[0].text == ref.tokenizer.decode(want)
-        assert want != plain_ids  # the penalty changed something
+        assert want != plain_long  # the penalty changed something
     # stop_token_ids stops at a token; min_tokens holds the stop tokens back until then
     k = next(i for i in range(1, 6) if plain_ids[i] not in plain_ids[:i])
     stop = [plain_ids[k]]
