@@ -68,6 +68,8 @@ def _name(sh: _Shard) -> str:
     return "the draft process" if sh.index < 0 else f"shard {sh.index}"
 
 
+DRAFT_STOPPED_S = 2.0  # a stopped draft process is dropped after this (speculation stops)
+
 class _Shard:
     """A server process of the run: a shard (index 0..N-1) or the draft process (index -1)."""
 
@@ -143,6 +145,7 @@ class Coordinator:
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | None = None
+        self._draft_stopped_since: float | None = None  # when the draft was first seen stopped
         self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
         # rows went to it
         # the draft's contexts (spec_max_seqs of them) not held by a sequence that feeds it
@@ -784,6 +787,16 @@ class Coordinator:
             raise self._fail(why)
         if self.draft is not None and self._draft_proc is not None:
             why = self._draft_proc.failure()
+            if why is None and self._draft_proc.stopped():
+                # the draft is optional: one that is stopped (SIGSTOP, a debugger) for
+                # DRAFT_STOPPED_S costs speculation now rather than a step's whole deadline
+                now = time.monotonic()
+                self._draft_stopped_since = self._draft_stopped_since or now
+                if now - self._draft_stopped_since >= DRAFT_STOPPED_S:
+                    why = (f"{self._draft_proc.name} (pid {self._draft_proc.pid}) is stopped "
+                           f"and has not answered for {DRAFT_STOPPED_S:.0f} s")
+            elif why is None:
+                self._draft_stopped_since = None
             if why is not None:
                 self._draft_failed(why, on_draft)
 
