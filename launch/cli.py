@@ -127,6 +127,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
     # started by a coordinator on this host: it watches the process, no heartbeats (unless
     # asked for: a shard a Ray actor starts on another node keeps them)
     if args.heartbeat_timeout is None:
+        from runtime.config import HEARTBEAT_TIMEOUT_S
+
         heartbeat = None if args.parent_pid else HEARTBEAT_TIMEOUT_S
     else:
         heartbeat = args.heartbeat_timeout or None
