@@ -164,7 +164,7 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
     if not isinstance(msg, dict):
         raise ProtocolError(f"header is a {type(msg).__name__}, expected a map", "malformed")
     t = msg.get("type")
-    if t not in SCHEMAS:
+    if not isinstance(t, str) or t not in SCHEMAS:  # (a list or a map is not even hashable)
         raise ProtocolError(f"unknown message type {t!r}", "unknown_type")
     if msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(
