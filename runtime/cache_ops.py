@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 EWMA = 0.3
+PARENT_WAIT_S = 120.0  # a delta entry's save waits this long for its parent's file
 
 
 @dataclasses.dataclass
@@ -50,6 +51,9 @@ class SaveJob:
     failed: str | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     without_features: bool = False  # the draft's part failed: the file is cut before it
+    renamed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when
+    # the save ended, `ok` if its file is in place: a child's file waits for its parent's
+    ok: bool = False
 
 
 @dataclasses.dataclass
@@ -80,6 +84,7 @@ class CacheManager:
         self.row_bytes = sum(lay["layers"] * 2 * lay["kv_heads"] * lay["head_dim"]
                              * itemsize[lay["dtype"]] for lay in self.layouts)
         self.jobs: dict[int, SaveJob] = {}
+        self.saves_by_key: dict[str, SaveJob] = {}  # every save of this run, by entry key
         self.done: queue.Queue = queue.Queue()
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
@@ -444,6 +449,7 @@ class CacheManager:
         writers = set(range(len(self.split))) | ({-1} if e.features else set())
         job = SaveJob(e, layout, tmp, fd, writers, sums)
         self.jobs[e.ram_id] = job
+        self.saves_by_key[e.key] = job
         e.saving = True
         draft = None
         if e.features:
@@ -470,6 +476,7 @@ class CacheManager:
 
     @staticmethod
     def _discard(job: SaveJob) -> None:
+        job.renamed.set()  # (not ok: a child waiting for it is not saved either)
         job.entry.saving = False
         try:
             os.close(job.fd)
@@ -529,8 +536,15 @@ class CacheManager:
                 write_header(f, job.layout)
                 f.flush()
             os.fsync(job.fd)
+            # a delta entry goes in place after its parent (a kill between the two renames
+            # leaves no entry whose parent is missing); not at all if the parent's save failed
+            parent = self.saves_by_key.get(job.entry.parent or "")
+            if parent is not None and parent is not job and (
+                    not parent.renamed.wait(PARENT_WAIT_S) or not parent.ok):
+                raise OSError(f"its parent entry {job.entry.parent[:12]} was not saved")
             os.replace(job.tmp, final)
             fsync_dir(final.parent)
+            job.ok = True
             self.done.put((job.entry, final, job.layout.file_size, None,
                            time.perf_counter() - job.started))
         except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
@@ -538,6 +552,7 @@ class CacheManager:
             self.done.put((job.entry, None, 0, str(err), 0.0))
         finally:
             os.close(job.fd)  # releases the writer's lock
+            job.renamed.set()
 
     def poll_done(self) -> None:
         """Apply finished saves to the index (main thread only), then the size caps."""
