@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from ipc import auth
 from ipc.messages import (
-    MAX_FRAMES, NESTED, OUTCOME, PAYLOAD_FRAMES, PROTOCOL_VERSION, SCHEMAS, SEGMENT,
-    ProtocolError, decode, encode, message,
+    MAX_FRAMES, NESTED, PAYLOAD_FRAMES, PROTOCOL_VERSION, SCHEMAS, ProtocolError, decode, encode,
+    message,
 )
 from runtime.config import RuntimeConfig
 from runtime.coordinator import Coordinator
