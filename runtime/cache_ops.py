@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 EWMA = 0.3
+PARENT_WAIT_S = 120.0  # a delta entry's save waits this long for its parent's file
 
 
 @dataclasses.dataclass
@@ -54,6 +55,9 @@ class SaveJob:
     # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
     streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
+    renamed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when
+    # the save ended, `ok` if its file is in place: a child's file waits for its parent's
+    ok: bool = False
 
 
 @dataclasses.dataclass
@@ -90,6 +94,8 @@ class CacheManager:
                                          + math.prod(lay["state_shape"]) * 4)
             for lay in self.layouts if "linear_layers" in lay)
         self.jobs: dict[int, SaveJob] = {}
+        self.saves_by_key: dict[str, SaveJob] = {}  # saves in progress, by entry key
+        self.failed_saves: set[str] = set()  # keys whose save failed (their children fail too)
         self.done: queue.Queue = queue.Queue()
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
@@ -486,6 +492,7 @@ class CacheManager:
         writers = set(range(len(self.split))) | ({-1} if e.features else set())
         job = SaveJob(e, layout, tmp, fd, writers, sums)
         self.jobs[e.ram_id] = job
+        self.saves_by_key[e.key] = job
         e.saving = True
         draft = None
         if e.features:
@@ -518,6 +525,7 @@ class CacheManager:
 
     @staticmethod
     def _discard(job: SaveJob) -> None:
+        job.renamed.set()  # (not ok: a child waiting for it is not saved either)
         job.entry.saving = False
         try:
             os.close(job.fd)
@@ -606,8 +614,16 @@ class CacheManager:
                 write_header(f, job.layout)
                 f.flush()
             os.fsync(job.fd)
+            # a delta entry goes in place after its parent (a kill between the two renames
+            # leaves no entry whose parent is missing); not at all if the parent's save failed
+            parent = self.saves_by_key.get(job.entry.parent or "")
+            if job.entry.parent in self.failed_saves or (
+                    parent is not None and parent is not job and (
+                        not parent.renamed.wait(PARENT_WAIT_S) or not parent.ok)):
+                raise OSError(f"its parent entry {job.entry.parent[:12]} was not saved")
             os.replace(job.tmp, final)
             fsync_dir(final.parent)
+            job.ok = True
             self.done.put((job.entry, final, job.layout.file_size, None,
                            time.perf_counter() - job.started))
         except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
@@ -615,6 +631,11 @@ class CacheManager:
             self.done.put((job.entry, None, 0, str(err), 0.0))
         finally:
             os.close(job.fd)  # releases the writer's lock
+            if not job.ok:
+                self.failed_saves.add(job.entry.key)
+            job.renamed.set()  # (a child that found it in saves_by_key waits on this)
+            if self.saves_by_key.get(job.entry.key) is job:  # not kept for the run's life
+                del self.saves_by_key[job.entry.key]
 
     def poll_done(self) -> None:
         """Apply finished saves to the index (main thread only), then the size caps."""

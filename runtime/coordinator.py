@@ -420,6 +420,8 @@ class Coordinator:
         sid = self._new_sid()
         send(d.sock, {**msg, "sid": sid}, frames)
         timeout = min(self.config.step_timeout, DRAFT_TIMEOUT_S)  # the draft is warm by now
+        if msg["type"] != "propose":  # no compute: a silent draft (no heartbeats on one host)
+            timeout = min(timeout, self.config.step_deadline_min)  # loses speculation sooner
         reply, frames = self._wait(lambda s, m: s is d and m.get("sid") == sid,
                                    time.monotonic() + timeout, f"{msg['type']} to the draft",
                                    sid, on_draft=True)
@@ -506,10 +508,15 @@ class Coordinator:
             pending.add(-1)
         replies: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.config.step_timeout
+        draft_deadline = None
         while pending:
+            if pending == {-1} and draft_deadline is None:  # the shards are done: the draft's
+                # part is as quick; a silent draft (no heartbeats on one host) only loses
+                # speculation, after step_deadline_min
+                draft_deadline = min(deadline, time.monotonic() + self.config.step_deadline_min)
             try:  # a draft that fails or times out here only stops speculation
                 msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
-                                    deadline, "a prefix-cache operation", sid,
+                                    draft_deadline or deadline, "a prefix-cache operation", sid,
                                     on_draft=-1 in pending, blame_draft=lambda: pending == {-1})
             except (DraftError, DraftLost) as e:  # the draft's part failed: not the shards'
                 log.warning("prefix cache: %s", e)

@@ -404,15 +404,18 @@ def test_draft_hung_during_a_cache_operation_stops_only_speculation(target, fitt
     """A draft that stops answering while a snapshot waits for its part: the snapshot goes on
     without the feature rows, within seconds (not step_timeout), and the shards keep serving."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path), step_timeout=120)
+    cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path), step_timeout=120,
+               step_deadline_min=2.0)
     with Coordinator(cfg) as coord:
         prompt = _prompts(coord.tokenizer)[0]
         want = coord.generate(prompt, params, use_cache=False, speculative=False).tokens
         pid = coord._draft_proc.pid
-        os.kill(pid, signal.SIGSTOP)  # alive, silent: only its heartbeats stop
+        os.kill(pid, signal.SIGSTOP)  # alive and silent
         t0 = time.monotonic()
         r = coord.generate(prompt, params, speculative=False)  # snapshots ask the draft too
-        assert time.monotonic() - t0 < 10  # (4 s here: heartbeats, then 2 s per feeding shard)
+        # (~6 s here: step_deadline_min once the shards have answered, then 2 s per feeding
+        # shard)
+        assert time.monotonic() - t0 < 10
         assert r.tokens == want and coord.draft is None and coord.failed is None
         assert wait_gone([pid]) == []
         again = coord.generate(prompt, params)

@@ -104,7 +104,7 @@ def invalid_frames(draw, types=TYPES) -> tuple[str, bytes, int]:
         f = draw(st.sampled_from(sorted(SCHEMAS[t])))
         msg[f] = _wrong_value(SCHEMAS[t][f])
     elif how == "type":
-        msg["type"] = draw(st.sampled_from(["", "x" + t, t.upper(), 7]))
+        msg["type"] = draw(st.sampled_from(["", "x" + t, t.upper(), 7, [t], {t: 1}]))
     elif how == "version":
         msg["v"] = draw(st.sampled_from([PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, "7", None]))
     elif how == "nested":

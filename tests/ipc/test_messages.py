@@ -36,6 +36,8 @@ def test_bad_segments_are_named(seqs, why):
     (b"\xc1", "malformed"),
     (msgpack.packb([1, 2, 3]), "malformed"),
     (msgpack.packb({"type": "nope", "v": PROTOCOL_VERSION}), "unknown_type"),
+    (msgpack.packb({"type": [1], "v": PROTOCOL_VERSION}), "unknown_type"),  # found by fuzzing
+    (msgpack.packb({"type": {"a": 1}, "v": PROTOCOL_VERSION}), "unknown_type"),
     (msgpack.packb({"type": "ping", "v": 99}), "version"),
     (msgpack.packb({"type": "auth", "v": PROTOCOL_VERSION}), "bad_message"),
     (msgpack.packb({"type": "auth", "v": PROTOCOL_VERSION, "mac": "text"}), "bad_message"),
