@@ -559,8 +559,12 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
                       reduction="none").sum(-1)
         loss = optimize((kl * weights).sum(-1).mean() / weights.sum(), params, opt)
         step += 1
-        if time.perf_counter() - t0 >= next_eval:
-            next_eval += args.eval_every
+        # every eval_every seconds; with a step budget also at each quarter of it, so a run's
+        # history does not depend on how fast the machine is
+        quarter = args.max_steps and step % max(1, args.max_steps // 4) == 0
+        if time.perf_counter() - t0 >= next_eval or quarter:
+            if not quarter:
+                next_eval += args.eval_every
             tau = measure("val")
             history.append({"step": step, "seconds": round(time.perf_counter() - t0),
                             "loss": round(loss.item(), 4), "val": round(tau, 3)})
