@@ -19,10 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from shards.fused import norm_qkv, pre_attention  # noqa: E402
-from shards.kernels.decode_attention import decode_attention  # noqa: E402
-from shards.layers.step import StepInfo  # noqa: E402
+from layersplit.shards.fused import norm_qkv, pre_attention  # noqa: E402
+from layersplit.shards.kernels.decode_attention import decode_attention  # noqa: E402
+from layersplit.shards.layers.step import StepInfo  # noqa: E402
 
 SHAPES = {  # name: hidden, heads, kv heads, head dim, q/k norm
     "smollm2-135m": (576, 9, 3, 64, False),

@@ -19,10 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.reference import ReferenceEngine  # noqa: E402
-from shards.tiny import write_tiny_checkpoint  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.reference import ReferenceEngine  # noqa: E402
+from layersplit.shards.tiny import write_tiny_checkpoint  # noqa: E402
+
 from tests.fuzz_cache import GREEDY, CacheFuzzer, mutations  # noqa: E402
 from tests.helpers import run_logged  # noqa: E402
 

@@ -25,11 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.concurrency")
 

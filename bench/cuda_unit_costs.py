@@ -14,8 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from ipc.messages import decode, encode, message, segment  # noqa: E402
+from layersplit.ipc.messages import decode, encode, message, segment  # noqa: E402
 
 
 def per_call_us(fn, n: int = 2000, batches: int = 5) -> float:

@@ -28,14 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from runtime.model_store import resolve_model  # noqa: E402
-from shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
-from shards.hf_convert import hf_causal_lm  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.runtime.model_store import resolve_model  # noqa: E402
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
+from layersplit.shards.hf_convert import hf_causal_lm  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.decode")
 
@@ -127,7 +126,7 @@ def hbm_floor(args, device: str) -> dict:
     """Copy bandwidth (read + write) now, and weights read per decoded token."""
     ckpt = open_checkpoint(resolve_model(args.model), 0)
     cfg = ckpt.config
-    from shards.weights import range_tensor_shapes
+    from layersplit.shards.weights import range_tensor_shapes
 
     itemsize = torch.empty((), dtype=getattr(torch, args.hf_dtype)).element_size()
     per_token = 0

@@ -17,7 +17,7 @@
 #            the draft comes back packed in $OUT.
 #                                         (carry .whl .device-carry/smol.part02 .device-carry/data0.st ...)
 #   stage T: choose the bundled draft's token tree (NODES draft tokens) on the held-out answers
-#            of .device-carry/val.st (`python -m draft.tree`; the config comes back in $OUT), then
+#            of .device-carry/val.st (`python -m layersplit.draft.tree`; the config comes back in $OUT), then
 #            stage S with it              (carry .whl .device-carry/smol.part02 .device-carry/val.st)
 #            val.st: the "val" sets of stage D's and L's sequence files, small enough to carry:
 #            python -c "from pathlib import Path; from draft.train import load_sequences as l,
@@ -49,7 +49,7 @@ CONFIGS=${CONFIGS:-"l2:--layers 2;l3:--layers 3 --intermediate 1024"}
 if [ "$stage" = T ]; then
   join_model
   log token tree of the bundled draft
-  python3 -m draft.tree default --data .device-carry/val.st --nodes "${NODES:-31}" \
+  python3 -m layersplit.draft.tree default --data .device-carry/val.st --nodes "${NODES:-31}" \
     --device $dev:0 2>&1 | grep -v Warning | tail -4 | tee "$OUT/tree.txt"
   cp draft/weights/smollm2-135m-dflash/config.json "$OUT/"
   stage=S
@@ -66,7 +66,7 @@ elif [ "$stage" = D ]; then
   log generate on $gpus GPUs
   data=""
   for ((i = 0; i < gpus; i++)); do
-    timeout "${GEN_TIMEOUT:-300}" python3 -m draft.train --device $dev:$i --part $i/$gpus \
+    timeout "${GEN_TIMEOUT:-300}" python3 -m layersplit.draft.train --device $dev:$i --part $i/$gpus \
       --gen-seconds "${GEN_S:-150}" ${GEN_ARGS:---self-prompts 16000} --save-data /tmp/drafts/data$i.st > /tmp/drafts/gen$i.log 2>&1 &
     data=${data:+$data,}/tmp/drafts/data$i.st
   done
@@ -80,7 +80,7 @@ elif [ "$stage" = D ]; then
     classic=""
     [ $i = 0 ] && [ "${CLASSIC_S:-40}" != 0 ] && classic="--classic-out /tmp/drafts/classic4 \
       --classic-seconds ${CLASSIC_S:-40}"
-    timeout "${TRAIN_TIMEOUT:-320}" python3 -m draft.train --device $dev:$i --data "$data" \
+    timeout "${TRAIN_TIMEOUT:-320}" python3 -m layersplit.draft.train --device $dev:$i --data "$data" \
       --out /tmp/drafts/$name --seconds "${TRAIN_S:-180}" $extra $classic --report /tmp/drafts/report_$name.json \
       > /tmp/drafts/train_$name.log 2>&1 &
   done
@@ -93,13 +93,13 @@ elif [ "$stage" = D ]; then
 elif [ "$stage" = L ]; then
   join_model
   log generate on one GPU
-  timeout 300 python3 -m draft.train --device $dev:0 --part 2/3 --prompts 0 --code-files 0 \
+  timeout 300 python3 -m layersplit.draft.train --device $dev:0 --part 2/3 --prompts 0 --code-files 0 \
     --self-prompts "${SELF_PROMPTS:-24000}" --gen-seconds "${GEN_S:-100}" --save-data /tmp/drafts/data2.st 2>&1 \
     | grep -v Warning | grep -E "turns|sequences|budget|wrote|Error" | cut -c1-300
   data=$(ls .device-carry/data*.st /tmp/drafts/data2.st | paste -sd,)
   left=$(( ${CALL_S:-590} - SECONDS - 90 ))
   log train ${CONFIG:=--layers 3 --intermediate 1024} for $left s on $data
-  python3 -m draft.train --device $dev:0 --data "$data" --out /tmp/drafts/long --seconds $left \
+  python3 -m layersplit.draft.train --device $dev:0 --data "$data" --out /tmp/drafts/long --seconds $left \
     $CONFIG ${INIT:+--init $INIT} ${LR:+--lr $LR} --report /tmp/drafts/report_long.json 2>&1 | grep -v Warning \
     | grep -E "step|trained|before|rows|wrote|Error|error"
   cp /tmp/drafts/report_long.json "$OUT/"

@@ -44,7 +44,7 @@ elif [ "$stage" = B ]; then
 elif [ "$stage" = C ]; then
   cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 > "$gguf"
   log generate on two GPUs
-  python3 -m launch.cli generate "What is the capital of France?" --chat \
+  python3 -m layersplit.launch.cli generate "What is the capital of France?" --chat \
     --config configs/smollm2-2gpu.toml 2>&1 | tail -4 | tee "$OUT/generate_2gpu.txt"
   for run in 1 2; do
     log default model decode, 1 vs 2 GPUs, run $run

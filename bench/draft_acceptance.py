@@ -27,16 +27,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draft.dflash import load_dflash, read_dflash_config  # noqa: E402
-from draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
-from draft.train import acceptance, continuations, greedy_labels, target_rows  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from runtime.model_store import BUNDLED_DRAFT, resolve_model  # noqa: E402
-from runtime.tokenizer import TextTokenizer  # noqa: E402
-from shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.draft.dflash import load_dflash, read_dflash_config  # noqa: E402
+from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
+from layersplit.draft.train import acceptance, continuations, greedy_labels, target_rows  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model  # noqa: E402
+from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> int:

@@ -30,10 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
-
-from ipc import transport  # noqa: E402
-from ipc.messages import message, segment  # noqa: E402
-from ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
+from layersplit.ipc import transport  # noqa: E402
+from layersplit.ipc.messages import message, segment  # noqa: E402
+from layersplit.ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
 
 DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from layersplit.ipc.sockets import free_tcp_port  # noqa: E402
+from layersplit.shards.tiny import write_tiny_checkpoint  # noqa: E402
 
-from ipc.sockets import free_tcp_port  # noqa: E402
-from shards.tiny import write_tiny_checkpoint  # noqa: E402
 from tests.helpers import layersplit_shm, shard_children, wait_gone  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
     port = free_tcp_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "serve", "--model", str(model), "--devices",
+        [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model), "--devices",
          "cpu,cpu", "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
          "--max-context", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     failures: list[str] = []
@@ -144,13 +144,13 @@ def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
 
 def campaign_save(model: Path, trials: int, rng: random.Random, work: Path) -> list[str]:
     import numpy as np
+    from layersplit.runtime.cache_admin import verify
+    from layersplit.runtime.config import RuntimeConfig
+    from layersplit.runtime.coordinator import Coordinator
+    from layersplit.runtime.reference import ReferenceEngine
+    from layersplit.shards.sampling import SamplingParams
     from safetensors import safe_open
 
-    from runtime.cache_admin import verify
-    from runtime.config import RuntimeConfig
-    from runtime.coordinator import Coordinator
-    from runtime.reference import ReferenceEngine
-    from shards.sampling import SamplingParams
     from tests.helpers import run_logged
 
     d = work / "kv"
@@ -164,7 +164,7 @@ def campaign_save(model: Path, trials: int, rng: random.Random, work: Path) -> l
     for i in range(trials):
         text = f"trial {i}: a rather long prompt about foxes and dogs and cats " * 30
         p = subprocess.Popen(
-            [sys.executable, "-m", "launch.cli", "generate", text, "--model", str(model),
+            [sys.executable, "-m", "layersplit.launch.cli", "generate", text, "--model", str(model),
              "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", "16",
              "--kv-cache-dir", str(d), "--max-tokens", "100000", "--ignore-eos",
              "--max-context", "4096", "--json"],

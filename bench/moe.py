@@ -29,16 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.shards.model_config import ModelConfig, config_from_hf  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
+from layersplit.shards.tiny import FAMILY_CONFIGS  # noqa: E402
+from layersplit.shards.weights import range_tensor_shapes  # noqa: E402
 
 from bench.concurrency import run_streams  # noqa: E402
 from bench.decode import prompt_ids  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from shards.model_config import ModelConfig, config_from_hf  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
-from shards.tiny import FAMILY_CONFIGS  # noqa: E402
-from shards.weights import range_tensor_shapes  # noqa: E402
 
 log = logging.getLogger("bench.moe")
 

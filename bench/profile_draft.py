@@ -24,14 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from layersplit.draft.proposer import DFlashProposer, load_proposer
+from layersplit.draft.tree import instantiate, width
+from layersplit.runtime.model_store import resolve_model
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
 from torch.profiler import ProfilerActivity, profile
-
-from draft.proposer import DFlashProposer, load_proposer
-from draft.tree import instantiate, width
-from runtime.model_store import resolve_model
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections
 
 
 def _ms(xs: list[float]) -> float:

@@ -29,12 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from runtime.speculative import SpecStats  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.runtime.speculative import SpecStats  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.speculative")
 

@@ -28,12 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode  # noqa: E402  (bench/decode.py: one layout through the runtime)
-
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.model_store import resolve_model  # noqa: E402
-from shards.checkpoint import open_checkpoint  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.model_store import resolve_model  # noqa: E402
+from layersplit.shards.checkpoint import open_checkpoint  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 
 def vocab(model: str) -> int:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.coordinator import Coordinator  # noqa: E402
-from runtime.decoding import Decoding  # noqa: E402
-from runtime.generate import Progress, collect  # noqa: E402
-from runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
-from shards.sampling import SamplingParams  # noqa: E402
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.coordinator import Coordinator  # noqa: E402
+from layersplit.runtime.decoding import Decoding  # noqa: E402
+from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
+from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 # long enough that the output runs to max_tokens in either mode
 SCHEMA = {"type": "object", "properties": {

@@ -25,19 +25,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from layersplit.draft.tree import Shape, read_shape
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fused import post_attention, pre_attention, rms_norm, rope
+from layersplit.shards.kv_cache import KVCache
+from layersplit.shards.layers.attention import group_queries
+from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig, config_from_hf
+from layersplit.shards.models.llama import DecoderLayer
+from layersplit.shards.weights import layer_tensor_shapes
 from torch import nn
-
-from draft.tree import Shape, read_shape
-from shards.errors import CheckpointError
-from shards.fused import post_attention, pre_attention, rms_norm, rope
-from shards.kv_cache import KVCache
-from shards.layers.attention import group_queries
-from shards.layers.norm import RMSNorm
-from shards.layers.rotary import apply_rope, rope_cos_sin, rope_inv_freq
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig, config_from_hf
-from shards.models.llama import DecoderLayer
-from shards.weights import layer_tensor_shapes
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -333,7 +332,7 @@ def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
 def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
                 device: torch.device | str) -> DFlashDraft:
     """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors)."""
-    from shards.checkpoint_hf import HFCheckpoint
+    from layersplit.shards.checkpoint_hf import HFCheckpoint
 
     ckpt = HFCheckpoint(folder, strict=False)
     shapes = dflash_tensor_shapes(cfg)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from shards.spec_tree import check_path
+from layersplit.shards.spec_tree import check_path
 
 Key = tuple[int, int, int, int, tuple[int, ...] | None]  # pos, token, n, tree, kept
 Proposal = tuple[list[int], list[int] | None]  # tokens, parents

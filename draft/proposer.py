@@ -20,8 +20,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from draft.dflash import (
+from layersplit.draft.dflash import (
     DFlashConfig,
     DFlashDraft,
     block_step,
@@ -31,16 +30,16 @@ from draft.dflash import (
     load_dflash,
     read_dflash_config,
 )
-from draft.tree import instantiate, width
-from runtime.chunking import prefill_chunks
-from shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
-from shards.device import to_device
-from shards.errors import CheckpointError
-from shards.executor import RangeExecutor
-from shards.graphs import capture
-from shards.kv_cache import KVCache, KVLayout
-from shards.spec_tree import kept_moves
-from shards.weights import source_name
+from layersplit.draft.tree import instantiate, width
+from layersplit.runtime.chunking import prefill_chunks
+from layersplit.shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
+from layersplit.shards.device import to_device
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.graphs import capture
+from layersplit.shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.spec_tree import kept_moves
+from layersplit.shards.weights import source_name
 
 log = logging.getLogger(__name__)
 CLASSIC_BLOCK = 5  # a classic draft proposes 4 tokens per verify unless told otherwise
@@ -322,7 +321,7 @@ def _target_tensors(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device
 
 def _same_vocab(draft: Path, target: Path) -> None:
     """A classic draft must share the target's tokenizer: same tokens, same ids."""
-    from runtime.tokenizer import TextTokenizer
+    from layersplit.runtime.tokenizer import TextTokenizer
 
     a, b = TextTokenizer.for_model(draft), TextTokenizer.for_model(target)
     if a is None or b is None:
@@ -344,7 +343,7 @@ def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: tor
         cfg.check_target(target_ckpt.config, path / "config.json")
         model = load_dflash(path, cfg, dtype, dev)
         if dev.type == "cuda":
-            from shards.fused import fuse_projections
+            from layersplit.shards.fused import fuse_projections
 
             fuse_projections(model, compile=graphs)
         embed, head = _target_tensors(target_ckpt, dtype, dev)

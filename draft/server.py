@@ -29,19 +29,18 @@ from typing import Any
 import psutil
 import torch
 import zmq
-
-from draft.prepared import Prepared, check_next, key_of
-from draft.proposer import DFlashProposer, Proposer, load_proposer
-from ipc import transport
-from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
-from ipc.peers import AUTH_FAILED, Gate
-from ipc.serve_loop import serve
-from ipc.sockets import bind_router, recv, send
-from ipc.transport import tensor_bytes, zmq_tensor
-from shards.device import use_device
-from shards.dtypes import torch_dtype
-from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
-from shards.spec_tree import check_path
+from layersplit.draft.prepared import Prepared, check_next, key_of
+from layersplit.draft.proposer import DFlashProposer, Proposer, load_proposer
+from layersplit.ipc import transport
+from layersplit.ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
+from layersplit.ipc.peers import AUTH_FAILED, Gate
+from layersplit.ipc.serve_loop import serve
+from layersplit.ipc.sockets import bind_router, recv, send
+from layersplit.ipc.transport import tensor_bytes, zmq_tensor
+from layersplit.shards.device import use_device
+from layersplit.shards.dtypes import torch_dtype
+from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from layersplit.shards.spec_tree import check_path
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
@@ -564,7 +563,7 @@ def run_draft(spec: DraftSpec, secret: bytes, error_file: str | None = None) -> 
     A startup error's text goes to `error_file` too, for the coordinator to report."""
     import signal
 
-    from shards.worker import _exit_on_signal, watch_parent
+    from layersplit.shards.worker import _exit_on_signal, watch_parent
 
     server: DraftServer | None = None
 

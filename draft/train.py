@@ -1,6 +1,6 @@
 """Train a DFlash-style draft for a target model, on one GPU, in minutes.
 
-    python -m draft.train --target default --out draft/weights/smollm2-135m-dflash \\
+    python -m layersplit.draft.train --target default --out draft/weights/smollm2-135m-dflash \\
         --device cuda:0 --layers 3 --intermediate 1024 --seconds 300
 
 Data, all offline, all the target's own text (its continuations are what the draft must
@@ -47,24 +47,23 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from draft.dflash import (
+from layersplit.draft.dflash import (
     DFlashDraft,
     dflash_config_dict,
     read_dflash_config,
     read_dflash_config_dict,
     save_dflash,
 )
-from draft.prompts import EVAL_CHAT, EVAL_CODE, training_prompts
-from draft.tree import choose_shape
-from runtime.model_store import resolve_model
-from runtime.tokenizer import TextTokenizer
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.errors import CheckpointError
-from shards.hf_convert import hf_causal_lm
-from shards.layers.rotary import apply_rope, rope_cos_sin
-from shards.model_config import ModelConfig
-from shards.models import LayerRange
+from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE, training_prompts
+from layersplit.draft.tree import choose_shape
+from layersplit.runtime.model_store import resolve_model
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.hf_convert import hf_causal_lm
+from layersplit.shards.layers.rotary import apply_rope, rope_cos_sin
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.models import LayerRange
 
 log = logging.getLogger("layersplit.train")
 

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from shards.errors import CheckpointError
-from shards.spec_tree import is_chain
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.spec_tree import is_chain
 
 Shape = tuple[tuple[int, ...], ...]
 
@@ -104,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import logging
 
-    from draft.dflash import load_dflash, read_dflash_config, write_config
-    from draft.train import (
+    from layersplit.draft.dflash import load_dflash, read_dflash_config, write_config
+    from layersplit.draft.train import (
         TREE_TOP_K,
         greedy_labels,
         label_ranks,
@@ -113,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         target_rows,
         walk,
     )
-    from runtime.model_store import BUNDLED_DRAFT, resolve_model
-    from shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 
-    p = argparse.ArgumentParser(prog="python -m draft.tree", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m layersplit.draft.tree", description=main.__doc__)
     p.add_argument("draft", help="a DFlash folder, or 'default' (the bundled draft)")
     p.add_argument("--data", required=True, help="comma-separated sequence files")
     p.add_argument("--nodes", type=int, default=31, help="draft tokens of the tree")

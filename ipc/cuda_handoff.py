@@ -26,8 +26,7 @@ import logging
 from typing import Any
 
 import torch
-
-from ipc.messages import ProtocolError
+from layersplit.ipc.messages import ProtocolError
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,9 @@ import logging
 from typing import Any
 
 import zmq
-
-from ipc import auth
-from ipc.messages import ProtocolError, error, message
-from ipc.sockets import request
+from layersplit.ipc import auth
+from layersplit.ipc.messages import ProtocolError, error, message
+from layersplit.ipc.sockets import request
 
 log = logging.getLogger(__name__)
 

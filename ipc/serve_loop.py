@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ipc.shm import SLEEP_POLL_MS
-from ipc.transport import RingInbox
+from layersplit.ipc.shm import SLEEP_POLL_MS
+from layersplit.ipc.transport import RingInbox
 
 
 def serve(running: Callable[[], bool], work: Callable[[], bool],

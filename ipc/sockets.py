@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-
-from ipc.curve import needs_curve, secure_client, secure_server
-from ipc.messages import ProtocolError, best_effort_sid, decode, encode
+from layersplit.ipc.curve import needs_curve, secure_client, secure_server
+from layersplit.ipc.messages import ProtocolError, best_effort_sid, decode, encode
 
 MIN_HEARTBEAT_IVL_MS = 100
 MAX_MESSAGE_BYTES = 4 << 30  # zmq drops a peer that sends a larger message

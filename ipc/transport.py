@@ -22,12 +22,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import zmq
-
-from ipc.cuda_handoff import SlotReader, SlotWriter
-from ipc.hosts import host_id
-from ipc.messages import ProtocolError, decode, encode
-from ipc.shm import ShmRing
-from ipc.sockets import send
+from layersplit.ipc.cuda_handoff import SlotReader, SlotWriter
+from layersplit.ipc.hosts import host_id
+from layersplit.ipc.messages import ProtocolError, decode, encode
+from layersplit.ipc.shm import ShmRing
+from layersplit.ipc.sockets import send
 
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "cuda-ipc", "shm", "zmq")

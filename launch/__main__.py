@@ -1,3 +1,3 @@
-from launch.cli import main
+from layersplit.launch.cli import main
 
 raise SystemExit(main())

@@ -35,7 +35,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from shards.sampling import SamplingParams
+    from layersplit.shards.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -51,9 +51,9 @@ def _raise_on_sigterm() -> None:
 
 # ---- generate ------------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from runtime.config import explicit_keys, from_args
-    from runtime.coordinator import Coordinator
-    from runtime.generate import Progress, collect
+    from layersplit.runtime.config import explicit_keys, from_args
+    from layersplit.runtime.coordinator import Coordinator
+    from layersplit.runtime.generate import Progress, collect
 
     cfg = from_args(args)
     if "max_seqs" not in explicit_keys(args):  # one prompt: one KV slot, not a server's batch
@@ -88,10 +88,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runtime.config import from_args
+    from layersplit.runtime.config import from_args
 
     try:
-        from runtime.server import serve
+        from layersplit.runtime.server import serve
     except ImportError as e:
         print(f"layersplit serve needs the server extra: pip install 'layersplit[server]' ({e})",
               file=sys.stderr)
@@ -101,10 +101,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- shard ---------------------------------------------------------------------------------------
 def cmd_shard(args: argparse.Namespace) -> int:
-    from ipc.auth import load_secret
-    from ipc.sockets import is_loopback
-    from runtime.model_store import resolve_model
-    from shards.worker import ShardSpec, run_shard
+    from layersplit.ipc.auth import load_secret
+    from layersplit.ipc.sockets import is_loopback
+    from layersplit.runtime.model_store import resolve_model
+    from layersplit.shards.worker import ShardSpec, run_shard
 
     secret = load_secret(args.secret_file)
     if secret is None:
@@ -127,7 +127,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     # started by a coordinator on this host: it watches the process, no heartbeats (unless
     # asked for: a shard a Ray actor starts on another node keeps them)
     if args.heartbeat_timeout is None:
-        from runtime.config import HEARTBEAT_TIMEOUT_S
+        from layersplit.runtime.config import HEARTBEAT_TIMEOUT_S
 
         heartbeat = None if args.parent_pid else HEARTBEAT_TIMEOUT_S
     else:
@@ -143,9 +143,9 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 # ---- draft (started by the coordinator) ---------------------------------------------------------
 def cmd_draft(args: argparse.Namespace) -> int:
-    from draft.server import DraftSpec, run_draft
-    from ipc.auth import load_secret
-    from runtime.model_store import resolve_model
+    from layersplit.draft.server import DraftSpec, run_draft
+    from layersplit.ipc.auth import load_secret
+    from layersplit.runtime.model_store import resolve_model
 
     secret = load_secret(None)
     if secret is None:
@@ -172,7 +172,7 @@ def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) 
 
 # ---- cache -----------------------------------------------------------------------------------------
 def cmd_cache(args: argparse.Namespace) -> int:
-    from runtime import cache_admin
+    from layersplit.runtime import cache_admin
 
     if args.action == "ls":
         return cache_admin.cmd_ls(args.dir)
@@ -183,7 +183,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 # ---- parser --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from runtime.config import HEARTBEAT_TIMEOUT_S, add_flags
+    from layersplit.runtime.config import HEARTBEAT_TIMEOUT_S, add_flags
 
     p = argparse.ArgumentParser(prog="layersplit", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -282,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "draft":
         prefix = "[draft] "
     _setup_logging(args.verbose, prefix)
-    from runtime.config import ConfigError
-    from runtime.coordinator import ShardFailure
-    from shards.errors import CheckpointError
+    from layersplit.runtime.config import ConfigError
+    from layersplit.runtime.coordinator import ShardFailure
+    from layersplit.shards.errors import CheckpointError
 
     if args.command in ("shard", "draft"):
         _run_server_process(args, (ConfigError, CheckpointError, FileNotFoundError, ValueError))

@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from runtime.errors import ShardFailure
-from runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
-from runtime.scheduler import Ready, Scheduler, SchedulerConfig
+from layersplit.runtime.errors import ShardFailure
+from layersplit.runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
+from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from runtime.coordinator import Coordinator
+    from layersplit.runtime.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 4  # steps in the chain at once; no ring of the chain (4 slots) then fills up

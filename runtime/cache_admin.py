@@ -6,8 +6,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from ipc.kv_file import KVFileError, checksum, read_layout
-from runtime.prefix_cache import SUFFIX
+from layersplit.ipc.kv_file import KVFileError, checksum, read_layout
+from layersplit.runtime.prefix_cache import SUFFIX
 
 
 @dataclasses.dataclass

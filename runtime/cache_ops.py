@@ -24,17 +24,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from ipc.kv_file import (
-    DTYPE_CODES, FEATURE_DATA, FEATURE_META, LAYER_KINDS, KVFileError, checksum, kv_name,
-    layer_tensors, plan, read_items, read_layout, write_header,
+from layersplit.ipc.kv_file import (
+    DTYPE_CODES,
+    FEATURE_DATA,
+    FEATURE_META,
+    LAYER_KINDS,
+    KVFileError,
+    checksum,
+    kv_name,
+    layer_tensors,
+    plan,
+    read_items,
+    read_layout,
+    write_header,
 )
-from ipc.messages import message
-from runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
-from runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
+from layersplit.ipc.messages import message
+from layersplit.runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
+from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 
 if TYPE_CHECKING:
-    from runtime.coordinator import Coordinator
+    from layersplit.runtime.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 EWMA = 0.3

@@ -20,42 +20,61 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
-from ipc import auth
-from ipc.curve import needs_curve
-from ipc.messages import ProtocolError, message, segment
-from ipc.shm import HEADER_CAP, SLEEP_POLL_MS
-from ipc.transport import RingInbox, Sender, ZmqSender, accept, host_id, offer, zmq_tensor
-from ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
-from runtime.cache_ops import CacheManager, Restored
-from runtime.chunking import cut_points
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.decoding import Decoding, StepFields
-from runtime.batching import MAX_IN_FLIGHT, Batcher, Request
-from runtime.generate import (
-    Delta, GenerationResult, OutputStream, Program, Progress, StepOutput, StepRequest, collect,
+from layersplit.ipc import auth
+from layersplit.ipc.curve import needs_curve
+from layersplit.ipc.messages import ProtocolError, message, segment
+from layersplit.ipc.shm import HEADER_CAP, SLEEP_POLL_MS
+from layersplit.ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
+from layersplit.ipc.transport import (
+    RingInbox,
+    Sender,
+    ZmqSender,
+    accept,
+    host_id,
+    offer,
+    zmq_tensor,
+)
+from layersplit.runtime.batching import MAX_IN_FLIGHT, Batcher, Request
+from layersplit.runtime.cache_ops import CacheManager, Restored
+from layersplit.runtime.chunking import cut_points
+from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.decoding import Decoding, StepFields
+from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.runtime.generate import (
+    Delta,
+    GenerationResult,
+    OutputStream,
+    Program,
+    Progress,
+    StepOutput,
+    StepRequest,
+    collect,
     sequence_program,
 )
-from runtime.model_store import resolve_draft, resolve_model
-from runtime.placement import (
-    Placement, PlacementError, ShardPlan, check_local_devices, describe_split, normalize_device,
+from layersplit.runtime.model_store import resolve_draft, resolve_model
+from layersplit.runtime.placement import (
+    Placement,
+    PlacementError,
+    ShardPlan,
+    check_local_devices,
+    describe_split,
+    normalize_device,
     plan,
 )
-from runtime.reference import new_seed
-from runtime.scheduler import SchedulerConfig
-from runtime.errors import DraftError, DraftLost, ShardFailure
-from runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
-from runtime.step_deadlines import StepDeadlines
-from runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
-from runtime.tokenizer import TextTokenizer
-from shards.checkpoint import open_checkpoint
-from shards.layers.rotary import context_limit_error
-from shards.sampling import SamplingParams
-from shards.weights import layer_bytes
+from layersplit.runtime.reference import new_seed
+from layersplit.runtime.scheduler import SchedulerConfig
+from layersplit.runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
+from layersplit.runtime.step_deadlines import StepDeadlines
+from layersplit.runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.checkpoint import open_checkpoint
+from layersplit.shards.layers.rotary import context_limit_error
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.weights import layer_bytes
+from zmq.utils.monitor import recv_monitor_message
 
 if TYPE_CHECKING:
-    from runtime.ray_launcher import RayLauncher, RayShard
+    from layersplit.runtime.ray_launcher import RayLauncher, RayShard
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
@@ -289,7 +308,7 @@ class Coordinator:
 
     def _start_ray(self, t0: float) -> list[RayShard]:
         """launcher = "ray": place and start every shard on the Ray cluster."""
-        from runtime.ray_launcher import RayLauncher
+        from layersplit.runtime.ray_launcher import RayLauncher
 
         self.ray = RayLauncher(self.config)
         started = self.ray.start(self.placement.shards, self.config.model, self.dtype,

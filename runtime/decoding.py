@@ -17,8 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import torch
-
-from shards.sampling import pack_bias, pack_mask
+from layersplit.shards.sampling import pack_bias, pack_mask
 
 
 class TokenGrammar(Protocol):

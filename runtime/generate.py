@@ -12,12 +12,11 @@ from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-
-from runtime.chunking import prefill_chunks
-from runtime.textstream import TextStream
-from runtime.tokenizer import TextTokenizer
-from shards.sampling import SamplingParams
-from shards.spec_tree import depths, rows_to_move
+from layersplit.runtime.chunking import prefill_chunks
+from layersplit.runtime.textstream import TextStream
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.spec_tree import depths, rows_to_move
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,8 +21,7 @@ from typing import Any
 
 import llguidance
 import llguidance.torch as llg_torch
-
-from runtime.tokenizer import TextTokenizer
+from layersplit.runtime.tokenizer import TextTokenizer
 
 
 class GrammarError(ValueError):

@@ -13,8 +13,8 @@ import json
 import re
 from typing import Any
 
-from runtime.decoding import Decoding
-from shards.sampling import SamplingParams
+from layersplit.runtime.decoding import Decoding
+from layersplit.shards.sampling import SamplingParams
 
 
 class RequestError(ValueError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.tokenizer import TextTokenizer
+from layersplit.runtime.tokenizer import TextTokenizer
 
 NEG_INF_LOGPROB = -9999.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.config import ConfigError, RuntimeConfig
 
 DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
 TRANSPORTS = ("auto", "cuda-ipc", "shm", "zmq")

@@ -21,8 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
-
-from ipc.kv_file import KVFileError, read_layout
+from layersplit.ipc.kv_file import KVFileError, read_layout
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.errors import ShardFailure
-from runtime.placement import ShardPlan
+from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.errors import ShardFailure
+from layersplit.runtime.placement import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +134,13 @@ class ShardHost:
         secret is in this worker's environment (Ray's runtime environment), the shard inherits
         it."""
         import ray
-
-        from ipc.hosts import HOST_ID_ENV
-        from ipc.sockets import free_tcp_port
+        from layersplit.ipc.hosts import HOST_ID_ENV
+        from layersplit.ipc.sockets import free_tcp_port
 
         ip = ray.util.get_node_ip_address()
         listen = f"tcp://{ip}:{free_tcp_port(ip)}"
         self.error_file = Path(tempfile.mkdtemp(prefix="layersplit-ray-")) / "shard.error"
-        cmd = [sys.executable, "-m", "launch.cli", "shard", "--listen", listen, *argv,
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, *argv,
                "--parent-pid", str(os.getpid()), "--error-file", str(self.error_file)]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env, HOST_ID_ENV: host_id},
                                      stdin=subprocess.DEVNULL)
@@ -163,7 +162,7 @@ class ShardHost:
     def stop(self, grace_s: float) -> None:
         """Let the shard exit (it was asked to), then SIGTERM, then SIGKILL; sweep the shared
         memory it had not handed over; remove its error file."""
-        from ipc.shm import sweep
+        from layersplit.ipc.shm import sweep
 
         p = self.proc
         if p is not None:
@@ -272,7 +271,7 @@ class RayLauncher:
               secret: bytes, deadline: float) -> list[RayShard]:
         """Reserve the bundles (waiting until `deadline` for the cluster to have room), start
         an actor and its shard process on each; returns the shards with their addresses."""
-        from ipc.auth import SECRET_ENV
+        from layersplit.ipc.auth import SECRET_ENV
 
         ray, cfg = self.ray, self.cfg
         from ray.util.placement_group import placement_group

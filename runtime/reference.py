@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from runtime.generate import (
+from layersplit.runtime.generate import (
     Delta,
     GenerationResult,
     Progress,
@@ -22,11 +21,11 @@ from runtime.generate import (
     stream_generation,
     token_stream,
 )
-from runtime.tokenizer import TextTokenizer
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.dtypes import torch_dtype
-from shards.executor import RangeExecutor
-from shards.sampling import SamplingParams, accept_draft, sample_rows
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.dtypes import torch_dtype
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.sampling import SamplingParams, accept_draft, sample_rows
 
 
 def new_seed() -> int:
@@ -81,7 +80,7 @@ class ReferenceEngine:
 
     def logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits of every row of a fresh sequence, computed in prefill chunks."""
-        from runtime.chunking import prefill_chunks
+        from layersplit.runtime.chunking import prefill_chunks
 
         rows = []
         for a, b in prefill_chunks(tokens, 0, len(tokens), self.chunk, self.eos_ids):

@@ -28,17 +28,16 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from layersplit.runtime.batching import Request as BatchRequest
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.decoding import Decoding, ProcessorsTooLarge
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.metrics import Metrics
+from layersplit.runtime.openai_api import Limits, ParsedRequest, RequestError, bad_text_field, parse
+from layersplit.runtime.openai_render import Renderer, usage
+from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator, ShardFailure
-from runtime.batching import Request as BatchRequest
-from runtime.generate import Progress
-from runtime.metrics import Metrics
-from runtime.openai_api import Limits, ParsedRequest, RequestError, bad_text_field, parse
-from runtime.openai_render import Renderer, usage
-from runtime.decoding import Decoding, ProcessorsTooLarge
-from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 log = logging.getLogger("layersplit.server")
 
@@ -81,7 +80,7 @@ class Engine:
 
     def grammars(self):
         """The grammar compiler of the served model's tokenizer (built on first use)."""
-        from runtime.grammar import GrammarCompiler
+        from layersplit.runtime.grammar import GrammarCompiler
 
         coord = self.coord
         if coord is None or self.tokenizer is None:
@@ -582,7 +581,7 @@ def _constrain(engine: Engine, req: ParsedRequest) -> None:
     """Check a request's tools against the model's template and compile the grammar its
     response_format or tool_choice asks for (`runtime.grammar`); RequestError naming the field
     when one cannot be."""
-    from runtime.grammar import GrammarError, tool_call_grammar
+    from layersplit.runtime.grammar import GrammarError, tool_call_grammar
 
     if engine.status != "ready":
         return  # (refused with 503 when it is submitted)

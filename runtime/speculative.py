@@ -17,21 +17,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-from ipc.messages import message
-from runtime.errors import DraftError, DraftLost, ShardFailure
-from shards.spec_tree import check_proposal, rows_to_move
+from layersplit.ipc.messages import message
+from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.shards.spec_tree import check_proposal, rows_to_move
 
 if TYPE_CHECKING:
-    from runtime.config import RuntimeConfig
-    from runtime.coordinator import Coordinator
+    from layersplit.runtime.config import RuntimeConfig
+    from layersplit.runtime.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
 
 def draft_taps(path: str | Path | None) -> list[int]:
     """The target layers a feature-conditioned draft reads ([] for a classic draft)."""
-    from draft.dflash import is_dflash, read_dflash_config
+    from layersplit.draft.dflash import is_dflash, read_dflash_config
 
     if path is None or not Path(str(path)).is_dir() or not is_dflash(Path(path)):
         return []

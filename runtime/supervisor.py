@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import psutil
-
-from ipc.auth import SECRET_ENV
-from ipc.shm import sweep
-from runtime.placement import ShardPlan
+from layersplit.ipc.auth import SECRET_ENV
+from layersplit.ipc.shm import sweep
+from layersplit.runtime.placement import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class LocalProcess:
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
                 secret: bytes, run_dir: Path, seed: int = 0) -> LocalProcess:
     error_file = run_dir / f"shard{plan.index}.error"
-    cmd = [sys.executable, "-m", "launch.cli", "shard", "--listen", listen, "--model", model,
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, "--model", model,
            "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
            "--error-file", str(error_file), "--random-seed", str(seed)]
@@ -99,7 +98,7 @@ def spawn_draft(draft: str, target: str, listen: str, device: str, dtype: str,
                 ) -> LocalProcess:
     """The draft process, supervised like a shard (`ShardPlan.index` -1 names it)."""
     error_file = run_dir / "draft.error"
-    cmd = [sys.executable, "-m", "launch.cli", "draft", "--listen", listen, "--draft", draft,
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "draft", "--listen", listen, "--draft", draft,
            "--target", target, "--device", device, "--dtype", dtype,
            "--max-context", str(max_context), "--parent-pid", str(os.getpid()),
            "--error-file", str(error_file), "--random-seed", str(seed)]

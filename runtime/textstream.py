@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.tokenizer import TextTokenizer
+from layersplit.runtime.tokenizer import TextTokenizer
 
 
 class TextStream:

@@ -13,10 +13,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from layersplit.shards.errors import CheckpointError
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
-
-from shards.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +139,7 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, path: Path) -> TextTokenizer:
-        from shards.checkpoint_gguf import GGUFFile
+        from layersplit.shards.checkpoint_gguf import GGUFFile
 
         g = GGUFFile(path)
         model = g.field("tokenizer.ggml.model")

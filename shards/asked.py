@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from ipc.messages import ProtocolError
-from shards.spec_tree import check_proposal
+from layersplit.ipc.messages import ProtocolError
+from layersplit.shards.spec_tree import check_proposal
 
 DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs without it
 

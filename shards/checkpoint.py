@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
-from shards.errors import CheckpointError
-from shards.expert_weights import read_tensors
-from shards.model_config import ModelConfig
-from shards.models import LayerRange
-from shards.models.qwen3_5 import HybridRange
-from shards.weights import range_tensor_shapes
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.expert_weights import read_tensors
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.models import LayerRange
+from layersplit.shards.models.qwen3_5 import HybridRange
+from layersplit.shards.weights import range_tensor_shapes
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +37,18 @@ def open_checkpoint(path: str | Path, seed: int = 0) -> Checkpoint:
     """An HF folder, a .gguf file, or `random:NAME` / `random:/path/to/folder-with-config`
     (seeded random weights of that shape, for speed work)."""
     if str(path).startswith(RANDOM_PREFIX):
-        from shards.random_weights import RandomCheckpoint, preset_path
+        from layersplit.shards.random_weights import RandomCheckpoint, preset_path
 
         spec = str(path)[len(RANDOM_PREFIX):]
         folder = Path(spec) if "/" in spec else preset_path(spec)
         return RandomCheckpoint(folder, seed)
     p = Path(path).expanduser()
     if p.is_dir():
-        from shards.checkpoint_hf import HFCheckpoint
+        from layersplit.shards.checkpoint_hf import HFCheckpoint
 
         return HFCheckpoint(p)
     if p.is_file() and p.suffix == ".gguf":
-        from shards.checkpoint_gguf import GGUFFile
+        from layersplit.shards.checkpoint_gguf import GGUFFile
 
         return GGUFFile(p)
     if not p.exists():

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from shards.errors import CheckpointError
-from shards.gguf_header import GGUFHeader
-from shards.model_config import ModelConfig
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.gguf_header import GGUFHeader
+from layersplit.shards.model_config import ModelConfig
 
 try:
     import gguf

@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 import torch
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import ModelConfig, read_hf_config
 from safetensors import safe_open
-
-from shards.errors import CheckpointError
-from shards.model_config import ModelConfig, read_hf_config
 
 INDEX_NAME = "model.safetensors.index.json"
 

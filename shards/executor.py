@@ -16,16 +16,15 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-
-from shards.errors import CheckpointError
-from shards.graphs import StaticDecoder
-from shards.hybrid_cache import HybridCache
-from shards.kv_cache import KVCache, KVLayout
-from shards.layers.rotary import context_limit_error
-from shards.layers.step import StepInfo
-from shards.models import LayerRange
-from shards.sampling import sample_rows
-from shards.spec_tree import depths, is_chain, kept_moves
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.graphs import StaticDecoder
+from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.layers.rotary import context_limit_error
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.models import LayerRange
+from layersplit.shards.sampling import sample_rows
+from layersplit.shards.spec_tree import depths, is_chain, kept_moves
 
 MAX_VERIFY_ROWS = 64  # a verify step longer than this (a huge draft tree) runs eagerly
 

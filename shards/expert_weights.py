@@ -18,10 +18,9 @@ from __future__ import annotations
 import re
 
 import torch
-
-from shards.errors import CheckpointError
-from shards.model_config import ModelConfig
-from shards.weights import source_name
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.weights import source_name
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.)mlp\.experts\.(gate|up|down)_proj$")
 # per-expert layouts: (prefix under the layer, {canonical part: tensor name under the expert})

@@ -28,10 +28,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
-
-from shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
-from shards.kernels import fused_kernels_available
-from shards.layers.attention import group_queries
+from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.attention import group_queries
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +232,7 @@ class FusedDecode:
 def decode_attention(*args):
     """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
     never imported where the kernels do not run)."""
-    from shards.kernels.decode_attention import decode_attention as kernel
+    from layersplit.shards.kernels.decode_attention import decode_attention as kernel
 
     return kernel(*args)
 
@@ -241,7 +240,7 @@ def decode_attention(*args):
 def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:
     """Fuse q/k/v and gate/up weights of every layer and install the fused decode step.
     `kernels`: use the Triton decode kernels (None: where `fused_kernels_available`)."""
-    from shards.models import llama, moe_llama
+    from layersplit.shards.models import llama, moe_llama
 
     fast = FusedDecode(compile, kernels)
     layers = list(model.layers)

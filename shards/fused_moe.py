@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from shards.layers.routed_moe import grouped_experts, route
+from layersplit.shards.layers.routed_moe import grouped_experts, route
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shards.errors import CheckpointError
+from layersplit.shards.errors import CheckpointError
 
 GEMMA_FIELDS = frozenset({
     "sliding_window", "layer_types", "sliding_window_pattern", "rope_local_base_freq",

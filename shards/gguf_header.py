@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from shards.errors import CheckpointError
+from layersplit.shards.errors import CheckpointError
 
 MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",

@@ -25,12 +25,11 @@ import logging
 from collections.abc import Sequence
 
 import torch
-
-from shards.device import to_device
-from shards.kv_cache import KVCache
-from shards.layers.step import StepInfo
-from shards.models import LayerRange
-from shards.spec_tree import ancestors, depths
+from layersplit.shards.device import to_device
+from layersplit.shards.kv_cache import KVCache
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.models import LayerRange
+from layersplit.shards.spec_tree import ancestors, depths
 
 log = logging.getLogger(__name__)
 

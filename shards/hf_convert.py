@@ -7,8 +7,7 @@ benchmarks, batched generation when training a draft); the runtime itself never 
 from __future__ import annotations
 
 import torch
-
-from shards.models import LayerRange
+from layersplit.shards.models import LayerRange
 
 
 def hf_causal_lm(model: LayerRange, device: str, dtype: torch.dtype, max_context: int):

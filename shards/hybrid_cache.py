@@ -18,8 +18,7 @@ state after exactly the tokens consumed so far. So:
 from __future__ import annotations
 
 import torch
-
-from shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.kv_cache import KVCache, KVLayout
 
 
 class HybridCache(KVCache):

@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from shards.errors import CheckpointError
+from layersplit.shards.errors import CheckpointError
 
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_next")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -90,7 +90,7 @@ class HybridSpec:
 def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     """The hybrid part of a `qwen3_5_text` / `qwen3_next` config.json; errors name the field."""
     model_type = raw["model_type"]
-    from shards.model_config import METADATA_FIELDS  # (model_config imports this module)
+    from layersplit.shards.model_config import METADATA_FIELDS  # (model_config imports this module)
 
     known = _INERT | METADATA_FIELDS | (_MOE if model_type == "qwen3_next" else set())
     unknown = sorted(k for k in raw if k not in known)

@@ -16,11 +16,10 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
-
-from shards.device import to_device
+from layersplit.shards.device import to_device
 
 if TYPE_CHECKING:
-    from shards.layers.step import StepInfo
+    from layersplit.shards.layers.step import StepInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shards.errors import CheckpointError
-from shards.gemma_config import GEMMA_FIELDS, gemma_fields
-from shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
-from shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
+from layersplit.shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
+from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shards.errors import CheckpointError
+from layersplit.shards.errors import CheckpointError
 
 _WINDOWS = frozenset({"sliding_window", "use_sliding_window", "max_window_layers"})
 # Read by transformers for training only (router loss and its logits): no effect on outputs.

@@ -12,9 +12,8 @@ import zlib
 from pathlib import Path
 
 import torch
-
-from shards.errors import CheckpointError
-from shards.model_config import ModelConfig, read_hf_config
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import ModelConfig, read_hf_config
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 

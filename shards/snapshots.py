@@ -17,15 +17,14 @@ import logging
 import os
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from ipc.kv_file import checksum
-from ipc.messages import ProtocolError, message
+from layersplit.ipc.kv_file import checksum
+from layersplit.ipc.messages import ProtocolError, message
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from layersplit.shards.model_config import config_from_hf
+from layersplit.shards.weights import range_tensor_shapes
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
-
-from shards.model_config import config_from_hf
-from shards.weights import range_tensor_shapes
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
@@ -310,10 +309,9 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
     (q/k rows permuted, tokenizer in the header); matrices stored as `qtype`."""
     import gguf
     from gguf.quants import quantize
-
-    from shards.checkpoint_gguf import gguf_name, permute_rows
-    from shards.checkpoint_hf import HFCheckpoint
-    from shards.expert_weights import read_tensors
+    from layersplit.shards.checkpoint_gguf import gguf_name, permute_rows
+    from layersplit.shards.checkpoint_hf import HFCheckpoint
+    from layersplit.shards.expert_weights import read_tensors
 
     ckpt = HFCheckpoint(Path(hf_folder))
     cfg = ckpt.config

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shards.hybrid_config import hybrid_tensor_shapes
-from shards.model_config import ModelConfig
+from layersplit.shards.hybrid_config import hybrid_tensor_shapes
+from layersplit.shards.model_config import ModelConfig
 
 
 def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:

@@ -24,27 +24,32 @@ from typing import Any
 import psutil
 import torch
 import zmq
-
-from ipc import transport
-from ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
-from ipc.peers import AUTH_FAILED, Gate, expect, handshake
-from ipc.serve_loop import serve
-from ipc.sockets import bind_router, connect_dealer, context, recv, request, send
-from ipc.transport import ZmqSender, tensor_from, zmq_tensor
-from shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
-from shards.busy_clock import BusyClock
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.device import use_device
-from shards.dtypes import torch_dtype
-from shards.executor import RangeExecutor, Segment
-from shards.hybrid_cache import HybridCache
-from shards.fused import fuse_projections
-from shards.sampling import (
-    SamplingParams, accept_draft, check_processors, has_processors, is_greedy, logprob_entries,
-    process_logits, sample_rows,
+from layersplit.ipc import transport
+from layersplit.ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
+from layersplit.ipc.peers import AUTH_FAILED, Gate, expect, handshake
+from layersplit.ipc.serve_loop import serve
+from layersplit.ipc.sockets import bind_router, connect_dealer, context, recv, request, send
+from layersplit.ipc.transport import ZmqSender, tensor_from, zmq_tensor
+from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
+from layersplit.shards.busy_clock import BusyClock
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.device import use_device
+from layersplit.shards.dtypes import torch_dtype
+from layersplit.shards.executor import RangeExecutor, Segment
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.sampling import (
+    SamplingParams,
+    accept_draft,
+    check_processors,
+    has_processors,
+    is_greedy,
+    logprob_entries,
+    process_logits,
+    sample_rows,
 )
-from shards.spec_tree import check_path, check_tree, rows_to_move
-from shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from layersplit.shards.spec_tree import check_path, check_tree, rows_to_move
 
 log = logging.getLogger("layersplit.shard")
 LINK_TIMEOUT_S = 60.0

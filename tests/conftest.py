@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
+from layersplit.shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
 
 torch.set_num_threads(1)  # shard processes run one thread each in tests: same arithmetic path
 
@@ -31,7 +30,7 @@ def tiny_models(tiny_root) -> dict[str, Path]:
 def hybrid_models(tiny_root) -> dict[str, Path]:
     """family -> a tiny Qwen3.5 (text) / Qwen3-Next folder written by transformers' own
     save_pretrained (6 layers, linear and full attention interleaved)."""
-    from shards.tiny import HYBRID_CONFIGS, write_tiny_hybrid
+    from layersplit.shards.tiny import HYBRID_CONFIGS, write_tiny_hybrid
 
     return {fam: write_tiny_hybrid(tiny_root / f"hybrid-{fam}", fam) for fam in HYBRID_CONFIGS}
 
@@ -51,8 +50,8 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def dflash(target, tmp_path_factory) -> Path:
     """A random DFlash draft for `target`, tapping a layer of each of 2 shards (0:3, 3:6)."""
-    from draft.dflash import write_random_dflash
-    from shards.model_config import read_hf_config
+    from layersplit.draft.dflash import write_random_dflash
+    from layersplit.shards.model_config import read_hf_config
 
     return write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("dflash"),
                                layers=1, taps=[1, 4], block_size=4)
@@ -61,7 +60,7 @@ def dflash(target, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def default_model() -> Path:
     """The default model's GGUF, fetched once per machine into $LAYERSPLIT_HOME."""
-    from runtime.model_store import fetch_default_model
+    from layersplit.runtime.model_store import fetch_default_model
 
     return fetch_default_model()
 

@@ -30,11 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from layersplit.ipc.kv_file import read_layout
+from layersplit.runtime.cache_ops import CacheManager
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.sampling import SamplingParams
 
-from ipc.kv_file import read_layout
-from runtime.cache_ops import CacheManager
-from runtime.coordinator import Coordinator
-from shards.sampling import SamplingParams
 from tests.helpers import run_logged
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-
-from runtime.chunking import prefill_chunks
-from runtime.generate import GenerationResult, Progress, collect
-from shards.sampling import SamplingParams
+from layersplit.runtime.chunking import prefill_chunks
+from layersplit.runtime.generate import GenerationResult, Progress, collect
+from layersplit.shards.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 

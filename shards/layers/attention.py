@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kv_cache import KVCache
+from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.rotary import apply_rope
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.kv_cache import KVCache
-from shards.layers.norm import RMSNorm
-from shards.layers.rotary import apply_rope
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig
 
 
 def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.model_config import ModelConfig
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from shards.model_config import ModelConfig
+from layersplit.shards.model_config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

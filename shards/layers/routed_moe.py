@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.layers.mlp import MLP
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.layers.mlp import MLP
-from shards.model_config import ModelConfig
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 

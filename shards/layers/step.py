@@ -7,8 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-
-from shards.spec_tree import ancestors, depths
+from layersplit.shards.spec_tree import ancestors, depths
 
 
 @dataclasses.dataclass(slots=True)

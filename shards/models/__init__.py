@@ -1,5 +1,5 @@
 """One module per model family, built from `shards.layers`; `LayerRange` holds a shard's part."""
 
-from shards.models.range import LayerRange
+from layersplit.shards.models.range import LayerRange
 
 __all__ = ["LayerRange"]

@@ -7,13 +7,12 @@ sliding layers on their own rope base (`LayerRange` picks it by window) and soft
 from __future__ import annotations
 
 import torch
+from layersplit.shards.layers.attention import Attention
+from layersplit.shards.layers.mlp import MLP
+from layersplit.shards.layers.norm import OffsetRMSNorm
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.layers.attention import Attention
-from shards.layers.mlp import MLP
-from shards.layers.norm import OffsetRMSNorm
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig
 
 FinalNorm = OffsetRMSNorm  # the last range's norm (`LayerRange`)
 

@@ -4,13 +4,12 @@ differ only in config: q/k/v bias, q/k RMSNorm, sliding windows, rope scaling)."
 from __future__ import annotations
 
 import torch
+from layersplit.shards.layers.attention import Attention
+from layersplit.shards.layers.mlp import MLP
+from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.layers.attention import Attention
-from shards.layers.mlp import MLP
-from shards.layers.norm import RMSNorm
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):

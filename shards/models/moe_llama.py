@@ -4,10 +4,10 @@ dense on the layers the config lists (Qwen's `mlp_only_layers` / `decoder_sparse
 
 from __future__ import annotations
 
-from shards.layers.mlp import MLP
-from shards.layers.routed_moe import RoutedMoE
-from shards.model_config import ModelConfig
-from shards.models import llama
+from layersplit.shards.layers.mlp import MLP
+from layersplit.shards.layers.routed_moe import RoutedMoE
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.models import llama
 
 
 class DecoderLayer(llama.DecoderLayer):

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from shards.hybrid_cache import HybridCache
-from shards.hybrid_config import HybridSpec
-from shards.kv_cache import KVLayout
-from shards.layers.gated_attention import (
-    ZeroCentredRMSNorm, apply_partial_rope, gate_output, rotary_dim, split_query_gate,
+from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.hybrid_config import HybridSpec
+from layersplit.shards.kv_cache import KVLayout
+from layersplit.shards.layers.gated_attention import (
+    ZeroCentredRMSNorm,
+    apply_partial_rope,
+    gate_output,
+    rotary_dim,
+    split_query_gate,
 )
-from shards.layers.gated_delta import GatedDeltaNet
-from shards.layers.moe import SparseMoE, SwiGLU
-from shards.layers.rotary import rope_cos_sin
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig
+from layersplit.shards.layers.gated_delta import GatedDeltaNet
+from layersplit.shards.layers.moe import SparseMoE, SwiGLU
+from layersplit.shards.layers.rotary import rope_cos_sin
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig
+from torch import nn
 
 
 def hybrid_inv_freq(cfg: ModelConfig, spec: HybridSpec) -> torch.Tensor:

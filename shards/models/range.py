@@ -13,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from layersplit.shards.kv_cache import KVCache
+from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.rotary import rope_attention_factor, rope_cos_sin, rope_inv_freq
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.models.registry import decoder_layer, family_module
 from torch import nn
-
-from shards.kv_cache import KVCache
-from shards.layers.norm import RMSNorm
-from shards.layers.rotary import rope_attention_factor, rope_cos_sin, rope_inv_freq
-from shards.layers.step import StepInfo
-from shards.model_config import ModelConfig
-from shards.models.registry import decoder_layer, family_module
 
 
 class LayerRange(nn.Module):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import importlib
 
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import ModelConfig
 from torch import nn
-
-from shards.errors import CheckpointError
-from shards.model_config import ModelConfig
 
 # model_type -> the module under shards.models that builds its decoder layers
 FAMILY_MODULES: dict[str, str] = {
@@ -29,7 +28,7 @@ def family_module(cfg: ModelConfig):
     if name is None:
         raise CheckpointError(f"model_type={cfg.model_type!r} has no model code (known: "
                               f"{', '.join(sorted(FAMILY_MODULES))})")
-    return importlib.import_module(f"shards.models.{name}")
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def decoder_layer(cfg: ModelConfig, layer: int) -> nn.Module:

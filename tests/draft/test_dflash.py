@@ -11,14 +11,18 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from layersplit.draft.dflash import (
+    dflash_tensor_shapes,
+    load_dflash,
+    read_dflash_config,
+    write_random_dflash,
+)
+from layersplit.draft.proposer import DFlashProposer, load_proposer
+from layersplit.draft.train import block_logits
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import read_hf_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-
-from draft.dflash import dflash_tensor_shapes, load_dflash, read_dflash_config, write_random_dflash
-from draft.proposer import DFlashProposer, load_proposer
-from draft.train import block_logits
-from shards.errors import CheckpointError
-from shards.model_config import read_hf_config
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def test_bad_tensors_are_named(draft_dir, tiny_llama, tmp_path, tensor, how):
 def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama, fused):
     """The training form, the eager proposer and the static one (`draft_step`: the captured
     step, on the weights of separate or fused projections) compute the same logits."""
-    from shards.fused import fuse_projections
+    from layersplit.shards.fused import fuse_projections
 
     cfg = read_dflash_config(draft_dir)
     model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
@@ -123,8 +127,8 @@ def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama, fused):
 def _random_draft(tiny_llama, bias: bool, fused: bool):
     """A 2-layer random draft of the tiny target, with q/k/v biases or not, its projections
     fused (as on GPUs) or not."""
-    from draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict
-    from shards.fused import fuse_projections
+    from layersplit.draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict
+    from layersplit.shards.fused import fuse_projections
 
     target = read_hf_config(tiny_llama)
     raw = {**dflash_config_dict(target, layers=2, taps=[1, 4], block_size=4, mask_token_id=0),
@@ -145,7 +149,7 @@ def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fuse
     """The captured step's `context_kv_all` (one function for every layer, compiled on GPUs)
     computes what `context_kv` does layer by layer: with q/k/v biases too, and on fused
     projections (GPUs) as on separate ones."""
-    from draft.dflash import context_kv_all
+    from layersplit.draft.dflash import context_kv_all
 
     model, cfg = _random_draft(tiny_llama, bias, fused)
     feats, pos = torch.randn(5, cfg.width), torch.arange(7, 12)
@@ -167,8 +171,8 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
     (`write_context` + `block` + head) and the context keys and values it stores, with q/k/v
     biases too, on fused projections as on separate ones; cached rows past `done` and new
     context rows past the block's position are not seen."""
-    from draft.dflash import block_step, draft_step, layer_weights
-    from shards.kv_cache import KVCache, KVLayout
+    from layersplit.draft.dflash import block_step, draft_step, layer_weights
+    from layersplit.shards.kv_cache import KVCache, KVLayout
 
     model, cfg = _random_draft(tiny_llama, bias, fused)
     m = cfg.model

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from draft.dflash import write_random_dflash
-from draft.server import DraftServer, DraftSpec
-from ipc.messages import ProtocolError, message
-from ipc.transport import accept, host_id
-from shards.model_config import read_hf_config
+from layersplit.draft.dflash import write_random_dflash
+from layersplit.draft.server import DraftServer, DraftSpec
+from layersplit.ipc.messages import ProtocolError, message
+from layersplit.ipc.transport import accept, host_id
+from layersplit.shards.model_config import read_hf_config
 
 
 @pytest.fixture()
@@ -151,7 +150,7 @@ def test_push_without_feeders_is_refused(server):
 def test_proposals_go_through_the_first_shards_ring(server):
     """A first shard that offers a shared-memory ring for its proposals gets them there, not
     over zmq; a ring that cannot be mapped is refused by name."""
-    from ipc.transport import offer
+    from layersplit.ipc.transport import offer
 
     sent = []
     server._reply = lambda route, msg, frames=(): sent.append(msg)

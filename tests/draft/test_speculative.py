@@ -14,24 +14,29 @@ import time
 import numpy as np
 import pytest
 import torch
+from layersplit.draft.dflash import (
+    load_dflash,
+    read_dflash_config,
+    save_dflash,
+    write_random_dflash,
+)
+from layersplit.draft.train import block_logits, greedy_labels, optimize, target_rows
+from layersplit.ipc.messages import message
+from layersplit.runtime.chunking import prefill_chunks
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.errors import DraftError
+from layersplit.runtime.generate import Progress, collect
+from layersplit.runtime.placement import PlacementError
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.runtime.speculative import SpecStats
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from draft.dflash import load_dflash, read_dflash_config, save_dflash, write_random_dflash
-from draft.train import block_logits, greedy_labels, optimize, target_rows
-from ipc.messages import message
-from runtime.chunking import prefill_chunks
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator, ShardFailure
-from runtime.errors import DraftError
-from runtime.generate import Progress, collect
-from runtime.placement import PlacementError
-from runtime.reference import ReferenceEngine
-from runtime.speculative import SpecStats
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.model_config import read_hf_config
-from shards.sampling import SamplingParams
-from shards.tiny import write_tiny_checkpoint
 from tests.helpers import layersplit_shm, shard_children, wait_gone
 
 CHUNK = 16
@@ -458,7 +463,7 @@ def test_a_dflash_draft_needs_its_feeding_shards_here(target, fitted):
 def test_logprobs_under_speculation_equal_plain(target, fitted):
     """Logprobs of a speculated request come from its verify steps' rows (kept tokens from
     their parent rows in the token tree): equal to plain decoding's, greedy and sampled."""
-    from runtime.decoding import Decoding
+    from layersplit.runtime.decoding import Decoding
 
     with Coordinator(_cfg(target, 2, fitted)) as coord:
         prompt = _prompts(coord.tokenizer)[0]

@@ -1,4 +1,4 @@
-"""`python -m draft.train` end to end on a tiny target (CPU, seconds): it trains (the loss falls,
+"""`python -m layersplit.draft.train` end to end on a tiny target (CPU, seconds): it trains (the loss falls,
 the weights move), and writes a DFlash draft in the published layout and a classic draft, both of
 which the runtime's draft loader accepts for this target. The sequences it generates can be saved
 and trained on again; a file that is not such a sequence file is refused by name."""
@@ -10,12 +10,11 @@ import shutil
 
 import pytest
 import torch
+from layersplit.draft.proposer import ClassicProposer, DFlashProposer, load_proposer
+from layersplit.draft.train import load_sequences, save_sequences
+from layersplit.draft.train import main as train
+from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
-
-from draft.proposer import ClassicProposer, DFlashProposer, load_proposer
-from draft.train import load_sequences, save_sequences
-from draft.train import main as train
-from shards.tiny import write_tiny_checkpoint
 
 SMALL = ["--device", "cpu", "--prompts", "12", "--self-prompts", "6", "--val", "2",
          "--new-tokens", "24", "--code-files", "2", "--batch", "4", "--anchors", "4",

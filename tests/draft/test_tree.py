@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from draft.train import walk
-from draft.tree import choose_shape, instantiate, read_shape
-from shards.errors import CheckpointError
-from shards.spec_tree import check_tree
+from layersplit.draft.train import walk
+from layersplit.draft.tree import choose_shape, instantiate, read_shape
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.spec_tree import check_tree
 
 SHAPE = [[0], [1], [0, 0], [0, 0, 0], [1, 0], [0, 1], [2]]
 

@@ -21,11 +21,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ipc import (
+from layersplit.ipc import (
     cuda_handoff,  # noqa: E402
     transport,  # noqa: E402
 )
-from ipc.messages import ProtocolError, encode, message, segment  # noqa: E402
+from layersplit.ipc.messages import ProtocolError, encode, message, segment  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

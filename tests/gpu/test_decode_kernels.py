@@ -15,17 +15,16 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections, pre_attention, rms_norm
-from shards.kernels import fused_kernels_available
-from shards.kv_cache import KVCache, KVLayout
-from shards.layers.attention import Attention
-from shards.layers.step import StepInfo
-from shards.model_config import config_from_hf
-from shards.spec_tree import ancestors, depths
-from shards.tiny import FAMILY_CONFIGS
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections, pre_attention, rms_norm
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.layers.attention import Attention
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.model_config import config_from_hf
+from layersplit.shards.spec_tree import ancestors, depths
+from layersplit.shards.tiny import FAMILY_CONFIGS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -113,7 +112,7 @@ def test_decode_attention_matches_torch_path(case, dtype):
     """One layer's kernel (norms, rotary, KV write, attention) against `pre_attention` +
     `KVCache.append` + `Attention._grouped` (`append_batch` + `_grouped_batch` for batched
     steps) on the same inputs, fresh random ones for each case."""
-    from shards.kernels.decode_attention import decode_attention
+    from layersplit.shards.kernels.decode_attention import decode_attention
 
     family, h, g, d, window, kind, n, kv_len, split = case
     torch.manual_seed(CASES.index(case))
@@ -184,7 +183,7 @@ def test_decode_attention_matches_torch_path(case, dtype):
 @pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192])
 @pytest.mark.parametrize("programs", [1, 3, 8, 48, 500])
 def test_key_split_covers_every_key_once(keys, programs):
-    from shards.kernels.decode_attention import BLOCK_N, key_split
+    from layersplit.shards.kernels.decode_attention import BLOCK_N, key_split
 
     for fixed in (None, 0, 100, 256):
         splits, per = key_split(keys, programs, torch.device(DEV), fixed)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.sampling import SamplingParams
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections
-from shards.sampling import SamplingParams
 from tests.gpu import near
 from tests.helpers import layersplit_shm, shard_children, trace
 

@@ -11,17 +11,17 @@ import shutil
 
 import pytest
 import torch
+from layersplit.draft.dflash import load_dflash, read_dflash_config, write_random_dflash
+from layersplit.draft.proposer import DFlashProposer
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import load_file, save_file
 
-from draft.dflash import load_dflash, read_dflash_config, write_random_dflash
-from draft.proposer import DFlashProposer
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections
-from shards.model_config import read_hf_config
-from shards.sampling import SamplingParams
 from tests.gpu import near
 from tests.helpers import layersplit_shm, shard_children
 

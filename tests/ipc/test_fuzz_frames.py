@@ -20,9 +20,8 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from ipc import auth
-from ipc.messages import (
+from layersplit.ipc import auth
+from layersplit.ipc.messages import (
     CACHE_FRAMES,
     MAX_FRAMES,
     NESTED,
@@ -34,10 +33,10 @@ from ipc.messages import (
     encode,
     message,
 )
-from ipc.sockets import connect_dealer
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from shards.sampling import SamplingParams
+from layersplit.ipc.sockets import connect_dealer
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.sampling import SamplingParams
 
 TYPES = sorted(SCHEMAS)
 # the campaign run (bench/RESULTS.md) sets more; --hypothesis-show-statistics counts the cases

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from ipc.messages import (
-    MAX_HEADER_BYTES, MAX_SEGMENTS, PROTOCOL_VERSION, ProtocolError, best_effort_sid, decode,
-    encode, message, segment,
+from layersplit.ipc.messages import (
+    MAX_HEADER_BYTES,
+    MAX_SEGMENTS,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    best_effort_sid,
+    decode,
+    encode,
+    message,
+    segment,
 )
 
 
@@ -92,7 +98,7 @@ def test_no_pickle_in_the_codebase():
 
 def test_the_largest_step_header_fits_a_ring_slot():
     """MAX_SEGMENTS verify segments with 15 draft tokens, large ids and seeds."""
-    from ipc.shm import HEADER_CAP
+    from layersplit.ipc.shm import HEADER_CAP
 
     seg = segment(511, 100_000, 16, {"temperature": 0.7, "top_k": 50, "top_p": 0.9,
                                      "seed": 2**62}, True, [150_000] * 15, 1023)

@@ -9,11 +9,10 @@ import threading
 import pytest
 import torch
 import zmq
-
-from ipc import transport
-from ipc.messages import ProtocolError, encode, message, segment
-from ipc.shm import SHM_DIR, ShmRing
-from ipc.sockets import recv
+from layersplit.ipc import transport
+from layersplit.ipc.messages import ProtocolError, encode, message, segment
+from layersplit.ipc.shm import SHM_DIR, ShmRing
+from layersplit.ipc.sockets import recv
 
 
 @pytest.fixture

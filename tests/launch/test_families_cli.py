@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
+from layersplit.shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
 
-from shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
 from tests.helpers import shard_children
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def _saved_by_transformers(root, family: str, std: float, norm_std: float):
 def test_generate_cli_gives_transformers_greedy_tokens(tmp_path, family):
     std, norm_std, shards = FAMILIES[family]
     path, hf = _saved_by_transformers(tmp_path, family, std, norm_std)
-    from runtime.tokenizer import TextTokenizer
+    from layersplit.runtime.tokenizer import TextTokenizer
 
     ids = TextTokenizer.from_path(path).encode(PROMPT)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def test_generate_cli_gives_transformers_greedy_tokens(tmp_path, family):
                           do_sample=False, pad_token_id=0)
     want = out[0, len(ids):].tolist()
     assert len(set(want)) > 2  # not one token repeated
-    r = subprocess.run([sys.executable, "-m", "launch.cli", "generate", PROMPT, "--model",
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", PROMPT, "--model",
                         str(path), "--devices", ",".join(["cpu"] * shards), "--threads", "1",
                         "--max-tokens",
                         str(NEW), "--ignore-eos", "--json", "--draft", "none"],

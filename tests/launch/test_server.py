@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from layersplit.ipc.sockets import free_tcp_port
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from ipc.sockets import free_tcp_port
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import layersplit_shm, shard_children, wait_gone
 
 openai = pytest.importorskip("openai")
@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")
 class Server:
     def __init__(self, model: Path, *extra: str, cache_dir: Path | None = None) -> None:
         self.port = free_tcp_port()
-        cmd = [sys.executable, "-m", "launch.cli", "serve", "--model", str(model),
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model),
                "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", "16",
                "--port", str(self.port), "--max-context", "512", *extra]
         if cache_dir is not None:

@@ -10,9 +10,9 @@ import math
 import httpx
 import pytest
 import torch
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import shard_children
 from tests.launch.test_server import Server
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.generate import Progress
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import layersplit_shm
 
 CHUNK = 16

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 import pytest
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.reference import ReferenceEngine
 from tests.fuzz_cache import GREEDY, CacheFuzzer, mutations
 from tests.helpers import run_logged
 

@@ -6,11 +6,15 @@ import argparse
 from pathlib import Path
 
 import pytest
-
-from runtime.config import (
-    ConfigError, add_flags, explicit_keys, from_args, from_mapping, load_toml,
+from layersplit.runtime.config import (
+    ConfigError,
+    add_flags,
+    explicit_keys,
+    from_args,
+    from_mapping,
+    load_toml,
 )
-from runtime.placement import even_split, plan, weighted_split
+from layersplit.runtime.placement import even_split, plan, weighted_split
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
@@ -57,7 +61,7 @@ def test_splits():
 
 
 def test_every_key_is_documented():
-    from runtime.config import FIELDS
+    from layersplit.runtime.config import FIELDS
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for name in FIELDS:
@@ -85,7 +89,7 @@ def test_bad_speculation_keys_are_named(values, match):
 
 
 def test_draft_names_resolve_or_say_what_to_pass(tmp_path):
-    from runtime.model_store import BUNDLED_DRAFT, resolve_draft
+    from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_draft
 
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert resolve_draft("none", gguf, "cuda:0") is None

@@ -16,15 +16,15 @@ import psutil
 import pytest
 import torch
 import zmq
+from layersplit.ipc import auth
+from layersplit.ipc.messages import PROTOCOL_VERSION, encode, message, segment
+from layersplit.ipc.sockets import connect_dealer
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.placement import PlacementError
+from layersplit.shards.sampling import SamplingParams, pack_bias
 
-from ipc import auth
-from ipc.messages import PROTOCOL_VERSION, encode, message, segment
-from ipc.sockets import connect_dealer
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator, ShardFailure
-from runtime.generate import Progress
-from runtime.placement import PlacementError
-from shards.sampling import SamplingParams, pack_bias
 from tests.helpers import busy_load, layersplit_shm, shard_children, wait_gone
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_slow_shards_on_a_loaded_machine_are_not_torn_down(tiny_llama):
 
 
 def _run_cli(model, *extra):
-    cmd = [sys.executable, "-m", "launch.cli", "generate", "the cat", "--model", str(model),
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "generate", "the cat", "--model", str(model),
            "--devices", "cpu,cpu", "--threads", "1", "--max-tokens", "100000", "--ignore-eos",
            "--prefill-chunk", "16", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -266,11 +266,11 @@ def test_invalid_placement_rejected_before_any_process(tiny_llama, kw, match):
 
 
 def test_invalid_placement_cli_exit_code(tiny_llama):
-    r = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "hi", "--model",
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi", "--model",
                         str(tiny_llama), "--layers", "0:4,3:6"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "overlap" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "launch.cli", "generate", "hi", "--model",
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi", "--model",
                         str(tiny_llama), "--max-context", "many"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "max_context='many'" in r.stderr

@@ -14,15 +14,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from layersplit.ipc.kv_file import read_layout
+from layersplit.runtime.chunking import cut_points
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.generate import Progress, collect
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import load_file, save_file
 
-from ipc.kv_file import read_layout
-from runtime.chunking import cut_points
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.generate import Progress, collect
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import layersplit_shm, shard_children, trace
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def test_cli_generate_on_three_shards_gives_transformers_greedy_tokens(hybrid_mo
                                                                        family):
     model = hybrid_models[family]
     text = "the quick brown fox jumps over the lazy dog"
-    out = subprocess.run([sys.executable, "-m", "launch.cli", "generate", text, "--model",
+    out = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", text, "--model",
                           str(model), "--devices", "cpu,cpu,cpu", "--max-tokens", "12",
                           "--ignore-eos", "--json", "--prefix-cache", "off"],
                          capture_output=True, text=True, timeout=240)

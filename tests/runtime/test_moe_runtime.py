@@ -12,16 +12,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.placement import bytes_split
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.tiny import write_tiny_checkpoint
+from layersplit.shards.weights import layer_bytes
 from safetensors.torch import load_file, save_file
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.placement import bytes_split
-from runtime.reference import ReferenceEngine
-from shards.model_config import read_hf_config
-from shards.sampling import SamplingParams
-from shards.tiny import write_tiny_checkpoint
-from shards.weights import layer_bytes
 from tests.helpers import shard_children, trace
 
 CHUNK = 16
@@ -62,7 +62,7 @@ def _cfg(model, n, **kw):
 def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, caplog):
     ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
     assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
-    caplog.set_level(logging.INFO, logger="runtime.coordinator")
+    caplog.set_level(logging.INFO, logger="layersplit.runtime.coordinator")
     with Coordinator(_cfg(model, n, transport=(transport,), split=split)) as coord:
         if split == "auto":  # by weight bytes (tests/runtime/test_split_auto.py), shown
             sizes = layer_bytes(read_hf_config(model), 4)

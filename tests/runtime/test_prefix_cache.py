@@ -14,15 +14,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from layersplit.runtime.cache_admin import verify
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 from safetensors import safe_open
 
-from runtime.cache_admin import verify
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import (
-    assert_same_logits, assert_same_run, layersplit_shm, run_logged, shard_children,
+    assert_same_logits,
+    assert_same_run,
+    layersplit_shm,
+    run_logged,
+    shard_children,
 )
 
 CHUNK = 16
@@ -229,7 +233,7 @@ def test_entries_of_another_model_are_ignored(tiny_models, ref, prompts, tmp_pat
 
 
 def _cli(model, prompt, cache_dir, *extra):
-    return [sys.executable, "-m", "launch.cli", "generate", prompt, "--model", str(model),
+    return [sys.executable, "-m", "layersplit.launch.cli", "generate", prompt, "--model", str(model),
             "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", str(CHUNK),
             "--kv-cache-dir", str(cache_dir), "--json", *extra]
 
@@ -326,7 +330,7 @@ def test_cache_cli(tiny_llama, prompts, tmp_path):
     short, _ = prompts
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         c.generate(short, GREEDY)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "launch.cli", "cache", *a],  # noqa
+    run = lambda *a: subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "cache", *a],  # noqa
                                     capture_output=True, text=True, timeout=60)
     out = run("ls", str(tmp_path))
     assert out.returncode == 0 and "2 entries" in out.stdout

@@ -13,13 +13,13 @@ import time
 import numpy as np
 import psutil
 import pytest
+from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.ray_launcher import RayLauncher, cuda_visibility
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.coordinator import Coordinator, ShardFailure
-from runtime.generate import Progress
-from runtime.ray_launcher import RayLauncher, cuda_visibility
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import layersplit_shm, trace, wait_gone
 
 # Ray binds its servers to every interface and rewrites 127.0.0.1 to the machine's address

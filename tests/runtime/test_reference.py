@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from runtime.chunking import cut_points, prefill_chunks
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
+from layersplit.runtime.chunking import cut_points, prefill_chunks
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
 
 def test_chunked_prefill_close_to_single_chunk(tiny_llama):

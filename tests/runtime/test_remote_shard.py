@@ -9,13 +9,13 @@ import sys
 import time
 
 import pytest
+from layersplit.ipc.sockets import free_tcp_port
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from ipc.sockets import free_tcp_port
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator, ShardFailure
-from runtime.generate import Progress
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import wait_gone
 
 SECRET = "a3" * 32
@@ -26,7 +26,7 @@ def remote_process(tiny_llama):
     port = free_tcp_port()
     env = {**os.environ, "LAYERSPLIT_SECRET": SECRET}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", "shard", "--listen", f"tcp://127.0.0.1:{port}",
+        [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", f"tcp://127.0.0.1:{port}",
          "--model", str(tiny_llama), "--layers", "3:6", "--threads", "1"], env=env)
     yield f"tcp://127.0.0.1:{port}", proc
     proc.send_signal(signal.SIGCONT)
@@ -107,7 +107,7 @@ def test_remote_shards_need_a_secret(tiny_llama, monkeypatch):
 
 def test_shard_cli_needs_a_secret(tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "LAYERSPLIT_SECRET"}
-    r = subprocess.run([sys.executable, "-m", "launch.cli", "shard", "--listen",
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen",
                         "tcp://127.0.0.1:1", "--model", str(tiny_llama), "--layers", "0:3"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "shared secret" in r.stderr

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shards.sampling import SamplingParams, filtered_probs, sample_rows
+from layersplit.shards.sampling import SamplingParams, filtered_probs, sample_rows
 
 
 def test_greedy_is_argmax():

@@ -13,8 +13,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-
-from runtime.scheduler import Ready, Scheduler, SchedulerConfig
+from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
 
 
 def _ceil(a: int, b: int) -> int:

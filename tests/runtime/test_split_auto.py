@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from runtime.config import ConfigError, add_flags, from_args, from_mapping
-from runtime.placement import PlacementError, bytes_split, describe_split, even_split, plan
-from shards.model_config import config_from_hf
-from shards.tiny import FAMILY_CONFIGS
-from shards.weights import layer_bytes
+from layersplit.runtime.config import ConfigError, add_flags, from_args, from_mapping
+from layersplit.runtime.placement import (
+    PlacementError,
+    bytes_split,
+    describe_split,
+    even_split,
+    plan,
+)
+from layersplit.shards.model_config import config_from_hf
+from layersplit.shards.tiny import FAMILY_CONFIGS
+from layersplit.shards.weights import layer_bytes
 
 
 def _largest(counts: list[int], costs: list[int], first: int, last: int) -> int:

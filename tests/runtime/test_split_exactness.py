@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
 from tests.helpers import assert_same_run, layersplit_shm, run_logged, shard_children, trace
 
 CHUNK = 16

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from runtime.config import ConfigError, RuntimeConfig
-from runtime.step_deadlines import FACTOR, StepDeadlines
+from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.step_deadlines import FACTOR, StepDeadlines
 
 
 def test_budget_follows_what_steps_of_the_kind_took():

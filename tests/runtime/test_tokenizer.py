@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from runtime.textstream import TextStream
-from runtime.tokenizer import TextTokenizer
+from layersplit.runtime.textstream import TextStream
+from layersplit.runtime.tokenizer import TextTokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -27,8 +26,8 @@ def test_chat_template_matches_transformers(tiny_llama):
 
 
 def test_template_errors_are_clear(tmp_path):
-    from shards.errors import CheckpointError
-    from shards.tiny import tiny_tokenizer
+    from layersplit.shards.errors import CheckpointError
+    from layersplit.shards.tiny import tiny_tokenizer
 
     tk = TextTokenizer(tiny_tokenizer(), bos_id=None, eos_ids=[2], add_bos=False,
                        chat_template=None, source="x")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
+from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 TEXT = ('let me look <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
         '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\ndone')

@@ -11,14 +11,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from runtime.config import RuntimeConfig
-from runtime.coordinator import Coordinator
-from runtime.reference import ReferenceEngine
-from shards.model_config import read_hf_config
-from shards.sampling import SamplingParams
-from shards.tiny import write_tiny_checkpoint
 from tests.helpers import shard_children, trace
 
 CHUNK = 16

@@ -9,9 +9,8 @@ import re
 
 import pytest
 import torch
-
-from ipc.messages import ProtocolError, decode, encode, message, segment
-from shards.asked import asked, check_drafted, fill, ready
+from layersplit.ipc.messages import ProtocolError, decode, encode, message, segment
+from layersplit.shards.asked import asked, check_drafted, fill, ready
 
 VOCAB = 100
 SAMPLE = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 1}

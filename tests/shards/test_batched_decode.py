@@ -7,12 +7,11 @@ import random
 
 import pytest
 import torch
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections
-from shards.graphs import batch_bucket, batch_window
-from shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.graphs import batch_bucket, batch_window
+from layersplit.shards.kv_cache import KVCache, KVLayout
 
 SLOTS, MAX_LEN, BUCKET = 5, 48, 16
 PROMPT_LENS = (7, 16, 3, 20, 9)  # per slot: positions cross graph-bucket boundaries

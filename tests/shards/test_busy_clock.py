@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-
-from shards.busy_clock import BusyClock
+from layersplit.shards.busy_clock import BusyClock
 
 
 def test_cpu_busy_time_counts_steps_only():

@@ -9,11 +9,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 from safetensors.torch import load_file, save_file
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.errors import CheckpointError
-from shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 
 
 @pytest.fixture

@@ -4,10 +4,9 @@ ignored), and the window fields each family does implement are read as transform
 from __future__ import annotations
 
 import pytest
-
-from shards.errors import CheckpointError
-from shards.model_config import config_from_hf
-from shards.tiny import FAMILY_CONFIGS
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.model_config import config_from_hf
+from layersplit.shards.tiny import FAMILY_CONFIGS
 
 BASE = {"num_hidden_layers": 4, "vocab_size": 320}
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shards.layers.gated_attention import apply_partial_rope, split_query_gate
-from shards.layers.gated_delta import GatedDeltaNet, chunk_gated_delta_rule, \
-    recurrent_gated_delta_rule
+from layersplit.shards.layers.gated_attention import apply_partial_rope, split_query_gate
+from layersplit.shards.layers.gated_delta import (
+    GatedDeltaNet,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 
 transformers = pytest.importorskip("transformers")
 

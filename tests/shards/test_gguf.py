@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from runtime.reference import ReferenceEngine
-from runtime.tokenizer import TextTokenizer
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.sampling import SamplingParams
-from shards.tiny import write_tiny_checkpoint, write_tiny_gguf
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-linear-rope", "qwen2", "qwen3",

@@ -8,10 +8,9 @@ import shutil
 
 import pytest
 import torch
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.errors import CheckpointError
-from shards.executor import RangeExecutor
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.executor import RangeExecutor
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = ("qwen3_5", "qwen3_next")

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
-
-from shards.sampling import (
-    check_processors, logprob_entries, mask_bits, pack_bias, pack_mask, process_logits,
+from layersplit.shards.sampling import (
+    check_processors,
+    logprob_entries,
+    mask_bits,
+    pack_bias,
+    pack_mask,
+    process_logits,
 )
 
 
@@ -57,8 +61,7 @@ def test_bad_processor_fields_are_named():
 
 def test_processors_that_outgrow_a_step_fail_their_request_by_name():
     import pytest
-
-    from runtime.decoding import Decoding, ProcessorsTooLarge, StepFields
+    from layersplit.runtime.decoding import Decoding, ProcessorsTooLarge, StepFields
 
     f = StepFields(Decoding(frequency_penalty=1.0), [1, 2], [0], vocab=5000, budget=800)
     assert f(list(range(50))) is not None  # 50 entries: 400 bytes

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.tiny import FAMILY_CONFIGS
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.tiny import FAMILY_CONFIGS
 
 transformers = pytest.importorskip("transformers")  # a declared test dependency
 
@@ -96,7 +95,7 @@ def test_fused_projections_equal_separate(tiny_models):
     """The GPU layout (one q/k/v matmul, one gate/up matmul, the fused decode functions run
     uncompiled) gives the separate-weights path's logits on CPU (to float32 rounding: the
     tiny models' logits reach ~10)."""
-    from shards.fused import fuse_projections
+    from layersplit.shards.fused import fuse_projections
 
     for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text"):
         ckpt = open_checkpoint(tiny_models[family])
@@ -122,7 +121,7 @@ def test_tree_verify_rows_equal_their_paths(tiny_models, family):
     """Each row of a token-tree verify step gives the logits of its root-to-node path run as a
     plain chain: the tree's mask (ancestors only, and in a sliding window the ancestors'
     positions, not their KV rows) is right. Eager and static steps alike."""
-    from shards.spec_tree import ancestors
+    from layersplit.shards.spec_tree import ancestors
 
     ckpt = open_checkpoint(tiny_models[family])
     ids, pos = _ids(40, seed=5), 40

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.layers.routed_moe import grouped_experts, loop_experts, route
+from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.errors import CheckpointError
-from shards.executor import RangeExecutor
-from shards.fused import fuse_projections
-from shards.layers.routed_moe import grouped_experts, loop_experts, route
-from shards.tiny import write_tiny_checkpoint
 from tests.shards.test_batched_decode import PROMPT_LENS, _inputs, _prefilled, _reference
 
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -34,7 +34,7 @@ def test_grouped_experts_equal_loop(n, norm, float_weights):
     want = loop_experts(x, w, idx, None, gate, up, down)
     got = grouped_experts(x, w, idx, torch.cat([gate, up], dim=1), down)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    import shards.layers.routed_moe as moe  # without grouped GEMMs: each row's weights gathered
+    import layersplit.shards.layers.routed_moe as moe  # without grouped GEMMs: each row's weights gathered
 
     saved, moe._grouped_mm = moe._grouped_mm, None
     try:

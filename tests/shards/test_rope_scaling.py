@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.errors import CheckpointError
-from shards.executor import RangeExecutor
-from shards.tiny import write_tiny_checkpoint
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.tiny import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,8 +50,8 @@ def test_dynamic_rope_past_its_limit_is_refused(dynamic):
 
 
 def test_coordinator_refuses_a_dynamic_context_past_its_limit(dynamic):
-    from runtime.config import ConfigError, RuntimeConfig
-    from runtime.coordinator import Coordinator
+    from layersplit.runtime.config import ConfigError, RuntimeConfig
+    from layersplit.runtime.coordinator import Coordinator
 
     with pytest.raises(ConfigError, match="max_context <= 48"):
         Coordinator(RuntimeConfig(model=str(dynamic), devices=("cpu",), max_context=64))

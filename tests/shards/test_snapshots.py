@@ -9,10 +9,9 @@ import time
 
 import pytest
 import torch
-
-from ipc.kv_file import checksum
-from ipc.messages import ProtocolError, message
-from shards.snapshots import SnapshotStore, report_saves, snap_op
+from layersplit.ipc.kv_file import checksum
+from layersplit.ipc.messages import ProtocolError, message
+from layersplit.shards.snapshots import SnapshotStore, report_saves, snap_op
 
 
 def _store() -> SnapshotStore:

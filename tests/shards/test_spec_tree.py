@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shards.checkpoint import load_layer_range, open_checkpoint
-from shards.executor import RangeExecutor
-from shards.layers.step import StepInfo
-from shards.spec_tree import ancestors, check_path, check_proposal, check_tree, depths, kept_moves
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.spec_tree import (
+    ancestors,
+    check_path,
+    check_proposal,
+    check_tree,
+    depths,
+    kept_moves,
+)
 
 PARENTS = [0, 1, 1, 0, 4, 5, 0]  # rows 1-2-(3) | 4-5-6 | 7 under the root
 

@@ -13,11 +13,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-
-from runtime.chunking import prefill_chunks
-from runtime.reference import ReferenceEngine
-from shards.sampling import SamplingParams
-from shards.tiny import FAMILY_CONFIGS
+from layersplit.runtime.chunking import prefill_chunks
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.tiny import FAMILY_CONFIGS
 
 GREEDY = SamplingParams(max_tokens=1)
 STEPS = 12
