@@ -13,8 +13,11 @@ Two ways to run the experts, same math:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
@@ -74,12 +77,38 @@ def grouped_gemm_applies(x: torch.Tensor) -> bool:
 # rows (tokens x k) up to which a CUDA step without grouped GEMMs still gathers weights (a
 # decode or verify step, in its graph); longer steps loop over experts (one host sync)
 GATHER_ROWS = 64
+# tokens up to which the selected experts run as GEMVs (`shards.kernels.moe_gemv`) that read
+# only their weights, not as a grouped GEMM over all experts (LAYERSPLIT_MOE_GEMV_TOKENS=0: never,
+# for measuring one against the other)
+GEMV_TOKENS = int(os.environ.get("LAYERSPLIT_MOE_GEMV_TOKENS", "8"))
+
+
+_gemv = None  # `shards.kernels.moe_gemv.moe_gemv` once `load_gemv` found it usable
+
+
+def load_gemv() -> None:
+    """Import the GEMV kernels where they can run (CUDA, Triton, not switched off). Called
+    when weights are fused for a GPU, before any step is traced: `torch.compile(fullgraph=True)`
+    code cannot import or probe the environment itself."""
+    global _gemv
+    if _gemv is None and GEMV_TOKENS > 0 and torch.cuda.is_available() \
+            and fused_kernels_available("cuda"):
+        from layersplit.shards.kernels.moe_gemv import moe_gemv
+        _gemv = moe_gemv
+
+
+def _gemv_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    return (_gemv is not None and x.is_cuda and x.shape[0] <= GEMV_TOKENS
+            and gate_up.is_contiguous() and down.is_contiguous())
 
 
 def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """`loop_experts` as two grouped GEMMs over the rows sorted by expert: no host sync, so it
-    can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I)."""
+    can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I).
+    A few rows on a GPU take the GEMV kernels instead (`GEMV_TOKENS`)."""
+    if _gemv_applies(x, gate_up, down):
+        return _gemv(x, w, idx, gate_up, down)
     k = idx.shape[1]
     e_count = down.shape[0]
     flat = idx.reshape(-1)
@@ -122,6 +151,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.cat([self.gate_proj, self.up_proj], dim=1),
                                          requires_grad=False)
         del self.gate_proj, self.up_proj
+        if self.gate_up_proj.is_cuda:
+            load_gemv()
 
     def gate_up(self) -> torch.Tensor:
         if self.gate_up_proj is not None:
