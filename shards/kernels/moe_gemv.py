@@ -11,6 +11,10 @@ small kernels per layer. Here, for P = n * k (row, expert) pairs:
    dots it with the pair's activation, weighted by the router;
 3. `_sum_k`: each row's k weighted expert outputs summed, in order.
 
+And the routing after the router's GEMV (`moe_route`: softmax over the E logits, the top k by
+repeated argmax, renormalised) in one program per row, where torch's top-k takes two kernels
+(a gather and a bitonic sort) of ~5 us each per layer.
+
 No sort, no scatter, no host sync: the kernels live inside CUDA graphs. Roundings follow the
 torch path (the projections' outputs, silu(g) * u, and each weighted expert output are rounded
 to the activation dtype, summed in expert order), so results match it within bf16 noise; the
@@ -123,6 +127,51 @@ def moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     """sum_j weights[r, j] * down[e] @ (silu(g) * u), (g, u) = gate_up[e] @ x[r], e = idx[r, j]:
     `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I)."""
     return run_gemv(x, weights, idx, gate_up, down)
+
+
+@triton.jit
+def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
+           NORM: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, E_POW2)
+    valid = offs < E
+    z = tl.load(LOGITS + t * E + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    z = z - tl.max(z, axis=0)
+    ez = tl.where(valid, tl.exp(z), 0.0)
+    p = ez / tl.sum(ez, axis=0)
+    p = tl.where(valid, p, -1.0)
+    slots = tl.arange(0, K)
+    wv = tl.zeros([K], dtype=tl.float32)
+    iv = tl.zeros([K], dtype=tl.int32)
+    for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, offs, E_POW2), axis=0)
+        wv = tl.where(slots == kk, best, wv)
+        iv = tl.where(slots == kk, pick, iv)
+        p = tl.where(offs == pick, -2.0, p)
+    if NORM:
+        wv = wv / tl.sum(wv, axis=0)
+    tl.store(W + t * K + slots, wv)
+    tl.store(IDS + t * K + slots, iv.to(tl.int64))
+
+
+@torch.library.custom_op("layersplit::moe_route", mutates_args=())
+def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (n, k) float32, expert ids (n, k)) of router `logits` (n, E): `route`'s softmax,
+    top k and renormalisation. k must be a power of two (Triton's ranges)."""
+    n, e = logits.shape
+    w = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
+                 NORM=norm)
+    return w, ids
+
+
+@moe_route.register_fake
+def _(logits, top_k, norm):
+    n = logits.shape[0]
+    return (logits.new_empty((n, top_k), dtype=torch.float32),
+            logits.new_empty((n, top_k), dtype=torch.int64))
 
 
 @moe_gemv.register_fake

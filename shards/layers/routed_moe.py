@@ -29,7 +29,12 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm: bool,
           float_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights (n, k), expert ids (n, k)): softmax over all E router logits in float32, the
     top k, renormalised to sum to 1 when `norm`. The weights stay float32 with
-    `float_weights` (Mixtral), else they take x's dtype (Qwen)."""
+    `float_weights` (Mixtral), else they take x's dtype (Qwen). A few rows on a GPU take one
+    Triton kernel after the router's GEMV (`shards.kernels.moe_gemv.moe_route`)."""
+    if _route_kernel is not None and x.is_cuda and x.shape[0] <= GEMV_TOKENS \
+            and top_k & (top_k - 1) == 0:
+        w, idx = _route_kernel(F.linear(x, router_w), top_k, norm)
+        return (w if float_weights else w.to(x.dtype)), idx
     probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if norm:
@@ -84,17 +89,18 @@ GEMV_TOKENS = int(os.environ.get("LAYERSPLIT_MOE_GEMV_TOKENS", "8"))
 
 
 _gemv = None  # `shards.kernels.moe_gemv.moe_gemv` once `load_gemv` found it usable
+_route_kernel = None  # and `moe_route`
 
 
 def load_gemv() -> None:
     """Import the GEMV kernels where they can run (CUDA, Triton, not switched off). Called
     when weights are fused for a GPU, before any step is traced: `torch.compile(fullgraph=True)`
     code cannot import or probe the environment itself."""
-    global _gemv
+    global _gemv, _route_kernel
     if _gemv is None and GEMV_TOKENS > 0 and torch.cuda.is_available() \
             and fused_kernels_available("cuda"):
-        from layersplit.shards.kernels.moe_gemv import moe_gemv
-        _gemv = moe_gemv
+        from layersplit.shards.kernels.moe_gemv import moe_gemv, moe_route
+        _gemv, _route_kernel = moe_gemv, moe_route
 
 
 def _gemv_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
