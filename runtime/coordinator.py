@@ -989,7 +989,11 @@ class Coordinator:
         if decoding is not None and decoding.prompt_logprobs is not None:
             use_cache = False  # every prompt row is computed: a restored one has no logprobs
         if decoding is not None and decoding.processes:
-            speculative = False  # each verify row would need processors of its own
+            if speculative is not False and self.draft is not None:
+                log.info("a request is not speculated: its %s change the logits (each row of "
+                         "a verify step would need processors of its own)",
+                         ", ".join(decoding.processors))
+            speculative = False
         holder: list[Request] = []
         req = self.batcher.submit(len(prompt), lambda slot: self._program(
             holder[0], prompt, params, progress, use_cache, speculative, slot, decoding),

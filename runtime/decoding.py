@@ -42,9 +42,18 @@ class Decoding:
     @property
     def processes(self) -> bool:
         """Some processor changes the logits (the request is then not speculated)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens
-                    or self.grammar is not None)
+        return bool(self.processors)
+
+    @property
+    def processors(self) -> tuple[str, ...]:
+        """The request fields whose processors change the logits (what keeps it from being
+        speculated, said in logs and in the server's X-Layersplit-Speculation header)."""
+        named = (("response_format/tool_choice grammar", self.grammar is not None),
+                 ("presence_penalty", self.presence_penalty != 0.0),
+                 ("frequency_penalty", self.frequency_penalty != 0.0),
+                 ("repetition_penalty", self.repetition_penalty != 1.0),
+                 ("logit_bias", bool(self.logit_bias)), ("min_tokens", self.min_tokens > 0))
+        return tuple(name for name, on in named if on)
 
 
 class ProcessorsTooLarge(ValueError):

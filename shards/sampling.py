@@ -228,11 +228,12 @@ def has_processors(sample: dict | None) -> bool:
 
 
 def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
-    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask."""
+    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask
+    (unpacked on `device`: a GPU is sent the packed bytes, an eighth of the mask)."""
     raw = torch.frombuffer(bytearray(zlib.decompressobj().decompress(mask, (vocab + 7) // 8)),
-                           dtype=torch.uint8)
-    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return bits.flatten()[:vocab].bool().to(device)
+                           dtype=torch.uint8).to(device)
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
+    return bits.flatten()[:vocab].bool()
 
 
 def pack_mask(allowed: torch.Tensor) -> bytes:

@@ -243,6 +243,8 @@ def test_tokenize_and_detokenize(server, ref):
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
      "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, "verbosity"),
+    ({"prompt": "x", "store": True}, "store"),
     # the tiny model's ChatML template writes no tool calls: tools are refused, not ignored
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
       "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
