@@ -1,15 +1,17 @@
 """The cost of structured output: decode tok/s of one stream constrained by a JSON schema (an
-llguidance grammar, its mask computed on the coordinator between steps and applied by the last
-shard) against the same stream as free text, on the default model, for each layout given.
+llguidance grammar, its mask computed on the coordinator while the step runs and applied by the
+last shard) against the same stream as free text, on the default model, for each layout given.
 
     python3 bench/structured_output.py --layouts cpu,cpu --new-tokens 96 --repeats 3
     python3 bench/structured_output.py --layouts cuda:0 cuda:0,cuda:0 --new-tokens 256  # GPU
 
 Each mode runs `--repeats` times after one warm-up, the modes alternated; the median decode
 tok/s is reported (and each run). Where the grammar's time goes, per token: `mask_ms`, the
-coordinator's (consume the token, fill the next mask, pack it), which sits between two steps of
-the sequence; `apply_ms`, the last shard's (unpack the mask on its device, `masked_fill`),
-timed apart on the layout's last device; `share`, their sum over the free-text time of a token.
+coordinator's (consume the token, fill the next mask, pack it), which overlaps the step that
+carries the token (the mask follows it to the last shard); `apply_ms`, the last shard's
+(unpack the mask on its device, `masked_fill`), timed apart on the layout's last device;
+`share`, their sum over the free-text time of a token (what they would cost if nothing
+overlapped).
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ the calls' JSON in the template's tool-call blocks (`runtime.tool_calls`). It is
 per request when it arrives (a schema llguidance cannot compile is refused, 400, naming the
 field); each sequence then gets a matcher that the coordinator advances with its tokens and asks
 for the mask of the next token's allowed tokens, which the last shard applies before it samples
-(`shards.sampling`). Masks are computed between a sequence's steps, on the coordinator, with
-the step that carries the token they follow: a lone constrained sequence's next step leaves
-that much later (its share of a token's time: `bench/structured_output.py`). Constrained
-requests are not speculated (`runtime.decoding`).
+(`shards.sampling`). A mask follows the token its step carries, so the coordinator computes it
+while that step runs and sends it after the step (`runtime.decoding.LATE_MASK`); the last shard
+holds the step's sampling until it has it. Constrained requests are not speculated
+(`runtime.decoding`).
 """
 
 from __future__ import annotations
