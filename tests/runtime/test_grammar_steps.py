@@ -90,4 +90,10 @@ def test_late_masks_give_the_reference_constrained_output(target):
             _, reply, _, _ = recv(last)
             assert reply["type"] == "error" and "mask" in reply["message"], reply
             assert _run(coord, prompt, [early]) == [want]
+            # an exact prefix-cache hit draws its first token from stored logits, mask and all
+            for d in (early, late):
+                progress = Progress()
+                req = coord.submit(prompt, PARAMS, progress, use_cache=True, decoding=d)
+                assert collect(coord.deltas(req), progress, len(prompt)).tokens == want
+            assert progress.cached_tokens == len(prompt)  # (the second: a hit)
             assert coord.failed is None
