@@ -1,11 +1,17 @@
 """The cost of structured output: decode tok/s of one stream constrained by a JSON schema (an
-llguidance grammar, its mask computed on the coordinator between steps and applied by the last
-shard) against the same stream as free text, on the default model.
+llguidance grammar, its mask computed on the coordinator while the step runs and applied by the
+last shard) against the same stream as free text, on the default model, for each layout given.
 
-    python3 bench/structured_output.py --devices cpu,cpu --new-tokens 96 --repeats 3
+    python3 bench/structured_output.py --layouts cpu,cpu --new-tokens 96 --repeats 3
+    python3 bench/structured_output.py --layouts cuda:0 cuda:0,cuda:0 --new-tokens 256  # GPU
 
-Each mode runs `--repeats` times after one warm-up; the median decode tok/s is reported, with
-the mean time the coordinator spent computing one mask.
+Each mode runs `--repeats` times after one warm-up, the modes alternated; the median decode
+tok/s is reported (and each run). Where the grammar's time goes, per token: `mask_ms`, the
+coordinator's (consume the token, fill the next mask, pack it), which overlaps the step that
+carries the token (the mask follows it to the last shard); `apply_ms`, the last shard's
+(unpack the mask on its device, `masked_fill`), timed apart on the layout's last device;
+`share`, their sum over the free-text time of a token (what they would cost if nothing
+overlapped).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
@@ -24,7 +32,7 @@ from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.decoding import Decoding  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
 from layersplit.runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
-from layersplit.shards.sampling import SamplingParams  # noqa: E402
+from layersplit.shards.sampling import SamplingParams, process_logits  # noqa: E402
 
 # long enough that the output runs to max_tokens in either mode
 SCHEMA = {"type": "object", "properties": {
@@ -61,17 +69,26 @@ def run(coord: Coordinator, prompt: list[int], decoding: Decoding | None, n: int
     return {"tokens": len(res.tokens), "decode_tok_s": res.decode_tok_s, "text": res.text}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--devices", default="cpu,cpu")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")),
+def apply_ms(mask: bytes, vocab: int, device: str, dtype: torch.dtype, n: int = 200) -> float:
+    """The last shard's cost of one mask: `process_logits` on a logits row of `device`."""
+    dev = torch.device(device)
+    row = torch.randn(1, vocab, device=dev).to(dtype)
+    sample = {"mask": mask}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        process_logits(row, sample)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        process_logits(row, sample).argmax()
+    sync()
+    return 1e3 * (time.perf_counter() - t0) / n
+
+
+def bench_layout(args, devices: str) -> dict:
+    cfg = RuntimeConfig(model=args.model, devices=tuple(devices.split(",")), dtype=args.dtype,
                         threads=args.threads, draft="none", max_seqs=1, max_context=1024)
-    out = {"devices": args.devices, "new_tokens": args.new_tokens}
+    out = {"devices": devices, "new_tokens": args.new_tokens}
     with Coordinator(cfg) as coord:
         tok = coord.tokenizer
         prompt = tok.encode_chat([{"role": "user", "content": PROMPT}])
@@ -93,10 +110,44 @@ def main() -> int:
                                                2),
                          "runs": [round(r["decode_tok_s"], 2) for r in rs],
                          "tokens": rs[0]["tokens"], "sample": rs[0]["text"][:80]}
-        out["json_schema"]["mask_ms_mean"] = round(1e3 * statistics.mean(times), 3)
-        out["slowdown"] = round(out["free"]["decode_tok_s"] /
-                                out["json_schema"]["decode_tok_s"], 3)
-    print(json.dumps(out, indent=1))
+        mask = comp.matcher(grammar).mask([])
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[cfg.run_dtype]
+        free_ms = 1e3 / out["free"]["decode_tok_s"]
+        out["mask_ms"] = round(1e3 * statistics.median(times), 3)
+        out["apply_ms"] = round(apply_ms(mask, coord.model_config.vocab_size, cfg.devices[-1],
+                                         dtype), 3)
+        out["token_ms_free"] = round(free_ms, 3)
+        out["share"] = round((out["mask_ms"] + out["apply_ms"]) / free_ms, 4)
+        out["ratio"] = round(out["json_schema"]["decode_tok_s"] / out["free"]["decode_tok_s"], 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--layouts", nargs="+", default=["cpu,cpu"],
+                    help="device lists, one run each (cuda:0 = 1 shard; cuda:0,cuda:0 = 2 "
+                         "shards on one GPU)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)  # (the apply timing on CPU: as a CPU shard runs)
+    results = []
+    for layout in args.layouts:
+        results.append(bench_layout(args, layout))
+        print(json.dumps(results[-1], indent=1), flush=True)
+    print(f"{'layout':<16} {'free tok/s':>10} {'schema tok/s':>12} {'ratio':>6} "
+          f"{'mask ms':>8} {'apply ms':>8} {'share':>6}")
+    for r in results:
+        print(f"{r['devices']:<16} {r['free']['decode_tok_s']:>10} "
+              f"{r['json_schema']['decode_tok_s']:>12} {r['ratio']:>6} {r['mask_ms']:>8} "
+              f"{r['apply_ms']:>8} {r['share']:>6}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 8  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 9  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -21,7 +21,7 @@ PROTOCOL_VERSION = 8  # 2: speculative decoding; 3: batched steps (several seque
 # the step's rows, which go before the verdict is known; 8: cache tensors streamed over the
 # channel (snap_save / snap_load `stream`, saved `names` + frames) for shards without the file;
 # logprobs and logits processors (sample `lp`, `bias`, `rep`, `mask`; segment `plp`; outcome
-# `lp`, `plp`)
+# `lp`, `plp`); 9: a grammar's mask sent after its step (sample `late_mask`, message `mask`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -51,6 +51,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "step": {"sid": (int,), "seqs": (list,), "act": (dict, NoneType)},
     "result": {"sid": (int,), "outs": (list,), "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
+    # coordinator -> last shard: the grammar mask of segment `seg` of step `sid` (its sample
+    # said `late_mask`), computed while the step ran (`shards.sampling`); None: no constraint
+    "mask": {"sid": (int,), "seg": (int,), "mask": (bytes, NoneType)},
     # prefix cache (coordinator -> shard; `ok` / `saved` back)
     "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
     "snap_restore": {"entries": (list,), "slot": (int,)},

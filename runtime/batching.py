@@ -224,6 +224,8 @@ class Batcher:
                 r.waits = sid
             else:
                 self._advance(r, None)
+            if step.error is not None:  # its grammar mask failed: the sequence fails
+                self._fail(r, step.error)
 
     def _dispatch(self, sid: int) -> None:
         step = self.steps.pop(sid, None)

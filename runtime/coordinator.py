@@ -38,7 +38,7 @@ from layersplit.runtime.batching import MAX_IN_FLIGHT, Batcher, Request
 from layersplit.runtime.cache_ops import CacheManager, Restored
 from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.config import ConfigError, RuntimeConfig
-from layersplit.runtime.decoding import Decoding, StepFields
+from layersplit.runtime.decoding import LATE_MASK, Decoding, StepFields
 from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
 from layersplit.runtime.generate import (
     Delta,
@@ -848,11 +848,15 @@ class Coordinator:
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
-        wire, ids = [], []
-        for slot, r, feed in segs:
+        wire, ids, late = [], [], []
+        for k, (slot, r, feed) in enumerate(segs):
             feed = feed if self.feeding else None
+            extra = r.extra
+            if r.sample is not None and extra is not None and LATE_MASK in extra:
+                late.append((k, r, extra[LATE_MASK]))  # (computed once the step is on its way)
+                extra = {**extra, LATE_MASK: True}
             sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed,
-                                                    **(r.extra or {})}
+                                                    **(extra or {})}
             ask = None
             if r.ask is not None and feed is not None:  # the proposal of the last verdict
                 ask = {**r.ask, "after": self._feat_sids.get(feed, 0)}
@@ -872,6 +876,12 @@ class Coordinator:
         ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
         self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
                                 time.perf_counter(), kind, len(wire), rows)
+        for k, r, make_mask in late:  # while the shards run the step
+            try:
+                mask = make_mask()
+            except Exception as e:  # noqa: BLE001 - that sequence fails (`Batcher._send`)
+                mask, r.error = None, e
+            send(self.shards[-1].sock, message("mask", sid=sid, seg=k, mask=mask))
         return sid
 
     def forward(self, tokens: Sequence[int], pos: int, sample: SamplingParams | None, seed: int,
@@ -952,6 +962,11 @@ class Coordinator:
         self._drain()
         sid = self._new_sid()
         last = self.shards[-1]
+        if extra is not None and LATE_MASK in extra:  # (nothing runs first: the mask goes with it)
+            extra = dict(extra)
+            mask = extra.pop(LATE_MASK)()
+            if mask is not None:
+                extra["mask"] = mask
         send(last.sock, message("sample", sid=sid, position=position,
                                 sample={**sample.wire(), "seed": seed, **(extra or {})}),
              [np.ascontiguousarray(logits, dtype=np.float32)])
@@ -989,7 +1004,11 @@ class Coordinator:
         if decoding is not None and decoding.prompt_logprobs is not None:
             use_cache = False  # every prompt row is computed: a restored one has no logprobs
         if decoding is not None and decoding.processes:
-            speculative = False  # each verify row would need processors of its own
+            if speculative is not False and self.draft is not None:
+                log.info("a request is not speculated: its %s change the logits (each row of "
+                         "a verify step would need processors of its own)",
+                         ", ".join(decoding.processors))
+            speculative = False
         holder: list[Request] = []
         req = self.batcher.submit(len(prompt), lambda slot: self._program(
             holder[0], prompt, params, progress, use_cache, speculative, slot, decoding),

@@ -4,7 +4,9 @@ The coordinator turns them, step by step, into the optional fields of the step's
 (`shards.sampling`), which the last shard applies before it samples: presence and frequency
 penalties (over the tokens generated so far), `logit_bias` and `min_tokens` become one additive
 `bias`; the repetition penalty is `rep` over the prompt's and the generated tokens (as vLLM's);
-a grammar (`runtime.grammar`) gives the `mask` of the tokens it allows next. A request with any
+a grammar (`runtime.grammar`) gives the `mask` of the tokens it allows next: computed while the
+step runs (`LATE_MASK`: the step is sent first, then the mask, straight to the last shard, which
+samples once it has it), since the mask follows the token the step carries. A request with any
 processor is not speculated (a verify step's rows would each need their own); logprobs alone
 are, exactly (`shards.sampling.logprob_entries` on the verify step's rows).
 """
@@ -13,11 +15,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import torch
 from layersplit.shards.sampling import pack_bias, pack_mask
+
+# The key of a step's sample fields whose value, a callable, gives the grammar mask after the step
+# is sent (`Coordinator.send_step` sends `late_mask: true` in its place, then the mask).
+LATE_MASK = "late_mask"
 
 
 class TokenGrammar(Protocol):
@@ -42,9 +49,18 @@ class Decoding:
     @property
     def processes(self) -> bool:
         """Some processor changes the logits (the request is then not speculated)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens
-                    or self.grammar is not None)
+        return bool(self.processors)
+
+    @property
+    def processors(self) -> tuple[str, ...]:
+        """The request fields whose processors change the logits (what keeps it from being
+        speculated, said in logs and in the server's X-Layersplit-Speculation header)."""
+        named = (("response_format/tool_choice grammar", self.grammar is not None),
+                 ("presence_penalty", self.presence_penalty != 0.0),
+                 ("frequency_penalty", self.frequency_penalty != 0.0),
+                 ("repetition_penalty", self.repetition_penalty != 1.0),
+                 ("logit_bias", bool(self.logit_bias)), ("min_tokens", self.min_tokens > 0))
+        return tuple(name for name, on in named if on)
 
 
 class ProcessorsTooLarge(ValueError):
@@ -91,14 +107,12 @@ class StepFields:
                 self.seen[torch.tensor(new, dtype=torch.long)] = True
             out["rep"] = d.repetition_penalty
             out["rep_mask"] = pack_mask(self.seen)
-        if self.grammar is not None:
-            mask = self.grammar.mask(generated)
-            if mask is not None:
-                out["mask"] = mask
+        if self.grammar is not None:  # (it needs no room in the step's header)
+            out[LATE_MASK] = functools.partial(self.grammar.mask, generated)
         size = sum(len(v) for v in out.values() if isinstance(v, bytes))
         if size > self.budget:
             raise ProcessorsTooLarge(
-                f"this request's penalties, logit_bias and grammar mask take {size} bytes a step "
+                f"this request's penalties and logit_bias take {size} bytes a step "
                 f"after {len(generated)} tokens, more than the {self.budget} one sequence may "
                 "(fewer distinct tokens penalised, or a lower max_seqs, leaves more room)")
         return out or None

@@ -162,6 +162,7 @@ class StepRequest:
     ask: dict | None = None  # {n, tree}: its draft tokens come from the draft (`shards.asked`)
     extra: dict | None = None  # optional sample fields: logprobs, processors (`shards.sampling`)
     plp: dict | None = None  # {targets, k, temperature}: the prompt chunk's logprobs
+    error: BaseException | None = None  # its late grammar mask failed (the sequence fails)
 
     @property
     def rows(self) -> int:

@@ -6,9 +6,10 @@ the calls' JSON in the template's tool-call blocks (`runtime.tool_calls`). It is
 per request when it arrives (a schema llguidance cannot compile is refused, 400, naming the
 field); each sequence then gets a matcher that the coordinator advances with its tokens and asks
 for the mask of the next token's allowed tokens, which the last shard applies before it samples
-(`shards.sampling`). Masks are computed between a sequence's steps, on the coordinator: the
-step after a token needs that token, so the chain never waits for a mask it could have had
-earlier. Constrained requests are not speculated (`runtime.decoding`).
+(`shards.sampling`). A mask follows the token its step carries, so the coordinator computes it
+while that step runs and sends it after the step (`runtime.decoding.LATE_MASK`); the last shard
+holds the step's sampling until it has it. Constrained requests are not speculated
+(`runtime.decoding`).
 """
 
 from __future__ import annotations

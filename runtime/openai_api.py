@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies: parsing and validation, with errors that name the field.
 
-Unsupported parameters are rejected (400) when they would change the output and ignored when
-they would not (`user`), as OpenAI-compatible servers do. Tool definitions and schemas are
-checked here for their shape; whether a grammar can enforce them is the server's check, with
-the model's tokenizer (`runtime.grammar`).
+Unsupported parameters are rejected (400) when they would change the output or promise what
+is not done (`store`), and ignored when they would not (`user`, `metadata`, `service_tier`,
+`prediction`, `prompt_cache_key`, `safety_identifier`), as OpenAI-compatible servers do. Tool
+definitions and schemas are checked here for their shape; whether a grammar can enforce them is
+the server's check, with the model's tokenizer (`runtime.grammar`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ _REJECT_IF = {  # parameter -> the value that is harmless (anything else is refu
     "functions": (None, []), "function_call": (None, "none"),
     # OpenAI's that would change the output and are not implemented
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
-    "reasoning_effort": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,),
+    # stored completions (for OpenAI's evals and distillation): nothing is stored here
+    "store": (None, False),
     # vLLM's extensions that would change the output and are not implemented (structured
     # output: send response_format; prompt logprobs: echo + logprobs)
     "min_p": (None, 0, 0.0), "guided_json": (None,), "guided_regex": (None,),

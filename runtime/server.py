@@ -508,9 +508,15 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         except RequestError as e:
             return _error(e)
         out = Output(job, kind, engine.served_model, Renderer(engine.tokenizer))
+        headers = {}
+        coord = engine.coord
+        if (req.decoding is not None and req.decoding.processes and req.speculative is not False
+                and coord is not None and coord.draft is not None):
+            # (the request would have speculated: say why it does not)
+            headers["X-Layersplit-Speculation"] = "off: " + ", ".join(req.decoding.processors)
         if req.stream:
             return StreamingResponse(out.sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **headers})
         try:
             while not out.finished:
                 kind_, payload = await _next(job, request)
@@ -522,7 +528,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
                 if kind_ == "disconnected":
                     return Response(status_code=499)
                 out.take(kind_, *payload)
-            return JSONResponse(out.final())
+            return JSONResponse(out.final(), headers=headers)
         finally:
             job.cancelled = True
 

@@ -165,9 +165,12 @@ def accept_draft(
 #           those tokens (a positive logit divided by rep, a negative one multiplied)
 #   "mask": bytes: zlib of a little-endian bitmask of the vocabulary (bit t set: t allowed), a
 #           grammar's (`runtime.grammar`)
+#   "late_mask": true: the mask comes apart, after the step (a `mask` message to the last shard,
+#           which holds the step's sampling until it has it): the coordinator computes it while
+#           the step runs
 # (bytes, not lists: a step's header stays small whatever the vocabulary or the penalties)
 # They apply in that order, before temperature; a segment with any of them is not speculated.
-PROCESSOR_KEYS = ("bias", "rep", "mask")
+PROCESSOR_KEYS = ("bias", "rep", "mask", "late_mask")
 
 
 def check_processors(sample: dict, vocab: int) -> str | None:
@@ -186,15 +189,19 @@ def check_processors(sample: dict, vocab: int) -> str | None:
     if rep is not None:
         if not isinstance(rep, (int, float)) or isinstance(rep, bool) or not rep > 0:
             return f"rep={rep!r} must be a number > 0"
-        bad = _check_mask(sample.get("rep_mask"), vocab, "rep_mask")
+        bad = check_mask(sample.get("rep_mask"), vocab, "rep_mask")
         if bad is not None:
             return bad
+    late = sample.get("late_mask")
+    if late is not None and (late is not True or sample.get("mask") is not None):
+        return f"late_mask={late!r} must be true, and the sample then holds no mask"
     if sample.get("mask") is not None:
-        return _check_mask(sample["mask"], vocab, "mask")
+        return check_mask(sample["mask"], vocab, "mask")
     return None
 
 
-def _check_mask(mask: object, vocab: int, name: str) -> str | None:
+def check_mask(mask: object, vocab: int, name: str) -> str | None:
+    """What is wrong with a packed token mask (`pack_mask`) of `vocab` tokens, or None."""
     if not isinstance(mask, bytes):
         return f"{name} must be bytes (a zlib-compressed token bitmask)"
     need = (vocab + 7) // 8
@@ -228,11 +235,12 @@ def has_processors(sample: dict | None) -> bool:
 
 
 def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
-    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask."""
+    """The allowed tokens (vocab,) bool of a zlib-compressed little-endian token bitmask
+    (unpacked on `device`: a GPU is sent the packed bytes, an eighth of the mask)."""
     raw = torch.frombuffer(bytearray(zlib.decompressobj().decompress(mask, (vocab + 7) // 8)),
-                           dtype=torch.uint8)
-    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return bits.flatten()[:vocab].bool().to(device)
+                           dtype=torch.uint8).to(device)
+    bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
+    return bits.flatten()[:vocab].bool()
 
 
 def pack_mask(allowed: torch.Tensor) -> bytes:

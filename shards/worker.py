@@ -41,6 +41,7 @@ from layersplit.shards.hybrid_cache import HybridCache
 from layersplit.shards.sampling import (
     SamplingParams,
     accept_draft,
+    check_mask,
     check_processors,
     has_processors,
     is_greedy,
@@ -57,6 +58,7 @@ FEED_TIMEOUT_S = 2.0  # a draft that takes no rows for this long is dropped, the
 FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pieces)
 PROPOSAL_BYTES = 64  # a `drafted` message is all header: its ring slots need no payload
 MAX_SLOTS = 1024  # sequences a shard's KV cache may hold
+MASK_WAIT_S = 10.0  # the last shard waits this long for a step's late grammar masks, then fails it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ class ShardSpec:
     # on another host); None for a shard the coordinator started here: it watches the process
 
 
-ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "wake",
+ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
                            "draft_gone", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
@@ -117,6 +119,10 @@ class ShardServer:
         # malformed proposals, by draft context (None: unreadable, any context's): the next
         # held step of that context runs without one, saying why
         self.bad_drafted: dict[int | None, str] = {}
+        # the last shard: grammar masks sent after their steps, by (sid, segment), and the step
+        # whose sampling waits for some (its logits, since when); steps after it queue
+        self.late_masks: dict[tuple[int, int], bytes | None] = {}
+        self.awaiting: tuple[dict[str, Any], list[torch.Tensor], list, float] | None = None
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -133,6 +139,13 @@ class ShardServer:
     def _work(self) -> bool:
         worked = self._report_saves()
         if self.held is not None and self._run_held():
+            worked = True
+        if self.awaiting is not None and time.monotonic() - self.awaiting[3] > MASK_WAIT_S:
+            msg = self.awaiting[0]
+            self.awaiting = None
+            self._step_failed(msg, TimeoutError(
+                f"step {msg['sid']}: its grammar masks did not come within {MASK_WAIT_S:.0f} s"))
+            self._run_queued()
             worked = True
         if self.proposals is not None and self.proposals.ready():
             self._take_proposals()
@@ -327,6 +340,8 @@ class ShardServer:
     # ---- setup ------------------------------------------------------------------------------
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self.index = int(msg.get("index", self.index))
+        self.late_masks.clear()
+        self.awaiting = None
         self._close_links()
         self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
@@ -563,7 +578,8 @@ class ShardServer:
     def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         """Run a step, in the order steps came: one that asks for the draft's proposals is held
         until they come (`shards.asked`), and the steps after it wait behind it."""
-        if self.held is not None:  # (a copy: its ring slot is handed back)
+        if self.held is not None or self.awaiting is not None:
+            # (a copy: its ring slot is handed back)
             self.queued.append((msg, None if x is None else x.clone()))
             return
         if self.model.is_first and x is not None and asked(msg):
@@ -596,13 +612,17 @@ class ShardServer:
                             moved=True)
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
-        while self.queued and self.held is None:
+        self._run_queued()
+        return True
+
+    def _run_queued(self) -> None:
+        """Run the steps queued behind a held or awaiting step, until one holds again."""
+        while self.queued and self.held is None and self.awaiting is None:
             m, t = self.queued.popleft()
             try:
                 self._step(m, t)
             except Exception as e:  # noqa: BLE001 - reported, the loop goes on
                 self._step_failed(m, e)
-        return True
 
     def _on_draft_gone(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """The coordinator lost the draft process: no proposal will come."""
@@ -656,6 +676,51 @@ class ShardServer:
             self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
         if not self.model.is_last:
             return
+        sid = msg["sid"]
+        late = [i for i, seg in enumerate(msg["seqs"])
+                if seg["sample"] is not None and seg["sample"].get("late_mask")]
+        if any((sid, i) not in self.late_masks for i in late):
+            self.awaiting = (msg, outs, fed, time.monotonic())  # `_on_mask` goes on
+            return
+        self._sample_step(msg, outs, fed)
+
+    def _on_mask(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """A grammar mask computed while its step ran: the step samples once it has all."""
+        if not self.model.is_last:
+            raise ProtocolError("mask: only the last shard samples", "unexpected")
+        if msg["mask"] is not None:
+            bad = check_mask(msg["mask"], self.cfg.vocab_size, "mask")
+            if bad is not None:
+                raise ProtocolError(f"mask of step {msg['sid']}: {bad}")
+        self.late_masks[(msg["sid"], msg["seg"])] = msg["mask"]
+        if self.awaiting is None or self.awaiting[0]["sid"] != msg["sid"]:
+            return
+        step, outs, fed, _ = self.awaiting
+        if all((step["sid"], i) in self.late_masks for i, seg in enumerate(step["seqs"])
+               if seg["sample"] is not None and seg["sample"].get("late_mask")):
+            self.awaiting = None
+            try:
+                self._sample_step(step, outs, fed)
+            except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+                self._step_failed(step, e)
+            self._run_queued()
+
+    def _sample_step(self, msg: dict[str, Any], outs: list[torch.Tensor],
+                     fed: list[tuple[int, Segment]]) -> None:
+        """The last shard's sampling of a step whose rows ran (`outs`, a tensor per segment;
+        `fed`: the segments that feed the draft), its late masks in hand; the result goes to
+        the coordinator, the verdicts to the draft."""
+        sid = msg["sid"]
+        seqs = []
+        for i, seg in enumerate(msg["seqs"]):
+            if seg["sample"] is not None and seg["sample"].get("late_mask"):
+                sample = {k: v for k, v in seg["sample"].items() if k != "late_mask"}
+                sample["mask"] = self.late_masks.pop((sid, i))
+                seg = {**seg, "sample": sample}
+            seqs.append(seg)
+        msg = {**msg, "seqs": seqs}
+        for key in [k for k in self.late_masks if k[0] <= sid]:  # (of steps that failed)
+            del self.late_masks[key]
         results, logits_rows = [], []
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
         plain = [i for i, seg in enumerate(msg["seqs"]) if seg["draft"] is None and
@@ -733,6 +798,8 @@ class ShardServer:
                                                 "shape": [self.cfg.vocab_size]})
         s = msg["sample"]
         _check_sample(s, "sample", self.cfg.vocab_size)
+        if s.get("late_mask"):
+            raise ProtocolError("sample: a stored row's mask comes with it (late_mask)")
         x = process_logits(logits.to(self.device)[None], s)
         token = sample_rows(x, float(s["temperature"]), int(s["top_k"]), float(s["top_p"]),
                             int(s["seed"]), [msg["position"]])[0]

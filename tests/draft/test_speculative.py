@@ -490,3 +490,18 @@ def test_logprobs_under_speculation_equal_plain(target, fitted):
                            decoding=Decoding(logit_bias=((5, 0.5),)))
         collect(coord.deltas(req), progress, len(prompt))
         assert progress.spec is None and len(progress.generated) == GREEDY.max_tokens
+        # so does a grammar's: its output is the one asked not to speculate
+        from layersplit.runtime.grammar import GrammarCompiler
+
+        comp = GrammarCompiler(coord.tokenizer, coord.model_config.vocab_size, coord.eos_ids)
+        schema = comp.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "required": ["a"], "additionalProperties": False})
+        params = SamplingParams(max_tokens=12)
+        outs = {}
+        for spec in (True, False):
+            progress = Progress()
+            req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
+                               decoding=Decoding(grammar=lambda: comp.matcher(schema)))
+            outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
+            assert progress.spec is None
+        assert outs[True] == outs[False] and outs[True].startswith('{"a":')

@@ -393,6 +393,19 @@ def test_speculation_per_request_and_its_metrics(tiny_llama):
         assert verifies and float(verifies[0].split()[1]) >= 3  # 24 tokens, up to 5 a step
         assert 'layersplit_spec_accepted_tokens_total{position="1"}' in metrics
         assert 'layersplit_step_seconds_count{kind="verify"}' in metrics
+        # a constrained request runs plainly and says why (the response's header, the log)
+        body = {**body, "max_tokens": 6, "response_format": {"type": "json_object"}}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        assert r.headers["x-layersplit-speculation"] == (
+            "off: response_format/tool_choice grammar")
+        r = httpx.post(s.url + "/v1/completions", json={**body, "logit_bias": {"5": 1}},
+                       timeout=60)
+        assert r.headers["x-layersplit-speculation"] == (
+            "off: response_format/tool_choice grammar, logit_bias")
+        assert "x-layersplit-speculation" not in httpx.post(
+            s.url + "/v1/completions", json={**body, "speculative": False},
+            timeout=60).headers
     finally:
         assert s.stop() == 0
     assert wait_gone(kids) == []

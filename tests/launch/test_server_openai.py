@@ -1,11 +1,15 @@
 """The OpenAI parameters agents use, on the real server through the official `openai` client:
 logprobs (chat, completions, echo), n, penalties, logit_bias, min_tokens, stop_token_ids,
-/tokenize and /detokenize; bad values refused by name."""
+/tokenize and /detokenize; lm-evaluation-harness's loglikelihoods; bad values refused by name."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import httpx
 import pytest
@@ -239,6 +243,8 @@ def test_tokenize_and_detokenize(server, ref):
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
      "modalities"),
+    ({"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, "verbosity"),
+    ({"prompt": "x", "store": True}, "store"),
     # the tiny model's ChatML template writes no tool calls: tools are refused, not ignored
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
       "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
@@ -250,3 +256,79 @@ def test_bad_values_are_refused_by_name(server, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     json.dumps(r.json())
+
+
+LM_EVAL_DOCS = [
+    {"context": "the quick brown fox", "choices": [" jumps over the dog", " sleeps"], "label": 0},
+    {"context": "once upon a time there was", "choices": [" a king", " nothing at all"],
+     "label": 1},
+]
+
+LM_EVAL = textwrap.dedent("""
+    import json, sys
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    url, tokenizer, tasks = sys.argv[1:4]
+    res = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": url, "model": "llama", "tokenizer_backend": "huggingface",
+                    "tokenizer": tokenizer, "max_retries": 1},
+        tasks=["layersplit_ll"], num_fewshot=0, log_samples=True,
+        task_manager=TaskManager(include_path=tasks, include_defaults=False))
+    print(json.dumps([{"doc": s["doc_id"], "args": s["arguments"], "resps": s["resps"]}
+                      for s in res["samples"]["layersplit_ll"]]))
+""")
+
+
+def _lm_eval_task(folder) -> None:
+    folder.mkdir()
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in LM_EVAL_DOCS))
+    (folder / "layersplit_ll.yaml").write_text(textwrap.dedent(f"""
+        task: layersplit_ll
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{context}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: "{{{{label}}}}"
+        target_delimiter: ""
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+    """))
+
+
+@pytest.mark.slow
+def test_lm_eval_loglikelihoods_are_the_models(server, ref, tiny_llama, tmp_path):
+    """lm-evaluation-harness (`local-completions`: token ids, echo + logprobs) runs a
+    loglikelihood task from local files (no hub) and gets the model's loglikelihoods."""
+    _lm_eval_task(tmp_path / "tasks")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    # its own process: lm-eval and `datasets` read their offline settings at import
+    proc = subprocess.run(
+        [sys.executable, "-c", LM_EVAL, server.url + "/v1/completions", str(tiny_llama),
+         str(tmp_path / "tasks")], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(s["doc"] for s in got) == [0, 1]
+    items = [(LM_EVAL_DOCS[s["doc"]], arg, resp) for s in got
+             for arg, resp in zip(s["args"], s["resps"], strict=True)]
+    assert len(items) == 4  # a request per choice
+
+    for doc, (context, continuation), ((ll, greedy),) in items:
+        assert context == doc["context"] and continuation in doc["choices"]
+        ctx = ref.tokenizer.encode(context)
+        ids = ref.tokenizer.encode(context + continuation)
+        assert ids[:len(ctx)] == ctx and len(ids) > len(ctx)
+        lp = torch.log_softmax(ref.logits(ids).double(), dim=-1)
+        rows = range(len(ctx) - 1, len(ids) - 1)  # row i predicts token i + 1
+        want = sum(float(lp[i, ids[i + 1]]) for i in rows)
+        assert ll == pytest.approx(want, abs=1e-4 * len(rows)), (context, continuation)
+        assert greedy == all(int(lp[i].argmax()) == ids[i + 1] for i in rows)

@@ -57,6 +57,11 @@ def test_bad_processor_fields_are_named():
     assert "mask holds 8 bits" in check_processors({"mask": pack_mask(torch.ones(8) > 0)}, 10)
     assert check_processors({"lp": 3, "bias": pack_bias([1], [2]), "mask": pack_mask(
         torch.ones(10) > 0)}, 10) is None
+    # a mask sent after its step (`late_mask`): only true, and never with a mask of its own
+    assert "late_mask" in check_processors({"late_mask": 1}, 10)
+    assert "late_mask" in check_processors({"late_mask": True, "mask": pack_mask(
+        torch.ones(10) > 0)}, 10)
+    assert check_processors({"late_mask": True}, 10) is None
 
 
 def test_processors_that_outgrow_a_step_fail_their_request_by_name():
