@@ -94,6 +94,16 @@ def test_unsupported_hybrid_fields_are_refused(hybrid_models, tmp_path, change, 
         open_checkpoint(bad)
 
 
+@pytest.mark.parametrize("change", [{"norm_topk_prob": False}, {"mlp_only_layers": [1]},
+                                    {"decoder_sparse_step": 2}], ids=lambda c: next(iter(c)))
+def test_qwen3_5_moe_refuses_qwen3_next_routing_fields(hybrid_models, tmp_path, change):
+    """transformers' Qwen3.5-MoE has no such field (every layer sparse, top k renormalised)."""
+    bad = _edit(hybrid_models["qwen3_5_moe"], tmp_path / "bad", **change)
+    with pytest.raises(CheckpointError, match=f"field '{next(iter(change))}' of "
+                                              "qwen3_5_moe_text is not supported"):
+        open_checkpoint(bad)
+
+
 def test_vision_language_checkpoint_is_refused(hybrid_models, tmp_path):
     src = json.loads((hybrid_models["qwen3_5"] / "config.json").read_text())
     bad = _edit(hybrid_models["qwen3_5"], tmp_path / "vl", model_type="qwen3_5",
