@@ -16,8 +16,8 @@ Only the delta rule moves to fla: its causal conv keeps a state of the kernel's 
 is a small part of a layer's time. The verify rows of speculative decoding run one-token steps,
 so they use the fused recurrent kernel too.
 
-`LAYERSPLIT_FLA=0` keeps the torch path on CUDA. Why fla is not used (off, not installed, or
-its import failed) is logged once, at WARNING on a CUDA device.
+`LAYERSPLIT_FLA=0` keeps the torch path on CUDA. Why fla is not used (off, not installed, its
+import or a kernel call failed) is logged once, at WARNING on a CUDA device.
 """
 
 from __future__ import annotations
@@ -69,6 +69,15 @@ def _load_fla() -> tuple[tuple[Rule, Rule] | None, str]:
     return (wrap(chunk_gated_delta_rule), wrap(fused_recurrent_gated_delta_rule)), which
 
 
+_broken: list[str] = []  # why a kernel call failed: the torch path runs from then on
+
+
+def kernel_failure() -> str | None:
+    """Why an fla-core kernel call failed in this process (the torch path runs since), or
+    None."""
+    return _broken[0] if _broken else None
+
+
 def fla_switched_off() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
 
@@ -81,9 +90,33 @@ def delta_rules(device: torch.device | str) -> tuple[Rule, Rule] | None:
     if fla_switched_off():
         _note(f"{ENV_SWITCH}=0")
         return None
+    if _broken:
+        return None
     rules, why = _load_fla()
     _note(why if rules is None else None)
     return rules
+
+
+def pick_rule(device: torch.device | str, recurrent: bool, torch_rule: Rule) -> Rule:
+    """The rule a step on `device` runs: fla-core's chunked or recurrent one where it runs,
+    else `torch_rule`. A failing kernel call (a Triton compile or launch error for these shapes)
+    is logged and answered by `torch_rule`, which runs from then on (the kernels leave their
+    inputs, the state included, as they were)."""
+    rules = delta_rules(device)
+    if rules is None:
+        return torch_rule
+    fla = rules[1] if recurrent else rules[0]
+
+    def guarded(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return fla(*args)
+        except Exception as e:  # noqa: BLE001 - any kernel failure: the exact path instead
+            _broken.append(f"{type(e).__name__}: {e}")
+            log.warning("fla-core's gated delta rule failed (%s); the torch path runs from "
+                        "now on", _broken[0])
+            return torch_rule(*args)
+
+    return guarded
 
 
 def describe(device: torch.device | str) -> str:
@@ -92,7 +125,9 @@ def describe(device: torch.device | str) -> str:
         return f"{_load_fla()[1]} Triton kernels"
     if torch.device(device).type != "cuda":
         return "the torch path"
-    return "the torch path (" + (f"{ENV_SWITCH}=0" if fla_switched_off() else _load_fla()[1]) + ")"
+    why = (f"{ENV_SWITCH}=0" if fla_switched_off() else
+           f"fla-core failed: {_broken[0]}" if _broken else _load_fla()[1])
+    return f"the torch path ({why})"
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels.gated_delta_fla import delta_rules
+from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from torch import nn
 
 CHUNK_SIZE = 64  # the chunk of the chunked delta rule (as transformers and fla use)
@@ -245,11 +245,8 @@ class GatedDeltaNet(nn.Module):
             out, rows = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_states=True)
             kept = (conv_states_per_row(mixed, conv_state), rows)
         else:
-            kernels = delta_rules(x.device)  # fla-core's on CUDA where installed
-            if kernels is not None:
-                rule = kernels[1] if recurrent else kernels[0]
-            else:
-                rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+            rule = pick_rule(x.device, recurrent,  # fla-core's on CUDA where installed
+                             recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule)
             out, new_state = rule(q, k, v, g, beta, state)
             conv_state.copy_(new_conv)
             state.copy_(new_state)

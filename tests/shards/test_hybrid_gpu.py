@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from layersplit.runtime.reference import ReferenceEngine
-from layersplit.shards.kernels.gated_delta_fla import ENV_SWITCH, delta_rules
+from layersplit.shards.kernels.gated_delta_fla import ENV_SWITCH, delta_rules, kernel_failure
 from layersplit.shards.layers.gated_delta import GatedDeltaNet
 from layersplit.shards.sampling import SamplingParams
 
@@ -50,6 +50,7 @@ def _run(layer, x, spans, monkeypatch, fla: bool):
     state = torch.zeros(x.shape[0], *layer.state_shape(), device=x.device)
     with torch.no_grad():
         outs = [layer(x[:, a:b], conv, state)[0] for a, b in spans]
+    assert kernel_failure() is None  # (a failed kernel call falls back to the torch path)
     return outs, conv, state
 
 
@@ -84,7 +85,9 @@ def test_fla_state_carries_across_chunks(monkeypatch):
 def tiny_qwen3_5(tmp_path_factory):
     from layersplit.shards.tiny import write_tiny_hybrid
 
-    return write_tiny_hybrid(tmp_path_factory.mktemp("hybrid-gpu") / "m", "qwen3_5")
+    # (head dims of 16: the smallest tile of fla's kernels; the CPU tests' tiny model has 8)
+    return write_tiny_hybrid(tmp_path_factory.mktemp("hybrid-gpu") / "m", "qwen3_5",
+                             linear_key_head_dim=16, linear_value_head_dim=16)
 
 
 def test_two_shard_cli_generation_on_cuda(tiny_qwen3_5, tmp_path):
@@ -100,6 +103,7 @@ def test_two_shard_cli_generation_on_cuda(tiny_qwen3_5, tmp_path):
         capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("gated delta rule on cuda:0: fla-core") == 2, out.stderr[-3000:]
+    assert "gated delta rule failed" not in out.stderr, out.stderr[-3000:]
     got = json.loads(out.stdout)
     ref = ReferenceEngine(tiny_qwen3_5, prefill_chunk=64, max_context=512)
     ids = ref.tokenizer.encode(text)
