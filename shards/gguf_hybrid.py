@@ -234,6 +234,9 @@ def hybrid_config(f: Any) -> ModelConfig:
         partial_rotary_factor=rot / head_dim,
         fused_projections=False,
     )
+    if int(head_dim * spec.partial_rotary_factor) != rot:  # (rotary_dim's rounding)
+        raise CheckpointError(f"{path}: {a}.rope.dimension_count={rot} of head dim {head_dim} "
+                              "is not supported (no partial_rotary_factor gives it back)")
     if spec.num_value_heads % spec.num_key_heads or not 0 < rot <= head_dim or rot % 2:
         raise CheckpointError(f"{path}: {a}.ssm.time_step_rank={hv} must be a multiple of "
                               f"{a}.ssm.group_count={spec.num_key_heads} and "
