@@ -123,7 +123,9 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
 
 
 def hbm_floor(args, device: str) -> dict:
-    """Copy bandwidth (read + write) now, and weights read per decoded token."""
+    """Copy bandwidth (read + write) now, and bytes moved per decoded token: the weights; for a
+    hybrid model also its recurrent and conv states (read and written each token) and the KV
+    rows of its attention layers (read, at the mean context of the decode)."""
     ckpt = open_checkpoint(resolve_model(args.model), 0)
     cfg = ckpt.config
     from layersplit.shards.weights import range_tensor_shapes
@@ -137,6 +139,15 @@ def hbm_floor(args, device: str) -> dict:
         if name == "model.embed_tokens.weight":
             n = cfg.hidden_size  # one row is read
         per_token += n * itemsize
+    extra = {}
+    if cfg.hybrid is not None:  # (dense rows keep their weights-only floor, as before)
+        spec = cfg.hybrid
+        linear = sum(spec.is_linear(i) for i in range(cfg.num_layers))
+        state = linear * (spec.num_value_heads * spec.key_head_dim * spec.value_head_dim * 4
+                          + spec.conv_dim * (spec.conv_kernel - 1) * itemsize)
+        context = args.prompt_len + args.new_tokens // 2
+        kv = (cfg.num_layers - linear) * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize * context
+        extra = {"state_bytes_per_token": 2 * state, "kv_bytes_per_token": kv}
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     for _ in range(3):
@@ -149,8 +160,9 @@ def hbm_floor(args, device: str) -> dict:
     bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
     del x, y
     torch.cuda.empty_cache()
-    return {"copy_GBps": bw / 1e9, "weight_bytes_per_token": per_token,
-            "floor_tok_s": bw / per_token}
+    total = per_token + sum(extra.values())
+    return {"copy_GBps": bw / 1e9, "weight_bytes_per_token": per_token, **extra,
+            "bytes_per_token": total, "floor_tok_s": bw / total}
 
 
 def main() -> None:
@@ -200,8 +212,12 @@ def main() -> None:
         print(f"{r['layout']:<40} {r['transport']:<9} {r['ttft_s'] * 1000:>8.1f} "
               f"{r['decode_tok_s']:>12.1f} {med:>8.1f} {r['decode_tok_s'] / base:>8.3f} {extra}")
     if floor:
+        parts = f"{floor['weight_bytes_per_token'] / 1e9:.2f} GB of weights"
+        if "state_bytes_per_token" in floor:
+            parts += (f" + {floor['state_bytes_per_token'] / 1e9:.3f} GB of states + "
+                      f"{floor['kv_bytes_per_token'] / 1e9:.3f} GB of KV")
         print(f"HBM floor: copy {floor['copy_GBps']:.0f} GB/s (read+write), "
-              f"{floor['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token -> "
+              f"{parts} per token -> "
               f"{floor['floor_tok_s']:.0f} tok/s; first layout at "
               f"{base / floor['floor_tok_s']:.1%} of it")
     same = [r["tokens"] == rows[0]["tokens"] for r in rows]

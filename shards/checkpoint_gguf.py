@@ -13,6 +13,12 @@ import numpy as np
 import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gguf_header import GGUFHeader
+from layersplit.shards.gguf_hybrid import (
+    HYBRID_ARCHITECTURES,
+    gguf_tensor_name,
+    hybrid_config,
+    tensor_source,
+)
 from layersplit.shards.model_config import ModelConfig
 
 try:
@@ -29,8 +35,7 @@ SUPPORTED_TYPES = frozenset(
 # GGUF architecture -> HF model_type; only llama permutes q/k rows.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
                  "qwen2moe": "qwen2_moe"}  # llama with `expert_count`: Mixtral
-# hybrid (linear-attention) architectures whose GGUF layout is not read yet
-HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+# hybrid (linear-attention) architectures: `shards.gguf_hybrid`
 
 _PER_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -95,24 +100,20 @@ class GGUFFile:
         self.header = GGUFHeader(path)
         self.tensors = self.header.tensors
         arch = self.field("general.architecture")
-        if arch in HYBRID_ARCHITECTURES:
-            raise CheckpointError(
-                f"{path}: general.architecture={arch!r} is a hybrid (Gated DeltaNet) model; "
-                "its GGUF files are not supported yet: use its Hugging Face folder instead"
-            )
-        if arch not in ARCHITECTURES:
+        if arch not in ARCHITECTURES and arch not in HYBRID_ARCHITECTURES:
             raise CheckpointError(
                 f"{path}: general.architecture={arch!r} is not supported "
-                f"(supported: {', '.join(ARCHITECTURES)})"
+                f"(supported: {', '.join([*ARCHITECTURES, *HYBRID_ARCHITECTURES])})"
             )
         self.arch = arch
+        self.hybrid = arch in HYBRID_ARCHITECTURES
         if "rope_freqs.weight" in self.tensors:  # llama.cpp's form of llama3 rope scaling
             raise CheckpointError(
                 f"{path}: tensor 'rope_freqs.weight' (per-frequency rope factors, llama.cpp's "
                 "form of Llama 3.1+ rope scaling) is not supported; reading the file without "
                 "it would give wrong logits past the original context: use the model's Hugging "
                 "Face folder instead")
-        self.config = self._config()
+        self.config = hybrid_config(self) if self.hybrid else self._config()
 
     def field(self, key: str, default: Any = ...) -> Any:
         if key not in self.header.fields:
@@ -191,13 +192,32 @@ class GGUFFile:
         }
 
     def has(self, name: str) -> bool:
+        if self.hybrid:
+            return gguf_tensor_name(name, self.arch) in self.tensors
         try:
             return gguf_name(name) in self.tensors
         except KeyError:  # a name with no GGUF form (another layout's)
             return False
 
     def _read(self, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
-        gname = gguf_name(canonical)
+        if self.hybrid:
+            src = tensor_source(canonical, shape, self.config, self.arch)
+            if src is None:
+                raise CheckpointError(f"{self.path}: {canonical!r} has no GGUF form for "
+                                      f"{self.arch}")
+            w = self._read_raw(src.name, canonical, src.shape)
+            w = np.ascontiguousarray(src.convert(w), dtype=np.float32)
+            assert w.shape == shape, (canonical, w.shape, shape)  # the name table's, not input
+            return w
+        w = self._read_raw(gguf_name(canonical), canonical, shape)
+        if self.arch == "llama" and canonical.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rows(w, self.config.num_heads)
+        elif self.arch == "llama" and canonical.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rows(w, self.config.num_kv_heads)
+        return w
+
+    def _read_raw(self, gname: str, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
+        """GGUF tensor `gname` dequantized to float32, checked to be of `shape`."""
         t = self.tensors.get(gname)
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {gname!r} is missing (for {canonical!r})")
@@ -220,12 +240,7 @@ class GGUFFile:
             w = dequantize(self.header.raw(t), qtype)
         except Exception as e:
             raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
-        w = np.asarray(w, dtype=np.float32).reshape(shape)
-        if self.arch == "llama" and canonical.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rows(w, self.config.num_heads)
-        elif self.arch == "llama" and canonical.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rows(w, self.config.num_kv_heads)
-        return w
+        return np.asarray(w, dtype=np.float32).reshape(shape)
 
     def load(
         self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,

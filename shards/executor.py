@@ -13,18 +13,22 @@ equal plain greedy output token for token.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.graphs import StaticDecoder
 from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.layers.rotary import context_limit_error
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.models import LayerRange
 from layersplit.shards.sampling import sample_rows
 from layersplit.shards.spec_tree import depths, is_chain, kept_moves
+
+log = logging.getLogger(__name__)
 
 MAX_VERIFY_ROWS = 64  # a verify step longer than this (a huge draft tree) runs eagerly
 
@@ -59,6 +63,9 @@ class RangeExecutor:
         if self.hybrid:
             self.kv: KVCache = new_cache(max_len, slots, self.device, self.dtype)
             self.layout = self.kv.layout
+            if getattr(model, "linear_layers", None):
+                log.info("layers %d:%d: gated delta rule on %s: %s", model.start, model.end,
+                         self.device, describe_delta_rules(self.device))
         else:
             self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
             self.kv = KVCache(self.layout, max_len, slots, self.device)

@@ -1,7 +1,9 @@
-"""The architecture facts of the hybrid Qwen models (Qwen3.5 text, Qwen3-Next) beyond those of a
-dense model: which layers are linear attention (Gated DeltaNet), the delta block's dims, the
-partial rotary, and Qwen3-Next's mixture of experts. Read from an HF `config.json`; every field
-we do not implement is refused by name.
+"""The architecture facts of the hybrid Qwen models (Qwen3.5 text, Qwen3.5-MoE text,
+Qwen3-Next) beyond those of a dense model: which layers are linear attention (Gated DeltaNet),
+the delta block's dims and the partial rotary (`HybridSpec`), and the mixture of experts of
+Qwen3-Next and Qwen3.5-MoE (`hybrid_moe_fields`: the `ModelConfig` MoE fields, the same as the
+MoE families'). Read from an HF `config.json`; every field we do not implement is refused by
+name.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Any
 
 from layersplit.shards.errors import CheckpointError
 
-HYBRID_TYPES = ("qwen3_5_text", "qwen3_next")
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MOE_TYPES = ("qwen3_5_moe_text", "qwen3_next")  # every layer's MLP may be sparse
 LINEAR, FULL = "linear_attention", "full_attention"
 # config.json fields that change nothing at inference, or that we implement below
 _INERT = {
@@ -28,26 +31,16 @@ _INERT = {
     # multi-token-prediction heads: separate tensors (mtp.*) that are never read
     "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings",
 }
-_MOE = {"decoder_sparse_step", "moe_intermediate_size", "shared_expert_intermediate_size",
-        "num_experts_per_tok", "num_experts", "norm_topk_prob", "mlp_only_layers"}
+# the MoE fields each family reads (Qwen3.5-MoE: every layer sparse, top k always renormalised)
+_MOE = {
+    "qwen3_next": {"decoder_sparse_step", "moe_intermediate_size",
+                   "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts",
+                   "norm_topk_prob", "mlp_only_layers"},
+    "qwen3_5_moe_text": {"moe_intermediate_size", "shared_expert_intermediate_size",
+                         "num_experts_per_tok", "num_experts"},
+}
 _ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor", "mrope_section",
               "mrope_interleaved"}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MoESpec:
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    shared_intermediate_size: int
-    norm_topk_prob: bool
-    sparse_step: int
-    mlp_only_layers: tuple[int, ...]
-
-    def is_sparse(self, layer: int) -> bool:
-        """Qwen3-Next's rule: a layer has experts unless listed in `mlp_only_layers`."""
-        return layer not in self.mlp_only_layers and self.num_experts > 0 and \
-            (layer + 1) % self.sparse_step == 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,7 +53,6 @@ class HybridSpec:
     num_value_heads: int
     partial_rotary_factor: float
     fused_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba layout
-    moe: MoESpec | None = None
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == LINEAR
@@ -72,27 +64,22 @@ class HybridSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
-        if self.moe is not None:
-            d["moe"]["mlp_only_layers"] = list(self.moe.mlp_only_layers)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HybridSpec:
         d = dict(d)
         d["layer_types"] = tuple(d["layer_types"])
-        if d.get("moe") is not None:
-            moe = dict(d["moe"])
-            moe["mlp_only_layers"] = tuple(moe["mlp_only_layers"])
-            d["moe"] = MoESpec(**moe)
         return cls(**d)
 
 
 def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
-    """The hybrid part of a `qwen3_5_text` / `qwen3_next` config.json; errors name the field."""
+    """The hybrid part of a `qwen3_5_text` / `qwen3_5_moe_text` / `qwen3_next` config.json;
+    errors name the field."""
     model_type = raw["model_type"]
     from layersplit.shards.model_config import METADATA_FIELDS  # (model_config imports this module)
 
-    known = _INERT | METADATA_FIELDS | (_MOE if model_type == "qwen3_next" else set())
+    known = _INERT | METADATA_FIELDS | _MOE.get(model_type, set())
     unknown = sorted(k for k in raw if k not in known)
     if unknown:
         raise CheckpointError(f"{source}: field {unknown[0]!r} of {model_type} is not supported "
@@ -116,7 +103,7 @@ def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     if rope.get("rope_type", "default") != "default":
         raise CheckpointError(f"{source}: rope_parameters.rope_type={rope['rope_type']!r} is "
                               f"not supported for {model_type} (only 'default')")
-    if rope.get("mrope_section") is not None and model_type != "qwen3_5_text":
+    if rope.get("mrope_section") is not None and model_type == "qwen3_next":
         raise CheckpointError(f"{source}: rope_parameters.mrope_section is not supported")
     factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
     head_dim = int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"])
@@ -124,20 +111,6 @@ def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     if not 0 < factor <= 1 or rot % 2:
         raise CheckpointError(f"{source}: partial_rotary_factor={factor} gives {rot} rotary "
                               f"dims of head_dim {head_dim} (must be even and > 0)")
-    moe = None
-    if model_type == "qwen3_next" and int(raw.get("num_experts", 512)) > 0:
-        moe = MoESpec(
-            num_experts=int(raw.get("num_experts", 512)),
-            top_k=int(raw.get("num_experts_per_tok", 10)),
-            intermediate_size=int(raw.get("moe_intermediate_size", 512)),
-            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 512)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            sparse_step=int(raw.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(x) for x in raw.get("mlp_only_layers") or ()),
-        )
-        if not 0 < moe.top_k <= moe.num_experts:
-            raise CheckpointError(f"{source}: num_experts_per_tok={moe.top_k} must be in "
-                                  f"1..num_experts={moe.num_experts}")
     spec = HybridSpec(
         layer_types=tuple(types),
         conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
@@ -147,7 +120,6 @@ def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
         num_value_heads=int(raw.get("linear_num_value_heads", 32)),
         partial_rotary_factor=factor,
         fused_projections=model_type == "qwen3_next",
-        moe=moe,
     )
     if spec.conv_kernel < 1:
         raise CheckpointError(f"{source}: linear_conv_kernel_dim must be >= 1")
@@ -157,8 +129,55 @@ def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     return spec
 
 
+def _count(raw: dict[str, Any], key: str, default: int, source: str | Path) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise CheckpointError(f"{source}: {key}={value!r} must be a non-negative integer")
+    return value
+
+
+def hybrid_moe_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str, Any]:
+    """The `ModelConfig` MoE fields of a hybrid config, read as transformers reads them (its
+    defaults where a field is absent); none for a dense family or `num_experts: 0`.
+
+    Qwen3-Next: softmax top-k routing, renormalised when `norm_topk_prob`; a layer is sparse
+    unless listed in `mlp_only_layers` or off the `decoder_sparse_step` stride. Qwen3.5-MoE:
+    every layer sparse, the top k always renormalised. Both add a shared expert gated by a
+    sigmoid."""
+    model_type = raw["model_type"]
+    if model_type not in MOE_TYPES:
+        return {}
+    next_ = model_type == "qwen3_next"
+    experts = _count(raw, "num_experts", 512 if next_ else 256, source)
+    if not experts:  # transformers builds every layer dense
+        return {}
+    top_k = _count(raw, "num_experts_per_tok", 10 if next_ else 8, source)
+    if not 0 < top_k <= experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be in "
+                              f"1..num_experts={experts}")
+    dense: tuple[int, ...] = ()
+    if next_:
+        step = _count(raw, "decoder_sparse_step", 1, source)
+        only = raw.get("mlp_only_layers") or []
+        if step < 1 or not isinstance(only, list) or \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise CheckpointError(f"{source}: decoder_sparse_step={step!r} must be >= 1 and "
+                                  f"mlp_only_layers={only!r} a list of layer indices")
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": _count(raw, "moe_intermediate_size", 512, source),
+        "shared_expert_intermediate_size":
+            _count(raw, "shared_expert_intermediate_size", 512, source),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)) if next_ else True,
+        "dense_layers": dense,
+    }
+
+
 def hybrid_tensor_shapes(cfg: Any, spec: HybridSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor name -> shape of one layer of a hybrid model (`cfg`: ModelConfig)."""
+    """Canonical tensor name -> shape of one layer of a hybrid model (`cfg`: ModelConfig), its
+    MLP left out (`shards.weights.layer_tensor_shapes` adds it, dense or experts)."""
     h, p = cfg.hidden_size, f"model.layers.{layer}."
     shapes: dict[str, tuple[int, ...]] = {
         p + "input_layernorm.weight": (h,),
@@ -193,19 +212,4 @@ def hybrid_tensor_shapes(cfg: Any, spec: HybridSpec, layer: int) -> dict[str, tu
                 shapes[a + name + ".bias"] = (n,)
         shapes[a + "q_norm.weight"] = (d,)
         shapes[a + "k_norm.weight"] = (d,)
-    m = p + "mlp."
-    if spec.moe is not None and spec.moe.is_sparse(layer):
-        e, fi, fs = spec.moe.num_experts, spec.moe.intermediate_size, spec.moe.shared_intermediate_size
-        shapes[m + "gate.weight"] = (e, h)
-        for i in range(e):
-            shapes[m + f"experts.{i}.gate_proj.weight"] = (fi, h)
-            shapes[m + f"experts.{i}.up_proj.weight"] = (fi, h)
-            shapes[m + f"experts.{i}.down_proj.weight"] = (h, fi)
-        for name, shape in (("gate_proj", (fs, h)), ("up_proj", (fs, h)), ("down_proj", (h, fs))):
-            shapes[m + f"shared_expert.{name}.weight"] = shape
-        shapes[m + "shared_expert_gate.weight"] = (1, h)
-    else:
-        f = cfg.intermediate_size
-        shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h),
-                       m + "down_proj.weight": (h, f)})
     return shapes

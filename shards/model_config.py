@@ -9,7 +9,12 @@ from typing import Any
 
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
-from layersplit.shards.hybrid_config import HYBRID_TYPES, HybridSpec, hybrid_from_hf
+from layersplit.shards.hybrid_config import (
+    HYBRID_TYPES,
+    HybridSpec,
+    hybrid_from_hf,
+    hybrid_moe_fields,
+)
 from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
@@ -212,11 +217,12 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
     speculative draft's config is read with strict=False: a field its code ignores can cost
     acceptance, never a wrong token (the target verifies every one)."""
     model_type = raw.get("model_type")
-    if model_type == "qwen3_5" and isinstance(raw.get("text_config"), dict):
+    if model_type in ("qwen3_5", "qwen3_5_moe") and isinstance(raw.get("text_config"), dict):
         raise CheckpointError(
-            f"{source}: a Qwen3.5 vision-language checkpoint (model_type 'qwen3_5', tensors "
-            "under model.language_model.) is not supported yet; use a text-only checkpoint "
-            "(Qwen3_5ForCausalLM, model_type 'qwen3_5_text')")
+            f"{source}: a Qwen3.5 vision-language checkpoint (model_type {model_type!r}, "
+            "tensors under model.language_model.) is not supported yet; use a text-only "
+            f"checkpoint (model_type '{model_type}_text', as Qwen3_5ForCausalLM / "
+            "Qwen3_5MoeForCausalLM save it)")
     # hybrid families check their own fields (`shards.hybrid_config`), strictly always
     hybrid = hybrid_from_hf(raw, source) if model_type in HYBRID_TYPES else None
     if model_type not in FAMILIES and hybrid is None:
@@ -247,7 +253,9 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         model_type=model_type,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
-        intermediate_size=int(need("intermediate_size")),
+        # (Qwen3.5-MoE has no dense MLP, and no intermediate_size)
+        intermediate_size=int(need("intermediate_size") if model_type != "qwen3_5_moe_text"
+                              else raw.get("intermediate_size") or 0),
         num_layers=int(need("num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -266,7 +274,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
            if hybrid is None and model_type != "gemma3_text" else
            {"hybrid": hybrid} if hybrid is not None else {}),
-        **moe_fields(raw, model_type, int(need("num_hidden_layers")), source),
+        **(moe_fields(raw, model_type, int(need("num_hidden_layers")), source) if hybrid is None
+           else hybrid_moe_fields(raw, int(need("num_hidden_layers")), source)),
     )
     if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)
         fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))

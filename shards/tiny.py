@@ -6,6 +6,7 @@ writer for them, so the GGUF path is tested without a download.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +252,7 @@ def _write_tokenizer(out: Path, max_position_embeddings: int) -> None:
 L, F = "linear_attention", "full_attention"
 # Tiny hybrid models: linear (L) and full (F) attention interleaved so that 1, 2 and 3 shards
 # split inside a run of linear layers and next to an attention layer; GQA, two conv widths,
-# two rotary fractions, Qwen3-Next's experts with one dense layer.
+# two rotary fractions, Qwen3-Next's experts with one dense layer, Qwen3.5-MoE's in every layer.
 HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_5": {
         "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
@@ -271,12 +272,21 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "partial_rotary_factor": 0.5},
     },
+    "qwen3_5_moe": {  # Qwen3.5-MoE text: every layer's MLP routed, with a shared expert
+        "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "layer_types": [L, L, F, L, L, F], "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+    },
 }
 
 
 def write_tiny_hybrid(out: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320,
                       std: float = 0.1, **overrides: Any) -> Path:
-    """A seeded random Qwen3.5 (text) or Qwen3-Next folder made with transformers' own
+    """A seeded random Qwen3.5 (text), Qwen3.5-MoE (text) or Qwen3-Next folder made with transformers' own
     classes and `save_pretrained` (transformers is a test dependency), with our tokenizer.
     Weights are drawn larger than transformers' init so greedy output is not degenerate."""
     import transformers
@@ -287,6 +297,8 @@ def write_tiny_hybrid(out: str | Path, family: str, *, seed: int = 0, vocab_size
            "max_position_embeddings": 4096, **overrides}
     if family == "qwen3_5":
         cfg, cls = transformers.Qwen3_5TextConfig(**raw), transformers.Qwen3_5ForCausalLM
+    elif family == "qwen3_5_moe":
+        cfg, cls = transformers.Qwen3_5MoeTextConfig(**raw), transformers.Qwen3_5MoeForCausalLM
     else:
         cfg, cls = transformers.Qwen3NextConfig(**raw), transformers.Qwen3NextForCausalLM
     torch.manual_seed(seed)
@@ -345,19 +357,7 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
         w.add_rope_scaling_factor(float(cfg.rope_params["factor"]))
     elif cfg.rope_type != "default":
         raise ValueError(f"rope type {cfg.rope_type} has no GGUF form in this writer")
-    tok = json.loads((Path(hf_folder) / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), cfg.vocab_size)]
-    types = [3 if t in SPECIAL_TOKENS else (5 if t.startswith("[PAD") else 1) for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    _add_tiny_tokenizer(w, Path(hf_folder), cfg.vocab_size)
     shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight")
@@ -374,6 +374,147 @@ def write_tiny_gguf(hf_folder: str | Path, out: str | Path, qtype: str = "F32") 
         else:
             data = quantize(a, q)
             w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)
+
+
+def _add_tiny_tokenizer(w: Any, hf_folder: Path, vocab_size: int) -> None:
+    """The folder's tokenizer into GGUF writer `w`, as llama.cpp's converter writes a BPE one."""
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(len(vocab), vocab_size)]
+    types = [3 if t in SPECIAL_TOKENS else (5 if t.startswith("[PAD") else 1) for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+
+_HYBRID_GGUF_ARCH = {"qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE",
+                     "qwen3_next": "QWEN3NEXT"}
+
+
+def write_tiny_hybrid_gguf(hf_folder: str | Path, out: str | Path,
+                           edit: Callable[[Any], None] | None = None) -> Path:
+    """Convert a tiny hybrid HF folder (`write_tiny_hybrid`) to an F32 GGUF the way llama.cpp's
+    converter does (its `Qwen3NextModel` and Qwen3.5 classes), step by step on the folder's own
+    tensors, names from the `gguf` package's tensor map: value heads tiled (Qwen3.5), norms
+    + 1, `ssm_a` = -exp(A_log), the conv squeezed, Qwen3-Next's `in_proj_qkvz` split into
+    `attn_qkv` and `attn_gate`, experts stacked. `edit(writer)` may add fields or tensors
+    before the file is written (for tests of what is refused)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    hf_folder = Path(hf_folder)
+    raw = json.loads((hf_folder / "config.json").read_text())
+    arch = gguf.MODEL_ARCH[_HYBRID_GGUF_ARCH[raw["model_type"]]]
+    n = raw["num_hidden_layers"]
+    hk, hv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+    dk, dv, r = raw["linear_key_head_dim"], raw["linear_value_head_dim"], hv // hk
+    types = raw["layer_types"]
+    every = next((k for k in range(1, n + 1) if types == [
+        "linear_attention" if (i + 1) % k else "full_attention" for i in range(n)]), None)
+    if every is None:
+        raise ValueError("GGUF holds a full_attention_interval, not these layer_types")
+    rope = raw["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_block_count(n)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    if "intermediate_size" in raw:
+        w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_vocab_size(raw["vocab_size"])
+    if raw.get("num_experts"):
+        w.add_expert_count(raw["num_experts"])
+        w.add_expert_used_count(raw["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(raw["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(raw["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(hk)
+    w.add_ssm_time_step_rank(hv)
+    w.add_ssm_inner_size(dv * hv)
+    w.add_full_attention_interval(every)
+    w.add_rope_dimension_count(int(raw["head_dim"] * rope["partial_rotary_factor"]))
+    if arch != gguf.MODEL_ARCH.QWEN3NEXT:
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # the converter's default
+    _add_tiny_tokenizer(w, hf_folder, raw["vocab_size"])
+
+    def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        """The converter's `_reorder_v_heads`: value heads grouped by key head -> tiled."""
+        if arch == gguf.MODEL_ARCH.QWEN3NEXT or hk == hv:
+            return t
+        shape = list(t.shape)
+        t = t.reshape(*shape[:dim], hk, r, head_dim, *shape[dim + 1:])
+        return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+    names = gguf.get_tensor_name_map(arch, n)
+    tensors = load_file(str(hf_folder / "model.safetensors"))
+    experts: dict[str, list[torch.Tensor]] = {}
+    out_tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(tensors, key=lambda s: (len(s), s)):  # experts 0..E-1 in order
+        t = tensors[name]
+        if ".linear_attn." in name:  # _LinearAttentionVReorderBase
+            q_k = 2 * hk * dk
+            if ".in_proj_qkv." in name:
+                t = torch.cat([t[:q_k], tiled(t[q_k:], 0, dv)])
+            elif ".in_proj_z." in name:
+                t = tiled(t, 0, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name:
+                t = tiled(t, 0, 1)
+            elif name.endswith((".A_log", ".dt_bias")):
+                t = tiled(t[:, None], 0, 1)[:, 0]
+            elif ".conv1d." in name:
+                t = t.squeeze()
+                t = torch.cat([t[:q_k], tiled(t[q_k:], 0, dv)])
+            elif ".out_proj." in name:
+                t = tiled(t, 1, dv)
+        if name.endswith(".A_log"):  # Qwen3NextModel
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz.weight" in name:
+            qkvz = t.T.reshape(-1, hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+            h = raw["hidden_size"]
+            qkv = torch.cat([x.reshape(h, -1) for x in (q, k, v)], dim=-1).T
+            layer = name.split(".")[2]
+            out_tensors[f"blk.{layer}.attn_qkv.weight"] = qkv
+            out_tensors[f"blk.{layer}.attn_gate.weight"] = z.reshape(h, -1).T
+            continue
+        parts = name.split(".")
+        if ".mlp.experts." in name:  # Qwen2MoeModel: stack each projection's experts
+            key = ".".join(parts[:5] + parts[6:])  # model.layers.N.mlp.experts.W.weight
+            experts.setdefault(key, []).append(t)
+            if len(experts[key]) < raw["num_experts"]:
+                continue
+            name, t = key, torch.stack(experts.pop(key))
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ValueError(f"{name} has no GGUF name for {arch.name}")
+        out_tensors[gname] = t
+    for gname, t in out_tensors.items():
+        w.add_tensor(gname, np.ascontiguousarray(t.float().numpy()))
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -8,8 +8,8 @@ from layersplit.shards.model_config import ModelConfig
 
 def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     if cfg.hybrid is not None:
-        return hybrid_tensor_shapes(cfg, cfg.hybrid, layer)
-    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        return {**hybrid_tensor_shapes(cfg, cfg.hybrid, layer), **mlp_tensor_shapes(cfg, layer)}
+    h, d = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
     p = f"model.layers.{layer}."
     shapes: dict[str, tuple[int, ...]] = {
@@ -20,11 +20,7 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
         p + "self_attn.v_proj.weight": (kvd, h),
         p + "self_attn.o_proj.weight": (h, qd),
     }
-    shapes.update(moe_tensor_shapes(cfg, layer) if cfg.is_moe(layer) else {
-        p + "mlp.gate_proj.weight": (f, h),
-        p + "mlp.up_proj.weight": (f, h),
-        p + "mlp.down_proj.weight": (h, f),
-    })
+    shapes.update(mlp_tensor_shapes(cfg, layer))
     if cfg.attention_bias:
         shapes[p + "self_attn.q_proj.bias"] = (qd,)
         shapes[p + "self_attn.k_proj.bias"] = (kvd,)
@@ -36,6 +32,15 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
         shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
         shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
+
+
+def mlp_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP: its experts (`moe_tensor_shapes`) or a dense gated MLP."""
+    if cfg.is_moe(layer):
+        return moe_tensor_shapes(cfg, layer)
+    h, f, p = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{layer}.mlp."
+    return {p + "gate_proj.weight": (f, h), p + "up_proj.weight": (f, h),
+            p + "down_proj.weight": (h, f)}
 
 
 def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:

@@ -7,7 +7,9 @@ A linear-attention layer keeps, per sequence, two pieces of state instead of a K
 A zero state is the state of an empty prefix, so a fresh sequence starts from zeros.
 
 The delta rule runs in two forms with the same math: chunked (prefill: a few matmuls per chunk
-of `chunk_size` tokens) and recurrent (decode: one token at a time). The recurrent form can
+of `chunk_size` tokens) and recurrent (decode: one token at a time). The torch functions here
+are the reference; on CUDA, fla-core's kernels run them where installed
+(`shards.kernels.gated_delta_fla`). The recurrent form can
 also return the state after every row (`keep_states`), which a speculative verify step needs to
 keep the state of exactly the accepted prefix.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from torch import nn
 
 CHUNK_SIZE = 64  # the chunk of the chunked delta rule (as transformers and fla use)
@@ -242,7 +245,8 @@ class GatedDeltaNet(nn.Module):
             out, rows = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_states=True)
             kept = (conv_states_per_row(mixed, conv_state), rows)
         else:
-            rule = recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+            rule = pick_rule(x.device, recurrent,  # fla-core's on CUDA where installed
+                             recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule)
             out, new_state = rule(q, k, v, g, beta, state)
             conv_state.copy_(new_conv)
             state.copy_(new_state)

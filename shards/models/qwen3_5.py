@@ -6,7 +6,8 @@ Layers alternate, as `layer_types` says, between
 - full attention: GQA over the KV cache with q/k RMSNorms, a rotary embedding over the first
   `partial_rotary_factor` of each head and a sigmoid output gate carried in `q_proj`.
 All RMSNorms but the delta block's output norm are zero-centred (weight 1 + w). The MLP is a
-SwiGLU, or for Qwen3-Next's sparse layers a mixture of experts with a shared expert.
+SwiGLU, or on the sparse layers of Qwen3-Next and Qwen3.5-MoE a mixture of experts with a
+sigmoid-gated shared expert (`shards.layers.routed_moe.RoutedMoE`, as the MoE families').
 
 Prefill chunks run the chunked delta rule, one-token steps the recurrent one. For a tensor
 name of the checkpoint the module's parameter is `local_name(name)`, as for `LayerRange`.
@@ -29,8 +30,9 @@ from layersplit.shards.layers.gated_attention import (
     split_query_gate,
 )
 from layersplit.shards.layers.gated_delta import GatedDeltaNet
-from layersplit.shards.layers.moe import SparseMoE, SwiGLU
+from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.rotary import rope_cos_sin
+from layersplit.shards.layers.routed_moe import RoutedMoE
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
@@ -84,13 +86,7 @@ class HybridLayer(nn.Module):
                 spec.value_head_dim, spec.conv_kernel, cfg.rms_norm_eps, spec.fused_projections)
         else:
             self.self_attn = GatedAttention(cfg)
-        moe = spec.moe
-        if moe is not None and moe.is_sparse(layer):
-            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, moe.num_experts, moe.top_k,
-                                            moe.intermediate_size, moe.shared_intermediate_size,
-                                            moe.norm_topk_prob)
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = RoutedMoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
                 index: int, slot: int, step: StepInfo) -> torch.Tensor:

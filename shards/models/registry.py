@@ -19,6 +19,7 @@ FAMILY_MODULES: dict[str, str] = {
     "mixtral": "moe_llama",
     "gemma3_text": "gemma3",
     "qwen3_5_text": "qwen3_5",  # hybrid: ranges are shards.models.qwen3_5.HybridRange
+    "qwen3_5_moe_text": "qwen3_5",
     "qwen3_next": "qwen3_5",
 }
 

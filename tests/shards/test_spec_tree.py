@@ -125,3 +125,42 @@ def test_a_proposal_is_checked_against_what_the_step_takes(tokens, parents, matc
             check_proposal(tokens, parents, 3, 4, 100)
     with pytest.raises(ValueError, match="a tree of"):  # no tree asked for
         check_proposal([1], [0], 3, 0, 100)
+
+
+@pytest.mark.parametrize("kept", [[4, 5, 6], [1, 3], [1, 2], None],
+                         ids=["off-the-first-branch", "a-branch-then-its-sibling", "chain",
+                              "root-only"])
+def test_hybrid_tree_verify_equals_plain_decode(hybrid_models, kept):
+    """A Qwen3.5 model split in two ranges (a recurrent state on each side): each row of a tree
+    verify step equals plain decoding of its branch bit for bit, and after keeping any path the
+    next step equals plain decoding of that path (the state of its last row is taken)."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    models = [load_layer_range(ckpt, a, b) for a, b in ((0, 4), (4, 6))]
+    prompt = torch.tensor([5, 9, 13, 2, 7, 11, 3, 8])
+    tokens = [4, 6, 12, 6, 10, 14, 1, 15]  # root + 7 draft tokens, rows of PARENTS
+    pos = len(prompt)
+
+    def chain(exs, x, at, **kw):
+        for ex in exs:
+            x = ex.run(x, at, all_logits=True, **kw)
+        return x
+
+    def plain(branch):
+        exs = [RangeExecutor(m, 64) for m in models]
+        chain(exs, prompt, 0)
+        return exs, [chain(exs, torch.tensor([tokens[r]]), pos + i)
+                     for i, r in enumerate(branch)]
+
+    tree = [RangeExecutor(m, 64) for m in models]
+    chain(tree, prompt, 0)
+    got = chain(tree, torch.tensor(tokens), pos, verify=True, tree=PARENTS)
+    anc = ancestors(PARENTS)
+    for row in range(len(tokens)):
+        _, outs = plain(anc[row].nonzero().flatten().tolist())
+        assert torch.equal(got[row], outs[-1][0]), row
+    path = kept or []
+    nxt = pos + 1 + len(path)
+    for ex in tree:
+        ex.before_step(0, nxt, kept)
+    exs, _ = plain([0, *path])
+    assert torch.equal(chain(tree, torch.tensor([7]), nxt), chain(exs, torch.tensor([7]), nxt))

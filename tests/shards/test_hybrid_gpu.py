@@ -1,0 +1,113 @@
+"""The hybrid models' GPU path (run on a CUDA machine with fla-core installed:
+`python -m pytest -m gpu tests/shards/test_hybrid_gpu.py`).
+
+fla-core's gated-delta-rule kernels against the torch path (the CPU reference) in one Gated
+DeltaNet layer: chunked prefill with the state carried from chunk to chunk, then one-token decode
+steps; and a tiny Qwen3.5 generated from the CLI on two shards of a GPU, against the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.kernels.gated_delta_fla import ENV_SWITCH, delta_rules, kernel_failure
+from layersplit.shards.layers.gated_delta import GatedDeltaNet
+from layersplit.shards.sampling import SamplingParams
+
+from tests.gpu import near
+from tests.helpers import run_logged
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# (fla's Triton dots round float32 inputs through TF32: its float32 is not the torch path's)
+TOL = {torch.float32: 1e-2, torch.bfloat16: 4e-2}
+
+
+def _layer(dtype: torch.dtype) -> GatedDeltaNet:
+    """Qwen3.5's layout with 2 key heads and 4 value heads (each key head serves two), random
+    weights of every size that matters (decays near 1 and far from it)."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(256, 2, 4, 64, 64, 4, 1e-6, fused_projections=False)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        layer.A_log.copy_(torch.linspace(-2.0, 1.0, 4))
+    return layer.to("cuda:0", dtype).eval()
+
+
+def _run(layer, x, spans, monkeypatch, fla: bool):
+    """Outputs of each span of `x` ((B, n, hidden)), and the final conv and recurrent state; a
+    span of one row is a decode step (the recurrent form)."""
+    monkeypatch.setenv(ENV_SWITCH, "1" if fla else "0")
+    assert (delta_rules(x.device) is not None) == fla  # fla-core is installed here: it runs
+    conv = torch.zeros(x.shape[0], *layer.conv_state_shape(), device=x.device, dtype=x.dtype)
+    state = torch.zeros(x.shape[0], *layer.state_shape(), device=x.device)
+    with torch.no_grad():
+        outs = [layer(x[:, a:b], conv, state)[0] for a, b in spans]
+    assert kernel_failure() is None  # (a failed kernel call falls back to the torch path)
+    return outs, conv, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_prefill_and_decode_equal_the_torch_path(dtype, monkeypatch):
+    """Prefill in chunks that do not end on the delta rule's 64-row chunks (the state carried
+    between them), then decode steps: every output and the final states within tolerance."""
+    layer = _layer(dtype)
+    x = torch.randn(2, 160, 256, generator=torch.Generator().manual_seed(1)).to("cuda:0", dtype)
+    spans = [(0, 80), (80, 150), *((t, t + 1) for t in range(150, 160))]
+    fla, conv_f, state_f = _run(layer, x, spans, monkeypatch, fla=True)
+    ref, conv_t, state_t = _run(layer, x, spans, monkeypatch, fla=False)
+    for (a, b), got, want in zip(spans, fla, ref):
+        assert near(got, want, TOL[dtype]), (a, b)
+    assert torch.equal(conv_f, conv_t)  # the conv runs in torch either way
+    assert near(state_f, state_t, TOL[dtype])
+
+
+def test_fla_state_carries_across_chunks(monkeypatch):
+    """Chunked prefill with fla: 150 rows in one step or in three (the state carried between
+    them) give the same rows and final state."""
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(1, 150, 256, generator=torch.Generator().manual_seed(2)).to("cuda:0",
+                                                                               torch.bfloat16)
+    whole, _, state_w = _run(layer, x, [(0, 150)], monkeypatch, fla=True)
+    parts, _, state_p = _run(layer, x, [(0, 37), (37, 101), (101, 150)], monkeypatch, fla=True)
+    assert near(torch.cat(parts, dim=1), whole[0], TOL[torch.bfloat16])
+    assert near(state_p, state_w, TOL[torch.bfloat16])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    from layersplit.shards.tiny import write_tiny_hybrid
+
+    # (head dims of 16: the smallest tile of fla's kernels; the CPU tests' tiny model has 8)
+    return write_tiny_hybrid(tmp_path_factory.mktemp("hybrid-gpu") / "m", "qwen3_5",
+                             linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def test_two_shard_cli_generation_on_cuda(tiny_qwen3_5, tmp_path):
+    """`layersplit generate` on two shards of one GPU (float32, fla's kernels in each shard):
+    the CPU reference's greedy tokens, logits close to its."""
+    text = "the quick brown fox jumps over the lazy dog " * 8  # prefill > one delta chunk
+    dump = tmp_path / "logits.npy"
+    out = subprocess.run(
+        [sys.executable, "-m", "layersplit.launch.cli", "generate", text, "--model",
+         str(tiny_qwen3_5), "--devices", "cuda:0,cuda:0", "--dtype", "float32",
+         "--prefill-chunk", "64", "--max-tokens", "12", "--ignore-eos", "--json",
+         "--prefix-cache", "off", "--dump-logits", str(dump)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("gated delta rule on cuda:0: fla-core") == 2, out.stderr[-3000:]
+    assert "gated delta rule failed" not in out.stderr, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    ref = ReferenceEngine(tiny_qwen3_5, prefill_chunk=64, max_context=512)
+    ids = ref.tokenizer.encode(text)
+    assert len(ids) > 64 and got["prompt_tokens"] == len(ids)
+    want, want_logits = run_logged(ref, ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert got["tokens"] == want.tokens
+    assert near(torch.from_numpy(np.load(dump)), torch.from_numpy(want_logits), 1e-2)
