@@ -399,6 +399,9 @@ class RayLauncher:
             on = placement_group_table(self.pg)["bundles_to_node_id"]
             if on[len(plans)] == on[0]:
                 return
+            if draft_on:  # (both were pinned to one node)
+                raise ShardFailure(f"Ray placed the draft's bundle on node {on[len(plans)]}, "
+                                   f"not on the first shard's ({on[0]}) it was pinned to")
             log.info("Ray put the draft's bundle on another node than the first shard's: "
                      "reserving again with both on node %s", on[0][:12])
             remove_placement_group(self.pg)
