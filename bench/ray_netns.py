@@ -38,11 +38,18 @@ SUBNET = "10.237.0"  # a /30 on the veth pair only
 PORT = 6379
 WAIT_FOR_NODES = """if True:
     import sys, time, ray
-    ray.init(address=sys.argv[1], log_to_driver=False)
     deadline = time.monotonic() + 600
-    while sum(n["Alive"] for n in ray.nodes()) < 2:
+    while True:  # the head's raylet registers late on a loaded machine
+        try:
+            ray.init(address=sys.argv[1], log_to_driver=False)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+    while sum(n["Alive"] for n in ray.nodes()) < int(sys.argv[2]):
         if time.monotonic() > deadline:
-            sys.exit("host B's Ray node did not join within 600 s")
+            sys.exit(f"{sys.argv[2]} Ray nodes did not come up within 600 s")
         time.sleep(1)
 """
 
@@ -78,12 +85,13 @@ class Hosts:
             ray, "start", "--head", "--port", str(PORT), "--node-ip-address", self.ips[0],
             "--include-dashboard", "false", "--resources", '{"host_a": 8}',
             "--temp-dir", str(self.tmp / "a"), *common], background=True))
-        time.sleep(5)  # the head's GCS is up before the worker joins (it retries anyway)
+        # the head is up before the worker joins (`ray start --address` gives up after a while)
+        self.run_in(0, [sys.executable, "-c", WAIT_FOR_NODES, self.address, "1"])
         self.nodes.append(self.run_in(1, [
             ray, "start", "--address", self.address, "--node-ip-address", self.ips[1],
             "--resources", '{"host_b": 8}', "--temp-dir", str(self.tmp / "b"), *common],
             background=True))
-        self.run_in(0, [sys.executable, "-c", WAIT_FOR_NODES, self.address])
+        self.run_in(0, [sys.executable, "-c", WAIT_FOR_NODES, self.address, "2"])
 
 
     @property
@@ -95,9 +103,9 @@ class Hosts:
         # (a node's agents start slowly on a loaded machine: the raylet waits for them longer)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_agent_register_timeout_ms": "600000"}
         full = ["ip", "netns", "exec", self.ns[host], *cmd]
-        if background:
-            return subprocess.Popen(full, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+        if background:  # (its output: with the nodes' logs)
+            with open(self.tmp / f"ray-start-{'ab'[host]}.out", "ab") as out:
+                return subprocess.Popen(full, env=env, stdout=out, stderr=subprocess.STDOUT)
         return subprocess.run(full, env=env, check=True)
 
     def close(self, keep_logs: str | None = None) -> None:
@@ -131,6 +139,9 @@ class Hosts:
             subprocess.run(["ip", "netns", "del", ns], check=False)
         self.made = []
         if keep_logs:
+            Path(keep_logs).mkdir(parents=True, exist_ok=True)
+            for f in self.tmp.glob("ray-start-*.out"):
+                shutil.copy(f, keep_logs)
             for host in ("a", "b"):
                 logs = self.tmp / host / "session_latest" / "logs"
                 if logs.is_dir():
