@@ -209,7 +209,8 @@ class Coordinator:
                                   if local_cpu else None)
         t0 = time.perf_counter()
         try:
-            ray_shards = self._start_ray(t0, threads) if cfg.launcher == "ray" else []
+            # (under Ray every process gets `threads` or 1, as its bundle has CPUs)
+            ray_shards = self._start_ray(t0, cfg.threads or 1) if cfg.launcher == "ray" else []
             addresses = [r.address for r in ray_shards]
             for s in shards[len(ray_shards):]:
                 if s.address:
