@@ -7,6 +7,7 @@ own custom resource) serves every test of the module; it listens on loopback onl
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -39,7 +40,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
 from ray.cluster_utils import Cluster
 
-NODE = {"num_cpus": 3, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+NODE = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
 
 def _add_node_b(cluster: Cluster):
@@ -115,7 +116,8 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
     runs on the first shard's node, as Ray reports); the secret reaches no command line. The
     disk-cache entry the chain wrote (tensors of the nodes the coordinator is not on, the
     draft's feature rows included, streamed to this host) restores after a restart into a
-    chain of two shards on one node (streamed back), the draft's rows bit-equal."""
+    one-shard chain on one node (streamed back), the draft's rows bit-equal. The draft
+    process killed there costs speculation only: the chain serves on, its actor is gone."""
     here, there = _driver_and_other_node()  # the first shard (and the draft) away from here
     cfg = _config(target, devices=("cpu",) * 3, split=(2, 2, 2), draft=str(dflash),
                   ray_resources=(there, here, here), kv_cache_dir=str(tmp_path))
@@ -152,15 +154,21 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
             coord.ray.pg
     _gone(pids, actors, pg)
     assert sorted(tmp_path.glob("*.safetensors"))
-    one_node = cfg.replace(devices=("cpu", "cpu"), split=(3, 3), ray_resources=(there, there))
+    one_node = cfg.replace(devices=("cpu",), split=(6,), ray_resources=(there,))
     with Coordinator(one_node) as coord:
-        assert [s.streams_cache for s in coord.shards] == [True, True]
+        assert [s.streams_cache for s in coord.shards] == [True]
         assert coord.draft.streams_cache and coord.ray.draft.node_id == coord.ray.shards[0].node_id
         r = coord.generate(prompt, p)
         assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want.tokens)
         assert _feature_rows(coord, len(prompt)) == rows
-        pids, actors, pg = [i["pid"] for i in coord.shard_info()] + [coord.ray.draft.pid], \
+        draft = coord.ray.draft
+        pids, actors, pg = [i["pid"] for i in coord.shard_info()] + [draft.pid], \
             _actor_pids(coord), coord.ray.pg
+        os.kill(draft.pid, signal.SIGKILL)  # costs speculation, not the chain: its actor goes
+        assert coord.generate(prompt, p, use_cache=False).tokens == want.tokens
+        assert coord.draft is None and coord.ray.draft is None
+        assert f"the draft process (on cpu, Ray node {draft.node_id[:12]}" in coord.draft_down
+        assert draft.actor not in coord.ray.actors and len(coord.ray.actors) == 1
     _gone(pids, actors, pg)
 
 
