@@ -8,6 +8,8 @@ bytes of weights read per token divided by the device-to-device copy bandwidth m
 
     python bench/decode.py --model random:qwen3-8b --layouts cuda:0 cuda:0,cuda:1 --hf --floor
     python bench/decode.py --model default --layouts cpu cpu,cpu --new-tokens 64
+    python bench/decode.py --layouts cpu,cpu cpu,cpu --launcher ray --ray-address HOST:PORT \
+        --ray-resources host_a,host_b host_a,host_a      # (one per layout)
 
 The decode column is the best of `--repeats` runs; `median` is their median.
 
@@ -44,13 +46,18 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def run_layout(args, devices: list[str], prompt: list[int]) -> dict:
+def run_layout(args, devices: list[str], prompt: list[int], resources: str = "") -> dict:
+    ray = {}
+    if args.launcher == "ray":
+        ray = {"launcher": "ray", "ray_address": args.ray_address,
+               "ray_resources": tuple(resources.split(",")) if resources else ()}
     cfg = RuntimeConfig(model=args.model, devices=tuple(devices), max_context=args.max_context,
                         prefill_chunk=args.prefill_chunk, transport=(args.transport,),
                         cuda_graphs=not args.no_graphs, dtype=args.dtype,
-                        threads=args.threads, draft=args.draft)
+                        threads=args.threads, draft=args.draft, **ray)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    row: dict = {"layout": ",".join(devices), "shards": len(devices)}
+    row: dict = {"layout": ",".join(devices) + (f" on {resources}" if resources else ""),
+                 "shards": len(devices)}
     with Coordinator(cfg) as coord:
         row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
         runs = []
@@ -185,12 +192,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hf", action="store_true", help="HF transformers baseline")
     ap.add_argument("--floor", action="store_true", help="HBM floor (CUDA only)")
+    ap.add_argument("--launcher", default="local", choices=["local", "ray"])
+    ap.add_argument("--ray-address", default="auto")
+    ap.add_argument("--ray-resources", nargs="*", default=[],
+                    help="launcher ray: per layout, the shards' node resources (a,b)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ckpt = open_checkpoint(resolve_model(args.model), 0)
     prompt = prompt_ids(args.prompt_len, ckpt.config.vocab_size)
-    rows = [run_layout(args, layout.split(","), prompt) for layout in args.layouts]
+    resources = args.ray_resources or [""] * len(args.layouts)
+    rows = [run_layout(args, layout.split(","), prompt, res)
+            for layout, res in zip(args.layouts, resources, strict=True)]
     first_dev = args.layouts[0].split(",")[0]
     if args.hf:
         rows.append(hf_baseline(args, prompt, first_dev))

@@ -10,6 +10,11 @@ Ring transports (shm, cuda-ipc) are waited on by spinning, as the runtime does o
     python bench/hop_latency.py --devices cpu,cpu --transports zmq-ipc,zmq-tcp,shm
     python bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc
 
+Across two hosts (`bench/ray_netns.py` runs it between two network namespaces): `--bind HOST`
+is the address this side's zmq-tcp socket binds, `--peer-prefix` the command the peer is started
+under (e.g. `ip netns exec NS`), and `--curve` keys both ends as every tcp edge of a run is
+(CurveZMQ, `ipc/curve.py`).
+
 Prints a table last; `--json FILE` also writes the rows.
 """
 
@@ -19,6 +24,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
-from layersplit.ipc import transport  # noqa: E402
+from layersplit.ipc import auth, transport  # noqa: E402
+from layersplit.ipc.curve import secure_client, secure_server  # noqa: E402
 from layersplit.ipc.messages import message, segment  # noqa: E402
 from layersplit.ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
 
@@ -99,6 +106,8 @@ def peer_main(args) -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     sock = zmq.Context.instance().socket(zmq.PAIR)
+    if args.curve:
+        secure_client(sock, auth.load_secret(None))
     sock.connect(args.address)
     while True:
         cmd = msgpack.unpackb(sock.recv(), raw=False)
@@ -124,6 +133,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-spin", action="store_true")
+    ap.add_argument("--bind", default="127.0.0.1", help="zmq-tcp: the address this side binds")
+    ap.add_argument("--peer-prefix", default="", help="command the peer runs under")
+    ap.add_argument("--curve", action="store_true", help="zmq-tcp: CurveZMQ, as a run's edges")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
@@ -138,12 +150,19 @@ def main() -> None:
     rows = []
     for kind in args.transports.split(","):
         where = run_dir()
-        addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if kind == "zmq-tcp"
+        addr = (f"tcp://{args.bind}:{free_tcp_port(args.bind)}" if kind == "zmq-tcp"
                 else f"ipc://{where}/hop.sock")
         sock = zmq.Context.instance().socket(zmq.PAIR)
+        env = dict(os.environ)
+        if args.curve and kind == "zmq-tcp":  # (the peer reads the secret from its environment)
+            secret = auth.new_secret()
+            env[auth.SECRET_ENV] = secret.hex()
+            secure_server(sock, secret)
         sock.bind(addr)
-        peer = subprocess.Popen([sys.executable, __file__, "--peer", "--address", addr,
-                                 "--device", d1])
+        peer = subprocess.Popen([*shlex.split(args.peer_prefix), sys.executable, __file__,
+                                 "--peer", "--address", addr, "--device", d1,
+                                 *(["--curve"] if args.curve and kind == "zmq-tcp" else [])],
+                                env=env)
         try:
             for hidden in map(int, args.hidden.split(",")):
                 for tokens in map(int, args.tokens.split(",")):
@@ -179,6 +198,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\nhop latency, one way (devices {args.devices}, {dtype}, "
+          f"{'CurveZMQ on tcp, ' if args.curve else ''}"
           f"{'sleep on doorbell' if args.no_spin else 'spin-wait'} on rings), "
           f"host {os.uname().nodename}")
     print("(send call, final sync: medians of the first side's send() and of its closing stream "

@@ -311,8 +311,17 @@ class CacheManager:
                     return False, False
             msgs[sh_index] = msg
         feat = self._feature_item(e, layout) if context is not None else None
-        draft = None if feat is None else message("snap_load", path=str(e.path), slot=context,
-                                                  items=[feat], stream=False)
+        draft = None
+        if feat is not None and self.coord.draft is not None:
+            stream = self.coord.draft.streams_cache  # (a draft on another node)
+            draft = message("snap_load", path=str(e.path), slot=context, items=[feat],
+                            stream=stream)
+            if stream:
+                try:
+                    draft = (draft, read_items(e.path, [feat]))
+                except OSError as err:
+                    self._bad(e, str(err))
+                    return False, False
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
                   if "error" in r["info"] and r["_shard"] >= 0]
@@ -505,9 +514,13 @@ class CacheManager:
         e.saving = True
         draft = None
         if e.features:
+            # (a draft on another node streams its rows; a lost one replies to nothing)
+            stream = self.coord.draft is not None and self.coord.draft.streams_cache
+            if stream:
+                job.streamed_names[-1] = [FEATURE_DATA]
             draft = message("snap_save", entry=e.ram_id, path=str(tmp), items=[
                 {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
-                 "offset": layout.offset(FEATURE_DATA)}], stream=False)
+                 "offset": layout.offset(FEATURE_DATA)}], stream=stream)
 
         def items(sh) -> list[dict[str, Any]]:
             return [{"name": kv_name(sh.index, layer, kind), "layer": index, "kind": kind,

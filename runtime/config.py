@@ -71,7 +71,8 @@ class RuntimeConfig:
                                 "the default model), 'none'; auto = the bundled draft when the "
                                 "default model runs on GPUs")
     draft_device: str | None = _field(None, "device of the draft process (default: the first "
-                                            "shard's)")
+                                            "shard's; launcher ray: the first shard's or cpu, "
+                                            "on the first shard's node)")
     spec_block: int | None = _field(None, "rows per verify step: the last token and up to "
                                           "spec_block - 1 draft tokens (default: the draft's "
                                           "block size; 5 for a classic draft)")

@@ -65,7 +65,13 @@ from layersplit.runtime.reference import new_seed
 from layersplit.runtime.scheduler import SchedulerConfig
 from layersplit.runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
 from layersplit.runtime.step_deadlines import StepDeadlines
-from layersplit.runtime.supervisor import LocalProcess, spawn_draft, spawn_shard, stop_all
+from layersplit.runtime.supervisor import (
+    LocalProcess,
+    draft_argv,
+    spawn_draft,
+    spawn_shard,
+    stop_all,
+)
 from layersplit.runtime.tokenizer import TextTokenizer
 from layersplit.shards.checkpoint import open_checkpoint
 from layersplit.shards.layers.rotary import context_limit_error
@@ -163,7 +169,7 @@ class Coordinator:
         self.draft_info: dict[str, Any] = {}
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
         self.draft_down: str | None = None  # why speculation stopped, if it did
-        self._draft_proc: LocalProcess | None = None
+        self._draft_proc: LocalProcess | RayShard | None = None
         self._draft_stopped_since: float | None = None  # when the draft was first seen stopped
         self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
         # rows went to it
@@ -186,7 +192,7 @@ class Coordinator:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def start(self) -> None:
@@ -203,7 +209,8 @@ class Coordinator:
                                   if local_cpu else None)
         t0 = time.perf_counter()
         try:
-            ray_shards = self._start_ray(t0) if cfg.launcher == "ray" else []
+            # (under Ray every process gets `threads` or 1, as its bundle has CPUs)
+            ray_shards = self._start_ray(t0, cfg.threads or 1) if cfg.launcher == "ray" else []
             addresses = [r.address for r in ray_shards]
             for s in shards[len(ray_shards):]:
                 if s.address:
@@ -306,15 +313,19 @@ class Coordinator:
             raise
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
 
-    def _start_ray(self, t0: float) -> list[RayShard]:
-        """launcher = "ray": place and start every shard on the Ray cluster."""
-        from layersplit.runtime.ray_launcher import RayLauncher
+    def _start_ray(self, t0: float, threads: int | None) -> list[RayShard]:
+        """launcher = "ray": place and start every shard on the Ray cluster, and the draft
+        process on the first shard's node."""
+        from layersplit.runtime.ray_launcher import DraftLaunch, RayLauncher
 
         self.ray = RayLauncher(self.config)
+        draft = None
+        if self.draft_path is not None:
+            draft = DraftLaunch(tuple(self._draft_argv(threads)), self.draft_device)
         started = self.ray.start(self.placement.shards, self.config.model, self.dtype,
                                  self.config.random_seed, self.secret,
                                  time.monotonic() + self.config.startup_timeout - (
-                                     time.perf_counter() - t0))
+                                     time.perf_counter() - t0), draft)
         self.host = self.ray.host_id
         return started
 
@@ -324,13 +335,13 @@ class Coordinator:
         feed it their rows too (`auto` gives up speculation when some shard is remote)."""
         if self.draft_path is None:
             return
-        if self.config.launcher == "ray":  # (the draft is not placed through Ray yet)
-            if self.config.draft == "auto":
-                self.draft_path = None
-                return
-            raise PlacementError("a draft with launcher = 'ray' is not supported yet: the draft "
-                                 "process is not placed through Ray; use --draft none (or "
-                                 "auto, which turns speculation off under Ray)")
+        if self.config.launcher == "ray":  # placed on the first shard's node (`_start_ray`)
+            first = self.placement.shards[0].device
+            if self.draft_device not in ("cpu", first):
+                raise PlacementError(
+                    f"draft_device = {self.draft_device!r}: with launcher = 'ray' the draft "
+                    f"runs on the first shard's node, on its device ({first}) or on cpu")
+            return
         remote = [s for s in self.placement.shards if s.address]
         if remote and self.config.draft == "auto":
             self.draft_path = None
@@ -343,16 +354,28 @@ class Coordinator:
                                  "Use a classic draft or --draft none")
         check_local_devices(Placement((ShardPlan(-1, 0, 1, self.draft_device, None),), ()))
 
-    def _spawn_draft(self, threads: int | None) -> None:
+    def _draft_argv(self, threads: int | None) -> list[str]:
         cfg = self.config
-        addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
-                else f"ipc://{self._run_dir}/draft.sock")
-        self._draft_proc = spawn_draft(
-            str(self.draft_path), str(self.model_path), addr, self.draft_device, self.dtype,
-            cfg.max_context, threads if self.draft_device == "cpu" else None, self.secret,
-            self._run_dir, cfg.random_seed, cfg.spec_block, cfg.cuda_graphs)
+        # under Ray the target is named as configured (resolved on the draft's node)
+        target = cfg.model if cfg.launcher == "ray" else str(self.model_path)
+        return draft_argv(str(self.draft_path), target, self.draft_device, self.dtype,
+                          cfg.max_context, threads if self.draft_device == "cpu" else None,
+                          cfg.random_seed, cfg.spec_block, cfg.cuda_graphs)
+
+    def _spawn_draft(self, threads: int | None) -> None:
+        """Start the draft process here (or take the one Ray started) and connect to it."""
+        cfg = self.config
+        if self.ray is not None:  # on the first shard's node: its channel gets heartbeats
+            self._draft_proc = self.ray.draft
+            addr, heartbeat = self.ray.draft.address, cfg.heartbeat_timeout
+        else:
+            addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
+                    else f"ipc://{self._run_dir}/draft.sock")
+            self._draft_proc = spawn_draft(addr, self._draft_argv(threads), self.draft_device,
+                                           self.secret, self._run_dir)
+            heartbeat = None
         sock = connect_dealer(self._ctx, addr, self.secret,
-                              identity=b"coord-" + self.session[:8])
+                              identity=b"coord-" + self.session[:8], heartbeat_s=heartbeat)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.draft = _Shard(-1, addr, sock, monitor, self._draft_proc)
         self._poller.register(sock, zmq.POLLIN)
@@ -374,6 +397,7 @@ class Coordinator:
         if reply["type"] != "welcome":
             raise ShardFailure(f"the draft process refused the handshake: {reply.get('message')}")
         d.welcomed = True
+        d.local = reply["host"] == self.host  # else its cache tensors travel on its channel
         taps = draft_taps(self.draft_path)
         # each shard sends the rows of the tapped layers it owns
         feeders = [[t for t in taps if s.start <= t < s.end] for s in self.placement.shards]
@@ -420,8 +444,10 @@ class Coordinator:
         d.monitor.close(0)
         d.sock.disable_monitor()
         d.sock.close(0)
-        if self._draft_proc is not None:
+        if isinstance(self._draft_proc, LocalProcess):
             stop_all([self._draft_proc], grace_s=0.0, term_s=0.0)
+        elif self._draft_proc is not None and self.ray is not None:
+            self.ray.stop_draft()
 
     @property
     def feeding(self) -> bool:
@@ -476,7 +502,8 @@ class Coordinator:
                     sh.proc.proc.wait(max(0.0, grace - time.monotonic()))
             except (zmq.ZMQError, subprocess.TimeoutExpired):
                 pass
-        procs = self.procs + ([self._draft_proc] if self._draft_proc is not None else [])
+        procs = self.procs + ([self._draft_proc] if isinstance(self._draft_proc, LocalProcess)
+                              else [])
         if self.failed is None:
             stop_all(procs)
         else:  # a failed group is torn down at once: a hung shard will not answer SIGTERM,
@@ -511,8 +538,7 @@ class Coordinator:
 
     def call_all(self, make, draft: Any = None) -> list[dict[str, Any]]:
         """Send `make(shard)` (a message, or a message and its payload frames) to every shard,
-        and `draft` to the draft process when given and
-        it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
+        and `draft` (the same) to the draft process when given and it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
         meanwhile just does not reply (speculation is off from then on)."""
         self._ensure_up()
         self._drain()
@@ -523,7 +549,8 @@ class Coordinator:
             send(sh.sock, {**msg, "sid": sid}, frames)
         pending = {sh.index for sh in self.shards}
         if draft is not None and self.draft is not None:
-            send(self.draft.sock, {**draft, "sid": sid})
+            msg, frames = draft if isinstance(draft, tuple) else (draft, ())
+            send(self.draft.sock, {**msg, "sid": sid}, frames)
             pending.add(-1)
         replies: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.config.step_timeout

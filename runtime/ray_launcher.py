@@ -72,9 +72,22 @@ def import_ray(address: str = "auto") -> Any:
 
 
 # ---- placement ---------------------------------------------------------------------------------
-def bundles(plans: Sequence[ShardPlan], cfg: RuntimeConfig) -> list[dict[str, float]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftLaunch:
+    """The draft process as Ray starts it, on the first shard's node: `layersplit draft`'s
+    arguments after `--listen` (`supervisor.draft_argv`) and its device, `cpu` or the first
+    shard's GPU (which it shares)."""
+
+    argv: tuple[str, ...]
+    device: str
+
+
+def bundles(plans: Sequence[ShardPlan], cfg: RuntimeConfig,
+            draft: DraftLaunch | None = None) -> list[dict[str, float]]:
     """One bundle per shard: a GPU for a GPU shard, `threads` CPUs for a CPU shard, and a
-    sliver of the custom resource that pins it to a node, where the config names one."""
+    sliver of the custom resource that pins it to a node, where the config names one. The
+    draft's bundle comes last: `threads` CPUs for a CPU draft, a sliver of a CPU for one that
+    shares the first shard's GPU, with the first shard's pin."""
     out = []
     for i, p in enumerate(plans):
         b: dict[str, float] = ({"GPU": 1.0} if p.device.startswith("cuda")
@@ -82,14 +95,27 @@ def bundles(plans: Sequence[ShardPlan], cfg: RuntimeConfig) -> list[dict[str, fl
         if cfg.ray_resources and cfg.ray_resources[i]:
             b[cfg.ray_resources[i]] = RESOURCE_SLIVER
         out.append(b)
+    if draft is not None:
+        b = {"CPU": RESOURCE_SLIVER if draft.device.startswith("cuda")
+             else float(cfg.threads or 1)}
+        if cfg.ray_resources and cfg.ray_resources[0]:
+            b[cfg.ray_resources[0]] = RESOURCE_SLIVER
+        out.append(b)
     return out
 
 
-def label_selectors(cfg: RuntimeConfig, n: int) -> list[dict[str, str]] | None:
-    """Per bundle, the node id it must land on (`ray_nodes`), or None when none is pinned."""
-    if not any(cfg.ray_nodes):
+def label_selectors(cfg: RuntimeConfig, n: int, draft_on: str = ""
+                    ) -> list[dict[str, str]] | None:
+    """Per bundle (n shards, then the draft's where `draft_on` is given), the node id it must
+    land on (`ray_nodes`; the draft's: the first shard's, or `draft_on`), or None when none is
+    pinned."""
+    nodes = list(cfg.ray_nodes[:n]) or [""] * n
+    if draft_on:
+        nodes[0] = nodes[0] or draft_on
+        nodes.append(nodes[0])
+    if not any(nodes):
         return None
-    return [{NODE_ID_LABEL: node} if node else {} for node in cfg.ray_nodes[:n]]
+    return [{NODE_ID_LABEL: node} if node else {} for node in nodes]
 
 
 def cuda_visibility(nodes: Sequence[str], gpus: Sequence[Sequence[str] | None]
@@ -129,10 +155,11 @@ class ShardHost:
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def start(self, argv: list[str], env: dict[str, str], host_id: str) -> dict[str, Any]:
-        """Start the shard (`layersplit shard` + argv) listening on this node's address; the
-        secret is in this worker's environment (Ray's runtime environment), the shard inherits
-        it."""
+    def start(self, command: str, argv: list[str], env: dict[str, str], host_id: str
+              ) -> dict[str, Any]:
+        """Start the shard or the draft (`layersplit shard|draft` + argv) listening on this
+        node's address; the secret is in this worker's environment (Ray's runtime
+        environment), the process inherits it."""
         import ray
         from layersplit.ipc.hosts import HOST_ID_ENV
         from layersplit.ipc.sockets import free_tcp_port
@@ -140,7 +167,9 @@ class ShardHost:
         ip = ray.util.get_node_ip_address()
         listen = f"tcp://{ip}:{free_tcp_port(ip)}"
         self.error_file = Path(tempfile.mkdtemp(prefix="layersplit-ray-")) / "shard.error"
-        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, *argv,
+        if command not in ("shard", "draft"):
+            raise ValueError(f"ShardHost starts a shard or a draft, not {command!r}")
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", command, "--listen", listen, *argv,
                "--parent-pid", str(os.getpid()), "--error-file", str(self.error_file)]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env, HOST_ID_ENV: host_id},
                                      stdin=subprocess.DEVNULL)
@@ -198,8 +227,14 @@ class RayShard:
 
     @property
     def name(self) -> str:
-        return (f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device}, "
-                f"Ray node {self.node_id[:12]} at {self.ip})")
+        where = f"Ray node {self.node_id[:12]} at {self.ip}"
+        if self.plan.index < 0:
+            return f"the draft process (on {self.plan.device}, {where})"
+        return f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device}, {where})"
+
+    def stopped(self) -> bool:
+        """(A stopped process on another node is not seen: step deadlines catch it.)"""
+        return False
 
     @property
     def proc(self) -> RayShard:  # `_Shard.proc.proc.wait(t)`: wait for the exit report
@@ -265,65 +300,112 @@ class RayLauncher:
         self.pg: Any = None
         self.actors: list[Any] = []
         self.shards: list[RayShard] = []
+        self.draft: RayShard | None = None  # the draft process, when one is started
         self.host_id = ""  # the coordinator's Ray node, as `ipc.hosts` names hosts
 
     def start(self, plans: Sequence[ShardPlan], model: str, dtype: str, seed: int,
-              secret: bytes, deadline: float) -> list[RayShard]:
+              secret: bytes, deadline: float, draft: DraftLaunch | None = None
+              ) -> list[RayShard]:
         """Reserve the bundles (waiting until `deadline` for the cluster to have room), start
-        an actor and its shard process on each; returns the shards with their addresses."""
+        an actor and its shard process on each, and the draft process (`draft`) on the first
+        shard's node; returns the shards with their addresses (the draft: `self.draft`)."""
         from layersplit.ipc.auth import SECRET_ENV
 
         ray, cfg = self.ray, self.cfg
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._connect()
         self.host_id = node_host_id(ray.get_runtime_context().get_node_id())
-        want = bundles(plans, cfg)
-        self.pg = placement_group(want, strategy=cfg.ray_strategy,
-                                  name=f"layersplit-{os.getpid()}-{time.monotonic_ns()}",
-                                  bundle_label_selector=label_selectors(cfg, len(plans)))
-        ready, _ = ray.wait([self.pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            nodes = f", on nodes {list(cfg.ray_nodes)}" if any(cfg.ray_nodes) else ""
-            raise ShardFailure(
-                f"the Ray cluster cannot place {len(want)} bundles {want} ({cfg.ray_strategy}"
-                f"{nodes}) in time: it has {_brief(ray.available_resources())} free; add nodes "
-                "or resources, or change devices / threads / ray_resources")
+        self._reserve(plans, draft, deadline)
         host = ray.remote(ShardHost)
         env = {SECRET_ENV: secret.hex()}
-        for i, p in enumerate(plans):
-            gpu = p.device.startswith("cuda")
+        threads = float(cfg.threads or 1)
+        cpus = [0.0 if p.device.startswith("cuda") else threads for p in plans]
+        if draft is not None:
+            cpus.append(RESOURCE_SLIVER if draft.device.startswith("cuda") else threads)
+        for i, n_cpus in enumerate(cpus):
+            gpu = i < len(plans) and plans[i].device.startswith("cuda")
             self.actors.append(host.options(
-                num_cpus=0 if gpu else float(cfg.threads or 1), num_gpus=1 if gpu else 0,
-                max_concurrency=4, name=None,
+                num_cpus=n_cpus, num_gpus=1 if gpu else 0, max_concurrency=4, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env}).remote())
         wheres = self._get([a.where.remote() for a in self.actors], deadline, "start actors")
-        vis = cuda_visibility([w["node_id"] for w in wheres],
+        vis = cuda_visibility([w["node_id"] for w in wheres[:len(plans)]],
                               [w["gpus"] if p.device.startswith("cuda") else None
-                               for w, p in zip(wheres, plans, strict=True)])
+                               for w, p in zip(wheres, plans, strict=False)])
         calls = []
-        for p, a, w, v in zip(plans, self.actors, wheres, vis, strict=True):
-            device, child_env = p.device, {}
-            if v is not None:
-                child_env["CUDA_VISIBLE_DEVICES"], device = v
-                child_env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-                child_env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-            argv = ["--model", model, "--layers", p.layers, "--device", device, "--dtype", dtype,
+        for p, a, w, v in zip(plans, self.actors, wheres, vis, strict=False):
+            argv = ["--model", model, "--layers", p.layers,
+                    "--device", p.device if v is None else v[1], "--dtype", dtype,
                     "--index", str(p.index), "--random-seed", str(seed),
                     "--threads", str(cfg.threads or 1),
                     # its node may vanish without a TCP reset: heartbeats, as a remote shard
                     "--heartbeat-timeout", str(cfg.heartbeat_timeout)]
-            calls.append(a.start.remote(argv, child_env, node_host_id(w["node_id"])))
+            calls.append(a.start.remote("shard", argv, _cuda_env(v), node_host_id(w["node_id"])))
+        placed = list(plans)
+        if draft is not None:  # shares the first shard's GPU (and sees what it sees), or a CPU
+            v = vis[0] if draft.device.startswith("cuda") else None
+            argv = list(draft.argv)
+            if v is not None:
+                argv[argv.index("--device") + 1] = v[1]
+            placed.append(ShardPlan(-1, 0, 0, draft.device if v is None else v[1], None))
+            calls.append(self.actors[-1].start.remote(
+                "draft", argv, _cuda_env(v), node_host_id(wheres[-1]["node_id"])))
         started = self._get(calls, deadline, "start shard processes")
-        for p, a, w, s in zip(plans, self.actors, wheres, started, strict=True):
-            self.shards.append(RayShard(p, a, w["node_id"], w["ip"], s["address"], s["pid"],
-                                        a.wait_exit.remote()))
-            log.info("shard %d: Ray node %s (%s), pid %d, %s", p.index, w["node_id"][:12],
-                     w["ip"], s["pid"], s["address"])
+        for p, a, w, s in zip(placed, self.actors, wheres, started, strict=True):
+            r = RayShard(p, a, w["node_id"], w["ip"], s["address"], s["pid"],
+                         a.wait_exit.remote())
+            if p.index < 0:
+                self.draft = r
+            else:
+                self.shards.append(r)
+            log.info("%s: pid %d, %s", r.name, s["pid"], s["address"])
         return self.shards
+
+    def _reserve(self, plans: Sequence[ShardPlan], draft: DraftLaunch | None,
+                 deadline: float) -> None:
+        """The placement group: a bundle per shard, then the draft's on the first shard's node.
+        Where the config pins the first shard, the draft's bundle gets the same pin; where it
+        does not, Ray may put the draft's bundle elsewhere: the group is then reserved again
+        with both on the node the first shard got."""
+        from ray.util.placement_group import (
+            placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
+
+        ray, cfg = self.ray, self.cfg
+        draft_on = ""
+        while True:
+            want = bundles(plans, cfg, draft)
+            self.pg = placement_group(want, strategy=cfg.ray_strategy,
+                                      name=f"layersplit-{os.getpid()}-{time.monotonic_ns()}",
+                                      bundle_label_selector=label_selectors(cfg, len(plans),
+                                                                            draft_on))
+            ready, _ = ray.wait([self.pg.ready()], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                nodes = f", on nodes {list(cfg.ray_nodes)}" if any(cfg.ray_nodes) else ""
+                if draft_on:
+                    nodes += f", the first shard and the draft on node {draft_on}"
+                drafted = " (the last: the draft process's)" if draft is not None else ""
+                raise ShardFailure(
+                    f"the Ray cluster cannot place {len(want)} bundles {want}{drafted} "
+                    f"({cfg.ray_strategy}{nodes}) in time: it has "
+                    f"{_brief(ray.available_resources())} free; add nodes or resources, or "
+                    "change devices / threads / ray_resources")
+            if draft is None:
+                return
+            on = placement_group_table(self.pg)["bundles_to_node_id"]
+            if on[len(plans)] == on[0]:
+                return
+            if draft_on:  # (both were pinned to one node)
+                raise ShardFailure(f"Ray placed the draft's bundle on node {on[len(plans)]}, "
+                                   f"not on the first shard's ({on[0]}) it was pinned to")
+            log.info("Ray put the draft's bundle on another node than the first shard's: "
+                     "reserving again with both on node %s", on[0][:12])
+            remove_placement_group(self.pg)
+            self.pg, draft_on = None, on[0]
 
     def _connect(self) -> None:
         ray, addr = self.ray, self.cfg.ray_address
@@ -350,12 +432,25 @@ class RayLauncher:
             raise ShardFailure(f"Ray: could not {what}: {_first_line(e)}") from None
 
     def failure(self) -> str | None:
-        """Why some shard is gone (its exit, or its actor's or node's death), or None."""
+        """Why some shard is gone (its exit, or its actor's or node's death), or None. (The
+        draft's end is the coordinator's to judge: it only costs speculation.)"""
         for s in self.shards:
             why = s.failure()
             if why is not None:
                 return why
         return None
+
+    def stop_draft(self) -> None:
+        """The draft failed or is given up: its process and actor go (its bundle stays
+        reserved until the chain stops)."""
+        d, self.draft = self.draft, None
+        if d is None:
+            return
+        try:
+            self.ray.wait([d.actor.stop.remote(0.0)], timeout=FAILED_STOP_S)
+        finally:
+            self.ray.kill(d.actor, no_restart=True)
+            self.actors = [a for a in self.actors if a is not d.actor]
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every shard process and actor, release the placement group (and leave the
@@ -377,10 +472,19 @@ class RayLauncher:
                 remove_placement_group(self.pg)
             except Exception as e:  # noqa: BLE001 - the cluster itself may be going away
                 log.warning("could not remove the Ray placement group: %s", e)
-        self.actors, self.shards, self.pg = [], [], None
+        self.actors, self.shards, self.draft, self.pg = [], [], None, None
         if self.joined:
             ray.shutdown()
             self.joined = False
+
+
+def _cuda_env(vis: tuple[str, str] | None) -> dict[str, str]:
+    """A GPU process's environment: the GPUs it sees (`cuda_visibility`), no more."""
+    if vis is None:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": vis[0],
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 def node_host_id(node_id: str) -> str:

@@ -92,22 +92,28 @@ def _start(cmd: list[str], secret: bytes, device: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 
-def spawn_draft(draft: str, target: str, listen: str, device: str, dtype: str,
-                max_context: int, threads: int | None, secret: bytes, run_dir: Path,
-                seed: int = 0, block_size: int | None = None, graphs: bool = True
-                ) -> LocalProcess:
-    """The draft process, supervised like a shard (`ShardPlan.index` -1 names it)."""
-    error_file = run_dir / "draft.error"
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "draft", "--listen", listen, "--draft", draft,
-           "--target", target, "--device", device, "--dtype", dtype,
-           "--max-context", str(max_context), "--parent-pid", str(os.getpid()),
-           "--error-file", str(error_file), "--random-seed", str(seed)]
+def draft_argv(draft: str, target: str, device: str, dtype: str, max_context: int,
+               threads: int | None, seed: int = 0, block_size: int | None = None,
+               graphs: bool = True) -> list[str]:
+    """`layersplit draft`'s arguments after `--listen ADDRESS` (the same wherever it runs)."""
+    argv = ["--draft", draft, "--target", target, "--device", device, "--dtype", dtype,
+            "--max-context", str(max_context), "--random-seed", str(seed)]
     if threads:
-        cmd += ["--threads", str(threads)]
+        argv += ["--threads", str(threads)]
     if block_size:
-        cmd += ["--block-size", str(block_size)]
+        argv += ["--block-size", str(block_size)]
     if not graphs:
-        cmd += ["--no-graphs"]
+        argv += ["--no-graphs"]
+    return argv
+
+
+def spawn_draft(listen: str, argv: list[str], device: str, secret: bytes, run_dir: Path
+                ) -> LocalProcess:
+    """The draft process (`draft_argv`), supervised like a shard (`ShardPlan.index` -1 names
+    it)."""
+    error_file = run_dir / "draft.error"
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "draft", "--listen", listen, *argv,
+           "--parent-pid", str(os.getpid()), "--error-file", str(error_file)]
     proc = _start(cmd, secret, device)
     log.debug("started the draft process (pid %d): %s", proc.pid, " ".join(cmd))
     return LocalProcess(ShardPlan(-1, 0, 0, device, None), proc, error_file)

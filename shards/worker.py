@@ -98,6 +98,7 @@ class ShardServer:
         self.taps: tuple[int, ...] = ()  # global layers whose rows feed the draft process
         self.feed_sock: zmq.Socket | None = None
         self.feed: transport.Sender | None = None  # feature rows to the draft process
+        self.feed_kind = "none"  # its transport
         self.executor: RangeExecutor | None = None
         self.index = -1
         self.running = True
@@ -392,7 +393,7 @@ class ShardServer:
         elif self.model.is_last:
             results = msg.get("results")
             if results is not None:  # the coordinator's result ring
-                doorbell = lambda: self._reply(self.coordinator, message("wake"))  # noqa: E731
+                doorbell = lambda: self._reply(self.coordinator, message("wake"))
                 self.out = transport.accept("shm", results, doorbell)
             else:
                 self.out = ZmqSender(self.router, route)
@@ -440,6 +441,7 @@ class ShardServer:
             max_rows=min(self.max_step, FEED_ROWS), proposals=ring), LINK_TIMEOUT_S)
         expect(reply, "linked", "the draft process")
         sock.setsockopt(zmq.SNDTIMEO, int(FEED_TIMEOUT_S * 1000))
+        self.feed_kind = reply["transport"]
         self.feed = transport.accept(reply["transport"], reply["ring"],
                                      lambda: send(sock, message("wake")), sock=sock)
         if isinstance(self.feed, transport.RingSender):
@@ -476,7 +478,8 @@ class ShardServer:
             "kv_capacity_tokens": ex.max_len if ex else 0, "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
             "kv_layout": self._kv_layout(),
-            "transport_out": self.transport_kind, "protocol": PROTOCOL_VERSION,
+            "transport_out": self.transport_kind, "transport_feed": self.feed_kind,
+            "protocol": PROTOCOL_VERSION,
         }
 
     def _kv_layout(self) -> dict[str, Any]:
@@ -836,7 +839,7 @@ class ShardServer:
     def _close_feed(self) -> None:
         if self.feed is not None:
             self.feed.close()
-        self.feed = None
+        self.feed, self.feed_kind = None, "none"
         if self.proposals is not None:
             self.proposals.close()
         self.proposals = None

@@ -7,16 +7,27 @@ own custom resource) serves every test of the module; it listens on loopback onl
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 import psutil
 import pytest
+from layersplit.ipc.messages import message
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
-from layersplit.runtime.generate import Progress
-from layersplit.runtime.ray_launcher import RayLauncher, cuda_visibility
+from layersplit.runtime.generate import Progress, collect
+from layersplit.runtime.placement import PlacementError, ShardPlan
+from layersplit.runtime.ray_launcher import (
+    NODE_ID_LABEL,
+    RESOURCE_SLIVER,
+    DraftLaunch,
+    RayLauncher,
+    bundles,
+    cuda_visibility,
+    label_selectors,
+)
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
@@ -61,6 +72,9 @@ def cluster():
         assert layersplit_shm() - shm_before == set()
 
 
+PLANS = (ShardPlan(0, 0, 3, "cpu", None), ShardPlan(1, 3, 6, "cuda:0", None))
+
+
 def _config(model, **kw) -> RuntimeConfig:
     base = {"model": str(model), "launcher": "ray", "prefill_chunk": 16, "threads": 1,
             "max_context": 256, "startup_timeout": 120}
@@ -77,16 +91,37 @@ def _actor_pids(coord: Coordinator) -> list[int]:
     return [w["pid"] for w in ray.get([a.where.remote() for a in coord.ray.actors])]
 
 
+def _driver_and_other_node() -> tuple[str, str]:
+    """The custom resources (node_a / node_b) of the node this test process drives the cluster
+    from (the coordinator's host) and of the other one."""
+    here = ray.get_runtime_context().get_node_id()
+    names = {n["NodeID"]: next(r for r in ("node_a", "node_b") if r in n["Resources"])
+             for n in ray.nodes() if n["Alive"]}
+    return names[here], ({"node_a", "node_b"} - {names[here]}).pop()
+
+
+def _feature_rows(coord: Coordinator, n: int) -> bytes:
+    """The draft's feature rows of positions [0, n) of context 0."""
+    reply = coord.draft_request(message("draft_features", slot=0, start=0, end=n,
+                                        sync=coord.feat_sid(0)))
+    return bytes(reply["_frames"][0].buffer)
+
+
 @pytest.mark.slow
-def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, tiny_llama,
+def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, target, dflash,
                                                                        tmp_path):
-    """Three shards on two nodes: logits equal the reference engine's bit for bit, the edge
-    between the nodes is zmq over TCP and the one within node_b shared memory; the disk-cache
-    entry the chain wrote (node_b's tensors streamed to this host) restores after a restart into
-    a chain of two shards, both on node_b (its tensors streamed back)."""
-    cfg = _config(tiny_llama, devices=("cpu",) * 3, split=(2, 2, 2),
-                  ray_resources=("node_a", "node_b", "node_b"), kv_cache_dir=str(tmp_path))
-    ref = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256)
+    """Three shards on two nodes and a DFlash draft: logits equal the reference engine's bit
+    for bit, speculative output equals plain output; the edge between the nodes is zmq over TCP
+    and the one within a node shared memory, and so are the draft's feature edges (the draft
+    runs on the first shard's node, as Ray reports); the secret reaches no command line. The
+    disk-cache entry the chain wrote (tensors of the nodes the coordinator is not on, the
+    draft's feature rows included, streamed to this host) restores after a restart into a
+    one-shard chain on one node (streamed back), the draft's rows bit-equal. The draft
+    process killed there costs speculation only: the chain serves on, its actor is gone."""
+    here, there = _driver_and_other_node()  # the first shard (and the draft) away from here
+    cfg = _config(target, devices=("cpu",) * 3, split=(2, 2, 2), draft=str(dflash),
+                  ray_resources=(there, here, here), kv_cache_dir=str(tmp_path))
+    ref = ReferenceEngine(target, prefill_chunk=16, max_context=256)
     prompt = ref.tokenizer.encode("ray places the shards across two nodes " * 2)
     p = SamplingParams(max_tokens=8, ignore_eos=True)
     want = ref.generate(prompt, p)
@@ -95,27 +130,64 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
         nodes = [s.node_id for s in coord.ray.shards]
         assert nodes[0] != nodes[1] == nodes[2]
         assert [i["transport_out"] for i in info] == ["zmq", "shm", "none"]
+        assert [i["transport_feed"] for i in info] == ["shm", "none", "zmq"]  # taps 1, 4
         assert all(s.address.startswith("tcp://127.0.0.1:") for s in coord.shards)
+        draft = coord.ray.draft
+        assert ray.get(draft.actor.where.remote())["node_id"] == nodes[0] == draft.node_id
+        on = ray.util.placement_group_table(coord.ray.pg)["bundles_to_node_id"]
+        assert on[3] == on[0] == nodes[0]  # the draft's own bundle, on the first shard's node
         streams = [s.streams_cache for s in coord.shards]
-        assert streams == [n != coord.host.removeprefix("ray:") for n in nodes] and any(streams)
+        assert streams == [n != coord.host.removeprefix("ray:") for n in nodes] == [
+            True, False, False]
+        assert coord.draft.streams_cache
+        _secret_on_no_command_line(coord, [draft.pid, *(i["pid"] for i in info)])
         got_tokens, got_logits = trace(coord, prompt[:20], 4, 16)
         ref_tokens, ref_logits = trace(ref, prompt[:20], 4, 16)
         assert got_tokens == ref_tokens and np.array_equal(got_logits, ref_logits)
-        assert coord.generate(prompt, p).tokens == want.tokens
-        pids, actors, pg = [i["pid"] for i in info], _actor_pids(coord), coord.ray.pg
-    _gone(pids, actors, pg)
-    assert sorted(tmp_path.glob("*.safetensors"))
-    one_node = cfg.replace(devices=("cpu", "cpu"), split=(3, 3),
-                           ray_resources=("node_b", "node_b"))
-    with Coordinator(one_node) as coord:
-        here = coord.host.removeprefix("ray:")
-        assert [s.streams_cache for s in coord.shards] == [
-            s.node_id != here for s in coord.ray.shards]
-        r = coord.generate(prompt, p)
-        assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want.tokens)
-        pids, actors, pg = [i["pid"] for i in coord.shard_info()], _actor_pids(coord), \
+        progress = Progress()
+        spec = collect(coord.stream(prompt, p, progress), progress, len(prompt))
+        assert progress.spec.verifies > 0 and spec.tokens == want.tokens
+        rows = _feature_rows(coord, len(prompt))
+        assert coord.generate(prompt, p, use_cache=False, speculative=False).tokens == \
+            want.tokens
+        pids, actors, pg = [i["pid"] for i in info] + [draft.pid], _actor_pids(coord), \
             coord.ray.pg
     _gone(pids, actors, pg)
+    assert sorted(tmp_path.glob("*.safetensors"))
+    one_node = cfg.replace(devices=("cpu",), split=(6,), ray_resources=(there,))
+    with Coordinator(one_node) as coord:
+        assert [s.streams_cache for s in coord.shards] == [True]
+        assert coord.draft.streams_cache and coord.ray.draft.node_id == coord.ray.shards[0].node_id
+        r = coord.generate(prompt, p)
+        assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want.tokens)
+        assert _feature_rows(coord, len(prompt)) == rows
+        draft = coord.ray.draft
+        pids, actors, pg = [i["pid"] for i in coord.shard_info()] + [draft.pid], \
+            _actor_pids(coord), coord.ray.pg
+        os.kill(draft.pid, signal.SIGKILL)  # costs speculation, not the chain: its actor goes
+        assert coord.generate(prompt, p, use_cache=False).tokens == want.tokens
+        assert coord.draft is None and coord.ray.draft is None
+        assert f"the draft process (on cpu, Ray node {draft.node_id[:12]}" in coord.draft_down
+        assert draft.actor not in coord.ray.actors and len(coord.ray.actors) == 1
+    _gone(pids, actors, pg)
+
+
+def _secret_on_no_command_line(coord: Coordinator, pids: list[int]) -> None:
+    """The run's secret is in the environment of its actors and their processes (Ray's runtime
+    environment), never on a command line."""
+    secret = coord.secret.hex()
+    actors = _actor_pids(coord)
+    everything = psutil.Process().children(recursive=True)  # the cluster's processes too
+    assert set(actors + pids) <= {p.pid for p in everything}
+    for proc in everything:
+        try:
+            line = " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        assert secret not in line, f"the secret is on the command line of pid {proc.pid}"
+    for pid in actors + pids:
+        assert psutil.Process(pid).environ().get("LAYERSPLIT_SECRET") == secret
+    assert set(pids) <= {c.pid for a in actors for c in psutil.Process(a).children()}
 
 
 @pytest.mark.slow
@@ -178,3 +250,29 @@ def test_ray_keys_are_checked():
 def test_gpu_shards_see_the_gpus_ray_gave_the_chain_on_their_node():
     vis = cuda_visibility(["n1", "n1", "n2", "n1"], [["3"], ["1"], ["0"], None])
     assert vis == [("1,3", "cuda:1"), ("1,3", "cuda:0"), ("0", "cuda:0"), None]
+
+
+def test_the_draft_gets_a_bundle_of_its_own_on_the_first_shards_node():
+    cfg = RuntimeConfig(launcher="ray", devices=("cpu", "cuda:0"), threads=2,
+                        ray_resources=("host_a", "host_b"))
+    cpu_draft = DraftLaunch(("--device", "cpu"), "cpu")
+    assert bundles(PLANS, cfg, cpu_draft) == [
+        {"CPU": 2.0, "host_a": RESOURCE_SLIVER}, {"GPU": 1.0, "host_b": RESOURCE_SLIVER},
+        {"CPU": 2.0, "host_a": RESOURCE_SLIVER}]
+    gpu_first = cfg.replace(devices=("cuda:0", "cuda:1"), ray_resources=())
+    assert bundles(PLANS, gpu_first, DraftLaunch((), "cuda:0"))[-1] == {"CPU": RESOURCE_SLIVER}
+    pinned = cfg.replace(ray_resources=(), ray_nodes=("n1", ""))
+    assert label_selectors(pinned, 2) == [{NODE_ID_LABEL: "n1"}, {}]
+    assert label_selectors(pinned, 2, draft_on="n2") == [{NODE_ID_LABEL: "n1"}, {},
+                                                         {NODE_ID_LABEL: "n1"}]
+    unpinned = cfg.replace(ray_resources=())
+    assert label_selectors(unpinned, 2) is None
+    assert label_selectors(unpinned, 2, draft_on="n2") == [{NODE_ID_LABEL: "n2"}, {},
+                                                           {NODE_ID_LABEL: "n2"}]
+
+
+def test_a_draft_under_ray_runs_on_the_first_shards_device_or_a_cpu(tiny_llama, tmp_path):
+    with pytest.raises(PlacementError, match="on its device \\(cuda:0\\) or on cpu"):
+        Coordinator(RuntimeConfig(model=str(tiny_llama), launcher="ray",
+                                  devices=("cuda:0", "cuda:1"), draft=str(tiny_llama),
+                                  draft_device="cuda:1"))
