@@ -8,6 +8,7 @@ shard; it never relays activations. It knows of tensors only what the shards rep
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import shutil
@@ -51,6 +52,7 @@ from layersplit.runtime.generate import (
     collect,
     sequence_program,
 )
+from layersplit.runtime.kv_pool import kv_pool_blocks
 from layersplit.runtime.model_store import resolve_draft, resolve_model
 from layersplit.runtime.placement import (
     Placement,
@@ -202,6 +204,7 @@ class Coordinator:
         threads = cfg.threads or (max(1, (os.cpu_count() or 1) // max(local_cpu, 1))
                                   if local_cpu else None)
         t0 = time.perf_counter()
+        itemsize = 4 if self.dtype == "float32" else 2
         try:
             ray_shards = self._start_ray(t0) if cfg.launcher == "ray" else []
             addresses = [r.address for r in ray_shards]
@@ -251,6 +254,9 @@ class Coordinator:
             max_step = (max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
                         + min(max(cfg.spec_max_seqs, 1), cfg.max_seqs) * extra)
             first, last = self.shards[0], self.shards[-1]
+            self.kv_blocks = kv_pool_blocks(cfg, self.model_config, self.placement, itemsize)
+            log.info("KV pool: %d blocks of %d tokens per shard (%d tokens in all sequences)",
+                     self.kv_blocks, cfg.kv_block, self.kv_blocks * cfg.kv_block)
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
@@ -274,7 +280,7 @@ class Coordinator:
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=cfg.max_seqs, transport=transport,
-                    index=sh.index,
+                    kv_block=cfg.kv_block, kv_blocks=self.kv_blocks, index=sh.index,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                     torch_compile=cfg.torch_compile,
                     cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
@@ -299,8 +305,8 @@ class Coordinator:
                 self.cache = CacheManager(self)
             groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)
             self.batcher = Batcher(self, SchedulerConfig(
-                slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=max(self.chunk, 1),
-                micro_batches=groups, step_tokens=max_step))
+                slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=cfg.kv_block,
+                micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks))
         except BaseException:
             self.close()
             raise
@@ -849,6 +855,7 @@ class Coordinator:
         self._drain()
         sid = self._new_sid()
         wire, ids = [], []
+        sched = self.batcher.sched
         for slot, r, feed in segs:
             feed = feed if self.feeding else None
             sample = None if r.sample is None else {**r.sample.wire(), "seed": r.seed,
@@ -861,7 +868,7 @@ class Coordinator:
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
-                                r.plp))
+                                r.plp, sched.table_update(slot)))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -884,6 +891,10 @@ class Coordinator:
                           None if draft is None else list(draft),
                           tree=None if tree is None else list(tree),
                           kept=None if kept is None else list(kept))
+        try:  # (a slot driven here, outside admission: its table grows as it goes)
+            self.batcher.sched.hold_slot(slot, pos + req.rows, new=pos == 0)
+        except MemoryError as e:
+            raise ValueError(f"step at {pos} of slot {slot}: {e}") from None
         sid = self.send_step([(slot, req, 0 if self.feeding else None)])
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
@@ -991,9 +1002,20 @@ class Coordinator:
         if decoding is not None and decoding.processes:
             speculative = False  # each verify row would need processors of its own
         holder: list[Request] = []
-        req = self.batcher.submit(len(prompt), lambda slot: self._program(
-            holder[0], prompt, params, progress, use_cache, speculative, slot, decoding),
-            OutputStream(self.tokenizer, params, self.eos_ids, progress))
+        seed = params.seed if params.seed is not None else new_seed()  # (kept on preemption)
+
+        def make(slot: int) -> Program:
+            """The sequence's program from its prompt and what it generated so far (a
+            preempted sequence runs again from both: `runtime.batching`)."""
+            done = list(progress.generated)
+            dec = decoding
+            if done and dec is not None and dec.prompt_logprobs is not None:
+                dec = dataclasses.replace(dec, prompt_logprobs=None)  # (sent already)
+            return self._program(holder[0], prompt + done, params, progress, use_cache,
+                                 speculative, slot, dec, seed)
+
+        req = self.batcher.submit(len(prompt), make,
+                                  OutputStream(self.tokenizer, params, self.eos_ids, progress))
         holder.append(req)
         return req
 
@@ -1021,12 +1043,14 @@ class Coordinator:
 
     def _program(self, req: Request, prompt: list[int], params: SamplingParams,
                  progress: Progress, use_cache: bool, speculative: bool | None,
-                 slot: int, decoding: Decoding | None = None) -> Program:
+                 slot: int, decoding: Decoding | None = None,
+                 seed: int | None = None) -> Program:
         """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
         it already; a feeding sequence sends the draft its rows, in its slot."""
-        seed = params.seed if params.seed is not None else new_seed()
+        if seed is None:
+            seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
         # with its own draft context, in its slot; one asked not to speculate still feeds it,
         # so its cache entries carry feature rows); the others decode plainly in the same steps
