@@ -102,10 +102,13 @@ class PagedKVCache:
         self.k_store[:, idx[:, 1]] = self.k_store[:, idx[:, 0]]
         self.v_store[:, idx[:, 1]] = self.v_store[:, idx[:, 0]]
 
-    def flat_rows(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
-        """Indices into the flattened pool (`k_rows`) of positions `rows` of `slot`."""
+    def flat_rows(self, slot: int, rows: torch.Tensor,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices into the flattened pool (`k_rows`) of positions `rows` of `slot` (of the
+        sequence whose block table is `table`, when given)."""
         b = self.block
-        return self.table[slot][rows // b] * b + rows % b
+        table = self.table[slot] if table is None else table
+        return table[rows // b] * b + rows % b
 
     def _host_rows(self, slot: int, rows: Sequence[int]) -> torch.Tensor:
         if rows and max(rows) >= self.capacity(slot):
@@ -125,11 +128,17 @@ class PagedKVCache:
                     raise IndexError(f"slot {slot}'s block table covers {self.capacity(slot)} "
                                      f"rows; the step needs {step.kv_len}")
                 write = self.flat_rows(slot, torch.arange(step.pos, step.pos + n, device=dev))
-            else:  # a captured graph: positions on the device
-                write = self.flat_rows(slot, step.positions if step.rows is None else step.rows)
-            read = self.flat_rows(slot, torch.arange(step.kv_len, device=dev))
+            else:  # a captured graph: positions (and the table, `step.tables`) on the device
+                rows = step.positions if step.rows is None else step.rows
+                write = self.flat_rows(slot, rows, self._table_of(step))
+            read = self.flat_rows(slot, torch.arange(step.kv_len, device=dev),
+                                  self._table_of(step))
             got = step.paged[slot] = (write, read)
         return got
+
+    @staticmethod
+    def _table_of(step: StepInfo) -> torch.Tensor | None:
+        return None if step.tables is None else step.tables[0]
 
     def append(
         self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
@@ -154,7 +163,7 @@ class PagedKVCache:
         got = step.paged.get("batch")
         if got is None:
             b, dev = self.block, self.k_store.device
-            tables = self.table[step.slots]  # (B, max_blocks + 1)
+            tables = self.table[step.slots] if step.tables is None else step.tables  # (B, W)
             pos = step.positions
             write = tables.gather(1, (pos // b)[:, None])[:, 0] * b + pos % b
             keys = torch.arange(step.kv_len, device=dev)

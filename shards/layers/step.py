@@ -33,6 +33,9 @@ class StepInfo:
     # a paged cache's pool indices of the rows each slot writes and reads (`shards.paged_kv`),
     # computed by the step's first layer for all of them
     paged: dict = dataclasses.field(default_factory=dict)
+    # a captured step over a paged cache: (S, W) long, the block table of each of its S
+    # sequences (a graph input, so one graph serves any slot); None: the cache's own tables
+    tables: torch.Tensor | None = None
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query
