@@ -62,6 +62,10 @@ class Request:
     waits: int | None = None  # the step whose output its program waits for
     feed: int | None = None  # its draft context, when its segments feed the draft process
     preempted: int = 0  # times its blocks were taken back
+    prompt: list[int] | None = None  # its tokens, when it may share a live prefix's blocks
+    cuts: list[int] = dataclasses.field(default_factory=list)  # its prompt's chunk boundaries
+    prefilled: int = 0  # prompt rows whose KV the steps sent so far write (or a restore did)
+    shared: int = 0  # prompt rows it took from another live sequence's blocks
     base_tokens: int = 0  # its prompt's tokens (prompt_tokens adds those generated when it is
     # preempted)
 
@@ -73,6 +77,7 @@ class BatchStats:
     widest: int = 0  # most segments in one step
     most_in_flight: int = 0  # most steps in the chain at once
     preemptions: int = 0  # sequences whose blocks were taken back (they run again)
+    shared_tokens: int = 0  # prompt rows new sequences took from live ones' blocks
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,11 +96,16 @@ class Batcher:
         self._ids = itertools.count(1)
         self.stats = BatchStats()
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
+        self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
-               out: OutputStream) -> Request:
-        req = Request(next(self._ids), prompt_tokens, make, out, base_tokens=prompt_tokens)
+               out: OutputStream, prompt: list[int] | None = None,
+               cuts: list[int] | None = None) -> Request:
+        """Queue a request; with its `prompt` and the prompt's chunk boundaries `cuts`, it may
+        start with the blocks of a live sequence that prefilled the same first tokens."""
+        req = Request(next(self._ids), prompt_tokens, make, out, base_tokens=prompt_tokens,
+                      prompt=prompt, cuts=cuts or [])
         if out.finished:  # nothing to generate (max_tokens 0)
             self._end(req, admitted=False)
             return req
@@ -144,6 +154,7 @@ class Batcher:
             if req is None:  # every request failed meanwhile (the runtime went down)
                 continue
             req.slot = slot
+            self._share(req)
             try:
                 req.program = req.make(slot)
             except BaseException as e:  # noqa: BLE001 - this request fails, the rest go on
@@ -233,6 +244,8 @@ class Batcher:
         for r in reqs:
             step, r.pending = r.pending, None
             r.in_flight += 1
+            if r.prompt is not None and step.pos + step.rows <= len(r.prompt):
+                r.prefilled = step.pos + step.rows  # (a prefill chunk: prompt rows)
             if step.wait:
                 r.waits = sid
             else:
@@ -267,6 +280,29 @@ class Batcher:
             out.append(r)
         return out
 
+    def _share(self, req: Request) -> None:
+        """Prefix sharing between live sequences: a new sequence whose prompt starts with rows a
+        running one has prefilled (or restored) takes their blocks by reference (the partial
+        last one copied) and prefills only the rest. Only up to a chunk boundary of its prompt
+        and within the other's prefill, so the rows are exactly the ones it would compute: a
+        row's value depends on its chunk, and chunk boundaries on the tokens alone."""
+        if not self.share_prefixes or req.prompt is None:
+            return
+        best, src = 0, None
+        for run in self.sched.running.values():
+            other = self.requests.get(run.rid)
+            if other is None or other is req or other.prompt is None or other.program is None:
+                continue
+            n = min(other.prefilled, len(req.prompt) - 1)
+            common = next((i for i in range(n) if req.prompt[i] != other.prompt[i]), n)
+            cut = max((c for c in req.cuts if c <= common), default=0)
+            if cut > best:
+                best, src = cut, other
+        if src is not None and best >= self.sched.config.block_tokens:
+            self.sched.share(req.rid, src.slot, best)
+            req.shared = req.prefilled = best
+            self.stats.shared_tokens += best
+
     def _others_hold_blocks(self, r: Request) -> bool:
         return any(rid != r.rid and run.blocks for rid, run in self.sched.running.items())
 
@@ -292,6 +328,9 @@ class Batcher:
         req.preempted += 1
         self.stats.preemptions += 1
         req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
+        if req.prompt is not None:  # it runs again from these tokens
+            req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
+        req.prefilled = req.shared = 0
         log.info("request %d preempted (KV pool full): it runs again from %d tokens", req.rid,
                  req.prompt_tokens)
         self.sched.requeue(req.rid, req.prompt_tokens)

@@ -307,6 +307,8 @@ class Coordinator:
             self.batcher = Batcher(self, SchedulerConfig(
                 slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=cfg.kv_block,
                 micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks))
+            # a hybrid model's sequence is also its recurrent state, which blocks do not hold
+            self.batcher.share_prefixes = self.model_config.hybrid is None
         except BaseException:
             self.close()
             raise
@@ -868,7 +870,7 @@ class Coordinator:
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
-                                r.plp, sched.table_update(slot)))
+                                r.plp, sched.table_update(slot), sched.copy_update(slot)))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -1012,10 +1014,11 @@ class Coordinator:
             if done and dec is not None and dec.prompt_logprobs is not None:
                 dec = dataclasses.replace(dec, prompt_logprobs=None)  # (sent already)
             return self._program(holder[0], prompt + done, params, progress, use_cache,
-                                 speculative, slot, dec, seed)
+                                 speculative, slot, dec, seed, holder[0].shared)
 
         req = self.batcher.submit(len(prompt), make,
-                                  OutputStream(self.tokenizer, params, self.eos_ids, progress))
+                                  OutputStream(self.tokenizer, params, self.eos_ids, progress),
+                                  prompt, cut_points(prompt, self.chunk, self.eos_ids))
         holder.append(req)
         return req
 
@@ -1044,7 +1047,7 @@ class Coordinator:
     def _program(self, req: Request, prompt: list[int], params: SamplingParams,
                  progress: Progress, use_cache: bool, speculative: bool | None,
                  slot: int, decoding: Decoding | None = None,
-                 seed: int | None = None) -> Program:
+                 seed: int | None = None, shared: int = 0) -> Program:
         """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
@@ -1071,7 +1074,13 @@ class Coordinator:
             cache = self.cache if use_cache else None
             restored = Restored()
             points: list[int] = []
-            if cache is not None:
+            if shared:  # rows [0, shared) are another live sequence's blocks (`runtime.batching`)
+                restored = Restored(length=shared, features=False)
+            if cache is not None and shared:
+                cuts = cut_points(prompt, self.chunk, self.eos_ids)
+                last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
+                points = sorted({p for p in (last_cut, len(prompt)) if p > shared})
+            elif cache is not None:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
                 restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
                 progress.cached_tokens, progress.cache_tier = restored.length, restored.tier

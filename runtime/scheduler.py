@@ -89,6 +89,7 @@ class Scheduler:
         c = config
         self.pool = BlockManager(c.pool_blocks, c.block_tokens)  # tables keyed by slot
         self.sent: dict[int, int] = {}  # slot -> table entries the shards were sent
+        self.copies: dict[int, list[list[int]]] = {}  # slot -> block copies not sent yet
         bounds = [g * c.slots // c.micro_batches for g in range(c.micro_batches + 1)]
         self.group_slots = [range(bounds[g], bounds[g + 1]) for g in range(c.micro_batches)]
         self.free_slots: list[list[int]] = [list(r) for r in self.group_slots]
@@ -202,6 +203,22 @@ class Scheduler:
             self.sent.pop(slot, None)
         self.pool.allocate(slot, tokens)
 
+    def share(self, rid: Hashable, src_slot: int, tokens: int) -> None:
+        """The just-admitted sequence `rid` starts with the first `tokens` rows of the sequence
+        in `src_slot` (the same tokens, already prefilled there): it shares their full blocks
+        and copies the partial last one (`copy_update`), instead of blocks of its own."""
+        r = self.running[rid]
+        if r.slot in self.sent or r.slot == src_slot:
+            raise ValueError(f"request {rid!r}: share only before its slot's first message")
+        self.pool.free(r.slot)
+        self.copies[r.slot] = [list(c) for c in self.pool.fork(src_slot, r.slot, tokens)]
+        self.pool.allocate(r.slot, r.blocks * self.config.block_tokens)
+
+    def copy_update(self, slot: int) -> list[list[int]] | None:
+        """The block copies the slot's next step must make first (a message's `copy`), or
+        None; from now on they count as sent."""
+        return self.copies.pop(slot, None) or None
+
     def slot_tokens_held(self, slot: int) -> int:
         """Rows the slot's table covers."""
         return len(self.pool.tables.get(slot, ())) * self.config.block_tokens
@@ -212,6 +229,7 @@ class Scheduler:
         r = self.running.pop(rid)
         self.pool.free(r.slot)
         self.sent.pop(r.slot, None)
+        self.copies.pop(r.slot, None)
         free = self.free_slots[r.group]
         free.append(r.slot)
         free.sort()
@@ -254,8 +272,9 @@ class Scheduler:
         for r in self.running.values():
             assert r.slot in self.group_slots[r.group], "a sequence runs outside its group"
             assert 0 <= r.blocks <= self.config.blocks_per_slot
-        assert self.free_blocks + sum(r.blocks for r in self.running.values()) == \
-            self.total_blocks, "KV blocks leaked or double-counted"
+        held_blocks = {b for t in self.pool.tables.values() for b in t}
+        assert self.free_blocks + len(held_blocks) == self.total_blocks, \
+            "KV blocks leaked or double-counted"
         self.pool.check_integrity()
         assert set(self.pool.tables) <= set(held), "a block table outlived its sequence"
         for r in self.running.values():

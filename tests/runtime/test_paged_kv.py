@@ -170,3 +170,37 @@ def test_bad_blocks_and_copies_are_refused_by_name(tiny_llama):
                             time.monotonic() + 30)
         assert c.generate(prompt, p).tokens == want  # nothing lost
         assert [r.tokens for r in c.generate_batch([prompt] * 3, [p] * 3)] == [want] * 3
+
+
+@pytest.mark.slow
+def test_live_prefix_blocks_are_shared(tiny_llama, ref):
+    """4 requests on one 84-token prefix (7 chunks of 12: 5 blocks of 16 and 4 rows): the 3
+    that come while the first runs take its 5 full blocks by reference and copy the partial
+    one; the prefix is held once, and every output equals the prompt's alone."""
+    from layersplit.runtime.generate import collect
+
+    text = ref.tokenizer.encode("one shared system prompt for every agent of the team, " * 12)
+    prefix = text[:84]
+    prompts = [prefix + text[90 + 4 * i:94 + 4 * i] for i in range(4)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = [run_logged(ref, p, params) for p in prompts]
+    with Coordinator(_cfg(tiny_llama, 2, max_seqs=4, prefix_cache=False)) as c:
+        progress = [Progress(logits=[]) for _ in prompts]
+        reqs = [c.submit(prompts[0], params, progress[0])]
+        while not progress[0].generated:  # the first one's prefill is done
+            c.batcher.run_once()
+        reqs += [c.submit(p, params, pr) for p, pr in zip(prompts[1:], progress[1:])]
+        c.batcher.run_once()  # admits the other three
+        pool = c.batcher.sched.pool
+        assert c.batcher.stats.shared_tokens == 3 * 84
+        assert [b for b, n in enumerate(pool.refs) if n == 4] == pool.table(reqs[0].slot)[:5]
+        held = {b for t in pool.tables.values() for b in t}
+        assert len(held) == sum(len(t) for t in pool.tables.values()) - 3 * 5  # held once
+        c.batcher.sched.check()
+        while not all(r.done for r in reqs):
+            c.batcher.run_once()
+        for i, (p, pr) in enumerate(zip(prompts, progress)):
+            got = collect(iter(()), pr, len(p))
+            assert_same_run((got, np.stack(pr.logits)), want[i], f"request {i}")
+        assert pool.free_blocks == pool.num_blocks
+        c.batcher.sched.check()
