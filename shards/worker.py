@@ -470,16 +470,11 @@ class ShardServer:
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
             "kv_capacity_tokens": ex.kv.num_blocks * ex.kv.block if ex else 0,
             "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
-            "kv_blocks_held": self._blocks_held(), "slots": ex.kv.slots if ex else 0,
+            "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
             "kv_layout": self._kv_layout(),
             "transport_out": self.transport_kind, "protocol": PROTOCOL_VERSION,
         }
-
-    def _blocks_held(self) -> int:
-        """Distinct KV blocks the slots' tables name (a block shared by forked sequences once)."""
-        ex = self.executor
-        return len({b for t in ex.kv.tables for b in t}) if ex else 0
 
     def _kv_layout(self) -> dict[str, Any]:
         """What this shard's prefix-cache tensors are: K/V rows of `layers` layers, and on a
@@ -507,6 +502,7 @@ class ShardServer:
         if ex is None or self.out is None:
             raise ProtocolError("step before configure", "unexpected")
         segs, slots, rows = [], set(), 0
+        outside: list[str] = []  # segments whose rows their block table does not cover
         for i, seg in enumerate(msg["seqs"]):
             slot, pos, n, draft = seg["slot"], seg["pos"], seg["n"], seg["draft"]
             where = f"step: segment {i}"
@@ -552,9 +548,9 @@ class ShardServer:
                 raise ProtocolError(f"{where}: plp={str(plp)[:200]} is not {{targets: up to n "
                                     "token ids, k: 0..vocab, temperature: >= 0}")
             cap = self._check_blocks(ex.kv, slot, seg["blocks"], seg["copy"], where)
-            if pos + n > cap:
-                raise ProtocolError(f"{where}: rows {pos}..{pos + n} outside the slot's block "
-                                    f"table of {cap} rows (blocks={str(seg['blocks'])[:120]})")
+            if pos + n > cap:  # (reported after the step's other checks)
+                outside.append(f"{where}: rows {pos}..{pos + n} outside the slot's block table "
+                               f"of {cap} rows (blocks={str(seg['blocks'])[:120]})")
             slots.add(slot)
             rows += n
             feed = seg["feat"]
@@ -579,6 +575,8 @@ class ShardServer:
         elif tuple(x.shape) != (rows, self.cfg.hidden_size):
             raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
                                 f"({rows}, {self.cfg.hidden_size})")
+        if outside:
+            raise ProtocolError(outside[0])
         return segs
 
     @staticmethod

@@ -134,12 +134,10 @@ def test_bad_blocks_and_copies_are_refused_by_name(tiny_llama):
         want = c.generate(prompt, p).tokens
         greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
         cases = [
-            (segment(0, 0, 1, blocks={"at": 0, "ids": [40]}), "blocks ids must be block ids "
-             "0..39"),
+            (segment(0, 0, 1, blocks={"at": 0, "ids": [40]}), "blocks ids must be block ids 0..39"),
             (segment(0, 0, 1, blocks={"at": 0, "ids": [-1]}), "blocks ids must be block ids"),
             (segment(0, 0, 1, blocks={"at": 0, "ids": "x"}), "blocks ids must be block ids"),
-            (segment(0, 0, 1, blocks={"at": 5, "ids": [1]}), "blocks at=5 outside the slot's "
-             "table"),
+            (segment(0, 0, 1, blocks={"at": 5, "ids": [1]}), "blocks at=5 outside the slot's"),
             (segment(0, 0, 1, blocks={"at": 0, "ids": [1, 1]}), "list a block twice"),
             (segment(0, 0, 1, blocks={"at": 0}), "blocks has fields ['at'], expected at and ids"),
             (segment(0, 0, 1, blocks={"at": 0, "ids": list(range(17))}),
