@@ -89,10 +89,13 @@ class PagedKVCache:
     def set_table(self, slot: int, at: int, ids: Sequence[int]) -> None:
         """Entries [at, at + len(ids)) of the slot's table become `ids`; the table ends there
         (at = 0: a new sequence's table)."""
-        table = self.tables[slot][:at] + list(ids)
-        self.tables[slot] = table
-        row = table + [self.num_blocks] * (self.max_blocks + 1 - len(table))
-        self.table[slot].copy_(to_device(row, self.table.device))  # (no host sync on a GPU)
+        old = len(self.tables[slot])
+        self.tables[slot] = self.tables[slot][:at] + list(ids)
+        end = at + len(ids)
+        if ids:  # only the entries that change (a long table grows a block at a time)
+            self.table[slot, at:end].copy_(to_device(list(ids), self.table.device))
+        if old > end:
+            self.table[slot, end:old].fill_(self.num_blocks)
 
     def copy_blocks(self, pairs: Sequence[Sequence[int]]) -> None:
         """Copy block src to block dst in every layer, for each [src, dst] (copy on write)."""
