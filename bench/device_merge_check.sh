@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 echo "=== gpu tests ($(date +%T))"
-timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider \
+timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/gpu tests/shards/test_paged_gpu.py -p no:cacheprovider \
   -o addopts="" 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
 echo "=== moe ($(date +%T))"
 timeout "${MOE_S:-330}" python3 bench/moe.py --device cuda:0 --streams 8,32 \

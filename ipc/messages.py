@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 9  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 10  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -21,7 +21,9 @@ PROTOCOL_VERSION = 9  # 2: speculative decoding; 3: batched steps (several seque
 # the step's rows, which go before the verdict is known; 8: cache tensors streamed over the
 # channel (snap_save / snap_load `stream`, saved `names` + frames) for shards without the file;
 # logprobs and logits processors (sample `lp`, `bias`, `rep`, `mask`; segment `plp`; outcome
-# `lp`, `plp`); 9: a grammar's mask sent after its step (sample `late_mask`, message `mask`)
+# `lp`, `plp`); 9: a grammar's mask sent after its step (sample `late_mask`, message `mask`);
+# 10: paged KV (configure `kv_block`, `kv_blocks`; segment, snap_restore and snap_load `blocks`;
+# segment `copy`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -38,8 +40,11 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "welcome": {"index": (int,), "layers": (list,), "device": (str,), "pid": (int,),
                 "host": (str,)},
     # coordinator -> shard setup
+    # `kv_block` tokens per KV block, `kv_blocks` blocks in each shard's pool (the same number
+    # on every shard: block ids are global, `runtime.block_manager`)
     "configure": {"session": (bytes,), "next": (dict, NoneType), "max_context": (int,),
-                  "max_step_tokens": (int,), "slots": (int,), "transport": (str,)},
+                  "max_step_tokens": (int,), "slots": (int,), "transport": (str,),
+                  "kv_block": (int,), "kv_blocks": (int,)},
     "configured": {"info": (dict,)},
     # upstream shard -> downstream shard: set up the activation transport of this edge
     "link": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
@@ -56,13 +61,15 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "mask": {"sid": (int,), "seg": (int,), "mask": (bytes, NoneType)},
     # prefix cache (coordinator -> shard; `ok` / `saved` back)
     "snap_take": {"entry": (int,), "slot": (int,), "start": (int,), "end": (int,)},
-    "snap_restore": {"entries": (list,), "slot": (int,)},
+    # `blocks` (snap_restore, snap_load): the slot's block table entries, as a segment's
+    "snap_restore": {"entries": (list,), "slot": (int,), "blocks": (dict, NoneType)},
     "snap_drop": {"entries": (list,)},
     # `stream`: the shard cannot reach the cache file (another host, or a filesystem of its
     # own): a save sends its tensors back as `saved`'s frames, one per `names` entry, for the
     # coordinator to write; a load gets them as frames, one per item, read by the coordinator
     "snap_save": {"entry": (int,), "path": (str,), "items": (list,), "stream": (bool,)},
-    "snap_load": {"path": (str,), "slot": (int,), "items": (list,), "stream": (bool,)},
+    "snap_load": {"path": (str,), "slot": (int,), "items": (list,), "stream": (bool,),
+                  "blocks": (dict, NoneType)},
     "ok": {"info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},
@@ -127,7 +134,13 @@ SEGMENT: dict[str, tuple[type, ...]] = {
     "slot": (int,), "pos": (int,), "n": (int,), "sample": (dict, NoneType), "logits": (bool,),
     "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
     "kept": (list, NoneType), "then": (dict, NoneType), "ask": (dict, NoneType),
-    "asked": (dict, NoneType), "plp": (dict, NoneType)}
+    "asked": (dict, NoneType), "plp": (dict, NoneType), "blocks": (dict, NoneType),
+    "copy": (list, NoneType)}
+# `blocks`: None, or {at, ids}: before the segment runs, entries [at, at + len(ids)) of its slot's
+# block table become `ids` and the table ends there (at = 0: a new sequence's table); the table
+# travels with the step, so each shard has it before the step reaches it. `copy`: None, or
+# [[src, dst], ...]: blocks copied (in every layer) before the segment runs (copy on write of a
+# forked sequence's last shared block, `runtime.block_manager.BlockManager.fork`)
 # `plp`: {targets, k, temperature}: the logprobs of a prompt chunk's next tokens (`targets`: the
 # token after each of its first len(targets) rows), for a request that echoes its prompt with
 # logprobs; the sample dict's optional fields (`lp`, `bias`, `rep`, `mask`) are described in
@@ -231,11 +244,12 @@ def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: boo
             draft: list[int] | None = None, feat: int | None = None,
             tree: list[int] | None = None, kept: list[int] | None = None,
             then: dict | None = None, ask: dict | None = None,
-            plp: dict | None = None) -> dict[str, Any]:
+            plp: dict | None = None, blocks: dict | None = None,
+            copy: list | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
             "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then, "ask": ask,
-            "asked": None, "plp": plp}
+            "asked": None, "plp": plp, "blocks": blocks, "copy": copy}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

@@ -12,6 +12,13 @@ prefills chunk k while shard i+1 prefills chunk k-1).
 Every shard takes steps in the order they were sent, so a sequence's steps reach each shard in
 order, and a slot is handed to the next request only when no step of its last owner is still
 in flight.
+
+KV blocks: before a step goes out, each of its sequences' block tables grows to cover the rows
+the step writes (`Scheduler.grow`). When the pool is full, the youngest running sequence with
+no step in flight is preempted: its program is closed, its slot and blocks are free at once,
+and it waits at the head of the queue to run again from its prompt and the tokens it
+generated (`Request.make` starts it again from those: a re-prefill, from the prefix cache
+where it holds them), so it yields the tokens an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ class Request:
 
     rid: int
     prompt_tokens: int
-    make: Callable[[int], Program]  # slot -> the sequence's program
+    make: Callable[[int], Program]  # slot -> the sequence's program (from its prompt and the
+    # tokens it generated so far: a preempted sequence starts again with it)
     out: OutputStream  # stop rules and text of its tokens
     deltas: deque[Delta] = dataclasses.field(default_factory=deque)  # text not yet taken
     done: bool = False
@@ -53,6 +61,13 @@ class Request:
     in_flight: int = 0  # its steps in the chain
     waits: int | None = None  # the step whose output its program waits for
     feed: int | None = None  # its draft context, when its segments feed the draft process
+    preempted: int = 0  # times its blocks were taken back
+    prompt: list[int] | None = None  # its tokens, when it may share a live prefix's blocks
+    cuts: list[int] = dataclasses.field(default_factory=list)  # its prompt's chunk boundaries
+    prefilled: int = 0  # prompt rows whose KV the steps sent so far write (or a restore did)
+    shared: int = 0  # prompt rows it took from another live sequence's blocks
+    base_tokens: int = 0  # its prompt's tokens (prompt_tokens adds those generated when it is
+    # preempted)
 
 
 @dataclasses.dataclass(slots=True)
@@ -61,6 +76,8 @@ class BatchStats:
     segments: int = 0  # sequences' segments in them
     widest: int = 0  # most segments in one step
     most_in_flight: int = 0  # most steps in the chain at once
+    preemptions: int = 0  # sequences whose blocks were taken back (they run again)
+    shared_tokens: int = 0  # prompt rows new sequences took from live ones' blocks
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,11 +96,16 @@ class Batcher:
         self._ids = itertools.count(1)
         self.stats = BatchStats()
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
+        self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
-               out: OutputStream) -> Request:
-        req = Request(next(self._ids), prompt_tokens, make, out)
+               out: OutputStream, prompt: list[int] | None = None,
+               cuts: list[int] | None = None) -> Request:
+        """Queue a request; with its `prompt` and the prompt's chunk boundaries `cuts`, it may
+        start with the blocks of a live sequence that prefilled the same first tokens."""
+        req = Request(next(self._ids), prompt_tokens, make, out, base_tokens=prompt_tokens,
+                      prompt=prompt, cuts=cuts or [])
         if out.finished:  # nothing to generate (max_tokens 0)
             self._end(req, admitted=False)
             return req
@@ -132,6 +154,7 @@ class Batcher:
             if req is None:  # every request failed meanwhile (the runtime went down)
                 continue
             req.slot = slot
+            self._share(req)
             try:
                 req.program = req.make(slot)
             except BaseException as e:  # noqa: BLE001 - this request fails, the rest go on
@@ -200,7 +223,9 @@ class Batcher:
         chosen = self.sched.plan([Ready(r.rid, r.pending.rows,
                                         r.pending.sample is not None and r.pending.wait)
                                   for r in ready])
-        reqs = [by_rid[rid] for rid in chosen]
+        reqs = self._reserve([by_rid[rid] for rid in chosen])
+        if not reqs:
+            return
         try:
             sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs])
         except ShardFailure as e:
@@ -219,13 +244,98 @@ class Batcher:
         for r in reqs:
             step, r.pending = r.pending, None
             r.in_flight += 1
-            self.sched.grow(r.rid, step.pos + step.rows)
+            if r.prompt is not None and step.pos + step.rows <= len(r.prompt):
+                r.prefilled = step.pos + step.rows  # (a prefill chunk: prompt rows)
             if step.wait:
                 r.waits = sid
             else:
                 self._advance(r, None)
             if step.error is not None:  # its grammar mask failed: the sequence fails
                 self._fail(r, step.error)
+
+    # ---- KV blocks ----------------------------------------------------------------------------
+    def _reserve(self, reqs: list[Request]) -> list[Request]:
+        """Grow each sequence's block table to cover its step, oldest first; the ones the pool
+        cannot take now wait. When the pool is full, the youngest running sequence with no
+        step in flight is preempted (possibly the one asking); a sequence that alone cannot
+        fit the pool fails."""
+        out: list[Request] = []
+        for r in reqs:
+            need = r.pending.pos + r.pending.rows
+            while not self.sched.can_grow(r.rid, need):
+                victim = self._victim(out)
+                if victim is None or (victim is r and not self._others_hold_blocks(r)):
+                    break
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r.program is None or r.done or r.rid not in self.sched.running:
+                continue  # preempted
+            if not self.sched.can_grow(r.rid, need):
+                if not self._others_hold_blocks(r):
+                    self._fail(r, MemoryError(
+                        f"the KV pool ({self.sched.total_blocks} blocks of "
+                        f"{self.sched.config.block_tokens} tokens) cannot hold this sequence's "
+                        f"{need} tokens: raise kv_blocks or kv_cache_gb, or lower max_context"))
+                continue  # waits for blocks (held by sequences with steps in flight)
+            self.sched.grow(r.rid, need)
+            out.append(r)
+        return out
+
+    def _share(self, req: Request) -> None:
+        """Prefix sharing between live sequences: a new sequence whose prompt starts with rows a
+        running one has prefilled (or restored) takes their blocks by reference (the partial
+        last one copied) and prefills only the rest. Only up to a chunk boundary of its prompt
+        and within the other's prefill, so the rows are exactly the ones it would compute: a
+        row's value depends on its chunk, and chunk boundaries on the tokens alone."""
+        if not self.share_prefixes or req.prompt is None:
+            return
+        best, src = 0, None
+        for run in self.sched.running.values():
+            other = self.requests.get(run.rid)
+            if other is None or other is req or other.prompt is None or other.program is None:
+                continue
+            n = min(other.prefilled, len(req.prompt) - 1)
+            common = next((i for i in range(n) if req.prompt[i] != other.prompt[i]), n)
+            cut = max((c for c in req.cuts if c <= common), default=0)
+            if cut > best:
+                best, src = cut, other
+        if src is not None and best >= self.sched.config.block_tokens:
+            self.sched.share(req.rid, src.slot, best)
+            req.shared = req.prefilled = best
+            self.stats.shared_tokens += best
+
+    def _others_hold_blocks(self, r: Request) -> bool:
+        return any(rid != r.rid and run.blocks for rid, run in self.sched.running.items())
+
+    def _victim(self, keep: list[Request]) -> Request | None:
+        """The youngest running sequence that can be preempted now (no step in flight, none
+        waited for, not in `keep`)."""
+        order = sorted(self.sched.running.values(), key=lambda x: -x.order)
+        for run in order:
+            r = self.requests.get(run.rid)
+            if r is not None and r not in keep and r.in_flight == 0 and r.waits is None \
+                    and not r.done and r.program is not None:
+                return r
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Take back the sequence's slot and blocks; it runs again from its prompt and the
+        tokens it generated, ahead of the requests that wait."""
+        prog, req.program, req.pending = req.program, None, None
+        try:
+            prog.close()  # its cleanup (draft context, cache pins) runs now
+        except BaseException as e:  # noqa: BLE001 - reported, the request goes on
+            log.warning("request %d: cleanup on preemption failed: %s", req.rid, e)
+        req.preempted += 1
+        self.stats.preemptions += 1
+        req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
+        if req.prompt is not None:  # it runs again from these tokens
+            req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
+        req.prefilled = req.shared = 0
+        log.info("request %d preempted (KV pool full): it runs again from %d tokens", req.rid,
+                 req.prompt_tokens)
+        self.sched.requeue(req.rid, req.prompt_tokens)
 
     def _dispatch(self, sid: int) -> None:
         step = self.steps.pop(sid, None)

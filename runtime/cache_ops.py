@@ -271,8 +271,9 @@ class CacheManager:
         `context`, when given)."""
         if not run:
             return True
-        msg = message("snap_restore", entries=[e.ram_id for e in run], slot=slot)
-        draft = None if context is None else {**msg, "slot": context}
+        msg = message("snap_restore", entries=[e.ram_id for e in run], slot=slot,
+                      blocks=self.coord.batcher.sched.table_update(slot))
+        draft = None if context is None else {**msg, "slot": context, "blocks": None}
         replies = self.coord.call_all(lambda sh: msg, draft=draft)
         return draft is not None and any(r["_shard"] < 0 for r in replies)
 
@@ -302,7 +303,8 @@ class CacheManager:
                               "start": e.start, "end": e.length,
                               "checksum": layout.checksums[name]})
             stream = self.coord.shards[sh_index].streams_cache
-            msg = message("snap_load", path=str(e.path), slot=slot, items=items, stream=stream)
+            msg = message("snap_load", path=str(e.path), slot=slot, items=items, stream=stream,
+                          blocks=None)
             if stream:  # the shard gets the bytes, read here (checked there against checksums)
                 try:
                     msg = (msg, read_items(e.path, items))
@@ -315,13 +317,16 @@ class CacheManager:
         if feat is not None and self.coord.draft is not None:
             stream = self.coord.draft.streams_cache  # (a draft on another node)
             draft = message("snap_load", path=str(e.path), slot=context, items=[feat],
-                            stream=stream)
+                            stream=stream, blocks=None)
             if stream:
                 try:
                     draft = (draft, read_items(e.path, [feat]))
                 except OSError as err:
                     self._bad(e, str(err))
                     return False, False
+        blocks = self.coord.batcher.sched.table_update(slot)  # (every shard's message has it)
+        for m in msgs.values():
+            (m[0] if isinstance(m, tuple) else m)["blocks"] = blocks
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)
         errors = [r["info"]["error"] for r in replies
                   if "error" in r["info"] and r["_shard"] >= 0]

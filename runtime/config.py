@@ -53,10 +53,16 @@ class RuntimeConfig:
     weights: tuple[float, ...] | None = _field(None, "relative share of layers per shard")
     dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 on CPU, "
                                 "bfloat16 on GPU")
-    max_context: int = _field(4096, "tokens of KV cache per sequence (prompt + output)")
+    max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
+                                    "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
-    max_seqs: int = _field(8, "sequences decoded at once (KV slots of max_context tokens each); "
+    max_seqs: int = _field(8, "sequences decoded at once (they share the KV pool); "
                               "generate uses 1 unless set")
+    kv_block: int = _field(16, "tokens per block of the paged KV pool")
+    kv_blocks: int = _field(0, "blocks in each shard's KV pool (the same on every shard); "
+                               "0 = from kv_cache_gb, or max_seqs x max_context tokens")
+    kv_cache_gb: float = _field(0.0, "GiB of KV pool per shard (each shard's pool holds as many "
+                                     "blocks as the most loaded shard fits); 0 = unset")
     micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
                                    "once; 0 = auto (the number of shards); at most max_seqs "
                                    "and 4")
@@ -149,6 +155,13 @@ class RuntimeConfig:
             raise ConfigError(f"chat_template={self.chat_template}: no such file")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs={self.max_logprobs}: must be at least 0")
+        if not 1 <= self.kv_block <= 4096:
+            raise ConfigError(f"kv_block={self.kv_block}: use 1..4096 tokens")
+        if self.kv_blocks < 0 or self.kv_cache_gb < 0:
+            raise ConfigError(f"kv_blocks={self.kv_blocks}, kv_cache_gb={self.kv_cache_gb}: "
+                              "must be >= 0 (0 = unset)")
+        if self.kv_blocks and self.kv_cache_gb:
+            raise ConfigError("set kv_blocks or kv_cache_gb, not both")
         if not 1 <= self.max_seqs <= 512:
             raise ConfigError(f"max_seqs={self.max_seqs}: use 1..512")
         if not 0 <= self.micro_batches <= 4:

@@ -8,6 +8,7 @@ shard; it never relays activations. It knows of tensors only what the shards rep
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import shutil
@@ -51,6 +52,7 @@ from layersplit.runtime.generate import (
     collect,
     sequence_program,
 )
+from layersplit.runtime.kv_pool import kv_pool_blocks
 from layersplit.runtime.model_store import resolve_draft, resolve_model
 from layersplit.runtime.placement import (
     Placement,
@@ -208,6 +210,7 @@ class Coordinator:
         threads = cfg.threads or (max(1, (os.cpu_count() or 1) // max(local_cpu, 1))
                                   if local_cpu else None)
         t0 = time.perf_counter()
+        itemsize = 4 if self.dtype == "float32" else 2
         try:
             # (under Ray every process gets `threads` or 1, as its bundle has CPUs)
             ray_shards = self._start_ray(t0, cfg.threads or 1) if cfg.launcher == "ray" else []
@@ -258,6 +261,9 @@ class Coordinator:
             max_step = (max(cfg.prefill_chunk, 1) + cfg.max_seqs * block
                         + min(max(cfg.spec_max_seqs, 1), cfg.max_seqs) * extra)
             first, last = self.shards[0], self.shards[-1]
+            self.kv_blocks = kv_pool_blocks(cfg, self.model_config, self.placement, itemsize)
+            log.info("KV pool: %d blocks of %d tokens per shard (%d tokens in all sequences)",
+                     self.kv_blocks, cfg.kv_block, self.kv_blocks * cfg.kv_block)
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
@@ -281,7 +287,7 @@ class Coordinator:
                 reply = self._call(sh, message(
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=cfg.max_seqs, transport=transport,
-                    index=sh.index,
+                    kv_block=cfg.kv_block, kv_blocks=self.kv_blocks, index=sh.index,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                     torch_compile=cfg.torch_compile,
                     cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
@@ -306,8 +312,10 @@ class Coordinator:
                 self.cache = CacheManager(self)
             groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)
             self.batcher = Batcher(self, SchedulerConfig(
-                slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=max(self.chunk, 1),
-                micro_batches=groups, step_tokens=max_step))
+                slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=cfg.kv_block,
+                micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks))
+            # a hybrid model's sequence is also its recurrent state, which blocks do not hold
+            self.batcher.share_prefixes = self.model_config.hybrid is None
         except BaseException:
             self.close()
             raise
@@ -876,6 +884,7 @@ class Coordinator:
         self._drain()
         sid = self._new_sid()
         wire, ids, late = [], [], []
+        sched = self.batcher.sched
         for k, (slot, r, feed) in enumerate(segs):
             feed = feed if self.feeding else None
             extra = r.extra
@@ -892,7 +901,7 @@ class Coordinator:
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
-                                r.plp))
+                                r.plp, sched.table_update(slot), sched.copy_update(slot)))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -921,6 +930,10 @@ class Coordinator:
                           None if draft is None else list(draft),
                           tree=None if tree is None else list(tree),
                           kept=None if kept is None else list(kept))
+        try:  # (a slot driven here, outside admission: its table grows as it goes)
+            self.batcher.sched.hold_slot(slot, pos + req.rows, new=pos == 0)
+        except MemoryError as e:
+            raise ValueError(f"step at {pos} of slot {slot}: {e}") from None
         sid = self.send_step([(slot, req, 0 if self.feeding else None)])
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
@@ -1037,9 +1050,21 @@ class Coordinator:
                          ", ".join(decoding.processors))
             speculative = False
         holder: list[Request] = []
-        req = self.batcher.submit(len(prompt), lambda slot: self._program(
-            holder[0], prompt, params, progress, use_cache, speculative, slot, decoding),
-            OutputStream(self.tokenizer, params, self.eos_ids, progress))
+        seed = params.seed if params.seed is not None else new_seed()  # (kept on preemption)
+
+        def make(slot: int) -> Program:
+            """The sequence's program from its prompt and what it generated so far (a
+            preempted sequence runs again from both: `runtime.batching`)."""
+            done = list(progress.generated)
+            dec = decoding
+            if done and dec is not None and dec.prompt_logprobs is not None:
+                dec = dataclasses.replace(dec, prompt_logprobs=None)  # (sent already)
+            return self._program(holder[0], prompt + done, params, progress, use_cache,
+                                 speculative, slot, dec, seed, holder[0].shared)
+
+        req = self.batcher.submit(len(prompt), make,
+                                  OutputStream(self.tokenizer, params, self.eos_ids, progress),
+                                  prompt, cut_points(prompt, self.chunk, self.eos_ids))
         holder.append(req)
         return req
 
@@ -1067,12 +1092,14 @@ class Coordinator:
 
     def _program(self, req: Request, prompt: list[int], params: SamplingParams,
                  progress: Progress, use_cache: bool, speculative: bool | None,
-                 slot: int, decoding: Decoding | None = None) -> Program:
+                 slot: int, decoding: Decoding | None = None,
+                 seed: int | None = None, shared: int = 0) -> Program:
         """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
         it already; a feeding sequence sends the draft its rows, in its slot."""
-        seed = params.seed if params.seed is not None else new_seed()
+        if seed is None:
+            seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
         # with its own draft context, in its slot; one asked not to speculate still feeds it,
         # so its cache entries carry feature rows); the others decode plainly in the same steps
@@ -1093,7 +1120,13 @@ class Coordinator:
             cache = self.cache if use_cache else None
             restored = Restored()
             points: list[int] = []
-            if cache is not None:
+            if shared:  # rows [0, shared) are another live sequence's blocks (`runtime.batching`)
+                restored = Restored(length=shared, features=False)
+            if cache is not None and shared:
+                cuts = cut_points(prompt, self.chunk, self.eos_ids)
+                last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
+                points = sorted({p for p in (last_cut, len(prompt)) if p > shared})
+            elif cache is not None:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
                 restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
                 progress.cached_tokens, progress.cache_tier = restored.length, restored.tier

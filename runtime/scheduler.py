@@ -1,11 +1,16 @@
 """Which requests hold KV-cache slots, and which sequences go into each step: pure bookkeeping,
 no tensors, no processes (`runtime.batching` drives it).
 
-- **Slots and blocks.** Each shard's KV cache holds `slots` sequences of up to `slot_tokens`
-  rows. A running sequence holds one slot and the KV blocks (`block_tokens` rows each) its
-  tokens fill; rows a prefix-cache restore put into the slot are the sequence's own blocks,
-  counted once, like the rows it computes. A request is admitted, first come first served,
-  when a slot and the blocks of its prompt are free.
+- **Slots and blocks.** Each shard's KV cache is a pool of `num_blocks` blocks of
+  `block_tokens` rows (`runtime.block_manager`, the same block ids on every shard); `slots`
+  only bounds how many sequences run at once, and `slot_tokens` (max_context) how long one may
+  grow. A running sequence holds one slot and a block table covering the rows it has reached;
+  rows a prefix-cache restore put into the slot are its own blocks, like the rows it computes.
+  A request is admitted, first come first served, when a slot and the blocks of its whole
+  prompt are free (a chunked prefill then never runs out); a decode or verify step grows the
+  table first (`grow`), and when the pool is full the driver preempts a sequence
+  (`runtime.batching`). The shards learn each table from the messages that use it
+  (`table_update`).
 - **Micro-batches.** Slots are split into `micro_batches` contiguous groups; a sequence runs in
   the group of its slot. The driver keeps one step of each group in flight, so with N groups
   shard i works on group k's step while shard i+1 works on group k-1's. New sequences go to the
@@ -22,6 +27,13 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Hashable, Sequence
+from typing import Any
+
+from layersplit.runtime.block_manager import BlockManager
+
+
+class PoolFull(RuntimeError):
+    """The KV pool has too few free blocks for a grow (nothing changed)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,9 +43,11 @@ class SchedulerConfig:
     block_tokens: int  # KV accounting granularity
     micro_batches: int
     step_tokens: int  # rows one step may carry
+    num_blocks: int | None = None  # blocks in the KV pool; None: slots x blocks_per_slot
 
     def __post_init__(self) -> None:
-        if self.slots < 1 or self.slot_tokens < 1 or self.block_tokens < 1:
+        if self.slots < 1 or self.slot_tokens < 1 or self.block_tokens < 1 or \
+                (self.num_blocks is not None and self.num_blocks < 1):
             raise ValueError(f"scheduler: bad sizes {self}")
         if not 1 <= self.micro_batches <= self.slots:
             raise ValueError(f"micro_batches={self.micro_batches} must be 1..slots ({self.slots})")
@@ -43,6 +57,11 @@ class SchedulerConfig:
     @property
     def blocks_per_slot(self) -> int:
         return -(-self.slot_tokens // self.block_tokens)
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.num_blocks if self.num_blocks is not None else \
+            self.slots * self.blocks_per_slot
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,15 +80,16 @@ class Running:
     slot: int
     group: int
     order: int  # admission order (oldest first)
-    blocks: int = 0
+    blocks: int = 0  # blocks in its table
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         c = config
-        self.total_blocks = c.slots * c.blocks_per_slot
-        self.free_blocks = self.total_blocks
+        self.pool = BlockManager(c.pool_blocks, c.block_tokens)  # tables keyed by slot
+        self.sent: dict[int, int] = {}  # slot -> table entries the shards were sent
+        self.copies: dict[int, list[list[int]]] = {}  # slot -> block copies not sent yet
         bounds = [g * c.slots // c.micro_batches for g in range(c.micro_batches + 1)]
         self.group_slots = [range(bounds[g], bounds[g + 1]) for g in range(c.micro_batches)]
         self.free_slots: list[list[int]] = [list(r) for r in self.group_slots]
@@ -84,6 +104,10 @@ class Scheduler:
         if not 0 < prompt_tokens <= self.config.slot_tokens:
             raise ValueError(f"request {rid!r}: a prompt of {prompt_tokens} tokens does not fit "
                              f"a slot of {self.config.slot_tokens}")
+        if self._blocks(prompt_tokens) > self.total_blocks:
+            raise ValueError(f"request {rid!r}: a prompt of {prompt_tokens} tokens does not fit "
+                             f"the KV pool of {self.total_blocks} blocks of "
+                             f"{self.config.block_tokens} tokens")
         self.waiting.append((rid, prompt_tokens))
 
     def admit(self) -> list[tuple[Hashable, int]]:
@@ -101,9 +125,18 @@ class Scheduler:
             slot = self.free_slots[group].pop(0)
             self.running[rid] = Running(rid, slot, group, self._order)
             self._order += 1
+            self.pool.free(slot)  # (a table `Coordinator.forward` left there)
+            self.sent.pop(slot, None)  # a new table: the next message for the slot sends it
             self._take(self.running[rid], need)
             admitted.append((rid, slot))
         return admitted
+
+    def requeue(self, rid: Hashable, tokens: int) -> None:
+        """A running sequence preempted: its slot and blocks are free at once, and it waits at
+        the head of the queue to run again from `tokens` tokens (its prompt and the tokens it
+        generated)."""
+        self.release(rid)
+        self.waiting.appendleft((rid, tokens))
 
     def _emptiest_group(self) -> int | None:
         best = None
@@ -113,6 +146,14 @@ class Scheduler:
         return best
 
     # ---- KV blocks ----------------------------------------------------------------------------
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free_blocks
+
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.config.block_tokens)
 
@@ -121,23 +162,74 @@ class Scheduler:
         if extra <= 0:
             return
         if blocks > self.config.blocks_per_slot or extra > self.free_blocks:
-            raise RuntimeError(f"request {r.rid!r}: {blocks} KV blocks exceed its slot or the "
-                               f"{self.free_blocks} free")
-        self.free_blocks -= extra
+            raise PoolFull(f"request {r.rid!r}: {blocks} KV blocks exceed its slot or the "
+                           f"{self.free_blocks} free")
+        self.pool.allocate(r.slot, blocks * self.config.block_tokens)
         r.blocks = blocks
 
+    def can_grow(self, rid: Hashable, tokens: int) -> bool:
+        """Whether the pool has the blocks for the sequence to reach `tokens` rows now."""
+        return self._blocks(tokens) - self.running[rid].blocks <= self.free_blocks
+
     def grow(self, rid: Hashable, tokens: int) -> None:
-        """The sequence's slot now holds `tokens` rows (restored and computed alike)."""
+        """The sequence's slot now holds `tokens` rows (restored and computed alike): its
+        table covers them (PoolFull, nothing changed, when the pool cannot)."""
         if tokens > self.config.slot_tokens:
             raise ValueError(f"request {rid!r}: {tokens} tokens exceed a slot of "
                              f"{self.config.slot_tokens}")
         self._take(self.running[rid], self._blocks(tokens))
 
+    def table_update(self, slot: int) -> dict[str, Any] | None:
+        """The entries of `slot`'s block table the shards were not sent yet, as a message's
+        `blocks` field ({at, ids}; at = 0 for a sequence new to the slot), or None; from now
+        on they count as sent (the caller sends them with its next message for the slot)."""
+        table = self.pool.tables.get(slot)
+        sent = self.sent.get(slot, 0)
+        if not table or (sent == len(table) and slot in self.sent):
+            return None
+        self.sent[slot] = len(table)
+        return {"at": sent, "ids": table[sent:]}
+
+    def hold_slot(self, slot: int, tokens: int, new: bool) -> None:
+        """A slot driven step by step outside admission (`Coordinator.forward`, traces and
+        tests): its table covers `tokens` rows (`new`: a new sequence starts in it)."""
+        if not 0 <= slot < self.config.slots or any(r.slot == slot
+                                                    for r in self.running.values()):
+            raise ValueError(f"slot {slot} is not free to drive by hand")
+        if tokens > self.config.slot_tokens:
+            raise ValueError(f"{tokens} tokens exceed max_context {self.config.slot_tokens}")
+        if new:
+            self.pool.free(slot)
+            self.sent.pop(slot, None)
+        self.pool.allocate(slot, tokens)
+
+    def share(self, rid: Hashable, src_slot: int, tokens: int) -> None:
+        """The just-admitted sequence `rid` starts with the first `tokens` rows of the sequence
+        in `src_slot` (the same tokens, already prefilled there): it shares their full blocks
+        and copies the partial last one (`copy_update`), instead of blocks of its own."""
+        r = self.running[rid]
+        if r.slot in self.sent or r.slot == src_slot:
+            raise ValueError(f"request {rid!r}: share only before its slot's first message")
+        self.pool.free(r.slot)
+        self.copies[r.slot] = [list(c) for c in self.pool.fork(src_slot, r.slot, tokens)]
+        self.pool.allocate(r.slot, r.blocks * self.config.block_tokens)
+
+    def copy_update(self, slot: int) -> list[list[int]] | None:
+        """The block copies the slot's next step must make first (a message's `copy`), or
+        None; from now on they count as sent."""
+        return self.copies.pop(slot, None) or None
+
+    def slot_tokens_held(self, slot: int) -> int:
+        """Rows the slot's table covers."""
+        return len(self.pool.tables.get(slot, ())) * self.config.block_tokens
+
     def release(self, rid: Hashable) -> None:
         """A sequence finished, failed or was cancelled (with no step of it in flight): its
         slot and blocks are free at once."""
         r = self.running.pop(rid)
-        self.free_blocks += r.blocks
+        self.pool.free(r.slot)
+        self.sent.pop(r.slot, None)
+        self.copies.pop(r.slot, None)
         free = self.free_slots[r.group]
         free.append(r.slot)
         free.sort()
@@ -180,5 +272,10 @@ class Scheduler:
         for r in self.running.values():
             assert r.slot in self.group_slots[r.group], "a sequence runs outside its group"
             assert 0 <= r.blocks <= self.config.blocks_per_slot
-        assert self.free_blocks + sum(r.blocks for r in self.running.values()) == \
-            self.total_blocks, "KV blocks leaked or double-counted"
+        held_blocks = {b for t in self.pool.tables.values() for b in t}
+        assert self.free_blocks + len(held_blocks) == self.total_blocks, \
+            "KV blocks leaked or double-counted"
+        self.pool.check_integrity()
+        assert set(self.pool.tables) <= set(held), "a block table outlived its sequence"
+        for r in self.running.values():
+            assert len(self.pool.tables.get(r.slot, ())) == r.blocks

@@ -19,12 +19,13 @@ from collections.abc import Sequence
 import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.graphs import StaticDecoder
-from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.layers.rotary import context_limit_error
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.models import LayerRange
+from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import sample_rows
 from layersplit.shards.spec_tree import depths, is_chain, kept_moves
 
@@ -51,7 +52,11 @@ class RangeExecutor:
     def __init__(
         self, model: LayerRange, max_len: int, slots: int = 1, device: torch.device | str = "cpu",
         static_decode: bool | None = None, graph_bucket: int = 256, taps: tuple[int, ...] = (),
+        paged: tuple[int, int] | None = None,
     ) -> None:
+        """`paged`: (blocks, block tokens): a paged KV pool (`shards.paged_kv`, a shard's),
+        whose slots' block tables the coordinator fills; None: a contiguous slot of `max_len`
+        rows per sequence (the reference engine's)."""
         self.model = model
         self.device = torch.device(device)
         cfg = model.cfg
@@ -60,15 +65,19 @@ class RangeExecutor:
         self.dtype = next(model.parameters()).dtype
         new_cache = getattr(model, "new_cache", None)  # a hybrid model's KV + state
         self.hybrid = new_cache is not None
+        self.paged = paged
         if self.hybrid:
-            self.kv: KVCache = new_cache(max_len, slots, self.device, self.dtype)
+            extra = {} if paged is None else {"paged": paged}
+            self.kv: KVCache | PagedKVCache = new_cache(max_len, slots, self.device, self.dtype,
+                                                        **extra)
             self.layout = self.kv.layout
             if getattr(model, "linear_layers", None):
                 log.info("layers %d:%d: gated delta rule on %s: %s", model.start, model.end,
                          self.device, describe_delta_rules(self.device))
         else:
             self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-            self.kv = KVCache(self.layout, max_len, slots, self.device)
+            self.kv = (KVCache(self.layout, max_len, slots, self.device) if paged is None else
+                       PagedKVCache(self.layout, max_len, slots, *paged, self.device))
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
@@ -88,7 +97,7 @@ class RangeExecutor:
         last row it kept made the live state."""
         if kept:
             self.kv.move_rows(slot, *kept_moves(pos, kept))
-        if isinstance(self.kv, HybridCache):
+        if isinstance(self.kv, HybridState):
             self.kv.settle(slot, pos, list(kept) if kept else None)
 
     @torch.inference_mode()
@@ -172,7 +181,7 @@ class RangeExecutor:
         chain = is_chain(tree)
         depth = list(range(x.shape[0])) if chain else depths(tree)
         outs, tapped, kept = [], [], []
-        hybrid = self.kv if isinstance(self.kv, HybridCache) else None
+        hybrid = self.kv if isinstance(self.kv, HybridState) else None
         states = []  # a hybrid model's state after each row
         for j, d in enumerate(depth):
             want = None if taps is None else dict.fromkeys(self.taps)
@@ -184,11 +193,9 @@ class RangeExecutor:
             if hybrid is not None:
                 states.append(hybrid.save(slot))
             if not chain:
-                kept.append((self.kv.k[:, slot, pos + d].clone(),
-                             self.kv.v[:, slot, pos + d].clone()))
+                kept.append(self.kv.get_rows(slot, [pos + d]))
         for j, (k, v) in enumerate(kept):
-            self.kv.k[:, slot, pos + j] = k
-            self.kv.v[:, slot, pos + j] = v
+            self.kv.set_rows(slot, [pos + j], k, v)
         if hybrid is not None:
             hybrid.keep_rows(slot, pos, states)
         if taps is not None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.attention import group_queries
+from layersplit.shards.paged_kv import PagedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +214,16 @@ class FusedDecode:
             rows, slot0, n_seqs = step.positions, step.lo, h.shape[0]
         if step.kv_len > kv.max_len:
             raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
+        tables = None
+        if isinstance(kv, PagedKVCache):  # each sequence's block table
+            tables = step.tables
+            if tables is None:
+                tables = kv.table[slot:slot + 1] if step.lo is None else kv.table[step.slots]
         attn = decode_attention(
             qkv, cos, sin, kv.k_store[index], kv.v_store[index], rows, slot0,
             step.mask_for(a.window), n_seqs, a.num_heads,
             None if a.q_norm is None else a.q_norm.weight,
-            None if a.k_norm is None else a.k_norm.weight, eps)
+            None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         weights = (a.o_proj.weight, layer.post_attention_layernorm.weight,

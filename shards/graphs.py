@@ -15,6 +15,12 @@ is a bucket (`batch_window`), the window's slots not in the batch are padding ro
 only the scratch row of their slot (`StepInfo.batched`). Positions are a device buffer, so one
 graph per (lo, Bp, KV-length bucket) serves every mix of positions in that bucket.
 
+Over a paged KV cache (`shards.paged_kv`, a shard's) the graphs do not depend on the slot: the
+step reads each sequence's block table from a static buffer (`StepInfo.tables`) filled before
+the replay, so one graph per (rows, KV-length bucket) serves every slot, and one per (padded
+batch size, KV-length bucket) every batch: the bucket bounds the blocks a step reads, and the
+batch is its sequences in any slots, padded with rows whose table is all scratch block.
+
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.
 """
@@ -29,6 +35,7 @@ from layersplit.shards.device import to_device
 from layersplit.shards.kv_cache import KVCache
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.models import LayerRange
+from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.spec_tree import ancestors, depths
 
 log = logging.getLogger(__name__)
@@ -79,11 +86,13 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 
 class StaticDecoder:
-    def __init__(self, model: LayerRange, kv: KVCache, bucket: int = 256,
+    def __init__(self, model: LayerRange, kv: KVCache | PagedKVCache, bucket: int = 256,
                  taps: tuple[int, ...] = ()) -> None:
         self.model, self.kv, self.bucket = model, kv, bucket
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
-        dev = kv.k.device
+        dev = kv.k_store.device
+        self.paged = isinstance(kv, PagedKVCache)
+        self.tables: dict[int, torch.Tensor] = {}  # paged: sequences -> static (S, W) buffer
         self.capture = dev.type == "cuda"
         self.inputs: dict[int, torch.Tensor] = {}  # rows -> static input buffer
         self.tree_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rows -> buffers
@@ -101,10 +110,10 @@ class StaticDecoder:
 
     def _zeros(self, n: int) -> torch.Tensor:
         """A static input buffer of n rows: token ids on the first range, else hidden rows."""
-        dev = self.kv.k.device
+        dev = self.kv.k_store.device
         if self.model.is_first:
             return torch.zeros(n, dtype=torch.long, device=dev)
-        return torch.zeros(n, self.model.cfg.hidden_size, dtype=self.kv.k.dtype, device=dev)
+        return torch.zeros(n, self.model.cfg.hidden_size, dtype=self.kv.k_store.dtype, device=dev)
 
     def _input(self, n: int) -> torch.Tensor:
         x = self.inputs.get(n)
@@ -116,7 +125,7 @@ class StaticDecoder:
         """The static (depth, ancestors) buffers of n-row verify steps."""
         bufs = self.tree_inputs.get(n)
         if bufs is None:
-            dev = self.kv.k.device
+            dev = self.kv.k_store.device
             bufs = self.tree_inputs[n] = (torch.zeros(n, dtype=torch.long, device=dev),
                                           torch.zeros(n, n, dtype=torch.bool, device=dev))
         return bufs
@@ -129,7 +138,7 @@ class StaticDecoder:
         if src is None:
             if len(self.trees) >= 64:
                 self.trees.clear()
-            dev = self.kv.k.device
+            dev = self.kv.k_store.device
             src = self.trees[key] = (torch.tensor(depths(key), device=dev),
                                      ancestors(key).to(dev))
         depth, anc = self._tree_input(n)
@@ -137,11 +146,22 @@ class StaticDecoder:
         anc.copy_(src[1])
         self.loaded[n] = key
 
+    def _tables(self, seqs: int) -> torch.Tensor:
+        """The static block-table buffer of steps over `seqs` sequences (paged)."""
+        t = self.tables.get(seqs)
+        if t is None:
+            t = self.tables[seqs] = torch.full((seqs, self.kv.table.shape[1]),
+                                               self.kv.num_blocks, dtype=torch.long,
+                                               device=self.kv.table.device)
+        return t
+
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
         if n > 1:
             step = StepInfo.static_tree(self.pos, *self._tree_input(n), kv_len)
         else:
             step = StepInfo.static(self.pos, n, kv_len)
+        if self.paged:
+            step.tables = self._tables(1)
         taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
         out = self.model(self._input(n), step, self.kv, slot, logit_rows=slice(0, n), taps=taps)
         return out, taps
@@ -159,12 +179,18 @@ class StaticDecoder:
         if n > 1:
             self._load_tree(n, parents)
         kv_len = self.kv_len(pos, n)
+        if self.paged:  # the slot's table into the graph's buffer: one graph for every slot
+            if pos + n > self.kv.capacity(slot):
+                raise IndexError(f"rows {pos}..{pos + n} outside slot {slot}'s block table of "
+                                 f"{self.kv.capacity(slot)} rows")
+            self._tables(1).copy_(self.kv.table[slot:slot + 1])
         if not self.capture:
             return self._step(slot, kv_len, n)
-        key = (slot, kv_len, n)
+        key = (-1 if self.paged else slot, kv_len, n)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = capture(lambda: self._step(slot, kv_len, n), self.pool)
+            entry = capture(lambda: self._step(-1 if self.paged else slot, kv_len, n),
+                            self.pool)
             log.debug("captured a %d-row step graph for layers %d:%d, %d keys", n,
                       self.model.start, self.model.end, kv_len)
             self.graphs[key] = entry
@@ -181,7 +207,10 @@ class StaticDecoder:
 
     def _batch_step(self, lo: int, bp: int, kv_len: int) -> torch.Tensor:
         x, positions = self._batch_input(bp)
-        return self.model(x, StepInfo.batched(positions, lo, kv_len), self.kv, lo)
+        step = StepInfo.batched(positions, lo, kv_len)
+        if self.paged:
+            step.tables = self._tables(bp)
+        return self.model(x, step, self.kv, lo)
 
     def _load_batch(self, x: torch.Tensor, slots: list[int], positions: list[int], lo: int,
                     bp: int) -> torch.Tensor:
@@ -190,7 +219,7 @@ class StaticDecoder:
         position, so they write only there."""
         buf, pos = self._batch_input(bp)
         order = to_device([s - lo for s in slots], buf.device)
-        padded = [self.kv.max_len] * bp
+        padded = [self.kv.scratch_pos] * bp
         for s, p in zip(slots, positions):
             padded[s - lo] = p
         pos.copy_(to_device(padded, pos.device))
@@ -211,8 +240,19 @@ class StaticDecoder:
             raise ValueError(f"{x.shape[0]} rows, {len(slots)} slots, {len(positions)} positions")
         if not all(0 <= p < self.kv.max_len for p in positions):
             raise ValueError(f"positions {positions} outside the context of {self.kv.max_len}")
-        lo, bp = batch_window(slots, self.kv.slots)
-        order = self._load_batch(x, slots, positions, lo, bp)
+        if self.paged:  # rows 0..B-1 of the batch, any slots: their tables into the buffer
+            if len(set(slots)) != len(slots) or any(p >= self.kv.capacity(s)
+                                                    for s, p in zip(slots, positions)):
+                raise ValueError(f"slots {slots} repeated, or positions {positions} outside "
+                                 "their block tables")
+            lo, bp = 0, batch_bucket(len(slots))
+            order = self._load_batch(x, list(range(len(slots))), positions, lo, bp)
+            tables = self._tables(bp)
+            tables.fill_(self.kv.num_blocks)
+            tables[:len(slots)] = self.kv.table[to_device(slots, tables.device)]
+        else:
+            lo, bp = batch_window(slots, self.kv.slots)
+            order = self._load_batch(x, slots, positions, lo, bp)
         kv_len = self.kv_len(max(positions))
         if not self.capture:
             return self._batch_step(lo, bp, kv_len)[order]

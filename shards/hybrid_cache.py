@@ -1,8 +1,8 @@
 """Per-slot state of a hybrid layer range: the KV cache of its full-attention layers and the conv
 and recurrent state of its linear-attention (Gated DeltaNet) layers.
 
-`HybridCache` is a `KVCache` over the range's attention layers (index = the attention layer's
-rank within the range), plus
+`HybridCache` is a `KVCache` (`PagedHybridCache` a `PagedKVCache`, in a shard) over the range's
+attention layers (index = the attention layer's rank within the range), plus
 - `conv`:  (linear layers, slots, conv_dim, K - 1), in the model dtype;
 - `state`: (linear layers, slots, Hv, Dk, Dv), float32 always (it accumulates over the whole
   sequence);
@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import torch
 from layersplit.shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.paged_kv import PagedKVCache
 
 
-class HybridCache(KVCache):
-    def __init__(
-        self,
-        layout: KVLayout,
-        max_len: int,
-        slots: int,
-        device: torch.device | str,
-        linear_layers: int,
-        conv_shape: tuple[int, int],
-        state_shape: tuple[int, int, int],
-    ) -> None:
-        super().__init__(layout, max_len, slots, device)
+class HybridState:
+    """The conv and recurrent states of a hybrid range's linear-attention layers, per slot
+    (mixed into a KV cache class: `HybridCache`, `PagedHybridCache`)."""
+
+    slots: int
+
+    def _init_state(self, layout: KVLayout, device: torch.device | str, linear_layers: int,
+                    conv_shape: tuple[int, int], state_shape: tuple[int, int, int]) -> None:
+        slots = self.slots
         self.conv = torch.zeros((linear_layers, slots, *conv_shape), dtype=layout.dtype,
                                 device=device)
         self.state = torch.zeros((linear_layers, slots, *state_shape), dtype=torch.float32,
@@ -41,8 +39,8 @@ class HybridCache(KVCache):
         self.pending: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     @property
-    def nbytes(self) -> int:
-        return super().nbytes + sum(t.numel() * t.element_size() for t in (self.conv, self.state))
+    def state_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.state))
 
     def reset(self, slot: int) -> None:
         """The state of an empty prefix."""
@@ -80,3 +78,27 @@ class HybridCache(KVCache):
             raise ValueError(f"a step at {pos} after a verify step of {len(rows)} rows at {at}")
         last = kept[-1] if kept else accepted
         self.load(slot, rows[last])
+
+
+class HybridCache(HybridState, KVCache):
+    def __init__(self, layout: KVLayout, max_len: int, slots: int, device: torch.device | str,
+                 linear_layers: int, conv_shape: tuple[int, int],
+                 state_shape: tuple[int, int, int]) -> None:
+        KVCache.__init__(self, layout, max_len, slots, device)
+        self._init_state(layout, device, linear_layers, conv_shape, state_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return KVCache.nbytes.fget(self) + self.state_nbytes
+
+
+class PagedHybridCache(HybridState, PagedKVCache):
+    def __init__(self, layout: KVLayout, max_len: int, slots: int, num_blocks: int, block: int,
+                 device: torch.device | str, linear_layers: int, conv_shape: tuple[int, int],
+                 state_shape: tuple[int, int, int]) -> None:
+        PagedKVCache.__init__(self, layout, max_len, slots, num_blocks, block, device)
+        self._init_state(layout, device, linear_layers, conv_shape, state_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return PagedKVCache.nbytes.fget(self) + self.state_nbytes

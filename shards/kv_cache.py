@@ -96,6 +96,23 @@ class KVCache:
         self.k[:, slot, d] = self.k[:, slot, s]
         self.v[:, slot, d] = self.v[:, slot, s]
 
+    @property
+    def scratch_pos(self) -> int:
+        """A position whose row is the scratch row (a batched step's padding rows)."""
+        return self.max_len
+
+    def get_rows(self, slot: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions `rows` of every layer: (layers, len(rows), G, D) copies."""
+        return self.k[:, slot, rows].clone(), self.v[:, slot, rows].clone()
+
+    def set_rows(self, slot: int, rows: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[:, slot, rows] = k
+        self.v[:, slot, rows] = v
+
+    def snapshot_rows(self) -> dict[str, torch.Tensor]:
+        """The cache's K and V as the prefix cache's position-indexed tensors."""
+        return {"k": self.k, "v": self.v}
+
     def rows(self, layer: int, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads, head_dim)."""
         return self.k[layer, slot, start:end], self.v[layer, slot, start:end]

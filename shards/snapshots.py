@@ -1,10 +1,11 @@
 """A process's prefix-cache memory: host copies of position-indexed rows (a shard's KV cache,
 the draft process's feature rows), and their disk reads and writes.
 
-The store serves named tensors shaped (layers, slots, max_len, ...): a shard's `k` and `v`, the
-draft's `feat`. `take` copies rows [start, end) of every layer of every tensor into a host
-buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile; rows below the prompt's
-end never change during decode). `restore` copies them back. `save` writes them, from that
+The store serves named position-indexed rows: a shard's `k` and `v` (through the slots' block
+tables of a paged cache, `shards.paged_kv.PagedRows`), the draft's `feat` (a tensor shaped
+(layers, slots, max_len, ...), `TensorRows`). `take` copies rows [start, end) of every layer of
+every tensor into a host buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile;
+rows below the prompt's end never change during decode). `restore` copies them back. `save` writes them, from that
 same memory, into their places in an entry file the coordinator created (no staging copy), in a
 background thread; `load` reads an entry file's rows for this shard's layers straight into the
 live KV cache (CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
@@ -45,6 +46,32 @@ class Snap:
             raise RuntimeError(f"snapshot copy failed: {self.error}")
 
 
+class TensorRows:
+    """A (layers, slots, rows, ...) tensor as the store reads and writes it (the interface of
+    `shards.paged_kv.PagedRows`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.layers, self.slots, self.max_len = t.shape[0], t.shape[1], t.shape[2]
+        self.device, self.dtype = t.device, t.dtype
+
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """(layers, end - start, ...), a view of the live rows."""
+        return self.t[:, slot, start:end]
+
+    def write(self, slot: int, start: int, end: int, src: torch.Tensor,
+              layer: int | None = None) -> None:
+        dst = self.t[:, slot, start:end] if layer is None else self.t[layer, slot, start:end]
+        dst.copy_(src, non_blocking=self.device.type == "cuda")
+
+    def view(self, layer: int, slot: int, start: int, end: int) -> torch.Tensor:
+        """The live rows of one layer, contiguous (a disk load reads straight into them)."""
+        return self.t[layer, slot, start:end]
+
+    def layer_shape(self, start: int, end: int) -> tuple[int, ...]:
+        return (end - start, *self.t.shape[3:])
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, any dtype."""
     return memoryview(t.view(torch.uint8).reshape(-1).numpy())
@@ -57,15 +84,17 @@ class SnapshotStore:
     snapshot right after the step that ends at its end), and a restore or load of a slot tells
     `forget` (verify rows pending on the slot are then void)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], max_len: int | None = None,
+    def __init__(self, tensors: dict[str, Any], max_len: int | None = None,
                  whole: dict[str, torch.Tensor] | None = None,
                  forget: Callable[[int], None] | None = None) -> None:
-        self.tensors = tensors  # name -> (layers, slots, rows, ...), live
+        # name -> live rows: `TensorRows` (a plain tensor is wrapped) or `PagedRows`
+        self.tensors = {name: TensorRows(t) if isinstance(t, torch.Tensor) else t
+                        for name, t in tensors.items()}
         self.whole = whole or {}
         self.forget = forget or (lambda slot: None)
-        first = next(iter(tensors.values()))
-        self.max_len = first.shape[2] if max_len is None else max_len  # rows a snapshot may hold
-        self.slots = first.shape[1]
+        first = next(iter(self.tensors.values()))
+        self.max_len = first.max_len if max_len is None else max_len  # rows a snapshot may hold
+        self.slots = first.slots
         self.device = first.device
         self.cuda = self.device.type == "cuda"
         self.entries: dict[int, Snap] = {}
@@ -85,7 +114,7 @@ class SnapshotStore:
         if not 0 <= start < end <= self.max_len:
             raise ValueError(f"snapshot rows {start}:{end} outside the cache of {self.max_len}")
         self.check_slot(slot)
-        srcs = {name: t[:, slot, start:end] for name, t in self.tensors.items()}
+        srcs = {name: t.read(slot, start, end) for name, t in self.tensors.items()}
         # the state changes with the next step: copied now (on the device's stream)
         srcs.update({name: t[:, slot].clone() for name, t in self.whole.items()})
         snap = Snap(start, end, sum(t.numel() * t.element_size() for t in srcs.values()), slot)
@@ -139,7 +168,7 @@ class SnapshotStore:
         s.wait()
         assert s.rows is not None
         for name, t in self.tensors.items():
-            t[:, slot, s.start:s.end].copy_(s.rows[name], non_blocking=self.cuda)
+            t.write(slot, s.start, s.end, s.rows[name])
         for name, t in self.whole.items():
             t[:, slot].copy_(s.rows[name], non_blocking=self.cuda)
         self.forget(slot)
@@ -197,12 +226,20 @@ class SnapshotStore:
         copied to the device from one of two pinned buffers)."""
         self.check_slot(slot)
         self.forget(slot)
-        dsts = []
+        dsts, later = [], []  # later: (rows, layer, start, end, buffer) written once all is read
         for it in items:
             if it["kind"] in self.whole:  # a state: the file holds it whole
                 dst = self.whole[it["kind"]][it["layer"], slot]
             else:
-                dst = self.tensors[it["kind"]][it["layer"], slot, it["start"]:it["end"]]
+                rows = self.tensors[it["kind"]]
+                if not 0 <= it["start"] <= it["end"] <= self.max_len:
+                    raise ValueError(f"{it['name']}: rows {it['start']}:{it['end']} outside the "
+                                     f"cache of {self.max_len}")
+                dst = rows.view(it["layer"], slot, it["start"], it["end"])
+                if dst is None:  # paged: read into a buffer, then through the block table
+                    dst = torch.empty(rows.layer_shape(it["start"], it["end"]),
+                                      dtype=rows.dtype, device=rows.device)
+                    later.append((rows, it["layer"], it["start"], it["end"], dst))
             if dst.numel() * dst.element_size() != it["nbytes"]:
                 raise ValueError(f"{it['name']}: {it['nbytes']} bytes in the file, "
                                  f"{dst.numel() * dst.element_size()} expected by this shard")
@@ -243,6 +280,8 @@ class SnapshotStore:
                     ev = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(self.device))
                     events[i % 2] = ev
+            for rows, layer, start, end, buf in later:
+                rows.write(slot, start, end, buf, layer)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
         finally:
@@ -269,8 +308,9 @@ def check_items(store: SnapshotStore, items: Any) -> list[dict[str, Any]]:
     for it in items:
         kind = it.get("kind") if isinstance(it, dict) else None
         t = store.tensors.get(kind, store.whole.get(kind)) if isinstance(kind, str) else None
+        layers = t.shape[0] if isinstance(t, torch.Tensor) else getattr(t, "layers", 0)
         if t is None or not isinstance(it.get("layer"), int) or \
-                not 0 <= it["layer"] < t.shape[0] or \
+                not 0 <= it["layer"] < layers or \
                 not isinstance(it.get("offset"), int) or it["offset"] < 0:
             raise ValueError(f"bad cache-file item {it!r}")
     return items

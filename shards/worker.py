@@ -37,7 +37,8 @@ from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
-from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.hybrid_cache import HybridState
+from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import (
     SamplingParams,
     accept_draft,
@@ -59,6 +60,7 @@ FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pi
 PROPOSAL_BYTES = 64  # a `drafted` message is all header: its ring slots need no payload
 MAX_SLOTS = 1024  # sequences a shard's KV cache may hold
 MASK_WAIT_S = 10.0  # the last shard waits this long for a step's late grammar masks, then fails it
+MAX_BLOCK_TOKENS = 4096  # rows of one KV block
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,8 +218,10 @@ class ShardServer:
                                         "unexpected")
                 self._step(msg, zmq_tensor(msg, frames))
             elif t in SNAP_OPS:
-                self._reply(route, message("ok", info=snap_op(self._snap_store(), msg,
-                                                              self.cache_dir, frames),
+                store = self._snap_store()
+                self._snap_blocks(msg)
+                self._reply(route, message("ok", info=snap_op(store, msg, self.cache_dir,
+                                                              frames),
                                            sid=msg.get("sid")))
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)
@@ -347,10 +351,13 @@ class ShardServer:
         self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
-        slots = msg["slots"]
+        slots, block, blocks = msg["slots"], msg["kv_block"], msg["kv_blocks"]
         if max_ctx <= 0 or max_step <= 0 or not 1 <= slots <= MAX_SLOTS:
             raise ProtocolError(f"configure: max_context and max_step_tokens must be > 0, slots "
                                 f"1..{MAX_SLOTS}")
+        if not 1 <= block <= MAX_BLOCK_TOKENS or blocks < 1:
+            raise ProtocolError(f"configure: kv_block={block} must be 1..{MAX_BLOCK_TOKENS} and "
+                                f"kv_blocks={blocks} at least 1")
         graphs = bool(msg.get("cuda_graphs", True)) and self.device.type == "cuda"
         taps = msg.get("taps") or []
         if not isinstance(taps, list) or not all(
@@ -364,6 +371,7 @@ class ShardServer:
         self.spin_s = max(0.0, float(msg.get("spin_ms", 0.0))) / 1000.0
         ex = self.executor
         if ex is None or ex.max_len != max_ctx or ex.kv.slots != slots or \
+                ex.paged != (blocks, block) or \
                 (ex.static is not None) != graphs or \
                 (ex.static is not None and ex.static.bucket != bucket) or ex.taps != tuple(taps):
             self.executor = None
@@ -371,12 +379,14 @@ class ShardServer:
                 torch.cuda.empty_cache()
             self.executor = RangeExecutor(self.model, max_ctx, slots, self.device,
                                           static_decode=graphs, graph_bucket=bucket,
-                                          taps=tuple(taps))
+                                          taps=tuple(taps), paged=(blocks, block))
             kv = self.executor.kv
             whole, forget = None, None
-            if isinstance(kv, HybridCache):
+            if isinstance(kv, HybridState):
                 whole, forget = {"conv": kv.conv, "state": kv.state}, kv.forget
-            self.snapshots = SnapshotStore({"k": kv.k, "v": kv.v}, max_ctx, whole, forget)
+            log.info("shard %d: KV pool of %d blocks of %d tokens (%.0f MB)", self.index, blocks,
+                     block, kv.nbytes / 2**20)
+            self.snapshots = SnapshotStore(kv.snapshot_rows(), max_ctx, whole, forget)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -475,7 +485,9 @@ class ShardServer:
             "index": self.index, "layers": [self.spec.start, self.spec.end],
             "device": self.spec.device, "dtype": self.spec.dtype, "pid": os.getpid(),
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
-            "kv_capacity_tokens": ex.max_len if ex else 0, "slots": ex.kv.slots if ex else 0,
+            "kv_capacity_tokens": ex.kv.num_blocks * ex.kv.block if ex else 0,
+            "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
+            "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
             "kv_layout": self._kv_layout(),
             "transport_out": self.transport_kind, "transport_feed": self.feed_kind,
@@ -508,6 +520,7 @@ class ShardServer:
         if ex is None or self.out is None:
             raise ProtocolError("step before configure", "unexpected")
         segs, slots, rows = [], set(), 0
+        outside: list[str] = []  # segments whose rows their block table does not cover
         for i, seg in enumerate(msg["seqs"]):
             slot, pos, n, draft = seg["slot"], seg["pos"], seg["n"], seg["draft"]
             where = f"step: segment {i}"
@@ -552,6 +565,10 @@ class ShardServer:
             if plp is not None and not _prompt_lp_ok(plp, n, self.cfg.vocab_size):
                 raise ProtocolError(f"{where}: plp={str(plp)[:200]} is not {{targets: up to n "
                                     "token ids, k: 0..vocab, temperature: >= 0}")
+            cap = self._check_blocks(ex.kv, slot, seg["blocks"], seg["copy"], where)
+            if pos + n > cap:  # (reported after the step's other checks)
+                outside.append(f"{where}: rows {pos}..{pos + n} outside the slot's block table "
+                               f"of {cap} rows (blocks={str(seg['blocks'])[:120]})")
             slots.add(slot)
             rows += n
             feed = seg["feat"]
@@ -576,7 +593,39 @@ class ShardServer:
         elif tuple(x.shape) != (rows, self.cfg.hidden_size):
             raise ProtocolError(f"step: activation shape {tuple(x.shape)} != "
                                 f"({rows}, {self.cfg.hidden_size})")
+        if outside:
+            raise ProtocolError(outside[0])
         return segs
+
+    @staticmethod
+    def _check_blocks(kv: PagedKVCache, slot: int, blocks: Any, copy: Any, where: str) -> int:
+        """Check a segment's (or snap message's) `blocks` and `copy` (`ipc.messages` SEGMENT)
+        against the pool; returns the rows the slot's table covers once they apply."""
+        cap = kv.capacity(slot)
+        if blocks is not None:
+            at, ids = blocks.get("at"), blocks.get("ids")
+            why = (f"has fields {sorted(blocks)}, expected at and ids"
+                   if set(blocks) != {"at", "ids"} else kv.table_error(slot, at, ids))
+            if why is not None:
+                raise ProtocolError(f"{where}: blocks {why}")
+            cap = (at + len(ids)) * kv.block
+        if copy is not None:
+            ok = all(isinstance(p, list) and len(p) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and 0 <= b < kv.num_blocks
+                for b in p) and p[0] != p[1] for p in copy)
+            if not ok or len(copy) > kv.num_blocks:
+                raise ProtocolError(f"{where}: copy must be [src, dst] pairs of distinct block "
+                                    f"ids 0..{kv.num_blocks - 1}, got {str(copy)[:120]}")
+        return cap
+
+    def _apply_blocks(self, msg: dict[str, Any]) -> None:
+        """Each segment's block table entries and block copies (checked: `_segments`)."""
+        kv = self.executor.kv
+        for seg in msg["seqs"]:
+            if seg["blocks"] is not None:
+                kv.set_table(seg["slot"], seg["blocks"]["at"], seg["blocks"]["ids"])
+            if seg["copy"]:
+                kv.copy_blocks(seg["copy"])
 
     def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         """Run a step, in the order steps came: one that asks for the draft's proposals is held
@@ -589,6 +638,7 @@ class ShardServer:
             # the kept rows move while the draft computes (the step checked first): the step
             # then waits only for its draft tokens
             self._settle_snapshots(self._segments(msg, x, asking=True))
+            self._apply_blocks(msg)
             self._move_kept(msg)
             self.held = (msg, x.clone(), time.monotonic())
             self._run_held()
@@ -664,6 +714,7 @@ class ShardServer:
             x = x.pin_memory().to(self.device, non_blocking=True)
         self._settle_snapshots(segs)
         if not moved:
+            self._apply_blocks(msg)
             self._move_kept(msg)
         self.busy = True
         try:
@@ -818,6 +869,19 @@ class ShardServer:
         if self.snapshots is None:
             raise ProtocolError("prefix-cache operation before configure", "unexpected")
         return self.snapshots
+
+    def _snap_blocks(self, msg: dict[str, Any]) -> None:
+        """A snap_restore or snap_load fills its slot through the block table its `blocks`
+        set (checked first, then applied: the rows it writes must be in the table)."""
+        if msg["type"] not in ("snap_restore", "snap_load"):
+            return
+        kv, slot = self.executor.kv, msg["slot"]
+        if not 0 <= slot < kv.slots:
+            raise ProtocolError(f"{msg['type']}: slot {slot} outside 0..{kv.slots - 1}")
+        self._check_blocks(kv, slot, msg["blocks"], None, msg["type"])
+        if msg["blocks"] is not None:
+            self.snapshots.wait_pending()  # (copies out of the blocks it may reassign)
+            kv.set_table(slot, msg["blocks"]["at"], msg["blocks"]["ids"])
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy, busy_s=self.clock.seconds()))

@@ -20,6 +20,11 @@ program per (sequence, KV head, key split):
    own `StepInfo.mask_for(window)`, so causal, sliding-window and tree semantics are exactly
    the torch path's.
 
+With a paged cache (`shards.paged_kv`) the cache is one layer of the block pool, (blocks, block
+rows, G, D), and `tables` (S, W) holds each sequence's block table: key t of sequence s is row
+t % KB of block tables[s, t // KB] (KB: rows per block). Each program looks up the blocks of its
+keys as it reads them; entries past a table's end name the scratch block, which the mask hides.
+
 Every K/V row a program writes is read only by that program (same head, same split): no
 ordering between programs is needed. Positions, rows and masks are device tensors: the kernel
 runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,
@@ -47,9 +52,11 @@ def _attend(
     QKV, s_qkv,  # (N, (H + 2G) * D), row stride
     QNW, KNW, eps,  # q/k RMSNorm weights (D,) when HAS_NORM
     COS, SIN, s_cs,  # (N, D) each, row stride
-    KC, VC, s_slot, s_row,  # this layer's cache (slots, rows, G, D), head stride D
-    ROWS,  # (N,) int64: the cache row that step row r writes
-    slot0,  # the slot of sequence 0; sequence s uses slot0 + s
+    KC, VC, s_slot, s_row,  # this layer's cache (slots, rows, G, D), head stride D; paged:
+    # (blocks, KB, G, D), s_slot the block stride
+    ROWS,  # (N,) int64: the cache row that step row r writes (its position in its sequence)
+    slot0,  # the slot of sequence 0; sequence s uses slot0 + s (unused when PAGED)
+    TABLES, s_tab,  # PAGED: (S, W) int64 block tables, row stride
     MASK, s_mseq, s_mrow,  # uint8 (S, n, T): query row i of sequence s sees key t
     OUT, s_out,  # (N, H * D)
     PO, PML,  # partials when SPLITS > 1: (S, G, SPLITS, M_PAD, D) and (S, G, SPLITS, M_PAD, 2)
@@ -57,6 +64,7 @@ def _attend(
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PAGED: tl.constexpr, KB: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -69,7 +77,11 @@ def _attend(
     d = tl.arange(0, D)
     d_rot = (d + HALF) % D  # rotate_half: [-x2, x1]
     sign = tl.where(d < HALF, -1.0, 1.0)
-    cache = (slot0 + s) * s_slot + g * D
+    if PAGED:
+        cache = g * D
+        tab = TABLES + s * s_tab
+    else:
+        cache = (slot0 + s) * s_slot + g * D
     if HAS_NORM:
         qw = tl.load(QNW + d).to(tl.float32)
         qw_r = tl.load(QNW + d_rot).to(tl.float32)
@@ -92,7 +104,12 @@ def _attend(
     c = tl.load(COS + cs, mask=wr, other=0.0).to(tl.float32)
     sn = tl.load(SIN + cs, mask=wr, other=0.0).to(tl.float32)
     k = k * c + sign[None, :] * k_r * sn
-    at = cache + dest[:, None] * s_row + d[None, :]
+    if PAGED:  # the row's block, from the sequence's table
+        wr1 = (i < NROWS) & (dest >= lo) & (dest < hi)
+        blk = tl.load(tab + tl.where(wr1, dest // KB, 0), mask=wr1, other=0)
+        at = cache + (blk * s_slot + (dest % KB) * s_row)[:, None] + d[None, :]
+    else:
+        at = cache + dest[:, None] * s_row + d[None, :]
     tl.store(KC + at, k.to(dt), mask=wr)
     v = tl.load(src + G * D + d[None, :], mask=wr, other=0.0)
     tl.store(VC + at, v, mask=wr)
@@ -124,9 +141,14 @@ def _attend(
             t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
             ok_t = t < hi
             # K, V and the mask issued together: a block costs one memory latency, not three
-            kt = tl.load(KC + cache + t[None, :] * s_row + d[:, None], mask=ok_t[None, :],
+            if PAGED:
+                tb = tl.load(tab + tl.where(ok_t, t // KB, 0), mask=ok_t, other=0)
+                key_at = cache + tb * s_slot + (t % KB) * s_row  # (BLOCK_N,)
+            else:
+                key_at = cache + t * s_row
+            kt = tl.load(KC + key_at[None, :] + d[:, None], mask=ok_t[None, :],
                          other=0.0)  # (D, BLOCK_N)
-            vt = tl.load(VC + cache + t[:, None] * s_row + d[None, :], mask=ok_t[:, None],
+            vt = tl.load(VC + key_at[:, None] + d[None, :], mask=ok_t[:, None],
                          other=0.0)  # (BLOCK_N, D)
             vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
             if IEEE:
@@ -221,7 +243,8 @@ def decode_attention(
     qkv: torch.Tensor,  # (N, (H + 2G) * D)
     cos: torch.Tensor,  # (N, D)
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # (slots, rows, G, D): one layer of `KVCache.k_store`
+    k_cache: torch.Tensor,  # (slots, rows, G, D): one layer of `KVCache.k_store`; paged:
+    # (blocks, KB, G, D), one layer of `PagedKVCache.k_store`
     v_cache: torch.Tensor,
     rows: torch.Tensor,  # (N,) long: the cache row each step row writes
     slot0: int,  # the slot of sequence 0 (sequence s is in slot slot0 + s)
@@ -232,10 +255,11 @@ def decode_attention(
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     split_keys: int | None = None,
+    tables: torch.Tensor | None = None,  # paged: (S, W) long, each sequence's block table
 ) -> torch.Tensor:
     """Attention output (N, H * D) of a step's rows; writes their K/V rows into the cache.
     `split_keys`: keys per program (0: one program per sequence and KV head; None: `key_split`
-    decides)."""
+    decides). With `tables`, the cache is paged (see the module doc) and `slot0` unused."""
     n_rows, width = qkv.shape
     _, _, g, d = k_cache.shape
     r = num_heads // g
@@ -244,9 +268,15 @@ def decode_attention(
                          f"heads of dim {d} (a power of two >= 16)")
     n = n_rows // n_seqs
     t = mask.shape[-1]
-    if t > k_cache.shape[1] or n_rows != n * n_seqs:
+    kb = k_cache.shape[1]  # rows per slot, or per block (paged)
+    rows_held = kb if tables is None else kb * tables.shape[-1]
+    if t > rows_held or n_rows != n * n_seqs:
         raise ValueError(f"decode_attention: {t} keys or {n_rows} rows in {n_seqs} sequences "
-                         f"do not fit a cache of {k_cache.shape[1]} rows")
+                         f"do not fit a cache of {rows_held} rows")
+    if tables is not None and (tables.dtype != torch.long or tables.dim() != 2 or
+                               tables.shape[0] != n_seqs or tables.stride(1) != 1):
+        raise ValueError(f"decode_attention: tables must be ({n_seqs}, W) int64 with contiguous "
+                         f"rows, got {tables.dtype} {tuple(tables.shape)}")
     mask = mask.reshape(n_seqs, n, t).view(torch.uint8)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or mask.stride(2) != 1:
         raise ValueError("decode_attention: rows of qkv, cos, sin and mask must be contiguous")
@@ -269,13 +299,15 @@ def decode_attention(
         cos, sin, cos.stride(0),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         rows, slot0,
+        qkv if tables is None else tables, 0 if tables is None else tables.stride(0),
         mask, mask.stride(0), mask.stride(1),
         out, out.stride(0),
         po, pml,
         t, per, -(-per // BLOCK_N), d ** -0.5 * math.log2(math.e),
         NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
         BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=BLOCK_N, HAS_NORM=has_norm,
-        SPLITS=splits, IEEE=qkv.dtype == torch.float32, num_warps=4,
+        SPLITS=splits, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
+        KB=kb if tables is not None else 1, num_warps=4,
     )
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](

@@ -30,6 +30,12 @@ class StepInfo:
     slots: torch.Tensor | None = None  # batched step: (n,) long, the slot of each row
     rows: torch.Tensor | None = None  # static step: (n,) KV rows written, when not `positions`
     windowed: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # a paged cache's pool indices of the rows each slot writes and reads (`shards.paged_kv`),
+    # computed by the step's first layer for all of them
+    paged: dict = dataclasses.field(default_factory=dict)
+    # a captured step over a paged cache: (S, W) long, the block table of each of its S
+    # sequences (a graph input, so one graph serves any slot); None: the cache's own tables
+    tables: torch.Tensor | None = None
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query
@@ -97,12 +103,15 @@ class StepInfo:
         return StepInfo(pos + depth, kv_len, mask, None, grouped=True, rows=rows)
 
     @staticmethod
-    def batched(positions: torch.Tensor, lo: int, kv_len: int) -> StepInfo:
+    def batched(positions: torch.Tensor, lo: int, kv_len: int,
+                slots: torch.Tensor | None = None) -> StepInfo:
         """One decode row per slot of [lo, lo + B): row b at position `positions[b]` of slot
         lo + b, attending that slot's keys [0, kv_len). `positions`: (B,) long on the device (a
         graph input); a padding row's position is the cache's scratch row (`KVCache.max_len`),
-        which no real row attends."""
+        which no real row attends. `slots`: (B,) long on the device, the slot of each row, for
+        a paged cache (any slots; a graph input), else slots [lo, lo + B)."""
         dev = positions.device
         mask = torch.arange(kv_len, device=dev)[None, :] <= positions[:, None]
-        slots = lo + torch.arange(positions.shape[0], device=dev)
+        if slots is None:
+            slots = lo + torch.arange(positions.shape[0], device=dev)
         return StepInfo(positions, kv_len, mask, None, grouped=True, lo=lo, slots=slots)

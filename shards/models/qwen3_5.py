@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.hybrid_cache import HybridCache
+from layersplit.shards.hybrid_cache import HybridCache, PagedHybridCache
 from layersplit.shards.hybrid_config import HybridSpec
 from layersplit.shards.kv_cache import KVLayout
 from layersplit.shards.layers.gated_attention import (
@@ -144,12 +144,16 @@ class HybridRange(nn.Module):
         return hybrid_inv_freq(self.cfg, self.spec)
 
     def new_cache(self, max_len: int, slots: int, device: torch.device | str,
-                  dtype: torch.dtype) -> HybridCache:
+                  dtype: torch.dtype, paged: tuple[int, int] | None = None
+                  ) -> HybridCache | PagedHybridCache:
+        """The range's KV and state; `paged`: (blocks, block tokens) of a paged KV pool."""
         cfg, spec = self.cfg, self.spec
         layout = KVLayout(len(self.attn_layers), cfg.num_kv_heads, cfg.head_dim, dtype)
-        return HybridCache(layout, max_len, slots, device, len(self.linear_layers),
-                           (spec.conv_dim, spec.conv_kernel - 1),
-                           (spec.num_value_heads, spec.key_head_dim, spec.value_head_dim))
+        states = (len(self.linear_layers), (spec.conv_dim, spec.conv_kernel - 1),
+                  (spec.num_value_heads, spec.key_head_dim, spec.value_head_dim))
+        if paged is not None:
+            return PagedHybridCache(layout, max_len, slots, *paged, device, *states)
+        return HybridCache(layout, max_len, slots, device, *states)
 
     def forward(
         self,

@@ -73,7 +73,7 @@ def test_streamed_cache_messages_carry_one_frame_per_named_tensor():
         with pytest.raises(ProtocolError, match="expected 2 payload frames"):
             decode(encode(saved), payload_frames=frames)
     item = {"name": "a", "layer": 0, "kind": "k", "offset": 0}
-    load = message("snap_load", path="p", slot=0, items=[item, item], stream=True)
+    load = message("snap_load", path="p", slot=0, items=[item, item], stream=True, blocks=None)
     assert decode(encode(load), payload_frames=2)["stream"] is True
     with pytest.raises(ProtocolError, match="expected 0 payload frames"):
         decode(encode({**load, "stream": False}), payload_frames=2)

@@ -194,7 +194,8 @@ def test_garbage_frames_get_errors_and_the_runtime_keeps_working(tiny_llama):
             assert r["type"] == "error" and r["code"] == "malformed"
             # unauthenticated but well-formed: refused
             s.send(encode(message("configure", session=b"x", next=None, max_context=8,
-                                  max_step_tokens=1, slots=1, transport="zmq")))
+                                  max_step_tokens=1, slots=1, transport="zmq", kv_block=16,
+                                  kv_blocks=1)))
             r = _reply(s)
             assert r["type"] == "error" and r["code"] == "unauthenticated"
             # authenticated peer: garbage, unknown type, wrong field type, oversized, bad frames

@@ -3,6 +3,8 @@ sequences against a small reference model) and a few plain examples."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -100,16 +102,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(config=configs(), data=st.data())
     def setup(self, config: SchedulerConfig, data) -> None:
-        self.c = config
-        self.s = Scheduler(config)
-        assert self.s.total_blocks == config.slots * config.blocks_per_slot
-        # Sometimes shrink the block pool below one full slot per slot (as a shared or
-        # overcommitted pool would be): the only way blocks, not slots, can stop admission or
-        # fail a grow(). White-box: total_blocks/free_blocks are plain attributes.
+        assert Scheduler(config).total_blocks == config.slots * config.blocks_per_slot
+        # Sometimes shrink the block pool below one full slot per slot (a shared paged pool):
+        # the only way blocks, not slots, can stop admission or fail a grow()
         self.shrunk = data.draw(st.booleans(), label="shrink pool")
         if self.shrunk:
-            pool = data.draw(st.integers(1, self.s.total_blocks), label="pool blocks")
-            self.s.total_blocks = self.s.free_blocks = pool
+            pool = data.draw(st.integers(1, config.slots * config.blocks_per_slot),
+                             label="pool blocks")
+            config = dataclasses.replace(config, num_blocks=pool)
+        self.c = config
+        self.s = Scheduler(config)
         self.next_rid = 0
         self.waiting: list[tuple[int, int]] = []  # model of the queue: (rid, prompt tokens)
         self.tokens: dict[int, int] = {}  # running rid -> rows its slot holds (model)
@@ -132,7 +134,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             st.sampled_from(sorted({1, max(1, self.c.slot_tokens - 1), self.c.slot_tokens})),
             st.sampled_from([0, -1, self.c.slot_tokens + 1]),  # rejected
         ), label="prompt size")
-        if not 0 < prompt <= self.c.slot_tokens:
+        if not 0 < prompt <= self.c.slot_tokens or \
+                _ceil(prompt, self.c.block_tokens) > self.s.total_blocks:
             with pytest.raises(ValueError, match="does not fit"):
                 self.s.submit(rid, prompt)
             return
@@ -304,10 +307,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [pos[r] for r in self.admitted] == sorted(pos[r] for r in self.admitted)
         # what still waits is stuck behind a head that cannot fit even an empty scheduler
         # (FIFO: the smaller requests behind it wait too)
-        if s.waiting:
-            assert _ceil(s.waiting[0][1], self.c.block_tokens) > s.total_blocks
-        if not self.shrunk:
-            assert not s.waiting
+        assert not s.waiting  # (a prompt larger than the whole pool is refused at submit)
 
 
 SchedulerMachine.TestCase.settings = settings(
@@ -372,10 +372,9 @@ def _cfg(**kw) -> SchedulerConfig:
 
 def test_fifo_admission_waits_for_blocks():
     """A request whose prompt blocks do not fit stops admission, though a later small one would
-    fit: it must wait, and is admitted first once blocks are released. (The pool is shrunk by
-    hand: with the default `slots * blocks_per_slot` pool, a free slot always has room.)"""
-    s = Scheduler(_cfg(slots=3))
-    s.total_blocks = s.free_blocks = 5  # a shared pool smaller than 3 slots x 4 blocks
+    fit: it must wait, and is admitted first once blocks are released. (With the default
+    `slots * blocks_per_slot` pool, a free slot always has room.)"""
+    s = Scheduler(_cfg(slots=3, num_blocks=5))  # a shared pool smaller than 3 slots x 4 blocks
     s.submit("a", 48)  # 3 blocks
     assert s.admit() == [("a", 0)]
     s.submit("big", 64)  # 4 blocks: only 2 free

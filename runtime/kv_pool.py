@@ -1,0 +1,44 @@
+"""How many blocks each shard's paged KV pool holds (`configure`'s `kv_blocks`).
+
+Block ids are global (`runtime.block_manager`), so every shard's pool has the same number of
+blocks: the fewest that any shard's share holds. With `kv_blocks` set, that many; with
+`kv_cache_gb`, as many as the shard with the most KV bytes per block (the most attention layers)
+fits in that many GiB; with neither, `max_seqs x max_context` tokens, the capacity of the
+contiguous slots this pool replaced (nothing that ran before is refused now).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.placement import Placement
+
+
+def attention_layers(model_config: Any, start: int, end: int) -> int:
+    """Layers of [start, end) that keep KV rows (a hybrid model's linear layers keep none)."""
+    spec = getattr(model_config, "hybrid", None)
+    if spec is None:
+        return end - start
+    return sum(1 for i in range(start, end) if not spec.is_linear(i))
+
+
+def block_bytes(model_config: Any, layers: int, block: int, itemsize: int) -> int:
+    """Bytes of one block (K and V) of `layers` layers."""
+    return 2 * layers * block * model_config.num_kv_heads * model_config.head_dim * itemsize
+
+
+def kv_pool_blocks(config: RuntimeConfig, model_config: Any, placement: Placement,
+                   itemsize: int) -> int:
+    if config.kv_blocks:
+        return config.kv_blocks
+    if not config.kv_cache_gb:
+        return config.max_seqs * -(-config.max_context // config.kv_block)
+    budget = int(config.kv_cache_gb * 2**30)
+    most = max(block_bytes(model_config, attention_layers(model_config, s.start, s.end),
+                           config.kv_block, itemsize) for s in placement.shards)
+    blocks = budget // max(most, 1)
+    if blocks < 1:
+        raise ConfigError(f"kv_cache_gb={config.kv_cache_gb}: less than one KV block "
+                          f"({most} bytes on the most loaded shard); raise it")
+    return blocks

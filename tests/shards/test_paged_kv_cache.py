@@ -1,0 +1,106 @@
+"""shards.paged_kv: a range executor over a paged KV pool, with block tables scrambled across
+the pool, equals one over contiguous slots bit for bit on the CPU: eager prefill chunks that end
+mid-block, eager decode, a tree verify step (row by row), and the static steps a CUDA graph runs
+(slot-independent: the table is a step input), single and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.kv_cache import KVLayout
+from layersplit.shards.paged_kv import PagedKVCache
+
+MAX_LEN, BLOCK, BLOCKS, SLOTS = 64, 8, 24, 3
+LENS = (13, 21, 5)  # prompt per slot: chunks end mid-block
+
+
+def _inputs(model, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if model.is_first:
+        return torch.randint(3, 300, (n,), generator=g)
+    return torch.randn(n, model.cfg.hidden_size, generator=g)
+
+
+def _tables() -> list[list[int]]:
+    """Each slot's blocks, interleaved and out of order across the pool."""
+    order = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    return [order[s::SLOTS] for s in range(SLOTS)]  # 8 blocks = 64 rows each
+
+
+@pytest.fixture(scope="module", params=[(0, 6), (2, 5)])
+def pair(request, tiny_llama):
+    ckpt = open_checkpoint(tiny_llama)
+    start, end = request.param
+    plain = RangeExecutor(load_layer_range(ckpt, start, end), MAX_LEN, SLOTS,
+                          static_decode=True, graph_bucket=16)
+    paged = RangeExecutor(load_layer_range(ckpt, start, end), MAX_LEN, SLOTS,
+                          static_decode=True, graph_bucket=16, paged=(BLOCKS, BLOCK))
+    for slot, ids in enumerate(_tables()):
+        paged.kv.set_table(slot, 0, ids)
+    return plain, paged
+
+
+def _same_rows(plain: RangeExecutor, paged: RangeExecutor, slot: int, end: int) -> None:
+    k, v = paged.kv.get_rows(slot, list(range(end)))
+    assert torch.equal(k, plain.kv.k[:, slot, :end]) and torch.equal(v, plain.kv.v[:, slot, :end])
+
+
+def test_paged_equals_contiguous(pair):
+    plain, paged = pair
+    for slot, n in enumerate(LENS):  # prefill in chunks of 6 rows: they end mid-block
+        for a in range(0, n, 6):
+            x = _inputs(plain.model, min(6, n - a), seed=10 * slot + a)
+            want, got = plain.run(x, a, slot, all_logits=True), paged.run(x, a, slot,
+                                                                         all_logits=True)
+            assert torch.equal(got, want)
+        _same_rows(plain, paged, slot, n)
+    # static single steps (a captured graph's path): one decoder, any slot
+    for step in range(3):
+        for slot, n in enumerate(LENS):
+            x = _inputs(plain.model, 1, seed=100 + step)
+            assert torch.equal(paged.run(x, n + step, slot), plain.run(x, n + step, slot))
+    assert all(key[0] == -1 for key in paged.static.graphs) or not paged.static.capture
+    # a verify tree, row by row as the CPU runs it, then its kept rows moved into place
+    tree, pos, slot = [0, 0, 1], LENS[1] + 3, 1
+    x = _inputs(plain.model, 4, seed=7)
+    for ex in (plain, paged):
+        ex.rowwise_verify = True
+    want = plain.run(x, pos, slot, all_logits=True, verify=True, tree=tree)
+    got = paged.run(x, pos, slot, all_logits=True, verify=True, tree=tree)
+    assert torch.equal(got, want)
+    plain.before_step(slot, pos + 3, [2, 3])
+    paged.before_step(slot, pos + 3, [2, 3])
+    _same_rows(plain, paged, slot, pos + 3)
+    # a batched static step over any slots (padding rows write only the scratch block)
+    slots, positions = [2, 0], [LENS[2] + 3, LENS[0] + 3]
+    x = _inputs(plain.model, 2, seed=9)
+    before = paged.kv.get_rows(1, list(range(pos + 3)))
+    got = paged.static.run_batch(x, slots, positions)
+    want = plain.static.run_batch(x, slots, positions)
+    assert torch.equal(got, want)
+    for s, p in zip(slots, positions):
+        _same_rows(plain, paged, s, p + 1)
+    after = paged.kv.get_rows(1, list(range(pos + 3)))
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_table_errors_and_copies():
+    kv = PagedKVCache(KVLayout(2, 2, 4, torch.float32), max_len=32, slots=2, num_blocks=6,
+                      block=8)
+    assert kv.max_blocks == 4 and kv.scratch_pos == 32
+    assert kv.table_error(0, 0, [0, 1]) is None
+    assert "at=1 outside" in kv.table_error(0, 1, [0])
+    assert "block ids 0..5" in kv.table_error(0, 0, [6])
+    assert "twice" in kv.table_error(0, 0, [2, 2])
+    assert "exceeds the 4" in kv.table_error(0, 0, [0, 1, 2, 3, 4])
+    assert "slot 2" in kv.table_error(2, 0, [0])
+    kv.set_table(0, 0, [3, 1])
+    kv.set_table(0, 1, [5])  # entry 1 replaced, the table ends there
+    assert kv.tables[0] == [3, 5] and kv.table[0].tolist() == [3, 5, 6, 6, 6]
+    kv.k_store[:, 3] = 1.0
+    kv.copy_blocks([[3, 0]])
+    assert torch.equal(kv.k_store[:, 0], kv.k_store[:, 3])
+    with pytest.raises(IndexError, match="outside its block table of 16 rows"):
+        kv.get_rows(0, [16])
