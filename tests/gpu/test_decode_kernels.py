@@ -211,7 +211,10 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
     if dtype == torch.float32:
         runs["cpu"] = RangeExecutor(load_layer_range(open_checkpoint(path), 0, 6), 256, 3,
                                     device="cpu")
-    tol = 1e-3 if dtype == torch.float32 else 0.1
+    # per unit of the logits' largest magnitude (`tests.gpu.near`): in bf16 a 6-layer model's
+    # logits (up to ~10) differ by a few bf16 steps between two summation orders (2-4 % measured
+    # on an H100 with paged KV; float32 stays within 1e-4, which catches a wrong row or block)
+    tol = 1e-4 if dtype == torch.float32 else 0.05
     ids = torch.arange(3, 40)
     for ex in runs.values():
         for slot in range(3):
@@ -220,7 +223,7 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
     def same(outs: dict[str, torch.Tensor]) -> None:
         ref = outs["torch"].float().cpu()
         for name, o in outs.items():
-            err = float((o.float().cpu() - ref).abs().max())
+            err = float((o.float().cpu() - ref).abs().max()) / max(1.0, float(ref.abs().max()))
             assert err < tol, (name, err)
 
     assert runs["kernels"].model.layers[0].fast.kernels  # the kernels ran (no fallback)
@@ -237,5 +240,6 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
     same({k: st.run_batch(torch.tensor([6, 7]), [0, 2], [pos + 7, 32]).clone()
           for k, st in static.items()})
     kv, ref = runs["kernels"].kv, runs["torch"].kv  # the caches hold the same rows
-    assert torch.allclose(kv.k.float(), ref.k.float(), atol=tol)
-    assert torch.allclose(kv.v.float(), ref.v.float(), atol=tol)
+    kv_tol = 1e-3 if dtype == torch.float32 else 0.1
+    assert torch.allclose(kv.k.float(), ref.k.float(), atol=kv_tol)
+    assert torch.allclose(kv.v.float(), ref.v.float(), atol=kv_tol)
