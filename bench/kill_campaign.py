@@ -2,6 +2,7 @@
 
     python bench/kill_campaign.py shards --trials 50
     python bench/kill_campaign.py save --trials 50
+    python bench/kill_campaign.py draft --trials 50
 
 `shards`: one `layersplit serve` (2 shards); each trial streams a long completion and kills a
 random shard with SIGKILL at a random moment 0-1.5 s after the request was sent (prefill or
@@ -15,6 +16,16 @@ appears (mid-save). Then a fresh coordinator starts on the directory. Counted: n
 left and no entry set aside as bad; the trial's prompt restores its longest complete cached
 prefix (and not more); the output equals the cold output (tokens and logits); the shards of the
 killed coordinator exit.
+
+`draft`: each trial starts a `layersplit serve` with a draft process (2 shards; the draft is the
+tiny model itself, a classic draft whose proposals are kept, so every verify step uses it),
+streams a greedy completion that speculates, and kills the draft with SIGKILL at a random moment
+of it (0-90 % of the time the first request of a fresh server takes, measured once first:
+prefill or decode).
+Counted: the request either completes with exactly the plain (non-speculative) output of the
+one-process reference, or ends with an error event within 2 s of the kill; the draft process is
+gone, the next request is served with the exact output, and /health then says speculation is off;
+the server stops on SIGTERM and leaves no process and no /dev/shm segment.
 
 Prints the counts; exit status 1 if any trial failed.
 """
@@ -142,6 +153,155 @@ def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
     return failures
 
 
+def _spawn_server(model: Path, port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model), "--devices",
+         "cpu,cpu", "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
+         "--max-context", "4096", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stream_completion(url: str, body: dict) -> tuple[str, str | None, str | None, float]:
+    """Streams one completion: (text, finish_reason, error event or None, monotonic time the
+    error event or the end came)."""
+    text, finish, error = "", None, None
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = line
+                break
+            for c in event.get("choices", []):
+                text += c.get("text") or ""
+                finish = c.get("finish_reason") or finish
+    return text, finish, error, time.monotonic()
+
+
+def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
+    from layersplit.runtime.reference import ReferenceEngine
+    from layersplit.shards.sampling import SamplingParams
+
+    max_tokens = 48
+    prompts = [f"prompt {k}: the quick brown fox jumps over the lazy dog " * (1 + 3 * k)
+               for k in range(4)]  # 1 to 4 prefill chunks of 16
+    ref = ReferenceEngine(model, prefill_chunk=16, max_context=4096)
+    plain = {p: ref.generate(ref.tokenizer.encode(p), SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True)).text for p in prompts}
+    shm_before = layersplit_shm()
+    failures: list[str] = []
+    exact = errored = draft_gone = spec_off = next_ok = clean = after_end = 0
+    latencies: list[float] = []
+    body = {"model": "llama", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    port = free_tcp_port()
+    server = _spawn_server(model, port, "--draft", str(model))
+    try:  # how long the first (speculative) request of a fresh server takes
+        if not _wait_healthy(f"http://127.0.0.1:{port}"):
+            return ["the server did not start"]
+        t0 = time.monotonic()
+        text, *_ = _stream_completion(f"http://127.0.0.1:{port}",
+                                      {**body, "prompt": prompts[-1]})
+        span = time.monotonic() - t0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    print(f"the first speculative request of {max_tokens} tokens of a server takes {span:.2f} s")
+    if text != plain[prompts[-1]]:
+        return ["the measuring request's output differs from the plain one"]
+    for i in range(trials):
+        port = free_tcp_port()
+        url = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        server = _spawn_server(model, port, "--draft", str(model))
+        fail: list[str] = []
+        try:
+            if not _wait_healthy(url):
+                failures.append(f"trial {i}: the server did not start")
+                continue
+            health = httpx.get(url + "/health", timeout=5).json()
+            drafts = [k for k in shard_children(server.pid) if " draft " in
+                      " ".join(k.cmdline())]
+            if len(drafts) != 1 or not health.get("speculation", "").startswith("on"):
+                fail.append(f"{len(drafts)} draft processes, speculation {health}")
+                continue
+            prompt = rng.choice(prompts)
+            killed_at: list[float] = []
+
+            def kill(victim=drafts[0], killed_at=killed_at) -> None:
+                killed_at.append(time.monotonic())
+                try:
+                    victim.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+
+            timer = threading.Timer(rng.uniform(0.0, 0.9 * span), kill)
+            sent = time.monotonic()
+            timer.start()
+            text, finish, error, ended = _stream_completion(url, {**body, "prompt": prompt})
+            timer.join()
+            print(f"trial {i}: started in {sent - started:.1f} s, killed at "
+                  f"{killed_at[0] - sent:.2f} s, the request ended at {ended - sent:.2f} s"
+                  f"{' with an error' if error else ''}", flush=True)
+            if killed_at and killed_at[0] >= ended:
+                after_end += 1  # the request finished before the kill
+            if error is not None:
+                if ended - killed_at[0] > 2.0:
+                    fail.append(f"the error came {ended - killed_at[0]:.2f} s after the kill")
+                else:
+                    errored += 1
+                    latencies.append(ended - killed_at[0])
+            elif text == plain[prompt] and finish == "length":
+                exact += 1
+            else:
+                fail.append(f"the request completed with another output ({text!r}, finish "
+                            f"{finish}) than the plain one ({plain[prompt]!r})")
+            if wait_gone([drafts[0].pid], timeout=10) == []:
+                draft_gone += 1
+            else:
+                fail.append("the killed draft process still runs")
+            p2 = rng.choice(prompts)
+            r = httpx.post(url + "/v1/completions", timeout=60, json={**body, "prompt": p2})
+            if r.status_code == 200 and r.json()["choices"][0]["text"] == plain[p2]:
+                next_ok += 1
+            else:
+                fail.append(f"the next request got {r.status_code}: {r.text[:200]}")
+            health = httpx.get(url + "/health", timeout=5).json()
+            if health.get("status") == "ready" and health.get("speculation", "").startswith(
+                    "off"):
+                spec_off += 1
+            else:
+                fail.append(f"/health after the next request: {health}")
+        except httpx.HTTPError as e:
+            fail.append(f"HTTP failure: {e!r}")
+        finally:
+            kids = [k.pid for k in psutil.Process(server.pid).children(recursive=True)]
+            server.send_signal(signal.SIGTERM)
+            try:
+                rc = server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
+                rc = None
+            left = wait_gone(kids, timeout=10)
+            if rc in (0, -signal.SIGTERM) and not left:
+                clean += 1
+            else:
+                fail.append(f"the server stopped with {rc}, processes left: {left}")
+            failures += [f"trial {i}: {f}" for f in fail]
+            print(f"trial {i}: {time.monotonic() - started:.1f} s in all", flush=True)
+    leaked = layersplit_shm() - shm_before
+    print(f"draft: {trials} trials ({after_end} killed after the request ended): {exact} "
+          f"requests completed with the exact plain output, {errored} ended with an error "
+          f"within 2 s of the kill (max {max(latencies, default=0):.2f} s); {draft_gone} "
+          f"killed drafts gone, {next_ok} next requests served exactly, {spec_off} "
+          f"servers reported speculation off then, {clean} servers stopped cleanly with no process left; "
+          f"{len(leaked)} /dev/shm segments left")
+    if leaked:
+        failures.append(f"segments left: {sorted(leaked)}")
+    return failures
+
+
 def campaign_save(model: Path, trials: int, rng: random.Random, work: Path) -> list[str]:
     import numpy as np
     from layersplit.runtime.cache_admin import verify
@@ -226,7 +386,7 @@ def campaign_save(model: Path, trials: int, rng: random.Random, work: Path) -> l
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["shards", "save"])
+    ap.add_argument("which", choices=["shards", "save", "draft"])
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -239,6 +399,8 @@ def main() -> int:
         t0 = time.perf_counter()
         if args.which == "shards":
             failures = campaign_shards(model, args.trials, rng)
+        elif args.which == "draft":
+            failures = campaign_draft(model, args.trials, rng)
         else:
             failures = campaign_save(model, args.trials, rng, Path(tmp))
     print(f"{len(failures)} failed trials in {time.perf_counter() - t0:.0f} s")
