@@ -17,11 +17,11 @@ left and no entry set aside as bad; the trial's prompt restores its longest comp
 prefix (and not more); the output equals the cold output (tokens and logits); the shards of the
 killed coordinator exit.
 
-`draft`: each trial starts a `layersplit serve` with a draft process (2 shards; the draft is the
-tiny model itself, a classic draft whose proposals are kept, so every verify step uses it),
-streams a greedy completion that speculates, and kills the draft with SIGKILL at a random moment
-of it (0-90 % of the time the first request of a fresh server takes, measured once first:
-prefill or decode).
+`draft`: each trial starts a `layersplit serve` with a draft process (1 shard, to start fast;
+the draft is the tiny model itself, a classic draft whose proposals are kept, so every verify
+step uses it), streams a greedy completion of 48 tokens that speculates, and kills the draft
+with SIGKILL at a random moment of it: in prefill (0-0.3 s after sending, before any token; a
+fifth of the trials) or 0-50 ms after the k-th chunk of text, k in 1..8 (decode).
 Counted: the request either completes with exactly the plain (non-speculative) output of the
 one-process reference, or ends with an error event within 2 s of the kill; the draft process is
 gone, the next request is served with the exact output, and /health then says speculation is off;
@@ -153,18 +153,21 @@ def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
     return failures
 
 
-def _spawn_server(model: Path, port: int, *extra: str) -> subprocess.Popen:
+def _spawn_server(model: Path, port: int, *extra: str, devices: str = "cpu,cpu",
+                  log: Path | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model), "--devices",
-         "cpu,cpu", "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
-         "--max-context", "4096", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         devices, "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
+         "--max-context", "4096", *extra], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if log is None else open(log, "w"))  # noqa: SIM115
 
 
-def _stream_completion(url: str, body: dict) -> tuple[str, str | None, str | None, float]:
+def _stream_completion(url: str, body: dict, on_chunk=None) -> tuple[str, str | None,
+                                                                      str | None, float]:
     """Streams one completion: (text, finish_reason, error event or None, monotonic time the
-    error event or the end came)."""
-    text, finish, error = "", None, None
-    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+    error event or the end came). `on_chunk(n)` is called after the n-th chunk with text."""
+    text, finish, error, chunks = "", None, None, 0
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
                       json={**body, "stream": True}) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -176,10 +179,13 @@ def _stream_completion(url: str, body: dict) -> tuple[str, str | None, str | Non
             for c in event.get("choices", []):
                 text += c.get("text") or ""
                 finish = c.get("finish_reason") or finish
+                if c.get("text") and on_chunk is not None:
+                    chunks += 1
+                    on_chunk(chunks)
     return text, finish, error, time.monotonic()
 
 
-def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
+def campaign_draft(model: Path, trials: int, rng: random.Random, work: Path) -> list[str]:
     from layersplit.runtime.reference import ReferenceEngine
     from layersplit.shards.sampling import SamplingParams
 
@@ -191,33 +197,20 @@ def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
         max_tokens=max_tokens, temperature=0, ignore_eos=True)).text for p in prompts}
     shm_before = layersplit_shm()
     failures: list[str] = []
-    exact = errored = draft_gone = spec_off = next_ok = clean = after_end = 0
-    latencies: list[float] = []
+    exact = errored = draft_gone = spec_off = next_ok = clean = after_end = in_prefill = 0
+    error_s: list[float] = []  # kill -> error event
+    done_s: list[float] = []  # kill -> end, of requests that completed
     body = {"model": "llama", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    port = free_tcp_port()
-    server = _spawn_server(model, port, "--draft", str(model))
-    try:  # how long the first (speculative) request of a fresh server takes
-        if not _wait_healthy(f"http://127.0.0.1:{port}"):
-            return ["the server did not start"]
-        t0 = time.monotonic()
-        text, *_ = _stream_completion(f"http://127.0.0.1:{port}",
-                                      {**body, "prompt": prompts[-1]})
-        span = time.monotonic() - t0
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-    print(f"the first speculative request of {max_tokens} tokens of a server takes {span:.2f} s")
-    if text != plain[prompts[-1]]:
-        return ["the measuring request's output differs from the plain one"]
     for i in range(trials):
         port = free_tcp_port()
         url = f"http://127.0.0.1:{port}"
         started = time.monotonic()
-        server = _spawn_server(model, port, "--draft", str(model))
+        log = work / f"server-{i}.log"
+        server = _spawn_server(model, port, "--draft", str(model), devices="cpu", log=log)
         fail: list[str] = []
         try:
             if not _wait_healthy(url):
-                failures.append(f"trial {i}: the server did not start")
+                fail.append("the server did not start")
                 continue
             health = httpx.get(url + "/health", timeout=5).json()
             drafts = [k for k in shard_children(server.pid) if " draft " in
@@ -227,32 +220,50 @@ def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
                 continue
             prompt = rng.choice(prompts)
             killed_at: list[float] = []
+            seen = [0, -1]  # chunks of text so far; chunks when the kill came
 
-            def kill(victim=drafts[0], killed_at=killed_at) -> None:
+            def kill(victim=drafts[0], killed_at=killed_at, seen=seen) -> None:
                 killed_at.append(time.monotonic())
+                seen[1] = seen[0]
                 try:
                     victim.send_signal(signal.SIGKILL)
                 except psutil.NoSuchProcess:
                     pass
 
-            timer = threading.Timer(rng.uniform(0.0, 0.9 * span), kill)
+            # the moment: in prefill (0-0.3 s after sending, before any token), or 0-50 ms
+            # after the k-th chunk of text (k in 1..8; a verify step keeps up to 5 tokens)
+            k = 0 if rng.random() < 0.2 else rng.randint(1, 8)
+            timer = threading.Timer(rng.uniform(0.0, 0.3 if k == 0 else 0.05), kill)
+            if k == 0:
+                timer.start()
+
+            def on_chunk(n: int, k=k, timer=timer, seen=seen) -> None:
+                seen[0] = n
+                if n == k:
+                    timer.start()
+
             sent = time.monotonic()
-            timer.start()
-            text, finish, error, ended = _stream_completion(url, {**body, "prompt": prompt})
+            text, finish, error, ended = _stream_completion(url, {**body, "prompt": prompt},
+                                                            on_chunk)
+            if k and not timer.is_alive() and not killed_at:
+                timer.start()  # fewer chunks than k: kill now (counted as after the end)
             timer.join()
+            if killed_at[0] >= ended:
+                after_end += 1
+            elif seen[1] == 0:
+                in_prefill += 1
             print(f"trial {i}: started in {sent - started:.1f} s, killed at "
-                  f"{killed_at[0] - sent:.2f} s, the request ended at {ended - sent:.2f} s"
-                  f"{' with an error' if error else ''}", flush=True)
-            if killed_at and killed_at[0] >= ended:
-                after_end += 1  # the request finished before the kill
+                  f"{killed_at[0] - sent:.2f} s (k={k}), the request ended at "
+                  f"{ended - sent:.2f} s{' with an error' if error else ''}", flush=True)
             if error is not None:
                 if ended - killed_at[0] > 2.0:
                     fail.append(f"the error came {ended - killed_at[0]:.2f} s after the kill")
                 else:
                     errored += 1
-                    latencies.append(ended - killed_at[0])
+                    error_s.append(ended - killed_at[0])
             elif text == plain[prompt] and finish == "length":
                 exact += 1
+                done_s.append(max(0.0, ended - killed_at[0]))
             else:
                 fail.append(f"the request completed with another output ({text!r}, finish "
                             f"{finish}) than the plain one ({plain[prompt]!r})")
@@ -261,7 +272,7 @@ def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
             else:
                 fail.append("the killed draft process still runs")
             p2 = rng.choice(prompts)
-            r = httpx.post(url + "/v1/completions", timeout=60, json={**body, "prompt": p2})
+            r = httpx.post(url + "/v1/completions", timeout=120, json={**body, "prompt": p2})
             if r.status_code == 200 and r.json()["choices"][0]["text"] == plain[p2]:
                 next_ok += 1
             else:
@@ -289,14 +300,22 @@ def campaign_draft(model: Path, trials: int, rng: random.Random) -> list[str]:
             else:
                 fail.append(f"the server stopped with {rc}, processes left: {left}")
             failures += [f"trial {i}: {f}" for f in fail]
+            if fail:
+                print(f"trial {i} FAILED: {fail}; the server's log:\n"
+                      f"{log.read_text()[-3000:]}", flush=True)
             print(f"trial {i}: {time.monotonic() - started:.1f} s in all", flush=True)
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] if xs else 0.0
+
     leaked = layersplit_shm() - shm_before
-    print(f"draft: {trials} trials ({after_end} killed after the request ended): {exact} "
-          f"requests completed with the exact plain output, {errored} ended with an error "
-          f"within 2 s of the kill (max {max(latencies, default=0):.2f} s); {draft_gone} "
-          f"killed drafts gone, {next_ok} next requests served exactly, {spec_off} "
-          f"servers reported speculation off then, {clean} servers stopped cleanly with no process left; "
-          f"{len(leaked)} /dev/shm segments left")
+    print(f"draft: {trials} trials ({in_prefill} killed before the first token, {after_end} "
+          f"after the request ended): {exact} requests completed with the exact plain output "
+          f"(ended a median {median(done_s):.2f} s, at most {max(done_s, default=0):.2f} s "
+          f"after the kill), {errored} ended with an error within 2 s of the kill (max "
+          f"{max(error_s, default=0):.2f} s); {draft_gone} killed drafts gone, {next_ok} next "
+          f"requests served exactly, {spec_off} servers reported speculation off then, {clean} "
+          f"servers stopped cleanly with no process left; {len(leaked)} /dev/shm segments left")
     if leaked:
         failures.append(f"segments left: {sorted(leaked)}")
     return failures
@@ -400,7 +419,7 @@ def main() -> int:
         if args.which == "shards":
             failures = campaign_shards(model, args.trials, rng)
         elif args.which == "draft":
-            failures = campaign_draft(model, args.trials, rng)
+            failures = campaign_draft(model, args.trials, rng, Path(tmp))
         else:
             failures = campaign_save(model, args.trials, rng, Path(tmp))
     print(f"{len(failures)} failed trials in {time.perf_counter() - t0:.0f} s")
