@@ -14,6 +14,7 @@ Used by `tests/launch/test_server.py` (a few hundred cases against the test serv
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -91,7 +92,7 @@ def valid_bodies(draw, path: str, model: str) -> dict:
     body.update({"prompt": "hello"} if kind == "completion" else {"messages": messages})
     optional = {**_OPTIONAL, **_OPTIONAL_OF[kind]}
     for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=4, unique=True)):
-        body[name] = optional[name]
+        body[name] = copy.deepcopy(optional[name])  # (mutations change it in place)
     if kind == "chat" and body.get("logprobs") and draw(st.booleans()):
         body["top_logprobs"] = 2
     return body
