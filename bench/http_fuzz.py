@@ -127,7 +127,7 @@ def main() -> int:
     total = ok = 0
     for key, v in counts.items():
         if isinstance(key, tuple):
-            path, mutation, good = key
+            _, mutation, good = key
             by_mutation[mutation] += v
             total += v
             ok += v if good else 0

@@ -155,11 +155,20 @@ def campaign_shards(model: Path, trials: int, rng: random.Random) -> list[str]:
 
 def _spawn_server(model: Path, port: int, *extra: str, devices: str = "cpu,cpu",
                   log: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model), "--devices",
-         devices, "--threads", "1", "--prefill-chunk", "16", "--port", str(port),
-         "--max-context", "4096", *extra], stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL if log is None else open(log, "w"))  # noqa: SIM115
+    """A `layersplit serve` of the tiny model; its stderr goes to `log` (default: nowhere)."""
+    if log is None:
+        stderr = subprocess.DEVNULL
+    else:
+        stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", str(model),
+             "--devices", devices, "--threads", "1", "--prefill-chunk", "16", "--port",
+             str(port), "--max-context", "4096", *extra], stdout=subprocess.DEVNULL,
+            stderr=stderr)
+    finally:
+        if log is not None:
+            os.close(stderr)  # (the child has its own copy)
 
 
 def _stream_completion(url: str, body: dict, on_chunk=None) -> tuple[str, str | None,
