@@ -218,7 +218,7 @@ def campaign_draft(model: Path, trials: int, rng: random.Random, work: Path) -> 
         server = _spawn_server(model, port, "--draft", str(model), devices="cpu", log=log)
         fail: list[str] = []
         try:
-            if not _wait_healthy(url):
+            if not _wait_healthy(url, timeout=600):  # (a loaded machine: minutes)
                 fail.append("the server did not start")
                 continue
             health = httpx.get(url + "/health", timeout=5).json()
