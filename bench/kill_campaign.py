@@ -210,109 +210,115 @@ def campaign_draft(model: Path, trials: int, rng: random.Random, work: Path) -> 
     error_s: list[float] = []  # kill -> error event
     done_s: list[float] = []  # kill -> end, of requests that completed
     body = {"model": "llama", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    for i in range(trials):
-        port = free_tcp_port()
-        url = f"http://127.0.0.1:{port}"
-        started = time.monotonic()
-        log = work / f"server-{i}.log"
-        server = _spawn_server(model, port, "--draft", str(model), devices="cpu", log=log)
-        fail: list[str] = []
-        try:
-            if not _wait_healthy(url, timeout=600):  # (a loaded machine: minutes)
-                fail.append("the server did not start")
-                continue
-            health = httpx.get(url + "/health", timeout=5).json()
-            drafts = [k for k in shard_children(server.pid) if " draft " in
-                      " ".join(k.cmdline())]
-            if len(drafts) != 1 or not health.get("speculation", "").startswith("on"):
-                fail.append(f"{len(drafts)} draft processes, speculation {health}")
-                continue
-            prompt = rng.choice(prompts)
-            killed_at: list[float] = []
-            seen = [0, -1]  # chunks of text so far; chunks when the kill came
+    done = 0
+    try:
+        for i in range(trials):
+            port = free_tcp_port()
+            url = f"http://127.0.0.1:{port}"
+            started = time.monotonic()
+            log = work / f"server-{i}.log"
+            server = _spawn_server(model, port, "--draft", str(model), devices="cpu", log=log)
+            fail: list[str] = []
+            try:
+                if not _wait_healthy(url, timeout=600):  # (a loaded machine: minutes)
+                    fail.append("the server did not start")
+                    continue
+                health = httpx.get(url + "/health", timeout=5).json()
+                drafts = [k for k in shard_children(server.pid) if " draft " in
+                          " ".join(k.cmdline())]
+                if len(drafts) != 1 or not health.get("speculation", "").startswith("on"):
+                    fail.append(f"{len(drafts)} draft processes, speculation {health}")
+                    continue
+                prompt = rng.choice(prompts)
+                killed_at: list[float] = []
+                seen = [0, -1]  # chunks of text so far; chunks when the kill came
 
-            def kill(victim=drafts[0], killed_at=killed_at, seen=seen) -> None:
-                killed_at.append(time.monotonic())
-                seen[1] = seen[0]
-                try:
-                    victim.send_signal(signal.SIGKILL)
-                except psutil.NoSuchProcess:
-                    pass
+                def kill(victim=drafts[0], killed_at=killed_at, seen=seen) -> None:
+                    killed_at.append(time.monotonic())
+                    seen[1] = seen[0]
+                    try:
+                        victim.send_signal(signal.SIGKILL)
+                    except psutil.NoSuchProcess:
+                        pass
 
-            # the moment: in prefill (0-0.3 s after sending, before any token), or 0-50 ms
-            # after the k-th chunk of text (k in 1..8; a verify step keeps up to 5 tokens)
-            k = 0 if rng.random() < 0.2 else rng.randint(1, 8)
-            timer = threading.Timer(rng.uniform(0.0, 0.3 if k == 0 else 0.05), kill)
-            if k == 0:
-                timer.start()
-
-            def on_chunk(n: int, k=k, timer=timer, seen=seen) -> None:
-                seen[0] = n
-                if n == k:
+                # the moment: in prefill (0-0.3 s after sending, before any token), or 0-50 ms
+                # after the k-th chunk of text (k in 1..8; a verify step keeps up to 5 tokens)
+                k = 0 if rng.random() < 0.2 else rng.randint(1, 8)
+                timer = threading.Timer(rng.uniform(0.0, 0.3 if k == 0 else 0.05), kill)
+                if k == 0:
                     timer.start()
 
-            sent = time.monotonic()
-            text, finish, error, ended = _stream_completion(url, {**body, "prompt": prompt},
-                                                            on_chunk)
-            if k and not timer.is_alive() and not killed_at:
-                timer.start()  # fewer chunks than k: kill now (counted as after the end)
-            timer.join()
-            if killed_at[0] >= ended:
-                after_end += 1
-            elif seen[1] == 0:
-                in_prefill += 1
-            print(f"trial {i}: started in {sent - started:.1f} s, killed at "
-                  f"{killed_at[0] - sent:.2f} s (k={k}), the request ended at "
-                  f"{ended - sent:.2f} s{' with an error' if error else ''}", flush=True)
-            if error is not None:
-                if ended - killed_at[0] > 2.0:
-                    fail.append(f"the error came {ended - killed_at[0]:.2f} s after the kill")
+                def on_chunk(n: int, k=k, timer=timer, seen=seen) -> None:
+                    seen[0] = n
+                    if n == k:
+                        timer.start()
+
+                sent = time.monotonic()
+                text, finish, error, ended = _stream_completion(url, {**body, "prompt": prompt},
+                                                                on_chunk)
+                if k and not timer.is_alive() and not killed_at:
+                    timer.start()  # fewer chunks than k: kill now (counted as after the end)
+                timer.join()
+                if killed_at[0] >= ended:
+                    after_end += 1
+                elif seen[1] == 0:
+                    in_prefill += 1
+                print(f"trial {i}: started in {sent - started:.1f} s, killed at "
+                      f"{killed_at[0] - sent:.2f} s (k={k}), the request ended at "
+                      f"{ended - sent:.2f} s{' with an error' if error else ''}", flush=True)
+                if error is not None:
+                    if ended - killed_at[0] > 2.0:
+                        fail.append(f"the error came {ended - killed_at[0]:.2f} s after the kill")
+                    else:
+                        errored += 1
+                        error_s.append(ended - killed_at[0])
+                elif text == plain[prompt] and finish == "length":
+                    exact += 1
+                    done_s.append(max(0.0, ended - killed_at[0]))
                 else:
-                    errored += 1
-                    error_s.append(ended - killed_at[0])
-            elif text == plain[prompt] and finish == "length":
-                exact += 1
-                done_s.append(max(0.0, ended - killed_at[0]))
-            else:
-                fail.append(f"the request completed with another output ({text!r}, finish "
-                            f"{finish}) than the plain one ({plain[prompt]!r})")
-            if wait_gone([drafts[0].pid], timeout=10) == []:
-                draft_gone += 1
-            else:
-                fail.append("the killed draft process still runs")
-            p2 = rng.choice(prompts)
-            r = httpx.post(url + "/v1/completions", timeout=120, json={**body, "prompt": p2})
-            if r.status_code == 200 and r.json()["choices"][0]["text"] == plain[p2]:
-                next_ok += 1
-            else:
-                fail.append(f"the next request got {r.status_code}: {r.text[:200]}")
-            health = httpx.get(url + "/health", timeout=5).json()
-            if health.get("status") == "ready" and health.get("speculation", "").startswith(
-                    "off"):
-                spec_off += 1
-            else:
-                fail.append(f"/health after the next request: {health}")
-        except httpx.HTTPError as e:
-            fail.append(f"HTTP failure: {e!r}")
-        finally:
-            kids = [k.pid for k in psutil.Process(server.pid).children(recursive=True)]
-            server.send_signal(signal.SIGTERM)
-            try:
-                rc = server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(10)
-                rc = None
-            left = wait_gone(kids, timeout=10)
-            if rc in (0, -signal.SIGTERM) and not left:
-                clean += 1
-            else:
-                fail.append(f"the server stopped with {rc}, processes left: {left}")
-            failures += [f"trial {i}: {f}" for f in fail]
-            if fail:
-                print(f"trial {i} FAILED: {fail}; the server's log:\n"
-                      f"{log.read_text()[-3000:]}", flush=True)
-            print(f"trial {i}: {time.monotonic() - started:.1f} s in all", flush=True)
+                    fail.append(f"the request completed with another output ({text!r}, finish "
+                                f"{finish}) than the plain one ({plain[prompt]!r})")
+                if wait_gone([drafts[0].pid], timeout=10) == []:
+                    draft_gone += 1
+                else:
+                    fail.append("the killed draft process still runs")
+                p2 = rng.choice(prompts)
+                r = httpx.post(url + "/v1/completions", timeout=120, json={**body, "prompt": p2})
+                if r.status_code == 200 and r.json()["choices"][0]["text"] == plain[p2]:
+                    next_ok += 1
+                else:
+                    fail.append(f"the next request got {r.status_code}: {r.text[:200]}")
+                health = httpx.get(url + "/health", timeout=5).json()
+                if health.get("status") == "ready" and health.get("speculation", "").startswith(
+                        "off"):
+                    spec_off += 1
+                else:
+                    fail.append(f"/health after the next request: {health}")
+            except httpx.HTTPError as e:
+                fail.append(f"HTTP failure: {e!r}")
+            finally:
+                kids = [k.pid for k in psutil.Process(server.pid).children(recursive=True)]
+                server.send_signal(signal.SIGTERM)
+                try:
+                    rc = server.wait(60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait(10)
+                    rc = None
+                left = wait_gone(kids, timeout=10)
+                if rc in (0, -signal.SIGTERM) and not left:
+                    clean += 1
+                else:
+                    fail.append(f"the server stopped with {rc}, processes left: {left}")
+                failures += [f"trial {i}: {f}" for f in fail]
+                if fail:
+                    print(f"trial {i} FAILED: {fail}; the server's log:\n"
+                          f"{log.read_text()[-3000:]}", flush=True)
+                print(f"trial {i}: {time.monotonic() - started:.1f} s in all", flush=True)
+                done = i + 1
+    except SystemExit:  # SIGTERM: count the trials done so far
+        print(f"stopped by a signal after {done} trials", flush=True)
+        trials = done
 
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2] if xs else 0.0
