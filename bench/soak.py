@@ -7,7 +7,8 @@ two CPU shard processes; its GGUF from `runtime.model_store.fetch_default_model`
 the first fetch) with `--cache-ram-gb 0.5`, so that the prefix cache's RAM tier fills early in
 the run and what it holds stops growing: growth after that is a leak, not a cache. Each client
 streams chat or text completions back to back (a shared system prompt, a question of its own,
-16-64 tokens, sampled with a seed), and checks each stream: status 200, no error event, a
+16-64 tokens, sampled with a seed) until the time is up (streams still running `--drain` s
+later are cut: their clients disconnect), and checks each stream: status 200, no error event, a
 finish reason and `data: [DONE]`, as many tokens as `usage` says.
 
 Every `--every` seconds it samples, for the server and each of its child processes (shards,
@@ -77,7 +78,7 @@ def _slope(points: list[tuple[float, float]]) -> float:
 
 class Stats:
     def __init__(self) -> None:
-        self.requests = self.tokens = 0
+        self.requests = self.tokens = self.cut = 0
         self.errors: list[str] = []
         self.latencies: list[float] = []
 
@@ -126,6 +127,9 @@ async def client(i: int, url: str, stop_at: float, stats: Stats) -> None:
             except (httpx.HTTPError, ValueError) as e:
                 stats.errors.append(f"client {i}: {e!r}")
                 continue
+            except asyncio.CancelledError:  # the run is over: this stream is cut (disconnect)
+                stats.cut += 1
+                raise
             if not done or finish is None or usage is None:
                 stats.errors.append(f"client {i}: stream ended without [DONE], a finish reason "
                                     f"or usage ({done}, {finish}, {usage})")
@@ -189,6 +193,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--drain", type=float, default=60.0, help="seconds the streams running "
+                    "at the end get to finish before their clients disconnect")
     ap.add_argument("--json", help="write the samples and the summary here")
     ap.add_argument("server_args", nargs="*", help="more `layersplit serve` flags (after --)")
     args = ap.parse_args()
@@ -228,11 +234,20 @@ def main() -> int:
         stop_at = t0 + args.minutes * 60
 
         async def run() -> None:
-            await asyncio.gather(sampler(server, t0, stop_at, args.every, samples),
-                                 *(client(i, url, stop_at, stats) for i in range(args.clients)))
+            clients = [asyncio.create_task(client(i, url, stop_at, stats))
+                       for i in range(args.clients)]
+            await sampler(server, t0, stop_at, args.every, samples)
+            # streams still running after --drain seconds more are cut (the clients go away)
+            _, late = await asyncio.wait(clients, timeout=args.drain)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
 
         asyncio.run(run())
         elapsed = time.monotonic() - t0
+        healthy = httpx.get(url + "/health", timeout=30).status_code == 200
+        if not healthy:
+            failures.append("/health is not 200 after the run")
         metrics = httpx.get(url + "/metrics", timeout=10).text
         restarts = [ln for ln in metrics.splitlines()
                     if ln.startswith("layersplit_shard_restarts_total")]
@@ -251,7 +266,7 @@ def main() -> int:
     lines, summary = report(samples, warm_from=args.minutes * 60 / 3)
     print(f"{stats.requests} streams completed ({stats.tokens} tokens, "
           f"{stats.tokens / elapsed:.1f} tokens/s) in {elapsed:.0f} s by {args.clients} "
-          f"clients; {len(stats.errors)} errors; stream time median "
+          f"clients, {stats.cut} cut at the end; {len(stats.errors)} errors; stream time median "
           f"{lat[len(lat) // 2] if lat else 0:.1f} s, max {lat[-1] if lat else 0:.1f} s; "
           f"shard restarts: {restarts}")
     for line in lines:
