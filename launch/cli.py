@@ -1,4 +1,4 @@
-"""`layersplit` command line: generate, serve, shard, bench, cache."""
+"""`layersplit` command line: generate, serve, shard, cache (draft: started by the coordinator)."""
 
 from __future__ import annotations
 

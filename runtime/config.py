@@ -132,6 +132,8 @@ class RuntimeConfig:
                                              "chatml-tools.jinja: ChatML with Hermes tool calls)")
     max_logprobs: int = _field(20, "serve: most top alternatives a request may ask per token "
                                    "(top_logprobs, completions' logprobs)")
+    max_body_mb: float = _field(16.0, "serve: largest request body in MiB (413 beyond it, "
+                                      "before it is read)")
     startup_timeout: float = _field(600.0, "seconds to wait for shards to load and report")
     step_timeout: float = _field(600.0, "seconds a step may take before the shard is declared "
                                         "hung while no step of its kind has come back yet "
@@ -153,6 +155,8 @@ class RuntimeConfig:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template={self.chat_template}: no such file")
+        if not self.max_body_mb > 0:
+            raise ConfigError(f"max_body_mb={self.max_body_mb}: must be more than 0")
         if self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs={self.max_logprobs}: must be at least 0")
         if not 1 <= self.kv_block <= 4096:

@@ -2,9 +2,11 @@
 
 Unsupported parameters are rejected (400) when they would change the output or promise what
 is not done (`store`), and ignored when they would not (`user`, `metadata`, `service_tier`,
-`prediction`, `prompt_cache_key`, `safety_identifier`), as OpenAI-compatible servers do. Tool
-definitions and schemas are checked here for their shape; whether a grammar can enforce them is
-the server's check, with the model's tokenizer (`runtime.grammar`).
+`prediction`, `prompt_cache_key`, `safety_identifier`), as OpenAI-compatible servers do; a
+parameter this server does not know at all is rejected too, naming it (a misspelt `temprature`
+must not be answered as if it had not been sent). Tool definitions and schemas are checked here
+for their shape; whether a grammar can enforce them is the server's check, with the model's
+tokenizer (`runtime.grammar`).
 """
 
 from __future__ import annotations
@@ -114,6 +116,33 @@ _REJECT_IF = {  # parameter -> the value that is harmless (anything else is refu
     "bad_words": (None, []), "allowed_token_ids": (None,),
 }
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_IGNORED = ("user", "metadata", "service_tier", "prediction", "prompt_cache_key",
+            "safety_identifier")  # OpenAI's that do not change the output
+_SAMPLING = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+             "stream_options", "n", "logprobs", "top_logprobs", "presence_penalty",
+             "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
+             "parallel_tool_calls", "repetition_penalty", "min_tokens", "stop_token_ids",
+             "ignore_eos", "use_cache", "speculative", *_IGNORED, *_REJECT_IF)
+FIELDS = {  # every top-level field each endpoint reads (or refuses by name)
+    "completion": frozenset((*_SAMPLING, "prompt", "echo")),
+    "chat": frozenset((*_SAMPLING, "messages", "max_completion_tokens")),
+    "tokenize": frozenset(("model", "prompt", "add_special_tokens")),  # or a chat body
+    "detokenize": frozenset(("model", "tokens")),
+}
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id",
+                             # what OpenAI's client sends back of an assistant message
+                             "refusal", "annotations", "audio", "function_call"))
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_fields(body: dict, kind: str, where: str = "") -> None:
+    """RequestError naming the first field of `body` that endpoint `kind` does not know."""
+    for name in body:
+        if name not in FIELDS[kind]:
+            what = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}.get(
+                kind, f"/{kind}")
+            raise RequestError(f"'{where}{name}' is not a parameter of {what} (docs/server.md "
+                               "lists those this server takes)", f"{where}{name}")
 
 
 def bad_text_field(value: Any, path: str = "") -> str | None:
@@ -149,6 +178,7 @@ def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) ->
     if bad is not None:
         raise RequestError(f"'{bad}' holds a string that is not valid Unicode (a lone UTF-16 "
                            "surrogate escape such as \\ud800); send UTF-8 text", bad)
+    check_fields(body, kind)
     for name, harmless in _REJECT_IF.items():
         if name in body and body[name] not in harmless:
             if name == "response_format" and body[name] in ({"type": "text"},):
@@ -179,15 +209,15 @@ def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) ->
             raise RequestError("'messages' must be a non-empty list", "messages")
         messages = [_message(m, i) for i, m in enumerate(msgs)]
     default_max = 16 if kind == "completion" else None
-    max_tokens = _get(body, "max_tokens", (int,), None)
-    if max_tokens is not None and max_tokens >= 1 << 31:
-        max_tokens = (1 << 31) - 1
-    if kind == "chat":
-        max_tokens = _get(body, "max_completion_tokens", (int,), max_tokens)
+    max_tokens = None
+    for name in ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",):
+        value = _get(body, name, (int,), None)  # (chat: the second, when given, wins)
+        if value is not None and value < 0:
+            raise RequestError(f"'{name}' must be >= 0", name)
+        if value is not None:
+            max_tokens = min(value, (1 << 31) - 1)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else 1 << 30
-    if max_tokens < 0:
-        raise RequestError("'max_tokens' must be >= 0", "max_tokens")
     temperature = _finite(_get(body, "temperature", (int, float), 1.0), "temperature")
     if not 0 <= temperature <= 2:
         raise RequestError("'temperature' must be between 0 and 2", "temperature")
@@ -209,9 +239,18 @@ def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) ->
         stop = [stop]
     elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > 4:
         raise RequestError("'stop' must be a string or a list of up to 4 strings", "stop")
+    if "" in stop:
+        raise RequestError("'stop' holds an empty string (it would match everywhere)", "stop")
     stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {})
-    include_usage = bool(opts.get("include_usage", False))
+    for key in opts:
+        if key != "include_usage":
+            raise RequestError(f"'stream_options.{key}' is not supported (include_usage is)",
+                               f"stream_options.{key}")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise RequestError("'stream_options.include_usage' must be a bool",
+                           "stream_options.include_usage")
     use_cache = _get(body, "use_cache", (bool,), True)
     speculative = _get(body, "speculative", (bool,), None)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
@@ -242,10 +281,13 @@ def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) ->
 def _text_content(content: Any, where: str) -> str:
     if isinstance(content, list):  # [{"type": "text", "text": ...}]
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError(f"{where}: only text parts are supported", where)
-            parts.append(str(part.get("text", "")))
+                raise RequestError(f"{where}[{j}]: only text parts are supported", where)
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}[{j}].text must be a string",
+                                   f"{where}[{j}].text")
+            parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
         raise RequestError(f"{where} must be a string", where)
@@ -259,7 +301,22 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise RequestError(f"{where} must be an object with a 'role'", where)
     role = m["role"]
+    if role not in _ROLES:
+        raise RequestError(f"{where}.role {role!r} is not one of {', '.join(_ROLES)}",
+                           f"{where}.role")
+    for key in m:
+        if key not in MESSAGE_FIELDS:
+            raise RequestError(f"'{where}.{key}' is not a field of a chat message",
+                               f"{where}.{key}")
+        if key in ("audio", "function_call") and m[key] is not None:
+            raise RequestError(f"'{where}.{key}' is not supported", f"{where}.{key}")
+    for key in ("name", "tool_call_id", "refusal"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
     calls = m.get("tool_calls")
+    if calls and role != "assistant":
+        raise RequestError(f"{where}.tool_calls: only assistant messages make tool calls",
+                           f"{where}.tool_calls")
     if role == "assistant" and calls:
         if not isinstance(calls, list):
             raise RequestError(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
@@ -270,6 +327,8 @@ def _message(m: Any, i: int) -> dict[str, Any]:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise RequestError(f"{w} must be {{'type': 'function', 'function': {{'name', "
                                    "'arguments'}}}}", w)
+            if c.get("id") is not None and not isinstance(c["id"], str):
+                raise RequestError(f"{w}.id must be a string", f"{w}.id")
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
                 try:
@@ -277,6 +336,9 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                 except ValueError:
                     raise RequestError(f"{w}.function.arguments is not valid JSON",
                                        f"{w}.function.arguments") from None
+            if not isinstance(args, dict):
+                raise RequestError(f"{w}.function.arguments must be a JSON object (or a string "
+                                   "holding one)", f"{w}.function.arguments")
             out_calls.append({"id": c.get("id"), "type": "function",
                               "function": {"name": fn["name"], "arguments": args}})
         content = m.get("content")
@@ -285,7 +347,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     msg = {"role": role, "content": _text_content(m.get("content"), f"{where}.content")}
     if role == "tool":
         for key in ("tool_call_id", "name"):
-            if isinstance(m.get(key), str):
+            if m.get(key) is not None:
                 msg[key] = m[key]
     return msg
 

@@ -34,7 +34,14 @@ from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.decoding import Decoding, ProcessorsTooLarge
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.metrics import Metrics
-from layersplit.runtime.openai_api import Limits, ParsedRequest, RequestError, bad_text_field, parse
+from layersplit.runtime.openai_api import (
+    Limits,
+    ParsedRequest,
+    RequestError,
+    bad_text_field,
+    check_fields,
+    parse,
+)
 from layersplit.runtime.openai_render import Renderer, usage
 from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -491,6 +498,8 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             "id": engine.served_model, "object": "model", "created": int(time.time()),
             "owned_by": "layersplit", "max_model_len": config.max_context}]})
 
+    body_limit = int(config.max_body_mb * 2**20)
+
     def limits() -> Limits:
         vocab = (engine.coord.model_config.vocab_size if engine.coord is not None
                  else Limits.vocab)
@@ -498,7 +507,7 @@ def create_app(config: RuntimeConfig) -> FastAPI:
 
     async def handle(request: Request, kind: str):
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, body_limit)
             req = parse(body, kind, engine.served_model, limits())
             loop = asyncio.get_running_loop()
             # (compiling a grammar may take a while: not on the event loop, which streams)
@@ -535,15 +544,16 @@ def create_app(config: RuntimeConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, body_limit)
             tok = _tokenizer_of(engine)
             loop = asyncio.get_running_loop()  # (tokenizing is not for the event loop)
             if "messages" in body:
-                req = parse({**body, "model": engine.served_model}, "chat",
-                            engine.served_model, limits())
+                req = parse(body, "chat", engine.served_model, limits())
                 ids = await loop.run_in_executor(
                     None, functools.partial(tok.encode_chat, req.messages, tools=req.tools))
             else:
+                check_fields(body, "tokenize")
+                _check_model(body, engine.served_model)
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise RequestError("'prompt' (a string) or 'messages' is required",
@@ -559,7 +569,9 @@ def create_app(config: RuntimeConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, body_limit)
+            check_fields(body, "detokenize")
+            _check_model(body, engine.served_model)
             tok = _tokenizer_of(engine)
             ids = body.get("tokens")
             vocab = limits().vocab
@@ -642,11 +654,30 @@ async def _next(job: Job, request: Request) -> tuple[str, Any]:
         return item[0], item[1:]
 
 
-async def _json_body(request: Request) -> dict:
-    """The request's JSON object; RequestError (400) for a body that is not JSON, not an
-    object, nested past Python's recursion limit, or holds text that is not valid Unicode."""
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body; RequestError (413) once it is over `limit` bytes: at once when its
+    Content-Length says so, else as soon as that many have come (never held whole)."""
+    declared = request.headers.get("content-length", "")
+    too_big = RequestError(f"the request body is over this server's limit of {limit} bytes "
+                           "(max_body_mb)", None, status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, limit: int) -> dict:
+    """The request's JSON object; RequestError for a body over `limit` bytes (413), and (400)
+    for one that is not JSON, not an object, nested past Python's recursion limit, or holds
+    text that is not valid Unicode."""
+    raw = await _read_body(request, limit)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
         bad = bad_text_field(body)
     except RecursionError:
         raise RequestError("the body is nested too deeply", None) from None
@@ -658,6 +689,13 @@ async def _json_body(request: Request) -> dict:
         raise RequestError(f"'{bad}' holds a string that is not valid Unicode (a lone UTF-16 "
                            "surrogate escape such as \\ud800); send UTF-8 text", bad)
     return body
+
+
+def _check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {served!r}",
+                           "model", status=404, code="model_not_found")
 
 
 def _get_bool(body: dict, name: str, default: bool) -> bool:

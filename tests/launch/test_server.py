@@ -14,11 +14,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, event, given, settings
 from layersplit.ipc.sockets import free_tcp_port
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
 from tests.helpers import layersplit_shm, shard_children, wait_gone
+from tests.launch.http_fuzz import cases, check_answer
 
 openai = pytest.importorskip("openai")
 
@@ -61,9 +63,12 @@ class Server:
         return 0 if rc in (0, -signal.SIGTERM) else rc
 
 
+MAX_BODY = 1 << 18  # the test server's max_body_mb: oversized bodies stay cheap
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    s = Server(tiny_llama)
+    s = Server(tiny_llama, "--max-body-mb", str(MAX_BODY / 2**20))
     yield s
     assert s.stop() == 0
     assert shard_children() == []
@@ -219,6 +224,33 @@ def test_lone_surrogate_fails_alone(server, ref, path, body, param):
                         SamplingParams(max_tokens=4, temperature=0))
     assert r.choices[0].text == want.text
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_fail_alone(server, ref):
+    """Hypothesis-made bad bodies for the four endpoints (`tests/launch/http_fuzz.py`: wrong
+    types, missing fields, huge numbers, nested junk, bytes that are not UTF-8, lone
+    surrogates, non-JSON, oversized bodies, unknown fields): each gets its 4xx with an OpenAI
+    error naming what was wrong, the server stays up, and the next well-formed request gets the
+    reference output. The campaign with larger counts: `bench/http_fuzz.py`."""
+
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.filter_too_much])
+    @given(case=cases(MODEL, MAX_BODY))
+    def one(case):
+        event(f"{case.path} {case.mutation}")
+        problem = check_answer(case, case.send(server.url))
+        assert problem is None, f"{case.mutation} to {case.path}: {problem}\n{case.body[:400]!r}"
+        assert server.proc.poll() is None, "the server exited"
+
+    one()
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    r = server.client.completions.create(model=MODEL, prompt="after the fuzz", max_tokens=4,
+                                         temperature=0)
+    want = ref.generate(ref.tokenizer.encode("after the fuzz"),
+                        SamplingParams(max_tokens=4, temperature=0))
+    assert r.choices[0].text == want.text
 
 
 @pytest.mark.slow
