@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from layersplit.shards.sampling import (
     filtered_probs,
     mix_seed,

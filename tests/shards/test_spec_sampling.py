@@ -26,19 +26,19 @@ TRIALS = 1500
 P_MIN = 1e-4  # deterministic (fixed seeds), yet a wrong rule fails far below it
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _logits(prefix: tuple[int, ...], salt: int, scale: float) -> torch.Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(bytes([salt, *prefix])))
     return torch.randn(V, generator=g) * scale
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
     """A toy target: its next-token logits depend on the whole prefix."""
     return _logits(prefix, 0, 1.5)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def draft_logits(prefix: tuple[int, ...], d: int) -> torch.Tensor:
     """A toy DFlash-like draft: position pos + d + 1 from the committed prefix only (it does
     not see its own earlier draft tokens), near the target at d = 0, farther after."""
