@@ -87,6 +87,12 @@ class RuntimeConfig:
                                    "to the first shard itself, which holds the next step for "
                                    "them (where the first and the last shard feed the draft); "
                                    "off: the coordinator asks for each and sends it on")
+    spec_sampled: bool = _field(True, "with sampling (temperature > 0), a DFlash draft samples "
+                                      "its proposals from its own distribution and sends it; "
+                                      "a draft token is kept with probability min(1, p/q): more "
+                                      "are kept, the output has the target's distribution but "
+                                      "not plain decoding's very tokens; off: its best guesses, "
+                                      "kept when they equal the target's own draw")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")

@@ -861,7 +861,7 @@ class Coordinator:
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
-                                r.plp))
+                                r.plp, r.q))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -1037,11 +1037,14 @@ class Coordinator:
             drafter = None
             if context is not None and speculative is not False:
                 progress.spec = SpecStats()
-                drafter = DraftClient(self, progress.spec, self.config.spec_required, context)
+                sample = (None if params.greedy or not self.config.spec_sampled else
+                          {**params.wire(), "seed": seed})
+                drafter = DraftClient(self, progress.spec, self.config.spec_required, context,
+                                      sample)
                 drafter.begin()
             elif context is not None:  # it only feeds: its context starts afresh all the same
                 try:
-                    self.draft_request(message("draft_begin", slot=context))
+                    self.draft_request(message("draft_begin", slot=context, sample=None))
                 except (DraftLost, DraftError) as e:
                     log.warning("the draft did not start a context for this request: %s", e)
             cache = self.cache if use_cache else None
