@@ -79,7 +79,7 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
         transport = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
-        sets = {k: [coord.tokenizer.encode_chat(m) for m in v]
+        sets = {k: [coord.tokenizer.encode_chat(m) for m in v][:args.limit]
                 for k, v in prompt_sets(args.sets.split(",")).items()}
         warm = next(iter(sets.values()))
         for p in warm[:2]:  # warm-up: graph capture, compilation, caches
@@ -148,6 +148,7 @@ def main() -> int:
                    "each draft with (on, off)")
     p.add_argument("--sets", default="eval,unseen", help="comma-separated prompt sets: eval "
                    "(draft.prompts' held-out ones), unseen (bench/prompts/unseen.jsonl)")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

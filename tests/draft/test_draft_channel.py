@@ -291,3 +291,40 @@ def test_verdicts_over_zmq_come_only_from_zmq_feeders(server):
         with pytest.raises(ProtocolError, match="verdict from a peer that is not a zmq feeder"):
             server._on_verdict(route, _verdict(2, nxt))
     assert not server.prepared.pending
+
+
+def test_sampled_proposals_carry_their_distributions(server):
+    """A sequence that samples (`draft_begin`'s `sample`) gets proposals drawn from the draft's
+    distribution, sent with it (`q`, valid for its tokens); one prepared from a verdict equals
+    the one computed when asked (the same seeded draws). Bad sampling is refused by name."""
+    from layersplit.shards.spec_sampling import check_q
+
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    first, _ = _feeder(server, b"shard0", [1])
+    second, _ = _feeder(server, b"shard1", [4])
+    sample = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 3}
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=sample), [])
+    nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0}
+    for f, layers in ((first, [1]), (second, [4])):
+        f.send(_feat(2, 0, 9, layers), torch.randn(9, 64))
+    second.send(_verdict(2, nxt), None)
+    server._work()
+    assert 0 in server.prepared.ready
+    ask = {"sid": 3, "slot": 0, "pos": 6, "n": 3, "start": 0, "sync": 2, "tree": 0,
+           "kept": None}
+    server._on_propose(b"coord", message("propose", token=5, **ask), [])
+    prepared = sent[-1]
+    assert prepared["prepared"] is True and prepared["q"] is not None
+    check_q(prepared["q"], prepared["tokens"], prepared["parents"],
+            server.proposer.head.shape[0])
+    assert server.proposer.propose(0, 5, 6, 3) == (prepared["tokens"], None, prepared["q"])
+    # the best guesses for a greedy sequence: no q
+    server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=None), [])
+    assert server.proposer.propose(1, 5, 6, 3)[2] is None
+    for bad, why in (({**sample, "temperature": 0}, "temperature must be a number > 0"),
+                     ({**sample, "top_p": 2.0}, "top_p must be in"),
+                     ({**sample, "seed": "x"}, "seed must be an integer")):
+        with pytest.raises(ProtocolError, match=f"draft_begin: sample .*{why}"):
+            server._on_draft_begin(b"coord", message("draft_begin", sid=5, slot=0, sample=bad),
+                                   [])

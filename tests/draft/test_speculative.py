@@ -94,6 +94,8 @@ def near(target, tmp_path_factory):
 
 
 def _cfg(target, n, draft, **kw):
+    # the draft's best guesses: sampled output is then plain decoding's very tokens
+    kw.setdefault("spec_sampled", False)
     return RuntimeConfig(model=str(target), devices=("cpu",) * n, prefill_chunk=CHUNK,
                          max_context=256, threads=1, draft=str(draft), **kw)
 
@@ -144,6 +146,22 @@ def test_speculative_equals_plain(target, fitted, near, n, transport, kind):
         assert len(shard_children()) == n + 1
     assert shard_children() == []
     assert layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_sampled_proposals_are_seeded_and_kept(target, fitted):
+    """spec_sampled: the draft samples its proposals and sends their distributions; verify
+    steps keep draft tokens by rejection sampling (the target's distribution: chi-square in
+    tests/shards/test_spec_sampling.py). A seed fixes the output: the same tokens again
+    (proposals prepared from verdicts equal asked ones: test_draft_channel.py)."""
+    with Coordinator(_cfg(target, 2, fitted, spec_sampled=True)) as coord:
+        prompt = _prompts(coord.tokenizer)[0]
+        progress = Progress()
+        got = collect(coord.stream(prompt, SAMPLED, progress, use_cache=False), progress,
+                      len(prompt))
+        assert coord.generate(prompt, SAMPLED, use_cache=False).tokens == got.tokens
+        assert progress.spec.accepted_at[0] > 0 and progress.spec.off_chain > 0
+        assert progress.spec.prepared > 0
 
 
 @pytest.mark.slow
