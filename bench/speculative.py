@@ -5,9 +5,8 @@ process), generation on two prompt sets, one warm-up pass then a timed pass: `ev
 prompts of `draft.prompts` (8 chat, 4 code: the draft's training reports on them, never trains on
 them) and `unseen`, `bench/prompts/unseen.jsonl` (16 prompts no part of the draft's training
 ever saw: code in other languages, chat, math, prose, tool calls; kept here, not in `draft/`).
-Greedy by default; `--temperature 0.7 --top-p 0.9` samples (seeded), where `--sampled on,off`
-runs each draft with sampled proposals (`spec_sampled`, rejection sampling with the draft's q)
-and with its best guesses. Reports decode tok/s (generated tokens over decode time, all
+Greedy by default; `--temperature 0.7 --top-p 0.9` samples (seeded), where `--sampling`
+runs each draft with each `spec_sampling` given (coupled, rejection, guesses). Reports decode tok/s (generated tokens over decode time, all
 prompts together), the speed-up over plain decoding in this run, the acceptance length (mean
 tokens committed per verify step), the acceptance rate per draft position, draft and verify time
 per step, and how many outputs equal the plain ones token for token.
@@ -60,13 +59,15 @@ def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
 
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
-        draft_device: str | None = None, push: bool = True, sampled: bool = True) -> list[dict]:
+        draft_device: str | None = None, push: bool = True,
+        sampling: str = "coupled") -> list[dict]:
     """One row per prompt set."""
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
-                        prefix_cache=False, spec_push=push, spec_sampled=sampled)
+                        prefix_cache=False, spec_push=push,
+                        spec_sampling=sampling)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed)
@@ -74,7 +75,7 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             + ("" if tree is None else f" tree={tree}")
             + ("" if draft_device is None else f" on {draft_device}")
             + ("" if push else " push off")
-            + ("" if sampled or params.greedy else " guesses"))
+            + ("" if params.greedy or draft == "none" else f" {sampling}"))
     rows = []
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
@@ -153,9 +154,8 @@ def main() -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--sampled", default="on", help="comma-separated spec_sampled settings to "
-                   "run each draft with when sampling (on: sampled proposals with their q; "
-                   "off: best guesses)")
+    p.add_argument("--sampling", default="coupled", help="comma-separated spec_sampling "
+                   "settings to run each draft with when sampling (coupled, rejection, guesses)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -166,9 +166,9 @@ def main() -> int:
         trees = [None] if args.trees is None else [int(t) for t in args.trees.split(",")]
         places = [None] if args.draft_devices is None else args.draft_devices.split(",")
         pushes = [x == "on" for x in args.push.split(",")]
-        sampled = [x == "on" for x in args.sampled.split(",")] if args.temperature > 0 else [True]
+        modes = args.sampling.split(",") if args.temperature > 0 else ["coupled"]
         group = base + [r for d in args.drafts.split(",") for t in trees for place in places
-                        for push in pushes for s in sampled
+                        for push in pushes for s in modes
                         for r in run(args, d, plain, t, place, push, s)]
         speed = {r["set"]: r["decode_tok_s"] for r in base}
         for r in group:

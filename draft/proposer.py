@@ -174,7 +174,8 @@ class DFlashProposer:
                  tree: int | None, sample: dict) -> tuple[list[int], list[int] | None, list]:
         """A proposal drawn from the draft's own distribution at the sequence's sampling
         (`shards.spec_sampling.sample_tree`): the tree's shape (or a chain of n), each node's
-        children drawn without replacement, the draft's ranked guesses past q's support."""
+        children drawn without replacement (`mode` coupled: with the target's noise, no q),
+        the draft's ranked guesses past q's support."""
         k = 1 if tree is None else self.top_k
         if tree is None:
             nodes, parents = n, None
@@ -185,8 +186,10 @@ class DFlashProposer:
         fixed = (top[:, :k] if top is not None else logits.topk(k, dim=-1).indices).tolist()
         ids, probs = proposal_q(logits.float(), float(sample["temperature"]),
                                 int(sample["top_k"]), float(sample["top_p"]))
-        tokens, q = sample_tree(parents, nodes, ids.cpu(), probs.cpu(), fixed,
-                                int(sample["seed"]), pos)
+        # (coupled: on the draft's device, whose generator is the target's last shard's kind)
+        coupled = logits.shape[-1] if sample["mode"] == "coupled" else 0
+        tokens, q = sample_tree(parents, nodes, ids, probs, fixed, int(sample["seed"]), pos,
+                                coupled)
         return tokens, parents, q
 
     def _check(self, slot: int, pos: int, n: int) -> None:

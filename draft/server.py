@@ -613,4 +613,6 @@ def _check_draft_sample(sample: dict) -> str | None:
         return "top_p must be in (0, 1]"
     if not isinstance(seed, int) or isinstance(seed, bool):
         return "seed must be an integer"
+    if sample.get("mode") not in ("coupled", "rejection"):
+        return "mode must be coupled or rejection"
     return None

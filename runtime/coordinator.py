@@ -1037,8 +1037,9 @@ class Coordinator:
             drafter = None
             if context is not None and speculative is not False:
                 progress.spec = SpecStats()
-                sample = (None if params.greedy or not self.config.spec_sampled else
-                          {**params.wire(), "seed": seed})
+                mode = self.config.spec_sampling
+                sample = (None if params.greedy or mode == "guesses" else
+                          {**params.wire(), "seed": seed, "mode": mode})
                 drafter = DraftClient(self, progress.spec, self.config.spec_required, context,
                                       sample)
                 drafter.begin()

@@ -116,7 +116,8 @@ class DraftClient:
                  context: int, sample: dict | None = None) -> None:
         """`context`: the sequence's context in the draft process (its rows and draft KV);
         `sample`: the sequence's sampling ({temperature, top_k, top_p, seed}) when it samples
-        and `spec_sampled` is on: a DFlash draft then samples its proposals (`q`)."""
+        and `spec_sampling` is not `guesses`, with its `mode`: a DFlash draft then samples its
+        proposals (`shards.spec_sampling`)."""
         self.coord, self.stats, self.required, self.context = coord, stats, required, context
         info = coord.draft_info
         self.kind = info["kind"]

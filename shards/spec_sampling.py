@@ -175,15 +175,32 @@ def accept_sampled(
         row = nxt
 
 
+def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, position: int,
+                  vocab: int) -> list[int]:
+    """Up to `k` tokens of (ids, probs) in the order of probs / E, E the exponential noise
+    plain decoding draws the target's token at `position` with (`shards.sampling.sample_rows`:
+    its token is argmax p / E). The first is the draft's draw coupled with the target's: where
+    q = p they are the same token; the others follow without replacement."""
+    noise = seeded_exponential((vocab,), mix_seed(seed, position), probs.device)[ids]
+    support = int((probs > 0).sum())
+    order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
+    return ids[order].tolist()
+
+
 def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs: torch.Tensor,
-                fixed: Sequence[Sequence[int]], seed: int, pos: int
+                fixed: Sequence[Sequence[int]], seed: int, pos: int, coupled: int = 0
                 ) -> tuple[list[int], list[bytes | None]]:
     """A sampled proposal of `n` draft tokens in the tree `parents` (None: a chain) after the
     token at `pos`: (tokens, q). `ids`, `probs` (depth, k): the draft's distribution at each
     draft position (`proposal_q`); `fixed[d]`: its ranked candidates there, which fill the
     children past q's support. The children of every node at depth d take, in row order, the
     draws without replacement at draft position d, then the fixed candidates not drawn; the
-    node's q entry is that distribution."""
+    node's q entry is that distribution.
+
+    `coupled` (the vocabulary size; 0: off): draw with the target's own noise instead
+    (`coupled_draws`) and send no q: the verifier then keeps a child when it carries the
+    target's draw, so the output is plain decoding's very tokens, and the draft's draws
+    match the target's as often as q is near p."""
     par = list(parents) if parents is not None else list(range(n))
     kids = sampled_children(par, n + 1)
     depth = [0]
@@ -195,12 +212,15 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
             need[depth[row]] = max(need.get(depth[row], 0), len(ch))
     tokens: list[int] = [0] * n
     q: list[bytes | None] = [None] * (n + 1)
-    cands: dict[int, tuple[list[int], bytes]] = {}
+    cands: dict[int, tuple[list[int], bytes | None]] = {}
     for d, k in need.items():
-        drawn = draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
+        if coupled:
+            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1, coupled)
+        else:
+            drawn = draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
         support = probs[d] > 0
         cands[d] = (drawn + [int(t) for t in fixed[d] if int(t) not in drawn],
-                    pack_q(ids[d][support], probs[d][support]))
+                    None if coupled else pack_q(ids[d][support], probs[d][support]))
     for row, ch in enumerate(kids):
         if ch:
             order, q[row] = cands[depth[row]]
@@ -209,4 +229,4 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
                                  f"{len(order)} candidates")
             for i, j in enumerate(ch):
                 tokens[j - 1] = order[i]
-    return tokens, q
+    return tokens, q if not coupled else None

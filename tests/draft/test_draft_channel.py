@@ -303,7 +303,7 @@ def test_sampled_proposals_carry_their_distributions(server):
     server._reply = lambda route, msg, frames=(): sent.append(msg)
     first, _ = _feeder(server, b"shard0", [1])
     second, _ = _feeder(server, b"shard1", [4])
-    sample = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 3}
+    sample = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 3, "mode": "rejection"}
     server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=sample), [])
     nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0}
     for f, layers in ((first, [1]), (second, [4])):
@@ -319,12 +319,16 @@ def test_sampled_proposals_carry_their_distributions(server):
     check_q(prepared["q"], prepared["tokens"], prepared["parents"],
             server.proposer.head.shape[0])
     assert server.proposer.propose(0, 5, 6, 3) == (prepared["tokens"], None, prepared["q"])
-    # the best guesses for a greedy sequence: no q
+    # the best guesses for a greedy sequence, coupled draws: no q
     server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=None), [])
+    assert server.proposer.propose(1, 5, 6, 3)[2] is None
+    coupled = {**sample, "mode": "coupled"}
+    server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=coupled), [])
     assert server.proposer.propose(1, 5, 6, 3)[2] is None
     for bad, why in (({**sample, "temperature": 0}, "temperature must be a number > 0"),
                      ({**sample, "top_p": 2.0}, "top_p must be in"),
-                     ({**sample, "seed": "x"}, "seed must be an integer")):
+                     ({**sample, "seed": "x"}, "seed must be an integer"),
+                     ({**sample, "mode": "greedy"}, "mode must be coupled or rejection")):
         with pytest.raises(ProtocolError, match=f"draft_begin: sample .*{why}"):
             server._on_draft_begin(b"coord", message("draft_begin", sid=5, slot=0, sample=bad),
                                    [])

@@ -94,8 +94,6 @@ def near(target, tmp_path_factory):
 
 
 def _cfg(target, n, draft, **kw):
-    # the draft's best guesses: sampled output is then plain decoding's very tokens
-    kw.setdefault("spec_sampled", False)
     return RuntimeConfig(model=str(target), devices=("cpu",) * n, prefill_chunk=CHUNK,
                          max_context=256, threads=1, draft=str(draft), **kw)
 
@@ -150,11 +148,11 @@ def test_speculative_equals_plain(target, fitted, near, n, transport, kind):
 
 @pytest.mark.slow
 def test_sampled_proposals_are_seeded_and_kept(target, fitted):
-    """spec_sampled: the draft samples its proposals and sends their distributions; verify
+    """spec_sampling = rejection: the draft samples its proposals and sends their q; verify
     steps keep draft tokens by rejection sampling (the target's distribution: chi-square in
     tests/shards/test_spec_sampling.py). A seed fixes the output: the same tokens again
     (proposals prepared from verdicts equal asked ones: test_draft_channel.py)."""
-    with Coordinator(_cfg(target, 2, fitted, spec_sampled=True)) as coord:
+    with Coordinator(_cfg(target, 2, fitted, spec_sampling="rejection")) as coord:
         prompt = _prompts(coord.tokenizer)[0]
         progress = Progress()
         got = collect(coord.stream(prompt, SAMPLED, progress, use_cache=False), progress,

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from layersplit.shards.sampling import accept_draft, filtered_probs
+from layersplit.shards.sampling import accept_draft, filtered_probs, sample_rows
 from layersplit.shards.spec_sampling import (
     check_q,
     pack_q,
@@ -170,3 +170,19 @@ def test_malformed_q_is_refused_by_name():
     for why, q in cases.items():
         with pytest.raises(ValueError, match=why):
             check_q(q, tokens, parents, V)
+
+
+def test_coupled_draws_of_a_perfect_draft_are_all_kept():
+    """Coupled draws (`spec_sampling = coupled`) use the target's own noise: a draft whose q is
+    the target's p proposes exactly plain sampling's tokens, so every one is kept, and the
+    verifier (no q: the draw must match) emits plain's tokens."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=g)
+    for seed in range(30):
+        ids, probs = proposal_q(logits[:3], 0.8, 0, 0.95, limit=50)
+        fixed = logits[:3].topk(2, dim=-1).indices.tolist()
+        tokens, q = sample_tree(None, 3, ids, probs, fixed, seed, 10, coupled=50)
+        assert q is None
+        plain = sample_rows(logits, 0.8, 0, 0.95, seed, [11, 12, 13, 14])
+        assert tokens == plain[:3]  # (the rows' logits do not depend on the tokens here)
+        assert accept_draft(logits, tokens, 0.8, 0, 0.95, seed, 10) == ([1, 2, 3], plain[3])
