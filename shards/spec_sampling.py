@@ -1,4 +1,9 @@
-"""Speculative rejection sampling with the draft's own probabilities (sampled proposals).
+"""Sampled proposals: a draft that draws its tokens from its own distribution q.
+
+Two ways (`spec_sampling`, docs/speculative.md): *coupled* draws (`coupled_draws`) order q by
+the target's own noise of each position, so the verifier's match rule (`accept_draft` without
+q) keeps plain decoding's very tokens; *rejection* (below) sends q and verifies by rejection
+sampling.
 
 With sampling (temperature > 0), a draft may *sample* its proposal from a distribution q and
 send q with it; the verifier then keeps a draft token x with probability min(1, p(x)/q(x)),
