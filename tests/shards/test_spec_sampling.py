@@ -22,7 +22,7 @@ from layersplit.shards.spec_sampling import (
 
 V = 4  # vocabulary of the harness
 L = 2  # tokens generated per trial: their joint distribution is tested
-TRIALS = 1500
+TRIALS = 1000
 P_MIN = 1e-4  # deterministic (fixed seeds), yet a wrong rule fails far below it
 
 
@@ -42,7 +42,7 @@ def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
 def draft_logits(prefix: tuple[int, ...], d: int) -> torch.Tensor:
     """A toy DFlash-like draft: position pos + d + 1 from the committed prefix only (it does
     not see its own earlier draft tokens), near the target at d = 0, farther after."""
-    return target_logits(prefix) * (1.0 if d == 0 else 0.3) + _logits(prefix, d + 1, 1.0)
+    return target_logits(prefix) * (1.0 if d == 0 else 0.3) + _logits(prefix, d + 1, 2.0)
 
 
 def _generate(seed: int, parents: list[int] | None, n: int, temperature: float, top_k: int,
