@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.speculative import prompt_sets  # noqa: E402
 from layersplit.draft.dflash import load_dflash, read_dflash_config  # noqa: E402
 from layersplit.draft.train import block_logits, continuations, target_rows  # noqa: E402
 from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model  # noqa: E402
@@ -36,6 +35,8 @@ from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.sampling import filtered_probs  # noqa: E402
 from layersplit.shards.spec_sampling import proposal_q  # noqa: E402
+
+from bench.speculative import prompt_sets  # noqa: E402
 
 
 def first_token_rates(p: torch.Tensor, q_logits: torch.Tensor, temperature: float,
