@@ -28,7 +28,10 @@
 #            (default: the bundled draft and the drafts of stage D), REPEAT times over (the
 #            median ratio is printed last), each with token trees of TREES draft tokens (e.g.
 #            TREES=0,15,31; default: the draft's own tree; PUSH=on,off: with the draft handing
-#            its proposals to the first shard and without)            (carry .whl [part02])
+#            its proposals to the first shard and without). Both prompt sets (eval, unseen:
+#            bench/prompts/unseen.jsonl; SETS=unseen for one). Sampled: TEMP=0.7 TOP_P=0.9
+#            SAMPLING=coupled,rejection,guesses (spec_sampling of each run; default coupled)
+#                                                                       (carry .whl [part02])
 set -uo pipefail
 stage=${1:?stage A, P, D, L, T or S}
 devices=${2:-cuda:0,cuda:1}
@@ -111,11 +114,13 @@ elif [ "$stage" = S ]; then
   for d in /tmp/drafts/*/; do [ -f "$d/config.json" ] && drafts=$drafts,${d%/}; done
   python3 bench/speculative.py --model default --devices "$devices" --drafts "${DRAFTS:-$drafts}" \
     --new-tokens 256 --repeat "${REPEAT:-1}" ${TREES:+--trees $TREES} ${PUSH:+--push $PUSH} \
-    ${DRAFT_DEVICES:+--draft-devices $DRAFT_DEVICES} ${DTYPE:+--dtype $DTYPE} --json "$OUT/spec.json" 2>&1 | tail -24 \
+    ${SETS:+--sets $SETS} ${TEMP:+--temperature $TEMP} ${TOP_P:+--top-p $TOP_P} \
+    ${SAMPLING:+--sampling $SAMPLING} \
+    ${DRAFT_DEVICES:+--draft-devices $DRAFT_DEVICES} ${DTYPE:+--dtype $DTYPE} --json "$OUT/spec.json" 2>&1 | tail -40 \
     | tee "$OUT/spec.txt"
   python3 -c "import json
 for r in json.load(open('$OUT/spec.json')):
-    print(r['draft'], {k: round(r[k], 3) for k in ('prepared', 'off_chain', 'verdict_lag_ms',
+    print(r['draft'], r.get('set'), {k: round(r[k], 3) for k in ('prepared', 'off_chain', 'verdict_lag_ms',
           'request_lag_ms', 'ready_lead_ms', 'draft_ms', 'verify_ms') if k in r})" | tee -a "$OUT/spec.txt"
 fi
 log done

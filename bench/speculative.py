@@ -1,8 +1,12 @@
 """Speculative decoding next to plain decoding, same model, same split, same run.
 
 For each draft (none, then each given): the real runtime (coordinator + shard processes + draft
-process), greedy generation on the held-out prompt set of `draft.prompts` (chat and code), one
-warm-up pass then a timed pass. Reports decode tok/s (generated tokens over decode time, all
+process), generation on two prompt sets, one warm-up pass then a timed pass: `eval`, the held-out
+prompts of `draft.prompts` (8 chat, 4 code: the draft's training reports on them, never trains on
+them) and `unseen`, `bench/prompts/unseen.jsonl` (16 prompts no part of the draft's training
+ever saw: code in other languages, chat, math, prose, tool calls; kept here, not in `draft/`).
+Greedy by default; `--temperature 0.7 --top-p 0.9` samples (seeded), where `--sampling`
+runs each draft with each `spec_sampling` given (coupled, rejection, guesses). Reports decode tok/s (generated tokens over decode time, all
 prompts together), the speed-up over plain decoding in this run, the acceptance length (mean
 tokens committed per verify step), the acceptance rate per draft position, draft and verify time
 per step, and how many outputs equal the plain ones token for token.
@@ -37,56 +41,89 @@ from layersplit.runtime.speculative import SpecStats  # noqa: E402
 from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.speculative")
+UNSEEN = Path(__file__).resolve().parent / "prompts" / "unseen.jsonl"
+
+
+def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
+    """Chat conversations (lists of messages) by set name."""
+    out = {}
+    for name in names:
+        if name == "eval":
+            out[name] = [[{"role": "user", "content": q}] for q in EVAL_CHAT + EVAL_CODE]
+        elif name == "unseen":
+            out[name] = [json.loads(line)["messages"]
+                         for line in UNSEEN.read_text().splitlines() if line.strip()]
+        else:
+            raise SystemExit(f"--sets: unknown prompt set {name!r} (eval, unseen)")
+    return out
 
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
-        draft_device: str | None = None, push: bool = True) -> dict:
+        draft_device: str | None = None, push: bool = True,
+        sampling: str = "coupled") -> list[dict]:
+    """One row per prompt set."""
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
-                        prefix_cache=False, spec_push=push)
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos)
-    row: dict = {"draft": "none" if draft == "none" else Path(draft).name
-                 + ("" if tree is None else f" tree={tree}")
-                 + ("" if draft_device is None else f" on {draft_device}")
-                 + ("" if push else " push off")}
+                        prefix_cache=False, spec_push=push,
+                        spec_sampling=sampling)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed)
+    name = ("none" if draft == "none" else Path(draft).name
+            + ("" if tree is None else f" tree={tree}")
+            + ("" if draft_device is None else f" on {draft_device}")
+            + ("" if push else " push off")
+            + ("" if params.greedy or draft == "none" else f" {sampling}"))
+    rows = []
     with Coordinator(cfg) as coord:
-        row["kind"] = coord.draft_info.get("kind", "-") if coord.draft else "-"
-        row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
-        prompts = [coord.tokenizer.encode_chat([{"role": "user", "content": q}])
-                   for q in EVAL_CHAT + EVAL_CODE]
-        for p in prompts[:2]:  # warm-up: graph capture, compilation, caches
+        kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
+        transport = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
+        sets = {k: [coord.tokenizer.encode_chat(m) for m in v][:args.limit]
+                for k, v in prompt_sets(args.sets.split(",")).items()}
+        warm = next(iter(sets.values()))
+        for p in warm[:2]:  # warm-up: graph capture, compilation, caches
             collect(coord.stream(p, params, Progress()), Progress(), len(p))
-        tokens, seconds, same = 0, 0.0, 0
-        total = SpecStats()
-        outs = {}
-        for i, p in enumerate(prompts):
-            progress = Progress()
-            r = collect(coord.stream(p, params, progress), progress, len(p))
-            n = len(r.tokens) - 1
-            if n > 0:
-                tokens += n
-                seconds += n / max(r.decode_tok_s, 1e-9)
-            outs[i] = r.tokens
-            if plain_tokens is not None and plain_tokens.get(i) == r.tokens:
-                same += 1
-            if progress.spec is not None:
-                total.merge(progress.spec)
-        row.update(decode_tok_s=tokens / max(seconds, 1e-9), tokens=tokens, prompts=len(prompts),
-                   same_as_plain=same if plain_tokens is not None else None,
-                   acceptance_length=total.acceptance_length,
-                   acceptance_by_position=[round(x, 3) for x in total.acceptance_rates()],
-                   draft_ms=1000 * total.draft_s / max(total.verifies, 1),
-                   draft_compute_ms=1000 * total.draft_compute_s / max(total.verifies, 1),
-                   verify_ms=1000 * total.verify_s / max(total.verifies, 1),
-                   prepared=total.prepared / max(total.verifies, 1),
-                   verdict_lag_ms=1000 * total.verdict_lag_s / max(total.prepared, 1),
-                   request_lag_ms=1000 * total.request_lag_s / max(total.prepared, 1),
-                   ready_lead_ms=1000 * total.ready_lead_s / max(total.prepared, 1),
-                   off_chain=total.off_chain / max(total.verifies, 1),
-                   outputs=outs)
-    return row
+        for set_name, prompts in sets.items():
+            row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
+            row.update(_measure(coord, prompts, params,
+                                None if plain_tokens is None else plain_tokens[set_name]))
+            rows.append(row)
+    return rows
+
+
+def _measure(coord: Coordinator, prompts: list[list[int]], params: SamplingParams,
+             plain_tokens: dict | None) -> dict:
+    """One prompt set, timed: decode speed, acceptance, outputs (and how many equal plain's)."""
+    tokens, seconds, same = 0, 0.0, 0
+    total = SpecStats()
+    outs = {}
+    for i, p in enumerate(prompts):
+        progress = Progress()
+        r = collect(coord.stream(p, params, progress), progress, len(p))
+        n = len(r.tokens) - 1
+        if n > 0:
+            tokens += n
+            seconds += n / max(r.decode_tok_s, 1e-9)
+        outs[i] = r.tokens
+        if plain_tokens is not None and plain_tokens.get(i) == r.tokens:
+            same += 1
+        if progress.spec is not None:
+            total.merge(progress.spec)
+    return {"decode_tok_s": tokens / max(seconds, 1e-9), "tokens": tokens, "prompts": len(prompts),
+            "same_as_plain": same if plain_tokens is not None else None,
+            "acceptance_length": total.acceptance_length,
+            "acceptance_by_position": [round(x, 3) for x in total.acceptance_rates()],
+            "draft_ms": 1000 * total.draft_s / max(total.verifies, 1),
+            "draft_compute_ms": 1000 * total.draft_compute_s / max(total.verifies, 1),
+            "verify_ms": 1000 * total.verify_s / max(total.verifies, 1),
+            "prepared": total.prepared / max(total.verifies, 1),
+            "verdict_lag_ms": 1000 * total.verdict_lag_s / max(total.prepared, 1),
+            "request_lag_ms": 1000 * total.request_lag_s / max(total.prepared, 1),
+            "ready_lead_ms": 1000 * total.ready_lead_s / max(total.prepared, 1),
+            "off_chain": total.off_chain / max(total.verifies, 1),
+            "outputs": outs}
 
 
 def main() -> int:
@@ -110,41 +147,57 @@ def main() -> int:
                    "times, in turn")
     p.add_argument("--push", default="on", help="comma-separated spec_push settings to run "
                    "each draft with (on, off)")
+    p.add_argument("--sets", default="eval,unseen", help="comma-separated prompt sets: eval "
+                   "(draft.prompts' held-out ones), unseen (bench/prompts/unseen.jsonl)")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sampling", default="coupled", help="comma-separated spec_sampling "
+                   "settings to run each draft with when sampling (coupled, rejection, guesses)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     rows = []
     for rep in range(1, args.repeat + 1):
         base = run(args, "none", None)
+        plain = {r["set"]: r["outputs"] for r in base}
         trees = [None] if args.trees is None else [int(t) for t in args.trees.split(",")]
         places = [None] if args.draft_devices is None else args.draft_devices.split(",")
         pushes = [x == "on" for x in args.push.split(",")]
-        group = [base] + [run(args, d, base["outputs"], t, place, push)
-                          for d in args.drafts.split(",") for t in trees for place in places
-                          for push in pushes]
+        modes = args.sampling.split(",") if args.temperature > 0 else ["coupled"]
+        group = base + [r for d in args.drafts.split(",") for t in trees for place in places
+                        for push in pushes for s in modes
+                        for r in run(args, d, plain, t, place, push, s)]
+        speed = {r["set"]: r["decode_tok_s"] for r in base}
         for r in group:
             r["run"] = rep
-            r["speedup"] = r["decode_tok_s"] / base["decode_tok_s"]
+            r["speedup"] = r["decode_tok_s"] / speed[r["set"]]
         rows += group
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\nmodel {args.model}, devices {args.devices}, {rows[0]['prompts']} prompts "
-          f"(chat + code), greedy, up to {args.new_tokens} new tokens")
-    print("| run | draft | kind | decode tok/s | vs plain | acceptance length | per position | "
-          "draft ms/step (computing) | verify ms/step | same as plain |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+    how = ("greedy" if args.temperature == 0 else
+           f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, "
+           f"seed {args.seed}")
+    print(f"\nmodel {args.model}, devices {args.devices}, prompt sets {args.sets}, {how}, up "
+          f"to {args.new_tokens} new tokens")
+    print("| run | set | draft | kind | decode tok/s | vs plain | acceptance length | "
+          "per position | draft ms/step (computing) | verify ms/step | same as plain |")
+    print("|---|---|---|---|---:|---:|---:|---|---:|---:|---:|")
     for r in rows:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
         same = "-" if r["same_as_plain"] is None else f"{r['same_as_plain']}/{r['prompts']}"
-        print(f"| {r['run']} | {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | "
+        print(f"| {r['run']} | {r['set']} | {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | "
               f"{r['speedup']:.2f} | "
               f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
               f"{r['verify_ms']:.2f} | {same} |")
     if args.repeat > 1:
-        for d in dict.fromkeys(r["draft"] for r in rows if r["draft"] != "none"):
-            ratios = sorted(r["speedup"] for r in rows if r["draft"] == d)
-            print(f"{d}: median {statistics.median(ratios):.2f} x plain over {len(ratios)} runs "
+        for d, st in dict.fromkeys((r["draft"], r["set"]) for r in rows
+                                   if r["draft"] != "none"):
+            ratios = sorted(r["speedup"] for r in rows if r["draft"] == d and r["set"] == st)
+            print(f"{d} ({st}): median {statistics.median(ratios):.2f} x plain over {len(ratios)} runs "
                   f"({', '.join(f'{x:.2f}' for x in ratios)})")
     return 0
 

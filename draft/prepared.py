@@ -23,7 +23,7 @@ from typing import Any
 from layersplit.shards.spec_tree import check_path
 
 Key = tuple[int, int, int, int, tuple[int, ...] | None]  # pos, token, n, tree, kept
-Proposal = tuple[list[int], list[int] | None]  # tokens, parents
+Proposal = tuple[list[int], list[int] | None, list | None]  # tokens, parents, q
 
 
 def check_next(nxt: Any) -> Key:

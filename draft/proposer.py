@@ -8,8 +8,10 @@
 - `ClassicProposer`: any smaller model with the target's tokenizer, drafting autoregressively
   with its own KV cache.
 
-Drafts are deterministic (argmax): see `shards.sampling.accept_draft` for why that keeps
-sampled output exact.
+A proposal is the draft's best guesses (argmax, or top-k in a tree: `shards.sampling.accept_draft`
+keeps one when it equals the target's own draw, so sampled output is plain decoding's), or, for
+a DFlash draft whose sequence samples (`begin`'s `sample`), draws from its own distribution sent
+along (`q`: `shards.spec_sampling`, rejection sampling). A classic draft always guesses.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.graphs import capture
 from layersplit.shards.kv_cache import KVCache, KVLayout
+from layersplit.shards.spec_sampling import proposal_q, sample_tree
 from layersplit.shards.spec_tree import kept_moves
 from layersplit.shards.weights import source_name
 
@@ -56,14 +59,16 @@ class Proposer(Protocol):
     def set_slots(self, slots: int) -> None:
         """Hold `slots` sequences' contexts (all forgotten)."""
 
-    def begin(self, slot: int) -> None:
-        """A new sequence starts in `slot`: forget the last one's context."""
+    def begin(self, slot: int, sample: dict | None = None) -> None:
+        """A new sequence starts in `slot`: forget the last one's context. `sample`: its
+        sampling ({temperature, top_k, top_p, seed}) when its proposals are to be sampled."""
 
     def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None,
-                start: int, tree: int = 0,
-                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
-        """Draft tokens for positions pos+1 .. pos+n, after `token` at position pos, and their
-        parents (`shards.spec_tree`; None: a chain of n). `tokens`: committed tokens at
+                start: int, tree: int = 0, kept: list[int] | None = None
+                ) -> tuple[list[int], list[int] | None, list | None]:
+        """Draft tokens for positions pos+1 .. pos+n, after `token` at position pos, their
+        parents (`shards.spec_tree`; None: a chain of n) and the distributions they were drawn
+        from (`shards.spec_sampling`; None: best guesses). `tokens`: committed tokens at
         [start, pos) the proposer has not seen (classic); `tree`: at most this many tokens as a
         tree, where the draft has a tree shape (0: a chain); `kept`: the tree rows the last
         verify step kept (their feature rows move into place first)."""
@@ -101,6 +106,7 @@ class DFlashProposer:
         layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
         self.kv = KVCache(layout, self.context_len + self.cfg.block_size, slots, self.device)
         self.done = [0] * slots  # per slot: context rows [0, done) are in the KV cache
+        self.sampling: list[dict | None] = [None] * slots  # per slot: sample its proposals
         self._forget_graphs()
 
     def _forget_graphs(self) -> None:
@@ -118,8 +124,9 @@ class DFlashProposer:
     def max_len(self) -> int:
         return self.features.shape[2]
 
-    def begin(self, slot: int) -> None:
+    def begin(self, slot: int, sample: dict | None = None) -> None:
         self.done[slot] = 0
+        self.sampling[slot] = sample
 
     def warm_up(self) -> None:
         """Run the captured step once (compilation, capture) on rows no sequence holds yet."""
@@ -144,19 +151,46 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int, tokens: torch.Tensor | None = None,
                 start: int = 0, tree: int = 0,
-                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+                kept: list[int] | None = None
+                ) -> tuple[list[int], list[int] | None, list | None]:
         self._check(slot, pos, n)
         if kept:
             self.commit(slot, pos, kept)
         logits, top = self._scores(slot, token, pos, n)
         shape = self.cfg.spec_tree
-        if not tree or shape is None:
+        chain = not tree or shape is None
+        sample = self.sampling[slot]
+        if sample is not None:
+            return self._sampled(logits, top, pos, n, None if chain else tree, sample)
+        if chain:
             if top is None:
-                return logits.argmax(-1).tolist(), None
-            return top[:, 0].tolist(), None
+                return logits.argmax(-1).tolist(), None, None
+            return top[:, 0].tolist(), None, None
         if top is None:
             top = logits.topk(self.top_k, dim=-1).indices
-        return instantiate(shape, top.tolist(), tree, n)
+        return (*instantiate(shape, top.tolist(), tree, n), None)
+
+    def _sampled(self, logits: torch.Tensor, top: torch.Tensor | None, pos: int, n: int,
+                 tree: int | None, sample: dict) -> tuple[list[int], list[int] | None, list]:
+        """A proposal drawn from the draft's own distribution at the sequence's sampling
+        (`shards.spec_sampling.sample_tree`): the tree's shape (or a chain of n), each node's
+        children drawn without replacement (`mode` coupled: with the target's noise, no q),
+        the draft's ranked guesses past q's support."""
+        k = 1 if tree is None else self.top_k
+        if tree is None:
+            nodes, parents = n, None
+        else:
+            dummy = [[0] * k for _ in range(n)]
+            toks, parents = instantiate(self.cfg.spec_tree, dummy, tree, n)
+            nodes = len(toks)
+        fixed = (top[:, :k] if top is not None else logits.topk(k, dim=-1).indices).tolist()
+        ids, probs = proposal_q(logits.float(), float(sample["temperature"]),
+                                int(sample["top_k"]), float(sample["top_p"]))
+        # (coupled: on the draft's device, whose generator is the target's last shard's kind)
+        coupled = logits.shape[-1] if sample["mode"] == "coupled" else 0
+        tokens, q = sample_tree(parents, nodes, ids, probs, fixed, int(sample["seed"]), pos,
+                                coupled)
+        return tokens, parents, q
 
     def _check(self, slot: int, pos: int, n: int) -> None:
         if not 0 <= slot < self.slots:
@@ -275,13 +309,13 @@ class ClassicProposer:
         self.ex = RangeExecutor(self.model, self.max_len + self.block_size, slots,
                                 device=self.device, static_decode=self.static_decode)
 
-    def begin(self, slot: int) -> None:
-        pass  # the coordinator says where the draft's own KV is valid (`start`)
+    def begin(self, slot: int, sample: dict | None = None) -> None:
+        pass  # (its proposals are best guesses always) the coordinator says where the draft's own KV is valid (`start`)
 
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int,
                 tokens: torch.Tensor | None = None, start: int = 0, tree: int = 0,
-                kept: list[int] | None = None) -> tuple[list[int], list[int] | None]:
+                kept: list[int] | None = None) -> tuple[list[int], list[int] | None, None]:
         """A chain always (`tree` and `kept` do not apply: it proposes no trees)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"propose: slot {slot} outside 0..{self.slots - 1}")
@@ -306,7 +340,7 @@ class ClassicProposer:
             out.append(x)
         if hybrid is not None:  # the next proposal's `start` says how many rows were kept
             hybrid.keep_rows(slot, pos, states)
-        return out, None
+        return out, None, None
 
 
 def _target_tensors(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device

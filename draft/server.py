@@ -422,17 +422,19 @@ class DraftServer:
                 self.prepared.done(slot, key, out, seconds)
         return bool(due)
 
-    def _push(self, slot: int, sid: int, key: tuple, out: tuple[list, list | None] | None,
+    def _push(self, slot: int, sid: int, key: tuple,
+              out: tuple[list, list | None, list | None] | None,
               why: str | None, seconds: float) -> None:
         """Hand a prepared proposal (or why there is none) to the first shard, which holds
         the sequence's next step for it (`shards.asked`)."""
         first = self.feeders[0]
         if first.route is None:
             return  # not linked: the step runs without it, after its wait
-        tokens, parents = (None, None) if out is None else ([int(t) for t in out[0]], out[1])
+        tokens, parents, q = ((None, None, None) if out is None else
+                              ([int(t) for t in out[0]], out[1], out[2]))
         msg = message("drafted", feat=slot, after=sid,
                       key=[*key[:4], None if key[4] is None else list(key[4])], tokens=tokens,
-                      parents=parents, error=why, compute_s=seconds)
+                      parents=parents, q=q, error=why, compute_s=seconds)
         if first.proposals is not None:
             try:
                 first.proposals.send(msg, None)
@@ -484,7 +486,12 @@ class DraftServer:
         slot = msg["slot"]
         if not 0 <= slot < self.proposer.slots:
             raise ProtocolError(f"draft_begin: slot {slot} outside 0..{self.proposer.slots - 1}")
-        self.proposer.begin(slot)
+        sample = msg["sample"]
+        if sample is not None:
+            why = _check_draft_sample(sample)
+            if why is not None:
+                raise ProtocolError(f"draft_begin: sample {str(sample)[:200]}: {why}")
+        self.proposer.begin(slot, sample)
         self.prepared.forget(slot)
         self.begun[slot] = msg["sid"]
         for f in self.feeders:
@@ -512,22 +519,22 @@ class DraftServer:
         ready, move = self.prepared.take(msg["slot"], key_of(msg["pos"], msg["token"], msg["n"],
                                                              msg["tree"], kept), msg["sync"])
         if ready is not None:
-            (out, parents), seconds = ready
+            (out, parents, q), seconds = ready
             verdict_at, ready_at = self.prepared.times.get(msg["slot"], (0.0, 0.0))
             self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
-                                       parents=parents, compute_s=seconds, prepared=True,
+                                       parents=parents, q=q, compute_s=seconds, prepared=True,
                                        verdict_at=verdict_at, ready_at=ready_at,
                                        asked_at=time.monotonic()))
             return
         t0 = time.perf_counter()
         try:
-            out, parents = self.proposer.propose(msg["slot"], msg["token"], msg["pos"], msg["n"],
-                                                 tokens, msg["start"], msg["tree"],
-                                                 kept if move else None)
+            out, parents, q = self.proposer.propose(msg["slot"], msg["token"], msg["pos"],
+                                                    msg["n"], tokens, msg["start"], msg["tree"],
+                                                    kept if move else None)
         except ValueError as e:
             raise ProtocolError(str(e)) from e
         self._reply(route, message("proposal", sid=msg["sid"], tokens=[int(t) for t in out],
-                                   parents=parents, compute_s=time.perf_counter() - t0))
+                                   parents=parents, q=q, compute_s=time.perf_counter() - t0))
 
     def _on_draft_features(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """The stored feature rows [start, end) (for inspection and tests)."""
@@ -592,3 +599,20 @@ def run_draft(spec: DraftSpec, secret: bytes, error_file: str | None = None) -> 
         cleanup()
         server.close()
     return 0
+
+
+def _check_draft_sample(sample: dict) -> str | None:
+    """What is wrong with a `draft_begin`'s sampling parameters, or None."""
+    t, k, p, seed = (sample.get(f) for f in ("temperature", "top_k", "top_p", "seed"))
+    num = (int, float)
+    if not isinstance(t, num) or isinstance(t, bool) or not t > 0:
+        return "temperature must be a number > 0 (greedy sequences send none)"
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        return "top_k must be an integer >= 0"
+    if not isinstance(p, num) or isinstance(p, bool) or not 0 < p <= 1:
+        return "top_p must be in (0, 1]"
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return "seed must be an integer"
+    if sample.get("mode") not in ("coupled", "rejection"):
+        return "mode must be coupled or rejection"
+    return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 10  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 11  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 10  # 2: speculative decoding; 3: batched steps (several sequ
 # logprobs and logits processors (sample `lp`, `bias`, `rep`, `mask`; segment `plp`; outcome
 # `lp`, `plp`); 9: a grammar's mask sent after its step (sample `late_mask`, message `mask`);
 # 10: paged KV (configure `kv_block`, `kv_blocks`; segment, snap_restore and snap_load `blocks`;
-# segment `copy`)
+# segment `copy`); 11: sampled proposals with their distributions (draft_begin `sample`;
+# proposal, drafted and segment `q`: `shards.spec_sampling`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -78,13 +79,17 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
                         "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num,
                         "slots": (int,), "push": (bool,)},
-    # a new sequence in `slot`: forget the context of the slot's last one
-    "draft_begin": {"sid": (int,), "slot": (int,)},
+    # a new sequence in `slot`: forget the context of the slot's last one. `sample`: the
+    # sequence's sampling ({temperature, top_k, top_p, seed}) when the draft is to sample its
+    # proposals from its own distribution and send it (`q`); None: its best guesses, no `q`
+    "draft_begin": {"sid": (int,), "slot": (int,), "sample": (dict, NoneType)},
     # `tree`: at most this many draft tokens as a tree (where the draft has a tree shape; n
     # bounds its depth), 0: a chain of n; `kept`: the tree rows the last verify step kept
     "propose": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "token": (int,),
                 "start": (int,), "sync": (int,), "tree": (int,), "kept": (list, NoneType)},
-    "proposal": {"sid": (int,), "tokens": (list,), "parents": (list, NoneType)},
+    # `q`: a sampled proposal's distributions, one entry per row (`shards.spec_sampling`)
+    "proposal": {"sid": (int,), "tokens": (list,), "parents": (list, NoneType),
+                 "q": (list, NoneType)},
     "draft_features": {"sid": (int,), "slot": (int,), "start": (int,), "end": (int,),
                        "sync": (int,)},
     "features": {"sid": (int,), "act": (dict,)},
@@ -93,7 +98,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # its key [pos, token, n, tree, kept]; `tokens` None with `error` when it could not be
     # prepared. The first shard holds a step whose segment `ask`s for it until it comes.
     "drafted": {"feat": (int,), "after": (int,), "key": (list,), "tokens": (list, NoneType),
-                "parents": (list, NoneType), "error": (str, NoneType), "compute_s": Num},
+                "parents": (list, NoneType), "q": (list, NoneType), "error": (str, NoneType),
+                "compute_s": Num},
     # coordinator -> first shard: the draft process is gone; steps waiting for its proposals
     # run without them
     "draft_gone": {},
@@ -135,12 +141,15 @@ SEGMENT: dict[str, tuple[type, ...]] = {
     "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
     "kept": (list, NoneType), "then": (dict, NoneType), "ask": (dict, NoneType),
     "asked": (dict, NoneType), "plp": (dict, NoneType), "blocks": (dict, NoneType),
-    "copy": (list, NoneType)}
+    "copy": (list, NoneType), "q": (list, NoneType)}
 # `blocks`: None, or {at, ids}: before the segment runs, entries [at, at + len(ids)) of its slot's
 # block table become `ids` and the table ends there (at = 0: a new sequence's table); the table
 # travels with the step, so each shard has it before the step reaches it. `copy`: None, or
 # [[src, dst], ...]: blocks copied (in every layer) before the segment runs (copy on write of a
 # forked sequence's last shared block, `runtime.block_manager.BlockManager.fork`)
+# `q`: a verify segment whose draft tokens were sampled: per row, the distribution its first
+# children were drawn from (`shards.spec_sampling`: packed ids and probabilities, or None);
+# None: the draft tokens are the draft's fixed guesses (kept when they match the target's draw)
 # `plp`: {targets, k, temperature}: the logprobs of a prompt chunk's next tokens (`targets`: the
 # token after each of its first len(targets) rows), for a request that echoes its prompt with
 # logprobs; the sample dict's optional fields (`lp`, `bias`, `rep`, `mask`) are described in
@@ -245,11 +254,11 @@ def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: boo
             tree: list[int] | None = None, kept: list[int] | None = None,
             then: dict | None = None, ask: dict | None = None,
             plp: dict | None = None, blocks: dict | None = None,
-            copy: list | None = None) -> dict[str, Any]:
+            copy: list | None = None, q: list | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
             "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then, "ask": ask,
-            "asked": None, "plp": plp, "blocks": blocks, "copy": copy}
+            "asked": None, "plp": plp, "blocks": blocks, "copy": copy, "q": q}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

@@ -39,6 +39,9 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+SPEC_SAMPLING = ("coupled", "rejection", "guesses")  # `spec_sampling` (docs/speculative.md)
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     model: str = _field("default", "HF folder or .gguf file; 'default' = SmolLM2-135M-Instruct; "
@@ -94,6 +97,13 @@ class RuntimeConfig:
                                    "to the first shard itself, which holds the next step for "
                                    "them (where the first and the last shard feed the draft); "
                                    "off: the coordinator asks for each and sends it on")
+    spec_sampling: str = _field("coupled", "a DFlash draft's proposals for a sampled request: "
+                                           "coupled (drawn from its distribution with the "
+                                           "target's own noise; output = plain decoding's "
+                                           "tokens), rejection (drawn and sent with their "
+                                           "distribution q, kept with probability min(1, p/q): "
+                                           "the target's distribution, not plain's very "
+                                           "tokens), guesses (its top-k)")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
@@ -153,6 +163,9 @@ class RuntimeConfig:
             raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.spec_sampling not in SPEC_SAMPLING:
+            raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
+                              f"{', '.join(SPEC_SAMPLING)}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat_template={self.chat_template}: no such file")
         if not self.max_body_mb > 0:

@@ -901,7 +901,8 @@ class Coordinator:
             wire.append(segment(slot, r.pos, len(r.tokens), sample, r.want_logits,
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
-                                r.plp, sched.table_update(slot), sched.copy_update(slot)))
+                                r.plp, sched.table_update(slot), sched.copy_update(slot),
+                                r.q))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
@@ -1110,11 +1111,15 @@ class Coordinator:
             drafter = None
             if context is not None and speculative is not False:
                 progress.spec = SpecStats()
-                drafter = DraftClient(self, progress.spec, self.config.spec_required, context)
+                mode = self.config.spec_sampling
+                sample = (None if params.greedy or mode == "guesses" else
+                          {**params.wire(), "seed": seed, "mode": mode})
+                drafter = DraftClient(self, progress.spec, self.config.spec_required, context,
+                                      sample)
                 drafter.begin()
             elif context is not None:  # it only feeds: its context starts afresh all the same
                 try:
-                    self.draft_request(message("draft_begin", slot=context))
+                    self.draft_request(message("draft_begin", slot=context, sample=None))
                 except (DraftLost, DraftError) as e:
                     log.warning("the draft did not start a context for this request: %s", e)
             cache = self.cache if use_cache else None

@@ -121,10 +121,11 @@ class Drafter(Protocol):
     rows: int  # rows of a verify step: the last token and up to rows - 1 draft tokens
 
     def propose(self, seq: Sequence[int], pos: int, n: int,
-                rows: int) -> tuple[list[int], list[int] | None]:
+                rows: int) -> tuple[list[int], list[int] | None, list | None]:
         """Up to `rows` draft tokens for positions pos+1 .. pos+n, after seq[pos] (committed
-        tokens are seq[:pos + 1]), and their tree (parents; None: a chain); ([], None) when
-        there are none (the step is then a plain decode step)."""
+        tokens are seq[:pos + 1]), their tree (parents; None: a chain) and, for a sampled
+        proposal, the distributions they were drawn from (`q`, `shards.spec_sampling`; None:
+        fixed guesses); ([], None, None) when there are none (a plain decode step then)."""
 
     def ask(self, pos: int, n: int, rows: int) -> dict | None:
         """Where the draft hands the proposal for `pos` to the first shard itself (prepared
@@ -163,6 +164,7 @@ class StepRequest:
     extra: dict | None = None  # optional sample fields: logprobs, processors (`shards.sampling`)
     plp: dict | None = None  # {targets, k, temperature}: the prompt chunk's logprobs
     error: BaseException | None = None  # its late grammar mask failed (the sequence fails)
+    q: list | None = None  # a sampled proposal's distributions (`shards.spec_sampling`)
 
     @property
     def rows(self) -> int:
@@ -271,17 +273,17 @@ def sequence_program(
         yield token  # at position pos
         seq.append(token)
         extra = fields(seq[n:])
-        drafts, tree, ask = [], None, None
+        drafts, tree, ask, q = [], None, None, None
         if drafter is not None:
             room = drafter.block if context is None else min(drafter.block, context - pos)
             rows = drafter.rows if context is None else min(drafter.rows, context - pos)
             if room > 1:
                 ask = drafter.ask(pos, room - 1, rows - 1)
                 if ask is None:
-                    drafts, tree = drafter.propose(seq, pos, room - 1, rows - 1)
+                    drafts, tree, q = drafter.propose(seq, pos, room - 1, rows - 1)
         if ask is not None or drafts:
             step = StepRequest([token, *drafts], pos, params, seed, draft=drafts or None,
-                               tree=tree, kept=kept, ask=ask, extra=extra)
+                               tree=tree, kept=kept, ask=ask, extra=extra, q=q)
             # a full proposal fits after this step, whatever it keeps: the draft may prepare it
             if context is None or context - pos - step.rows >= max(drafter.rows, drafter.block):
                 step.then = drafter.then()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from layersplit.ipc.messages import message
 from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.shards.spec_sampling import check_q
 from layersplit.shards.spec_tree import check_proposal, rows_to_move
 
 if TYPE_CHECKING:
@@ -112,11 +113,15 @@ class DraftClient:
     """The `Drafter` of one sequence: proposals from the draft process."""
 
     def __init__(self, coord: Coordinator, stats: SpecStats, required: bool,
-                 context: int) -> None:
-        """`context`: the sequence's context in the draft process (its rows and draft KV)."""
+                 context: int, sample: dict | None = None) -> None:
+        """`context`: the sequence's context in the draft process (its rows and draft KV);
+        `sample`: the sequence's sampling ({temperature, top_k, top_p, seed}) when it samples
+        and `spec_sampling` is not `guesses`, with its `mode`: a DFlash draft then samples its
+        proposals (`shards.spec_sampling`)."""
         self.coord, self.stats, self.required, self.context = coord, stats, required, context
         info = coord.draft_info
         self.kind = info["kind"]
+        self.sample = sample if self.kind == "dflash" else None
         # a verify step is a step: no more rows than the shards take (prefill_chunk)
         self.block = min(int(coord.config.spec_block or info["block_size"]),
                          int(info["block_size"]), coord.chunk)
@@ -139,7 +144,8 @@ class DraftClient:
     def begin(self) -> None:
         """A new sequence: the draft forgets the last one."""
         try:
-            self.coord.draft_request(message("draft_begin", slot=self.context))
+            self.coord.draft_request(message("draft_begin", slot=self.context,
+                                             sample=self.sample))
         except (DraftLost, DraftError) as e:
             self._stop(e)
 
@@ -153,9 +159,9 @@ class DraftClient:
         log.warning("this request goes on without speculation: %s", e)
 
     def propose(self, seq: Sequence[int], pos: int, n: int,
-                rows: int) -> tuple[list[int], list[int] | None]:
+                rows: int) -> tuple[list[int], list[int] | None, list | None]:
         if not self.active:
-            return [], None
+            return [], None, None
         t0 = time.perf_counter()
         frames = []
         start = 0
@@ -174,14 +180,16 @@ class DraftClient:
                 "propose", slot=self.context, pos=pos, n=n, token=int(seq[pos]), start=start,
                 sync=self.coord.feat_sid(self.context), tree=tree, kept=kept), frames)
             tokens = reply.get("tokens") if reply.get("type") == "proposal" else None
-            parents = reply.get("parents")
+            parents, q = reply.get("parents"), reply.get("q")
             try:
                 check_proposal(tokens, parents, n, tree, self.vocab)
+                if q is not None:
+                    check_q(q, tokens, parents, self.vocab)
             except ValueError as e:
                 raise DraftError(f"the draft proposed {e}") from e
         except (DraftLost, DraftError) as e:
             self._stop(e)
-            return [], None
+            return [], None, None
         now = time.perf_counter()
         self.stats.draft_s += now - t0
         compute = reply.get("compute_s")
@@ -194,7 +202,7 @@ class DraftClient:
             self.stats.request_lag_s += reply["asked_at"] - t_sent
             self.stats.ready_lead_s += t_sent - reply["ready_at"]
         self._t_proposed = now
-        return tokens, parents
+        return tokens, parents, q
 
     def ask(self, pos: int, n: int, rows: int) -> dict | None:
         if not self.active or not self.push or self._pushed_at != pos or \

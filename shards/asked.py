@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from layersplit.ipc.messages import ProtocolError
+from layersplit.shards.spec_sampling import check_q
 from layersplit.shards.spec_tree import check_proposal
 
 DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs without it
@@ -49,9 +50,9 @@ def check_drafted(msg: dict[str, Any]) -> None:
 
 
 def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None, why_missing: str,
-              vocab: int) -> tuple[list[int], list[int] | None] | str:
-    """The draft tokens (and tree) for an asked segment whose last token is `token`, or why
-    there are none."""
+              vocab: int) -> tuple[list[int], list[int] | None, list | None] | str:
+    """The draft tokens (their tree, and a sampled proposal's q) for an asked segment whose
+    last token is `token`, or why there are none."""
     ask = seg["ask"]
     if got is None or got["after"] < ask["after"]:
         return why_missing
@@ -65,9 +66,11 @@ def _proposal(seg: dict[str, Any], token: int, got: dict[str, Any] | None, why_m
         if not tokens:
             raise ValueError("no tokens")
         check_proposal(tokens, parents, ask["n"], ask["tree"], vocab)
+        if got["q"] is not None:
+            check_q(got["q"], tokens, parents, vocab)
     except ValueError as e:
         return f"the draft proposed {e}"
-    return list(tokens), None if parents is None else list(parents)
+    return list(tokens), None if parents is None else list(parents), got["q"]
 
 
 def _check_ask(seg: dict[str, Any], where: str) -> None:
@@ -125,8 +128,8 @@ def fill(msg: dict[str, Any], x: torch.Tensor, drafted: dict[int, dict[str, Any]
                             "compute": 0.0}
             out.extend(rows)
         else:
-            tokens, parents = found
-            seg.update(n=1 + len(tokens), draft=tokens, tree=parents)
+            tokens, parents, q = found
+            seg.update(n=1 + len(tokens), draft=tokens, tree=parents, q=q)
             seg["asked"] = {"draft": tokens, "tree": parents, "missed": None, "waited": waited,
                             "compute": compute}
             out.extend([rows[0], *tokens])

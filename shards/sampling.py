@@ -113,8 +113,12 @@ def accept_draft(
     seed: int,
     pos: int,  # position of the step's first row
     parents: Sequence[int] | None = None,  # a token tree (`shards.spec_tree`); None: a chain
+    q: Sequence[bytes | None] | None = None,  # a sampled proposal's distributions, per row
 ) -> tuple[list[int], int]:
     """Verify draft tokens: (the rows kept, the token that follows the last kept one).
+
+    With `q` (a draft that sampled its proposal and sent the distributions it drew from) and
+    sampling, by speculative rejection sampling (`shards.spec_sampling.accept_sampled`). Else:
 
     The walk starts at row 0. At a row of depth d, the target's token for position pos + d + 1
     is drawn exactly as plain decoding draws it (greedy: the argmax; sampling: the seeded draw
@@ -133,6 +137,10 @@ def accept_draft(
     n = logits.shape[0]
     if len(draft) != n - 1:
         raise ValueError(f"{n} rows verify {n - 1} draft tokens, got {len(draft)}")
+    if q is not None and not is_greedy(temperature, top_k):
+        from layersplit.shards.spec_sampling import accept_sampled  # (it builds on this module)
+
+        return accept_sampled(logits, draft, q, temperature, top_k, top_p, seed, pos, parents)
     if parents is None:
         parents = range(n - 1)
     children: list[dict[int, int]] = [{} for _ in range(n)]

@@ -51,6 +51,7 @@ from layersplit.shards.sampling import (
     sample_rows,
 )
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from layersplit.shards.spec_sampling import check_q
 from layersplit.shards.spec_tree import check_path, check_tree, rows_to_move
 
 log = logging.getLogger("layersplit.shard")
@@ -550,6 +551,11 @@ class ShardServer:
                     if draft is None:
                         raise ValueError("a token tree without draft tokens")
                     check_tree(tree, n - 1)
+                if seg["q"] is not None:
+                    if draft is None:
+                        raise ValueError("q without draft tokens")
+                    if self.model.is_last:  # (the one shard that reads it)
+                        check_q(seg["q"], draft, tree, self.cfg.vocab_size)
                 if kept is not None:
                     check_path(kept, pos)
                     if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:
@@ -953,7 +959,7 @@ def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
     pos, n, k = seg["pos"], seg["n"], sp.get("lp")
     if seg["draft"] is not None:
         kept, token = accept_draft(out, seg["draft"], temp, top_k, top_p, seed, pos,
-                                   seg["tree"])
+                                   seg["tree"], seg["q"])
         lp = None
         if k is not None:  # kept row j's token came from its parent row, `token` from the
             # last kept row

@@ -53,7 +53,7 @@ def test_a_verdict_prepares_the_next_proposal(server):
     server._reply = lambda route, msg, frames=(): sent.append(msg)
     first, _ = _feeder(server, b"shard0", [1])
     second, f2 = _feeder(server, b"shard1", [4])
-    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
     # a verify step at 3 of 6 rows kept rows 2 and 3 of its tree: the next proposal is at 6
     nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0}
     second.send(_feat(2, 0, 9, [4]), _rows(9))
@@ -97,7 +97,7 @@ def test_a_verdict_prepares_the_next_proposal(server):
     # the next sequence begins before the last rows of the one before arrive (they travel on
     # another channel than the coordinator's messages): they are not stored, their verdict is
     # not prepared
-    server._on_draft_begin(b"coord", message("draft_begin", sid=9, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=9, slot=0, sample=None), [])
     second.send(_feat(8, 0, 9, [4]), _rows(9) + 100)
     second.send(_verdict(8, nxt), None)
     first.send(_feat(8, 0, 9, [1]), _rows(9) + 100)
@@ -115,7 +115,7 @@ def test_a_pushed_verdict_hands_its_proposal_to_the_first_shard(server):
     server._reply = lambda route, msg, frames=(): sent.append((route, msg))
     first, _ = _feeder(server, b"shard0", [1])
     second, f2 = _feeder(server, b"shard1", [4])
-    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
     sent.clear()
     nxt = {"pos": 6, "token": 5, "kept": [2, 3], "n": 3, "tree": 0, "push": True}
     second.send(_feat(2, 0, 9, [4]), _rows(9))
@@ -166,7 +166,7 @@ def test_proposals_go_through_the_first_shards_ring(server):
         f1 = next(f for f in server.feeders if list(f.layers) == [1])
         first = accept("shm", {"ring": f1.inbox.ring.describe()}, None)
         second, _ = _feeder(server, b"shard1", [4])
-        server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+        server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
         sent.clear()
         nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0, "push": True}
         second.send(_feat(2, 0, 9, [4]), _rows(9))
@@ -203,7 +203,7 @@ def test_bad_frames_are_refused_without_desync(server):
     assert set(f1.rejected) == {0, 1} and not f2.rejected
     with pytest.raises(ProtocolError, match="incomplete"):  # no proposal from a broken context
         server._wait_features(2, 0)
-    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0, sample=None), [])
     server._wait_features(2, 0)  # a new sequence starts whole
     with pytest.raises(ProtocolError, match="incomplete"):  # the other slot's still is not
         server._wait_features(2, 1)
@@ -220,10 +220,10 @@ def test_draft_contexts_out_of_range_are_refused(server):
     assert set(f1.rejected) == {0, 1} and "slot 2 outside 0..1" in f1.rejected[0]
     with pytest.raises(ProtocolError, match="incomplete"):
         server._wait_features(0, 0)
-    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=3, slot=0, sample=None), [])
     server._wait_features(0, 0)
     with pytest.raises(ProtocolError, match="draft_begin: slot 2 outside 0..1"):
-        server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=2), [])
+        server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=2, sample=None), [])
     with pytest.raises(ProtocolError, match="slot 5 outside 0..1"):
         server._on_propose(b"coord", message("propose", sid=5, slot=5, pos=2, n=3, token=1,
                                               start=0, sync=0, tree=0, kept=None), [])
@@ -261,7 +261,7 @@ def test_a_verdict_after_its_request_is_dropped(server):
     server._reply = lambda route, msg, frames=(): sent.append(msg)
     first, _ = _feeder(server, b"shard0", [1])
     second, _ = _feeder(server, b"shard1", [4])
-    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0), [])
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
     first.send(_feat(2, 0, 9, [1]), _rows(9))
     second.send(_feat(2, 0, 9, [4]), _rows(9))
     server._work()
@@ -291,3 +291,44 @@ def test_verdicts_over_zmq_come_only_from_zmq_feeders(server):
         with pytest.raises(ProtocolError, match="verdict from a peer that is not a zmq feeder"):
             server._on_verdict(route, _verdict(2, nxt))
     assert not server.prepared.pending
+
+
+def test_sampled_proposals_carry_their_distributions(server):
+    """A sequence that samples (`draft_begin`'s `sample`) gets proposals drawn from the draft's
+    distribution, sent with it (`q`, valid for its tokens); one prepared from a verdict equals
+    the one computed when asked (the same seeded draws). Bad sampling is refused by name."""
+    from layersplit.shards.spec_sampling import check_q
+
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    first, _ = _feeder(server, b"shard0", [1])
+    second, _ = _feeder(server, b"shard1", [4])
+    sample = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "seed": 3, "mode": "rejection"}
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=0, sample=sample), [])
+    nxt = {"pos": 6, "token": 5, "kept": None, "n": 3, "tree": 0}
+    for f, layers in ((first, [1]), (second, [4])):
+        f.send(_feat(2, 0, 9, layers), torch.randn(9, 64))
+    second.send(_verdict(2, nxt), None)
+    server._work()
+    assert 0 in server.prepared.ready
+    ask = {"sid": 3, "slot": 0, "pos": 6, "n": 3, "start": 0, "sync": 2, "tree": 0,
+           "kept": None}
+    server._on_propose(b"coord", message("propose", token=5, **ask), [])
+    prepared = sent[-1]
+    assert prepared["prepared"] is True and prepared["q"] is not None
+    check_q(prepared["q"], prepared["tokens"], prepared["parents"],
+            server.proposer.head.shape[0])
+    assert server.proposer.propose(0, 5, 6, 3) == (prepared["tokens"], None, prepared["q"])
+    # the best guesses for a greedy sequence, coupled draws: no q
+    server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=None), [])
+    assert server.proposer.propose(1, 5, 6, 3)[2] is None
+    coupled = {**sample, "mode": "coupled"}
+    server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=coupled), [])
+    assert server.proposer.propose(1, 5, 6, 3)[2] is None
+    for bad, why in (({**sample, "temperature": 0}, "temperature must be a number > 0"),
+                     ({**sample, "top_p": 2.0}, "top_p must be in"),
+                     ({**sample, "seed": "x"}, "seed must be an integer"),
+                     ({**sample, "mode": "greedy"}, "mode must be coupled or rejection")):
+        with pytest.raises(ProtocolError, match=f"draft_begin: sample .*{why}"):
+            server._on_draft_begin(b"coord", message("draft_begin", sid=5, slot=0, sample=bad),
+                                   [])

@@ -147,6 +147,22 @@ def test_speculative_equals_plain(target, fitted, near, n, transport, kind):
 
 
 @pytest.mark.slow
+def test_sampled_proposals_are_seeded_and_kept(target, fitted):
+    """spec_sampling = rejection: the draft samples its proposals and sends their q; verify
+    steps keep draft tokens by rejection sampling (the target's distribution: chi-square in
+    tests/shards/test_spec_sampling.py). A seed fixes the output: the same tokens again
+    (proposals prepared from verdicts equal asked ones: test_draft_channel.py)."""
+    with Coordinator(_cfg(target, 2, fitted, spec_sampling="rejection")) as coord:
+        prompt = _prompts(coord.tokenizer)[0]
+        progress = Progress()
+        got = collect(coord.stream(prompt, SAMPLED, progress, use_cache=False), progress,
+                      len(prompt))
+        assert coord.generate(prompt, SAMPLED, use_cache=False).tokens == got.tokens
+        assert progress.spec.accepted_at[0] > 0 and progress.spec.off_chain > 0
+        assert progress.spec.prepared > 0
+
+
+@pytest.mark.slow
 def test_random_dflash_draft_equals_plain(target, dflash):
     """An untrained draft: every draft token rejected, output still the target's."""
     with Coordinator(_cfg(target, 3, dflash)) as coord:

@@ -70,6 +70,8 @@ def test_batch_of_8_equals_each_alone(target, dflash, tmp_path, n, transport, sp
         assert got[6].cache_tier == "ram" and 0 < got[6].cached_tokens < len(prompts[6])
         speculated = sum(r.acceptance_length is not None for r in got)
         assert speculated >= min(spec_seqs, 2)  # (3: several sequences speculated at once)
+        if spec_seqs > 1:  # sampled sequences speculated too (spec_sampling: coupled draws)
+            assert any(got[i].acceptance_length is not None for i in range(2, 8, 3))
         assert stats.widest == 2, "steps carried several sequences (2 per micro-batch)"
         assert stats.steps - steps_before < sum(len(r.tokens) for r in got)
         assert stats.most_in_flight >= 2, "micro-batches were in flight together"

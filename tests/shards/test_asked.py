@@ -29,7 +29,7 @@ def _drafted(tokens=(11, 12, 13, 14), parents=(0, 1, 2, 1), key=(20, 6, 3, 4, No
              error=None):
     msg = message("drafted", feat=0, after=after, key=list(key),
                   tokens=None if tokens is None else list(tokens),
-                  parents=None if parents is None else list(parents), error=error,
+                  parents=None if parents is None else list(parents), q=None, error=error,
                   compute_s=0.25)
     return decode(encode(msg))
 

@@ -1,0 +1,237 @@
+"""Sampled proposals: a draft that draws its tokens from its own distribution q.
+
+Two ways (`spec_sampling`, docs/speculative.md): *coupled* draws (`coupled_draws`) order q by
+the target's own noise of each position, so the verifier's match rule (`accept_draft` without
+q) keeps plain decoding's very tokens; *rejection* (below) sends q and verifies by rejection
+sampling.
+
+With sampling (temperature > 0), a draft may *sample* its proposal from a distribution q and
+send q with it; the verifier then keeps a draft token x with probability min(1, p(x)/q(x)),
+where p is the target's distribution at that row (after temperature, top-k, top-p), instead of
+only when x equals the target's own draw. For a chain this keeps, per position, sum_x min(p, q)
+= 1 - TV(p, q) of the mass, against p(d) for a fixed guess d.
+
+At a tree node the children are tried in row order (recursive rejection sampling without
+replacement, Jeon et al. 2024, "Recursive Speculative Decoding"): the first `m` children were
+drawn one after the other *without replacement* from the node's q (`m` = the children, or
+q's support when smaller); child i, drawn from q_i (q without the i - 1 tokens before it,
+renormalized), is kept with probability min(1, p_i(x_i)/q_i(x_i)); on rejection
+p_{i+1} = norm(max(0, p_i - q_i)). Each try is one rejection-sampling step for target p_i and
+proposal q_i, whose leftover is exactly p_{i+1}, so by induction the node's token has
+distribution p_1 = p. Children after the first m (the draft's fixed runner-ups, where q ran out
+of tokens) are point masses: the node draws one token from the last residual, and a child
+carrying it is kept (a point mass δ_y is kept with probability p'(y), and the draw from the
+residual given "not y" is the next residual's draw). If no child is kept, that draw is the
+node's token.
+
+Randomness is stateless like plain sampling (`shards.sampling`): the final draw at position P
+uses plain decoding's noise for P (so a node with no children draws exactly plain's token), the
+acceptance coins at P a stream of their own, and the draft's samples for a proposal at `pos`
+another stream per `pos`. Each is consumed by at most one decision, so the same seed gives the
+same tokens, and the output has the target's distribution (not plain decoding's very tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from layersplit.shards.sampling import (
+    filtered_probs,
+    mix_seed,
+    pack_bias,
+    seeded_exponential,
+    unpack_bias,
+)
+
+Q_MAX = 32  # tokens of a proposal distribution on the wire: the draft's q is cut to its best 32
+COIN_STREAM = 1  # the acceptance coins at a position
+DRAFT_STREAM = 2  # + the proposal's position: the draft's samples
+
+
+def proposal_q(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+               limit: int = Q_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a draft samples from at each of its rows (n, V) of logits: the
+    request's temperature, top-k and top-p applied to the draft's logits, cut to the best
+    `limit` tokens, renormalized. Returns (ids (n, limit) int64, probs (n, limit) float32);
+    tokens outside the support have probability 0 (they are never drawn)."""
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    p, ids = probs.topk(min(limit, probs.shape[-1]), dim=-1)
+    return ids, p / p.sum(-1, keepdim=True)
+
+
+def draw_without_replacement(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int,
+                             position: int, pos: int) -> list[int]:
+    """Up to `k` distinct tokens drawn one after the other without replacement from the
+    distribution (ids, probs) (its support bounds how many): the Gumbel-top-k trick, the
+    exponential noise seeded by (seed, position, the proposal's `pos`)."""
+    noise = seeded_exponential(probs.shape, mix_seed(seed, position, DRAFT_STREAM + pos),
+                               probs.device)
+    support = int((probs > 0).sum())
+    order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
+    return ids[order].tolist()
+
+
+def pack_q(ids: Sequence[int] | torch.Tensor, probs: Sequence[float] | torch.Tensor) -> bytes:
+    """One node's q on the wire: int32 ids, then their float32 probabilities."""
+    if isinstance(ids, torch.Tensor):
+        ids, probs = ids.tolist(), probs.tolist()
+    return pack_bias(ids, probs)
+
+
+def unpack_q(b: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    return unpack_bias(b)
+
+
+def sampled_children(parents: Sequence[int], n_rows: int) -> list[list[int]]:
+    """Per row, its children's rows in row order."""
+    kids: list[list[int]] = [[] for _ in range(n_rows)]
+    for j, p in enumerate(parents, 1):
+        kids[p].append(j)
+    return kids
+
+
+def check_q(q: object, tokens: Sequence[int], parents: Sequence[int] | None, vocab: int) -> None:
+    """ValueError unless `q` fits a proposal: one entry per row (n + 1), None for a row whose
+    children are all point masses (or that has none), else a packed distribution (`pack_q`) of
+    at most Q_MAX tokens of the vocabulary, probabilities >= 0 summing to about 1, whose first
+    min(children, support) children carry distinct tokens of its support."""
+    n = len(tokens)
+    if not isinstance(q, list) or len(q) != n + 1:
+        raise ValueError(f"q must be a list of {n + 1} entries (one per row), got "
+                         f"{str(q)[:60]}")
+    kids = sampled_children(parents if parents is not None else range(n), n + 1)
+    for row, entry in enumerate(q):
+        if entry is None:
+            continue
+        if not isinstance(entry, bytes) or not entry or len(entry) % 8 or \
+                len(entry) // 8 > Q_MAX:
+            raise ValueError(f"q[{row}]: not up to {Q_MAX} packed (id, probability) pairs")
+        ids, probs = unpack_q(entry)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != len(ids):
+            raise ValueError(f"q[{row}]: token ids not distinct ids of the vocabulary")
+        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or \
+                abs(float(probs.sum()) - 1) > 1e-3:
+            raise ValueError(f"q[{row}]: probabilities not >= 0 summing to 1")
+        if not kids[row]:
+            raise ValueError(f"q[{row}]: row {row} has no children")
+        support = {int(i): float(p) for i, p in zip(ids, probs) if p > 0}
+        drawn = [tokens[j - 1] for j in kids[row][:len(support)]]
+        if len(set(drawn)) != len(drawn) or not all(t in support for t in drawn):
+            raise ValueError(f"q[{row}]: the children drawn from it are not distinct tokens "
+                             "of its support")
+
+
+def accept_sampled(
+    logits: torch.Tensor,  # (n, V): rows of the step [last token, d_1, ..., d_{n-1}]
+    draft: Sequence[int],
+    q: Sequence[bytes | None],  # per row: the distribution its first children were drawn from
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    pos: int,
+    parents: Sequence[int] | None = None,
+) -> tuple[list[int], int]:
+    """The rows kept and the token after them, by recursive rejection sampling (module doc).
+    `q` must have passed `check_q`."""
+    n = logits.shape[0]
+    if len(draft) != n - 1 or len(q) != n:
+        raise ValueError(f"{n} rows verify {n - 1} draft tokens with {n} q entries, got "
+                         f"{len(draft)} and {len(q)}")
+    kids = sampled_children(parents if parents is not None else range(n - 1), n)
+    path: list[int] = []
+    row = 0
+    while True:
+        position = pos + len(path) + 1  # the position of the token this row decides
+        p = filtered_probs(logits[row:row + 1], temperature, top_k, top_p)[0]
+        children = kids[row]
+        nxt = None
+        if q[row] is not None and children:
+            ids, probs = unpack_q(q[row])
+            ids, qd = ids.to(p.device), probs.to(p.device, torch.float32)
+            qd = qd / qd.sum()
+            m = min(len(children), int((qd > 0).sum()))
+            g = torch.Generator(device=p.device)
+            g.manual_seed(mix_seed(seed, position, COIN_STREAM))
+            coins = torch.rand(m, generator=g, device=p.device).tolist()
+            for j, u in zip(children[:m], coins):
+                x = draft[j - 1]
+                qfull = torch.zeros_like(p).index_put_((ids,), qd)
+                if u * float(qfull[x]) < float(p[x]):  # kept with probability min(1, p/q)
+                    nxt = j
+                    break
+                resid = (p - qfull).clamp_min(0)
+                total = resid.sum()
+                # (a residual of 0 would mean p == q, where nothing is ever rejected)
+                p = resid / total if total > 0 else p
+                qd = qd.masked_fill(ids == x, 0.0)  # the next child: q without x
+                if qd.sum() <= 0:
+                    break
+                qd = qd / qd.sum()
+            children = children[m:]  # the rest are point masses
+        if nxt is None:
+            noise = seeded_exponential(p.shape, mix_seed(seed, position), p.device)
+            tok = int(torch.argmax(p / noise))
+            nxt = next((j for j in children if draft[j - 1] == tok), None)
+            if nxt is None:
+                return path, tok
+        path.append(nxt)
+        row = nxt
+
+
+def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, position: int,
+                  vocab: int) -> list[int]:
+    """Up to `k` tokens of (ids, probs) in the order of probs / E, E the exponential noise
+    plain decoding draws the target's token at `position` with (`shards.sampling.sample_rows`:
+    its token is argmax p / E). The first is the draft's draw coupled with the target's: where
+    q = p they are the same token; the others follow without replacement."""
+    noise = seeded_exponential((vocab,), mix_seed(seed, position), probs.device)[ids]
+    support = int((probs > 0).sum())
+    order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
+    return ids[order].tolist()
+
+
+def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs: torch.Tensor,
+                fixed: Sequence[Sequence[int]], seed: int, pos: int, coupled: int = 0
+                ) -> tuple[list[int], list[bytes | None]]:
+    """A sampled proposal of `n` draft tokens in the tree `parents` (None: a chain) after the
+    token at `pos`: (tokens, q). `ids`, `probs` (depth, k): the draft's distribution at each
+    draft position (`proposal_q`); `fixed[d]`: its ranked candidates there, which fill the
+    children past q's support. The children of every node at depth d take, in row order, the
+    draws without replacement at draft position d, then the fixed candidates not drawn; the
+    node's q entry is that distribution.
+
+    `coupled` (the vocabulary size; 0: off): draw with the target's own noise instead
+    (`coupled_draws`) and send no q: the verifier then keeps a child when it carries the
+    target's draw, so the output is plain decoding's very tokens, and the draft's draws
+    match the target's as often as q is near p."""
+    par = list(parents) if parents is not None else list(range(n))
+    kids = sampled_children(par, n + 1)
+    depth = [0]
+    for p in par:
+        depth.append(depth[p] + 1)
+    need: dict[int, int] = {}
+    for row, ch in enumerate(kids):
+        if ch:
+            need[depth[row]] = max(need.get(depth[row], 0), len(ch))
+    tokens: list[int] = [0] * n
+    q: list[bytes | None] = [None] * (n + 1)
+    cands: dict[int, tuple[list[int], bytes | None]] = {}
+    for d, k in need.items():
+        if coupled:
+            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1, coupled)
+        else:
+            drawn = draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
+        support = probs[d] > 0
+        cands[d] = (drawn + [int(t) for t in fixed[d] if int(t) not in drawn],
+                    None if coupled else pack_q(ids[d][support], probs[d][support]))
+    for row, ch in enumerate(kids):
+        if ch:
+            order, q[row] = cands[depth[row]]
+            if len(order) < len(ch):
+                raise ValueError(f"{len(ch)} children at depth {depth[row] + 1}, only "
+                                 f"{len(order)} candidates")
+            for i, j in enumerate(ch):
+                tokens[j - 1] = order[i]
+    return tokens, q if not coupled else None
