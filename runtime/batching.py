@@ -68,6 +68,8 @@ class Request:
     shared: int = 0  # prompt rows it took from another live sequence's blocks
     base_tokens: int = 0  # its prompt's tokens (prompt_tokens adds those generated when it is
     # preempted)
+    cached: Callable[[list[int]], int] | None = None  # prompt -> rows the prefix cache would
+    # restore for it (a live prefix is taken only if longer); None: it shares no live prefix
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,11 +103,13 @@ class Batcher:
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
                out: OutputStream, prompt: list[int] | None = None,
-               cuts: list[int] | None = None) -> Request:
-        """Queue a request; with its `prompt` and the prompt's chunk boundaries `cuts`, it may
-        start with the blocks of a live sequence that prefilled the same first tokens."""
+               cuts: list[int] | None = None,
+               cached: Callable[[list[int]], int] | None = None) -> Request:
+        """Queue a request; with its `prompt`, the prompt's chunk boundaries `cuts` and
+        `cached` (what the prefix cache holds of a prompt), it may start with the blocks of a
+        live sequence that prefilled more of the same first tokens than the cache holds."""
         req = Request(next(self._ids), prompt_tokens, make, out, base_tokens=prompt_tokens,
-                      prompt=prompt, cuts=cuts or [])
+                      prompt=prompt, cuts=cuts or [], cached=cached)
         if out.finished:  # nothing to generate (max_tokens 0)
             self._end(req, admitted=False)
             return req
@@ -261,6 +265,9 @@ class Batcher:
         fit the pool fails."""
         out: list[Request] = []
         for r in reqs:
+            if r.pending is None or r.program is None or r.done or \
+                    r.rid not in self.sched.running:
+                continue  # preempted for an earlier one of `reqs`
             need = r.pending.pos + r.pending.rows
             while not self.sched.can_grow(r.rid, need):
                 victim = self._victim(out)
@@ -288,7 +295,7 @@ class Batcher:
         last one copied) and prefills only the rest. Only up to a chunk boundary of its prompt
         and within the other's prefill, so the rows are exactly the ones it would compute: a
         row's value depends on its chunk, and chunk boundaries on the tokens alone."""
-        if not self.share_prefixes or req.prompt is None:
+        if not self.share_prefixes or req.prompt is None or req.cached is None:
             return
         best, src = 0, None
         for run in self.sched.running.values():
@@ -300,7 +307,8 @@ class Batcher:
             cut = max((c for c in req.cuts if c <= common), default=0)
             if cut > best:
                 best, src = cut, other
-        if src is not None and best >= self.sched.config.block_tokens:
+        if src is not None and best >= self.sched.config.block_tokens and \
+                best > req.cached(req.prompt):  # (else the cache restores as much or more)
             self.sched.share(req.rid, src.slot, best)
             req.shared = req.prefilled = best
             self.stats.shared_tokens += best

@@ -39,6 +39,7 @@ from layersplit.ipc.kv_file import (
     write_header,
 )
 from layersplit.ipc.messages import message
+from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 
@@ -155,8 +156,7 @@ class CacheManager:
         rows too, into that context."""
         features = context is not None
         self.poll_done()
-        # a RAM copy not taken in time (by the slot's last sequence) is simply not taken
-        self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
+        self.drop_deferred(slot)  # (a RAM copy not taken in time is simply not taken)
         n = len(prompt)
         candidates = sorted({n, *[c for c in cuts if c <= n]})
         chain = self.index.lookup(self.keys(prompt, candidates))
@@ -362,6 +362,20 @@ class CacheManager:
         return {"name": FEATURE_DATA, "layer": 0, "kind": "feat",
                 "offset": layout.offset(FEATURE_DATA), "nbytes": t.nbytes, "start": e.start,
                 "end": e.length, "checksum": layout.checksums[FEATURE_DATA]}
+
+    def cached_rows(self, prompt: Sequence[int]) -> int:
+        """The rows `restore` would bring back for `prompt` now, read from the index alone (a
+        live sequence's blocks are shared only where they cover more: `runtime.batching`)."""
+        n = len(prompt)
+        cuts = cut_points(prompt, self.coord.chunk, self.coord.eos_ids)
+        chain = self._worth_restoring(self.index.lookup(
+            self.keys(prompt, sorted({n, *[c for c in cuts if c <= n]}))))
+        return chain[-1].length if chain else 0
+
+    def drop_deferred(self, slot: int) -> None:
+        """Forget the RAM copies queued for `slot` (its sequence ended before its first token:
+        the slot's next sequence must not copy its own rows under those entries)."""
+        self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
 
     def take_deferred(self, slot: int) -> None:
         """RAM copies of entries just restored from disk (after the first token: the rows

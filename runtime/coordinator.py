@@ -1060,12 +1060,20 @@ class Coordinator:
             dec = decoding
             if done and dec is not None and dec.prompt_logprobs is not None:
                 dec = dataclasses.replace(dec, prompt_logprobs=None)  # (sent already)
+            elif not done:  # (preempted before its first token: its prompt runs again whole)
+                progress.prompt_logprobs.clear()
+                if progress.logits is not None:
+                    progress.logits.clear()
             return self._program(holder[0], prompt + done, params, progress, use_cache,
                                  speculative, slot, dec, seed, holder[0].shared)
 
+        # a request that takes nothing from the cache takes no live prefix either (every row
+        # of a prompt-logprobs request, or of one asked to run alone, is computed)
+        cached = (None if not use_cache else
+                  self.cache.cached_rows if self.cache is not None else lambda _: 0)
         req = self.batcher.submit(len(prompt), make,
                                   OutputStream(self.tokenizer, params, self.eos_ids, progress),
-                                  prompt, cut_points(prompt, self.chunk, self.eos_ids))
+                                  prompt, cut_points(prompt, self.chunk, self.eos_ids), cached)
         holder.append(req)
         return req
 
@@ -1182,6 +1190,9 @@ class Coordinator:
         finally:
             if prog is not None:
                 prog.close()
+            if self.cache is not None:  # a RAM copy its slot did not take (cancelled or
+                # preempted before its first token) must not be taken by the slot's next sequence
+                self.cache.drop_deferred(slot)
             if context is not None:
                 self._free_contexts = sorted([*self._free_contexts, context])
 

@@ -91,22 +91,30 @@ def sampled_children(parents: Sequence[int], n_rows: int) -> list[list[int]]:
     return kids
 
 
+def check_q_form(q: object, n: int) -> None:
+    """ValueError unless `q` has the form of a proposal of `n` draft tokens: n + 1 entries, each
+    None or up to Q_MAX packed pairs. The cheap part of `check_q`, which every shard runs (the
+    last shard, which reads q, runs the whole check)."""
+    if not isinstance(q, list) or len(q) != n + 1:
+        raise ValueError(f"q must be a list of {n + 1} entries (one per row), got "
+                         f"{str(q)[:60]}")
+    for row, entry in enumerate(q):
+        if entry is not None and (not isinstance(entry, bytes) or not entry or len(entry) % 8
+                                  or len(entry) // 8 > Q_MAX):
+            raise ValueError(f"q[{row}]: not up to {Q_MAX} packed (id, probability) pairs")
+
+
 def check_q(q: object, tokens: Sequence[int], parents: Sequence[int] | None, vocab: int) -> None:
     """ValueError unless `q` fits a proposal: one entry per row (n + 1), None for a row whose
     children are all point masses (or that has none), else a packed distribution (`pack_q`) of
     at most Q_MAX tokens of the vocabulary, probabilities >= 0 summing to about 1, whose first
     min(children, support) children carry distinct tokens of its support."""
     n = len(tokens)
-    if not isinstance(q, list) or len(q) != n + 1:
-        raise ValueError(f"q must be a list of {n + 1} entries (one per row), got "
-                         f"{str(q)[:60]}")
+    check_q_form(q, n)
     kids = sampled_children(parents if parents is not None else range(n), n + 1)
     for row, entry in enumerate(q):
         if entry is None:
             continue
-        if not isinstance(entry, bytes) or not entry or len(entry) % 8 or \
-                len(entry) // 8 > Q_MAX:
-            raise ValueError(f"q[{row}]: not up to {Q_MAX} packed (id, probability) pairs")
         ids, probs = unpack_q(entry)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != len(ids):
             raise ValueError(f"q[{row}]: token ids not distinct ids of the vocabulary")

@@ -51,7 +51,7 @@ from layersplit.shards.sampling import (
     sample_rows,
 )
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
-from layersplit.shards.spec_sampling import check_q
+from layersplit.shards.spec_sampling import check_q, check_q_form
 from layersplit.shards.spec_tree import check_path, check_tree, rows_to_move
 
 log = logging.getLogger("layersplit.shard")
@@ -556,6 +556,8 @@ class ShardServer:
                         raise ValueError("q without draft tokens")
                     if self.model.is_last:  # (the one shard that reads it)
                         check_q(seg["q"], draft, tree, self.cfg.vocab_size)
+                    else:
+                        check_q_form(seg["q"], len(draft))
                 if kept is not None:
                     check_path(kept, pos)
                     if kept and pos - len(kept) - 1 + kept[-1] >= ex.max_len:

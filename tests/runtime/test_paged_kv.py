@@ -202,3 +202,93 @@ def test_live_prefix_blocks_are_shared(tiny_llama, ref):
             assert_same_run((got, np.stack(pr.logits)), want[i], f"request {i}")
         assert pool.free_blocks == pool.num_blocks
         c.batcher.sched.check()
+
+
+def _drive(c: Coordinator, reqs: list) -> None:
+    while not all(r.done for r in reqs):
+        c.batcher.run_once()
+    for r in reqs:
+        assert r.error is None, r.error
+
+
+@pytest.mark.slow
+def test_preempting_a_later_sequence_of_the_same_step(tiny_llama):
+    """A step's sequences take blocks oldest first; when the pool runs out, the youngest one of
+    the same step may be preempted for an older one before its own turn comes (it then waits,
+    and its outputs are unchanged): 17 blocks of 4 tokens, a 7-token prompt generating 20
+    tokens beside a 60-token prompt."""
+    a, b = list(range(5, 12)), [(11 * j) % 200 + 5 for j in range(60)]
+    pa, pb = (SamplingParams(max_tokens=20, ignore_eos=True),
+              SamplingParams(max_tokens=4, ignore_eos=True))
+    cfg = _cfg(tiny_llama, 1, max_context=68, max_seqs=2, kv_block=4, kv_blocks=17,
+               prefix_cache=False)
+    with Coordinator(cfg) as c:
+        want = [c.generate(a, pa).tokens, c.generate(b, pb).tokens]
+        progress = [Progress(), Progress()]
+        reqs = [c.submit(a, pa, progress[0]), c.submit(b, pb, progress[1])]
+        _drive(c, reqs)
+        assert [p.generated for p in progress] == want
+        assert c.batcher.stats.preemptions >= 1
+        assert c.batcher.sched.free_blocks == 17
+        c.batcher.sched.check()
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_count_every_row_once(tiny_llama, ref):
+    """A prompt-logprobs request computes its whole prompt: it takes no live sequence's blocks
+    (they would skip the rows whose logprobs it asks for), and when it is preempted before its
+    first token its prompt's logprobs start again, not twice."""
+    from layersplit.runtime.decoding import Decoding
+
+    text = ref.tokenizer.encode("one shared system prompt for every agent of the team, " * 12)
+    dec = Decoding(prompt_logprobs=1)
+    one = SamplingParams(max_tokens=2, ignore_eos=True)
+    with Coordinator(_cfg(tiny_llama, 1, max_seqs=2, kv_block=4, kv_blocks=24,
+                          max_context=80, prefix_cache=False)) as c:
+        alone = Progress()
+        _drive(c, [c.submit(text[:44], one, alone, decoding=dec)])
+        assert len(alone.prompt_logprobs) == 43
+        # live prefix: an older sequence has prefilled the same 36 first tokens
+        older, shared = Progress(), Progress()
+        first = c.submit(text[:40], SamplingParams(max_tokens=6, ignore_eos=True), older)
+        while not older.generated:
+            c.batcher.run_once()
+        second = c.submit(text[:44], one, shared, decoding=dec)
+        _drive(c, [first, second])
+        assert c.batcher.stats.shared_tokens == 0
+        assert shared.prompt_logprobs == alone.prompt_logprobs
+        # preempted between prefill chunks, before its first token: it runs again from row 0
+        again = Progress()
+        req = c.submit(text[:44], one, again, decoding=dec)
+        while not (again.prompt_logprobs and req.in_flight == 0):
+            assert not again.generated, "no point between two prefill chunks was seen"
+            c.batcher.run_once()
+        c.batcher._preempt(req)
+        _drive(c, [req])
+        assert req.preempted == 1
+        assert again.prompt_logprobs == alone.prompt_logprobs
+        assert c.batcher.sched.free_blocks == 24
+
+
+@pytest.mark.slow
+def test_a_disk_restore_ended_before_its_first_token_queues_no_ram_copy(tiny_llama, ref,
+                                                                         prompts, tmp_path):
+    """Rows restored from disk are copied to RAM after the sequence's first token; a sequence
+    cancelled before it leaves no copy queued for its slot (the slot's next sequence would
+    otherwise file its own rows under the entry: one that takes a live prefix restores nothing
+    and so clears nothing)."""
+    longer = list(prompts[0]) + list(prompts[1][:9])
+    want = run_logged(ref, longer, GREEDY)
+    cfg = _cfg(tiny_llama, 2, kv_cache_dir=str(tmp_path), max_seqs=2)
+    with Coordinator(cfg) as c:
+        c.generate(list(prompts[0]), GREEDY)
+    with Coordinator(cfg) as c:  # a restart: the 37 rows are on disk only
+        progress = Progress()
+        req = c.submit(longer, GREEDY, progress)
+        c.batcher._admit()  # (restored; its prefill is the step it asks for next)
+        assert [d[1] for d in c.cache.deferred_takes] == [req.slot]
+        assert not progress.generated and progress.cache_tier == "disk"
+        c.batcher.cancel(req)
+        _drive(c, [req])
+        assert c.cache.deferred_takes == []
+        assert_same_run(run_logged(c, longer, GREEDY), want, "after the cancel")
