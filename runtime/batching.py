@@ -28,16 +28,37 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
 from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from layersplit.runtime.coordinator import Coordinator
+    import numpy as np
+    from layersplit.runtime.generate import StepOutput
+    from layersplit.shards.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class StepChain(Protocol):
+    """What the batch needs of the shard chain (`runtime.coordinator.Coordinator` is one):
+    send a step, wait for steps to come back, read and forget their outputs, sample."""
+
+    failed: str | None  # why the runtime went down, if it did
+
+    def send_step(self, segs: Sequence[tuple[int, StepRequest, int | None]]) -> int: ...
+    def wait_steps(self) -> list[int]: ...
+    def step_outputs(self, sid: int) -> list[StepOutput]: ...
+    def forget_steps(self, sids: Sequence[int] | None = None) -> None: ...
+    def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
+                      seed: int) -> int: ...
+    def sample_output(self, logits: np.ndarray, position: int, sample: SamplingParams,
+                      seed: int, extra: dict | None = None) -> StepOutput: ...
+
+
 MAX_IN_FLIGHT = 4  # steps in the chain at once; no ring of the chain (4 slots) then fills up
 
 
@@ -90,7 +111,7 @@ class _Step:
 
 
 class Batcher:
-    def __init__(self, coord: Coordinator, config: SchedulerConfig) -> None:
+    def __init__(self, coord: StepChain, config: SchedulerConfig) -> None:
         self.coord = coord
         self.sched = Scheduler(config)
         self.requests: dict[int, Request] = {}

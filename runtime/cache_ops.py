@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from layersplit.ipc.kv_file import (
@@ -44,9 +45,37 @@ from layersplit.runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metad
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 
 if TYPE_CHECKING:
-    from layersplit.runtime.coordinator import Coordinator
+    from layersplit.runtime.config import RuntimeConfig
+    from layersplit.runtime.tokenizer import TextTokenizer
+    from layersplit.shards.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
+
+
+class CacheHost(Protocol):
+    """What the prefix cache needs of the runtime (`runtime.coordinator.Coordinator` is one):
+    the model's identity and chunking, the shards and the draft to send snapshot messages to,
+    and each slot's block table."""
+
+    config: RuntimeConfig
+    tokenizer: TextTokenizer | None
+    model_config: ModelConfig
+    model_path: Path
+    dtype: str
+    chunk: int
+    eos_ids: tuple[int, ...]
+    shards: Sequence[Any]  # each with `index` and `streams_cache`
+    draft: Any  # the draft process's handle (`streams_cache`), while it serves
+    draft_info: dict[str, Any]
+
+    @property
+    def feeding(self) -> bool: ...
+    def shard_info(self) -> list[dict[str, Any]]: ...
+    def call_all(self, make: Callable[[Any], Any], draft: Any = None) -> list[dict[str, Any]]: ...
+    def feat_sid(self, context: int) -> int: ...
+    def table_update(self, slot: int) -> dict[str, Any] | None: ...
+
+
 EWMA = 0.3
 PARENT_WAIT_S = 120.0  # a delta entry's save waits this long for its parent's file
 
@@ -80,7 +109,7 @@ class Restored:
 
 
 class CacheManager:
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: CacheHost) -> None:
         cfg = coord.config
         self.coord = coord
         tok = coord.tokenizer
@@ -272,7 +301,7 @@ class CacheManager:
         if not run:
             return True
         msg = message("snap_restore", entries=[e.ram_id for e in run], slot=slot,
-                      blocks=self.coord.batcher.sched.table_update(slot))
+                      blocks=self.coord.table_update(slot))
         draft = None if context is None else {**msg, "slot": context, "blocks": None}
         replies = self.coord.call_all(lambda sh: msg, draft=draft)
         return draft is not None and any(r["_shard"] < 0 for r in replies)
@@ -324,7 +353,7 @@ class CacheManager:
                 except OSError as err:
                     self._bad(e, str(err))
                     return False, False
-        blocks = self.coord.batcher.sched.table_update(slot)  # (every shard's message has it)
+        blocks = self.coord.table_update(slot)  # (every shard's message has it)
         for m in msgs.values():
             (m[0] if isinstance(m, tuple) else m)["blocks"] = blocks
         replies = self.coord.call_all(lambda sh: msgs[sh.index], draft=draft)

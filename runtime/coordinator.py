@@ -713,7 +713,7 @@ class Coordinator:
                 if on_draft and blame_draft():
                     self._lose_draft(f"no answer to {what} within the time limit")
                     raise DraftLost(f"no answer to {what} within the time limit")
-                raise self._fail(self._late(what, step))
+                raise self.fail(self._late(what, step))
             if now < spin_until:
                 timeout = 0
             else:
@@ -752,7 +752,7 @@ class Coordinator:
                     if sh.index < 0:
                         self._draft_failed(why, on_draft)
                         break  # the poller changed
-                    raise self._fail(why)
+                    raise self.fail(why)
                 sh = by_sock.get(sock)
                 if sh is None:  # a draft dropped earlier in this batch of events
                     continue
@@ -762,7 +762,7 @@ class Coordinator:
                     if sh.index < 0:
                         self._draft_failed(why, on_draft)
                         break
-                    raise self._fail(why)
+                    raise self.fail(why)
                 if msg["type"] == "wake":
                     continue
                 if msg["type"] == "saved" and self.cache is not None:
@@ -788,7 +788,7 @@ class Coordinator:
                         log.debug("%s: %s", _name(sh), msg["message"])
                         continue
                     if mine or msg["code"] == "bad_upstream":
-                        raise self._fail(msg["message"], keep_running=True)
+                        raise self.fail(msg["message"], keep_running=True)
                     # an error about some other (earlier, or unreadable) message: not this op's
                     log.warning("shard %d: %s", sh.index, msg["message"])
                     continue
@@ -820,7 +820,7 @@ class Coordinator:
         try:
             got = ring.poll()
         except ProtocolError as e:
-            raise self._fail(f"malformed result from the last shard: {e}") from None
+            raise self.fail(f"malformed result from the last shard: {e}") from None
         if got is None:
             return None
         msg, t, seq = got
@@ -842,10 +842,10 @@ class Coordinator:
         for p in self.procs:
             why = p.failure()
             if why is not None:
-                raise self._fail(why)
+                raise self.fail(why)
         why = self.ray.failure() if self.ray is not None else None
         if why is not None:
-            raise self._fail(why)
+            raise self.fail(why)
         if self.draft is not None and self._draft_proc is not None:
             why = self._draft_proc.failure()
             if why is None and self._draft_proc.stopped():
@@ -861,7 +861,7 @@ class Coordinator:
             if why is not None:
                 self._draft_failed(why, on_draft)
 
-    def _fail(self, why: str, keep_running: bool = False) -> ShardFailure:
+    def fail(self, why: str, keep_running: bool = False) -> ShardFailure:
         """Record a failure; unless it is a recoverable request error, stop all shards."""
         if keep_running:
             return ShardFailure(why, runtime_down=False)
@@ -941,6 +941,10 @@ class Coordinator:
                        until=lambda: sid in self._done, step=sid)
         return self.step_outputs(sid)[0]
 
+    def table_update(self, slot: int) -> dict[str, Any] | None:
+        """The block-table change a message about `slot` carries (`runtime.scheduler`)."""
+        return self.batcher.sched.table_update(slot)
+
     def feat_sid(self, context: int) -> int:
         """The last step that sent feature rows to the draft's `context` (a proposal or a
         snapshot of its sequence waits for them)."""
@@ -970,25 +974,25 @@ class Coordinator:
             raise got
         msg, logits, nseg = got
         if len(msg["outs"]) != nseg:
-            raise self._fail(f"the last shard returned {len(msg['outs'])} outcomes for a step of "
+            raise self.fail(f"the last shard returned {len(msg['outs'])} outcomes for a step of "
                              f"{nseg} sequences")
         outs, row = [], 0
         for o in msg["outs"]:
             lg = None
             if o["logits"]:
                 if logits is None or row >= len(logits):
-                    raise self._fail("the last shard sent a result without its logits")
+                    raise self.fail("the last shard sent a result without its logits")
                 lg = logits[row].numpy().copy()
                 row += 1
             path = o["path"]
             if path is not None and (len(path) != o["accepted"] or not all(
                     isinstance(j, int) for j in path)):
-                raise self._fail(f"the last shard returned the tree path {path[:40]} for "
+                raise self.fail(f"the last shard returned the tree path {path[:40]} for "
                                  f"{o['accepted']} kept tokens")
             outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"], o["lp"],
                                    o["plp"]))
         if logits is not None and row != len(logits):
-            raise self._fail(f"the last shard returned {len(logits)} logits rows for {row}")
+            raise self.fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs
 
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
@@ -1039,7 +1043,7 @@ class Coordinator:
             raise ValueError(f"{self.model_path} has no tokenizer, so stop strings cannot apply")
         if self.config.spec_required and self.draft_path is not None and self.draft is None:
             # the runtime is down without its draft: a server restarts the group, draft included
-            raise self._fail(f"speculation is required (spec_required) but the draft is gone: "
+            raise self.fail(f"speculation is required (spec_required) but the draft is gone: "
                              f"{self.draft_down}")
         prompt = list(prompt)
         if decoding is not None and decoding.prompt_logprobs is not None:

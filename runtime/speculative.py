@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from layersplit.ipc.messages import message
@@ -24,7 +24,7 @@ from layersplit.shards.spec_tree import check_proposal, rows_to_move
 
 if TYPE_CHECKING:
     from layersplit.runtime.config import RuntimeConfig
-    from layersplit.runtime.coordinator import Coordinator
+    from layersplit.shards.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,30 @@ class SpecStats:
             self.accepted_at[j] += a
 
 
+class DraftHost(Protocol):
+    """What a sequence's drafter needs of the runtime (`runtime.coordinator.Coordinator` is
+    one): the draft process's reply to a request, whether it is there and feeds on the
+    shards' rows, and a way to fail the runtime when the shards break the protocol."""
+
+    config: RuntimeConfig
+    model_config: ModelConfig
+    chunk: int
+    draft: Any  # the draft process's handle, while it serves
+    draft_down: str | None  # why it is gone
+    draft_info: dict[str, Any]
+    push_drafts: bool
+
+    @property
+    def feeding(self) -> bool: ...
+    def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]: ...
+    def feat_sid(self, context: int) -> int: ...
+    def fail(self, why: str, keep_running: bool = False) -> ShardFailure: ...
+
+
 class DraftClient:
     """The `Drafter` of one sequence: proposals from the draft process."""
 
-    def __init__(self, coord: Coordinator, stats: SpecStats, required: bool,
+    def __init__(self, coord: DraftHost, stats: SpecStats, required: bool,
                  context: int, sample: dict | None = None) -> None:
         """`context`: the sequence's context in the draft process (its rows and draft KV);
         `sample`: the sequence's sampling ({temperature, top_k, top_p, seed}) when it samples
@@ -154,7 +174,7 @@ class DraftClient:
         if self.required:
             why = f"speculation is required (spec_required) but the draft failed: {e}"
             if isinstance(e, DraftLost):  # the whole group restarts (the server), draft included
-                raise self.coord._fail(why)
+                raise self.coord.fail(why)
             raise ShardFailure(why, runtime_down=False)
         log.warning("this request goes on without speculation: %s", e)
 
@@ -224,7 +244,7 @@ class DraftClient:
         ok = isinstance(asked, dict) and isinstance(asked.get("waited"), float) and (
             isinstance(asked.get("missed"), str) or isinstance(asked.get("draft"), list))
         if not ok:
-            raise self.coord._fail(f"the last shard reported {str(asked)[:200]} for a step "
+            raise self.coord.fail(f"the last shard reported {str(asked)[:200]} for a step "
                                    "that asked for draft tokens")
         self.stats.draft_s += asked["waited"]
         self._t_proposed += asked["waited"]  # (the wait is the draft's, not the verify's)
@@ -234,7 +254,7 @@ class DraftClient:
             return [], None
         tokens, parents = asked["draft"], asked["tree"]
         if not tokens or not all(isinstance(t, int) and 0 <= t < self.vocab for t in tokens):
-            raise self.coord._fail(f"the last shard reported draft tokens {str(tokens)[:80]}")
+            raise self.coord.fail(f"the last shard reported draft tokens {str(tokens)[:80]}")
         self.stats.prepared += 1
         compute = asked.get("compute")
         if isinstance(compute, float):
