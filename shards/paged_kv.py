@@ -283,6 +283,7 @@ class HostKVPool:
         """Device block d -> host block h, every layer, for each [d, h] (checked first)."""
         if not pairs:
             return
+        _settle(kv)
         dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
         host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         self.k[:, host] = kv.k_store[:, dev].cpu()
@@ -292,9 +293,16 @@ class HostKVPool:
         """Host block h -> device block d, every layer, for each [d, h] (checked first)."""
         if not pairs:
             return
+        _settle(kv)
         dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
         host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         kv.k_store[:, dev] = self.k[:, host].to(kv.device)
         kv.v_store[:, dev] = self.v[:, host].to(kv.device)
-        if kv.device.type == "cuda":
-            torch.cuda.current_stream(kv.device).synchronize()
+        _settle(kv)  # (in place before the handler replies: the next step reads the rows)
+
+
+def _settle(kv: PagedKVCache) -> None:
+    """Every kernel queued on the pool's GPU is done (no-op on CPU): a swap never races a
+    step's kernels or another stream's copies."""
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize(kv.device)

@@ -6,7 +6,10 @@ it is admitted again; it resumes where it stopped, without computing a row twice
   logits equal an uninterrupted run bit for bit, no row is computed twice, and every device
   and host block is free at the end (1 and 2 shards, shm and zmq); a sequence cancelled while
   swapped out frees its slot and host blocks;
+- a sequence holding a live prefix's shared blocks, or whose blocks another one shares, is
+  swapped out and back without touching the other's;
 - a host pool too small for the sequence (or none) falls back to re-prefill: the same tokens;
+  so does a sequence that feeds the draft process, while the plain ones beside it swap;
 - bad `kv_swap` messages are refused by name, and the runtime goes on serving;
 - the scheduler's swapped state (pure bookkeeping) and bad kv_host_* settings.
 """
@@ -176,6 +179,39 @@ def test_a_host_pool_too_small_falls_back_to_reprefill(target, alone, host):
         assert [g[0].tokens for g in got] == [w[0].tokens for w in alone]
         st = c.batcher.stats
         assert st.swapped_out == 0 and st.reprefills >= 1
+        _all_free(c)
+
+
+@pytest.mark.slow
+def test_a_sequence_that_feeds_the_draft_is_prefilled_again(target, dflash):
+    """A sequence that feeds the draft process (and speculates) is not swapped (the draft's
+    context is not in the blocks): preempted, it runs again from its tokens; the plain ones
+    beside it are swapped; every output equals the prompt's alone."""
+    cfg = _cfg(target, 2, max_seqs=3, kv_blocks=8, kv_host_blocks=6, draft=str(dflash),
+               draft_device="cpu", spec_max_seqs=1)
+    with Coordinator(cfg) as c:
+        alone = [c.generate(p, params, use_cache=False).tokens
+                 for p, params in zip(PROMPTS, PARAMS)]
+        b = c.batcher
+        progress = [Progress() for _ in PROMPTS]
+        reqs = [c.submit(p, params, pr) for p, params, pr in zip(PROMPTS, PARAMS, progress)]
+        while not (len(progress[0].generated) >= 2 and reqs[0].in_flight == 0
+                   and reqs[0].waits is None):
+            b.run_once()
+        assert reqs[0].feed is not None and progress[0].spec is not None
+        b._preempt(reqs[0])
+        assert b.stats.reprefills == 1 and reqs[0].swapped is None and reqs[0].program is None
+        while not (reqs[2].in_flight == 0 and reqs[2].waits is None and reqs[2].program):
+            b.run_once()
+        assert reqs[2].feed is None and progress[2].spec is None
+        b._preempt(reqs[2])  # a plain one beside it
+        assert reqs[2].swapped is not None and b.stats.swapped_out == 1
+        while not all(r.done for r in reqs):
+            b.run_once()
+        assert [pr.generated for pr in progress] == alone
+        st = b.stats
+        assert st.swapped_out == st.swapped_in >= 1
+        assert st.preemptions == st.swapped_out + st.reprefills
         _all_free(c)
 
 
