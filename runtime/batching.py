@@ -15,10 +15,23 @@ in flight.
 
 KV blocks: before a step goes out, each of its sequences' block tables grows to cover the rows
 the step writes (`Scheduler.grow`). When the pool is full, the youngest running sequence with
-no step in flight is preempted: its program is closed, its slot and blocks are free at once,
-and it waits at the head of the queue to run again from its prompt and the tokens it
-generated (`Request.make` starts it again from those: a re-prefill, from the prefix cache
-where it holds them), so it yields the tokens an uninterrupted run would.
+no step in flight is preempted, by swap where it can be: its blocks' rows are copied to the
+host-memory KV pool of every shard (`Coordinator.kv_swap`; the coordinator's `host`
+BlockManager hands out the host blocks), its device blocks are free at once, and it waits at
+the head of the queue, keeping its slot, its program (suspended at the step it asked for)
+and everything it generated. Re-admitted (before any new request), it gets device blocks for
+that step again, in the same slot, its rows are copied back in (every shard has replied
+before the step goes out), and its program goes on where it stopped: no row is computed
+twice, and its tokens and logits are those of an uninterrupted run. Blocks it shared with a
+live prefix go to the host pool like its own and come back as blocks of its own.
+
+Where it cannot be swapped (`kv_host_blocks` 0, the host pool too full, a hybrid model whose
+recurrent state is not in blocks, a sequence that feeds the draft process or speculates, or
+one whose shared-prefix block copy was not sent yet), it is preempted by re-prefill: its
+program is closed, its slot and blocks are free at once, and it waits at the head of the
+queue to run again from its prompt and the tokens it generated (`Request.make` starts it
+again from those, from the prefix cache where it holds them), so it yields the tokens an
+uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from layersplit.runtime.block_manager import BlockManager
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
 from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
@@ -45,7 +59,8 @@ log = logging.getLogger(__name__)
 
 class StepChain(Protocol):
     """What the batch needs of the shard chain (`runtime.coordinator.Coordinator` is one):
-    send a step, wait for steps to come back, read and forget their outputs, sample."""
+    send a step, wait for steps to come back, read and forget their outputs, sample, and move
+    KV blocks between the shards' device and host pools."""
 
     failed: str | None  # why the runtime went down, if it did
 
@@ -53,6 +68,7 @@ class StepChain(Protocol):
     def wait_steps(self) -> list[int]: ...
     def step_outputs(self, sid: int) -> list[StepOutput]: ...
     def forget_steps(self, sids: Sequence[int] | None = None) -> None: ...
+    def kv_swap(self, direction: str, pairs: Sequence[Sequence[int]]) -> None: ...
     def sample_logits(self, logits: np.ndarray, position: int, sample: SamplingParams,
                       seed: int) -> int: ...
     def sample_output(self, logits: np.ndarray, position: int, sample: SamplingParams,
@@ -83,6 +99,8 @@ class Request:
     waits: int | None = None  # the step whose output its program waits for
     feed: int | None = None  # its draft context, when its segments feed the draft process
     preempted: int = 0  # times its blocks were taken back
+    swapped: int | None = None  # rows its blocks held when swapped out (its KV is in the
+    # host pool, in `Batcher.host`'s table for its rid); None: not swapped out
     prompt: list[int] | None = None  # its tokens, when it may share a live prefix's blocks
     cuts: list[int] = dataclasses.field(default_factory=list)  # its prompt's chunk boundaries
     prefilled: int = 0  # prompt rows whose KV the steps sent so far write (or a restore did)
@@ -99,8 +117,13 @@ class BatchStats:
     segments: int = 0  # sequences' segments in them
     widest: int = 0  # most segments in one step
     most_in_flight: int = 0  # most steps in the chain at once
-    preemptions: int = 0  # sequences whose blocks were taken back (they run again)
+    preemptions: int = 0  # sequences whose blocks were taken back (swapped or re-prefilled)
     shared_tokens: int = 0  # prompt rows new sequences took from live ones' blocks
+    swapped_out: int = 0  # preemptions by swap: blocks copied to the host pool
+    swapped_in: int = 0  # swapped sequences whose blocks came back
+    reprefills: int = 0  # preemptions by re-prefill (the sequence runs again from its tokens)
+    rows: int = 0  # rows of the segments sent (a re-prefill computes rows again)
+    host_blocks: int = 0  # host-pool blocks held by swapped sequences now
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,15 +134,19 @@ class _Step:
 
 
 class Batcher:
-    def __init__(self, coord: StepChain, config: SchedulerConfig) -> None:
+    def __init__(self, coord: StepChain, config: SchedulerConfig,
+                 host_blocks: int = 0) -> None:
         self.coord = coord
         self.sched = Scheduler(config)
+        # the shards' host KV pools, tables keyed by rid (None: no swap preemption)
+        self.host = BlockManager(host_blocks, config.block_tokens) if host_blocks > 0 else None
         self.requests: dict[int, Request] = {}
         self.steps: dict[int, _Step] = {}
         self._ids = itertools.count(1)
         self.stats = BatchStats()
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
         self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
+        self.swap = True  # swap preemption where it can be (off: always re-prefill)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
@@ -177,6 +204,9 @@ class Batcher:
         for rid, slot in self.sched.admit():
             req = self.requests.get(rid)
             if req is None:  # every request failed meanwhile (the runtime went down)
+                continue
+            if req.swapped is not None:  # its rows come back; its program goes on
+                self._swap_in(req)
                 continue
             req.slot = slot
             self._share(req)
@@ -262,6 +292,7 @@ class Batcher:
         self.steps[sid] = _Step(sid, reqs, group)
         self.stats.steps += 1
         self.stats.segments += len(reqs)
+        self.stats.rows += sum(r.pending.rows for r in reqs)
         self.stats.widest = max(self.stats.widest, len(reqs))
         self.stats.most_in_flight = max(self.stats.most_in_flight, len(self.steps))
         if self.step_observer is not None:
@@ -349,15 +380,98 @@ class Batcher:
         return None
 
     def _preempt(self, req: Request) -> None:
+        """Take back the sequence's blocks: by swap where it can be (`_swap_out`), else by
+        re-prefill (`_restart`); either way it waits ahead of the requests that wait."""
+        req.preempted += 1
+        self.stats.preemptions += 1
+        if not self._swap_out(req):
+            self._restart(req)
+
+    def _swap_why_not(self, req: Request) -> str | None:
+        """Why the sequence cannot be swapped out now, or None."""
+        if self.host is None or not self.swap:
+            return "no host KV pool (kv_host_blocks 0)"
+        if req.feed is not None or req.out.progress.spec is not None:
+            return "it feeds the draft or speculates (the draft's context is not swapped)"
+        if self.sched.copies.get(req.slot):
+            return "its shared-prefix block copy was not made yet"
+        if req.pending is None:
+            return "it asks for no step"
+        if not self.host.can_allocate(req.pending.pos):
+            return (f"the host KV pool has {self.host.free_blocks} of {self.host.num_blocks} "
+                    f"blocks free")
+        return None
+
+    def _swap_out(self, req: Request) -> bool:
+        """Copy the rows the sequence's blocks hold (all its steps are back: [0, pos) of the
+        step it asks for) to host blocks on every shard, then free its device blocks; it keeps
+        its slot and program. False (nothing changed) where it cannot be swapped."""
+        why = self._swap_why_not(req)
+        if why is not None:
+            if self.host is not None and self.swap:
+                log.info("request %d: not swapped out (%s): it will be prefilled again", req.rid,
+                         why)
+            return False
+        rows = req.pending.pos
+        need = req.pending.pos + req.pending.rows  # its step's rows, when it comes back
+        if self.sched.pool.blocks_for(need) > self.sched.total_blocks:
+            need = rows  # (`_reserve` then fails it, as it would have)
+        host = self.host.allocate(req.rid, rows)
+        table = self.sched.pool.table(req.slot)
+        pairs = list(zip(table, host))
+        try:
+            if pairs:
+                self.coord.kv_swap("out", pairs)
+        except ShardFailure as e:
+            self.host.free(req.rid)
+            log.warning("request %d: swap-out failed (%s): it will be prefilled again", req.rid,
+                        e)
+            return False
+        req.swapped = rows
+        self.sched.swap_out(req.rid, need)
+        self.stats.swapped_out += 1
+        self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
+        log.info("request %d preempted (KV pool full): %d rows (%d blocks) swapped out to host "
+                 "memory", req.rid, rows, len(pairs))
+        return True
+
+    def _swap_in(self, req: Request) -> None:
+        """The swapped sequence is admitted again (its slot's table covers its next step): its
+        rows come back from the host blocks into its new device blocks on every shard before
+        that step goes out. If the copy fails, it runs again from its tokens instead."""
+        host = self.host.table(req.rid)
+        table = self.sched.pool.table(req.slot)
+        pairs = list(zip(table, host))
+        try:
+            if pairs:
+                self.coord.kv_swap("in", pairs)
+        except ShardFailure as e:
+            log.warning("request %d: swap-in failed (%s): it will be prefilled again", req.rid, e)
+            self._drop_host(req)
+            self._restart(req)
+            return
+        self._drop_host(req)
+        self.stats.swapped_in += 1
+        log.info("request %d resumed: %d blocks swapped in from host memory", req.rid,
+                 len(pairs))
+
+    def _drop_host(self, req: Request) -> None:
+        """The sequence's host blocks are free (swapped in, or it ended while swapped out)."""
+        if req.swapped is None:
+            return
+        req.swapped = None
+        self.host.free(req.rid)
+        self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
+
+    def _restart(self, req: Request) -> None:
         """Take back the sequence's slot and blocks; it runs again from its prompt and the
-        tokens it generated, ahead of the requests that wait."""
+        tokens it generated, ahead of the requests that wait (a re-prefill)."""
         prog, req.program, req.pending = req.program, None, None
         try:
             prog.close()  # its cleanup (draft context, cache pins) runs now
         except BaseException as e:  # noqa: BLE001 - reported, the request goes on
             log.warning("request %d: cleanup on preemption failed: %s", req.rid, e)
-        req.preempted += 1
-        self.stats.preemptions += 1
+        self.stats.reprefills += 1
         req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
         if req.prompt is not None:  # it runs again from these tokens
             req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
@@ -427,12 +541,20 @@ class Batcher:
                 log.warning("request %d: cleanup failed: %s", req.rid, e)
         if admitted and req.rid in self.sched.running:
             self.sched.release(req.rid)
+        if req.swapped is not None:  # ended while swapped out: its slot and host blocks
+            self.sched.cancel_waiting(req.rid)
+            self._drop_host(req)
         self.requests.pop(req.rid, None)
 
     def check(self) -> None:
         """Every slot is held by a live request, every live step by its requests (tests)."""
         self.sched.check()
         assert set(self.sched.running) <= set(self.requests)
+        assert {rid for rid, r in self.requests.items() if r.swapped is not None} == \
+            set(self.sched.swapped), "swapped requests and swapped slots differ"
+        if self.host is not None:
+            self.host.check_integrity()
+            assert set(self.host.tables) == set(self.sched.swapped), "host blocks leaked"
         for st in self.steps.values():
             assert all(r.in_flight > 0 for r in st.reqs)
 

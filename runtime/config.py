@@ -66,6 +66,14 @@ class RuntimeConfig:
                                "0 = from kv_cache_gb, or max_seqs x max_context tokens")
     kv_cache_gb: float = _field(0.0, "GiB of KV pool per shard (each shard's pool holds as many "
                                      "blocks as the most loaded shard fits); 0 = unset")
+    kv_host_blocks: int | None = _field(None, "blocks in each shard's host-memory KV pool, where "
+                                              "a preempted sequence's blocks wait (swap "
+                                              "preemption); 0 = off (re-prefill); default: "
+                                              "from kv_host_gb")
+    kv_host_gb: float | None = _field(None, "GiB of host-memory KV pool per shard (pinned on "
+                                            "GPUs); 0 = off; default: a quarter of the device "
+                                            "pool's blocks, at most 4 GiB; not with "
+                                            "kv_host_blocks")
     micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
                                    "once; 0 = auto (the number of shards); at most max_seqs "
                                    "and 4")
@@ -179,6 +187,13 @@ class RuntimeConfig:
                               "must be >= 0 (0 = unset)")
         if self.kv_blocks and self.kv_cache_gb:
             raise ConfigError("set kv_blocks or kv_cache_gb, not both")
+        if self.kv_host_blocks is not None and self.kv_host_blocks < 0:
+            raise ConfigError(f"kv_host_blocks={self.kv_host_blocks}: must be >= 0 (0 = off)")
+        if self.kv_host_gb is not None and not 0 <= self.kv_host_gb < float("inf"):
+            raise ConfigError(f"kv_host_gb={self.kv_host_gb}: must be a finite number >= 0 "
+                              "(0 = off)")
+        if self.kv_host_blocks is not None and self.kv_host_gb is not None:
+            raise ConfigError("set kv_host_blocks or kv_host_gb, not both")
         if not 1 <= self.max_seqs <= 512:
             raise ConfigError(f"max_seqs={self.max_seqs}: use 1..512")
         if not 0 <= self.micro_batches <= 4:

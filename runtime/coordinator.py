@@ -52,7 +52,7 @@ from layersplit.runtime.generate import (
     collect,
     sequence_program,
 )
-from layersplit.runtime.kv_pool import kv_pool_blocks
+from layersplit.runtime.kv_pool import kv_host_pool_blocks, kv_pool_blocks
 from layersplit.runtime.model_store import resolve_draft, resolve_model
 from layersplit.runtime.placement import (
     Placement,
@@ -264,6 +264,14 @@ class Coordinator:
             self.kv_blocks = kv_pool_blocks(cfg, self.model_config, self.placement, itemsize)
             log.info("KV pool: %d blocks of %d tokens per shard (%d tokens in all sequences)",
                      self.kv_blocks, cfg.kv_block, self.kv_blocks * cfg.kv_block)
+            # a hybrid model's sequence is also its recurrent state, which blocks do not hold:
+            # its preempted sequences run again from their tokens (no host tier)
+            self.kv_host_blocks = 0 if self.model_config.hybrid is not None else \
+                kv_host_pool_blocks(cfg, self.model_config, self.placement, itemsize,
+                                    self.kv_blocks)
+            if self.kv_host_blocks:
+                log.info("host KV pool: %d blocks per shard (swap preemption)",
+                         self.kv_host_blocks)
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
@@ -288,6 +296,7 @@ class Coordinator:
                     "configure", session=self.session, next=nxt, max_context=cfg.max_context,
                     max_step_tokens=max_step, slots=cfg.max_seqs, transport=transport,
                     kv_block=cfg.kv_block, kv_blocks=self.kv_blocks, index=sh.index,
+                    kv_host_blocks=self.kv_host_blocks,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
                     torch_compile=cfg.torch_compile,
                     cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
@@ -313,7 +322,8 @@ class Coordinator:
             groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)
             self.batcher = Batcher(self, SchedulerConfig(
                 slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=cfg.kv_block,
-                micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks))
+                micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks),
+                host_blocks=self.kv_host_blocks)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
         except BaseException:
@@ -579,6 +589,13 @@ class Coordinator:
             pending.discard(msg["_shard"])
             replies[msg["_shard"]] = msg
         return [replies[i] for i in sorted(replies, key=lambda i: (i < 0, i))]
+
+    def kv_swap(self, direction: str, pairs: Sequence[Sequence[int]]) -> None:
+        """Copy blocks between every shard's device KV pool and its host pool (`direction`
+        "out": device -> host, "in": host -> device), for each [device block, host block];
+        returns once every shard has copied (swap preemption, `runtime.batching`)."""
+        msg = message("kv_swap", direction=direction, pairs=[list(p) for p in pairs])
+        self.call_all(lambda sh: msg)
 
     def shard_info(self) -> list[dict[str, Any]]:
         return [dict(sh.info) for sh in self.shards]

@@ -5,6 +5,10 @@ blocks: the fewest that any shard's share holds. With `kv_blocks` set, that many
 `kv_cache_gb`, as many as the shard with the most KV bytes per block (the most attention layers)
 fits in that many GiB; with neither, `max_seqs x max_context` tokens, the capacity of the
 contiguous slots this pool replaced (nothing that ran before is refused now).
+
+The host tier (`kv_host_pool_blocks`, swap preemption in `runtime.batching`) has as many
+blocks on every shard too: `kv_host_blocks`, or what `kv_host_gb` holds on the most loaded
+shard, or by default a quarter of the device pool's blocks, at most `HOST_DEFAULT_GB` GiB.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Any
 
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.placement import Placement
+
+HOST_DEFAULT_GB = 4.0  # the default host tier's cap per shard
 
 
 def attention_layers(model_config: Any, start: int, end: int) -> int:
@@ -42,3 +48,19 @@ def kv_pool_blocks(config: RuntimeConfig, model_config: Any, placement: Placemen
         raise ConfigError(f"kv_cache_gb={config.kv_cache_gb}: less than one KV block "
                           f"({most} bytes on the most loaded shard); raise it")
     return blocks
+
+
+def kv_host_pool_blocks(config: RuntimeConfig, model_config: Any, placement: Placement,
+                        itemsize: int, device_blocks: int) -> int:
+    """Blocks of each shard's host KV pool (0: no swap preemption)."""
+    if config.kv_host_blocks is not None:
+        return config.kv_host_blocks
+    most = max(block_bytes(model_config, attention_layers(model_config, s.start, s.end),
+                           config.kv_block, itemsize) for s in placement.shards)
+    if config.kv_host_gb is not None:
+        blocks = int(config.kv_host_gb * 2**30) // max(most, 1)
+        if config.kv_host_gb and blocks < 1:
+            raise ConfigError(f"kv_host_gb={config.kv_host_gb}: less than one KV block "
+                              f"({most} bytes on the most loaded shard); raise it or use 0")
+        return blocks
+    return min(max(1, device_blocks // 4), int(HOST_DEFAULT_GB * 2**30) // max(most, 1))

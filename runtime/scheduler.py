@@ -11,6 +11,10 @@ no tensors, no processes (`runtime.batching` drives it).
   table first (`grow`), and when the pool is full the driver preempts a sequence
   (`runtime.batching`). The shards learn each table from the messages that use it
   (`table_update`).
+- **Swapped sequences.** A sequence preempted by swap (`swap_out`: its blocks' rows went to
+  the shards' host pools) keeps its slot and its place at the head of the queue, with no
+  blocks; `admit` gives it back the blocks of its next step first (before any new request), in
+  the same slot, and the driver copies its rows back in before that step goes out.
 - **Micro-batches.** Slots are split into `micro_batches` contiguous groups; a sequence runs in
   the group of its slot. The driver keeps one step of each group in flight, so with N groups
   shard i works on group k's step while shard i+1 works on group k-1's. New sequences go to the
@@ -95,11 +99,12 @@ class Scheduler:
         self.free_slots: list[list[int]] = [list(r) for r in self.group_slots]
         self.waiting: deque[tuple[Hashable, int]] = deque()  # (rid, prompt tokens)
         self.running: dict[Hashable, Running] = {}
+        self.swapped: dict[Hashable, Running] = {}  # swapped out: slot kept, no blocks
         self._order = 0
 
     # ---- admission ----------------------------------------------------------------------------
     def submit(self, rid: Hashable, prompt_tokens: int) -> None:
-        if rid in self.running or any(r == rid for r, _ in self.waiting):
+        if rid in self.running or rid in self.swapped or any(r == rid for r, _ in self.waiting):
             raise ValueError(f"request {rid!r} is already known")
         if not 0 < prompt_tokens <= self.config.slot_tokens:
             raise ValueError(f"request {rid!r}: a prompt of {prompt_tokens} tokens does not fit "
@@ -118,6 +123,15 @@ class Scheduler:
         while self.waiting:
             rid, prompt = self.waiting[0]
             need = self._blocks(prompt)
+            if rid in self.swapped:  # back in its own slot, with blocks of its own
+                if need > self.free_blocks:
+                    break
+                self.waiting.popleft()
+                r = self.running[rid] = self.swapped.pop(rid)
+                self.sent.pop(r.slot, None)  # a new table: the next message sends it whole
+                self._take(r, need)
+                admitted.append((rid, r.slot))
+                continue
             group = self._emptiest_group()
             if group is None or need > self.free_blocks:
                 break
@@ -136,6 +150,20 @@ class Scheduler:
         the head of the queue to run again from `tokens` tokens (its prompt and the tokens it
         generated)."""
         self.release(rid)
+        self.waiting.appendleft((rid, tokens))
+
+    def swap_out(self, rid: Hashable, tokens: int) -> None:
+        """A running sequence preempted by swap: its blocks are free at once, it keeps its
+        slot, and it waits at the head of the queue for the blocks of `tokens` rows (its next
+        step's) to come back in that slot."""
+        if self._blocks(tokens) > self.total_blocks:
+            raise ValueError(f"request {rid!r}: {tokens} tokens exceed the KV pool")
+        r = self.running.pop(rid)
+        self.pool.free(r.slot)
+        self.sent.pop(r.slot, None)
+        self.copies.pop(r.slot, None)
+        r.blocks = 0
+        self.swapped[rid] = r
         self.waiting.appendleft((rid, tokens))
 
     def _emptiest_group(self) -> int | None:
@@ -193,8 +221,8 @@ class Scheduler:
     def hold_slot(self, slot: int, tokens: int, new: bool) -> None:
         """A slot driven step by step outside admission (`Coordinator.forward`, traces and
         tests): its table covers `tokens` rows (`new`: a new sequence starts in it)."""
-        if not 0 <= slot < self.config.slots or any(r.slot == slot
-                                                    for r in self.running.values()):
+        if not 0 <= slot < self.config.slots or any(
+                r.slot == slot for r in (*self.running.values(), *self.swapped.values())):
             raise ValueError(f"slot {slot} is not free to drive by hand")
         if tokens > self.config.slot_tokens:
             raise ValueError(f"{tokens} tokens exceed max_context {self.config.slot_tokens}")
@@ -235,10 +263,16 @@ class Scheduler:
         free.sort()
 
     def cancel_waiting(self, rid: Hashable) -> bool:
-        """Drop a request that was not admitted yet; False if it is not waiting."""
+        """Drop a request that was not admitted yet (a swapped one's slot is free at once);
+        False if it is not waiting."""
         for i, (r, _) in enumerate(self.waiting):
             if r == rid:
                 del self.waiting[i]
+                held = self.swapped.pop(rid, None)
+                if held is not None:
+                    free = self.free_slots[held.group]
+                    free.append(held.slot)
+                    free.sort()
                 return True
         return False
 
@@ -264,7 +298,7 @@ class Scheduler:
 
     def check(self) -> None:
         """Invariants (the property tests call this after every operation)."""
-        held = [r.slot for r in self.running.values()]
+        held = [r.slot for r in (*self.running.values(), *self.swapped.values())]
         free = [s for f in self.free_slots for s in f]
         assert len(set(held)) == len(held), "a slot is held twice"
         assert not set(held) & set(free), "a held slot is also free"
@@ -276,6 +310,11 @@ class Scheduler:
         assert self.free_blocks + len(held_blocks) == self.total_blocks, \
             "KV blocks leaked or double-counted"
         self.pool.check_integrity()
-        assert set(self.pool.tables) <= set(held), "a block table outlived its sequence"
+        assert set(self.pool.tables) <= {r.slot for r in self.running.values()}, \
+            "a block table outlived its sequence"
+        waiting = {rid for rid, _ in self.waiting}
+        for r in self.swapped.values():
+            assert r.blocks == 0 and r.rid in waiting, "a swapped sequence holds blocks or " \
+                                                       "does not wait"
         for r in self.running.values():
             assert len(self.pool.tables.get(r.slot, ())) == r.blocks

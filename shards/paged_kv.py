@@ -17,7 +17,7 @@ needs are computed once per step (`StepInfo.paged`) and shared by its layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from layersplit.shards.device import to_device
@@ -239,3 +239,70 @@ class PagedRows:
     def view(self, layer: int, slot: int, start: int, end: int) -> None:
         """No contiguous view of a slot's rows exists (see `TensorRows.view`)."""
         return
+
+
+class HostKVPool:
+    """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption):
+    `num_blocks` blocks shaped like the device pool's, pinned on a CUDA shard (a plain tensor
+    on CPU). Block ids are the coordinator's (its host BlockManager), the same on every shard.
+    Copies are synchronous: a swap-out is done before its device blocks can be reused, a
+    swap-in before any step reads them (the handler replies only then)."""
+
+    def __init__(self, kv: PagedKVCache, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"host KV pool: {num_blocks} blocks")
+        self.num_blocks = num_blocks
+        shape = (kv.layout.layers, num_blocks, kv.block, kv.layout.kv_heads, kv.layout.head_dim)
+        pin = kv.device.type == "cuda"
+        self.k = torch.zeros(shape, dtype=kv.layout.dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=kv.layout.dtype, pin_memory=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def pairs_error(self, kv: PagedKVCache, pairs: Any) -> str | None:
+        """Why `pairs` is not a list of [device block, host block] pairs of this pool and
+        `kv`'s (each id in range, no device or host block twice), or None."""
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and
+                all(isinstance(b, int) and not isinstance(b, bool) for b in p) for p in pairs):
+            return f"pairs must be a list of [device block, host block], got {str(pairs)[:120]}"
+        bad = next((p for p in pairs if not (0 <= p[0] < kv.num_blocks and
+                                             0 <= p[1] < self.num_blocks)), None)
+        if bad is not None:
+            return (f"pair {bad} outside device blocks 0..{kv.num_blocks - 1} or host blocks "
+                    f"0..{self.num_blocks - 1}")
+        if len({p[0] for p in pairs}) != len(pairs):
+            return "pairs list a device block twice"
+        if len({p[1] for p in pairs}) != len(pairs):
+            return "pairs list a host block twice"
+        return None
+
+    def swap_out(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
+        """Device block d -> host block h, every layer, for each [d, h] (checked first)."""
+        if not pairs:
+            return
+        _settle(kv)
+        dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
+        host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        self.k[:, host] = kv.k_store[:, dev].cpu()
+        self.v[:, host] = kv.v_store[:, dev].cpu()
+
+    def swap_in(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
+        """Host block h -> device block d, every layer, for each [d, h] (checked first)."""
+        if not pairs:
+            return
+        _settle(kv)
+        dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
+        host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        kv.k_store[:, dev] = self.k[:, host].to(kv.device)
+        kv.v_store[:, dev] = self.v[:, host].to(kv.device)
+        _settle(kv)  # (in place before the handler replies: the next step reads the rows)
+
+
+def _settle(kv: PagedKVCache) -> None:
+    """Every kernel queued on the pool's GPU is done (no-op on CPU): a swap never races a
+    step's kernels or another stream's copies."""
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize(kv.device)

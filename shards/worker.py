@@ -38,7 +38,7 @@ from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.hybrid_cache import HybridState
-from layersplit.shards.paged_kv import PagedKVCache
+from layersplit.shards.paged_kv import HostKVPool, PagedKVCache
 from layersplit.shards.sampling import (
     SamplingParams,
     accept_draft,
@@ -80,7 +80,7 @@ class ShardSpec:
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
-                           "draft_gone", *SNAP_OPS},
+                           "draft_gone", "kv_swap", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -112,6 +112,7 @@ class ShardServer:
         self.max_step = 0
         self.fused = False
         self.snapshots: SnapshotStore | None = None
+        self.host_kv: HostKVPool | None = None  # the host tier of live KV (`_on_kv_swap`)
         self.cache_dir: str | None = None
         # the first shard: a step held for the draft's proposals (`shards.asked`), the steps
         # that came after it (run in order once it runs), the last proposal per draft context
@@ -388,6 +389,19 @@ class ShardServer:
             log.info("shard %d: KV pool of %d blocks of %d tokens (%.0f MB)", self.index, blocks,
                      block, kv.nbytes / 2**20)
             self.snapshots = SnapshotStore(kv.snapshot_rows(), max_ctx, whole, forget)
+        host_blocks = msg.get("kv_host_blocks", 0)
+        if not isinstance(host_blocks, int) or isinstance(host_blocks, bool) or host_blocks < 0:
+            raise ProtocolError(f"configure: kv_host_blocks={host_blocks!r} must be an int >= 0")
+        kv = self.executor.kv
+        if self.host_kv is None or self.host_kv.num_blocks != host_blocks or \
+                self.host_kv.k.shape[2:] != kv.k_store.shape[2:] or \
+                self.host_kv.k.shape[0] != kv.k_store.shape[0]:
+            self.host_kv = None
+            if host_blocks:
+                self.host_kv = HostKVPool(kv, host_blocks)
+                log.info("shard %d: host KV pool of %d blocks (%.0f MB%s)", self.index,
+                         host_blocks, self.host_kv.nbytes / 2**20,
+                         ", pinned" if self.host_kv.k.is_pinned() else "")
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -490,6 +504,8 @@ class ShardServer:
             "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
             "slots": ex.kv.slots if ex else 0,
             "kv_bytes": ex.kv.nbytes if ex else 0,
+            "kv_host_blocks": self.host_kv.num_blocks if self.host_kv else 0,
+            "kv_host_bytes": self.host_kv.nbytes if self.host_kv else 0,
             "kv_layout": self._kv_layout(),
             "transport_out": self.transport_kind, "transport_feed": self.feed_kind,
             "protocol": PROTOCOL_VERSION,
@@ -890,6 +906,30 @@ class ShardServer:
         if msg["blocks"] is not None:
             self.snapshots.wait_pending()  # (copies out of the blocks it may reassign)
             kv.set_table(slot, msg["blocks"]["at"], msg["blocks"]["ids"])
+
+    # ---- host tier of live KV ----------------------------------------------------------------
+    def _on_kv_swap(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """Copy a preempted sequence's blocks to the host pool (`direction` out) or back (in),
+        for each [device block, host block] of `pairs`; the reply goes once the copy is done,
+        so the coordinator reuses (out) or reads (in) the device blocks only after it."""
+        if self.executor is None:
+            raise ProtocolError("kv_swap before configure", "unexpected")
+        if self.host_kv is None:
+            raise ProtocolError("kv_swap: this shard has no host KV pool (kv_host_blocks 0)")
+        direction, pairs = msg["direction"], msg["pairs"]
+        if direction not in ("out", "in"):
+            raise ProtocolError(f"kv_swap: direction {direction!r} must be 'out' or 'in'")
+        kv = self.executor.kv
+        why = self.host_kv.pairs_error(kv, pairs)
+        if why is not None:
+            raise ProtocolError(f"kv_swap: {why}")
+        if self.snapshots is not None:
+            self.snapshots.wait_pending()  # (prefix-cache copies out of blocks it overwrites)
+        if direction == "out":
+            self.host_kv.swap_out(kv, pairs)
+        else:
+            self.host_kv.swap_in(kv, pairs)
+        self._reply(route, message("ok", info={"blocks": len(pairs)}, sid=msg.get("sid")))
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy, busy_s=self.clock.seconds()))

@@ -84,6 +84,9 @@ def test_split_equals_reference(hybrid_models, refs, family, n, transport, split
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)  # bit for bit
         assert coord.generate(prompt, SAMPLED).tokens == ref.generate(prompt, SAMPLED).tokens
+        # no host tier: a preempted sequence's recurrent state is not in its blocks
+        assert coord.batcher.host is None
+        assert [s["kv_host_blocks"] for s in coord.shard_info()] == [0] * n
     assert shard_children() == []
     assert layersplit_shm() - before == set()
 

@@ -1,4 +1,4 @@
-"""runtime.scheduler: property tests (random submit / admit / grow / release / cancel / plan
+"""runtime.scheduler: property tests (random submit / admit / grow / release / cancel / swap / plan
 sequences against a small reference model) and a few plain examples."""
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.submitted: list[int] = []
         self.admitted: list[int] = []  # in admission order
         self.released: set[int] = set()
+        self.swapped: dict[int, int] = {}  # swapped-out rid -> the slot it keeps (model)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _expected_blocks(self, rid: int) -> int:
@@ -163,6 +164,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for (rid, slot), (_, prompt) in zip(admitted, self.waiting):
             need = _ceil(prompt, self.c.block_tokens)
             assert need <= free_blocks
+            if rid in self.swapped:  # back in the slot it kept, taking no free slot
+                assert slot == self.swapped.pop(rid)
+                free_blocks -= need
+                self.tokens[rid] = prompt
+                continue
             counts = [len(f) for f in free]
             # the group with the most free slots (ties: the lowest group)
             group = max(range(len(free)), key=lambda g: (counts[g], -g))
@@ -175,7 +181,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.tokens[rid] = prompt
             self.admitted.append(rid)
         self.waiting = self.waiting[len(admitted):]
-        if self.waiting:
+        if self.waiting and self.waiting[0][0] in self.swapped:
+            # a swapped head needs blocks only; in a full-size pool it always has them (the
+            # sequences running hold at most a slot's worth each, and its own slot is free)
+            assert _ceil(self.waiting[0][1], self.c.block_tokens) > free_blocks
+            assert self.shrunk
+        elif self.waiting:
             # admission stopped at the first request that does not fit
             need = _ceil(self.waiting[0][1], self.c.block_tokens)
             assert not any(free) or need > free_blocks, (free, need, free_blocks)
@@ -235,6 +246,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid, _ = self.waiting.pop(i)
         assert self.s.cancel_waiting(rid) is True
         assert self.s.cancel_waiting(rid) is False
+        if rid in self.swapped:  # its slot is free again
+            slot = self.swapped.pop(rid)
+            assert slot in self.s.free_slots[[slot in g for g in self.s.group_slots].index(True)]
+            self.released.add(rid)
+
+    @precondition(lambda self: self.s is not None and self.s.running)
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        """Preempted by swap: blocks free at once, slot kept, head of the queue for the
+        blocks of `tokens` rows (its next step's, at least the rows it held)."""
+        rid = data.draw(st.sampled_from(sorted(self.tokens)), label="rid")
+        tokens = data.draw(st.integers(self.tokens[rid], self.c.slot_tokens), label="tokens")
+        r = self.s.running[rid]
+        slot, blocks, free = r.slot, r.blocks, self.s.free_blocks
+        if _ceil(tokens, self.c.block_tokens) > self.s.total_blocks:
+            with pytest.raises(ValueError, match="exceed the KV pool"):
+                self.s.swap_out(rid, tokens)
+            assert rid in self.s.running and self.s.free_blocks == free  # nothing changed
+            return
+        self.s.swap_out(rid, tokens)
+        del self.tokens[rid]
+        self.swapped[rid] = slot
+        self.waiting.insert(0, (rid, tokens))
+        assert self.s.free_blocks == free + blocks
+        assert all(slot not in f for f in self.s.free_slots)
+        with pytest.raises(ValueError, match="not free to drive by hand"):
+            self.s.hold_slot(slot, 1, new=True)
 
     @precondition(lambda self: self.s is not None)
     @rule()
@@ -259,7 +297,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if s is None:
             return
         s.check()
-        held = [r.slot for r in s.running.values()]
+        assert {rid: r.slot for rid, r in s.swapped.items()} == self.swapped
+        held = [r.slot for r in (*s.running.values(), *s.swapped.values())]
         assert len(held) == len(set(held)), "a slot is held by two requests"
         free = [x for f in s.free_slots for x in f]
         assert sorted(held + free) == list(range(self.c.slots))
@@ -294,7 +333,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 s.check()
             admitted = s.admit()
             s.check()
-            self.admitted += [r for r, _ in admitted]
+            again = [r for r, _ in admitted if r in self.swapped]
+            for r in again:
+                del self.swapped[r]
+            self.admitted += [r for r, _ in admitted if r not in again]
             if not admitted:
                 break
         assert not s.running
