@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = "[draft] "
     _setup_logging(args.verbose, prefix)
     from layersplit.runtime.config import ConfigError
-    from layersplit.runtime.coordinator import ShardFailure
+    from layersplit.runtime.errors import ShardFailure
     from layersplit.shards.errors import CheckpointError
 
     if args.command in ("shard", "draft"):

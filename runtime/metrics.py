@@ -62,6 +62,30 @@ class Metrics:
         self.shard_restarts = Counter("layersplit_shard_restarts",
                                       "restarts of the shard group after a failure", registry=r)
         self.up = Gauge("layersplit_ready", "1 when the engine serves requests", registry=r)
+        self.kv_usage = Gauge("layersplit_kv_cache_usage_ratio", "share of the shards' paged "
+                              "KV pool's blocks held by sequences", registry=r)
+        self.kv_host_usage = Gauge("layersplit_kv_host_usage_ratio", "share of the shards' "
+                                   "host KV pool's blocks held by swapped-out sequences",
+                                   registry=r)
+        self.preemptions = Counter("layersplit_preemptions", "sequences preempted when the KV "
+                                   "pool ran out, by how (swap: to host memory; reprefill: run "
+                                   "again from their tokens)", ["kind"], registry=r)
+        self._seen = (0, 0, None)  # (swapped_out, reprefills) last counted, of which batch
+
+    def observe_batch(self, batcher) -> None:
+        """The KV pools' use and the preemptions since the last call (`runtime.batching`'s
+        `Batcher`; a new one after a restart of the shard group counts from 0)."""
+        s, sched = batcher.stats, batcher.sched
+        if sched.total_blocks:
+            self.kv_usage.set(1 - sched.free_blocks / sched.total_blocks)
+        host = batcher.host
+        self.kv_host_usage.set(0.0 if host is None else 1 - host.free_blocks / host.num_blocks)
+        swaps, reprefills, which = self._seen
+        if which is not batcher:
+            swaps = reprefills = 0
+        self.preemptions.labels("swap").inc(s.swapped_out - swaps)
+        self.preemptions.labels("reprefill").inc(s.reprefills - reprefills)
+        self._seen = (s.swapped_out, s.reprefills, batcher)
 
     def observe_speculation(self, spec) -> None:
         """One request's `runtime.speculative.SpecStats`."""

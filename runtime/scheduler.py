@@ -101,6 +101,8 @@ class Scheduler:
         self.running: dict[Hashable, Running] = {}
         self.swapped: dict[Hashable, Running] = {}  # swapped out: slot kept, no blocks
         self._order = 0
+        self._requeued: dict[Hashable, int] = {}  # rid -> its admission order, kept while a
+        # preempted sequence waits to run again (it stays older than those admitted after it)
 
     # ---- admission ----------------------------------------------------------------------------
     def submit(self, rid: Hashable, prompt_tokens: int) -> None:
@@ -137,8 +139,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             slot = self.free_slots[group].pop(0)
-            self.running[rid] = Running(rid, slot, group, self._order)
-            self._order += 1
+            order = self._requeued.pop(rid, None)
+            if order is None:
+                order, self._order = self._order, self._order + 1
+            self.running[rid] = Running(rid, slot, group, order)
             self.pool.free(slot)  # (a table `Coordinator.forward` left there)
             self.sent.pop(slot, None)  # a new table: the next message for the slot sends it
             self._take(self.running[rid], need)
@@ -148,7 +152,9 @@ class Scheduler:
     def requeue(self, rid: Hashable, tokens: int) -> None:
         """A running sequence preempted: its slot and blocks are free at once, and it waits at
         the head of the queue to run again from `tokens` tokens (its prompt and the tokens it
-        generated)."""
+        generated). It keeps its age: preemption picks the youngest, and one preempted must
+        not become the youngest and be picked again and again."""
+        self._requeued[rid] = self.running[rid].order
         self.release(rid)
         self.waiting.appendleft((rid, tokens))
 
@@ -268,6 +274,7 @@ class Scheduler:
         for i, (r, _) in enumerate(self.waiting):
             if r == rid:
                 del self.waiting[i]
+                self._requeued.pop(rid, None)
                 held = self.swapped.pop(rid, None)
                 if held is not None:
                     free = self.free_slots[held.group]
@@ -316,5 +323,6 @@ class Scheduler:
         for r in self.swapped.values():
             assert r.blocks == 0 and r.rid in waiting, "a swapped sequence holds blocks or " \
                                                        "does not wait"
+        assert set(self._requeued) <= waiting, "a preempted sequence's age outlived its wait"
         for r in self.running.values():
             assert len(self.pool.tables.get(r.slot, ())) == r.blocks

@@ -207,6 +207,8 @@ class Engine:
             if self._followers:
                 active.extend(self._start_followers())
             self.metrics.running.set(len(active))
+            if coord.batcher is not None:
+                self.metrics.observe_batch(coord.batcher)
             if coord.failed is not None:
                 for a in active:
                     a.job.emit(("error", 503, f"the runtime is down: {coord.failed}"))

@@ -40,7 +40,7 @@ from torch import nn
 
 def hybrid_inv_freq(cfg: ModelConfig, spec: HybridSpec) -> torch.Tensor:
     dim = rotary_dim(cfg.head_dim, spec.partial_rotary_factor)
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 class GatedAttention(nn.Module):
@@ -119,7 +119,9 @@ class HybridRange(nn.Module):
         self.cfg, self.spec, self.start, self.end = cfg, spec, start, end
         self.is_first, self.is_last = start == 0, end == cfg.num_layers
         self.embed_tokens = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size,  # (not initialized: `LayerRange`)
+                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            if self.is_first else None
         )
         self.layers = nn.ModuleList(HybridLayer(cfg, spec, i) for i in range(start, end))
         # each layer's rank among the range's layers of its kind (its cache index)

@@ -33,7 +33,11 @@ class LayerRange(nn.Module):
         self.is_first, self.is_last = start == 0, end == cfg.num_layers
         family = family_module(cfg)
         self.embed_tokens = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+            # (no random init: the checkpoint's weights replace it; on the meta device, where
+            # ranges are built, normal_ would cost a process 0.8 s of imports)
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+            if self.is_first else None
         )
         # optional family hooks: embeddings scaled (Gemma: sqrt(hidden)), the final norm's kind
         scale = getattr(family, "embed_scale", None)

@@ -523,3 +523,22 @@ def test_plan_decode_first_and_prefill_oldest_first():
     # one oversized segment still goes alone
     assert s.plan([Ready("b", 50, False), Ready("c", 1, False)]) == ["b"]
     assert s.plan([]) == []
+
+
+def test_a_requeued_sequence_keeps_its_age():
+    """Preemption takes the youngest: a sequence preempted and run again stays older than
+    those admitted after it (else it would be the youngest, picked again and again)."""
+    s = Scheduler(_cfg(slots=3))
+    for rid in "abc":
+        s.submit(rid, 16)
+    s.admit()
+    s.requeue("a", 20)
+    s.check()
+    assert s.admit() == [("a", 0)]
+    assert sorted(s.running, key=lambda r: s.running[r].order) == ["a", "b", "c"]
+    s.requeue("b", 20)
+    assert s.cancel_waiting("b")
+    s.submit("d", 16)
+    s.admit()
+    assert s.running["d"].order > s.running["c"].order
+    s.check()
