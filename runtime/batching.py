@@ -107,6 +107,8 @@ class Request:
     shared: int = 0  # prompt rows it took from another live sequence's blocks
     base_tokens: int = 0  # its prompt's tokens (prompt_tokens adds those generated when it is
     # preempted)
+    share_writes: frozenset[int] = frozenset()  # the steps in flight, when it took a live
+    # prefix, of the sequence whose rows it took (they may not have written them yet)
     cached: Callable[[list[int]], int] | None = None  # prompt -> rows the prefix cache would
     # restore for it (a live prefix is taken only if longer); None: it shares no live prefix
 
@@ -251,7 +253,8 @@ class Batcher:
                 self._fail_all(e)
 
     def _ready(self, req: Request) -> bool:
-        return req.pending is not None and req.waits is None and not req.cancelled
+        return req.pending is not None and req.waits is None and not req.cancelled and \
+            req.swapped is None  # (a swapped one waits to be admitted again)
 
     def _send_ready(self) -> None:
         busy_groups = {s.group for s in self.steps.values() if s.group is not None}
@@ -363,6 +366,8 @@ class Batcher:
                 best > req.cached(req.prompt):  # (else the cache restores as much or more)
             self.sched.share(req.rid, src.slot, best)
             req.shared = req.prefilled = best
+            req.share_writes = frozenset(sid for sid, st in self.steps.items()
+                                         if any(r is src for r in st.reqs))
             self.stats.shared_tokens += best
 
     def _others_hold_blocks(self, r: Request) -> bool:
@@ -397,6 +402,9 @@ class Batcher:
             return "its shared-prefix block copy was not made yet"
         if req.pending is None:
             return "it asks for no step"
+        if not req.share_writes.isdisjoint(self.steps):  # (a swap reaches every shard at once,
+            # ahead of steps still on their way down the chain)
+            return "the live prefix it took is still being written by steps in flight"
         if not self.host.can_allocate(req.pending.pos):
             return (f"the host KV pool has {self.host.free_blocks} of {self.host.num_blocks} "
                     f"blocks free")
@@ -476,6 +484,7 @@ class Batcher:
         if req.prompt is not None:  # it runs again from these tokens
             req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
         req.prefilled = req.shared = 0
+        req.share_writes = frozenset()
         log.info("request %d preempted (KV pool full): it runs again from %d tokens", req.rid,
                  req.prompt_tokens)
         self.sched.requeue(req.rid, req.prompt_tokens)
@@ -497,6 +506,8 @@ class Batcher:
             return
         for r, out in zip(step.reqs, outs):
             r.in_flight -= 1
+            if r.rid in self.sched.running:  # (its first step's block copies are made)
+                self.sched.copied(r.slot)
             if r.done:
                 continue
             if r.waits == sid:

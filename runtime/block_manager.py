@@ -8,7 +8,10 @@ sequence lives in block `table[p // block_tokens]` at offset `p % block_tokens`.
 Blocks are reference counted: `fork` lets a sequence share another's full blocks (a common
 prefix held once). A block shared by two tables is read-only; the partially filled last block
 of the source is copied, not shared (copy on write): `fork` hands back the (src, dst) block
-copies the shards must make before the new sequence writes into it.
+copies the shards must make before the new sequence writes into it, and holds each copy's
+source (a pin of the new sequence) until `unpin`: the copy runs on the shards with the new
+sequence's first step, and its source must not be reused before (its owner may end, or be
+swapped out, meanwhile).
 
 The shards never decide anything here: the coordinator allocates, and sends each shard the
 table entries with the step that first uses them (`ipc.messages` SEGMENT `blocks`, `copy`).
@@ -27,6 +30,7 @@ class BlockManager:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() = lowest id
         self.refs = [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
+        self.pins: dict[Hashable, list[int]] = {}  # seq -> the sources of its fork's copies
 
     # ---- queries ------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -64,12 +68,20 @@ class BlockManager:
         return new
 
     def free(self, seq: Hashable) -> None:
-        """Drop `seq`'s table; blocks nobody else references are free at once."""
-        for b in self.tables.pop(seq, ()):
+        """Drop `seq`'s table (and its pins); blocks nobody else references are free at once."""
+        self._drop([*self.tables.pop(seq, ()), *self.pins.pop(seq, ())])
+
+    def unpin(self, seq: Hashable) -> None:
+        """`seq`'s fork copies are made (its first step is back): their sources may go."""
+        self._drop(self.pins.pop(seq, ()))
+
+    def _drop(self, blocks: list[int]) -> None:
+        for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 self.free_ids.append(b)
-        self.free_ids.sort(reverse=True)
+        if blocks:
+            self.free_ids.sort(reverse=True)
 
     def fork(self, src: Hashable, dst: Hashable, tokens: int) -> list[tuple[int, int]]:
         """`dst` (a new sequence) starts with `src`'s first `tokens` rows: it shares src's full
@@ -95,17 +107,19 @@ class BlockManager:
             self.refs[nb] = 1
             self.tables[dst].append(nb)
             copies.append((table[full], nb))
+            self.refs[table[full]] += 1  # (held until the copy is made: `unpin`)
+            self.pins[dst] = [table[full]]
         return copies
 
     def check_integrity(self) -> None:
         """No block leaked or owned twice; reference counts equal table references."""
         counted = [0] * self.num_blocks
-        for seq, table in self.tables.items():
+        for seq, table in [*self.tables.items(), *self.pins.items()]:
             assert len(set(table)) == len(table), f"sequence {seq!r} lists a block twice"
             for b in table:
                 assert 0 <= b < self.num_blocks, f"block id {b} outside the pool"
                 counted[b] += 1
-        assert counted == self.refs, "reference counts differ from table references"
+        assert counted == self.refs, "reference counts differ from table (and pin) references"
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "a block is free twice"
         for b in range(self.num_blocks):

@@ -248,6 +248,12 @@ class Scheduler:
         self.copies[r.slot] = [list(c) for c in self.pool.fork(src_slot, r.slot, tokens)]
         self.pool.allocate(r.slot, r.blocks * self.config.block_tokens)
 
+    def copied(self, slot: int) -> None:
+        """A step of the slot's sequence is back: the block copies its first step carried are
+        made on every shard, so their sources need no longer be held."""
+        if slot not in self.copies:
+            self.pool.unpin(slot)
+
     def copy_update(self, slot: int) -> list[list[int]] | None:
         """The block copies the slot's next step must make first (a message's `copy`), or
         None; from now on they count as sent."""
@@ -313,12 +319,13 @@ class Scheduler:
         for r in self.running.values():
             assert r.slot in self.group_slots[r.group], "a sequence runs outside its group"
             assert 0 <= r.blocks <= self.config.blocks_per_slot
-        held_blocks = {b for t in self.pool.tables.values() for b in t}
+        held_blocks = {b for t in (*self.pool.tables.values(), *self.pool.pins.values())
+                       for b in t}
         assert self.free_blocks + len(held_blocks) == self.total_blocks, \
             "KV blocks leaked or double-counted"
         self.pool.check_integrity()
-        assert set(self.pool.tables) <= {r.slot for r in self.running.values()}, \
-            "a block table outlived its sequence"
+        assert set(self.pool.tables) | set(self.pool.pins) <= \
+            {r.slot for r in self.running.values()}, "a block table (or pin) outlived its sequence"
         waiting = {rid for rid, _ in self.waiting}
         for r in self.swapped.values():
             assert r.blocks == 0 and r.rid in waiting, "a swapped sequence holds blocks or " \

@@ -75,11 +75,25 @@ def test_fork_shares_full_blocks_and_frees_them_last() -> None:
     bm = BlockManager(8, 4)
     bm.allocate("a", 10)  # 3 blocks: 0, 1, 2 (the last holds 2 rows)
     assert bm.fork("a", "b", 10) == [(2, 3)]  # rows 8, 9 are copied into a block of b's own
-    assert bm.table("b") == [0, 1, 3] and bm.refs[:4] == [2, 2, 1, 1]
+    # (the copy's source is held for b until its copy is made: a pin)
+    assert bm.table("b") == [0, 1, 3] and bm.refs[:4] == [2, 2, 2, 1]
     bm.free("a")
-    assert bm.free_blocks == 5 and bm.table("b")[:2] == [0, 1]  # still b's
+    assert bm.free_blocks == 4 and bm.table("b")[:2] == [0, 1]  # still b's; 2 still pinned
+    bm.check_integrity()
+    bm.unpin("b")  # the copy is made
+    assert bm.free_blocks == 5 and bm.refs[2] == 0
     bm.free("b")
     assert bm.free_blocks == 8
+    bm.check_integrity()
+
+
+def test_freeing_a_fork_drops_its_pins() -> None:
+    bm = BlockManager(4, 4)
+    bm.allocate("a", 6)
+    bm.fork("a", "b", 6)
+    bm.free("a")
+    bm.free("b")  # (ended before its copy was made)
+    assert bm.free_blocks == 4 and not bm.pins
     bm.check_integrity()
 
 

@@ -306,3 +306,84 @@ def test_scheduler_swapped_sequences_keep_their_slot():
     s.check()
     with pytest.raises(ValueError, match="exceed the KV pool"):
         s.swap_out("b", 44)
+
+
+def _drive(c: Coordinator, reqs: list) -> None:
+    while not all(r.done for r in reqs):
+        c.batcher.run_once()
+    for r in reqs:
+        assert r.error is None, r.error
+
+
+@pytest.mark.slow
+def test_no_swap_while_the_shared_rows_are_still_written(target):
+    """B takes 48 rows of A while A's prefill steps that write them are still in the chain: a
+    swap (sent to every shard at once, ahead of those steps) would copy rows not written yet,
+    so B is prefilled again instead; its tokens equal B's alone."""
+    a = [(5 * j) % 190 + 5 for j in range(60)]
+    b = a[:48] + [(11 * j) % 190 + 7 for j in range(8)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cfg = _cfg(target, 2, prefill_chunk=16, max_seqs=2, max_context=256, kv_host_blocks=16)
+    with Coordinator(cfg) as c:
+        want = c.generate(b, params, use_cache=False).tokens
+        pa, pb = Progress(), Progress()
+        ra = c.submit(a, params, pa)
+        c.batcher._admit()
+        c.batcher._send_ready()  # A's chunks, in the chain (none waited for)
+        assert ra.in_flight >= 2
+        rb = c.submit(b, params, pb)
+        c.batcher._admit()
+        assert rb.shared == 48 and not c.batcher.sched.copies.get(rb.slot)
+        c.batcher._preempt(rb)
+        assert rb.swapped is None and c.batcher.stats.reprefills == 1
+        _drive(c, [ra, rb])
+        assert collect(iter(()), pb, len(b)).tokens == want
+        _all_free(c)
+
+
+@pytest.mark.slow
+def test_a_block_copy_keeps_its_source(target):
+    """T shares S's first 36 rows: two full blocks and a copy of S's third, made with T's first
+    step. S swapped out meanwhile (and back in at once) must not free that block before the
+    copy is made: T's tokens equal T's alone."""
+    s = [(5 * j) % 190 + 5 for j in range(60)]
+    t = s[:40] + [(11 * j) % 190 + 7 for j in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cfg = _cfg(target, 2, max_seqs=2, max_context=256, kv_host_blocks=16)
+    with Coordinator(cfg) as c:
+        want = c.generate(t, params, use_cache=False).tokens
+        b, pool = c.batcher, c.batcher.sched.pool
+        ps, pt = Progress(), Progress()
+        rs = c.submit(s, params, ps)
+        while not (len(ps.generated) >= 2 and rs.in_flight == 0 and rs.waits is None):
+            b.run_once()
+        rt = c.submit(t, params, pt)
+        b._admit()
+        (src, _), = b.sched.copies[rt.slot]
+        b._preempt(rs)
+        assert rs.swapped is not None and src not in pool.free_ids  # (held for the copy)
+        b._admit()  # S comes back first, into free blocks
+        b.sched.check()
+        _drive(c, [rs, rt])
+        assert collect(iter(()), pt, len(t)).tokens == want
+        _all_free(c)
+
+
+@pytest.mark.slow
+def test_two_micro_batches_and_a_swapped_sequence(target, tmp_path):
+    """With 2 micro-batches a sequence swapped out while one group's step is planned is not
+    sent with the other group's (it waits to be admitted again): every output equals its
+    prompt's alone. (The prefix cache's operations let both groups' steps come back at once.)"""
+    prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(20 + 3 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    with Coordinator(_cfg(target, 2, max_seqs=1, kv_blocks=8, prefill_chunk=16)) as c:
+        want = [c.generate(p, params, use_cache=False).tokens for p in prompts]
+    for seqs, blocks in ((4, 8), (6, 10)):  # (the second run restores what the first saved)
+        cfg = _cfg(target, 2, max_seqs=seqs, micro_batches=2, kv_blocks=blocks,
+                   prefill_chunk=16, kv_host_blocks=16, prefix_cache=True,
+                   kv_cache_dir=str(tmp_path))
+        with Coordinator(cfg) as c:
+            got = c.generate_batch(prompts, [params] * len(prompts))
+            assert [r.tokens for r in got] == want
+            assert c.batcher.stats.swapped_out >= 1
+            _all_free(c)
