@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "draft":
         prefix = "[draft] "
     _setup_logging(args.verbose, prefix)
+    # `kill -USR1 PID` prints every thread's stack to stderr (a hang, seen from outside)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from layersplit.runtime.config import ConfigError
     from layersplit.runtime.errors import ShardFailure
     from layersplit.shards.errors import CheckpointError

@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
+CLOSE_DRAIN_S = 5.0  # at close, steps still in the chain get this long to come back
 
 REMOTE_CONNECT_S = 30.0
 DRAFT_TIMEOUT_S = 60.0  # a proposal (or the draft's part of a cache operation) never takes this
@@ -492,10 +493,15 @@ class Coordinator:
 
     def close(self) -> None:
         if self.failed is None and self.shards and self._in_flight:
-            try:  # steps still in the chain (of cancelled requests): let them out first
-                self._wait(lambda s, m: False, min(max(d for d, *_ in self._in_flight.values()),
-                                                   time.monotonic() + 60.0),
-                           "steps at shutdown", until=lambda: not self._in_flight)
+            # steps still in the chain (of cancelled requests): let them out first, for a few
+            # seconds at most (a close on Ctrl-C may come between a result read off the ring
+            # and its bookkeeping: that step is never seen back, and its deadline can be
+            # minutes away)
+            give_up = time.monotonic() + CLOSE_DRAIN_S
+            try:
+                self._wait(lambda s, m: False, max(d for d, *_ in self._in_flight.values()),
+                           "steps at shutdown",
+                           until=lambda: not self._in_flight or time.monotonic() >= give_up)
             except ShardFailure:
                 pass
         if self.cache is not None and self.failed is None and self.shards:

@@ -141,7 +141,19 @@ def test_coordinator_signal_exits_cleanly(tiny_llama, sig):
     assert proc.stdout.read(1)  # generated text streams: the generation is under way
     assert proc.poll() is None
     proc.send_signal(sig)
-    proc.wait(timeout=20)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:  # where it hangs (every thread's stack), and nothing left
+        proc.send_signal(signal.SIGUSR1)  # (`launch.cli` prints the stacks on SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        for k in kids:
+            try:
+                k.kill()
+            except psutil.NoSuchProcess:
+                pass
+        proc.wait()
+        pytest.fail(f"no exit 20 s after signal {sig}; its stderr:\n{proc.stderr.read()[-6000:]}")
     assert proc.returncode in (128 + sig, 130, 1), proc.stderr.read()
     assert wait_gone([k.pid for k in kids]) == []
     assert layersplit_shm() - before == set()
