@@ -35,7 +35,7 @@ from layersplit.ipc import transport
 from layersplit.ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from layersplit.ipc.peers import AUTH_FAILED, Gate
 from layersplit.ipc.serve_loop import serve
-from layersplit.ipc.sockets import bind_router, recv, send
+from layersplit.ipc.sockets import bind_router, recv, ring_doorbell, send
 from layersplit.ipc.transport import tensor_bytes, zmq_tensor
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
@@ -285,7 +285,7 @@ class DraftServer:
         if ring is not None:  # the first shard's ring for the proposals it is handed
             try:
                 feeder.proposals = transport.accept(
-                    "shm", ring, lambda: self._reply(route, message("wake")))
+                    "shm", ring, lambda: ring_doorbell(self.router, route))
             except (ProtocolError, ValueError, OSError, KeyError, TypeError) as e:
                 raise ProtocolError(f"feed: cannot map the proposals ring: {e}",
                                     "bad_transport") from e

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 from layersplit.ipc.curve import needs_curve, secure_client, secure_server
-from layersplit.ipc.messages import ProtocolError, best_effort_sid, decode, encode
+from layersplit.ipc.messages import ProtocolError, best_effort_sid, decode, encode, message
 
 MIN_HEARTBEAT_IVL_MS = 100
 MAX_MESSAGE_BYTES = 4 << 30  # zmq drops a peer that sends a larger message
@@ -95,6 +95,18 @@ def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),
     parts.append(encode(msg))
     parts.extend(frames)
     sock.send_multipart(parts, copy=False)
+
+
+def ring_doorbell(sock: zmq.Socket, route: bytes | None = None) -> None:
+    """Wake a shared-memory ring's sleeping reader (a `wake` message). Never blocks: at the
+    socket's high-water mark the reader has wakes queued already, and a reader gone needs none;
+    a blocking doorbell could wait forever on a peer that is itself waiting on this side."""
+    parts: list[Any] = [] if route is None else [route]
+    parts.append(encode(message("wake")))
+    try:
+        sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+    except zmq.ZMQError:  # (Again at the high-water mark; a departed peer)
+        pass
 
 
 def recv(sock: zmq.Socket, routed: bool = False) -> tuple[bytes | None, dict[str, Any] | None,

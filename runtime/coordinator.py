@@ -25,7 +25,15 @@ from layersplit.ipc import auth
 from layersplit.ipc.curve import needs_curve
 from layersplit.ipc.messages import ProtocolError, message, segment
 from layersplit.ipc.shm import HEADER_CAP, SLEEP_POLL_MS
-from layersplit.ipc.sockets import connect_dealer, context, free_tcp_port, recv, run_dir, send
+from layersplit.ipc.sockets import (
+    connect_dealer,
+    context,
+    free_tcp_port,
+    recv,
+    ring_doorbell,
+    run_dir,
+    send,
+)
 from layersplit.ipc.transport import (
     RingInbox,
     Sender,
@@ -309,7 +317,7 @@ class Coordinator:
                     inbox = sh.info.pop("inbox", None)
                     if inbox is not None:
                         sock = sh.sock
-                        self._steps = accept("shm", inbox, lambda: send(sock, message("wake")))
+                        self._steps = accept("shm", inbox, lambda: ring_doorbell(sock))
                     else:
                         self._steps = ZmqSender(sh.sock)
                 log.info(

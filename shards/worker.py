@@ -28,7 +28,15 @@ from layersplit.ipc import transport
 from layersplit.ipc.messages import PROTOCOL_VERSION, ProtocolError, error, message
 from layersplit.ipc.peers import AUTH_FAILED, Gate, expect, handshake
 from layersplit.ipc.serve_loop import serve
-from layersplit.ipc.sockets import bind_router, connect_dealer, context, recv, request, send
+from layersplit.ipc.sockets import (
+    bind_router,
+    connect_dealer,
+    context,
+    recv,
+    request,
+    ring_doorbell,
+    send,
+)
 from layersplit.ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.busy_clock import BusyClock
@@ -418,7 +426,8 @@ class ShardServer:
         elif self.model.is_last:
             results = msg.get("results")
             if results is not None:  # the coordinator's result ring
-                doorbell = lambda: self._reply(self.coordinator, message("wake"))
+                coordinator = self.coordinator
+                doorbell = lambda: ring_doorbell(self.router, coordinator)
                 self.out = transport.accept("shm", results, doorbell)
             else:
                 self.out = ZmqSender(self.router, route)
@@ -447,7 +456,7 @@ class ShardServer:
         ), LINK_TIMEOUT_S)
         expect(reply, "linked", "the downstream shard")
         self.out = transport.accept(reply["transport"], reply["ring"],
-                                    lambda: send(down, message("wake")), sock=down)
+                                    lambda: ring_doorbell(down), sock=down)
         self.transport_kind = reply["transport"]
         self.poller.register(down, zmq.POLLIN)
 
@@ -468,7 +477,7 @@ class ShardServer:
         sock.setsockopt(zmq.SNDTIMEO, int(FEED_TIMEOUT_S * 1000))
         self.feed_kind = reply["transport"]
         self.feed = transport.accept(reply["transport"], reply["ring"],
-                                     lambda: send(sock, message("wake")), sock=sock)
+                                     lambda: ring_doorbell(sock), sock=sock)
         if isinstance(self.feed, transport.RingSender):
             self.feed.timeout_s = FEED_TIMEOUT_S
         self.poller.register(sock, zmq.POLLIN)

@@ -12,7 +12,7 @@ import zmq
 from layersplit.ipc import transport
 from layersplit.ipc.messages import ProtocolError, encode, message, segment
 from layersplit.ipc.shm import SHM_DIR, ShmRing
-from layersplit.ipc.sockets import recv
+from layersplit.ipc.sockets import recv, ring_doorbell
 
 
 @pytest.fixture
@@ -149,3 +149,30 @@ def test_cuda_ipc_link_reply_with_bad_event_handles_is_refused():
                 transport.accept("cuda-ipc", {**desc, "consumed": bad}, None)
         finally:
             inbox.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_doorbell_never_blocks(tmp_path):
+    """A ring's doorbell is a `wake` message that never blocks its sender: with no reader
+    connected, or a reader that has not read its queue up to the high-water mark, the wake is
+    dropped (one already waits, or nobody needs it), where a plain send would wait for ever."""
+    ctx = zmq.Context.instance()
+    lonely = ctx.socket(zmq.DEALER)  # connected to an address nobody binds: no pipe
+    lonely.connect(f"ipc://{tmp_path}/nobody.sock")
+    ring_doorbell(lonely)
+    reader = ctx.socket(zmq.ROUTER)
+    reader.bind(f"ipc://{tmp_path}/reader.sock")
+    writer = ctx.socket(zmq.DEALER)
+    writer.setsockopt(zmq.SNDHWM, 2)
+    reader.setsockopt(zmq.RCVHWM, 2)
+    writer.connect(f"ipc://{tmp_path}/reader.sock")
+    for _ in range(100):  # the reader reads none: the high-water mark is reached
+        ring_doorbell(writer)
+    got = 0
+    while reader.poll(200):
+        _, msg, _, err = recv(reader, routed=True)
+        assert err is None and msg["type"] == "wake"
+        got += 1
+    assert 1 <= got < 100
+    for s in (lonely, reader, writer):
+        s.close(0)

@@ -117,7 +117,10 @@ def _run_cli(model, *extra):
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "generate", "the cat", "--model", str(model),
            "--devices", "cpu,cpu", "--threads", "1", "--max-tokens", "100000", "--ignore-eos",
            "--prefill-chunk", "16", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's foreground job gets it: a run started in the background (`cmd &`
+    # in a script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_shards(proc, n=2, timeout=60):
