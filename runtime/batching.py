@@ -148,7 +148,6 @@ class Batcher:
         self.stats = BatchStats()
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
         self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
-        self.swap = True  # swap preemption where it can be (off: always re-prefill)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
@@ -394,7 +393,7 @@ class Batcher:
 
     def _swap_why_not(self, req: Request) -> str | None:
         """Why the sequence cannot be swapped out now, or None."""
-        if self.host is None or not self.swap:
+        if self.host is None:
             return "no host KV pool (kv_host_blocks 0)"
         if req.feed is not None or req.out.progress.spec is not None:
             return "it feeds the draft or speculates (the draft's context is not swapped)"
@@ -416,7 +415,7 @@ class Batcher:
         its slot and program. False (nothing changed) where it cannot be swapped."""
         why = self._swap_why_not(req)
         if why is not None:
-            if self.host is not None and self.swap:
+            if self.host is not None:
                 log.info("request %d: not swapped out (%s): it will be prefilled again", req.rid,
                          why)
             return False
@@ -424,44 +423,44 @@ class Batcher:
         need = req.pending.pos + req.pending.rows  # its step's rows, when it comes back
         if self.sched.pool.blocks_for(need) > self.sched.total_blocks:
             need = rows  # (`_reserve` then fails it, as it would have)
-        host = self.host.allocate(req.rid, rows)
-        table = self.sched.pool.table(req.slot)
-        pairs = list(zip(table, host))
-        try:
-            if pairs:
-                self.coord.kv_swap("out", pairs)
-        except ShardFailure as e:
+        self.host.allocate(req.rid, rows)
+        blocks = self._copy_blocks(req, "out")
+        if blocks is None:
             self.host.free(req.rid)
-            log.warning("request %d: swap-out failed (%s): it will be prefilled again", req.rid,
-                        e)
             return False
         req.swapped = rows
         self.sched.swap_out(req.rid, need)
         self.stats.swapped_out += 1
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
         log.info("request %d preempted (KV pool full): %d rows (%d blocks) swapped out to host "
-                 "memory", req.rid, rows, len(pairs))
+                 "memory", req.rid, rows, blocks)
         return True
 
     def _swap_in(self, req: Request) -> None:
         """The swapped sequence is admitted again (its slot's table covers its next step): its
         rows come back from the host blocks into its new device blocks on every shard before
         that step goes out. If the copy fails, it runs again from its tokens instead."""
-        host = self.host.table(req.rid)
-        table = self.sched.pool.table(req.slot)
-        pairs = list(zip(table, host))
-        try:
-            if pairs:
-                self.coord.kv_swap("in", pairs)
-        except ShardFailure as e:
-            log.warning("request %d: swap-in failed (%s): it will be prefilled again", req.rid, e)
-            self._drop_host(req)
+        blocks = self._copy_blocks(req, "in")
+        self._drop_host(req)
+        if blocks is None:
             self._restart(req)
             return
-        self._drop_host(req)
         self.stats.swapped_in += 1
-        log.info("request %d resumed: %d blocks swapped in from host memory", req.rid,
-                 len(pairs))
+        log.info("request %d resumed: %d blocks swapped in from host memory", req.rid, blocks)
+
+    def _copy_blocks(self, req: Request, direction: str) -> int | None:
+        """Copy the sequence's blocks between its device table and its host table on every
+        shard (`direction` "out" or "in", `Coordinator.kv_swap`); the blocks copied, or None
+        if a shard failed (the sequence then runs again from its tokens)."""
+        pairs = list(zip(self.sched.pool.table(req.slot), self.host.table(req.rid)))
+        try:
+            if pairs:
+                self.coord.kv_swap(direction, pairs)
+        except ShardFailure as e:
+            log.warning("request %d: swap-%s failed (%s): it will be prefilled again", req.rid,
+                        direction, e)
+            return None
+        return len(pairs)
 
     def _drop_host(self, req: Request) -> None:
         """The sequence's host blocks are free (swapped in, or it ended while swapped out)."""

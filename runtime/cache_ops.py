@@ -187,8 +187,7 @@ class CacheManager:
         self.poll_done()
         self.drop_deferred(slot)  # (a RAM copy not taken in time is simply not taken)
         n = len(prompt)
-        candidates = sorted({n, *[c for c in cuts if c <= n]})
-        chain = self.index.lookup(self.keys(prompt, candidates))
+        chain = self._lookup(prompt, cuts)
         if not chain:
             self.stats.misses += 1
             return Restored()
@@ -395,11 +394,15 @@ class CacheManager:
     def cached_rows(self, prompt: Sequence[int]) -> int:
         """The rows `restore` would bring back for `prompt` now, read from the index alone (a
         live sequence's blocks are shared only where they cover more: `runtime.batching`)."""
-        n = len(prompt)
-        cuts = cut_points(prompt, self.coord.chunk, self.coord.eos_ids)
-        chain = self._worth_restoring(self.index.lookup(
-            self.keys(prompt, sorted({n, *[c for c in cuts if c <= n]}))))
+        chain = self._worth_restoring(self._lookup(
+            prompt, cut_points(prompt, self.coord.chunk, self.coord.eos_ids)))
         return chain[-1].length if chain else 0
+
+    def _lookup(self, prompt: Sequence[int], cuts: Sequence[int]) -> list[Entry]:
+        """The chain of cached entries of `prompt`'s longest cached prefix ending at one of its
+        `cuts` or at its end (`PrefixIndex.lookup`)."""
+        n = len(prompt)
+        return self.index.lookup(self.keys(prompt, sorted({n, *[c for c in cuts if c <= n]})))
 
     def drop_deferred(self, slot: int) -> None:
         """Forget the RAM copies queued for `slot` (its sequence ended before its first token:

@@ -164,10 +164,7 @@ class Scheduler:
         step's) to come back in that slot."""
         if self._blocks(tokens) > self.total_blocks:
             raise ValueError(f"request {rid!r}: {tokens} tokens exceed the KV pool")
-        r = self.running.pop(rid)
-        self.pool.free(r.slot)
-        self.sent.pop(r.slot, None)
-        self.copies.pop(r.slot, None)
+        r = self._drop_blocks(rid)
         r.blocks = 0
         self.swapped[rid] = r
         self.waiting.appendleft((rid, tokens))
@@ -266,10 +263,18 @@ class Scheduler:
     def release(self, rid: Hashable) -> None:
         """A sequence finished, failed or was cancelled (with no step of it in flight): its
         slot and blocks are free at once."""
+        self._free_slot(self._drop_blocks(rid))
+
+    def _drop_blocks(self, rid: Hashable) -> Running:
+        """The running sequence's blocks (and what the shards were to learn of its table) are
+        free; it is no longer running."""
         r = self.running.pop(rid)
         self.pool.free(r.slot)
         self.sent.pop(r.slot, None)
         self.copies.pop(r.slot, None)
+        return r
+
+    def _free_slot(self, r: Running) -> None:
         free = self.free_slots[r.group]
         free.append(r.slot)
         free.sort()
@@ -283,9 +288,7 @@ class Scheduler:
                 self._requeued.pop(rid, None)
                 held = self.swapped.pop(rid, None)
                 if held is not None:
-                    free = self.free_slots[held.group]
-                    free.append(held.slot)
-                    free.sort()
+                    self._free_slot(held)
                 return True
         return False
 

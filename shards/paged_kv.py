@@ -283,9 +283,7 @@ class HostKVPool:
         """Device block d -> host block h, every layer, for each [d, h] (checked first)."""
         if not pairs:
             return
-        _settle(kv)
-        dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
-        host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        dev, host = _settled_ids(kv, pairs)
         self.k[:, host] = kv.k_store[:, dev].cpu()
         self.v[:, host] = kv.v_store[:, dev].cpu()
 
@@ -293,12 +291,19 @@ class HostKVPool:
         """Host block h -> device block d, every layer, for each [d, h] (checked first)."""
         if not pairs:
             return
-        _settle(kv)
-        dev = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device)
-        host = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        dev, host = _settled_ids(kv, pairs)
         kv.k_store[:, dev] = self.k[:, host].to(kv.device)
         kv.v_store[:, dev] = self.v[:, host].to(kv.device)
         _settle(kv)  # (in place before the handler replies: the next step reads the rows)
+
+
+def _settled_ids(kv: PagedKVCache, pairs: Sequence[Sequence[int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device block ids (on the pool's device) and host block ids of `pairs`, once the
+    pool's GPU has settled (`_settle`)."""
+    _settle(kv)
+    return (torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device),
+            torch.tensor([p[1] for p in pairs], dtype=torch.long))
 
 
 def _settle(kv: PagedKVCache) -> None:

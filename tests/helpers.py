@@ -44,6 +44,15 @@ def run_logged(engine, prompt: list[int],
     return result, np.stack(progress.logits)
 
 
+def drive(coord, reqs: list) -> None:
+    """Run a coordinator's batch until every request submitted to it (`Coordinator.submit`)
+    is done; none may have failed."""
+    while not all(r.done for r in reqs):
+        coord.batcher.run_once()
+    for r in reqs:
+        assert r.error is None, r.error
+
+
 def assert_same_run(got: tuple[GenerationResult, np.ndarray],
                     want: tuple[GenerationResult, np.ndarray], what: str = "") -> None:
     """The same tokens, and bit-identical logits at every generated position."""

@@ -9,12 +9,24 @@ import torch
 from layersplit.shards.model_config import ModelConfig
 
 
+def rope_exponents(dim: int) -> torch.Tensor:
+    """2i/dim for i < dim/2, the exponents of the rope frequencies. On the CPU, also while a
+    range is built on the meta device (whose first such op costs a process 0.8 s of imports);
+    the module's `to(device)` moves what is computed from them."""
+    return torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+
+
+def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """The unscaled inverse frequencies theta^(-2i/dim)."""
+    return 1.0 / (theta ** rope_exponents(dim))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3, yarn,
     dynamic (NTK; the same as default at positions below max_position_embeddings, the only
     ones it serves: `context_limit_error`)."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv = base_inv_freq(cfg.rope_theta, dim)
     p = cfg.rope_params
     if cfg.rope_type == "yarn":
         inv = _yarn(cfg)[0]
@@ -63,8 +75,9 @@ def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: no singularity
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    ramp = torch.arange(dim // 2, dtype=torch.float32, device="cpu")  # (on the CPU: as above)
+    ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
+    pos_freqs = base ** rope_exponents(dim)
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(attention)

@@ -31,7 +31,7 @@ from layersplit.shards.layers.gated_attention import (
 )
 from layersplit.shards.layers.gated_delta import GatedDeltaNet
 from layersplit.shards.layers.mlp import MLP
-from layersplit.shards.layers.rotary import rope_cos_sin
+from layersplit.shards.layers.rotary import base_inv_freq, rope_cos_sin
 from layersplit.shards.layers.routed_moe import RoutedMoE
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.model_config import ModelConfig
@@ -40,7 +40,7 @@ from torch import nn
 
 def hybrid_inv_freq(cfg: ModelConfig, spec: HybridSpec) -> torch.Tensor:
     dim = rotary_dim(cfg.head_dim, spec.partial_rotary_factor)
-    return 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    return base_inv_freq(cfg.rope_theta, dim)
 
 
 class GatedAttention(nn.Module):

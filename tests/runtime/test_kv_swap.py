@@ -29,7 +29,7 @@ from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.scheduler import Scheduler, SchedulerConfig
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import assert_same_run, run_logged
+from tests.helpers import assert_same_run, drive, run_logged
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
@@ -308,13 +308,6 @@ def test_scheduler_swapped_sequences_keep_their_slot():
         s.swap_out("b", 44)
 
 
-def _drive(c: Coordinator, reqs: list) -> None:
-    while not all(r.done for r in reqs):
-        c.batcher.run_once()
-    for r in reqs:
-        assert r.error is None, r.error
-
-
 @pytest.mark.slow
 def test_no_swap_while_the_shared_rows_are_still_written(target):
     """B takes 48 rows of A while A's prefill steps that write them are still in the chain: a
@@ -336,7 +329,7 @@ def test_no_swap_while_the_shared_rows_are_still_written(target):
         assert rb.shared == 48 and not c.batcher.sched.copies.get(rb.slot)
         c.batcher._preempt(rb)
         assert rb.swapped is None and c.batcher.stats.reprefills == 1
-        _drive(c, [ra, rb])
+        drive(c, [ra, rb])
         assert collect(iter(()), pb, len(b)).tokens == want
         _all_free(c)
 
@@ -364,7 +357,7 @@ def test_a_block_copy_keeps_its_source(target):
         assert rs.swapped is not None and src not in pool.free_ids  # (held for the copy)
         b._admit()  # S comes back first, into free blocks
         b.sched.check()
-        _drive(c, [rs, rt])
+        drive(c, [rs, rt])
         assert collect(iter(()), pt, len(t)).tokens == want
         _all_free(c)
 

@@ -29,7 +29,7 @@ from layersplit.runtime.generate import Progress
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import assert_same_run, run_logged, shard_children
+from tests.helpers import assert_same_run, drive, run_logged, shard_children
 
 CHUNK, BLOCK = 12, 16
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -204,13 +204,6 @@ def test_live_prefix_blocks_are_shared(tiny_llama, ref):
         c.batcher.sched.check()
 
 
-def _drive(c: Coordinator, reqs: list) -> None:
-    while not all(r.done for r in reqs):
-        c.batcher.run_once()
-    for r in reqs:
-        assert r.error is None, r.error
-
-
 @pytest.mark.slow
 def test_preempting_a_later_sequence_of_the_same_step(tiny_llama):
     """A step's sequences take blocks oldest first; when the pool runs out, the youngest one of
@@ -226,7 +219,7 @@ def test_preempting_a_later_sequence_of_the_same_step(tiny_llama):
         want = [c.generate(a, pa).tokens, c.generate(b, pb).tokens]
         progress = [Progress(), Progress()]
         reqs = [c.submit(a, pa, progress[0]), c.submit(b, pb, progress[1])]
-        _drive(c, reqs)
+        drive(c, reqs)
         assert [p.generated for p in progress] == want
         assert c.batcher.stats.preemptions >= 1
         assert c.batcher.sched.free_blocks == 17
@@ -246,7 +239,7 @@ def test_prompt_logprobs_count_every_row_once(tiny_llama, ref):
     with Coordinator(_cfg(tiny_llama, 1, max_seqs=2, kv_block=4, kv_blocks=24,
                           max_context=80, prefix_cache=False)) as c:
         alone = Progress()
-        _drive(c, [c.submit(text[:44], one, alone, decoding=dec)])
+        drive(c, [c.submit(text[:44], one, alone, decoding=dec)])
         assert len(alone.prompt_logprobs) == 43
         # live prefix: an older sequence has prefilled the same 36 first tokens
         older, shared = Progress(), Progress()
@@ -254,7 +247,7 @@ def test_prompt_logprobs_count_every_row_once(tiny_llama, ref):
         while not older.generated:
             c.batcher.run_once()
         second = c.submit(text[:44], one, shared, decoding=dec)
-        _drive(c, [first, second])
+        drive(c, [first, second])
         assert c.batcher.stats.shared_tokens == 0
         assert shared.prompt_logprobs == alone.prompt_logprobs
         # preempted between prefill chunks, before its first token: it runs again from row 0
@@ -264,7 +257,7 @@ def test_prompt_logprobs_count_every_row_once(tiny_llama, ref):
             assert not again.generated, "no point between two prefill chunks was seen"
             c.batcher.run_once()
         c.batcher._preempt(req)
-        _drive(c, [req])
+        drive(c, [req])
         assert req.preempted == 1
         assert again.prompt_logprobs == alone.prompt_logprobs
         assert c.batcher.sched.free_blocks == 24
@@ -289,6 +282,6 @@ def test_a_disk_restore_ended_before_its_first_token_queues_no_ram_copy(tiny_lla
         assert [d[1] for d in c.cache.deferred_takes] == [req.slot]
         assert not progress.generated and progress.cache_tier == "disk"
         c.batcher.cancel(req)
-        _drive(c, [req])
+        drive(c, [req])
         assert c.cache.deferred_takes == []
         assert_same_run(run_logged(c, longer, GREEDY), want, "after the cancel")
