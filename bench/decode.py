@@ -54,7 +54,8 @@ def run_layout(args, devices: list[str], prompt: list[int], resources: str = "")
     cfg = RuntimeConfig(model=args.model, devices=tuple(devices), max_context=args.max_context,
                         prefill_chunk=args.prefill_chunk, transport=(args.transport,),
                         cuda_graphs=not args.no_graphs, dtype=args.dtype,
-                        threads=args.threads, draft=args.draft, **ray)
+                        threads=args.threads, draft=args.draft, kv_cache_gb=args.kv_cache_gb,
+                        **ray)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     row: dict = {"layout": ",".join(devices) + (f" on {resources}" if resources else ""),
                  "shards": len(devices)}
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",") if x], default=[])
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--kv-cache-gb", type=float, default=0.0,
+                    help="each shard's KV pool (default: max_seqs x max-context tokens)")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-dtype", default="bfloat16")

@@ -9,6 +9,7 @@ bandwidth measured now; then aggregate decode tok/s with `--streams` concurrent 
 
     python bench/moe.py --device cuda:0 --streams 8,32            # Qwen3-30B-A3B shape
     python bench/moe.py --shape tiny --device cpu --new-tokens 16   # any machine, seconds
+    python bench/moe.py --layouts cuda:0 cuda:0,cuda:1 --streams 8  # 1 GPU vs 2 GPUs
 
 The 30B-A3B shape is configs/models/qwen3-30b-a3b: 48 layers, hidden 2048, 32 query / 4 KV
 heads of 128, 128 experts of width 768, 8 per token, vocab 151936 (Qwen3-30B-A3B's published
@@ -119,6 +120,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=["30b-a3b", "tiny"], default="30b-a3b")
     ap.add_argument("--device", default="cuda:0", help="both layouts run on this device")
+    ap.add_argument("--layouts", nargs="+", default=None,
+                    help="comma-separated device lists instead (e.g. cuda:0 cuda:0,cuda:1); "
+                         "the first is the baseline")
     ap.add_argument("--streams", default="8,32", help="concurrent streams, comma-separated")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -136,13 +140,16 @@ def main() -> None:
         folder = Path(spec) if "/" in spec else Path(__file__).resolve().parents[1] / \
             "configs" / "models" / spec
         mcfg = config_from_hf(json.loads((folder / "config.json").read_text()), folder)
-        rows = [run_layout(args, [args.device] * n) for n in (1, 2)]
-    on_gpu = args.device.startswith("cuda")
+        layouts = ([lay.split(",") for lay in args.layouts] if args.layouts
+                   else [[args.device] * n for n in (1, 2)])
+        rows = [run_layout(args, devices) for devices in layouts]
+    device = layouts[0][0]  # the baseline's device: the floor's bandwidth is measured on it
+    on_gpu = device.startswith("cuda")
     itemsize = 2 if on_gpu and args.dtype in ("auto", "bfloat16", "float16") else 4
     per_token = active_bytes_per_token(mcfg, itemsize)
     floor = None
     if on_gpu:
-        bw = copy_bandwidth(args.device)
+        bw = copy_bandwidth(device)
         floor = {"copy_GBps": bw / 1e9, "active_bytes_per_token": per_token,
                  "floor_tok_s": bw / per_token}
     name = torch.cuda.get_device_name(0) if on_gpu else os.uname().machine
@@ -150,7 +157,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     base = rows[0]
-    print(f"\nQwen3-MoE {args.shape} shape on {name} ({args.device}); prompt "
+    print(f"\nQwen3-MoE {args.shape} shape on {name}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens; active parameters "
           f"{per_token / itemsize / 1e6:.1f} M ({per_token / 1e6:.1f} MB) per token")
     counts = list(base["streams"])
@@ -160,7 +167,7 @@ def main() -> None:
     for r in rows:
         vs_floor = f"{r['decode_tok_s'] / floor['floor_tok_s']:.0%}" if floor else "-"
         runs = "/".join(f"{x:.1f}" for x in r["runs"])
-        print(f"| {r['shards']} shard(s) on {args.device} | {r['decode_tok_s']:.1f} ({runs}) | "
+        print(f"| {r['shards']} shard(s) on {r['layout']} | {r['decode_tok_s']:.1f} ({runs}) | "
               f"{r['decode_tok_s'] / base['decode_tok_s']:.3f} | {vs_floor} | "
               + " | ".join(f"{r['streams'][n]:.1f}" for n in counts) + " |")
     if floor:

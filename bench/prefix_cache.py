@@ -4,6 +4,8 @@ save GB/s next to a raw write, all in one run.
 
     python bench/prefix_cache.py --model default --devices cpu,cpu --lengths 1024,4096,8000
     python bench/prefix_cache.py --model random:qwen3-8b --devices cuda:0,cuda:1 --lengths 8192,32768
+    python bench/prefix_cache.py --model random:qwen3.5-27b --devices cuda:0,cuda:1 \
+        --restore-devices cuda:0 --lengths 32768 --check-tokens 16     # saved on 2, restored on 1
 
 Each length uses a prompt of that many tokens, repeated exactly (an exact hit restores every
 row and samples from the stored logits: its TTFT is the restore itself). Prints a table last.
@@ -19,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,7 +86,13 @@ def main() -> None:
     ap.add_argument("--devices", default="cpu,cpu")
     ap.add_argument("--lengths", default="1024,4096,8000")
     ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--kv-cache-gb", type=float, default=0.0,
+                    help="each shard's KV pool (default: max_seqs x the length's context)")
     ap.add_argument("--dir", default=None, help="cache directory (default: a temporary one)")
+    ap.add_argument("--restore-devices", default=None,
+                    help="the restarts run on these devices (a cross-split restore)")
+    ap.add_argument("--check-tokens", type=int, default=0,
+                    help="greedy tokens after each restore, compared with the saving run's")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -95,9 +104,12 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
         cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")),
                             max_context=n + 64, prefill_chunk=args.prefill_chunk,
-                            kv_cache_dir=str(d), cache_ram_gb=64)
+                            kv_cache_dir=str(d), cache_ram_gb=64, kv_cache_gb=args.kv_cache_gb)
         prompt = [(i * 7919) % 30000 + 10 for i in range(n)]
         row: dict = {"tokens": n}
+        restore_cfg = cfg if not args.restore_devices else replace(
+            cfg, devices=tuple(args.restore_devices.split(",")))
+        greedy = SamplingParams(max_tokens=args.check_tokens, ignore_eos=True)
         with Coordinator(cfg) as c:
             warm = [(i * 104729) % 30000 + 10 for i in range(min(n, 2 * args.prefill_chunk))]
             c.generate(warm, ONE, use_cache=False)  # warm up kernels and allocators
@@ -109,16 +121,24 @@ def main() -> None:
             row["save_GBps"] = st.bytes_written / max(st.save_s, 1e-9) / 1e9
             row["file_bytes"] = st.bytes_written
             est_prefill_s = c.cache.prefill_seconds(n, n)
+            if args.check_tokens:
+                ref = c.generate(prompt, greedy).tokens
         files = sorted(d.glob("*.safetensors"))
         for label in ("disk_cold", "disk_warm"):
             if label == "disk_cold":
                 drop_page_cache(files)
-            with Coordinator(cfg) as c:
+            with Coordinator(restore_cfg) as c:
                 row[f"{label}_s"], tier, cached = ttft(c, prompt)
                 assert tier == "disk" and cached == n, (tier, cached)
                 row[f"{label}_GBps"] = c.cache.stats.bytes_restored_disk / max(
                     c.cache.stats.disk_read_s, 1e-9) / 1e9
                 row[f"{label}_rate_Bps"] = c.cache.disk_rate
+                if args.check_tokens:
+                    got = c.generate(prompt, greedy).tokens
+                    row[f"{label}_same_tokens"] = got == ref
+                    if got != ref:
+                        print(f"{n} tokens, {label}: greedy tokens differ from the saving "
+                              f"run's:\n  saved    {ref}\n  restored {got}")
         drop_page_cache(files)
         nbytes, dt = raw_read(files)
         row["raw_read_cold_GBps"] = nbytes / dt / 1e9
@@ -133,7 +153,8 @@ def main() -> None:
         rows.append(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\nprefix cache, {args.model} on {args.devices}; TTFT of an exact repeat "
+    restored_on = f", restored on {args.restore_devices}" if args.restore_devices else ""
+    print(f"\nprefix cache, {args.model} on {args.devices}{restored_on}; TTFT of an exact repeat "
           "(restore + first token)")
     print(f"{'tokens':>7} {'cold ms':>9} {'RAM ms':>8} {'disk cold ms':>12} {'disk warm ms':>12} "
           f"{'disk/cold':>9} {'restore GB/s cold|warm':>22} {'raw read cold|warm':>19} "
@@ -146,6 +167,10 @@ def main() -> None:
               f"{r['raw_read_cold_GBps']:>8.2f} | {r['raw_read_warm_GBps']:<8.2f} "
               f"{r['save_GBps']:>9.2f} {r['raw_write_GBps']:>9.2f} "
               f"{r['choice'] + '/' + r['best']:>15}")
+        if args.check_tokens:
+            print(f"{'':>7} {args.check_tokens} greedy tokens after the restore equal the saving "
+                  f"run's: disk cold {r['disk_cold_same_tokens']}, disk warm "
+                  f"{r['disk_warm_same_tokens']}")
 
 
 if __name__ == "__main__":
