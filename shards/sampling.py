@@ -8,13 +8,16 @@ was restored from a cache, whichever process samples, and however the steps were
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 from collections.abc import Sequence
 
 import torch
 from layersplit.shards.kernels import fused_kernels_available
 
+log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
+_kernel_failed = False  # the token-mask kernel failed once (`process_logits`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -264,11 +267,20 @@ def pack_mask(allowed: torch.Tensor) -> bytes:
 def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
     """Logits (rows, V) after the sample's repetition penalty, bias and grammar mask (a new
     float32 tensor; the same logits when there are none). On a GPU the masks apply in a Triton
-    kernel (`_process_with_kernel`), else as below."""
+    kernel (`_process_with_kernel`; should it fail, logged, the torch code below from then on),
+    elsewhere as below."""
+    global _kernel_failed
     if not has_processors(sample):
         return logits
-    if logits.is_cuda and fused_kernels_available(logits.device):
-        return _process_with_kernel(logits, sample)
+    if logits.is_cuda and not _kernel_failed and fused_kernels_available(logits.device):
+        try:
+            return _process_with_kernel(logits, sample)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - logged; the torch path from then on
+            log.warning("the Triton token-mask kernel failed (%s: %s); applying token masks "
+                        "with torch", type(e).__name__, e)
+            _kernel_failed = True
     x = logits.float().clone()
     rep = sample.get("rep")
     if rep is not None:

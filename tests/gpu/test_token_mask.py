@@ -17,6 +17,7 @@ import zlib
 
 import pytest
 import torch
+from layersplit.shards import sampling
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.sampling import mask_bits, pack_bias, pack_mask, process_logits
 
@@ -163,6 +164,25 @@ def test_process_logits_on_gpu_runs_the_kernel():
     assert any("_token_mask" in k for k in names), names
     assert torch.equal(x[0], logits[0].float().masked_fill(
         ~mask_bits(pack_mask(allowed), vocab, logits.device), NEG_INF))
+
+
+@pytest.mark.skipif(not CUDA, reason="process_logits takes the kernel on a CUDA device only")
+def test_a_failing_kernel_is_logged_and_the_torch_path_takes_over(monkeypatch, caplog):
+    from layersplit.shards.kernels import token_mask
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(sampling, "_kernel_failed", False)
+    monkeypatch.setattr(token_mask, "apply_token_masks", broken)
+    vocab = 1027
+    g = torch.Generator().manual_seed(9)
+    logits = _logits(1, vocab, torch.bfloat16, g)
+    allowed = _allowed("random", vocab, g)
+    got = process_logits(logits, {"mask": pack_mask(allowed)})
+    assert "token-mask kernel failed (RuntimeError: no compiler)" in caplog.text
+    assert sampling._kernel_failed
+    assert torch.equal(got, logits.float().masked_fill(~allowed.to(DEV), NEG_INF))
 
 
 @pytest.mark.skipif(not CUDA, reason="masks go to a CUDA device")
