@@ -9,15 +9,18 @@ Each mode runs `--repeats` times after one warm-up, the modes alternated; the me
 tok/s is reported (and each run). Where the grammar's time goes, per token: `mask_ms`, the
 coordinator's (consume the token, fill the next mask, pack it), which overlaps the step that
 carries the token (the mask follows it to the last shard); `apply_ms`, the last shard's
-(unpack the mask on its device, `masked_fill`), timed apart on the layout's last device;
-`share`, their sum over the free-text time of a token (what they would cost if nothing
-overlapped).
+(`process_logits`: inflate the mask, send it to its device, apply it; on a GPU in the Triton
+kernel of `shards.kernels.token_mask`), timed apart on the layout's last device, and
+`apply_ms_torch` the same through the torch path (`LAYERSPLIT_FUSED_KERNELS=0`, set in this
+process only while it is timed); `share`, the sum of `mask_ms` and `apply_ms` over the free-text
+time of a token (what they would cost if nothing overlapped).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -32,6 +35,7 @@ from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.decoding import Decoding  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
 from layersplit.runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
+from layersplit.shards.kernels import ENV_SWITCH as FUSED_SWITCH  # noqa: E402
 from layersplit.shards.sampling import SamplingParams, process_logits  # noqa: E402
 
 # long enough that the output runs to max_tokens in either mode
@@ -69,8 +73,20 @@ def run(coord: Coordinator, prompt: list[int], decoding: Decoding | None, n: int
     return {"tokens": len(res.tokens), "decode_tok_s": res.decode_tok_s, "text": res.text}
 
 
-def apply_ms(mask: bytes, vocab: int, device: str, dtype: torch.dtype, n: int = 200) -> float:
-    """The last shard's cost of one mask: `process_logits` on a logits row of `device`."""
+def apply_ms(mask: bytes, vocab: int, device: str, dtype: torch.dtype, n: int = 200,
+             kernels: bool = True) -> float:
+    """The last shard's cost of one mask: `process_logits` on a logits row of `device`
+    (`kernels` False: through the torch path, as with `LAYERSPLIT_FUSED_KERNELS=0`)."""
+    if not kernels:
+        old = os.environ.get(FUSED_SWITCH)
+        os.environ[FUSED_SWITCH] = "0"
+        try:
+            return apply_ms(mask, vocab, device, dtype, n)
+        finally:
+            if old is None:
+                del os.environ[FUSED_SWITCH]
+            else:
+                os.environ[FUSED_SWITCH] = old
     dev = torch.device(device)
     row = torch.randn(1, vocab, device=dev).to(dtype)
     sample = {"mask": mask}
@@ -117,6 +133,8 @@ def bench_layout(args, devices: str) -> dict:
         out["mask_ms"] = round(1e3 * statistics.median(times), 3)
         out["apply_ms"] = round(apply_ms(mask, coord.model_config.vocab_size, cfg.devices[-1],
                                          dtype), 3)
+        out["apply_ms_torch"] = round(apply_ms(mask, coord.model_config.vocab_size,
+                                               cfg.devices[-1], dtype, kernels=False), 3)
         out["token_ms_free"] = round(free_ms, 3)
         out["share"] = round((out["mask_ms"] + out["apply_ms"]) / free_ms, 4)
         out["ratio"] = round(out["json_schema"]["decode_tok_s"] / out["free"]["decode_tok_s"], 3)
@@ -141,11 +159,11 @@ def main() -> int:
         results.append(bench_layout(args, layout))
         print(json.dumps(results[-1], indent=1), flush=True)
     print(f"{'layout':<16} {'free tok/s':>10} {'schema tok/s':>12} {'ratio':>6} "
-          f"{'mask ms':>8} {'apply ms':>8} {'share':>6}")
+          f"{'mask ms':>8} {'apply ms':>8} {'torch ms':>8} {'share':>6}")
     for r in results:
         print(f"{r['devices']:<16} {r['free']['decode_tok_s']:>10} "
               f"{r['json_schema']['decode_tok_s']:>12} {r['ratio']:>6} {r['mask_ms']:>8} "
-              f"{r['apply_ms']:>8} {r['share']:>6}")
+              f"{r['apply_ms']:>8} {r['apply_ms_torch']:>8} {r['share']:>6}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

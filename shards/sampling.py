@@ -8,12 +8,16 @@ was restored from a cache, whichever process samples, and however the steps were
 from __future__ import annotations
 
 import dataclasses
+import logging
 import zlib
 from collections.abc import Sequence
 
 import torch
+from layersplit.shards.kernels import fused_kernels_available
 
+log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
+_kernel_failed = False  # the token-mask kernel failed once (`process_logits`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -262,22 +266,56 @@ def pack_mask(allowed: torch.Tensor) -> bytes:
 
 def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
     """Logits (rows, V) after the sample's repetition penalty, bias and grammar mask (a new
-    float32 tensor; the same logits when there are none)."""
+    float32 tensor; the same logits when there are none). On a GPU the masks apply in a Triton
+    kernel (`_process_with_kernel`; should it fail, logged, the torch code below from then on),
+    elsewhere as below."""
+    global _kernel_failed
     if not has_processors(sample):
         return logits
+    if logits.is_cuda and not _kernel_failed and fused_kernels_available(logits.device):
+        try:
+            return _process_with_kernel(logits, sample)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - logged; the torch path from then on
+            log.warning("the Triton token-mask kernel failed (%s: %s); applying token masks "
+                        "with torch", type(e).__name__, e)
+            _kernel_failed = True
     x = logits.float().clone()
     rep = sample.get("rep")
     if rep is not None:
         seen = mask_bits(sample["rep_mask"], x.shape[-1], x.device)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    bias = sample.get("bias")
-    if bias:
-        ids, vals = unpack_bias(bias)
-        x.index_add_(1, ids.to(x.device), vals.to(x.device).expand(x.shape[0], -1).contiguous())
+    _add_bias(x, sample.get("bias"))
     mask = sample.get("mask")
     if mask is not None:
         x = x.masked_fill(~mask_bits(mask, x.shape[-1], x.device), float("-inf"))
     return x
+
+
+def _add_bias(x: torch.Tensor, bias: bytes | None) -> None:
+    if bias:
+        ids, vals = unpack_bias(bias)
+        x.index_add_(1, ids.to(x.device), vals.to(x.device).expand(x.shape[0], -1).contiguous())
+
+
+def _process_with_kernel(logits: torch.Tensor, sample: dict) -> torch.Tensor:
+    """`process_logits` on a GPU: the packed masks go to the device in one copy from pinned
+    memory, and one kernel (`shards.kernels.token_mask`) converts the logits to float32 and
+    applies them; with a bias, which goes between the penalty and the grammar mask, two: the
+    penalty's, then the bias (torch), then the grammar's in place. (Triton is imported here,
+    on first use: never where the kernels do not run.)"""
+    from layersplit.shards.kernels.token_mask import apply_token_masks, upload_masks
+
+    rep, bias = sample.get("rep"), sample.get("bias")
+    seen, allowed = upload_masks([None if rep is None else sample["rep_mask"], sample.get("mask")],
+                                 logits.shape[-1], logits.device)
+    rep = 1.0 if rep is None else rep
+    if not bias:
+        return apply_token_masks(logits, allowed=allowed, seen=seen, rep=rep)
+    x = apply_token_masks(logits, seen=seen, rep=rep)
+    _add_bias(x, bias)
+    return x if allowed is None else apply_token_masks(x, allowed=allowed, out=x)
 
 
 def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], temperature: float,

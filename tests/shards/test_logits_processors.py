@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from layersplit.shards.sampling import (
@@ -32,6 +33,19 @@ def test_mask_round_trip_and_processing_order():
     want[:, ~allowed] = float("-inf")
     assert torch.equal(process_logits(logits, sample), want)
     assert process_logits(logits, {"temperature": 1.0}) is logits  # nothing to do: no copy
+
+
+def test_cpu_logits_keep_the_torch_path(monkeypatch):
+    """The token-mask kernel (`shards.kernels.token_mask`) is for CUDA logits: on a CPU, even
+    with Triton's interpreter on, `process_logits` is the torch path, and never imports it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delitem(sys.modules, "layersplit.shards.kernels.token_mask", raising=False)
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, -2.0]])
+    sample = {"rep": 3.0, "rep_mask": pack_mask(torch.tensor([1, 1, 0, 0, 1]) > 0),
+              "mask": pack_mask(torch.tensor([1, 1, 1, 0, 1]) > 0)}
+    want = torch.tensor([[2.0 / 3.0, -3.0, 3.0, float("-inf"), -6.0]])
+    assert torch.equal(process_logits(logits, sample), want)
+    assert "layersplit.shards.kernels.token_mask" not in sys.modules
 
 
 def test_logprob_entries_are_of_the_tempered_distribution():
