@@ -81,10 +81,11 @@ class RangeExecutor:
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
-        # a hybrid model's recurrent state moves by host-known positions: eager steps only,
-        # and verify steps row by row (each row's state kept until the next step settles it)
-        self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps)
-                       if static_decode and not self.hybrid else None)
+        # a hybrid model captures its one-token decode steps (a graph per slot: the recurrent
+        # states are the slot's); its verify steps run row by row (each row's state kept until
+        # the next step settles it), and batched steps run sequence by sequence, eager
+        self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps,
+                                     per_slot=self.hybrid) if static_decode else None)
         self.rowwise_verify = self.device.type != "cuda" or self.hybrid
 
     @property
@@ -120,7 +121,7 @@ class RangeExecutor:
             raise ValueError(
                 f"positions {pos}..{pos + n} exceed the context of {self.kv.max_len} tokens"
             )
-        if self.static is not None and (n == 1 or (verify and n <= MAX_VERIFY_ROWS)):
+        if self.static is not None and self._static_step(n, pos, verify):
             out, rows = self.static.run(x, pos, slot, tree if verify else None)
             if taps is not None:
                 taps.update(rows)
@@ -147,7 +148,7 @@ class RangeExecutor:
         for s in segs:
             starts.append(starts[-1] + s.n)
         outs: list[torch.Tensor | None] = [None] * len(segs)
-        if self.static is not None and self.device.type == "cuda":
+        if self.static is not None and self.device.type == "cuda" and not self.hybrid:
             group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify and s.taps is None]
             if len(group) >= 2:
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
@@ -168,6 +169,14 @@ class RangeExecutor:
                     if s.taps:
                         s.taps.update({k: v.clone() for k, v in s.taps.items()})
         return outs
+
+    def _static_step(self, n: int, pos: int, verify: bool) -> bool:
+        """Whether a step of n rows at `pos` runs as a static (captured) step: decode steps,
+        and verify steps of up to MAX_VERIFY_ROWS rows; on a hybrid range only decode steps
+        past position 0 (the first resets the slot's states on the host)."""
+        if self.hybrid:
+            return n == 1 and not verify and pos > 0
+        return n == 1 or (verify and n <= MAX_VERIFY_ROWS)
 
     def _rowwise(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
                  taps: dict[int, torch.Tensor] | None,

@@ -21,6 +21,11 @@ the replay, so one graph per (rows, KV-length bucket) serves every slot, and one
 batch size, KV-length bucket) every batch: the bucket bounds the blocks a step reads, and the
 batch is its sequences in any slots, padded with rows whose table is all scratch block.
 
+A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too, a graph per
+(slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
+advanced in place by the step, so the slot is part of the graph (`per_slot`). Its verify steps
+(which keep the state after every row) and batched steps stay eager.
+
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.
 """
@@ -87,8 +92,11 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
 
 class StaticDecoder:
     def __init__(self, model: LayerRange, kv: KVCache | PagedKVCache, bucket: int = 256,
-                 taps: tuple[int, ...] = ()) -> None:
+                 taps: tuple[int, ...] = (), per_slot: bool = False) -> None:
+        """`per_slot`: a graph per slot even over a paged cache (a hybrid range: its layers'
+        recurrent states are the slot's, read and written in place by the captured step)."""
         self.model, self.kv, self.bucket = model, kv, bucket
+        self.per_slot = per_slot
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         dev = kv.k_store.device
         self.paged = isinstance(kv, PagedKVCache)
@@ -186,11 +194,11 @@ class StaticDecoder:
             self._tables(1).copy_(self.kv.table[slot:slot + 1])
         if not self.capture:
             return self._step(slot, kv_len, n)
-        key = (-1 if self.paged else slot, kv_len, n)
+        graph_slot = -1 if self.paged and not self.per_slot else slot
+        key = (graph_slot, kv_len, n)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = capture(lambda: self._step(-1 if self.paged else slot, kv_len, n),
-                            self.pool)
+            entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
             log.debug("captured a %d-row step graph for layers %d:%d, %d keys", n,
                       self.model.start, self.model.end, kv_len)
             self.graphs[key] = entry

@@ -166,13 +166,18 @@ class HybridRange(nn.Module):
         logit_rows: slice | None = None,
         taps: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """As `LayerRange.forward`, for one sequence's rows (eager steps only: a batched or
-        captured step has no host position to carry the recurrent state by)."""
+        """As `LayerRange.forward`, for one sequence's rows: an eager step, or a captured
+        one-token decode step (`StepInfo.static`, position on the device) of a sequence past
+        position 0, which advances the slot's recurrent states in place as an eager step does.
+        Batched steps are not for hybrid ranges (each row's state is its own slot's)."""
         h = self.embed_tokens(x) if self.is_first else x
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
-        if step.pos is None or step.lo is not None:
-            raise NotImplementedError("hybrid models run eager steps only")
+        if step.lo is not None:
+            raise NotImplementedError("hybrid ranges run no batched steps")
+        if step.pos is None and h.shape[0] != 1:
+            raise NotImplementedError("a hybrid range's captured steps are one-token decode "
+                                      "steps (verify steps run row by row, eager)")
         if step.pos == 0:
             kv.reset(slot)
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One GPU (`nvidia-h200` / `nvidia-h100-x1`), three back-to-back calls of the device tool; the
+# default model's GGUF travels in three pieces (`split -b 33000000 -d -a 2
+# SmolLM2-135M-Instruct.Q4_1.gguf .device-carry/smol.part`), each call parking its piece in /tmp.
+#   call A: bash bench/device_gpu1.sh A    carry .whl .device-carry/smol.part00
+#           GPU tests of the token-mask kernel and of the hybrid path (fla-core, captured decode
+#           steps); the Qwen3.5-27B shape's decode, captured vs eager (1 shard), and 2 shards
+#   call B: bash bench/device_gpu1.sh B    carry .whl .device-carry/smol.part01
+#           the decode kernels' and the GPU path's tests; the default shape's decode on 2 shards
+#           with torch's recompile warnings counted
+#   call C: bash bench/device_gpu1.sh C    carry .whl .device-carry/smol.part02
+#           structured output vs free text (1 and 2 shards); speculative decoding on unseen
+#           prompts, greedy and at temperature 0.7 / top-p 0.9 (2 shards on the one GPU)
+# A stage starts only if its estimate fits before DEADLINE seconds (default 580) and is cut
+# there. Results: $OUT/log.txt and the benches' JSON.
+set -uo pipefail
+stage=${1:?stage A, B or C}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+mkdir -p $LAYERSPLIT_HOME/models
+cp .device-carry/smol.part* /tmp/ 2>/dev/null
+gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
+deadline=${DEADLINE:-580}
+LOG=$OUT/log.txt
+log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
+want() { ((SECONDS + $2 < deadline)) || { log "skip $1: it may not end by t=${deadline}s"; false; }; }
+run() {  # run NAME EST CMD...: as bench/device_x2.sh
+  local name=$1 est=$2; shift 2
+  want "$name" "$est" || return 0
+  log "$name"
+  timeout $((deadline - SECONDS)) "$@" > "/tmp/$name.full" 2>&1
+  echo "rc=$?" >> "/tmp/$name.full"
+  grep -v " INFO \| DEBUG " "/tmp/$name.full" | tail -${TAIL:-30} | tee -a "$LOG"
+}
+tests() { python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rf "$@"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
+if [ "$stage" = A ]; then
+  run tests_a 150 tests tests/gpu/test_token_mask.py tests/shards/test_logits_processors.py \
+    tests/shards/test_hybrid_gpu.py
+  run hybrid 200 python3 bench/decode.py --model random:qwen3.5-27b \
+    --layouts cuda:0 cuda:0,cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 \
+    --repeats 3 --floor --json "$OUT/hybrid.json"
+  run hybrid_eager 90 python3 bench/decode.py --model random:qwen3.5-27b --layouts cuda:0 \
+    --prompt-len 512 --new-tokens 64 --max-context 4096 --repeats 3 --no-graphs \
+    --json "$OUT/hybrid_eager.json"
+elif [ "$stage" = B ]; then
+  run tests_b 240 tests tests/gpu/test_decode_kernels.py tests/gpu/test_gpu_path.py
+  run smol_shape 90 python3 bench/decode.py --model random:smollm2-135m-shape \
+    --layouts cuda:0 cuda:0,cuda:0 --prompt-len 512 --new-tokens 256 --max-context 2048 \
+    --repeats 3 --json "$OUT/smol_shape.json"
+  log "recompile warnings: $(grep -ci recompile /tmp/smol_shape.full)"
+  grep -i -m3 recompile /tmp/smol_shape.full | cut -c1-300 | tee -a "$LOG"
+elif [ "$stage" = C ]; then
+  [ -s "$gguf" ] || cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 > "$gguf"
+  ls -la "$gguf" | tee -a "$LOG"
+  run structured 200 python3 bench/structured_output.py --model default \
+    --layouts cuda:0 cuda:0,cuda:0 --new-tokens 256 --repeats 3 --json "$OUT/structured.json"
+  run spec_greedy 120 python3 bench/speculative.py --model default --devices cuda:0,cuda:0 \
+    --drafts default --new-tokens 256 --repeat 3 --sets unseen --json "$OUT/spec_greedy.json"
+  run spec_sampled 150 python3 bench/speculative.py --model default --devices cuda:0,cuda:0 \
+    --drafts default --new-tokens 256 --repeat 3 --sets unseen --temperature 0.7 --top-p 0.9 \
+    --sampling coupled,rejection,guesses --json "$OUT/spec_sampled.json"
+fi
+log done
