@@ -11,6 +11,9 @@
 #   call C: bash bench/device_gpu1.sh C    carry .whl .device-carry/smol.part02
 #           structured output vs free text (1 and 2 shards); speculative decoding on unseen
 #           prompts, greedy and at temperature 0.7 / top-p 0.9 (2 shards on the one GPU)
+#   call D: bash bench/device_gpu1.sh D    carry .whl .device-carry/smol_vocab.json.gz
+#           (one call, no model piece) the hybrid GPU tests; structured output vs free text on
+#           a random-weight GGUF of the default model's shape and vocabulary (bench/random_gguf.py)
 # A stage starts only if its estimate fits before DEADLINE seconds (default 580) and is cut
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
@@ -35,10 +38,10 @@ run() {  # run NAME EST CMD...: as bench/device_x2.sh
   echo "rc=$?" >> "/tmp/$name.full"
   grep -v " INFO \| DEBUG " "/tmp/$name.full" | tail -${TAIL:-30} | tee -a "$LOG"
 }
-tests() { python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rf "$@"; }
+tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = A ]; then
-  run tests_a 150 tests tests/gpu/test_token_mask.py tests/shards/test_logits_processors.py \
+  run tests_a 150 $tests tests/gpu/test_token_mask.py tests/shards/test_logits_processors.py \
     tests/shards/test_hybrid_gpu.py
   run hybrid 200 python3 bench/decode.py --model random:qwen3.5-27b \
     --layouts cuda:0 cuda:0,cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 \
@@ -47,7 +50,9 @@ if [ "$stage" = A ]; then
     --prompt-len 512 --new-tokens 64 --max-context 4096 --repeats 3 --no-graphs \
     --json "$OUT/hybrid_eager.json"
 elif [ "$stage" = B ]; then
-  run tests_b 240 tests tests/gpu/test_decode_kernels.py tests/gpu/test_gpu_path.py
+  run tests_a 150 $tests tests/gpu/test_token_mask.py tests/shards/test_logits_processors.py \
+    tests/shards/test_hybrid_gpu.py
+  run tests_b 240 $tests tests/gpu/test_decode_kernels.py tests/gpu/test_gpu_path.py
   run smol_shape 90 python3 bench/decode.py --model random:smollm2-135m-shape \
     --layouts cuda:0 cuda:0,cuda:0 --prompt-len 512 --new-tokens 256 --max-context 2048 \
     --repeats 3 --json "$OUT/smol_shape.json"
@@ -63,5 +68,11 @@ elif [ "$stage" = C ]; then
   run spec_sampled 150 python3 bench/speculative.py --model default --devices cuda:0,cuda:0 \
     --drafts default --new-tokens 256 --repeat 3 --sets unseen --temperature 0.7 --top-p 0.9 \
     --sampling coupled,rejection,guesses --json "$OUT/spec_sampled.json"
+elif [ "$stage" = D ]; then  # no model piece: a random-weight GGUF of the default shape
+  run tests_hybrid 150 $tests tests/shards/test_hybrid_gpu.py
+  python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
+    --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf 2>&1 | tail -1
+  run structured 200 python3 bench/structured_output.py --model /tmp/smol-q4_1.gguf \
+    --layouts cuda:0 cuda:0,cuda:0 --new-tokens 256 --repeats 3 --json "$OUT/structured.json"
 fi
 log done

@@ -28,7 +28,8 @@ log = logging.getLogger("bench.random_gguf")
 VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
               "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-              "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id")
+              "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id",
+              "tokenizer.chat_template")
 
 
 def export_vocab(src: Path, dst: Path) -> None:
@@ -50,6 +51,8 @@ def add_vocab(w, vocab: dict) -> None:
     w.add_token_types(vocab["tokenizer.ggml.token_type"])
     if "tokenizer.ggml.merges" in vocab:
         w.add_token_merges(vocab["tokenizer.ggml.merges"])
+    if "tokenizer.chat_template" in vocab:
+        w.add_chat_template(vocab["tokenizer.chat_template"])
     for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id),
                      ("padding", w.add_pad_token_id), ("unknown", w.add_unk_token_id)):
         if f"tokenizer.ggml.{key}_token_id" in vocab:

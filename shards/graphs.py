@@ -94,7 +94,8 @@ class StaticDecoder:
     def __init__(self, model: LayerRange, kv: KVCache | PagedKVCache, bucket: int = 256,
                  taps: tuple[int, ...] = (), per_slot: bool = False) -> None:
         """`per_slot`: a graph per slot even over a paged cache (a hybrid range: its layers'
-        recurrent states are the slot's, read and written in place by the captured step)."""
+        recurrent states are the slot's, read and written in place by the captured step; the
+        cache is then a `HybridState`, whose `save` / `load` keep them across a capture)."""
         self.model, self.kv, self.bucket = model, kv, bucket
         self.per_slot = per_slot
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
@@ -198,7 +199,12 @@ class StaticDecoder:
         key = (graph_slot, kv_len, n)
         entry = self.graphs.get(key)
         if entry is None:
+            # a hybrid range's step advances its slot's states: the capture's warm-up runs
+            # must leave them as they were (the replay below takes the step once)
+            saved = self.kv.save(slot) if self.per_slot else None
             entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
+            if saved is not None:
+                self.kv.load(slot, saved)
             log.debug("captured a %d-row step graph for layers %d:%d, %d keys", n,
                       self.model.start, self.model.end, kv_len)
             self.graphs[key] = entry

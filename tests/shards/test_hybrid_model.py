@@ -239,3 +239,41 @@ def test_static_decode_steps_equal_eager(hybrid_models, family, paged):
     rows = torch.tensor([tok[0][0], 3, 5])
     a, b = (ex.run(rows, pos[0], 0, all_logits=True, verify=True) for ex in (eager, static))
     assert (a - b).abs().max().item() < 5e-5
+
+
+def test_a_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeypatch):
+    """A CUDA capture runs the step twice before recording it (warm-up), and a hybrid step
+    advances its slot's states in place: the decoder must put them back, or every new graph
+    (each KV bucket, each slot) would skip the state ahead. Here the capture is a CPU stand-in
+    that runs the step as the real one does (two warm-ups, the recorded call; a replay runs it
+    once more into the same outputs); the tokens and states must still be the eager path's."""
+    import layersplit.shards.graphs as graphs
+
+    class Replay:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            new, taps = self.fn()
+            self.out[0].copy_(new)
+
+    def cpu_capture(fn, pool):
+        fn()
+        fn()
+        out = fn()  # (a real capture records this call without running it: it runs here)
+        return Replay(fn, out), out
+
+    monkeypatch.setattr(graphs, "capture", cpu_capture)
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    eager = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=False)
+    static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
+                           graph_bucket=16)
+    static.static.capture = True
+    ids = _ids(13, seed=8)
+    tok = [int(ex.run(ids, 0).argmax()) for ex in (eager, static)]
+    for pos in range(13, 40):  # new graphs at 16, 32 and 48 keys
+        a, b = eager.run(torch.tensor([tok[0]]), pos), static.run(torch.tensor([tok[1]]), pos)
+        assert (a - b).abs().max().item() < 5e-5, pos
+        tok = [int(a.argmax()), int(b.argmax())]
+    assert len(static.static.graphs) == 3
+    assert torch.allclose(eager.kv.state, static.kv.state, atol=1e-5)
