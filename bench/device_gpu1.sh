@@ -17,7 +17,7 @@
 # A stage starts only if its estimate fits before DEADLINE seconds (default 580) and is cut
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
-stage=${1:?stage A, B or C}
+stage=${1:?stage A, B, C or D}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -167,10 +167,19 @@ def main() -> int:
         places = [None] if args.draft_devices is None else args.draft_devices.split(",")
         pushes = [x == "on" for x in args.push.split(",")]
         modes = args.sampling.split(",") if args.temperature > 0 else ["coupled"]
-        group = base + [r for d in args.drafts.split(",") for t in trees for place in places
-                        for push in pushes for s in modes
-                        for r in run(args, d, plain, t, place, push, s)]
         speed = {r["set"]: r["decode_tok_s"] for r in base}
+        group = list(base)
+        for d in args.drafts.split(","):
+            for t in trees:
+                for place in places:
+                    for push in pushes:
+                        for s in modes:
+                            group += run(args, d, plain, t, place, push, s)
+                            for r in group[-len(base):]:  # as each finishes: a cut run keeps them
+                                print(f"run {rep}, {r['set']}, {r['draft']}: "
+                                      f"{r['decode_tok_s']:.1f} tok/s, "
+                                      f"{r['decode_tok_s'] / speed[r['set']]:.2f} x plain "
+                                      f"({speed[r['set']]:.1f})", flush=True)
         for r in group:
             r["run"] = rep
             r["speedup"] = r["decode_tok_s"] / speed[r["set"]]

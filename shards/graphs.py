@@ -85,7 +85,9 @@ def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: a CUDA call of another thread meanwhile (the snapshot thread's pinned
+    # allocations and copies) neither fails nor invalidates this capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
@@ -202,9 +204,11 @@ class StaticDecoder:
             # a hybrid range's step advances its slot's states: the capture's warm-up runs
             # must leave them as they were (the replay below takes the step once)
             saved = self.kv.save(slot) if self.per_slot else None
-            entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
-            if saved is not None:
-                self.kv.load(slot, saved)
+            try:
+                entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
+            finally:
+                if saved is not None:
+                    self.kv.load(slot, saved)
             log.debug("captured a %d-row step graph for layers %d:%d, %d keys", n,
                       self.model.start, self.model.end, kv_len)
             self.graphs[key] = entry

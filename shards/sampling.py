@@ -275,7 +275,7 @@ def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:
     if logits.is_cuda and not _kernel_failed and fused_kernels_available(logits.device):
         try:
             return _process_with_kernel(logits, sample)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, ValueError):  # (a bad mask: the torch path's too)
             raise
         except Exception as e:  # noqa: BLE001 - logged; the torch path from then on
             log.warning("the Triton token-mask kernel failed (%s: %s); applying token masks "

@@ -34,7 +34,7 @@ def _token_mask(
     OUT, s_out,  # (rows, V) float32; row stride; may be X itself (a float32 X, in place)
     ALLOWED,  # uint8 (>= ceil(V / 8),): the grammar's bits (HAS_ALLOWED)
     SEEN,  # uint8 (>= ceil(V / 8),): the repetition penalty's bits (HAS_SEEN)
-    V, rep, inv_rep,  # inv_rep: 1 / rep rounded once to float32
+    V, rep, inv_rep,  # inv_rep: float32(1) / float32(rep) (torch's CUDA x / rep: x * that)
     HAS_ALLOWED: tl.constexpr, HAS_SEEN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
@@ -85,7 +85,7 @@ def apply_token_masks(logits: torch.Tensor, allowed: torch.Tensor | None = None,
     _token_mask[(rows, triton.cdiv(vocab, BLOCK))](
         logits, logits.stride(0), out, out.stride(0),
         dummy if allowed is None else allowed, dummy if seen is None else seen,
-        vocab, rep, 1.0 / rep,  # (1 / rep in double, rounded to float32 once: as torch's)
+        vocab, rep, float(np.float32(1.0) / np.float32(rep)),  # 1 / rep in float32, as torch's
         HAS_ALLOWED=allowed is not None, HAS_SEEN=seen is not None, BLOCK=BLOCK, num_warps=4)
     return out
 

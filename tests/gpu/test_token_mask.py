@@ -76,13 +76,15 @@ def test_grammar_mask_equals_torch(vocab, dtype, kind):
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_repetition_penalty_then_grammar_mask(vocab, dtype):
+@pytest.mark.parametrize("rep", [1.1, 1.3, 1.7])
+def test_repetition_penalty_then_grammar_mask(vocab, dtype, rep):
+    """(1.1 and 1.7: 1 / rep rounds differently in double and in float32; torch's CUDA x / rep
+    is x * (float32(1) / float32(rep)), which the kernel must match bit for bit on CUDA.)"""
     from layersplit.shards.kernels.token_mask import apply_token_masks
 
     g = torch.Generator().manual_seed(vocab + 1)
     logits = _logits(2, vocab, dtype, g)
     seen, allowed = _allowed("random", vocab, g), _allowed("random", vocab, g)
-    rep = 1.3
     got = apply_token_masks(logits, allowed=_packed(allowed), seen=_packed(seen), rep=rep)
     want = _penalized(logits.float(), seen.to(DEV), rep).masked_fill(~allowed.to(DEV), NEG_INF)
     torch.testing.assert_close(got, want, **ULPS)
@@ -90,6 +92,8 @@ def test_repetition_penalty_then_grammar_mask(vocab, dtype):
     torch.testing.assert_close(only_rep, _penalized(logits.float(), seen.to(DEV), rep),
                                **ULPS)
     assert torch.isfinite(only_rep).all()
+    if logits.is_cuda:  # (the interpreter's CPU division rounds otherwise: the tolerance above)
+        assert torch.equal(only_rep, _penalized(logits.float(), seen.to(DEV), rep))
 
 
 def test_strided_rows_and_in_place():

@@ -277,3 +277,25 @@ def test_a_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeypatch):
         tok = [int(a.argmax()), int(b.argmax())]
     assert len(static.static.graphs) == 3
     assert torch.allclose(eager.kv.state, static.kv.state, atol=1e-5)
+
+
+def test_a_failed_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeypatch):
+    """A capture that fails after its warm-up runs (out of memory, an invalidated capture) must
+    not leave the slot's states advanced: the step fails, the sequence's state stays whole."""
+    import layersplit.shards.graphs as graphs
+
+    def failing_capture(fn, pool):
+        fn()
+        fn()
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(graphs, "capture", failing_capture)
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
+                           graph_bucket=16)
+    static.static.capture = True
+    static.run(_ids(13, seed=8), 0)
+    conv, state = static.kv.save(0)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        static.run(torch.tensor([5]), 13)
+    assert torch.equal(static.kv.conv[:, 0], conv) and torch.equal(static.kv.state[:, 0], state)
