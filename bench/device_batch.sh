@@ -2,11 +2,7 @@
 # Continuous batching on the device (`nvidia-h200-x2`), in one call of the device tool
 # (carry .whl): the GPU tests, then bench/concurrency.py on the 8B shape, 1 GPU vs 2 GPUs.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 log() { echo "=== $* ($(date +%T))"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpus.txt"
 if [ -n "${GPU_TESTS:-tests/gpu}" ]; then

@@ -18,11 +18,7 @@
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
 stage=${1:?stage A, B, C or D}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 mkdir -p $LAYERSPLIT_HOME/models
 cp .device-carry/smol.part* /tmp/ 2>/dev/null
 gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf

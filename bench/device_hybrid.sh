@@ -7,11 +7,7 @@
 # `pip download fla-core==0.6.0 --no-deps -d .whl`; it needs einops and triton, both in the
 # image). Results under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import importlib.metadata as m, fla.ops.gated_delta_rule; print('fla-core', m.version('fla-core'))" \
   2>&1 | tee "$OUT/fla.txt"

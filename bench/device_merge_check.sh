@@ -3,11 +3,7 @@
 # (Qwen3-30B-A3B shape, 1 vs 2 shards on the one GPU, 8 and 32 streams). Wheels the image lacks
 # travel in .whl (device README). Results under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 echo "=== gpu tests ($(date +%T))"
 timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/gpu tests/shards/test_paged_gpu.py -p no:cacheprovider \

@@ -4,11 +4,7 @@
 # the GEMV kernels (the default) in the same call, then bench/moe.py (1 vs 2 shards, streams).
 # Wheels the image lacks travel in .whl (device README). Results under $OUT.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 echo "=== moe kernel tests ($(date +%T))"
 timeout 120 python3 -m pytest -q -m gpu tests/gpu/test_moe_kernels.py -p no:cacheprovider \

@@ -11,11 +11,7 @@
 #             (compare with bench/RESULTS.md's contiguous numbers)
 # Everything stops starting new stages after DEADLINE seconds (default 480). Logs: $OUT/log.txt.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 stages=${1:-paged,gputests,decode}
 deadline=${DEADLINE:-480}
 LOG=$OUT/log.txt

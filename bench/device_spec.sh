@@ -35,11 +35,7 @@
 set -uo pipefail
 stage=${1:?stage A, P, D, L, T or S}
 devices=${2:-cuda:0,cuda:1}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 mkdir -p $LAYERSPLIT_HOME/models /tmp/drafts
 gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
 log() { echo "=== $* ($(date +%T))"; }

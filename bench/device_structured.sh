@@ -13,11 +13,7 @@
 # Results: $OUT/structured.json and .txt (the table: ratio, the coordinator's mask ms, the last
 # shard's apply ms, their share of a free-text token's time).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 mkdir -p $LAYERSPLIT_HOME/models
 gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
 log() { echo "=== $* ($(date +%T))"; }

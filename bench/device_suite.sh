@@ -11,11 +11,7 @@
 #   stage D: 8B shapes                                (carry .whl)
 set -uo pipefail
 stage=${1:?stage 1 or 2}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/device_env.sh
 export LAYERSPLIT_HOME=/tmp/lshome
 mkdir -p $LAYERSPLIT_HOME/models
 log() { echo "=== $* ($(date +%T))"; }

@@ -20,11 +20,7 @@
 # .device-carry/smol_vocab.json.gz (`python bench/random_gguf.py --export-vocab GGUF OUT`).
 set -uo pipefail
 stage=${1:?stage 1 or 2}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=/tmp/lshome
+source bench/device_env.sh
 deadline=${DEADLINE:-590}
 LOG=$OUT/log.txt
 log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
