@@ -24,16 +24,7 @@ cp .device-carry/smol.part* /tmp/ 2>/dev/null
 gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
 deadline=${DEADLINE:-580}
 LOG=$OUT/log.txt
-log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
-want() { ((SECONDS + $2 < deadline)) || { log "skip $1: it may not end by t=${deadline}s"; false; }; }
-run() {  # run NAME EST CMD...: as bench/device_x2.sh
-  local name=$1 est=$2; shift 2
-  want "$name" "$est" || return 0
-  log "$name"
-  timeout $((deadline - SECONDS)) "$@" > "/tmp/$name.full" 2>&1
-  echo "rc=$?" >> "/tmp/$name.full"
-  grep -v " INFO \| DEBUG " "/tmp/$name.full" | tail -${TAIL:-30} | tee -a "$LOG"
-}
+source bench/device_stages.sh
 tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = A ]; then

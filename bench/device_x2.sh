@@ -23,16 +23,7 @@ stage=${1:?stage 1 or 2}
 source bench/device_env.sh
 deadline=${DEADLINE:-590}
 LOG=$OUT/log.txt
-log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
-want() { ((SECONDS + $2 < deadline)) || { log "skip $1: it may not end by t=${deadline}s"; false; }; }
-run() {  # run NAME EST CMD...: starts if EST seconds fit before the deadline, cut at it at the
-  local name=$1 est=$2; shift 2  # latest; its last lines go to the log (8 files come back)
-  want "$name" "$est" || return 0
-  log "$name"
-  timeout $((deadline - SECONDS)) "$@" > "/tmp/$name.full" 2>&1
-  echo "rc=$?" >> "/tmp/$name.full"
-  grep -v " INFO \| DEBUG " "/tmp/$name.full" | tail -30 | tee -a "$LOG"
-}
+source bench/device_stages.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = 1 ]; then
   setsid bash -c '  # llama.cpp build and the GGUFs, niced, beside the GPU runs
