@@ -11,7 +11,9 @@ bytes of weights read per token divided by the device-to-device copy bandwidth m
     python bench/decode.py --layouts cpu,cpu cpu,cpu --launcher ray --ray-address HOST:PORT \
         --ray-resources host_a,host_b host_a,host_a      # (one per layout)
 
-The decode column is the best of `--repeats` runs; `median` is their median.
+The decode column is the best of `--repeats` runs; `median` is their median. `--prefill 8192,32768`
+times one-token answers to prompts of those lengths (median of 3 after a warm-up; the runs
+listed); on a hybrid model `--hf` is transformers' own model of the same config (prefill only).
 
 Prints a table last; `--json FILE` also writes the rows.
 """
@@ -78,11 +80,56 @@ def run_layout(args, devices: list[str], prompt: list[int], resources: str = "")
             long_prompt = prompt_ids(n, coord.model_config.vocab_size, seed=n)
             one = SamplingParams(max_tokens=1, ignore_eos=True)
             times = []
-            for _ in range(2):
+            for _ in range(PREFILL_RUNS + 1):  # the first warms (graphs, compiled kernels)
                 p = Progress()
                 collect(coord.stream(long_prompt, one, p, use_cache=False), p, n)
                 times.append(p.ttft_s)
-            row[f"prefill_{n}_s"] = min(times)
+            _prefill_row(row, n, times[1:])
+    return row
+
+
+PREFILL_RUNS = 3
+
+
+def _prefill_row(row: dict, n: int, times: list[float]) -> None:
+    """`prefill_{n}_s`: the median of the runs, which are listed beside it."""
+    row[f"prefill_{n}_s"] = sorted(times)[len(times) // 2]
+    row[f"prefill_{n}_s_runs"] = times
+
+
+def _timed(fn, device: str) -> float:
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    return time.perf_counter() - t0
+
+
+def hf_hybrid_prefill(args, device: str) -> dict:
+    """transformers' own hybrid model (Qwen3.5 / Qwen3-Next, its fla-core kernels where
+    installed, SDPA) built from the same config with its own random init on the device (an HF
+    copy sharing our tensors would need both in memory at once: 2 x 51 GB at the 27B shape);
+    prefill only, one forward of the whole prompt, median of `PREFILL_RUNS` after a warm-up."""
+    import transformers
+
+    folder = resolve_model(args.model)
+    dtype = getattr(torch, args.hf_dtype)
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                           dtype=dtype).eval()
+    row = {"layout": f"HF transformers {transformers.__version__} ({device}), prefill only",
+           "shards": 1, "transport": "-", "ttft_s": float("nan"),
+           "decode_tok_s": float("nan"), "tokens": []}
+    with torch.inference_mode():
+        for n in args.prefill:
+            x = torch.tensor([prompt_ids(n, hf_cfg.vocab_size, seed=n)], device=device)
+            times = [_timed(lambda: hf(x, logits_to_keep=1), device)
+                     for _ in range(PREFILL_RUNS + 1)]
+            _prefill_row(row, n, times[1:])
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
     return row
 
 
@@ -116,14 +163,9 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
                    tokens=out[0, len(prompt):len(prompt) + 16].tolist())
         for n in args.prefill:
             x = torch.tensor([prompt_ids(n, cfg.vocab_size, seed=n)], device=device)
-            times = []
-            for _ in range(2):
-                torch.cuda.synchronize() if device.startswith("cuda") else None
-                t0 = time.perf_counter()
-                hf(x, logits_to_keep=1)
-                torch.cuda.synchronize() if device.startswith("cuda") else None
-                times.append(time.perf_counter() - t0)
-            row[f"prefill_{n}_s"] = min(times)
+            times = [_timed(lambda: hf(x, logits_to_keep=1), device)
+                     for _ in range(PREFILL_RUNS + 1)]
+            _prefill_row(row, n, times[1:])
     del hf
     gc.collect()
     torch.cuda.empty_cache() if device.startswith("cuda") else None
@@ -209,7 +251,9 @@ def main() -> None:
             for layout, res in zip(args.layouts, resources, strict=True)]
     first_dev = args.layouts[0].split(",")[0]
     if args.hf:
-        rows.append(hf_baseline(args, prompt, first_dev))
+        hybrid = ckpt.config.hybrid is not None
+        rows.append((hf_hybrid_prefill if hybrid else hf_baseline)(args, *(
+            (first_dev,) if hybrid else (prompt, first_dev))))
     floor = hbm_floor(args, first_dev) if args.floor and first_dev.startswith("cuda") else None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else os.uname().machine
     out = {"model": args.model, "device": gpu, "prompt_len": args.prompt_len,
@@ -217,6 +261,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     base = rows[0]["decode_tok_s"]
+    base_prefill = {c: rows[0].get(c) for c in (f"prefill_{n}_s" for n in args.prefill)}
     print(f"\n{args.model} on {gpu}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           "batch 1")
     cols = [f"prefill_{n}_s" for n in args.prefill]
@@ -236,6 +281,11 @@ def main() -> None:
               f"{parts} per token -> "
               f"{floor['floor_tok_s']:.0f} tok/s; first layout at "
               f"{base / floor['floor_tok_s']:.1%} of it")
+    for c, t0 in base_prefill.items():
+        print(f"{c}: " + ", ".join(f"{r['layout']}: {r[c]:.3f} s (runs "
+                                   + "/".join(f"{t:.3f}" for t in r[c + '_runs'])
+                                   + f"; {r[c] / t0:.2f} x the first layout's time)"
+                                   for r in rows if c in r))
     same = [r["tokens"] == rows[0]["tokens"] for r in rows]
     print(f"first 16 greedy tokens equal to the first layout's: {same}")
 

@@ -246,8 +246,13 @@ def decode_attention(*args):
 def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:
     """Fuse q/k/v and gate/up weights of every layer and install the fused decode step.
     `kernels`: use the Triton decode kernels (None: where `fused_kernels_available`)."""
+    from layersplit.shards.fused_hybrid import fuse_hybrid
     from layersplit.shards.models import llama, moe_llama
+    from layersplit.shards.models.qwen3_5 import HybridRange
 
+    if isinstance(model, HybridRange):  # its own fused step
+        fuse_hybrid(model, compile)
+        return
     fast = FusedDecode(compile, kernels)
     layers = list(model.layers)
     # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own

@@ -193,6 +193,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.in_proj: nn.Linear | None = None  # every in-projection in one, set by `fuse` (GPU)
 
     def conv_state_shape(self) -> tuple[int, int]:
         return (self.conv_dim, self.conv_kernel - 1)
@@ -200,9 +201,44 @@ class GatedDeltaNet(nn.Module):
     def state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
+    def in_proj_weight(self) -> torch.Tensor:
+        """The in-projections' weights as one, its rows in the order `project` returns them:
+        mixed q/k/v (C), z (Hv * Dv), b (Hv), a (Hv). Qwen3-Next's rows are grouped per key
+        head in the checkpoint; they are regrouped here, once."""
+        if not self.fused_projections:
+            return torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight,
+                              self.in_proj_b.weight, self.in_proj_a.weight])
+        hk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        hid = self.in_proj_qkvz.weight.shape[1]
+        q, k, v, z = self.in_proj_qkvz.weight.view(hk, 2 * dk + 2 * r * dv, hid).split(
+            [dk, dk, r * dv, r * dv], dim=1)
+        b, a = self.in_proj_ba.weight.view(hk, 2 * r, hid).split([r, r], dim=1)
+        return torch.cat([t.reshape(-1, hid) for t in (q, k, v, z, b, a)])
+
+    def fuse(self) -> None:
+        """One in-projection (`in_proj_weight`) instead of two or four: one GEMV a decode step
+        (the GPU path, `shards.fused_hybrid`). The separate weights are freed."""
+        fused = nn.Linear(1, 1, bias=False, device="meta")
+        fused.weight = nn.Parameter(self.in_proj_weight(), requires_grad=False)
+        self.in_proj = fused
+        for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                     "in_proj_a"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def split_projection(self, p: torch.Tensor):
+        """`in_proj`'s output (B, n, C + Hv * Dv + 2 Hv) as `project` returns it."""
+        bsz, n = p.shape[:2]
+        mixed, z, b, a = p.split([self.conv_dim, self.value_dim, self.num_v_heads,
+                                  self.num_v_heads], dim=-1)
+        return mixed, z.reshape(bsz, n, self.num_v_heads, self.head_v_dim), b, a
+
     def project(self, x: torch.Tensor):
         """(B, n, hidden) -> mixed q/k/v (B, n, C), z (B, n, Hv, Dv), b and a (B, n, Hv)."""
         bsz, n = x.shape[:2]
+        if self.in_proj is not None:
+            return self.split_projection(self.in_proj(x))
         if not self.fused_projections:
             z = self.in_proj_z(x).view(bsz, n, self.num_v_heads, self.head_v_dim)
             return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

@@ -55,13 +55,32 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=bias)
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Linear | None = None  # q (with its gate), k, v in one; `fuse` (GPU)
+
+    def fuse(self) -> None:
+        """One q/k/v projection (rows: query and gate, k, v); the three are freed."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        fused = nn.Linear(1, 1, bias=False, device="meta")
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        if parts[0].bias is not None:
+            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(n, hidden) -> q_proj's output (n, 2 H D), k and v (n, G * D)."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        return self.qkv_proj(x).split([2 * h * d, g * d, g * d], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
                 layer: int, slot: int, step: StepInfo) -> torch.Tensor:
         n, h, g, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q, gate = split_query_gate(self.q_proj(x), h, d)
-        k = self.k_norm(self.k_proj(x).view(n, g, d))
-        v = self.v_proj(x).view(n, g, d)
+        qg, k, v = self.project(x)
+        q, gate = split_query_gate(qg, h, d)
+        k = self.k_norm(k.reshape(n, g, d))
+        v = v.reshape(n, g, d)
         q = apply_partial_rope(self.q_norm(q), cos, sin)
         k = apply_partial_rope(k, cos, sin)
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
@@ -87,10 +106,13 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg)
         self.mlp: nn.Module = RoutedMoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
+        self.fast = None  # the fused one-token step (`shards.fused_hybrid`), set on GPUs
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
                 index: int, slot: int, step: StepInfo) -> torch.Tensor:
         """`index`: this layer's rank among the range's layers of its kind."""
+        if self.fast is not None and h.shape[0] == 1:
+            return self.fast(self, h, cos, sin, kv, index, slot, step)
         x = self.input_layernorm(h)
         if self.linear:
             s = slice(slot, slot + 1)

@@ -142,3 +142,54 @@ def test_captured_decode_steps_equal_eager_on_cuda(tiny_qwen3_5, dtype):
             pos[slot] += 1
     assert exs[1].static.graphs and {key[0] for key in exs[1].static.graphs} == {0, 1}
     assert near(exs[1].kv.state, exs[0].kv.state, TOL[dtype])
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrids(tmp_path_factory, tiny_qwen3_5):
+    """family -> a tiny hybrid folder with fla-sized heads (Qwen3-Next: its regrouped
+    in-projection; Qwen3.5-MoE: a sparse MLP after the fused stages)."""
+    from layersplit.shards.tiny import write_tiny_hybrid
+
+    root = tmp_path_factory.mktemp("hybrid-gpu-families")
+    return {"qwen3_5": tiny_qwen3_5, **{
+        fam: write_tiny_hybrid(root / fam, fam, linear_key_head_dim=16, linear_value_head_dim=16)
+        for fam in ("qwen3_next", "qwen3_5_moe")}}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype):
+    """The fused, compiled one-token step (`shards.fused_hybrid`, as a GPU shard installs it)
+    inside the CUDA graphs, against the unfused eager range: two sequences over a paged pool,
+    interleaved, logits and states within tolerance; the compiled stages ran."""
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor
+    from layersplit.shards.fused import fuse_projections
+
+    ckpt = open_checkpoint(tiny_hybrids[family])
+    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0")
+              for _ in range(2)]
+    fuse_projections(models[1], compile=True)
+    exs = [RangeExecutor(m, 256, 2, "cuda:0", static_decode=static, graph_bucket=32,
+                         paged=(64, 16)) for m, static in zip(models, (False, True))]
+    for ex in exs:
+        ex.kv.set_table(0, 0, list(range(0, 32, 2)))
+        ex.kv.set_table(1, 0, list(range(31, 0, -2)))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (70,), generator=g), torch.randint(0, 300, (5,), generator=g)]
+    first = [[ex.run(p.to("cuda:0"), 0, s) for s, p in enumerate(prompts)] for ex in exs]
+    tok = [int(x.argmax()) for x in first[0]]
+    for a, b in zip(*first):  # prefill chunks on the fused weights
+        assert near(b, a, TOL[dtype])
+    pos = [70, 5]
+    for _ in range(24):
+        for slot in (0, 1):
+            a, b = (ex.run(torch.tensor([tok[slot]], device="cuda:0"), pos[slot], slot)
+                    for ex in exs)
+            assert near(b, a, TOL[dtype]), (slot, pos[slot])
+            tok[slot] = int(a.argmax())  # both follow the eager tokens
+            pos[slot] += 1
+    fast = models[1].layers[0].fast
+    assert fast is not None and fast.compiled  # no fallback to the uncompiled stages
+    assert exs[1].static.graphs
+    assert near(exs[1].kv.state, exs[0].kv.state, TOL[dtype])

@@ -1,0 +1,187 @@
+"""The GPU decode step of a hybrid layer (Qwen3.5, Qwen3-Next), its elementwise work fused by
+torch.compile: `shards.fused`'s counterpart for `shards.models.qwen3_5`.
+
+Eager, a one-token step of a Gated DeltaNet layer is ~50 kernels (four in-projections, the
+conv's cat / conv1d / SiLU, the gates' casts, the norms' eight each...); inside a CUDA graph each
+still costs a few microseconds, most of a 64-layer step's time beside the weights' reads. Here a
+layer's step is three stages: `linear_pre` (input norm, one in-projection, the conv over the
+slot's state, the gates), the delta rule (fla-core's recurrent kernel where it runs, else the
+torch path; `shards.kernels.gated_delta_fla`), and `linear_post` (the gated output norm,
+out_proj, residual, post-attention norm, SwiGLU MLP, residual). A full-attention layer is
+`attn_pre` (norm, one q/k/v projection, q/k norms, partial rotary), the eager attention over the
+KV cache, and `attn_post`. A mixture-of-experts MLP (Qwen3.5-MoE, Qwen3-Next) runs eager after
+the post stage (`RoutedMoE`, its experts fused on the GPU). Weights are arguments, so one
+compilation serves every layer of a kind.
+
+Only one-token steps of one sequence take this path (decode, and the verify rows a hybrid range
+runs one at a time); prefill chunks run the module's own forward, on the fused weights. Same
+math as `shards.models.qwen3_5` but for summation order (the conv as a float32 sum of products);
+the CPU tests compare the two uncompiled, the GPU tests compiled.
+
+`LAYERSPLIT_FUSED_HYBRID=0` leaves hybrid layers unfused (the eager step, for comparisons).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from layersplit.shards.kernels.gated_delta_fla import pick_rule
+from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
+from layersplit.shards.layers.gated_delta import recurrent_gated_delta_rule
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "LAYERSPLIT_FUSED_HYBRID"
+
+
+def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ZeroCentredRMSNorm`: RMSNorm scaled by (1 + w), in float32."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + w.float())).to(x.dtype)
+
+
+def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h + x rounded once to h's dtype (as `shards.fused.residual`: foldable into the norm)."""
+    return (h.float() + x.float()).to(h.dtype)
+
+
+def _mlp(h, ln2_w, gu_w, down_w, eps: float):
+    """h + SwiGLU(norm(h)), or h alone where the layer's MLP is sparse (`gu_w` None)."""
+    if gu_w is None:
+        return h
+    g, u = F.linear(zc_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
+    return residual(h, F.linear(F.silu(g) * u, down_w))
+
+
+def linear_pre(h, ln_w, in_w, conv_w, conv_state, a_log, dt_bias, eps: float, conv_dim: int,
+               key_dim: int, value_dim: int, hk: int, hv: int, dk: int, dv: int):
+    """One token (h (1, hidden)) of a Gated DeltaNet layer up to the delta rule: q, k (1, 1, Hk,
+    Dk), v (1, 1, Hv, Dv), g (1, 1, Hv) float32, beta (1, 1, Hv), z (1, 1, Hv, Dv) and the new
+    conv state (C, K - 1). `conv_state` (C, K - 1) is the slot's, `conv_w` (C, K)."""
+    p = F.linear(zc_norm(h, ln_w, eps), in_w)
+    mixed, z, b, a = p.split([conv_dim, value_dim, hv, hv], dim=-1)
+    full = torch.cat([conv_state.to(h.dtype), mixed.t()], dim=-1)  # (C, K)
+    conv = (full.float() * conv_w.float()).sum(-1).to(h.dtype)  # the depthwise conv, one row
+    conv = F.silu(conv)
+    q, k, v = conv.split([key_dim, key_dim, value_dim])
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return (q.reshape(1, 1, hk, dk), k.reshape(1, 1, hk, dk), v.reshape(1, 1, hv, dv),
+            g.reshape(1, 1, hv), b.sigmoid().reshape(1, 1, hv), z.reshape(1, 1, hv, dv),
+            full[:, 1:])
+
+
+def linear_post(h, o, z, norm_w, norm_eps: float, out_w, ln2_w, gu_w, down_w, eps: float):
+    """The delta rule's output o (1, 1, Hv, Dv) through the gated norm and out_proj, added to h,
+    then the MLP (dense; else h after the mixer)."""
+    o32 = o.float()
+    o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + norm_eps)
+    y = (norm_w * o32.to(o.dtype) * F.silu(z.float())).to(o.dtype)
+    h = residual(h, F.linear(y.reshape(1, -1), out_w))
+    return _mlp(h, ln2_w, gu_w, down_w, eps)
+
+
+def attn_pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int, hd: int):
+    """One token's q (1, H, D), k, v (1, G, D) and output gate (1, H * D) of a gated
+    full-attention layer."""
+    qg, k, v = F.linear(zc_norm(h, ln_w, eps), qkv_w, qkv_b).split(
+        [2 * nh * hd, ng * hd, ng * hd], dim=-1)
+    q, gate = qg.view(1, nh, 2 * hd).chunk(2, dim=-1)
+    q = apply_partial_rope(zc_norm(q, qn_w, eps), cos, sin)
+    k = apply_partial_rope(zc_norm(k.reshape(1, ng, hd), kn_w, eps), cos, sin)
+    return q, k, v.reshape(1, ng, hd), gate.reshape(1, nh * hd)
+
+
+def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
+    """h + o_proj(attn * sigmoid(gate)), then the MLP (as `linear_post`)."""
+    h = residual(h, F.linear(gate_output(attn, gate), o_w))
+    return _mlp(h, ln2_w, gu_w, down_w, eps)
+
+
+STAGES = (linear_pre, linear_post, attn_pre, attn_post)
+
+
+class HybridFast:
+    """Callable installed as `HybridLayer.fast` on every layer of a GPU hybrid range."""
+
+    def __init__(self, compile: bool = True) -> None:
+        self.compiled = compile
+        self.stages = tuple(torch.compile(f, fullgraph=True, dynamic=False) if compile else f
+                            for f in STAGES)
+
+    def uncompile(self) -> None:
+        self.stages, self.compiled = STAGES, False
+
+    def __call__(self, layer, h, cos, sin, kv, index, slot, step):
+        try:
+            return self._run(layer, h, cos, sin, kv, index, slot, step)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:
+            if not self.compiled:
+                raise
+            log.warning("torch.compile of the hybrid decode step failed (%s: %s); running it "
+                        "eager", type(e).__name__, e)
+        self.uncompile()
+        return self._run(layer, h, cos, sin, kv, index, slot, step)
+
+    def _run(self, layer, h, cos, sin, kv, index, slot, step):
+        lin_pre, lin_post, att_pre, att_post = self.stages
+        eps = layer.input_layernorm.eps
+        mlp = layer.mlp
+        dense = getattr(mlp, "gate_up_proj", None)
+        mlp_w = ((layer.post_attention_layernorm.weight, dense.weight, mlp.down_proj.weight)
+                 if dense is not None else (None, None, None))
+        if layer.linear:
+            a = layer.linear_attn
+            conv_state, state = kv.conv[index, slot], kv.state[index, slot:slot + 1]
+            q, k, v, g, beta, z, new_conv = lin_pre(
+                h, layer.input_layernorm.weight, a.in_proj.weight, a.conv1d.weight.squeeze(1),
+                conv_state, a.A_log, a.dt_bias, eps, a.conv_dim, a.key_dim, a.value_dim,
+                a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim)
+            rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
+            o, new_state = rule(q, k, v, g, beta, state)
+            conv_state.copy_(new_conv)
+            state.copy_(new_state)
+            h = lin_post(h, o, z, a.norm.weight, a.norm.eps, a.out_proj.weight, mlp_w[0],
+                         mlp_w[1], mlp_w[2], eps)
+        else:
+            a = layer.self_attn
+            q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                                    a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
+                                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
+            keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None], attn_mask=step.mask,
+                enable_gqa=a.num_heads != a.num_kv_heads)  # (1, H, 1, D)
+            h = att_post(h, out[0].transpose(0, 1).reshape(1, -1), gate, a.o_proj.weight,
+                         mlp_w[0], mlp_w[1], mlp_w[2], eps)
+        if dense is None:  # a sparse MLP, eager
+            h = h + mlp(layer.post_attention_layernorm(h))
+        return h
+
+
+def fused_hybrid_switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def fuse_hybrid(model, compile: bool = True) -> bool:
+    """Fuse the projections of every layer of a hybrid range and install the fused one-token
+    step; False (nothing changed) where switched off or the MLP's activation is not SiLU."""
+    if fused_hybrid_switched_off():
+        log.info("%s=0: hybrid decode steps run unfused", ENV_SWITCH)
+        return False
+    if model.cfg.hidden_act != "silu":
+        log.warning("hybrid layers with hidden_act=%s run unfused (the fused step is SwiGLU)",
+                    model.cfg.hidden_act)
+        return False
+    fast = HybridFast(compile)
+    for layer in model.layers:
+        (layer.linear_attn if layer.linear else layer.self_attn).fuse()
+        layer.mlp.fuse()
+        layer.fast = fast
+    return True

@@ -1,0 +1,92 @@
+"""The fused one-token step of hybrid layers (`shards.fused_hybrid`), run uncompiled on CPU,
+against the module's own forward: prefill chunks on the fused weights, decode steps, captured
+(static) steps and verify rows, for each hybrid family (Qwen3-Next's regrouped in-projection
+included). The GPU tests compare the compiled stages (`tests/shards/test_hybrid_gpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards import fused_hybrid
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+
+FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float32, summed in another order (the conv, the fused GEMMs): 1e-5 of the magnitude."""
+    return (a - b).abs().max().item() <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def _fused_range(path, start: int, end: int, calls: list):
+    model = load_layer_range(open_checkpoint(path), start, end)
+    fuse_projections(model, compile=False)
+    fast = model.layers[0].fast
+    assert fast is not None and not fast.compiled
+    fast.stages = tuple(
+        (lambda f: (lambda *a: calls.append(f.__name__) or f(*a)))(f) for f in fast.stages)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_steps_equal_the_module_forward(hybrid_models, family, static):
+    """Two shards (split between a linear and an attention layer), prefill in two chunks, 12
+    decode steps, then a verify step of 3 rows: logits and every state equal the unfused
+    range's."""
+    path = hybrid_models[family]
+    calls: list[str] = []
+    plain = [RangeExecutor(load_layer_range(open_checkpoint(path), a, b), 96, 1,
+                           static_decode=static, graph_bucket=16) for a, b in ((0, 3), (3, 6))]
+    fused = [RangeExecutor(_fused_range(path, a, b, calls), 96, 1, static_decode=static,
+                           graph_bucket=16) for a, b in ((0, 3), (3, 6))]
+
+    def run(exs, ids, pos, **kw):
+        x = ids
+        for ex in exs:
+            x = ex.run(x, pos, all_logits=True, **kw)
+        return x
+
+    ids = _ids(70, seed=3)
+    for a, b in ((0, 40), (40, 70)):  # prefill on the fused weights
+        want = run(plain, ids[a:b], a)
+        assert _close(run(fused, ids[a:b], a), want)
+    assert calls == []  # prefill chunks are not one-token steps
+    tok, pos = int(want[-1].argmax()), 70
+    for _ in range(12):
+        want = run(plain, torch.tensor([tok]), pos)
+        got = run(fused, torch.tensor([tok]), pos)
+        assert _close(got, want), pos
+        tok, pos = int(want.argmax()), pos + 1
+    assert {"linear_pre", "linear_post", "attn_pre", "attn_post"} <= set(calls)
+    rows = torch.tensor([tok, 3, 5])
+    assert _close(run(fused, rows, pos, verify=True), run(plain, rows, pos, verify=True))
+    for p, f in zip(plain, fused):
+        assert torch.allclose(p.kv.state, f.kv.state, atol=1e-5)
+        assert torch.allclose(p.kv.conv, f.kv.conv, atol=1e-5)
+
+
+def test_fusing_frees_the_separate_projections(hybrid_models):
+    """The fused weights replace the checkpoint's (no second copy of a layer's projections)."""
+    for family in ("qwen3_5", "qwen3_next"):
+        model = load_layer_range(open_checkpoint(hybrid_models[family]), 0, 6)
+        before = sum(p.numel() for p in model.parameters())
+        fuse_projections(model, compile=False)
+        assert sum(p.numel() for p in model.parameters()) == before
+        names = {n for n, _ in model.named_parameters()}
+        assert not any(s in n for n in names for s in ("in_proj_q", "in_proj_b", "in_proj_z",
+                                                        "q_proj", "gate_proj"))
+
+
+def test_switched_off_leaves_the_layers_unfused(hybrid_models, monkeypatch):
+    monkeypatch.setenv(fused_hybrid.ENV_SWITCH, "0")
+    model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
+    fuse_projections(model, compile=False)
+    assert all(layer.fast is None for layer in model.layers)
+    assert model.layers[0].linear_attn.in_proj is None
