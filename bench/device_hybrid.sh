@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
-# One device call for the hybrid models' GPU path: the hybrid GPU tests (fla-core's gated delta
-# rule against the torch path, a 2-shard CLI run on one GPU), then the decode and prefill speed
-# of a Qwen3.5-27B-shape model (configs/models/qwen3.5-27b, seeded random weights, bf16) on one
-# GPU, 1 shard vs 2 shards, next to its HBM floor (weights + recurrent states + KV per token).
-# fla-core is not in the image: its wheel travels in .whl with the others (device README;
-# `pip download fla-core==0.6.0 --no-deps -d .whl`; it needs einops and triton, both in the
-# image). Results under $OUT.
+# One GPU (`nvidia-h100-x1` / `nvidia-h200`), the hybrid model's runs (issue 20), two
+# back-to-back calls of the device tool:
+#   call A: bash bench/device_hybrid.sh A    carry .whl
+#           the Qwen3.5-27B shape's decode with the fused hybrid step (1 and 2 shards) and,
+#           same call, unfused (LAYERSPLIT_FUSED_HYBRID=0); the hybrid GPU tests
+#   call B: bash bench/device_hybrid.sh B    carry .whl .whl-tf
+#           prefill of 8K and 32K tokens next to transformers' own Qwen3.5 (its fla-core
+#           kernels; .whl-tf holds transformers and the dependencies the image lacks); the
+#           decode-kernel and token-mask GPU tests
+# A stage starts only if its estimate fits before DEADLINE seconds (default 580) and is cut
+# there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
+stage=${1:?stage A or B}
 source bench/device_env.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import importlib.metadata as m, fla.ops.gated_delta_rule; print('fla-core', m.version('fla-core'))" \
-  2>&1 | tee "$OUT/fla.txt"
-grep -q '^fla-core' "$OUT/fla.txt" || { echo "fla-core does not import: carry its wheel"; exit 1; }
-echo "=== hybrid gpu tests ($(date +%T))"
-timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -m gpu tests/shards/test_hybrid_gpu.py \
-  -p no:cacheprovider -o addopts="" 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
-echo "=== qwen3.5-27b shape: decode and prefill, 1 vs 2 shards on cuda:0 ($(date +%T))"
-timeout "${BENCH_S:-480}" python3 bench/decode.py --model random:qwen3.5-27b \
-  --layouts cuda:0 cuda:0,cuda:0 --prompt-len 512 --new-tokens "${NEW_TOKENS:-64}" \
-  --prefill "${PREFILL:-8192,32768}" --prefill-chunk "${PREFILL_CHUNK:-2048}" \
-  --max-context 33280 --floor --json "$OUT/qwen35_27b.json" 2>&1 | tail -25 \
-  | tee "$OUT/qwen35_27b.txt"
-echo "=== done ($(date +%T))"
+deadline=${DEADLINE:-580}
+LOG=$OUT/log.txt
+source bench/device_stages.sh
+tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
+nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
+model=random:qwen3.5-27b
+if [ "$stage" = A ]; then
+  run fused 220 python3 bench/decode.py --model $model --layouts cuda:0 cuda:0,cuda:0 \
+    --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
+    --json "$OUT/fused.json"
+  run unfused 130 env LAYERSPLIT_FUSED_HYBRID=0 python3 bench/decode.py --model $model \
+    --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
+    --json "$OUT/unfused.json"
+  run tests_hybrid 150 $tests tests/shards/test_hybrid_gpu.py
+elif [ "$stage" = B ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
+  run prefill 300 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 bench/decode.py --model $model \
+    --layouts cuda:0 --prompt-len 512 --new-tokens 16 --max-context 40960 --repeats 1 \
+    --prefill 8192,32768 --prefill-chunk 8192 --hf --json "$OUT/prefill.json"
+  run tests_kernels 240 $tests tests/gpu/test_decode_kernels.py tests/gpu/test_token_mask.py
+fi
+log done
