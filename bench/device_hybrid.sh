@@ -32,7 +32,10 @@ elif [ "$stage" = B ]; then
     --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
   run prefill 300 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 bench/decode.py --model $model \
     --layouts cuda:0 --prompt-len 512 --new-tokens 16 --max-context 40960 --repeats 1 \
-    --prefill 8192,32768 --prefill-chunk 8192 --hf --json "$OUT/prefill.json"
-  run tests_kernels 240 $tests tests/gpu/test_decode_kernels.py tests/gpu/test_token_mask.py
+    --prefill 8192,32768 --prefill-chunk 8192 --kv-cache-gb 4 --hf --json "$OUT/prefill.json"
+  run tests_kernels 240 $tests --tb=short tests/gpu/test_decode_kernels.py \
+    tests/gpu/test_token_mask.py \
+    tests/shards/test_hybrid_gpu.py::test_fused_compiled_steps_equal_unfused_on_cuda
+  grep -v "DEBUG\|INFO\|torch.__trace" /tmp/tests_kernels.full > "$OUT/tests_kernels.txt"
 fi
 log done

@@ -16,6 +16,8 @@ copy does not wait on the host; one copy carries both masks of a sample.
 
 from __future__ import annotations
 
+import functools
+
 import threading
 import zlib
 from collections.abc import Sequence
@@ -34,7 +36,7 @@ def _token_mask(
     OUT, s_out,  # (rows, V) float32; row stride; may be X itself (a float32 X, in place)
     ALLOWED,  # uint8 (>= ceil(V / 8),): the grammar's bits (HAS_ALLOWED)
     SEEN,  # uint8 (>= ceil(V / 8),): the repetition penalty's bits (HAS_SEEN)
-    V, rep, inv_rep,  # inv_rep: float32(1) / float32(rep) (torch's CUDA x / rep: x * that)
+    V, rep, inv_rep,  # inv_rep: the float32 reciprocal torch's CUDA x / rep multiplies by
     HAS_ALLOWED: tl.constexpr, HAS_SEEN: tl.constexpr, BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
@@ -85,9 +87,19 @@ def apply_token_masks(logits: torch.Tensor, allowed: torch.Tensor | None = None,
     _token_mask[(rows, triton.cdiv(vocab, BLOCK))](
         logits, logits.stride(0), out, out.stride(0),
         dummy if allowed is None else allowed, dummy if seen is None else seen,
-        vocab, rep, float(np.float32(1.0) / np.float32(rep)),  # 1 / rep in float32, as torch's
+        vocab, rep, _reciprocal(rep, out.device),
         HAS_ALLOWED=allowed is not None, HAS_SEEN=seen is not None, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _reciprocal(rep: float, device: torch.device) -> float:
+    """1 / rep as torch's division of a tensor by a Python scalar uses it on `device`: CUDA's
+    `x / rep` is `x * r` for a float32 reciprocal r whose rounding (float32(1 / rep) or
+    float32(1) / float32(rep)) is torch's to choose; 1 / rep computed by torch itself is r."""
+    if device.type != "cuda":
+        return float(np.float32(1.0) / np.float32(rep))
+    return float((torch.ones(1, device=device) / rep).item())
 
 
 class _Staging:

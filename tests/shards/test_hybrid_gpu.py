@@ -167,29 +167,40 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
     from layersplit.shards.fused import fuse_projections
 
     ckpt = open_checkpoint(tiny_hybrids[family])
-    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0")
-              for _ in range(2)]
+    # [unfused eager, fused captured, unfused eager in float32 (how far bf16 itself goes)]
+    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dt, "cuda:0")
+              for dt in (dtype, dtype, torch.float32)]
     fuse_projections(models[1], compile=True)
     exs = [RangeExecutor(m, 256, 2, "cuda:0", static_decode=static, graph_bucket=32,
-                         paged=(64, 16)) for m, static in zip(models, (False, True))]
+                         paged=(64, 16)) for m, static in zip(models, (False, True, False))]
     for ex in exs:
         ex.kv.set_table(0, 0, list(range(0, 32, 2)))
         ex.kv.set_table(1, 0, list(range(31, 0, -2)))
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 300, (70,), generator=g), torch.randint(0, 300, (5,), generator=g)]
+    def dist(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max()) / max(1.0, float(b.abs().max()))
+
+    def close(a: torch.Tensor, b: torch.Tensor, f32: torch.Tensor) -> bool:
+        """b (fused) within TOL of a (unfused), or in bf16 within twice a's own distance from
+        float32: the two paths round at different points (inductor keeps float32 between
+        the fused ops), and a bf16 recurrent state carries its rounding from step to step."""
+        bound = TOL[dtype] if dtype == torch.float32 else max(TOL[dtype], 2 * dist(a, f32))
+        return dist(b, a) < bound
+
     first = [[ex.run(p.to("cuda:0"), 0, s) for s, p in enumerate(prompts)] for ex in exs]
     tok = [int(x.argmax()) for x in first[0]]
-    for a, b in zip(*first):  # prefill chunks on the fused weights
-        assert near(b, a, TOL[dtype])
+    for a, b, f32 in zip(*first):  # prefill chunks on the fused weights
+        assert close(a, b, f32)
     pos = [70, 5]
     for _ in range(24):
         for slot in (0, 1):
-            a, b = (ex.run(torch.tensor([tok[slot]], device="cuda:0"), pos[slot], slot)
-                    for ex in exs)
-            assert near(b, a, TOL[dtype]), (slot, pos[slot])
+            a, b, f32 = (ex.run(torch.tensor([tok[slot]], device="cuda:0"), pos[slot], slot)
+                         for ex in exs)
+            assert close(a, b, f32), (slot, pos[slot], dist(b, a), dist(a, f32))
             tok[slot] = int(a.argmax())  # both follow the eager tokens
             pos[slot] += 1
     fast = models[1].layers[0].fast
     assert fast is not None and fast.compiled  # no fallback to the uncompiled stages
     assert exs[1].static.graphs
-    assert near(exs[1].kv.state, exs[0].kv.state, TOL[dtype])
+    assert close(exs[0].kv.state, exs[1].kv.state, exs[2].kv.state)
