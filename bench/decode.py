@@ -36,8 +36,13 @@ from layersplit.runtime.config import RuntimeConfig  # noqa: E402
 from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
 from layersplit.runtime.model_store import resolve_model  # noqa: E402
-from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
+from layersplit.shards.checkpoint import (  # noqa: E402
+    RANDOM_PREFIX,
+    load_layer_range,
+    open_checkpoint,
+)
 from layersplit.shards.hf_convert import hf_causal_lm  # noqa: E402
+from layersplit.shards.random_weights import preset_path  # noqa: E402
 from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.decode")
@@ -112,7 +117,10 @@ def hf_hybrid_prefill(args, device: str) -> dict:
     prefill only, one forward of the whole prompt, median of `PREFILL_RUNS` after a warm-up."""
     import transformers
 
-    folder = resolve_model(args.model)
+    folder = str(resolve_model(args.model))
+    if folder.startswith(RANDOM_PREFIX):  # random:NAME or random:/folder: its config's folder
+        name = folder[len(RANDOM_PREFIX):]
+        folder = name if Path(name).is_dir() else str(preset_path(name))
     dtype = getattr(torch, args.hf_dtype)
     hf_cfg = transformers.AutoConfig.from_pretrained(folder)
     with torch.device(device):

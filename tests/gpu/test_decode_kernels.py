@@ -193,10 +193,11 @@ def test_key_split_covers_every_key_once(keys, programs):
             assert splits == 1
 
 
-def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots: int = 1):
+def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots: int = 1,
+              compile: bool = True):
     model = load_layer_range(open_checkpoint(path), 0, 6, dtype, DEV)
     if kernels is not None:
-        fuse_projections(model, compile=DEV != "cpu", kernels=kernels)
+        fuse_projections(model, compile=compile and DEV != "cpu", kernels=kernels)
     return RangeExecutor(model, 256, slots, device=DEV, static_decode=True, graph_bucket=32)
 
 
@@ -212,7 +213,8 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         runs["cpu"] = RangeExecutor(load_layer_range(open_checkpoint(path), 0, 6), 256, 3,
                                     device="cpu")
     else:  # the same weights in float32: how far bf16 itself takes the torch path
-        runs["fp32"] = _executor(path, family, torch.float32, False, slots=3)
+        # (uncompiled: its own compiled shapes would crowd dynamo's 8 per function)
+        runs["fp32"] = _executor(path, family, torch.float32, False, slots=3, compile=False)
     # per unit of the logits' largest magnitude (`tests.gpu.near`): in bf16 a 6-layer model's
     # logits (up to ~10) differ by a few bf16 steps between two summation orders (2-6 %
     # measured on an H100 and an H200 with paged KV); so in bf16 the kernels may differ from the
@@ -252,5 +254,9 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
           for k, st in static.items()})
     kv, ref = runs["kernels"].kv, runs["torch"].kv  # the caches hold the same rows
     kv_tol = 1e-3 if dtype == torch.float32 else 0.1
-    assert torch.allclose(kv.k.float(), ref.k.float(), atol=kv_tol)
-    assert torch.allclose(kv.v.float(), ref.v.float(), atol=kv_tol)
+    for name in ("k", "v"):
+        got, want = getattr(kv, name).float(), getattr(ref, name).float()
+        bound = kv_tol
+        if "fp32" in runs:  # bf16: rows of later steps carry the paths' own drift
+            bound = max(kv_tol, 2 * float((want - getattr(runs["fp32"].kv, name)).abs().max()))
+        assert float((got - want).abs().max()) <= bound, (name, bound)
