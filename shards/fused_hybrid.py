@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
+from layersplit.shards.layers.attention import attend
 from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
 from layersplit.shards.layers.gated_delta import recurrent_gated_delta_rule
 
@@ -154,11 +155,7 @@ class HybridFast:
                                     a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
                                     eps, a.num_heads, a.num_kv_heads, a.head_dim)
             keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None], attn_mask=step.mask,
-                enable_gqa=a.num_heads != a.num_kv_heads)  # (1, H, 1, D)
-            h = att_post(h, out[0].transpose(0, 1).reshape(1, -1), gate, a.o_proj.weight,
+            h = att_post(h, attend(q, keys, values, step.mask, False), gate, a.o_proj.weight,
                          mlp_w[0], mlp_w[1], mlp_w[2], eps)
         if dense is None:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))

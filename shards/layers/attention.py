@@ -23,6 +23,34 @@ def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
     return q.view(n, g, h // g, d).permute(1, 2, 0, 3).reshape(g, h // g * n, d)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor | None, from_start: bool, scale: float | None = None
+           ) -> torch.Tensor:
+    """SDPA of one sequence's n queries (n, H, D) over its keys and values (T, G, D): plainly
+    causal from position 0 (`from_start`: flash attention), else under `mask` (n, T) or none.
+    Returns (n, H * D).
+
+    A chunk after the first, on a GPU: the fused kernels that take a mask do not take GQA
+    (SDPA's fallback would materialize n x T scores per head), so K/V are repeated per query
+    head. One-row steps keep GQA (their scores are one row a head)."""
+    n, h = q.shape[:2]
+    gqa = h != keys.shape[1]
+    if gqa and mask is not None and not from_start and keys.is_cuda and n > 1:
+        r = h // keys.shape[1]
+        keys, values = keys.repeat_interleave(r, dim=1), values.repeat_interleave(r, dim=1)
+        gqa = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # (1, H, n, D)
+        keys.transpose(0, 1)[None],  # (1, G, T, D)
+        values.transpose(0, 1)[None],
+        attn_mask=None if from_start else mask,
+        is_causal=from_start,
+        enable_gqa=gqa,
+        scale=scale,
+    )  # (1, H, n, D)
+    return out[0].transpose(0, 1).reshape(n, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -85,23 +113,7 @@ class Attention(nn.Module):
                                              mask))
         # plain causal from position 0: flash attention applies (a window needs its mask)
         from_start = step.pos == 0 and n > 1 and mask is step.mask
-        gqa = self.num_heads != self.num_kv_heads
-        if gqa and mask is not None and not from_start and keys.is_cuda:
-            # a chunk after the first, on a GPU: the fused kernels that take a mask do not
-            # take GQA (the fallback would materialize n x T scores per head), so repeat K/V
-            r = self.num_heads // self.num_kv_heads
-            keys, values = keys.repeat_interleave(r, dim=1), values.repeat_interleave(r, dim=1)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # (1, H, n, D)
-            keys.transpose(0, 1)[None],  # (1, G, T, D)
-            values.transpose(0, 1)[None],
-            attn_mask=None if from_start else mask,
-            is_causal=from_start,
-            enable_gqa=gqa,
-            scale=self.sdpa_scale,
-        )  # (1, H, n, D)
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+        return self.o_proj(attend(q, keys, values, mask, from_start, self.sdpa_scale))
 
     def _grouped(self, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:

@@ -18,7 +18,6 @@ Shapes: n = tokens in this step, H / G = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from layersplit.shards.hybrid_cache import HybridCache, PagedHybridCache
 from layersplit.shards.hybrid_config import HybridSpec
 from layersplit.shards.kv_cache import KVLayout
@@ -29,6 +28,7 @@ from layersplit.shards.layers.gated_attention import (
     rotary_dim,
     split_query_gate,
 )
+from layersplit.shards.layers.attention import attend
 from layersplit.shards.layers.gated_delta import GatedDeltaNet
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.rotary import base_inv_freq, rope_cos_sin
@@ -85,12 +85,7 @@ class GatedAttention(nn.Module):
         k = apply_partial_rope(k, cos, sin)
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
         from_start = step.pos == 0 and n > 1  # plain causal
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=None if from_start else step.mask, is_causal=from_start,
-            enable_gqa=h != g,
-        )  # (1, H, n, D)
-        return self.o_proj(gate_output(out[0].transpose(0, 1).reshape(n, h * d), gate))
+        return self.o_proj(gate_output(attend(q, keys, values, step.mask, from_start), gate))
 
 
 class HybridLayer(nn.Module):
