@@ -404,12 +404,14 @@ def _alone(c: Coordinator, prompt: list[int], params: SamplingParams) -> tuple:
 
 
 @pytest.mark.slow
-def test_a_swap_out_evicts_the_least_recently_used_snapshots(target):
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_swap_out_evicts_the_least_recently_used_snapshots(target, tmp_path, disk):
     """host_cache_gb = 54 rows of KV per shard, for swapped-out sequences and RAM-tier snapshots
     together. P0's snapshots (rows 0:12 and 12:20) and P1's fill 40 rows; swapping P1 out
     mid-decode (2 blocks, 32 rows) evicts P0's two (the least recently used, leaf first) and
     keeps P1's. P1's output equals an uninterrupted run's, logits bit for bit; P0 asked again
-    is a miss with its first run's tokens and logits; host memory is back to the snapshots."""
+    is a miss (a disk hit, with a disk tier) with its first run's tokens and logits; host
+    memory is back to the snapshots."""
     from layersplit.runtime.kv_pool import block_bytes
     from layersplit.shards.checkpoint import open_checkpoint
 
@@ -417,7 +419,7 @@ def test_a_swap_out_evicts_the_least_recently_used_snapshots(target):
     assert mc.num_layers == 6
     row = block_bytes(mc, 3, 1, 4)  # bytes of one KV row on either shard (3 layers, float32)
     cfg = _cfg(target, 2, max_seqs=2, kv_blocks=8, prefix_cache=True,
-               host_cache_gb=54 * row / 2**30)
+               host_cache_gb=54 * row / 2**30, kv_cache_dir=str(tmp_path) if disk else None)
     p0, p1 = PROMPTS[0], PROMPTS[1]
     with Coordinator(cfg) as c:
         b, pool, index = c.batcher, c.host_pool, c.cache.index
@@ -426,6 +428,7 @@ def test_a_swap_out_evicts_the_least_recently_used_snapshots(target):
         assert not index.entries and pool.used == [0, 0]
         first0 = run_logged(c, p0, GREEDY)
         assert_same_run(first0, want0, "P0 with the cache")
+        c._finish_saves(30)  # (an entry being saved is not evicted)
         old = {e.key for e in index.entries.values() if e.in_ram}
         assert len(old) == 2 and pool.used == [20 * row] * 2
         pr = Progress(logits=[])
@@ -436,7 +439,9 @@ def test_a_swap_out_evicts_the_least_recently_used_snapshots(target):
         assert len(new) == 2 and pool.used == [40 * row] * 2
         b._preempt(req)
         assert req.swapped is not None and b.stats.swapped_out == 1 and b.stats.reprefills == 0
-        assert set(index.entries) == new and c.cache.stats.evicted_ram == 2
+        assert {e.key for e in index.entries.values() if e.in_ram} == new
+        assert set(index.entries) == (new | old if disk else new)
+        assert c.cache.stats.evicted_ram == 2
         assert pool.used == [(20 + 32) * row] * 2 and pool.swapped == {req.rid: (32 * row,) * 2}
         b.check()
         drive(c, [req])
@@ -444,9 +449,12 @@ def test_a_swap_out_evicts_the_least_recently_used_snapshots(target):
         assert_same_run((collect(iter(()), pr, len(p1)), np.stack(pr.logits)), want1,
                         "P1 swapped out and back")
         assert pool.used == [20 * row] * 2
-        misses = c.cache.stats.misses
+        misses, hits = c.cache.stats.misses, c.cache.stats.hits_disk
         again = run_logged(c, p0, GREEDY)
-        assert again[0].cache_tier == "none" and c.cache.stats.misses == misses + 1
+        if disk:
+            assert again[0].cache_tier == "disk" and c.cache.stats.hits_disk == hits + 1
+        else:
+            assert again[0].cache_tier == "none" and c.cache.stats.misses == misses + 1
         assert_same_run(again, want0, "P0 after its snapshots were evicted")
-        assert pool.used == [40 * row] * 2  # (P0's snapshots taken again)
+        assert pool.used == [40 * row] * 2  # (P0's RAM copies taken again)
         _all_free(c)
