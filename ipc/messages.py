@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 12  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 13  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -25,7 +25,9 @@ PROTOCOL_VERSION = 12  # 2: speculative decoding; 3: batched steps (several sequ
 # 10: paged KV (configure `kv_block`, `kv_blocks`; segment, snap_restore and snap_load `blocks`;
 # segment `copy`); 11: sampled proposals with their distributions (draft_begin `sample`;
 # proposal, drafted and segment `q`: `shards.spec_sampling`); 12: the host tier of live KV
-# (configure `kv_host_blocks`, message `kv_swap`: swap preemption, `runtime.batching`)
+# (configure `kv_host_blocks`, message `kv_swap`: swap preemption, `runtime.batching`); 13: the
+# host pool shared with the RAM tier (`runtime.host_pool`): kv_swap "drop" gives back the host
+# blocks of a sequence that ended while swapped out (a shard holds them only while used)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -74,7 +76,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                   "blocks": (dict, NoneType)},
     # swap preemption (coordinator -> shard; `ok` back once copied): a preempted sequence's
     # blocks to the shard's host KV pool (`direction` "out") or back ("in"), `pairs` of
-    # [device block, host block]; configure's optional `kv_host_blocks` sizes that pool
+    # [device block, host block], or gives them back ("drop", pairs of [-1, host block]);
+    # configure's optional `kv_host_blocks` sizes that pool
     "kv_swap": {"direction": (str,), "pairs": (list,)},
     "ok": {"info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),

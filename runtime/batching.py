@@ -17,7 +17,9 @@ KV blocks: before a step goes out, each of its sequences' block tables grows to 
 the step writes (`Scheduler.grow`). When the pool is full, the youngest running sequence with
 no step in flight is preempted, by swap where it can be: its blocks' rows are copied to the
 host-memory KV pool of every shard (`Coordinator.kv_swap`; the coordinator's `host`
-BlockManager hands out the host blocks), its device blocks are free at once, and it waits at
+BlockManager hands out the host blocks, `host_pool` meters the shards' host memory, which
+the prefix cache's RAM tier shares: its snapshots are evicted, least recently used first, to
+make room, `runtime.host_pool`), its device blocks are free at once, and it waits at
 the head of the queue, keeping its slot, its program (suspended at the step it asked for)
 and everything it generated. Re-admitted (before any new request), it gets device blocks for
 that step again, in the same slot, its rows are copied back in (every shard has replied
@@ -25,13 +27,13 @@ before the step goes out), and its program goes on where it stopped: no row is c
 twice, and its tokens and logits are those of an uninterrupted run. Blocks it shared with a
 live prefix go to the host pool like its own and come back as blocks of its own.
 
-Where it cannot be swapped (`kv_host_blocks` 0, the host pool too full, a hybrid model whose
-recurrent state is not in blocks, a sequence that feeds the draft process or speculates, or
-one whose shared-prefix block copy was not sent yet), it is preempted by re-prefill: its
-program is closed, its slot and blocks are free at once, and it waits at the head of the
-queue to run again from its prompt and the tokens it generated (`Request.make` starts it
-again from those, from the prefix cache where it holds them), so it yields the tokens an
-uninterrupted run would.
+Where it cannot be swapped (`kv_host_blocks` 0, host memory too full even once the RAM tier's
+snapshots are evicted, a hybrid model whose recurrent state is not in blocks, a sequence that
+feeds the draft process or speculates, or one whose shared-prefix block copy was not sent
+yet), it is preempted by re-prefill: its program is closed, its slot and blocks are free at
+once, and it waits at the head of the queue to run again from its prompt and the tokens it
+generated (`Request.make` starts it again from those, from the prefix cache where it holds
+them), so it yields the tokens an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from layersplit.runtime.block_manager import BlockManager
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
+from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -137,11 +140,13 @@ class _Step:
 
 class Batcher:
     def __init__(self, coord: StepChain, config: SchedulerConfig,
-                 host_blocks: int = 0) -> None:
+                 host_blocks: int = 0, host_pool: HostPool | None = None) -> None:
         self.coord = coord
         self.sched = Scheduler(config)
-        # the shards' host KV pools, tables keyed by rid (None: no swap preemption)
+        # the shards' host KV block ids, tables keyed by rid (None: no swap preemption)
         self.host = BlockManager(host_blocks, config.block_tokens) if host_blocks > 0 else None
+        # the shards' host memory, shared with the prefix cache's RAM tier (None: unmetered)
+        self.host_pool = host_pool
         self.requests: dict[int, Request] = {}
         self.steps: dict[int, _Step] = {}
         self._ids = itertools.count(1)
@@ -423,10 +428,23 @@ class Batcher:
         need = req.pending.pos + req.pending.rows  # its step's rows, when it comes back
         if self.sched.pool.blocks_for(need) > self.sched.total_blocks:
             need = rows  # (`_reserve` then fails it, as it would have)
+        # host memory: RAM-tier snapshots are evicted, least recently used first, to make room
+        try:
+            held = self.host_pool is None or self.host_pool.hold_swap(
+                req.rid, self.host.blocks_for(rows))
+        except ShardFailure as e:  # (dropping the snapshots on the shards failed)
+            log.warning("request %d: no room made in host memory (%s): it will be prefilled "
+                        "again", req.rid, e)
+            return False
+        if not held:
+            log.info("request %d: not swapped out (host memory full: %s of %s bytes per shard "
+                     "held by swapped sequences): it will be prefilled again", req.rid,
+                     list(self.host_pool.swapped_bytes()), list(self.host_pool.capacity))
+            return False
         self.host.allocate(req.rid, rows)
         blocks = self._copy_blocks(req, "out")
         if blocks is None:
-            self.host.free(req.rid)
+            self._drop_host(req, False)
             return False
         req.swapped = rows
         self.sched.swap_out(req.rid, need)
@@ -441,7 +459,7 @@ class Batcher:
         rows come back from the host blocks into its new device blocks on every shard before
         that step goes out. If the copy fails, it runs again from its tokens instead."""
         blocks = self._copy_blocks(req, "in")
-        self._drop_host(req)
+        self._drop_host(req, blocks is not None)  # (a swap-in frees them on the shards)
         if blocks is None:
             self._restart(req)
             return
@@ -462,12 +480,22 @@ class Batcher:
             return None
         return len(pairs)
 
-    def _drop_host(self, req: Request) -> None:
-        """The sequence's host blocks are free (swapped in, or it ended while swapped out)."""
-        if req.swapped is None:
+    def _drop_host(self, req: Request, swapped_in: bool) -> None:
+        """The sequence's host blocks are free (swapped in, or it ended while swapped out or
+        its swap failed: then the shards are told to free their memory)."""
+        if req.rid not in self.host.tables:
             return
         req.swapped = None
+        if not swapped_in and self.coord.failed is None:  # (a runtime that is down frees all)
+            drop = [[-1, h] for h in self.host.table(req.rid)]
+            try:
+                if drop:
+                    self.coord.kv_swap("drop", drop)
+            except ShardFailure as e:  # (the runtime may be down: nothing to free then)
+                log.warning("request %d: freeing its host blocks failed: %s", req.rid, e)
         self.host.free(req.rid)
+        if self.host_pool is not None:
+            self.host_pool.release_swap(req.rid)
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
 
     def _restart(self, req: Request) -> None:
@@ -553,7 +581,7 @@ class Batcher:
             self.sched.release(req.rid)
         if req.swapped is not None:  # ended while swapped out: its slot and host blocks
             self.sched.cancel_waiting(req.rid)
-            self._drop_host(req)
+            self._drop_host(req, False)
         self.requests.pop(req.rid, None)
 
     def check(self) -> None:
@@ -565,6 +593,10 @@ class Batcher:
         if self.host is not None:
             self.host.check_integrity()
             assert set(self.host.tables) == set(self.sched.swapped), "host blocks leaked"
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            assert set(self.host_pool.swapped) == set(self.sched.swapped), \
+                "host memory held for sequences not swapped out"
         for st in self.steps.values():
             assert all(r.in_flight > 0 for r in st.reqs)
 

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from layersplit.ipc.kv_file import (
     DTYPE_CODES,
     FEATURE_DATA,
     FEATURE_META,
+    ITEMSIZE,
     LAYER_KINDS,
     KVFileError,
     checksum,
@@ -41,6 +43,7 @@ from layersplit.ipc.kv_file import (
 )
 from layersplit.ipc.messages import message
 from layersplit.runtime.chunking import cut_points
+from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 
@@ -55,7 +58,7 @@ log = logging.getLogger(__name__)
 class CacheHost(Protocol):
     """What the prefix cache needs of the runtime (`runtime.coordinator.Coordinator` is one):
     the model's identity and chunking, the shards and the draft to send snapshot messages to,
-    and each slot's block table."""
+    and each slot's block table; the shards' host memory, shared with swapped-out sequences."""
 
     config: RuntimeConfig
     tokenizer: TextTokenizer | None
@@ -67,6 +70,7 @@ class CacheHost(Protocol):
     shards: Sequence[Any]  # each with `index` and `streams_cache`
     draft: Any  # the draft process's handle (`streams_cache`), while it serves
     draft_info: dict[str, Any]
+    host_pool: HostPool | None  # each shard's host memory (`runtime.host_pool`)
 
     @property
     def feeding(self) -> bool: ...
@@ -117,8 +121,13 @@ class CacheManager:
             coord.model_config.to_dict(), weights_identity(coord.model_path), coord.dtype,
             tok.chat_template if tok else None, coord.chunk, coord.eos_ids)
         disk = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else None
-        self.index = PrefixIndex(self.fingerprint, int(cfg.cache_ram_gb * 2**30), disk,
+        # the RAM tier's own cap, besides each shard's host memory (`runtime.host_pool`)
+        ram_cap = sys.maxsize if cfg.ram_tier_gb is None else int(cfg.ram_tier_gb * 2**30)
+        self.index = PrefixIndex(self.fingerprint, ram_cap, disk,
                                  int(cfg.kv_cache_max_gb * 2**30))
+        self.pool = coord.host_pool
+        if self.pool is not None:  # a swap-out that needs room evicts snapshots, LRU first
+            self.pool.make_room = self._make_room
         self.stats = self.index.stats
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
         infos = coord.shard_info()
@@ -172,6 +181,12 @@ class CacheManager:
 
     def entry_bytes(self, rows: int) -> int:
         return rows * self.row_bytes + self.state_bytes
+
+    def host_bytes(self, e: Entry) -> tuple[int, ...]:
+        """Host bytes of the entry's RAM copy on each shard (what its `snap_take` allocates)."""
+        return tuple(sum(math.prod(shape) * ITEMSIZE[code] for *_, code, shape in
+                         self.shard_tensors(s, e.length - e.start))
+                     for s in range(len(self.split)))
 
     # ---- keys ---------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
@@ -373,8 +388,8 @@ class CacheManager:
         rate = nbytes / max(dt, 1e-6)
         self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
         if self.hybrid:  # the state is the entry's only now: its RAM copy is taken at once
-            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
-            self._take(e, slot, context if feats else None)
+            if self._room_for(e):
+                self._take(e, slot, context if feats else None)
         else:  # a RAM copy, once the first token is out
             self.deferred_takes.append((e, slot, context if feats else None))
         return True, feats
@@ -415,8 +430,7 @@ class CacheManager:
         mine = [d for d in self.deferred_takes if d[1] == slot]
         self.deferred_takes = [d for d in self.deferred_takes if d[1] != slot]
         for e, _, context in reversed(mine):
-            if self.index.entries.get(e.key) is e and not e.in_ram:
-                self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+            if self.index.entries.get(e.key) is e and not e.in_ram and self._room_for(e):
                 self._take(e, slot, context)
 
     def _check_tokens(self, e: Entry, layout, prompt: Sequence[int]) -> None:
@@ -488,7 +502,9 @@ class CacheManager:
                   kv_bytes=self.entry_bytes(length - start) + feature_bytes, pins=1)
         self.index.add(e)  # first: from now on the parent has a child and cannot be evicted
         try:
-            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+            if not self._room_for(e):  # (swapped-out sequences hold the rest of host memory)
+                self.index.entries.pop(e.key, None)
+                return None
             self._take(e, slot, context)
             if not e.features:
                 e.kv_bytes -= feature_bytes
@@ -510,10 +526,32 @@ class CacheManager:
         if self.taps and context is not None:  # after the rows of the last step arrive
             draft = {**take, "slot": context, "sync": self.coord.feat_sid(context)}
         replies = self.coord.call_all(lambda sh: take, draft=draft)
+        if self.pool is not None:
+            self.pool.add_snapshot(ram_id, self.host_bytes(e))
         e.ram_id = ram_id
         e.features = draft is not None and any(r["_shard"] < 0 for r in replies)
 
+    def _room_for(self, e: Entry) -> bool:
+        """Evict RAM copies (least recently used first) until the entry's fits the RAM tier's
+        cap and every shard's host memory; False if it cannot fit there (it is not taken)."""
+        need = self.host_bytes(e)
+        room = None if self.pool is None else lambda gone: self.pool.fits(need, gone)
+        self._drop_ram(self.index.evict_ram(extra=e.kv_bytes, room=room))
+        if self.pool is not None and not self.pool.fits(need):
+            log.info("prefix cache: no host memory for a RAM copy of %s (%d rows): not taken",
+                     e.key[:12], e.length - e.start)
+            return False
+        return True
+
+    def _make_room(self, need: tuple[int, ...]) -> None:
+        """A swapped-out sequence needs `need` bytes of each shard's host memory: evict RAM
+        copies, least recently used first, until they fit (or none can go)."""
+        self._drop_ram(self.index.evict_ram(room=lambda gone: self.pool.fits(need, gone)))
+
     def _drop_ram(self, ram_ids: list[int]) -> None:
+        if self.pool is not None:
+            for ram_id in ram_ids:
+                self.pool.drop_snapshot(ram_id)
         if ram_ids:
             drop = message("snap_drop", entries=ram_ids)
             self.coord.call_all(lambda sh: drop, draft=drop if self.taps else None)

@@ -21,6 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+CACHE_RAM_DEFAULT_GB = 4.0  # `cache_ram_gb` when unset
 HEARTBEAT_TIMEOUT_S = 5.0  # remote shards: silence after which one is declared lost
 
 
@@ -73,14 +74,24 @@ class RuntimeConfig:
     kv_host_gb: float | None = _field(None, "GiB of host-memory KV pool per shard (pinned on "
                                             "GPUs); 0 = off; default: a quarter of the device "
                                             "pool's blocks, at most 4 GiB; not with "
-                                            "kv_host_blocks")
+                                            "kv_host_blocks or host_cache_gb")
+    host_cache_gb: float | None = _field(None, "GiB of host memory per shard shared by the host "
+                                               "KV pool (swapped-out sequences) and the prefix "
+                                               "cache's RAM tier, under one eviction policy: "
+                                               "swapped blocks stay, snapshots are evicted least "
+                                               "recently used to make room; 0 = neither; "
+                                               "replaces kv_host_gb, kv_host_blocks and "
+                                               "cache_ram_gb (not with them); default: those "
+                                               "two budgets side by side")
     micro_batches: int = _field(0, "groups of sequences in flight through the shard chain at "
                                    "once; 0 = auto (the number of shards); at most max_seqs "
                                    "and 4")
     transport: tuple[str, ...] = _field(("auto",), "per edge (or one for all): auto, "
                                                    "cuda-ipc, shm, zmq")
     prefix_cache: bool = _field(True, "reuse the KV of cached prompt prefixes")
-    cache_ram_gb: float = _field(4.0, "host memory for KV snapshots (RAM tier), GiB")
+    cache_ram_gb: float | None = _field(None, "host memory for KV snapshots (RAM tier), GiB, "
+                                              "all shards together; default 4; not with "
+                                              "host_cache_gb")
     kv_cache_dir: str | None = _field(None, "directory of the disk tier (survives restarts)")
     kv_cache_max_gb: float = _field(64.0, "size cap of the disk tier, GiB")
     draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
@@ -194,6 +205,7 @@ class RuntimeConfig:
                               "(0 = off)")
         if self.kv_host_blocks is not None and self.kv_host_gb is not None:
             raise ConfigError("set kv_host_blocks or kv_host_gb, not both")
+        self._check_host_memory()
         if not 1 <= self.max_seqs <= 512:
             raise ConfigError(f"max_seqs={self.max_seqs}: use 1..512")
         if not 0 <= self.micro_batches <= 4:
@@ -220,6 +232,28 @@ class RuntimeConfig:
             raise ConfigError(f"heartbeat_timeout={self.heartbeat_timeout}: must be 0 (off) "
                               "or more seconds")
         self._check_launcher()
+
+    def _check_host_memory(self) -> None:
+        for key in ("cache_ram_gb", "host_cache_gb"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value < float("inf"):
+                raise ConfigError(f"{key}={value}: must be a finite number >= 0")
+        if self.host_cache_gb is None:
+            return
+        given = [k for k in ("kv_host_gb", "kv_host_blocks", "cache_ram_gb")
+                 if getattr(self, k) is not None]
+        if given:
+            raise ConfigError(f"host_cache_gb and {' and '.join(given)}: host_cache_gb is the "
+                              "one host-memory budget of both the host KV pool and the RAM "
+                              f"tier; set host_cache_gb alone, or {', '.join(given)} without it")
+
+    @property
+    def ram_tier_gb(self) -> float | None:
+        """The RAM tier's own cap (GiB, all shards), or None under host_cache_gb (the shared
+        host pool caps it, `runtime.host_pool`)."""
+        if self.host_cache_gb is not None:
+            return None
+        return CACHE_RAM_DEFAULT_GB if self.cache_ram_gb is None else self.cache_ram_gb
 
     def _check_launcher(self) -> None:
         if self.launcher not in LAUNCHERS:

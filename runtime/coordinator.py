@@ -60,7 +60,8 @@ from layersplit.runtime.generate import (
     collect,
     sequence_program,
 )
-from layersplit.runtime.kv_pool import kv_host_pool_blocks, kv_pool_blocks
+from layersplit.runtime.host_pool import HostPool
+from layersplit.runtime.kv_pool import host_pool_plan, kv_pool_blocks
 from layersplit.runtime.model_store import resolve_draft, resolve_model
 from layersplit.runtime.placement import (
     Placement,
@@ -193,6 +194,7 @@ class Coordinator:
         self._back: collections.deque[int] = collections.deque(maxlen=256)  # sids of steps
         # back lately (a duplicate error about one is not about anything in flight)
         self.batcher: Batcher | None = None
+        self.host_pool: HostPool | None = None  # the shards' host memory (`runtime.host_pool`)
         if config.spin_ms is not None:
             self.spin_ms = config.spin_ms
         else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
@@ -273,14 +275,17 @@ class Coordinator:
             self.kv_blocks = kv_pool_blocks(cfg, self.model_config, self.placement, itemsize)
             log.info("KV pool: %d blocks of %d tokens per shard (%d tokens in all sequences)",
                      self.kv_blocks, cfg.kv_block, self.kv_blocks * cfg.kv_block)
-            # a hybrid model's sequence is also its recurrent state, which blocks do not hold:
-            # its preempted sequences run again from their tokens (no host tier)
-            self.kv_host_blocks = 0 if self.model_config.hybrid is not None else \
-                kv_host_pool_blocks(cfg, self.model_config, self.placement, itemsize,
-                                    self.kv_blocks)
+            # each shard's host memory, for swapped-out sequences and RAM-tier snapshots (a
+            # hybrid model's recurrent state is not in blocks: its sequences are not swapped)
+            host = host_pool_plan(cfg, self.model_config, self.placement, itemsize,
+                                  self.kv_blocks)
+            self.kv_host_blocks = host.blocks
+            self.host_pool = HostPool(host.capacity, host.block_bytes)
             if self.kv_host_blocks:
                 log.info("host KV pool: %d blocks per shard (swap preemption)",
                          self.kv_host_blocks)
+            log.info("host memory per shard (swapped KV and RAM-tier snapshots): %s MB",
+                     ", ".join(f"{c / 2**20:.0f}" for c in host.capacity))
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
@@ -332,7 +337,7 @@ class Coordinator:
             self.batcher = Batcher(self, SchedulerConfig(
                 slots=cfg.max_seqs, slot_tokens=cfg.max_context, block_tokens=cfg.kv_block,
                 micro_batches=groups, step_tokens=max_step, num_blocks=self.kv_blocks),
-                host_blocks=self.kv_host_blocks)
+                host_blocks=self.kv_host_blocks, host_pool=self.host_pool)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
         except BaseException:

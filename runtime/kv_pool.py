@@ -9,10 +9,18 @@ contiguous slots this pool replaced (nothing that ran before is refused now).
 The host tier (`kv_host_pool_blocks`, swap preemption in `runtime.batching`) has as many
 blocks on every shard too: `kv_host_blocks`, or what `kv_host_gb` holds on the most loaded
 shard, or by default a quarter of the device pool's blocks, at most `HOST_DEFAULT_GB` GiB.
+
+Host memory (`host_pool_plan`, the ledger `runtime.host_pool.HostPool`): with `host_cache_gb`
+every shard has that many GiB for swapped-out sequences and the RAM tier together (as many
+host block ids as the most loaded shard's budget holds; no RAM-tier cap of its own). Without
+it, the two budgets of before sit side by side in one pool: each shard's capacity is its host
+KV blocks' bytes plus `cache_ram_gb`, and the RAM tier keeps `cache_ram_gb` as its own cap, so
+neither ever takes the other's room (a swap-out never evicts a snapshot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from layersplit.runtime.config import ConfigError, RuntimeConfig
@@ -64,3 +72,29 @@ def kv_host_pool_blocks(config: RuntimeConfig, model_config: Any, placement: Pla
                               f"({most} bytes on the most loaded shard); raise it or use 0")
         return blocks
     return min(max(1, device_blocks // 4), int(HOST_DEFAULT_GB * 2**30) // max(most, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """Each shard's host memory (`runtime.host_pool.HostPool`)."""
+
+    blocks: int  # host block ids (the most swapped blocks at once; 0: no swap preemption)
+    capacity: tuple[int, ...]  # bytes per shard, swapped blocks and snapshots together
+    block_bytes: tuple[int, ...]  # bytes of one swapped block on each shard
+    ram_cap: int | None  # the RAM tier's own cap (bytes, all shards), None: the pool's alone
+
+
+def host_pool_plan(config: RuntimeConfig, model_config: Any, placement: Placement,
+                   itemsize: int, device_blocks: int) -> HostPlan:
+    """How much host memory each shard gives swapped-out sequences and the RAM tier."""
+    per = tuple(block_bytes(model_config, attention_layers(model_config, s.start, s.end),
+                            config.kv_block, itemsize) for s in placement.shards)
+    hybrid = getattr(model_config, "hybrid", None) is not None  # (its state is not in blocks)
+    if config.host_cache_gb is not None:
+        budget = int(config.host_cache_gb * 2**30)
+        blocks = 0 if hybrid else budget // max(max(per), 1)
+        return HostPlan(blocks, (budget,) * len(per), per, None)
+    blocks = 0 if hybrid else kv_host_pool_blocks(config, model_config, placement, itemsize,
+                                                  device_blocks)
+    ram = int(config.ram_tier_gb * 2**30)
+    return HostPlan(blocks, tuple(blocks * b + ram for b in per), per, ram)

@@ -6,7 +6,9 @@ host memory (RAM tier, `ram_id`) and/or in one file (disk tier, `path`). Restori
 restores its chain, root first.
 
 Eviction is least-recently-used per tier, under a byte cap, and never strands a child: an entry
-leaves a tier only if it stays in another tier or has no children.
+leaves a tier only if it stays in another tier or has no children. The RAM tier also gives
+way, by the same order, to swapped-out sequences in the shards' host memory, which it shares
+with them (`evict_ram`'s `room`, `runtime.host_pool`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -173,10 +175,14 @@ class PrefixIndex:
                 return True
         return False
 
-    def evict_ram(self, extra: int = 0) -> list[int]:
-        """Snapshot ids to drop from the shards so the RAM tier fits its cap (`extra` more)."""
+    def evict_ram(self, extra: int = 0,
+                  room: Callable[[list[int]], bool] | None = None) -> list[int]:
+        """Snapshot ids to drop from the shards so the RAM tier fits its cap (`extra` more)
+        and, with `room`, until `room(the ids dropped so far)` holds (the shards' host memory,
+        shared with swapped-out sequences, has the room asked for: `runtime.host_pool`)."""
         dropped: list[int] = []
-        while self.ram_bytes() + extra > self.ram_cap:
+        while self.ram_bytes() + extra > self.ram_cap or (room is not None
+                                                           and not room(dropped)):
             cands = sorted((e for e in self.entries.values() if e.in_ram and
                             self._evictable(e, e.path is not None)), key=lambda e: e.last_used)
             if not cands:

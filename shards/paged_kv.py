@@ -242,9 +242,12 @@ class PagedRows:
 
 
 class HostKVPool:
-    """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption):
-    `num_blocks` blocks shaped like the device pool's, pinned on a CUDA shard (a plain tensor
-    on CPU). Block ids are the coordinator's (its host BlockManager), the same on every shard.
+    """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption): up to
+    `num_blocks` blocks shaped like the device pool's, pinned on a CUDA shard (plain memory on
+    CPU). Block ids are the coordinator's (its host BlockManager), the same on every shard.
+    Memory is taken when blocks are swapped out and given back when they are swapped in or
+    dropped, so the shard holds only what the coordinator's ledger of its host memory counts
+    (`runtime.host_pool`: the prefix cache's RAM-tier snapshots share that memory).
     Copies are synchronous: a swap-out is done before its device blocks can be reused, a
     swap-in before any step reads them (the handler replies only then)."""
 
@@ -252,31 +255,42 @@ class HostKVPool:
         if num_blocks < 1:
             raise ValueError(f"host KV pool: {num_blocks} blocks")
         self.num_blocks = num_blocks
-        shape = (kv.layout.layers, num_blocks, kv.block, kv.layout.kv_heads, kv.layout.head_dim)
-        pin = kv.device.type == "cuda"
-        self.k = torch.zeros(shape, dtype=kv.layout.dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=kv.layout.dtype, pin_memory=pin)
+        self.kv = kv
+        self.pin = kv.device.type == "cuda"
+        # host block -> its K and V rows, each (layers, block, kv_heads, head_dim): views of
+        # the buffer of the swap-out that filled it (freed once all its blocks are gone)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Host bytes the blocks held now take."""
+        return sum(2 * k.numel() * k.element_size() for k, _ in self.held.values())
 
-    def pairs_error(self, kv: PagedKVCache, pairs: Any) -> str | None:
+    def pairs_error(self, kv: PagedKVCache, pairs: Any, direction: str = "out") -> str | None:
         """Why `pairs` is not a list of [device block, host block] pairs of this pool and
-        `kv`'s (each id in range, no device or host block twice), or None."""
+        `kv`'s (each id in range, no device or host block twice; "in" names only blocks the
+        pool holds; "drop" no device block, -1, and any host block: one that holds nothing
+        stays so, as after a swap-out that failed on this shard), or None."""
         if not isinstance(pairs, list) or not all(
                 isinstance(p, list) and len(p) == 2 and
                 all(isinstance(b, int) and not isinstance(b, bool) for b in p) for p in pairs):
             return f"pairs must be a list of [device block, host block], got {str(pairs)[:120]}"
-        bad = next((p for p in pairs if not (0 <= p[0] < kv.num_blocks and
+        low = -1 if direction == "drop" else 0
+        high = 0 if direction == "drop" else kv.num_blocks
+        bad = next((p for p in pairs if not (low <= p[0] < high and
                                              0 <= p[1] < self.num_blocks)), None)
         if bad is not None:
+            if direction == "drop":
+                return f"drop pair {bad} is not [-1, host block 0..{self.num_blocks - 1}]"
             return (f"pair {bad} outside device blocks 0..{kv.num_blocks - 1} or host blocks "
                     f"0..{self.num_blocks - 1}")
-        if len({p[0] for p in pairs}) != len(pairs):
+        if direction != "drop" and len({p[0] for p in pairs}) != len(pairs):
             return "pairs list a device block twice"
         if len({p[1] for p in pairs}) != len(pairs):
             return "pairs list a host block twice"
+        empty = next((p[1] for p in pairs if p[1] not in self.held), None)
+        if direction == "in" and empty is not None:
+            return f"host block {empty} holds nothing"
         return None
 
     def swap_out(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
@@ -284,17 +298,30 @@ class HostKVPool:
         if not pairs:
             return
         dev, host = _settled_ids(kv, pairs)
-        self.k[:, host] = kv.k_store[:, dev].cpu()
-        self.v[:, host] = kv.v_store[:, dev].cpu()
+        shape = (kv.k_store.shape[0], len(pairs), *kv.k_store.shape[2:])
+        k = torch.empty(shape, dtype=kv.k_store.dtype, pin_memory=self.pin)
+        v = torch.empty(shape, dtype=kv.v_store.dtype, pin_memory=self.pin)
+        k.copy_(kv.k_store[:, dev])
+        v.copy_(kv.v_store[:, dev])
+        for i, h in enumerate(host.tolist()):
+            self.held[h] = (k[:, i], v[:, i])
 
     def swap_in(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
-        """Host block h -> device block d, every layer, for each [d, h] (checked first)."""
+        """Host block h -> device block d, every layer, for each [d, h] (checked first); the
+        host blocks are free then."""
         if not pairs:
             return
         dev, host = _settled_ids(kv, pairs)
-        kv.k_store[:, dev] = self.k[:, host].to(kv.device)
-        kv.v_store[:, dev] = self.v[:, host].to(kv.device)
+        hosts = host.tolist()
+        kv.k_store[:, dev] = torch.stack([self.held[h][0] for h in hosts], 1).to(kv.device)
+        kv.v_store[:, dev] = torch.stack([self.held[h][1] for h in hosts], 1).to(kv.device)
         _settle(kv)  # (in place before the handler replies: the next step reads the rows)
+        self.drop(hosts)
+
+    def drop(self, hosts: Sequence[int]) -> None:
+        """The host blocks' memory is given back (their sequence ended while swapped out)."""
+        for h in hosts:
+            self.held.pop(h, None)
 
 
 def _settled_ids(kv: PagedKVCache, pairs: Sequence[Sequence[int]]

@@ -402,14 +402,15 @@ class ShardServer:
             raise ProtocolError(f"configure: kv_host_blocks={host_blocks!r} must be an int >= 0")
         kv = self.executor.kv
         if self.host_kv is None or self.host_kv.num_blocks != host_blocks or \
-                self.host_kv.k.shape[2:] != kv.k_store.shape[2:] or \
-                self.host_kv.k.shape[0] != kv.k_store.shape[0]:
+                self.host_kv.kv is not kv:
             self.host_kv = None
             if host_blocks:
                 self.host_kv = HostKVPool(kv, host_blocks)
-                log.info("shard %d: host KV pool of %d blocks (%.0f MB%s)", self.index,
-                         host_blocks, self.host_kv.nbytes / 2**20,
-                         ", pinned" if self.host_kv.k.is_pinned() else "")
+                log.info("shard %d: host KV pool of up to %d blocks (%.0f MB%s, taken as "
+                         "sequences are swapped out)", self.index, host_blocks,
+                         host_blocks * 2 * kv.k_store[:, 0].numel() *
+                         kv.k_store.element_size() / 2**20,
+                         ", pinned" if self.host_kv.pin else "")
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
@@ -919,22 +920,26 @@ class ShardServer:
     # ---- host tier of live KV ----------------------------------------------------------------
     def _on_kv_swap(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Copy a preempted sequence's blocks to the host pool (`direction` out) or back (in),
-        for each [device block, host block] of `pairs`; the reply goes once the copy is done,
-        so the coordinator reuses (out) or reads (in) the device blocks only after it."""
+        for each [device block, host block] of `pairs`, or give back the host blocks of one
+        that ended while swapped out (drop, [-1, host block]); the reply goes once the copy is
+        done, so the coordinator reuses (out) or reads (in) the device blocks only after it."""
         if self.executor is None:
             raise ProtocolError("kv_swap before configure", "unexpected")
         if self.host_kv is None:
             raise ProtocolError("kv_swap: this shard has no host KV pool (kv_host_blocks 0)")
         direction, pairs = msg["direction"], msg["pairs"]
-        if direction not in ("out", "in"):
-            raise ProtocolError(f"kv_swap: direction {direction!r} must be 'out' or 'in'")
+        if direction not in ("out", "in", "drop"):
+            raise ProtocolError(f"kv_swap: direction {direction!r} must be 'out', 'in' or "
+                                "'drop'")
         kv = self.executor.kv
-        why = self.host_kv.pairs_error(kv, pairs)
+        why = self.host_kv.pairs_error(kv, pairs, direction)
         if why is not None:
             raise ProtocolError(f"kv_swap: {why}")
         if self.snapshots is not None:
             self.snapshots.wait_pending()  # (prefix-cache copies out of blocks it overwrites)
-        if direction == "out":
+        if direction == "drop":
+            self.host_kv.drop([p[1] for p in pairs])
+        elif direction == "out":
             self.host_kv.swap_out(kv, pairs)
         else:
             self.host_kv.swap_in(kv, pairs)

@@ -11,7 +11,11 @@ it is admitted again; it resumes where it stopped, without computing a row twice
 - a host pool too small for the sequence (or none) falls back to re-prefill: the same tokens;
   so does a sequence that feeds the draft process, while the plain ones beside it swap;
 - bad `kv_swap` messages are refused by name, and the runtime goes on serving;
-- the scheduler's swapped state (pure bookkeeping) and bad kv_host_* settings.
+- the scheduler's swapped state (pure bookkeeping) and bad kv_host_* settings;
+- with `host_cache_gb` swapped-out sequences and the RAM tier share each shard's host memory:
+  a swap-out evicts the least recently used snapshots, the output stays an uninterrupted
+  run's, and the evicted prefix asked again is a miss with the same tokens; a sequence that
+  ends while swapped out gives its host memory back on the shards too.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def _all_free(c: Coordinator) -> None:
     assert not b.sched.swapped and not b.sched.waiting
     if b.host is not None:
         assert b.host.free_blocks == b.host.num_blocks and b.stats.host_blocks == 0
+    assert not c.host_pool.swapped and c.host_pool.swapped_bytes() == (0,) * len(c.shards)
     b.check()
 
 
@@ -104,10 +109,15 @@ def test_a_sequence_cancelled_while_swapped_out_frees_everything(target, alone):
         b._preempt(reqs[1])
         assert reqs[1].swapped is not None and b.stats.host_blocks == 2
         assert reqs[1].slot in {r.slot for r in b.sched.swapped.values()}
+        held = b.host.table(reqs[1].rid)
         b.check()
         b.cancel(reqs[1])
         assert reqs[1].done and not b.sched.swapped and b.host.free_blocks == 4
         b.check()
+        for sh in c.shards:  # its host blocks were given back on every shard too
+            with pytest.raises(ShardFailure, match=f"host block {held[0]} holds nothing"):
+                c._call(sh, message("kv_swap", direction="in", pairs=[[0, held[0]]]),
+                        time.monotonic() + 30)
         while not reqs[0].done:
             b.run_once()
         assert_same_run((collect(iter(()), progress[0], 20), np.stack(progress[0].logits)),
@@ -231,7 +241,11 @@ def test_bad_kv_swap_messages_are_refused_by_name(target):
             ("out", [[0, True]], "pairs must be a list of [device block, host block]"),
             ("out", [0, 1], "pairs must be a list of [device block, host block]"),
             ("out", "0,1", "kv_swap: field 'pairs' must be list, got str"),
-            ("sideways", [[0, 0]], "kv_swap: direction 'sideways' must be 'out' or 'in'"),
+            ("sideways", [[0, 0]], "kv_swap: direction 'sideways' must be 'out', 'in' or "
+                                   "'drop'"),
+            ("in", [[0, 0]], "kv_swap: host block 0 holds nothing"),
+            ("drop", [[0, 0]], "kv_swap: drop pair [0, 0] is not [-1, host block 0..2]"),
+            ("drop", [[-1, 1], [-1, 1]], "kv_swap: pairs list a host block twice"),
         ]
         for direction, pairs, why in cases:
             for sh in c.shards:
@@ -380,3 +394,67 @@ def test_two_micro_batches_and_a_swapped_sequence(target, tmp_path):
             assert [r.tokens for r in got] == want
             assert c.batcher.stats.swapped_out >= 1
             _all_free(c)
+
+
+def _alone(c: Coordinator, prompt: list[int], params: SamplingParams) -> tuple:
+    """The prompt run without the prefix cache (nothing restored, nothing snapshotted)."""
+    progress = Progress(logits=[])
+    got = collect(c.stream(prompt, params, progress, use_cache=False), progress, len(prompt))
+    return got, np.stack(progress.logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_swap_out_evicts_the_least_recently_used_snapshots(target, tmp_path, disk):
+    """host_cache_gb = 54 rows of KV per shard, for swapped-out sequences and RAM-tier snapshots
+    together. P0's snapshots (rows 0:12 and 12:20) and P1's fill 40 rows; swapping P1 out
+    mid-decode (2 blocks, 32 rows) evicts P0's two (the least recently used, leaf first) and
+    keeps P1's. P1's output equals an uninterrupted run's, logits bit for bit; P0 asked again
+    is a miss (a disk hit, with a disk tier) with its first run's tokens and logits; host
+    memory is back to the snapshots."""
+    from layersplit.runtime.kv_pool import block_bytes
+    from layersplit.shards.checkpoint import open_checkpoint
+
+    mc = open_checkpoint(target, 0).config
+    assert mc.num_layers == 6
+    row = block_bytes(mc, 3, 1, 4)  # bytes of one KV row on either shard (3 layers, float32)
+    cfg = _cfg(target, 2, max_seqs=2, kv_blocks=8, prefix_cache=True,
+               host_cache_gb=54 * row / 2**30, kv_cache_dir=str(tmp_path) if disk else None)
+    p0, p1 = PROMPTS[0], PROMPTS[1]
+    with Coordinator(cfg) as c:
+        b, pool, index = c.batcher, c.host_pool, c.cache.index
+        assert pool.capacity == (54 * row,) * 2 and b.host.num_blocks == 3
+        want0, want1 = _alone(c, p0, GREEDY), _alone(c, p1, SAMPLED)
+        assert not index.entries and pool.used == [0, 0]
+        first0 = run_logged(c, p0, GREEDY)
+        assert_same_run(first0, want0, "P0 with the cache")
+        c._finish_saves(30)  # (an entry being saved is not evicted)
+        old = {e.key for e in index.entries.values() if e.in_ram}
+        assert len(old) == 2 and pool.used == [20 * row] * 2
+        pr = Progress(logits=[])
+        req = c.submit(p1, SAMPLED, pr)
+        while not (len(pr.generated) >= 5 and req.in_flight == 0 and req.waits is None):
+            b.run_once()
+        new = {e.key for e in index.entries.values() if e.in_ram} - old
+        assert len(new) == 2 and pool.used == [40 * row] * 2
+        b._preempt(req)
+        assert req.swapped is not None and b.stats.swapped_out == 1 and b.stats.reprefills == 0
+        assert {e.key for e in index.entries.values() if e.in_ram} == new
+        assert set(index.entries) == (new | old if disk else new)
+        assert c.cache.stats.evicted_ram == 2
+        assert pool.used == [(20 + 32) * row] * 2 and pool.swapped == {req.rid: (32 * row,) * 2}
+        b.check()
+        drive(c, [req])
+        assert b.stats.swapped_in == 1
+        assert_same_run((collect(iter(()), pr, len(p1)), np.stack(pr.logits)), want1,
+                        "P1 swapped out and back")
+        assert pool.used == [20 * row] * 2
+        misses, hits = c.cache.stats.misses, c.cache.stats.hits_disk
+        again = run_logged(c, p0, GREEDY)
+        if disk:
+            assert again[0].cache_tier == "disk" and c.cache.stats.hits_disk == hits + 1
+        else:
+            assert again[0].cache_tier == "none" and c.cache.stats.misses == misses + 1
+        assert_same_run(again, want0, "P0 after its snapshots were evicted")
+        assert pool.used == [40 * row] * 2  # (P0's RAM copies taken again)
+        _all_free(c)

@@ -104,3 +104,38 @@ def test_table_errors_and_copies():
     assert torch.equal(kv.k_store[:, 0], kv.k_store[:, 3])
     with pytest.raises(IndexError, match="outside its block table of 16 rows"):
         kv.get_rows(0, [16])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_host_pool_holds_memory_only_while_blocks_are_swapped_out(device):
+    """`HostKVPool` takes host memory (pinned on a GPU) at a swap-out and gives it back at the
+    swap-in (or a drop), so the shard holds what the coordinator's ledger counts
+    (`runtime.host_pool`); the rows come back bit for bit, into other device blocks."""
+    from layersplit.shards.paged_kv import HostKVPool
+
+    kv = PagedKVCache(KVLayout(3, 2, 4, torch.float32), MAX_LEN, SLOTS, BLOCKS, BLOCK, device)
+    g = torch.Generator().manual_seed(3)
+    kv.k_store.copy_(torch.randn(kv.k_store.shape, generator=g))
+    kv.v_store.copy_(torch.randn(kv.v_store.shape, generator=g))
+    host = HostKVPool(kv, 4)
+    per_block = 2 * 3 * BLOCK * 2 * 4 * 4  # K and V, 3 layers, 8 rows of 2 x 4 floats
+    assert host.nbytes == 0
+    k, v = kv.k_store[:, [5, 9]].clone(), kv.v_store[:, [5, 9]].clone()
+    host.swap_out(kv, [[5, 2], [9, 0]])
+    assert host.nbytes == 2 * per_block and set(host.held) == {0, 2}
+    assert host.held[0][0].is_pinned() == (device == "cuda")
+    assert host.pairs_error(kv, [[1, 3]], "in") == "host block 3 holds nothing"
+    assert host.pairs_error(kv, [[0, 2]], "drop") == \
+        "drop pair [0, 2] is not [-1, host block 0..3]"
+    kv.k_store[:, [5, 9]] = 0
+    host.swap_in(kv, [[11, 2], [7, 0]])
+    assert torch.equal(kv.k_store[:, [11, 7]], k) and torch.equal(kv.v_store[:, [11, 7]], v)
+    assert host.nbytes == 0 and not host.held
+    host.swap_out(kv, [[1, 1], [2, 3], [3, 0]])  # 3 blocks held
+    assert host.pairs_error(kv, [[-1, 1], [-1, 2]], "drop") is None  # (2: nothing to free)
+    host.drop([1, 2])
+    assert host.nbytes == 2 * per_block and set(host.held) == {0, 3}
+    host.drop([0, 3])
+    assert host.nbytes == 0
