@@ -23,7 +23,8 @@ batch is its sequences in any slots, padded with rows whose table is all scratch
 
 A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too, a graph per
 (slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
-advanced in place by the step, so the slot is part of the graph (`per_slot`). Its verify steps
+advanced in place by the step, so the slot is part of the graph (`per_slot`); its buckets are
+`HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its verify steps
 (which keep the state after every row) and batched steps stay eager.
 
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
@@ -49,6 +50,10 @@ Outputs = tuple[torch.Tensor, dict[int, torch.Tensor]]
 BatchGraph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a batched step's graph, output rows
 
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # padded batch sizes; above 64, multiples of 64
+# A hybrid range's graphs are per slot, so each KV bucket costs a capture in every slot; its
+# buckets are this many times the configured one (1,024 keys by default): a quarter of the
+# graphs and captures, for a few hundred masked keys more in its few attention layers a step.
+HYBRID_BUCKET_FACTOR = 4
 
 
 def batch_bucket(n: int) -> int:
@@ -100,6 +105,7 @@ class StaticDecoder:
         cache is then a `HybridState`, whose `save` / `load` keep them across a capture)."""
         self.model, self.kv, self.bucket = model, kv, bucket
         self.per_slot = per_slot
+        self.step_bucket = bucket * HYBRID_BUCKET_FACTOR if per_slot else bucket
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         dev = kv.k_store.device
         self.paged = isinstance(kv, PagedKVCache)
@@ -117,7 +123,8 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def kv_len(self, pos: int, n: int = 1) -> int:
-        return min(-(-(pos + n) // self.bucket) * self.bucket, self.kv.max_len)
+        b = self.step_bucket
+        return min(-(-(pos + n) // b) * b, self.kv.max_len)
 
     def _zeros(self, n: int) -> torch.Tensor:
         """A static input buffer of n rows: token ids on the first range, else hidden rows."""

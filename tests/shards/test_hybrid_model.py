@@ -211,7 +211,7 @@ def test_static_decode_steps_equal_eager(hybrid_models, family, paged):
     extra = {"paged": (64, 8)} if paged else {}
     eager = RangeExecutor(load_layer_range(ckpt, 0, 6), 160, 2, static_decode=False, **extra)
     static = RangeExecutor(load_layer_range(ckpt, 0, 6), 160, 2, static_decode=True,
-                           graph_bucket=16, **extra)
+                           graph_bucket=4, **extra)  # hybrid buckets: 4 x 4 keys
     if paged:  # slot 0 takes the even blocks, slot 1 the odd ones, in reverse
         for ex in (eager, static):
             ex.kv.set_table(0, 0, list(range(0, 40, 2)))
@@ -234,6 +234,8 @@ def test_static_decode_steps_equal_eager(hybrid_models, family, paged):
             assert tok[0][slot] == tok[1][slot]
             pos[slot] += 1
     assert len(steps) == 60 and {a[0] for a in steps} == {0, 1}  # (slot, kv_len, rows)
+    # hybrid buckets are HYBRID_BUCKET_FACTOR (4) x 4 keys wide
+    assert {a[1] for a in steps} == {16, 32, 48, 64}
     assert torch.allclose(eager.kv.state, static.kv.state, atol=1e-5)
     assert torch.allclose(eager.kv.conv, static.kv.conv, atol=1e-5)
     rows = torch.tensor([tok[0][0], 3, 5])
@@ -267,7 +269,7 @@ def test_a_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeypatch):
     ckpt = open_checkpoint(hybrid_models["qwen3_5"])
     eager = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=False)
     static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
-                           graph_bucket=16)
+                           graph_bucket=4)  # hybrid buckets: 4 x 4 keys
     static.static.capture = True
     ids = _ids(13, seed=8)
     tok = [int(ex.run(ids, 0).argmax()) for ex in (eager, static)]
@@ -292,7 +294,7 @@ def test_a_failed_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeyp
     monkeypatch.setattr(graphs, "capture", failing_capture)
     ckpt = open_checkpoint(hybrid_models["qwen3_5"])
     static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
-                           graph_bucket=16)
+                           graph_bucket=4)  # hybrid buckets: 4 x 4 keys
     static.static.capture = True
     static.run(_ids(13, seed=8), 0)
     conv, state = static.kv.save(0)
