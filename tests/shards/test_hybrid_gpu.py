@@ -123,7 +123,7 @@ def test_captured_decode_steps_equal_eager_on_cuda(tiny_qwen3_5, dtype):
 
     ckpt = open_checkpoint(tiny_qwen3_5)
     exs = [RangeExecutor(load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0"),
-                         256, 2, "cuda:0", static_decode=static, graph_bucket=32,
+                         256, 2, "cuda:0", static_decode=static, graph_bucket=4,
                          paged=(64, 16)) for static in (False, True)]
     for ex in exs:
         ex.kv.set_table(0, 0, list(range(0, 32, 2)))
@@ -174,7 +174,7 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
     models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dt, "cuda:0")
               for dt in (dtype, dtype, torch.float32)]
     fuse_projections(models[1], compile=True)
-    exs = [RangeExecutor(m, 256, 2, "cuda:0", static_decode=static, graph_bucket=32,
+    exs = [RangeExecutor(m, 256, 2, "cuda:0", static_decode=static, graph_bucket=4,
                          paged=(64, 16)) for m, static in zip(models, (False, True, False))]
     for ex in exs:
         ex.kv.set_table(0, 0, list(range(0, 32, 2)))
