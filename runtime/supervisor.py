@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 from layersplit.ipc.auth import SECRET_ENV
 from layersplit.ipc.shm import sweep
+from layersplit.runtime.model_store import home
 from layersplit.runtime.placement import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,36 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     return LocalProcess(plan, proc, error_file)
 
 
-def _start(cmd: list[str], secret: bytes, device: str) -> subprocess.Popen:
+def compile_cache_env() -> dict[str, str]:
+    """torch.compile's (inductor's) and Triton's on-disk caches under the layersplit home
+    (`$LAYERSPLIT_HOME/compile`, made 0700: compiled code is run from there), so that a second
+    start loads the kernels the first one compiled instead of compiling them again (the
+    defaults live under /tmp, shared and cleared on reboot). {} where it cannot be made."""
+    root = home() / "compile"
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("compile caches stay torch's defaults: cannot make %s (%s)", root, e)
+        return {}
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+            "TRITON_CACHE_DIR": str(root / "triton")}
+
+
+def shard_env(secret: bytes, device: str) -> dict[str, str]:
+    """A shard (or draft) process's environment: ours, its secret, and on CUDA the allocator
+    and compiler settings (a user's own settings win)."""
     env = {**os.environ, SECRET_ENV: secret.hex()}
     if device.startswith("cuda"):
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
         # torch.compile in-process: no pool of compile workers to outlive or slow a shutdown
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        for key, value in compile_cache_env().items():
+            env.setdefault(key, value)
+    return env
+
+
+def _start(cmd: list[str], secret: bytes, device: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=shard_env(secret, device), stdin=subprocess.DEVNULL)
 
 
 def draft_argv(draft: str, target: str, device: str, dtype: str, max_context: int,
