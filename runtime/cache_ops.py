@@ -535,8 +535,11 @@ class CacheManager:
         """Evict RAM copies (least recently used first) until the entry's fits the RAM tier's
         cap and every shard's host memory; False if it cannot fit there (it is not taken)."""
         need = self.host_bytes(e)
-        room = None if self.pool is None else lambda gone: self.pool.fits(need, gone)
-        self._drop_ram(self.index.evict_ram(extra=e.kv_bytes, room=room))
+        if self.pool is None:
+            self._drop_ram(self.index.evict_ram(extra=e.kv_bytes))
+        else:
+            self._drop_ram(self.index.evict_ram_for(lambda gone: self.pool.fits(need, gone),
+                                                    extra=e.kv_bytes))
         if self.pool is not None and not self.pool.fits(need):
             log.info("prefix cache: no host memory for a RAM copy of %s (%d rows): not taken",
                      e.key[:12], e.length - e.start)
@@ -545,8 +548,9 @@ class CacheManager:
 
     def _make_room(self, need: tuple[int, ...]) -> None:
         """A swapped-out sequence needs `need` bytes of each shard's host memory: evict RAM
-        copies, least recently used first, until they fit (or none can go)."""
-        self._drop_ram(self.index.evict_ram(room=lambda gone: self.pool.fits(need, gone)))
+        copies, least recently used first, until they fit; none where even every free copy
+        gone would leave too little (the sequence is then prefilled again, not swapped)."""
+        self._drop_ram(self.index.evict_ram_for(lambda gone: self.pool.fits(need, gone)))
 
     def _drop_ram(self, ram_ids: list[int]) -> None:
         if self.pool is not None:

@@ -175,6 +175,20 @@ class PrefixIndex:
                 return True
         return False
 
+    def evictable_ram_ids(self) -> list[int]:
+        """Snapshot ids `evict_ram` might drop: RAM copies not in use (a pinned or saving
+        entry keeps its copy). A superset where the tree's order holds some back."""
+        return [e.ram_id for e in self.entries.values()
+                if e.in_ram and e.pins == 0 and not e.saving]
+
+    def evict_ram_for(self, room: Callable[[list[int]], bool], extra: int = 0) -> list[int]:
+        """`evict_ram(extra, room)`, but none at all where `room` would not hold even with
+        every free RAM copy gone (host memory held by swapped-out sequences or copies in use):
+        evicting would empty the tier for nothing."""
+        if not room(self.evictable_ram_ids()):
+            return []
+        return self.evict_ram(extra=extra, room=room)
+
     def evict_ram(self, extra: int = 0,
                   room: Callable[[list[int]], bool] | None = None) -> list[int]:
         """Snapshot ids to drop from the shards so the RAM tier fits its cap (`extra` more)

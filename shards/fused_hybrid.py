@@ -145,11 +145,13 @@ class HybridFast:
                 a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim)
             rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
             o, new_state = rule(q, k, v, g, beta, state)
-            conv_state.copy_(new_conv)
-            state.copy_(new_state)
             h = lin_post(h, o, z, a.norm.weight, a.norm.eps, a.out_proj.weight, mlp_w[0],
                          mlp_w[1], mlp_w[2], eps)
+            # the slot's states advance last: a stage that fails before this (and is run
+            # again, eager, by `__call__`) leaves them as they were
+            advance = ((conv_state, new_conv), (state, new_state))
         else:
+            advance = ()
             a = layer.self_attn
             q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
                                     a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
@@ -159,6 +161,8 @@ class HybridFast:
                          mlp_w[0], mlp_w[1], mlp_w[2], eps)
         if dense is None:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))
+        for dst, src in advance:
+            dst.copy_(src)
         return h
 
 

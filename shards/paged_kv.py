@@ -243,20 +243,23 @@ class PagedRows:
 
 class HostKVPool:
     """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption): up to
-    `num_blocks` blocks shaped like the device pool's, pinned on a CUDA shard (plain memory on
-    CPU). Block ids are the coordinator's (its host BlockManager), the same on every shard.
+    `num_blocks` blocks shaped like the device pool's, in plain (pageable) host memory. Block ids are the coordinator's (its host BlockManager), the same on every shard.
     Memory is taken when blocks are swapped out and given back when they are swapped in or
     dropped, so the shard holds only what the coordinator's ledger of its host memory counts
     (`runtime.host_pool`: the prefix cache's RAM-tier snapshots share that memory).
     Copies are synchronous: a swap-out is done before its device blocks can be reused, a
-    swap-in before any step reads them (the handler replies only then)."""
+    swap-in before any step reads them (the handler replies only then).
+
+    Not pinned: torch's caching host allocator rounds a pinned request up to a power of two and
+    keeps a freed buffer for a request of the same size class, never giving it back, so the
+    pinned memory of swaps of varied sizes would grow past the ledger's count. Pageable copies
+    are slower (not measured here); a pool of fixed-size pinned blocks would be the next step."""
 
     def __init__(self, kv: PagedKVCache, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"host KV pool: {num_blocks} blocks")
         self.num_blocks = num_blocks
         self.kv = kv
-        self.pin = kv.device.type == "cuda"
         # host block -> its K and V rows, each (layers, block, kv_heads, head_dim): views of
         # the buffer of the swap-out that filled it (freed once all its blocks are gone)
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -299,8 +302,8 @@ class HostKVPool:
             return
         dev, host = _settled_ids(kv, pairs)
         shape = (kv.k_store.shape[0], len(pairs), *kv.k_store.shape[2:])
-        k = torch.empty(shape, dtype=kv.k_store.dtype, pin_memory=self.pin)
-        v = torch.empty(shape, dtype=kv.v_store.dtype, pin_memory=self.pin)
+        k = torch.empty(shape, dtype=kv.k_store.dtype)
+        v = torch.empty(shape, dtype=kv.v_store.dtype)
         k.copy_(kv.k_store[:, dev])
         v.copy_(kv.v_store[:, dev])
         for i, h in enumerate(host.tolist()):

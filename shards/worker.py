@@ -345,12 +345,15 @@ class ShardServer:
 
     def _reset_session(self) -> None:
         """A new coordinator took over (remote shards outlive coordinators): its predecessor's
-        links and snapshots are gone with it."""
+        links, snapshots and swapped-out blocks are gone with it (the new one's ledger of this
+        shard's host memory starts at zero)."""
         self.gate.keep_only("coordinator")
         self._close_links()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
             self.snapshots.entries.clear()
+        if self.host_kv is not None:
+            self.host_kv.drop(list(self.host_kv.held))
 
     # ---- setup ------------------------------------------------------------------------------
     def _on_configure(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
@@ -406,11 +409,10 @@ class ShardServer:
             self.host_kv = None
             if host_blocks:
                 self.host_kv = HostKVPool(kv, host_blocks)
-                log.info("shard %d: host KV pool of up to %d blocks (%.0f MB%s, taken as "
+                log.info("shard %d: host KV pool of up to %d blocks (%.0f MB, taken as "
                          "sequences are swapped out)", self.index, host_blocks,
                          host_blocks * 2 * kv.k_store[:, 0].numel() *
-                         kv.k_store.element_size() / 2**20,
-                         ", pinned" if self.host_kv.pin else "")
+                         kv.k_store.element_size() / 2**20)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step

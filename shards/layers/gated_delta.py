@@ -218,7 +218,10 @@ class GatedDeltaNet(nn.Module):
 
     def fuse(self) -> None:
         """One in-projection (`in_proj_weight`) instead of two or four: one GEMV a decode step
-        (the GPU path, `shards.fused_hybrid`). The separate weights are freed."""
+        (the GPU path, `shards.fused_hybrid`). The separate weights are freed; a second call
+        changes nothing."""
+        if self.in_proj is not None:
+            return
         fused = nn.Linear(1, 1, bias=False, device="meta")
         fused.weight = nn.Parameter(self.in_proj_weight(), requires_grad=False)
         self.in_proj = fused

@@ -58,7 +58,9 @@ class GatedAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # q (with its gate), k, v in one; `fuse` (GPU)
 
     def fuse(self) -> None:
-        """One q/k/v projection (rows: query and gate, k, v); the three are freed."""
+        """One q/k/v projection (rows: query and gate, k, v); the three are freed (once)."""
+        if self.qkv_proj is not None:
+            return
         parts = (self.q_proj, self.k_proj, self.v_proj)
         fused = nn.Linear(1, 1, bias=False, device="meta")
         fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)

@@ -27,7 +27,7 @@ def _index(pool: HostPool) -> PrefixIndex:
     index = PrefixIndex("fp", 1 << 60, None, 0)
 
     def make_room(need):
-        for ram_id in index.evict_ram(room=lambda gone: pool.fits(need, gone)):
+        for ram_id in index.evict_ram_for(lambda gone: pool.fits(need, gone)):
             pool.drop_snapshot(ram_id)
 
     pool.make_room = make_room
@@ -78,6 +78,27 @@ def test_swapped_blocks_are_never_evicted():
     assert not pool.hold_swap("s3", 2)
     assert keep.in_ram and "s3" not in pool.swapped and pool.used == [1000]
     assert pool.swapped == {"s1": (600,), "s2": (300,)}
+    pool.check_integrity()
+
+
+def test_no_snapshot_is_evicted_where_the_room_cannot_be_made():
+    """Room that even every free RAM copy gone would not make (a copy in use stays, swapped
+    blocks stay) evicts none: neither for a swap-out nor for a new snapshot."""
+    pool = HostPool([1000], [100])
+    index = _index(pool)
+    busy = _snap(index, pool, "busy", (300,), used=1.0)
+    busy.pins = 1  # being restored: its copy cannot go
+    free = _snap(index, pool, "free", (100,), used=2.0)
+    assert pool.hold_swap("s1", 5)  # 500: fits beside both (900 of 1000)
+    # 300 more would fit only if the pinned copy went too: nothing is evicted, none held
+    assert not pool.hold_swap("s2", 3)
+    assert free.in_ram and busy.in_ram and "s2" not in pool.swapped
+    # a new snapshot of 250 bytes: not even with `free` gone (its room check, as CacheManager's)
+    assert index.evict_ram_for(lambda gone: pool.fits((250,), gone)) == []
+    assert free.in_ram
+    # 150 fits once `free` goes: it (only it) is evicted
+    free_id = free.ram_id
+    assert index.evict_ram_for(lambda gone: pool.fits((150,), gone)) == [free_id]
     pool.check_integrity()
 
 

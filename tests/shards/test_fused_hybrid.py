@@ -90,3 +90,37 @@ def test_switched_off_leaves_the_layers_unfused(hybrid_models, monkeypatch):
     fuse_projections(model, compile=False)
     assert all(layer.fast is None for layer in model.layers)
     assert model.layers[0].linear_attn.in_proj is None
+
+
+def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybrid_models):
+    """A compiled stage that fails (here `linear_post`, once) makes the step run again on the
+    eager stages; the first try must not have advanced the slot's conv and recurrent states
+    (the retry would advance them twice: wrong tokens from then on)."""
+    path = hybrid_models["qwen3_5"]
+    plain = RangeExecutor(load_layer_range(open_checkpoint(path), 0, 6), 96, 1)
+    model = load_layer_range(open_checkpoint(path), 0, 6)
+    fuse_projections(model, compile=False)
+    fast = model.layers[0].fast
+    failed = []
+
+    def flaky_post(*args):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("inductor failed (a stand-in)")
+        return fused_hybrid.linear_post(*args)
+
+    fast.compiled = True  # as if compiled: a failure falls back to the eager stages
+    fast.stages = (fused_hybrid.linear_pre, flaky_post, fused_hybrid.attn_pre,
+                   fused_hybrid.attn_post)
+    fused = RangeExecutor(model, 96, 1)
+    ids = _ids(20, seed=5)
+    want, got = plain.run(ids, 0), fused.run(ids, 0)
+    tok = int(want.argmax())
+    for pos in range(20, 24):
+        want = plain.run(torch.tensor([tok]), pos)
+        got = fused.run(torch.tensor([tok]), pos)
+        assert _close(got, want), pos
+        tok = int(want.argmax())
+    assert failed and not fast.compiled  # it failed once, and the eager stages took over
+    assert torch.allclose(plain.kv.state, fused.kv.state, atol=1e-5)
+    assert torch.allclose(plain.kv.conv, fused.kv.conv, atol=1e-5)
