@@ -129,16 +129,21 @@ def hf_hybrid_prefill(args, device: str) -> dict:
     row = {"layout": f"HF transformers {transformers.__version__} ({device}), prefill only",
            "shards": 1, "transport": "-", "ttft_s": float("nan"),
            "decode_tok_s": float("nan"), "tokens": []}
-    with torch.inference_mode():
-        for n in args.prefill:
-            x = torch.tensor([prompt_ids(n, hf_cfg.vocab_size, seed=n)], device=device)
-            times = [_timed(lambda: hf(x, logits_to_keep=1), device)
-                     for _ in range(PREFILL_RUNS + 1)]
-            _prefill_row(row, n, times[1:])
+    _hf_prefill(args, hf, hf_cfg.vocab_size, row, device)
     del hf
     gc.collect()
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     return row
+
+
+def _hf_prefill(args, hf, vocab: int, row: dict, device: str) -> None:
+    """`--prefill` timings of an HF model (one forward of each prompt) into `row`."""
+    with torch.inference_mode():
+        for n in args.prefill:
+            x = torch.tensor([prompt_ids(n, vocab, seed=n)], device=device)
+            times = [_timed(lambda: hf(x, logits_to_keep=1), device)
+                     for _ in range(PREFILL_RUNS + 1)]
+            _prefill_row(row, n, times[1:])
 
 
 def hf_baseline(args, prompt: list[int], device: str) -> dict:
@@ -169,11 +174,7 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
         tn, out = gen(args.new_tokens)
         row.update(ttft_s=t1, decode_tok_s=(args.new_tokens - 1) / max(tn - t1, 1e-9),
                    tokens=out[0, len(prompt):len(prompt) + 16].tolist())
-        for n in args.prefill:
-            x = torch.tensor([prompt_ids(n, cfg.vocab_size, seed=n)], device=device)
-            times = [_timed(lambda: hf(x, logits_to_keep=1), device)
-                     for _ in range(PREFILL_RUNS + 1)]
-            _prefill_row(row, n, times[1:])
+    _hf_prefill(args, hf, cfg.vocab_size, row, device)
     del hf
     gc.collect()
     torch.cuda.empty_cache() if device.startswith("cuda") else None
