@@ -125,6 +125,11 @@ class RuntimeConfig:
                                            "tokens), guesses (its top-k)")
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
+    deterministic: bool = _field(False, "batch- and verify-invariant decoding on GPUs: every "
+                                        "decode step and every verify row runs alone through "
+                                        "the one-row decode step, so a sequence's tokens depend "
+                                        "neither on its batch nor on speculation (the cost: no "
+                                        "batched decode steps, verify rows one at a time)")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
     spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
                                          "sleeping (default: 20 with GPUs, 0 on CPU)")

@@ -312,7 +312,7 @@ class Coordinator:
                     kv_block=cfg.kv_block, kv_blocks=self.kv_blocks, index=sh.index,
                     kv_host_blocks=self.kv_host_blocks,
                     cuda_graphs=cfg.cuda_graphs, graph_bucket=cfg.graph_bucket,
-                    torch_compile=cfg.torch_compile,
+                    torch_compile=cfg.torch_compile, deterministic=cfg.deterministic,
                     cache_dir=str(Path(cfg.kv_cache_dir).expanduser().resolve())
                     if cfg.kv_cache_dir else None,
                     spin_ms=self.spin_ms, **extra,

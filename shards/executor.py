@@ -86,7 +86,16 @@ class RangeExecutor:
         # the next step settles it), and batched steps run sequence by sequence, eager
         self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps,
                                      per_slot=self.hybrid) if static_decode else None)
-        self.rowwise_verify = self.device.type != "cuda" or self.hybrid
+        # batch- and verify-invariant steps (`deterministic = true`): see `rowwise_verify`
+        self.deterministic = False
+
+    @property
+    def rowwise_verify(self) -> bool:
+        """Whether verify steps run row by row, each row a decode step: on the CPU (bit for bit
+        a plain decode step), on a hybrid range (each row's state kept), and in deterministic
+        mode, where each row takes the very one-row step (captured graph) a plain decode step
+        takes, so speculation cannot change a token on a GPU either."""
+        return self.device.type != "cuda" or self.hybrid or self.deterministic
 
     @property
     def max_len(self) -> int:
@@ -148,7 +157,8 @@ class RangeExecutor:
         for s in segs:
             starts.append(starts[-1] + s.n)
         outs: list[torch.Tensor | None] = [None] * len(segs)
-        if self.static is not None and self.device.type == "cuda" and not self.hybrid:
+        if self.static is not None and self.device.type == "cuda" and not self.hybrid and \
+                not self.deterministic:  # (deterministic: each sequence's step alone)
             group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify and s.taps is None]
             if len(group) >= 2:
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
@@ -176,6 +186,8 @@ class RangeExecutor:
         past position 0 (the first resets the slot's states on the host)."""
         if self.hybrid:
             return n == 1 and not verify and pos > 0
+        if self.deterministic and verify and n > 1:
+            return False  # row by row (`_rowwise`), each row the one-row graph
         return n == 1 or (verify and n <= MAX_VERIFY_ROWS)
 
     def _rowwise(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
@@ -192,12 +204,20 @@ class RangeExecutor:
         outs, tapped, kept = [], [], []
         hybrid = self.kv if isinstance(self.kv, HybridState) else None
         states = []  # a hybrid model's state after each row
+        # deterministic mode: each row through the one-row step a plain decode step takes (its
+        # captured graph on a GPU); its outputs are the graph's buffers, hence the copies
+        one_row = self.static if self.deterministic and not self.hybrid else None
         for j, d in enumerate(depth):
             want = None if taps is None else dict.fromkeys(self.taps)
             if hybrid is not None and not chain and j > 0 and tree[j - 1] != j - 1:
                 hybrid.load(slot, states[tree[j - 1]])  # row j follows its parent's state
-            outs.append(self.model(x[j:j + 1].to(self.device), pos + d, self.kv, slot,
-                                   logit_rows=slice(0, 1), taps=want))
+            if one_row is not None:
+                out, rows = one_row.run(x[j:j + 1].to(self.device), pos + d, slot)
+                outs.append(out.clone())
+                want = None if taps is None else {k: v.clone() for k, v in rows.items()}
+            else:
+                outs.append(self.model(x[j:j + 1].to(self.device), pos + d, self.kv, slot,
+                                       logit_rows=slice(0, 1), taps=want))
             tapped.append(want)
             if hybrid is not None:
                 states.append(hybrid.save(slot))

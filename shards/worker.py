@@ -400,6 +400,7 @@ class ShardServer:
             log.info("shard %d: KV pool of %d blocks of %d tokens (%.0f MB)", self.index, blocks,
                      block, kv.nbytes / 2**20)
             self.snapshots = SnapshotStore(kv.snapshot_rows(), max_ctx, whole, forget)
+        self.executor.deterministic = bool(msg.get("deterministic", False))
         host_blocks = msg.get("kv_host_blocks", 0)
         if not isinstance(host_blocks, int) or isinstance(host_blocks, bool) or host_blocks < 0:
             raise ProtocolError(f"configure: kv_host_blocks={host_blocks!r} must be an int >= 0")
@@ -515,6 +516,7 @@ class ShardServer:
             "kv_capacity_tokens": ex.kv.num_blocks * ex.kv.block if ex else 0,
             "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
             "slots": ex.kv.slots if ex else 0,
+            "deterministic": bool(ex and ex.deterministic),
             "kv_bytes": ex.kv.nbytes if ex else 0,
             "kv_host_blocks": self.host_kv.num_blocks if self.host_kv else 0,
             "kv_host_bytes": self.host_kv.nbytes if self.host_kv else 0,

@@ -163,6 +163,19 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
 
 
 @pytest.mark.slow
+def test_deterministic_mode_reaches_the_shards_and_speculation_stays_plain(target, fitted):
+    """`deterministic = true` travels to every shard (verify rows one at a time through the
+    plain decode step; on a GPU its captured graph: `tests/shards/test_executor_deterministic.py`
+    on CPU, the speculation GPU tests on a GPU) and output equals plain decoding."""
+    with Coordinator(_cfg(target, 2, fitted, deterministic=True)) as coord:
+        assert [s["deterministic"] for s in coord.shard_info()] == [True, True]
+        stats = _compare(coord, _prompts(coord.tokenizer)[:1])
+        assert stats.acceptance_length > 1.3
+    with Coordinator(_cfg(target, 2, fitted)) as coord:
+        assert [s["deterministic"] for s in coord.shard_info()] == [False, False]
+
+
+@pytest.mark.slow
 def test_random_dflash_draft_equals_plain(target, dflash):
     """An untrained draft: every draft token rejected, output still the target's."""
     with Coordinator(_cfg(target, 3, dflash)) as coord:
