@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 13  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 14  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -27,7 +27,8 @@ PROTOCOL_VERSION = 13  # 2: speculative decoding; 3: batched steps (several sequ
 # proposal, drafted and segment `q`: `shards.spec_sampling`); 12: the host tier of live KV
 # (configure `kv_host_blocks`, message `kv_swap`: swap preemption, `runtime.batching`); 13: the
 # host pool shared with the RAM tier (`runtime.host_pool`): kv_swap "drop" gives back the host
-# blocks of a sequence that ended while swapped out (a shard holds them only while used)
+# blocks of a sequence that ended while swapped out (a shard holds them only while used); 14:
+# configure's `deterministic` (verify rows through the one-row step), reported in the info
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 

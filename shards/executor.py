@@ -205,13 +205,15 @@ class RangeExecutor:
         hybrid = self.kv if isinstance(self.kv, HybridState) else None
         states = []  # a hybrid model's state after each row
         # deterministic mode: each row through the one-row step a plain decode step takes (its
-        # captured graph on a GPU); its outputs are the graph's buffers, hence the copies
-        one_row = self.static if self.deterministic and not self.hybrid else None
+        # captured graph on a GPU; a hybrid range's per-slot graph, which advances the slot's
+        # states in place, as its eager step does, from position 1 on, as plain decoding);
+        # its outputs are the graph's buffers, hence the copies
+        one_row = self.static if self.deterministic else None
         for j, d in enumerate(depth):
             want = None if taps is None else dict.fromkeys(self.taps)
             if hybrid is not None and not chain and j > 0 and tree[j - 1] != j - 1:
                 hybrid.load(slot, states[tree[j - 1]])  # row j follows its parent's state
-            if one_row is not None:
+            if one_row is not None and (hybrid is None or pos + d > 0):
                 out, rows = one_row.run(x[j:j + 1].to(self.device), pos + d, slot)
                 outs.append(out.clone())
                 want = None if taps is None else {k: v.clone() for k, v in rows.items()}

@@ -243,7 +243,8 @@ class PagedRows:
 
 class HostKVPool:
     """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption): up to
-    `num_blocks` blocks shaped like the device pool's, in plain (pageable) host memory. Block ids are the coordinator's (its host BlockManager), the same on every shard.
+    `num_blocks` blocks shaped like the device pool's, in plain (pageable) host memory. Block
+    ids are the coordinator's (its host BlockManager), the same on every shard.
     Memory is taken when blocks are swapped out and given back when they are swapped in or
     dropped, so the shard holds only what the coordinator's ledger of its host memory counts
     (`runtime.host_pool`: the prefix cache's RAM-tier snapshots share that memory).

@@ -71,7 +71,9 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
 
     def fuse(self) -> None:
-        """One matmul for q, k and v (fewer, larger kernels on a GPU)."""
+        """One matmul for q, k and v (fewer, larger kernels on a GPU); once."""
+        if self.qkv_proj is not None:
+            return
         ps = (self.q_proj, self.k_proj, self.v_proj)
         fused = nn.Linear(1, 1, bias=ps[0].bias is not None, device="meta")
         fused.weight = nn.Parameter(torch.cat([p.weight for p in ps]), requires_grad=False)

@@ -27,6 +27,8 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def fuse(self) -> None:
+        if self.gate_up_proj is not None:  # (fused already)
+            return
         fused = nn.Linear(1, 1, bias=False, device="meta")
         fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
                                     requires_grad=False)

@@ -153,7 +153,9 @@ class Experts(nn.Module):
         self.gate_up_proj: nn.Parameter | None = None  # set by `fuse` (GPU)
 
     def fuse(self) -> None:
-        """One (E, 2I, H) gate/up weight: the grouped GEMM's layout."""
+        """One (E, 2I, H) gate/up weight: the grouped GEMM's layout; once."""
+        if self.gate_up_proj is not None:
+            return
         self.gate_up_proj = nn.Parameter(torch.cat([self.gate_proj, self.up_proj], dim=1),
                                          requires_grad=False)
         del self.gate_proj, self.up_proj

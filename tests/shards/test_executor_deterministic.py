@@ -28,9 +28,8 @@ def test_verify_rows_equal_plain_decode_steps_bit_for_bit(target, device):
     """(On a GPU in bf16: the captured one-row graph for plain and verify rows alike.)"""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     prompt = torch.arange(3, 33, device=device)
-    plain, det, other = (_executor(target, d, (1, 4), device, dtype)  # other: default mode
-                         for d in (False, True, False))
-    for ex in (plain, det, other):
+    plain, det = (_executor(target, d, (1, 4), device, dtype) for d in (False, True))
+    for ex in (plain, det):
         ex.run(prompt, 0)
     tokens = [7, 11, 5, 9, 2]  # the last token and four proposals, positions 30..34
     want, want_taps = [], []
@@ -48,29 +47,37 @@ def test_verify_rows_equal_plain_decode_steps_bit_for_bit(target, device):
     for layer in (1, 4):
         assert torch.equal(taps[layer], torch.cat([t[layer] for t in want_taps]))
     assert [a[2] for a in steps] == [1] * 5  # five one-row static steps, no verify graph
-    if device == "cpu":  # the default mode's 5-row verify step rounds otherwise: it can tell
-        dflt = other.run(torch.tensor(tokens), 30, all_logits=True, verify=True)
-        assert not torch.equal(dflt, torch.cat(want))
     # both caches hold the same rows afterwards: decoding goes on alike
     a = plain.run(torch.tensor([3], device=device), 35)
     b = det.run(torch.tensor([3], device=device), 35)
     assert torch.equal(a, b)
 
 
-def test_tree_verify_rows_keep_the_tree_rows_in_place(target):
-    """A token tree in deterministic mode: each row at its depth's position, its K/V laid
-    where the default mode's tree step leaves them; the next step agrees with the default."""
+def _tree_against_plain(path, hybrid: bool = False) -> None:
+    """Tree rows [a, b, c, d] at positions 30.. (parents 0, 1, 0: a chain a-b-c, and d under
+    a), the path a -> d kept: rows a and d equal plain steps of a then d, bit for bit, and so
+    does the step after, at position 32."""
+    plain, det = (RangeExecutor(load_layer_range(open_checkpoint(path), 0, 6), 128, 2,
+                                static_decode=True, graph_bucket=4) for _ in range(2))
+    det.deterministic = True
     prompt = torch.arange(3, 33)
-    det, dflt = _executor(target, True), _executor(target, False)
-    for ex in (det, dflt):
+    for ex in (plain, det):
         ex.run(prompt, 0)
-    tree = [0, 1, 0]  # parents of rows 1..3 (depth-first): a chain of two under the root, a sibling
-    tokens = torch.tensor([7, 11, 5, 9])
-    a = det.run(tokens, 30, all_logits=True, verify=True, tree=tree)
-    b = dflt.run(tokens, 30, all_logits=True, verify=True, tree=tree)
-    assert (a - b).abs().max().item() < 1e-4
-    for ex in (det, dflt):  # keep the root and its sibling child (rows 0, 3), as a verdict does
-        ex.before_step(0, 32, [0, 3])
-    a, b = (ex.run(torch.tensor([4]), 32) for ex in (det, dflt))
-    assert (a - b).abs().max().item() < 1e-4
+    a, b, c, d = 7, 11, 5, 9
+    want = [plain.run(torch.tensor([t]), 30 + i) for i, t in enumerate((a, d))]
+    got = det.run(torch.tensor([a, b, c, d]), 30, all_logits=True, verify=True, tree=[0, 1, 0])
+    assert torch.equal(got[0:1], want[0]) and torch.equal(got[3:4], want[1])
+    det.before_step(0, 32, [3])  # row 3 (d) kept: moved to position 31
+    assert torch.equal(det.run(torch.tensor([4]), 32), plain.run(torch.tensor([4]), 32))
+    if hybrid:
+        assert torch.equal(det.kv.state, plain.kv.state)
 
+
+def test_tree_verify_rows_equal_plain_steps_along_the_kept_path(target):
+    _tree_against_plain(target)
+
+
+def test_hybrid_verify_rows_take_the_per_slot_step(hybrid_models):
+    """A hybrid range: each verify row through the slot's one-row step (its states advanced
+    in place and kept per row, a tree row starting from its parent's)."""
+    _tree_against_plain(hybrid_models["qwen3_5"], hybrid=True)

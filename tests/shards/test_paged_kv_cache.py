@@ -62,16 +62,17 @@ def test_paged_equals_contiguous(pair):
             x = _inputs(plain.model, 1, seed=100 + step)
             assert torch.equal(paged.run(x, n + step, slot), plain.run(x, n + step, slot))
     assert all(key[0] == -1 for key in paged.static.graphs) or not paged.static.capture
-    # a verify tree, row by row as the CPU runs it, then its kept rows moved into place
-    tree, pos, slot = [0, 0, 1], LENS[1] + 3, 1
+    # a verify tree, row by row through the one-row static step (deterministic mode), then
+    # its kept rows moved into place
+    tree, pos, slot = [0, 1, 0], LENS[1] + 3, 1
     x = _inputs(plain.model, 4, seed=7)
     for ex in (plain, paged):
-        ex.rowwise_verify = True
+        ex.deterministic = True
     want = plain.run(x, pos, slot, all_logits=True, verify=True, tree=tree)
     got = paged.run(x, pos, slot, all_logits=True, verify=True, tree=tree)
     assert torch.equal(got, want)
-    plain.before_step(slot, pos + 3, [2, 3])
-    paged.before_step(slot, pos + 3, [2, 3])
+    plain.before_step(slot, pos + 3, [1, 2])  # the path root -> row 1 -> row 2 kept
+    paged.before_step(slot, pos + 3, [1, 2])
     _same_rows(plain, paged, slot, pos + 3)
     # a batched static step over any slots (padding rows write only the scratch block)
     slots, positions = [2, 0], [LENS[2] + 3, LENS[0] + 3]
