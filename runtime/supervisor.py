@@ -89,9 +89,11 @@ def compile_cache_env() -> dict[str, str]:
     (`$LAYERSPLIT_HOME/compile`, made 0700: compiled code is run from there), so that a second
     start loads the kernels the first one compiled instead of compiling them again (the
     defaults live under /tmp, shared and cleared on reboot). {} where it cannot be made."""
-    root = home() / "compile"
+    root = (home() / "compile").resolve()  # (the shard may run from another directory)
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if root.stat().st_mode & 0o077:  # made by an older run or by hand: ours, so private
+            root.chmod(0o700)
     except OSError as e:
         log.warning("compile caches stay torch's defaults: cannot make %s (%s)", root, e)
         return {}

@@ -31,6 +31,18 @@ def test_a_users_own_cache_dirs_win_and_cpu_shards_get_none(tmp_path, monkeypatc
     assert "TORCHINDUCTOR_CACHE_DIR" not in shard_env(b"", "cpu")
 
 
+def test_an_open_cache_dir_is_made_private_and_a_relative_home_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LAYERSPLIT_HOME", "rel-home")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    (tmp_path / "rel-home" / "compile").mkdir(parents=True, mode=0o755)
+    (tmp_path / "rel-home" / "compile").chmod(0o755)
+    env = shard_env(b"", "cuda:0")
+    root = tmp_path / "rel-home" / "compile"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(root.resolve() / "inductor")
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
 def test_an_unwritable_home_keeps_torchs_defaults(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
