@@ -24,8 +24,8 @@ batch is its sequences in any slots, padded with rows whose table is all scratch
 A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too, a graph per
 (slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
 advanced in place by the step, so the slot is part of the graph (`per_slot`); its buckets are
-`HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its verify steps
-(which keep the state after every row) and batched steps stay eager.
+`HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its
+verify steps (which keep the state after every row) and batched steps stay eager.
 
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.

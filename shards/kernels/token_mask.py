@@ -17,7 +17,6 @@ copy does not wait on the host; one copy carries both masks of a sample.
 from __future__ import annotations
 
 import functools
-
 import threading
 import zlib
 from collections.abc import Sequence

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kv_cache import KVCache
+from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.rotary import apply_rope
 from layersplit.shards.layers.step import StepInfo
@@ -74,12 +75,7 @@ class Attention(nn.Module):
         """One matmul for q, k and v (fewer, larger kernels on a GPU); once."""
         if self.qkv_proj is not None:
             return
-        ps = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(1, 1, bias=ps[0].bias is not None, device="meta")
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in ps]), requires_grad=False)
-        if fused.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([p.bias for p in ps]), requires_grad=False)
-        self.qkv_proj = fused
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
+from layersplit.shards.layers.fused_linear import frozen_linear
 from torch import nn
 
 CHUNK_SIZE = 64  # the chunk of the chunked delta rule (as transformers and fla use)
@@ -222,9 +223,7 @@ class GatedDeltaNet(nn.Module):
         changes nothing."""
         if self.in_proj is not None:
             return
-        fused = nn.Linear(1, 1, bias=False, device="meta")
-        fused.weight = nn.Parameter(self.in_proj_weight(), requires_grad=False)
-        self.in_proj = fused
+        self.in_proj = frozen_linear(self.in_proj_weight())
         for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
                      "in_proj_a"):
             if hasattr(self, name):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
 
@@ -29,10 +30,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         if self.gate_up_proj is not None:  # (fused already)
             return
-        fused = nn.Linear(1, 1, bias=False, device="meta")
-        fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
-                                    requires_grad=False)
-        self.gate_up_proj = fused
+        self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

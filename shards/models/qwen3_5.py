@@ -21,6 +21,8 @@ import torch
 from layersplit.shards.hybrid_cache import HybridCache, PagedHybridCache
 from layersplit.shards.hybrid_config import HybridSpec
 from layersplit.shards.kv_cache import KVLayout
+from layersplit.shards.layers.attention import attend
+from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.gated_attention import (
     ZeroCentredRMSNorm,
     apply_partial_rope,
@@ -28,7 +30,6 @@ from layersplit.shards.layers.gated_attention import (
     rotary_dim,
     split_query_gate,
 )
-from layersplit.shards.layers.attention import attend
 from layersplit.shards.layers.gated_delta import GatedDeltaNet
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.rotary import base_inv_freq, rope_cos_sin
@@ -61,12 +62,7 @@ class GatedAttention(nn.Module):
         """One q/k/v projection (rows: query and gate, k, v); the three are freed (once)."""
         if self.qkv_proj is not None:
             return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        fused = nn.Linear(1, 1, bias=False, device="meta")
-        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-        if parts[0].bias is not None:
-            fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-        self.qkv_proj = fused
+        self.qkv_proj = concat_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,7 +10,6 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 
-
 DEVICES = ["cpu", pytest.param("cuda:0", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
 

@@ -1,0 +1,23 @@
+"""The holder of a fused projection (GPU decode steps: one GEMV where a checkpoint has two to
+four): an `nn.Linear` built around given tensors, with no init and no gradient."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An `nn.Linear` holding `weight` (out, in) and `bias` as they are."""
+    layer = nn.Linear(1, 1, bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def concat_linears(*parts: nn.Linear) -> nn.Linear:
+    """One linear whose output is the parts' outputs side by side (biases where they have
+    them)."""
+    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    return frozen_linear(torch.cat([p.weight for p in parts]), bias)
