@@ -60,14 +60,14 @@ def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         draft_device: str | None = None, push: bool = True,
-        sampling: str = "coupled") -> list[dict]:
+        sampling: str = "coupled", deterministic: bool = False) -> list[dict]:
     """One row per prompt set."""
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
-                        spec_sampling=sampling)
+                        spec_sampling=sampling, deterministic=deterministic)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed)
@@ -75,7 +75,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             + ("" if tree is None else f" tree={tree}")
             + ("" if draft_device is None else f" on {draft_device}")
             + ("" if push else " push off")
-            + ("" if params.greedy or draft == "none" else f" {sampling}"))
+            + ("" if params.greedy or draft == "none" else f" {sampling}")
+            + (" deterministic" if deterministic else ""))
     rows = []
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
@@ -156,6 +157,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sampling", default="coupled", help="comma-separated spec_sampling "
                    "settings to run each draft with when sampling (coupled, rejection, guesses)")
+    p.add_argument("--deterministic", action="store_true", help="run the drafts with "
+                   "`deterministic = true`, and plain decoding in that mode too (its cost "
+                   "against the default mode's plain decoding, the first row)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -169,12 +173,15 @@ def main() -> int:
         modes = args.sampling.split(",") if args.temperature > 0 else ["coupled"]
         speed = {r["set"]: r["decode_tok_s"] for r in base}
         group = list(base)
+        det = args.deterministic
+        if det:  # plain decoding in deterministic mode, against the default mode's
+            group += run(args, "none", plain, deterministic=True)
         for d in args.drafts.split(","):
             for t in trees:
                 for place in places:
                     for push in pushes:
                         for s in modes:
-                            group += run(args, d, plain, t, place, push, s)
+                            group += run(args, d, plain, t, place, push, s, det)
                             for r in group[-len(base):]:  # as each finishes: a cut run keeps them
                                 print(f"run {rep}, {r['set']}, {r['draft']}: "
                                       f"{r['decode_tok_s']:.1f} tok/s, "

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 14  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 15  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -28,7 +28,8 @@ PROTOCOL_VERSION = 14  # 2: speculative decoding; 3: batched steps (several sequ
 # (configure `kv_host_blocks`, message `kv_swap`: swap preemption, `runtime.batching`); 13: the
 # host pool shared with the RAM tier (`runtime.host_pool`): kv_swap "drop" gives back the host
 # blocks of a sequence that ended while swapped out (a shard holds them only while used); 14:
-# configure's `deterministic` (verify rows through the one-row step), reported in the info
+# configure's `deterministic` (verify rows through the one-row step), reported in the info;
+# 15: `warm` / `warmed` (the step graphs captured at start, `capture_at_start`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -81,6 +82,11 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # configure's optional `kv_host_blocks` sizes that pool
     "kv_swap": {"direction": (str,), "pairs": (list,)},
     "ok": {"info": (dict,)},
+    # capture every step graph a request may replay (`StaticDecoder.warm`): steps of each of
+    # `rows` rows, batched steps up to `batch` sequences, every KV-length bucket; `warmed`
+    # says what it took ({graphs, seconds})
+    "warm": {"sid": (int,), "rows": (list,), "batch": (int,)},
+    "warmed": {"sid": (int,), "info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},
     # speculative decoding: coordinator -> draft process

@@ -43,6 +43,10 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 SPEC_SAMPLING = ("coupled", "rejection", "guesses")  # `spec_sampling` (docs/speculative.md)
 
 
+CPU_PREFILL_CHUNK = 256  # prefill_chunk's default on CPU shards
+GPU_PREFILL_CHUNK = 2048  # and where a shard is on a GPU
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     model: str = _field("default", "HF folder or .gguf file; 'default' = SmolLM2-135M-Instruct; "
@@ -59,7 +63,9 @@ class RuntimeConfig:
                                 "bfloat16 on GPU")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
-    prefill_chunk: int = _field(256, "tokens per prefill step (also the prefix-cache block)")
+    prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "
+                                   f"0 = {GPU_PREFILL_CHUNK} when a shard is on a GPU, else "
+                                   f"{CPU_PREFILL_CHUNK}")
     max_seqs: int = _field(8, "sequences decoded at once (they share the KV pool); "
                               "generate uses 1 unless set")
     kv_block: int = _field(16, "tokens per block of the paged KV pool")
@@ -131,6 +137,11 @@ class RuntimeConfig:
                                         "neither on its batch nor on speculation (the cost: no "
                                         "batched decode steps, verify rows one at a time)")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
+    capture_at_start: bool = _field(True, "capture every decode, verify and batched step graph "
+                                    "a request may replay (each KV-length bucket up to "
+                                    "max_context) while the shards start, so that no request "
+                                    "waits for a capture or a compilation (GPU shards; "
+                                    "false: each on first use)")
     spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
                                          "sleeping (default: 20 with GPUs, 0 on CPU)")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
@@ -183,8 +194,14 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.max_context < 2:
             raise ConfigError(f"max_context={self.max_context}: must be at least 2")
-        if self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1")
+        if self.prefill_chunk < 0:
+            raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1 (0: "
+                              "auto)")
+        if self.prefill_chunk == 0:  # a GPU's long prompt in 256-token chunks takes 2.3 x
+            # one piece at 32K; in 2048-token ones 1.3 x (bench/RESULTS.md)
+            gpu = any(str(d).startswith("cuda") for d in self.devices)
+            object.__setattr__(self, "prefill_chunk",
+                               GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
         if self.spec_sampling not in SPEC_SAMPLING:

@@ -74,7 +74,13 @@ from layersplit.runtime.placement import (
 )
 from layersplit.runtime.reference import new_seed
 from layersplit.runtime.scheduler import SchedulerConfig
-from layersplit.runtime.speculative import DraftClient, SpecStats, draft_taps, tree_size
+from layersplit.runtime.speculative import (
+    DraftClient,
+    SpecStats,
+    draft_taps,
+    tree_size,
+    verify_shape,
+)
 from layersplit.runtime.step_deadlines import StepDeadlines
 from layersplit.runtime.supervisor import (
     LocalProcess,
@@ -331,6 +337,8 @@ class Coordinator:
                     sh.info["memory_bytes"] / 2**20, sh.info["kv_capacity_tokens"],
                     sh.info["kv_bytes"] / 2**20, sh.info["transport_out"],
                 )
+            if cfg.capture_at_start and cfg.cuda_graphs:
+                self._warm(t0 + cfg.startup_timeout)
             if cfg.prefix_cache:
                 self.cache = CacheManager(self)
             groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)
@@ -344,6 +352,35 @@ class Coordinator:
             self.close()
             raise
         log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
+
+    def _warm(self, deadline: float) -> None:
+        """Every shard captures, all at once, each step graph a request may replay (and
+        compiles what it compiles on first use): decode steps, the draft's verify steps, batched
+        steps up to max_seqs sequences, for every KV-length bucket (`StaticDecoder.warm`). A
+        CPU shard answers at once."""
+        cfg = self.config
+        rows = [1]
+        if self.draft is not None and not cfg.deterministic:  # (deterministic: one-row steps)
+            block, tree = verify_shape(self.draft_info, cfg, self.chunk)
+            rows += [block] + ([1 + tree] if tree else [])
+        t0 = time.perf_counter()
+        sid = self._new_sid()
+        for sh in self.shards:
+            send(sh.sock, message("warm", sid=sid, rows=rows,
+                                  batch=1 if cfg.deterministic else cfg.max_seqs))
+        done: dict[int, dict[str, Any]] = {}
+
+        def match(sh: _Shard, msg: dict[str, Any]) -> bool:
+            if msg["type"] == "warmed" and msg.get("sid") == sid:
+                done[sh.index] = msg["info"]
+            return False
+
+        self._wait(match, deadline, "the graph captures at start", sid,
+                   until=lambda: len(done) == len(self.shards))
+        graphs = sum(int(i.get("graphs", 0)) for i in done.values())
+        if graphs:
+            log.info("%d step graphs captured in %.1f s (capture_at_start)", graphs,
+                     time.perf_counter() - t0)
 
     def _start_ray(self, t0: float, threads: int | None) -> list[RayShard]:
         """launcher = "ray": place and start every shard on the Ray cluster, and the draft

@@ -141,6 +141,18 @@ def cuda_visibility(nodes: Sequence[str], gpus: Sequence[Sequence[str] | None]
 
 
 # ---- the actor (runs on a node of the cluster) ------------------------------------------------
+def process_env(argv: list[str], env: dict[str, str], host_id: str) -> dict[str, str]:
+    """The environment of a shard or draft process a `ShardHost` starts on its node: the
+    node's, the run's (`env`: the secret), its host id, and on a CUDA device the allocator and
+    compile-cache settings a local shard gets (`runtime.supervisor.device_env`), under this
+    node's layersplit home."""
+    from layersplit.ipc.hosts import HOST_ID_ENV
+    from layersplit.runtime.supervisor import device_env
+
+    device = argv[argv.index("--device") + 1] if "--device" in argv[:-1] else "cpu"
+    return device_env({**os.environ, **env, HOST_ID_ENV: host_id}, device)
+
+
 class ShardHost:
     """Ray actor: starts one shard process on its node, reports when it exits, stops it."""
 
@@ -161,7 +173,6 @@ class ShardHost:
         node's address; the secret is in this worker's environment (Ray's runtime
         environment), the process inherits it."""
         import ray
-        from layersplit.ipc.hosts import HOST_ID_ENV
         from layersplit.ipc.sockets import free_tcp_port
 
         ip = ray.util.get_node_ip_address()
@@ -171,7 +182,7 @@ class ShardHost:
             raise ValueError(f"ShardHost starts a shard or a draft, not {command!r}")
         cmd = [sys.executable, "-m", "layersplit.launch.cli", command, "--listen", listen, *argv,
                "--parent-pid", str(os.getpid()), "--error-file", str(self.error_file)]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env, HOST_ID_ENV: host_id},
+        self.proc = subprocess.Popen(cmd, env=process_env(argv, env, host_id),
                                      stdin=subprocess.DEVNULL)
         return {"address": listen, "pid": self.proc.pid}
 

@@ -47,6 +47,14 @@ def tree_size(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> int:
     return min(tree, chunk - 1)
 
 
+def verify_shape(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> tuple[int, int]:
+    """(block, tree) of a verify step with the draft `info` (its configure reply): a chain of
+    `block` rows (the last token and block - 1 draft tokens), no more than the shards' rows of
+    a step (`chunk`, prefill_chunk) allow; `tree` draft tokens of a token tree (0: chains)."""
+    block = min(int(config.spec_block or info["block_size"]), int(info["block_size"]), chunk)
+    return block, tree_size(info, config, chunk) if block > 1 else 0
+
+
 @dataclasses.dataclass
 class SpecStats:
     """What speculation did for one request (or, summed, for a run)."""
@@ -142,11 +150,9 @@ class DraftClient:
         info = coord.draft_info
         self.kind = info["kind"]
         self.sample = sample if self.kind == "dflash" else None
-        # a verify step is a step: no more rows than the shards take (prefill_chunk)
-        self.block = min(int(coord.config.spec_block or info["block_size"]),
-                         int(info["block_size"]), coord.chunk)
-        # a token tree of up to `tree` draft tokens where the draft has a tree shape
-        self.tree = tree_size(info, coord.config, coord.chunk) if self.block > 1 else 0
+        # a verify step is a step: no more rows than the shards take (prefill_chunk); a token
+        # tree of up to `tree` draft tokens where the draft has a tree shape
+        self.block, self.tree = verify_shape(info, coord.config, coord.chunk)
         self.rows = 1 + self.tree if self.tree else self.block
         # (position of the next proposal, tree rows the last verify kept): the draft moves them
         self.kept: tuple[int, list[int]] | None = None

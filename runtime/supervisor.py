@@ -85,7 +85,8 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
 
 
 def compile_cache_env() -> dict[str, str]:
-    """torch.compile's (inductor's) and Triton's on-disk caches under the layersplit home
+    """torch.compile's (inductor's) and Triton's on-disk caches (kernels and autotuning
+    results) under the layersplit home
     (`$LAYERSPLIT_HOME/compile`, made 0700: compiled code is run from there), so that a second
     start loads the kernels the first one compiled instead of compiling them again (the
     defaults live under /tmp, shared and cleared on reboot). {} where it cannot be made."""
@@ -97,14 +98,22 @@ def compile_cache_env() -> dict[str, str]:
     except OSError as e:
         log.warning("compile caches stay torch's defaults: cannot make %s (%s)", root, e)
         return {}
+    # (TRITON_CACHE_AUTOTUNING: the autotuned kernels' choices too, such as fla-core's gated
+    # delta rule's, which a hybrid model's first prefill otherwise spends ~35 s choosing anew
+    # in every new process)
     return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-            "TRITON_CACHE_DIR": str(root / "triton")}
+            "TRITON_CACHE_DIR": str(root / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
 
 
 def shard_env(secret: bytes, device: str) -> dict[str, str]:
     """A shard (or draft) process's environment: ours, its secret, and on CUDA the allocator
     and compiler settings (a user's own settings win)."""
-    env = {**os.environ, SECRET_ENV: secret.hex()}
+    return device_env({**os.environ, SECRET_ENV: secret.hex()}, device)
+
+
+def device_env(env: dict[str, str], device: str) -> dict[str, str]:
+    """`env` with, for a process on a CUDA device, the allocator and compiler settings it
+    lacks (a user's own win); where the process starts (a Ray node: its own layersplit home)."""
     if device.startswith("cuda"):
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
         # torch.compile in-process: no pool of compile workers to outlive or slow a shutdown

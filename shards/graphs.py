@@ -33,7 +33,9 @@ tests compare with the eager path; on CUDA it captures and replays.
 
 from __future__ import annotations
 
+import bisect
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +56,24 @@ BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # padded batch sizes; above 64, multiples
 # buckets are this many times the configured one (1,024 keys by default): a quarter of the
 # graphs and captures, for a few hundred masked keys more in its few attention layers a step.
 HYBRID_BUCKET_FACTOR = 4
+# KV-length buckets are multiples of the bucket up to this many buckets; past that, each doubling
+# of the length is split into this many buckets (a step attends at most 1/8 more keys than it
+# has), so a 128K context takes 56 graphs of each kind, not 512
+LINEAR_BUCKETS = 16
+BUCKETS_PER_DOUBLING = 8
+
+
+def kv_buckets(bucket: int, max_len: int) -> list[int]:
+    """Every KV length a step may attend (ascending, the last `max_len`): multiples of `bucket`
+    up to LINEAR_BUCKETS of them, then BUCKETS_PER_DOUBLING per doubling."""
+    out, t = [], bucket
+    while t < max_len:
+        out.append(t)
+        width = bucket if t < LINEAR_BUCKETS * bucket else \
+            max(1, (1 << (t.bit_length() - 1)) // BUCKETS_PER_DOUBLING // bucket) * bucket
+        t = -(-(t + 1) // width) * width
+    out.append(max_len)
+    return out
 
 
 def batch_bucket(n: int) -> int:
@@ -106,6 +126,7 @@ class StaticDecoder:
         self.model, self.kv, self.bucket = model, kv, bucket
         self.per_slot = per_slot
         self.step_bucket = bucket * HYBRID_BUCKET_FACTOR if per_slot else bucket
+        self.buckets = kv_buckets(self.step_bucket, kv.max_len)
         self.taps = tuple(t for t in taps if model.start <= t < model.end)
         dev = kv.k_store.device
         self.paged = isinstance(kv, PagedKVCache)
@@ -123,8 +144,8 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def kv_len(self, pos: int, n: int = 1) -> int:
-        b = self.step_bucket
-        return min(-(-(pos + n) // b) * b, self.kv.max_len)
+        """The KV length (bucket, `kv_buckets`) a step of n rows at `pos` attends."""
+        return self.buckets[bisect.bisect_left(self.buckets, pos + n)]
 
     def _zeros(self, n: int) -> torch.Tensor:
         """A static input buffer of n rows: token ids on the first range, else hidden rows."""
@@ -222,6 +243,62 @@ class StaticDecoder:
         graph, out = entry
         graph.replay()
         return out
+
+    def warm(self, rows: Sequence[int] = (1,), batch: int = 0, every_s: float = 5.0,
+             label: str = "") -> tuple[int, float]:
+        """Capture, before any request, every graph a step may replay: for each KV-length
+        bucket up to the cache's length, a step of each of `rows` rows (1: decode; more: a
+        verify step of that many) and, over a paged cache, a batched step of each padded batch
+        size up to `batch` sequences; a hybrid range's one-row steps in every slot. The first
+        capture also compiles the compiled stages (`shards.fused`). Logs progress every
+        `every_s` seconds. Returns (graphs captured, seconds). On the CPU nothing is captured.
+
+        The capture's runs write their K/V rows where the buffers point (position 0 through
+        the scratch block of a paged cache, or row 0 of a slot): nothing a later step reads
+        before it writes it; a hybrid range's states are put back."""
+        if not self.capture:
+            return 0, 0.0
+        t0 = last = time.perf_counter()
+        plan: list[tuple[str, int, int, int]] = []  # (kind, slot or lo, rows or Bp, kv_len)
+        slots = range(self.kv.slots) if self.per_slot else [-1 if self.paged else 0]
+        for kv_len in self.buckets:
+            for n in sorted(set(rows)):
+                if self.per_slot and n > 1:
+                    continue  # a hybrid range's verify steps are eager
+                plan += [("step", slot, n, kv_len) for slot in slots]
+            if self.paged and not self.per_slot:
+                plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
+                         if bp <= batch_bucket(batch) and batch >= 2]
+        done = 0
+        with torch.inference_mode():
+            if self.paged:  # every row through the scratch block
+                for seqs in {1, *(n for kind, _, n, _ in plan if kind == "batch")}:
+                    self._tables(seqs).fill_(self.kv.num_blocks)
+            self.pos.zero_()
+            for kind, slot, n, kv_len in plan:
+                if kind == "step" and (slot, kv_len, n) not in self.graphs:
+                    saved = self.kv.save(max(slot, 0)) if self.per_slot else None
+                    try:
+                        self.graphs[(slot, kv_len, n)] = capture(
+                            lambda s=slot, t=kv_len, r=n: self._step(s, t, r), self.pool)
+                    finally:
+                        if saved is not None:
+                            self.kv.load(max(slot, 0), saved)
+                    done += 1
+                elif kind == "batch" and (0, n, kv_len) not in self.batch_graphs:
+                    x, positions = self._batch_input(n)
+                    x.zero_()
+                    positions.fill_(0)
+                    self.batch_graphs[(0, n, kv_len)] = capture(
+                        lambda b=n, t=kv_len: self._batch_step(0, b, t), self.pool)
+                    done += 1
+                now = time.perf_counter()
+                if now - last >= every_s:
+                    last = now
+                    log.info("%scaptured %d of %d step graphs (%.0f s)", label, done, len(plan),
+                             now - t0)
+        torch.cuda.synchronize(self.kv.k_store.device)
+        return done, time.perf_counter() - t0
 
     def _batch_input(self, bp: int) -> tuple[torch.Tensor, torch.Tensor]:
         bufs = self.batch_inputs.get(bp)

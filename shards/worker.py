@@ -43,7 +43,7 @@ from layersplit.shards.busy_clock import BusyClock
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
-from layersplit.shards.executor import RangeExecutor, Segment
+from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.paged_kv import HostKVPool, PagedKVCache
@@ -88,7 +88,7 @@ class ShardSpec:
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
-                           "draft_gone", "kv_swap", *SNAP_OPS},
+                           "draft_gone", "kv_swap", "warm", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -948,6 +948,27 @@ class ShardServer:
         else:
             self.host_kv.swap_in(kv, pairs)
         self._reply(route, message("ok", info={"blocks": len(pairs)}, sid=msg.get("sid")))
+
+    def _on_warm(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """Capture the step graphs a request may replay, before any request
+        (`StaticDecoder.warm`); a CPU shard, or one without graphs, has none to capture."""
+        rows, batch = msg["rows"], msg["batch"]
+        if self.executor is None:
+            raise ProtocolError("warm before configure")
+        if not rows or not all(isinstance(n, int) and 1 <= n <= self.max_step for n in rows) \
+                or not 0 <= batch <= MAX_SLOTS:
+            raise ProtocolError(f"warm: rows {str(rows)[:80]} must be 1..{self.max_step} and "
+                                f"batch {batch} 0..{MAX_SLOTS}")
+        static = self.executor.static
+        graphs, seconds = 0, 0.0
+        if static is not None:
+            rows = [n for n in rows if n <= MAX_VERIFY_ROWS]
+            graphs, seconds = static.warm(rows, min(batch, self.executor.kv.slots),
+                                          label=f"shard {self.index}: ")
+            log.info("shard %d: %d step graphs captured in %.1f s", self.index, graphs,
+                     seconds)
+        self._reply(route, message("warmed", sid=msg["sid"],
+                                   info={"graphs": graphs, "seconds": seconds}))
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy, busy_s=self.clock.seconds()))

@@ -26,7 +26,9 @@ t % KB of block tables[s, t // KB] (KB: rows per block). Each program looks up t
 keys as it reads them; entries past a table's end name the scratch block, which the mask hides.
 
 Every K/V row a program writes is read only by that program (same head, same split): no
-ordering between programs is needed. Positions, rows and masks are device tensors: the kernel
+ordering between programs is needed. A program reads keys only up to the last row its sequence
+writes in the step (no query sees past it), so a graph captured for a KV-length bucket costs a
+step the keys it has, not the bucket's. Positions, rows and masks are device tensors: the kernel
 runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,
 so the keys are split among enough programs to fill the GPU (`key_split`): each program writes
 a partial result (unnormalized output, running max, sum) and a second kernel combines them
@@ -60,7 +62,7 @@ def _attend(
     MASK, s_mseq, s_mrow,  # uint8 (S, n, T): query row i of sequence s sees key t
     OUT, s_out,  # (N, H * D)
     PO, PML,  # partials when SPLITS > 1: (S, G, SPLITS, M_PAD, D) and (S, G, SPLITS, M_PAD, 2)
-    T, keys_per_split, key_blocks, scale,  # key_blocks: cdiv(keys_per_split, BLOCK_N)
+    T, keys_per_split, scale,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -92,6 +94,10 @@ def _attend(
     i = tl.arange(0, BLOCK_I)
     row = s * NROWS + i
     dest = tl.load(ROWS + row, mask=i < NROWS, other=-1)
+    # no query of the step sees a key past the last row it writes (a padding row's scratch
+    # row, past the keys, writes nothing and sees nothing): the keys of the bucket beyond it
+    # are not read, so a step costs the keys it has, whatever its graph's bucket
+    hi = tl.minimum(hi, tl.max(tl.where(dest < T, dest, -1), 0) + 1)
     wr = ((i < NROWS) & (dest >= lo) & (dest < hi))[:, None]
     src = QKV + row[:, None] * s_qkv + (H + g) * D
     k = tl.load(src + d[None, :], mask=wr, other=0.0).to(tl.float32)
@@ -137,7 +143,7 @@ def _attend(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         vis_row = MASK + s * s_mseq + qi[:, None] * s_mrow
-        for b in range(key_blocks):
+        for b in range(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
             t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
             ok_t = t < hi
             # K, V and the mask issued together: a block costs one memory latency, not three
@@ -303,7 +309,7 @@ def decode_attention(
         mask, mask.stride(0), mask.stride(1),
         out, out.stride(0),
         po, pml,
-        t, per, -(-per // BLOCK_N), d ** -0.5 * math.log2(math.e),
+        t, per, d ** -0.5 * math.log2(math.e),
         NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
         BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=BLOCK_N, HAS_NORM=has_norm,
         SPLITS=splits, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,

@@ -25,16 +25,28 @@ def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           mask: torch.Tensor | None, from_start: bool, scale: float | None = None
+           mask: torch.Tensor | None, causal: bool, scale: float | None = None
            ) -> torch.Tensor:
-    """SDPA of one sequence's n queries (n, H, D) over its keys and values (T, G, D): plainly
-    causal from position 0 (`from_start`: flash attention), else under `mask` (n, T) or none.
-    Returns (n, H * D).
+    """SDPA of one sequence's n queries (n, H, D) over its keys and values (T, G, D). Returns
+    (n, H * D).
 
-    A chunk after the first, on a GPU: the fused kernels that take a mask do not take GQA
-    (SDPA's fallback would materialize n x T scores per head), so K/V are repeated per query
+    `causal`: `mask` is plain causal with the queries the last n of the T keys (an eager step's
+    own mask): from position 0 (T == n) that is SDPA's `is_causal`, flash attention; for a chunk
+    after the first, on a GPU, it is flash attention's own (lower-right) causal form
+    (`_flash_lower_right`), with GQA, so a prefill chunk attends its cached prefix with no
+    T-wide mask and no copies of K/V. Else `mask` (n, T) or none. On a CPU the mask stays (its
+    kernels are the exact path the tests compare).
+
+    The fused kernels that take a mask do not take GQA (SDPA's fallback would materialize
+    n x T scores per head), so a masked chunk after the first on a GPU repeats K/V per query
     head. One-row steps keep GQA (their scores are one row a head)."""
     n, h = q.shape[:2]
+    t = keys.shape[0]
+    from_start = causal and n == t and n > 1
+    if causal and keys.is_cuda and 1 < n < t:
+        out = _flash_lower_right(q, keys, values, scale)
+        if out is not None:
+            return out.reshape(n, -1)
     gqa = h != keys.shape[1]
     if gqa and mask is not None and not from_start and keys.is_cuda and n > 1:
         r = h // keys.shape[1]
@@ -50,6 +62,36 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         scale=scale,
     )  # (1, H, n, D)
     return out[0].transpose(0, 1).reshape(n, -1)
+
+
+_FLASH_GQA: dict[str, bool] = {}  # "gqa" -> whether the flash op took fewer K/V heads here
+
+
+def _flash_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       scale: float | None) -> torch.Tensor | None:
+    """Causal attention of the last n of T positions (n < T) through flash attention's own
+    causal form, which aligns the queries with the last keys (what SDPA's `is_causal` does not
+    do for n != T); K/V with fewer heads (GQA) as they are, where the op takes them (once
+    found otherwise, they are repeated per query head). (n, H, D) or None where flash attention
+    does not apply (dtype, head dim): the caller's mask path then runs."""
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        return None
+    h, g = q.shape[1], keys.shape[1]
+    if g != h and not _FLASH_GQA.get("gqa", True):
+        keys, values = (x.repeat_interleave(h // g, dim=1) for x in (keys, values))
+    args = (q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None])
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            *args, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]
+        if g != h:
+            _FLASH_GQA.setdefault("gqa", True)
+    except RuntimeError:
+        if g == h or not _FLASH_GQA.get("gqa", True):
+            return None
+        _FLASH_GQA["gqa"] = False  # this build's flash op wants as many K/V heads as queries
+        return _flash_lower_right(q, keys, values, scale)
+    return out[0].transpose(0, 1)
 
 
 class Attention(nn.Module):
@@ -96,7 +138,6 @@ class Attention(nn.Module):
         slot: int,
         step: StepInfo,
     ) -> torch.Tensor:
-        n = x.shape[0]
         q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -109,9 +150,9 @@ class Attention(nn.Module):
         if step.grouped:
             return self.o_proj(self._grouped(group_queries(q, self.num_kv_heads), keys, values,
                                              mask))
-        # plain causal from position 0: flash attention applies (a window needs its mask)
-        from_start = step.pos == 0 and n > 1 and mask is step.mask
-        return self.o_proj(attend(q, keys, values, mask, from_start, self.sdpa_scale))
+        # an eager step's own mask is plain causal: flash attention applies (a window's is not)
+        causal = step.causal and mask is step.mask
+        return self.o_proj(attend(q, keys, values, mask, causal, self.sdpa_scale))
 
     def _grouped(self, qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:

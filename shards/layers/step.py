@@ -36,6 +36,8 @@ class StepInfo:
     # a captured step over a paged cache: (S, W) long, the block table of each of its S
     # sequences (a graph input, so one graph serves any slot); None: the cache's own tables
     tables: torch.Tensor | None = None
+    # `mask` is plain causal over [0, pos + n) keys, the queries the last n (an eager step's)
+    causal: bool = False
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query
@@ -68,7 +70,7 @@ class StepInfo:
         mask = None
         if n > 1:
             mask = torch.arange(pos + n, device=device)[None, :] <= positions[:, None]
-        return StepInfo(positions, pos + n, mask, pos)
+        return StepInfo(positions, pos + n, mask, pos, causal=True)
 
     @staticmethod
     def static(pos: torch.Tensor, n: int, kv_len: int) -> StepInfo:

@@ -82,8 +82,7 @@ class GatedAttention(nn.Module):
         q = apply_partial_rope(self.q_norm(q), cos, sin)
         k = apply_partial_rope(k, cos, sin)
         keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
-        from_start = step.pos == 0 and n > 1  # plain causal
-        return self.o_proj(gate_output(attend(q, keys, values, step.mask, from_start), gate))
+        return self.o_proj(gate_output(attend(q, keys, values, step.mask, step.causal), gate))
 
 
 class HybridLayer(nn.Module):

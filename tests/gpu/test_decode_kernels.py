@@ -159,11 +159,20 @@ def test_decode_attention_matches_torch_path(case, dtype):
         else:
             keys, values = ref_kv.append(0, slot, step, k, v)
             want = a._grouped(q, keys, values, mask)
+        past = []  # (slot, first key) of each sequence: keys from there on are NaN
         for s in range(n if kind == "batched" else 1):
             _poison(kv, slot0 + s, rows[s:s + 1] if kind == "batched" else rows)
+            mine = rows[s:s + 1] if kind == "batched" else rows
+            past.append((slot0 + s, min(int(mine.max()) + 1, kv_len)))
+        for slot_s, first in past:  # keys the step does not see: the kernel must not read
+            kv.k_store[0, slot_s, first:kv_len] = float("nan")  # them (a NaN in a masked key
+            kv.v_store[0, slot_s, first:kv_len] = float("nan")  # still poisons p @ V)
         qkv = F.linear(x_n, a.qkv_proj.weight, a.qkv_proj.bias)
         got = decode_attention(qkv, cos, sin, kv.k_store[0], kv.v_store[0], rows, slot0, mask,
                                n if kind == "batched" else 1, h, qn, kn, eps, split)
+        for slot_s, first in past:
+            kv.k_store[0, slot_s, first:kv_len] = ref_kv.k_store[0, slot_s, first:kv_len]
+            kv.v_store[0, slot_s, first:kv_len] = ref_kv.v_store[0, slot_s, first:kv_len]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     if kind == "batched":  # the padding row's output is garbage in both paths
         live = torch.arange(n, device=DEV) != 1

@@ -72,6 +72,7 @@ def test_bf16_graph_decode_tracks_eager(tiny_llama):
 def test_graph_batched_decode_matches_single_steps(tiny_models, fused):
     """Captured batched steps (windows of 2, 4 and all 6 slots, KV buckets 32 and 64) give each
     sequence's own CUDA-graph decode step: logits and KV rows."""
+    torch._dynamo.reset()  # (8 compiled shapes per function and process: earlier tests' go)
     ckpt = open_checkpoint(tiny_models["qwen3"])
 
     def executor() -> RangeExecutor:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from layersplit.runtime.config import (
     ConfigError,
+    RuntimeConfig,
     add_flags,
     explicit_keys,
     from_args,
@@ -58,6 +59,14 @@ def test_splits():
     assert weighted_split(30, (1.0, 2.0)) == [10, 20]
     assert weighted_split(5, (100.0, 1.0, 1.0)) == [3, 1, 1]
     assert sum(weighted_split(36, (0.3, 0.3, 0.4))) == 36
+
+
+def test_prefill_chunk_defaults_by_device():
+    assert RuntimeConfig().prefill_chunk == 256
+    assert RuntimeConfig(devices=("cpu", "cuda:1")).prefill_chunk == 2048
+    assert RuntimeConfig(devices=("cuda:0",), prefill_chunk=512).prefill_chunk == 512
+    with pytest.raises(ConfigError, match=r"prefill_chunk=-1: must be at least 1 \(0: auto\)"):
+        RuntimeConfig(prefill_chunk=-1)
 
 
 def test_every_key_is_documented():

@@ -11,12 +11,13 @@ from layersplit.runtime.supervisor import shard_env
 
 def test_cuda_shards_compile_into_the_layersplit_home(tmp_path, monkeypatch):
     monkeypatch.setenv("LAYERSPLIT_HOME", str(tmp_path / "home"))
-    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
         monkeypatch.delenv(key, raising=False)
     env = shard_env(b"\x01\x02", "cuda:0")
     root = tmp_path / "home" / "compile"
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
     assert env["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     assert env[SECRET_ENV] == "0102"
 
@@ -50,3 +51,21 @@ def test_an_unwritable_home_keeps_torchs_defaults(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     env = shard_env(b"", "cuda:0")
     assert "TORCHINDUCTOR_CACHE_DIR" not in env
+
+
+def test_a_ray_nodes_shard_gets_the_same_settings_under_that_nodes_home(tmp_path, monkeypatch):
+    """(`ShardHost.start` runs on the shard's node: its layersplit home is that node's.)"""
+    from layersplit.ipc.hosts import HOST_ID_ENV
+    from layersplit.runtime.ray_launcher import process_env
+
+    monkeypatch.setenv("LAYERSPLIT_HOME", str(tmp_path / "node-home"))
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING"):
+        monkeypatch.delenv(key, raising=False)
+    env = process_env(["--model", "m", "--device", "cuda:0", "--dtype", "auto"],
+                      {SECRET_ENV: "0a"}, "node-7")
+    assert env[SECRET_ENV] == "0a" and env[HOST_ID_ENV] == "node-7"
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "node-home" / "compile" / "triton")
+    assert env["TRITON_CACHE_AUTOTUNING"] == "1"
+    assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    cpu = process_env(["--device", "cpu"], {SECRET_ENV: "0a"}, "node-7")
+    assert "TRITON_CACHE_DIR" not in cpu and "PYTORCH_CUDA_ALLOC_CONF" not in cpu

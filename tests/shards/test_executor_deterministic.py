@@ -45,7 +45,9 @@ def test_verify_rows_equal_plain_decode_steps_bit_for_bit(target, device):
     assert torch.equal(got, torch.cat(want))
     for layer in (1, 4):
         assert torch.equal(taps[layer], torch.cat([t[layer] for t in want_taps]))
-    assert [a[2] for a in steps] == [1] * 5  # five one-row static steps, no verify graph
+    assert {a[2] for a in steps} == {1}  # one-row static steps only, no verify graph
+    if device == "cpu":  # on a GPU, the capture calls of the 32- and 48-key graphs instead
+        assert len(steps) == 5
     # both caches hold the same rows afterwards: decoding goes on alike
     a = plain.run(torch.tensor([3], device=device), 35)
     b = det.run(torch.tensor([3], device=device), 35)

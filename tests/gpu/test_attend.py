@@ -1,0 +1,41 @@
+"""`attend` on a GPU: a prefill chunk after the first takes flash attention's lower-right causal
+form (`causal=True`), the same attention as the explicit mask it replaces, within bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards.layers.attention import attend
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "t", "h", "g", "d"), [
+    (5, 37, 4, 4, 64),  # MHA, a short chunk
+    (64, 300, 8, 2, 128),  # GQA
+    (130, 1200, 24, 4, 256),  # Qwen3.5's attention heads
+    (300, 300, 8, 2, 128),  # from position 0: is_causal
+])
+def test_lower_right_causal_equals_the_mask(n, t, h, g, d, dtype):
+    gen = torch.Generator().manual_seed(n * t)
+    q = torch.randn(n, h, d, generator=gen)
+    keys, values = (torch.randn(t, g, d, generator=gen) for _ in range(2))
+    pos = t - n
+    mask = torch.arange(t)[None, :] <= (pos + torch.arange(n))[:, None]
+    want = attend(q, keys, values, mask, False)  # the CPU's float32 path, masked
+    cuda = [x.to("cuda", dtype) for x in (q, keys, values)]
+    fast = attend(*cuda, mask.cuda(), True).float().cpu()
+    masked = attend(*cuda, mask.cuda(), False).float().cpu()
+    assert fast.shape == want.shape == (n, h * d)
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert (fast - want).abs().max() <= tol
+    # no further from float32 than the masked kernel (twice its distance, or the bound)
+    assert (fast - want).abs().max() <= max(2 * (masked - want).abs().max(), tol / 4)
+    # and it is the causal attention: a wrong alignment (upper-left) would be far off
+    if n < t:
+        upper = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(0, 1)[None].repeat_interleave(h // g, 1) if x is not cuda[0]
+              else x.transpose(0, 1)[None] for x in cuda), is_causal=True)
+        assert (upper[0].transpose(0, 1).reshape(n, -1).float().cpu() - want).abs().max() > 0.1
