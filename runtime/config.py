@@ -45,6 +45,7 @@ SPEC_SAMPLING = ("coupled", "rejection", "guesses")  # `spec_sampling` (docs/spe
 
 CPU_PREFILL_CHUNK = 256  # prefill_chunk's default on CPU shards
 GPU_PREFILL_CHUNK = 2048  # and where a shard is on a GPU
+AUTO_CHUNK = "_auto_prefill_chunk"  # set on a config whose prefill_chunk was 0 (auto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,8 @@ class RuntimeConfig:
             gpu = any(str(d).startswith("cuda") for d in self.devices)
             object.__setattr__(self, "prefill_chunk",
                                GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)
+            # (not a field: `replace` sees it and decides again for the new devices)
+            object.__setattr__(self, AUTO_CHUNK, True)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
         if self.spec_sampling not in SPEC_SAMPLING:
@@ -307,6 +310,11 @@ class RuntimeConfig:
         return "float32" if all(d == "cpu" for d in self.devices) else "bfloat16"
 
     def replace(self, **changes: Any) -> RuntimeConfig:
+        """This config with `changes`; an automatic `prefill_chunk` (0) stays automatic, decided
+        again for the new config's devices (dataclasses.replace would copy the chunk it chose
+        for the old ones)."""
+        if getattr(self, AUTO_CHUNK, False):
+            changes.setdefault("prefill_chunk", 0)
         return dataclasses.replace(self, **changes)
 
 
@@ -379,7 +387,7 @@ def from_mapping(values: Mapping[str, Any], source: str,
         )
     changes = {k: _coerce(k, v, source) for k, v in values.items()}
     try:
-        return dataclasses.replace(base or RuntimeConfig(), **changes)
+        return (base or RuntimeConfig()).replace(**changes)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
 

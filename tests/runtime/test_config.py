@@ -69,6 +69,26 @@ def test_prefill_chunk_defaults_by_device():
         RuntimeConfig(prefill_chunk=-1)
 
 
+def test_prefill_chunk_auto_survives_files_flags_and_replace(tmp_path):
+    """A config file or flag that puts the shards on GPUs gets the GPU chunk (the file's and the
+    flags' configs are built from the CPU default's, whose auto chunk was 256), and a replaced
+    config decides again for its devices; a chunk given stays as given."""
+    assert from_mapping({"devices": ["cuda:0", "cuda:1"]}, "x").prefill_chunk == 2048
+    f = tmp_path / "c.toml"
+    f.write_text('[placement]\ndevices = ["cuda:0"]\n')
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    assert from_args(p.parse_args(["--config", str(f)])).prefill_chunk == 2048
+    assert from_args(p.parse_args(["--devices", "cuda:0,cuda:1"])).prefill_chunk == 2048
+    flags = from_args(p.parse_args(["--config", str(f), "--max-context", "99"]))
+    assert flags.prefill_chunk == 2048
+    assert flags.replace(devices=("cpu",)).prefill_chunk == 256
+    assert flags.replace(devices=("cpu",)).replace(devices=("cuda:0",)).prefill_chunk == 2048
+    given = from_mapping({"devices": ["cuda:0"], "prefill_chunk": 512}, "x")
+    assert given.replace(devices=("cpu",)).prefill_chunk == 512
+    assert from_mapping({"devices": ["cuda:0"]}, "x", base=given).prefill_chunk == 512
+
+
 def test_every_key_is_documented():
     from layersplit.runtime.config import FIELDS
 
