@@ -86,6 +86,8 @@ def _flash_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             *args, 0.0, is_causal=True, return_debug_mask=False, scale=scale)[0]
         if g != h:
             _FLASH_GQA.setdefault("gqa", True)
+    except torch.cuda.OutOfMemoryError:  # (a RuntimeError too) not the op refusing GQA: the
+        raise  # step fails as any out-of-memory step does, and GQA stays on for the next
     except RuntimeError:
         if g == h or not _FLASH_GQA.get("gqa", True):
             return None
