@@ -59,6 +59,9 @@ HYBRID_BUCKET_FACTOR = 4
 # KV-length buckets are multiples of the bucket up to this many buckets; past that, each doubling
 # of the length is split into this many buckets (a step attends at most 1/8 more keys than it
 # has), so a 128K context takes 56 graphs of each kind, not 512
+# `warm` captures at most this many graphs, holding at most this many bytes of output rows
+WARM_GRAPHS = 1024
+WARM_OUTPUT_BYTES = 1 << 30
 LINEAR_BUCKETS = 16
 BUCKETS_PER_DOUBLING = 8
 
@@ -244,6 +247,33 @@ class StaticDecoder:
         graph.replay()
         return out
 
+    def warm_plan(self, rows: Sequence[int], batch: int
+                  ) -> tuple[list[tuple[str, int, int, int]], int]:
+        """What `warm` captures: (kind, slot or lo, rows or padded batch, KV length) in order
+        of KV length, and how many graphs there would be without the caps. Each graph keeps its
+        own output rows (logits, on the last range), so at most WARM_GRAPHS graphs holding at
+        most WARM_OUTPUT_BYTES of them are captured at start, the shortest buckets first."""
+        plan: list[tuple[str, int, int, int]] = []
+        slots = range(self.kv.slots) if self.per_slot else [-1 if self.paged else 0]
+        for kv_len in self.buckets:
+            for n in sorted(set(rows)):
+                if self.per_slot and n > 1:
+                    continue  # a hybrid range's verify steps are eager
+                plan += [("step", slot, n, kv_len) for slot in slots]
+            if self.paged and not self.per_slot:
+                plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
+                         if bp <= batch_bucket(batch) and batch >= 2]
+        cfg = self.model.cfg
+        row = (cfg.vocab_size * 4 if self.model.is_last else
+               cfg.hidden_size * self.kv.k_store.element_size())
+        kept, held = [], 0
+        for item in plan:
+            held += item[2] * row
+            if held > WARM_OUTPUT_BYTES or len(kept) >= WARM_GRAPHS:
+                break
+            kept.append(item)
+        return kept, len(plan)
+
     def warm(self, rows: Sequence[int] = (1,), batch: int = 0, every_s: float = 5.0,
              label: str = "") -> tuple[int, float]:
         """Capture, before any request, every graph a step may replay: for each KV-length
@@ -259,16 +289,10 @@ class StaticDecoder:
         if not self.capture:
             return 0, 0.0
         t0 = last = time.perf_counter()
-        plan: list[tuple[str, int, int, int]] = []  # (kind, slot or lo, rows or Bp, kv_len)
-        slots = range(self.kv.slots) if self.per_slot else [-1 if self.paged else 0]
-        for kv_len in self.buckets:
-            for n in sorted(set(rows)):
-                if self.per_slot and n > 1:
-                    continue  # a hybrid range's verify steps are eager
-                plan += [("step", slot, n, kv_len) for slot in slots]
-            if self.paged and not self.per_slot:
-                plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
-                         if bp <= batch_bucket(batch) and batch >= 2]
+        plan, wanted = self.warm_plan(rows, batch)
+        if len(plan) < wanted:
+            log.info("%scapturing %d of %d step graphs at start (up to %d keys); the rest on "
+                     "first use", label, len(plan), wanted, plan[-1][3] if plan else 0)
         done = 0
         with torch.inference_mode():
             if self.paged:  # every row through the scratch block

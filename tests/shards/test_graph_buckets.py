@@ -38,3 +38,25 @@ def test_a_step_takes_the_smallest_bucket_that_holds_it(tiny_llama):
     assert static.kv_len(8191, 1) == 8192 and static.kv_len(8192) == 9000
     assert static.kv_len(8000, 5) == 8192
     assert static.warm((1, 4), 8) == (0, 0.0)  # on the CPU nothing is captured
+
+
+def test_the_warm_plan_and_its_caps(tiny_llama, monkeypatch):
+    """What `warm` captures: one-row and verify steps and batched steps up to the batch's
+    bucket over a paged cache, for every bucket, shortest first; capped by graphs and by the
+    output rows they hold (the rest on first use)."""
+    from layersplit.shards import graphs
+
+    model = load_layer_range(open_checkpoint(tiny_llama), 0, 6)
+    ex = RangeExecutor(model, 1024, 4, static_decode=True, graph_bucket=256, paged=(256, 16))
+    plan, wanted = ex.static.warm_plan((1, 4, 4), 3)
+    assert wanted == len(plan) == 4 * (2 + 2)  # rows 1 and 4; batches of 2 and 4
+    assert plan[:4] == [("step", -1, 1, 256), ("step", -1, 4, 256), ("batch", 0, 2, 256),
+                        ("batch", 0, 4, 256)]
+    assert [p[3] for p in plan] == sorted(p[3] for p in plan)
+    assert ex.static.warm_plan((1,), 1)[0] == [("step", -1, 1, t) for t in (256, 512, 768, 1024)]
+    monkeypatch.setattr(graphs, "WARM_GRAPHS", 5)
+    assert ex.static.warm_plan((1, 4), 3) == (plan[:5], 16)
+    monkeypatch.setattr(graphs, "WARM_GRAPHS", 1024)
+    row = model.cfg.vocab_size * 4  # float32 logits a row, on the last range
+    monkeypatch.setattr(graphs, "WARM_OUTPUT_BYTES", (1 + 4 + 2 + 4) * row)
+    assert ex.static.warm_plan((1, 4), 3)[0] == plan[:4]
