@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layersplit.shards.layers.attention import attend
+from layersplit.shards.layers.attention import _FLASH_GQA, _flash_lower_right, attend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA device")]
@@ -34,7 +34,10 @@ def test_lower_right_causal_equals_the_mask(n, t, h, g, d, dtype):
     # no further from float32 than the masked kernel (twice its distance, or the bound)
     assert (fast - want).abs().max() <= max(2 * (masked - want).abs().max(), tol / 4)
     # and it is the causal attention: a wrong alignment (upper-left) would be far off
-    if n < t:
+    if n < t:  # ... through flash attention itself (no fallback), with K/V of fewer heads
+        assert _flash_lower_right(*cuda, None) is not None
+        if g != h:
+            assert _FLASH_GQA.get("gqa") is True
         upper = torch.nn.functional.scaled_dot_product_attention(
             *(x.transpose(0, 1)[None].repeat_interleave(h // g, 1) if x is not cuda[0]
               else x.transpose(0, 1)[None] for x in cuda), is_causal=True)
