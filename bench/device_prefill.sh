@@ -9,10 +9,7 @@
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
 source bench/device_env.sh
-deadline=${DEADLINE:-580}
-LOG=$OUT/log.txt
 source bench/device_stages.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 run tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf --tb=short \
   tests/gpu/test_attend.py
 q8="--model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --new-tokens 16 --repeats 1"
@@ -20,8 +17,7 @@ run chunk2048 70 python3 bench/decode.py $q8 --max-context 33792 --prefill 32768
   --prefill-chunk 2048 --json "$OUT/chunk2048.json"
 run chunk32k 60 python3 bench/decode.py $q8 --max-context 33792 --prefill 32768 \
   --prefill-chunk 32768 --json "$OUT/chunk32k.json"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
+install_tf
 run prefill 230 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 bench/decode.py \
   --model random:qwen3.5-27b --layouts cuda:0 --prompt-len 512 --new-tokens 16 \
   --max-context 40960 --repeats 1 --prefill 8192,32768 --prefill-chunk 8192 --kv-cache-gb 4 \

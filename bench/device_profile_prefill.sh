@@ -5,11 +5,8 @@
 # shape in chunks of 8192 and in one piece (issue 20). Results: $OUT/log.txt.
 set -uo pipefail
 source bench/device_env.sh
-deadline=${DEADLINE:-560}
-LOG=$OUT/log.txt
 source bench/device_stages.sh
 TAIL=45
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 run dense 200 python3 bench/profile_prefill.py --model random:qwen3-8b --tokens 32768 \
   --chunks 256,2048,8192,32768
 run hybrid 280 python3 bench/profile_prefill.py --model random:qwen3.5-27b --tokens 32768 \

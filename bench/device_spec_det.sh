@@ -19,11 +19,7 @@ source bench/device_env.sh
 mkdir -p $LAYERSPLIT_HOME/models
 cp .device-carry/smol.part* /tmp/ 2>/dev/null
 gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf
-deadline=${DEADLINE:-560}
-LOG=$OUT/log.txt
 source bench/device_stages.sh
-tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf --tb=short"
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = X ]; then
   run tests 200 $tests tests/shards/test_executor_deterministic.py \
     tests/gpu/test_speculative_gpu.py

@@ -1,5 +1,7 @@
 # Sourced by device scripts that run named stages against one call's time (bench/device_x2.sh,
-# bench/device_gpu1.sh), after they set `deadline` (seconds into the call) and `LOG`.
+# bench/device_gpu1.sh, ...), after bench/device_env.sh. `deadline` (seconds into the call;
+# default $DEADLINE or 580) and `LOG` (default $OUT/log.txt) may be set before; `tests` is the
+# GPU test command; the GPUs are listed in the log.
 #   run NAME EST CMD...   starts CMD only if EST seconds fit before the deadline, cuts it there
 #                         at the latest; its last ${TAIL:-30} lines (INFO/DEBUG left out) go to
 #                         the log, the whole output to /tmp/NAME.full (8 files come back)
@@ -13,3 +15,13 @@ run() {
   echo "rc=$?" >> "/tmp/$name.full"
   grep -v " INFO \| DEBUG " "/tmp/$name.full" | tail -"${TAIL:-30}" | tee -a "$LOG"
 }
+deadline=${deadline:-${DEADLINE:-580}}
+LOG=${LOG:-$OUT/log.txt}
+tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf --tb=short"
+# transformers and the dependencies the image lacks (carried in .whl-tf), for `--hf` runs:
+# PYTHONPATH=$PYTHONPATH:/tmp/site-tf
+install_tf() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"

@@ -16,18 +16,13 @@
 set -uo pipefail
 stage=${1:?stage A or B}
 source bench/device_env.sh
-deadline=${DEADLINE:-580}
-LOG=$OUT/log.txt
 source bench/device_stages.sh
-tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = A ]; then
-  run tests 260 $tests --tb=short tests/gpu/test_warm.py tests/gpu/test_attend.py \
+  run tests 260 $tests tests/gpu/test_warm.py tests/gpu/test_attend.py \
     tests/gpu/test_decode_kernels.py tests/shards/test_executor_deterministic.py \
     tests/gpu/test_gpu_path.py
   grep -v "DEBUG\|INFO\|torch.__trace" /tmp/tests.full | tail -150 > "$OUT/tests.txt"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
+  install_tf
   run prefill 280 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 bench/decode.py \
     --model random:qwen3.5-27b --layouts cuda:0 --prompt-len 512 --new-tokens 16 \
     --max-context 40960 --repeats 1 --prefill 8192,32768 --prefill-chunk 8192 --kv-cache-gb 4 \

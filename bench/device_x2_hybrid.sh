@@ -9,19 +9,14 @@
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
 source bench/device_env.sh
-deadline=${DEADLINE:-580}
-LOG=$OUT/log.txt
 source bench/device_stages.sh
-tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 model=random:qwen3.5-27b
-run tests 150 $tests --tb=short tests/shards/test_executor_deterministic.py \
+run tests 150 $tests tests/shards/test_executor_deterministic.py \
   tests/shards/test_paged_kv_cache.py
 run hybrid_x2 240 python3 bench/decode.py --model $model --layouts cuda:0 cuda:0,cuda:1 \
   --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
   --json "$OUT/hybrid_x2.json"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
+install_tf
 run prefill 300 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 bench/decode.py --model $model \
   --layouts cuda:0 --prompt-len 512 --new-tokens 16 --max-context 40960 --repeats 1 \
   --prefill 8192,32768 --prefill-chunk 8192 --kv-cache-gb 4 --hf --json "$OUT/prefill.json"
