@@ -324,6 +324,11 @@ class Coordinator:
                     spin_ms=self.spin_ms, **extra,
                 ), t0 + cfg.startup_timeout)
                 sh.info = reply["info"]
+                if bool(sh.info.get("deterministic")) != cfg.deterministic:
+                    raise ShardFailure(f"{_name(sh)} reports deterministic="
+                                       f"{sh.info.get('deterministic')!r} where the run asked "
+                                       f"for {cfg.deterministic}: its layersplit does not "
+                                       "take the setting; run the same version everywhere")
                 if sh is first:
                     inbox = sh.info.pop("inbox", None)
                     if inbox is not None:
