@@ -29,7 +29,7 @@ PROTOCOL_VERSION = 15  # 2: speculative decoding; 3: batched steps (several sequ
 # host pool shared with the RAM tier (`runtime.host_pool`): kv_swap "drop" gives back the host
 # blocks of a sequence that ended while swapped out (a shard holds them only while used); 14:
 # configure's `deterministic` (verify rows through the one-row step), reported in the info;
-# 15: `warm` / `warmed` (the step graphs captured at start, `capture_at_start`)
+# 15: `warm` (the step graphs captured at start, `capture_at_start`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -83,10 +83,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "kv_swap": {"direction": (str,), "pairs": (list,)},
     "ok": {"info": (dict,)},
     # capture every step graph a request may replay (`StaticDecoder.warm`): steps of each of
-    # `rows` rows, batched steps up to `batch` sequences, every KV-length bucket; `warmed`
+    # `rows` rows, batched steps up to `batch` sequences, every KV-length bucket; the `ok`
     # says what it took ({graphs, seconds})
     "warm": {"sid": (int,), "rows": (list,), "batch": (int,)},
-    "warmed": {"sid": (int,), "info": (dict,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},
     # speculative decoding: coordinator -> draft process

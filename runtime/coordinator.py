@@ -369,20 +369,10 @@ class Coordinator:
             block, tree = verify_shape(self.draft_info, cfg, self.chunk)
             rows += [block] + ([1 + tree] if tree else [])
         t0 = time.perf_counter()
-        sid = self._new_sid()
-        for sh in self.shards:
-            send(sh.sock, message("warm", sid=sid, rows=rows,
-                                  batch=1 if cfg.deterministic else cfg.max_seqs))
-        done: dict[int, dict[str, Any]] = {}
-
-        def match(sh: _Shard, msg: dict[str, Any]) -> bool:
-            if msg["type"] == "warmed" and msg.get("sid") == sid:
-                done[sh.index] = msg["info"]
-            return False
-
-        self._wait(match, deadline, "the graph captures at start", sid,
-                   until=lambda: len(done) == len(self.shards))
-        graphs = sum(int(i.get("graphs", 0)) for i in done.values())
+        replies = self.call_all(
+            lambda sh: message("warm", rows=rows, batch=1 if cfg.deterministic else cfg.max_seqs),
+            deadline=deadline, what="the graph captures at start")
+        graphs = sum(int(r["info"].get("graphs", 0)) for r in replies)
         if graphs:
             log.info("%d step graphs captured in %.1f s (capture_at_start)", graphs,
                      time.perf_counter() - t0)
@@ -615,10 +605,12 @@ class Coordinator:
             log.warning("prefix cache: %d saves still pending at shutdown; abandoned",
                         cache.pending())
 
-    def call_all(self, make, draft: Any = None) -> list[dict[str, Any]]:
+    def call_all(self, make, draft: Any = None, deadline: float | None = None,
+                 what: str = "a prefix-cache operation") -> list[dict[str, Any]]:
         """Send `make(shard)` (a message, or a message and its payload frames) to every shard,
-        and `draft` (the same) to the draft process when given and it serves; return the `ok` replies, shards in order, then the draft's. A draft lost
-        meanwhile just does not reply (speculation is off from then on)."""
+        and `draft` (the same) to the draft process when given and it serves; return the `ok`
+        replies, shards in order, then the draft's, by `deadline` (default: step_timeout from
+        now). A draft lost meanwhile just does not reply (speculation is off from then on)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
@@ -632,7 +624,8 @@ class Coordinator:
             send(self.draft.sock, {**msg, "sid": sid}, frames)
             pending.add(-1)
         replies: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + self.config.step_timeout
+        if deadline is None:
+            deadline = time.monotonic() + self.config.step_timeout
         draft_deadline = None
         while pending:
             if pending == {-1} and draft_deadline is None:  # the shards are done: the draft's
@@ -641,7 +634,7 @@ class Coordinator:
                 draft_deadline = min(deadline, time.monotonic() + self.config.step_deadline_min)
             try:  # a draft that fails or times out here only stops speculation
                 msg, _ = self._wait(lambda s, m: m["type"] == "ok" and m.get("sid") == sid,
-                                    draft_deadline or deadline, "a prefix-cache operation", sid,
+                                    draft_deadline or deadline, what, sid,
                                     on_draft=-1 in pending, blame_draft=lambda: pending == {-1})
             except (DraftError, DraftLost) as e:  # the draft's part failed: not the shards'
                 log.warning("prefix cache: %s", e)

@@ -967,7 +967,7 @@ class ShardServer:
                                           label=f"shard {self.index}: ")
             log.info("shard %d: %d step graphs captured in %.1f s", self.index, graphs,
                      seconds)
-        self._reply(route, message("warmed", sid=msg["sid"],
+        self._reply(route, message("ok", sid=msg["sid"],
                                    info={"graphs": graphs, "seconds": seconds}))
 
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:

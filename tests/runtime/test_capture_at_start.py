@@ -1,5 +1,5 @@
 """`capture_at_start`: after configuring, the coordinator has every shard capture, all at once,
-the step graphs a request may replay (`warm` / `warmed`, `StaticDecoder.warm`). CPU shards
+the step graphs a request may replay (`warm`, `StaticDecoder.warm`). CPU shards
 capture nothing and answer at once (the captures themselves: `tests/gpu/test_warm.py`); a bad
 `warm` message is refused by name and the runtime goes on serving."""
 
@@ -32,7 +32,7 @@ def test_warm_round_trip_and_bad_warm_messages(tiny_llama, caplog):
         assert c.generate(PROMPT, PARAMS).tokens == want
         for sh in c.shards:
             got = c._call(sh, message("warm", rows=[1, 4], batch=8), time.monotonic() + 30)
-            assert got["type"] == "warmed" and got["info"] == {"graphs": 0, "seconds": 0.0}
+            assert got["type"] == "ok" and got["info"] == {"graphs": 0, "seconds": 0.0}
         max_step = c.config.prefill_chunk + c.config.max_seqs  # the shards' rows of a step
         cases = [
             ({"rows": [], "batch": 1}, "warm: rows [] must be 1..{max_step}"),
