@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 15  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 16  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -29,7 +29,8 @@ PROTOCOL_VERSION = 15  # 2: speculative decoding; 3: batched steps (several sequ
 # host pool shared with the RAM tier (`runtime.host_pool`): kv_swap "drop" gives back the host
 # blocks of a sequence that ended while swapped out (a shard holds them only while used); 14:
 # configure's `deterministic` (verify rows through the one-row step), reported in the info;
-# 15: `warm` (the step graphs captured at start, `capture_at_start`)
+# 15: `warm` (the step graphs captured at start, `capture_at_start`), answered by `warmed`;
+# 16: `warm` answered by `ok` (`warmed` gone: a v15 peer would fail or wait out the start)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
