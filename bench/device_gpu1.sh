@@ -26,7 +26,6 @@ deadline=${DEADLINE:-580}
 LOG=$OUT/log.txt
 source bench/device_stages.sh
 tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = A ]; then
   run tests_a 150 $tests tests/gpu/test_token_mask.py tests/shards/test_logits_processors.py \
     tests/shards/test_hybrid_gpu.py

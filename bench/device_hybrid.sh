@@ -17,7 +17,6 @@ deadline=${DEADLINE:-580}
 LOG=$OUT/log.txt
 source bench/device_stages.sh
 tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf"
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 model=random:qwen3.5-27b
 if [ "$stage" = A ]; then
   run fused 220 python3 bench/decode.py --model $model --layouts cuda:0 cuda:0,cuda:0 \

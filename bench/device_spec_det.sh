@@ -11,7 +11,7 @@
 #           deterministic mode (issue 24): plain decoding in the default mode and in
 #           deterministic mode, and speculation in deterministic mode with the bundled draft
 #           (chains of 4 rows), on the 12 held-out prompts, 2 shards on the one GPU, 3 repeats
-# A stage starts only if its estimate fits before DEADLINE seconds (default 560) and is cut
+# A stage starts only if its estimate fits before DEADLINE seconds (default 580) and is cut
 # there. Results: $OUT/log.txt and the benches' JSON.
 set -uo pipefail
 stage=${1:?stage X, Y or Z}

@@ -24,7 +24,6 @@ source bench/device_env.sh
 deadline=${DEADLINE:-590}
 LOG=$OUT/log.txt
 source bench/device_stages.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
 if [ "$stage" = 1 ]; then
   setsid bash -c '  # llama.cpp build and the GGUFs, niced, beside the GPU runs
     set -x

@@ -637,7 +637,7 @@ class Coordinator:
                                     draft_deadline or deadline, what, sid,
                                     on_draft=-1 in pending, blame_draft=lambda: pending == {-1})
             except (DraftError, DraftLost) as e:  # the draft's part failed: not the shards'
-                log.warning("prefix cache: %s", e)
+                log.warning("%s: %s", what, e)
                 pending.discard(-1)
                 continue
             pending.discard(msg["_shard"])

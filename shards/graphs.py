@@ -56,12 +56,12 @@ BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # padded batch sizes; above 64, multiples
 # buckets are this many times the configured one (1,024 keys by default): a quarter of the
 # graphs and captures, for a few hundred masked keys more in its few attention layers a step.
 HYBRID_BUCKET_FACTOR = 4
-# KV-length buckets are multiples of the bucket up to this many buckets; past that, each doubling
-# of the length is split into this many buckets (a step attends at most 1/8 more keys than it
-# has), so a 128K context takes 56 graphs of each kind, not 512
 # `warm` captures at most this many graphs, holding at most this many bytes of output rows
 WARM_GRAPHS = 1024
 WARM_OUTPUT_BYTES = 1 << 30
+# KV-length buckets are multiples of the bucket up to this many buckets; past that, each doubling
+# of the length is split into this many buckets (a step attends at most 1/8 more keys than it
+# has), so a 128K context takes 56 graphs of each kind, not 512
 LINEAR_BUCKETS = 16
 BUCKETS_PER_DOUBLING = 8
 
