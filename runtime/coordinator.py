@@ -185,6 +185,8 @@ class Coordinator:
         self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
         self.draft_info: dict[str, Any] = {}
+        # what each shard captured at start ({graphs, seconds}, `capture_at_start`), in order
+        self.warmed: list[dict[str, Any]] = []
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | RayShard | None = None
@@ -372,7 +374,8 @@ class Coordinator:
         replies = self.call_all(
             lambda sh: message("warm", rows=rows, batch=1 if cfg.deterministic else cfg.max_seqs),
             deadline=deadline, what="the graph captures at start")
-        graphs = sum(int(r["info"].get("graphs", 0)) for r in replies)
+        self.warmed = [r["info"] for r in replies]  # each shard's {graphs, seconds}
+        graphs = sum(int(i.get("graphs", 0)) for i in self.warmed)
         if graphs:
             log.info("%d step graphs captured in %.1f s (capture_at_start)", graphs,
                      time.perf_counter() - t0)
