@@ -229,23 +229,28 @@ class StaticDecoder:
         if not self.capture:
             return self._step(slot, kv_len, n)
         graph_slot = -1 if self.paged and not self.per_slot else slot
+        graph, out = self._step_graph(graph_slot, kv_len, n)
+        graph.replay()
+        return out
+
+    def _step_graph(self, graph_slot: int, kv_len: int, n: int
+                    ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """The graph of an n-row step over `kv_len` keys in `graph_slot` (-1: any slot of a
+        paged cache), captured at its first need. A hybrid range's step advances its slot's
+        states: the capture's warm-up runs leave them as they were (a replay takes the step)."""
         key = (graph_slot, kv_len, n)
         entry = self.graphs.get(key)
         if entry is None:
-            # a hybrid range's step advances its slot's states: the capture's warm-up runs
-            # must leave them as they were (the replay below takes the step once)
-            saved = self.kv.save(slot) if self.per_slot else None
+            saved = self.kv.save(graph_slot) if self.per_slot else None
             try:
                 entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
             finally:
                 if saved is not None:
-                    self.kv.load(slot, saved)
+                    self.kv.load(graph_slot, saved)
             log.debug("captured a %d-row step graph for layers %d:%d, %d keys", n,
                       self.model.start, self.model.end, kv_len)
             self.graphs[key] = entry
-        graph, out = entry
-        graph.replay()
-        return out
+        return entry
 
     def warm_plan(self, rows: Sequence[int], batch: int
                   ) -> tuple[list[tuple[str, int, int, int]], int]:
@@ -301,20 +306,13 @@ class StaticDecoder:
             self.pos.zero_()
             for kind, slot, n, kv_len in plan:
                 if kind == "step" and (slot, kv_len, n) not in self.graphs:
-                    saved = self.kv.save(max(slot, 0)) if self.per_slot else None
-                    try:
-                        self.graphs[(slot, kv_len, n)] = capture(
-                            lambda s=slot, t=kv_len, r=n: self._step(s, t, r), self.pool)
-                    finally:
-                        if saved is not None:
-                            self.kv.load(max(slot, 0), saved)
+                    self._step_graph(slot, kv_len, n)
                     done += 1
                 elif kind == "batch" and (0, n, kv_len) not in self.batch_graphs:
                     x, positions = self._batch_input(n)
                     x.zero_()
                     positions.fill_(0)
-                    self.batch_graphs[(0, n, kv_len)] = capture(
-                        lambda b=n, t=kv_len: self._batch_step(0, b, t), self.pool)
+                    self._batch_graph(0, n, kv_len)
                     done += 1
                 now = time.perf_counter()
                 if now - last >= every_s:
@@ -382,6 +380,13 @@ class StaticDecoder:
         kv_len = self.kv_len(max(positions))
         if not self.capture:
             return self._batch_step(lo, bp, kv_len)[order]
+        graph, out = self._batch_graph(lo, bp, kv_len)
+        graph.replay()
+        return out[order]
+
+    def _batch_graph(self, lo: int, bp: int, kv_len: int) -> BatchGraph:
+        """The graph of a batched step over slots [lo, lo + bp) and `kv_len` keys, captured at
+        its first need."""
         key = (lo, bp, kv_len)
         entry = self.batch_graphs.get(key)
         if entry is None:
@@ -389,6 +394,4 @@ class StaticDecoder:
             log.debug("captured a %d-slot batched step graph for layers %d:%d, slots %d:%d, "
                       "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)
             self.batch_graphs[key] = entry
-        graph, out = entry
-        graph.replay()
-        return out[order]
+        return entry
