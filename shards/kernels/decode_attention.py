@@ -45,8 +45,23 @@ import triton
 import triton.language as tl
 
 SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"  # keys per split (0: never split); unset: `key_split`
-BLOCK_N = 64  # keys per block of the inner loop
-MAX_BLOCK_M = 64  # query rows (rows x heads of a group) per tile; more rows loop over tiles
+BLOCK_N = 64  # keys per block of the inner loop (`block_n`: 128 where that is faster)
+# query rows (rows x heads of a group) per tile; more rows loop over tiles. 64-row tiles spill:
+# on an H100 a 16-row verify step of Qwen3-8B's heads took 255 us a layer at 2K keys in one
+# 64-row tile, 31 us in two 32-row tiles (bench/decode_attention_sweep.py --rows 16)
+MAX_BLOCK_M = 32
+# launch settings (`bench/decode_attention_sweep.py` measures them): programs per multiprocessor
+# that `key_split` aims at, warps per program, pipeline stages of the key loop (None: Triton's).
+# On an H100 at 128K keys (Qwen3-8B's heads, one row, 16-row blocks): 2 programs per SM and
+# 128-key blocks read K/V at 2.8 TB/s, where 1 and 64 read at 1.7; 8 warps and 4 stages gain
+# nothing; short contexts are unchanged.
+LAUNCH = {"per_sm": 2, "num_warps": 4, "num_stages": None}
+
+
+def block_n(head_dim: int, itemsize: int) -> int:
+    """Keys per block of the loop: 128 for 16-bit K/V of heads up to 128 wide (measured), else
+    `BLOCK_N` (K and V tiles of 128 wider or float32 keys do not fit in shared memory)."""
+    return 128 if head_dim <= 128 and itemsize <= 2 else BLOCK_N
 
 
 @triton.jit
@@ -216,6 +231,13 @@ def _combine(
     tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
 
 
+def _launch() -> dict:
+    out = {"num_warps": LAUNCH["num_warps"]}
+    if LAUNCH["num_stages"] is not None:
+        out["num_stages"] = LAUNCH["num_stages"]
+    return out
+
+
 _SMS: dict[torch.device, int] = {}
 
 
@@ -228,20 +250,21 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def key_split(keys: int, programs: int, device: torch.device,
-              split_keys: int | None = None) -> tuple[int, int]:
+              split_keys: int | None = None, block: int = BLOCK_N) -> tuple[int, int]:
     """(splits, keys per split) for `keys` keys and `programs` programs per split.
 
     Each block of keys is one memory latency in a program's loop, so a step's keys are spread
     over enough programs to fill the GPU (at least one block each); `split_keys` (or
-    `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never."""
+    `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never. `block`: keys
+    per block of the loop (a split holds whole blocks)."""
     if split_keys is None and os.environ.get(SPLIT_ENV):
         split_keys = int(os.environ[SPLIT_ENV])
-    blocks = -(-keys // BLOCK_N)
+    blocks = -(-keys // block)
     if split_keys is None:
-        splits = max(1, min(blocks, _multiprocessors(device) // programs))
+        splits = max(1, min(blocks, LAUNCH["per_sm"] * _multiprocessors(device) // programs))
     else:
         splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))
-    per = -(-blocks // splits) * BLOCK_N  # whole blocks per split
+    per = -(-blocks // splits) * block  # whole blocks per split
     return -(-keys // per), per
 
 
@@ -290,7 +313,8 @@ def decode_attention(
         raise ValueError("decode_attention: K and V caches must share a (.., G, D) row layout")
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(n * r)))
     m_tiles = -(-n * r // block_m)
-    splits, per = key_split(t, n_seqs * g, qkv.device, split_keys)
+    bn = block_n(d, k_cache.element_size())
+    splits, per = key_split(t, n_seqs * g, qkv.device, split_keys, bn)
     out = torch.empty(n_rows, num_heads * d, dtype=qkv.dtype, device=qkv.device)
     if splits > 1:
         m_pad = m_tiles * block_m
@@ -311,9 +335,9 @@ def decode_attention(
         po, pml,
         t, per, d ** -0.5 * math.log2(math.e),
         NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
-        BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=BLOCK_N, HAS_NORM=has_norm,
+        BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=bn, HAS_NORM=has_norm,
         SPLITS=splits, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
-        KB=kb if tables is not None else 1, num_warps=4,
+        KB=kb if tables is not None else 1, **_launch(),
     )
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](

@@ -1,10 +1,12 @@
 """`attend` on a GPU: a prefill chunk after the first takes flash attention's lower-right causal
-form (`causal=True`), the same attention as the explicit mask it replaces, within bf16."""
+form (`causal=True`), or from a long prefix cuDNN's attention split in two and merged, the same
+attention as the explicit mask it replaces, within bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from layersplit.shards.layers import attention
 from layersplit.shards.layers.attention import _FLASH_GQA, _flash_lower_right, attend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -42,3 +44,32 @@ def test_lower_right_causal_equals_the_mask(n, t, h, g, d, dtype):
             *(x.transpose(0, 1)[None].repeat_interleave(h // g, 1) if x is not cuda[0]
               else x.transpose(0, 1)[None] for x in cuda), is_causal=True)
         assert (upper[0].transpose(0, 1).reshape(n, -1).float().cpu() - want).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "t", "h", "g", "d"), [
+    (5, 37, 4, 4, 64),  # MHA, a short chunk
+    (64, 300, 8, 2, 128),  # GQA
+    (130, 1200, 24, 4, 256),  # Qwen3.5's attention heads (where cuDNN takes them)
+    (64, 64 + 4096, 32, 8, 128),  # from attention.CUDNN_MIN_PREFIX: `attend` takes it
+])
+def test_cudnn_split_equals_the_mask(n, t, h, g, d, dtype):
+    gen = torch.Generator().manual_seed(n * t + 1)
+    q = torch.randn(n, h, d, generator=gen)
+    keys, values = (torch.randn(t, g, d, generator=gen) for _ in range(2))
+    values[: t - n] += 1.0  # the prefix's part and the chunk's differ: a wrong merge shows
+    pos = t - n
+    mask = torch.arange(t)[None, :] <= (pos + torch.arange(n))[:, None]
+    want = attend(q, keys, values, mask, False)  # the CPU's float32 path, masked
+    cuda = [x.to("cuda", dtype) for x in (q, keys, values)]
+    split = attention._cudnn_split(*cuda, None)
+    if d > 128 and split is None:  # this cuDNN does not take the head dim: flash runs instead
+        assert attention._CUDNN.get(d) is False
+        return
+    assert split is not None, "cuDNN attention should run on this GPU"
+    split = split.reshape(n, -1).float().cpu()
+    masked = attend(*cuda, mask.cuda(), False).float().cpu()
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    assert (split - want).abs().max() <= max(2 * (masked - want).abs().max(), tol / 4)
+    if t - n >= attention.CUDNN_MIN_PREFIX:
+        assert torch.equal(attend(*cuda, mask.cuda(), True).float().cpu(), split)

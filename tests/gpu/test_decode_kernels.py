@@ -10,6 +10,7 @@ kernel writes equal the torch path's, K rows within a few bf16 ulps (4e-2 absolu
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -192,11 +193,11 @@ def test_decode_attention_matches_torch_path(case, dtype):
 @pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192])
 @pytest.mark.parametrize("programs", [1, 3, 8, 48, 500])
 def test_key_split_covers_every_key_once(keys, programs):
-    from layersplit.shards.kernels.decode_attention import BLOCK_N, key_split
+    from layersplit.shards.kernels.decode_attention import key_split
 
-    for fixed in (None, 0, 100, 256):
-        splits, per = key_split(keys, programs, torch.device(DEV), fixed)
-        assert per % BLOCK_N == 0 and splits >= 1
+    for fixed, block in itertools.product((None, 0, 100, 256), (64, 128)):
+        splits, per = key_split(keys, programs, torch.device(DEV), fixed, block)
+        assert per % block == 0 and splits >= 1
         assert (splits - 1) * per < keys <= splits * per  # no empty split, every key in one
         if fixed == 0:
             assert splits == 1

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU (`nvidia-h100-x1` / `nvidia-h200`), calls of the device tool (2026-11-26, third
+# session), carry .whl: the decode-attention kernel's new launch (2 programs per SM, 128-key
+# blocks) and prefill chunks through cuDNN's attention split at the prefix (issues 21, 22).
+#   A: their GPU tests; the kernel's launch at verify shapes (rows 4, 8, 16); each backend of a
+#      chunk's attention by prefix length;
+#   M: the kernel's tiles at verify shapes (8 and 16 rows);
+#   B: a 131,072-token prompt on the Qwen3-8B shape: TTFT and the first request's decode next
+#      to the weights + KV floor (issue 22); a 32K prompt in 2048-token chunks and in one piece
+#      (issue 21).
+set -uo pipefail
+source bench/device_env.sh
+source bench/device_stages.sh
+case "${1:-A}" in
+A)
+  run tests 200 $tests tests/gpu/test_attend.py tests/gpu/test_decode_kernels.py \
+    tests/gpu/test_warm.py tests/shards/test_executor_deterministic.py
+  for r in 4 8 16; do
+    TAIL=12 run "verify$r" 60 python3 bench/decode_attention_sweep.py --keys 2048,32768 \
+      --rows $r --per-sm 2 --block-n 64,128,auto --warps 4 --stages default
+  done
+  TAIL=20 run prefill_attn 60 python3 bench/prefill_attention.py
+  ;;
+M)  # the kernel's tiles at verify shapes: query rows per tile, keys per block, warps
+  for r in 8 16; do
+    TAIL=30 run "tiles$r" 120 python3 bench/decode_attention_sweep.py --keys 2048,32768 \
+      --rows $r --per-sm 2 --max-block-m 16,32,64 --block-n 64,128 --warps 4,8 \
+      --stages default
+  done
+  ;;
+B)
+  run long 200 python3 bench/decode.py --model random:qwen3-8b --layouts cuda:0 \
+    --prompt-len 131072 --new-tokens 64 --max-context 131200 --kv-cache-gb 24 \
+    --prefill-chunk 8192 --repeats 1 --floor --json "$OUT/long.json"
+  q8="--model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --new-tokens 16 --repeats 1"
+  run chunk2048 90 python3 bench/decode.py $q8 --max-context 33792 --prefill 32768 \
+    --prefill-chunk 2048 --json "$OUT/chunk2048.json"
+  run chunk32k 70 python3 bench/decode.py $q8 --max-context 33792 --prefill 32768 \
+    --prefill-chunk 32768 --json "$OUT/chunk32k.json"
+  ;;
+esac
+log done
