@@ -10,6 +10,13 @@ token out): its chunks flow through the shards overlapped.
 
     python3 bench/concurrency.py --model random:qwen3-8b --layouts cuda:0 cuda:0,cuda:1 \\
         --streams 1,2,4,8,16 --prefill-len 32768
+
+Mixed load (`--mixed 65536x1,2048x15`): streams of different prompt lengths decoding together
+(one long conversation beside short requests, over the paged KV pool: `--kv-cache-gb`), next
+to as many streams of `--prompt-len` tokens each, in the same runtime:
+
+    python3 bench/concurrency.py --model random:qwen3-8b --layouts cuda:0 \\
+        --mixed 65536x1,2048x15 --prompt-len 2048 --kv-cache-gb 24
 """
 
 from __future__ import annotations
@@ -38,10 +45,22 @@ def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
 
 
-def run_streams(coord: Coordinator, streams: int, args) -> dict:
+def mixed_lengths(spec: str) -> list[int]:
+    """"65536x1,2048x15" -> one 65536 and fifteen 2048."""
+    out = []
+    for part in spec.split(","):
+        length, _, count = part.partition("x")
+        out += [int(length)] * int(count or 1)
+    return out
+
+
+def run_streams(coord: Coordinator, streams: int, args,
+                lengths: list[int] | None = None) -> dict:
+    """`streams` prompts of `args.prompt_len` tokens, or one prompt per entry of `lengths`."""
     vocab = coord.model_config.vocab_size
-    prompts = [prompt_ids(args.prompt_len, vocab, seed=1000 * streams + i)
-               for i in range(streams)]
+    lengths = lengths or [args.prompt_len] * streams
+    streams = len(lengths)
+    prompts = [prompt_ids(n, vocab, seed=1000 * streams + i) for i, n in enumerate(lengths)]
     params = [SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)] * streams
     busy0, t0 = coord.shard_busy_s(), time.perf_counter()
     progs = [Progress() for _ in prompts]
@@ -52,11 +71,17 @@ def run_streams(coord: Coordinator, streams: int, args) -> dict:
     end = max(p.finished_at for p in progs)
     tokens = sum(sum(1 for t in p.token_times if t > start) for p in progs)
     gaps = sorted(b - a for p in progs for a, b in zip(p.token_times, p.token_times[1:]))
+    # once every stream decodes (no prompt's prefill chunks between the steps any more)
+    steady = sorted(b - a for p in progs for a, b in zip(p.token_times, p.token_times[1:])
+                    if a >= start)
     assert all(len(r.tokens) == args.new_tokens for r in results)
     return {
-        "streams": streams, "decode_tok_s": tokens / max(end - start, 1e-9),
+        "streams": streams, "prompts": "+".join(f"{lengths.count(n)}x{n}"
+                                                for n in sorted(set(lengths), reverse=True)),
+        "decode_tok_s": tokens / max(end - start, 1e-9),
         "per_stream_tok_s": statistics.mean(r.decode_tok_s for r in results),
         "itl_p50_ms": 1e3 * gaps[len(gaps) // 2], "itl_p99_ms": 1e3 * gaps[int(len(gaps) * 0.99)],
+        "steady_itl_p99_ms": 1e3 * steady[int(len(steady) * 0.99)] if steady else float("nan"),
         "busy": [round((b - a) / (t1 - t0), 3) for a, b in zip(busy0, busy1)],
         "wall_s": t1 - t0,
     }
@@ -64,18 +89,23 @@ def run_streams(coord: Coordinator, streams: int, args) -> dict:
 
 def run_layout(args, devices: list[str]) -> dict:
     counts = [int(s) for s in args.streams.split(",")]
+    mixed = mixed_lengths(args.mixed) if args.mixed else None
+    # (streams, lengths): the mixed load and as many uniform streams, or each count
+    runs = [(len(mixed), mixed), (len(mixed), None)] if mixed else [(n, None) for n in counts]
+    longest = max(mixed or [args.prompt_len])
     cfg = RuntimeConfig(model=args.model, devices=tuple(devices), dtype=args.dtype,
-                        max_context=args.prompt_len + args.new_tokens + 8,
-                        prefill_chunk=args.prefill_chunk, max_seqs=max(counts),
-                        micro_batches=args.micro_batches, draft="none", prefix_cache=False)
+                        max_context=longest + args.new_tokens + 8,
+                        prefill_chunk=args.prefill_chunk, max_seqs=max(n for n, _ in runs),
+                        micro_batches=args.micro_batches, draft="none", prefix_cache=False,
+                        kv_cache_gb=args.kv_cache_gb)
     out: dict = {"layout": ",".join(devices), "rows": []}
     with Coordinator(cfg) as coord:
         out["micro_batches"] = coord.batcher.sched.config.micro_batches
-        for n in counts:
-            run_streams(coord, n, args)  # warm-up: captures this batch size's graphs
-            row = run_streams(coord, n, args)
-            log.info("%s, %d streams: %.1f tok/s, p99 ITL %.2f ms, busy %s", out["layout"], n,
-                     row["decode_tok_s"], row["itl_p99_ms"], row["busy"])
+        for n, lengths in runs:
+            run_streams(coord, n, args, lengths)  # warm-up: captures this batch size's graphs
+            row = run_streams(coord, n, args, lengths)
+            log.info("%s, %s: %.1f tok/s, p99 ITL %.2f ms, busy %s", out["layout"],
+                     row["prompts"], row["decode_tok_s"], row["itl_p99_ms"], row["busy"])
             out["rows"].append(row)
     if args.prefill_len:
         cfg = RuntimeConfig(model=args.model, devices=tuple(devices), dtype=args.dtype,
@@ -104,6 +134,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=0)
+    ap.add_argument("--mixed", default="", help="prompt lengths decoding together, e.g. "
+                    "65536x1,2048x15, next to as many streams of --prompt-len")
+    ap.add_argument("--kv-cache-gb", type=float, default=0.0)
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--micro-batches", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
@@ -111,18 +144,19 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     layouts = [run_layout(args, lay.split(",")) for lay in args.layouts]
-    base = {r["streams"]: r["decode_tok_s"] for r in layouts[0]["rows"]}
-    print(f"\nmodel {args.model}, prompt {args.prompt_len}, {args.new_tokens} new tokens each")
-    print("| layout | micro-batches | streams | aggregate tok/s | vs 1 stream | vs first layout "
-          "| p50 / p99 ITL ms | shard busy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    base = {r["prompts"]: r["decode_tok_s"] for r in layouts[0]["rows"]}
+    print(f"\nmodel {args.model}, {args.new_tokens} new tokens each")
+    print("| layout | micro-batches | prompts | aggregate tok/s | vs first row | vs first layout "
+          "| p50 / p99 ITL ms | p99 once all decode | shard busy |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for lay in layouts:
         one = lay["rows"][0]["decode_tok_s"]
         for r in lay["rows"]:
-            print(f"| {lay['layout']} | {lay['micro_batches']} | {r['streams']} | "
+            print(f"| {lay['layout']} | {lay['micro_batches']} | {r['prompts']} | "
                   f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / one:.2f} | "
-                  f"{r['decode_tok_s'] / base.get(r['streams'], float('nan')):.3f} | "
+                  f"{r['decode_tok_s'] / base.get(r['prompts'], float('nan')):.3f} | "
                   f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
+                  f"{r['steady_itl_p99_ms']:.2f} | "
                   f"{', '.join(f'{b:.0%}' for b in r['busy'])} |")
     if args.prefill_len:
         p0 = layouts[0]["prefill_s"]

@@ -58,6 +58,13 @@ MAX_BLOCK_M = 32
 LAUNCH = {"per_sm": 2, "num_warps": 4, "num_stages": None}
 
 
+# keys one program reads at most (without `split_keys`): a batched step's programs are many
+# (sequences x KV heads), so filling the GPU asks for few splits, and one long sequence among
+# short ones would leave each of its programs most of its keys: on an H100, 1 x 64K + 15 x 2K
+# prompts decoding together ran at 41 ms a step, where 16 x 2K ran at 11 ms
+MAX_SPLIT_KEYS = 4096
+
+
 def block_n(head_dim: int, itemsize: int) -> int:
     """Keys per block of the loop: 128 for 16-bit K/V of heads up to 128 wide (measured), else
     `BLOCK_N` (K and V tiles of 128 wider or float32 keys do not fit in shared memory)."""
@@ -254,14 +261,17 @@ def key_split(keys: int, programs: int, device: torch.device,
     """(splits, keys per split) for `keys` keys and `programs` programs per split.
 
     Each block of keys is one memory latency in a program's loop, so a step's keys are spread
-    over enough programs to fill the GPU (at least one block each); `split_keys` (or
+    over enough programs to fill the GPU (at least one block each), and in splits of at most
+    `MAX_SPLIT_KEYS` (the programs of sequences shorter than a split's start find no keys
+    and end at once); `split_keys` (or
     `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never. `block`: keys
     per block of the loop (a split holds whole blocks)."""
     if split_keys is None and os.environ.get(SPLIT_ENV):
         split_keys = int(os.environ[SPLIT_ENV])
     blocks = -(-keys // block)
-    if split_keys is None:
-        splits = max(1, min(blocks, LAUNCH["per_sm"] * _multiprocessors(device) // programs))
+    if split_keys is None:  # fill the GPU, and spread the longest sequence's keys
+        fill = LAUNCH["per_sm"] * _multiprocessors(device) // programs
+        splits = max(1, min(blocks, max(fill, -(-keys // MAX_SPLIT_KEYS))))
     else:
         splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))
     per = -(-blocks // splits) * block  # whole blocks per split

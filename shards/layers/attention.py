@@ -9,6 +9,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.kv_cache import KVCache
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -126,6 +127,10 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     if g != h and not repeat:
         _CUDNN.setdefault("gqa", True)
     _CUDNN.setdefault(d, True)
+    if d & (d - 1) == 0 and fused_kernels_available(q.device):  # one kernel, (n, H * D)
+        from layersplit.shards.kernels.attention_merge import merge_attention
+
+        return merge_attention(o_pre, l_pre, o_own, l_own).view(n, h, d)
     big = torch.maximum(l_pre, l_own)
     w_pre, w_own = torch.exp(l_pre - big), torch.exp(l_own - big)
     total = w_pre + w_own

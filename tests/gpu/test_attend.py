@@ -73,3 +73,21 @@ def test_cudnn_split_equals_the_mask(n, t, h, g, d, dtype):
     assert (split - want).abs().max() <= max(2 * (masked - want).abs().max(), tol / 4)
     if t - n >= attention.CUDNN_MIN_PREFIX:
         assert torch.equal(attend(*cuda, mask.cuda(), True).float().cpu(), split)
+
+
+def test_merge_kernel_equals_the_torch_merge():
+    """`merge_attention` (one Triton kernel) against the float32 formula, on strided inputs
+    (cuDNN's outputs need not be contiguous), rows not a multiple of its block."""
+    from layersplit.shards.kernels.attention_merge import merge_attention
+
+    gen = torch.Generator().manual_seed(7)
+    n, h, d = 37, 6, 64
+    o1, o2 = (torch.randn(1, n, h, d, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+              for _ in range(2))
+    l1, l2 = (torch.randn(1, h, n, 1, generator=gen).mul(8).cuda() for _ in range(2))
+    got = merge_attention(o1, l1, o2, l2).float()
+    e1, e2 = torch.exp(l1 - torch.maximum(l1, l2)), torch.exp(l2 - torch.maximum(l1, l2))
+    want = (o1.float() * e1 + o2.float() * e2) / (e1 + e2)
+    want = want.to(torch.bfloat16).float()[0].transpose(0, 1).reshape(n, -1)
+    assert got.shape == (n, h * d)
+    assert (got - want).abs().max() <= 1e-2  # one bf16 rounding apart at most

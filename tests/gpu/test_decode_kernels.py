@@ -190,10 +190,10 @@ def test_decode_attention_matches_torch_path(case, dtype):
     assert float(k_err.max()) <= atol, float(k_err.max())
 
 
-@pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192])
+@pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192, 65536])
 @pytest.mark.parametrize("programs", [1, 3, 8, 48, 500])
 def test_key_split_covers_every_key_once(keys, programs):
-    from layersplit.shards.kernels.decode_attention import key_split
+    from layersplit.shards.kernels.decode_attention import MAX_SPLIT_KEYS, key_split
 
     for fixed, block in itertools.product((None, 0, 100, 256), (64, 128)):
         splits, per = key_split(keys, programs, torch.device(DEV), fixed, block)
@@ -201,6 +201,8 @@ def test_key_split_covers_every_key_once(keys, programs):
         assert (splits - 1) * per < keys <= splits * per  # no empty split, every key in one
         if fixed == 0:
             assert splits == 1
+        if fixed is None:  # however many programs (a batched step), no split is long
+            assert per <= max(MAX_SPLIT_KEYS, block)
 
 
 def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots: int = 1,

@@ -60,7 +60,8 @@ def test_the_merge_equals_causal_attention_over_the_whole(monkeypatch, scale):
     out = attention._cudnn_split(*(x.to(torch.bfloat16) for x in (q, k, v)), scale)
     want = _masked(*(x.to(torch.bfloat16).float() for x in (q, k, v)), scale)
     assert out.dtype == torch.bfloat16 and out.shape == (6, 8, 64)
-    assert (out.float().reshape(6, -1) - want).abs().max() < 2e-2
+    # two roundings to bf16 (each part's output, then the merge) of values up to ~3: 2 ulps
+    assert (out.float().reshape(6, -1) - want).abs().max() < 3e-2
     assert heads == [2, 2] and attention._CUDNN == {"gqa": True, 64: True}
 
 
@@ -71,7 +72,7 @@ def test_an_op_that_refuses_gqa_gets_repeated_heads_from_then_on(monkeypatch):
     want = _masked(*(x.float() for x in (q, k, v)))
     for _ in range(2):
         out = attention._cudnn_split(q, k, v, None)
-        assert (out.float().reshape(6, -1) - want).abs().max() < 2e-2
+        assert (out.float().reshape(6, -1) - want).abs().max() < 3e-2
     assert heads == [2, 8, 8, 8, 8] and attention._CUDNN == {"gqa": False, 64: True}
 
 
