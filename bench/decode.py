@@ -11,7 +11,8 @@ bytes of weights read per token divided by the device-to-device copy bandwidth m
     python bench/decode.py --layouts cpu,cpu cpu,cpu --launcher ray --ray-address HOST:PORT \
         --ray-resources host_a,host_b host_a,host_a      # (one per layout)
 
-The decode column is the best of `--repeats` runs; `median` is their median. `--prefill 8192,32768`
+The decode column is the best of `--repeats` runs; `median` is their median (report that). TTFT
+is the median of the runs (`ttft_s_runs` in the JSON lists them). `--prefill 8192,32768`
 times one-token answers to prompts of those lengths (median of 3 after a warm-up; the runs
 listed); on a hybrid model `--hf` is transformers' own model of the same config (prefill only).
 

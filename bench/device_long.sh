@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU (`nvidia-h100-x1` / `nvidia-h200`), calls of the device tool (2026-11-26, third
-# session), carry .whl: the decode-attention kernel's new launch (2 programs per SM, 128-key
-# blocks) and prefill chunks through cuDNN's attention split at the prefix (issues 21, 22).
+# session), carry .whl (.whl-tf too for H): the decode-attention kernel's new launch (2
+# programs per SM, 128-key blocks) and prefill chunks through cuDNN's attention split at the
+# prefix (issues 20, 21, 22).
 #   A: their GPU tests; the kernel's launch at verify shapes (rows 4, 8, 16); each backend of a
 #      chunk's attention by prefix length;
 #   M: the kernel's tiles at verify shapes (8 and 16 rows);
@@ -9,6 +10,7 @@
 #      prompts decoding together next to 16 x 2K (issue 22);
 #   D: after the key split's cap: the kernel tests, the mixed load, the 128K run as 3 runs;
 #   H: the hybrid prefill next to transformers (issue 20);
+#   F: after the review: the GPU tests; the default model's shape by block size;
 #   B: a 131,072-token prompt on the Qwen3-8B shape: TTFT and the first request's decode next
 #      to the weights + KV floor (issue 22); a 32K prompt in 2048-token chunks and in one piece
 #      (issue 21).
@@ -70,6 +72,14 @@ H)  # the hybrid prefill next to transformers' Qwen3.5 (issue 20): chunks after 
     --max-context 40960 --repeats 1 --prefill 8192,32768 --prefill-chunk 8192 --kv-cache-gb 4 \
     --hf --json "$OUT/prefill.json"
   grep -h "cuDNN attention does not run" /tmp/prefill.full | head -3 | tee -a "$LOG"
+  ;;
+F)  # after the review: the GPU tests of the kernel (run-time split count) and of the cuDNN
+  # split; the default model's shape with 64- and 128-key blocks at short contexts
+  run tests 200 $tests tests/gpu/test_decode_kernels.py
+  TAIL=14 run sweepsmol 80 python3 bench/decode_attention_sweep.py --shapes smollm2-135m \
+    --keys 512,4096 --per-sm 1,2 --block-n 64,128 --warps 4 --stages default
+  TAIL=8 run sweep8b 80 python3 bench/decode_attention_sweep.py --keys 32768,131072 \
+    --per-sm 1,2 --block-n 64,128 --warps 4 --stages default
   ;;
 esac
 log done

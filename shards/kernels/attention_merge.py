@@ -22,7 +22,7 @@ def _merge(O1, s1h, s1n, L1, sl1h, sl1n, O2, s2h, s2n, L2, sl2h, sl2n, OUT, s_ou
            D: tl.constexpr, BLOCK_R: tl.constexpr):
     rb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (n * H * D may pass 2**31)
     ok = rows < n
     d = tl.arange(0, D)
     l1 = tl.load(L1 + h * sl1h + rows * sl1n, mask=ok, other=0.0)

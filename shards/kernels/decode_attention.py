@@ -48,13 +48,14 @@ SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"  # keys per split (0: never split); uns
 BLOCK_N = 64  # keys per block of the inner loop (`block_n`: 128 where that is faster)
 # query rows (rows x heads of a group) per tile; more rows loop over tiles. 64-row tiles spill:
 # on an H100 a 16-row verify step of Qwen3-8B's heads took 255 us a layer at 2K keys in one
-# 64-row tile, 31 us in two 32-row tiles (bench/decode_attention_sweep.py --rows 16)
+# 64-row tile, 31 us in two 32-row tiles (either block size; bench/decode_attention_sweep.py
+# --rows 16)
 MAX_BLOCK_M = 32
 # launch settings (`bench/decode_attention_sweep.py` measures them): programs per multiprocessor
 # that `key_split` aims at, warps per program, pipeline stages of the key loop (None: Triton's).
 # On an H100 at 128K keys (Qwen3-8B's heads, one row, 16-row blocks): 2 programs per SM and
-# 128-key blocks read K/V at 2.8 TB/s, where 1 and 64 read at 1.7; 8 warps and 4 stages gain
-# nothing; short contexts are unchanged.
+# 128-key blocks read K/V at 2.8 TB/s, where 1 and 64 read at 1.7; 8 warps are ~40 % slower
+# with 128-key blocks, 4 pipeline stages change nothing.
 LAUNCH = {"per_sm": 2, "num_warps": 4, "num_stages": None}
 
 
@@ -63,11 +64,16 @@ LAUNCH = {"per_sm": 2, "num_warps": 4, "num_stages": None}
 # short ones would leave each of its programs most of its keys: on an H100, 1 x 64K + 15 x 2K
 # prompts decoding together ran at 41 ms a step, where 16 x 2K ran at 11 ms
 MAX_SPLIT_KEYS = 4096
+# split counts up to which the combine kernel is compiled per count (past them it loops over
+# groups of this many); filling the GPU asks for no more (on an H100 the combine of 64 splits
+# in groups of 8 took 15 us more than of 32 unrolled)
+STATIC_SPLITS = 32
 
 
 def block_n(head_dim: int, itemsize: int) -> int:
     """Keys per block of the loop: 128 for 16-bit K/V of heads up to 128 wide (measured), else
-    `BLOCK_N` (K and V tiles of 128 wider or float32 keys do not fit in shared memory)."""
+    `BLOCK_N` (float32 tiles of 128 keys do not fit in shared memory; wider 16-bit heads were
+    not measured)."""
     return 128 if head_dim <= 128 and itemsize <= 2 else BLOCK_N
 
 
@@ -83,11 +89,11 @@ def _attend(
     TABLES, s_tab,  # PAGED: (S, W) int64 block tables, row stride
     MASK, s_mseq, s_mrow,  # uint8 (S, n, T): query row i of sequence s sees key t
     OUT, s_out,  # (N, H * D)
-    PO, PML,  # partials when SPLITS > 1: (S, G, SPLITS, M_PAD, D) and (S, G, SPLITS, M_PAD, 2)
+    PO, PML,  # partials when SPLIT: (S, G, splits, M_PAD, D) and (S, G, splits, M_PAD, 2)
     T, keys_per_split, scale,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     PAGED: tl.constexpr, KB: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
@@ -195,12 +201,14 @@ def _attend(
                 pv = tl.dot(p.to(dt), vt)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        if SPLITS == 1:
+        if not SPLIT:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             dst = OUT + qrow[:, None] * s_out + head[:, None] * D + d[None, :]
             tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
         else:
-            part = ((s * G + g) * SPLITS + sp) * (M_TILES * BLOCK_M) + m
+            # (the split count is the grid's, not a compile-time constant: a bucket's count
+            # grows with its keys, and each constant would be a compile of its own)
+            part = ((s * G + g) * tl.num_programs(2) + sp) * (M_TILES * BLOCK_M) + m
             tl.store(PO + part[:, None] * D + d[None, :], acc)
             tl.store(PML + part * 2, m_i)
             tl.store(PML + part * 2 + 1, l_i)
@@ -208,12 +216,15 @@ def _attend(
 
 @triton.jit
 def _combine(
-    PO, PML, OUT, s_out,
+    PO, PML, OUT, s_out, splits,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
 ):
     """Merge the key splits' partial results of `_attend` (one program per sequence, KV head
-    and query tile)."""
+    and query tile). `SPLITS`: `splits` where it is at most `STATIC_SPLITS` (its loops
+    unrolled, a compile per count), else 0: a loop over groups of GROUP (a long context's
+    bucket count grows with its keys, and compiling 256 unrolled splits takes minutes; each
+    group costs a memory latency, so the groups are large)."""
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     mt = tl.program_id(2)
@@ -221,18 +232,34 @@ def _combine(
     d = tl.arange(0, D)
     qi = m // R
     ok_m = qi < NROWS
-    first = (s * G + g) * SPLITS * (M_TILES * BLOCK_M) + m
+    first = (s * G + g) * splits * (M_TILES * BLOCK_M) + m
     big = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for sp in tl.static_range(SPLITS):
-        big = tl.maximum(big, tl.load(PML + (first + sp * M_TILES * BLOCK_M) * 2))
-    big = tl.where(big == float("-inf"), 0.0, big)
     num = tl.zeros([BLOCK_M, D], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    for sp in tl.static_range(SPLITS):
-        part = first + sp * M_TILES * BLOCK_M
-        w = tl.exp2(tl.load(PML + part * 2) - big)
-        num += w[:, None] * tl.load(PO + part[:, None] * D + d[None, :])
-        den += w * tl.load(PML + part * 2 + 1)
+    if SPLITS > 0:  # a known count: every split's loads issued together
+        for sp in tl.static_range(SPLITS):
+            big = tl.maximum(big, tl.load(PML + (first + sp * M_TILES * BLOCK_M) * 2))
+        big = tl.where(big == float("-inf"), 0.0, big)
+        for sp in tl.static_range(SPLITS):
+            part = first + sp * M_TILES * BLOCK_M
+            w = tl.exp2(tl.load(PML + part * 2) - big)
+            num += w[:, None] * tl.load(PO + part[:, None] * D + d[None, :])
+            den += w * tl.load(PML + part * 2 + 1)
+    else:  # many: in groups of GROUP (a split past the last adds nothing), one compile for all
+        for base in range(0, splits, GROUP):
+            for j in tl.static_range(GROUP):
+                here = (m >= 0) & (base + j < splits)
+                part = first + (base + j) * M_TILES * BLOCK_M
+                big = tl.maximum(big, tl.load(PML + part * 2, mask=here, other=float("-inf")))
+        big = tl.where(big == float("-inf"), 0.0, big)
+        for base in range(0, splits, GROUP):
+            for j in tl.static_range(GROUP):
+                here = (m >= 0) & (base + j < splits)
+                part = first + (base + j) * M_TILES * BLOCK_M
+                w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
+                num += w[:, None] * tl.load(PO + part[:, None] * D + d[None, :],
+                                            mask=here[:, None], other=0.0)
+                den += w * tl.load(PML + part * 2 + 1, mask=here, other=0.0)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     dst = OUT + (s * NROWS + qi)[:, None] * s_out + (g * R + m % R)[:, None] * D + d[None, :]
     tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
@@ -261,16 +288,16 @@ def key_split(keys: int, programs: int, device: torch.device,
     """(splits, keys per split) for `keys` keys and `programs` programs per split.
 
     Each block of keys is one memory latency in a program's loop, so a step's keys are spread
-    over enough programs to fill the GPU (at least one block each), and in splits of at most
-    `MAX_SPLIT_KEYS` (the programs of sequences shorter than a split's start find no keys
-    and end at once); `split_keys` (or
+    over enough programs to fill the GPU (at least one block each; at most `STATIC_SPLITS`
+    splits for that), and in splits of at most `MAX_SPLIT_KEYS` (the programs of sequences
+    shorter than a split's start find no keys and end at once); `split_keys` (or
     `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never. `block`: keys
     per block of the loop (a split holds whole blocks)."""
     if split_keys is None and os.environ.get(SPLIT_ENV):
         split_keys = int(os.environ[SPLIT_ENV])
     blocks = -(-keys // block)
     if split_keys is None:  # fill the GPU, and spread the longest sequence's keys
-        fill = LAUNCH["per_sm"] * _multiprocessors(device) // programs
+        fill = min(LAUNCH["per_sm"] * _multiprocessors(device) // programs, STATIC_SPLITS)
         splits = max(1, min(blocks, max(fill, -(-keys // MAX_SPLIT_KEYS))))
     else:
         splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))
@@ -346,12 +373,13 @@ def decode_attention(
         t, per, d ** -0.5 * math.log2(math.e),
         NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
         BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=bn, HAS_NORM=has_norm,
-        SPLITS=splits, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
+        SPLIT=splits > 1, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
         KB=kb if tables is not None else 1, **_launch(),
     )
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](
-            po, pml, out, out.stride(0), NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m,
-            M_TILES=m_tiles, SPLITS=splits, num_warps=4,
+            po, pml, out, out.stride(0), splits, NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m,
+            M_TILES=m_tiles, SPLITS=splits if splits <= STATIC_SPLITS else 0,
+            GROUP=STATIC_SPLITS, num_warps=4,
         )
     return out

@@ -40,8 +40,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     after the first, on a GPU, it is cuDNN's attention over the prefix and over the chunk,
     merged (`_cudnn_split`, from a prefix of `CUDNN_MIN_PREFIX` keys), or flash attention's own
     (lower-right) causal form (`_flash_lower_right`), with GQA, so a prefill chunk attends its
-    cached prefix with no T-wide mask and no copies of K/V. Else `mask` (n, T) or none. On a
-    CPU the mask stays (its kernels are the exact path the tests compare).
+    cached prefix with no T-wide mask (and no copies of K/V where the flash op takes GQA). Else
+    `mask` (n, T) or none. On a CPU the mask stays (its kernels are the exact path the tests
+    compare).
 
     The fused kernels that take a mask do not take GQA (SDPA's fallback would materialize
     n x T scores per head), so a masked chunk after the first on a GPU repeats K/V per query
@@ -76,7 +77,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 # 1.7 x flash attention's speed at a 32K prefix; below, its second call and the merge cost more
 # than they save)
 CUDNN_MIN_PREFIX = 4096
-# "gqa": whether cuDNN's op took fewer K/V heads here; a head dim -> False: the op failed for it
+# what this process learnt of cuDNN's op: "gqa" -> whether it takes fewer K/V heads than query
+# heads; a head dim -> whether it runs for it (absent: not yet known)
 _CUDNN: dict[str | int, bool] = {}
 
 
@@ -96,37 +98,38 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     own n keys (causal, where upper-left and lower-right agree), merged by the two log-sum-exps.
     cuDNN's fused kernel has no lower-right causal form; split so, it runs a long prefix ~1.7 x
     faster than flash attention on an H100 (bench/prefill_attention.py). K/V with fewer heads
-    (GQA) as they are where the op takes them. (n, H, D), or None where it does not run (dtype,
-    head dim, a GPU without it): the caller's flash path then runs."""
+    (GQA) are passed as they are, never repeated. (n, H, D), or None where it does not run
+    (dtype, head dim, GQA, a GPU without it, a failed call): the caller's flash path then runs.
+
+    A first failure for a head dim or for GQA not yet seen to run marks it off for the process
+    (GQA first, where the call had fewer K/V heads); a failure of what already ran (cuDNN's own
+    workspace out of memory is a plain RuntimeError) costs only that call."""
     d = q.shape[-1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256 or \
-            _CUDNN.get(d) is False:
-        return None
     n, h = q.shape[:2]
     g, p = keys.shape[1], keys.shape[0] - n
-    repeat = g != h and _CUDNN.get("gqa") is False
-
-    def heads(x: torch.Tensor) -> torch.Tensor:  # (rows, G, D) -> (1, G or H, rows, D)
-        x = x.transpose(0, 1)[None]
-        return x.repeat_interleave(h // g, dim=1) if repeat else x
-
+    gqa = g != h
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256 or \
+            _CUDNN.get(d) is False or (gqa and _CUDNN.get("gqa") is False):
+        return None
     qh = q.transpose(0, 1)[None]
+    kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     try:
-        o_own, l_own = _cudnn(qh, heads(keys[p:]), heads(values[p:]), True, scale)
-        o_pre, l_pre = _cudnn(qh, heads(keys[:p]), heads(values[:p]), False, scale)
+        o_own, l_own = _cudnn(qh, kh[:, :, p:], vh[:, :, p:], True, scale)
+        o_pre, l_pre = _cudnn(qh, kh[:, :, :p], vh[:, :, :p], False, scale)
     except torch.cuda.OutOfMemoryError:  # (a RuntimeError too) the step fails as any other
         raise
     except RuntimeError as e:
-        if g != h and not repeat:  # perhaps only GQA refused: try repeated heads once
-            _CUDNN["gqa"] = False
-            return _cudnn_split(q, keys, values, scale)
-        _CUDNN[d] = False
-        log.info("cuDNN attention does not run here for head dim %d (%s); prefill chunks take "
-                 "flash attention", d, str(e).splitlines()[0][:200])
+        what = "gqa" if gqa and "gqa" not in _CUDNN else d if d not in _CUDNN else None
+        if what is not None:
+            _CUDNN[what] = False
+        log.warning("cuDNN attention failed (%s) for a prefill chunk (head dim %d, %d query and "
+                    "%d K/V heads); flash attention runs %s", str(e).splitlines()[0][:200], d, h,
+                    g, "this chunk" if what is None else
+                    "from now on for " + ("GQA" if what == "gqa" else f"head dim {d}"))
         return None
-    if g != h and not repeat:
-        _CUDNN.setdefault("gqa", True)
     _CUDNN.setdefault(d, True)
+    if gqa:
+        _CUDNN.setdefault("gqa", True)
     if d & (d - 1) == 0 and fused_kernels_available(q.device):  # one kernel, (n, H * D)
         from layersplit.shards.kernels.attention_merge import merge_attention
 

@@ -97,6 +97,7 @@ def _poison(kv: KVCache, slot: int, rows: torch.Tensor) -> None:
 CASES = [  # family, heads, kv heads, head dim, window, kind, rows, keys attended, split keys
     ("llama", 9, 3, 64, None, "decode", 1, 256, None),
     ("llama", 9, 3, 64, None, "decode", 1, 768, 256),
+    ("llama", 9, 3, 64, None, "decode", 1, 900, 64),  # 15 splits (float32) or 8 (bf16)
     ("qwen3", 8, 2, 128, None, "decode", 1, 512, None),
     ("qwen2", 4, 2, 32, 40, "decode", 1, 256, None),
     ("llama", 4, 2, 16, 24, "tree", 7, 128, 64),
@@ -188,6 +189,16 @@ def test_decode_attention_matches_torch_path(case, dtype):
     atol = 1e-5 if dtype == torch.float32 else 4e-2
     k_err = (kv.k_store.float() - ref_kv.k_store.float()).abs()
     assert float(k_err.max()) <= atol, float(k_err.max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_counts_past_the_static_ones_combine_in_a_loop(monkeypatch, dtype):
+    """More splits than `STATIC_SPLITS` are combined in a loop of groups of 8 (one compile for
+    every count): the 8- and 15-split case through it, the last group partly empty."""
+    from layersplit.shards.kernels import decode_attention as da
+
+    monkeypatch.setattr(da, "STATIC_SPLITS", 2)
+    test_decode_attention_matches_torch_path(CASES[2], dtype)
 
 
 @pytest.mark.parametrize("keys", [1, 63, 64, 65, 256, 1000, 8192, 65536])
