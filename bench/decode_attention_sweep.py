@@ -7,9 +7,10 @@ contexts: microseconds per layer call and the K/V bandwidth they reach, one deco
 `--rows n`: a step of n rows of one sequence (a verify chain); `--block-n auto`: `block_n`'s
 choice.
 Each setting is timed as replays of a CUDA graph of one call per layer over distinct caches
-(so the keys come from HBM, not L2), the median of 5 replays; the output is compared with the
-first setting's. `--paged B`: the cache is a block pool of B-row blocks, each sequence's table a
-random permutation (the server's layout); 0: one contiguous slot.
+(so the keys come from HBM, not L2), the median of 5 replays (`attention_kernel.time_graph`);
+the output is compared with the first setting's. `--paged B`: the cache is a block pool of
+B-row blocks, each sequence's table a random permutation (the server's layout); 0: one
+contiguous slot.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench.attention_kernel import time_graph  # noqa: E402
 from layersplit.shards.kernels import decode_attention as da  # noqa: E402
 from layersplit.shards.layers.step import StepInfo  # noqa: E402
 
@@ -30,27 +32,6 @@ SHAPES = {  # name: heads, kv heads, head dim, q/k norm
     "qwen3-8b": (32, 8, 128, True),
 }
 BYTES_PER_SHAPE = 6e9  # caches per shape and key count (layers are added until this)
-
-
-def graph_ms(fn, reps: int = 5) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2]
 
 
 def main() -> None:
@@ -116,7 +97,7 @@ def main() -> None:
                                                        kn, 1e-6, None, tables)
                 try:
                     with torch.inference_mode():
-                        ms = graph_ms(run) / layers
+                        ms = time_graph(run, reps=5) / layers
                 except Exception as e:  # a setting Triton cannot compile (shared memory)
                     print(f"{name:<13} {t:>7} {per_sm:>6} {block_n or 'auto':>5} {warps:>5} "
                           f"{stages or '-':>6}  failed: {type(e).__name__}: {str(e)[:80]}")
