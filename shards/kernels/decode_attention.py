@@ -64,9 +64,10 @@ LAUNCH = {"per_sm": 2, "num_warps": 4, "num_stages": None}
 # short ones would leave each of its programs most of its keys: on an H100, 1 x 64K + 15 x 2K
 # prompts decoding together ran at 41 ms a step, where 16 x 2K ran at 11 ms
 MAX_SPLIT_KEYS = 4096
-# split counts up to which the combine kernel is compiled per count (past them it loops over
-# groups of this many); filling the GPU asks for no more (on an H100 the combine of 64 splits
-# in groups of 8 took 15 us more than of 32 unrolled)
+# split counts up to which the combine kernel is compiled per count; past them it loops over
+# groups of this many (on an H100, a loop over groups of 8 added 1.4 us a layer at 8 splits
+# against the unrolled loops, and a 64-split combine in groups of 8 was slow; groups of 32 were
+# not measured)
 STATIC_SPLITS = 32
 
 
@@ -288,16 +289,16 @@ def key_split(keys: int, programs: int, device: torch.device,
     """(splits, keys per split) for `keys` keys and `programs` programs per split.
 
     Each block of keys is one memory latency in a program's loop, so a step's keys are spread
-    over enough programs to fill the GPU (at least one block each; at most `STATIC_SPLITS`
-    splits for that), and in splits of at most `MAX_SPLIT_KEYS` (the programs of sequences
-    shorter than a split's start find no keys and end at once); `split_keys` (or
+    over enough programs to fill the GPU (at least one block each), and in splits of at most
+    `MAX_SPLIT_KEYS` (the programs of sequences shorter than a split's start find no keys
+    and end at once); `split_keys` (or
     `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never. `block`: keys
     per block of the loop (a split holds whole blocks)."""
     if split_keys is None and os.environ.get(SPLIT_ENV):
         split_keys = int(os.environ[SPLIT_ENV])
     blocks = -(-keys // block)
     if split_keys is None:  # fill the GPU, and spread the longest sequence's keys
-        fill = min(LAUNCH["per_sm"] * _multiprocessors(device) // programs, STATIC_SPLITS)
+        fill = LAUNCH["per_sm"] * _multiprocessors(device) // programs
         splits = max(1, min(blocks, max(fill, -(-keys // MAX_SPLIT_KEYS))))
     else:
         splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))

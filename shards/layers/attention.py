@@ -115,6 +115,9 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     try:
         o_own, l_own = _cudnn(qh, kh[:, :, p:], vh[:, :, p:], True, scale)
+        _CUDNN.setdefault(d, True)  # it ran: a failure of the second call is that call's
+        if gqa:
+            _CUDNN.setdefault("gqa", True)
         o_pre, l_pre = _cudnn(qh, kh[:, :, :p], vh[:, :, :p], False, scale)
     except torch.cuda.OutOfMemoryError:  # (a RuntimeError too) the step fails as any other
         raise
@@ -127,9 +130,6 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     g, "this chunk" if what is None else
                     "from now on for " + ("GQA" if what == "gqa" else f"head dim {d}"))
         return None
-    _CUDNN.setdefault(d, True)
-    if gqa:
-        _CUDNN.setdefault("gqa", True)
     if d & (d - 1) == 0 and fused_kernels_available(q.device):  # one kernel, (n, H * D)
         from layersplit.shards.kernels.attention_merge import merge_attention
 

@@ -93,6 +93,19 @@ def test_a_failure_of_what_already_ran_costs_only_that_call(monkeypatch):
     assert heads == [2, 2, 2, 2, 2] and all(g == 2 for g in heads)  # never repeated
 
 
+def test_a_first_failure_of_the_second_call_marks_nothing_off(monkeypatch):
+    """The chunk's own (causal) call ran: GQA and the head dim are known to run, so the
+    prefix call failing costs that chunk only."""
+    fail = [True]
+    _stand_in(monkeypatch, lambda q, k: RuntimeError("workspace")
+              if fail[0] and k.shape[2] == 34 else None)  # the 34-key prefix call
+    q, k, v = (x.to(torch.bfloat16) for x in _inputs())
+    assert attention._cudnn_split(q, k, v, None) is None
+    assert attention._CUDNN == {64: True, "gqa": True}
+    fail[0] = False
+    assert attention._cudnn_split(q, k, v, None) is not None
+
+
 def test_out_of_memory_is_raised(monkeypatch):
     _stand_in(monkeypatch, lambda q, k: torch.cuda.OutOfMemoryError("CUDA out of memory"))
     with pytest.raises(torch.cuda.OutOfMemoryError):
