@@ -16,7 +16,10 @@ Mixed load (`--mixed 65536x1,2048x15`): streams of different prompt lengths deco
 to as many streams of `--prompt-len` tokens each, in the same runtime:
 
     python3 bench/concurrency.py --model random:qwen3-8b --layouts cuda:0 \\
-        --mixed 65536x1,2048x15 --prompt-len 2048 --kv-cache-gb 24
+        --mixed 65536x1,2048x15 --prompt-len 2048 --kv-cache-gb 24 --repeats 3
+
+`--repeats N` measures each load N times after its warm-up and keeps the median run's row
+(every run's tok/s and p99s listed in the JSON).
 """
 
 from __future__ import annotations
@@ -87,6 +90,15 @@ def run_streams(coord: Coordinator, streams: int, args,
     }
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The run of median aggregate tok/s, with every run's tok/s and p99s listed."""
+    ranked = sorted(rows, key=lambda r: r["decode_tok_s"])
+    row = dict(ranked[len(ranked) // 2])
+    for key in ("decode_tok_s", "itl_p99_ms", "steady_itl_p99_ms"):
+        row[f"{key}_runs"] = [r[key] for r in rows]
+    return row
+
+
 def run_layout(args, devices: list[str]) -> dict:
     counts = [int(s) for s in args.streams.split(",")]
     mixed = mixed_lengths(args.mixed) if args.mixed else None
@@ -103,7 +115,8 @@ def run_layout(args, devices: list[str]) -> dict:
         out["micro_batches"] = coord.batcher.sched.config.micro_batches
         for n, lengths in runs:
             run_streams(coord, n, args, lengths)  # warm-up: captures this batch size's graphs
-            row = run_streams(coord, n, args, lengths)
+            row = median_row([run_streams(coord, n, args, lengths)
+                              for _ in range(args.repeats)])
             log.info("%s, %s: %.1f tok/s, p99 ITL %.2f ms, busy %s", out["layout"],
                      row["prompts"], row["decode_tok_s"], row["itl_p99_ms"], row["busy"])
             out["rows"].append(row)
@@ -137,6 +150,8 @@ def main() -> None:
     ap.add_argument("--mixed", default="", help="prompt lengths decoding together, e.g. "
                     "65536x1,2048x15, next to as many streams of --prompt-len")
     ap.add_argument("--kv-cache-gb", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measured runs of each load after its warm-up (the median's row)")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--micro-batches", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
