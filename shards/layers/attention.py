@@ -73,6 +73,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out[0].transpose(0, 1).reshape(n, -1)
 
 
+def _fused_sdpa_takes(q: torch.Tensor) -> bool:
+    """Whether the fused attention kernels (flash, cuDNN) take queries like `q`: 16-bit, head
+    dim a multiple of 8 up to 256."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+
+
 # cached keys from which a chunk takes `_cudnn_split` (bench/prefill_attention.py: on an H100,
 # 1.7 x flash attention's speed at a 32K prefix; below, its second call and the merge cost more
 # than they save)
@@ -108,8 +115,8 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     n, h = q.shape[:2]
     g, p = keys.shape[1], keys.shape[0] - n
     gqa = g != h
-    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256 or \
-            _CUDNN.get(d) is False or (gqa and _CUDNN.get("gqa") is False):
+    if not _fused_sdpa_takes(q) or _CUDNN.get(d) is False or \
+            (gqa and _CUDNN.get("gqa") is False):
         return None
     qh = q.transpose(0, 1)[None]
     kh, vh = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
@@ -150,9 +157,9 @@ def _flash_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     causal form, which aligns the queries with the last keys (what SDPA's `is_causal` does not
     do for n != T); K/V with fewer heads (GQA) as they are, where the op takes them (once
     found otherwise, they are repeated per query head). (n, H, D) or None where flash attention
-    does not apply (dtype, head dim): the caller's mask path then runs."""
-    d = q.shape[-1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+    does not apply (dtype, head dim) or a call failed once GQA had run (only that call): the
+    caller's mask path then runs."""
+    if not _fused_sdpa_takes(q):
         return None
     h, g = q.shape[1], keys.shape[1]
     if g != h and not _FLASH_GQA.get("gqa", True):
@@ -166,7 +173,7 @@ def _flash_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     except torch.cuda.OutOfMemoryError:  # (a RuntimeError too) not the op refusing GQA: the
         raise  # step fails as any out-of-memory step does, and GQA stays on for the next
     except RuntimeError:
-        if g == h or not _FLASH_GQA.get("gqa", True):
+        if g == h or "gqa" in _FLASH_GQA:  # (GQA ran before: not the op refusing it)
             return None
         _FLASH_GQA["gqa"] = False  # this build's flash op wants as many K/V heads as queries
         return _flash_lower_right(q, keys, values, scale)

@@ -51,3 +51,16 @@ def test_an_op_that_refuses_gqa_gets_repeated_heads_from_then_on(monkeypatch):
     assert attention._flash_lower_right(*_inputs(), None).shape == (5, 8, 64)
     assert attention._flash_lower_right(*_inputs(), None).shape == (5, 8, 64)
     assert heads == [2, 8, 8] and attention._FLASH_GQA == {"gqa": False}
+
+
+def test_a_failure_after_gqa_ran_costs_only_that_call(monkeypatch):
+    """A failing call once K/V of fewer heads have run is not the op refusing GQA: the caller's
+    mask path runs for that chunk, and the next chunk passes its 2 K/V heads again."""
+    fail = [False]
+    heads = _stand_in(monkeypatch, lambda g: RuntimeError("workspace") if fail[0] else None)
+    assert attention._flash_lower_right(*_inputs(), None).shape == (5, 8, 64)
+    fail[0] = True
+    assert attention._flash_lower_right(*_inputs(), None) is None
+    fail[0] = False
+    assert attention._flash_lower_right(*_inputs(), None).shape == (5, 8, 64)
+    assert heads == [2, 2, 2] and attention._FLASH_GQA == {"gqa": True}
