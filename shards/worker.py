@@ -955,7 +955,7 @@ class ShardServer:
         rows, batch = msg["rows"], msg["batch"]
         if self.executor is None:
             raise ProtocolError("warm before configure")
-        if not rows or not all(isinstance(n, int) and 1 <= n <= self.max_step for n in rows) \
+        if not rows or not all(type(n) is int and 1 <= n <= self.max_step for n in rows) \
                 or not 0 <= batch <= MAX_SLOTS:
             raise ProtocolError(f"warm: rows {str(rows)[:80]} must be 1..{self.max_step} and "
                                 f"batch {batch} 0..{MAX_SLOTS}")
