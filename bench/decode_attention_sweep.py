@@ -30,6 +30,7 @@ from layersplit.shards.layers.step import StepInfo  # noqa: E402
 SHAPES = {  # name: heads, kv heads, head dim, q/k norm
     "smollm2-135m": (9, 3, 64, False),
     "qwen3-8b": (32, 8, 128, True),
+    "qwen3-30b-a3b": (32, 4, 128, True),  # 4 KV heads: past 4K keys, more than 32 splits
 }
 BYTES_PER_SHAPE = 6e9  # caches per shape and key count (layers are added until this)
 

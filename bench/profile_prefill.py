@@ -3,13 +3,18 @@ chunks of each given size, wall time next to the GPU's busy time, and the torch 
 kernel table of the smallest chunk size (what chunking adds over one piece).
 
     python bench/profile_prefill.py --model random:qwen3-8b --tokens 32768 --chunks 2048,32768
+    python bench/profile_prefill.py --model random:qwen3.5-27b --tokens 8192 --chunks 8192 --hf
 
 Loads the whole model on one GPU the way a shard does (fused projections, a paged KV pool).
+With `--hf`, then (ours freed first: the 27B shape does not fit twice) transformers' own
+model of the same config, one forward of the whole prompt, timed and profiled the same way:
+the two kernel tables side by side say where a gap to transformers lies (issue 20).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -21,9 +26,50 @@ import torch  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor  # noqa: E402
 from layersplit.shards.fused import fuse_projections  # noqa: E402
+from layersplit.shards.random_weights import preset_path  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 BLOCK = 16
+ROWS = 30  # kernel table rows printed
+
+
+def profiled(label: str, fn) -> None:
+    """One call of `fn` (returning its wall seconds) under the torch profiler: the kernel table
+    by GPU time, then wall next to the GPU's busy time."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = fn()
+    ka = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in ka) / 1e6
+    print(ka.table(sort_by="self_device_time_total", row_limit=ROWS))
+    print(f"{label} under the profiler: wall {wall:.3f} s, GPU busy {gpu:.3f} s", flush=True)
+
+
+def hf_forward(args, ids: torch.Tensor) -> None:
+    """transformers' model of the same config (its own random init), one forward of `ids`:
+    median of `--repeats` after a warm-up, then profiled."""
+    import transformers
+
+    name = args.model.split(":", 1)[1] if args.model.startswith("random:") else args.model
+    folder = name if Path(name).is_dir() else str(preset_path(name))
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("cuda:0"):
+        hf = transformers.AutoModelForCausalLM.from_config(
+            hf_cfg, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+    x = ids[None]
+
+    def once() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf(x, logits_to_keep=1)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()
+    runs = [once() for _ in range(args.repeats)]
+    print(f"transformers {transformers.__version__}, one piece: {statistics.median(runs):.3f} s "
+          "(runs " + ", ".join(f"{r:.3f}" for r in runs) + ")", flush=True)
+    profiled("transformers, one piece", once)
 
 
 def prefill(ex: RangeExecutor, ids: torch.Tensor, chunk: int) -> float:
@@ -41,6 +87,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunks", default="2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf", action="store_true",
+                    help="then transformers' model of the same config, one piece")
     args = ap.parse_args()
     ckpt = open_checkpoint(args.model)
     cfg = ckpt.config
@@ -56,12 +104,12 @@ def main() -> None:
         runs = [prefill(ex, ids, c) for _ in range(args.repeats)]
         print(f"chunk {c}: {statistics.median(runs):.3f} s (runs "
               + ", ".join(f"{r:.3f}" for r in runs) + ")", flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = prefill(ex, ids, chunks[0])
-    ka = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in ka) / 1e6
-    print(ka.table(sort_by="self_device_time_total", row_limit=25))
-    print(f"chunk {chunks[0]} under the profiler: wall {wall:.3f} s, GPU busy {gpu:.3f} s")
+    profiled(f"chunk {chunks[0]}", lambda: prefill(ex, ids, chunks[0]))
+    if args.hf:
+        del ex, model
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf_forward(args, ids)
 
 
 if __name__ == "__main__":

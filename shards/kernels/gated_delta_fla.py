@@ -11,12 +11,18 @@ q scaled by Dk ** -0.5, value head h reading key head h // (Hv / Hk) (grouped, a
 state in the same (Hv, Dk, Dv) layout, float32. Its numbers differ from the torch path's by
 rounding only (`tests/shards/test_hybrid_gpu.py`).
 
-Only the delta rule moves to fla: its causal conv keeps a state of the kernel's full width
-(ours, transformers' and the prefix cache's hold the last K - 1 inputs) and the depthwise conv
-is a small part of a layer's time. The verify rows of speculative decoding run one-token steps,
-so they use the fused recurrent kernel too.
+A prefill chunk's causal depthwise conv (with its SiLU) runs fla-core's Triton
+`causal_conv1d` too (`pick_conv`): it reads the (B, n, C) rows where the projection left them,
+where the torch path transposes them into one (B, C, K - 1 + n) copy beside the state and runs
+a depthwise conv then a SiLU, about 1.8 ms a layer at 8K tokens of the Qwen3.5-27B shape on an
+H100, 9 % of the prefill (bench/RESULTS.md). fla's state is the kernel's full width K (its
+first column unread); ours, transformers' and the prefix cache's hold the last K - 1 inputs, so
+the state goes in with a zero column in front and comes out without its first. It sums in
+float32 and rounds once, after the SiLU (the torch path rounds the conv's output first). One-token
+steps keep the torch form (`shards.fused_hybrid` captures it in the step's graph). The verify
+rows of speculative decoding run one-token steps, so they use the fused recurrent kernel too.
 
-`LAYERSPLIT_FLA=0` keeps the torch path on CUDA. Why fla is not used (off, not installed, its
+`LAYERSPLIT_FLA=0` keeps the torch path on CUDA (delta rule and conv). Why fla is not used (off, not installed, its
 import or a kernel call failed) is logged once, at WARNING on a CUDA device.
 """
 
@@ -28,11 +34,13 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LAYERSPLIT_FLA"
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Conv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @functools.cache
@@ -67,6 +75,27 @@ def _load_fla() -> tuple[tuple[Rule, Rule] | None, str]:
     except PackageNotFoundError:
         which = "fla (flash-linear-attention)"
     return (wrap(chunk_gated_delta_rule), wrap(fused_recurrent_gated_delta_rule)), which
+
+
+@functools.cache
+def _load_fla_conv() -> Conv | None:
+    """fla's causal conv (with SiLU) wrapped to `causal_conv`'s signature, or None where its
+    module is missing (an fla-core without it: the torch conv runs)."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception as e:  # noqa: BLE001 - missing or broken: the torch conv, said once
+        _note(f"fla-core's causal_conv1d failed to import ({type(e).__name__}: {e})")
+        return None
+
+    def conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x (B, n, C) (a view of the projection's output: its row stride is passed through),
+        # state (B, C, K - 1) -> fla's (B, C, K), whose first column it never reads
+        full_width = F.pad(state.to(x.dtype), (1, 0)).contiguous()
+        out, final = causal_conv1d(x, weight.contiguous(), initial_state=full_width,
+                                   output_final_state=True, activation="silu")
+        return out, final[:, :, 1:]
+    return conv
 
 
 _broken: list[str] = []  # why a kernel call failed: the torch path runs from then on
@@ -105,16 +134,30 @@ def pick_rule(device: torch.device | str, recurrent: bool, torch_rule: Rule) -> 
     rules = delta_rules(device)
     if rules is None:
         return torch_rule
-    fla = rules[1] if recurrent else rules[0]
+    return _guarded(rules[1] if recurrent else rules[0], torch_rule, "gated delta rule")
+
+
+def pick_conv(device: torch.device | str, torch_conv: Conv) -> Conv:
+    """The causal conv + SiLU a prefill chunk on `device` runs: fla-core's where its delta
+    rule runs (and its conv imports), else `torch_conv`; a failing call is answered as in
+    `pick_rule` (the conv writes nothing in place: the caller stores the state it returns)."""
+    fla = _load_fla_conv() if delta_rules(device) is not None else None
+    return torch_conv if fla is None else _guarded(fla, torch_conv, "causal conv")
+
+
+def _guarded(fla: Callable, torch_fn: Callable, what: str) -> Callable:
+    """`fla`, answered by `torch_fn` on its first failure and from then on (`_broken`)."""
 
     def guarded(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if _broken:
+            return torch_fn(*args)
         try:
             return fla(*args)
         except Exception as e:  # noqa: BLE001 - any kernel failure: the exact path instead
             _broken.append(f"{type(e).__name__}: {e}")
-            log.warning("fla-core's gated delta rule failed (%s); the torch path runs from "
-                        "now on", _broken[0])
-            return torch_rule(*args)
+            log.warning("fla-core's %s failed (%s); the torch path runs from now on", what,
+                        _broken[0])
+            return torch_fn(*args)
 
     return guarded
 

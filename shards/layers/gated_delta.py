@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels.gated_delta_fla import pick_rule
+from layersplit.shards.kernels.gated_delta_fla import pick_conv, pick_rule
 from layersplit.shards.layers.fused_linear import frozen_linear
 from torch import nn
 
@@ -271,7 +271,8 @@ class GatedDeltaNet(nn.Module):
         if recurrent is None:
             recurrent = n == 1
         mixed, z, b, a = self.project(x)
-        conv_out, new_conv = causal_conv(mixed, conv_state, self.conv1d.weight.squeeze(1))
+        conv = causal_conv if recurrent or keep_states else pick_conv(x.device, causal_conv)
+        conv_out, new_conv = conv(mixed, conv_state, self.conv1d.weight.squeeze(1))
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bsz, n, self.num_k_heads, self.head_k_dim)
         k = k.reshape(bsz, n, self.num_k_heads, self.head_k_dim)

@@ -15,8 +15,13 @@ import numpy as np
 import pytest
 import torch
 from layersplit.runtime.reference import ReferenceEngine
-from layersplit.shards.kernels.gated_delta_fla import ENV_SWITCH, delta_rules, kernel_failure
-from layersplit.shards.layers.gated_delta import GatedDeltaNet
+from layersplit.shards.kernels.gated_delta_fla import (
+    ENV_SWITCH,
+    delta_rules,
+    kernel_failure,
+    pick_conv,
+)
+from layersplit.shards.layers.gated_delta import GatedDeltaNet, causal_conv
 from layersplit.shards.sampling import SamplingParams
 
 from tests.gpu import near
@@ -65,7 +70,7 @@ def test_fla_prefill_and_decode_equal_the_torch_path(dtype, monkeypatch):
     ref, conv_t, state_t = _run(layer, x, spans, monkeypatch, fla=False)
     for (a, b), got, want in zip(spans, fla, ref):
         assert near(got, want, TOL[dtype]), (a, b)
-    assert torch.equal(conv_f, conv_t)  # the conv runs in torch either way
+    assert torch.equal(conv_f, conv_t)  # (the conv state is the last inputs, copied)
     assert near(state_f, state_t, TOL[dtype])
 
 
@@ -79,6 +84,30 @@ def test_fla_state_carries_across_chunks(monkeypatch):
     parts, _, state_p = _run(layer, x, [(0, 37), (37, 101), (101, 150)], monkeypatch, fla=True)
     assert near(torch.cat(parts, dim=1), whole[0], TOL[torch.bfloat16])
     assert near(state_p, state_w, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fla_causal_conv_equals_the_torch_conv(n, dtype, monkeypatch):
+    """fla's causal conv + SiLU (a prefill chunk's, `pick_conv`) against the torch path's, on
+    the strided view a fused projection leaves, after a non-zero state, with chunks shorter
+    than the state (their new state is partly the old one): the new state equal, bit for bit
+    (it is the last inputs), the output within rounding."""
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    gen = torch.Generator().manual_seed(n)
+    c, k = 96, 4
+    proj = torch.randn(2, n, c + 40, generator=gen).to("cuda:0", dtype)
+    x = proj[..., :c]  # (row stride c + 40, as `split_projection` leaves it)
+    state = torch.randn(2, c, k - 1, generator=gen).to("cuda:0", dtype)
+    weight = (torch.randn(c, k, generator=gen) * 0.5).to("cuda:0", dtype)
+    conv = pick_conv(x.device, causal_conv)
+    assert conv is not causal_conv  # fla-core is installed here: its conv runs
+    got, got_state = conv(x, state, weight)
+    want, want_state = causal_conv(x, state, weight)
+    assert kernel_failure() is None
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got_state, want_state)
+    assert near(got, want, TOL[dtype])
 
 
 @pytest.fixture(scope="module")
