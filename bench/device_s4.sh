@@ -8,6 +8,9 @@
 #   B: after the prefill's causal conv moved to fla-core's kernel: its GPU tests and the bf16
 #      reference of the kernel tests; the profile again; the end-to-end prefill next to
 #      transformers at 8K and 32K.
+#   C: the host tier's asynchronous swaps (page-locked buffers, a copy stream): its GPU test,
+#      bench/kv_swap.py next to the synchronous pageable copy it replaced; the hybrid fused-step
+#      tests not yet run on this code (bf16, Qwen3-Next and Qwen3.5-MoE).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -31,5 +34,10 @@ B)
   # (a fresh machine compiles and autotunes every Triton kernel: these take minutes)
   run tests 150 $tests tests/gpu/test_decode_kernels.py -k "4500 or 900"
   run tests2 200 $tests tests/shards/test_hybrid_gpu.py -k "fused or prefill or carries"
+  ;;
+C)
+  run tests 60 $tests tests/shards/test_paged_kv_cache.py
+  run swap 120 python3 bench/kv_swap.py --tokens 8192,32768 --repeats 3
+  run tests2 300 $tests tests/shards/test_hybrid_gpu.py -k "fused and bf16 and (next or moe)"
   ;;
 esac

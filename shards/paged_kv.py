@@ -17,7 +17,7 @@ needs are computed once per step (`StepInfo.paged`) and shared by its layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from layersplit.shards.device import to_device
@@ -239,106 +239,3 @@ class PagedRows:
     def view(self, layer: int, slot: int, start: int, end: int) -> None:
         """No contiguous view of a slot's rows exists (see `TensorRows.view`)."""
         return
-
-
-class HostKVPool:
-    """The shard's host-memory tier of live KV (`runtime.batching`, swap preemption): up to
-    `num_blocks` blocks shaped like the device pool's, in plain (pageable) host memory. Block
-    ids are the coordinator's (its host BlockManager), the same on every shard.
-    Memory is taken when blocks are swapped out and given back when they are swapped in or
-    dropped, so the shard holds only what the coordinator's ledger of its host memory counts
-    (`runtime.host_pool`: the prefix cache's RAM-tier snapshots share that memory).
-    Copies are synchronous: a swap-out is done before its device blocks can be reused, a
-    swap-in before any step reads them (the handler replies only then).
-
-    Not pinned: torch's caching host allocator rounds a pinned request up to a power of two and
-    keeps a freed buffer for a request of the same size class, never giving it back, so the
-    pinned memory of swaps of varied sizes would grow past the ledger's count. Pageable copies
-    are slower (not measured here); a pool of fixed-size pinned blocks would be the next step."""
-
-    def __init__(self, kv: PagedKVCache, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"host KV pool: {num_blocks} blocks")
-        self.num_blocks = num_blocks
-        self.kv = kv
-        # host block -> its K and V rows, each (layers, block, kv_heads, head_dim): views of
-        # the buffer of the swap-out that filled it (freed once all its blocks are gone)
-        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the blocks held now take."""
-        return sum(2 * k.numel() * k.element_size() for k, _ in self.held.values())
-
-    def pairs_error(self, kv: PagedKVCache, pairs: Any, direction: str = "out") -> str | None:
-        """Why `pairs` is not a list of [device block, host block] pairs of this pool and
-        `kv`'s (each id in range, no device or host block twice; "in" names only blocks the
-        pool holds; "drop" no device block, -1, and any host block: one that holds nothing
-        stays so, as after a swap-out that failed on this shard), or None."""
-        if not isinstance(pairs, list) or not all(
-                isinstance(p, list) and len(p) == 2 and
-                all(isinstance(b, int) and not isinstance(b, bool) for b in p) for p in pairs):
-            return f"pairs must be a list of [device block, host block], got {str(pairs)[:120]}"
-        low = -1 if direction == "drop" else 0
-        high = 0 if direction == "drop" else kv.num_blocks
-        bad = next((p for p in pairs if not (low <= p[0] < high and
-                                             0 <= p[1] < self.num_blocks)), None)
-        if bad is not None:
-            if direction == "drop":
-                return f"drop pair {bad} is not [-1, host block 0..{self.num_blocks - 1}]"
-            return (f"pair {bad} outside device blocks 0..{kv.num_blocks - 1} or host blocks "
-                    f"0..{self.num_blocks - 1}")
-        if direction != "drop" and len({p[0] for p in pairs}) != len(pairs):
-            return "pairs list a device block twice"
-        if len({p[1] for p in pairs}) != len(pairs):
-            return "pairs list a host block twice"
-        empty = next((p[1] for p in pairs if p[1] not in self.held), None)
-        if direction == "in" and empty is not None:
-            return f"host block {empty} holds nothing"
-        return None
-
-    def swap_out(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
-        """Device block d -> host block h, every layer, for each [d, h] (checked first)."""
-        if not pairs:
-            return
-        dev, host = _settled_ids(kv, pairs)
-        shape = (kv.k_store.shape[0], len(pairs), *kv.k_store.shape[2:])
-        k = torch.empty(shape, dtype=kv.k_store.dtype)
-        v = torch.empty(shape, dtype=kv.v_store.dtype)
-        k.copy_(kv.k_store[:, dev])
-        v.copy_(kv.v_store[:, dev])
-        for i, h in enumerate(host.tolist()):
-            self.held[h] = (k[:, i], v[:, i])
-
-    def swap_in(self, kv: PagedKVCache, pairs: Sequence[Sequence[int]]) -> None:
-        """Host block h -> device block d, every layer, for each [d, h] (checked first); the
-        host blocks are free then."""
-        if not pairs:
-            return
-        dev, host = _settled_ids(kv, pairs)
-        hosts = host.tolist()
-        kv.k_store[:, dev] = torch.stack([self.held[h][0] for h in hosts], 1).to(kv.device)
-        kv.v_store[:, dev] = torch.stack([self.held[h][1] for h in hosts], 1).to(kv.device)
-        _settle(kv)  # (in place before the handler replies: the next step reads the rows)
-        self.drop(hosts)
-
-    def drop(self, hosts: Sequence[int]) -> None:
-        """The host blocks' memory is given back (their sequence ended while swapped out)."""
-        for h in hosts:
-            self.held.pop(h, None)
-
-
-def _settled_ids(kv: PagedKVCache, pairs: Sequence[Sequence[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device block ids (on the pool's device) and host block ids of `pairs`, once the
-    pool's GPU has settled (`_settle`)."""
-    _settle(kv)
-    return (torch.tensor([p[0] for p in pairs], dtype=torch.long, device=kv.device),
-            torch.tensor([p[1] for p in pairs], dtype=torch.long))
-
-
-def _settle(kv: PagedKVCache) -> None:
-    """Every kernel queued on the pool's GPU is done (no-op on CPU): a swap never races a
-    step's kernels or another stream's copies."""
-    if kv.device.type == "cuda":
-        torch.cuda.synchronize(kv.device)

@@ -45,8 +45,9 @@ from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
+from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.hybrid_cache import HybridState
-from layersplit.shards.paged_kv import HostKVPool, PagedKVCache
+from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import (
     SamplingParams,
     accept_draft,
@@ -407,6 +408,8 @@ class ShardServer:
         kv = self.executor.kv
         if self.host_kv is None or self.host_kv.num_blocks != host_blocks or \
                 self.host_kv.kv is not kv:
+            if self.host_kv is not None:
+                self.host_kv.close()  # (its page-locked buffers given back)
             self.host_kv = None
             if host_blocks:
                 self.host_kv = HostKVPool(kv, host_blocks)
@@ -747,6 +750,8 @@ class ShardServer:
                   moved: bool = False) -> None:
         """Run a step (`moved`: its kept rows were moved already, while it was held)."""
         segs = self._segments(msg, x)
+        if self.host_kv is not None and self.host_kv.retiring:
+            self.host_kv.reap()  # (host buffers whose last swap copies have run)
         if not x.is_cuda and self.device.type == "cuda":
             # through pinned memory: the host does not wait for the device to take it
             x = x.pin_memory().to(self.device, non_blocking=True)
@@ -925,8 +930,10 @@ class ShardServer:
     def _on_kv_swap(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Copy a preempted sequence's blocks to the host pool (`direction` out) or back (in),
         for each [device block, host block] of `pairs`, or give back the host blocks of one
-        that ended while swapped out (drop, [-1, host block]); the reply goes once the copy is
-        done, so the coordinator reuses (out) or reads (in) the device blocks only after it."""
+        that ended while swapped out (drop, [-1, host block]). The reply goes once the copies
+        are queued: on a GPU they run on the host pool's copy stream and every kernel queued
+        after them waits for them there (`shards.host_kv`), so the steps that reuse (out) or
+        read (in) the device blocks run after them; on the CPU they are done."""
         if self.executor is None:
             raise ProtocolError("kv_swap before configure", "unexpected")
         if self.host_kv is None:

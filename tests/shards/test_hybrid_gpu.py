@@ -214,11 +214,14 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
         return float((a.float() - b.float()).abs().max()) / max(1.0, float(b.abs().max()))
 
     def close(a: torch.Tensor, b: torch.Tensor, f32: torch.Tensor) -> bool:
-        """b (fused) within TOL of a (unfused), or in bf16 within twice a's own distance from
-        float32: the two paths round at different points (inductor keeps float32 between
-        the fused ops), and a bf16 recurrent state carries its rounding from step to step."""
-        bound = TOL[dtype] if dtype == torch.float32 else max(TOL[dtype], 2 * dist(a, f32))
-        return dist(b, a) < bound
+        """b (fused) within TOL of a (unfused); in bf16, b no farther from float32 than TOL or
+        twice a's own distance from it: the two paths round at different points (inductor
+        keeps float32 between the fused ops), and a bf16 recurrent state carries its rounding
+        from step to step, so each drifts from float32 its own way (b against a alone failed
+        at 0.059 where each was ~0.03 from float32: Qwen3-Next, 21 steps in)."""
+        if dtype == torch.float32:
+            return dist(b, a) < TOL[dtype]
+        return dist(b, f32) < max(TOL[dtype], 2 * dist(a, f32))
 
     first = [[ex.run(p.to("cuda:0"), 0, s) for s, p in enumerate(prompts)] for ex in exs]
     tok = [int(x.argmax()) for x in first[0]]

@@ -110,33 +110,65 @@ def test_table_errors_and_copies():
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_the_host_pool_holds_memory_only_while_blocks_are_swapped_out(device):
+def test_the_host_pool_holds_memory_only_while_blocks_are_swapped_out(device,
+                                                                       monkeypatch):
     """`HostKVPool` takes host memory at a swap-out and gives it back at the
     swap-in (or a drop), so the shard holds what the coordinator's ledger counts
-    (`runtime.host_pool`); the rows come back bit for bit, into other device blocks."""
-    from layersplit.shards.paged_kv import HostKVPool
+    (`runtime.host_pool`); the rows come back bit for bit, into other device blocks. On a GPU
+    the copies are queued on the pool's stream (page-locked buffers) and what runs after
+    them on the current stream sees their result; a swap larger than the device staging
+    goes in pieces."""
+    from layersplit.shards import host_kv
+    from layersplit.shards.host_kv import HostKVPool
 
     kv = PagedKVCache(KVLayout(3, 2, 4, torch.float32), MAX_LEN, SLOTS, BLOCKS, BLOCK, device)
     g = torch.Generator().manual_seed(3)
     kv.k_store.copy_(torch.randn(kv.k_store.shape, generator=g))
     kv.v_store.copy_(torch.randn(kv.v_store.shape, generator=g))
     host = HostKVPool(kv, 4)
+
+    def settled() -> None:
+        """On a GPU, a buffer is given back once the copies that used it have run."""
+        if device == "cuda":
+            torch.cuda.synchronize()
+            host.reap()
     per_block = 2 * 3 * BLOCK * 2 * 4 * 4  # K and V, 3 layers, 8 rows of 2 x 4 floats
     assert host.nbytes == 0
     k, v = kv.k_store[:, [5, 9]].clone(), kv.v_store[:, [5, 9]].clone()
     host.swap_out(kv, [[5, 2], [9, 0]])
     assert host.nbytes == 2 * per_block and set(host.held) == {0, 2}
-    assert not host.held[0][0].is_pinned()  # (pageable: see `HostKVPool`)
+    assert host.held[0][0].is_pinned() == (device == "cuda")  # (page-locked on a GPU)
+    assert host.pairs_error(kv, [[4, 2]], "out") == \
+        "host block 2 already holds a swapped-out block"
     assert host.pairs_error(kv, [[1, 3]], "in") == "host block 3 holds nothing"
     assert host.pairs_error(kv, [[0, 2]], "drop") == \
         "drop pair [0, 2] is not [-1, host block 0..3]"
     kv.k_store[:, [5, 9]] = 0
     host.swap_in(kv, [[11, 2], [7, 0]])
     assert torch.equal(kv.k_store[:, [11, 7]], k) and torch.equal(kv.v_store[:, [11, 7]], v)
-    assert host.nbytes == 0 and not host.held
+    assert not host.held
+    settled()
+    assert host.nbytes == 0
     host.swap_out(kv, [[1, 1], [2, 3], [3, 0]])  # 3 blocks held
     assert host.pairs_error(kv, [[-1, 1], [-1, 2]], "drop") is None  # (2: nothing to free)
-    host.drop([1, 2])
-    assert host.nbytes == 2 * per_block and set(host.held) == {0, 3}
+    host.drop([1, 2])  # (a swap's buffer is given back with its last block: a sequence's
+    assert host.nbytes == 3 * per_block and set(host.held) == {0, 3}  # come back together)
     host.drop([0, 3])
-    assert host.nbytes == 0
+    settled()
+    assert host.nbytes == 0 and not host.registered
+    # pieces: a staging buffer of 2 blocks, a swap of 5 scattered blocks in three pieces, back
+    # into other blocks in another order
+    monkeypatch.setattr(host_kv, "STAGE_BYTES", 2 * per_block)
+    small = HostKVPool(kv, 8)
+    assert small.stage_blocks == 2
+    dev, hosts = [12, 3, 7, 0, 9], [6, 1, 2, 5, 0]
+    k, v = kv.k_store[:, dev].clone(), kv.v_store[:, dev].clone()
+    small.swap_out(kv, [list(p) for p in zip(dev, hosts)])
+    kv.k_store[:, dev] = 0
+    kv.v_store[:, dev] = 0
+    back = [2, 14, 5, 11, 8]
+    order = [3, 0, 4, 1, 2]
+    small.swap_in(kv, [[back[i], hosts[i]] for i in order])
+    assert torch.equal(kv.k_store[:, back], k) and torch.equal(kv.v_store[:, back], v)
+    small.close()
+    assert small.nbytes == 0 and not small.held
