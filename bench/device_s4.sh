@@ -11,6 +11,7 @@
 #   C: the host tier's asynchronous swaps (page-locked buffers, a copy stream): its GPU test,
 #      bench/kv_swap.py next to the synchronous pageable copy it replaced; the hybrid fused-step
 #      tests not yet run on this code (bf16, Qwen3-Next and Qwen3.5-MoE).
+#   D: prefix sharing in device memory: 8 requests on one 30K-token prefix (issue 22).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -39,5 +40,9 @@ C)
   run tests 60 $tests tests/shards/test_paged_kv_cache.py
   run swap 120 python3 bench/kv_swap.py --tokens 8192,32768 --repeats 3
   run tests2 300 $tests tests/shards/test_hybrid_gpu.py -k "fused and bf16 and (next or moe)"
+  ;;
+D)
+  run shared 400 python3 bench/shared_prefix.py --model random:qwen3-8b --devices cuda:0 \
+    --prefix 30720 --requests 8 --kv-cache-gb 24
   ;;
 esac
