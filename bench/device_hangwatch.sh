@@ -1,4 +1,8 @@
-# run the hybrid GPU tests in the background; dump stacks of any test that stalls
+#!/usr/bin/env bash
+# A device-tool call (2026-11-26, fourth session; bench/RESULTS.md, calls 3-5): the hybrid GPU
+# tests (K: pytest -k expression) in the background, and the Python stacks of every process
+# (py-spy, carried as .device-carry/tools/py-spy: a copy of the virtual env's static binary)
+# once no test has ended for 90 s.
 source bench/device_env.sh > /dev/null
 python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts= -x --durations=0 \
   tests/shards/test_hybrid_gpu.py -k "${K:-captured or fused or conv or cli}" > $OUT/pytest.txt 2>&1 &

@@ -650,7 +650,8 @@ class Coordinator:
     def kv_swap(self, direction: str, pairs: Sequence[Sequence[int]]) -> None:
         """Copy blocks between every shard's device KV pool and its host pool (`direction`
         "out": device -> host, "in": host -> device), for each [device block, host block];
-        returns once every shard has copied (swap preemption, `runtime.batching`)."""
+        returns once every shard has its copies queued (done, on a CPU; on a GPU the steps sent
+        after this run after them: `shards.host_kv`) (swap preemption, `runtime.batching`)."""
         msg = message("kv_swap", direction=direction, pairs=[list(p) for p in pairs])
         self.call_all(lambda sh: msg)
 

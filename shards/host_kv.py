@@ -5,7 +5,9 @@ Up to `num_blocks` blocks shaped like the device pool's. Block ids are the coord
 host `BlockManager`), the same on every shard. Memory is taken when blocks are swapped out
 (one buffer of exactly the swap's blocks) and given back when the last block of a buffer is
 swapped in or dropped, so the shard holds what the coordinator's ledger of its host memory
-counts (`runtime.host_pool`, shared with the prefix cache's RAM-tier snapshots).
+counts (`runtime.host_pool`, shared with the prefix cache's RAM-tier snapshots); on a GPU a
+buffer whose copies are still running goes a little after its ledger entry (`reap`: at the
+drop when they ran long ago, else at the next step or swap).
 
 **On a GPU the copies are asynchronous.** They run on a copy stream of their own, after
 every kernel queued before the swap (the steps that wrote the rows), and every kernel queued
@@ -25,7 +27,9 @@ copies synchronously into plain memory.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -58,9 +62,7 @@ class HostKVPool:
         self.cuda = kv.device.type == "cuda"
         self.stage_blocks = max(1, min(num_blocks, STAGE_BYTES // self.block_bytes))
         self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
-        self.stage = (torch.empty((2, self.stage_blocks, *self.block_shape),
-                                  dtype=kv.k_store.dtype, device=kv.device)
-                      if self.cuda else None)
+        self.stage: torch.Tensor | None = None  # device staging (`_copies`, on a GPU)
 
     @property
     def nbytes(self) -> int:
@@ -107,16 +109,20 @@ class HostKVPool:
             return
         self.reap()
         buf = self._buffer(len(pairs))
-        with self._copies():
-            for a in range(0, len(pairs), self.stage_blocks):
-                part = pairs[a:a + self.stage_blocks]
-                dev = to_device([p[0] for p in part], kv.device)
-                for i, store in enumerate((kv.k_store, kv.v_store)):
-                    dst = buf[i, a:a + len(part)]
-                    staged = dst if self.stage is None else self.stage[i, :len(part)]
-                    torch.index_select(store.transpose(0, 1), 0, dev, out=staged)
-                    if staged is not dst:
-                        dst.copy_(staged, non_blocking=True)
+        try:
+            with self._copies() as stage:
+                for a in range(0, len(pairs), self.stage_blocks):
+                    part = pairs[a:a + self.stage_blocks]
+                    dev = to_device([p[0] for p in part], kv.device)
+                    for i, store in enumerate((kv.k_store, kv.v_store)):
+                        dst = buf[i, a:a + len(part)]
+                        staged = dst if stage is None else stage[i, :len(part)]
+                        torch.index_select(store.transpose(0, 1), 0, dev, out=staged)
+                        if staged is not dst:
+                            dst.copy_(staged, non_blocking=True)
+        except BaseException:
+            self._retire(buf)  # (given back once the copies queued into it have run)
+            raise
         for i, p in enumerate(pairs):
             self.held[p[1]] = (buf, i)
 
@@ -126,14 +132,14 @@ class HostKVPool:
         if not pairs:
             return
         self.reap()
-        with self._copies():
+        with self._copies() as stage:
             for buf, runs in _runs(pairs, self.held, self.stage_blocks):
                 for first, devs in runs:
                     dev = to_device(devs, kv.device)
                     for i, store in enumerate((kv.k_store, kv.v_store)):
                         src = buf[i, first:first + len(devs)]
-                        if self.stage is not None:
-                            src = self.stage[i, :len(devs)].copy_(src, non_blocking=True)
+                        if stage is not None:
+                            src = stage[i, :len(devs)].copy_(src, non_blocking=True)
                         store.transpose(0, 1).index_copy_(0, dev, src)
         self.drop([p[1] for p in pairs])
 
@@ -149,6 +155,7 @@ class HostKVPool:
         for ptr, buf in gone.items():
             if ptr not in still:
                 self._retire(buf)
+        self.reap()  # (a buffer whose copies ran long ago goes at once)
 
     def close(self) -> None:
         """Every buffer given back (the shard is closing): waits for the copies."""
@@ -159,14 +166,19 @@ class HostKVPool:
 
     # ---- memory and streams -------------------------------------------------------------------
     def _buffer(self, n: int) -> torch.Tensor:
-        """Host memory for n blocks (K and V), page-locked on a GPU machine."""
-        buf = torch.empty((2, n, *self.block_shape), dtype=self.kv.k_store.dtype)
+        """Host memory for n blocks (K and V), page-locked on a GPU machine. It is mapped
+        pages of its own (an anonymous mmap, unmapped when the tensor goes): two buffers from
+        the heap could share a page, and the driver refuses to register a page twice."""
+        dtype = self.kv.k_store.dtype
+        nbytes = n * self.block_bytes
+        raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        buf = raw.view(dtype).view(2, n, *self.block_shape)
         if self.cuda:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() *
-                                                       buf.element_size(), 0)
-            if int(err) != 0:  # (copies from pageable memory still work, only slower)
-                log.warning("host KV pool: cudaHostRegister of %d MB failed (error %s): the "
-                            "copies run from pageable memory", buf.nbytes >> 20, int(err))
+            err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+            if err != 0:  # (copies from pageable memory still work, only slower)
+                _clear_cuda_error()
+                log.warning("host KV pool: cudaHostRegister of %d MB failed (CUDA error %d): "
+                            "the copies run from pageable memory", nbytes >> 20, err)
             else:
                 self.registered.add(buf.data_ptr())
         return buf
@@ -187,22 +199,29 @@ class HostKVPool:
                 keep.append((buf, done))
             elif buf.data_ptr() in self.registered:
                 self.registered.discard(buf.data_ptr())
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                if int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())) != 0:
+                    _clear_cuda_error()
         self.retiring = keep
 
     @contextmanager
-    def _copies(self) -> Iterator[None]:
+    def _copies(self) -> Iterator[torch.Tensor | None]:
         """Copies queued inside run on the copy stream after every kernel queued so far on the
         device's current stream, and every kernel queued there later waits for them (on the
-        GPU: the host goes on). On the CPU they simply run."""
+        GPU: the host goes on), also when one of them raises. Yields the device staging
+        buffer (made at the first swap), or None on the CPU, where the copies simply run."""
         if self.stream is None:
-            yield
+            yield None
             return
+        if self.stage is None:
+            self.stage = torch.empty((2, self.stage_blocks, *self.block_shape),
+                                     dtype=self.kv.k_store.dtype, device=self.kv.device)
         compute = torch.cuda.current_stream(self.kv.device)
         self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            yield
-        compute.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield self.stage
+        finally:
+            compute.wait_stream(self.stream)
 
 
 def _runs(pairs: Sequence[Sequence[int]], held: dict[int, tuple[torch.Tensor, int]],
@@ -223,3 +242,16 @@ def _runs(pairs: Sequence[Sequence[int]], held: dict[int, tuple[torch.Tensor, in
             else:
                 runs.append((i, [d]))
         yield buf, runs
+
+
+def _clear_cuda_error() -> None:
+    """Clear the CUDA runtime's last error after a failed register or unregister: torch's
+    binding returns the code but leaves the error set, and the next kernel launch's check would
+    raise it. Through the process's own libcudart (torch loaded it: the same instance)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except OSError:
+            continue
+    log.debug("host KV pool: no libcudart found to clear the last error with")

@@ -84,7 +84,8 @@ def _load_fla_conv() -> Conv | None:
     try:
         from fla.modules.causal_conv1d import causal_conv1d
     except Exception as e:  # noqa: BLE001 - missing or broken: the torch conv, said once
-        _note(f"fla-core's causal_conv1d failed to import ({type(e).__name__}: {e})")
+        log.warning("causal conv on CUDA: the torch path runs, not fla-core's kernel: its "
+                    "causal_conv1d failed to import (%s: %s)", type(e).__name__, e)
         return None
 
     def conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
