@@ -19,8 +19,9 @@ H100, 9 % of the prefill (bench/RESULTS.md). fla's state is the kernel's full wi
 first column unread); ours, transformers' and the prefix cache's hold the last K - 1 inputs, so
 the state goes in with a zero column in front and comes out without its first. It sums in
 float32 and rounds once, after the SiLU (the torch path rounds the conv's output first).
-One-token steps keep the torch form (`shards.fused_hybrid` captures it in the step's graph). The verify
-rows of speculative decoding run one-token steps, so they use the fused recurrent kernel too.
+One-token steps keep the torch form (`shards.fused_hybrid` captures it in the step's graph).
+The verify rows of speculative decoding run one-token steps, so they use the fused recurrent
+kernel too.
 
 `LAYERSPLIT_FLA=0` keeps the torch path on CUDA (delta rule and conv). Why fla is not used
 (off, not installed, its import or a kernel call failed) is logged once, at WARNING on a CUDA
