@@ -218,9 +218,10 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
         """b (fused) within TOL of a (unfused); in bf16, b no farther from float32 than TOL or
         twice a's own distance from it (b is not compared with a there, a looser check:
         a broken fused step is still far from float32): the two paths round at different
-        points (inductor keeps float32 between the fused ops), and a bf16 recurrent state carries its rounding
-        from step to step, so each drifts from float32 its own way (b against a alone failed
-        at 0.059 where each was ~0.03 from float32: Qwen3-Next, 21 steps in)."""
+        points (inductor keeps float32 between the fused ops), and a bf16 recurrent state
+        carries its rounding from step to step, so each drifts from float32 its own way (b
+        against a alone failed at 0.059 where each was ~0.03 from float32: Qwen3-Next, 21
+        steps in)."""
         if dtype == torch.float32:
             return dist(b, a) < TOL[dtype]
         return dist(b, f32) < max(TOL[dtype], 2 * dist(a, f32))
