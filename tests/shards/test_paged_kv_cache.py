@@ -172,3 +172,47 @@ def test_the_host_pool_holds_memory_only_while_blocks_are_swapped_out(device,
     assert torch.equal(kv.k_store[:, back], k) and torch.equal(kv.v_store[:, back], v)
     small.close()
     assert small.nbytes == 0 and not small.held
+
+
+def test_a_swap_out_that_fails_holds_nothing():
+    """A swap-out whose copy raises (an id past the pool, which `pairs_error` would have
+    refused) leaves no block held and no memory taken."""
+    from layersplit.shards.host_kv import HostKVPool
+
+    kv = PagedKVCache(KVLayout(2, 2, 4, torch.float32), MAX_LEN, SLOTS, BLOCKS, BLOCK)
+    host = HostKVPool(kv, 4)
+    with pytest.raises(IndexError):
+        host.swap_out(kv, [[1, 0], [BLOCKS + 5, 1]])
+    assert not host.held and host.nbytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_pool_copies_are_ordered_on_the_gpu(monkeypatch):
+    """The copies run on the pool's stream, and the order against the current stream holds
+    with slow kernels on either side: a swap-out copies the rows written after a slow kernel
+    (not what was there before), and what runs after a swap-in whose copies are held back
+    sees the rows it brought."""
+    from layersplit.shards import host_kv
+    from layersplit.shards.host_kv import HostKVPool
+
+    kv = PagedKVCache(KVLayout(2, 2, 64, torch.float32), MAX_LEN, SLOTS, BLOCKS, BLOCK, "cuda")
+    host = HostKVPool(kv, 4)
+    torch.cuda._sleep(100_000_000)  # (~50 ms of the current stream)
+    kv.k_store[:, [3, 5]] = 7.0
+    kv.v_store[:, [3, 5]] = 8.0
+    host.swap_out(kv, [[3, 0], [5, 1]])
+    kv.k_store[:, [1, 2]] = 0.0
+    kv.v_store[:, [1, 2]] = 0.0
+    queue = host_kv.to_device
+
+    def held_back(values, device):  # (runs on the copy stream, ahead of the copies)
+        torch.cuda._sleep(100_000_000)
+        return queue(values, device)
+
+    monkeypatch.setattr(host_kv, "to_device", held_back)
+    host.swap_in(kv, [[1, 0], [2, 1]])
+    k, v = kv.k_store[:, [1, 2]].clone(), kv.v_store[:, [1, 2]].clone()  # (current stream)
+    assert bool((k == 7.0).all()) and bool((v == 8.0).all())
+    host.close()
+    assert host.nbytes == 0 and not host.registered
