@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 from layersplit.ipc.curve import needs_curve, secure_client, secure_server
 from layersplit.ipc.messages import ProtocolError, best_effort_sid, decode, encode, message
@@ -23,11 +25,37 @@ def context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+RUN_DIR_PREFIX = "layersplit-"
+
+
 def run_dir() -> Path:
-    """A private (0700) directory for this process's ipc:// sockets; the pid keeps tests apart."""
-    d = Path(tempfile.mkdtemp(prefix=f"layersplit-{os.getpid()}-"))
+    """A private (0700) directory for this process's ipc:// sockets; the pid keeps tests apart.
+    The directories of processes that are gone (killed before they could remove theirs: the
+    coordinator removes its own at close) are removed first."""
+    remove_stale_run_dirs()
+    d = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-"))
     d.chmod(0o700)
     return d
+
+
+def remove_stale_run_dirs() -> list[Path]:
+    """Remove the `run_dir` directories in the temp folder whose process no longer exists and
+    that this user owns (a process of another PID namespace sharing the folder would look
+    gone: containers that share /tmp should not share a user); returns those removed."""
+    gone = []
+    uid = os.getuid()
+    for d in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
+        pid = d.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue
+        try:
+            if d.is_symlink() or not d.is_dir() or d.stat().st_uid != uid:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
