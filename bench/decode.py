@@ -115,6 +115,22 @@ def _timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def hf_model_of_config(model: str, device: str, dtype: torch.dtype):
+    """(transformers' own model built from `model`'s config, with its own random init on
+    `device`, SDPA attention; its config)."""
+    import transformers
+
+    folder = str(resolve_model(model))
+    if folder.startswith(RANDOM_PREFIX):  # random:NAME or random:/folder: its config's folder
+        name = folder[len(RANDOM_PREFIX):]
+        folder = name if Path(name).is_dir() else str(preset_path(name))
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                           dtype=dtype).eval()
+    return hf, hf_cfg
+
+
 def hf_hybrid_prefill(args, device: str) -> dict:
     """transformers' own hybrid model (Qwen3.5 / Qwen3-Next, its fla-core kernels where
     installed, SDPA) built from the same config with its own random init on the device (an HF
@@ -122,15 +138,7 @@ def hf_hybrid_prefill(args, device: str) -> dict:
     prefill only, one forward of the whole prompt, median of `PREFILL_RUNS` after a warm-up."""
     import transformers
 
-    folder = str(resolve_model(args.model))
-    if folder.startswith(RANDOM_PREFIX):  # random:NAME or random:/folder: its config's folder
-        name = folder[len(RANDOM_PREFIX):]
-        folder = name if Path(name).is_dir() else str(preset_path(name))
-    dtype = getattr(torch, args.hf_dtype)
-    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
-                                                           dtype=dtype).eval()
+    hf, hf_cfg = hf_model_of_config(args.model, device, getattr(torch, args.hf_dtype))
     row = {"layout": f"HF transformers {transformers.__version__} ({device}), prefill only",
            "shards": 1, "transport": "-", "ttft_s": float("nan"),
            "decode_tok_s": float("nan"), "tokens": []}

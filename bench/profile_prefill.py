@@ -26,7 +26,6 @@ import torch  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor  # noqa: E402
 from layersplit.shards.fused import fuse_projections  # noqa: E402
-from layersplit.shards.random_weights import preset_path  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 BLOCK = 16
@@ -49,21 +48,14 @@ def hf_forward(args, ids: torch.Tensor) -> None:
     median of `--repeats` after a warm-up, then profiled."""
     import transformers
 
-    name = args.model.split(":", 1)[1] if args.model.startswith("random:") else args.model
-    folder = name if Path(name).is_dir() else str(preset_path(name))
-    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device("cuda:0"):
-        hf = transformers.AutoModelForCausalLM.from_config(
-            hf_cfg, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
+    from bench.decode import _timed, hf_model_of_config
+
+    hf, _ = hf_model_of_config(args.model, "cuda:0", torch.bfloat16)
     x = ids[None]
 
     def once() -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            hf(x, logits_to_keep=1)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+            return _timed(lambda: hf(x, logits_to_keep=1), "cuda:0")
 
     once()
     runs = [once() for _ in range(args.repeats)]
