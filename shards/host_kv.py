@@ -59,9 +59,9 @@ class HostKVPool:
         block = kv.k_store[:, 0]  # (layers, block, kv_heads, head_dim)
         self.block_shape = tuple(block.shape)
         self.block_bytes = 2 * block.numel() * block.element_size()
-        self.cuda = kv.device.type == "cuda"
         self.stage_blocks = max(1, min(num_blocks, STAGE_BYTES // self.block_bytes))
-        self.stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        # the copies' stream, on a GPU (None: the CPU, where they simply run)
+        self.stream = torch.cuda.Stream(kv.device) if kv.device.type == "cuda" else None
         self.stage: torch.Tensor | None = None  # device staging (`_copies`, on a GPU)
 
     @property
@@ -173,7 +173,7 @@ class HostKVPool:
         nbytes = n * self.block_bytes
         raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
         buf = raw.view(dtype).view(2, n, *self.block_shape)
-        if self.cuda:
+        if self.stream is not None:
             err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
             if err != 0:  # (copies from pageable memory still work, only slower)
                 _clear_cuda_error()

@@ -415,8 +415,7 @@ class ShardServer:
                 self.host_kv = HostKVPool(kv, host_blocks)
                 log.info("shard %d: host KV pool of up to %d blocks (%.0f MB, taken as "
                          "sequences are swapped out)", self.index, host_blocks,
-                         host_blocks * 2 * kv.k_store[:, 0].numel() *
-                         kv.k_store.element_size() / 2**20)
+                         host_blocks * self.host_kv.block_bytes / 2**20)
         self.taps = tuple(taps)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
