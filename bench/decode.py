@@ -63,7 +63,8 @@ def run_layout(args, devices: list[str], prompt: list[int], resources: str = "")
                         prefill_chunk=args.prefill_chunk, transport=(args.transport,),
                         cuda_graphs=not args.no_graphs, dtype=args.dtype,
                         threads=args.threads, draft=args.draft, kv_cache_gb=args.kv_cache_gb,
-                        capture_at_start=args.capture_at_start == "on", **ray)
+                        capture_at_start=args.capture_at_start == "on",
+                        decode_ahead=args.decode_ahead == "on", **ray)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     row: dict = {"layout": ",".join(devices) + (f" on {resources}" if resources else ""),
                  "shards": len(devices)}
@@ -258,6 +259,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--capture-at-start", default="on", choices=["on", "off"],
                     help="capture every step graph while the shards start (the default)")
+    ap.add_argument("--decode-ahead", default="on", choices=["on", "off"],
+                    help="decode lookahead (one shard; `decode_ahead`)")
     ap.add_argument("--draft", default="none", help="speculative draft (default: none, plain "
                     "decoding)")
     ap.add_argument("--repeats", type=int, default=2)

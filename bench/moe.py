@@ -91,7 +91,8 @@ def run_layout(args, devices: list[str]) -> dict:
     cfg = RuntimeConfig(model=args.model, devices=tuple(devices), dtype=args.dtype,
                         max_context=args.prompt_len + args.new_tokens + 8,
                         prefill_chunk=args.prefill_chunk, max_seqs=max(counts + [1]),
-                        draft="none", prefix_cache=False, threads=args.threads)
+                        draft="none", prefix_cache=False, threads=args.threads,
+                        decode_ahead=args.decode_ahead == "on")
     row: dict = {"layout": ",".join(devices), "shards": len(devices)}
     with Coordinator(cfg) as coord:
         prompt = prompt_ids(args.prompt_len, coord.model_config.vocab_size)
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-ahead", default="on", choices=["on", "off"],
+                    help="decode lookahead (one shard; `decode_ahead`)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 16  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 17  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -30,7 +30,9 @@ PROTOCOL_VERSION = 16  # 2: speculative decoding; 3: batched steps (several sequ
 # blocks of a sequence that ended while swapped out (a shard holds them only while used); 14:
 # configure's `deterministic` (verify rows through the one-row step), reported in the info;
 # 15: `warm` (the step graphs captured at start, `capture_at_start`), answered by `warmed`;
-# 16: `warm` answered by `ok` (`warmed` gone: a v15 peer would fail or wait out the start)
+# 16: `warm` answered by `ok` (`warmed` gone: a v15 peer would fail or wait out the start);
+# 17: decode lookahead (segment `prev`: its token is the one step `prev` sampled for its slot,
+# taken on the device by a shard that is first and last, `shards.decode_ahead`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -156,7 +158,7 @@ SEGMENT: dict[str, tuple[type, ...]] = {
     "draft": (list, NoneType), "feat": (int, NoneType), "tree": (list, NoneType),
     "kept": (list, NoneType), "then": (dict, NoneType), "ask": (dict, NoneType),
     "asked": (dict, NoneType), "plp": (dict, NoneType), "blocks": (dict, NoneType),
-    "copy": (list, NoneType), "q": (list, NoneType)}
+    "copy": (list, NoneType), "q": (list, NoneType), "prev": (int, NoneType)}
 # `blocks`: None, or {at, ids}: before the segment runs, entries [at, at + len(ids)) of its slot's
 # block table become `ids` and the table ends there (at = 0: a new sequence's table); the table
 # travels with the step, so each shard has it before the step reaches it. `copy`: None, or
@@ -165,6 +167,8 @@ SEGMENT: dict[str, tuple[type, ...]] = {
 # `q`: a verify segment whose draft tokens were sampled: per row, the distribution its first
 # children were drawn from (`shards.spec_sampling`: packed ids and probabilities, or None);
 # None: the draft tokens are the draft's fixed guesses (kept when they match the target's draw)
+# `prev`: None, or the sid of the step whose sampled token is this one-row segment's input (a
+# lookahead step, sent before that token is known; its token id in the tensor is a placeholder)
 # `plp`: {targets, k, temperature}: the logprobs of a prompt chunk's next tokens (`targets`: the
 # token after each of its first len(targets) rows), for a request that echoes its prompt with
 # logprobs; the sample dict's optional fields (`lp`, `bias`, `rep`, `mask`) are described in
@@ -269,11 +273,12 @@ def segment(slot: int, pos: int, n: int, sample: dict | None = None, logits: boo
             tree: list[int] | None = None, kept: list[int] | None = None,
             then: dict | None = None, ask: dict | None = None,
             plp: dict | None = None, blocks: dict | None = None,
-            copy: list | None = None, q: list | None = None) -> dict[str, Any]:
+            copy: list | None = None, q: list | None = None,
+            prev: int | None = None) -> dict[str, Any]:
     """One sequence's part of a step (SEGMENT)."""
     return {"slot": slot, "pos": pos, "n": n, "sample": sample, "logits": logits,
             "draft": draft, "feat": feat, "tree": tree, "kept": kept, "then": then, "ask": ask,
-            "asked": None, "plp": plp, "blocks": blocks, "copy": copy, "q": q}
+            "asked": None, "plp": plp, "blocks": blocks, "copy": copy, "q": q, "prev": prev}
 
 
 def best_effort_sid(frame: bytes | memoryview) -> int | None:

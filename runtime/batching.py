@@ -114,6 +114,8 @@ class Request:
     # prefix, of the sequence whose rows it took (they may not have written them yet)
     cached: Callable[[list[int]], int] | None = None  # prompt -> rows the prefix cache would
     # restore for it (a live prefix is taken only if longer); None: it shares no live prefix
+    ahead: tuple[int, StepRequest] | None = None  # its lookahead step in flight (sid, step),
+    # not yet the step its program asks for (`Batcher._send_ahead`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,6 +131,10 @@ class BatchStats:
     reprefills: int = 0  # preemptions by re-prefill (the sequence runs again from its tokens)
     rows: int = 0  # rows of the segments sent (a re-prefill computes rows again)
     host_blocks: int = 0  # host-pool blocks held by swapped sequences now
+    ahead: int = 0  # lookahead steps sent (decode steps sent before their tokens were known;
+    # counted in `steps` too)
+    ahead_dropped: int = 0  # lookahead segments whose sequence had stopped (their rows are in
+    # `rows`, computed and unused)
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +142,8 @@ class _Step:
     sid: int
     reqs: list[Request]
     group: int | None  # the micro-batch whose step it is (None: extra prefill chunks)
+    sent: list[StepRequest]  # each request's step, in `reqs`' order
+    behind: bool = False  # a lookahead step follows it
 
 
 class Batcher:
@@ -153,6 +161,7 @@ class Batcher:
         self.stats = BatchStats()
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
         self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
+        self.look_ahead = False  # send decode steps ahead (`_send_ahead`: one-shard runtimes)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
@@ -279,6 +288,7 @@ class Batcher:
             if not free:
                 break
             self._send(free, None)
+        self._send_ahead()
 
     def _send(self, ready: list[Request], group: int | None) -> None:
         by_rid = {r.rid: r for r in ready}
@@ -296,14 +306,7 @@ class Batcher:
             if e.runtime_down:
                 self._fail_all(e)
             return
-        self.steps[sid] = _Step(sid, reqs, group)
-        self.stats.steps += 1
-        self.stats.segments += len(reqs)
-        self.stats.rows += sum(r.pending.rows for r in reqs)
-        self.stats.widest = max(self.stats.widest, len(reqs))
-        self.stats.most_in_flight = max(self.stats.most_in_flight, len(self.steps))
-        if self.step_observer is not None:
-            self.step_observer(len(reqs))
+        self._sent(_Step(sid, reqs, group, [r.pending for r in reqs]))
         for r in reqs:
             step, r.pending = r.pending, None
             r.in_flight += 1
@@ -315,6 +318,83 @@ class Batcher:
                 self._advance(r, None)
             if step.error is not None:  # its grammar mask failed: the sequence fails
                 self._fail(r, step.error)
+
+    def _sent(self, st: _Step) -> None:
+        """Keep a step that went out, and count it."""
+        self.steps[st.sid] = st
+        self.stats.steps += 1
+        self.stats.segments += len(st.reqs)
+        self.stats.rows += sum(step.rows for step in st.sent)
+        self.stats.widest = max(self.stats.widest, len(st.reqs))
+        self.stats.most_in_flight = max(self.stats.most_in_flight, len(self.steps))
+        if self.step_observer is not None:
+            self.step_observer(len(st.reqs))
+
+    # ---- decode lookahead -----------------------------------------------------------------------
+    def _send_ahead(self) -> None:
+        """Behind a micro-batch's decode step in flight, its next decode step, sent before the
+        tokens it takes are known: the shard, first and last, takes them on the device
+        (`shards.decode_ahead`), so the device does not wait, each token, for a result's round
+        trip through this loop. When the step comes back, each program asks for exactly that
+        next step (`_adopt`) and waits for the one in flight. Only where every sequence of the
+        step decodes one plainly sampled token (no draft, logprobs or logits processors) and
+        may go on after it (its max_tokens and context), the pool has the next row's blocks
+        without preempting anyone, and no other sequence of the micro-batch waits to join a
+        step."""
+        if not self.look_ahead:
+            return
+        for st in list(self.steps.values()):
+            if len(self.steps) >= MAX_IN_FLIGHT:
+                return
+            if st.group is None or st.behind or any(
+                    o.group == st.group and o.sid > st.sid for o in self.steps.values()):
+                continue
+            if not all(self._may_look_ahead(r, st.sid, step) for r, step in
+                       zip(st.reqs, st.sent)) or any(
+                    self._ready(r) and self.sched.group_of(r.rid) == st.group
+                    for r in self.requests.values() if r.rid in self.sched.running):
+                continue
+            ahead = [dataclasses.replace(step, tokens=[0], pos=step.pos + 1, prev=st.sid)
+                     for step in st.sent]
+            for r, a in zip(st.reqs, ahead):
+                self.sched.grow(r.rid, a.pos + a.rows)
+            try:
+                sid = self.coord.send_step([(r.slot, a, r.feed) for r, a in zip(st.reqs, ahead)])
+            except ShardFailure as e:
+                for r in st.reqs:
+                    self._fail(r, e)
+                if e.runtime_down:
+                    self._fail_all(e)
+                return
+            st.behind = True
+            self._sent(_Step(sid, list(st.reqs), st.group, ahead))
+            self.stats.ahead += 1
+            for r, a in zip(st.reqs, ahead):
+                r.in_flight += 1
+                r.ahead = (sid, a)
+
+    def _may_look_ahead(self, r: Request, sid: int, step: StepRequest) -> bool:
+        """Whether the sequence's next decode step may follow its step `sid` (`step`) now."""
+        return (r.waits == sid and r.ahead is None and not r.cancelled and not r.done
+                and r.feed is None and _plain_decode(step)
+                and step.pos + 2 <= self.sched.config.slot_tokens
+                and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
+                and self.sched.can_grow(r.rid, step.pos + 2))
+
+    def _adopt(self, r: Request, token: int | None) -> None:
+        """After its program took a step's output (`token`): if the step it asks for now is its
+        lookahead step in flight, it waits for that one instead of sending it."""
+        if r.ahead is None:
+            return
+        sid, a = r.ahead
+        r.ahead = None
+        p = r.pending
+        if p is not None and not r.cancelled and _plain_decode(p) and p.tokens == [token] \
+                and p.pos == a.pos and p.seed == a.seed and p.sample == a.sample \
+                and p.want_logits == a.want_logits:
+            r.pending, r.waits = None, sid
+        else:  # (it stopped, or asks for something else: the step's output is dropped)
+            self.stats.ahead_dropped += 1
 
     # ---- KV blocks ----------------------------------------------------------------------------
     def _reserve(self, reqs: list[Request]) -> list[Request]:
@@ -541,6 +621,7 @@ class Batcher:
                 r.waits = None
                 if not r.cancelled:
                     self._advance(r, out)
+                self._adopt(r, out.token)
             if r.cancelled and r.in_flight == 0 and not r.done:
                 self._end(r)
 
@@ -600,3 +681,11 @@ class Batcher:
         for st in self.steps.values():
             assert all(r.in_flight > 0 for r in st.reqs)
 
+
+def _plain_decode(step: StepRequest) -> bool:
+    """A one-row decode step whose token the last shard samples on its own (`_send_ahead`)."""
+    return (len(step.tokens) == 1 and step.sample is not None and step.wait
+            and step.draft is None and step.ask is None and step.extra is None
+            and step.plp is None and step.kept is None
+            and step.tree is None and step.q is None and step.then is None
+            and step.error is None)

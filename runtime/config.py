@@ -137,6 +137,10 @@ class RuntimeConfig:
                                         "the one-row decode step, so a sequence's tokens depend "
                                         "neither on its batch nor on speculation (the cost: no "
                                         "batched decode steps, verify rows one at a time)")
+    decode_ahead: bool = _field(True, "with one shard, send each decode step before the token "
+                                      "it takes is back: the shard takes it on the device, "
+                                      "which then never waits for the coordinator's round "
+                                      "trip (a step past a stop token is computed and dropped)")
     graph_bucket: int = _field(256, "KV length granularity of captured decode graphs")
     capture_at_start: bool = _field(True, "capture every decode, verify and batched step graph "
                                     "a request may replay (each KV-length bucket up to "

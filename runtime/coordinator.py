@@ -355,6 +355,8 @@ class Coordinator:
                 host_blocks=self.kv_host_blocks, host_pool=self.host_pool)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
+            # (the first shard takes a lookahead step's token where the last one sampled it)
+            self.batcher.look_ahead = cfg.decode_ahead and len(self.shards) == 1
         except BaseException:
             self.close()
             raise
@@ -977,7 +979,7 @@ class Coordinator:
                                 None if r.draft is None else [int(t) for t in r.draft], feed,
                                 r.tree, r.kept, r.then if feed is not None else None, ask,
                                 r.plp, sched.table_update(slot), sched.copy_update(slot),
-                                r.q))
+                                r.q, r.prev))
             ids.extend(r.tokens)
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else

@@ -165,6 +165,8 @@ class StepRequest:
     plp: dict | None = None  # {targets, k, temperature}: the prompt chunk's logprobs
     error: BaseException | None = None  # its late grammar mask failed (the sequence fails)
     q: list | None = None  # a sampled proposal's distributions (`shards.spec_sampling`)
+    prev: int | None = None  # a lookahead step (`runtime.batching`): its token is the one step
+    # `prev` samples for the sequence, taken on the device (`tokens` holds a placeholder)
 
     @property
     def rows(self) -> int:

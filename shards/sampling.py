@@ -98,14 +98,24 @@ def sample_rows(
     positions: Sequence[int],
 ) -> list[int]:
     """One token per row; row i samples the token that goes to `positions[i]`."""
+    return sample_tokens(logits, temperature, top_k, top_p, seed, positions).tolist()
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # (rows, V)
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    positions: Sequence[int],
+) -> torch.Tensor:
+    """`sample_rows` left on the logits' device: (rows,) int64, drawn without waiting for it."""
     if is_greedy(temperature, top_k):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = filtered_probs(logits, temperature, top_k, top_p)
-    out = []
-    for i, p in enumerate(positions):
-        noise = seeded_exponential(probs.shape[-1:], mix_seed(seed, p), probs.device)
-        out.append(int(torch.argmax(probs[i] / noise)))
-    return out
+    noise = torch.stack([seeded_exponential(probs.shape[-1:], mix_seed(seed, p), probs.device)
+                         for p in positions])
+    return torch.argmax(probs / noise, dim=-1)
 
 
 def accept_draft(

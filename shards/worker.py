@@ -41,6 +41,7 @@ from layersplit.ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.busy_clock import BusyClock
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.decode_ahead import LastTokens, UnsentResults, deferrable
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
@@ -58,6 +59,7 @@ from layersplit.shards.sampling import (
     logprob_entries,
     process_logits,
     sample_rows,
+    sample_tokens,
 )
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 from layersplit.shards.spec_sampling import check_q, check_q_form
@@ -137,6 +139,11 @@ class ShardServer:
         # whose sampling waits for some (its logits, since when); steps after it queue
         self.late_masks: dict[tuple[int, int], bytes | None] = {}
         self.awaiting: tuple[dict[str, Any], list[torch.Tensor], list, float] | None = None
+        # decode lookahead (`shards.decode_ahead`): each slot's last token, on the device, for
+        # the next step to take (the shard that is first and last); results still waiting for
+        # their tokens to reach the host
+        self.last: LastTokens | None = None
+        self.unsent = UnsentResults()
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
@@ -151,7 +158,8 @@ class ShardServer:
               self._poll_sockets, lambda: self.spin_s)
 
     def _work(self) -> bool:
-        worked = self._report_saves()
+        # (results whose tokens are on the host go before the next step is taken)
+        worked = self.unsent.flush(wait=False) | self._report_saves()
         if self.held is not None and self._run_held():
             worked = True
         if self.awaiting is not None and time.monotonic() - self.awaiting[3] > MASK_WAIT_S:
@@ -166,6 +174,9 @@ class ShardServer:
             worked = True
         if self.inbox is not None and self.inbox.ready():
             self._handle_inbox()
+            worked = True
+        if self.unsent:  # (spins until the device has their tokens)
+            self.unsent.flush(wait=False)
             worked = True
         return self._poll_sockets(0) or worked
 
@@ -243,6 +254,7 @@ class ShardServer:
             self._step_failed(msg, e, route)
 
     def _step_failed(self, msg: dict[str, Any], e: Exception, route: bytes | None = None) -> None:
+        self.unsent.flush(wait=True)  # (the results of the steps before it go first)
         if isinstance(e, ProtocolError):
             self._report(error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid")), route)
             return
@@ -364,6 +376,7 @@ class ShardServer:
         self._close_links()
         self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
+        self.unsent.flush(wait=True)
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         slots, block, blocks = msg["slots"], msg["kv_block"], msg["kv_blocks"]
         if max_ctx <= 0 or max_step <= 0 or not 1 <= slots <= MAX_SLOTS:
@@ -417,6 +430,8 @@ class ShardServer:
                          "sequences are swapped out)", self.index, host_blocks,
                          host_blocks * self.host_kv.block_bytes / 2**20)
         self.taps = tuple(taps)
+        self.last = (LastTokens(slots, self.device)
+                     if self.model.is_first and self.model.is_last else None)
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
         info_extra: dict[str, Any] = {}
@@ -605,6 +620,11 @@ class ShardServer:
             if plp is not None and not _prompt_lp_ok(plp, n, self.cfg.vocab_size):
                 raise ProtocolError(f"{where}: plp={str(plp)[:200]} is not {{targets: up to n "
                                     "token ids, k: 0..vocab, temperature: >= 0}")
+            if seg["prev"] is not None:
+                why = ("a lookahead segment (prev) needs a runtime of one shard"
+                       if self.last is None else self.last.error(slot, seg["prev"], n))
+                if why is not None:
+                    raise ProtocolError(f"{where}: {why}")
             cap = self._check_blocks(ex.kv, slot, seg["blocks"], seg["copy"], where)
             if pos + n > cap:  # (reported after the step's other checks)
                 outside.append(f"{where}: rows {pos}..{pos + n} outside the slot's block table "
@@ -754,6 +774,8 @@ class ShardServer:
         if not x.is_cuda and self.device.type == "cuda":
             # through pinned memory: the host does not wait for the device to take it
             x = x.pin_memory().to(self.device, non_blocking=True)
+        if self.model.is_first and any(seg["prev"] is not None for seg in msg["seqs"]):
+            x = self.last.fill(x, msg["seqs"])  # (checked: `_segments`)
         self._settle_snapshots(segs)
         if not moved:
             self._apply_blocks(msg)
@@ -817,6 +839,10 @@ class ShardServer:
         msg = {**msg, "seqs": seqs}
         for key in [k for k in self.late_masks if k[0] <= sid]:  # (of steps that failed)
             del self.late_masks[key]
+        if deferrable(msg["seqs"], bool(fed)):
+            self._sample_on_device(msg, outs)
+            return
+        self.unsent.flush(wait=True)  # (results go in step order)
         results, logits_rows = [], []
         greedy = {}  # plain greedy segments: one argmax for all (one device sync)
         plain = [i for i, seg in enumerate(msg["seqs"]) if seg["draft"] is None and
@@ -856,6 +882,31 @@ class ShardServer:
                 self._to_draft(message("verdict", sid=msg["sid"], slot=s.feed, next=nxt))
         if pushed:
             self.out.send(*result)
+
+    def _sample_on_device(self, msg: dict[str, Any], outs: list[torch.Tensor]) -> None:
+        """Sample a step of plain decode segments (`shards.decode_ahead.deferrable`) without
+        waiting for the device: the tokens stay there for a lookahead step (`LastTokens`), and
+        the result goes once they reach the host, after the next step's kernels are queued."""
+        seqs = msg["seqs"]
+        if all(is_greedy(seg["sample"]["temperature"], seg["sample"]["top_k"]) for seg in seqs):
+            tokens = torch.stack([out[-1] for out in outs]).argmax(dim=-1)
+        else:
+            tokens = torch.cat([sample_tokens(
+                out[-1:], float(seg["sample"]["temperature"]), int(seg["sample"]["top_k"]),
+                float(seg["sample"]["top_p"]), int(seg["sample"]["seed"]),
+                [seg["pos"] + seg["n"]]) for seg, out in zip(seqs, outs)])
+        if self.last is not None:
+            self.last.record([seg["slot"] for seg in seqs], tokens, msg["sid"])
+        rows = [out[-1].float()[None] for seg, out in zip(seqs, outs) if seg["logits"]]
+        self.unsent.flush(wait=True)  # the steps before this one: it is queued behind them
+
+        def send(ids: list[int], logits: torch.Tensor | None) -> None:
+            outcomes = [{"token": t, "accepted": 0, "logits": seg["logits"], "path": None,
+                         "asked": seg["asked"], "lp": None, "plp": None}
+                        for t, seg in zip(ids, seqs)]
+            self.out.send(message("result", sid=msg["sid"], outs=outcomes, act=None), logits)
+
+        self.unsent.add(tokens, torch.cat(rows) if rows else None, send)
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool) -> None:

@@ -1,0 +1,118 @@
+"""Decode lookahead (`runtime.batching.Batcher._send_ahead`, `shards.decode_ahead`): on a
+one-shard runtime each decode step is sent before the token it takes is back, and the shard
+takes that token on its device. Tokens and the logits of every generated position equal the
+reference engine's, greedy and sampled, alone and batched, on both step channels; a step sent
+past a stop token is dropped and its slot serves the next request exactly; a `prev` the shard
+cannot honour is refused by name."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from layersplit.ipc.messages import message, segment
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.errors import ShardFailure
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
+
+from tests.helpers import assert_same_run, layersplit_shm, run_logged
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+
+
+def _cfg(model, n: int = 1, **kw) -> RuntimeConfig:
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
+                         max_context=256, threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=256)
+
+
+def _prompt(reference, i: int = 0) -> list[int]:
+    text = f"<|im_start|>user\nthe cat sat on the mat, said dog {i}<|im_end|>\n"
+    return reference.tokenizer.encode(text + "<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, transport):
+    before = layersplit_shm()
+    prompt = _prompt(reference)
+    with Coordinator(_cfg(tiny_llama, transport=(transport,))) as coord:
+        assert coord.batcher.look_ahead
+        for p in (GREEDY, SAMPLED):
+            sent = coord.batcher.stats.ahead
+            got = run_logged(coord, prompt, p)
+            assert_same_run(got, run_logged(reference, prompt, p), f"temperature {p.temperature}")
+            assert len(set(got[0].tokens)) > 8  # (a model that repeats one token shows nothing)
+            # every token after the first decode step's came from a lookahead step
+            assert coord.batcher.stats.ahead - sent == p.max_tokens - 2
+            assert coord.batcher.stats.ahead_dropped == 0
+        coord.batcher.check()
+    assert layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference):
+    """Three sequences decode ahead in one micro-batch; two stop early on a stop token (their
+    lookahead steps are dropped), and the slots they free serve later requests exactly."""
+    prompts = [_prompt(reference, i) for i in range(5)]
+    alone = [reference.generate(p, GREEDY).tokens for p in prompts]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[0][4]]),
+              SAMPLED,
+              SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[2][9]]),
+              GREEDY, SAMPLED]
+    want = [reference.generate(p, sp).tokens for p, sp in zip(prompts, params)]
+    assert len(want[0]) == 4 and len(want[2]) < 10
+    with Coordinator(_cfg(tiny_llama, max_seqs=3)) as coord:
+        got = coord.generate_batch(prompts, params, use_cache=False)
+        assert [r.tokens for r in got] == want
+        stats = coord.batcher.stats
+        assert stats.ahead > 0 and stats.ahead_dropped >= 2, stats
+        assert stats.widest == 3
+        coord.batcher.check()
+        assert not coord.batcher.requests and not coord.batcher.steps
+        assert coord.batcher.sched.free_blocks == coord.batcher.sched.total_blocks
+
+
+@pytest.mark.slow
+def test_off_and_with_two_shards_no_step_goes_ahead(tiny_llama, reference):
+    prompt = _prompt(reference)
+    want = reference.generate(prompt, GREEDY).tokens
+    for cfg in (_cfg(tiny_llama, decode_ahead=False), _cfg(tiny_llama, n=2)):
+        with Coordinator(cfg) as coord:
+            assert not coord.batcher.look_ahead
+            assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+            assert coord.batcher.stats.ahead == 0
+
+
+@pytest.mark.slow
+def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference):
+    """A lookahead segment names the step whose token it takes: one that did not sample the
+    slot's last token, or a segment of several rows, is refused before any compute, and the
+    runtime goes on unchanged."""
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    prompt = _prompt(reference)
+    with Coordinator(_cfg(tiny_llama, max_seqs=2)) as coord:
+        want = coord.generate(prompt, GREEDY).tokens
+        cases = [
+            ([segment(1, 4, 1, greedy, prev=99999)], [0],
+             "prev=99999, but slot 1's last sampled token came from step -1"),
+            ([segment(0, 4, 2, greedy, prev=1)], [0, 0], "prev=1 on a segment of 2 rows"),
+        ]
+        for seqs, ids, why in cases:
+            sid = coord._new_sid()
+            coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
+                              torch.tensor(ids, dtype=torch.int64))
+            with pytest.raises(ShardFailure, match=re.escape(why)):
+                coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
+            assert coord.failed is None
+        assert coord.generate(prompt, GREEDY).tokens == want
