@@ -336,6 +336,8 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
             ([segment(0, 4, 1, greedy, then={"n": 3, "tree": 0})], [5],
              "not a verify segment's next proposal"),
             ([segment(0, 4, 1, greedy, kept=[2, 1])], [5], "kept tree rows [2, 1] before position 4"),
+            ([segment(0, 4, 1, greedy, prev=1)], [5],
+             "a lookahead segment (prev) needs a runtime of one shard"),
             ([segment(0, 4094, 1, greedy, kept=[9])], [5], "kept rows reach past the context"),
             ([segment(0, 4, 1, greedy, feat=0, ask={"n": 3, "tree": 0})], [5],
              "needs n, tree and after, integers >= 0"),
