@@ -173,11 +173,14 @@ class ShardHost:
         node's address; the secret is in this worker's environment (Ray's runtime
         environment), the process inherits it."""
         import ray
-        from layersplit.ipc.sockets import free_tcp_port
+        from layersplit.ipc.sockets import RUN_DIR_PREFIX, free_tcp_port
 
         ip = ray.util.get_node_ip_address()
         listen = f"tcp://{ip}:{free_tcp_port(ip)}"
-        self.error_file = Path(tempfile.mkdtemp(prefix="layersplit-ray-")) / "shard.error"
+        # (named like a run_dir of this worker: if the worker is killed before `stop`, the
+        # next run_dir made on the host removes it, `ipc.sockets.remove_stale_run_dirs`)
+        self.error_file = Path(tempfile.mkdtemp(
+            prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-ray-")) / "shard.error"
         if command not in ("shard", "draft"):
             raise ValueError(f"ShardHost starts a shard or a draft, not {command!r}")
         cmd = [sys.executable, "-m", "layersplit.launch.cli", command, "--listen", listen, *argv,
