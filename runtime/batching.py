@@ -133,8 +133,8 @@ class BatchStats:
     host_blocks: int = 0  # host-pool blocks held by swapped sequences now
     ahead: int = 0  # lookahead steps sent (decode steps sent before their tokens were known;
     # counted in `steps` too)
-    ahead_dropped: int = 0  # lookahead segments whose sequence had stopped (their rows are in
-    # `rows`, computed and unused)
+    ahead_dropped: int = 0  # lookahead segments whose output went unused: the sequence stopped
+    # (or asked for another step; its row is then computed again, the same row: KV models only)
 
 
 @dataclasses.dataclass(slots=True)
@@ -352,7 +352,9 @@ class Batcher:
             if not all(self._may_look_ahead(r, st.sid, step) for r, step in
                        zip(st.reqs, st.sent)) or any(
                     self._ready(r) and self.sched.group_of(r.rid) == st.group
-                    for r in self.requests.values() if r.rid in self.sched.running):
+                    for r in self.requests.values() if r.rid in self.sched.running) or \
+                    not self.sched.can_grow_all({r.rid: step.pos + 2
+                                                 for r, step in zip(st.reqs, st.sent)}):
                 continue
             ahead = [dataclasses.replace(step, tokens=[0], pos=step.pos + 1, prev=st.sid)
                      for step in st.sent]
@@ -374,12 +376,15 @@ class Batcher:
                 r.ahead = (sid, a)
 
     def _may_look_ahead(self, r: Request, sid: int, step: StepRequest) -> bool:
-        """Whether the sequence's next decode step may follow its step `sid` (`step`) now."""
+        """Whether the sequence's next decode step may follow its step `sid` (`step`) now: a
+        decode step past its prompt (never a prefill chunk, even one of one token: the next
+        step may then differ, and ask for the row again) of a sequence that does not
+        speculate."""
         return (r.waits == sid and r.ahead is None and not r.cancelled and not r.done
-                and r.feed is None and _plain_decode(step)
+                and r.feed is None and r.out.progress.spec is None and _plain_decode(step)
+                and step.pos >= r.prompt_tokens
                 and step.pos + 2 <= self.sched.config.slot_tokens
-                and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
-                and self.sched.can_grow(r.rid, step.pos + 2))
+                and len(r.out.progress.generated) + 1 < r.out.params.max_tokens)
 
     def _adopt(self, r: Request, token: int | None) -> None:
         """After its program took a step's output (`token`): if the step it asks for now is its

@@ -355,8 +355,11 @@ class Coordinator:
                 host_blocks=self.kv_host_blocks, host_pool=self.host_pool)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
-            # (the first shard takes a lookahead step's token where the last one sampled it)
-            self.batcher.look_ahead = cfg.decode_ahead and len(self.shards) == 1
+            # (the first shard takes a lookahead step's token where the last one sampled it; a
+            # hybrid model's recurrent state must never take a row twice, as a dropped
+            # lookahead row of a sequence that goes on would be)
+            self.batcher.look_ahead = (cfg.decode_ahead and len(self.shards) == 1
+                                       and self.model_config.hybrid is None)
         except BaseException:
             self.close()
             raise

@@ -200,7 +200,12 @@ class Scheduler:
 
     def can_grow(self, rid: Hashable, tokens: int) -> bool:
         """Whether the pool has the blocks for the sequence to reach `tokens` rows now."""
-        return self._blocks(tokens) - self.running[rid].blocks <= self.free_blocks
+        return self.can_grow_all({rid: tokens})
+
+    def can_grow_all(self, tokens: dict[Hashable, int]) -> bool:
+        """Whether the pool has the blocks for every sequence (rid -> rows) to grow at once."""
+        return sum(max(0, self._blocks(n) - self.running[rid].blocks)
+                   for rid, n in tokens.items()) <= self.free_blocks
 
     def grow(self, rid: Hashable, tokens: int) -> None:
         """The sequence's slot now holds `tokens` rows (restored and computed alike): its

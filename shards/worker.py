@@ -248,6 +248,7 @@ class ShardServer:
             elif t != "wake":
                 getattr(self, f"_on_{t}")(route, msg, frames)
         except ProtocolError as e:
+            self.unsent.flush(wait=True)  # (the results of the steps before it go first)
             self._reply(route, error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid")))
             self._note_bad_upstream(route, msg.get("sid"))
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
@@ -255,13 +256,16 @@ class ShardServer:
 
     def _step_failed(self, msg: dict[str, Any], e: Exception, route: bytes | None = None) -> None:
         self.unsent.flush(wait=True)  # (the results of the steps before it go first)
+        self._report(self._failure(msg, e), route)
+
+    def _failure(self, msg: dict[str, Any], e: Exception) -> dict[str, Any]:
+        """The error message that reports `msg`'s failure with `e`."""
         if isinstance(e, ProtocolError):
-            self._report(error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid")), route)
-            return
+            return error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid"))
         log.exception("shard %d: %s failed", self.index, msg.get("type"))
-        self._report(error(f"shard {self.index} ({self.spec.start}:{self.spec.end}): "
-                           f"{msg.get('type')} failed: {type(e).__name__}: {e}", "failed",
-                           sid=msg.get("sid")), route)
+        return error(f"shard {self.index} ({self.spec.start}:{self.spec.end}): "
+                     f"{msg.get('type')} failed: {type(e).__name__}: {e}", "failed",
+                     sid=msg.get("sid"))
 
     def _note_bad_upstream(self, route: bytes, sid: int | None) -> None:
         """A message the linked upstream shard sent was rejected: the coordinator's step fails."""
@@ -361,6 +365,7 @@ class ShardServer:
         links, snapshots and swapped-out blocks are gone with it (the new one's ledger of this
         shard's host memory starts at zero)."""
         self.gate.keep_only("coordinator")
+        self.unsent.clear()  # (results of the old session's steps)
         self._close_links()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
@@ -376,7 +381,7 @@ class ShardServer:
         self._close_links()
         self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
-        self.unsent.flush(wait=True)
+        self.unsent.clear()  # (a new configuration: results of the steps before it are void)
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         slots, block, blocks = msg["slots"], msg["kv_block"], msg["kv_blocks"]
         if max_ctx <= 0 or max_step <= 0 or not 1 <= slots <= MAX_SLOTS:
@@ -904,7 +909,10 @@ class ShardServer:
             outcomes = [{"token": t, "accepted": 0, "logits": seg["logits"], "path": None,
                          "asked": seg["asked"], "lp": None, "plp": None}
                         for t, seg in zip(ids, seqs)]
-            self.out.send(message("result", sid=msg["sid"], outs=outcomes, act=None), logits)
+            try:
+                self.out.send(message("result", sid=msg["sid"], outs=outcomes, act=None), logits)
+            except Exception as e:  # noqa: BLE001 - reported as the step's failure
+                self._report(self._failure(msg, e))
 
         self.unsent.add(tokens, torch.cat(rows) if rows else None, send)
 

@@ -116,3 +116,41 @@ def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference
                 coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
             assert coord.failed is None
         assert coord.generate(prompt, GREEDY).tokens == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_no_step_goes_ahead_of_a_prefill_chunk(tiny_models, hybrid_models, family):
+    """A prompt one token past a chunk boundary ends in a one-token prefill chunk whose step
+    asks for the logits (a prefix-cache point): no step may follow it ahead (the first decode
+    step differs from it and would compute its row again: wrong for a hybrid model's recurrent
+    state), and a hybrid model never decodes ahead at all. The output equals the reference's,
+    cold and from the cache."""
+    model = {**tiny_models, **hybrid_models}[family]
+    reference = ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
+    prompt = (_prompt(reference, 1) * 3)[:2 * CHUNK + 1]
+    want = reference.generate(prompt, GREEDY).tokens
+    with Coordinator(_cfg(model)) as coord:
+        assert coord.batcher.look_ahead == (family == "llama")
+        for tier in ("none", "ram"):
+            got = coord.generate(prompt, GREEDY)
+            assert got.tokens == want and got.cache_tier == tier
+        assert coord.batcher.stats.ahead_dropped == 0
+
+
+@pytest.mark.slow
+def test_a_pool_too_small_for_every_lookahead_skips_it(tiny_llama, reference):
+    """Two sequences cross a KV block boundary on the same step with one block free: the
+    lookahead is not sent (the pool would run out between them); the step goes out as usual,
+    the younger sequence is swapped out and back, and both outputs equal each alone."""
+    prompt = _prompt(reference)[:3]
+    p = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = reference.generate(prompt, p).tokens
+    with Coordinator(_cfg(tiny_llama, max_seqs=2, kv_block=4, kv_blocks=5, kv_host_blocks=4,
+                          prefix_cache=False)) as coord:
+        got = coord.generate_batch([prompt, prompt], [p, p])
+        assert [r.tokens for r in got] == [want, want]
+        stats = coord.batcher.stats
+        assert stats.ahead > 0 and stats.swapped_out >= 1, stats
+        coord.batcher.check()
+        assert coord.batcher.sched.free_blocks == coord.batcher.sched.total_blocks
