@@ -9,7 +9,10 @@
 #      the one GPU, where it is off) and the Llama-8B shape, next to llama.cpp (built in the
 #      background, as bench/device_x2.sh does; carry .device-carry/lcp.tgz and
 #      .device-carry/smol_vocab.json.gz too) on random-weight GGUFs of the same shapes.
-#   C: its GPU tests; the MoE and Qwen3-8B shapes, on and off (issues 21, 23).
+#   C: its GPU tests; the default model's shape again, quiet, next to llama.cpp (call 2's
+#      build, on the machine left warm); the MoE, on and off (issues 21, 23).
+#   E: after the review fixes: the default model's shape and the MoE on and off again; the GPU
+#      tests of the paths lookahead touches (speculation, capture at start, token masks).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -62,5 +65,15 @@ C)
     --json "$OUT/moe_on.json"
   TAIL=8 run moe_off 120 python3 bench/moe.py --layouts cuda:0 --streams 8 --repeats 3 \
     --decode-ahead off --json "$OUT/moe_off.json"
+  ;;
+E)
+  smol="python3 bench/decode.py --model random:smollm2-135m-shape --prompt-len 512 \
+    --new-tokens 256 --max-context 2048 --repeats 3 --layouts cuda:0"
+  TAIL=8 run smol_on 50 $smol --json "$OUT/smol_on.json"
+  TAIL=8 run smol_off 40 $smol --decode-ahead off --json "$OUT/smol_off.json"
+  TAIL=8 run moe_on 100 python3 bench/moe.py --layouts cuda:0 --streams 8 --repeats 3 \
+    --json "$OUT/moe_on.json"
+  run tests 330 $tests tests/gpu/test_decode_ahead_gpu.py tests/gpu/test_token_mask.py \
+    tests/gpu/test_warm.py tests/gpu/test_speculative_gpu.py
   ;;
 esac
