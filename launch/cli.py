@@ -63,7 +63,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _raise_on_sigterm()
     with Coordinator(cfg) as coord:
         tok = coord.tokenizer
-        if args.chat:
+        if args.token_ids:
+            prompt = _token_ids(args.prompt)
+            if prompt is None:
+                print(f"layersplit generate: --token-ids: {args.prompt[:80]!r} is not token ids "
+                      "(integers separated by commas or spaces)", file=sys.stderr)
+                return 2
+        elif tok is None:
+            print(f"layersplit generate: {cfg.model} has no tokenizer (random weights): give "
+                  "the prompt as token ids with --token-ids, e.g. --token-ids '1,2,3'",
+                  file=sys.stderr)
+            return 2
+        elif args.chat:
             prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt = tok.encode(args.prompt)
@@ -85,6 +96,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         np.save(args.dump_logits, np.stack(progress.logits).astype(np.float32))
     return 0
+
+
+def _token_ids(text: str) -> list[int] | None:
+    """`--token-ids`' prompt: integers separated by commas or spaces (None if it is not)."""
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        return None
+    return [int(p) for p in parts]
 
 
 # ---- serve ---------------------------------------------------------------------------------------
@@ -193,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text across shard processes")
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--token-ids", action="store_true",
+                   help="the prompt is token ids separated by commas or spaces (models without "
+                        "a tokenizer, such as random:NAME, take only these)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--dump-logits", metavar="FILE.npy", default=None,
                    help="save the logits each generated token was drawn from (float32, a row "
