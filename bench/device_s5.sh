@@ -13,6 +13,9 @@
 #      build, on the machine left warm); the MoE, on and off (issues 21, 23).
 #   E: after the review fixes: the default model's shape and the MoE on and off again; the GPU
 #      tests of the paths lookahead touches (speculation, capture at start, token masks).
+#   F: cold start (issue 21): where the imports' time goes, `bench/startup.py` as `layersplit
+#      generate` runs (one KV slot), and the command itself timed twice (the second finds the
+#      compile caches the first filled).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -75,5 +78,19 @@ E)
     --json "$OUT/moe_on.json"
   run tests 330 $tests tests/gpu/test_decode_ahead_gpu.py tests/gpu/test_token_mask.py \
     tests/gpu/test_warm.py tests/gpu/test_speculative_gpu.py
+  ;;
+F)
+  for m in layersplit.runtime.coordinator layersplit.shards.worker; do
+    python3 -X importtime -c "import $m" 2> "$OUT/importtime_$m.txt"
+    log "import $m: $(sort -t'|' -k2 -n "$OUT/importtime_$m.txt" | tail -1)"
+  done
+  gen="python3 -m layersplit.launch.cli generate --token-ids 5,6,7,8,9 --model \
+    random:smollm2-135m-shape --devices cuda:0 --max-tokens 64 --ignore-eos --json"
+  for i in 1 2 3; do
+    run "cli_$i" 90 bash -c "/usr/bin/time -f 'command wall %e s' $gen 2>&1 | tail -2"
+  done
+  TAIL=14 run startup 200 python3 bench/startup.py --model random:smollm2-135m-shape \
+    --devices cuda:0 --repeats 3 --new-tokens 128 --max-context 4096 --max-seqs 1 \
+    --json "$OUT/startup.json"
   ;;
 esac
