@@ -16,6 +16,8 @@
 #   F: cold start (issue 21): where the imports' time goes, `bench/startup.py` as `layersplit
 #      generate` runs (one KV slot), and the command itself timed twice (the second finds the
 #      compile caches the first filled).
+#   G: prefill of 3,900 tokens (issue 21), ours (chunks of 2048, the GPU default) next to
+#      llama.cpp's, built in the background as in B (same carry as B).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -92,5 +94,27 @@ F)
   TAIL=14 run startup 200 python3 bench/startup.py --model random:smollm2-135m-shape \
     --devices cuda:0 --repeats 3 --new-tokens 128 --max-context 4096 --max-seqs 1 \
     --json "$OUT/startup.json"
+  ;;
+G)
+  setsid bash -c '
+    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
+      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
+      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
+      --no-deps --target /tmp/lcpsite . && cd - &&
+      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
+        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
+      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
+        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
+      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
+  for m in smollm2-135m-shape llama-8b-shape; do
+    TAIL=12 run "prefill_$m" 100 python3 bench/decode.py --model random:$m --layouts cuda:0 \
+      --prompt-len 512 --new-tokens 16 --max-context 8192 --repeats 1 --prefill 3900 \
+      --prefill-chunk 2048 --json "$OUT/prefill_$m.json"
+  done
+  while [ ! -e /tmp/lcp.done ] && ((SECONDS < deadline - 60)); do sleep 5; done
+  log "llama.cpp: $(ls /tmp/lcp.done 2>/dev/null || echo 'not built'; tail -2 /tmp/lcp.log)"
+  export LCP="env PYTHONPATH=/tmp/lcpsite:/tmp/site python3 bench/llamacpp_decode.py"
+  run lcp 50 bash -c 'for g in smol-q4_1 llama8b-f16; do CUDA_VISIBLE_DEVICES=0 $LCP \
+    /tmp/$g.gguf --split none 2>&1 | tail -1; done'
   ;;
 esac
