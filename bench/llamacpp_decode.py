@@ -59,7 +59,7 @@ def main() -> None:
     row["wall_tok_s"] = statistics.median(r["wall_tok_s"] for r in row["runs"])
     row["eval_tok_s"] = statistics.median(r["eval_tok_s"] or 0.0 for r in row["runs"])
     rates = []
-    for _ in range(2):
+    for _ in range(3):
         m.reset()
         t = time.perf_counter()
         m.eval(ids[:args.prefill])
@@ -69,7 +69,7 @@ def main() -> None:
     print(f"llama.cpp {Path(args.gguf).name} split={args.split}: decode wall "
           f"{[round(r['wall_tok_s'], 1) for r in row['runs']]} median {row['wall_tok_s']:.1f} "
           f"tok/s (eval counters {row['eval_tok_s']:.1f}); prefill {args.prefill}: "
-          f"{max(rates):.0f} tok/s")
+          f"{[round(r) for r in rates]} median {statistics.median(rates):.0f} tok/s")
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))
 
