@@ -48,7 +48,7 @@ def _load_cupy() -> Any:
     return _cupy
 
 
-def _ipc_events(n: int, device: torch.device) -> tuple[list[torch.cuda.Event], list[bytes]] | None:
+def ipc_events(n: int, device: torch.device) -> tuple[list[torch.cuda.Event], list[bytes]] | None:
     """n interprocess events on `device` and their handles; None where the platform has none."""
     if IPC_EVENTS_OFF:
         return None
@@ -105,7 +105,7 @@ class SlotWriter:
         except RuntimeError as e:
             raise RuntimeError(f"cuda-ipc: cannot open the receiver's slot events ({e}); set "
                                "this edge's transport to shm") from None
-        made = _ipc_events(len(self.consumed_handles), device)
+        made = ipc_events(len(self.consumed_handles), device)
         if made is not None:
             self.ready = made[0]
             self.ready_desc = [[device.index, h] for h in made[1]]
@@ -163,7 +163,7 @@ class SlotReader:
 
     def __init__(self, device: torch.device, slots: int) -> None:
         self.device = device
-        made = _ipc_events(slots, device)
+        made = ipc_events(slots, device)
         self.consumed, self.handles = (None, None) if made is None else made
         # slot -> (handle bytes, opened event, its raw handle)
         self.ready: dict[int, tuple[bytes, torch.cuda.Event, int]] = {}

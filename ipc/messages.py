@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 17  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 18  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -32,7 +32,10 @@ PROTOCOL_VERSION = 17  # 2: speculative decoding; 3: batched steps (several sequ
 # 15: `warm` (the step graphs captured at start, `capture_at_start`), answered by `warmed`;
 # 16: `warm` answered by `ok` (`warmed` gone: a v15 peer would fail or wait out the start);
 # 17: decode lookahead (segment `prev`: its token is the one step `prev` sampled for its slot,
-# taken on the device by a shard that is first and last, `shards.decode_ahead`)
+# taken on the device by a shard that is first and last, `shards.decode_ahead`); 18: lookahead
+# on a split runtime (configure `board`: True asks the last shard for a token board, whose
+# description its info's `board` carries and the first shard's configure passes on,
+# `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -55,6 +58,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
                   "max_step_tokens": (int,), "slots": (int,), "transport": (str,),
                   "kv_block": (int,), "kv_blocks": (int,)},
     "configured": {"info": (dict,)},
+    # coordinator -> first shard: step `sid` failed on its way, so the lookahead step that takes
+    # its tokens fails at once (`ipc.token_board`)
+    "void": {"sid": (int,)},
     # upstream shard -> downstream shard: set up the activation transport of this edge
     "link": {"transport": (str,), "host": (str,), "device": (str,), "dtype": (str,),
              "hidden": (int,), "max_step_tokens": (int,)},

@@ -286,7 +286,7 @@ class RingInbox:
         self.views.clear()
 
 
-def _share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
+def share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
     storage = buffer.untyped_storage()
     (dev, handle, size, offset, ref_handle, ref_offset, ev_handle, ev_sync) = storage._share_cuda_()
     return {"device": int(dev), "handle": bytes(handle), "size": int(size), "offset": int(offset),
@@ -294,7 +294,7 @@ def _share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
             "event_handle": bytes(ev_handle) if ev_handle else None, "event_sync": bool(ev_sync)}
 
 
-def _open_cuda(h: dict[str, Any]) -> torch.Tensor:
+def open_cuda(h: dict[str, Any]) -> torch.Tensor:
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
@@ -318,7 +318,7 @@ def offer(kind: str, payload_bytes: int, device: torch.device,
         try:
             buf = torch.empty(RING_SLOTS * payload_bytes, dtype=torch.uint8, device=device)
             inbox = RingInbox(ring, device, buf, payload_bytes)
-            return inbox, {"ring": ring.describe(), "cuda": _share_cuda(buf),
+            return inbox, {"ring": ring.describe(), "cuda": share_cuda(buf),
                            "cuda_slot_bytes": payload_bytes, "consumed": inbox.reader.handles}
         except BaseException:
             ring.close()
@@ -345,7 +345,7 @@ def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
         if consumed is not None and not (isinstance(consumed, list) and len(consumed) ==
                                          ring.slots and all(isinstance(h, bytes) for h in consumed)):
             raise ProtocolError("cuda-ipc link reply: bad consumed-event handles")
-        return RingSender(ring, doorbell, SlotWriter(_open_cuda(desc["cuda"]),
+        return RingSender(ring, doorbell, SlotWriter(open_cuda(desc["cuda"]),
                                                      int(desc["cuda_slot_bytes"]), consumed))
     except BaseException:
         ring.close()

@@ -122,6 +122,7 @@ class _Shard:
             index, address, sock, monitor, proc)
         self.info: dict[str, Any] = {}
         self.local = False  # on this host: steps and results may travel through shared memory
+        self.host = ""  # the host it names in its welcome (`ipc.hosts.host_id`)
         self.welcomed = False  # its handshake completed
 
     @property
@@ -188,6 +189,7 @@ class Coordinator:
         # what each shard captured at start ({graphs, seconds}, `capture_at_start`), in order
         self.warmed: list[dict[str, Any]] = []
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
+        self.board = False  # the first shard mapped the last one's token board (lookahead, split)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | RayShard | None = None
         self._draft_stopped_since: float | None = None  # when the draft was first seen stopped
@@ -294,6 +296,15 @@ class Coordinator:
                          self.kv_host_blocks)
             log.info("host memory per shard (swapped KV and RAM-tier snapshots): %s MB",
                      ", ".join(f"{c / 2**20:.0f}" for c in host.capacity))
+            # decode lookahead (`shards.decode_ahead`): the first shard takes each lookahead
+            # step's token where the last one sampled it (its own memory with one shard, else
+            # a token board the two share on one host). Not for a hybrid model: its recurrent
+            # state must never take a row twice, as a dropped lookahead row of a sequence that
+            # goes on would be
+            ahead = (cfg.decode_ahead and self.model_config.hybrid is None
+                     and len(self.shards) > 1 and first.host == last.host)
+            board: Any = None
+            self.board = False
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
                 nxt = None
                 if sh.index + 1 < len(self.shards):
@@ -308,6 +319,10 @@ class Coordinator:
                     extra["results"] = desc
                 if sh is first and sh.local:
                     extra["inbox"] = True
+                if ahead and sh is last:  # each slot's last sampled token, for the first shard
+                    extra["board"] = True
+                elif ahead and sh is first:
+                    extra["board"] = board
                 planned = self.placement.shards[sh.index]
                 mine = [t for t in taps if planned.start <= t < planned.end]
                 if mine and self.draft is not None:
@@ -326,12 +341,19 @@ class Coordinator:
                     spin_ms=self.spin_ms, **extra,
                 ), t0 + cfg.startup_timeout)
                 sh.info = reply["info"]
+                if ahead and sh is last:
+                    board = sh.info.pop("board", None)
+                    if board is None:
+                        raise ShardFailure(f"{_name(sh)} made no token board for decode "
+                                           "lookahead: its layersplit is older; run the same "
+                                           "version everywhere")
                 if bool(sh.info.get("deterministic")) != cfg.deterministic:
                     raise ShardFailure(f"{_name(sh)} reports deterministic="
                                        f"{sh.info.get('deterministic')!r} where the run asked "
                                        f"for {cfg.deterministic}: its layersplit does not "
                                        "take the setting; run the same version everywhere")
                 if sh is first:
+                    self.board = bool(sh.info.pop("board", False))
                     inbox = sh.info.pop("inbox", None)
                     if inbox is not None:
                         sock = sh.sock
@@ -355,11 +377,11 @@ class Coordinator:
                 host_blocks=self.kv_host_blocks, host_pool=self.host_pool)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
-            # (the first shard takes a lookahead step's token where the last one sampled it; a
-            # hybrid model's recurrent state must never take a row twice, as a dropped
-            # lookahead row of a sequence that goes on would be)
-            self.batcher.look_ahead = (cfg.decode_ahead and len(self.shards) == 1
-                                       and self.model_config.hybrid is None)
+            self.batcher.look_ahead = (cfg.decode_ahead and self.model_config.hybrid is None
+                                       and (len(self.shards) == 1 or self.board))
+            if cfg.decode_ahead and len(self.shards) > 1 and first.host != last.host:
+                log.info("decode lookahead off: the first and last shard are on different "
+                         "hosts (they share no token board)")
         except BaseException:
             self.close()
             raise
@@ -688,6 +710,7 @@ class Coordinator:
         if reply["type"] != "welcome":
             raise ShardFailure(f"shard {sh.index} at {sh.address}: handshake failed")
         sh.welcomed = True
+        sh.host = reply["host"]
         sh.local = reply["host"] == self.host
         planned = self.placement.shards[sh.index]
         want = [planned.start, planned.end]
@@ -743,6 +766,7 @@ class Coordinator:
             self._done[sid] = (msg, None if t is None else t.clone(), nseg)
         elif msg["type"] == "error" and msg["code"] != "feed_lost":
             self._done[sid] = ShardFailure(msg["message"], runtime_down=False)
+            self._void(sid)
         else:
             return False
         del self._in_flight[sid]
@@ -750,6 +774,17 @@ class Coordinator:
         if self.step_observer is not None and msg["type"] == "result":
             self.step_observer(kind, time.perf_counter() - t0)
         return True
+
+    def _void(self, sid: int) -> None:
+        """A step failed on a split runtime that decodes ahead: the first shard may hold the
+        lookahead step that takes its tokens (`ipc.token_board`), which now fails at once."""
+        if not self.board or self.shards[0].sock.closed:
+            return
+        try:
+            send(self.shards[0].sock, message("void", sid=sid))
+        except zmq.ZMQError as e:
+            log.warning("could not tell the first shard step %d failed (%s): a lookahead "
+                        "step behind it fails after its wait", sid, e)
 
     def _wait(self, match, deadline: float, what: str, sid: int | None = None,
               on_draft: bool = False, blame_draft=lambda: True,

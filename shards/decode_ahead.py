@@ -1,11 +1,12 @@
-"""Decode lookahead on a one-shard runtime: the next decode step is queued behind the current
-one, its input token taken on the device from the token the current step samples.
+"""Decode lookahead: the next decode step is queued behind the current one, its input token
+taken on the device from the token the current step samples.
 
 At batch 1 the device would otherwise idle, each token, for the result's trip to the
 coordinator and the next step's trip back (~0.2 ms a token on a GPU: a sixth of a small model's
 step). The coordinator (`runtime.batching`) sends a step for position p + 1 while the step at p
-is still running, marked `prev` = the sid of that step; this shard, being the first and the last,
-keeps each slot's last sampled token on the device (`LastTokens`) and writes it into the new
+is still running, marked `prev` = the sid of that step. The last shard posts each step's sampled
+tokens on a token board (`ipc.token_board`: its own memory when it is also the first shard,
+else memory it shares with the first shard), and the first shard writes the token into the new
 step's input there, so nothing waits for the host. The results of such steps go to the
 coordinator once their tokens reach the host (`UnsentResults`), after the next step's kernels
 are queued: the device always has the next step in hand.
@@ -23,43 +24,6 @@ from typing import Any
 
 import torch
 from layersplit.shards.sampling import has_processors
-
-
-class LastTokens:
-    """Each slot's last token sampled on this shard, on the device, and the step it came from."""
-
-    def __init__(self, slots: int, device: torch.device) -> None:
-        self.tokens = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.sid = [-1] * slots  # the step whose token `tokens[slot]` holds (-1: none yet)
-        self.device = device
-
-    def record(self, slots: Sequence[int], tokens: torch.Tensor, sid: int) -> None:
-        """`tokens` (len(slots),) int64 on the device, sampled by step `sid`."""
-        for i, s in enumerate(slots):
-            self.tokens[s:s + 1].copy_(tokens[i:i + 1])
-            self.sid[s] = sid
-
-    def forget(self) -> None:
-        self.sid = [-1] * len(self.sid)
-
-    def error(self, slot: int, prev: int, n: int) -> str | None:
-        """Why a segment of `n` rows may not take its token from step `prev`, or None."""
-        if n != 1:
-            return f"prev={prev} on a segment of {n} rows (a lookahead step decodes one row)"
-        if self.sid[slot] != prev:
-            return (f"prev={prev}, but slot {slot}'s last sampled token came from step "
-                    f"{self.sid[slot]}")
-        return None
-
-    def fill(self, x: torch.Tensor, seqs: Sequence[dict[str, Any]]) -> torch.Tensor:
-        """A copy of `x` (a step's token ids, on the device) with each lookahead segment's row
-        (`prev` set) its slot's last token: device-to-device copies, no wait for the host."""
-        x, row = x.clone(), 0
-        for seg in seqs:
-            if seg["prev"] is not None:
-                x[row:row + 1].copy_(self.tokens[seg["slot"]:seg["slot"] + 1])
-            row += seg["n"]
-        return x
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,12 @@ from layersplit.ipc.sockets import (
     ring_doorbell,
     send,
 )
+from layersplit.ipc.token_board import TokenBoard
 from layersplit.ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.busy_clock import BusyClock
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-from layersplit.shards.decode_ahead import LastTokens, UnsentResults, deferrable
+from layersplit.shards.decode_ahead import UnsentResults, deferrable
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
@@ -72,6 +73,9 @@ FEED_ROWS = 1024  # rows per feature message (a long prefill chunk is sent in pi
 PROPOSAL_BYTES = 64  # a `drafted` message is all header: its ring slots need no payload
 MAX_SLOTS = 1024  # sequences a shard's KV cache may hold
 MASK_WAIT_S = 10.0  # the last shard waits this long for a step's late grammar masks, then fails it
+# the first shard holds a lookahead step this long for the tokens of the step it follows (a step
+# that fails on its way is voided by the coordinator at once: this bounds a lost message)
+AHEAD_WAIT_S = 60.0
 MAX_BLOCK_TOKENS = 4096  # rows of one KV block
 
 
@@ -91,7 +95,7 @@ class ShardSpec:
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
-                           "draft_gone", "kv_swap", "warm", *SNAP_OPS},
+                           "draft_gone", "kv_swap", "warm", "void", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -139,10 +143,10 @@ class ShardServer:
         # whose sampling waits for some (its logits, since when); steps after it queue
         self.late_masks: dict[tuple[int, int], bytes | None] = {}
         self.awaiting: tuple[dict[str, Any], list[torch.Tensor], list, float] | None = None
-        # decode lookahead (`shards.decode_ahead`): each slot's last token, on the device, for
-        # the next step to take (the shard that is first and last); results still waiting for
-        # their tokens to reach the host
-        self.last: LastTokens | None = None
+        # decode lookahead (`shards.decode_ahead`): each slot's last sampled token, which the
+        # last shard posts and the first takes (`ipc.token_board`: the first and last shards
+        # only); results still waiting for their tokens to reach the host
+        self.board: TokenBoard | None = None
         self.unsent = UnsentResults()
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
@@ -160,8 +164,11 @@ class ShardServer:
     def _work(self) -> bool:
         # (results whose tokens are on the host go before the next step is taken)
         worked = self.unsent.flush(wait=False) | self._report_saves()
-        if self.held is not None and self._run_held():
-            worked = True
+        if self.held is not None:
+            if self._run_held():
+                worked = True
+            elif self.device.type == "cuda" and not asked(self.held[0]):
+                worked = True  # (spins: the last shard posts the tokens within its step)
         if self.awaiting is not None and time.monotonic() - self.awaiting[3] > MASK_WAIT_S:
             msg = self.awaiting[0]
             self.awaiting = None
@@ -256,6 +263,8 @@ class ShardServer:
 
     def _step_failed(self, msg: dict[str, Any], e: Exception, route: bytes | None = None) -> None:
         self.unsent.flush(wait=True)  # (the results of the steps before it go first)
+        if self.board is not None and self.model.is_last and isinstance(msg.get("sid"), int):
+            self.board.passed(msg["sid"])  # (no token of it will come)
         self._report(self._failure(msg, e), route)
 
     def _failure(self, msg: dict[str, Any], e: Exception) -> dict[str, Any]:
@@ -435,11 +444,16 @@ class ShardServer:
                          "sequences are swapped out)", self.index, host_blocks,
                          host_blocks * self.host_kv.block_bytes / 2**20)
         self.taps = tuple(taps)
-        self.last = (LastTokens(slots, self.device)
-                     if self.model.is_first and self.model.is_last else None)
+        info_extra: dict[str, Any] = {}
+        if self.model.is_first and self.model.is_last:
+            self.board = TokenBoard.local(slots, self.device)
+        elif self.model.is_last and msg.get("board") is True:  # lookahead on a split runtime
+            self.board, info_extra["board"] = TokenBoard.create(slots, self.device)
+        elif self.model.is_first and msg.get("board") is not None:  # the last shard's board
+            self.board = TokenBoard.attach(msg["board"], slots, self.device)
+            info_extra["board"] = self.board is not None
         self.cache_dir = msg.get("cache_dir")
         self.max_step = max_step
-        info_extra: dict[str, Any] = {}
         if self.model.is_first and msg.get("inbox"):  # the coordinator shares this host
             # token ids stay on the host until checked (`_segments`)
             self.inbox, desc = transport.offer("shm", max_step * 8, torch.device("cpu"))
@@ -625,9 +639,13 @@ class ShardServer:
             if plp is not None and not _prompt_lp_ok(plp, n, self.cfg.vocab_size):
                 raise ProtocolError(f"{where}: plp={str(plp)[:200]} is not {{targets: up to n "
                                     "token ids, k: 0..vocab, temperature: >= 0}")
-            if seg["prev"] is not None:
-                why = ("a lookahead segment (prev) needs a runtime of one shard"
-                       if self.last is None else self.last.error(slot, seg["prev"], n))
+            if seg["prev"] is not None and not 0 <= seg["prev"] < msg["sid"]:
+                raise ProtocolError(f"{where}: prev={seg['prev']} is not an earlier step than "
+                                    f"{msg['sid']}")
+            if seg["prev"] is not None and self.model.is_first:  # (the shard that takes it)
+                why = ("a lookahead segment (prev) needs a token board shared with the last "
+                       "shard (decode_ahead, the first and last shard on one host)"
+                       if self.board is None else self.board.error(slot, seg["prev"], n))
                 if why is not None:
                     raise ProtocolError(f"{where}: {why}")
             cap = self._check_blocks(ex.kv, slot, seg["blocks"], seg["copy"], where)
@@ -708,6 +726,10 @@ class ShardServer:
             self.held = (msg, x.clone(), time.monotonic())
             self._run_held()
             return
+        if self.board is not None and x is not None and self.board.waits(msg["seqs"], msg["sid"]):
+            # a lookahead step whose tokens the last shard has not posted yet (`_run_held`)
+            self.held = (msg, x.clone(), time.monotonic())
+            return
         self._run_timed(msg, x)
 
     def _run_held(self) -> bool:
@@ -716,6 +738,17 @@ class ShardServer:
         assert self.held is not None
         msg, x, since = self.held
         waited = time.monotonic() - since
+        if not asked(msg):  # a lookahead step: its tokens come from the last shard
+            if self.board is not None and self.board.waits(msg["seqs"], msg["sid"]) and \
+                    waited < AHEAD_WAIT_S:
+                return False
+            self.held = None  # (`_segments` says why, when they did not come)
+            try:
+                self._run_timed(msg, x)
+            except Exception as e:  # noqa: BLE001 - reported, the loop goes on
+                self._step_failed(msg, e)
+            self._run_queued()
+            return True
         bad = [self.bad_drafted.pop(k) for k in [None, *(seg["feat"] for seg in msg["seqs"]
                                                           if seg["ask"] is not None)]
                if k in self.bad_drafted]
@@ -741,6 +774,12 @@ class ShardServer:
                 self._step(m, t)
             except Exception as e:  # noqa: BLE001 - reported, the loop goes on
                 self._step_failed(m, e)
+
+    def _on_void(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """Step `sid` failed on its way: a lookahead step that waits for its tokens fails now
+        instead of at `AHEAD_WAIT_S`."""
+        if self.board is not None:
+            self.board.void(msg["sid"])
 
     def _on_draft_gone(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """The coordinator lost the draft process: no proposal will come."""
@@ -780,7 +819,7 @@ class ShardServer:
             # through pinned memory: the host does not wait for the device to take it
             x = x.pin_memory().to(self.device, non_blocking=True)
         if self.model.is_first and any(seg["prev"] is not None for seg in msg["seqs"]):
-            x = self.last.fill(x, msg["seqs"])  # (checked: `_segments`)
+            x = self.board.fill(x, msg["seqs"])  # (checked: `_segments`)
         self._settle_snapshots(segs)
         if not moved:
             self._apply_blocks(msg)
@@ -890,7 +929,7 @@ class ShardServer:
 
     def _sample_on_device(self, msg: dict[str, Any], outs: list[torch.Tensor]) -> None:
         """Sample a step of plain decode segments (`shards.decode_ahead.deferrable`) without
-        waiting for the device: the tokens stay there for a lookahead step (`LastTokens`), and
+        waiting for the device: the tokens stay there for a lookahead step (`TokenBoard`), and
         the result goes once they reach the host, after the next step's kernels are queued."""
         seqs = msg["seqs"]
         if all(is_greedy(seg["sample"]["temperature"], seg["sample"]["top_k"]) for seg in seqs):
@@ -900,8 +939,8 @@ class ShardServer:
                 out[-1:], float(seg["sample"]["temperature"]), int(seg["sample"]["top_k"]),
                 float(seg["sample"]["top_p"]), int(seg["sample"]["seed"]),
                 [seg["pos"] + seg["n"]]) for seg, out in zip(seqs, outs)])
-        if self.last is not None:
-            self.last.record([seg["slot"] for seg in seqs], tokens, msg["sid"])
+        if self.board is not None:  # (the last shard's: the first shard takes them there)
+            self.board.post([seg["slot"] for seg in seqs], tokens, msg["sid"])
         rows = [out[-1].float()[None] for seg, out in zip(seqs, outs) if seg["logits"]]
         self.unsent.flush(wait=True)  # the steps before this one: it is queued behind them
 
@@ -1063,10 +1102,10 @@ class ShardServer:
         self.feed_sock = None
 
     def _close_links(self) -> None:
-        for t in (self.out, self.inbox):
+        for t in (self.out, self.inbox, self.board):
             if t is not None:
                 t.close()
-        self.out = self.inbox = None
+        self.out = self.inbox = self.board = None
         self._close_feed()
         self._drop_socket(self.down)
         self.down = None

@@ -1,7 +1,8 @@
 """Decode lookahead on a GPU (`shards.decode_ahead`: tokens kept and filled on the device,
-results sent once their page-locked copies land): the same tokens and bit-identical logits
-as the step-by-step loop, greedy and sampled; a batch with stops, each row alone
-(`deterministic`, so the batch's shape cannot round a near-tie differently), the same."""
+results sent once their page-locked copies land; on two shards, through the token board the
+last shard shares with the first by CUDA IPC, `ipc.token_board`): the same tokens and
+bit-identical logits as the step-by-step loop, greedy and sampled; a batch with stops, each row
+alone (`deterministic`, so the batch's shape cannot round a near-tie differently), the same."""
 
 from __future__ import annotations
 
@@ -18,24 +19,27 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _run(model, ahead: bool, prompts, params, **kw):
-    cfg = RuntimeConfig(model=str(model), devices=("cuda:0",), max_context=256, max_seqs=3,
-                        decode_ahead=ahead, **kw)
+def _run(model, ahead: bool, prompts, params, shards: int = 1, **kw):
+    cfg = RuntimeConfig(model=str(model), devices=("cuda:0",) * shards, max_context=256,
+                        max_seqs=3, decode_ahead=ahead, **kw)
     with Coordinator(cfg) as c:
+        if shards > 1 and ahead:  # (tokens through device memory, not the host)
+            assert c.board
         logged = [run_logged(c, prompts[0], p) for p in params]
         batch = [r.tokens for r in c.generate_batch(prompts, params, use_cache=False)]
         return logged, batch, c.batcher.stats.ahead
 
 
-def test_lookahead_equals_step_by_step_on_a_gpu(tiny_llama):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_lookahead_equals_step_by_step_on_a_gpu(tiny_llama, shards):
     prompts = [list(range(3 + i, 40 + 2 * i)) for i in range(3)]
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
     plain = _run(tiny_llama, False, prompts, [greedy] * 3, deterministic=True)[1][2]
     stop = SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[plain[6]])
     params = [greedy, sampled, stop]
-    on = _run(tiny_llama, True, prompts, params, deterministic=True)
-    off = _run(tiny_llama, False, prompts, params, deterministic=True)
+    on = _run(tiny_llama, True, prompts, params, shards, deterministic=True)
+    off = _run(tiny_llama, False, prompts, params, shards, deterministic=True)
     assert on[2] > 20 and off[2] == 0
     for (r_on, l_on), (r_off, l_off) in zip(on[0], off[0]):
         assert r_on.tokens == r_off.tokens

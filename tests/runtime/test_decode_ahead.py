@@ -1,9 +1,11 @@
-"""Decode lookahead (`runtime.batching.Batcher._send_ahead`, `shards.decode_ahead`): on a
-one-shard runtime each decode step is sent before the token it takes is back, and the shard
-takes that token on its device. Tokens and the logits of every generated position equal the
-reference engine's, greedy and sampled, alone and batched, on both step channels; a step sent
-past a stop token is dropped and its slot serves the next request exactly; a `prev` the shard
-cannot honour is refused by name."""
+"""Decode lookahead (`runtime.batching.Batcher._send_ahead`, `shards.decode_ahead`): each
+decode step is sent before the token it takes is back, and the first shard takes that token
+where the last one posted it (`ipc.token_board`: its own memory on one shard, memory the two
+share on a split runtime). Tokens and the logits of every generated position equal the
+reference engine's, greedy and sampled, alone and batched, with 1, 2 and 3 shards on both
+transports; a step sent past a stop token is dropped and its slot serves the next request
+exactly; a `prev` the first shard cannot honour is refused by name, and one whose step failed
+on its way fails at once."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 import pytest
 import torch
 from layersplit.ipc.messages import message, segment
+from layersplit.ipc.sockets import send
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.errors import ShardFailure
@@ -42,12 +45,13 @@ def _prompt(reference, i: int = 0) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 2, 3])
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
-def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, transport):
+def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, shards, transport):
     before = layersplit_shm()
     prompt = _prompt(reference)
-    with Coordinator(_cfg(tiny_llama, transport=(transport,))) as coord:
-        assert coord.batcher.look_ahead
+    with Coordinator(_cfg(tiny_llama, shards, transport=(transport,))) as coord:
+        assert coord.batcher.look_ahead and coord.board == (shards > 1)
         for p in (GREEDY, SAMPLED):
             sent = coord.batcher.stats.ahead
             got = run_logged(coord, prompt, p)
@@ -61,7 +65,8 @@ def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, transport)
 
 
 @pytest.mark.slow
-def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference, shards):
     """Three sequences decode ahead in one micro-batch; two stop early on a stop token (their
     lookahead steps are dropped), and the slots they free serve later requests exactly."""
     prompts = [_prompt(reference, i) for i in range(5)]
@@ -72,7 +77,7 @@ def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference):
               GREEDY, SAMPLED]
     want = [reference.generate(p, sp).tokens for p, sp in zip(prompts, params)]
     assert len(want[0]) == 4 and len(want[2]) < 10
-    with Coordinator(_cfg(tiny_llama, max_seqs=3)) as coord:
+    with Coordinator(_cfg(tiny_llama, shards, max_seqs=3, micro_batches=1)) as coord:
         got = coord.generate_batch(prompts, params, use_cache=False)
         assert [r.tokens for r in got] == want
         stats = coord.batcher.stats
@@ -84,28 +89,34 @@ def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference):
 
 
 @pytest.mark.slow
-def test_off_and_with_two_shards_no_step_goes_ahead(tiny_llama, reference):
+def test_off_no_step_goes_ahead(tiny_llama, reference):
     prompt = _prompt(reference)
     want = reference.generate(prompt, GREEDY).tokens
-    for cfg in (_cfg(tiny_llama, decode_ahead=False), _cfg(tiny_llama, n=2)):
-        with Coordinator(cfg) as coord:
-            assert not coord.batcher.look_ahead
+    for n in (1, 2):
+        with Coordinator(_cfg(tiny_llama, n, decode_ahead=False)) as coord:
+            assert not coord.batcher.look_ahead and not coord.board
             assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
             assert coord.batcher.stats.ahead == 0
 
 
 @pytest.mark.slow
-def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference, shards):
     """A lookahead segment names the step whose token it takes: one that did not sample the
-    slot's last token, or a segment of several rows, is refused before any compute, and the
-    runtime goes on unchanged."""
+    slot's last token (a step done with, on a split runtime: no wait), a step not before it, or
+    a segment of several rows, is refused before any compute, and the runtime goes on
+    unchanged."""
     greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
     prompt = _prompt(reference)
-    with Coordinator(_cfg(tiny_llama, max_seqs=2)) as coord:
+    with Coordinator(_cfg(tiny_llama, shards, max_seqs=2)) as coord:
         want = coord.generate(prompt, GREEDY).tokens
+        done = coord._new_sid() - 1  # (a step of that request: slot 0's)
         cases = [
-            ([segment(1, 4, 1, greedy, prev=99999)], [0],
-             "prev=99999, but slot 1's last sampled token came from step -1"),
+            ([segment(1, 4, 1, greedy, prev=done)], [0],
+             f"prev={done}, but slot 1's last sampled token came from step -1 (step {done} did "
+             "not sample it)"),
+            ([segment(0, 4, 1, greedy, prev=10 ** 9)], [0],
+             "prev=1000000000 is not an earlier step than"),
             ([segment(0, 4, 2, greedy, prev=1)], [0, 0], "prev=1 on a segment of 2 rows"),
         ]
         for seqs, ids, why in cases:
@@ -139,18 +150,50 @@ def test_no_step_goes_ahead_of_a_prefill_chunk(tiny_models, hybrid_models, famil
 
 
 @pytest.mark.slow
-def test_a_pool_too_small_for_every_lookahead_skips_it(tiny_llama, reference):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_pool_too_small_for_every_lookahead_skips_it(tiny_llama, reference, shards):
     """Two sequences cross a KV block boundary on the same step with one block free: the
     lookahead is not sent (the pool would run out between them); the step goes out as usual,
     the younger sequence is swapped out and back, and both outputs equal each alone."""
     prompt = _prompt(reference)[:3]
     p = SamplingParams(max_tokens=10, ignore_eos=True)
     want = reference.generate(prompt, p).tokens
-    with Coordinator(_cfg(tiny_llama, max_seqs=2, kv_block=4, kv_blocks=5, kv_host_blocks=4,
-                          prefix_cache=False)) as coord:
+    with Coordinator(_cfg(tiny_llama, shards, max_seqs=2, kv_block=4, kv_blocks=5,
+                          kv_host_blocks=4, prefix_cache=False)) as coord:
         got = coord.generate_batch([prompt, prompt], [p, p])
         assert [r.tokens for r in got] == [want, want]
         stats = coord.batcher.stats
         assert stats.ahead > 0 and stats.swapped_out >= 1, stats
         coord.batcher.check()
         assert coord.batcher.sched.free_blocks == coord.batcher.sched.total_blocks
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_on_its_way_fails_the_one_that_follows_at_once(tiny_llama, reference):
+    """On a split runtime the first shard holds a lookahead step until the last shard posts the
+    tokens of the step it follows. When that step fails where the first shard cannot see it,
+    the coordinator voids it: the held step fails at once, naming it (not after
+    AHEAD_WAIT_S), and the runtime goes on unchanged."""
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    prompt = _prompt(reference)
+    with Coordinator(_cfg(tiny_llama, 2, prefix_cache=False)) as coord:
+        want = coord.generate(prompt, GREEDY).tokens
+        # step a waits on the last shard for a grammar mask sent after it (`late_mask`)
+        a = coord._new_sid()
+        coord._steps.send(message("step", sid=a, seqs=[segment(0, 4, 1, {**greedy,
+                                                                           "late_mask": True})],
+                                  act=None), torch.tensor([5], dtype=torch.int64))
+        b = coord._new_sid()
+        coord._steps.send(message("step", sid=b, seqs=[segment(0, 5, 1, greedy, prev=a)],
+                                  act=None), torch.tensor([0], dtype=torch.int64))
+        coord._void(a)  # (as when step a's error comes back)
+        with pytest.raises(ShardFailure, match=re.escape(
+                f"prev={a}, but slot 0's last sampled token came from step")) as err:
+            coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {b}", b)
+        assert f"(step {a} failed)" in str(err.value)
+        send(coord.shards[-1].sock, message("mask", sid=a, seg=0, mask=None))
+        got, _ = coord._wait(lambda s, m: m["type"] == "result" and m["sid"] == a,
+                             time.monotonic() + 30, f"step {a}", a)
+        assert got["outs"][0]["token"] is not None
+        assert coord.failed is None
+        assert coord.generate(prompt, GREEDY).tokens == want

@@ -42,8 +42,11 @@ PARAMS = [GREEDY, SAMPLED, GREEDY]
 
 
 def _cfg(model, n: int, **kw) -> RuntimeConfig:
+    # (no decode lookahead: these tests drive the batch by hand to a moment where a sequence
+    # mid-generation has no step in flight, which lookahead keeps from coming; swaps under
+    # lookahead: tests/runtime/test_decode_ahead.py)
     kw = {"max_context": 128, "prefill_chunk": 12, "kv_block": 16, "prefix_cache": False,
-          **kw}
+          "decode_ahead": False, **kw}
     return RuntimeConfig(model=str(model), devices=("cpu",) * n, threads=1, **kw)
 
 
