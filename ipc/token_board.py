@@ -166,9 +166,10 @@ class TokenBoard:
 
     def waits(self, seqs: Sequence[dict[str, Any]], sid: int) -> bool:
         """Whether the lookahead segments of step `sid` still wait for their tokens to be
-        posted (a `prev` not before `sid` waits for nothing: the step is refused)."""
+        posted (a `prev` not before `sid`, or a slot outside the board, waits for nothing: the
+        step's check refuses it by name)."""
         return self.role == "reader" and any(
-            seg["prev"] is not None and seg["prev"] < sid
+            seg["prev"] is not None and seg["prev"] < sid and 0 <= seg["slot"] < self.slots
             and int(self.sid[seg["slot"]]) < seg["prev"]
             and int(self.mode[1]) < seg["prev"] and seg["prev"] not in self.voids
             for seg in seqs)

@@ -51,18 +51,45 @@ def _raise_on_sigterm() -> None:
 
 
 # ---- generate ------------------------------------------------------------------------------------
+def _prestart(cfg) -> list:
+    """The shard processes of a local run, started before this process imports the coordinator
+    (and torch): their imports overlap ours (`runtime.supervisor.prestart_shards`)."""
+    from layersplit.runtime.supervisor import prestart_shards
+
+    if cfg.launcher != "local" or any(cfg.shard_addresses or ()):
+        return []
+    return prestart_shards(list(cfg.devices))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from layersplit.runtime.config import explicit_keys, from_args
-    from layersplit.runtime.coordinator import Coordinator
-    from layersplit.runtime.generate import Progress, collect
+    from layersplit.runtime.supervisor import drop_prestarted
 
     cfg = from_args(args)
     if "max_seqs" not in explicit_keys(args):  # one prompt: one KV slot, not a server's batch
         cfg = dataclasses.replace(cfg, max_seqs=1)
-    params = _sampling(args)
     _raise_on_sigterm()
-    with Coordinator(cfg) as coord:
+    ready = _prestart(cfg)
+    try:
+        return _generate(args, cfg, ready)
+    finally:
+        drop_prestarted(ready)  # (those no shard took: an error came first)
+
+
+def _generate(args: argparse.Namespace, cfg, ready: list) -> int:
+    from layersplit.runtime.config import explicit_keys
+    from layersplit.runtime.coordinator import Coordinator
+    from layersplit.runtime.generate import Progress, collect
+
+    params = _sampling(args)
+    coord = Coordinator(cfg, prestarted=ready)
+    try:
         tok = coord.tokenizer
+        if args.token_ids and args.chat:
+            print("layersplit generate: --chat wraps a text prompt in the chat template; token "
+                  "ids (--token-ids) are the prompt as is: give one or the other",
+                  file=sys.stderr)
+            return 2
         if args.token_ids:
             prompt = _token_ids(args.prompt)
             if prompt is None:
@@ -78,6 +105,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = tok.encode_chat([{"role": "user", "content": args.prompt}])
         else:
             prompt = tok.encode(args.prompt)
+        if "max_context" not in explicit_keys(args):  # one request: its context, no more
+            coord.fit_context(len(prompt) + params.max_tokens)
+        coord.start()
         progress = Progress(logits=[] if args.dump_logits else None)
         deltas = coord.stream(prompt, params, progress)
         if args.json:
@@ -91,6 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[{len(progress.generated)} tokens, {len(coord.shards)} shards, "
                   f"TTFT {progress.ttft_s * 1000:.0f} ms, {progress.decode_tok_s:.1f} tok/s, "
                   f"finish: {progress.finish_reason}]", file=sys.stderr)
+    finally:
+        coord.close()
     if args.dump_logits:
         import numpy as np
 
@@ -101,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _token_ids(text: str) -> list[int] | None:
     """`--token-ids`' prompt: integers separated by commas or spaces (None if it is not)."""
     parts = text.replace(",", " ").split()
-    if not parts or not all(p.isdigit() for p in parts):
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
         return None
     return [int(p) for p in parts]
 
@@ -299,6 +331,17 @@ def _run_server_process(args: argparse.Namespace, usage_errors: tuple) -> NoRetu
 
 
 def main(argv: list[str] | None = None) -> int:
+    from layersplit.runtime.supervisor import ARGV_ON_STDIN, argv_from_stdin
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["shard", ARGV_ON_STDIN]:  # started ahead: imports first, then its arguments
+        try:
+            argv = argv_from_stdin()
+        except ValueError as e:
+            print(f"layersplit shard: {e}", file=sys.stderr)
+            return 2
+        if argv is None:  # (its parent needed it no more)
+            return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     prefix = f"[shard {args.index}] " if args.command == "shard" and args.index >= 0 else ""

@@ -84,7 +84,9 @@ from layersplit.runtime.speculative import (
 from layersplit.runtime.step_deadlines import StepDeadlines
 from layersplit.runtime.supervisor import (
     LocalProcess,
+    Prestarted,
     draft_argv,
+    drop_prestarted,
     spawn_draft,
     spawn_shard,
     stop_all,
@@ -139,8 +141,12 @@ class Coordinator:
     of the batch (`runtime.batching`); `generate` / `stream` serve one, `submit` + `batcher`
     serve many (the HTTP server)."""
 
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, prestarted: list[Prestarted] | None = None
+                 ) -> None:
+        """`prestarted`: shard processes started ahead (`runtime.supervisor.prestart_shards`),
+        which `start` hands its local shards to; those it does not take are stopped there."""
         self.config = config
+        self.prestarted = prestarted if prestarted is not None else []
         self.model_path = resolve_model(config.model)
         ckpt = open_checkpoint(self.model_path, config.random_seed)
         self.model_config = ckpt.config
@@ -210,6 +216,21 @@ class Coordinator:
         else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
             self.spin_ms = 0.0 if all(s.device == "cpu" for s in self.placement.shards) else 20.0
 
+    def fit_context(self, tokens: int) -> None:
+        """Before `start`: size the run to one request of `tokens` tokens, prompt and output
+        (`layersplit generate`): `max_context` becomes `tokens` rounded up to the graph bucket
+        (within the model's context), so the KV pool and the graphs captured at start are
+        those the request can reach, not a server's."""
+        if self.shards:
+            raise RuntimeError("fit_context: the runtime has started")
+        bucket = max(1, self.config.graph_bucket)
+        n = max(2, -(-tokens // bucket) * bucket)
+        if context_limit_error(self.model_config, n) is not None:
+            n = max(2, tokens)
+        if (why := context_limit_error(self.model_config, n)) is not None:
+            raise ConfigError(f"{self.model_path}: {why}")
+        self.config = dataclasses.replace(self.config, max_context=n)
+
     # ---- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> Coordinator:
         self.start()
@@ -247,8 +268,9 @@ class Coordinator:
                 addresses.append(addr)
                 proc = spawn_shard(s, addr, str(self.model_path), self.dtype,
                                    threads if s.device == "cpu" else None, self.secret,
-                                   self._run_dir, cfg.random_seed)
+                                   self._run_dir, cfg.random_seed, self.prestarted)
                 self.procs.append(proc)
+            drop_prestarted(self.prestarted)  # (more than the run's local shards)
             if self.draft_path is not None:
                 self._spawn_draft(threads)
             for s, addr in zip(shards, addresses):
@@ -567,6 +589,7 @@ class Coordinator:
         return reply if not frames else {**reply, "_frames": frames}
 
     def close(self) -> None:
+        drop_prestarted(self.prestarted)  # (a start that failed before it took them)
         if self.failed is None and self.shards and self._in_flight:
             # steps still in the chain (of cancelled requests): let them out first, for a few
             # seconds at most (a close on Ctrl-C may come between a result read off the ring

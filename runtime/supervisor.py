@@ -3,11 +3,18 @@
 Shards are started as fresh interpreters (spawn semantics: no fork, no inherited state, nothing
 pickled); the secret travels in the environment, never on the command line. Every exit path stops
 every child, and sweeps shared memory a killed child had not yet handed over.
+
+A command may start its shard processes before its own imports (`prestart_shards`): each
+imports torch and the shard's modules at once and then waits for its arguments and secret on
+stdin (one JSON line, `spawn_shard`), so the two processes' imports overlap instead of following
+each other (4-5 s each on a GPU host). One that is never given work reads the end of stdin when
+its parent closes it or dies, and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -23,6 +30,7 @@ from layersplit.runtime.model_store import home
 from layersplit.runtime.placement import ShardPlan
 
 log = logging.getLogger(__name__)
+ARGV_ON_STDIN = "--argv-on-stdin"  # `layersplit shard --argv-on-stdin`: a prestarted shard
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,8 +78,66 @@ class LocalProcess:
         return f"shard {self.plan.index} (layers {self.plan.layers} on {self.plan.device})"
 
 
+@dataclasses.dataclass(slots=True)
+class Prestarted:
+    """A shard process started ahead, importing, waiting for its arguments on stdin."""
+
+    device: str
+    proc: subprocess.Popen
+
+
+def prestart_shards(devices: list[str] | tuple[str, ...]) -> list[Prestarted]:
+    """One waiting shard process per device (see the module docstring); [] where one cannot
+    be started (the coordinator then starts its shards as usual)."""
+    out: list[Prestarted] = []
+    for device in devices:
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN]
+        try:
+            proc = subprocess.Popen(cmd, env=device_env(dict(os.environ), device),
+                                    stdin=subprocess.PIPE)
+        except OSError as e:
+            log.warning("could not start a shard process ahead (%s): shards start later", e)
+            break
+        out.append(Prestarted(device, proc))
+    return out
+
+
+def drop_prestarted(ready: list[Prestarted]) -> None:
+    """Stop the prestarted processes no shard took (before anything was given to them)."""
+    for p in ready:
+        p.proc.kill()
+        p.proc.wait()
+        try:
+            p.proc.stdin.close()
+        except OSError:
+            pass
+    ready.clear()
+
+
+def _hand_over(ready: list[Prestarted], device: str, argv: list[str],
+               secret: bytes) -> subprocess.Popen | None:
+    """Give a prestarted process on `device` its arguments and secret; None if none is left
+    (or the one there died)."""
+    for p in list(ready):
+        if p.device != device:
+            continue
+        ready.remove(p)
+        try:
+            p.proc.stdin.write(json.dumps({"argv": argv, "secret": secret.hex()}).encode() +
+                               b"\n")
+            p.proc.stdin.close()
+            return p.proc
+        except OSError as e:  # (it died while importing: its exit code is not ours to read)
+            log.warning("a prestarted shard process is gone (%s): starting another", e)
+            p.proc.kill()
+            p.proc.wait()
+    return None
+
+
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
-                secret: bytes, run_dir: Path, seed: int = 0) -> LocalProcess:
+                secret: bytes, run_dir: Path, seed: int = 0,
+                ready: list[Prestarted] | None = None) -> LocalProcess:
+    """Start a shard process (or hand its arguments to one of `ready`, `prestart_shards`)."""
     error_file = run_dir / f"shard{plan.index}.error"
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, "--model", model,
            "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
@@ -79,9 +145,33 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
            "--error-file", str(error_file), "--random-seed", str(seed)]
     if threads:
         cmd += ["--threads", str(threads)]
-    proc = _start(cmd, secret, plan.device)
+    proc = _hand_over(ready, plan.device, cmd[3:], secret) if ready else None
+    if proc is None:
+        proc = _start(cmd, secret, plan.device)
     log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
     return LocalProcess(plan, proc, error_file)
+
+
+def argv_from_stdin() -> list[str] | None:
+    """In a prestarted shard process: after the heavy imports, the arguments and secret its
+    parent sends (`spawn_shard`); None when the parent closed stdin without any (the process
+    then exits). A line that is not what `spawn_shard` writes raises ValueError."""
+    import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
+
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    try:
+        msg = json.loads(line)
+        argv, secret = msg["argv"], bytes.fromhex(msg["secret"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"a prestarted shard read a bad line on stdin: {e}") from None
+    if not (isinstance(argv, list) and argv[:1] == ["shard"] and
+            all(isinstance(a, str) for a in argv)) or not secret:
+        raise ValueError("a prestarted shard read a bad line on stdin: expected the shard "
+                         "command's arguments and a secret")
+    os.environ[SECRET_ENV] = secret.hex()
+    return argv
 
 
 def compile_cache_env() -> dict[str, str]:

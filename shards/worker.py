@@ -76,6 +76,7 @@ MASK_WAIT_S = 10.0  # the last shard waits this long for a step's late grammar m
 # the first shard holds a lookahead step this long for the tokens of the step it follows (a step
 # that fails on its way is voided by the coordinator at once: this bounds a lost message)
 AHEAD_WAIT_S = 60.0
+AHEAD_POLL_S = 2e-4  # a CPU shard's sleep between looks at the board while it holds a step
 MAX_BLOCK_TOKENS = 4096  # rows of one KV block
 
 
@@ -167,8 +168,10 @@ class ShardServer:
         if self.held is not None:
             if self._run_held():
                 worked = True
-            elif self.device.type == "cuda" and not asked(self.held[0]):
-                worked = True  # (spins: the last shard posts the tokens within its step)
+            elif not asked(self.held[0]):  # (spins: the last shard posts within its step)
+                worked = True
+                if self.device.type == "cpu":
+                    time.sleep(AHEAD_POLL_S)  # (the cores compute the last shard's step)
         if self.awaiting is not None and time.monotonic() - self.awaiting[3] > MASK_WAIT_S:
             msg = self.awaiting[0]
             self.awaiting = None
@@ -263,7 +266,8 @@ class ShardServer:
 
     def _step_failed(self, msg: dict[str, Any], e: Exception, route: bytes | None = None) -> None:
         self.unsent.flush(wait=True)  # (the results of the steps before it go first)
-        if self.board is not None and self.model.is_last and isinstance(msg.get("sid"), int):
+        if self.board is not None and self.model.is_last and msg.get("type") == "step" and \
+                isinstance(msg.get("sid"), int):  # (other messages overtake steps: not theirs)
             self.board.passed(msg["sid"])  # (no token of it will come)
         self._report(self._failure(msg, e), route)
 
@@ -375,6 +379,8 @@ class ShardServer:
         shard's host memory starts at zero)."""
         self.gate.keep_only("coordinator")
         self.unsent.clear()  # (results of the old session's steps)
+        self.held, self.awaiting = None, None  # (steps of the old session, held or waiting)
+        self.queued.clear()
         self._close_links()
         if self.snapshots is not None:
             self.snapshots.wait_pending()

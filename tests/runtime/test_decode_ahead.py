@@ -19,6 +19,7 @@ from layersplit.ipc.sockets import send
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.errors import ShardFailure
+from layersplit.runtime.generate import StepRequest
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
@@ -169,31 +170,42 @@ def test_a_pool_too_small_for_every_lookahead_skips_it(tiny_llama, reference, sh
 
 
 @pytest.mark.slow
-def test_a_step_that_fails_on_its_way_fails_the_one_that_follows_at_once(tiny_llama, reference):
+def test_a_held_step_fails_at_once_when_its_step_fails_and_never_takes_the_shard_down(
+        tiny_llama, reference):
     """On a split runtime the first shard holds a lookahead step until the last shard posts the
-    tokens of the step it follows. When that step fails where the first shard cannot see it,
-    the coordinator voids it: the held step fails at once, naming it (not after
-    AHEAD_WAIT_S), and the runtime goes on unchanged."""
+    tokens of the step it follows. When that step fails where the last shard never sees it,
+    the coordinator voids it on its error: the held step fails at once, naming it (not after
+    AHEAD_WAIT_S). A held step with a segment no shard can run (a slot outside the pool) is
+    refused by name once its tokens come, and the shard serves on."""
     greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
     prompt = _prompt(reference)
     with Coordinator(_cfg(tiny_llama, 2, prefix_cache=False)) as coord:
         want = coord.generate(prompt, GREEDY).tokens
-        # step a waits on the last shard for a grammar mask sent after it (`late_mask`)
-        a = coord._new_sid()
-        coord._steps.send(message("step", sid=a, seqs=[segment(0, 4, 1, {**greedy,
+        coord.batcher.sched.hold_slot(0, 8, new=True)
+        # a fails on the first shard (a token id outside the vocabulary); b, behind it, is held
+        a = coord.send_step([(0, StepRequest([10 ** 6], 4, GREEDY, 0), None)])
+        b = coord.send_step([(0, StepRequest([0], 5, GREEDY, 0, prev=a), None)])
+        for sid, why in [(a, "token id outside the vocabulary"), (b, f"prev={a}, but slot 0")]:
+            while sid not in coord._done:  # (b: within the step's deadline, not AHEAD_WAIT_S)
+                coord.wait_steps()
+            with pytest.raises(ShardFailure, match=re.escape(why)) as err:
+                coord.step_outputs(sid)
+        assert f"(step {a} failed)" in str(err.value)
+        # c waits on the last shard for a grammar mask sent after it (`late_mask`); d, held
+        # behind it, has a second segment in slot 99
+        c = coord._new_sid()
+        coord._steps.send(message("step", sid=c, seqs=[segment(0, 4, 1, {**greedy,
                                                                            "late_mask": True})],
                                   act=None), torch.tensor([5], dtype=torch.int64))
-        b = coord._new_sid()
-        coord._steps.send(message("step", sid=b, seqs=[segment(0, 5, 1, greedy, prev=a)],
-                                  act=None), torch.tensor([0], dtype=torch.int64))
-        coord._void(a)  # (as when step a's error comes back)
-        with pytest.raises(ShardFailure, match=re.escape(
-                f"prev={a}, but slot 0's last sampled token came from step")) as err:
-            coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {b}", b)
-        assert f"(step {a} failed)" in str(err.value)
-        send(coord.shards[-1].sock, message("mask", sid=a, seg=0, mask=None))
-        got, _ = coord._wait(lambda s, m: m["type"] == "result" and m["sid"] == a,
-                             time.monotonic() + 30, f"step {a}", a)
+        d = coord._new_sid()
+        coord._steps.send(message("step", sid=d, seqs=[segment(0, 5, 1, greedy, prev=c),
+                                                       segment(99, 5, 1, greedy, prev=c)],
+                                  act=None), torch.tensor([0, 0], dtype=torch.int64))
+        send(coord.shards[-1].sock, message("mask", sid=c, seg=0, mask=None))
+        got, _ = coord._wait(lambda s, m: m["type"] == "result" and m["sid"] == c,
+                             time.monotonic() + 30, f"step {c}", c)
         assert got["outs"][0]["token"] is not None
+        with pytest.raises(ShardFailure, match="slot 99 is outside"):
+            coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {d}", d)
         assert coord.failed is None
         assert coord.generate(prompt, GREEDY).tokens == want
