@@ -156,8 +156,7 @@ class TokenBoard:
     def passed(self, sid: int) -> None:
         """This shard is done with step `sid` (posted, or failed): a step that waits for a
         token of it or of an earlier step waits no longer (steps reach it in sid order)."""
-        if sid > self.mode[1]:
-            self.mode[1] = sid
+        self.mode[1] = max(int(self.mode[1]), sid)
 
     # ---- the first shard -----------------------------------------------------------------------
     def void(self, sid: int) -> None:

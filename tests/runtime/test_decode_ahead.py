@@ -114,8 +114,8 @@ def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference
         done = coord._new_sid() - 1  # (a step of that request: slot 0's)
         cases = [
             ([segment(1, 4, 1, greedy, prev=done)], [0],
-             f"prev={done}, but slot 1's last sampled token came from step -1 (step {done} did "
-             "not sample it)"),
+             (f"prev={done}, but slot 1's last sampled token came from step -1 (step {done} "
+              "did not sample it)")),
             ([segment(0, 4, 1, greedy, prev=10 ** 9)], [0],
              "prev=1000000000 is not an earlier step than"),
             ([segment(0, 4, 2, greedy, prev=1)], [0, 0], "prev=1 on a segment of 2 rows"),
