@@ -334,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     from layersplit.runtime.supervisor import ARGV_ON_STDIN, argv_from_stdin
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv == ["shard", ARGV_ON_STDIN]:  # started ahead: imports first, then its arguments
-        try:
-            argv = argv_from_stdin()
+    if argv[:2] == ["shard", ARGV_ON_STDIN] and len(argv) == 3:  # started ahead for a device:
+        try:  # imports first, then its arguments
+            argv = argv_from_stdin(argv[2])
         except ValueError as e:
             print(f"layersplit shard: {e}", file=sys.stderr)
             return 2

@@ -91,7 +91,7 @@ def prestart_shards(devices: list[str] | tuple[str, ...]) -> list[Prestarted]:
     be started (the coordinator then starts its shards as usual)."""
     out: list[Prestarted] = []
     for device in devices:
-        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN]
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN, device]
         try:
             proc = subprocess.Popen(cmd, env=device_env(dict(os.environ), device),
                                     stdin=subprocess.PIPE)
@@ -152,11 +152,15 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     return LocalProcess(plan, proc, error_file)
 
 
-def argv_from_stdin() -> list[str] | None:
-    """In a prestarted shard process: after the heavy imports, the arguments and secret its
-    parent sends (`spawn_shard`); None when the parent closed stdin without any (the process
-    then exits). A line that is not what `spawn_shard` writes raises ValueError."""
+def argv_from_stdin(device: str) -> list[str] | None:
+    """In a prestarted shard process for `device`: after the heavy imports (and, on CUDA, what
+    a shard's configure would start with), the arguments and secret its parent sends
+    (`spawn_shard`); None when the parent closed stdin without any (the process then exits).
+    A line that is not what `spawn_shard` writes raises ValueError."""
     import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
+
+    if device.startswith("cuda"):
+        _get_ready_for(device)
 
     line = sys.stdin.readline()
     if not line:
@@ -172,6 +176,22 @@ def argv_from_stdin() -> list[str] | None:
                          "command's arguments and a secret")
     os.environ[SECRET_ENV] = secret.hex()
     return argv
+
+
+def _get_ready_for(device: str) -> None:
+    """What a CUDA shard does first once configured, done while it waits for its arguments:
+    torch.compile's modules imported (`shards.fused` compiles the decode step's stages; the
+    import alone took ~4 s of a start on an H100) and the device's context made. A failure
+    here is the shard's to report once it runs: it is only logged."""
+    try:
+        import torch
+        import torch._dynamo  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+
+        torch.cuda.set_device(torch.device(device))
+        torch.zeros(1, device=device)
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("a prestarted shard could not get %s ready ahead (%s)", device, e)
 
 
 def compile_cache_env() -> dict[str, str]:

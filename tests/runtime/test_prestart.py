@@ -41,7 +41,7 @@ def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
     proc = ready[0].proc
     drop_prestarted(ready)
     assert ready == [] and proc.poll() is not None
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN]
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN, "cpu"]
     for line, rc, said in [
             (b"", 0, ""),  # (its parent closed stdin: not needed)
             (b"not json\n", 2, "a prestarted shard read a bad line on stdin"),
