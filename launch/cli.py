@@ -54,11 +54,16 @@ def _raise_on_sigterm() -> None:
 def _prestart(cfg) -> list:
     """The shard processes of a local run, started before this process imports the coordinator
     (and torch): their imports overlap ours (`runtime.supervisor.prestart_shards`)."""
+    from layersplit.runtime.placement import PlacementError, normalize_device
     from layersplit.runtime.supervisor import prestart_shards
 
     if cfg.launcher != "local" or any(cfg.shard_addresses or ()):
         return []
-    return prestart_shards(list(cfg.devices))
+    try:  # (named as the placement names them: `cuda` is cuda:0)
+        devices = [normalize_device(d) for d in cfg.devices]
+    except PlacementError:
+        return []  # (the coordinator says what is wrong with them)
+    return prestart_shards(devices)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -106,7 +111,7 @@ def _generate(args: argparse.Namespace, cfg, ready: list) -> int:
         else:
             prompt = tok.encode(args.prompt)
         if "max_context" not in explicit_keys(args):  # one request: its context, no more
-            coord.fit_context(len(prompt) + params.max_tokens)
+            coord.fit_context(len(prompt), params.max_tokens)
         coord.start()
         progress = Progress(logits=[] if args.dump_logits else None)
         deltas = coord.stream(prompt, params, progress)

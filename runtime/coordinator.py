@@ -216,19 +216,19 @@ class Coordinator:
         else:  # spin on GPU hosts (decode latency); never on CPU-only runs (cores compute)
             self.spin_ms = 0.0 if all(s.device == "cpu" for s in self.placement.shards) else 20.0
 
-    def fit_context(self, tokens: int) -> None:
-        """Before `start`: size the run to one request of `tokens` tokens, prompt and output
-        (`layersplit generate`): `max_context` becomes `tokens` rounded up to the graph bucket
-        (within the model's context), so the KV pool and the graphs captured at start are
-        those the request can reach, not a server's."""
+    def fit_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Before `start`: size the run to one request (`layersplit generate`): `max_context`
+        becomes its prompt and output (at least one token) rounded up to the graph bucket, never
+        more than it was, so the KV pool and the graphs captured at start are those the request
+        can reach, not a server's. A request that does not fit leaves it as it was (and is
+        refused or stopped by it, as before)."""
         if self.shards:
             raise RuntimeError("fit_context: the runtime has started")
         bucket = max(1, self.config.graph_bucket)
-        n = max(2, -(-tokens // bucket) * bucket)
-        if context_limit_error(self.model_config, n) is not None:
-            n = max(2, tokens)
-        if (why := context_limit_error(self.model_config, n)) is not None:
-            raise ConfigError(f"{self.model_path}: {why}")
+        need = prompt_tokens + max(1, max_tokens)
+        n = min(self.config.max_context, max(2, -(-need // bucket) * bucket))
+        if n < need:
+            return
         self.config = dataclasses.replace(self.config, max_context=n)
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -157,6 +157,8 @@ def argv_from_stdin(device: str) -> list[str] | None:
     a shard's configure would start with), the arguments and secret its parent sends
     (`spawn_shard`); None when the parent closed stdin without any (the process then exits).
     A line that is not what `spawn_shard` writes raises ValueError."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C is its parent's to handle, as a
+    # shard with a parent does: `shards.worker.run_shard`)
     import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
 
     if device.startswith("cuda"):

@@ -23,16 +23,19 @@ P = SamplingParams(max_tokens=8, ignore_eos=True)
 
 @pytest.mark.slow
 def test_a_run_takes_the_processes_started_ahead(tiny_llama):
-    ready = prestart_shards(["cpu", "cpu", "cpu"])  # (one more than the run needs)
-    pids = [p.proc.pid for p in ready]
     prompt = list(range(5, 40))
     want = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256).generate(prompt, P)
     cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), max_context=256,
                         prefill_chunk=16, threads=1)
-    with Coordinator(cfg, prestarted=ready) as coord:
-        assert [p.pid for p in coord.procs] == pids[:2]
-        assert ready == []  # (the third was stopped)
-        assert coord.generate(prompt, P, use_cache=False).tokens == want.tokens
+    ready = prestart_shards(["cpu", "cpu", "cpu"])  # (one more than the run needs)
+    pids = [p.proc.pid for p in ready]
+    try:
+        with Coordinator(cfg, prestarted=ready) as coord:
+            assert [p.pid for p in coord.procs] == pids[:2]
+            assert ready == []  # (the third was stopped)
+            assert coord.generate(prompt, P, use_cache=False).tokens == want.tokens
+    finally:
+        drop_prestarted(ready)
     assert shard_children() == []
 
 
@@ -55,9 +58,13 @@ def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
 def test_fit_context_sizes_a_run_to_its_request(tiny_llama):
     cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu",), max_context=4096,
                         graph_bucket=256, threads=1)
-    coord = Coordinator(cfg)
-    coord.fit_context(5 + 64)
-    assert coord.config.max_context == 256
-    coord.fit_context(300)
-    assert coord.config.max_context == 512
-    coord.close()
+    for prompt, max_tokens, want in [
+            (5, 64, 256),  # rounded up to the graph bucket
+            (300, 0, 512),  # (room for one token at least: 300 rows would refuse the prompt)
+            (256, 0, 512),
+            (3000, 2000, 4096),  # never more than it was
+            (5000, 10, 4096)]:  # a prompt that does not fit: as before (refused by it)
+        coord = Coordinator(cfg)
+        coord.fit_context(prompt, max_tokens)
+        assert coord.config.max_context == want, (prompt, max_tokens)
+        coord.close()
