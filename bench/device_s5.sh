@@ -31,16 +31,7 @@ A)
     --prefill-chunk 2048 --repeats 3 --json "$OUT/mixed.json"
   ;;
 B)
-  setsid bash -c '  # llama.cpp build and the GGUFs, niced, beside the GPU runs
-    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
-      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
-      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
-      --no-deps --target /tmp/lcpsite . && cd - &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
-      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
+  lcp_build
   smol="python3 bench/decode.py --model random:smollm2-135m-shape --prompt-len 512 \
     --new-tokens 256 --max-context 2048 --repeats 3"
   l8b="python3 bench/decode.py --model random:llama-8b-shape --prompt-len 512 \
@@ -96,16 +87,7 @@ F)
     --json "$OUT/startup.json"
   ;;
 G)
-  setsid bash -c '
-    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
-      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
-      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
-      --no-deps --target /tmp/lcpsite . && cd - &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
-      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
+  lcp_build
   for m in smollm2-135m-shape llama-8b-shape; do
     TAIL=12 run "prefill_$m" 100 python3 bench/decode.py --model random:$m --layouts cuda:0 \
       --prompt-len 512 --new-tokens 16 --max-context 8192 --repeats 1 --prefill 3900 \

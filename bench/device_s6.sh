@@ -11,19 +11,6 @@
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
-lcp_build() {  # llama.cpp and the GGUFs, niced, beside the GPU runs
-  setsid bash -c '
-    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
-      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
-      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
-      --no-deps --target /tmp/lcpsite . && cd - &&
-      python3 -m pip install -q --no-index --no-deps --target /tmp/lcpsite .whl/diskcache-*.whl &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
-      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
-}
 export LCP="env PYTHONPATH=/tmp/lcpsite:/tmp/site python3 bench/llamacpp_decode.py"
 case "${1:-A}" in
 A)

@@ -5,6 +5,10 @@
 #   run NAME EST CMD...   starts CMD only if EST seconds fit before the deadline, cuts it there
 #                         at the latest; its last ${TAIL:-30} lines (INFO/DEBUG left out) go to
 #                         the log, the whole output to /tmp/NAME.full (8 files come back)
+#   lcp_build             llama.cpp (llama-cpp-python with CUDA, for sm_90) and the random-weight
+#                         GGUFs of the default model's and the Llama-8B shapes, niced, in the
+#                         background (carry .device-carry/lcp.tgz, .device-carry/smol_vocab.json.gz
+#                         and .whl); /tmp/lcp.done once done, its log in /tmp/lcp.log
 log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
 want() { ((SECONDS + $2 < deadline)) || { log "skip $1: it may not end by t=${deadline}s"; false; }; }
 run() {
@@ -25,3 +29,18 @@ install_tf() {
     --target /tmp/site-tf .whl-tf/*.whl > /dev/null 2>&1 || log "transformers wheels failed"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv 2>&1 | tee -a "$LOG"
+lcp_build() {
+  setsid bash -c '
+    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
+      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
+      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
+      --no-deps --target /tmp/lcpsite . && cd - &&
+      { ls .whl/diskcache-*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index \
+          --no-deps --target /tmp/lcpsite .whl/diskcache-*.whl || true; } &&
+      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
+        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
+      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
+        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
+      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
+  echo $! > /tmp/lcp.pid
+}

@@ -25,18 +25,7 @@ deadline=${DEADLINE:-590}
 LOG=$OUT/log.txt
 source bench/device_stages.sh
 if [ "$stage" = 1 ]; then
-  setsid bash -c '  # llama.cpp build and the GGUFs, niced, beside the GPU runs
-    set -x
-    tar xzf .device-carry/lcp.tgz -C /tmp && cd /tmp/llama_cpp_python-0.3.36 &&
-      CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=off" \
-      CMAKE_BUILD_PARALLEL_LEVEL=12 nice -n 19 python3 -m pip install -q --no-build-isolation \
-      --no-deps --target /tmp/lcpsite . && cd - &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/smollm2-135m-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type q4_1 /tmp/smol-q4_1.gguf &&
-      nice -n 19 python3 bench/random_gguf.py --shape configs/models/llama-8b-shape \
-        --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
-      touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
-  echo $! > /tmp/lcp.pid
+  lcp_build
   run qwen3_8b 90 python3 bench/decode.py --model random:qwen3-8b \
     --layouts cuda:0 cuda:0,cuda:1 --prompt-len 512 --new-tokens 256 --max-context 4096 \
     --repeats 3 --json "$OUT/qwen3_8b.json"

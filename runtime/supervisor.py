@@ -187,8 +187,8 @@ def _get_ready_for(device: str) -> None:
     here is the shard's to report once it runs: it is only logged."""
     try:
         import torch
-        import torch._dynamo  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
+        import torch._dynamo
+        import torch._inductor.compile_fx
 
         torch.cuda.set_device(torch.device(device))
         torch.zeros(1, device=device)

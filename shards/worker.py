@@ -76,7 +76,7 @@ MASK_WAIT_S = 10.0  # the last shard waits this long for a step's late grammar m
 # the first shard holds a lookahead step this long for the tokens of the step it follows (a step
 # that fails on its way is voided by the coordinator at once: this bounds a lost message)
 AHEAD_WAIT_S = 60.0
-AHEAD_POLL_S = 2e-4  # a CPU shard's sleep between looks at the board while it holds a step
+AHEAD_POLL_S = 1e-3  # a CPU shard's sleep between looks at the board while it holds a step
 MAX_BLOCK_TOKENS = 4096  # rows of one KV block
 
 

@@ -13,7 +13,6 @@ import re
 import time
 
 import pytest
-import torch
 from layersplit.ipc.messages import message, segment
 from layersplit.ipc.sockets import send
 from layersplit.runtime.config import RuntimeConfig
@@ -23,7 +22,7 @@ from layersplit.runtime.generate import StepRequest
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import assert_same_run, layersplit_shm, run_logged
+from tests.helpers import assert_same_run, layersplit_shm, run_logged, send_raw_step
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -121,9 +120,7 @@ def test_a_prev_the_shard_cannot_honour_is_refused_by_name(tiny_llama, reference
             ([segment(0, 4, 2, greedy, prev=1)], [0, 0], "prev=1 on a segment of 2 rows"),
         ]
         for seqs, ids, why in cases:
-            sid = coord._new_sid()
-            coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
-                              torch.tensor(ids, dtype=torch.int64))
+            sid = send_raw_step(coord, seqs, ids)
             with pytest.raises(ShardFailure, match=re.escape(why)):
                 coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
             assert coord.failed is None
@@ -193,14 +190,9 @@ def test_a_held_step_fails_at_once_when_its_step_fails_and_never_takes_the_shard
         assert f"(step {a} failed)" in str(err.value)
         # c waits on the last shard for a grammar mask sent after it (`late_mask`); d, held
         # behind it, has a second segment in slot 99
-        c = coord._new_sid()
-        coord._steps.send(message("step", sid=c, seqs=[segment(0, 4, 1, {**greedy,
-                                                                           "late_mask": True})],
-                                  act=None), torch.tensor([5], dtype=torch.int64))
-        d = coord._new_sid()
-        coord._steps.send(message("step", sid=d, seqs=[segment(0, 5, 1, greedy, prev=c),
-                                                       segment(99, 5, 1, greedy, prev=c)],
-                                  act=None), torch.tensor([0, 0], dtype=torch.int64))
+        c = send_raw_step(coord, [segment(0, 4, 1, {**greedy, "late_mask": True})], [5])
+        d = send_raw_step(coord, [segment(0, 5, 1, greedy, prev=c),
+                                  segment(99, 5, 1, greedy, prev=c)], [0, 0])
         send(coord.shards[-1].sock, message("mask", sid=c, seg=0, mask=None))
         got, _ = coord._wait(lambda s, m: m["type"] == "result" and m["sid"] == c,
                              time.monotonic() + 30, f"step {c}", c)

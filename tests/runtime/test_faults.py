@@ -14,7 +14,6 @@ import time
 import msgpack
 import psutil
 import pytest
-import torch
 import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import PROTOCOL_VERSION, encode, message, segment
@@ -25,7 +24,7 @@ from layersplit.runtime.generate import Progress
 from layersplit.runtime.placement import PlacementError
 from layersplit.shards.sampling import SamplingParams, pack_bias
 
-from tests.helpers import busy_load, layersplit_shm, shard_children, wait_gone
+from tests.helpers import busy_load, layersplit_shm, send_raw_step, shard_children, wait_gone
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 
@@ -354,9 +353,7 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
              "slot 0 is outside 0..2 or repeated"),
         ]
         for seqs, ids, why in cases:
-            sid = coord._new_sid()
-            coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
-                              torch.tensor(ids, dtype=torch.int64))
+            sid = send_raw_step(coord, seqs, ids)
             with pytest.raises(ShardFailure, match=re.escape(why)):
                 coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
             assert coord.failed is None
