@@ -13,6 +13,7 @@ its parent closes it or dies, and exits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -107,10 +108,8 @@ def drop_prestarted(ready: list[Prestarted]) -> None:
     for p in ready:
         p.proc.kill()
         p.proc.wait()
-        try:
+        with contextlib.suppress(OSError):  # (the pipe of a process that is gone)
             p.proc.stdin.close()
-        except OSError:
-            pass
     ready.clear()
 
 
@@ -189,9 +188,9 @@ def _get_ready_for(device: str) -> None:
         import torch
         import torch._dynamo
         import torch._inductor.compile_fx
+        from layersplit.shards.device import use_device
 
-        torch.cuda.set_device(torch.device(device))
-        torch.zeros(1, device=device)
+        torch.zeros(1, device=use_device(device, None))
     except Exception as e:  # noqa: BLE001 - see above
         log.warning("a prestarted shard could not get %s ready ahead (%s)", device, e)
 
