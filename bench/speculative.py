@@ -20,6 +20,11 @@ runs each draft with token trees of that many draft tokens (0: a chain, one
 row each). Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
 (plain, then each draft) N times over and adds each draft's median speed-up: a verify step's cost
 moves between runs on one machine, and the ratio with it.
+
+`--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
+of them speculating with its own draft context, verified in batched steps), and reports the
+aggregate tok/s: every generated token over each group's wall time, prefill included (the same
+for plain and speculative runs). Use `--ignore-eos` so that no stream leaves its group early.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import logging
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,7 +73,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
-                        spec_sampling=sampling, deterministic=deterministic)
+                        spec_sampling=sampling, deterministic=deterministic,
+                        max_seqs=max(args.streams, 1), spec_max_seqs=max(args.streams, 1))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed)
@@ -88,8 +95,9 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             collect(coord.stream(p, params, Progress()), Progress(), len(p))
         for set_name, prompts in sets.items():
             row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
-            row.update(_measure(coord, prompts, params,
-                                None if plain_tokens is None else plain_tokens[set_name]))
+            plain = None if plain_tokens is None else plain_tokens[set_name]
+            row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                       _measure_streams(coord, prompts, params, plain, args.streams))
             rows.append(row)
     return rows
 
@@ -127,6 +135,35 @@ def _measure(coord: Coordinator, prompts: list[list[int]], params: SamplingParam
             "outputs": outs}
 
 
+def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: SamplingParams,
+                     plain_tokens: dict | None, streams: int) -> dict:
+    """`_measure` with the prompts decoded `streams` at a time in one batch: aggregate tok/s."""
+    tokens, seconds, same = 0, 0.0, 0
+    total = SpecStats()
+    outs = {}
+    for lo in range(0, len(prompts), streams):
+        group = prompts[lo:lo + streams]
+        progs = [Progress() for _ in group]
+        t0 = time.perf_counter()
+        results = coord.generate_batch(group, [params] * len(group), use_cache=False,
+                                       speculative=[True] * len(group), progress=progs)
+        seconds += time.perf_counter() - t0
+        for i, (r, pr) in enumerate(zip(results, progs, strict=True), start=lo):
+            tokens += len(r.tokens)
+            outs[i] = r.tokens
+            same += plain_tokens is not None and plain_tokens.get(i) == r.tokens
+            if pr.spec is not None:
+                total.merge(pr.spec)
+    verifies = max(total.verifies, 1)
+    return {"decode_tok_s": tokens / max(seconds, 1e-9), "tokens": tokens,
+            "prompts": len(prompts), "same_as_plain": same if plain_tokens is not None else None,
+            "acceptance_length": total.acceptance_length,
+            "acceptance_by_position": [round(x, 3) for x in total.acceptance_rates()],
+            "draft_ms": 1000 * total.draft_s / verifies,
+            "draft_compute_ms": 1000 * total.draft_compute_s / verifies,
+            "verify_ms": 1000 * total.verify_s / verifies, "outputs": outs}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
@@ -160,6 +197,8 @@ def main() -> int:
     p.add_argument("--deterministic", action="store_true", help="run the drafts with "
                    "`deterministic = true`, and plain decoding in that mode too (its cost "
                    "against the default mode's plain decoding, the first row)")
+    p.add_argument("--streams", type=int, default=1, help="decode the prompts this many at a "
+                   "time in one batch, each speculating (spec_max_seqs): aggregate tok/s")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

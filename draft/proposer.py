@@ -78,7 +78,8 @@ class DFlashProposer:
     kind = "dflash"
 
     def __init__(self, draft: DFlashDraft, embed: torch.Tensor, head: torch.Tensor,
-                 max_len: int, device: torch.device, graphs: bool, bucket: int = 256) -> None:
+                 max_len: int, device: torch.device, graphs: bool, bucket: int = 256,
+                 compile: bool = True) -> None:
         cfg: DFlashConfig = draft.cfg
         self.draft, self.cfg = draft, cfg
         self.embed, self.head = embed, head
@@ -96,7 +97,7 @@ class DFlashProposer:
         self._rows = torch.arange(cfg.block_size, device=device)
         self._kv_weights = draft.kv_weights()
         self._layers = [layer_weights(x) for x in draft.layers]
-        self._use_compiled(self.capture)
+        self._use_compiled(self.capture and compile)
 
     def set_slots(self, slots: int) -> None:
         dtype, m = self.embed.dtype, self.cfg.model
@@ -367,8 +368,9 @@ def _same_vocab(draft: Path, target: Path) -> None:
 
 def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: torch.dtype,
                   max_len: int, graphs: bool = True, block_size: int | None = None,
-                  seed: int = 0) -> Proposer:
-    """Open a draft checkpoint for `target`: a DFlash folder, or any model (classic)."""
+                  seed: int = 0, compile: bool = True) -> Proposer:
+    """Open a draft checkpoint for `target`: a DFlash folder, or any model (classic).
+    `compile`: a DFlash draft's captured step through torch.compile (False: captured eager)."""
     dev = torch.device(device)
     path = Path(draft)
     target_ckpt = open_checkpoint(target, seed)
@@ -379,9 +381,10 @@ def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: tor
         if dev.type == "cuda":
             from layersplit.shards.fused import fuse_projections
 
-            fuse_projections(model, compile=graphs)
+            fuse_projections(model, compile=graphs and compile)
         embed, head = _target_tensors(target_ckpt, dtype, dev)
-        p = DFlashProposer(model, embed, head, max_len, dev, graphs and dev.type == "cuda")
+        p = DFlashProposer(model, embed, head, max_len, dev, graphs and dev.type == "cuda",
+                           compile=compile)
         if block_size is not None:
             p.block_size = max(2, min(block_size, cfg.block_size))
         log.info("DFlash draft %s: %d layers, block %d, taps %s", path.name,

@@ -67,6 +67,7 @@ class DraftSpec:
     seed: int = 0
     block_size: int | None = None
     graphs: bool = True
+    compile: bool = True  # (a GPU DFlash draft's step through torch.compile)
 
 
 @dataclasses.dataclass
@@ -105,7 +106,8 @@ class DraftServer:
         t0 = time.perf_counter()
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
-            graphs=spec.graphs, block_size=spec.block_size, seed=spec.seed)
+            graphs=spec.graphs, block_size=spec.block_size, seed=spec.seed,
+            compile=spec.compile)
         self.snapshots: SnapshotStore | None = None
         self._new_snapshots()
         self.load_s = time.perf_counter() - t0

@@ -52,27 +52,49 @@ def _raise_on_sigterm() -> None:
 
 # ---- generate ------------------------------------------------------------------------------------
 def _prestart(cfg) -> list:
-    """The shard processes of a local run, started before this process imports the coordinator
-    (and torch): their imports overlap ours (`runtime.supervisor.prestart_shards`)."""
+    """The shard processes of a local run, and its draft process, started before this process
+    imports the coordinator (and torch): their imports overlap ours
+    (`runtime.supervisor.prestart_shards`, `prestart_draft`)."""
+    from layersplit.runtime.model_store import resolve_draft, resolve_model
     from layersplit.runtime.placement import PlacementError, normalize_device
-    from layersplit.runtime.supervisor import prestart_shards
+    from layersplit.runtime.supervisor import prestart_draft, prestart_shards
 
     if cfg.launcher != "local" or any(cfg.shard_addresses or ()):
         return []
     try:  # (named as the placement names them: `cuda` is cuda:0)
         devices = [normalize_device(d) for d in cfg.devices]
-    except PlacementError:
+        draft_device = normalize_device(cfg.draft_device or devices[0])
+    except (PlacementError, IndexError):
         return []  # (the coordinator says what is wrong with them)
-    return prestart_shards(devices)
+    ready = prestart_shards(devices)
+    try:  # the coordinator's own choice (`Coordinator.draft_path`), made the same way
+        draft = resolve_draft(cfg.draft, resolve_model(cfg.model), draft_device)
+    except Exception:  # noqa: BLE001 - the coordinator reports it (and no draft starts ahead)
+        draft = None
+    if draft is not None:
+        ready += prestart_draft(draft_device)
+    return ready
+
+
+def generate_config(args: argparse.Namespace):
+    """`generate`'s run: the config as given, with one request's defaults where not given: one
+    KV slot (not a server's batch) and the draft's step uncompiled (its compilation, ~10 s of
+    a start on an H100, would not pay back within one answer)."""
+    from layersplit.runtime.config import explicit_keys, from_args
+
+    cfg = from_args(args)
+    given = explicit_keys(args)
+    if "max_seqs" not in given:
+        cfg = dataclasses.replace(cfg, max_seqs=1)
+    if "draft_compile" not in given:
+        cfg = dataclasses.replace(cfg, draft_compile=False)
+    return cfg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from layersplit.runtime.config import explicit_keys, from_args
     from layersplit.runtime.supervisor import drop_prestarted
 
-    cfg = from_args(args)
-    if "max_seqs" not in explicit_keys(args):  # one prompt: one KV slot, not a server's batch
-        cfg = dataclasses.replace(cfg, max_seqs=1)
+    cfg = generate_config(args)
     _raise_on_sigterm()
     ready = _prestart(cfg)
     try:
@@ -216,7 +238,8 @@ def cmd_draft(args: argparse.Namespace) -> int:
     spec = DraftSpec(listen=args.listen, draft=args.draft, target=target,
                      max_context=args.max_context, device=args.device, dtype=args.dtype,
                      threads=args.threads, parent_pid=args.parent_pid, seed=args.random_seed,
-                     block_size=args.block_size, graphs=not args.no_graphs)
+                     block_size=args.block_size, graphs=not args.no_graphs,
+                     compile=not args.no_compile)
     return run_draft(spec, secret, args.error_file)
 
 
@@ -292,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=None)
     d.add_argument("--block-size", type=int, default=None)
     d.add_argument("--no-graphs", action="store_true")
+    d.add_argument("--no-compile", action="store_true",
+                   help="run the draft's captured step uncompiled (no torch.compile)")
     d.add_argument("--random-seed", type=int, default=0)
     d.add_argument("--parent-pid", type=int, default=None)
     d.add_argument("--error-file", default=None)
@@ -339,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     from layersplit.runtime.supervisor import ARGV_ON_STDIN, argv_from_stdin
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["shard", ARGV_ON_STDIN] and len(argv) == 3:  # started ahead for a device:
+    if (len(argv) == 3 and argv[0] in ("shard", "draft")
+            and argv[1] == ARGV_ON_STDIN):  # started ahead for a device:
         try:  # imports first, then its arguments
-            argv = argv_from_stdin(argv[2])
+            argv = argv_from_stdin(argv[2], argv[0])
         except ValueError as e:
-            print(f"layersplit shard: {e}", file=sys.stderr)
+            print(f"layersplit {argv[0]}: {e}", file=sys.stderr)
             return 2
         if argv is None:  # (its parent needed it no more)
             return 0

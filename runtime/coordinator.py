@@ -270,9 +270,9 @@ class Coordinator:
                                    threads if s.device == "cpu" else None, self.secret,
                                    self._run_dir, cfg.random_seed, self.prestarted)
                 self.procs.append(proc)
-            drop_prestarted(self.prestarted)  # (more than the run's local shards)
             if self.draft_path is not None:
                 self._spawn_draft(threads)
+            drop_prestarted(self.prestarted)  # (more than the run's local processes)
             for s, addr in zip(shards, addresses):
                 # heartbeats for shards on other hosts (by hand, or placed by Ray): local
                 # ones are watched as processes
@@ -476,7 +476,7 @@ class Coordinator:
         target = cfg.model if cfg.launcher == "ray" else str(self.model_path)
         return draft_argv(str(self.draft_path), target, self.draft_device, self.dtype,
                           cfg.max_context, threads if self.draft_device == "cpu" else None,
-                          cfg.random_seed, cfg.spec_block, cfg.cuda_graphs)
+                          cfg.random_seed, cfg.spec_block, cfg.cuda_graphs, cfg.draft_compile)
 
     def _spawn_draft(self, threads: int | None) -> None:
         """Start the draft process here (or take the one Ray started) and connect to it."""
@@ -488,7 +488,7 @@ class Coordinator:
             addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
                     else f"ipc://{self._run_dir}/draft.sock")
             self._draft_proc = spawn_draft(addr, self._draft_argv(threads), self.draft_device,
-                                           self.secret, self._run_dir)
+                                           self.secret, self._run_dir, self.prestarted)
             heartbeat = None
         sock = connect_dealer(self._ctx, addr, self.secret,
                               identity=b"coord-" + self.session[:8], heartbeat_s=heartbeat)

@@ -8,7 +8,8 @@ A command may start its shard processes before its own imports (`prestart_shards
 imports torch and the shard's modules at once and then waits for its arguments and secret on
 stdin (one JSON line, `spawn_shard`), so the two processes' imports overlap instead of following
 each other (4-5 s each on a GPU host). One that is never given work reads the end of stdin when
-its parent closes it or dies, and exits.
+its parent closes it or dies, and exits. The draft process is started ahead the same way
+(`prestart_draft`).
 """
 
 from __future__ import annotations
@@ -81,10 +82,23 @@ class LocalProcess:
 
 @dataclasses.dataclass(slots=True)
 class Prestarted:
-    """A shard process started ahead, importing, waiting for its arguments on stdin."""
+    """A shard (or draft) process started ahead, importing, waiting for its arguments on
+    stdin."""
 
     device: str
     proc: subprocess.Popen
+    role: str = "shard"  # "shard" | "draft": the `layersplit` command it will run
+
+
+def _prestart(role: str, device: str) -> Prestarted | None:
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", role, ARGV_ON_STDIN, device]
+    try:
+        proc = subprocess.Popen(cmd, env=device_env(dict(os.environ), device),
+                                stdin=subprocess.PIPE)
+    except OSError as e:
+        log.warning("could not start a %s process ahead (%s): it starts later", role, e)
+        return None
+    return Prestarted(device, proc, role)
 
 
 def prestart_shards(devices: list[str] | tuple[str, ...]) -> list[Prestarted]:
@@ -92,15 +106,18 @@ def prestart_shards(devices: list[str] | tuple[str, ...]) -> list[Prestarted]:
     be started (the coordinator then starts its shards as usual)."""
     out: list[Prestarted] = []
     for device in devices:
-        cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN, device]
-        try:
-            proc = subprocess.Popen(cmd, env=device_env(dict(os.environ), device),
-                                    stdin=subprocess.PIPE)
-        except OSError as e:
-            log.warning("could not start a shard process ahead (%s): shards start later", e)
+        p = _prestart("shard", device)
+        if p is None:
             break
-        out.append(Prestarted(device, proc))
+        out.append(p)
     return out
+
+
+def prestart_draft(device: str) -> list[Prestarted]:
+    """A waiting draft process for `device` (`spawn_draft` hands it its arguments), in a list
+    to add to the shards' ([] where it cannot be started)."""
+    p = _prestart("draft", device)
+    return [] if p is None else [p]
 
 
 def drop_prestarted(ready: list[Prestarted]) -> None:
@@ -115,10 +132,10 @@ def drop_prestarted(ready: list[Prestarted]) -> None:
 
 def _hand_over(ready: list[Prestarted], device: str, argv: list[str],
                secret: bytes) -> subprocess.Popen | None:
-    """Give a prestarted process on `device` its arguments and secret; None if none is left
-    (or the one there died)."""
+    """Give a prestarted process on `device`, of the role `argv` names, its arguments and
+    secret; None if none is left (or the one there died)."""
     for p in list(ready):
-        if p.device != device:
+        if p.device != device or p.role != argv[0]:
             continue
         ready.remove(p)
         try:
@@ -127,7 +144,7 @@ def _hand_over(ready: list[Prestarted], device: str, argv: list[str],
             p.proc.stdin.close()
             return p.proc
         except OSError as e:  # (it died while importing: its exit code is not ours to read)
-            log.warning("a prestarted shard process is gone (%s): starting another", e)
+            log.warning("a prestarted %s process is gone (%s): starting another", p.role, e)
             p.proc.kill()
             p.proc.wait()
     return None
@@ -151,14 +168,17 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     return LocalProcess(plan, proc, error_file)
 
 
-def argv_from_stdin(device: str) -> list[str] | None:
-    """In a prestarted shard process for `device`: after the heavy imports (and, on CUDA, what
-    a shard's configure would start with), the arguments and secret its parent sends
-    (`spawn_shard`); None when the parent closed stdin without any (the process then exits).
-    A line that is not what `spawn_shard` writes raises ValueError."""
+def argv_from_stdin(device: str, role: str = "shard") -> list[str] | None:
+    """In a prestarted shard (or draft) process for `device`: after the heavy imports (and, on
+    CUDA, what it would start with), the arguments and secret its parent sends (`spawn_shard`,
+    `spawn_draft`); None when the parent closed stdin without any (the process then exits).
+    A line that is not what those write raises ValueError."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C is its parent's to handle, as a
     # shard with a parent does: `shards.worker.run_shard`)
-    import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
+    if role == "draft":
+        import layersplit.draft.server  # (the imports that overlap the parent's)
+    else:
+        import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
 
     if device.startswith("cuda"):
         _get_ready_for(device)
@@ -170,29 +190,34 @@ def argv_from_stdin(device: str) -> list[str] | None:
         msg = json.loads(line)
         argv, secret = msg["argv"], bytes.fromhex(msg["secret"])
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"a prestarted shard read a bad line on stdin: {e}") from None
-    if not (isinstance(argv, list) and argv[:1] == ["shard"] and
+        raise ValueError(f"a prestarted {role} read a bad line on stdin: {e}") from None
+    if not (isinstance(argv, list) and argv[:1] == [role] and
             all(isinstance(a, str) for a in argv)) or not secret:
-        raise ValueError("a prestarted shard read a bad line on stdin: expected the shard "
+        raise ValueError(f"a prestarted {role} read a bad line on stdin: expected the {role} "
                          "command's arguments and a secret")
     os.environ[SECRET_ENV] = secret.hex()
     return argv
 
 
 def _get_ready_for(device: str) -> None:
-    """What a CUDA shard does first once configured, done while it waits for its arguments:
-    torch.compile's modules imported (`shards.fused` compiles the decode step's stages; the
-    import alone took ~4 s of a start on an H100) and the device's context made. A failure
-    here is the shard's to report once it runs: it is only logged."""
+    """What a CUDA shard (or draft) does first once configured, done while it waits for its
+    arguments: Triton and the decode kernels' modules imported and the device's context made.
+    Not torch.compile's modules (their import alone took 5-8 s on an H100): a dense model's
+    shard on the kernels compiles nothing, `generate`'s draft runs uncompiled
+    (`draft_compile`), and mixture-of-experts and hybrid layers import them at their first
+    step. A failure here is the process's to report once it runs: it is only logged."""
     try:
         import torch
-        import torch._dynamo
-        import torch._inductor.compile_fx
         from layersplit.shards.device import use_device
+        from layersplit.shards.kernels import fused_kernels_available
 
-        torch.zeros(1, device=use_device(device, None))
+        dev = use_device(device, None)
+        torch.zeros(1, device=dev)
+        if fused_kernels_available(dev):
+            import layersplit.shards.kernels.decode_attention
+            import layersplit.shards.kernels.row_ops  # noqa: F401
     except Exception as e:  # noqa: BLE001 - see above
-        log.warning("a prestarted shard could not get %s ready ahead (%s)", device, e)
+        log.warning("a prestarted process could not get %s ready ahead (%s)", device, e)
 
 
 def compile_cache_env() -> dict[str, str]:
@@ -240,7 +265,7 @@ def _start(cmd: list[str], secret: bytes, device: str) -> subprocess.Popen:
 
 def draft_argv(draft: str, target: str, device: str, dtype: str, max_context: int,
                threads: int | None, seed: int = 0, block_size: int | None = None,
-               graphs: bool = True) -> list[str]:
+               graphs: bool = True, compile: bool = True) -> list[str]:
     """`layersplit draft`'s arguments after `--listen ADDRESS` (the same wherever it runs)."""
     argv = ["--draft", draft, "--target", target, "--device", device, "--dtype", dtype,
             "--max-context", str(max_context), "--random-seed", str(seed)]
@@ -250,17 +275,21 @@ def draft_argv(draft: str, target: str, device: str, dtype: str, max_context: in
         argv += ["--block-size", str(block_size)]
     if not graphs:
         argv += ["--no-graphs"]
+    if not compile:
+        argv += ["--no-compile"]
     return argv
 
 
-def spawn_draft(listen: str, argv: list[str], device: str, secret: bytes, run_dir: Path
-                ) -> LocalProcess:
+def spawn_draft(listen: str, argv: list[str], device: str, secret: bytes, run_dir: Path,
+                ready: list[Prestarted] | None = None) -> LocalProcess:
     """The draft process (`draft_argv`), supervised like a shard (`ShardPlan.index` -1 names
-    it)."""
+    it); handed to a prestarted draft process of `ready` where there is one."""
     error_file = run_dir / "draft.error"
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "draft", "--listen", listen, *argv,
            "--parent-pid", str(os.getpid()), "--error-file", str(error_file)]
-    proc = _start(cmd, secret, device)
+    proc = _hand_over(ready, device, cmd[3:], secret) if ready else None
+    if proc is None:
+        proc = _start(cmd, secret, device)
     log.debug("started the draft process (pid %d): %s", proc.pid, " ".join(cmd))
     return LocalProcess(ShardPlan(-1, 0, 0, device, None), proc, error_file)
 

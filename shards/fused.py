@@ -14,16 +14,19 @@ fullgraph a 9th raises), and each batch bucket is a shape, so sharing would star
 single-sequence and verify steps.
 
 With the Triton kernels (`shards.kernels`, on by default on CUDA; `LAYERSPLIT_FUSED_KERNELS=0`
-switches them off) a layer is fewer kernels: the q/k/v projection, one decode-attention kernel
-that also applies the q/k norm and rotary and writes the KV rows
-(`shards.kernels.decode_attention`), and the compiled post-attention stage, which also
-normalizes its output with the next layer's input norm (the residual add and the norm are one
-kernel), so the next layer starts at its projection. A mixture-of-experts layer's work after
-attention is `shards.fused_moe` (router and grouped-GEMM experts; no next-norm folding).
+switches them off) a layer is fewer kernels and nothing compiled: the q/k/v projection, one
+decode-attention kernel that also applies the q/k norm and rotary and writes the KV rows
+(`shards.kernels.decode_attention`), then o_proj, the residual add with the next norm in one
+kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next layer's input
+norm (`shards.kernels.row_ops`), so the next layer starts at its projection. torch.compile is
+made at a stage's first call, so a dense model on the kernels never imports it (~3 s of a
+start). A mixture-of-experts layer's work after attention is `shards.fused_moe` (router and
+grouped-GEMM experts, compiled; no next-norm folding).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -73,31 +76,6 @@ def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
     return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
 
 
-def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """h + x, rounded once as in h's dtype (the same value). Written in float32 so that inductor
-    does not make the add a GEMM epilogue (`addmm`: a copy of h, then the GEMM adds it) but
-    folds it into the norm that reads the sum: one kernel fewer per residual."""
-    return (h.float() + x.float()).to(h.dtype)
-
-
-def post_attention_next(h, attn, o_w, ln2_w, gu_w, down_w, eps: float, next_w, next_eps: float):
-    """`post_attention`, and its output normalized by the next layer's input norm."""
-    h = residual(h, F.linear(attn, o_w))
-    g, u = F.linear(rms_norm(h, ln2_w, eps), gu_w).chunk(2, dim=-1)
-    h = residual(h, F.linear(F.silu(g) * u, down_w))
-    return h, rms_norm(h, next_w, next_eps)
-
-
-def norm_qkv_batch(*args):
-    """`norm_qkv` under its own code object, for batched steps (see the module doc)."""
-    return norm_qkv(*args)
-
-
-def post_attention_next_batch(*args):
-    """`post_attention_next` under its own code object, for batched steps."""
-    return post_attention_next(*args)
-
-
 def pre_attention_batch(*args):
     """`pre_attention` under its own code object, for batched steps (see the module doc)."""
     return pre_attention(*args)
@@ -108,34 +86,46 @@ def post_attention_batch(*args):
     return post_attention(*args)
 
 
+def _compiled_on_first_call(f):
+    """`torch.compile(f)` made at the first call: building it imports torch.compile's modules
+    (~3 s of a start on an H100), which a dense model on the Triton kernels never needs."""
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(f, fullgraph=True, dynamic=False)
+        return compiled(*args)
+
+    return call
+
+
 class _Stages:
     """The functions before and after attention for one kind of step, compiled or eager:
-    `pre`/`post` around the torch attention, `norm_qkv`/`post_next` around the kernel's."""
+    `pre`/`post` around the torch attention, `post_moe` after a sparse layer's attention
+    (torch's or the kernel's)."""
 
-    def __init__(self, pre, post, norm_qkv_fn, post_next, compile: bool,
-                 post_moe=post_attention_moe) -> None:
-        self.pre, self.post, self.compiled = pre, post, compile
-        self.norm_qkv, self.post_next = norm_qkv_fn, post_next
-        self.post_moe = post_moe  # a mixture-of-experts layer's (`shards.fused_moe`)
-        if compile:
-            self.pre, self.post, self.norm_qkv, self.post_next, self.post_moe = (
-                torch.compile(f, fullgraph=True, dynamic=False)
-                for f in (pre, post, norm_qkv_fn, post_next, post_moe))
+    NAMES = ("pre", "post", "post_moe")
+
+    def __init__(self, pre, post, compile: bool, post_moe=post_attention_moe) -> None:
+        self.eager = dict(zip(self.NAMES, (pre, post, post_moe)))
+        self.compiled = compile
+        for name, f in self.eager.items():
+            setattr(self, name, _compiled_on_first_call(f) if compile else f)
 
     def uncompile(self) -> None:
-        self.pre, self.post, self.compiled = pre_attention, post_attention, False
-        self.norm_qkv, self.post_next = norm_qkv, post_attention_next
-        self.post_moe = post_attention_moe
+        for name, f in self.eager.items():
+            setattr(self, name, f)
+        self.compiled = False
 
 
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
     def __init__(self, compile: bool = True, kernels: bool | None = None) -> None:
-        self.single = _Stages(pre_attention, post_attention, norm_qkv, post_attention_next,
-                              compile)
-        self.batched = _Stages(pre_attention_batch, post_attention_batch, norm_qkv_batch,
-                               post_attention_next_batch, compile, post_attention_moe_batch)
+        self.single = _Stages(pre_attention, post_attention, compile)
+        self.batched = _Stages(pre_attention_batch, post_attention_batch, compile,
+                               post_attention_moe_batch)
         self.kernels = kernels  # the Triton kernels; None: decided by the device at first use
         # id(layer) -> (weight, eps) of the input norm of the layer after it, in the same range
         self.next_norm: dict[int, tuple[torch.Tensor, float]] = {}
@@ -149,28 +139,25 @@ class FusedDecode:
 
     def __call__(self, layer, h, cos, sin, kv, index, slot, step):
         stages = self.single if step.lo is None else self.batched
-        try:
-            return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
-        except (torch.cuda.OutOfMemoryError, IndexError):
-            raise
-        except Exception as e:
-            err = e
-        if stages.compiled:
-            log.warning("torch.compile of the decode step failed (%s: %s); running it eager",
-                        type(err).__name__, err)
-            stages.uncompile()
+        while True:  # each failure switches one thing off: the compiled stages, the kernels
             try:
                 return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
             except (torch.cuda.OutOfMemoryError, IndexError):
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a failing stage falls back, below
                 err = e
-        if not self.kernels:
-            raise err
-        log.warning("the Triton decode kernels failed (%s: %s); running the torch decode step",
-                    type(err).__name__, err)
-        self.kernels = False
-        return self._run(stages, layer, h, cos, sin, kv, index, slot, step)
+            # a dense layer on the kernels runs nothing compiled: what failed was a kernel
+            dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
+            if stages.compiled and not dense_on_kernels:
+                log.warning("torch.compile of the decode step failed (%s: %s); running it "
+                            "eager", type(err).__name__, err)
+                stages.uncompile()
+            elif self.kernels:
+                log.warning("the Triton decode kernels failed (%s: %s); running the torch "
+                            "decode step", type(err).__name__, err)
+                self.kernels = False
+            else:
+                raise err
 
     def _run(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         if self.kernels is None:
@@ -205,8 +192,8 @@ class FusedDecode:
         if normed is not None and normed[0] is h:
             qkv = F.linear(normed[1], a.qkv_proj.weight, a.qkv_proj.bias)
         else:
-            qkv = stages.norm_qkv(h, layer.input_layernorm.weight, a.qkv_proj.weight,
-                                  a.qkv_proj.bias, eps)
+            qkv = F.linear(rms_norm_rows(h, layer.input_layernorm.weight, eps),
+                           a.qkv_proj.weight, a.qkv_proj.bias)
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
             rows = step.positions if step.rows is None else step.rows
             slot0, n_seqs = slot, 1
@@ -226,12 +213,14 @@ class FusedDecode:
             None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
-        weights = (a.o_proj.weight, layer.post_attention_layernorm.weight,
-                   m.gate_up_proj.weight, m.down_proj.weight, eps)
-        nxt = self.next_norm.get(id(layer))
-        if nxt is None:
-            return stages.post(h, attn, *weights)
-        out, self._normed = stages.post_next(h, attn, *weights, *nxt)
+        # the dense MLP through the row kernels (`shards.kernels.row_ops`): nothing compiled
+        nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
+        h, x = add_rms_norm(h, F.linear(attn, a.o_proj.weight),
+                            layer.post_attention_layernorm.weight, eps)
+        act = silu_mul(F.linear(x, m.gate_up_proj.weight))
+        out, nxt = add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
+        if nxt is not None:
+            self._normed = (out, nxt)
         return out
 
 
@@ -239,6 +228,27 @@ def decode_attention(*args):
     """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
     never imported where the kernels do not run)."""
     from layersplit.shards.kernels.decode_attention import decode_attention as kernel
+
+    return kernel(*args)
+
+
+def add_rms_norm(*args):
+    """`shards.kernels.row_ops.add_rms_norm`, imported on first use (see `decode_attention`)."""
+    from layersplit.shards.kernels.row_ops import add_rms_norm as kernel
+
+    return kernel(*args)
+
+
+def rms_norm_rows(*args):
+    """`shards.kernels.row_ops.rms_norm_rows`, imported on first use."""
+    from layersplit.shards.kernels.row_ops import rms_norm_rows as kernel
+
+    return kernel(*args)
+
+
+def silu_mul(*args):
+    """`shards.kernels.row_ops.silu_mul`, imported on first use."""
+    from layersplit.shards.kernels.row_ops import silu_mul as kernel
 
     return kernel(*args)
 
@@ -264,6 +274,6 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
             layer.fast = fast
     # a dense layer's post stage also norms its output for the next layer's projection
     dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
-    for i, (layer, nxt) in enumerate(zip(layers, layers[1:])):
+    for i, (layer, nxt) in enumerate(itertools.pairwise(layers)):
         if dense[i] and ok[i + 1]:
             fast.next_norm[id(layer)] = (nxt.input_layernorm.weight, nxt.input_layernorm.eps)

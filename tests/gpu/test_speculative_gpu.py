@@ -68,7 +68,9 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
     assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
-def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path):
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
+def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
+    """The captured step, compiled and not (`draft_compile`, off under `generate`)."""
     target = read_hf_config(tiny_llama)
     path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
     cfg = read_dflash_config(path)
@@ -81,8 +83,8 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path):
                            graphs=False)
     model = load_dflash(path, cfg, torch.float32, dev)
     fuse_projections(model, compile=False)
-    graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32)
-    assert graph.capture
+    graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32, compile=compile)
+    assert graph.capture and graph.compiled == compile
     for p in (eager, graph):
         p.write_features(0, 0, 0, feats)
     for pos in (20, 21, 24, 30, 57, 100):

@@ -1,6 +1,6 @@
-"""Shard processes started ahead (`runtime.supervisor.prestart_shards`): a run hands its local
-shards to them (the same processes serve, with the same tokens as the reference); those it does
-not take are stopped; one given a bad line on stdin refuses it by name, and one whose parent
+"""Shard and draft processes started ahead (`runtime.supervisor.prestart_shards`,
+`prestart_draft`): a run hands its local shards and its draft to them (the same processes serve,
+with the same tokens as the reference); those it does not take are stopped; one given a bad line on stdin refuses it by name, and one whose parent
 closes stdin without a word exits quietly. `generate` sizes its run to its one request
 (`Coordinator.fit_context`)."""
 
@@ -13,7 +13,12 @@ import pytest
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.reference import ReferenceEngine
-from layersplit.runtime.supervisor import ARGV_ON_STDIN, drop_prestarted, prestart_shards
+from layersplit.runtime.supervisor import (
+    ARGV_ON_STDIN,
+    drop_prestarted,
+    prestart_draft,
+    prestart_shards,
+)
 from layersplit.shards.sampling import SamplingParams
 
 from tests.helpers import shard_children
@@ -22,18 +27,21 @@ P = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.mark.slow
-def test_a_run_takes_the_processes_started_ahead(tiny_llama):
+def test_a_run_takes_the_processes_started_ahead(target, dflash):
     prompt = list(range(5, 40))
-    want = ReferenceEngine(tiny_llama, prefill_chunk=16, max_context=256).generate(prompt, P)
-    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), max_context=256,
-                        prefill_chunk=16, threads=1)
-    ready = prestart_shards(["cpu", "cpu", "cpu"])  # (one more than the run needs)
+    want = ReferenceEngine(target, prefill_chunk=16, max_context=256).generate(prompt, P)
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), max_context=256,
+                        prefill_chunk=16, threads=1, draft=str(dflash))
+    # (one shard more than the run needs; the draft after them, as `generate` starts it)
+    ready = prestart_shards(["cpu", "cpu", "cpu"]) + prestart_draft("cpu")
     pids = [p.proc.pid for p in ready]
     try:
         with Coordinator(cfg, prestarted=ready) as coord:
             assert [p.pid for p in coord.procs] == pids[:2]
-            assert ready == []  # (the third was stopped)
-            assert coord.generate(prompt, P, use_cache=False).tokens == want.tokens
+            assert coord.draft is not None and coord.draft.proc.pid == pids[3]
+            assert ready == []  # (the third shard was stopped)
+            out = coord.generate(prompt, P, use_cache=False)
+            assert out.tokens == want.tokens and out.acceptance_length is not None
     finally:
         drop_prestarted(ready)
     assert shard_children() == []
@@ -53,6 +61,11 @@ def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
             (b'{"argv": ["shard"], "secret": "zz"}\n', 2, "a bad line on stdin")]:
         r = subprocess.run(cmd, input=line, capture_output=True, timeout=120, check=False)
         assert r.returncode == rc and said.encode() in r.stderr, r.stderr[-1000:]
+    # a draft started ahead takes only the draft command's arguments
+    cmd[3] = "draft"
+    r = subprocess.run(cmd, input=b'{"argv": ["shard", "x"], "secret": "0102"}\n',
+                       capture_output=True, timeout=120, check=False)
+    assert r.returncode == 2 and b"expected the draft command's arguments" in r.stderr, r.stderr
 
 
 def test_fit_context_sizes_a_run_to_its_request(tiny_llama):
@@ -68,3 +81,22 @@ def test_fit_context_sizes_a_run_to_its_request(tiny_llama):
         coord.fit_context(prompt, max_tokens)
         assert coord.config.max_context == want, (prompt, max_tokens)
         coord.close()
+
+
+def test_generate_runs_one_request_with_its_own_defaults():
+    """`generate`: one KV slot and the draft's step uncompiled unless given (`draft_compile`:
+    its compilation costs a one-request run more than it saves); the draft command is told."""
+    from layersplit.launch.cli import build_parser, generate_config
+    from layersplit.runtime.supervisor import draft_argv
+
+    parser = build_parser()
+    cfg = generate_config(parser.parse_args(["generate", "hi"]))
+    assert (cfg.max_seqs, cfg.draft_compile) == (1, False)
+    cfg = generate_config(parser.parse_args(["generate", "hi", "--draft-compile", "true",
+                                             "--max-seqs", "3"]))
+    assert (cfg.max_seqs, cfg.draft_compile) == (3, True)
+    argv = draft_argv("d", "t", "cuda:0", "bfloat16", 256, None, compile=False)
+    args = parser.parse_args(["draft", "--listen", "ipc:///x", *argv])
+    assert args.no_compile and not parser.parse_args(
+        ["draft", "--listen", "ipc:///x", *draft_argv("d", "t", "cpu", "float32", 256, 1)]
+    ).no_compile
