@@ -2,10 +2,9 @@
 # One GPU (`nvidia-h100-x1` / `nvidia-h200`), back-to-back calls of the device tool
 # (2026-11-27, seventh session). The code before this session's change travels as
 # `git archive -o .device-carry/head.tar <commit> -- . ':!draft/weights'` (the baseline, run from
-# /tmp/old in the same call); the default model's GGUF in two pieces
-# in three pieces of 30, 40 and the last 28.4 MB (`head -c`/`tail -c` into
-# .device-carry/smol.part00..02: with the working tree, a call carries at most 64 MiB), each
-# call parking its piece in /tmp.
+# /tmp/old in the same call). The default model's GGUF travels in three pieces of 30, 40 and
+# 28.4 MB (`head -c`/`tail -c` into .device-carry/smol.part00..02: with the working tree, a
+# call carries at most 64 MiB), each call parking its piece in /tmp.
 #   A: carry .whl .device-carry/lcp.tgz .device-carry/smol_vocab.json.gz .device-carry/head.tar
 #      .device-carry/smol.part00
 #      A dense layer's decode step with nothing compiled (`shards.kernels.row_ops`): the default
@@ -13,7 +12,8 @@
 #      the background); cold start of `layersplit generate`, this code and the baseline, each
 #      with empty caches once then three times warm (issue 21); the kernels' GPU tests.
 #   B: carry .whl .device-carry/smol.part01 (on the machine A left warm)
-#      The Llama-8B shape, this code and the baseline, next to llama.cpp.
+#      The default model's shape again and the Llama-8B shape, this code and the baseline,
+#      next to llama.cpp.
 #   C: carry .whl .device-carry/smol.part02 (on the machine B left warm)
 #      The real default model: cold start (generate), 8 streams each speculating against 8
 #      plain (issue 24).
@@ -21,8 +21,13 @@
 #      Cold start of `layersplit generate` on the default model's file as users run it, with
 #      the bundled draft (`draft = auto`): a random-weight GGUF of its shape, quantization and
 #      vocabulary under the default model's file name, given as --model (start-up does not
-#      depend on the weights' values; `auto` goes by the file's name), this code (draft started ahead) and the baseline, and this code with
-#      --draft none.
+#      depend on the weights' values; `auto` goes by the file's name). This code (draft
+#      started ahead) and the baseline, and this code with --draft none.
+#   E: carry .whl .device-carry/smol_vocab.json.gz: py-spy of one warm `generate` as in D, every
+#      process's collapsed stacks (where the draft process spends its start).
+#   F: carry .whl .device-carry/smol_vocab.json.gz: D's runs of this code again, after
+#      `generate` ran the draft's step uncompiled (`draft_compile`); the GPU tests of the
+#      captured draft step.
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -116,9 +121,7 @@ D|F)
   fi
   ;;
 esac
-# E: carry .whl .device-carry/smol_vocab.json.gz: py-spy of `generate` on the default model's
-# file with its draft (where the draft process spends its start; caches warmed by one run
-# first), collapsed stacks of every process
+# E (see the top): caches warmed by one run first
 if [ "${1:-}" = E ]; then
   gguf=/tmp/home_rnd/models/SmolLM2-135M-Instruct.Q4_1.gguf
   [ -e $gguf ] || { mkdir -p /tmp/home_rnd/models && python3 bench/random_gguf.py --shape \

@@ -74,7 +74,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
                         spec_sampling=sampling, deterministic=deterministic,
-                        max_seqs=max(args.streams, 1), spec_max_seqs=max(args.streams, 1))
+                        **({"max_seqs": args.streams, "spec_max_seqs": args.streams}
+                           if args.streams > 1 else {}))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed)

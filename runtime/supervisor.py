@@ -121,7 +121,8 @@ def prestart_draft(device: str) -> list[Prestarted]:
 
 
 def drop_prestarted(ready: list[Prestarted]) -> None:
-    """Stop the prestarted processes no shard took (before anything was given to them)."""
+    """Stop the prestarted processes no shard or draft took (before anything was given to
+    them)."""
     for p in ready:
         p.proc.kill()
         p.proc.wait()

@@ -16,8 +16,8 @@ single-sequence and verify steps.
 With the Triton kernels (`shards.kernels`, on by default on CUDA; `LAYERSPLIT_FUSED_KERNELS=0`
 switches them off) a layer is fewer kernels and nothing compiled: the q/k/v projection, one
 decode-attention kernel that also applies the q/k norm and rotary and writes the KV rows
-(`shards.kernels.decode_attention`), then o_proj, the residual add with the next norm in one
-kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next layer's input
+(`shards.kernels.decode_attention`), then o_proj, the residual add with the post-attention
+norm in one kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next layer's input
 norm (`shards.kernels.row_ops`), so the next layer starts at its projection. torch.compile is
 made at a stage's first call, so a dense model on the kernels never imports it (~3 s of a
 start). A mixture-of-experts layer's work after attention is `shards.fused_moe` (router and
@@ -72,7 +72,8 @@ def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
 
 
 def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
-    """The q/k/v projection of a layer's normalized input (the first layer of a range)."""
+    """The q/k/v projection of a layer's normalized input, in torch (`bench/attention_kernel.py`;
+    the kernels' path runs `rms_norm_rows` and the projection)."""
     return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
 
 
@@ -86,9 +87,9 @@ def post_attention_batch(*args):
     return post_attention(*args)
 
 
-def _compiled_on_first_call(f):
+def compiled_on_first_call(f):
     """`torch.compile(f)` made at the first call: building it imports torch.compile's modules
-    (~3 s of a start on an H100), which a dense model on the Triton kernels never needs."""
+    (5-8 s of a start on an H100), which a dense model on the Triton kernels never needs."""
     compiled = None
 
     def call(*args):
@@ -111,7 +112,7 @@ class _Stages:
         self.eager = dict(zip(self.NAMES, (pre, post, post_moe)))
         self.compiled = compile
         for name, f in self.eager.items():
-            setattr(self, name, _compiled_on_first_call(f) if compile else f)
+            setattr(self, name, compiled_on_first_call(f) if compile else f)
 
     def uncompile(self) -> None:
         for name, f in self.eager.items():

@@ -46,7 +46,9 @@ def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """h + x rounded once to h's dtype (as `shards.fused.residual`: foldable into the norm)."""
+    """h + x rounded once to h's dtype, written in float32 so that inductor folds the add into
+    the norm that reads the sum instead of making it a GEMM epilogue (a copy of h, then the
+    GEMM adds it)."""
     return (h.float() + x.float()).to(h.dtype)
 
 
@@ -109,9 +111,10 @@ class HybridFast:
     """Callable installed as `HybridLayer.fast` on every layer of a GPU hybrid range."""
 
     def __init__(self, compile: bool = True) -> None:
+        from layersplit.shards.fused import compiled_on_first_call
+
         self.compiled = compile
-        self.stages = tuple(torch.compile(f, fullgraph=True, dynamic=False) if compile else f
-                            for f in STAGES)
+        self.stages = tuple(compiled_on_first_call(f) if compile else f for f in STAGES)
 
     def uncompile(self) -> None:
         self.stages, self.compiled = STAGES, False

@@ -5,9 +5,8 @@ With these, a dense layer's decode step needs no torch.compile: q/k/v GEMM, the 
 kernel, o_proj GEMM, add + norm, gate/up GEMM, SiLU * up, down GEMM, add + norm (the next
 layer's input norm): 8 kernels, as inductor's code made of the same functions, but without
 importing torch.compile's modules (~3 s of a shard's start on an H100) and without Dynamo's
-trace of the stages at the first step (~1.6 s). Rounding follows eager torch
-(`shards.fused.residual`, `rms_norm`, `F.silu(g) * u`): the sum is rounded to the activations'
-dtype once, the norm is computed in float32 and rounded before the weight multiplies it, SiLU's
+trace of the stages at the first step (~1.6 s). Rounding follows eager torch (`h + x`,
+`shards.fused.rms_norm`, `F.silu(g) * u`): the sum is rounded to the activations' dtype once, the norm is computed in float32 and rounded before the weight multiplies it, SiLU's
 output is rounded before the product; only the order of the float32 sum of squares differs.
 """
 
@@ -67,8 +66,9 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
     normed = torch.empty_like(h) if w is not None else None
     if x is not None and _rows(x, "x").shape != h.shape:
         raise ValueError(f"row_ops: x {tuple(x.shape)} does not match h {tuple(h.shape)}")
-    if w is not None and w.shape != (d,):
-        raise ValueError(f"row_ops: norm weight {tuple(w.shape)} does not match width {d}")
+    if w is not None and (w.shape != (d,) or w.stride(0) != 1 or w.device != h.device):
+        raise ValueError(f"row_ops: norm weight {tuple(w.shape)} (stride {w.stride()}, on "
+                         f"{w.device}) is not a contiguous vector of width {d} on {h.device}")
     if n:
         block = triton.next_power_of_2(d)
         _add_rms_norm[(n,)](

@@ -288,3 +288,32 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         if "fp32" in runs:  # bf16: rows of later steps carry the paths' own drift
             bound = max(kv_tol, 2 * float((want - getattr(runs["fp32"].kv, name)).abs().max()))
         assert float((got - want).abs().max()) <= bound, (name, bound)
+    assert runs["kernels"].model.layers[0].fast.kernels  # (no fallback in any of those steps)
+
+
+def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny_models,
+                                                                            monkeypatch):
+    """A dense layer on the kernels runs nothing compiled, so a failure there (here: the add +
+    norm row kernel raising) switches the Triton kernels off and leaves the torch path's stages
+    compiled; the step is then the torch path's, with the same logits."""
+    from layersplit.shards.kernels import row_ops
+
+    path = tiny_models["llama"]
+    runs = {k: _executor(path, "llama", torch.float32, on, compile=False)
+            for k, on in (("kernels", True), ("torch", False))}
+    ids = torch.arange(3, 30)
+    for ex in runs.values():
+        ex.run(ids, 0)
+    fast = runs["kernels"].model.layers[0].fast
+    assert fast.kernels
+    fast.single.compiled = True  # as if compiled (uncompiled here, so the stages run eager)
+
+    def broken(*args):
+        raise RuntimeError("row kernel broken")
+
+    monkeypatch.setattr(row_ops, "add_rms_norm", broken)
+    got = runs["kernels"].run(torch.tensor([5]), 27)
+    want = runs["torch"].run(torch.tensor([5]), 27)
+    assert fast.kernels is False and fast.single.compiled
+    bound = 1e-4 * max(1.0, float(want.abs().max()))
+    assert float((got.float() - want.float()).abs().max()) <= bound

@@ -51,7 +51,8 @@ def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
         t = [int(o.argmax()) for o in outs]
         assert len(set(t)) == 1
     assert len(graph.static.graphs) >= 3  # buckets 64, 96, 128 were captured
-    assert fused_model.layers[0].fast.compiled  # torch.compile worked here
+    fast = fused_model.layers[0].fast  # the kernels ran (a dense layer compiles nothing)
+    assert fast.kernels and fast.compiled
 
 
 def test_bf16_graph_decode_tracks_eager(tiny_llama):
@@ -99,8 +100,9 @@ def test_graph_batched_decode_matches_single_steps(tiny_models, fused):
     assert batched.static.capture and len(batched.static.batch_graphs) >= 6
     assert near(single.kv.k, batched.kv.k, 1e-3)
     assert near(single.kv.v, batched.kv.v, 1e-3)
-    if fused:
-        assert batched.model.layers[0].fast.batched.compiled
+    if fused:  # (no fallback: the kernels and, where they are off, the compiled stages)
+        fast = batched.model.layers[0].fast
+        assert fast.batched.compiled and fast.kernels
 
 
 @pytest.mark.parametrize("transport", ["cuda-ipc", "shm", "zmq"])
