@@ -143,8 +143,9 @@ class Coordinator:
 
     def __init__(self, config: RuntimeConfig, prestarted: list[Prestarted] | None = None
                  ) -> None:
-        """`prestarted`: shard processes started ahead (`runtime.supervisor.prestart_shards`),
-        which `start` hands its local shards to; those it does not take are stopped there."""
+        """`prestarted`: shard and draft processes started ahead (`runtime.supervisor.
+        prestart_shards`, `prestart_draft`), which `start` hands its local shards and its draft
+        to; those it does not take are stopped there."""
         self.config = config
         self.prestarted = prestarted if prestarted is not None else []
         self.model_path = resolve_model(config.model)

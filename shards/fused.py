@@ -17,10 +17,10 @@ With the Triton kernels (`shards.kernels`, on by default on CUDA; `LAYERSPLIT_FU
 switches them off) a layer is fewer kernels and nothing compiled: the q/k/v projection, one
 decode-attention kernel that also applies the q/k norm and rotary and writes the KV rows
 (`shards.kernels.decode_attention`), then o_proj, the residual add with the post-attention
-norm in one kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next layer's input
-norm (`shards.kernels.row_ops`), so the next layer starts at its projection. torch.compile is
-made at a stage's first call, so a dense model on the kernels never imports it (~3 s of a
-start). A mixture-of-experts layer's work after attention is `shards.fused_moe` (router and
+norm in one kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next
+layer's input norm (`shards.kernels.row_ops`), so the next layer starts at its projection.
+torch.compile is made at a stage's first call, so a dense model on the kernels never imports it
+(5-8 s of a start on an H100). A mixture-of-experts layer's work after attention is `shards.fused_moe` (router and
 grouped-GEMM experts, compiled; no next-norm folding).
 """
 
@@ -73,7 +73,7 @@ def post_attention(h, attn, o_w, ln2_w, gu_w, down_w, eps: float):
 
 def norm_qkv(h, ln_w, qkv_w, qkv_b, eps: float):
     """The q/k/v projection of a layer's normalized input, in torch (`bench/attention_kernel.py`;
-    the kernels' path runs `rms_norm_rows` and the projection)."""
+    the kernels' path runs `row_ops.rms_norm_rows` and the projection)."""
     return F.linear(rms_norm(h, ln_w, eps), qkv_w, qkv_b)
 
 
@@ -187,13 +187,15 @@ class FusedDecode:
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; its output normalized for the
         next layer as well when that layer is in the range (see the module doc)."""
+        from layersplit.shards.kernels import row_ops  # (Triton: imported where it runs)
+
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
         normed, self._normed = self._normed, None
         if normed is not None and normed[0] is h:
             qkv = F.linear(normed[1], a.qkv_proj.weight, a.qkv_proj.bias)
         else:
-            qkv = F.linear(rms_norm_rows(h, layer.input_layernorm.weight, eps),
+            qkv = F.linear(row_ops.rms_norm_rows(h, layer.input_layernorm.weight, eps),
                            a.qkv_proj.weight, a.qkv_proj.bias)
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
             rows = step.positions if step.rows is None else step.rows
@@ -216,10 +218,10 @@ class FusedDecode:
             return stages.post_moe(h, attn, *moe_args(layer))
         # the dense MLP through the row kernels (`shards.kernels.row_ops`): nothing compiled
         nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
-        h, x = add_rms_norm(h, F.linear(attn, a.o_proj.weight),
-                            layer.post_attention_layernorm.weight, eps)
-        act = silu_mul(F.linear(x, m.gate_up_proj.weight))
-        out, nxt = add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
+        h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
+                                    layer.post_attention_layernorm.weight, eps)
+        act = row_ops.silu_mul(F.linear(x, m.gate_up_proj.weight))
+        out, nxt = row_ops.add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
         if nxt is not None:
             self._normed = (out, nxt)
         return out
@@ -229,27 +231,6 @@ def decode_attention(*args):
     """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
     never imported where the kernels do not run)."""
     from layersplit.shards.kernels.decode_attention import decode_attention as kernel
-
-    return kernel(*args)
-
-
-def add_rms_norm(*args):
-    """`shards.kernels.row_ops.add_rms_norm`, imported on first use (see `decode_attention`)."""
-    from layersplit.shards.kernels.row_ops import add_rms_norm as kernel
-
-    return kernel(*args)
-
-
-def rms_norm_rows(*args):
-    """`shards.kernels.row_ops.rms_norm_rows`, imported on first use."""
-    from layersplit.shards.kernels.row_ops import rms_norm_rows as kernel
-
-    return kernel(*args)
-
-
-def silu_mul(*args):
-    """`shards.kernels.row_ops.silu_mul`, imported on first use."""
-    from layersplit.shards.kernels.row_ops import silu_mul as kernel
 
     return kernel(*args)
 
