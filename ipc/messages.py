@@ -94,6 +94,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # capture every step graph a request may replay (`StaticDecoder.warm`): steps of each of
     # `rows` rows, batched steps up to `batch` sequences, every KV-length bucket; the `ok`
     # says what it took ({graphs, seconds})
+    # (optional `verify_batch`: batched verify steps of up to that many sequences)
     "warm": {"sid": (int,), "rows": (list,), "batch": (int,)},
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},

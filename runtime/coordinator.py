@@ -413,16 +413,20 @@ class Coordinator:
     def _warm(self, deadline: float) -> None:
         """Every shard captures, all at once, each step graph a request may replay (and
         compiles what it compiles on first use): decode steps, the draft's verify steps, batched
-        steps up to max_seqs sequences, for every KV-length bucket (`StaticDecoder.warm`). A
+        steps up to max_seqs sequences, batched verify steps up to spec_max_seqs sequences, for
+        every KV-length bucket (`StaticDecoder.warm`). A
         CPU shard answers at once."""
         cfg = self.config
-        rows = [1]
+        rows, verify_batch = [1], 0
         if self.draft is not None and not cfg.deterministic:  # (deterministic: one-row steps)
             block, tree = verify_shape(self.draft_info, cfg, self.chunk)
             rows += [block] + ([1 + tree] if tree else [])
+            # the verify steps of the sequences that speculate at once, batched
+            verify_batch = min(cfg.spec_max_seqs, cfg.max_seqs)
         t0 = time.perf_counter()
         replies = self.call_all(
-            lambda sh: message("warm", rows=rows, batch=1 if cfg.deterministic else cfg.max_seqs),
+            lambda sh: message("warm", rows=rows, batch=1 if cfg.deterministic else cfg.max_seqs,
+                               verify_batch=verify_batch),
             deadline=deadline, what="the graph captures at start")
         self.warmed = [r["info"] for r in replies]  # each shard's {graphs, seconds}
         graphs = sum(int(i.get("graphs", 0)) for i in self.warmed)

@@ -88,6 +88,11 @@ class RangeExecutor:
                                      per_slot=self.hybrid) if static_decode else None)
         # batch- and verify-invariant steps (`deterministic = true`): see `rowwise_verify`
         self.deterministic = False
+        # the verify segments of several sequences run as one batched step (`run_segments`):
+        # over a paged cache, without sliding-window layers (a tree row's key position in a
+        # window is computed for one sequence's step only)
+        self.batch_verify = paged is not None and not self.hybrid and all(
+            cfg.window(i) is None for i in range(model.start, model.end))
 
     @property
     def rowwise_verify(self) -> bool:
@@ -150,9 +155,11 @@ class RangeExecutor:
         segment's output as `run` would (hidden rows, or logits).
 
         On GPUs the one-row decode segments of several sequences run as one batched step (one
-        CUDA graph); every other segment, and everything on the CPU, runs on its own, exactly as
-        it would alone, so a sequence's output never depends on what it was batched with there
-        (a CPU matmul over more rows need not round each row as a one-row matmul does)."""
+        CUDA graph), and so do the verify segments of as many rows of several sequences
+        (`StaticDecoder.run_verify_batch`, over a paged cache); every other segment, and
+        everything on the CPU, runs on its own, exactly as it would alone, so a sequence's
+        output never depends on what it was batched with there (a CPU matmul over more rows
+        need not round each row as a one-row matmul does)."""
         starts = [0]
         for s in segs:
             starts.append(starts[-1] + s.n)
@@ -166,6 +173,8 @@ class RangeExecutor:
                                             [segs[i].pos for i in group])
                 for j, i in enumerate(group):
                     outs[i] = out[j:j + 1]
+            if self.batch_verify:
+                self._verify_batched(x, segs, starts, outs)
         alone = sum(o is None for o in outs) == 1
         for i, s in enumerate(segs):
             if outs[i] is None:
@@ -179,6 +188,32 @@ class RangeExecutor:
                     if s.taps:
                         s.taps.update({k: v.clone() for k, v in s.taps.items()})
         return outs
+
+    def verify_groups(self, segs: Sequence[Segment]) -> list[list[int]]:
+        """The verify segments that run as one batched step: those of as many rows (2 up to
+        MAX_VERIFY_ROWS), two or more of them, grouped by that number."""
+        by_rows: dict[int, list[int]] = {}
+        for i, s in enumerate(segs):
+            if s.verify and 1 < s.n <= MAX_VERIFY_ROWS:
+                by_rows.setdefault(s.n, []).append(i)
+        return [group for group in by_rows.values() if len(group) >= 2]
+
+    def _verify_batched(self, x: torch.Tensor, segs: list[Segment], starts: list[int],
+                        outs: list[torch.Tensor | None]) -> None:
+        """Run each group of `verify_groups` as one batched verify step; its outputs (and
+        tapped rows) go where `run` would put each segment's."""
+        for group in self.verify_groups(segs):
+            n = segs[group[0]].n
+            rows = torch.cat([x[starts[i]:starts[i + 1]] for i in group])
+            out, tapped = self.static.run_verify_batch(
+                rows.to(self.device), [segs[i].slot for i in group],
+                [segs[i].pos for i in group], [segs[i].tree for i in group])
+            for j, i in enumerate(group):
+                s = segs[i]
+                o = out[j * n:(j + 1) * n]
+                outs[i] = o if s.all_logits or not self.model.is_last else o[-1:]
+                if s.taps is not None:
+                    s.taps.update({k: v[j * n:(j + 1) * n] for k, v in tapped.items()})
 
     def _static_step(self, n: int, pos: int, verify: bool) -> bool:
         """Whether a step of n rows at `pos` runs as a static (captured) step: decode steps,

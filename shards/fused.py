@@ -200,8 +200,10 @@ class FusedDecode:
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
             rows = step.positions if step.rows is None else step.rows
             slot0, n_seqs = slot, 1
-        else:  # one row per slot of [lo, lo + B); a padding row's scratch row is not written
-            rows, slot0, n_seqs = step.positions, step.lo, h.shape[0]
+        else:  # a batched step: `seq_rows` rows of each sequence (one per decode row); a
+            # padding row's scratch row is not written
+            rows = step.positions if step.rows is None else step.rows
+            slot0, n_seqs = step.lo, h.shape[0] // step.seq_rows
         if step.kv_len > kv.max_len:
             raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
         tables = None

@@ -20,6 +20,9 @@ step reads each sequence's block table from a static buffer (`StepInfo.tables`) 
 the replay, so one graph per (rows, KV-length bucket) serves every slot, and one per (padded
 batch size, KV-length bucket) every batch: the bucket bounds the blocks a step reads, and the
 batch is its sequences in any slots, padded with rows whose table is all scratch block.
+The verify steps of several speculating sequences run the same way, as one batched verify
+step (`run_verify_batch`, `StepInfo.batched_tree`): one graph per (padded batch, rows per
+sequence, KV-length bucket), each sequence's rows, positions, tree and table in static buffers.
 
 A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too, a graph per
 (slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
@@ -144,6 +147,12 @@ class StaticDecoder:
         # batched steps: Bp -> (input rows, positions), and (lo, Bp, kv_len) -> graph, output
         self.batch_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.batch_graphs: dict[tuple[int, int, int], BatchGraph] = {}
+        # batched verify steps (paged): (Bp, n) -> (input rows, (2, Bp, n) rows and positions,
+        # (Bp, n, n) ancestors), the trees loaded, and (Bp, n, kv_len) -> graph, outputs
+        self.vbatch_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]] = {}
+        self.vbatch_trees: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        self.vbatch_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def kv_len(self, pos: int, n: int = 1) -> int:
@@ -252,10 +261,12 @@ class StaticDecoder:
             self.graphs[key] = entry
         return entry
 
-    def warm_plan(self, rows: Sequence[int], batch: int
-                  ) -> tuple[list[tuple[str, int, int, int]], int]:
+    def warm_plan(self, rows: Sequence[int], batch: int, verify_batch: int = 0,
+                  max_rows: int = 1 << 30) -> tuple[list[tuple[str, int, int, int]], int]:
         """What `warm` captures: (kind, slot or lo, rows or padded batch, KV length) in order
-        of KV length, and how many graphs there would be without the caps. Each graph keeps its
+        of KV length (a batched verify step's: ("vbatch", rows per sequence, padded batch,
+        KV length), for up to `verify_batch` sequences of up to `max_rows` rows in all), and
+        how many graphs there would be without the caps. Each graph keeps its
         own output rows (logits, on the last range), so at most WARM_GRAPHS graphs holding at
         most WARM_OUTPUT_BYTES of them are captured at start, the shortest buckets first."""
         plan: list[tuple[str, int, int, int]] = []
@@ -268,23 +279,29 @@ class StaticDecoder:
             if self.paged and not self.per_slot:
                 plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
                          if bp <= batch_bucket(batch) and batch >= 2]
+                plan += [("vbatch", n, bp, kv_len) for n in sorted(set(rows))
+                         for bp in BATCH_BUCKETS if 1 < n and 2 <= verify_batch and
+                         bp <= batch_bucket(verify_batch) and bp * n <= max_rows]
         cfg = self.model.cfg
         row = (cfg.vocab_size * 4 if self.model.is_last else
                cfg.hidden_size * self.kv.k_store.element_size())
         kept, held = [], 0
         for item in plan:
-            held += item[2] * row
+            held += item[2] * (item[1] if item[0] == "vbatch" else 1) * row
             if held > WARM_OUTPUT_BYTES or len(kept) >= WARM_GRAPHS:
                 break
             kept.append(item)
         return kept, len(plan)
 
     def warm(self, rows: Sequence[int] = (1,), batch: int = 0, every_s: float = 5.0,
-             label: str = "") -> tuple[int, float]:
+             label: str = "", verify_batch: int = 0, max_rows: int = 1 << 30
+             ) -> tuple[int, float]:
         """Capture, before any request, every graph a step may replay: for each KV-length
         bucket up to the cache's length, a step of each of `rows` rows (1: decode; more: a
         verify step of that many) and, over a paged cache, a batched step of each padded batch
-        size up to `batch` sequences; a hybrid range's one-row steps in every slot. The first
+        size up to `batch` sequences, and a batched verify step of each verify size for each
+        padded batch up to `verify_batch` sequences (`run_verify_batch`; at most `max_rows`
+        rows); a hybrid range's one-row steps in every slot. The first
         capture also compiles the compiled stages (`shards.fused`). Logs progress every
         `every_s` seconds. Returns (graphs captured, seconds). On the CPU nothing is captured.
 
@@ -294,14 +311,14 @@ class StaticDecoder:
         if not self.capture:
             return 0, 0.0
         t0 = last = time.perf_counter()
-        plan, wanted = self.warm_plan(rows, batch)
+        plan, wanted = self.warm_plan(rows, batch, verify_batch, max_rows)
         if len(plan) < wanted:
             log.info("%scapturing %d of %d step graphs at start (up to %d keys); the rest on "
                      "first use", label, len(plan), wanted, plan[-1][3] if plan else 0)
         done = 0
         with torch.inference_mode():
             if self.paged:  # every row through the scratch block
-                for seqs in {1, *(n for kind, _, n, _ in plan if kind == "batch")}:
+                for seqs in {1, *(n for kind, _, n, _ in plan if kind in ("batch", "vbatch"))}:
                     self._tables(seqs).fill_(self.kv.num_blocks)
             self.pos.zero_()
             for kind, slot, n, kv_len in plan:
@@ -313,6 +330,12 @@ class StaticDecoder:
                     x.zero_()
                     positions.fill_(0)
                     self._batch_graph(0, n, kv_len)
+                    done += 1
+                elif kind == "vbatch" and (n, slot, kv_len) not in self.vbatch_graphs:
+                    x, idx, _ = self._vbatch_input(n, slot)  # (slot: the rows per sequence)
+                    x.zero_()
+                    idx.zero_()
+                    self._vbatch_graph(n, slot, kv_len)
                     done += 1
                 now = time.perf_counter()
                 if now - last >= every_s:
@@ -395,3 +418,88 @@ class StaticDecoder:
                       "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)
             self.batch_graphs[key] = entry
         return entry
+
+    # ---- batched verify steps (paged) ----------------------------------------------------------
+    def _vbatch_input(self, bp: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static buffers of a batched verify step of `bp` sequences of n rows: input rows,
+        (2, bp, n) KV rows and positions, (bp, n, n) ancestors."""
+        bufs = self.vbatch_inputs.get((bp, n))
+        if bufs is None:
+            dev = self.kv.k_store.device
+            bufs = self.vbatch_inputs[(bp, n)] = (
+                self._zeros(bp * n), torch.zeros(2, bp, n, dtype=torch.long, device=dev),
+                torch.zeros(bp, n, n, dtype=torch.bool, device=dev))
+        return bufs
+
+    def _vbatch_step(self, bp: int, n: int, kv_len: int) -> Outputs:
+        x, idx, anc = self._vbatch_input(bp, n)
+        step = StepInfo.batched_tree(idx[0], idx[1], anc, kv_len, self._tables(bp))
+        taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
+        out = self.model(x, step, self.kv, 0, logit_rows=slice(0, bp * n), taps=taps)
+        return out, taps
+
+    def _vbatch_graph(self, bp: int, n: int, kv_len: int
+                      ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        key = (bp, n, kv_len)
+        entry = self.vbatch_graphs.get(key)
+        if entry is None:
+            entry = capture(lambda: self._vbatch_step(bp, n, kv_len), self.pool)
+            log.debug("captured a batched verify graph of %d x %d rows for layers %d:%d, "
+                      "%d keys", bp, n, self.model.start, self.model.end, kv_len)
+            self.vbatch_graphs[key] = entry
+        return entry
+
+    def _load_vbatch_trees(self, bp: int, n: int, keys: tuple[tuple[int, ...], ...]) -> None:
+        """The ancestors of each sequence's tree into the step's buffer (padding sequences:
+        the first's), unless it holds them already (a draft's tree shape is fixed)."""
+        keys = keys + (keys[0],) * (bp - len(keys))
+        if self.vbatch_trees.get((bp, n)) == keys:
+            return
+        host = torch.stack([ancestors(k) for k in keys])
+        anc = self._vbatch_input(bp, n)[2]
+        anc.copy_(host.pin_memory() if anc.is_cuda else host, non_blocking=True)
+        self.vbatch_trees[(bp, n)] = keys
+
+    @torch.inference_mode()
+    def run_verify_batch(self, x: torch.Tensor, slots: Sequence[int], positions: Sequence[int],
+                         trees: Sequence[Sequence[int] | None]) -> Outputs:
+        """The verify steps of len(slots) sequences as one step over a paged cache (one graph
+        per padded batch, rows per sequence and KV-length bucket): sequence i has n rows,
+        x[i * n:(i + 1) * n], at position `positions[i]` of slot `slots[i]`, a chain (None) or
+        the token tree `trees[i]`, each exactly as `run` would take it alone. Returns the
+        output rows (hidden, or float32 logits of every row on the last range) and the tapped
+        layers' rows, sequence after sequence (new tensors)."""
+        s = len(slots)
+        n = x.shape[0] // max(s, 1)
+        if not self.paged or self.per_slot or not s or n < 2 or x.shape[0] != s * n or \
+                len(positions) != s or len(trees) != s or len(set(slots)) != s:
+            raise ValueError(f"a batched verify step needs a paged cache and distinct slots of "
+                             f"n > 1 rows each: {x.shape[0]} rows, slots {list(slots)}, "
+                             f"positions {list(positions)}")
+        for slot, pos in zip(slots, positions):
+            if pos < 0 or pos + n > self.kv.capacity(slot):
+                raise IndexError(f"rows {pos}..{pos + n} outside slot {slot}'s block table of "
+                                 f"{self.kv.capacity(slot)} rows")
+        bp = batch_bucket(s)
+        keys = tuple(tuple(range(n - 1)) if t is None else tuple(t) for t in trees)
+        if any(len(k) != n - 1 for k in keys):
+            raise ValueError(f"a tree of each sequence's {n - 1} draft rows, got {keys}")
+        buf, idx, _ = self._vbatch_input(bp, n)
+        host = torch.full((2, bp, n), self.kv.scratch_pos, dtype=torch.long)
+        for i, (pos, k) in enumerate(zip(positions, keys)):
+            host[0, i] = torch.arange(pos, pos + n)
+            host[1, i] = pos + torch.tensor(depths(k))
+        idx.copy_(host.pin_memory() if idx.is_cuda else host, non_blocking=True)
+        self._load_vbatch_trees(bp, n, keys)
+        tables = self._tables(bp)
+        tables.fill_(self.kv.num_blocks)
+        tables[:s] = self.kv.table[to_device(list(slots), tables.device)]
+        buf[:s * n].copy_(x.to(buf.device, buf.dtype).reshape(-1, *buf.shape[1:]))
+        buf[s * n:].zero_()
+        kv_len = self.kv_len(max(positions), n)
+        if not self.capture:
+            out, taps = self._vbatch_step(bp, n, kv_len)
+        else:
+            graph, (out, taps) = self._vbatch_graph(bp, n, kv_len)
+            graph.replay()
+        return out[:s * n].clone(), {k: v[:s * n].clone() for k, v in taps.items()}

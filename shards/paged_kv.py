@@ -160,14 +160,18 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store row b of a batched step at position `step.positions[b]` of slot
         `step.slots[b]` (the scratch block for a padding row) and return the rows each attends,
-        [0, kv_len) of its own slot, gathered: (B, kv_len, kv_heads, head_dim) each."""
+        [0, kv_len) of its own slot, gathered: (B, kv_len, kv_heads, head_dim) each. A batched
+        verify step (`StepInfo.batched_tree`) writes row b at `step.rows[b]` of its sequence
+        (b // n), whose table is `step.tables[b // n]`."""
         if step.kv_len > self.scratch_pos:
             raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
         got = step.paged.get("batch")
         if got is None:
             b, dev = self.block, self.k_store.device
             tables = self.table[step.slots] if step.tables is None else step.tables  # (B, W)
-            pos = step.positions
+            if step.seq_rows > 1:  # each sequence's table for each of its rows
+                tables = tables.repeat_interleave(step.seq_rows, dim=0)
+            pos = step.positions if step.rows is None else step.rows
             write = tables.gather(1, (pos // b)[:, None])[:, 0] * b + pos % b
             keys = torch.arange(step.kv_len, device=dev)
             read = tables[:, keys // b] * b + keys % b  # (B, kv_len)

@@ -1063,18 +1063,23 @@ class ShardServer:
         """Capture the step graphs a request may replay, before any request
         (`StaticDecoder.warm`); a CPU shard, or one without graphs, has none to capture."""
         rows, batch = msg["rows"], msg["batch"]
+        verify_batch = msg.get("verify_batch", 0)  # (optional: batched verify steps)
         if self.executor is None:
             raise ProtocolError("warm before configure")
-        if not rows or not all(type(n) is int and 1 <= n <= self.max_step for n in rows) \
-                or not 0 <= batch <= MAX_SLOTS:
-            raise ProtocolError(f"warm: rows {str(rows)[:80]} must be 1..{self.max_step} and "
-                                f"batch {batch} 0..{MAX_SLOTS}")
+        if not rows or not all(type(n) is int and 1 <= n <= self.max_step for n in rows):
+            raise ProtocolError(f"warm: rows {str(rows)[:80]} must be 1..{self.max_step}")
+        for name, value in (("batch", batch), ("verify_batch", verify_batch)):
+            if type(value) is not int or not 0 <= value <= MAX_SLOTS:
+                raise ProtocolError(f"warm: {name} {str(value)[:20]} must be 0..{MAX_SLOTS}")
         static = self.executor.static
         graphs, seconds = 0, 0.0
         if static is not None:
             rows = [n for n in rows if n <= MAX_VERIFY_ROWS]
-            graphs, seconds = static.warm(rows, min(batch, self.executor.kv.slots),
-                                          label=f"shard {self.index}: ")
+            slots = self.executor.kv.slots
+            graphs, seconds = static.warm(
+                rows, min(batch, slots), label=f"shard {self.index}: ",
+                verify_batch=min(verify_batch, slots) if self.executor.batch_verify else 0,
+                max_rows=self.max_step)
             log.info("shard %d: %d step graphs captured in %.1f s", self.index, graphs,
                      seconds)
         self._reply(route, message("ok", sid=msg["sid"],

@@ -38,6 +38,8 @@ class StepInfo:
     tables: torch.Tensor | None = None
     # `mask` is plain causal over [0, pos + n) keys, the queries the last n (an eager step's)
     causal: bool = False
+    # a batched step: rows per sequence (1: a decode row each; more: `batched_tree`)
+    seq_rows: int = 1
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query
@@ -49,6 +51,8 @@ class StepInfo:
         positions (a deep tree in a short window still sees the right ancestors)."""
         if window is None or (self.pos is not None and self.kv_len <= window):
             return self.mask  # no query can be `window` positions past key 0
+        if self.seq_rows > 1:  # (its tree rows' key positions are not computed here)
+            raise ValueError("a batched verify step runs no sliding-window layer")
         m = self.windowed.get(window)
         if m is None:
             dev = self.positions.device
@@ -117,3 +121,22 @@ class StepInfo:
         if slots is None:
             slots = lo + torch.arange(positions.shape[0], device=dev)
         return StepInfo(positions, kv_len, mask, None, grouped=True, lo=lo, slots=slots)
+
+    @staticmethod
+    def batched_tree(rows: torch.Tensor, positions: torch.Tensor, anc: torch.Tensor,
+                     kv_len: int, tables: torch.Tensor) -> StepInfo:
+        """The verify steps of S sequences as one step over a paged cache (`static_tree` for
+        each, side by side): sequence s's n rows write its KV rows `rows[s]` (pos_s + j; a
+        padding sequence's are the cache's scratch position, which no real row attends), are
+        at `positions[s]` (pos_s + depth(j)), and row j attends the sequence's keys
+        [0, pos_s) and its ancestors `anc[s, j]` among the step's rows. `rows`, `positions`
+        (S, n) long, `anc` (S, n, n) bool and `tables` (S, W), each sequence's block table,
+        are device tensors (graph inputs). Row s * n + j of the step is row j of sequence s."""
+        s, n = rows.shape
+        dev = rows.device
+        rel = torch.arange(kv_len, device=dev)[None, :] - rows[:, :1]  # (S, T): key - pos_s
+        in_tree = (rel >= 0) & (rel < n)
+        seen = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(s, n, kv_len))
+        mask = (rel < 0)[:, None, :] | (seen & in_tree[:, None, :])  # (S, n, T)
+        return StepInfo(positions.reshape(-1), kv_len, mask.reshape(s * n, kv_len), None,
+                        grouped=True, lo=0, rows=rows.reshape(-1), tables=tables, seq_rows=n)

@@ -134,3 +134,27 @@ def test_split_runtime_speculates_on_gpus(tiny_llama, tmp_path, kind, dtype):
         else:  # bf16: a batched verify may flip a near-tie, so the output may part later
             assert spec.tokens[:4] == plain.tokens[:4]
     assert shard_children() == [] and layersplit_shm() - before == set()
+
+
+@pytest.mark.parametrize("kind", ["classic", "dflash"])
+def test_several_sequences_speculating_at_once_equal_each_alone(tiny_llama, tmp_path, kind):
+    """spec_max_seqs 4 in one micro-batch: the verify segments of the speculating sequences
+    run as one batched verify step on each shard (`RangeExecutor.run_segments`), float32,
+    where each output equals the sequence's plain greedy output alone."""
+    target = read_hf_config(tiny_llama)
+    draft = (write_random_dflash(target, tmp_path / "d", layers=1, taps=[1, 4], block_size=4)
+             if kind == "dflash" else _near(tiny_llama, tmp_path / "near"))
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=tuple(_gpus()), prefill_chunk=16,
+                        max_context=256, dtype="float32", draft=str(draft), max_seqs=4,
+                        micro_batches=1, spec_max_seqs=4, prefix_cache=False)
+    prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
+    with Coordinator(cfg) as c:
+        alone = [c.generate(p, sp, use_cache=False, speculative=False).tokens
+                 for p, sp in zip(prompts, params)]
+        got = c.generate_batch(prompts, params)
+        assert [r.tokens for r in got] == alone
+        assert all(r.acceptance_length is not None for r in got)
+        if kind == "classic":  # partial accepts: kept rows and rejected ones
+            assert any(r.acceptance_length > 1.1 for r in got)
+        assert c.batcher.stats.widest == 4

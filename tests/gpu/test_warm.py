@@ -39,7 +39,7 @@ def _executor(path) -> RangeExecutor:
 
 def _steps(ex: RangeExecutor, hybrid: bool) -> list[torch.Tensor]:
     """Prefill each slot, then decode steps up to past the first two buckets, a verify step of
-    4 rows (dense) and batched steps of all three slots (dense)."""
+    4 rows (dense), batched steps of all three slots and batched verify steps of two (dense)."""
     dev = "cuda:0"
     outs = []
     for slot in range(SLOTS):
@@ -53,6 +53,11 @@ def _steps(ex: RangeExecutor, hybrid: bool) -> list[torch.Tensor]:
             x = torch.tensor([pos % 40 + 3, 11, 12], device=dev)
             segs = [Segment(0, pos, 1), Segment(1, pos - 53, 1), Segment(2, pos - 52, 1)]
             outs += [o.clone() for o in ex.run_segments(x, segs)]
+        for pos in (30, 34):  # two sequences' verify steps as one batched step
+            x = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12], device=dev)
+            segs = [Segment(1, pos, 4, verify=True, all_logits=True),
+                    Segment(2, pos + 1, 4, verify=True, tree=[0, 0, 1], all_logits=True)]
+            outs += [o.clone() for o in ex.run_segments(x, segs)]
     return outs
 
 
@@ -61,14 +66,17 @@ def test_warmed_steps_capture_nothing_and_equal_first_use(tiny_llama, hybrid_mod
     path = tiny_llama if family == "llama" else hybrid_models["qwen3_5"]
     hybrid = family != "llama"
     cold, warm = _executor(path), _executor(path)
-    graphs, seconds = warm.static.warm((1, 4), SLOTS)
+    graphs, seconds = warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)
     buckets = warm.static.buckets
-    want = len(buckets) * SLOTS if hybrid else len(buckets) * 4  # rows 1 and 4; batches of 2 and 4
+    # rows 1 and 4; batches of 2 and 4; batched verify steps of 2 and 4 sequences of 4 rows
+    want = len(buckets) * SLOTS if hybrid else len(buckets) * 6
     assert graphs == want and seconds > 0
-    assert warm.static.warm((1, 4), SLOTS)[0] == 0  # all there already
-    before = (len(warm.static.graphs), len(warm.static.batch_graphs))
+    assert warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)[0] == 0  # all there already
+    static = warm.static
+    before = (len(static.graphs), len(static.batch_graphs), len(static.vbatch_graphs))
     got, ref = _steps(warm, hybrid), _steps(cold, hybrid)
-    assert (len(warm.static.graphs), len(warm.static.batch_graphs)) == before
+    assert (len(static.graphs), len(static.batch_graphs), len(static.vbatch_graphs)) == before
+    assert hybrid or cold.static.vbatch_graphs  # (the batched verify steps ran as such)
     assert len(cold.static.graphs) > 0
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)

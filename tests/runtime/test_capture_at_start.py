@@ -43,7 +43,9 @@ def test_warm_round_trip_and_bad_warm_messages(tiny_llama):
             ({"rows": [max_step + 1], "batch": 1}, f"rows [{max_step + 1}] must be"),
             ({"rows": ["1"], "batch": 1}, "rows ['1'] must be"),
             ({"rows": [True], "batch": 1}, "rows [True] must be"),
-            ({"rows": [1], "batch": -1}, "batch -1 0.."),
+            ({"rows": [1], "batch": -1}, "warm: batch -1 must be 0.."),
+            ({"rows": [1], "batch": 1, "verify_batch": -2}, "warm: verify_batch -2 must be 0.."),
+            ({"rows": [1], "batch": 1, "verify_batch": "8"}, "warm: verify_batch 8 must be 0.."),
             ({"rows": 1, "batch": 1}, "warm: field 'rows' must be list, got int"),
             ({"rows": [1]}, "warm: field 'batch' is missing"),
         ]
