@@ -15,6 +15,10 @@
 #   C: carry .whl .device-carry/smol.part02
 #      The real default model, 2 shards on the one GPU: 8 streams each speculating against 8
 #      plain, this code and the baseline.
+# After the draft's proposals were batched too (a fresh machine, the pieces again):
+#   D: carry .whl .device-carry/smol.part00: the speculative and batched verify GPU tests.
+#   E: carry .whl .device-carry/smol.part01: the warmed-graph and GPU-path tests.
+#   F: carry .whl .device-carry/smol.part02: C's 8 streams again, and 4 streams, this code.
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -46,6 +50,20 @@ C)
   log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
   TAIL=40 run spec8_new 260 python3 $spec8 --json "$OUT/spec8_new.json"
   TAIL=40 run spec8_old 260 $old python3 $spec8 --json "$OUT/spec8_old.json"
+  ;;
+D)  # (a fresh machine: the pieces again; after the draft's proposals were batched)
+  run tests 300 $tests tests/gpu/test_speculative_gpu.py tests/gpu/test_batched_verify_gpu.py
+  ;;
+E)
+  run tests 200 $tests tests/gpu/test_warm.py tests/gpu/test_gpu_path.py
+  ;;
+F)
+  mkdir -p "$LAYERSPLIT_HOME/models"
+  cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
+    > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
+  TAIL=40 run spec8_new 260 python3 $spec8 --json "$OUT/spec8_new.json"
+  TAIL=40 run spec4_new 200 python3 ${spec8/--streams 8/--streams 4} --json "$OUT/spec4_new.json"
   ;;
 esac
 log done

@@ -324,6 +324,67 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
     return ck, cv, logits, top
 
 
+def _attend_batch(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  scale: float) -> torch.Tensor:
+    """`_attend` for S blocks at once: q (S, m, H, D), each part's keys and values (S, T, G, D)
+    and seen (S, T) bool, block s attending its own. (S * m, H * D)."""
+    s, m, nh, d = q.shape
+    g = parts[0][0].shape[2]
+    r = nh // g
+    qg = q.view(s, m, g, r, d).permute(0, 2, 3, 1, 4).reshape(s, g, r * m, d)
+    scores = [torch.matmul(qg, k.permute(0, 2, 3, 1)).masked_fill(~seen[:, None, None, :],
+                                                                  float("-inf"))
+              for k, _, seen in parts]  # (S, G, r*m, T) each
+    probs = torch.softmax(torch.cat(scores, -1).float() * scale, dim=-1).to(q.dtype)
+    out, a = None, 0
+    for (k, v, _), sc in zip(parts, scores):
+        o = torch.matmul(probs[..., a:a + sc.shape[-1]], v.transpose(1, 2))  # (S, G, r*m, D)
+        out, a = o if out is None else out + o, a + sc.shape[-1]
+    return out.view(s, g, r, m, d).permute(0, 3, 1, 2, 4).reshape(s * m, nh * d)
+
+
+def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tensor,
+                     pos: torch.Tensor, ids: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, embed: torch.Tensor, fc_w: torch.Tensor,
+                     hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
+                     inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor,
+                     eps: float, heads: int, kv_heads: int, head_dim: int, emb_scale: float,
+                     k: int) -> tuple[torch.Tensor, ...]:
+    """`draft_step` for S contexts at once (the proposals of several speculating sequences in
+    one step, `DFlashProposer.propose_batch`): `feats` is the whole feature store (contexts,
+    rows, F), `slots`, `done`, `pos` (S,) and `ids` (S, m) each context's, `cache_k/v`
+    (L, S, T, G, D) each context's cached keys. Returns the new context rows' keys and values
+    (L, S, m, G, D), the logits (S, m - 1, V) and the top-k ids (S, m - 1, k)."""
+    s, m = ids.shape
+    dev = ids.device
+    rows = torch.arange(m, device=dev)
+    ctx_pos = done[:, None] + rows  # (S, m)
+    picked = feats[slots[:, None], ctx_pos.clamp_max(feats.shape[1] - 1)]  # (S, m, F)
+    ck, cv = context_kv_all(picked.reshape(s * m, -1), ctx_pos.reshape(-1), fc_w, hn_w, kv,
+                            inv_freq, eps, kv_heads, head_dim)  # (L, S*m, G, D)
+    ck, cv = ck.view(ck.shape[0], s, m, kv_heads, head_dim), cv.view(cv.shape[0], s, m,
+                                                                     kv_heads, head_dim)
+    seen_cache = torch.arange(cache_k.shape[2], device=dev)[None, :] < done[:, None]
+    seen_ctx = ctx_pos < pos[:, None]
+    seen_block = torch.ones(s, m, dtype=torch.bool, device=dev)
+    h = F.embedding(ids.reshape(-1), embed)
+    if emb_scale != 1.0:
+        h = h * emb_scale
+    cos, sin = rope_cos_sin(inv_freq, (pos[:, None] + rows).reshape(-1), h.dtype)
+    scale = head_dim ** -0.5
+    for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
+        q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
+                                  head_dim)
+        attn = _attend_batch(q.view(s, m, heads, head_dim),
+                             [(cache_k[i], cache_v[i], seen_cache), (ck[i], cv[i], seen_ctx),
+                              (kb.view(s, m, kv_heads, head_dim),
+                               vb.view(s, m, kv_heads, head_dim), seen_block)], scale)
+        h = post_attention(h, attn, o, ln2, gu, down, eps)
+    logits, top = head_top(h.view(s, m, -1)[:, 1:].reshape(s * (m - 1), -1), norm_w, head,
+                           eps, k)
+    return ck, cv, logits.view(s, m - 1, -1), top.view(s, m - 1, -1)
+
+
 def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
     """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m."""
     return StepInfo(torch.arange(pos, pos + m, device=device), pos + m, None, pos)

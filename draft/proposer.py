@@ -17,6 +17,7 @@ along (`q`: `shards.spec_sampling`, rejection sampling). A classic draft always 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +28,7 @@ from layersplit.draft.dflash import (
     DFlashDraft,
     block_step,
     draft_step,
+    draft_step_batch,
     is_dflash,
     layer_weights,
     load_dflash,
@@ -38,7 +40,7 @@ from layersplit.shards.checkpoint import Checkpoint, load_layer_range, open_chec
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.graphs import capture
+from layersplit.shards.graphs import batch_bucket, capture
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.spec_sampling import proposal_q, sample_tree
 from layersplit.shards.spec_tree import kept_moves
@@ -112,6 +114,10 @@ class DFlashProposer:
 
     def _forget_graphs(self) -> None:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # batched proposals (`propose_batch`): padded count -> (slots, done, pos (Sp,), ids
+        # (Sp, block)) static buffers; (padded count, kv_len) -> graph, outputs
+        self.batch_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.batch_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         # a new memory pool: one whose graphs are all freed may not be captured into again
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
@@ -158,6 +164,37 @@ class DFlashProposer:
         if kept:
             self.commit(slot, pos, kept)
         logits, top = self._scores(slot, token, pos, n)
+        return self._finish(slot, logits, top, pos, n, tree)
+
+    def batches(self, n: int) -> bool:
+        """Whether proposals of n tokens of several contexts run as one step here
+        (`propose_batch`): on a GPU, each a whole block (the captured path). On the CPU each
+        proposal runs alone, so its rounding never depends on what else was asked."""
+        return self.capture and n == self.block_size - 1
+
+    @torch.inference_mode()
+    def propose_batch(self, reqs: Sequence[tuple[int, int, int, int, int, list[int] | None]]
+                      ) -> list[tuple[list[int], list[int] | None, list | None]]:
+        """`propose` for several contexts at once, each (slot, token, pos, n, tree, kept): one
+        batched step (`draft.dflash.draft_step_batch`, a graph per padded count and KV bucket)
+        where `batches(n)` holds for them all and the slots differ, else one by one. Every
+        request is checked, and its kept rows moved, before any is computed."""
+        for slot, _, pos, n, _, kept in reqs:
+            self._check(slot, pos, n)
+        if len(reqs) < 2 or len({r[0] for r in reqs}) != len(reqs) or \
+                not self.static or not all(n == self.block_size - 1 for _, _, _, n, _, _ in reqs):
+            return [self.propose(slot, token, pos, n, None, 0, tree, kept)
+                    for slot, token, pos, n, tree, kept in reqs]
+        for slot, _, pos, _, _, kept in reqs:
+            if kept:
+                self.commit(slot, pos, kept)
+        logits, top = self._static_scores_batch([(r[0], r[1], r[2]) for r in reqs])
+        return [self._finish(slot, logits[i], top[i], pos, n, tree)
+                for i, (slot, _, pos, n, tree, _) in enumerate(reqs)]
+
+    def _finish(self, slot: int, logits: torch.Tensor, top: torch.Tensor | None, pos: int,
+                n: int, tree: int) -> tuple[list[int], list[int] | None, list | None]:
+        """A proposal from the draft's logits (n, V) of its n tokens (and their top ids)."""
         shape = self.cfg.spec_tree
         chain = not tree or shape is None
         sample = self.sampling[slot]
@@ -292,6 +329,71 @@ class DFlashProposer:
         graph, out = entry
         graph.replay()
         return out
+
+
+    # ---- batched proposals (GPU): several contexts' steps in one graph ----------------------
+    def _batch_input(self, sp: int) -> tuple[torch.Tensor, ...]:
+        bufs = self.batch_inputs.get(sp)
+        if bufs is None:
+            z = torch.zeros(sp, dtype=torch.long, device=self.device)
+            ids = torch.full((sp, self.block_size), self.cfg.mask_token_id, dtype=torch.long,
+                             device=self.device)
+            bufs = self.batch_inputs[sp] = (z, z.clone(), z.clone(), ids)
+        return bufs
+
+    def _graph_step_batch(self, sp: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, d, m = self.block_size, self.draft, self.cfg.model
+        slots, done, pos, ids = self._batch_input(sp)
+        k, v, logits, top = draft_step_batch(
+            self.features[0], slots, done, pos, ids, self.kv.k[:, slots, :kv_len],
+            self.kv.v[:, slots, :kv_len], self.embed, d.fc.weight, d.hidden_norm.weight,
+            self._kv_weights, self._layers, d.inv_freq, d.norm.weight, self.head,
+            m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim, self.cfg.embedding_scale,
+            self.top_k)
+        # each context's new rows at [done, done + b) (past its position: junk, as alone)
+        ctx_pos = done[:, None] + self._rows[:b]
+        self.kv.k[:, slots[:, None], ctx_pos] = k
+        self.kv.v[:, slots[:, None], ctx_pos] = v
+        return logits, top
+
+    def _static_scores_batch(self, reqs: Sequence[tuple[int, int, int]]
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_static_scores` of several contexts (slot, token, pos), distinct slots: logits
+        (S, block - 1, V) and top ids (S, block - 1, k). Padding contexts repeat the first's
+        slot at the cache's rows past every context (`context_len`), which no proposal reads."""
+        b = self.block_size
+        for slot, _, pos in reqs:
+            self.done[slot] = min(self.done[slot], pos)
+            done = self.done[slot]
+            if pos - done > b:  # a long new context (a prompt): eagerly first
+                self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
+                self.done[slot] = pos
+        sp = batch_bucket(len(reqs))
+        pad = sp - len(reqs)
+        host = torch.tensor([[slot, self.done[slot], pos, token] for slot, token, pos in reqs] +
+                            [[reqs[0][0], self.context_len, self.context_len,
+                              self.cfg.mask_token_id]] * pad, dtype=torch.long)
+        slots, done, pos, ids = self._batch_input(sp)
+        vals = host.pin_memory().to(self.device, non_blocking=True) if self.capture else \
+            host.to(self.device)
+        slots.copy_(vals[:, 0])
+        done.copy_(vals[:, 1])
+        pos.copy_(vals[:, 2])
+        ids[:, 0].copy_(vals[:, 3])
+        for slot, _, p in reqs:
+            self.done[slot] = p
+        top_pos = max(p for _, _, p in reqs)
+        kv_len = min(-(-(top_pos + b) // self.bucket) * self.bucket, self.kv.max_len)
+        if not self.capture:
+            logits, top = self._graph_step_batch(sp, kv_len)
+        else:
+            entry = self.batch_graphs.get((sp, kv_len))
+            if entry is None:
+                entry = self.batch_graphs[(sp, kv_len)] = capture(
+                    lambda: self._graph_step_batch(sp, kv_len), self.pool)
+            graph, (logits, top) = entry
+            graph.replay()
+        return logits[:len(reqs)], top[:len(reqs)]
 
 
 class ClassicProposer:

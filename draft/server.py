@@ -395,8 +395,11 @@ class DraftServer:
         self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)
 
     def _prepare(self) -> bool:
-        """Compute the proposals verdicts named, once their steps' rows are all here."""
+        """Compute the proposals verdicts named, once their steps' rows are all here: those of
+        several contexts due at once (the verdicts of one batched step) in one batched step
+        where the proposer batches them (`DFlashProposer.propose_batch`), else one by one."""
         due = self.prepared.due([f.fed_sid for f in self.feeders])
+        todo = []
         for slot, sid, key, push in due:
             bad = next((f for f in self.feeders if slot in f.rejected), None)
             if bad is not None:  # an incomplete context: a request would say so
@@ -404,25 +407,64 @@ class DraftServer:
                     self._push(slot, sid, key, None, f"the context is incomplete: a feature "
                                f"frame was refused ({bad.rejected[slot]})", 0.0)
                 continue
-            pos, token, n, tree, kept = key
+            todo.append((slot, sid, key, push))
+        p = self.proposer
+        if len(todo) >= 2 and isinstance(p, DFlashProposer) and \
+                all(p.batches(key[2]) for _, _, key, _ in todo):
             t0 = time.perf_counter()
+            todo = [item for item in todo if self._commit(*item)]
             try:
-                if kept is not None:
-                    self.proposer.commit(slot, pos, list(kept))
-                    self.prepared.committed(slot, key)
-                out = self.proposer.propose(slot, token, pos, n, None, 0, tree)
-            except Exception as e:  # noqa: BLE001 - a hint only: the request computes it
-                log.warning("draft: cannot prepare the proposal at %d of context %d: %s: %s",
-                            pos, slot, type(e).__name__, e)
-                if push:
-                    self._push(slot, sid, key, None, f"{type(e).__name__}: {e}", 0.0)
-                continue
-            seconds = time.perf_counter() - t0
-            if push:
-                self._push(slot, sid, key, out, None, seconds)
+                outs = p.propose_batch([(slot, key[1], key[0], key[2], key[3], None)
+                                        for slot, _, key, _ in todo])
+            except Exception as e:  # noqa: BLE001 - one by one then, each failing on its own
+                log.warning("draft: cannot prepare %d proposals together (%s: %s); one by one",
+                            len(todo), type(e).__name__, e)
             else:
-                self.prepared.done(slot, key, out, seconds)
+                seconds = (time.perf_counter() - t0) / max(len(todo), 1)
+                for (slot, sid, key, push), out in zip(todo, outs):
+                    self._prepared(slot, sid, key, push, out, seconds)
+                return True
+        for slot, sid, key, push in todo:
+            pos, token, n, tree, _ = key
+            t0 = time.perf_counter()
+            if not self._commit(slot, sid, key, push):
+                continue
+            try:
+                out = p.propose(slot, token, pos, n, None, 0, tree)
+            except Exception as e:  # noqa: BLE001 - a hint only: the request computes it
+                self._not_prepared(slot, sid, key, push, e)
+                continue
+            self._prepared(slot, sid, key, push, out, time.perf_counter() - t0)
         return bool(due)
+
+    def _commit(self, slot: int, sid: int, key: tuple, push: bool) -> bool:
+        """Move the kept rows a verdict names into place, once (`Prepared.moved`); False
+        (and the first shard told, `push`) when they cannot be."""
+        pos, kept = key[0], key[4]
+        if kept is None or self.prepared.moved.get(slot) == (pos, kept):
+            return True
+        try:
+            self.proposer.commit(slot, pos, list(kept))
+        except Exception as e:  # noqa: BLE001 - a hint only: the request computes it
+            self._not_prepared(slot, sid, key, push, e)
+            return False
+        self.prepared.committed(slot, key)
+        return True
+
+    def _not_prepared(self, slot: int, sid: int, key: tuple, push: bool,
+                      e: Exception) -> None:
+        log.warning("draft: cannot prepare the proposal at %d of context %d: %s: %s",
+                    key[0], slot, type(e).__name__, e)
+        if push:
+            self._push(slot, sid, key, None, f"{type(e).__name__}: {e}", 0.0)
+
+    def _prepared(self, slot: int, sid: int, key: tuple, push: bool,
+                  out: tuple[list, list | None, list | None], seconds: float) -> None:
+        """A proposal computed ahead: to the first shard (`push`), or kept for the request."""
+        if push:
+            self._push(slot, sid, key, out, None, seconds)
+        else:
+            self.prepared.done(slot, key, out, seconds)
 
     def _push(self, slot: int, sid: int, key: tuple,
               out: tuple[list, list | None, list | None] | None,

@@ -199,3 +199,52 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
     assert torch.equal(top, logits.topk(3, dim=-1).indices)
     assert torch.allclose(k[:, :pos - done], eager.k[:, 0, done:pos], atol=1e-5)
     assert torch.allclose(v[:, :pos - done], eager.v[:, 0, done:pos], atol=1e-5)
+
+
+def test_batched_proposals_equal_each_alone(draft_dir, tiny_llama):
+    """Several contexts' proposals in one step (`propose_batch`, `draft_step_batch`: what the
+    draft process runs for the verdicts of one batched verify step on a GPU) against each
+    context's proposal alone: the logits within float32 rounding, the same chains and trees,
+    the same draft KV rows, across rounds with kept tree rows; a padded batch of 3."""
+    from layersplit.shards.fused import fuse_projections
+
+    cfg = read_dflash_config(draft_dir)
+    shape = ((0,), (1,), (0, 0), (0, 1), (2,), (0, 0, 0))
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(320, 64, generator=g)
+    head = torch.randn(320, 64, generator=g)
+    props = []
+    for _ in range(2):
+        model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
+        fuse_projections(model, compile=False)
+        p = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=True, bucket=16)
+        p.cfg = dataclasses.replace(cfg, spec_tree=shape)
+        p.set_slots(4)
+        props.append(p)
+    solo, batched = props
+    assert not batched.batches(3)  # (on the CPU the draft process proposes one by one)
+    feats = torch.randn(4, 60, cfg.width, generator=g)
+    for p in props:
+        for slot in range(4):
+            p.begin(slot)
+            p.write_features(slot, 0, 0, feats[slot])
+    slots, pos = [3, 0, 2], {3: 9, 0: 20, 2: 14}
+    kept: dict[int, list[int] | None] = dict.fromkeys(slots)
+    for rnd in range(3):
+        reqs = [(s, 5 + s + rnd, pos[s], 3, (0, 4, 6)[i], kept[s]) for i, s in enumerate(slots)]
+        want = [solo.propose(s, t, p_, n, None, 0, tree, k) for s, t, p_, n, tree, k in reqs]
+        assert batched.propose_batch(reqs) == want, rnd
+        for s in slots:
+            rows = slice(0, pos[s] + 4)
+            assert torch.allclose(batched.kv.k[:, s, rows], solo.kv.k[:, s, rows], atol=1e-5)
+            assert batched.done[s] == solo.done[s] == pos[s]
+        want_logits = [solo.logits(s, t, p_, n) for s, t, p_, n, _, _ in reqs]
+        with torch.inference_mode():
+            got_logits, _ = batched._static_scores_batch([(s, t, p_) for s, t, p_, *_ in reqs])
+        for a, b in zip(got_logits, want_logits):
+            assert torch.allclose(a, b, atol=1e-4), (rnd, (a - b).abs().max())
+        for i, s in enumerate(slots):  # the next step: a tree keeps a path, a chain moves on
+            kept[s] = [1, 3] if (0, 4, 6)[i] else None
+            pos[s] += 3
+    with pytest.raises(ValueError, match="outside"):
+        batched.propose_batch([(1, 5, 10, 3, 0, None), (2, 5, 70, 3, 0, None)])

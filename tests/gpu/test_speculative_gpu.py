@@ -94,6 +94,40 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
     assert len(graph.graphs) >= 3
 
 
+def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path):
+    """Several contexts' proposals as one captured step (`propose_batch`: the draft process
+    batches the verdicts of one batched verify step) against the eager proposal of each."""
+    target = read_hf_config(tiny_llama)
+    path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
+    cfg = read_dflash_config(path)
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(320, 64, generator=g).cuda()
+    head = torch.randn(320, 64, generator=g).cuda()
+    feats = torch.randn(4, 120, cfg.width, generator=g).cuda()
+    dev = torch.device("cuda:0")
+    eager = DFlashProposer(load_dflash(path, cfg, torch.float32, dev), embed, head, 128, dev,
+                           graphs=False)
+    model = load_dflash(path, cfg, torch.float32, dev)
+    fuse_projections(model, compile=False)
+    graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32, compile=False)
+    for p in (eager, graph):
+        p.set_slots(4)
+        for slot in range(4):
+            p.write_features(slot, 0, 0, feats[slot])
+    assert graph.batches(3)
+    for rnd, (slots, positions) in enumerate([([0, 2, 3], [20, 33, 9]), ([3, 1], [13, 100]),
+                                               ([1, 0, 2, 3], [104, 24, 37, 17])]):
+        reqs = [(s, 7 + s, p, 3, 0, None) for s, p in zip(slots, positions)]
+        want = [eager.propose(*r[:4]) for r in reqs]
+        assert graph.propose_batch(reqs) == want, rnd  # (float32: the same argmax)
+        with torch.inference_mode():
+            logits, _ = graph._static_scores_batch([(s, 7 + s, p) for s, p in
+                                                    zip(slots, positions)])
+        for i, (s, p) in enumerate(zip(slots, positions)):
+            assert near(logits[i], eager.logits(s, 7 + s, p, 3), 1e-3), (rnd, i)
+    assert graph.batch_graphs  # (captured: one graph per padded count and KV bucket)
+
+
 def _near(target, out):
     """A classic draft: the target with noise on its weights (kept often, not always)."""
     shutil.copytree(target, out)
