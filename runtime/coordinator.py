@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -379,8 +380,8 @@ class Coordinator:
                     self.board = bool(sh.info.pop("board", False))
                     inbox = sh.info.pop("inbox", None)
                     if inbox is not None:
-                        sock = sh.sock
-                        self._steps = accept("shm", inbox, lambda: ring_doorbell(sock))
+                        self._steps = accept("shm", inbox,
+                                             functools.partial(ring_doorbell, sh.sock))
                     else:
                         self._steps = ZmqSender(sh.sock)
                 log.info(
