@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 18  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 19  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -35,7 +35,9 @@ PROTOCOL_VERSION = 18  # 2: speculative decoding; 3: batched steps (several sequ
 # taken on the device by a shard that is first and last, `shards.decode_ahead`); 18: lookahead
 # on a split runtime (configure `board`: True asks the last shard for a token board, whose
 # description its info's `board` carries and the first shard's configure passes on,
-# `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`)
+# `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`);
+# 19: the token board's host-mode token words carry their step (`ipc.token_board.pack`); warm's
+# optional `verify_batch` (batched verify steps)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 

@@ -15,8 +15,12 @@ it (`TokenBoard.create`) and the first maps it (`TokenBoard.attach`), when the t
   writes the sids; the first shard, once it reads the sid it needs, makes its stream wait on
   that event and copies the token into the step's input. The host of neither shard waits for
   the device; the event's most recent record is at or after the one the sid follows.
-- *host mode* (anything else on one host, the CPU included): the tokens in the shared segment,
-  written before the sids (the last shard waits for them to reach the host).
+- *host mode* (anything else on one host, the CPU included): the tokens in the shared segment
+  (the last shard waits for them to reach the host), each in one 64-bit word with the sid of
+  its step (`pack`): one aligned store, so a reader that sees the sid in the sids before the
+  token (a CPU that orders stores weakly, ARM) waits for the word that names that sid
+  (`fill`), never takes the slot's earlier token. Likewise a reader that sees the writer
+  passed a step before it sees the slot's sid of that step gives the sid a moment (`error`).
 
 A slot's entries are overwritten by the slot's next sampled step only: that step's input comes
 through the first shard after it took the entry, so no read can see a later token. Sids only
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +50,18 @@ log = logging.getLogger(__name__)
 UNDECIDED, DEVICE, HOST = 0, 1, 2  # the mode word, set by the first shard when it maps the board
 _HEAD = 64  # bytes before the sids: the mode word, then the last step the last shard finished
 VOIDS_KEPT = 256  # sids of failed steps remembered (a lookahead step follows its step closely)
+TOKEN_BITS = 24  # host mode: a word is sid << TOKEN_BITS | token (vocabularies up to 16.7M)
+# how long a reader waits for a store it knows was made (a weakly ordered CPU shows it within
+# microseconds): the token word of a sid it saw, the sid of a step the writer says it passed
+WORD_WAIT_S = 1.0
+SID_SHOW_S = 0.05
+
+
+def pack(sid: int, token: int) -> int:
+    """A host-mode word: the token and the sid of the step that sampled it."""
+    if not 0 <= token < 1 << TOKEN_BITS or not 0 <= sid < 1 << (63 - TOKEN_BITS):
+        raise ValueError(f"token board: token {token} or step {sid} outside the host word")
+    return sid << TOKEN_BITS | token
 
 
 def _layout(slots: int) -> int:
@@ -143,7 +160,7 @@ class TokenBoard:
         if int(self.mode[0]) == HOST or self.tokens is None:
             values = tokens.tolist()  # (waits for the device)
             for s, v in zip(slots, values):
-                self.host[s] = v
+                self.host[s] = pack(sid, v)  # (token and sid in one store)
         else:
             for i, s in enumerate(slots):
                 self.tokens[s:s + 1].copy_(tokens[i:i + 1])
@@ -178,6 +195,12 @@ class TokenBoard:
         if n != 1:
             return f"prev={prev} on a segment of {n} rows (a lookahead step decodes one row)"
         got = int(self.sid[slot])
+        if got < prev <= int(self.mode[1]) and prev not in self.voids:
+            # the writer stores a slot's sid before it says it passed the step: on a weakly
+            # ordered CPU the second store may show first, so the sid gets a moment to show
+            deadline = time.monotonic() + SID_SHOW_S
+            while got < prev and time.monotonic() < deadline:
+                got = int(self.sid[slot])
         if got != prev:
             why = (f"step {prev} failed" if prev in self.voids else
                    "a later step sampled it since" if got > prev else
@@ -200,9 +223,24 @@ class TokenBoard:
                 if device:
                     x[row:row + 1].copy_(self.tokens[s:s + 1])
                 else:
-                    x[row] = int(self.host[s])
+                    x[row] = self._host_token(s, seg["prev"])
             row += seg["n"]
         return x
+
+    def _host_token(self, slot: int, sid: int) -> int:
+        """The token step `sid` posted for `slot` in host mode: its word, once it names that
+        step (the sid was seen first: the word was stored before it, and shows soon)."""
+        word = int(self.host[slot])
+        deadline = None
+        while word >> TOKEN_BITS != sid:
+            now = time.monotonic()
+            deadline = deadline or now + WORD_WAIT_S
+            if now > deadline:
+                raise ProtocolError(f"token board: slot {slot}'s token of step {sid} did not "
+                                    f"show within {WORD_WAIT_S} s (its word names step "
+                                    f"{word >> TOKEN_BITS})")
+            word = int(self.host[slot])
+        return word & ((1 << TOKEN_BITS) - 1)
 
     def close(self) -> None:
         if self.role == "reader" and self.device.type == "cuda":

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,48 @@ def test_a_board_on_another_host_is_not_mapped_and_a_bad_one_is_refused_by_name(
     finally:
         writer.close()
 
+
+def test_a_sid_seen_before_its_token_waits_for_the_word_that_names_it(monkeypatch):
+    """Host mode on a CPU that orders stores weakly (ARM): the reader may see a slot's new
+    sid before the token the writer stored first. Each token word names its step
+    (`token_board.pack`), so the reader waits for that word and never takes the slot's earlier
+    token; a word that never shows fails the step by name."""
+    from layersplit.ipc import token_board
+
+    # (waits long enough for a timer thread on a loaded machine; each ends when its store shows)
+    monkeypatch.setattr(token_board, "WORD_WAIT_S", 30.0)
+    monkeypatch.setattr(token_board, "SID_SHOW_S", 30.0)
+    writer, desc = TokenBoard.create(3, CPU)
+    reader = TokenBoard.attach(desc, 3, CPU)
+    try:
+        writer.post([2], torch.tensor([99]), 3)  # the slot's earlier token
+        seg = {"slot": 2, "n": 1, "prev": 7}
+        writer.sid[2] = 7  # the sid shows first; the word still names step 3
+        assert not reader.waits([seg], 8) and reader.error(2, 7, 1) is None
+        late = threading.Timer(0.05, lambda: writer.host.__setitem__(2, token_board.pack(7, 42)))
+        late.start()
+        assert reader.fill(torch.tensor([0, 5]), [seg, {"slot": 0, "n": 1, "prev": None}]
+                           ).tolist() == [42, 5]
+        late.join()
+        # the writer passed step 11 (its `done` word shows) before slot 0's sid 11 shows
+        writer.host[0] = token_board.pack(11, 6)
+        writer.mode[1] = 11
+        show = threading.Timer(0.01, lambda: writer.sid.__setitem__(0, 11))
+        show.start()
+        assert reader.error(0, 11, 1) is None
+        show.join()
+        assert reader.fill(torch.tensor([0]), [{"slot": 0, "n": 1, "prev": 11}]).tolist() == [6]
+        monkeypatch.setattr(token_board, "WORD_WAIT_S", 0.05)
+        writer.sid[1] = 9
+        with pytest.raises(ProtocolError, match="slot 1's token of step 9 did not show"):
+            reader.fill(torch.tensor([0]), [{"slot": 1, "n": 1, "prev": 9}])
+        assert token_board.pack(5, 7) >> token_board.TOKEN_BITS == 5
+        for bad in ((1, 1 << token_board.TOKEN_BITS), (-1, 3)):
+            with pytest.raises(ValueError, match="outside the host word"):
+                token_board.pack(*bad)
+    finally:
+        reader.close()
+        writer.close()
 
 
 @pytest.mark.gpu
