@@ -36,6 +36,7 @@ from layersplit.ipc.messages import PROTOCOL_VERSION, ProtocolError, error, mess
 from layersplit.ipc.peers import AUTH_FAILED, Gate
 from layersplit.ipc.serve_loop import serve
 from layersplit.ipc.sockets import bind_router, recv, ring_doorbell, send
+from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.transport import tensor_bytes, zmq_tensor
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
@@ -103,6 +104,7 @@ class DraftServer:
         self.spin_s = 0.0
         self.cache_dir: str | None = None
         self.push = False  # prepared proposals go to the first shard (the first feeder)
+        self.trace = step_trace("draft")  # (LAYERSPLIT_STEP_TRACE)
         t0 = time.perf_counter()
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
@@ -392,6 +394,8 @@ class DraftServer:
             return
         if msg["sid"] < self.begun.get(slot, 0):
             return  # the sequence before's, late
+        if self.trace is not None:
+            self.trace("verdict", msg["sid"], slot=slot)
         self.prepared.note(slot, msg["sid"], key, self.push and nxt.get("push") is True)
 
     def _prepare(self) -> bool:
@@ -461,6 +465,8 @@ class DraftServer:
     def _prepared(self, slot: int, sid: int, key: tuple, push: bool,
                   out: tuple[list, list | None, list | None], seconds: float) -> None:
         """A proposal computed ahead: to the first shard (`push`), or kept for the request."""
+        if self.trace is not None:
+            self.trace("prepared", sid, slot=slot, compute_s=seconds)
         if push:
             self._push(slot, sid, key, out, None, seconds)
         else:
@@ -602,6 +608,8 @@ class DraftServer:
         self.running = False
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.flush()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
         self._close_feeders()

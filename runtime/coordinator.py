@@ -35,6 +35,7 @@ from layersplit.ipc.sockets import (
     run_dir,
     send,
 )
+from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.transport import (
     RingInbox,
     Sender,
@@ -183,6 +184,7 @@ class Coordinator:
         self.session = os.urandom(16)
         self._poller = zmq.Poller()
         self.step_observer = None  # (kind, seconds) -> None, e.g. a metrics histogram
+        self.trace = step_trace("coordinator")  # (LAYERSPLIT_STEP_TRACE)
         self.cache: CacheManager | None = None
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
@@ -596,6 +598,8 @@ class Coordinator:
 
     def close(self) -> None:
         drop_prestarted(self.prestarted)  # (a start that failed before it took them)
+        if self.trace is not None:
+            self.trace.flush()
         if self.failed is None and self.shards and self._in_flight:
             # steps still in the chain (of cancelled requests): let them out first, for a few
             # seconds at most (a close on Ctrl-C may come between a result read off the ring
@@ -789,6 +793,8 @@ class Coordinator:
             return False
         _, t0, kind, nseg, rows = self._in_flight[sid]
         if msg["type"] == "result" and sh is self.shards[-1]:
+            if self.trace is not None:
+                self.trace("result", sid)
             self.deadlines.observe(kind, rows, time.perf_counter() - t0)
             t = frames if frames is None or isinstance(frames, torch.Tensor) else \
                 zmq_tensor(msg, frames)
@@ -1051,9 +1057,11 @@ class Coordinator:
         first = segs[0][1]
         kind = ("verify" if first.draft is not None or first.ask is not None else
                 "prefill" if len(first.tokens) > 1 else "decode")
+        rows = sum(r.rows for _, r, _ in segs)
+        if self.trace is not None:  # (as it goes: the first shard may take it first)
+            self.trace("send", sid, kind=kind, rows=rows, seqs=len(wire))
         self._steps.send(message("step", sid=sid, seqs=wire, act=None),
                          torch.tensor(ids, dtype=torch.int64))
-        rows = sum(r.rows for _, r, _ in segs)
         ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
         self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
                                 time.perf_counter(), kind, len(wire), rows)

@@ -37,6 +37,7 @@ from layersplit.ipc.sockets import (
     ring_doorbell,
     send,
 )
+from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.token_board import TokenBoard
 from layersplit.ipc.transport import ZmqSender, tensor_from, zmq_tensor
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
@@ -123,6 +124,7 @@ class ShardServer:
         self.running = True
         self.busy = False
         self.clock = BusyClock(self.device)  # seconds the device spent on steps
+        self.trace = step_trace(f"shard-{spec.start}-{spec.end}")  # (LAYERSPLIT_STEP_TRACE)
         self.spin_s = 0.0
         self.transport_kind = "none"
         self.max_step = 0
@@ -224,6 +226,8 @@ class ShardServer:
         try:
             if msg["type"] != "step":
                 raise ProtocolError(f"ring message of type {msg['type']!r}, expected 'step'")
+            if self.trace is not None:
+                self.trace("recv", msg["sid"])
             self._step(msg, x)
         except Exception as e:  # noqa: BLE001 - reported, the loop goes on
             self._step_failed(msg, e)
@@ -248,6 +252,8 @@ class ShardServer:
                 if route != expected or self.inbox is not None:
                     raise ProtocolError("step from a peer that does not feed this shard",
                                         "unexpected")
+                if self.trace is not None:
+                    self.trace("recv", msg["sid"])
                 self._step(msg, zmq_tensor(msg, frames))
             elif t in SNAP_OPS:
                 store = self._snap_store()
@@ -830,13 +836,20 @@ class ShardServer:
         if not moved:
             self._apply_blocks(msg)
             self._move_kept(msg)
+        if self.trace is not None:
+            self.trace("run", msg["sid"], rows=sum(s.n for s in segs), seqs=len(segs),
+                       verify=sum(s.verify for s in segs))
         self.busy = True
         try:
             outs = self.executor.run_segments(x, segs)
         finally:
             self.busy = False
+        if self.trace is not None:
+            self.trace("queued", msg["sid"])
         fed = [(i, s) for i, s in enumerate(segs) if s.taps]
         if not self.model.is_last:  # the next shard first: the draft waits for rows it needs
+            if self.trace is not None:
+                self.trace("sent", msg["sid"])  # (as it goes: the next shard may take it first)
             self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
                           outs[0] if len(outs) == 1 else torch.cat(outs))
         # (on the last shard, before the verdict: the draft takes them while it is made)
@@ -924,6 +937,10 @@ class ShardServer:
                      for seg in msg["seqs"])
         result = (message("result", sid=msg["sid"], outs=results, act=None),
                   torch.cat(logits_rows).cpu() if logits_rows else None)
+        if self.trace is not None:
+            self.trace("sampled", msg["sid"])
+            if not pushed:
+                self.trace("sent", msg["sid"])
         if not pushed:
             self.out.send(*result)
         for i, s in fed:
@@ -931,6 +948,8 @@ class ShardServer:
             if nxt is not None and self.feed is not None:
                 self._to_draft(message("verdict", sid=msg["sid"], slot=s.feed, next=nxt))
         if pushed:
+            if self.trace is not None:
+                self.trace("sent", msg["sid"])
             self.out.send(*result)
 
     def _sample_on_device(self, msg: dict[str, Any], outs: list[torch.Tensor]) -> None:
@@ -954,6 +973,9 @@ class ShardServer:
             outcomes = [{"token": t, "accepted": 0, "logits": seg["logits"], "path": None,
                          "asked": seg["asked"], "lp": None, "plp": None}
                         for t, seg in zip(ids, seqs)]
+            if self.trace is not None:
+                self.trace("sampled", msg["sid"], ahead=True)  # (its tokens on the host now)
+                self.trace("sent", msg["sid"])
             try:
                 self.out.send(message("result", sid=msg["sid"], outs=outcomes, act=None), logits)
             except Exception as e:  # noqa: BLE001 - reported as the step's failure
@@ -1123,6 +1145,8 @@ class ShardServer:
         self.transport_kind = "none"
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.flush()
         self._close_links()
         if not self.router.closed:
             self.router.close(0)

@@ -1,0 +1,129 @@
+"""Where a step's time goes between processes: the per-step timestamps of every process of a
+run (`LAYERSPLIT_STEP_TRACE=DIR`, `ipc/step_trace.py`) merged by step id.
+
+    LAYERSPLIT_STEP_TRACE=/tmp/trace python3 bench/speculative.py ... --streams 8
+    python3 bench/step_timeline.py /tmp/trace [--json out.json]
+
+For each kind of step the coordinator sent (decode, verify, prefill), the median and 90th
+percentile, in ms, of each stage along the chain: the coordinator's send to the first shard's
+receipt, each shard's hold (waiting for the draft's proposals, a lookahead token, or the steps
+before it), its host time to queue the step's kernels, its send on, the hop to the next shard,
+the last shard's sampling, and the result's trip back; then the draft's verdict and proposal
+times, after the last shard's sampling. Stages are measured on one host's clock
+(`time.monotonic`), so the processes must share a host. A stage missing from a step (a held
+step has no hold on a shard that did not hold it) is left out of that step's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROLE = re.compile(r"^(coordinator|draft|shard-(\d+)-(\d+))-\d+\.jsonl$")
+
+
+def load(folder: Path) -> tuple[dict[str, dict[int, dict[str, float]]], dict[int, str],
+                                list[str]]:
+    """(role -> sid -> event -> first time, sid -> the coordinator's kind of step, the shards'
+    roles in chain order)."""
+    events: dict[str, dict[int, dict[str, float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(dict))
+    kinds: dict[int, str] = {}
+    shards: dict[str, int] = {}
+    for path in sorted(folder.iterdir()):
+        m = ROLE.match(path.name)
+        if m is None:
+            continue
+        role = "coordinator" if m.group(1) == "coordinator" else \
+            "draft" if m.group(1) == "draft" else f"shard-{m.group(2)}-{m.group(3)}"
+        if m.group(2) is not None:
+            shards[role] = int(m.group(2))
+        for line in path.read_text().splitlines():
+            t, event, sid, details = json.loads(line)
+            if sid is None:
+                continue
+            events[role][sid].setdefault(event, t)
+            if role == "coordinator" and event == "send":
+                kinds[sid] = details.get("kind", "?")
+    return events, kinds, sorted(shards, key=shards.get)
+
+
+def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
+    """The stage durations (seconds) of step `sid`, in chain order."""
+    out: dict[str, float] = {}
+    prev = ("coordinator", "send")
+    for i, role in enumerate(shards):
+        name = f"shard {i}"
+        chain = [(prev, (role, "recv"), "to " + name if i == 0 else f"hop to {name}"),
+                 ((role, "recv"), (role, "run"), f"{name} held"),
+                 ((role, "run"), (role, "queued"), f"{name} queues its kernels")]
+        if i == len(shards) - 1:
+            chain += [((role, "queued"), (role, "sampled"), f"{name} samples"),
+                      ((role, "sampled"), (role, "sent"), f"{name} sends the result"),
+                      ((role, "sent"), ("coordinator", "result"), "result to the coordinator")]
+        else:
+            chain.append(((role, "queued"), (role, "sent"), f"{name} sends on"))
+        for (ra, ea), (rb, eb), label in chain:
+            a, b = events[ra].get(sid, {}).get(ea), events[rb].get(sid, {}).get(eb)
+            if a is not None and b is not None:
+                out[label] = b - a
+        prev = (role, "sent")
+    last = shards[-1] if shards else None
+    d = events["draft"].get(sid, {})
+    sampled = events[last].get(sid, {}).get("sampled") if last else None
+    if sampled is not None and "verdict" in d:
+        out["verdict reaches the draft"] = d["verdict"] - sampled
+        if "prepared" in d:
+            out["draft prepares the proposal"] = d["prepared"] - d["verdict"]
+    c = events["coordinator"].get(sid, {})
+    if "send" in c and "result" in c:
+        out["total"] = c["result"] - c["send"]
+    return out
+
+
+def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """kind -> stage -> {median_ms, p90_ms, steps}."""
+    events, kinds, shards = load(folder)
+    per: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for sid, kind in kinds.items():
+        for label, dt in stages(events, shards, sid).items():
+            per[kind][label].append(dt)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, by in per.items():
+        out[kind] = {}
+        for label, xs in by.items():
+            xs = sorted(xs)
+            out[kind][label] = {"median_ms": 1000 * statistics.median(xs),
+                                "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))],
+                                "steps": len(xs)}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", type=Path)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    got = summary(args.folder)
+    if not got:
+        print(f"no steps in {args.folder} (was LAYERSPLIT_STEP_TRACE set for the run?)",
+              file=sys.stderr)
+        return 1
+    for kind, by in sorted(got.items()):
+        print(f"\n{kind} steps")
+        print("| stage | median ms | p90 ms | steps |\n|---|---:|---:|---:|")
+        for label, v in by.items():
+            print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(got, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

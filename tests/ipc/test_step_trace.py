@@ -1,0 +1,83 @@
+"""Per-step traces (`LAYERSPLIT_STEP_TRACE`, `ipc/step_trace.py`): a real 2-shard run writes one
+private file per process, and `bench/step_timeline.py` lines their events up by step; unset,
+nothing is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from layersplit.ipc.step_trace import ENV, step_trace
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _timeline():
+    spec = importlib.util.spec_from_file_location("step_timeline",
+                                                  ROOT / "bench" / "step_timeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_unset_means_no_trace(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert step_trace("coordinator") is None
+    monkeypatch.setenv(ENV, "")
+    assert step_trace("coordinator") is None
+
+
+@pytest.mark.slow
+def test_a_split_run_traces_every_step_on_every_process(target, tmp_path, monkeypatch):
+    folder = tmp_path / "trace"
+    monkeypatch.setenv(ENV, str(folder))
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
+                        max_context=128, threads=1, draft="none", prefix_cache=False)
+    with Coordinator(cfg) as c:
+        out = c.generate(list(range(3, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert len(out.tokens) == 6
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    names = sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir())
+    assert names == ["coordinator", "shard-0-3", "shard-3-6"]
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in folder.iterdir())
+    tl = _timeline()
+    events, kinds, shards = tl.load(folder)
+    assert shards == ["shard-0-3", "shard-3-6"]
+    # prefill chunks, then decode steps (the first token comes with the last chunk)
+    assert sorted(set(kinds.values())) == ["decode", "prefill"]
+    for sid in kinds:  # every step went through both shards and came back
+        assert {"recv", "run", "queued", "sent"} <= set(events["shard-0-3"][sid])
+        assert {"recv", "run", "queued", "sent"} <= set(events["shard-3-6"][sid])
+        assert events["coordinator"][sid]["send"] <= events["shard-0-3"][sid]["recv"] <= \
+            events["shard-3-6"][sid]["recv"] <= events["coordinator"][sid]["result"]
+    got = tl.summary(folder)
+    decode = got["decode"]
+    for stage in ("to shard 0", "shard 0 queues its kernels", "hop to shard 1",
+                  "shard 1 samples", "result to the coordinator", "total"):
+        assert decode[stage]["steps"] == sum(k == "decode" for k in kinds.values())
+        assert 0 <= decode[stage]["median_ms"] <= decode[stage]["p90_ms"]
+    assert decode["total"]["median_ms"] >= decode["hop to shard 1"]["median_ms"]
+
+
+@pytest.mark.slow
+def test_speculating_steps_trace_the_drafts_verdicts_and_proposals(target, dflash, tmp_path,
+                                                                    monkeypatch):
+    folder = tmp_path / "trace"
+    monkeypatch.setenv(ENV, str(folder))
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
+                        max_context=128, threads=1, draft=str(dflash), draft_device="cpu",
+                        prefix_cache=False)
+    with Coordinator(cfg) as c:
+        out = c.generate(list(range(3, 40)), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert out.acceptance_length is not None
+    assert any(p.name.startswith("draft-") for p in folder.iterdir())
+    got = _timeline().summary(folder)["verify"]
+    for stage in ("shard 0 held", "verdict reaches the draft", "draft prepares the proposal",
+                  "total"):
+        assert got[stage]["steps"] >= 1, stage
