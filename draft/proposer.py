@@ -40,7 +40,7 @@ from layersplit.shards.checkpoint import Checkpoint, load_layer_range, open_chec
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.graphs import batch_bucket, capture
+from layersplit.shards.graphs import batch_bucket, capture, keep_recent
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.spec_sampling import proposal_q, sample_tree
 from layersplit.shards.spec_tree import kept_moves
@@ -48,6 +48,9 @@ from layersplit.shards.weights import source_name
 
 log = logging.getLogger(__name__)
 CLASSIC_BLOCK = 5  # a classic draft proposes 4 tokens per verify unless told otherwise
+# batched proposals' graphs hold their logits while kept: past this many bytes of them, the
+# least recently replayed goes (captured again when needed)
+BATCH_GRAPH_BYTES = 256 << 20
 CLASSIC_CHUNK = 256
 
 
@@ -389,8 +392,9 @@ class DFlashProposer:
         else:
             entry = self.batch_graphs.get((sp, kv_len))
             if entry is None:
-                entry = self.batch_graphs[(sp, kv_len)] = capture(
-                    lambda: self._graph_step_batch(sp, kv_len), self.pool)
+                entry = capture(lambda: self._graph_step_batch(sp, kv_len), self.pool)
+            keep_recent(self.batch_graphs, (sp, kv_len), entry, BATCH_GRAPH_BYTES,
+                        lambda e: e[1][0].numel() * e[1][0].element_size())
             graph, (logits, top) = entry
             graph.replay()
         return logits[:len(reqs)], top[:len(reqs)]

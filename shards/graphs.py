@@ -62,6 +62,10 @@ HYBRID_BUCKET_FACTOR = 4
 # `warm` captures at most this many graphs, holding at most this many bytes of output rows
 WARM_GRAPHS = 1024
 WARM_OUTPUT_BYTES = 1 << 30
+# batched verify graphs hold their output rows (bp x n rows of logits on the last range: 65 MB
+# for 8 x 16 rows of a 128K vocabulary) as long as they are kept: past this many bytes of them,
+# the least recently replayed goes (captured again when a step needs it)
+VBATCH_OUTPUT_BYTES = 1 << 30
 # KV-length buckets are multiples of the bucket up to this many buckets; past that, each doubling
 # of the length is split into this many buckets (a step attends at most 1/8 more keys than it
 # has), so a 128K context takes 56 graphs of each kind, not 512
@@ -104,6 +108,24 @@ def batch_window(slots: Sequence[int], n_slots: int) -> tuple[int, int]:
     if bp >= n_slots:
         return 0, n_slots
     return min(first, n_slots - bp), bp
+
+
+def keep_recent(graphs: dict, key, entry, budget: int, size) -> None:
+    """`graphs[key] = entry` as the most recently used, then the least recently used others
+    dropped (their memory back to the pool) while the entries' `size` exceeds `budget`."""
+    graphs.pop(key, None)
+    graphs[key] = entry
+    held = sum(size(e) for e in graphs.values())
+    for old in list(graphs)[:-1]:
+        if held <= budget:
+            break
+        held -= size(graphs.pop(old))
+
+
+def _output_bytes(out: Outputs) -> int:
+    """Bytes of a graph's output rows and tapped rows."""
+    rows, taps = out
+    return sum(t.numel() * t.element_size() for t in (rows, *taps.values()))
 
 
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -440,13 +462,16 @@ class StaticDecoder:
 
     def _vbatch_graph(self, bp: int, n: int, kv_len: int
                       ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """The graph of a batched verify step, captured at its first need; the least recently
+        replayed ones go past VBATCH_OUTPUT_BYTES of outputs held."""
         key = (bp, n, kv_len)
         entry = self.vbatch_graphs.get(key)
         if entry is None:
             entry = capture(lambda: self._vbatch_step(bp, n, kv_len), self.pool)
             log.debug("captured a batched verify graph of %d x %d rows for layers %d:%d, "
                       "%d keys", bp, n, self.model.start, self.model.end, kv_len)
-            self.vbatch_graphs[key] = entry
+        keep_recent(self.vbatch_graphs, key, entry, VBATCH_OUTPUT_BYTES,
+                    lambda e: _output_bytes(e[1]))
         return entry
 
     def _load_vbatch_trees(self, bp: int, n: int, keys: tuple[tuple[int, ...], ...]) -> None:

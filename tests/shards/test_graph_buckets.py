@@ -60,3 +60,21 @@ def test_the_warm_plan_and_its_caps(tiny_llama, monkeypatch):
     row = model.cfg.vocab_size * 4  # float32 logits a row, on the last range
     monkeypatch.setattr(graphs, "WARM_OUTPUT_BYTES", (1 + 4 + 2 + 4) * row)
     assert ex.static.warm_plan((1, 4), 3)[0] == plan[:4]
+
+
+def test_graphs_past_their_budget_go_least_recently_used_first():
+    """`keep_recent` (the batched verify graphs of a shard, the draft's batched proposal
+    graphs): the entry just used is kept whatever its size; older ones go, least recently used
+    first, until the rest fits the budget."""
+    from layersplit.shards.graphs import keep_recent
+
+    graphs: dict = {}
+    for key, size in (("a", 4), ("b", 3), ("c", 2)):
+        keep_recent(graphs, key, size, 10, lambda e: e)
+    assert list(graphs) == ["a", "b", "c"]
+    keep_recent(graphs, "a", 4, 10, lambda e: e)  # a used again: now the most recent
+    assert list(graphs) == ["b", "c", "a"]
+    keep_recent(graphs, "d", 5, 10, lambda e: e)  # 14 > 10: b, then c, go
+    assert list(graphs) == ["a", "d"]
+    keep_recent(graphs, "e", 20, 10, lambda e: e)  # alone past the budget: kept, the rest go
+    assert list(graphs) == ["e"]
