@@ -24,33 +24,57 @@ import statistics
 import sys
 from pathlib import Path
 
-ROLE = re.compile(r"^(coordinator|draft|shard-(\d+)-(\d+))-\d+\.jsonl$")
+ROLE = re.compile(r"^(coordinator|draft|shard-(\d+)-(\d+))-\d+-\d+\.jsonl$")
+Run = tuple[dict[str, dict[int, dict[str, float]]], dict[int, str], list[str]]
 
 
-def load(folder: Path) -> tuple[dict[str, dict[int, dict[str, float]]], dict[int, str],
-                                list[str]]:
-    """(role -> sid -> event -> first time, sid -> the coordinator's kind of step, the shards'
-    roles in chain order)."""
-    events: dict[str, dict[int, dict[str, float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(dict))
-    kinds: dict[int, str] = {}
-    shards: dict[str, int] = {}
+def _read(path: Path) -> list[tuple[float, str, int, dict]]:
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines() if line]
+
+
+def load(folder: Path) -> list[Run]:
+    """One entry per coordinator (its sids start again at 1): (role -> sid -> event -> first
+    time, sid -> the coordinator's kind of step, the shards' roles in chain order). A shard's or
+    the draft's file belongs to the coordinator whose events span its first event's time (else
+    the last one started before it): the processes a coordinator starts live inside its run."""
+    coords, others = [], []
     for path in sorted(folder.iterdir()):
         m = ROLE.match(path.name)
         if m is None:
             continue
-        role = "coordinator" if m.group(1) == "coordinator" else \
-            "draft" if m.group(1) == "draft" else f"shard-{m.group(2)}-{m.group(3)}"
-        if m.group(2) is not None:
-            shards[role] = int(m.group(2))
-        for line in path.read_text().splitlines():
-            t, event, sid, details = json.loads(line)
-            if sid is None:
-                continue
-            events[role][sid].setdefault(event, t)
-            if role == "coordinator" and event == "send":
-                kinds[sid] = details.get("kind", "?")
-    return events, kinds, sorted(shards, key=shards.get)
+        lines = _read(path)
+        if not lines:
+            continue
+        if m.group(1) == "coordinator":
+            coords.append(lines)
+        else:
+            role = "draft" if m.group(1) == "draft" else f"shard-{m.group(2)}-{m.group(3)}"
+            others.append((role, None if m.group(2) is None else int(m.group(2)), lines))
+    coords.sort(key=lambda lines: lines[0][0])
+    runs = []
+    for lines in coords:
+        events: dict[str, dict[int, dict[str, float]]] = collections.defaultdict(
+            lambda: collections.defaultdict(dict))
+        kinds = {}
+        for t, event, sid, details in lines:
+            if sid is not None:
+                events["coordinator"][sid].setdefault(event, t)
+                if event == "send":
+                    kinds[sid] = details.get("kind", "?")
+        runs.append((events, kinds, {}))
+    for role, start, lines in others:
+        t0 = lines[0][0]
+        inside = [i for i, c in enumerate(coords) if c[0][0] <= t0 <= c[-1][0]]
+        before = [i for i, c in enumerate(coords) if c[0][0] <= t0]
+        if not inside and not before:
+            continue
+        events, _, shards = runs[(inside or before)[-1]]
+        if start is not None:
+            shards[role] = start
+        for t, event, sid, _ in lines:
+            if sid is not None:
+                events[role][sid].setdefault(event, t)
+    return [(events, kinds, sorted(shards, key=shards.get)) for events, kinds, shards in runs]
 
 
 def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
@@ -87,13 +111,13 @@ def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
 
 
 def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """kind -> stage -> {median_ms, p90_ms, steps}."""
-    events, kinds, shards = load(folder)
+    """kind -> stage -> {median_ms, p90_ms, steps}, over every run in the folder."""
     per: dict[str, dict[str, list[float]]] = collections.defaultdict(
         lambda: collections.defaultdict(list))
-    for sid, kind in kinds.items():
-        for label, dt in stages(events, shards, sid).items():
-            per[kind][label].append(dt)
+    for events, kinds, shards in load(folder):
+        for sid, kind in kinds.items():
+            for label, dt in stages(events, shards, sid).items():
+                per[kind][label].append(dt)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for kind, by in per.items():
         out[kind] = {}

@@ -313,9 +313,10 @@ class DFlashProposer:
         self._pos_t.fill_(pos)
         self._ids[:1].fill_(token)
         kv_len = min(-(-(pos + self.block_size) // self.bucket) * self.bucket, self.kv.max_len)
-        self.done[slot] = pos
         if not self.capture:
-            return self._graph_step(slot, kv_len)
+            out = self._graph_step(slot, kv_len)
+            self.done[slot] = pos
+            return out
         key = (slot, kv_len, self.block_size)
         entry = self.graphs.get(key)
         if entry is None:
@@ -331,6 +332,7 @@ class DFlashProposer:
             self.graphs[key] = entry
         graph, out = entry
         graph.replay()
+        self.done[slot] = pos  # (only now: a step that failed left its rows to the next one)
         return out
 
 
@@ -383,8 +385,6 @@ class DFlashProposer:
         done.copy_(vals[:, 1])
         pos.copy_(vals[:, 2])
         ids[:, 0].copy_(vals[:, 3])
-        for slot, _, p in reqs:
-            self.done[slot] = p
         top_pos = max(p for _, _, p in reqs)
         kv_len = min(-(-(top_pos + b) // self.bucket) * self.bucket, self.kv.max_len)
         if not self.capture:
@@ -397,6 +397,8 @@ class DFlashProposer:
                         lambda e: e[1][0].numel() * e[1][0].element_size())
             graph, (logits, top) = entry
             graph.replay()
+        for slot, _, p in reqs:  # (only now: a step that failed left its rows to the next one)
+            self.done[slot] = p
         return logits[:len(reqs)], top[:len(reqs)]
 
 

@@ -609,7 +609,7 @@ class DraftServer:
 
     def close(self) -> None:
         if self.trace is not None:
-            self.trace.flush()
+            self.trace.close()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
         self._close_feeders()

@@ -200,6 +200,7 @@ class TokenBoard:
             # ordered CPU the second store may show first, so the sid gets a moment to show
             deadline = time.monotonic() + SID_SHOW_S
             while got < prev and time.monotonic() < deadline:
+                time.sleep(0)
                 got = int(self.sid[slot])
         if got != prev:
             why = (f"step {prev} failed" if prev in self.voids else
@@ -231,15 +232,15 @@ class TokenBoard:
         """The token step `sid` posted for `slot` in host mode: its word, once it names that
         step (the sid was seen first: the word was stored before it, and shows soon)."""
         word = int(self.host[slot])
-        deadline = None
+        deadline = time.monotonic() + WORD_WAIT_S
         while word >> TOKEN_BITS != sid:
-            now = time.monotonic()
-            deadline = deadline or now + WORD_WAIT_S
-            if now > deadline:
+            late = time.monotonic() > deadline
+            time.sleep(0)
+            word = int(self.host[slot])  # (read once more past the deadline before failing)
+            if late and word >> TOKEN_BITS != sid:
                 raise ProtocolError(f"token board: slot {slot}'s token of step {sid} did not "
                                     f"show within {WORD_WAIT_S} s (its word names step "
                                     f"{word >> TOKEN_BITS})")
-            word = int(self.host[slot])
         return word & ((1 << TOKEN_BITS) - 1)
 
     def close(self) -> None:

@@ -599,7 +599,7 @@ class Coordinator:
     def close(self) -> None:
         drop_prestarted(self.prestarted)  # (a start that failed before it took them)
         if self.trace is not None:
-            self.trace.flush()
+            self.trace.close()
         if self.failed is None and self.shards and self._in_flight:
             # steps still in the chain (of cancelled requests): let them out first, for a few
             # seconds at most (a close on Ctrl-C may come between a result read off the ring

@@ -205,9 +205,18 @@ class RangeExecutor:
         for group in self.verify_groups(segs):
             n = segs[group[0]].n
             rows = torch.cat([x[starts[i]:starts[i + 1]] for i in group])
-            out, tapped = self.static.run_verify_batch(
-                rows.to(self.device), [segs[i].slot for i in group],
-                [segs[i].pos for i in group], [segs[i].tree for i in group])
+            try:
+                out, tapped = self.static.run_verify_batch(
+                    rows.to(self.device), [segs[i].slot for i in group],
+                    [segs[i].pos for i in group], [segs[i].tree for i in group])
+            except (ValueError, IndexError):  # a bad segment: alone, it fails by name
+                return
+            except Exception as e:  # noqa: BLE001 - each runs alone then (rewriting its rows)
+                log.warning("layers %d:%d: a batched verify step failed (%s: %s); verify steps "
+                            "run one by one from now on", self.model.start, self.model.end,
+                            type(e).__name__, e)
+                self.batch_verify = False
+                return
             for j, i in enumerate(group):
                 s = segs[i]
                 o = out[j * n:(j + 1) * n]

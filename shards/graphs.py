@@ -39,7 +39,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 from layersplit.shards.device import to_device
@@ -110,7 +111,8 @@ def batch_window(slots: Sequence[int], n_slots: int) -> tuple[int, int]:
     return min(first, n_slots - bp), bp
 
 
-def keep_recent(graphs: dict, key, entry, budget: int, size) -> None:
+def keep_recent(graphs: dict[Hashable, Any], key: Hashable, entry: Any, budget: int,
+                size: Callable[[Any], int]) -> None:
     """`graphs[key] = entry` as the most recently used, then the least recently used others
     dropped (their memory back to the pool) while the entries' `size` exceeds `budget`."""
     graphs.pop(key, None)
@@ -345,6 +347,8 @@ class StaticDecoder:
             self.pos.zero_()
             for kind, slot, n, kv_len in plan:
                 if kind == "step" and (slot, kv_len, n) not in self.graphs:
+                    if n > 1:  # a chain: no row of the capture's runs sees no key at all (the
+                        self._load_tree(n, None)  # torch path's softmax would write NaN rows)
                     self._step_graph(slot, kv_len, n)
                     done += 1
                 elif kind == "batch" and (0, n, kv_len) not in self.batch_graphs:
@@ -356,7 +360,7 @@ class StaticDecoder:
                 elif kind == "vbatch" and (n, slot, kv_len) not in self.vbatch_graphs:
                     x, idx, _ = self._vbatch_input(n, slot)  # (slot: the rows per sequence)
                     x.zero_()
-                    idx.zero_()
+                    idx.fill_(self.kv.scratch_pos)  # every sequence padding: sees every key
                     self._vbatch_graph(n, slot, kv_len)
                     done += 1
                 now = time.perf_counter()

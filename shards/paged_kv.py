@@ -162,19 +162,20 @@ class PagedKVCache:
         `step.slots[b]` (the scratch block for a padding row) and return the rows each attends,
         [0, kv_len) of its own slot, gathered: (B, kv_len, kv_heads, head_dim) each. A batched
         verify step (`StepInfo.batched_tree`) writes row b at `step.rows[b]` of its sequence
-        (b // n), whose table is `step.tables[b // n]`."""
+        (b // n), whose table is `step.tables[b // n]`, and returns each sequence's rows once:
+        (S, kv_len, kv_heads, head_dim)."""
         if step.kv_len > self.scratch_pos:
             raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
         got = step.paged.get("batch")
         if got is None:
             b, dev = self.block, self.k_store.device
-            tables = self.table[step.slots] if step.tables is None else step.tables  # (B, W)
-            if step.seq_rows > 1:  # each sequence's table for each of its rows
-                tables = tables.repeat_interleave(step.seq_rows, dim=0)
+            tables = self.table[step.slots] if step.tables is None else step.tables  # (S, W)
             pos = step.positions if step.rows is None else step.rows
-            write = tables.gather(1, (pos // b)[:, None])[:, 0] * b + pos % b
+            rows_tables = tables.repeat_interleave(step.seq_rows, dim=0) \
+                if step.seq_rows > 1 else tables  # each sequence's table for each of its rows
+            write = rows_tables.gather(1, (pos // b)[:, None])[:, 0] * b + pos % b
             keys = torch.arange(step.kv_len, device=dev)
-            read = tables[:, keys // b] * b + keys % b  # (B, kv_len)
+            read = tables[:, keys // b] * b + keys % b  # (S, kv_len)
             got = step.paged["batch"] = (write, read)
         write, read = got
         self.k_rows[layer].index_copy_(0, write, k)

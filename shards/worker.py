@@ -1146,7 +1146,7 @@ class ShardServer:
 
     def close(self) -> None:
         if self.trace is not None:
-            self.trace.flush()
+            self.trace.close()
         self._close_links()
         if not self.router.closed:
             self.router.close(0)

@@ -260,12 +260,16 @@ class Attention(nn.Module):
 
     def _grouped_batch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """`_grouped` for a batched step: query row b (its H heads as G groups of H/G) attends
-        keys[b] (T, G, D), the keys of its own slot, under mask row b."""
-        b, g, d = q.shape[0], self.num_kv_heads, self.head_dim
-        qg = q.reshape(b, g, self.num_heads // g, d)  # (B, G, r, D)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # (B, G, r, T)
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        """`_grouped` for a batched step of S sequences of n rows (n = len(q) / len(keys): 1
+        for a batched decode step, more for a batched verify step): query row s * n + j (its H
+        heads as G groups of H/G) attends keys[s] (T, G, D), its sequence's, under mask row
+        s * n + j."""
+        s, g, d = keys.shape[0], self.num_kv_heads, self.head_dim
+        n, r, t = q.shape[0] // s, self.num_heads // g, keys.shape[1]
+        qg = q.reshape(s, n, g, r, d).transpose(1, 2).reshape(s, g, n * r, d)  # (S, G, n*r, D)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # (S, G, n*r, T)
+        seen = mask.view(s, 1, n, 1, t).expand(s, 1, n, r, t).reshape(s, 1, n * r, t)
+        scores = scores.masked_fill(~seen, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # (B, G, r, D)
-        return out.reshape(b, -1)
+        out = torch.matmul(probs, values.transpose(1, 2))  # (S, G, n*r, D)
+        return out.view(s, g, n, r, d).transpose(1, 2).reshape(s * n, -1)

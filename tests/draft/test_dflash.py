@@ -248,3 +248,42 @@ def test_batched_proposals_equal_each_alone(draft_dir, tiny_llama):
             pos[s] += 3
     with pytest.raises(ValueError, match="outside"):
         batched.propose_batch([(1, 5, 10, 3, 0, None), (2, 5, 70, 3, 0, None)])
+
+
+def test_a_failed_batched_proposal_leaves_each_context_as_it_was(draft_dir, monkeypatch):
+    """A batched step that fails (a capture out of memory, say) advances no context: the
+    proposals the draft process then computes one by one (`draft.server._prepare`'s fallback)
+    write the context rows the failed step did not, and equal a proposer's that never failed."""
+    from layersplit.shards.fused import fuse_projections
+
+    cfg = read_dflash_config(draft_dir)
+    g = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(320, 64, generator=g), torch.randn(320, 64, generator=g)
+    props = []
+    for _ in range(2):
+        model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
+        fuse_projections(model, compile=False)
+        p = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=True, bucket=16)
+        p.set_slots(3)
+        props.append(p)
+    solo, failing = props
+    feats = torch.randn(3, 60, cfg.width, generator=g)
+    for p in props:
+        for slot in range(3):
+            p.begin(slot)
+            p.write_features(slot, 0, 0, feats[slot])
+            p.propose(slot, 4, 6 + slot, 3)  # each context holds rows up to its position
+    reqs = [(0, 9, 9, 3, 0, None), (2, 7, 11, 3, 0, None)]
+
+    def boom(*args):
+        raise torch.cuda.OutOfMemoryError("out of memory (test)")
+
+    with monkeypatch.context() as m:
+        m.setattr(failing, "_graph_step_batch", boom)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            failing.propose_batch(reqs)
+    assert failing.done == solo.done
+    for r in reqs:
+        assert failing.propose(*r[:4]) == solo.propose(*r[:4])
+    for slot in (0, 2):
+        assert torch.equal(failing.kv.k[:, slot, :12], solo.kv.k[:, slot, :12])

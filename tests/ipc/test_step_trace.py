@@ -26,11 +26,30 @@ def _timeline():
     return mod
 
 
-def test_unset_means_no_trace(monkeypatch):
+def test_unset_means_no_trace_and_a_folder_that_cannot_be_used_is_left_alone(monkeypatch,
+                                                                                 tmp_path):
     monkeypatch.delenv(ENV, raising=False)
     assert step_trace("coordinator") is None
     monkeypatch.setenv(ENV, "")
     assert step_trace("coordinator") is None
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    monkeypatch.setenv(ENV, str(shared))
+    assert step_trace("coordinator") is None  # (not private: not used, not changed)
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o755 and not list(shared.iterdir())
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv(ENV, str(tmp_path / "file" / "sub"))
+    assert step_trace("coordinator") is None  # (an OSError: logged, no trace)
+    monkeypatch.setenv(ENV, str(tmp_path / "new"))
+    a, b = step_trace("coordinator"), step_trace("coordinator")  # two files of one process
+    a("send", 1)
+    a.close()
+    a("send", 2)  # (after close: nothing)
+    b.close()
+    files = sorted((tmp_path / "new").iterdir())
+    assert len(files) == 2 and all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
+    assert sum(len(f.read_text().splitlines()) for f in files) == 1
 
 
 @pytest.mark.slow
@@ -39,15 +58,20 @@ def test_a_split_run_traces_every_step_on_every_process(target, tmp_path, monkey
     monkeypatch.setenv(ENV, str(folder))
     cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
                         max_context=128, threads=1, draft="none", prefix_cache=False)
-    with Coordinator(cfg) as c:
-        out = c.generate(list(range(3, 40)), SamplingParams(max_tokens=6, ignore_eos=True))
-    assert len(out.tokens) == 6
+    for tokens in (6, 4):  # two runs in one folder: their sids are told apart
+        with Coordinator(cfg) as c:
+            out = c.generate(list(range(3, 40)),
+                             SamplingParams(max_tokens=tokens, ignore_eos=True))
+        assert len(out.tokens) == tokens
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-    names = sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir())
-    assert names == ["coordinator", "shard-0-3", "shard-3-6"]
+    names = sorted(p.name.rsplit("-", 2)[0] for p in folder.iterdir())
+    assert names == ["coordinator"] * 2 + ["shard-0-3"] * 2 + ["shard-3-6"] * 2
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in folder.iterdir())
     tl = _timeline()
-    events, kinds, shards = tl.load(folder)
+    runs = tl.load(folder)
+    assert len(runs) == 2
+    assert [sum(k == "decode" for k in run[1].values()) for run in runs] == [5, 3]
+    events, kinds, shards = runs[0]
     assert shards == ["shard-0-3", "shard-3-6"]
     # prefill chunks, then decode steps (the first token comes with the last chunk)
     assert sorted(set(kinds.values())) == ["decode", "prefill"]
@@ -60,7 +84,7 @@ def test_a_split_run_traces_every_step_on_every_process(target, tmp_path, monkey
     decode = got["decode"]
     for stage in ("to shard 0", "shard 0 queues its kernels", "hop to shard 1",
                   "shard 1 samples", "result to the coordinator", "total"):
-        assert decode[stage]["steps"] == sum(k == "decode" for k in kinds.values())
+        assert decode[stage]["steps"] == 5 + 3
         assert 0 <= decode[stage]["median_ms"] <= decode[stage]["p90_ms"]
     assert decode["total"]["median_ms"] >= decode["hop to shard 1"]["median_ms"]
 

@@ -118,3 +118,42 @@ def test_batched_verify_refuses_what_it_does_not_run(tiny_models):
         ex.static.run_verify_batch(x, [1, 2], [3, 4], [None, [0, 0, 0]])
     with pytest.raises(IndexError, match="block table"):
         ex.static.run_verify_batch(x, [1, 2], [3, MAX_LEN - 2], [None, None])
+
+
+def test_the_executor_maps_a_batched_step_back_to_its_segments(tiny_models, monkeypatch):
+    """`RangeExecutor._verify_batched` (what `run_segments` runs on a GPU): each verify
+    segment's output (every row's logits on the last range, the hidden rows elsewhere) and
+    tapped rows are its own, as alone; a batched step that fails leaves the segments to run
+    alone (a bad one fails there by name), and a failure of the step itself turns batching
+    off."""
+    from layersplit.shards.executor import Segment
+
+    path = tiny_models["llama"]
+    for layers in ((0, 6), (0, 3)):
+        solo, batched = _executor(path, *layers), _executor(path, *layers)
+        for ex in (solo, batched):
+            for slot, n in enumerate(LENS):
+                ex.run(_rows(ex.model, n, seed=slot), 0, slot)
+        segs = [Segment(1, LENS[1], 3, verify=True, tree=[0, 0], all_logits=True, taps={}),
+                Segment(3, LENS[3], 1),
+                Segment(0, LENS[0], 3, verify=True, all_logits=True, taps={})]
+        x = torch.cat([_rows(solo.model, s.n, seed=30 + i) for i, s in enumerate(segs)])
+        starts = [0, 3, 4, 7]
+        outs = [None] * 3
+        batched._verify_batched(x, segs, starts, outs)
+        assert outs[1] is None
+        for i in (0, 2):
+            taps: dict = {}
+            want = solo.run(x[starts[i]:starts[i + 1]], segs[i].pos, segs[i].slot,
+                            all_logits=True, taps=taps, verify=True, tree=segs[i].tree)
+            assert outs[i].shape == want.shape and _close(outs[i], want), (layers, i)
+            assert set(segs[i].taps) == set(taps) and all(
+                _close(segs[i].taps[k], v) for k, v in taps.items())
+    for error, stays in ((IndexError("rows outside"), True), (RuntimeError("boom"), False)):
+        def fail(*args, error=error):
+            raise error
+
+        monkeypatch.setattr(batched.static, "run_verify_batch", fail)
+        outs = [None] * 3
+        batched._verify_batched(x, segs, starts, outs)
+        assert outs == [None] * 3 and batched.batch_verify is stays

@@ -5,6 +5,7 @@ the context has one, linear up to 16 buckets, then 8 per doubling, so a step att
 from __future__ import annotations
 
 import pytest
+import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.graphs import kv_buckets
@@ -78,3 +79,27 @@ def test_graphs_past_their_budget_go_least_recently_used_first():
     assert list(graphs) == ["a", "d"]
     keep_recent(graphs, "e", 20, 10, lambda e: e)  # alone past the budget: kept, the rest go
     assert list(graphs) == ["e"]
+
+
+def test_warm_leaves_the_scratch_block_finite_on_the_torch_path(tiny_llama, monkeypatch):
+    """`warm`'s capture runs (simulated here: the CPU captures nothing) of verify and batched
+    verify steps write through the scratch block. On the torch attention path (the Triton
+    kernels off: ROCm, LAYERSPLIT_FUSED_KERNELS=0) a row that saw no key at all would write NaN
+    rows there, which every later step reading past its table's end would carry into its
+    output: every row of those runs sees a key."""
+    from layersplit.shards import graphs
+
+    model = load_layer_range(open_checkpoint(tiny_llama), 0, 6)
+    ex = RangeExecutor(model, 256, 3, static_decode=True, graph_bucket=32, paged=(48, 16))
+    static = ex.static
+    monkeypatch.setattr(graphs, "capture", lambda fn, pool: (None, fn()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    static.capture = True
+    captured, _ = static.warm((1, 4), 3, verify_batch=3)
+    assert captured == len(static.warm_plan((1, 4), 3, verify_batch=3)[0])
+    assert any(kind == "vbatch" for kind, *_ in static.warm_plan((1, 4), 3, verify_batch=3)[0])
+    assert torch.isfinite(ex.kv.k_store).all() and torch.isfinite(ex.kv.v_store).all()
+    static.capture = False
+    ex.kv.set_table(0, 0, [5])  # a step at row 3 of a 16-row table reads 29 keys past it
+    ex.run(torch.arange(3, 6), 0, 0)
+    assert torch.isfinite(ex.run(torch.tensor([7]), 3, 0)).all()
