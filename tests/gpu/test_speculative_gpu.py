@@ -68,25 +68,34 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
     assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
-@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
-def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
-    """The captured step, compiled and not (`draft_compile`, off under `generate`)."""
+def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool):
+    """A random 2-layer DFlash draft of the tiny target as an eager proposer and a captured
+    one (float32, on cuda:0), `contexts` contexts each, and seeded feature rows for each."""
     target = read_hf_config(tiny_llama)
     path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
     cfg = read_dflash_config(path)
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(320, 64, generator=g).cuda()
     head = torch.randn(320, 64, generator=g).cuda()
-    feats = torch.randn(120, cfg.width, generator=g).cuda()
+    feats = torch.randn(contexts, 120, cfg.width, generator=g).cuda()
     dev = torch.device("cuda:0")
     eager = DFlashProposer(load_dflash(path, cfg, torch.float32, dev), embed, head, 128, dev,
                            graphs=False)
     model = load_dflash(path, cfg, torch.float32, dev)
     fuse_projections(model, compile=False)
     graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32, compile=compile)
-    assert graph.capture and graph.compiled == compile
     for p in (eager, graph):
-        p.write_features(0, 0, 0, feats)
+        p.set_slots(contexts)
+        for slot in range(contexts):
+            p.write_features(slot, 0, 0, feats[slot])
+    return eager, graph
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
+def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
+    """The captured step, compiled and not (`draft_compile`, off under `generate`)."""
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 1, compile)
+    assert graph.capture and graph.compiled == compile
     for pos in (20, 21, 24, 30, 57, 100):
         a = eager.logits(0, 7, pos, 3)
         b = graph.logits(0, 7, pos, 3)
@@ -97,23 +106,7 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
 def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path):
     """Several contexts' proposals as one captured step (`propose_batch`: the draft process
     batches the verdicts of one batched verify step) against the eager proposal of each."""
-    target = read_hf_config(tiny_llama)
-    path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
-    cfg = read_dflash_config(path)
-    g = torch.Generator().manual_seed(0)
-    embed = torch.randn(320, 64, generator=g).cuda()
-    head = torch.randn(320, 64, generator=g).cuda()
-    feats = torch.randn(4, 120, cfg.width, generator=g).cuda()
-    dev = torch.device("cuda:0")
-    eager = DFlashProposer(load_dflash(path, cfg, torch.float32, dev), embed, head, 128, dev,
-                           graphs=False)
-    model = load_dflash(path, cfg, torch.float32, dev)
-    fuse_projections(model, compile=False)
-    graph = DFlashProposer(model, embed, head, 128, dev, graphs=True, bucket=32, compile=False)
-    for p in (eager, graph):
-        p.set_slots(4)
-        for slot in range(4):
-            p.write_features(slot, 0, 0, feats[slot])
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False)
     assert graph.batches(3)
     for rnd, (slots, positions) in enumerate([([0, 2, 3], [20, 33, 9]), ([3, 1], [13, 100]),
                                                ([1, 0, 2, 3], [104, 24, 37, 17])]):
