@@ -272,7 +272,8 @@ class Coordinator:
                 addresses.append(addr)
                 proc = spawn_shard(s, addr, str(self.model_path), self.dtype,
                                    threads if s.device == "cpu" else None, self.secret,
-                                   self._run_dir, cfg.random_seed, self.prestarted)
+                                   self._run_dir, cfg.random_seed, self.prestarted,
+                                   cfg.fork_cpu_processes)
                 self.procs.append(proc)
             if self.draft_path is not None:
                 self._spawn_draft(threads)
@@ -496,7 +497,8 @@ class Coordinator:
             addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if cfg.local_addresses == "tcp"
                     else f"ipc://{self._run_dir}/draft.sock")
             self._draft_proc = spawn_draft(addr, self._draft_argv(threads), self.draft_device,
-                                           self.secret, self._run_dir, self.prestarted)
+                                           self.secret, self._run_dir, self.prestarted,
+                                           cfg.fork_cpu_processes)
             heartbeat = None
         sock = connect_dealer(self._ctx, addr, self.secret,
                               identity=b"coord-" + self.session[:8], heartbeat_s=heartbeat)

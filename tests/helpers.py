@@ -85,7 +85,9 @@ def layersplit_shm() -> set[str]:
 
 
 def shard_children(pid: int | None = None) -> list[psutil.Process]:
-    """Live shard processes started by `pid` (default: this process)."""
+    """Live shard (and draft) processes started by `pid` (default: this process): spawned ones
+    (`python -m layersplit.launch.cli ...`) and those forked from a zygote (`runtime.zygote`;
+    their command line is the zygote's), not the zygote itself."""
     try:
         kids = psutil.Process(pid or os.getpid()).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -93,7 +95,11 @@ def shard_children(pid: int | None = None) -> list[psutil.Process]:
     out = []
     for k in kids:
         try:
-            if "launch.cli" in " ".join(k.cmdline()) and k.status() != psutil.STATUS_ZOMBIE:
+            forked = k.ppid() != k.pid and "runtime.zygote" in " ".join(
+                psutil.Process(k.ppid()).cmdline()) and \
+                "runtime.zygote" in " ".join(k.cmdline())
+            if ("launch.cli" in " ".join(k.cmdline()) or forked) and \
+                    k.status() != psutil.STATUS_ZOMBIE:
                 out.append(k)
         except psutil.NoSuchProcess:
             pass

@@ -292,8 +292,7 @@ def test_invalid_placement_cli_exit_code(tiny_llama):
 
 
 def test_psutil_sees_no_leftovers():
-    assert [p for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and "launch.cli" in " ".join(p.cmdline())] == []
+    assert shard_children() == []
 
 
 @pytest.mark.slow

@@ -54,7 +54,9 @@ def cluster():
         **NODE, "resources": {"node_a": 4}, "include_dashboard": False})
     _add_node_b(c)
     ray.init(address=c.address, log_to_driver=False)
-    pids = [p.pid for p in psutil.Process().children(recursive=True)]
+    # the cluster's processes (not the zygote this session's CPU shards fork from, nor those)
+    pids = [p.pid for p in psutil.Process().children(recursive=True)
+            if "runtime.zygote" not in " ".join(p.cmdline())]
     for pid in pids:  # every socket of the cluster is on loopback
         try:
             conns = psutil.Process(pid).net_connections(kind="inet")
