@@ -5,6 +5,7 @@ that dies or sends garbage costs speculation, never tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -162,17 +163,136 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
         assert progress.spec.prepared > 0
 
 
-@pytest.mark.slow
-def test_deterministic_mode_reaches_the_shards_and_speculation_stays_plain(target, fitted):
-    """`deterministic = true` travels to every shard (verify rows one at a time through the
-    plain decode step; on a GPU its captured graph: `tests/shards/test_executor_deterministic.py`
-    on CPU, the speculation GPU tests on a GPU) and output equals plain decoding."""
-    with Coordinator(_cfg(target, 2, fitted, deterministic=True)) as coord:
-        assert [s["deterministic"] for s in coord.shard_info()] == [True, True]
-        stats = _compare(coord, _prompts(coord.tokenizer)[:1])
-        assert stats.acceptance_length > 1.3
-    with Coordinator(_cfg(target, 2, fitted)) as coord:
-        assert [s["deterministic"] for s in coord.shard_info()] == [False, False]
+class TestOneDefaultChain:
+    """Tests that leave a two-shard chain with the fitted draft, configured by default, as they
+    found it (no process killed or stopped, the draft kept, nothing cached: `use_cache=False`)
+    share one (`chain`): its start is most of a short test's time. Closed, and checked to leave
+    no process behind, when the last of them is done (a class fixture: no other test of this
+    module runs beside it)."""
+
+    @pytest.fixture(scope="class")
+    def chain(self, target, fitted):
+        before = layersplit_shm()
+        with Coordinator(_cfg(target, 2, fitted)) as coord:
+            yield coord
+        assert shard_children() == []
+        assert layersplit_shm() - before == set()
+
+    @pytest.mark.slow
+    def test_deterministic_mode_reaches_the_shards_and_speculation_stays_plain(
+            self, target, fitted, chain):
+        """`deterministic = true` travels to every shard (verify rows one at a time through
+        the plain decode step; on a GPU its captured graph:
+        `tests/shards/test_executor_deterministic.py` on CPU, the speculation GPU tests on a
+        GPU) and output equals plain decoding."""
+        with Coordinator(_cfg(target, 2, fitted, deterministic=True)) as coord:
+            assert [s["deterministic"] for s in coord.shard_info()] == [True, True]
+            stats = _compare(coord, _prompts(coord.tokenizer)[:1])
+            assert stats.acceptance_length > 1.3
+        assert [s["deterministic"] for s in chain.shard_info()] == [False, False]
+
+    @pytest.mark.slow
+    def test_feature_rows_come_from_the_right_shards(self, target, chain):
+        """The draft's rows are bit-equal to the reference's rows of the tapped layers (layer 1
+        from shard 0, layer 4 from shard 1) at every committed position: prompt rows, and the
+        rows of verify steps, kept draft tokens included."""
+        ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
+        prompt = _prompts(ref.tokenizer)[0]
+        coord = chain
+        assert [s.get("transport_out") for s in coord.shard_info()] == ["shm", "none"]
+        out = coord.generate(prompt, GREEDY, use_cache=False)
+        assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
+        committed = len(prompt) + len(out.tokens) - 1
+        reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
+                                            sync=coord.feat_sid(0)))
+        rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
+        seq = prompt + out.tokens[:-1]
+        ckpt = open_checkpoint(target)
+        ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 256, taps=(1, 4))
+        want = []
+        for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
+            taps = {}
+            ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
+            want.append(torch.cat([taps[1], taps[4]], dim=-1))
+        for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
+            taps = {}
+            ex.run(torch.tensor([seq[p]]), p, taps=taps)
+            want.append(torch.cat([taps[1], taps[4]], dim=-1))
+        want = torch.cat(want).numpy()
+        assert rows.shape == want.shape
+        assert np.array_equal(rows, want)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("n", [1, 2, 3])
+    def test_proposals_handed_to_the_first_shard_equal_asked_ones(self, target, fitted, n,
+                                                                  request):
+        """The draft hands the proposals it prepares from verdicts to the first shard
+        (`spec_push`, on by default where the first shard feeds it): the same tokens, the same
+        acceptance as when the coordinator asks for each, and most steps got theirs that way.
+        (With two shards, the run that hands them over is the shared chain's: the default.)"""
+        runs = {}
+        for push in (True, False):
+            cfg = _cfg(target, n, fitted, spec_push=push)
+            shared = cfg == _cfg(target, 2, fitted)
+            with (contextlib.nullcontext(request.getfixturevalue("chain")) if shared
+                  else Coordinator(cfg)) as coord:
+                assert coord.push_drafts is push
+                prompt = _prompts(coord.tokenizer)[0]
+                progress = Progress()
+                runs[push] = (collect(coord.stream(prompt, GREEDY, progress, use_cache=False),
+                                      progress, len(prompt)), progress.spec)
+        (pushed, stats), (asked, _) = runs[True], runs[False]
+        assert pushed.tokens == asked.tokens
+        assert pushed.acceptance_length == asked.acceptance_length > 1.5
+        # every verify step after the first of each run of them got its proposal from the draft
+        assert stats.prepared >= stats.verifies - 3 > 0
+
+    @pytest.mark.slow
+    def test_logprobs_under_speculation_equal_plain(self, chain):
+        """Logprobs of a speculated request come from its verify steps' rows (kept tokens from
+        their parent rows in the token tree): equal to plain decoding's, greedy and sampled."""
+        from layersplit.runtime.decoding import Decoding
+
+        coord = chain
+        prompt = _prompts(coord.tokenizer)[0]
+        for params in (GREEDY, SAMPLED):
+            got = {}
+            for spec in (False, True):
+                progress = Progress()
+                req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
+                                   decoding=Decoding(logprobs=3))
+                collect(coord.deltas(req), progress, len(prompt))
+                assert (progress.spec is not None and progress.spec.verifies > 0) == spec
+                got[spec] = progress
+            plain, spec = got[False], got[True]
+            assert spec.generated == plain.generated
+            assert len(spec.logprobs) == len(plain.logprobs) >= len(plain.generated)
+            for a, b in zip(spec.logprobs, plain.logprobs):
+                assert a[0] == b[0] and a[2] == b[2]  # the token and its top 3
+                assert a[1] == pytest.approx(b[1], abs=1e-5)
+                assert a[3] == pytest.approx(b[3], abs=1e-5)
+            assert spec.spec.accepted_at[0] > 0  # kept draft tokens had their logprobs
+        # a request with a logits processor runs plainly, even when asked to speculate
+        progress = Progress()
+        req = coord.submit(prompt, GREEDY, progress, use_cache=False, speculative=True,
+                           decoding=Decoding(logit_bias=((5, 0.5),)))
+        collect(coord.deltas(req), progress, len(prompt))
+        assert progress.spec is None and len(progress.generated) == GREEDY.max_tokens
+        # so does a grammar's: its output is the one asked not to speculate
+        from layersplit.runtime.grammar import GrammarCompiler
+
+        comp = GrammarCompiler(coord.tokenizer, coord.model_config.vocab_size, coord.eos_ids)
+        schema = comp.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                   "required": ["a"], "additionalProperties": False})
+        params = SamplingParams(max_tokens=12)
+        outs = {}
+        for spec in (True, False):
+            progress = Progress()
+            req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
+                               decoding=Decoding(grammar=lambda: comp.matcher(schema)))
+            outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
+            assert progress.spec is None
+        assert outs[True] == outs[False] and outs[True].startswith('{"a":')
 
 
 @pytest.mark.slow
@@ -190,38 +310,6 @@ def test_plain_and_speculative_equal_the_reference(target, near):
     want = ref.generate(prompt, GREEDY).tokens
     with Coordinator(_cfg(target, 2, near)) as coord:
         assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
-
-
-@pytest.mark.slow
-def test_feature_rows_come_from_the_right_shards(target, fitted):
-    """The draft's rows are bit-equal to the reference's rows of the tapped layers (layer 1 from
-    shard 0, layer 4 from shard 1) at every committed position: prompt rows, and the rows of
-    verify steps, kept draft tokens included."""
-    ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
-    prompt = _prompts(ref.tokenizer)[0]
-    with Coordinator(_cfg(target, 2, fitted)) as coord:
-        assert [s.get("transport_out") for s in coord.shard_info()] == ["shm", "none"]
-        out = coord.generate(prompt, GREEDY, use_cache=False)
-        assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
-        committed = len(prompt) + len(out.tokens) - 1
-        reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
-                                            sync=coord.feat_sid(0)))
-        rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
-    seq = prompt + out.tokens[:-1]
-    ckpt = open_checkpoint(target)
-    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 256, taps=(1, 4))
-    want = []
-    for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
-        taps = {}
-        ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
-        want.append(torch.cat([taps[1], taps[4]], dim=-1))
-    for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
-        taps = {}
-        ex.run(torch.tensor([seq[p]]), p, taps=taps)
-        want.append(torch.cat([taps[1], taps[4]], dim=-1))
-    want = torch.cat(want).numpy()
-    assert rows.shape == want.shape
-    assert np.array_equal(rows, want)
 
 
 @pytest.mark.slow
@@ -285,27 +373,6 @@ def test_draft_killed_mid_request_generation_goes_on(target, near):
         assert again.tokens == want and again.acceptance_length is None
     assert shard_children() == []
     assert layersplit_shm() - before == set()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_proposals_handed_to_the_first_shard_equal_asked_ones(target, fitted, n):
-    """The draft hands the proposals it prepares from verdicts to the first shard (`spec_push`,
-    on by default where the first shard feeds it): the same tokens, the same acceptance as when
-    the coordinator asks for each, and most steps got theirs that way."""
-    runs = {}
-    for push in (True, False):
-        with Coordinator(_cfg(target, n, fitted, spec_push=push)) as coord:
-            assert coord.push_drafts is push
-            prompt = _prompts(coord.tokenizer)[0]
-            progress = Progress()
-            runs[push] = (collect(coord.stream(prompt, GREEDY, progress, use_cache=False),
-                                  progress, len(prompt)), progress.spec)
-    (pushed, stats), (asked, _) = runs[True], runs[False]
-    assert pushed.tokens == asked.tokens
-    assert pushed.acceptance_length == asked.acceptance_length > 1.5
-    # every verify step after the first of each run of them got its proposal from the draft
-    assert stats.prepared >= stats.verifies - 3 > 0
 
 
 @pytest.mark.slow
@@ -414,11 +481,14 @@ def test_configuring_an_incompatible_draft_fails_before_serving(target, tmp_path
 @pytest.mark.network
 def test_bundled_draft_on_the_default_model(default_model, tmp_path):
     """The trained draft: lossless, real acceptance (a random draft commits 1.0 tokens per
-    verify; this one about 1.8 on this prompt as a chain), and the same acceptance after a
-    restart restores the prompt from disk. (A chain: on CPUs a verify step runs its rows one by
-    one, and the draft's 31-node tree made this test take a minute.)"""
+    verify; this one about 1.74 on this prompt as a chain of 3 draft tokens, 1.82 with its 7),
+    and the same acceptance after a restart restores the prompt from disk. (A short chain: on
+    CPUs a verify step runs its rows one by one, so each verify step costs `spec_block` decode
+    steps; the draft's 31-node tree made this test take a minute, its 8-row block 35 s, and it
+    rarely keeps more than 3 draft tokens here.)"""
     cfg = RuntimeConfig(model=str(default_model), devices=("cpu", "cpu"), draft="default",
-                        max_context=512, threads=1, kv_cache_dir=str(tmp_path), spec_tree=0)
+                        max_context=512, threads=1, kv_cache_dir=str(tmp_path), spec_tree=0,
+                        spec_block=4)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     with Coordinator(cfg) as coord:
         tok = coord.tokenizer
@@ -487,51 +557,3 @@ def test_a_dflash_draft_needs_its_feeding_shards_here(target, fitted):
         Coordinator(cfg)
     auto = _cfg(target, 2, "auto", shard_addresses=("", "tcp://10.0.0.2:7700"))
     assert Coordinator(auto).draft_path is None  # (no default model: auto is off anyway)
-
-
-@pytest.mark.slow
-def test_logprobs_under_speculation_equal_plain(target, fitted):
-    """Logprobs of a speculated request come from its verify steps' rows (kept tokens from
-    their parent rows in the token tree): equal to plain decoding's, greedy and sampled."""
-    from layersplit.runtime.decoding import Decoding
-
-    with Coordinator(_cfg(target, 2, fitted)) as coord:
-        prompt = _prompts(coord.tokenizer)[0]
-        for params in (GREEDY, SAMPLED):
-            got = {}
-            for spec in (False, True):
-                progress = Progress()
-                req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
-                                   decoding=Decoding(logprobs=3))
-                collect(coord.deltas(req), progress, len(prompt))
-                assert (progress.spec is not None and progress.spec.verifies > 0) == spec
-                got[spec] = progress
-            plain, spec = got[False], got[True]
-            assert spec.generated == plain.generated
-            assert len(spec.logprobs) == len(plain.logprobs) >= len(plain.generated)
-            for a, b in zip(spec.logprobs, plain.logprobs):
-                assert a[0] == b[0] and a[2] == b[2]  # the token and its top 3
-                assert a[1] == pytest.approx(b[1], abs=1e-5)
-                assert a[3] == pytest.approx(b[3], abs=1e-5)
-            assert spec.spec.accepted_at[0] > 0  # kept draft tokens had their logprobs
-        # a request with a logits processor runs plainly, even when asked to speculate
-        progress = Progress()
-        req = coord.submit(prompt, GREEDY, progress, use_cache=False, speculative=True,
-                           decoding=Decoding(logit_bias=((5, 0.5),)))
-        collect(coord.deltas(req), progress, len(prompt))
-        assert progress.spec is None and len(progress.generated) == GREEDY.max_tokens
-        # so does a grammar's: its output is the one asked not to speculate
-        from layersplit.runtime.grammar import GrammarCompiler
-
-        comp = GrammarCompiler(coord.tokenizer, coord.model_config.vocab_size, coord.eos_ids)
-        schema = comp.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
-                                   "required": ["a"], "additionalProperties": False})
-        params = SamplingParams(max_tokens=12)
-        outs = {}
-        for spec in (True, False):
-            progress = Progress()
-            req = coord.submit(prompt, params, progress, use_cache=False, speculative=spec,
-                               decoding=Decoding(grammar=lambda: comp.matcher(schema)))
-            outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
-            assert progress.spec is None
-        assert outs[True] == outs[False] and outs[True].startswith('{"a":')

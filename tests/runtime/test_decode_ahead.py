@@ -44,9 +44,12 @@ def _prompt(reference, i: int = 0) -> list[int]:
     return reference.tokenizer.encode(text + "<|im_start|>assistant\n")
 
 
+# one shard has no edge for a transport to carry (`runtime.placement`): one run of it, not two
+CHAINS = [(1, "shm"), (2, "shm"), (2, "zmq"), (3, "shm"), (3, "zmq")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shards", [1, 2, 3])
-@pytest.mark.parametrize("transport", ["shm", "zmq"])
+@pytest.mark.parametrize("shards,transport", CHAINS, ids=[f"{t}-{n}" for n, t in CHAINS])
 def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, shards, transport):
     before = layersplit_shm()
     prompt = _prompt(reference)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import struct
 import subprocess
@@ -27,6 +28,7 @@ from tests.helpers import (
     layersplit_shm,
     run_logged,
     shard_children,
+    wait_gone,
 )
 
 CHUNK = 16
@@ -45,6 +47,25 @@ def ref(tiny_llama):
 def prompts(ref):
     base = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)
     return base, base + ref.tokenizer.encode(" and then it ran far away into the woods")
+
+
+@pytest.fixture(scope="module")
+def short_entries(tiny_llama, prompts, tmp_path_factory) -> Path:
+    """The cache directory a two-shard chain leaves after a greedy run of the short prompt:
+    its two entries (the last chunk boundary and the whole prompt, a delta child), written
+    once for the tests that start from them (`with_short_entries` copies them, modes and
+    all, into a test's own directory)."""
+    d = tmp_path_factory.mktemp("short-entries")
+    with Coordinator(cfg(tiny_llama, 2, d)) as c:
+        c.generate(prompts[0], GREEDY)
+    assert len(entries(d)) == 2
+    return d
+
+
+def with_short_entries(short_entries: Path, d: Path) -> None:
+    """`d` as a two-shard chain leaves it after a greedy run of the short prompt (what
+    `with Coordinator(cfg(tiny_llama, 2, d)) as c: c.generate(short, GREEDY)` writes)."""
+    shutil.copytree(short_entries, d, dirs_exist_ok=True)
 
 
 def cfg(model, n=2, cache_dir=None, **kw):
@@ -88,11 +109,10 @@ def test_ram_and_disk_hits_equal_cold(tiny_llama, ref, prompts, tmp_path, n):
 
 
 @pytest.mark.slow
-def test_cross_split_restore(tiny_llama, ref, prompts, tmp_path):
+def test_cross_split_restore(tiny_llama, ref, prompts, short_entries, tmp_path):
     short, longer = prompts
     want = run_logged(ref, longer, GREEDY)
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        c.generate(short, GREEDY)
+    with_short_entries(short_entries, tmp_path)  # a 2-shard chain's entries
     # 1 shard reads the 2-shard files (and writes the longer prompt's entries), then an uneven
     # 3-shard split reads the 1-shard file: an exact hit, no forward pass
     for n, split, cached in ((1, None, len(short) // CHUNK * CHUNK), (3, (1, 3, 2), len(longer))):
@@ -203,10 +223,10 @@ def _corrupt(path: Path, how: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncate", "flip", "header", "garbage", "checksums"])
-def test_corrupt_files_are_misses(tiny_llama, ref, prompts, tmp_path, how, caplog):
-    short, longer = prompts
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        c.generate(short, GREEDY)
+def test_corrupt_files_are_misses(tiny_llama, ref, prompts, short_entries, tmp_path, how,
+                                  caplog):
+    _, longer = prompts
+    with_short_entries(short_entries, tmp_path)
     root = [f for f in entries(tmp_path) if not safe_open(str(f), "pt").metadata()["parent"]][0]
     _corrupt(root, how)
     caplog.set_level(logging.WARNING)
@@ -278,9 +298,10 @@ def test_kill9_mid_save_leaves_no_partial_entry(tiny_llama, ref, tmp_path):
         while not list(tmp_path.glob("*.tmp")) and not entries(tmp_path) and \
                 time.monotonic() < deadline:
             time.sleep(0.001)
+        kids = [k.pid for k in shard_children(p.pid)]
         p.kill()
         p.wait(10)
-        time.sleep(1.0)  # the orphaned shards notice and exit
+        assert wait_gone(kids, 10) == []  # the orphaned shards notice and exit
         for f in entries(tmp_path):  # whatever is visible is complete and correct
             assert verify(f) is None, f
     with Coordinator(cfg(tiny_llama, 2, tmp_path, max_context=4096)) as c:
@@ -326,10 +347,8 @@ def test_size_caps_evict_leaves_first(tiny_llama, ref, tmp_path):
         assert c.cache.stats.evicted_disk > 0 and c.cache.stats.evicted_ram > 0
 
 
-def test_cache_cli(tiny_llama, prompts, tmp_path):
-    short, _ = prompts
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        c.generate(short, GREEDY)
+def test_cache_cli(short_entries, tmp_path):
+    with_short_entries(short_entries, tmp_path)
     run = lambda *a: subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "cache", *a],  # noqa
                                     capture_output=True, text=True, timeout=60)
     out = run("ls", str(tmp_path))
@@ -343,12 +362,11 @@ def test_cache_cli(tiny_llama, prompts, tmp_path):
 
 
 @pytest.mark.slow
-def test_slow_disk_is_not_read(tiny_llama, ref, prompts, tmp_path):
+def test_slow_disk_is_not_read(tiny_llama, ref, prompts, short_entries, tmp_path):
     """When the measured disk rate makes a restore slower than the measured prefill, the
     runtime prefills instead (and the output is the same)."""
     short, longer = prompts
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        c.generate(short, GREEDY)
+    with_short_entries(short_entries, tmp_path)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         assert c.cache.choose(len(short), len(short), 10**6) == "restore"  # rates unknown
         c.cache.note_prefill(len(short), len(short), 0.01)  # a fast prefill
@@ -362,12 +380,12 @@ def test_slow_disk_is_not_read(tiny_llama, ref, prompts, tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_hit_with_one_token_then_other_prompt(tiny_llama, ref, prompts, tmp_path):
+def test_disk_hit_with_one_token_then_other_prompt(tiny_llama, ref, prompts, short_entries,
+                                                   tmp_path):
     """A disk restore whose request ends at its first token must not leave a pending RAM copy
     that would later snapshot another prompt's rows under the old key."""
     short, longer = prompts
-    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
-        c.generate(short, GREEDY)
+    with_short_entries(short_entries, tmp_path)
     other = ref.tokenizer.encode("a completely different prompt about cats and mice " * 3)
     with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
         r = c.generate(short, SamplingParams(max_tokens=1, ignore_eos=True))
