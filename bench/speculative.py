@@ -66,7 +66,8 @@ def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         draft_device: str | None = None, push: bool = True,
-        sampling: str = "coupled", deterministic: bool = False) -> list[dict]:
+        sampling: str = "coupled", deterministic: bool = False,
+        micro_batches: int = 0) -> list[dict]:
     """One row per prompt set."""
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
@@ -74,6 +75,7 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
                         spec_sampling=sampling, deterministic=deterministic,
+                        micro_batches=micro_batches,
                         **({"max_seqs": args.streams, "spec_max_seqs": args.streams}
                            if args.streams > 1 else {}))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
@@ -84,7 +86,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             + ("" if draft_device is None else f" on {draft_device}")
             + ("" if push else " push off")
             + ("" if params.greedy or draft == "none" else f" {sampling}")
-            + (" deterministic" if deterministic else ""))
+            + (" deterministic" if deterministic else "")
+            + (f" micro_batches={micro_batches}" if micro_batches else ""))
     rows = []
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
@@ -200,6 +203,9 @@ def main() -> int:
                    "against the default mode's plain decoding, the first row)")
     p.add_argument("--streams", type=int, default=1, help="decode the prompts this many at a "
                    "time in one batch, each speculating (spec_max_seqs): aggregate tok/s")
+    p.add_argument("--spec-micro-batches", type=int, default=0, help="micro_batches of the "
+                   "drafts' runs (plain decoding keeps the default, 0: auto, one group per "
+                   "shard): with --streams, how the speculating streams share the chain")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -221,7 +227,8 @@ def main() -> int:
                 for place in places:
                     for push in pushes:
                         for s in modes:
-                            group += run(args, d, plain, t, place, push, s, det)
+                            group += run(args, d, plain, t, place, push, s, det,
+                                         args.spec_micro_batches)
                             for r in group[-len(base):]:  # as each finishes: a cut run keeps them
                                 print(f"run {rep}, {r['set']}, {r['draft']}: "
                                       f"{r['decode_tok_s']:.1f} tok/s, "

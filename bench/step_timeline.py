@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 ROLE = re.compile(r"^(coordinator|draft|shard-(\d+)-(\d+))-\d+-\d+\.jsonl$")
-Run = tuple[dict[str, dict[int, dict[str, float]]], dict[int, str], list[str]]
+Run = tuple[dict[str, dict[int, dict[str, float]]], dict[int, str], list[str], dict[int, dict]]
 
 
 def _read(path: Path) -> list[tuple[float, str, int, dict]]:
@@ -34,7 +34,8 @@ def _read(path: Path) -> list[tuple[float, str, int, dict]]:
 
 def load(folder: Path) -> list[Run]:
     """One entry per coordinator (its sids start again at 1): (role -> sid -> event -> first
-    time, sid -> the coordinator's kind of step, the shards' roles in chain order). A shard's or
+    time, sid -> the coordinator's kind of step, the shards' roles in chain order, sid -> the
+    details of the coordinator's send: rows, seqs). A shard's or
     the draft's file belongs to the coordinator whose events span its first event's time (else
     the last one started before it): the processes a coordinator starts live inside its run."""
     coords, others = [], []
@@ -55,26 +56,28 @@ def load(folder: Path) -> list[Run]:
     for lines in coords:
         events: dict[str, dict[int, dict[str, float]]] = collections.defaultdict(
             lambda: collections.defaultdict(dict))
-        kinds = {}
+        kinds, sent = {}, {}
         for t, event, sid, details in lines:
             if sid is not None:
                 events["coordinator"][sid].setdefault(event, t)
                 if event == "send":
                     kinds[sid] = details.get("kind", "?")
-        runs.append((events, kinds, {}))
+                    sent[sid] = details
+        runs.append((events, kinds, {}, sent))
     for role, start, lines in others:
         t0 = lines[0][0]
         inside = [i for i, c in enumerate(coords) if c[0][0] <= t0 <= c[-1][0]]
         before = [i for i, c in enumerate(coords) if c[0][0] <= t0]
         if not inside and not before:
             continue
-        events, _, shards = runs[(inside or before)[-1]]
+        events, _, shards, _ = runs[(inside or before)[-1]]
         if start is not None:
             shards[role] = start
         for t, event, sid, _ in lines:
             if sid is not None:
                 events[role][sid].setdefault(event, t)
-    return [(events, kinds, sorted(shards, key=shards.get)) for events, kinds, shards in runs]
+    return [(events, kinds, sorted(shards, key=shards.get), sent)
+            for events, kinds, shards, sent in runs]
 
 
 def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
@@ -114,7 +117,7 @@ def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     """kind -> stage -> {median_ms, p90_ms, steps}, over every run in the folder."""
     per: dict[str, dict[str, list[float]]] = collections.defaultdict(
         lambda: collections.defaultdict(list))
-    for events, kinds, shards in load(folder):
+    for events, kinds, shards, _ in load(folder):
         for sid, kind in kinds.items():
             for label, dt in stages(events, shards, sid).items():
                 per[kind][label].append(dt)
@@ -126,6 +129,45 @@ def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
             out[kind][label] = {"median_ms": 1000 * statistics.median(xs),
                                 "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))],
                                 "steps": len(xs)}
+    return out
+
+
+def flow(folder: Path) -> dict[str, dict[str, float]]:
+    """How full the chain was: per kind of step, its count and the mean sequences and rows of
+    one; over every run, the time the coordinator had n steps in flight (send to result), as a
+    share of the runs' time from their first send to their last result ("in flight n"), and
+    the steps sent per second of that time. Speculating streams that share a chain should keep
+    several steps in flight, each of several sequences."""
+    per: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    spans: dict[int, float] = collections.Counter()
+    total = 0.0
+    steps = 0
+    for events, kinds, _, sent in load(folder):
+        edges = []
+        for sid, kind in kinds.items():
+            d = sent.get(sid, {})
+            per[kind]["seqs"].append(float(d.get("seqs", 0)))
+            per[kind]["rows"].append(float(d.get("rows", 0)))
+            c = events["coordinator"].get(sid, {})
+            if "send" in c and "result" in c:
+                edges += [(c["send"], 1), (c["result"], -1)]
+        if not edges:
+            continue
+        edges.sort()
+        level, t_prev = 0, edges[0][0]
+        for t, step in edges:
+            spans[level] += t - t_prev
+            level, t_prev = level + step, t
+        total += edges[-1][0] - edges[0][0]
+        steps += len(edges) // 2
+    out: dict[str, dict[str, float]] = {}
+    for kind, by in per.items():
+        out[kind] = {"steps": len(by["seqs"]), "mean seqs": statistics.fmean(by["seqs"]),
+                     "mean rows": statistics.fmean(by["rows"])}
+    if total > 0:
+        out["chain"] = {f"in flight {n}": spans[n] / total for n in sorted(spans)}
+        out["chain"]["steps per s"] = steps / total
     return out
 
 
@@ -144,8 +186,14 @@ def main() -> int:
         print("| stage | median ms | p90 ms | steps |\n|---|---:|---:|---:|")
         for label, v in by.items():
             print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+    full = flow(args.folder)
+    print("\nhow full the chain was")
+    print("| | value |\n|---|---:|")
+    for kind, by in full.items():
+        for label, v in by.items():
+            print(f"| {kind}: {label} | {v:.3f} |")
     if args.json is not None:
-        args.json.write_text(json.dumps(got, indent=1))
+        args.json.write_text(json.dumps({**got, "flow": full}, indent=1))
     return 0
 
 

@@ -71,7 +71,8 @@ def test_a_split_run_traces_every_step_on_every_process(target, tmp_path, monkey
     runs = tl.load(folder)
     assert len(runs) == 2
     assert [sum(k == "decode" for k in run[1].values()) for run in runs] == [5, 3]
-    events, kinds, shards = runs[0]
+    events, kinds, shards, sent = runs[0]
+    assert all(sent[sid]["seqs"] == 1 for sid in kinds)
     assert shards == ["shard-0-3", "shard-3-6"]
     # prefill chunks, then decode steps (the first token comes with the last chunk)
     assert sorted(set(kinds.values())) == ["decode", "prefill"]
@@ -87,6 +88,11 @@ def test_a_split_run_traces_every_step_on_every_process(target, tmp_path, monkey
         assert decode[stage]["steps"] == 5 + 3
         assert 0 <= decode[stage]["median_ms"] <= decode[stage]["p90_ms"]
     assert decode["total"]["median_ms"] >= decode["hop to shard 1"]["median_ms"]
+    full = tl.flow(folder)
+    assert full["decode"]["steps"] == 8 and full["decode"]["mean seqs"] == 1
+    assert full["prefill"]["mean rows"] > 1
+    shares = [v for k, v in full["chain"].items() if k.startswith("in flight")]
+    assert abs(sum(shares) - 1) < 1e-6 and full["chain"]["in flight 0"] < 1
 
 
 @pytest.mark.slow

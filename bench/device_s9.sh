@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One GPU (`nvidia-h100-x1` / `nvidia-h200`), back-to-back calls of the device tool on one warm
+# machine (2026-11-27, ninth session): how 8 speculating streams share the chain (issue 24).
+# The real default model's GGUF travels in three pieces (.device-carry/smol.part00..02), one per
+# call, each call parking its piece in /tmp; `P` only parks it.
+#   P: carry .whl and one piece.
+#   H: (after the three pieces) 8 speculating streams against 8 plain, traced: with the default
+#      micro-batches (one group per shard), then with every speculating stream in one group
+#      (--spec-micro-batches 1); each trace's timeline, and the raw traces (gzipped) in $OUT.
+set -uo pipefail
+source bench/device_env.sh
+source bench/device_stages.sh
+cp .device-carry/smol.part* /tmp/ 2>/dev/null
+spec8="bench/speculative.py --model default --devices cuda:0,cuda:0 --drafts default \
+  --sets unseen --streams 8 --ignore-eos --new-tokens 128 --repeat 3"
+model() {
+  mkdir -p "$LAYERSPLIT_HOME/models"
+  cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
+    > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
+}
+traced() {  # NAME EST ARGS...: the 8 streams traced, then their timeline and the raw trace
+  local name=$1 est=$2; shift 2
+  rm -rf "/tmp/trace_$name"
+  TAIL=12 run "$name" "$est" env LAYERSPLIT_STEP_TRACE="/tmp/trace_$name" python3 $spec8 "$@" \
+    --json "$OUT/$name.json"
+  TAIL=70 run "timeline_$name" 40 python3 bench/step_timeline.py "/tmp/trace_$name" \
+    --json "$OUT/timeline_$name.json"
+  tar czf "$OUT/trace_$name.tgz" -C /tmp "trace_$name"
+}
+case "${1:-P}" in
+P) ;;
+H)
+  model
+  traced spec8 200
+  traced spec8_mb1 200 --spec-micro-batches 1
+  ;;
+esac
+log done
