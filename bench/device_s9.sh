@@ -7,6 +7,9 @@
 #   H: (after the three pieces) 8 speculating streams against 8 plain, traced: with the default
 #      micro-batches (one group per shard), then with every speculating stream in one group
 #      (--spec-micro-batches 1); each trace's timeline, and the raw traces (gzipped) in $OUT.
+#   T: (a fresh machine, after the three pieces again) the 8 streams with token trees of 31
+#      (the draft's own), 7 and 0 (chains of 8 rows) draft tokens: what a verify step of
+#      several sequences should carry.
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -34,6 +37,10 @@ H)
   model
   traced spec8 200
   traced spec8_mb1 200 --spec-micro-batches 1
+  ;;
+T)
+  model
+  TAIL=20 run trees 400 python3 $spec8 --trees 31,7,0 --json "$OUT/trees.json"
   ;;
 esac
 log done

@@ -8,10 +8,13 @@ child per `layersplit shard` or `layersplit draft` command it is handed: the chi
 everything imported, in ~20 ms.
 
 What a child inherits is only that import state: nothing of the parent (the zygote is spawned,
-never forked from it, and holds no thread, no socket but its own channel, no torch thread pool
-and no device context when it forks); the command's arguments and environment (its secret
-included) come over the channel, as JSON, and the parent's standard output and error as file
-descriptors (SCM_RIGHTS), so a child writes where a spawned one would. Never pickle.
+never forked from it, with the parent's environment less its secret; when it forks it holds no
+thread of its own, no socket but its channel, no torch thread pool and no device context); the
+command's arguments, environment (its secret included) and working directory come over the
+channel, as JSON, and the parent's standard output and error as file descriptors (SCM_RIGHTS),
+so a child writes where a spawned one would. Never pickle. What the zygote's imports read once
+(a module-level setting of the environment, `sys.path`, the umask) is as it was when the
+zygote started: the first CPU shard of the process.
 
 The channel is a socketpair private to the parent and the zygote. The parent sends one JSON
 line per child, `{"argv": [...], "env": {...}}`, with its fds 1 and 2; the zygote answers
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -37,6 +41,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
+
+from layersplit.ipc.auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
 MAX_LINE = 1 << 20  # a request's JSON line (arguments and environment)
@@ -53,18 +60,18 @@ class ForkedProcess:
 
     stdin = None
 
-    def __init__(self, pid: int, args: list[str], owner: Zygote) -> None:
-        self.pid, self.args, self._owner = pid, args, owner
+    def __init__(self, pid: int, serial: int, args: list[str], owner: Zygote) -> None:
+        self.pid, self.serial, self.args, self._owner = pid, serial, args, owner
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._owner.exit_code(self.pid)
+            self.returncode = self._owner.exit_code(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            rc = self._owner.wait_exit(self.pid, timeout)
+            rc = self._owner.wait_exit(self, timeout)
             if rc is None:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self.returncode = rc
@@ -83,21 +90,34 @@ class ForkedProcess:
 
 
 class Zygote:
-    """The parent's side: the zygote process, its channel and what it reported."""
+    """The parent's side: the zygote process, its channel and what it reported. Children are
+    told apart by the serial number of the request that made them, never by pid alone (a pid
+    comes back once its child is reaped): the zygote reports a child's end before it can fork
+    another child that gets the same pid."""
 
     def __init__(self) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # (not our secret, if we hold one: each child gets its own environment; one BLAS thread
+        # at most in the zygote, so that nothing but it runs when it forks)
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "layersplit.runtime.zygote", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        except OSError as e:
+            mine.close()
+            raise ZygoteError(f"cannot start the zygote ({e})") from None
         finally:
             theirs.close()
         self.sock = mine
         self.lock = threading.Lock()  # one request at a time
         self.cond = threading.Condition()
-        self.exits: dict[int, int] = {}
-        self.replies: list[dict] = []
+        self.serials = itertools.count(1)
+        self.live: dict[int, int] = {}  # pid -> serial, of children that run
+        self.exits: dict[int, int] = {}  # serial -> exit code, of children that ended
+        self.replies: dict[int, dict] = {}  # serial -> the zygote's answer
+        self.abandoned: set[int] = set()  # requests nobody waits for any more
         self.gone = False
         self.reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self.reader.start()
@@ -112,26 +132,41 @@ class Zygote:
                 buf += data
                 *lines, buf = buf.split(b"\n")
                 for line in lines:
-                    msg = json.loads(line)
-                    with self.cond:
-                        if "exit" in msg:
-                            self.exits[int(msg["exit"])] = int(msg["rc"])
-                        else:
-                            self.replies.append(msg)
-                        self.cond.notify_all()
-        except (OSError, ValueError) as e:
+                    self._note(json.loads(line))
+        except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("the zygote's channel failed: %s", e)
         with self.cond:
             self.gone = True
+            self.cond.notify_all()
+
+    def _note(self, msg: dict) -> None:
+        with self.cond:
+            if "exit" in msg:
+                serial = self.live.pop(int(msg["exit"]), None)
+                if serial is not None:
+                    self.exits[serial] = int(msg["rc"])
+            else:
+                serial = int(msg["id"])
+                if "pid" in msg:
+                    self.live[int(msg["pid"])] = serial
+                if serial in self.abandoned:  # (its caller gave up: nobody would stop it)
+                    self.abandoned.discard(serial)
+                    if "pid" in msg:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(msg["pid"]), signal.SIGKILL)
+                else:
+                    self.replies[serial] = msg
             self.cond.notify_all()
 
     def alive(self) -> bool:
         return not self.gone and self.proc.poll() is None
 
     def fork(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """A child running `layersplit ARGV` with the environment `env` (ZygoteError when the
-        zygote is gone or says why it could not)."""
-        line = json.dumps({"argv": argv, "env": env}).encode() + b"\n"
+        """A child running `layersplit ARGV` with the environment `env`, in our working
+        directory (ZygoteError when the zygote is gone or says why it could not)."""
+        serial = next(self.serials)
+        line = json.dumps({"id": serial, "argv": argv, "env": env, "cwd": os.getcwd()}).encode() \
+            + b"\n"
         if len(line) > MAX_LINE:
             raise ZygoteError(f"a request of {len(line)} bytes (at most {MAX_LINE})")
         with self.lock:
@@ -139,38 +174,47 @@ class Zygote:
                 with contextlib.suppress(Exception):
                     out.flush()
             try:
-                socket.send_fds(self.sock, [line], [1, 2])
+                sent = socket.send_fds(self.sock, [line], [1, 2])
+                if sent < len(line):
+                    self.sock.sendall(line[sent:])
             except OSError as e:
-                raise ZygoteError(f"the zygote is gone ({e})") from None
-            with self.cond:
-                self.cond.wait_for(lambda: self.replies or self.gone, FORK_WAIT_S)
-                if not self.replies:
-                    raise ZygoteError("the zygote is gone" if self.gone else
-                                      f"no answer from the zygote in {FORK_WAIT_S:.0f} s")
-                reply = self.replies.pop(0)
+                raise ZygoteError(f"cannot hand the zygote a request ({e})") from None
+            reply = None
+            try:
+                with self.cond:
+                    self.cond.wait_for(lambda: serial in self.replies or self.gone, FORK_WAIT_S)
+                    reply = self.replies.pop(serial, None)
+            finally:
+                if reply is None:  # (a timeout, or an exception while waiting)
+                    with self.cond:
+                        self.abandoned.add(serial)
+            if reply is None:
+                raise ZygoteError("the zygote is gone" if self.gone else
+                                  f"no answer from the zygote in {FORK_WAIT_S:.0f} s")
         if "pid" not in reply:
             raise ZygoteError(str(reply.get("error", reply)))
-        return ForkedProcess(int(reply["pid"]), ["layersplit", *argv], self)
+        return ForkedProcess(int(reply["pid"]), serial, ["layersplit", *argv], self)
 
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, child: ForkedProcess) -> int | None:
         with self.cond:
-            if pid in self.exits:
-                return self.exits[pid]
+            if child.serial in self.exits:
+                return self.exits[child.serial]
             if not self.gone:
                 return None
-        # the zygote is gone: the child was handed to init, which reaps it; its code is lost
-        return None if _running(pid) else -signal.SIGKILL
+        # the zygote is gone: the child was handed to init, which reaps it; its exit code is
+        # lost (it stops once it sees its parent change: `watch_parent`), so a kill is said
+        return None if _running(child.pid) else -signal.SIGKILL
 
-    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+    def wait_exit(self, child: ForkedProcess, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            while pid not in self.exits and not self.gone:
+            while child.serial not in self.exits and not self.gone:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self.cond.wait(left)
         while True:
-            rc = self.exit_code(pid)
+            rc = self.exit_code(child)
             if rc is not None or (deadline is not None and time.monotonic() >= deadline):
                 return rc
             time.sleep(0.01)
@@ -210,16 +254,32 @@ def zygote() -> Zygote:
         if _zygote is None or not _zygote.alive():
             if _zygote is not None:
                 log.warning("the zygote (pid %d) is gone: starting another", _zygote.proc.pid)
+                _zygote.close()
+                atexit.unregister(_zygote.close)
             _zygote = Zygote()
             atexit.register(_zygote.close)
         return _zygote
 
 
+def _forget_in_child() -> None:
+    """In a child forked from this process (not by us: an application's own fork): the zygote
+    and its channel are the parent's, never the child's."""
+    global _zygote, _lock
+    if _zygote is not None:
+        with contextlib.suppress(OSError):
+            _zygote.sock.close()
+    _zygote, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 # ---- the zygote process ------------------------------------------------------------------------
-def _serve(sock: socket.socket) -> None:
-    """Fork a child per request until the channel ends; report each child's end."""
+def _serve(sock: socket.socket, parent: int) -> None:
+    """Fork a child per request until the channel ends or our parent is gone; report each
+    child's end."""
     buf, fds = b"", []
-    while True:
+    while os.getppid() == parent:  # (a parent that forked keeps the channel open in its child)
         ready, _, _ = select.select([sock], [], [], REAP_S)
         _reap(sock)
         if not ready:
@@ -234,22 +294,24 @@ def _serve(sock: socket.socket) -> None:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             mine, fds = fds[:2], fds[2:]
+            serial = None
             try:
                 req = json.loads(line)
-                argv, env = req["argv"], req["env"]
-                if len(mine) != 2 or not (isinstance(argv, list) and argv[:1] in (["shard"],
-                                                                                   ["draft"])
-                                          and all(isinstance(a, str) for a in argv)) or \
+                serial, argv, env, cwd = req["id"], req["argv"], req["env"], req["cwd"]
+                if len(mine) != 2 or not isinstance(serial, int) or not isinstance(cwd, str) \
+                        or not (isinstance(argv, list) and argv[:1] in (["shard"], ["draft"])
+                                and all(isinstance(a, str) for a in argv)) or \
                         not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(
                             v, str) for k, v in env.items())):
                     raise ValueError("expected a shard or draft command's arguments, its "
-                                     "environment and two file descriptors")
+                                     "environment, a directory and two file descriptors")
                 pid = os.fork()
                 if pid == 0:
-                    _child(sock, argv, env, mine)
-                reply = {"pid": pid}
+                    _child(sock, argv, env, cwd, mine)
+                reply = {"id": serial, "pid": pid}
             except (ValueError, KeyError, TypeError, OSError) as e:
-                reply = {"error": f"{type(e).__name__}: {e}"}
+                reply = {"id": serial if isinstance(serial, int) else 0,
+                         "error": f"{type(e).__name__}: {e}"}
             for fd in mine:
                 os.close(fd)
             sock.sendall(json.dumps(reply).encode() + b"\n")
@@ -263,12 +325,12 @@ def _reap(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        with contextlib.suppress(OSError):
-            sock.sendall(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
-                         .encode() + b"\n")
+        sock.sendall(json.dumps({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+                     .encode() + b"\n")
 
 
-def _child(sock: socket.socket, argv: list[str], env: dict[str, str], fds: list[int]) -> None:
+def _child(sock: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
+           fds: list[int]) -> None:
     """In the forked child: the parent's stdio and the command's environment, then the
     command, which never returns (`launch.cli`: shard and draft processes end in os._exit)."""
     code = 1
@@ -282,7 +344,9 @@ def _child(sock: socket.socket, argv: list[str], env: dict[str, str], fds: list[
         for fd in fds:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _name(f"layersplit-{argv[0]}")
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["layersplit", *argv]
@@ -290,7 +354,10 @@ def _child(sock: socket.socket, argv: list[str], env: dict[str, str], fds: list[
 
         code = main(argv)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - the child's error, to its stderr
         import traceback
 
@@ -311,14 +378,21 @@ def _name(name: str) -> None:
 
 
 def main() -> None:
+    parent = os.getppid()
     sock = socket.socket(fileno=int(sys.argv[1]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C is the parent's to handle)
-    # what every child needs, imported once here (no thread, no device context: safe to fork)
+    # a Ctrl-C or a SIGTERM to the whole group is the parent's to handle: it stops its
+    # shards; the zygote ends when the parent does (its channel's end, or its pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # what every child needs, imported once here (no device context; one OS thread but
+    # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork)
     import layersplit.draft.server
     import layersplit.launch.cli
     import layersplit.shards.worker  # noqa: F401
 
-    _serve(sock)
+    warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)  # (3.12's thread count)
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        _serve(sock, parent)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ def _shard(tmp_path, model, **kw):
                        tmp_path, fork=True, **kw)
 
 
-def test_a_forked_shard_is_ours_to_watch_signal_and_wait_for(tmp_path, tiny_llama):
+def test_a_forked_shard_is_ours_to_watch_signal_and_wait_for(tmp_path, tiny_llama,
+                                                             monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, "ab" * 32)  # (ours: never the zygote's)
+    monkeypatch.chdir(tmp_path)
     p = _shard(tmp_path, tiny_llama)
     assert isinstance(p.proc, ForkedProcess)
     z = zygote()
@@ -39,6 +42,7 @@ def test_a_forked_shard_is_ours_to_watch_signal_and_wait_for(tmp_path, tiny_llam
     assert p.exit_code() is None
     with pytest.raises(subprocess.TimeoutExpired):
         p.proc.wait(0.2)
+    assert psutil.Process(p.pid).cwd() == str(tmp_path)  # (ours, as a spawned one's)
     assert [k.pid for k in shard_children()] == [p.pid]
     with open(f"/proc/{z.proc.pid}/environ", "rb") as f:  # (the child's secret came over
         assert SECRET_ENV.encode() not in f.read()  # the channel, never the zygote's)
