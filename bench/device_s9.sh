@@ -10,6 +10,9 @@
 #   T: (a fresh machine, after the three pieces again) the 8 streams with token trees of 31
 #      (the draft's own), 7 and 0 (chains of 8 rows) draft tokens: what a verify step of
 #      several sequences should carry.
+#   S: (a fresh machine, after the three pieces again) one stream, sampled at temperature 0.7,
+#      top-p 0.9 (the default `spec_sampling`, coupled), against plain sampling: issue 24's
+#      sampled floor.
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -41,6 +44,12 @@ H)
 T)
   model
   TAIL=20 run trees 400 python3 $spec8 --trees 31,7,0 --json "$OUT/trees.json"
+  ;;
+S)
+  model
+  TAIL=30 run sampled 100 python3 bench/speculative.py --model default --devices cuda:0,cuda:0 \
+    --drafts default --sets unseen --new-tokens 128 --repeat 3 --temperature 0.7 --top-p 0.9 \
+    --json "$OUT/sampled.json"
   ;;
 esac
 log done

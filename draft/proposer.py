@@ -224,7 +224,7 @@ class DFlashProposer:
             dummy = [[0] * k for _ in range(n)]
             toks, parents = instantiate(self.cfg.spec_tree, dummy, tree, n)
             nodes = len(toks)
-        fixed = (top[:, :k] if top is not None else logits.topk(k, dim=-1).indices).tolist()
+        fixed = top[:, :k] if top is not None else logits.topk(k, dim=-1).indices
         ids, probs = proposal_q(logits.float(), float(sample["temperature"]),
                                 int(sample["top_k"]), float(sample["top_p"]))
         # (coupled: on the draft's device, whose generator is the target's last shard's kind)

@@ -200,9 +200,44 @@ def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, pos
     return ids[order].tolist()
 
 
+def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]] | torch.Tensor,
+           depths: list[int], k: int, seed: int, pos: int, coupled: int
+           ) -> tuple[list[list[int]], list[list[int]], list[bytes | None]]:
+    """For each of `depths`: its first (up to) k draws without replacement (`coupled_draws`,
+    or `draw_without_replacement` when `coupled` is 0, with their very noise), its fixed
+    candidates, and (not coupled) its q entry; one read of the device for them all."""
+    if not depths:
+        return [], [], []
+    dev = probs.device
+    rows = torch.tensor(depths, device=ids.device)
+    row_ids, row_p = ids[rows], probs[rows]
+    if coupled:
+        noise = torch.stack([seeded_exponential((coupled,), mix_seed(seed, pos + d + 1), dev)
+                             for d in depths]).gather(1, row_ids)
+    else:
+        noise = torch.stack([seeded_exponential(row_p.shape[-1:], mix_seed(
+            seed, pos + d + 1, DRAFT_STREAM + pos), dev) for d in depths])
+    order = torch.argsort(row_p / noise, dim=-1, descending=True)[:, :k]
+    k = order.shape[1]  # (at most the distribution's length)
+    parts = [row_ids.gather(1, order), (row_p > 0).sum(-1, keepdim=True)]
+    if isinstance(fixed, torch.Tensor):
+        parts.append(fixed.to(dev)[rows.to(fixed.device)].to(parts[0].dtype))
+    host = torch.cat(parts, 1).tolist()  # (the one wait for the device)
+    drawn = [row[:min(k, row[k])] for row in host]
+    fixed_rows = [row[k + 1:] for row in host] if isinstance(fixed, torch.Tensor) else \
+        [list(fixed[d]) for d in depths]
+    qs: list[bytes | None] = [None] * len(depths)
+    if not coupled:
+        cpu_ids, cpu_p = row_ids.cpu(), row_p.cpu()
+        for i in range(len(depths)):
+            keep = cpu_p[i] > 0
+            qs[i] = pack_q(cpu_ids[i][keep], cpu_p[i][keep])
+    return drawn, fixed_rows, qs
+
+
 def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs: torch.Tensor,
-                fixed: Sequence[Sequence[int]], seed: int, pos: int, coupled: int = 0
-                ) -> tuple[list[int], list[bytes | None]]:
+                fixed: Sequence[Sequence[int]] | torch.Tensor, seed: int, pos: int,
+                coupled: int = 0) -> tuple[list[int], list[bytes | None]]:
     """A sampled proposal of `n` draft tokens in the tree `parents` (None: a chain) after the
     token at `pos`: (tokens, q). `ids`, `probs` (depth, k): the draft's distribution at each
     draft position (`proposal_q`); `fixed[d]`: its ranked candidates there, which fill the
@@ -213,7 +248,11 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
     `coupled` (the vocabulary size; 0: off): draw with the target's own noise instead
     (`coupled_draws`) and send no q: the verifier then keeps a child when it carries the
     target's draw, so the output is plain decoding's very tokens, and the draft's draws
-    match the target's as often as q is near p."""
+    match the target's as often as q is near p.
+
+    Every depth's draws are computed at once and read from the device in one copy (`fixed`
+    may be a tensor, read in the same copy): the tokens of `coupled_draws` and
+    `draw_without_replacement` at each depth, without a wait for the device per depth."""
     par = list(parents) if parents is not None else list(range(n))
     kids = sampled_children(par, n + 1)
     depth = [0]
@@ -226,14 +265,12 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
     tokens: list[int] = [0] * n
     q: list[bytes | None] = [None] * (n + 1)
     cands: dict[int, tuple[list[int], bytes | None]] = {}
-    for d, k in need.items():
-        if coupled:
-            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1, coupled)
-        else:
-            drawn = draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
-        support = probs[d] > 0
-        cands[d] = (drawn + [int(t) for t in fixed[d] if int(t) not in drawn],
-                    None if coupled else pack_q(ids[d][support], probs[d][support]))
+    depths = sorted(need)
+    drawn, fixed_rows, qs = _draws(ids, probs, fixed, depths, max(need.values(), default=0),
+                                   seed, pos, coupled)
+    for d, got, fx, qd in zip(depths, drawn, fixed_rows, qs):
+        got = got[:need[d]]
+        cands[d] = (got + [int(t) for t in fx if int(t) not in got], qd)
     for row, ch in enumerate(kids):
         if ch:
             order, q[row] = cands[depth[row]]

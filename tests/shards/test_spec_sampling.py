@@ -14,9 +14,12 @@ import torch
 from layersplit.shards.sampling import accept_draft, filtered_probs, sample_rows
 from layersplit.shards.spec_sampling import (
     check_q,
+    coupled_draws,
+    draw_without_replacement,
     pack_q,
     proposal_q,
     sample_tree,
+    sampled_children,
     unpack_q,
 )
 
@@ -186,3 +189,45 @@ def test_coupled_draws_of_a_perfect_draft_are_all_kept():
         plain = sample_rows(logits, 0.8, 0, 0.95, seed, [11, 12, 13, 14])
         assert tokens == plain[:3]  # (the rows' logits do not depend on the tokens here)
         assert accept_draft(logits, tokens, 0.8, 0, 0.95, seed, 10) == ([1, 2, 3], plain[3])
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_all_depths_drawn_at_once_equal_each_depth_drawn_alone(coupled):
+    """`sample_tree` reads every depth's draws from the device in one copy; its tokens and q are
+    those of drawing each depth on its own (`coupled_draws`, `draw_without_replacement`), for
+    chains and trees, supports smaller and larger than the children, `fixed` as a list or a
+    tensor."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [None, [0, 0, 1, 1, 2, 0], [0, 1, 2, 3], [0, 0, 0, 0, 1, 1]]
+    for trial in range(40):
+        vocab = (50, 400)[trial % 2]
+        parents = shapes[trial % len(shapes)]
+        n = 4 if parents is None else len(parents)
+        logits = torch.randn(n, vocab, generator=g) * (0.5 + trial % 5)
+        ids, probs = proposal_q(logits, 0.7, (0, 3, 20)[trial % 3], (1.0, 0.9)[trial % 2],
+                                limit=(4, 32)[trial % 2])
+        top = logits.topk(6, dim=-1).indices
+        seed, pos = 1000 + trial, 17 + trial
+        got = [sample_tree(parents, n, ids, probs, fixed, seed, pos, vocab if coupled else 0)
+               for fixed in (top.tolist(), top)]
+        assert got[0] == got[1]
+        # each depth alone
+        par = list(parents) if parents is not None else list(range(n))
+        kids, depth = sampled_children(par, n + 1), [0]
+        for p in par:
+            depth.append(depth[p] + 1)
+        tokens, q = [0] * n, [None] * (n + 1)
+        for row, ch in enumerate(kids):
+            if not ch:
+                continue
+            d = depth[row]
+            k = max(len(c) for r, c in enumerate(kids) if c and depth[r] == d)
+            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1, vocab) if coupled \
+                else draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
+            order = drawn + [t for t in top[d].tolist() if t not in drawn]
+            for i, j in enumerate(ch):
+                tokens[j - 1] = order[i]
+            if not coupled:
+                keep = probs[d] > 0
+                q[row] = pack_q(ids[d][keep], probs[d][keep])
+        assert got[0] == (tokens, None if coupled else q), trial
