@@ -13,6 +13,9 @@
 #   S: (a fresh machine, after the three pieces again) one stream, sampled at temperature 0.7,
 #      top-p 0.9 (the default `spec_sampling`, coupled), against plain sampling: issue 24's
 #      sampled floor.
+#   K: (not run yet: for the next session, after the three pieces) 8 streams, one repeat,
+#      every shard and the draft profiled for steps 301-400 (`LAYERSPLIT_KERNEL_PROFILE`):
+#      whether a verify round's ~9 ms is the shared GPU's or the hosts' (bench/kernel_summary.py).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -44,6 +47,14 @@ H)
 T)
   model
   TAIL=20 run trees 400 python3 $spec8 --trees 31,7,0 --json "$OUT/trees.json"
+  ;;
+K)
+  model
+  rm -rf /tmp/kprof
+  TAIL=12 run kprof 200 env LAYERSPLIT_KERNEL_PROFILE=/tmp/kprof:300:100 python3 \
+    ${spec8/--repeat 3/--repeat 1} --json "$OUT/kprof.json"
+  TAIL=120 run kernels 60 python3 bench/kernel_summary.py /tmp/kprof --json "$OUT/kernels.json"
+  tar czf "$OUT/kprof.tgz" -C /tmp kprof
   ;;
 S)
   model

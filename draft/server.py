@@ -40,6 +40,7 @@ from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.transport import tensor_bytes, zmq_tensor
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
+from layersplit.shards.kernel_profile import kernel_profile
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
 from layersplit.shards.spec_tree import check_path
 
@@ -105,6 +106,7 @@ class DraftServer:
         self.cache_dir: str | None = None
         self.push = False  # prepared proposals go to the first shard (the first feeder)
         self.trace = step_trace("draft")  # (LAYERSPLIT_STEP_TRACE)
+        self.profile = kernel_profile("draft")  # (LAYERSPLIT_KERNEL_PROFILE)
         t0 = time.perf_counter()
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
@@ -403,6 +405,8 @@ class DraftServer:
         several contexts due at once (the verdicts of one batched step) in one batched step
         where the proposer batches them (`DFlashProposer.propose_batch`), else one by one."""
         due = self.prepared.due([f.fed_sid for f in self.feeders])
+        if due and self.profile is not None:
+            self.profile.step()  # (a step: the proposals of one verdict's contexts)
         todo = []
         for slot, sid, key, push in due:
             bad = next((f for f in self.feeders if slot in f.rejected), None)
@@ -610,6 +614,8 @@ class DraftServer:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self.profile is not None:
+            self.profile.close()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
         self._close_feeders()

@@ -58,26 +58,39 @@ class StepTrace:
         atexit.unregister(self.close)
 
 
-def step_trace(role: str) -> StepTrace | None:
-    """A new trace (`role`: "coordinator", "shard-0-15", "draft", ...), or None when
-    `LAYERSPLIT_STEP_TRACE` is unset or empty, or its folder cannot be used (logged)."""
-    folder = os.environ.get(ENV)
+def private_folder(folder: str | None, env: str) -> Path | None:
+    """`folder` (what the environment variable `env` says), made private to the user (0700)
+    if this makes it; an existing one must be private already (it is never changed). None
+    when it is unset or empty, or cannot be used (logged, naming `env`): a diagnostic switch
+    never stops a run."""
     if not folder:
         return None
     path = Path(folder)
     try:
-        try:
-            path.mkdir(mode=0o700, parents=True)
-            os.chmod(path, 0o700)  # (this process made it: the umask may have taken bits)
-        except FileExistsError:
-            st = os.stat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or \
-                    stat.S_IMODE(st.st_mode) & 0o077:
-                log.warning("%s=%s is not a folder private to this user (mode %o): no step "
-                            "trace (chmod 700 it, or name a new folder)", ENV, folder,
-                            stat.S_IMODE(st.st_mode))
-                return None
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # (this process made it: the umask may have taken bits)
+    except FileExistsError:
+        st = os.stat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or \
+                stat.S_IMODE(st.st_mode) & 0o077:
+            log.warning("%s=%s is not a folder private to this user (mode %o): nothing is "
+                        "written there (chmod 700 it, or name a new folder)", env, folder,
+                        stat.S_IMODE(st.st_mode))
+            return None
+    except OSError as e:
+        log.warning("%s=%s: %s: nothing is written there", env, folder, e)
+        return None
+    return path
+
+
+def step_trace(role: str) -> StepTrace | None:
+    """A new trace (`role`: "coordinator", "shard-0-15", "draft", ...), or None when
+    `LAYERSPLIT_STEP_TRACE` is unset or empty, or its folder cannot be used (logged)."""
+    path = private_folder(os.environ.get(ENV), ENV)
+    if path is None:
+        return None
+    try:
         return StepTrace(path / f"{role}-{os.getpid()}-{next(_files)}.jsonl")
     except OSError as e:
-        log.warning("%s=%s: %s: no step trace", ENV, folder, e)
+        log.warning("%s=%s: %s: no step trace", ENV, path, e)
         return None

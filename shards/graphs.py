@@ -114,7 +114,10 @@ def batch_window(slots: Sequence[int], n_slots: int) -> tuple[int, int]:
 def keep_recent(graphs: dict[Hashable, Any], key: Hashable, entry: Any, budget: int,
                 size: Callable[[Any], int]) -> None:
     """`graphs[key] = entry` as the most recently used, then the least recently used others
-    dropped (their memory back to the pool) while the entries' `size` exceeds `budget`."""
+    dropped (their memory back to the pool) while the entries' `size` exceeds `budget`. The
+    entry replayed last again (a steady batch) costs nothing: the budget held at its insert."""
+    if graphs and next(reversed(graphs)) == key and graphs[key] is entry:
+        return
     graphs.pop(key, None)
     graphs[key] = entry
     held = sum(size(e) for e in graphs.values())

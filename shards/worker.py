@@ -50,6 +50,7 @@ from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.hybrid_cache import HybridState
+from layersplit.shards.kernel_profile import kernel_profile
 from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import (
     SamplingParams,
@@ -125,6 +126,7 @@ class ShardServer:
         self.busy = False
         self.clock = BusyClock(self.device)  # seconds the device spent on steps
         self.trace = step_trace(f"shard-{spec.start}-{spec.end}")  # (LAYERSPLIT_STEP_TRACE)
+        self.profile = kernel_profile(f"shard-{spec.start}-{spec.end}")  # (its kernels)
         self.spin_s = 0.0
         self.transport_kind = "none"
         self.max_step = 0
@@ -805,6 +807,8 @@ class ShardServer:
             self._run_step(msg, x, moved)
         finally:
             self.clock.stop(started)
+            if self.profile is not None:
+                self.profile.step()
 
     def _settle_snapshots(self, segs: list[Segment]) -> None:
         """Before a step writes KV rows: snapshots still copying rows of its slots out finish
@@ -1147,6 +1151,8 @@ class ShardServer:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+        if self.profile is not None:
+            self.profile.close()
         self._close_links()
         if not self.router.closed:
             self.router.close(0)

@@ -111,3 +111,50 @@ def test_speculating_steps_trace_the_drafts_verdicts_and_proposals(target, dflas
     for stage in ("shard 0 held", "verdict reaches the draft", "draft prepares the proposal",
                   "total"):
         assert got[stage]["steps"] >= 1, stage
+
+
+def _kernel_summary():
+    spec = importlib.util.spec_from_file_location("kernel_summary",
+                                                  ROOT / "bench" / "kernel_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_kernel_profile_setting_that_cannot_be_used_is_named_and_ignored(monkeypatch,
+                                                                              tmp_path, caplog):
+    from layersplit.shards.kernel_profile import ENV as KENV
+    from layersplit.shards.kernel_profile import kernel_profile
+
+    monkeypatch.delenv(KENV, raising=False)
+    assert kernel_profile("shard-0-3") is None
+    for bad in (f"{tmp_path}/k:0:5", f"{tmp_path}/k:2:many"):
+        monkeypatch.setenv(KENV, bad)
+        assert kernel_profile("shard-0-3") is None
+        assert KENV in caplog.text and "DIR:SKIP:STEPS" in caplog.text
+    monkeypatch.setenv(KENV, f"{tmp_path}/k:2:3")
+    prof = kernel_profile("shard-0-3")
+    assert prof is not None and (prof.skip, prof.steps) == (2, 3)
+    assert stat.S_IMODE(os.stat(tmp_path / "k").st_mode) == 0o700
+
+
+@pytest.mark.slow
+def test_a_kernel_profile_records_the_steps_it_names_on_every_process(target, dflash, tmp_path,
+                                                                       monkeypatch):
+    from layersplit.shards.kernel_profile import ENV as KENV
+
+    folder = tmp_path / "kprof"
+    monkeypatch.setenv(KENV, f"{folder}:2:3")
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
+                        max_context=128, threads=1, draft=str(dflash), draft_device="cpu",
+                        prefix_cache=False)
+    with Coordinator(cfg) as c:
+        c.generate(list(range(3, 40)), SamplingParams(max_tokens=16, ignore_eos=True))
+    names = sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir())
+    assert names == ["draft", "shard-0-3", "shard-3-6"]
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in folder.iterdir())
+    ks = _kernel_summary()
+    for trace in folder.iterdir():
+        got = ks.summarize(trace)
+        assert got["kind"] == "cpu_op" and got["ops"] > 0 and got["span_us"] > 0
+        assert 0 < got["busy_us"] <= got["summed_us"] and got["top"]
