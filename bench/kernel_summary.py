@@ -33,7 +33,10 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def summarize(path: Path, top: int = 12) -> dict:
     """One trace's numbers (µs)."""
-    events = json.loads(path.read_text()).get("traceEvents", [])
+    try:
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    except (OSError, ValueError) as e:  # (a process stopped while it wrote its profile)
+        return {"trace": path.name, "kind": f"unreadable: {e}", "span_us": 0.0, "ops": 0}
     timed = [e for e in events if e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))]
     kind = "kernel"
     ops = [e for e in timed if e.get("cat") == "kernel"]

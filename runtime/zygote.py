@@ -60,8 +60,10 @@ class ForkedProcess:
 
     stdin = None
 
-    def __init__(self, pid: int, serial: int, args: list[str], owner: Zygote) -> None:
+    def __init__(self, pid: int, serial: int, args: list[str], owner: Zygote,
+                 pidfd: int | None = None) -> None:
         self.pid, self.serial, self.args, self._owner = pid, serial, args, owner
+        self.pidfd = pidfd  # (signals and liveness through it: never a reused pid's process)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -79,8 +81,11 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError, OSError):
+                if self.pidfd is not None:
+                    signal.pidfd_send_signal(self.pidfd, sig)
+                else:
+                    os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -118,6 +123,8 @@ class Zygote:
         self.exits: dict[int, int] = {}  # serial -> exit code, of children that ended
         self.replies: dict[int, dict] = {}  # serial -> the zygote's answer
         self.abandoned: set[int] = set()  # requests nobody waits for any more
+        self.pidfds: dict[int, int] = {}  # serial -> pidfd, until its ForkedProcess takes it
+        self.asking = 0  # the serial of the request in flight
         self.gone = False
         self.reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self.reader.start()
@@ -146,13 +153,21 @@ class Zygote:
                 if serial is not None:
                     self.exits[serial] = int(msg["rc"])
             else:
-                serial = int(msg["id"])
+                # (0: a request the zygote could not read an id from; requests go one at a time,
+                # so it answers the one in flight)
+                serial = int(msg["id"]) or self.asking
                 if "pid" in msg:
                     self.live[int(msg["pid"])] = serial
+                    with contextlib.suppress(OSError, AttributeError):
+                        self.pidfds[serial] = os.pidfd_open(int(msg["pid"]))
                 if serial in self.abandoned:  # (its caller gave up: nobody would stop it)
                     self.abandoned.discard(serial)
-                    if "pid" in msg:
-                        with contextlib.suppress(ProcessLookupError):
+                    fd = self.pidfds.pop(serial, None)
+                    with contextlib.suppress(OSError):
+                        if fd is not None:
+                            signal.pidfd_send_signal(fd, signal.SIGKILL)
+                            os.close(fd)
+                        elif "pid" in msg:
                             os.kill(int(msg["pid"]), signal.SIGKILL)
                 else:
                     self.replies[serial] = msg
@@ -165,56 +180,68 @@ class Zygote:
         """A child running `layersplit ARGV` with the environment `env`, in our working
         directory (ZygoteError when the zygote is gone or says why it could not)."""
         serial = next(self.serials)
-        line = json.dumps({"id": serial, "argv": argv, "env": env, "cwd": os.getcwd()}).encode() \
-            + b"\n"
+        try:
+            cwd = os.getcwd()
+        except OSError as e:  # (a directory removed under us: a fresh interpreter copes)
+            raise ZygoteError(f"no working directory to hand over ({e})") from None
+        line = json.dumps({"id": serial, "argv": argv, "env": env, "cwd": cwd}).encode() + b"\n"
         if len(line) > MAX_LINE:
             raise ZygoteError(f"a request of {len(line)} bytes (at most {MAX_LINE})")
         with self.lock:
             for out in (sys.stdout, sys.stderr):  # (what we wrote goes first)
                 with contextlib.suppress(Exception):
                     out.flush()
+            with self.cond:
+                self.asking = serial
             try:
                 sent = socket.send_fds(self.sock, [line], [1, 2])
                 if sent < len(line):
                     self.sock.sendall(line[sent:])
             except OSError as e:
                 raise ZygoteError(f"cannot hand the zygote a request ({e})") from None
-            reply = None
-            try:
-                with self.cond:
+            with self.cond:
+                reply = None
+                try:
                     self.cond.wait_for(lambda: serial in self.replies or self.gone, FORK_WAIT_S)
                     reply = self.replies.pop(serial, None)
-            finally:
-                if reply is None:  # (a timeout, or an exception while waiting)
-                    with self.cond:
+                finally:  # (a timeout, or an exception while waiting: its child is killed)
+                    if reply is None:
                         self.abandoned.add(serial)
+                pidfd = self.pidfds.pop(serial, None)
             if reply is None:
                 raise ZygoteError("the zygote is gone" if self.gone else
                                   f"no answer from the zygote in {FORK_WAIT_S:.0f} s")
         if "pid" not in reply:
             raise ZygoteError(str(reply.get("error", reply)))
-        return ForkedProcess(int(reply["pid"]), serial, ["layersplit", *argv], self)
+        return ForkedProcess(int(reply["pid"]), serial, ["layersplit", *argv], self, pidfd)
 
     def exit_code(self, child: ForkedProcess) -> int | None:
         with self.cond:
-            if child.serial in self.exits:
-                return self.exits[child.serial]
-            if not self.gone:
+            rc = self.exits.pop(child.serial, None)
+            if rc is None and not self.gone:
                 return None
-        # the zygote is gone: the child was handed to init, which reaps it; its exit code is
-        # lost (it stops once it sees its parent change: `watch_parent`), so a kill is said
-        return None if _running(child.pid) else -signal.SIGKILL
+        if rc is None:  # the zygote is gone: the child was handed to init, which reaps it;
+            # its exit code is lost (it stops once it sees its parent change: `watch_parent`)
+            if _running(child):
+                return None
+            rc = -signal.SIGKILL
+        if child.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(child.pidfd)
+            child.pidfd = None
+        return rc
 
     def wait_exit(self, child: ForkedProcess, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            while child.serial not in self.exits and not self.gone:
+            while child.returncode is None and child.serial not in self.exits and \
+                    not self.gone:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self.cond.wait(left)
         while True:
-            rc = self.exit_code(child)
+            rc = child.poll()
             if rc is not None or (deadline is not None and time.monotonic() >= deadline):
                 return rc
             time.sleep(0.01)
@@ -233,11 +260,15 @@ class Zygote:
             self.proc.wait()
 
 
-def _running(pid: int) -> bool:
+def _running(child: ForkedProcess) -> bool:
+    """Whether a child whose zygote is gone still runs (through its pidfd, which a reused pid
+    never fools; by pid where there is none)."""
+    if child.pidfd is not None:
+        return not select.select([child.pidfd], [], [], 0)[0]  # (readable once it exited)
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
@@ -266,6 +297,7 @@ def _forget_in_child() -> None:
     and its channel are the parent's, never the child's."""
     global _zygote, _lock
     if _zygote is not None:
+        atexit.unregister(_zygote.close)
         with contextlib.suppress(OSError):
             _zygote.sock.close()
     _zygote, _lock = None, threading.Lock()
@@ -297,7 +329,8 @@ def _serve(sock: socket.socket, parent: int) -> None:
             serial = None
             try:
                 req = json.loads(line)
-                serial, argv, env, cwd = req["id"], req["argv"], req["env"], req["cwd"]
+                serial = req.get("id") if isinstance(req, dict) else None
+                argv, env, cwd = req["argv"], req["env"], req["cwd"]
                 if len(mine) != 2 or not isinstance(serial, int) or not isinstance(cwd, str) \
                         or not (isinstance(argv, list) and argv[:1] in (["shard"], ["draft"])
                                 and all(isinstance(a, str) for a in argv)) or \

@@ -208,9 +208,10 @@ def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]
     candidates, and (not coupled) its q entry; one read of the device for them all."""
     if not depths:
         return [], [], []
-    dev = probs.device
-    rows = torch.tensor(depths, device=ids.device)
-    row_ids, row_p = ids[rows], probs[rows]
+    if depths != list(range(len(depths))):  # (a node with children has a parent with some)
+        raise ValueError(f"draft depths with children {depths}: not 0..{len(depths) - 1}")
+    dev, m = probs.device, len(depths)
+    row_ids, row_p = ids[:m], probs[:m]  # (slices: nothing to copy to the device first)
     if coupled:
         noise = torch.stack([seeded_exponential((coupled,), mix_seed(seed, pos + d + 1), dev)
                              for d in depths]).gather(1, row_ids)
@@ -221,7 +222,7 @@ def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]
     k = order.shape[1]  # (at most the distribution's length)
     parts = [row_ids.gather(1, order), (row_p > 0).sum(-1, keepdim=True)]
     if isinstance(fixed, torch.Tensor):
-        parts.append(fixed.to(dev)[rows.to(fixed.device)].to(parts[0].dtype))
+        parts.append(fixed[:m].to(dev, parts[0].dtype))
     host = torch.cat(parts, 1).tolist()  # (the one wait for the device)
     drawn = [row[:min(k, row[k])] for row in host]
     fixed_rows = [row[k + 1:] for row in host] if isinstance(fixed, torch.Tensor) else \

@@ -1151,11 +1151,11 @@ class ShardServer:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        if self.profile is not None:
-            self.profile.close()
         self._close_links()
         if not self.router.closed:
             self.router.close(0)
+        if self.profile is not None:  # (last: writing it may take a while)
+            self.profile.close()
 
 
 SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),

@@ -18,12 +18,16 @@ from layersplit.shards.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _timeline():
-    spec = importlib.util.spec_from_file_location("step_timeline",
-                                                  ROOT / "bench" / "step_timeline.py")
+def _bench(name: str):
+    """The benchmark script `bench/NAME.py` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _timeline():
+    return _bench("step_timeline")
 
 
 def test_unset_means_no_trace_and_a_folder_that_cannot_be_used_is_left_alone(monkeypatch,
@@ -113,14 +117,6 @@ def test_speculating_steps_trace_the_drafts_verdicts_and_proposals(target, dflas
         assert got[stage]["steps"] >= 1, stage
 
 
-def _kernel_summary():
-    spec = importlib.util.spec_from_file_location("kernel_summary",
-                                                  ROOT / "bench" / "kernel_summary.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_kernel_profile_setting_that_cannot_be_used_is_named_and_ignored(monkeypatch,
                                                                               tmp_path, caplog):
     from layersplit.shards.kernel_profile import ENV as KENV
@@ -150,10 +146,10 @@ def test_a_kernel_profile_records_the_steps_it_names_on_every_process(target, df
                         prefix_cache=False)
     with Coordinator(cfg) as c:
         c.generate(list(range(3, 40)), SamplingParams(max_tokens=16, ignore_eos=True))
-    names = sorted(p.name.rsplit("-", 1)[0] for p in folder.iterdir())
+    names = sorted(p.name.rsplit("-", 2)[0] for p in folder.iterdir())
     assert names == ["draft", "shard-0-3", "shard-3-6"]
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in folder.iterdir())
-    ks = _kernel_summary()
+    ks = _bench("kernel_summary")
     for trace in folder.iterdir():
         got = ks.summarize(trace)
         assert got["kind"] == "cpu_op" and got["ops"] > 0 and got["span_us"] > 0
