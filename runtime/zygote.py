@@ -422,7 +422,12 @@ def main() -> None:
     import layersplit.draft.server
     import layersplit.launch.cli
     import layersplit.shards.worker  # noqa: F401
+    import torch
 
+    if torch.cuda.is_initialized():  # (a child could not use a device a parent had opened)
+        print("layersplit zygote: the imports opened a CUDA context; not forking",
+              file=sys.stderr)
+        return  # (the channel ends: each process starts fresh, `supervisor._start`)
     warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)  # (3.12's thread count)
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         _serve(sock, parent)
