@@ -192,24 +192,32 @@ class DFlashProposer:
             if kept:
                 self.commit(slot, pos, kept)
         logits, top = self._static_scores_batch([(r[0], r[1], r[2]) for r in reqs])
-        return [self._finish(slot, logits[i], top[i], pos, n, tree)
+        # the greedy proposals' ranked ids read from the device once for them all (a sampled
+        # one reads what it draws itself, `_sampled`)
+        greedy = top is not None and all(self.sampling[r[0]] is None for r in reqs)
+        ranked = top[:len(reqs)].tolist() if greedy else [None] * len(reqs)
+        return [self._finish(slot, logits[i], top[i], pos, n, tree, ranked[i])
                 for i, (slot, _, pos, n, tree, _) in enumerate(reqs)]
 
     def _finish(self, slot: int, logits: torch.Tensor, top: torch.Tensor | None, pos: int,
-                n: int, tree: int) -> tuple[list[int], list[int] | None, list | None]:
-        """A proposal from the draft's logits (n, V) of its n tokens (and their top ids)."""
+                n: int, tree: int, ranked: list[list[int]] | None = None
+                ) -> tuple[list[int], list[int] | None, list | None]:
+        """A proposal from the draft's logits (n, V) of its n tokens (and their top ids;
+        `ranked`: those ids already on the host)."""
         shape = self.cfg.spec_tree
         chain = not tree or shape is None
         sample = self.sampling[slot]
         if sample is not None:
             return self._sampled(logits, top, pos, n, None if chain else tree, sample)
+        if ranked is None and top is not None:
+            ranked = top.tolist()
         if chain:
-            if top is None:
+            if ranked is None:
                 return logits.argmax(-1).tolist(), None, None
-            return top[:, 0].tolist(), None, None
-        if top is None:
-            top = logits.topk(self.top_k, dim=-1).indices
-        return (*instantiate(shape, top.tolist(), tree, n), None)
+            return [row[0] for row in ranked], None, None
+        if ranked is None:
+            ranked = logits.topk(self.top_k, dim=-1).indices.tolist()
+        return (*instantiate(shape, ranked, tree, n), None)
 
     def _sampled(self, logits: torch.Tensor, top: torch.Tensor | None, pos: int, n: int,
                  tree: int | None, sample: dict) -> tuple[list[int], list[int] | None, list]:
