@@ -143,6 +143,7 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
                      plain_tokens: dict | None, streams: int) -> dict:
     """`_measure` with the prompts decoded `streams` at a time in one batch: aggregate tok/s."""
     tokens, seconds, same = 0, 0.0, 0
+    phase_tokens, phase_s, prefill_s = 0, 0.0, 0.0
     total = SpecStats()
     outs = {}
     for lo in range(0, len(prompts), streams):
@@ -151,7 +152,16 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
         t0 = time.perf_counter()
         results = coord.generate_batch(group, [params] * len(group), use_cache=False,
                                        speculative=[True] * len(group), progress=progs)
-        seconds += time.perf_counter() - t0
+        end = time.perf_counter()
+        seconds += end - t0
+        # the decode phase: from the moment every stream has its first token (its prompt
+        # prefilled) to the end, and the tokens that came out in it
+        times = [pr.token_times for pr in progs if pr.token_times]
+        if times:
+            started = max(t[0] for t in times)
+            prefill_s += started - t0
+            phase_s += end - started
+            phase_tokens += sum(1 for t in times for x in t if x > started)
         for i, (r, pr) in enumerate(zip(results, progs, strict=True), start=lo):
             tokens += len(r.tokens)
             outs[i] = r.tokens
@@ -165,7 +175,8 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
             "acceptance_by_position": [round(x, 3) for x in total.acceptance_rates()],
             "draft_ms": 1000 * total.draft_s / verifies,
             "draft_compute_ms": 1000 * total.draft_compute_s / verifies,
-            "verify_ms": 1000 * total.verify_s / verifies, "outputs": outs}
+            "verify_ms": 1000 * total.verify_s / verifies, "outputs": outs,
+            "prefill_phase_s": prefill_s, "decode_phase_tok_s": phase_tokens / max(phase_s, 1e-9)}
 
 
 def main() -> int:
@@ -256,6 +267,15 @@ def main() -> int:
               f"{r['speedup']:.2f} | "
               f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
               f"{r['verify_ms']:.2f} | {same} |")
+    if args.streams > 1:  # (each run's plain row first: the same run's ratio)
+        print("\n| run | set | draft | until every stream's first token, s | decode phase "
+              "tok/s | vs plain's |\n|---|---|---|---:|---:|---:|")
+        plain_phase = {(r["run"], r["set"]): r["decode_phase_tok_s"] for r in rows
+                       if r["draft"] == "none"}
+        for r in rows:
+            base = plain_phase.get((r["run"], r["set"])) or 1e-9
+            print(f"| {r['run']} | {r['set']} | {r['draft']} | {r['prefill_phase_s']:.2f} | "
+                  f"{r['decode_phase_tok_s']:.1f} | {r['decode_phase_tok_s'] / base:.2f} |")
     if args.repeat > 1:
         for d, st in dict.fromkeys((r["draft"], r["set"]) for r in rows
                                    if r["draft"] != "none"):
