@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 from layersplit.ipc.auth import SECRET_ENV
 
@@ -126,8 +127,10 @@ class Zygote:
         self.pidfds: dict[int, int] = {}  # serial -> pidfd, until its ForkedProcess takes it
         self.asking = 0  # the serial of the request in flight
         self.gone = False
+        self.foreign = False  # (in a process forked from ours: its children are not ours)
         self.reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self.reader.start()
+        _every.add(self)
 
     def _read(self) -> None:
         buf = b""
@@ -216,6 +219,8 @@ class Zygote:
         return ForkedProcess(int(reply["pid"]), serial, ["layersplit", *argv], self, pidfd)
 
     def exit_code(self, child: ForkedProcess) -> int | None:
+        if self.foreign:  # (as a Popen copied into a forked process says: not its child)
+            return 0
         with self.cond:
             rc = self.exits.pop(child.serial, None)
             if rc is None and not self.gone:
@@ -275,6 +280,7 @@ def _running(child: ForkedProcess) -> bool:
 
 _lock = threading.Lock()
 _zygote: Zygote | None = None
+_every: weakref.WeakSet[Zygote] = weakref.WeakSet()  # (this process's, past ones too)
 
 
 def zygote() -> Zygote:
@@ -296,10 +302,11 @@ def _forget_in_child() -> None:
     """In a child forked from this process (not by us: an application's own fork): the zygote
     and its channel are the parent's, never the child's."""
     global _zygote, _lock
-    if _zygote is not None:
-        atexit.unregister(_zygote.close)
+    for z in list(_every):  # their children are the parent's: never signalled or waited for
+        z.foreign = True
+        atexit.unregister(z.close)
         with contextlib.suppress(OSError):
-            _zygote.sock.close()
+            z.sock.close()
     _zygote, _lock = None, threading.Lock()
 
 

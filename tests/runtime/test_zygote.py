@@ -101,3 +101,23 @@ def test_forked_and_spawned_chains_give_the_same_logits(tiny_llama):
     assert got[True][0] == got[False][0]
     np.testing.assert_array_equal(got[True][1], got[False][1])
     assert shard_children() == []
+
+
+def test_a_process_forked_from_ours_leaves_our_children_alone(tmp_path, tiny_llama):
+    """An application that forks after starting shards: the fork's copies of them say they
+    ended (as a copied Popen does) and send no signal, so its cleanup stops nothing of ours."""
+    p = _shard(tmp_path, tiny_llama)
+    pid = os.fork()
+    if pid == 0:  # (the child: only this, then out)
+        code = 0
+        try:
+            p.proc.kill()
+            if p.proc.poll() != 0 or p.proc.wait(1) != 0:
+                code = 1
+        except BaseException:  # noqa: BLE001 - the child's verdict is its exit code
+            code = 2
+        os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert p.exit_code() is None and psutil.pid_exists(p.pid)  # (ours runs on)
+    p.proc.kill()
+    assert p.proc.wait(5) == -signal.SIGKILL
