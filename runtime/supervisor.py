@@ -3,8 +3,9 @@
 Shards are started as fresh interpreters (spawn semantics: no fork of this process, no inherited
 state, nothing pickled); the secret travels in the environment, never on the command line. On
 CPU devices they are forked, by default, from a fresh interpreter that has imported torch and
-the shard's modules once (`runtime.zygote`, `fork_cpu_processes`): ~2.5 s of CPU less each. Every exit path stops
-every child, and sweeps shared memory a killed child had not yet handed over.
+the shard's modules once (`runtime.zygote`, `fork_cpu_processes`): ~2.5 s of CPU less each.
+Every exit path stops every child, and sweeps shared memory a killed child had not yet handed
+over.
 
 A command may start its shard processes before its own imports (`prestart_shards`): each
 imports torch and the shard's modules at once and then waits for its arguments and secret on

@@ -12,14 +12,15 @@ never forked from it, with the parent's environment less its secret; when it for
 thread of its own, no socket but its channel, no torch thread pool and no device context); the
 command's arguments, environment (its secret included) and working directory come over the
 channel, as JSON, and the parent's standard output and error as file descriptors (SCM_RIGHTS),
-so a child writes where a spawned one would. Never pickle. What the zygote's imports read once
+so a child writes where a spawned one would. Nothing is pickled. What the zygote's imports read once
 (a module-level setting of the environment, `sys.path`, the umask) is as it was when the
 zygote started: the first CPU shard of the process.
 
 The channel is a socketpair private to the parent and the zygote. The parent sends one JSON
-line per child, `{"argv": [...], "env": {...}}`, with its fds 1 and 2; the zygote answers
-`{"pid": N}` (or `{"error": "..."}`), and reports each child's end, `{"exit": N, "rc": C}`
-(`subprocess.Popen.returncode`'s meaning: -signal when killed). `ForkedProcess` gives the
+line per child, `{"id": SERIAL, "argv": [...], "env": {...}, "cwd": DIR}`, with its fds 1 and
+2; the zygote answers `{"id": SERIAL, "pid": N}` (or `{"id": SERIAL, "error": "..."}`), and
+reports each child's end, `{"exit": N, "rc": C}` (`subprocess.Popen.returncode`'s meaning:
+-signal when killed). `ForkedProcess` gives the
 parent a `Popen`'s methods over that. A zygote whose parent goes away reads the end of its
 channel and exits; its children then see their parent change (`shards.worker.watch_parent`,
 given the zygote's pid) and stop. Only CPU devices: a CUDA process is started fresh
@@ -44,6 +45,7 @@ import time
 import warnings
 import weakref
 
+import psutil
 from layersplit.ipc.auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -270,8 +272,6 @@ def _running(child: ForkedProcess) -> bool:
     never fools; by pid where there is none)."""
     if child.pidfd is not None:
         return not select.select([child.pidfd], [], [], 0)[0]  # (readable once it exited)
-    import psutil
-
     try:
         return psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:

@@ -201,16 +201,16 @@ def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, pos
 
 
 def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]] | torch.Tensor,
-           depths: list[int], k: int, seed: int, pos: int, coupled: int
+           m: int, k: int, seed: int, pos: int, coupled: int
            ) -> tuple[list[list[int]], list[list[int]], list[bytes | None]]:
-    """For each of `depths`: its first (up to) k draws without replacement (`coupled_draws`,
-    or `draw_without_replacement` when `coupled` is 0, with their very noise), its fixed
-    candidates, and (not coupled) its q entry; one read of the device for them all."""
-    if not depths:
+    """For each of the first `m` draft depths: its first (up to) k draws without replacement
+    (`coupled_draws`, or `draw_without_replacement` when `coupled` is 0, with their very
+    noise), its fixed candidates, and (not coupled) its q entry; one read of the device for
+    them all."""
+    if not m:
         return [], [], []
-    if depths != list(range(len(depths))):  # (a node with children has a parent with some)
-        raise ValueError(f"draft depths with children {depths}: not 0..{len(depths) - 1}")
-    dev, m = probs.device, len(depths)
+    depths = range(m)
+    dev = probs.device
     row_ids, row_p = ids[:m], probs[:m]  # (slices: nothing to copy to the device first)
     if coupled:
         noise = torch.stack([seeded_exponential((coupled,), mix_seed(seed, pos + d + 1), dev)
@@ -227,10 +227,10 @@ def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]
     drawn = [row[:min(k, row[k])] for row in host]
     fixed_rows = [row[k + 1:] for row in host] if isinstance(fixed, torch.Tensor) else \
         [list(fixed[d]) for d in depths]
-    qs: list[bytes | None] = [None] * len(depths)
+    qs: list[bytes | None] = [None] * m
     if not coupled:
         cpu_ids, cpu_p = row_ids.cpu(), row_p.cpu()
-        for i in range(len(depths)):
+        for i in depths:
             keep = cpu_p[i] > 0
             qs[i] = pack_q(cpu_ids[i][keep], cpu_p[i][keep])
     return drawn, fixed_rows, qs
@@ -266,10 +266,10 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
     tokens: list[int] = [0] * n
     q: list[bytes | None] = [None] * (n + 1)
     cands: dict[int, tuple[list[int], bytes | None]] = {}
-    depths = sorted(need)
-    drawn, fixed_rows, qs = _draws(ids, probs, fixed, depths, max(need.values(), default=0),
+    # (the depths with children are 0 .. len(need) - 1: a node's parent has a child, it)
+    drawn, fixed_rows, qs = _draws(ids, probs, fixed, len(need), max(need.values(), default=0),
                                    seed, pos, coupled)
-    for d, got, fx, qd in zip(depths, drawn, fixed_rows, qs):
+    for d, (got, fx, qd) in enumerate(zip(drawn, fixed_rows, qs)):
         got = got[:need[d]]
         cands[d] = (got + [int(t) for t in fx if int(t) not in got], qd)
     for row, ch in enumerate(kids):
