@@ -4,6 +4,8 @@ kernel table of the smallest chunk size (what chunking adds over one piece).
 
     python bench/profile_prefill.py --model random:qwen3-8b --tokens 32768 --chunks 2048,32768
     python bench/profile_prefill.py --model random:qwen3.5-27b --tokens 8192 --chunks 8192 --hf
+    python bench/profile_prefill.py --model random:smollm2-135m-shape --tokens 3900 \
+        --chunks 512,2048,3900 --prefill-kernels off,on --launch-costs --no-profile
 
 Loads the whole model on one GPU the way a shard does (fused projections, a paged KV pool).
 With `--hf`, then (ours freed first: the 27B shape does not fit twice) transformers' own
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor  # noqa: E402
+from layersplit.shards import fused  # noqa: E402
 from layersplit.shards.fused import fuse_projections  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -64,6 +67,42 @@ def hf_forward(args, ids: torch.Tensor) -> None:
     profiled("transformers, one piece", once)
 
 
+def launch_costs(model) -> None:
+    """Host microseconds per call (median of 5 batches of 500, the device never waited on) of
+    what an eager layer launches: torch's RMSNorm module against the row kernels."""
+    from layersplit.shards.kernels import row_ops
+    from layersplit.shards.layers.rotary import apply_rope
+
+    layer = model.layers[0]
+    a = layer.self_attn
+    h = torch.randn(8, model.cfg.hidden_size, device="cuda:0", dtype=torch.bfloat16)
+    w = layer.input_layernorm.weight
+    nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
+    qkv = torch.randn(8, (nh + 2 * ng) * d, device="cuda:0", dtype=torch.bfloat16)
+    cos = sin = torch.ones(8, d, device="cuda:0", dtype=torch.bfloat16)
+    q = qkv[:, :nh * d].view(8, nh, d)
+    costs = {
+        "torch RMSNorm module": lambda: layer.input_layernorm(h),
+        "torch add": lambda: h + h,
+        "torch apply_rope (one of q, k)": lambda: apply_rope(q, cos, sin),
+        "row_ops.rms_norm_rows": lambda: row_ops.rms_norm_rows(h, w, 1e-5),
+        "row_ops.add_rms_norm": lambda: row_ops.add_rms_norm(h, h, w, 1e-5),
+        "row_ops.rope_qk": lambda: row_ops.rope_qk(qkv, cos, sin, nh, ng),
+        "row_ops.silu_mul": lambda: row_ops.silu_mul(qkv[:, :2 * d]),
+    }
+    for name, fn in costs.items():
+        fn()
+        batches = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(500):
+                fn()
+            batches.append((time.perf_counter() - t0) / 500 * 1e6)
+        torch.cuda.synchronize()
+        print(f"host cost: {name}: {statistics.median(batches):.1f} us a call", flush=True)
+
+
 def prefill(ex: RangeExecutor, ids: torch.Tensor, chunk: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -79,6 +118,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--chunks", default="2048,8192,32768")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-kernels", default="auto",
+                    help="comma list of auto, on, off: each a pass of every chunk size, eager "
+                         "steps through the row kernels by the default threshold, always, never")
+    ap.add_argument("--launch-costs", action="store_true",
+                    help="first, the host's cost of each call an eager layer makes")
+    ap.add_argument("--no-profile", action="store_true", help="no kernel table at the end")
     ap.add_argument("--hf", action="store_true",
                     help="then transformers' model of the same config, one piece")
     args = ap.parse_args()
@@ -90,13 +135,20 @@ def main() -> None:
     ex = RangeExecutor(model, blocks * BLOCK, device="cuda:0", paged=(blocks, BLOCK))
     ex.kv.set_table(0, 0, list(range(blocks)))
     ids = torch.randint(0, cfg.vocab_size, (args.tokens,), device="cuda:0")
+    if args.launch_costs:
+        launch_costs(model)
     chunks = sorted(int(c) for c in args.chunks.split(","))
-    for c in chunks:
-        prefill(ex, ids, c)  # warm-up
-        runs = [prefill(ex, ids, c) for _ in range(args.repeats)]
-        print(f"chunk {c}: {statistics.median(runs):.3f} s (runs "
-              + ", ".join(f"{r:.3f}" for r in runs) + ")", flush=True)
-    profiled(f"chunk {chunks[0]}", lambda: prefill(ex, ids, chunks[0]))
+    default_min = fused.PREFILL_KERNELS_MIN_ELEMENTS
+    for mode in args.prefill_kernels.split(","):
+        fused.PREFILL_KERNELS_MIN_ELEMENTS = {"on": 0, "off": 1 << 62}.get(mode, default_min)
+        for c in chunks:
+            prefill(ex, ids, c)  # warm-up
+            runs = [prefill(ex, ids, c) for _ in range(args.repeats)]
+            print(f"kernels {mode}: chunk {c}: {statistics.median(runs):.4f} s (runs "
+                  + ", ".join(f"{r:.4f}" for r in runs) + ")", flush=True)
+    fused.PREFILL_KERNELS_MIN_ELEMENTS = default_min
+    if not args.no_profile:
+        profiled(f"chunk {chunks[0]}", lambda: prefill(ex, ids, chunks[0]))
     if args.hf:
         del ex, model
         gc.collect()

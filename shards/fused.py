@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.layers.attention import group_queries
+from layersplit.shards.layers.attention import attend, group_queries
 from layersplit.shards.paged_kv import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,14 @@ class _Stages:
         self.compiled = False
 
 
+# the least rows x hidden of an eager step that runs through the row kernels (`FusedDecode.
+# prefill`); 0: every one. On an H200 they paid at every chunk size measured, on both the
+# default model's shape and the Llama-8B shape (bench/profile_prefill.py --prefill-kernels
+# off,on: chunks of 256 to 2048 rows, 1.2-1.6 x): a Triton launch costs the host ~40 us, as
+# much as torch's RMSNorm module or rotary alone
+PREFILL_KERNELS_MIN_ELEMENTS = 0
+
+
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
@@ -132,6 +140,8 @@ class FusedDecode:
         self.next_norm: dict[int, tuple[torch.Tensor, float]] = {}
         # (h, norm(h)): the last layer's output and the next layer's normalized input
         self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # eager steps of a dense layer through the row kernels (`prefill`); off after a failure
+        self.prefill_kernels = True
 
     @property
     def compiled(self) -> bool:
@@ -219,6 +229,61 @@ class FusedDecode:
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         # the dense MLP through the row kernels (`shards.kernels.row_ops`): nothing compiled
+        nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
+        h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
+                                    layer.post_attention_layernorm.weight, eps)
+        act = row_ops.silu_mul(F.linear(x, m.gate_up_proj.weight))
+        out, nxt = row_ops.add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
+        if nxt is not None:
+            self._normed = (out, nxt)
+        return out
+
+
+    def prefill(self, layer, h, cos, sin, kv, index, slot, step):
+        """An eager step of one sequence (a prefill chunk, a long verify step) of a dense layer
+        through the row kernels around flash attention (`attend`): the q/k norm with the
+        rotary in one kernel, the residual adds with their norms, SiLU * up; the output normed
+        for the next layer as the decode step does. About 14 kernels a layer where the torch
+        layer launches ~40, whose elementwise kernels cost a large model a quarter of its
+        prefill's GPU time. None where it does not apply: a step smaller than
+        `PREFILL_KERNELS_MIN_ELEMENTS`, or once a kernel failed (the caller's torch layer
+        runs: it rewrites the same KV rows)."""
+        if not self.prefill_kernels or hasattr(layer.mlp, "experts") or step.lo is not None or \
+                h.shape[0] * h.shape[1] < PREFILL_KERNELS_MIN_ELEMENTS:
+            return None
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(h.device)
+        if not self.kernels:
+            return None
+        try:
+            return self._prefill(layer, h, cos, sin, kv, index, slot, step)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the torch layer runs from now on
+            log.warning("the Triton prefill kernels failed (%s: %s); eager steps run the torch "
+                        "layers", type(e).__name__, e)
+            self.prefill_kernels = False
+            self._normed = None
+            return None
+
+    def _prefill(self, layer, h, cos, sin, kv, index, slot, step):
+        from layersplit.shards.kernels import row_ops  # (Triton: imported where it runs)
+
+        a, m = layer.self_attn, layer.mlp
+        eps = layer.input_layernorm.eps
+        normed, self._normed = self._normed, None
+        x = normed[1] if normed is not None and normed[0] is h else \
+            row_ops.rms_norm_rows(h, layer.input_layernorm.weight, eps)
+        qkv = F.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+        nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
+        q, k = row_ops.rope_qk(qkv, cos, sin, nh, ng,
+                               None if a.q_norm is None else a.q_norm.weight,
+                               None if a.k_norm is None else a.k_norm.weight,
+                               eps if a.q_norm is None else a.q_norm.eps)
+        v = qkv[:, (nh + ng) * d:].view(-1, ng, d)
+        mask = step.mask_for(a.window)
+        keys, values = kv.append(index, slot, step, k, v)
+        attn = attend(q, keys, values, mask, step.causal and mask is step.mask, a.sdpa_scale)
         nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
         h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
                                     layer.post_attention_layernorm.weight, eps)

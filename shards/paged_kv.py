@@ -153,6 +153,8 @@ class PagedKVCache:
         write, read = self._step_index(slot, step)
         self.k_rows[layer].index_copy_(0, write, k)
         self.v_rows[layer].index_copy_(0, write, v)
+        if k.is_cuda and step.pos == 0 and step.kv_len == k.shape[0]:
+            return k, v  # a first chunk attends only its own rows: no gather (the same values)
         return self.k_rows[layer].index_select(0, read), self.v_rows[layer].index_select(0, read)
 
     def append_batch(

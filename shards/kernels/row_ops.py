@@ -1,5 +1,6 @@
 """The elementwise work between a dense layer's GEMMs, one Triton kernel each: the residual add
-with the RMSNorm that reads the sum, and SiLU(gate) * up.
+with the RMSNorm that reads the sum, SiLU(gate) * up, and (for eager steps of many rows, whose
+attention is flash attention's, not the decode kernel's) the q/k norm with the rotary.
 
 With these, a dense layer's decode step needs no torch.compile: q/k/v GEMM, the decode-attention
 kernel, o_proj GEMM, add + norm, gate/up GEMM, SiLU * up, down GEMM, add + norm (the next
@@ -49,6 +50,47 @@ def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr):
     u = tl.load(GU + row * s_gu + f + cols, mask=ok, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu's output, rounded
     tl.store(OUT + row * s_out + cols, (act * u).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, d, eps,
+             HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """One head of one row: program (row, head), heads [0, nh) the query's, the rest the
+    key's; each torch op's rounding is kept (norm as `RMSNorm`, then x * cos and
+    rotate_half(x) * sin each rounded, and their sum)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    half = d // 2
+    dtype = Q.dtype.element_ty
+    src = QKV + row * s_qkv + head * d
+    x = tl.load(src + cols, mask=ok, other=0.0)
+    partner = tl.where(cols < half, cols + half, cols - half)
+    xr = tl.load(src + partner, mask=ok, other=0.0)
+    if HAS_NORM:  # the head's RMSNorm (`shards.layers.norm.RMSNorm`): float32, cast, weight
+        x32 = x.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(x32 * x32, axis=0) / d + eps)
+        xr32 = xr.to(tl.float32)
+        if head < nh:
+            w = tl.load(QN + cols, mask=ok, other=0.0).to(tl.float32)
+            wr = tl.load(QN + partner, mask=ok, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(KN + cols, mask=ok, other=0.0).to(tl.float32)
+            wr = tl.load(KN + partner, mask=ok, other=0.0).to(tl.float32)
+        x = (w * (x32 * scale).to(dtype).to(tl.float32)).to(dtype)
+        xr = (wr * (xr32 * scale).to(dtype).to(tl.float32)).to(dtype)
+    c = tl.load(COS + row * s_cs + cols, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(SIN + row * s_cs + cols, mask=ok, other=0.0).to(tl.float32)
+    rot = tl.where(cols < half, -xr.to(tl.float32), xr.to(tl.float32))
+    a = (x.to(tl.float32) * c).to(dtype).to(tl.float32)
+    b = (rot * s).to(dtype).to(tl.float32)
+    out = (a + b).to(dtype)
+    if head < nh:
+        tl.store(Q + row * nh * d + head * d + cols, out, mask=ok)
+    else:
+        tl.store(K + row * (tl.num_programs(1) - nh) * d + (head - nh) * d + cols, out,
+                 mask=ok)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -104,3 +146,33 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         _silu_mul[(n, triton.cdiv(f, SILU_BLOCK))](gu, gu.stride(0), out, out.stride(0), f,
                                                    BLOCK=SILU_BLOCK, num_warps=4)
     return out
+
+
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, ng: int,
+            qn_w: torch.Tensor | None = None, kn_w: torch.Tensor | None = None,
+            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated queries (n, nh, D) and keys (n, ng, D) of a fused q/k/v projection's output
+    (n, (nh + 2 ng) D), each head first normalized by `qn_w` / `kn_w` when given (q/k norm),
+    as `Attention.forward` computes them in torch (`apply_rope` over cos, sin (n, D))."""
+    _rows(qkv, "qkv")
+    n, width = qkv.shape
+    if width % (nh + 2 * ng):
+        raise ValueError(f"row_ops: qkv width {width} is not {nh} + 2 x {ng} heads")
+    d = width // (nh + 2 * ng)
+    if d % 2 or cos.shape != (n, d) or sin.shape != (n, d) or cos.stride() != sin.stride() \
+            or cos.stride(1) != 1:
+        raise ValueError(f"row_ops: cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} do not match "
+                         f"{n} rows of head dim {d} (even, contiguous rows)")
+    if (qn_w is None) != (kn_w is None) or any(
+            w is not None and (w.shape != (d,) or w.stride(0) != 1) for w in (qn_w, kn_w)):
+        raise ValueError("row_ops: the q and k norm weights must both be contiguous vectors of "
+                         f"the head dim {d}, or both None")
+    q = torch.empty(n, nh, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(n, ng, d, dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _rope_qk[(n, nh + ng)](qkv, qkv.stride(0), cos, sin, cos.stride(0),
+                               qkv if qn_w is None else qn_w, qkv if kn_w is None else kn_w,
+                               q, k, nh, d, float(eps), HAS_NORM=qn_w is not None,
+                               BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
+                               enable_fp_fusion=False)  # (x * cos + rot * sin: two roundings)
+    return q, k

@@ -22,7 +22,11 @@ class DecoderLayer(nn.Module):
         self.fast = None  # a compiled decode step (shards.fused), set on GPUs
 
     def forward(self, h, cos, sin, kv, layer, slot, step: StepInfo) -> torch.Tensor:
-        if self.fast is not None and step.grouped:
-            return self.fast(self, h, cos, sin, kv, layer, slot, step)
+        if self.fast is not None:
+            if step.grouped:
+                return self.fast(self, h, cos, sin, kv, layer, slot, step)
+            out = self.fast.prefill(self, h, cos, sin, kv, layer, slot, step)
+            if out is not None:
+                return out
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -245,9 +245,11 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         runs["fp32"] = _executor(path, family, torch.float32, False, slots=3, compile=False)
     # per unit of the logits' largest magnitude (`tests.gpu.near`): in bf16 a 6-layer model's
     # logits (up to ~10) differ by a few bf16 steps between two summation orders (2-6 %
-    # measured on an H100 and an H200 with paged KV); so in bf16 the kernels may differ from the
-    # torch path by twice the torch path's own distance from float32, at least 0.05. float32
-    # stays within 1e-4, which catches a wrong row or block.
+    # measured on an H100 and an H200 with paged KV), and near-ties move single steps further;
+    # so in bf16 the kernels' worst step may be as far from the float32 run as twice the torch
+    # path's worst step, at least 0.05 (the two bf16 paths, prefill included, round at
+    # different points). float32 stays within 1e-4 of the torch path at every step, which
+    # catches a wrong row or block.
     tol = 1e-4 if dtype == torch.float32 else 0.05
     ids = torch.arange(3, 40)
     for ex in runs.values():
@@ -258,14 +260,16 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         a, b = a.float().cpu(), b.float().cpu()
         return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
+    drift: dict[str, list[float]] = {"kernels": [], "torch": []}  # bf16: from float32, per step
+
     def same(outs: dict[str, torch.Tensor]) -> None:
-        bound = tol
-        if "fp32" in outs:  # (bf16)
-            bound = max(tol, 2 * rel(outs["torch"], outs["fp32"]))
+        if "fp32" in outs:  # (bf16) compared over the whole run, below
+            for name in drift:
+                drift[name].append(rel(outs[name], outs["fp32"]))
+            return
         for name, o in outs.items():
-            if name != "fp32":
-                err = rel(o, outs["torch"])
-                assert err < bound, (name, err, bound)
+            err = rel(o, outs["torch"])
+            assert err < tol, (name, err, tol)
 
     assert runs["kernels"].model.layers[0].fast.kernels  # the kernels ran (no fallback)
     pos, tok = 30, 5
@@ -280,6 +284,9 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
     # a batched step over the other two slots, a padding row between them
     same({k: st.run_batch(torch.tensor([6, 7]), [0, 2], [pos + 7, 32]).clone()
           for k, st in static.items()})
+    if drift["torch"]:  # the kernels' worst step as close to float32 as the torch path's
+        worst = {name: max(errs) for name, errs in drift.items()}
+        assert worst["kernels"] < max(tol, 2 * worst["torch"]), worst
     kv, ref = runs["kernels"].kv, runs["torch"].kv  # the caches hold the same rows
     kv_tol = 1e-3 if dtype == torch.float32 else 0.1
     for name in ("k", "v"):

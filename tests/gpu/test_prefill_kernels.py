@@ -1,0 +1,176 @@
+"""Eager steps of dense layers (prefill chunks, long verify steps) through the row kernels
+(`FusedDecode.prefill`: `row_ops.rope_qk`, the add + norm and SiLU * up kernels around flash
+attention) against the torch layer they replace.
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
+`TRITON_INTERPRET=1` (float32 only). Tolerances: `rope_qk` within 4 ulps of each head's
+largest value of torch's `apply_rope` (its three roundings are torch's; with a q/k norm the sum
+of squares is reduced in another order), and without the norm at least 98 % of the values
+equal torch's bit for bit. Whole models: float32 logits within 1e-4 of the torch layers' (per
+unit of their largest magnitude); bf16 no further from a float32 run than twice the torch
+layers' own distance from it (at least 0.05), as `test_decode_kernels.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards import fused
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.rotary import apply_rope, base_inv_freq, rope_cos_sin
+
+from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
+
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk-norm"])
+@pytest.mark.parametrize("n,nh,ng,d", [(1, 4, 4, 16), (7, 9, 3, 64), (33, 8, 2, 128)])
+def test_rope_qk_matches_torch(n, nh, ng, d, norm, dtype):
+    from layersplit.shards.kernels.row_ops import rope_qk
+
+    g = torch.Generator().manual_seed(n * 1000 + nh * 10 + d)
+    qkv = (torch.randn(n, (nh + 2 * ng) * d, generator=g) * 2).to(DEV, dtype)
+    positions = torch.arange(100, 100 + n, device=DEV)
+    cos, sin = rope_cos_sin(base_inv_freq(10000.0, d).to(DEV), positions, dtype)
+    q, k, _ = qkv.split([nh * d, ng * d, ng * d], dim=-1)
+    q, k = q.reshape(n, nh, d), k.reshape(n, ng, d)
+    qn = kn = None
+    if norm:
+        qn, kn = RMSNorm(d, 1e-6).to(DEV, dtype), RMSNorm(d, 1e-6).to(DEV, dtype)
+        with torch.no_grad():
+            qn.weight.copy_(1 + 0.2 * torch.randn(d, generator=g))
+            kn.weight.copy_(1 + 0.2 * torch.randn(d, generator=g))
+        with torch.no_grad():
+            q, k = qn(q), kn(k)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    got_q, got_k = rope_qk(qkv, cos, sin, nh, ng, None if qn is None else qn.weight,
+                           None if kn is None else kn.weight, 1e-6)
+    assert got_q.shape == (n, nh, d) and got_k.shape == (n, ng, d) and got_q.dtype == dtype
+    # each head within a few ulps of its largest value (the rotary's products are rounded as
+    # torch rounds them; a normed value may be one ulp apart, carried through the products)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        err = (got.float() - want.float()).abs().amax(-1)
+        assert bool((err <= 4 * ulp * want.float().abs().amax(-1)).all())
+    if not norm:  # most values equal torch's bit for bit
+        same = float((got_q == want_q).float().mean())
+        assert same > 0.98, same
+
+
+def test_rope_qk_refuses_bad_shapes_by_name():
+    from layersplit.shards.kernels.row_ops import rope_qk
+
+    cos = sin = torch.zeros(2, 16, device=DEV)
+    with pytest.raises(ValueError, match="qkv width 100 is not 4 \\+ 2 x 2 heads"):
+        rope_qk(torch.zeros(2, 100, device=DEV), cos, sin, 4, 2)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_qk(torch.zeros(3, 128, device=DEV), cos, sin, 4, 2)
+    with pytest.raises(ValueError, match="norm weights"):
+        rope_qk(torch.zeros(2, 128, device=DEV), cos, sin, 4, 2, torch.ones(16, device=DEV))
+
+
+def _executor(path, dtype: torch.dtype, kernels: bool | None) -> RangeExecutor:
+    model = load_layer_range(open_checkpoint(path), 0, 6, dtype, DEV)
+    if kernels is not None:
+        fuse_projections(model, compile=False, kernels=kernels)
+    blocks = 256 // 16
+    ex = RangeExecutor(model, 256, 2, device=DEV, static_decode=False, paged=(blocks, 16))
+    ex.kv.set_table(0, 0, list(range(blocks // 2)))
+    ex.kv.set_table(1, 0, list(range(blocks // 2, blocks)))
+    return ex
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window"])
+def test_prefill_through_the_row_kernels_matches_the_torch_layers(tiny_models, family, dtype,
+                                                                  monkeypatch):
+    """A 6-layer model's prompt in three chunks (the first from position 0, the others over
+    the cached prefix; past the window on `mistral-window`), every row's logits and the KV
+    rows, against the torch layers on the same weights; the kernels ran in every layer."""
+    from layersplit.shards.kernels import row_ops
+
+    calls = []
+    real = row_ops.rope_qk
+    monkeypatch.setattr(row_ops, "rope_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 0)  # (tiny steps: on anyway)
+    path = tiny_models[family]
+    runs = {"kernels": _executor(path, dtype, True), "torch": _executor(path, dtype, False)}
+    if dtype != torch.float32:  # how far bf16 itself takes the torch path
+        runs["fp32"] = _executor(path, torch.float32, False)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 60, (90,), generator=g)
+    outs: dict[str, list[torch.Tensor]] = {k: [] for k in runs}
+    for a, b in ((0, 37), (37, 70), (70, 90)):
+        for name, ex in runs.items():
+            outs[name].append(ex.run(ids[a:b], a, 1, all_logits=True).float())
+    assert len(calls) == 3 * 6  # every layer of every chunk took the kernels
+    assert runs["kernels"].model.layers[0].fast.prefill_kernels
+    got, want = torch.cat(outs["kernels"]), torch.cat(outs["torch"])
+    if "fp32" in outs:  # the kernels as close to float32 as the torch layers are (or closer)
+        exact = torch.cat(outs["fp32"])
+        assert _rel(got, exact) < max(0.05, 2 * _rel(want, exact))
+    else:
+        assert _rel(got, want) < 1e-4
+    kv_bound = 1e-3 if dtype == torch.float32 else 0.1
+    for name in ("k_rows", "v_rows"):
+        g_rows = getattr(runs["kernels"].kv, name)
+        w_rows = getattr(runs["torch"].kv, name)
+        if "fp32" in runs:
+            kv_bound = max(0.1, 2 * float((w_rows.float() - getattr(runs["fp32"].kv, name)
+                                           .float()).abs().max()))
+        assert float((g_rows.float() - w_rows.float()).abs().max()) <= kv_bound, name
+
+
+def test_a_failing_prefill_kernel_runs_the_torch_layer(tiny_models, monkeypatch):
+    """A prefill kernel raising switches the prefill kernels off (not the decode kernels): the
+    layer runs in torch, rewriting the same KV rows, with the torch layers' logits."""
+    from layersplit.shards.kernels import row_ops
+
+    path = tiny_models["qwen3"]
+    runs = {k: _executor(path, torch.float32, on) for k, on in (("kernels", True),
+                                                                 ("torch", False))}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rope kernel broken")
+
+    monkeypatch.setattr(row_ops, "rope_qk", broken)
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 0)
+    ids = torch.arange(3, 40)
+    got = runs["kernels"].run(ids, 0, 0, all_logits=True)
+    want = runs["torch"].run(ids, 0, 0, all_logits=True)
+    fast = runs["kernels"].model.layers[0].fast
+    assert fast.prefill_kernels is False and fast.kernels
+    assert _rel(got, want) < 1e-4
+
+
+def test_small_eager_steps_run_the_torch_layer(tiny_models, monkeypatch):
+    """Below `PREFILL_KERNELS_MIN_ELEMENTS` (rows x hidden) an eager step runs the torch layer
+    (the kernels' launches would cost the host more than they save the GPU); at it, the
+    kernels."""
+    from layersplit.shards.kernels import row_ops
+
+    calls = []
+    real = row_ops.rope_qk
+    monkeypatch.setattr(row_ops, "rope_qk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ex = _executor(tiny_models["llama"], torch.float32, True)
+    hidden = ex.model.cfg.hidden_size
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 20 * hidden)
+    ex.run(torch.arange(3, 22), 0, 0)  # 19 rows
+    assert calls == []
+    ex.run(torch.arange(3, 23), 19, 0)  # 20 rows
+    assert len(calls) == 6
