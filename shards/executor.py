@@ -110,10 +110,16 @@ class RangeExecutor:
         """What a sequence's step at `pos` needs first after a verify step: the K/V of the
         tree rows it kept (`kept`) moved into place, and on a hybrid model the state of the
         last row it kept made the live state."""
-        if kept:
-            self.kv.move_rows(slot, *kept_moves(pos, kept))
+        self.before_steps([(slot, pos, kept)])
+
+    def before_steps(self, seqs: Sequence[tuple[int, int, Sequence[int] | None]]) -> None:
+        """`before_step` of each (slot, pos, kept) of a step's sequences, the kept rows of all
+        of them moved by one copy (`move_rows_many`)."""
+        self.kv.move_rows_many([(slot, *kept_moves(pos, kept)) for slot, pos, kept in seqs
+                                if kept])
         if isinstance(self.kv, HybridState):
-            self.kv.settle(slot, pos, list(kept) if kept else None)
+            for slot, pos, kept in seqs:
+                self.kv.settle(slot, pos, list(kept) if kept else None)
 
     @torch.inference_mode()
     def run(

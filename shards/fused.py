@@ -266,6 +266,33 @@ class FusedDecode:
             self._normed = None
             return None
 
+    def warm_prefill(self, layer) -> None:
+        """Launch `prefill`'s own kernel once on two rows of zeros, so that its compilation (a
+        fresh machine's; later a load from Triton's cache) is paid at start, not by the first
+        request. A failure turns `prefill` off, as one in a step would."""
+        if not self.prefill_kernels or hasattr(layer.mlp, "experts"):
+            return
+        a = layer.self_attn
+        w = a.qkv_proj.weight
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(w.device)
+        if not self.kernels:
+            return
+        from layersplit.shards.kernels import row_ops
+
+        d = a.head_dim
+        try:
+            qkv = torch.zeros(2, w.shape[0], dtype=w.dtype, device=w.device)
+            cos = torch.zeros(2, d, dtype=w.dtype, device=w.device)
+            row_ops.rope_qk(qkv, cos, cos, a.num_heads, a.num_kv_heads,
+                            None if a.q_norm is None else a.q_norm.weight,
+                            None if a.k_norm is None else a.k_norm.weight,
+                            layer.input_layernorm.eps if a.q_norm is None else a.q_norm.eps)
+        except Exception as e:  # noqa: BLE001 - eager steps run the torch layers
+            log.warning("the Triton prefill kernels failed at start (%s: %s); eager steps run "
+                        "the torch layers", type(e).__name__, e)
+            self.prefill_kernels = False
+
     def _prefill(self, layer, h, cos, sin, kv, index, slot, step):
         from layersplit.shards.kernels import row_ops  # (Triton: imported where it runs)
 
@@ -300,6 +327,15 @@ def decode_attention(*args):
     from layersplit.shards.kernels.decode_attention import decode_attention as kernel
 
     return kernel(*args)
+
+
+def warm_prefill(model) -> None:
+    """`FusedDecode.warm_prefill` for a range's dense fused layers (they share one)."""
+    for layer in model.layers:
+        fast = getattr(layer, "fast", None)
+        if isinstance(fast, FusedDecode) and not hasattr(layer.mlp, "experts"):
+            fast.warm_prefill(layer)
+            return
 
 
 def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -> None:

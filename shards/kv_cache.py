@@ -13,6 +13,7 @@ reads or snapshots `k` and `v` never sees the scratch row.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,14 +88,28 @@ class KVCache:
     def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy rows `src` of every layer of `slot` to rows `dst` (the kept path of a tree
         verify step, `shards.spec_tree.kept_moves`)."""
+        self.move_rows_many([(slot, src, dst)])
+
+    def move_rows_many(self, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """`move_rows` of several slots, (slot, src, dst) each, as one gather and one scatter
+        per tensor (a batched step's sequences: one copy, not one per sequence). Every source
+        row is read before any is written, as the moves of `kept_moves` in their order read."""
+        slots, src, dst = [], [], []
+        for slot, s, d in moves:
+            if len(s) != len(d) or not all(0 <= r < self.max_len for r in (*s, *d)) or \
+                    not 0 <= slot < self.slots:
+                raise IndexError(f"KV rows {list(s)} -> {list(d)} of slot {slot} outside the "
+                                 f"cache's {self.slots} slots of {self.max_len} rows")
+            slots += [slot] * len(s)
+            src += s
+            dst += d
         if not src:
             return
-        if len(src) != len(dst) or not all(0 <= r < self.max_len for r in (*src, *dst)):
-            raise IndexError(f"KV rows {src} -> {dst} outside the cache's {self.max_len} rows")
-        idx = to_device([*src, *dst], self.k.device)
-        s, d = idx[:len(src)], idx[len(src):]
-        self.k[:, slot, d] = self.k[:, slot, s]
-        self.v[:, slot, d] = self.v[:, slot, s]
+        n = len(src)
+        idx = to_device([*slots, *src, *dst], self.k.device)
+        sl, s_idx, d_idx = idx[:n], idx[n:2 * n], idx[2 * n:]
+        self.k[:, sl, d_idx] = self.k[:, sl, s_idx]
+        self.v[:, sl, d_idx] = self.v[:, sl, s_idx]
 
     @property
     def scratch_pos(self) -> int:

@@ -114,10 +114,8 @@ class PagedKVCache:
         return table[rows // b] * b + rows % b
 
     def _host_rows(self, slot: int, rows: Sequence[int]) -> torch.Tensor:
-        if rows and max(rows) >= self.capacity(slot):
-            raise IndexError(f"KV rows up to {max(rows)} of slot {slot} outside its block table "
-                             f"of {self.capacity(slot)} rows")
-        return self.flat_rows(slot, to_device(list(rows), self.k_store.device))
+        """`_pool_rows` on the device."""
+        return to_device(self._pool_rows(slot, rows), self.k_store.device)
 
     # ---- attention ----------------------------------------------------------------------------
     def _step_index(self, slot: int, step: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,13 +187,36 @@ class PagedKVCache:
     # ---- rows ---------------------------------------------------------------------------------
     def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy rows `src` of every layer of `slot` to rows `dst` (a tree verify's kept path)."""
+        self.move_rows_many([(slot, src, dst)])
+
+    def move_rows_many(self, moves: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+        """`move_rows` of several slots, (slot, src, dst) each: their pool indices computed
+        from the host's copy of the tables, then one gather and one scatter per tensor for all
+        of them. Every source row is read before any is written, as the moves of `kept_moves`
+        in their order read."""
+        src, dst = [], []
+        for slot, s, d in moves:
+            if len(s) != len(d):
+                raise IndexError(f"KV rows {list(s)} -> {list(d)}: not as many sources as "
+                                 "destinations")
+            src += self._pool_rows(slot, s)
+            dst += self._pool_rows(slot, d)
         if not src:
             return
-        if len(src) != len(dst):
-            raise IndexError(f"KV rows {src} -> {dst}: not as many sources as destinations")
-        s, d = self._host_rows(slot, src), self._host_rows(slot, dst)
-        self.k_rows[:, d] = self.k_rows[:, s]
-        self.v_rows[:, d] = self.v_rows[:, s]
+        idx = to_device(src + dst, self.k_store.device)
+        s_idx, d_idx = idx[:len(src)], idx[len(src):]
+        self.k_rows[:, d_idx] = self.k_rows[:, s_idx]
+        self.v_rows[:, d_idx] = self.v_rows[:, s_idx]
+
+    def _pool_rows(self, slot: int, rows: Sequence[int]) -> list[int]:
+        """Indices into the flattened pool of positions `rows` of `slot`, on the host."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} outside 0..{self.slots - 1}")
+        table, b = self.tables[slot], self.block
+        if rows and not 0 <= min(rows) <= max(rows) < len(table) * b:
+            raise IndexError(f"KV rows {min(rows)}..{max(rows)} of slot {slot} outside its block "
+                             f"table of {len(table) * b} rows")
+        return [table[r // b] * b + r % b for r in rows]
 
     def get_rows(self, slot: int, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions `rows` of every layer: (layers, len(rows), G, D) copies."""

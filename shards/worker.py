@@ -47,7 +47,7 @@ from layersplit.shards.decode_ahead import UnsentResults, deferrable
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
-from layersplit.shards.fused import fuse_projections
+from layersplit.shards.fused import fuse_projections, warm_prefill
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernel_profile import kernel_profile
@@ -822,8 +822,8 @@ class ShardServer:
         """The rows each sequence's last tree verify step kept go where they belong
         (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
         kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
-        for seg in msg["seqs"]:
-            self.executor.before_step(seg["slot"], seg["pos"], seg["kept"])
+        self.executor.before_steps([(seg["slot"], seg["pos"], seg["kept"])
+                                    for seg in msg["seqs"]])
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:
@@ -1108,6 +1108,8 @@ class ShardServer:
                 max_rows=self.max_step)
             log.info("shard %d: %d step graphs captured in %.1f s", self.index, graphs,
                      seconds)
+        if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
+            warm_prefill(self.model)
         self._reply(route, message("ok", sid=msg["sid"],
                                    info={"graphs": graphs, "seconds": seconds}))
 

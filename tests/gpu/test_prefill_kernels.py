@@ -174,3 +174,31 @@ def test_small_eager_steps_run_the_torch_layer(tiny_models, monkeypatch):
     assert calls == []
     ex.run(torch.arange(3, 23), 19, 0)  # 20 rows
     assert len(calls) == 6
+
+
+def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_models,
+                                                                         monkeypatch):
+    """At start (`warm_prefill`, a shard's `warm`) the eager steps' own kernel runs once on
+    zeros with the range's head shapes and q/k norms; if it raises, eager steps run the torch
+    layers from then on (before any request)."""
+    from layersplit.shards.kernels import row_ops
+
+    seen = []
+    real = row_ops.rope_qk
+    monkeypatch.setattr(row_ops, "rope_qk",
+                        lambda qkv, *a, **k: seen.append((qkv.shape, a[2:4], a[4] is not None))
+                        or real(qkv, *a, **k))
+    ex = _executor(tiny_models["qwen3"], torch.float32, True)
+    layer = ex.model.layers[0]
+    fused.warm_prefill(ex.model)
+    a = layer.self_attn
+    assert seen == [((2, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim),
+                     (a.num_heads, a.num_kv_heads), True)]
+    assert layer.fast.prefill_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(row_ops, "rope_qk", broken)
+    fused.warm_prefill(ex.model)
+    assert layer.fast.prefill_kernels is False

@@ -227,3 +227,41 @@ def test_host_pool_copies_are_ordered_on_the_gpu(monkeypatch):
     assert bool((k == 7.0).all()) and bool((v == 8.0).all())
     host.close()
     assert host.nbytes == 0 and not host.registered
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_kept_rows_of_several_sequences_move_as_each_alone(paged):
+    """`move_rows_many` (a batched step's sequences at once) leaves every row as the moves of
+    each sequence one after the other do (`kept_moves`: each reads rows an earlier one did
+    not write), and refuses rows outside a slot's table or the cache by name."""
+    from layersplit.shards.kv_cache import KVCache
+    from layersplit.shards.spec_tree import kept_moves
+
+    layout = KVLayout(3, 2, 4, torch.float32)
+
+    def cache():
+        if not paged:
+            return KVCache(layout, 48, slots=3)
+        kv = PagedKVCache(layout, max_len=48, slots=3, num_blocks=12, block=8)
+        for slot, blocks in enumerate(([4, 0, 7], [1, 9, 2, 5], [11, 3])):
+            kv.set_table(slot, 0, blocks)
+        return kv
+
+    one, many = cache(), cache()
+    for kv in (one, many):
+        kv.k_store.copy_(torch.randn(kv.k_store.shape, generator=torch.Generator().manual_seed(1)))
+        kv.v_store.copy_(torch.randn(kv.v_store.shape, generator=torch.Generator().manual_seed(2)))
+    before = one.k_store.clone()
+    moves = [(0, *kept_moves(20, [2, 5, 6])), (1, *kept_moves(30, [1, 3])), (2, [], []),
+             (2, *kept_moves(12, [3, 4, 7]))]
+    assert all(src for _, src, _ in moves[:2])
+    for slot, src, dst in moves:
+        one.move_rows(slot, src, dst)
+    many.move_rows_many(moves)
+    assert not torch.equal(one.k_store, before)  # (rows did move)
+    assert torch.equal(one.k_store, many.k_store) and torch.equal(one.v_store, many.v_store)
+    too_far = 24 if paged else 48
+    with pytest.raises(IndexError, match="outside"):
+        many.move_rows_many([(0, [1], [2]), (2, [too_far], [3])])
+    with pytest.raises(IndexError, match="slot 3"):
+        many.move_rows_many([(3, [1], [2])])
