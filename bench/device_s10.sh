@@ -14,6 +14,10 @@
 #      (bench/step_timeline.py); llama.cpp's prefill and decode of the same shapes' GGUFs.
 #   E: carry .whl .device-carry/head.tar: the runtime's TTFT of 512 and 3,900-token prompts on
 #      the default model's shape, this code and the baseline, twice each, interleaved.
+#   N: (for the next session) carry .whl: the GPU tests of what this session changed after its
+#      last GPU call: the bf16 decode-kernel test's whole-run form, the prefill kernel's warm-up
+#      at start, kept rows moved for all of a step's sequences at once (batched verify steps,
+#      speculation), and the GPU path end to end.
 #   D: carry .whl: where the row kernels pay in an eager step: the host's cost of each call,
 #      and chunks of 256-2048 rows with the kernels off and on, both shapes, in one process.
 set -uo pipefail
@@ -61,6 +65,11 @@ C)
     | tail -2'
   run l8b_lcp 60 bash -c 'CUDA_VISIBLE_DEVICES=0 $LCP /tmp/llama8b-f16.gguf --split none 2>&1 \
     | tail -2'
+  ;;
+N)
+  run tests 560 $tests tests/gpu/test_decode_kernels.py tests/gpu/test_prefill_kernels.py \
+    tests/gpu/test_batched_verify_gpu.py tests/gpu/test_speculative_gpu.py \
+    tests/gpu/test_gpu_path.py
   ;;
 E)
   for i in 1 2; do
