@@ -17,13 +17,15 @@ import logging
 from collections.abc import Sequence
 
 import torch
+from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fused import FusedDecode
 from layersplit.shards.graphs import StaticDecoder
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.layers.rotary import context_limit_error
-from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.models import LayerRange
 from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import sample_rows
@@ -93,6 +95,9 @@ class RangeExecutor:
         # window is computed for one sequence's step only)
         self.batch_verify = paged is not None and not self.hybrid and all(
             cfg.window(i) is None for i in range(model.start, model.end))
+        # the eager prefill segments of several sequences run as one step (`run_segments`):
+        # on GPUs, where the row kernels' eager path attends sequence by sequence
+        self.batch_prefill = self.device.type == "cuda"
 
     @property
     def rowwise_verify(self) -> bool:
@@ -181,6 +186,8 @@ class RangeExecutor:
                     outs[i] = out[j:j + 1]
             if self.batch_verify:
                 self._verify_batched(x, segs, starts, outs)
+        if self.batch_prefill and self._prefill_batchable():
+            self._prefill_batched(x, segs, starts, outs)
         alone = sum(o is None for o in outs) == 1
         for i, s in enumerate(segs):
             if outs[i] is None:
@@ -194,6 +201,58 @@ class RangeExecutor:
                     if s.taps:
                         s.taps.update({k: v.clone() for k, v in s.taps.items()})
         return outs
+
+    def _prefill_batchable(self) -> bool:
+        """Whether eager segments may run as one step (`_prefill_batched`): every layer of the
+        range a dense layer on the row kernels' eager path (`FusedDecode.prefill`), which
+        attends sequence by sequence; not in deterministic mode (each sequence's step alone)."""
+        return not self.hybrid and not self.deterministic and all(
+            isinstance(getattr(layer, "fast", None), FusedDecode) and
+            layer.fast.prefill_kernels and layer.fast.kernels is not False and
+            not hasattr(layer.mlp, "experts") for layer in self.model.layers)
+
+    def _prefill_batched(self, x: torch.Tensor, segs: list[Segment], starts: list[int],
+                         outs: list[torch.Tensor | None]) -> None:
+        """The eager prefill segments of a step (several sequences' chunks) as one forward:
+        norms, projections, rotary and MLP over all their rows at once, attention and the KV
+        rows sequence by sequence (`StepInfo.segments`); a few launches a layer per sequence
+        where each alone takes ~14. Outputs (and tapped rows) go where `run` would put each
+        segment's. A layer that refuses the step (a kernel failed) leaves the segments to run
+        alone, rewriting the same KV rows, and this path off."""
+        group = [i for i, s in enumerate(segs)
+                 if outs[i] is None and not s.verify and not self._static_step(s.n, s.pos, False)
+                 and s.pos + s.n <= self.kv.max_len]
+        if len(group) < 2:
+            return
+        rows, a = [], 0  # the logit rows of each segment, in the step's rows
+        for i in group:
+            s = segs[i]
+            rows += range(a, a + s.n) if s.all_logits else [a + s.n - 1]
+            a += s.n
+        xs = torch.cat([x[starts[i]:starts[i + 1]] for i in group]).to(self.device)
+        step = StepInfo.segments([(segs[i].slot, segs[i].pos, segs[i].n) for i in group],
+                                 self.device)
+        want = dict.fromkeys(self.taps) if any(segs[i].taps is not None for i in group) else None
+        try:
+            out = self.model(xs, step, self.kv, 0, taps=want,
+                             logit_rows=to_device(rows, self.device) if self.model.is_last
+                             else None)
+        except (ValueError, IndexError):  # a bad segment: alone, it fails by name
+            return
+        except SegmentsRefused as e:
+            log.warning("layers %d:%d: a batched prefill step was refused (%s); prefill "
+                        "segments run one by one from now on", self.model.start,
+                        self.model.end, e)
+            self.batch_prefill = False
+            return
+        a = b = 0
+        for i in group:
+            s = segs[i]
+            n_out = s.n if s.all_logits or not self.model.is_last else 1
+            outs[i] = out[b:b + n_out]
+            if s.taps is not None:
+                s.taps.update({k: v[a:a + s.n] for k, v in want.items()})
+            a, b = a + s.n, b + n_out
 
     def verify_groups(self, segs: Sequence[Segment]) -> list[list[int]]:
         """The verify segments that run as one batched step: those of as many rows (2 up to

@@ -266,6 +266,14 @@ class FusedDecode:
             self._normed = None
             return None
 
+    @staticmethod
+    def _attend(a, q, k, v, kv, index, slot, step):
+        """One sequence's eager attention: its K/V rows written, then flash attention over its
+        keys (`attend`), under its own causal or windowed mask."""
+        mask = step.mask_for(a.window)
+        keys, values = kv.append(index, slot, step, k, v)
+        return attend(q, keys, values, mask, step.causal and mask is step.mask, a.sdpa_scale)
+
     def warm_prefill(self, layer) -> None:
         """Launch `prefill`'s own kernel once on two rows of zeros, so that its compilation (a
         fresh machine's; later a load from Triton's cache) is paid at start, not by the first
@@ -308,9 +316,10 @@ class FusedDecode:
                                None if a.k_norm is None else a.k_norm.weight,
                                eps if a.q_norm is None else a.q_norm.eps)
         v = qkv[:, (nh + ng) * d:].view(-1, ng, d)
-        mask = step.mask_for(a.window)
-        keys, values = kv.append(index, slot, step, k, v)
-        attn = attend(q, keys, values, mask, step.causal and mask is step.mask, a.sdpa_scale)
+        attn = torch.cat([self._attend(a, q[lo:hi], k[lo:hi], v[lo:hi], kv, index, part_slot,
+                                       part)
+                          for part_slot, part, lo, hi in step.parts]) if step.parts else \
+            self._attend(a, q, k, v, kv, index, slot, step)
         nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
         h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
                                     layer.post_attention_layernorm.weight, eps)

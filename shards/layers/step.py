@@ -10,6 +10,10 @@ import torch
 from layersplit.shards.spec_tree import ancestors, depths
 
 
+class SegmentsRefused(RuntimeError):
+    """A layer that cannot take a `StepInfo.segments` step (its caller runs each part alone)."""
+
+
 @dataclasses.dataclass(slots=True)
 class StepInfo:
     """Where a step's n tokens go and which keys they attend.
@@ -40,6 +44,9 @@ class StepInfo:
     causal: bool = False
     # a batched step: rows per sequence (1: a decode row each; more: `batched_tree`)
     seq_rows: int = 1
+    # eager steps of several sequences as one (`segments`): (slot, its own eager step, first
+    # row, end row) each; attention and the KV rows go part by part, the rest over all rows
+    parts: list[tuple[int, StepInfo, int, int]] | None = None
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query
@@ -75,6 +82,18 @@ class StepInfo:
         if n > 1:
             mask = torch.arange(pos + n, device=device)[None, :] <= positions[:, None]
         return StepInfo(positions, pos + n, mask, pos, causal=True)
+
+    @staticmethod
+    def segments(parts: Sequence[tuple[int, int, int]], device: torch.device) -> StepInfo:
+        """Eager steps of several sequences, (slot, pos, n) each, their rows one after the
+        other, as one step: only a layer that attends part by part (`FusedDecode.prefill`)
+        takes it; each part is the eager step of its sequence alone."""
+        steps, a = [], 0
+        for slot, pos, n in parts:
+            steps.append((slot, StepInfo.eager(pos, n, device), a, a + n))
+            a += n
+        positions = torch.cat([p[1].positions for p in steps])
+        return StepInfo(positions, max(p[1].kv_len for p in steps), None, None, parts=steps)
 
     @staticmethod
     def static(pos: torch.Tensor, n: int, kv_len: int) -> StepInfo:

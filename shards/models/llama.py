@@ -7,7 +7,7 @@ import torch
 from layersplit.shards.layers.attention import Attention
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.norm import RMSNorm
-from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
 
@@ -28,5 +28,7 @@ class DecoderLayer(nn.Module):
             out = self.fast.prefill(self, h, cos, sin, kv, layer, slot, step)
             if out is not None:
                 return out
+        if step.parts:  # (several sequences' eager steps: only the row kernels' path takes it)
+            raise SegmentsRefused("this layer runs several sequences' eager steps one by one")
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards import fused
-from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.executor import RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.norm import RMSNorm
@@ -34,7 +34,8 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk-norm"])
-@pytest.mark.parametrize("n,nh,ng,d", [(1, 4, 4, 16), (7, 9, 3, 64), (33, 8, 2, 128)])
+@pytest.mark.parametrize("n,nh,ng,d", [(1, 4, 4, 16), (7, 9, 3, 64), (33, 8, 2, 128),
+                                        (5, 6, 2, 80)])
 def test_rope_qk_matches_torch(n, nh, ng, d, norm, dtype):
     from layersplit.shards.kernels.row_ops import rope_qk
 
@@ -79,12 +80,14 @@ def test_rope_qk_refuses_bad_shapes_by_name():
         rope_qk(torch.zeros(2, 128, device=DEV), cos, sin, 4, 2, torch.ones(16, device=DEV))
 
 
-def _executor(path, dtype: torch.dtype, kernels: bool | None) -> RangeExecutor:
+def _executor(path, dtype: torch.dtype, kernels: bool | None, taps: tuple[int, ...] = ()
+              ) -> RangeExecutor:
     model = load_layer_range(open_checkpoint(path), 0, 6, dtype, DEV)
     if kernels is not None:
         fuse_projections(model, compile=False, kernels=kernels)
     blocks = 256 // 16
-    ex = RangeExecutor(model, 256, 2, device=DEV, static_decode=False, paged=(blocks, 16))
+    ex = RangeExecutor(model, 256, 2, device=DEV, static_decode=False, paged=(blocks, 16),
+                       taps=taps)
     ex.kv.set_table(0, 0, list(range(blocks // 2)))
     ex.kv.set_table(1, 0, list(range(blocks // 2, blocks)))
     return ex
@@ -202,3 +205,59 @@ def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_m
     monkeypatch.setattr(row_ops, "rope_qk", broken)
     fused.warm_prefill(ex.model)
     assert layer.fast.prefill_kernels is False
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
+def test_several_sequences_prefill_in_one_step_as_each_alone(tiny_models, family, monkeypatch):
+    """Two sequences' prefill chunks in one step (`run_segments`: one forward over their rows,
+    attention and KV rows sequence by sequence): the first chunks from position 0, then the
+    second chunks over each one's cached prefix (past the window on `mistral-window`), with
+    every row's logits for one, the last row's for the other, and tapped rows; against each
+    chunk run alone. float32, within 1e-5 (a GEMM over more rows may round a row otherwise)."""
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 0)
+    path = tiny_models[family]
+    batched, alone = (_executor(path, torch.float32, True, taps=(1, 4)) for _ in range(2))
+    batched.batch_prefill = True  # (a GPU's default; on the CPU it is off)
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, 60, (70,), generator=g), torch.randint(3, 60, (50,), generator=g)]
+    for (a0, b0), (a1, b1) in (((0, 23), (0, 31)), ((23, 70), (31, 50))):
+        segs = [Segment(0, a0, b0 - a0, taps={}), Segment(1, a1, b1 - a1, all_logits=True)]
+        outs = batched.run_segments(torch.cat([ids[0][a0:b0], ids[1][a1:b1]]), segs)
+        want_taps: dict[int, torch.Tensor] = {}
+        want = [alone.run(ids[0][a0:b0], a0, 0, taps=want_taps),
+                alone.run(ids[1][a1:b1], a1, 1, all_logits=True)]
+        vocab = batched.model.cfg.vocab_size
+        assert [o.shape for o in outs] == [w.shape for w in want] == [(1, vocab),
+                                                                      (b1 - a1, vocab)]
+        for got, exp in zip(outs, want):
+            assert _rel(got, exp) < 1e-5
+        assert sorted(segs[0].taps) == [1, 4]
+        for layer, rows in want_taps.items():
+            assert _rel(segs[0].taps[layer], rows) < 1e-5
+    assert batched.batch_prefill
+    for name in ("k_rows", "v_rows"):
+        assert _rel(getattr(batched.kv, name), getattr(alone.kv, name)) < 1e-5
+
+
+def test_a_refused_batched_prefill_runs_each_sequence_alone(tiny_models, monkeypatch):
+    """A prefill kernel failing inside a batched prefill step: the layer refuses the step, the
+    segments run alone (the torch layers, rewriting the same KV rows) with the torch layers'
+    logits, and later steps run them alone."""
+    from layersplit.shards.kernels import row_ops
+
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 0)
+    path = tiny_models["llama"]
+    batched, torch_path = _executor(path, torch.float32, True), _executor(path, torch.float32,
+                                                                         False)
+    batched.batch_prefill = True
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rope kernel broken")
+
+    monkeypatch.setattr(row_ops, "rope_qk", broken)
+    ids = torch.arange(3, 50)
+    outs = batched.run_segments(ids, [Segment(0, 0, 20), Segment(1, 0, 27)])
+    want = [torch_path.run(ids[:20], 0, 0), torch_path.run(ids[20:], 0, 1)]
+    assert batched.batch_prefill is False
+    for got, exp in zip(outs, want):
+        assert _rel(got, exp) < 1e-4
