@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards import fused
 from layersplit.shards.fused import FusedDecode
 from layersplit.shards.graphs import StaticDecoder
 from layersplit.shards.hybrid_cache import HybridState
@@ -166,11 +167,13 @@ class RangeExecutor:
         segment's output as `run` would (hidden rows, or logits).
 
         On GPUs the one-row decode segments of several sequences run as one batched step (one
-        CUDA graph), and so do the verify segments of as many rows of several sequences
-        (`StaticDecoder.run_verify_batch`, over a paged cache); every other segment, and
-        everything on the CPU, runs on its own, exactly as it would alone, so a sequence's
-        output never depends on what it was batched with there (a CPU matmul over more rows
-        need not round each row as a one-row matmul does)."""
+        CUDA graph), so do the verify segments of as many rows of several sequences
+        (`StaticDecoder.run_verify_batch`, over a paged cache), and so do the prefill
+        segments where the row kernels run every layer (`_prefill_batched`): there a bf16
+        GEMM over more rows may round a row otherwise. Every other segment, everything in
+        deterministic mode and everything on the CPU runs on its own, exactly as it would
+        alone, so a sequence's output never depends on what it was batched with there (a CPU
+        matmul over more rows need not round each row as a one-row matmul does)."""
         starts = [0]
         for s in segs:
             starts.append(starts[-1] + s.n)
@@ -211,6 +214,7 @@ class RangeExecutor:
             layer.fast.prefill_kernels and layer.fast.kernels is not False and
             not hasattr(layer.mlp, "experts") for layer in self.model.layers)
 
+    @torch.inference_mode()
     def _prefill_batched(self, x: torch.Tensor, segs: list[Segment], starts: list[int],
                          outs: list[torch.Tensor | None]) -> None:
         """The eager prefill segments of a step (several sequences' chunks) as one forward:
@@ -222,7 +226,8 @@ class RangeExecutor:
         group = [i for i, s in enumerate(segs)
                  if outs[i] is None and not s.verify and not self._static_step(s.n, s.pos, False)
                  and s.pos + s.n <= self.kv.max_len]
-        if len(group) < 2:
+        if len(group) < 2 or sum(segs[i].n for i in group) * self.model.cfg.hidden_size < \
+                fused.PREFILL_KERNELS_MIN_ELEMENTS:  # (the layers would refuse it)
             return
         rows, a = [], 0  # the logit rows of each segment, in the step's rows
         for i in group:
@@ -237,13 +242,15 @@ class RangeExecutor:
             out = self.model(xs, step, self.kv, 0, taps=want,
                              logit_rows=to_device(rows, self.device) if self.model.is_last
                              else None)
-        except (ValueError, IndexError):  # a bad segment: alone, it fails by name
+        except (ValueError, IndexError) as e:  # a bad segment: alone, it fails by name
+            log.debug("layers %d:%d: a batched prefill step failed (%s); its segments run "
+                      "alone", self.model.start, self.model.end, e)
             return
-        except SegmentsRefused as e:
-            log.warning("layers %d:%d: a batched prefill step was refused (%s); prefill "
-                        "segments run one by one from now on", self.model.start,
-                        self.model.end, e)
-            self.batch_prefill = False
+        except SegmentsRefused as e:  # a kernel failed: its layer runs the torch path
+            self.batch_prefill = self._prefill_batchable()
+            log.warning("layers %d:%d: a batched prefill step was refused (%s); its segments "
+                        "run alone%s", self.model.start, self.model.end, e,
+                        "" if self.batch_prefill else ", and from now on every step's")
             return
         a = b = 0
         for i in group:

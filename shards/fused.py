@@ -197,16 +197,9 @@ class FusedDecode:
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; its output normalized for the
         next layer as well when that layer is in the range (see the module doc)."""
-        from layersplit.shards.kernels import row_ops  # (Triton: imported where it runs)
-
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
-        normed, self._normed = self._normed, None
-        if normed is not None and normed[0] is h:
-            qkv = F.linear(normed[1], a.qkv_proj.weight, a.qkv_proj.bias)
-        else:
-            qkv = F.linear(row_ops.rms_norm_rows(h, layer.input_layernorm.weight, eps),
-                           a.qkv_proj.weight, a.qkv_proj.bias)
+        qkv = self._qkv(layer, h)
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
             rows = step.positions if step.rows is None else step.rows
             slot0, n_seqs = slot, 1
@@ -228,7 +221,27 @@ class FusedDecode:
             None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
-        # the dense MLP through the row kernels (`shards.kernels.row_ops`): nothing compiled
+        return self._dense_rest(layer, h, attn, eps)
+
+
+    def _qkv(self, layer, h):
+        """The q/k/v projection of the layer's normed input: the norm the layer before
+        computed with its output (`_normed`, taken), else the row kernel's."""
+        from layersplit.shards.kernels import row_ops
+
+        a = layer.self_attn
+        normed, self._normed = self._normed, None
+        x = normed[1] if normed is not None and normed[0] is h else \
+            row_ops.rms_norm_rows(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        return F.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+
+    def _dense_rest(self, layer, h, attn, eps: float):
+        """A dense layer after attention through the row kernels (`shards.kernels.row_ops`),
+        nothing compiled: o_proj, add + norm, gate/up, SiLU * up, down, add + the next layer's
+        input norm, kept for that layer (`_normed`) when it is in the range."""
+        from layersplit.shards.kernels import row_ops
+
+        a, m = layer.self_attn, layer.mlp
         nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
         h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
                                     layer.post_attention_layernorm.weight, eps)
@@ -237,7 +250,6 @@ class FusedDecode:
         if nxt is not None:
             self._normed = (out, nxt)
         return out
-
 
     def prefill(self, layer, h, cos, sin, kv, index, slot, step):
         """An eager step of one sequence (a prefill chunk, a long verify step) of a dense layer
@@ -286,10 +298,10 @@ class FusedDecode:
             self.kernels = fused_kernels_available(w.device)
         if not self.kernels:
             return
-        from layersplit.shards.kernels import row_ops
-
         d = a.head_dim
         try:
+            from layersplit.shards.kernels import row_ops
+
             qkv = torch.zeros(2, w.shape[0], dtype=w.dtype, device=w.device)
             cos = torch.zeros(2, d, dtype=w.dtype, device=w.device)
             row_ops.rope_qk(qkv, cos, cos, a.num_heads, a.num_kv_heads,
@@ -304,12 +316,9 @@ class FusedDecode:
     def _prefill(self, layer, h, cos, sin, kv, index, slot, step):
         from layersplit.shards.kernels import row_ops  # (Triton: imported where it runs)
 
-        a, m = layer.self_attn, layer.mlp
+        a = layer.self_attn
         eps = layer.input_layernorm.eps
-        normed, self._normed = self._normed, None
-        x = normed[1] if normed is not None and normed[0] is h else \
-            row_ops.rms_norm_rows(h, layer.input_layernorm.weight, eps)
-        qkv = F.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+        qkv = self._qkv(layer, h)
         nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
         q, k = row_ops.rope_qk(qkv, cos, sin, nh, ng,
                                None if a.q_norm is None else a.q_norm.weight,
@@ -320,14 +329,7 @@ class FusedDecode:
                                        part)
                           for part_slot, part, lo, hi in step.parts]) if step.parts else \
             self._attend(a, q, k, v, kv, index, slot, step)
-        nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
-        h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
-                                    layer.post_attention_layernorm.weight, eps)
-        act = row_ops.silu_mul(F.linear(x, m.gate_up_proj.weight))
-        out, nxt = row_ops.add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
-        if nxt is not None:
-            self._normed = (out, nxt)
-        return out
+        return self._dense_rest(layer, h, attn, eps)
 
 
 def decode_attention(*args):

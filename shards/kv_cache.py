@@ -96,8 +96,10 @@ class KVCache:
         row is read before any is written, as the moves of `kept_moves` in their order read."""
         slots, src, dst = [], [], []
         for slot, s, d in moves:
-            if len(s) != len(d) or not all(0 <= r < self.max_len for r in (*s, *d)) or \
-                    not 0 <= slot < self.slots:
+            if len(s) != len(d):
+                raise IndexError(f"KV rows {list(s)} -> {list(d)} of slot {slot}: not as many "
+                                 "sources as destinations")
+            if not all(0 <= r < self.max_len for r in (*s, *d)) or not 0 <= slot < self.slots:
                 raise IndexError(f"KV rows {list(s)} -> {list(d)} of slot {slot} outside the "
                                  f"cache's {self.slots} slots of {self.max_len} rows")
             slots += [slot] * len(s)

@@ -197,8 +197,8 @@ class PagedKVCache:
         src, dst = [], []
         for slot, s, d in moves:
             if len(s) != len(d):
-                raise IndexError(f"KV rows {list(s)} -> {list(d)}: not as many sources as "
-                                 "destinations")
+                raise IndexError(f"KV rows {list(s)} -> {list(d)} of slot {slot}: not as many "
+                                 "sources as destinations")
             src += self._pool_rows(slot, s)
             dst += self._pool_rows(slot, d)
         if not src:

@@ -14,7 +14,7 @@ from layersplit.shards.kv_cache import KVCache
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.rotary import apply_rope
-from layersplit.shards.layers.step import StepInfo
+from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
 
@@ -224,6 +224,8 @@ class Attention(nn.Module):
         slot: int,
         step: StepInfo,
     ) -> torch.Tensor:
+        if step.parts:  # (several sequences' eager steps: `FusedDecode.prefill` takes them)
+            raise SegmentsRefused("torch attention runs one sequence's eager step at a time")
         q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

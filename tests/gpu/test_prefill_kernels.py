@@ -214,7 +214,13 @@ def test_several_sequences_prefill_in_one_step_as_each_alone(tiny_models, family
     second chunks over each one's cached prefix (past the window on `mistral-window`), with
     every row's logits for one, the last row's for the other, and tapped rows; against each
     chunk run alone. float32, within 1e-5 (a GEMM over more rows may round a row otherwise)."""
+    from layersplit.shards.kernels import row_ops
+
     monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 0)
+    calls = []
+    real = row_ops.rope_qk
+    monkeypatch.setattr(row_ops, "rope_qk", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        real(*a, **k))
     path = tiny_models[family]
     batched, alone = (_executor(path, torch.float32, True, taps=(1, 4)) for _ in range(2))
     batched.batch_prefill = True  # (a GPU's default; on the CPU it is off)
@@ -222,7 +228,9 @@ def test_several_sequences_prefill_in_one_step_as_each_alone(tiny_models, family
     ids = [torch.randint(3, 60, (70,), generator=g), torch.randint(3, 60, (50,), generator=g)]
     for (a0, b0), (a1, b1) in (((0, 23), (0, 31)), ((23, 70), (31, 50))):
         segs = [Segment(0, a0, b0 - a0, taps={}), Segment(1, a1, b1 - a1, all_logits=True)]
+        calls.clear()
         outs = batched.run_segments(torch.cat([ids[0][a0:b0], ids[1][a1:b1]]), segs)
+        assert calls == [b0 - a0 + b1 - a1] * 6  # one forward over both chunks' rows
         want_taps: dict[int, torch.Tensor] = {}
         want = [alone.run(ids[0][a0:b0], a0, 0, taps=want_taps),
                 alone.run(ids[1][a1:b1], a1, 1, all_logits=True)]
@@ -261,3 +269,24 @@ def test_a_refused_batched_prefill_runs_each_sequence_alone(tiny_models, monkeyp
     assert batched.batch_prefill is False
     for got, exp in zip(outs, want):
         assert _rel(got, exp) < 1e-4
+    for name in ("k_rows", "v_rows"):
+        assert _rel(getattr(batched.kv, name), getattr(torch_path.kv, name)) < 1e-4
+
+
+def test_a_batch_under_the_kernels_threshold_runs_alone_and_batching_stays_on(tiny_models,
+                                                                                monkeypatch):
+    """Chunks whose rows together stay under `PREFILL_KERNELS_MIN_ELEMENTS` run alone (the
+    torch layers), and a later step over it runs batched."""
+    from layersplit.shards.kernels import row_ops
+
+    calls = []
+    real = row_ops.rope_qk
+    monkeypatch.setattr(row_ops, "rope_qk", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        real(*a, **k))
+    ex = _executor(tiny_models["llama"], torch.float32, True)
+    ex.batch_prefill = True
+    monkeypatch.setattr(fused, "PREFILL_KERNELS_MIN_ELEMENTS", 20 * ex.model.cfg.hidden_size)
+    ex.run_segments(torch.arange(3, 19), [Segment(0, 0, 8), Segment(1, 0, 8)])
+    assert calls == [] and ex.batch_prefill
+    ex.run_segments(torch.arange(3, 27), [Segment(0, 8, 12), Segment(1, 8, 12)])
+    assert calls == [24] * 6 and ex.batch_prefill
