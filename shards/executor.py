@@ -221,8 +221,9 @@ class RangeExecutor:
         norms, projections, rotary and MLP over all their rows at once, attention and the KV
         rows sequence by sequence (`StepInfo.segments`); a few launches a layer per sequence
         where each alone takes ~14. Outputs (and tapped rows) go where `run` would put each
-        segment's. A layer that refuses the step (a kernel failed) leaves the segments to run
-        alone, rewriting the same KV rows, and this path off."""
+        segment's. A layer that refuses the step (a kernel failed, so its torch layer runs)
+        leaves the segments to run alone, rewriting the same KV rows, and this path off once
+        the range is no longer all on the kernels (`_prefill_batchable`)."""
         group = [i for i, s in enumerate(segs)
                  if outs[i] is None and not s.verify and not self._static_step(s.n, s.pos, False)
                  and s.pos + s.n <= self.kv.max_len]
