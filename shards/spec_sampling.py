@@ -33,6 +33,7 @@ same tokens, and the output has the target's distribution (not plain decoding's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -116,14 +117,15 @@ def check_q(q: object, tokens: Sequence[int], parents: Sequence[int] | None, voc
         if entry is None:
             continue
         ids, probs = unpack_q(entry)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != len(ids):
+        id_list, p_list = ids.tolist(), probs.tolist()  # (host lists: no per-element tensor op)
+        if min(id_list) < 0 or max(id_list) >= vocab or len(set(id_list)) != len(id_list):
             raise ValueError(f"q[{row}]: token ids not distinct ids of the vocabulary")
-        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or \
+        if not all(math.isfinite(p) and p >= 0 for p in p_list) or \
                 abs(float(probs.sum()) - 1) > 1e-3:
             raise ValueError(f"q[{row}]: probabilities not >= 0 summing to 1")
         if not kids[row]:
             raise ValueError(f"q[{row}]: row {row} has no children")
-        support = {int(i): float(p) for i, p in zip(ids, probs) if p > 0}
+        support = {i: p for i, p in zip(id_list, p_list) if p > 0}
         drawn = [tokens[j - 1] for j in kids[row][:len(support)]]
         if len(set(drawn)) != len(drawn) or not all(t in support for t in drawn):
             raise ValueError(f"q[{row}]: the children drawn from it are not distinct tokens "

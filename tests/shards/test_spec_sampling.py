@@ -166,7 +166,10 @@ def test_malformed_q_is_refused_by_name():
         "one per row": [good, None],
         "no children": [None, None, good, None],
         "summing to 1": [pack_q([1, 2], [0.5, 0.2]), None, None, None],
+        "not >= 0": [pack_q([1, 2], [1.5, -0.5]), None, None, None],
+        "not >= 0 summing": [pack_q([1, 2], [float("nan"), 1.0]), None, None, None],
         "vocabulary": [pack_q([1, 9], [0.5, 0.5]), None, None, None],
+        "not distinct": [pack_q([1, 1], [0.5, 0.5]), None, None, None],
         "support": [pack_q([1, 0], [0.5, 0.5]), None, None, None],  # child token 2 not in q
         "packed": [b"\x00" * 5, None, None, None],
     }
