@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.spec_tree import depths
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
@@ -129,8 +128,6 @@ def accept_draft(
     pos: int,  # position of the step's first row
     parents: Sequence[int] | None = None,  # a token tree (`shards.spec_tree`); None: a chain
     q: Sequence[bytes | None] | None = None,  # a sampled proposal's distributions, per row
-    *,
-    all_rows: bool | None = None,  # draw for every row at once (None: on a GPU)
 ) -> tuple[list[int], int]:
     """Verify draft tokens: (the rows kept, the token that follows the last kept one).
 
@@ -163,18 +160,12 @@ def accept_draft(
     children: list[dict[int, int]] = [{} for _ in range(n)]
     for j, (p, t) in enumerate(zip(parents, draft), 1):
         children[p].setdefault(t, j)
-    toks = None
-    if all_rows is None:
-        all_rows = logits.is_cuda
-    if is_greedy(temperature, top_k) or all_rows:
-        # every row's token at once, one wait for the device (on a GPU a wait per row visited
-        # costs more than drawing for every row; a CPU draws only for the rows it visits)
-        toks = sample_rows(logits, temperature, top_k, top_p, seed,
-                           [pos + d + 1 for d in depths(parents)])
+    greedy = is_greedy(temperature, top_k)
+    toks = logits.argmax(dim=-1).tolist() if greedy else None  # one device sync for all rows
     path: list[int] = []
     row = 0
     while True:
-        if toks is not None:
+        if greedy:
             tok = toks[row]
         else:
             tok = sample_rows(logits[row:row + 1], temperature, top_k, top_p, seed,

@@ -87,21 +87,3 @@ def test_sampled_tree_verification_equals_plain_sampling():
         path, tok = accept_draft(logits, draft, 1.0, 0, 1.0, seed, 10, parents)
         assert path == [3, 4]
         assert tok == sample_rows(logits[:1], 1.0, 0, 1.0, seed, [13])[0]
-
-
-def test_drawing_every_row_at_once_equals_the_walk_row_by_row():
-    """On a GPU the target's draw for every row of a verify step is made at once (one wait for
-    the device), row j's for position pos + depth(j) + 1: the rows kept and the token after them
-    are those of drawing row by row as the walk visits them, for chains and trees, sampled and
-    greedy (checked here on the CPU, `all_rows`)."""
-    g = torch.Generator().manual_seed(11)
-    trees = [None, [0, 1, 2, 3], [0, 0, 1, 1, 2, 3, 0], [0, 1, 0, 3, 3, 5]]
-    for case in range(200):
-        parents = trees[case % len(trees)]
-        n = (5 if parents is None else len(parents) + 1)
-        logits = torch.randn(n, 6, generator=g) * 2
-        draft = torch.randint(0, 6, (n - 1,), generator=g).tolist()
-        temperature, top_k, top_p = ((0.0, 0, 1.0) if case % 5 == 0 else
-                                     (0.8, case % 3 * 2, (0.5, 0.9, 1.0)[case % 3]))
-        args = (logits, draft, temperature, top_k, top_p, case, 40, parents)
-        assert accept_draft(*args, all_rows=True) == accept_draft(*args, all_rows=False)
