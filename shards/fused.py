@@ -223,7 +223,6 @@ class FusedDecode:
             return stages.post_moe(h, attn, *moe_args(layer))
         return self._dense_rest(layer, h, attn, eps)
 
-
     def _qkv(self, layer, h):
         """The q/k/v projection of the layer's normed input: the norm the layer before
         computed with its output (`_normed`, taken), else the row kernel's."""
