@@ -3,14 +3,14 @@
 # (2026-11-28, tenth session). Carry .whl in every call.
 #   A: where a 3,900-token prefill's time goes on the default model's shape and the Llama-8B
 #      shape (issue 21: prefill >= llama.cpp's at 3.9K): in one process, chunks of 2048 and one
-#      piece, wall against the GPU's busy time and the kernel table (bench/profile_prefill.py);
-#      then through the runtime, 1 shard (bench/decode.py --prefill 3900).
+#      piece, wall against the GPU's busy time and the kernel table (bench/profile_prefill.py).
 #   B: carry .whl .device-carry/lcp.tgz .device-carry/smol_vocab.json.gz .device-carry/head.tar:
 #      llama.cpp built in the background, while the GPU tests of the eager steps through the row
 #      kernels (and of the decode kernels) run; then waits for the build.
 #   C: (right after B, on the same machine, nothing else running) A's in-process profile of
-#      this code and of the baseline (head.tar, the commit before, run from /tmp/old); through
-#      the runtime, 1 shard, the 3,900-token prefill of both, this code's steps traced
+#      this code and of the baseline (head.tar: `git archive` of the commit before, 9964e61,
+#      without draft/weights and RESULTS.md, run from /tmp/old); through the runtime, 1 shard,
+#      the 3,900-token prefill of both, then one more run of this code with its steps traced
 #      (bench/step_timeline.py); llama.cpp's prefill and decode of the same shapes' GGUFs.
 #   E: carry .whl .device-carry/head.tar: the runtime's TTFT of 512 and 3,900-token prompts on
 #      the default model's shape, this code and the baseline, twice each, interleaved.
