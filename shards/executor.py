@@ -207,12 +207,12 @@ class RangeExecutor:
 
     def _prefill_batchable(self) -> bool:
         """Whether eager segments may run as one step (`_prefill_batched`): every layer of the
-        range a dense layer on the row kernels' eager path (`FusedDecode.prefill`), which
-        attends sequence by sequence; not in deterministic mode (each sequence's step alone)."""
+        range on the row kernels' eager path (`FusedDecode.prefill`), which attends sequence
+        by sequence; not in deterministic mode (each sequence's step alone)."""
         return not self.hybrid and not self.deterministic and all(
             isinstance(getattr(layer, "fast", None), FusedDecode) and
-            layer.fast.prefill_kernels and layer.fast.kernels is not False and
-            not hasattr(layer.mlp, "experts") for layer in self.model.layers)
+            layer.fast.prefill_kernels and layer.fast.kernels is not False
+            for layer in self.model.layers)
 
     @torch.inference_mode()
     def _prefill_batched(self, x: torch.Tensor, segs: list[Segment], starts: list[int],

@@ -251,15 +251,16 @@ class FusedDecode:
         return out
 
     def prefill(self, layer, h, cos, sin, kv, index, slot, step):
-        """An eager step of one sequence (a prefill chunk, a long verify step) of a dense layer
-        through the row kernels around flash attention (`attend`): the q/k norm with the
-        rotary in one kernel, the residual adds with their norms, SiLU * up; the output normed
-        for the next layer as the decode step does. About 14 kernels a layer where the torch
-        layer launches ~40, whose elementwise kernels cost a large model a quarter of its
-        prefill's GPU time. None where it does not apply: a step smaller than
-        `PREFILL_KERNELS_MIN_ELEMENTS`, or once a kernel failed (the caller's torch layer
-        runs: it rewrites the same KV rows)."""
-        if not self.prefill_kernels or hasattr(layer.mlp, "experts") or step.lo is not None or \
+        """An eager step of one sequence (a prefill chunk, a long verify step), or of several
+        (`StepInfo.segments`), of a Llama-like layer through the row kernels around flash
+        attention (`attend`): the q/k norm with the rotary in one kernel, the residual adds
+        with their norms, SiLU * up; the output normed for the next layer as the decode step
+        does. About 14 kernels a dense layer where the torch layer launches ~40, whose
+        elementwise kernels cost a large model a quarter of its prefill's GPU time. A sparse
+        layer's MLP is its own module (`RoutedMoE`), after the add + norm kernel. None where
+        it does not apply: a step smaller than `PREFILL_KERNELS_MIN_ELEMENTS`, or once a
+        kernel failed (the caller's torch layer runs: it rewrites the same KV rows)."""
+        if not self.prefill_kernels or step.lo is not None or \
                 h.shape[0] * h.shape[1] < PREFILL_KERNELS_MIN_ELEMENTS:
             return None
         if self.kernels is None:
@@ -289,7 +290,7 @@ class FusedDecode:
         """Launch `prefill`'s own kernel once on two rows of zeros, so that its compilation (a
         fresh machine's; later a load from Triton's cache) is paid at start, not by the first
         request. A failure turns `prefill` off, as one in a step would."""
-        if not self.prefill_kernels or hasattr(layer.mlp, "experts"):
+        if not self.prefill_kernels:
             return
         a = layer.self_attn
         w = a.qkv_proj.weight
@@ -328,6 +329,10 @@ class FusedDecode:
                                        part)
                           for part_slot, part, lo, hi in step.parts]) if step.parts else \
             self._attend(a, q, k, v, kv, index, slot, step)
+        if hasattr(layer.mlp, "experts"):  # a sparse MLP: the add + norm kernel, then its own
+            h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
+                                        layer.post_attention_layernorm.weight, eps)
+            return h + layer.mlp(x)
         return self._dense_rest(layer, h, attn, eps)
 
 
@@ -340,10 +345,11 @@ def decode_attention(*args):
 
 
 def warm_prefill(model) -> None:
-    """`FusedDecode.warm_prefill` for a range's dense fused layers (they share one)."""
+    """`FusedDecode.warm_prefill` for a range's fused layers (they share one, and one shape of
+    heads)."""
     for layer in model.layers:
         fast = getattr(layer, "fast", None)
-        if isinstance(fast, FusedDecode) and not hasattr(layer.mlp, "experts"):
+        if isinstance(fast, FusedDecode):
             fast.warm_prefill(layer)
             return
 

@@ -99,7 +99,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window", "qwen3_moe",
+                                    "qwen2_moe"])
 def test_prefill_through_the_row_kernels_matches_the_torch_layers(tiny_models, family, dtype,
                                                                   monkeypatch):
     """A 6-layer model's prompt in three chunks (the first from position 0, the others over
@@ -207,7 +208,7 @@ def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_m
     assert layer.fast.prefill_kernels is False
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral-window"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral-window", "qwen3_moe"])
 def test_several_sequences_prefill_in_one_step_as_each_alone(tiny_models, family, monkeypatch):
     """Two sequences' prefill chunks in one step (`run_segments`: one forward over their rows,
     attention and KV rows sequence by sequence): the first chunks from position 0, then the
