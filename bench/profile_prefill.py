@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from layersplit.shards import fused  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor  # noqa: E402
-from layersplit.shards import fused  # noqa: E402
 from layersplit.shards.fused import fuse_projections  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 import torch
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards import fused
-from layersplit.shards.fused import FusedDecode
+from layersplit.shards.fused import FusedDecode, prefill_kernels_take
 from layersplit.shards.graphs import StaticDecoder
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
@@ -227,9 +226,9 @@ class RangeExecutor:
         group = [i for i, s in enumerate(segs)
                  if outs[i] is None and not s.verify and not self._static_step(s.n, s.pos, False)
                  and s.pos + s.n <= self.kv.max_len]
-        if len(group) < 2 or sum(segs[i].n for i in group) * self.model.cfg.hidden_size < \
-                fused.PREFILL_KERNELS_MIN_ELEMENTS:  # (the layers would refuse it)
-            return
+        if len(group) < 2 or not prefill_kernels_take(sum(segs[i].n for i in group),
+                                                      self.model.cfg.hidden_size):
+            return  # (the layers would refuse it)
         rows, a = [], 0  # the logit rows of each segment, in the step's rows
         for i in group:
             s = segs[i]

@@ -128,6 +128,12 @@ class _Stages:
 PREFILL_KERNELS_MIN_ELEMENTS = 0
 
 
+def prefill_kernels_take(rows: int, width: int) -> bool:
+    """Whether an eager step of `rows` x `width` activations is large enough for the row
+    kernels (`PREFILL_KERNELS_MIN_ELEMENTS`)."""
+    return rows * width >= PREFILL_KERNELS_MIN_ELEMENTS
+
+
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
@@ -261,7 +267,7 @@ class FusedDecode:
         it does not apply: a step smaller than `PREFILL_KERNELS_MIN_ELEMENTS`, or once a
         kernel failed (the caller's torch layer runs: it rewrites the same KV rows)."""
         if not self.prefill_kernels or step.lo is not None or \
-                h.shape[0] * h.shape[1] < PREFILL_KERNELS_MIN_ELEMENTS:
+                not prefill_kernels_take(*h.shape):
             return None
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
