@@ -20,8 +20,14 @@ decode-attention kernel that also applies the q/k norm and rotary and writes the
 norm in one kernel, gate/up, SiLU * up in one kernel, down, and the residual add with the next
 layer's input norm (`shards.kernels.row_ops`), so the next layer starts at its projection.
 torch.compile is made at a stage's first call, so a dense model on the kernels never imports it
-(5-8 s of a start on an H100). A mixture-of-experts layer's work after attention is `shards.fused_moe` (router and
-grouped-GEMM experts, compiled; no next-norm folding).
+(5-8 s of a start on an H100). A mixture-of-experts layer's work after attention is
+`shards.fused_moe` (router and grouped-GEMM experts, compiled; no next-norm folding).
+
+A one-row step of one sequence (batch-1 decode, the bulk of a user's wait) goes further: its
+projections are the GEMV kernels of `shards.kernels.gemv`, with the norms as their prologue and
+the residual adds and SiLU * up as their epilogue: q/k/v, attention (two kernels), o_proj,
+gate/up, down: 6 kernels a layer. The last range's final norm and LM head are one more
+(`FusedDecode.head`, `RangeModel.head_fast`). `LAYERSPLIT_GEMV_KERNELS=0` switches them off.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available
 from layersplit.shards.layers.attention import attend, group_queries
+from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.paged_kv import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -148,6 +155,9 @@ class FusedDecode:
         self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
         # eager steps of a dense layer through the row kernels (`prefill`); off after a failure
         self.prefill_kernels = True
+        # one-row steps of a dense layer through the GEMV kernels (`kernels.gemv`) where the
+        # kernels run; off after a failure
+        self.gemv = gemv_kernels_available()
 
     @property
     def compiled(self) -> bool:
@@ -165,7 +175,11 @@ class FusedDecode:
                 err = e
             # a dense layer on the kernels runs nothing compiled: what failed was a kernel
             dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
-            if stages.compiled and not dense_on_kernels:
+            if self.gemv and self._one_row(layer, h, step):
+                log.warning("the Triton GEMV kernels failed (%s: %s); one-row steps run "
+                            "cuBLAS", type(err).__name__, err)
+                self.gemv = False
+            elif stages.compiled and not dense_on_kernels:
                 log.warning("torch.compile of the decode step failed (%s: %s); running it "
                             "eager", type(err).__name__, err)
                 stages.uncompile()
@@ -200,12 +214,28 @@ class FusedDecode:
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 
 
+    def _one_row(self, layer, h, step) -> bool:
+        """Whether a step on the kernels runs through the GEMV kernels: one row of one
+        sequence, a dense layer, the GEMV kernels on (`gemv`)."""
+        return self.gemv and step.lo is None and h.shape[0] == 1 and \
+            h.is_contiguous() and not hasattr(layer.mlp, "experts")
+
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
-        """A layer's step through the decode-attention kernel; its output normalized for the
-        next layer as well when that layer is in the range (see the module doc)."""
+        """A layer's step through the decode-attention kernel; one row through the GEMV
+        kernels (`kernels.gemv`: the norms, residual adds and SiLU * up folded into the
+        projections), else its output normalized for the next layer as well when that layer
+        is in the range (see the module doc)."""
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
-        qkv = self._qkv(layer, h)
+        one_row = self._one_row(layer, h, step)
+        if one_row:
+            from layersplit.shards.kernels.gemv import gemv
+
+            self._normed = None
+            qkv = gemv(h, a.qkv_proj.weight, bias=a.qkv_proj.bias,
+                       norm=(layer.input_layernorm.weight, eps))
+        else:
+            qkv = self._qkv(layer, h)
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
             rows = step.positions if step.rows is None else step.rows
             slot0, n_seqs = slot, 1
@@ -227,7 +257,36 @@ class FusedDecode:
             None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
+        if one_row:
+            from layersplit.shards.kernels.gemv import gemv
+
+            h = gemv(attn.reshape(1, -1), a.o_proj.weight, residual=h)
+            act = gemv(h, m.gate_up_proj.weight, gate_up=True,
+                       norm=(layer.post_attention_layernorm.weight, eps))
+            return gemv(act, m.down_proj.weight, residual=h)
         return self._dense_rest(layer, h, attn, eps)
+
+    def head(self, model, h):
+        """The last range's final norm and LM head of one row as one GEMV kernel (the norm its
+        prologue), the logits stored as float32; None where it does not apply (more rows, a
+        norm other than RMSNorm, the kernels off)."""
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(h.device)
+        if not self.kernels or not self.gemv or h.shape[0] != 1 or not h.is_contiguous() or \
+                type(model.norm) is not RMSNorm:
+            return None
+        from layersplit.shards.kernels.gemv import gemv
+
+        try:
+            return gemv(h, model.lm_head.weight, norm=(model.norm.weight, model.norm.eps),
+                        out_dtype=torch.float32, head=True)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the torch head runs from now on
+            log.warning("the Triton GEMV kernels failed (%s: %s); one-row steps run cuBLAS",
+                        type(e).__name__, e)
+            self.gemv = False
+            return None
 
     def _qkv(self, layer, h):
         """The q/k/v projection of the layer's normed input: the norm the layer before
@@ -371,6 +430,8 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
         fuse_hybrid(model, compile)
         return
     fast = FusedDecode(compile, kernels)
+    if getattr(model, "is_last", False) and fast.kernels is not False:  # (a range, not a draft)
+        model.head_fast = fast.head
     layers = list(model.layers)
     # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own
     ok = [type(layer) in (llama.DecoderLayer, moe_llama.DecoderLayer) for layer in layers]

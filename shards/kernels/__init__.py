@@ -14,11 +14,22 @@ import os
 import torch
 
 ENV_SWITCH = "LAYERSPLIT_FUSED_KERNELS"
+# the one-row GEMV kernels (`gemv`), on where the other kernels are; 0 switches them alone off
+GEMV_SWITCH = "LAYERSPLIT_GEMV_KERNELS"
+
+
+def _off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def gemv_kernels_available() -> bool:
+    """Whether one-row steps take the GEMV kernels where the decode kernels run."""
+    return not _off(GEMV_SWITCH)
 
 
 def fused_kernels_available(device: torch.device | str) -> bool:
     """Whether the Triton decode kernels run for tensors on `device`."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if _off(ENV_SWITCH):
         return False
     dev = torch.device(device)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"

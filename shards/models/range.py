@@ -48,6 +48,9 @@ class LayerRange(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
             self.norm = self.lm_head = None
+        # the final norm with the LM head as one step, set on GPUs (`shards.fused`): the
+        # logits (float32) of the rows it takes, None for those it does not
+        self.head_fast = None
         self.rope_scale = rope_attention_factor(cfg)
         self.init_rope()
 
@@ -103,8 +106,12 @@ class LayerRange(nn.Module):
             return h
         if logit_rows is not None:
             h = h[logit_rows]
-        logits = self.lm_head(self.norm(h))
         cap = self.cfg.final_logit_softcap
+        if self.head_fast is not None and cap is None:
+            logits = self.head_fast(self, h)
+            if logits is not None:
+                return logits
+        logits = self.lm_head(self.norm(h))
         if cap is not None:  # as transformers: in the run dtype
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -295,15 +295,17 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         if "fp32" in runs:  # bf16: rows of later steps carry the paths' own drift
             bound = max(kv_tol, 2 * float((want - getattr(runs["fp32"].kv, name)).abs().max()))
         assert float((got - want).abs().max()) <= bound, (name, bound)
-    assert runs["kernels"].model.layers[0].fast.kernels  # (no fallback in any of those steps)
+    fast = runs["kernels"].model.layers[0].fast
+    assert fast.kernels and fast.gemv  # (no fallback in any of those steps)
 
 
 def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny_models,
                                                                             monkeypatch):
-    """A dense layer on the kernels runs nothing compiled, so a failure there (here: the add +
-    norm row kernel raising) switches the Triton kernels off and leaves the torch path's stages
-    compiled; the step is then the torch path's, with the same logits."""
-    from layersplit.shards.kernels import row_ops
+    """A dense layer on the kernels runs nothing compiled, so a failure there (here: the GEMV
+    kernels raising, then the add + norm row kernel) switches the GEMV kernels off, then the
+    Triton kernels, and leaves the torch path's stages compiled; the step is then the torch
+    path's, with the same logits."""
+    from layersplit.shards.kernels import gemv, row_ops
 
     path = tiny_models["llama"]
     runs = {k: _executor(path, "llama", torch.float32, on, compile=False)
@@ -319,8 +321,9 @@ def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny
         raise RuntimeError("row kernel broken")
 
     monkeypatch.setattr(row_ops, "add_rms_norm", broken)
+    monkeypatch.setattr(gemv, "gemv", broken)
     got = runs["kernels"].run(torch.tensor([5]), 27)
     want = runs["torch"].run(torch.tensor([5]), 27)
-    assert fast.kernels is False and fast.single.compiled
+    assert fast.kernels is False and fast.gemv is False and fast.single.compiled
     bound = 1e-4 * max(1.0, float(want.abs().max()))
     assert float((got.float() - want.float()).abs().max()) <= bound

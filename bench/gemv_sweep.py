@@ -1,0 +1,168 @@
+"""Launch shapes of the one-row GEMV kernels (`shards.kernels.gemv`) against cuBLAS, per
+projection and for a whole layer's projections with the work between them, at a model's shape.
+
+Each time is 20 replays of a CUDA graph of calls that cycle through enough copies of the
+weights (>= 256 MB) that the L2 cache holds none of them, as in a model's step; no launch
+overhead. "layer chain": o_proj, the residual add with its norm, gate/up, SiLU * up, down, the
+residual add with the next layer's norm and its q/k/v (today's decode step after attention,
+cuBLAS and `row_ops`), against the four GEMV kernels that fold that work in; cycling through
+the model's layer count of weights.
+
+    python bench/gemv_sweep.py --model smollm2-135m-shape [--model llama-8b-shape] \
+        [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from layersplit.shards.fused import rms_norm  # noqa: E402
+from layersplit.shards.kernels import gemv as gk  # noqa: E402
+from layersplit.shards.kernels import row_ops  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
+
+
+def time_us(fn, copies: int, reps: int, replays: int = 20) -> float:
+    """Microseconds per `fn(j)` call, j cycling over `copies`."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            fn(r % copies)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * replays)
+
+
+def candidates(k: int, ns, ws, stages):
+    """Launch shapes to try: blocks of K that divide it (the largest four), and below 1024 a
+    last block partly masked (the whole row in one block included)."""
+    ks = [b for b in (64, 128, 256, 512, 1024, 2048) if k % b == 0][-4:]
+    if k < 1024:
+        ks = sorted(set(ks) | {128, 256, triton.next_power_of_2(k)})
+    for bn, bk, nw, st in itertools.product(ns, ks, ws, stages):
+        if bn * bk <= 16384:
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+            if st:
+                cfg["num_stages"] = st
+            yield cfg
+
+
+def ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--block-n", default="1,2,4,8")
+    ap.add_argument("--warps", default="1,2,4,8")
+    ap.add_argument("--stages", default="0", help="num_stages values (0: Triton's default)")
+    ap.add_argument("--ops", default="qkv,o,gate_up,down,head")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev, dt = "cuda:0", torch.bfloat16
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(0))
+    report = {}
+    for name in args.model or ["smollm2-135m-shape"]:
+        c = json.loads((CONFIGS / name / "config.json").read_text())
+        hd_, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        nh, ng = c["num_attention_heads"], c["num_key_value_heads"]
+        d = c.get("head_dim", hd_ // nh)
+        ops = {"qkv": ((nh + 2 * ng) * d, hd_, "norm"), "o": (hd_, nh * d, "res"),
+               "gate_up": (2 * f, hd_, "silu"), "down": (hd_, f, "res"),
+               "head": (c["vocab_size"], hd_, "norm")}
+        x = {k_: torch.randn(1, k_, device=dev).to(dt) for k_ in {hd_, nh * d, f}}
+        nw_ = torch.rand(hd_, device=dev).to(dt) + 0.5
+        res = torch.randn(1, hd_, device=dev).to(dt)
+        best = {}
+        for op, (n, k, kind) in ops.items():
+            if op not in args.ops.split(","):
+                continue
+            copies = max(2, -(-(256 << 20) // (n * k * 2)))
+            ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(dt) for _ in range(copies)]
+            reps = max(copies, 24)
+            mb = n * k * 2 / 1e6
+            kw = {"norm": {"norm": (nw_, 1e-5)}, "res": {"residual": res},
+                  "silu": {"gate_up": True}}[kind]
+            t_blas = time_us(lambda j: F.linear(x[k], ws[j]), copies, reps)
+            rows = []
+            if op == "head":  # the torch head: RMSNorm module, cuBLAS, the logits as float32
+                t_blas = time_us(lambda j: F.linear(rms_norm(x[k], nw_, 1e-5), ws[j]).float(),
+                                 copies, reps)
+            for cfg in candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)):
+                try:
+                    t = time_us(lambda j: gk.gemv(x[k], ws[j], cfg=cfg, **kw), copies, reps)
+                except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
+                    print(f"  {op} {cfg}: {type(e).__name__}")
+                    continue
+                rows.append((t, cfg))
+            rows.sort(key=lambda r: r[0])
+            kw["head"] = op == "head"
+            t_def = time_us(lambda j: gk.gemv(x[k], ws[j], **kw), copies, reps)
+            if not rows:
+                continue
+            best[op] = rows[0][1]
+            ref = "torch head" if op == "head" else "cuBLAS"
+            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head")
+            print(f"{name} {op} ({n}x{k}, {mb:.1f} MB): {ref} {t_blas:.2f} us "
+                  f"({mb / t_blas * 1e3:.0f} GB/s); default {default} {t_def:.2f} us; "
+                  "best " + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
+            report[f"{name}/{op}"] = {"cublas_us": t_blas, "default_us": t_def,
+                                      "best": rows[:5], "mb": mb}
+            del ws
+        # a layer's chain after attention, `layers` layers of weights
+        w = [{op: (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
+              for op, (n, k, _) in ops.items() if op != "head"} for _ in range(layers)]
+        ln = [(torch.rand(hd_, device=dev).to(dt) + 0.5) for _ in range(2)]
+        attn = torch.randn(1, nh * d, device=dev).to(dt)
+        h0 = torch.randn(1, hd_, device=dev).to(dt)
+
+        def old(j):
+            h, xn = row_ops.add_rms_norm(h0, F.linear(attn, w[j]["o"]), ln[0], 1e-5)
+            act = row_ops.silu_mul(F.linear(xn, w[j]["gate_up"]))
+            out, nxt = row_ops.add_rms_norm(h, F.linear(act, w[j]["down"]), ln[1], 1e-5)
+            return F.linear(nxt, w[j]["qkv"])
+
+        def new(j, cfgs=None):
+            cf = cfgs or {}
+            h = gk.gemv(attn, w[j]["o"], residual=h0, cfg=cf.get("o"))
+            act = gk.gemv(h, w[j]["gate_up"], norm=(ln[0], 1e-5), gate_up=True,
+                          cfg=cf.get("gate_up"))
+            out = gk.gemv(act, w[j]["down"], residual=h, cfg=cf.get("down"))
+            return gk.gemv(out, w[j]["qkv"], norm=(ln[1], 1e-5), cfg=cf.get("qkv"))
+
+        t_old = time_us(old, layers, layers)
+        t_new = time_us(new, layers, layers)
+        t_best = time_us(lambda j: new(j, best), layers, layers)
+        print(f"{name} layer chain (us a layer): cuBLAS + row kernels {t_old:.2f}; GEMV kernels "
+              f"{t_new:.2f} (defaults), {t_best:.2f} (best of the sweep); "
+              f"old/new {t_old / t_new:.3f}, old/best {t_old / t_best:.3f}")
+        report[f"{name}/chain"] = {"old_us": t_old, "new_us": t_new, "best_us": t_best,
+                                   "best": best}
+        del w
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

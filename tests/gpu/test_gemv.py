@@ -1,0 +1,139 @@
+"""The one-row GEMV kernels (`shards.kernels.gemv`: the norm prologue, the residual and
+SiLU * up epilogues) against the torch ops they replace, and their place in the decode step.
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
+`TRITON_INTERPRET=1` (float32 only). Tolerances: float32 within 1e-5 of the torch ops per unit
+of the result's largest magnitude; bf16 within 2 bf16 steps of a float32 reference computed
+from the same bf16 inputs, rounded as the torch ops round (the kernel sums in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards.fused import rms_norm
+from layersplit.shards.kernels import fused_kernels_available
+
+from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
+from tests.gpu.test_decode_kernels import _executor
+
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
+
+
+def _want(x, w, nw, bias, res, gate_up):
+    """The torch ops the kernel replaces, in float32 from the same (rounded) inputs, each
+    intermediate rounded to the inputs' dtype as the torch ops round it."""
+    dt = x.dtype
+    if nw is not None:
+        x = rms_norm(x.float(), nw.float(), 1e-5).to(dt)
+    y = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dt)
+    if gate_up:
+        g, u = y.chunk(2, dim=-1)
+        y = (F.silu(g.float()).to(dt).float() * u.float()).to(dt)
+    if res is not None:
+        y = (res.float() + y.float()).to(dt)
+    return y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["plain", "norm+bias", "residual", "gate_up", "head"])
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (100, 300), (64, 1536), (7, 4096)])
+def test_gemv_matches_torch(n, k, kind, dtype):
+    from layersplit.shards.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(n * 7 + k)
+    rows = 2 * n if kind == "gate_up" else n
+    x = (torch.randn(1, k, generator=g) * 3).to(DEV, dtype)
+    w = (torch.randn(rows, k, generator=g) * k ** -0.5).to(DEV, dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DEV, dtype) \
+        if kind in ("norm+bias", "head", "gate_up") else None
+    bias = torch.randn(n, generator=g).to(DEV, dtype) if kind == "norm+bias" else None
+    res = torch.randn(1, n, generator=g).to(DEV, dtype) if kind == "residual" else None
+    got = gemv(x, w, bias=bias, norm=None if nw is None else (nw, 1e-5), residual=res,
+               gate_up=kind == "gate_up", out_dtype=torch.float32 if kind == "head" else None)
+    want = _want(x, w, nw, bias, res, kind == "gate_up")
+    assert got.shape == (1, n)
+    assert got.dtype == (torch.float32 if kind == "head" else dtype)
+    scale = max(1.0, float(want.float().abs().max()))
+    err = float((got.float() - want.float()).abs().max())
+    if dtype == torch.float32:
+        assert err <= 1e-5 * scale, err
+    else:  # two bf16 steps of the largest value (a sum order apart, then one rounding)
+        assert err <= 2 * 2.0 ** -7 * scale, err
+        if kind == "head":  # the stored float32 is the bf16 rounding of the result
+            assert bool((got == got.to(dtype).float()).all())
+
+
+def test_gemv_refuses_bad_shapes_by_name():
+    from layersplit.shards.kernels.gemv import gemv
+
+    x = torch.zeros(1, 64, device=DEV)
+    w = torch.zeros(32, 64, device=DEV)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        gemv(torch.zeros(2, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="does not take a row of 48"):
+        gemv(torch.zeros(1, 48, device=DEV), w)
+    with pytest.raises(ValueError, match="even row count and no bias"):
+        gemv(x, torch.zeros(31, 64, device=DEV), gate_up=True)
+    with pytest.raises(ValueError, match="bias \\(16,\\) is not a contiguous vector of 32"):
+        gemv(x, w, bias=torch.zeros(16, device=DEV))
+    with pytest.raises(ValueError, match="residual \\(1, 16\\) is not one row of 32"):
+        gemv(x, w, residual=torch.zeros(1, 16, device=DEV))
+    with pytest.raises(ValueError, match="norm weight \\(63,\\)"):
+        gemv(x, w, norm=(torch.ones(63, device=DEV), 1e-5))
+
+
+def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, monkeypatch):
+    """A 6-layer model's graph decode steps with the GEMV kernels (and the head's) against the
+    same kernels with the GEMV ones switched off (`LAYERSPLIT_GEMV_KERNELS=0`), float32; a
+    failing GEMV kernel then turns the GEMV kernels alone off, and the step is the same."""
+    from layersplit.shards.kernels import GEMV_SWITCH, gemv
+
+    calls = []
+    real = gemv.gemv
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("gate_up", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "gemv", counted)
+    path = tiny_models["qwen2"]  # (q/k/v bias)
+    on = _executor(path, "qwen2", torch.float32, True)
+    monkeypatch.setenv(GEMV_SWITCH, "0")
+    off = _executor(path, "qwen2", torch.float32, True)
+    ids = torch.arange(3, 30)
+    for ex in (on, off):
+        ex.run(ids, 0)
+    calls.clear()
+    tok = 5
+    for pos in range(27, 33):
+        a, b = on.run(torch.tensor([tok]), pos), off.run(torch.tensor([tok]), pos)
+        bound = 1e-4 * max(1.0, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= bound, pos
+        tok = int(b.argmax())
+    fast_on, fast_off = on.model.layers[0].fast, off.model.layers[0].fast
+    assert fast_on.gemv is True and fast_off.gemv is False and fast_off.kernels
+    assert calls and sum(calls) > 0  # (warm-up and captures run the kernels too)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("gemv broken")
+
+    # a fresh executor whose GEMV kernels fail: its first graph capture meets the failure in
+    # the first layer, turns them off and captures the row kernels' step instead
+    monkeypatch.delenv(GEMV_SWITCH)
+    failing = _executor(path, "qwen2", torch.float32, True)
+    failing.run(ids, 0)
+    fast = failing.model.layers[0].fast
+    monkeypatch.setattr(gemv, "gemv", broken)
+    fast.gemv = True  # (the prefill's head may have met the failure already)
+    a = failing.run(torch.tensor([tok]), 27)
+    assert fast.gemv is False and fast.kernels
+    want = _executor(path, "qwen2", torch.float32, False)
+    want.run(ids, 0)
+    b = want.run(torch.tensor([tok]), 27)
+    assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
