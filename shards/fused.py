@@ -352,9 +352,12 @@ class FusedDecode:
         return attend(q, keys, values, mask, step.causal and mask is step.mask, a.sdpa_scale)
 
     def warm_prefill(self, layer) -> None:
-        """Launch `prefill`'s own kernel once on two rows of zeros, so that its compilation (a
+        """Launch `prefill`'s kernels once on two rows of zeros, so that their compilation (a
         fresh machine's; later a load from Triton's cache) is paid at start, not by the first
-        request. A failure turns `prefill` off, as one in a step would."""
+        request: its own (`rope_qk`), and the row kernels around the projections, which the
+        captured one-row steps no longer launch (they take the GEMV kernels): the input norm,
+        the add + norm with and without a next norm, SiLU * up. A failure turns `prefill` off,
+        as one in a step would."""
         if not self.prefill_kernels:
             return
         a = layer.self_attn
@@ -373,6 +376,15 @@ class FusedDecode:
                             None if a.q_norm is None else a.q_norm.weight,
                             None if a.k_norm is None else a.k_norm.weight,
                             layer.input_layernorm.eps if a.q_norm is None else a.q_norm.eps)
+            norm = layer.input_layernorm
+            h = torch.zeros(2, norm.weight.shape[0], dtype=w.dtype, device=w.device)
+            row_ops.rms_norm_rows(h, norm.weight, norm.eps)
+            row_ops.add_rms_norm(h, h, norm.weight, norm.eps)
+            row_ops.add_rms_norm(h, h, None, 0.0)
+            gate_up = getattr(layer.mlp, "gate_up_proj", None)  # (a dense MLP, fused)
+            if gate_up is not None:
+                row_ops.silu_mul(torch.zeros(2, gate_up.weight.shape[0], dtype=w.dtype,
+                                             device=w.device))
         except Exception as e:  # noqa: BLE001 - eager steps run the torch layers
             log.warning("the Triton prefill kernels failed at start (%s: %s); eager steps run "
                         "the torch layers", type(e).__name__, e)

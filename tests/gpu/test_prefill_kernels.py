@@ -182,22 +182,30 @@ def test_small_eager_steps_run_the_torch_layer(tiny_models, monkeypatch):
 
 def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_models,
                                                                          monkeypatch):
-    """At start (`warm_prefill`, a shard's `warm`) the eager steps' own kernel runs once on
-    zeros with the range's head shapes and q/k norms; if it raises, eager steps run the torch
-    layers from then on (before any request)."""
+    """At start (`warm_prefill`, a shard's `warm`) the eager steps' kernels run once on
+    zeros with the range's head shapes and q/k norms, and the row kernels around the
+    projections (which captured one-row steps no longer launch); if one raises, eager steps
+    run the torch layers from then on (before any request)."""
     from layersplit.shards.kernels import row_ops
 
-    seen = []
+    seen, rows = [], []
     real = row_ops.rope_qk
     monkeypatch.setattr(row_ops, "rope_qk",
                         lambda qkv, *a, **k: seen.append((qkv.shape, a[2:4], a[4] is not None))
                         or real(qkv, *a, **k))
+    for name in ("rms_norm_rows", "add_rms_norm", "silu_mul"):
+        monkeypatch.setattr(row_ops, name, lambda *a, _f=getattr(row_ops, name), _n=name, **k:
+                            rows.append((_n, tuple(a[0].shape), len(a) > 2 and a[2] is not None))
+                            or _f(*a, **k))
     ex = _executor(tiny_models["qwen3"], torch.float32, True)
     layer = ex.model.layers[0]
     fused.warm_prefill(ex.model)
     a = layer.self_attn
     assert seen == [((2, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim),
                      (a.num_heads, a.num_kv_heads), True)]
+    hidden, ff2 = layer.input_layernorm.weight.shape[0], layer.mlp.gate_up_proj.weight.shape[0]
+    assert rows == [("rms_norm_rows", (2, hidden), True), ("add_rms_norm", (2, hidden), True),
+                    ("add_rms_norm", (2, hidden), False), ("silu_mul", (2, ff2), False)]
     assert layer.fast.prefill_kernels
 
     def broken(*args, **kwargs):
