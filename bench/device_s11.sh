@@ -17,9 +17,17 @@
 #      1 through the runtime, the GEMV kernels on, off, and the baseline (head.tar: `git
 #      archive` of the commit before, run from /tmp/old), default shape on 1 and 2 shards and
 #      Llama-8B on 1; llama.cpp on the same shapes' GGUFs.
+#   P: (for the next session) carry .whl and one piece of the real default model's GGUF
+#      (.device-carry/smol.part00..02), one per call back to back: each call parks its piece in
+#      /tmp (as bench/device_s9.sh P).
+#   V: (for the next session, after the three pieces) the few-rows kernel (`_gemm_rows`) for
+#      verify trees: its launch shapes at 16 and 32 rows against cuBLAS (bench/gemv_sweep.py
+#      --rows), then greedy speculation on the held-out prompts, one stream, 2 shards, with
+#      verify steps through it (LAYERSPLIT_GEMV_ROWS=32) and through cuBLAS (=1, the default).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
+cp .device-carry/smol.part* /tmp/ 2>/dev/null
 export LCP="env PYTHONPATH=/tmp/lcpsite:/tmp/site python3 bench/llamacpp_decode.py"
 if [ -e .device-carry/head.tar ]; then
   rm -rf /tmp/old && mkdir -p /tmp/old && tar xf .device-carry/head.tar -C /tmp/old
@@ -29,7 +37,26 @@ smol="bench/decode.py --model random:smollm2-135m-shape --prompt-len 512 --new-t
   --max-context 2048 --repeats 3"
 l8b="bench/decode.py --model random:llama-8b-shape --prompt-len 512 --new-tokens 256 \
   --max-context 4096 --repeats 3 --layouts cuda:0"
+model() {
+  mkdir -p "$LAYERSPLIT_HOME/models"
+  cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
+    > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
+}
 case "${1:-A}" in
+P) ;;
+V)
+  for m in 16 32; do
+    TAIL=14 run "rows_$m" 150 python3 bench/gemv_sweep.py --model smollm2-135m-shape \
+      --model llama-8b-shape --rows $m --json "$OUT/rows_$m.json"
+  done
+  model
+  for r in 32 1; do
+    TAIL=12 run "spec_rows_$r" 150 env LAYERSPLIT_GEMV_ROWS=$r python3 bench/speculative.py \
+      --model default --devices cuda:0,cuda:0 --drafts default --new-tokens 256 --repeat 3 \
+      --sets unseen --json "$OUT/spec_rows_$r.json"
+  done
+  ;;
 A)
   for m in smollm2-135m-shape llama-8b-shape; do
     for g in 0 1; do

@@ -6,10 +6,12 @@ weights (>= 256 MB) that the L2 cache holds none of them, as in a model's step; 
 overhead. "layer chain": o_proj, the residual add with its norm, gate/up, SiLU * up, down, the
 residual add with the next layer's norm and its q/k/v (today's decode step after attention,
 cuBLAS and `row_ops`), against the four GEMV kernels that fold that work in; cycling through
-the model's layer count of weights.
+the model's layer count of weights. `--rows M` (M > 1): the same for M rows (a verify tree, a
+small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
 
     python bench/gemv_sweep.py --model smollm2-135m-shape [--model llama-8b-shape] \
-        [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head]
+        [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head] \
+        [--rows 1]
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def candidates(k: int, ns, ws, stages):
             yield cfg
 
 
+def row_candidates(m: int, k: int):
+    """Launch shapes of the few-rows kernel (`_gemm_rows`) for m rows."""
+    bm = max(16, triton.next_power_of_2(m))
+    for bn, bk, nw in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (2, 4, 8)):
+        if bk <= max(16, triton.next_power_of_2(k)):
+            yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+
+
 def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",")]
 
@@ -76,6 +86,8 @@ def main() -> None:
     ap.add_argument("--warps", default="1,2,4,8")
     ap.add_argument("--stages", default="0", help="num_stages values (0: Triton's default)")
     ap.add_argument("--ops", default="qkv,o,gate_up,down,head")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows a call (more than 1: the few-rows kernel, a verify tree's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev, dt = "cuda:0", torch.bfloat16
@@ -90,9 +102,10 @@ def main() -> None:
         ops = {"qkv": ((nh + 2 * ng) * d, hd_, "norm"), "o": (hd_, nh * d, "res"),
                "gate_up": (2 * f, hd_, "silu"), "down": (hd_, f, "res"),
                "head": (c["vocab_size"], hd_, "norm")}
-        x = {k_: torch.randn(1, k_, device=dev).to(dt) for k_ in {hd_, nh * d, f}}
+        m = args.rows
+        x = {k_: torch.randn(m, k_, device=dev).to(dt) for k_ in {hd_, nh * d, f}}
         nw_ = torch.rand(hd_, device=dev).to(dt) + 0.5
-        res = torch.randn(1, hd_, device=dev).to(dt)
+        res = torch.randn(m, hd_, device=dev).to(dt)
         best = {}
         for op, (n, k, kind) in ops.items():
             if op not in args.ops.split(","):
@@ -108,7 +121,9 @@ def main() -> None:
             if op == "head":  # the torch head: RMSNorm module, cuBLAS, the logits as float32
                 t_blas = time_us(lambda j: F.linear(rms_norm(x[k], nw_, 1e-5), ws[j]).float(),
                                  copies, reps)
-            for cfg in candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)):
+            cands = candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)) \
+                if m == 1 else row_candidates(m, k)
+            for cfg in cands:
                 try:
                     t = time_us(lambda j: gk.gemv(x[k], ws[j], cfg=cfg, **kw), copies, reps)
                 except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
@@ -122,7 +137,8 @@ def main() -> None:
                 continue
             best[op] = rows[0][1]
             ref = "torch head" if op == "head" else "cuBLAS"
-            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head")
+            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head") \
+                if m == 1 else gk.rows_config(m, k, gate_up=kind == "silu")
             print(f"{name} {op} ({n}x{k}, {mb:.1f} MB): {ref} {t_blas:.2f} us "
                   f"({mb / t_blas * 1e3:.0f} GB/s); default {default} {t_def:.2f} us; "
                   "best " + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
@@ -133,8 +149,8 @@ def main() -> None:
         w = [{op: (torch.randn(n, k, device=dev) * k ** -0.5).to(dt)
               for op, (n, k, _) in ops.items() if op != "head"} for _ in range(layers)]
         ln = [(torch.rand(hd_, device=dev).to(dt) + 0.5) for _ in range(2)]
-        attn = torch.randn(1, nh * d, device=dev).to(dt)
-        h0 = torch.randn(1, hd_, device=dev).to(dt)
+        attn = torch.randn(m, nh * d, device=dev).to(dt)
+        h0 = torch.randn(m, hd_, device=dev).to(dt)
 
         def old(j):
             h, xn = row_ops.add_rms_norm(h0, F.linear(attn, w[j]["o"]), ln[0], 1e-5)

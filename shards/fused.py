@@ -38,7 +38,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
-from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available
+from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.paged_kv import PagedKVCache
@@ -155,9 +155,10 @@ class FusedDecode:
         self._normed: tuple[torch.Tensor, torch.Tensor] | None = None
         # eager steps of a dense layer through the row kernels (`prefill`); off after a failure
         self.prefill_kernels = True
-        # one-row steps of a dense layer through the GEMV kernels (`kernels.gemv`) where the
-        # kernels run; off after a failure
+        # steps of up to `gemv_rows` rows (one by default: batch-1 decode) of a dense layer
+        # through the GEMV kernels (`kernels.gemv`) where the kernels run; off after a failure
         self.gemv = gemv_kernels_available()
+        self.gemv_rows = gemv_max_rows()
 
     @property
     def compiled(self) -> bool:
@@ -175,9 +176,9 @@ class FusedDecode:
                 err = e
             # a dense layer on the kernels runs nothing compiled: what failed was a kernel
             dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
-            if self.gemv and self._one_row(layer, h, step):
-                log.warning("the Triton GEMV kernels failed (%s: %s); one-row steps run "
-                            "cuBLAS", type(err).__name__, err)
+            if self._gemv_takes(layer, h):
+                log.warning("the Triton GEMV kernels failed (%s: %s); steps run cuBLAS",
+                            type(err).__name__, err)
                 self.gemv = False
             elif stages.compiled and not dense_on_kernels:
                 log.warning("torch.compile of the decode step failed (%s: %s); running it "
@@ -214,21 +215,21 @@ class FusedDecode:
                            m.gate_up_proj.weight, m.down_proj.weight, eps)
 
 
-    def _one_row(self, layer, h, step) -> bool:
-        """Whether a step on the kernels runs through the GEMV kernels: one row of one
-        sequence, a dense layer, the GEMV kernels on (`gemv`)."""
-        return self.gemv and step.lo is None and h.shape[0] == 1 and \
-            h.is_contiguous() and not hasattr(layer.mlp, "experts")
+    def _gemv_takes(self, layer, h) -> bool:
+        """Whether a step on the kernels runs through the GEMV kernels: at most `gemv_rows`
+        rows, a dense layer, the GEMV kernels on (`gemv`)."""
+        return self.gemv and h.shape[0] <= self.gemv_rows and h.is_contiguous() and \
+            not hasattr(layer.mlp, "experts")
 
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
-        """A layer's step through the decode-attention kernel; one row through the GEMV
+        """A layer's step through the decode-attention kernel; few rows through the GEMV
         kernels (`kernels.gemv`: the norms, residual adds and SiLU * up folded into the
         projections), else its output normalized for the next layer as well when that layer
         is in the range (see the module doc)."""
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
-        one_row = self._one_row(layer, h, step)
-        if one_row:
+        few_rows = self._gemv_takes(layer, h)
+        if few_rows:
             from layersplit.shards.kernels.gemv import gemv
 
             self._normed = None
@@ -257,22 +258,23 @@ class FusedDecode:
             None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
-        if one_row:
+        if few_rows:
             from layersplit.shards.kernels.gemv import gemv
 
-            h = gemv(attn.reshape(1, -1), a.o_proj.weight, residual=h)
+            h = gemv(attn, a.o_proj.weight, residual=h)
             act = gemv(h, m.gate_up_proj.weight, gate_up=True,
                        norm=(layer.post_attention_layernorm.weight, eps))
             return gemv(act, m.down_proj.weight, residual=h)
         return self._dense_rest(layer, h, attn, eps)
 
     def head(self, model, h):
-        """The last range's final norm and LM head of one row as one GEMV kernel (the norm its
-        prologue), the logits stored as float32; None where it does not apply (more rows, a
-        norm other than RMSNorm, the kernels off)."""
+        """The last range's final norm and LM head of few rows (`gemv_rows`) as one GEMV kernel
+        (the norm its prologue), the logits stored as float32; None where it does not apply
+        (more rows, a norm other than RMSNorm, the kernels off)."""
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
-        if not self.kernels or not self.gemv or h.shape[0] != 1 or not h.is_contiguous() or \
+        if not self.kernels or not self.gemv or h.shape[0] > self.gemv_rows or \
+                not h.is_contiguous() or \
                 type(model.norm) is not RMSNorm:
             return None
         from layersplit.shards.kernels.gemv import gemv
@@ -283,7 +285,7 @@ class FusedDecode:
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
         except Exception as e:  # noqa: BLE001 - the torch head runs from now on
-            log.warning("the Triton GEMV kernels failed (%s: %s); one-row steps run cuBLAS",
+            log.warning("the Triton GEMV kernels failed (%s: %s); steps run cuBLAS",
                         type(e).__name__, e)
             self.gemv = False
             return None

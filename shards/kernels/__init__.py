@@ -22,9 +22,24 @@ def _off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
+# the most rows of a step that take them: 1 (batch-1 decode, measured) unless set higher, up to
+# `gemv.MAX_ROWS` (verify trees and small batches through the tensor cores: not measured yet)
+GEMV_ROWS = "LAYERSPLIT_GEMV_ROWS"
+GEMV_ROWS_MAX = 64
+
+
 def gemv_kernels_available() -> bool:
-    """Whether one-row steps take the GEMV kernels where the decode kernels run."""
+    """Whether steps of few rows take the GEMV kernels where the decode kernels run."""
     return not _off(GEMV_SWITCH)
+
+
+def gemv_max_rows() -> int:
+    """The most rows of a step that take the GEMV kernels (`GEMV_ROWS`, default 1)."""
+    raw = os.environ.get(GEMV_ROWS, "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= GEMV_ROWS_MAX:
+        raise ValueError(f"{GEMV_ROWS}={raw!r}: the most rows of a step that take the GEMV "
+                         f"kernels must be a whole number from 1 to {GEMV_ROWS_MAX}")
+    return int(raw)
 
 
 def fused_kernels_available(device: torch.device | str) -> bool:

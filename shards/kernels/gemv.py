@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels import GEMV_ROWS_MAX
 
 
 @triton.jit
@@ -86,6 +87,78 @@ def _gemv(X, NW, W, B, R, Y, N, K, eps,
     tl.store(Y + offs_n, y, mask=mask_n)
 
 
+@triton.jit
+def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, eps,
+               NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+               SILU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_gemv` for a few rows (2 .. BLOCK_M) through the tensor cores (`tl.dot`): program
+    (block of N, block of rows); the same prologue and epilogues, row by row."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    dt = X.dtype.element_ty
+    xrows = X + offs_m[:, None].to(tl.int64) * s_x
+    if NORM:  # each row's RMSNorm scale
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(xrows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            sq += xs * xs
+        scale = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SILU:
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    cols = W + offs_n[None, :].to(tl.int64) * K  # (BLOCK_K, BLOCK_N) tiles of W's transpose
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(xrows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if NORM:
+            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (nw[None, :] * (x.to(tl.float32) * scale[:, None]).to(dt).to(tl.float32)).to(dt)
+        m = mask_k[:, None] & mask_n[None, :]
+        w = tl.load(cols + offs_k[:, None], mask=m, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        if SILU:
+            wu = tl.load(cols + N * K + offs_k[:, None], mask=m, other=0.0)
+            if IEEE:
+                acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(x, wu, acc_u)
+    y = acc
+    if HAS_B:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = y.to(dt)
+    if SILU:
+        g = y.to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (sg * u).to(dt)
+    out = mask_m[:, None] & mask_n[None, :]
+    if HAS_R:
+        r = tl.load(R + offs_m[:, None].to(tl.int64) * s_r + offs_n[None, :], mask=out,
+                    other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(dt)
+    tl.store(Y + offs_m[:, None].to(tl.int64) * s_y + offs_n[None, :], y, mask=out)
+
+
+MAX_ROWS = GEMV_ROWS_MAX  # the most rows `gemv` takes (a verify tree, a batch)
+
+
+def rows_config(m: int, k: int, *, gate_up: bool = False) -> dict:
+    """The launch shape of `_gemm_rows` for m rows (not measured yet: tensor-core tiles of
+    16-64 rows by 32 outputs, blocks of K of 128)."""
+    return {"BLOCK_M": max(16, triton.next_power_of_2(m)), "BLOCK_N": 32 if not gate_up else 16,
+            "BLOCK_K": 128 if k >= 128 else max(16, triton.next_power_of_2(k)), "num_warps": 4}
+
+
 def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = False) -> dict:
     """The launch shape for a weight of k inputs, from `bench/gemv_sweep.py` on an H200 at
     the default model's and the Llama-8B shapes (k = 576 .. 12288): few rows a program (one or
@@ -109,13 +182,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          gate_up: bool = False, out_dtype: torch.dtype | None = None, head: bool = False,
          cfg: dict | None = None) -> torch.Tensor:
-    """F.linear of one row `x` (1, K) by `w` (N, K), with `norm` = (weight, eps): the row's
-    RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result SiLU(g) * u
-    (1, F); `residual` (1, N): added to the result. Returns a new (1, N or F) tensor, rounded
-    to x's dtype and stored as `out_dtype` (default x's). `head`: the weight is a vocabulary's
-    (its launch shape); `cfg`: a launch shape other than `config`'s."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1:
-        raise ValueError(f"gemv: x must be one contiguous row (1, K), got {tuple(x.shape)}")
+    """F.linear of rows `x` (M, K), M <= MAX_ROWS, by `w` (N, K), with `norm` = (weight, eps):
+    each row's RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result
+    SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
+    tensor, rounded to x's dtype and stored as `out_dtype` (default x's). `head`: the weight is
+    a vocabulary's (its launch shape); `cfg`: a launch shape other than `config`'s (one row)
+    or `rows_config`'s (more). One row runs `_gemv`, more `_gemm_rows` (tensor cores)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
+                         f"got {tuple(x.shape)} strides {x.stride()}")
+    rows = x.shape[0]
     n, k = w.shape
     if x.shape[1] != k or w.stride() != (k, 1) or w.dtype != x.dtype:
         raise ValueError(f"gemv: weight {tuple(w.shape)} {w.dtype} (strides {w.stride()}) does "
@@ -127,18 +203,28 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         n //= 2
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} is not a contiguous vector of {n}")
-    if residual is not None and (residual.shape != (1, n) or residual.stride(1) != 1):
-        raise ValueError(f"gemv: residual {tuple(residual.shape)} is not one row of {n}")
+    if residual is not None and (residual.shape != (rows, n) or residual.stride(1) != 1):
+        raise ValueError(f"gemv: residual {tuple(residual.shape)} is not {rows} rows of {n}")
     if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
         raise ValueError(f"gemv: norm weight {tuple(norm[0].shape)} is not a contiguous vector "
                          f"of {k}")
-    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head))
-    block_n = c.pop("BLOCK_N")
-    block_k = c.pop("BLOCK_K")
-    _gemv[(triton.cdiv(n, block_n),)](
-        x, x if norm is None else norm[0], w, x if bias is None else bias,
-        x if residual is None else residual, y, n, k, 0.0 if norm is None else float(norm[1]),
-        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None,
-        SILU=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, **c)
+    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    eps = 0.0 if norm is None else float(norm[1])
+    nw = x if norm is None else norm[0]
+    b = x if bias is None else bias
+    r = x if residual is None else residual
+    flags = {"NORM": norm is not None, "HAS_B": bias is not None,
+             "HAS_R": residual is not None, "SILU": gate_up}
+    if rows == 1:
+        c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head))
+        block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
+        _gemv[(triton.cdiv(n, block_n),)](
+            x, nw, w, b, r, y, n, k, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0, **c)
+        return y
+    c = dict(cfg or rows_config(rows, k, gate_up=gate_up))
+    block_m, block_n, block_k = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
+    _gemm_rows[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
+        x, x.stride(0), nw, w, b, r, r.stride(0), y, y.stride(0), rows, n, k, eps, **flags,
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **c)
     return y

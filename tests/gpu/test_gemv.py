@@ -43,21 +43,23 @@ def _want(x, w, nw, bias, res, gate_up):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["plain", "norm+bias", "residual", "gate_up", "head"])
 @pytest.mark.parametrize("n,k", [(576, 576), (960, 576), (100, 300), (64, 1536), (7, 4096)])
-def test_gemv_matches_torch(n, k, kind, dtype):
+@pytest.mark.parametrize("m", [1, 3, 31], ids=lambda m: f"{m}rows")
+def test_gemv_matches_torch(m, n, k, kind, dtype):
+    """One row (`_gemv`) and a few (`_gemm_rows`: a verify tree, a batch)."""
     from layersplit.shards.kernels.gemv import gemv
 
-    g = torch.Generator().manual_seed(n * 7 + k)
+    g = torch.Generator().manual_seed(n * 7 + k + m)
     rows = 2 * n if kind == "gate_up" else n
-    x = (torch.randn(1, k, generator=g) * 3).to(DEV, dtype)
+    x = (torch.randn(m, k, generator=g) * 3).to(DEV, dtype)
     w = (torch.randn(rows, k, generator=g) * k ** -0.5).to(DEV, dtype)
     nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DEV, dtype) \
         if kind in ("norm+bias", "head", "gate_up") else None
     bias = torch.randn(n, generator=g).to(DEV, dtype) if kind == "norm+bias" else None
-    res = torch.randn(1, n, generator=g).to(DEV, dtype) if kind == "residual" else None
+    res = torch.randn(m, n, generator=g).to(DEV, dtype) if kind == "residual" else None
     got = gemv(x, w, bias=bias, norm=None if nw is None else (nw, 1e-5), residual=res,
                gate_up=kind == "gate_up", out_dtype=torch.float32 if kind == "head" else None)
     want = _want(x, w, nw, bias, res, kind == "gate_up")
-    assert got.shape == (1, n)
+    assert got.shape == (m, n)
     assert got.dtype == (torch.float32 if kind == "head" else dtype)
     scale = max(1.0, float(want.float().abs().max()))
     err = float((got.float() - want.float()).abs().max())
@@ -74,15 +76,17 @@ def test_gemv_refuses_bad_shapes_by_name():
 
     x = torch.zeros(1, 64, device=DEV)
     w = torch.zeros(32, 64, device=DEV)
-    with pytest.raises(ValueError, match="one contiguous row"):
-        gemv(torch.zeros(2, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        gemv(torch.zeros(65, 64, device=DEV), w)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        gemv(torch.zeros(2, 128, device=DEV)[:, ::2], w)
     with pytest.raises(ValueError, match="does not take a row of 48"):
         gemv(torch.zeros(1, 48, device=DEV), w)
     with pytest.raises(ValueError, match="even row count and no bias"):
         gemv(x, torch.zeros(31, 64, device=DEV), gate_up=True)
     with pytest.raises(ValueError, match="bias \\(16,\\) is not a contiguous vector of 32"):
         gemv(x, w, bias=torch.zeros(16, device=DEV))
-    with pytest.raises(ValueError, match="residual \\(1, 16\\) is not one row of 32"):
+    with pytest.raises(ValueError, match="residual \\(1, 16\\) is not 1 rows of 32"):
         gemv(x, w, residual=torch.zeros(1, 16, device=DEV))
     with pytest.raises(ValueError, match="norm weight \\(63,\\)"):
         gemv(x, w, norm=(torch.ones(63, device=DEV), 1e-5))
@@ -137,3 +141,44 @@ def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, mon
     want.run(ids, 0)
     b = want.run(torch.tensor([tok]), 27)
     assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+
+
+def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, monkeypatch):
+    """With `LAYERSPLIT_GEMV_ROWS=32` a graph's tree verify step (7 rows) and a batched step
+    (2 sequences and a padding row) take the few-rows kernel (`_gemm_rows`, tensor cores), with
+    the logits of the same steps with the GEMV kernels off (float32)."""
+    from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
+
+    rows = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(x.shape[0]) or
+                        real(x, *a, **k))
+    path = tiny_models["llama"]
+    monkeypatch.setenv(GEMV_ROWS, "32")
+    on = _executor(path, "llama", torch.float32, True, slots=3)
+    monkeypatch.setenv(GEMV_SWITCH, "0")
+    off = _executor(path, "llama", torch.float32, True, slots=3)
+    ids = torch.arange(3, 40)
+    for ex in (on, off):
+        for slot in range(3):
+            ex.run(ids[:30 + slot], 0, slot)
+    assert on.model.layers[0].fast.gemv_rows == 32
+    rows.clear()
+    outs = [st.run(torch.tensor([5, 7, 9, 11, 4, 6, 8]), 30, 0, [0, 0, 1, 1, 2, 3])[0].clone()
+            for st in (on.static, off.static)]
+    outs += [st.run_batch(torch.tensor([6, 7]), [1, 2], [31, 32]).clone()
+             for st in (on.static, off.static)]
+    for a, b in (outs[:2], outs[2:]):
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+    assert any(r > 1 for r in rows)  # (the captures ran the few-rows kernel)
+    assert on.model.layers[0].fast.gemv
+
+
+def test_a_bad_gemv_rows_setting_is_refused_by_name(monkeypatch):
+    from layersplit.shards.fused import FusedDecode
+    from layersplit.shards.kernels import GEMV_ROWS
+
+    for bad in ("abc", "0", "65", "-1"):
+        monkeypatch.setenv(GEMV_ROWS, bad)
+        with pytest.raises(ValueError, match="LAYERSPLIT_GEMV_ROWS="):
+            FusedDecode(compile=False)
