@@ -141,6 +141,22 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
     return rows * width >= PREFILL_KERNELS_MIN_ELEMENTS
 
 
+class GemvError(RuntimeError):
+    """A GEMV kernel (`kernels.gemv`) failed: what turns them, and only them, off."""
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`kernels.gemv.gemv`, its failures (but running out of memory) raised as `GemvError`."""
+    from layersplit.shards.kernels import gemv  # (Triton: imported where it runs)
+
+    try:
+        return gemv.gemv(x, w, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:
+        raise GemvError(f"{type(e).__name__}: {e}") from e
+
+
 class FusedDecode:
     """Callable installed as `DecoderLayer.fast` on every layer of a GPU range."""
 
@@ -159,6 +175,7 @@ class FusedDecode:
         # through the GEMV kernels (`kernels.gemv`) where the kernels run; off after a failure
         self.gemv = gemv_kernels_available()
         self.gemv_rows = gemv_max_rows()
+        self.head_gemv = True  # the LM head's (`head`), off after its own failure
 
     @property
     def compiled(self) -> bool:
@@ -176,9 +193,8 @@ class FusedDecode:
                 err = e
             # a dense layer on the kernels runs nothing compiled: what failed was a kernel
             dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
-            if self._gemv_takes(layer, h):
-                log.warning("the Triton GEMV kernels failed (%s: %s); steps run cuBLAS",
-                            type(err).__name__, err)
+            if isinstance(err, GemvError):
+                log.warning("the Triton GEMV kernels failed (%s); steps run cuBLAS", err)
                 self.gemv = False
             elif stages.compiled and not dense_on_kernels:
                 log.warning("torch.compile of the decode step failed (%s: %s); running it "
@@ -218,8 +234,8 @@ class FusedDecode:
     def _gemv_takes(self, layer, h) -> bool:
         """Whether a step on the kernels runs through the GEMV kernels: at most `gemv_rows`
         rows, a dense layer, the GEMV kernels on (`gemv`)."""
-        return self.gemv and h.shape[0] <= self.gemv_rows and h.is_contiguous() and \
-            not hasattr(layer.mlp, "experts")
+        return bool(self.kernels) and self.gemv and h.shape[0] <= self.gemv_rows and \
+            h.is_contiguous() and not hasattr(layer.mlp, "experts")
 
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; few rows through the GEMV
@@ -230,11 +246,9 @@ class FusedDecode:
         eps = layer.input_layernorm.eps
         few_rows = self._gemv_takes(layer, h)
         if few_rows:
-            from layersplit.shards.kernels.gemv import gemv
-
             self._normed = None
-            qkv = gemv(h, a.qkv_proj.weight, bias=a.qkv_proj.bias,
-                       norm=(layer.input_layernorm.weight, eps))
+            qkv = _gemv(h, a.qkv_proj.weight, bias=a.qkv_proj.bias,
+                        norm=(layer.input_layernorm.weight, eps))
         else:
             qkv = self._qkv(layer, h)
         if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
@@ -259,35 +273,33 @@ class FusedDecode:
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         if few_rows:
-            from layersplit.shards.kernels.gemv import gemv
-
-            h = gemv(attn, a.o_proj.weight, residual=h)
-            act = gemv(h, m.gate_up_proj.weight, gate_up=True,
-                       norm=(layer.post_attention_layernorm.weight, eps))
-            return gemv(act, m.down_proj.weight, residual=h)
+            h = _gemv(attn, a.o_proj.weight, residual=h)
+            act = _gemv(h, m.gate_up_proj.weight, gate_up=True,
+                        norm=(layer.post_attention_layernorm.weight, eps))
+            return _gemv(act, m.down_proj.weight, residual=h)
         return self._dense_rest(layer, h, attn, eps)
 
     def head(self, model, h):
         """The last range's final norm and LM head of few rows (`gemv_rows`) as one GEMV kernel
-        (the norm its prologue), the logits stored as float32; None where it does not apply
-        (more rows, a norm other than RMSNorm, the kernels off)."""
+        (the norm its prologue), the logits stored as float32: a decode step's, and the last
+        row of an eager step's (a prefill chunk's). None where it does not apply (more rows, a
+        norm other than RMSNorm, a head the kernel does not take, the kernels off, or after the
+        head's kernel failed: `head_gemv`, apart from the layers' `gemv`)."""
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
-        if not self.kernels or not self.gemv or h.shape[0] > self.gemv_rows or \
-                not h.is_contiguous() or \
-                type(model.norm) is not RMSNorm:
+        w = model.lm_head.weight
+        if not self.kernels or not self.gemv or not self.head_gemv or \
+                h.shape[0] > self.gemv_rows or not h.is_contiguous() or \
+                type(model.norm) is not RMSNorm or w.dtype != h.dtype or \
+                w.stride() != (w.shape[1], 1):
             return None
-        from layersplit.shards.kernels.gemv import gemv
-
         try:
-            return gemv(h, model.lm_head.weight, norm=(model.norm.weight, model.norm.eps),
-                        out_dtype=torch.float32, head=True)
-        except (torch.cuda.OutOfMemoryError, IndexError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the torch head runs from now on
-            log.warning("the Triton GEMV kernels failed (%s: %s); steps run cuBLAS",
-                        type(e).__name__, e)
-            self.gemv = False
+            return _gemv(h, w, norm=(model.norm.weight, model.norm.eps), out_dtype=torch.float32,
+                         head=True)
+        except GemvError as e:  # the torch head runs from now on
+            log.warning("the Triton GEMV kernel of the LM head failed (%s); the head runs "
+                        "cuBLAS", e)
+            self.head_gemv = False
             return None
 
     def _qkv(self, layer, h):

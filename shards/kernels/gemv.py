@@ -30,7 +30,7 @@ from layersplit.shards.kernels import GEMV_ROWS_MAX
 
 
 @triton.jit
-def _gemv(X, NW, W, B, R, Y, N, K, eps,
+def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -70,7 +70,7 @@ def _gemv(X, NW, W, B, R, Y, N, K, eps,
         w = tl.load(rows + offs_k[None, :], mask=m, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
         if SILU:  # the up half: rows N + offs_n of the fused weight
-            wu = tl.load(rows + N * K + offs_k[None, :], mask=m, other=0.0)
+            wu = tl.load(rows + UP + offs_k[None, :], mask=m, other=0.0)
             acc_u += wu.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_B:  # (cuBLAS adds the bias before its one rounding)
@@ -88,7 +88,7 @@ def _gemv(X, NW, W, B, R, Y, N, K, eps,
 
 
 @triton.jit
-def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, eps,
+def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -127,7 +127,7 @@ def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, eps,
         else:
             acc = tl.dot(x, w, acc)
         if SILU:
-            wu = tl.load(cols + N * K + offs_k[:, None], mask=m, other=0.0)
+            wu = tl.load(cols + UP + offs_k[:, None], mask=m, other=0.0)
             if IEEE:
                 acc_u = tl.dot(x, wu, acc_u, input_precision="ieee")
             else:
@@ -213,18 +213,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     nw = x if norm is None else norm[0]
     b = x if bias is None else bias
     r = x if residual is None else residual
+    up = n * k  # the up half's offset in the gate/up weight (a Python int: int64 past 2**31)
     flags = {"NORM": norm is not None, "HAS_B": bias is not None,
              "HAS_R": residual is not None, "SILU": gate_up}
     if rows == 1:
         c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head))
         block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
         _gemv[(triton.cdiv(n, block_n),)](
-            x, nw, w, b, r, y, n, k, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
+            x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, **c)
         return y
     c = dict(cfg or rows_config(rows, k, gate_up=gate_up))
     block_m, block_n, block_k = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
     _gemm_rows[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
-        x, x.stride(0), nw, w, b, r, r.stride(0), y, y.stride(0), rows, n, k, eps, **flags,
+        x, x.stride(0), nw, w, b, r, r.stride(0), y, y.stride(0), rows, n, k, up, eps, **flags,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **c)
     return y

@@ -317,7 +317,7 @@ def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny
     assert fast.kernels
     fast.single.compiled = True  # as if compiled (uncompiled here, so the stages run eager)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("row kernel broken")
 
     monkeypatch.setattr(row_ops, "add_rms_norm", broken)

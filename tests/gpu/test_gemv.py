@@ -71,6 +71,52 @@ def test_gemv_matches_torch(m, n, k, kind, dtype):
             assert bool((got == got.to(dtype).float()).all())
 
 
+@pytest.mark.skipif(DEV == "cpu", reason="bf16: the interpreter truncates its conversions")
+@pytest.mark.parametrize("kind", ["plain", "norm+bias", "residual", "gate_up", "head"])
+@pytest.mark.parametrize("n,k", [(576, 576), (100, 300), (64, 1536), (7, 4096)])
+@pytest.mark.parametrize("m", [1, 3, 31], ids=lambda m: f"{m}rows")
+def test_gemv_rounds_where_the_torch_ops_round(m, n, k, kind):
+    """bf16, on inputs whose every float32 sum is exact (weights in eighths, inputs in eighths
+    or of one magnitude, so that the norm is the weight; norm weights in [0.75, 1.25]): the
+    order of the sums cannot matter, so the kernel's result is bit for bit the eager torch
+    ops' (`rms_norm`, `F.linear` with its bias, `h + y`, `F.silu(g) * u`) unless a rounding is
+    missing or extra. SiLU's exp may differ from torch's in float32's last bit: at least 99 %
+    of its values equal, the rest one bf16 step apart."""
+    from layersplit.shards.kernels.gemv import gemv
+
+    dt = torch.bfloat16
+    g = torch.Generator().manual_seed(n + k + m)
+    rows = 2 * n if kind == "gate_up" else n
+    normed = kind in ("norm+bias", "head", "gate_up")
+    if normed:  # one magnitude: the normalized row is +-1 in bf16, times the norm weight
+        x = 0.75 * (torch.randint(0, 2, (m, k), generator=g) * 2 - 1).float()
+    else:
+        x = torch.randint(-16, 17, (m, k), generator=g) / 8
+    x = x.to(DEV, dt)
+    w = (torch.randint(-3, 4, (rows, k), generator=g) / 8).to(DEV, dt)
+    nw = (0.75 + 0.5 * torch.rand(k, generator=g)).to(DEV, dt) if normed else None
+    bias = (torch.randint(-8, 9, (n,), generator=g) / 8).to(DEV, dt) if kind == "norm+bias" \
+        else None
+    res = torch.randn(m, n, generator=g).to(DEV, dt) if kind == "residual" else None
+    got = gemv(x, w, bias=bias, norm=None if nw is None else (nw, 1e-5), residual=res,
+               gate_up=kind == "gate_up", out_dtype=torch.float32 if kind == "head" else None)
+    xin = rms_norm(x, nw, 1e-5) if normed else x
+    want = F.linear(xin, w, bias)
+    if kind == "gate_up":
+        gg, u = want.chunk(2, dim=-1)
+        want = F.silu(gg) * u
+    if res is not None:
+        want = res + want
+    if kind == "head":
+        want = want.float()
+    if kind != "gate_up":
+        assert torch.equal(got, want)
+    else:
+        same = float((got == want).float().mean())
+        step = 2.0 ** -7 * want.float().abs().clamp_min(2.0 ** -20)
+        assert same >= 0.99 and bool(((got.float() - want.float()).abs() <= step).all()), same
+
+
 def test_gemv_refuses_bad_shapes_by_name():
     from layersplit.shards.kernels.gemv import gemv
 
@@ -93,16 +139,20 @@ def test_gemv_refuses_bad_shapes_by_name():
 
 
 def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, monkeypatch):
-    """A 6-layer model's graph decode steps with the GEMV kernels (and the head's) against the
-    same kernels with the GEMV ones switched off (`LAYERSPLIT_GEMV_KERNELS=0`), float32; a
-    failing GEMV kernel then turns the GEMV kernels alone off, and the step is the same."""
+    """A 6-layer model's graph decode steps with the GEMV kernels (the layers' and the LM
+    head's) against the same kernels with the GEMV ones switched off
+    (`LAYERSPLIT_GEMV_KERNELS=0`), float32. A failing head kernel then turns only the head's
+    off; a failing layer kernel, met while a graph is captured, turns the layers' off (the
+    decode kernels stay on) and the row kernels' step is captured instead, with the same
+    logits."""
     from layersplit.shards.kernels import GEMV_SWITCH, gemv
 
     calls = []
     real = gemv.gemv
 
     def counted(*args, **kwargs):
-        calls.append(kwargs.get("gate_up", False))
+        calls.append("head" if kwargs.get("head") else "gate_up" if kwargs.get("gate_up")
+                     else "other")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gemv, "gemv", counted)
@@ -110,37 +160,45 @@ def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, mon
     on = _executor(path, "qwen2", torch.float32, True)
     monkeypatch.setenv(GEMV_SWITCH, "0")
     off = _executor(path, "qwen2", torch.float32, True)
+    monkeypatch.delenv(GEMV_SWITCH)
     ids = torch.arange(3, 30)
     for ex in (on, off):
         ex.run(ids, 0)
     calls.clear()
     tok = 5
+
+    def same(a, b) -> bool:
+        return float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+
     for pos in range(27, 33):
         a, b = on.run(torch.tensor([tok]), pos), off.run(torch.tensor([tok]), pos)
-        bound = 1e-4 * max(1.0, float(b.abs().max()))
-        assert float((a - b).abs().max()) <= bound, pos
+        assert same(a, b), pos
         tok = int(b.argmax())
     fast_on, fast_off = on.model.layers[0].fast, off.model.layers[0].fast
     assert fast_on.gemv is True and fast_off.gemv is False and fast_off.kernels
-    assert calls and sum(calls) > 0  # (warm-up and captures run the kernels too)
+    # the graphs' captures ran the layers' kernels and the head's
+    assert {"head", "gate_up", "other"} <= set(calls), calls
 
     def broken(*args, **kwargs):
         raise RuntimeError("gemv broken")
 
-    # a fresh executor whose GEMV kernels fail: its first graph capture meets the failure in
-    # the first layer, turns them off and captures the row kernels' step instead
-    monkeypatch.delenv(GEMV_SWITCH)
-    failing = _executor(path, "qwen2", torch.float32, True)
-    failing.run(ids, 0)
-    fast = failing.model.layers[0].fast
+    # the head's kernel failing (an eager prefill's last row takes it): the head alone off
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **k: broken() if k.get("head") else real(*a, **k))
+    head_fails = _executor(path, "qwen2", torch.float32, True)
+    head_fails.run(ids, 0)
+    fast = head_fails.model.layers[0].fast
+    assert fast.head_gemv is False and fast.gemv and fast.kernels
+    a, b = head_fails.run(torch.tensor([tok]), 27), off.run(torch.tensor([tok]), 27)
+    assert same(a, b)
+    # every GEMV kernel failing: the first capture meets it in the first layer
     monkeypatch.setattr(gemv, "gemv", broken)
-    fast.gemv = True  # (the prefill's head may have met the failure already)
-    a = failing.run(torch.tensor([tok]), 27)
+    failing = _executor(path, "qwen2", torch.float32, True)
+    failing.run(ids, 0)  # (eager: the row kernels; its head's failure turns the head off)
+    fast = failing.model.layers[0].fast
+    assert fast.gemv and fast.head_gemv is False
+    a = failing.run(torch.tensor([tok]), 27)  # a graph's capture: the layers' kernels fail
     assert fast.gemv is False and fast.kernels
-    want = _executor(path, "qwen2", torch.float32, False)
-    want.run(ids, 0)
-    b = want.run(torch.tensor([tok]), 27)
-    assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+    assert same(a, off.run(torch.tensor([tok]), 27))
 
 
 def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, monkeypatch):
