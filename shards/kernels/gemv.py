@@ -73,7 +73,7 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
             wu = tl.load(rows + UP + offs_k[None, :], mask=m, other=0.0)
             acc_u += wu.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_B:  # (cuBLAS adds the bias before its one rounding)
+    if HAS_B:  # before the one rounding: the correctly rounded sum (as cuBLAS on most shapes)
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y = y.to(dt)
     if SILU:  # F.silu(g) * u, each rounded as torch's ops
