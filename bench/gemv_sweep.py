@@ -25,32 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
 from layersplit.shards.fused import rms_norm  # noqa: E402
 from layersplit.shards.kernels import gemv as gk  # noqa: E402
 from layersplit.shards.kernels import row_ops  # noqa: E402
 
+from bench.moe_kernel_sweep import time_us  # noqa: E402
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models"
-
-
-def time_us(fn, copies: int, reps: int, replays: int = 20) -> float:
-    """Microseconds per `fn(j)` call, j cycling over `copies`."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            fn(r % copies)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * replays)
 
 
 def candidates(k: int, ns, ws, stages):
@@ -116,23 +99,23 @@ def main() -> None:
             mb = n * k * 2 / 1e6
             kw = {"norm": {"norm": (nw_, 1e-5)}, "res": {"residual": res},
                   "silu": {"gate_up": True}}[kind]
-            t_blas = time_us(lambda j: F.linear(x[k], ws[j]), copies, reps)
+            t_blas = time_us(lambda j: F.linear(x[k], ws[j]), reps, 20, copies)
             rows = []
             if op == "head":  # the torch head: RMSNorm module, cuBLAS, the logits as float32
                 t_blas = time_us(lambda j: F.linear(rms_norm(x[k], nw_, 1e-5), ws[j]).float(),
-                                 copies, reps)
+                                 reps, 20, copies)
             cands = candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)) \
                 if m == 1 else row_candidates(m, k)
             for cfg in cands:
                 try:
-                    t = time_us(lambda j: gk.gemv(x[k], ws[j], cfg=cfg, **kw), copies, reps)
+                    t = time_us(lambda j: gk.gemv(x[k], ws[j], cfg=cfg, **kw), reps, 20, copies)
                 except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
                     print(f"  {op} {cfg}: {type(e).__name__}")
                     continue
                 rows.append((t, cfg))
             rows.sort(key=lambda r: r[0])
             kw["head"] = op == "head"
-            t_def = time_us(lambda j: gk.gemv(x[k], ws[j], **kw), copies, reps)
+            t_def = time_us(lambda j: gk.gemv(x[k], ws[j], **kw), reps, 20, copies)
             if not rows:
                 continue
             best[op] = rows[0][1]
@@ -166,9 +149,9 @@ def main() -> None:
             out = gk.gemv(act, w[j]["down"], residual=h, cfg=cf.get("down"))
             return gk.gemv(out, w[j]["qkv"], norm=(ln[1], 1e-5), cfg=cf.get("qkv"))
 
-        t_old = time_us(old, layers, layers)
-        t_new = time_us(new, layers, layers)
-        t_best = time_us(lambda j: new(j, best), layers, layers)
+        t_old = time_us(old, layers, 20, layers)
+        t_new = time_us(new, layers, 20, layers)
+        t_best = time_us(lambda j: new(j, best), layers, 20, layers)
         print(f"{name} layer chain (us a layer): cuBLAS + row kernels {t_old:.2f}; GEMV kernels "
               f"{t_new:.2f} (defaults), {t_best:.2f} (best of the sweep); "
               f"old/new {t_old / t_new:.3f}, old/best {t_old / t_best:.3f}")

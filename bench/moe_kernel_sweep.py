@@ -22,14 +22,15 @@ from layersplit.shards.layers import routed_moe  # noqa: E402
 LAYERS = 12
 
 
-def time_us(fn, reps: int = 24, replays: int = 100) -> float:
-    """`fn(layer)` for layer 0..LAYERS-1, in turn."""
+def time_us(fn, reps: int = 24, replays: int = 100, copies: int = LAYERS) -> float:
+    """Microseconds per call: `fn(j)` for j = 0..copies-1 in turn (each layer's weights),
+    `reps` calls captured in a CUDA graph, replayed `replays` times."""
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for r in range(reps):
-            fn(r % LAYERS)
+            fn(r % copies)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
