@@ -20,10 +20,10 @@
 #   P: (for the next session) carry .whl and one piece of the real default model's GGUF
 #      (.device-carry/smol.part00..02), one per call back to back: each call parks its piece in
 #      /tmp (as bench/device_s9.sh P).
-#   V: (for the next session, after the three pieces) the few-rows kernel (`_gemm_rows`) for
-#      verify trees: its launch shapes at 16 and 32 rows against cuBLAS (bench/gemv_sweep.py
-#      --rows), then greedy speculation on the held-out prompts, one stream, 2 shards, with
-#      verify steps through it (LAYERSPLIT_GEMV_ROWS=32) and through cuBLAS (=1, the default).
+#   V: (for the next session, after the three pieces) greedy speculation on the held-out
+#      prompts, one stream, 2 shards, verify steps through cuBLAS (LAYERSPLIT_GEMV_ROWS=1, the
+#      default) and through the few-rows kernel (=32); then that kernel's launch shapes at 32
+#      rows against cuBLAS on the default model's shape (bench/gemv_sweep.py --rows 32).
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -46,16 +46,16 @@ model() {
 case "${1:-A}" in
 P) ;;
 V)
-  for m in 16 32; do
-    TAIL=14 run "rows_$m" 150 python3 bench/gemv_sweep.py --model smollm2-135m-shape \
-      --model llama-8b-shape --rows $m --json "$OUT/rows_$m.json"
-  done
+  [ -s /tmp/smol.part00 ] && [ -s /tmp/smol.part01 ] && [ -s /tmp/smol.part02 ] || {
+    log "the model's pieces are not all parked in /tmp (stage P, three calls)"; exit 1; }
   model
-  for r in 32 1; do
+  for r in 1 32; do  # (the baseline first)
     TAIL=12 run "spec_rows_$r" 150 env LAYERSPLIT_GEMV_ROWS=$r python3 bench/speculative.py \
       --model default --devices cuda:0,cuda:0 --drafts default --new-tokens 256 --repeat 3 \
       --sets unseen --json "$OUT/spec_rows_$r.json"
   done
+  TAIL=14 run rows_32 150 python3 bench/gemv_sweep.py --model smollm2-135m-shape --rows 32 \
+    --json "$OUT/rows_32.json"
   ;;
 A)
   for m in smollm2-135m-shape llama-8b-shape; do
@@ -64,7 +64,7 @@ A)
         bench/profile_decode.py --model random:$m --kv 768
     done
   done
-  TAIL=24 run sweep 300 python3 bench/gemv_sweep.py --model smollm2-135m-shape $SWEEP \
+  TAIL=24 run sweep 300 python3 bench/gemv_sweep.py --model smollm2-135m-shape ${SWEEP:-} \
     --model llama-8b-shape --json "$OUT/sweep.json"
   ;;
 S)

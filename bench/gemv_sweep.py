@@ -53,7 +53,7 @@ def candidates(k: int, ns, ws, stages):
 def row_candidates(m: int, k: int):
     """Launch shapes of the few-rows kernel (`_gemm_rows`) for m rows."""
     bm = max(16, triton.next_power_of_2(m))
-    for bn, bk, nw in itertools.product((16, 32, 64, 128), (32, 64, 128, 256), (2, 4, 8)):
+    for bn, bk, nw in itertools.product((16, 32, 64), (64, 128), (4, 8)):
         if bk <= max(16, triton.next_power_of_2(k)):
             yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
 

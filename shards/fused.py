@@ -142,7 +142,12 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
 
 
 class GemvError(RuntimeError):
-    """A GEMV kernel (`kernels.gemv`) failed: what turns them, and only them, off."""
+    """A GEMV kernel (`kernels.gemv`) failed on `rows` rows: what turns them, and only them,
+    off (the few-rows kernel's failure only the few-rows kernel: `gemv_rows` back to 1)."""
+
+    def __init__(self, message: str, rows: int) -> None:
+        super().__init__(message)
+        self.rows = rows
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -154,7 +159,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, **kwargs) -> torch.Tensor:
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:
-        raise GemvError(f"{type(e).__name__}: {e}") from e
+        raise GemvError(f"{type(e).__name__}: {e}", x.shape[0]) from e
 
 
 class FusedDecode:
@@ -194,8 +199,7 @@ class FusedDecode:
             # a dense layer on the kernels runs nothing compiled: what failed was a kernel
             dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
             if isinstance(err, GemvError):
-                log.warning("the Triton GEMV kernels failed (%s); steps run cuBLAS", err)
-                self.gemv = False
+                self._gemv_failed(err)
             elif stages.compiled and not dense_on_kernels:
                 log.warning("torch.compile of the decode step failed (%s: %s); running it "
                             "eager", type(err).__name__, err)
@@ -297,10 +301,24 @@ class FusedDecode:
             return _gemv(h, w, norm=(model.norm.weight, model.norm.eps), out_dtype=torch.float32,
                          head=True)
         except GemvError as e:  # the torch head runs from now on
-            log.warning("the Triton GEMV kernel of the LM head failed (%s); the head runs "
-                        "cuBLAS", e)
-            self.head_gemv = False
+            if e.rows > 1:
+                self._gemv_failed(e)
+            else:
+                log.warning("the Triton GEMV kernel of the LM head failed (%s); the head runs "
+                            "cuBLAS", e)
+                self.head_gemv = False
             return None
+
+    def _gemv_failed(self, err: GemvError) -> None:
+        """Turn off what failed: the few-rows kernel (steps of more than one row go back to
+        cuBLAS), or the one-row kernels."""
+        if err.rows > 1:
+            log.warning("the Triton few-rows GEMV kernel failed on %d rows (%s); steps of more "
+                        "than one row run cuBLAS", err.rows, err)
+            self.gemv_rows = 1
+        else:
+            log.warning("the Triton GEMV kernels failed (%s); steps run cuBLAS", err)
+            self.gemv = False
 
     def _qkv(self, layer, h):
         """The q/k/v projection of the layer's normed input: the norm the layer before

@@ -36,7 +36,7 @@ def gemv_kernels_available() -> bool:
 def gemv_max_rows() -> int:
     """The most rows of a step that take the GEMV kernels (`GEMV_ROWS`, default 1)."""
     raw = os.environ.get(GEMV_ROWS, "1").strip()
-    if not raw.isdigit() or not 1 <= int(raw) <= GEMV_ROWS_MAX:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= GEMV_ROWS_MAX:
         raise ValueError(f"{GEMV_ROWS}={raw!r}: the most rows of a step that take the GEMV "
                          f"kernels must be a whole number from 1 to {GEMV_ROWS_MAX}")
     return int(raw)

@@ -225,6 +225,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         return y
     c = dict(cfg or rows_config(rows, k, gate_up=gate_up))
     block_m, block_n, block_k = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
+    if min(block_m, block_n, block_k) < 16:  # (tl.dot's least tile)
+        raise ValueError(f"gemv: a few-rows launch shape needs blocks of at least 16, got "
+                         f"{block_m} x {block_n} x {block_k}")
     _gemm_rows[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
         x, x.stride(0), nw, w, b, r, r.stride(0), y, y.stride(0), rows, n, k, up, eps, **flags,
         IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **c)

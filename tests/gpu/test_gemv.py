@@ -208,14 +208,15 @@ def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, mon
 
 def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, monkeypatch):
     """With `LAYERSPLIT_GEMV_ROWS=32` a graph's tree verify step (7 rows) and a batched step
-    (2 sequences and a padding row) take the few-rows kernel (`_gemm_rows`, tensor cores), with
-    the logits of the same steps with the GEMV kernels off (float32)."""
+    (slots 0 and 2: a padding row between them) take the few-rows kernel (`_gemm_rows`, tensor
+    cores) in their layers and their head, with the logits of the same steps with the GEMV
+    kernels off (float32)."""
     from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
 
     rows = []
     real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(x.shape[0]) or
-                        real(x, *a, **k))
+    monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(
+        (x.shape[0], bool(k.get("head")))) or real(x, *a, **k))
     path = tiny_models["llama"]
     monkeypatch.setenv(GEMV_ROWS, "32")
     on = _executor(path, "llama", torch.float32, True, slots=3)
@@ -229,12 +230,49 @@ def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, 
     rows.clear()
     outs = [st.run(torch.tensor([5, 7, 9, 11, 4, 6, 8]), 30, 0, [0, 0, 1, 1, 2, 3])[0].clone()
             for st in (on.static, off.static)]
-    outs += [st.run_batch(torch.tensor([6, 7]), [1, 2], [31, 32]).clone()
+    verify_rows = set(rows)
+    rows.clear()
+    outs += [st.run_batch(torch.tensor([6, 7]), [0, 2], [37, 32]).clone()
              for st in (on.static, off.static)]
     for a, b in (outs[:2], outs[2:]):
         assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
-    assert any(r > 1 for r in rows)  # (the captures ran the few-rows kernel)
-    assert on.model.layers[0].fast.gemv
+    # (the captures ran the few-rows kernel, in the layers as in the head)
+    assert {(7, False), (7, True)} <= verify_rows, verify_rows
+    assert {r for r, head in rows if not head} == {3} and (3, True) in rows, rows
+    fast = on.model.layers[0].fast
+    assert fast.gemv and fast.gemv_rows == 32
+
+
+def test_a_failing_few_rows_kernel_leaves_the_one_row_kernels_on(tiny_models, monkeypatch):
+    """The few-rows kernel failing (a verify step's capture) turns steps of several rows back
+    to cuBLAS (`gemv_rows` 1); one-row steps keep the GEMV kernels, and the logits are the
+    same."""
+    from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
+
+    real = gemv.gemv
+
+    def few_rows_broken(x, *a, **k):
+        if x.shape[0] > 1:
+            raise RuntimeError("few-rows kernel broken")
+        return real(x, *a, **k)
+
+    path = tiny_models["llama"]
+    monkeypatch.setenv(GEMV_ROWS, "32")
+    on = _executor(path, "llama", torch.float32, True)
+    monkeypatch.setenv(GEMV_SWITCH, "0")
+    off = _executor(path, "llama", torch.float32, True)
+    ids = torch.arange(3, 30)
+    for ex in (on, off):
+        ex.run(ids, 0)
+    monkeypatch.setattr(gemv, "gemv", few_rows_broken)
+    tree = [0, 0, 1]
+    a, b = (ex.static.run(torch.tensor([5, 7, 9, 11]), 27, 0, tree)[0].clone()
+            for ex in (on, off))
+    fast = on.model.layers[0].fast
+    assert fast.gemv_rows == 1 and fast.gemv and fast.head_gemv and fast.kernels
+    assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+    a, b = (ex.run(torch.tensor([5]), 31) for ex in (on, off))
+    assert fast.gemv and float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
 
 
 def test_a_bad_gemv_rows_setting_is_refused_by_name(monkeypatch):
