@@ -1,8 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, seeded.
 
-Sampling is stateless: the random draw for the token at position p comes from a generator seeded
-with mix(seed, p). The same request therefore samples the same tokens whether or not its prefix
-was restored from a cache, whichever process samples, and however the steps were batched.
+Sampling is stateless: the random draw for the token at position p is argmax(probs / E), E the
+exponential noise of each token for the key mix(seed, p), a pure function of (key, token)
+(`exponential_noise`: counter-based, SplitMix64). The same request therefore samples the same
+tokens whether or not its prefix was restored from a cache, whichever process samples (CPU or
+GPU: integer arithmetic, the same on every device), and however the steps were batched; the
+noise of many rows, or of a few tokens only (a draft's coupled draws), is one computation.
 """
 
 from __future__ import annotations
@@ -83,10 +86,45 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return probs
 
 
-def seeded_exponential(shape: Sequence[int], seed: int, device: torch.device) -> torch.Tensor:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return torch.empty(tuple(shape), device=device).exponential_(generator=g)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 that has its bits (torch's integers are signed)."""
+    c &= _MASK64
+    return c - (1 << 64) if c >> 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's `>>` shifts the sign in)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def counter_uniform(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
+    """Uniforms in (0, 1), float64, one per (row's key, id): `ids` (rows, k) int64, row i's
+    drawn under `keys[i]` (`mix_seed`). SplitMix64: the id-th output of the stream seeded by
+    the key, its top 53 bits; int64 arithmetic wraps alike on every device."""
+    if ids.dim() != 2 or ids.shape[0] != len(keys):
+        raise ValueError(f"counter_uniform: ids {tuple(ids.shape)} are not one row per key "
+                         f"({len(keys)})")
+    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=ids.device)
+    z = key[:, None] + (ids.to(torch.int64) + 1) * _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    z = z ^ _shr(z, 31)
+    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+
+
+def exponential_noise(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
+    """Exponential(1) noise, float32, of each (row's key, id) (`counter_uniform`): argmax of
+    probs / noise over a row draws from probs (the exponential race)."""
+    return (-torch.log(counter_uniform(keys, ids))).float()
+
+
+def vocab_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """`exponential_noise` of every token of the vocabulary, (len(keys), vocab)."""
+    ids = torch.arange(vocab, device=device).expand(len(keys), vocab)
+    return exponential_noise(keys, ids)
 
 
 def sample_rows(
@@ -113,8 +151,7 @@ def sample_tokens(
     if is_greedy(temperature, top_k):
         return logits.argmax(dim=-1)
     probs = filtered_probs(logits, temperature, top_k, top_p)
-    noise = torch.stack([seeded_exponential(probs.shape[-1:], mix_seed(seed, p), probs.device)
-                         for p in positions])
+    noise = vocab_noise([mix_seed(seed, p) for p in positions], probs.shape[-1], probs.device)
     return torch.argmax(probs / noise, dim=-1)
 
 
@@ -160,16 +197,20 @@ def accept_draft(
     children: list[dict[int, int]] = [{} for _ in range(n)]
     for j, (p, t) in enumerate(zip(parents, draft), 1):
         children[p].setdefault(t, j)
-    greedy = is_greedy(temperature, top_k)
-    toks = logits.argmax(dim=-1).tolist() if greedy else None  # one device sync for all rows
+    # row j draws for the position after it (pos + depth(j) + 1). Greedy, or on a GPU: every
+    # row's draw at once and one wait for the device (a sampled row's draw is a few kernels,
+    # a wait costs more); sampled on a CPU: the rows the walk visits (~3 of a 32-row tree)
+    depth = [0]
+    for p in parents:
+        depth.append(depth[p] + 1)
+    at_once = is_greedy(temperature, top_k) or logits.is_cuda
+    toks = sample_tokens(logits, temperature, top_k, top_p, seed,
+                         [pos + d + 1 for d in depth]).tolist() if at_once else None
     path: list[int] = []
     row = 0
     while True:
-        if greedy:
-            tok = toks[row]
-        else:
-            tok = sample_rows(logits[row:row + 1], temperature, top_k, top_p, seed,
-                              [pos + len(path) + 1])[0]
+        tok = toks[row] if at_once else sample_rows(
+            logits[row:row + 1], temperature, top_k, top_p, seed, [pos + depth[row] + 1])[0]
         nxt = children[row].get(tok)
         if nxt is None:
             return path, tok

@@ -38,11 +38,13 @@ from collections.abc import Sequence
 
 import torch
 from layersplit.shards.sampling import (
+    counter_uniform,
+    exponential_noise,
     filtered_probs,
     mix_seed,
     pack_bias,
-    seeded_exponential,
     unpack_bias,
+    vocab_noise,
 )
 
 Q_MAX = 32  # tokens of a proposal distribution on the wire: the draft's q is cut to its best 32
@@ -66,8 +68,8 @@ def draw_without_replacement(ids: torch.Tensor, probs: torch.Tensor, k: int, see
     """Up to `k` distinct tokens drawn one after the other without replacement from the
     distribution (ids, probs) (its support bounds how many): the Gumbel-top-k trick, the
     exponential noise seeded by (seed, position, the proposal's `pos`)."""
-    noise = seeded_exponential(probs.shape, mix_seed(seed, position, DRAFT_STREAM + pos),
-                               probs.device)
+    noise = exponential_noise([mix_seed(seed, position, DRAFT_STREAM + pos)],
+                              torch.arange(probs.shape[-1], device=probs.device)[None])[0]
     support = int((probs > 0).sum())
     order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
     return ids[order].tolist()
@@ -162,9 +164,8 @@ def accept_sampled(
             ids, qd = ids.to(p.device), probs.to(p.device, torch.float32)
             qd = qd / qd.sum()
             m = min(len(children), int((qd > 0).sum()))
-            g = torch.Generator(device=p.device)
-            g.manual_seed(mix_seed(seed, position, COIN_STREAM))
-            coins = torch.rand(m, generator=g, device=p.device).tolist()
+            coins = counter_uniform([mix_seed(seed, position, COIN_STREAM)],
+                                    torch.arange(m)[None])[0].tolist()
             for j, u in zip(children[:m], coins):
                 x = draft[j - 1]
                 qfull = torch.zeros_like(p).index_put_((ids,), qd)
@@ -181,7 +182,7 @@ def accept_sampled(
                 qd = qd / qd.sum()
             children = children[m:]  # the rest are point masses
         if nxt is None:
-            noise = seeded_exponential(p.shape, mix_seed(seed, position), p.device)
+            noise = vocab_noise([mix_seed(seed, position)], p.shape[-1], p.device)[0]
             tok = int(torch.argmax(p / noise))
             nxt = next((j for j in children if draft[j - 1] == tok), None)
             if nxt is None:
@@ -196,7 +197,7 @@ def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, pos
     plain decoding draws the target's token at `position` with (`shards.sampling.sample_rows`:
     its token is argmax p / E). The first is the draft's draw coupled with the target's: where
     q = p they are the same token; the others follow without replacement."""
-    noise = seeded_exponential((vocab,), mix_seed(seed, position), probs.device)[ids]
+    noise = exponential_noise([mix_seed(seed, position)], ids[None])[0]
     support = int((probs > 0).sum())
     order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
     return ids[order].tolist()
@@ -214,12 +215,12 @@ def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]
     depths = range(m)
     dev = probs.device
     row_ids, row_p = ids[:m], probs[:m]  # (slices: nothing to copy to the device first)
-    if coupled:
-        noise = torch.stack([seeded_exponential((coupled,), mix_seed(seed, pos + d + 1), dev)
-                             for d in depths]).gather(1, row_ids)
+    if coupled:  # the target's noise at the draft's tokens
+        noise = exponential_noise([mix_seed(seed, pos + d + 1) for d in depths], row_ids)
     else:
-        noise = torch.stack([seeded_exponential(row_p.shape[-1:], mix_seed(
-            seed, pos + d + 1, DRAFT_STREAM + pos), dev) for d in depths])
+        noise = exponential_noise(
+            [mix_seed(seed, pos + d + 1, DRAFT_STREAM + pos) for d in depths],
+            torch.arange(row_p.shape[-1], device=dev).expand(m, -1))
     order = torch.argsort(row_p / noise, dim=-1, descending=True)[:, :k]
     k = order.shape[1]  # (at most the distribution's length)
     parts = [row_ids.gather(1, order), (row_p > 0).sum(-1, keepdim=True)]
