@@ -21,6 +21,7 @@ from layersplit.shards.kernels import fused_kernels_available
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
 _kernel_failed = False  # the token-mask kernel failed once (`process_logits`)
+_noise_kernel_failed = False  # the noise kernel failed once (`vocab_noise`)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,6 +101,16 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
+def _keys_on(keys: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """The keys as int64 on `device`; to a GPU from pinned memory without waiting for its
+    stream (a pageable copy would wait for the step's kernels: the sampling shard's host
+    queues its sampling behind them)."""
+    t = torch.tensor([_signed(k) for k in keys], dtype=torch.int64)
+    if torch.device(device).type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def counter_uniform(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float64, one per (row's key, id): `ids` (rows, k) int64, row i's
     drawn under `keys[i]` (`mix_seed`). SplitMix64: the id-th output of the stream seeded by
@@ -107,7 +118,7 @@ def counter_uniform(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     if ids.dim() != 2 or ids.shape[0] != len(keys):
         raise ValueError(f"counter_uniform: ids {tuple(ids.shape)} are not one row per key "
                          f"({len(keys)})")
-    key = torch.tensor([_signed(k) for k in keys], dtype=torch.int64, device=ids.device)
+    key = _keys_on(keys, ids.device)
     z = key[:, None] + (ids.to(torch.int64) + 1) * _signed(_GOLDEN)
     z = (z ^ _shr(z, 30)) * _signed(_MIX1)
     z = (z ^ _shr(z, 27)) * _signed(_MIX2)
@@ -122,7 +133,19 @@ def exponential_noise(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_noise(keys: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """`exponential_noise` of every token of the vocabulary, (len(keys), vocab)."""
+    """`exponential_noise` of every token of the vocabulary, (len(keys), vocab); on a GPU one
+    Triton kernel (`shards.kernels.noise`), the torch ops where it does not run."""
+    global _noise_kernel_failed
+    if not _noise_kernel_failed and fused_kernels_available(device) and \
+            torch.device(device).type == "cuda":
+        try:
+            from layersplit.shards.kernels import noise
+
+            return noise.vocab_noise(_keys_on(keys, device), vocab)
+        except Exception as e:  # noqa: BLE001 - the torch ops give the same noise
+            log.warning("the sampling noise kernel failed (%s: %s); using the torch ops",
+                        type(e).__name__, e)
+            _noise_kernel_failed = True
     ids = torch.arange(vocab, device=device).expand(len(keys), vocab)
     return exponential_noise(keys, ids)
 
