@@ -235,7 +235,7 @@ class DFlashProposer:
         fixed = top[:, :k] if top is not None else logits.topk(k, dim=-1).indices
         ids, probs = proposal_q(logits.float(), float(sample["temperature"]),
                                 int(sample["top_k"]), float(sample["top_p"]))
-        # (coupled: on the draft's device, whose generator is the target's last shard's kind)
+        # (coupled: the target's noise at the draft's candidates, on any device)
         coupled = logits.shape[-1] if sample["mode"] == "coupled" else 0
         tokens, q = sample_tree(parents, nodes, ids, probs, fixed, int(sample["seed"]), pos,
                                 coupled)

@@ -114,7 +114,7 @@ def _keys_on(keys: Sequence[int], device: torch.device | str) -> torch.Tensor:
 def counter_uniform(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     """Uniforms in (0, 1), float64, one per (row's key, id): `ids` (rows, k) int64, row i's
     drawn under `keys[i]` (`mix_seed`). SplitMix64: the id-th output of the stream seeded by
-    the key, its top 53 bits; int64 arithmetic wraps alike on every device."""
+    the key, its top 52 bits; int64 arithmetic wraps alike on every device."""
     if ids.dim() != 2 or ids.shape[0] != len(keys):
         raise ValueError(f"counter_uniform: ids {tuple(ids.shape)} are not one row per key "
                          f"({len(keys)})")
@@ -123,7 +123,14 @@ def counter_uniform(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _signed(_MIX1)
     z = (z ^ _shr(z, 27)) * _signed(_MIX2)
     z = z ^ _shr(z, 31)
-    return (_shr(z, 11).double() + 0.5) * 2.0 ** -53
+    return _unit(z)
+
+
+def _unit(z: torch.Tensor) -> torch.Tensor:
+    """64 random bits (int64) as a uniform in (0, 1), float64: the top 52 bits n, (n + 0.5) /
+    2**52, exact, so u is in [2**-53, 1 - 2**-53] (with 53 bits n + 0.5 rounds to 2**53 at the
+    top: u = 1, noise -0.0, and 0 / -0.0 a NaN that argmax takes)."""
+    return (_shr(z, 12).double() + 0.5) * 2.0 ** -52
 
 
 def exponential_noise(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
@@ -220,19 +227,19 @@ def accept_draft(
     children: list[dict[int, int]] = [{} for _ in range(n)]
     for j, (p, t) in enumerate(zip(parents, draft), 1):
         children[p].setdefault(t, j)
-    # row j draws for the position after it (pos + depth(j) + 1). Greedy, or on a GPU: every
-    # row's draw at once and one wait for the device (a sampled row's draw is a few kernels,
-    # a wait costs more); sampled on a CPU: the rows the walk visits (~3 of a 32-row tree)
+    # row j draws for the position after it (pos + depth(j) + 1). Greedy: every row's argmax
+    # at once, one wait for the device. Sampled: the rows the walk visits, each alone, as plain
+    # decoding draws a sequence's token (softmax and top-p's sums over several rows at once may
+    # round otherwise: a different token)
     depth = [0]
     for p in parents:
         depth.append(depth[p] + 1)
-    at_once = is_greedy(temperature, top_k) or logits.is_cuda
-    toks = sample_tokens(logits, temperature, top_k, top_p, seed,
-                         [pos + d + 1 for d in depth]).tolist() if at_once else None
+    greedy = is_greedy(temperature, top_k)
+    toks = logits.argmax(dim=-1).tolist() if greedy else None
     path: list[int] = []
     row = 0
     while True:
-        tok = toks[row] if at_once else sample_rows(
+        tok = toks[row] if greedy else sample_rows(
             logits[row:row + 1], temperature, top_k, top_p, seed, [pos + depth[row] + 1])[0]
         nxt = children[row].get(tok)
         if nxt is None:

@@ -191,8 +191,8 @@ def accept_sampled(
         row = nxt
 
 
-def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int, position: int,
-                  vocab: int) -> list[int]:
+def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int,
+                  position: int) -> list[int]:
     """Up to `k` tokens of (ids, probs) in the order of probs / E, E the exponential noise
     plain decoding draws the target's token at `position` with (`shards.sampling.sample_rows`:
     its token is argmax p / E). The first is the draft's draw coupled with the target's: where
@@ -249,8 +249,9 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
     draws without replacement at draft position d, then the fixed candidates not drawn; the
     node's q entry is that distribution.
 
-    `coupled` (the vocabulary size; 0: off): draw with the target's own noise instead
-    (`coupled_draws`) and send no q: the verifier then keeps a child when it carries the
+    `coupled` (nonzero: on; the draft passes its vocabulary size): draw with the target's own
+    noise instead (`coupled_draws`) and send no q: the verifier then keeps a child when it
+    carries the
     target's draw, so the output is plain decoding's very tokens, and the draft's draws
     match the target's as often as q is near p.
 

@@ -22,7 +22,7 @@ def _vocab_noise(KEYS, OUT, V, BLOCK: tl.constexpr):
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
     z = z ^ (z >> 31)
-    u = ((z >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+    u = ((z >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2**-52
     tl.store(OUT + row * V + offs, (-tl.log(u)).to(tl.float32), mask=mask)
 
 

@@ -24,7 +24,7 @@ def _splitmix64_uniform(key: int, i: int) -> float:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
     z ^= z >> 31
-    return ((z >> 11) + 0.5) * 2.0 ** -53
+    return ((z >> 12) + 0.5) * 2.0 ** -52
 
 
 def test_greedy_is_argmax():
@@ -101,6 +101,15 @@ def test_rows_sampled_together_equal_each_alone():
     alone = [sample_rows(logits[i:i + 1], 0.8, 40, 0.9, 9, [p])[0]
              for i, p in enumerate([3, 4, 5, 9, 100])]
     assert together == alone
+
+
+def test_the_uniform_stays_inside_0_and_1_at_its_extremes():
+    """All 64 bits set and none: inside (0, 1) (with the top 53 bits, all set rounded to 1.0)."""
+    from layersplit.shards.sampling import _unit
+
+    u = _unit(torch.tensor([-1, 0, 1 << 62], dtype=torch.int64))
+    assert bool(((u > 0) & (u < 1)).all()) and float(u[0]) == 1 - 2.0 ** -53
+    assert float((torch.tensor([(1 << 53) - 1]).double() + 0.5) * 2.0 ** -53) == 1.0  # (why)
 
 
 def test_the_noise_refuses_rows_without_a_key():

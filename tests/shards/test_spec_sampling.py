@@ -225,7 +225,7 @@ def test_all_depths_drawn_at_once_equal_each_depth_drawn_alone(coupled):
                 continue
             d = depth[row]
             k = max(len(c) for r, c in enumerate(kids) if c and depth[r] == d)
-            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1, vocab) if coupled \
+            drawn = coupled_draws(ids[d], probs[d], k, seed, pos + d + 1) if coupled \
                 else draw_without_replacement(ids[d], probs[d], k, seed, pos + d + 1, pos)
             order = drawn + [t for t in top[d].tolist() if t not in drawn]
             for i, j in enumerate(ch):
