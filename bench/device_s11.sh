@@ -17,6 +17,11 @@
 #      1 through the runtime, the GEMV kernels on, off, and the baseline (head.tar: `git
 #      archive` of the commit before, run from /tmp/old), default shape on 1 and 2 shards and
 #      Llama-8B on 1; llama.cpp on the same shapes' GGUFs.
+#   N: (for the next session) carry .whl: the GPU tests of what changed after this session's
+#      last GPU call: the GEMV kernels' exactness test in its exact-projection form, the few-rows
+#      kernel's failure path, the sampling noise's kernel against the torch ops, sampled
+#      speculation and lookahead equal to plain decoding with the counter-based noise, the
+#      eager steps' row kernels warmed at start.
 #   P: (for the next session) carry .whl and one piece of the real default model's GGUF
 #      (.device-carry/smol.part00..02), one per call back to back: each call parks its piece in
 #      /tmp (as bench/device_s9.sh P).
@@ -44,6 +49,11 @@ model() {
   log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
 }
 case "${1:-A}" in
+N)
+  run tests 560 $tests tests/gpu/test_gemv.py tests/gpu/test_noise.py \
+    tests/gpu/test_speculative_gpu.py tests/gpu/test_decode_ahead_gpu.py \
+    tests/gpu/test_prefill_kernels.py tests/gpu/test_decode_kernels.py
+  ;;
 P) ;;
 V)
   [ -s /tmp/smol.part00 ] && [ -s /tmp/smol.part01 ] && [ -s /tmp/smol.part02 ] || {
