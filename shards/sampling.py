@@ -2,10 +2,11 @@
 
 Sampling is stateless: the random draw for the token at position p is argmax(probs / E), E the
 exponential noise of each token for the key mix(seed, p), a pure function of (key, token)
-(`exponential_noise`: counter-based, SplitMix64). The same request therefore samples the same
-tokens whether or not its prefix was restored from a cache, whichever process samples (CPU or
-GPU: integer arithmetic, the same on every device), and however the steps were batched; the
-noise of many rows, or of a few tokens only (a draft's coupled draws), is one computation.
+(`exponential_noise`: counter-based, SplitMix64; its integers the same on every device, its
+float64 logarithm at most a last bit apart between a CPU and a GPU). The same request therefore
+samples the same tokens whether or not its prefix was restored from a cache, whichever process
+samples, and however the steps were batched; the noise of many rows, or of a few tokens only
+(a draft's coupled draws), is one computation.
 """
 
 from __future__ import annotations
@@ -227,20 +228,16 @@ def accept_draft(
     children: list[dict[int, int]] = [{} for _ in range(n)]
     for j, (p, t) in enumerate(zip(parents, draft), 1):
         children[p].setdefault(t, j)
-    # row j draws for the position after it (pos + depth(j) + 1). Greedy: every row's argmax
-    # at once, one wait for the device. Sampled: the rows the walk visits, each alone, as plain
-    # decoding draws a sequence's token (softmax and top-p's sums over several rows at once may
-    # round otherwise: a different token)
-    depth = [0]
-    for p in parents:
-        depth.append(depth[p] + 1)
+    # Greedy: every row's argmax at once, one wait for the device. Sampled: the rows the walk
+    # visits, each alone, as plain decoding draws a sequence's token (softmax and top-p's sums
+    # over several rows at once may round otherwise: a different token)
     greedy = is_greedy(temperature, top_k)
     toks = logits.argmax(dim=-1).tolist() if greedy else None
     path: list[int] = []
     row = 0
     while True:
         tok = toks[row] if greedy else sample_rows(
-            logits[row:row + 1], temperature, top_k, top_p, seed, [pos + depth[row] + 1])[0]
+            logits[row:row + 1], temperature, top_k, top_p, seed, [pos + len(path) + 1])[0]
         nxt = children[row].get(tok)
         if nxt is None:
             return path, tok

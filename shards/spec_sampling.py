@@ -251,9 +251,8 @@ def sample_tree(parents: Sequence[int] | None, n: int, ids: torch.Tensor, probs:
 
     `coupled` (nonzero: on; the draft passes its vocabulary size): draw with the target's own
     noise instead (`coupled_draws`) and send no q: the verifier then keeps a child when it
-    carries the
-    target's draw, so the output is plain decoding's very tokens, and the draft's draws
-    match the target's as often as q is near p.
+    carries the target's draw, so the output is plain decoding's very tokens, and the draft's
+    draws match the target's as often as q is near p.
 
     Every depth's draws are computed at once and read from the device in one copy (`fixed`
     may be a tensor, read in the same copy): the tokens of `coupled_draws` and
