@@ -12,6 +12,10 @@
 #      (ROWS, default 32).
 #   S: sampled speculation (temperature 0.7, top-p 0.9), the same two settings.
 #   B: 8 streams, each speculating, against 8 plain streams, the same two settings.
+#   F: (no model pieces; carry also .device-carry/head.tar, `git archive` of the commit before)
+#      the GPU tests of the query tiles as programs of their own and of the LM head's few-rows
+#      kernel at verify rows, then a round's parts in one process (bench/profile_draft.py, the
+#      default model's shape with random weights), this code and the commit before, alternating.
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
@@ -37,24 +41,36 @@ R)
   ;;
 G)
   model
-  for r in 1 $ROWS; do
+  for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "greedy_$r" 170 env LAYERSPLIT_GEMV_ROWS=$r $spec --new-tokens 256 --repeat 3 \
       --json "$OUT/greedy_$r.json"
   done
   ;;
 S)
   model
-  for r in 1 $ROWS; do
+  for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "sampled_$r" 200 env LAYERSPLIT_GEMV_ROWS=$r $spec --new-tokens 128 --repeat 3 \
       --temperature 0.7 --top-p 0.9 --json "$OUT/sampled_$r.json"
   done
   ;;
 B)
   model
-  for r in 1 $ROWS; do
+  for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "streams_$r" 200 env LAYERSPLIT_GEMV_ROWS=$r $spec --streams 8 --ignore-eos \
       --new-tokens 128 --repeat 3 --json "$OUT/streams_$r.json"
   done
+  ;;
+F)
+  rm -rf /tmp/old && mkdir -p /tmp/old && tar xf .device-carry/head.tar -C /tmp/old &&
+    ln -s "$PWD/draft/weights" /tmp/old/draft/weights
+  for i in 1 2 3; do
+    TAIL=2 run "prof_new_$i" 30 python3 bench/profile_draft.py \
+      --target random:smollm2-135m-shape --kv 400
+    TAIL=2 run "prof_old_$i" 30 env -C /tmp/old PYTHONPATH=/tmp/site:/tmp/old python3 \
+      bench/profile_draft.py --target random:smollm2-135m-shape --kv 400
+  done
+  run tests 100 $tests tests/gpu/test_decode_kernels.py tests/gpu/test_batched_verify_gpu.py \
+    tests/gpu/test_gemv.py -k "tree or chain or kernel_decode or verify or head or few_rows"
   ;;
 esac
 log done

@@ -121,7 +121,8 @@ def main() -> None:
             best[op] = rows[0][1]
             ref = "torch head" if op == "head" else "cuBLAS"
             default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head") \
-                if m == 1 else gk.rows_config(m, k, gate_up=kind == "silu")
+                if m == 1 else gk.rows_config(m, k, norm=kind == "norm", gate_up=kind == "silu",
+                                              head=op == "head")
             print(f"{name} {op} ({n}x{k}, {mb:.1f} MB): {ref} {t_blas:.2f} us "
                   f"({mb / t_blas * 1e3:.0f} GB/s); default {default} {t_def:.2f} us; "
                   "best " + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))

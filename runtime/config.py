@@ -40,7 +40,8 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
-SPEC_SAMPLING = ("coupled", "rejection", "guesses")  # `spec_sampling` (docs/speculative.md)
+SPEC_SAMPLING = ("auto", "off", "coupled", "rejection", "guesses")  # `spec_sampling`
+# (docs/speculative.md)
 
 
 CPU_PREFILL_CHUNK = 256  # prefill_chunk's default on CPU shards
@@ -123,7 +124,11 @@ class RuntimeConfig:
                                    "to the first shard itself, which holds the next step for "
                                    "them (where the first and the last shard feed the draft); "
                                    "off: the coordinator asks for each and sends it on")
-    spec_sampling: str = _field("coupled", "a DFlash draft's proposals for a sampled request: "
+    spec_sampling: str = _field("auto", "a DFlash draft's proposals for a sampled request: "
+                                        "auto (off where the draft runs on a GPU, where "
+                                        "sampled speculation measured slower than plain "
+                                        "decoding, else coupled), off (sampled requests "
+                                        "decode plainly), "
                                            "coupled (drawn from its distribution with the "
                                            "target's own noise; output = plain decoding's "
                                            "tokens), rejection (drawn and sent with their "

@@ -80,6 +80,7 @@ from layersplit.runtime.speculative import (
     DraftClient,
     SpecStats,
     draft_taps,
+    spec_sampling_mode,
     tree_size,
     verify_shape,
 )
@@ -193,6 +194,7 @@ class Coordinator:
         self.draft_device = normalize_device(config.draft_device or
                                              self.placement.shards[0].device)
         self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)
+        self.spec_sampling = spec_sampling_mode(config.spec_sampling, self.draft_device)
         self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
         self.draft_info: dict[str, Any] = {}
@@ -1275,9 +1277,10 @@ class Coordinator:
         prog = None
         try:
             drafter = None
-            if context is not None and speculative is not False:
+            mode = self.spec_sampling  # ("off": a sampled request only feeds the draft)
+            if context is not None and speculative is not False and \
+                    (params.greedy or mode != "off"):
                 progress.spec = SpecStats()
-                mode = self.config.spec_sampling
                 sample = (None if params.greedy or mode == "guesses" else
                           {**params.wire(), "seed": seed, "mode": mode})
                 drafter = DraftClient(self, progress.spec, self.config.spec_required, context,

@@ -38,6 +38,15 @@ def draft_taps(path: str | Path | None) -> list[int]:
     return list(read_dflash_config(Path(path)).target_layer_ids)
 
 
+def spec_sampling_mode(setting: str, draft_device: str) -> str:
+    """`spec_sampling` as it applies: `auto` is `off` where the draft runs on a GPU (sampled
+    speculation there measured 0.54-0.72 x plain decoding, `bench/RESULTS.md`, while greedy
+    speculation paid), else `coupled` (on CPUs speculation is for exactness, not speed)."""
+    if setting != "auto":
+        return setting
+    return "off" if draft_device.startswith("cuda") else "coupled"
+
+
 def tree_size(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> int:
     """Draft tokens of a verify step's token tree (0: chains): the draft's tree (`info`, its
     configure reply), at most `spec_tree`, and the rows of a step (`chunk`) allow."""

@@ -141,6 +141,9 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
     return rows * width >= PREFILL_KERNELS_MIN_ELEMENTS
 
 
+HEAD_GEMV_ROWS = 32  # rows up to which the LM head takes the GEMV kernels (measured to 32)
+
+
 class GemvError(RuntimeError):
     """A GEMV kernel (`kernels.gemv`) failed on `rows` rows: what turns them, and only them,
     off (the few-rows kernel's failure only the few-rows kernel: `gemv_rows` back to 1)."""
@@ -181,6 +184,10 @@ class FusedDecode:
         self.gemv = gemv_kernels_available()
         self.gemv_rows = gemv_max_rows()
         self.head_gemv = True  # the LM head's (`head`), off after its own failure
+        # the head takes the few-rows kernel on more rows than the layers do: at 8-32 rows of
+        # the default model's head it took 18-21 us against cuBLAS's 37-42 (H200, `bench/
+        # gemv_sweep.py --rows`), where the layers' projections lost to cuBLAS
+        self.head_rows = max(self.gemv_rows, HEAD_GEMV_ROWS)
 
     @property
     def compiled(self) -> bool:
@@ -284,7 +291,7 @@ class FusedDecode:
         return self._dense_rest(layer, h, attn, eps)
 
     def head(self, model, h):
-        """The last range's final norm and LM head of few rows (`gemv_rows`) as one GEMV kernel
+        """The last range's final norm and LM head of few rows (`head_rows`) as one GEMV kernel
         (the norm its prologue), the logits stored as float32: a decode step's, and the last
         row of an eager step's (a prefill chunk's). None where it does not apply (more rows, a
         norm other than RMSNorm, a head the kernel does not take, the kernels off, or after the
@@ -293,7 +300,7 @@ class FusedDecode:
             self.kernels = fused_kernels_available(h.device)
         w = model.lm_head.weight
         if not self.kernels or not self.gemv or not self.head_gemv or \
-                h.shape[0] > self.gemv_rows or not h.is_contiguous() or \
+                h.shape[0] > self.head_rows or not h.is_contiguous() or \
                 type(model.norm) is not RMSNorm or w.dtype != h.dtype or \
                 w.stride() != (w.shape[1], 1):
             return None
@@ -315,7 +322,7 @@ class FusedDecode:
         if err.rows > 1:
             log.warning("the Triton few-rows GEMV kernel failed on %d rows (%s); steps of more "
                         "than one row run cuBLAS", err.rows, err)
-            self.gemv_rows = 1
+            self.gemv_rows = self.head_rows = 1
         else:
             log.warning("the Triton GEMV kernels failed (%s); steps run cuBLAS", err)
             self.gemv = False

@@ -9,7 +9,7 @@ when the keys are split (see below). Same math as `shards.fused.pre_attention` +
 Input is the fused q/k/v projection of the step's rows, `qkv` (N, (H + 2G) * D), bias included.
 The step holds S sequences of n rows each: one sequence of n rows (a decode step, n = 1, or a
 verify chain/tree), or S sequences of one row (a batched step, sequence s in slot lo + s). One
-program per (sequence, KV head, key split):
+program per (sequence, KV head, key split, tile of query rows):
 
 1. it normalizes and rotates the K rows of its head and writes K and V to the cache rows
    `rows` (those that fall in its key split; a padding row's scratch row is past every split and
@@ -25,8 +25,13 @@ rows, G, D), and `tables` (S, W) holds each sequence's block table: key t of seq
 t % KB of block tables[s, t // KB] (KB: rows per block). Each program looks up the blocks of its
 keys as it reads them; entries past a table's end name the scratch block, which the mask hides.
 
-Every K/V row a program writes is read only by that program (same head, same split): no
-ordering between programs is needed. A program reads keys only up to the last row its sequence
+Every K/V row a program writes is read only by programs that write it too (same head, same
+split): the query tiles of a split are programs of their own (a verify step's 32 rows x 3
+heads a group are 3 tiles: one program looping over them read every key three times in turn),
+and each writes the split's new rows before reading them, the same values as the others, so
+whichever write a read sees holds the same bits and no ordering between programs is needed
+(on an H200 a 32-row verify step of the default model, 400 keys, went from 1.47 to 1.15 ms in
+one process: `bench/RESULTS.md`). A program reads keys only up to the last row its sequence
 writes in the step (no query sees past it), so a graph captured for a KV-length bucket costs a
 step the keys it has, not the bucket's. Positions, rows and masks are device tensors: the kernel
 runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,
@@ -99,7 +104,8 @@ def _attend(
 ):
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    sp = tl.program_id(2)
+    sp = tl.program_id(2) // M_TILES  # the key split
+    mt = tl.program_id(2) % M_TILES  # the query tile
     lo = sp * keys_per_split
     hi = tl.minimum(lo + keys_per_split, T)
     H: tl.constexpr = G * R
@@ -150,69 +156,68 @@ def _attend(
     tl.store(VC + at, v, mask=wr)
     tl.debug_barrier()  # the rows just written are read below by this program's threads
 
-    # 2. the queries of the R heads of this group, BLOCK_M (row, head) pairs at a time
-    for mt in tl.static_range(M_TILES):
-        m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-        qi = m // R
-        head = g * R + m % R
-        ok_m = qi < NROWS
-        qrow = s * NROWS + qi
-        src = QKV + qrow[:, None] * s_qkv + head[:, None] * D
-        q = tl.load(src + d[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
-        q_r = tl.load(src + d_rot[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
-        if HAS_NORM:
-            inv = tl.rsqrt(tl.sum(q * q, 1) / D + eps)[:, None]
-            q = ((q * inv).to(dt).to(tl.float32) * qw[None, :]).to(dt).to(tl.float32)
-            q_r = ((q_r * inv).to(dt).to(tl.float32) * qw_r[None, :]).to(dt).to(tl.float32)
-        cs = qrow[:, None] * s_cs + d[None, :]
-        c = tl.load(COS + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
-        sn = tl.load(SIN + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
-        q = (q * c + sign[None, :] * q_r * sn).to(dt)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        vis_row = MASK + s * s_mseq + qi[:, None] * s_mrow
-        for b in range(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
-            t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok_t = t < hi
-            # K, V and the mask issued together: a block costs one memory latency, not three
-            if PAGED:
-                tb = tl.load(tab + tl.where(ok_t, t // KB, 0), mask=ok_t, other=0)
-                key_at = cache + tb * s_slot + (t % KB) * s_row  # (BLOCK_N,)
-            else:
-                key_at = cache + t * s_row
-            kt = tl.load(KC + key_at[None, :] + d[:, None], mask=ok_t[None, :],
-                         other=0.0)  # (D, BLOCK_N)
-            vt = tl.load(VC + key_at[:, None] + d[None, :], mask=ok_t[:, None],
-                         other=0.0)  # (BLOCK_N, D)
-            vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
-            if IEEE:
-                qk = tl.dot(q, kt, input_precision="ieee")
-            else:
-                qk = tl.dot(q, kt)
-            qk = tl.where(vis != 0, qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p.to(dt), vt, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(dt), vt)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if not SPLIT:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            dst = OUT + qrow[:, None] * s_out + head[:, None] * D + d[None, :]
-            tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
+    # 2. the queries of the R heads of this group: tile mt of BLOCK_M (row, head) pairs
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = m // R
+    head = g * R + m % R
+    ok_m = qi < NROWS
+    qrow = s * NROWS + qi
+    src = QKV + qrow[:, None] * s_qkv + head[:, None] * D
+    q = tl.load(src + d[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
+    q_r = tl.load(src + d_rot[None, :], mask=ok_m[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(q * q, 1) / D + eps)[:, None]
+        q = ((q * inv).to(dt).to(tl.float32) * qw[None, :]).to(dt).to(tl.float32)
+        q_r = ((q_r * inv).to(dt).to(tl.float32) * qw_r[None, :]).to(dt).to(tl.float32)
+    cs = qrow[:, None] * s_cs + d[None, :]
+    c = tl.load(COS + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
+    sn = tl.load(SIN + cs, mask=ok_m[:, None], other=0.0).to(tl.float32)
+    q = (q * c + sign[None, :] * q_r * sn).to(dt)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    vis_row = MASK + s * s_mseq + qi[:, None] * s_mrow
+    for b in range(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)):
+        t = lo + b * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok_t = t < hi
+        # K, V and the mask issued together: a block costs one memory latency, not three
+        if PAGED:
+            tb = tl.load(tab + tl.where(ok_t, t // KB, 0), mask=ok_t, other=0)
+            key_at = cache + tb * s_slot + (t % KB) * s_row  # (BLOCK_N,)
         else:
-            # (the split count is the grid's, not a compile-time constant: a bucket's count
-            # grows with its keys, and each constant would be a compile of its own)
-            part = ((s * G + g) * tl.num_programs(2) + sp) * (M_TILES * BLOCK_M) + m
-            tl.store(PO + part[:, None] * D + d[None, :], acc)
-            tl.store(PML + part * 2, m_i)
-            tl.store(PML + part * 2 + 1, l_i)
+            key_at = cache + t * s_row
+        kt = tl.load(KC + key_at[None, :] + d[:, None], mask=ok_t[None, :],
+                     other=0.0)  # (D, BLOCK_N)
+        vt = tl.load(VC + key_at[:, None] + d[None, :], mask=ok_t[:, None],
+                     other=0.0)  # (BLOCK_N, D)
+        vis = tl.load(vis_row + t[None, :], mask=ok_m[:, None] & ok_t[None, :], other=0)
+        if IEEE:
+            qk = tl.dot(q, kt, input_precision="ieee")
+        else:
+            qk = tl.dot(q, kt)
+        qk = tl.where(vis != 0, qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(dt), vt, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(dt), vt)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if not SPLIT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dst = OUT + qrow[:, None] * s_out + head[:, None] * D + d[None, :]
+        tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
+    else:
+        # (the split count is the grid's, not a compile-time constant: a bucket's count
+        # grows with its keys, and each constant would be a compile of its own)
+        part = ((s * G + g) * (tl.num_programs(2) // M_TILES) + sp) * (M_TILES * BLOCK_M) + m
+        tl.store(PO + part[:, None] * D + d[None, :], acc)
+        tl.store(PML + part * 2, m_i)
+        tl.store(PML + part * 2 + 1, l_i)
 
 
 @triton.jit
@@ -352,7 +357,7 @@ def decode_attention(
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(n * r)))
     m_tiles = -(-n * r // block_m)
     bn = block_n(d, k_cache.element_size())
-    splits, per = key_split(t, n_seqs * g, qkv.device, split_keys, bn)
+    splits, per = key_split(t, n_seqs * g * m_tiles, qkv.device, split_keys, bn)
     out = torch.empty(n_rows, num_heads * d, dtype=qkv.dtype, device=qkv.device)
     if splits > 1:
         m_pad = m_tiles * block_m
@@ -361,7 +366,7 @@ def decode_attention(
     else:
         po = pml = out  # unused
     has_norm = q_norm is not None
-    _attend[(n_seqs, g, splits)](
+    _attend[(n_seqs, g, splits * m_tiles)](
         qkv, qkv.stride(0),
         q_norm if has_norm else qkv, k_norm if has_norm else qkv, float(eps),
         cos, sin, cos.stride(0),

@@ -152,11 +152,20 @@ def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
 MAX_ROWS = GEMV_ROWS_MAX  # the most rows `gemv` takes (a verify tree, a batch)
 
 
-def rows_config(m: int, k: int, *, gate_up: bool = False) -> dict:
-    """The launch shape of `_gemm_rows` for m rows (not measured yet: tensor-core tiles of
-    16-64 rows by 32 outputs, blocks of K of 128)."""
-    return {"BLOCK_M": max(16, triton.next_power_of_2(m)), "BLOCK_N": 32 if not gate_up else 16,
-            "BLOCK_K": 128 if k >= 128 else max(16, triton.next_power_of_2(k)), "num_warps": 4}
+def rows_config(m: int, k: int, *, norm: bool = False, gate_up: bool = False,
+                head: bool = False) -> dict:
+    """The launch shape of `_gemm_rows` for m rows, from `bench/gemv_sweep.py --rows 8/16/32`
+    on an H200 at the default model's shape (k = 576, 1536): 16-row tiles by 16 outputs, blocks
+    of K of 128; the head's 64 outputs by blocks of 64 (17.7-21.2 us at 8-32 rows against
+    cuBLAS's 36.6-42.0). Tiles of 64 rows and wider K were not measured."""
+    block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+    out = {"BLOCK_M": max(16, triton.next_power_of_2(m)), "BLOCK_N": 16, "BLOCK_K": block_k,
+           "num_warps": 8 if norm and not gate_up else 4}  # (q/k/v with its norm: 8)
+    if head:
+        out.update(BLOCK_N=64, BLOCK_K=min(block_k, 64), num_warps=4)
+    elif gate_up and m <= 16:
+        out["BLOCK_N"] = 32
+    return out
 
 
 def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = False) -> dict:
@@ -223,7 +232,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, **c)
         return y
-    c = dict(cfg or rows_config(rows, k, gate_up=gate_up))
+    c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
+                                head=head))
     block_m, block_n, block_k = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
     if min(block_m, block_n, block_k) < 16:  # (tl.dot's least tile)
         raise ValueError(f"gemv: a few-rows launch shape needs blocks of at least 16, got "

@@ -201,6 +201,25 @@ class TestOneDefaultChain:
         assert [s["deterministic"] for s in chain.shard_info()] == [False, False]
 
     @pytest.mark.slow
+    def test_sampled_requests_decode_plainly_with_spec_sampling_off(self, chain):
+        """`spec_sampling = off` (what `auto` resolves to where the draft runs on a GPU): a
+        sampled request decodes plainly (no verify step) and still equals plain decoding; a
+        greedy one speculates all the same. (`auto` on this CPU chain: coupled.)"""
+        assert chain.spec_sampling == "coupled"
+        prompt = _prompts(chain.tokenizer)[1]
+        chain.spec_sampling = "off"
+        try:
+            for params, speculates in ((SAMPLED, False), (GREEDY, True)):
+                plain = chain.generate(prompt, params, use_cache=False, speculative=False)
+                progress = Progress()
+                got = collect(chain.stream(prompt, params, progress, use_cache=False),
+                              progress, len(prompt))
+                assert got.tokens == plain.tokens
+                assert (progress.spec is not None and progress.spec.verifies > 0) == speculates
+        finally:
+            chain.spec_sampling = "coupled"
+
+    @pytest.mark.slow
     def test_feature_rows_come_from_the_right_shards(self, target, chain):
         """The draft's rows are bit-equal to the reference's rows of the tapped layers (layer 1
         from shard 0, layer 4 from shard 1) at every committed position: prompt rows, and the

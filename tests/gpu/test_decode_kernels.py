@@ -100,7 +100,8 @@ CASES = [  # family, heads, kv heads, head dim, window, kind, rows, keys attende
     ("qwen3", 8, 2, 128, None, "decode", 1, 512, None),
     ("qwen2", 4, 2, 32, 40, "decode", 1, 256, None),
     ("llama", 4, 2, 16, 24, "tree", 7, 128, 64),
-    ("qwen3", 8, 2, 32, None, "tree", 31, 192, None),
+    ("qwen3", 8, 2, 32, None, "tree", 31, 192, None),  # 4 query tiles, each its own program
+    ("llama", 9, 3, 64, None, "tree", 31, 600, 128),  # 3 query tiles x 5 key splits
     ("llama", 4, 4, 16, None, "chain", 5, 64, None),
     ("qwen3", 8, 2, 32, None, "batched", 6, 256, None),
     ("qwen2", 4, 2, 32, 30, "batched", 4, 128, 64),

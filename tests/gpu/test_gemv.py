@@ -243,6 +243,50 @@ def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, 
     assert fast.gemv and fast.gemv_rows == 32
 
 
+def test_verify_and_batched_heads_take_the_few_rows_kernel_by_default(tiny_models, monkeypatch):
+    """With the default `LAYERSPLIT_GEMV_ROWS` (1) a tree verify step's layers run cuBLAS, but
+    its head (and a batched step's) takes the few-rows kernel (`head_rows`: it beat cuBLAS at
+    8-32 rows), with the logits of the same steps with the GEMV kernels off (float32); the
+    head's failure on several rows sends only those heads back to cuBLAS."""
+    from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
+
+    rows = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(
+        (x.shape[0], bool(k.get("head")))) or real(x, *a, **k))
+    path = tiny_models["llama"]
+    monkeypatch.delenv(GEMV_ROWS, raising=False)
+    on = _executor(path, "llama", torch.float32, True, slots=3)
+    monkeypatch.setenv(GEMV_SWITCH, "0")
+    off = _executor(path, "llama", torch.float32, True, slots=3)
+    ids = torch.arange(3, 40)
+    for ex in (on, off):
+        for slot in range(3):
+            ex.run(ids[:30 + slot], 0, slot)
+    fast = on.model.layers[0].fast
+    assert fast.gemv_rows == 1 and fast.head_rows > 7
+    rows.clear()
+    outs = [st.run(torch.tensor([5, 7, 9, 11, 4, 6, 8]), 30, 0, [0, 0, 1, 1, 2, 3])[0].clone()
+            for st in (on.static, off.static)]
+    outs += [st.run_batch(torch.tensor([6, 7]), [0, 2], [37, 32]).clone()
+             for st in (on.static, off.static)]
+    for a, b in (outs[:2], outs[2:]):
+        assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+    assert {r for r, head in rows if not head} == set(), rows  # the layers: cuBLAS
+    assert {(7, True), (3, True)} <= set(rows), rows
+
+    def few_rows_broken(x, *a, **k):
+        if x.shape[0] > 1:
+            raise RuntimeError("few-rows kernel broken")
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(gemv, "gemv", few_rows_broken)
+    a, b = (ex.static.run(torch.tensor([5, 7, 9, 11]), 33, 0, [0, 0, 1])[0].clone()
+            for ex in (on, off))
+    assert fast.head_rows == 1 and fast.gemv and fast.head_gemv and fast.kernels
+    assert float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
+
+
 def test_a_failing_few_rows_kernel_leaves_the_one_row_kernels_on(tiny_models, monkeypatch):
     """The few-rows kernel failing (a verify step's capture) turns steps of several rows back
     to cuBLAS (`gemv_rows` 1); one-row steps keep the GEMV kernels, and the logits are the

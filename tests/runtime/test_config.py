@@ -111,10 +111,24 @@ def test_every_key_is_documented():
     ({"max_logprobs": -1}, "max_logprobs=-1: must be at least 0"),
     ({"max_seqs": 513}, "max_seqs=513: use 1..512"),
     ({"micro_batches": 5}, r"micro_batches=5: use 0 \(auto\) to 4"),
+    ({"spec_sampling": "sometimes"}, "spec_sampling='sometimes': must be one of auto, off"),
 ])
 def test_bad_speculation_keys_are_named(values, match):
     with pytest.raises(ConfigError, match=match):
         from_mapping(values, "test")
+
+
+def test_spec_sampling_auto_is_off_on_gpus_and_coupled_elsewhere():
+    """`spec_sampling = auto` (the default): sampled requests decode plainly where the draft
+    runs on a GPU (measured slower than plain there), coupled elsewhere; a named mode stays."""
+    from layersplit.runtime.speculative import spec_sampling_mode
+
+    assert from_mapping({}, "test").spec_sampling == "auto"
+    assert from_mapping({"spec_sampling": "off"}, "test").spec_sampling == "off"
+    assert spec_sampling_mode("auto", "cuda:0") == "off"
+    assert spec_sampling_mode("auto", "cpu") == "coupled"
+    for mode in ("off", "coupled", "rejection", "guesses"):
+        assert spec_sampling_mode(mode, "cuda:1") == mode == spec_sampling_mode(mode, "cpu")
 
 
 def test_draft_names_resolve_or_say_what_to_pass(tmp_path):
