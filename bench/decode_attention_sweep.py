@@ -103,7 +103,8 @@ def main() -> None:
                     print(f"{name:<13} {t:>7} {per_sm:>6} {block_n or 'auto':>5} {warps:>5} "
                           f"{stages or '-':>6}  failed: {type(e).__name__}: {str(e)[:80]}")
                     continue
-                splits, _ = da.key_split(t, g, dev, None, da.block_n(d, 2))
+                tiles = -(-n * h // g // block_m)  # (query tiles: programs of their own)
+                splits, _ = da.key_split(t, g * tiles, dev, None, da.block_n(d, 2))
                 diff = 0.0 if ref is None else float((out["o"].float() - ref).abs().max())
                 if ref is None:
                     ref = out["o"].float()

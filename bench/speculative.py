@@ -208,7 +208,9 @@ def main() -> int:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sampling", default="coupled", help="comma-separated spec_sampling "
-                   "settings to run each draft with when sampling (coupled, rejection, guesses)")
+                   "settings to run each draft with when sampling (coupled, rejection, guesses; "
+                   "named, since the runtime's `auto` does not speculate sampled requests with "
+                   "a DFlash draft on GPUs)")
     p.add_argument("--deterministic", action="store_true", help="run the drafts with "
                    "`deterministic = true`, and plain decoding in that mode too (its cost "
                    "against the default mode's plain decoding, the first row)")

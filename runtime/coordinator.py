@@ -194,7 +194,6 @@ class Coordinator:
         self.draft_device = normalize_device(config.draft_device or
                                              self.placement.shards[0].device)
         self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)
-        self.spec_sampling = spec_sampling_mode(config.spec_sampling, self.draft_device)
         self._check_draft_placement()
         self.draft: _Shard | None = None  # the draft process, while it serves
         self.draft_info: dict[str, Any] = {}
@@ -581,6 +580,14 @@ class Coordinator:
     def feeding(self) -> bool:
         """Steps send tapped rows to the draft (a feature-conditioned draft serves)."""
         return self.draft is not None and bool(self.draft_info.get("taps"))
+
+    def spec_sampling_mode(self) -> str:
+        """`spec_sampling` as it applies to this runtime's sampled requests
+        (`runtime.speculative.spec_sampling_mode`: `auto` resolved by the devices and the
+        draft's kind)."""
+        devices = [s.device for s in self.placement.shards] + [self.draft_device]
+        return spec_sampling_mode(self.config.spec_sampling, devices,
+                                  self.draft_info.get("kind"))
 
     def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]:
         """One request to the draft process and its reply. Raises DraftLost if the draft is
@@ -1271,15 +1278,16 @@ class Coordinator:
             seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
         # with its own draft context, in its slot; one asked not to speculate still feeds it,
-        # so its cache entries carry feature rows); the others decode plainly in the same steps
+        # so its cache entries carry feature rows); the others decode plainly in the same steps.
+        # A sampled request under spec_sampling `off` takes no context: it leaves it to a
+        # request that speculates.
+        mode = self.spec_sampling_mode()
         context = (self._free_contexts.pop(0) if self.draft is not None and
-                   self._free_contexts else None)
+                   self._free_contexts and (params.greedy or mode != "off") else None)
         prog = None
         try:
             drafter = None
-            mode = self.spec_sampling  # ("off": a sampled request only feeds the draft)
-            if context is not None and speculative is not False and \
-                    (params.greedy or mode != "off"):
+            if context is not None and speculative is not False:
                 progress.spec = SpecStats()
                 sample = (None if params.greedy or mode == "guesses" else
                           {**params.wire(), "seed": seed, "mode": mode})

@@ -38,13 +38,17 @@ def draft_taps(path: str | Path | None) -> list[int]:
     return list(read_dflash_config(Path(path)).target_layer_ids)
 
 
-def spec_sampling_mode(setting: str, draft_device: str) -> str:
-    """`spec_sampling` as it applies: `auto` is `off` where the draft runs on a GPU (sampled
-    speculation there measured 0.54-0.72 x plain decoding, `bench/RESULTS.md`, while greedy
-    speculation paid), else `coupled` (on CPUs speculation is for exactness, not speed)."""
+def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None) -> str:
+    """`spec_sampling` as it applies to a sampled request: `auto` is `off` for a DFlash draft
+    where the target or the draft runs on a GPU (`devices`: theirs; sampled DFlash speculation
+    there measured 0.54-0.72 x plain decoding, `bench/RESULTS.md`, while greedy speculation
+    paid), else `coupled` (a classic draft's sampled proposals were not measured; on CPUs
+    speculation is for exactness, not speed). `off`: sampled requests neither speculate nor
+    take a draft context."""
     if setting != "auto":
         return setting
-    return "off" if draft_device.startswith("cuda") else "coupled"
+    gpu = any(d.startswith("cuda") for d in devices)
+    return "off" if gpu and kind == "dflash" else "coupled"
 
 
 def tree_size(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> int:

@@ -142,6 +142,7 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
 
 
 HEAD_GEMV_ROWS = 32  # rows up to which the LM head takes the GEMV kernels (measured to 32)
+HEAD_GEMV_MAX_K = 1024  # ... for a hidden size up to this (measured: 576)
 
 
 class GemvError(RuntimeError):
@@ -299,8 +300,11 @@ class FusedDecode:
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
         w = model.lm_head.weight
+        # (the few-rows head beyond the layers' `gemv_rows` was measured on a hidden of 576)
+        rows = self.head_rows if w.shape[1] <= HEAD_GEMV_MAX_K else \
+            min(self.gemv_rows, self.head_rows)
         if not self.kernels or not self.gemv or not self.head_gemv or \
-                h.shape[0] > self.head_rows or not h.is_contiguous() or \
+                h.shape[0] > rows or not h.is_contiguous() or \
                 type(model.norm) is not RMSNorm or w.dtype != h.dtype or \
                 w.stride() != (w.shape[1], 1):
             return None
@@ -308,8 +312,10 @@ class FusedDecode:
             return _gemv(h, w, norm=(model.norm.weight, model.norm.eps), out_dtype=torch.float32,
                          head=True)
         except GemvError as e:  # the torch head runs from now on
-            if e.rows > 1:
-                self._gemv_failed(e)
+            if e.rows > 1:  # (the head's own launch shape: the layers keep theirs)
+                log.warning("the Triton few-rows GEMV kernel of the LM head failed on %d rows "
+                            "(%s); heads of more than one row run cuBLAS", e.rows, e)
+                self.head_rows = 1
             else:
                 log.warning("the Triton GEMV kernel of the LM head failed (%s); the head runs "
                             "cuBLAS", e)

@@ -155,9 +155,10 @@ MAX_ROWS = GEMV_ROWS_MAX  # the most rows `gemv` takes (a verify tree, a batch)
 def rows_config(m: int, k: int, *, norm: bool = False, gate_up: bool = False,
                 head: bool = False) -> dict:
     """The launch shape of `_gemm_rows` for m rows, from `bench/gemv_sweep.py --rows 8/16/32`
-    on an H200 at the default model's shape (k = 576, 1536): 16-row tiles by 16 outputs, blocks
-    of K of 128; the head's 64 outputs by blocks of 64 (17.7-21.2 us at 8-32 rows against
-    cuBLAS's 36.6-42.0). Tiles of 64 rows and wider K were not measured."""
+    on an H200 at the default model's shape (k = 576, 1536): tiles of the rows (rounded up to a
+    power of two, at least 16) by 16 outputs, blocks of K of 128; the head's 64 outputs by
+    blocks of 64 (17.7-21.2 us at 8-32 rows against cuBLAS's 36.6-42.0). Tiles of 64 rows and
+    wider K were not measured."""
     block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
     out = {"BLOCK_M": max(16, triton.next_power_of_2(m)), "BLOCK_N": 16, "BLOCK_K": block_k,
            "num_warps": 8 if norm and not gate_up else 4}  # (q/k/v with its norm: 8)

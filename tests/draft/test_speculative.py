@@ -172,6 +172,26 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
         assert sum(s.accepted_at[0] for s in stats) > 0 and sum(s.off_chain for s in stats) > 0
 
 
+@pytest.mark.slow
+def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted):
+    """`spec_sampling = off` (what `auto` is for a DFlash draft where a GPU runs the target or
+    the draft): a sampled request decodes plainly, with no draft context (no speculation
+    statistics at all), and equals plain decoding; a greedy one speculates all the same."""
+    with Coordinator(_cfg(target, 2, fitted, spec_sampling="off")) as coord:
+        assert coord.spec_sampling_mode() == "off"
+        prompt = _prompts(coord.tokenizer)[1]
+        for params, speculates in ((SAMPLED, False), (GREEDY, True)):
+            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
+            progress = Progress()
+            got = collect(coord.stream(prompt, params, progress, use_cache=False), progress,
+                          len(prompt))
+            assert got.tokens == plain.tokens
+            if speculates:
+                assert progress.spec is not None and progress.spec.verifies > 0
+            else:
+                assert progress.spec is None
+
+
 class TestOneDefaultChain:
     """Tests that leave a two-shard chain with the fitted draft, configured by default, as they
     found it (no process killed or stopped, the draft kept, nothing cached: `use_cache=False`)
@@ -199,25 +219,6 @@ class TestOneDefaultChain:
             stats = _compare(coord, _prompts(coord.tokenizer)[:1])
             assert stats.acceptance_length > 1.3
         assert [s["deterministic"] for s in chain.shard_info()] == [False, False]
-
-    @pytest.mark.slow
-    def test_sampled_requests_decode_plainly_with_spec_sampling_off(self, chain):
-        """`spec_sampling = off` (what `auto` resolves to where the draft runs on a GPU): a
-        sampled request decodes plainly (no verify step) and still equals plain decoding; a
-        greedy one speculates all the same. (`auto` on this CPU chain: coupled.)"""
-        assert chain.spec_sampling == "coupled"
-        prompt = _prompts(chain.tokenizer)[1]
-        chain.spec_sampling = "off"
-        try:
-            for params, speculates in ((SAMPLED, False), (GREEDY, True)):
-                plain = chain.generate(prompt, params, use_cache=False, speculative=False)
-                progress = Progress()
-                got = collect(chain.stream(prompt, params, progress, use_cache=False),
-                              progress, len(prompt))
-                assert got.tokens == plain.tokens
-                assert (progress.spec is not None and progress.spec.verifies > 0) == speculates
-        finally:
-            chain.spec_sampling = "coupled"
 
     @pytest.mark.slow
     def test_feature_rows_come_from_the_right_shards(self, target, chain):

@@ -57,7 +57,8 @@ def test_gemv_matches_torch(m, n, k, kind, dtype):
     bias = torch.randn(n, generator=g).to(DEV, dtype) if kind == "norm+bias" else None
     res = torch.randn(m, n, generator=g).to(DEV, dtype) if kind == "residual" else None
     got = gemv(x, w, bias=bias, norm=None if nw is None else (nw, 1e-5), residual=res,
-               gate_up=kind == "gate_up", out_dtype=torch.float32 if kind == "head" else None)
+               gate_up=kind == "gate_up", out_dtype=torch.float32 if kind == "head" else None,
+               head=kind == "head")  # (the head's own launch shapes)
     want = _want(x, w, nw, bias, res, kind == "gate_up")
     assert got.shape == (m, n)
     assert got.dtype == (torch.float32 if kind == "head" else dtype)
@@ -206,19 +207,26 @@ def test_one_row_steps_take_the_gemv_kernels_and_match_them_off(tiny_models, mon
     assert same(a, off.run(torch.tensor([tok]), 27))
 
 
-def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, monkeypatch):
-    """With `LAYERSPLIT_GEMV_ROWS=32` a graph's tree verify step (7 rows) and a batched step
-    (slots 0 and 2: a padding row between them) take the few-rows kernel (`_gemm_rows`, tensor
-    cores) in their layers and their head, with the logits of the same steps with the GEMV
-    kernels off (float32)."""
+class _Calls(list):
+    """(rows, head?) of each `gemv.gemv` call; `real`: the function it wraps."""
+    real = None
+
+
+def _recorded_pair(tiny_models, monkeypatch, gemv_rows: str | None):
+    """Two float32 executors of the tiny llama with 3 slots, prefilled alike: one with the
+    GEMV kernels (`LAYERSPLIT_GEMV_ROWS` = gemv_rows; None: the default), one without; and the
+    list that records each `gemv.gemv` call from then on."""
     from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
 
-    rows = []
-    real = gemv.gemv
+    rows = _Calls()
+    rows.real = real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(
         (x.shape[0], bool(k.get("head")))) or real(x, *a, **k))
     path = tiny_models["llama"]
-    monkeypatch.setenv(GEMV_ROWS, "32")
+    if gemv_rows is None:
+        monkeypatch.delenv(GEMV_ROWS, raising=False)
+    else:
+        monkeypatch.setenv(GEMV_ROWS, gemv_rows)
     on = _executor(path, "llama", torch.float32, True, slots=3)
     monkeypatch.setenv(GEMV_SWITCH, "0")
     off = _executor(path, "llama", torch.float32, True, slots=3)
@@ -226,6 +234,15 @@ def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, 
     for ex in (on, off):
         for slot in range(3):
             ex.run(ids[:30 + slot], 0, slot)
+    return on, off, rows
+
+
+def test_verify_and_batched_steps_take_the_gemv_kernels_when_asked(tiny_models, monkeypatch):
+    """With `LAYERSPLIT_GEMV_ROWS=32` a graph's tree verify step (7 rows) and a batched step
+    (slots 0 and 2: a padding row between them) take the few-rows kernel (`_gemm_rows`, tensor
+    cores) in their layers and their head, with the logits of the same steps with the GEMV
+    kernels off (float32)."""
+    on, off, rows = _recorded_pair(tiny_models, monkeypatch, "32")
     assert on.model.layers[0].fast.gemv_rows == 32
     rows.clear()
     outs = [st.run(torch.tensor([5, 7, 9, 11, 4, 6, 8]), 30, 0, [0, 0, 1, 1, 2, 3])[0].clone()
@@ -248,21 +265,10 @@ def test_verify_and_batched_heads_take_the_few_rows_kernel_by_default(tiny_model
     its head (and a batched step's) takes the few-rows kernel (`head_rows`: it beat cuBLAS at
     8-32 rows), with the logits of the same steps with the GEMV kernels off (float32); the
     head's failure on several rows sends only those heads back to cuBLAS."""
-    from layersplit.shards.kernels import GEMV_ROWS, GEMV_SWITCH, gemv
+    from layersplit.shards.kernels import gemv
 
-    rows = []
-    real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda x, *a, **k: rows.append(
-        (x.shape[0], bool(k.get("head")))) or real(x, *a, **k))
-    path = tiny_models["llama"]
-    monkeypatch.delenv(GEMV_ROWS, raising=False)
-    on = _executor(path, "llama", torch.float32, True, slots=3)
-    monkeypatch.setenv(GEMV_SWITCH, "0")
-    off = _executor(path, "llama", torch.float32, True, slots=3)
-    ids = torch.arange(3, 40)
-    for ex in (on, off):
-        for slot in range(3):
-            ex.run(ids[:30 + slot], 0, slot)
+    on, off, rows = _recorded_pair(tiny_models, monkeypatch, None)
+    real = rows.real
     fast = on.model.layers[0].fast
     assert fast.gemv_rows == 1 and fast.head_rows > 7
     rows.clear()

@@ -119,16 +119,20 @@ def test_bad_speculation_keys_are_named(values, match):
 
 
 def test_spec_sampling_auto_is_off_on_gpus_and_coupled_elsewhere():
-    """`spec_sampling = auto` (the default): sampled requests decode plainly where the draft
-    runs on a GPU (measured slower than plain there), coupled elsewhere; a named mode stays."""
+    """`spec_sampling = auto` (the default): sampled requests decode plainly with a DFlash
+    draft where a GPU runs the target or the draft (measured slower than plain there), coupled
+    elsewhere; a named mode stays."""
     from layersplit.runtime.speculative import spec_sampling_mode
 
     assert from_mapping({}, "test").spec_sampling == "auto"
     assert from_mapping({"spec_sampling": "off"}, "test").spec_sampling == "off"
-    assert spec_sampling_mode("auto", "cuda:0") == "off"
-    assert spec_sampling_mode("auto", "cpu") == "coupled"
+    assert spec_sampling_mode("auto", ["cuda:0", "cuda:0"], "dflash") == "off"
+    assert spec_sampling_mode("auto", ["cpu", "cuda:1"], "dflash") == "off"  # a CPU draft
+    assert spec_sampling_mode("auto", ["cpu", "cpu"], "dflash") == "coupled"
+    assert spec_sampling_mode("auto", ["cuda:0"], "classic") == "coupled"  # (not measured)
     for mode in ("off", "coupled", "rejection", "guesses"):
-        assert spec_sampling_mode(mode, "cuda:1") == mode == spec_sampling_mode(mode, "cpu")
+        assert spec_sampling_mode(mode, ["cuda:1"], "dflash") == mode == \
+            spec_sampling_mode(mode, ["cpu"], "classic")
 
 
 def test_draft_names_resolve_or_say_what_to_pass(tmp_path):

@@ -40,6 +40,7 @@ CASES = [  # family, heads, kv heads, head dim, window, kind, rows, keys attende
     ("qwen3", 8, 2, 128, None, "decode", 1, 200, 64),
     ("qwen2", 4, 2, 32, 40, "decode", 1, 128, None),
     ("llama", 4, 2, 16, 24, "tree", 7, 128, 64),
+    ("llama", 9, 3, 64, None, "tree", 31, 600, 128),  # 3 query tiles x 5 key splits
     ("qwen3", 8, 2, 32, None, "batched", 4, 160, None),
 ]
 
