@@ -12,6 +12,8 @@
 #      (ROWS, default 32).
 #   S: sampled speculation (temperature 0.7, top-p 0.9), the same two settings.
 #   B: 8 streams, each speculating, against 8 plain streams, the same two settings.
+#   T: (for the next session, after G) greedy speculation with smaller token trees (31, 15 and 7
+#      draft tokens), now that a verify step's rows cost more than a plain step's.
 #   F: (no model pieces; carry also .device-carry/head.tar, `git archive` of the commit before)
 #      the GPU tests of the query tiles as programs of their own and of the LM head's few-rows
 #      kernel at verify rows, then a round's parts in one process (bench/profile_draft.py, the
@@ -52,6 +54,11 @@ S)
     TAIL=12 run "sampled_$r" 200 env LAYERSPLIT_GEMV_ROWS=$r $spec --new-tokens 128 --repeat 3 \
       --temperature 0.7 --top-p 0.9 --json "$OUT/sampled_$r.json"
   done
+  ;;
+T)
+  model
+  TAIL=16 run trees 300 $spec --new-tokens 256 --repeat 3 --trees 31,15,7 \
+    --json "$OUT/trees.json"
   ;;
 B)
   model
