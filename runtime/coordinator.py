@@ -1278,16 +1278,17 @@ class Coordinator:
             seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
         # with its own draft context, in its slot; one asked not to speculate still feeds it,
-        # so its cache entries carry feature rows); the others decode plainly in the same steps.
-        # A sampled request under spec_sampling `off` takes no context: it leaves it to a
-        # request that speculates.
-        mode = self.spec_sampling_mode()
+        # so its cache entries carry feature rows, and so does a sampled one under spec_sampling
+        # `off`: a prefix it caches first restores into a greedy request that speculates at
+        # once); the others decode plainly in the same steps
         context = (self._free_contexts.pop(0) if self.draft is not None and
-                   self._free_contexts and (params.greedy or mode != "off") else None)
+                   self._free_contexts else None)
         prog = None
         try:
             drafter = None
-            if context is not None and speculative is not False:
+            mode = self.spec_sampling_mode()
+            if context is not None and speculative is not False and \
+                    (params.greedy or mode != "off"):
                 progress.spec = SpecStats()
                 sample = (None if params.greedy or mode == "guesses" else
                           {**params.wire(), "seed": seed, "mode": mode})

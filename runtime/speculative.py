@@ -43,8 +43,9 @@ def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None) -
     where the target or the draft runs on a GPU (`devices`: theirs; sampled DFlash speculation
     there measured 0.54-0.72 x plain decoding, `bench/RESULTS.md`, while greedy speculation
     paid), else `coupled` (a classic draft's sampled proposals were not measured; on CPUs
-    speculation is for exactness, not speed). `off`: sampled requests neither speculate nor
-    take a draft context."""
+    speculation is for exactness, not speed). `off`: sampled requests do not speculate (they
+    still feed the draft where a context is free, so the prefixes they cache carry its feature
+    rows)."""
     if setting != "auto":
         return setting
     gpu = any(d.startswith("cuda") for d in devices)

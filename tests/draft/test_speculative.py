@@ -173,11 +173,13 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
 
 
 @pytest.mark.slow
-def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted):
+def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted, tmp_path):
     """`spec_sampling = off` (what `auto` is for a DFlash draft where a GPU runs the target or
-    the draft): a sampled request decodes plainly, with no draft context (no speculation
-    statistics at all), and equals plain decoding; a greedy one speculates all the same."""
-    with Coordinator(_cfg(target, 2, fitted, spec_sampling="off")) as coord:
+    the draft): a sampled request decodes plainly (no speculation statistics at all) and equals
+    plain decoding; a greedy one speculates all the same, also from a prefix a sampled request
+    cached first (the sampled one still fed the draft, so the entry carries its rows)."""
+    with Coordinator(_cfg(target, 2, fitted, spec_sampling="off",
+                          kv_cache_dir=str(tmp_path))) as coord:
         assert coord.spec_sampling_mode() == "off"
         prompt = _prompts(coord.tokenizer)[1]
         for params, speculates in ((SAMPLED, False), (GREEDY, True)):
@@ -190,6 +192,12 @@ def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted):
                 assert progress.spec is not None and progress.spec.verifies > 0
             else:
                 assert progress.spec is None
+        first = _prompts(coord.tokenizer)[0]
+        assert coord.generate(first, SAMPLED).acceptance_length is None  # (caches `first`)
+        hit = coord.generate(first, GREEDY)
+        assert hit.cached_tokens > 0 and hit.acceptance_length is not None
+        assert hit.tokens == coord.generate(first, GREEDY, use_cache=False,
+                                            speculative=False).tokens
 
 
 class TestOneDefaultChain:

@@ -127,7 +127,7 @@ def test_spec_sampling_auto_is_off_on_gpus_and_coupled_elsewhere():
     assert from_mapping({}, "test").spec_sampling == "auto"
     assert from_mapping({"spec_sampling": "off"}, "test").spec_sampling == "off"
     assert spec_sampling_mode("auto", ["cuda:0", "cuda:0"], "dflash") == "off"
-    assert spec_sampling_mode("auto", ["cpu", "cuda:1"], "dflash") == "off"  # a CPU draft
+    assert spec_sampling_mode("auto", ["cpu", "cuda:1"], "dflash") == "off"  # a GPU draft
     assert spec_sampling_mode("auto", ["cpu", "cpu"], "dflash") == "coupled"
     assert spec_sampling_mode("auto", ["cuda:0"], "classic") == "coupled"  # (not measured)
     for mode in ("off", "coupled", "rejection", "guesses"):
