@@ -1326,6 +1326,11 @@ class Coordinator:
                     log.info("no speculation for this request: the restored prefix carries no "
                              "draft feature rows")
                 drafter = None
+            if req.feed is not None and not live:
+                # its rows could not make the draft's context whole, nor its snapshots carry
+                # them: the context goes back at once, for a request that can speculate
+                self._free_contexts = sorted([*self._free_contexts, context])
+                context = req.feed = None
             parent = [restored.leaf]
 
             def on_boundary(end: int, logits: np.ndarray | None) -> None:

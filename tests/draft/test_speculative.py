@@ -389,6 +389,37 @@ def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
                                              speculative=False).tokens
 
 
+@pytest.mark.slow
+def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitted, tmp_path):
+    """A request restoring a prefix cached without the draft's feature rows (here: by a run with
+    no draft) cannot speculate nor feed the draft a whole context: it gives its context back
+    before its prefill, so a request that comes while it decodes speculates (spec_max_seqs 1);
+    both equal plain decoding."""
+    with Coordinator(RuntimeConfig(model=str(target), devices=("cpu",) * 2,
+                                   prefill_chunk=CHUNK, max_context=256, threads=1,
+                                   draft="none", kv_cache_dir=str(tmp_path))) as plain_run:
+        prompt = _prompts(plain_run.tokenizer)[0]
+        plain_run.generate(prompt, GREEDY)  # (cached, with no feature rows)
+    with Coordinator(_cfg(target, 2, fitted, kv_cache_dir=str(tmp_path),
+                          spec_max_seqs=1)) as coord:
+        other = _prompts(coord.tokenizer)[1]
+        params = dataclasses.replace(GREEDY, max_tokens=40, ignore_eos=True)
+        a_progress, b_progress = Progress(), Progress()
+        a = coord.deltas(coord.submit(prompt, params, a_progress))
+        first = next(a)  # its prefill is done: it restored the prefix and gave the context back
+        b = collect(coord.stream(other, GREEDY, b_progress, use_cache=False), b_progress,
+                    len(other))
+        assert first.token >= 0
+        for _ in a:  # (its tokens: in its progress)
+            pass
+        assert b_progress.spec is not None and b_progress.spec.verifies > 0
+        assert b.tokens == coord.generate(other, GREEDY, use_cache=False,
+                                          speculative=False).tokens
+        assert list(a_progress.generated) == coord.generate(prompt, params, use_cache=False,
+                                                            speculative=False).tokens
+        assert a_progress.cache_tier == "disk" and a_progress.cached_tokens == len(prompt)
+
+
 # ---- faults ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_draft_killed_mid_request_generation_goes_on(target, near):
