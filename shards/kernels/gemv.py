@@ -30,6 +30,16 @@ from layersplit.shards.kernels import GEMV_ROWS_MAX
 
 
 @triton.jit
+def _chunk(P, offs_k, K, EVEN_K: tl.constexpr):
+    """Values offs_k of a vector of K as float32 (masked where K is not whole blocks)."""
+    if EVEN_K:
+        v = tl.load(P + offs_k)
+    else:
+        v = tl.load(P + offs_k, mask=offs_k < K, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
 def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
@@ -40,11 +50,7 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
     if NORM:  # the row's RMSNorm scale, as `fused.rms_norm` (float32 mean of squares)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                xs = tl.load(X + offs_k).to(tl.float32)
-            else:
-                xs = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            xs = _chunk(X, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
             sq += xs * xs
         scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -53,15 +59,9 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
     rows = W + offs_n[:, None].to(tl.int64) * K
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(X + offs_k).to(tl.float32)
-        else:
-            x = tl.load(X + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x = _chunk(X, offs_k, K, EVEN_K)
         if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
-            if EVEN_K:
-                nw = tl.load(NW + offs_k).to(tl.float32)
-            else:
-                nw = tl.load(NW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            nw = _chunk(NW, offs_k, K, EVEN_K)
             x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         if EVEN_K:
             m = mask_n[:, None]
