@@ -9,8 +9,8 @@ percentile, in ms, of each stage along the chain: the coordinator's send to the 
 receipt, each shard's hold (waiting for the draft's proposals, a lookahead token, or the steps
 before it), its host time to queue the step's kernels, its send on, the hop to the next shard,
 the last shard's sampling, and the result's trip back; then the draft's verdict and proposal
-times, after the last shard's sampling. Stages are measured on one host's clock
-(`time.monotonic`), so the processes must share a host. A stage missing from a step (a held
+times, after the last shard's sampling, and the proposal's trip to the first shard. Stages are
+measured on one host's clock (`time.monotonic`), so the processes must share a host. A stage missing from a step (a held
 step has no hold on a shard that did not hold it) is left out of that step's numbers.
 """
 
@@ -107,6 +107,9 @@ def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
         out["verdict reaches the draft"] = d["verdict"] - sampled
         if "prepared" in d:
             out["draft prepares the proposal"] = d["prepared"] - d["verdict"]
+            drafted = events[shards[0]].get(sid, {}).get("drafted")
+            if drafted is not None:  # (handed over: `spec_push`)
+                out["the proposal reaches the first shard"] = drafted - d["prepared"]
     c = events["coordinator"].get(sid, {})
     if "send" in c and "result" in c:
         out["total"] = c["result"] - c["send"]

@@ -185,3 +185,13 @@ def test_several_sequences_speculating_at_once_equal_each_alone(tiny_llama, tmp_
         if kind == "classic":  # partial accepts: kept rows and rejected ones
             assert any(r.acceptance_length > 1.1 for r in got)
         assert c.batcher.stats.widest == 4
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_kept_tree_rows_move_once_on_gpus(tiny_llama, n):
+    """The last shard moves a tree's kept rows as soon as it sampled them, through the CUDA
+    graphs' verify step and the paged pool (`tests/shards/test_kept_rows.py`)."""
+    from tests.shards.test_kept_rows import check_kept_rows_move_once
+
+    check_kept_rows_move_once(tiny_llama, tuple(_gpus()[:n]), 1e-3, dtype="float32")
+    assert shard_children() == []

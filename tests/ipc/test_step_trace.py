@@ -113,8 +113,9 @@ def test_speculating_steps_trace_the_drafts_verdicts_and_proposals(target, dflas
     assert any(p.name.startswith("draft-") for p in folder.iterdir())
     got = _timeline().summary(folder)["verify"]
     for stage in ("shard 0 held", "verdict reaches the draft", "draft prepares the proposal",
-                  "total"):
+                  "the proposal reaches the first shard", "total"):  # (handed over: spec_push)
         assert got[stage]["steps"] >= 1, stage
+        assert got[stage]["median_ms"] >= 0, stage
 
 
 def test_a_kernel_profile_setting_that_cannot_be_used_is_named_and_ignored(monkeypatch,
