@@ -21,16 +21,6 @@
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
-cp .device-carry/smol.part* /tmp/ 2>/dev/null
-model() {
-  [ -s /tmp/smol.part00 ] && [ -s /tmp/smol.part01 ] && [ -s /tmp/smol.part02 ] || {
-    log "the model's pieces are not all parked in /tmp (three calls)"; exit 1; }
-  mkdir -p "$LAYERSPLIT_HOME/models"
-  [ -s "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] ||
-    cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
-      > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
-}
 spec="python3 bench/speculative.py --model default --devices cuda:0,cuda:0 --drafts default \
   --sets unseen"
 ROWS=${ROWS:-32}
@@ -42,26 +32,26 @@ R)
   done
   ;;
 G)
-  model
+  default_model
   for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "greedy_$r" 170 env LAYERSPLIT_GEMV_ROWS=$r $spec --new-tokens 256 --repeat 3 \
       --json "$OUT/greedy_$r.json"
   done
   ;;
 S)
-  model
+  default_model
   for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "sampled_$r" 200 env LAYERSPLIT_GEMV_ROWS=$r $spec --new-tokens 128 --repeat 3 \
       --temperature 0.7 --top-p 0.9 --json "$OUT/sampled_$r.json"
   done
   ;;
 T)
-  model
+  default_model
   TAIL=16 run trees 300 $spec --new-tokens 256 --repeat 3 --trees 31,15,7 \
     --json "$OUT/trees.json"
   ;;
 B)
-  model
+  default_model
   for r in $(printf '1\n%s\n' "$ROWS" | sort -un); do
     TAIL=12 run "streams_$r" 200 env LAYERSPLIT_GEMV_ROWS=$r $spec --streams 8 --ignore-eos \
       --new-tokens 128 --repeat 3 --json "$OUT/streams_$r.json"

@@ -19,16 +19,6 @@
 set -uo pipefail
 source bench/device_env.sh
 source bench/device_stages.sh
-cp .device-carry/smol.part* /tmp/ 2>/dev/null
-model() {
-  [ -s /tmp/smol.part00 ] && [ -s /tmp/smol.part01 ] && [ -s /tmp/smol.part02 ] || {
-    log "the model's pieces are not all parked in /tmp (three calls)"; exit 1; }
-  mkdir -p "$LAYERSPLIT_HOME/models"
-  [ -s "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] ||
-    cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
-      > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
-}
 spec="python3 bench/speculative.py --model default --drafts default --sets unseen"
 one="--devices cuda:0,cuda:0"
 case "${1:?stage A, B, C, D, P or E}" in
@@ -52,7 +42,7 @@ B)
     2>&1 | tail -2; done'
   ;;
 C)
-  model
+  default_model
   TAIL=8 run greedy 170 $spec $one --new-tokens 256 --repeat 3 --json "$OUT/greedy.json"
   rm -rf /tmp/trace
   TAIL=4 run traced 80 env LAYERSPLIT_STEP_TRACE=/tmp/trace $spec $one --limit 6 \
@@ -63,7 +53,7 @@ C)
     --json "$OUT/greedy_2gpu.json"
   ;;
 D)
-  model
+  default_model
   TAIL=10 run trees 300 $spec $one --new-tokens 256 --repeat 3 --trees 31,15,7 \
     --json "$OUT/trees.json"
   TAIL=8 run streams 200 $spec $one --streams 8 --ignore-eos --new-tokens 128 --repeat 3 \
@@ -73,7 +63,7 @@ P)
   log "parked: $(ls /tmp/smol.part* 2>/dev/null | tr '\n' ' ')"
   ;;
 E)
-  model
+  default_model
   TAIL=8 run greedy 160 $spec $one --new-tokens 256 --repeat 3 \
     --json "$OUT/greedy.json"
   rm -rf /tmp/trace

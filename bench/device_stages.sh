@@ -5,6 +5,9 @@
 #   run NAME EST CMD...   starts CMD only if EST seconds fit before the deadline, cuts it there
 #                         at the latest; its last ${TAIL:-30} lines (INFO/DEBUG left out) go to
 #                         the log, the whole output to /tmp/NAME.full (8 files come back)
+#   default_model         the real default model's GGUF into $LAYERSPLIT_HOME from the three pieces
+#                         (.device-carry/smol.part00..02, one carried per call: each call parks
+#                         its piece in /tmp, where it stays while the machine is held)
 #   lcp_build             llama.cpp (llama-cpp-python with CUDA, for sm_90) and the random-weight
 #                         GGUFs of the default model's and the Llama-8B shapes, niced, in the
 #                         background (carry .device-carry/lcp.tgz, .device-carry/smol_vocab.json.gz
@@ -43,4 +46,14 @@ lcp_build() {
         --vocab .device-carry/smol_vocab.json.gz --type f16 /tmp/llama8b-f16.gguf &&
       touch /tmp/lcp.done' > /tmp/lcp.log 2>&1 < /dev/null &
   echo $! > /tmp/lcp.pid
+}
+cp .device-carry/smol.part* /tmp/ 2>/dev/null
+default_model() {
+  [ -s /tmp/smol.part00 ] && [ -s /tmp/smol.part01 ] && [ -s /tmp/smol.part02 ] || {
+    log "the model's pieces are not all parked in /tmp (three calls)"; exit 1; }
+  mkdir -p "$LAYERSPLIT_HOME/models"
+  [ -s "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf" ] ||
+    cat /tmp/smol.part00 /tmp/smol.part01 /tmp/smol.part02 \
+      > "$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+  log "default model: $(sha256sum "$LAYERSPLIT_HOME"/models/*.gguf)"
 }
