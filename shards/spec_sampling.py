@@ -70,6 +70,12 @@ def draw_without_replacement(ids: torch.Tensor, probs: torch.Tensor, k: int, see
     exponential noise seeded by (seed, position, the proposal's `pos`)."""
     noise = exponential_noise([mix_seed(seed, position, DRAFT_STREAM + pos)],
                               torch.arange(probs.shape[-1], device=probs.device)[None])[0]
+    return _first_by_noise(ids, probs, noise, k)
+
+
+def _first_by_noise(ids: torch.Tensor, probs: torch.Tensor, noise: torch.Tensor,
+                    k: int) -> list[int]:
+    """The (up to) k ids of largest probs / noise, within the support of probs."""
     support = int((probs > 0).sum())
     order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
     return ids[order].tolist()
@@ -198,9 +204,7 @@ def coupled_draws(ids: torch.Tensor, probs: torch.Tensor, k: int, seed: int,
     its token is argmax p / E). The first is the draft's draw coupled with the target's: where
     q = p they are the same token; the others follow without replacement."""
     noise = exponential_noise([mix_seed(seed, position)], ids[None])[0]
-    support = int((probs > 0).sum())
-    order = torch.argsort(probs / noise, descending=True)[:min(k, support)]
-    return ids[order].tolist()
+    return _first_by_noise(ids, probs, noise, k)
 
 
 def _draws(ids: torch.Tensor, probs: torch.Tensor, fixed: Sequence[Sequence[int]] | torch.Tensor,
