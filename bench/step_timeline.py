@@ -10,8 +10,9 @@ receipt, each shard's hold (waiting for the draft's proposals, a lookahead token
 before it), its host time to queue the step's kernels, its send on, the hop to the next shard,
 the last shard's sampling, and the result's trip back; then the draft's verdict and proposal
 times, after the last shard's sampling, and the proposal's trip to the first shard. Stages are
-measured on one host's clock (`time.monotonic`), so the processes must share a host. A stage missing from a step (a held
-step has no hold on a shard that did not hold it) is left out of that step's numbers.
+measured on one host's clock (`time.monotonic`), so the processes must share a host. A stage
+missing from a step (a held step has no hold on a shard that did not hold it) is left out of
+that step's numbers.
 """
 
 from __future__ import annotations

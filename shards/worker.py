@@ -46,6 +46,7 @@ from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.decode_ahead import UnsentResults, deferrable
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
+from layersplit.shards.early_moves import EarlyMoves
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections, warm_prefill
 from layersplit.shards.host_kv import HostKVPool
@@ -148,9 +149,8 @@ class ShardServer:
         # whose sampling waits for some (its logits, since when); steps after it queue
         self.late_masks: dict[tuple[int, int], bytes | None] = {}
         self.awaiting: tuple[dict[str, Any], list[torch.Tensor], list, float] | None = None
-        # the last shard: the kept tree rows it moved as soon as it sampled their verify step,
-        # by slot: (the next step's pos, kept), which that step then does not move again
-        self.moved_early: dict[int, tuple[int, list[int]]] = {}
+        # the last shard: the kept tree rows it moved as soon as it sampled their verify step
+        self.early = EarlyMoves()
         # decode lookahead (`shards.decode_ahead`): each slot's last sampled token, which the
         # last shard posts and the first takes (`ipc.token_board`: the first and last shards
         # only); results still waiting for their tokens to reach the host
@@ -394,7 +394,7 @@ class ShardServer:
         self.unsent.clear()  # (results of the old session's steps)
         self.held, self.awaiting = None, None  # (steps of the old session, held or waiting)
         self.queued.clear()
-        self.moved_early.clear()
+        self.early.clear()
         self._close_links()
         if self.snapshots is not None:
             self.snapshots.wait_pending()
@@ -410,7 +410,7 @@ class ShardServer:
         self._close_links()
         self.held, self.drafted, self.draft_gone, self.bad_drafted = None, {}, None, {}
         self.queued.clear()
-        self.moved_early.clear()
+        self.early.clear()
         self.unsent.clear()  # (a new configuration: results of the steps before it are void)
         max_ctx, max_step = msg["max_context"], msg["max_step_tokens"]
         slots, block, blocks = msg["slots"], msg["kv_block"], msg["kv_blocks"]
@@ -829,39 +829,7 @@ class ShardServer:
         """The rows each sequence's last tree verify step kept go where they belong
         (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
         kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
-        seqs = []
-        for seg in msg["seqs"]:
-            kept = seg["kept"]
-            if self.moved_early.pop(seg["slot"], None) == (seg["pos"], kept):
-                kept = None  # moved already (`_move_early`)
-            seqs.append((seg["slot"], seg["pos"], kept))
-        self.executor.before_steps(seqs)
-
-    def _move_early(self, seqs: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
-        """The last shard moves the tree rows each verify segment kept as soon as it has sampled
-        them, with the result on its way: while the draft and the first shard make the next
-        step, not on that step's path. The next step, which carries the same (pos, kept), then
-        moves nothing here (`_move_kept`). Rows of committed tokens only, so a sequence that
-        stops instead of stepping again is left right. (Not for hybrid models: their state of
-        the last kept row is settled with the next step.)"""
-        if isinstance(self.executor.kv, HybridState):
-            return
-        moves = []
-        for seg, res in zip(seqs, results):
-            kept = rows_to_move(res["path"]) if seg["draft"] is not None else None
-            if kept:
-                pos = seg["pos"] + res["accepted"] + 1  # the next step's
-                moves.append((seg["slot"], pos, kept))
-                self.moved_early[seg["slot"]] = (pos, kept)
-        if not moves:
-            return
-        try:
-            self.executor.before_steps(moves)
-        except Exception as e:  # noqa: BLE001 - the result is out: the next step moves them
-            log.warning("shard %d: kept rows not moved after their step (%s: %s); the next "
-                        "step moves them", self.index, type(e).__name__, e)
-            for slot, _, _ in moves:
-                self.moved_early.pop(slot, None)
+        self.executor.before_steps(self.early.for_step(msg["seqs"]))
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:
@@ -993,7 +961,7 @@ class ShardServer:
             if self.trace is not None:
                 self.trace("sent", msg["sid"])
             self.out.send(*result)
-        self._move_early(msg["seqs"], results)
+        self.early.after_sampling(self.executor, msg["seqs"], results)  # (`shards.early_moves`)
 
     def _sample_on_device(self, msg: dict[str, Any], outs: list[torch.Tensor]) -> None:
         """Sample a step of plain decode segments (`shards.decode_ahead.deferrable`) without

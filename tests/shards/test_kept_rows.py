@@ -1,5 +1,5 @@
 """A token tree's kept rows move exactly once on every shard: the last shard moves them as soon
-as it has sampled their verify step (`Worker._move_early`), the others with the sequence's next
+as it has sampled their verify step (`shards.early_moves`), the others with the sequence's next
 step. The tree here keeps rows 2 and 3 of [wrong, t1, t2] (parents 0, 0, 2): row 3 moves onto
 row 2 after row 2 moved onto row 1, so a second move, or none, leaves other K/V in rows 1 and 2,
 and the next steps' logits show it."""
