@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.spec_tree import rows_to_move
+
+if TYPE_CHECKING:
+    from layersplit.shards.executor import RangeExecutor
 
 log = logging.getLogger("layersplit.shard")
 
@@ -33,10 +36,11 @@ class EarlyMoves:
     done: dict[int, tuple[int, list[int]]] = dataclasses.field(default_factory=dict)
     failed: dict[int, tuple[int, list[int], str]] = dataclasses.field(default_factory=dict)
 
-    def after_sampling(self, executor: Any, seqs: Sequence[dict[str, Any]],
-                       results: Sequence[dict[str, Any]]) -> None:
+    def after_sampling(self, executor: RangeExecutor, seqs: Sequence[dict[str, Any]],
+                       results: Sequence[dict[str, Any]], who: str = "shard") -> None:
         """Move the kept rows of each verify segment of a step the last shard has sampled
-        (`results`: each segment's outcome, its `accepted` count and tree `path`)."""
+        (`results`: each segment's outcome, its `accepted` count and tree `path`; `who`: the
+        shard, for the log)."""
         if isinstance(executor.kv, HybridState):
             return
         moves = []
@@ -50,8 +54,8 @@ class EarlyMoves:
             executor.before_steps(moves)
         except Exception as e:  # noqa: BLE001 - the result is out: the next step says it
             why = f"{type(e).__name__}: {e}"
-            log.warning("kept rows of slots %s not moved after their verify step (%s); their "
-                        "next steps fail", [m[0] for m in moves], why)
+            log.warning("%s: kept rows of slots %s not moved after their verify step (%s); "
+                        "their next steps fail", who, [m[0] for m in moves], why)
             for slot, pos, kept in moves:
                 self.failed[slot] = (pos, kept, why)
             return
@@ -60,20 +64,25 @@ class EarlyMoves:
 
     def for_step(self, seqs: Sequence[dict[str, Any]]) -> list[Move]:
         """(slot, pos, kept) of each segment of a step, for `RangeExecutor.before_steps`: kept
-        rows that moved early left out. RuntimeError for a sequence whose early move failed.
-        Every segment clears its slot's record: a new sequence's first step carries no kept
-        rows, so a record never outlives its sequence's next step."""
+        rows that moved early left out. Every segment clears its slot's records: a new
+        sequence's first step carries no kept rows, so a record never outlives its sequence's
+        next step. RuntimeError when a segment carries kept rows for a slot whose early move
+        failed (its rows may be half moved: moving them again would be silently wrong); the
+        whole step fails with it, as a failed move always failed its step."""
         out: list[Move] = []
+        broken = []
         for seg in seqs:
             slot, pos, kept = seg["slot"], seg["pos"], seg["kept"]
             done, failed = self.done.pop(slot, None), self.failed.pop(slot, None)
-            if failed is not None and failed[:2] == (pos, kept):
-                raise RuntimeError(f"slot {slot}: the kept rows of its last verify step could "
-                                   f"not be moved after it ({failed[2]}); the sequence cannot "
-                                   "go on")
+            if failed is not None and kept is not None:
+                broken.append(f"slot {slot}: the kept rows of its last verify step could not "
+                              f"be moved after it ({failed[2]})")
             out.append((slot, pos, None if done == (pos, kept) else kept))
+        if broken:
+            raise RuntimeError("; ".join(broken) + "; the sequence cannot go on")
         return out
 
     def clear(self) -> None:
+        """Forget every record (a new session or configuration: the slots start over)."""
         self.done.clear()
         self.failed.clear()

@@ -110,8 +110,9 @@ class KVCache:
         n = len(src)
         idx = to_device([*slots, *src, *dst], self.k.device)
         sl, s_idx, d_idx = idx[:n], idx[n:2 * n], idx[2 * n:]
-        self.k[:, sl, d_idx] = self.k[:, sl, s_idx]
-        self.v[:, sl, d_idx] = self.v[:, sl, s_idx]
+        k, v = self.k[:, sl, s_idx], self.v[:, sl, s_idx]  # (both read first: a failure to
+        self.k[:, sl, d_idx] = k  # allocate them leaves every row where it was)
+        self.v[:, sl, d_idx] = v
 
     @property
     def scratch_pos(self) -> int:

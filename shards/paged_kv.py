@@ -205,8 +205,9 @@ class PagedKVCache:
             return
         idx = to_device(src + dst, self.k_store.device)
         s_idx, d_idx = idx[:len(src)], idx[len(src):]
-        self.k_rows[:, d_idx] = self.k_rows[:, s_idx]
-        self.v_rows[:, d_idx] = self.v_rows[:, s_idx]
+        k, v = self.k_rows[:, s_idx], self.v_rows[:, s_idx]  # (both read before any write: a
+        self.k_rows[:, d_idx] = k  # failure to allocate them leaves every row where it was)
+        self.v_rows[:, d_idx] = v
 
     def _pool_rows(self, slot: int, rows: Sequence[int]) -> list[int]:
         """Indices into the flattened pool of positions `rows` of `slot`, on the host."""

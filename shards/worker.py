@@ -828,7 +828,9 @@ class ShardServer:
     def _move_kept(self, msg: dict[str, Any]) -> None:
         """The rows each sequence's last tree verify step kept go where they belong
         (`shards.spec_tree.kept_moves`), and a hybrid model takes the state of the last row
-        kept (`RangeExecutor.before_step`); the step was checked (`_segments`)."""
+        kept (`RangeExecutor.before_step`); the step was checked (`_segments`). Rows this shard
+        moved as soon as it sampled that step are left out (`shards.early_moves`), and a
+        sequence whose early move failed fails the step (RuntimeError)."""
         self.executor.before_steps(self.early.for_step(msg["seqs"]))
 
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
@@ -961,7 +963,8 @@ class ShardServer:
             if self.trace is not None:
                 self.trace("sent", msg["sid"])
             self.out.send(*result)
-        self.early.after_sampling(self.executor, msg["seqs"], results)  # (`shards.early_moves`)
+        self.early.after_sampling(self.executor, msg["seqs"], results,  # `shards.early_moves`
+                                  f"shard {self.index}")
 
     def _sample_on_device(self, msg: dict[str, Any], outs: list[torch.Tensor]) -> None:
         """Sample a step of plain decode segments (`shards.decode_ahead.deferrable`) without

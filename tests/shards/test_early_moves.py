@@ -60,23 +60,37 @@ def test_a_failed_early_move_fails_that_sequences_next_step_by_name(tiny_llama, 
     ex = _executor(tiny_llama)
     real = ex.kv.move_rows_many
 
-    def half(moves):  # the K rows written, then a failure
-        s, d = moves[0][1], moves[0][2]
-        ex.kv.k_rows[:, d] = ex.kv.k_rows[:, s]
+    def half(moves):  # some K rows written, then a failure
+        rows = ex.kv._pool_rows(moves[0][0], moves[0][2])
+        ex.kv.k_rows[:, rows] = 0.0
         raise RuntimeError("CUDA out of memory (injected)")
 
     monkeypatch.setattr(ex.kv, "move_rows_many", half)
     early = EarlyMoves()
+    tree = [5, 6, 7, 8]
     with caplog.at_level(logging.WARNING):
-        early.after_sampling(ex, [_seg(0, 10, [5, 6, 7])], [{"accepted": 2, "path": [2, 3]}])
-    assert "not moved" in caplog.text and "CUDA out of memory" in caplog.text
+        early.after_sampling(ex, [_seg(0, 10, tree), _seg(1, 20, tree)],
+                             [{"accepted": 2, "path": [2, 3]}, {"accepted": 2, "path": [2, 4]}],
+                             "shard 1")
+    assert "shard 1: kept rows of slots [0, 1] not moved" in caplog.text
+    assert "CUDA out of memory" in caplog.text and early.done == {}
+    # another slot's step goes on, and leaves the failures where they are
+    assert early.for_step([_seg(2, 5, None)]) == [(2, 5, None)] and set(early.failed) == {0, 1}
+    # each failed sequence's next step fails by name, alone or with the other
     with pytest.raises(RuntimeError, match="slot 0: the kept rows of its last verify step "
                                            "could not be moved.*CUDA out of memory"):
         early.for_step([_seg(0, 13, None, [2, 3])])
-    # the record went with it: another sequence in that slot starts clean
+    assert set(early.failed) == {1}
+    with pytest.raises(RuntimeError, match="slot 1: the kept rows"):
+        early.for_step([_seg(2, 6, None), _seg(1, 23, None, [2, 4])])
+    assert early.failed == {} and early.done == {}
+    # a new sequence in a slot whose last one stopped after a failed move starts clean
+    early.after_sampling(ex, [_seg(0, 10, tree)], [{"accepted": 2, "path": [2, 3]}])
+    assert early.for_step([_seg(0, 0, None)]) == [(0, 0, None)] and early.failed == {}
+    # done records match position and rows both: anything else moves
     monkeypatch.setattr(ex.kv, "move_rows_many", real)
-    early.after_sampling(ex, [_seg(0, 10, [5, 6, 7])], [{"accepted": 2, "path": [2, 3]}])
-    assert early.for_step([_seg(0, 0, None)]) == [(0, 0, None)]
+    early.after_sampling(ex, [_seg(0, 10, tree)], [{"accepted": 2, "path": [2, 3]}])
+    assert early.for_step([_seg(0, 13, None, [2, 4])]) == [(0, 13, [2, 4])]
 
 
 def test_hybrid_models_move_kept_rows_with_their_next_step(hybrid_models):
