@@ -12,7 +12,9 @@ the last shard's sampling, and the result's trip back; then the draft's verdict 
 times, after the last shard's sampling, and the proposal's trip to the first shard. Stages are
 measured on one host's clock (`time.monotonic`), so the processes must share a host. A stage
 missing from a step (a held step has no hold on a shard that did not hold it) is left out of
-that step's numbers.
+that step's numbers. Then, for one sequence's speculating rounds (a run that decodes one
+sequence at a time: verify steps of one sequence, one after the other), their critical path: from the proposal the draft prepared to the first shard's
+start, through both shards, to the next proposal (`rounds`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROLE = re.compile(r"^(coordinator|draft|shard-(\d+)-(\d+))-\d+-\d+\.jsonl$")
 Run = tuple[dict[str, dict[int, dict[str, float]]], dict[int, str], list[str], dict[int, dict]]
@@ -175,6 +178,65 @@ def flow(folder: Path) -> dict[str, dict[str, float]]:
     return out
 
 
+ROUND_STAGES = [  # (label, (role, event, step: 0 this one, -1 the one before), (role, event, step))
+    ("proposal ready -> first shard starts the step", None, ("first", "run", 0)),
+    ("first shard queues its kernels", ("first", "run", 0), ("first", "queued", 0)),
+    ("first shard's send to the last shard's receipt", ("first", "sent", 0),
+     ("last", "recv", 0)),
+    ("last shard holds the step", ("last", "recv", 0), ("last", "run", 0)),
+    ("last shard queues its kernels", ("last", "run", 0), ("last", "queued", 0)),
+    ("last shard waits for the device and samples", ("last", "queued", 0),
+     ("last", "sampled", 0)),
+    ("verdict reaches the draft", ("last", "sampled", 0), ("draft", "verdict", 0)),
+    ("the draft's proposal", ("draft", "verdict", 0), ("draft", "prepared", 0)),
+    ("round", ("draft", "prepared", -1), ("draft", "prepared", 0)),
+]
+
+
+def rounds(folder: Path) -> dict[str, Any]:
+    """The critical path of one sequence's speculating rounds (verify steps of one sequence
+    that follow one another, in a run that decodes one sequence at a time, the draft handing
+    its proposals to the first shard): per stage
+    the median and 90th percentile in ms, from the proposal the step before prepared to the
+    one this step's verdict prepared; the first stage starts when both the proposal and the
+    coordinator's step are at hand, and `coordinator late` counts the rounds whose step came
+    after the proposal (the coordinator on the path). Empty without such rounds."""
+    per: dict[str, list[float]] = collections.defaultdict(list)
+    late = n = 0
+    for events, kinds, shards, sent in load(folder):
+        if len(shards) < 2:
+            continue
+        roles = {"first": shards[0], "last": shards[-1], "draft": "draft"}
+        for sid, kind in kinds.items():
+            if kind != "verify" or kinds.get(sid - 1) != "verify" or \
+                    sent[sid].get("seqs") != 1 or sent[sid - 1].get("seqs") != 1:
+                continue
+            def at(where: tuple[str, str, int] | None, sid: int = sid) -> float | None:
+                if where is None:
+                    return None
+                role, event, step = where
+                return events[roles[role]].get(sid + step, {}).get(event)  # noqa: B023
+
+            ready, recv = at(("draft", "prepared", -1)), at(("first", "recv", 0))
+            times = [(at(a), at(b)) for _, a, b in ROUND_STAGES]
+            if ready is None or recv is None or any(
+                    b is None or (a is None and i) for i, (a, b) in enumerate(times)):
+                continue
+            n += 1
+            late += recv > ready
+            for (label, _, _), (a, b) in zip(ROUND_STAGES, times):
+                per[label].append(b - (max(ready, recv) if a is None else a))
+    if not n:
+        return {}
+    out: dict[str, Any] = {}
+    for label, xs in per.items():
+        xs = sorted(xs)
+        out[label] = {"median_ms": 1000 * statistics.median(xs),
+                      "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], "steps": n}
+    out["coordinator late"] = {"rounds": late, "of": n}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path)
@@ -190,6 +252,16 @@ def main() -> int:
         print("| stage | median ms | p90 ms | steps |\n|---|---:|---:|---:|")
         for label, v in by.items():
             print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+    path = rounds(args.folder)
+    if path:
+        print("\none sequence's speculating rounds, along their critical path")
+        print("| stage | median ms | p90 ms | rounds |\n|---|---:|---:|---:|")
+        for label, v in path.items():
+            if "median_ms" in v:
+                print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+        late = path["coordinator late"]
+        print(f"(the coordinator's step came after the proposal in {late['rounds']} of "
+              f"{late['of']} rounds)")
     full = flow(args.folder)
     print("\nhow full the chain was")
     print("| | value |\n|---|---:|")
@@ -197,7 +269,7 @@ def main() -> int:
         for label, v in by.items():
             print(f"| {kind}: {label} | {v:.3f} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({**got, "flow": full}, indent=1))
+        args.json.write_text(json.dumps({**got, "rounds": path, "flow": full}, indent=1))
     return 0
 
 

@@ -116,6 +116,11 @@ def test_speculating_steps_trace_the_drafts_verdicts_and_proposals(target, dflas
                   "the proposal reaches the first shard", "total"):  # (handed over: spec_push)
         assert got[stage]["steps"] >= 1, stage
         assert got[stage]["median_ms"] >= 0, stage
+    # one sequence's rounds along their critical path: every stage of every round found
+    path = _timeline().rounds(folder)
+    n = path["round"]["steps"]
+    assert n >= 1 and path["coordinator late"]["of"] == n and path["round"]["median_ms"] > 0
+    assert all(path[label]["steps"] == n for label, _, _ in _timeline().ROUND_STAGES)
 
 
 def test_a_kernel_profile_setting_that_cannot_be_used_is_named_and_ignored(monkeypatch,
