@@ -120,6 +120,20 @@ def stages(events: dict, shards: list[str], sid: int) -> dict[str, float]:
     return out
 
 
+def _stats(xs: list[float]) -> dict[str, float]:
+    """{median_ms, p90_ms, steps} of durations in seconds."""
+    xs = sorted(xs)
+    return {"median_ms": 1000 * statistics.median(xs),
+            "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], "steps": len(xs)}
+
+
+def _table(head: str, count: str, by: dict[str, dict[str, float]]) -> None:
+    """Print stages' `_stats` as a markdown table under `head`."""
+    print(f"\n{head}\n| stage | median ms | p90 ms | {count} |\n|---|---:|---:|---:|")
+    for label, v in by.items():
+        print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+
+
 def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     """kind -> stage -> {median_ms, p90_ms, steps}, over every run in the folder."""
     per: dict[str, dict[str, list[float]]] = collections.defaultdict(
@@ -128,15 +142,7 @@ def summary(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
         for sid, kind in kinds.items():
             for label, dt in stages(events, shards, sid).items():
                 per[kind][label].append(dt)
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for kind, by in per.items():
-        out[kind] = {}
-        for label, xs in by.items():
-            xs = sorted(xs)
-            out[kind][label] = {"median_ms": 1000 * statistics.median(xs),
-                                "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))],
-                                "steps": len(xs)}
-    return out
+    return {kind: {label: _stats(xs) for label, xs in by.items()} for kind, by in per.items()}
 
 
 def flow(folder: Path) -> dict[str, dict[str, float]]:
@@ -228,13 +234,8 @@ def rounds(folder: Path) -> dict[str, Any]:
                 per[label].append(b - (max(ready, recv) if a is None else a))
     if not n:
         return {}
-    out: dict[str, Any] = {}
-    for label, xs in per.items():
-        xs = sorted(xs)
-        out[label] = {"median_ms": 1000 * statistics.median(xs),
-                      "p90_ms": 1000 * xs[min(len(xs) - 1, int(0.9 * len(xs)))], "steps": n}
-    out["coordinator late"] = {"rounds": late, "of": n}
-    return out
+    return {**{label: _stats(xs) for label, xs in per.items()},
+            "coordinator late": {"rounds": late, "of": n}}
 
 
 def main() -> int:
@@ -248,17 +249,11 @@ def main() -> int:
               file=sys.stderr)
         return 1
     for kind, by in sorted(got.items()):
-        print(f"\n{kind} steps")
-        print("| stage | median ms | p90 ms | steps |\n|---|---:|---:|---:|")
-        for label, v in by.items():
-            print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+        _table(f"{kind} steps", "steps", by)
     path = rounds(args.folder)
     if path:
-        print("\none sequence's speculating rounds, along their critical path")
-        print("| stage | median ms | p90 ms | rounds |\n|---|---:|---:|---:|")
-        for label, v in path.items():
-            if "median_ms" in v:
-                print(f"| {label} | {v['median_ms']:.3f} | {v['p90_ms']:.3f} | {v['steps']} |")
+        _table("one sequence's speculating rounds, along their critical path", "rounds",
+               {k: v for k, v in path.items() if k != "coordinator late"})
         late = path["coordinator late"]
         print(f"(the coordinator's step came after the proposal in {late['rounds']} of "
               f"{late['of']} rounds)")

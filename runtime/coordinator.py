@@ -589,6 +589,10 @@ class Coordinator:
         return spec_sampling_mode(self.config.spec_sampling, devices,
                                   self.draft_info.get("kind"))
 
+    def _give_back_context(self, context: int) -> None:
+        """A draft context back among the free ones (the lowest is taken first)."""
+        self._free_contexts = sorted([*self._free_contexts, context])
+
     def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]:
         """One request to the draft process and its reply. Raises DraftLost if the draft is
         gone (speculation is then off), DraftError for an error reply."""
@@ -1329,7 +1333,7 @@ class Coordinator:
             if req.feed is not None and not live:
                 # its rows could not make the draft's context whole, nor its snapshots carry
                 # them: the context goes back at once, for a request that can speculate
-                self._free_contexts = sorted([*self._free_contexts, context])
+                self._give_back_context(context)
                 context = req.feed = None
             parent = [restored.leaf]
 
@@ -1369,7 +1373,7 @@ class Coordinator:
                 # preempted before its first token) must not be taken by the slot's next sequence
                 self.cache.drop_deferred(slot)
             if context is not None:
-                self._free_contexts = sorted([*self._free_contexts, context])
+                self._give_back_context(context)
 
     def _decoding_hooks(self, d: Decoding | None, prompt: list[int], params: SamplingParams,
                         progress: Progress) -> dict[str, Any]:
