@@ -36,6 +36,7 @@ from layersplit.runtime.decoding import Decoding  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
 from layersplit.runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
 from layersplit.shards.kernels import ENV_SWITCH as FUSED_SWITCH  # noqa: E402
+from layersplit.shards.dtypes import torch_dtype  # noqa: E402
 from layersplit.shards.sampling import SamplingParams, process_logits  # noqa: E402
 
 # long enough that the output runs to max_tokens in either mode
@@ -127,8 +128,7 @@ def bench_layout(args, devices: str) -> dict:
                          "runs": [round(r["decode_tok_s"], 2) for r in rs],
                          "tokens": rs[0]["tokens"], "sample": rs[0]["text"][:80]}
         mask = comp.matcher(grammar).mask([])
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}[cfg.run_dtype]
+        dtype = torch_dtype(coord.dtype)
         free_ms = 1e3 / out["free"]["decode_tok_s"]
         out["mask_ms"] = round(1e3 * statistics.median(times), 3)
         out["apply_ms"] = round(apply_ms(mask, coord.model_config.vocab_size, cfg.devices[-1],

@@ -145,7 +145,7 @@ def _generate(args: argparse.Namespace, cfg, ready: list) -> int:
         deltas = coord.stream(prompt, params, progress)
         if args.json:
             result = collect(deltas, progress, len(prompt))
-            print(json.dumps(result.to_json(), ensure_ascii=False))
+            print(json.dumps({**result.to_json(), "dtype": coord.dtype}, ensure_ascii=False))
         else:
             for d in deltas:
                 sys.stdout.write(d.text)

@@ -61,8 +61,8 @@ class RuntimeConfig:
                                                        "even")
     layers: tuple[str, ...] | None = _field(None, "explicit ranges per shard, e.g. 0:10,10:30")
     weights: tuple[float, ...] | None = _field(None, "relative share of layers per shard")
-    dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 on CPU, "
-                                "bfloat16 on GPU")
+    dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 where every "
+                                "shard is a CPU, else the checkpoint's half type (docs/models.md)")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "
@@ -317,12 +317,6 @@ class RuntimeConfig:
                                   "devices: give one per shard ('' for none)")
         if not self.ray_address:
             raise ConfigError("ray_address is empty: give auto, HOST:PORT or local")
-
-    @property
-    def run_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "float32" if all(d == "cpu" for d in self.devices) else "bfloat16"
 
     def replace(self, **changes: Any) -> RuntimeConfig:
         """This config with `changes`; an automatic `prefill_chunk` (0) stays automatic, decided

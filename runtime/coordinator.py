@@ -96,6 +96,7 @@ from layersplit.runtime.supervisor import (
 )
 from layersplit.runtime.tokenizer import TextTokenizer
 from layersplit.shards.checkpoint import open_checkpoint
+from layersplit.shards.dtypes import run_dtype
 from layersplit.shards.layers.rotary import context_limit_error
 from layersplit.shards.sampling import SamplingParams
 from layersplit.shards.weights import layer_bytes
@@ -156,7 +157,10 @@ class Coordinator:
         self.model_config = ckpt.config
         if (why := context_limit_error(ckpt.config, config.max_context)) is not None:
             raise ConfigError(f"{self.model_path}: {why}")
-        itemsize = 4 if config.run_dtype == "float32" else 2
+        self.dtype, why = run_dtype(config.dtype, ckpt.config.model_type, self.model_path,
+                                    list(config.devices))
+        log.info("dtype %s (%s)", self.dtype, why)
+        itemsize = 4 if self.dtype == "float32" else 2
         sizes = layer_bytes(ckpt.config, itemsize) if config.split == "auto" else None
         self.placement: Placement = plan(config, ckpt.config.num_layers, sizes)
         if sizes is not None:
@@ -175,7 +179,6 @@ class Coordinator:
         tok_eos = tuple(self.tokenizer.eos_ids) if self.tokenizer else ()
         self.eos_ids = tok_eos or tuple(self.model_config.eos_token_ids)
         self.chunk = config.prefill_chunk
-        self.dtype = config.run_dtype
         self.shards: list[_Shard] = []
         self.procs: list[LocalProcess] = []
         self.failed: str | None = None

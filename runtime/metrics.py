@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                    2.5, 5, 10, 20, 40, 80)
@@ -62,6 +62,8 @@ class Metrics:
         self.shard_restarts = Counter("layersplit_shard_restarts",
                                       "restarts of the shard group after a failure", registry=r)
         self.up = Gauge("layersplit_ready", "1 when the engine serves requests", registry=r)
+        self.model = Info("layersplit_model", "the served model, the dtype it computes in and "
+                          "its shard count", registry=r)
         self.kv_usage = Gauge("layersplit_kv_cache_usage_ratio", "share of the shards' paged "
                               "KV pool's blocks held by sequences", registry=r)
         self.kv_host_usage = Gauge("layersplit_kv_host_usage_ratio", "share of the shards' "

@@ -127,6 +127,8 @@ class Engine:
         coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
         coord.batcher.step_observer = self.metrics.step_sequences.observe
         self.coord, self.tokenizer = coord, coord.tokenizer
+        self.metrics.model.info({"model": self.served_model, "dtype": coord.dtype,
+                                 "shards": str(len(coord.placement.shards))})
         self.status, self.reason = "ready", ""
         self.metrics.up.set(1)
 
@@ -498,7 +500,8 @@ def create_app(config: RuntimeConfig) -> FastAPI:
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": engine.served_model, "object": "model", "created": int(time.time()),
-            "owned_by": "layersplit", "max_model_len": config.max_context}]})
+            "owned_by": "layersplit", "max_model_len": config.max_context,
+            "dtype": engine.coord.dtype if engine.coord is not None else None}]})
 
     body_limit = int(config.max_body_mb * 2**20)
 

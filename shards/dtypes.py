@@ -1,10 +1,21 @@
-"""Run dtypes by name (config files and the wire use names, not torch objects)."""
+"""Run dtypes by name (config files and the wire use names, not torch objects), and the rule
+that picks one when the config says `auto` (`auto_dtype`; docs/models.md, "Dtypes")."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Families whose activations overflow float16 (vLLM refuses float16 for these too): `auto` never
+# gives them float16, whatever their checkpoint stores.
+FLOAT16_UNSAFE = frozenset({"gemma3_text", "gemma2", "gemma3"})
+# Families whose GPU paths have only been checked against transformers in bfloat16 (the hybrid
+# Gated DeltaNet models, published in bfloat16): `auto` keeps them there.
+BFLOAT16_ONLY = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -12,3 +23,76 @@ def torch_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype {name!r} is not supported (use one of {', '.join(DTYPES)})")
+
+
+def stored_dtype(path: str | Path) -> str | None:
+    """The dtype a checkpoint's weights are stored in, as the `auto` rule reads it: an HF
+    folder's (or a `random:` shape's) `torch_dtype` / `dtype` field; for a GGUF file, bfloat16
+    if it holds a BF16 tensor, float32 if every tensor is F32, else float16 (F16 and the
+    quantized types, whose blocks carry float16 scales). None where nothing says."""
+    from layersplit.shards.checkpoint import RANDOM_PREFIX
+
+    spec = str(path)
+    if spec.startswith(RANDOM_PREFIX):
+        from layersplit.shards.random_weights import preset_path
+
+        rest = spec[len(RANDOM_PREFIX):]
+        return _hf_dtype(Path(rest) if "/" in rest else preset_path(rest))
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        return _hf_dtype(p)
+    if p.suffix == ".gguf" and p.is_file():
+        from gguf import GGMLQuantizationType as Q
+        from layersplit.shards.gguf_header import GGUFHeader
+
+        types = {t.type for t in GGUFHeader(p).tensors.values()}
+        if Q.BF16 in types:
+            return "bfloat16"
+        if types and types <= {Q.F32}:
+            return "float32"
+        return "float16"
+    return None
+
+
+def _hf_dtype(folder: Path) -> str | None:
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # (opening the checkpoint says what is wrong with it)
+    if not isinstance(raw, dict):
+        return None
+    if isinstance(raw.get("text_config"), dict):  # a multimodal folder's language model
+        raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k != "text_config"}}
+    value = raw.get("torch_dtype", raw.get("dtype"))
+    value = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16",
+             "fp32": "float32"}.get(value, value)
+    return value if value in DTYPES else None
+
+
+def auto_dtype(model_type: str, stored: str | None, devices: list[str]) -> tuple[str, str]:
+    """The run dtype `auto` gives (and why, for the log): float32 where every shard is a CPU;
+    on GPUs the checkpoint's own half type (float16 for GGUF files and float16 checkpoints,
+    bfloat16 for bfloat16 ones), float16 for a float32 checkpoint (as vLLM does), and bfloat16
+    wherever float16 would be unsafe or unchecked (`FLOAT16_UNSAFE`, `BFLOAT16_ONLY`).
+    float16 rather than bfloat16 by default because it holds 3 more mantissa bits at the same
+    speed: on the default model bfloat16 flips answers that transformers' float32 gets right
+    (docs/models.md has the measurements)."""
+    if all(str(d) == "cpu" for d in devices):
+        return "float32", "every shard is on a CPU"
+    if model_type in FLOAT16_UNSAFE:
+        return "bfloat16", f"{model_type} overflows float16"
+    if model_type in BFLOAT16_ONLY:
+        return "bfloat16", f"{model_type} runs in bfloat16 on GPUs"
+    if stored == "bfloat16":
+        return "bfloat16", "the checkpoint stores bfloat16"
+    if stored in ("float16", "float32"):
+        return "float16", f"the checkpoint stores {stored}"
+    return "float16", "the checkpoint names no dtype"
+
+
+def run_dtype(requested: str, model_type: str, path: str | Path,
+              devices: list[str]) -> tuple[str, str]:
+    """The dtype a run computes in: `requested` unless it is `auto` (`auto_dtype`)."""
+    if requested != "auto":
+        return requested, "as configured"
+    return auto_dtype(model_type, stored_dtype(path), devices)
