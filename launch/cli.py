@@ -1,4 +1,5 @@
-"""`layersplit` command line: generate, serve, shard, cache (draft: started by the coordinator)."""
+"""`layersplit` command line: generate, serve, check, shard, cache (draft: started by the
+coordinator)."""
 
 from __future__ import annotations
 
@@ -256,6 +257,24 @@ def _startup_error(args: argparse.Namespace, text: str, overwrite: bool = True) 
     return 2
 
 
+# ---- check ---------------------------------------------------------------------------------------
+def cmd_check(args: argparse.Namespace) -> int:
+    from layersplit.runtime.check import CheckOptions, check_main
+    from layersplit.runtime.check_reference import ReferenceUnavailable
+    from layersplit.runtime.config import from_args
+
+    opts = CheckOptions(prompts=args.prompts, reference=args.reference,
+                        reference_device=args.reference_device,
+                        reference_model=args.reference_model, new_tokens=args.new_tokens,
+                        limit=args.limit, batch=args.batch, restore=tuple(args.restore),
+                        min_top1=args.min_top1, max_kl=args.max_kl)
+    try:
+        return check_main(from_args(args), opts, args.json)
+    except ReferenceUnavailable as e:
+        print(f"layersplit check: {e}", file=sys.stderr)
+        return 2
+
+
 # ---- cache -----------------------------------------------------------------------------------------
 def cmd_cache(args: argparse.Namespace) -> int:
     from layersplit.runtime import cache_admin
@@ -327,6 +346,36 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--parent-pid", type=int, default=None)
     d.add_argument("--error-file", default=None)
     d.set_defaults(func=cmd_draft, index=-1)
+
+    k = sub.add_parser("check", help="compare our answers with transformers or llama.cpp, "
+                       "position by position, on your model and layout")
+    k.add_argument("--reference", default="transformers", choices=["transformers", "llama.cpp"],
+                   help="the outside implementation (transformers: float32, the same weights)")
+    k.add_argument("--reference-model", default=None, metavar="PATH",
+                   help="the reference's checkpoint, if not the model's own (the same weights "
+                        "in another form: the HF folder a GGUF file was made from)")
+    k.add_argument("--reference-device", default=None,
+                   help="where the reference runs (default: the first shard's device)")
+    k.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="one JSON object a line: messages, prompt or tokens (default: 56 "
+                        "bundled chat prompts)")
+    k.add_argument("--limit", type=int, default=None, help="check only the first N prompts")
+    k.add_argument("--new-tokens", type=int, default=64,
+                   help="greedy tokens the reference writes per prompt")
+    k.add_argument("--batch", type=int, default=1,
+                   help="free-running requests decoded together (e.g. 8)")
+    k.add_argument("--restore", action="append", default=[], choices=["ram", "disk"],
+                   help="also check a prefix restored from this cache tier (repeatable; disk "
+                        "restarts the runtime)")
+    k.add_argument("--min-top1", type=float, default=None,
+                   help="teacher-forced top-1 agreement to pass (default: 0.999 in float32, "
+                        "0.99 in half types)")
+    k.add_argument("--max-kl", type=float, default=None,
+                   help="teacher-forced mean KL(reference || ours) to pass (default: 1e-6 in "
+                        "float32, 1e-3 in half types)")
+    k.add_argument("--json", action="store_true", help="print one JSON object")
+    add_flags(k)
+    k.set_defaults(func=cmd_check)
 
     c = sub.add_parser("cache", help="inspect, verify or prune a disk-cache directory")
     c.add_argument("action", choices=["ls", "verify", "prune"])

@@ -265,6 +265,14 @@ class Scheduler:
         """Rows the slot's table covers."""
         return len(self.pool.tables.get(slot, ())) * self.config.block_tokens
 
+    def drop_held(self, slot: int) -> None:
+        """A slot driven by hand (`hold_slot`) is done with: its blocks are free, and the
+        next sequence in it starts a table of its own."""
+        if any(r.slot == slot for r in (*self.running.values(), *self.swapped.values())):
+            raise ValueError(f"slot {slot} holds a running sequence, not one driven by hand")
+        self.pool.free(slot)
+        self.sent.pop(slot, None)
+
     def release(self, rid: Hashable) -> None:
         """A sequence finished, failed or was cancelled (with no step of it in flight): its
         slot and blocks are free at once."""

@@ -236,11 +236,11 @@ def write_tiny_checkpoint(
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
         )
     (out / "config.json").write_text(json.dumps(raw, indent=1))
-    _write_tokenizer(out, max_position_embeddings)
+    write_tokenizer(out, max_position_embeddings)
     return out
 
 
-def _write_tokenizer(out: Path, max_position_embeddings: int) -> None:
+def write_tokenizer(out: Path, max_position_embeddings: int) -> None:
     tiny_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHATML_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
@@ -312,7 +312,7 @@ def write_tiny_hybrid(out: str | Path, family: str, *, seed: int = 0, vocab_size
             else:
                 p.copy_(std * noise)
     model.save_pretrained(out)
-    _write_tokenizer(out, raw["max_position_embeddings"])
+    write_tokenizer(out, raw["max_position_embeddings"])
     return out
 
 

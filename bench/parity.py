@@ -1,0 +1,222 @@
+"""Parity with transformers on a GPU: the figures of RESULTS.md's correctness table.
+
+    python3 bench/parity.py default  --out parity_default.json   # the default model, every layout
+    python3 bench/parity.py families --out parity_families.json  # reduced shapes of each family
+
+Each model's float32 transformers run is made once and every layout is checked against it
+(`layersplit check`'s measures, `runtime.check`); transformers' own bfloat16 and float16 are
+measured against the same float32 run, so our half types stand next to theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from layersplit.runtime.check import CheckOptions, encode_prompts, load_prompts, run_check  # noqa: E402
+from layersplit.runtime.check_reference import (  # noqa: E402
+    ReferenceRun,
+    greedy_continuation,
+    load_transformers,
+    run_reference,
+)
+from layersplit.runtime.config import RuntimeConfig  # noqa: E402
+from layersplit.runtime.parity import Agreement  # noqa: E402
+from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
+
+log = logging.getLogger("parity")
+QUESTION = "What is the capital of France?"
+
+
+def hf_half(model: str, refs: list[ReferenceRun], dtype: str, device: str,
+            new_tokens: int, stop_ids) -> dict:
+    """transformers in `dtype` against its own float32 run (`refs`): teacher-forced on the
+    float32 tokens, and free-running."""
+    import torch
+
+    hf = load_transformers(model, device, dtype)
+    agree, equal = Agreement(), 0
+    past: list = [None]
+
+    def step(tokens: list[int], new: bool) -> np.ndarray:
+        x = torch.tensor([tokens], device=device)
+        with torch.no_grad():
+            out = hf(input_ids=x, past_key_values=None if new else past[0], use_cache=True)
+        past[0] = out.past_key_values
+        return out.logits[0, -1].float().cpu().numpy()
+
+    for ref in refs:
+        ids = torch.tensor([ref.prompt + ref.tokens[:-1]], device=device)
+        with torch.no_grad():
+            logits = hf(input_ids=ids).logits[0, len(ref.prompt) - 1:].float().cpu().numpy()
+        agree.add(ref.logits, logits)
+        free = greedy_continuation(step, ref.prompt, new_tokens, stop_ids)
+        equal += free.tokens == ref.tokens
+    past[0] = None
+    del hf
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"who": f"transformers {dtype}", **agree.to_json(), "greedy_equal": equal,
+            "prompts": len(refs)}
+
+
+def ours(cfg: RuntimeConfig, opts: CheckOptions, refs: list[ReferenceRun], name: str) -> dict:
+    t0 = time.perf_counter()
+    r = run_check(cfg, opts, refs)
+    row = {"who": f"layersplit {name}", "dtype": r["dtype"], "split": r["split"],
+           "positions": r["positions"], "top1_agreement": r["top1_agreement"],
+           "mean_kl": r["mean_kl"], "max_kl": r["max_kl"],
+           "max_abs_logit_diff": r["max_abs_logit_diff"],
+           "nonfinite_positions": r["nonfinite_positions"], "greedy_equal": r["greedy_equal"],
+           "prompts": r["prompts"], "pass": r["pass"], "failures": r["failures"],
+           "seconds": round(time.perf_counter() - t0, 1)}
+    for k, run in r["runs"].items():
+        if k != "plain":
+            row[k] = {x: run[x] for x in ("greedy_equal", "equal_plain", "equal_cold",
+                                          "restored") if x in run}
+    return row
+
+
+def references(cfg: RuntimeConfig, opts: CheckOptions, device: str):
+    from layersplit.runtime.model_store import resolve_model
+    from layersplit.shards.checkpoint import open_checkpoint
+
+    path = resolve_model(cfg.model)
+    tok = TextTokenizer.for_model(path)
+    mcfg = open_checkpoint(path).config
+    stop = tuple(tok.eos_ids if tok is not None else ()) or tuple(mcfg.eos_token_ids)
+    prompts = encode_prompts(load_prompts(opts.prompts)[:opts.limit], tok, mcfg.vocab_size)
+    t0 = time.perf_counter()
+    refs = run_reference("transformers", path, prompts, opts.new_tokens, stop, device)
+    log.info("float32 reference of %s: %.1f s", path, time.perf_counter() - t0)
+    return str(path), refs, stop
+
+
+def emit(rows: list[dict], out: str | None, extra: dict) -> None:
+    doc = {**extra, "rows": rows}
+    if out:
+        Path(out).write_text(json.dumps(doc, indent=1))
+    for r in rows:
+        fields = [r["who"], r.get("dtype", ""), " ".join(r.get("split", [])),
+                  f"top1 {r['top1_agreement']:.4f}", f"meanKL {r['mean_kl']:.2e}"
+                  if isinstance(r["mean_kl"], float) else f"meanKL {r['mean_kl']}",
+                  f"greedy {r['greedy_equal']}/{r['prompts']}"]
+        fields += [f"{k} {r[k]}" for k in ("speculative", "ram", "disk") if k in r]
+        print(" | ".join(str(f) for f in fields), flush=True)
+
+
+def cmd_default(args) -> None:
+    dev = args.device
+    base = RuntimeConfig(model="default", devices=(dev,), max_context=1024, draft="none")
+    opts = CheckOptions(limit=args.limit, new_tokens=args.new_tokens)
+    model, refs, stop = references(base, opts, dev)
+    rows: list[dict] = []
+    for dtype in ("bfloat16", "float16"):
+        rows.append(hf_half(model, refs, dtype, dev, opts.new_tokens, stop))
+        emit(rows, args.out, {"model": model})
+    two = ("cuda:0", "cuda:1") if args.gpus > 1 else (dev, dev)
+    variants = [
+        ("1 shard", base, opts),
+        ("1 shard bfloat16", dataclasses.replace(base, dtype="bfloat16"), opts),
+        ("1 shard float32", dataclasses.replace(base, dtype="float32"), opts),
+        ("2 shards", dataclasses.replace(base, devices=two), opts),
+        ("1 shard eager", dataclasses.replace(base, cuda_graphs=False), opts),
+        ("1 shard draft", dataclasses.replace(base, draft="default"), opts),
+        ("2 shards batch 8 + restore", dataclasses.replace(base, devices=two),
+         dataclasses.replace(opts, batch=8, restore=("ram", "disk"))),
+    ]
+    for name, cfg, o in variants:
+        try:
+            rows.append(ours(cfg, o, refs, name))
+        except Exception as e:  # noqa: BLE001 - the row says what failed; the others go on
+            log.exception("%s failed", name)
+            rows.append({"who": f"layersplit {name}", "error": repr(e)[:500],
+                         "top1_agreement": 0.0, "mean_kl": "error", "greedy_equal": 0,
+                         "prompts": len(refs)})
+        emit(rows, args.out, {"model": model})
+    answers = question(dev, two)
+    emit(rows, args.out, {"model": model, "question": answers})
+    for a in answers:
+        print(f"{a['layout']}: {a.get('text', a.get('error'))!r} ({a.get('dtype')})")
+
+
+def question(dev: str, two: tuple[str, str]) -> list[dict]:
+    """The README's question through `layersplit generate`, in each layout, draft on and off."""
+    out = []
+    for devices in (dev, ",".join(two)):
+        for draft in ("auto", "none"):
+            cmd = [sys.executable, "-m", "layersplit.launch.cli", "generate", QUESTION, "--chat",
+                   "--devices", devices, "--draft", draft, "--max-tokens", "24", "--json"]
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            row = {"layout": f"{devices} draft {draft}"}
+            try:
+                j = json.loads(p.stdout.strip().splitlines()[-1])
+                row.update(text=j["text"], dtype=j.get("dtype"),
+                           acceptance=j.get("acceptance_length"))
+            except (ValueError, IndexError, KeyError):
+                row["error"] = p.stderr[-400:]
+            out.append(row)
+    return out
+
+
+def cmd_families(args) -> None:
+    from layersplit.shards.shape_checkpoints import SHAPES, write_shape_checkpoint
+
+    rows: list[dict] = []
+    root = Path(args.dir)
+    for fam in args.families.split(","):
+        if fam not in SHAPES:
+            raise SystemExit(f"unknown family {fam!r} (known: {', '.join(SHAPES)})")
+        t0 = time.perf_counter()
+        path = write_shape_checkpoint(root / fam, fam, "cuda:0")
+        log.info("%s written in %.1f s", fam, time.perf_counter() - t0)
+        cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512,
+                            draft="none", dtype=args.dtype)
+        opts = CheckOptions(limit=args.limit, new_tokens=args.new_tokens)
+        try:
+            model, refs, stop = references(cfg, opts, "cuda:0")
+            half = hf_half(model, refs, args.dtype, "cuda:0", opts.new_tokens, stop)
+            rows.append({**half, "family": fam})
+            rows.append({**ours(cfg, opts, refs, fam), "family": fam})
+        except Exception as e:  # noqa: BLE001 - the row says what failed; the others go on
+            log.exception("%s failed", fam)
+            rows.append({"who": f"layersplit {fam}", "family": fam, "error": repr(e)[:500],
+                         "top1_agreement": 0.0, "mean_kl": "error", "greedy_equal": 0,
+                         "prompts": 0})
+        emit(rows, args.out, {"dtype": args.dtype})
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("default")
+    d.add_argument("--limit", type=int, default=None)
+    d.add_argument("--new-tokens", type=int, default=64)
+    d.add_argument("--gpus", type=int, default=1, help="2: the 2-shard layouts on 2 GPUs")
+    d.add_argument("--device", default="cuda:0")
+    d.add_argument("--out", default=None)
+    f = sub.add_parser("families")
+    f.add_argument("--families", default="llama,qwen3_5,qwen3_moe,gemma3,mistral,qwen3")
+    f.add_argument("--dir", default=os.environ.get("LAYERSPLIT_SHAPES", "/tmp/shapes"))
+    f.add_argument("--dtype", default="bfloat16")
+    f.add_argument("--limit", type=int, default=8)
+    f.add_argument("--new-tokens", type=int, default=64)
+    f.add_argument("--out", default=None)
+    args = p.parse_args()
+    {"default": cmd_default, "families": cmd_families}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

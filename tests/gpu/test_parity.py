@@ -1,0 +1,75 @@
+"""Our GPU answers against transformers float32 on the same GPU and weights (`layersplit check`):
+the default model in every layout, and a reduced-layer, full-width shape of each family."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from layersplit.runtime.check import CheckOptions, run_check
+from layersplit.runtime.config import RuntimeConfig
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BASE = RuntimeConfig(model="default", devices=("cuda:0",), max_context=1024, draft="none")
+TWO = ("cuda:0", "cuda:1") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
+OPTS = CheckOptions(limit=16, new_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def default_refs(default_model):
+    """transformers float32's continuations of the first 16 bundled prompts, and how many of
+    them transformers' own half types reproduce."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from parity import hf_half, references
+
+    model, refs, stop = references(BASE, OPTS, "cuda:0")
+    best = max(hf_half(model, refs, d, "cuda:0", OPTS.new_tokens, stop)["greedy_equal"]
+               for d in ("bfloat16", "float16"))
+    return refs, best
+
+
+@pytest.mark.parametrize("layout", ["1 shard", "2 shards", "eager", "draft"])
+def test_default_model_matches_transformers(default_refs, layout):
+    refs, best_half = default_refs
+    cfg = {"1 shard": BASE, "2 shards": dataclasses.replace(BASE, devices=TWO),
+           "eager": dataclasses.replace(BASE, cuda_graphs=False),
+           "draft": dataclasses.replace(BASE, draft="default")}[layout]
+    r = run_check(cfg, OPTS, refs)
+    assert r["dtype"] == "float16"  # the auto rule's choice for the default model's GGUF
+    assert r["top1_agreement"] >= 0.995, r
+    assert r["nonfinite_positions"] == 0
+    assert r["greedy_equal"] >= best_half, (r["greedy_equal"], best_half)
+    if layout == "draft":
+        assert r["runs"]["speculative"]["equal_plain"] >= len(refs) - 1
+
+
+def test_default_model_batched_and_restored(default_refs):
+    refs, _ = default_refs
+    r = run_check(dataclasses.replace(BASE, devices=TWO),
+                  dataclasses.replace(OPTS, batch=8, restore=("ram", "disk")), refs)
+    assert r["top1_agreement"] >= 0.995, r
+    for tier in ("ram", "disk"):
+        assert r["runs"][tier]["restored"] == len(refs)
+        assert r["runs"][tier]["equal_cold"] >= len(refs) - 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "gemma3", "mistral"])
+def test_family_shape_matches_transformers(family, tmp_path_factory):
+    """bfloat16 on the family's full-width shape: within the floors (top-1 99 %, mean KL 1e-3)
+    against transformers float32."""
+    from layersplit.shards.shape_checkpoints import write_shape_checkpoint
+
+    root = Path(os.environ.get("LAYERSPLIT_SHAPES") or tmp_path_factory.mktemp("shapes"))
+    path = write_shape_checkpoint(root / family, family, "cuda:0")
+    cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
+                        dtype="bfloat16")
+    r = run_check(cfg, CheckOptions(limit=4, new_tokens=32))
+    assert r["nonfinite_positions"] == 0
+    assert r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3, r
