@@ -23,6 +23,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -164,15 +165,18 @@ def free_running(coord, prompts: list[list[int]], new_tokens: int, batch: int,
     return FreeRun(tokens, logits, cached, time.perf_counter() - t0)
 
 
-def compare_free(refs: list[ReferenceRun], run: FreeRun) -> dict[str, Any]:
+def compare_free(refs: list[ReferenceRun], run: FreeRun,
+                 stop_ids: Sequence[int]) -> dict[str, Any]:
     """A free-running run against the reference: prompts equal, and logits up to (and at) the
-    first token that differs (where both saw the same context)."""
+    first token that differs (where both saw the same context). A request's tokens leave out
+    the stop token that ended it (its logits row is there); the reference's keep it."""
     agree = Agreement()
     equal = 0
     for ref, toks, logits in zip(refs, run.tokens, run.logits):
-        equal += toks == ref.tokens
+        want = ref.tokens[:-1] if ref.tokens and ref.tokens[-1] in stop_ids else ref.tokens
+        equal += toks == want
         if logits is not None:
-            n = min(common_prefix(toks, ref.tokens) + 1, len(toks), len(ref.tokens))
+            n = min(common_prefix(toks, want) + 1, len(logits), len(ref.tokens))
             agree.add(ref.logits[:n], logits[:n])
     return {"greedy_equal": equal, "prompts": len(refs), "seconds": round(run.seconds, 3),
             **({"agreement": agree.to_json()} if agree.positions else {})}
@@ -250,14 +254,15 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
         failures += thresholds.failures(forced, "teacher-forced")
         plain = free_running(coord, prompts, opts.new_tokens, opts.batch,
                              use_cache=bool(opts.restore), speculative=False)
-        runs["plain"] = compare_free(refs, plain)
+        runs["plain"] = compare_free(refs, plain, coord.eos_ids)
         if "agreement" in runs["plain"] and runs["plain"]["agreement"]["nonfinite_positions"]:
             failures.append("free-running: non-finite logits")
         if coord.draft is not None:
             spec = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
                                 speculative=None)
             same = sum(a == b for a, b in zip(spec.tokens, plain.tokens))
-            runs["speculative"] = {**compare_free(refs, spec), "equal_plain": same}
+            runs["speculative"] = {**compare_free(refs, spec, coord.eos_ids),
+                                   "equal_plain": same}
             if exact and same != len(prompts):
                 failures.append(f"speculative: {len(prompts) - same} of {len(prompts)} "
                                 "outputs differ from plain decoding's")
@@ -286,7 +291,7 @@ def _restored(coord, prompts: list[list[int]], refs: list[ReferenceRun], opts: C
                        speculative=False)
     same = sum(a == b for a, b in zip(run.tokens, plain.tokens))
     restored = sum(1 for c, p in zip(run.cached, prompts) if c >= len(p) - coord.chunk)
-    out = {**compare_free(refs, run), "equal_cold": same, "restored": restored,
+    out = {**compare_free(refs, run, coord.eos_ids), "equal_cold": same, "restored": restored,
            "cached_tokens": sum(run.cached)}
     if restored < len(prompts):
         failures.append(f"{tier}: {len(prompts) - restored} prompts were not restored")

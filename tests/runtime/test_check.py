@@ -11,8 +11,18 @@ import sys
 import numpy as np
 import pytest
 from layersplit.draft.prompts import CODE_TASKS, CODE_TEMPLATES, TEMPLATES, TOPICS
-from layersplit.runtime.check import CheckOptions, load_prompts, run_check
-from layersplit.runtime.check_reference import ReferenceUnavailable, run_reference
+from layersplit.runtime.check import (
+    CheckOptions,
+    FreeRun,
+    compare_free,
+    load_prompts,
+    run_check,
+)
+from layersplit.runtime.check_reference import (
+    ReferenceRun,
+    ReferenceUnavailable,
+    run_reference,
+)
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.parity import Agreement, Thresholds, kl_divergence
 from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_hybrid
@@ -52,6 +62,18 @@ def test_agreement_measures():
         "x: 1 positions with non-finite logits"
     with pytest.raises(ValueError, match="shape"):
         a.add(ref, ref[:3])
+
+
+def test_free_running_compares_a_stopped_answer_without_its_stop_token():
+    """A request's tokens leave out the stop token that ended it; the reference's keep it (and
+    the logits of both have its row)."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 7)).astype(np.float32)
+    refs = [ReferenceRun([1], [4, 5, 2], logits), ReferenceRun([1], [4, 5, 6], logits)]
+    run = FreeRun([[4, 5], [4, 3]], [logits, logits[:2]], [0, 0], 0.0)
+    out = compare_free(refs, run, (2,))
+    assert out["greedy_equal"] == 1  # the first: equal; the second parts at its second token
+    assert out["agreement"]["positions"] == 3 + 2
 
 
 # ---- prompts --------------------------------------------------------------------------------
