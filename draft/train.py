@@ -55,7 +55,7 @@ from layersplit.draft.dflash import (
     save_dflash,
 )
 from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE, training_prompts
-from layersplit.draft.tree import choose_shape
+from layersplit.draft.tree_shape import choose_shape
 from layersplit.runtime.model_store import resolve_model
 from layersplit.runtime.tokenizer import TextTokenizer
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
@@ -351,7 +351,7 @@ def label_ranks(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor, row
 
 def walk(ranks: list[torch.Tensor], shape: Sequence[Sequence[int]]) -> float:
     """Tokens per verify step the runtime would commit decoding these continuations with a
-    draft of these `label_ranks` proposing the tree `shape` (`draft.tree`; a chain is [[0],
+    draft of these `label_ranks` proposing the tree `shape` (`draft.tree_shape`; a chain is [[0],
     [0, 0], ...]): a verify at the position after the last committed token keeps the deepest
     path of the tree the ranks follow, plus one."""
     paths = {tuple(p) for p in shape}
