@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from layersplit.ipc.messages import ProtocolError, message
 from layersplit.ipc.transport import tensor_from
+from layersplit.shards.accept import accept_draft
 from layersplit.shards.decode_ahead import deferrable
 from layersplit.shards.executor import Segment
 from layersplit.shards.sampling import (
     SamplingParams,
-    accept_draft,
     check_mask,
     check_processors,
     has_processors,
