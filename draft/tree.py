@@ -12,14 +12,8 @@ from pathlib import Path
 
 import torch
 from layersplit.draft.dflash import load_dflash, read_dflash_config, write_config
-from layersplit.draft.train import (
-    TREE_TOP_K,
-    greedy_labels,
-    label_ranks,
-    load_sequences,
-    target_rows,
-    walk,
-)
+from layersplit.draft.measure import TREE_TOP_K, greedy_labels, label_ranks, target_rows, walk
+from layersplit.draft.train import load_sequences
 from layersplit.draft.tree_shape import choose_shape
 from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from layersplit.draft.train import walk
+from layersplit.draft.measure import walk
 from layersplit.draft.tree_shape import choose_shape, instantiate, read_shape
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.spec_tree import check_tree
