@@ -427,7 +427,9 @@ class ClassicProposer:
                                 device=self.device, static_decode=self.static_decode)
 
     def begin(self, slot: int, sample: dict | None = None) -> None:
-        pass  # (its proposals are best guesses always) the coordinator says where the draft's own KV is valid (`start`)
+        # (its proposals are best guesses always) the coordinator says where the draft's own KV
+        # is valid (`start`)
+        pass
 
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int,

@@ -173,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(from_args(args))
 
 
-# ---- cache -----------------------------------------------------------------------------------------
+# ---- cache ---------------------------------------------------------------------------------------
 def cmd_cache(args: argparse.Namespace) -> int:
     from layersplit.runtime import cache_admin
 

@@ -161,8 +161,8 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     """Start a shard process (or hand its arguments to one of `ready`, `prestart_shards`;
     `fork`: a CPU one from the zygote, `runtime.zygote`)."""
     error_file = run_dir / f"shard{plan.index}.error"
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, "--model", model,
-           "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen,
+           "--model", model, "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
            "--error-file", str(error_file), "--random-seed", str(seed)]
     if threads:

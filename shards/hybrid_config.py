@@ -60,7 +60,8 @@ class HybridSpec:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        return (2 * self.num_key_heads * self.key_head_dim
+                + self.num_value_heads * self.value_head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

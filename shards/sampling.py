@@ -71,7 +71,8 @@ def mix_seed(seed: int, position: int, stream: int = 0) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int,
+                   top_p: float) -> torch.Tensor:
     """Probabilities (rows, V) after temperature, top-k and top-p; float32."""
     x = logits.float() / temperature
     if top_k and top_k < x.shape[-1]:

@@ -124,7 +124,10 @@ class ShardSetup:
             results = msg.get("results")
             if results is not None:  # the coordinator's result ring
                 coordinator = self.coordinator
-                doorbell = lambda: ring_doorbell(self.router, coordinator)
+
+                def doorbell() -> None:
+                    ring_doorbell(self.router, coordinator)
+
                 self.out = transport.accept("shm", results, doorbell)
             else:
                 self.out = ZmqSender(self.router, route)

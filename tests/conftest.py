@@ -73,4 +73,5 @@ def _no_hub(monkeypatch):
 
 
 def pytest_report_header(config):
-    return f"layersplit tests; LAYERSPLIT_HOME={os.environ.get('LAYERSPLIT_HOME', '~/.cache/layersplit')}"
+    home = os.environ.get("LAYERSPLIT_HOME", "~/.cache/layersplit")
+    return f"layersplit tests; LAYERSPLIT_HOME={home}"
