@@ -189,7 +189,7 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
         row.update(ttft_s=t1, decode_tok_s=(args.new_tokens - 1) / max(tn - t1, 1e-9),
                    tokens=out[0, len(prompt):len(prompt) + 16].tolist())
     _hf_prefill(args, hf, cfg.vocab_size, row, device)
-    del hf
+    hf = None  # (its memory back; `gen` holds the name)
     gc.collect()
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     return row

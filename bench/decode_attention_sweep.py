@@ -23,9 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench.attention_kernel import time_graph  # noqa: E402
 from layersplit.shards.kernels import decode_attention as da  # noqa: E402
 from layersplit.shards.layers.step import StepInfo  # noqa: E402
+
+from bench.attention_kernel import time_graph  # noqa: E402
 
 SHAPES = {  # name: heads, kv heads, head dim, q/k norm
     "smollm2-135m": (9, 3, 64, False),

@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layersplit.draft.dflash import load_dflash, read_dflash_config  # noqa: E402
+from layersplit.draft.measure import acceptance, greedy_labels, target_rows  # noqa: E402
 from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
-from layersplit.draft.train import acceptance, continuations, greedy_labels, target_rows  # noqa: E402
+from layersplit.draft.train import continuations  # noqa: E402
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
 from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402

@@ -2,10 +2,10 @@
 through the real runtime: 1 shard vs 2 shards on the same device.
 
 For each layout: decode tok/s at batch 1 (the median of `--repeats` runs, each listed, after a
-warm-up that captures the graphs), next to its floor on a GPU: the bytes of the parameters one token reads (attention,
-router, norms, its k experts of each MoE layer, the LM head, one embedding row) over the copy
-bandwidth measured now; then aggregate decode tok/s with `--streams` concurrent sequences
-(continuous batching; `bench/concurrency.py`'s measurement).
+warm-up that captures the graphs), next to its floor on a GPU: the bytes of the parameters one token
+reads (attention, router, norms, its k experts of each MoE layer, the LM head, one embedding row)
+over the copy bandwidth measured now; then aggregate decode tok/s with `--streams` concurrent
+sequences (continuous batching; `bench/concurrency.py`'s measurement).
 
     python bench/moe.py --device cuda:0 --streams 8,32            # Qwen3-30B-A3B shape
     python bench/moe.py --shape tiny --device cpu --new-tokens 16   # any machine, seconds

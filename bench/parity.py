@@ -63,7 +63,7 @@ def hf_half(model: str, refs: list[ReferenceRun], dtype: str, device: str,
         free = greedy_continuation(step, ref.prompt, new_tokens, stop_ids)
         equal += free.tokens == ref.tokens
     past[0] = None
-    del hf
+    hf = None  # (freed before the next model loads)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return {"who": f"transformers {dtype}", **agree.to_json(), "greedy_equal": equal,

@@ -3,7 +3,8 @@
 save GB/s next to a raw write, all in one run.
 
     python bench/prefix_cache.py --model default --devices cpu,cpu --lengths 1024,4096,8000
-    python bench/prefix_cache.py --model random:qwen3-8b --devices cuda:0,cuda:1 --lengths 8192,32768
+    python bench/prefix_cache.py --model random:qwen3-8b --devices cuda:0,cuda:1 \
+        --lengths 8192,32768
     python bench/prefix_cache.py --model random:qwen3.5-27b --devices cuda:0,cuda:1 \
         --restore-devices cuda:0 --lengths 32768 --check-tokens 16     # saved on 2, restored on 1
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from layersplit.draft.proposer import DFlashProposer, load_proposer
-from layersplit.draft.tree import instantiate, width
+from layersplit.draft.tree_shape import instantiate, width
 from layersplit.runtime.model_store import resolve_model
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor

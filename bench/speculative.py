@@ -5,21 +5,21 @@ process), generation on two prompt sets, one warm-up pass then a timed pass: `ev
 prompts of `draft.prompts` (8 chat, 4 code: the draft's training reports on them, never trains on
 them) and `unseen`, `bench/prompts/unseen.jsonl` (16 prompts no part of the draft's training
 ever saw: code in other languages, chat, math, prose, tool calls; kept here, not in `draft/`).
-Greedy by default; `--temperature 0.7 --top-p 0.9` samples (seeded), where `--sampling`
-runs each draft with each `spec_sampling` given (coupled, rejection, guesses). Reports decode tok/s (generated tokens over decode time, all
-prompts together), the speed-up over plain decoding in this run, the acceptance length (mean
-tokens committed per verify step), the acceptance rate per draft position, draft and verify time
-per step, and how many outputs equal the plain ones token for token.
+Greedy by default; `--temperature 0.7 --top-p 0.9` samples (seeded), where `--sampling` runs each
+draft with each `spec_sampling` given (coupled, rejection, guesses). Reports decode tok/s (generated
+tokens over decode time, all prompts together), the speed-up over plain decoding in this run, the
+acceptance length (mean tokens committed per verify step), the acceptance rate per draft position,
+draft and verify time per step, and how many outputs equal the plain ones token for token.
 
     python bench/speculative.py --model default --devices cuda:0,cuda:1 \\
         --drafts default,/path/to/classic-draft --new-tokens 256
 
-`--push on,off` runs each draft with the draft handing its prepared proposals to the first
-shard (`spec_push`, the default) and with the coordinator asking for each. `--trees 0,15,31`
-runs each draft with token trees of that many draft tokens (0: a chain, one
-row each). Prints a table last; `--json FILE` also writes the rows. `--repeat N` runs the whole sequence
-(plain, then each draft) N times over and adds each draft's median speed-up: a verify step's cost
-moves between runs on one machine, and the ratio with it.
+`--push on,off` runs each draft with the draft handing its prepared proposals to the first shard
+(`spec_push`, the default) and with the coordinator asking for each. `--trees 0,15,31` runs each
+draft with token trees of that many draft tokens (0: a chain, one row each). Prints a table last;
+`--json FILE` also writes the rows. `--repeat N` runs the whole sequence (plain, then each draft) N
+times over and adds each draft's median speed-up: a verify step's cost moves between runs on one
+machine, and the ratio with it.
 
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
@@ -282,8 +282,8 @@ def main() -> int:
         for d, st in dict.fromkeys((r["draft"], r["set"]) for r in rows
                                    if r["draft"] != "none"):
             ratios = sorted(r["speedup"] for r in rows if r["draft"] == d and r["set"] == st)
-            print(f"{d} ({st}): median {statistics.median(ratios):.2f} x plain over {len(ratios)} runs "
-                  f"({', '.join(f'{x:.2f}' for x in ratios)})")
+            print(f"{d} ({st}): median {statistics.median(ratios):.2f} x plain over "
+                  f"{len(ratios)} runs ({', '.join(f'{x:.2f}' for x in ratios)})")
     return 0
 
 

@@ -13,8 +13,9 @@ times, after the last shard's sampling, and the proposal's trip to the first sha
 measured on one host's clock (`time.monotonic`), so the processes must share a host. A stage
 missing from a step (a held step has no hold on a shard that did not hold it) is left out of
 that step's numbers. Then, for one sequence's speculating rounds (a run that decodes one
-sequence at a time: verify steps of one sequence, one after the other), their critical path: from the proposal the draft prepared to the first shard's
-start, through both shards, to the next proposal (`rounds`).
+sequence at a time: verify steps of one sequence, one after the other), their critical path:
+from the proposal the draft prepared to the first shard's start, through both shards, to the
+next proposal (`rounds`).
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.decoding import Decoding  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
 from layersplit.runtime.grammar import GrammarCompiler, SequenceGrammar  # noqa: E402
-from layersplit.shards.kernels import ENV_SWITCH as FUSED_SWITCH  # noqa: E402
 from layersplit.shards.dtypes import torch_dtype  # noqa: E402
+from layersplit.shards.kernels import ENV_SWITCH as FUSED_SWITCH  # noqa: E402
 from layersplit.shards.sampling import SamplingParams, process_logits  # noqa: E402
 
 # long enough that the output runs to max_tokens in either mode

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from layersplit.draft.tree import Shape, read_shape
+from layersplit.draft.tree_shape import Shape, read_shape
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fused import post_attention, pre_attention, rms_norm, rope
 from layersplit.shards.kv_cache import KVCache
@@ -58,7 +58,7 @@ class DFlashConfig:
     mask_token_id: int
     num_target_layers: int | None
     embedding_scale: float = 1.0
-    spec_tree: Shape | None = None  # the token tree it proposes (`draft.tree`); None: a chain
+    spec_tree: Shape | None = None  # the token tree it proposes (`draft.tree_shape`); None: a chain
 
     @property
     def width(self) -> int:

@@ -8,7 +8,7 @@
 - `ClassicProposer`: any smaller model with the target's tokenizer, drafting autoregressively
   with its own KV cache.
 
-A proposal is the draft's best guesses (argmax, or top-k in a tree: `shards.sampling.accept_draft`
+A proposal is the draft's best guesses (argmax, or top-k in a tree: `shards.accept.accept_draft`
 keeps one when it equals the target's own draw, so sampled output is plain decoding's), or, for
 a DFlash draft whose sequence samples (`begin`'s `sample`), draws from its own distribution sent
 along (`q`: `shards.spec_sampling`, rejection sampling). A classic draft always guesses.
@@ -34,7 +34,7 @@ from layersplit.draft.dflash import (
     load_dflash,
     read_dflash_config,
 )
-from layersplit.draft.tree import instantiate, width
+from layersplit.draft.tree_shape import instantiate, width
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
 from layersplit.shards.device import to_device
@@ -427,7 +427,9 @@ class ClassicProposer:
                                 device=self.device, static_decode=self.static_decode)
 
     def begin(self, slot: int, sample: dict | None = None) -> None:
-        pass  # (its proposals are best guesses always) the coordinator says where the draft's own KV is valid (`start`)
+        # (its proposals are best guesses always) the coordinator says where the draft's own KV
+        # is valid (`start`)
+        pass
 
     @torch.inference_mode()
     def propose(self, slot: int, token: int, pos: int, n: int,

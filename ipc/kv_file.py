@@ -9,10 +9,10 @@ checksum per tensor, creation time. Any safetensors reader opens the file.
 
 Tensors: `ls{shard}.L{layer}.k|v` (rows, kv_heads, head_dim) for the global layer index `layer`
 written by shard `shard`; for a linear-attention layer of a hybrid model instead
-`ls{shard}.L{layer}.conv` (conv_dim, kernel - 1) and `.state` (F32, value heads, key head dim,
-value head dim), the layer's state after the entry's last row, whole in every entry; `tokens` (I32, every token of the prefix, so the key can be checked);
-`prefill_logits` (F32, the logits of the prefix's last row); `draft.feature_meta`,
-`draft.feature_data` when speculative decoding is on.
+`ls{shard}.L{layer}.conv` (conv_dim, kernel - 1) and `.state` (F32, value heads, key head dim, value
+head dim), the layer's state after the entry's last row, whole in every entry; `tokens` (I32, every
+token of the prefix, so the key can be checked); `prefill_logits` (F32, the logits of the prefix's
+last row); `draft.feature_meta`, `draft.feature_data` when speculative decoding is on.
 
 The header is written first with zeroed checksums of their final width, so filling them in
 later never moves the data; each writer fills its own tensors at their offsets.

@@ -303,7 +303,7 @@ def open_cuda(h: dict[str, Any]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
-# ---- setup -----------------------------------------------------------------------------------------
+# ---- setup ---------------------------------------------------------------------------------------
 def offer(kind: str, payload_bytes: int, device: torch.device,
           header_only_payload: int = 0) -> tuple[RingInbox | None, dict | None]:
     """Receiver side: create the memory of an inbound edge; return the inbox (None for zmq)
@@ -342,8 +342,9 @@ def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
         return RingSender(ring, doorbell)
     try:
         consumed = desc.get("consumed")
-        if consumed is not None and not (isinstance(consumed, list) and len(consumed) ==
-                                         ring.slots and all(isinstance(h, bytes) for h in consumed)):
+        if consumed is not None and not (
+                isinstance(consumed, list) and len(consumed) == ring.slots
+                and all(isinstance(h, bytes) for h in consumed)):
             raise ProtocolError("cuda-ipc link reply: bad consumed-event handles")
         return RingSender(ring, doorbell, SlotWriter(open_cuda(desc["cuda"]),
                                                      int(desc["cuda_slot_bytes"]), consumed))

@@ -42,8 +42,7 @@ import dataclasses
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from layersplit.runtime.block_manager import BlockManager

@@ -20,9 +20,8 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -387,7 +386,8 @@ class CacheManager:
         self.stats.bytes_restored_disk += nbytes
         self.stats.disk_read_s += dt
         rate = nbytes / max(dt, 1e-6)
-        self.disk_rate = rate if self.disk_rate is None else (1 - EWMA) * self.disk_rate + EWMA * rate
+        self.disk_rate = (rate if self.disk_rate is None else
+                          (1 - EWMA) * self.disk_rate + EWMA * rate)
         if self.hybrid:  # the state is the entry's only now: its RAM copy is taken at once
             if self._room_for(e):
                 self._take(e, slot, context if feats else None)
@@ -702,7 +702,8 @@ class CacheManager:
         for name, frame in zip(want, frames):
             data = frame.buffer if hasattr(frame, "buffer") else frame
             if len(data) != job.layout.tensors[name].nbytes:
-                return f"{name}: {len(data)} bytes, the file holds {job.layout.tensors[name].nbytes}"
+                return (f"{name}: {len(data)} bytes, the file holds "
+                        f"{job.layout.tensors[name].nbytes}")
             if sums.get(name) != checksum(data):
                 return f"{name}: the bytes sent do not match their checksum"
             job.streamed.append((job.layout.offset(name), data))

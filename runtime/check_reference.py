@@ -88,7 +88,7 @@ def load_transformers(model: str | Path, device: str, dtype: str = "float32",
                       random_seed: int = 0):
     """A transformers CausalLM of `model` (an HF folder, a GGUF file through transformers' own
     reader, or `random:NAME`: the runtime's seeded tensors, dense families) in `dtype`."""
-    torch = _require("transformers", "torch")
+    _require("transformers", "torch")
     transformers = _require("transformers", "transformers")
     from layersplit.shards.checkpoint import RANDOM_PREFIX
     from layersplit.shards.dtypes import torch_dtype

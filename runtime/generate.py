@@ -217,7 +217,7 @@ def sequence_program(
 
     With a `drafter`, each step after the first token verifies the draft tokens it proposes:
     the step's rows are [last token, *draft], and it yields the draft tokens the target kept,
-    then continues from the token the target drew after them (`shards.sampling.accept_draft`).
+    then continues from the token the target drew after them (`shards.accept.accept_draft`).
     Every yielded token is the one plain decoding yields.
 
     `step_fields(generated)` gives the optional sample fields (`shards.sampling`: logprobs,

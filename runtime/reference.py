@@ -22,10 +22,11 @@ from layersplit.runtime.generate import (
     token_stream,
 )
 from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.accept import accept_draft
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.sampling import SamplingParams, accept_draft, sample_rows
+from layersplit.shards.sampling import SamplingParams, sample_rows
 
 
 def new_seed() -> int:

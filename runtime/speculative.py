@@ -2,7 +2,7 @@
 what speculation achieved (acceptance per position, draft and verify time).
 
 The loop itself is `runtime.generate.token_stream` with a `Drafter`; verification happens on the
-last shard (`shards.sampling.accept_draft`). A draft that fails stops speculation, never the
+last shard (`shards.accept.accept_draft`). A draft that fails stops speculation, never the
 generation: the request goes on with plain decode steps (logged), unless the configuration
 demands speculation (`spec_required`), in which case the request fails with the reason.
 """

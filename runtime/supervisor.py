@@ -31,12 +31,12 @@ from pathlib import Path
 import psutil
 from layersplit.ipc.auth import SECRET_ENV
 from layersplit.ipc.shm import sweep
+from layersplit.runtime.handover import ARGV_ON_STDIN
 from layersplit.runtime.model_store import home
 from layersplit.runtime.placement import ShardPlan
 from layersplit.runtime.zygote import ForkedProcess, ZygoteError, zygote
 
 log = logging.getLogger(__name__)
-ARGV_ON_STDIN = "--argv-on-stdin"  # `layersplit shard --argv-on-stdin`: a prestarted shard
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,8 +161,8 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
     """Start a shard process (or hand its arguments to one of `ready`, `prestart_shards`;
     `fork`: a CPU one from the zygote, `runtime.zygote`)."""
     error_file = run_dir / f"shard{plan.index}.error"
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen, "--model", model,
-           "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen,
+           "--model", model, "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
            "--error-file", str(error_file), "--random-seed", str(seed)]
     if threads:
@@ -172,58 +172,6 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
         proc = _start(cmd, secret, plan.device, fork)
     log.debug("started shard %d (pid %d): %s", plan.index, proc.pid, " ".join(cmd))
     return LocalProcess(plan, proc, error_file)
-
-
-def argv_from_stdin(device: str, role: str = "shard") -> list[str] | None:
-    """In a prestarted shard (or draft) process for `device`: after the heavy imports (and, on
-    CUDA, what it would start with), the arguments and secret its parent sends (`spawn_shard`,
-    `spawn_draft`); None when the parent closed stdin without any (the process then exits).
-    A line that is not what those write raises ValueError."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C is its parent's to handle, as a
-    # shard with a parent does: `shards.worker.run_shard`)
-    if role == "draft":
-        import layersplit.draft.server  # (the imports that overlap the parent's)
-    else:
-        import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
-
-    if device.startswith("cuda"):
-        _get_ready_for(device)
-
-    line = sys.stdin.readline()
-    if not line:
-        return None
-    try:
-        msg = json.loads(line)
-        argv, secret = msg["argv"], bytes.fromhex(msg["secret"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"a prestarted {role} read a bad line on stdin: {e}") from None
-    if not (isinstance(argv, list) and argv[:1] == [role] and
-            all(isinstance(a, str) for a in argv)) or not secret:
-        raise ValueError(f"a prestarted {role} read a bad line on stdin: expected the {role} "
-                         "command's arguments and a secret")
-    os.environ[SECRET_ENV] = secret.hex()
-    return argv
-
-
-def _get_ready_for(device: str) -> None:
-    """What a CUDA shard (or draft) does first once configured, done while it waits for its
-    arguments: Triton and the decode kernels' modules imported and the device's context made.
-    Not torch.compile's modules (their import alone took 5-8 s on an H100): a dense model's
-    shard on the kernels compiles nothing, `generate`'s draft runs uncompiled
-    (`draft_compile`), and mixture-of-experts and hybrid layers import them at their first
-    step. A failure here is the process's to report once it runs: it is only logged."""
-    try:
-        import torch
-        from layersplit.shards.device import use_device
-        from layersplit.shards.kernels import fused_kernels_available
-
-        dev = use_device(device, None)
-        torch.zeros(1, device=dev)
-        if fused_kernels_available(dev):
-            import layersplit.shards.kernels.decode_attention
-            import layersplit.shards.kernels.row_ops  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - see above
-        log.warning("a prestarted process could not get %s ready ahead (%s)", device, e)
 
 
 def compile_cache_env() -> dict[str, str]:

@@ -161,10 +161,12 @@ class TextTokenizer:
         tk.pre_tokenizer = _gguf_pre_tokenizer(str(g.field("tokenizer.ggml.pre", "default")), path)
         tk.decoder = decoders.ByteLevel()
         tk.add_special_tokens(
-            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+            [AddedToken(tokens[i], special=True, normalized=False)
+             for i, t in enumerate(types) if t == 3]
         )
         tk.add_tokens(
-            [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
+            [AddedToken(tokens[i], special=False, normalized=False)
+             for i, t in enumerate(types) if t == 4]
         )
         eos = g.field("tokenizer.ggml.eos_token_id", None)
         eot = g.field("tokenizer.ggml.eot_token_id", None)

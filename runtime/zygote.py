@@ -372,7 +372,8 @@ def _reap(sock: socket.socket) -> None:
 def _child(sock: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
            fds: list[int]) -> None:
     """In the forked child: the parent's stdio and the command's environment, then the
-    command, which never returns (`launch.cli`: shard and draft processes end in os._exit)."""
+    command, which never returns (`launch.processes`: shard and draft processes end in
+    os._exit)."""
     code = 1
     try:
         sock.close()
@@ -390,7 +391,7 @@ def _child(sock: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["layersplit", *argv]
-        from layersplit.launch.cli import main
+        from layersplit.launch.processes import main
 
         code = main(argv)
     except SystemExit as e:
@@ -427,7 +428,7 @@ def main() -> None:
     # what every child needs, imported once here (no device context; one OS thread but
     # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork)
     import layersplit.draft.server
-    import layersplit.launch.cli
+    import layersplit.launch.processes
     import layersplit.shards.worker  # noqa: F401
     import torch
 

@@ -138,7 +138,8 @@ class GGUFFile:
         if scaling == "linear":
             rope = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
         elif scaling not in (None, "none"):
-            raise CheckpointError(f"{self.path}: {a}.rope.scaling.type={scaling!r} is not supported")
+            raise CheckpointError(f"{self.path}: {a}.rope.scaling.type={scaling!r} is not "
+                                  "supported")
         eos = self.field("tokenizer.ggml.eos_token_id", None)
         blocks = int(self.field(f"{a}.block_count"))
         window = self.field(f"{a}.attention.sliding_window", None)
@@ -177,7 +178,8 @@ class GGUFFile:
         experts = int(self.field(f"{a}.expert_count", 0) or 0)
         if not experts:
             return {}
-        dense = tuple(i for i in range(blocks) if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors)
+        dense = tuple(i for i in range(blocks)
+                      if f"blk.{i}.ffn_gate_inp.weight" not in self.tensors)
         sparse = [i for i in range(blocks) if i not in dense]
         shexp = self.tensors.get(f"blk.{sparse[0]}.ffn_gate_shexp.weight") if sparse else None
         width = self.field(f"{a}.expert_feed_forward_length", None)

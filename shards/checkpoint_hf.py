@@ -78,7 +78,8 @@ class HFCheckpoint:
                         try:
                             t = st.get_tensor(src)
                         except Exception as e:
-                            raise CheckpointError(f"{fpath}: cannot read tensor {src!r}: {e}") from e
+                            raise CheckpointError(
+                                f"{fpath}: cannot read tensor {src!r}: {e}") from e
                         if tuple(t.shape) != shapes[name]:
                             raise CheckpointError(
                                 f"{fpath}: tensor {src!r} has shape {tuple(t.shape)}, "

@@ -41,6 +41,7 @@ from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_atten
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
 from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.lazy_compile import compiled_on_first_call
 from layersplit.shards.paged_kv import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -92,20 +93,6 @@ def pre_attention_batch(*args):
 def post_attention_batch(*args):
     """`post_attention` under its own code object, for batched steps (see the module doc)."""
     return post_attention(*args)
-
-
-def compiled_on_first_call(f):
-    """`torch.compile(f)` made at the first call: building it imports torch.compile's modules
-    (5-8 s of a start on an H100), which a dense model on the Triton kernels never needs."""
-    compiled = None
-
-    def call(*args):
-        nonlocal compiled
-        if compiled is None:
-            compiled = torch.compile(f, fullgraph=True, dynamic=False)
-        return compiled(*args)
-
-    return call
 
 
 class _Stages:

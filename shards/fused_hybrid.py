@@ -32,6 +32,7 @@ from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from layersplit.shards.layers.attention import attend
 from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
 from layersplit.shards.layers.gated_delta import recurrent_gated_delta_rule
+from layersplit.shards.lazy_compile import compiled_on_first_call
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ class HybridFast:
     """Callable installed as `HybridLayer.fast` on every layer of a GPU hybrid range."""
 
     def __init__(self, compile: bool = True) -> None:
-        from layersplit.shards.fused import compiled_on_first_call
-
         self.compiled = compile
         self.stages = tuple(compiled_on_first_call(f) if compile else f for f in STAGES)
 

@@ -31,7 +31,8 @@ def gemma_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[s
         raise CheckpointError(f"{source}: hidden_activation={act!r} is not supported "
                               "(only 'gelu_pytorch_tanh')")
     params = raw.get("rope_parameters")
-    nested = isinstance(params, dict) and bool({"full_attention", "sliding_attention"} & params.keys())
+    nested = isinstance(params, dict) and bool(
+        {"full_attention", "sliding_attention"} & params.keys())
     full = dict((params or {}).get("full_attention") or {}) if nested else dict(params or {})
     local = dict(params.get("sliding_attention") or {}) if nested else {}
     full.update(raw.get("rope_scaling") or {})

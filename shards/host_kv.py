@@ -1,5 +1,5 @@
 """The host-memory tier of live KV: a shard's swapped-out blocks (swap preemption,
-`runtime.batching`; message `kv_swap`, `shards.worker._on_kv_swap`).
+`runtime.batching`; message `kv_swap`, `shards.worker_cache.ShardCacheOps._on_kv_swap`).
 
 Up to `num_blocks` blocks shaped like the device pool's. Block ids are the coordinator's (its
 host `BlockManager`), the same on every shard. Memory is taken when blocks are swapped out

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
 
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -59,7 +60,8 @@ class HybridSpec:
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        return (2 * self.num_key_heads * self.key_head_dim
+                + self.num_value_heads * self.value_head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -77,8 +79,6 @@ def hybrid_from_hf(raw: dict[str, Any], source: str | Path) -> HybridSpec:
     """The hybrid part of a `qwen3_5_text` / `qwen3_5_moe_text` / `qwen3_next` config.json;
     errors name the field."""
     model_type = raw["model_type"]
-    from layersplit.shards.model_config import METADATA_FIELDS  # (model_config imports this module)
-
     known = _INERT | METADATA_FIELDS | _MOE.get(model_type, set())
     unknown = sorted(k for k in raw if k not in known)
     if unknown:

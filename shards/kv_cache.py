@@ -131,6 +131,8 @@ class KVCache:
         """The cache's K and V as the prefix cache's position-indexed tensors."""
         return {"k": self.k, "v": self.v}
 
-    def rows(self, layer: int, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads, head_dim)."""
+    def rows(self, layer: int, slot: int, start: int,
+             end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of K and V rows [start, end) of one layer: each (end - start, kv_heads,
+        head_dim)."""
         return self.k[layer, slot, start:end], self.v[layer, slot, start:end]

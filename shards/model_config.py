@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
 from layersplit.shards.hybrid_config import (
@@ -46,20 +47,6 @@ FIXED_QKV_BIAS = {"mistral": False, "mixtral": False, "qwen2": True}
 # families where transformers' `attention_bias` also biases o_proj (not implemented here)
 O_PROJ_BIAS = frozenset({"llama", "qwen3", "qwen3_moe", "gemma3_text"})
 
-# config.json fields that never change a model's outputs at inference.
-METADATA_FIELDS = frozenset({
-    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "_name_or_path", "name_or_path", "initializer_range", "use_cache", "pad_token_id",
-    "bos_token_id", "eos_token_id", "sep_token_id", "attention_dropout", "hidden_dropout",
-    "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict",
-    "tokenizer_class", "auto_map", "is_decoder", "is_encoder_decoder", "task_specific_params",
-    "problem_type", "finetuning_task", "chunk_size_feed_forward", "pruned_heads", "torchscript",
-    "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "prefix",
-    "decoder_start_token_id", "max_length", "min_length", "do_sample", "num_beams",
-    "temperature", "top_k", "top_p", "repetition_penalty", "use_bfloat16", "model_name",
-    # seen in published Llama-family configs (SmolLM2's, older conversions): inert
-    "is_llama_config", "max_sequence_length", "transformers.js_config",
-})
 # Fields read by `config_from_hf` for every family (their values are checked there).
 COMMON_FIELDS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -286,9 +286,10 @@ HYBRID_CONFIGS: dict[str, dict[str, Any]] = {
 
 def write_tiny_hybrid(out: str | Path, family: str, *, seed: int = 0, vocab_size: int = 320,
                       std: float = 0.1, **overrides: Any) -> Path:
-    """A seeded random Qwen3.5 (text), Qwen3.5-MoE (text) or Qwen3-Next folder made with transformers' own
-    classes and `save_pretrained` (transformers is a test dependency), with our tokenizer.
-    Weights are drawn larger than transformers' init so greedy output is not degenerate."""
+    """A seeded random Qwen3.5 (text), Qwen3.5-MoE (text) or Qwen3-Next folder made with
+    transformers' own classes and `save_pretrained` (transformers is a test dependency), with our
+    tokenizer. Weights are drawn larger than transformers' init so greedy output is not
+    degenerate."""
     import transformers
 
     out = Path(out)

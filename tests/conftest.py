@@ -42,8 +42,10 @@ def tiny_llama(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def target(tmp_path_factory) -> Path:
-    """A tiny llama whose greedy output is not degenerate (larger weights): the speculation
-    and batching tests' target."""
+    """The speculation and batching tests' target: a tiny Llama in a folder of its own, with
+    `write_tiny_checkpoint`'s seeded weights at std 0.2 (the default now, so the same weights as
+    `tiny_llama`'s): large enough that its greedy output varies and changes when any one
+    layer's weights or KV rows are wrong."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "llama", "llama", std=0.2)
 
 
@@ -73,4 +75,5 @@ def _no_hub(monkeypatch):
 
 
 def pytest_report_header(config):
-    return f"layersplit tests; LAYERSPLIT_HOME={os.environ.get('LAYERSPLIT_HOME', '~/.cache/layersplit')}"
+    home = os.environ.get("LAYERSPLIT_HOME", "~/.cache/layersplit")
+    return f"layersplit tests; LAYERSPLIT_HOME={home}"

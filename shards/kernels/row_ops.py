@@ -7,8 +7,9 @@ kernel, o_proj GEMM, add + norm, gate/up GEMM, SiLU * up, down GEMM, add + norm 
 layer's input norm): 8 kernels, as inductor's code made of the same functions, but without
 importing torch.compile's modules (~3 s of a shard's start on an H100) and without Dynamo's
 trace of the stages at the first step (~1.6 s). Rounding follows eager torch (`h + x`,
-`shards.fused.rms_norm`, `F.silu(g) * u`): the sum is rounded to the activations' dtype once, the norm is computed in float32 and rounded before the weight multiplies it, SiLU's
-output is rounded before the product; only the order of the float32 sum of squares differs.
+`shards.fused.rms_norm`, `F.silu(g) * u`): the sum is rounded to the activations' dtype once,
+the norm is computed in float32 and rounded before the weight multiplies it, SiLU's output is
+rounded before the product; only the order of the float32 sum of squares differs.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from layersplit.draft.dflash import (
     read_dflash_config,
     write_random_dflash,
 )
+from layersplit.draft.measure import block_logits
 from layersplit.draft.proposer import DFlashProposer, load_proposer
-from layersplit.draft.train import block_logits
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.model_config import read_hf_config
 from safetensors import safe_open

@@ -22,7 +22,8 @@ from layersplit.draft.dflash import (
     save_dflash,
     write_random_dflash,
 )
-from layersplit.draft.train import block_logits, greedy_labels, optimize, target_rows
+from layersplit.draft.measure import block_logits, greedy_labels, target_rows
+from layersplit.draft.train import optimize
 from layersplit.ipc.messages import message
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import RuntimeConfig

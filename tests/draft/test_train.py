@@ -1,7 +1,7 @@
-"""`python -m layersplit.draft.train` end to end on a tiny target (CPU, seconds): it trains (the loss falls,
-the weights move), and writes a DFlash draft in the published layout and a classic draft, both of
-which the runtime's draft loader accepts for this target. The sequences it generates can be saved
-and trained on again; a file that is not such a sequence file is refused by name."""
+"""`python -m layersplit.draft.train` end to end on a tiny target (CPU, seconds): it trains (the
+loss falls, the weights move), and writes a DFlash draft in the published layout and a classic
+draft, both of which the runtime's draft loader accepts for this target. The sequences it generates
+can be saved and trained on again; a file that is not such a sequence file is refused by name."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A block draft's token tree (`draft.tree`): the shape read from config.json (a bad one is
+"""A block draft's token tree (`draft.tree_shape`): the shape read from config.json (a bad one is
 refused by name), made into tokens and parents from the draft's candidates, and chosen from how
 often the target's token had each rank."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from layersplit.draft.train import walk
-from layersplit.draft.tree import choose_shape, instantiate, read_shape
+from layersplit.draft.measure import walk
+from layersplit.draft.tree_shape import choose_shape, instantiate, read_shape
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.spec_tree import check_tree
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.routed_moe import grouped_experts, loop_experts, route
 
 from tests.gpu import near
 
-pytestmark = pytest.mark.gpu
 DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+# (the MoE kernels load on CUDA only: `routed_moe.load_gemv`)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device and the Triton kernels")]
 
 
 def _weights(dtype: torch.dtype, e: int = 128, h: int = 2048, i: int = 768):

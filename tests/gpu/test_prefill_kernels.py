@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards import fused
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor, Segment
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.kernels import fused_kernels_available

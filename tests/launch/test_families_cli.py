@@ -59,10 +59,10 @@ def test_generate_cli_gives_transformers_greedy_tokens(tmp_path, family):
                           do_sample=False, pad_token_id=0)
     want = out[0, len(ids):].tolist()
     assert len(set(want)) > 2  # not one token repeated
-    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", PROMPT, "--model",
-                        str(path), "--devices", ",".join(["cpu"] * shards), "--threads", "1",
-                        "--max-tokens",
-                        str(NEW), "--ignore-eos", "--json", "--draft", "none"],
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", PROMPT,
+                        "--model", str(path), "--devices", ",".join(["cpu"] * shards),
+                        "--threads", "1", "--max-tokens", str(NEW), "--ignore-eos", "--json",
+                        "--draft", "none"],
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["tokens"] == want

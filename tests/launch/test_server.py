@@ -287,14 +287,30 @@ def test_metrics_and_health(server):
         assert name in text, name
 
 
+def _metric(server: Server, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", httpx.get(server.url + "/metrics").text,
+                           re.MULTILINE)[1])
+
+
 @pytest.mark.slow
 def test_client_disconnect_cancels(server):
+    """A client that goes away stops its request: it leaves the batch having generated a few
+    tokens, not the ~500 its context (max_context 512) allows, which it would generate uncancelled
+    (it asks for 100000 and ignores EOS)."""
+    assert _metric(server, "layersplit_running_requests") == 0
+    before = _metric(server, "layersplit_generation_tokens_total")
     with httpx.stream("POST", server.url + "/v1/completions", timeout=30, json={
             "prompt": "go on forever", "max_tokens": 100000, "stream": True,
             "ignore_eos": True, "temperature": 0}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 5:
                 break
+    deadline = time.monotonic() + 60
+    while _metric(server, "layersplit_running_requests") > 0:  # (the engine's count)
+        assert time.monotonic() < deadline, "the request still runs a minute after its client left"
+        time.sleep(0.05)
+    generated = _metric(server, "layersplit_generation_tokens_total") - before
+    assert 3 <= generated < 200, generated
     # the engine is free again quickly: the next request is served
     t0 = time.monotonic()
     server.client.completions.create(model=MODEL, prompt="next", max_tokens=2, temperature=0)

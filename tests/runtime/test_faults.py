@@ -113,9 +113,9 @@ def test_slow_shards_on_a_loaded_machine_are_not_torn_down(tiny_llama):
 
 
 def _run_cli(model, *extra):
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "generate", "the cat", "--model", str(model),
-           "--devices", "cpu,cpu", "--threads", "1", "--max-tokens", "100000", "--ignore-eos",
-           "--prefill-chunk", "16", *extra]
+    cmd = [sys.executable, "-m", "layersplit.launch.cli", "generate", "the cat",
+           "--model", str(model), "--devices", "cpu,cpu", "--threads", "1", "--max-tokens",
+           "100000", "--ignore-eos", "--prefill-chunk", "16", *extra]
     # SIGINT as a terminal's foreground job gets it: a run started in the background (`cmd &`
     # in a script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -333,7 +333,8 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
              "not a verify segment's next proposal"),
             ([segment(0, 4, 1, greedy, then={"n": 3, "tree": 0})], [5],
              "not a verify segment's next proposal"),
-            ([segment(0, 4, 1, greedy, kept=[2, 1])], [5], "kept tree rows [2, 1] before position 4"),
+            ([segment(0, 4, 1, greedy, kept=[2, 1])], [5],
+             "kept tree rows [2, 1] before position 4"),
             ([segment(0, 4, 1, greedy, prev=1)], [5],
              "prev=1, but slot 0's last sampled token came from step"),
             ([segment(0, 4, 1, greedy, prev=10 ** 9)], [5], "is not an earlier step than"),

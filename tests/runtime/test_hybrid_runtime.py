@@ -49,8 +49,8 @@ def test_cli_generate_on_three_shards_gives_transformers_greedy_tokens(hybrid_mo
                                                                        family):
     model = hybrid_models[family]
     text = "the quick brown fox jumps over the lazy dog"
-    out = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", text, "--model",
-                          str(model), "--devices", "cpu,cpu,cpu", "--max-tokens", "12",
+    out = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", text,
+                          "--model", str(model), "--devices", "cpu,cpu,cpu", "--max-tokens", "12",
                           "--ignore-eos", "--json", "--prefix-cache", "off"],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -139,7 +139,8 @@ def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
             meta = st.metadata()
             start, length = int(meta["start"]), int(meta["length"])
             names = set(st.keys())
-            assert names == {f"ls{s}.L{layer}.{k}" for s, layers in ((0, range(3)), (1, range(3, 6)))
+            assert names == {f"ls{s}.L{layer}.{k}"
+                             for s, layers in ((0, range(3)), (1, range(3, 6)))
                              for layer in layers for k in "kv"} | {"tokens", "prefill_logits"}
             assert st.get_tensor("ls1.L4.v").shape == (length - start, kv_heads, head_dim)
             assert st.get_tensor("tokens").tolist() == short[:length]
@@ -253,9 +254,9 @@ def test_entries_of_another_model_are_ignored(tiny_models, ref, prompts, tmp_pat
 
 
 def _cli(model, prompt, cache_dir, *extra):
-    return [sys.executable, "-m", "layersplit.launch.cli", "generate", prompt, "--model", str(model),
-            "--devices", "cpu,cpu", "--threads", "1", "--prefill-chunk", str(CHUNK),
-            "--kv-cache-dir", str(cache_dir), "--json", *extra]
+    return [sys.executable, "-m", "layersplit.launch.cli", "generate", prompt,
+            "--model", str(model), "--devices", "cpu,cpu", "--threads", "1",
+            "--prefill-chunk", str(CHUNK), "--kv-cache-dir", str(cache_dir), "--json", *extra]
 
 
 @pytest.mark.slow

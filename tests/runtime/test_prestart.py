@@ -1,7 +1,8 @@
 """Shard and draft processes started ahead (`runtime.supervisor.prestart_shards`,
 `prestart_draft`): a run hands its local shards and its draft to them (the same processes serve,
-with the same tokens as the reference); those it does not take are stopped; one given a bad line on stdin refuses it by name, and one whose parent
-closes stdin without a word exits quietly. `generate` sizes its run to its one request
+with the same tokens as the reference); those it does not take are stopped; one given a bad
+line on stdin refuses it by name, and one whose parent closes stdin without a word exits
+quietly. `generate` sizes its run to its one request
 (`Coordinator.fit_context`)."""
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from layersplit.shards.sampling import accept_draft, filtered_probs, sample_rows
+from layersplit.shards.accept import accept_draft
+from layersplit.shards.sampling import filtered_probs, sample_rows
 
 # chi-square critical values at p = 1e-4, by degrees of freedom 1..4
 CHI2_1E4 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513}

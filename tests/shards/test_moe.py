@@ -34,7 +34,8 @@ def test_grouped_experts_equal_loop(n, norm, float_weights):
     want = loop_experts(x, w, idx, None, gate, up, down)
     got = grouped_experts(x, w, idx, torch.cat([gate, up], dim=1), down)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
-    import layersplit.shards.layers.routed_moe as moe  # without grouped GEMMs: each row's weights gathered
+    # without grouped GEMMs: each row's weights gathered
+    import layersplit.shards.layers.routed_moe as moe
 
     saved, moe._grouped_mm = moe._grouped_mm, None
     try:

@@ -11,7 +11,8 @@ import zlib
 
 import pytest
 import torch
-from layersplit.shards.sampling import accept_draft, filtered_probs, sample_rows
+from layersplit.shards.accept import accept_draft
+from layersplit.shards.sampling import filtered_probs, sample_rows
 from layersplit.shards.spec_sampling import (
     check_q,
     coupled_draws,

@@ -1,0 +1,424 @@
+"""The server's engine thread: it owns the coordinator (whose sockets are used from this thread
+only) and runs every request in one continuous batch (`runtime.batching`): new requests join
+between steps, finished ones leave at once. HTTP handlers (`runtime.server`) hand it `Job`s
+through a thread-safe queue and read each job's events from its asyncio queue. A shard failure
+fails the requests in flight, and the shard group is restarted (or the server exits, with
+`restart_on_failure = false`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+from layersplit.runtime.batching import Request as BatchRequest
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.decoding import ProcessorsTooLarge
+from layersplit.runtime.generate import Progress
+from layersplit.runtime.metrics import Metrics
+from layersplit.runtime.openai_api import ParsedRequest, RequestError
+
+log = logging.getLogger("layersplit.server")
+
+
+@dataclasses.dataclass
+class Job:
+    req: ParsedRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)  # once tokenized
+    started: list[BatchRequest] = dataclasses.field(default_factory=list)  # its sequences
+
+    def emit(self, item: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            self.cancelled = True
+
+
+class Engine:
+    """The coordinator, its request queue and its health, on a thread of its own."""
+
+    def __init__(self, config: RuntimeConfig, metrics: Metrics) -> None:
+        self.config, self.metrics = config, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.status, self.reason = "loading", "starting the shards"
+        self.coord: Coordinator | None = None
+        self.served_model = config.served_model_name or _model_name(config.model)
+        self.tokenizer = None
+        self.max_context = config.max_context
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self._stop_at = float("inf")
+        self.fatal: str | None = None
+        self._followers: list[Active] = []  # first choices whose job's others wait for them
+        self._grammars: Any = None  # runtime.grammar.GrammarCompiler, once a request needs it
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self):
+        """The grammar compiler of the served model's tokenizer (built on first use)."""
+        from layersplit.runtime.grammar import GrammarCompiler
+
+        coord = self.coord
+        if coord is None or self.tokenizer is None:
+            raise RequestError(f"the engine is {self.status}: {self.reason}" if coord is None
+                               else "the model has no tokenizer: no structured output", None,
+                               status=503 if coord is None else 400)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, coord.model_config.vocab_size,
+                                                 coord.eos_ids)
+            return self._grammars
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Let the running requests finish within the grace period (those still waiting for a
+        KV slot get 503 at once, those still running at its end too), then stop the shards."""
+        self._stop_at = time.monotonic() + grace_s
+        self._stopping = True
+        self.jobs.put(None)
+        self._thread.join(grace_s + 150)
+
+    def submit(self, job: Job) -> None:
+        if self.status != "ready":
+            raise RequestError(f"the engine is {self.status}: {self.reason}", None, status=503,
+                               type_="service_unavailable")
+        self.jobs.put(job)
+        self.metrics.queue.set(self.jobs.qsize())
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _boot(self) -> None:
+        self.status, self.reason = "loading", "starting the shards"
+        self.metrics.up.set(0)
+        coord = Coordinator(self.config)
+        coord.start()
+        coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
+        coord.batcher.step_observer = self.metrics.step_sequences.observe
+        self.coord, self.tokenizer = coord, coord.tokenizer
+        self.metrics.model.info({"model": self.served_model, "dtype": coord.dtype,
+                                 "shards": str(len(coord.placement.shards))})
+        self.status, self.reason = "ready", ""
+        self.metrics.up.set(1)
+
+    def _run(self) -> None:
+        try:
+            self._boot()
+        except Exception as e:  # noqa: BLE001 - reported through /health and the exit path
+            log.error("could not start the shards: %s", e)
+            self.status, self.reason, self.fatal = "degraded", str(e), str(e)
+            _exit_soon()
+            return
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - a bug outside any one request: the server
+            # cannot go on, so it says so and exits rather than leave every request hanging
+            log.exception("the engine loop failed")
+            self.status, self.reason, self.fatal = "degraded", str(e), str(e)
+            self.metrics.up.set(0)
+            for job in self._drain_jobs():
+                job.emit(("error", 503, f"the engine failed: {type(e).__name__}: {e}"))
+            _exit_soon()
+        finally:
+            if self.coord is not None:
+                self.coord.close()
+                self.coord = None
+
+    def _drain_jobs(self) -> list[Job]:
+        jobs = []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def _loop(self) -> None:
+        active: list[Active] = []
+        stopping = False
+        while True:
+            busy = any(not a.req.done or a.req.deltas for a in active) or (
+                self.coord is not None and self.coord.batcher.busy)
+            while not stopping:  # take every job that waits (block only when idle)
+                try:
+                    job = self.jobs.get(timeout=0.2) if not busy else self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self.metrics.queue.set(self.jobs.qsize())
+                if job is None:
+                    stopping = True
+                    break
+                if not job.cancelled:
+                    started = self._start_contained(job)
+                    if started:
+                        active.extend(started)
+                        busy = True
+            coord = self.coord
+            if stopping:
+                active = self._shut_out(active)
+            if stopping and not active:
+                break
+            if coord is None:
+                continue
+            if not active and not coord.batcher.busy:  # idle: a shard that dies now is
+                coord.check_alive()  # restarted at once, not found by the next request
+            if coord.batcher.busy:
+                try:
+                    coord.batcher.run_once()
+                except Exception as e:  # noqa: BLE001 - a bug: the batch's requests fail, and
+                    # the shard group restarts (its steps in flight are in an unknown state)
+                    log.exception("the batch failed")
+                    for a in active:
+                        a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+                    active = []
+                    self._recover(f"internal error: {type(e).__name__}: {e}")
+                    continue
+            active = [a for a in active if not self._pump_contained(a)]
+            if self._followers:
+                active.extend(self._start_followers())
+            self.metrics.running.set(len(active))
+            if coord.batcher is not None:
+                self.metrics.observe_batch(coord.batcher)
+            if coord.failed is not None:
+                for a in active:
+                    a.job.emit(("error", 503, f"the runtime is down: {coord.failed}"))
+                active = []
+                self._recover(coord.failed)
+
+    def _recover(self, why: str) -> None:
+        self._followers = []  # their jobs failed with the rest
+        self.status, self.reason = "degraded", why
+        self.metrics.up.set(0)
+        if self.coord is not None:
+            self.coord.close()
+            self.coord = None
+        if self._stopping:
+            return
+        if not self.config.restart_on_failure:
+            log.error("a shard failed (%s); exiting (restart_on_failure is off)", why)
+            self.fatal = why
+            _exit_soon()
+            return
+        log.warning("a shard failed (%s); restarting the shard group", why)
+        self.metrics.shard_restarts.inc()
+        while not self._stopping:
+            try:
+                self._boot()
+                return
+            except Exception as e:  # noqa: BLE001 - keep trying, report via /health
+                self.status, self.reason = "degraded", f"restart failed: {e}"
+                log.error("restart of the shard group failed: %s; retrying in 5 s", e)
+                time.sleep(5)
+
+    def _shut_out(self, active: list[Active]) -> list[Active]:
+        """Shutting down: requests still waiting for a KV slot, and every one past the grace
+        period, get 503."""
+        for lead in self._followers:  # choices not started will not be
+            lead.job.emit(("error", 503, "the server is shutting down"))
+        self._followers = []
+        if self.coord is None:
+            for a in active:
+                a.job.emit(("error", 503, "the server is shutting down"))
+            return []
+        late = time.monotonic() > self._stop_at
+        keep = []
+        for a in active:
+            waiting = not a.req.done and a.req.slot < 0
+            if (late or waiting) and not a.req.done:
+                self.coord.batcher.cancel(a.req)
+                a.job.emit(("error", 503, "the server is shutting down"))
+            else:
+                keep.append(a)
+        return keep
+
+    def _start_contained(self, job: Job) -> list[Active]:
+        """`_start`, where an exception fails this job alone (500) and never the engine thread:
+        one bad request must not take the server down."""
+        try:
+            return self._start(job)
+        except Exception as e:  # noqa: BLE001 - any bug here is this request's, not the server's
+            log.exception("request could not start")
+            job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            if self.coord is not None:
+                for r in job.started:
+                    self.coord.batcher.cancel(r)
+            return []
+
+    def _pump_contained(self, a: Active) -> bool:
+        """`_pump`, where an exception fails this request alone (and frees its KV slot)."""
+        try:
+            return self._pump(a)
+        except Exception as e:  # noqa: BLE001 - as in _start_contained
+            log.exception("request failed while its output was handed on")
+            a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            if self.coord is not None and not a.req.done:
+                self.coord.batcher.cancel(a.req)
+            return True
+
+    def _start(self, job: Job) -> list[Active]:
+        """Tokenize and check a job and queue its `n` sequences in the batch; [] if it failed
+        at once."""
+        coord, req = self.coord, job.req
+        if coord is None:
+            job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
+            return []
+        try:
+            if req.kind == "chat":
+                ids = coord.tokenizer.encode_chat(req.messages, tools=req.tools)
+            elif req.prompt_ids is not None:
+                ids = req.prompt_ids
+            else:
+                ids = coord.tokenizer.encode(req.prompt_text)
+            if len(ids) >= coord.config.max_context:
+                field = "messages" if req.kind == "chat" else "prompt"
+                raise RequestError(f"the prompt has {len(ids)} tokens; this server's context "
+                                   f"is {coord.config.max_context} tokens", field)
+            coord.check_prompt(ids)
+        except (RequestError, ValueError) as e:
+            err = e if isinstance(e, RequestError) else RequestError(str(e), "prompt")
+            job.emit(("error", err.status, err))
+            return []
+        self.metrics.prompt_tokens.inc(len(ids))
+        job.prompt_ids = list(ids)
+        # n > 1: the first choice prefills the prompt and snapshots it in the prefix cache;
+        # the others start once its first token is out, from that snapshot (no prefill)
+        shared = (req.n > 1 and req.use_cache and coord.cache is not None and
+                  (req.decoding is None or req.decoding.prompt_logprobs is None))
+        started = []
+        for i in range(1 if shared else req.n):
+            a = self._submit_choice(job, i)
+            if a is None:
+                for b in started:
+                    coord.batcher.cancel(b.req)
+                return []
+            started.append(a)
+        if shared:
+            self._followers.append(started[0])
+        return started
+
+    def _submit_choice(self, job: Job, index: int) -> Active | None:
+        """Queue choice `index` of a tokenized job; None if it failed (the job is told)."""
+        coord, req = self.coord, job.req
+        params = req.params
+        if index and params.seed is not None:  # the choices of a seeded request differ
+            params = dataclasses.replace(params, seed=(params.seed + index) & ((1 << 63) - 1))
+        progress = Progress()
+        try:
+            r = coord.submit(job.prompt_ids, params, progress, use_cache=req.use_cache,
+                             speculative=req.speculative, decoding=req.decoding)
+        except (ValueError, ShardFailure) as e:
+            job.emit(("error", 400, RequestError(str(e), None)) if isinstance(e, ValueError)
+                     else ("error", 503, str(e)))
+            return None
+        job.started.append(r)
+        return Active(job, r, progress, len(job.prompt_ids), index)
+
+    def _start_followers(self) -> list[Active]:
+        """The other choices of the jobs whose first choice has its first token (its prompt's
+        snapshot is in the prefix cache) or is over."""
+        started, waiting = [], []
+        for lead in self._followers:
+            job = lead.job
+            if job.cancelled:
+                continue
+            if lead.progress.first_token_at is None and not lead.req.done:
+                waiting.append(lead)
+                continue
+            for i in range(1, job.req.n):
+                a = self._submit_choice(job, i)
+                if a is None:
+                    break
+                started.append(a)
+        self._followers = waiting
+        return started
+
+    def _pump(self, a: Active) -> bool:
+        """Hand the request's new text to its client; True once it is over."""
+        req = a.req
+        while req.deltas and not a.job.cancelled:
+            d = req.deltas.popleft()
+            now = time.perf_counter()
+            if a.last is None:
+                self.metrics.ttft.observe(now - a.job.arrived)
+            else:
+                self.metrics.itl.observe(now - a.last)
+            a.last = now
+            event = {"text": d.text, "lp": [d.lp] if d.lp is not None else []}
+            if not a.sent and a.job.req.echo:
+                event["echo"] = a.progress.prompt_logprobs
+            a.sent = True
+            a.job.emit(("delta", a.index, event))
+        if a.job.cancelled:
+            self.coord.batcher.cancel(req)  # its slot is free at once
+        if not req.done:
+            return False
+        if req.error is not None and not a.job.cancelled:
+            e = req.error
+            if isinstance(e, ShardFailure):
+                a.job.emit(("error", 503, str(e)))
+            elif isinstance(e, ProcessorsTooLarge):  # the request's own limit, named
+                a.job.emit(("error", 400, RequestError(str(e), None)))
+            else:
+                log.error("request failed: %s: %s", type(e).__name__, e)
+                a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+            return True
+        self._finish(a)
+        return True
+
+    def _finish(self, a: Active) -> None:
+        coord, progress, req = self.coord, a.progress, a.job.req
+        n = len(progress.generated)
+        self.metrics.generated_tokens.inc(n)
+        if progress.decode_tok_s:
+            self.metrics.decode_tok_s.set(progress.decode_tok_s)
+        if progress.cache_tier != "none":
+            self.metrics.cache_hits.labels(progress.cache_tier).inc()
+            self.metrics.cached_tokens.inc(progress.cached_tokens)
+        elif req.use_cache and coord.cache is not None:
+            self.metrics.cache_misses.inc()
+        if coord.cache is not None:
+            self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
+        if progress.spec is not None:
+            self.metrics.observe_speculation(progress.spec)
+        a.job.emit(("done", a.index, {
+            "finish_reason": "cancelled" if a.job.cancelled else progress.finish_reason,
+            "prompt_tokens": a.prompt_tokens, "completion_tokens": n,
+            "cached_tokens": progress.cached_tokens,
+            "echo": progress.prompt_logprobs if not a.sent and a.job.req.echo else None,
+        }))
+
+
+@dataclasses.dataclass
+class Active:
+    """A job in the batch."""
+
+    job: Job
+    req: BatchRequest
+    progress: Progress
+    prompt_tokens: int
+    index: int = 0  # its choice of the job (n > 1)
+    last: float | None = None  # when its last token went out
+    sent: bool = False  # a delta of it went out
+
+
+def _model_name(model: str) -> str:
+    if model in ("default", ""):
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(str(model).rstrip("/")) or str(model)
+
+
+def _exit_soon() -> None:
+    """Stop the server process (uvicorn shuts down on SIGTERM)."""
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()

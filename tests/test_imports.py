@@ -1,0 +1,120 @@
+"""No import circle among the `layersplit.*` modules, counting the imports inside functions and
+under TYPE_CHECKING: a lazy import hides a circle from Python, not from a reader. What two
+modules both need lives in a module they both import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# the source folders, and the names they are installed under (pyproject's package-dir)
+FOLDERS = ("layersplit", "runtime", "shards", "ipc", "draft", "launch")
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by its `layersplit.` name."""
+    out = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[0] != "layersplit":
+                parts.insert(0, "layersplit")
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The `layersplit` modules `name` imports anywhere in its source (a name imported from a
+    module counts as that module, unless it is a submodule)."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+    out = set()
+    for m in found:
+        while m and m not in known:
+            m = m.rpartition(".")[0]
+        if m and m not in (name, "layersplit"):
+            out.add(m)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan), as a path that
+    ends where it starts."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:  # (the graph is a few hundred modules: recursion is fine)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for group in groups:
+        start = min(group)
+        paths = {start: [start]}  # a shortest way from `start` to each module of the group
+        frontier = [start]
+        while not any(start in graph[v] for v in frontier):  # (the group is strongly connected)
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & group):
+                    if w not in paths:
+                        paths[w] = paths[v] + [w]
+                        nxt.append(w)
+            frontier = nxt
+        back = next(v for v in frontier if start in graph[v])
+        out.append(paths[back] + [start])
+    return out
+
+
+def test_the_scan_sees_lazy_imports(tmp_path):
+    """The scan counts an import inside a function (the kind that hid the circles), and names
+    a circle it finds."""
+    known = {"layersplit.a": tmp_path / "a.py", "layersplit.b": tmp_path / "b.py"}
+    known["layersplit.a"].write_text("def f():\n    from layersplit.b import g\n")
+    assert imports_of("layersplit.a", known["layersplit.a"], known) == {"layersplit.b"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    known = modules()
+    assert "layersplit.runtime.coordinator" in known and "layersplit.shards.worker" in known
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    found = cycles(graph)
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
