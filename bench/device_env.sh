@@ -31,7 +31,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || { echo "device_env: the wheels in .whl did not install"; exit 1; }
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=${LAYERSPLIT_HOME:-/tmp/lshome}
-# (NVLink multicast stays off on the shared multi-GPU hosts: the device tool's KINDS.md)
+# (NVLink multicast stays off: a program using it can take a shared multi-GPU host's GPUs down)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 GPUS=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -1)
