@@ -1,4 +1,4 @@
-"""HTTP bodies fuzzed against a real `layersplit serve` (issue 25), the campaign form of
+"""HTTP bodies fuzzed against a real `layersplit serve`, the campaign form of
 `tests/launch/test_server.py::test_fuzzed_bodies_fail_alone`.
 
     python bench/http_fuzz.py --examples 5000

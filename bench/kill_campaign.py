@@ -1,4 +1,4 @@
-"""Campaigns of kill -9, on the CPU with a tiny seeded model (issue 25).
+"""Campaigns of kill -9, on the CPU with a tiny seeded model.
 
     python bench/kill_campaign.py shards --trials 50
     python bench/kill_campaign.py save --trials 50

@@ -1,4 +1,4 @@
-"""The host tier of live KV on a GPU (issue 22): one sequence's blocks swapped out to host memory
+"""The host tier of live KV on a GPU: one sequence's blocks swapped out to host memory
 and back through `shards.host_kv.HostKVPool` (page-locked buffers, a copy stream, the host not
 waiting), next to the synchronous pageable copy it replaced, measured in the same run.
 

@@ -7,8 +7,8 @@ rate through the Python API and llama.cpp's own eval counters (llama-bench's `tg
     CUDA_VISIBLE_DEVICES=0,1 python bench/llamacpp_decode.py MODEL.gguf --split layer
 
 Prompts are token ids drawn from the vocabulary (seeded), like bench/decode.py's, so a random-
-weights file (bench/random_gguf.py) serves as well as a real one. Building llama-cpp-python on the
-device: bench/device_x2.sh.
+weights file (bench/random_gguf.py) serves as well as a real one. Building llama-cpp-python on a
+GPU machine: bench/README.md (`bash bench/device.sh llamacpp`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ kernel table of the smallest chunk size (what chunking adds over one piece).
 Loads the whole model on one GPU the way a shard does (fused projections, a paged KV pool).
 With `--hf`, then (ours freed first: the 27B shape does not fit twice) transformers' own
 model of the same config, one forward of the whole prompt, timed and profiled the same way:
-the two kernel tables side by side say where a gap to transformers lies (issue 20).
+the two kernel tables side by side say where a gap to transformers lies.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class Hosts:
         return f"{self.ips[0]}:{PORT}"
 
     def run_in(self, host: int, cmd: list[str], background: bool = False):
-        """Run `cmd` in host A (0) or B (1), with this worktree's layersplit."""
+        """Run `cmd` in host A (0) or B (1), with this checkout's layersplit."""
         # (a node's agents start slowly on a loaded machine: the raylet waits for them longer)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_agent_register_timeout_ms": "600000"}
         full = ["ip", "netns", "exec", self.ns[host], *cmd]

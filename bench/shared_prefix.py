@@ -1,4 +1,4 @@
-"""Prefix sharing in device memory (issue 22): N requests on one long prefix (8 agents on one
+"""Prefix sharing in device memory: N requests on one long prefix (8 agents on one
 30K-token system prompt), the first running when the others come. The others take the first's
 blocks for the prefix by reference (`BlockManager.fork`; `docs/batching.md`, "Prefix sharing")
 and prefill only their own suffix.

@@ -1,4 +1,4 @@
-"""Soak: concurrent streaming clients against `layersplit serve` for a while (issue 25).
+"""Soak: concurrent streaming clients against `layersplit serve` for a while.
 
     nice -n 10 python bench/soak.py --clients 32 --minutes 10 --json soak.json
 

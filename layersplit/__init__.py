@@ -3,7 +3,7 @@
 The code lives in top-level source folders (`runtime/`, `shards/`, `ipc/`, `draft/`,
 `launch/`); installed, they are `layersplit.runtime`, `layersplit.shards`, ... (pyproject's
 `package-dir` mapping), so nothing with a generic name lands in site-packages. Run from a source
-tree without installing (PYTHONPATH=the checkout, as the device scripts and worktrees do), this
+tree without installing (PYTHONPATH=the checkout, as bench/device.sh and worktrees do), this
 package's search path also covers the checkout's root, so the same `layersplit.X` names resolve
 to the same folders.
 """

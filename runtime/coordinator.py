@@ -115,7 +115,7 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         self._steps: Sender | None = None  # steps to shard 0
         self._results: RingInbox | None = None  # results from the last shard, when local
         # the first shard's device: its GPU idles while the later shards finish the verify step,
-        # and a draft sharing the last shard's GPU was 10-15 % slower (bench/RESULTS.md)
+        # and a draft sharing the last shard's GPU was 10-15 % slower (2 H200s, 2026-11-22)
         self.draft_device = normalize_device(config.draft_device or
                                              self.placement.shards[0].device)
         self.draft_path = resolve_draft(config.draft, self.model_path, self.draft_device)

@@ -76,7 +76,7 @@ def auto_dtype(model_type: str, stored: str | None, devices: list[str]) -> tuple
     wherever float16 would be unsafe or unchecked (`FLOAT16_UNSAFE`, `BFLOAT16_ONLY`).
     float16 rather than bfloat16 by default because it holds 3 more mantissa bits at the same
     speed: on the default model bfloat16 flips answers that transformers' float32 gets right
-    (docs/models.md has the measurements)."""
+    (`layersplit check`'s measurements: bench/RESULTS.md, "Correctness")."""
     if all(str(d) == "cpu" for d in devices):
         return "float32", "every shard is on a CPU"
     if model_type in FLOAT16_UNSAFE:

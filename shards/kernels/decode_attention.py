@@ -30,8 +30,8 @@ split): the query tiles of a split are programs of their own (a verify step's 32
 heads a group are 3 tiles: one program looping over them read every key three times in turn),
 and each writes the split's new rows before reading them, the same values as the others, so
 whichever write a read sees holds the same bits and no ordering between programs is needed
-(on an H200 a 32-row verify step of the default model, 400 keys, went from 1.47 to 1.15 ms in
-one process: `bench/RESULTS.md`). A program reads keys only up to the last row its sequence
+(on an H200 a 32-row verify step of the default model's shape, 400 keys, went from 1.47 to
+1.15 ms in one process, 2026-11-28). A program reads keys only up to the last row its sequence
 writes in the step (no query sees past it), so a graph captured for a KV-length bucket costs a
 step the keys it has, not the bucket's. Positions, rows and masks are device tensors: the kernel
 runs inside CUDA graphs with no host sync. A block of keys costs a program one memory latency,

@@ -15,7 +15,7 @@ A prefill chunk's causal depthwise conv (with its SiLU) runs fla-core's Triton
 `causal_conv1d` too (`pick_conv`): it reads the (B, n, C) rows where the projection left them,
 where the torch path transposes them into one (B, C, K - 1 + n) copy beside the state and runs
 a depthwise conv then a SiLU, about 1.8 ms a layer at 8K tokens of the Qwen3.5-27B shape on an
-H100, 9 % of the prefill (bench/RESULTS.md). fla's state is the kernel's full width K (its
+H100, 9 % of the prefill (2026-11-26). fla's state is the kernel's full width K (its
 first column unread); ours, transformers' and the prefix cache's hold the last K - 1 inputs, so
 the state goes in with a zero column in front and comes out without its first. It sums in
 float32 and rounds once, after the SiLU (the torch path rounds the conv's output first).

@@ -1,4 +1,4 @@
-"""Batched verify steps on a GPU (issue 24): the verify segments of several speculating
+"""Batched verify steps on a GPU: the verify segments of several speculating
 sequences as one captured step (`StaticDecoder.run_verify_batch`, the Triton decode kernel over
 S sequences of n rows), against each sequence's verify step alone, with the kernels and with
 the torch decode path; through `RangeExecutor.run_segments`, which groups them.

@@ -1,4 +1,4 @@
-"""Bad HTTP bodies for the server's endpoints, generated with hypothesis (issue 25).
+"""Bad HTTP bodies for the server's endpoints, generated with hypothesis.
 
 Each case starts from a valid body of one endpoint (with some valid optional fields drawn) and
 makes it invalid in one way whose error is known: a field of a wrong type, a required field

@@ -1,4 +1,4 @@
-"""The shards' host memory as one budget (`runtime.host_pool`, issue 22): swapped-out live KV
+"""The shards' host memory as one budget (`runtime.host_pool`): swapped-out live KV
 and the prefix cache's RAM tier share it, under one eviction policy.
 
 - random swaps and snapshots never exceed any shard's budget, and the counts come back to

@@ -1,4 +1,4 @@
-"""Swap preemption (issue 22, the host-memory tier of live KV): when the paged KV pool runs out
+"""Swap preemption (the host-memory tier of live KV): when the paged KV pool runs out
 mid-decode, the youngest sequence's blocks go to every shard's host KV pool and come back when
 it is admitted again; it resumes where it stopped, without computing a row twice.
 

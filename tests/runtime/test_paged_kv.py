@@ -1,4 +1,4 @@
-"""Paged KV end to end (issue 22): the shards' KV pools read and written through the block
+"""Paged KV end to end: the shards' KV pools read and written through the block
 tables the coordinator hands out (`runtime.block_manager`, `shards.paged_kv`).
 
 - paged output equals the contiguous reference engine bit for bit, with blocks of 16 tokens,
@@ -6,7 +6,7 @@ tables the coordinator hands out (`runtime.block_manager`, `shards.paged_kv`).
   sequences growing at once (their tables interleave), 1-3 shards, shm and zmq, and after a
   RAM and a disk restore;
 - more sequences than `max_seqs x max_context` could hold contiguously run at once in a pool of
-  one max_context (the issue's 8,192-token pool, 6,000 + 7 x 300-token prompts, scaled down to
+  one max_context (an 8,192-token pool holding 6,000 + 7 x 300-token prompts, scaled down to
   a 512-token pool, 300 + 7 x 20 for a tiny model);
 - a pool that runs out mid-decode preempts a sequence, which resumes to the same tokens; every
   block is back at the end;

@@ -54,7 +54,7 @@ def cluster():
         **NODE, "resources": {"node_a": 4}, "include_dashboard": False})
     _add_node_b(c)
     ray.init(address=c.address, log_to_driver=False)
-    # the cluster's processes (not the zygote this session's CPU shards fork from, nor those)
+    # the cluster's processes (not the zygote this test run's CPU shards fork from, nor those)
     pids = [p.pid for p in psutil.Process().children(recursive=True)
             if "runtime.zygote" not in " ".join(p.cmdline())]
     for pid in pids:  # every socket of the cluster is on loopback

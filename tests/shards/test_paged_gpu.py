@@ -1,4 +1,4 @@
-"""The paged GPU decode path (issue 22): the Triton decode kernel reading and writing K/V through
+"""The paged GPU decode path: the Triton decode kernel reading and writing K/V through
 block tables, and CUDA graphs over a paged pool keyed by rows / batch size and KV-length bucket,
 not by slot.
 

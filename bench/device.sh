@@ -1,0 +1,346 @@
+#!/usr/bin/env bash
+# The bench runner for device machines: bash bench/device.sh STAGE...
+# Runs the stages in order, from the repository root of a device machine, with the commands of
+# bench/RESULTS.md's rows. Under $OUT: log.txt (what ran, the end of each output), rows.md (the
+# RESULTS.md rows each stage printed) and runs.tgz (each run's whole log and JSON); the device
+# tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
+#
+#   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests)
+#   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32)
+#   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
+#             default model's and the Llama-8B shapes: the decode and prefill baselines
+#   decode    batch-1 decode, 1 shard and 2 shards on one GPU, next to llama.cpp      (D1-D3)
+#   prefill   a 3,900-token prompt, next to llama.cpp                                 (P1)
+#   split     1 GPU against 2 (and 4) GPUs, the cuda-ipc hop; needs 2+ GPUs            (X1-X4)
+#   spec      speculative decoding with the bundled draft, the real default model
+#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs)
+#   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
+#             (CACHE=prefix,shared,swap; default all)
+#   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
+#             2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
+#             (HYBRID=decode,prefill,gpus2; default all)
+#   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
+#   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
+#             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
+#   serve     many streams (continuous batching), structured output, a soak of `layersplit
+#             serve` (SERVE=streams,structured,soak; default streams,structured)
+#   startup   `layersplit generate` from the command to the first token, empty caches then warm
+#             (STARTUP=generate,shape,capture,hybrid; default generate)
+#   park      nothing: the call only parks the default model's piece it carries in /tmp
+#
+# Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
+# cut there. Stages of one machine can share a call or come in back-to-back calls (the machine
+# keeps /tmp while it is held: the model's pieces, llama.cpp's build).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
+known=" tests parity llamacpp decode prefill split spec cache hybrid moe long serve startup park "
+for s in "$@"; do
+  [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
+done
+source bench/device_env.sh
+trap 'tar czf "$OUT/runs.tgz" -C "$OUT" runs && rm -rf "$RUNS"' EXIT  # (8 files come back)
+
+has() { [[ ",$1," == *",$2,"* ]]; }  # has LIST ITEM
+two_gpus() { [ "${GPUS:-0}" -ge 2 ] || { log "$1: needs 2 GPUs ($GPUS here)"; false; }; }
+smol="bench/decode.py --model random:smollm2-135m-shape --prompt-len 512 --new-tokens 256 \
+  --max-context 2048 --repeats 3"
+l8b="bench/decode.py --model random:llama-8b-shape --prompt-len 512 --new-tokens 256 \
+  --max-context 4096 --repeats 3"
+spec="bench/speculative.py --model default --drafts default --sets unseen"
+q8="bench/decode.py --model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --new-tokens 16 \
+  --repeats 1 --max-context 33792 --prefill 32768"
+
+stage_tests() {
+  TAIL=40 run tests 560 $tests ${TESTS:-tests}
+  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests ${TESTS:-tests}"
+}
+
+stage_parity() {  # (transformers from .whl-tf where it travelled: the image's may be older)
+  default_model
+  local tf=()
+  [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+  TAIL=40 run parity 300 "${tf[@]}" python3 bench/parity.py --out "$OUT/parity.json"
+  TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
+  row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
+}
+
+stage_llamacpp() {
+  lcp_start
+  lcp_wait 100 || return 1
+  lcp smol /tmp/smol-q4_1.gguf
+  lcp l8b /tmp/llama8b-f16.gguf
+  row llamacpp "$RUNS/lcp_smol.json" --cmd D1
+  row llamacpp "$RUNS/lcp_l8b.json" --cmd D2
+}
+
+stage_decode() {  # D1, D2, D3; llama.cpp's runs in the same call when its build is there
+  TAIL=8 run decode_smol 120 python3 $smol --layouts cuda:0 cuda:0,cuda:0 \
+    --json "$RUNS/decode_smol.json"
+  TAIL=8 run decode_l8b 110 python3 $l8b --layouts cuda:0 --floor --json "$RUNS/decode_l8b.json"
+  TAIL=8 run decode_smol_ahead_off 70 python3 $smol --layouts cuda:0,cuda:0 --decode-ahead off \
+    --json "$RUNS/decode_smol_ahead_off.json"
+  if [ -e /tmp/lcp.pid ] && lcp_wait 110; then
+    lcp smol /tmp/smol-q4_1.gguf
+    lcp l8b /tmp/llama8b-f16.gguf
+  fi
+  local s=() l=()
+  [ -e "$RUNS/lcp_smol.json" ] && s=(--llamacpp "$RUNS/lcp_smol.json")
+  [ -e "$RUNS/lcp_l8b.json" ] && l=(--llamacpp "$RUNS/lcp_l8b.json")
+  row decode "$RUNS/decode_smol.json" "${s[@]}" --cmd D1
+  row decode "$RUNS/decode_l8b.json" "${l[@]}" --cmd D2
+  row decode "$RUNS/decode_smol_ahead_off.json" --what "decode_ahead off" --cmd D3
+}
+
+stage_prefill() {  # P1; llama.cpp's prefill from this call's (or an earlier call's) run
+  for m in smol l8b; do
+    local model=smollm2-135m-shape
+    [ $m = l8b ] && model=llama-8b-shape
+    TAIL=8 run "prefill_$m" 100 python3 bench/decode.py --model "random:$model" --layouts cuda:0 \
+      --prompt-len 512 --new-tokens 16 --max-context 8192 --repeats 3 --prefill 3900 \
+      --prefill-chunk 2048 --json "$RUNS/prefill_$m.json"
+  done
+  if [ -e /tmp/lcp.done ] && [ ! -e "$RUNS/lcp_smol.json" ]; then
+    lcp smol /tmp/smol-q4_1.gguf
+    lcp l8b /tmp/llama8b-f16.gguf
+  fi
+  for m in smol l8b; do
+    local b=()
+    [ -e "/tmp/lcp_$m.json" ] && b=(--llamacpp "/tmp/lcp_$m.json")
+    row prefill "$RUNS/prefill_$m.json" "${b[@]}" --cmd P1
+  done
+}
+
+stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
+  two_gpus split || return 1
+  for m in smollm2-135m-shape qwen3-8b llama-8b-shape; do
+    local ctx=4096
+    [ $m = smollm2-135m-shape ] && ctx=2048
+    TAIL=8 run "split_$m" 110 python3 bench/decode.py --model "random:$m" --layouts cuda:0 \
+      cuda:0,cuda:1 --prompt-len 512 --new-tokens 256 --max-context $ctx --repeats 3 \
+      --json "$RUNS/split_$m.json"
+    row split "$RUNS/split_$m.json" --cmd X1
+  done
+  TAIL=10 run hop 60 bash -c 'for i in 1 2 3 4 5; do python3 bench/hop_latency.py \
+    --devices cuda:0,cuda:1 --transports cuda-ipc --tokens 1 --hidden 4096 --iters 1000 \
+    --json "$0/hop_$i.json" | tail -2; done' "$RUNS"
+  row hop "$RUNS"/hop_[1-5].json --cmd X2
+  if [ "$GPUS" -ge 4 ]; then
+    TAIL=12 run split4_decode 200 python3 bench/split4.py --part decode --json "$RUNS/split4.json"
+    TAIL=12 run split4_cache 200 python3 bench/split4.py --part cache --cache-parent /tmp
+  fi
+}
+
+stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts
+  default_model || return 1
+  local cases=${SPEC:-greedy}
+  [ -z "${SPEC:-}" ] && [ "$GPUS" -ge 2 ] && cases=greedy,gpus2
+  local one="--devices cuda:0,cuda:0"
+  if has "$cases" greedy; then
+    TAIL=12 run spec_greedy 180 python3 $spec $one --new-tokens 256 --repeat 3 \
+      --json "$RUNS/spec_greedy.json"
+    row spec "$RUNS/spec_greedy.json" --what "greedy, 2 shards on one GPU" --cmd S1
+  fi
+  if has "$cases" gpus2 && two_gpus "spec gpus2"; then
+    TAIL=12 run spec_gpus2 180 python3 $spec --devices cuda:0,cuda:1 --new-tokens 256 \
+      --repeat 3 --json "$RUNS/spec_gpus2.json"
+    row spec "$RUNS/spec_gpus2.json" --what "greedy, 2 shards on 2 GPUs" --cmd S2
+  fi
+  if has "$cases" trees; then
+    TAIL=14 run spec_trees 300 python3 $spec $one --new-tokens 256 --repeat 3 --trees 31,15,7 \
+      --json "$RUNS/spec_trees.json"
+    row spec "$RUNS/spec_trees.json" --what "greedy" --labels "tree of 31,tree of 15,tree of 7" \
+      --cmd S3
+  fi
+  if has "$cases" sampled; then
+    TAIL=12 run spec_sampled 220 python3 $spec $one --new-tokens 128 --repeat 3 \
+      --temperature 0.7 --top-p 0.9 --sampling coupled --json "$RUNS/spec_sampled.json"
+    row spec "$RUNS/spec_sampled.json" --what "temperature 0.7, top-p 0.9, coupled" --cmd S4
+  fi
+  if has "$cases" streams; then
+    TAIL=12 run spec_streams 220 python3 $spec $one --streams 8 --ignore-eos --new-tokens 128 \
+      --repeat 3 --json "$RUNS/spec_streams.json"
+    row spec "$RUNS/spec_streams.json" --what "8 streams each speculating" --cmd S5
+  fi
+  if has "$cases" det; then  # (the held-out prompts, chains of 4 rows)
+    TAIL=20 run spec_det 500 python3 bench/speculative.py --model default $one --drafts default \
+      --new-tokens 128 --repeat 3 --deterministic --sets eval --limit 12 --trees 0 --block 4 \
+      --json "$RUNS/spec_det.json"
+    row spec "$RUNS/spec_det.json" --what "deterministic mode" --labels "chains of 4" --cmd S6
+  fi
+}
+
+stage_cache() {  # C1 (on 2 GPUs where there are two), C3, C4
+  local cases=${CACHE:-prefix,shared,swap} devices=cuda:0
+  [ "$GPUS" -ge 2 ] && devices=cuda:0,cuda:1
+  if has "$cases" prefix; then
+    TAIL=10 run cache_prefix 300 python3 bench/prefix_cache.py --model random:qwen3-8b \
+      --devices $devices --lengths 1024,8192,32768 --prefill-chunk 2048 --dir /tmp/pc8b \
+      --json "$RUNS/cache_prefix.json"
+    row cache "$RUNS/cache_prefix.json" --what "Qwen3-8B shape, $devices" --cmd C1
+  fi
+  if has "$cases" swap; then
+    TAIL=8 run cache_swap 120 python3 bench/kv_swap.py --tokens 8192,32768 --repeats 3 &&
+      echo "| host tier's swaps, 32,768 tokens (out returns / done, in returns / done) | \
+$(grep -E '^ *32768' "$RUNS/cache_swap.log" | tr -s ' ' | head -1) | (in the same line: the \
+synchronous copy) | $RESULTS_DEVICE | $RESULTS_DATE | $RESULTS_COMMIT | C6 |" | tee -a "$ROWS"
+  fi
+  if has "$cases" shared; then
+    TAIL=8 run cache_shared 400 python3 bench/shared_prefix.py --model random:qwen3-8b \
+      --devices cuda:0 --prefix 30720 --requests 8 --kv-cache-gb 24 &&
+      echo "| 8 requests on one 30,720-token prefix | $(grep -m1 'KV blocks held' \
+        "$RUNS/cache_shared.log" | cut -c3-) | (in the same line: as separate copies) | \
+$RESULTS_DEVICE | $RESULTS_DATE | $RESULTS_COMMIT | C5 |" | tee -a "$ROWS"
+  fi
+}
+
+stage_hybrid() {  # H1-H4
+  local cases=${HYBRID:-decode,prefill,gpus2} m=random:qwen3.5-27b
+  if has "$cases" decode; then
+    TAIL=10 run hybrid_fused 230 python3 bench/decode.py --model $m --layouts cuda:0 \
+      cuda:0,cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
+      --json "$RUNS/hybrid_fused.json"
+    TAIL=10 run hybrid_unfused 130 env LAYERSPLIT_FUSED_HYBRID=0 python3 bench/decode.py \
+      --model $m --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 \
+      --repeats 3 --floor --json "$RUNS/hybrid_unfused.json"
+    row decode "$RUNS/hybrid_fused.json" --cmd H1
+    row decode "$RUNS/hybrid_unfused.json" --what "unfused (LAYERSPLIT_FUSED_HYBRID=0)" --cmd H1
+  fi
+  if has "$cases" prefill && install_tf; then
+    TAIL=10 run hybrid_prefill 300 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 \
+      bench/decode.py --model $m --layouts cuda:0 --prompt-len 512 --new-tokens 16 \
+      --max-context 40960 --repeats 1 --prefill 8192,32768 --prefill-chunk 8192 \
+      --kv-cache-gb 4 --hf --json "$RUNS/hybrid_prefill.json"
+    row prefill "$RUNS/hybrid_prefill.json" --cmd H2
+  fi
+  if has "$cases" gpus2 && two_gpus "hybrid gpus2"; then
+    TAIL=10 run hybrid_gpus2 240 python3 bench/decode.py --model $m --layouts cuda:0 \
+      cuda:0,cuda:1 --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
+      --json "$RUNS/hybrid_gpus2.json"
+    row split "$RUNS/hybrid_gpus2.json" --cmd H3
+    TAIL=10 run hybrid_xsplit 200 python3 bench/prefix_cache.py --model $m \
+      --devices cuda:0,cuda:1 --restore-devices cuda:0 --lengths 32768 --prefill-chunk 2048 \
+      --check-tokens 16 --dir /tmp/pc27 --json "$RUNS/hybrid_xsplit.json"
+    row cache "$RUNS/hybrid_xsplit.json" --what "Qwen3.5-27B shape, saved on 2 GPUs, restored \
+into 1" --cmd H4
+  fi
+}
+
+stage_moe() {  # M1 (and M2 on 2 GPUs)
+  TAIL=12 run moe 330 python3 bench/moe.py --layouts cuda:0 cuda:0,cuda:0 --streams 8,32 \
+    --repeats 3 --json "$RUNS/moe.json"
+  row moe "$RUNS/moe.json" --cmd M1
+  if [ "$GPUS" -ge 2 ]; then
+    TAIL=12 run moe_gpus2 200 python3 bench/moe.py --layouts cuda:0 cuda:0,cuda:1 --streams 8 \
+      --repeats 3 --json "$RUNS/moe_gpus2.json"
+    row moe "$RUNS/moe_gpus2.json" --cmd M2
+  fi
+}
+
+stage_long() {  # L1-L4
+  local cases=${LONG:-128k}
+  if has "$cases" 128k; then
+    TAIL=10 run long_128k 300 python3 bench/decode.py --model random:qwen3-8b --layouts cuda:0 \
+      --prompt-len 131072 --new-tokens 64 --max-context 131200 --kv-cache-gb 24 \
+      --prefill-chunk 8192 --repeats 3 --floor --json "$RUNS/long_128k.json"
+    row decode "$RUNS/long_128k.json" --what "after a 131,072-token prompt" --cmd L1
+  fi
+  if has "$cases" chunks; then
+    TAIL=6 run long_chunk2048 100 python3 $q8 --prefill-chunk 2048 --json "$RUNS/long_chunk2048.json"
+    TAIL=6 run long_chunk32k 80 python3 $q8 --prefill-chunk 32768 --json "$RUNS/long_chunk32k.json"
+    row prefill "$RUNS/long_chunk2048.json" --what "chunks of 2048" --cmd L2
+    row prefill "$RUNS/long_chunk32k.json" --what "one piece" --cmd L2
+  fi
+  if has "$cases" mixed; then
+    TAIL=12 run long_mixed 400 python3 bench/concurrency.py --model random:qwen3-8b \
+      --layouts cuda:0 --mixed 65536x1,2048x15 --prompt-len 2048 --new-tokens 128 \
+      --kv-cache-gb 24 --prefill-chunk 2048 --repeats 3 --json "$RUNS/long_mixed.json"
+    row concurrency "$RUNS/long_mixed.json" --what "Qwen3-8B shape" --cmd L3
+  fi
+  if has "$cases" gpus2 && two_gpus "long gpus2"; then
+    TAIL=10 run long_gpus2 200 python3 bench/decode.py --model random:qwen3-8b --layouts cuda:0 \
+      cuda:0,cuda:1 --prompt-len 131072 --new-tokens 64 --max-context 131200 --kv-cache-gb 24 \
+      --prefill-chunk 8192 --repeats 1 --json "$RUNS/long_gpus2.json"
+    row split "$RUNS/long_gpus2.json" --cmd L4
+    TAIL=10 run long_cache 200 python3 bench/prefix_cache.py --model random:qwen3-8b \
+      --devices cuda:0,cuda:1 --lengths 131072 --prefill-chunk 8192 --kv-cache-gb 24 \
+      --dir /tmp/pc128 --json "$RUNS/long_cache.json"
+    row cache "$RUNS/long_cache.json" --what "Qwen3-8B shape, 2 GPUs" --cmd L4
+  fi
+}
+
+stage_serve() {  # V1-V3
+  local cases=${SERVE:-streams,structured} layouts=cuda:0
+  [ "$GPUS" -ge 2 ] && layouts="cuda:0 cuda:0,cuda:1"
+  if has "$cases" streams; then
+    TAIL=30 run serve_streams 330 python3 bench/concurrency.py --model random:qwen3-8b \
+      --layouts $layouts --streams 1,2,4,8,16 --prompt-len 128 --new-tokens 128 \
+      --prefill-len 32768 --prefill-chunk 2048 --json "$RUNS/serve_streams.json"
+    row concurrency "$RUNS/serve_streams.json" --what "Qwen3-8B shape" --cmd V1
+  fi
+  if has "$cases" structured; then
+    local model=default
+    default_model 2> /dev/null || {
+      model=/tmp/smol-q4_1.gguf
+      random_gguf smollm2-135m-shape q4_1 $model || return 1
+    }
+    TAIL=10 run serve_structured 220 python3 bench/structured_output.py --model $model \
+      --layouts cuda:0 cuda:0,cuda:0 --new-tokens 256 --repeats 3 \
+      --json "$RUNS/serve_structured.json"
+    row structured "$RUNS/serve_structured.json" --cmd V2
+  fi
+  if has "$cases" soak && default_model; then
+    TAIL=40 run serve_soak $((${SOAK_MIN:-5} * 60 + 180)) python3 bench/soak.py --clients 32 \
+      --minutes "${SOAK_MIN:-5}" --json "$RUNS/serve_soak.json" -- --devices cuda:0,cuda:0
+  fi
+}
+
+stage_startup() {  # T1-T4
+  local cases=${STARTUP:-generate}
+  if has "$cases" generate; then  # the default model's file (a random-weight GGUF of its shape,
+    # quantization and vocabulary under its name: start-up does not depend on the weights)
+    local gguf=/tmp/home_rnd/models/SmolLM2-135M-Instruct.Q4_1.gguf i
+    random_gguf smollm2-135m-shape q4_1 $gguf || return 1
+    rm -rf /tmp/home_cold
+    for i in 0 1 2 3; do
+      TAIL=3 run "startup_$i" 80 env LAYERSPLIT_HOME=/tmp/home_cold python3 \
+        bench/startup_trace.py python3 -m layersplit.launch.cli -v generate \
+        'The capital of France is' --model $gguf --max-tokens 64 --ignore-eos --json \
+        --devices cuda:0
+    done
+    row startup "$RUNS"/startup_[0-3].log --what "generate, default model's file with its draft, \
+1 GPU" --cmd T1
+  fi
+  if has "$cases" shape; then  # the default model's shape, no draft, a prompt of token ids
+    rm -rf /tmp/home_shape
+    for i in 0 1 2 3; do
+      TAIL=3 run "startup_shape_$i" 80 env LAYERSPLIT_HOME=/tmp/home_shape python3 \
+        bench/startup_trace.py python3 -m layersplit.launch.cli -v generate --token-ids 5,6,7,8,9 \
+        --model random:smollm2-135m-shape --max-tokens 64 --ignore-eos --json --devices cuda:0
+    done
+    row startup "$RUNS"/startup_shape_[0-3].log --what "generate, default model's shape, 1 GPU" \
+      --cmd T2
+  fi
+  if has "$cases" capture; then
+    TAIL=14 run startup_capture 200 python3 bench/startup.py --model random:smollm2-135m-shape \
+      --devices cuda:0 --repeats 3 --new-tokens 128 --max-context 4096 --max-seqs 1 \
+      --json "$RUNS/startup_capture.json"
+  fi
+  if has "$cases" hybrid; then
+    TAIL=14 run startup_hybrid 400 python3 bench/startup.py --model random:qwen3.5-27b \
+      --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 \
+      --json "$RUNS/startup_hybrid.json"
+  fi
+}
+
+stage_park() { log "parked: $(ls /tmp/smol.part* 2> /dev/null | tr '\n' ' ')"; }
+
+# llama.cpp builds in the background while the stages before the ones that read it run
+for s in "$@"; do
+  case $s in llamacpp | decode | prefill) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
+done
+for s in "$@"; do
+  log "stage $s"
+  "stage_$s"
+done
+log "done; rows in $ROWS"
