@@ -8,7 +8,8 @@
     python3 bench/results_row.py spec greedy.json --what "greedy, 2 shards on one GPU" --cmd S1
 
 Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured (each
-reads the `--json` file of its bench), startup (`bench/startup_trace.py` logs), pytest (a pytest log).
+reads the `--json` file of its bench), startup (`bench/startup_trace.py` logs), pytest (a pytest
+log).
 The device, date and commit come from --device, --date and --commit, else from
 $RESULTS_DEVICE, $RESULTS_DATE and $RESULTS_COMMIT (`bench/device_env.sh` sets them), else
 "—". Each printed row can be pasted into RESULTS.md as it is.
@@ -72,7 +73,8 @@ def decode(args) -> list[tuple[str, str, str]]:
             ours += f"; TTFT {r['ttft_s']:.2f} s ({runs(r['ttft_s_runs'], '{:.2f}')})"
         base = []
         if lcp:
-            base.append(f"llama.cpp {lcp['wall_tok_s']:.1f} tok/s ({tok / lcp['wall_tok_s']:.2f} ×)")
+            ratio = tok / lcp["wall_tok_s"]
+            base.append(f"llama.cpp {lcp['wall_tok_s']:.1f} tok/s ({ratio:.2f} ×)")
         if floor:
             base.append(f"HBM floor {floor['floor_tok_s']:.0f} tok/s")
         hf = [h["decode_tok_s"] for h in out["rows"] if h["layout"].startswith("HF")]

@@ -42,8 +42,8 @@ def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None) -
     """`spec_sampling` as it applies to a sampled request: `auto` is `off` for a DFlash draft
     where the target or the draft runs on a GPU (`devices`: theirs; sampled DFlash speculation
     there measured 0.61 x plain decoding and greedy 1.16 x, H200, 2026-11-28,
-    `bench/RESULTS.md`), else `coupled` (a classic draft's sampled proposals were not measured; on CPUs
-    speculation is for exactness, not speed). `off`: sampled requests do not speculate (they
+    `bench/RESULTS.md`), else `coupled` (a classic draft's sampled proposals were not measured;
+    on CPUs speculation is for exactness, not speed). `off`: sampled requests do not speculate (they
     still feed the draft where a context is free, so the prefixes they cache carry its feature
     rows)."""
     if setting != "auto":
