@@ -17,6 +17,13 @@ from layersplit.ipc.transport import tensor_from
 from layersplit.shards.accept import accept_draft
 from layersplit.shards.decode_ahead import deferrable
 from layersplit.shards.executor import Segment
+from layersplit.shards.finite import (
+    NonFiniteLogits,
+    bad_segments,
+    greedy_draw,
+    mark_rows,
+    nonfinite_error,
+)
 from layersplit.shards.sampling import (
     SamplingParams,
     check_mask,
@@ -84,8 +91,9 @@ class LastShardSampling:
                                                          seg["sample"]["top_k"])
                  and seg["sample"].get("lp") is None and not has_processors(seg["sample"])]
         if len(plain) > 1:
-            rows = torch.stack([outs[i][-1] for i in plain]).argmax(dim=-1).tolist()
-            greedy = dict(zip(plain, rows))
+            _, marked = greedy_draw(torch.stack([outs[i][-1] for i in plain]))
+            greedy = dict(zip(plain, marked.tolist()))
+        checked = []  # the rows each other draw came from, checked together below
         for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
             logits = out[-1]
             token, accepted, path, lp = None, 0, None, None
@@ -93,6 +101,7 @@ class LastShardSampling:
                 token = greedy[i]
             elif seg["sample"] is not None:
                 token, accepted, path, logits, lp = _sample_segment(seg, out)
+                checked.append((i, out if seg["draft"] is not None else out[-1:]))
             plp = seg["plp"]
             if plp is not None:
                 plp = logprob_entries(out[:len(plp["targets"])], plp["targets"],
@@ -101,6 +110,10 @@ class LastShardSampling:
                             "path": path, "asked": seg["asked"], "lp": lp, "plp": plp})
             if seg["logits"]:
                 logits_rows.append(logits.float()[None])
+        bad = [i for i in greedy if greedy[i] < 0]
+        bad += [checked[j][0] for j in bad_segments([rows for _, rows in checked])]
+        if bad:
+            raise self._nonfinite([msg["seqs"][i] for i in sorted(bad)])
         # with the verdict, the draft prepares its next proposal (it has the rows already);
         # when it hands that to the first shard, the coordinator is off the decode path, and
         # the verdict goes first
@@ -130,19 +143,25 @@ class LastShardSampling:
         waiting for the device: the tokens stay there for a lookahead step (`TokenBoard`), and
         the result goes once they reach the host, after the next step's kernels are queued."""
         seqs = msg["seqs"]
+        last = torch.stack([out[-1] for out in outs])
         if all(is_greedy(seg["sample"]["temperature"], seg["sample"]["top_k"]) for seg in seqs):
-            tokens = torch.stack([out[-1] for out in outs]).argmax(dim=-1)
+            tokens, marked = greedy_draw(last)
         else:
             tokens = torch.cat([sample_tokens(
                 out[-1:], float(seg["sample"]["temperature"]), int(seg["sample"]["top_k"]),
                 float(seg["sample"]["top_p"]), int(seg["sample"]["seed"]),
                 [seg["pos"] + seg["n"]]) for seg, out in zip(seqs, outs)])
+            marked = mark_rows(last, tokens)
         if self.board is not None:  # (the last shard's: the first shard takes them there)
             self.board.post([seg["slot"] for seg in seqs], tokens, msg["sid"])
         rows = [out[-1].float()[None] for seg, out in zip(seqs, outs) if seg["logits"]]
         self.unsent.flush(wait=True)  # the steps before this one: it is queued behind them
 
         def send(ids: list[int], logits: torch.Tensor | None) -> None:
+            if any(t < 0 for t in ids):  # (-1: a non-finite row, `greedy_draw`, `mark_rows`)
+                self._report(self._failure(msg, self._nonfinite(
+                    [seg for t, seg in zip(ids, seqs) if t < 0])))
+                return
             outcomes = [{"token": t, "accepted": 0, "logits": seg["logits"], "path": None,
                          "asked": seg["asked"], "lp": None, "plp": None}
                         for t, seg in zip(ids, seqs)]
@@ -154,7 +173,12 @@ class LastShardSampling:
             except Exception as e:  # noqa: BLE001 - reported as the step's failure
                 self._report(self._failure(msg, e))
 
-        self.unsent.add(tokens, torch.cat(rows) if rows else None, send)
+        self.unsent.add(marked, torch.cat(rows) if rows else None, send)
+
+    def _nonfinite(self, segs: list[dict[str, Any]]) -> NonFiniteLogits:
+        """The failure of a step whose segments `segs` drew from non-finite logits."""
+        return nonfinite_error(self.spec.dtype, [seg["pos"] + seg["n"] for seg in segs],
+                               f"{self.spec.start}:{self.spec.end}")
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""

@@ -1,0 +1,49 @@
+"""Logits that hold a NaN or an infinity never become a token: the last shard fails the step
+instead, naming the dtype the shards compute in (a half type that overflowed, most often).
+
+A plain greedy draw checks only its own logit: a NaN anywhere in a row wins the row's maximum
+(torch's max and argmax propagate NaN), and so does an infinity, so the drawn logit is
+non-finite whenever the row is. Every other draw (sampled, verify, logits processors) checks
+its whole rows: a softmax spreads a NaN over every probability, and the draw may then land on
+a token whose own logit is finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step's logits went non-finite; nothing was sampled from them."""
+
+
+def greedy_draw(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax of each row (n, V), and the same ids with -1 where the row's maximum is NaN or
+    infinite: both stay on the device (no wait for it)."""
+    top, ids = rows.max(dim=-1)
+    return ids, ids.masked_fill(~torch.isfinite(top), -1)
+
+
+def mark_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`ids` (one per row of `rows`) with -1 where the row holds a NaN or an infinity."""
+    return ids.masked_fill(~torch.isfinite(rows).all(dim=-1), -1)
+
+
+def bad_segments(rows: Sequence[torch.Tensor]) -> list[int]:
+    """Which of the segments' rows (each (k, V)) hold a NaN or an infinity: one wait for the
+    device for all of them."""
+    if not rows:
+        return []
+    ok = torch.stack([torch.isfinite(r).all() for r in rows]).tolist()
+    return [i for i, good in enumerate(ok) if not good]
+
+
+def nonfinite_error(dtype: str, positions: Sequence[int], layers: str) -> NonFiniteLogits:
+    where = ", ".join(str(p) for p in positions)
+    return NonFiniteLogits(
+        f"the logits at position {where} hold NaN or infinity (computed in {dtype}; this last "
+        f"shard holds layers {layers}): nothing was sampled. A half type that overflows does "
+        "this: run with --dtype float32 (or bfloat16 where float16 overflowed), and compare "
+        "with `layersplit check`")
