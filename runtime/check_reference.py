@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 REFERENCES = ("transformers", "llama.cpp")
 INSTALL = {
-    "transformers": "pip install transformers",
+    "transformers": "pip install 'layersplit[check]' (transformers, and accelerate for GGUF)",
     "llama.cpp": "pip install llama-cpp-python (CMAKE_ARGS='-DGGML_CUDA=on' for GPUs)",
 }
 

@@ -203,6 +203,11 @@ class ShardGroup:
                         raise ShardFailure(f"{_name(sh)} made no token board for decode "
                                            "lookahead: its layersplit is older; run the same "
                                            "version everywhere")
+                if sh.info.get("dtype") != self.dtype:  # (a shard started by hand)
+                    raise ShardFailure(f"{_name(sh)} computes in {sh.info.get('dtype')} where "
+                                       f"this run computes in {self.dtype}: start it with "
+                                       f"--dtype {self.dtype} (or give the run --dtype "
+                                       f"{sh.info.get('dtype')})")
                 if bool(sh.info.get("deterministic")) != cfg.deterministic:
                     raise ShardFailure(f"{_name(sh)} reports deterministic="
                                        f"{sh.info.get('deterministic')!r} where the run asked "

@@ -97,6 +97,19 @@ def test_remote_shard_with_other_layers_is_named(tiny_llama, remote_shard, monke
         Coordinator(cfg).start()
 
 
+@pytest.mark.slow
+def test_remote_shard_with_another_dtype_is_named(tiny_llama, remote_shard, monkeypatch):
+    """The shard was started without --dtype (float32); a bfloat16 run refuses it by name
+    instead of computing half the chain in another dtype."""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", remote_shard), threads=1, startup_timeout=30,
+                        dtype="bfloat16")
+    with pytest.raises(ShardFailure, match="computes in float32 where this run computes in "
+                                           "bfloat16: start it with --dtype bfloat16"):
+        Coordinator(cfg).start()
+
+
 def test_remote_shards_need_a_secret(tiny_llama, monkeypatch):
     monkeypatch.delenv("LAYERSPLIT_SECRET", raising=False)
     cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"),
