@@ -41,7 +41,7 @@ from layersplit.runtime.openai_api import (
     parse,
 )
 from layersplit.runtime.openai_render import Renderer, usage
-from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
+from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("layersplit.server")
@@ -211,13 +211,9 @@ def _constrain(engine: Engine, req: ParsedRequest) -> None:
 
     if engine.status != "ready":
         return  # (refused with 503 when it is submitted)
-    if req.tools:
-        tok = engine.tokenizer
-        if tok is None or tool_format(tok.chat_template) is None:
-            raise RequestError(f"the chat template of {engine.served_model} has no tool-call "
-                               "format this server parses (supported: Hermes-style "
-                               "<tool_call> JSON blocks, as Qwen2.5/Qwen3 and Hermes templates "
-                               "write them)", "tools")
+    if req.tools and (engine.tokenizer is None or not engine.tokenizer.chat_template):
+        raise RequestError(f"{engine.served_model} has no chat template, so it takes no "
+                           "tools", "tools")
     if not req.tools and req.json_schema is None:
         return
     comp = engine.grammars()

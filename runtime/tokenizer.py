@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from layersplit.runtime.tool_calls import hermes_messages, tool_format
 from layersplit.shards.errors import CheckpointError
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers import models as tk_models
@@ -226,10 +227,14 @@ class TextTokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         """The conversation as the template writes it; `tools` (OpenAI's tool definitions)
-        are passed to the template as transformers passes them."""
+        are passed to the template as transformers passes them, or, where the template writes
+        no tool calls, written into the messages in the Hermes format
+        (`runtime.tool_calls.hermes_messages`)."""
         def text(i: int | None) -> str:
             return "" if i is None else (self.tk.id_to_token(i) or "")
 
+        if tools and tool_format(self.chat_template) is None:  # (written into the messages)
+            messages, tools = hermes_messages(list(messages), list(tools)), None
         extra = {"tools": list(tools)} if tools else {}
         return self._template.render(
             messages=list(messages),

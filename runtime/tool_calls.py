@@ -4,8 +4,10 @@
 One format is supported: Hermes-style, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n
 </tool_call>`, one block per call, which the templates of Qwen2.5 / Qwen3, Hermes and the
 SmolLM-style ChatML-with-tools models teach. A template is taken to use it when it writes
-`<tool_call>`; a request with tools for a model whose template does not is refused (400, naming
-`tools`), never answered with calls left unparsed in the text.
+`<tool_call>`. A template that writes no tool calls gets the same format through the messages
+themselves (`hermes_messages`): the tools in the system message, calls and results as text, as
+Qwen2.5's template writes them, so any chat model can be asked for tool calls (and a `required`
+or named `tool_choice` holds by grammar whatever the model knows).
 """
 
 from __future__ import annotations
@@ -23,6 +25,69 @@ def tool_format(chat_template: str | None) -> str | None:
     if chat_template and OPEN in chat_template and "tools" in chat_template:
         return "hermes"
     return None
+
+
+TOOLS_PROMPT = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}"
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def hermes_messages(messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with `tools` and every tool call and result written as text in the Hermes
+    format, for a chat template that writes none: the tools after the system message (or a
+    default one), an assistant's calls as `<tool_call>` blocks after its text, consecutive tool
+    results as one user message of `<tool_response>` blocks. A ChatML model renders these
+    exactly as Qwen2.5's template (`configs/templates/chatml-tools.jinja`) renders the
+    originals."""
+    listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    out: list[dict[str, Any]] = []
+    rest = list(messages)
+    system = DEFAULT_SYSTEM
+    if rest and rest[0].get("role") == "system":
+        system = _text(rest.pop(0).get("content"))
+    out.append({"role": "system", "content": system + TOOLS_PROMPT.format(tools=listed)})
+    for m in rest:
+        role = m.get("role")
+        if role == "assistant" and m.get("tool_calls"):
+            parts = [_text(m.get("content"))] if m.get("content") else []
+            for call in m["tool_calls"]:
+                fn = call.get("function", call)
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        pass  # (written as given)
+                parts.append('<tool_call>\n{"name": ' + json.dumps(fn.get("name"),
+                                                                    ensure_ascii=False)
+                             + ', "arguments": ' + json.dumps(args, ensure_ascii=False)
+                             + "}\n</tool_call>")
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        elif role == "tool":
+            block = "<tool_response>\n" + _text(m.get("content")) + "\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(dict(m))
+    for m in out:
+        m.pop("tool_results", None)
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (OpenAI's list of text parts joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
 
 
 def _call(body: str) -> dict[str, Any] | None:

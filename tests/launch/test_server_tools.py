@@ -198,3 +198,62 @@ def test_bad_tools_and_schemas_are_refused_by_name(server, body, param):
                    json={"model": MODEL, "messages": USER, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_llama):
+    """The tiny model with its own ChatML template, which writes no tool calls (as the default
+    model's): tools go into the messages in the Hermes format."""
+    s = Server(tiny_llama, "--max-context", "2048")
+    yield s
+    assert s.stop() == 0
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_a_template_without_tools_renders_them_as_qwen_does(plain_server, tiny_llama):
+    """The conversation with tools, a call and its result reaches the model as the Hermes
+    template (Qwen2.5's) would have written it, token for token."""
+    from transformers import AutoTokenizer
+
+    args = {"city": "Paris", "unit": "celsius"}
+    convo = [{"role": "system", "content": "Be brief."}, *USER,
+             {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps(args)}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": '{"temperature": 21}'},
+             {"role": "tool", "tool_call_id": "c2", "content": '{"wind": 3}'}]
+    tk = AutoTokenizer.from_pretrained(tiny_llama)
+    want = tk.apply_chat_template(
+        [*convo[:2], {**convo[2], "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+         *convo[3:]],
+        tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False,
+        chat_template=TEMPLATE.read_text())
+    got = httpx.post(plain_server.url + "/tokenize",
+                     json={"messages": convo, "tools": [WEATHER, CLOCK]}).json()
+    assert got["tokens"] == tk(want, add_special_tokens=False)["input_ids"]
+    assert "<tools>" in want and "<tool_response>\n{\"wind\": 3}\n</tool_response>" in want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_with_a_template_without_tools(plain_server, stream):
+    c = plain_server.client
+    for choice, tool in (("required", None),
+                         ({"type": "function", "function": {"name": "get_time"}}, CLOCK)):
+        kw = dict(model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=4,
+                  max_tokens=120, tool_choice=choice, parallel_tool_calls=False)
+        if stream:
+            _, calls, finish = _streamed(c.chat.completions.create(stream=True, **kw))
+            got = [(x["name"], x["arguments"]) for x in calls]
+        else:
+            r = c.chat.completions.create(**kw)
+            finish = r.choices[0].finish_reason
+            got = [(x.function.name, x.function.arguments)
+                   for x in r.choices[0].message.tool_calls]
+        assert finish == "tool_calls" and len(got) == 1
+        name, arguments = got[0]
+        want = tool or next(t for t in (WEATHER, CLOCK) if t["function"]["name"] == name)
+        assert name == want["function"]["name"]
+        jsonschema.validate(json.loads(arguments), want["function"]["parameters"])

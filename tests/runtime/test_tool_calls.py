@@ -39,3 +39,30 @@ def test_template_detection():
     assert tool_format("{% if tools %}...<tool_call>...{% endif %}") == "hermes"
     assert tool_format("{{ message['content'] }}") is None
     assert tool_format(None) is None
+
+
+def test_hermes_messages_write_tools_calls_and_results_as_text():
+    from layersplit.runtime.tool_calls import DEFAULT_SYSTEM, hermes_messages
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "a", "type": "function",
+                 "function": {"name": "f", "arguments": '{"x": 1}'}},
+                {"id": "b", "type": "function",
+                 "function": {"name": "f", "arguments": {"y": "é"}}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "1"},
+            {"role": "tool", "tool_call_id": "b", "content": "2"},
+            {"role": "user", "content": "thanks"}]
+    out = hermes_messages(msgs, [tool])
+    assert out[0]["role"] == "system"
+    assert out[0]["content"].startswith(DEFAULT_SYSTEM + "\n\n# Tools")
+    assert '\n{"type": "function", "function": {"name": "f"' in out[0]["content"]
+    assert out[1] == msgs[0]  # (left as it was)
+    assert out[2] == {"role": "assistant", "content":
+                      '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+                      '<tool_call>\n{"name": "f", "arguments": {"y": "é"}}\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n1\n</tool_response>\n"
+                                                 "<tool_response>\n2\n</tool_response>"}
+    assert out[4] == msgs[4] and len(out) == 5
+    assert msgs[2]["role"] == "tool"  # (the request's messages are not changed)
