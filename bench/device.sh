@@ -60,7 +60,12 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   default_model
   local tf=()
   [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
-  TAIL=40 run parity 300 "${tf[@]}" python3 bench/parity.py --out "$OUT/parity.json"
+  # the default model in every layout (PARITY_LIMIT prompts), then each family's reduced shape
+  TAIL=40 run parity_default 420 "${tf[@]}" python3 bench/parity.py default \
+    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" \
+    --out "$OUT/parity_default.json"
+  TAIL=40 run parity_families 420 "${tf[@]}" python3 bench/parity.py families --limit 6 \
+    --new-tokens 48 --out "$OUT/parity_families.json"
   TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
   row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
 }

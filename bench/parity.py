@@ -20,54 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from layersplit.runtime.check import CheckOptions, encode_prompts, load_prompts, run_check  # noqa: E402
-from layersplit.runtime.check_reference import (  # noqa: E402
-    ReferenceRun,
-    greedy_continuation,
-    load_transformers,
-    run_reference,
-)
+from layersplit.runtime.check import CheckOptions, reference_runs, run_check  # noqa: E402
+from layersplit.runtime.check_reference import ReferenceRun, half_agreement  # noqa: E402
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
-from layersplit.runtime.parity import Agreement  # noqa: E402
-from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
 
 log = logging.getLogger("parity")
 QUESTION = "What is the capital of France?"
-
-
-def hf_half(model: str, refs: list[ReferenceRun], dtype: str, device: str,
-            new_tokens: int, stop_ids) -> dict:
-    """transformers in `dtype` against its own float32 run (`refs`): teacher-forced on the
-    float32 tokens, and free-running."""
-    import torch
-
-    hf = load_transformers(model, device, dtype)
-    agree, equal = Agreement(), 0
-    past: list = [None]
-
-    def step(tokens: list[int], new: bool) -> np.ndarray:
-        x = torch.tensor([tokens], device=device)
-        with torch.no_grad():
-            out = hf(input_ids=x, past_key_values=None if new else past[0], use_cache=True)
-        past[0] = out.past_key_values
-        return out.logits[0, -1].float().cpu().numpy()
-
-    for ref in refs:
-        ids = torch.tensor([ref.prompt + ref.tokens[:-1]], device=device)
-        with torch.no_grad():
-            logits = hf(input_ids=ids).logits[0, len(ref.prompt) - 1:].float().cpu().numpy()
-        agree.add(ref.logits, logits)
-        free = greedy_continuation(step, ref.prompt, new_tokens, stop_ids)
-        equal += free.tokens == ref.tokens
-    past[0] = None
-    hf = None  # (freed before the next model loads)
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return {"who": f"transformers {dtype}", **agree.to_json(), "greedy_equal": equal,
-            "prompts": len(refs)}
 
 
 def ours(cfg: RuntimeConfig, opts: CheckOptions, refs: list[ReferenceRun], name: str) -> dict:
@@ -87,21 +46,6 @@ def ours(cfg: RuntimeConfig, opts: CheckOptions, refs: list[ReferenceRun], name:
     return row
 
 
-def references(cfg: RuntimeConfig, opts: CheckOptions, device: str):
-    from layersplit.runtime.model_store import resolve_model
-    from layersplit.shards.checkpoint import open_checkpoint
-
-    path = resolve_model(cfg.model)
-    tok = TextTokenizer.for_model(path)
-    mcfg = open_checkpoint(path).config
-    stop = tuple(tok.eos_ids if tok is not None else ()) or tuple(mcfg.eos_token_ids)
-    prompts = encode_prompts(load_prompts(opts.prompts)[:opts.limit], tok, mcfg.vocab_size)
-    t0 = time.perf_counter()
-    refs = run_reference("transformers", path, prompts, opts.new_tokens, stop, device)
-    log.info("float32 reference of %s: %.1f s", path, time.perf_counter() - t0)
-    return str(path), refs, stop
-
-
 def emit(rows: list[dict], out: str | None, extra: dict) -> None:
     doc = {**extra, "rows": rows}
     if out:
@@ -119,10 +63,10 @@ def cmd_default(args) -> None:
     dev = args.device
     base = RuntimeConfig(model="default", devices=(dev,), max_context=1024, draft="none")
     opts = CheckOptions(limit=args.limit, new_tokens=args.new_tokens)
-    model, refs, stop = references(base, opts, dev)
+    model, refs, stop = reference_runs(base, opts, dev)
     rows: list[dict] = []
     for dtype in ("bfloat16", "float16"):
-        rows.append(hf_half(model, refs, dtype, dev, opts.new_tokens, stop))
+        rows.append(half_agreement(model, refs, dtype, dev, opts.new_tokens, stop))
         emit(rows, args.out, {"model": model})
     two = ("cuda:0", "cuda:1") if args.gpus > 1 else (dev, dev)
     variants = [
@@ -184,8 +128,8 @@ def cmd_families(args) -> None:
                             draft="none", dtype=args.dtype)
         opts = CheckOptions(limit=args.limit, new_tokens=args.new_tokens)
         try:
-            model, refs, stop = references(cfg, opts, "cuda:0")
-            half = hf_half(model, refs, args.dtype, "cuda:0", opts.new_tokens, stop)
+            model, refs, stop = reference_runs(cfg, opts, "cuda:0")
+            half = half_agreement(model, refs, args.dtype, "cuda:0", opts.new_tokens, stop)
             rows.append({**half, "family": fam})
             rows.append({**ours(cfg, opts, refs, fam), "family": fam})
         except Exception as e:  # noqa: BLE001 - the row says what failed; the others go on

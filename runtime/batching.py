@@ -621,6 +621,11 @@ class Batcher:
                 self.sched.copied(r.slot)
             if r.done:
                 continue
+            if out.error is not None:  # (this sequence only: the step's others go on)
+                if r.waits == sid:
+                    r.waits = None
+                self._fail(r, ShardFailure(out.error, runtime_down=False))
+                continue
             if r.waits == sid:
                 r.waits = None
                 if not r.cancelled:
@@ -633,7 +638,8 @@ class Batcher:
     def _fail(self, req: Request, e: BaseException) -> None:
         if req.done:
             return
-        req.error = e
+        if req.error is None:  # (the first failure says why: a lookahead step behind it fails too)
+            req.error = e
         if req.in_flight == 0:
             self._end(req)
         else:

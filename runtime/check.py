@@ -32,6 +32,7 @@ import numpy as np
 from layersplit.runtime.check_reference import ReferenceRun, run_reference
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.parity import Agreement, Thresholds, common_prefix
 from layersplit.shards.sampling import SamplingParams
@@ -141,7 +142,10 @@ def teacher_forced(coord, run: ReferenceRun) -> np.ndarray:
 class FreeRun:
     tokens: list[list[int]]
     logits: list[np.ndarray | None]
-    cached: list[int]
+    cached: list[int]  # prompt tokens each request restored from the prefix cache
+    tiers: list[str]  # and from which tier ("none", "ram", "disk")
+    speculated: int  # requests that ran verify steps
+    errors: list[str]  # why requests failed (their tokens are then empty)
     seconds: float
 
 
@@ -150,19 +154,28 @@ def free_running(coord, prompts: list[list[int]], new_tokens: int, batch: int,
     """Greedy generation through the request path, `batch` prompts decoded together."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     record = speculative is False  # (logits are not recorded under speculation)
-    tokens, logits, cached = [], [], []
+    run = FreeRun([], [], [], [], 0, [], 0.0)
     t0 = time.perf_counter()
     for a in range(0, len(prompts), batch):
         group = prompts[a:a + batch]
         progs = [Progress(logits=[] if record else None) for _ in group]
-        coord.generate_batch(group, [params] * len(group), use_cache=use_cache,
-                             speculative=[speculative] * len(group), progress=progs)
+        try:
+            coord.generate_batch(group, [params] * len(group), use_cache=use_cache,
+                                 speculative=[speculative] * len(group), progress=progs)
+        except ShardFailure as e:  # (a request's logits went non-finite: its group is lost)
+            if e.runtime_down:
+                raise
+            run.errors += [str(e)] * len(group)
+            progs = [Progress() for _ in group]
         for p in progs:
-            tokens.append(list(p.generated))
-            logits.append(np.stack(p.logits).astype(np.float32) if record and p.logits
-                          else None)
-            cached.append(p.cached_tokens)
-    return FreeRun(tokens, logits, cached, time.perf_counter() - t0)
+            run.tokens.append(list(p.generated))
+            run.logits.append(np.stack(p.logits).astype(np.float32) if record and p.logits
+                              else None)
+            run.cached.append(p.cached_tokens)
+            run.tiers.append(p.cache_tier)
+            run.speculated += p.spec is not None and p.spec.verifies > 0
+    run.seconds = time.perf_counter() - t0
+    return run
 
 
 def compare_free(refs: list[ReferenceRun], run: FreeRun,
@@ -189,14 +202,13 @@ def run_check(cfg: RuntimeConfig, opts: CheckOptions,
     against one reference run)."""
     from layersplit.runtime.coordinator import Coordinator
 
-    restore_dir = None
-    if "disk" in opts.restore and not cfg.kv_cache_dir:
-        restore_dir = tempfile.mkdtemp(prefix="layersplit-check-")
-        cfg = dataclasses.replace(cfg, kv_cache_dir=restore_dir)
     if opts.restore and not cfg.prefix_cache:
         raise ConfigError("restore needs the prefix cache (prefix_cache = true)")
-    if opts.batch > cfg.max_seqs:
-        cfg = dataclasses.replace(cfg, max_seqs=opts.batch)
+    # a cache of its own, fresh: the cold runs are cold, and the user's cache is left alone
+    restore_dir = tempfile.mkdtemp(prefix="layersplit-check-") if "disk" in opts.restore else None
+    cfg = cfg.replace(kv_cache_dir=restore_dir, max_seqs=max(cfg.max_seqs, opts.batch),
+                      spec_max_seqs=max(cfg.spec_max_seqs, opts.batch) if cfg.spec_max_seqs
+                      else 0)
     try:
         coord = Coordinator(cfg)
         items = load_prompts(opts.prompts)[:opts.limit]
@@ -225,6 +237,26 @@ def run_check(cfg: RuntimeConfig, opts: CheckOptions,
             shutil.rmtree(restore_dir, ignore_errors=True)
 
 
+def reference_runs(cfg: RuntimeConfig, opts: CheckOptions, device: str
+                   ) -> tuple[str, list[ReferenceRun], tuple[int, ...]]:
+    """transformers float32's runs of `opts`' prompts on `cfg`'s model, made once for several
+    `run_check` calls (benchmarks and tests check many layouts against one run): (the model's
+    path, the runs, the stop ids)."""
+    from layersplit.runtime.model_store import resolve_model
+    from layersplit.runtime.tokenizer import TextTokenizer
+    from layersplit.shards.checkpoint import open_checkpoint
+
+    path = resolve_model(cfg.model)
+    tok = TextTokenizer.for_model(path)
+    mcfg = open_checkpoint(path).config
+    stop = tuple(tok.eos_ids if tok is not None else ()) or tuple(mcfg.eos_token_ids)
+    prompts = encode_prompts(load_prompts(opts.prompts)[:opts.limit], tok, mcfg.vocab_size)
+    t0 = time.perf_counter()
+    refs = run_reference("transformers", path, prompts, opts.new_tokens, stop, device)
+    log.info("float32 reference of %s: %.1f s", path, time.perf_counter() - t0)
+    return str(path), refs, stop
+
+
 def _progress(what: str, total: int):
     step = max(1, total // 10)
 
@@ -238,41 +270,59 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
                 refs: list[ReferenceRun]) -> dict[str, Any]:
     from layersplit.runtime.coordinator import Coordinator
 
-    thresholds = Thresholds.for_dtype(coord.dtype)
+    # a half type's rounding, or llama.cpp's own arithmetic (quantized dot products), moves
+    # logits more than float32 against float32 does
+    base = "float16" if opts.reference == "llama.cpp" else coord.dtype
+    thresholds = Thresholds.for_dtype(base)
     thresholds = Thresholds(opts.min_top1 if opts.min_top1 is not None else thresholds.min_top1,
                             opts.max_kl if opts.max_kl is not None else thresholds.max_kl)
     runs: dict[str, Any] = {}
     failures: list[str] = []
-    exact = coord.dtype == "float32"  # our own paths must then agree to the token
+    # speculation keeps plain decoding's tokens exactly where every step is computed the same
+    # way: float32 on CPUs, or deterministic mode (a batched verify step may round a near-tie
+    # otherwise); restores always do (the cached rows are the very rows of the cold run)
+    exact_spec = coord.dtype == "float32" and (
+        cfg.deterministic or all(s.device == "cpu" for s in coord.placement.shards))
     try:
         coord.start()
         forced = Agreement()
         note = _progress("teacher-forced", len(refs))
         for i, ref in enumerate(refs):
-            forced.add(ref.logits, teacher_forced(coord, ref))
+            try:
+                forced.add(ref.logits, teacher_forced(coord, ref))
+            except ShardFailure as e:  # (logits that went non-finite: counted, then on)
+                if e.runtime_down:
+                    raise
+                coord.batcher.sched.drop_held(0)
+                forced.add_failed(len(ref.tokens))
+                failures.append(f"teacher-forced, prompt {i + 1}: {e}")
             note(i + 1)
         failures += thresholds.failures(forced, "teacher-forced")
-        plain = free_running(coord, prompts, opts.new_tokens, opts.batch,
-                             use_cache=bool(opts.restore), speculative=False)
-        runs["plain"] = compare_free(refs, plain, coord.eos_ids)
-        if "agreement" in runs["plain"] and runs["plain"]["agreement"]["nonfinite_positions"]:
-            failures.append("free-running: non-finite logits")
+        plain = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
+                             speculative=False)
+        runs["plain"] = _free_report(refs, plain, coord.eos_ids, "free-running", failures)
         if coord.draft is not None:
             spec = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
                                 speculative=None)
             same = sum(a == b for a, b in zip(spec.tokens, plain.tokens))
-            runs["speculative"] = {**compare_free(refs, spec, coord.eos_ids),
-                                   "equal_plain": same}
-            if exact and same != len(prompts):
+            runs["speculative"] = {**_free_report(refs, spec, coord.eos_ids, "speculative",
+                                                  failures),
+                                   "equal_plain": same, "speculated": spec.speculated}
+            if spec.speculated == 0:
+                failures.append("speculative: no request speculated (is the draft up?)")
+            if exact_spec and same != len(prompts):
                 failures.append(f"speculative: {len(prompts) - same} of {len(prompts)} "
                                 "outputs differ from plain decoding's")
+        if opts.restore:  # the prompts once more, cached this time (some share a prefix)
+            free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=True,
+                         speculative=False)
         if "ram" in opts.restore:
-            runs["ram"] = _restored(coord, prompts, refs, opts, plain, "ram", exact, failures)
+            runs["ram"] = _restored(coord, prompts, refs, opts, plain, "ram", failures)
         if "disk" in opts.restore:
             coord.close()  # a restart: only the disk tier is left
             coord = Coordinator(cfg)
             coord.start()
-            runs["disk"] = _restored(coord, prompts, refs, opts, plain, "disk", exact, failures)
+            runs["disk"] = _restored(coord, prompts, refs, opts, plain, "disk", failures)
     finally:
         coord.close()
     return {"model": str(cfg.model), "reference_model": opts.reference_model or str(cfg.model),
@@ -284,18 +334,32 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
             "failures": failures, "pass": not failures}
 
 
+def _free_report(refs: list[ReferenceRun], run: FreeRun, stop_ids: Sequence[int], what: str,
+                 failures: list[str]) -> dict[str, Any]:
+    out = compare_free(refs, run, stop_ids)
+    if run.errors:
+        out["errors"] = len(run.errors)
+        failures.append(f"{what}: {len(run.errors)} requests failed ({run.errors[0]})")
+    if out.get("agreement", {}).get("nonfinite_positions"):
+        failures.append(f"{what}: non-finite logits")
+    return out
+
+
 def _restored(coord, prompts: list[list[int]], refs: list[ReferenceRun], opts: CheckOptions,
-              plain: FreeRun, tier: str, exact: bool, failures: list[str]) -> dict[str, Any]:
-    """The prompts again, restored from the cache: the same tokens as the cold run."""
+              plain: FreeRun, tier: str, failures: list[str]) -> dict[str, Any]:
+    """The prompts again, each restored whole from the cache tier `tier`: the same tokens as
+    the cold run (in any dtype: the cached rows are the cold run's own)."""
     run = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=True,
                        speculative=False)
     same = sum(a == b for a, b in zip(run.tokens, plain.tokens))
-    restored = sum(1 for c, p in zip(run.cached, prompts) if c >= len(p) - coord.chunk)
-    out = {**compare_free(refs, run, coord.eos_ids), "equal_cold": same, "restored": restored,
-           "cached_tokens": sum(run.cached)}
+    restored = sum(1 for c, t, p in zip(run.cached, run.tiers, prompts)
+                   if c == len(p) and t == tier)
+    out = {**_free_report(refs, run, coord.eos_ids, tier, failures), "equal_cold": same,
+           "restored": restored, "cached_tokens": sum(run.cached)}
     if restored < len(prompts):
-        failures.append(f"{tier}: {len(prompts) - restored} prompts were not restored")
-    if exact and same != len(prompts):
+        failures.append(f"{tier}: {len(prompts) - restored} of {len(prompts)} prompts were not "
+                        f"restored whole from the {tier} tier")
+    if same != len(prompts):
         failures.append(f"{tier}: {len(prompts) - same} restored outputs differ from the cold "
                         "ones")
     return out

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from layersplit.runtime.parity import Agreement
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +158,34 @@ def _llama_cpp(model: str | Path, device: str, context: int):
         return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
 
     return step, llm.close
+
+
+def half_agreement(model: str | Path, refs: list[ReferenceRun], dtype: str, device: str,
+                   new_tokens: int, stop_ids: Sequence[int]) -> dict:
+    """transformers in `dtype` against its own float32 run (`refs`): teacher-forced on the
+    float32 tokens, and free-running."""
+    torch = _require("transformers", "torch")
+    hf = load_transformers(model, device, dtype)
+    agree, equal = Agreement(), 0
+    past: list = [None]
+
+    def step(tokens: list[int], new: bool) -> np.ndarray:
+        x = torch.tensor([tokens], device=device)
+        with torch.no_grad():
+            out = hf(input_ids=x, past_key_values=None if new else past[0], use_cache=True)
+        past[0] = out.past_key_values
+        return out.logits[0, -1].float().cpu().numpy()
+
+    for ref in refs:
+        ids = torch.tensor([ref.prompt + ref.tokens[:-1]], device=device)
+        with torch.no_grad():
+            logits = hf(input_ids=ids).logits[0, len(ref.prompt) - 1:].float().cpu().numpy()
+        agree.add(ref.logits, logits)
+        free = greedy_continuation(step, ref.prompt, new_tokens, stop_ids)
+        equal += free.tokens == ref.tokens
+    past[0] = None
+    hf = None  # (freed before the next model loads)
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"who": f"transformers {dtype}", **agree.to_json(), "greedy_equal": equal,
+            "prompts": len(refs)}

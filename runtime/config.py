@@ -62,7 +62,8 @@ class RuntimeConfig:
     layers: tuple[str, ...] | None = _field(None, "explicit ranges per shard, e.g. 0:10,10:30")
     weights: tuple[float, ...] | None = _field(None, "relative share of layers per shard")
     dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 where every "
-                                "shard is a CPU, else the checkpoint's half type (docs/models.md)")
+                                "shard is a CPU, else the checkpoint's half type (docs/models.md, "
+                                "Dtypes)")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "

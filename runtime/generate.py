@@ -30,6 +30,8 @@ class StepOutput:
     # (the last shard's outcome `asked`: draft, tree, missed, waited, compute)
     lp: list | None = None  # logprobs of the tokens it emitted (`shards.sampling.logprob_entries`)
     plp: list | None = None  # logprobs of a prompt chunk's next tokens (StepRequest.plp)
+    error: str | None = None  # why this sequence's part of the step failed (its logits went
+    # non-finite, `shards.finite`): it gets no token, the step's other sequences do
 
 
 class Engine(Protocol):

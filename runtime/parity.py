@@ -41,6 +41,12 @@ class Agreement:
         diff[bad] = np.inf
         self.logit_diff_max = max(self.logit_diff_max, float(diff.max()))
 
+    def add_failed(self, positions: int) -> None:
+        """Positions whose logits never came (the request failed on non-finite logits)."""
+        self.positions += positions
+        self.nonfinite += positions
+        self.kl_sum = self.kl_max = self.logit_diff_max = float("inf")
+
     @property
     def top1(self) -> float:
         return self.top1_equal / self.positions if self.positions else 1.0

@@ -95,7 +95,10 @@ class StepDriver:
         if sid not in self._done:
             self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
                        until=lambda: sid in self._done, step=sid)
-        return self.step_outputs(sid)[0]
+        out = self.step_outputs(sid)[0]
+        if out.error is not None:
+            raise ShardFailure(out.error, runtime_down=False)
+        return out
 
     def table_update(self, slot: int) -> dict[str, Any] | None:
         """The block-table change a message about `slot` carries (`runtime.scheduler`)."""
@@ -181,8 +184,12 @@ class StepDriver:
                     isinstance(j, int) for j in path)):
                 raise self.fail(f"the last shard returned the tree path {path[:40]} for "
                                  f"{o['accepted']} kept tokens")
+            err = o.get("error")
+            if err is not None and (not isinstance(err, str) or o["token"] is not None):
+                raise self.fail("the last shard returned an outcome with both a token and an "
+                                "error, or an error that is not text")
             outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"], o["lp"],
-                                   o["plp"]))
+                                   o["plp"], err))
         if logits is not None and row != len(logits):
             raise self.fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs

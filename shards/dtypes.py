@@ -16,6 +16,10 @@ FLOAT16_UNSAFE = frozenset({"gemma3_text", "gemma2", "gemma3"})
 # Families whose GPU paths have only been checked against transformers in bfloat16 (the hybrid
 # Gated DeltaNet models, published in bfloat16): `auto` keeps them there.
 BFLOAT16_ONLY = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+# Families whose float16 path was measured against transformers float32 on a GPU (the default
+# model, a Llama): a GGUF file or a float32 checkpoint of one runs in float16, of any other
+# family in bfloat16 (its range; a float16 checkpoint runs in float16 whatever its family).
+FLOAT16_MEASURED = frozenset({"llama", "mistral"})
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -63,7 +67,7 @@ def _hf_dtype(folder: Path) -> str | None:
         return None
     if isinstance(raw.get("text_config"), dict):  # a multimodal folder's language model
         raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k != "text_config"}}
-    value = raw.get("torch_dtype", raw.get("dtype"))
+    value = raw.get("torch_dtype") or raw.get("dtype")
     value = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16",
              "fp32": "float32"}.get(value, value)
     return value if value in DTYPES else None
@@ -71,23 +75,24 @@ def _hf_dtype(folder: Path) -> str | None:
 
 def auto_dtype(model_type: str, stored: str | None, devices: list[str]) -> tuple[str, str]:
     """The run dtype `auto` gives (and why, for the log): float32 where every shard is a CPU;
-    on GPUs the checkpoint's own half type (float16 for GGUF files and float16 checkpoints,
-    bfloat16 for bfloat16 ones), float16 for a float32 checkpoint (as vLLM does), and bfloat16
-    wherever float16 would be unsafe or unchecked (`FLOAT16_UNSAFE`, `BFLOAT16_ONLY`).
-    float16 rather than bfloat16 by default because it holds 3 more mantissa bits at the same
-    speed: on the default model bfloat16 flips answers that transformers' float32 gets right
-    (`layersplit check`'s measurements: bench/RESULTS.md, "Correctness")."""
+    on GPUs the checkpoint's own half type where it stores one; for a GGUF file or a float32
+    checkpoint, float16 on the families it was measured on (`FLOAT16_MEASURED`: it holds 3
+    more mantissa bits than bfloat16 at the same speed, and on the default model bfloat16
+    flips answers that transformers' float32 gets right: `layersplit check`'s measurements,
+    bench/RESULTS.md, "Correctness"), bfloat16 on the others; and bfloat16 wherever float16
+    is unsafe or unchecked (`FLOAT16_UNSAFE`, `BFLOAT16_ONLY`)."""
     if all(str(d) == "cpu" for d in devices):
         return "float32", "every shard is on a CPU"
     if model_type in FLOAT16_UNSAFE:
         return "bfloat16", f"{model_type} overflows float16"
     if model_type in BFLOAT16_ONLY:
         return "bfloat16", f"{model_type} runs in bfloat16 on GPUs"
-    if stored == "bfloat16":
-        return "bfloat16", "the checkpoint stores bfloat16"
-    if stored in ("float16", "float32"):
-        return "float16", f"the checkpoint stores {stored}"
-    return "float16", "the checkpoint names no dtype"
+    if stored in ("bfloat16", "float16"):
+        return stored, f"the checkpoint stores {stored}"
+    what = f"the checkpoint stores {stored}" if stored else "the checkpoint names no dtype"
+    if model_type in FLOAT16_MEASURED:
+        return "float16", f"{what}; float16 measured closest to float32 on {model_type}"
+    return "bfloat16", f"{what}; float16 not measured on {model_type}"
 
 
 def run_dtype(requested: str, model_type: str, path: str | Path,

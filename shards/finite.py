@@ -1,5 +1,6 @@
-"""Logits that hold a NaN or an infinity never become a token: the last shard fails the step
-instead, naming the dtype the shards compute in (a half type that overflowed, most often).
+"""Logits that hold a NaN or an infinity never become a token: the last shard fails that
+sequence's part of the step instead (its outcome's `error`; the step's other sequences go on),
+naming the dtype the shards compute in (a half type that overflowed, most often).
 
 A plain greedy draw checks only its own logit: a NaN anywhere in a row wins the row's maximum
 (torch's max and argmax propagate NaN), and so does an infinity, so the drawn logit is

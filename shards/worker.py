@@ -45,7 +45,6 @@ from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.early_moves import EarlyMoves
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.finite import NonFiniteLogits
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.kernel_profile import kernel_profile
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
@@ -264,9 +263,6 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         """The error message that reports `msg`'s failure with `e`."""
         if isinstance(e, ProtocolError):
             return error(f"shard {self.index}: {e}", e.code, sid=msg.get("sid"))
-        if isinstance(e, NonFiniteLogits):  # (the model's numbers, not a bug here)
-            log.error("shard %d: %s", self.index, e)
-            return error(f"shard {self.index}: {e}", "nonfinite", sid=msg.get("sid"))
         log.exception("shard %d: %s failed", self.index, msg.get("type"))
         return error(f"shard {self.index} ({self.spec.start}:{self.spec.end}): "
                      f"{msg.get('type')} failed: {type(e).__name__}: {e}", "failed",

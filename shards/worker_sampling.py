@@ -17,13 +17,7 @@ from layersplit.ipc.transport import tensor_from
 from layersplit.shards.accept import accept_draft
 from layersplit.shards.decode_ahead import deferrable
 from layersplit.shards.executor import Segment
-from layersplit.shards.finite import (
-    NonFiniteLogits,
-    bad_segments,
-    greedy_draw,
-    mark_rows,
-    nonfinite_error,
-)
+from layersplit.shards.finite import bad_segments, greedy_draw, mark_rows, nonfinite_error
 from layersplit.shards.sampling import (
     SamplingParams,
     check_mask,
@@ -112,8 +106,9 @@ class LastShardSampling:
                 logits_rows.append(logits.float()[None])
         bad = [i for i in greedy if greedy[i] < 0]
         bad += [checked[j][0] for j in bad_segments([rows for _, rows in checked])]
-        if bad:
-            raise self._nonfinite([msg["seqs"][i] for i in sorted(bad)])
+        for i in bad:  # (that sequence fails; the step's others go on)
+            results[i].update(token=None, accepted=0, path=None, lp=None,
+                              error=self._nonfinite(msg["seqs"][i]))
         # with the verdict, the draft prepares its next proposal (it has the rows already);
         # when it hands that to the first shard, the coordinator is off the decode path, and
         # the verdict goes first
@@ -158,13 +153,12 @@ class LastShardSampling:
         self.unsent.flush(wait=True)  # the steps before this one: it is queued behind them
 
         def send(ids: list[int], logits: torch.Tensor | None) -> None:
-            if any(t < 0 for t in ids):  # (-1: a non-finite row, `greedy_draw`, `mark_rows`)
-                self._report(self._failure(msg, self._nonfinite(
-                    [seg for t, seg in zip(ids, seqs) if t < 0])))
-                return
             outcomes = [{"token": t, "accepted": 0, "logits": seg["logits"], "path": None,
                          "asked": seg["asked"], "lp": None, "plp": None}
                         for t, seg in zip(ids, seqs)]
+            for out, seg in zip(outcomes, seqs):
+                if out["token"] < 0:  # (-1: a non-finite row, `greedy_draw`, `mark_rows`)
+                    out.update(token=None, error=self._nonfinite(seg))
             if self.trace is not None:
                 self.trace("sampled", msg["sid"], ahead=True)  # (its tokens on the host now)
                 self.trace("sent", msg["sid"])
@@ -175,10 +169,12 @@ class LastShardSampling:
 
         self.unsent.add(marked, torch.cat(rows) if rows else None, send)
 
-    def _nonfinite(self, segs: list[dict[str, Any]]) -> NonFiniteLogits:
-        """The failure of a step whose segments `segs` drew from non-finite logits."""
-        return nonfinite_error(self.spec.dtype, [seg["pos"] + seg["n"] for seg in segs],
-                               f"{self.spec.start}:{self.spec.end}")
+    def _nonfinite(self, seg: dict[str, Any]) -> str:
+        """Why a segment that drew from non-finite logits failed (its outcome's `error`)."""
+        e = nonfinite_error(self.spec.dtype, [seg["pos"] + seg["n"]],
+                            f"{self.spec.start}:{self.spec.end}")
+        log.error("shard %d: %s", self.index, e)
+        return f"shard {self.index}: {e}"
 
     def _on_sample(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Sample from logits the coordinator stored (an exact prefix hit) on this device."""

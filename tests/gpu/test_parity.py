@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from layersplit.runtime.check import CheckOptions, run_check
+from layersplit.runtime.check import CheckOptions, reference_runs, run_check
+from layersplit.runtime.check_reference import half_agreement
 from layersplit.runtime.config import RuntimeConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -24,13 +25,8 @@ OPTS = CheckOptions(limit=16, new_tokens=64)
 def default_refs(default_model):
     """transformers float32's continuations of the first 16 bundled prompts, and how many of
     them transformers' own half types reproduce."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from parity import hf_half, references
-
-    model, refs, stop = references(BASE, OPTS, "cuda:0")
-    best = max(hf_half(model, refs, d, "cuda:0", OPTS.new_tokens, stop)["greedy_equal"]
+    model, refs, stop = reference_runs(BASE, OPTS, "cuda:0")
+    best = max(half_agreement(model, refs, d, "cuda:0", OPTS.new_tokens, stop)["greedy_equal"]
                for d in ("bfloat16", "float16"))
     return refs, best
 
@@ -62,14 +58,21 @@ def test_default_model_batched_and_restored(default_refs):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "gemma3", "mistral"])
 def test_family_shape_matches_transformers(family, tmp_path_factory):
-    """bfloat16 on the family's full-width shape: within the floors (top-1 99 %, mean KL 1e-3)
-    against transformers float32."""
+    """bfloat16 on the family's full-width shape, against transformers float32: within the
+    floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the
+    same weights, as close to float32 as it is (mean KL within 25 %: the measure that does not
+    turn on a few near-ties)."""
     from layersplit.shards.shape_checkpoints import write_shape_checkpoint
 
     root = Path(os.environ.get("LAYERSPLIT_SHAPES") or tmp_path_factory.mktemp("shapes"))
     path = write_shape_checkpoint(root / family, family, "cuda:0")
     cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
                         dtype="bfloat16")
-    r = run_check(cfg, CheckOptions(limit=4, new_tokens=32))
+    opts = CheckOptions(limit=4, new_tokens=32)
+    model, refs, stop = reference_runs(cfg, opts, "cuda:0")
+    theirs = half_agreement(model, refs, "bfloat16", "cuda:0", opts.new_tokens, stop)
+    r = run_check(cfg, opts, refs)
     assert r["nonfinite_positions"] == 0
-    assert r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3, r
+    assert theirs["top1_agreement"] < 0.9999, "saturated logits: the check shows nothing"
+    floors = r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3
+    assert floors or r["mean_kl"] <= 1.25 * theirs["mean_kl"], (r, theirs)

@@ -70,7 +70,7 @@ def test_free_running_compares_a_stopped_answer_without_its_stop_token():
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(3, 7)).astype(np.float32)
     refs = [ReferenceRun([1], [4, 5, 2], logits), ReferenceRun([1], [4, 5, 6], logits)]
-    run = FreeRun([[4, 5], [4, 3]], [logits, logits[:2]], [0, 0], 0.0)
+    run = FreeRun([[4, 5], [4, 3]], [logits, logits[:2]], [0, 0], ["none"] * 2, 0, [], 0.0)
     out = compare_free(refs, run, (2,))
     assert out["greedy_equal"] == 1  # the first: equal; the second parts at its second token
     assert out["agreement"]["positions"] == 3 + 2
@@ -135,20 +135,36 @@ def test_check_passes_in_float32(model, devices):
 @pytest.mark.slow
 def test_check_batched_and_restored_from_ram_and_disk(model, tmp_path):
     opts = CheckOptions(limit=8, new_tokens=8, batch=8, restore=("ram", "disk"))
-    report = run_check(_cfg(model, ("cpu", "cpu"), kv_cache_dir=str(tmp_path / "kv")), opts)
+    mine = tmp_path / "kv"  # the user's cache: the check uses one of its own
+    report = run_check(_cfg(model, ("cpu", "cpu"), kv_cache_dir=str(mine)), opts)
     assert report["pass"], report["failures"]
     for tier in ("ram", "disk"):
         run = report["runs"][tier]
         assert run["restored"] == 8 and run["equal_cold"] == 8 and run["cached_tokens"] > 0
         assert run["agreement"]["top1_agreement"] == 1.0
-    assert any(p.suffix == ".safetensors" for p in (tmp_path / "kv").rglob("*"))
+    assert not mine.exists()
+
+
+@pytest.mark.slow
+def test_a_restore_that_does_not_happen_fails_the_check(model):
+    """With the RAM tier off, nothing restores: the check says so instead of comparing a cold
+    run with another cold run."""
+    report = run_check(_cfg(model, ("cpu",), cache_ram_gb=0.0),
+                       CheckOptions(limit=2, new_tokens=4, restore=("ram",)))
+    assert not report["pass"] and report["runs"]["ram"]["restored"] == 0
+    assert any("not restored whole from the ram tier" in f for f in report["failures"])
 
 
 @pytest.mark.slow
 def test_check_with_speculation(target, dflash):
-    report = run_check(_cfg(target, ("cpu", "cpu"), draft=str(dflash)), CheckOptions(**FAST))
+    report = run_check(_cfg(target, ("cpu", "cpu"), draft=str(dflash)),
+                       CheckOptions(**FAST, batch=2))
     assert report["pass"], report["failures"]
     assert report["runs"]["speculative"]["equal_plain"] == 3
+    assert report["runs"]["speculative"]["speculated"] == 3  # (spec_max_seqs: the batch's)
+    off = run_check(_cfg(target, ("cpu",), draft=str(dflash), spec_max_seqs=0),
+                    CheckOptions(limit=1, new_tokens=4))
+    assert any("no request speculated" in f for f in off["failures"])
 
 
 @pytest.mark.slow
@@ -188,3 +204,19 @@ def test_check_refuses_a_reference_it_cannot_run(model, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(ReferenceUnavailable, match="llama-cpp-python"):
         run_check(_cfg(model, ("cpu",)), CheckOptions(reference="llama.cpp", limit=1))
+
+
+@pytest.mark.slow
+def test_check_reports_logits_that_went_nonfinite(model, tmp_path):
+    """Our copy has a NaN weight: every request fails by name; the check reports it (not a
+    crash), and fails."""
+    bad = tmp_path / "nan"
+    shutil.copytree(model, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.4.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    r = run_check(_cfg(bad, ("cpu",)), CheckOptions(limit=2, new_tokens=4,
+                                                    reference_model=str(model)))
+    assert not r["pass"] and r["nonfinite_positions"] == r["positions"] > 0
+    assert r["mean_kl"] == "inf" and r["runs"]["plain"]["errors"] == 2
+    assert any("NaN or infinity" in f for f in r["failures"])

@@ -9,7 +9,9 @@ import shutil
 import pytest
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.decoding import Decoding
 from layersplit.runtime.errors import ShardFailure
+from layersplit.runtime.generate import Progress
 from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import load_file, save_file
 
@@ -42,18 +44,25 @@ def test_nonfinite_logits_fail_the_request_by_name(poisoned, devices, params):
             coord.generate([9, 10], params)
 
 
-@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
-def test_a_decode_step_that_goes_nonfinite_fails_alone(tiny_models, tmp_path, devices):
-    """Only token 11's embedding is NaN (untied head): the prompt's steps are fine, the decode
-    step fed token 11 fails by name, and the next sequence decodes again."""
-    out = tmp_path / "qwen2"
+@pytest.fixture(scope="module")
+def token_11_nan(tiny_models, tmp_path_factory):
+    """The tiny Qwen2 (untied head) with only token 11's embedding NaN: a sequence goes
+    non-finite at the step that feeds token 11, and no other."""
+    out = tmp_path_factory.mktemp("nan11") / "qwen2"
     shutil.copytree(tiny_models["qwen2"], out)
     for f in out.glob("*.safetensors"):
         t = load_file(f)
         if "model.embed_tokens.weight" in t:
             t["model.embed_tokens.weight"][11] = math.nan
             save_file(t, str(f), metadata={"format": "pt"})
-    cfg = RuntimeConfig(model=str(out), devices=devices, max_context=256, threads=1,
+    return out
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu", "cpu")])
+def test_a_decode_step_that_goes_nonfinite_fails_alone(token_11_nan, devices):
+    """The prompt's steps are fine, the decode step fed token 11 fails by name, and the next
+    sequence decodes again."""
+    cfg = RuntimeConfig(model=str(token_11_nan), devices=devices, max_context=256, threads=1,
                         prefill_chunk=16)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
     with Coordinator(cfg) as coord:
@@ -64,3 +73,21 @@ def test_a_decode_step_that_goes_nonfinite_fails_alone(tiny_models, tmp_path, de
         coord.batcher.sched.drop_held(0)
         again = coord.generate([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(again.tokens) >= 1
+
+
+def test_one_nonfinite_sequence_fails_alone_in_a_batched_step(token_11_nan):
+    """Two requests decode together; one is made to draw token 11 (logit_bias), so its next
+    step goes non-finite: it fails by name, the other finishes with its own answer."""
+    cfg = RuntimeConfig(model=str(token_11_nan), devices=("cpu", "cpu"), max_context=256,
+                        threads=1, prefill_chunk=16)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with Coordinator(cfg) as coord:
+        alone = coord.generate([5, 6, 7, 8], greedy).tokens
+        pa, pb = Progress(), Progress()
+        a = coord.submit([5, 6, 7], greedy, pa, decoding=Decoding(logit_bias=((11, 100.0),)))
+        b = coord.submit([5, 6, 7, 8], greedy, pb)
+        while not (a.done and b.done):
+            coord.batcher.run_once()
+        assert isinstance(a.error, ShardFailure)
+        assert "position 4 hold NaN or infinity" in str(a.error) and pa.generated == [11]
+        assert b.error is None and pb.generated == alone

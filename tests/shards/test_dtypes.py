@@ -28,6 +28,15 @@ def test_gpu_follows_the_checkpoint(stored, want):
     assert auto_dtype("llama", stored, ["cuda:0", "cpu"])[0] == want  # any GPU shard
 
 
+@pytest.mark.parametrize("stored,want", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                         ("float32", "bfloat16"), (None, "bfloat16")])
+def test_float16_is_chosen_only_where_it_was_measured(stored, want):
+    dtype, why = auto_dtype("qwen3", stored, ["cuda:0"])
+    assert dtype == want
+    if stored in ("float32", None):
+        assert "not measured on qwen3" in why
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5_text", "qwen3_next"])
 def test_families_never_given_float16(family):
     for stored in ("float16", "float32", None):
@@ -40,6 +49,9 @@ def test_stored_dtype_of_hf_folders_and_ggufs(tmp_path):
     assert stored_dtype(_with_dtype(hf, "bfloat16")) == "bfloat16"
     assert stored_dtype(_with_dtype(hf, "float32")) == "float32"
     assert stored_dtype(_with_dtype(hf, "int8")) is None  # not a dtype we run in
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "torch_dtype": None, "dtype": "float16"}))
+    assert stored_dtype(hf) == "float16"  # (transformers 5 writes `dtype`)
     assert stored_dtype(write_tiny_gguf(hf, tmp_path / "f32.gguf", "F32")) == "float32"
     assert stored_dtype(write_tiny_gguf(hf, tmp_path / "q8.gguf", "Q8_0")) == "float16"
     assert stored_dtype("random:qwen3-8b") == "bfloat16"
