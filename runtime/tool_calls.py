@@ -135,8 +135,8 @@ class ToolCallStream:
                     return out
                 self.after_call = False
             if self.inside:
-                end = self.buf.find(CLOSE)
-                if end < 0:
+                end = _block_end(self.buf)
+                if end is None:
                     return out
                 body = self.buf[:end]
                 self.buf = self.buf[end + len(CLOSE):]
@@ -164,6 +164,27 @@ class ToolCallStream:
         rest = (OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
         return [("text", rest)] if rest else []
+
+
+def _block_end(buf: str) -> int | None:
+    """Where the `</tool_call>` that closes a block starts (`buf`: the text after its
+    `<tool_call>`), None while it may still come. A block holding a JSON value ends at the first
+    close after that value, so a string argument may itself hold `</tool_call>`; a block
+    whose text is not JSON ends at its first close (and stays text)."""
+    lead = len(buf) - len(buf.lstrip())
+    try:
+        _, k = _DECODER.raw_decode(buf, lead)
+    except ValueError as e:
+        pos = getattr(e, "pos", len(buf))
+        if pos >= len(buf) or str(e).startswith("Unterminated string"):
+            return None  # (the value goes on: wait for it)
+        end = buf.find(CLOSE)
+        return end if end >= 0 else None
+    end = buf.find(CLOSE, k)
+    return end if end >= 0 else None
+
+
+_DECODER = json.JSONDecoder()
 
 
 def _partial_open(text: str) -> int:

@@ -66,3 +66,27 @@ def test_hermes_messages_write_tools_calls_and_results_as_text():
                                                  "<tool_response>\n2\n</tool_response>"}
     assert out[4] == msgs[4] and len(out) == 5
     assert msgs[2]["role"] == "tool"  # (the request's messages are not changed)
+
+
+def test_a_string_argument_may_hold_the_closing_tag():
+    """The grammar lets a string argument hold `</tool_call>`: the block ends after the JSON
+    value, whole or streamed a character at a time."""
+    text = ('<tool_call>\n{"name": "search", "arguments": {"query": "a</tool_call> b", '
+            '"n": 6}}\n</tool_call>\nafter')
+    content, calls = parse_tool_calls(text)
+    assert [c["function"]["name"] for c in calls] == ["search"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"query": "a</tool_call> b", "n": 6}
+    assert content == "after"
+    stream, got = ToolCallStream(), []
+    for ch in text:
+        got += stream.push(ch)
+    got += stream.finish()
+    assert [k for k, _ in got if k == "call"] == ["call"]
+    assert "".join(v for k, v in got if k == "text") == "after"
+
+
+def test_a_block_that_is_not_json_stays_text_and_the_next_one_parses():
+    text = '<tool_call>oops</tool_call> then <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "<tool_call>oops</tool_call> then "
+    assert [c["function"]["name"] for c in calls] == ["f"]
