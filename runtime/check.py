@@ -34,6 +34,7 @@ from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Progress
+from layersplit.runtime.nonfinite_layer import first_nonfinite_layer
 from layersplit.runtime.parity import Agreement, Thresholds, common_prefix
 from layersplit.shards.sampling import SamplingParams
 
@@ -283,6 +284,7 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
     # otherwise); restores always do (the cached rows are the very rows of the cold run)
     exact_spec = coord.dtype == "float32" and (
         cfg.deterministic or all(s.device == "cpu" for s in coord.placement.shards))
+    diagnose: ReferenceRun | None = None  # the first prompt whose logits went non-finite
     try:
         coord.start()
         forced = Agreement()
@@ -296,6 +298,7 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
                 coord.batcher.sched.drop_held(0)
                 forced.add_failed(len(ref.tokens))
                 failures.append(f"teacher-forced, prompt {i + 1}: {e}")
+                diagnose = diagnose or ref
             note(i + 1)
         failures += thresholds.failures(forced, "teacher-forced")
         plain = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
@@ -325,7 +328,16 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
             runs["disk"] = _restored(coord, prompts, refs, opts, plain, "disk", failures)
     finally:
         coord.close()
+    first_bad = None
+    if diagnose is not None:  # (the runtime is down: its memory is free for the walk)
+        log.info("check: finding the first layer whose output went non-finite")
+        first_bad = first_nonfinite_layer(coord.model_path, coord.dtype,
+                                          coord.placement.shards[0].device,
+                                          diagnose.prompt + diagnose.tokens, cfg.random_seed)
+        failures.append(f"the first layer whose output went non-finite in {coord.dtype}: "
+                        f"{first_bad or 'none, run layer by layer (the split path differs)'}")
     return {"model": str(cfg.model), "reference_model": opts.reference_model or str(cfg.model),
+            "first_nonfinite_layer": first_bad,
             "dtype": coord.dtype, "devices": list(cfg.devices),
             "split": [s.layers for s in coord.placement.shards], "reference": opts.reference,
             "prompts": len(prompts), "new_tokens": opts.new_tokens,

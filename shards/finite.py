@@ -46,5 +46,5 @@ def nonfinite_error(dtype: str, positions: Sequence[int], layers: str) -> NonFin
     return NonFiniteLogits(
         f"the logits at position {where} hold NaN or infinity (computed in {dtype}; this last "
         f"shard holds layers {layers}): nothing was sampled. A half type that overflows does "
-        "this: run with --dtype float32 (or bfloat16 where float16 overflowed), and compare "
-        "with `layersplit check`")
+        "this: run with --dtype float32 (or bfloat16 where float16 overflowed); `layersplit "
+        "check` with this model and dtype names the first layer whose output went non-finite")

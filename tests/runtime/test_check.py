@@ -220,3 +220,4 @@ def test_check_reports_logits_that_went_nonfinite(model, tmp_path):
     assert not r["pass"] and r["nonfinite_positions"] == r["positions"] > 0
     assert r["mean_kl"] == "inf" and r["runs"]["plain"]["errors"] == 2
     assert any("NaN or infinity" in f for f in r["failures"])
+    assert r["first_nonfinite_layer"] == "layer 4"  # (the walk, layer by layer)
