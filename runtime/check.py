@@ -383,8 +383,8 @@ def summary(report: dict[str, Any]) -> str:
              f"(split {' '.join(report['split'])}) against {report['reference']}, "
              f"{report['prompts']} prompts:",
              f"  teacher-forced: top-1 {report['top1_agreement']:.4f} over "
-             f"{report['positions']} positions, mean KL {report['mean_kl']:.3g}, max KL "
-             f"{report['max_kl']}, max |dlogit| {report['max_abs_logit_diff']}",
+             f"{report['positions']} positions, mean KL {_g(report['mean_kl'])}, max KL "
+             f"{_g(report['max_kl'])}, max |dlogit| {_g(report['max_abs_logit_diff'])}",
              f"  free-running: {report['greedy_equal']}/{report['prompts']} prompts equal"]
     for name, run in report["runs"].items():
         if name == "plain":
@@ -395,6 +395,10 @@ def summary(report: dict[str, Any]) -> str:
                      f"{', ' + extra if extra else ''}")
     lines.append("  PASS" if report["pass"] else "  FAIL: " + "; ".join(report["failures"]))
     return "\n".join(lines)
+
+
+def _g(x: float | str) -> str:
+    return x if isinstance(x, str) else f"{x:.3g}"
 
 
 def check_main(cfg: RuntimeConfig, opts: CheckOptions, as_json: bool) -> int:
