@@ -492,6 +492,10 @@ class CacheManager:
             return have
         if logits is None:
             return None
+        if not np.isfinite(logits).all():  # (a row that went non-finite is never drawn from,
+            # nor kept for a later exact hit to draw from: `shards.finite`)
+            log.warning("no prefix-cache entry at %d tokens: its logits are not finite", length)
+            return None
         if parent is not None and self.index.entries.get(parent.key) is not parent:
             parent = None  # evicted meanwhile: the live KV still holds its rows, so go full
         start = parent.length if parent is not None else 0

@@ -148,6 +148,7 @@ class FreeRun:
     speculated: int  # requests that ran verify steps
     errors: list[str]  # why requests failed (their tokens are then empty)
     seconds: float
+    failed: list[int] = dataclasses.field(default_factory=list)  # which prompts failed
 
 
 def free_running(coord, prompts: list[list[int]], new_tokens: int, batch: int,
@@ -160,15 +161,17 @@ def free_running(coord, prompts: list[list[int]], new_tokens: int, batch: int,
     for a in range(0, len(prompts), batch):
         group = prompts[a:a + batch]
         progs = [Progress(logits=[] if record else None) for _ in group]
-        try:
-            coord.generate_batch(group, [params] * len(group), use_cache=use_cache,
-                                 speculative=[speculative] * len(group), progress=progs)
-        except ShardFailure as e:  # (a request's logits went non-finite: its group is lost)
-            if e.runtime_down:
-                raise
-            run.errors += [str(e)] * len(group)
-            progs = [Progress() for _ in group]
-        for p in progs:
+        reqs = [coord.submit(p, params, g, use_cache, speculative)
+                for p, g in zip(group, progs)]
+        while not all(r.done for r in reqs):
+            coord.batcher.run_once()
+        for r, p in zip(reqs, progs):
+            if r.error is not None:  # (its logits went non-finite: the others went on)
+                if getattr(r.error, "runtime_down", True):
+                    raise r.error
+                run.errors.append(str(r.error))
+                run.failed.append(len(run.tokens))
+                p = Progress()
             run.tokens.append(list(p.generated))
             run.logits.append(np.stack(p.logits).astype(np.float32) if record and p.logits
                               else None)
@@ -303,6 +306,9 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
         failures += thresholds.failures(forced, "teacher-forced")
         plain = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
                              speculative=False)
+        if diagnose is None and plain.errors:
+            i = plain.failed[0]
+            diagnose = ReferenceRun(prompts[i], refs[i].tokens, refs[i].logits)
         runs["plain"] = _free_report(refs, plain, coord.eos_ids, "free-running", failures)
         if coord.draft is not None:
             spec = free_running(coord, prompts, opts.new_tokens, opts.batch, use_cache=False,
@@ -331,9 +337,14 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
     first_bad = None
     if diagnose is not None:  # (the runtime is down: its memory is free for the walk)
         log.info("check: finding the first layer whose output went non-finite")
-        first_bad = first_nonfinite_layer(coord.model_path, coord.dtype,
-                                          coord.placement.shards[0].device,
-                                          diagnose.prompt + diagnose.tokens, cfg.random_seed)
+        try:
+            first_bad = first_nonfinite_layer(coord.model_path, coord.dtype,
+                                              coord.placement.shards[0].device,
+                                              diagnose.prompt + diagnose.tokens,
+                                              cfg.random_seed)
+        except Exception as e:  # noqa: BLE001 - the report stands; the walk says why it failed
+            log.exception("check: the walk through the layers failed")
+            first_bad = f"not found: the walk through the layers failed ({e})"
         failures.append(f"the first layer whose output went non-finite in {coord.dtype}: "
                         f"{first_bad or 'none, run layer by layer (the split path differs)'}")
     return {"model": str(cfg.model), "reference_model": opts.reference_model or str(cfg.model),

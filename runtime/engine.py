@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+import jinja2
 from layersplit.runtime.batching import Request as BatchRequest
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
@@ -286,6 +287,10 @@ class Engine:
                 raise RequestError(f"the prompt has {len(ids)} tokens; this server's context "
                                    f"is {coord.config.max_context} tokens", field)
             coord.check_prompt(ids)
+        except jinja2.exceptions.TemplateError as e:  # (e.g. roles it does not take)
+            job.emit(("error", 400, RequestError(f"the chat template refused the messages: "
+                                                 f"{e}", "messages")))
+            return []
         except (RequestError, ValueError) as e:
             err = e if isinstance(e, RequestError) else RequestError(str(e), "prompt")
             job.emit(("error", err.status, err))

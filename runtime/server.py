@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from layersplit.runtime.config import RuntimeConfig
@@ -157,8 +158,12 @@ def create_app(config: RuntimeConfig) -> FastAPI:
             loop = asyncio.get_running_loop()  # (tokenizing is not for the event loop)
             if "messages" in body:
                 req = parse(body, "chat", engine.served_model, limits())
-                ids = await loop.run_in_executor(
-                    None, functools.partial(tok.encode_chat, req.messages, tools=req.tools))
+                try:
+                    ids = await loop.run_in_executor(
+                        None, functools.partial(tok.encode_chat, req.messages, tools=req.tools))
+                except jinja2.exceptions.TemplateError as e:
+                    raise RequestError(f"the chat template refused the messages: {e}",
+                                       "messages") from None
             else:
                 check_fields(body, "tokenize")
                 _check_model(body, engine.served_model)

@@ -217,4 +217,6 @@ class StepDriver:
         msg, _ = self._wait(lambda s, m: s is last and m["type"] == "result" and m["sid"] == sid,
                             time.monotonic() + self.config.step_timeout, f"sample {sid}", sid)
         o = msg["outs"][0]
+        if o.get("error") is not None:
+            raise ShardFailure(str(o["error"]), runtime_down=False)
         return StepOutput(int(o["token"]), lp=o.get("lp"))

@@ -233,16 +233,23 @@ class TextTokenizer:
         def text(i: int | None) -> str:
             return "" if i is None else (self.tk.id_to_token(i) or "")
 
-        if tools and tool_format(self.chat_template) is None:  # (written into the messages)
-            messages, tools = hermes_messages(list(messages), list(tools)), None
-        extra = {"tools": list(tools)} if tools else {}
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=text(self.bos_id),
-            eos_token=text(self.eos_ids[0] if self.eos_ids else None),
-            **extra,
-        )
+        def render(msgs: Sequence[dict[str, Any]], tools: Any) -> str:
+            return self._template.render(
+                messages=list(msgs),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=text(self.bos_id),
+                eos_token=text(self.eos_ids[0] if self.eos_ids else None),
+                **({"tools": list(tools)} if tools else {}),
+            )
+
+        if not tools or tool_format(self.chat_template) is not None:
+            return render(messages, tools)
+        # the template writes no tool calls: the messages carry them (`hermes_messages`), with
+        # the tools in a system message, or in the first user message where it takes none
+        try:
+            return render(hermes_messages(list(messages), list(tools)), None)
+        except jinja2.exceptions.TemplateError:
+            return render(hermes_messages(list(messages), list(tools), system=False), None)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None) -> list[int]:

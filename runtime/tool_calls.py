@@ -36,21 +36,24 @@ TOOLS_PROMPT = (
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
-def hermes_messages(messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                    system: bool = True) -> list[dict[str, Any]]:
     """`messages` with `tools` and every tool call and result written as text in the Hermes
     format, for a chat template that writes none: the tools after the system message (or a
     default one), an assistant's calls as `<tool_call>` blocks after its text, consecutive tool
     results as one user message of `<tool_response>` blocks. A ChatML model renders these
     exactly as Qwen2.5's template (`configs/templates/chatml-tools.jinja`) renders the
-    originals."""
+    originals. `system=False` (a template that takes no system role, as Gemma's): the system
+    text and the tools go at the head of the first user message instead."""
     listed = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
     out: list[dict[str, Any]] = []
     rest = list(messages)
-    system = DEFAULT_SYSTEM
+    system_text = None
     if rest and rest[0].get("role") == "system":
-        system = _text(rest.pop(0).get("content"))
-    out.append({"role": "system", "content": system + TOOLS_PROMPT.format(tools=listed)})
+        system_text = _text(rest.pop(0).get("content"))
+    head = (system_text or DEFAULT_SYSTEM) + TOOLS_PROMPT.format(tools=listed)
+    if system:
+        out.append({"role": "system", "content": head})
     for m in rest:
         role = m.get("role")
         if role == "assistant" and m.get("tool_calls"):
@@ -78,6 +81,12 @@ def hermes_messages(messages: list[dict[str, Any]],
             out.append(dict(m))
     for m in out:
         m.pop("tool_results", None)
+    if not system:
+        first = next((m for m in out if m.get("role") == "user"), None)
+        if first is None:
+            out.insert(0, {"role": "user", "content": head})
+        else:
+            first["content"] = head + "\n\n" + _text(first.get("content"))
     return out
 
 
@@ -124,6 +133,7 @@ class ToolCallStream:
         self.buf = ""
         self.inside = False
         self.after_call = False  # newlines right after a call's block are its, not text
+        self.seen = 0  # inside a block: the text before this holds no close not tried yet
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
@@ -135,9 +145,15 @@ class ToolCallStream:
                     return out
                 self.after_call = False
             if self.inside:
-                end = _block_end(self.buf)
+                # (the block's JSON is decoded again only when a close has come since: a long
+                # argument streamed a token at a time costs one pass, not one per token)
+                end = None
+                if self.buf.find(CLOSE, self.seen) >= 0:
+                    end = _block_end(self.buf)
                 if end is None:
+                    self.seen = max(0, len(self.buf) - len(CLOSE) + 1)
                     return out
+                self.seen = 0
                 body = self.buf[:end]
                 self.buf = self.buf[end + len(CLOSE):]
                 self.inside = False
@@ -170,7 +186,8 @@ def _block_end(buf: str) -> int | None:
     """Where the `</tool_call>` that closes a block starts (`buf`: the text after its
     `<tool_call>`), None while it may still come. A block holding a JSON value ends at the first
     close after that value, so a string argument may itself hold `</tool_call>`; a block
-    whose text is not JSON ends at its first close (and stays text)."""
+    whose text is not JSON ends at the first close after the point where it stops being JSON
+    (and stays text)."""
     lead = len(buf) - len(buf.lstrip())
     try:
         _, k = _DECODER.raw_decode(buf, lead)
@@ -178,8 +195,7 @@ def _block_end(buf: str) -> int | None:
         pos = getattr(e, "pos", len(buf))
         if pos >= len(buf) or str(e).startswith("Unterminated string"):
             return None  # (the value goes on: wait for it)
-        end = buf.find(CLOSE)
-        return end if end >= 0 else None
+        k = pos  # (not JSON from here, or a token cut short: the close comes after it)
     end = buf.find(CLOSE, k)
     return end if end >= 0 else None
 

@@ -32,8 +32,9 @@ def torch_dtype(name: str) -> torch.dtype:
 def stored_dtype(path: str | Path) -> str | None:
     """The dtype a checkpoint's weights are stored in, as the `auto` rule reads it: an HF
     folder's (or a `random:` shape's) `torch_dtype` / `dtype` field; for a GGUF file, bfloat16
-    if it holds a BF16 tensor, float32 if every tensor is F32, else float16 (F16 and the
-    quantized types, whose blocks carry float16 scales). None where nothing says."""
+    if it holds a BF16 tensor, float32 if every tensor is F32, else None (F16 and the quantized
+    types say nothing of the range the model was trained in: the family decides). None where
+    nothing says."""
     from layersplit.shards.checkpoint import RANDOM_PREFIX
 
     spec = str(path)
@@ -52,9 +53,7 @@ def stored_dtype(path: str | Path) -> str | None:
         types = {t.type for t in GGUFHeader(p).tensors.values()}
         if Q.BF16 in types:
             return "bfloat16"
-        if types and types <= {Q.F32}:
-            return "float32"
-        return "float16"
+        return "float32" if types and types <= {Q.F32} else None
     return None
 
 

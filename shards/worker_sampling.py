@@ -186,15 +186,18 @@ class LastShardSampling:
         _check_sample(s, "sample", self.cfg.vocab_size)
         if s.get("late_mask"):
             raise ProtocolError("sample: a stored row's mask comes with it (late_mask)")
-        x = process_logits(logits.to(self.device)[None], s)
-        token = sample_rows(x, float(s["temperature"]), int(s["top_k"]), float(s["top_p"]),
-                            int(s["seed"]), [msg["position"]])[0]
-        lp = (None if s.get("lp") is None else
-              logprob_entries(x, [token], float(s["temperature"]), s["lp"]))
-        self._reply(route, message("result", sid=msg["sid"],
-                                   outs=[{"token": token, "accepted": 0, "logits": False,
-                                          "path": None, "asked": None, "lp": lp, "plp": None}],
-                                   act=None))
+        row = logits.to(self.device)[None]
+        out = {"token": None, "accepted": 0, "logits": False, "path": None, "asked": None,
+               "lp": None, "plp": None}
+        if bad_segments([row]):  # (stored rows are checked when stored: `cache_ops`)
+            out["error"] = self._nonfinite({"pos": msg["position"], "n": 0})
+        else:
+            x = process_logits(row, s)
+            out["token"] = sample_rows(x, float(s["temperature"]), int(s["top_k"]),
+                                       float(s["top_p"]), int(s["seed"]), [msg["position"]])[0]
+            if s.get("lp") is not None:
+                out["lp"] = logprob_entries(x, [out["token"]], float(s["temperature"]), s["lp"])
+        self._reply(route, message("result", sid=msg["sid"], outs=[out], act=None))
 
 
 SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, float),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls, tool_format
 
 TEXT = ('let me look <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
@@ -90,3 +91,51 @@ def test_a_block_that_is_not_json_stays_text_and_the_next_one_parses():
     content, calls = parse_tool_calls(text)
     assert content == "<tool_call>oops</tool_call> then "
     assert [c["function"]["name"] for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize("tail", ['-3', '1.5', 'true', '"\\u00e9"'])
+def test_a_streamed_close_in_a_string_before_a_cut_token(tail):
+    """A value after the string may arrive a character at a time (`-`, `1.`, `t`, `\\u`): the
+    close inside the string still does not end the block."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>b", "n": ' + tail + \
+        '}}\n</tool_call>'
+    stream, got = ToolCallStream(), []
+    for ch in text:
+        got += stream.push(ch)
+    got += stream.finish()
+    calls = [v for k, v in got if k == "call"]
+    assert len(calls) == 1
+    assert json.loads(calls[0]["function"]["arguments"])["s"] == "a</tool_call>b"
+
+
+def test_a_long_streamed_argument_is_decoded_once_per_close(monkeypatch):
+    """The block's JSON is decoded again only when a close has come: a long argument streamed
+    a few characters at a time is decoded once, not once per piece."""
+    from layersplit.runtime import tool_calls
+
+    calls = []
+    real = tool_calls._block_end
+    monkeypatch.setattr(tool_calls, "_block_end", lambda buf: calls.append(1) or real(buf))
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": [' + ", ".join(
+        '{"k": %d}' % i for i in range(2000)) + ']}}\n</tool_call>'
+    stream, got = ToolCallStream(), []
+    for i in range(0, len(text), 3):
+        got += stream.push(text[i:i + 3])
+    assert [k for k, _ in got] == ["call"] and len(calls) == 1
+
+
+def test_a_template_without_a_system_role_takes_the_tools_in_the_first_user_message(
+        tiny_llama):
+    from layersplit.runtime.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_path(tiny_llama)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    text = tok.render_chat([{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "hi"}], tools=[tool])
+    assert text.startswith("<|im_start|>user\nBe brief.\n\n# Tools")
+    assert text.endswith("</tool_call>\n\nhi<|im_end|>\n<|im_start|>assistant\n")

@@ -53,7 +53,10 @@ def test_stored_dtype_of_hf_folders_and_ggufs(tmp_path):
     (hf / "config.json").write_text(json.dumps({**cfg, "torch_dtype": None, "dtype": "float16"}))
     assert stored_dtype(hf) == "float16"  # (transformers 5 writes `dtype`)
     assert stored_dtype(write_tiny_gguf(hf, tmp_path / "f32.gguf", "F32")) == "float32"
-    assert stored_dtype(write_tiny_gguf(hf, tmp_path / "q8.gguf", "Q8_0")) == "float16"
+    q8 = write_tiny_gguf(hf, tmp_path / "q8.gguf", "Q8_0")
+    assert stored_dtype(q8) is None  # (the family decides: float16 for a Llama)
+    assert run_dtype("auto", "llama", q8, ["cuda:0"])[0] == "float16"
+    assert run_dtype("auto", "qwen3", q8, ["cuda:0"])[0] == "bfloat16"
     assert stored_dtype("random:qwen3-8b") == "bfloat16"
 
 
