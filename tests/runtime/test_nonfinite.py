@@ -91,3 +91,20 @@ def test_one_nonfinite_sequence_fails_alone_in_a_batched_step(token_11_nan):
         assert isinstance(a.error, ShardFailure)
         assert "position 4 hold NaN or infinity" in str(a.error) and pa.generated == [11]
         assert b.error is None and pb.generated == alone
+
+
+def test_nonfinite_logits_are_never_cached_for_a_later_exact_hit(token_11_nan):
+    """A prompt whose rows go non-finite before its last chunk: its snapshot at the chunk
+    boundary is not kept, so a later prompt ending there is computed (and fails by name)
+    instead of drawing a token from stored NaN logits."""
+    cfg = RuntimeConfig(model=str(token_11_nan), devices=("cpu",), max_context=256, threads=1,
+                        prefill_chunk=16)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    prompt = [5, 6, 11] + [7] * 37
+    with Coordinator(cfg) as coord:
+        with pytest.raises(ShardFailure, match="NaN or infinity"):
+            coord.generate(prompt, one)
+        progress = Progress()
+        with pytest.raises(ShardFailure, match="NaN or infinity"):
+            list(coord.stream(prompt[:32], one, progress))
+        assert progress.cached_tokens == 0 and progress.generated == []
