@@ -245,9 +245,11 @@ def test_tokenize_and_detokenize(server, ref):
      "modalities"),
     ({"messages": [{"role": "user", "content": "x"}], "verbosity": "low"}, "verbosity"),
     ({"prompt": "x", "store": True}, "store"),
-    # the tiny model's ChatML template writes no tool calls: tools are refused, not ignored
+    # tools with any template (its own tool format or the messages': test_server_tools.py),
+    # but each must be a function tool with a name
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
-      "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+      "function": {"name": "no spaces", "parameters": {"type": "object"}}}]},
+     "tools[0].function.name"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ])
 def test_bad_values_are_refused_by_name(server, body, param):
