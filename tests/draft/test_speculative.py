@@ -550,15 +550,17 @@ def test_configuring_an_incompatible_draft_fails_before_serving(target, tmp_path
 @pytest.mark.network
 def test_bundled_draft_on_the_default_model(default_model, tmp_path):
     """The trained draft: lossless, real acceptance (a random draft commits 1.0 tokens per
-    verify; this one about 1.74 on this prompt as a chain of 3 draft tokens, 1.82 with its 7),
-    and the same acceptance after a restart restores the prompt from disk. (A short chain: on
-    CPUs a verify step runs its rows one by one, so each verify step costs `spec_block` decode
-    steps; the draft's 31-node tree made this test take a minute, its 8-row block 35 s, and it
-    rarely keeps more than 3 draft tokens here.)"""
+    verify; this one 2.0 over this answer's first 16 tokens as a chain of 3 draft tokens, 1.74
+    over 40), and the same acceptance after a restart restores the prompt from disk. (A short
+    chain and a short answer: on CPUs a verify step runs its rows one by one, so each verify
+    step costs `spec_block` decode steps; the draft's 31-node tree made this test take a
+    minute, its 8-row block 35 s, and it rarely keeps more than 3 draft tokens here; 16 tokens
+    are 8 verify steps that keep and reject draft tokens, all of them drafted from the prompt's
+    feature rows that the restore must bring back.)"""
     cfg = RuntimeConfig(model=str(default_model), devices=("cpu", "cpu"), draft="default",
                         max_context=512, threads=1, kv_cache_dir=str(tmp_path), spec_tree=0,
                         spec_block=4)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
     with Coordinator(cfg) as coord:
         tok = coord.tokenizer
         prompt = tok.encode_chat([{"role": "user", "content":
