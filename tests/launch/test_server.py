@@ -419,7 +419,10 @@ def test_sigterm_finishes_in_flight_request(tiny_llama):
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long", max_tokens=150,
                         temperature=0, extra_body={"ignore_eos": True})
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # the signal comes once the request runs
+        while _metric(s, "layersplit_running_requests") < 1:
+            assert time.monotonic() < deadline and not fut.done(), "the request never ran"
+            time.sleep(0.02)
         s.proc.send_signal(signal.SIGTERM)
         r = fut.result(timeout=60)
     assert r.usage.completion_tokens == 150
