@@ -212,8 +212,6 @@ def _constrain(engine: Engine, req: ParsedRequest) -> None:
     """Check a request's tools against the model's template and compile the grammar its
     response_format or tool_choice asks for (`runtime.grammar`); RequestError naming the field
     when one cannot be."""
-    from layersplit.runtime.grammar import GrammarError, tool_call_grammar
-
     if engine.status != "ready":
         return  # (refused with 503 when it is submitted)
     if req.tools and (engine.tokenizer is None or not engine.tokenizer.chat_template):
@@ -221,6 +219,9 @@ def _constrain(engine: Engine, req: ParsedRequest) -> None:
                            "tools", "tools")
     if not req.tools and req.json_schema is None:
         return
+    # (imported here, not for every request: llguidance's import takes seconds the first time)
+    from layersplit.runtime.grammar import GrammarError, tool_call_grammar
+
     comp = engine.grammars()
     for i, t in enumerate(req.tools or []):
         params = t["function"].get("parameters")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import subprocess
@@ -80,8 +81,26 @@ def send_raw_step(coord, seqs: list[dict], ids: list[int]) -> int:
     return sid
 
 
+def run_together(*cmds: list[str], **kw) -> list[subprocess.CompletedProcess]:
+    """`subprocess.run(cmd, **kw)` of each command, all started at once: independent command
+    lines (each a fresh interpreter that imports torch, and the shards it starts) overlap their
+    imports and waits instead of following one another."""
+    with concurrent.futures.ThreadPoolExecutor(len(cmds)) as ex:
+        return list(ex.map(lambda cmd: subprocess.run(cmd, **kw), cmds))
+
+
 def layersplit_shm() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("layersplit-*")}
+    """Our shared-memory segments in /dev/shm (`ipc.shm`: `layersplit-<creator pid>-*`): those
+    of this process and its descendants, and those whose creator is gone (a leak). Not those of
+    other live processes: another test run on the machine creates segments that live for a
+    moment (until its peer maps them), and a check of ours must not count them."""
+    ours = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    names = set()
+    for p in Path("/dev/shm").glob("layersplit-*"):
+        pid = p.name.split("-")[1]
+        if not pid.isdigit() or int(pid) in ours or not psutil.pid_exists(int(pid)):
+            names.add(p.name)
+    return names
 
 
 def shard_children(pid: int | None = None) -> list[psutil.Process]:
@@ -107,13 +126,21 @@ def shard_children(pid: int | None = None) -> list[psutil.Process]:
 
 
 def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """The pids still alive (zombies count as gone) after at most `timeout` s."""
     deadline = time.monotonic() + timeout
     alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.05)
-    return alive
+    while True:
+        alive = [p for p in alive if _alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @contextlib.contextmanager

@@ -57,7 +57,8 @@ def test_training_writes_loadable_drafts(tmp_path):
     assert len(seqs) >= 12 + 3 and all(0 < s < len(q) for q, s in zip(seqs, starts))
     again = tmp_path / "r2.json"
     rc = train(["--target", str(target), "--out", str(tmp_path / "again"), *SMALL,
-                "--seconds", "1", "--data", f"{data},{data}", "--report", str(again)])
+                "--seconds", "60", "--max-steps", "2", "--data", f"{data},{data}",
+                "--report", str(again)])
     assert rc == 0 and json.loads(again.read_text())["sequences"] == 2 * r["sequences"]
 
     # --init goes on from a written draft: with no time to train, the same weights come out

@@ -38,10 +38,11 @@ class Case:
     mutation: str
     chunked: bool = False  # sent without a Content-Length
 
-    def send(self, url: str, timeout: float = 30) -> httpx.Response:
+    def send(self, url: str, timeout: float = 30, client=httpx) -> httpx.Response:
+        """POST it (`client`: an `httpx.Client`, or the module's own functions)."""
         content = _chunks(self.body) if self.chunked else self.body
-        return httpx.post(url + self.path, content=content, timeout=timeout,
-                          headers={"content-type": "application/json"})
+        return client.post(url + self.path, content=content, timeout=timeout,
+                           headers={"content-type": "application/json"})
 
 
 def _chunks(body: bytes) -> Iterator[bytes]:

@@ -11,36 +11,38 @@ import sys
 import pytest
 from layersplit.runtime.tokenizer import TextTokenizer
 
-from tests.helpers import shard_children
+from tests.helpers import run_together, shard_children
 
 
-def _generate(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", *argv,
+def _generate(*runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`layersplit generate ARGV` for each ARGV of `runs`, all at once (they are independent)."""
+    return run_together(*([sys.executable, "-m", "layersplit.launch.cli", "generate", *argv,
                            "--devices", "cpu", "--threads", "1", "--max-tokens", "6",
-                           "--ignore-eos", "--json", "--draft", "none"],
-                          capture_output=True, text=True, timeout=300, check=False)
+                           "--ignore-eos", "--json", "--draft", "none"] for argv in runs),
+                        capture_output=True, text=True, timeout=300, check=False)
 
 
 @pytest.mark.slow
 def test_token_ids_give_the_tokens_of_their_text(tiny_llama):
     text = "the cat sat on the mat"
     ids = TextTokenizer.from_path(tiny_llama).encode(text)
-    by_text = _generate(text, "--model", str(tiny_llama))
-    by_ids = _generate(",".join(map(str, ids)), "--token-ids", "--model", str(tiny_llama))
+    by_text, by_ids, bad = _generate(
+        (text, "--model", str(tiny_llama)),
+        (",".join(map(str, ids)), "--token-ids", "--model", str(tiny_llama)),
+        ("1,two,3", "--token-ids", "--model", str(tiny_llama)))
     assert by_text.returncode == 0 and by_ids.returncode == 0, by_ids.stderr[-2000:]
     assert json.loads(by_ids.stdout)["tokens"] == json.loads(by_text.stdout)["tokens"]
-    bad = _generate("1,two,3", "--token-ids", "--model", str(tiny_llama))
     assert bad.returncode == 2 and "'1,two,3' is not token ids" in bad.stderr
     assert shard_children() == []
 
 
 @pytest.mark.slow
 def test_a_model_without_a_tokenizer_asks_for_token_ids():
-    r = _generate("hello", "--model", "random:smollm2-135m-shape")
+    r, ok = _generate(("hello", "--model", "random:smollm2-135m-shape"),
+                      ("5 6 7 8", "--token-ids", "--model", "random:smollm2-135m-shape"))
     assert r.returncode == 2, r.stderr[-2000:]
     assert "has no tokenizer (random weights): give the prompt as token ids with --token-ids" \
         in r.stderr
-    ok = _generate("5 6 7 8", "--token-ids", "--model", "random:smollm2-135m-shape")
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert len(json.loads(ok.stdout)["tokens"]) == 6
     assert shard_children() == []

@@ -25,6 +25,12 @@ from tests.launch.http_fuzz import cases, check_answer
 openai = pytest.importorskip("openai")
 
 
+# The tests' HTTP client: one, since each `httpx.get`/`httpx.post` builds a client whose TLS
+# context loads the CA bundle (~27 ms, more than a request to the tiny model); no keep-alive,
+# so that no request races a connection the server is closing.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 class Server:
     def __init__(self, model: Path, *extra: str, cache_dir: Path | None = None) -> None:
         self.port = free_tcp_port()
@@ -39,13 +45,13 @@ class Server:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if HTTP.get(self.url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server died: {self.proc.stderr.read()[-2000:]}")
-            time.sleep(0.2)
+            time.sleep(0.05)
         else:
             raise RuntimeError("server did not become ready")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
@@ -184,7 +190,7 @@ def test_cached_tokens_grow_on_the_second_turn(server):
 ])
 @pytest.mark.slow
 def test_invalid_requests(server, body, status, param):
-    r = httpx.post(server.url + "/v1/completions", content=body,
+    r = HTTP.post(server.url + "/v1/completions", content=body,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -193,9 +199,9 @@ def test_invalid_requests(server, body, status, param):
 
 @pytest.mark.slow
 def test_chat_validation(server):
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
+    r = HTTP.post(server.url + "/v1/chat/completions", json={"messages": "hi"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(server.url + "/v1/chat/completions",
+    r = HTTP.post(server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": 5}]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
 
@@ -214,7 +220,7 @@ def test_chat_validation(server):
 def test_lone_surrogate_fails_alone(server, ref, path, body, param):
     """Valid JSON that is not valid Unicode: a 400 naming the field, and the server goes on
     (it used to kill the engine thread, so that every later request hung)."""
-    r = httpx.post(server.url + path, content=body,
+    r = HTTP.post(server.url + path, content=body,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
@@ -223,7 +229,7 @@ def test_lone_surrogate_fails_alone(server, ref, path, body, param):
     want = ref.generate(ref.tokenizer.encode("the next request"),
                         SamplingParams(max_tokens=4, temperature=0))
     assert r.choices[0].text == want.text
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.slow
@@ -240,12 +246,12 @@ def test_fuzzed_bodies_fail_alone(server, ref):
     @given(case=cases(MODEL, MAX_BODY))
     def one(case):
         event(f"{case.path} {case.mutation}")
-        problem = check_answer(case, case.send(server.url))
+        problem = check_answer(case, case.send(server.url, client=HTTP))
         assert problem is None, f"{case.mutation} to {case.path}: {problem}\n{case.body[:400]!r}"
         assert server.proc.poll() is None, "the server exited"
 
     one()
-    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=5).status_code == 200
     r = server.client.completions.create(model=MODEL, prompt="after the fuzz", max_tokens=4,
                                          temperature=0)
     want = ref.generate(ref.tokenizer.encode("after the fuzz"),
@@ -266,7 +272,7 @@ def test_sixteen_concurrent_streams(server, ref):
     for p, text in zip(prompts, got):
         assert text == ref.generate(ref.tokenizer.encode(p), SamplingParams(max_tokens=8)).text
     # they ran as one continuous batch: some steps carried several sequences
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = HTTP.get(server.url + "/metrics").text
     single = float(re.search(r'layersplit_step_sequences_bucket\{le="1.0"\} (\S+)', metrics)[1])
     steps = float(re.search(r"layersplit_step_sequences_count (\S+)", metrics)[1])
     assert steps > single
@@ -275,9 +281,9 @@ def test_sixteen_concurrent_streams(server, ref):
 @pytest.mark.slow
 def test_metrics_and_health(server):
     server.client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
-    h = httpx.get(server.url + "/health").json()
+    h = HTTP.get(server.url + "/health").json()
     assert h["status"] == "ready"
-    text = httpx.get(server.url + "/metrics").text
+    text = HTTP.get(server.url + "/metrics").text
     for name in ("layersplit_requests_total", "layersplit_time_to_first_token_seconds",
                  "layersplit_inter_token_latency_seconds", "layersplit_prefix_cache_hits",
                  "layersplit_step_seconds", "layersplit_shard_restarts",
@@ -288,7 +294,7 @@ def test_metrics_and_health(server):
 
 
 def _metric(server: Server, name: str) -> float:
-    return float(re.search(rf"^{name} (\S+)$", httpx.get(server.url + "/metrics").text,
+    return float(re.search(rf"^{name} (\S+)$", HTTP.get(server.url + "/metrics").text,
                            re.MULTILINE)[1])
 
 
@@ -321,17 +327,17 @@ def test_client_disconnect_cancels(server):
 def test_api_key(tiny_llama):
     s = Server(tiny_llama, "--api-key", "sekret")
     try:
-        assert httpx.get(s.url + "/v1/models").status_code == 401
+        assert HTTP.get(s.url + "/v1/models").status_code == 401
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
         assert ok.models.list().data[0].id == MODEL
         for wrong in (b"Bearer sekreT", b"Bearer sekret2", b"Bearer sek", b"sekret",
                       b"Bearer s\xe9kret"):  # (compared in constant time, as bytes)
-            r = httpx.get(s.url + "/v1/models", headers={"Authorization": wrong})
+            r = HTTP.get(s.url + "/v1/models", headers={"Authorization": wrong})
             assert r.status_code == 401, wrong
-        assert httpx.get(s.url + "/health").status_code == 200  # health stays open
+        assert HTTP.get(s.url + "/health").status_code == 200  # health stays open
         for path in ("/tokenize", "/detokenize"):  # they read the model's vocabulary too
-            assert httpx.post(s.url + path, json={"prompt": "hi"}).status_code == 401
-        r = httpx.post(s.url + "/tokenize", json={"prompt": "hi"},
+            assert HTTP.post(s.url + path, json={"prompt": "hi"}).status_code == 401
+        r = HTTP.post(s.url + "/tokenize", json={"prompt": "hi"},
                        headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200 and r.json()["tokens"]
     finally:
@@ -355,7 +361,7 @@ def test_restart_reports_cached_tokens_from_disk(tiny_llama, tmp_path):
         assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
         assert again.choices[0].message.content == first.choices[0].message.content
         assert 'layersplit_prefix_cache_hits_total{tier="disk"} 1.0' in \
-            httpx.get(s.url + "/metrics").text
+            HTTP.get(s.url + "/metrics").text
     finally:
         assert s.stop() == 0
 
@@ -378,26 +384,26 @@ def test_shard_kill_mid_stream(tiny_llama):
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert "shard 1" in err["message"]
-        h = httpx.get(s.url + "/health")
+        h = HTTP.get(s.url + "/health")
         assert h.status_code == 503 or h.json()["status"] in ("loading", "ready")
         assert wait_gone([k.pid for k in kids]) == []
         deadline = time.monotonic() + 60  # the shard group is restarted
-        while httpx.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         r = s.client.completions.create(model=MODEL, prompt="after", max_tokens=3,
                                         temperature=0)
         assert r.usage.completion_tokens == 3
-        assert "layersplit_shard_restarts_total 1.0" in httpx.get(s.url + "/metrics").text
+        assert "layersplit_shard_restarts_total 1.0" in HTTP.get(s.url + "/metrics").text
         # a shard that dies while the server is idle is noticed at once (within 2 s), not by
         # the next request
         kids = shard_children(s.proc.pid)
         os.kill(kids[0].pid, signal.SIGKILL)
         t0 = time.monotonic()
-        while "layersplit_shard_restarts_total 2.0" not in httpx.get(s.url + "/metrics").text:
+        while "layersplit_shard_restarts_total 2.0" not in HTTP.get(s.url + "/metrics").text:
             assert time.monotonic() - t0 < 2.0, "an idle server did not notice a dead shard"
             time.sleep(0.05)
         deadline = time.monotonic() + 60
-        while httpx.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         r = s.client.completions.create(model=MODEL, prompt="again", max_tokens=3,
                                         temperature=0)
@@ -413,7 +419,10 @@ def test_sigterm_finishes_in_flight_request(tiny_llama):
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long", max_tokens=150,
                         temperature=0, extra_body={"ignore_eos": True})
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # the signal comes once the request runs
+        while _metric(s, "layersplit_running_requests") < 1:
+            assert time.monotonic() < deadline and not fut.done(), "the request never ran"
+            time.sleep(0.02)
         s.proc.send_signal(signal.SIGTERM)
         r = fut.result(timeout=60)
     assert r.usage.completion_tokens == 150
@@ -429,15 +438,15 @@ def test_speculation_per_request_and_its_metrics(tiny_llama):
     kids = [k.pid for k in shard_children(s.proc.pid)]
     try:
         assert len(kids) == 3  # two shards and the draft process
-        health = httpx.get(s.url + "/health").json()
+        health = HTTP.get(s.url + "/health").json()
         assert health["speculation"] == "on (classic draft)"
         body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 24, "temperature": 0,
                 "ignore_eos": True}
-        spec = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
-        plain = httpx.post(s.url + "/v1/completions", json={**body, "speculative": False},
+        spec = HTTP.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        plain = HTTP.post(s.url + "/v1/completions", json={**body, "speculative": False},
                            timeout=60).json()
         assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
-        metrics = httpx.get(s.url + "/metrics").text
+        metrics = HTTP.get(s.url + "/metrics").text
         verifies = [line for line in metrics.splitlines()
                     if line.startswith("layersplit_spec_verify_steps_total ")]
         assert verifies and float(verifies[0].split()[1]) >= 3  # 24 tokens, up to 5 a step
@@ -445,15 +454,15 @@ def test_speculation_per_request_and_its_metrics(tiny_llama):
         assert 'layersplit_step_seconds_count{kind="verify"}' in metrics
         # a constrained request runs plainly and says why (the response's header, the log)
         body = {**body, "max_tokens": 6, "response_format": {"type": "json_object"}}
-        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        r = HTTP.post(s.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200
         assert r.headers["x-layersplit-speculation"] == (
             "off: response_format/tool_choice grammar")
-        r = httpx.post(s.url + "/v1/completions", json={**body, "logit_bias": {"5": 1}},
+        r = HTTP.post(s.url + "/v1/completions", json={**body, "logit_bias": {"5": 1}},
                        timeout=60)
         assert r.headers["x-layersplit-speculation"] == (
             "off: response_format/tool_choice grammar, logit_bias")
-        assert "x-layersplit-speculation" not in httpx.post(
+        assert "x-layersplit-speculation" not in HTTP.post(
             s.url + "/v1/completions", json={**body, "speculative": False},
             timeout=60).headers
     finally:

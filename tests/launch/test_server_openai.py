@@ -11,14 +11,13 @@ import subprocess
 import sys
 import textwrap
 
-import httpx
 import pytest
 import torch
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
 from tests.helpers import shard_children
-from tests.launch.test_server import Server
+from tests.launch.test_server import HTTP, Server
 
 openai = pytest.importorskip("openai")
 MODEL = "llama"
@@ -148,7 +147,7 @@ def test_n_choices_and_their_limit(server):
 
 
 def _ram_hits(server) -> float:
-    text = httpx.get(server.url + "/metrics").text
+    text = HTTP.get(server.url + "/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith('layersplit_prefix_cache_hits_total{tier="ram"}'))
 
@@ -208,15 +207,15 @@ def _greedy_penalised(ref, prompt, n, freq=0.0, pres=0.0, rep=1.0):
 
 @pytest.mark.slow
 def test_tokenize_and_detokenize(server, ref):
-    r = httpx.post(server.url + "/tokenize", json={"prompt": "the cat sat"}).json()
+    r = HTTP.post(server.url + "/tokenize", json={"prompt": "the cat sat"}).json()
     assert r["tokens"] == ref.tokenizer.encode("the cat sat") and r["count"] == len(r["tokens"])
     assert r["max_model_len"] == 512
     msgs = [{"role": "user", "content": "hi"}]
-    r = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    r = HTTP.post(server.url + "/tokenize", json={"messages": msgs}).json()
     assert r["tokens"] == ref.tokenizer.encode_chat(msgs)
-    d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    d = HTTP.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
     assert d["prompt"] == ref.tokenizer.decode(r["tokens"], skip_special_tokens=False)
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [VOCAB]})
+    bad = HTTP.post(server.url + "/detokenize", json={"tokens": [VOCAB]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     models = server.client.models.list().data
     assert models[0].model_extra["max_model_len"] == 512
@@ -254,7 +253,7 @@ def test_tokenize_and_detokenize(server, ref):
 ])
 def test_bad_values_are_refused_by_name(server, body, param):
     kind = "chat/completions" if "messages" in body else "completions"
-    r = httpx.post(f"{server.url}/v1/{kind}", json={"model": MODEL, **body})
+    r = HTTP.post(f"{server.url}/v1/{kind}", json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     json.dumps(r.json())

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 
 from tests.helpers import shard_children
-from tests.launch.test_server import Server
+from tests.launch.test_server import HTTP, Server
 
 openai = pytest.importorskip("openai")
 MODEL = "llama"
@@ -111,7 +110,7 @@ def test_tool_call_round_trip(server, tiny_llama, stream):
             {"role": "tool", "content": '{"temperature": 21}'}],
         tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False,
         chat_template=TEMPLATE.read_text())
-    got = httpx.post(server.url + "/tokenize", json={"messages": convo,
+    got = HTTP.post(server.url + "/tokenize", json={"messages": convo,
                                                      "tools": [WEATHER, CLOCK]}).json()
     assert got["tokens"] == tk(want, add_special_tokens=False)["input_ids"]
     assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in want
@@ -194,7 +193,7 @@ def test_json_schema_responses_validate(server, temperature):
      "messages[0].tool_calls[0].function.arguments"),
 ])
 def test_bad_tools_and_schemas_are_refused_by_name(server, body, param):
-    r = httpx.post(f"{server.url}/v1/chat/completions",
+    r = HTTP.post(f"{server.url}/v1/chat/completions",
                    json={"model": MODEL, "messages": USER, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -28,6 +27,8 @@ from layersplit.runtime.parity import Agreement, Thresholds, kl_divergence
 from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import run_together
+
 FAST = dict(limit=3, new_tokens=12)
 
 
@@ -36,9 +37,8 @@ def _cfg(model, devices, **kw) -> RuntimeConfig:
                          prefill_chunk=16, threads=1, **kw)
 
 
-def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "check", *args],
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "layersplit.launch.cli", "check", *args]
 
 
 # ---- measures -------------------------------------------------------------------------------
@@ -190,10 +190,12 @@ def test_check_fails_when_one_layer_is_off_by_one_percent(model, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     common = ["--devices", "cpu,cpu", "--max-context", "512", "--threads", "1",
               "--limit", "3", "--new-tokens", "12", "--json"]
-    good = _cli("--model", str(model), *common)
+    # (the two runs are independent: they run at once)
+    good, out = run_together(_cli("--model", str(model), *common),
+                             _cli("--model", str(bad), "--reference-model", str(model), *common),
+                             capture_output=True, text=True, timeout=240)
     assert good.returncode == 0, good.stderr[-2000:]
     assert json.loads(good.stdout)["pass"] is True
-    out = _cli("--model", str(bad), "--reference-model", str(model), *common)
     assert out.returncode == 1, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["pass"] is False and report["mean_kl"] > 1e-6

@@ -27,6 +27,7 @@ from tests.helpers import (
     assert_same_run,
     layersplit_shm,
     run_logged,
+    run_together,
     shard_children,
     wait_gone,
 )
@@ -272,11 +273,15 @@ def test_restart_persistence_via_cli(tiny_llama, ref, tmp_path):
     p.send_signal(signal.SIGTERM)
     p.wait(30)
     assert len(entries(tmp_path)) == 2 and all(verify(f) is None for f in entries(tmp_path))
-    for i, prompt in enumerate((text, longer)):
-        dump = tmp_path.parent / f"{tmp_path.name}-logits{i}.npy"  # (outside the cache dir)
-        out = subprocess.run(_cli(tiny_llama, prompt, tmp_path, "--max-tokens", "8",
-                                  "--ignore-eos", "--dump-logits", str(dump)),
-                             capture_output=True, text=True, timeout=120)
+    # two restarts at once, each restoring from the entries the first run left (what one
+    # writes, the other does not need: the longer prompt restores the short one's chunks)
+    dumps = [tmp_path.parent / f"{tmp_path.name}-logits{i}.npy"  # (outside the cache dir)
+             for i in range(2)]
+    outs = run_together(*(_cli(tiny_llama, prompt, tmp_path, "--max-tokens", "8", "--ignore-eos",
+                               "--dump-logits", str(dump))
+                          for prompt, dump in zip((text, longer), dumps)),
+                        capture_output=True, text=True, timeout=120)
+    for i, (prompt, dump, out) in enumerate(zip((text, longer), dumps, outs)):
         res = json.loads(out.stdout)
         ids = ref.tokenizer.encode(prompt)
         assert res["cache_tier"] == "disk"

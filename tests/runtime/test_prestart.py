@@ -7,6 +7,7 @@ quietly. `generate` sizes its run to its one request
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 
@@ -53,20 +54,25 @@ def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
     proc = ready[0].proc
     drop_prestarted(ready)
     assert ready == [] and proc.poll() is not None
-    cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN, "cpu"]
-    for line, rc, said in [
-            (b"", 0, ""),  # (its parent closed stdin: not needed)
-            (b"not json\n", 2, "a prestarted shard read a bad line on stdin"),
-            (b'{"argv": ["generate", "x"], "secret": "0102"}\n', 2,
-             "expected the shard command's arguments and a secret"),
-            (b'{"argv": ["shard"], "secret": "zz"}\n', 2, "a bad line on stdin")]:
-        r = subprocess.run(cmd, input=line, capture_output=True, timeout=120, check=False)
-        assert r.returncode == rc and said.encode() in r.stderr, r.stderr[-1000:]
-    # a draft started ahead takes only the draft command's arguments
-    cmd[3] = "draft"
-    r = subprocess.run(cmd, input=b'{"argv": ["shard", "x"], "secret": "0102"}\n',
-                       capture_output=True, timeout=120, check=False)
-    assert r.returncode == 2 and b"expected the draft command's arguments" in r.stderr, r.stderr
+    cases = [
+        ("shard", b"", 0, ""),  # (its parent closed stdin: not needed)
+        ("shard", b"not json\n", 2, "a prestarted shard read a bad line on stdin"),
+        ("shard", b'{"argv": ["generate", "x"], "secret": "0102"}\n', 2,
+         "expected the shard command's arguments and a secret"),
+        ("shard", b'{"argv": ["shard"], "secret": "zz"}\n', 2, "a bad line on stdin"),
+        # a draft started ahead takes only the draft command's arguments
+        ("draft", b'{"argv": ["shard", "x"], "secret": "0102"}\n', 2,
+         "expected the draft command's arguments")]
+
+    def run(role: str, line: bytes) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "layersplit.launch.cli", role, ARGV_ON_STDIN, "cpu"]
+        return subprocess.run(cmd, input=line, capture_output=True, timeout=120, check=False)
+
+    # (independent processes, each importing torch before it reads its line: all at once)
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as ex:
+        results = list(ex.map(run, [c[0] for c in cases], [c[1] for c in cases]))
+    for (role, line, rc, said), r in zip(cases, results):
+        assert r.returncode == rc and said.encode() in r.stderr, (role, line, r.stderr[-1000:])
 
 
 def test_fit_context_sizes_a_run_to_its_request(tiny_llama):

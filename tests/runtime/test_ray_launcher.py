@@ -225,7 +225,7 @@ def test_node_loss_mid_request_is_named_within_2s_and_the_chain_is_placed_again(
         coord.close()
     _gone(pids, actors, pg)
     with pytest.raises(ShardFailure, match="cannot place 2 bundles"):
-        Coordinator(cfg.replace(startup_timeout=3)).start()
+        Coordinator(cfg.replace(startup_timeout=1)).start()  # (waits that long for nothing)
     _add_node_b(cluster)
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     with Coordinator(cfg) as coord:

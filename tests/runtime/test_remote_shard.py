@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 from layersplit.ipc.sockets import free_tcp_port
@@ -21,22 +23,45 @@ from tests.helpers import wait_gone
 SECRET = "a3" * 32
 
 
-@pytest.fixture
-def remote_process(tiny_llama):
+@contextlib.contextmanager
+def _started_by_hand(model) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`layersplit shard --listen tcp://...` for layers 3:6: its address and process."""
     port = free_tcp_port()
     env = {**os.environ, "LAYERSPLIT_SECRET": SECRET}
     proc = subprocess.Popen(
         [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", f"tcp://127.0.0.1:{port}",
-         "--model", str(tiny_llama), "--layers", "3:6", "--threads", "1"], env=env)
-    yield f"tcp://127.0.0.1:{port}", proc
-    proc.send_signal(signal.SIGCONT)
-    proc.terminate()
-    proc.wait(10)
+         "--model", str(model), "--layers", "3:6", "--threads", "1"], env=env)
+    try:
+        yield f"tcp://127.0.0.1:{port}", proc
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture
-def remote_shard(remote_process):
-    return remote_process[0]
+def remote_process(tiny_llama):
+    """A shard of the test's own (one that the test stops)."""
+    with _started_by_hand(tiny_llama) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def shared_remote(tiny_llama):
+    """One shard started by hand for the module's tests (its start, a fresh interpreter, is
+    most of a test's time)."""
+    with _started_by_hand(tiny_llama) as started:
+        yield started
+
+
+@pytest.fixture
+def remote_shard(shared_remote):
+    """The module's shard: it serves one test's coordinators after another's, as a remote
+    shard outlives its coordinator (a wrong secret, a changed byte or a restart before leaves
+    it serving); it is still up after the test."""
+    address, proc = shared_remote
+    yield address
+    assert proc.poll() is None, f"the remote shard exited ({proc.returncode})"
 
 
 @pytest.mark.slow
