@@ -230,7 +230,7 @@ def test_a_template_without_tools_renders_them_as_qwen_does(plain_server, tiny_l
          *convo[3:]],
         tools=[WEATHER, CLOCK], add_generation_prompt=True, tokenize=False,
         chat_template=TEMPLATE.read_text())
-    got = httpx.post(plain_server.url + "/tokenize",
+    got = HTTP.post(plain_server.url + "/tokenize",
                      json={"messages": convo, "tools": [WEATHER, CLOCK]}).json()
     assert got["tokens"] == tk(want, add_special_tokens=False)["input_ids"]
     assert "<tools>" in want and "<tool_response>\n{\"wind\": 3}\n</tool_response>" in want
