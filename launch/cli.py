@@ -44,7 +44,9 @@ def _raise_on_sigterm() -> None:
 def _prestart(cfg) -> list:
     """The shard processes of a local run, and its draft process, started before this process
     imports the coordinator (and torch): their imports overlap ours
-    (`runtime.supervisor.prestart_shards`, `prestart_draft`)."""
+    (`runtime.supervisor.prestart_shards`, `prestart_draft`). Those on a CPU fork from the
+    zygote (`fork_cpu_processes`), which is started here instead: one interpreter importing
+    for all of them (`runtime.zygote`), not one each."""
     from layersplit.runtime.model_store import (
         default_model_present,
         resolve_draft,
@@ -52,6 +54,7 @@ def _prestart(cfg) -> list:
     )
     from layersplit.runtime.placement import PlacementError, normalize_device
     from layersplit.runtime.supervisor import prestart_draft, prestart_shards
+    from layersplit.runtime.zygote import ZygoteError, zygote
 
     if cfg.launcher != "local" or any(cfg.shard_addresses or ()):
         return []
@@ -60,14 +63,23 @@ def _prestart(cfg) -> list:
         draft_device = normalize_device(cfg.draft_device or devices[0])
     except (PlacementError, IndexError):
         return []  # (the coordinator says what is wrong with them)
-    ready = prestart_shards(devices)
+
+    def forked(device: str) -> bool:
+        return cfg.fork_cpu_processes and device == "cpu"
+
+    if any(forked(d) for d in devices):
+        try:
+            zygote()  # (started: it imports while we do; the coordinator forks from it)
+        except ZygoteError:
+            pass  # (the coordinator starts them fresh, and says why)
+    ready = prestart_shards([d for d in devices if not forked(d)])
     if cfg.model in (None, "default") and not default_model_present():
         return ready  # (not fetched yet: the coordinator fetches it, and starts the draft then)
     try:  # the coordinator's own choice (`Coordinator.draft_path`), made the same way
         draft = resolve_draft(cfg.draft, resolve_model(cfg.model), draft_device)
     except Exception:  # noqa: BLE001 - the coordinator reports it (and no draft starts ahead)
         draft = None
-    if draft is not None:
+    if draft is not None and not forked(draft_device):
         ready += prestart_draft(draft_device)
     return ready
 
