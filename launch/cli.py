@@ -199,9 +199,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # ---- check ---------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
+    from layersplit.runtime.config import from_args
+
+    cfg = from_args(args)
+    _zygote_ahead(cfg)  # (before the check's imports, which it overlaps)
     from layersplit.runtime.check import CheckOptions, check_main
     from layersplit.runtime.check_reference import ReferenceUnavailable
-    from layersplit.runtime.config import from_args
 
     opts = CheckOptions(prompts=args.prompts, reference=args.reference,
                         reference_device=args.reference_device,
@@ -209,7 +212,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                         limit=args.limit, batch=args.batch, restore=tuple(args.restore),
                         min_top1=args.min_top1, max_kl=args.max_kl)
     try:
-        return check_main(from_args(args), opts, args.json)
+        return check_main(cfg, opts, args.json)
     except ReferenceUnavailable as e:
         print(f"layersplit check: {e}", file=sys.stderr)
         return 2
