@@ -44,7 +44,8 @@ def _raise_on_sigterm() -> None:
 def _prestart(cfg) -> list:
     """The shard processes of a local run, and its draft process, started before this process
     imports the coordinator (and torch): their imports overlap ours
-    (`runtime.supervisor.prestart_shards`, `prestart_draft`)."""
+    (`runtime.supervisor.prestart_shards`, `prestart_draft`). Those on a CPU fork from the
+    zygote instead (`_zygote_ahead`)."""
     from layersplit.runtime.model_store import (
         default_model_present,
         resolve_draft,
@@ -60,16 +61,36 @@ def _prestart(cfg) -> list:
         draft_device = normalize_device(cfg.draft_device or devices[0])
     except (PlacementError, IndexError):
         return []  # (the coordinator says what is wrong with them)
-    ready = prestart_shards(devices)
+    forked = _zygote_ahead(cfg)
+    ready = prestart_shards([d for d in devices if d not in forked])
     if cfg.model in (None, "default") and not default_model_present():
         return ready  # (not fetched yet: the coordinator fetches it, and starts the draft then)
     try:  # the coordinator's own choice (`Coordinator.draft_path`), made the same way
         draft = resolve_draft(cfg.draft, resolve_model(cfg.model), draft_device)
     except Exception:  # noqa: BLE001 - the coordinator reports it (and no draft starts ahead)
         draft = None
-    if draft is not None:
+    if draft is not None and draft_device not in forked:
         ready += prestart_draft(draft_device)
     return ready
+
+
+def _zygote_ahead(cfg) -> set[str]:
+    """For a local run whose CPU shards (and CPU draft) fork from the zygote
+    (`fork_cpu_processes`, `runtime.zygote`): the zygote, started now, imports while this
+    process does, one interpreter for all of them; the coordinator forks them from it. The
+    devices it serves ({"cpu"}, or none)."""
+    from layersplit.runtime.placement import PlacementError, normalize_device
+    from layersplit.runtime.zygote import ZygoteError, zygote
+
+    if not cfg.fork_cpu_processes or cfg.launcher != "local" or any(cfg.shard_addresses or ()):
+        return set()
+    try:
+        if "cpu" not in {normalize_device(d) for d in cfg.devices}:
+            return set()
+        zygote()
+    except (PlacementError, ZygoteError):
+        return set()  # (the coordinator says what is wrong, or starts them fresh and says why)
+    return {"cpu"}
 
 
 def generate_config(args: argparse.Namespace):
@@ -165,20 +186,25 @@ def _token_ids(text: str) -> list[int] | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from layersplit.runtime.config import from_args
 
+    cfg = from_args(args)
+    _zygote_ahead(cfg)  # (before the server's imports, which it overlaps)
     try:
         from layersplit.runtime.server import serve
     except ImportError as e:
         print(f"layersplit serve needs the server extra: pip install 'layersplit[server]' ({e})",
               file=sys.stderr)
         return 2
-    return serve(from_args(args))
+    return serve(cfg)
 
 
 # ---- check ---------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
+    from layersplit.runtime.config import from_args
+
+    cfg = from_args(args)
+    _zygote_ahead(cfg)  # (before the check's imports, which it overlaps)
     from layersplit.runtime.check import CheckOptions, check_main
     from layersplit.runtime.check_reference import ReferenceUnavailable
-    from layersplit.runtime.config import from_args
 
     opts = CheckOptions(prompts=args.prompts, reference=args.reference,
                         reference_device=args.reference_device,
@@ -186,7 +212,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                         limit=args.limit, batch=args.batch, restore=tuple(args.restore),
                         min_top1=args.min_top1, max_kl=args.max_kl)
     try:
-        return check_main(from_args(args), opts, args.json)
+        return check_main(cfg, opts, args.json)
     except ReferenceUnavailable as e:
         print(f"layersplit check: {e}", file=sys.stderr)
         return 2

@@ -627,8 +627,10 @@ def test_verify_steps_never_exceed_the_prefill_chunk(target, fitted):
         assert spec.tokens == plain.tokens and spec.acceptance_length > 1.0
 
 
-def test_a_dflash_draft_needs_its_feeding_shards_here(target, fitted):
-    cfg = _cfg(target, 2, fitted, shard_addresses=("", "tcp://10.0.0.2:7700"))
+def test_a_dflash_draft_needs_its_feeding_shards_here(target, dflash):
+    # (any DFlash draft tapping layer 4, which shard 1 holds: the random one, not the fitted
+    # one, whose fitting is ~4 s of the fast tier)
+    cfg = _cfg(target, 2, dflash, shard_addresses=("", "tcp://10.0.0.2:7700"))
     with pytest.raises(PlacementError, match="shard 1 is remote"):
         Coordinator(cfg)
     auto = _cfg(target, 2, "auto", shard_addresses=("", "tcp://10.0.0.2:7700"))

@@ -41,6 +41,7 @@ print(json.dumps({"error": board.error(2, 7, 1), "x": board.fill(x, seqs).tolist
 """
 
 
+@pytest.mark.slow
 def test_a_token_posted_in_one_process_is_taken_in_another():
     before = layersplit_shm()
     writer, desc = TokenBoard.create(4, CPU)

@@ -280,6 +280,7 @@ def test_invalid_placement_rejected_before_any_process(tiny_llama, kw, match):
     assert shard_children() == []
 
 
+@pytest.mark.slow
 def test_invalid_placement_cli_exit_code(tiny_llama):
     r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi", "--model",
                         str(tiny_llama), "--layers", "0:4,3:6"], capture_output=True, text=True,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 from layersplit.ipc.messages import message
@@ -15,9 +16,12 @@ from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.decoding import Decoding
 from layersplit.runtime.generate import Progress, collect
-from layersplit.runtime.grammar import GrammarCompiler
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams, mask_bits
+
+if TYPE_CHECKING:  # (imported by the test: llguidance's import takes seconds, and a run of the
+    # fast tier, which deselects it, would pay them when it collects this module)
+    from layersplit.runtime.grammar import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"},
                                            "c": {"enum": ["red", "green"]}},
@@ -67,6 +71,8 @@ def _run(coord, prompt, decodings) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_late_masks_give_the_reference_constrained_output(target):
+    from layersplit.runtime.grammar import GrammarCompiler
+
     want = None
     for shards in (1, 2):
         cfg = RuntimeConfig(model=str(target), devices=("cpu",) * shards, prefill_chunk=16,

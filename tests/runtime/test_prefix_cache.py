@@ -123,6 +123,7 @@ def test_cross_split_restore(tiny_llama, ref, prompts, short_entries, tmp_path):
             assert_same_run(got, want, f"{n} shards restoring another split's entries")
 
 
+@pytest.mark.slow
 def test_file_layout_is_plain_safetensors(tiny_llama, prompts, tmp_path):
     short, _ = prompts
     tmp_path = tmp_path / "new" / "kv"  # created by the cache: private (0700)
@@ -353,6 +354,7 @@ def test_size_caps_evict_leaves_first(tiny_llama, ref, tmp_path):
         assert c.cache.stats.evicted_disk > 0 and c.cache.stats.evicted_ram > 0
 
 
+@pytest.mark.slow
 def test_cache_cli(short_entries, tmp_path):
     with_short_entries(short_entries, tmp_path)
     run = lambda *a: subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "cache", *a],  # noqa

@@ -49,6 +49,7 @@ def test_a_run_takes_the_processes_started_ahead(target, dflash):
     assert shard_children() == []
 
 
+@pytest.mark.slow
 def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
     ready = prestart_shards(["cpu"])
     proc = ready[0].proc

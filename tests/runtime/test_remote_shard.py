@@ -143,6 +143,7 @@ def test_remote_shards_need_a_secret(tiny_llama, monkeypatch):
         Coordinator(cfg).start()
 
 
+@pytest.mark.slow
 def test_shard_cli_needs_a_secret(tiny_llama):
     env = {k: v for k, v in os.environ.items() if k != "LAYERSPLIT_SECRET"}
     r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen",

@@ -22,6 +22,8 @@ CASES = [  # (devices, transport, addresses, split)
     (3, "zmq", "tcp", None),
     (3, "auto", "ipc", (1, 4, 1)),  # uneven
 ]
+# the one chain of the fast tier (`-m "not slow"`): the invariant end to end, over shared memory
+FAST_CASE = (2, "shm", "ipc", None)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,9 @@ def prompt(reference):
     return ids
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("n,transport,addresses,split", CASES,
-                         ids=[f"{c[0]}shard-{c[1]}-{c[2]}" + ("-uneven" if c[3] else "")
-                              for c in CASES])
+@pytest.mark.parametrize("n,transport,addresses,split", [
+    pytest.param(*c, id=f"{c[0]}shard-{c[1]}-{c[2]}" + ("-uneven" if c[3] else ""),
+                 marks=() if c == FAST_CASE else pytest.mark.slow) for c in CASES])
 def test_split_equals_reference(tiny_llama, reference, prompt, n, transport, addresses, split,
                                 caplog):
     before = layersplit_shm()

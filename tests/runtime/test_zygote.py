@@ -68,6 +68,7 @@ def test_a_bad_request_is_refused_by_name():
     assert zygote().alive()  # (refused, not fallen over)
 
 
+@pytest.mark.slow
 def test_a_dead_zygote_is_replaced_and_its_children_stop(tmp_path, tiny_llama):
     p = _shard(tmp_path, tiny_llama)
     old = zygote()

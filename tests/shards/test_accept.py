@@ -35,6 +35,7 @@ def test_sampled_verification_equals_plain_sampling():
             assert draft[:k] == plain[:k] and tok == plain[k]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_target_distribution_is_preserved(temperature, top_p):
     """Over many seeds, the first token emitted after verifying a fixed draft follows the

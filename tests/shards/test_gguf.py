@@ -72,6 +72,7 @@ STRINGS = [
 ]
 
 
+@pytest.mark.slow
 def test_default_model_tokenizer_matches_transformers(default_model):
     transformers = pytest.importorskip("transformers")
     ours = TextTokenizer.from_path(default_model)
@@ -83,6 +84,7 @@ def test_default_model_tokenizer_matches_transformers(default_model):
     assert ours.eos_ids[0] == 2 and ours.token_text(2) == "<|im_end|>"
 
 
+@pytest.mark.slow
 def test_default_model_answers_paris(default_model):
     eng = ReferenceEngine(default_model, max_context=512)
     assert eng.config.num_layers == 30 and eng.config.vocab_size == 49152
