@@ -6,7 +6,8 @@
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
 #   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests)
-#   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32)
+#   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
+#             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families)
 #   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
 #             default model's and the Llama-8B shapes: the decode and prefill baselines
 #   decode    batch-1 decode, 1 shard and 2 shards on one GPU, next to llama.cpp      (D1-D3)
@@ -62,10 +63,10 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
   # the default model in every layout (PARITY_LIMIT prompts), then each family's reduced shape
   TAIL=40 run parity_default 420 "${tf[@]}" python3 bench/parity.py default \
-    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" \
+    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" ${PARITY_ARGS:-} \
     --out "$OUT/parity_default.json"
   TAIL=40 run parity_families 420 "${tf[@]}" python3 bench/parity.py families --limit 6 \
-    --new-tokens 48 --out "$OUT/parity_families.json"
+    --new-tokens 48 ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
   TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
   row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
 }
