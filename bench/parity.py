@@ -70,13 +70,13 @@ def cmd_default(args) -> None:
         emit(rows, args.out, {"model": model})
     two = ("cuda:0", "cuda:1") if args.gpus > 1 else (dev, dev)
     variants = [
-        ("1 shard", base, opts),
-        ("1 shard bfloat16", dataclasses.replace(base, dtype="bfloat16"), opts),
-        ("1 shard float32", dataclasses.replace(base, dtype="float32"), opts),
-        ("2 shards", dataclasses.replace(base, devices=two), opts),
-        ("1 shard eager", dataclasses.replace(base, cuda_graphs=False), opts),
-        ("1 shard draft", dataclasses.replace(base, draft="default"), opts),
-        ("2 shards batch 8 + restore", dataclasses.replace(base, devices=two),
+        ("1-shard", base, opts),
+        ("1-shard-bfloat16", dataclasses.replace(base, dtype="bfloat16"), opts),
+        ("1-shard-float32", dataclasses.replace(base, dtype="float32"), opts),
+        ("2-shards", dataclasses.replace(base, devices=two), opts),
+        ("1-shard-eager", dataclasses.replace(base, cuda_graphs=False), opts),
+        ("1-shard-draft", dataclasses.replace(base, draft="default"), opts),
+        ("2-shards-batch8-restore", dataclasses.replace(base, devices=two),
          dataclasses.replace(opts, batch=8, restore=("ram", "disk"))),
     ]
     if args.variants:
@@ -86,8 +86,9 @@ def cmd_default(args) -> None:
             if w not in known:
                 raise SystemExit(f"unknown variant {w!r} (known: {', '.join(sorted(known))})")
         variants = [v for v in variants if v[0] in wanted]
-    variants = [(f"{n} #{i + 1}" if args.repeat > 1 else n, c, o)
-                for n, c, o in variants for i in range(args.repeat)]
+    # the auto-dtype layout `--repeat` times (its figures are medians of several runs)
+    variants = [(f"{n} #{i + 1}" if n == "1-shard" and args.repeat > 1 else n, c, o)
+                for n, c, o in variants for i in range(args.repeat if n == "1-shard" else 1)]
     for name, cfg, o in variants:
         try:
             rows.append(ours(cfg, o, refs, name))
@@ -163,7 +164,7 @@ def main() -> None:
     d.add_argument("--variants", default=None,
                    help="a comma-separated subset of the layouts, by name (default: all)")
     d.add_argument("--repeat", type=int, default=1,
-                   help="each layout this many times (medians of several runs)")
+                   help="the auto-dtype 1-shard layout this many times (medians of several runs)")
     d.add_argument("--no-question", dest="question", action="store_false",
                    help="skip the README's question through `layersplit generate`")
     f = sub.add_parser("families")
