@@ -267,13 +267,21 @@ def llamacpp_session(args, tok: TextTokenizer, ctx: int, work: Path) -> list[dic
         return []
     (work / "lcp").mkdir()
     eos = tok.eos_ids[0] if tok.eos_ids else None
-    lcp = Served("llama.cpp", [
-        sys.executable, "-m", "llama_cpp.server", "--model", args.llamacpp, "--host",
-        "127.0.0.1", "--port", "{port}", "--n_ctx", str(ctx), "--n_gpu_layers", "-1",
-        "--cache", "true", "--cache_type", "disk"], work / "lcp", work / "lcp.log", "/v1/models")
+    try:
+        lcp = Served("llama.cpp", [
+            sys.executable, "-m", "llama_cpp.server", "--model", args.llamacpp, "--host",
+            "127.0.0.1", "--port", "{port}", "--n_ctx", str(ctx), "--n_gpu_layers", "-1",
+            "--cache", "true", "--cache_type", "disk"], work / "lcp", work / "lcp.log",
+            "/v1/models")
+    except RuntimeError as e:
+        print(f"llama.cpp's server did not start: {e}", flush=True)
+        return []
     try:
         extra = {"logit_bias": {str(eos): -100}} if eos is not None else {}
         return [run_session("llama.cpp", lcp, tok, args, extra)]
+    except (RuntimeError, httpx.HTTPError) as e:  # (ours is measured: the comparison is not)
+        print(f"llama.cpp's session failed: {e}; see {work / 'lcp.log'}", flush=True)
+        return []
     finally:
         lcp.stop()
 

@@ -170,8 +170,9 @@ class Engine:
             coord = self.coord
             if stopping:
                 active = self._shut_out(active)
-            if stopping and not active:
-                break
+            if stopping and not active and (coord is None or not coord.batcher.busy or
+                                            time.monotonic() > self._stop_at):
+                break  # (answers being kept in the prefix cache end first, within the grace)
             if coord is None:
                 continue
             if not active and not coord.batcher.busy:  # idle: a shard that dies now is
