@@ -27,6 +27,10 @@
 #             serve` (SERVE=streams,structured,soak; default streams,structured)
 #   startup   `layersplit generate` from the command to the first token, empty caches then warm
 #             (STARTUP=generate,shape,capture,hybrid; default generate)
+#   agent     a scripted 10-turn agent session against `layersplit serve` (the default model, 2
+#             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
+#             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
+#             and bench/kept_answers.py: the next turn's TTFT with an answer kept or not (A2)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -34,8 +38,8 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
-known=" tests parity llamacpp decode prefill split spec cache hybrid moe long serve startup park "
+[ $# -gt 0 ] || { sed -n 2,38p "$0"; exit 2; }
+known=" tests parity llamacpp decode prefill split spec cache hybrid moe long serve startup agent park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -340,11 +344,22 @@ stage_startup() {  # T1-T4
   fi
 }
 
+stage_agent() {  # A1
+  default_model || return 1
+  local gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf lcp=()
+  if [ -e /tmp/lcp.pid ] && lcp_wait 300; then lcp=(--llamacpp "$gguf"); fi
+  TAIL=40 run agent 300 env PYTHONPATH=$PYTHONPATH:/tmp/lcpsite python3 bench/agent_session.py \
+    --model default --devices cuda:0,cuda:0 --turns 10 "${lcp[@]}" --json "$RUNS/agent.json"
+  row agent "$RUNS/agent.json" --cmd A1
+  TAIL=8 run agent_keep 120 python3 bench/kept_answers.py --model default --devices \
+    cuda:0,cuda:0 --tails 4,16,64,256,1024 --repeats 5 --json "$RUNS/agent_keep.json"
+}
+
 stage_park() { log "parked: $(ls /tmp/smol.part* 2> /dev/null | tr '\n' ' ')"; }
 
 # llama.cpp builds in the background while the stages before the ones that read it run
 for s in "$@"; do
-  case $s in llamacpp | decode | prefill) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
+  case $s in llamacpp | decode | prefill | agent) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
 done
 for s in "$@"; do
   log "stage $s"
