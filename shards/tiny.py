@@ -142,7 +142,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         # shared experts (one MLP twice as wide); 2 dense layers
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
-        "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 27,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 27,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 6,
         "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 1.5, "norm_topk_prob": False, "first_k_dense_replace": 2,
