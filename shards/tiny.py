@@ -147,7 +147,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 1.5, "norm_topk_prob": False, "first_k_dense_replace": 2,
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "rope_interleave": False,
-        "tie_word_embeddings": True, "hidden_act": "silu",
+        "tie_word_embeddings": False, "hidden_act": "silu",
     },
 }
 # Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
