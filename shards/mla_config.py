@@ -57,9 +57,6 @@ class MLASpec:
         """Values cached per token per layer."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GroupRouting:
@@ -68,9 +65,6 @@ class GroupRouting:
     n_group: int
     topk_group: int
     routed_scaling_factor: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _int(raw: dict[str, Any], key: str, source: str | Path, default: Any = ...,

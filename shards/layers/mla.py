@@ -95,15 +95,16 @@ class MLAttention(nn.Module):
         if 2 * half != self.latent:  # (an odd width: one column of padding)
             row = F.pad(row, (0, 1))
         k_half, v_half = row[:, None, :half], row[:, None, half:]
-        if step.lo is not None:  # a batched step: each sequence's rows (S, T, L)
+        if step.lo is not None:  # a batched step: each sequence's row halves (S, T, L/2)
             keys, values = kv.append_batch(layer, step, k_half, v_half)
-            lat = torch.cat([keys, values], dim=-1)[:, :, 0, :self.latent]
-            return self.o_proj(self._absorbed(q_nope, q_pe, lat, step.mask))
-        keys, values = kv.append(layer, slot, step, k_half, v_half)
-        lat = torch.cat([keys, values], dim=-1)[:, 0, :self.latent]  # (T, L)
+            return self.o_proj(self._absorbed(q_nope, q_pe, keys[:, :, 0], values[:, :, 0],
+                                              step.mask))
+        keys, values = kv.append(layer, slot, step, k_half, v_half)  # (T, 1, L/2) each
         if n > 1 and not step.grouped:
+            lat = torch.cat([keys, values], dim=-1)[:, 0, :self.latent]  # (T, L)
             return self.o_proj(self._decompressed(q_nope, q_pe, lat, step))
-        return self.o_proj(self._absorbed(q_nope, q_pe, lat[None], step.mask))
+        return self.o_proj(self._absorbed(q_nope, q_pe, keys[None, :, 0], values[None, :, 0],
+                                          step.mask))
 
     def _decompressed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
                       step: StepInfo) -> torch.Tensor:
@@ -120,24 +121,33 @@ class MLAttention(nn.Module):
             scale=self.scale)  # (1, H, n, V)
         return out[0].transpose(0, 1).reshape(n, -1)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, lat: torch.Tensor,
-                  mask: torch.Tensor | None) -> torch.Tensor:
-        """Attention in the latent space for S sequences' rows (`lat`: (S, T, L), query row
-        s * r + j belongs to sequence s, r = n / S; `mask`: (n, T) or None). (n, H * V)"""
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention in the latent space for S sequences' rows: `keys` and `values` (S, T, L/2)
+        are the two halves of their latent rows, read where the cache holds them (no copy of
+        the rows); query row s * r + j belongs to sequence s, r = n / S; `mask`: (n, T) or
+        None. The query is laid out as a latent row ([q W_UK, q_pe]) and split the same way,
+        so its scores are the sum of one product with each half. (n, H * V)"""
         n, nh = q_nope.shape[:2]
-        s, t = lat.shape[:2]
+        s, t, half = keys.shape
         r = n // s
         w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # (H, P, C), (H, V, C)
         q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (n, H, C)
-        c, pe = lat.split([self.rank, self.rope], dim=-1)  # (S, T, C), (S, T, R)
-        q_lat, q_pe = q_lat.reshape(s, r * nh, self.rank), q_pe.reshape(s, r * nh, self.rope)
-        scores = (torch.matmul(q_lat, c.transpose(1, 2)) +
-                  torch.matmul(q_pe, pe.transpose(1, 2))) * self.scale  # (S, r*H, T)
+        q_row = torch.cat([q_lat, q_pe], dim=-1)  # (n, H, L)
+        if 2 * half != self.latent:
+            q_row = F.pad(q_row, (0, 1))
+        q_k, q_v = q_row.reshape(s, r * nh, 2 * half).split(half, dim=-1)
+        scores = (torch.matmul(q_k, keys.transpose(1, 2)) +
+                  torch.matmul(q_v, values.transpose(1, 2))) * self.scale  # (S, r*H, T)
         if mask is not None:
             seen = mask.view(s, r, 1, t).expand(s, r, nh, t).reshape(s, r * nh, t)
             scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(c.dtype)
-        o_lat = torch.matmul(probs, c).view(n, nh, self.rank)  # (n, H, C)
-        out = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # (H, n, V)
+        probs = torch.softmax(scores.float(), dim=-1).to(keys.dtype)
+        # the probabilities' sum of the latents c (the first C values of the rows)
+        o_lat = torch.matmul(probs, keys[..., :self.rank])
+        if self.rank > half:
+            o_lat = torch.cat([o_lat, torch.matmul(probs, values[..., :self.rank - half])], -1)
+        out = torch.matmul(o_lat.view(n, nh, self.rank).transpose(0, 1),
+                           w_uv.transpose(1, 2))  # (H, n, V)
         return out.transpose(0, 1).reshape(n, -1)
