@@ -21,7 +21,7 @@
 #             (HYBRID=decode,prefill,gpus2; default all)
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
 #   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
-#             float32, batch 1 next to its HBM floor, 8 streams
+#             float32, batch 1 next to its HBM floor, 8 streams, decode attention to 32K keys
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
@@ -252,6 +252,8 @@ stage_mla() {  # M3 (parity, then speed)
   TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
     --layouts cuda:0 cuda:0,cuda:0 --streams 8 --repeats 3 --json "$RUNS/mla.json"
   row moe "$RUNS/mla.json" --cmd M3
+  TAIL=8 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
+    --json "$RUNS/mla_attention.json"
 }
 
 stage_long() {  # L1-L4
