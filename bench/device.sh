@@ -252,7 +252,9 @@ stage_mla() {  # M3 (parity, then speed)
   TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
     --layouts cuda:0 cuda:0,cuda:0 --streams 8 --repeats 3 --json "$RUNS/mla.json"
   row moe "$RUNS/mla.json" --cmd M3
-  TAIL=8 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
+  TAIL=20 run mla_kernel 150 $tests tests/gpu/test_mla_kernel.py
+  row pytest "$RUNS/mla_kernel.log" --what "tests/gpu/test_mla_kernel.py" --cmd mla
+  TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
     --json "$RUNS/mla_attention.json"
 }
 

@@ -1,5 +1,7 @@
 """One MLA layer's attention stage in a decode step (the absorbed form, `shards.layers.mla`),
-next to the floor of the bytes it reads: the latent rows of its keys and its weights.
+next to the floor of the bytes it reads: the latent rows of its keys and its weights. Both
+paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernel
+(`shards.kernels.mla_decode`).
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0]
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from layersplit.shards.kv_cache import KVLayout  # noqa: E402
-from layersplit.shards.layers.mla import MLAttention  # noqa: E402
+from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH, MLAttention  # noqa: E402
 from layersplit.shards.layers.rotary import rope_cos_sin, rope_inv_freq  # noqa: E402
 from layersplit.shards.layers.step import StepInfo  # noqa: E402
 from layersplit.shards.model_config import read_hf_config  # noqa: E402
@@ -117,17 +120,20 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    rows = [measure(args, int(k)) for k in args.keys.split(",")]
+    rows = []
+    for path, switch in (("torch", "0"), ("kernel", "1")):
+        os.environ[MLA_KERNEL_SWITCH] = switch
+        rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print("| keys | us per layer | floor us | of floor |")
-    print("|---:|---:|---:|---:|")
+    print("| path | keys | us per layer | floor us | of floor |")
+    print("|---|---:|---:|---:|---:|")
     for r in rows:
         if "us_per_layer" in r:
-            print(f"| {r['keys']} | {r['us_per_layer']:.1f} | {r['floor_us']:.1f} | "
-                  f"{r['of_floor']:.0%} |")
+            print(f"| {r['path']} | {r['keys']} | {r['us_per_layer']:.1f} | "
+                  f"{r['floor_us']:.1f} | {r['of_floor']:.0%} |")
         else:
-            print(f"| {r['keys']} | (ran on {args.device}: no timing) | - | - |")
+            print(f"| {r['path']} | {r['keys']} | (ran on {args.device}: no timing) | - | - |")
 
 
 if __name__ == "__main__":

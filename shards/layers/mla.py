@@ -18,13 +18,19 @@ P = qk_nope_head_dim, V = v_head_dim, L = C + R (the latent row).
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.rotary import apply_rope
 from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # transformers builds q_a_layernorm and kv_a_layernorm with their default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -99,6 +105,10 @@ class MLAttention(nn.Module):
             keys, values = kv.append_batch(layer, step, k_half, v_half)
             return self.o_proj(self._absorbed(q_nope, q_pe, keys[:, :, 0], values[:, :, 0],
                                               step.mask))
+        if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
+            out = self._kernel(q_nope, q_pe, kv, layer, slot, step, k_half, v_half)
+            if out is not None:
+                return self.o_proj(out)
         keys, values = kv.append(layer, slot, step, k_half, v_half)  # (T, 1, L/2) each
         if n > 1 and not step.grouped:
             lat = torch.cat([keys, values], dim=-1)[:, 0, :self.latent]  # (T, L)
@@ -121,6 +131,20 @@ class MLAttention(nn.Module):
             scale=self.scale)  # (1, H, n, V)
         return out[0].transpose(0, 1).reshape(n, -1)
 
+    def _query_row(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """The queries in the latent row's layout, [q_nope W_UK, q_pe]: (n, H, L)."""
+        nh = q_nope.shape[1]
+        w_uk = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (n, H, C)
+        return torch.cat([q_lat, q_pe], dim=-1)
+
+    def _heads_out(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """W_UV applied to the latent outputs (n, H, C): (n, H * V)."""
+        n, nh = o_lat.shape[:2]
+        w_uv = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)[:, self.nope:]
+        out = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # (H, n, V)
+        return out.transpose(0, 1).reshape(n, -1)
+
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention in the latent space for S sequences' rows: `keys` and `values` (S, T, L/2)
@@ -131,23 +155,55 @@ class MLAttention(nn.Module):
         n, nh = q_nope.shape[:2]
         s, t, half = keys.shape
         r = n // s
-        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # (H, P, C), (H, V, C)
-        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (n, H, C)
-        q_row = torch.cat([q_lat, q_pe], dim=-1)  # (n, H, L)
+        q_row = self._query_row(q_nope, q_pe)  # (n, H, L)
         if 2 * half != self.latent:
             q_row = F.pad(q_row, (0, 1))
         q_k, q_v = q_row.reshape(s, r * nh, 2 * half).split(half, dim=-1)
         scores = (torch.matmul(q_k, keys.transpose(1, 2)) +
                   torch.matmul(q_v, values.transpose(1, 2))) * self.scale  # (S, r*H, T)
         if mask is not None:
-            seen = mask.view(s, r, 1, t).expand(s, r, nh, t).reshape(s, r * nh, t)
+            seen = mask.reshape(s, r, 1, t).expand(s, r, nh, t).reshape(s, r * nh, t)
             scores = scores.masked_fill(~seen, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(keys.dtype)
         # the probabilities' sum of the latents c (the first C values of the rows)
         o_lat = torch.matmul(probs, keys[..., :self.rank])
         if self.rank > half:
             o_lat = torch.cat([o_lat, torch.matmul(probs, values[..., :self.rank - half])], -1)
-        out = torch.matmul(o_lat.view(n, nh, self.rank).transpose(0, 1),
-                           w_uv.transpose(1, 2))  # (H, n, V)
-        return out.transpose(0, 1).reshape(n, -1)
+        return self._heads_out(o_lat.view(n, nh, self.rank))
+
+    def _kernel(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, layer: int, slot: int,
+                step: StepInfo, k_half: torch.Tensor, v_half: torch.Tensor
+                ) -> torch.Tensor | None:
+        """`_absorbed` through the Triton kernel, reading the latent rows in the pool
+        (`shards.kernels.mla_decode`); None where the kernel failed to build (the torch path
+        then runs, from now on)."""
+        from layersplit.shards.kernels.mla_decode import mla_decode
+
+        n, nh = q_nope.shape[:2]
+        q_row = self._query_row(q_nope, q_pe)
+        try:
+            k_pool, v_pool, index = kv.append_pool(layer, slot, step, k_half, v_half)
+            o_lat = mla_decode(q_row.reshape(index.shape[0], -1, self.latent), k_pool[:, 0],
+                               v_pool[:, 0], index, step.mask, nh, self.rank, self.scale)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a Triton build failure: the torch path runs
+            _KERNEL["off"] = True
+            log.warning("the MLA decode kernel failed (%s); latent attention runs in torch "
+                        "from now on", str(e).splitlines()[0][:200] if str(e) else repr(e))
+            return None
+        return self._heads_out(o_lat.to(q_row.dtype).view(n, nh, self.rank))
+
+
+MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPUs too
+_KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
+
+
+def mla_kernel_applies(kv, device: torch.device) -> bool:
+    """Whether a captured step's latent attention takes the Triton kernel: a paged pool (a
+    shard's) on a device where the decode kernels run, unless switched off."""
+    if _KERNEL.get("off") or not hasattr(kv, "append_pool"):
+        return False
+    if os.environ.get(MLA_KERNEL_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    return fused_kernels_available(device)
