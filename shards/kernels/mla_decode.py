@@ -75,12 +75,14 @@ def _mla_attend(
         keys = t0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
         pool = tl.load(IDX + s * s_idx + keys, mask=key_ok, other=0)
-        c_ptr = tl.where(c_in_k[None, :], K + pool[:, None] * s_k + cc[None, :],
-                         V + pool[:, None] * s_v + (cc - half)[None, :])
-        c_t = tl.load(c_ptr, mask=key_ok[:, None] & c_ok[None, :], other=0.0)  # (N, C)
-        pe_ptr = tl.where(pe_in_k[None, :], K + pool[:, None] * s_k + pj[None, :],
-                          V + pool[:, None] * s_v + (pj - half)[None, :])
-        pe_t = tl.load(pe_ptr, mask=key_ok[:, None] & r_ok[None, :], other=0.0)  # (N, R)
+        k_row, v_row = K + pool[:, None] * s_k, V + pool[:, None] * s_v
+        ok = key_ok[:, None] & c_ok[None, :]  # (each value loaded from its half alone)
+        c_t = (tl.load(k_row + cc[None, :], mask=ok & c_in_k[None, :], other=0.0)
+               + tl.load(v_row + (cc - half)[None, :], mask=ok & ~c_in_k[None, :], other=0.0))
+        ok = key_ok[:, None] & r_ok[None, :]
+        pe_t = (tl.load(k_row + pj[None, :], mask=ok & pe_in_k[None, :], other=0.0)
+                + tl.load(v_row + (pj - half)[None, :], mask=ok & ~pe_in_k[None, :],
+                          other=0.0))  # (N, R)
         if IEEE:
             sc = tl.dot(q_c, tl.trans(c_t), input_precision="ieee")
             sc += tl.dot(q_pe, tl.trans(pe_t), input_precision="ieee")
