@@ -104,3 +104,32 @@ def test_inert_fields_are_accepted():
     raw = {**FAMILY_CONFIGS["deepseek_v3"], "num_hidden_layers": 4, "vocab_size": 320,
            "ep_size": 1, "seq_aux": True, "num_nextn_predict_layers": 1, "moe_layer_freq": 1}
     assert config_from_hf(raw, "config.json").mla is not None
+
+
+@pytest.mark.parametrize("change", [
+    {"attention_bias": True},  # q_a_proj, kv_a_proj_with_mqa and o_proj biased
+    {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,  # Kimi K2's routing
+     "rope_scaling": None, "first_k_dense_replace": 0},
+], ids=["attention-bias", "kimi-routing"])
+def test_saved_by_transformers_matches(tmp_path, change):
+    """A checkpoint built and written by transformers' own `DeepseekV3ForCausalLM`: prefill
+    and decode logits equal its own."""
+    raw = {k: v for k, v in FAMILY_CONFIGS["deepseek_v3"].items()
+           if k not in ("architectures", "model_type")}
+    cfg = transformers.DeepseekV3Config(**{**raw, **change}, num_hidden_layers=3,
+                                        vocab_size=320, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
+        for layer in hf.model.layers[cfg.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(2))
+    ex = _executor(tmp_path, static=False, paged=False)
+    ours = [ex.run(ids[:-2], 0, all_logits=True)] + [ex.run(ids[p:p + 1], p) for p in (28, 29)]
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    tol = 1e-5 * max(1.0, ref.abs().max().item())
+    assert (torch.cat(ours) - ref).abs().max().item() < tol
