@@ -101,14 +101,14 @@ class MLAttention(nn.Module):
         if 2 * half != self.latent:  # (an odd width: one column of padding)
             row = F.pad(row, (0, 1))
         k_half, v_half = row[:, None, :half], row[:, None, half:]
-        if step.lo is not None:  # a batched step: each sequence's row halves (S, T, L/2)
-            keys, values = kv.append_batch(layer, step, k_half, v_half)
-            return self.o_proj(self._absorbed(q_nope, q_pe, keys[:, :, 0], values[:, :, 0],
-                                              step.mask))
         if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
             out = self._kernel(q_nope, q_pe, kv, layer, slot, step, k_half, v_half)
             if out is not None:
                 return self.o_proj(out)
+        if step.lo is not None:  # a batched step: each sequence's row halves (S, T, L/2)
+            keys, values = kv.append_batch(layer, step, k_half, v_half)
+            return self.o_proj(self._absorbed(q_nope, q_pe, keys[:, :, 0], values[:, :, 0],
+                                              step.mask))
         keys, values = kv.append(layer, slot, step, k_half, v_half)  # (T, 1, L/2) each
         if n > 1 and not step.grouped:
             lat = torch.cat([keys, values], dim=-1)[:, 0, :self.latent]  # (T, L)
