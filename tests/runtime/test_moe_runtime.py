@@ -113,7 +113,7 @@ def test_moe_speculation_equals_plain(model, prompt, tmp_path):
         drafts.append(write_random_dflash(cfg, tmp_path / "dflash", taps=[1, 4]))
     for draft in drafts:
         with Coordinator(_cfg(model, 2, draft=str(draft))) as coord:
-            for params in (GREEDY, SAMPLED):
+            for params in (GREEDY, SAMPLED) if draft is near else (GREEDY,):
                 plain = coord.generate(prompt, params, use_cache=False, speculative=False)
                 spec = coord.generate(prompt, params, use_cache=False)
                 assert spec.tokens == plain.tokens, draft.name
