@@ -222,7 +222,7 @@ def hbm_floor(args, device: str) -> dict:
         state = linear * (spec.num_value_heads * spec.key_head_dim * spec.value_head_dim * 4
                           + spec.conv_dim * (spec.conv_kernel - 1) * itemsize)
     # KV rows read, at the mean context of the decode (a window caps a layer's: not counted)
-    kv = attn_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize * context
+    kv = cfg.kv_bytes_per_token(attn_layers, itemsize) * context
     extra = {"state_bytes_per_token": 2 * state, "kv_bytes_per_token": kv}
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)

@@ -21,6 +21,9 @@
 #             2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
 #             (HYBRID=decode,prefill,gpus2; default all)
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
+#   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
+#             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
+#             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
@@ -38,8 +41,8 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,38p "$0"; exit 2; }
-known=" tests parity llamacpp decode prefill split spec cache hybrid moe long serve startup agent park "
+[ $# -gt 0 ] || { sed -n 2,41p "$0"; exit 2; }
+known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla long serve startup agent park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -245,6 +248,26 @@ stage_moe() {  # M1 (and M2 on 2 GPUs)
     TAIL=12 run moe_gpus2 200 python3 bench/moe.py --layouts cuda:0 cuda:0,cuda:1 --streams 8 \
       --repeats 3 --json "$RUNS/moe_gpus2.json"
     row moe "$RUNS/moe_gpus2.json" --cmd M2
+  fi
+}
+
+stage_mla() {  # M3; MLA=parity,speed,kernel (default all: more than one call's 580 s)
+  local cases=${MLA:-parity,speed,kernel} tf=()
+  if has "$cases" parity; then
+    [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+    TAIL=40 run mla_parity 420 "${tf[@]}" python3 bench/parity.py families \
+      --families deepseek_v3 --limit 6 --new-tokens 48 --out "$OUT/parity_mla.json"
+  fi
+  if has "$cases" speed; then
+    TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
+      --layouts cuda:0 cuda:0,cuda:0 --streams 8 --repeats 3 --json "$RUNS/mla.json"
+    row moe "$RUNS/mla.json" --cmd M3
+  fi
+  if has "$cases" kernel; then
+    TAIL=20 run mla_kernel 150 $tests tests/gpu/test_mla_kernel.py
+    row pytest "$RUNS/mla_kernel.log" --what "tests/gpu/test_mla_kernel.py" --cmd mla
+    TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
+      --json "$RUNS/mla_attention.json"
   fi
 }
 

@@ -44,7 +44,8 @@ def shape(model: str) -> str:
     return {"default": "default model", "smollm2-135m-shape": "default model's shape",
             "llama-8b-shape": "Llama-8B shape", "qwen3-8b": "Qwen3-8B shape",
             "qwen3.5-27b": "Qwen3.5-27B shape", "qwen3-32b": "Qwen3-32B shape",
-            "qwen3-30b-a3b": "Qwen3-30B-A3B shape"}.get(name, name)
+            "qwen3-30b-a3b": "Qwen3-30B-A3B shape",
+            "deepseek-v2-lite-shape": "DeepSeek-V2-Lite-width MLA shape"}.get(name, name)
 
 
 def median(xs) -> float:
@@ -174,6 +175,7 @@ def spec(args) -> list[tuple[str, str, str]]:
 def moe(args) -> list[tuple[str, str, str]]:
     out = json.loads(Path(args.files[0]).read_text())
     floor = out.get("floor")
+    what = shape(out.get("model", "qwen3-30b-a3b"))
     res = []
     for r in out["rows"]:
         tok = r["decode_tok_s"]
@@ -181,9 +183,9 @@ def moe(args) -> list[tuple[str, str, str]]:
         if floor:
             ours += f", {tok / floor['floor_tok_s']:.0%} of the HBM floor"
         base = f"HBM floor {floor['floor_tok_s']:.0f} tok/s" if floor else DASH
-        res.append((f"Qwen3-30B-A3B shape, {layout_words(r['layout'])}, batch 1", ours, base))
+        res.append((f"{what}, {layout_words(r['layout'])}, batch 1", ours, base))
         for n, s in r["streams"].items():
-            res.append((f"Qwen3-30B-A3B shape, {layout_words(r['layout'])}, {n} streams",
+            res.append((f"{what}, {layout_words(r['layout'])}, {n} streams",
                         f"**{s:.1f}** tok/s", f"batch 1 {tok:.1f} tok/s"))
     return res
 
