@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from layersplit.draft.tree_shape import Shape, read_shape
+from layersplit.shards.checkpoint import RANDOM_PREFIX
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fused import post_attention, pre_attention, rms_norm, rope
 from layersplit.shards.kv_cache import KVCache
@@ -35,6 +36,7 @@ from layersplit.shards.layers.rotary import apply_rope, rope_cos_sin, rope_inv_f
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.model_config import ModelConfig, config_from_hf
 from layersplit.shards.models.llama import DecoderLayer
+from layersplit.shards.random_weights import PRESETS_DIR, RandomCheckpoint
 from layersplit.shards.weights import layer_tensor_shapes
 from torch import nn
 
@@ -88,6 +90,19 @@ class DFlashConfig:
                                   f"vocabulary 0..{target.vocab_size - 1}")
 
 
+def dflash_folder(spec: str | Path) -> Path | None:
+    """The folder of a DFlash draft's config: `spec` itself, or for `random:NAME` (seeded
+    random weights, `shards.random_weights`) the preset's folder; None when it is no DFlash
+    draft (a classic one)."""
+    text = str(spec)
+    if text.startswith(RANDOM_PREFIX):
+        name = text[len(RANDOM_PREFIX):]
+        folder = Path(name) if "/" in name else PRESETS_DIR / name
+    else:
+        folder = Path(spec)
+    return folder if folder.is_dir() and is_dflash(folder) else None
+
+
 def is_dflash(folder: Path) -> bool:
     try:
         raw = json.loads((folder / "config.json").read_text())
@@ -106,6 +121,48 @@ def read_dflash_config(folder: Path) -> DFlashConfig:
     return read_dflash_config_dict(raw, path)
 
 
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def refuse_unimplemented(raw: dict, sub: dict, path: Path) -> None:
+    """The published DFlash fields whose effect is not implemented here, refused by name
+    (z-lab's reference reads each from `dflash_config` or the top level)."""
+    def value(name: str) -> Any:
+        return sub.get(name, raw.get(name))
+
+    arch = raw.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in arch:
+        raise CheckpointError(f"{path}: architectures {arch}: only {ARCHITECTURE} is "
+                              "implemented (not DFlash2's convolutions and candidate selector)")
+    if raw.get("model_type", "qwen3") != "qwen3":
+        raise CheckpointError(f"{path}: model_type {raw['model_type']!r}: DFlash draft layers "
+                              "are Qwen3 layers (model_type 'qwen3')")
+    for name in DFLASH2_FIELDS:
+        if value(name) is not None:
+            raise CheckpointError(f"{path}: {name}={value(name)!r} (DFlash2) is not implemented")
+    types = raw.get("layer_types") or []
+    if "sliding_attention" in types or raw.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: layer_types {types} (sliding_window "
+                              f"{raw.get('sliding_window')}): sliding-window draft layers are "
+                              "not implemented (every draft layer here attends the whole "
+                              "context and block)")
+    if value("is_causal") or value("causal"):
+        raise CheckpointError(f"{path}: is_causal/causal: causal draft blocks are not "
+                              "implemented (a block's rows see each other)")
+    if value("output_multiplier") not in (None, 1, 1.0):
+        raise CheckpointError(f"{path}: output_multiplier={value('output_multiplier')!r} is "
+                              "not implemented")
+    if value("final_logit_softcapping") not in (None, 0, 0.0):
+        raise CheckpointError(f"{path}: final_logit_softcapping="
+                              f"{value('final_logit_softcapping')!r} is not implemented")
+    if raw.get("attention_bias"):
+        raise CheckpointError(f"{path}: attention_bias=true (biased q/k/v/o projections) is "
+                              "not implemented for DFlash drafts")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act={raw['hidden_act']!r} is not supported "
+                              "(only 'silu')")
+
+
 def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     """Parse a DFlash config; every error names the field and the file."""
     if not isinstance(raw, dict):
@@ -117,6 +174,7 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     def field(name: str, default: Any = None) -> Any:
         return sub.get(name, raw.get(name, default))
 
+    refuse_unimplemented(raw, sub, path)
     model = config_from_hf({**raw, "model_type": "qwen3"}, path, strict=False)
     block = field("block_size")
     if not isinstance(block, int) or isinstance(block, bool) or block < 2:
@@ -391,11 +449,13 @@ def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
 
 
 def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
-                device: torch.device | str) -> DFlashDraft:
-    """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors)."""
+                device: torch.device | str, random_seed: int | None = None) -> DFlashDraft:
+    """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors), or
+    with `random_seed` draw its tensors (`random:NAME`: only the config is read)."""
     from layersplit.shards.checkpoint_hf import HFCheckpoint
 
-    ckpt = HFCheckpoint(folder, strict=False)
+    ckpt = (HFCheckpoint(folder, strict=False) if random_seed is None else
+            RandomCheckpoint(folder, random_seed, config=cfg.model))
     shapes = dflash_tensor_shapes(cfg)
     tensors = ckpt.load(shapes, {k: k for k in shapes}, dtype, device)
     with torch.device("meta"):

@@ -1,0 +1,64 @@
+"""The bench oracle's proposer (`draft.oracle_table` says what the oracle is and where its table
+comes from): a DFlash proposer that computes every proposal, then replaces its tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from layersplit.draft.oracle_table import OracleTable
+from layersplit.draft.proposer import DFlashProposer
+
+
+class OracleProposer(DFlashProposer):
+    """A `DFlashProposer` that computes every proposal and then replaces its tokens (from its
+    table, `draft.oracle_table`). `oracle` must be set before the first proposal."""
+
+    oracle: OracleTable
+    matches: list[list[int] | None]  # per slot: the table sequences its proposals agree with
+    missed = 0  # proposals with no agreeing sequence (the draft's own tokens went)
+
+    def set_oracle(self, table: OracleTable) -> None:
+        self.oracle = table
+        self.matches = [None] * self.slots
+
+    def set_slots(self, slots: int) -> None:
+        super().set_slots(slots)
+        self.matches = [None] * slots
+
+    def begin(self, slot: int, sample: dict | None = None) -> None:
+        super().begin(slot, sample)
+        self.matches[slot] = None
+
+    def propose(self, slot, token, pos, n, tokens=None, start=0, tree=0, kept=None):
+        out = super().propose(slot, token, pos, n, tokens, start, tree, kept)
+        return self._replace(slot, token, pos, out)
+
+    def propose_batch(self, reqs: Sequence[tuple[int, int, int, int, int, list[int] | None]]):
+        outs = super().propose_batch(reqs)
+        return [self._replace(r[0], r[1], r[2], o) for r, o in zip(reqs, outs, strict=True)]
+
+    def _replace(self, slot: int, token: int, pos: int, out: tuple) -> tuple:
+        drafted, parents, q = out
+        if parents is not None or q is not None or self.sampling[slot] is not None:
+            raise ValueError("bench oracle: greedy chains only (spec_tree 0, temperature 0)")
+        seqs = self.oracle.sequences
+        cand = self.matches[slot]
+        cand = [i for i in (range(len(seqs)) if cand is None else cand)
+                if len(seqs[i]) > pos and seqs[i][pos] == token]
+        self.matches[slot] = cand
+        if not cand:
+            self.missed += 1
+            return out
+        seq, i = seqs[cand[0]], cand[0]
+        keep = self.oracle.committed(i, pos, len(drafted) + 1) - 1
+        vocab = self.cfg.model.vocab_size
+        new = []
+        for j, own in enumerate(drafted):
+            at = pos + 1 + j
+            if at >= len(seq):
+                new.append(own)
+            elif j < keep:
+                new.append(seq[at])
+            else:
+                new.append((seq[at] + 1) % vocab)
+        return new, None, None

@@ -1,0 +1,75 @@
+"""The bench oracle: a DFlash draft whose proposals are the target's own greedy continuation.
+
+For benchmarks only (`bench/speculative.py --oracle-acceptance A`): it measures what
+speculation gains at a given acceptance on targets whose drafts we cannot train (random weights
+of a published shape). The draft network really runs, at its full size, on the feature rows the
+shards send, and its proposal then goes through the verify step, the kept-row moves and the
+hops as any other; only its tokens are replaced. They come from a table of sequences (prompt +
+the plain greedy run's tokens, computed before), and each proposal keeps the first k of them
+right and makes the rest wrong, k drawn per proposal so that the committed tokens per verify
+step (k + 1) have mean A: floor(A) or floor(A) + 1, the latter with probability A - floor(A).
+
+The draft process reads the table from `$LAYERSPLIT_BENCH_ORACLE` (a JSON file:
+`{"acceptance": A, "seed": S, "sequences": [[token, ...], ...]}`); `layersplit generate` and
+`serve` refuse to start while it is set (`refuse_in_product`), so no normal run speculates
+with it. Which sequence a slot decodes is found from what its proposals are asked after (the
+token at each position): the first table sequence that agrees with all of them. Greedy chains
+only: a sampled request's or a tree's proposal is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+ORACLE_ENV = "LAYERSPLIT_BENCH_ORACLE"
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTable:
+    acceptance: float  # the mean committed tokens per verify step to aim at
+    sequences: tuple[tuple[int, ...], ...]  # prompt + plain greedy continuation
+    seed: int = 0
+
+    def committed(self, seq: int, pos: int, most: int) -> int:
+        """Committed tokens (right draft tokens + 1) for the proposal after position `pos` of
+        sequence `seq`, at most `most`: floor(A) or floor(A) + 1, drawn with a generator seeded
+        by (seed, seq, pos), so that a run and its repeat place the same errors."""
+        lo = math.floor(self.acceptance)
+        rng = random.Random(f"{self.seed}:{seq}:{pos}")
+        return max(1, min(most, lo + (rng.random() < self.acceptance - lo)))
+
+
+def read_oracle(path: str | Path) -> OracleTable:
+    """The table at `path`; every error names the file and the field."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{ORACLE_ENV}={path}: cannot read JSON: {e}") from e
+    a = raw.get("acceptance") if isinstance(raw, dict) else None
+    seqs = raw.get("sequences") if isinstance(raw, dict) else None
+    if not isinstance(a, (int, float)) or not a >= 1:
+        raise ValueError(f"{ORACLE_ENV}={path}: acceptance must be a number >= 1, got {a!r}")
+    if not isinstance(seqs, list) or not all(
+            isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs):
+        raise ValueError(f"{ORACLE_ENV}={path}: sequences must be lists of token ids")
+    return OracleTable(float(a), tuple(tuple(s) for s in seqs), int(raw.get("seed", 0)))
+
+
+def bench_oracle() -> OracleTable | None:
+    """The table `$LAYERSPLIT_BENCH_ORACLE` names, or None when it is not set."""
+    path = os.environ.get(ORACLE_ENV)
+    return read_oracle(path) if path else None
+
+
+def refuse_in_product() -> None:
+    """A normal run (`layersplit generate`, `serve`) never speculates with the bench oracle."""
+    if os.environ.get(ORACLE_ENV):
+        raise SystemExit(f"{ORACLE_ENV} is set: the bench oracle draft is for "
+                         "bench/speculative.py only; unset it to run layersplit")
+
+
