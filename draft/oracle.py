@@ -15,15 +15,16 @@ class OracleProposer(DFlashProposer):
 
     oracle: OracleTable
     matches: list[list[int] | None]  # per slot: the table sequences its proposals agree with
+    origins: list[int]  # per slot: the position of its sequence's first proposal
     missed = 0  # proposals with no agreeing sequence (the draft's own tokens went)
 
     def set_oracle(self, table: OracleTable) -> None:
         self.oracle = table
-        self.matches = [None] * self.slots
+        self.matches, self.origins = [None] * self.slots, [0] * self.slots
 
     def set_slots(self, slots: int) -> None:
         super().set_slots(slots)
-        self.matches = [None] * slots
+        self.matches, self.origins = [None] * slots, [0] * slots
 
     def begin(self, slot: int, sample: dict | None = None) -> None:
         super().begin(slot, sample)
@@ -43,6 +44,8 @@ class OracleProposer(DFlashProposer):
             raise ValueError("bench oracle: greedy chains only (spec_tree 0, temperature 0)")
         seqs = self.oracle.sequences
         cand = self.matches[slot]
+        if cand is None:
+            self.origins[slot] = pos
         cand = [i for i in (range(len(seqs)) if cand is None else cand)
                 if len(seqs[i]) > pos and seqs[i][pos] == token]
         self.matches[slot] = cand
@@ -50,7 +53,7 @@ class OracleProposer(DFlashProposer):
             self.missed += 1
             return out
         seq, i = seqs[cand[0]], cand[0]
-        keep = self.oracle.committed(i, pos, len(drafted) + 1) - 1
+        keep = self.oracle.committed(self.origins[slot], pos, len(drafted) + 1) - 1
         vocab = self.cfg.model.vocab_size
         new = []
         for j, own in enumerate(drafted):

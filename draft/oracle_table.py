@@ -6,8 +6,9 @@ of a published shape). The draft network really runs, at its full size, on the f
 shards send, and its proposal then goes through the verify step, the kept-row moves and the
 hops as any other; only its tokens are replaced. They come from a table of sequences (prompt +
 the plain greedy run's tokens, computed before), and each proposal keeps the first k of them
-right and makes the rest wrong, k drawn per proposal so that the committed tokens per verify
-step (k + 1) have mean A: floor(A) or floor(A) + 1, the latter with probability A - floor(A).
+right and makes the rest wrong, k chosen per proposal so that the committed tokens per verify
+step (k + 1) have mean A: floor(A) or floor(A) + 1, placed on a lattice of positions
+(`OracleTable.committed`), so that even a short run measures A.
 
 The draft process reads the table from `$LAYERSPLIT_BENCH_ORACLE` (a JSON file:
 `{"acceptance": A, "seed": S, "sequences": [[token, ...], ...]}`); `layersplit generate` and
@@ -35,13 +36,23 @@ class OracleTable:
     sequences: tuple[tuple[int, ...], ...]  # prompt + plain greedy continuation
     seed: int = 0
 
-    def committed(self, seq: int, pos: int, most: int) -> int:
-        """Committed tokens (right draft tokens + 1) for the proposal after position `pos` of
-        sequence `seq`, at most `most`: floor(A) or floor(A) + 1, drawn with a generator seeded
-        by (seed, seq, pos), so that a run and its repeat place the same errors."""
-        lo = math.floor(self.acceptance)
-        rng = random.Random(f"{self.seed}:{seq}:{pos}")
-        return max(1, min(most, lo + (rng.random() < self.acceptance - lo)))
+    def committed(self, origin: int, pos: int, most: int) -> int:
+        """Committed tokens (right draft tokens + 1), at most `most`, for the proposal after
+        position `pos` of a sequence whose first proposal came after `origin`: up to the next
+        boundary origin + floor(k * A + u) (u in [0, 1) from the seed), so that rounds that
+        start on a boundary commit floor(A) or floor(A) + 1 tokens with mean exactly A, and a
+        round cut short (a request's last) puts the next back on the lattice."""
+        a, u = self.acceptance, random.Random(self.seed).random()
+
+        def boundary(k: int) -> int:
+            return origin + math.floor(k * a + u)
+
+        k = max(1, math.floor((pos - origin) / a))
+        while boundary(k) <= pos:
+            k += 1
+        while k > 1 and boundary(k - 1) > pos:
+            k -= 1
+        return max(1, min(most, boundary(k) - pos))
 
 
 def read_oracle(path: str | Path) -> OracleTable:
