@@ -155,9 +155,6 @@ def refuse_unimplemented(raw: dict, sub: dict, path: Path) -> None:
     if value("final_logit_softcapping") not in (None, 0, 0.0):
         raise CheckpointError(f"{path}: final_logit_softcapping="
                               f"{value('final_logit_softcapping')!r} is not implemented")
-    if raw.get("attention_bias"):
-        raise CheckpointError(f"{path}: attention_bias=true (biased q/k/v/o projections) is "
-                              "not implemented for DFlash drafts")
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{path}: hidden_act={raw['hidden_act']!r} is not supported "
                               "(only 'silu')")
@@ -456,6 +453,9 @@ def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
 
     ckpt = (HFCheckpoint(folder, strict=False) if random_seed is None else
             RandomCheckpoint(folder, random_seed, config=cfg.model))
+    if random_seed is None and ckpt.has("layers.0.self_attn.o_proj.bias"):
+        raise CheckpointError(f"{folder}: layers.0.self_attn.o_proj.bias: a biased o_proj "
+                              "(z-lab's attention_bias=true) is not implemented")
     shapes = dflash_tensor_shapes(cfg)
     tensors = ckpt.load(shapes, {k: k for k in shapes}, dtype, device)
     with torch.device("meta"):

@@ -3,11 +3,13 @@ comes from): a DFlash proposer that computes every proposal, then replaces its t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from layersplit.draft.oracle_table import OracleTable
 from layersplit.draft.proposer import DFlashProposer
 
+log = logging.getLogger(__name__)
 
 class OracleProposer(DFlashProposer):
     """A `DFlashProposer` that computes every proposal and then replaces its tokens (from its
@@ -48,11 +50,16 @@ class OracleProposer(DFlashProposer):
             self.origins[slot] = pos
         cand = [i for i in (range(len(seqs)) if cand is None else cand)
                 if len(seqs[i]) > pos and seqs[i][pos] == token]
-        self.matches[slot] = cand
         if not cand:
+            if self.matches[slot] != []:
+                log.warning("bench oracle: slot %d's sequence left the table at position %d "
+                            "(no plain run's output has token %d there): the draft's own "
+                            "tokens from here", slot, pos, token)
+            self.matches[slot] = cand
             self.missed += 1
             return out
-        seq, i = seqs[cand[0]], cand[0]
+        self.matches[slot] = cand
+        seq = seqs[cand[0]]
         keep = self.oracle.committed(self.origins[slot], pos, len(drafted) + 1) - 1
         vocab = self.cfg.model.vocab_size
         new = []

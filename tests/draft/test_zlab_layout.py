@@ -23,10 +23,11 @@ PUBLISHED = PRESETS_DIR / "qwen3-8b-dflash-b16" / "config.json"  # z-lab/Qwen3-8
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
-def published_keys(layers: int) -> list[str]:
+def published_keys(layers: int, bias: bool = False) -> list[str]:
     """The tensor names of z-lab's DFlashDraftModel state dict (no `model.` prefix, no
     embedding and no LM head: those are the target's)."""
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    per_layer = [f"self_attn.{p}_proj.bias" for p in "qkvo" if bias] + [
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -49,7 +50,12 @@ def write_published(target: ModelConfig, out: Path, taps: list[int], layers: int
     raw.update(overrides)
     h, f = raw["hidden_size"], raw["intermediate_size"]
     shapes = {"fc.weight": (h, len(taps) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    bias = raw.get("attention_bias")
     for i in range(layers):
+        if bias:  # (z-lab's layers bias o_proj too)
+            shapes.update({f"layers.{i}.self_attn.{p}_proj.bias": (n * d,) for p, n in
+                           (("q", heads), ("k", kv), ("v", kv))})
+            shapes[f"layers.{i}.self_attn.o_proj.bias"] = (h,)
         shapes.update({
             f"layers.{i}.self_attn.q_proj.weight": (heads * d, h),
             f"layers.{i}.self_attn.k_proj.weight": (kv * d, h),
@@ -61,7 +67,7 @@ def write_published(target: ModelConfig, out: Path, taps: list[int], layers: int
             f"layers.{i}.mlp.down_proj.weight": (h, f),
             f"layers.{i}.input_layernorm.weight": (h,),
             f"layers.{i}.post_attention_layernorm.weight": (h,)})
-    assert sorted(shapes) == sorted(published_keys(layers))
+    assert sorted(shapes) == sorted(published_keys(layers, bias))
     g = torch.Generator().manual_seed(0)
     tensors = {k: (1 + 0.1 * torch.randn(s, generator=g)) if k.endswith("norm.weight") else
                0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
@@ -122,11 +128,16 @@ def test_published_draft_speculates_losslessly(family, qwen3, qwen35, tmp_path):
      "sliding"),
     ({"output_multiplier": 2.0}, "output_multiplier"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-    ({"attention_bias": True}, "attention_bias"),
 ])
 def test_mismatched_or_unimplemented_is_refused(qwen3, tmp_path, change, match):
     path = write_published(read_hf_config(qwen3), tmp_path / "d", [1, 4], **change)
     with pytest.raises(CheckpointError, match=match):
+        load_proposer(path, qwen3, "cpu", torch.float32, 64)
+
+
+def test_biased_o_proj_is_refused(qwen3, tmp_path):
+    path = write_published(read_hf_config(qwen3), tmp_path / "d", [1, 4], attention_bias=True)
+    with pytest.raises(CheckpointError, match="o_proj.bias"):
         load_proposer(path, qwen3, "cpu", torch.float32, 64)
 
 
