@@ -139,7 +139,7 @@ stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
   fi
 }
 
-stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts; S7-S10
+stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts; S8-S11
   local cases=${SPEC:-greedy}
   [[ ",$cases," == *,greedy,* || ",$cases," == *,gpus2,* || ",$cases," == *,trees,* || \
      ",$cases," == *,sampled,* || ",$cases," == *,streams,* || ",$cases," == *,det,* ]] && \
@@ -182,19 +182,19 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
     TAIL=20 run spec_oracle8b 420 python3 $o8 --devices cuda:0 --limit 6 \
       --json "$RUNS/spec_oracle8b.json"
     row spec "$RUNS/spec_oracle8b.json" --what "bench oracle, Qwen3-8B shape, A 6.3, 1 shard" \
-      --cmd S7
+      --cmd S8
   fi
   if has "$cases" oracle8b_streams; then
     TAIL=20 run spec_oracle8b_streams 420 python3 $o8 --devices cuda:0 --limit 8 --streams 8 \
       --json "$RUNS/spec_oracle8b_streams.json"
     row spec "$RUNS/spec_oracle8b_streams.json" --what "bench oracle, Qwen3-8B shape, A 6.3, \
-8 streams, 1 shard" --cmd S8
+8 streams, 1 shard" --cmd S9
   fi
   if has "$cases" oracle27b; then
     TAIL=20 run spec_oracle27b 560 python3 $o27 --devices cuda:0 \
       --json "$RUNS/spec_oracle27b.json"
     row spec "$RUNS/spec_oracle27b.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, 1 GPU" \
-      --cmd S9
+      --cmd S10
   fi
   if has "$cases" oracle27b_split; then  # 2 GPUs where there are 2, else 2 shards on one
     local two=cuda:0,cuda:0
@@ -202,7 +202,7 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
     TAIL=20 run spec_oracle27b_split 560 python3 $o27 --devices $two \
       --json "$RUNS/spec_oracle27b_split.json"
     row spec "$RUNS/spec_oracle27b_split.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, \
-2 shards ($two)" --cmd S10
+2 shards ($two)" --cmd S11
   fi
   if has "$cases" det; then  # (the held-out prompts, chains of 4 rows)
     TAIL=20 run spec_det 500 python3 bench/speculative.py --model default $one --drafts default \
