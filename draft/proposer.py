@@ -107,6 +107,8 @@ class DFlashProposer:
         self._rows = torch.arange(cfg.block_size, device=device)
         self._kv_weights = draft.kv_weights()
         self._layers = [layer_weights(x) for x in draft.layers]
+        self._kinds = tuple(cfg.attention(i) for i in range(cfg.model.num_layers)) \
+            if cfg.windows else ()
         self._use_compiled(self.capture and compile)
 
     def set_slots(self, slots: int) -> None:
@@ -309,7 +311,7 @@ class DFlashProposer:
             self.features[0, slot], self._done_t, self._pos_t, self._ids[:b], keys, values,
             self.embed, d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers,
             d.inv_freq, d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
-            m.head_dim, self.cfg.embedding_scale, self.top_k)
+            m.head_dim, self.cfg.embedding_scale, self.top_k, self._kinds)
         # rows past the proposal's position are junk: seen by no block, rewritten by the next
         ctx_pos = self._done_t + self._rows[:b]
         self.kv.k[:, slot].index_copy_(1, ctx_pos, k)
@@ -367,7 +369,7 @@ class DFlashProposer:
             self.kv.v[:, slots, :kv_len], self.embed, d.fc.weight, d.hidden_norm.weight,
             self._kv_weights, self._layers, d.inv_freq, d.norm.weight, self.head,
             m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim, self.cfg.embedding_scale,
-            self.top_k)
+            self.top_k, self._kinds)
         # each context's new rows at [done, done + b) (past its position: junk, as alone)
         ctx_pos = done[:, None] + self._rows[:b]
         self.kv.k[:, slots[:, None], ctx_pos] = k

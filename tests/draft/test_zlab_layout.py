@@ -104,7 +104,11 @@ def test_published_config_keeps_every_field(qwen3, tmp_path):
 def test_published_draft_speculates_losslessly(family, qwen3, qwen35, tmp_path):
     target = qwen3 if family == "qwen3" else qwen35
     cfg = read_hf_config(target)
-    draft = write_published(cfg, tmp_path / "draft", [1, 3, 5])
+    # for Qwen3.5, as z-lab's Qwen3.5-27B draft: a sliding-window layer (its block causal)
+    # before a full one, the window (8) shorter than the context
+    windows = {} if family == "qwen3" else {
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+    draft = write_published(cfg, tmp_path / "draft", [1, 3, 5], **windows)
     prompt = list(range(5, 40))
     run = RuntimeConfig(model=str(target), devices=("cpu",), prefill_chunk=16, max_context=128,
                         threads=1, draft=str(draft), spec_block=6)
@@ -124,8 +128,9 @@ def test_published_draft_speculates_losslessly(family, qwen3, qwen35, tmp_path):
     ({"model_type": "llama"}, "model_type 'llama'"),
     ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
     ({"selector_rank": 256}, "selector_rank"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 2048},
-     "sliding"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
+     "sliding_window"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
     ({"output_multiplier": 2.0}, "output_multiplier"),
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
 ])
