@@ -27,9 +27,11 @@ greedy run's outputs become the table of the bench oracle (`draft.oracle`), whos
 really runs at its full size and whose proposals are those outputs with errors placed so that
 the mean tokens per verify step is A. Reports, next to each ratio, its ideal A x t_plain /
 t_verify (a round that cost only its verify step) and a round's time split into verify, draft
-(waiting for the proposal; of it, computing) and the rest (host time, hops, moves). A random
-model has no tokenizer: its prompts are `--limit` (default 12) seeded random token ids of
-`--prompt-len` tokens (set `random`).
+(waiting for the proposal; of it, computing) and the rest (host time, hops, moves). Before
+the timed pass, `--oracle-passes` (default 1) untimed ones add their outputs to the table, so
+that where a verify step's rounding (bf16) left the plain output the timed pass's proposals
+follow the runtime's own. A random model has no tokenizer: its prompts are `--limit` (default
+12) seeded random token ids of `--prompt-len` tokens (set `random`).
 
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
@@ -110,9 +112,14 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         warm = next(iter(sets.values()))
         for p in warm[:2]:  # warm-up: graph capture, compilation, caches
             collect(coord.stream(p, params, Progress()), Progress(), len(p))
+        oracle = os.environ.get(ORACLE_ENV) if draft != "none" else None
         for set_name, prompts in sets.items():
             row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
             plain = None if plain_tokens is None else plain_tokens[set_name]
+            for _ in range(args.oracle_passes if oracle else 0):  # untimed
+                extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                         _measure_streams(coord, prompts, params, plain, args.streams))
+                add_to_oracle(oracle, prompts, extra["outputs"])
             row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
                        _measure_streams(coord, prompts, params, plain, args.streams))
             row["prompt_ids"] = prompts
@@ -140,6 +147,19 @@ def write_oracle(base: list[dict], acceptance: float, seed: int) -> str:
     with os.fdopen(fd, "w") as f:
         json.dump({"acceptance": acceptance, "seed": seed, "sequences": seqs}, f)
     return path
+
+
+def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
+    """A speculative pass's outputs join the oracle's table (read again by the draft at each
+    sequence's start): where a verify step's rounding left the plain output (bf16 on GPUs),
+    the next pass's proposals follow what this one produced instead of the draft's own."""
+    raw = json.loads(Path(path).read_text())
+    have = {tuple(x) for x in raw["sequences"]}
+    raw["sequences"] += [seq for i, out in outputs.items()
+                         if tuple(seq := prompts[i] + out) not in have]
+    tmp = Path(path).with_suffix(".new")
+    tmp.write_text(json.dumps(raw))
+    os.replace(tmp, path)
 
 
 def oracle_split(row: dict, plain_tok_s: float, streams: int) -> dict:
@@ -271,6 +291,8 @@ def main() -> int:
     p.add_argument("--oracle-acceptance", type=float, default=None, help="the drafts' "
                    "proposals are the plain greedy run's outputs, wrong where a draw says so: "
                    "mean tokens per verify step A (the bench oracle; DFlash drafts, greedy)")
+    p.add_argument("--oracle-passes", type=int, default=1, help="untimed speculative passes "
+                   "before the timed one, each adding its outputs to the oracle's table")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens of each random prompt "
                    "(a model without a tokenizer)")
     p.add_argument("--json", default=None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from layersplit.draft.oracle_table import OracleTable
+from layersplit.draft.oracle_table import OracleTable, reread
 from layersplit.draft.proposer import DFlashProposer
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class OracleProposer(DFlashProposer):
     def begin(self, slot: int, sample: dict | None = None) -> None:
         super().begin(slot, sample)
         self.matches[slot] = None
+        self.oracle = reread(self.oracle)
 
     def propose(self, slot, token, pos, n, tokens=None, start=0, tree=0, kept=None):
         out = super().propose(slot, token, pos, n, tokens, start, tree, kept)

@@ -11,7 +11,8 @@ step (k + 1) have mean A: floor(A) or floor(A) + 1, placed on a lattice of posit
 (`OracleTable.committed`), so that even a short run measures A.
 
 The draft process reads the table from `$LAYERSPLIT_BENCH_ORACLE` (a JSON file:
-`{"acceptance": A, "seed": S, "sequences": [[token, ...], ...]}`); `layersplit generate` and
+`{"acceptance": A, "seed": S, "sequences": [[token, ...], ...]}`), again at a sequence's start
+where the file changed; `layersplit generate` and
 `serve` refuse to start while it is set (`refuse_in_product`), so no normal run speculates
 with it. Which sequence a slot decodes is found from what its proposals are asked after (the
 token at each position): the first table sequence that agrees with all of them. Greedy chains
@@ -35,6 +36,8 @@ class OracleTable:
     acceptance: float  # the mean committed tokens per verify step to aim at
     sequences: tuple[tuple[int, ...], ...]  # prompt + plain greedy continuation
     seed: int = 0
+    source: Path | None = None  # the file it was read from
+    stamp: int = 0  # the file's mtime (ns) then
 
     def committed(self, origin: int, pos: int, most: int) -> int:
         """Committed tokens (right draft tokens + 1), at most `most`, for the proposal after
@@ -68,7 +71,16 @@ def read_oracle(path: str | Path) -> OracleTable:
     if not isinstance(seqs, list) or not all(
             isinstance(s, list) and all(isinstance(t, int) for t in s) for s in seqs):
         raise ValueError(f"{ORACLE_ENV}={path}: sequences must be lists of token ids")
-    return OracleTable(float(a), tuple(tuple(s) for s in seqs), int(raw.get("seed", 0)))
+    return OracleTable(float(a), tuple(tuple(s) for s in seqs), int(raw.get("seed", 0)),
+                       Path(path), Path(path).stat().st_mtime_ns)
+
+
+def reread(table: OracleTable) -> OracleTable:
+    """The table again where its file changed since (the bench adds the sequences a
+    speculative pass produced where it left the plain ones: `bench/speculative.py`)."""
+    if table.source is None or table.source.stat().st_mtime_ns == table.stamp:
+        return table
+    return read_oracle(table.source)
 
 
 def bench_oracle() -> OracleTable | None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from layersplit.draft.oracle_table import ORACLE_ENV, OracleTable, read_oracle
+from layersplit.draft.oracle_table import ORACLE_ENV, OracleTable, read_oracle, reread
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.generate import Progress, collect
@@ -37,6 +37,16 @@ def test_a_bad_table_is_named(tmp_path):
     bad.write_text(json.dumps({"acceptance": 0.5, "sequences": []}))
     with pytest.raises(ValueError, match="acceptance"):
         read_oracle(bad)
+
+
+def test_the_table_is_read_again_when_it_changes(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"acceptance": 2, "sequences": [[1, 2]]}))
+    table = read_oracle(path)
+    assert reread(table) is table
+    path.write_text(json.dumps({"acceptance": 2, "sequences": [[1, 2], [3, 4, 5]]}))
+    __import__("os").utime(path, ns=(table.stamp + 10**9, table.stamp + 10**9))
+    assert reread(table).sequences == ((1, 2), (3, 4, 5))
 
 
 def test_a_normal_run_refuses_the_oracle(tmp_path):
