@@ -168,11 +168,9 @@ def test_presets_fit_their_targets(draft, target):
 
 def test_random_weights_of_a_published_layout(qwen3, tmp_path):
     """`random:FOLDER`: the draft of that config with seeded random weights (its safetensors
-    are not read), the same for the same seed."""
+    are not read), the same twice."""
     path = write_published(read_hf_config(qwen3), tmp_path / "d", [1, 4])
     (path / "model.safetensors").unlink()
-    a, b, c = (load_proposer(f"random:{path}", qwen3, "cpu", torch.float32, 64, seed=s)
-               for s in (0, 0, 1))
+    a, b = (load_proposer(f"random:{path}", qwen3, "cpu", torch.float32, 64) for _ in range(2))
     assert isinstance(a, DFlashProposer) and a.cfg.target_layer_ids == (1, 4)
-    assert torch.equal(a.draft.fc.weight, b.draft.fc.weight)
-    assert not torch.equal(a.draft.fc.weight, c.draft.fc.weight)
+    assert torch.equal(a.draft.fc.weight, b.draft.fc.weight) and a.draft.fc.weight.std() > 0.01
