@@ -434,11 +434,13 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
     cos, sin = rope_cos_sin(inv_freq, pos + rows, h.dtype)
     scale = head_dim ** -0.5
     plain = (seen_cache, seen_ctx, seen_block)
-    masks = {kind: (block_mask(kind, pos + rows, torch.arange(cache_k.shape[1], device=dev),
-                               seen_cache),
-                    block_mask(kind, pos + rows, ctx_pos, seen_ctx),
-                    block_mask(kind, pos + rows, pos + rows))
-             for kind in set(kinds) - {(None, False)}}
+    masks = {}  # (a plain loop: the compiled step traces it)
+    for kind in kinds:
+        if kind != (None, False) and kind not in masks:
+            masks[kind] = (block_mask(kind, pos + rows,
+                                      torch.arange(cache_k.shape[1], device=dev), seen_cache),
+                           block_mask(kind, pos + rows, ctx_pos, seen_ctx),
+                           block_mask(kind, pos + rows, pos + rows))
     for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
         q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
                                   head_dim)
@@ -501,9 +503,12 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
     plain = (seen_cache, seen_ctx, seen_block)
     qpos = pos[:, None] + rows  # (S, m)
     cache_pos = torch.arange(cache_k.shape[2], device=dev).expand(s, -1)
-    masks = {kind: (block_mask(kind, qpos, cache_pos, seen_cache),
-                    block_mask(kind, qpos, ctx_pos, seen_ctx), block_mask(kind, qpos, qpos))
-             for kind in set(kinds) - {(None, False)}}
+    masks = {}
+    for kind in kinds:
+        if kind != (None, False) and kind not in masks:
+            masks[kind] = (block_mask(kind, qpos, cache_pos, seen_cache),
+                           block_mask(kind, qpos, ctx_pos, seen_ctx),
+                           block_mask(kind, qpos, qpos))
     for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
         q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
                                   head_dim)
