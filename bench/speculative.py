@@ -337,8 +337,8 @@ def main() -> int:
             if args.oracle_acceptance is not None and r["draft"] != "none":
                 r["oracle"] = oracle_split(r, speed[r["set"]], args.streams)
         rows += group
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        if args.json:  # (after each run: a run cut at a deadline keeps the ones before)
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     how = ("greedy" if args.temperature == 0 else
            f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, "
            f"seed {args.seed}")
