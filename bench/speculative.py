@@ -163,10 +163,13 @@ def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
 
 
 def oracle_split(row: dict, plain_tok_s: float, streams: int) -> dict:
-    """Per round (a verify step and the proposal before it), ms: the whole round, its verify
-    step, the wait for the proposal (and of it, the draft computing), the rest; the ideal
-    ratio A x t_plain / t_verify, A the measured acceptance, t_plain a plain step's time
-    (at `streams` sequences: their aggregate tok/s)."""
+    """Per round (a verify step and the proposal before it), ms: the whole round; its verify
+    step as the coordinator sees it (from sending the step to its result, hops and the shards'
+    host time included, less the first shard's wait for the proposal: `SpecStats.verify_s`);
+    the wait for the proposal (and of it, the draft computing); the rest (the coordinator's
+    own time between rounds). The ideal ratio A x t_plain / t_verify: a round that cost only
+    its verify step, A the measured acceptance, t_plain a plain step's time (at `streams`
+    sequences: from their aggregate tok/s)."""
     a = row["acceptance_length"] or 1.0
     round_ms = 1000 * a / max(row["decode_tok_s"] / max(streams, 1), 1e-9)
     verify, draft = row["verify_ms"], row["draft_ms"]
