@@ -46,18 +46,19 @@ class OracleProposer(DFlashProposer):
         if parents is not None or q is not None or self.sampling[slot] is not None:
             raise ValueError("bench oracle: greedy chains only (spec_tree 0, temperature 0)")
         seqs = self.oracle.sequences
-        cand = self.matches[slot]
-        if cand is None:
+        prev = self.matches[slot]
+        if prev is None:
             self.origins[slot] = pos
-        cand = [i for i in (range(len(seqs)) if cand is None else cand)
-                if len(seqs[i]) > pos and seqs[i][pos] == token]
-        if not cand:
-            if self.matches[slot] != []:
+            prev = list(range(len(seqs)))
+        cand = [i for i in prev if len(seqs[i]) > pos and seqs[i][pos] == token]
+        if not cand:  # (past the end of its sequence, e.g. a proposal prepared after the last
+            # token: no miss)
+            if any(len(seqs[i]) > pos for i in prev):
                 log.warning("bench oracle: slot %d's sequence left the table at position %d "
-                            "(no plain run's output has token %d there): the draft's own "
-                            "tokens from here", slot, pos, token)
-            self.matches[slot] = cand
-            self.missed += 1
+                            "(no known output has token %d there): the draft's own tokens "
+                            "from here", slot, pos, token)
+                self.missed += 1
+                self.matches[slot] = cand
             return out
         self.matches[slot] = cand
         seq = seqs[cand[0]]
