@@ -178,7 +178,7 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
 
     refuse_unimplemented(raw, sub, path)
     windows, causal = _layer_attention(raw, sub, path)
-    # (the windows are the draft's own, `draft_attention`: not the decoder layers')
+    # (the windows are the draft's own, `DFlashConfig.attention`: not its decoder layers')
     model = config_from_hf({k: v for k, v in raw.items() if k not in WINDOW_FIELDS}
                            | {"model_type": "qwen3"}, path, strict=False)
     block = field("block_size")
