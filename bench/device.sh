@@ -14,7 +14,10 @@
 #   prefill   a 3,900-token prompt, next to llama.cpp                                 (P1)
 #   split     1 GPU against 2 (and 4) GPUs, the cuda-ipc hop; needs 2+ GPUs            (X1-X4)
 #   spec      speculative decoding with the bundled draft, the real default model
-#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs)
+#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs);
+#             and the bench oracle at published draft sizes, random weights (SPEC=oracle8b,
+#             oracle8b_streams,oracle27b,oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1
+#             and 8 streams, 1 shard; Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
 #             (CACHE=prefix,shared,swap; default all)
 #   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
@@ -145,9 +148,11 @@ stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
   fi
 }
 
-stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts
-  default_model || return 1
+stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts; S8-S11
   local cases=${SPEC:-greedy}
+  [[ ",$cases," == *,greedy,* || ",$cases," == *,gpus2,* || ",$cases," == *,trees,* || \
+     ",$cases," == *,sampled,* || ",$cases," == *,streams,* || ",$cases," == *,det,* ]] && \
+    { default_model || return 1; }
   [ -z "${SPEC:-}" ] && [ "$GPUS" -ge 2 ] && cases=greedy,gpus2
   local one="--devices cuda:0,cuda:0"
   if has "$cases" greedy; then
@@ -175,6 +180,38 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
     TAIL=12 run spec_streams 220 python3 $spec $one --streams 8 --ignore-eos --new-tokens 128 \
       --repeat 3 --json "$RUNS/spec_streams.json"
     row spec "$RUNS/spec_streams.json" --what "8 streams each speculating" --cmd S5
+  fi
+  # the bench oracle (`draft.oracle`): --new-tokens end the requests on its lattice (seed 1:
+  # 1 + 252 at 6.3, 1 + 249 at 8.3), so the measured acceptance is A
+  local o8="bench/speculative.py --model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16 \
+    --oracle-acceptance 6.3 --new-tokens 253 --ignore-eos --repeat 3 --max-context 1024"
+  local o27="bench/speculative.py --model random:qwen3.5-27b --drafts random:qwen3.5-27b-dflash \
+    --oracle-acceptance 8.3 --new-tokens 250 --ignore-eos --repeat 3 --max-context 1024 --limit 4"
+  if has "$cases" oracle8b; then
+    TAIL=20 run spec_oracle8b 420 python3 $o8 --devices cuda:0 --limit 6 \
+      --json "$RUNS/spec_oracle8b.json"
+    row spec "$RUNS/spec_oracle8b.json" --what "bench oracle, Qwen3-8B shape, A 6.3, 1 shard" \
+      --cmd S8
+  fi
+  if has "$cases" oracle8b_streams; then
+    TAIL=20 run spec_oracle8b_streams 420 python3 $o8 --devices cuda:0 --limit 8 --streams 8 \
+      --json "$RUNS/spec_oracle8b_streams.json"
+    row spec "$RUNS/spec_oracle8b_streams.json" --what "bench oracle, Qwen3-8B shape, A 6.3, \
+8 streams, 1 shard" --cmd S9
+  fi
+  if has "$cases" oracle27b; then
+    TAIL=20 run spec_oracle27b 560 python3 $o27 --devices cuda:0 \
+      --json "$RUNS/spec_oracle27b.json"
+    row spec "$RUNS/spec_oracle27b.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, 1 GPU" \
+      --cmd S10
+  fi
+  if has "$cases" oracle27b_split; then  # 2 GPUs where there are 2, else 2 shards on one
+    local two=cuda:0,cuda:0
+    [ "$GPUS" -ge 2 ] && two=cuda:0,cuda:1
+    TAIL=20 run spec_oracle27b_split 560 python3 $o27 --devices $two \
+      --json "$RUNS/spec_oracle27b_split.json"
+    row spec "$RUNS/spec_oracle27b_split.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, \
+2 shards ($two)" --cmd S11
   fi
   if has "$cases" det; then  # (the held-out prompts, chains of 4 rows)
     TAIL=20 run spec_det 500 python3 bench/speculative.py --model default $one --drafts default \

@@ -144,6 +144,16 @@ def hop(args) -> list[tuple[str, str, str]]:
     return res
 
 
+def oracle_note(rs: list[dict]) -> str:
+    """The bench oracle's rows: the ideal ratio and a round's split (medians over the runs)."""
+    def m(key: str) -> float:
+        return median(r["oracle"][key] if key in r["oracle"] else r[key] for r in rs)
+
+    return (f"; ideal {m('ideal'):.2f} × (A × t_plain / t_verify); a round {m('round_ms'):.2f} "
+            f"ms: verify {m('verify_ms'):.2f}, draft {m('draft_ms'):.2f} (computing "
+            f"{m('draft_compute_ms'):.2f}), rest {m('rest_ms'):.2f}")
+
+
 def spec(args) -> list[tuple[str, str, str]]:
     rows = json.loads(Path(args.files[0]).read_text())
     labels = args.labels.split(",") if args.labels else []
@@ -165,7 +175,8 @@ def spec(args) -> list[tuple[str, str, str]]:
         same = rs[0]["same_as_plain"]
         ours = (f"**{median(ratios):.2f} ×** plain ({runs(ratios, '{:.2f}')}); "
                 f"{runs([r[key] for r in rs])} tok/s; acceptance {acc:.2f}"
-                + (f"; {same}/{rs[0]['prompts']} outputs as plain" if same is not None else ""))
+                + (f"; {same}/{rs[0]['prompts']} outputs as plain" if same is not None else "")
+                + (oracle_note(rs) if "oracle" in rs[0] else ""))
         what = f"{args.what + ', ' if args.what else ''}{label}, {rs[0]['set']} prompts"
         base = f"plain {runs(plain[r['run']][key] for r in rs)} tok/s"
         res.append((what + (" (decode phase)" if phase else ""), ours, base))

@@ -28,9 +28,11 @@ def preset_path(name: str) -> Path:
 
 
 class RandomCheckpoint:
-    def __init__(self, folder: Path, seed: int = 0, std: float = 0.02) -> None:
+    def __init__(self, folder: Path, seed: int = 0, std: float = 0.02,
+                 config: ModelConfig | None = None) -> None:
         self.path = folder
-        self.config: ModelConfig = read_hf_config(folder)
+        # (`config`: a shape read elsewhere, e.g. a DFlash draft's layers, `draft.dflash`)
+        self.config: ModelConfig = config or read_hf_config(folder)
         self.seed, self.std = seed, std
 
     def has(self, name: str) -> bool:
