@@ -10,6 +10,8 @@ from typing import Any
 from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
+from layersplit.shards.glm4_moe_config import GLM4_MOE_FIELDS, Glm4MoeSpec, glm4_moe_fields
+from layersplit.shards.gpt_oss_config import GPT_OSS_FIELDS, GptOssSpec, gpt_oss_fields
 from layersplit.shards.hybrid_config import (
     HYBRID_TYPES,
     HybridSpec,
@@ -28,6 +30,8 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen2_moe": (True, False),
     "mixtral": (False, False),
     "gemma3_text": (False, True),
+    "glm4_moe": (False, False),
+    "gpt_oss": (True, False),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # the rope_scaling keys each type implements (others are refused by name)
@@ -64,7 +68,12 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
                         "layer_types"}),
     **MOE_FAMILY_FIELDS,
     "gemma3_text": GEMMA_FIELDS,
+    "glm4_moe": GLM4_MOE_FIELDS,
+    "gpt_oss": GPT_OSS_FIELDS,
 }
+# families whose own reader (`shards.glm4_moe_config`, `shards.gpt_oss_config`) sets their
+# windows, experts and rope (`config_from_hf`)
+_OWN_READERS = {"glm4_moe": glm4_moe_fields, "gpt_oss": gpt_oss_fields}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,6 +112,8 @@ class ModelConfig:
     attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
+    glm4_moe: Glm4MoeSpec | None = None  # GLM-4.5+: partial rotary, grouped sigmoid routing
+    gpt_oss: GptOssSpec | None = None  # gpt-oss: attention sinks, its experts' clamped SwiGLU
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -143,6 +154,13 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each head the rotary turns (the first ones; GLM: a fraction)."""
+        if self.glm4_moe is not None:
+            return int(self.head_dim * self.glm4_moe.partial_rotary_factor)
+        return self.head_dim
+
+    @property
     def rope_type(self) -> str:
         d = dict(self.rope_scaling)
         return str(d.get("rope_type", d.get("type", "default")))
@@ -172,6 +190,12 @@ class ModelConfig:
             d["hybrid"] = self.hybrid.to_dict()
         else:
             del d["hybrid"]
+        for name in ("glm4_moe", "gpt_oss"):
+            spec = getattr(self, name)
+            if spec is None:
+                del d[name]
+            else:
+                d[name] = spec.to_dict()
         return d
 
     @classmethod
@@ -183,6 +207,10 @@ class ModelConfig:
         d["dense_layers"] = tuple(d.get("dense_layers", ()))
         if d.get("hybrid") is not None:
             d["hybrid"] = HybridSpec.from_dict(d["hybrid"])
+        if d.get("glm4_moe") is not None:
+            d["glm4_moe"] = Glm4MoeSpec(**d["glm4_moe"])
+        if d.get("gpt_oss") is not None:
+            d["gpt_oss"] = GptOssSpec(**d["gpt_oss"])
         return cls(**d)
 
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
@@ -259,13 +287,15 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
         **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
-           if hybrid is None and model_type != "gemma3_text" else
+           if hybrid is None and model_type not in ("gemma3_text", *_OWN_READERS) else
            {"hybrid": hybrid} if hybrid is not None else {}),
         **(moe_fields(raw, model_type, int(need("num_hidden_layers")), source) if hybrid is None
            else hybrid_moe_fields(raw, int(need("num_hidden_layers")), source)),
     )
     if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)
         fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))
+    if model_type in _OWN_READERS:
+        fields.update(_OWN_READERS[model_type](raw, rope, int(need("num_hidden_layers")), source))
     try:
         return ModelConfig(**fields)
     except CheckpointError as e:  # the dataclass's own checks: name the file too
