@@ -73,7 +73,8 @@ def test_only_needed_tensors_are_loaded(tiny_llama):
 def test_static_decode_path_matches_eager(tiny_models):
     """The CUDA-graph step (static buffers, device-side position, bucketed masked attention,
     grouped GQA) run without capture on CPU gives the eager path's tokens and logits."""
-    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window", "gemma3_text"):
+    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window", "gemma3_text",
+                   "glm4_moe", "gpt_oss"):
         ckpt = open_checkpoint(tiny_models[family])
         eager = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=False)
         static = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=True,
@@ -99,7 +100,8 @@ def test_fused_projections_equal_separate(tiny_models):
     tiny models' logits reach ~10)."""
     from layersplit.shards.fused import fuse_projections
 
-    for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text"):
+    for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text", "glm4_moe",
+                   "gpt_oss"):
         ckpt = open_checkpoint(tiny_models[family])
         plain = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, static_decode=True,
                               graph_bucket=32)
@@ -118,7 +120,7 @@ def test_fused_projections_equal_separate(tiny_models):
         assert a.shape[0] == 5 and (a - b).abs().max().item() < 5e-5
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "llama"])
+@pytest.mark.parametrize("family", ["mistral-window", "llama", "gpt_oss"])
 def test_tree_verify_rows_equal_their_paths(tiny_models, family):
     """Each row of a token-tree verify step gives the logits of its root-to-node path run as a
     plain chain: the tree's mask (ancestors only, and in a sliding window the ancestors'
