@@ -22,6 +22,10 @@ SMALL = {
                   "num_experts_per_tok": 2},
     "gemma3": {**_NARROW, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "mistral": {**_NARROW, "sliding_window": 16},
+    "gpt_oss": {**_NARROW, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+                "sliding_window": 16},
+    "glm4_moe": {**_NARROW, "head_dim": 16, "moe_intermediate_size": 32,
+                 "n_routed_experts": 8, "num_experts_per_tok": 2, "pad_token_id": None},
 }
 
 
