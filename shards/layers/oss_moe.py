@@ -41,6 +41,15 @@ class OssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
         self.alpha, self.limit = cfg.gpt_oss.swiglu_alpha, cfg.gpt_oss.swiglu_limit
 
+    def fuse(self) -> None:
+        """The GPU layout: each expert's matrices column-major (the same logical (E, H, 2I) and
+        (E, I, H) tensors), as the grouped GEMM's kernels read their second operand."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            if w.stride(-2) != 1:
+                setattr(self, name, nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2),
+                                                 requires_grad=False))
+
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and (grouped_gemm_applies(x) or idx.numel() <= GATHER_ROWS):
             return self._grouped(x, w, idx)
@@ -99,6 +108,9 @@ class OssMoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.router = OssRouter(cfg)
         self.experts = OssExperts(cfg)
+
+    def fuse(self) -> None:
+        self.experts.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)

@@ -4,7 +4,8 @@ none, so its layers attend through `attend_sinks` in prefill and the grouped mat
 and verify steps), sliding and full layers alternating, YaRN rope, RMSNorms that multiply in
 float32, and in every layer `OssMoE` (biased router, softmax over the top k, clamped SwiGLU
 experts with biases). Runs unfused on GPUs (`shards.fused`'s decode step and Triton attention
-kernel are the Llama layout's and take no sinks); q/k/v are still one matmul there."""
+kernel are the Llama layout's and take no sinks); its weights still take their GPU layout
+there (`fuse_weights`)."""
 
 from __future__ import annotations
 
@@ -30,5 +31,7 @@ class DecoderLayer(llama.DecoderLayer):
         self.mlp = OssMoE(cfg)
 
     def fuse_weights(self) -> None:
-        """One q/k/v matrix on GPUs (the layer runs without `shards.fused`'s decode step)."""
+        """The GPU layout of the weights (one q/k/v matrix, the experts' for the grouped GEMM)
+        for a layer that runs without `shards.fused`'s decode step."""
         self.self_attn.fuse()
+        self.mlp.fuse()
