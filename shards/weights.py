@@ -55,7 +55,8 @@ def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]
     p = f"model.layers.{layer}.mlp."
     if cfg.gpt_oss is not None:  # transformers' layout: x @ W, gate and up interleaved
         return {p + "router.weight": (e, h), p + "router.bias": (e,),
-                p + "experts.gate_up_proj": (e, h, 2 * i), p + "experts.gate_up_proj_bias": (e, 2 * i),
+                p + "experts.gate_up_proj": (e, h, 2 * i),
+                p + "experts.gate_up_proj_bias": (e, 2 * i),
                 p + "experts.down_proj": (e, i, h), p + "experts.down_proj_bias": (e, h)}
     shapes = {
         p + "gate.weight": (e, h),
