@@ -179,7 +179,8 @@ def main() -> None:
         floor = {"copy_GBps": bw / 1e9, "active_bytes_per_token": per_token,
                  "floor_tok_s": bw / per_token}
     name = torch.cuda.get_device_name(0) if on_gpu else os.uname().machine
-    out = {"shape": args.shape, "device": name, "rows": rows, "floor": floor}
+    out = {"shape": args.shape, "layers": mcfg.num_layers if args.layers else None,
+           "device": name, "rows": rows, "floor": floor}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     base = rows[0]
