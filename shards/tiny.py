@@ -121,10 +121,10 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None, "use_bidirectional_attention": False,
         "attention_bias": False,
     },
-    "glm4_moe": {  # layer 0 dense; 8 experts in 4 groups, top 3 of the best 2 groups; shared
+    "glm4_moe": {  # layer 0 dense; 8 experts in 4 groups, top 3 of the best 2 groups; 2 shared
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
         "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-        "n_routed_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 1, "n_group": 4,
+        "n_routed_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 2, "n_group": 4,
         "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
         "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "partial_rotary_factor": 0.5, "use_qk_norm": True,
