@@ -11,6 +11,10 @@ from layersplit.shards.layers.grouped_moe import GroupedMoE
 from layersplit.shards.model_config import ModelConfig
 from layersplit.shards.models import llama
 
+# the router's weight and correction bias stay float32 in any run dtype, as in transformers
+# (`_keep_in_fp32_modules_strict`): the bias only breaks near-ties between experts
+FLOAT32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
 
 class DecoderLayer(llama.DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:

@@ -17,6 +17,9 @@ from layersplit.shards.models import llama
 from torch import nn
 
 FinalNorm = FloatProductRMSNorm  # the last range's norm (`LayerRange`)
+# the norms' weights stay float32 in any run dtype, as in transformers (`_keep_in_fp32_modules`)
+FLOAT32_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                   "model.norm.weight")
 
 
 class DecoderLayer(llama.DecoderLayer):
