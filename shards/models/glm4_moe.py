@@ -17,6 +17,9 @@ FLOAT32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
 class DecoderLayer(llama.DecoderLayer):
+    UNFUSED_WHY = ("the fused decode step is the Llama layout's (full rotary, softmax routing); "
+                   "GLM's layers run the torch path, inside the CUDA graphs")
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         spec = cfg.glm4_moe

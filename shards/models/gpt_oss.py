@@ -23,6 +23,10 @@ FLOAT32_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
 
 
 class DecoderLayer(llama.DecoderLayer):
+    UNFUSED_WHY = ("attention sinks, which the flash / cuDNN prefill kernels and the Triton "
+                   "decode-attention kernel do not take: these layers attend with matmuls and "
+                   "the sinks in the softmax (decode and verify steps inside the CUDA graphs)")
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg, layer)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
