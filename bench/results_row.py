@@ -7,7 +7,7 @@
     python3 bench/results_row.py decode decode.json --llamacpp lcp.json --cmd D1
     python3 bench/results_row.py spec greedy.json --what "greedy, 2 shards on one GPU" --cmd S1
 
-Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured (each
+Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured, agent (each
 reads the `--json` file of its bench), startup (`bench/startup_trace.py` logs), pytest (a pytest
 log).
 The device, date and commit come from --device, --date and --commit, else from
@@ -265,10 +265,33 @@ def pytest_log(args) -> list[tuple[str, str, str]]:
              DASH)]
 
 
+def agent(args) -> list[tuple[str, str, str]]:
+    """bench/agent_session.py: ours (TTFT from turn 2 on, tokens prefilled, the session's time)
+    next to llama.cpp's server on the same conversation, where it ran."""
+    r = json.loads(Path(args.files[0]).read_text())
+    by = {x["server"]: x for x in r["results"]}
+
+    def words(x: dict) -> str:
+        later = x["turns"][1:]
+        ttft = median(t["ttft_s"] for t in later) * 1e3 if later else float("nan")
+        pre = [t["prefilled"] for t in later if t.get("prefilled") is not None]
+        return (f"TTFT from turn 2 **{ttft:.0f} ms** (median)"
+                + (f", prefilled {median(pre):.0f} tokens a turn" if pre else "")
+                + f", session {x['session_s']:.1f} s")
+
+    what = (f"agent session, {r['turns']} turns (system {r['system_tokens']}, tools "
+            f"{r['tool_tokens']}, answers {r['answer_tokens']} tokens), {shape(r['model'])}, "
+            f"{layout_words(r['devices'])}, restart at turn {r['turns'] // 2 + 1}")
+    ours = by.get("layersplit")
+    base = by.get("llama.cpp")
+    return [(args.what or what, words(ours) if ours else "no result",
+             f"llama.cpp server: {words(base)}" if base else DASH)]
+
+
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
          "hop": hop, "spec": spec,
          "moe": moe, "concurrency": concurrency, "cache": cache, "structured": structured,
-         "startup": startup, "pytest": pytest_log}
+         "startup": startup, "pytest": pytest_log, "agent": agent}
 
 
 def main() -> int:
