@@ -23,6 +23,7 @@
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
 #   families  the gpt-oss-20b and GLM-4.5-Air shapes: parity against transformers float32 (4
 #             layers), batch 1 next to the active-parameter floor and 8 streams (GLM: 16 layers)
+#             (FAMILY_RUNS=parity,oss,glm; default all)
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
@@ -40,7 +41,7 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,40p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,41p "$0"; exit 2; }
 known=" tests parity llamacpp decode prefill split spec cache hybrid moe families long serve startup \
 agent park "
 for s in "$@"; do
@@ -252,16 +253,23 @@ stage_moe() {  # M1 (and M2 on 2 GPUs)
 }
 
 stage_families() {  # F1-F3 (parity against transformers float32, then decode speed)
-  local tf=()
-  [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
-  TAIL=40 run parity_new_families 300 "${tf[@]}" python3 bench/parity.py families \
-    --families gpt_oss,glm4_moe --limit 6 --new-tokens 48 --out "$OUT/parity_new_families.json"
-  TAIL=12 run moe_gpt_oss 200 python3 bench/moe.py --shape gpt-oss-20b --layouts cuda:0 \
-    --streams 8 --repeats 3 --json "$RUNS/moe_gpt_oss.json"
-  row moe "$RUNS/moe_gpt_oss.json" --cmd F2
-  TAIL=12 run moe_glm_air 250 python3 bench/moe.py --shape glm-4.5-air --layers 16 \
-    --layouts cuda:0 --streams 8 --repeats 3 --json "$RUNS/moe_glm_air.json"
-  row moe "$RUNS/moe_glm_air.json" --cmd F3
+  local runs=${FAMILY_RUNS:-parity,oss,glm} tf=()
+  if has "$runs" parity; then
+    [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+    TAIL=40 run parity_new_families 300 "${tf[@]}" python3 bench/parity.py families \
+      --families gpt_oss,glm4_moe --limit 6 --new-tokens 48 \
+      --out "$OUT/parity_new_families.json"
+  fi
+  if has "$runs" oss; then
+    TAIL=12 run moe_gpt_oss 200 python3 bench/moe.py --shape gpt-oss-20b --layouts cuda:0 \
+      --streams 8 --repeats 3 --json "$RUNS/moe_gpt_oss.json"
+    row moe "$RUNS/moe_gpt_oss.json" --cmd F2
+  fi
+  if has "$runs" glm; then
+    TAIL=12 run moe_glm_air 250 python3 bench/moe.py --shape glm-4.5-air --layers 16 \
+      --layouts cuda:0 --streams 8 --repeats 3 --json "$RUNS/moe_glm_air.json"
+    row moe "$RUNS/moe_glm_air.json" --cmd F3
+  fi
 }
 
 stage_long() {  # L1-L4
