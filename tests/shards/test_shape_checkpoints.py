@@ -23,7 +23,7 @@ SMALL = {
     "gemma3": {**_NARROW, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "mistral": {**_NARROW, "sliding_window": 16},
     "gpt_oss": {**_NARROW, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
-                "sliding_window": 16},
+                "sliding_window": 16, "pad_token_id": None},
     "glm4_moe": {**_NARROW, "head_dim": 16, "moe_intermediate_size": 32,
                  "n_routed_experts": 8, "num_experts_per_tok": 2, "pad_token_id": None},
 }
