@@ -50,8 +50,14 @@ class OssExperts(nn.Module):
                 setattr(self, name, nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2),
                                                  requires_grad=False))
 
+    def _grouped_gemm(self, x: torch.Tensor) -> bool:
+        """Whether `_grouped` runs grouped GEMMs (the device takes them, and the weights are
+        in `fuse`'s layout), not a gather of each row's weights."""
+        return grouped_gemm_applies(x) and self.gate_up_proj.stride(-2) == 1 and \
+            self.down_proj.stride(-2) == 1
+
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (grouped_gemm_applies(x) or idx.numel() <= GATHER_ROWS):
+        if x.is_cuda and (self._grouped_gemm(x) or idx.numel() <= GATHER_ROWS):
             return self._grouped(x, w, idx)
         return self._loop(x, w, idx)
 
@@ -84,7 +90,7 @@ class OssExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         rows, ex = order // k, flat[order]
         xs = x[rows]
-        if grouped_gemm_applies(x):
+        if self._grouped_gemm(x):
             counts = torch.zeros(self.down_proj.shape[0], dtype=torch.int32,
                                  device=x.device).scatter_add_(
                 0, flat, torch.ones_like(flat, dtype=torch.int32))
