@@ -27,6 +27,9 @@
 #   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
 #             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
 #             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
+#   families  the gpt-oss-20b and GLM-4.5-Air shapes: parity against transformers float32 (4
+#             layers), batch 1 next to the active-parameter floor and 8 streams (GLM: 16 layers)
+#             (FAMILY_RUNS=parity,oss,glm; default all)
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
@@ -44,8 +47,9 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,41p "$0"; exit 2; }
-known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla long serve startup agent park "
+[ $# -gt 0 ] || { sed -n 2,47p "$0"; exit 2; }
+known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla families long serve \
+startup agent park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -305,6 +309,26 @@ stage_mla() {  # M3; MLA=parity,speed,kernel (default all: more than one call's 
     row pytest "$RUNS/mla_kernel.log" --what "tests/gpu/test_mla_kernel.py" --cmd mla
     TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
       --json "$RUNS/mla_attention.json"
+  fi
+}
+
+stage_families() {  # F1-F3 (parity against transformers float32, then decode speed)
+  local runs=${FAMILY_RUNS:-parity,oss,glm} tf=()
+  if has "$runs" parity; then
+    [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+    TAIL=40 run parity_new_families 300 "${tf[@]}" python3 bench/parity.py families \
+      --families gpt_oss,glm4_moe --limit 6 --new-tokens 48 \
+      --out "$OUT/parity_new_families.json"
+  fi
+  if has "$runs" oss; then
+    TAIL=12 run moe_gpt_oss 200 python3 bench/moe.py --shape gpt-oss-20b --layouts cuda:0 \
+      --streams 8 --repeats 3 --json "$RUNS/moe_gpt_oss.json"
+    row moe "$RUNS/moe_gpt_oss.json" --cmd F2
+  fi
+  if has "$runs" glm; then
+    TAIL=12 run moe_glm_air 250 python3 bench/moe.py --shape glm-4.5-air --layers 16 \
+      --layouts cuda:0 --streams 8 --repeats 3 --json "$RUNS/moe_glm_air.json"
+    row moe "$RUNS/moe_glm_air.json" --cmd F3
   fi
 }
 

@@ -183,10 +183,18 @@ def spec(args) -> list[tuple[str, str, str]]:
     return res
 
 
+# bench/moe.py's --shape -> the published model it has the shape of
+MOE_SHAPES = {"30b-a3b": "Qwen3-30B-A3B", "deepseek-v2-lite": "DeepSeek-V2-Lite-width MLA",
+              "gpt-oss-20b": "gpt-oss-20b",
+              "glm-4.5-air": "GLM-4.5-Air", "tiny": "tiny Qwen3-MoE"}
+
+
 def moe(args) -> list[tuple[str, str, str]]:
     out = json.loads(Path(args.files[0]).read_text())
     floor = out.get("floor")
-    what = shape(out.get("model", "qwen3-30b-a3b"))
+    shape = MOE_SHAPES.get(out.get("shape", "30b-a3b"), out.get("shape"))
+    if out.get("layers"):
+        shape += f" ({out['layers']} layers)"
     res = []
     for r in out["rows"]:
         tok = r["decode_tok_s"]
@@ -194,9 +202,9 @@ def moe(args) -> list[tuple[str, str, str]]:
         if floor:
             ours += f", {tok / floor['floor_tok_s']:.0%} of the HBM floor"
         base = f"HBM floor {floor['floor_tok_s']:.0f} tok/s" if floor else DASH
-        res.append((f"{what}, {layout_words(r['layout'])}, batch 1", ours, base))
+        res.append((f"{shape} shape, {layout_words(r['layout'])}, batch 1", ours, base))
         for n, s in r["streams"].items():
-            res.append((f"{what}, {layout_words(r['layout'])}, {n} streams",
+            res.append((f"{shape} shape, {layout_words(r['layout'])}, {n} streams",
                         f"**{s:.1f}** tok/s", f"batch 1 {tok:.1f} tok/s"))
     return res
 

@@ -13,6 +13,7 @@ from layersplit.shards.expert_weights import read_tensors
 from layersplit.shards.model_config import ModelConfig
 from layersplit.shards.models import LayerRange
 from layersplit.shards.models.qwen3_5 import HybridRange
+from layersplit.shards.models.registry import family_module
 from layersplit.shards.weights import range_tensor_shapes
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,13 @@ def load_layer_range(
         )
     t0 = time.perf_counter()
     shapes = range_tensor_shapes(cfg, start, end)
-    tensors = read_tensors(ckpt, cfg, shapes, dtype, device)
+    # tensors the family keeps in float32 whatever the run dtype (as transformers does)
+    keep = getattr(family_module(cfg), "FLOAT32_TENSORS", ()) if dtype != torch.float32 else ()
+    f32 = {k: v for k, v in shapes.items() if keep and k.endswith(keep)}
+    tensors = read_tensors(ckpt, cfg, {k: v for k, v in shapes.items() if k not in f32}, dtype,
+                           device)
+    if f32:
+        tensors.update(read_tensors(ckpt, cfg, f32, torch.float32, device))
     with torch.device("meta"):
         model = LayerRange(cfg, start, end) if cfg.hybrid is None else HybridRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}

@@ -1,17 +1,25 @@
 """Hugging Face model folders: config.json plus single or sharded *.safetensors.
 
-Only the tensors a layer range needs are read (safetensors files are memory-mapped).
+Only the tensors a layer range needs are read (safetensors files are memory-mapped). A gpt-oss
+checkpoint whose `quantization_config` says `mxfp4` stores its experts as MXFP4 blocks and
+scales (`NAME_blocks`, `NAME_scales`): they are dequantized at load (`shards.mxfp4`), with a
+warning that says what that costs in memory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.gpt_oss_config import is_mxfp4
 from layersplit.shards.model_config import ModelConfig, read_hf_config
+from layersplit.shards.mxfp4 import dequantize_mxfp4
 from safetensors import safe_open
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -33,6 +41,9 @@ class HFCheckpoint:
         self.path = folder
         self.config: ModelConfig = config or read_hf_config(folder, strict)
         self.weight_map = self._weight_map()
+        # (the config was read above; a gpt_oss one may say its experts are MXFP4)
+        self.mxfp4 = self.config.gpt_oss is not None and is_mxfp4(
+            json.loads((folder / "config.json").read_text()))
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_NAME
@@ -53,13 +64,48 @@ class HFCheckpoint:
         return wm
 
     def has(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self.weight_map or self._packed(name)
+
+    def _packed(self, name: str) -> bool:
+        """Whether `name` is stored as MXFP4 blocks and scales."""
+        return self.mxfp4 and f"{name}_blocks" in self.weight_map and \
+            f"{name}_scales" in self.weight_map
 
     def load(
         self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]:
-        """Read each canonical name from its source tensor, checking shape; one pass per file."""
+        """Read each canonical name from its source tensor, checking shape; one pass per file.
+        MXFP4 tensors are read as their blocks and scales and dequantized to `dtype`."""
+        packed = {n: s for n, s in sources.items()
+                  if s not in self.weight_map and self._packed(s)}
+        out = self._read(shapes, {n: s for n, s in sources.items() if n not in packed}, dtype,
+                         device)
+        if not packed:
+            return out
+        stored = made = 0
+        for name, src in packed.items():
+            e, cols, rows = shapes[name]
+            if cols % 32:
+                raise CheckpointError(f"{self.path}: {src!r} is MXFP4 but its {cols} columns "
+                                      "are not blocks of 32")
+            part_shapes = {f"{src}_blocks": (e, rows, cols // 32, 16),
+                           f"{src}_scales": (e, rows, cols // 32)}
+            parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
+            out[name] = dequantize_mxfp4(parts[f"{src}_blocks"], parts[f"{src}_scales"], dtype)
+            stored += sum(t.numel() for t in parts.values())
+            made += out[name].numel() * out[name].element_size()
+        log.warning("%s: %d MXFP4 expert tensors dequantized at load to %s: %.1f MB stored take "
+                    "%.1f MB of memory (%.1f x); kept-quantized MXFP4 weights are not "
+                    "implemented", self.path.name, len(packed), str(dtype).removeprefix("torch."),
+                    stored / 1e6, made / 1e6, made / max(stored, 1))
+        return out
+
+    def _read(
+        self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+        dtype: torch.dtype | None, device: torch.device | str,
+    ) -> dict[str, torch.Tensor]:
+        """`load` of stored tensors (None: in their stored dtype)."""
         by_file: dict[str, list[str]] = {}
         for name, src in sources.items():
             if src not in self.weight_map:
@@ -87,6 +133,6 @@ class HFCheckpoint:
                                 f"{fpath}: tensor {src!r} has shape {tuple(t.shape)}, "
                                 f"expected {shapes[name]} from config.json"
                             )
-                        cache[src] = t.to(device=device, dtype=dtype)
+                        cache[src] = t.to(device=device, dtype=dtype or t.dtype)
                     out[name] = cache[src]
         return out

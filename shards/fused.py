@@ -484,8 +484,14 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
             layer.self_attn.fuse()
             layer.mlp.fuse()
             layer.fast = fast
-        elif hasattr(layer, "fuse"):  # a family that runs unfused: its own weight layout
-            layer.fuse()
+        elif hasattr(layer, "fuse_weights"):  # unfused, but its weights in the GPU layout
+            layer.fuse_weights()
+    unfused = [layer for layer, fuse in zip(layers, ok) if not fuse]
+    if unfused:  # (said at start: which layers take the eager torch path, and why)
+        log.info("%d of %d layers (%s) run unfused: %s", len(unfused), len(layers),
+                 type(unfused[0]).__module__.rsplit(".", 1)[-1],
+                 getattr(unfused[0], "UNFUSED_WHY", "the fused decode step is the Llama "
+                         "layout's"))
     # a dense layer's post stage also norms its output for the next layer's projection
     dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
     for i, (layer, nxt) in enumerate(itertools.pairwise(layers)):

@@ -3,11 +3,9 @@ architecture), read as transformers' `DeepseekV3Config` reads them.
 
 Multi-head latent attention (`MLASpec`): queries through a low-rank `q_lora_rank` bottleneck (or
 one `q_proj` when it is null), keys and values from one latent of `kv_lora_rank` values per token
-plus a `qk_rope_head_dim` rotary key shared by all heads. The MoE (`GroupRouting` and the common
-`ModelConfig` MoE fields): sigmoid router scores plus `e_score_correction_bias` pick `topk_group`
-of `n_group` expert groups, then the top k experts in them ("noaux_tc"); the weights are the
-plain sigmoid scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`; the
-`n_shared_experts` always run. Layers below `first_k_dense_replace` are dense.
+plus a `qk_rope_head_dim` rotary key shared by all heads. The MoE: grouped sigmoid routing
+(`shards.moe_config.GroupRouting`, as GLM-4.5's) over the common `ModelConfig` MoE fields, and
+the `n_shared_experts` always run. Layers below `first_k_dense_replace` are dense.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.moe_config import GroupRouting
 
 MLA_TYPES = ("deepseek_v3", "kimi_k2")
 
@@ -56,15 +55,6 @@ class MLASpec:
     def latent_width(self) -> int:
         """Values cached per token per layer."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class GroupRouting:
-    """Sigmoid routing within the top `topk_group` of `n_group` expert groups ("noaux_tc")."""
-
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
 
 
 def _int(raw: dict[str, Any], key: str, source: str | Path, default: Any = ...,
@@ -119,27 +109,19 @@ def mla_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str
     experts_key = "n_routed_experts" if "n_routed_experts" in raw else "num_local_experts"
     experts = _int(raw, experts_key, source, low=1)
     top_k = _int(raw, "num_experts_per_tok", source, low=1)
-    n_group = _int(raw, "n_group", source, low=1)
-    topk_group = _int(raw, "topk_group", source, low=1)
-    if experts % n_group or topk_group > n_group:
-        raise CheckpointError(f"{source}: n_group={n_group}, topk_group={topk_group}: the "
-                              f"{experts} experts must split into n_group groups, of which "
-                              "topk_group are kept")
-    if experts // n_group < 2 and n_group > 1:  # (transformers scores a group by its top 2)
-        raise CheckpointError(f"{source}: n_group={n_group} leaves fewer than 2 experts a group")
-    if top_k > experts // n_group * topk_group:
-        raise CheckpointError(f"{source}: num_experts_per_tok={top_k} is more than the "
-                              f"{experts // n_group * topk_group} experts of topk_group groups")
     scaling = raw.get("routed_scaling_factor", 1.0)
     if not isinstance(scaling, int | float) or isinstance(scaling, bool):
         raise CheckpointError(f"{source}: routed_scaling_factor={scaling!r} must be a number")
+    routing = GroupRouting(_int(raw, "n_group", source, low=1),
+                           _int(raw, "topk_group", source, low=1), float(scaling))
+    routing.check(experts, top_k, source)
     first_dense = _int(raw, "first_k_dense_replace", source, 0)
     shared = _int(raw, "n_shared_experts", source, 0)
     inter = _int(raw, "moe_intermediate_size", source, low=1)
     return {
         "head_dim": rope_dim,  # the rotary's width (as transformers' config.head_dim)
         "mla": mla,
-        "group_routing": GroupRouting(n_group, topk_group, float(scaling)),
+        "group_routing": routing,
         "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": inter,
         "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
         "shared_expert_intermediate_size": inter * shared,

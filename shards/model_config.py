@@ -10,14 +10,16 @@ from typing import Any
 from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
+from layersplit.shards.glm4_moe_config import GLM4_MOE_FIELDS, Glm4MoeSpec, glm4_moe_fields
+from layersplit.shards.gpt_oss_config import GPT_OSS_FIELDS, GptOssSpec, gpt_oss_fields
 from layersplit.shards.hybrid_config import (
     HYBRID_TYPES,
     HybridSpec,
     hybrid_from_hf,
     hybrid_moe_fields,
 )
-from layersplit.shards.mla_config import MLA_FIELDS, MLA_TYPES, GroupRouting, MLASpec, mla_fields
-from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
+from layersplit.shards.mla_config import MLA_FIELDS, MLA_TYPES, MLASpec, mla_fields
+from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, GroupRouting, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -30,6 +32,8 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "mixtral": (False, False),
     "gemma3_text": (False, True),
     **{t: (False, False) for t in MLA_TYPES},
+    "glm4_moe": (False, False),
+    "gpt_oss": (True, False),
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # the rope_scaling keys each type implements (others are refused by name)
@@ -67,7 +71,12 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
     **MOE_FAMILY_FIELDS,
     "gemma3_text": GEMMA_FIELDS,
     **{t: MLA_FIELDS for t in MLA_TYPES},
+    "glm4_moe": GLM4_MOE_FIELDS,
+    "gpt_oss": GPT_OSS_FIELDS,
 }
+# families whose own reader (`shards.glm4_moe_config`, `shards.gpt_oss_config`) sets their
+# windows, experts and rope (`config_from_hf`)
+_OWN_READERS = {"glm4_moe": glm4_moe_fields, "gpt_oss": gpt_oss_fields}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,7 +107,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's hidden width
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    # Qwen2-MoE's sigmoid-gated shared expert (with `group_routing`: the ungated shared experts,
+    # one MLP this wide); 0: none
+    shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model whose MLP is dense
     # Gemma 3 (`shards.gemma_config`)
     hidden_act: str = "silu"  # the MLP's activation: silu or gelu_pytorch_tanh
@@ -107,9 +118,12 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
     # DeepSeek-V3 (`shards.mla_config`): latent attention (head_dim is then the rotary's width)
-    # and grouped sigmoid routing
     mla: MLASpec | None = None
+    # DeepSeek-V3 and GLM-4.5+: grouped sigmoid routing ("noaux_tc"; `shards.moe_config`), its
+    # ungated shared experts `shared_expert_intermediate_size` wide
     group_routing: GroupRouting | None = None
+    glm4_moe: Glm4MoeSpec | None = None  # GLM-4.5+: partial rotary
+    gpt_oss: GptOssSpec | None = None  # gpt-oss: attention sinks, its experts' clamped SwiGLU
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -150,6 +164,13 @@ class ModelConfig:
         return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each head the rotary turns (the first ones; GLM: a fraction)."""
+        if self.glm4_moe is not None:
+            return int(self.head_dim * self.glm4_moe.partial_rotary_factor)
+        return self.head_dim
+
+    @property
     def rope_type(self) -> str:
         d = dict(self.rope_scaling)
         return str(d.get("rope_type", d.get("type", "default")))
@@ -182,6 +203,12 @@ class ModelConfig:
         for name in ("mla", "group_routing"):
             if d[name] is None:
                 del d[name]
+        for name in ("glm4_moe", "gpt_oss"):
+            spec = getattr(self, name)
+            if spec is None:
+                del d[name]
+            else:
+                d[name] = spec.to_dict()
         return d
 
     @classmethod
@@ -197,6 +224,10 @@ class ModelConfig:
             d["mla"] = MLASpec(**d["mla"])
         if d.get("group_routing") is not None:
             d["group_routing"] = GroupRouting(**d["group_routing"])
+        if d.get("glm4_moe") is not None:
+            d["glm4_moe"] = Glm4MoeSpec(**d["glm4_moe"])
+        if d.get("gpt_oss") is not None:
+            d["gpt_oss"] = GptOssSpec(**d["gpt_oss"])
         return cls(**d)
 
     @property
@@ -284,7 +315,7 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_list(raw.get("eos_token_id")),
         **(_windows(raw, model_type, int(need("num_hidden_layers")), source)
-           if hybrid is None and model_type != "gemma3_text" else
+           if hybrid is None and model_type not in ("gemma3_text", *_OWN_READERS) else
            {"hybrid": hybrid} if hybrid is not None else {}),
         **(moe_fields(raw, model_type, int(need("num_hidden_layers")), source) if hybrid is None
            else hybrid_moe_fields(raw, int(need("num_hidden_layers")), source)),
@@ -293,6 +324,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
         fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))
     if model_type in MLA_TYPES:  # latent attention, grouped routing (`shards.mla_config`)
         fields.update(mla_fields(raw, int(need("num_hidden_layers")), source))
+    if model_type in _OWN_READERS:  # (`shards.glm4_moe_config`, `shards.gpt_oss_config`)
+        fields.update(_OWN_READERS[model_type](raw, rope, int(need("num_hidden_layers")), source))
     try:
         return ModelConfig(**fields)
     except CheckpointError as e:  # the dataclass's own checks: name the file too

@@ -9,6 +9,7 @@ shared expert gated by a sigmoid.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,29 @@ def moe_fields(raw: dict[str, Any], model_type: str, layers: int,
             "moe_intermediate_size": _int(raw, "moe_intermediate_size", source),
             "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
             "shared_expert_intermediate_size": shared, "dense_layers": dense}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupRouting:
+    """DeepSeek-V3's "noaux_tc" routing (DeepSeek-V3, Kimi K2, GLM-4.5+): sigmoid scores plus a
+    per-expert correction bias pick the top `topk_group` of `n_group` expert groups (each scored
+    by its 2 best), then the top k experts in them; the picks weigh by their uncorrected scores,
+    renormalised when `norm_topk_prob`, times `routed_scaling_factor`
+    (`shards.layers.grouped_moe`)."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+    def check(self, experts: int, top_k: int, source: str | Path) -> None:
+        """Refuse groups the experts do not split into, naming the field."""
+        g, kg = self.n_group, self.topk_group
+        if g < 1 or experts % g or (g > 1 and experts // g < 2):
+            raise CheckpointError(f"{source}: n_group={g}: the {experts} experts must split "
+                                  "into n_group groups of at least 2 (a group is scored by its "
+                                  "top 2)")
+        if not 0 < kg <= g:
+            raise CheckpointError(f"{source}: topk_group={kg} must be in 1..n_group={g}")
+        if not 0 < top_k <= experts // g * kg:
+            raise CheckpointError(f"{source}: num_experts_per_tok={top_k} must be in 1.."
+                                  f"{experts // g * kg} (the experts of topk_group groups)")

@@ -29,6 +29,8 @@ SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "gemma3": ("gemma3-12b", 6, {"sliding_window": 64}),  # 5 local layers, 1 global
     "mistral": ("mistral-7b", 4, {"sliding_window": 64}),
     "deepseek_v3": ("deepseek-v2-lite-shape", 4, {}),  # MLA; 1 dense layer, 3 of experts
+    "gpt_oss": ("gpt-oss-20b", 4, {}),  # 2 sliding (its own 128-token window), 2 full layers
+    "glm4_moe": ("glm-4.5-air", 4, {}),  # the dense first layer, 3 of 128 experts + shared
 }
 MIN_TOP1_PROB = 0.3
 

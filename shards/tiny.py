@@ -149,7 +149,33 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "rope_interleave": False,
         "tie_word_embeddings": False, "hidden_act": "silu",
     },
+    "glm4_moe": {  # layer 0 dense; 8 experts in 4 groups, top 3 of the best 2 groups; 2 shared
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "n_routed_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 2, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "partial_rotary_factor": 0.5, "use_qk_norm": True,
+        "attention_bias": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "hidden_act": "silu", "num_nextn_predict_layers": 1,
+    },
+    "gpt_oss": {  # even layers windowed (the default layer_types); YaRN past 32 positions;
+        # a SwiGLU limit low enough that the tiny weights reach it
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "hidden_size": 64, "intermediate_size": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "experts_per_token": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 12,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32},
+        "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "hidden_act": "silu", "attention_bias": True, "swiglu_limit": 1.0,
+        "initial_context_length": 32, "router_aux_loss_coef": 0.9,
+    },
 }
+# families whose experts checkpoints store as transformers holds them (`hf_expert_layout`
+# leaves them)
+_HF_LAYOUT_EXPERTS = frozenset({"gpt_oss"})
 # Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
 # {canonical part: name under `experts.N.`}); see `shards.expert_weights`.
 _HF_EXPERTS = {
@@ -247,7 +273,7 @@ def write_tiny_checkpoint(
         else:
             t = std * torch.randn(shape, generator=gen)
         tensors[name] = t.contiguous()
-    if cfg.num_experts:
+    if cfg.num_experts and cfg.model_type not in _HF_LAYOUT_EXPERTS:
         tensors = hf_expert_layout(cfg.model_type, tensors, expert_layout)
     names = sorted(tensors)
     if files <= 1:

@@ -31,6 +31,10 @@ def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ..
     if cfg.qk_norm:
         shapes[p + "self_attn.q_norm.weight"] = (d,)
         shapes[p + "self_attn.k_norm.weight"] = (d,)
+    if cfg.gpt_oss is not None:  # a sink per head, a biased o_proj
+        shapes[p + "self_attn.sinks"] = (cfg.num_heads,)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
     if cfg.model_type == "gemma3_text":  # sandwich norms around the MLP
         shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
         shapes[p + "post_feedforward_layernorm.weight"] = (h,)
@@ -52,13 +56,18 @@ def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]
     h, e, i, s = (cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
                   cfg.shared_expert_intermediate_size)
     p = f"model.layers.{layer}.mlp."
+    if cfg.gpt_oss is not None:  # transformers' layout: x @ W, gate and up interleaved
+        return {p + "router.weight": (e, h), p + "router.bias": (e,),
+                p + "experts.gate_up_proj": (e, h, 2 * i),
+                p + "experts.gate_up_proj_bias": (e, 2 * i),
+                p + "experts.down_proj": (e, i, h), p + "experts.down_proj_bias": (e, h)}
     shapes = {
         p + "gate.weight": (e, h),
         p + "experts.gate_proj": (e, i, h),
         p + "experts.up_proj": (e, i, h),
         p + "experts.down_proj": (e, h, i),
     }
-    if cfg.group_routing is not None:  # DeepSeek-V3: ungated shared experts, a score bias
+    if cfg.group_routing is not None:  # DeepSeek-V3, GLM: ungated shared experts, a score bias
         shapes[p + "gate.e_score_correction_bias"] = (e,)
         if s:
             shapes.update({p + f"shared_experts.{w}_proj.weight": (s, h) for w in ("gate", "up")})

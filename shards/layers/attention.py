@@ -1,4 +1,5 @@
-"""Self-attention over the KV cache (GQA, optional q/k RMSNorm, q/k/v bias, sliding window).
+"""Self-attention over the KV cache (GQA, optional q/k RMSNorm, q/k/v bias, sliding window,
+attention sinks).
 
 Shapes: n = tokens in this step, H = query heads, G = KV heads, D = head dim, T = keys attended.
 """
@@ -27,6 +28,44 @@ def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
     written by the rotary's own kernel; eager, a verify step's several rows cost a copy.)"""
     n, h, d = q.shape
     return q.view(n, g, h // g, d).permute(1, 2, 0, 3).reshape(g, h // g * n, d)
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of `scores` in float32, with, where `sinks` is given, one more
+    logit per row (its head's sink, broadcast to `scores`' shape but its last dim, which is 1)
+    that takes probability and is dropped (gpt-oss's attention sinks, as transformers')."""
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1)
+    both = torch.cat([scores.float(), sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(both, dim=-1)[..., :-1]
+
+
+# score elements (query rows x heads x keys) one block of `attend_sinks` computes at once
+SINK_BLOCK = 1 << 26
+
+
+def attend_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 mask: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """`attend` for a layer with attention sinks (n, H * D): the fused kernels (flash, cuDNN,
+    SDPA's) take no sink, so the scores are computed as matmuls per KV head (GQA without
+    repeating K/V) and softmaxed with the sinks (`sink_softmax`), in blocks of query rows of at
+    most `SINK_BLOCK` scores (a long prefill chunk over a long prefix)."""
+    n, h, d = q.shape
+    t, g = keys.shape[:2]
+    r = h // g
+    k = keys.permute(1, 2, 0)[:, None]  # (G, 1, D, T)
+    v = values.transpose(0, 1)[:, None]  # (G, 1, T, D)
+    sink = sinks.view(g, r, 1, 1)
+    rows = max(1, SINK_BLOCK // (h * t))
+    outs = []
+    for a in range(0, n, rows):
+        qg = q[a:a + rows].view(-1, g, r, d).permute(1, 2, 0, 3)  # (G, r, m, D)
+        scores = torch.matmul(qg, k) * scale  # (G, r, m, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[a:a + rows], float("-inf"))
+        probs = sink_softmax(scores, sink).to(values.dtype)
+        outs.append(torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(-1, h * d))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -197,6 +236,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # (H,) one logit per head that takes a share of each row's softmax (gpt-oss; set by the
+        # family): such a layer attends through `attend_sinks` and the grouped matmuls below
+        self.sinks: nn.Parameter | None = None
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
 
     def fuse(self) -> None:
@@ -238,6 +280,8 @@ class Attention(nn.Module):
         if step.grouped:
             return self.o_proj(self._grouped(group_queries(q, self.num_kv_heads), keys, values,
                                              mask))
+        if self.sinks is not None:
+            return self.o_proj(attend_sinks(q, keys, values, mask, self.sinks, self.scale))
         # an eager step's own mask is plain causal: flash attention applies (a window's is not)
         causal = step.causal and mask is step.mask
         return self.o_proj(attend(q, keys, values, mask, causal, self.sdpa_scale))
@@ -256,7 +300,9 @@ class Attention(nn.Module):
         scores = torch.matmul(qg, keys.permute(1, 2, 0)) * self.scale  # (G, r*n, T)
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        sinks = None if self.sinks is None else \
+            self.sinks.view(g, r, 1, 1).expand(g, r, n, 1).reshape(g, r * n, 1)
+        probs = sink_softmax(scores, sinks).to(values.dtype)
         out = torch.matmul(probs, values.transpose(0, 1))  # (G, r*n, D)
         return out.view(g, r, n, d).permute(2, 0, 1, 3).reshape(n, -1)
 
@@ -272,6 +318,8 @@ class Attention(nn.Module):
         scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # (S, G, n*r, T)
         seen = mask.view(s, 1, n, 1, t).expand(s, 1, n, r, t).reshape(s, 1, n * r, t)
         scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        sinks = None if self.sinks is None else \
+            self.sinks.view(1, g, 1, r).expand(s, g, n, r).reshape(s, g, n * r, 1)
+        probs = sink_softmax(scores, sinks).to(values.dtype)
         out = torch.matmul(probs, values.transpose(1, 2))  # (S, G, n*r, D)
         return out.view(s, g, n, r, d).transpose(1, 2).reshape(s * n, -1)

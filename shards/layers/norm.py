@@ -32,3 +32,13 @@ class OffsetRMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+
+class FloatProductRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm: the weight multiplied in float32 before the cast back (Llama casts
+    first; the same in float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)

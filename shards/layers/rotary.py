@@ -24,8 +24,8 @@ def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3, yarn,
     dynamic (NTK; the same as default at positions below max_position_embeddings, the only
-    ones it serves: `context_limit_error`)."""
-    dim = cfg.head_dim
+    ones it serves: `context_limit_error`). Over the `rotary_dim` first dims of each head."""
+    dim = cfg.rotary_dim
     inv = base_inv_freq(cfg.rope_theta, dim)
     p = cfg.rope_params
     if cfg.rope_type == "yarn":
@@ -50,7 +50,7 @@ def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """YaRN's inverse frequencies and attention factor, as transformers'
     `_compute_yarn_parameters` computes them."""
     p = cfg.rope_params
-    dim, base = cfg.head_dim, cfg.rope_theta
+    dim, base = cfg.rotary_dim, cfg.rope_theta
     old_ctx = p.get("original_max_position_embeddings") or cfg.max_position_embeddings
     factor = p.get("factor")
     if factor is None:
@@ -120,5 +120,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (n, heads, D); cos/sin: (n, D)
+    """x: (n, heads, D); cos/sin: (n, R), R <= D: the rotary turns the first R dims of each
+    head (a partial rotary, as GLM's) and leaves the others as they are."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]

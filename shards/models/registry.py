@@ -23,6 +23,8 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen3_next": "qwen3_5",
     "deepseek_v3": "deepseek_v3",  # latent attention (MLA), grouped sigmoid routing
     "kimi_k2": "deepseek_v3",
+    "glm4_moe": "glm4_moe",
+    "gpt_oss": "gpt_oss",
 }
 
 

@@ -26,8 +26,9 @@ def _gpus() -> list[str]:
     return ["cuda:0", "cuda:1"] if n >= 2 else ["cuda:0", "cuda:0"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "glm4_moe", "gpt_oss"])
 def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
+    """(GLM-4.5 and gpt-oss run unfused, gpt-oss's sinks in the graphs' grouped attention.)"""
     ckpt = open_checkpoint(tiny_models[family])
     cpu = RangeExecutor(load_layer_range(ckpt, 0, 6), 256, device="cpu")
     eager = RangeExecutor(load_layer_range(ckpt, 0, 6, torch.float32, "cuda:0"), 256,
@@ -51,8 +52,9 @@ def test_graph_decode_matches_eager_and_cpu(tiny_models, family):
         t = [int(o.argmax()) for o in outs]
         assert len(set(t)) == 1
     assert len(graph.static.graphs) >= 3  # buckets 64, 96, 128 were captured
-    fast = fused_model.layers[0].fast  # the kernels ran (a dense layer compiles nothing)
-    assert fast.kernels and fast.compiled
+    if family in ("llama", "qwen3"):
+        fast = fused_model.layers[0].fast  # the kernels ran (a dense layer compiles nothing)
+        assert fast.kernels and fast.compiled
 
 
 def test_bf16_graph_decode_tracks_eager(tiny_llama):

@@ -56,7 +56,8 @@ def test_default_model_batched_and_restored(default_refs):
         assert r["runs"][tier]["equal_cold"] >= len(refs) - 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "gemma3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "gemma3", "mistral",
+                                    "gpt_oss", "glm4_moe"])
 def test_family_shape_matches_transformers(family, tmp_path_factory):
     """bfloat16 on the family's full-width shape, against transformers float32: within the
     floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the

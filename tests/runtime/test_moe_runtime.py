@@ -1,7 +1,9 @@
-"""Mixture-of-experts models through the split runtime: Qwen3-MoE (sparse and dense layers) and
-DeepSeek-V3 (latent attention: its KV cache holds latent rows; grouped routing, shared experts).
-Split exactness over 1-3 shards and every CPU transport, restore (RAM, disk, another split) and
-lossless speculation (DeepSeek-V3 also with a DFlash draft fed by its layers' hidden rows).
+"""Mixture-of-experts models through the split runtime: Qwen3-MoE (sparse and dense layers),
+DeepSeek-V3 (latent attention: its KV cache holds latent rows; grouped routing, shared experts),
+GLM-4.5 (grouped sigmoid routing, shared experts, a dense first layer) and gpt-oss (attention
+sinks, alternating windows, its own experts). Split exactness over 1-3 shards and every CPU
+transport, restore (RAM, disk, another split) and lossless speculation (DeepSeek-V3 also with a
+DFlash draft fed by its layers' hidden rows).
 
 Their parity with transformers is in tests/shards/test_model_parity.py; here the runtime's own
 invariants are checked on models whose routing varies from token to token."""
@@ -32,13 +34,14 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def model(request, tmp_path_factory):
     """A MoE model with weights large enough that its greedy output is not degenerate."""
     family = request.param
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("moe") / family, family, std=0.2)
     cfg = read_hf_config(path)
-    assert cfg.is_moe(3) and not cfg.is_moe(2 if family == "qwen3_moe" else 0)
+    dense = {"qwen3_moe": 2, "deepseek_v3": 0, "glm4_moe": 0}.get(family)  # (gpt-oss: none)
+    assert [cfg.is_moe(i) for i in range(4)] == [i != dense for i in range(4)]
     return path
 
 
@@ -72,6 +75,8 @@ def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, cap
             assert [s.end - s.start for s in coord.placement.shards] == bytes_split(sizes[0], 3,
                                                                                    *sizes[1:])
             assert "split auto (by weight bytes): 0:" in caplog.text
+            if model.name == "qwen3_moe":
+                assert "split auto (by weight bytes): 0:2 on cpu (0.6 MB), 2:4" in caplog.text
         tokens, logits = trace(coord, prompt, 10, CHUNK)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)

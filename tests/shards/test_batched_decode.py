@@ -97,7 +97,17 @@ def _reference(ckpt, start: int, end: int, batched: RangeExecutor) -> RangeExecu
 @pytest.mark.parametrize("layers", [(0, 6), (2, 4)])
 @pytest.mark.parametrize("slots", [[0, 2, 3], [3, 1], [0, 4], [4, 0, 1, 2, 3], [2]])
 def test_batched_step_equals_eager_steps(tiny_models, layers, slots, fused):
-    ckpt = open_checkpoint(tiny_models["qwen3"])
+    _check_batched(open_checkpoint(tiny_models["qwen3"]), layers, slots, fused)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "glm4_moe"])
+def test_batched_step_with_sinks_windows_and_partial_rotary(tiny_models, family):
+    """gpt-oss (attention sinks, sliding layers shorter than the prompts) and GLM-4.5 (partial
+    rotary, grouped sigmoid routing) in batched steps, their weights in the GPU layout."""
+    _check_batched(open_checkpoint(tiny_models[family]), (0, 6), [0, 2, 3], True)
+
+
+def _check_batched(ckpt, layers: tuple[int, int], slots: list[int], fused: bool) -> None:
     ex = _prefilled(ckpt, *layers, fused)
     ref = _reference(ckpt, *layers, ex)
     assert ex.static is not None

@@ -53,6 +53,28 @@ REFUSED = [
      "sliding_attention"),
     ("gemma3_text", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
     ("gemma3_text", "max_window_layers", 2, "max_window_layers"),
+    # GLM-4.5: routing and rotary values transformers' code does not implement; MLA fields
+    ("glm4_moe", "topk_method", "greedy", "topk_method"),
+    ("glm4_moe", "scoring_func", "softmax", "scoring_func"),
+    ("glm4_moe", "moe_router_dtype", "bfloat16", "moe_router_dtype"),
+    ("glm4_moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("glm4_moe", "n_group", 3, "n_group"),  # 8 experts do not split into 3 groups
+    ("glm4_moe", "topk_group", 5, "topk_group"),
+    ("glm4_moe", "num_experts_per_tok", 5, "num_experts_per_tok"),  # > 2 groups of 2
+    ("glm4_moe", "partial_rotary_factor", 0.0, "partial_rotary_factor"),
+    ("glm4_moe", "q_lora_rank", 64, "q_lora_rank"),
+    ("glm4_moe", "sliding_window", 8, "sliding_window"),
+    ("glm4_moe", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "longrope"),
+    # gpt-oss: other quantizations, windows, activations
+    ("gpt_oss", "quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4", "group_size": 16},
+     "quantization_config"),
+    ("gpt_oss", "experts_per_token", 3, "experts_per_token"),
+    ("gpt_oss", "swiglu_limit", 0, "swiglu_limit"),
+    ("gpt_oss", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
+    ("gpt_oss", "attn_logit_softcapping", 30.0, "attn_logit_softcapping"),
+    ("gpt_oss", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
+    ("gpt_oss", "hidden_act", "gelu", "hidden_act"),
     # transformers biases o_proj too there
     ("llama", "attention_bias", True, "attention_bias=true also biases o_proj"),
     ("qwen3_moe", "attention_bias", True, "o_proj"),
@@ -172,3 +194,30 @@ def test_mistral_windows_every_layer_whatever_layer_types_says():
     raw = {**FAMILY_CONFIGS["mistral-window"], **BASE,
            "layer_types": ["full_attention", "sliding_attention"] * 2}
     assert [config_from_hf(raw, "c").window(i) for i in range(4)] == [12] * 4
+
+
+def test_glm4_moe_and_gpt_oss_fields_as_transformers_reads_them():
+    """GLM-4.5: the rotary's width from a top-level or a nested partial_rotary_factor (0.5 when
+    absent), the first k layers dense. gpt-oss: even layers windowed when layer_types is absent,
+    YaRN when no rope is given, an MXFP4 quantization_config accepted."""
+    glm = {**FAMILY_CONFIGS["glm4_moe"], **BASE}
+    cfg = config_from_hf(glm, "c")
+    assert (cfg.rotary_dim, cfg.rope_type, cfg.dense_layers) == (16, "default", (0,))
+    assert cfg.group_routing.n_group == 4 and cfg.qk_norm and cfg.attention_bias
+    del glm["partial_rotary_factor"]
+    assert config_from_hf(glm, "c").rotary_dim == 16
+    del glm["rope_theta"]  # (transformers 5 writes it into rope_parameters)
+    glm["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
+                              "partial_rotary_factor": 0.25}
+    cfg = config_from_hf({**glm, "first_k_dense_replace": 3}, "c")
+    assert (cfg.rotary_dim, cfg.rope_theta, cfg.dense_layers) == (8, 1e6, (0, 1, 2))
+    oss = {**FAMILY_CONFIGS["gpt_oss"], **BASE}
+    del oss["rope_scaling"], oss["rope_theta"]
+    cfg = config_from_hf({**oss, "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}, "c")
+    assert [cfg.window(i) for i in range(4)] == [12, None, 12, None]
+    assert cfg.rope_type == "yarn" and cfg.rope_theta == 150000.0
+    assert cfg.rope_params["factor"] == 32.0 and cfg.rope_params["truncate"] is False
+    assert cfg.num_experts == 4 and cfg.moe_intermediate_size == 32
+    assert cfg.gpt_oss.swiglu_alpha == 1.702 and cfg.gpt_oss.swiglu_limit == 1.0
+    assert type(cfg).from_dict(cfg.to_dict()) == cfg

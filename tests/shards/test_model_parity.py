@@ -73,7 +73,8 @@ def test_only_needed_tensors_are_loaded(tiny_llama):
 def test_static_decode_path_matches_eager(tiny_models):
     """The CUDA-graph step (static buffers, device-side position, bucketed masked attention,
     grouped GQA) run without capture on CPU gives the eager path's tokens and logits."""
-    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window", "gemma3_text"):
+    for family in ("llama", "qwen3", "qwen2", "mistral-window", "qwen2-window", "gemma3_text",
+                   "glm4_moe", "gpt_oss"):
         ckpt = open_checkpoint(tiny_models[family])
         eager = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=False)
         static = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=True,
@@ -99,7 +100,8 @@ def test_fused_projections_equal_separate(tiny_models):
     tiny models' logits reach ~10)."""
     from layersplit.shards.fused import fuse_projections
 
-    for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text"):
+    for family in ("llama", "qwen2", "qwen3", "mistral-window", "gemma3_text", "glm4_moe",
+                   "gpt_oss"):
         ckpt = open_checkpoint(tiny_models[family])
         plain = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, static_decode=True,
                               graph_bucket=32)
@@ -118,7 +120,7 @@ def test_fused_projections_equal_separate(tiny_models):
         assert a.shape[0] == 5 and (a - b).abs().max().item() < 5e-5
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "llama", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mistral-window", "llama", "deepseek_v3", "gpt_oss"])
 def test_tree_verify_rows_equal_their_paths(tiny_models, family):
     """Each row of a token-tree verify step gives the logits of its root-to-node path run as a
     plain chain: the tree's mask (ancestors only, and in a sliding window the ancestors'
@@ -141,3 +143,26 @@ def test_tree_verify_rows_equal_their_paths(tiny_models, family):
             chain_ex.run(ids, 0)
             want = chain_ex.run(rows[path], pos, all_logits=True)[-1]
             assert (got[j] - want).abs().max().item() < 5e-5, (static, j)
+
+
+@pytest.mark.parametrize("family,kept", [
+    ("glm4_moe", ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")),
+    ("gpt_oss", ("layernorm.weight", "norm.weight"))])
+def test_tensors_kept_in_float32(tiny_models, family, kept):
+    """In a half dtype, GLM's router and gpt-oss's norms stay float32, as transformers keeps
+    them; our bfloat16 logits are as close to transformers' float32 ones as its own bfloat16
+    logits are (mean error within 1.5 x)."""
+    path = tiny_models[family]
+    model = load_layer_range(open_checkpoint(path), 0, 6, torch.bfloat16)
+    f32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert f32 and all(n.endswith(kept) for n in f32)
+    assert sum(n.endswith(kept) for n, _ in model.named_parameters()) == len(f32)
+    ids = _ids(24, seed=7)
+    ours = RangeExecutor(model, max_len=64).run(ids, 0, all_logits=True)
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        with torch.no_grad():
+            refs[dtype] = hf(ids[None]).logits[0].float()
+    theirs = (refs[torch.bfloat16] - refs[torch.float32]).abs().mean().item()
+    assert (ours - refs[torch.float32]).abs().mean().item() <= 1.5 * theirs

@@ -26,6 +26,10 @@ SMALL = {
                     "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
                     "moe_intermediate_size": 32, "n_routed_experts": 8, "n_group": 4,
                     "topk_group": 2, "num_experts_per_tok": 3},
+    "gpt_oss": {**_NARROW, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
+                "sliding_window": 16, "pad_token_id": None},
+    "glm4_moe": {**_NARROW, "head_dim": 16, "moe_intermediate_size": 32,
+                 "n_routed_experts": 8, "num_experts_per_tok": 2, "pad_token_id": None},
 }
 
 

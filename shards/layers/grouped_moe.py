@@ -1,5 +1,6 @@
-"""The mixture of experts of DeepSeek-V3 (and Kimi K2): grouped sigmoid routing ("noaux_tc")
-over SwiGLU experts, plus shared experts that every token runs.
+"""The mixture of experts of DeepSeek-V3, Kimi K2 and GLM-4.5+: routed as DeepSeek-V3 routes
+("noaux_tc", `shards.moe_config.GroupRouting`: sigmoid scores, a per-expert correction bias that
+only picks, grouped top-k) over SwiGLU experts, plus ungated shared experts every token runs.
 
 Shapes: n = tokens, H = hidden, E = experts, k = experts per token, G = expert groups.
 The experts themselves run as every MoE family's (`shards.layers.routed_moe.Experts`).
@@ -14,15 +15,20 @@ from layersplit.shards.layers.routed_moe import Experts
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
 
+# The router's weight and correction bias stay float32 in any run dtype, as transformers keeps
+# them (`_keep_in_fp32_modules_strict` of DeepSeek-V3 and GLM-4.5): the bias only breaks
+# near-ties between experts. (A family module's `FLOAT32_TENSORS`, read by `shards.checkpoint`.)
+ROUTER_FLOAT32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
 
 def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int,
                   n_group: int, topk_group: int, norm: bool, scaling: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (n, k) float32, expert ids (n, k)) as transformers' `DeepseekV3TopkRouter`:
-    sigmoid of the float32 router logits; `bias` (the correction bias) added for choosing
-    only; each group scored by the sum of its top 2; the experts of the best `topk_group`
-    groups compete for the top k; their unbiased scores, renormalised when `norm`, times
-    `scaling`."""
+    """(weights (n, k) float32, expert ids (n, k)) as transformers' `DeepseekV3TopkRouter` and
+    `Glm4MoeTopkRouter`: sigmoid of the float32 router logits; `bias` (the correction bias)
+    added for choosing only; each group scored by the sum of its top 2; the experts of the best
+    `topk_group` groups compete for the top k; their unbiased scores, renormalised when `norm`,
+    times `scaling`."""
     scores = torch.sigmoid(F.linear(x.float(), router_w.float()))  # (n, E)
     choice = scores + bias.float()
     n, e = choice.shape
@@ -41,15 +47,19 @@ def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, t
 
 
 class GroupRouter(nn.Module):
+    """The router's weight (E, H) and its correction bias (E,), both float32
+    (`ROUTER_FLOAT32_TENSORS`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
 
 
-class SharedExpertsMoE(nn.Module):
-    """Router + routed experts + ungated shared experts; names as transformers'
-    `DeepseekV3MoE` (`gate`, `experts`, `shared_experts`)."""
+class GroupedMoE(nn.Module):
+    """Router + routed experts + ungated shared experts (one dense MLP
+    `shared_expert_intermediate_size` wide, when set); names as transformers' `DeepseekV3MoE`
+    and `Glm4MoeMoE` (`gate`, `experts`, `shared_experts`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
