@@ -40,6 +40,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+WARMUP = ("auto", "on", "off")  # `warmup`
 SPEC_SAMPLING = ("auto", "off", "coupled", "rejection", "guesses")  # `spec_sampling`
 # (docs/speculative.md)
 
@@ -156,6 +157,12 @@ class RuntimeConfig:
                                     "max_context) while the shards start, so that no request "
                                     "waits for a capture or a compilation (GPU shards; "
                                     "false: each on first use)")
+    warmup: str = _field("auto", "serve: before saying ready, run a request of each kind the "
+                                 "server runs (prefill chunks, decode, speculative verify, "
+                                 "sampled, batched, a restore from the disk cache), so that "
+                                 "compilation and autotuning happen then, not in the first "
+                                 "request: auto (when a shard or the draft is on a GPU: on "
+                                 "CPUs nothing compiles), on, off (`runtime.warmup`)")
     spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
                                          "sleeping (default: 20 with GPUs, 0 on CPU)")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
@@ -223,6 +230,8 @@ class RuntimeConfig:
             object.__setattr__(self, AUTO_CHUNK, True)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.warmup not in WARMUP:
+            raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
         if self.spec_sampling not in SPEC_SAMPLING:
             raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
                               f"{', '.join(SPEC_SAMPLING)}")

@@ -25,6 +25,7 @@ from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.decoding import ProcessorsTooLarge
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.metrics import Metrics
+from layersplit.runtime import warmup
 from layersplit.runtime.openai_api import ParsedRequest, RequestError
 
 log = logging.getLogger("layersplit.server")
@@ -105,6 +106,12 @@ class Engine:
         self.metrics.up.set(0)
         coord = Coordinator(self.config)
         coord.start()
+        try:  # ("ready" means the first request runs at the speed of the next ones)
+            self.reason = "warming up"
+            warmup.run(coord)
+        except BaseException:
+            coord.close()
+            raise
         coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
         coord.batcher.step_observer = self.metrics.step_sequences.observe
         self.coord, self.tokenizer = coord, coord.tokenizer
