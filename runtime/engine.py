@@ -19,13 +19,13 @@ import time
 from typing import Any
 
 import jinja2
+from layersplit.runtime import warmup
 from layersplit.runtime.batching import Request as BatchRequest
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.decoding import ProcessorsTooLarge
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.metrics import Metrics
-from layersplit.runtime import warmup
 from layersplit.runtime.openai_api import ParsedRequest, RequestError
 
 log = logging.getLogger("layersplit.server")

@@ -340,8 +340,9 @@ class StaticDecoder:
         padded batch up to `verify_batch` sequences (`run_verify_batch`; at most `max_rows`
         rows); a hybrid range's one-row steps in every slot. The first
         capture also compiles the compiled stages (`shards.fused`). Logs progress every
-        `every_s` seconds with an estimate of the time left (from `estimate_s`, what the same
-        warm-up took before, while the pace so far does not say more). Returns (graphs captured, seconds). On the CPU nothing is captured.
+        `every_s` seconds with an estimate of the time left (`warm_left`; `estimate_s`: what
+        the same warm-up took before). Returns (graphs captured, seconds). On the CPU nothing
+        is captured.
 
         The capture's runs write their K/V rows where the buffers point (position 0 through
         the scratch block of a paged cache, or row 0 of a slot): nothing a later step reads

@@ -17,7 +17,8 @@ WHAT = {"model": "/m/Qwen3-8B", "layers": [0, 18], "dtype": "bfloat16", "rows": 
 
 def test_an_entry_is_written_once_then_reused(tmp_path):
     cache = CompileCache.open(tmp_path, V)
-    assert cache.dir.name == key_name(V) and cache.dir.name.startswith("NVIDIA_H200_sm90_torch2.13.0_triton3.6.0")
+    assert cache.dir.name == key_name(V)
+    assert cache.dir.name.startswith("NVIDIA_H200_sm90_torch2.13.0_triton3.6.0")
     assert cache.lookup(WHAT) is None
     path = cache.record(WHAT, 12.5, 40)
     again = CompileCache.open(tmp_path, V)  # (the next process on this machine)
