@@ -21,6 +21,7 @@ of children killed before that point, and the files CUDA's interprocess events o
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -227,6 +228,15 @@ class ShmRing:
         off = self._slot(index)
         n = struct.unpack_from("<I", self.buf, off)[0]
         return self.buf[off + 8:off + 8 + min(n, HEADER_CAP)]
+
+    def payload_address(self, index: int) -> int:
+        """The address of slot `index`'s payload in this process (valid until `close`; a
+        sender's memmove target: no memoryview or array made per message)."""
+        probe = ctypes.c_char.from_buffer(self.mm)  # (an export of the mapping, let go at once)
+        try:
+            return ctypes.addressof(probe) + self._slot(index) + SLOT_HEADER
+        finally:
+            del probe
 
     def payload(self, index: int) -> memoryview:
         off = self._slot(index) + SLOT_HEADER
