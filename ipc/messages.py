@@ -235,7 +235,7 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
     if len(frame) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}", "oversized")
     try:
-        msg = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)  # (no copy of a ring's)
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"header is not valid msgpack ({type(e).__name__}: {e})", "malformed")
     if not isinstance(msg, dict):
@@ -278,6 +278,8 @@ def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], wher
         if field not in msg:
             raise ProtocolError(f"{where}: field {field!r} is missing")
         value = msg[field]
+        if type(value) in types:  # (the common case, on every hop: a type the schema names)
+            continue
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             names = "/".join(x.__name__ for x in types)
             raise ProtocolError(f"{where}: field {field!r} must be {names}, "
