@@ -48,6 +48,7 @@ def test_warmup_writes_reuses_and_rebuilds_its_cache_entries(tiny_llama, tmp_pat
     assert f"compile cache entry {entries[1]}: unreadable" in second.stderr
     assert "warming up from the compile cache" in second.stderr  # shard 0's entry
     assert "compile cache: reused, written" in second.stderr
+    assert "compile cache entries: shard 0 reused, shard 1 written" in second.stderr
     assert entries[0].read_text() == kept  # reused, not rewritten
     assert json.loads(entries[1].read_text())["what"]["layers"] == [3, 6]  # rebuilt
     assert shard_children() == []
