@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from layersplit.ipc.kv_file import KVFileError, read_layout
+from layersplit.runtime.generate import GenerationResult
 from layersplit.shards.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -76,15 +77,19 @@ def run(coord: Coordinator, force: bool = False) -> float:
             [greedy, sampled], use_cache=False)))
     restore = _restore_prompt(coord)
     if restore is not None:
-        steps.append((f"a restore of {len(restore)} cached tokens from disk",
+        steps.append((f"a request for the {len(restore)} tokens of a disk-cache entry",
                       lambda: coord.generate(restore, SamplingParams(max_tokens=2,
                                                                      ignore_eos=True))))
     t0 = time.perf_counter()
     stats = dataclasses.replace(coord.cache.stats) if coord.cache is not None else None
     for i, (what, go) in enumerate(steps, 1):
         t = time.perf_counter()
-        go()
-        log.info("warm-up %d of %d: %s in %.1f s", i, len(steps), what, time.perf_counter() - t)
+        got = go()
+        how = ""
+        if isinstance(got, GenerationResult) and got.cached_tokens:
+            how = f" ({got.cached_tokens} tokens from the {got.cache_tier} tier)"
+        log.info("warm-up %d of %d: %s in %.1f s%s", i, len(steps), what,
+                 time.perf_counter() - t, how)
     if stats is not None:  # (not a user's request: its hits and misses are not counted)
         for f in dataclasses.fields(stats):
             setattr(coord.cache.stats, f.name, getattr(stats, f.name))

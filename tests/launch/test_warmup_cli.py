@@ -37,7 +37,8 @@ def test_warmup_writes_reuses_and_rebuilds_its_cache_entries(tiny_llama, tmp_pat
     assert "compile cache: written" in first.stderr
     assert "a prefill of 81 tokens and 8 greedy tokens" in first.stderr  # a chunk and a part
     assert "a sampled request" in first.stderr and "a batch of two" in first.stderr
-    assert f"a restore of {prompt_tokens} cached tokens from disk" in first.stderr
+    assert (f"a request for the {prompt_tokens} tokens of a disk-cache entry" in first.stderr
+            and f"({prompt_tokens} tokens from the disk tier)" in first.stderr)
     entries = sorted(set((tmp_path / "compile").glob("*/entries/*.json")) - generates)
     assert [p.name.split("-")[1:3] for p in entries] == [["L0", "3"], ["L3", "6"]]
     assert all(json.loads(p.read_text())["what"]["layers"] in ([0, 3], [3, 6]) for p in entries)
