@@ -267,7 +267,7 @@ class ShardSetup:
                      "compiles and autotunes (minutes on a large model), once per machine",
                      self.index)
         t0 = time.perf_counter()
-        graphs = 0
+        graphs, seconds = 0, 0.0  # (the captures')
         if static is not None:
             rows = [n for n in rows if n <= MAX_VERIFY_ROWS]
             slots = self.executor.kv.slots
@@ -279,10 +279,9 @@ class ShardSetup:
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
-        seconds = time.perf_counter() - t0
         state = "off" if cache is None else "reused" if entry is not None else "written"
         if cache is not None and entry is None:
-            cache.record(what, seconds, graphs)
+            cache.record(what, time.perf_counter() - t0, graphs)
         self._reply(route, message("ok", sid=msg["sid"],
                                    info={"graphs": graphs, "seconds": seconds,
                                          "compile_cache": state}))
