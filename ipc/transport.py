@@ -250,20 +250,21 @@ class RingInbox:
             t = None
             act = msg.get("act")
             if act is not None:
+                t = self._view(slot, act)
                 if self.device_buffer is not None:
-                    t = self._device_view(slot, act)
                     self.reader.wait(slot, msg.get("ev"))
-                else:
-                    t = tensor_from(self.ring.payload(slot), msg["act"]).to(self.device)
+                elif self.device.type != "cpu":
+                    t = t.to(self.device)
         except ProtocolError as e:
             self.release(seq)
             e.sid = None
             raise
         return msg, t, seq
 
-    def _device_view(self, slot: int, act: Any) -> torch.Tensor:
-        """The device slot viewed as the tensor `act` describes (views are kept: a decode step
-        sends the same shape every time, and a slice costs more than the copy it names)."""
+    def _view(self, slot: int, act: Any) -> torch.Tensor:
+        """The slot's payload (a device slot for cuda-ipc, else the host slot) viewed as the
+        tensor `act` describes. Views are kept: a decode step sends the same shape every time,
+        and making one costs more than the copy it names."""
         key = None
         if isinstance(act, dict):
             dtype, shape = act.get("dtype"), act.get("shape")
@@ -272,12 +273,15 @@ class RingInbox:
                 key = (slot, dtype, tuple(shape))
         t = self.views.get(key) if key is not None else None
         if t is None:
-            dtype, shape = _act(act)
-            nbytes = _numel(shape) * ITEMSIZE[dtype]
-            if nbytes > self.device_slot_bytes:
-                raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
-            start = slot * self.device_slot_bytes
-            t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+            if self.device_buffer is None:
+                t = tensor_from(self.ring.payload(slot), act)
+            else:
+                dtype, shape = _act(act)
+                nbytes = _numel(shape) * ITEMSIZE[dtype]
+                if nbytes > self.device_slot_bytes:
+                    raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
+                start = slot * self.device_slot_bytes
+                t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
             if len(self.views) >= 256:
                 self.views.clear()
             if key is not None:
@@ -301,10 +305,10 @@ class RingInbox:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+        self.views.clear()  # (before the ring: a host view holds its mapping)
         self.ring.close()
         self.device_buffer = None
         self.reader = None
-        self.views.clear()
 
 
 def share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
