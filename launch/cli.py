@@ -109,8 +109,10 @@ def generate_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from layersplit.draft.oracle_table import refuse_in_product
     from layersplit.runtime.supervisor import drop_prestarted
 
+    refuse_in_product()
     cfg = generate_config(args)
     _raise_on_sigterm()
     ready = _prestart(cfg)
@@ -184,8 +186,10 @@ def _token_ids(text: str) -> list[int] | None:
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from layersplit.draft.oracle_table import refuse_in_product
     from layersplit.runtime.config import from_args
 
+    refuse_in_product()
     cfg = from_args(args)
     _zygote_ahead(cfg)  # (before the server's imports, which it overlaps)
     try:
