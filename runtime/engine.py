@@ -397,6 +397,7 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
+            self.metrics.observe_policy(coord.spec_policy)
         a.job.emit(("done", a.index, {
             "finish_reason": "cancelled" if a.job.cancelled else progress.finish_reason,
             "prompt_tokens": a.prompt_tokens, "completion_tokens": n,

@@ -73,6 +73,10 @@ class GenerationResult:
     cached_tokens: int = 0
     cache_tier: str = "none"
     acceptance_length: float | None = None
+    spec_rounds: int | None = None  # verify steps (None without a draft)
+    spec_off_steps: int | None = None  # decode steps the speculation policy ran plainly
+    spec_sizes: dict[str, int] | None = None  # draft tokens a verify step proposed (tree
+    # nodes, or chain depth) -> verify steps that proposed that many
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -435,6 +439,7 @@ def stream_generation(
 def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> GenerationResult:
     for _ in deltas:
         pass
+    spec = progress.spec
     return GenerationResult(
         text=progress.text,
         tokens=list(progress.generated),
@@ -444,5 +449,8 @@ def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> 
         decode_tok_s=progress.decode_tok_s,
         cached_tokens=progress.cached_tokens,
         cache_tier=progress.cache_tier,
-        acceptance_length=None if progress.spec is None else progress.spec.acceptance_length,
+        acceptance_length=None if spec is None else spec.acceptance_length,
+        spec_rounds=None if spec is None else spec.verifies,
+        spec_off_steps=None if spec is None else spec.off_steps,
+        spec_sizes=None if spec is None else {str(k): v for k, v in sorted(spec.sizes.items())},
     )

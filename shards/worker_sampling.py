@@ -223,8 +223,8 @@ def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
     """A sampled segment's outcome from its logits `out` (rows, V): the token, the draft tokens
     kept and their tree path, the logits rows the tokens it emitted came from (one row for a
     decode step; for a verify step keeping k draft tokens, k + 1: row 0, then each kept row),
-    and the logprobs of the tokens it emitted (with the sample's `lp`; a verify segment's from its own rows, so they
-    are exactly plain decoding's)."""
+    and the logprobs of the tokens it emitted (with the sample's `lp`; a verify segment's
+    from its own rows, so they are exactly plain decoding's)."""
     sp = seg["sample"]
     temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
                                 float(sp["top_p"]), int(sp["seed"]))

@@ -173,6 +173,27 @@ def test_speculative_equals_plain(target, fitted, near, want, kind, n, transport
 
 
 @pytest.mark.slow
+def test_measured_policy_turns_speculation_off_and_output_stays_the_reference(target, fitted,
+                                                                             want):
+    """`spec_policy = measured` (here on CPUs, where what it chooses depends on the machine's
+    timings): requests run the policy's rounds and plain steps, mixed (a first look at the
+    whole tree, plain steps to measure, then its choice), and the output of every request,
+    greedy and sampled, is the reference's, tokens and logits; the decisions show in the
+    request's statistics and its JSON. (What it chooses: tests/runtime/test_spec_policy.py.)"""
+    with Coordinator(_cfg(target, 1, fitted, spec_policy="measured")) as coord:
+        assert coord.policy_measures and coord.spec_policy.sizes == [7, 3, 1]
+        assert coord.spec_sampling_mode() == "coupled"  # (auto: the policy decides)
+        stats = _compare(coord, want)
+        assert stats.verifies > 0 and stats.off_steps > 0 and 7 in stats.sizes
+        policy = coord.spec_policy
+        assert policy.choice(1, False) is not None and policy.choice(1, True) is not None
+        assert policy.stats.rounds >= stats.verifies  # (a step planned ahead may not run)
+        got = coord.generate(_prompts(coord.tokenizer)[0], GREEDY, use_cache=False).to_json()
+        assert got["spec_off_steps"] > 0 and got["spec_rounds"] >= 0
+        assert set(got["spec_sizes"]) <= {"7", "3", "1"}
+
+
+@pytest.mark.slow
 def test_sampled_proposals_are_seeded_and_kept(target, fitted):
     """spec_sampling = rejection: the draft samples its proposals and sends their q; verify
     steps keep draft tokens by rejection sampling (the target's distribution: chi-square in
