@@ -167,3 +167,4 @@ def test_candidate_sizes_and_what_smaller_ones_would_have_kept():
         SpecPolicy([])
     with pytest.raises(ValueError, match="at least 2"):
         PolicyKnobs(refresh=1)
+
