@@ -13,7 +13,9 @@
 #   prefill   a 3,900-token prompt, next to llama.cpp                                 (P1)
 #   split     1 GPU against 2 (and 4) GPUs, the cuda-ipc hop; needs 2+ GPUs            (X1-X4)
 #   spec      speculative decoding with the bundled draft, the real default model
-#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs)
+#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs;
+#             SPEC=auto_greedy,auto_sampled,auto_streams: spec_policy auto against plain decoding,
+#             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
 #             (CACHE=prefix,shared,swap; default all)
 #   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
@@ -167,6 +169,32 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
       --repeat 3 --json "$RUNS/spec_streams.json"
     row spec "$RUNS/spec_streams.json" --what "8 streams each speculating" --cmd S5
   fi
+  # spec_policy auto (the runtime's default) against plain decoding, in one run: 1 shard (the
+  # default layout of `generate --devices cuda:0`) and 2 shards on one GPU; 24 of the 56 prompts
+  # of runtime/check_prompts.jsonl, 128 new tokens, median of 3
+  local auto="--sets check --limit 24 --new-tokens 128 --repeat 3 --policies auto" layout n
+  for layout in cuda:0 cuda:0,cuda:0; do
+    n=$(( $(tr -cd , <<< "$layout" | wc -c) + 1 ))
+    if has "$cases" auto_greedy; then
+      TAIL=12 run spec_auto_greedy_$n 200 python3 $spec --devices $layout $auto \
+        --json "$RUNS/spec_auto_greedy_$n.json"
+      row spec "$RUNS/spec_auto_greedy_$n.json" \
+        --what "spec_policy auto, greedy, $n shard(s) on one GPU" --cmd "S7 ($layout)"
+    fi
+    if has "$cases" auto_sampled; then
+      TAIL=12 run spec_auto_sampled_$n 200 python3 $spec --devices $layout $auto \
+        --temperature 0.7 --top-p 0.9 --json "$RUNS/spec_auto_sampled_$n.json"
+      row spec "$RUNS/spec_auto_sampled_$n.json" \
+        --what "spec_policy auto, temperature 0.7, top-p 0.9, $n shard(s) on one GPU" \
+        --cmd "S8 ($layout)"
+    fi
+    if has "$cases" auto_streams; then
+      TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \
+        --ignore-eos --json "$RUNS/spec_auto_streams_$n.json"
+      row spec "$RUNS/spec_auto_streams_$n.json" \
+        --what "spec_policy auto, 8 streams, $n shard(s) on one GPU" --cmd "S9 ($layout)"
+    fi
+  done
   if has "$cases" det; then  # (the held-out prompts, chains of 4 rows)
     TAIL=20 run spec_det 500 python3 bench/speculative.py --model default $one --drafts default \
       --new-tokens 128 --repeat 3 --deterministic --sets eval --limit 12 --trees 0 --block 4 \
