@@ -306,6 +306,11 @@ class Pacer:
         self._last = [size, now, batch, pos + 1 if size == 0 else None]
         return size
 
+    @property
+    def told(self) -> int | None:
+        """The size planned ahead for the next step (None: not planned yet)."""
+        return self._told
+
     def plan_next(self, batch: int, clock: int) -> int:
         """The size of the step after this one, decided now (the draft prepares it)."""
         self._told = self.policy.plan(batch, self.sampled, clock)

@@ -354,6 +354,18 @@ class DraftClient:
         if self.kind == "classic":  # its rows [pos, pos + kept] were computed from kept tokens
             self.start = pos + min(accepted, proposed - 1) + 1
 
+    def plain_next(self) -> bool:
+        """Whether the step after the one in flight is a plain decode step (decided now, under
+        the policy: the batch may send it ahead, `runtime.batching`)."""
+        if not self.active:
+            return True
+        if self.pacer is None:
+            return False
+        if self.pacer.told is None:
+            clock, batch = self.coord.spec_clock()
+            self.pacer.plan_next(batch, clock + 1)
+        return self.pacer.told == 0
+
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":
             return None

@@ -74,7 +74,7 @@ class LastShardSampling:
         msg = {**msg, "seqs": seqs}
         for key in [k for k in self.late_masks if k[0] <= sid]:  # (of steps that failed)
             del self.late_masks[key]
-        if deferrable(msg["seqs"], bool(fed)):
+        if deferrable(msg["seqs"]):
             self._sample_on_device(msg, outs)
             return
         self.unsent.flush(wait=True)  # (results go in step order)

@@ -194,6 +194,24 @@ def test_measured_policy_turns_speculation_off_and_output_stays_the_reference(ta
 
 
 @pytest.mark.slow
+def test_policy_off_decodes_plainly_with_lookahead(target, dflash, want):
+    """An untrained draft (no draft token kept) under `spec_policy = measured`: after its first
+    look the policy turns speculation off, and the sequences, which still feed the draft, decode
+    with lookahead steps as plain decoding does (`runtime.batching`); the output is the
+    reference's, tokens and logits."""
+    with Coordinator(_cfg(target, 1, dflash, spec_policy="measured")) as coord:
+        assert coord.batcher.look_ahead
+        rounds = 0
+        for i in range(2):
+            result, logits, spec = run_speculated(coord, _prompts(coord.tokenizer)[i], GREEDY)
+            assert_same_run((result, logits), want[i, GREEDY.temperature], f"prompt {i}")
+            rounds += spec.verifies
+        assert rounds >= 5  # (its first look)
+        assert coord.spec_policy.choice(1, False) == 0
+        assert coord.batcher.stats.ahead > 10
+
+
+@pytest.mark.slow
 def test_sampled_proposals_are_seeded_and_kept(target, fitted):
     """spec_sampling = rejection: the draft samples its proposals and sends their q; verify
     steps keep draft tokens by rejection sampling (the target's distribution: chi-square in
