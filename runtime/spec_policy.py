@@ -21,8 +21,9 @@ for `off_steps` steps (doubling, up to `off_steps_max`, while probes keep losing
 refresh or a probe it decides: the best of plain and every size, but it leaves the current
 choice only for one `margin` better. A size whose round time was never measured is priced by
 linear interpolation between the plain step and the measured sizes around it: an optimistic
-price (it leaves out a round's fixed cost), so an unmeasured smaller size is tried once, then
-priced as measured.
+price (it leaves out a round's fixed cost), so an unmeasured smaller size is tried for `probe`
+rounds, then priced as measured; every fourth decision for a smaller size first runs `probe`
+rounds at the largest (the only rounds that teach the larger sizes' acceptance).
 
 `spec_policy = on` never consults it: every step that can speculate does (for benchmarks and
 tests of speculation itself).
