@@ -361,9 +361,9 @@ class DraftClient:
             return True
         if self.pacer is None:
             return False
-        if self.pacer.told is None:
+        if self.pacer.told is None:  # (the step in flight is counted: the next goes at clock)
             clock, batch = self.coord.spec_clock()
-            self.pacer.plan_next(batch, clock + 1)
+            self.pacer.plan_next(batch, clock)
         return self.pacer.told == 0
 
     def then(self) -> dict | None:
