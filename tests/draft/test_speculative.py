@@ -194,21 +194,35 @@ def test_measured_policy_turns_speculation_off_and_output_stays_the_reference(ta
 
 
 @pytest.mark.slow
-def test_policy_off_decodes_plainly_with_lookahead(target, dflash, want):
-    """An untrained draft (no draft token kept) under `spec_policy = measured`: after its first
-    look the policy turns speculation off, and the sequences, which still feed the draft, decode
-    with lookahead steps as plain decoding does (`runtime.batching`); the output is the
-    reference's, tokens and logits."""
-    with Coordinator(_cfg(target, 1, dflash, spec_policy="measured")) as coord:
+def test_policy_plain_steps_decode_with_lookahead(target, dflash, want):
+    """Under `spec_policy = measured` the plain steps a sequence runs between its rounds (to
+    measure plain decoding, or with speculation off), though it still feeds the draft, are sent
+    ahead as plain decoding's are (`runtime.batching`: lookahead); alone, then two in one batch
+    (another batch size, decided apart), the output is the reference's, tokens and logits. (An
+    untrained draft: what the policy chooses on this loaded machine's timings is not checked
+    here, but tests/runtime/test_spec_policy.py.)"""
+    with Coordinator(_cfg(target, 1, dflash, spec_policy="measured", max_seqs=2,
+                          spec_max_seqs=2)) as coord:
         assert coord.batcher.look_ahead
-        rounds = 0
+        prompts = _prompts(coord.tokenizer)
+        rounds = off = 0
         for i in range(2):
-            result, logits, spec = run_speculated(coord, _prompts(coord.tokenizer)[i], GREEDY)
+            result, logits, spec = run_speculated(coord, prompts[i], GREEDY)
             assert_same_run((result, logits), want[i, GREEDY.temperature], f"prompt {i}")
-            rounds += spec.verifies
-        assert rounds >= 5  # (its first look)
-        assert coord.spec_policy.choice(1, False) == 0
-        assert coord.batcher.stats.ahead > 10
+            rounds, off = rounds + spec.verifies, off + spec.off_steps
+        assert rounds >= 5 and off >= 4  # (its first look, then plain steps to measure)
+        alone = coord.batcher.stats.ahead
+        assert alone >= 2
+        progress = [Progress(logits=[]) for _ in prompts]
+        got = coord.generate_batch(prompts, [GREEDY] * 2, use_cache=False, progress=progress)
+        for i, (r, pr) in enumerate(zip(got, progress)):
+            assert_same_run((r, np.stack(pr.logits)), want[i, GREEDY.temperature],
+                            f"batched prompt {i}")
+        assert sum(pr.spec.verifies for pr in progress) > 0
+        assert sum(pr.spec.off_steps for pr in progress) > 0
+        assert coord.batcher.stats.widest == 2
+        assert coord.spec_policy.choice(2, False) is not None  # (decided for 2 apart)
+        assert coord.batcher.stats.ahead > alone
 
 
 @pytest.mark.slow
