@@ -340,9 +340,9 @@ class DraftClient:
         self.stats.sizes[size] = self.stats.sizes.get(size, 0) + 1
         if self.pacer is not None and size:
             ranks = list(range(accepted))  # a chain's kept rows: depths 1..accepted
-            if self.tree and self.shape and path is not None:
+            if self.tree and self.shape:  # (a tree of a chain's shape came with no path)
                 prio = tree_ranks(self.shape, size, self.block - 1)
-                ranks = [prio[j - 1] for j in path]
+                ranks = [prio[j - 1] for j in (path or range(1, accepted + 1))]
             elif self.tree:  # (a tree proposal without a known shape: only its own size)
                 ranks = [0] * accepted
             sizes = self.pacer.policy.sizes if self.shape or not self.tree else [size]
