@@ -89,12 +89,12 @@ class LastShardSampling:
             greedy = dict(zip(plain, marked.tolist()))
         checked = []  # the rows each other draw came from, checked together below
         for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
-            logits = out[-1:]
+            src = [len(out) - 1]  # the rows of the tokens it emits
             token, accepted, path, lp = None, 0, None, None
             if i in greedy:
                 token = greedy[i]
             elif seg["sample"] is not None:
-                token, accepted, path, logits, lp = _sample_segment(seg, out)
+                token, accepted, path, src, lp = _sample_segment(seg, out)
                 checked.append((i, out if seg["draft"] is not None else out[-1:]))
             plp = seg["plp"]
             if plp is not None:
@@ -103,7 +103,8 @@ class LastShardSampling:
             results.append({"token": token, "accepted": accepted, "logits": seg["logits"],
                             "path": path, "asked": seg["asked"], "lp": lp, "plp": plp})
             if seg["logits"]:  # (a verify segment's: the row of each token it emitted)
-                logits_rows.append((i, logits.float()))
+                rows = out[src[0]:src[0] + 1] if len(src) == 1 else out[src]
+                logits_rows.append((i, rows.float()))
         bad = [i for i in greedy if greedy[i] < 0]
         bad += [checked[j][0] for j in bad_segments([rows for _, rows in checked])]
         for i in bad:  # (that sequence fails; the step's others go on)
@@ -219,11 +220,11 @@ def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
 
 
 def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
-        int, int, list[int] | None, torch.Tensor, list | None]:
+        int, int, list[int] | None, list[int], list | None]:
     """A sampled segment's outcome from its logits `out` (rows, V): the token, the draft tokens
-    kept and their tree path, the logits rows the tokens it emitted came from (one row for a
-    decode step; for a verify step keeping k draft tokens, k + 1: row 0, then each kept row),
-    and the logprobs of the tokens it emitted (with the sample's `lp`; a verify segment's
+    kept and their tree path, the indices of the rows the tokens it emitted came from (one row
+    for a decode step; for a verify step keeping k draft tokens, k + 1: row 0, then each kept
+    row), and the logprobs of the tokens it emitted (with the sample's `lp`; a verify segment's
     from its own rows, so they are exactly plain decoding's)."""
     sp = seg["sample"]
     temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
@@ -239,12 +240,11 @@ def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
             src = [parents[j - 1] if parents is not None else j - 1 for j in kept]
             lp = logprob_entries(out[[*src, kept[-1] if kept else 0]],
                                  [seg["draft"][j - 1] for j in kept] + [token], temp, k)
-        return (token, len(kept), kept if seg["tree"] is not None else None,
-                out[[0, *kept]], lp)
+        return token, len(kept), kept if seg["tree"] is not None else None, [0, *kept], lp
     x = process_logits(out[-1:], sp)
     token = sample_rows(x, temp, top_k, top_p, seed, [pos + n])[0]
     lp = None if k is None else logprob_entries(x, [token], temp, k)
-    return token, 0, None, out[-1:], lp
+    return token, 0, None, [len(out) - 1], lp
 
 
 def _check_sample(sample: dict[str, Any], where: str, vocab: int) -> None:
