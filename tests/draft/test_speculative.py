@@ -173,7 +173,7 @@ def test_speculative_equals_plain(target, fitted, near, want, kind, n, transport
 
 
 @pytest.mark.slow
-def test_measured_policy_turns_speculation_off_and_output_stays_the_reference(target, fitted,
+def test_measured_policy_mixes_rounds_and_plain_steps_output_the_reference(target, fitted,
                                                                              want):
     """`spec_policy = measured` (here on CPUs, where what it chooses depends on the machine's
     timings): requests run the policy's rounds and plain steps, mixed (a first look at the
