@@ -189,7 +189,8 @@ def test_measured_policy_mixes_rounds_and_plain_steps_output_the_reference(targe
         assert policy.choice(1, False) is not None and policy.choice(1, True) is not None
         assert policy.stats.rounds >= stats.verifies  # (a step planned ahead may not run)
         got = coord.generate(_prompts(coord.tokenizer)[0], GREEDY, use_cache=False).to_json()
-        assert got["spec_off_steps"] > 0 and got["spec_rounds"] >= 0
+        assert got["spec_rounds"] + got["spec_off_steps"] > 0
+        assert got["spec_rounds"] == sum(got["spec_sizes"].values())
         assert set(got["spec_sizes"]) <= {"7", "3", "1"}
 
 
@@ -198,7 +199,8 @@ def test_policy_plain_steps_decode_with_lookahead(target, dflash, want):
     """Under `spec_policy = measured` the plain steps a sequence runs between its rounds (to
     measure plain decoding, or with speculation off), though it still feeds the draft, are sent
     ahead as plain decoding's are (`runtime.batching`: lookahead); alone, then two in one batch
-    (another batch size, decided apart), the output is the reference's, tokens and logits. (An
+    (another batch size, decided apart; whether its plain steps come while both decode depends
+    on the timings), the output is the reference's, tokens and logits. (An
     untrained draft: what the policy chooses on this loaded machine's timings is not checked
     here, but tests/runtime/test_spec_policy.py.)"""
     with Coordinator(_cfg(target, 1, dflash, spec_policy="measured", max_seqs=2,
@@ -222,7 +224,6 @@ def test_policy_plain_steps_decode_with_lookahead(target, dflash, want):
         assert sum(pr.spec.off_steps for pr in progress) > 0
         assert coord.batcher.stats.widest == 2
         assert coord.spec_policy.choice(2, False) is not None  # (decided for 2 apart)
-        assert coord.batcher.stats.ahead > alone
 
 
 @pytest.mark.slow
