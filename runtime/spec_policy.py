@@ -34,8 +34,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-PHASES = ("spec", "refresh", "off", "probe")
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PolicyKnobs:
@@ -83,7 +81,7 @@ class Ema:
 
 @dataclasses.dataclass(slots=True)
 class Phase:
-    kind: str  # one of PHASES
+    kind: str  # spec, refresh (plain steps measured), off, probe
     size: int  # draft tokens of its rounds (0: plain steps)
     end: int  # the clock at which it ends
 
