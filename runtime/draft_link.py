@@ -119,7 +119,8 @@ class DraftLink:
         if self.spec_policy is None and self.policy_measures:  # (kept across a restart of
             # the shard group: the same layout)
             block, tree = verify_shape(self.draft_info, self.config, max_step)
-            self.spec_policy = SpecPolicy(policy_sizes(tree or block - 1))
+            self.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
+                                          spec_seqs=self.config.spec_max_seqs)
         log.info("draft ready: %s on %s, %d tokens per verify step%s, %.0f MB",
                  self.draft_info["kind"], self.draft_info["device"],
                  self.draft_info["block_size"],

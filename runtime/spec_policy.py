@@ -12,8 +12,10 @@ bucket (1, 2, 3-4, 5-8, ... sequences decoding):
   first paths of the draft's tree shape, every prefix of which is a tree) or a shorter chain
   would have kept, since the target's token at each position does not depend on the tree.
 
-Speculating at size `s` yields `a(s) / t_round(s, b)` tokens a second; plain decoding
-`1 / t_plain(b)`. The policy runs in phases counted in steps of the runtime's clock (steps
+Speculating at size `s` yields `a(s) / t_round(s, b)` tokens a second per sequence; plain
+decoding `1 / t_plain(b)`. A batch of `b` where only `k` sequences speculate (`spec_max_seqs`)
+weighs the others too, whose steps the verify rows slow: `(b - k + k a(s)) / t_round(s, b)`
+against `b / t_plain(b)`. The policy runs in phases counted in steps of the runtime's clock (steps
 sent): it speculates at the best size for `spec_steps` steps, then decodes `refresh` plain
 steps (the plain cost drifts with the batch and the context); turned off, it decodes plainly
 for `off_steps` steps (doubling, up to `off_steps_max`, while probes keep losing), then probes
@@ -102,13 +104,17 @@ class SpecPolicy:
     """The choice of each step: `plan` (draft tokens, 0 for a plain step); fed with
     `observe_plain`, `observe_round` and `observe_kept`."""
 
-    def __init__(self, sizes: Sequence[int], knobs: PolicyKnobs | None = None) -> None:
+    def __init__(self, sizes: Sequence[int], knobs: PolicyKnobs | None = None,
+                 spec_seqs: int = 1) -> None:
         """`sizes`: the draft token counts a step may propose (tree sizes that are prefixes of
         the draft's tree, or chain depths), any order; the largest is where speculation starts
-        and what probes run."""
+        and what probes run. `spec_seqs`: the sequences of a batch that may speculate at once
+        (`spec_max_seqs`): the others decode plainly in the same steps, and a verify step's
+        rows slow them too, so a batch's speed is weighed, not one sequence's."""
         if not sizes or min(sizes) < 1:
             raise ValueError(f"speculation policy: sizes {list(sizes)} must be >= 1")
         self.sizes = sorted(set(sizes), reverse=True)
+        self.spec_seqs = max(1, spec_seqs)
         self.knobs = knobs or PolicyKnobs()
         self.stats = PolicyStats()
         self._plain: dict[int, Ema] = {}  # bucket -> seconds per plain step
@@ -168,16 +174,19 @@ class SpecPolicy:
         return None if e is None else e.value
 
     def rates(self, batch: int, sampled: bool) -> dict[int, float]:
-        """Estimated tokens a second: {0: plain, size: speculating at that size}, for those
-        that can be estimated."""
+        """Estimated tokens a second of a batch of `batch` sequences (its bucket's size), `k`
+        of them speculating (`spec_seqs`, at most all): {0: plain, b / t_plain; size: speculating
+        at that size, (b - k + k a(size)) / t_round(size)}, for those that can be estimated."""
+        b = bucket(batch)
+        k = min(self.spec_seqs, b)
         out = {}
         plain = self.plain_time(batch)
         if plain is not None and plain > 0:
-            out[0] = 1.0 / plain
+            out[0] = b / plain
         for s in self.sizes:
             a, t = self.kept(sampled, s), self.round_time(batch, s)
             if a is not None and t is not None and t > 0:
-                out[s] = a / t
+                out[s] = (b - k + k * a) / t
         return out
 
     def decide(self, batch: int, sampled: bool, current: int) -> int:
