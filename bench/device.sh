@@ -14,10 +14,12 @@
 #   prefill   a 3,900-token prompt, next to llama.cpp                                 (P1)
 #   split     1 GPU against 2 (and 4) GPUs, the cuda-ipc hop; needs 2+ GPUs            (X1-X4)
 #   spec      speculative decoding with the bundled draft, the real default model
-#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs);
-#             and the bench oracle at published draft sizes, random weights (SPEC=oracle8b,
-#             oracle8b_streams,oracle27b,oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1
-#             and 8 streams, 1 shard; Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
+#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs;
+#             SPEC=auto_greedy,auto_sampled,auto_streams: spec_policy auto against plain decoding,
+#             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl); and the bench oracle
+#             at published draft sizes, random weights (SPEC=oracle8b,oracle8b_streams,oracle27b,
+#             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
+#             Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
 #             (CACHE=prefix,shared,swap; default all)
 #   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
@@ -44,7 +46,7 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,41p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,46p "$0"; exit 2; }
 known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla long serve startup agent park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
@@ -181,6 +183,32 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
       --repeat 3 --json "$RUNS/spec_streams.json"
     row spec "$RUNS/spec_streams.json" --what "8 streams each speculating" --cmd S5
   fi
+  # spec_policy auto (the runtime's default) against plain decoding, in one run: 1 shard (the
+  # default layout of `generate --devices cuda:0`) and 2 shards on one GPU; 24 of the 56 prompts
+  # of runtime/check_prompts.jsonl, 128 new tokens, median of 3
+  local auto="--sets check --limit 24 --new-tokens 128 --repeat 3 --policies auto" layout n
+  for layout in cuda:0 cuda:0,cuda:0; do
+    n=$(( $(tr -cd , <<< "$layout" | wc -c) + 1 ))
+    if has "$cases" auto_greedy; then
+      TAIL=12 run spec_auto_greedy_$n 200 python3 $spec --devices $layout $auto \
+        --json "$RUNS/spec_auto_greedy_$n.json"
+      row spec "$RUNS/spec_auto_greedy_$n.json" \
+        --what "spec_policy auto, greedy, $n shard(s) on one GPU" --cmd "S7 ($layout)"
+    fi
+    if has "$cases" auto_sampled; then
+      TAIL=12 run spec_auto_sampled_$n 200 python3 $spec --devices $layout $auto \
+        --temperature 0.7 --top-p 0.9 --json "$RUNS/spec_auto_sampled_$n.json"
+      row spec "$RUNS/spec_auto_sampled_$n.json" \
+        --what "spec_policy auto, temperature 0.7, top-p 0.9, $n shard(s) on one GPU" \
+        --cmd "S12 ($layout)"
+    fi
+    if has "$cases" auto_streams; then
+      TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \
+        --ignore-eos --json "$RUNS/spec_auto_streams_$n.json"
+      row spec "$RUNS/spec_auto_streams_$n.json" \
+        --what "spec_policy auto, 8 streams, $n shard(s) on one GPU" --cmd "S13 ($layout)"
+    fi
+  done
   # the bench oracle (`draft.oracle`): --new-tokens end the requests on its lattice (seed 1:
   # 1 + 252 at 6.3, 1 + 249 at 8.3), so the measured acceptance is A
   local o8="bench/speculative.py --model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16 \

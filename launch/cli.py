@@ -280,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--dump-logits", metavar="FILE.npy", default=None,
                    help="save the logits each generated token was drawn from (float32, a row "
-                        "per token, a stop token's included) for tests and debugging; not with "
-                        "speculation")
+                        "per token, a stop token's included; a speculated token's from its verify "
+                        "row) for tests and debugging")
     add_flags(g)
     _sampling_flags(g)
     g.set_defaults(func=cmd_generate)

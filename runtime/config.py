@@ -42,6 +42,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
 
 WARMUP = ("auto", "on", "off")  # `warmup`
 SPEC_SAMPLING = ("auto", "off", "coupled", "rejection", "guesses")  # `spec_sampling`
+SPEC_POLICY = ("auto", "measured", "on")  # `spec_policy`
 # (docs/speculative.md)
 
 
@@ -130,10 +131,19 @@ class RuntimeConfig:
                                    "to the first shard itself, which holds the next step for "
                                    "them (where the first and the last shard feed the draft); "
                                    "off: the coordinator asks for each and sends it on")
+    spec_policy: str = _field("auto", "when a step speculates, and how many draft tokens: "
+                                      "measured (each step chooses, from measured acceptance "
+                                      "and the measured cost of a round and of a plain step, "
+                                      "per batch size: the tree size or chain depth, or no "
+                                      "speculation), on (every step speculates with the whole "
+                                      "tree or chain: benchmarks, tests), auto (measured where "
+                                      "a GPU runs the target or the draft, else on: CPU verify "
+                                      "steps run row by row, for exactness, never for speed)")
     spec_sampling: str = _field("auto", "a DFlash draft's proposals for a sampled request: "
-                                        "auto (off for a DFlash draft where a GPU runs the "
-                                        "target or the draft: sampled speculation measured "
-                                        "slower than plain decoding there; else coupled), "
+                                        "auto (coupled under a measured spec_policy; else off "
+                                        "for a DFlash draft where a GPU runs the target or the "
+                                        "draft, where sampled speculation measured slower "
+                                        "than plain decoding; else coupled), "
                                         "off (sampled requests decode plainly), "
                                            "coupled (drawn from its distribution with the "
                                            "target's own noise; output = plain decoding's "
@@ -238,6 +248,9 @@ class RuntimeConfig:
             raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
         if self.keep_answers < 0:
             raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
+        if self.spec_policy not in SPEC_POLICY:
+            raise ConfigError(f"spec_policy={self.spec_policy!r}: must be one of "
+                              f"{', '.join(SPEC_POLICY)}")
         if self.spec_sampling not in SPEC_SAMPLING:
             raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
                               f"{', '.join(SPEC_SAMPLING)}")

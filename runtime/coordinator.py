@@ -58,6 +58,7 @@ from layersplit.shards.weights import layer_bytes
 
 if TYPE_CHECKING:
     from layersplit.runtime.ray_launcher import RayLauncher, RayShard
+    from layersplit.runtime.spec_policy import SpecPolicy
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         # what each shard captured at start ({graphs, seconds}, `capture_at_start`), in order
         self.warmed: list[dict[str, Any]] = []
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
+        self.spec_policy: SpecPolicy | None = None  # which steps speculate (`spec_policy`)
         self.board = False  # the first shard mapped the last one's token board (lookahead, split)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | RayShard | None = None

@@ -406,6 +406,7 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
+            self.metrics.observe_policy(coord.spec_policy)
         if not a.job.cancelled and req.use_cache and req.n == 1 and coord.cache is not None:
             self._keep_turn(a)  # (queued before the client can send the next turn)
         a.job.emit(("done", a.index, {

@@ -259,6 +259,8 @@ class ShardGroup:
         if self.draft is not None and not cfg.deterministic:  # (deterministic: one-row steps)
             block, tree = verify_shape(self.draft_info, cfg, self.chunk)
             rows += [block] + ([1 + tree] if tree else [])
+            if self.spec_policy is not None:  # every size the policy may choose
+                rows = sorted({*rows, *(1 + s for s in self.spec_policy.sizes)})
             # the verify steps of the sequences that speculate at once, batched
             verify_batch = min(cfg.spec_max_seqs, cfg.max_seqs)
         t0 = time.perf_counter()

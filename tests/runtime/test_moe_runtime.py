@@ -9,7 +9,6 @@ invariants are checked on models whose routing varies from token to token."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import numpy as np
 import pytest
@@ -23,9 +22,8 @@ from layersplit.shards.model_config import read_hf_config
 from layersplit.shards.sampling import SamplingParams
 from layersplit.shards.tiny import write_tiny_checkpoint
 from layersplit.shards.weights import layer_bytes
-from safetensors.torch import load_file, save_file
 
-from tests.helpers import shard_children, trace
+from tests.helpers import assert_speculated_equals, noisy_copy, run_logged, shard_children, trace
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -54,6 +52,18 @@ def prompt(ref):
     return ids
 
 
+@pytest.fixture(scope="module")
+def near(model, tmp_path_factory):
+    """A classic draft: the target with noise on its weights."""
+    return noisy_copy(model, tmp_path_factory.mktemp("near") / "m")
+
+
+@pytest.fixture(scope="module")
+def want(ref, prompt):
+    """The reference's plain runs, greedy and sampled: tokens and logits (`run_logged`)."""
+    return {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
+
+
 def _cfg(model, n, **kw):
     return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
                          max_context=256, threads=1, **kw)
@@ -62,11 +72,15 @@ def _cfg(model, n, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("n,transport,split", [(1, "auto", None), (2, "shm", None),
                                                (3, "zmq", "auto")])
-def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, caplog):
+def test_moe_split_equals_reference(model, ref, near, want, prompt, n, transport, split,
+                                    caplog):
+    """Steps and whole runs equal the reference's bit for bit; speculated runs (a classic
+    draft) too, at every accepted position's logits."""
     ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
     assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
     caplog.set_level(logging.INFO, logger="layersplit.runtime.coordinator")
-    with Coordinator(_cfg(model, n, transport=(transport,), split=split)) as coord:
+    with Coordinator(_cfg(model, n, transport=(transport,), split=split,
+                          draft=str(near))) as coord:
         if split == "auto":  # by weight bytes (tests/runtime/test_split_auto.py), shown
             sizes = layer_bytes(read_hf_config(model), 4)
             assert [s.end - s.start for s in coord.placement.shards] == bytes_split(sizes[0], 3,
@@ -75,7 +89,11 @@ def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, cap
         tokens, logits = trace(coord, prompt, 10, CHUNK)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)
-        assert coord.generate(prompt, SAMPLED).tokens == ref.generate(prompt, SAMPLED).tokens
+        for params in (GREEDY, SAMPLED):
+            spec = assert_speculated_equals(coord, prompt, params, want[params.temperature],
+                                            f"temperature {params.temperature}")
+            # draft tokens were kept and others rejected: both paths of a verify step ran
+            assert 1.0 < spec.acceptance_length < 5.0
     assert shard_children() == []
 
 
