@@ -67,10 +67,10 @@ def assert_speculated_equals(coord, prompt: list[int], params: SamplingParams,
     return spec
 
 
-def noisy_copy(src: Path, dst: Path, scale: float = 0.01) -> Path:
+def noisy_copy(src: Path, dst: Path, scale: float = 0.01, only: set[str] | None = None) -> Path:
     """A classic draft for the checkpoint `src`: a copy with seeded noise on its weights (it
     agrees with the target often, not always, so verify steps keep some draft tokens and
-    reject others)."""
+    reject others); `only`: on these tensors alone."""
     import shutil
 
     import torch
@@ -78,7 +78,7 @@ def noisy_copy(src: Path, dst: Path, scale: float = 0.01) -> Path:
 
     shutil.copytree(src, dst)
     g = torch.Generator().manual_seed(1)
-    state = {k: v + scale * torch.randn(v.shape, generator=g)
+    state = {k: v + scale * torch.randn(v.shape, generator=g) if only is None or k in only else v
              for k, v in load_file(str(src / "model.safetensors")).items()}
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
