@@ -426,6 +426,10 @@ class Engine:
         except jinja2.exceptions.TemplateError as e:
             log.info("the answer is not kept: the chat template cannot render it (%s)", e)
             return
+        except Exception as e:  # noqa: BLE001 - keeping is an optimisation: the answer the
+            # client waits for must not turn into a 500 because a template or filter failed
+            log.warning("the answer is not kept: %s: %s", type(e).__name__, e)
+            return
         try:
             self.coord.keep_turn(tokens)
         except ValueError as e:  # (tokens the prompt checks refuse: nothing to keep)

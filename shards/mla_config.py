@@ -97,8 +97,9 @@ def mla_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str
         if key in raw and raw[key] != want:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (only "
                                   f"{want!r})")
-    q_lora = raw.get("q_lora_rank")
-    q_lora = 0 if q_lora is None else _int(raw, "q_lora_rank", source, low=1)
+    # (a field left out means transformers' `DeepseekV3Config` default, as it reads it)
+    q_lora = raw.get("q_lora_rank", 1536)
+    q_lora = 0 if q_lora is None else _int(raw, "q_lora_rank", source, 1536, low=1)
     nope = _int(raw, "qk_nope_head_dim", source, low=1)
     rope_dim = _int(raw, "qk_rope_head_dim", source, low=2)
     if rope_dim % 2:
@@ -130,11 +131,11 @@ def mla_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str
     if top_k > experts // n_group * topk_group:
         raise CheckpointError(f"{source}: num_experts_per_tok={top_k} is more than the "
                               f"{experts // n_group * topk_group} experts of topk_group groups")
-    scaling = raw.get("routed_scaling_factor", 1.0)
+    scaling = raw.get("routed_scaling_factor", 2.5)
     if not isinstance(scaling, int | float) or isinstance(scaling, bool):
         raise CheckpointError(f"{source}: routed_scaling_factor={scaling!r} must be a number")
-    first_dense = _int(raw, "first_k_dense_replace", source, 0)
-    shared = _int(raw, "n_shared_experts", source, 0)
+    first_dense = _int(raw, "first_k_dense_replace", source, 3)
+    shared = _int(raw, "n_shared_experts", source, 1)
     inter = _int(raw, "moe_intermediate_size", source, low=1)
     return {
         "head_dim": rope_dim,  # the rotary's width (as transformers' config.head_dim)
