@@ -1,0 +1,133 @@
+"""Linear layers and embeddings whose weights stay in GGUF blocks (`shards.quant_blocks`).
+
+`QuantLinear` stands where an `nn.Linear` stood (`quantize_modules` swaps them after a load):
+- on a CUDA device, steps of up to `kernels.quant_gemv.MAX_ROWS` rows run the Triton kernels
+  that dequantize in registers (`shards.kernels.quant_gemv`);
+- everywhere else (CPU; prefill chunks), `quant_matmul`: the weight dequantized a tile of
+  output rows at a time to the activations' dtype, then `F.linear`, so the dequantized copy
+  alive at once is bounded by `TILE_ELEMENTS`. In float32 it is the same arithmetic as
+  dequantizing at load (the tile's values are bit-identical), so the two paths' logits agree
+  to float32 summation order (`tests/shards/test_quant_linear.py`).
+
+`QuantEmbedding` follows llama.cpp's `get_rows`: the rows of the looked-up tokens are
+dequantized at each lookup; the table stays quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows
+from torch import nn
+
+# the most weight values dequantized at once by `quant_matmul` (16 MB of float32)
+TILE_ELEMENTS = 1 << 22
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
+                 bias: torch.Tensor | None = None,
+                 tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """F.linear of `x` (..., k) by the (n, k) matrix held as uint8 `blocks` (n, row_bytes),
+    dequantized a tile of rows at a time to x's dtype."""
+    n = blocks.shape[0]
+    tile = max(1, tile_elements // k)
+    if tile >= n:
+        return F.linear(x, dequantize_rows(blocks, qtype).to(x.dtype), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, tile):
+        w = dequantize_rows(blocks[n0:n0 + tile], qtype).to(x.dtype)
+        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
+    return out
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W (out_features, in_features) kept as `qtype` blocks."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if qtype not in KEPT_TYPES:
+            raise ValueError(f"QuantLinear: type {qtype} is not kept quantized")
+        want = KEPT_TYPES[qtype].row_bytes(in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != want:
+            raise ValueError(f"QuantLinear: {qtype} blocks of a row of {in_features} are "
+                             f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() + (0 if self.bias is None else
+                                      self.bias.numel() * self.bias.element_size())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight in `dtype` (a copy: for tests and one-off uses)."""
+        return dequantize_rows(self.blocks, self.qtype).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from layersplit.shards.kernels.quant_gemv import MAX_ROWS, quant_gemv
+
+            rows = x.numel() // self.in_features
+            if rows <= MAX_ROWS:
+                y = quant_gemv(x.reshape(rows, self.in_features), self.blocks, self.qtype,
+                               self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return quant_matmul(x, self.blocks, self.qtype, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding kept as `qtype` blocks; each lookup dequantizes its rows to
+    `dtype`."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        KEPT_TYPES[qtype].row_bytes(dim)  # (checks the row is whole blocks)
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype, self.embedding_dim, self.dtype = qtype, dim, dtype
+        self.num_embeddings = blocks.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        return dequantize_rows(rows, self.qtype).to(self.dtype).reshape(*ids.shape, -1)
+
+
+class ConcatLinear(nn.Module):
+    """Linears side by side (q/k/v or gate/up fused where the parts' types differ, as in
+    Q4_K_M files: attn_v in Q6_K beside Q4_K q and k): one output, the parts' concatenated."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def concat_quant(parts: list[nn.Module]) -> nn.Module:
+    """One module whose output is `parts`' outputs side by side, at least one of them a
+    `QuantLinear`: their blocks concatenated where every part is of one type, else a
+    `ConcatLinear`."""
+    first = parts[0]
+    same = all(isinstance(p, QuantLinear) and p.qtype == first.qtype for p in parts)
+    if not same:
+        return ConcatLinear(list(parts))
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return ConcatLinear(list(parts))
+    bias = None if biases[0] is None else torch.cat(biases)
+    return QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features,
+                       bias)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear))

@@ -1,0 +1,86 @@
+"""Which tensors of a layer range stay quantized (`weights = "quantized"`), and the modules that
+hold them in place of `nn.Linear` / `nn.Embedding`.
+
+Kept in their GGUF blocks, as llama.cpp keeps them: every linear layer's weight (attention
+q/k/v/o, the MLP's gate/up/down, a MoE layer's shared expert), the LM head (the embedding's
+blocks when tied) and the token embedding (rows dequantized at each lookup). Stay as loaded
+today: norms and biases (F32 in GGUF files), a MoE router, and a MoE layer's stacked experts
+(dequantized to the run dtype at load).
+"""
+
+from __future__ import annotations
+
+import torch
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.quant_blocks import KEPT_TYPES
+from layersplit.shards.weights import source_name
+from torch import nn
+
+WEIGHTS_MODES = ("auto", "dequantize", "quantized")
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _kept_name(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name in
+                                ("lm_head.weight", EMBEDDING))
+
+
+def kept_tensors(ckpt, cfg: ModelConfig,
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Canonical name -> block type of the tensors of `shapes` kept quantized."""
+    if not hasattr(ckpt, "kept_type"):
+        raise CheckpointError(f"{ckpt.path}: weights = \"quantized\" keeps a GGUF file's blocks; "
+                              "this checkpoint is not a GGUF file (use weights = \"auto\" or "
+                              "\"dequantize\")")
+    out: dict[str, str] = {}
+    for name, shape in shapes.items():
+        if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
+            out[name] = qtype
+    return out
+
+
+def load_kept(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+              kept: dict[str, str], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The blocks of the `kept` tensors (canonical name -> uint8 rows)."""
+    return ckpt.load_blocks({n: shapes[n] for n in kept},
+                            {n: source_name(cfg, n) for n in kept}, device)
+
+
+def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
+                 dtype: torch.dtype) -> None:
+    """Put a `QuantLinear` (`QuantEmbedding`) holding `blocks` where each kept tensor's
+    `nn.Linear` (`nn.Embedding`) stands in `model` (a range loaded without those tensors)."""
+    for name, qtype in kept.items():
+        local = model.local_name(name)
+        path, _, _ = local.rpartition(".")
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        b = blocks[name]
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype)
+        elif isinstance(old, nn.Linear):
+            bias = old.bias if old.bias is not None and not old.bias.is_meta else None
+            new = QuantLinear(b, qtype, old.in_features, bias)
+        else:  # a bug in the name tables, not bad input
+            raise RuntimeError(f"internal: {local} is held by a {type(old).__name__}")
+        setattr(parent, attr, new)
+
+
+def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+               itemsize: int) -> int:
+    """Bytes `shapes` take on the device with weights kept quantized: the kept tensors' blocks,
+    the rest at `itemsize`."""
+    kept = kept_tensors(ckpt, cfg, shapes)
+    total = 0
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        if name in kept:
+            total += shape[0] * KEPT_TYPES[kept[name]].row_bytes(shape[1])
+        else:
+            total += n * itemsize
+    return total
