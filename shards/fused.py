@@ -41,6 +41,7 @@ from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_atten
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
 from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.quant_linear import is_quantized
 from layersplit.shards.lazy_compile import compiled_on_first_call
 from layersplit.shards.paged_kv import PagedKVCache
 
@@ -474,16 +475,21 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
         fuse_hybrid(model, compile)
         return
     fast = FusedDecode(compile, kernels)
-    if getattr(model, "is_last", False) and fast.kernels is not False:  # (a range, not a draft)
+    if getattr(model, "is_last", False) and fast.kernels is not False and \
+            type(model.lm_head) is torch.nn.Linear:  # (a range, not a draft)
         model.head_fast = fast.head
     layers = list(model.layers)
     # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own
     ok = [type(layer) in (llama.DecoderLayer, moe_llama.DecoderLayer) for layer in layers]
-    for layer, fuse in zip(layers, ok):
+    for i, (layer, fuse) in enumerate(zip(layers, ok)):
         if fuse:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-            layer.fast = fast
+            # weights kept quantized (`shards.quant_load`): the layer's own modules, whose
+            # projections run the quantized kernels; the fused step reads plain weights
+            ok[i] = not any(is_quantized(m) for m in layer.modules())
+            if ok[i]:
+                layer.fast = fast
     # a dense layer's post stage also norms its output for the next layer's projection
     dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
     for i, (layer, nxt) in enumerate(itertools.pairwise(layers)):

@@ -1,13 +1,16 @@
 """Linear layers and embeddings whose weights stay in GGUF blocks (`shards.quant_blocks`).
 
-`QuantLinear` stands where an `nn.Linear` stood (`quantize_modules` swaps them after a load):
-- on a CUDA device, steps of up to `kernels.quant_gemv.MAX_ROWS` rows run the Triton kernels
-  that dequantize in registers (`shards.kernels.quant_gemv`);
+`QuantLinear` stands where an `nn.Linear` stood (`quant_load.install_kept` swaps them after a
+load):
+- where the Triton kernels run (`kernels.fused_kernels_available`: CUDA), steps of up to
+  `kernels.quant_gemv.MAX_ROWS` rows run the GEMV that dequantizes in registers
+  (`shards.kernels.quant_gemv`);
 - everywhere else (CPU; prefill chunks), `quant_matmul`: the weight dequantized a tile of
-  output rows at a time to the activations' dtype, then `F.linear`, so the dequantized copy
-  alive at once is bounded by `TILE_ELEMENTS`. In float32 it is the same arithmetic as
-  dequantizing at load (the tile's values are bit-identical), so the two paths' logits agree
-  to float32 summation order (`tests/shards/test_quant_linear.py`).
+  output rows at a time to the activations' dtype (by the Triton kernel where the kernels
+  run, by torch ops on a CPU), then `F.linear`, so the dequantized copy alive at once is
+  bounded by `TILE_ELEMENTS`. In float32 on a CPU it is the same arithmetic as dequantizing
+  at load (the tile's values are bit-identical), so the two paths' logits agree to float32
+  summation order (`tests/shards/test_quant_linear.py`).
 
 `QuantEmbedding` follows llama.cpp's `get_rows`: the rows of the looked-up tokens are
 dequantized at each lookup; the table stays quantized.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows
 from torch import nn
 
@@ -24,18 +28,27 @@ from torch import nn
 TILE_ELEMENTS = 1 << 22
 
 
+def _torch_tile(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_rows(blocks, qtype).to(dtype)
+
+
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
-                 bias: torch.Tensor | None = None,
-                 tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
+                 kernels: bool = False) -> torch.Tensor:
     """F.linear of `x` (..., k) by the (n, k) matrix held as uint8 `blocks` (n, row_bytes),
-    dequantized a tile of rows at a time to x's dtype."""
+    dequantized a tile of rows at a time to x's dtype (`kernels`: by the Triton kernel,
+    `kernels.quant_gemv.dequantize`, one launch a tile; else by torch ops)."""
+    if kernels:
+        from layersplit.shards.kernels.quant_gemv import dequantize as tile_of
+    else:
+        tile_of = _torch_tile
     n = blocks.shape[0]
     tile = max(1, tile_elements // k)
     if tile >= n:
-        return F.linear(x, dequantize_rows(blocks, qtype).to(x.dtype), bias)
+        return F.linear(x, tile_of(blocks, qtype, k, x.dtype), bias)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     for n0 in range(0, n, tile):
-        w = dequantize_rows(blocks[n0:n0 + tile], qtype).to(x.dtype)
+        w = tile_of(blocks[n0:n0 + tile], qtype, k, x.dtype)
         out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
     return out
 
@@ -57,6 +70,7 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernels: bool | None = None  # the Triton kernels: decided at the first call
 
     @property
     def nbytes(self) -> int:
@@ -68,15 +82,18 @@ class QuantLinear(nn.Module):
         return dequantize_rows(self.blocks, self.qtype).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(x.device)
+        if self.kernels:
             from layersplit.shards.kernels.quant_gemv import MAX_ROWS, quant_gemv
 
             rows = x.numel() // self.in_features
             if rows <= MAX_ROWS:
-                y = quant_gemv(x.reshape(rows, self.in_features), self.blocks, self.qtype,
-                               self.bias)
+                y = quant_gemv(x.reshape(rows, self.in_features).contiguous(), self.blocks,
+                               self.qtype, self.bias)
                 return y.reshape(*x.shape[:-1], self.out_features)
-        return quant_matmul(x, self.blocks, self.qtype, self.in_features, self.bias)
+        return quant_matmul(x, self.blocks, self.qtype, self.in_features, self.bias,
+                            kernels=bool(self.kernels))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -113,14 +113,15 @@ def write_quant_gguf(path, qtype: str, *, tied: bool, seed: int = 0, embed: str 
     return path
 
 
-def _logits(path, weights: str, splits: list[tuple[int, int]]) -> torch.Tensor:
+def _logits(path, weights: str, splits: list[tuple[int, int]],
+            device: str = "cpu") -> torch.Tensor:
     """Logits of a prefill then two decode steps through ranges `splits` chained in order."""
     ckpt = open_checkpoint(path)
-    ranges = [load_layer_range(ckpt, a, b, torch.float32, weights=weights) for a, b in splits]
-    execs = [RangeExecutor(r, 64) for r in ranges]
+    ranges = [load_layer_range(ckpt, a, b, torch.float32, device, weights) for a, b in splits]
+    execs = [RangeExecutor(r, 64, device=device) for r in ranges]
     out = []
     for pos, tokens in ((0, [5, 17, 3, 88, 41, 9]), (6, [60]), (7, [2])):
-        x = torch.tensor(tokens)
+        x = torch.tensor(tokens, device=device)
         for ex in execs:
             ex.before_step(0, pos, None)
             x = ex.run(x, pos)

@@ -1,0 +1,172 @@
+"""Triton kernels over weights kept in GGUF blocks (`shards.quant_blocks`): a GEMV for steps of
+a few rows that dequantizes in registers, and a dequantizer of a tile of rows (prefill: the
+tile to the activations' dtype, then torch's matmul on the tensor cores).
+
+Each value's bytes are addressed from its index (block, position in the block) as ggml lays
+the types out, so one jitted function (`_values`) serves every type and the kernels differ
+only by the `QT` constant. A few-row step runs the GEMV once per row (the grid's second axis):
+the weight's bytes are read from DRAM once and from L2 for the other rows.
+
+The values equal `gguf.quants.dequantize`'s up to float32 contraction (the compiler may fuse
+`d * q - m` into one FMA): `tests/gpu/test_quant_gemv.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from layersplit.shards.quant_blocks import KEPT_TYPES
+
+QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
+
+
+@triton.jit
+def _u8(P, mask):
+    return tl.load(P, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(P, mask):
+    """The float16 at bytes P, P + 1 (little-endian), as float32."""
+    bits = (_u8(P, mask) | (_u8(P + 1, mask) << 8)).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(S, sub, mask):
+    """The six-bit scale and min of sub-block `sub` (0..7) of a Q4_K/Q5_K super block whose 12
+    scale bytes start at S."""
+    lo = sub < 4
+    t = sub % 4
+    a = _u8(S + t, mask)  # sub < 4: scale; else its top bits
+    b = _u8(S + 4 + t, mask)  # sub < 4: min; else its top bits
+    c = _u8(S + 8 + t, mask)  # sub >= 4: low nibbles of scale and min
+    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constexpr,
+            SIZE: tl.constexpr):
+    """Values (BLOCK_N, BLOCK_K) of rows offs_n, columns offs_k of a matrix of `QT` blocks,
+    as float32 (0 where not `mask`)."""
+    kb = offs_k // QK
+    j = (offs_k % QK)[None, :]
+    P = W + offs_n[:, None].to(tl.int64) * row_bytes + (kb * SIZE)[None, :]
+    if QT == 0:  # Q8_0: d, 32 int8
+        q = _u8(P + 2 + j, mask).to(tl.int8).to(tl.float32)
+        v = q * _f16(P, mask)
+    elif QT <= 2:  # Q4_0: d, 16 bytes of nibbles (values 0..15 low, 16..31 high); Q4_1: d, m, ...
+        if QT == 1:
+            byte = _u8(P + 2 + j % 16, mask)
+            nib = tl.where(j < 16, byte & 15, byte >> 4)
+            v = _f16(P, mask) * (nib - 8).to(tl.float32)
+        else:
+            byte = _u8(P + 4 + j % 16, mask)
+            nib = tl.where(j < 16, byte & 15, byte >> 4)
+            v = _f16(P, mask) * nib.to(tl.float32) + _f16(P + 2, mask)
+    elif QT <= 4:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, (Q5_K: 32 high-bit bytes), nibbles
+        sub = j // 32
+        sc, mn = _k_scale_min(P + 4, sub, mask)
+        if QT == 3:
+            byte = _u8(P + 16 + (j // 64) * 32 + j % 32, mask)
+            q = tl.where(sub % 2 == 0, byte & 15, byte >> 4)
+        else:
+            byte = _u8(P + 48 + (j // 64) * 32 + j % 32, mask)
+            q = tl.where(sub % 2 == 0, byte & 15, byte >> 4)
+            q = q | (((_u8(P + 16 + j % 32, mask) >> sub) & 1) << 4)
+        v = (_f16(P, mask) * sc) * q.to(tl.float32) - _f16(P + 2, mask) * mn
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+        half = j // 128
+        w = j % 128
+        lo = _u8(P + half * 64 + w % 64, mask)
+        lo = tl.where(w < 64, lo & 15, lo >> 4)
+        hi = (_u8(P + 128 + half * 32 + w % 32, mask) >> (2 * (w // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        sc = _u8(P + 192 + j // 16, mask).to(tl.int8).to(tl.float32)
+        v = (_f16(P + 208, mask) * sc) * q.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _quant_gemv(X, s_x, W, row_bytes, B, Y, s_y, N, K, QT: tl.constexpr, QK: tl.constexpr,
+                SIZE: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(X + m * s_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = _values(W, row_bytes, offs_n, offs_k, mask_n[:, None] & mask_k[None, :], QT, QK,
+                    SIZE)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_B:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(Y + m * s_y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _dequant(W, row_bytes, Y, N, K, QT: tl.constexpr, QK: tl.constexpr, SIZE: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    v = _values(W, row_bytes, offs_n, offs_k, mask, QT, QK, SIZE)
+    tl.store(Y + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], v.to(Y.dtype.element_ty),
+             mask=mask)
+
+
+def _type_args(qtype: str) -> dict:
+    t = KEPT_TYPES[qtype]
+    return {"QT": QT_IDS[qtype], "QK": t.block, "SIZE": t.size}
+
+
+def _check(blocks: torch.Tensor, qtype: str, k: int) -> None:
+    if qtype not in QT_IDS:
+        raise ValueError(f"quant kernels: type {qtype} is not kept quantized")
+    want = KEPT_TYPES[qtype].row_bytes(k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride() != (want, 1):
+        raise ValueError(f"quant kernels: {qtype} blocks of rows of {k} are contiguous "
+                         f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+
+
+def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
+               bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) matrix held as `qtype`
+    `blocks` (N, row_bytes): (M, N) in x's dtype, summed in float32. `cfg`: a launch shape
+    (BLOCK_N, BLOCK_K, num_warps) other than the default (not measured yet)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(f"quant_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
+                         f"values, got {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    _check(blocks, qtype, k)
+    n = blocks.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"quant_gemv: bias {tuple(bias.shape)} is not a contiguous vector of "
+                         f"{n}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    c = dict(cfg or {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4})
+    block_n = c.pop("BLOCK_N")
+    _quant_gemv[(triton.cdiv(n, block_n), m)](
+        x, x.stride(0), blocks, blocks.shape[1], x if bias is None else bias, y, y.stride(0),
+        n, k, **_type_args(qtype), HAS_B=bias is not None, BLOCK_N=block_n, **c)
+    return y
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, k) matrix held as `qtype` `blocks` (N, row_bytes), in `dtype`."""
+    _check(blocks, qtype, k)
+    n = blocks.shape[0]
+    y = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    _dequant[(triton.cdiv(n, 16), triton.cdiv(k, 256))](blocks, blocks.shape[1], y, n, k,
+                                                         **_type_args(qtype), BLOCK_N=16,
+                                                         BLOCK_K=256)
+    return y

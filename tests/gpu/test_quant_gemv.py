@@ -1,0 +1,86 @@
+"""The kernels over weights kept in GGUF blocks (`shards.kernels.quant_gemv`) against gguf-py's
+dequantize then a float32 matmul, for every kept type, odd shapes and 1 to 16 rows; and a whole
+tiny model on the device loaded both ways.
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
+`TRITON_INTERPRET=1` (float32 only). Tolerances: the dequantized values within 1 float32 ulp of
+gguf's (the compiler may contract `d * q - m` into an FMA); products within 1e-5 (float32) or
+1e-2 (bf16 activations, the output rounded once) of the result's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
+
+from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
+
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+TYPES = list(KEPT_TYPES)
+
+
+def _case(qtype: str, n: int, k: int, seed: int = 0):
+    b = random_blocks(n, k, qtype, np.random.default_rng(seed))
+    ref = torch.from_numpy(gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype]))
+    return torch.from_numpy(b).to(DEV), ref.to(DEV)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_kernel_equals_gguf(qtype):
+    from layersplit.shards.kernels.quant_gemv import dequantize
+
+    blocks, ref = _case(qtype, 19, 768)
+    got = dequantize(blocks, qtype, 768, torch.float32)
+    torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 512), (3, 64, 768), (16, 5, 256)])
+def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    if k % KEPT_TYPES[qtype].block:
+        pytest.skip("not whole blocks")
+    blocks, ref = _case(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(DEV)
+    bias = torch.randn(n, generator=gen).to(DEV)
+    want = F.linear(x, ref, bias)
+    got = quant_gemv(x, blocks, qtype, bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    if DEV != "cpu":
+        xb = x.bfloat16()
+        got = quant_gemv(xb, blocks, qtype).float()
+        want = F.linear(xb.float(), ref)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+def test_quant_gemv_refuses_bad_blocks():
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, _ = _case("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="Q6_K blocks of rows of 256"):
+        quant_gemv(torch.zeros(1, 256, device=DEV), blocks, "Q6_K")
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        quant_gemv(torch.zeros(17, 256, device=DEV), blocks, "Q4_K")
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="minutes under the interpreter: a device run's test")
+def test_model_on_device_quantized_equals_dequantized(tmp_path):
+    """A tiny Q4_K_M-like model (Q4_K, Q6_K v and head) on the device: the kernels' logits
+    (decode steps: the GEMV; the prefill: tiles dequantized by the kernel) against the same
+    file dequantized at load, float32."""
+    from tests.shards.test_quant_linear import _logits, write_quant_gguf
+
+    path = write_quant_gguf(tmp_path / "m.gguf", "Q4_K", tied=False)
+    want = _logits(path, "dequantize", [(0, 3)], DEV)
+    got = _logits(path, "quantized", [(0, 1), (1, 3)], DEV)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
