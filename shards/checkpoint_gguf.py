@@ -253,7 +253,7 @@ class GGUFFile:
         if self.hybrid:
             raise CheckpointError(
                 f"{self.path}: keeping weights quantized is not implemented for the {self.arch} "
-                "architecture; use weights = \"dequantize\"")
+                "architecture; use weight_format = \"dequantize\"")
         t = self.tensors.get(gguf_name(canonical))
         if t is None:
             return None  # (missing: `load` names it)
@@ -266,7 +266,7 @@ class GGUFFile:
         if qtype.name not in KEPT_TYPES:
             raise CheckpointError(
                 f"{self.path}: tensor {t.name!r} has type {qtype.name}, which is not kept "
-                f"quantized (kept: {', '.join(KEPT_TYPES)}); use weights = \"dequantize\"")
+                f"quantized (kept: {', '.join(KEPT_TYPES)}); use weight_format = \"dequantize\"")
         return qtype.name
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],

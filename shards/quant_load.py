@@ -31,9 +31,9 @@ def kept_tensors(ckpt, cfg: ModelConfig,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """Canonical name -> block type of the tensors of `shapes` kept quantized."""
     if not hasattr(ckpt, "kept_type"):
-        raise CheckpointError(f"{ckpt.path}: weights = \"quantized\" keeps a GGUF file's blocks; "
-                              "this checkpoint is not a GGUF file (use weights = \"auto\" or "
-                              "\"dequantize\")")
+        raise CheckpointError(f"{ckpt.path}: weight_format = \"quantized\" keeps a GGUF "
+                              "file's blocks; this checkpoint is not a GGUF file (use "
+                              "weight_format = \"auto\" or \"dequantize\")")
     out: dict[str, str] = {}
     for name, shape in shapes.items():
         if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
@@ -67,6 +67,33 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
         else:  # a bug in the name tables, not bad input
             raise RuntimeError(f"internal: {local} is held by a {type(old).__name__}")
         setattr(parent, attr, new)
+
+
+def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
+    """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
+    a checkpoint that is not a GGUF file, or with a tensor of a type not kept, is refused by
+    name (`kept_tensors`); "auto" keeps the blocks where every device is a GPU and every
+    linear weight of the file is of a kept type (else dequantizes, saying why)."""
+    from layersplit.shards.weights import range_tensor_shapes
+
+    if asked == "dequantize":
+        return asked, "asked"
+    cfg = ckpt.config
+    shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
+    if asked == "quantized":
+        kept_tensors(ckpt, cfg, shapes)  # (refuses what it cannot keep)
+        return asked, "asked"
+    if not hasattr(ckpt, "kept_type"):
+        return "dequantize", "not a GGUF file"
+    if not all(d.startswith("cuda") for d in devices):
+        return "dequantize", "a shard is on a CPU (the tiled torch path is slower there)"
+    try:
+        kept = kept_tensors(ckpt, cfg, shapes)
+    except CheckpointError as e:
+        return "dequantize", str(e)
+    if not kept:
+        return "dequantize", "no quantized linear weights"
+    return "quantized", f"{len(kept)} tensors kept in their blocks"
 
 
 def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],

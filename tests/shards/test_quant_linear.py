@@ -192,3 +192,20 @@ def test_type_not_kept_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"'token_embd.weight' has type Q5_0.*dequantize"):
         load_layer_range(ckpt, 0, 1, torch.float32, weights="quantized")
     load_layer_range(ckpt, 0, 1, torch.float32)  # (dequantized at load, as before)
+
+
+def test_weight_format_rule(tmp_path):
+    from layersplit.runtime.config import ConfigError, RuntimeConfig
+    from layersplit.shards.quant_load import resolve_weight_format
+    from layersplit.shards.tiny import write_tiny_checkpoint
+
+    ckpt = open_checkpoint(write_quant_gguf(tmp_path / "m.gguf", "Q4_K", tied=True))
+    assert resolve_weight_format("auto", ckpt, ["cuda:0", "cuda:1"])[0] == "quantized"
+    assert resolve_weight_format("auto", ckpt, ["cuda:0", "cpu"])[0] == "dequantize"
+    assert resolve_weight_format("quantized", ckpt, ["cpu"])[0] == "quantized"
+    hf = open_checkpoint(write_tiny_checkpoint(tmp_path / "hf", "llama", num_layers=1))
+    assert resolve_weight_format("auto", hf, ["cuda:0"]) == ("dequantize", "not a GGUF file")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        resolve_weight_format("quantized", hf, ["cuda:0"])
+    with pytest.raises(ConfigError, match="weight_format='int4'"):
+        RuntimeConfig(weight_format="int4")
