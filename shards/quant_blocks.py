@@ -129,24 +129,25 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator,
                   scale: float = 0.02) -> np.ndarray:
     """Random `qtype` blocks of a (rows, cols) matrix (uint8 (rows, row_bytes)), values of
     about `scale`: random quantized values with their scales set, for test and benchmark files
-    of types gguf-py cannot quantize to (the K-quants). Q8_0/Q4_0/Q4_1 go through
-    `gguf.quants.quantize` of random values."""
-    import gguf
-
+    (gguf-py cannot quantize to the K types, and is slow on large matrices)."""
     t = KEPT_TYPES[qtype]
-    if t.block == 32:
-        values = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
     n = rows * (cols // t.block)
     b = rng.integers(0, 256, size=(n, t.size), dtype=np.uint8)
 
     def f16(v: float) -> np.ndarray:
         return np.full((n, 1), v, dtype=np.float16).view(np.uint8)
 
-    if qtype == "Q6_K":  # int8 scales of 16 values, then d
+    if qtype == "Q8_0":  # d, 32 int8
+        b[:, 0:2] = f16(scale / 64)
+    elif qtype == "Q4_0":  # d, nibbles - 8
+        b[:, 0:2] = f16(scale / 4)
+    elif qtype == "Q4_1":  # d, m, nibbles
+        b[:, 0:2] = f16(scale / 4)
+        b[:, 2:4] = f16(-scale * 2)
+    elif qtype == "Q6_K":  # int8 scales of 16 values, then d
         b[:, 192:208] = rng.integers(-40, 40, size=(n, 16)).astype(np.int8).view(np.uint8)
         b[:, 208:210] = f16(scale / 32 / 20)
-    else:  # d, dmin, then the packed six-bit scales/mins (random bits are valid)
+    else:  # Q4_K / Q5_K: d, dmin, then the packed six-bit scales/mins (random bits are valid)
         b[:, 0:2] = f16(scale / 8 / 32)
         b[:, 2:4] = f16(scale / 32)
     return b.reshape(rows, t.row_bytes(cols))
