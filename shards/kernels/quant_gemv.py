@@ -1,6 +1,8 @@
 """Triton kernels over weights kept in GGUF blocks (`shards.quant_blocks`): a GEMV for steps of
-a few rows that dequantizes in registers, and a dequantizer of a tile of rows (prefill: the
-tile to the activations' dtype, then torch's matmul on the tensor cores).
+a few rows that dequantizes in registers (with `kernels.gemv`'s norm prologue and residual /
+SiLU * up epilogues, for the fused decode step of `shards.fused`), and a dequantizer of a tile
+of rows (prefill: the tile to the activations' dtype, then torch's matmul on the tensor
+cores).
 
 Each value's bytes are addressed from its index (block, position in the block) as ggml lays
 the types out, so one jitted function (`_values`) serves every type and the kernels differ
@@ -92,24 +94,53 @@ def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constex
 
 
 @triton.jit
-def _quant_gemv(X, s_x, W, row_bytes, B, Y, s_y, N, K, QT: tl.constexpr, QK: tl.constexpr,
-                SIZE: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, QT: tl.constexpr,
+                QK: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr, HAS_B: tl.constexpr,
+                HAS_R: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b)."""
+    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), with the
+    prologue and epilogues of `kernels.gemv._gemv`, rounded as it rounds them: NORM, the
+    row's RMSNorm first; SILU, rows N + offs_n are the up half and y = SiLU(g) * u; HAS_R, a
+    residual added."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
+    dt = X.dtype.element_ty
+    if NORM:
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(X + m * s_x + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SILU:
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         x = tl.load(X + m * s_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = _values(W, row_bytes, offs_n, offs_k, mask_n[:, None] & mask_k[None, :], QT, QK,
-                    SIZE)
+        if NORM:
+            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        mask = mask_n[:, None] & mask_k[None, :]
+        w = _values(W, row_bytes, offs_n, offs_k, mask, QT, QK, SIZE)
         acc += w * x[None, :]
+        if SILU:
+            wu = _values(W, row_bytes, offs_n + N, offs_k, mask, QT, QK, SIZE)
+            acc_u += wu * x[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_B:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    y = y.to(dt)
+    if SILU:
+        g = y.to(tl.float32)
+        u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (sg * u).to(dt)
+    if HAS_R:
+        r = tl.load(R + m * s_r + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(dt)
     tl.store(Y + m * s_y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
 
 
@@ -139,26 +170,50 @@ def _check(blocks: torch.Tensor, qtype: str, k: int) -> None:
 
 
 def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
-               bias: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, *,
+               norm: tuple[torch.Tensor, float] | None = None,
+               residual: torch.Tensor | None = None, gate_up: bool = False,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               cfg: dict | None = None) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) matrix held as `qtype`
-    `blocks` (N, row_bytes): (M, N) in x's dtype, summed in float32. `cfg`: a launch shape
-    (BLOCK_N, BLOCK_K, num_warps) other than the default (not measured yet)."""
+    `blocks` (N, row_bytes), summed in float32 and rounded to x's dtype, with `kernels.gemv.
+    gemv`'s options: `norm` = (weight, eps), each row's RMSNorm first; `gate_up`, the blocks
+    are the fused gate/up weight (2F rows) and the result SiLU(g) * u (M, F); `residual`
+    (M, N) added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be
+    strided: a slice of a wider result). `cfg`: a launch shape (BLOCK_N, BLOCK_K, num_warps)
+    other than the default (not measured yet)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
                          f"values, got {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
     _check(blocks, qtype, k)
     n = blocks.shape[0]
+    if gate_up:
+        if n % 2 or bias is not None:
+            raise ValueError(f"quant_gemv: a gate/up weight has an even row count and no "
+                             f"bias, got {n} rows{' and a bias' if bias is not None else ''}")
+        n //= 2
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"quant_gemv: bias {tuple(bias.shape)} is not a contiguous vector of "
                          f"{n}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"quant_gemv: residual {tuple(residual.shape)} is not {m} rows of {n}")
+    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
+        raise ValueError(f"quant_gemv: norm weight {tuple(norm[0].shape)} is not a contiguous "
+                         f"vector of {k}")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"quant_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
+    r = x if residual is None else residual
     c = dict(cfg or {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4})
     block_n = c.pop("BLOCK_N")
     _quant_gemv[(triton.cdiv(n, block_n), m)](
-        x, x.stride(0), blocks, blocks.shape[1], x if bias is None else bias, y, y.stride(0),
-        n, k, **_type_args(qtype), HAS_B=bias is not None, BLOCK_N=block_n, **c)
-    return y
+        x, x.stride(0), x if norm is None else norm[0], blocks, blocks.shape[1],
+        x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
+        0.0 if norm is None else float(norm[1]), **_type_args(qtype), NORM=norm is not None,
+        HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up, BLOCK_N=block_n, **c)
+    return out
 
 
 def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -148,3 +148,35 @@ def concat_quant(parts: list[nn.Module]) -> nn.Module:
 
 def is_quantized(module: nn.Module) -> bool:
     return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear))
+
+
+def gemv_takes(module: nn.Module, gate_up: bool = False) -> bool:
+    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`)."""
+    if isinstance(module, QuantLinear):
+        return True
+    return not gate_up and isinstance(module, ConcatLinear) and \
+        all(isinstance(p, QuantLinear) for p in module.parts)
+
+
+def module_gemv(x: torch.Tensor, module: nn.Module, *,
+                norm: tuple[torch.Tensor, float] | None = None,
+                residual: torch.Tensor | None = None, gate_up: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`kernels.gemv.gemv`'s options (the norm prologue, the residual and SiLU * up
+    epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv`: a
+    `ConcatLinear` is its parts' GEMVs, each into its columns of the result."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    if isinstance(module, QuantLinear):
+        return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
+                          residual=residual, gate_up=gate_up, out_dtype=out_dtype)
+    if gate_up or residual is not None or not gemv_takes(module):
+        raise ValueError("module_gemv: a ConcatLinear of QuantLinears takes a norm only")
+    out = torch.empty(x.shape[0], module.out_features, dtype=out_dtype or x.dtype,
+                      device=x.device)
+    col = 0
+    for p in module.parts:
+        quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
+                   out=out[:, col:col + p.out_features])
+        col += p.out_features
+    return out

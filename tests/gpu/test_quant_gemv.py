@@ -74,13 +74,36 @@ def test_quant_gemv_refuses_bad_blocks():
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="minutes under the interpreter: a device run's test")
-def test_model_on_device_quantized_equals_dequantized(tmp_path):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_model_on_device_quantized_equals_dequantized(tmp_path, fuse):
     """A tiny Q4_K_M-like model (Q4_K, Q6_K v and head) on the device: the kernels' logits
-    (decode steps: the GEMV; the prefill: tiles dequantized by the kernel) against the same
-    file dequantized at load, float32."""
+    (decode steps: the GEMV; the prefill: tiles dequantized by the kernel; `fuse`: the fused
+    decode step of a GPU shard, its norms and residual adds folded into the quantized GEMV)
+    against the same file dequantized at load, float32, split differently."""
     from tests.shards.test_quant_linear import _logits, write_quant_gguf
 
     path = write_quant_gguf(tmp_path / "m.gguf", "Q4_K", tied=False)
     want = _logits(path, "dequantize", [(0, 3)], DEV)
-    got = _logits(path, "quantized", [(0, 1), (1, 3)], DEV)
+    got = _logits(path, "quantized", [(0, 1), (1, 3)], DEV, fuse=fuse)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_fused_gemv_options_equal_torch():
+    """The norm prologue, residual and SiLU * up epilogues of the quantized GEMV against the
+    torch ops they replace (float32)."""
+    from layersplit.shards.fused import rms_norm
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, ref = _case("Q4_K", 2 * 24, 512)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 512, generator=gen).to(DEV)
+    nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
+    res = torch.randn(2, 24, generator=gen).to(DEV)
+    xn = rms_norm(x, nw, 1e-5)
+    g, u = F.linear(xn, ref).chunk(2, dim=-1)
+    want = F.silu(g) * u
+    got = quant_gemv(x, blocks, "Q4_K", norm=(nw, 1e-5), gate_up=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    want = res + F.linear(x, ref[:24])
+    got = quant_gemv(x, blocks[:24], "Q4_K", residual=res)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())

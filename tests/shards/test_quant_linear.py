@@ -114,10 +114,15 @@ def write_quant_gguf(path, qtype: str, *, tied: bool, seed: int = 0, embed: str 
 
 
 def _logits(path, weights: str, splits: list[tuple[int, int]],
-            device: str = "cpu") -> torch.Tensor:
-    """Logits of a prefill then two decode steps through ranges `splits` chained in order."""
+            device: str = "cpu", fuse: bool = False) -> torch.Tensor:
+    """Logits of a prefill then two decode steps through ranges `splits` chained in order
+    (`fuse`: with the fused decode step a shard installs on a GPU, `shards.fused`)."""
+    from layersplit.shards.fused import fuse_projections
+
     ckpt = open_checkpoint(path)
     ranges = [load_layer_range(ckpt, a, b, torch.float32, device, weights) for a, b in splits]
+    for r in ranges if fuse else []:
+        fuse_projections(r, compile=False)
     execs = [RangeExecutor(r, 64, device=device) for r in ranges]
     out = []
     for pos, tokens in ((0, [5, 17, 3, 88, 41, 9]), (6, [60]), (7, [2])):
