@@ -106,7 +106,7 @@ stage_quant() {  # Q1-Q4
     TAIL=10 run quant_l8b 240 python3 bench/decode.py --model /tmp/llama8b-q4km.gguf \
       --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
       --weight-format quantized --floor --json "$RUNS/quant_l8b.json"
-    TAIL=10 run quant_l8b_deq 200 python3 bench/decode.py --model /tmp/llama8b-q4km.gguf \
+    TAIL=10 run quant_l8b_deq 300 python3 bench/decode.py --model /tmp/llama8b-q4km.gguf \
       --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
       --weight-format dequantize --json "$RUNS/quant_l8b_deq.json"
   fi
