@@ -94,48 +94,101 @@ def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constex
 
 
 @triton.jit
+def _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT: tl.constexpr, SIZE: tl.constexpr,
+                  S: tl.constexpr, T: tl.constexpr):
+    """Values (BLOCK_N, S, T) of rows offs_n, columns kc * 256 .. + 256 (S scale groups of T
+    values: a 32-value block of the 32-value types, a 32-value sub-block of Q4_K/Q5_K, a
+    16-value one of Q6_K) as float32, each group's scales loaded once; 0 past K."""
+    s = tl.arange(0, S)[None, :, None]
+    t = tl.arange(0, T)[None, None, :]
+    k = kc * 256 + s * T + t
+    mask = mask_n[:, None, None] & (k < K)
+    row = W + offs_n[:, None, None].to(tl.int64) * row_bytes
+    gmask = mask_n[:, None, None] & (kc * 256 + s * T < K)  # (the group's scales)
+    if QT <= 2:  # one block per group
+        P = row + (kc * 8 + s) * SIZE
+        d = _f16(P, gmask)
+        if QT == 0:
+            v = _u8(P + 2 + t, mask).to(tl.int8).to(tl.float32) * d
+        elif QT == 1:
+            byte = _u8(P + 2 + t % 16, mask)
+            nib = tl.where(t < 16, byte & 15, byte >> 4)
+            v = d * (nib - 8).to(tl.float32)
+        else:
+            byte = _u8(P + 4 + t % 16, mask)
+            nib = tl.where(t < 16, byte & 15, byte >> 4)
+            v = d * nib.to(tl.float32) + _f16(P + 2, gmask)
+    elif QT <= 4:  # Q4_K / Q5_K: 8 sub-blocks of 32
+        P = row + kc * SIZE
+        sc, mn = _k_scale_min(P + 4, s, gmask)
+        scale = _f16(P, gmask) * sc
+        off = _f16(P + 2, gmask) * mn
+        if QT == 3:
+            byte = _u8(P + 16 + (s // 2) * 32 + t, mask)
+            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
+        else:
+            byte = _u8(P + 48 + (s // 2) * 32 + t, mask)
+            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
+            q = q | (((_u8(P + 16 + t, mask) >> s) & 1) << 4)
+        v = scale * q.to(tl.float32) - off
+    else:  # Q6_K: 16 groups of 16, j = 16 s + t
+        P = row + kc * SIZE
+        j = s * T + t
+        half = j // 128
+        w = j % 128
+        lo = _u8(P + half * 64 + w % 64, mask)
+        lo = tl.where(w < 64, lo & 15, lo >> 4)
+        hi = (_u8(P + 128 + half * 32 + w % 32, mask) >> (2 * (w // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        scale = _f16(P + 208, gmask) * _u8(P + 192 + s, gmask).to(tl.int8).to(tl.float32)
+        v = scale * q.to(tl.float32)
+    return v
+
+
+@triton.jit
 def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, QT: tl.constexpr,
-                QK: tl.constexpr, SIZE: tl.constexpr, NORM: tl.constexpr, HAS_B: tl.constexpr,
-                HAS_R: tl.constexpr, SILU: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), with the
-    prologue and epilogues of `kernels.gemv._gemv`, rounded as it rounds them: NORM, the
-    row's RMSNorm first; SILU, rows N + offs_n are the up half and y = SiLU(g) * u; HAS_R, a
-    residual added."""
+                SIZE: tl.constexpr, S: tl.constexpr, T: tl.constexpr, NORM: tl.constexpr,
+                HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256
+    columns at a time (`_chunk_values`), with the prologue and epilogues of `kernels.gemv.
+    _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
+    the up half and y = SiLU(g) * u; HAS_R, a residual added."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
     dt = X.dtype.element_ty
+    xrow = X + m * s_x
+    k3 = (tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :])[None, :, :]  # (1, S, T)
     if NORM:
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(X + m * s_x + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        sq = tl.zeros([1, S, T], dtype=tl.float32)
+        for kc in range(0, tl.cdiv(K, 256)):
+            offs = kc * 256 + k3
+            xs = tl.load(xrow + offs, mask=offs < K, other=0.0).to(tl.float32)
             sq += xs * xs
-        scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        scale = tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)  # (1,)
+    acc = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
     if SILU:
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(X + m * s_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        acc_u = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
+    for kc in range(0, tl.cdiv(K, 256)):
+        offs = kc * 256 + k3
+        mask_k = offs < K
+        x = tl.load(xrow + offs, mask=mask_k, other=0.0).to(tl.float32)
         if NORM:
-            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        mask = mask_n[:, None] & mask_k[None, :]
-        w = _values(W, row_bytes, offs_n, offs_k, mask, QT, QK, SIZE)
-        acc += w * x[None, :]
+            nw = tl.load(NW + offs, mask=mask_k, other=0.0).to(tl.float32)
+            x = (nw * (x * scale[:, None, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        w = _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT, SIZE, S, T)
+        acc += w * x
         if SILU:
-            wu = _values(W, row_bytes, offs_n + N, offs_k, mask, QT, QK, SIZE)
-            acc_u += wu * x[None, :]
-    y = tl.sum(acc, axis=1)
+            wu = _chunk_values(W, row_bytes, offs_n + N, kc, K, mask_n, QT, SIZE, S, T)
+            acc_u += wu * x
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_B:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y = y.to(dt)
     if SILU:
         g = y.to(tl.float32)
-        u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+        u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(dt).to(tl.float32)
         sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         y = (sg * u).to(dt)
     if HAS_R:
@@ -180,8 +233,8 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     gemv`'s options: `norm` = (weight, eps), each row's RMSNorm first; `gate_up`, the blocks
     are the fused gate/up weight (2F rows) and the result SiLU(g) * u (M, F); `residual`
     (M, N) added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be
-    strided: a slice of a wider result). `cfg`: a launch shape (BLOCK_N, BLOCK_K, num_warps)
-    other than the default (not measured yet)."""
+    strided: a slice of a wider result). `cfg`: a launch shape (BLOCK_N, num_warps) other
+    than the default (not measured yet)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
                          f"values, got {tuple(x.shape)} strides {x.stride()}")
@@ -206,12 +259,14 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     elif out.shape != (m, n) or out.stride(1) != 1:
         raise ValueError(f"quant_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
     r = x if residual is None else residual
-    c = dict(cfg or {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4})
+    c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
     block_n = c.pop("BLOCK_N")
+    groups = {"Q6_K": (16, 16)}.get(qtype, (8, 32))  # (S, T): see `_chunk_values`
     _quant_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], blocks, blocks.shape[1],
         x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
-        0.0 if norm is None else float(norm[1]), **_type_args(qtype), NORM=norm is not None,
+        0.0 if norm is None else float(norm[1]), QT=QT_IDS[qtype],
+        SIZE=KEPT_TYPES[qtype].size, S=groups[0], T=groups[1], NORM=norm is not None,
         HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up, BLOCK_N=block_n, **c)
     return out
 
