@@ -84,6 +84,8 @@ stage_quant() {  # Q1-Q4
   fi
   if has "$cases" kernels; then
     TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
+    TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
+      --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
   fi
   if has "$cases" parity && default_model; then
     local tf=()

@@ -4,6 +4,7 @@ call (CUDA events, median of `--repeats`), and the bandwidth the kernel draws fr
 bytes (the floor: blocks / copy bandwidth).
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
+    python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
 
+SWEEP = [{"BLOCK_N": b, "num_warps": w} for b in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 
@@ -42,6 +44,8 @@ def main() -> None:
     ap.add_argument("--types", default=",".join(KEPT_TYPES))
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every launch shape of SWEEP as well (BLOCK_N x num_warps)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = "cuda:0"
@@ -61,6 +65,11 @@ def main() -> None:
                             "quant_us": q_us, "quant_GBps": gbps, "f16_us": f_us,
                             "block_bytes": blocks.numel()})
                 print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {gbps:>7.0f} {f_us:>8.1f}")
+                for cfg in SWEEP if args.sweep else []:
+                    us = _time(lambda: quant_gemv(x, blocks, qtype, cfg=cfg), args.repeats)
+                    out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
+                                "quant_us": us, "quant_GBps": blocks.numel() / us / 1e3})
+                    print(f"      {str(cfg):<40} {us:>9.1f} {blocks.numel() / us / 1e3:>7.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"device": torch.cuda.get_device_name(0), "rows": out}, indent=1))
