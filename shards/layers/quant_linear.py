@@ -110,10 +110,19 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.qtype, self.embedding_dim, self.dtype = qtype, dim, dtype
         self.num_embeddings = blocks.shape[0]
+        self.kernels: bool | None = None  # the Triton dequantizer: decided at the first call
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, ids.reshape(-1))
-        return dequantize_rows(rows, self.qtype).to(self.dtype).reshape(*ids.shape, -1)
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(rows.device)
+        if self.kernels:  # (one launch where the torch ops are a dozen)
+            from layersplit.shards.kernels.quant_gemv import dequantize
+
+            out = dequantize(rows, self.qtype, self.embedding_dim, self.dtype)
+        else:
+            out = dequantize_rows(rows, self.qtype).to(self.dtype)
+        return out.reshape(*ids.shape, -1)
 
 
 class ConcatLinear(nn.Module):

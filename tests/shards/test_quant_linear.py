@@ -214,3 +214,13 @@ def test_weight_format_rule(tmp_path):
         resolve_weight_format("quantized", hf, ["cuda:0"])
     with pytest.raises(ConfigError, match="weight_format='int4'"):
         RuntimeConfig(weight_format="int4")
+
+
+def test_float_matrices_stay_linears(tiny_llama, tmp_path):
+    """An F16 file with weight_format quantized: nothing to keep, the same modules as
+    dequantized."""
+    from layersplit.shards.tiny import write_tiny_gguf
+
+    ckpt = open_checkpoint(write_tiny_gguf(tiny_llama, tmp_path / "f16.gguf", "F16"))
+    r = load_layer_range(ckpt, 0, 2, torch.float32, weights="quantized")
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in r.modules())
