@@ -271,8 +271,9 @@ class GGUFFile:
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                     device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The stored blocks of 2-D quantized tensors as uint8 rows (rows, row_bytes), copied
-        out of the file (llama's q/k rows un-permuted, whole rows at a time)."""
+        """The stored blocks of quantized tensors as uint8 rows (rows, row_bytes), copied out
+        of the file (3-D experts' rows stacked by expert; llama's q/k rows un-permuted, whole
+        rows at a time)."""
         out: dict[str, torch.Tensor] = {}
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():
@@ -280,11 +281,12 @@ class GGUFFile:
                 gname = gguf_name(src)
                 t = self.tensors[gname]
                 qtype = Q(t.type).name
-                rows, k = shapes[name]
+                shape = shapes[name]  # (rows, k), or (experts, rows, k)
                 got = tuple(int(x) for x in reversed(t.shape))
-                if got != (rows, k):
+                if got != shape:
                     raise CheckpointError(f"{self.path}: tensor {gname!r} has shape {got}, "
-                                          f"expected {(rows, k)} from the header")
+                                          f"expected {shape} from the header")
+                rows, k = int(np.prod(shape[:-1])), shape[-1]
                 b = self.header.raw(t).reshape(rows, KEPT_TYPES[qtype].row_bytes(k))
                 if self.arch == "llama" and src.endswith("self_attn.q_proj.weight"):
                     b = unpermute_rows(b, self.config.num_heads)

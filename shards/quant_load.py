@@ -3,15 +3,16 @@ hold them in place of `nn.Linear` / `nn.Embedding`.
 
 Kept in their GGUF blocks, as llama.cpp keeps them: every linear layer's weight (attention
 q/k/v/o, the MLP's gate/up/down, a MoE layer's shared expert), the LM head (the embedding's
-blocks when tied) and the token embedding (rows dequantized at each lookup). Stay as loaded
-today: norms and biases (F32 in GGUF files), a MoE router, and a MoE layer's stacked experts
-(dequantized to the run dtype at load).
+blocks when tied), the token embedding (rows dequantized at each lookup) and a MoE layer's
+stacked experts (`layers.quant_experts`, where its gate, up and down are all quantized). Stay
+as loaded today: norms and biases (F32 in GGUF files) and a MoE router.
 """
 
 from __future__ import annotations
 
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.layers.quant_experts import QuantExperts
 from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
 from layersplit.shards.model_config import ModelConfig
 from layersplit.shards.quant_blocks import KEPT_TYPES
@@ -22,7 +23,12 @@ WEIGHTS_MODES = ("auto", "dequantize", "quantized")
 EMBEDDING = "model.embed_tokens.weight"
 
 
+EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+
+
 def _kept_name(name: str, shape: tuple[int, ...]) -> bool:
+    if len(shape) == 3:
+        return name.endswith(EXPERTS)
     return len(shape) == 2 and (name.endswith("_proj.weight") or name in
                                 ("lm_head.weight", EMBEDDING))
 
@@ -38,6 +44,11 @@ def kept_tensors(ckpt, cfg: ModelConfig,
     for name, shape in shapes.items():
         if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
             out[name] = qtype
+    for name in [n for n in out if n.endswith(EXPERTS[0])]:  # a layer's experts: all or none
+        trio = [name[:-len(EXPERTS[0])] + part for part in EXPERTS]
+        if not all(n in out for n in trio):
+            for n in trio:
+                out.pop(n, None)
     return out
 
 
@@ -51,8 +62,13 @@ def load_kept(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
 def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
                  dtype: torch.dtype) -> None:
     """Put a `QuantLinear` (`QuantEmbedding`) holding `blocks` where each kept tensor's
-    `nn.Linear` (`nn.Embedding`) stands in `model` (a range loaded without those tensors)."""
+    `nn.Linear` (`nn.Embedding`) stands in `model` (a range loaded without those tensors), and
+    a `QuantExperts` for each layer's kept experts."""
     for name, qtype in kept.items():
+        if name.endswith(EXPERTS):
+            if name.endswith(EXPERTS[0]):
+                _install_experts(model, blocks, kept, name[:-len(EXPERTS[0])])
+            continue
         local = model.local_name(name)
         path, _, _ = local.rpartition(".")
         parent_path, _, attr = path.rpartition(".")
@@ -96,6 +112,18 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
     return "quantized", f"{len(kept)} tensors kept in their blocks"
 
 
+def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
+                     prefix: str) -> None:
+    names = [prefix + part for part in EXPERTS]
+    path = model.local_name(names[0]).rpartition(".")[0]  # the `Experts` module
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    old = getattr(parent, attr)
+    e, i, h = old.gate_proj.shape
+    setattr(parent, attr, QuantExperts(*(blocks[n] for n in names),
+                                       tuple(kept[n] for n in names), e, h, i))
+
+
 def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
                itemsize: int) -> int:
     """Bytes `shapes` take on the device with weights kept quantized: the kept tensors' blocks,
@@ -107,7 +135,7 @@ def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         for s in shape:
             n *= s
         if name in kept:
-            total += shape[0] * KEPT_TYPES[kept[name]].row_bytes(shape[1])
+            total += n // shape[-1] * KEPT_TYPES[kept[name]].row_bytes(shape[-1])
         else:
             total += n * itemsize
     return total

@@ -22,6 +22,7 @@ from layersplit.shards.quant_blocks import KEPT_TYPES
 
 QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
+EXPERT_ROWS = 64  # ... of (token, expert) pairs, with `experts`
 
 
 @triton.jit
@@ -146,17 +147,21 @@ def _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT: tl.constexpr, SIZE: t
 
 
 @triton.jit
-def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, QT: tl.constexpr,
-                SIZE: tl.constexpr, S: tl.constexpr, T: tl.constexpr, NORM: tl.constexpr,
-                HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_IDX, E_ROWS,
+                QT: tl.constexpr, SIZE: tl.constexpr, S: tl.constexpr, T: tl.constexpr,
+                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+                SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256
     columns at a time (`_chunk_values`), with the prologue and epilogues of `kernels.gemv.
     _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
-    the up half and y = SiLU(g) * u; HAS_R, a residual added."""
+    the up half and y = SiLU(g) * u; HAS_R, a residual added; HAS_E, row m's weight is expert
+    E_IDX[m]'s, rows E_IDX[m] * E_ROWS on of the stacked experts."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
+    rows_n = offs_n.to(tl.int64)
+    if HAS_E:
+        rows_n += tl.load(E_IDX + m).to(tl.int64) * E_ROWS
     dt = X.dtype.element_ty
     xrow = X + m * s_x
     k3 = (tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :])[None, :, :]  # (1, S, T)
@@ -177,10 +182,10 @@ def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, QT: tl.c
         if NORM:
             nw = tl.load(NW + offs, mask=mask_k, other=0.0).to(tl.float32)
             x = (nw * (x * scale[:, None, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        w = _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT, SIZE, S, T)
+        w = _chunk_values(W, row_bytes, rows_n, kc, K, mask_n, QT, SIZE, S, T)
         acc += w * x
         if SILU:
-            wu = _chunk_values(W, row_bytes, offs_n + N, kc, K, mask_n, QT, SIZE, S, T)
+            wu = _chunk_values(W, row_bytes, rows_n + N, kc, K, mask_n, QT, SIZE, S, T)
             acc_u += wu * x
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_B:
@@ -227,20 +232,27 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
                norm: tuple[torch.Tensor, float] | None = None,
                residual: torch.Tensor | None = None, gate_up: bool = False,
                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               experts: tuple[torch.Tensor, int] | None = None,
                cfg: dict | None = None) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) matrix held as `qtype`
     `blocks` (N, row_bytes), summed in float32 and rounded to x's dtype, with `kernels.gemv.
     gemv`'s options: `norm` = (weight, eps), each row's RMSNorm first; `gate_up`, the blocks
     are the fused gate/up weight (2F rows) and the result SiLU(g) * u (M, F); `residual`
     (M, N) added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be
-    strided: a slice of a wider result). `cfg`: a launch shape (BLOCK_N, num_warps) other
-    than the default (not measured yet)."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
-        raise ValueError(f"quant_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
+    strided: a slice of a wider result). `experts` = (ids (M,), rows per expert): `blocks` are
+    experts stacked by rows, and row m is multiplied by expert ids[m]'s (N of its rows, or 2F
+    with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
+    (BLOCK_N, num_warps) other than the default (not measured yet)."""
+    most = MAX_ROWS if experts is None else EXPERT_ROWS
+    if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
+        raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
                          f"values, got {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
     _check(blocks, qtype, k)
-    n = blocks.shape[0]
+    n = blocks.shape[0] if experts is None else experts[1]
+    if experts is not None and (experts[0].shape != (m,) or blocks.shape[0] % n):
+        raise ValueError(f"quant_gemv: experts of {n} rows: {blocks.shape[0]} stacked rows, "
+                         f"ids {tuple(experts[0].shape)} for {m} rows")
     if gate_up:
         if n % 2 or bias is not None:
             raise ValueError(f"quant_gemv: a gate/up weight has an even row count and no "
@@ -265,9 +277,11 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     _quant_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], blocks, blocks.shape[1],
         x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
-        0.0 if norm is None else float(norm[1]), QT=QT_IDS[qtype],
+        0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
+        0 if experts is None else experts[1], QT=QT_IDS[qtype],
         SIZE=KEPT_TYPES[qtype].size, S=groups[0], T=groups[1], NORM=norm is not None,
-        HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up, BLOCK_N=block_n, **c)
+        HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
+        HAS_E=experts is not None, BLOCK_N=block_n, **c)
     return out
 
 

@@ -224,3 +224,19 @@ def test_float_matrices_stay_linears(tiny_llama, tmp_path):
     ckpt = open_checkpoint(write_tiny_gguf(tiny_llama, tmp_path / "f16.gguf", "F16"))
     r = load_layer_range(ckpt, 0, 2, torch.float32, weights="quantized")
     assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in r.modules())
+
+
+def test_moe_experts_kept_quantized_equal_dequantized(tmp_path, family="qwen3_moe"):
+    """A MoE GGUF's stacked experts kept as Q8_0 blocks (the tiny Qwen3-MoE's widths are
+    whole blocks of 32; the tiny Mixtral's and Qwen2-MoE's are not): the logits of the
+    file dequantized at load, bit for bit (float32, the experts in the same order)."""
+    from layersplit.shards.layers.quant_experts import QuantExperts
+    from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_gguf
+
+    folder = write_tiny_checkpoint(tmp_path / family, family, num_layers=2)
+    path = write_tiny_gguf(folder, tmp_path / f"{family}.gguf", "Q8_0")
+    r = load_layer_range(open_checkpoint(path), 0, 2, torch.float32, weights="quantized")
+    assert isinstance(r.layers[1].mlp.experts, QuantExperts)
+    want = _logits(path, "dequantize", [(0, 2)])
+    got = _logits(path, "quantized", [(0, 1), (1, 2)])
+    assert torch.equal(got, want)
