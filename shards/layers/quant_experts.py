@@ -1,9 +1,9 @@
 """A MoE layer's experts kept in their GGUF blocks (`ffn_{gate,up,down}_exps`, quantized by rows):
 the `routed_moe.Experts` interface (`forward(x, w, idx)`, `fuse`) over blocks stacked by expert.
 
-- Where the Triton kernels run, steps of up to `kernels.quant_gemv.EXPERT_ROWS` (token,
-  expert) pairs run two grouped GEMVs that read only the chosen experts' blocks (gate/up with
-  SiLU * up as its epilogue, then down), no host sync: a decode step in its CUDA graph.
+- Where the Triton kernels run, steps of up to `GROUPED_PAIRS` (token, expert) pairs run two
+  grouped GEMVs that read only the chosen experts' blocks (gate/up with SiLU * up as its
+  epilogue, then down), no host sync: a decode step in its CUDA graph.
 - Elsewhere (CPU, long steps): `routed_moe.loop_experts`' order, each chosen expert's rows
   dequantized when it runs (bit-identical values, so float32 CPU runs equal the dequantized
   experts' exactly).
@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.quant_blocks import dequantize_rows
 from torch import nn
+
+# (token, expert) pairs up to which a step on the kernels runs the grouped GEMVs (no host sync:
+# the steps a CUDA graph holds, batches and verify trees among them); more (a prefill chunk):
+# the experts one by one
+GROUPED_PAIRS = 256
 
 
 def _rows(blocks: torch.Tensor, lo: int, hi: int, qtype: str, k: int, dtype: torch.dtype,
@@ -62,21 +67,30 @@ class QuantExperts(nn.Module):
         u = _rows(self.up, i * e, i * (e + 1), self.up_type, h, x.dtype, kernels)
         return F.linear(x, g), F.linear(x, u)
 
+    def _grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+        n, k = idx.shape
+        ids = idx.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0)
+        act = quant_gemv(xs, self.gate_up, self.gate_type, gate_up=True,
+                         experts=(ids, 2 * self.i))
+        y = quant_gemv(act, self.down, self.down_type, experts=(ids, self.h))
+        y = y * w.reshape(-1, 1)
+        return y.view(n, k, self.h).sum(dim=1).to(x.dtype)
+
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
             self.kernels = fused_kernels_available(x.device)
         n, k = idx.shape
         if self.kernels and self.fused:
-            from layersplit.shards.kernels.quant_gemv import EXPERT_ROWS, quant_gemv
+            from layersplit.shards.kernels.quant_gemv import EXPERT_ROWS
 
-            if n * k <= EXPERT_ROWS:  # (token, expert) pairs: token-major
-                ids = idx.reshape(-1)
-                xs = x.repeat_interleave(k, dim=0)
-                act = quant_gemv(xs, self.gate_up, self.gate_type, gate_up=True,
-                                 experts=(ids, 2 * self.i))
-                y = quant_gemv(act, self.down, self.down_type, experts=(ids, self.h))
-                y = y * w.reshape(-1, 1)
-                return y.view(n, k, self.h).sum(dim=1).to(x.dtype)
+            if n * k <= GROUPED_PAIRS:  # (token, expert) pairs, token-major, in launches of
+                # at most EXPERT_ROWS pairs
+                step = max(1, EXPERT_ROWS // k)
+                return torch.cat([self._grouped(x[a:a + step], w[a:a + step], idx[a:a + step])
+                                  for a in range(0, n, step)])
         out = torch.zeros_like(x)  # as `routed_moe.loop_experts`
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
