@@ -21,6 +21,18 @@ draft with token trees of that many draft tokens (0: a chain, one row each). Pri
 times over and adds each draft's median speed-up: a verify step's cost moves between runs on one
 machine, and the ratio with it.
 
+`--oracle-acceptance A` measures speculation at a given acceptance on shapes without a trained
+draft (random weights, `--model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16`): the plain
+greedy run's outputs become the table of the bench oracle (`draft.oracle`), whose draft network
+really runs at its full size and whose proposals are those outputs with errors placed so that
+the mean tokens per verify step is A. Reports, next to each ratio, its ideal A x t_plain /
+t_verify (a round that cost only its verify step) and a round's time split into verify, draft
+(waiting for the proposal; of it, computing) and the rest (host time, hops, moves). Before
+the timed pass, `--oracle-passes` (default 1) untimed ones add their outputs to the table, so
+that where a verify step's rounding (bf16) left the plain output the timed pass's proposals
+follow the runtime's own. A random model has no tokenizer: its prompts are `--limit` (default
+12) seeded random token ids of `--prompt-len` tokens (set `random`).
+
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
 aggregate tok/s: every generated token over each group's wall time, prefill included (the same
@@ -32,13 +44,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from layersplit.draft.oracle_table import ORACLE_ENV  # noqa: E402
 from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
 from layersplit.runtime.coordinator import Coordinator  # noqa: E402
@@ -92,18 +108,74 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
         transport = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
-        sets = {k: [coord.tokenizer.encode_chat(m) for m in v][:args.limit]
-                for k, v in prompt_sets(args.sets.split(",")).items()}
+        sets = prompt_ids(coord, args)
         warm = next(iter(sets.values()))
         for p in warm[:2]:  # warm-up: graph capture, compilation, caches
             collect(coord.stream(p, params, Progress()), Progress(), len(p))
+        oracle = os.environ.get(ORACLE_ENV) if draft != "none" else None
         for set_name, prompts in sets.items():
             row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
             plain = None if plain_tokens is None else plain_tokens[set_name]
+            for _ in range(args.oracle_passes if oracle else 0):  # untimed
+                extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                         _measure_streams(coord, prompts, params, plain, args.streams))
+                add_to_oracle(oracle, prompts, extra["outputs"])
             row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
                        _measure_streams(coord, prompts, params, plain, args.streams))
+            row["prompt_ids"] = prompts
             rows.append(row)
     return rows
+
+
+def prompt_ids(coord: Coordinator, args) -> dict[str, list[list[int]]]:
+    """The prompt sets as token ids: chat prompts through the model's tokenizer, or for a model
+    without one (random weights) `--limit` seeded random prompts of `--prompt-len` tokens."""
+    if coord.tokenizer is not None:
+        return {k: [coord.tokenizer.encode_chat(m) for m in v][:args.limit]
+                for k, v in prompt_sets(args.sets.split(",")).items()}
+    rng = random.Random(args.seed)
+    vocab = coord.model_config.vocab_size
+    return {"random": [[rng.randrange(vocab) for _ in range(args.prompt_len)]
+                       for _ in range(args.limit or 12)]}
+
+
+def write_oracle(base: list[dict], acceptance: float, seed: int) -> str:
+    """The bench oracle's table (`draft.oracle`) from the plain greedy rows: each prompt with
+    its output; a private temporary file."""
+    seqs = [r["prompt_ids"][i] + r["outputs"][i] for r in base for i in range(len(r["outputs"]))]
+    fd, path = tempfile.mkstemp(prefix="oracle-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"acceptance": acceptance, "seed": seed, "sequences": seqs}, f)
+    return path
+
+
+def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
+    """A speculative pass's outputs join the oracle's table (read again by the draft at each
+    sequence's start): where a verify step's rounding left the plain output (bf16 on GPUs),
+    the next pass's proposals follow what this one produced instead of the draft's own."""
+    raw = json.loads(Path(path).read_text())
+    have = {tuple(x) for x in raw["sequences"]}
+    raw["sequences"] += [seq for i, out in outputs.items()
+                         if tuple(seq := prompts[i] + out) not in have]
+    tmp = Path(path).with_suffix(".new")
+    tmp.write_text(json.dumps(raw))
+    os.replace(tmp, path)
+
+
+def oracle_split(row: dict, plain_tok_s: float, streams: int) -> dict:
+    """Per round (a verify step and the proposal before it), ms: the whole round; its verify
+    step as the coordinator sees it (from sending the step to its result, hops and the shards'
+    host time included, less the first shard's wait for the proposal: `SpecStats.verify_s`);
+    the wait for the proposal (and of it, the draft computing); the rest (the coordinator's
+    own time between rounds). The ideal ratio A x t_plain / t_verify: a round that cost only
+    its verify step, A the measured acceptance, t_plain a plain step's time (at `streams`
+    sequences: from their aggregate tok/s)."""
+    a = row["acceptance_length"] or 1.0
+    round_ms = 1000 * a / max(row["decode_tok_s"] / max(streams, 1), 1e-9)
+    verify, draft = row["verify_ms"], row["draft_ms"]
+    t_plain = 1000 * max(streams, 1) / max(plain_tok_s, 1e-9)
+    return {"round_ms": round_ms, "rest_ms": round_ms - verify - draft,
+            "ideal": a * t_plain / max(verify, 1e-9), "plain_step_ms": t_plain}
 
 
 def _measure(coord: Coordinator, prompts: list[list[int]], params: SamplingParams,
@@ -219,8 +291,19 @@ def main() -> int:
     p.add_argument("--spec-micro-batches", type=int, default=0, help="micro_batches of the "
                    "drafts' runs (plain decoding keeps the default, 0: auto, one group per "
                    "shard): with --streams, how the speculating streams share the chain")
+    p.add_argument("--oracle-acceptance", type=float, default=None, help="the drafts' "
+                   "proposals are the plain greedy run's outputs, wrong where a draw says so: "
+                   "mean tokens per verify step A (the bench oracle; DFlash drafts, greedy)")
+    p.add_argument("--oracle-passes", type=int, default=1, help="untimed speculative passes "
+                   "before the timed one, each adding its outputs to the oracle's table")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens of each random prompt "
+                   "(a model without a tokenizer)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.oracle_acceptance is not None and (args.temperature > 0 or args.trees not in
+                                               (None, "0")):
+        raise SystemExit("--oracle-acceptance: greedy chains only (no --temperature, "
+                         "--trees 0)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     rows = []
     for rep in range(1, args.repeat + 1):
@@ -232,6 +315,8 @@ def main() -> int:
         modes = args.sampling.split(",") if args.temperature > 0 else ["coupled"]
         speed = {r["set"]: r["decode_tok_s"] for r in base}
         group = list(base)
+        if args.oracle_acceptance is not None:  # (read by the draft processes started below)
+            os.environ[ORACLE_ENV] = write_oracle(base, args.oracle_acceptance, args.seed)
         det = args.deterministic
         if det:  # plain decoding in deterministic mode, against the default mode's
             group += run(args, "none", plain, deterministic=True)
@@ -247,12 +332,16 @@ def main() -> int:
                                       f"{r['decode_tok_s']:.1f} tok/s, "
                                       f"{r['decode_tok_s'] / speed[r['set']]:.2f} x plain "
                                       f"({speed[r['set']]:.1f})", flush=True)
+        if args.oracle_acceptance is not None:
+            Path(os.environ.pop(ORACLE_ENV)).unlink()
         for r in group:
             r["run"] = rep
             r["speedup"] = r["decode_tok_s"] / speed[r["set"]]
+            if args.oracle_acceptance is not None and r["draft"] != "none":
+                r["oracle"] = oracle_split(r, speed[r["set"]], args.streams)
         rows += group
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        if args.json:  # (after each run: a run cut at a deadline keeps the ones before)
+            Path(args.json).write_text(json.dumps(rows, indent=1))
     how = ("greedy" if args.temperature == 0 else
            f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}, "
            f"seed {args.seed}")
@@ -269,6 +358,20 @@ def main() -> int:
               f"{r['speedup']:.2f} | "
               f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
               f"{r['verify_ms']:.2f} | {same} |")
+    if args.oracle_acceptance is not None:
+        print(f"\nbench oracle, acceptance {args.oracle_acceptance}: each ratio next to its "
+              "ideal (A x t_plain / t_verify); a round's ms")
+        print("| run | set | draft | acceptance | vs plain | ideal | plain step | round | "
+              "verify | draft (computing) | rest |\n|---|---|---|---:|---:|---:|---:|---:|"
+              "---:|---:|---:|")
+        for r in rows:
+            o = r.get("oracle")
+            if o is None:
+                continue
+            print(f"| {r['run']} | {r['set']} | {r['draft']} | {r['acceptance_length']:.2f} | "
+                  f"{r['speedup']:.2f} | {o['ideal']:.2f} | {o['plain_step_ms']:.2f} | "
+                  f"{o['round_ms']:.2f} | {r['verify_ms']:.2f} | {r['draft_ms']:.2f} "
+                  f"({r['draft_compute_ms']:.2f}) | {o['rest_ms']:.2f} |")
     if args.streams > 1:  # (each run's plain row first: the same run's ratio)
         print("\n| run | set | draft | until every stream's first token, s | decode phase "
               "tok/s | vs plain's |\n|---|---|---|---:|---:|---:|")

@@ -9,9 +9,12 @@ forward pass, each block row attending every context row and every block row (no
 final norm and the *target's* LM head give logits for positions p+1 .. p+B-1, and tokens are
 embedded with the target's embedding. Pure torch, no processes.
 
-Checkpoints use the published DFlash layout: `config.json` (a Qwen3 config plus `block_size`,
-`num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`) and safetensors with
-`fc.weight`, `hidden_norm.weight`, `layers.{i}.*` (Qwen3 decoder layer names), `norm.weight`.
+Checkpoints use the published DFlash layout (z-lab's): `config.json` (a Qwen3 config plus
+`block_size`, `num_target_layers` and `dflash_config: {target_layer_ids, mask_token_id}`; per
+layer `layer_types` with `sliding_window`, where a sliding layer's block rows see the keys of
+their last `sliding_window` positions and the block causally) and safetensors with `fc.weight`,
+`hidden_norm.weight`, `layers.{i}.*` (Qwen3 decoder layer names), `norm.weight`. What the
+reference reads and this module does not implement is refused by name (`refuse_unimplemented`).
 
 Shapes: n = context rows, m = block rows, H = hidden, F = len(target_layer_ids) * H.
 """
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from layersplit.draft.tree_shape import Shape, read_shape
+from layersplit.shards.checkpoint import RANDOM_PREFIX
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fused import post_attention, pre_attention, rms_norm, rope
 from layersplit.shards.kv_cache import KVCache
@@ -35,6 +39,7 @@ from layersplit.shards.layers.rotary import apply_rope, rope_cos_sin, rope_inv_f
 from layersplit.shards.layers.step import StepInfo
 from layersplit.shards.model_config import ModelConfig, config_from_hf
 from layersplit.shards.models.llama import DecoderLayer
+from layersplit.shards.random_weights import PRESETS_DIR, RandomCheckpoint
 from layersplit.shards.weights import layer_tensor_shapes
 from torch import nn
 
@@ -59,6 +64,17 @@ class DFlashConfig:
     num_target_layers: int | None
     embedding_scale: float = 1.0
     spec_tree: Shape | None = None  # the token tree it proposes (`draft.tree_shape`); None: a chain
+    # per draft layer (empty: every layer as the first): its sliding window (a block row at
+    # position q sees keys k > q - window; None: all), and whether a block row sees only the
+    # block rows up to its own (causal) or all of them
+    windows: tuple[int | None, ...] = ()
+    causal: tuple[bool, ...] = ()
+
+    def attention(self, layer: int) -> tuple[int | None, bool]:
+        """(window, causal) of draft layer `layer`."""
+        if not self.windows:
+            return None, False
+        return self.windows[layer], self.causal[layer]
 
     @property
     def width(self) -> int:
@@ -88,6 +104,19 @@ class DFlashConfig:
                                   f"vocabulary 0..{target.vocab_size - 1}")
 
 
+def dflash_folder(spec: str | Path) -> Path | None:
+    """The folder of a DFlash draft's config: `spec` itself, or for `random:NAME` (seeded
+    random weights, `shards.random_weights`) the preset's folder; None when it is no DFlash
+    draft (a classic one)."""
+    text = str(spec)
+    if text.startswith(RANDOM_PREFIX):
+        name = text[len(RANDOM_PREFIX):]
+        folder = Path(name) if "/" in name else PRESETS_DIR / name
+    else:
+        folder = Path(spec)
+    return folder if folder.is_dir() and is_dflash(folder) else None
+
+
 def is_dflash(folder: Path) -> bool:
     try:
         raw = json.loads((folder / "config.json").read_text())
@@ -106,6 +135,36 @@ def read_dflash_config(folder: Path) -> DFlashConfig:
     return read_dflash_config_dict(raw, path)
 
 
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def refuse_unimplemented(raw: dict, sub: dict, path: Path) -> None:
+    """The published DFlash fields whose effect is not implemented here, refused by name
+    (z-lab's reference reads each from `dflash_config` or the top level)."""
+    def value(name: str) -> Any:
+        return sub.get(name, raw.get(name))
+
+    arch = raw.get("architectures") or [ARCHITECTURE]
+    if ARCHITECTURE not in arch:
+        raise CheckpointError(f"{path}: architectures {arch}: only {ARCHITECTURE} is "
+                              "implemented (not DFlash2's convolutions and candidate selector)")
+    if raw.get("model_type", "qwen3") != "qwen3":
+        raise CheckpointError(f"{path}: model_type {raw['model_type']!r}: DFlash draft layers "
+                              "are Qwen3 layers (model_type 'qwen3')")
+    for name in DFLASH2_FIELDS:
+        if value(name) is not None:
+            raise CheckpointError(f"{path}: {name}={value(name)!r} (DFlash2) is not implemented")
+    if value("output_multiplier") not in (None, 1, 1.0):
+        raise CheckpointError(f"{path}: output_multiplier={value('output_multiplier')!r} is "
+                              "not implemented")
+    if value("final_logit_softcapping") not in (None, 0, 0.0):
+        raise CheckpointError(f"{path}: final_logit_softcapping="
+                              f"{value('final_logit_softcapping')!r} is not implemented")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act={raw['hidden_act']!r} is not supported "
+                              "(only 'silu')")
+
+
 def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     """Parse a DFlash config; every error names the field and the file."""
     if not isinstance(raw, dict):
@@ -117,7 +176,11 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     def field(name: str, default: Any = None) -> Any:
         return sub.get(name, raw.get(name, default))
 
-    model = config_from_hf({**raw, "model_type": "qwen3"}, path, strict=False)
+    refuse_unimplemented(raw, sub, path)
+    windows, causal = _layer_attention(raw, sub, path)
+    # (the windows are the draft's own, `DFlashConfig.attention`: not its decoder layers')
+    model = config_from_hf({k: v for k, v in raw.items() if k not in WINDOW_FIELDS}
+                           | {"model_type": "qwen3"}, path, strict=False)
     block = field("block_size")
     if not isinstance(block, int) or isinstance(block, bool) or block < 2:
         raise CheckpointError(f"{path}: block_size must be an integer >= 2, got {block!r}")
@@ -138,7 +201,41 @@ def read_dflash_config_dict(raw: Any, path: Path) -> DFlashConfig:
     return DFlashConfig(model, block, tuple(taps), mask,
                         None if n_target is None else int(n_target),
                         float(field("input_embedding_scale", 1.0)),
-                        read_shape(raw.get("spec_tree"), block, path))
+                        read_shape(raw.get("spec_tree"), block, path), windows, causal)
+
+
+WINDOW_FIELDS = ("layer_types", "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def _layer_attention(raw: dict, sub: dict, path: Path
+                     ) -> tuple[tuple[int | None, ...], tuple[bool, ...]]:
+    """Each draft layer's (window, causal), as z-lab's reference reads them: a
+    `sliding_attention` entry of `layer_types` attends the last `sliding_window` positions and,
+    unless `is_causal` (or `dflash_config.causal`) says otherwise, its block rows causally; a
+    `full_attention` one everything, its block rows each other (or causally with `is_causal`).
+    ((), ()) when every layer is a plain full one."""
+    n = raw.get("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:
+        types = ["full_attention"] * (n if isinstance(n, int) else 0)
+    if not isinstance(types, list) or len(types) != n or any(
+            t not in ("full_attention", "sliding_attention") for t in types):
+        raise CheckpointError(f"{path}: layer_types {types!r} must list full_attention or "
+                              f"sliding_attention for each of the {n} layers")
+    window = raw.get("sliding_window")
+    if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool)
+                                         or window < 1):
+        raise CheckpointError(f"{path}: sliding_window={window!r}: sliding_attention layers "
+                              "need a positive window")
+    override = raw.get("is_causal", sub.get("is_causal", sub.get("causal", raw.get("causal"))))
+    if override is not None and not isinstance(override, bool):
+        raise CheckpointError(f"{path}: is_causal/causal must be true or false, got "
+                              f"{override!r}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    causal = tuple(t == "sliding_attention" if override is None else override for t in types)
+    if not any(causal) and all(w is None for w in windows):
+        return (), ()
+    return windows, causal
 
 
 def dflash_tensor_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -213,9 +310,28 @@ class DFlashDraft(nn.Module):
         positions; its keys and values are written to `kv` after the context's."""
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, x.dtype)
         h = x
+        steps: dict[tuple[int | None, bool], StepInfo] = {(None, False): step}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, i, slot, step)
+            kind = self.cfg.attention(i)
+            if kind not in steps:
+                keys = torch.arange(step.kv_len, device=x.device)
+                steps[kind] = dataclasses.replace(step, mask=block_mask(
+                    kind, step.positions, keys), windowed={})
+            h = layer(h, cos, sin, kv, i, slot, steps[kind])
         return self.norm(h)
+
+
+def block_mask(kind: tuple[int | None, bool], queries: torch.Tensor, keys: torch.Tensor,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys (at positions `keys`, (..., T)) block rows at positions `queries` (..., m)
+    see in a layer of `kind` (window, causal): (..., m, T), within `seen` (..., T) where given.
+    Causal: keys at most the query's position; a window: keys past q - window."""
+    window, causal = kind
+    q, k = queries[..., :, None], keys[..., None, :]
+    m = k > q - window if window is not None else torch.ones_like(k > q)
+    if causal:
+        m = m & (k <= q)
+    return m if seen is None else m & seen[..., None, :]
 
 
 def context_kv_all(feats: torch.Tensor, positions: torch.Tensor, fc_w: torch.Tensor,
@@ -269,14 +385,16 @@ def layer_weights(layer: DecoderLayer) -> LayerWeights:
 
 def _attend(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
             scale: float) -> torch.Tensor:
-    """Attention of q (m, H, D) over key sets (keys (T, G, D), values (T, G, D), seen (T,)
-    bool) taken as one, without joining them: GQA as `Attention._grouped`. (m, H * D)."""
+    """Attention of q (m, H, D) over key sets (keys (T, G, D), values (T, G, D), seen (T,) or
+    per query (m, T) bool) taken as one, without joining them: GQA as `Attention._grouped`.
+    (m, H * D)."""
     m, nh, d = q.shape
     g = parts[0][0].shape[1]
     r = nh // g
-    qg = group_queries(q, g)  # (G, r*m, D)
-    scores = [torch.matmul(qg, k.permute(1, 2, 0)).masked_fill(~seen, float("-inf"))
-              for k, _, seen in parts]
+    qg = group_queries(q, g)  # (G, r*m, D): row i * m + j is query j's i-th head of the group
+    scores = [torch.matmul(qg, k.permute(1, 2, 0)).masked_fill(
+        ~(seen if seen.dim() == 1 else seen.repeat(r, 1)), float("-inf"))
+        for k, _, seen in parts]
     probs = torch.softmax(torch.cat(scores, -1).float() * scale, dim=-1).to(q.dtype)
     out, a = None, 0
     for (k, v, _), s in zip(parts, scores):
@@ -289,8 +407,8 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
                cache_k: torch.Tensor, cache_v: torch.Tensor, embed: torch.Tensor,
                fc_w: torch.Tensor, hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
                inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor, eps: float,
-               heads: int, kv_heads: int, head_dim: int, emb_scale: float, k: int
-               ) -> tuple[torch.Tensor, ...]:
+               heads: int, kv_heads: int, head_dim: int, emb_scale: float, k: int,
+               kinds: tuple = ()) -> tuple[torch.Tensor, ...]:
     """A whole proposal's step as a pure function of fixed shapes (captured, and compiled on
     GPUs, by `draft.proposer`): the context rows [done, done + m) projected from `feats` (the
     slot's feature store, (S, F)), then the block `ids` (m,) at [pos, pos + m) through every
@@ -300,7 +418,8 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
     of the cache), the new context rows below `pos` and every block row; nothing is written
     here. Returns the new context rows' keys and values (L, m, G, D), for the caller to store
     at [done, done + m), the logits (m - 1, V) and the top-k ids (m - 1, k). The same math as
-    `DFlashDraft.write_context` + `block` + the head, in another order of sums."""
+    `DFlashDraft.write_context` + `block` + the head, in another order of sums. `kinds`: each
+    layer's (window, causal) (`DFlashConfig.attention`; empty: all (None, False))."""
     m, dev = ids.shape[0], ids.device
     rows = torch.arange(m, device=dev)
     ctx_pos = done + rows
@@ -314,11 +433,20 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
         h = h * emb_scale
     cos, sin = rope_cos_sin(inv_freq, pos + rows, h.dtype)
     scale = head_dim ** -0.5
+    plain = (seen_cache, seen_ctx, seen_block)
+    masks = {}  # (a plain loop: the compiled step traces it)
+    for kind in kinds:
+        if kind != (None, False) and kind not in masks:
+            masks[kind] = (block_mask(kind, pos + rows,
+                                      torch.arange(cache_k.shape[1], device=dev), seen_cache),
+                           block_mask(kind, pos + rows, ctx_pos, seen_ctx),
+                           block_mask(kind, pos + rows, pos + rows))
     for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
         q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
                                   head_dim)
-        attn = _attend(q, [(cache_k[i], cache_v[i], seen_cache), (ck[i], cv[i], seen_ctx),
-                           (kb, vb, seen_block)], scale)
+        sc, sx, sb = masks.get(kinds[i], plain) if kinds else plain
+        attn = _attend(q, [(cache_k[i], cache_v[i], sc), (ck[i], cv[i], sx), (kb, vb, sb)],
+                       scale)
         h = post_attention(h, attn, o, ln2, gu, down, eps)
     logits, top = head_top(h[1:], norm_w, head, eps, k)
     return ck, cv, logits, top
@@ -327,14 +455,14 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, ids: 
 def _attend_batch(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                   scale: float) -> torch.Tensor:
     """`_attend` for S blocks at once: q (S, m, H, D), each part's keys and values (S, T, G, D)
-    and seen (S, T) bool, block s attending its own. (S * m, H * D)."""
+    and seen (S, T) or per query (S, m, T) bool, block s attending its own. (S * m, H * D)."""
     s, m, nh, d = q.shape
     g = parts[0][0].shape[2]
     r = nh // g
     qg = q.view(s, m, g, r, d).permute(0, 2, 3, 1, 4).reshape(s, g, r * m, d)
-    scores = [torch.matmul(qg, k.permute(0, 2, 3, 1)).masked_fill(~seen[:, None, None, :],
-                                                                  float("-inf"))
-              for k, _, seen in parts]  # (S, G, r*m, T) each
+    scores = [torch.matmul(qg, k.permute(0, 2, 3, 1)).masked_fill(
+        ~(seen[:, None, None, :] if seen.dim() == 2 else seen.repeat(1, r, 1)[:, None]),
+        float("-inf")) for k, _, seen in parts]  # (S, G, r*m, T) each
     probs = torch.softmax(torch.cat(scores, -1).float() * scale, dim=-1).to(q.dtype)
     out, a = None, 0
     for (k, v, _), sc in zip(parts, scores):
@@ -349,7 +477,7 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
                      hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
                      inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor,
                      eps: float, heads: int, kv_heads: int, head_dim: int, emb_scale: float,
-                     k: int) -> tuple[torch.Tensor, ...]:
+                     k: int, kinds: tuple = ()) -> tuple[torch.Tensor, ...]:
     """`draft_step` for S contexts at once (the proposals of several speculating sequences in
     one step, `DFlashProposer.propose_batch`): `feats` is the whole feature store (contexts,
     rows, F), `slots`, `done`, `pos` (S,) and `ids` (S, m) each context's, `cache_k/v`
@@ -372,13 +500,23 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
         h = h * emb_scale
     cos, sin = rope_cos_sin(inv_freq, (pos[:, None] + rows).reshape(-1), h.dtype)
     scale = head_dim ** -0.5
+    plain = (seen_cache, seen_ctx, seen_block)
+    qpos = pos[:, None] + rows  # (S, m)
+    cache_pos = torch.arange(cache_k.shape[2], device=dev).expand(s, -1)
+    masks = {}
+    for kind in kinds:
+        if kind != (None, False) and kind not in masks:
+            masks[kind] = (block_mask(kind, qpos, cache_pos, seen_cache),
+                           block_mask(kind, qpos, ctx_pos, seen_ctx),
+                           block_mask(kind, qpos, qpos))
     for i, (ln1, qkv, qkv_b, qn, kn, o, ln2, gu, down) in enumerate(layers):
         q, kb, vb = pre_attention(h, ln1, qkv, qkv_b, qn, kn, cos, sin, eps, heads, kv_heads,
                                   head_dim)
+        sc, sx, sb = masks.get(kinds[i], plain) if kinds else plain
         attn = _attend_batch(q.view(s, m, heads, head_dim),
-                             [(cache_k[i], cache_v[i], seen_cache), (ck[i], cv[i], seen_ctx),
+                             [(cache_k[i], cache_v[i], sc), (ck[i], cv[i], sx),
                               (kb.view(s, m, kv_heads, head_dim),
-                               vb.view(s, m, kv_heads, head_dim), seen_block)], scale)
+                               vb.view(s, m, kv_heads, head_dim), sb)], scale)
         h = post_attention(h, attn, o, ln2, gu, down, eps)
     logits, top = head_top(h.view(s, m, -1)[:, 1:].reshape(s * (m - 1), -1), norm_w, head,
                            eps, k)
@@ -391,11 +529,16 @@ def block_step(pos: int, m: int, device: torch.device) -> StepInfo:
 
 
 def load_dflash(folder: Path, cfg: DFlashConfig, dtype: torch.dtype,
-                device: torch.device | str) -> DFlashDraft:
-    """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors)."""
+                device: torch.device | str, random_seed: int | None = None) -> DFlashDraft:
+    """Read a DFlash checkpoint folder (its safetensors; shapes checked, names in errors), or
+    with `random_seed` draw its tensors (`random:NAME`: only the config is read)."""
     from layersplit.shards.checkpoint_hf import HFCheckpoint
 
-    ckpt = HFCheckpoint(folder, strict=False)
+    ckpt = (HFCheckpoint(folder, config=cfg.model) if random_seed is None else
+            RandomCheckpoint(folder, random_seed, config=cfg.model))
+    if random_seed is None and ckpt.has("layers.0.self_attn.o_proj.bias"):
+        raise CheckpointError(f"{folder}: layers.0.self_attn.o_proj.bias: a biased o_proj "
+                              "(z-lab's attention_bias=true) is not implemented")
     shapes = dflash_tensor_shapes(cfg)
     tensors = ckpt.load(shapes, {k: k for k in shapes}, dtype, device)
     with torch.device("meta"):

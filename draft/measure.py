@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from layersplit.draft.dflash import DFlashDraft
+from layersplit.draft.dflash import DFlashDraft, block_mask
 from layersplit.shards.hf_convert import hf_causal_lm
 from layersplit.shards.layers.rotary import apply_rope, rope_cos_sin
 from layersplit.shards.models import LayerRange
@@ -112,9 +112,13 @@ def block_logits(draft: DFlashDraft, head: torch.Tensor, embed: torch.Tensor,
     seen_ctx = pos_c[None, None, :] < anchors.repeat_interleave(block, 1)[:, :, None]
     blk = torch.arange(m, device=dev).repeat_interleave(block)
     seen_blk = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
-    mask = torch.cat([seen_ctx, seen_blk], dim=-1)[:, None]  # (b, 1, mB, T + mB)
+    masks = {(None, False): torch.cat([seen_ctx, seen_blk], dim=-1)[:, None]}  # (b, 1, mB, T+mB)
+    for kind in {draft.cfg.attention(i) for i in range(len(draft.layers))} - set(masks):
+        masks[kind] = torch.cat([seen_ctx & block_mask(kind, pos_q, pos_c),
+                                 seen_blk & block_mask(kind, pos_q, pos_q)], dim=-1)[:, None]
     cos_q, sin_q = rope_cos_sin(draft.inv_freq, pos_q.reshape(-1), x.dtype)
     for i, layer in enumerate(draft.layers):
+        mask = masks[draft.cfg.attention(i)]
         attn = layer.self_attn
         kc, vc = draft.context_kv(ctx.reshape(b * t_len, -1), pos_c.repeat(b), i)
         h = layer.input_layernorm(x).reshape(b * m * block, -1)

@@ -27,16 +27,21 @@ from layersplit.draft.dflash import (
     DFlashConfig,
     DFlashDraft,
     block_step,
+    dflash_folder,
     draft_step,
     draft_step_batch,
-    is_dflash,
     layer_weights,
     load_dflash,
     read_dflash_config,
 )
 from layersplit.draft.tree_shape import instantiate, width
 from layersplit.runtime.chunking import prefill_chunks
-from layersplit.shards.checkpoint import Checkpoint, load_layer_range, open_checkpoint
+from layersplit.shards.checkpoint import (
+    RANDOM_PREFIX,
+    Checkpoint,
+    load_layer_range,
+    open_checkpoint,
+)
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
@@ -102,6 +107,8 @@ class DFlashProposer:
         self._rows = torch.arange(cfg.block_size, device=device)
         self._kv_weights = draft.kv_weights()
         self._layers = [layer_weights(x) for x in draft.layers]
+        self._kinds = tuple(cfg.attention(i) for i in range(cfg.model.num_layers)) \
+            if cfg.windows else ()
         self._use_compiled(self.capture and compile)
 
     def set_slots(self, slots: int) -> None:
@@ -304,7 +311,7 @@ class DFlashProposer:
             self.features[0, slot], self._done_t, self._pos_t, self._ids[:b], keys, values,
             self.embed, d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers,
             d.inv_freq, d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
-            m.head_dim, self.cfg.embedding_scale, self.top_k)
+            m.head_dim, self.cfg.embedding_scale, self.top_k, self._kinds)
         # rows past the proposal's position are junk: seen by no block, rewritten by the next
         ctx_pos = self._done_t + self._rows[:b]
         self.kv.k[:, slot].index_copy_(1, ctx_pos, k)
@@ -362,7 +369,7 @@ class DFlashProposer:
             self.kv.v[:, slots, :kv_len], self.embed, d.fc.weight, d.hidden_norm.weight,
             self._kv_weights, self._layers, d.inv_freq, d.norm.weight, self.head,
             m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim, self.cfg.embedding_scale,
-            self.top_k)
+            self.top_k, self._kinds)
         # each context's new rows at [done, done + b) (past its position: junk, as alone)
         ctx_pos = done[:, None] + self._rows[:b]
         self.kv.k[:, slots[:, None], ctx_pos] = k
@@ -486,23 +493,28 @@ def _same_vocab(draft: Path, target: Path) -> None:
 
 def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: torch.dtype,
                   max_len: int, graphs: bool = True, block_size: int | None = None,
-                  seed: int = 0, compile: bool = True) -> Proposer:
-    """Open a draft checkpoint for `target`: a DFlash folder, or any model (classic).
-    `compile`: a DFlash draft's captured step through torch.compile (False: captured eager)."""
+                  seed: int = 0, compile: bool = True,
+                  dflash_class: type[DFlashProposer] = DFlashProposer) -> Proposer:
+    """Open a draft checkpoint for `target`: a DFlash folder (or `random:NAME`, seeded random
+    weights of a DFlash preset), or any model (classic). `compile`: a DFlash draft's captured
+    step through torch.compile (False: captured eager). `dflash_class`: what runs a DFlash
+    draft (the bench oracle's, `draft.oracle`)."""
     dev = torch.device(device)
     path = Path(draft)
     target_ckpt = open_checkpoint(target, seed)
-    if path.is_dir() and is_dflash(path):
-        cfg = read_dflash_config(path)
-        cfg.check_target(target_ckpt.config, path / "config.json")
-        model = load_dflash(path, cfg, dtype, dev)
+    folder = dflash_folder(draft)
+    if folder is not None:
+        cfg = read_dflash_config(folder)
+        cfg.check_target(target_ckpt.config, folder / "config.json")
+        model = load_dflash(folder, cfg, dtype, dev,
+                            seed if str(draft).startswith(RANDOM_PREFIX) else None)
         if dev.type == "cuda":
             from layersplit.shards.fused import fuse_projections
 
             fuse_projections(model, compile=graphs and compile)
         embed, head = _target_tensors(target_ckpt, dtype, dev)
-        p = DFlashProposer(model, embed, head, max_len, dev, graphs and dev.type == "cuda",
-                           compile=compile)
+        p = dflash_class(model, embed, head, max_len, dev, graphs and dev.type == "cuda",
+                         compile=compile)
         if block_size is not None:
             p.block_size = max(2, min(block_size, cfg.block_size))
         log.info("DFlash draft %s: %d layers, block %d, taps %s", path.name,

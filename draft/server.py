@@ -29,6 +29,8 @@ from typing import Any
 import psutil
 import torch
 import zmq
+from layersplit.draft.oracle import OracleProposer
+from layersplit.draft.oracle_table import bench_oracle
 from layersplit.draft.prepared import Prepared, check_next, key_of
 from layersplit.draft.proposer import DFlashProposer, Proposer, load_proposer
 from layersplit.ipc import transport
@@ -108,10 +110,18 @@ class DraftServer:
         self.trace = step_trace("draft")  # (LAYERSPLIT_STEP_TRACE)
         self.profile = kernel_profile("draft")  # (LAYERSPLIT_KERNEL_PROFILE)
         t0 = time.perf_counter()
+        oracle = bench_oracle()  # (bench/speculative.py --oracle-acceptance only)
         self.proposer: Proposer = load_proposer(
             spec.draft, spec.target, spec.device, torch_dtype(spec.dtype), spec.max_context,
             graphs=spec.graphs, block_size=spec.block_size, seed=spec.seed,
-            compile=spec.compile)
+            compile=spec.compile, dflash_class=OracleProposer if oracle else DFlashProposer)
+        self.oracle = oracle
+        if oracle is not None:
+            if not isinstance(self.proposer, OracleProposer):
+                raise ValueError("the bench oracle needs a DFlash draft")
+            self.proposer.set_oracle(oracle)
+            log.warning("bench oracle draft: proposals replaced by %d known sequences at "
+                        "acceptance %.2f", len(oracle.sequences), oracle.acceptance)
         self.snapshots: SnapshotStore | None = None
         self._new_snapshots()
         self.load_s = time.perf_counter() - t0
@@ -263,6 +273,8 @@ class DraftServer:
         if isinstance(p, DFlashProposer):
             out.update(taps=list(p.cfg.target_layer_ids), width=p.cfg.width,
                        hidden=p.cfg.model.hidden_size)
+        if self.oracle is not None:
+            out["bench_oracle"] = self.oracle.acceptance
         return out
 
     def _on_feed(self, route: bytes, msg: dict[str, Any], frames: list) -> None:

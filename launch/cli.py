@@ -109,8 +109,10 @@ def generate_config(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from layersplit.draft.oracle_table import refuse_in_product
     from layersplit.runtime.supervisor import drop_prestarted
 
+    refuse_in_product()
     cfg = generate_config(args)
     _raise_on_sigterm()
     ready = _prestart(cfg)
@@ -184,8 +186,10 @@ def _token_ids(text: str) -> list[int] | None:
 
 # ---- serve ---------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
+    from layersplit.draft.oracle_table import refuse_in_product
     from layersplit.runtime.config import from_args
 
+    refuse_in_product()
     cfg = from_args(args)
     _zygote_ahead(cfg)  # (before the server's imports, which it overlaps)
     try:
@@ -195,6 +199,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return serve(cfg)
+
+
+# ---- warmup --------------------------------------------------------------------------------------
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """Start the run `serve` would start with these flags, warm it up as `serve` does before
+    saying ready (`runtime.warmup`: graph captures, compilation and autotuning, into the compile
+    cache under the layersplit home), and stop: a later `serve` on this machine starts warm."""
+    import logging
+    import time
+
+    from layersplit.runtime import warmup
+    from layersplit.runtime.config import from_args
+    from layersplit.runtime.coordinator import Coordinator
+
+    cfg = from_args(args)
+    _zygote_ahead(cfg)
+    _raise_on_sigterm()
+    t0 = time.perf_counter()
+    coord = Coordinator(cfg)
+    try:
+        coord.start()
+        warmup.run(coord, force=True)
+        states = sorted({str(w.get("compile_cache", "off")) for w in coord.warmed})
+        graphs = sum(int(w.get("graphs", 0)) for w in coord.warmed)
+    finally:
+        coord.close()
+    logging.getLogger("layersplit").info(
+        "warm-up done in %.1f s: %d step graphs; compile cache: %s", time.perf_counter() - t0,
+        graphs, ", ".join(states) or "off")
+    return 0
 
 
 # ---- check ---------------------------------------------------------------------------------------
@@ -255,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_flags(v)
     v.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("warmup", help="compile, autotune and capture what `serve` would, into "
+                       "the compile cache under $LAYERSPLIT_HOME, then exit")
+    add_flags(w)
+    w.set_defaults(func=cmd_warmup)
 
     processes.add_commands(sub)  # shard, draft
 

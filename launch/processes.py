@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from layersplit.ipc.shm import release_cuda_event_files
+
 COMMANDS = ("shard", "draft")
 
 
@@ -166,6 +168,7 @@ def _run_server_process(args: argparse.Namespace, usage_errors: tuple) -> NoRetu
     except BaseException:  # noqa: BLE001 - reported, then the same exit
         traceback.print_exc()
     finally:
+        release_cuda_event_files()  # (the driver's own teardown, skipped by os._exit)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -40,6 +40,7 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+WARMUP = ("auto", "on", "off")  # `warmup`
 SPEC_SAMPLING = ("auto", "off", "coupled", "rejection", "guesses")  # `spec_sampling`
 # (docs/speculative.md)
 
@@ -108,6 +109,10 @@ class RuntimeConfig:
                                               "host_cache_gb")
     kv_cache_dir: str | None = _field(None, "directory of the disk tier (survives restarts)")
     kv_cache_max_gb: float = _field(64.0, "size cap of the disk tier, GiB")
+    keep_answers: int = _field(16, "keep a finished answer in the prefix cache (the "
+                                   "conversation up to its end of turn, as the next turn's "
+                                   "prompt starts) when at least this many of its tokens are "
+                                   "not cached yet; 0 = never (docs/prefix-cache.md, answers)")
     draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
                                 "target's tokenizer (classic), 'default' (the bundled draft of "
                                 "the default model), 'none'; auto = the bundled draft when the "
@@ -161,6 +166,12 @@ class RuntimeConfig:
                                     "max_context) while the shards start, so that no request "
                                     "waits for a capture or a compilation (GPU shards; "
                                     "false: each on first use)")
+    warmup: str = _field("auto", "serve: before saying ready, run a request of each kind the "
+                                 "server runs (prefill chunks, decode, speculative verify, "
+                                 "sampled, batched, a restore from the disk cache), so that "
+                                 "compilation and autotuning happen then, not in the first "
+                                 "request: auto (when a shard or the draft is on a GPU: on "
+                                 "CPUs nothing compiles), on, off (`runtime.warmup`)")
     spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
                                          "sleeping (default: 20 with GPUs, 0 on CPU)")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
@@ -228,6 +239,10 @@ class RuntimeConfig:
             object.__setattr__(self, AUTO_CHUNK, True)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.warmup not in WARMUP:
+            raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
+        if self.keep_answers < 0:
+            raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
         if self.spec_sampling not in SPEC_SAMPLING:
             raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
                               f"{', '.join(SPEC_SAMPLING)}")

@@ -276,6 +276,10 @@ class ShardGroup:
         if graphs:
             log.info("%d step graphs captured in %.1f s (capture_at_start)", graphs,
                      time.perf_counter() - t0)
+        states = [str(i.get("compile_cache", "off")) for i in self.warmed]
+        if any(st != "off" for st in states):  # (`shards.compile_cache`)
+            log.info("compile cache entries: %s", ", ".join(
+                f"shard {k} {st}" for k, st in enumerate(states)))
 
     def _start_ray(self, t0: float, threads: int | None) -> list[RayShard]:
         """launcher = "ray": place and start every shard on the Ray cluster, and the draft

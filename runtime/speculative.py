@@ -31,11 +31,10 @@ log = logging.getLogger(__name__)
 
 def draft_taps(path: str | Path | None) -> list[int]:
     """The target layers a feature-conditioned draft reads ([] for a classic draft)."""
-    from layersplit.draft.dflash import is_dflash, read_dflash_config
+    from layersplit.draft.dflash import dflash_folder, read_dflash_config
 
-    if path is None or not Path(str(path)).is_dir() or not is_dflash(Path(path)):
-        return []
-    return list(read_dflash_config(Path(path)).target_layer_ids)
+    folder = None if path is None else dflash_folder(path)
+    return [] if folder is None else list(read_dflash_config(folder).target_layer_ids)
 
 
 def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None) -> str:

@@ -26,10 +26,12 @@ def _open(path: Path):
 class HFCheckpoint:
     """A Hugging Face folder. `load` reads canonical tensor names, one file at a time."""
 
-    def __init__(self, folder: Path, strict: bool = True) -> None:
-        """`strict`: see `config_from_hf` (False for a draft's folder only)."""
+    def __init__(self, folder: Path, strict: bool = True, config: ModelConfig | None = None
+                 ) -> None:
+        """`strict`: see `config_from_hf` (False for a draft's folder only); `config`: the
+        shape, read elsewhere (a DFlash draft's layers, `draft.dflash`)."""
         self.path = folder
-        self.config: ModelConfig = read_hf_config(folder, strict)
+        self.config: ModelConfig = config or read_hf_config(folder, strict)
         self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:

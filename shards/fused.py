@@ -528,6 +528,8 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
                     gemv_takes(m.gate_up_proj, gate_up=True) and gemv_takes(m.down_proj)
             if ok[i]:
                 layer.fast = fast
+        elif hasattr(layer, "fuse"):  # a family that runs unfused: its own weight layout
+            layer.fuse()
     # a dense layer's post stage also norms its output for the next layer's projection
     dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
     for i, (layer, nxt) in enumerate(itertools.pairwise(layers)):

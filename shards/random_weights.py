@@ -28,9 +28,11 @@ def preset_path(name: str) -> Path:
 
 
 class RandomCheckpoint:
-    def __init__(self, folder: Path, seed: int = 0, std: float = 0.02) -> None:
+    def __init__(self, folder: Path, seed: int = 0, std: float = 0.02,
+                 config: ModelConfig | None = None) -> None:
         self.path = folder
-        self.config: ModelConfig = read_hf_config(folder)
+        # (`config`: a shape read elsewhere, e.g. a DFlash draft's layers, `draft.dflash`)
+        self.config: ModelConfig = config or read_hf_config(folder)
         self.seed, self.std = seed, std
 
     def has(self, name: str) -> bool:
@@ -39,7 +41,9 @@ class RandomCheckpoint:
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | str) -> torch.Tensor:
         g = torch.Generator(device=device)
-        g.manual_seed((self.seed << 32) ^ zlib.crc32(name.encode()))
+        # (a CPU generator reads only a seed's low 32 bits: the seed is mixed into them; seed 0
+        # gives the tensors it always gave)
+        g.manual_seed(zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1 & 0xFFFFFFFF))
         if name.endswith("norm.weight"):
             t = 1.0 + 0.05 * torch.randn(shape, generator=g, device=device)
         elif name.endswith(".bias"):

@@ -33,6 +33,7 @@ from layersplit.ipc import transport
 from layersplit.ipc.messages import ProtocolError, error, message
 from layersplit.ipc.peers import AUTH_FAILED, Gate
 from layersplit.ipc.serve_loop import serve
+from layersplit.ipc.shm import release_cuda_event_files
 from layersplit.ipc.sockets import bind_router, context, recv, send
 from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.token_board import TokenBoard
@@ -355,6 +356,7 @@ def watch_parent(parent_pid: int, on_gone) -> threading.Thread:
             if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
                 log.warning("shard: coordinator %d is gone; exiting", parent_pid)
                 on_gone()
+                release_cuda_event_files()  # (`ipc.shm`: os._exit skips the driver's)
                 os._exit(3)
             time.sleep(0.2)
 

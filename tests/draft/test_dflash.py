@@ -21,14 +21,28 @@ from layersplit.draft.measure import block_logits
 from layersplit.draft.proposer import DFlashProposer, load_proposer
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.random_weights import PRESETS_DIR
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+PRESET = PRESETS_DIR / "qwen3.5-27b-dflash"
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny_llama, tmp_path_factory):
     return write_random_dflash(read_hf_config(tiny_llama), tmp_path_factory.mktemp("dflash"),
                                layers=2, taps=[1, 3, 5], block_size=4)
+
+
+@pytest.fixture(scope="module", params=["full", "windowed"])
+def any_draft(request, draft_dir, tmp_path_factory):
+    """The draft, and the same weights with a sliding-window layer (window 6: block rows see
+    the keys of their last 6 positions, the block's causally) before a full one, as z-lab's
+    Qwen3.5-27B draft has them."""
+    if request.param == "full":
+        return draft_dir
+    return _edit(draft_dir, tmp_path_factory.mktemp("windowed") / "d", lambda r: r.update(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6))
 
 
 def test_published_layout_loads(draft_dir, tiny_llama):
@@ -79,11 +93,13 @@ def test_bad_tensors_are_named(draft_dir, tiny_llama, tmp_path, tensor, how):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_training_eager_and_static_forms_agree(draft_dir, tiny_llama, fused):
+def test_training_eager_and_static_forms_agree(any_draft, tiny_llama, fused):
     """The training form, the eager proposer and the static one (`draft_step`: the captured
-    step, on the weights of separate or fused projections) compute the same logits."""
+    step, on the weights of separate or fused projections) compute the same logits, with
+    sliding-window layers too."""
     from layersplit.shards.fused import fuse_projections
 
+    draft_dir = any_draft
     cfg = read_dflash_config(draft_dir)
     model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
     fused_model = load_dflash(draft_dir, cfg, torch.float32, "cpu")
@@ -201,13 +217,15 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
     assert torch.allclose(v[:, :pos - done], eager.v[:, 0, done:pos], atol=1e-5)
 
 
-def test_batched_proposals_equal_each_alone(draft_dir, tiny_llama):
+def test_batched_proposals_equal_each_alone(any_draft, tiny_llama):
     """Several contexts' proposals in one step (`propose_batch`, `draft_step_batch`: what the
     draft process runs for the verdicts of one batched verify step on a GPU) against each
     context's proposal alone: the logits within float32 rounding, the same chains and trees,
-    the same draft KV rows, across rounds with kept tree rows; a padded batch of 3."""
+    the same draft KV rows, across rounds with kept tree rows; a padded batch of 3; with
+    sliding-window layers too."""
     from layersplit.shards.fused import fuse_projections
 
+    draft_dir = any_draft
     cfg = read_dflash_config(draft_dir)
     shape = ((0,), (1,), (0, 0), (0, 1), (2,), (0, 0, 0))
     g = torch.Generator().manual_seed(0)
@@ -287,3 +305,41 @@ def test_a_failed_batched_proposal_leaves_each_context_as_it_was(draft_dir, monk
         assert failing.propose(*r[:4]) == solo.propose(*r[:4])
     for slot in (0, 2):
         assert torch.equal(failing.kv.k[:, slot, :12], solo.kv.k[:, slot, :12])
+
+
+def test_windowed_layers_see_what_z_lab_s_mask_lets_them():
+    """`block_mask`: a sliding layer's block row at position q sees keys q - window < k <= q
+    (causal), a full one every key; `is_causal` makes a full layer's block causal."""
+    from layersplit.draft.dflash import block_mask, read_dflash_config_dict
+
+    q, k = torch.arange(10, 13), torch.arange(0, 13)
+    m = block_mask((4, True), q, k)
+    assert m[0].nonzero().flatten().tolist() == [7, 8, 9, 10]
+    assert m[2].nonzero().flatten().tolist() == [9, 10, 11, 12]
+    assert block_mask((None, False), q, k).all()
+    raw = {**json.loads((PRESET / "config.json").read_text()),
+           "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048}
+    cfg = read_dflash_config_dict(raw, PRESET / "config.json")
+    assert [cfg.attention(i) for i in (0, 4)] == [(2048, True), (None, False)]
+    cfg = read_dflash_config_dict({**raw, "is_causal": False}, PRESET / "config.json")
+    assert cfg.attention(0) == (2048, False)
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        read_dflash_config_dict({**raw, "sliding_window": None}, PRESET / "config.json")
+
+
+def test_the_window_changes_the_proposal(any_draft, draft_dir, tiny_llama):
+    """(So that the tests above can fail: the windowed draft's logits differ from the full
+    one's of the same weights.)"""
+    if any_draft == draft_dir:
+        return
+    g = torch.Generator().manual_seed(1)
+    embed, head = torch.randn(320, 64, generator=g), torch.randn(320, 64, generator=g)
+    outs = []
+    for d in (draft_dir, any_draft):
+        cfg = read_dflash_config(d)
+        p = DFlashProposer(load_dflash(d, cfg, torch.float32, "cpu"), embed, head, 64,
+                           torch.device("cpu"), graphs=False)
+        p.write_features(0, 0, 0, torch.randn(40, cfg.width, generator=torch.Generator()
+                                              .manual_seed(2)))
+        outs.append(p.logits(0, 7, 30, 3))
+    assert not torch.allclose(outs[0], outs[1], atol=1e-3)

@@ -68,11 +68,16 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
     assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
-def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool):
+def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool, windowed: bool = False):
     """A random 2-layer DFlash draft of the tiny target as an eager proposer and a captured
-    one (float32, on cuda:0), `contexts` contexts each, and seeded feature rows for each."""
+    one (float32, on cuda:0), `contexts` contexts each, and seeded feature rows for each.
+    `windowed`: its first layer a sliding-window one (window 8, its block causal)."""
     target = read_hf_config(tiny_llama)
     path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
+    if windowed:
+        raw = json.loads((path / "config.json").read_text())
+        raw.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        (path / "config.json").write_text(json.dumps(raw))
     cfg = read_dflash_config(path)
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(320, 64, generator=g).cuda()
@@ -91,10 +96,12 @@ def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool):
     return eager, graph
 
 
-@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "uncompiled"])
-def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
-    """The captured step, compiled and not (`draft_compile`, off under `generate`)."""
-    eager, graph = _dflash_pair(tiny_llama, tmp_path, 1, compile)
+@pytest.mark.parametrize("compile,windowed", [(True, False), (False, False), (True, True)],
+                         ids=["compiled", "uncompiled", "compiled-windowed"])
+def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile, windowed):
+    """The captured step, compiled and not (`draft_compile`, off under `generate`); with a
+    sliding-window layer (z-lab's Qwen3.5-27B draft has four)."""
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 1, compile, windowed)
     assert graph.capture and graph.compiled == compile
     for pos in (20, 21, 24, 30, 57, 100):
         a = eager.logits(0, 7, pos, 3)
@@ -103,10 +110,11 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile):
     assert len(graph.graphs) >= 3
 
 
-def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path):
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "windowed"])
+def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path, windowed):
     """Several contexts' proposals as one captured step (`propose_batch`: the draft process
     batches the verdicts of one batched verify step) against the eager proposal of each."""
-    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False)
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False, windowed)
     assert graph.batches(3)
     for rnd, (slots, positions) in enumerate([([0, 2, 3], [20, 33, 9]), ([3, 1], [13, 100]),
                                                ([1, 0, 2, 3], [104, 24, 37, 17])]):

@@ -1,0 +1,85 @@
+"""The bench oracle (`draft.oracle`): the draft network runs, its proposals are the plain greedy
+run's tokens with errors placed for a mean acceptance A; the output stays plain decoding's and
+the measured acceptance is A. A normal run refuses to start while the oracle is set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from layersplit.draft.oracle_table import ORACLE_ENV, OracleTable, read_oracle, reread
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.generate import Progress, collect
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=96, ignore_eos=True)
+
+
+def test_errors_are_placed_for_the_mean():
+    """Rounds from the first proposal on commit 6 or 7 tokens, 6.3 on average; one cut short
+    (the draft's block, a request's end) puts the next back on the lattice."""
+    table = OracleTable(6.3, ((1, 2, 3),), seed=4)
+    pos, rounds = 100, []
+    while pos < 100 + 630:
+        rounds.append(table.committed(100, pos, 16))
+        pos += rounds[-1]
+    assert set(rounds) == {6, 7} and sum(rounds) / len(rounds) == pytest.approx(6.3, abs=0.02)
+    cut = table.committed(100, 100, 3)
+    assert cut == 3 and table.committed(100, 103, 16) == rounds[0] - 3
+
+
+def test_a_bad_table_is_named(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"acceptance": 0.5, "sequences": []}))
+    with pytest.raises(ValueError, match="acceptance"):
+        read_oracle(bad)
+
+
+def test_the_table_is_read_again_when_it_changes(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"acceptance": 2, "sequences": [[1, 2]]}))
+    table = read_oracle(path)
+    assert reread(table) is table
+    path.write_text(json.dumps({"acceptance": 2, "sequences": [[1, 2], [3, 4, 5]]}))
+    __import__("os").utime(path, ns=(table.stamp + 10**9, table.stamp + 10**9))
+    assert reread(table).sequences == ((1, 2), (3, 4, 5))
+
+
+def test_a_normal_run_refuses_the_oracle(tmp_path):
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"acceptance": 2, "sequences": []}))
+    env = {**__import__("os").environ, ORACLE_ENV: str(table)}
+    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi",
+                        "--model", "random:smollm2-135m-shape"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and ORACLE_ENV in r.stderr
+
+
+@pytest.mark.slow
+def test_oracle_keeps_plain_tokens_at_its_acceptance(target, dflash, tmp_path, monkeypatch):
+    """Two prompts (the tiny target's output varies), chains of 3 draft tokens: A = 2.5 (2 or
+    3 tokens a verify step) measured within 0.1, every token plain decoding's."""
+    ref = ReferenceEngine(target, prefill_chunk=16, max_context=256)
+    prompts = [list(range(3, 40)), [7, 9, 11, 13] * 6]
+    plain = [ref.generate(p, GREEDY).tokens for p in prompts]
+    assert all(len(set(t)) > 5 for t in plain)
+    table = tmp_path / "oracle.json"
+    table.write_text(json.dumps({"acceptance": 2.5, "seed": 1,
+                                 "sequences": [p + t for p, t in zip(prompts, plain)]}))
+    monkeypatch.setenv(ORACLE_ENV, str(table))
+    cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
+                        max_context=256, threads=1, draft=str(dflash))
+    committed = verifies = 0
+    with Coordinator(cfg) as coord:
+        assert coord.draft_info["bench_oracle"] == 2.5
+        for p, want in zip(prompts, plain):
+            progress = Progress()
+            got = collect(coord.stream(p, GREEDY, progress, use_cache=False), progress, len(p))
+            assert got.tokens == want
+            committed += progress.spec.committed
+            verifies += progress.spec.verifies
+    assert abs(committed / verifies - 2.5) <= 0.1, committed / verifies
