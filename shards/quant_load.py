@@ -19,10 +19,7 @@ from layersplit.shards.quant_blocks import KEPT_TYPES
 from layersplit.shards.weights import source_name
 from torch import nn
 
-WEIGHTS_MODES = ("auto", "dequantize", "quantized")
 EMBEDDING = "model.embed_tokens.weight"
-
-
 EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 

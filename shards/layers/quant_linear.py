@@ -72,15 +72,6 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.kernels: bool | None = None  # the Triton kernels: decided at the first call
 
-    @property
-    def nbytes(self) -> int:
-        return self.blocks.numel() + (0 if self.bias is None else
-                                      self.bias.numel() * self.bias.element_size())
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The whole weight in `dtype` (a copy: for tests and one-off uses)."""
-        return dequantize_rows(self.blocks, self.qtype).to(dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
             self.kernels = fused_kernels_available(x.device)
