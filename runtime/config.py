@@ -66,6 +66,11 @@ class RuntimeConfig:
     dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 where every "
                                 "shard is a CPU, else the checkpoint's half type (docs/models.md, "
                                 "Dtypes)")
+    weight_format: str = _field("auto", "GGUF weights: quantized = kept in their blocks on the "
+                                        "device (linear layers, embedding, LM head), "
+                                        "dequantize = to the run dtype at load; auto = "
+                                        "quantized where every shard is a GPU and the file's "
+                                        "types are kept ones (docs/models.md)")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "
@@ -283,6 +288,9 @@ class RuntimeConfig:
             raise ConfigError(f"local_addresses={self.local_addresses!r}: use 'ipc' or 'tcp'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.weight_format not in ("auto", "dequantize", "quantized"):
+            raise ConfigError(f"weight_format={self.weight_format!r}: use auto, dequantize or "
+                              "quantized")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be at least 1")
         if not self.devices:

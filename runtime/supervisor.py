@@ -158,14 +158,16 @@ def _hand_over(ready: list[Prestarted], device: str, argv: list[str],
 
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
                 secret: bytes, run_dir: Path, seed: int = 0,
-                ready: list[Prestarted] | None = None, fork: bool = False) -> LocalProcess:
+                ready: list[Prestarted] | None = None, fork: bool = False,
+                weight_format: str = "dequantize") -> LocalProcess:
     """Start a shard process (or hand its arguments to one of `ready`, `prestart_shards`;
     `fork`: a CPU one from the zygote, `runtime.zygote`)."""
     error_file = run_dir / f"shard{plan.index}.error"
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen,
            "--model", model, "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
-           "--error-file", str(error_file), "--random-seed", str(seed)]
+           "--error-file", str(error_file), "--random-seed", str(seed),
+           "--weight-format", weight_format]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = _hand_over(ready, plan.device, cmd[3:], secret) if ready else None

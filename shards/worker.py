@@ -70,6 +70,7 @@ class ShardSpec:
     threads: int | None = None
     parent_pid: int | None = None
     seed: int = 0
+    weight_format: str = "dequantize"  # or "quantized" (`shards.quant_load`)
     heartbeat_s: float | None = None  # zmq heartbeats on our sockets (a shard started by hand
     # on another host); None for a shard the coordinator started here: it watches the process
 
@@ -142,7 +143,7 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
         self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
-                                      self.device)
+                                      self.device, spec.weight_format)
         self.load_s = time.perf_counter() - t0
 
     # ---- main loop ------------------------------------------------------------------------------

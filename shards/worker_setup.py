@@ -210,6 +210,7 @@ class ShardSetup:
         return {
             "index": self.index, "layers": [self.spec.start, self.spec.end],
             "device": self.spec.device, "dtype": self.spec.dtype, "pid": os.getpid(),
+            "weight_format": self.spec.weight_format,
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
             "kv_capacity_tokens": ex.kv.num_blocks * ex.kv.block if ex else 0,
             "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
