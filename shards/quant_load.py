@@ -85,8 +85,8 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
 def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
     """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
     a checkpoint that is not a GGUF file, or with a tensor of a type not kept, is refused by
-    name (`kept_tensors`); "auto" keeps the blocks where every device is a GPU and every
-    linear weight of the file is of a kept type (else dequantizes, saying why)."""
+    name (`kept_tensors`); "auto" dequantizes: the quantized kernels are not yet measured
+    against a reference on a GPU (`runtime.check`), so they are taken only when asked."""
     from layersplit.shards.weights import range_tensor_shapes
 
     if asked == "dequantize":
@@ -98,15 +98,11 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
         return asked, "asked"
     if not hasattr(ckpt, "kept_type"):
         return "dequantize", "not a GGUF file"
-    if not all(d.startswith("cuda") for d in devices):
-        return "dequantize", "a shard is on a CPU (the tiled torch path is slower there)"
-    try:
-        kept = kept_tensors(ckpt, cfg, shapes)
-    except CheckpointError as e:
-        return "dequantize", str(e)
-    if not kept:
-        return "dequantize", "no quantized linear weights"
-    return "quantized", f"{len(kept)} tensors kept in their blocks"
+    return "dequantize", AUTO_DEQUANTIZES
+
+
+AUTO_DEQUANTIZES = ("weight_format auto dequantizes until the quantized kernels are checked "
+                    "against a reference on a GPU; weight_format = quantized keeps the blocks")
 
 
 def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
