@@ -167,7 +167,8 @@ def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
     raw["sequences"] += [seq for i, out in outputs.items()
                          if tuple(seq := prompts[i] + out) not in have]
     tmp = Path(path).with_suffix(".new")
-    tmp.write_text(json.dumps(raw))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(raw))  # (private to the user, as the table it replaces)
     os.replace(tmp, path)
 
 
