@@ -65,10 +65,12 @@ def run_layout(args, devices: list[str], prompt: list[int], resources: str = "")
                         cuda_graphs=not args.no_graphs, dtype=args.dtype,
                         threads=args.threads, draft=args.draft, kv_cache_gb=args.kv_cache_gb,
                         capture_at_start=args.capture_at_start == "on",
-                        decode_ahead=args.decode_ahead == "on", **ray)
+                        decode_ahead=args.decode_ahead == "on",
+                        weight_format=args.weight_format, **ray)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    row: dict = {"layout": ",".join(devices) + (f" on {resources}" if resources else ""),
-                 "shards": len(devices)}
+    row: dict = {"layout": ",".join(devices) + (f" on {resources}" if resources else "") + (
+                     f" ({args.weight_format})" if args.weight_format != "auto" else ""),
+                 "shards": len(devices), "weight_format": args.weight_format}
     with Coordinator(cfg) as coord:
         row["transport"] = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
         runs = []
@@ -202,17 +204,22 @@ def hbm_floor(args, device: str) -> dict:
     model, its recurrent and conv states (read and written each token)."""
     ckpt = open_checkpoint(resolve_model(args.model), 0)
     cfg = ckpt.config
+    from layersplit.shards.quant_load import kept_bytes, resolve_weight_format
     from layersplit.shards.weights import range_tensor_shapes
 
     itemsize = torch.empty((), dtype=getattr(torch, args.hf_dtype)).element_size()
+    fmt = resolve_weight_format(args.weight_format, ckpt, [device])[0]
     per_token = 0
     for name, shape in range_tensor_shapes(cfg, 0, cfg.num_layers).items():
         n = 1
         for s in shape:
             n *= s
         if name == "model.embed_tokens.weight":
-            n = cfg.hidden_size  # one row is read
-        per_token += n * itemsize
+            per_token += cfg.hidden_size * itemsize  # one row is read
+        elif fmt == "quantized":  # the blocks kept on the device
+            per_token += kept_bytes(ckpt, cfg, {name: shape}, itemsize)
+        else:
+            per_token += n * itemsize
     context = args.prompt_len + args.new_tokens // 2
     attn_layers, state = cfg.num_layers, 0
     if cfg.hybrid is not None:
@@ -255,6 +262,9 @@ def main() -> None:
                     help="each shard's KV pool (default: max_seqs x max-context tokens)")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weight-format", default="auto", choices=["auto", "dequantize", "quantized"],
+                    help="GGUF weights kept in their blocks or dequantized (the floor counts "
+                         "the bytes held)")
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-graphs", action="store_true")

@@ -14,10 +14,12 @@
 #   prefill   a 3,900-token prompt, next to llama.cpp                                 (P1)
 #   split     1 GPU against 2 (and 4) GPUs, the cuda-ipc hop; needs 2+ GPUs            (X1-X4)
 #   spec      speculative decoding with the bundled draft, the real default model
-#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs);
-#             and the bench oracle at published draft sizes, random weights (SPEC=oracle8b,
-#             oracle8b_streams,oracle27b,oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1
-#             and 8 streams, 1 shard; Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
+#             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs;
+#             SPEC=auto_greedy,auto_sampled,auto_streams: spec_policy auto against plain decoding,
+#             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl); and the bench oracle
+#             at published draft sizes, random weights (SPEC=oracle8b,oracle8b_streams,oracle27b,
+#             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
+#             Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
 #             (CACHE=prefix,shared,swap; default all)
 #   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
@@ -40,6 +42,12 @@
 #             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
 #             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
 #             and bench/kept_answers.py: the next turn's TTFT with an answer kept or not (A2)
+#   quant     GGUF weights kept in their blocks: the quantized kernels' GPU tests and their
+#             timings (bench/quant_gemv.py), the default model checked against transformers
+#             float32 with weight_format quantized, and batch-1 decode quantized against
+#             dequantized in one run, next to llama.cpp on the same file: the default model's
+#             shape (Q4_1) and the Llama-8B shape as Q4_K_M (QUANT=tests,kernels,parity,smol,
+#             l8b; default all)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -47,9 +55,9 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,47p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,55p "$0"; exit 2; }
 known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla families long serve \
-startup agent park "
+startup agent quant park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -84,6 +92,55 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
     --new-tokens 48 ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
   TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
   row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
+}
+
+stage_quant() {  # Q1-Q4
+  local cases=${QUANT:-tests,kernels,parity,smol,l8b}
+  if has "$cases" tests; then
+    TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py
+    row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py" --cmd quant
+  fi
+  if has "$cases" kernels; then
+    TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
+    TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
+      --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
+  fi
+  if has "$cases" parity && default_model; then
+    local tf=()
+    [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+    TAIL=30 run quant_parity 300 "${tf[@]}" python3 -m layersplit.launch.cli check \
+      --model default --devices cuda:0 --weight-format quantized --limit "${PARITY_LIMIT:-12}"
+  fi
+  # (our own copy of llama.cpp's /tmp/smol-q4_1.gguf, which its background build may be
+  # writing now: the same seed, the same bytes)
+  local smol=/tmp/quant-smol-q4_1.gguf
+  if has "$cases" smol && random_gguf smollm2-135m-shape q4_1 $smol; then
+    TAIL=10 run quant_smol 200 python3 bench/decode.py --model $smol \
+      --layouts cuda:0 --prompt-len 512 --new-tokens 256 --max-context 2048 --repeats 3 \
+      --weight-format quantized --floor --json "$RUNS/quant_smol.json"
+    TAIL=10 run quant_smol_deq 120 python3 bench/decode.py --model $smol \
+      --layouts cuda:0 --prompt-len 512 --new-tokens 256 --max-context 2048 --repeats 3 \
+      --weight-format dequantize --json "$RUNS/quant_smol_deq.json"
+  fi
+  if has "$cases" l8b && random_gguf llama-8b-shape q4_k_m /tmp/llama8b-q4km.gguf; then
+    TAIL=10 run quant_l8b 240 python3 bench/decode.py --model /tmp/llama8b-q4km.gguf \
+      --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
+      --weight-format quantized --floor --json "$RUNS/quant_l8b.json"
+    TAIL=10 run quant_l8b_deq 300 python3 bench/decode.py --model /tmp/llama8b-q4km.gguf \
+      --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
+      --weight-format dequantize --json "$RUNS/quant_l8b_deq.json"
+  fi
+  if lcp_wait 120; then
+    has "$cases" smol && lcp smol /tmp/smol-q4_1.gguf
+    has "$cases" l8b && [ -s /tmp/llama8b-q4km.gguf ] && lcp l8bq4km /tmp/llama8b-q4km.gguf
+  fi
+  local s=() l=()
+  [ -e "$RUNS/lcp_smol.json" ] && s=(--llamacpp "$RUNS/lcp_smol.json")
+  [ -e "$RUNS/lcp_l8bq4km.json" ] && l=(--llamacpp "$RUNS/lcp_l8bq4km.json")
+  row decode "$RUNS/quant_smol.json" "${s[@]}" --what "Q4_1 kept quantized" --cmd Q3
+  row decode "$RUNS/quant_smol_deq.json" --what "Q4_1 dequantized" --cmd Q3
+  row decode "$RUNS/quant_l8b.json" "${l[@]}" --what "Q4_K_M kept quantized" --cmd Q4
+  row decode "$RUNS/quant_l8b_deq.json" --what "Q4_K_M dequantized" --cmd Q4
 }
 
 stage_llamacpp() {
@@ -185,6 +242,32 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
       --repeat 3 --json "$RUNS/spec_streams.json"
     row spec "$RUNS/spec_streams.json" --what "8 streams each speculating" --cmd S5
   fi
+  # spec_policy auto (the runtime's default) against plain decoding, in one run: 1 shard (the
+  # default layout of `generate --devices cuda:0`) and 2 shards on one GPU; 24 of the 56 prompts
+  # of runtime/check_prompts.jsonl, 128 new tokens, median of 3
+  local auto="--sets check --limit 24 --new-tokens 128 --repeat 3 --policies auto" layout n
+  for layout in cuda:0 cuda:0,cuda:0; do
+    n=$(( $(tr -cd , <<< "$layout" | wc -c) + 1 ))
+    if has "$cases" auto_greedy; then
+      TAIL=12 run spec_auto_greedy_$n 200 python3 $spec --devices $layout $auto \
+        --json "$RUNS/spec_auto_greedy_$n.json"
+      row spec "$RUNS/spec_auto_greedy_$n.json" \
+        --what "spec_policy auto, greedy, $n shard(s) on one GPU" --cmd "S7 ($layout)"
+    fi
+    if has "$cases" auto_sampled; then
+      TAIL=12 run spec_auto_sampled_$n 200 python3 $spec --devices $layout $auto \
+        --temperature 0.7 --top-p 0.9 --json "$RUNS/spec_auto_sampled_$n.json"
+      row spec "$RUNS/spec_auto_sampled_$n.json" \
+        --what "spec_policy auto, temperature 0.7, top-p 0.9, $n shard(s) on one GPU" \
+        --cmd "S12 ($layout)"
+    fi
+    if has "$cases" auto_streams; then
+      TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \
+        --ignore-eos --json "$RUNS/spec_auto_streams_$n.json"
+      row spec "$RUNS/spec_auto_streams_$n.json" \
+        --what "spec_policy auto, 8 streams, $n shard(s) on one GPU" --cmd "S13 ($layout)"
+    fi
+  done
   # the bench oracle (`draft.oracle`): --new-tokens end the requests on its lattice (seed 1:
   # 1 + 252 at 6.3, 1 + 249 at 8.3), so the measured acceptance is A
   local o8="bench/speculative.py --model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16 \
@@ -443,7 +526,7 @@ stage_park() { log "parked: $(ls /tmp/smol.part* 2> /dev/null | tr '\n' ' ')"; }
 
 # llama.cpp builds in the background while the stages before the ones that read it run
 for s in "$@"; do
-  case $s in llamacpp | decode | prefill | agent) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
+  case $s in llamacpp | decode | prefill | agent | quant) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
 done
 for s in "$@"; do
   log "stage $s"

@@ -16,6 +16,13 @@ under (e.g. `ip netns exec NS`), and `--curve` keys both ends as every tcp edge 
 (CurveZMQ, `ipc/curve.py`).
 
 Prints a table last; `--json FILE` also writes the rows.
+
+`--in-process` times the host side of a ring hop alone, without a peer (a busy machine's
+scheduling does not enter it): `send()` and `poll()` + `release()` of one shm ring in this
+process, medians over `--iters` messages (the send path is the one cuda-ipc shares, its device
+copy aside):
+
+    python bench/hop_latency.py --in-process --tokens 1 --hidden 4096 --iters 20000
 """
 
 from __future__ import annotations
@@ -124,6 +131,33 @@ def peer_main(args) -> None:
             inbox.close()
 
 
+def in_process(args) -> None:
+    """`--in-process`: the medians of send() and of poll() + release() of one shm ring."""
+    print(f"{'hidden':>6} {'tokens':>6} {'send us':>8} {'poll+release us':>16}")
+    for hidden in map(int, args.hidden.split(",")):
+        for tokens in map(int, args.tokens.split(",")):
+            x = torch.randn(tokens, hidden)
+            inbox, desc = transport.offer("shm", x.numel() * x.element_size(), x.device)
+            sender = transport.accept("shm", desc, None)
+            sends, polls = [], []
+            for i in range(args.iters + 100):
+                header = _step(tokens)
+                t0 = time.perf_counter_ns()
+                sender.send(header, x)
+                t1 = time.perf_counter_ns()
+                _, y, seq = inbox.poll()
+                inbox.release(seq)
+                t2 = time.perf_counter_ns()
+                if i >= 100:
+                    sends.append(t1 - t0)
+                    polls.append(t2 - t1)
+            assert torch.equal(y, x)
+            sender.close()
+            inbox.close()
+            print(f"{hidden:>6} {tokens:>6} {statistics.median(sends) / 1e3:>8.2f} "
+                  f"{statistics.median(polls) / 1e3:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", default="cpu,cpu")
@@ -136,12 +170,16 @@ def main() -> None:
     ap.add_argument("--bind", default="127.0.0.1", help="zmq-tcp: the address this side binds")
     ap.add_argument("--peer-prefix", default="", help="command the peer runs under")
     ap.add_argument("--curve", action="store_true", help="zmq-tcp: CurveZMQ, as a run's edges")
+    ap.add_argument("--in-process", action="store_true",
+                    help="time send() and poll() + release() of one shm ring, no peer")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.peer:
         return peer_main(args)
+    if args.in_process:
+        return in_process(args)
     d0, d1 = args.devices.split(",")
     dev = torch.device(d0)
     if dev.type == "cuda":

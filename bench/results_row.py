@@ -173,8 +173,11 @@ def spec(args) -> list[tuple[str, str, str]]:
         label = labels[k] if k < len(labels) else name
         acc = rs[0]["acceptance_length"]
         same = rs[0]["same_as_plain"]
+        policy = "" if "policy=" not in rs[0]["draft"] else "; verify/plain steps " + ", ".join(
+            f"{r.get('spec_rounds')}/{r.get('spec_off_steps')}" for r in rs)
         ours = (f"**{median(ratios):.2f} ×** plain ({runs(ratios, '{:.2f}')}); "
-                f"{runs([r[key] for r in rs])} tok/s; acceptance {acc:.2f}"
+                f"{runs([r[key] for r in rs])} tok/s; acceptance "
+                + ("-" if acc is None else f"{acc:.2f}") + policy
                 + (f"; {same}/{rs[0]['prompts']} outputs as plain" if same is not None else "")
                 + (oracle_note(rs) if "oracle" in rs[0] else ""))
         what = f"{args.what + ', ' if args.what else ''}{label}, {rs[0]['set']} prompts"

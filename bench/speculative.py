@@ -33,6 +33,12 @@ that where a verify step's rounding (bf16) left the plain output the timed pass'
 follow the runtime's own. A random model has no tokenizer: its prompts are `--limit` (default
 12) seeded random token ids of `--prompt-len` tokens (set `random`).
 
+`--policies auto,on` runs each draft under each `spec_policy`: `on` (the default here) makes every
+step speculate, so a row measures speculation itself; under `auto` the runtime's policy chooses
+each step's tree size or plain decoding from what it measures (`docs/speculative.md`), and the
+rows say how many verify and plain steps it ran. `--sets check` takes the 56 chat prompts of
+`runtime/check_prompts.jsonl` (no draft's training saw them).
+
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
 aggregate tok/s: every generated token over each group's wall time, prefill included (the same
@@ -64,6 +70,7 @@ from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.speculative")
 UNSEEN = Path(__file__).resolve().parent / "prompts" / "unseen.jsonl"
+CHECK = Path(__file__).resolve().parents[1] / "runtime" / "check_prompts.jsonl"
 
 
 def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
@@ -72,18 +79,19 @@ def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
     for name in names:
         if name == "eval":
             out[name] = [[{"role": "user", "content": q}] for q in EVAL_CHAT + EVAL_CODE]
-        elif name == "unseen":
-            out[name] = [json.loads(line)["messages"]
-                         for line in UNSEEN.read_text().splitlines() if line.strip()]
+        elif name in ("unseen", "check"):
+            out[name] = [json.loads(line)["messages"] for line in
+                         (UNSEEN if name == "unseen" else CHECK).read_text().splitlines()
+                         if line.strip()]
         else:
-            raise SystemExit(f"--sets: unknown prompt set {name!r} (eval, unseen)")
+            raise SystemExit(f"--sets: unknown prompt set {name!r} (eval, unseen, check)")
     return out
 
 
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         draft_device: str | None = None, push: bool = True,
         sampling: str = "coupled", deterministic: bool = False,
-        micro_batches: int = 0) -> list[dict]:
+        micro_batches: int = 0, policy: str = "on") -> list[dict]:
     """One row per prompt set."""
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
@@ -91,7 +99,7 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
                         spec_sampling=sampling, deterministic=deterministic,
-                        micro_batches=micro_batches,
+                        micro_batches=micro_batches, spec_policy=policy,
                         **({"max_seqs": args.streams, "spec_max_seqs": args.streams}
                            if args.streams > 1 else {}))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
@@ -103,7 +111,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             + ("" if push else " push off")
             + ("" if params.greedy or draft == "none" else f" {sampling}")
             + (" deterministic" if deterministic else "")
-            + (f" micro_batches={micro_batches}" if micro_batches else ""))
+            + (f" micro_batches={micro_batches}" if micro_batches else "")
+            + ("" if policy == "on" else f" policy={policy}"))
     rows = []
     with Coordinator(cfg) as coord:
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
@@ -158,7 +167,8 @@ def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
     raw["sequences"] += [seq for i, out in outputs.items()
                          if tuple(seq := prompts[i] + out) not in have]
     tmp = Path(path).with_suffix(".new")
-    tmp.write_text(json.dumps(raw))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(raw))  # (private to the user, as the table it replaces)
     os.replace(tmp, path)
 
 
@@ -208,7 +218,14 @@ def _measure(coord: Coordinator, prompts: list[list[int]], params: SamplingParam
             "request_lag_ms": 1000 * total.request_lag_s / max(total.prepared, 1),
             "ready_lead_ms": 1000 * total.ready_lead_s / max(total.prepared, 1),
             "off_chain": total.off_chain / max(total.verifies, 1),
-            "outputs": outs}
+            **_policy_fields(total), "outputs": outs}
+
+
+def _policy_fields(total: SpecStats) -> dict:
+    """What the speculation policy chose over a prompt set: verify steps, plain steps it ran,
+    verify steps by draft tokens proposed."""
+    return {"spec_rounds": total.verifies, "spec_off_steps": total.off_steps,
+            "spec_sizes": {str(k): v for k, v in sorted(total.sizes.items())}}
 
 
 def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: SamplingParams,
@@ -248,6 +265,7 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
             "draft_ms": 1000 * total.draft_s / verifies,
             "draft_compute_ms": 1000 * total.draft_compute_s / verifies,
             "verify_ms": 1000 * total.verify_s / verifies, "outputs": outs,
+            **_policy_fields(total),
             "prefill_phase_s": prefill_s, "decode_phase_tok_s": phase_tokens / max(phase_s, 1e-9)}
 
 
@@ -281,8 +299,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--sampling", default="coupled", help="comma-separated spec_sampling "
                    "settings to run each draft with when sampling (coupled, rejection, guesses; "
-                   "named, since the runtime's `auto` does not speculate sampled requests with "
-                   "a DFlash draft on GPUs)")
+                   "named: the runtime's `auto` is `coupled` where spec_policy measures, "
+                   "else off for a DFlash draft on GPUs)")
     p.add_argument("--deterministic", action="store_true", help="run the drafts with "
                    "`deterministic = true`, and plain decoding in that mode too (its cost "
                    "against the default mode's plain decoding, the first row)")
@@ -298,6 +316,9 @@ def main() -> int:
                    "before the timed one, each adding its outputs to the oracle's table")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens of each random prompt "
                    "(a model without a tokenizer)")
+    p.add_argument("--policies", default="on", help="comma-separated spec_policy settings to "
+                   "run each draft with: on (every step speculates: speculation's own cost), "
+                   "auto or measured (the policy chooses each step's size, or plain decoding)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.oracle_acceptance is not None and (args.temperature > 0 or args.trees not in
@@ -324,9 +345,10 @@ def main() -> int:
             for t in trees:
                 for place in places:
                     for push in pushes:
-                        for s in modes:
+                        for s, pol in ((s, pol) for s in modes
+                                       for pol in args.policies.split(",")):
                             group += run(args, d, plain, t, place, push, s, det,
-                                         args.spec_micro_batches)
+                                         args.spec_micro_batches, pol)
                             for r in group[-len(base):]:  # as each finishes: a cut run keeps them
                                 print(f"run {rep}, {r['set']}, {r['draft']}: "
                                       f"{r['decode_tok_s']:.1f} tok/s, "
@@ -348,16 +370,20 @@ def main() -> int:
     print(f"\nmodel {args.model}, devices {args.devices}, prompt sets {args.sets}, {how}, up "
           f"to {args.new_tokens} new tokens")
     print("| run | set | draft | kind | decode tok/s | vs plain | acceptance length | "
-          "per position | draft ms/step (computing) | verify ms/step | same as plain |")
-    print("|---|---|---|---|---:|---:|---:|---|---:|---:|---:|")
+          "per position | draft ms/step (computing) | verify ms/step | same as plain | "
+          "verify / plain steps (sizes) |")
+    print("|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
         same = "-" if r["same_as_plain"] is None else f"{r['same_as_plain']}/{r['prompts']}"
+        steps = "-" if r["draft"] == "none" else (
+            f"{r['spec_rounds']} / {r['spec_off_steps']} "
+            f"({' '.join(f'{k}:{v}' for k, v in r['spec_sizes'].items())})")
         print(f"| {r['run']} | {r['set']} | {r['draft']} | {r['kind']} | {r['decode_tok_s']:.1f} | "
               f"{r['speedup']:.2f} | "
               f"{acc} | {pos} | {r['draft_ms']:.2f} ({r['draft_compute_ms']:.2f}) | "
-              f"{r['verify_ms']:.2f} | {same} |")
+              f"{r['verify_ms']:.2f} | {same} | {steps} |")
     if args.oracle_acceptance is not None:
         print(f"\nbench oracle, acceptance {args.oracle_acceptance}: each ratio next to its "
               "ideal (A x t_plain / t_verify); a round's ms")

@@ -267,6 +267,7 @@ class DraftServer:
         shape = p.cfg.spec_tree if isinstance(p, DFlashProposer) else None
         out = {"kind": p.kind, "block_size": p.block_size, "device": self.spec.device,
                "tree_nodes": len(shape) if shape else 0,
+               "tree_shape": [list(r) for r in shape] if shape else None,
                "dtype": self.spec.dtype, "pid": os.getpid(), "memory_bytes": int(mem),
                "load_s": round(self.load_s, 3), "protocol": PROTOCOL_VERSION,
                "taps": [], "width": 0}

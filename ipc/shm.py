@@ -15,11 +15,13 @@ the sleeper's poll timeout (`SLEEP_POLL_MS`) bounds the cost of that.
 Lifetime: one side creates the segment in /dev/shm with mode 0600, the other maps it and at once
 unlinks the name. From then on the memory lives exactly as long as the two mappings, so no exit
 path, clean or kill -9, can leave a segment behind. The coordinator sweeps `layersplit-<pid>-*`
-of children killed before that point.
+of children killed before that point, and the files CUDA's interprocess events of a child left
+(`cuda_event_files`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -42,13 +44,60 @@ def segment_name() -> str:
 
 
 def sweep(pid: int) -> list[str]:
-    """Unlink segments a (dead) process created and had not yet handed over."""
+    """Unlink segments a (dead) process created and had not yet handed over, and the files of
+    its CUDA interprocess events (`cuda_event_files`)."""
     removed = []
-    for p in SHM_DIR.glob(f"{PREFIX}{pid}-*"):
+    for p in [*SHM_DIR.glob(f"{PREFIX}{pid}-*"), *cuda_event_files(pid)]:
         try:
             p.unlink()
             removed.append(p.name)
         except FileNotFoundError:
+            pass
+    return removed
+
+
+# CUDA interprocess events are backed by small files that NVIDIA's driver creates in /dev/shm,
+# named `cuda.shm.<n>.<creator's pid in hex>.<n>`: ours (`ipc.cuda_handoff.ipc_events`, the
+# slot events of a cuda-ipc ring, the token board's event) and torch's (the event
+# `UntypedStorage._share_cuda_` makes for the ring buffer a receiver shares). The driver unlinks
+# them in its own teardown at process exit, which our shard and draft processes skip: they end
+# in `os._exit` (`launch.processes._run_server_process`: no interpreter finalization, so no
+# library destructors), and one killed never runs it. So every start of a GPU server left a few
+# of these files behind after every process had exited (5 a start, on the device). A process
+# removes its own at exit (`release_cuda_event_files`), the coordinator those of a child that
+# did not (`sweep`). Only files of our user whose name carries the pid are touched.
+CUDA_SHM = "cuda.shm."
+
+
+def _cuda_shm_pid(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) < 4 or not name.startswith(CUDA_SHM):
+        return None
+    try:
+        return int(parts[-2], 16)
+    except ValueError:
+        return None
+
+
+def cuda_event_files(pid: int) -> list[Path]:
+    """The /dev/shm files of CUDA interprocess events process `pid` created (of our user)."""
+    try:
+        found = [p for p in SHM_DIR.glob(f"{CUDA_SHM}*") if _cuda_shm_pid(p.name) == pid]
+        return [p for p in found if p.stat().st_uid == os.getuid()]
+    except OSError:
+        return []
+
+
+def release_cuda_event_files() -> list[str]:
+    """At a process's exit (it ends in `os._exit`): unlink the files of the CUDA interprocess
+    events it created (`cuda_event_files`; a peer's mapping lives on without the name). A
+    process that never used CUDA has none, and pays one glob of /dev/shm."""
+    removed = []
+    for p in cuda_event_files(os.getpid()):
+        try:
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
             pass
     return removed
 
@@ -179,6 +228,15 @@ class ShmRing:
         off = self._slot(index)
         n = struct.unpack_from("<I", self.buf, off)[0]
         return self.buf[off + 8:off + 8 + min(n, HEADER_CAP)]
+
+    def payload_address(self, index: int) -> int:
+        """The address of slot `index`'s payload in this process (valid until `close`; a
+        sender's memmove target: no memoryview or array made per message)."""
+        probe = ctypes.c_char.from_buffer(self.mm)  # (an export of the mapping, let go at once)
+        try:
+            return ctypes.addressof(probe) + self._slot(index) + SLOT_HEADER
+        finally:
+            del probe
 
     def payload(self, index: int) -> memoryview:
         off = self._slot(index) + SLOT_HEADER

@@ -14,17 +14,17 @@ carries token ids from the coordinator to shard 0 and results from the last shar
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import zmq
 from layersplit.ipc.cuda_handoff import SlotReader, SlotWriter
 from layersplit.ipc.hosts import host_id
-from layersplit.ipc.messages import ProtocolError, decode, encode
+from layersplit.ipc.messages import ProtocolError, decode, encoder
 from layersplit.ipc.shm import ShmRing
 from layersplit.ipc.sockets import send
 
@@ -151,7 +151,13 @@ def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | N
 # ---- rings (shm, cuda-ipc) -----------------------------------------------------------------------
 class RingSender:
     """Posts into a ring another process polls. Payload in the ring's host slot, or, with a
-    `device` writer (cuda-ipc), in the receiver's device ring."""
+    `device` writer (cuda-ipc), in the receiver's device ring.
+
+    `send` is the hop's hot path, run once per step per edge: it makes no syscall (the doorbell
+    aside, for a sleeping receiver) and as few Python objects as it can: the header's `act` of
+    a shape sent before is reused (a decode step sends one shape every time), the header is
+    packed by one msgpack packer kept for the sender (`messages.encoder`), and an shm payload
+    is one memmove into the slot's address, taken once."""
 
     def __init__(self, ring: ShmRing, doorbell: Callable[[], None] | None = None,
                  device: SlotWriter | None = None) -> None:
@@ -159,34 +165,49 @@ class RingSender:
         self.kind = "cuda-ipc" if device is not None else "shm"
         self.seq = 0
         self.timeout_s = 60.0  # a receiver that takes nothing for this long has stalled
+        self._encode = encoder()  # (a sender is used by one thread)
+        self._acts: dict[tuple[torch.dtype, torch.Size], tuple[dict[str, Any], int]] = {}
+        self._payloads = None if device is not None else [ring.payload_address(i)
+                                                          for i in range(ring.slots)]
+
+    def _act(self, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+        """The header's `act` for tensors of `t`'s dtype and shape, and their bytes (checked
+        against the slot once per shape)."""
+        nbytes = t.numel() * t.element_size()
+        cap = self.device.slot_bytes if self.device is not None else self.ring.payload_bytes
+        if nbytes > cap:
+            raise ValueError(f"tensor of {nbytes} bytes exceeds the {self.kind} slot "
+                             f"({cap} bytes)")
+        if len(self._acts) >= 256:
+            self._acts.clear()
+        made = self._acts[(t.dtype, t.shape)] = (
+            {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}, nbytes)
+        return made
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
-        slot = self.ring.wait_free(self.seq, self.timeout_s)
+        ring = self.ring
+        if ring.closed:  # (the slot addresses are gone with the mapping)
+            raise ValueError(f"{self.kind} ring {ring.name} is closed")
+        slot = ring.wait_free(self.seq, self.timeout_s)
         if t is not None:
             if t.requires_grad:
                 t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            nbytes = t.numel() * t.element_size()
+            act, nbytes = self._acts.get((t.dtype, t.shape)) or self._act(t)
             if self.device is not None:
-                if nbytes > self.device.slot_bytes:
-                    raise ValueError(f"tensor of {nbytes} bytes exceeds the cuda-ipc slot "
-                                     f"({self.device.slot_bytes} bytes)")
                 header["ev"] = self.device.write(slot, t, nbytes)
             else:
-                if nbytes > self.ring.payload_bytes:
-                    raise ValueError(f"tensor of {nbytes} bytes exceeds the shm slot "
-                                     f"({self.ring.payload_bytes} bytes)")
-                host = t.to("cpu")
-                # a plain memcpy (numpy): no intra-op thread pool to wake for a host copy
-                np.copyto(np.frombuffer(self.ring.payload(slot), dtype=np.uint8, count=nbytes),
-                          host.view(torch.uint8).reshape(-1).numpy())
-            header["act"] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+                if not t.is_cpu:
+                    t = t.to("cpu")
+                # one memmove: no intra-op thread pool to wake, no views made for a host copy
+                ctypes.memmove(self._payloads[slot], t.data_ptr(), nbytes)
+            header["act"] = act
         header["seq"] = self.seq
-        self.ring.write_header(slot, encode(header))
-        self.ring.publish(self.seq)
+        ring.write_header(slot, self._encode(header))
+        ring.publish(self.seq)
         self.seq += 1
-        if self.doorbell is not None and self.ring.sleeping:
+        if self.doorbell is not None and ring.sleeping:
             self.doorbell()
 
     def close(self) -> None:
@@ -229,20 +250,21 @@ class RingInbox:
             t = None
             act = msg.get("act")
             if act is not None:
+                t = self._view(slot, act)
                 if self.device_buffer is not None:
-                    t = self._device_view(slot, act)
                     self.reader.wait(slot, msg.get("ev"))
-                else:
-                    t = tensor_from(self.ring.payload(slot), msg["act"]).to(self.device)
+                elif self.device.type != "cpu":
+                    t = t.to(self.device)
         except ProtocolError as e:
             self.release(seq)
             e.sid = None
             raise
         return msg, t, seq
 
-    def _device_view(self, slot: int, act: Any) -> torch.Tensor:
-        """The device slot viewed as the tensor `act` describes (views are kept: a decode step
-        sends the same shape every time, and a slice costs more than the copy it names)."""
+    def _view(self, slot: int, act: Any) -> torch.Tensor:
+        """The slot's payload (a device slot for cuda-ipc, else the host slot) viewed as the
+        tensor `act` describes. Views are kept: a decode step sends the same shape every time,
+        and making one costs more than the copy it names."""
         key = None
         if isinstance(act, dict):
             dtype, shape = act.get("dtype"), act.get("shape")
@@ -251,12 +273,15 @@ class RingInbox:
                 key = (slot, dtype, tuple(shape))
         t = self.views.get(key) if key is not None else None
         if t is None:
-            dtype, shape = _act(act)
-            nbytes = _numel(shape) * ITEMSIZE[dtype]
-            if nbytes > self.device_slot_bytes:
-                raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
-            start = slot * self.device_slot_bytes
-            t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+            if self.device_buffer is None:
+                t = tensor_from(self.ring.payload(slot), act)
+            else:
+                dtype, shape = _act(act)
+                nbytes = _numel(shape) * ITEMSIZE[dtype]
+                if nbytes > self.device_slot_bytes:
+                    raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
+                start = slot * self.device_slot_bytes
+                t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
             if len(self.views) >= 256:
                 self.views.clear()
             if key is not None:
@@ -280,10 +305,10 @@ class RingInbox:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+        self.views.clear()  # (before the ring: a host view holds its mapping)
         self.ring.close()
         self.device_buffer = None
         self.reader = None
-        self.views.clear()
 
 
 def share_cuda(buffer: torch.Tensor) -> dict[str, Any]:

@@ -201,6 +201,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
+# ---- warmup --------------------------------------------------------------------------------------
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """Start the run `serve` would start with these flags, warm it up as `serve` does before
+    saying ready (`runtime.warmup`: graph captures, compilation and autotuning, into the compile
+    cache under the layersplit home), and stop: a later `serve` on this machine starts warm."""
+    import logging
+    import time
+
+    from layersplit.runtime import warmup
+    from layersplit.runtime.config import from_args
+    from layersplit.runtime.coordinator import Coordinator
+
+    cfg = from_args(args)
+    _zygote_ahead(cfg)
+    _raise_on_sigterm()
+    t0 = time.perf_counter()
+    coord = Coordinator(cfg)
+    try:
+        coord.start()
+        warmup.run(coord, force=True)
+        states = sorted({str(w.get("compile_cache", "off")) for w in coord.warmed})
+        graphs = sum(int(w.get("graphs", 0)) for w in coord.warmed)
+    finally:
+        coord.close()
+    logging.getLogger("layersplit").info(
+        "warm-up done in %.1f s: %d step graphs; compile cache: %s", time.perf_counter() - t0,
+        graphs, ", ".join(states) or "off")
+    return 0
+
+
 # ---- check ---------------------------------------------------------------------------------------
 def cmd_check(args: argparse.Namespace) -> int:
     from layersplit.runtime.config import from_args
@@ -250,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--dump-logits", metavar="FILE.npy", default=None,
                    help="save the logits each generated token was drawn from (float32, a row "
-                        "per token, a stop token's included) for tests and debugging; not with "
-                        "speculation")
+                        "per token, a stop token's included; a speculated token's from its verify "
+                        "row) for tests and debugging")
     add_flags(g)
     _sampling_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -259,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_flags(v)
     v.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("warmup", help="compile, autotune and capture what `serve` would, into "
+                       "the compile cache under $LAYERSPLIT_HOME, then exit")
+    add_flags(w)
+    w.set_defaults(func=cmd_warmup)
 
     processes.add_commands(sub)  # shard, draft
 

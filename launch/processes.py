@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn
 
+from layersplit.ipc.shm import release_cuda_event_files
+
 COMMANDS = ("shard", "draft")
 
 
@@ -42,6 +44,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--weight-format", default="dequantize", choices=["dequantize", "quantized"],
+                   help="GGUF weights kept in their blocks, or dequantized to --dtype")
     s.add_argument("--random-seed", type=int, default=0, help="seed of random:NAME weights")
     s.add_argument("--secret-file", default=None)
     s.add_argument("--heartbeat-timeout", type=float, default=None,
@@ -105,7 +109,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
         heartbeat = args.heartbeat_timeout or None
     spec = ShardSpec(listen=args.listen, model=model, start=start, end=end, device=args.device,
                      dtype=args.dtype, threads=args.threads, parent_pid=args.parent_pid,
-                     seed=args.random_seed, heartbeat_s=heartbeat)
+                     seed=args.random_seed, heartbeat_s=heartbeat,
+                     weight_format=args.weight_format)
     rc = run_shard(spec, secret)
     if rc == 2 and args.error_file:
         _startup_error(args, "failed to start (see its log above)", overwrite=False)
@@ -163,6 +168,7 @@ def _run_server_process(args: argparse.Namespace, usage_errors: tuple) -> NoRetu
     except BaseException:  # noqa: BLE001 - reported, then the same exit
         traceback.print_exc()
     finally:
+        release_cuda_event_files()  # (the driver's own teardown, skipped by os._exit)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:

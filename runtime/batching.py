@@ -117,6 +117,8 @@ class Request:
     # not yet the step its program asks for (`Batcher._send_ahead`)
     after: Request | None = None  # queued only once this one is over (its prompt starts with
     # the turn that one keeps in the prefix cache, `RequestFlow.keep_turn`)
+    plain_next: Callable[[], bool] | None = None  # a speculating sequence's: whether its next
+    # step is a plain decode step (`runtime.speculative.DraftClient.plain_next`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -395,12 +397,15 @@ class Batcher:
         """Whether the sequence's next decode step may follow its step `sid` (`step`) now: a
         decode step past its prompt (never a prefill chunk, even one of one token: the next
         step may then differ, and ask for the row again) of a sequence that does not
-        speculate."""
+        speculate, or whose next step the speculation policy has made plain (`plain_next`:
+        it feeds the draft all the same)."""
         return (r.waits == sid and r.ahead is None and not r.cancelled and not r.done
-                and r.feed is None and r.out.progress.spec is None and _plain_decode(step)
+                and _plain_decode(step)
                 and step.pos >= r.prompt_tokens
                 and step.pos + 2 <= self.sched.config.slot_tokens
-                and len(r.out.progress.generated) + 1 < r.out.params.max_tokens)
+                and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
+                and ((r.feed is None and r.out.progress.spec is None) or (
+                    r.plain_next is not None and r.plain_next())))
 
     def _adopt(self, r: Request, token: int | None) -> None:
         """After its program took a step's output (`token`): if the step it asks for now is its

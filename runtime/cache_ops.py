@@ -118,7 +118,9 @@ class CacheManager:
         self.coord = coord
         tok = coord.tokenizer
         self.fingerprint = model_fingerprint(
-            coord.model_config.to_dict(), weights_identity(coord.model_path), coord.dtype,
+            coord.model_config.to_dict(), weights_identity(coord.model_path),
+            # (KV computed from blocks kept quantized differs in the last bits: its own key)
+            coord.dtype if coord.weight_format == "dequantize" else f"{coord.dtype}+blocks",
             tok.chat_template if tok else None, coord.chunk, coord.eos_ids)
         disk = Path(cfg.kv_cache_dir).expanduser() if cfg.kv_cache_dir else None
         # the RAM tier's own cap, besides each shard's host memory (`runtime.host_pool`)

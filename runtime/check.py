@@ -210,9 +210,10 @@ def run_check(cfg: RuntimeConfig, opts: CheckOptions,
         raise ConfigError("restore needs the prefix cache (prefix_cache = true)")
     # a cache of its own, fresh: the cold runs are cold, and the user's cache is left alone
     restore_dir = tempfile.mkdtemp(prefix="layersplit-check-") if "disk" in opts.restore else None
+    # (every step that can speculate does: the check is of speculation's output, not speed)
     cfg = cfg.replace(kv_cache_dir=restore_dir, max_seqs=max(cfg.max_seqs, opts.batch),
                       spec_max_seqs=max(cfg.spec_max_seqs, opts.batch) if cfg.spec_max_seqs
-                      else 0)
+                      else 0, spec_policy="on")
     try:
         coord = Coordinator(cfg)
         items = load_prompts(opts.prompts)[:opts.limit]

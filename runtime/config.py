@@ -40,7 +40,9 @@ def _field(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+WARMUP = ("auto", "on", "off")  # `warmup`
 SPEC_SAMPLING = ("auto", "off", "coupled", "rejection", "guesses")  # `spec_sampling`
+SPEC_POLICY = ("auto", "measured", "on")  # `spec_policy`
 # (docs/speculative.md)
 
 
@@ -64,6 +66,11 @@ class RuntimeConfig:
     dtype: str = _field("auto", "float32, bfloat16, float16; auto = float32 where every "
                                 "shard is a CPU, else the checkpoint's half type (docs/models.md, "
                                 "Dtypes)")
+    weight_format: str = _field("auto", "GGUF weights: quantized = kept in their blocks on the "
+                                        "device (linear layers, embedding, LM head), "
+                                        "dequantize = to the run dtype at load; auto = "
+                                        "dequantize until the quantized kernels are checked "
+                                        "on a GPU (docs/models.md)")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "
@@ -129,10 +136,19 @@ class RuntimeConfig:
                                    "to the first shard itself, which holds the next step for "
                                    "them (where the first and the last shard feed the draft); "
                                    "off: the coordinator asks for each and sends it on")
+    spec_policy: str = _field("auto", "when a step speculates, and how many draft tokens: "
+                                      "measured (each step chooses, from measured acceptance "
+                                      "and the measured cost of a round and of a plain step, "
+                                      "per batch size: the tree size or chain depth, or no "
+                                      "speculation), on (every step speculates with the whole "
+                                      "tree or chain: benchmarks, tests), auto (measured where "
+                                      "a GPU runs the target or the draft, else on: CPU verify "
+                                      "steps run row by row, for exactness, never for speed)")
     spec_sampling: str = _field("auto", "a DFlash draft's proposals for a sampled request: "
-                                        "auto (off for a DFlash draft where a GPU runs the "
-                                        "target or the draft: sampled speculation measured "
-                                        "slower than plain decoding there; else coupled), "
+                                        "auto (coupled under a measured spec_policy; else off "
+                                        "for a DFlash draft where a GPU runs the target or the "
+                                        "draft, where sampled speculation measured slower "
+                                        "than plain decoding; else coupled), "
                                         "off (sampled requests decode plainly), "
                                            "coupled (drawn from its distribution with the "
                                            "target's own noise; output = plain decoding's "
@@ -160,6 +176,12 @@ class RuntimeConfig:
                                     "max_context) while the shards start, so that no request "
                                     "waits for a capture or a compilation (GPU shards; "
                                     "false: each on first use)")
+    warmup: str = _field("auto", "serve: before saying ready, run a request of each kind the "
+                                 "server runs (prefill chunks, decode, speculative verify, "
+                                 "sampled, batched, a restore from the disk cache), so that "
+                                 "compilation and autotuning happen then, not in the first "
+                                 "request: auto (when a shard or the draft is on a GPU: on "
+                                 "CPUs nothing compiles), on, off (`runtime.warmup`)")
     spin_ms: float | None = _field(None, "ms a process busy-waits for the next message before "
                                          "sleeping (default: 20 with GPUs, 0 on CPU)")
     threads: int | None = _field(None, "torch threads per CPU shard (default: cores / shards)")
@@ -227,8 +249,13 @@ class RuntimeConfig:
             object.__setattr__(self, AUTO_CHUNK, True)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.warmup not in WARMUP:
+            raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
         if self.keep_answers < 0:
             raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
+        if self.spec_policy not in SPEC_POLICY:
+            raise ConfigError(f"spec_policy={self.spec_policy!r}: must be one of "
+                              f"{', '.join(SPEC_POLICY)}")
         if self.spec_sampling not in SPEC_SAMPLING:
             raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
                               f"{', '.join(SPEC_SAMPLING)}")
@@ -261,6 +288,9 @@ class RuntimeConfig:
             raise ConfigError(f"local_addresses={self.local_addresses!r}: use 'ipc' or 'tcp'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.weight_format not in ("auto", "dequantize", "quantized"):
+            raise ConfigError(f"weight_format={self.weight_format!r}: use auto, dequantize or "
+                              "quantized")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be at least 1")
         if not self.devices:

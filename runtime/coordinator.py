@@ -54,10 +54,12 @@ from layersplit.runtime.tokenizer import TextTokenizer
 from layersplit.shards.checkpoint import open_checkpoint
 from layersplit.shards.dtypes import run_dtype
 from layersplit.shards.layers.rotary import context_limit_error
+from layersplit.shards.quant_load import kept_bytes, resolve_weight_format
 from layersplit.shards.weights import layer_bytes
 
 if TYPE_CHECKING:
     from layersplit.runtime.ray_launcher import RayLauncher, RayShard
+    from layersplit.runtime.spec_policy import SpecPolicy
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +84,15 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         self.dtype, why = run_dtype(config.dtype, ckpt.config.model_type, self.model_path,
                                     list(config.devices))
         log.info("dtype %s (%s)", self.dtype, why)
+        self.weight_format, why = resolve_weight_format(config.weight_format, ckpt,
+                                                        list(config.devices))
+        log.info("weights %s (%s)", self.weight_format, why)
         itemsize = 4 if self.dtype == "float32" else 2
-        sizes = layer_bytes(ckpt.config, itemsize) if config.split == "auto" else None
+        size = None
+        if self.weight_format == "quantized":
+            def size(shapes):
+                return kept_bytes(ckpt, ckpt.config, shapes, itemsize)
+        sizes = layer_bytes(ckpt.config, itemsize, size) if config.split == "auto" else None
         self.placement: Placement = plan(config, ckpt.config.num_layers, sizes)
         if sizes is not None:
             log.info("split auto (by weight bytes): %s", describe_split(self.placement, sizes))
@@ -125,6 +134,7 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         # what each shard captured at start ({graphs, seconds}, `capture_at_start`), in order
         self.warmed: list[dict[str, Any]] = []
         self.push_drafts = False  # the draft hands proposals to the first shard (`shards.asked`)
+        self.spec_policy: SpecPolicy | None = None  # which steps speculate (`spec_policy`)
         self.board = False  # the first shard mapped the last one's token board (lookahead, split)
         self.draft_down: str | None = None  # why speculation stopped, if it did
         self._draft_proc: LocalProcess | RayShard | None = None

@@ -20,7 +20,8 @@ from layersplit.ipc.sockets import connect_dealer, free_tcp_port, send
 from layersplit.runtime.errors import DraftLost, ShardFailure
 from layersplit.runtime.placement import Placement, PlacementError, ShardPlan, check_local_devices
 from layersplit.runtime.shard_group import _Shard
-from layersplit.runtime.speculative import draft_taps, spec_sampling_mode
+from layersplit.runtime.spec_policy import SpecPolicy, policy_sizes
+from layersplit.runtime.speculative import draft_taps, spec_sampling_mode, verify_shape
 from layersplit.runtime.supervisor import LocalProcess, draft_argv, spawn_draft, stop_all
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)
@@ -115,6 +116,11 @@ class DraftLink:
             cache_dir=str(Path(self.config.kv_cache_dir).expanduser().resolve())
             if self.config.kv_cache_dir else None), deadline)
         self.draft_info = reply["info"]
+        if self.spec_policy is None and self.policy_measures:  # (kept across a restart of
+            # the shard group: the same layout)
+            block, tree = verify_shape(self.draft_info, self.config, max_step)
+            self.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
+                                          spec_seqs=self.config.spec_max_seqs)
         log.info("draft ready: %s on %s, %d tokens per verify step%s, %.0f MB",
                  self.draft_info["kind"], self.draft_info["device"],
                  self.draft_info["block_size"],
@@ -161,13 +167,28 @@ class DraftLink:
         """Steps send tapped rows to the draft (a feature-conditioned draft serves)."""
         return self.draft is not None and bool(self.draft_info.get("taps"))
 
+    @property
+    def policy_measures(self) -> bool:
+        """Whether the speculation policy chooses each step (`spec_policy`: measured, or auto
+        where a GPU runs the target or the draft) rather than every step speculating."""
+        setting = self.config.spec_policy
+        devices = [s.device for s in self.placement.shards] + [self.draft_device]
+        return setting == "measured" or (
+            setting == "auto" and any(d.startswith("cuda") for d in devices))
+
+    def spec_clock(self) -> tuple[int, int]:
+        """(steps sent so far, sequences decoding now): the speculation policy's clock and the
+        batch whose costs it measures (`runtime.spec_policy`)."""
+        b = self.batcher
+        return (0, 1) if b is None else (b.stats.steps, max(1, len(b.sched.running)))
+
     def spec_sampling_mode(self) -> str:
         """`spec_sampling` as it applies to this runtime's sampled requests
-        (`runtime.speculative.spec_sampling_mode`: `auto` resolved by the devices and the
-        draft's kind)."""
+        (`runtime.speculative.spec_sampling_mode`: `auto` resolved by the devices, the
+        draft's kind and the policy)."""
         devices = [s.device for s in self.placement.shards] + [self.draft_device]
         return spec_sampling_mode(self.config.spec_sampling, devices,
-                                  self.draft_info.get("kind"))
+                                  self.draft_info.get("kind"), self.policy_measures)
 
     def _give_back_context(self, context: int) -> None:
         """A draft context back among the free ones (the lowest is taken first)."""

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import jinja2
+from layersplit.runtime import warmup
 from layersplit.runtime.batching import Request as BatchRequest
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
@@ -106,6 +107,12 @@ class Engine:
         self.metrics.up.set(0)
         coord = Coordinator(self.config)
         coord.start()
+        try:  # ("ready" means the first request runs at the speed of the next ones)
+            self.reason = "warming up"
+            warmup.run(coord)
+        except BaseException:
+            coord.close()
+            raise
         coord.step_observer = lambda kind, dt: self.metrics.step_time.labels(kind).observe(dt)
         coord.batcher.step_observer = self.metrics.step_sequences.observe
         self.coord, self.tokenizer = coord, coord.tokenizer
@@ -399,6 +406,7 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
+            self.metrics.observe_policy(coord.spec_policy)
         if not a.job.cancelled and req.use_cache and req.n == 1 and coord.cache is not None:
             self._keep_turn(a)  # (queued before the client can send the next turn)
         a.job.emit(("done", a.index, {
@@ -417,6 +425,10 @@ class Engine:
                                       a.progress.generated, a.progress.text)
         except jinja2.exceptions.TemplateError as e:
             log.info("the answer is not kept: the chat template cannot render it (%s)", e)
+            return
+        except Exception as e:  # noqa: BLE001 - keeping is an optimisation: the answer the
+            # client waits for must not turn into a 500 because a template or filter failed
+            log.warning("the answer is not kept: %s: %s", type(e).__name__, e)
             return
         try:
             self.coord.keep_turn(tokens)

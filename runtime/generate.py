@@ -32,6 +32,8 @@ class StepOutput:
     plp: list | None = None  # logprobs of a prompt chunk's next tokens (StepRequest.plp)
     error: str | None = None  # why this sequence's part of the step failed (its logits went
     # non-finite, `shards.finite`): it gets no token, the step's other sequences do
+    kept_logits: np.ndarray | None = None  # float32 (accepted, vocab), when asked: the rows
+    # a verify step's kept draft tokens were drawn from, in order (`logits`: the last token's)
 
 
 class Engine(Protocol):
@@ -71,6 +73,10 @@ class GenerationResult:
     cached_tokens: int = 0
     cache_tier: str = "none"
     acceptance_length: float | None = None
+    spec_rounds: int | None = None  # verify steps (None without a draft)
+    spec_off_steps: int | None = None  # decode steps the speculation policy ran plainly
+    spec_sizes: dict[str, int] | None = None  # draft tokens a verify step proposed (tree
+    # nodes, or chain depth) -> verify steps that proposed that many
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,7 +98,8 @@ class Progress:
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each came out
     logits: list[np.ndarray] | None = None  # set to [] to record, for each token the sequence
     # drew (a stop token included), the float32 logits it was drawn from: tests compare them
-    # position by position (`sequence_program`'s on_logits; not with speculation)
+    # position by position (`sequence_program`'s on_logits; a speculated token's are its verify
+    # row's)
     logprobs: list = dataclasses.field(default_factory=list)  # an entry per token sampled
     # (stop tokens included), when asked for (`shards.sampling.logprob_entries`)
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # of prompt tokens 1..
@@ -230,13 +237,10 @@ def sequence_program(
 
     `on_logits(logits)` (tests, debugging) is called with the logits each token is drawn from
     (before any logits processor), before the token is yielded; steps then return their logits
-    (by default they do not)."""
+    (by default they do not): a verify step the rows of every token it emitted."""
     n = len(prompt)
     if n == 0:
         raise ValueError("the prompt is empty")
-    if on_logits is not None and drafter is not None:
-        raise ValueError("per-token logits are not recorded with speculation (a verify step "
-                         "returns the logits of its last kept row only); run it without a draft")
     record = on_logits is not None
 
     def fields(gen: Sequence[int]) -> dict | None:
@@ -286,8 +290,9 @@ def sequence_program(
                 if ask is None:
                     drafts, tree, q = drafter.propose(seq, pos, room - 1, rows - 1)
         if ask is not None or drafts:
-            step = StepRequest([token, *drafts], pos, params, seed, draft=drafts or None,
-                               tree=tree, kept=kept, ask=ask, extra=extra, q=q)
+            step = StepRequest([token, *drafts], pos, params, seed, want_logits=record,
+                               draft=drafts or None, tree=tree, kept=kept, ask=ask, extra=extra,
+                               q=q)
             # a full proposal fits after this step, whatever it keeps: the draft may prepare it
             if context is None or context - pos - step.rows >= max(drafter.rows, drafter.block):
                 step.then = drafter.then()
@@ -298,6 +303,8 @@ def sequence_program(
             drafts, tree = drafter.delivered(out.asked)
             if not drafts:  # it ran as a plain decode step
                 kept = None
+                if record:
+                    on_logits(out.logits)
                 assert out.token is not None
                 token, pos = out.token, pos + 1
                 continue
@@ -310,9 +317,13 @@ def sequence_program(
             drafter.verified(pos, max(depths(tree)) if tree else len(drafts), out.accepted,
                              path if tree is not None else None)
             kept = rows_to_move(path)
-            for j in path:
+            for i, j in enumerate(path):
+                if record:
+                    on_logits(out.kept_logits[i])
                 yield drafts[j - 1]
                 seq.append(drafts[j - 1])
+            if record:
+                on_logits(out.logits)
         else:
             out = yield StepRequest([token], pos, params, seed, want_logits=record, kept=kept,
                                     extra=extra)
@@ -428,6 +439,7 @@ def stream_generation(
 def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> GenerationResult:
     for _ in deltas:
         pass
+    spec = progress.spec
     return GenerationResult(
         text=progress.text,
         tokens=list(progress.generated),
@@ -437,5 +449,8 @@ def collect(deltas: Iterator[Delta], progress: Progress, prompt_tokens: int) -> 
         decode_tok_s=progress.decode_tok_s,
         cached_tokens=progress.cached_tokens,
         cache_tier=progress.cache_tier,
-        acceptance_length=None if progress.spec is None else progress.spec.acceptance_length,
+        acceptance_length=None if spec is None else spec.acceptance_length,
+        spec_rounds=None if spec is None else spec.verifies,
+        spec_off_steps=None if spec is None else spec.off_steps,
+        spec_sizes=None if spec is None else {str(k): v for k, v in sorted(spec.sizes.items())},
     )

@@ -49,6 +49,21 @@ class Metrics:
                                      ["position"], registry=r)
         self.spec_verifies = Counter("layersplit_spec_verify_steps", "speculative verify steps",
                                      registry=r)
+        self.spec_off_steps = Counter("layersplit_spec_off_steps", "decode steps of "
+                                      "sequences that could speculate, run plainly by the "
+                                      "speculation policy (spec_policy)", registry=r)
+        self.spec_rounds_by_size = Counter("layersplit_spec_rounds", "verify steps, by the "
+                                           "draft tokens they proposed (tree nodes or chain "
+                                           "depth)", ["size"], registry=r)
+        self.spec_size = Gauge("layersplit_spec_size", "draft tokens the speculation policy "
+                               "chose last, by batch-size bucket (0: speculation off)",
+                               ["batch"], registry=r)
+        self.spec_probes = Gauge("layersplit_spec_policy_probes", "probes the speculation "
+                                 "policy ran while speculation was off (since start)",
+                                 registry=r)
+        self.spec_switches = Gauge("layersplit_spec_policy_switches", "decisions of the "
+                                   "speculation policy that changed the size or turned "
+                                   "speculation on or off (since start)", registry=r)
         self.spec_draft_s = Counter("layersplit_spec_draft_seconds", "time spent waiting for "
                                     "draft proposals", registry=r)
         self.spec_verify_s = Counter("layersplit_spec_verify_seconds", "time spent in verify "
@@ -89,6 +104,16 @@ class Metrics:
         self.preemptions.labels("reprefill").inc(s.reprefills - reprefills)
         self._seen = (s.swapped_out, s.reprefills, batcher)
 
+    def observe_policy(self, policy) -> None:
+        """The speculation policy's decisions (`runtime.spec_policy.SpecPolicy`; None: every
+        step speculates)."""
+        if policy is None:
+            return
+        for b, size in policy.stats.size.items():
+            self.spec_size.labels(str(b)).set(size)
+        self.spec_probes.set(policy.stats.probes)
+        self.spec_switches.set(policy.stats.switches)
+
     def observe_speculation(self, spec) -> None:
         """One request's `runtime.speculative.SpecStats`."""
         if spec.acceptance_length is not None:
@@ -97,5 +122,8 @@ class Metrics:
             self.spec_proposed.labels(str(j)).inc(p)
             self.spec_accepted.labels(str(j)).inc(a)
         self.spec_verifies.inc(spec.verifies)
+        self.spec_off_steps.inc(spec.off_steps)
+        for size, n in spec.sizes.items():
+            self.spec_rounds_by_size.labels(str(size)).inc(n)
         self.spec_draft_s.inc(spec.draft_s)
         self.spec_verify_s.inc(spec.verify_s)

@@ -208,7 +208,7 @@ def parse(body: Any, kind: str, served_model: str, limits: Limits = Limits()) ->
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise RequestError("'messages' must be a non-empty list", "messages")
-        messages = [_message(m, i) for i, m in enumerate(msgs)]
+        messages = [chat_message(m, i) for i, m in enumerate(msgs)]
     default_max = 16 if kind == "completion" else None
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens") if kind == "chat" else ("max_tokens",):
@@ -295,7 +295,7 @@ def _text_content(content: Any, where: str) -> str:
     return content
 
 
-def _message(m: Any, i: int) -> dict[str, Any]:
+def chat_message(m: Any, i: int) -> dict[str, Any]:
     """One chat message as the template takes it: an assistant's tool calls with their
     arguments as objects (transformers' convention), a tool result with its call's id."""
     where = f"messages[{i}]"

@@ -318,8 +318,8 @@ class RayLauncher:
         self.host_id = ""  # the coordinator's Ray node, as `ipc.hosts` names hosts
 
     def start(self, plans: Sequence[ShardPlan], model: str, dtype: str, seed: int,
-              secret: bytes, deadline: float, draft: DraftLaunch | None = None
-              ) -> list[RayShard]:
+              secret: bytes, deadline: float, draft: DraftLaunch | None = None,
+              weight_format: str = "dequantize") -> list[RayShard]:
         """Reserve the bundles (waiting until `deadline` for the cluster to have room), start
         an actor and its shard process on each, and the draft process (`draft`) on the first
         shard's node; returns the shards with their addresses (the draft: `self.draft`)."""
@@ -352,6 +352,7 @@ class RayLauncher:
         for p, a, w, v in zip(plans, self.actors, wheres, vis, strict=False):
             argv = ["--model", model, "--layers", p.layers,
                     "--device", p.device if v is None else v[1], "--dtype", dtype,
+                    "--weight-format", weight_format,
                     "--index", str(p.index), "--random-seed", str(seed),
                     "--threads", str(cfg.threads or 1),
                     # its node may vanish without a TCP reset: heartbeats, as a remote shard

@@ -64,8 +64,11 @@ class ReferenceEngine:
             path, token = accept_draft(rows, list(draft), w["temperature"], w["top_k"],
                                        w["top_p"], seed, pos, tree)
             last = rows[path[-1] if path else 0]
+            src = [0, *path[:-1]]  # the rows the kept draft tokens were drawn from
             return StepOutput(token, last.cpu().numpy() if want_logits else None, len(path),
-                              list(path) if tree is not None else None)
+                              list(path) if tree is not None else None,
+                              kept_logits=rows[src].cpu().numpy() if want_logits and path
+                              else None)
         logits = self.executor.run(x, pos)[-1]
         token = None
         if sample is not None:

@@ -211,6 +211,7 @@ class RequestFlow:
                     log.info("no speculation for this request: the restored prefix carries no "
                              "draft feature rows")
                 drafter = None
+            req.plain_next = None if drafter is None else drafter.plain_next
             if req.feed is not None and not live:
                 # its rows could not make the draft's context whole, nor its snapshots carry
                 # them: the context goes back at once, for a request that can speculate

@@ -102,7 +102,7 @@ class ShardGroup:
                 proc = spawn_shard(s, addr, str(self.model_path), self.dtype,
                                    threads if s.device == "cpu" else None, self.secret,
                                    self._run_dir, cfg.random_seed, self.prestarted,
-                                   cfg.fork_cpu_processes)
+                                   cfg.fork_cpu_processes, self.weight_format)
                 self.procs.append(proc)
             if self.draft_path is not None:
                 self._spawn_draft(threads)
@@ -208,6 +208,11 @@ class ShardGroup:
                                        f"this run computes in {self.dtype}: start it with "
                                        f"--dtype {self.dtype} (or give the run --dtype "
                                        f"{sh.info.get('dtype')})")
+                theirs = sh.info.get("weight_format", "dequantize")
+                if theirs != self.weight_format:  # (a shard started by hand)
+                    raise ShardFailure(f"{_name(sh)} holds its weights {theirs} where this run "
+                                       f"holds them {self.weight_format}: start it with "
+                                       f"--weight-format {self.weight_format}")
                 if bool(sh.info.get("deterministic")) != cfg.deterministic:
                     raise ShardFailure(f"{_name(sh)} reports deterministic="
                                        f"{sh.info.get('deterministic')!r} where the run asked "
@@ -259,6 +264,8 @@ class ShardGroup:
         if self.draft is not None and not cfg.deterministic:  # (deterministic: one-row steps)
             block, tree = verify_shape(self.draft_info, cfg, self.chunk)
             rows += [block] + ([1 + tree] if tree else [])
+            if self.spec_policy is not None:  # every size the policy may choose
+                rows = sorted({*rows, *(1 + s for s in self.spec_policy.sizes)})
             # the verify steps of the sequences that speculate at once, batched
             verify_batch = min(cfg.spec_max_seqs, cfg.max_seqs)
         t0 = time.perf_counter()
@@ -271,6 +278,10 @@ class ShardGroup:
         if graphs:
             log.info("%d step graphs captured in %.1f s (capture_at_start)", graphs,
                      time.perf_counter() - t0)
+        states = [str(i.get("compile_cache", "off")) for i in self.warmed]
+        if any(st != "off" for st in states):  # (`shards.compile_cache`)
+            log.info("compile cache entries: %s", ", ".join(
+                f"shard {k} {st}" for k, st in enumerate(states)))
 
     def _start_ray(self, t0: float, threads: int | None) -> list[RayShard]:
         """launcher = "ray": place and start every shard on the Ray cluster, and the draft
@@ -284,7 +295,7 @@ class ShardGroup:
         started = self.ray.start(self.placement.shards, self.config.model, self.dtype,
                                  self.config.random_seed, self.secret,
                                  time.monotonic() + self.config.startup_timeout - (
-                                     time.perf_counter() - t0), draft)
+                                     time.perf_counter() - t0), draft, self.weight_format)
         self.host = self.ray.host_id
         return started
 

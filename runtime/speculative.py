@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from layersplit.ipc.messages import message
 from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.runtime.spec_policy import Pacer, SpecPolicy, committed_by_size, tree_ranks
 from layersplit.shards.spec_sampling import check_q
 from layersplit.shards.spec_tree import check_proposal, rows_to_move
 
@@ -37,18 +38,20 @@ def draft_taps(path: str | Path | None) -> list[int]:
     return [] if folder is None else list(read_dflash_config(folder).target_layer_ids)
 
 
-def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None) -> str:
-    """`spec_sampling` as it applies to a sampled request: `auto` is `off` for a DFlash draft
-    where the target or the draft runs on a GPU (`devices`: theirs; sampled DFlash speculation
-    there measured 0.61 x plain decoding and greedy 1.16 x, H200, 2026-11-28,
-    `bench/RESULTS.md`), else `coupled` (a classic draft's sampled proposals were not measured;
-    on CPUs speculation is for exactness, not speed). `off`: sampled requests do not speculate (they
-    still feed the draft where a context is free, so the prefixes they cache carry its feature
-    rows)."""
+def spec_sampling_mode(setting: str, devices: Sequence[str], kind: str | None,
+                       measured: bool = False) -> str:
+    """`spec_sampling` as it applies to a sampled request: `auto` is `coupled` where the
+    speculation policy measures (`measured`: it turns speculation off where it does not pay,
+    for sampled requests apart from greedy ones); else `off` for a DFlash draft where the
+    target or the draft runs on a GPU (`devices`: theirs; sampled DFlash speculation there
+    measured 0.61 x plain decoding and greedy 1.16 x, H200, 2026-11-28, `bench/RESULTS.md`),
+    else `coupled` (a classic draft's sampled proposals were not measured; on CPUs speculation
+    is for exactness, not speed). `off`: sampled requests do not speculate (they still feed the
+    draft where a context is free, so the prefixes they cache carry its feature rows)."""
     if setting != "auto":
         return setting
     gpu = any(d.startswith("cuda") for d in devices)
-    return "off" if gpu and kind == "dflash" else "coupled"
+    return "off" if gpu and kind == "dflash" and not measured else "coupled"
 
 
 def tree_size(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> int:
@@ -85,6 +88,9 @@ class SpecStats:
     verdict_lag_s: float = 0.0
     request_lag_s: float = 0.0
     ready_lead_s: float = 0.0
+    off_steps: int = 0  # plain decode steps the policy chose (`runtime.spec_policy`)
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # draft tokens verified
+    # (a tree's nodes, a chain's depth) -> verify steps that proposed that many
     draft_s: float = 0.0  # proposals, as the coordinator waits for them
     draft_compute_s: float = 0.0  # of which the draft process computed
     verify_s: float = 0.0
@@ -115,6 +121,9 @@ class SpecStats:
     def merge(self, other: SpecStats) -> None:
         self.verifies += other.verifies
         self.committed += other.committed
+        self.off_steps += other.off_steps
+        for size, n in other.sizes.items():
+            self.sizes[size] = self.sizes.get(size, 0) + n
         self.off_chain += other.off_chain
         self.prepared += other.prepared
         self.tokens_sent += other.tokens_sent
@@ -142,12 +151,16 @@ class DraftHost(Protocol):
     draft_down: str | None  # why it is gone
     draft_info: dict[str, Any]
     push_drafts: bool
+    spec_policy: SpecPolicy | None
+    # (`spec_clock`: steps sent so far and sequences decoding, the policy's clock and batch;
+    # `spec_policy`: the policy under `spec_policy` auto or measured, None when always on)
 
     @property
     def feeding(self) -> bool: ...
     def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]: ...
     def feat_sid(self, context: int) -> int: ...
     def fail(self, why: str, keep_running: bool = False) -> ShardFailure: ...
+    def spec_clock(self) -> tuple[int, int]: ...
 
 
 class DraftClient:
@@ -167,6 +180,13 @@ class DraftClient:
         # tree of up to `tree` draft tokens where the draft has a tree shape
         self.block, self.tree = verify_shape(info, coord.config, coord.chunk)
         self.rows = 1 + self.tree if self.tree else self.block
+        # under the policy each step's size (tree nodes, or chain depth) is chosen, else the
+        # whole tree or chain; the size of the step at a position: (pos, size)
+        self.full = self.tree or self.block - 1
+        policy = coord.spec_policy
+        self.pacer = None if policy is None or self.full < 1 else Pacer(policy, sample is not None)
+        self._size_at: tuple[int, int] | None = None
+        self.shape = info.get("tree_shape")
         # (position of the next proposal, tree rows the last verify kept): the draft moves them
         self.kept: tuple[int, list[int]] | None = None
         self.vocab = coord.model_config.vocab_size
@@ -176,9 +196,31 @@ class DraftClient:
         # position of the one it prepares now (after a step that told it `then`), else None
         self.push = coord.push_drafts and self.kind == "dflash"
         self._told = False  # the step in flight told the draft `then`
+        self._then: tuple[int, int] | None = None  # (depth, tree) of the proposal it prepares
         self._pushed_at: int | None = None
         self._t_proposed = 0.0
         self._t_verified = 0.0
+
+    def _size(self, pos: int) -> int:
+        """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
+        if self._size_at is not None and self._size_at[0] == pos:
+            return self._size_at[1]
+        size = self.full
+        if self.pacer is not None:
+            clock, batch = self.coord.spec_clock()
+            size = self.pacer.step(pos, batch, clock, time.perf_counter())
+            if size == 0:
+                self.stats.off_steps += 1
+        self._size_at = (pos, size)
+        return size
+
+    def _shape(self, size: int, n: int, rows: int) -> tuple[int, int]:
+        """(depth, tree nodes) of a proposal of `size` draft tokens with `n` positions and
+        `rows` draft rows of room: a whole tree or a chain (a tree cut to fit the context's end
+        would be a new shape of verify step: a graph, a compilation, for a handful of steps)."""
+        if self.tree:
+            return n, size if rows >= size else 0
+        return min(n, size), 0
 
     def begin(self) -> None:
         """A new sequence: the draft forgets the last one."""
@@ -201,6 +243,10 @@ class DraftClient:
                 rows: int) -> tuple[list[int], list[int] | None, list | None]:
         if not self.active:
             return [], None, None
+        size = self._size(pos)
+        if size == 0:
+            return [], None, None
+        n, tree = self._shape(size, n, rows)
         t0 = time.perf_counter()
         frames = []
         start = 0
@@ -209,9 +255,6 @@ class DraftClient:
             frames = [np.asarray(seq[start:pos], dtype=np.int64)]
             self.stats.tokens_sent += pos - start
         try:
-            # a whole tree or a chain: a tree cut to fit the context's end would be a new
-            # shape of verify step (a graph, a compilation) for a handful of steps
-            tree = self.tree if self.tree and rows >= self.tree else 0
             kept = self.kept[1] if self.kept is not None and self.kept[0] == pos else None
             self.kept = None
             t_sent = time.monotonic()
@@ -228,6 +271,8 @@ class DraftClient:
                 raise DraftError(f"the draft proposed {e}") from e
         except (DraftLost, DraftError) as e:
             self._stop(e)
+            if self.pacer is not None:
+                self.pacer.missed()
             return [], None, None
         now = time.perf_counter()
         self.stats.draft_s += now - t0
@@ -244,11 +289,13 @@ class DraftClient:
         return tokens, parents, q
 
     def ask(self, pos: int, n: int, rows: int) -> dict | None:
-        if not self.active or not self.push or self._pushed_at != pos or \
-                not self.coord.feeding:
+        if not self.active:
             return None
-        tree = self.tree if self.tree and rows >= self.tree else 0
-        if n != self.block - 1 or tree != self.tree:  # not the proposal the draft prepares
+        size = self._size(pos)
+        if size == 0 or not self.push or self._pushed_at != pos or not self.coord.feeding:
+            return None
+        n, tree = self._shape(size, n, rows)
+        if (n, tree) != self._then:  # not the proposal the draft prepares
             return None
         self._t_proposed = time.perf_counter()
         self.kept = None  # the draft moved the kept rows when it prepared the proposal
@@ -268,6 +315,8 @@ class DraftClient:
         self.stats.draft_s += asked["waited"]
         self._t_proposed += asked["waited"]  # (the wait is the draft's, not the verify's)
         if asked["missed"] is not None:
+            if self.pacer is not None:
+                self.pacer.missed()
             why = f"the first shard got no proposal: {asked['missed']}"
             self._stop(DraftLost(why) if self.coord.draft is None else DraftError(why))
             return [], None
@@ -286,6 +335,17 @@ class DraftClient:
         self._t_verified = time.monotonic()
         self.stats.verify_s += time.perf_counter() - self._t_proposed
         self.stats.add(proposed, accepted)
+        size = self._size_at[1] if self._size_at is not None and self._size_at[0] == pos else 0
+        self.stats.sizes[size] = self.stats.sizes.get(size, 0) + 1
+        if self.pacer is not None and size:
+            ranks = list(range(accepted))  # a chain's kept rows: depths 1..accepted
+            if self.tree and self.shape:  # (a tree of a chain's shape came with no path)
+                prio = tree_ranks(self.shape, size, self.block - 1)
+                ranks = [prio[j - 1] for j in (path or range(1, accepted + 1))]
+            elif self.tree:  # (a tree proposal without a known shape: only its own size)
+                ranks = [0] * accepted
+            sizes = self.pacer.policy.sizes if self.shape or not self.tree else [size]
+            self.pacer.ran(size, pos + accepted + 1, committed_by_size(sizes, size, ranks))
         moving = rows_to_move(path)
         if moving is not None:
             self.kept = (pos + accepted + 1, moving)
@@ -293,8 +353,30 @@ class DraftClient:
         if self.kind == "classic":  # its rows [pos, pos + kept] were computed from kept tokens
             self.start = pos + min(accepted, proposed - 1) + 1
 
+    def plain_next(self) -> bool:
+        """Whether the step after the one in flight is a plain decode step (decided now, under
+        the policy: the batch may send it ahead, `runtime.batching`)."""
+        if not self.active:
+            return True
+        if self.pacer is None:
+            return False
+        if self.pacer.told is None:  # (the step in flight is counted: the next goes at clock)
+            clock, batch = self.coord.spec_clock()
+            self.pacer.plan_next(batch, clock)
+        return self.pacer.told == 0
+
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":
             return None
+        size = self.full
+        if self.pacer is not None:
+            clock, batch = self.coord.spec_clock()
+            size = self.pacer.plan_next(batch, clock + 1)
+            if size == 0 and not self.tree:
+                return None
+            if size == 0:  # the next step is plain, but the draft moves the tree rows this
+                # step keeps into place as it prepares a proposal (one left unused)
+                size = self._size_at[1] if self._size_at is not None else self.full
         self._told = self.push
-        return {"n": self.block - 1, "tree": self.tree, "push": self.push}
+        self._then = self._shape(size, self.block - 1, self.full)
+        return {"n": self._then[0], "tree": self._then[1], "push": self.push}

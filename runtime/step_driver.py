@@ -173,12 +173,14 @@ class StepDriver:
                              f"{nseg} sequences")
         outs, row = [], 0
         for o in msg["outs"]:
-            lg = None
-            if o["logits"]:
-                if logits is None or row >= len(logits):
+            lg = kept_lg = None
+            if o["logits"]:  # a row per token emitted: kept draft tokens' rows, then the last
+                n = 1 + (o["accepted"] if isinstance(o["accepted"], int) else 0)
+                if logits is None or row + n > len(logits):
                     raise self.fail("the last shard sent a result without its logits")
-                lg = logits[row].numpy().copy()
-                row += 1
+                lg = logits[row + n - 1].numpy().copy()
+                kept_lg = logits[row:row + n - 1].numpy().copy() if n > 1 else None
+                row += n
             path = o["path"]
             if path is not None and (len(path) != o["accepted"] or not all(
                     isinstance(j, int) for j in path)):
@@ -189,7 +191,7 @@ class StepDriver:
                 raise self.fail("the last shard returned an outcome with both a token and an "
                                 "error, or an error that is not text")
             outs.append(StepOutput(o["token"], lg, o["accepted"], path, o["asked"], o["lp"],
-                                   o["plp"], err))
+                                   o["plp"], err, kept_lg))
         if logits is not None and row != len(logits):
             raise self.fail(f"the last shard returned {len(logits)} logits rows for {row}")
         return outs

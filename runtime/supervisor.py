@@ -35,6 +35,7 @@ from layersplit.runtime.handover import ARGV_ON_STDIN
 from layersplit.runtime.model_store import home
 from layersplit.runtime.placement import ShardPlan
 from layersplit.runtime.zygote import ForkedProcess, ZygoteError, zygote
+from layersplit.shards.compile_cache import ROOT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -157,14 +158,16 @@ def _hand_over(ready: list[Prestarted], device: str, argv: list[str],
 
 def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: int | None,
                 secret: bytes, run_dir: Path, seed: int = 0,
-                ready: list[Prestarted] | None = None, fork: bool = False) -> LocalProcess:
+                ready: list[Prestarted] | None = None, fork: bool = False,
+                weight_format: str = "dequantize") -> LocalProcess:
     """Start a shard process (or hand its arguments to one of `ready`, `prestart_shards`;
     `fork`: a CPU one from the zygote, `runtime.zygote`)."""
     error_file = run_dir / f"shard{plan.index}.error"
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", "--listen", listen,
            "--model", model, "--layers", plan.layers, "--device", plan.device, "--dtype", dtype,
            "--parent-pid", str(os.getpid()), "--index", str(plan.index),
-           "--error-file", str(error_file), "--random-seed", str(seed)]
+           "--error-file", str(error_file), "--random-seed", str(seed),
+           "--weight-format", weight_format]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = _hand_over(ready, plan.device, cmd[3:], secret) if ready else None
@@ -175,11 +178,12 @@ def spawn_shard(plan: ShardPlan, listen: str, model: str, dtype: str, threads: i
 
 
 def compile_cache_env() -> dict[str, str]:
-    """torch.compile's (inductor's) and Triton's on-disk caches (kernels and autotuning
-    results) under the layersplit home
-    (`$LAYERSPLIT_HOME/compile`, made 0700: compiled code is run from there), so that a second
-    start loads the kernels the first one compiled instead of compiling them again (the
-    defaults live under /tmp, shared and cleared on reboot). {} where it cannot be made."""
+    """The root of the compile caches (torch.compile's (inductor's) and Triton's: kernels and
+    autotuning results) under the layersplit home (`$LAYERSPLIT_HOME/compile`, made 0700:
+    compiled code is run from there), so that a second start loads the kernels the first one
+    compiled instead of compiling them again (the defaults live under /tmp, shared and cleared on
+    reboot). Each process picks its key's directory in it (`shards.compile_cache`: versions and
+    GPU model). {} where it cannot be made."""
     root = (home() / "compile").resolve()  # (the shard may run from another directory)
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -191,8 +195,7 @@ def compile_cache_env() -> dict[str, str]:
     # (TRITON_CACHE_AUTOTUNING: the autotuned kernels' choices too, such as fla-core's gated
     # delta rule's, which a hybrid model's first prefill otherwise spends ~35 s choosing anew
     # in every new process)
-    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-            "TRITON_CACHE_DIR": str(root / "triton"), "TRITON_CACHE_AUTOTUNING": "1"}
+    return {ROOT_ENV: str(root), "TRITON_CACHE_AUTOTUNING": "1"}
 
 
 def shard_env(secret: bytes, device: str) -> dict[str, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from layersplit.runtime.openai_api import chat_message
 from layersplit.runtime.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
@@ -31,8 +32,11 @@ def next_turn_tokens(tokenizer: TextTokenizer | None, req: ParsedRequest,
     """The tokens the conversation's next request starts with: for a chat, the messages and
     the answer rendered by the chat template as they will be next turn (the answer's end of
     turn included, the re-tokenized text where it differs from the sampled tokens); for a
-    completion, the prompt and the tokens generated."""
+    completion, the prompt and the tokens generated. The answer is parsed as the next request
+    will parse it (`chat_message`: tool-call arguments as objects, no null content), not
+    rendered in its response form."""
     if req.kind != "chat" or tokenizer is None or req.messages is None:
         return [*prompt_ids, *generated]
-    messages = [*req.messages, assistant_message(text, req.parses_tool_calls)]
+    answer = chat_message(assistant_message(text, req.parses_tool_calls), len(req.messages))
+    messages = [*req.messages, answer]
     return tokenizer.encode_chat(messages, tools=req.tools, add_generation_prompt=False)

@@ -14,6 +14,7 @@ from layersplit.shards.model_config import ModelConfig
 from layersplit.shards.models import LayerRange
 from layersplit.shards.models.qwen3_5 import HybridRange
 from layersplit.shards.models.registry import family_module
+from layersplit.shards.quant_load import install_kept, kept_tensors, load_kept
 from layersplit.shards.weights import range_tensor_shapes
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,11 @@ def load_layer_range(
     end: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    weights: str = "dequantize",
 ) -> LayerRange:
-    """Build layers [start, end) of `ckpt`, reading only the tensors that range needs."""
+    """Build layers [start, end) of `ckpt`, reading only the tensors that range needs.
+    `weights`: "dequantize" (every tensor in `dtype`) or "quantized" (a GGUF file's linear
+    weights kept in their blocks: `shards.quant_load`)."""
     cfg = ckpt.config
     if not 0 <= start < end <= cfg.num_layers:
         raise CheckpointError(
@@ -72,10 +76,15 @@ def load_layer_range(
         )
     t0 = time.perf_counter()
     shapes = range_tensor_shapes(cfg, start, end)
+    if weights not in ("dequantize", "quantized"):
+        raise ValueError(f"weights={weights!r}: expected 'dequantize' or 'quantized'")
+    kept = kept_tensors(ckpt, cfg, shapes) if weights == "quantized" else {}
+    blocks = load_kept(ckpt, cfg, shapes, kept, device) if kept else {}
+    rest = {k: v for k, v in shapes.items() if k not in kept}
     # tensors the family keeps in float32 whatever the run dtype (as transformers does)
     keep = getattr(family_module(cfg), "FLOAT32_TENSORS", ()) if dtype != torch.float32 else ()
-    f32 = {k: v for k, v in shapes.items() if keep and k.endswith(keep)}
-    tensors = read_tensors(ckpt, cfg, {k: v for k, v in shapes.items() if k not in f32}, dtype,
+    f32 = {k: v for k, v in rest.items() if keep and k.endswith(keep)}
+    tensors = read_tensors(ckpt, cfg, {k: v for k, v in rest.items() if k not in f32}, dtype,
                            device)
     if f32:
         tensors.update(read_tensors(ckpt, cfg, f32, torch.float32, device))
@@ -83,16 +92,18 @@ def load_layer_range(
         model = LayerRange(cfg, start, end) if cfg.hybrid is None else HybridRange(cfg, start, end)
     state = {model.local_name(k): v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = set(missing) - {model.local_name(k) for k in kept}
     if missing or unexpected:  # a bug in the name tables, not bad input
         raise RuntimeError(f"internal name mismatch: missing={missing} unexpected={unexpected}")
+    install_kept(model, blocks, kept, dtype)
     if cfg.hybrid is None:  # buffers are not in the state dict
         model.init_rope()
     else:
         model.inv_freq = model.rope_inv_freq()
     model.to(device).eval().requires_grad_(False)
     log.info(
-        "loaded layers %d:%d of %s (%d tensors, %.1f s)",
-        start, end, ckpt.path.name, len(shapes), time.perf_counter() - t0,
+        "loaded layers %d:%d of %s (%d tensors, %d kept quantized, %.1f s)",
+        start, end, ckpt.path.name, len(shapes), len(kept), time.perf_counter() - t0,
     )
     return model
 

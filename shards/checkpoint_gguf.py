@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): architecture from the header, tensors dequantized to the run dtype.
+"""GGUF files (llama.cpp): architecture from the header, tensors dequantized to the run dtype,
+or the linear layers' weights kept in their blocks (`load_blocks`, `shards.quant_blocks`).
 
 llama.cpp stores the rows of `attn_q` / `attn_k` of llama-architecture models permuted for its
 rotary layout; `load` undoes that per head so the HF-style rotary in `shards.model` applies.
@@ -20,6 +21,7 @@ from layersplit.shards.gguf_hybrid import (
     tensor_source,
 )
 from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.quant_blocks import KEPT_TYPES
 
 try:
     import gguf
@@ -243,6 +245,56 @@ class GGUFFile:
         except Exception as e:
             raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
         return np.asarray(w, dtype=np.float32).reshape(shape)
+
+    def kept_type(self, canonical: str) -> str | None:
+        """The block type (`quant_blocks.KEPT_TYPES`) of the stored tensor of `canonical`, a
+        linear layer's weight; None where it is stored as floats (F32/F16/BF16). A quantized
+        type that is not kept, or a hybrid architecture's file, is refused by name."""
+        if self.hybrid:
+            raise CheckpointError(
+                f"{self.path}: keeping weights quantized is not implemented for the {self.arch} "
+                "architecture; use weight_format = \"dequantize\"")
+        t = self.tensors.get(gguf_name(canonical))
+        if t is None:
+            return None  # (missing: `load` names it)
+        try:
+            qtype = Q(t.type)
+        except ValueError:
+            return None  # (unknown: `load` names it)
+        if qtype in (Q.F32, Q.F16, Q.BF16):
+            return None
+        if qtype.name not in KEPT_TYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {t.name!r} has type {qtype.name}, which is not kept "
+                f"quantized (kept: {', '.join(KEPT_TYPES)}); use weight_format = \"dequantize\"")
+        return qtype.name
+
+    def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The stored blocks of quantized tensors as uint8 rows (rows, row_bytes), copied out
+        of the file (3-D experts' rows stacked by expert; llama's q/k rows un-permuted, whole
+        rows at a time)."""
+        out: dict[str, torch.Tensor] = {}
+        cache: dict[str, torch.Tensor] = {}
+        for name, src in sources.items():
+            if src not in cache:
+                gname = gguf_name(src)
+                t = self.tensors[gname]
+                qtype = Q(t.type).name
+                shape = shapes[name]  # (rows, k), or (experts, rows, k)
+                got = tuple(int(x) for x in reversed(t.shape))
+                if got != shape:
+                    raise CheckpointError(f"{self.path}: tensor {gname!r} has shape {got}, "
+                                          f"expected {shape} from the header")
+                rows, k = int(np.prod(shape[:-1])), shape[-1]
+                b = self.header.raw(t).reshape(rows, KEPT_TYPES[qtype].row_bytes(k))
+                if self.arch == "llama" and src.endswith("self_attn.q_proj.weight"):
+                    b = unpermute_rows(b, self.config.num_heads)
+                elif self.arch == "llama" and src.endswith("self_attn.k_proj.weight"):
+                    b = unpermute_rows(b, self.config.num_kv_heads)
+                cache[src] = torch.tensor(np.ascontiguousarray(b), device=device)
+            out[name] = cache[src]
+        return out
 
     def load(
         self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,

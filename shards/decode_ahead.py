@@ -80,10 +80,11 @@ class UnsentResults:
         self.queue.clear()
 
 
-def deferrable(seqs: Sequence[dict[str, Any]], fed: bool) -> bool:
+def deferrable(seqs: Sequence[dict[str, Any]]) -> bool:
     """Whether a step's result may wait for its tokens on the device: every segment samples one
-    token plainly (no draft, logprobs or logits processors) and none feeds the draft."""
-    return not fed and all(
+    token plainly (no draft, logprobs or logits processors). A segment may feed the draft: its
+    rows went before the sampling, and a plain segment has no verdict."""
+    return all(
         seg["sample"] is not None and seg["draft"] is None and seg["plp"] is None
         and seg["sample"].get("lp") is None and not has_processors(seg["sample"])
         and not seg["sample"].get("late_mask") and seg["then"] is None for seg in seqs)

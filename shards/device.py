@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import torch
+from layersplit.shards import compile_cache
 
 
 def use_device(device: str, threads: int | None) -> torch.device:
-    """Make `device` this process's current device (and cap torch's threads)."""
+    """Make `device` this process's current device (and cap torch's threads), and point its
+    compilers at the compile cache of its key (`shards.compile_cache.use`; before anything
+    compiles)."""
     dev = torch.device(device)
     if threads:
         torch.set_num_threads(threads)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    compile_cache.use(device)
     return dev
 
 

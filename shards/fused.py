@@ -41,6 +41,12 @@ from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_atten
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
 from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.quant_linear import (
+    QuantLinear,
+    gemv_takes,
+    is_quantized,
+    module_gemv,
+)
 from layersplit.shards.lazy_compile import compiled_on_first_call
 from layersplit.shards.paged_kv import PagedKVCache
 
@@ -132,6 +138,22 @@ HEAD_GEMV_ROWS = 32  # rows up to which the LM head takes the GEMV kernels (meas
 HEAD_GEMV_MAX_K = 1024  # ... for a hidden size up to this (measured: 576)
 
 
+# the most rows of a step whose projections kept quantized take the GEMV (`kernels.
+# quant_gemv.MAX_ROWS`; more: the layer's own modules)
+QUANT_GEMV_ROWS = 16
+
+
+def _kept(layer) -> bool:
+    """Whether a layer holds weights kept quantized (`fuse_projections` marks it)."""
+    return getattr(layer, "kept_quantized", False)
+
+
+def _weight(module):
+    """What `_gemv` takes for a projection: an `nn.Linear`'s weight, or a module kept
+    quantized itself (`quant_linear.module_gemv`)."""
+    return module.weight if type(module) is torch.nn.Linear else module
+
+
 class GemvError(RuntimeError):
     """A GEMV kernel (`kernels.gemv`) failed on `rows` rows: what turns them, and only them,
     off (the few-rows kernel's failure only the few-rows kernel: `gemv_rows` back to 1)."""
@@ -146,7 +168,11 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, **kwargs) -> torch.Tensor:
     from layersplit.shards.kernels import gemv  # (Triton: imported where it runs)
 
     try:
-        return gemv.gemv(x, w, **kwargs)
+        if isinstance(w, torch.Tensor):
+            return gemv.gemv(x, w, **kwargs)
+        kwargs.pop("head", None)
+        kwargs.pop("bias", None)  # (a module kept quantized holds its own)
+        return module_gemv(x, w, **kwargs)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:
@@ -211,6 +237,9 @@ class FusedDecode:
             self.kernels = fused_kernels_available(h.device)
         if self.kernels:
             return self._run_kernels(stages, layer, h, cos, sin, kv, index, slot, step)
+        if _kept(layer):  # (weights kept quantized: the compiled stages read plain weights)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, index, slot, step)
+            return h + layer.mlp(layer.post_attention_layernorm(h))
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
         q, k, v = stages.pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
@@ -234,7 +263,8 @@ class FusedDecode:
         """Whether a step on the kernels runs through the GEMV kernels: at most `gemv_rows`
         rows, a dense layer, the GEMV kernels on (`gemv`)."""
         return bool(self.kernels) and self.gemv and h.shape[0] <= self.gemv_rows and \
-            h.is_contiguous() and not hasattr(layer.mlp, "experts")
+            h.is_contiguous() and not hasattr(layer.mlp, "experts") and \
+            (h.shape[0] <= QUANT_GEMV_ROWS or not _kept(layer))
 
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; few rows through the GEMV
@@ -246,7 +276,7 @@ class FusedDecode:
         few_rows = self._gemv_takes(layer, h)
         if few_rows:
             self._normed = None
-            qkv = _gemv(h, a.qkv_proj.weight, bias=a.qkv_proj.bias,
+            qkv = _gemv(h, _weight(a.qkv_proj), bias=getattr(a.qkv_proj, "bias", None),
                         norm=(layer.input_layernorm.weight, eps))
         else:
             qkv = self._qkv(layer, h)
@@ -272,10 +302,10 @@ class FusedDecode:
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         if few_rows:
-            h = _gemv(attn, a.o_proj.weight, residual=h)
-            act = _gemv(h, m.gate_up_proj.weight, gate_up=True,
+            h = _gemv(attn, _weight(a.o_proj), residual=h)
+            act = _gemv(h, _weight(m.gate_up_proj), gate_up=True,
                         norm=(layer.post_attention_layernorm.weight, eps))
-            return _gemv(act, m.down_proj.weight, residual=h)
+            return _gemv(act, _weight(m.down_proj), residual=h)
         return self._dense_rest(layer, h, attn, eps)
 
     def head(self, model, h):
@@ -286,14 +316,18 @@ class FusedDecode:
         head's kernel failed: `head_gemv`, apart from the layers' `gemv`)."""
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
-        w = model.lm_head.weight
+        head = model.lm_head
+        kept = isinstance(head, QuantLinear)  # (kept quantized: its blocks, any layout)
+        w = head if kept else head.weight
         # (the few-rows head beyond the layers' `gemv_rows` was measured on a hidden of 576)
-        rows = self.head_rows if w.shape[1] <= HEAD_GEMV_MAX_K else \
+        rows = self.head_rows if head.in_features <= HEAD_GEMV_MAX_K else \
             min(self.gemv_rows, self.head_rows)
+        if kept:
+            rows = min(rows, QUANT_GEMV_ROWS)
         if not self.kernels or not self.gemv or not self.head_gemv or \
                 h.shape[0] > rows or not h.is_contiguous() or \
-                type(model.norm) is not RMSNorm or w.dtype != h.dtype or \
-                w.stride() != (w.shape[1], 1):
+                type(model.norm) is not RMSNorm or \
+                not kept and (w.dtype != h.dtype or w.stride() != (w.shape[1], 1)):
             return None
         try:
             return _gemv(h, w, norm=(model.norm.weight, model.norm.eps), out_dtype=torch.float32,
@@ -329,7 +363,7 @@ class FusedDecode:
         normed, self._normed = self._normed, None
         x = normed[1] if normed is not None and normed[0] is h else \
             row_ops.rms_norm_rows(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        return F.linear(x, a.qkv_proj.weight, a.qkv_proj.bias)
+        return a.qkv_proj(x)
 
     def _dense_rest(self, layer, h, attn, eps: float):
         """A dense layer after attention through the row kernels (`shards.kernels.row_ops`),
@@ -339,10 +373,10 @@ class FusedDecode:
 
         a, m = layer.self_attn, layer.mlp
         nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
-        h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
-                                    layer.post_attention_layernorm.weight, eps)
-        act = row_ops.silu_mul(F.linear(x, m.gate_up_proj.weight))
-        out, nxt = row_ops.add_rms_norm(h, F.linear(act, m.down_proj.weight), nxt_w, nxt_eps)
+        h, x = row_ops.add_rms_norm(h, a.o_proj(attn), layer.post_attention_layernorm.weight,
+                                    eps)
+        act = row_ops.silu_mul(m.gate_up_proj(x))
+        out, nxt = row_ops.add_rms_norm(h, m.down_proj(act), nxt_w, nxt_eps)
         if nxt is not None:
             self._normed = (out, nxt)
         return out
@@ -393,7 +427,7 @@ class FusedDecode:
         if not self.prefill_kernels:
             return
         a = layer.self_attn
-        w = a.qkv_proj.weight
+        w = layer.input_layernorm.weight  # (the run's dtype and device)
         if self.kernels is None:
             self.kernels = fused_kernels_available(w.device)
         if not self.kernels:
@@ -402,7 +436,7 @@ class FusedDecode:
         try:
             from layersplit.shards.kernels import row_ops
 
-            qkv = torch.zeros(2, w.shape[0], dtype=w.dtype, device=w.device)
+            qkv = torch.zeros(2, a.qkv_proj.out_features, dtype=w.dtype, device=w.device)
             cos = torch.zeros(2, d, dtype=w.dtype, device=w.device)
             row_ops.rope_qk(qkv, cos, cos, a.num_heads, a.num_kv_heads,
                             None if a.q_norm is None else a.q_norm.weight,
@@ -415,7 +449,7 @@ class FusedDecode:
             row_ops.add_rms_norm(h, h, None, 0.0)
             gate_up = getattr(layer.mlp, "gate_up_proj", None)  # (a dense MLP, fused)
             if gate_up is not None:
-                row_ops.silu_mul(torch.zeros(2, gate_up.weight.shape[0], dtype=w.dtype,
+                row_ops.silu_mul(torch.zeros(2, gate_up.out_features, dtype=w.dtype,
                                              device=w.device))
         except Exception as e:  # noqa: BLE001 - eager steps run the torch layers
             log.warning("the Triton prefill kernels failed at start (%s: %s); eager steps run "
@@ -439,8 +473,8 @@ class FusedDecode:
                           for part_slot, part, lo, hi in step.parts]) if step.parts else \
             self._attend(a, q, k, v, kv, index, slot, step)
         if hasattr(layer.mlp, "experts"):  # a sparse MLP: the add + norm kernel, then its own
-            h, x = row_ops.add_rms_norm(h, F.linear(attn, a.o_proj.weight),
-                                        layer.post_attention_layernorm.weight, eps)
+            h, x = row_ops.add_rms_norm(h, a.o_proj(attn), layer.post_attention_layernorm.weight,
+                                        eps)
             return h + layer.mlp(x)
         return self._dense_rest(layer, h, attn, eps)
 
@@ -479,14 +513,25 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
     layers = list(model.layers)
     # the Llama layout, its MLP dense or sparse (`shards.fused_moe`); other families: their own
     ok = [type(layer) in (llama.DecoderLayer, moe_llama.DecoderLayer) for layer in layers]
-    for layer, fuse in zip(layers, ok):
+    for i, (layer, fuse) in enumerate(zip(layers, ok)):
         if fuse:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-            layer.fast = fast
+            # weights kept quantized (`shards.quant_load`): the fused step where the GEMV of
+            # `kernels.quant_gemv` takes every projection of a dense layer, else the layer's
+            # own modules
+            layer.kept_quantized = any(is_quantized(m) for m in layer.modules())
+            if layer.kept_quantized:
+                a, m = layer.self_attn, layer.mlp
+                ok[i] = not hasattr(m, "experts") and fast.kernels is not False and \
+                    gemv_takes(a.qkv_proj) and gemv_takes(a.o_proj) and \
+                    gemv_takes(m.gate_up_proj, gate_up=True) and gemv_takes(m.down_proj)
+            if ok[i]:
+                layer.fast = fast
         elif hasattr(layer, "fuse_weights"):  # unfused, but its weights in the GPU layout
             layer.fuse_weights()
-    unfused = [layer for layer, fuse in zip(layers, ok) if not fuse]
+    unfused = [layer for layer in layers
+               if type(layer) not in (llama.DecoderLayer, moe_llama.DecoderLayer)]
     if unfused:  # (said at start: which layers take the eager torch path, and why)
         log.info("%d of %d layers (%s) run unfused: %s", len(unfused), len(layers),
                  type(unfused[0]).__module__.rsplit(".", 1)[-1],

@@ -74,6 +74,16 @@ LINEAR_BUCKETS = 16
 BUCKETS_PER_DOUBLING = 8
 
 
+def warm_left(elapsed: float, done: int, total: int, estimate_s: float | None) -> float:
+    """Seconds a warm-up of `total` captures has left after `done` in `elapsed` seconds: at the
+    pace so far (the first captures also compile, so it overestimates), capped by what is left
+    of `estimate_s` (an earlier warm-up's time, compiles included) where there is one."""
+    pace = elapsed / max(done, 1) * max(total - done, 0)
+    if estimate_s is not None:
+        return min(pace, max(0.0, estimate_s - elapsed))
+    return pace
+
+
 def kv_buckets(bucket: int, max_len: int) -> list[int]:
     """Every KV length a step may attend (ascending, the last `max_len`): multiples of `bucket`
     up to LINEAR_BUCKETS of them, then BUCKETS_PER_DOUBLING per doubling."""
@@ -321,8 +331,8 @@ class StaticDecoder:
         return kept, len(plan)
 
     def warm(self, rows: Sequence[int] = (1,), batch: int = 0, every_s: float = 5.0,
-             label: str = "", verify_batch: int = 0, max_rows: int = 1 << 30
-             ) -> tuple[int, float]:
+             label: str = "", verify_batch: int = 0, max_rows: int = 1 << 30,
+             estimate_s: float | None = None) -> tuple[int, float]:
         """Capture, before any request, every graph a step may replay: for each KV-length
         bucket up to the cache's length, a step of each of `rows` rows (1: decode; more: a
         verify step of that many) and, over a paged cache, a batched step of each padded batch
@@ -330,7 +340,9 @@ class StaticDecoder:
         padded batch up to `verify_batch` sequences (`run_verify_batch`; at most `max_rows`
         rows); a hybrid range's one-row steps in every slot. The first
         capture also compiles the compiled stages (`shards.fused`). Logs progress every
-        `every_s` seconds. Returns (graphs captured, seconds). On the CPU nothing is captured.
+        `every_s` seconds with an estimate of the time left (`warm_left`; `estimate_s`: what
+        the same warm-up took before). Returns (graphs captured, seconds). On the CPU nothing
+        is captured.
 
         The capture's runs write their K/V rows where the buffers point (position 0 through
         the scratch block of a paged cache, or row 0 of a slot): nothing a later step reads
@@ -369,8 +381,9 @@ class StaticDecoder:
                 now = time.perf_counter()
                 if now - last >= every_s:
                     last = now
-                    log.info("%scaptured %d of %d step graphs (%.0f s)", label, done, len(plan),
-                             now - t0)
+                    log.info("%scaptured %d of %d step graphs (%.0f s, about %.0f s left)",
+                             label, done, len(plan), now - t0,
+                             warm_left(now - t0, done, len(plan), estimate_s))
         torch.cuda.synchronize(self.kv.k_store.device)
         return done, time.perf_counter() - t0
 

@@ -87,8 +87,9 @@ def mla_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str
         if key in raw and raw[key] != want:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (only "
                                   f"{want!r})")
-    q_lora = raw.get("q_lora_rank")
-    q_lora = 0 if q_lora is None else _int(raw, "q_lora_rank", source, low=1)
+    # (a field left out means transformers' `DeepseekV3Config` default, as it reads it)
+    q_lora = raw.get("q_lora_rank", 1536)
+    q_lora = 0 if q_lora is None else _int(raw, "q_lora_rank", source, 1536, low=1)
     nope = _int(raw, "qk_nope_head_dim", source, low=1)
     rope_dim = _int(raw, "qk_rope_head_dim", source, low=2)
     if rope_dim % 2:
@@ -109,14 +110,14 @@ def mla_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str
     experts_key = "n_routed_experts" if "n_routed_experts" in raw else "num_local_experts"
     experts = _int(raw, experts_key, source, low=1)
     top_k = _int(raw, "num_experts_per_tok", source, low=1)
-    scaling = raw.get("routed_scaling_factor", 1.0)
+    scaling = raw.get("routed_scaling_factor", 2.5)
     if not isinstance(scaling, int | float) or isinstance(scaling, bool):
         raise CheckpointError(f"{source}: routed_scaling_factor={scaling!r} must be a number")
     routing = GroupRouting(_int(raw, "n_group", source, low=1),
                            _int(raw, "topk_group", source, low=1), float(scaling))
     routing.check(experts, top_k, source)
-    first_dense = _int(raw, "first_k_dense_replace", source, 0)
-    shared = _int(raw, "n_shared_experts", source, 0)
+    first_dense = _int(raw, "first_k_dense_replace", source, 3)
+    shared = _int(raw, "n_shared_experts", source, 1)
     inter = _int(raw, "moe_intermediate_size", source, low=1)
     return {
         "head_dim": rope_dim,  # the rotary's width (as transformers' config.head_dim)

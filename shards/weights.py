@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from layersplit.shards.hybrid_config import hybrid_tensor_shapes
 from layersplit.shards.mla_config import mla_tensor_shapes
 from layersplit.shards.model_config import ModelConfig
@@ -106,11 +108,15 @@ def source_name(cfg: ModelConfig, name: str) -> str:
     return name
 
 
-def layer_bytes(cfg: ModelConfig, itemsize: int) -> tuple[list[int], int, int]:
+def layer_bytes(cfg: ModelConfig, itemsize: int,
+                size: Callable[[dict[str, tuple[int, ...]]], int] | None = None,
+                ) -> tuple[list[int], int, int]:
     """(bytes of each layer's weights, bytes the first range alone holds (the embedding), bytes
     the last range alone holds (final norm and LM head, a copy of the embedding when tied)):
-    what `--split auto` balances. A MoE layer holds all its experts."""
-    def size(shapes: dict[str, tuple[int, ...]]) -> int:
+    what `--split auto` balances. A MoE layer holds all its experts. `size`: the bytes a set of
+    tensors takes on the device (weights kept quantized: `quant_load.kept_bytes`); default:
+    every value at `itemsize`."""
+    def plain(shapes: dict[str, tuple[int, ...]]) -> int:
         total = 0
         for shape in shapes.values():
             n = 1
@@ -119,6 +125,8 @@ def layer_bytes(cfg: ModelConfig, itemsize: int) -> tuple[list[int], int, int]:
             total += n * itemsize
         return total
 
+    size = size or plain
     h, v = cfg.hidden_size, cfg.vocab_size
     return ([size(layer_tensor_shapes(cfg, i)) for i in range(cfg.num_layers)],
-            v * h * itemsize, (v * h + h) * itemsize)
+            size({"model.embed_tokens.weight": (v, h)}),
+            size({"lm_head.weight": (v, h), "model.norm.weight": (h,)}))

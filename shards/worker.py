@@ -33,6 +33,7 @@ from layersplit.ipc import transport
 from layersplit.ipc.messages import ProtocolError, error, message
 from layersplit.ipc.peers import AUTH_FAILED, Gate
 from layersplit.ipc.serve_loop import serve
+from layersplit.ipc.shm import release_cuda_event_files
 from layersplit.ipc.sockets import bind_router, context, recv, send
 from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.token_board import TokenBoard
@@ -69,6 +70,7 @@ class ShardSpec:
     threads: int | None = None
     parent_pid: int | None = None
     seed: int = 0
+    weight_format: str = "dequantize"  # or "quantized" (`shards.quant_load`)
     heartbeat_s: float | None = None  # zmq heartbeats on our sockets (a shard started by hand
     # on another host); None for a shard the coordinator started here: it watches the process
 
@@ -141,7 +143,7 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
         self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
-                                      self.device)
+                                      self.device, spec.weight_format)
         self.load_s = time.perf_counter() - t0
 
     # ---- main loop ------------------------------------------------------------------------------
@@ -354,6 +356,7 @@ def watch_parent(parent_pid: int, on_gone) -> threading.Thread:
             if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
                 log.warning("shard: coordinator %d is gone; exiting", parent_pid)
                 on_gone()
+                release_cuda_event_files()  # (`ipc.shm`: os._exit skips the driver's)
                 os._exit(3)
             time.sleep(0.2)
 

@@ -74,7 +74,7 @@ class LastShardSampling:
         msg = {**msg, "seqs": seqs}
         for key in [k for k in self.late_masks if k[0] <= sid]:  # (of steps that failed)
             del self.late_masks[key]
-        if deferrable(msg["seqs"], bool(fed)):
+        if deferrable(msg["seqs"]):
             self._sample_on_device(msg, outs)
             return
         self.unsent.flush(wait=True)  # (results go in step order)
@@ -89,12 +89,12 @@ class LastShardSampling:
             greedy = dict(zip(plain, marked.tolist()))
         checked = []  # the rows each other draw came from, checked together below
         for i, (seg, out) in enumerate(zip(msg["seqs"], outs)):
-            logits = out[-1]
+            src = [len(out) - 1]  # the rows of the tokens it emits
             token, accepted, path, lp = None, 0, None, None
             if i in greedy:
                 token = greedy[i]
             elif seg["sample"] is not None:
-                token, accepted, path, logits, lp = _sample_segment(seg, out)
+                token, accepted, path, src, lp = _sample_segment(seg, out)
                 checked.append((i, out if seg["draft"] is not None else out[-1:]))
             plp = seg["plp"]
             if plp is not None:
@@ -102,13 +102,17 @@ class LastShardSampling:
                                       float(plp["temperature"]), plp["k"])
             results.append({"token": token, "accepted": accepted, "logits": seg["logits"],
                             "path": path, "asked": seg["asked"], "lp": lp, "plp": plp})
-            if seg["logits"]:
-                logits_rows.append(logits.float()[None])
+            if seg["logits"]:  # (a verify segment's: the row of each token it emitted)
+                rows = out[src[0]:src[0] + 1] if len(src) == 1 else out[src]
+                logits_rows.append((i, rows.float()))
         bad = [i for i in greedy if greedy[i] < 0]
         bad += [checked[j][0] for j in bad_segments([rows for _, rows in checked])]
         for i in bad:  # (that sequence fails; the step's others go on)
             results[i].update(token=None, accepted=0, path=None, lp=None,
                               error=self._nonfinite(msg["seqs"][i]))
+        # a segment's logits rows: its outcome's accepted + 1 (a failed one's: its last)
+        logits_rows = [rows if results[i]["accepted"] + 1 == len(rows) else rows[-1:]
+                       for i, rows in logits_rows]
         # with the verdict, the draft prepares its next proposal (it has the rows already);
         # when it hands that to the first shard, the coordinator is off the decode path, and
         # the verdict goes first
@@ -216,11 +220,12 @@ def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
 
 
 def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
-        int, int, list[int] | None, torch.Tensor, list | None]:
+        int, int, list[int] | None, list[int], list | None]:
     """A sampled segment's outcome from its logits `out` (rows, V): the token, the draft tokens
-    kept and their tree path, the logits row the token came from, and the logprobs of the
-    tokens it emitted (with the sample's `lp`; a verify segment's from its own rows, so they
-    are exactly plain decoding's)."""
+    kept and their tree path, the indices of the rows the tokens it emitted came from (one row
+    for a decode step; for a verify step keeping k draft tokens, k + 1: row 0, then each kept
+    row), and the logprobs of the tokens it emitted (with the sample's `lp`; a verify segment's
+    from its own rows, so they are exactly plain decoding's)."""
     sp = seg["sample"]
     temp, top_k, top_p, seed = (float(sp["temperature"]), int(sp["top_k"]),
                                 float(sp["top_p"]), int(sp["seed"]))
@@ -235,12 +240,11 @@ def _sample_segment(seg: dict[str, Any], out: torch.Tensor) -> tuple[
             src = [parents[j - 1] if parents is not None else j - 1 for j in kept]
             lp = logprob_entries(out[[*src, kept[-1] if kept else 0]],
                                  [seg["draft"][j - 1] for j in kept] + [token], temp, k)
-        return (token, len(kept), kept if seg["tree"] is not None else None,
-                out[kept[-1] if kept else 0], lp)
+        return token, len(kept), kept if seg["tree"] is not None else None, [0, *kept], lp
     x = process_logits(out[-1:], sp)
     token = sample_rows(x, temp, top_k, top_p, seed, [pos + n])[0]
     lp = None if k is None else logprob_entries(x, [token], temp, k)
-    return token, 0, None, out[-1], lp
+    return token, 0, None, [len(out) - 1], lp
 
 
 def _check_sample(sample: dict[str, Any], where: str, vocab: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import psutil
@@ -21,6 +22,7 @@ from layersplit.ipc.peers import expect, handshake
 from layersplit.ipc.sockets import connect_dealer, request, ring_doorbell
 from layersplit.ipc.token_board import TokenBoard
 from layersplit.ipc.transport import ZmqSender
+from layersplit.shards import compile_cache
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor
 from layersplit.shards.fused import fuse_projections, warm_prefill
 from layersplit.shards.host_kv import HostKVPool
@@ -208,6 +210,7 @@ class ShardSetup:
         return {
             "index": self.index, "layers": [self.spec.start, self.spec.end],
             "device": self.spec.device, "dtype": self.spec.dtype, "pid": os.getpid(),
+            "weight_format": self.spec.weight_format,
             "memory_bytes": int(mem), "load_s": round(self.load_s, 3),
             "kv_capacity_tokens": ex.kv.num_blocks * ex.kv.block if ex else 0,
             "kv_blocks": ex.kv.num_blocks if ex else 0, "kv_block": ex.kv.block if ex else 0,
@@ -251,20 +254,38 @@ class ShardSetup:
             if type(value) is not int or not 0 <= value <= MAX_SLOTS:
                 raise ProtocolError(f"warm: {name} {str(value)[:20]} must be 0..{MAX_SLOTS}")
         static = self.executor.static
-        graphs, seconds = 0, 0.0
+        cache = compile_cache.current()
+        what = {"model": self.spec.model, "layers": [self.spec.start, self.spec.end],
+                "dtype": self.spec.dtype, "rows": sorted(set(rows)), "batch": batch,
+                "verify_batch": verify_batch, "fused": bool(self.fused),
+                "kv_buckets": list(static.buckets) if static is not None else []}
+        entry = cache.lookup(what) if cache is not None else None
+        if entry is not None:
+            log.info("shard %d: warming up from the compile cache (%s; its first warm-up took "
+                     "%.0f s)", self.index, cache.entry_path(what).name, entry["seconds"])
+        elif cache is not None and static is not None and static.capture:
+            log.info("shard %d: no compile cache entry for these steps yet: this warm-up "
+                     "compiles and autotunes (minutes on a large model), once per machine",
+                     self.index)
+        t0 = time.perf_counter()
+        graphs, seconds = 0, 0.0  # (the captures')
         if static is not None:
             rows = [n for n in rows if n <= MAX_VERIFY_ROWS]
             slots = self.executor.kv.slots
             graphs, seconds = static.warm(
                 rows, min(batch, slots), label=f"shard {self.index}: ",
                 verify_batch=min(verify_batch, slots) if self.executor.batch_verify else 0,
-                max_rows=self.max_step)
+                max_rows=self.max_step, estimate_s=entry["seconds"] if entry else None)
             log.info("shard %d: %d step graphs captured in %.1f s", self.index, graphs,
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
+        state = "off" if cache is None else "reused" if entry is not None else "written"
+        if cache is not None and entry is None:
+            cache.record(what, time.perf_counter() - t0, graphs)
         self._reply(route, message("ok", sid=msg["sid"],
-                                   info={"graphs": graphs, "seconds": seconds}))
+                                   info={"graphs": graphs, "seconds": seconds,
+                                         "compile_cache": state}))
 
     def _drop_socket(self, sock: zmq.Socket | None) -> None:
         if sock is None:

@@ -45,6 +45,45 @@ def run_logged(engine, prompt: list[int],
     return result, np.stack(progress.logits)
 
 
+def run_speculated(coord, prompt: list[int], params: SamplingParams,
+                   **kw) -> tuple[GenerationResult, np.ndarray, object]:
+    """Generate with a coordinator whose draft serves (no prefix cache unless `kw` says so)
+    and return the result, the logits each token was drawn from (a speculated token's come
+    from its verify row) and the request's speculation statistics (`SpecStats`)."""
+    progress = Progress(logits=[])
+    kw.setdefault("use_cache", False)
+    result = collect(coord.stream(prompt, params, progress, **kw), progress, len(prompt))
+    return result, np.stack(progress.logits), progress.spec
+
+
+def assert_speculated_equals(coord, prompt: list[int], params: SamplingParams,
+                             want: tuple[GenerationResult, np.ndarray], what: str = ""):
+    """A speculated run's tokens and the logits of every position it emitted (accepted draft
+    tokens and bonus tokens alike) equal `want` (the reference's plain run, `run_logged`) bit
+    for bit; verify steps ran. Returns its `SpecStats`."""
+    result, logits, spec = run_speculated(coord, prompt, params)
+    assert_same_run((result, logits), want, what)
+    assert spec is not None and spec.verifies > 0, f"{what}: no verify step ran"
+    return spec
+
+
+def noisy_copy(src: Path, dst: Path, scale: float = 0.01, only: set[str] | None = None) -> Path:
+    """A classic draft for the checkpoint `src`: a copy with seeded noise on its weights (it
+    agrees with the target often, not always, so verify steps keep some draft tokens and
+    reject others); `only`: on these tensors alone."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(1)
+    state = {k: v + scale * torch.randn(v.shape, generator=g) if only is None or k in only else v
+             for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def drive(coord, reqs: list) -> None:
     """Run a coordinator's batch until every request submitted to it (`Coordinator.submit`)
     is done; none may have failed."""

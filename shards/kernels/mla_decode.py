@@ -132,7 +132,7 @@ def mla_decode(
     pm = torch.empty(s, splits, m, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     rows = m // heads  # step rows per sequence
-    mask_u8 = (mask.reshape(s, rows, t).to(torch.uint8) if mask is not None else
+    mask_u8 = (mask.reshape(s, rows, t).to(torch.uint8).contiguous() if mask is not None else
                torch.empty(1, 1, 1, dtype=torch.uint8, device=q.device))
     q, index = q.contiguous(), index.contiguous()
     _mla_attend[(s, tiles, splits)](

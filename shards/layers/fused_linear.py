@@ -4,6 +4,7 @@ four): an `nn.Linear` built around given tensors, with no init and no gradient."
 from __future__ import annotations
 
 import torch
+from layersplit.shards.layers.quant_linear import concat_quant, is_quantized
 from torch import nn
 
 
@@ -18,6 +19,8 @@ def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.
 
 def concat_linears(*parts: nn.Linear) -> nn.Linear:
     """One linear whose output is the parts' outputs side by side (biases where they have
-    them)."""
+    them); parts kept quantized: `quant_linear.concat_quant`."""
+    if any(is_quantized(p) for p in parts):
+        return concat_quant(list(parts))
     bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
     return frozen_linear(torch.cat([p.weight for p in parts]), bias)

@@ -40,7 +40,15 @@ from layersplit.shards.sampling import SamplingParams
 from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import layersplit_shm, shard_children, wait_gone
+from tests.helpers import (
+    assert_same_run,
+    assert_speculated_equals,
+    layersplit_shm,
+    run_logged,
+    run_speculated,
+    shard_children,
+    wait_gone,
+)
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -113,31 +121,41 @@ SPEC_CASES = [("dflash", n, t) for n, t in CASES] + [
     ("classic", n, t) for n, t in CASES if (n, t) != (2, "zmq")]
 
 
-def _compare(coord, prompts) -> SpecStats:
-    """Plain and speculative outputs of every prompt, greedy and sampled, must be equal; the
-    speculation statistics of all the speculative runs are returned."""
+@pytest.fixture(scope="module")
+def ref(target):
+    return ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def want(ref):
+    """The reference's plain runs of the test prompts, greedy and sampled: tokens and the
+    float32 logits of every position (`run_logged`)."""
+    return {(i, params.temperature): run_logged(ref, prompt, params)
+            for i, prompt in enumerate(_prompts(ref.tokenizer)) for params in (GREEDY, SAMPLED)}
+
+
+def _compare(coord, want, prompts: int = 2) -> SpecStats:
+    """Speculative outputs of every prompt, greedy and sampled, must equal the reference's
+    plain runs, tokens and the logits of every accepted position bit for bit; the speculation
+    statistics of all the speculative runs are returned."""
     total = SpecStats()
-    for prompt in prompts:
+    for i, prompt in enumerate(_prompts(coord.tokenizer)[:prompts]):
         for params in (GREEDY, SAMPLED):
-            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
-            progress = Progress()
-            spec = collect(coord.stream(prompt, params, progress, use_cache=False), progress,
-                           len(prompt))
-            assert spec.tokens == plain.tokens
-            assert plain.acceptance_length is None and progress.spec.verifies > 0
-            total.merge(progress.spec)
+            total.merge(assert_speculated_equals(coord, prompt, params,
+                                                 want[i, params.temperature],
+                                                 f"prompt {i}, temperature {params.temperature}"))
     return total
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,n,transport", SPEC_CASES,
                          ids=[f"{k}-{n}shard-{t}" for k, n, t in SPEC_CASES])
-def test_speculative_equals_plain(target, fitted, near, kind, n, transport):
+def test_speculative_equals_plain(target, fitted, near, want, kind, n, transport):
     before = layersplit_shm()
     draft = fitted if kind == "dflash" else near
     with Coordinator(_cfg(target, n, draft, transport=(transport,))) as coord:
         assert coord.draft_info["kind"] == kind
-        stats = _compare(coord, _prompts(coord.tokenizer))
+        stats = _compare(coord, want)
         # verify steps kept whole runs of draft tokens, and rejected others: both paths ran
         assert stats.acceptance_length > 1.3
         assert 0 < stats.accepted_at[0] < stats.proposed_at[0]
@@ -152,6 +170,60 @@ def test_speculative_equals_plain(target, fitted, near, kind, n, transport):
         assert len(shard_children()) == n + 1
     assert shard_children() == []
     assert layersplit_shm() - before == set()
+
+
+@pytest.mark.slow
+def test_measured_policy_mixes_rounds_and_plain_steps_output_the_reference(target, fitted,
+                                                                             want):
+    """`spec_policy = measured` (here on CPUs, where what it chooses depends on the machine's
+    timings): requests run the policy's rounds and plain steps, mixed (a first look at the
+    whole tree, plain steps to measure, then its choice), and the output of every request,
+    greedy and sampled, is the reference's, tokens and logits; the decisions show in the
+    request's statistics and its JSON. (What it chooses: tests/runtime/test_spec_policy.py.)"""
+    with Coordinator(_cfg(target, 1, fitted, spec_policy="measured")) as coord:
+        assert coord.policy_measures and coord.spec_policy.sizes == [7, 3, 1]
+        assert coord.spec_sampling_mode() == "coupled"  # (auto: the policy decides)
+        stats = _compare(coord, want)
+        assert stats.verifies > 0 and stats.off_steps > 0 and 7 in stats.sizes
+        policy = coord.spec_policy
+        assert policy.choice(1, False) is not None and policy.choice(1, True) is not None
+        assert policy.stats.rounds >= stats.verifies  # (a step planned ahead may not run)
+        got = coord.generate(_prompts(coord.tokenizer)[0], GREEDY, use_cache=False).to_json()
+        assert got["spec_rounds"] + got["spec_off_steps"] > 0
+        assert got["spec_rounds"] == sum(got["spec_sizes"].values())
+        assert set(got["spec_sizes"]) <= {"7", "3", "1"}
+
+
+@pytest.mark.slow
+def test_policy_plain_steps_decode_with_lookahead(target, dflash, want):
+    """Under `spec_policy = measured` the plain steps a sequence runs between its rounds (to
+    measure plain decoding, or with speculation off), though it still feeds the draft, are sent
+    ahead as plain decoding's are (`runtime.batching`: lookahead); alone, then two in one batch
+    (another batch size, decided apart; whether its plain steps come while both decode depends
+    on the timings), the output is the reference's, tokens and logits. (An
+    untrained draft: what the policy chooses on this loaded machine's timings is not checked
+    here, but tests/runtime/test_spec_policy.py.)"""
+    with Coordinator(_cfg(target, 1, dflash, spec_policy="measured", max_seqs=2,
+                          spec_max_seqs=2)) as coord:
+        assert coord.batcher.look_ahead
+        prompts = _prompts(coord.tokenizer)
+        rounds = off = 0
+        for i in range(2):
+            result, logits, spec = run_speculated(coord, prompts[i], GREEDY)
+            assert_same_run((result, logits), want[i, GREEDY.temperature], f"prompt {i}")
+            rounds, off = rounds + spec.verifies, off + spec.off_steps
+        assert rounds >= 5 and off >= 4  # (its first look, then plain steps to measure)
+        alone = coord.batcher.stats.ahead
+        assert alone >= 2
+        progress = [Progress(logits=[]) for _ in prompts]
+        got = coord.generate_batch(prompts, [GREEDY] * 2, use_cache=False, progress=progress)
+        for i, (r, pr) in enumerate(zip(got, progress)):
+            assert_same_run((r, np.stack(pr.logits)), want[i, GREEDY.temperature],
+                            f"batched prompt {i}")
+        assert sum(pr.spec.verifies for pr in progress) > 0
+        assert sum(pr.spec.off_steps for pr in progress) > 0
+        assert coord.batcher.stats.widest == 2
+        assert coord.spec_policy.choice(2, False) is not None  # (decided for 2 apart)
 
 
 @pytest.mark.slow
@@ -223,14 +295,14 @@ class TestOneDefaultChain:
 
     @pytest.mark.slow
     def test_deterministic_mode_reaches_the_shards_and_speculation_stays_plain(
-            self, target, fitted, chain):
+            self, target, fitted, want, chain):
         """`deterministic = true` travels to every shard (verify rows one at a time through
         the plain decode step; on a GPU its captured graph:
         `tests/shards/test_executor_deterministic.py` on CPU, the speculation GPU tests on a
         GPU) and output equals plain decoding."""
         with Coordinator(_cfg(target, 2, fitted, deterministic=True)) as coord:
             assert [s["deterministic"] for s in coord.shard_info()] == [True, True]
-            stats = _compare(coord, _prompts(coord.tokenizer)[:1])
+            stats = _compare(coord, want, prompts=1)
             assert stats.acceptance_length > 1.3
         assert [s["deterministic"] for s in chain.shard_info()] == [False, False]
 
@@ -339,27 +411,18 @@ class TestOneDefaultChain:
 
 
 @pytest.mark.slow
-def test_random_dflash_draft_equals_plain(target, dflash):
+def test_random_dflash_draft_equals_plain(target, dflash, want):
     """An untrained draft: every draft token rejected, output still the target's."""
     with Coordinator(_cfg(target, 3, dflash)) as coord:
-        stats = _compare(coord, _prompts(coord.tokenizer))
+        stats = _compare(coord, want)
         assert stats.acceptance_length < 1.1
 
 
 @pytest.mark.slow
-def test_plain_and_speculative_equal_the_reference(target, near):
-    ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
-    prompt = _prompts(ref.tokenizer)[0]
-    want = ref.generate(prompt, GREEDY).tokens
-    with Coordinator(_cfg(target, 2, near)) as coord:
-        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
-
-
-@pytest.mark.slow
-def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
+def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
     """RAM and disk hits (after a restart) restore the draft's feature rows with the KV: the
     rows are bit-equal, speculation goes on at once with the same acceptance, the output is
-    unchanged."""
+    unchanged (the reference's tokens and logits)."""
     cfg = _cfg(target, 2, fitted, kv_cache_dir=str(tmp_path))
 
     def rows(coord, n):
@@ -376,12 +439,14 @@ def test_restored_prefix_keeps_speculating(target, fitted, tmp_path):
         other = coord.tokenizer.encode("a different prompt " * 8)  # overwrites rows [0, n)
         coord.generate(other, GREEDY, use_cache=False)
         assert rows(coord, n) != rows_cold
-        ram = coord.generate(prompt, GREEDY)
+        ram, logits, _ = run_speculated(coord, prompt, GREEDY, use_cache=True)
+        assert_same_run((ram, logits), want[0, GREEDY.temperature], "RAM hit")
         assert ram.cache_tier == "ram" and ram.cached_tokens == n
         assert ram.tokens == cold.tokens and ram.acceptance_length == cold.acceptance_length
         assert rows(coord, n) == rows_cold
     with Coordinator(cfg) as coord:
-        disk = coord.generate(prompt, GREEDY)
+        disk, logits, _ = run_speculated(coord, prompt, GREEDY, use_cache=True)
+        assert_same_run((disk, logits), want[0, GREEDY.temperature], "disk hit")
         assert disk.cache_tier == "disk" and disk.cached_tokens == n
         assert disk.tokens == cold.tokens
         assert disk.acceptance_length == cold.acceptance_length  # speculation went on

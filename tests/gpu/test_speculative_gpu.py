@@ -152,7 +152,8 @@ def test_split_runtime_speculates_on_gpus(tiny_llama, tmp_path, kind, dtype):
         (draft / "config.json").write_text(json.dumps(raw))
         kind = "dflash"
     cfg = RuntimeConfig(model=str(tiny_llama), devices=tuple(_gpus()), prefill_chunk=16,
-                        max_context=256, dtype=dtype, draft=str(draft))
+                        max_context=256, dtype=dtype, draft=str(draft),
+                        spec_policy="on")  # (every step speculates: its rounds are the test)
     prompt = list(range(3, 60))
     p = SamplingParams(max_tokens=48, ignore_eos=True)
     with Coordinator(cfg) as c:
@@ -181,7 +182,8 @@ def test_several_sequences_speculating_at_once_equal_each_alone(tiny_llama, tmp_
              if kind == "dflash" else _near(tiny_llama, tmp_path / "near"))
     cfg = RuntimeConfig(model=str(tiny_llama), devices=tuple(_gpus()), prefill_chunk=16,
                         max_context=256, dtype="float32", draft=str(draft), max_seqs=4,
-                        micro_batches=1, spec_max_seqs=4, prefix_cache=False)
+                        micro_batches=1, spec_max_seqs=4, prefix_cache=False,
+                        spec_policy="on")
     prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)]
     params = [SamplingParams(max_tokens=40, ignore_eos=True)] * 4
     with Coordinator(cfg) as c:

@@ -32,6 +32,8 @@ def test_token_ids_give_the_tokens_of_their_text(tiny_llama):
         ("1,two,3", "--token-ids", "--model", str(tiny_llama)))
     assert by_text.returncode == 0 and by_ids.returncode == 0, by_ids.stderr[-2000:]
     assert json.loads(by_ids.stdout)["tokens"] == json.loads(by_text.stdout)["tokens"]
+    got = json.loads(by_ids.stdout)  # (no draft: no speculation statistics)
+    assert got["acceptance_length"] is got["spec_rounds"] is got["spec_off_steps"] is None
     assert bad.returncode == 2 and "'1,two,3' is not token ids" in bad.stderr
     assert shard_children() == []
 

@@ -288,6 +288,7 @@ def test_metrics_and_health(server):
                  "layersplit_inter_token_latency_seconds", "layersplit_prefix_cache_hits",
                  "layersplit_step_seconds", "layersplit_shard_restarts",
                  "layersplit_generation_tokens", "layersplit_spec_acceptance_length",
+                 "layersplit_spec_off_steps_total", "layersplit_spec_policy_switches",
                  "layersplit_kv_cache_usage_ratio", "layersplit_kv_host_usage_ratio",
                  'layersplit_preemptions_total{kind="swap"}'):
         assert name in text, name

@@ -30,12 +30,14 @@ def test_warm_round_trip_and_bad_warm_messages(tiny_llama):
         assert c.warmed == []  # none was sent
         want = c.generate(PROMPT, PARAMS).tokens
     with Coordinator(_cfg(tiny_llama)) as c:
-        # every shard answered the warm sent at start (a CPU shard captures nothing)
-        assert c.warmed == [{"graphs": 0, "seconds": 0.0}] * 2
+        # every shard answered the warm sent at start (a CPU shard captures nothing, and has
+        # no compile cache unless it is given one: `shards.compile_cache`)
+        assert c.warmed == [{"graphs": 0, "seconds": 0.0, "compile_cache": "off"}] * 2
         assert c.generate(PROMPT, PARAMS).tokens == want
         for sh in c.shards:
             got = c._call(sh, message("warm", rows=[1, 4], batch=8), time.monotonic() + 30)
-            assert got["type"] == "ok" and got["info"] == {"graphs": 0, "seconds": 0.0}
+            assert got["type"] == "ok" and got["info"] == {"graphs": 0, "seconds": 0.0,
+                                                           "compile_cache": "off"}
         max_step = c.config.prefill_chunk + c.config.max_seqs  # the shards' rows of a step
         cases = [
             ({"rows": [], "batch": 1}, "warm: rows [] must be 1..{max_step}"),

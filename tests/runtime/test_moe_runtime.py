@@ -11,11 +11,9 @@ invariants are checked on models whose routing varies from token to token."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import numpy as np
 import pytest
-import torch
 from layersplit.draft.dflash import write_random_dflash
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
@@ -25,9 +23,8 @@ from layersplit.shards.model_config import read_hf_config
 from layersplit.shards.sampling import SamplingParams
 from layersplit.shards.tiny import write_tiny_checkpoint
 from layersplit.shards.weights import layer_bytes
-from safetensors.torch import load_file, save_file
 
-from tests.helpers import shard_children, trace
+from tests.helpers import assert_speculated_equals, noisy_copy, run_logged, shard_children, trace
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -57,6 +54,22 @@ def prompt(ref):
     return ids
 
 
+@pytest.fixture(scope="module")
+def near(model, tmp_path_factory):
+    """A classic draft: the target with noise on its weights (the tiny DeepSeek's routing flips
+    at any noise in its layers, changing every token after: its draft differs in the LM head)."""
+    dst = tmp_path_factory.mktemp("near") / "m"
+    if read_hf_config(model).mla is None:
+        return noisy_copy(model, dst)
+    return noisy_copy(model, dst, 0.03, only={"lm_head.weight"})
+
+
+@pytest.fixture(scope="module")
+def want(ref, prompt):
+    """The reference's plain runs, greedy and sampled: tokens and logits (`run_logged`)."""
+    return {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
+
+
 def _cfg(model, n, **kw):
     return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
                          max_context=256, threads=1, **kw)
@@ -65,11 +78,15 @@ def _cfg(model, n, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("n,transport,split", [(1, "auto", None), (2, "shm", None),
                                                (3, "zmq", "auto")])
-def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, caplog):
+def test_moe_split_equals_reference(model, ref, near, want, prompt, n, transport, split,
+                                    caplog):
+    """Steps and whole runs equal the reference's bit for bit; speculated runs (a classic
+    draft) too, at every accepted position's logits."""
     ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
     assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
     caplog.set_level(logging.INFO, logger="layersplit.runtime.coordinator")
-    with Coordinator(_cfg(model, n, transport=(transport,), split=split)) as coord:
+    with Coordinator(_cfg(model, n, transport=(transport,), split=split,
+                          draft=str(near))) as coord:
         if split == "auto":  # by weight bytes (tests/runtime/test_split_auto.py), shown
             sizes = layer_bytes(read_hf_config(model), 4)
             assert [s.end - s.start for s in coord.placement.shards] == bytes_split(sizes[0], 3,
@@ -80,7 +97,11 @@ def test_moe_split_equals_reference(model, ref, prompt, n, transport, split, cap
         tokens, logits = trace(coord, prompt, 10, CHUNK)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)
-        assert coord.generate(prompt, SAMPLED).tokens == ref.generate(prompt, SAMPLED).tokens
+        for params in (GREEDY, SAMPLED):
+            spec = assert_speculated_equals(coord, prompt, params, want[params.temperature],
+                                            f"temperature {params.temperature}")
+            # draft tokens were kept and others rejected: both paths of a verify step ran
+            assert 1.0 < spec.acceptance_length < 5.0
     assert shard_children() == []
 
 
@@ -101,28 +122,14 @@ def test_moe_restore_equals_cold(model, ref, prompt, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_speculation_equals_plain(model, prompt, tmp_path):
-    near = tmp_path / "near"  # a classic draft: the target with noise on its weights
-    shutil.copytree(model, near)
-    cfg = read_hf_config(model)
-    g = torch.Generator().manual_seed(1)
-    # (the tiny DeepSeek's routing flips at any noise in its layers, changing every token
-    # after: its near draft differs in the LM head only)
-    noise = {k: 0.01 if cfg.mla is None else 0.03 * (k == "lm_head.weight")
-             for k in load_file(str(model / "model.safetensors"))}
-    state = {k: v + noise[k] * torch.randn(v.shape, generator=g)
-             for k, v in load_file(str(model / "model.safetensors")).items()}
-    save_file(state, str(near / "model.safetensors"))
-    drafts = [near]
-    if cfg.mla is not None:  # a draft fed by the target's hidden rows (taps of MLA layers)
-        drafts.append(write_random_dflash(cfg, tmp_path / "dflash", taps=[1, 4]))
-    for draft in drafts:
-        with Coordinator(_cfg(model, 2, draft=str(draft))) as coord:
-            for params in (GREEDY, SAMPLED) if draft is near else (GREEDY,):
-                plain = coord.generate(prompt, params, use_cache=False, speculative=False)
-                spec = coord.generate(prompt, params, use_cache=False)
-                assert spec.tokens == plain.tokens, draft.name
-                assert spec.acceptance_length is not None, draft.name
-                if draft is near:  # kept and rejected drafts: both paths of a verify step ran
-                    assert 1.0 < spec.acceptance_length < 5.0
+def test_mla_layers_feed_a_dflash_draft(tmp_path):
+    """A DFlash draft fed by the tapped hidden rows of DeepSeek-V3's latent-attention layers,
+    over 2 shards: the speculated run's tokens and logits are the reference's plain run's."""
+    model = write_tiny_checkpoint(tmp_path / "deepseek_v3", "deepseek_v3", std=0.2)
+    ref = ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
+    prompt = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    draft = write_random_dflash(read_hf_config(model), tmp_path / "dflash", taps=[1, 4])
+    with Coordinator(_cfg(model, 2, draft=str(draft))) as coord:
+        assert_speculated_equals(coord, prompt, GREEDY, run_logged(ref, prompt, GREEDY),
+                                 "DFlash draft on MLA layers")
     assert shard_children() == []

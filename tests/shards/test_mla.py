@@ -133,3 +133,22 @@ def test_saved_by_transformers_matches(tmp_path, change):
         ref = hf(ids[None]).logits[0]
     tol = 1e-5 * max(1.0, ref.abs().max().item())
     assert (torch.cat(ours) - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("field", ["routed_scaling_factor", "first_k_dense_replace",
+                                   "n_shared_experts", "q_lora_rank", "norm_topk_prob",
+                                   "rope_interleave"])
+def test_a_missing_field_reads_as_transformers_default(field):
+    """A config.json without the field means transformers' `DeepseekV3Config` default, not 0
+    or 1 (a wrong routing scale would be silently wrong logits)."""
+    raw = {k: v for k, v in FAMILY_CONFIGS["deepseek_v3"].items() if k != field}
+    raw.update(num_hidden_layers=4, vocab_size=320)
+    hf = transformers.DeepseekV3Config(**{k: v for k, v in raw.items()
+                                          if k not in ("architectures", "model_type")})
+    cfg = config_from_hf(raw, "config.json")
+    assert cfg.group_routing.routed_scaling_factor == hf.routed_scaling_factor
+    assert cfg.dense_layers == tuple(range(min(hf.first_k_dense_replace, 4)))
+    assert cfg.shared_expert_intermediate_size == hf.moe_intermediate_size * hf.n_shared_experts
+    assert cfg.mla.q_lora_rank == (hf.q_lora_rank or 0)
+    assert cfg.norm_topk_prob == hf.norm_topk_prob
+    assert cfg.mla.rope_interleave == hf.rope_interleave

@@ -1,0 +1,296 @@
+"""Triton kernels over weights kept in GGUF blocks (`shards.quant_blocks`): a GEMV for steps of
+a few rows that dequantizes in registers (with `kernels.gemv`'s norm prologue and residual /
+SiLU * up epilogues, for the fused decode step of `shards.fused`), and a dequantizer of a tile
+of rows (prefill: the tile to the activations' dtype, then torch's matmul on the tensor
+cores).
+
+Each value's bytes are addressed from its index (block, position in the block) as ggml lays
+the types out, so one jitted function (`_values`) serves every type and the kernels differ
+only by the `QT` constant. A few-row step runs the GEMV once per row (the grid's second axis):
+the weight's bytes are read from DRAM once and from L2 for the other rows.
+
+The values equal `gguf.quants.dequantize`'s up to float32 contraction (the compiler may fuse
+`d * q - m` into one FMA): `tests/gpu/test_quant_gemv.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from layersplit.shards.quant_blocks import KEPT_TYPES
+
+QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
+EXPERT_ROWS = 64  # ... of (token, expert) pairs, with `experts`
+
+
+@triton.jit
+def _u8(P, mask):
+    return tl.load(P, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(P, mask):
+    """The float16 at bytes P, P + 1 (little-endian), as float32."""
+    bits = (_u8(P, mask) | (_u8(P + 1, mask) << 8)).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(S, sub, mask):
+    """The six-bit scale and min of sub-block `sub` (0..7) of a Q4_K/Q5_K super block whose 12
+    scale bytes start at S."""
+    lo = sub < 4
+    t = sub % 4
+    a = _u8(S + t, mask)  # sub < 4: scale; else its top bits
+    b = _u8(S + 4 + t, mask)  # sub < 4: min; else its top bits
+    c = _u8(S + 8 + t, mask)  # sub >= 4: low nibbles of scale and min
+    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constexpr,
+            SIZE: tl.constexpr):
+    """Values (BLOCK_N, BLOCK_K) of rows offs_n, columns offs_k of a matrix of `QT` blocks,
+    as float32 (0 where not `mask`)."""
+    kb = offs_k // QK
+    j = (offs_k % QK)[None, :]
+    P = W + offs_n[:, None].to(tl.int64) * row_bytes + (kb * SIZE)[None, :]
+    if QT == 0:  # Q8_0: d, 32 int8
+        q = _u8(P + 2 + j, mask).to(tl.int8).to(tl.float32)
+        v = q * _f16(P, mask)
+    elif QT <= 2:  # Q4_0: d, 16 bytes of nibbles (values 0..15 low, 16..31 high); Q4_1: d, m, ...
+        if QT == 1:
+            byte = _u8(P + 2 + j % 16, mask)
+            nib = tl.where(j < 16, byte & 15, byte >> 4)
+            v = _f16(P, mask) * (nib - 8).to(tl.float32)
+        else:
+            byte = _u8(P + 4 + j % 16, mask)
+            nib = tl.where(j < 16, byte & 15, byte >> 4)
+            v = _f16(P, mask) * nib.to(tl.float32) + _f16(P + 2, mask)
+    elif QT <= 4:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, (Q5_K: 32 high-bit bytes), nibbles
+        sub = j // 32
+        sc, mn = _k_scale_min(P + 4, sub, mask)
+        if QT == 3:
+            byte = _u8(P + 16 + (j // 64) * 32 + j % 32, mask)
+            q = tl.where(sub % 2 == 0, byte & 15, byte >> 4)
+        else:
+            byte = _u8(P + 48 + (j // 64) * 32 + j % 32, mask)
+            q = tl.where(sub % 2 == 0, byte & 15, byte >> 4)
+            q = q | (((_u8(P + 16 + j % 32, mask) >> sub) & 1) << 4)
+        v = (_f16(P, mask) * sc) * q.to(tl.float32) - _f16(P + 2, mask) * mn
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+        half = j // 128
+        w = j % 128
+        lo = _u8(P + half * 64 + w % 64, mask)
+        lo = tl.where(w < 64, lo & 15, lo >> 4)
+        hi = (_u8(P + 128 + half * 32 + w % 32, mask) >> (2 * (w // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        sc = _u8(P + 192 + j // 16, mask).to(tl.int8).to(tl.float32)
+        v = (_f16(P + 208, mask) * sc) * q.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT: tl.constexpr, SIZE: tl.constexpr,
+                  S: tl.constexpr, T: tl.constexpr):
+    """Values (BLOCK_N, S, T) of rows offs_n, columns kc * 256 .. + 256 (S scale groups of T
+    values: a 32-value block of the 32-value types, a 32-value sub-block of Q4_K/Q5_K, a
+    16-value one of Q6_K) as float32, each group's scales loaded once; 0 past K."""
+    s = tl.arange(0, S)[None, :, None]
+    t = tl.arange(0, T)[None, None, :]
+    k = kc * 256 + s * T + t
+    mask = mask_n[:, None, None] & (k < K)
+    row = W + offs_n[:, None, None].to(tl.int64) * row_bytes
+    gmask = mask_n[:, None, None] & (kc * 256 + s * T < K)  # (the group's scales)
+    if QT <= 2:  # one block per group
+        P = row + (kc * 8 + s) * SIZE
+        d = _f16(P, gmask)
+        if QT == 0:
+            v = _u8(P + 2 + t, mask).to(tl.int8).to(tl.float32) * d
+        elif QT == 1:
+            byte = _u8(P + 2 + t % 16, mask)
+            nib = tl.where(t < 16, byte & 15, byte >> 4)
+            v = d * (nib - 8).to(tl.float32)
+        else:
+            byte = _u8(P + 4 + t % 16, mask)
+            nib = tl.where(t < 16, byte & 15, byte >> 4)
+            v = d * nib.to(tl.float32) + _f16(P + 2, gmask)
+    elif QT <= 4:  # Q4_K / Q5_K: 8 sub-blocks of 32
+        P = row + kc * SIZE
+        sc, mn = _k_scale_min(P + 4, s, gmask)
+        scale = _f16(P, gmask) * sc
+        off = _f16(P + 2, gmask) * mn
+        if QT == 3:
+            byte = _u8(P + 16 + (s // 2) * 32 + t, mask)
+            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
+        else:
+            byte = _u8(P + 48 + (s // 2) * 32 + t, mask)
+            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
+            q = q | (((_u8(P + 16 + t, mask) >> s) & 1) << 4)
+        v = scale * q.to(tl.float32) - off
+    else:  # Q6_K: 16 groups of 16, j = 16 s + t
+        P = row + kc * SIZE
+        j = s * T + t
+        half = j // 128
+        w = j % 128
+        lo = _u8(P + half * 64 + w % 64, mask)
+        lo = tl.where(w < 64, lo & 15, lo >> 4)
+        hi = (_u8(P + 128 + half * 32 + w % 32, mask) >> (2 * (w // 32))) & 3
+        q = (lo | (hi << 4)) - 32
+        scale = _f16(P + 208, gmask) * _u8(P + 192 + s, gmask).to(tl.int8).to(tl.float32)
+        v = scale * q.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_IDX, E_ROWS,
+                QT: tl.constexpr, SIZE: tl.constexpr, S: tl.constexpr, T: tl.constexpr,
+                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+                SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256
+    columns at a time (`_chunk_values`), with the prologue and epilogues of `kernels.gemv.
+    _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
+    the up half and y = SiLU(g) * u; HAS_R, a residual added; HAS_E, row m's weight is expert
+    E_IDX[m]'s, rows E_IDX[m] * E_ROWS on of the stacked experts."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
+    mask_n = offs_n < N
+    rows_n = offs_n.to(tl.int64)
+    if HAS_E:
+        rows_n += tl.load(E_IDX + m).to(tl.int64) * E_ROWS
+    dt = X.dtype.element_ty
+    xrow = X + m * s_x
+    k3 = (tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :])[None, :, :]  # (1, S, T)
+    if NORM:
+        sq = tl.zeros([1, S, T], dtype=tl.float32)
+        for kc in range(0, tl.cdiv(K, 256)):
+            offs = kc * 256 + k3
+            xs = tl.load(xrow + offs, mask=offs < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        scale = tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)  # (1,)
+    acc = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
+    if SILU:
+        acc_u = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
+    for kc in range(0, tl.cdiv(K, 256)):
+        offs = kc * 256 + k3
+        mask_k = offs < K
+        x = tl.load(xrow + offs, mask=mask_k, other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(NW + offs, mask=mask_k, other=0.0).to(tl.float32)
+            x = (nw * (x * scale[:, None, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        w = _chunk_values(W, row_bytes, rows_n, kc, K, mask_n, QT, SIZE, S, T)
+        acc += w * x
+        if SILU:
+            wu = _chunk_values(W, row_bytes, rows_n + N, kc, K, mask_n, QT, SIZE, S, T)
+            acc_u += wu * x
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_B:
+        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    y = y.to(dt)
+    if SILU:
+        g = y.to(tl.float32)
+        u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(dt).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (sg * u).to(dt)
+    if HAS_R:
+        r = tl.load(R + m * s_r + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y = (r + y.to(tl.float32)).to(dt)
+    tl.store(Y + m * s_y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _dequant(W, row_bytes, Y, N, K, QT: tl.constexpr, QK: tl.constexpr, SIZE: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    v = _values(W, row_bytes, offs_n, offs_k, mask, QT, QK, SIZE)
+    tl.store(Y + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], v.to(Y.dtype.element_ty),
+             mask=mask)
+
+
+def _type_args(qtype: str) -> dict:
+    t = KEPT_TYPES[qtype]
+    return {"QT": QT_IDS[qtype], "QK": t.block, "SIZE": t.size}
+
+
+def _check(blocks: torch.Tensor, qtype: str, k: int) -> None:
+    if qtype not in QT_IDS:
+        raise ValueError(f"quant kernels: type {qtype} is not kept quantized")
+    want = KEPT_TYPES[qtype].row_bytes(k)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride() != (want, 1):
+        raise ValueError(f"quant kernels: {qtype} blocks of rows of {k} are contiguous "
+                         f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+
+
+def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
+               bias: torch.Tensor | None = None, *,
+               norm: tuple[torch.Tensor, float] | None = None,
+               residual: torch.Tensor | None = None, gate_up: bool = False,
+               out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               experts: tuple[torch.Tensor, int] | None = None,
+               cfg: dict | None = None) -> torch.Tensor:
+    """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) matrix held as `qtype`
+    `blocks` (N, row_bytes), summed in float32 and rounded to x's dtype, with `kernels.gemv.
+    gemv`'s options: `norm` = (weight, eps), each row's RMSNorm first; `gate_up`, the blocks
+    are the fused gate/up weight (2F rows) and the result SiLU(g) * u (M, F); `residual`
+    (M, N) added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be
+    strided: a slice of a wider result). `experts` = (ids (M,), rows per expert): `blocks` are
+    experts stacked by rows, and row m is multiplied by expert ids[m]'s (N of its rows, or 2F
+    with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
+    (BLOCK_N, num_warps) other than the default (not measured yet)."""
+    most = MAX_ROWS if experts is None else EXPERT_ROWS
+    if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
+        raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
+                         f"values, got {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    _check(blocks, qtype, k)
+    n = blocks.shape[0] if experts is None else experts[1]
+    if experts is not None and (experts[0].shape != (m,) or blocks.shape[0] % n):
+        raise ValueError(f"quant_gemv: experts of {n} rows: {blocks.shape[0]} stacked rows, "
+                         f"ids {tuple(experts[0].shape)} for {m} rows")
+    if gate_up:
+        if n % 2 or bias is not None:
+            raise ValueError(f"quant_gemv: a gate/up weight has an even row count and no "
+                             f"bias, got {n} rows{' and a bias' if bias is not None else ''}")
+        n //= 2
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"quant_gemv: bias {tuple(bias.shape)} is not a contiguous vector of "
+                         f"{n}")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"quant_gemv: residual {tuple(residual.shape)} is not {m} rows of {n}")
+    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
+        raise ValueError(f"quant_gemv: norm weight {tuple(norm[0].shape)} is not a contiguous "
+                         f"vector of {k}")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"quant_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
+    r = x if residual is None else residual
+    c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
+    block_n = c.pop("BLOCK_N")
+    groups = {"Q6_K": (16, 16)}.get(qtype, (8, 32))  # (S, T): see `_chunk_values`
+    _quant_gemv[(triton.cdiv(n, block_n), m)](
+        x, x.stride(0), x if norm is None else norm[0], blocks, blocks.shape[1],
+        x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
+        0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
+        0 if experts is None else experts[1], QT=QT_IDS[qtype],
+        SIZE=KEPT_TYPES[qtype].size, S=groups[0], T=groups[1], NORM=norm is not None,
+        HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
+        HAS_E=experts is not None, BLOCK_N=block_n, **c)
+    return out
+
+
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (N, k) matrix held as `qtype` `blocks` (N, row_bytes), in `dtype`."""
+    _check(blocks, qtype, k)
+    n = blocks.shape[0]
+    y = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    _dequant[(triton.cdiv(n, 16), triton.cdiv(k, 256))](blocks, blocks.shape[1], y, n, k,
+                                                         **_type_args(qtype), BLOCK_N=16,
+                                                         BLOCK_K=256)
+    return y

@@ -1,0 +1,182 @@
+"""Linear layers and embeddings whose weights stay in GGUF blocks (`shards.quant_blocks`).
+
+`QuantLinear` stands where an `nn.Linear` stood (`quant_load.install_kept` swaps them after a
+load):
+- where the Triton kernels run (`kernels.fused_kernels_available`: CUDA), steps of up to
+  `kernels.quant_gemv.MAX_ROWS` rows run the GEMV that dequantizes in registers
+  (`shards.kernels.quant_gemv`);
+- everywhere else (CPU; prefill chunks), `quant_matmul`: the weight dequantized a tile of
+  output rows at a time to the activations' dtype (by the Triton kernel where the kernels
+  run, by torch ops on a CPU), then `F.linear`, so the dequantized copy alive at once is
+  bounded by `TILE_ELEMENTS`. In float32 on a CPU it is the same arithmetic as dequantizing
+  at load (the tile's values are bit-identical), so the two paths' logits agree to float32
+  summation order (`tests/shards/test_quant_linear.py`).
+
+`QuantEmbedding` follows llama.cpp's `get_rows`: the rows of the looked-up tokens are
+dequantized at each lookup; the table stays quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows
+from torch import nn
+
+# the most weight values dequantized at once by `quant_matmul` (16 MB of float32)
+TILE_ELEMENTS = 1 << 22
+
+
+def _torch_tile(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_rows(blocks, qtype).to(dtype)
+
+
+def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
+                 bias: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
+                 kernels: bool = False) -> torch.Tensor:
+    """F.linear of `x` (..., k) by the (n, k) matrix held as uint8 `blocks` (n, row_bytes),
+    dequantized a tile of rows at a time to x's dtype (`kernels`: by the Triton kernel,
+    `kernels.quant_gemv.dequantize`, one launch a tile; else by torch ops)."""
+    if kernels:
+        from layersplit.shards.kernels.quant_gemv import dequantize as tile_of
+    else:
+        tile_of = _torch_tile
+    n = blocks.shape[0]
+    tile = max(1, tile_elements // k)
+    if tile >= n:
+        return F.linear(x, tile_of(blocks, qtype, k, x.dtype), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, tile):
+        w = tile_of(blocks[n0:n0 + tile], qtype, k, x.dtype)
+        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
+    return out
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W (out_features, in_features) kept as `qtype` blocks."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if qtype not in KEPT_TYPES:
+            raise ValueError(f"QuantLinear: type {qtype} is not kept quantized")
+        want = KEPT_TYPES[qtype].row_bytes(in_features)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != want:
+            raise ValueError(f"QuantLinear: {qtype} blocks of a row of {in_features} are "
+                             f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernels: bool | None = None  # the Triton kernels: decided at the first call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(x.device)
+        if self.kernels:
+            from layersplit.shards.kernels.quant_gemv import MAX_ROWS, quant_gemv
+
+            rows = x.numel() // self.in_features
+            if rows <= MAX_ROWS:
+                y = quant_gemv(x.reshape(rows, self.in_features).contiguous(), self.blocks,
+                               self.qtype, self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return quant_matmul(x, self.blocks, self.qtype, self.in_features, self.bias,
+                            kernels=bool(self.kernels))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding kept as `qtype` blocks; each lookup dequantizes its rows to
+    `dtype`."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        KEPT_TYPES[qtype].row_bytes(dim)  # (checks the row is whole blocks)
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype, self.embedding_dim, self.dtype = qtype, dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.kernels: bool | None = None  # the Triton dequantizer: decided at the first call
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(rows.device)
+        if self.kernels:  # (one launch where the torch ops are a dozen)
+            from layersplit.shards.kernels.quant_gemv import dequantize
+
+            out = dequantize(rows, self.qtype, self.embedding_dim, self.dtype)
+        else:
+            out = dequantize_rows(rows, self.qtype).to(self.dtype)
+        return out.reshape(*ids.shape, -1)
+
+
+class ConcatLinear(nn.Module):
+    """Linears side by side (q/k/v or gate/up fused where the parts' types differ, as in
+    Q4_K_M files: attn_v in Q6_K beside Q4_K q and k): one output, the parts' concatenated."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def concat_quant(parts: list[nn.Module]) -> nn.Module:
+    """One module whose output is `parts`' outputs side by side, at least one of them a
+    `QuantLinear`: their blocks concatenated where every part is of one type, else a
+    `ConcatLinear`."""
+    first = parts[0]
+    same = all(isinstance(p, QuantLinear) and p.qtype == first.qtype for p in parts)
+    if not same:
+        return ConcatLinear(list(parts))
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return ConcatLinear(list(parts))
+    bias = None if biases[0] is None else torch.cat(biases)
+    return QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features,
+                       bias)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear))
+
+
+def gemv_takes(module: nn.Module, gate_up: bool = False) -> bool:
+    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`)."""
+    if isinstance(module, QuantLinear):
+        return True
+    return not gate_up and isinstance(module, ConcatLinear) and \
+        all(isinstance(p, QuantLinear) for p in module.parts)
+
+
+def module_gemv(x: torch.Tensor, module: nn.Module, *,
+                norm: tuple[torch.Tensor, float] | None = None,
+                residual: torch.Tensor | None = None, gate_up: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`kernels.gemv.gemv`'s options (the norm prologue, the residual and SiLU * up
+    epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv`: a
+    `ConcatLinear` is its parts' GEMVs, each into its columns of the result."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    if isinstance(module, QuantLinear):
+        return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
+                          residual=residual, gate_up=gate_up, out_dtype=out_dtype)
+    if gate_up or residual is not None or not gemv_takes(module):
+        raise ValueError("module_gemv: a ConcatLinear of QuantLinears takes a norm only")
+    out = torch.empty(x.shape[0], module.out_features, dtype=out_dtype or x.dtype,
+                      device=x.device)
+    col = 0
+    for p in module.parts:
+        quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
+                   out=out[:, col:col + p.out_features])
+        col += p.out_features
+    return out

@@ -1,0 +1,153 @@
+"""GGUF quantized blocks kept as stored: their layouts, and their dequantization in torch.
+
+A quantized matrix (N, K) is kept as uint8 rows (N, K / block * type_size): each row is whole
+blocks of K's direction, as the file stores it, so rows can be sliced, permuted, concatenated
+and gathered (an embedding lookup) without touching the blocks. `dequantize_rows` turns rows
+back into float32 with the same float32 operations, in the same order, as `gguf.quants.
+dequantize` (the reference the tests hold it to, bit for bit).
+
+Kept quantized: Q8_0, Q4_0, Q4_1 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value super
+blocks), which make up the Q4_0/Q4_1/Q8_0 files and the Q4_K_M/Q5_K_M mixes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BlockType:
+    name: str
+    block: int  # values a block holds
+    size: int  # bytes a block takes
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of a row of `k` values (`k` a whole number of blocks)."""
+        if k % self.block:
+            raise ValueError(f"{self.name}: a row of {k} values is not whole blocks of "
+                             f"{self.block}")
+        return k // self.block * self.size
+
+
+KEPT_TYPES = {t.name: t for t in (
+    BlockType("Q8_0", 32, 34), BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20),
+    BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
+)}
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Pairs of bytes (..., 2) as float16 values (...,) widened to float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _shifts(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=device)
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """Bytes (..., g * width) as their low nibbles then high nibbles per group of `width`:
+    (..., g * 2 * width) values 0..15 (ggml's order)."""
+    q = qs.reshape(*qs.shape[:-1], -1, 1, width) >> _shifts([0, 4], qs.device).view(2, 1)
+    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., :2])
+    x = b[..., 2:].contiguous().view(torch.int8).float()
+    return x * d[..., None]
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b[..., :2])
+    q = (_nibbles(b[..., 2:], 16).to(torch.int8) - 8).float()
+    return d[..., None] * q
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[..., :2]), _f16(b[..., 2:4])
+    q = _nibbles(b[..., 4:], 16).float()
+    return d[..., None] * q + m[..., None]
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 packed bytes of a Q4_K/Q5_K super block: 8 six-bit scales and 8 six-bit mins."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    scale = (d[..., None] * sc.float())[..., None]  # (..., 8, 1)
+    off = (dmin[..., None] * mn.float())[..., None]
+    q = _nibbles(b[..., 16:], 32).reshape(*b.shape[:-1], 8, 32).float()
+    return (scale * q - off).reshape(*b.shape[:-1], 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k_scales(b[..., 4:16])
+    scale = (d[..., None] * sc.float())[..., None]
+    off = (dmin[..., None] * mn.float())[..., None]
+    lo = _nibbles(b[..., 48:], 32).reshape(*b.shape[:-1], 8, 32)
+    qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 32) >> _shifts(list(range(8)), b.device).view(
+        8, 1)
+    q = (lo | ((qh & 0x01) << 4)).float()
+    return (scale * q - off).reshape(*b.shape[:-1], 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    lead = b.shape[:-1]
+    scales = b[..., 192:208].contiguous().view(torch.int8).float()
+    d = _f16(b[..., 208:210])
+    scale = (d[..., None] * scales).reshape(*lead, 16, 1)
+    lo = _nibbles(b[..., :128], 64).reshape(*lead, 8, 32)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> _shifts([0, 2, 4, 6], b.device).view(4, 1)
+    hi = (qh & 0x03).reshape(*lead, 8, 32)
+    q = ((lo | (hi << 4)).to(torch.int8) - 32).reshape(*lead, 16, 16).float()
+    return (scale * q).reshape(*lead, 256)
+
+
+_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k,
+            "Q6_K": _q6_k}
+
+
+def dequantize_rows(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """uint8 rows (..., row_bytes) of `qtype` blocks -> float32 (..., values)."""
+    t = KEPT_TYPES[qtype]
+    lead = rows.shape[:-1]
+    blocks = rows.reshape(*lead, rows.shape[-1] // t.size, t.size)
+    return _DEQUANT[qtype](blocks).reshape(*lead, -1)
+
+
+def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator,
+                  scale: float = 0.02) -> np.ndarray:
+    """Random `qtype` blocks of a (rows, cols) matrix (uint8 (rows, row_bytes)), values of
+    about `scale`: random quantized values with their scales set, for test and benchmark files
+    (gguf-py cannot quantize to the K types, and is slow on large matrices)."""
+    t = KEPT_TYPES[qtype]
+    n = rows * (cols // t.block)
+    b = rng.integers(0, 256, size=(n, t.size), dtype=np.uint8)
+
+    def f16(v: float) -> np.ndarray:
+        return np.full((n, 1), v, dtype=np.float16).view(np.uint8)
+
+    if qtype == "Q8_0":  # d, 32 int8
+        b[:, 0:2] = f16(scale / 64)
+    elif qtype == "Q4_0":  # d, nibbles - 8
+        b[:, 0:2] = f16(scale / 4)
+    elif qtype == "Q4_1":  # d, m, nibbles
+        b[:, 0:2] = f16(scale / 4)
+        b[:, 2:4] = f16(-scale * 2)
+    elif qtype == "Q6_K":  # int8 scales of 16 values, then d
+        b[:, 192:208] = rng.integers(-40, 40, size=(n, 16)).astype(np.int8).view(np.uint8)
+        b[:, 208:210] = f16(scale / 32 / 20)
+    else:  # Q4_K / Q5_K: d, dmin, then the packed six-bit scales/mins (random bits are valid)
+        b[:, 0:2] = f16(scale / 8 / 32)
+        b[:, 2:4] = f16(scale / 32)
+    return b.reshape(rows, t.row_bytes(cols))

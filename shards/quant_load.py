@@ -1,0 +1,134 @@
+"""Which tensors of a layer range stay quantized (`weights = "quantized"`), and the modules that
+hold them in place of `nn.Linear` / `nn.Embedding`.
+
+Kept in their GGUF blocks, as llama.cpp keeps them: every linear layer's weight (attention
+q/k/v/o, the MLP's gate/up/down, a MoE layer's shared expert), the LM head (the embedding's
+blocks when tied), the token embedding (rows dequantized at each lookup) and a MoE layer's
+stacked experts (`layers.quant_experts`, where its gate, up and down are all quantized). Stay
+as loaded today: norms and biases (F32 in GGUF files) and a MoE router.
+"""
+
+from __future__ import annotations
+
+import torch
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.layers.quant_experts import QuantExperts
+from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
+from layersplit.shards.model_config import ModelConfig
+from layersplit.shards.quant_blocks import KEPT_TYPES
+from layersplit.shards.weights import source_name
+from torch import nn
+
+EMBEDDING = "model.embed_tokens.weight"
+EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+
+
+def _kept_name(name: str, shape: tuple[int, ...]) -> bool:
+    if len(shape) == 3:
+        return name.endswith(EXPERTS)
+    return len(shape) == 2 and (name.endswith("_proj.weight") or name in
+                                ("lm_head.weight", EMBEDDING))
+
+
+def kept_tensors(ckpt, cfg: ModelConfig,
+                 shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Canonical name -> block type of the tensors of `shapes` kept quantized."""
+    if not hasattr(ckpt, "kept_type"):
+        raise CheckpointError(f"{ckpt.path}: weight_format = \"quantized\" keeps a GGUF "
+                              "file's blocks; this checkpoint is not a GGUF file (use "
+                              "weight_format = \"auto\" or \"dequantize\")")
+    out: dict[str, str] = {}
+    for name, shape in shapes.items():
+        if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
+            out[name] = qtype
+    for name in [n for n in out if n.endswith(EXPERTS[0])]:  # a layer's experts: all or none
+        trio = [name[:-len(EXPERTS[0])] + part for part in EXPERTS]
+        if not all(n in out for n in trio):
+            for n in trio:
+                out.pop(n, None)
+    return out
+
+
+def load_kept(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+              kept: dict[str, str], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The blocks of the `kept` tensors (canonical name -> uint8 rows)."""
+    return ckpt.load_blocks({n: shapes[n] for n in kept},
+                            {n: source_name(cfg, n) for n in kept}, device)
+
+
+def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
+                 dtype: torch.dtype) -> None:
+    """Put a `QuantLinear` (`QuantEmbedding`) holding `blocks` where each kept tensor's
+    `nn.Linear` (`nn.Embedding`) stands in `model` (a range loaded without those tensors), and
+    a `QuantExperts` for each layer's kept experts."""
+    for name, qtype in kept.items():
+        if name.endswith(EXPERTS):
+            if name.endswith(EXPERTS[0]):
+                _install_experts(model, blocks, kept, name[:-len(EXPERTS[0])])
+            continue
+        local = model.local_name(name)
+        path, _, _ = local.rpartition(".")
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        b = blocks[name]
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype)
+        elif isinstance(old, nn.Linear):
+            bias = old.bias if old.bias is not None and not old.bias.is_meta else None
+            new = QuantLinear(b, qtype, old.in_features, bias)
+        else:  # a bug in the name tables, not bad input
+            raise RuntimeError(f"internal: {local} is held by a {type(old).__name__}")
+        setattr(parent, attr, new)
+
+
+def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
+    """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
+    a checkpoint that is not a GGUF file, or with a tensor of a type not kept, is refused by
+    name (`kept_tensors`); "auto" dequantizes: the quantized kernels are not yet measured
+    against a reference on a GPU (`runtime.check`), so they are taken only when asked."""
+    from layersplit.shards.weights import range_tensor_shapes
+
+    if asked == "dequantize":
+        return asked, "asked"
+    cfg = ckpt.config
+    shapes = range_tensor_shapes(cfg, 0, cfg.num_layers)
+    if asked == "quantized":
+        kept_tensors(ckpt, cfg, shapes)  # (refuses what it cannot keep)
+        return asked, "asked"
+    if not hasattr(ckpt, "kept_type"):
+        return "dequantize", "not a GGUF file"
+    return "dequantize", AUTO_DEQUANTIZES
+
+
+AUTO_DEQUANTIZES = ("weight_format auto dequantizes until the quantized kernels are checked "
+                    "against a reference on a GPU; weight_format = quantized keeps the blocks")
+
+
+def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
+                     prefix: str) -> None:
+    names = [prefix + part for part in EXPERTS]
+    path = model.local_name(names[0]).rpartition(".")[0]  # the `Experts` module
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    old = getattr(parent, attr)
+    e, i, h = old.gate_proj.shape
+    setattr(parent, attr, QuantExperts(*(blocks[n] for n in names),
+                                       tuple(kept[n] for n in names), e, h, i))
+
+
+def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+               itemsize: int) -> int:
+    """Bytes `shapes` take on the device with weights kept quantized: the kept tensors' blocks,
+    the rest at `itemsize`."""
+    kept = kept_tensors(ckpt, cfg, shapes)
+    total = 0
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        if name in kept:
+            total += n // shape[-1] * KEPT_TYPES[kept[name]].row_bytes(shape[-1])
+        else:
+            total += n * itemsize
+    return total

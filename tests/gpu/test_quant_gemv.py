@@ -1,0 +1,148 @@
+"""The kernels over weights kept in GGUF blocks (`shards.kernels.quant_gemv`) against gguf-py's
+dequantize then a float32 matmul, for every kept type, odd shapes and 1 to 16 rows; and a whole
+tiny model on the device loaded both ways.
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
+`TRITON_INTERPRET=1` (float32 only). Tolerances: the dequantized values within 1 float32 ulp of
+gguf's (the compiler may contract `d * q - m` into an FMA); products within 1e-5 (float32) or
+1e-2 (bf16 activations, the output rounded once) of the result's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
+
+from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
+
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+TYPES = list(KEPT_TYPES)
+
+
+def _case(qtype: str, n: int, k: int, seed: int = 0):
+    b = random_blocks(n, k, qtype, np.random.default_rng(seed))
+    ref = torch.from_numpy(gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype]))
+    return torch.from_numpy(b).to(DEV), ref.to(DEV)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_kernel_equals_gguf(qtype):
+    from layersplit.shards.kernels.quant_gemv import dequantize
+
+    blocks, ref = _case(qtype, 19, 768)
+    got = dequantize(blocks, qtype, 768, torch.float32)
+    torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=0)
+
+
+# (rows, outputs, inputs): a row of 576 (the default model's) is whole blocks of 32 only
+CASES = [(q, *shape) for q in TYPES
+         for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 576)]
+         if shape[2] % KEPT_TYPES[q].block == 0]
+
+
+@pytest.mark.parametrize("qtype,rows,n,k", CASES)
+def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, ref = _case(qtype, n, k, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(DEV)
+    bias = torch.randn(n, generator=gen).to(DEV)
+    want = F.linear(x, ref, bias)
+    got = quant_gemv(x, blocks, qtype, bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    if DEV != "cpu":
+        xb = x.bfloat16()
+        got = quant_gemv(xb, blocks, qtype).float()
+        want = F.linear(xb.float(), ref)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+def test_quant_gemv_refuses_bad_blocks():
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, _ = _case("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="Q6_K blocks of rows of 256"):
+        quant_gemv(torch.zeros(1, 256, device=DEV), blocks, "Q6_K")
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        quant_gemv(torch.zeros(17, 256, device=DEV), blocks, "Q4_K")
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="minutes under the interpreter: a device run's test")
+@pytest.mark.parametrize("fuse", [False, True])
+def test_model_on_device_quantized_equals_dequantized(tmp_path, fuse):
+    """A tiny Q4_K_M-like model (Q4_K, Q6_K v and head) on the device: the kernels' logits
+    (decode steps: the GEMV; the prefill: tiles dequantized by the kernel; `fuse`: the fused
+    decode step of a GPU shard, its norms and residual adds folded into the quantized GEMV)
+    against the same file dequantized at load, float32, split differently."""
+    from tests.shards.test_quant_linear import _logits, write_quant_gguf
+
+    path = write_quant_gguf(tmp_path / "m.gguf", "Q4_K", tied=False)
+    want = _logits(path, "dequantize", [(0, 3)], DEV)
+    got = _logits(path, "quantized", [(0, 1), (1, 3)], DEV, fuse=fuse)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_fused_gemv_options_equal_torch():
+    """The norm prologue, residual and SiLU * up epilogues of the quantized GEMV against the
+    torch ops they replace (float32)."""
+    from layersplit.shards.fused import rms_norm
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, ref = _case("Q4_K", 2 * 24, 512)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 512, generator=gen).to(DEV)
+    nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
+    res = torch.randn(2, 24, generator=gen).to(DEV)
+    xn = rms_norm(x, nw, 1e-5)
+    g, u = F.linear(xn, ref).chunk(2, dim=-1)
+    want = F.silu(g) * u
+    got = quant_gemv(x, blocks, "Q4_K", norm=(nw, 1e-5), gate_up=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    want = res + F.linear(x, ref[:24])
+    got = quant_gemv(x, blocks[:24], "Q4_K", residual=res)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_expert_gemv_and_module_equal_reference(monkeypatch):
+    """The grouped GEMV over chosen experts (`experts=`): gate/up with SiLU * up, then down,
+    each row by its own expert, against dequantize-then-matmul row by row; and `QuantExperts`
+    on the kernels against its dequantizing loop (float32)."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+    from layersplit.shards.layers.quant_experts import QuantExperts
+
+    e, i, h, rows = 4, 256, 256, 6
+    gate_up, gu_ref = _case("Q4_K", e * 2 * i, h, seed=7)
+    down, d_ref = _case("Q6_K", e * h, i, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, h, generator=gen).to(DEV)
+    ids = torch.tensor([3, 0, 3, 1, 2, 0], device=DEV)
+    act = quant_gemv(x, gate_up, "Q4_K", gate_up=True, experts=(ids, 2 * i))
+    y = quant_gemv(act, down, "Q6_K", experts=(ids, h))
+    for r in range(rows):
+        wgu = gu_ref[ids[r] * 2 * i:(ids[r] + 1) * 2 * i]
+        g, u = F.linear(x[r], wgu[:i]), F.linear(x[r], wgu[i:])
+        want_act = F.silu(g) * u
+        torch.testing.assert_close(act[r], want_act, rtol=0,
+                                   atol=1e-5 * want_act.abs().max().item())
+        want = F.linear(act[r], d_ref[ids[r] * h:(ids[r] + 1) * h])
+        torch.testing.assert_close(y[r], want, rtol=0, atol=1e-5 * want.abs().max().item())
+    gate = gate_up.view(e, 2 * i, -1)[:, :i].reshape(e * i, -1)
+    up = gate_up.view(e, 2 * i, -1)[:, i:].reshape(e * i, -1)
+    mod = QuantExperts(gate, up, down, ("Q4_K", "Q4_K", "Q6_K"), e, h, i)
+    w = torch.rand(3, 2, generator=gen).to(DEV)
+    idx = ids.view(3, 2)
+    got = mod(x[:3], w, idx)  # (the kernels: 6 pairs)
+    monkeypatch.setattr("layersplit.shards.kernels.quant_gemv.EXPERT_ROWS", 2)
+    torch.testing.assert_close(mod(x[:3], w, idx), got, rtol=0, atol=0)  # a launch a token
+    mod.kernels = False
+    want = mod(x[:3], w, idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
