@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import layersplit_shm, shard_children, trace
+from tests.helpers import layersplit_shm, run_cli, shard_children, trace
 
 transformers = pytest.importorskip("transformers")
 CHUNK = 16
@@ -49,10 +47,8 @@ def test_cli_generate_on_three_shards_gives_transformers_greedy_tokens(hybrid_mo
                                                                        family):
     model = hybrid_models[family]
     text = "the quick brown fox jumps over the lazy dog"
-    out = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", text,
-                          "--model", str(model), "--devices", "cpu,cpu,cpu", "--max-tokens", "12",
-                          "--ignore-eos", "--json", "--prefix-cache", "off"],
-                         capture_output=True, text=True, timeout=240)
+    out = run_cli("generate", text, "--model", str(model), "--devices", "cpu,cpu,cpu",
+                  "--max-tokens", "12", "--ignore-eos", "--json", "--prefix-cache", "off")
     assert out.returncode == 0, out.stderr[-2000:]
     tokens = json.loads(out.stdout)["tokens"]
     ids = refs[family].tokenizer.encode(text)
