@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import faulthandler
 import logging
@@ -83,14 +82,6 @@ def send_raw_step(coord, seqs: list[dict], ids: list[int]) -> int:
     coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
                       torch.tensor(ids, dtype=torch.int64))
     return sid
-
-
-def run_together(*cmds: list[str], **kw) -> list[subprocess.CompletedProcess]:
-    """`subprocess.run(cmd, **kw)` of each command, all started at once: independent command
-    lines (each a fresh interpreter that imports torch, and the shards it starts) overlap their
-    imports and waits instead of following one another."""
-    with concurrent.futures.ThreadPoolExecutor(len(cmds)) as ex:
-        return list(ex.map(lambda cmd: subprocess.run(cmd, **kw), cmds))
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
