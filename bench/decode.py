@@ -11,7 +11,8 @@ bytes of weights read per token divided by the device-to-device copy bandwidth m
     python bench/decode.py --layouts cpu,cpu cpu,cpu --launcher ray --ray-address HOST:PORT \
         --ray-resources host_a,host_b host_a,host_a      # (one per layout)
 
-The decode column is the best of `--repeats` runs; `median` is their median (report that). TTFT
+The decode column is the median of `--repeats` runs (the figure to report); `best` is the
+fastest of them, and `vs first` compares medians with the first layout's. TTFT
 is the median of the runs (`ttft_s_runs` in the JSON lists them). `--prefill 8192,32768`
 times one-token answers to prompts of those lengths (median of 3 after a warm-up; the runs
 listed); on a hybrid model `--hf` is transformers' own model of the same config (prefill only).
@@ -221,7 +222,7 @@ def hbm_floor(args, device: str) -> dict:
         state = linear * (spec.num_value_heads * spec.key_head_dim * spec.value_head_dim * 4
                           + spec.conv_dim * (spec.conv_kernel - 1) * itemsize)
     # KV rows read, at the mean context of the decode (a window caps a layer's: not counted)
-    kv = attn_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize * context
+    kv = cfg.kv_bytes_per_token(attn_layers, itemsize) * context
     extra = {"state_bytes_per_token": 2 * state, "kv_bytes_per_token": kv}
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
@@ -289,18 +290,18 @@ def main() -> None:
            "new_tokens": args.new_tokens, "rows": rows, "floor": floor}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    base = rows[0]["decode_tok_s"]
+    base = rows[0].get("decode_tok_s_median", rows[0]["decode_tok_s"])
     base_prefill = {c: rows[0].get(c) for c in (f"prefill_{n}_s" for n in args.prefill)}
     print(f"\n{args.model} on {gpu}; prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           "batch 1")
     cols = [f"prefill_{n}_s" for n in args.prefill]
     print(f"{'layout':<40} {'transport':<9} {'TTFT ms':>8} {'decode tok/s':>12} "
-          f"{'median':>8} {'vs first':>8} " + " ".join(f"{c:>14}" for c in cols))
+          f"{'best':>8} {'vs first':>8} " + " ".join(f"{c:>14}" for c in cols))
     for r in rows:
         extra = " ".join(f"{r.get(c, float('nan')) * 1000:>11.0f} ms" for c in cols)
-        med = r.get("decode_tok_s_median", float("nan"))
+        med = r.get("decode_tok_s_median", r["decode_tok_s"])
         print(f"{r['layout']:<40} {r['transport']:<9} {r['ttft_s'] * 1000:>8.1f} "
-              f"{r['decode_tok_s']:>12.1f} {med:>8.1f} {r['decode_tok_s'] / base:>8.3f} {extra}")
+              f"{med:>12.1f} {r['decode_tok_s']:>8.1f} {med / base:>8.3f} {extra}")
     if floor:
         parts = f"{floor['weight_bytes_per_token'] / 1e9:.2f} GB of weights"
         if floor["state_bytes_per_token"]:

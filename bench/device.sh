@@ -6,7 +6,8 @@
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
 #   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests)
-#   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32)
+#   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
+#             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families)
 #   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
 #             default model's and the Llama-8B shapes: the decode and prefill baselines
 #   decode    batch-1 decode, 1 shard and 2 shards on one GPU, next to llama.cpp      (D1-D3)
@@ -20,12 +21,19 @@
 #             2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
 #             (HYBRID=decode,prefill,gpus2; default all)
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
+#   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
+#             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
+#             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
 #             serve` (SERVE=streams,structured,soak; default streams,structured)
 #   startup   `layersplit generate` from the command to the first token, empty caches then warm
 #             (STARTUP=generate,shape,capture,hybrid; default generate)
+#   agent     a scripted 10-turn agent session against `layersplit serve` (the default model, 2
+#             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
+#             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
+#             and bench/kept_answers.py: the next turn's TTFT with an answer kept or not (A2)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -33,8 +41,8 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,34p "$0"; exit 2; }
-known=" tests parity llamacpp decode prefill split spec cache hybrid moe long serve startup park "
+[ $# -gt 0 ] || { sed -n 2,41p "$0"; exit 2; }
+known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla long serve startup agent park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -52,7 +60,8 @@ q8="bench/decode.py --model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --
   --repeats 1 --max-context 33792 --prefill 32768"
 
 stage_tests() {
-  TAIL=40 run tests 560 $tests ${TESTS:-tests}
+  TAIL=40 run tests 60 $tests --durations=25 ${TESTS:-tests}  # (cut at the deadline: the whole
+  # GPU suite takes more than one call on an H200; TESTS picks a part per call)
   row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests ${TESTS:-tests}"
 }
 
@@ -62,10 +71,10 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
   # the default model in every layout (PARITY_LIMIT prompts), then each family's reduced shape
   TAIL=40 run parity_default 420 "${tf[@]}" python3 bench/parity.py default \
-    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" \
+    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" ${PARITY_ARGS:-} \
     --out "$OUT/parity_default.json"
   TAIL=40 run parity_families 420 "${tf[@]}" python3 bench/parity.py families --limit 6 \
-    --new-tokens 48 --out "$OUT/parity_families.json"
+    --new-tokens 48 ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
   TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
   row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
 }
@@ -242,6 +251,26 @@ stage_moe() {  # M1 (and M2 on 2 GPUs)
   fi
 }
 
+stage_mla() {  # M3; MLA=parity,speed,kernel (default all: more than one call's 580 s)
+  local cases=${MLA:-parity,speed,kernel} tf=()
+  if has "$cases" parity; then
+    [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
+    TAIL=40 run mla_parity 420 "${tf[@]}" python3 bench/parity.py families \
+      --families deepseek_v3 --limit 6 --new-tokens 48 --out "$OUT/parity_mla.json"
+  fi
+  if has "$cases" speed; then
+    TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
+      --layouts cuda:0 cuda:0,cuda:0 --streams 8 --repeats 3 --json "$RUNS/mla.json"
+    row moe "$RUNS/mla.json" --cmd M3
+  fi
+  if has "$cases" kernel; then
+    TAIL=20 run mla_kernel 150 $tests tests/gpu/test_mla_kernel.py
+    row pytest "$RUNS/mla_kernel.log" --what "tests/gpu/test_mla_kernel.py" --cmd mla
+    TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
+      --json "$RUNS/mla_attention.json"
+  fi
+}
+
 stage_long() {  # L1-L4
   local cases=${LONG:-128k}
   if has "$cases" 128k; then
@@ -338,11 +367,22 @@ stage_startup() {  # T1-T4
   fi
 }
 
+stage_agent() {  # A1
+  default_model || return 1
+  local gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf lcp=()
+  if [ -e /tmp/lcp.pid ] && lcp_wait 300; then lcp=(--llamacpp "$gguf"); fi
+  TAIL=40 run agent 300 env PYTHONPATH=$PYTHONPATH:/tmp/lcpsite python3 bench/agent_session.py \
+    --model default --devices cuda:0,cuda:0 --turns 10 "${lcp[@]}" --json "$RUNS/agent.json"
+  row agent "$RUNS/agent.json" --cmd A1
+  TAIL=8 run agent_keep 120 python3 bench/kept_answers.py --model default --devices \
+    cuda:0,cuda:0 --tails 4,16,64,256,1024 --repeats 5 --json "$RUNS/agent_keep.json"
+}
+
 stage_park() { log "parked: $(ls /tmp/smol.part* 2> /dev/null | tr '\n' ' ')"; }
 
 # llama.cpp builds in the background while the stages before the ones that read it run
 for s in "$@"; do
-  case $s in llamacpp | decode | prefill) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
+  case $s in llamacpp | decode | prefill | agent) [ -s .device-carry/lcp.tgz ] && lcp_start ;; esac
 done
 for s in "$@"; do
   log "stage $s"

@@ -30,6 +30,10 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "device_env: the wheels in .whl did not install"; exit 1; }
 fi
+if ls .whl-srv/*.whl > /dev/null 2>&1; then  # (the server's wheels, for calls that carry them)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl-srv/*.whl || { echo "device_env: the wheels in .whl-srv did not install"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 LAYERSPLIT_HOME=${LAYERSPLIT_HOME:-/tmp/lshome}
 # (NVLink multicast stays off: a program using it can take a shared multi-GPU host's GPUs down)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,5 +1,5 @@
-"""Decode speed of a mixture-of-experts model (Qwen3-30B-A3B shape, seeded random weights)
-through the real runtime: 1 shard vs 2 shards on the same device.
+"""Decode speed of a mixture-of-experts model (Qwen3-30B-A3B shape, or a DeepSeek-V3-style MLA
+shape; seeded random weights) through the real runtime: 1 shard vs 2 shards on the same device.
 
 For each layout: decode tok/s at batch 1 (the median of `--repeats` runs, each listed, after a
 warm-up that captures the graphs), next to its floor on a GPU: the bytes of the parameters one token
@@ -10,10 +10,13 @@ sequences (continuous batching; `bench/concurrency.py`'s measurement).
     python bench/moe.py --device cuda:0 --streams 8,32            # Qwen3-30B-A3B shape
     python bench/moe.py --shape tiny --device cpu --new-tokens 16   # any machine, seconds
     python bench/moe.py --layouts cuda:0 cuda:0,cuda:1 --streams 8  # 1 GPU vs 2 GPUs
+    python bench/moe.py --shape deepseek-v2-lite --streams 8        # latent attention (MLA)
 
 The 30B-A3B shape is configs/models/qwen3-30b-a3b: 48 layers, hidden 2048, 32 query / 4 KV
 heads of 128, 128 experts of width 768, 8 per token, vocab 151936 (Qwen3-30B-A3B's published
-config.json). Prints a table last; `--json FILE` also writes the rows.
+config.json). The DeepSeek-V2-Lite-width shape is configs/models/deepseek-v2-lite-shape (27
+layers, hidden 2048, 16 MLA heads, a 512 + 64 latent, 64 experts of width 1408, 6 per token and 2
+shared, DeepSeek-V3's grouped routing). Prints a table last; `--json FILE` also writes the rows.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from bench.concurrency import run_streams  # noqa: E402
 from bench.decode import prompt_ids  # noqa: E402
 
 log = logging.getLogger("bench.moe")
+# --shape -> (configs/models preset, its name in the table)
+SHAPES = {"30b-a3b": ("qwen3-30b-a3b", "Qwen3-MoE 30b-a3b"),
+          "deepseek-v2-lite": ("deepseek-v2-lite-shape", "DeepSeek-V2-Lite-width MLA")}
 
 
 def tiny_shape(folder: Path) -> str:
@@ -119,7 +125,7 @@ def run_layout(args, devices: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=["30b-a3b", "tiny"], default="30b-a3b")
+    ap.add_argument("--shape", choices=[*SHAPES, "tiny"], default="30b-a3b")
     ap.add_argument("--device", default="cuda:0", help="both layouts run on this device")
     ap.add_argument("--layouts", nargs="+", default=None,
                     help="comma-separated device lists instead (e.g. cuda:0 cuda:0,cuda:1); "
@@ -137,7 +143,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     with tempfile.TemporaryDirectory() as tmp:
-        args.model = ("random:qwen3-30b-a3b" if args.shape == "30b-a3b"
+        args.model = (f"random:{SHAPES[args.shape][0]}" if args.shape in SHAPES
                       else tiny_shape(Path(tmp)))
         spec = args.model.removeprefix("random:")
         folder = Path(spec) if "/" in spec else Path(__file__).resolve().parents[1] / \
@@ -156,11 +162,13 @@ def main() -> None:
         floor = {"copy_GBps": bw / 1e9, "active_bytes_per_token": per_token,
                  "floor_tok_s": bw / per_token}
     name = torch.cuda.get_device_name(0) if on_gpu else os.uname().machine
-    out = {"shape": args.shape, "device": name, "rows": rows, "floor": floor}
+    out = {"shape": args.shape, "model": args.model if args.shape in SHAPES else "tiny",
+           "device": name, "rows": rows, "floor": floor}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     base = rows[0]
-    print(f"\nQwen3-MoE {args.shape} shape on {name}; prompt "
+    title = SHAPES[args.shape][1] if args.shape in SHAPES else "tiny Qwen3-MoE"
+    print(f"\n{title} shape on {name}; prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens; active parameters "
           f"{per_token / itemsize / 1e6:.1f} M ({per_token / 1e6:.1f} MB) per token")
     counts = list(base["streams"])

@@ -70,15 +70,25 @@ def cmd_default(args) -> None:
         emit(rows, args.out, {"model": model})
     two = ("cuda:0", "cuda:1") if args.gpus > 1 else (dev, dev)
     variants = [
-        ("1 shard", base, opts),
-        ("1 shard bfloat16", dataclasses.replace(base, dtype="bfloat16"), opts),
-        ("1 shard float32", dataclasses.replace(base, dtype="float32"), opts),
-        ("2 shards", dataclasses.replace(base, devices=two), opts),
-        ("1 shard eager", dataclasses.replace(base, cuda_graphs=False), opts),
-        ("1 shard draft", dataclasses.replace(base, draft="default"), opts),
-        ("2 shards batch 8 + restore", dataclasses.replace(base, devices=two),
+        ("1-shard", base, opts),
+        ("1-shard-bfloat16", dataclasses.replace(base, dtype="bfloat16"), opts),
+        ("1-shard-float32", dataclasses.replace(base, dtype="float32"), opts),
+        ("2-shards", dataclasses.replace(base, devices=two), opts),
+        ("1-shard-eager", dataclasses.replace(base, cuda_graphs=False), opts),
+        ("1-shard-draft", dataclasses.replace(base, draft="default"), opts),
+        ("2-shards-batch8-restore", dataclasses.replace(base, devices=two),
          dataclasses.replace(opts, batch=8, restore=("ram", "disk"))),
     ]
+    if args.variants:
+        known = {n for n, _, _ in variants}
+        wanted = args.variants.split(",")
+        for w in wanted:
+            if w not in known:
+                raise SystemExit(f"unknown variant {w!r} (known: {', '.join(sorted(known))})")
+        variants = [v for v in variants if v[0] in wanted]
+    # the auto-dtype layout `--repeat` times (its figures are medians of several runs)
+    variants = [(f"{n} #{i + 1}" if n == "1-shard" and args.repeat > 1 else n, c, o)
+                for n, c, o in variants for i in range(args.repeat if n == "1-shard" else 1)]
     for name, cfg, o in variants:
         try:
             rows.append(ours(cfg, o, refs, name))
@@ -88,7 +98,7 @@ def cmd_default(args) -> None:
                          "top1_agreement": 0.0, "mean_kl": "error", "greedy_equal": 0,
                          "prompts": len(refs)})
         emit(rows, args.out, {"model": model})
-    answers = question(dev, two)
+    answers = question(dev, two) if args.question else []
     emit(rows, args.out, {"model": model, "question": answers})
     for a in answers:
         print(f"{a['layout']}: {a.get('text', a.get('error'))!r} ({a.get('dtype')})")
@@ -151,6 +161,12 @@ def main() -> None:
     d.add_argument("--gpus", type=int, default=1, help="2: the 2-shard layouts on 2 GPUs")
     d.add_argument("--device", default="cuda:0")
     d.add_argument("--out", default=None)
+    d.add_argument("--variants", default=None,
+                   help="a comma-separated subset of the layouts, by name (default: all)")
+    d.add_argument("--repeat", type=int, default=1,
+                   help="the auto-dtype 1-shard layout this many times (medians of several runs)")
+    d.add_argument("--no-question", dest="question", action="store_false",
+                   help="skip the README's question through `layersplit generate`")
     f = sub.add_parser("families")
     f.add_argument("--families", default="llama,qwen3_5,qwen3_moe,gemma3,mistral,qwen3")
     f.add_argument("--dir", default=os.environ.get("LAYERSPLIT_SHAPES", "/tmp/shapes"))

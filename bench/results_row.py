@@ -7,7 +7,7 @@
     python3 bench/results_row.py decode decode.json --llamacpp lcp.json --cmd D1
     python3 bench/results_row.py spec greedy.json --what "greedy, 2 shards on one GPU" --cmd S1
 
-Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured (each
+Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured, agent (each
 reads the `--json` file of its bench), startup (`bench/startup_trace.py` logs), pytest (a pytest
 log).
 The device, date and commit come from --device, --date and --commit, else from
@@ -44,7 +44,8 @@ def shape(model: str) -> str:
     return {"default": "default model", "smollm2-135m-shape": "default model's shape",
             "llama-8b-shape": "Llama-8B shape", "qwen3-8b": "Qwen3-8B shape",
             "qwen3.5-27b": "Qwen3.5-27B shape", "qwen3-32b": "Qwen3-32B shape",
-            "qwen3-30b-a3b": "Qwen3-30B-A3B shape"}.get(name, name)
+            "qwen3-30b-a3b": "Qwen3-30B-A3B shape",
+            "deepseek-v2-lite-shape": "DeepSeek-V2-Lite-width MLA shape"}.get(name, name)
 
 
 def median(xs) -> float:
@@ -174,6 +175,7 @@ def spec(args) -> list[tuple[str, str, str]]:
 def moe(args) -> list[tuple[str, str, str]]:
     out = json.loads(Path(args.files[0]).read_text())
     floor = out.get("floor")
+    what = shape(out.get("model", "qwen3-30b-a3b"))
     res = []
     for r in out["rows"]:
         tok = r["decode_tok_s"]
@@ -181,9 +183,9 @@ def moe(args) -> list[tuple[str, str, str]]:
         if floor:
             ours += f", {tok / floor['floor_tok_s']:.0%} of the HBM floor"
         base = f"HBM floor {floor['floor_tok_s']:.0f} tok/s" if floor else DASH
-        res.append((f"Qwen3-30B-A3B shape, {layout_words(r['layout'])}, batch 1", ours, base))
+        res.append((f"{what}, {layout_words(r['layout'])}, batch 1", ours, base))
         for n, s in r["streams"].items():
-            res.append((f"Qwen3-30B-A3B shape, {layout_words(r['layout'])}, {n} streams",
+            res.append((f"{what}, {layout_words(r['layout'])}, {n} streams",
                         f"**{s:.1f}** tok/s", f"batch 1 {tok:.1f} tok/s"))
     return res
 
@@ -257,10 +259,33 @@ def pytest_log(args) -> list[tuple[str, str, str]]:
              DASH)]
 
 
+def agent(args) -> list[tuple[str, str, str]]:
+    """bench/agent_session.py: ours (TTFT from turn 2 on, tokens prefilled, the session's time)
+    next to llama.cpp's server on the same conversation, where it ran."""
+    r = json.loads(Path(args.files[0]).read_text())
+    by = {x["server"]: x for x in r["results"]}
+
+    def words(x: dict) -> str:
+        later = x["turns"][1:]
+        ttft = median(t["ttft_s"] for t in later) * 1e3 if later else float("nan")
+        pre = [t["prefilled"] for t in later if t.get("prefilled") is not None]
+        return (f"TTFT from turn 2 **{ttft:.0f} ms** (median)"
+                + (f", prefilled {median(pre):.0f} tokens a turn" if pre else "")
+                + f", session {x['session_s']:.1f} s")
+
+    what = (f"agent session, {r['turns']} turns (system {r['system_tokens']}, tools "
+            f"{r['tool_tokens']}, answers {r['answer_tokens']} tokens), {shape(r['model'])}, "
+            f"{layout_words(r['devices'])}, restart at turn {r['turns'] // 2 + 1}")
+    ours = by.get("layersplit")
+    base = by.get("llama.cpp")
+    return [(args.what or what, words(ours) if ours else "no result",
+             f"llama.cpp server: {words(base)}" if base else DASH)]
+
+
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
          "hop": hop, "spec": spec,
          "moe": moe, "concurrency": concurrency, "cache": cache, "structured": structured,
-         "startup": startup, "pytest": pytest_log}
+         "startup": startup, "pytest": pytest_log, "agent": agent}
 
 
 def main() -> int:

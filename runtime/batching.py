@@ -115,6 +115,8 @@ class Request:
     # restore for it (a live prefix is taken only if longer); None: it shares no live prefix
     ahead: tuple[int, StepRequest] | None = None  # its lookahead step in flight (sid, step),
     # not yet the step its program asks for (`Batcher._send_ahead`)
+    after: Request | None = None  # queued only once this one is over (its prompt starts with
+    # the turn that one keeps in the prefix cache, `RequestFlow.keep_turn`)
 
 
 @dataclasses.dataclass(slots=True)
@@ -155,6 +157,7 @@ class Batcher:
         # the shards' host memory, shared with the prefix cache's RAM tier (None: unmetered)
         self.host_pool = host_pool
         self.requests: dict[int, Request] = {}
+        self.held: list[Request] = []  # submitted, queued once their `after` is over
         self.steps: dict[int, _Step] = {}
         self._ids = itertools.count(1)
         self.stats = BatchStats()
@@ -166,17 +169,25 @@ class Batcher:
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
                out: OutputStream, prompt: list[int] | None = None,
                cuts: list[int] | None = None,
-               cached: Callable[[list[int]], int] | None = None) -> Request:
+               cached: Callable[[list[int]], int] | None = None,
+               after: Request | None = None) -> Request:
         """Queue a request; with its `prompt`, the prompt's chunk boundaries `cuts` and
         `cached` (what the prefix cache holds of a prompt), it may start with the blocks of a
-        live sequence that prefilled more of the same first tokens than the cache holds."""
+        live sequence that prefilled more of the same first tokens than the cache holds.
+        `after`: it is queued only once that request is over (which snapshots rows it
+        restores, with their draft feature rows, where a live prefix would lend it no feature
+        rows)."""
         req = Request(next(self._ids), prompt_tokens, make, out, base_tokens=prompt_tokens,
-                      prompt=prompt, cuts=cuts or [], cached=cached)
+                      prompt=prompt, cuts=cuts or [], cached=cached,
+                      after=after if after is not None and not after.done else None)
         if out.finished:  # nothing to generate (max_tokens 0)
             self._end(req, admitted=False)
             return req
-        self.sched.submit(req.rid, prompt_tokens)
         self.requests[req.rid] = req
+        if req.after is not None:
+            self.held.append(req)
+        else:
+            self.sched.submit(req.rid, prompt_tokens)
         return req
 
     def cancel(self, req: Request) -> None:
@@ -184,7 +195,10 @@ class Batcher:
         if req.done or req.cancelled:
             return
         req.cancelled = True
-        if self.sched.cancel_waiting(req.rid):
+        if req in self.held:
+            self.held.remove(req)
+            self._end(req, admitted=False)
+        elif self.sched.cancel_waiting(req.rid):
             self._end(req, admitted=False)
         elif req.in_flight == 0:
             self._end(req)
@@ -200,6 +214,9 @@ class Batcher:
         if self.coord.failed is not None:  # the runtime went down under some request
             self._fail_all(ShardFailure(f"the runtime is down: {self.coord.failed}"))
             return
+        for req in [r for r in self.held if r.after.done]:  # (in the order they came)
+            self.held.remove(req)
+            self.sched.submit(req.rid, req.prompt_tokens)
         self._admit()
         self._send_ready()
         if self.steps:
@@ -656,6 +673,7 @@ class Batcher:
             self._end(req, admitted=req.rid in self.sched.running)
         for rid, _ in list(self.sched.waiting):
             self.sched.cancel_waiting(rid)
+        self.held.clear()
 
     def _end(self, req: Request, admitted: bool = True) -> None:
         if req.done:

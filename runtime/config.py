@@ -103,6 +103,10 @@ class RuntimeConfig:
                                               "host_cache_gb")
     kv_cache_dir: str | None = _field(None, "directory of the disk tier (survives restarts)")
     kv_cache_max_gb: float = _field(64.0, "size cap of the disk tier, GiB")
+    keep_answers: int = _field(16, "keep a finished answer in the prefix cache (the "
+                                   "conversation up to its end of turn, as the next turn's "
+                                   "prompt starts) when at least this many of its tokens are "
+                                   "not cached yet; 0 = never (docs/prefix-cache.md, answers)")
     draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
                                 "target's tokenizer (classic), 'default' (the bundled draft of "
                                 "the default model), 'none'; auto = the bundled draft when the "
@@ -223,6 +227,8 @@ class RuntimeConfig:
             object.__setattr__(self, AUTO_CHUNK, True)
         if self.spec_max_seqs < 0:
             raise ConfigError(f"spec_max_seqs={self.spec_max_seqs}: must be at least 0")
+        if self.keep_answers < 0:
+            raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
         if self.spec_sampling not in SPEC_SAMPLING:
             raise ConfigError(f"spec_sampling={self.spec_sampling!r}: must be one of "
                               f"{', '.join(SPEC_SAMPLING)}")

@@ -30,7 +30,7 @@ import zmq
 from layersplit.ipc.sockets import context
 from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.transport import RingInbox, Sender, host_id
-from layersplit.runtime.batching import Batcher
+from layersplit.runtime.batching import Batcher, Request
 from layersplit.runtime.cache_ops import CacheManager
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.draft_link import DraftLink
@@ -133,6 +133,7 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         # rows went to it
         # the draft's contexts (spec_max_seqs of them) not held by a sequence that feeds it
         self._free_contexts = list(range(config.spec_max_seqs))
+        self._kept: list[tuple[list[int], Request]] = []  # turns being kept (`keep_turn`)
         self._in_flight: dict[int, tuple[float, float, str, int, int]] = {}  # step sid ->
         # deadline, start, kind, segments, rows
         self.deadlines = StepDeadlines(config.step_deadline_min, config.step_timeout)

@@ -26,6 +26,7 @@ from layersplit.runtime.decoding import ProcessorsTooLarge
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.metrics import Metrics
 from layersplit.runtime.openai_api import ParsedRequest, RequestError
+from layersplit.runtime.turns import next_turn_tokens
 
 log = logging.getLogger("layersplit.server")
 
@@ -169,8 +170,9 @@ class Engine:
             coord = self.coord
             if stopping:
                 active = self._shut_out(active)
-            if stopping and not active:
-                break
+            if stopping and not active and (coord is None or not coord.batcher.busy or
+                                            time.monotonic() > self._stop_at):
+                break  # (answers being kept in the prefix cache end first, within the grace)
             if coord is None:
                 continue
             if not active and not coord.batcher.busy:  # idle: a shard that dies now is
@@ -397,12 +399,29 @@ class Engine:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
+        if not a.job.cancelled and req.use_cache and req.n == 1 and coord.cache is not None:
+            self._keep_turn(a)  # (queued before the client can send the next turn)
         a.job.emit(("done", a.index, {
             "finish_reason": "cancelled" if a.job.cancelled else progress.finish_reason,
             "prompt_tokens": a.prompt_tokens, "completion_tokens": n,
             "cached_tokens": progress.cached_tokens,
             "echo": progress.prompt_logprobs if not a.sent and a.job.req.echo else None,
         }))
+
+    def _keep_turn(self, a: Active) -> None:
+        """Keep the finished conversation in the prefix cache as its next turn will start
+        (`runtime.turns`, `RequestFlow.keep_turn`); a template that cannot render it keeps
+        nothing."""
+        try:
+            tokens = next_turn_tokens(self.tokenizer, a.job.req, a.job.prompt_ids,
+                                      a.progress.generated, a.progress.text)
+        except jinja2.exceptions.TemplateError as e:
+            log.info("the answer is not kept: the chat template cannot render it (%s)", e)
+            return
+        try:
+            self.coord.keep_turn(tokens)
+        except ValueError as e:  # (tokens the prompt checks refuse: nothing to keep)
+            log.info("the answer is not kept: %s", e)
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ def attention_layers(model_config: Any, start: int, end: int) -> int:
 
 def block_bytes(model_config: Any, layers: int, block: int, itemsize: int) -> int:
     """Bytes of one block (K and V) of `layers` layers."""
-    return 2 * layers * block * model_config.num_kv_heads * model_config.head_dim * itemsize
+    return block * model_config.kv_bytes_per_token(layers, itemsize)
 
 
 def kv_pool_blocks(config: RuntimeConfig, model_config: Any, placement: Placement,

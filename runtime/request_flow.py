@@ -95,10 +95,38 @@ class RequestFlow:
         # of a prompt-logprobs request, or of one asked to run alone, is computed)
         cached = (None if not use_cache else
                   self.cache.cached_rows if self.cache is not None else lambda _: 0)
+        # a prompt that starts with a turn being kept waits for it, then restores it
+        self._kept = [(t, r) for t, r in self._kept if not r.done]
+        after = next((r for t, r in self._kept
+                      if use_cache and len(t) <= len(prompt) and prompt[:len(t)] == t), None)
         req = self.batcher.submit(len(prompt), make,
                                   OutputStream(self.tokenizer, params, self.eos_ids, progress),
-                                  prompt, cut_points(prompt, self.chunk, self.eos_ids), cached)
+                                  prompt, cut_points(prompt, self.chunk, self.eos_ids), cached,
+                                  after)
         holder.append(req)
+        return req
+
+    def keep_turn(self, tokens: Sequence[int]) -> Request | None:
+        """Keep a finished turn in the prefix cache: `tokens` are the conversation as the next
+        turn's prompt starts (the prompt, the answer and the template's end of turn), cut at
+        their last chunk boundary. Their rows past the longest cached prefix are prefilled as a
+        cold run of any longer prompt computes them (the answer's decode steps computed its
+        rows one at a time, which a prefill does not reproduce bit for bit) and snapshotted,
+        with the draft's feature rows, in the RAM and disk tiers. A request whose prompt starts
+        with them waits for this one and restores them. None where nothing is kept: no cache,
+        or fewer than `keep_answers` new tokens (docs/prefix-cache.md, answers)."""
+        if self.cache is None or self.config.keep_answers <= 0 or self.batcher is None or \
+                self.failed is not None:
+            return None
+        tokens = list(tokens)
+        end = max(cut_points(tokens, self.chunk, self.eos_ids), default=0)
+        del tokens[end:]
+        if not tokens or end >= self.config.max_context or \
+                end - self.cache.cached_rows(tokens) < self.config.keep_answers:
+            return None
+        req = self.submit(tokens, SamplingParams(max_tokens=1), Progress(), use_cache=True,
+                          speculative=False)
+        self._kept.append((tokens, req))
         return req
 
     def deltas(self, req: Request) -> Iterator[Delta]:

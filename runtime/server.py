@@ -42,7 +42,8 @@ from layersplit.runtime.openai_api import (
     parse,
 )
 from layersplit.runtime.openai_render import Renderer, usage
-from layersplit.runtime.tool_calls import ToolCallStream, parse_tool_calls
+from layersplit.runtime.tool_calls import ToolCallStream
+from layersplit.runtime.turns import assistant_message
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("layersplit.server")
@@ -391,12 +392,9 @@ class Output:
             text, finish = "".join(self.text[i]), self.done[i]["finish_reason"]
             lp = self._logprobs(i, self.lps[i], echo=True)
             if self.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                if self.job.req.parses_tool_calls:
-                    message["content"], calls = parse_tool_calls(text)
-                    if calls:
-                        message["tool_calls"] = calls
-                        finish = "tool_calls" if finish == "stop" else finish
+                message = assistant_message(text, self.job.req.parses_tool_calls)
+                if "tool_calls" in message and finish == "stop":
+                    finish = "tool_calls"
                 choices.append({"index": i, "message": message, "finish_reason": finish,
                                 "logprobs": lp})
             else:

@@ -252,9 +252,12 @@ class TextTokenizer:
             return render(hermes_messages(list(messages), list(tools), system=False), None)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of the rendered conversation, ready for the assistant's turn."""
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation, ready for the assistant's turn (or, without
+        `add_generation_prompt`, ending with its last message)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools=tools),
+                           add_special_tokens=False)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

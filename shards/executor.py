@@ -77,7 +77,7 @@ class RangeExecutor:
                 log.info("layers %d:%d: gated delta rule on %s: %s", model.start, model.end,
                          self.device, describe_delta_rules(self.device))
         else:
-            self.layout = KVLayout(model.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            self.layout = KVLayout(model.num_layers, *cfg.kv_row, self.dtype)
             self.kv = (KVCache(self.layout, max_len, slots, self.device) if paged is None else
                        PagedKVCache(self.layout, max_len, slots, *paged, self.device))
         self.taps = tuple(t for t in taps if model.start <= t < model.end)

@@ -484,6 +484,8 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
             layer.self_attn.fuse()
             layer.mlp.fuse()
             layer.fast = fast
+        elif hasattr(layer, "fuse"):  # a family that runs unfused: its own weight layout
+            layer.fuse()
     # a dense layer's post stage also norms its output for the next layer's projection
     dense = [fuse and not hasattr(layer.mlp, "experts") for layer, fuse in zip(layers, ok)]
     for i, (layer, nxt) in enumerate(itertools.pairwise(layers)):

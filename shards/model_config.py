@@ -16,6 +16,7 @@ from layersplit.shards.hybrid_config import (
     hybrid_from_hf,
     hybrid_moe_fields,
 )
+from layersplit.shards.mla_config import MLA_FIELDS, MLA_TYPES, GroupRouting, MLASpec, mla_fields
 from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, moe_fields
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
@@ -28,6 +29,7 @@ FAMILIES: dict[str, tuple[bool, bool]] = {
     "qwen2_moe": (True, False),
     "mixtral": (False, False),
     "gemma3_text": (False, True),
+    **{t: (False, False) for t in MLA_TYPES},
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # the rope_scaling keys each type implements (others are refused by name)
@@ -64,6 +66,7 @@ FAMILY_FIELDS: dict[str, frozenset[str]] = {
                         "layer_types"}),
     **MOE_FAMILY_FIELDS,
     "gemma3_text": GEMMA_FIELDS,
+    **{t: MLA_FIELDS for t in MLA_TYPES},
 }
 
 
@@ -103,6 +106,10 @@ class ModelConfig:
     attn_scale: float | None = None  # attention score scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     hybrid: HybridSpec | None = None  # Qwen3.5 / Qwen3-Next: linear-attention layers and more
+    # DeepSeek-V3 (`shards.mla_config`): latent attention (head_dim is then the rotary's width)
+    # and grouped sigmoid routing
+    mla: MLASpec | None = None
+    group_routing: GroupRouting | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -172,6 +179,9 @@ class ModelConfig:
             d["hybrid"] = self.hybrid.to_dict()
         else:
             del d["hybrid"]
+        for name in ("mla", "group_routing"):
+            if d[name] is None:
+                del d[name]
         return d
 
     @classmethod
@@ -183,10 +193,25 @@ class ModelConfig:
         d["dense_layers"] = tuple(d.get("dense_layers", ()))
         if d.get("hybrid") is not None:
             d["hybrid"] = HybridSpec.from_dict(d["hybrid"])
+        if d.get("mla") is not None:
+            d["mla"] = MLASpec(**d["mla"])
+        if d.get("group_routing") is not None:
+            d["group_routing"] = GroupRouting(**d["group_routing"])
         return cls(**d)
 
+    @property
+    def kv_row(self) -> tuple[int, int]:
+        """(heads, dim) of one token's K row, and of its V row, in one layer's KV cache. An MLA
+        layer caches one latent row per token (`MLASpec.latent_width` values), kept as two
+        halves in the cache's K and V tensors (a column of padding when the width is odd), so
+        every cache tier (paged pool, host swap, snapshots, disk) carries it unchanged."""
+        if self.mla is not None:
+            return 1, -(-self.mla.latent_width // 2)
+        return self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, layers: int, itemsize: int) -> int:
-        return 2 * layers * self.num_kv_heads * self.head_dim * itemsize
+        heads, dim = self.kv_row
+        return 2 * layers * heads * dim * itemsize
 
 
 def _eos_list(value: Any) -> tuple[int, ...]:
@@ -266,6 +291,8 @@ def config_from_hf(raw: dict[str, Any], source: str | Path, strict: bool = True)
     )
     if model_type == "gemma3_text":  # its ropes, windows and scales (`shards.gemma_config`)
         fields.update(gemma_fields(raw, int(need("num_hidden_layers")), source))
+    if model_type in MLA_TYPES:  # latent attention, grouped routing (`shards.mla_config`)
+        fields.update(mla_fields(raw, int(need("num_hidden_layers")), source))
     try:
         return ModelConfig(**fields)
     except CheckpointError as e:  # the dataclass's own checks: name the file too

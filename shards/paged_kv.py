@@ -164,6 +164,16 @@ class PagedKVCache:
         verify step (`StepInfo.batched_tree`) writes row b at `step.rows[b]` of its sequence
         (b // n), whose table is `step.tables[b // n]`, and returns each sequence's rows once:
         (S, kv_len, kv_heads, head_dim)."""
+        write, read = self._batch_index(step)
+        self.k_rows[layer].index_copy_(0, write, k)
+        self.v_rows[layer].index_copy_(0, write, v)
+        shape = (*read.shape, *k.shape[1:])
+        return (self.k_rows[layer].index_select(0, read.reshape(-1)).view(shape),
+                self.v_rows[layer].index_select(0, read.reshape(-1)).view(shape))
+
+    def _batch_index(self, step: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows written (n,), rows read (S, kv_len)) of a batched step, as pool indices; once
+        per step."""
         if step.kv_len > self.scratch_pos:
             raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
         got = step.paged.get("batch")
@@ -177,12 +187,26 @@ class PagedKVCache:
             keys = torch.arange(step.kv_len, device=dev)
             read = tables[:, keys // b] * b + keys % b  # (S, kv_len)
             got = step.paged["batch"] = (write, read)
-        write, read = got
+        return got
+
+    def append_pool(
+        self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the step's rows, as `append` (or `append_batch` for a batched step), and
+        return, without gathering them, the layer's pool of K and V rows (pool rows, G, D)
+        each and the pool index of each key each sequence attends, (S, kv_len) (S = 1 but
+        for a batched step): what a kernel that reads the pool in place takes."""
+        if step.lo is not None:
+            write, read = self._batch_index(step)
+        else:
+            if step.kv_len > self.scratch_pos:
+                raise IndexError(f"KV cache holds {self.max_len} tokens; step needs "
+                                 f"{step.kv_len}")
+            write, read = self._step_index(slot, step)
+            read = read[None]
         self.k_rows[layer].index_copy_(0, write, k)
         self.v_rows[layer].index_copy_(0, write, v)
-        shape = (*read.shape, *k.shape[1:])
-        return (self.k_rows[layer].index_select(0, read.reshape(-1)).view(shape),
-                self.v_rows[layer].index_select(0, read.reshape(-1)).view(shape))
+        return self.k_rows[layer], self.v_rows[layer], read
 
     # ---- rows ---------------------------------------------------------------------------------
     def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:

@@ -28,6 +28,7 @@ SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "qwen3_moe": ("qwen3-30b-a3b", 4, {}),
     "gemma3": ("gemma3-12b", 6, {"sliding_window": 64}),  # 5 local layers, 1 global
     "mistral": ("mistral-7b", 4, {"sliding_window": 64}),
+    "deepseek_v3": ("deepseek-v2-lite-shape", 4, {}),  # MLA; 1 dense layer, 3 of experts
 }
 MIN_TOP1_PROB = 0.3
 

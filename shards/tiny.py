@@ -121,6 +121,34 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": None, "use_bidirectional_attention": False,
         "attention_bias": False,
     },
+    "deepseek_v3": {  # MLA with a q bottleneck, YaRN (mscale != mscale_all_dim) past 32
+        # positions, interleaved rotary; 1 dense layer, then top-3 of 8 experts in the best 2 of
+        # 4 groups, renormalised and scaled, and a shared expert
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+        "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 32},
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "aux_loss_alpha": 0.001,
+    },
+    "deepseek_v3-noq": {  # q_lora_rank null (one q_proj, as DeepSeek-V2-Lite); an odd latent
+        # width (27 + 8); plain rotary, not interleaved; ungrouped routing without renorm; two
+        # shared experts (one MLP twice as wide); 2 dense layers
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 27,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 6,
+        "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.5, "norm_topk_prob": False, "first_k_dense_replace": 2,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "rope_interleave": False,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+    },
 }
 # Each MoE family's per-expert tensor names in published checkpoints: (MLP prefix,
 # {canonical part: name under `experts.N.`}); see `shards.expert_weights`.

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from layersplit.shards.hybrid_config import hybrid_tensor_shapes
+from layersplit.shards.mla_config import mla_tensor_shapes
 from layersplit.shards.model_config import ModelConfig
 
 
 def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     if cfg.hybrid is not None:
         return {**hybrid_tensor_shapes(cfg, cfg.hybrid, layer), **mlp_tensor_shapes(cfg, layer)}
+    if cfg.mla is not None:
+        return {**mla_tensor_shapes(cfg, cfg.mla, layer), **mlp_tensor_shapes(cfg, layer)}
     h, d = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
     p = f"model.layers.{layer}."
@@ -55,7 +58,12 @@ def moe_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]
         p + "experts.up_proj": (e, i, h),
         p + "experts.down_proj": (e, h, i),
     }
-    if s:
+    if cfg.group_routing is not None:  # DeepSeek-V3: ungated shared experts, a score bias
+        shapes[p + "gate.e_score_correction_bias"] = (e,)
+        if s:
+            shapes.update({p + f"shared_experts.{w}_proj.weight": (s, h) for w in ("gate", "up")})
+            shapes[p + "shared_experts.down_proj.weight"] = (h, s)
+    elif s:
         shapes.update({
             p + "shared_expert.gate_proj.weight": (s, h),
             p + "shared_expert.up_proj.weight": (s, h),

@@ -226,7 +226,7 @@ class ShardSetup:
         hybrid model which global layers those are (`attn_layers`) and the state of its
         linear-attention layers (`linear_layers`: conv and recurrent state shapes)."""
         lay: dict[str, Any] = {"layers": self.spec.end - self.spec.start,
-                               "kv_heads": self.cfg.num_kv_heads, "head_dim": self.cfg.head_dim,
+                               "kv_heads": self.cfg.kv_row[0], "head_dim": self.cfg.kv_row[1],
                                "dtype": self.spec.dtype}
         model = self.model
         if getattr(model, "spec", None) is not None:  # a hybrid range

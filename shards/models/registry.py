@@ -21,6 +21,8 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen3_5_text": "qwen3_5",  # hybrid: ranges are shards.models.qwen3_5.HybridRange
     "qwen3_5_moe_text": "qwen3_5",
     "qwen3_next": "qwen3_5",
+    "deepseek_v3": "deepseek_v3",  # latent attention (MLA), grouped sigmoid routing
+    "kimi_k2": "deepseek_v3",
 }
 
 

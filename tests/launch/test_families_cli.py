@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 # family -> (weight std, norm weight std: greedy output varies with them; shards)
 FAMILIES = {"qwen3_moe": (0.2, 0.1, 2), "mixtral": (0.2, 0.1, 1), "qwen2_moe": (0.2, 0.1, 1),
-            "gemma3_text": (0.05, 0.3, 1), "llama-yarn-rope": (0.2, 0.1, 1)}
+            "gemma3_text": (0.05, 0.3, 1), "llama-yarn-rope": (0.2, 0.1, 1),
+            "deepseek_v3": (0.2, 0.1, 1)}
 PROMPT = "the quick brown fox jumps"
 NEW = 10
 

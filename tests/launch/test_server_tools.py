@@ -238,8 +238,11 @@ def test_a_template_without_tools_renders_them_as_qwen_does(plain_server, tiny_l
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_forced_tool_calls_with_a_template_without_tools(plain_server, stream):
-    c = plain_server.client
+@pytest.mark.parametrize("template", ["hermes", "without tools"])
+def test_forced_and_required_tool_calls(request, template, stream):
+    """tool_choice required and named, streamed and not, with the Hermes-style template and
+    with a template that writes no tool calls (as the default model's)."""
+    c = request.getfixturevalue("server" if template == "hermes" else "plain_server").client
     for choice, tool in (("required", None),
                          ({"type": "function", "function": {"name": "get_time"}}, CLOCK)):
         kw = dict(model=MODEL, messages=USER, tools=[WEATHER, CLOCK], temperature=1.0, seed=4,

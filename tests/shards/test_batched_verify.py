@@ -40,7 +40,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("layers", [(0, 6), (2, 5), (3, 6)], ids=["whole", "middle", "last"])
 def test_batched_verify_equals_each_verify_alone(tiny_models, family, layers):
     path = tiny_models[family]

@@ -118,7 +118,7 @@ def test_fused_projections_equal_separate(tiny_models):
         assert a.shape[0] == 5 and (a - b).abs().max().item() < 5e-5
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "llama"])
+@pytest.mark.parametrize("family", ["mistral-window", "llama", "deepseek_v3"])
 def test_tree_verify_rows_equal_their_paths(tiny_models, family):
     """Each row of a token-tree verify step gives the logits of its root-to-node path run as a
     plain chain: the tree's mask (ancestors only, and in a sliding window the ancestors'

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.shards.test_batched_decode import PROMPT_LENS, _inputs, _prefilled, _reference
 
-MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 
 
 @pytest.mark.parametrize("n,norm,float_weights", [(1, True, False), (7, False, True),
@@ -72,10 +72,11 @@ def test_fused_moe_decode_equals_separate(tiny_models, family):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_moe_batched_step_equals_eager_steps(tiny_models, fused):
-    """A batched decode step of a MoE range (rows grouped by expert) equals each row's own
-    eager step."""
-    ckpt = open_checkpoint(tiny_models["qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_moe_batched_step_equals_eager_steps(tiny_models, family, fused):
+    """A batched decode step of a MoE range (rows grouped by expert; DeepSeek-V3's latent
+    attention over each sequence's rows) equals each row's own eager step."""
+    ckpt = open_checkpoint(tiny_models[family])
     ex = _prefilled(ckpt, 1, 5, fused)
     ref = _reference(ckpt, 1, 5, ex)
     slots = [4, 0, 1, 3]

@@ -22,6 +22,10 @@ SMALL = {
                   "num_experts_per_tok": 2},
     "gemma3": {**_NARROW, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "mistral": {**_NARROW, "sliding_window": 16},
+    "deepseek_v3": {**_NARROW, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                    "moe_intermediate_size": 32, "n_routed_experts": 8, "n_group": 4,
+                    "topk_group": 2, "num_experts_per_tok": 3},
 }
 
 

@@ -1,0 +1,290 @@
+"""A scripted agent conversation against `layersplit serve` (and, for comparison, llama.cpp's
+server, llama-cpp-python's `python -m llama_cpp.server`, where it is installed): a fixed system
+prompt, then turns of a tool result and the assistant's answer; the server is stopped at turn
+N/2 and started again on the same cache directory. Per turn: TTFT, cached tokens, tokens
+prefilled, decode tok/s; a table last, and `--json` for bench/results_row.py (`agent`).
+
+    python bench/agent_session.py --model default --devices cpu,cpu --turns 6 \\
+        --system-tokens 512 --tool-tokens 50,400 --answer-tokens 20,100
+    python bench/agent_session.py --model default --devices cuda:0,cuda:0 --turns 10 \\
+        --llamacpp $LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf --json agent.json
+
+The sizes default to the agent shape: a system prompt of about 2,048 tokens, tool results of
+200-2,000 tokens and answers of 100-1,000 tokens (spread evenly over the turns, largest last).
+Answers run to their max_tokens (the end-of-turn token is not sampled: `ignore_eos` for ours,
+a logit bias for llama.cpp's). Each server runs with its prompt cache (ours: RAM and disk;
+llama.cpp's: its disk cache in the same directory across the restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from layersplit.runtime.model_store import resolve_model  # noqa: E402
+from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
+
+WORDS = ("the agent reads the repository then edits a module runs its tests and reports what "
+         "changed in each file with the line numbers and the reason for every edit").split()
+
+
+def filler(tok: TextTokenizer, n: int, seed: int) -> str:
+    """Text of about `n` tokens (deterministic in `seed`)."""
+    words, i = [], seed
+    while True:
+        for _ in range(32):
+            words.append(WORDS[i % len(WORDS)] + ("," if i % 7 == 0 else ""))
+            i = (i * 31 + 7) % 1009
+        text = " ".join(words)
+        if len(tok.encode(text)) >= n:
+            return text
+
+
+def spread(lo_hi: str, turns: int) -> list[int]:
+    lo, hi = (int(x) for x in lo_hi.split(","))
+    return [round(lo + (hi - lo) * i / max(1, turns - 1)) for i in range(turns)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """One server process on a port of its own, started again by `restart` (same command,
+    same working directory: the same cache)."""
+
+    def __init__(self, name: str, cmd: list[str], cwd: Path, log: Path, ready_path: str,
+                 ready_s: float = 600) -> None:
+        self.name, self.cmd, self.cwd, self.log = name, cmd, cwd, log
+        self.ready_path, self.ready_s = ready_path, ready_s
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(cmd, cwd=self.cwd, stdout=log, stderr=log)
+        t0, deadline = time.perf_counter(), time.monotonic() + self.ready_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
+                    self.ready_after = time.perf_counter() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} was not ready in {self.ready_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> float:
+        self.stop()
+        self.start()
+        return self.ready_after
+
+
+def ask(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict) -> dict:
+    """One streamed chat turn: its text and timings, and the usage the server reports."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    t0 = time.perf_counter()
+    first = last = None
+    text, usage, pieces = [], None, 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    last = now
+                    pieces += 1
+                    text.append(piece)
+    usage = usage or {}
+    details = usage.get("prompt_tokens_details") or {}
+    n = usage.get("completion_tokens", pieces)
+    return {"text": "".join(text), "ttft_s": (first or time.perf_counter()) - t0,
+            "total_s": time.perf_counter() - t0, "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": n, "cached_tokens": details.get("cached_tokens"),
+            "decode_tok_s": (n - 1) / (last - first) if first and last and last > first and n > 1
+            else 0.0}
+
+
+def conversation(tok: TextTokenizer, args) -> tuple[str, list[str], list[int]]:
+    """(system prompt, tool results, answer lengths) of the scripted session."""
+    system = ("You are a coding agent. You read files and run commands through tools, then "
+              "explain what you found. Reference manual follows.\n"
+              + filler(tok, args.system_tokens, 1))
+    tools = [f"Tool result (read_file src/module_{i}.py):\n" + filler(tok, n, 100 + i)
+             for i, n in enumerate(spread(args.tool_tokens, args.turns))]
+    return system, tools, spread(args.answer_tokens, args.turns)
+
+
+def run_session(name: str, server: Served, tok: TextTokenizer, args, extra: dict) -> dict:
+    system, tools, answers = conversation(tok, args)
+    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Find why the tests of the cache module fail and "
+                                            "fix them. Start by reading the sources."}]
+    turns, t0, away = [], time.perf_counter(), 0.0
+    for i in range(args.turns):
+        restart = None
+        if i == args.turns // 2 and i > 0:
+            t_r = time.perf_counter()
+            restart = server.restart()  # (until it is ready)
+            away = time.perf_counter() - t_r
+        messages.append({"role": "user", "content": tools[i]})
+        r = ask(server.url, model, messages, answers[i], extra)
+        r.update(turn=i + 1, restart_s=restart, answer_tokens_asked=answers[i])
+        if r["cached_tokens"] is not None and r["prompt_tokens"] is not None:
+            r["prefilled"] = r["prompt_tokens"] - r["cached_tokens"]
+        turns.append(r)
+        messages.append({"role": "assistant", "content": r.pop("text")})
+        print(f"{name:>10} turn {i + 1:2d}: prompt {r['prompt_tokens']} cached "
+              f"{r['cached_tokens']} ttft {r['ttft_s'] * 1e3:.0f} ms, "
+              f"{r['completion_tokens']} tokens at {r['decode_tok_s']:.1f} tok/s"
+              + (f" (after a restart, ready in {restart:.1f} s)" if restart else ""),
+              flush=True)
+    return {"server": name, "turns": turns,
+            "session_s": time.perf_counter() - t0 - away}  # (the restart left out)
+
+
+def table(results: list[dict]) -> None:
+    print("\n| server | turn | prompt | cached | prefilled | TTFT ms | decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        for t in res["turns"]:
+            mark = " (restart)" if t["restart_s"] else ""
+            print(f"| {res['server']} | {t['turn']}{mark} | {t['prompt_tokens']} | "
+                  f"{t['cached_tokens'] if t['cached_tokens'] is not None else '—'} | "
+                  f"{t.get('prefilled', '—')} | {t['ttft_s'] * 1e3:.0f} | "
+                  f"{t['decode_tok_s']:.1f} |")
+        later = [t["ttft_s"] for t in res["turns"][1:]]
+        print(f"| {res['server']} | session (restart excluded) | | | | "
+              f"median from turn 2: {statistics.median(later) * 1e3:.0f} | "
+              f"total {res['session_s']:.2f} s |" if later else "")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--devices", default="cpu,cpu")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--system-tokens", type=int, default=2048)
+    ap.add_argument("--tool-tokens", default="200,2000", help="smallest,largest tool result")
+    ap.add_argument("--answer-tokens", default="100,1000", help="shortest,longest answer")
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="0: what the conversation needs, rounded up to 1,024")
+    ap.add_argument("--llamacpp", default="", help="a GGUF: the same session against "
+                                                   "llama-cpp-python's server, where installed")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="an extra `layersplit serve` argument (repeatable)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    model_path = resolve_model(args.model)
+    tok = TextTokenizer.for_model(model_path)
+    if tok is None:
+        raise SystemExit(f"{model_path} has no tokenizer: the session needs a chat template")
+    need = args.system_tokens + sum(spread(args.tool_tokens, args.turns)) + \
+        sum(spread(args.answer_tokens, args.turns)) + 64 * args.turns + 256
+    ctx = args.max_context or -(-need // 1024) * 1024
+    work = Path(tempfile.mkdtemp(prefix="agent-session-"))
+    results = []
+    try:
+        ours = Served("layersplit", [
+            sys.executable, "-m", "layersplit.launch.cli", "serve", "--model", args.model,
+            "--devices", args.devices, "--port", "{port}", "--max-context", str(ctx),
+            "--kv-cache-dir", str(work / "kv"), *args.serve_arg], ROOT, work / "ours.log",
+            "/health")
+        try:
+            results.append(run_session("layersplit", ours, tok, args, {"ignore_eos": True}))
+        finally:
+            ours.stop()
+        if args.llamacpp:
+            results += llamacpp_session(args, tok, ctx, work)
+    finally:
+        if os.environ.get("AGENT_KEEP_LOGS"):
+            print(f"logs in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"model": args.model, "devices": args.devices, "turns": args.turns,
+             "system_tokens": args.system_tokens, "tool_tokens": args.tool_tokens,
+             "answer_tokens": args.answer_tokens, "results": results}, indent=1))
+    return 0
+
+
+def llamacpp_session(args, tok: TextTokenizer, ctx: int, work: Path) -> list[dict]:
+    """The same session against llama-cpp-python's server (all layers on the GPU where it was
+    built with one), with its disk prompt cache in a directory kept across the restart."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as e:
+        print(f"llama.cpp's server is not installed ({e}): no comparison", flush=True)
+        return []
+    (work / "lcp").mkdir()
+    eos = tok.eos_ids[0] if tok.eos_ids else None
+    try:
+        lcp = Served("llama.cpp", [
+            sys.executable, "-m", "llama_cpp.server", "--model", args.llamacpp, "--host",
+            "127.0.0.1", "--port", "{port}", "--n_ctx", str(ctx), "--n_gpu_layers", "-1",
+            "--cache", "true", "--cache_type", "disk"], work / "lcp", work / "lcp.log",
+            "/v1/models")
+    except RuntimeError as e:
+        print(f"llama.cpp's server did not start: {e}", flush=True)
+        return []
+    try:
+        extra = {"logit_bias": {str(eos): -100}} if eos is not None else {}
+        return [run_session("llama.cpp", lcp, tok, args, extra)]
+    except (RuntimeError, httpx.HTTPError) as e:  # (ours is measured: the comparison is not)
+        print(f"llama.cpp's session failed: {e}; see {work / 'lcp.log'}", flush=True)
+        return []
+    finally:
+        lcp.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""One MLA layer's attention stage in a decode step (the absorbed form, `shards.layers.mla`),
+next to the floor of the bytes it reads: the latent rows of its keys and its weights. Both
+paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernel
+(`shards.kernels.mla_decode`).
+
+    python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0]
+
+The DeepSeek-V2-Lite-width MLA shape (configs/models/deepseek-v2-lite-shape: 16 heads, a
+512 + 64 latent, no q bottleneck), bfloat16, random weights and rows, over a paged cache (blocks
+of 16 in shuffled order, as a shard's pool). A step runs `--layers` distinct layers (their
+weights and KV rows apart, so they come from HBM, not L2) captured in one CUDA graph; the time
+per layer is the median of `--repeats` replays over the layers. Floor: (keys x latent row bytes
++ the layer's attention weights) over the copy bandwidth measured now (read + write of a 1 GiB
+copy, as bench/moe.py's floor). On a CPU it runs eagerly, once, as a check that it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from layersplit.shards.kv_cache import KVLayout  # noqa: E402
+from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH, MLAttention  # noqa: E402
+from layersplit.shards.layers.rotary import rope_cos_sin, rope_inv_freq  # noqa: E402
+from layersplit.shards.layers.step import StepInfo  # noqa: E402
+from layersplit.shards.model_config import read_hf_config  # noqa: E402
+from layersplit.shards.paged_kv import PagedKVCache  # noqa: E402
+
+SHAPE = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-v2-lite-shape"
+BLOCK = 16
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second read + written by a 1 GiB device-to-device copy, measured now."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
+    del x, y
+    return bw
+
+
+def measure(args, keys: int) -> dict:
+    cfg = read_hf_config(SHAPE)
+    dev, dtype = torch.device(args.device), torch.bfloat16
+    if dev.type == "cpu":
+        dtype = torch.float32
+    layers = [MLAttention(cfg).to(dev, dtype) for _ in range(args.layers)]
+    for a in layers:
+        for p in a.parameters():
+            p.data.normal_(0.0, 0.02)
+    blocks = -(-(keys + 1) // BLOCK)
+    kv = PagedKVCache(KVLayout(args.layers, *cfg.kv_row, dtype), blocks * BLOCK, 1, blocks,
+                      BLOCK, dev)
+    kv.k_store.normal_()
+    kv.v_store.normal_()
+    kv.set_table(0, 0, torch.randperm(blocks).tolist())
+    inv = rope_inv_freq(cfg).to(dev)
+    x = torch.randn(1, cfg.hidden_size, device=dev, dtype=dtype)
+    pos = torch.tensor([keys], device=dev)  # the new row is key `keys`: keys + 1 attended
+
+    def step() -> torch.Tensor:
+        s = StepInfo.static(pos, 1, keys + 1)
+        cos, sin = rope_cos_sin(inv, s.positions, dtype)
+        out = x
+        for i, a in enumerate(layers):
+            out = a(x, cos, sin, kv, i, 0, s)
+        return out
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    row_bytes = 2 * cfg.kv_row[1] * torch.empty((), dtype=dtype).element_size()
+    row = {"keys": keys, "layers": args.layers, "kv_bytes": (keys + 1) * row_bytes,
+           "weight_bytes": weight_bytes}
+    if dev.type != "cuda":
+        with torch.inference_mode():
+            step()
+        return row
+    with torch.inference_mode():
+        for _ in range(2):
+            step()  # (warm-up: cuBLAS handles, allocator)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        times = []
+        for _ in range(args.repeats):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / args.layers)
+    per_layer = statistics.median(times)
+    bw = copy_bandwidth(args.device)  # (the other benches' floor: HBM read + write together)
+    floor = (row["kv_bytes"] + weight_bytes) / bw
+    row.update(us_per_layer=per_layer * 1e6, floor_us=floor * 1e6, of_floor=floor / per_layer,
+               copy_GBps=bw / 1e9)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", default="2048,8192,32768")
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for path, switch in (("torch", "0"), ("kernel", "1")):
+        os.environ[MLA_KERNEL_SWITCH] = switch
+        rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print("| path | keys | us per layer | floor us | of floor |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        if "us_per_layer" in r:
+            print(f"| {r['path']} | {r['keys']} | {r['us_per_layer']:.1f} | "
+                  f"{r['floor_us']:.1f} | {r['of_floor']:.0%} |")
+        else:
+            print(f"| {r['path']} | {r['keys']} | (ran on {args.device}: no timing) | - | - |")
+
+
+if __name__ == "__main__":
+    main()

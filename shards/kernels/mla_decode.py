@@ -1,0 +1,149 @@
+"""Latent attention's absorbed form (`shards.layers.mla.MLAttention._absorbed`) as one Triton
+kernel that reads the latent rows where the paged pool holds them (plus a combine of its key
+splits in torch).
+
+The torch path gathers each sequence's attended rows out of the pool (a copy of T latent rows a
+layer) and then reads them twice (scores, then the weighted sum). Here each program reads a
+block of keys' latent rows once, straight from the pool through the row indices of the step
+(`PagedKVCache.append_pool`), and uses each row for every query head at once (the heads share
+the latent: MLA's whole point), with an online softmax:
+    scores = q_c . c_t + q_pe . pe_t   (q_c = q_nope W_UK, kv_lora_rank wide; pe: the rope key)
+    o_lat  = softmax(scores * scale) . c
+The latent row of a key is `kv_lora_rank + qk_rope_head_dim` values stored as two halves (the
+pool's K and V rows, `ModelConfig.kv_row`); value j of the row is K[j] below the half, V[j - half]
+from it. W_UV is applied after, in torch.
+
+Programs: (sequence, tile of query rows, key split). A sequence's query rows are its r step rows
+times H heads (r = 1 in a decode step; a verify step's rows under their tree mask). Keys are
+split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
+each writes its partial
+(unnormalized sum, running max, sum of weights) and `mla_decode` combines them. Device tensors
+only: it runs inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path
+(on a CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from layersplit.shards.kernels.decode_attention import key_split
+
+BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
+BLOCK_N = 32  # keys per block of the loop
+# keys a split reads at least (a multiple of BLOCK_N): each split writes a partial of
+# rows x kv_lora_rank floats, so short splits would write more than they read (one sequence of
+# 16 heads at 32K keys: 128 splits, 4 MB of partials against 38 MB of latent rows). Not tuned.
+SPLIT_KEYS = 256
+
+
+@triton.jit
+def _mla_attend(
+    Q, s_qs, s_qm,  # (S, M, C + R) queries in the latent row's layout: [q_c, q_pe]
+    K, V, s_k, s_v,  # the layer's pool: row p's halves at K + p * s_k, V + p * s_v
+    IDX, s_idx,  # (S, T) int64: the pool row of key t of sequence s
+    MASK, s_mseq, s_mrow,  # uint8 (S, rows, T): step row i of sequence s sees key t
+    PO, PM, PL,  # partials: (S, splits, M, C) float32, (S, splits, M) max and sum
+    M, T, keys_per_split, scale, heads, rank, rope, half,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    mt = tl.program_id(1)
+    sp = tl.program_id(2)
+    splits = tl.num_programs(2)
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cc = tl.arange(0, BLOCK_C)
+    rr = tl.arange(0, BLOCK_R)
+    c_ok = cc < rank
+    r_ok = rr < rope
+    qbase = Q + s * s_qs + rows[:, None] * s_qm
+    q_c = tl.load(qbase + cc[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    q_pe = tl.load(qbase + rank + rr[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    step_row = rows // heads  # the step row each query row belongs to
+    # where each of the row's values lives: the K half below `half`, the V half from it
+    c_in_k = cc < half
+    pj = rank + rr
+    pe_in_k = pj < half
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    lo = sp * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, T)
+    for t0 in range(lo, hi, BLOCK_N):
+        keys = t0 + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        pool = tl.load(IDX + s * s_idx + keys, mask=key_ok, other=0)
+        k_row, v_row = K + pool[:, None] * s_k, V + pool[:, None] * s_v
+        ok = key_ok[:, None] & c_ok[None, :]  # (each value loaded from its half alone)
+        c_t = (tl.load(k_row + cc[None, :], mask=ok & c_in_k[None, :], other=0.0)
+               + tl.load(v_row + (cc - half)[None, :], mask=ok & ~c_in_k[None, :], other=0.0))
+        ok = key_ok[:, None] & r_ok[None, :]
+        pe_t = (tl.load(k_row + pj[None, :], mask=ok & pe_in_k[None, :], other=0.0)
+                + tl.load(v_row + (pj - half)[None, :], mask=ok & ~pe_in_k[None, :],
+                          other=0.0))  # (N, R)
+        if IEEE:
+            sc = tl.dot(q_c, tl.trans(c_t), input_precision="ieee")
+            sc += tl.dot(q_pe, tl.trans(pe_t), input_precision="ieee")
+        else:
+            sc = tl.dot(q_c, tl.trans(c_t))
+            sc += tl.dot(q_pe, tl.trans(pe_t))
+        sc = sc * scale
+        seen = key_ok[None, :] & row_ok[:, None]
+        if HAS_MASK:
+            mk = tl.load(MASK + s * s_mseq + step_row[:, None] * s_mrow + keys[None, :],
+                         mask=seen, other=0)
+            seen = seen & (mk != 0)
+        sc = tl.where(seen, sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows that saw no key yet)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(c_t.dtype), c_t, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(c_t.dtype), c_t)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    part = (s * splits + sp) * M + rows
+    tl.store(PO + part[:, None] * BLOCK_C + cc[None, :], acc, mask=row_ok[:, None])
+    tl.store(PM + part, m_i, mask=row_ok)
+    tl.store(PL + part, l_i, mask=row_ok)
+
+
+def mla_decode(
+    q: torch.Tensor,  # (S, M, C + R): each sequence's query rows, [q W_UK, q_pe]
+    k_pool: torch.Tensor,  # (pool rows, half): the latent rows' first halves
+    v_pool: torch.Tensor,  # (pool rows, half): their second halves
+    index: torch.Tensor,  # (S, T) int64: the pool row of each key of each sequence
+    mask: torch.Tensor | None,  # (S * r, T) bool: step row i sees key t (r = M / heads / S)
+    heads: int, rank: int, scale: float,
+) -> torch.Tensor:
+    """The latent output (S, M, C) in float32 of the absorbed attention (see the module)."""
+    s, m, width = q.shape
+    rope, half, t = width - rank, k_pool.shape[-1], index.shape[1]
+    block_c = max(16, triton.next_power_of_2(rank))
+    block_r = max(16, triton.next_power_of_2(rope))
+    tiles = triton.cdiv(m, BLOCK_M)
+    splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
+    po = torch.empty(s, splits, m, block_c, dtype=torch.float32, device=q.device)
+    pm = torch.empty(s, splits, m, dtype=torch.float32, device=q.device)
+    pl = torch.empty_like(pm)
+    rows = m // heads  # step rows per sequence
+    mask_u8 = (mask.reshape(s, rows, t).to(torch.uint8) if mask is not None else
+               torch.empty(1, 1, 1, dtype=torch.uint8, device=q.device))
+    q, index = q.contiguous(), index.contiguous()
+    _mla_attend[(s, tiles, splits)](
+        q, q.stride(0), q.stride(1), k_pool, v_pool, k_pool.stride(0), v_pool.stride(0),
+        index, index.stride(0), mask_u8, mask_u8.stride(0), mask_u8.stride(1),
+        po, pm, pl, m, t, per, scale, heads, rank, rope, half,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_R=block_r,
+        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
+    # the splits combined: each weighted by exp(its max - the overall max)
+    top = pm.amax(dim=1, keepdim=True)
+    w = torch.exp(pm - top.masked_fill(top == float("-inf"), 0.0))  # (S, splits, M)
+    total = (pl * w).sum(dim=1)  # (S, M)
+    out = (po[..., :rank] * w[..., None]).sum(dim=1)
+    return out / total[..., None]
