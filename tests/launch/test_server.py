@@ -371,6 +371,7 @@ def test_speculation_per_request_and_its_metrics(keyed_server):
             "ignore_eos": True}
     spec = post(body).json()
     plain = post({**body, "speculative": False}).json()
+    assert "choices" in spec and "choices" in plain, (spec, plain)
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     metrics = HTTP.get(s.url + "/metrics").text
     verifies = [line for line in metrics.splitlines()
