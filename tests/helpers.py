@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import faulthandler
+import logging
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,12 +123,41 @@ def send_raw_step(coord, seqs: list[dict], ids: list[int]) -> int:
     return sid
 
 
-def run_together(*cmds: list[str], **kw) -> list[subprocess.CompletedProcess]:
-    """`subprocess.run(cmd, **kw)` of each command, all started at once: independent command
-    lines (each a fresh interpreter that imports torch, and the shards it starts) overlap their
-    imports and waits instead of following one another."""
-    with concurrent.futures.ThreadPoolExecutor(len(cmds)) as ex:
-        return list(ex.map(lambda cmd: subprocess.run(cmd, **kw), cmds))
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    """`layersplit ARGV` run in this process (`launch.cli.main`), as `subprocess.run(...,
+    capture_output=True, text=True)` would report it: the real command, whose CPU shards fork
+    from this process's zygote, without a fresh interpreter that imports torch and starts a
+    zygote of its own (~5 s of CPU a run). For what needs no process of its own: a command
+    whose signals, exit or environment a test looks at runs as a subprocess. What the command
+    logs goes to its stderr, as in a process of its own; the signal handlers and logging it
+    sets up are put back."""
+    from layersplit.launch.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    sigterm = signal.getsignal(signal.SIGTERM)
+    # (files, not StringIO: the command registers its stack dump on SIGUSR1 to stderr's fd)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        handler = logging.StreamHandler(err)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    rc = main(list(argv))
+                except SystemExit as e:  # (argparse's errors)
+                    rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                    if isinstance(e.code, str):
+                        err.write(e.code + "\n")
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+            signal.signal(signal.SIGTERM, sigterm)
+            faulthandler.unregister(signal.SIGUSR1)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["layersplit", *argv], rc, out.read(), err.read())
 
 
 def layersplit_shm() -> set[str]:

@@ -1,20 +1,19 @@
 """`layersplit generate --model DIR` on a tiny checkpoint of each newer family saved by
 transformers' own classes (`save_pretrained`: its tensor names, its config.json), Qwen3-MoE
 split over 2 shards, gives transformers' own greedy tokens. (Splits, restores and speculation of
-a MoE model: tests/runtime/test_moe_runtime.py.)"""
+a MoE model: tests/runtime/test_moe_runtime.py.) The command runs in this process
+(`tests.helpers.run_cli`)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from layersplit.shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
 
-from tests.helpers import shard_children
+from tests.helpers import run_cli, shard_children
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,11 +59,9 @@ def test_generate_cli_gives_transformers_greedy_tokens(tmp_path, family):
                           do_sample=False, pad_token_id=0)
     want = out[0, len(ids):].tolist()
     assert len(set(want)) > 2  # not one token repeated
-    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", PROMPT,
-                        "--model", str(path), "--devices", ",".join(["cpu"] * shards),
-                        "--threads", "1", "--max-tokens", str(NEW), "--ignore-eos", "--json",
-                        "--draft", "none"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = run_cli("generate", PROMPT, "--model", str(path), "--devices", ",".join(["cpu"] * shards),
+                "--threads", "1", "--max-tokens", str(NEW), "--ignore-eos", "--json",
+                "--draft", "none")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["tokens"] == want
     assert shard_children() == []

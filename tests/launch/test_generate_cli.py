@@ -1,25 +1,23 @@
 """`layersplit generate` with a prompt of token ids (`--token-ids`): the same tokens as the
 text they encode; a model without a tokenizer (random weights) asks for them by name instead of
-failing on the text; ids that are not ids are refused by name."""
+failing on the text; ids that are not ids are refused by name. (The command runs in this
+process, its shards forked from the test run's zygote: `tests.helpers.run_cli`.)"""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 from layersplit.runtime.tokenizer import TextTokenizer
 
-from tests.helpers import run_together, shard_children
+from tests.helpers import run_cli, shard_children
 
 
 def _generate(*runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
-    """`layersplit generate ARGV` for each ARGV of `runs`, all at once (they are independent)."""
-    return run_together(*([sys.executable, "-m", "layersplit.launch.cli", "generate", *argv,
-                           "--devices", "cpu", "--threads", "1", "--max-tokens", "6",
-                           "--ignore-eos", "--json", "--draft", "none"] for argv in runs),
-                        capture_output=True, text=True, timeout=300, check=False)
+    """`layersplit generate ARGV` for each ARGV of `runs`, one after the other."""
+    return [run_cli("generate", *argv, "--devices", "cpu", "--threads", "1", "--max-tokens",
+                    "6", "--ignore-eos", "--json", "--draft", "none") for argv in runs]
 
 
 @pytest.mark.slow

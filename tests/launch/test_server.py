@@ -324,37 +324,96 @@ def test_client_disconnect_cancels(server):
     assert time.monotonic() - t0 < 20
 
 
-@pytest.mark.slow
-def test_api_key(tiny_llama):
-    s = Server(tiny_llama, "--api-key", "sekret")
-    try:
-        assert HTTP.get(s.url + "/v1/models").status_code == 401
-        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)
-        assert ok.models.list().data[0].id == MODEL
-        for wrong in (b"Bearer sekreT", b"Bearer sekret2", b"Bearer sek", b"sekret",
-                      b"Bearer s\xe9kret"):  # (compared in constant time, as bytes)
-            r = HTTP.get(s.url + "/v1/models", headers={"Authorization": wrong})
-            assert r.status_code == 401, wrong
-        assert HTTP.get(s.url + "/health").status_code == 200  # health stays open
-        for path in ("/tokenize", "/detokenize"):  # they read the model's vocabulary too
-            assert HTTP.post(s.url + path, json={"prompt": "hi"}).status_code == 401
-        r = HTTP.post(s.url + "/tokenize", json={"prompt": "hi"},
-                       headers={"Authorization": "Bearer sekret"})
-        assert r.status_code == 200 and r.json()["tokens"]
-    finally:
-        assert s.stop() == 0
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama):
+    """A server with an API key and a draft (here a classic one: the target itself, so drafts
+    are kept): the API key's test and the speculation test share it."""
+    s = Server(tiny_llama, "--api-key", KEY, "--draft", str(tiny_llama))
+    kids = [k.pid for k in shard_children(s.proc.pid)]
+    assert len(kids) == 3  # two shards and the draft process
+    yield s
+    assert s.stop() == 0
+    assert wait_gone(kids) == []
 
 
 @pytest.mark.slow
-def test_restart_reports_cached_tokens_from_disk(tiny_llama, tmp_path):
+def test_api_key(keyed_server):
+    s = keyed_server
+    assert HTTP.get(s.url + "/v1/models").status_code == 401
+    ok = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)
+    assert ok.models.list().data[0].id == MODEL
+    for wrong in (b"Bearer sekreT", b"Bearer sekret2", b"Bearer sek", b"sekret",
+                  b"Bearer s\xe9kret"):  # (compared in constant time, as bytes)
+        r = HTTP.get(s.url + "/v1/models", headers={"Authorization": wrong})
+        assert r.status_code == 401, wrong
+    assert HTTP.get(s.url + "/health").status_code == 200  # health stays open
+    for path in ("/tokenize", "/detokenize"):  # they read the model's vocabulary too
+        assert HTTP.post(s.url + path, json={"prompt": "hi"}).status_code == 401
+    r = HTTP.post(s.url + "/tokenize", json={"prompt": "hi"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["tokens"]
+
+
+@pytest.mark.slow
+def test_speculation_per_request_and_its_metrics(keyed_server):
+    """With a draft, requests speculate unless they say `speculative: false`; the text is the
+    same; /metrics and /health report it."""
+    s = keyed_server
+
+    def post(body: dict) -> httpx.Response:
+        return HTTP.post(s.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+
+    health = HTTP.get(s.url + "/health").json()
+    assert health["speculation"] == "on (classic draft)"
+    body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    spec = post(body).json()
+    plain = post({**body, "speculative": False}).json()
+    assert "choices" in spec and "choices" in plain, (spec, plain)
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    metrics = HTTP.get(s.url + "/metrics").text
+    verifies = [line for line in metrics.splitlines()
+                if line.startswith("layersplit_spec_verify_steps_total ")]
+    assert verifies and float(verifies[0].split()[1]) >= 3  # 24 tokens, up to 5 a step
+    assert 'layersplit_spec_accepted_tokens_total{position="1"}' in metrics
+    assert 'layersplit_step_seconds_count{kind="verify"}' in metrics
+    # a constrained request runs plainly and says why (the response's header, the log)
+    body = {**body, "max_tokens": 6, "response_format": {"type": "json_object"}}
+    r = post(body)
+    assert r.status_code == 200
+    assert r.headers["x-layersplit-speculation"] == "off: response_format/tool_choice grammar"
+    r = post({**body, "logit_bias": {"5": 1}})
+    assert r.headers["x-layersplit-speculation"] == (
+        "off: response_format/tool_choice grammar, logit_bias")
+    assert "x-layersplit-speculation" not in post({**body, "speculative": False}).headers
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_request_and_a_restart_reports_cached_tokens(tiny_llama,
+                                                                              tmp_path):
+    """SIGTERM: the request in flight finishes (within --grace-s), pending cache writes too;
+    the server started again restores the first prompt from disk and says so."""
     msgs = [{"role": "user", "content": "remember this long question about foxes and dogs"}]
-    s = Server(tiny_llama, cache_dir=tmp_path)
+    s = Server(tiny_llama, "--grace-s", "20", cache_dir=tmp_path)
     try:
         first = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
                                                  temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long",
+                            max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+            deadline = time.monotonic() + 30  # the signal comes once the request runs
+            while _metric(s, "layersplit_running_requests") < 1:
+                assert time.monotonic() < deadline and not fut.done(), "the request never ran"
+                time.sleep(0.02)
+            s.proc.send_signal(signal.SIGTERM)
+            r = fut.result(timeout=60)
+        assert r.usage.completion_tokens == 150
     finally:
-        assert s.stop() == 0  # SIGTERM: pending cache writes finish first
+        assert s.stop() == 0  # (a clean exit after the SIGTERM)
     s = Server(tiny_llama, cache_dir=tmp_path)
     try:
         again = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
@@ -412,60 +471,3 @@ def test_shard_kill_mid_stream(tiny_llama):
     finally:
         assert s.stop() == 0
     assert shard_children(s.proc.pid) == [] and layersplit_shm() - before == set()
-
-
-@pytest.mark.slow
-def test_sigterm_finishes_in_flight_request(tiny_llama):
-    s = Server(tiny_llama, "--grace-s", "20")
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long", max_tokens=150,
-                        temperature=0, extra_body={"ignore_eos": True})
-        deadline = time.monotonic() + 30  # the signal comes once the request runs
-        while _metric(s, "layersplit_running_requests") < 1:
-            assert time.monotonic() < deadline and not fut.done(), "the request never ran"
-            time.sleep(0.02)
-        s.proc.send_signal(signal.SIGTERM)
-        r = fut.result(timeout=60)
-    assert r.usage.completion_tokens == 150
-    assert s.stop() == 0
-
-
-@pytest.mark.slow
-def test_speculation_per_request_and_its_metrics(tiny_llama):
-    """With a draft (here a classic one: the target itself, so drafts are kept), requests
-    speculate unless they say `speculative: false`; the text is the same; /metrics and /health
-    report it."""
-    s = Server(tiny_llama, "--draft", str(tiny_llama))
-    kids = [k.pid for k in shard_children(s.proc.pid)]
-    try:
-        assert len(kids) == 3  # two shards and the draft process
-        health = HTTP.get(s.url + "/health").json()
-        assert health["speculation"] == "on (classic draft)"
-        body = {"model": MODEL, "prompt": "the cat sat on", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True}
-        spec = HTTP.post(s.url + "/v1/completions", json=body, timeout=60).json()
-        plain = HTTP.post(s.url + "/v1/completions", json={**body, "speculative": False},
-                           timeout=60).json()
-        assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
-        metrics = HTTP.get(s.url + "/metrics").text
-        verifies = [line for line in metrics.splitlines()
-                    if line.startswith("layersplit_spec_verify_steps_total ")]
-        assert verifies and float(verifies[0].split()[1]) >= 3  # 24 tokens, up to 5 a step
-        assert 'layersplit_spec_accepted_tokens_total{position="1"}' in metrics
-        assert 'layersplit_step_seconds_count{kind="verify"}' in metrics
-        # a constrained request runs plainly and says why (the response's header, the log)
-        body = {**body, "max_tokens": 6, "response_format": {"type": "json_object"}}
-        r = HTTP.post(s.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 200
-        assert r.headers["x-layersplit-speculation"] == (
-            "off: response_format/tool_choice grammar")
-        r = HTTP.post(s.url + "/v1/completions", json={**body, "logit_bias": {"5": 1}},
-                       timeout=60)
-        assert r.headers["x-layersplit-speculation"] == (
-            "off: response_format/tool_choice grammar, logit_bias")
-        assert "x-layersplit-speculation" not in HTTP.post(
-            s.url + "/v1/completions", json={**body, "speculative": False},
-            timeout=60).headers
-    finally:
-        assert s.stop() == 0
-    assert wait_gone(kids) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -27,7 +28,7 @@ from layersplit.runtime.parity import Agreement, Thresholds, kl_divergence
 from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import run_together
+from tests.helpers import run_cli
 
 FAST = dict(limit=3, new_tokens=12)
 
@@ -190,10 +191,24 @@ def test_check_fails_when_one_layer_is_off_by_one_percent(model, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     common = ["--devices", "cpu,cpu", "--max-context", "512", "--threads", "1",
               "--limit", "3", "--new-tokens", "12", "--json"]
-    # (the two runs are independent: they run at once)
-    good, out = run_together(_cli("--model", str(model), *common),
-                             _cli("--model", str(bad), "--reference-model", str(model), *common),
-                             capture_output=True, text=True, timeout=240)
+    # the failing check in a process of its own (its exit code), the passing one in this
+    # process meanwhile (`run_cli`: the same command); the child's output goes to files (a
+    # pipe nobody reads meanwhile could fill)
+    with open(tmp_path / "out", "w+") as stdout, open(tmp_path / "err", "w+") as stderr:
+        proc = subprocess.Popen(
+            _cli("--model", str(bad), "--reference-model", str(model), *common),
+            stdout=stdout, stderr=stderr, text=True)
+        try:
+            good = run_cli("check", "--model", str(model), *common)
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stdout.seek(0)
+        stderr.seek(0)
+        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(),
+                                          stderr.read())
     assert good.returncode == 0, good.stderr[-2000:]
     assert json.loads(good.stdout)["pass"] is True
     assert out.returncode == 1, out.stderr[-2000:]

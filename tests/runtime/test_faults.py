@@ -24,7 +24,14 @@ from layersplit.runtime.generate import Progress
 from layersplit.runtime.placement import PlacementError
 from layersplit.shards.sampling import SamplingParams, pack_bias
 
-from tests.helpers import busy_load, layersplit_shm, send_raw_step, shard_children, wait_gone
+from tests.helpers import (
+    busy_load,
+    layersplit_shm,
+    run_cli,
+    send_raw_step,
+    shard_children,
+    wait_gone,
+)
 
 LONG = SamplingParams(max_tokens=100_000, ignore_eos=True)
 
@@ -282,13 +289,9 @@ def test_invalid_placement_rejected_before_any_process(tiny_llama, kw, match):
 
 @pytest.mark.slow
 def test_invalid_placement_cli_exit_code(tiny_llama):
-    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi", "--model",
-                        str(tiny_llama), "--layers", "0:4,3:6"], capture_output=True, text=True,
-                       timeout=60)
+    r = run_cli("generate", "hi", "--model", str(tiny_llama), "--layers", "0:4,3:6")
     assert r.returncode == 2 and "overlap" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", "hi", "--model",
-                        str(tiny_llama), "--max-context", "many"], capture_output=True,
-                       text=True, timeout=60)
+    r = run_cli("generate", "hi", "--model", str(tiny_llama), "--max-context", "many")
     assert r.returncode == 2 and "max_context='many'" in r.stderr
 
 

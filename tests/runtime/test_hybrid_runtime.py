@@ -7,8 +7,6 @@ state tensor is a miss); speculation equals the reference's plain decoding, logi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from tests.helpers import (
     assert_speculated_equals,
     layersplit_shm,
     noisy_copy,
+    run_cli,
     run_logged,
     shard_children,
     trace,
@@ -53,10 +52,8 @@ def test_cli_generate_on_three_shards_gives_transformers_greedy_tokens(hybrid_mo
                                                                        family):
     model = hybrid_models[family]
     text = "the quick brown fox jumps over the lazy dog"
-    out = subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "generate", text,
-                          "--model", str(model), "--devices", "cpu,cpu,cpu", "--max-tokens", "12",
-                          "--ignore-eos", "--json", "--prefix-cache", "off"],
-                         capture_output=True, text=True, timeout=240)
+    out = run_cli("generate", text, "--model", str(model), "--devices", "cpu,cpu,cpu",
+                  "--max-tokens", "12", "--ignore-eos", "--json", "--prefix-cache", "off")
     assert out.returncode == 0, out.stderr[-2000:]
     tokens = json.loads(out.stdout)["tokens"]
     ids = refs[family].tokenizer.encode(text)

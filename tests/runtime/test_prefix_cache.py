@@ -26,8 +26,8 @@ from tests.helpers import (
     assert_same_logits,
     assert_same_run,
     layersplit_shm,
+    run_cli,
     run_logged,
-    run_together,
     shard_children,
     wait_gone,
 )
@@ -255,10 +255,15 @@ def test_entries_of_another_model_are_ignored(tiny_models, ref, prompts, tmp_pat
     assert all(p.exists() for p in other)  # another model's files are left alone
 
 
-def _cli(model, prompt, cache_dir, *extra):
-    return [sys.executable, "-m", "layersplit.launch.cli", "generate", prompt,
-            "--model", str(model), "--devices", "cpu,cpu", "--threads", "1",
+def _generate(model, prompt, cache_dir, *extra) -> list[str]:
+    """`layersplit generate`'s arguments on 2 CPU shards with the disk cache in `cache_dir`."""
+    return ["generate", prompt, "--model", str(model), "--devices", "cpu,cpu", "--threads", "1",
             "--prefill-chunk", str(CHUNK), "--kv-cache-dir", str(cache_dir), "--json", *extra]
+
+
+def _cli(model, prompt, cache_dir, *extra):
+    return [sys.executable, "-m", "layersplit.launch.cli",
+            *_generate(model, prompt, cache_dir, *extra)]
 
 
 @pytest.mark.slow
@@ -274,14 +279,16 @@ def test_restart_persistence_via_cli(tiny_llama, ref, tmp_path):
     p.send_signal(signal.SIGTERM)
     p.wait(30)
     assert len(entries(tmp_path)) == 2 and all(verify(f) is None for f in entries(tmp_path))
-    # two restarts at once, each restoring from the entries the first run left (what one
-    # writes, the other does not need: the longer prompt restores the short one's chunks)
+    # two restarts, each restoring from the entries the first run left (the longer prompt
+    # first: what the other writes, it does not need; it restores the short one's chunks), as
+    # commands run in this process (`run_cli`: the same command, in a coordinator that never
+    # saw these prompts)
     dumps = [tmp_path.parent / f"{tmp_path.name}-logits{i}.npy"  # (outside the cache dir)
              for i in range(2)]
-    outs = run_together(*(_cli(tiny_llama, prompt, tmp_path, "--max-tokens", "8", "--ignore-eos",
-                               "--dump-logits", str(dump))
-                          for prompt, dump in zip((text, longer), dumps)),
-                        capture_output=True, text=True, timeout=120)
+    runs = {prompt: run_cli(*_generate(tiny_llama, prompt, tmp_path, "--max-tokens", "8",
+                                       "--ignore-eos", "--dump-logits", str(dump)))
+            for prompt, dump in ((longer, dumps[1]), (text, dumps[0]))}
+    outs = [runs[text], runs[longer]]
     for i, (prompt, dump, out) in enumerate(zip((text, longer), dumps, outs)):
         res = json.loads(out.stdout)
         ids = ref.tokenizer.encode(prompt)
@@ -357,8 +364,7 @@ def test_size_caps_evict_leaves_first(tiny_llama, ref, tmp_path):
 @pytest.mark.slow
 def test_cache_cli(short_entries, tmp_path):
     with_short_entries(short_entries, tmp_path)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "layersplit.launch.cli", "cache", *a],  # noqa
-                                    capture_output=True, text=True, timeout=60)
+    run = lambda *a: run_cli("cache", *a)  # noqa: E731
     out = run("ls", str(tmp_path))
     assert out.returncode == 0 and "2 entries" in out.stdout
     assert run("verify", str(tmp_path)).returncode == 0

@@ -8,10 +8,14 @@ quietly. `generate` sizes its run to its one request
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import io
+import signal
 import subprocess
 import sys
 
 import pytest
+from layersplit.launch import processes
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.reference import ReferenceEngine
@@ -50,30 +54,43 @@ def test_a_run_takes_the_processes_started_ahead(target, dflash):
 
 
 @pytest.mark.slow
-def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name():
+def test_unused_ones_are_stopped_and_a_bad_line_is_refused_by_name(monkeypatch):
     ready = prestart_shards(["cpu"])
     proc = ready[0].proc
     drop_prestarted(ready)
     assert ready == [] and proc.poll() is not None
-    cases = [
-        ("shard", b"", 0, ""),  # (its parent closed stdin: not needed)
-        ("shard", b"not json\n", 2, "a prestarted shard read a bad line on stdin"),
-        ("shard", b'{"argv": ["generate", "x"], "secret": "0102"}\n', 2,
-         "expected the shard command's arguments and a secret"),
-        ("shard", b'{"argv": ["shard"], "secret": "zz"}\n', 2, "a bad line on stdin"),
-        # a draft started ahead takes only the draft command's arguments
-        ("draft", b'{"argv": ["shard", "x"], "secret": "0102"}\n', 2,
-         "expected the draft command's arguments")]
 
     def run(role: str, line: bytes) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "layersplit.launch.cli", role, ARGV_ON_STDIN, "cpu"]
         return subprocess.run(cmd, input=line, capture_output=True, timeout=120, check=False)
 
-    # (independent processes, each importing torch before it reads its line: all at once)
+    # processes of their own: one whose parent closes stdin without a word exits quietly, one
+    # that reads a bad line exits 2 naming it (independent, each importing torch before it
+    # reads its line: both at once)
+    cases = [("shard", b"", 0, ""),
+             ("shard", b"not json\n", 2, "a prestarted shard read a bad line on stdin")]
     with concurrent.futures.ThreadPoolExecutor(len(cases)) as ex:
         results = list(ex.map(run, [c[0] for c in cases], [c[1] for c in cases]))
     for (role, line, rc, said), r in zip(cases, results):
         assert r.returncode == rc and said.encode() in r.stderr, (role, line, r.stderr[-1000:])
+    # what else a line can get wrong: the same command, run in this process (it returns
+    # before it would serve)
+    sigint = signal.getsignal(signal.SIGINT)  # (which it sets to ignored, as a shard does)
+    for role, line, said in [
+            ("shard", '{"argv": ["generate", "x"], "secret": "0102"}\n',
+             "expected the shard command's arguments and a secret"),
+            ("shard", '{"argv": ["shard"], "secret": "zz"}\n', "a bad line on stdin"),
+            # a draft started ahead takes only the draft command's arguments
+            ("draft", '{"argv": ["shard", "x"], "secret": "0102"}\n',
+             "expected the draft command's arguments")]:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(line))
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                rc = processes.main([role, ARGV_ON_STDIN, "cpu"])
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+        assert rc == 2 and said in err.getvalue(), (role, line, err.getvalue()[-1000:])
 
 
 def test_fit_context_sizes_a_run_to_its_request(tiny_llama):
