@@ -47,13 +47,26 @@ def sweep(pid: int) -> list[str]:
     """Unlink segments a (dead) process created and had not yet handed over, and the files of
     its CUDA interprocess events (`cuda_event_files`)."""
     removed = []
-    for p in [*SHM_DIR.glob(f"{PREFIX}{pid}-*"), *cuda_event_files(pid)]:
+    for p in [*_own(SHM_DIR.glob(f"{PREFIX}{pid}-*")), *cuda_event_files(pid)]:
         try:
             p.unlink()
             removed.append(p.name)
-        except FileNotFoundError:
+        except OSError:  # (gone already, or not ours to remove: the sweep goes on)
             pass
     return removed
+
+
+def _own(paths) -> list[Path]:
+    """Those of `paths` that belong to our user (another user's file of the same name, from a
+    process of the same pid in another pid namespace sharing /dev/shm, is never touched)."""
+    out = []
+    for p in paths:
+        try:
+            if p.lstat().st_uid == os.getuid():  # (the name's owner, a link's included)
+                out.append(p)
+        except OSError:
+            pass
+    return out
 
 
 # CUDA interprocess events are backed by small files that NVIDIA's driver creates in /dev/shm,
@@ -83,9 +96,9 @@ def cuda_event_files(pid: int) -> list[Path]:
     """The /dev/shm files of CUDA interprocess events process `pid` created (of our user)."""
     try:
         found = [p for p in SHM_DIR.glob(f"{CUDA_SHM}*") if _cuda_shm_pid(p.name) == pid]
-        return [p for p in found if p.stat().st_uid == os.getuid()]
     except OSError:
         return []
+    return _own(found)
 
 
 def release_cuda_event_files() -> list[str]:

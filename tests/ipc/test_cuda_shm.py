@@ -29,3 +29,38 @@ def test_a_processs_own_event_files_go_and_no_others():
     finally:
         for p in (*mine, theirs, odd):
             p.unlink(missing_ok=True)
+
+
+def test_a_file_gone_during_the_listing_loses_none_of_the_others():
+    """A file that vanishes between the listing and its check (a process removing its own as
+    it exits; here a link to nothing) costs only itself, not the whole sweep."""
+    me = os.getpid() + 2_000_003
+    mine = [_touch(f"cuda.shm.{os.getuid()}.{me:x}.{n}") for n in (1, 2)]
+    gone = SHM_DIR / f"cuda.shm.{os.getuid()}.{me:x}.3"
+    gone.symlink_to(SHM_DIR / f"layersplit-test-nothing-{me}")
+    try:
+        assert sorted(p.name for p in mine) == sorted(
+            n for n in sweep(me) if n != gone.name)
+        assert not any(p.exists() for p in mine)
+    finally:
+        for p in (*mine, gone):
+            p.unlink(missing_ok=True)
+
+
+def test_another_users_files_of_the_same_pid_are_left_alone():
+    """A segment or event file of the dead child's pid that another user owns (a process of
+    that pid in another pid namespace sharing /dev/shm) is neither removed nor an error."""
+    pid = os.getpid() + 3_000_003
+    seg = _touch(f"layersplit-{pid}-abcdef")
+    ev = _touch(f"cuda.shm.{os.getuid()}.{pid:x}.1")
+    other_uid = os.getuid() + 4242
+    try:
+        if os.getuid() == 0:  # (only root can give a file away)
+            os.chown(seg, other_uid, -1)
+            os.chown(ev, other_uid, -1)
+            assert sweep(pid) == [] and seg.exists() and ev.exists()
+        else:  # ours: removed
+            assert sorted(sweep(pid)) == sorted([seg.name, ev.name])
+    finally:
+        seg.unlink(missing_ok=True)
+        ev.unlink(missing_ok=True)
