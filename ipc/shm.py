@@ -47,7 +47,8 @@ def sweep(pid: int) -> list[str]:
     """Unlink segments a (dead) process created and had not yet handed over, and the files of
     its CUDA interprocess events (`cuda_event_files`)."""
     removed = []
-    for p in [*_own(SHM_DIR.glob(f"{PREFIX}{pid}-*")), *cuda_event_files(pid)]:
+    # (a child's event files are newer than this process: it started the child)
+    for p in [*_own(SHM_DIR.glob(f"{PREFIX}{pid}-*")), *cuda_event_files(pid, _started())]:
         try:
             p.unlink()
             removed.append(p.name)
@@ -78,7 +79,10 @@ def _own(paths) -> list[Path]:
 # library destructors), and one killed never runs it. So every start of a GPU server left a few
 # of these files behind after every process had exited (5 a start, on the device). A process
 # removes its own at exit (`release_cuda_event_files`), the coordinator those of a child that
-# did not (`sweep`). Only files of our user whose name carries the pid are touched.
+# did not (`sweep`). Only files of our user whose name carries the pid and that are newer than
+# the process (for a sweep: than the coordinator, which started it) are touched. Residual risk: a
+# process of the same user and pid in another pid namespace sharing /dev/shm, whose event files
+# are newer than ours; GPU runs confirm these are the driver's files (tests/gpu/test_dev_shm.py).
 CUDA_SHM = "cuda.shm."
 
 
@@ -92,13 +96,28 @@ def _cuda_shm_pid(name: str) -> int | None:
         return None
 
 
-def cuda_event_files(pid: int) -> list[Path]:
-    """The /dev/shm files of CUDA interprocess events process `pid` created (of our user)."""
+def cuda_event_files(pid: int, since: float) -> list[Path]:
+    """The /dev/shm files of CUDA interprocess events process `pid` created (of our user, made
+    at `since` (seconds since the epoch) or later)."""
     try:
         found = [p for p in SHM_DIR.glob(f"{CUDA_SHM}*") if _cuda_shm_pid(p.name) == pid]
     except OSError:
         return []
-    return _own(found)
+    out = []
+    for p in _own(found):
+        try:
+            if p.lstat().st_ctime >= since:
+                out.append(p)
+        except OSError:  # (gone meanwhile)
+            pass
+    return out
+
+
+def _started(pid: int | None = None) -> float:
+    """When process `pid` (default: this one) started, seconds since the epoch."""
+    import psutil
+
+    return psutil.Process(pid or os.getpid()).create_time()
 
 
 def release_cuda_event_files() -> list[str]:
@@ -106,7 +125,7 @@ def release_cuda_event_files() -> list[str]:
     events it created (`cuda_event_files`; a peer's mapping lives on without the name). A
     process that never used CUDA has none, and pays one glob of /dev/shm."""
     removed = []
-    for p in cuda_event_files(os.getpid()):
+    for p in cuda_event_files(os.getpid(), _started()):
         try:
             p.unlink()
             removed.append(p.name)

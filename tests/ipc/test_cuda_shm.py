@@ -5,6 +5,7 @@ processes are left alone. (The driver's own files are made on a GPU: tests/gpu/t
 from __future__ import annotations
 
 import os
+import time
 
 from layersplit.ipc.shm import SHM_DIR, cuda_event_files, release_cuda_event_files, sweep
 
@@ -21,7 +22,9 @@ def test_a_processs_own_event_files_go_and_no_others():
     theirs = _touch(f"cuda.shm.{os.getuid()}.{other:x}.1")
     odd = _touch(f"cuda.shm.{me:x}")  # (not the driver's layout: never touched)
     try:
-        assert sorted(cuda_event_files(me)) == sorted(mine)
+        assert sorted(cuda_event_files(me, 0.0)) == sorted(mine)
+        # files older than the process (of another process that had its pid) are not its own
+        assert cuda_event_files(me, time.time() + 60) == []
         assert sorted(release_cuda_event_files()) == sorted(p.name for p in mine)
         assert not any(p.exists() for p in mine) and theirs.exists() and odd.exists()
         assert sweep(other) == [theirs.name] and not theirs.exists()  # a dead child's
