@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import numpy as np
 import psutil
@@ -75,6 +76,10 @@ def test_a_dead_zygote_is_replaced_and_its_children_stop(tmp_path, tiny_llama):
     old.proc.kill()
     old.proc.wait()
     assert wait_gone([p.pid], 10) == []  # (its parent changed: `watch_parent`)
+    # (its main thread is a zombie first; its pidfd says it ended once every thread has)
+    deadline = time.monotonic() + 10
+    while p.exit_code() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert p.exit_code() is not None
     new = zygote()
     assert new is not old and new.alive()
