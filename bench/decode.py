@@ -198,6 +198,22 @@ def hf_baseline(args, prompt: list[int], device: str) -> dict:
     return row
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second read + written by a 1 GiB device-to-device copy, measured now."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
+    del x, y
+    return bw
+
+
 def hbm_floor(args, device: str) -> dict:
     """Copy bandwidth (read + write) now, and bytes moved per decoded token: the weights, the KV
     rows of the attention layers (read, at the mean context of the decode) and, for a hybrid
@@ -231,17 +247,7 @@ def hbm_floor(args, device: str) -> dict:
     # KV rows read, at the mean context of the decode (a window caps a layer's: not counted)
     kv = cfg.kv_bytes_per_token(attn_layers, itemsize) * context
     extra = {"state_bytes_per_token": 2 * state, "kv_bytes_per_token": kv}
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
-    del x, y
+    bw = copy_bandwidth(device)
     torch.cuda.empty_cache()
     total = per_token + sum(extra.values())
     return {"copy_GBps": bw / 1e9, "weight_bytes_per_token": per_token, **extra,

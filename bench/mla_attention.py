@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,24 +33,10 @@ from layersplit.shards.layers.step import StepInfo  # noqa: E402
 from layersplit.shards.model_config import read_hf_config  # noqa: E402
 from layersplit.shards.paged_kv import PagedKVCache  # noqa: E402
 
+from bench.decode import copy_bandwidth  # noqa: E402
+
 SHAPE = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-v2-lite-shape"
 BLOCK = 16
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second read + written by a 1 GiB device-to-device copy, measured now."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bw = 2 * x.numel() * 20 / (time.perf_counter() - t0)
-    del x, y
-    return bw
 
 
 def measure(args, keys: int) -> dict:
