@@ -6,27 +6,26 @@ and a corrupt one is ignored with a warning naming it and written again."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 from layersplit.shards.compile_cache import ROOT_ENV
 
-from tests.helpers import shard_children
+from tests.helpers import run_cli, shard_children
 
 
 def _run(command: str, model, tmp_path, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, ROOT_ENV: str(tmp_path / "compile")}
-    return subprocess.run(
-        [sys.executable, "-m", "layersplit.launch.cli", command, *argv, "--model", str(model),
-         "--devices", "cpu,cpu", "--threads", "1", "--draft", "none", "--max-context", "384",
-         "--prefill-chunk", "64", "--kv-cache-dir", str(tmp_path / "kv")],
-        env=env, capture_output=True, text=True, timeout=300, check=False)
+    """The command run in this process (`run_cli`: its shards fork from this run's zygote, with
+    the compile-cache root in their environment)."""
+    return run_cli(command, *argv, "--model", str(model), "--devices", "cpu,cpu", "--threads",
+                   "1", "--draft", "none", "--max-context", "384", "--prefill-chunk", "64",
+                   "--kv-cache-dir", str(tmp_path / "kv"))
 
 
 @pytest.mark.slow
-def test_warmup_writes_reuses_and_rebuilds_its_cache_entries(tiny_llama, tmp_path):
+def test_warmup_writes_reuses_and_rebuilds_its_cache_entries(tiny_llama, tmp_path,
+                                                             monkeypatch, capfd):
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "compile"))
     made = _run("generate", tiny_llama, tmp_path, "1 2 3 4 5 6 7 8 9 10 " * 8, "--token-ids",
                 "--max-tokens", "2", "--json")
     assert made.returncode == 0, made.stderr[-3000:]
@@ -44,10 +43,12 @@ def test_warmup_writes_reuses_and_rebuilds_its_cache_entries(tiny_llama, tmp_pat
     assert all(json.loads(p.read_text())["what"]["layers"] in ([0, 3], [3, 6]) for p in entries)
     kept = entries[0].read_text()
     entries[1].write_text(entries[1].read_text()[:40])  # cut short
+    capfd.readouterr()
     second = _run("warmup", tiny_llama, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"compile cache entry {entries[1]}: unreadable" in second.stderr
-    assert "warming up from the compile cache" in second.stderr  # shard 0's entry
+    shards_said = capfd.readouterr().err  # (the shards' own stderr: they fork from the zygote)
+    assert f"compile cache entry {entries[1]}: unreadable" in shards_said
+    assert "warming up from the compile cache" in shards_said  # shard 0's entry
     assert "compile cache: reused, written" in second.stderr
     assert "compile cache entries: shard 0 reused, shard 1 written" in second.stderr
     assert entries[0].read_text() == kept  # reused, not rewritten
