@@ -29,6 +29,8 @@ import struct
 import time
 from pathlib import Path
 
+import psutil
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "layersplit-"
 CONTROL_BYTES = 192
@@ -46,27 +48,35 @@ def segment_name() -> str:
 def sweep(pid: int) -> list[str]:
     """Unlink segments a (dead) process created and had not yet handed over, and the files of
     its CUDA interprocess events (`cuda_event_files`)."""
-    removed = []
     # (a child's event files are newer than this process: it started the child)
-    for p in [*_own(SHM_DIR.glob(f"{PREFIX}{pid}-*")), *cuda_event_files(pid, _started())]:
+    return _unlink([*_own(SHM_DIR.glob(f"{PREFIX}{pid}-*")), *cuda_event_files(pid, _started())])
+
+
+def _unlink(paths: list[Path]) -> list[str]:
+    """Unlink `paths`; the names of those removed (one gone already, or not ours to remove,
+    does not stop the others)."""
+    removed = []
+    for p in paths:
         try:
             p.unlink()
             removed.append(p.name)
-        except OSError:  # (gone already, or not ours to remove: the sweep goes on)
+        except OSError:
             pass
     return removed
 
 
-def _own(paths) -> list[Path]:
-    """Those of `paths` that belong to our user (another user's file of the same name, from a
-    process of the same pid in another pid namespace sharing /dev/shm, is never touched)."""
+def _own(paths, since: float = 0.0) -> list[Path]:
+    """Those of `paths` that belong to our user and were made at `since` (seconds since the
+    epoch) or later (another user's file of the same name, from a process of the same pid in
+    another pid namespace sharing /dev/shm, is never touched)."""
     out = []
     for p in paths:
         try:
-            if p.lstat().st_uid == os.getuid():  # (the name's owner, a link's included)
-                out.append(p)
-        except OSError:
-            pass
+            st = p.lstat()  # (the name's owner, a link's included)
+        except OSError:  # (gone meanwhile)
+            continue
+        if st.st_uid == os.getuid() and st.st_ctime >= since:
+            out.append(p)
     return out
 
 
@@ -103,35 +113,19 @@ def cuda_event_files(pid: int, since: float) -> list[Path]:
         found = [p for p in SHM_DIR.glob(f"{CUDA_SHM}*") if _cuda_shm_pid(p.name) == pid]
     except OSError:
         return []
-    out = []
-    for p in _own(found):
-        try:
-            if p.lstat().st_ctime >= since:
-                out.append(p)
-        except OSError:  # (gone meanwhile)
-            pass
-    return out
+    return _own(found, since)
 
 
-def _started(pid: int | None = None) -> float:
-    """When process `pid` (default: this one) started, seconds since the epoch."""
-    import psutil
-
-    return psutil.Process(pid or os.getpid()).create_time()
+def _started() -> float:
+    """When this process started, seconds since the epoch."""
+    return psutil.Process().create_time()
 
 
 def release_cuda_event_files() -> list[str]:
     """At a process's exit (it ends in `os._exit`): unlink the files of the CUDA interprocess
     events it created (`cuda_event_files`; a peer's mapping lives on without the name). A
     process that never used CUDA has none, and pays one glob of /dev/shm."""
-    removed = []
-    for p in cuda_event_files(os.getpid(), _started()):
-        try:
-            p.unlink()
-            removed.append(p.name)
-        except OSError:
-            pass
-    return removed
+    return _unlink(cuda_event_files(os.getpid(), _started()))
 
 
 def _stride(payload_bytes: int) -> int:
