@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.routed_moe import expert_groups
 from layersplit.shards.quant_blocks import dequantize_rows
 from torch import nn
 
@@ -92,16 +93,7 @@ class QuantExperts(nn.Module):
                 return torch.cat([self._grouped(x[a:a + step], w[a:a + step], idx[a:a + step])
                                   for a in range(0, n, step)])
         out = torch.zeros_like(x)  # as `routed_moe.loop_experts`
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.e).tolist()
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            pick = order[start:start + c]
-            start += c
-            rows = pick // k
+        for e, pick, rows in expert_groups(idx, self.e):
             g, u = self._gate_up(x[rows], e, bool(self.kernels))
             d = _rows(self.down, self.h * e, self.h * (e + 1), self.down_type, self.i, x.dtype,
                       bool(self.kernels))

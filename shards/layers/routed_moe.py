@@ -14,6 +14,7 @@ Two ways to run the experts, same math:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,24 +50,31 @@ def _gate_up(gate_up: torch.Tensor | None, gate: torch.Tensor | None, up: torch.
     return F.linear(x, gate[e]), F.linear(x, up[e])
 
 
+def expert_groups(idx: torch.Tensor, experts: int
+                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The (token, slot) pairs of the routing `idx` (n, k) grouped by expert, in increasing
+    id, experts no row chose left out: (expert, the pairs' flat indices into idx, their
+    rows)."""
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    start = 0
+    for e, c in enumerate(torch.bincount(flat, minlength=experts).tolist()):
+        if c == 0:
+            continue
+        pick = order[start:start + c]
+        start += c
+        yield e, pick, pick // k
+
+
 def loop_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                  gate_up: torch.Tensor | None, gate: torch.Tensor | None,
                  up: torch.Tensor | None, down: torch.Tensor) -> torch.Tensor:
     """Sum over each row's k experts of weight * down(silu(gate(x)) * up(x)), one expert at a
     time in increasing id (each expert's rows in one matmul), as transformers computes it.
     Give either `gate_up` (E, 2I, H) or `gate` and `up` (E, I, H); `down` is (E, H, I)."""
-    k = idx.shape[1]
     out = torch.zeros_like(x)
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=down.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pick = order[start:start + c]
-        start += c
-        rows = pick // k
+    for e, pick, rows in expert_groups(idx, down.shape[0]):
         g, u = _gate_up(gate_up, gate, up, x[rows], e)
         y = F.linear(F.silu(g) * u, down[e]) * w.reshape(-1)[pick, None]
         out.index_add_(0, rows, y.to(out.dtype))
