@@ -12,6 +12,7 @@ def frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.
     """An `nn.Linear` holding `weight` (out, in) and `bias` as they are."""
     layer = nn.Linear(1, 1, bias=False, device="meta")
     layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.out_features, layer.in_features = weight.shape  # (read by the kernels' warm-up)
     if bias is not None:
         layer.bias = nn.Parameter(bias, requires_grad=False)
     return layer
