@@ -209,11 +209,9 @@ stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
   fi
 }
 
-stage_spec() {  # S1-S6: the real default model and its bundled draft, the unseen prompts; S8-S11
+stage_spec() {  # S1-S6, S12-S14: the real default model and its bundled draft; S8-S11 the oracle
   local cases=${SPEC:-greedy}
-  [[ ",$cases," == *,greedy,* || ",$cases," == *,gpus2,* || ",$cases," == *,trees,* || \
-     ",$cases," == *,sampled,* || ",$cases," == *,streams,* || ",$cases," == *,det,* ]] && \
-    { default_model || return 1; }
+  [[ ",$cases" =~ ,[^o] ]] && { default_model || return 1; }  # (all but oracle* read it)
   [ -z "${SPEC:-}" ] && [ "$GPUS" -ge 2 ] && cases=greedy,gpus2
   local one="--devices cuda:0,cuda:0"
   if has "$cases" greedy; then
@@ -252,20 +250,20 @@ stage_spec() {  # S1-S6: the real default model and its bundled draft, the unsee
       TAIL=12 run spec_auto_greedy_$n 200 python3 $spec --devices $layout $auto \
         --json "$RUNS/spec_auto_greedy_$n.json"
       row spec "$RUNS/spec_auto_greedy_$n.json" \
-        --what "spec_policy auto, greedy, $n shard(s) on one GPU" --cmd "S7 ($layout)"
+        --what "spec_policy auto, greedy, $n shard(s) on one GPU" --cmd "S12 ($layout)"
     fi
     if has "$cases" auto_sampled; then
       TAIL=12 run spec_auto_sampled_$n 200 python3 $spec --devices $layout $auto \
         --temperature 0.7 --top-p 0.9 --json "$RUNS/spec_auto_sampled_$n.json"
       row spec "$RUNS/spec_auto_sampled_$n.json" \
         --what "spec_policy auto, temperature 0.7, top-p 0.9, $n shard(s) on one GPU" \
-        --cmd "S12 ($layout)"
+        --cmd "S13 ($layout)"
     fi
     if has "$cases" auto_streams; then
       TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \
         --ignore-eos --json "$RUNS/spec_auto_streams_$n.json"
       row spec "$RUNS/spec_auto_streams_$n.json" \
-        --what "spec_policy auto, 8 streams, $n shard(s) on one GPU" --cmd "S13 ($layout)"
+        --what "spec_policy auto, 8 streams, $n shard(s) on one GPU" --cmd "S14 ($layout)"
     fi
   done
   # the bench oracle (`draft.oracle`): --new-tokens end the requests on its lattice (seed 1:
@@ -375,7 +373,7 @@ stage_moe() {  # M1 (and M2 on 2 GPUs)
   fi
 }
 
-stage_mla() {  # M3; MLA=parity,speed,kernel (default all: more than one call's 580 s)
+stage_mla() {  # M4; MLA=parity,speed,kernel (default all: more than one call's 580 s)
   local cases=${MLA:-parity,speed,kernel} tf=()
   if has "$cases" parity; then
     [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
@@ -385,7 +383,7 @@ stage_mla() {  # M3; MLA=parity,speed,kernel (default all: more than one call's 
   if has "$cases" speed; then
     TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
       --layouts cuda:0 cuda:0,cuda:0 --streams 8 --repeats 3 --json "$RUNS/mla.json"
-    row moe "$RUNS/mla.json" --cmd M3
+    row moe "$RUNS/mla.json" --cmd M4
   fi
   if has "$cases" kernel; then
     TAIL=20 run mla_kernel 150 $tests tests/gpu/test_mla_kernel.py
