@@ -7,8 +7,10 @@ outputs are static buffers that a later replay overwrites: each is copied as it 
 CPU, the same test runs through Triton's interpreter with `TRITON_INTERPRET=1` (float32 only).
 Outputs agree within 1e-4 of their magnitude in float32 (the two paths sum in other orders). In
 bfloat16 two summation orders of the tiny models' logits differ by a few bf16 steps (2-6 %,
-`tests.gpu.test_decode_kernels`), so there each path is measured against the torch path in
-float32: the kernel's worst output as close to it as twice the torch path's worst, at least 0.05.
+`tests.gpu.test_decode_kernels`), and by far more at a step where a near-tie of the expert
+routing flips (the torch path alone strays up to 0.5 from float32 at some steps, measured on a
+CPU), so there each path is measured against the torch path in float32: the kernel's worst output
+as close to it as twice the torch path's worst, at least 0.05.
 """
 
 from __future__ import annotations
