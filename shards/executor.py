@@ -140,7 +140,9 @@ class RangeExecutor:
         """Hidden states (n, hidden) out of this range, or logits on the last range (of the last
         row, or of every row with `all_logits`). With `taps` (a dict), the rows of this range's
         tapped layers are stored in it by global layer index. A verify step's rows are a chain,
-        or the token tree `tree` (parents, `shards.spec_tree`)."""
+        or the token tree `tree` (parents, `shards.spec_tree`). On CUDA a static step's output is
+        its graph's buffer (`StaticDecoder.run`), valid until the next static step: copy it
+        to keep it."""
         n = x.shape[0]
         if pos + n > self.kv.max_len:
             raise ValueError(

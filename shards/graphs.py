@@ -260,7 +260,9 @@ class StaticDecoder:
         """Hidden rows (or logits of every row, on the last range) of a step of len(x) rows at
         positions [pos, pos + len(x)), and the rows of this range's tapped layers. A step of
         several rows is a verify step: a chain, or the token tree `parents`
-        (`shards.spec_tree`)."""
+        (`shards.spec_tree`). On CUDA these are the graph's static output buffers: the next
+        replay of any graph of this decoder may overwrite them (captures share one memory
+        pool), so a caller that keeps them past that copies them."""
         n = x.shape[0]
         self._input(n).copy_(x.reshape(self._input(n).shape))
         self.pos.fill_(pos)

@@ -2,10 +2,15 @@
 replaces (`MLAttention._absorbed`), through a paged executor's static steps: one-row decode
 steps, a token-tree verify step, a batched decode step and a batched verify step.
 
-On a CUDA device (`python -m pytest -m gpu`; the static steps are captured graphs there). On a
+On a CUDA device (`python -m pytest -m gpu`; the static steps are captured graphs there, whose
+outputs are static buffers that a later replay overwrites: each is copied as it comes). On a
 CPU, the same test runs through Triton's interpreter with `TRITON_INTERPRET=1` (float32 only).
-Outputs agree within 1e-4 of their magnitude in float32 (the two paths sum in other orders), 3e-2
-in bfloat16.
+Outputs agree within 1e-4 of their magnitude in float32 (the two paths sum in other orders). In
+bfloat16 two summation orders of the tiny models' logits differ by a few bf16 steps (2-6 %,
+`tests.gpu.test_decode_kernels`), and by far more at a step where a near-tie of the expert
+routing flips (the torch path alone strays up to 0.5 from float32 at some steps, measured on a
+CPU), so there each path is measured against the torch path in float32: the kernel's worst output
+as close to it as twice the torch path's worst, at least 0.05.
 """
 
 from __future__ import annotations
@@ -37,20 +42,28 @@ def _outputs(path, dtype: torch.dtype) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     for slot, n in enumerate(LENS):
         ex.run(torch.randint(3, 300, (n,), generator=g), 0, slot)
-    outs = []
+    outs = []  # copies: a graph's outputs are overwritten by the next replay in its pool
+
+    def keep(out: torch.Tensor) -> None:
+        outs.append(out.float().cpu().clone())
+
     for slot, n in enumerate(LENS):  # one-row steps, in two graph buckets
         for pos in range(n, n + 4):
-            outs.append(ex.run(torch.tensor([7 + pos]), pos, slot))
+            keep(ex.run(torch.tensor([7 + pos]), pos, slot))
     pos = [n + 4 for n in LENS]
     rows = torch.tensor([9, 3, 5, 7, 2])
-    outs.append(ex.run(rows, pos[0], 0, all_logits=True, verify=True, tree=[0, 1, 1, 0]))
+    keep(ex.run(rows, pos[0], 0, all_logits=True, verify=True, tree=[0, 1, 1, 0]))
     pos[0] += 5
-    outs.append(ex.static.run_batch(torch.tensor([4, 8, 15]), [0, 1, 2], pos)[0])
+    keep(ex.static.run_batch(torch.tensor([4, 8, 15]), [0, 1, 2], pos)[0])
     pos = [p + 1 for p in pos]
-    out, _ = ex.static.run_verify_batch(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), [2, 1], pos[2:0:-1],
-                                        [None, [0, 0, 1]])
-    outs.append(out)
-    return [o.float().cpu() for o in outs]
+    keep(ex.static.run_verify_batch(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), [2, 1],
+                                    pos[2:0:-1], [None, [0, 0, 1]])[0])
+    return outs
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """`a`'s largest distance from `b` per unit of `b`'s largest magnitude (at least 1)."""
+    return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,12 +71,17 @@ def _outputs(path, dtype: torch.dtype) -> list[torch.Tensor]:
 def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
     want = _outputs(tiny_models[family], dtype)
+    ref = want if dtype == torch.float32 else _outputs(tiny_models[family], torch.float32)
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
     got = _outputs(tiny_models[family], dtype)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.shape == b.shape
-        assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max())), i
+    assert [a.shape for a in got] == [b.shape for b in want] == [r.shape for r in ref]
+    if dtype == torch.float32:
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
+        return
+    kernel = [_rel(a, r) for a, r in zip(got, ref)]
+    torch_path = [_rel(b, r) for b, r in zip(want, ref)]
+    assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
 @pytest.mark.parametrize("rank,rope,rows", [(32, 8, 1), (27, 8, 3)])
