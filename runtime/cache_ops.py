@@ -671,7 +671,7 @@ class CacheManager:
     def on_saved(self, shard: int, msg: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         job = self.jobs.get(msg["entry"])
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
-            return  # not one of this run's saves (e.g. a remote shard's earlier session)
+            return  # not one of this run's saves (e.g. a remote shard's earlier run)
         job.waiting.discard(shard)
         if not msg["error"]:
             why = self._take_streamed(job, shard, msg, frames)
