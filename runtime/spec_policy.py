@@ -28,22 +28,24 @@ slow: `b - k + k a(s)` tokens a round against `b` a plain step. Speculation is c
 only where it beats plain decoding by `gain`: the plain steps the policy measures still feed the
 draft its rows, so they are slower than a run without a draft, and a tie is a loss.
 
-The policy runs in phases counted in steps of the runtime's clock (steps sent): it speculates
-at the best size, deciding again every `check` rounds on the rounds just measured (so a size
-that loses is left within a few rounds, not at the end of a phase), and after `spec_steps`
-decodes `refresh` plain steps (the plain cost drifts with the batch and the context); turned
-off, it decodes plainly, then probes `probe` rounds at the largest size (whose rounds teach
-every size's acceptance). The plain steps before a probe are at least `off_steps` (doubling, up
-to `off_steps_max`, while probes keep losing) and enough that what a probe loses against plain
-steps (priced from the last probe's rounds and switches) is at most `probe_budget` of their
-time. After a refresh, a probe or a check it decides: the best of plain and every size, but it
-leaves the current choice only for one `margin` better. A size whose round time was never
-measured is priced by linear interpolation between a plain step plus the draft's wait
+The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look
+at a batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at
+the largest size (whose rounds teach every size's acceptance), ended after two measured rounds
+where even the fastest rounds make speculation `abandon` times slower than plain steps.
+Speculating, it decides again every `check` rounds on the rounds just measured (a size that
+loses is left within a few rounds, not at the end of a phase), and after `spec_steps` decodes
+`refresh` plain steps (the plain cost drifts with the batch and the context). Turned off, it
+decodes plainly, then probes: the plain steps before a probe are at least `off_steps`
+(doubling, up to `off_steps_max`, while probes keep losing) and enough that what a probe loses
+against plain steps (its rounds and switches, as last measured) is at most `probe_budget` of
+their time. After a probe, a refresh or a check it decides: the best of plain and every size,
+but it leaves the current choice only for one `margin` better. A size whose round time was
+never measured is priced by linear interpolation between a plain step plus the draft's wait
 (`t_draft(b)`, the median time a round waited for its proposal: what a round of any size pays)
-and the measured sizes around it: an optimistic price (it leaves out the rest of a round's fixed
-cost), so an unmeasured smaller size is tried for `probe` rounds, then priced as measured; every fourth decision after a refresh for a
-smaller size first runs `probe` rounds at the largest (the only rounds that teach the larger
-sizes' acceptance).
+and the measured sizes around it: an optimistic price (it leaves out the rest of a round's
+fixed cost), so an unmeasured smaller size is tried for `probe` rounds, then priced as
+measured; every fourth decision after a refresh or a probe for a smaller size first runs
+`probe` rounds at the largest (the only rounds that teach the larger sizes' acceptance).
 
 `spec_policy = on` never consults it: every step that can speculate does (for benchmarks and
 tests of speculation itself).

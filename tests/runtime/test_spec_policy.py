@@ -221,7 +221,7 @@ def test_candidate_sizes_and_what_smaller_ones_would_have_kept():
 
 
 
-# ---- the two cases measured on an H200 (default model, its bundled draft, 1 shard) ----------------
+# ---- the two cases measured on an H200 (default model, its bundled draft, 1 shard) -------------
 MS = 1e-3
 
 
