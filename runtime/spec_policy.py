@@ -25,8 +25,9 @@ Speculating at size `s` yields `a(s) / (t_round(s, b) + 2 t_switch(b) / n)` toke
 sequence over a phase of `n` rounds; plain decoding `1 / t_plain(b)`. A batch of `b` where only
 `k` sequences speculate (`spec_max_seqs`) weighs the others too, whose steps the verify rows
 slow: `b - k + k a(s)` tokens a round against `b` a plain step. Speculation is chosen (or kept)
-only where it beats plain decoding by `gain`: the plain steps the policy measures still feed the
-draft its rows, so they are slower than a run without a draft, and a tie is a loss.
+only where it beats plain decoding by `gain`: at a tie plain steps are the safe choice (a round's
+time varies more than a plain step's, and what it costs the steps around it is priced only as
+far as the switches show it).
 
 The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look
 at a batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at
