@@ -122,9 +122,8 @@ def test_a_batch_where_one_sequence_speculates_weighs_the_others():
 
 
 def test_speculation_is_chosen_only_where_it_beats_plain_decoding_by_its_gain():
-    """A tie is a loss (the plain steps measured still feed the draft, so a run without one is
-    faster): speculating goes off at a tie, and comes on only where it is `gain` (5 %) and
-    `margin` (3 %) faster."""
+    """At a tie plain steps are the safe choice: speculating goes off at a tie, and comes on
+    only where it is `gain` (5 %) and `margin` (3 %) faster."""
     policy = SpecPolicy([7])
     policy.observe_plain(1, 1.0)
     policy.observe_round(1, 7, 2.0)
