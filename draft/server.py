@@ -48,7 +48,10 @@ from layersplit.shards.spec_tree import check_path
 
 log = logging.getLogger("layersplit.draft")
 FEATURE_WAIT_S = 30.0
-PUSH_TIMEOUT_S = 0.5  # a first shard whose proposals ring stays full this long: zmq instead
+PUSH_TIMEOUT_S = 0.0  # a proposal that finds the first shard's ring full goes by zmq at once:
+# that shard may itself wait for this process to take feature rows (a batch of more sequences
+# than ring slots sends more rows and takes more proposals than its rings hold), so waiting for
+# room would hold both until a timeout
 MAX_SLOTS = 1024
 
 ALLOWED = {
@@ -506,8 +509,8 @@ class DraftServer:
             try:
                 first.proposals.send(msg, None)
                 return
-            except TimeoutError:  # its ring is full: it takes none; zmq then
-                log.warning("draft: the first shard takes no proposals from its ring")
+            except TimeoutError:  # its ring is full: zmq then (`PUSH_TIMEOUT_S`)
+                log.debug("draft: the first shard's proposals ring is full; by zmq")
         self._reply(first.route, msg)
 
     def _refuse_feature(self, f: Feeder, why: str, slot: int | None = None) -> None:

@@ -5,27 +5,48 @@ What it measures, online, for this runtime's layout (one policy per runtime) and
 bucket (1, 2, 3-4, 5-8, ... sequences decoding):
 - `t_plain(b)`: seconds from one of a sequence's plain decode steps to its next;
 - `t_round(s, b)`: the same for verify rounds proposing `s` draft tokens (a round is the draft's
-  proposal and the verify step, as the sequence sees them);
+  proposal, the kept rows' moves and the verify step, as the sequence sees them);
+- `t_switch(b)`: what the first step of a kind (a round after plain steps, a plain step after
+  rounds) takes beyond a steady step of its kind: the draft catching up on the rows of the
+  plain steps, a proposal prepared for nothing; each phase of speculation pays it twice;
 - `a(s)`: tokens a round commits (kept draft tokens + the target's own), an exponential moving
   average, for greedy and sampled requests apart. Every candidate size is learnt from each
   round at once: a round that verified `s` draft tokens also tells what a smaller tree (the
   first paths of the draft's tree shape, every prefix of which is a tree) or a shorter chain
   would have kept, since the target's token at each position does not depend on the tree.
 
-Speculating at size `s` yields `a(s) / t_round(s, b)` tokens a second per sequence; plain
-decoding `1 / t_plain(b)`. A batch of `b` where only `k` sequences speculate (`spec_max_seqs`)
-weighs the others too, whose steps the verify rows slow: `(b - k + k a(s)) / t_round(s, b)`
-against `b / t_plain(b)`. The policy runs in phases counted in steps of the runtime's clock (steps
-sent): it speculates at the best size for `spec_steps` steps, then decodes `refresh` plain
-steps (the plain cost drifts with the batch and the context); turned off, it decodes plainly
-for `off_steps` steps (doubling, up to `off_steps_max`, while probes keep losing), then probes
-`probe` rounds at the largest size (whose rounds teach every size's acceptance). After a
-refresh or a probe it decides: the best of plain and every size, but it leaves the current
-choice only for one `margin` better. A size whose round time was never measured is priced by
-linear interpolation between the plain step and the measured sizes around it: an optimistic
-price (it leaves out a round's fixed cost), so an unmeasured smaller size is tried for `probe`
-rounds, then priced as measured; every fourth decision for a smaller size first runs `probe`
-rounds at the largest (the only rounds that teach the larger sizes' acceptance).
+A time is the median of its latest `window` measurements, one per step of the runtime (the
+sequences of a batch report the same step: the first report counts), not a mean: a step that
+captured a graph, compiled, or waited on the garbage collector moves it no more than any other
+step, where in a moving average one such step would price plain decoding (measured only a few
+steps at a time while speculation runs) wrong for hundreds of steps.
+
+Speculating at size `s` yields `a(s) / (t_round(s, b) + 2 t_switch(b) / n)` tokens a second per
+sequence over a phase of `n` rounds; plain decoding `1 / t_plain(b)`. A batch of `b` where only
+`k` sequences speculate (`spec_max_seqs`) weighs the others too, whose steps the verify rows
+slow: `b - k + k a(s)` tokens a round against `b` a plain step. Speculation is chosen (or kept)
+only where it beats plain decoding by `gain`: at a tie plain steps are the safe choice (a round's
+time varies more than a plain step's, and what it costs the steps around it is priced only as
+far as the switches show it).
+
+The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look
+at a batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at
+the largest size (whose rounds teach every size's acceptance), ended after two measured rounds
+where even the fastest rounds make speculation `abandon` times slower than plain steps.
+Speculating, it decides again every `check` rounds on the rounds just measured (a size that
+loses is left within a few rounds, not at the end of a phase), and after `spec_steps` decodes
+`refresh` plain steps (the plain cost drifts with the batch and the context). Turned off, it
+decodes plainly, then probes: the plain steps before a probe are at least `off_steps`
+(doubling, up to `off_steps_max`, while probes keep losing) and enough that what a probe loses
+against plain steps (its rounds and switches, as last measured) is at most `probe_budget` of
+their time. After a probe, a refresh or a check it decides: the best of plain and every size,
+but it leaves the current choice only for one `margin` better. A size whose round time was
+never measured is priced by linear interpolation between a plain step plus the draft's wait
+(`t_draft(b)`, the median time a round waited for its proposal: what a round of any size pays)
+and the measured sizes around it: an optimistic price (it leaves out the rest of a round's
+fixed cost), so an unmeasured smaller size is tried for `probe` rounds, then priced as
+measured; every fourth decision after a refresh or a probe for a smaller size first runs
+`probe` rounds at the largest (the only rounds that teach the larger sizes' acceptance).
 
 `spec_policy = on` never consults it: every step that can speculate does (for benchmarks and
 tests of speculation itself).
@@ -34,6 +55,9 @@ tests of speculation itself).
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 
@@ -41,19 +65,29 @@ from collections.abc import Mapping, Sequence
 class PolicyKnobs:
     """The policy's constants (steps are the runtime's steps sent)."""
 
-    alpha: float = 0.15  # weight of a new measurement in the moving averages
+    alpha: float = 0.15  # weight of a new measurement in the acceptance's moving average
+    window: int = 24  # steps a time is the median of (the latest)
     margin: float = 0.03  # a choice is replaced only by one this much faster
+    gain: float = 0.05  # speculation is chosen only where it is this much faster than plain
+    check: int = 16  # rounds between decisions while speculating
     spec_steps: int = 96  # steps speculating before `refresh` plain steps
-    refresh: int = 4  # plain steps measured between speculating phases (the first is not)
+    refresh: int = 6  # plain steps measured between speculating phases (the first is not)
     off_steps: int = 48  # plain steps before a probe, after a first decision for plain
-    off_steps_max: int = 768  # ... doubling while probes lose, up to this
-    probe: int = 5  # rounds of a probe at the largest size (the first is not measured)
+    off_steps_max: int = 8192  # ... doubling while probes lose, up to this
+    probe: int = 4  # rounds of a probe at the largest size (the first is not measured)
+    abandon: float = 1.5  # a probe ends after its first measured round where speculation at
+    # its best is this many times slower than plain decoding
+    probe_budget: float = 0.02  # a losing probe costs at most this share of the plain steps
+    # before it
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 1.0 or self.margin < 0.0:
-            raise ValueError(f"policy knobs: alpha {self.alpha} must be in (0, 1], margin "
-                             f"{self.margin} at least 0")
-        if min(self.spec_steps, self.refresh, self.off_steps, self.probe) < 2 or \
+        if not 0.0 < self.alpha <= 1.0 or min(self.margin, self.gain) < 0.0 or \
+                not 0.0 < self.probe_budget <= 1.0 or self.window < 1 or self.abandon < 1.0:
+            raise ValueError(f"policy knobs: alpha {self.alpha} and probe_budget "
+                             f"{self.probe_budget} must be in (0, 1], margin {self.margin} and "
+                             f"gain {self.gain} at least 0, window {self.window} and abandon "
+                             f"{self.abandon} at least 1")
+        if min(self.spec_steps, self.refresh, self.off_steps, self.probe, self.check) < 2 or \
                 self.off_steps_max < self.off_steps:
             raise ValueError("policy knobs: every phase needs at least 2 steps (the first of "
                              "a phase is not measured), and off_steps_max >= off_steps")
@@ -81,11 +115,48 @@ class Ema:
         self.count += 1
 
 
+class Window:
+    """The median of the latest `size` measurements (None until the first), one per `tag` (the
+    runtime's step: a batch's sequences each report it, and only the first report counts)."""
+
+    __slots__ = ("xs", "tag", "_median")
+
+    def __init__(self, size: int) -> None:
+        self.xs: deque[float] = deque(maxlen=size)
+        self.tag: int | None = None
+        self._median: float | None = None
+
+    def add(self, x: float, tag: int | None = None) -> None:
+        if tag is not None and tag == self.tag:
+            return
+        self.tag = tag
+        self.xs.append(x)
+        self._median = None
+
+    @property
+    def count(self) -> int:
+        return len(self.xs)
+
+    @property
+    def low(self) -> float | None:
+        return min(self.xs) if self.xs else None
+
+    @property
+    def value(self) -> float | None:
+        if self._median is None and self.xs:
+            self._median = statistics.median(self.xs)
+        return self._median
+
+
 @dataclasses.dataclass(slots=True)
 class Phase:
-    kind: str  # spec, refresh (plain steps measured), off, probe
+    kind: str  # first (plain steps measured first), spec, refresh (plain steps measured),
+    # off, probe
     size: int  # draft tokens of its rounds (0: plain steps)
     end: int  # the clock at which it ends
+    left: int = 0  # (spec) steps speculating after this one before a refresh: decided again
+    # at `end` while some are left
+    start: int = 0  # (probe) the clock it began at
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,7 +173,7 @@ class PolicyStats:
 
 class SpecPolicy:
     """The choice of each step: `plan` (draft tokens, 0 for a plain step); fed with
-    `observe_plain`, `observe_round` and `observe_kept`."""
+    `observe_plain`, `observe_round`, `observe_switch` and `observe_kept`."""
 
     def __init__(self, sizes: Sequence[int], knobs: PolicyKnobs | None = None,
                  spec_seqs: int = 1) -> None:
@@ -117,8 +188,10 @@ class SpecPolicy:
         self.spec_seqs = max(1, spec_seqs)
         self.knobs = knobs or PolicyKnobs()
         self.stats = PolicyStats()
-        self._plain: dict[int, Ema] = {}  # bucket -> seconds per plain step
-        self._round: dict[tuple[int, int], Ema] = {}  # (bucket, size) -> seconds per round
+        self._plain: dict[int, Window] = {}  # bucket -> seconds per plain step
+        self._round: dict[tuple[int, int], Window] = {}  # (bucket, size) -> seconds per round
+        self._switch: dict[int, Window] = {}  # bucket -> seconds a switch adds to its step
+        self._draft: dict[int, Window] = {}  # bucket -> seconds a round waits for its proposal
         self._kept: dict[tuple[bool, int], Ema] = {}  # (sampled, size) -> tokens per round
         self._phase: dict[tuple[int, bool], Phase] = {}
         self._choice: dict[tuple[int, bool], int] = {}  # (bucket, sampled) -> size, 0: off
@@ -130,13 +203,35 @@ class SpecPolicy:
         return self.sizes[0]
 
     # ---- measurements ---------------------------------------------------------------------------
-    def observe_plain(self, batch: int, seconds: float) -> None:
-        """A sequence's plain decode step took `seconds` (from its last step to this one)."""
-        self._plain.setdefault(bucket(batch), Ema(self.knobs.alpha)).add(seconds)
+    def _window(self, table: dict, key) -> Window:
+        w = table.get(key)
+        if w is None:
+            w = table[key] = Window(self.knobs.window)
+        return w
 
-    def observe_round(self, batch: int, size: int, seconds: float) -> None:
+    def observe_plain(self, batch: int, seconds: float, tag: int | None = None) -> None:
+        """A sequence's plain decode step took `seconds` (from its last step to this one);
+        `tag`: the runtime's step it measured (one measurement counts per step)."""
+        self._window(self._plain, bucket(batch)).add(seconds, tag)
+
+    def observe_round(self, batch: int, size: int, seconds: float,
+                      tag: int | None = None) -> None:
         """A round proposing `size` draft tokens took `seconds`."""
-        self._round.setdefault((bucket(batch), size), Ema(self.knobs.alpha)).add(seconds)
+        self._window(self._round, (bucket(batch), size)).add(seconds, tag)
+
+    def observe_switch(self, batch: int, size: int, seconds: float,
+                       tag: int | None = None) -> None:
+        """The first step of a kind (`size` draft tokens, 0: plain) after one of another took
+        `seconds`: what it took beyond a steady step of its kind is a switch's cost (not known
+        before a steady step of its kind was measured)."""
+        steady = self.round_time(batch, size) if size else self.plain_time(batch)
+        if steady is not None:
+            self._window(self._switch, bucket(batch)).add(max(0.0, seconds - steady), tag)
+
+    def observe_draft(self, batch: int, seconds: float) -> None:
+        """A round waited `seconds` for its proposal (the draft's forward, on the round's path):
+        a part of every round's time whatever its size."""
+        self._window(self._draft, bucket(batch)).add(seconds)
 
     def observe_kept(self, sampled: bool, committed: Mapping[int, int]) -> None:
         """A round committed `committed[s]` tokens, or would have with `s` draft tokens (every
@@ -147,18 +242,29 @@ class SpecPolicy:
 
     # ---- estimates ------------------------------------------------------------------------------
     def plain_time(self, batch: int) -> float | None:
-        e = self._plain.get(bucket(batch))
-        return None if e is None else e.value
+        w = self._plain.get(bucket(batch))
+        return None if w is None else w.value
 
-    def round_time(self, batch: int, size: int) -> float | None:
-        """Measured, else interpolated between the plain step (size 0) and the measured sizes
-        around `size` (beyond the largest measured one: that one's)."""
+    def switch_time(self, batch: int) -> float:
+        """Seconds one switch between plain steps and rounds adds (0 until measured)."""
+        w = self._switch.get(bucket(batch))
+        return 0.0 if w is None or w.value is None else w.value
+
+    def round_time(self, batch: int, size: int, fastest: bool = False) -> float | None:
+        """Measured (`fastest`: the fastest of the latest rounds, else their median), else
+        interpolated between a plain step and the draft's wait (size 0: what a round of no
+        draft token would cost) and the measured sizes around `size` (beyond the largest
+        measured one: that one's)."""
         b = bucket(batch)
-        e = self._round.get((b, size))
-        if e is not None:
-            return e.value
-        known = sorted((s, e.value) for (bb, s), e in self._round.items() if bb == b)
+        w = self._round.get((b, size))
+        if w is not None:
+            return w.low if fastest else w.value
+        known = sorted((s, w.low if fastest else w.value)
+                       for (bb, s), w in self._round.items() if bb == b)
         plain = self.plain_time(batch)
+        draft = self._draft.get(b)
+        if plain is not None and draft is not None and draft.value is not None:
+            plain += draft.value
         lo = (0, plain) if plain is not None else None
         for s, t in known:
             if s < size:
@@ -173,33 +279,67 @@ class SpecPolicy:
         e = self._kept.get((sampled, size))
         return None if e is None else e.value
 
-    def rates(self, batch: int, sampled: bool) -> dict[int, float]:
-        """Estimated tokens a second of a batch of `batch` sequences (its bucket's size), `k`
-        of them speculating (`spec_seqs`, at most all): {0: plain, b / t_plain; size: speculating
-        at that size, (b - k + k a(size)) / t_round(size)}, for those that can be estimated."""
+    def _batch_tokens(self, batch: int, sampled: bool, size: int) -> float | None:
+        """Tokens a round at `size` commits for the whole batch's bucket (`b - k + k a(s)`)."""
+        a = self.kept(sampled, size)
+        if a is None:
+            return None
         b = bucket(batch)
         k = min(self.spec_seqs, b)
+        return b - k + k * a
+
+    def rates(self, batch: int, sampled: bool, fastest: bool = False) -> dict[int, float]:
+        """Estimated tokens a second of a batch of `batch` sequences (its bucket's size), `k`
+        of them speculating (`spec_seqs`, at most all): {0: plain, b / t_plain; size: speculating
+        at that size over a phase of `spec_steps` rounds, (b - k + k a(size)) / (t_round(size) +
+        2 t_switch / spec_steps)}, for those that can be estimated (`fastest`: rounds priced by
+        the fastest measured, `round_time`)."""
         out = {}
         plain = self.plain_time(batch)
         if plain is not None and plain > 0:
-            out[0] = b / plain
+            out[0] = bucket(batch) / plain
+        switch = 2.0 * self.switch_time(batch) / self.knobs.spec_steps
         for s in self.sizes:
-            a, t = self.kept(sampled, s), self.round_time(batch, s)
-            if a is not None and t is not None and t > 0:
-                out[s] = (b - k + k * a) / t
+            n, t = self._batch_tokens(batch, sampled, s), self.round_time(batch, s, fastest)
+            if n is not None and t is not None and t + switch > 0:
+                out[s] = n / (t + switch)
         return out
 
     def decide(self, batch: int, sampled: bool, current: int) -> int:
-        """The best size (0: plain) by the estimates; `current` stays unless beaten by
-        `margin` (or cannot be estimated)."""
-        rates = self.rates(batch, sampled)
+        """The best size (0: plain) by the estimates, speculation's discounted by `gain`;
+        `current` stays unless beaten by `margin` (or cannot be estimated)."""
+        k = self.knobs
+        rates = {s: r / (1.0 + k.gain) if s else r
+                 for s, r in self.rates(batch, sampled).items()}
         if not rates:
             return current
         best = max(rates, key=lambda s: (rates[s], -s))
         mine = rates.get(current)
-        if mine is not None and rates[best] <= mine * (1.0 + self.knobs.margin):
+        if mine is not None and rates[best] <= mine * (1.0 + k.margin):
             return current
         return best
+
+    def _hopeless(self, batch: int, sampled: bool) -> bool:
+        """Whether speculation at its best is `abandon` times slower than plain decoding, even
+        priced by the fastest rounds measured (two at least: one may have paused): a probe
+        then ends at once."""
+        w = self._round.get((bucket(batch), self.largest))
+        if w is None or w.count < 2:
+            return False
+        rates = self.rates(batch, sampled, fastest=True)
+        plain = rates.pop(0, None)
+        return plain is not None and bool(rates) and \
+            max(rates.values()) * self.knobs.abandon < plain
+
+    def probe_loss(self, batch: int, sampled: bool) -> float | None:
+        """Seconds a probe (`probe` rounds at the largest size and its two switches) takes
+        beyond plain steps committing as many tokens (None: not known yet)."""
+        plain, t = self.plain_time(batch), self.round_time(batch, self.largest)
+        n = self._batch_tokens(batch, sampled, self.largest)
+        if plain is None or t is None or n is None:
+            return None
+        per_round = t - n / bucket(batch) * plain
+        return max(0.0, self.knobs.probe * per_round + 2.0 * self.switch_time(batch))
 
     # ---- the plan -------------------------------------------------------------------------------
     def plan(self, batch: int, sampled: bool, clock: int) -> int:
@@ -207,10 +347,11 @@ class SpecPolicy:
         proposes: 0 for a plain step."""
         key = (bucket(batch), sampled)
         ph = self._phase.get(key)
-        if ph is None:  # a first look: speculate as configured, then measure plain
-            ph = self._phase[key] = Phase("spec", self.largest, clock + self.knobs.probe)
-            self._choice[key] = self.largest
-        while clock >= ph.end:
+        if ph is None:  # a first look: plain steps measured, then a probe
+            ph = self._phase[key] = Phase("first", 0, clock + self.knobs.refresh)
+            self._choice[key] = self.largest  # (as configured, until the first decision)
+        while clock >= ph.end or (ph.kind == "probe" and clock >= ph.start + 2
+                                  and self._hopeless(batch, sampled)):
             ph = self._phase[key] = self._next(key, ph, batch, sampled, clock)
         if ph.size:
             self.stats.rounds += 1
@@ -221,30 +362,45 @@ class SpecPolicy:
     def _next(self, key: tuple[int, bool], ph: Phase, batch: int, sampled: bool,
               clock: int) -> Phase:
         k = self.knobs
-        if ph.kind == "spec":
+        if ph.kind == "spec" and not ph.left:
             return Phase("refresh", 0, clock + k.refresh)
-        if ph.kind == "off":
-            self.stats.probes += 1
-            return Phase("probe", self.largest, clock + k.probe)
-        # after a refresh or a probe: decide
-        was = self._choice.get(key, self.largest)
-        now = self.decide(batch, sampled, was if ph.kind == "refresh" else 0)
+        if ph.kind in ("off", "first"):
+            self.stats.probes += ph.kind == "off"
+            return Phase("probe", self.largest, clock + k.probe, start=clock)
+        was = self._choice.get(key, 0)
+        if ph.kind == "spec":  # a check: on the rounds just measured, the plain step as last
+            now = self.decide(batch, sampled, ph.size)
+            if now == ph.size:
+                n = min(k.check, ph.left)
+                return Phase("spec", now, clock + n, ph.left - n)
+        else:  # after a refresh or a probe
+            now = self.decide(batch, sampled, was if ph.kind == "refresh" else 0)
+            self._decisions[key] = self._decisions.get(key, 0) + 1
         self._choice[key] = now
         self.stats.size[key[0]] = now
-        self._decisions[key] = n = self._decisions.get(key, 0) + 1
         if now != was:
             self.stats.switches += 1
         if now == 0:
-            off = self._off_len.get(key)
-            off = k.off_steps if off is None or was else min(2 * off, k.off_steps_max)
-            self._off_len[key] = off
-            return Phase("off", 0, clock + off)
+            return Phase("off", 0, clock + self._off_steps(key, batch, sampled, was))
         self._off_len.pop(key, None)
         if (key[0], now) not in self._round:  # priced, not measured: a short look first
             return Phase("spec", now, clock + k.probe)
-        if now != self.largest and n % 4 == 0:  # the larger sizes' acceptance, now and then
-            return Phase("spec", self.largest, clock + k.probe)
-        return Phase("spec", now, clock + k.spec_steps)
+        if now != self.largest and ph.kind != "spec" and self._decisions[key] % 4 == 0:
+            return Phase("spec", self.largest, clock + k.probe)  # larger sizes' acceptance
+        n = min(k.check, k.spec_steps)
+        return Phase("spec", now, clock + n, k.spec_steps - n)
+
+    def _off_steps(self, key: tuple[int, bool], batch: int, sampled: bool, was: int) -> int:
+        """Plain steps before the next probe: `off_steps` after speculating, doubling while
+        probes lose, and enough that a probe costs at most `probe_budget` of them."""
+        k = self.knobs
+        off = self._off_len.get(key)
+        off = k.off_steps if off is None or was else min(2 * off, k.off_steps_max)
+        loss, plain = self.probe_loss(batch, sampled), self.plain_time(batch)
+        if loss is not None and plain:
+            off = max(off, min(k.off_steps_max, math.ceil(loss / (k.probe_budget * plain))))
+        self._off_len[key] = off
+        return off
 
     def choice(self, batch: int, sampled: bool) -> int | None:
         """The size last decided for this bucket (0: off; None: not decided yet)."""
@@ -286,32 +442,37 @@ def tree_ranks(shape: Sequence[Sequence[int]], nodes: int, depth: int) -> list[i
 class Pacer:
     """One sequence's side of the policy: the size of each of its steps (`step`, or planned a
     step ahead with `plan_next` when the draft is told what to prepare), and the time from each
-    step to the next, given to the policy as that step's cost when it was a steady one: it came
-    right after a step of the same size (the first step of a kind pays for the switch: kept
-    rows moved, the draft's context caught up) and the next step is at the position it led to
-    (one step, not two, lies between)."""
+    step to the next, given to the policy as that step's cost when it was a steady one (it came
+    right after a step of the same size), or as a switch's when it came after one of another
+    kind (the first step of a kind pays for the switch: the draft's context caught up, a
+    proposal prepared for nothing); measured only when the next step is at the position it led
+    to (one step, not two, lies between). Each measurement is tagged with the runtime's step it
+    measured: the sequences of a batch count once."""
 
     def __init__(self, policy: SpecPolicy, sampled: bool) -> None:
         self.policy, self.sampled = policy, sampled
         self._told: int | None = None  # the size already planned for the next step
-        self._last: list | None = None  # [size, start, batch, position the next step is at]
+        self._last: list | None = None  # [size, start, batch, position the next step is at,
+        # clock it was planned at]
         self._before: int | None = None  # the size of the step before the last
 
     def step(self, pos: int, batch: int, clock: int, now: float) -> int:
         """The size of the step at `pos` (0: plain), planned at `clock` with `batch` sequences
         decoding, `now` on a monotonic clock."""
         if self._last is not None:
-            size, start, b, expect = self._last
-            if expect == pos and self._before == size >= 0:
-                if size:
-                    self.policy.observe_round(b, size, now - start)
+            size, start, b, expect, tag = self._last
+            if expect == pos and size >= 0 and self._before is not None and self._before >= 0:
+                if self._before != size:
+                    self.policy.observe_switch(b, size, now - start, tag)
+                elif size:
+                    self.policy.observe_round(b, size, now - start, tag)
                 else:
-                    self.policy.observe_plain(b, now - start)
+                    self.policy.observe_plain(b, now - start, tag)
             self._before = size
         size = self._told if self._told is not None else self.policy.plan(
             batch, self.sampled, clock)
         self._told = None
-        self._last = [size, now, batch, pos + 1 if size == 0 else None]
+        self._last = [size, now, batch, pos + 1 if size == 0 else None, clock]
         return size
 
     @property
@@ -324,11 +485,15 @@ class Pacer:
         self._told = self.policy.plan(batch, self.sampled, clock)
         return self._told
 
-    def ran(self, size: int, next_pos: int, committed: Mapping[int, int]) -> None:
+    def ran(self, size: int, next_pos: int, committed: Mapping[int, int],
+            draft: float | None = None) -> None:
         """The round planned at the last `step` verified `size` draft tokens and the next step
-        is at `next_pos`; `committed`: `committed_by_size`."""
+        is at `next_pos`; `committed`: `committed_by_size`; `draft`: seconds it waited for its
+        proposal, where known."""
         if self._last is not None and self._last[0] == size:
             self._last[3] = next_pos
+            if draft is not None:
+                self.policy.observe_draft(self._last[2], draft)
         self.policy.observe_kept(self.sampled, committed)
 
     def missed(self) -> None:

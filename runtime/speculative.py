@@ -200,6 +200,8 @@ class DraftClient:
         self._pushed_at: int | None = None
         self._t_proposed = 0.0
         self._t_verified = 0.0
+        self._draft_wait: float | None = None  # seconds the round in flight waited for its
+        # proposal (the policy prices a round's draft part with it)
 
     def _size(self, pos: int) -> int:
         """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
@@ -276,6 +278,7 @@ class DraftClient:
             return [], None, None
         now = time.perf_counter()
         self.stats.draft_s += now - t0
+        self._draft_wait = now - t0
         compute = reply.get("compute_s")
         if isinstance(compute, float):
             self.stats.draft_compute_s += compute
@@ -313,6 +316,7 @@ class DraftClient:
             raise self.coord.fail(f"the last shard reported {str(asked)[:200]} for a step "
                                    "that asked for draft tokens")
         self.stats.draft_s += asked["waited"]
+        self._draft_wait = asked["waited"]
         self._t_proposed += asked["waited"]  # (the wait is the draft's, not the verify's)
         if asked["missed"] is not None:
             if self.pacer is not None:
@@ -345,7 +349,9 @@ class DraftClient:
             elif self.tree:  # (a tree proposal without a known shape: only its own size)
                 ranks = [0] * accepted
             sizes = self.pacer.policy.sizes if self.shape or not self.tree else [size]
-            self.pacer.ran(size, pos + accepted + 1, committed_by_size(sizes, size, ranks))
+            self.pacer.ran(size, pos + accepted + 1, committed_by_size(sizes, size, ranks),
+                           self._draft_wait)
+        self._draft_wait = None
         moving = rows_to_move(path)
         if moving is not None:
             self.kept = (pos + accepted + 1, moving)

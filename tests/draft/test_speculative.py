@@ -32,6 +32,7 @@ from layersplit.runtime.errors import DraftError
 from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.placement import PlacementError
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy
 from layersplit.runtime.speculative import SpecStats
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
@@ -172,16 +173,24 @@ def test_speculative_equals_plain(target, fitted, near, want, kind, n, transport
     assert layersplit_shm() - before == set()
 
 
+def _probing(policy: SpecPolicy) -> SpecPolicy:
+    """A policy like `policy` whose off phases are 2 plain steps (a probe follows at once)."""
+    return SpecPolicy(policy.sizes, PolicyKnobs(off_steps=2, off_steps_max=2),
+                      policy.spec_seqs)
+
+
 @pytest.mark.slow
 def test_measured_policy_mixes_rounds_and_plain_steps_output_the_reference(target, fitted,
                                                                              want):
     """`spec_policy = measured` (here on CPUs, where what it chooses depends on the machine's
-    timings): requests run the policy's rounds and plain steps, mixed (a first look at the
-    whole tree, plain steps to measure, then its choice), and the output of every request,
+    timings): requests run the policy's rounds and plain steps, mixed (a first look: plain
+    steps to measure, then the whole tree; then its choice, and where it is off, probes: here
+    after 2 plain steps, so that every request speculates), and the output of every request,
     greedy and sampled, is the reference's, tokens and logits; the decisions show in the
     request's statistics and its JSON. (What it chooses: tests/runtime/test_spec_policy.py.)"""
     with Coordinator(_cfg(target, 1, fitted, spec_policy="measured")) as coord:
         assert coord.policy_measures and coord.spec_policy.sizes == [7, 3, 1]
+        coord.spec_policy = _probing(coord.spec_policy)
         assert coord.spec_sampling_mode() == "coupled"  # (auto: the policy decides)
         stats = _compare(coord, want)
         assert stats.verifies > 0 and stats.off_steps > 0 and 7 in stats.sizes
@@ -206,13 +215,14 @@ def test_policy_plain_steps_decode_with_lookahead(target, dflash, want):
     with Coordinator(_cfg(target, 1, dflash, spec_policy="measured", max_seqs=2,
                           spec_max_seqs=2)) as coord:
         assert coord.batcher.look_ahead
+        coord.spec_policy = _probing(coord.spec_policy)
         prompts = _prompts(coord.tokenizer)
         rounds = off = 0
         for i in range(2):
             result, logits, spec = run_speculated(coord, prompts[i], GREEDY)
             assert_same_run((result, logits), want[i, GREEDY.temperature], f"prompt {i}")
             rounds, off = rounds + spec.verifies, off + spec.off_steps
-        assert rounds >= 5 and off >= 4  # (its first look, then plain steps to measure)
+        assert rounds >= 5 and off >= 4  # (its first look: plain steps, then rounds; probes)
         alone = coord.batcher.stats.ahead
         assert alone >= 2
         progress = [Progress(logits=[]) for _ in prompts]

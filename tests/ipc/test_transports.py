@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -61,6 +62,33 @@ def test_shm_roundtrip_and_flow_control(dtype):
     assert bells == [1]
     sender.close()
     inbox.close()
+
+
+def test_a_sender_without_a_wait_finds_a_full_ring_at_once():
+    """A sender whose timeout is 0 (the draft's proposals to the first shard, which may itself
+    wait for the draft to take feature rows) learns of a full ring at once, and sends on once
+    the receiver has taken a message."""
+    inbox, desc = transport.offer("shm", 64, torch.device("cpu"))
+    sender = transport.accept("shm", desc, None)
+    sender.timeout_s = 0.0
+    try:
+        for i in range(transport.RING_SLOTS):
+            sender.send(_step(i, 1), None)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="receiver stalled"):
+            sender.send(_step(99, 1), None)
+        assert time.monotonic() - t0 < 0.05
+        msg, _, seq = inbox.poll()
+        inbox.release(seq)
+        sender.send(_step(4, 1), None)
+        got = []
+        while (m := inbox.poll()) is not None:
+            got.append(m[0]["sid"])
+            inbox.release(m[2])
+        assert msg["sid"] == 0 and got == [1, 2, 3, 4]
+    finally:
+        sender.close()
+        inbox.close()
 
 
 def test_shm_is_private_and_blocks_a_fast_sender():

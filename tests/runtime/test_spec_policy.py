@@ -52,7 +52,7 @@ def test_speculation_turns_off_where_a_round_loses():
     over the run it is within a few per cent of plain decoding's speed."""
     policy = SpecPolicy(TREE)
     sizes, rate = run(policy, 3000, plain, lambda s, b: 3.0, lambda s: 1)
-    assert sizes[:5] == [31] * 5  # a first look at the whole tree
+    assert sizes[:10] == [0] * 6 + [31] * 4  # a first look: plain steps, the whole tree
     assert sum(s == 0 for s in sizes[-1000:]) >= 990
     assert rate > 0.97  # plain: 1 token a second
     assert policy.choice(1, False) == 0 and policy.stats.probes >= 3
@@ -121,8 +121,23 @@ def test_a_batch_where_one_sequence_speculates_weighs_the_others():
         assert (policy.choice(32, False) > 0) is on
 
 
+def test_speculation_is_chosen_only_where_it_beats_plain_decoding_by_its_gain():
+    """At a tie plain steps are the safe choice: speculating goes off at a tie, and comes on
+    only where it is `gain` (5 %) and `margin` (3 %) faster."""
+    policy = SpecPolicy([7])
+    policy.observe_plain(1, 1.0)
+    policy.observe_round(1, 7, 2.0)
+    policy.observe_kept(False, {7: 2})  # 1.0 token a second either way
+    assert policy.decide(1, False, 7) == 0 and policy.decide(1, False, 0) == 0
+    policy.observe_kept(False, {7: 3})  # 2.15 tokens a round (EMA): 7.5 % better
+    assert policy.kept(False, 7) == pytest.approx(2.15)
+    assert policy.decide(1, False, 0) == 0 and policy.decide(1, False, 7) == 7
+    policy.observe_kept(False, {7: 3})  # 2.28: 14 % better
+    assert policy.decide(1, False, 0) == 7
+
+
 def test_a_margin_keeps_a_choice_against_a_hair_better_one():
-    policy = SpecPolicy([7], PolicyKnobs(margin=0.05))
+    policy = SpecPolicy([7], PolicyKnobs(margin=0.05, gain=0.0))
     policy.observe_plain(1, 1.0)
     policy.observe_round(1, 7, 2.0)
     policy.observe_kept(False, {7: 2})  # 1.0 token a second either way
@@ -145,21 +160,44 @@ def test_an_unmeasured_size_is_priced_between_its_measured_neighbours():
 
 def test_steps_after_a_switch_are_not_measured():
     """The first step of a kind pays for the switch (kept rows moved, the draft catching up):
-    only a step that came after one of the same size is measured, and only when the next one
-    is where it led (one step, not two, between)."""
-    policy = SpecPolicy([3], PolicyKnobs(spec_steps=2, refresh=2, probe=2))
+    only a step that came after one of the same size is measured as a step of its kind, the
+    first as a switch (what it took beyond a steady step of its kind), and only when the next
+    one is where it led (one step, not two, between)."""
+    policy = SpecPolicy([3], PolicyKnobs(spec_steps=2, refresh=2, probe=2, check=2))
     pacer = Pacer(policy, False)
-    assert pacer.step(10, 1, 0, 0.0) == 3  # first look
-    pacer.ran(3, 12, {3: 2})
-    assert pacer.step(12, 1, 1, 5.0) == 3  # (the first round: not measured)
-    assert policy.round_time(1, 3) is None
-    pacer.ran(3, 14, {3: 2})
-    assert pacer.step(14, 1, 2, 7.0) == 0  # refresh; the second round took 2 s
-    assert policy.round_time(1, 3) == pytest.approx(2.0)
-    assert pacer.step(15, 1, 3, 10.0) == 0
-    assert policy.plain_time(1) is None  # (the first plain step: not measured)
-    pacer.step(17, 1, 4, 11.0)  # a position skipped: not one step
+    assert pacer.step(10, 1, 0, 0.0) == 0  # a first look: plain steps
+    assert pacer.step(11, 1, 1, 1.0) == 0  # (the sequence's first step: not measured)
     assert policy.plain_time(1) is None
+    assert pacer.step(12, 1, 2, 2.5) == 3  # then rounds; the second plain step took 1.5 s
+    assert policy.plain_time(1) == pytest.approx(1.5)
+    pacer.ran(3, 14, {3: 2})
+    assert pacer.step(14, 1, 3, 5.0) == 3  # the first round (a switch) took 2.5 s
+    assert policy.round_time(1, 3) is None and policy.switch_time(1) == 0.0  # (no round
+    # measured yet to tell what the switch cost)
+    pacer.ran(3, 16, {3: 2})
+    assert pacer.step(16, 1, 4, 7.0) == 3  # decided: on; the second round took 2 s
+    assert policy.round_time(1, 3) == pytest.approx(2.0) and policy.choice(1, False) == 3
+    pacer.ran(3, 18, {3: 2})
+    assert pacer.step(18, 1, 5, 9.5) == 3
+    pacer.ran(3, 20, {3: 2})
+    assert pacer.step(20, 1, 6, 11.0) == 0  # plain steps measured
+    assert policy.round_time(1, 3) == pytest.approx(2.0)  # (the median of 2, 2.5, 1.5)
+    assert pacer.step(21, 1, 7, 14.0) == 0  # the first plain step: 3 s, 1.5 s a switch
+    assert policy.switch_time(1) == pytest.approx(1.5) and policy.plain_time(1) == 1.5
+    pacer.step(23, 1, 8, 15.0)  # a position skipped: not one step
+    assert policy.plain_time(1) == pytest.approx(1.5)
+
+
+def test_a_batch_counts_each_step_once_and_a_pause_moves_no_estimate():
+    """8 sequences of a batch report each step: it counts once. A step that paused (a graph
+    captured, a collector) is one of the latest steps whose median is the estimate: it does not
+    move it, where a moving average would price plain steps 10 x too high for a long while."""
+    policy = SpecPolicy(TREE)
+    for step in range(10):
+        for _ in range(8):
+            policy.observe_plain(8, 0.5 if step == 3 else 0.002, tag=step)
+    assert policy.plain_time(8) == pytest.approx(0.002)
+    assert policy._plain[8].count == 10
 
 
 def test_candidate_sizes_and_what_smaller_ones_would_have_kept():
@@ -180,3 +218,156 @@ def test_candidate_sizes_and_what_smaller_ones_would_have_kept():
     with pytest.raises(ValueError, match="at least 2"):
         PolicyKnobs(refresh=1)
 
+
+
+# ---- the two cases measured on an H200 (default model, its bundled draft, 1 shard) -------------
+MS = 1e-3
+
+
+def run_batch(policy, steps, seqs, t_plain, t_round, kept, switch=(0.0, 0.0), spikes=None,
+              state=None, draft=0.0):
+    """`seqs` sequences decoding in one batch, in lockstep: each step of the runtime is one
+    step of every sequence, each reporting it through its own Pacer at the same clock (the
+    policy's phases are shared, so they all plan the same size). A step takes `t_plain` or
+    `t_round(s)` seconds, plus `switch[0]` for the first round after plain steps (the draft
+    catching up) or `switch[1]` for the first plain step after rounds, plus `spikes(clock,
+    size)` (a graph captured on first use, a collector's pause); a round keeps `kept(s, i)` draft
+    tokens at the runtime's `i`-th round, of which it waited `draft` seconds for its proposal.
+    Returns the sizes of the steps and the tokens a second over the run."""
+    now, clock, pos, pacers, rounds = state or (0.0, 0, [0] * seqs,
+                                                [Pacer(policy, False) for _ in range(seqs)], 0)
+    sizes, t0, p0, last = [], now, sum(pos), None
+    for _ in range(steps):
+        planned = {p.step(pos[i], seqs, clock, now) for i, p in enumerate(pacers)}
+        assert len(planned) == 1  # (one phase for the batch)
+        size = planned.pop()
+        if size:
+            k = min(kept(size, rounds), size)
+            rounds += 1
+            for i, p in enumerate(pacers):
+                p.ran(size, pos[i] + k + 1, committed_by_size(policy.sizes, size, list(range(k))),
+                      draft)
+                pos[i] += k + 1
+            dt = t_round(size)
+        else:
+            pos = [q + 1 for q in pos]
+            dt = t_plain
+        if last is not None and bool(last) != bool(size):
+            dt += switch[0] if size else switch[1]
+        now += dt + (spikes(clock, size) if spikes else 0.0)
+        last = size
+        clock += 1
+        sizes.append(size)
+    if state is not None:
+        state[:] = [now, clock, pos, pacers, rounds]
+    return sizes, (sum(pos) - p0) / (now - t0)
+
+
+def first_use(seen, paused):
+    """A 40 ms graph capture the first time each size runs, and a 25 ms collector pause every
+    300 steps, the first among the first look's plain steps (its seconds summed in
+    `paused[0]`: plain decoding pays them too)."""
+    def spike(clock, size):
+        extra = 0.0 if size in seen else 40 * MS
+        seen.add(size)
+        if clock % 300 == 7:
+            paused[0] += 25 * MS
+            extra += 25 * MS
+        return extra
+    return spike
+
+
+def plain_rate(seqs, t_plain, steps, paused):
+    """Tokens a second of plain decoding over `steps` steps of `seqs` sequences, with the
+    collector's pauses."""
+    return seqs * steps / (steps * t_plain + paused[0])
+
+
+def test_one_sequence_where_a_round_pays_less_than_plain_steps_goes_off_at_once_and_stays():
+    """1 shard, greedy, one sequence: a plain step takes 0.78 ms; a round at the whole tree 2.47
+    ms (0.31 ms waiting for the draft, the rest its verify step: rows cost little, a step's
+    kernels much) and commits 2.67 tokens: 0.92 ms a token, 18 % slower than plain (smaller
+    trees keep fewer and save little). Graph captures on first use and a collector's pauses
+    land in some steps (one among the first plain steps measured), and every switch costs its
+    first step a little more. The policy turns speculation off within 20 steps (6 plain steps,
+    a look at the whole tree, one at the smallest, 6 plain steps), stays off, and probes rarely
+    enough to cost under 2 %: once off, within 2 % of plain decoding."""
+    policy = SpecPolicy(TREE)
+    state, paused = [], [0.0]
+    spikes = first_use(set(), paused)
+    sizes, _ = run_batch(policy, 40, 1, 0.78 * MS, lambda s: (0.31 + 2.0 + 0.005 * s) * MS,
+                         lambda s, i: 1 if s < 7 else 2 if i % 3 else 1, (0.5 * MS, 0.3 * MS),
+                         spikes, state, 0.31 * MS)
+    # a first look (plain steps, the whole tree), then a look at the smallest tree (priced
+    # from a plain step plus the draft's wait up, a size never run looks cheaper than it is),
+    # plain steps: off
+    assert sizes[:20] == [0] * 6 + [31] * 4 + [3] * 4 + [0] * 6 and set(sizes[20:]) == {0}
+    assert policy.choice(1, False) == 0
+    total, rate = run_batch(policy, 2360, 1, 0.78 * MS,
+                            lambda s: (0.31 + 2.0 + 0.005 * s) * MS,
+                            lambda s, i: 1 if s < 7 else 2 if i % 3 else 1, (0.5 * MS, 0.3 * MS),
+                            spikes, state, 0.31 * MS)
+    assert policy.choice(1, False) == 0
+    assert sum(s > 0 for s in total) <= 4 * policy.stats.probes <= 4 * 4  # (probes only)
+    paused[0] -= 25 * MS  # (the first look's)
+    assert rate > 0.98 * plain_rate(1, 0.78 * MS, 2360, paused)
+
+
+def test_eight_streams_with_a_slow_draft_go_off_at_once_and_stay():
+    """8 streams, all speculating (spec_max_seqs 8): a plain step of the batch takes 1.6 ms; a
+    round waits 4.4 ms for the draft's 8 proposals (every tenth 24 ms) and a verify step of 8
+    trees (1.6 ms + 0.15 ms a draft token), and commits 2 tokens a sequence: at best (3 draft
+    tokens) 2 x slower than plain decoding. Off at the first decision, after 3 rounds; over
+    3,000 steps of the batch within 2 % of plain decoding once off."""
+    policy = SpecPolicy(TREE, spec_seqs=8)
+
+    def t_round(s):
+        return (4.4 + 1.6 + 0.15 * s) * MS
+
+    paused = [0.0]
+
+    def spikes(clock, size, inner=first_use(set(), paused)):
+        return inner(clock, size) + (20 * MS if size and clock % 10 == 0 else 0.0)
+
+    state = []
+    sizes, _ = run_batch(policy, 40, 8, 1.6 * MS, t_round, lambda s, i: 1, (2 * MS, 1 * MS),
+                         spikes, state, 4.4 * MS)
+    # a first look: plain steps, then the whole tree, left after its second measured round
+    # (even the fastest rounds, and a smaller tree priced from a plain step plus the draft's
+    # wait up, are over 1.5 x slower than plain steps): off
+    assert sizes == [0] * 6 + [31] * 3 + [0] * 31 and policy.choice(8, False) == 0
+    assert policy.stats.rounds == 8 * 3  # (each sequence planned each round)
+    total, rate = run_batch(policy, 2960, 8, 1.6 * MS, t_round, lambda s, i: 1,
+                            (2 * MS, 1 * MS), spikes, state, 4.4 * MS)
+    assert policy.choice(8, False) == 0
+    assert sum(s > 0 for s in total) <= 4 * policy.stats.probes <= 4 * 3
+    paused[0] -= 25 * MS  # (the first look's)
+    assert rate > 0.98 * plain_rate(8, 1.6 * MS, 2960, paused)
+
+
+def test_a_run_of_losing_rounds_is_left_within_a_check_while_speculating():
+    """Speculation pays (a large target: a round costs 1.15 plain steps and keeps 3 draft
+    tokens), then the draft slows down 20 x (another process on its GPU): the policy leaves it
+    at a check, within 2 x `check` rounds, not at the end of a phase."""
+    policy = SpecPolicy(TREE, spec_seqs=8)
+    state = []
+    run_batch(policy, 400, 8, 10 * MS, lambda s: 11.5 * MS, lambda s, i: 3, state=state)
+    assert policy.choice(8, False) > 0
+    sizes, _ = run_batch(policy, 200, 8, 10 * MS, lambda s: 100 * MS, lambda s, i: 3,
+                         state=state)
+    assert policy.choice(8, False) == 0
+    assert sum(s > 0 for s in sizes) <= 2 * policy.knobs.check
+
+
+def test_where_speculation_wins_it_turns_on_at_every_batch_size():
+    """A target whose verify steps cost little more than its plain steps (the sizes the draft
+    is for): at 1 and at 8 streams speculation wins, and stays on but for the few plain steps
+    that keep the plain price known; the spikes and switches do not turn it off."""
+    for seqs, t_plain, t_round, kept in ((1, 10 * MS, 11.5 * MS, 5), (8, 12 * MS, 15 * MS, 4)):
+        policy = SpecPolicy(TREE, spec_seqs=seqs)
+        sizes, rate = run_batch(policy, 1500, seqs, t_plain, lambda s: t_round,
+                                lambda s, i: kept, (3 * MS, 2 * MS),
+                                first_use(set(), [0.0]))
+        assert policy.choice(seqs, False) > 0
+        assert sum(s > 0 for s in sizes[-1000:]) >= 900
+        assert rate > 0.9 * seqs * (kept + 1) / t_round
