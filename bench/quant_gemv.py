@@ -1,7 +1,9 @@
 """The quantized GEMV (`shards.kernels.quant_gemv`) at the Llama-8B shape's projections, per GGUF
 type and row count, against torch's matmul on the same weight dequantized to float16: time per
-call (CUDA events, median of `--repeats`), and the bandwidth the kernel draws from the blocks'
-bytes (the floor: blocks / copy bandwidth).
+call (CUDA events, median of `--repeats`: with the launch's host time, as an eager step pays it),
+and the device time alone (`graph us`: back-to-back calls replayed from a CUDA graph, as a
+captured decode step runs them, over enough copies of the weight that it is read from HBM, not
+L2), with the bandwidth it draws from the blocks' bytes (the floor: blocks / copy bandwidth).
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
@@ -20,7 +22,9 @@ import torch.nn.functional as F
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
 
-SWEEP = [{"BLOCK_N": b, "num_warps": w} for b in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)]
+SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)
+         for sb in (1, 4)]
+SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
 
@@ -39,6 +43,34 @@ def _time(f, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _graph_time(calls: list, repeats: int) -> float:
+    """Microseconds per call of `calls` (one per weight copy) captured once in a CUDA graph and
+    replayed `repeats` times back to back: the device time without the host's launch."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(repeats):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1000 / (repeats * len(calls))
+
+
+def _copies(t: torch.Tensor) -> list[torch.Tensor]:
+    n = max(1, min(8, -(-SPREAD // (t.numel() * t.element_size()))))
+    return [t] + [t.clone() for _ in range(n - 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(KEPT_TYPES))
@@ -51,25 +83,33 @@ def main() -> None:
     dev = "cuda:0"
     rng = np.random.default_rng(0)
     out = []
-    print(f"{'type':<5} {'proj':<8} {'rows':>4} {'quant us':>9} {'GB/s':>7} {'f16 us':>8}")
+    print(f"{'type':<5} {'proj':<8} {'rows':>4} {'quant us':>9} {'f16 us':>8} "
+          f"{'graph us':>9} {'GB/s':>7} {'f16 graph us':>13}")
     for qtype in args.types.split(","):
         for proj, (n, k) in SHAPES.items():
             blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
             w16 = dequantize(blocks, qtype, k, torch.float16)
+            copies, copies16 = _copies(blocks), _copies(w16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
                 q_us = _time(lambda: quant_gemv(x, blocks, qtype), args.repeats)
                 f_us = _time(lambda: F.linear(x, w16), args.repeats)
-                gbps = blocks.numel() / q_us / 1e3
+                g_us = _graph_time([lambda b=b: quant_gemv(x, b, qtype) for b in copies],
+                                   args.repeats)
+                fg_us = _graph_time([lambda w=w: F.linear(x, w) for w in copies16], args.repeats)
+                gbps = blocks.numel() / g_us / 1e3
                 out.append({"type": qtype, "proj": proj, "n": n, "k": k, "rows": m,
-                            "quant_us": q_us, "quant_GBps": gbps, "f16_us": f_us,
+                            "quant_us": q_us, "f16_us": f_us, "quant_graph_us": g_us,
+                            "quant_GBps": gbps, "f16_graph_us": fg_us,
                             "block_bytes": blocks.numel()})
-                print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {gbps:>7.0f} {f_us:>8.1f}")
+                print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {f_us:>8.1f} {g_us:>9.1f} "
+                      f"{gbps:>7.0f} {fg_us:>13.1f}")
                 for cfg in SWEEP if args.sweep else []:
-                    us = _time(lambda: quant_gemv(x, blocks, qtype, cfg=cfg), args.repeats)
+                    us = _graph_time([lambda b=b, c=cfg: quant_gemv(x, b, qtype, cfg=c)
+                                      for b in copies], args.repeats)
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
-                                "quant_us": us, "quant_GBps": blocks.numel() / us / 1e3})
-                    print(f"      {str(cfg):<40} {us:>9.1f} {blocks.numel() / us / 1e3:>7.0f}")
+                                "quant_graph_us": us, "quant_GBps": blocks.numel() / us / 1e3})
+                    print(f"      {str(cfg):<50} {us:>9.1f} {blocks.numel() / us / 1e3:>7.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"device": torch.cuda.get_device_name(0), "rows": out}, indent=1))

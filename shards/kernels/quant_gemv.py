@@ -4,10 +4,13 @@ SiLU * up epilogues, for the fused decode step of `shards.fused`), and a dequant
 of rows (prefill: the tile to the activations' dtype, then torch's matmul on the tensor
 cores).
 
-Each value's bytes are addressed from its index (block, position in the block) as ggml lays
-the types out, so one jitted function (`_values`) serves every type and the kernels differ
-only by the `QT` constant. A few-row step runs the GEMV once per row (the grid's second axis):
-the weight's bytes are read from DRAM once and from L2 for the other rows.
+The dequantizer addresses each value's bytes from its index (block, position in the block) as
+ggml lays the types out (`_values`). The GEMV instead walks the blocks as stored (`_chunk_dot`):
+each quant byte loaded once, in runs of contiguous bytes the compiler turns into vector loads,
+both nibbles of it used, and each block's d / scales read as 16- or 32-bit words once per row
+and block, `SB` super blocks (256 values) an iteration. One jitted function serves every type:
+the kernels differ by the `QT` constant. A few-row step runs the GEMV once per row (the grid's
+second axis): the weight's bytes are read from DRAM once and from L2 for the other rows.
 
 The values equal `gguf.quants.dequantize`'s up to float32 contraction (the compiler may fuse
 `d * q - m` into one FMA): `tests/gpu/test_quant_gemv.py`.
@@ -23,6 +26,9 @@ from layersplit.shards.quant_blocks import KEPT_TYPES
 QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
 EXPERT_ROWS = 64  # ... of (token, expert) pairs, with `experts`
+# `_chunk_dot`'s tile of a chunk of 256 values: G runs of L quant bytes (Q8_0: values)
+_TILES = {"Q8_0": (8, 32), "Q4_0": (8, 16), "Q4_1": (8, 16), "Q4_K": (4, 32), "Q5_K": (4, 32),
+          "Q6_K": (8, 16)}
 
 
 @triton.jit
@@ -95,64 +101,141 @@ def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constex
 
 
 @triton.jit
-def _chunk_values(W, row_bytes, offs_n, kc, K, mask_n, QT: tl.constexpr, SIZE: tl.constexpr,
-                  S: tl.constexpr, T: tl.constexpr):
-    """Values (BLOCK_N, S, T) of rows offs_n, columns kc * 256 .. + 256 (S scale groups of T
-    values: a 32-value block of the 32-value types, a 32-value sub-block of Q4_K/Q5_K, a
-    16-value one of Q6_K) as float32, each group's scales loaded once; 0 past K."""
-    s = tl.arange(0, S)[None, :, None]
-    t = tl.arange(0, T)[None, None, :]
-    k = kc * 256 + s * T + t
-    mask = mask_n[:, None, None] & (k < K)
-    row = W + offs_n[:, None, None].to(tl.int64) * row_bytes
-    gmask = mask_n[:, None, None] & (kc * 256 + s * T < K)  # (the group's scales)
-    if QT <= 2:  # one block per group
-        P = row + (kc * 8 + s) * SIZE
-        d = _f16(P, gmask)
-        if QT == 0:
-            v = _u8(P + 2 + t, mask).to(tl.int8).to(tl.float32) * d
-        elif QT == 1:
-            byte = _u8(P + 2 + t % 16, mask)
-            nib = tl.where(t < 16, byte & 15, byte >> 4)
-            v = d * (nib - 8).to(tl.float32)
-        else:
-            byte = _u8(P + 4 + t % 16, mask)
-            nib = tl.where(t < 16, byte & 15, byte >> 4)
-            v = d * nib.to(tl.float32) + _f16(P + 2, gmask)
-    elif QT <= 4:  # Q4_K / Q5_K: 8 sub-blocks of 32
-        P = row + kc * SIZE
-        sc, mn = _k_scale_min(P + 4, s, gmask)
-        scale = _f16(P, gmask) * sc
-        off = _f16(P + 2, gmask) * mn
-        if QT == 3:
-            byte = _u8(P + 16 + (s // 2) * 32 + t, mask)
-            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
-        else:
-            byte = _u8(P + 48 + (s // 2) * 32 + t, mask)
-            q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
-            q = q | (((_u8(P + 16 + t, mask) >> s) & 1) << 4)
-        v = scale * q.to(tl.float32) - off
-    else:  # Q6_K: 16 groups of 16, j = 16 s + t
-        P = row + kc * SIZE
-        j = s * T + t
-        half = j // 128
-        w = j % 128
-        lo = _u8(P + half * 64 + w % 64, mask)
-        lo = tl.where(w < 64, lo & 15, lo >> 4)
-        hi = (_u8(P + 128 + half * 32 + w % 32, mask) >> (2 * (w // 32))) & 3
-        q = (lo | (hi << 4)) - 32
-        scale = _f16(P + 208, gmask) * _u8(P + 192 + s, gmask).to(tl.int8).to(tl.float32)
-        v = scale * q.to(tl.float32)
-    return v
+def _half(word):
+    """The float16 whose bits are the low 16 of int32/int16 `word`, as float32."""
+    return word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_IDX, E_ROWS,
-                QT: tl.constexpr, SIZE: tl.constexpr, S: tl.constexpr, T: tl.constexpr,
+def _byte(word, i):
+    """Byte `i` (0..3) of int32 `word`, 0..255."""
+    return (word >> (8 * i)) & 255
+
+
+@triton.jit
+def _k_scale_min_w(w1, w2, w3, sub):
+    """`_k_scale_min` from the super block's three scale words w1..w3 (bytes 4..15 as int32,
+    loaded once per row and super block): sub (0..7) a tensor."""
+    t = sub % 4
+    a, b, c = _byte(w1, t), _byte(w2, t), _byte(w3, t)
+    lo = sub < 4
+    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _xs(xrow, NW, offs, K, scale, NORM: tl.constexpr, dt):
+    """The activations at `offs` as float32 (0 past K), RMS-normalized when NORM as
+    `kernels.gemv._gemv` rounds them."""
+    mask = offs < K
+    x = tl.load(xrow + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _chunk_dot(W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: tl.constexpr,
+               SIZE: tl.constexpr, G: tl.constexpr, L: tl.constexpr, SB: tl.constexpr,
+               NORM: tl.constexpr):
+    """Products (BLOCK_N, G * SB, L) of rows `rows`' values at columns kc * C .. + C, C =
+    256 * SB, with x (summed later). Each quant byte is loaded once, in runs of L contiguous
+    bytes (the compiler's vector loads), both its nibbles used; a block's d / scales are read
+    as 16- or 32-bit words (`WW`, the blocks viewed as int16 or int32) once per row and
+    block, not per value. x is loaded in the weights' shape (each row's threads read it from
+    L1) so that the products need no layout change. The values are `_values`' (the same
+    float32 expressions)."""
+    g = tl.arange(0, G * SB)[None, :, None]
+    t = tl.arange(0, L)[None, None, :]
+    row = rows[:, None, None].to(tl.int64) * row_bytes
+    mrow = mask_n[:, None, None]
+    xb = xrow + tl.zeros([rows.shape[0], 1, 1], dtype=tl.int32)  # (x in the weights' shape)
+    z = t * 0  # (d / scales too: loads of (rows, groups, 1) get a layout of their own)
+    if QT <= 2:  # G = 8 blocks of 32 values per 256
+        b = kc * (8 * SB) + g  # (the block)
+        gmask = mrow & (b * 32 < K)
+        blk = row + b * SIZE  # (bytes)
+        if QT == 0:  # Q8_0: int16 d, 32 int8; L = 32
+            d = _half(tl.load(WW + blk // 2 + z, mask=gmask, other=0))
+            q = tl.load(W + blk + 2 + t, mask=gmask, other=0).to(tl.int8).to(tl.float32)
+            p = (q * d) * _xs(xb, NW, b * 32 + t, K, scale, NORM, dt)
+        else:  # Q4_0 / Q4_1: 16 bytes, value t low nibble, t + 16 high; L = 16
+            byte = tl.load(W + blk + 2 * QT + t, mask=gmask, other=0).to(tl.int32)
+            x0 = _xs(xb, NW, b * 32 + t, K, scale, NORM, dt)
+            x1 = _xs(xb, NW, b * 32 + 16 + t, K, scale, NORM, dt)
+            if QT == 1:  # int16 d
+                d = _half(tl.load(WW + blk // 2 + z, mask=gmask, other=0))
+                p = (d * ((byte & 15) - 8).to(tl.float32)) * x0 + \
+                    (d * ((byte >> 4) - 8).to(tl.float32)) * x1
+            else:  # int32 d | m << 16
+                dm = tl.load(WW + blk // 4 + z, mask=gmask, other=0)
+                d = _half(dm)
+                m = _half(dm >> 16)
+                p = (d * (byte & 15).to(tl.float32) + m) * x0 + \
+                    (d * (byte >> 4).to(tl.float32) + m) * x1
+    elif QT <= 4:  # Q4_K / Q5_K: G = 4 pairs of sub-blocks 2i (low nibbles), 2i + 1 (high)
+        sb = kc * SB + g // 4  # (the super block)
+        i = g % 4
+        gmask = mrow & (sb * 256 < K)
+        blk = row + sb * SIZE
+        hdr = WW + blk // 4 + z  # (int32 words: d | dmin << 16, then the 12 scale bytes)
+        dd = tl.load(hdr, mask=gmask, other=0)
+        w1 = tl.load(hdr + 1, mask=gmask, other=0)
+        w2 = tl.load(hdr + 2, mask=gmask, other=0)
+        w3 = tl.load(hdr + 3, mask=gmask, other=0)
+        d = _half(dd)
+        dmin = _half(dd >> 16)
+        sc0, mn0 = _k_scale_min_w(w1, w2, w3, 2 * i)
+        sc1, mn1 = _k_scale_min_w(w1, w2, w3, 2 * i + 1)
+        scale0, off0 = d * sc0, dmin * mn0
+        scale1, off1 = d * sc1, dmin * mn1
+        if QT == 3:
+            byte = tl.load(W + blk + 16 + i * 32 + t, mask=gmask, other=0).to(tl.int32)
+            q0 = byte & 15
+            q1 = byte >> 4
+        else:
+            byte = tl.load(W + blk + 48 + i * 32 + t, mask=gmask, other=0).to(tl.int32)
+            qh = tl.load(W + blk + 16 + t, mask=gmask, other=0).to(tl.int32)
+            q0 = (byte & 15) | (((qh >> (2 * i)) & 1) << 4)
+            q1 = (byte >> 4) | (((qh >> (2 * i + 1)) & 1) << 4)
+        x0 = _xs(xb, NW, sb * 256 + i * 64 + t, K, scale, NORM, dt)
+        x1 = _xs(xb, NW, sb * 256 + i * 64 + 32 + t, K, scale, NORM, dt)
+        p = (scale0 * q0.to(tl.float32) - off0) * x0 + (scale1 * q1.to(tl.float32) - off1) * x1
+    else:  # Q6_K: G = 8 runs of 16 low-nibble bytes; run r: half h = r // 4, c = r // 2 % 2
+        sb = kc * SB + g // 8
+        r = g % 8
+        gmask = mrow & (sb * 256 < K)
+        blk = row + sb * SIZE
+        h = r // 4
+        c = (r // 2) % 2
+        lh = r % 2
+        ql = tl.load(W + blk + r * 16 + t, mask=gmask, other=0).to(tl.int32)
+        qh = tl.load(W + blk + 128 + h * 32 + lh * 16 + t, mask=gmask, other=0).to(tl.int32)
+        q0 = ((ql & 15) | (((qh >> (2 * c)) & 3) << 4)) - 32
+        q1 = ((ql >> 4) | (((qh >> (2 * c + 4)) & 3) << 4)) - 32
+        hw = WW + blk // 2 + z  # (int16 words)
+        d = _half(tl.load(hw + 104, mask=gmask, other=0))
+        i0 = r + 4 * h  # the int8 scale of the 16 values of low nibbles (high: i0 + 4)
+        s0 = tl.load(hw + 96 + i0 // 2, mask=gmask, other=0).to(tl.int32)
+        s1 = tl.load(hw + 98 + i0 // 2, mask=gmask, other=0).to(tl.int32)
+        sc0 = ((s0 >> (8 * (i0 % 2))) & 255).to(tl.int8).to(tl.float32)
+        sc1 = ((s1 >> (8 * (i0 % 2))) & 255).to(tl.int8).to(tl.float32)
+        j0 = sb * 256 + h * 128 + c * 32 + lh * 16 + t
+        p = ((d * sc0) * q0.to(tl.float32)) * _xs(xb, NW, j0, K, scale, NORM, dt) + \
+            ((d * sc1) * q1.to(tl.float32)) * _xs(xb, NW, j0 + 64, K, scale, NORM, dt)
+    return p
+
+
+@triton.jit
+def _quant_gemv(X, s_x, NW, W, WW, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_IDX, E_ROWS,
+                QT: tl.constexpr, SIZE: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
                 NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
-                SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr):
+                SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                SB: tl.constexpr):
     """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256
-    columns at a time (`_chunk_values`), with the prologue and epilogues of `kernels.gemv.
+    columns at a time (`_chunk_dot`), with the prologue and epilogues of `kernels.gemv.
     _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
     the up half and y = SiLU(g) * u; HAS_R, a residual added; HAS_E, row m's weight is expert
     E_IDX[m]'s, rows E_IDX[m] * E_ROWS on of the stacked experts."""
@@ -164,29 +247,24 @@ def _quant_gemv(X, s_x, NW, W, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_IDX, E
         rows_n += tl.load(E_IDX + m).to(tl.int64) * E_ROWS
     dt = X.dtype.element_ty
     xrow = X + m * s_x
-    k3 = (tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :])[None, :, :]  # (1, S, T)
+    k3 = (tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]  # (1, 8, 32)
+    scale = tl.full([1, 1, 1], 1.0, tl.float32)
     if NORM:
-        sq = tl.zeros([1, S, T], dtype=tl.float32)
+        sq = tl.zeros([1, 8, 32], dtype=tl.float32)
         for kc in range(0, tl.cdiv(K, 256)):
             offs = kc * 256 + k3
             xs = tl.load(xrow + offs, mask=offs < K, other=0.0).to(tl.float32)
             sq += xs * xs
-        scale = tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)  # (1,)
-    acc = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
+        scale = tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)[:, None, None]
+    acc = tl.zeros([BLOCK_N, G * SB, L], dtype=tl.float32)
     if SILU:
-        acc_u = tl.zeros([BLOCK_N, S, T], dtype=tl.float32)
-    for kc in range(0, tl.cdiv(K, 256)):
-        offs = kc * 256 + k3
-        mask_k = offs < K
-        x = tl.load(xrow + offs, mask=mask_k, other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(NW + offs, mask=mask_k, other=0.0).to(tl.float32)
-            x = (nw * (x * scale[:, None, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        w = _chunk_values(W, row_bytes, rows_n, kc, K, mask_n, QT, SIZE, S, T)
-        acc += w * x
+        acc_u = tl.zeros([BLOCK_N, G * SB, L], dtype=tl.float32)
+    for kc in range(0, tl.cdiv(K, 256 * SB)):
+        acc += _chunk_dot(W, WW, row_bytes, rows_n, kc, K, mask_n, xrow, NW, scale, dt, QT,
+                          SIZE, G, L, SB, NORM)
         if SILU:
-            wu = _chunk_values(W, row_bytes, rows_n + N, kc, K, mask_n, QT, SIZE, S, T)
-            acc_u += wu * x
+            acc_u += _chunk_dot(W, WW, row_bytes, rows_n + N, kc, K, mask_n, xrow, NW, scale,
+                                dt, QT, SIZE, G, L, SB, NORM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_B:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -242,7 +320,8 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     strided: a slice of a wider result). `experts` = (ids (M,), rows per expert): `blocks` are
     experts stacked by rows, and row m is multiplied by expert ids[m]'s (N of its rows, or 2F
     with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
-    (BLOCK_N, num_warps) other than the default (not measured yet)."""
+    (BLOCK_N, num_warps, SB: super blocks of 256 values an iteration) other than the default
+    (not measured yet)."""
     most = MAX_ROWS if experts is None else EXPERT_ROWS
     if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
@@ -273,13 +352,15 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     r = x if residual is None else residual
     c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
     block_n = c.pop("BLOCK_N")
-    groups = {"Q6_K": (16, 16)}.get(qtype, (8, 32))  # (S, T): see `_chunk_values`
+    c.setdefault("SB", min(4, 1 << (triton.cdiv(k, 256).bit_length() - 1)))  # (no idle tile)
+    tile = _TILES[qtype]  # (G, L): see `_chunk_dot`
+    words = blocks.view(torch.int32 if KEPT_TYPES[qtype].size % 4 == 0 else torch.int16)
     _quant_gemv[(triton.cdiv(n, block_n), m)](
-        x, x.stride(0), x if norm is None else norm[0], blocks, blocks.shape[1],
+        x, x.stride(0), x if norm is None else norm[0], blocks, words, blocks.shape[1],
         x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
         0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
         0 if experts is None else experts[1], QT=QT_IDS[qtype],
-        SIZE=KEPT_TYPES[qtype].size, S=groups[0], T=groups[1], NORM=norm is not None,
+        SIZE=KEPT_TYPES[qtype].size, G=tile[0], L=tile[1], NORM=norm is not None,
         HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
         HAS_E=experts is not None, BLOCK_N=block_n, **c)
     return out

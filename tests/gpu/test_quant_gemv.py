@@ -42,9 +42,11 @@ def test_dequantize_kernel_equals_gguf(qtype):
     torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=0)
 
 
-# (rows, outputs, inputs): a row of 576 (the default model's) is whole blocks of 32 only
+# (rows, outputs, inputs): a row of 576 (the default model's) is whole blocks of 32 only; 1280
+# and 1312 take 4 super blocks an iteration (`SB`) with the last iteration partly past the row
 CASES = [(q, *shape) for q in TYPES
-         for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 576)]
+         for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 576), (2, 9, 1280),
+                       (1, 7, 1312)]
          if shape[2] % KEPT_TYPES[q].block == 0]
 
 
