@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
 
-SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)
+SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (2, 4, 8)
          for sb in (1, 4)]
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

@@ -37,24 +37,32 @@ def _u8(P, mask):
 
 
 @triton.jit
+def _half(word):
+    """The float16 whose bits are the low 16 of int32/int16 `word`, as float32."""
+    return word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _f16(P, mask):
     """The float16 at bytes P, P + 1 (little-endian), as float32."""
-    bits = (_u8(P, mask) | (_u8(P + 1, mask) << 8)).to(tl.int16)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+    return _half(_u8(P, mask) | (_u8(P + 1, mask) << 8))
+
+
+@triton.jit
+def _k_six_bits(a, b, c, sub):
+    """The six-bit scale and min of sub-block `sub` (0..7) of a Q4_K/Q5_K super block from its
+    scale bytes sub % 4 (a), 4 + sub % 4 (b) and 8 + sub % 4 (c)."""
+    lo = sub < 4
+    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))  # sub >= 4: a, b hold the top bits
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
 def _k_scale_min(S, sub, mask):
-    """The six-bit scale and min of sub-block `sub` (0..7) of a Q4_K/Q5_K super block whose 12
-    scale bytes start at S."""
-    lo = sub < 4
+    """`_k_six_bits` of the super block whose 12 scale bytes start at S."""
     t = sub % 4
-    a = _u8(S + t, mask)  # sub < 4: scale; else its top bits
-    b = _u8(S + 4 + t, mask)  # sub < 4: min; else its top bits
-    c = _u8(S + 8 + t, mask)  # sub >= 4: low nibbles of scale and min
-    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
-    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return _k_six_bits(_u8(S + t, mask), _u8(S + 4 + t, mask), _u8(S + 8 + t, mask), sub)
 
 
 @triton.jit
@@ -101,12 +109,6 @@ def _values(W, row_bytes, offs_n, offs_k, mask, QT: tl.constexpr, QK: tl.constex
 
 
 @triton.jit
-def _half(word):
-    """The float16 whose bits are the low 16 of int32/int16 `word`, as float32."""
-    return word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _byte(word, i):
     """Byte `i` (0..3) of int32 `word`, 0..255."""
     return (word >> (8 * i)) & 255
@@ -114,44 +116,39 @@ def _byte(word, i):
 
 @triton.jit
 def _k_scale_min_w(w1, w2, w3, sub):
-    """`_k_scale_min` from the super block's three scale words w1..w3 (bytes 4..15 as int32,
-    loaded once per row and super block): sub (0..7) a tensor."""
+    """`_k_six_bits` from the super block's three scale words w1..w3 (bytes 4..15 as int32,
+    loaded once per row and super block)."""
     t = sub % 4
-    a, b, c = _byte(w1, t), _byte(w2, t), _byte(w3, t)
-    lo = sub < 4
-    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
-    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return _k_six_bits(_byte(w1, t), _byte(w2, t), _byte(w3, t), sub)
 
 
 @triton.jit
-def _xs(xrow, NW, offs, K, scale, NORM: tl.constexpr, dt):
+def _xs(xrow, NW, zr, offs, K, scale, NORM: tl.constexpr, dt):
     """The activations at `offs` as float32 (0 past K), RMS-normalized when NORM as
-    `kernels.gemv._gemv` rounds them."""
+    `kernels.gemv._gemv` rounds them; loaded in the weights' shape (`zr`: zeros (BLOCK_N, 1,
+    1), each row's threads read x from L1) so that the products need no layout change."""
     mask = offs < K
-    x = tl.load(xrow + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(xrow + zr + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        nw = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
+        nw = tl.load(NW + zr + offs, mask=mask, other=0.0).to(tl.float32)
         x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     return x
 
 
 @triton.jit
-def _chunk_dot(W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: tl.constexpr,
+def _chunk_dot(acc, W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: tl.constexpr,
                SIZE: tl.constexpr, G: tl.constexpr, L: tl.constexpr, SB: tl.constexpr,
                NORM: tl.constexpr):
-    """Products (BLOCK_N, G * SB, L) of rows `rows`' values at columns kc * C .. + C, C =
-    256 * SB, with x (summed later). Each quant byte is loaded once, in runs of L contiguous
-    bytes (the compiler's vector loads), both its nibbles used; a block's d / scales are read
-    as 16- or 32-bit words (`WW`, the blocks viewed as int16 or int32) once per row and
-    block, not per value. x is loaded in the weights' shape (each row's threads read it from
-    L1) so that the products need no layout change. The values are `_values`' (the same
-    float32 expressions)."""
+    """`acc` (BLOCK_N, G * SB, L) plus the products of rows `rows`' values at columns kc * C
+    .. + C, C = 256 * SB, with x (one FMA a value). Each quant byte is loaded once, in runs of
+    L contiguous bytes (the compiler's vector loads), both its nibbles used; a block's d /
+    scales are read as 16- or 32-bit words (`WW`, the blocks viewed as int16 or int32) once per
+    row and block, not per value. The values are `_values`' (the same float32 expressions)."""
     g = tl.arange(0, G * SB)[None, :, None]
     t = tl.arange(0, L)[None, None, :]
     row = rows[:, None, None].to(tl.int64) * row_bytes
     mrow = mask_n[:, None, None]
-    xb = xrow + tl.zeros([rows.shape[0], 1, 1], dtype=tl.int32)  # (x in the weights' shape)
+    zr = tl.zeros([rows.shape[0], 1, 1], dtype=tl.int32)  # (x in the weights' shape: `_xs`)
     z = t * 0  # (d / scales too: loads of (rows, groups, 1) get a layout of their own)
     if QT <= 2:  # G = 8 blocks of 32 values per 256
         b = kc * (8 * SB) + g  # (the block)
@@ -160,21 +157,21 @@ def _chunk_dot(W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: t
         if QT == 0:  # Q8_0: int16 d, 32 int8; L = 32
             d = _half(tl.load(WW + blk // 2 + z, mask=gmask, other=0))
             q = tl.load(W + blk + 2 + t, mask=gmask, other=0).to(tl.int8).to(tl.float32)
-            p = (q * d) * _xs(xb, NW, b * 32 + t, K, scale, NORM, dt)
+            acc += (q * d) * _xs(xrow, NW, zr, b * 32 + t, K, scale, NORM, dt)
         else:  # Q4_0 / Q4_1: 16 bytes, value t low nibble, t + 16 high; L = 16
             byte = tl.load(W + blk + 2 * QT + t, mask=gmask, other=0).to(tl.int32)
-            x0 = _xs(xb, NW, b * 32 + t, K, scale, NORM, dt)
-            x1 = _xs(xb, NW, b * 32 + 16 + t, K, scale, NORM, dt)
+            x0 = _xs(xrow, NW, zr, b * 32 + t, K, scale, NORM, dt)
+            x1 = _xs(xrow, NW, zr, b * 32 + 16 + t, K, scale, NORM, dt)
             if QT == 1:  # int16 d
                 d = _half(tl.load(WW + blk // 2 + z, mask=gmask, other=0))
-                p = (d * ((byte & 15) - 8).to(tl.float32)) * x0 + \
-                    (d * ((byte >> 4) - 8).to(tl.float32)) * x1
+                acc += (d * ((byte & 15) - 8).to(tl.float32)) * x0
+                acc += (d * ((byte >> 4) - 8).to(tl.float32)) * x1
             else:  # int32 d | m << 16
                 dm = tl.load(WW + blk // 4 + z, mask=gmask, other=0)
                 d = _half(dm)
                 m = _half(dm >> 16)
-                p = (d * (byte & 15).to(tl.float32) + m) * x0 + \
-                    (d * (byte >> 4).to(tl.float32) + m) * x1
+                acc += (d * (byte & 15).to(tl.float32) + m) * x0
+                acc += (d * (byte >> 4).to(tl.float32) + m) * x1
     elif QT <= 4:  # Q4_K / Q5_K: G = 4 pairs of sub-blocks 2i (low nibbles), 2i + 1 (high)
         sb = kc * SB + g // 4  # (the super block)
         i = g % 4
@@ -200,9 +197,10 @@ def _chunk_dot(W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: t
             qh = tl.load(W + blk + 16 + t, mask=gmask, other=0).to(tl.int32)
             q0 = (byte & 15) | (((qh >> (2 * i)) & 1) << 4)
             q1 = (byte >> 4) | (((qh >> (2 * i + 1)) & 1) << 4)
-        x0 = _xs(xb, NW, sb * 256 + i * 64 + t, K, scale, NORM, dt)
-        x1 = _xs(xb, NW, sb * 256 + i * 64 + 32 + t, K, scale, NORM, dt)
-        p = (scale0 * q0.to(tl.float32) - off0) * x0 + (scale1 * q1.to(tl.float32) - off1) * x1
+        x0 = _xs(xrow, NW, zr, sb * 256 + i * 64 + t, K, scale, NORM, dt)
+        x1 = _xs(xrow, NW, zr, sb * 256 + i * 64 + 32 + t, K, scale, NORM, dt)
+        acc += (scale0 * q0.to(tl.float32) - off0) * x0
+        acc += (scale1 * q1.to(tl.float32) - off1) * x1
     else:  # Q6_K: G = 8 runs of 16 low-nibble bytes; run r: half h = r // 4, c = r // 2 % 2
         sb = kc * SB + g // 8
         r = g % 8
@@ -223,9 +221,9 @@ def _chunk_dot(W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, QT: t
         sc0 = ((s0 >> (8 * (i0 % 2))) & 255).to(tl.int8).to(tl.float32)
         sc1 = ((s1 >> (8 * (i0 % 2))) & 255).to(tl.int8).to(tl.float32)
         j0 = sb * 256 + h * 128 + c * 32 + lh * 16 + t
-        p = ((d * sc0) * q0.to(tl.float32)) * _xs(xb, NW, j0, K, scale, NORM, dt) + \
-            ((d * sc1) * q1.to(tl.float32)) * _xs(xb, NW, j0 + 64, K, scale, NORM, dt)
-    return p
+        acc += ((d * sc0) * q0.to(tl.float32)) * _xs(xrow, NW, zr, j0, K, scale, NORM, dt)
+        acc += ((d * sc1) * q1.to(tl.float32)) * _xs(xrow, NW, zr, j0 + 64, K, scale, NORM, dt)
+    return acc
 
 
 @triton.jit
@@ -248,23 +246,23 @@ def _quant_gemv(X, s_x, NW, W, WW, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_ID
     dt = X.dtype.element_ty
     xrow = X + m * s_x
     k3 = (tl.arange(0, 8)[:, None] * 32 + tl.arange(0, 32)[None, :])[None, :, :]  # (1, 8, 32)
-    scale = tl.full([1, 1, 1], 1.0, tl.float32)
+    scale = 1.0
     if NORM:
         sq = tl.zeros([1, 8, 32], dtype=tl.float32)
         for kc in range(0, tl.cdiv(K, 256)):
             offs = kc * 256 + k3
             xs = tl.load(xrow + offs, mask=offs < K, other=0.0).to(tl.float32)
             sq += xs * xs
-        scale = tl.rsqrt(tl.sum(tl.sum(sq, axis=2), axis=1) / K + eps)[:, None, None]
+        scale = tl.rsqrt(tl.sum(sq) / K + eps)  # (a scalar: no layout to convert)
     acc = tl.zeros([BLOCK_N, G * SB, L], dtype=tl.float32)
     if SILU:
         acc_u = tl.zeros([BLOCK_N, G * SB, L], dtype=tl.float32)
     for kc in range(0, tl.cdiv(K, 256 * SB)):
-        acc += _chunk_dot(W, WW, row_bytes, rows_n, kc, K, mask_n, xrow, NW, scale, dt, QT,
-                          SIZE, G, L, SB, NORM)
+        acc = _chunk_dot(acc, W, WW, row_bytes, rows_n, kc, K, mask_n, xrow, NW, scale, dt,
+                         QT, SIZE, G, L, SB, NORM)
         if SILU:
-            acc_u += _chunk_dot(W, WW, row_bytes, rows_n + N, kc, K, mask_n, xrow, NW, scale,
-                                dt, QT, SIZE, G, L, SB, NORM)
+            acc_u = _chunk_dot(acc_u, W, WW, row_bytes, rows_n + N, kc, K, mask_n, xrow, NW,
+                               scale, dt, QT, SIZE, G, L, SB, NORM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_B:
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
