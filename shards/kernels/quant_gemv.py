@@ -201,7 +201,8 @@ def _chunk_dot(acc, W, WW, row_bytes, rows, kc, K, mask_n, xrow, NW, scale, dt, 
         x1 = _xs(xrow, NW, zr, sb * 256 + i * 64 + 32 + t, K, scale, NORM, dt)
         acc += (scale0 * q0.to(tl.float32) - off0) * x0
         acc += (scale1 * q1.to(tl.float32) - off1) * x1
-    else:  # Q6_K: G = 8 runs of 16 low-nibble bytes; run r: half h = r // 4, c = r // 2 % 2
+    else:  # Q6_K: G = 8 runs of 16 ql bytes (low nibbles: values j0, high: j0 + 64); run r:
+        # half h = r // 4, c = r // 2 % 2
         sb = kc * SB + g // 8
         r = g % 8
         gmask = mrow & (sb * 256 < K)
@@ -232,7 +233,7 @@ def _quant_gemv(X, s_x, NW, W, WW, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_ID
                 NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                 SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr,
                 SB: tl.constexpr):
-    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256
+    """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256 * SB
     columns at a time (`_chunk_dot`), with the prologue and epilogues of `kernels.gemv.
     _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
     the up half and y = SiLU(g) * u; HAS_R, a residual added; HAS_E, row m's weight is expert
