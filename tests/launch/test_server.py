@@ -74,10 +74,12 @@ MAX_BODY = 1 << 18  # the test server's max_body_mb: oversized bodies stay cheap
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
+    """The module's plain server; its last test kills its shards (`test_shard_kill_mid_stream`)."""
+    before = layersplit_shm()
     s = Server(tiny_llama, "--max-body-mb", str(MAX_BODY / 2**20))
     yield s
     assert s.stop() == 0
-    assert shard_children() == []
+    assert shard_children() == [] and layersplit_shm() - before == set()
 
 
 @pytest.fixture(scope="module")
@@ -427,47 +429,45 @@ def test_sigterm_finishes_in_flight_request_and_a_restart_reports_cached_tokens(
 
 
 @pytest.mark.slow
-def test_shard_kill_mid_stream(tiny_llama):
-    before = layersplit_shm()
-    s = Server(tiny_llama)
-    try:
-        kids = shard_children(s.proc.pid)
-        assert len(kids) == 2
-        events = []
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=30, json={
-                "prompt": "go", "max_tokens": 100000, "stream": True, "ignore_eos": True}) as r:
-            for i, line in enumerate(r.iter_lines()):
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                if i == 6:
-                    os.kill(kids[1].pid, signal.SIGKILL)
-        assert events[-1] == "[DONE]"
-        err = json.loads(events[-2])["error"]
-        assert "shard 1" in err["message"]
-        h = HTTP.get(s.url + "/health")
-        assert h.status_code == 503 or h.json()["status"] in ("loading", "ready")
-        assert wait_gone([k.pid for k in kids]) == []
-        deadline = time.monotonic() + 60  # the shard group is restarted
-        while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        r = s.client.completions.create(model=MODEL, prompt="after", max_tokens=3,
-                                        temperature=0)
-        assert r.usage.completion_tokens == 3
-        assert "layersplit_shard_restarts_total 1.0" in HTTP.get(s.url + "/metrics").text
-        # a shard that dies while the server is idle is noticed at once (within 2 s), not by
-        # the next request
-        kids = shard_children(s.proc.pid)
-        os.kill(kids[0].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        while "layersplit_shard_restarts_total 2.0" not in HTTP.get(s.url + "/metrics").text:
-            assert time.monotonic() - t0 < 2.0, "an idle server did not notice a dead shard"
-            time.sleep(0.05)
-        deadline = time.monotonic() + 60
-        while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        r = s.client.completions.create(model=MODEL, prompt="again", max_tokens=3,
-                                        temperature=0)
-        assert r.usage.completion_tokens == 3
-    finally:
-        assert s.stop() == 0
-    assert shard_children(s.proc.pid) == [] and layersplit_shm() - before == set()
+def test_shard_kill_mid_stream(server):
+    """The module's server, after its other tests (the last test of the module): a shard
+    killed mid-stream fails the stream naming it and the group restarts; one killed while idle
+    is noticed at once. (Its stop, clean, and no process or shared memory left: the fixture's.)"""
+    s = server
+    kids = shard_children(s.proc.pid)
+    assert len(kids) == 2
+    events = []
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=30, json={
+            "prompt": "go", "max_tokens": 100000, "stream": True, "ignore_eos": True}) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if i == 6:
+                os.kill(kids[1].pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert "shard 1" in err["message"]
+    h = HTTP.get(s.url + "/health")
+    assert h.status_code == 503 or h.json()["status"] in ("loading", "ready")
+    assert wait_gone([k.pid for k in kids]) == []
+    deadline = time.monotonic() + 60  # the shard group is restarted
+    while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = s.client.completions.create(model=MODEL, prompt="after", max_tokens=3,
+                                    temperature=0)
+    assert r.usage.completion_tokens == 3
+    assert "layersplit_shard_restarts_total 1.0" in HTTP.get(s.url + "/metrics").text
+    # a shard that dies while the server is idle is noticed at once (within 2 s), not by
+    # the next request
+    kids = shard_children(s.proc.pid)
+    os.kill(kids[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while "layersplit_shard_restarts_total 2.0" not in HTTP.get(s.url + "/metrics").text:
+        assert time.monotonic() - t0 < 2.0, "an idle server did not notice a dead shard"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while HTTP.get(s.url + "/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = s.client.completions.create(model=MODEL, prompt="again", max_tokens=3,
+                                    temperature=0)
+    assert r.usage.completion_tokens == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -36,10 +35,6 @@ FAST = dict(limit=3, new_tokens=12)
 def _cfg(model, devices, **kw) -> RuntimeConfig:
     return RuntimeConfig(model=str(model), devices=tuple(devices), max_context=512,
                          prefill_chunk=16, threads=1, **kw)
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "layersplit.launch.cli", "check", *args]
 
 
 # ---- measures -------------------------------------------------------------------------------
@@ -191,24 +186,10 @@ def test_check_fails_when_one_layer_is_off_by_one_percent(model, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
     common = ["--devices", "cpu,cpu", "--max-context", "512", "--threads", "1",
               "--limit", "3", "--new-tokens", "12", "--json"]
-    # the failing check in a process of its own (its exit code), the passing one in this
-    # process meanwhile (`run_cli`: the same command); the child's output goes to files (a
-    # pipe nobody reads meanwhile could fill)
-    with open(tmp_path / "out", "w+") as stdout, open(tmp_path / "err", "w+") as stderr:
-        proc = subprocess.Popen(
-            _cli("--model", str(bad), "--reference-model", str(model), *common),
-            stdout=stdout, stderr=stderr, text=True)
-        try:
-            good = run_cli("check", "--model", str(model), *common)
-            proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        stdout.seek(0)
-        stderr.seek(0)
-        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(),
-                                          stderr.read())
+    # both as commands run in this process (`run_cli`: `layersplit check`, its exit code the
+    # one `main` returns; a fresh interpreter would import torch and transformers again)
+    good = run_cli("check", "--model", str(model), *common)
+    out = run_cli("check", "--model", str(bad), "--reference-model", str(model), *common)
     assert good.returncode == 0, good.stderr[-2000:]
     assert json.loads(good.stdout)["pass"] is True
     assert out.returncode == 1, out.stderr[-2000:]

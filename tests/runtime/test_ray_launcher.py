@@ -50,8 +50,11 @@ def _add_node_b(cluster: Cluster):
 @pytest.fixture(scope="module")
 def cluster():
     shm_before = layersplit_shm()
+    # (no idle workers started for this driver: the chain's actors carry a runtime environment
+    # of their own, so Ray starts their workers anew and those would only burn CPU meanwhile)
     c = Cluster(initialize_head=True, head_node_args={
-        **NODE, "resources": {"node_a": 4}, "include_dashboard": False})
+        **NODE, "resources": {"node_a": 4}, "include_dashboard": False,
+        "_system_config": {"prestart_worker_first_driver": False}})
     _add_node_b(c)
     ray.init(address=c.address, log_to_driver=False)
     # the cluster's processes (not the zygote this test run's CPU shards fork from, nor those)

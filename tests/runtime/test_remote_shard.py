@@ -39,13 +39,6 @@ def _started_by_hand(model) -> Iterator[tuple[str, subprocess.Popen]]:
         proc.wait(10)
 
 
-@pytest.fixture
-def remote_process(tiny_llama):
-    """A shard of the test's own (one that the test stops)."""
-    with _started_by_hand(tiny_llama) as started:
-        yield started
-
-
 @pytest.fixture(scope="module")
 def shared_remote(tiny_llama):
     """One shard started by hand for the module's tests (its start, a fresh interpreter, is
@@ -81,27 +74,6 @@ def test_remote_shard_joins_and_matches_reference(tiny_llama, remote_shard, monk
     with Coordinator(cfg.replace(transport=("zmq",))) as coord:
         assert coord.shard_info()[0]["transport_out"] == "zmq"
         assert coord.generate(prompt, p).tokens == ref.generate(prompt, p).tokens
-
-
-@pytest.mark.slow
-def test_silent_remote_shard_is_lost_after_heartbeat_timeout(tiny_llama, remote_process,
-                                                             monkeypatch):
-    """Remote shards are watched by zmq heartbeats, with the configured timeout."""
-    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
-    address, proc = remote_process
-    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
-                        shard_addresses=("", address), prefill_chunk=16, threads=1,
-                        max_context=4096, heartbeat_timeout=1.0)
-    with Coordinator(cfg) as coord:
-        stream = coord.stream(coord.tokenizer.encode("the cat sat"),
-                              SamplingParams(max_tokens=100_000, ignore_eos=True), Progress())
-        next(stream)
-        proc.send_signal(signal.SIGSTOP)  # silent, its sockets open: only heartbeats tell
-        t0 = time.monotonic()
-        with pytest.raises(ShardFailure, match=r"shard 1 at tcp://.*unanswered for 1.0 s"):
-            for _ in stream:
-                pass
-        assert time.monotonic() - t0 < 3.0
 
 
 @pytest.mark.slow
@@ -285,3 +257,25 @@ def test_remote_shard_cache_travels_over_its_channel(tiny_llama, remote_shard, m
     with Coordinator(local) as coord:  # and local shards read what the remote one sent
         r = coord.generate(prompt, p)
         assert (r.cache_tier, r.tokens) == ("disk", want)
+
+
+@pytest.mark.slow
+def test_silent_remote_shard_is_lost_after_heartbeat_timeout(tiny_llama, shared_remote,
+                                                             monkeypatch):
+    """Remote shards are watched by zmq heartbeats, with the configured timeout. (The
+    module's shard, stopped here for good: the module's last test.)"""
+    monkeypatch.setenv("LAYERSPLIT_SECRET", SECRET)
+    address, proc = shared_remote
+    cfg = RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), split=(3, 3),
+                        shard_addresses=("", address), prefill_chunk=16, threads=1,
+                        max_context=4096, heartbeat_timeout=1.0)
+    with Coordinator(cfg) as coord:
+        stream = coord.stream(coord.tokenizer.encode("the cat sat"),
+                              SamplingParams(max_tokens=100_000, ignore_eos=True), Progress())
+        next(stream)
+        proc.send_signal(signal.SIGSTOP)  # silent, its sockets open: only heartbeats tell
+        t0 = time.monotonic()
+        with pytest.raises(ShardFailure, match=r"shard 1 at tcp://.*unanswered for 1.0 s"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 3.0
