@@ -11,7 +11,6 @@ invariants are checked on models whose routing varies from token to token."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,38 +31,15 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
 
 
-def _write(family: str, tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+def model(request, tmp_path_factory):
     """A MoE model with weights large enough that its greedy output is not degenerate."""
+    family = request.param
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("moe") / family, family, std=0.2)
     cfg = read_hf_config(path)
     dense = {"qwen3_moe": 2, "deepseek_v3": 0, "glm4_moe": 0}.get(family)  # (gpt-oss: none)
     assert [cfg.is_moe(i) for i in range(4)] == [i != dense for i in range(4)]
     return path
-
-
-def _prompt(ref: ReferenceEngine) -> list[int]:
-    ids = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
-    assert len(ids) > 2 * CHUNK
-    return ids
-
-
-def _near(model: Path, tmp_path_factory) -> Path:
-    """A classic draft: the target with noise on its weights (the tiny DeepSeek's routing flips
-    at any noise in its layers, changing every token after: its draft differs in the LM head)."""
-    dst = tmp_path_factory.mktemp("near") / "m"
-    if read_hf_config(model).mla is None:
-        return noisy_copy(model, dst)
-    return noisy_copy(model, dst, 0.03, only={"lm_head.weight"})
-
-
-def _want(ref: ReferenceEngine, prompt: list[int]) -> dict:
-    """The reference's plain runs, greedy and sampled: tokens and logits (`run_logged`)."""
-    return {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
-
-
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
-def model(request, tmp_path_factory):
-    return _write(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -73,17 +49,25 @@ def ref(model):
 
 @pytest.fixture(scope="module")
 def prompt(ref):
-    return _prompt(ref)
+    ids = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    assert len(ids) > 2 * CHUNK
+    return ids
 
 
 @pytest.fixture(scope="module")
 def near(model, tmp_path_factory):
-    return _near(model, tmp_path_factory)
+    """A classic draft: the target with noise on its weights (the tiny DeepSeek's routing flips
+    at any noise in its layers, changing every token after: its draft differs in the LM head)."""
+    dst = tmp_path_factory.mktemp("near") / "m"
+    if read_hf_config(model).mla is None:
+        return noisy_copy(model, dst)
+    return noisy_copy(model, dst, 0.03, only={"lm_head.weight"})
 
 
 @pytest.fixture(scope="module")
 def want(ref, prompt):
-    return _want(ref, prompt)
+    """The reference's plain runs, greedy and sampled: tokens and logits (`run_logged`)."""
+    return {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
 
 
 def _cfg(model, n, **kw):
@@ -92,27 +76,12 @@ def _cfg(model, n, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n,transport,split", [(2, "shm", None), (3, "zmq", "auto")])
+@pytest.mark.parametrize("n,transport,split", [(1, "auto", None), (2, "shm", None),
+                                               (3, "zmq", "auto")])
 def test_moe_split_equals_reference(model, ref, near, want, prompt, n, transport, split,
                                     caplog):
     """Steps and whole runs equal the reference's bit for bit; speculated runs (a classic
     draft) too, at every accepted position's logits."""
-    _split_equals_reference(model, ref, near, want, prompt, n, transport, split, caplog)
-
-
-@pytest.mark.slow
-def test_moe_one_shard_equals_reference(tmp_path_factory, caplog):
-    """As above on one shard (the first and last shard in one process, the classic draft
-    beside it), for qwen3_moe: what one process does differently is the chain's, not a
-    family's, and every family runs over 2 and 3 shards above."""
-    model = _write("qwen3_moe", tmp_path_factory)
-    ref = ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
-    prompt = _prompt(ref)
-    _split_equals_reference(model, ref, _near(model, tmp_path_factory), _want(ref, prompt),
-                            prompt, 1, "auto", None, caplog)
-
-
-def _split_equals_reference(model, ref, near, want, prompt, n, transport, split, caplog):
     ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
     assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
     caplog.set_level(logging.INFO, logger="layersplit.runtime.coordinator")
