@@ -29,23 +29,24 @@ only where it beats plain decoding by `gain`: at a tie plain steps are the safe 
 time varies more than a plain step's, and what it costs the steps around it is priced only as
 far as the switches show it).
 
-The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look
-at a batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at
-the largest size (whose rounds teach every size's acceptance), ended after two measured rounds
-where even the fastest rounds make speculation `abandon` times slower than plain steps.
-Speculating, it decides again every `check` rounds on the rounds just measured (a size that
-loses is left within a few rounds, not at the end of a phase), and after `spec_steps` decodes
-`refresh` plain steps (the plain cost drifts with the batch and the context). Turned off, it
-decodes plainly, then probes: the plain steps before a probe are at least `off_steps`
-(doubling, up to `off_steps_max`, while probes keep losing) and enough that what a probe loses
-against plain steps (its rounds and switches, as last measured) is at most `probe_budget` of
-their time. After a probe, a refresh or a check it decides: the best of plain and every size,
-but it leaves the current choice only for one `margin` better. A size whose round time was
-never measured is priced by linear interpolation between a plain step plus the draft's wait
-(`t_draft(b)`, the median time a round waited for its proposal: what a round of any size pays)
-and the measured sizes around it: an optimistic price (it leaves out the rest of a round's
-fixed cost), so an unmeasured smaller size is tried for `probe` rounds, then priced as
-measured; every fourth decision after a refresh or a probe for a smaller size first runs
+The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look at a
+batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at the largest
+size (whose rounds teach every size's acceptance), ended after two measured rounds where even the
+fastest rounds make speculation `abandon` times slower than plain steps; it decides on its own
+rounds at the largest size (those timed before its off phase are forgotten where it timed two: a
+window of stale ones would outvote a probe's few for good). Speculating, it decides again every
+`check` rounds on the rounds just measured (a size that loses is left within two checks, once half
+its window is slow, not at the end of a phase), and after `spec_steps` decodes `refresh` plain steps
+(the plain cost drifts with the batch and the context). Turned off, it decodes plainly, then probes:
+the plain steps before a probe are at least `off_steps` (doubling, up to `off_steps_max`, while
+probes keep losing) and enough that what a probe loses against plain steps (its rounds and switches,
+as last measured) is at most `probe_budget` of their time. After a probe, a refresh or a check it
+decides: the best of plain and every size, but it leaves the current choice only for one `margin`
+better. A size whose round time was never measured is priced by linear interpolation between a plain
+step plus the draft's wait (`t_draft(b)`, the median time a round waited for its proposal: what a
+round of any size pays) and the measured sizes around it: an optimistic price (it leaves out the
+rest of a round's fixed cost), so an unmeasured smaller size is tried for `probe` rounds, then
+priced as measured; every fourth decision after a refresh or a probe for a smaller size first runs
 `probe` rounds at the largest (the only rounds that teach the larger sizes' acceptance).
 
 `spec_policy = on` never consults it: every step that can speculate does (for benchmarks and
@@ -119,10 +120,11 @@ class Window:
     """The median of the latest `size` measurements (None until the first), one per `tag` (the
     runtime's step: a batch's sequences each report it, and only the first report counts)."""
 
-    __slots__ = ("xs", "tag", "_median")
+    __slots__ = ("xs", "tags", "tag", "_median")
 
     def __init__(self, size: int) -> None:
         self.xs: deque[float] = deque(maxlen=size)
+        self.tags: deque[int | None] = deque(maxlen=size)
         self.tag: int | None = None
         self._median: float | None = None
 
@@ -131,7 +133,16 @@ class Window:
             return
         self.tag = tag
         self.xs.append(x)
+        self.tags.append(tag)
         self._median = None
+
+    def keep_since(self, tag: int, least: int = 2) -> None:
+        """Forget the measurements tagged before `tag` where at least `least` are not."""
+        keep = [(x, t) for x, t in zip(self.xs, self.tags) if t is not None and t >= tag]
+        if least <= len(keep) < len(self.xs):
+            self.xs = deque((x for x, _ in keep), maxlen=self.xs.maxlen)
+            self.tags = deque((t for _, t in keep), maxlen=self.tags.maxlen)
+            self._median = None
 
     @property
     def count(self) -> int:
@@ -374,6 +385,9 @@ class SpecPolicy:
                 n = min(k.check, ph.left)
                 return Phase("spec", now, clock + n, ph.left - n)
         else:  # after a refresh or a probe
+            if ph.kind == "probe" and (w := self._round.get((key[0], self.largest))):
+                w.keep_since(ph.start)  # (rounds from before the off phase may be stale: a
+                # window of them would outvote the probe's few rounds for good)
             now = self.decide(batch, sampled, was if ph.kind == "refresh" else 0)
             self._decisions[key] = self._decisions.get(key, 0) + 1
         self._choice[key] = now
@@ -443,11 +457,11 @@ class Pacer:
     """One sequence's side of the policy: the size of each of its steps (`step`, or planned a
     step ahead with `plan_next` when the draft is told what to prepare), and the time from each
     step to the next, given to the policy as that step's cost when it was a steady one (it came
-    right after a step of the same size), or as a switch's when it came after one of another
-    kind (the first step of a kind pays for the switch: the draft's context caught up, a
-    proposal prepared for nothing); measured only when the next step is at the position it led
-    to (one step, not two, lies between). Each measurement is tagged with the runtime's step it
-    measured: the sequences of a batch count once."""
+    right after a step of the same kind: plain, or a round of any size), or as a switch's when
+    it came after one of the other kind (the first step of a kind pays for the switch: the
+    draft's context caught up, a proposal prepared for nothing); measured only when the next
+    step is at the position it led to (one step, not two, lies between). Each measurement is
+    tagged with the runtime's step it measured: the sequences of a batch count once."""
 
     def __init__(self, policy: SpecPolicy, sampled: bool) -> None:
         self.policy, self.sampled = policy, sampled
@@ -462,7 +476,8 @@ class Pacer:
         if self._last is not None:
             size, start, b, expect, tag = self._last
             if expect == pos and size >= 0 and self._before is not None and self._before >= 0:
-                if self._before != size:
+                if (self._before == 0) != (size == 0):  # (a round after a round of another
+                    # size is a round: the draft was told that size, nothing to catch up on)
                     self.policy.observe_switch(b, size, now - start, tag)
                 elif size:
                     self.policy.observe_round(b, size, now - start, tag)

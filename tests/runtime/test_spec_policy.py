@@ -80,6 +80,20 @@ def test_speculation_comes_back_on_and_goes_off_again_as_the_costs_change():
     assert policy.choice(1, False) == 0 and sum(s == 0 for s in sizes[-200:]) >= 195
 
 
+def test_a_probe_decides_on_its_own_rounds_not_on_those_of_a_losing_phase_before():
+    """Speculation pays, then loses for a while (a window full of slow rounds: off), then pays
+    again: the first probe's few rounds decide (the slow rounds before the off phase would
+    outvote them, and off phases double while probes lose), so it comes back on at once."""
+    policy = SpecPolicy(TREE)
+    state = [0.0, 0, 0, Pacer(policy, False)]
+    run(policy, 400, plain, lambda s, b: 1.1, lambda s: 3, state=state)
+    assert policy.choice(1, False) > 0
+    run(policy, 300, plain, lambda s, b: 6.0, lambda s: 3, state=state)
+    assert policy.choice(1, False) == 0 and policy._round[1, 31].count > 12
+    sizes, _ = run(policy, 600, plain, lambda s, b: 1.1, lambda s: 3, state=state)
+    assert policy.choice(1, False) > 0 and sum(s > 0 for s in sizes) > 400
+
+
 def test_the_size_that_pays_best_is_chosen():
     """Rounds cost more with every draft row (a batched verify step) and keep at most 3 draft
     tokens: the smallest tree that keeps them (3) pays best. When rows cost nothing and a larger
@@ -160,7 +174,7 @@ def test_an_unmeasured_size_is_priced_between_its_measured_neighbours():
 
 def test_steps_after_a_switch_are_not_measured():
     """The first step of a kind pays for the switch (kept rows moved, the draft catching up):
-    only a step that came after one of the same size is measured as a step of its kind, the
+    only a step that came after one of the same kind is measured as a step of its kind, the
     first as a switch (what it took beyond a steady step of its kind), and only when the next
     one is where it led (one step, not two, between)."""
     policy = SpecPolicy([3], PolicyKnobs(spec_steps=2, refresh=2, probe=2, check=2))
@@ -186,6 +200,37 @@ def test_steps_after_a_switch_are_not_measured():
     assert policy.switch_time(1) == pytest.approx(1.5) and policy.plain_time(1) == 1.5
     pacer.step(23, 1, 8, 15.0)  # a position skipped: not one step
     assert policy.plain_time(1) == pytest.approx(1.5)
+
+
+def test_a_round_after_a_round_of_another_size_is_a_round_not_a_switch():
+    """A switch is between plain steps and rounds (the draft catching up, a proposal prepared
+    for nothing); a round right after a round of another size (the draft was told that size)
+    is timed as a round of its size, and adds nothing to the switch's price."""
+
+    class Scripted(SpecPolicy):  # (the sizes of the steps given, not decided)
+        def __init__(self, script):
+            super().__init__([7, 3])
+            self.script = iter(script)
+
+        def plan(self, batch, sampled, clock):
+            return next(self.script)
+
+    policy = Scripted([0, 0, 7, 7, 7, 3, 3, 0, 0, 0])
+    pacer = Pacer(policy, False)
+    now, pos = 0.0, 0
+    for clock, dt in enumerate([1.0, 1.0, 2.5, 2.0, 2.0, 1.5, 1.5, 1.5, 1.0, 1.0]):
+        size = pacer.step(pos, 1, clock, now)
+        if size:
+            pacer.ran(size, pos + 2, {size: 2})
+        pos += 2 if size else 1
+        now += dt
+    assert policy.plain_time(1) == pytest.approx(1.0)
+    assert policy.round_time(1, 7) == pytest.approx(2.0)
+    assert policy.round_time(1, 3) == pytest.approx(1.5)  # (both its rounds)
+    assert policy._round[1, 3].count == 2
+    assert policy.switch_time(1) == pytest.approx(0.5)  # (the first plain step after rounds;
+    # the first round at 7 came before a steady one told what the switch cost)
+    assert list(policy._switch[1].xs) == [pytest.approx(0.5)]
 
 
 def test_a_batch_counts_each_step_once_and_a_pause_moves_no_estimate():
