@@ -353,7 +353,11 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     block_n = c.pop("BLOCK_N")
     c.setdefault("SB", min(4, 1 << (triton.cdiv(k, 256).bit_length() - 1)))  # (no idle tile)
     tile = _TILES[qtype]  # (G, L): see `_chunk_dot`
-    words = blocks.view(torch.int32 if KEPT_TYPES[qtype].size % 4 == 0 else torch.int16)
+    word = torch.int32 if KEPT_TYPES[qtype].size % 4 == 0 else torch.int16
+    if blocks.data_ptr() % word.itemsize:  # (d / scales are read as words: `_chunk_dot`)
+        raise ValueError(f"quant_gemv: {qtype} blocks must start at a multiple of "
+                         f"{word.itemsize} bytes, got address {blocks.data_ptr():#x}")
+    words = blocks.view(word)
     _quant_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], blocks, words, blocks.shape[1],
         x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,

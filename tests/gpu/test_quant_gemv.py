@@ -68,6 +68,22 @@ def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quant_gemv_on_rows_of_a_larger_matrix_and_other_launch_shapes(qtype):
+    """Rows 3.. of a matrix (blocks that start past its first byte, at an address a 16-byte
+    load may not assume), and super blocks an iteration (`SB`) other than the default."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    k = 96 if KEPT_TYPES[qtype].block == 32 else 768
+    blocks, ref = _case(qtype, 11, k, seed=3)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = F.linear(x, ref[3:])
+    for cfg in (None, {"BLOCK_N": 8, "num_warps": 4, "SB": 1},
+                {"BLOCK_N": 2, "num_warps": 2, "SB": 2}):
+        got = quant_gemv(x, blocks[3:], qtype, cfg=cfg)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 def test_quant_gemv_refuses_bad_blocks():
     from layersplit.shards.kernels.quant_gemv import quant_gemv
 
@@ -76,6 +92,9 @@ def test_quant_gemv_refuses_bad_blocks():
         quant_gemv(torch.zeros(1, 256, device=DEV), blocks, "Q6_K")
     with pytest.raises(ValueError, match="1 to 16 rows"):
         quant_gemv(torch.zeros(17, 256, device=DEV), blocks, "Q4_K")
+    flat = torch.zeros(4 * 144 + 2, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):  # (its scales are words)
+        quant_gemv(torch.zeros(1, 256, device=DEV), flat[2:].view(4, 144), "Q4_K")
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="minutes under the interpreter: a device run's test")
