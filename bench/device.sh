@@ -5,7 +5,7 @@
 # RESULTS.md rows each stage printed) and runs.tgz (each run's whole log and JSON); the device
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
-#   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests)
+#   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M)
 #   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
 #             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families)
 #   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
@@ -75,9 +75,16 @@ q8="bench/decode.py --model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --
   --repeats 1 --max-context 33792 --prefill 32768"
 
 stage_tests() {
-  TAIL=40 run tests 60 $tests --durations=25 ${TESTS:-tests}  # (cut at the deadline: the whole
-  # GPU suite takes more than one call on an H200; TESTS picks a part per call)
-  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests ${TESTS:-tests}"
+  # (the whole GPU suite takes more than one call on an H200: TESTS picks paths, or `part:N/M`
+  # the N-th of M parts of the files that hold GPU tests, every M-th of them sorted; a test
+  # that hangs is cut after 240 s, and the call goes on with the next)
+  local paths=${TESTS:-tests}
+  if [[ "$paths" =~ ^part:([0-9]+)/([0-9]+)$ ]]; then
+    paths=$(grep -rl "pytest.mark.gpu" tests | sort |
+      awk -v n="${BASH_REMATCH[1]}" -v m="${BASH_REMATCH[2]}" '(NR - 1) % m == n - 1' | xargs)
+  fi
+  TAIL=40 run tests 60 $tests --timeout=240 --durations=25 $paths
+  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests $paths"
 }
 
 stage_parity() {  # (transformers from .whl-tf where it travelled: the image's may be older)
