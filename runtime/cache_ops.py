@@ -147,6 +147,7 @@ class CacheManager:
         self.saves_by_key: dict[str, SaveJob] = {}  # saves in progress, by entry key
         self.failed_saves: set[str] = set()  # keys whose save failed (their children fail too)
         self.done: queue.Queue = queue.Queue()
+        self.save_busy_until = 0.0  # (perf_counter) the end of the last save in stats.save_wall_s
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
@@ -748,10 +749,10 @@ class CacheManager:
             fsync_dir(final.parent)
             job.ok = True
             self.done.put((job.entry, final, job.layout.file_size, None,
-                           time.perf_counter() - job.started))
+                           (job.started, time.perf_counter())))
         except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
             job.tmp.unlink(missing_ok=True)
-            self.done.put((job.entry, None, 0, str(err), 0.0))
+            self.done.put((job.entry, None, 0, str(err), (0.0, 0.0)))
         finally:
             os.close(job.fd)  # releases the writer's lock
             if not job.ok:
@@ -764,7 +765,7 @@ class CacheManager:
         """Apply finished saves to the index (main thread only), then the size caps."""
         changed = False
         while not self.done.empty():
-            e, path, size, err, seconds = self.done.get_nowait()
+            e, path, size, err, (began, ended) = self.done.get_nowait()
             e.saving = False
             if self.index.entries.get(e.key) is not e:  # dropped meanwhile: file unreachable
                 if path is not None:
@@ -778,7 +779,11 @@ class CacheManager:
             e.path = path
             self.stats.saves += 1
             self.stats.bytes_written += size
-            self.stats.save_s += seconds
+            st = self.stats
+            st.save_s += ended - began
+            # (saves end in the order they are queued here: their union, counted end by end)
+            st.save_wall_s += max(0.0, ended - max(began, self.save_busy_until))
+            self.save_busy_until = max(self.save_busy_until, ended)
         if changed:
             self._drop_ram(self.index.evict_disk())
             self.enforce_ram_cap()

@@ -63,6 +63,7 @@ class CacheStats:
     disk_read_s: float = 0.0
     bytes_written: int = 0
     save_s: float = 0.0  # from the RAM snapshot to the renamed file, summed
+    save_wall_s: float = 0.0  # the time at least one save was in flight (saves overlap)
     saves: int = 0
     save_errors: int = 0
     bad_files: int = 0

@@ -1,6 +1,7 @@
 """The snapshot store's disk tier on its own: a streamed save and load never touch the file
 (a shard on another host, or in a filesystem of its own, has no access to it), and give the
-same bytes and checksums as a save into the file."""
+same bytes and checksums as a save into the file; the file writer puts every byte in place
+through partial writes, and a write that fails is reported as the save's error."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 from layersplit.ipc.kv_file import checksum
 from layersplit.ipc.messages import ProtocolError, message
-from layersplit.shards.snapshots import SnapshotStore, report_saves, snap_op
+from layersplit.shards import snapshots
+from layersplit.shards.snapshots import SnapshotStore, report_saves, snap_op, write_hashed
 
 
 def _store() -> SnapshotStore:
@@ -91,3 +93,48 @@ def test_streamed_save_and_load_never_touch_the_file(tmp_path):
                    None, bad[:2])
     assert "streamed for 4 items" in info["error"]
     assert not os.path.exists(nowhere)
+
+
+def test_write_hashed_puts_every_byte_in_place_through_partial_writes(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    bufs = [memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g).numpy())
+            for n in (100, 37, 5000, 64, 3)]
+    # back to back (gathered into one call), then a gap, then one past the gather limit
+    offsets = [8, 108, 145, 6000, 6064]
+    monkeypatch.setattr(snapshots, "WRITEV_BYTES", 4096)
+    calls = []
+    real = os.pwritev
+
+    def partial(fd, views, offset):  # at most 1000 bytes a call, as a filesystem may do
+        calls.append(offset)
+        want, got = 1000, []
+        for v in views:
+            got.append(v[:want])
+            want -= len(got[-1])
+            if want == 0:
+                break
+        return real(fd, got, offset)
+
+    monkeypatch.setattr(os, "pwritev", partial)
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"\xff" * 7000)
+    names = [f"t{i}" for i in range(len(bufs))]
+    sums = write_hashed(str(path), offsets, bufs, names)
+    assert sums == {n: checksum(b) for n, b in zip(names, bufs)}
+    data = path.read_bytes()
+    for off, b in zip(offsets, bufs):
+        assert data[off:off + len(b)] == bytes(b)
+    assert data[:8] == b"\xff" * 8 and data[6067:] == b"\xff" * (7000 - 6067)
+    assert len(calls) > len(bufs)  # (the partial writes were continued)
+
+
+def test_a_failed_write_is_the_saves_error(tmp_path, monkeypatch):
+    src = _store()
+    src.take(1, slot=0, start=0, end=10)
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"\0" * 4096)
+    monkeypatch.setattr(os, "pwritev", lambda fd, views, offset: 0)  # a disk that takes nothing
+    snap_op(src, message("snap_save", entry=1, path=str(path), items=_items(), stream=False),
+            str(tmp_path))
+    msg, frames = _saved(src)
+    assert msg["checksums"] is None and "short write" in msg["error"] and frames == []
