@@ -2,8 +2,8 @@
 (page cache cold and warm), restore GB/s next to a raw sequential read of the same files, and
 save GB/s (file bytes over the wall time some save was in flight, from the RAM snapshot to the
 renamed file) next to a raw write + fsync of as many bytes into the same directory, taken right
-after the saves; both ratios are in the `--json` rows (`save_vs_raw_write`, `restore_vs_raw_read`,
-page cache dropped before both reads), all in one run.
+after the saves (the faster of two); both ratios are in the `--json` rows (`save_vs_raw_write`,
+`restore_vs_raw_read`, page cache dropped before both reads), all in one run.
 
     python bench/prefix_cache.py --model default --devices cpu,cpu --lengths 1024,4096,8000
     python bench/prefix_cache.py --model random:qwen3-8b --devices cuda:0,cuda:1 \
@@ -125,8 +125,10 @@ def main() -> None:
             # wall time with a save in flight (a delta entry's save overlaps its parent's)
             row["save_GBps"] = st.bytes_written / max(st.save_wall_s, 1e-9) / 1e9
             row["file_bytes"] = st.bytes_written
-            # the baseline at once: the same bytes written and fsynced into the same directory
-            row["raw_write_GBps"] = raw_write(d, row["file_bytes"]) / 1e9
+            # the baseline at once: the same bytes written and fsynced into the same directory,
+            # twice (the faster counts: a disk still busy after the saves would flatter them)
+            row["raw_write_runs_GBps"] = [raw_write(d, row["file_bytes"]) / 1e9 for _ in range(2)]
+            row["raw_write_GBps"] = max(row["raw_write_runs_GBps"])
             est_prefill_s = c.cache.prefill_seconds(n, n)
             if args.check_tokens:
                 ref = c.generate(prompt, greedy, use_cache=False).tokens  # computed, not restored
