@@ -71,10 +71,10 @@ def raw_write(directory: Path, nbytes: int) -> float:
         while left > 0:
             left -= os.write(fd, chunk[:min(left, len(chunk))])
         os.fsync(fd)
+        dt = time.perf_counter() - t0
     finally:
         os.close(fd)
-    dt = time.perf_counter() - t0
-    p.unlink()
+        p.unlink(missing_ok=True)  # (not left in the cache directory after an error either)
     return nbytes / dt
 
 

@@ -43,7 +43,7 @@ from layersplit.ipc.kv_file import (
 from layersplit.ipc.messages import message
 from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.host_pool import HostPool
-from layersplit.runtime.prefix_cache import Entry, PrefixIndex, fsync_dir, metadata_for
+from layersplit.runtime.prefix_cache import BusySpans, Entry, PrefixIndex, fsync_dir, metadata_for
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class CacheManager:
         self.saves_by_key: dict[str, SaveJob] = {}  # saves in progress, by entry key
         self.failed_saves: set[str] = set()  # keys whose save failed (their children fail too)
         self.done: queue.Queue = queue.Queue()
-        self.save_busy_until = 0.0  # (perf_counter) the end of the last save in stats.save_wall_s
+        self.save_spans = BusySpans()  # (perf_counter) the saves in stats.save_wall_s
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
         self._threads: list[threading.Thread] = []
@@ -781,9 +781,7 @@ class CacheManager:
             self.stats.bytes_written += size
             st = self.stats
             st.save_s += ended - began
-            # (saves end in the order they are queued here: their union, counted end by end)
-            st.save_wall_s += max(0.0, ended - max(began, self.save_busy_until))
-            self.save_busy_until = max(self.save_busy_until, ended)
+            st.save_wall_s += self.save_spans.add(began, ended)  # (they end in any order)
         if changed:
             self._drop_ram(self.index.evict_disk())
             self.enforce_ram_cap()

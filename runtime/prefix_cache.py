@@ -74,6 +74,30 @@ class CacheStats:
         return dataclasses.asdict(self)
 
 
+class BusySpans:
+    """The time covered by intervals that arrive in any order (saves overlap, and one that began
+    earlier may end later): `add` returns the seconds an interval adds to the union. Keeps the
+    latest `KEEP` disjoint spans; an interval reaching back past them counts that time as new."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []  # disjoint, by start
+
+    def add(self, began: float, ended: float) -> float:
+        if ended <= began:
+            return 0.0
+        lo, hi, kept, covered = began, ended, [], 0.0
+        for a, b in self.spans:
+            if b < began or a > ended:
+                kept.append((a, b))
+            else:
+                covered += min(b, ended) - max(a, began)
+                lo, hi = min(lo, a), max(hi, b)
+        self.spans = sorted([*kept, (lo, hi)])[-self.KEEP:]
+        return (ended - began) - covered
+
+
 class PrefixIndex:
     def __init__(self, fingerprint: str, ram_bytes: int, disk_dir: Path | None,
                  disk_bytes: int) -> None:

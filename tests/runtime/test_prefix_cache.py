@@ -18,6 +18,7 @@ import pytest
 from layersplit.runtime.cache_admin import verify
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.prefix_cache import BusySpans
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 from safetensors import safe_open
@@ -173,6 +174,8 @@ def test_ten_turn_chat_writes_only_new_rows(tiny_llama, tmp_path):
             written = c.cache.stats.bytes_written - before
             turns.append((prompt, got, written))
             msgs.append({"role": "assistant", "content": got[0].text})
+        st = c.cache.stats
+        assert 0 < st.save_wall_s <= st.save_s  # (saves overlap: wall time, not their sum)
     for i, (prompt, got, written) in enumerate(turns):
         assert_same_run(got, run_logged(ref, prompt, SamplingParams(max_tokens=6,
                                                                     ignore_eos=True)),
@@ -410,3 +413,13 @@ def test_disk_hit_with_one_token_then_other_prompt(tiny_llama, ref, prompts, sho
         assert_same_run(again, run_logged(ref, short, GREEDY), "the first prompt again")
         assert_same_run(run_logged(c, longer, GREEDY), run_logged(ref, longer, GREEDY),
                         "a longer prompt")
+
+
+def test_save_wall_time_is_the_union_of_saves_ending_in_any_order():
+    spans = BusySpans()
+    # a later, smaller save ends first; then one inside both; then one after an idle gap
+    added = [spans.add(5.0, 10.0), spans.add(0.0, 11.0), spans.add(2.0, 3.0),
+             spans.add(20.0, 21.0), spans.add(10.5, 12.0), spans.add(4.0, 4.0)]
+    assert added == [5.0, 6.0, 0.0, 1.0, 1.0, 0.0]
+    assert spans.spans == [(0.0, 12.0), (20.0, 21.0)]
+    assert spans.add(11.0, 22.0) == 9.0 and spans.spans == [(0.0, 22.0)]
