@@ -3,6 +3,10 @@ families' own reader, `shards.hybrid_config`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from layersplit.shards.errors import CheckpointError
+
 # config.json fields that never change a model's outputs at inference.
 METADATA_FIELDS = frozenset({
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -17,3 +21,19 @@ METADATA_FIELDS = frozenset({
     # seen in published Llama-family configs (SmolLM2's, older conversions): inert
     "is_llama_config", "max_sequence_length", "transformers.js_config",
 })
+
+
+# layer kinds of the families that alternate windowed and full attention (Gemma 3, gpt-oss)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(source: str, types: Any, window: Any) -> bool:
+    """Refuse a `layer_types` list with a kind we do not run, or a `sliding_window` that is not
+    a positive integer where some layer is windowed; whether some layer is."""
+    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+        raise CheckpointError(f"{source}: layer_types={types!r}: entries must be one of "
+                              f"{', '.join(LAYER_TYPES)}")
+    sliding = "sliding_attention" in types
+    if sliding and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise CheckpointError(f"{source}: sliding_window={window!r} must be a positive integer")
+    return sliding

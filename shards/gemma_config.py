@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from layersplit.shards.config_fields import check_layer_types
 from layersplit.shards.errors import CheckpointError
 
 GEMMA_FIELDS = frozenset({
@@ -17,7 +18,6 @@ GEMMA_FIELDS = frozenset({
     # written by save_pretrained beside `layer_types`; transformers reads only the unprefixed one
     "_sliding_window_pattern",
 })
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def gemma_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[str, Any]:
@@ -51,12 +51,7 @@ def gemma_fields(raw: dict[str, Any], layers: int, source: str | Path) -> dict[s
             raise CheckpointError(f"{source}: sliding_window_pattern={pattern!r} must be >= 1")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                  for i in range(layers)]
-    if not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types):
-        raise CheckpointError(f"{source}: layer_types={types!r}: entries must be one of "
-                              f"{', '.join(_LAYER_TYPES)}")
-    sliding = "sliding_attention" in types
-    if sliding and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
-        raise CheckpointError(f"{source}: sliding_window={window!r} must be a positive integer")
+    sliding = check_layer_types(source, types, window)
     scalar = raw.get("query_pre_attn_scalar", 256)
     cap = raw.get("final_logit_softcapping")
     if cap is not None and (not isinstance(cap, (int, float)) or cap <= 0):

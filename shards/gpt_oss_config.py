@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from layersplit.shards.config_fields import check_layer_types
 from layersplit.shards.errors import CheckpointError
 
 GPT_OSS_FIELDS = frozenset({
@@ -22,7 +23,6 @@ GPT_OSS_FIELDS = frozenset({
     # router losses: training only
     "router_aux_loss_coef", "output_router_logits",
 })
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 # the quantization_config keys of an MXFP4 checkpoint (what stays unquantized is read from
 # the tensors themselves: a `_blocks` / `_scales` pair or a plain tensor)
 _MXFP4_KEYS = frozenset({"quant_method", "modules_to_not_convert"})
@@ -68,12 +68,7 @@ def gpt_oss_fields(raw: dict[str, Any], rope: dict[str, Any], layers: int,
     types = raw.get("layer_types")
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types):
-        raise CheckpointError(f"{source}: layer_types={types!r}: entries must be one of "
-                              f"{', '.join(_LAYER_TYPES)}")
-    sliding = "sliding_attention" in types
-    if sliding and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
-        raise CheckpointError(f"{source}: sliding_window={window!r} must be a positive integer")
+    sliding = check_layer_types(source, types, window)
     spec = {}
     for key, default in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
         value = raw.get(key, default)

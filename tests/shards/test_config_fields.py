@@ -72,6 +72,7 @@ REFUSED = [
     ("gpt_oss", "experts_per_token", 3, "experts_per_token"),
     ("gpt_oss", "swiglu_limit", 0, "swiglu_limit"),
     ("gpt_oss", "layer_types", ["chunked_attention"] * 4, "chunked_attention"),
+    ("gpt_oss", "sliding_window", 0, "sliding_window"),
     ("gpt_oss", "attn_logit_softcapping", 30.0, "attn_logit_softcapping"),
     ("gpt_oss", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
     ("gpt_oss", "hidden_act", "gelu", "hidden_act"),
