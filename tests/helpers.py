@@ -59,6 +59,20 @@ def run_speculated(coord, prompt: list[int], params: SamplingParams,
     return result, np.stack(progress.logits), progress.spec
 
 
+def oracle_acceptance(coord, prompts: list[list[int]], plain: list[list[int]],
+                      params: SamplingParams) -> float:
+    """Speculate each prompt with the bench oracle's draft, check its tokens equal plain
+    decoding's (`plain`), and return the tokens a verify step committed on average."""
+    committed = verifies = 0
+    for p, want in zip(prompts, plain):
+        progress = Progress()
+        got = collect(coord.stream(p, params, progress, use_cache=False), progress, len(p))
+        assert got.tokens == want
+        committed += progress.spec.committed
+        verifies += progress.spec.verifies
+    return committed / verifies
+
+
 def assert_speculated_equals(coord, prompt: list[int], params: SamplingParams,
                              want: tuple[GenerationResult, np.ndarray], what: str = ""):
     """A speculated run's tokens and the logits of every position it emitted (accepted draft

@@ -12,9 +12,10 @@ import pytest
 from layersplit.draft.oracle_table import ORACLE_ENV, OracleTable, read_oracle, reread
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
-from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
+
+from tests.helpers import oracle_acceptance
 
 GREEDY = SamplingParams(max_tokens=96, ignore_eos=True)
 
@@ -73,13 +74,7 @@ def test_oracle_keeps_plain_tokens_at_its_acceptance(target, dflash, tmp_path, m
     monkeypatch.setenv(ORACLE_ENV, str(table))
     cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=16,
                         max_context=256, threads=1, draft=str(dflash))
-    committed = verifies = 0
     with Coordinator(cfg) as coord:
         assert coord.draft_info["bench_oracle"] == 2.5
-        for p, want in zip(prompts, plain):
-            progress = Progress()
-            got = collect(coord.stream(p, GREEDY, progress, use_cache=False), progress, len(p))
-            assert got.tokens == want
-            committed += progress.spec.committed
-            verifies += progress.spec.verifies
-    assert abs(committed / verifies - 2.5) <= 0.1, committed / verifies
+        acceptance = oracle_acceptance(coord, prompts, plain, GREEDY)
+    assert abs(acceptance - 2.5) <= 0.1, acceptance

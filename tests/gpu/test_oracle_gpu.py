@@ -16,8 +16,9 @@ import torch
 from layersplit.draft.oracle_table import ORACLE_ENV
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
-from layersplit.runtime.generate import Progress, collect
 from layersplit.shards.sampling import SamplingParams
+
+from tests.helpers import oracle_acceptance
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -39,16 +40,10 @@ def test_oracle_at_the_qwen3_8b_shape(tmp_path, monkeypatch):
     table.write_text(json.dumps({"acceptance": A, "seed": 0,
                                  "sequences": [p + t for p, t in zip(prompts, plain)]}))
     monkeypatch.setenv(ORACLE_ENV, str(table))
-    committed = verifies = 0
     cfg = RuntimeConfig(model="random:qwen3-8b", devices=("cuda:0",), max_context=1024,
                         deterministic=True, draft="random:qwen3-8b-dflash-b16",
                         prefix_cache=False)
     with Coordinator(cfg) as coord:
         assert coord.draft_info["bench_oracle"] == A and coord.draft_info["block_size"] == 16
-        for p, want in zip(prompts, plain):
-            progress = Progress()
-            got = collect(coord.stream(p, GREEDY, progress, use_cache=False), progress, len(p))
-            assert got.tokens == want
-            committed += progress.spec.committed
-            verifies += progress.spec.verifies
-    assert abs(committed / verifies - A) <= 0.1, committed / verifies
+        acceptance = oracle_acceptance(coord, prompts, plain, GREEDY)
+    assert abs(acceptance - A) <= 0.1, acceptance
