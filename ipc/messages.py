@@ -71,6 +71,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # data plane: a step carries one segment per sequence (`seqs`, SEGMENT below); its tensor
     # holds the segments' rows one after the other. The result has one `outs` entry (OUTCOME)
     # per segment, and the logits rows of the segments that asked for them.
+    # (optional `park: true`: a plain decode step whose feature rows the shards keep until a
+    # step that is not parked or an `unpark`, `shards.parked_rows`)
     "step": {"sid": (int,), "seqs": (list,), "act": (dict, NoneType)},
     "result": {"sid": (int,), "outs": (list,), "act": (dict, NoneType)},
     "sample": {"sid": (int,), "position": (int,), "sample": (dict,)},
@@ -130,6 +132,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # coordinator -> first shard: the draft process is gone; steps waiting for its proposals
     # run without them
     "draft_gone": {},
+    # coordinator -> each shard: send the draft every feature row parked (a step's `park`,
+    # `shards.parked_rows`); `ok` once they are on their way
+    "unpark": {},
     # shard -> draft process: set up a feature link, then feature rows of tapped layers
     # (the first shard's `feed` also carries `proposals`: the description of a shared-memory
     # ring it offers for the `drafted` messages it is handed; optional, zmq without)

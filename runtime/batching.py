@@ -119,6 +119,8 @@ class Request:
     # the turn that one keeps in the prefix cache, `RequestFlow.keep_turn`)
     plain_next: Callable[[], bool] | None = None  # a speculating sequence's: whether its next
     # step is a plain decode step (`runtime.speculative.DraftClient.plain_next`)
+    may_park: Callable[[], bool] | None = None  # a feeding sequence's: whether its plain decode
+    # step going out now may park its feature rows (`DraftClient.may_park`; None: never)
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +138,7 @@ class BatchStats:
     host_blocks: int = 0  # host-pool blocks held by swapped sequences now
     ahead: int = 0  # lookahead steps sent (decode steps sent before their tokens were known;
     # counted in `steps` too)
+    parked: int = 0  # steps whose feature rows the shards parked (`shards.parked_rows`)
     ahead_dropped: int = 0  # lookahead segments whose output went unused: the sequence stopped
     # (or asked for another step; its row is then computed again, the same row: KV models only)
 
@@ -317,7 +320,9 @@ class Batcher:
         if not reqs:
             return
         try:
-            sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs])
+            park = _parks(reqs, [r.pending for r in reqs])
+            sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs], park)
+            self.stats.parked += park
         except ShardFailure as e:
             for r in reqs:
                 self._fail(r, e)
@@ -379,7 +384,10 @@ class Batcher:
             for r, a in zip(st.reqs, ahead):
                 self.sched.grow(r.rid, a.pos + a.rows)
             try:
-                sid = self.coord.send_step([(r.slot, a, r.feed) for r, a in zip(st.reqs, ahead)])
+                park = _parks(st.reqs, ahead)
+                sid = self.coord.send_step([(r.slot, a, r.feed) for r, a in zip(st.reqs, ahead)],
+                                           park)
+                self.stats.parked += park
             except ShardFailure as e:
                 for r in st.reqs:
                     self._fail(r, e)
@@ -713,6 +721,16 @@ class Batcher:
                 "host memory held for sequences not swapped out"
         for st in self.steps.values():
             assert all(r.in_flight > 0 for r in st.reqs)
+
+
+def _parks(reqs: list[Request], steps: list[StepRequest]) -> bool:
+    """Whether a step may park its feature rows on the shards (`shards.parked_rows`): some
+    sequence of it feeds the draft, and every one that does decodes one plain row that may be
+    parked (`Request.may_park`)."""
+    fed = [(r, step) for r, step in zip(reqs, steps) if r.feed is not None]
+    return bool(fed) and all(
+        r.may_park is not None and _plain_decode(step) and step.pos >= r.prompt_tokens
+        and r.may_park() for r, step in fed) and all(_plain_decode(step) for step in steps)
 
 
 def _plain_decode(step: StepRequest) -> bool:

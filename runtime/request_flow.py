@@ -212,6 +212,10 @@ class RequestFlow:
                              "draft feature rows")
                 drafter = None
             req.plain_next = None if drafter is None else drafter.plain_next
+            # (a sequence that only feeds parks its rows where the policy measures: its rows
+            # are read only by a snapshot, before which the shards send them)
+            req.may_park = drafter.may_park if drafter is not None else (
+                (lambda: True) if self.spec_policy is not None else None)
             if req.feed is not None and not live:
                 # its rows could not make the draft's context whole, nor its snapshots carry
                 # them: the context goes back at once, for a request that can speculate

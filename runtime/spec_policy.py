@@ -416,6 +416,12 @@ class SpecPolicy:
         self._off_len[key] = off
         return off
 
+    def plain_left(self, batch: int, sampled: bool, clock: int) -> int:
+        """Plain steps the current phase of this batch's bucket plans from `clock` on, the
+        step at `clock` counted (0: the phase speculates, or none is planned yet)."""
+        ph = self._phase.get((bucket(batch), sampled))
+        return 0 if ph is None or ph.size else max(0, ph.end - clock)
+
     def choice(self, batch: int, sampled: bool) -> int | None:
         """The size last decided for this bucket (0: off; None: not decided yet)."""
         return self._choice.get((bucket(batch), sampled))

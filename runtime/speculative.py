@@ -159,6 +159,7 @@ class DraftHost(Protocol):
     def feeding(self) -> bool: ...
     def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]: ...
     def feat_sid(self, context: int) -> int: ...
+    def parked(self, context: int) -> bool: ...
     def fail(self, why: str, keep_running: bool = False) -> ShardFailure: ...
     def spec_clock(self) -> tuple[int, int]: ...
 
@@ -211,6 +212,11 @@ class DraftClient:
         if self.pacer is not None:
             clock, batch = self.coord.spec_clock()
             size = self.pacer.step(pos, batch, clock, time.perf_counter())
+            if size and self.coord.parked(self.context):  # (a batch of another size came:
+                # its phase speculates now) the proposal needs the rows the shards parked,
+                # which a step not parked sends: this one, plain (not measured)
+                self.pacer.missed()
+                size = 0
             if size == 0:
                 self.stats.off_steps += 1
         self._size_at = (pos, size)
@@ -370,6 +376,18 @@ class DraftClient:
             clock, batch = self.coord.spec_clock()
             self.pacer.plan_next(batch, clock)
         return self.pacer.told == 0
+
+    def may_park(self) -> bool:
+        """Whether the plain decode step going out now may leave its feature rows parked on
+        the shards (`shards.parked_rows`): where the policy has this sequence's next step
+        decode plainly too (a round's proposal needs the rows of every step before it), or
+        the sequence no longer speculates."""
+        if not self.active:
+            return True
+        if self.pacer is None or (self.pacer.told or 0) > 0:
+            return False
+        clock, batch = self.coord.spec_clock()
+        return self.pacer.policy.plain_left(batch, self.pacer.sampled, clock) >= 2
 
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":

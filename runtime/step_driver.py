@@ -29,11 +29,14 @@ log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the c
 class StepDriver:
     """Steps sent (`send_step`), waited for (`wait_steps`) and read (`step_outputs`); single
     steps (`forward`) and samples of stored logits (`sample_output`). Owns `_in_flight`,
-    `_done`, `_back` and `_feat_sids`."""
+    `_done`, `_back`, `_feat_sids` and `_parked`."""
 
-    def send_step(self, segs: Sequence[tuple[int, StepRequest, int | None]]) -> int:
+    def send_step(self, segs: Sequence[tuple[int, StepRequest, int | None]],
+                  park: bool = False) -> int:
         """Send one step, a segment per (KV slot, request, draft context it feeds or None);
-        returns its sid. Its outputs are collected with `wait_steps` and `step_outputs`."""
+        returns its sid. Its outputs are collected with `wait_steps` and `step_outputs`.
+        `park`: the shards keep its feature rows until a step that is not parked
+        (`shards.parked_rows`; every segment a plain decode step)."""
         self._ensure_up()
         self._drain()
         sid = self._new_sid()
@@ -64,8 +67,13 @@ class StepDriver:
         rows = sum(r.rows for _, r, _ in segs)
         if self.trace is not None:  # (as it goes: the first shard may take it first)
             self.trace("send", sid, kind=kind, rows=rows, seqs=len(wire))
-        self._steps.send(message("step", sid=sid, seqs=wire, act=None),
-                         torch.tensor(ids, dtype=torch.int64))
+        msg = message("step", sid=sid, seqs=wire, act=None)
+        if park and self.feeding:
+            msg["park"] = True
+            self._parked.update(feed for _, _, feed in segs if feed is not None)
+        else:
+            self._parked.clear()  # (the shards send every parked row before this step's)
+        self._steps.send(msg, torch.tensor(ids, dtype=torch.int64))
         ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
         self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
                                 time.perf_counter(), kind, len(wire), rows)
@@ -103,6 +111,17 @@ class StepDriver:
     def table_update(self, slot: int) -> dict[str, Any] | None:
         """The block-table change a message about `slot` carries (`runtime.scheduler`)."""
         return self.batcher.sched.table_update(slot)
+
+    def parked(self, context: int) -> bool:
+        """Whether the last step that fed the draft's `context` left its rows parked on the
+        shards (a round's proposal would wait for them: its sequence runs a plain step first)."""
+        return context in self._parked
+
+    def unpark(self) -> None:
+        """Have the shards send the draft every feature row they parked (what reads the
+        draft's rows outside a round or a snapshot: `draft_features`, after this)."""
+        self.call_all(lambda sh: message("unpark"), what="unpark")
+        self._parked.clear()
 
     def feat_sid(self, context: int) -> int:
         """The last step that sent feature rows to the draft's `context` (a proposal or a

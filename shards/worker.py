@@ -48,6 +48,7 @@ from layersplit.shards.early_moves import EarlyMoves
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.kernel_profile import kernel_profile
+from layersplit.shards.parked_rows import ParkedRows
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
 from layersplit.shards.worker_cache import ShardCacheOps
 from layersplit.shards.worker_sampling import LastShardSampling
@@ -76,7 +77,7 @@ class ShardSpec:
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
-                           "draft_gone", "kv_swap", "warm", "void", *SNAP_OPS},
+                           "draft_gone", "kv_swap", "warm", "void", "unpark", *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 
@@ -123,6 +124,7 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         self.held: tuple[dict[str, Any], torch.Tensor, float] | None = None
         self.queued: collections.deque = collections.deque()
         self.drafted: dict[int, dict[str, Any]] = {}
+        self.parked = ParkedRows()  # feature rows of parked steps (`shards.parked_rows`)
         self.proposals: transport.RingInbox | None = None  # the draft's `drafted`, on one host
         self.draft_gone: str | None = None  # why no proposal will come any more
         # malformed proposals, by draft context (None: unreadable, any context's): the next
@@ -240,6 +242,8 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
                     self.trace("recv", msg["sid"])
                 self._step(msg, zmq_tensor(msg, frames))
             elif t in SNAP_OPS:
+                if t == "snap_take":  # (the draft's snapshot waits for the rows parked here)
+                    self._send_parked(True)
                 store = self._snap_store()
                 self._snap_blocks(msg)
                 self._reply(route, message("ok", info=snap_op(store, msg, self.cache_dir,
@@ -331,6 +335,10 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
             self.host_kv.drop(list(self.host_kv.held))
 
     # ---- liveness and shutdown ------------------------------------------------------------------
+    def _on_unpark(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        self._send_parked(True)
+        self._reply(route, message("ok", info={}, sid=msg.get("sid")))
+
     def _on_ping(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         self._reply(route, message("pong", busy=self.busy, busy_s=self.clock.seconds()))
 

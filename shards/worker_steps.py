@@ -19,6 +19,7 @@ from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
+from layersplit.shards.parked_rows import PARK_ROWS
 from layersplit.shards.sampling import has_processors
 from layersplit.shards.spec_sampling import check_q, check_q_form
 from layersplit.shards.spec_tree import check_path, check_tree
@@ -171,6 +172,12 @@ class StepRunner:
                                 feed=feed))
         if rows > self.max_step:
             raise ProtocolError(f"step: {rows} rows exceed the {self.max_step} a step may carry")
+        park = msg.get("park", False)
+        if park is not False and (park is not True or any(
+                seg["n"] != 1 or seg["draft"] is not None or seg["ask"] is not None
+                or seg["then"] is not None for seg in msg["seqs"])):
+            raise ProtocolError(f"step: park={str(park)[:40]} (true parks a plain decode "
+                                "step's feature rows: one row a segment, no draft, ask or then)")
         if x is None:
             raise ProtocolError("step without its tensor")
         if self.model.is_first:
@@ -349,11 +356,17 @@ class StepRunner:
         if not self.model.is_last:  # the next shard first: the draft waits for rows it needs
             if self.trace is not None:
                 self.trace("sent", msg["sid"])  # (as it goes: the next shard may take it first)
-            self.out.send(message("step", sid=msg["sid"], seqs=msg["seqs"], act=None),
-                          outs[0] if len(outs) == 1 else torch.cat(outs))
+            fwd = message("step", sid=msg["sid"], seqs=msg["seqs"], act=None)
+            if msg.get("park"):
+                fwd["park"] = True
+            self.out.send(fwd, outs[0] if len(outs) == 1 else torch.cat(outs))
         # (on the last shard, before the verdict: the draft takes them while it is made)
-        for j, (_, s) in enumerate(fed):
-            self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
+        if msg.get("park"):
+            self._park_features(msg["sid"], [s for _, s in fed])
+        else:
+            self._send_parked(False)
+            for j, (_, s) in enumerate(fed):
+                self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
         if not self.model.is_last:
             return
         sid = msg["sid"]
@@ -378,6 +391,31 @@ class StepRunner:
                                           layers=list(self.taps), last=step_end and b == n,
                                           act=None), rows[a:b]):
                 return
+
+    def _park_features(self, sid: int, fed: list[Segment]) -> None:
+        """Keep a parked step's feature rows on the device (`shards.parked_rows`); all of them
+        go to the draft once PARK_ROWS are parked."""
+        if self.feed is None:
+            return
+        for s in fed:
+            self.parked.add(sid, s.feed, s.pos, torch.cat([s.taps[t] for t in self.taps], dim=-1))
+        if self.parked.count >= PARK_ROWS:
+            self._send_parked(True)
+
+    def _send_parked(self, last: bool) -> None:
+        """Send the draft the parked rows, a message per run; `last`: the final one says the
+        draft has every step's rows up to its own (nothing is parked then, and the steps
+        before sent theirs), else the step that follows says so."""
+        runs = self.parked.take() if self.parked.count else []
+        for k, run in enumerate(runs):
+            rows = run.rows[0] if len(run.rows) == 1 else torch.cat(run.rows)
+            for a in range(0, len(rows), FEED_ROWS):
+                b = min(len(rows), a + FEED_ROWS)
+                end = last and k == len(runs) - 1 and b == len(rows)
+                if self.feed is None or not self._to_draft(message(
+                        "feat", sid=run.sid, slot=run.context, pos=run.pos + a, n=b - a,
+                        layers=list(self.taps), last=end, act=None), rows[a:b]):
+                    return
 
     def _to_draft(self, msg: dict[str, Any], rows: torch.Tensor | None = None) -> bool:
         """Send the draft process a message of its feed; a draft that stopped taking them is

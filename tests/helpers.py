@@ -125,14 +125,15 @@ def assert_same_logits(logits: np.ndarray, want: np.ndarray, what: str = "") -> 
                      f"{np.abs(logits[bad[0]] - want[bad[0]]).max():.3e} at {bad[0]})")
 
 
-def send_raw_step(coord, seqs: list[dict], ids: list[int]) -> int:
-    """A step message built by hand, sent where the coordinator's steps go (the first shard's
-    ring or socket) and not tracked as in flight; returns its sid (`coord._wait` on it)."""
+def send_raw_step(coord, seqs: list[dict], ids: list[int], **extra) -> int:
+    """A step message built by hand (`extra`: more of its fields), sent where the
+    coordinator's steps go (the first shard's ring or socket) and not tracked as in flight;
+    returns its sid (`coord._wait` on it)."""
     import torch
     from layersplit.ipc.messages import message
 
     sid = coord._new_sid()
-    coord._steps.send(message("step", sid=sid, seqs=seqs, act=None),
+    coord._steps.send(message("step", sid=sid, seqs=seqs, act=None, **extra),
                       torch.tensor(ids, dtype=torch.int64))
     return sid
 

@@ -32,8 +32,8 @@ from layersplit.runtime.errors import DraftError
 from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.placement import PlacementError
 from layersplit.runtime.reference import ReferenceEngine
-from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy
-from layersplit.runtime.speculative import SpecStats
+from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy, policy_sizes
+from layersplit.runtime.speculative import SpecStats, verify_shape
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.model_config import read_hf_config
@@ -327,25 +327,59 @@ class TestOneDefaultChain:
         assert [s.get("transport_out") for s in coord.shard_info()] == ["shm", "none"]
         out = coord.generate(prompt, GREEDY, use_cache=False)
         assert out.acceptance_length > 1.5  # rows of kept draft tokens are among them
-        committed = len(prompt) + len(out.tokens) - 1
-        reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
-                                            sync=coord.feat_sid(0)))
-        rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
-        seq = prompt + out.tokens[:-1]
-        ckpt = open_checkpoint(target)
-        ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 256, taps=(1, 4))
-        want = []
-        for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
-            taps = {}
-            ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
-            want.append(torch.cat([taps[1], taps[4]], dim=-1))
-        for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
-            taps = {}
-            ex.run(torch.tensor([seq[p]]), p, taps=taps)
-            want.append(torch.cat([taps[1], taps[4]], dim=-1))
-        want = torch.cat(want).numpy()
-        assert rows.shape == want.shape
-        assert np.array_equal(rows, want)
+        _assert_draft_rows(coord, target, ref, prompt, out.tokens)
+
+    @pytest.mark.slow
+    def test_parked_feature_rows_reach_the_draft(self, target, chain, want):
+        """While the policy has speculation off, plain decode steps park their feature rows
+        on the shards (`shards.parked_rows`) instead of sending them each step: the probes'
+        rounds still read every row (the output is the reference's, tokens and logits, bit for
+        bit), and after `unpark` the draft's rows equal the reference's at every committed
+        position, parked ones included."""
+        coord = chain
+        was = coord.spec_policy
+        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
+        # speculation never worth it (gain 100 x): a probe every 10 plain steps, which park
+        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
+                                       PolicyKnobs(gain=100.0, off_steps=10, off_steps_max=10),
+                                       coord.config.spec_max_seqs)
+        try:
+            ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
+            prompt = _prompts(ref.tokenizer)[1]
+            parked = coord.batcher.stats.parked
+            out, logits, spec = run_speculated(coord, prompt, GREEDY)
+            assert_same_run((out, logits), want[1, GREEDY.temperature], "parked")
+            assert spec.verifies > 0 and spec.off_steps >= 12, spec
+            parked = coord.batcher.stats.parked - parked
+            assert parked >= 8, parked  # (the plain steps but the last before each probe)
+            coord.unpark()
+            _assert_draft_rows(coord, target, ref, prompt, out.tokens)
+        finally:
+            coord.spec_policy = was
+
+
+def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int]) -> None:
+    """The draft's rows of context 0 are bit-equal to the reference's rows of the tapped layers
+    (1 and 4) at every committed position of `prompt` and its answer `tokens`: the prompt's
+    as prefill chunks, the answer's one at a time, as decode steps."""
+    committed = len(prompt) + len(tokens) - 1
+    reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
+                                        sync=coord.feat_sid(0)))
+    rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
+    seq = prompt + tokens[:-1]
+    ex = RangeExecutor(load_layer_range(open_checkpoint(target), 0, 6), 256, taps=(1, 4))
+    want = []
+    for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
+        taps = {}
+        ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
+        want.append(torch.cat([taps[1], taps[4]], dim=-1))
+    for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
+        taps = {}
+        ex.run(torch.tensor([seq[p]]), p, taps=taps)
+        want.append(torch.cat([taps[1], taps[4]], dim=-1))
+    want = torch.cat(want).numpy()
+    assert rows.shape == want.shape
+    assert np.array_equal(rows, want)
 
     @pytest.mark.slow
     @pytest.mark.parametrize("n", [1, 2, 3])

@@ -45,10 +45,18 @@ def _serve(model, draft, cache_dir, home, log):
                 return proc, url
         except httpx.HTTPError:
             pass
-        assert proc.poll() is None, "the server died"
+        assert proc.poll() is None, \
+            f"the server died (exit {proc.returncode}): {_tail(log)}"
         time.sleep(0.1)
     proc.kill()
     raise AssertionError("the server did not become ready")
+
+
+def _tail(log, lines: int = 30) -> str:
+    """The end of the server's log (a file opened for writing)."""
+    log.flush()
+    with open(log.name, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
 
 
 def _ttft(client: httpx.Client, url: str, prompt: list[int]) -> tuple[float, int]:

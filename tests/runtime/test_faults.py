@@ -356,8 +356,12 @@ def test_bad_segments_are_refused_by_name_and_the_batch_goes_on(tiny_llama):
               segment(0, 6, 1, greedy, feat=0, kept=[1], ask=asking)], [5, 6],
              "slot 0 is outside 0..2 or repeated"),
         ]
-        for seqs, ids, why in cases:
-            sid = send_raw_step(coord, seqs, ids)
+        cases = [(seqs, ids, why, {}) for seqs, ids, why in cases] + [
+            ([segment(0, 4, 1, greedy, feat=0)], [5], "park=yes (true parks", {"park": "yes"}),
+            ([segment(0, 4, 2, greedy, feat=0, draft=[5])], [5, 6], "park=True (true parks",
+             {"park": True})]
+        for seqs, ids, why, extra in cases:
+            sid = send_raw_step(coord, seqs, ids, **extra)
             with pytest.raises(ShardFailure, match=re.escape(why)):
                 coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid)
             assert coord.failed is None

@@ -1,0 +1,68 @@
+"""Feature rows a shard keeps on its device instead of sending them to the draft process, while
+the speculation policy has every sequence of a step decode plainly (a step message's `park`).
+
+Why: sending the draft a step's tapped rows costs each step a copy into the draft's ring, the
+draft's own device work and a wait across the two processes' streams, and while speculation is
+off nothing reads those rows. Parked, they go in one message per run of a context's positions
+(`runs`) when something may read them: before the rows of the next step that is not parked
+(a round's proposal reads the rows of every step before it, and the coordinator makes a round
+wait for one plain step that is not parked), before a prefix-cache snapshot (`snap_take`), or
+when `PARK_ROWS` are parked.
+
+The runs come out in the order of their last step; the draft drops rows of a step older than the
+start of its context's sequence (a context reused while its rows were parked), as it drops any
+late feature frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+PARK_ROWS = 256  # rows a shard parks at most (then it sends them)
+
+
+@dataclasses.dataclass(slots=True)
+class Run:
+    """Consecutive positions of one draft context: rows [pos, pos + len(rows)), the last of
+    them from step `sid`."""
+
+    sid: int
+    context: int
+    pos: int
+    rows: list[torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.pos + sum(len(r) for r in self.rows)
+
+
+@dataclasses.dataclass(slots=True)
+class ParkedRows:
+    """The rows parked on a shard, in the order their steps ran."""
+
+    runs: list[Run] = dataclasses.field(default_factory=list)
+    count: int = 0  # rows parked
+    _open: dict[int, Run] = dataclasses.field(default_factory=dict)  # context -> its last run
+
+    def add(self, sid: int, context: int, pos: int, rows: torch.Tensor) -> None:
+        """Park `rows` (a copy the caller made: tapped rows live in buffers the next step
+        overwrites) of `context` at positions [pos, pos + len(rows)), from step `sid`."""
+        run = self._open.get(context)
+        if run is None or run.end != pos:  # (a new sequence, or a position written again)
+            run = self._open[context] = Run(sid, context, pos, [])
+            self.runs.append(run)
+        run.rows.append(rows)
+        run.sid = sid
+        self.count += len(rows)
+
+    def take(self) -> list[Run]:
+        """Every run, in the order of its last step; none is parked after."""
+        runs = sorted(self.runs, key=lambda r: r.sid)  # (stable: a context's runs keep order)
+        self.runs, self.count = [], 0
+        self._open.clear()
+        return runs
+
+    def clear(self) -> None:
+        self.take()
