@@ -416,3 +416,17 @@ def test_where_speculation_wins_it_turns_on_at_every_batch_size():
         assert policy.choice(seqs, False) > 0
         assert sum(s > 0 for s in sizes[-1000:]) >= 900
         assert rate > 0.9 * seqs * (kept + 1) / t_round
+
+
+def test_plain_steps_left_say_which_steps_may_park_their_rows():
+    """`plain_left`: the plain steps the current phase plans from a clock on (what lets a step
+    park its feature rows: the next step plain too), 0 in a phase that speculates."""
+    policy = SpecPolicy(TREE, PolicyKnobs(refresh=6, probe=4))
+    assert policy.plain_left(1, False, 0) == 0  # (nothing planned yet)
+    pacer = Pacer(policy, False)
+    assert pacer.step(0, 1, 0, 0.0) == 0  # a first look: 6 plain steps
+    assert [policy.plain_left(1, False, c) for c in range(7)] == [6, 5, 4, 3, 2, 1, 0]
+    assert policy.plain_left(2, False, 0) == 0 and policy.plain_left(1, True, 0) == 0
+    for c in range(1, 7):
+        pacer.step(c, 1, c, c * 0.01)
+    assert policy.plain_left(1, False, 6) == 0  # the probe at 6 speculates
