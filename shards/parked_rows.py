@@ -17,8 +17,11 @@ late feature frame.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import torch
+from layersplit.ipc.messages import message
 
 PARK_ROWS = 256  # rows a shard parks at most (then it sends them)
 
@@ -66,3 +69,17 @@ class ParkedRows:
 
     def clear(self) -> None:
         self.take()
+
+
+def feature_messages(runs: list[Run], piece: int, layers: list[int],
+                     last: bool) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+    """The `feat` messages (header, rows) that send `runs`, at most `piece` rows each (what a
+    feed message holds); `last`: the final one says the draft has every step's rows up to its
+    own."""
+    for k, run in enumerate(runs):
+        rows = run.rows[0] if len(run.rows) == 1 else torch.cat(run.rows)
+        for a in range(0, len(rows), piece):
+            b = min(len(rows), a + piece)
+            end = last and k == len(runs) - 1 and b == len(rows)
+            yield message("feat", sid=run.sid, slot=run.context, pos=run.pos + a, n=b - a,
+                          layers=layers, last=end, act=None), rows[a:b]

@@ -178,6 +178,7 @@ class ShardSetup:
         expect(reply, "linked", "the draft process")
         sock.setsockopt(zmq.SNDTIMEO, int(FEED_TIMEOUT_S * 1000))
         self.feed_kind = reply["transport"]
+        self.parked.clear()  # (rows parked for a draft process before this one)
         self.feed = transport.accept(reply["transport"], reply["ring"],
                                      lambda: ring_doorbell(sock), sock=sock)
         if isinstance(self.feed, transport.RingSender):

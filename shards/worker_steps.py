@@ -19,7 +19,7 @@ from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
-from layersplit.shards.parked_rows import PARK_ROWS
+from layersplit.shards.parked_rows import PARK_ROWS, feature_messages
 from layersplit.shards.sampling import has_processors
 from layersplit.shards.spec_sampling import check_q, check_q_form
 from layersplit.shards.spec_tree import check_path, check_tree
@@ -363,8 +363,9 @@ class StepRunner:
         # (on the last shard, before the verdict: the draft takes them while it is made)
         if msg.get("park"):
             self._park_features(msg["sid"], [s for _, s in fed])
-        else:
-            self._send_parked(False)
+        else:  # (the step's last piece says the draft has every row up to it; where it
+            # sends none, the parked rows' last does)
+            self._send_parked(not fed)
             for j, (_, s) in enumerate(fed):
                 self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
         if not self.model.is_last:
@@ -407,15 +408,10 @@ class StepRunner:
         draft has every step's rows up to its own (nothing is parked then, and the steps
         before sent theirs), else the step that follows says so."""
         runs = self.parked.take() if self.parked.count else []
-        for k, run in enumerate(runs):
-            rows = run.rows[0] if len(run.rows) == 1 else torch.cat(run.rows)
-            for a in range(0, len(rows), FEED_ROWS):
-                b = min(len(rows), a + FEED_ROWS)
-                end = last and k == len(runs) - 1 and b == len(rows)
-                if self.feed is None or not self._to_draft(message(
-                        "feat", sid=run.sid, slot=run.context, pos=run.pos + a, n=b - a,
-                        layers=list(self.taps), last=end, act=None), rows[a:b]):
-                    return
+        piece = min(self.max_step, FEED_ROWS)  # (the rows a feed message holds: `_link_draft`)
+        for header, rows in feature_messages(runs, piece, list(self.taps), last):
+            if self.feed is None or not self._to_draft(header, rows):
+                return
 
     def _to_draft(self, msg: dict[str, Any], rows: torch.Tensor | None = None) -> bool:
         """Send the draft process a message of its feed; a draft that stopped taking them is

@@ -339,10 +339,10 @@ class TestOneDefaultChain:
         coord = chain
         was = coord.spec_policy
         block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
-        # speculation never worth it (gain 100 x): a probe every 10 plain steps, which park
-        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
-                                       PolicyKnobs(gain=100.0, off_steps=10, off_steps_max=10),
-                                       coord.config.spec_max_seqs)
+        # speculation never worth it (gain 100 x): a first look of 20 plain steps (19 of them
+        # parked, one run), then a probe every 10 plain steps
+        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
+            gain=100.0, refresh=20, off_steps=10, off_steps_max=10), coord.config.spec_max_seqs)
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
             prompt = _prompts(ref.tokenizer)[1]
