@@ -21,6 +21,7 @@ from layersplit.shards.weights import source_name
 from torch import nn
 
 EMBEDDING = "model.embed_tokens.weight"
+PACK_ROWS = 2048  # rows repacked at once (`to_planar`'s temporaries: ~10 bytes a value)
 EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 
@@ -71,8 +72,9 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
         b = blocks[name]
         if qtype not in PLANAR_TYPES or not fused_kernels_available(b.device):
             return b, False
-        if id(b) not in planar:
-            planar[id(b)] = to_planar(b, qtype)
+        if id(b) not in planar:  # (a few thousand rows at a time: bounded temporaries)
+            planar[id(b)] = torch.cat([to_planar(b[r:r + PACK_ROWS], qtype)
+                                       for r in range(0, b.shape[0], PACK_ROWS)])
         return planar[id(b)], True
 
     for name, qtype in kept.items():
