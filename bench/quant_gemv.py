@@ -3,7 +3,10 @@ type and row count, against torch's matmul on the same weight dequantized to flo
 call (CUDA events, median of `--repeats`: with the launch's host time, as an eager step pays it),
 and the device time alone (`graph us`: back-to-back calls replayed from a CUDA graph, as a
 captured decode step runs them, over enough copies of the weight that it is read from HBM, not
-L2), with the bandwidth it draws from the blocks' bytes (the floor: blocks / copy bandwidth).
+L2), with the bandwidth it draws from the bytes it reads (the floor: those bytes / copy
+bandwidth). The K types (Q4_K, Q5_K, Q6_K) are timed in the layout the runtime gives them on
+a GPU, planar rows (`quant_blocks.to_planar`, 2-3 % more bytes than stored); `--layout stored`
+times the stored blocks' kernel instead.
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
@@ -20,10 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
-from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
+from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
 
 SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (2, 4, 8)
          for sb in (1, 4)]
+PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) for w in (4, 8)
+                for cg in (16, 32) if b >= w]
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -78,6 +83,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--sweep", action="store_true",
                     help="time every launch shape of SWEEP as well (BLOCK_N x num_warps)")
+    ap.add_argument("--layout", choices=("planar", "stored"), default="planar",
+                    help="the K types' rows: planar (the runtime's on a GPU) or as stored")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = "cuda:0"
@@ -88,24 +95,29 @@ def main() -> None:
     for qtype in args.types.split(","):
         for proj, (n, k) in SHAPES.items():
             blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
-            w16 = dequantize(blocks, qtype, k, torch.float16)
+            planar = qtype in PLANAR_TYPES and args.layout == "planar"
+            if planar:
+                blocks = to_planar(blocks, qtype)
+            w16 = dequantize(blocks, qtype, k, torch.float16, planar=planar)
             copies, copies16 = _copies(blocks), _copies(w16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
-                q_us = _time(lambda: quant_gemv(x, blocks, qtype), args.repeats)
+                q_us = _time(lambda: quant_gemv(x, blocks, qtype, planar=planar), args.repeats)
                 f_us = _time(lambda: F.linear(x, w16), args.repeats)
-                g_us = _graph_time([lambda b=b: quant_gemv(x, b, qtype) for b in copies],
-                                   args.repeats)
+                g_us = _graph_time([lambda b=b: quant_gemv(x, b, qtype, planar=planar)
+                                    for b in copies], args.repeats)
                 fg_us = _graph_time([lambda w=w: F.linear(x, w) for w in copies16], args.repeats)
                 gbps = blocks.numel() / g_us / 1e3
-                out.append({"type": qtype, "proj": proj, "n": n, "k": k, "rows": m,
+                out.append({"type": qtype, "layout": "planar" if planar else "stored",
+                            "proj": proj, "n": n, "k": k, "rows": m,
                             "quant_us": q_us, "f16_us": f_us, "quant_graph_us": g_us,
                             "quant_GBps": gbps, "f16_graph_us": fg_us,
                             "block_bytes": blocks.numel()})
                 print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {f_us:>8.1f} {g_us:>9.1f} "
                       f"{gbps:>7.0f} {fg_us:>13.1f}")
-                for cfg in SWEEP if args.sweep else []:
-                    us = _graph_time([lambda b=b, c=cfg: quant_gemv(x, b, qtype, cfg=c)
+                for cfg in (PLANAR_SWEEP if planar else SWEEP) if args.sweep else []:
+                    us = _graph_time([lambda b=b, c=cfg: quant_gemv(x, b, qtype, cfg=c,
+                                                                    planar=planar)
                                       for b in copies], args.repeats)
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
                                 "quant_graph_us": us, "quant_GBps": blocks.numel() / us / 1e3})

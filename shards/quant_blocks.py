@@ -8,6 +8,25 @@ dequantize` (the reference the tests hold it to, bit for bit).
 
 Kept quantized: Q8_0, Q4_0, Q4_1 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value super
 blocks), which make up the Q4_0/Q4_1/Q8_0 files and the Q4_K_M/Q5_K_M mixes.
+
+Where the GPU kernels read them, the K types' rows are repacked at load into a planar row
+layout (`to_planar`), for the kernels of `kernels.quant_planar`; still one self-contained row
+per matrix row (slices, concatenation and gathers work on it as on the stored rows). A row of
+K values, G = K / 32 groups of 32 values (sub-blocks), S = K / 256 super blocks:
+
+- quants: G runs of 16 bytes, the low 4 bits of the group's values: four int32 words, value
+  r = 4j + e of the group in word e, bits 4j .. 4j + 3 (j = 0..7: "plane" j);
+- high bits: Q5_K one int32 word a group, value r's fifth bit at bit r; Q6_K two words a
+  group, word e // 2 holding the two high bits of value (e, j) at bits 4j + 2 (e % 2) .. + 1;
+- scales: two bytes a group: Q4_K / Q5_K its six-bit scale and min; Q6_K the int8 scales of
+  its values 0..15 and 16..31;
+- one int32 word a super block: Q4_K / Q5_K d | dmin << 16, Q6_K d (float16 bits);
+- zero bytes to a multiple of 16.
+
+Every section starts at a multiple of 16 bytes (K is whole super blocks), so the quants are
+read in 16-byte vectors. Bits per value: Q4_K 4.625 (stored: 4.5), Q5_K 5.625 (5.5), Q6_K
+6.625 (6.5625), plus the row's padding. The values are the stored ones: only bytes move (the
+scales' six-bit fields unpacked), so a kernel computes gguf's float32 expressions from them.
 """
 
 from __future__ import annotations
@@ -151,3 +170,70 @@ def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator,
         b[:, 0:2] = f16(scale / 8 / 32)
         b[:, 2:4] = f16(scale / 32)
     return b.reshape(rows, t.row_bytes(cols))
+
+
+PLANAR_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+_HIGH_BITS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}
+
+
+def planar_sections(k: int, qtype: str) -> tuple[int, int, int, int]:
+    """Byte offsets of the high bits, the scales and the super blocks' words in a planar row of
+    `k` values (`to_planar`), and the row's bytes."""
+    KEPT_TYPES[qtype].row_bytes(k)  # (checks k is whole super blocks)
+    high = k // 2
+    scales = high + k * _HIGH_BITS[qtype] // 8
+    words = scales + k // 16
+    return high, scales, words, -(-(words + k // 64) // 16) * 16
+
+
+def _u8_groups(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """Values (..., n) as bit fields of `bits` bits packed in n * bits / 8 bytes, value i at
+    bit i * bits (little-endian)."""
+    per = 8 // bits
+    v = v.reshape(*v.shape[:-1], -1, per).to(torch.int32)
+    out = torch.zeros(v.shape[:-1], dtype=torch.int32, device=v.device)
+    for i in range(per):
+        out |= v[..., i] << (bits * i)
+    return out.to(torch.uint8)
+
+
+def to_planar(rows: torch.Tensor, qtype: str) -> torch.Tensor:
+    """uint8 rows (N, row_bytes) of `qtype` (one of `PLANAR_TYPES`) blocks as planar rows
+    (N, `planar_sections(k)[3]`): the layout in the module's docstring."""
+    t = KEPT_TYPES[qtype]
+    n = rows.shape[0]
+    s = rows.shape[1] // t.size
+    k = s * 256
+    b = rows.reshape(n, s, t.size)
+    if qtype == "Q6_K":
+        lo = _nibbles(b[..., :128], 64).reshape(n, s, 8, 32)
+        qh = b[..., 128:192].reshape(n, s, 2, 1, 32) >> _shifts([0, 2, 4, 6], b.device).view(
+            4, 1)
+        q = lo | ((qh & 0x03).reshape(n, s, 8, 32) << 4)
+        scales = b[..., 192:208]
+        word = torch.cat([b[..., 208:210], torch.zeros_like(b[..., 208:210])], dim=-1)
+    else:
+        word = b[..., 0:4]
+        sc, mn = _k_scales(b[..., 4:16])
+        scales = torch.stack([sc, mn], dim=-1)
+        if qtype == "Q4_K":
+            q = _nibbles(b[..., 16:], 32).reshape(n, s, 8, 32)
+        else:
+            lo = _nibbles(b[..., 48:], 32).reshape(n, s, 8, 32)
+            qh = b[..., 16:48].reshape(n, s, 1, 32) >> _shifts(list(range(8)), b.device).view(
+                8, 1)
+            q = lo | ((qh & 0x01) << 4)
+    q = q.reshape(n, s * 8, 8, 4)  # (row, group, j, e): value r = 4j + e of the group
+    low = (q & 0x0F).permute(0, 1, 3, 2)  # (row, group, e, j)
+    quants = (low[..., 0::2] | (low[..., 1::2] << 4)).reshape(n, -1)  # word e: nibble j at 4j
+    parts = [quants]
+    if qtype == "Q5_K":  # bit r of the group's word: the fifth bit of value r
+        parts.append(_u8_groups((q >> 4).reshape(n, s * 8, 32) & 1, 1).reshape(n, -1))
+    elif qtype == "Q6_K":  # word e // 2, bits 4j + 2 (e % 2): value (e, j)'s two high bits
+        hi = (q >> 4).permute(0, 1, 3, 2).reshape(n, s * 8, 2, 2, 8)  # (row, group, e//2, e%2, j)
+        hi = hi.permute(0, 1, 2, 4, 3).reshape(n, s * 8, 2, 16)  # fields in bit order
+        parts.append(_u8_groups(hi, 2).reshape(n, -1))
+    parts += [scales.reshape(n, -1), word.reshape(n, -1)]
+    out = torch.zeros(n, planar_sections(k, qtype)[3], dtype=torch.uint8, device=rows.device)
+    torch.cat(parts, dim=1, out=out[:, :sum(p.shape[1] for p in parts)])
+    return out

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.quant_experts import QuantExperts
 from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
 from layersplit.shards.model_config import ModelConfig
-from layersplit.shards.quant_blocks import KEPT_TYPES
+from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, to_planar
 from layersplit.shards.weights import source_name
 from torch import nn
 
 EMBEDDING = "model.embed_tokens.weight"
+PACK_ROWS = 2048  # rows repacked at once (`to_planar`'s temporaries: ~10 bytes a value)
 EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 
 
@@ -60,7 +62,21 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
                  dtype: torch.dtype) -> None:
     """Put a `QuantLinear` (`QuantEmbedding`) holding `blocks` where each kept tensor's
     `nn.Linear` (`nn.Embedding`) stands in `model` (a range loaded without those tensors), and
-    a `QuantExperts` for each layer's kept experts."""
+    a `QuantExperts` for each layer's kept experts. Where the Triton kernels run, the K types'
+    blocks of the linears and the embedding are repacked into planar rows
+    (`quant_blocks.to_planar`, the layout their GEMV reads fastest), once per tensor (a tied
+    head and its embedding share them); the experts keep the stored rows."""
+    planar: dict[int, torch.Tensor] = {}
+
+    def rows(name: str, qtype: str) -> tuple[torch.Tensor, bool]:
+        b = blocks[name]
+        if qtype not in PLANAR_TYPES or not fused_kernels_available(b.device):
+            return b, False
+        if id(b) not in planar:  # (a few thousand rows at a time: bounded temporaries)
+            planar[id(b)] = torch.cat([to_planar(b[r:r + PACK_ROWS], qtype)
+                                       for r in range(0, b.shape[0], PACK_ROWS)])
+        return planar[id(b)], True
+
     for name, qtype in kept.items():
         if name.endswith(EXPERTS):
             if name.endswith(EXPERTS[0]):
@@ -71,12 +87,12 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, attr)
-        b = blocks[name]
+        b, flat = rows(name, qtype)
         if isinstance(old, nn.Embedding):
-            new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype)
+            new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype, planar=flat)
         elif isinstance(old, nn.Linear):
             bias = old.bias if old.bias is not None and not old.bias.is_meta else None
-            new = QuantLinear(b, qtype, old.in_features, bias)
+            new = QuantLinear(b, qtype, old.in_features, bias, planar=flat)
         else:  # a bug in the name tables, not bad input
             raise RuntimeError(f"internal: {local} is held by a {type(old).__name__}")
         setattr(parent, attr, new)

@@ -21,11 +21,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.quant_blocks import KEPT_TYPES
+from layersplit.shards.kernels.quant_planar import (
+    PLANAR_QT,
+    _half,
+    _planar_dequant,
+    _planar_gemv,
+    epilogue,
+)
+from layersplit.shards.quant_blocks import KEPT_TYPES, planar_sections
 
 QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
-EXPERT_ROWS = 64  # ... of (token, expert) pairs, with `experts`
+EXPERT_ROWS = 64
+# the planar kernels' default launch shape (`quant_gemv(planar=True)`; not measured yet):
+# 4 warps, each thread 4 rows of 16-byte runs, one warp across CG groups
+PLANAR_CFG = {"BLOCK_N": 16, "num_warps": 4}  # ... of (token, expert) pairs, with `experts`
 # `_chunk_dot`'s tile of a chunk of 256 values: G runs of L quant bytes (Q8_0: values)
 _TILES = {"Q8_0": (8, 32), "Q4_0": (8, 16), "Q4_1": (8, 16), "Q4_K": (4, 32), "Q5_K": (4, 32),
           "Q6_K": (8, 16)}
@@ -34,12 +44,6 @@ _TILES = {"Q8_0": (8, 32), "Q4_0": (8, 16), "Q4_1": (8, 16), "Q4_K": (4, 32), "Q
 @triton.jit
 def _u8(P, mask):
     return tl.load(P, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _half(word):
-    """The float16 whose bits are the low 16 of int32/int16 `word`, as float32."""
-    return word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -265,18 +269,10 @@ def _quant_gemv(X, s_x, NW, W, WW, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_ID
             acc_u = _chunk_dot(acc_u, W, WW, row_bytes, rows_n + N, kc, K, mask_n, xrow, NW,
                                scale, dt, QT, SIZE, G, L, SB, NORM)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_B:
-        y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    y = y.to(dt)
+    y_u = y
     if SILU:
-        g = y.to(tl.float32)
-        u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(dt).to(tl.float32)
-        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = (sg * u).to(dt)
-    if HAS_R:
-        r = tl.load(R + m * s_r + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        y = (r + y.to(tl.float32)).to(dt)
-    tl.store(Y + m * s_y + offs_n, y.to(Y.dtype.element_ty), mask=mask_n)
+        y_u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
 
 
 @triton.jit
@@ -295,13 +291,26 @@ def _type_args(qtype: str) -> dict:
     return {"QT": QT_IDS[qtype], "QK": t.block, "SIZE": t.size}
 
 
-def _check(blocks: torch.Tensor, qtype: str, k: int) -> None:
-    if qtype not in QT_IDS:
-        raise ValueError(f"quant kernels: type {qtype} is not kept quantized")
-    want = KEPT_TYPES[qtype].row_bytes(k)
+def _check(blocks: torch.Tensor, qtype: str, k: int, planar: bool = False) -> None:
+    if qtype not in (PLANAR_QT if planar else QT_IDS):
+        raise ValueError(f"quant kernels: type {qtype} is not kept quantized"
+                         f"{' in planar rows' if planar else ''}")
+    want = planar_sections(k, qtype)[3] if planar else KEPT_TYPES[qtype].row_bytes(k)
+    what = "planar rows" if planar else "blocks"
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.stride() != (want, 1):
-        raise ValueError(f"quant kernels: {qtype} blocks of rows of {k} are contiguous "
+        raise ValueError(f"quant kernels: {qtype} {what} of rows of {k} are contiguous "
                          f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
+    if planar and blocks.data_ptr() % 4:  # (read as int32 words)
+        raise ValueError(f"quant kernels: {qtype} planar rows must start at a multiple of 4 "
+                         f"bytes, got address {blocks.data_ptr():#x}")
+
+
+def _planar_args(blocks: torch.Tensor, qtype: str, k: int) -> tuple[list, dict]:
+    """The planar kernels' leading arguments (the rows as int16 and int32 words, a row's
+    words) and their sections' constants (`quant_planar`)."""
+    high, scales, words, row = planar_sections(k, qtype)
+    return ([blocks.view(torch.int16), blocks.view(torch.int32), row // 4],
+            {"QT": PLANAR_QT[qtype], "QH": high // 4, "SM": scales // 2, "DW": words // 4})
 
 
 def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
@@ -310,7 +319,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
                residual: torch.Tensor | None = None, gate_up: bool = False,
                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                experts: tuple[torch.Tensor, int] | None = None,
-               cfg: dict | None = None) -> torch.Tensor:
+               cfg: dict | None = None, planar: bool = False) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) matrix held as `qtype`
     `blocks` (N, row_bytes), summed in float32 and rounded to x's dtype, with `kernels.gemv.
     gemv`'s options: `norm` = (weight, eps), each row's RMSNorm first; `gate_up`, the blocks
@@ -320,13 +329,15 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     experts stacked by rows, and row m is multiplied by expert ids[m]'s (N of its rows, or 2F
     with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
     (BLOCK_N, num_warps, SB: super blocks of 256 values an iteration) other than the default
-    (not measured yet)."""
+    (not measured yet). `planar`: `blocks` are K-quant rows repacked by `quant_blocks.
+    to_planar`, read by `kernels.quant_planar` (`cfg`: BLOCK_N, num_warps, CG: groups of 32
+    values an iteration)."""
     most = MAX_ROWS if experts is None else EXPERT_ROWS
     if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
                          f"values, got {tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
-    _check(blocks, qtype, k)
+    _check(blocks, qtype, k, planar)
     n = blocks.shape[0] if experts is None else experts[1]
     if experts is not None and (experts[0].shape != (m,) or blocks.shape[0] % n):
         raise ValueError(f"quant_gemv: experts of {n} rows: {blocks.shape[0]} stacked rows, "
@@ -349,6 +360,19 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     elif out.shape != (m, n) or out.stride(1) != 1:
         raise ValueError(f"quant_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
     r = x if residual is None else residual
+    if planar:
+        c = dict(cfg or PLANAR_CFG)
+        c.setdefault("CG", min(32, 1 << ((k // 32).bit_length() - 1)))  # (no idle tile)
+        lead, consts = _planar_args(blocks, qtype, k)
+        even = (k // 32) % c["CG"] == 0 and n % c["BLOCK_N"] == 0 and experts is None
+        _planar_gemv[(triton.cdiv(n, c["BLOCK_N"]), m)](
+            x, x.stride(0), x if norm is None else norm[0], *lead,
+            x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
+            0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
+            0 if experts is None else experts[1], **consts, NORM=norm is not None,
+            HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
+            HAS_E=experts is not None, EVEN=even, **c)
+        return out
     c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
     block_n = c.pop("BLOCK_N")
     c.setdefault("SB", min(4, 1 << (triton.cdiv(k, 256).bit_length() - 1)))  # (no idle tile)
@@ -369,11 +393,18 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     return out
 
 
-def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The (N, k) matrix held as `qtype` `blocks` (N, row_bytes), in `dtype`."""
-    _check(blocks, qtype, k)
+def dequantize(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype,
+               planar: bool = False) -> torch.Tensor:
+    """The (N, k) matrix held as `qtype` `blocks` (N, row_bytes; `planar`: planar rows), in
+    `dtype`."""
+    _check(blocks, qtype, k, planar)
     n = blocks.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    if planar:
+        lead, consts = _planar_args(blocks, qtype, k)
+        _planar_dequant[(triton.cdiv(n, 16), triton.cdiv(k, 256))](
+            *lead, y, n, k, **consts, BLOCK_N=16, BLOCK_K=256)
+        return y
     _dequant[(triton.cdiv(n, 16), triton.cdiv(k, 256))](blocks, blocks.shape[1], y, n, k,
                                                          **_type_args(qtype), BLOCK_N=16,
                                                          BLOCK_K=256)

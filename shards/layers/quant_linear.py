@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows
+from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
 
 # the most weight values dequantized at once by `quant_matmul` (16 MB of float32)
@@ -34,12 +34,18 @@ def _torch_tile(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) ->
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
                  bias: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
-                 kernels: bool = False) -> torch.Tensor:
+                 kernels: bool = False, planar: bool = False) -> torch.Tensor:
     """F.linear of `x` (..., k) by the (n, k) matrix held as uint8 `blocks` (n, row_bytes),
     dequantized a tile of rows at a time to x's dtype (`kernels`: by the Triton kernel,
-    `kernels.quant_gemv.dequantize`, one launch a tile; else by torch ops)."""
+    `kernels.quant_gemv.dequantize`, one launch a tile, of planar rows where `planar`; else
+    by torch ops)."""
     if kernels:
-        from layersplit.shards.kernels.quant_gemv import dequantize as tile_of
+        from layersplit.shards.kernels.quant_gemv import dequantize
+
+        def tile_of(b, qtype, k, dtype):
+            return dequantize(b, qtype, k, dtype, planar=planar)
+    elif planar:
+        raise ValueError("quant_matmul: planar rows are read by the Triton kernels only")
     else:
         tile_of = _torch_tile
     n = blocks.shape[0]
@@ -53,20 +59,25 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
     return out
 
 
+def _row_bytes(qtype: str, k: int, planar: bool) -> int:
+    return planar_sections(k, qtype)[3] if planar else KEPT_TYPES[qtype].row_bytes(k)
+
+
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W (out_features, in_features) kept as `qtype` blocks."""
+    """y = x W^T + b with W (out_features, in_features) kept as `qtype` blocks (`planar`: K-quant
+    rows repacked by `quant_blocks.to_planar`, read by the Triton kernels only)."""
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, planar: bool = False) -> None:
         super().__init__()
         if qtype not in KEPT_TYPES:
             raise ValueError(f"QuantLinear: type {qtype} is not kept quantized")
-        want = KEPT_TYPES[qtype].row_bytes(in_features)
+        want = _row_bytes(qtype, in_features, planar)
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != want:
             raise ValueError(f"QuantLinear: {qtype} blocks of a row of {in_features} are "
                              f"(rows, {want}) uint8, got {tuple(blocks.shape)} {blocks.dtype}")
         self.register_buffer("blocks", blocks.contiguous())
-        self.qtype = qtype
+        self.qtype, self.planar = qtype, planar
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -81,25 +92,27 @@ class QuantLinear(nn.Module):
             rows = x.numel() // self.in_features
             if rows <= MAX_ROWS:
                 y = quant_gemv(x.reshape(rows, self.in_features).contiguous(), self.blocks,
-                               self.qtype, self.bias)
+                               self.qtype, self.bias, planar=self.planar)
                 return y.reshape(*x.shape[:-1], self.out_features)
         return quant_matmul(x, self.blocks, self.qtype, self.in_features, self.bias,
-                            kernels=bool(self.kernels))
+                            kernels=bool(self.kernels), planar=self.planar)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"qtype={self.qtype}, bias={self.bias is not None}")
+                f"qtype={self.qtype}, planar={self.planar}, bias={self.bias is not None}")
 
 
 class QuantEmbedding(nn.Module):
-    """A token embedding kept as `qtype` blocks; each lookup dequantizes its rows to
-    `dtype`."""
+    """A token embedding kept as `qtype` blocks (`planar`: as `QuantLinear`); each lookup
+    dequantizes its rows to `dtype`."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: str, dim: int, dtype: torch.dtype,
+                 planar: bool = False) -> None:
         super().__init__()
-        KEPT_TYPES[qtype].row_bytes(dim)  # (checks the row is whole blocks)
+        _row_bytes(qtype, dim, planar)  # (checks the row is whole blocks)
         self.register_buffer("blocks", blocks.contiguous())
         self.qtype, self.embedding_dim, self.dtype = qtype, dim, dtype
+        self.planar = planar
         self.num_embeddings = blocks.shape[0]
         self.kernels: bool | None = None  # the Triton dequantizer: decided at the first call
 
@@ -110,7 +123,10 @@ class QuantEmbedding(nn.Module):
         if self.kernels:  # (one launch where the torch ops are a dozen)
             from layersplit.shards.kernels.quant_gemv import dequantize
 
-            out = dequantize(rows, self.qtype, self.embedding_dim, self.dtype)
+            out = dequantize(rows, self.qtype, self.embedding_dim, self.dtype,
+                             planar=self.planar)
+        elif self.planar:
+            raise ValueError("QuantEmbedding: planar rows are read by the Triton kernels only")
         else:
             out = dequantize_rows(rows, self.qtype).to(self.dtype)
         return out.reshape(*ids.shape, -1)
@@ -135,7 +151,8 @@ def concat_quant(parts: list[nn.Module]) -> nn.Module:
     `QuantLinear`: their blocks concatenated where every part is of one type, else a
     `ConcatLinear`."""
     first = parts[0]
-    same = all(isinstance(p, QuantLinear) and p.qtype == first.qtype for p in parts)
+    same = all(isinstance(p, QuantLinear) and (p.qtype, p.planar) == (first.qtype, first.planar)
+               for p in parts)
     if not same:
         return ConcatLinear(list(parts))
     biases = [p.bias for p in parts]
@@ -143,7 +160,7 @@ def concat_quant(parts: list[nn.Module]) -> nn.Module:
         return ConcatLinear(list(parts))
     bias = None if biases[0] is None else torch.cat(biases)
     return QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features,
-                       bias)
+                       bias, planar=first.planar)
 
 
 def is_quantized(module: nn.Module) -> bool:
@@ -169,7 +186,8 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
 
     if isinstance(module, QuantLinear):
         return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
-                          residual=residual, gate_up=gate_up, out_dtype=out_dtype)
+                          residual=residual, gate_up=gate_up, out_dtype=out_dtype,
+                          planar=module.planar)
     if gate_up or residual is not None or not gemv_takes(module):
         raise ValueError("module_gemv: a ConcatLinear of QuantLinears takes a norm only")
     out = torch.empty(x.shape[0], module.out_features, dtype=out_dtype or x.dtype,
@@ -177,6 +195,6 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
     col = 0
     for p in module.parts:
         quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
-                   out=out[:, col:col + p.out_features])
+                   out=out[:, col:col + p.out_features], planar=p.planar)
         col += p.out_features
     return out

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
+from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
 
 from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
 
@@ -39,6 +39,15 @@ def test_dequantize_kernel_equals_gguf(qtype):
 
     blocks, ref = _case(qtype, 19, 768)
     got = dequantize(blocks, qtype, 768, torch.float32)
+    torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("qtype", PLANAR_TYPES)
+def test_planar_dequantize_kernel_equals_gguf(qtype):
+    from layersplit.shards.kernels.quant_gemv import dequantize
+
+    blocks, ref = _case(qtype, 19, 768)
+    got = dequantize(to_planar(blocks, qtype), qtype, 768, torch.float32, planar=True)
     torch.testing.assert_close(got, ref, rtol=2 ** -23, atol=0)
 
 
@@ -66,6 +75,58 @@ def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
         got = quant_gemv(xb, blocks, qtype).float()
         want = F.linear(xb.float(), ref)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+# planar rows (K types): odd row counts (a partly idle block of rows), a row of 1280 (groups not
+# a whole number of the default CG), the residual, bias and norm options
+PLANAR_CASES = [(q, *shape) for q in PLANAR_TYPES
+                for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 1280)]]
+
+
+@pytest.mark.parametrize("qtype,rows,n,k", PLANAR_CASES)
+def test_planar_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, ref = _case(qtype, n, k, seed=rows)
+    flat = to_planar(blocks, qtype)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen).to(DEV)
+    bias = torch.randn(n, generator=gen).to(DEV)
+    want = F.linear(x, ref, bias)
+    got = quant_gemv(x, flat, qtype, bias, planar=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    for cfg in ({"BLOCK_N": 4, "num_warps": 2, "CG": 8}, {"BLOCK_N": 32, "num_warps": 4}):
+        got = quant_gemv(x, flat, qtype, bias, planar=True, cfg=cfg)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    if DEV != "cpu":
+        xb = x.bfloat16()
+        got = quant_gemv(xb, flat, qtype, planar=True).float()
+        want = F.linear(xb.float(), ref)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", PLANAR_TYPES)
+def test_planar_gemv_fused_options_equal_torch(qtype):
+    """The norm prologue, SiLU * up and residual epilogues over planar rows (float32), on rows
+    3.. of a matrix (planar rows start at multiples of 16 bytes: any row may start a slice)."""
+    from layersplit.shards.fused import rms_norm
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+
+    blocks, ref = _case(qtype, 2 * 24 + 3, 512, seed=4)
+    flat = to_planar(blocks, qtype)[3:]
+    ref = ref[3:]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 512, generator=gen).to(DEV)
+    nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
+    res = torch.randn(2, 24, generator=gen).to(DEV)
+    xn = rms_norm(x, nw, 1e-5)
+    g, u = F.linear(xn, ref).chunk(2, dim=-1)
+    want = F.silu(g) * u
+    got = quant_gemv(x, flat, qtype, norm=(nw, 1e-5), gate_up=True, planar=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    want = res + F.linear(x, ref[:24])
+    got = quant_gemv(x, flat[:24], qtype, residual=res, planar=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", TYPES)

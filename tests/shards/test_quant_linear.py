@@ -25,7 +25,14 @@ from layersplit.shards.layers.quant_linear import (
     concat_quant,
     quant_matmul,
 )
-from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, random_blocks
+from layersplit.shards.quant_blocks import (
+    KEPT_TYPES,
+    PLANAR_TYPES,
+    dequantize_rows,
+    planar_sections,
+    random_blocks,
+    to_planar,
+)
 from layersplit.shards.quant_load import kept_bytes
 from layersplit.shards.weights import layer_bytes, range_tensor_shapes
 
@@ -40,6 +47,46 @@ def test_dequantize_rows_is_gguf_bit_for_bit(qtype):
     want = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype])
     got = dequantize_rows(torch.from_numpy(b), qtype).numpy()
     assert np.array_equal(got, want)
+
+
+def _planar_values(rows: np.ndarray, qtype: str, k: int) -> np.ndarray:
+    """The values of planar rows (`quant_blocks.to_planar`), decoded from the layout as its
+    docstring states it, with gguf's float32 expressions."""
+    high, scales, words, _ = planar_sections(k, qtype)
+    n, g = rows.shape[0], k // 32
+    w = rows[:, :high].copy().view(np.uint32).reshape(n, g, 1, 4)  # (row, group, j, e)
+    j = np.arange(8).reshape(1, 1, 8, 1)
+    e = np.arange(4).reshape(1, 1, 1, 4)
+    q = (w >> (4 * j).astype(np.uint32)) & 15
+    if qtype == "Q5_K":
+        qh = rows[:, high:scales].copy().view(np.uint32).reshape(n, g, 1, 1)
+        q |= ((qh >> (4 * j + e).astype(np.uint32)) & 1) << 4
+    elif qtype == "Q6_K":
+        qh = rows[:, high:scales].copy().view(np.uint32).reshape(n, g, 2)[:, :, e[0, 0, 0] // 2]
+        q |= ((qh.reshape(n, g, 1, 4) >> (4 * j + 2 * (e % 2)).astype(np.uint32)) & 3) << 4
+    sm = rows[:, scales:words].reshape(n, g, 2)
+    dw = rows[:, words:words + k // 64].copy().view(np.float16).reshape(n, k // 256, 1, 2)
+    dw = np.broadcast_to(dw, (n, k // 256, 8, 2)).reshape(n, g, 2).astype(np.float32)
+    q = q.reshape(n, g, 32).astype(np.float32)  # (value r = 4j + e)
+    if qtype == "Q6_K":
+        sc = np.repeat(sm.view(np.int8).astype(np.float32), 16, axis=-1)
+        return ((dw[..., :1] * sc) * (q - 32)).reshape(n, k)
+    scale = (dw[..., 0] * sm[..., 0].astype(np.float32))[..., None]
+    off = (dw[..., 1] * sm[..., 1].astype(np.float32))[..., None]
+    return (scale * q - off).reshape(n, k)
+
+
+@pytest.mark.parametrize("qtype", PLANAR_TYPES)
+def test_planar_rows_hold_gguf_values_bit_for_bit(qtype):
+    """The planar layout, decoded as documented, gives gguf's values exactly; its rows are the
+    documented size, and a row's planar bytes depend on that row only (rows may be sliced,
+    concatenated, gathered)."""
+    b = random_blocks(5, 768, qtype, np.random.default_rng(3))
+    flat = to_planar(torch.from_numpy(b), qtype)
+    assert flat.shape == (5, planar_sections(768, qtype)[3]) and flat.shape[1] % 16 == 0
+    want = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(_planar_values(flat.numpy(), qtype, 768), want)
+    assert torch.equal(to_planar(torch.from_numpy(b[2:4]), qtype), flat[2:4])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0"])
