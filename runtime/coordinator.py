@@ -141,7 +141,9 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         self._draft_stopped_since: float | None = None  # when the draft was first seen stopped
         self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
         # rows went to it
-        self._parked: set[int] = set()  # draft contexts whose last step parked its rows
+        self._parked: dict[int, int] = {}  # draft context -> its last parked step, while its
+        # rows may be parked on the shards
+        self._unparking: set[int] = set()  # steps in flight, not parked, sent while some were
         # the draft's contexts (spec_max_seqs of them) not held by a sequence that feeds it
         self._free_contexts = list(range(config.spec_max_seqs))
         self._kept: list[tuple[list[int], Request]] = []  # turns being kept (`keep_turn`)

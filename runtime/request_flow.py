@@ -182,6 +182,7 @@ class RequestFlow:
                 drafter.begin()
             elif context is not None:  # it only feeds: its context starts afresh all the same
                 try:
+                    self.new_context(context)
                     self.draft_request(message("draft_begin", slot=context, sample=None))
                 except (DraftLost, DraftError) as e:
                     log.warning("the draft did not start a context for this request: %s", e)

@@ -29,7 +29,7 @@ log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the c
 class StepDriver:
     """Steps sent (`send_step`), waited for (`wait_steps`) and read (`step_outputs`); single
     steps (`forward`) and samples of stored logits (`sample_output`). Owns `_in_flight`,
-    `_done`, `_back`, `_feat_sids` and `_parked`."""
+    `_done`, `_back`, `_feat_sids`, `_parked` and `_unparking`."""
 
     def send_step(self, segs: Sequence[tuple[int, StepRequest, int | None]],
                   park: bool = False) -> int:
@@ -70,9 +70,9 @@ class StepDriver:
         msg = message("step", sid=sid, seqs=wire, act=None)
         if park and self.feeding:
             msg["park"] = True
-            self._parked.update(feed for _, _, feed in segs if feed is not None)
-        else:
-            self._parked.clear()  # (the shards send every parked row before this step's)
+            self._parked.update((feed, sid) for _, _, feed in segs if feed is not None)
+        elif self._parked:  # every shard sends the rows parked before it as it runs it: they
+            self._unparking.add(sid)  # are out once its result is back (`_stash`)
         self._steps.send(msg, torch.tensor(ids, dtype=torch.int64))
         ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
         self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
@@ -113,9 +113,20 @@ class StepDriver:
         return self.batcher.sched.table_update(slot)
 
     def parked(self, context: int) -> bool:
-        """Whether the last step that fed the draft's `context` left its rows parked on the
-        shards (a round's proposal would wait for them: its sequence runs a plain step first)."""
+        """Whether rows of the draft's `context` may still be parked on the shards: its last
+        parked step is later than every step not parked whose result is back (a round's
+        proposal would wait for them: its sequence runs a plain step first)."""
         return context in self._parked
+
+    def new_context(self, context: int) -> None:
+        """A new sequence takes the draft's `context` (before its `draft_begin`): rows of the
+        sequence before that the shards still park go out first (a parked run would otherwise
+        go on into the new sequence's positions), and the last step that fed it is forgotten
+        (the new sequence's snapshots wait for its own rows, not for a step of the one before
+        still on its way)."""
+        if context in self._parked:
+            self.unpark()
+        self._feat_sids.pop(context, None)
 
     def unpark(self) -> None:
         """Have the shards send the draft every feature row they parked (what reads the
@@ -141,6 +152,7 @@ class StepDriver:
         """Drop what is known of these steps (all: the runtime is down); a late result of one
         is then discarded."""
         for sid in list(self._in_flight) + list(self._done) if sids is None else sids:
+            self._unparking.discard(sid)
             self._in_flight.pop(sid, None)
             self._done.pop(sid, None)
             self._back.append(sid)
@@ -159,6 +171,9 @@ class StepDriver:
             t = frames if frames is None or isinstance(frames, torch.Tensor) else \
                 zmq_tensor(msg, frames)
             self._done[sid] = (msg, None if t is None else t.clone(), nseg)
+            if sid in self._unparking:
+                self._unparking.discard(sid)
+                self._parked = {c: s for c, s in self._parked.items() if s > sid}
         elif msg["type"] == "error" and msg["code"] != "feed_lost":
             self._done[sid] = ShardFailure(msg["message"], runtime_down=False)
             self._void(sid)

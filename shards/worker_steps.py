@@ -227,7 +227,12 @@ class StepRunner:
 
     def _step(self, msg: dict[str, Any], x: torch.Tensor | None) -> None:
         """Run a step, in the order steps came: one that asks for the draft's proposals is held
-        until they come (`shards.asked`), and the steps after it wait behind it."""
+        until they come (`shards.asked`), and the steps after it wait behind it. A step that is
+        not parked sends the draft every row parked so far first, as it comes and again as it
+        runs (the coordinator counts on it to: a round may follow it; it may be held, queued or
+        refused, and parked steps queued before it park theirs when they run)."""
+        if not msg.get("park"):
+            self._send_parked(True)
         if self.held is not None or self.awaiting is not None:
             # (a copy: its ring slot is handed back)
             self.queued.append((msg, None if x is None else x.clone()))
@@ -330,6 +335,8 @@ class StepRunner:
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:
         """Run a step (`moved`: its kept rows were moved already, while it was held)."""
+        if not msg.get("park"):
+            self._send_parked(True)  # (rows of parked steps that were queued before it)
         segs = self._segments(msg, x)
         if self.host_kv is not None and self.host_kv.retiring:
             self.host_kv.reap()  # (host buffers whose last swap copies have run)
@@ -363,9 +370,7 @@ class StepRunner:
         # (on the last shard, before the verdict: the draft takes them while it is made)
         if msg.get("park"):
             self._park_features(msg["sid"], [s for _, s in fed])
-        else:  # (the step's last piece says the draft has every row up to it; where it
-            # sends none, the parked rows' last does)
-            self._send_parked(not fed)
+        else:  # (the rows parked before it went out as it came: `_step`)
             for j, (_, s) in enumerate(fed):
                 self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
         if not self.model.is_last:

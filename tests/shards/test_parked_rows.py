@@ -1,8 +1,21 @@
 """`shards.parked_rows`: a shard's parked feature rows come out as runs of consecutive positions
-per draft context, in the order of their last step, and nothing stays parked after."""
+per draft context, in the order of their last step, and nothing stays parked after; through a
+real runtime, rows parked for one sequence never land in the next one's positions, and a step
+that is not parked sends them even where it is refused."""
 
+import time
+
+import numpy as np
+import pytest
 import torch
+from layersplit.draft.dflash import write_random_dflash
+from layersplit.ipc.messages import message
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator, ShardFailure
+from layersplit.runtime.generate import StepRequest
+from layersplit.shards.model_config import read_hf_config
 from layersplit.shards.parked_rows import ParkedRows, feature_messages
+from layersplit.shards.sampling import SamplingParams
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -41,3 +54,80 @@ def test_feature_messages_hold_at_most_a_piece_and_the_last_says_so():
     assert got[0][0]["layers"] == [1, 4] and got[0][0]["type"] == "feat"
     parked.add(30, 0, 0, _rows(1))
     assert [h["last"] for h, _ in feature_messages(parked.take(), 2, [1], last=False)] == [False]
+
+
+# ---- through a real runtime: 2 CPU shards that both feed a random DFlash draft ----------------
+
+G = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def coord(target, tmp_path_factory):
+    draft = write_random_dflash(read_hf_config(target), tmp_path_factory.mktemp("draft"),
+                                layers=1, taps=[1, 4], block_size=4)
+    cfg = RuntimeConfig(model=str(target), devices=("cpu",) * 2, prefill_chunk=16,
+                        max_context=256, threads=1, draft=str(draft))
+    with Coordinator(cfg) as c:
+        yield c
+
+
+def _step(coord, token: int, pos: int, park: bool, wait: bool = True) -> int:
+    """A decode step of slot 0 (draft context 0) at `pos`, parked or not (`wait`: for its
+    result; else not even its slot's block table grows to hold it)."""
+    if wait:
+        coord.batcher.sched.hold_slot(0, pos + 1, new=pos == 0)
+    sid = coord.send_step([(0, StepRequest([token], pos, G, 1, False), 0)], park=park)
+    if wait:
+        coord._wait(lambda s, m: False, time.monotonic() + 60, f"step {sid}", sid,
+                    until=lambda: sid in coord._done, step=sid)
+        coord.step_outputs(sid)
+    return sid
+
+
+def _draft_rows(coord, a: int, b: int, sync: int) -> np.ndarray:
+    r = coord.draft_request(message("draft_features", slot=0, start=a, end=b, sync=sync))
+    return np.frombuffer(r["_frames"][0].buffer, dtype=np.float32).reshape(b - a, -1).copy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("next_pos", [6, 7])
+def test_rows_parked_for_a_sequence_stay_out_of_the_next_one_in_its_context(coord, next_pos):
+    """A sequence ends with rows parked (positions 4, 5 of context 0); the next one in that
+    context starts with a parked step at 6 (an exact repeat restored from the cache: its
+    positions go on where the last ended) or 7: the rows of the one before go out at its
+    start (`new_context`), and never into the new sequence's positions."""
+    coord.forward([5, 6, 7, 8], 0, G, 1)
+    _step(coord, 9, 4, True)
+    _step(coord, 10, 5, True)
+    assert coord.parked(0)
+    coord.new_context(0)
+    assert not coord.parked(0)
+    coord.draft_request(message("draft_begin", slot=0, sample=None))
+    before = _draft_rows(coord, 4, 6, 0)
+    _step(coord, 11, next_pos, True)
+    coord.unpark()
+    assert np.array_equal(_draft_rows(coord, 4, 6, coord.feat_sid(0)), before)
+
+
+@pytest.mark.slow
+def test_rows_count_as_parked_until_a_step_that_is_not_parked_is_back(coord):
+    """The coordinator counts rows as parked (a round of their context then runs a plain step
+    first) until the result of a step that is not parked comes back, which every shard ran
+    after sending them: not when such a step is only sent, and not when it is refused on its
+    way (the shards after the one that refused it never sent theirs)."""
+    coord.new_context(0)
+    coord.draft_request(message("draft_begin", slot=0, sample=None))
+    coord.forward([5, 6, 7, 8], 0, G, 1)
+    parked = _step(coord, 9, 4, True)
+    sid = _step(coord, 3, 250, False, wait=False)  # (outside the slot's blocks: refused)
+    assert coord.parked(0)
+    with pytest.raises(ShardFailure, match="outside the slot's block table"):
+        coord._wait(lambda s, m: False, time.monotonic() + 30, f"step {sid}", sid,
+                    until=lambda: sid in coord._done, step=sid)
+        coord.step_outputs(sid)
+    assert coord.parked(0)
+    _step(coord, 10, 5, False)
+    assert not coord.parked(0)
+    t0 = time.monotonic()
+    assert _draft_rows(coord, 0, 6, parked).shape[0] == 6
+    assert time.monotonic() - t0 < 5  # (not the draft's wait for rows that never come)
