@@ -69,8 +69,8 @@ class RuntimeConfig:
     weight_format: str = _field("auto", "GGUF weights: quantized = kept in their blocks on the "
                                         "device (linear layers, embedding, LM head), "
                                         "dequantize = to the run dtype at load; auto = "
-                                        "dequantize until the quantized kernels are checked "
-                                        "on a GPU (docs/models.md)")
+                                        "dequantize while the quantized kernels are slower "
+                                        "than the dequantized weights (docs/models.md)")
     max_context: int = _field(4096, "most tokens of one sequence (prompt + output); a limit "
                                     "per request, not a preallocation (the KV pool is shared)")
     prefill_chunk: int = _field(0, "tokens per prefill step (also the prefix-cache block); "

@@ -117,8 +117,8 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
     return "dequantize", AUTO_DEQUANTIZES
 
 
-AUTO_DEQUANTIZES = ("weight_format auto dequantizes until the quantized kernels are checked "
-                    "against a reference on a GPU; weight_format = quantized keeps the blocks")
+AUTO_DEQUANTIZES = ("weight_format auto dequantizes while the quantized kernels are slower than "
+                    "the dequantized weights; weight_format = quantized keeps the blocks")
 
 
 def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
