@@ -16,7 +16,7 @@ from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.quant_experts import QuantExperts
 from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
 from layersplit.shards.model_config import ModelConfig
-from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, to_planar
+from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, planar_sections, to_planar
 from layersplit.shards.weights import source_name
 from torch import nn
 
@@ -136,7 +136,8 @@ def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: di
 def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
                itemsize: int) -> int:
     """Bytes `shapes` take on the device with weights kept quantized: the kept tensors' blocks,
-    the rest at `itemsize`."""
+    the rest at `itemsize`; K-quant rows at their planar size where larger (a GPU repacks
+    them at load, `quant_blocks.to_planar`: the plan covers either layout)."""
     kept = kept_tensors(ckpt, cfg, shapes)
     total = 0
     for name, shape in shapes.items():
@@ -144,7 +145,11 @@ def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         for s in shape:
             n *= s
         if name in kept:
-            total += n // shape[-1] * KEPT_TYPES[kept[name]].row_bytes(shape[-1])
+            t, k = kept[name], shape[-1]
+            row = KEPT_TYPES[t].row_bytes(k)
+            if t in PLANAR_TYPES:
+                row = max(row, planar_sections(k, t)[3])
+            total += n // k * row
         else:
             total += n * itemsize
     return total

@@ -206,10 +206,15 @@ def test_kept_modules_and_their_bytes(tmp_path):
     assert (attn.q_proj.qtype, attn.v_proj.qtype) == ("Q4_K", "Q6_K")
     cfg = ckpt.config
     per_layer, first, last = layer_bytes(cfg, 4, lambda s: kept_bytes(ckpt, cfg, s, 4))
-    blocks = sum(m.blocks.numel() for m in whole.layers[1].modules()
-                 if isinstance(m, QuantLinear))
-    assert per_layer[1] == blocks + 2 * H * 4  # the blocks, and two float32 norms
-    assert first == VOCAB * H // 256 * 144
+    # the blocks at the larger of their stored and planar sizes (a GPU repacks K-quants), and
+    # two float32 norms
+    blocks = sum(m.blocks.shape[0] * max(m.blocks.shape[1], planar_sections(
+        m.in_features, m.qtype)[3] if m.qtype in PLANAR_TYPES else 0)
+        for m in whole.layers[1].modules() if isinstance(m, QuantLinear))
+    assert per_layer[1] == blocks + 2 * H * 4
+    assert blocks > sum(m.blocks.numel() for m in whole.layers[1].modules()
+                        if isinstance(m, QuantLinear))
+    assert first == VOCAB * max(H // 256 * 144, planar_sections(H, "Q4_K")[3])
     plain = layer_bytes(cfg, 4)
     assert plain[0][1] > 6 * per_layer[1]
     mid = load_layer_range(ckpt, 1, 2, torch.float32, weights="quantized")
