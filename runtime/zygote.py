@@ -426,11 +426,19 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # what every child needs, imported once here (no device context; one OS thread but
-    # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork)
+    # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork); the commands'
+    # own imports inside functions too (a child that imported them itself took ~50 ms more
+    # to start, 2 CPU shards ~0.1 s of a 2-core machine)
     import layersplit.draft.server
     import layersplit.launch.processes
+    import layersplit.runtime.config
+    import layersplit.runtime.handover
+    import layersplit.runtime.model_store
+    import layersplit.shards.checkpoint_gguf
+    import layersplit.shards.checkpoint_hf
     import layersplit.shards.worker  # noqa: F401
     import torch
+    import torch.utils._device  # noqa: F401 - (what building a layer on a device imports)
 
     if torch.cuda.is_initialized():  # (a child could not use a device a parent had opened)
         print("layersplit zygote: the imports opened a CUDA context; not forking",
