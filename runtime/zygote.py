@@ -434,6 +434,7 @@ def main() -> None:
     import layersplit.runtime.config
     import layersplit.runtime.handover
     import layersplit.runtime.model_store
+    import layersplit.runtime.tokenizer  # (a classic draft compares its vocabulary)
     import layersplit.shards.checkpoint_gguf
     import layersplit.shards.checkpoint_hf
     import layersplit.shards.worker  # noqa: F401
