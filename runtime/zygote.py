@@ -50,7 +50,8 @@ from layersplit.ipc.auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
 MAX_LINE = 1 << 20  # a request's JSON line (arguments and environment)
-REAP_S = 0.02  # how often the zygote looks for children that ended
+REAP_S = 0.02  # how often the zygote looks for children that ended (a SIGCHLD wakes it sooner)
+_WAKE: list[int] = []  # in the zygote: the pipe its SIGCHLDs write to (`signal.set_wakeup_fd`)
 FORK_WAIT_S = 120.0  # for the zygote's answer (its imports first, when it has just started)
 
 
@@ -316,12 +317,17 @@ os.register_at_fork(after_in_child=_forget_in_child)
 # ---- the zygote process ------------------------------------------------------------------------
 def _serve(sock: socket.socket, parent: int) -> None:
     """Fork a child per request until the channel ends or our parent is gone; report each
-    child's end."""
+    child's end (at once: a SIGCHLD wakes the loop through `_WAKE`'s pipe)."""
     buf, fds = b"", []
+    _WAKE.extend(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler: the wakeup fd is written)
+    signal.set_wakeup_fd(_WAKE[1])
     while os.getppid() == parent:  # (a parent that forked keeps the channel open in its child)
-        ready, _, _ = select.select([sock], [], [], REAP_S)
+        ready, _, _ = select.select([sock, _WAKE[0]], [], [], REAP_S)
+        with contextlib.suppress(BlockingIOError):
+            os.read(_WAKE[0], 4096)
         _reap(sock)
-        if not ready:
+        if sock not in ready:
             continue
         data, got, _, _ = socket.recv_fds(sock, 65536, 2)
         if not data:
@@ -377,6 +383,10 @@ def _child(sock: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
     code = 1
     try:
         sock.close()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in _WAKE:
+            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
