@@ -123,6 +123,18 @@ def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
     return sock
 
 
+def close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a socket and the PAIR socket its monitor reports on (`get_monitor_socket`).
+
+    The monitor is switched off first: zmq's I/O thread sends each event to the PAIR with a
+    blocking send, holding the socket's monitor lock, so an event (a peer's disconnect) that
+    came after the PAIR was closed blocked that thread for good, and `disable_monitor` after
+    it waited on the lock for ever (a close that hung after shards were killed)."""
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+
+
 def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),
          route: bytes | None = None) -> None:
     parts: list[Any] = [] if route is None else [route]
