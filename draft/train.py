@@ -263,10 +263,12 @@ def optimize(loss: torch.Tensor, params: list, opt: torch.optim.Optimizer) -> to
 
 # ---- a classic draft: the target's first layers, distilled ---------------------------------------
 def train_classic(target: LayerRange, tok: TextTokenizer, rows: Rows, layers: int,
-                  seconds: float, out: Path, device: str, lr: float, seed: int) -> Path:
+                  seconds: float, out: Path, device: str, lr: float, seed: int,
+                  max_steps: int = 0) -> Path:
     """A small model with the target's tokenizer: its first `layers` layers, final norm and
     embeddings, the layers trained to match the target's next-token distribution (KL) on the
-    same sequences. Written as an HF folder (with the tokenizer), usable as `--draft`."""
+    same sequences, for `seconds` (or `max_steps` steps, if sooner). Written as an HF folder
+    (with the tokenizer), usable as `--draft`."""
     import dataclasses
 
     from safetensors.torch import save_file
@@ -290,7 +292,7 @@ def train_classic(target: LayerRange, tok: TextTokenizer, rows: Rows, layers: in
     gen = torch.Generator(device=device).manual_seed(seed)
     amp = device.startswith("cuda")
     t0, step = time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
+    while time.perf_counter() - t0 < seconds and not (max_steps and step >= max_steps):
         idx = torch.randint(0, len(rows), (16,), generator=gen, device=device)
         n = int(rows.lengths[idx].max())
         ids = rows.tokens[rows.index(idx, n)]
@@ -559,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                    "target's first layers) on the same data, into this folder")
     p.add_argument("--classic-layers", type=int, default=4)
     p.add_argument("--classic-seconds", type=float, default=90.0)
+    p.add_argument("--classic-max-steps", type=int, default=0,
+                   help="stop the classic draft's training after this many steps if sooner "
+                        "(0: time alone decides)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.manual_seed(args.seed)
@@ -642,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         train.feats = train.final = torch.empty(0)  # the DFlash rows: not needed any more
         del rows, labels
         train_classic(target, tok, train, args.classic_layers, args.classic_seconds,
-                      Path(args.classic_out), dev, args.lr, args.seed)
+                      Path(args.classic_out), dev, args.lr, args.seed,
+                      args.classic_max_steps)
     report["total_seconds"] = time.perf_counter() - t00
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))

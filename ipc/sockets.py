@@ -19,6 +19,7 @@ from layersplit.ipc.messages import ProtocolError, best_effort_sid, decode, enco
 
 MIN_HEARTBEAT_IVL_MS = 100
 MAX_MESSAGE_BYTES = 4 << 30  # zmq drops a peer that sends a larger message
+RECONNECT_IVL_MS, RECONNECT_IVL_MAX_MS = 10, 100  # a client's retries of a peer not yet bound
 
 
 def context() -> zmq.Context:
@@ -111,10 +112,27 @@ def connect_dealer(ctx: zmq.Context, address: str, secret: bytes,
     """A client's socket connected to a server of this run (encrypted on tcp://, `ipc.curve`);
     `heartbeat_s`: see `configure`."""
     sock = configure(ctx.socket(zmq.DEALER), identity=identity, heartbeat_s=heartbeat_s)
+    # a peer started with this socket (a shard, the draft) binds a moment after our connect:
+    # retry within 10 ms, backing off to zmq's usual 100 ms (its default, a fixed 100 ms, cost
+    # every start up to 0.1 s per shard)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
     if needs_curve(address):
         secure_client(sock, secret)
     sock.connect(address)
     return sock
+
+
+def close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a socket and the PAIR socket its monitor reports on (`get_monitor_socket`).
+
+    The monitor is switched off first: zmq's I/O thread sends each event to the PAIR with a
+    blocking send, holding the socket's monitor lock, so an event (a peer's disconnect) that
+    came after the PAIR was closed blocked that thread for good, and `disable_monitor` after
+    it waited on the lock for ever (a close that hung after shards were killed)."""
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
 
 
 def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),

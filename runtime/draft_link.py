@@ -16,7 +16,7 @@ from typing import Any
 import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import message
-from layersplit.ipc.sockets import connect_dealer, free_tcp_port, send
+from layersplit.ipc.sockets import close_monitored, connect_dealer, free_tcp_port, send
 from layersplit.runtime.errors import DraftLost, ShardFailure
 from layersplit.runtime.placement import Placement, PlacementError, ShardPlan, check_local_devices
 from layersplit.runtime.shard_group import _Shard
@@ -149,9 +149,7 @@ class DraftLink:
                 self._poller.unregister(sock)
             except KeyError:  # never registered: the draft failed while starting
                 pass
-        d.monitor.close(0)
-        d.sock.disable_monitor()
-        d.sock.close(0)
+        close_monitored(d.sock, d.monitor)
         if isinstance(self._draft_proc, LocalProcess):
             stop_all([self._draft_proc], grace_s=0.0, term_s=0.0)
         elif self._draft_proc is not None and self.ray is not None:

@@ -20,7 +20,14 @@ import torch
 import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import message
-from layersplit.ipc.sockets import connect_dealer, free_tcp_port, ring_doorbell, run_dir, send
+from layersplit.ipc.sockets import (
+    close_monitored,
+    connect_dealer,
+    free_tcp_port,
+    ring_doorbell,
+    run_dir,
+    send,
+)
 from layersplit.ipc.transport import ZmqSender, accept, offer
 from layersplit.runtime.batching import MAX_IN_FLIGHT, Batcher
 from layersplit.runtime.cache_ops import CacheManager
@@ -385,9 +392,7 @@ class ShardGroup:
             self.ray = None
         self._poller = zmq.Poller()
         for sh in members:
-            sh.monitor.close(0)
-            sh.sock.disable_monitor()
-            sh.sock.close(0)
+            close_monitored(sh.sock, sh.monitor)
         self.shards, self.procs, self.draft, self._draft_proc = [], [], None, None
         if self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)

@@ -50,7 +50,8 @@ from layersplit.ipc.auth import SECRET_ENV
 
 log = logging.getLogger(__name__)
 MAX_LINE = 1 << 20  # a request's JSON line (arguments and environment)
-REAP_S = 0.02  # how often the zygote looks for children that ended
+REAP_S = 0.02  # how often the zygote looks for children that ended (a SIGCHLD wakes it sooner)
+_WAKE: list[int] = []  # in the zygote: the pipe its SIGCHLDs write to (`signal.set_wakeup_fd`)
 FORK_WAIT_S = 120.0  # for the zygote's answer (its imports first, when it has just started)
 
 
@@ -316,12 +317,17 @@ os.register_at_fork(after_in_child=_forget_in_child)
 # ---- the zygote process ------------------------------------------------------------------------
 def _serve(sock: socket.socket, parent: int) -> None:
     """Fork a child per request until the channel ends or our parent is gone; report each
-    child's end."""
+    child's end (at once: a SIGCHLD wakes the loop through `_WAKE`'s pipe)."""
     buf, fds = b"", []
+    _WAKE.extend(os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler: the wakeup fd is written)
+    signal.set_wakeup_fd(_WAKE[1])
     while os.getppid() == parent:  # (a parent that forked keeps the channel open in its child)
-        ready, _, _ = select.select([sock], [], [], REAP_S)
+        ready, _, _ = select.select([sock, _WAKE[0]], [], [], REAP_S)
+        with contextlib.suppress(BlockingIOError):
+            os.read(_WAKE[0], 4096)
         _reap(sock)
-        if not ready:
+        if sock not in ready:
             continue
         data, got, _, _ = socket.recv_fds(sock, 65536, 2)
         if not data:
@@ -377,6 +383,10 @@ def _child(sock: socket.socket, argv: list[str], env: dict[str, str], cwd: str,
     code = 1
     try:
         sock.close()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in _WAKE:
+            os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -426,11 +436,20 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # what every child needs, imported once here (no device context; one OS thread but
-    # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork)
+    # OpenBLAS's pool, kept to none by OPENBLAS_NUM_THREADS=1: safe to fork); the commands'
+    # own imports inside functions too (a child that imported them itself took ~50 ms more
+    # to start, 2 CPU shards ~0.1 s of a 2-core machine)
     import layersplit.draft.server
     import layersplit.launch.processes
+    import layersplit.runtime.config
+    import layersplit.runtime.handover
+    import layersplit.runtime.model_store
+    import layersplit.runtime.tokenizer  # (a classic draft compares its vocabulary)
+    import layersplit.shards.checkpoint_gguf
+    import layersplit.shards.checkpoint_hf
     import layersplit.shards.worker  # noqa: F401
     import torch
+    import torch.utils._device  # noqa: F401 - (what building a layer on a device imports)
 
     if torch.cuda.is_initialized():  # (a child could not use a device a parent had opened)
         print("layersplit zygote: the imports opened a CUDA context; not forking",

@@ -74,6 +74,20 @@ def _no_hub(monkeypatch):
     yield
 
 
+def pytest_sessionstart(session):
+    """Start this process's zygote (`runtime.zygote`: CPU shard and draft processes fork from
+    it) before collection: its imports (~2 s of a core) then overlap collection's on the other
+    core instead of delaying the first test that starts a shard group."""
+    if session.config.option.collectonly:
+        return
+    from layersplit.runtime.zygote import ZygoteError, zygote
+
+    try:
+        zygote()
+    except ZygoteError:  # (the first shard group starts it again, or says why it cannot)
+        pass
+
+
 def pytest_report_header(config):
     home = os.environ.get("LAYERSPLIT_HOME", "~/.cache/layersplit")
     return f"layersplit tests; LAYERSPLIT_HOME={home}"

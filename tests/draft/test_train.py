@@ -31,7 +31,8 @@ def test_training_writes_loadable_drafts(tmp_path):
     rc = train(["--target", str(target), "--out", str(out), *SMALL, "--seconds", "120",
                 "--max-steps", "300",
                 "--save-data", str(data), "--classic-out", str(classic),
-                "--classic-seconds", "2", "--classic-layers", "2", "--report", str(report)])
+                "--classic-seconds", "120", "--classic-max-steps", "10", "--classic-layers", "2",
+                "--report", str(report)])
     assert rc == 0
     r = json.loads(report.read_text())
     assert r["taps"] == [1, 4] and r["steps"] == 300 and len(r["history"]) >= 2

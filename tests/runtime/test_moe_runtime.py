@@ -70,6 +70,14 @@ def want(ref, prompt):
     return {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
 
 
+@pytest.fixture(scope="module")
+def ref_trace(ref, prompt):
+    """The reference's greedy steps over the prompt (`trace`: tokens and logits per step)."""
+    tokens, logits = trace(ref, prompt, 10, CHUNK)
+    assert len(set(tokens)) > 3  # a model that repeats one token would prove little
+    return tokens, logits
+
+
 def _cfg(model, n, **kw):
     return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
                          max_context=256, threads=1, **kw)
@@ -78,12 +86,11 @@ def _cfg(model, n, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("n,transport,split", [(1, "auto", None), (2, "shm", None),
                                                (3, "zmq", "auto")])
-def test_moe_split_equals_reference(model, ref, near, want, prompt, n, transport, split,
+def test_moe_split_equals_reference(model, ref_trace, near, want, prompt, n, transport, split,
                                     caplog):
     """Steps and whole runs equal the reference's bit for bit; speculated runs (a classic
     draft) too, at every accepted position's logits."""
-    ref_tokens, ref_logits = trace(ref, prompt, 10, CHUNK)
-    assert len(set(ref_tokens)) > 3  # a model that repeats one token would prove little
+    ref_tokens, ref_logits = ref_trace
     caplog.set_level(logging.INFO, logger="layersplit.runtime.coordinator")
     with Coordinator(_cfg(model, n, transport=(transport,), split=split,
                           draft=str(near))) as coord:
