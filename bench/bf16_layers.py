@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -123,7 +124,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="llama")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dir", default="/tmp/shapes-bf16")
+    p.add_argument("--dir", default=os.environ.get("LAYERSPLIT_SHAPES", "/tmp/shapes"),
+                   help="where the shape folders are (made there once: parity.py's too)")
     p.add_argument("--narrow", action="store_true", help="CPU widths (NARROW)")
     p.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary (CPU)")
     p.add_argument("--limit", type=int, default=24)
