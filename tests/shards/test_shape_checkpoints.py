@@ -49,7 +49,7 @@ def test_shape_checkpoint_matches_transformers(tmp_path, family):
 
 
 # the families whose bfloat16 layers on the CPU are transformers' own, operation for operation
-# (the others' bfloat16 outputs differ from transformers' in a few roundings, not pinned here)
+# (the other families' bfloat16 outputs are not transformers' bit for bit: not pinned here)
 SAME_BF16 = ("llama", "qwen3", "qwen3_5", "qwen3_moe")
 
 
