@@ -7,7 +7,11 @@
 #
 #   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M)
 #   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
-#             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families)
+#             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families;
+#             PARITY=default,families,tests,layers picks runs, default all but layers: layers
+#             is bench/bf16_layers.py, ours and transformers' bfloat16 paired, each family's
+#             layers, 24 prompts of 64 tokens, FAMILIES default llama,qwen3;
+#             FAMILIES_LIMIT, FAMILIES_TOKENS: prompts and tokens of `parity.py families`)
 #   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
 #             default model's and the Llama-8B shapes: the decode and prefill baselines
 #   decode    batch-1 decode, 1 shard and 2 shards on one GPU, next to llama.cpp      (D1-D3)
@@ -88,17 +92,32 @@ stage_tests() {
 }
 
 stage_parity() {  # (transformers from .whl-tf where it travelled: the image's may be older)
-  default_model
+  local cases=${PARITY:-default,families,tests}
   local tf=()
   [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
   # the default model in every layout (PARITY_LIMIT prompts), then each family's reduced shape
-  TAIL=40 run parity_default 420 "${tf[@]}" python3 bench/parity.py default \
-    --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" ${PARITY_ARGS:-} \
-    --out "$OUT/parity_default.json"
-  TAIL=40 run parity_families 420 "${tf[@]}" python3 bench/parity.py families --limit 6 \
-    --new-tokens 48 ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
-  TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
-  row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
+  if has "$cases" default && default_model; then
+    TAIL=40 run parity_default 420 "${tf[@]}" python3 bench/parity.py default \
+      --limit "${PARITY_LIMIT:-12}" --gpus "$(nvidia-smi -L | wc -l)" ${PARITY_ARGS:-} \
+      --out "$OUT/parity_default.json"
+  fi
+  if has "$cases" families; then
+    TAIL=40 run parity_families 420 "${tf[@]}" python3 bench/parity.py families \
+      --limit "${FAMILIES_LIMIT:-6}" --new-tokens "${FAMILIES_TOKENS:-48}" \
+      ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
+  fi
+  if has "$cases" tests; then
+    TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
+    row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
+  fi
+  if has "$cases" layers; then
+    local fam
+    for fam in $(echo "${FAMILIES:-llama,qwen3}" | tr , ' '); do
+      TAIL=120 run "bf16_layers_$fam" 200 "${tf[@]}" python3 bench/bf16_layers.py \
+        --family "$fam" --device cuda:0 --limit 24 --new-tokens 64 \
+        --out "$RUNS/bf16_layers_$fam.json"
+    done
+  fi
 }
 
 stage_quant() {  # Q1-Q4

@@ -132,14 +132,15 @@ def cmd_families(args) -> None:
         if fam not in SHAPES:
             raise SystemExit(f"unknown family {fam!r} (known: {', '.join(SHAPES)})")
         t0 = time.perf_counter()
-        path = write_shape_checkpoint(root / fam, fam, "cuda:0")
+        dev = args.device
+        path = write_shape_checkpoint(root / fam, fam, dev)
         log.info("%s written in %.1f s", fam, time.perf_counter() - t0)
-        cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512,
+        cfg = RuntimeConfig(model=str(path), devices=(dev,), max_context=512,
                             draft="none", dtype=args.dtype)
         opts = CheckOptions(limit=args.limit, new_tokens=args.new_tokens)
         try:
-            model, refs, stop = reference_runs(cfg, opts, "cuda:0")
-            half = half_agreement(model, refs, args.dtype, "cuda:0", opts.new_tokens, stop)
+            model, refs, stop = reference_runs(cfg, opts, dev)
+            half = half_agreement(model, refs, args.dtype, dev, opts.new_tokens, stop)
             rows.append({**half, "family": fam})
             rows.append({**ours(cfg, opts, refs, fam), "family": fam})
         except Exception as e:  # noqa: BLE001 - the row says what failed; the others go on
@@ -171,6 +172,9 @@ def main() -> None:
     f.add_argument("--families", default="llama,qwen3_5,qwen3_moe,gemma3,mistral,qwen3")
     f.add_argument("--dir", default=os.environ.get("LAYERSPLIT_SHAPES", "/tmp/shapes"))
     f.add_argument("--dtype", default="bfloat16")
+    f.add_argument("--device", default="cuda:0",
+                   help="cpu: the same figures from the CPU path (a FOLDER/FAMILY made "
+                        "beforehand, e.g. narrower, is used as it is)")
     f.add_argument("--limit", type=int, default=8)
     f.add_argument("--new-tokens", type=int, default=64)
     f.add_argument("--out", default=None)

@@ -46,3 +46,44 @@ def test_shape_checkpoint_matches_transformers(tmp_path, family):
     r = run_check(cfg, CheckOptions(limit=2, new_tokens=12))
     assert r["pass"], r["failures"]
     assert r["top1_agreement"] == 1.0 and r["greedy_equal"] == 2
+
+
+# the families whose bfloat16 layers on the CPU are transformers' own, operation for operation
+# (the other families' bfloat16 outputs are not transformers' bit for bit: not pinned here)
+SAME_BF16 = ("llama", "qwen3", "qwen3_5", "qwen3_moe")
+
+
+@pytest.mark.parametrize("family", SAME_BF16)
+def test_bfloat16_rounds_where_transformers_does(tmp_path, family):
+    """Where a bfloat16 run departs from float32, ours departs as transformers' does: a
+    prompt's prefill then decode steps give transformers' bfloat16 logits, and each layer's
+    output, bit for bit (an extra rounding anywhere, or one fewer, shows at once)."""
+    import torch
+    from layersplit.runtime.check_reference import load_transformers
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor
+
+    hf = load_transformers(write_shape_checkpoint(tmp_path / family, family, "cpu",
+                                                  **SMALL[family]), "cpu", "bfloat16")
+    g = torch.Generator().manual_seed(0)
+    for name, p in hf.named_parameters():  # (norm weights other than 1: their product rounds)
+        if "norm" in name:
+            p.data *= (1 + 0.3 * torch.randn(p.shape, generator=g)).to(p.dtype)
+    hf.save_pretrained(tmp_path / "w")
+    ckpt = open_checkpoint(tmp_path / "w")
+    layers = ckpt.config.num_layers
+    ours = RangeExecutor(load_layer_range(ckpt, 0, layers, torch.bfloat16, "cpu"), max_len=64,
+                         taps=tuple(range(layers)))
+    seq = torch.randint(0, 320, (28,), generator=g).tolist()  # a 24-token prompt, 4 steps
+    past, pos = None, 0
+    for ids in [seq[:24]] + [[t] for t in seq[24:]]:
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([ids]), past_key_values=past, use_cache=True,
+                      output_hidden_states=True)
+        past = want.past_key_values
+        taps: dict[int, torch.Tensor] = {}
+        got = ours.run(torch.tensor(ids), pos, all_logits=True, taps=taps)
+        pos += len(ids)
+        assert torch.equal(got, want.logits[0].float()), f"logits at {pos}"
+        for i in range(layers):  # (HF's last hidden state is after the final norm, as taps')
+            assert torch.equal(taps[i], want.hidden_states[i + 1][0]), f"layer {i} at {pos}"
