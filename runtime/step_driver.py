@@ -124,15 +124,22 @@ class StepDriver:
         go on into the new sequence's positions), and the last step that fed it is forgotten
         (the new sequence's snapshots wait for its own rows, not for a step of the one before
         still on its way)."""
-        if context in self._parked:
+        sid = self._parked.get(context)
+        if sid is not None and sid in self._in_flight:  # (the sequence before's lookahead
+            # step, parked, still on its way: it parks its rows first, then they go out)
+            self._wait(lambda s, m: False, self._in_flight[sid][0], f"step {sid}", sid,
+                       until=lambda: sid not in self._in_flight, step=sid)
+        if sid is not None:
             self.unpark()
         self._feat_sids.pop(context, None)
 
     def unpark(self) -> None:
         """Have the shards send the draft every feature row they parked (what reads the
         draft's rows outside a round or a snapshot: `draft_features`, after this)."""
+        keep = {c: s for c, s in self._parked.items() if s in self._in_flight}  # (parked
+        # steps on their way park their rows after the unpark)
         self.call_all(lambda sh: message("unpark"), what="unpark")
-        self._parked.clear()
+        self._parked = keep
 
     def feat_sid(self, context: int) -> int:
         """The last step that sent feature rows to the draft's `context` (a proposal or a
@@ -175,6 +182,7 @@ class StepDriver:
                 self._unparking.discard(sid)
                 self._parked = {c: s for c, s in self._parked.items() if s > sid}
         elif msg["type"] == "error" and msg["code"] != "feed_lost":
+            self._unparking.discard(sid)
             self._done[sid] = ShardFailure(msg["message"], runtime_down=False)
             self._void(sid)
         else:

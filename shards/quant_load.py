@@ -75,7 +75,11 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
         if id(b) not in planar:  # (a few thousand rows at a time: bounded temporaries)
             planar[id(b)] = torch.cat([to_planar(b[r:r + PACK_ROWS], qtype)
                                        for r in range(0, b.shape[0], PACK_ROWS)])
-        return planar[id(b)], True
+        packed = planar[id(b)]
+        for other in [k for k, v in blocks.items() if v is b]:  # (the stored rows freed as
+            blocks[other] = packed  # they go: a tied head's embedding takes the same ones)
+        planar[id(packed)] = packed
+        return packed, True
 
     for name, qtype in kept.items():
         if name.endswith(EXPERTS):

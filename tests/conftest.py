@@ -78,7 +78,9 @@ def pytest_sessionstart(session):
     """Start this process's zygote (`runtime.zygote`: CPU shard and draft processes fork from
     it) before collection: its imports (~2 s of a core) then overlap collection's on the other
     core instead of delaying the first test that starts a shard group."""
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or (
+            getattr(session.config.option, "numprocesses", None)
+            and not hasattr(session.config, "workerinput")):  # (xdist's controller runs none)
         return
     from layersplit.runtime.zygote import ZygoteError, zygote
 

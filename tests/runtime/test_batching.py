@@ -76,7 +76,7 @@ def test_batch_of_8_equals_each_alone(target, dflash, tmp_path, n, transport, sp
         assert stats.steps - steps_before < sum(len(r.tokens) for r in got)
         assert stats.most_in_flight >= 2, "micro-batches were in flight together"
         _check_idle(c)
-    assert layersplit_shm() == before
+    assert layersplit_shm() - before == set()
 
 
 @pytest.mark.slow

@@ -131,3 +131,22 @@ def test_rows_count_as_parked_until_a_step_that_is_not_parked_is_back(coord):
     t0 = time.monotonic()
     assert _draft_rows(coord, 0, 6, parked).shape[0] == 6
     assert time.monotonic() - t0 < 5  # (not the draft's wait for rows that never come)
+
+
+@pytest.mark.slow
+def test_an_unpark_keeps_counting_parked_steps_still_on_their_way(coord):
+    """`unpark` sends what the shards park now; a parked step still on its way parks its rows
+    after it, so its context stays counted as parked."""
+    coord.new_context(0)
+    coord.draft_request(message("draft_begin", slot=0, sample=None))
+    coord.forward([5, 6, 7, 8], 0, G, 1)
+    coord.batcher.sched.hold_slot(0, 5, new=False)
+    sid = coord.send_step([(0, StepRequest([9], 4, G, 1, False), 0)], park=True)
+    on_its_way = sid in coord._in_flight
+    coord.unpark()
+    assert coord.parked(0) or not on_its_way
+    coord._wait(lambda s, m: False, time.monotonic() + 60, f"step {sid}", sid,
+                until=lambda: sid in coord._done, step=sid)
+    coord.step_outputs(sid)
+    _step(coord, 10, 5, False)
+    assert not coord.parked(0)
