@@ -105,8 +105,9 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
 def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
     """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
     a checkpoint that is not a GGUF file, or with a tensor of a type not kept, is refused by
-    name (`kept_tensors`); "auto" dequantizes: the quantized kernels are not yet measured
-    against a reference on a GPU (`runtime.check`), so they are taken only when asked."""
+    name (`kept_tensors`); "auto" dequantizes: the quantized kernels, exact on a GPU, are
+    still slower than the dequantized weights there (bench/RESULTS.md), so they are taken only
+    when asked."""
     from layersplit.shards.weights import range_tensor_shapes
 
     if asked == "dequantize":
