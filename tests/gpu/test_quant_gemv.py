@@ -109,24 +109,8 @@ def test_planar_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
 def test_planar_gemv_fused_options_equal_torch(qtype):
     """The norm prologue, SiLU * up and residual epilogues over planar rows (float32), on rows
     3.. of a matrix (planar rows start at multiples of 16 bytes: any row may start a slice)."""
-    from layersplit.shards.fused import rms_norm
-    from layersplit.shards.kernels.quant_gemv import quant_gemv
-
     blocks, ref = _case(qtype, 2 * 24 + 3, 512, seed=4)
-    flat = to_planar(blocks, qtype)[3:]
-    ref = ref[3:]
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 512, generator=gen).to(DEV)
-    nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
-    res = torch.randn(2, 24, generator=gen).to(DEV)
-    xn = rms_norm(x, nw, 1e-5)
-    g, u = F.linear(xn, ref).chunk(2, dim=-1)
-    want = F.silu(g) * u
-    got = quant_gemv(x, flat, qtype, norm=(nw, 1e-5), gate_up=True, planar=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
-    want = res + F.linear(x, ref[:24])
-    got = quant_gemv(x, flat[:24], qtype, residual=res, planar=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    _assert_fused_options(to_planar(blocks, qtype)[3:], ref[3:], qtype, planar=True)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -176,10 +160,16 @@ def test_model_on_device_quantized_equals_dequantized(tmp_path, fuse):
 def test_fused_gemv_options_equal_torch():
     """The norm prologue, residual and SiLU * up epilogues of the quantized GEMV against the
     torch ops they replace (float32)."""
+    blocks, ref = _case("Q4_K", 2 * 24, 512)
+    _assert_fused_options(blocks, ref, "Q4_K")
+
+
+def _assert_fused_options(rows: torch.Tensor, ref: torch.Tensor, qtype: str, **layout) -> None:
+    """`quant_gemv` over `rows` (48 weight rows of 512 columns, `ref` their values) with the
+    norm prologue and SiLU * up, then with a residual on the first 24, against torch."""
     from layersplit.shards.fused import rms_norm
     from layersplit.shards.kernels.quant_gemv import quant_gemv
 
-    blocks, ref = _case("Q4_K", 2 * 24, 512)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 512, generator=gen).to(DEV)
     nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
@@ -187,10 +177,10 @@ def test_fused_gemv_options_equal_torch():
     xn = rms_norm(x, nw, 1e-5)
     g, u = F.linear(xn, ref).chunk(2, dim=-1)
     want = F.silu(g) * u
-    got = quant_gemv(x, blocks, "Q4_K", norm=(nw, 1e-5), gate_up=True)
+    got = quant_gemv(x, rows, qtype, norm=(nw, 1e-5), gate_up=True, **layout)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     want = res + F.linear(x, ref[:24])
-    got = quant_gemv(x, blocks[:24], "Q4_K", residual=res)
+    got = quant_gemv(x, rows[:24], qtype, residual=res, **layout)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
