@@ -19,7 +19,7 @@ from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
-from layersplit.shards.parked_rows import PARK_ROWS, feature_messages
+from layersplit.shards.parked_rows import PARK_ROWS, Run, feature_messages
 from layersplit.shards.sampling import has_processors
 from layersplit.shards.spec_sampling import check_q, check_q_form
 from layersplit.shards.spec_tree import check_path, check_tree
@@ -386,17 +386,12 @@ class StepRunner:
     def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool) -> None:
         """Rows of the tapped layers, side by side, for the sequence's draft context
-        (`context`), in pieces of at most FEED_ROWS rows; the step's last piece says so
-        (`last`: the draft then has all of the step's rows)."""
+        (`context`), in pieces (`_send_runs`); the step's last piece says so (`last`: the draft
+        then has all of the step's rows)."""
         if self.feed is None:
             return
         rows = torch.cat([taps[layer] for layer in self.taps], dim=-1)
-        for a in range(0, n, FEED_ROWS):
-            b = min(n, a + FEED_ROWS)
-            if not self._to_draft(message("feat", sid=sid, slot=context, pos=pos + a, n=b - a,
-                                          layers=list(self.taps), last=step_end and b == n,
-                                          act=None), rows[a:b]):
-                return
+        self._send_runs([Run(sid, context, pos, [rows[:n]])], step_end)
 
     def _park_features(self, sid: int, fed: list[Segment]) -> None:
         """Keep a parked step's feature rows on the device (`shards.parked_rows`); all of them
@@ -412,8 +407,13 @@ class StepRunner:
         """Send the draft the parked rows, a message per run; `last`: the final one says the
         draft has every step's rows up to its own (nothing is parked then, and the steps
         before sent theirs), else the step that follows says so."""
-        runs = self.parked.take() if self.parked.count else []
-        piece = min(self.max_step, FEED_ROWS)  # (the rows a feed message holds: `_link_draft`)
+        if self.parked.count:
+            self._send_runs(self.parked.take(), last)
+
+    def _send_runs(self, runs: list[Run], last: bool) -> None:
+        """`feat` messages of `runs` to the draft (`parked_rows.feature_messages`), in pieces
+        a feed message holds (`_link_draft`: min(max_step, FEED_ROWS) rows)."""
+        piece = min(self.max_step, FEED_ROWS)
         for header, rows in feature_messages(runs, piece, list(self.taps), last):
             if self.feed is None or not self._to_draft(header, rows):
                 return
