@@ -724,13 +724,13 @@ class Batcher:
 
 
 def _parks(reqs: list[Request], steps: list[StepRequest]) -> bool:
-    """Whether a step may park its feature rows on the shards (`shards.parked_rows`): some
-    sequence of it feeds the draft, and every one that does decodes one plain row that may be
-    parked (`Request.may_park`)."""
+    """Whether a step may park its feature rows on the shards (`shards.parked_rows`): every
+    sequence of it decodes one plain row, some feed the draft, and every one that does may
+    park it (`Request.may_park`)."""
     fed = [(r, step) for r, step in zip(reqs, steps) if r.feed is not None]
-    return bool(fed) and all(
-        r.may_park is not None and _plain_decode(step) and step.pos >= r.prompt_tokens
-        and r.may_park() for r, step in fed) and all(_plain_decode(step) for step in steps)
+    return bool(fed) and all(_plain_decode(step) for step in steps) and all(
+        r.may_park is not None and step.pos >= r.prompt_tokens and r.may_park()
+        for r, step in fed)
 
 
 def _plain_decode(step: StepRequest) -> bool:
