@@ -320,12 +320,16 @@ def main() -> int:
                    "run each draft with: on (every step speculates: speculation's own cost), "
                    "auto or measured (the policy chooses each step's size, or plain decoding)")
     p.add_argument("--json", default=None)
+    p.add_argument("--log-policy", action="store_true", help="log each decision of the "
+                   "speculation policy (its rates and measurements) on stderr")
     args = p.parse_args()
     if args.oracle_acceptance is not None and (args.temperature > 0 or args.trees not in
                                                (None, "0")):
         raise SystemExit("--oracle-acceptance: greedy chains only (no --temperature, "
                          "--trees 0)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if args.log_policy:
+        logging.getLogger("layersplit.runtime.spec_policy").setLevel(logging.DEBUG)
     rows = []
     for rep in range(1, args.repeat + 1):
         base = run(args, "none", None)

@@ -56,10 +56,13 @@ tests of speculation itself).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -392,6 +395,10 @@ class SpecPolicy:
             self._decisions[key] = self._decisions.get(key, 0) + 1
         self._choice[key] = now
         self.stats.size[key[0]] = now
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("clock %d bucket %d%s after %s: %s -> %s; %s", clock, key[0],
+                      " sampled" if sampled else "", ph.kind, was, now,
+                      self.describe(batch, sampled))
         if now != was:
             self.stats.switches += 1
         if now == 0:
@@ -421,6 +428,22 @@ class SpecPolicy:
         step at `clock` counted (0: the phase speculates, or none is planned yet)."""
         ph = self._phase.get((bucket(batch), sampled))
         return 0 if ph is None or ph.size else max(0, ph.end - clock)
+
+    def describe(self, batch: int, sampled: bool) -> str:
+        """What a decision for this bucket weighs, in words (for the DEBUG log): each rate, the
+        plain step's, each size's round, the switch's and the draft's wait (ms), and each size's
+        tokens a round."""
+        b = bucket(batch)
+        ms = lambda t: "-" if t is None else f"{1e3 * t:.2f}"  # noqa: E731
+        draft = self._draft.get(b)
+        rounds = " ".join(f"{s}:{ms(w.value)}x{w.count}" for (bb, s), w
+                          in sorted(self._round.items()) if bb == b)
+        kept = " ".join(f"{s}:{self.kept(sampled, s):.2f}" for s in self.sizes
+                        if self.kept(sampled, s) is not None)
+        rates = " ".join(f"{s}:{r:.0f}" for s, r in sorted(self.rates(batch, sampled).items()))
+        return (f"tok/s {rates}; plain {ms(self.plain_time(batch))} ms, rounds {rounds or '-'}, "
+                f"switch {ms(self.switch_time(batch))}, draft "
+                f"{ms(None if draft is None else draft.value)}; kept {kept or '-'}")
 
     def choice(self, batch: int, sampled: bool) -> int | None:
         """The size last decided for this bucket (0: off; None: not decided yet)."""
