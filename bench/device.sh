@@ -79,15 +79,18 @@ q8="bench/decode.py --model random:qwen3-8b --layouts cuda:0 --prompt-len 512 --
   --repeats 1 --max-context 33792 --prefill 32768"
 
 stage_tests() {
-  # (the whole GPU suite takes more than one call on an H200: TESTS picks paths, or `part:N/M`
-  # the N-th of M parts of the files that hold GPU tests, every M-th of them sorted; a test
-  # that hangs is cut after 240 s, and the call goes on with the next)
+  # (the whole GPU suite takes more than one call on an H200, even with 4 workers: TESTS picks
+  # paths, or `part:N/M` the N-th of M parts of the files that hold GPU tests, every M-th of
+  # them sorted)
   local paths=${TESTS:-tests}
   if [[ "$paths" =~ ^part:([0-9]+)/([0-9]+)$ ]]; then
     paths=$(grep -rl "pytest.mark.gpu" tests | sort |
       awk -v n="${BASH_REMATCH[1]}" -v m="${BASH_REMATCH[2]}" '(NR - 1) % m == n - 1' | xargs)
   fi
-  TAIL=40 run tests 60 $tests --timeout=240 --durations=25 $paths
+  # (TEST_WORKERS pytest-xdist workers share the GPU, 4 by default: a hung test's worker is
+  # killed after 240 s and replaced; each failure lands in $OUT/failures.txt as it happens)
+  TAIL=40 run tests 60 $tests -n "${TEST_WORKERS:-4}" --dist loadfile --timeout=240 \
+    --timeout-method=thread --durations=25 $paths
   row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests $paths"
 }
 

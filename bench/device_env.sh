@@ -46,6 +46,7 @@ export RESULTS_DEVICE=${RESULTS_DEVICE:-${gpu_name:-CPU ($(nproc) cores)}}
 export RESULTS_DATE=${RESULTS_DATE:-$(date -u +%F)}
 export RESULTS_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2> /dev/null || echo —)}
 tests="python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts= -rf --tb=short"
+export LAYERSPLIT_TEST_FAILURES=$OUT/failures.txt  # (each failure as it happens: tests/conftest.py)
 
 log() { echo "=== $* (t=${SECONDS}s, $(date +%T))" | tee -a "$LOG"; }
 want() { ((SECONDS + $2 < deadline)) || { log "skip $1: it may not end by t=${deadline}s"; false; }; }

@@ -121,6 +121,11 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         warm = next(iter(sets.values()))
         for p in warm[:2]:  # warm-up: graph capture, compilation, caches
             collect(coord.stream(p, params, Progress()), Progress(), len(p))
+        if args.streams > 1:  # ... and at the batch the streams run (its steps' own shapes:
+            # a verify step of `streams` sequences is a graph, a compilation of its own)
+            coord.generate_batch(warm[:args.streams], [params] * min(args.streams, len(warm)),
+                                 use_cache=False, speculative=[True] * min(args.streams,
+                                                                           len(warm)))
         oracle = os.environ.get(ORACLE_ENV) if draft != "none" else None
         for set_name, prompts in sets.items():
             row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}

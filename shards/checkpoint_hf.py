@@ -2,8 +2,9 @@
 
 Only the tensors a layer range needs are read (safetensors files are memory-mapped). A gpt-oss
 checkpoint whose `quantization_config` says `mxfp4` stores its experts as MXFP4 blocks and
-scales (`NAME_blocks`, `NAME_scales`): they are dequantized at load (`shards.mxfp4`), with a
-warning that says what that costs in memory.
+scales (`NAME_blocks`, `NAME_scales`); an FP8 one (`quant_method = "fp8"`) its linears' weights
+in float8 with block scales (`NAME_scale_inv`, `shards.fp8`). Both are dequantized at load, with
+a warning that says what that costs in memory.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fp8 import SCALE_SUFFIX, dequantize_fp8, fp8_scheme, scale_shape
 from layersplit.shards.gpt_oss_config import is_mxfp4
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.mxfp4 import dequantize_mxfp4
@@ -41,9 +43,11 @@ class HFCheckpoint:
         self.path = folder
         self.config: ModelConfig = config or read_hf_config(folder, strict)
         self.weight_map = self._weight_map()
-        # (the config was read above; a gpt_oss one may say its experts are MXFP4)
-        self.mxfp4 = self.config.gpt_oss is not None and is_mxfp4(
-            json.loads((folder / "config.json").read_text()))
+        # (the config was read above; a gpt_oss one may say its experts are MXFP4, another
+        # that its linears are FP8)
+        raw = json.loads((folder / "config.json").read_text())
+        self.mxfp4 = self.config.gpt_oss is not None and is_mxfp4(raw)
+        self.fp8 = None if self.config.gpt_oss is not None else fp8_scheme(raw, folder)
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_NAME
@@ -76,11 +80,16 @@ class HFCheckpoint:
         device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]:
         """Read each canonical name from its source tensor, checking shape; one pass per file.
-        MXFP4 tensors are read as their blocks and scales and dequantized to `dtype`."""
+        MXFP4 tensors are read as their blocks and scales, FP8 ones with their scales, and
+        dequantized to `dtype`."""
         packed = {n: s for n, s in sources.items()
                   if s not in self.weight_map and self._packed(s)}
-        out = self._read(shapes, {n: s for n, s in sources.items() if n not in packed}, dtype,
-                         device)
+        fp8 = {n: s for n, s in sources.items()
+               if self.fp8 is not None and s + SCALE_SUFFIX in self.weight_map}
+        out = self._read(shapes, {n: s for n, s in sources.items()
+                                  if n not in packed and n not in fp8}, dtype, device)
+        if fp8:
+            out.update(self._load_fp8(shapes, fp8, dtype, device))
         if not packed:
             return out
         stored = made = 0
@@ -99,6 +108,32 @@ class HFCheckpoint:
                     "%.1f MB of memory (%.1f x); kept-quantized MXFP4 weights are not "
                     "implemented", self.path.name, len(packed), str(dtype).removeprefix("torch."),
                     stored / 1e6, made / 1e6, made / max(stored, 1))
+        return out
+
+    def _load_fp8(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+                  dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """`load` of FP8 weights: each read with its block scales, dequantized to `dtype`."""
+        block = self.fp8.block
+        part_shapes = {**{s: shapes[n] for n, s in sources.items()},
+                       **{s + SCALE_SUFFIX: scale_shape(shapes[n], block)
+                          for n, s in sources.items()}}
+        parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
+        out, stored = {}, 0
+        for name, src in sources.items():
+            w, scale = parts[src], parts[src + SCALE_SUFFIX]
+            if not scale.dtype.is_floating_point:
+                raise CheckpointError(f"{self.path}: {src + SCALE_SUFFIX!r} is stored as "
+                                      f"{scale.dtype}; FP8 block scales must be floats")
+            if w.dtype != torch.float8_e4m3fn:
+                raise CheckpointError(f"{self.path}: {src!r} has a {src + SCALE_SUFFIX!r} "
+                                      f"beside it but is stored as {w.dtype}, not float8_e4m3fn")
+            out[name] = dequantize_fp8(w, scale, block, dtype)
+            stored += w.numel() + scale.numel() * scale.element_size()
+        made = sum(t.numel() * t.element_size() for t in out.values())
+        log.warning("%s: %d FP8 tensors dequantized at load to %s: %.1f MB stored take %.1f MB "
+                    "of memory (%.1f x); weights kept in FP8 are not implemented",
+                    self.path.name, len(out), str(dtype).removeprefix("torch."), stored / 1e6,
+                    made / 1e6, made / max(stored, 1))
         return out
 
     def _read(
@@ -133,6 +168,12 @@ class HFCheckpoint:
                                 f"{fpath}: tensor {src!r} has shape {tuple(t.shape)}, "
                                 f"expected {shapes[name]} from config.json"
                             )
+                        if dtype is not None and t.dtype.is_floating_point and \
+                                t.element_size() == 1:  # (a value off by its block's scale)
+                            raise CheckpointError(
+                                f"{fpath}: tensor {src!r} is stored as {t.dtype} without a "
+                                f"{src + SCALE_SUFFIX!r} beside it (an FP8 checkpoint's "
+                                "config.json names quant_method 'fp8')")
                         cache[src] = t.to(device=device, dtype=dtype or t.dtype)
                     out[name] = cache[src]
         return out

@@ -9,6 +9,7 @@ from typing import Any
 
 from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fp8 import fp8_scheme
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
 from layersplit.shards.glm4_moe_config import GLM4_MOE_FIELDS, Glm4MoeSpec, glm4_moe_fields
 from layersplit.shards.gpt_oss_config import GPT_OSS_FIELDS, GptOssSpec, gpt_oss_fields
@@ -336,6 +337,9 @@ def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> No
     """Refuse, by name, a config field this family's code does not implement: a runtime that
     ignored one (a logit soft-cap, a window, a bias) would answer with silently wrong tokens."""
     known = METADATA_FIELDS | COMMON_FIELDS | FAMILY_FIELDS[model_type]
+    if "quantization_config" not in known:  # (gpt_oss reads its own: MXFP4 experts)
+        fp8_scheme(raw, source)  # an FP8 checkpoint's, or refused by name
+        known = known | {"quantization_config"}
     for key, value in raw.items():
         if key not in known:
             raise CheckpointError(

@@ -36,8 +36,10 @@ def kept_tensors(ckpt, cfg: ModelConfig,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """Canonical name -> block type of the tensors of `shapes` kept quantized."""
     if not hasattr(ckpt, "kept_type"):
+        fp8 = " (its FP8 weights are dequantized at load: kept in FP8 they are not " \
+            "implemented)" if getattr(ckpt, "fp8", None) else ""
         raise CheckpointError(f"{ckpt.path}: weight_format = \"quantized\" keeps a GGUF "
-                              "file's blocks; this checkpoint is not a GGUF file (use "
+                              f"file's blocks; this checkpoint is not a GGUF file{fp8} (use "
                               "weight_format = \"auto\" or \"dequantize\")")
     out: dict[str, str] = {}
     for name, shape in shapes.items():

@@ -93,3 +93,14 @@ def pytest_sessionstart(session):
 def pytest_report_header(config):
     home = os.environ.get("LAYERSPLIT_HOME", "~/.cache/layersplit")
     return f"layersplit tests; LAYERSPLIT_HOME={home}"
+
+
+def pytest_runtest_logreport(report):
+    """Each failure's report appended, as it happens, to the file `LAYERSPLIT_TEST_FAILURES`
+    names (device runs: a call cut at its deadline never prints pytest's summary)."""
+    path = os.environ.get("LAYERSPLIT_TEST_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist's
+        # controller writes its workers' reports, and theirs of a worker killed mid-test)
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
+                    f"{report.longreprtext[-6000:]}\n")

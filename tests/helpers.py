@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,9 @@ import numpy as np
 import psutil
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.generate import GenerationResult, Progress, collect
+from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
 from layersplit.shards.sampling import SamplingParams
+from safetensors.torch import load_file, save_file
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -82,6 +86,28 @@ def assert_speculated_equals(coord, prompt: list[int], params: SamplingParams,
     assert_same_run((result, logits), want, what)
     assert spec is not None and spec.verifies > 0, f"{what}: no verify step ran"
     return spec
+
+
+def write_fp8(dense: Path, out: Path, block: tuple[int, int] = (16, 32)) -> Path:
+    """`dense` (an HF folder) written as an FP8 checkpoint at `out` (every 2-D `*_proj.weight`
+    in float8 e4m3 with block scales, `shards.fp8`), and `dense` itself rewritten with the
+    dequantized values: the two then hold the same model."""
+    shutil.copytree(dense, out)
+    for f in sorted(dense.glob("*.safetensors")):
+        tensors, fp8 = load_file(str(f)), {}
+        for name, t in list(tensors.items()):
+            if name.endswith("_proj.weight") and t.dim() == 2:
+                q, s = quantize_fp8(t, block)
+                fp8[name], fp8[name + "_scale_inv"] = q, s
+                tensors[name] = dequantize_fp8(q, s, block, t.dtype)
+        save_file(tensors, str(f))
+        save_file({**tensors, **fp8}, str(out / f.name))
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
 
 
 def noisy_copy(src: Path, dst: Path, scale: float = 0.01, only: set[str] | None = None) -> Path:

@@ -1,0 +1,101 @@
+"""FP8 checkpoints: `quantization_config.quant_method = "fp8"`, the block-scaled layout of
+transformers' FineGrainedFP8 (as DeepSeek-V3, Qwen3-*-FP8 and GLM-4.5-FP8 ship): each quantized
+linear's `weight` in float8 e4m3 and beside it `weight_scale_inv`, float32, one per block of
+`weight_block_size` (rows, columns; the last blocks of a side that is not a multiple are partial,
+as DeepSeek-V3's 576-row projections are). The stored value times its block's scale is the weight.
+
+They are dequantized at load to the run dtype (`shards.checkpoint_hf`), with a warning that
+says what that costs in memory: weights kept in FP8 on the GPU are not implemented. Activations
+are computed in the run dtype: transformers' FP8 kernels quantize them to FP8 per group of 128
+(`activation_scheme = "dynamic"`), a second rounding this path does not make, so the reference
+for parity is the dequantized weights'. Anything else in a `quantization_config` is refused by
+name (a checkpoint read as if unquantized would answer with silently wrong tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from layersplit.shards.errors import CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"  # `NAME.weight` -> `NAME.weight_scale_inv`
+FP8_DTYPES = (torch.float8_e4m3fn,)
+_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
+         "modules_to_not_convert", "dequantize"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fp8Scheme:
+    """A checkpoint's FP8 layout: rows and columns of a scale's block."""
+
+    block: tuple[int, int]
+
+
+def fp8_scheme(raw: dict[str, Any], source: str | Path) -> Fp8Scheme | None:
+    """The FP8 layout a config.json's `quantization_config` declares (None: it has none).
+    Raises CheckpointError naming a method, format or key that is not implemented."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{source}: quantization_config={q!r} must be an object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{source}: quantization_config quant_method={method!r} is not implemented (FP8 "
+            "checkpoints, quant_method 'fp8', load dequantized; a GGUF file keeps its blocks: "
+            "docs/models.md, Quantized weights)")
+    unknown = sorted(set(q) - _KEYS)
+    if unknown:
+        raise CheckpointError(f"{source}: quantization_config field(s) {unknown} are not "
+                              "implemented for quant_method 'fp8'")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{source}: quantization_config fmt={q['fmt']!r} is not "
+                              "implemented (only 'e4m3')")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(
+            f"{source}: quantization_config activation_scheme={q['activation_scheme']!r} is not "
+            "implemented (only 'dynamic': its static input scales would go unread)")
+    block = q.get("weight_block_size", [128, 128])
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and
+            all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{source}: quantization_config weight_block_size={block!r} must "
+                              "be two positive integers (rows, columns of a scale's block)")
+    return Fp8Scheme((block[0], block[1]))
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The `weight_scale_inv` shape of a weight of `shape` (leading dimensions kept: stacked
+    experts), one scale per block, partial blocks counted."""
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """`weight` (float8 e4m3, (..., rows, cols)) times its blocks' `scale_inv`, in float32,
+    then in `dtype` (transformers' Fp8Dequantize on whole blocks, to the bit)."""
+    *_, rows, cols = weight.shape
+    s = scale_inv.to(torch.float32)
+    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    s = s.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
+                                                                        torch.Tensor]:
+    """(float8 e4m3 values, float32 `weight_scale_inv`) of a (rows, cols) weight, each block
+    scaled so that its largest magnitude is e4m3's largest (448), as FP8 checkpoints are made
+    (random-weight FP8 shapes, tests)."""
+    rows, cols = weight.shape
+    sr, sc = scale_shape((rows, cols), block)
+    pad = torch.zeros(sr * block[0], sc * block[1], device=weight.device)
+    pad[:rows, :cols] = weight.float()
+    blocks = pad.reshape(sr, block[0], sc, block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).reshape(sr * block[0], sc * block[1])
+    return q[:rows, :cols].to(torch.float8_e4m3fn), scale

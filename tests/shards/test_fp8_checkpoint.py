@@ -1,0 +1,153 @@
+"""FP8 checkpoints (`quant_method = "fp8"`, float8 e4m3 weights with block scales): dequantized as
+transformers dequantizes them; a checkpoint so stored loads (with a warning naming the memory
+cost) to the very logits of one storing the dequantized weights, whole and range by range, with
+experts stored per expert and partial blocks (DeepSeek-V3's layout); transformers' own load of
+the FP8 folder gives our logits; and what we do not implement in one is refused by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.errors import CheckpointError
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
+from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.tiny import write_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import write_fp8
+
+BLOCK = (16, 32)  # (tiny models' sides: whole blocks, but for DeepSeek-V3's 24 and 40 rows)
+
+
+def _logits(folder: Path, ids: torch.Tensor, split: tuple[int, ...] | None = None):
+    ckpt = open_checkpoint(folder)
+    n = ckpt.config.num_layers
+    split = split or (0, n)
+    parts = [RangeExecutor(load_layer_range(ckpt, a, b), max_len=64)
+             for a, b in zip(split[:-1], split[1:])]
+    x = ids
+    for p in parts:
+        x = p.run(x, 0, all_logits=True)
+    return x
+
+
+def test_dequantized_as_transformers():
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_fp8(w, BLOCK)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = fp8.Fp8Dequantize(None)._dequantize_one(q, s, dtype)
+        assert torch.equal(dequantize_fp8(q, s, BLOCK, dtype), want)
+    assert (dequantize_fp8(q, s, BLOCK, torch.float32) - w).abs().max() < 0.07 * w.abs().max()
+
+
+def test_partial_blocks_take_their_own_scale():
+    q = torch.full((40, 70), 1.0).to(torch.float8_e4m3fn)
+    s = torch.arange(1, 1 + 3 * 3, dtype=torch.float32).reshape(3, 3)  # ceil(40/16), ceil(70/32)
+    got = dequantize_fp8(q, s, BLOCK, torch.float32)
+    want = torch.tensor([[s[r // 16, c // 32].item() for c in range(70)] for r in range(40)])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_fp8_checkpoint_loads_as_its_dequantized_weights(family, tmp_path, caplog):
+    """(qwen3_moe: experts stored per expert, each with its scales; deepseek_v3: projections of
+    24 and 40 rows, blocks cut short)"""
+    dense = write_tiny_checkpoint(tmp_path / "dense", family, num_layers=3)
+    packed = write_fp8(dense, tmp_path / "fp8")
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
+    caplog.set_level(logging.WARNING, logger="layersplit.shards.checkpoint_hf")
+    want = _logits(dense, ids)
+    assert "FP8" not in caplog.text
+    for split in ((0, 3), (0, 1, 3), (0, 1, 2, 3)):
+        assert torch.equal(_logits(packed, ids, split), want), split
+    assert "FP8 tensors dequantized at load to float32" in caplog.text
+    assert "weights kept in FP8 are not implemented" in caplog.text
+
+
+def test_transformers_reads_the_fp8_folder_as_we_do(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=3),
+                       tmp_path / "fp8")
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(2))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(packed, dtype=torch.float32).eval()
+    assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # (dequantized)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    ours = _logits(packed, ids)
+    assert (ours - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
+
+
+def _edit(folder: Path, **quant) -> Path:
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {**raw["quantization_config"], **quant}
+    raw["quantization_config"] = {k: v for k, v in raw["quantization_config"].items()
+                                  if v is not None}
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+@pytest.mark.parametrize("quant, named", [
+    ({"quant_method": "awq"}, "quant_method='awq' is not implemented"),
+    ({"quant_method": "gptq"}, "quant_method='gptq' is not implemented"),
+    ({"fmt": "e5m2"}, "fmt='e5m2' is not implemented"),
+    ({"activation_scheme": "static"}, "activation_scheme='static' is not implemented"),
+    ({"weight_block_size": [128]}, "weight_block_size=[128] must be two positive integers"),
+    ({"group_size": 128}, "['group_size'] are not implemented"),
+])
+def test_an_unimplemented_quantization_config_is_refused_by_name(tmp_path, quant, named):
+    packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
+                       tmp_path / "fp8")
+    with pytest.raises(CheckpointError, match="quantization_config") as e:
+        read_hf_config(_edit(packed, **quant))
+    assert named in str(e.value)
+
+
+def _rewrite(folder: Path, edit) -> None:
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+
+
+def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
+    dense = write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2)
+    name = "model.layers.1.mlp.down_proj.weight"
+    cases = {
+        "no scale": (lambda t: t.pop(name + "_scale_inv"),
+                     f"{name!r} is stored as torch.float8_e4m3fn without a "
+                     f"'{name}_scale_inv' beside it"),
+        "scale shape": (lambda t: t.update(
+            {name + "_scale_inv": t[name + "_scale_inv"][:, :2].contiguous()}),
+                        f"'{name}_scale_inv' has shape (4, 2), expected (4, 5)"),
+        "integer scales": (lambda t: t.update({name + "_scale_inv": torch.ones(
+            4, 5, dtype=torch.uint8)}), "FP8 block scales must be floats"),
+        "not float8": (lambda t: t.update({name: t[name].float()}),
+                       "is stored as torch.float32, not float8_e4m3fn"),
+    }
+    good = write_fp8(dense, tmp_path / "fp8")
+    for case, (edit, named) in cases.items():
+        packed = tmp_path / case.replace(" ", "-")
+        shutil.copytree(good, packed)
+        _rewrite(packed, edit)
+        with pytest.raises(CheckpointError) as e:
+            load_layer_range(open_checkpoint(packed), 0, 2)
+        assert named in str(e.value), (case, str(e.value))
+
+
+def test_kept_fp8_is_refused_by_name(tmp_path):
+    from layersplit.shards.quant_load import kept_tensors
+
+    packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
+                       tmp_path / "fp8")
+    ckpt = open_checkpoint(packed)
+    with pytest.raises(CheckpointError, match="its FP8 weights are dequantized at load: kept "
+                                              "in FP8 they are not implemented"):
+        kept_tensors(ckpt, ckpt.config, {})
