@@ -5,7 +5,8 @@
 # RESULTS.md rows each stage printed) and runs.tgz (each run's whole log and JSON); the device
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
-#   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M)
+#   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M; on
+#             TEST_WORKERS xdist workers, default 4; failures as they happen in $OUT/failures.txt)
 #   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
 #             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families;
 #             PARITY=default,families,tests,layers picks runs, default all but layers: layers
@@ -88,10 +89,13 @@ stage_tests() {
       awk -v n="${BASH_REMATCH[1]}" -v m="${BASH_REMATCH[2]}" '(NR - 1) % m == n - 1' | xargs)
   fi
   # (TEST_WORKERS pytest-xdist workers share the GPU, 4 by default: a hung test's worker is
-  # killed after 240 s and replaced; each failure lands in $OUT/failures.txt as it happens)
-  TAIL=40 run tests 60 $tests -n "${TEST_WORKERS:-4}" --dist loadfile --timeout=240 \
-    --timeout-method=thread --durations=25 $paths
-  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$tests $paths"
+  # killed after 240 s and replaced; 0: one process, a hung test failed by a signal; each
+  # failure lands in $OUT/failures.txt as it happens)
+  local workers=${TEST_WORKERS:-4} how=thread
+  [ "$workers" = 0 ] && how=signal
+  local cmd="$tests -n $workers --dist loadfile --timeout=240 --timeout-method=$how"
+  TAIL=40 run tests 60 $cmd --durations=25 $paths
+  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$cmd $paths"
 }
 
 stage_parity() {  # (transformers from .whl-tf where it travelled: the image's may be older)

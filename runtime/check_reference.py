@@ -8,6 +8,7 @@ drawn from; the runtime is then fed the very same tokens (`runtime.check`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -114,12 +115,24 @@ def load_transformers(model: str | Path, device: str, dtype: str = "float32",
         if p.suffix == ".gguf":  # transformers' own GGUF reader, not ours
             kwargs["gguf_file"] = p.name
             p = p.parent
+        elif _is_fp8(p):  # (on GPUs that run FP8, transformers would quantize activations
+            # too: the reference is the dequantized weights', as ours is)
+            kwargs["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
         try:
             hf = transformers.AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
         except Exception as e:  # noqa: BLE001 - named: which checkpoint, and why
             raise ReferenceUnavailable(f"transformers cannot load {spec}: {e}") from None
         hf = hf.to(device)
     return hf.eval()
+
+
+def _is_fp8(folder: Path) -> bool:
+    """Whether an HF folder's config.json says its weights are FP8 (`shards.fp8`)."""
+    try:
+        q = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(q, dict) and q.get("quant_method") == "fp8"
 
 
 def _transformers(model: str | Path, device: str, random_seed: int):

@@ -430,7 +430,8 @@ class SpecPolicy:
         return 0 if ph is None or ph.size else max(0, ph.end - clock)
 
     def describe(self, batch: int, sampled: bool) -> str:
-        """What a decision for this bucket weighs, in words (for the DEBUG log): each rate, the
+        """What a decision for this bucket weighs, in words (for the DEBUG log): each rate (the
+        sizes' before `gain` discounts them), the
         plain step's, each size's round, the switch's and the draft's wait (ms), and each size's
         tokens a round."""
         b = bucket(batch)
@@ -441,8 +442,9 @@ class SpecPolicy:
         kept = " ".join(f"{s}:{self.kept(sampled, s):.2f}" for s in self.sizes
                         if self.kept(sampled, s) is not None)
         rates = " ".join(f"{s}:{r:.0f}" for s, r in sorted(self.rates(batch, sampled).items()))
-        return (f"tok/s {rates}; plain {ms(self.plain_time(batch))} ms, rounds {rounds or '-'}, "
-                f"switch {ms(self.switch_time(batch))}, draft "
+        return (f"tok/s {rates} (speculation's / {1 + self.knobs.gain:.2f}); plain "
+                f"{ms(self.plain_time(batch))} ms, rounds {rounds or '-'}, switch "
+                f"{ms(self.switch_time(batch))}, draft "
                 f"{ms(None if draft is None else draft.value)}; kept {kept or '-'}")
 
     def choice(self, batch: int, sampled: bool) -> int | None:

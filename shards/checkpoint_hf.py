@@ -114,12 +114,11 @@ class HFCheckpoint:
                   dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
         """`load` of FP8 weights: each read with its block scales, dequantized to `dtype`."""
         block = self.fp8.block
-        part_shapes = {**{s: shapes[n] for n, s in sources.items()},
-                       **{s + SCALE_SUFFIX: scale_shape(shapes[n], block)
-                          for n, s in sources.items()}}
-        parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
         out, stored = {}, 0
-        for name, src in sources.items():
+        for name, src in sources.items():  # (one at a time: a tensor's FP8 bytes are freed
+            # before the next is read)
+            part_shapes = {src: shapes[name], src + SCALE_SUFFIX: scale_shape(shapes[name], block)}
+            parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
             w, scale = parts[src], parts[src + SCALE_SUFFIX]
             if not scale.dtype.is_floating_point:
                 raise CheckpointError(f"{self.path}: {src + SCALE_SUFFIX!r} is stored as "
@@ -129,6 +128,7 @@ class HFCheckpoint:
                                       f"beside it but is stored as {w.dtype}, not float8_e4m3fn")
             out[name] = dequantize_fp8(w, scale, block, dtype)
             stored += w.numel() + scale.numel() * scale.element_size()
+            del parts, w, scale
         made = sum(t.numel() * t.element_size() for t in out.values())
         log.warning("%s: %d FP8 tensors dequantized at load to %s: %.1f MB stored take %.1f MB "
                     "of memory (%.1f x); weights kept in FP8 are not implemented",
@@ -171,9 +171,10 @@ class HFCheckpoint:
                         if dtype is not None and t.dtype.is_floating_point and \
                                 t.element_size() == 1:  # (a value off by its block's scale)
                             raise CheckpointError(
-                                f"{fpath}: tensor {src!r} is stored as {t.dtype} without a "
-                                f"{src + SCALE_SUFFIX!r} beside it (an FP8 checkpoint's "
-                                "config.json names quant_method 'fp8')")
+                                f"{fpath}: tensor {src!r} is stored as {t.dtype}, "
+                                + (f"without a {src + SCALE_SUFFIX!r} beside it" if self.fp8
+                                   else "but config.json has no quantization_config with "
+                                   "quant_method 'fp8'"))
                         cache[src] = t.to(device=device, dtype=dtype or t.dtype)
                     out[name] = cache[src]
         return out

@@ -74,6 +74,12 @@ def _expert_parts(ckpt, name: str, layer: str, which: str, shape: tuple[int, ...
     e, rows, cols = shape
     fused = layer + "mlp.experts.gate_up_proj"
     if which != "down" and ckpt.has(fused):
+        fp8 = getattr(ckpt, "fp8", None)
+        if fp8 is not None and rows % fp8.block[0]:  # (a block across the gate/up seam: the
+            # two halves quantized apart or as one give the same scale grid, not the same values)
+            raise CheckpointError(f"{ckpt.path}: {fused!r} is FP8 with blocks of {fp8.block[0]} "
+                                  f"rows across its gate and up halves of {rows}: not "
+                                  "implemented")
         return which, [part(fused, (e, 2 * rows, cols))]
     for prefix, names in _PER_EXPERT:
         first = layer + prefix.format(e=0) + names[which]

@@ -25,7 +25,9 @@ from layersplit.shards.errors import CheckpointError
 SCALE_SUFFIX = "_scale_inv"  # `NAME.weight` -> `NAME.weight_scale_inv`
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-         "modules_to_not_convert", "dequantize"}
+         "modules_to_not_convert", "dequantize", "scale_fmt"}
+# (`scale_fmt`: how the FP8 GEMM kernels round activation scales, "ue8m0" for powers of two; the
+# stored weight scales are floats whatever it says, and are read as stored)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,10 +55,13 @@ def fp8_scheme(raw: dict[str, Any], source: str | Path) -> Fp8Scheme | None:
     if unknown:
         raise CheckpointError(f"{source}: quantization_config field(s) {unknown} are not "
                               "implemented for quant_method 'fp8'")
+    if q.get("scale_fmt") not in (None, "ue8m0"):
+        raise CheckpointError(f"{source}: quantization_config scale_fmt={q['scale_fmt']!r} is "
+                              "not implemented (only 'ue8m0')")
     if q.get("fmt", "e4m3") != "e4m3":
         raise CheckpointError(f"{source}: quantization_config fmt={q['fmt']!r} is not "
                               "implemented (only 'e4m3')")
-    if q.get("activation_scheme", "dynamic") != "dynamic":
+    if str(q.get("activation_scheme", "dynamic")).lower() != "dynamic":
         raise CheckpointError(
             f"{source}: quantization_config activation_scheme={q['activation_scheme']!r} is not "
             "implemented (only 'dynamic': its static input scales would go unread)")
@@ -78,7 +83,14 @@ def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ..
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                    dtype: torch.dtype) -> torch.Tensor:
     """`weight` (float8 e4m3, (..., rows, cols)) times its blocks' `scale_inv`, in float32,
-    then in `dtype` (transformers' Fp8Dequantize on whole blocks, to the bit)."""
+    then in `dtype`: transformers' Fp8Dequantize on whole blocks, to the bit; a partial block
+    takes its own scale, as DeepSeek's `weight_dequant` and vLLM do (transformers refuses it).
+    Stacked experts go one at a time (the float32 temporaries are one expert's)."""
+    if weight.dim() > 2:
+        out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+        for i in range(weight.shape[0]):
+            out[i] = dequantize_fp8(weight[i], scale_inv[i], block, dtype)
+        return out
     *_, rows, cols = weight.shape
     s = scale_inv.to(torch.float32)
     s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]

@@ -98,9 +98,17 @@ def pytest_report_header(config):
 def pytest_runtest_logreport(report):
     """Each failure's report appended, as it happens, to the file `LAYERSPLIT_TEST_FAILURES`
     names (device runs: a call cut at its deadline never prints pytest's summary)."""
+    _write_failure(report, f"{getattr(report, 'when', '')}, {report.duration:.1f} s")
+
+
+def pytest_collectreport(report):
+    """... and each file that failed to collect (an import error: a wheel not carried)."""
+    _write_failure(report, "collection")
+
+
+def _write_failure(report, what: str) -> None:
     path = os.environ.get("LAYERSPLIT_TEST_FAILURES")
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist's
         # controller writes its workers' reports, and theirs of a worker killed mid-test)
         with open(path, "a") as f:
-            f.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n"
-                    f"{report.longreprtext[-6000:]}\n")
+            f.write(f"=== {report.nodeid} ({what})\n{report.longreprtext[-6000:]}\n")

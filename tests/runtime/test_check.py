@@ -27,7 +27,7 @@ from layersplit.runtime.parity import Agreement, Thresholds, kl_divergence
 from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_hybrid
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import run_cli
+from tests.helpers import run_cli, write_fp8
 
 FAST = dict(limit=3, new_tokens=12)
 
@@ -126,6 +126,18 @@ def test_check_passes_in_float32(model, devices):
     assert report["positions"] > 3 * 6 and report["top1_agreement"] == 1.0
     assert report["mean_kl"] < 1e-9
     assert report["greedy_equal"] == 3 and report["split"][-1].endswith(":6")
+
+
+@pytest.mark.slow
+def test_check_of_an_fp8_checkpoint(model, tmp_path):
+    """transformers reads the FP8 folder dequantized (on any device: `check_reference`), as we
+    do: the same logits."""
+    dense = tmp_path / "dense"
+    shutil.copytree(model, dense)
+    report = run_check(_cfg(write_fp8(dense, tmp_path / "fp8"), ("cpu", "cpu")),
+                       CheckOptions(**FAST))
+    assert report["pass"], report["failures"]
+    assert report["top1_agreement"] == 1.0 and report["mean_kl"] < 1e-9
 
 
 @pytest.mark.slow

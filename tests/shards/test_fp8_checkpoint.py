@@ -101,6 +101,7 @@ def _edit(folder: Path, **quant) -> Path:
     ({"activation_scheme": "static"}, "activation_scheme='static' is not implemented"),
     ({"weight_block_size": [128]}, "weight_block_size=[128] must be two positive integers"),
     ({"group_size": 128}, "['group_size'] are not implemented"),
+    ({"scale_fmt": "e4m3"}, "scale_fmt='e4m3' is not implemented"),
 ])
 def test_an_unimplemented_quantization_config_is_refused_by_name(tmp_path, quant, named):
     packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
@@ -108,6 +109,29 @@ def test_an_unimplemented_quantization_config_is_refused_by_name(tmp_path, quant
     with pytest.raises(CheckpointError, match="quantization_config") as e:
         read_hf_config(_edit(packed, **quant))
     assert named in str(e.value)
+
+
+def test_what_an_fp8_config_may_say(tmp_path):
+    """DeepSeek-V3.1's `scale_fmt` (its kernels' activation scales; the stored scales are
+    floats), any case of `dynamic`; and float8 weights under a config that does not say FP8."""
+    packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
+                       tmp_path / "fp8")
+    read_hf_config(_edit(packed, scale_fmt="ue8m0", activation_scheme="Dynamic"))
+    raw = json.loads((packed / "config.json").read_text())
+    del raw["quantization_config"]
+    (packed / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="is stored as torch.float8_e4m3fn, but config.json "
+                                              "has no quantization_config with quant_method"):
+        load_layer_range(open_checkpoint(packed), 0, 2)
+
+
+def test_stacked_experts_dequantize_one_at_a_time():
+    w = torch.randn(3, 40, 70, generator=torch.Generator().manual_seed(3))
+    parts = [quantize_fp8(w[i], BLOCK) for i in range(3)]
+    q, s = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    got = dequantize_fp8(q, s, BLOCK, torch.bfloat16)
+    assert torch.equal(got, torch.stack([dequantize_fp8(*p, BLOCK, torch.bfloat16)
+                                         for p in parts]))
 
 
 def _rewrite(folder: Path, edit) -> None:
@@ -122,7 +146,7 @@ def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     cases = {
         "no scale": (lambda t: t.pop(name + "_scale_inv"),
-                     f"{name!r} is stored as torch.float8_e4m3fn without a "
+                     f"{name!r} is stored as torch.float8_e4m3fn, without a "
                      f"'{name}_scale_inv' beside it"),
         "scale shape": (lambda t: t.update(
             {name + "_scale_inv": t[name + "_scale_inv"][:, :2].contiguous()}),
