@@ -51,8 +51,8 @@
 #             timings (bench/quant_gemv.py), the default model checked against transformers
 #             float32 with weight_format quantized, and batch-1 decode quantized against
 #             dequantized in one run, next to llama.cpp on the same file: the default model's
-#             shape (Q4_1) and the Llama-8B shape as Q4_K_M (QUANT=tests,kernels,parity,smol,
-#             l8b; default all)
+#             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
+#             against bfloat16 (QUANT=tests,kernels,parity,smol,l8b,fp8; default all)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -128,10 +128,19 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
 }
 
 stage_quant() {  # Q1-Q4
-  local cases=${QUANT:-tests,kernels,parity,smol,l8b}
+  local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8}
   if has "$cases" tests; then
-    TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py
-    row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py" --cmd quant
+    TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py
+    row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py" \
+      --cmd quant
+  fi
+  if has "$cases" fp8; then  # (Q5: random values; the bfloat16 shape's run beside it)
+    TAIL=10 run quant_fp8 200 python3 $l8b --model random:llama-8b-fp8 --layouts cuda:0 \
+      --weight-format quantized --floor --json "$RUNS/quant_fp8.json"
+    TAIL=10 run quant_fp8_bf16 150 python3 $l8b --layouts cuda:0 --floor \
+      --json "$RUNS/quant_fp8_bf16.json"
+    row decode "$RUNS/quant_fp8.json" --what "FP8 kept (block 128)" --cmd Q5
+    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q5
   fi
   if has "$cases" kernels; then
     TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"

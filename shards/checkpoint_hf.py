@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.fp8 import SCALE_SUFFIX, dequantize_fp8, fp8_scheme, scale_shape
+from layersplit.shards.fp8 import (
+    SCALE_SUFFIX,
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_scheme,
+    scale_shape,
+)
 from layersplit.shards.gpt_oss_config import is_mxfp4
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.mxfp4 import dequantize_mxfp4
@@ -31,6 +37,15 @@ def _open(path: Path):
         return safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error type for bad headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def _check_fp8(path: Path, src: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    if not scale.dtype.is_floating_point:
+        raise CheckpointError(f"{path}: {src + SCALE_SUFFIX!r} is stored as {scale.dtype}; FP8 "
+                              "block scales must be floats")
+    if w.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{path}: {src!r} has a {src + SCALE_SUFFIX!r} beside it but is "
+                              f"stored as {w.dtype}, not float8_e4m3fn")
 
 
 class HFCheckpoint:
@@ -66,6 +81,36 @@ class HFCheckpoint:
                 for k in st.keys():
                     wm[k] = f.name
         return wm
+
+    @property
+    def keeps_quantized(self) -> bool:
+        """Whether `weight_format = "quantized"` keeps some of its weights as stored (FP8)."""
+        return self.fp8 is not None
+
+    def kept_type(self, source: str) -> str | None:
+        """"FP8" for a projection's weight stored in FP8 (kept as such under `weight_format =
+        "quantized"`: `layers.fp8_linear`), else None (an embedding is dequantized at load)."""
+        if self.fp8 is None:
+            raise CheckpointError(
+                f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
+                "FP8 checkpoint's values; this checkpoint has neither (use weight_format = "
+                "\"auto\" or \"dequantize\")")
+        if source.endswith("_proj.weight") or source == "lm_head.weight":
+            return "FP8" if source + SCALE_SUFFIX in self.weight_map else None
+        return None
+
+    def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
+        """The kept FP8 tensors as stored: values and block scales (`kept_type`)."""
+        out = {}
+        for name, src in sources.items():
+            part_shapes = {src: shapes[name],
+                           src + SCALE_SUFFIX: scale_shape(shapes[name], self.fp8.block)}
+            parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
+            w, scale = parts[src], parts[src + SCALE_SUFFIX]
+            _check_fp8(self.path, src, w, scale)
+            out[name] = Fp8Weight(w, scale.to(torch.float32), self.fp8.block)
+        return out
 
     def has(self, name: str) -> bool:
         return name in self.weight_map or self._packed(name)
@@ -120,18 +165,13 @@ class HFCheckpoint:
             part_shapes = {src: shapes[name], src + SCALE_SUFFIX: scale_shape(shapes[name], block)}
             parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
             w, scale = parts[src], parts[src + SCALE_SUFFIX]
-            if not scale.dtype.is_floating_point:
-                raise CheckpointError(f"{self.path}: {src + SCALE_SUFFIX!r} is stored as "
-                                      f"{scale.dtype}; FP8 block scales must be floats")
-            if w.dtype != torch.float8_e4m3fn:
-                raise CheckpointError(f"{self.path}: {src!r} has a {src + SCALE_SUFFIX!r} "
-                                      f"beside it but is stored as {w.dtype}, not float8_e4m3fn")
+            _check_fp8(self.path, src, w, scale)
             out[name] = dequantize_fp8(w, scale, block, dtype)
             stored += w.numel() + scale.numel() * scale.element_size()
             del parts, w, scale
         made = sum(t.numel() * t.element_size() for t in out.values())
         log.warning("%s: %d FP8 tensors dequantized at load to %s: %.1f MB stored take %.1f MB "
-                    "of memory (%.1f x); weights kept in FP8 are not implemented",
+                    "of memory (%.1f x); weight_format = quantized keeps projections in FP8",
                     self.path.name, len(out), str(dtype).removeprefix("torch."), stored / 1e6,
                     made / 1e6, made / max(stored, 1))
         return out

@@ -1,11 +1,12 @@
 """FP8 checkpoints: `quantization_config.quant_method = "fp8"`, the block-scaled layout of
-transformers' FineGrainedFP8 (as DeepSeek-V3, Qwen3-*-FP8 and GLM-4.5-FP8 ship): each quantized
+transformers' FineGrainedFP8 (as DeepSeek-V3 and the Qwen3 -FP8 releases ship it): each quantized
 linear's `weight` in float8 e4m3 and beside it `weight_scale_inv`, float32, one per block of
 `weight_block_size` (rows, columns; the last blocks of a side that is not a multiple are partial,
 as DeepSeek-V3's 576-row projections are). The stored value times its block's scale is the weight.
 
 They are dequantized at load to the run dtype (`shards.checkpoint_hf`), with a warning that
-says what that costs in memory: weights kept in FP8 on the GPU are not implemented. Activations
+says what that costs in memory, or kept in FP8 under `weight_format = "quantized"`
+(`layers.fp8_linear`). Activations
 are computed in the run dtype: transformers' FP8 kernels quantize them to FP8 per group of 128
 (`activation_scheme = "dynamic"`), a second rounding this path does not make, so the reference
 for parity is the dequantized weights'. Anything else in a `quantization_config` is refused by
@@ -31,6 +32,15 @@ _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A projection's weight as an FP8 checkpoint stores it (kept so: `layers.fp8_linear`)."""
+
+    values: torch.Tensor  # float8 e4m3 (rows, cols)
+    scale: torch.Tensor  # float32, one per block
+    block: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Fp8Scheme:
     """A checkpoint's FP8 layout: rows and columns of a scale's block."""
 
@@ -49,8 +59,8 @@ def fp8_scheme(raw: dict[str, Any], source: str | Path) -> Fp8Scheme | None:
     if method != "fp8":
         raise CheckpointError(
             f"{source}: quantization_config quant_method={method!r} is not implemented (FP8 "
-            "checkpoints, quant_method 'fp8', load dequantized; a GGUF file keeps its blocks: "
-            "docs/models.md, Quantized weights)")
+            "checkpoints, quant_method 'fp8', load; a GGUF file keeps its blocks: "
+            "docs/models.md, FP8 checkpoints)")
     unknown = sorted(set(q) - _KEYS)
     if unknown:
         raise CheckpointError(f"{source}: quantization_config field(s) {unknown} are not "

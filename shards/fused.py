@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
+from layersplit.shards.layers.fp8_linear import Fp8Linear
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.quant_linear import (
     QuantLinear,
@@ -317,7 +318,7 @@ class FusedDecode:
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
         head = model.lm_head
-        kept = isinstance(head, QuantLinear)  # (kept quantized: its blocks, any layout)
+        kept = isinstance(head, (QuantLinear, Fp8Linear))  # (kept quantized: its blocks)
         w = head if kept else head.weight
         # (the few-rows head beyond the layers' `gemv_rows` was measured on a hidden of 576)
         rows = self.head_rows if head.in_features <= HEAD_GEMV_MAX_K else \

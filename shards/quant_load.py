@@ -1,7 +1,9 @@
 """Which tensors of a layer range stay quantized (`weights = "quantized"`), and the modules that
 hold them in place of `nn.Linear` / `nn.Embedding`.
 
-Kept in their GGUF blocks, as llama.cpp keeps them: every linear layer's weight (attention
+An FP8 checkpoint's projections (`layers.fp8_linear`) stay in FP8 with their block scales; its
+embedding, norms and anything stored unquantized are loaded in the run dtype. Kept in their GGUF
+blocks, as llama.cpp keeps them: every linear layer's weight (attention
 q/k/v/o, the MLP's gate/up/down, a MoE layer's shared expert), the LM head (the embedding's
 blocks when tied), the token embedding (rows dequantized at each lookup) and a MoE layer's
 stacked experts (`layers.quant_experts`, where its gate, up and down are all quantized). Stay
@@ -10,9 +12,13 @@ as loaded today: norms and biases (F32 in GGUF files) and a MoE router.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fp8 import scale_shape
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.fp8_linear import Fp8Linear
 from layersplit.shards.layers.quant_experts import QuantExperts
 from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
 from layersplit.shards.model_config import ModelConfig
@@ -36,11 +42,9 @@ def kept_tensors(ckpt, cfg: ModelConfig,
                  shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """Canonical name -> block type of the tensors of `shapes` kept quantized."""
     if not hasattr(ckpt, "kept_type"):
-        fp8 = " (its FP8 weights are dequantized at load: kept in FP8 they are not " \
-            "implemented)" if getattr(ckpt, "fp8", None) else ""
         raise CheckpointError(f"{ckpt.path}: weight_format = \"quantized\" keeps a GGUF "
-                              f"file's blocks; this checkpoint is not a GGUF file{fp8} (use "
-                              "weight_format = \"auto\" or \"dequantize\")")
+                              "file's blocks or an FP8 checkpoint's values; this checkpoint is "
+                              "neither (use weight_format = \"auto\" or \"dequantize\")")
     out: dict[str, str] = {}
     for name, shape in shapes.items():
         if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
@@ -93,6 +97,11 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, attr)
+        if qtype == "FP8":  # (an FP8 checkpoint's projection: `layers.fp8_linear`)
+            f = blocks[name]
+            bias = old.bias if old.bias is not None and not old.bias.is_meta else None
+            setattr(parent, attr, Fp8Linear(f.values, f.scale, f.block, bias))
+            continue
         b, flat = rows(name, qtype)
         if isinstance(old, nn.Embedding):
             new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype, planar=flat)
@@ -119,13 +128,18 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
     if asked == "quantized":
         kept_tensors(ckpt, cfg, shapes)  # (refuses what it cannot keep)
         return asked, "asked"
-    if not hasattr(ckpt, "kept_type"):
-        return "dequantize", "not a GGUF file"
+    if not getattr(ckpt, "keeps_quantized", hasattr(ckpt, "kept_type")):
+        return "dequantize", "not a GGUF file nor an FP8 checkpoint"
+    if getattr(ckpt, "fp8", None) is not None:
+        return "dequantize", AUTO_DEQUANTIZES_FP8
     return "dequantize", AUTO_DEQUANTIZES
 
 
 AUTO_DEQUANTIZES = ("weight_format auto dequantizes while the quantized kernels are slower than "
                     "the dequantized weights; weight_format = quantized keeps the blocks")
+AUTO_DEQUANTIZES_FP8 = ("weight_format auto dequantizes FP8 weights while their kernel's speed "
+                        "is not measured; weight_format = quantized keeps them in FP8 (half the "
+                        "memory of bfloat16)")
 
 
 def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
@@ -151,7 +165,10 @@ def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         n = 1
         for s in shape:
             n *= s
-        if name in kept:
+        if name in kept and kept[name] == "FP8":  # (a byte a value, a float32 a block)
+            bn, bk = ckpt.fp8.block
+            total += n + 4 * math.prod(scale_shape(shape, (bn, bk)))
+        elif name in kept:
             t, k = kept[name], shape[-1]
             row = KEPT_TYPES[t].row_bytes(k)
             if t in PLANAR_TYPES:

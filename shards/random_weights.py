@@ -8,11 +8,13 @@ and a 1-shard and a 2-shard run of the same seed hold identical weights.
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
+from layersplit.shards.fp8 import Fp8Weight, fp8_scheme, quantize_fp8
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -34,6 +36,33 @@ class RandomCheckpoint:
         # (`config`: a shape read elsewhere, e.g. a DFlash draft's layers, `draft.dflash`)
         self.config: ModelConfig = config or read_hf_config(folder)
         self.seed, self.std = seed, std
+        # an FP8 shape (`quantization_config`, `shards.fp8`): its projections' random values
+        # kept in FP8 under weight_format = "quantized" (`load_blocks`)
+        self.fp8 = None if config is not None else fp8_scheme(
+            json.loads((folder / "config.json").read_text()), folder)
+
+    @property
+    def keeps_quantized(self) -> bool:
+        return self.fp8 is not None
+
+    def kept_type(self, source: str) -> str | None:
+        """"FP8" for a projection of an FP8 shape (`checkpoint_hf.HFCheckpoint.kept_type`)."""
+        if self.fp8 is None:
+            raise CheckpointError(
+                f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
+                "FP8 checkpoint's values; this random-weight shape has neither (use "
+                "weight_format = \"auto\" or \"dequantize\")")
+        return "FP8" if source.endswith("_proj.weight") else None
+
+    def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
+        """The random values of the kept projections, quantized to FP8 with block scales."""
+        out = {}
+        for name, src in sources.items():
+            q, s = quantize_fp8(self.tensor(src, shapes[name], torch.float32, device),
+                                self.fp8.block)
+            out[name] = Fp8Weight(q, s, self.fp8.block)
+        return out
 
     def has(self, name: str) -> bool:
         return True

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.fp8_linear import Fp8Linear, concat_fp8
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
 
@@ -148,9 +149,11 @@ class ConcatLinear(nn.Module):
 
 def concat_quant(parts: list[nn.Module]) -> nn.Module:
     """One module whose output is `parts`' outputs side by side, at least one of them a
-    `QuantLinear`: their blocks concatenated where every part is of one type, else a
-    `ConcatLinear`."""
+    `QuantLinear` (or an `Fp8Linear`): their blocks concatenated where every part is of one
+    type, else a `ConcatLinear`."""
     first = parts[0]
+    if isinstance(first, Fp8Linear):
+        return concat_fp8(list(parts)) or ConcatLinear(list(parts))
     same = all(isinstance(p, QuantLinear) and (p.qtype, p.planar) == (first.qtype, first.planar)
                for p in parts)
     if not same:
@@ -164,15 +167,18 @@ def concat_quant(parts: list[nn.Module]) -> nn.Module:
 
 
 def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear))
+    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear, Fp8Linear))
 
 
 def gemv_takes(module: nn.Module, gate_up: bool = False) -> bool:
-    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`)."""
+    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`, or one
+    `Fp8Linear` whose halves are whole scale blocks)."""
     if isinstance(module, QuantLinear):
         return True
+    if isinstance(module, Fp8Linear):
+        return not gate_up or (module.out_features // 2) % module.block[0] == 0
     return not gate_up and isinstance(module, ConcatLinear) and \
-        all(isinstance(p, QuantLinear) for p in module.parts)
+        all(isinstance(p, (QuantLinear, Fp8Linear)) for p in module.parts)
 
 
 def module_gemv(x: torch.Tensor, module: nn.Module, *,
@@ -180,10 +186,15 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
                 residual: torch.Tensor | None = None, gate_up: bool = False,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`kernels.gemv.gemv`'s options (the norm prologue, the residual and SiLU * up
-    epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv`: a
-    `ConcatLinear` is its parts' GEMVs, each into its columns of the result."""
+    epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv` (an
+    `Fp8Linear`: `kernels.fp8_gemv`): a `ConcatLinear` is its parts' GEMVs, each into its
+    columns of the result."""
+    from layersplit.shards.kernels.fp8_gemv import fp8_gemv
     from layersplit.shards.kernels.quant_gemv import quant_gemv
 
+    if isinstance(module, Fp8Linear):
+        return fp8_gemv(x, module.weight, module.scale, module.block, module.bias, norm=norm,
+                        residual=residual, gate_up=gate_up, out_dtype=out_dtype)
     if isinstance(module, QuantLinear):
         return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
                           residual=residual, gate_up=gate_up, out_dtype=out_dtype,
@@ -194,7 +205,11 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
                       device=x.device)
     col = 0
     for p in module.parts:
-        quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
-                   out=out[:, col:col + p.out_features], planar=p.planar)
+        if isinstance(p, Fp8Linear):
+            fp8_gemv(x, p.weight, p.scale, p.block, p.bias, norm=norm,
+                     out=out[:, col:col + p.out_features])
+        else:
+            quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
+                       out=out[:, col:col + p.out_features], planar=p.planar)
         col += p.out_features
     return out

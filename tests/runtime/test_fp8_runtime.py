@@ -1,7 +1,8 @@
-"""An FP8 checkpoint (`quant_method = "fp8"`, dequantized at load) through real shard processes:
-the tokens and logits of the same model stored dequantized, run in one process, over 1 and 2 shards
-and over 3 restoring the 2-shard prefix-cache entries from disk (float32 on a CPU: the values
-are bit-identical, so the logits are too)."""
+"""An FP8 checkpoint (`quant_method = "fp8"`) through real shard processes, dequantized at load
+and kept in FP8 (`weight_format = "quantized"`): the tokens and logits of the same model stored
+dequantized, run in one process, over 1 and 2 shards and over 3 restoring the 2-shard
+prefix-cache entries from disk (float32 on a CPU: the values are bit-identical and each
+projection one tile, so the logits are too)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,6 @@ def test_fp8_over_splits_equals_its_dequantized_weights(tiny_llama, tmp_path):
         got = run_logged(c, prompt, GREEDY)
         assert got[0].cache_tier == "disk" and got[0].cached_tokens > 0
         assert_same_run(got, want, "FP8, 3 shards restoring the 2-shard entries")
+    with Coordinator(cfg(2, weight_format="quantized", prefix_cache=False)) as c:
+        assert c.weight_format == "quantized"  # (the projections kept in FP8)
+        assert_same_run(run_logged(c, prompt, GREEDY), want, "FP8 kept, 2 shards")

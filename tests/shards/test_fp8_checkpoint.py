@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -16,9 +17,13 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
+from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8, scale_shape
+from layersplit.shards.layers.fp8_linear import Fp8Linear
+from layersplit.shards.layers.quant_linear import concat_quant
 from layersplit.shards.model_config import read_hf_config
+from layersplit.shards.quant_load import kept_bytes, kept_tensors
 from layersplit.shards.tiny import write_tiny_checkpoint
+from layersplit.shards.weights import range_tensor_shapes
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import write_fp8
@@ -26,11 +31,12 @@ from tests.helpers import write_fp8
 BLOCK = (16, 32)  # (tiny models' sides: whole blocks, but for DeepSeek-V3's 24 and 40 rows)
 
 
-def _logits(folder: Path, ids: torch.Tensor, split: tuple[int, ...] | None = None):
+def _logits(folder: Path, ids: torch.Tensor, split: tuple[int, ...] | None = None,
+            weights: str = "dequantize"):
     ckpt = open_checkpoint(folder)
     n = ckpt.config.num_layers
     split = split or (0, n)
-    parts = [RangeExecutor(load_layer_range(ckpt, a, b), max_len=64)
+    parts = [RangeExecutor(load_layer_range(ckpt, a, b, weights=weights), max_len=64)
              for a, b in zip(split[:-1], split[1:])]
     x = ids
     for p in parts:
@@ -69,7 +75,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(family, tmp_path, caplo
     for split in ((0, 3), (0, 1, 3), (0, 1, 2, 3)):
         assert torch.equal(_logits(packed, ids, split), want), split
     assert "FP8 tensors dequantized at load to float32" in caplog.text
-    assert "weights kept in FP8 are not implemented" in caplog.text
+    assert "weight_format = quantized keeps projections in FP8" in caplog.text
 
 
 def test_transformers_reads_the_fp8_folder_as_we_do(tmp_path):
@@ -166,12 +172,68 @@ def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
         assert named in str(e.value), (case, str(e.value))
 
 
-def test_kept_fp8_is_refused_by_name(tmp_path):
-    from layersplit.shards.quant_load import kept_tensors
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_kept_in_fp8_gives_the_dequantized_logits(family, tmp_path):
+    """`weight_format = "quantized"`: the projections stay FP8 (`Fp8Linear`, a byte a value;
+    a MoE layer's experts are dequantized), the logits those of dequantizing at load (float32
+    on a CPU: the same values, each projection one tile), whole and range by range."""
+    dense = write_tiny_checkpoint(tmp_path / "dense", family, num_layers=3)
+    packed = write_fp8(dense, tmp_path / "fp8")
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(4))
+    want = _logits(dense, ids)
+    for split in ((0, 3), (0, 1, 3)):
+        assert torch.equal(_logits(packed, ids, split, "quantized"), want), split
+    model = load_layer_range(open_checkpoint(packed), 0, 3, weights="quantized")
+    kept = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(kept) == 3 * 4 + (3 * 3 if family == "llama" else 3)  # (q/k/v/o, dense MLPs)
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
 
+
+def test_kept_fp8_bytes_and_fused_projections(tmp_path):
+    """The memory plan counts a byte a kept value and a float32 a block; q/k/v and gate/up
+    fuse into one `Fp8Linear` each (whole blocks of rows), with the same output."""
+    dense = write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2)
+    ckpt = open_checkpoint(write_fp8(dense, tmp_path / "fp8"))
+    cfg = ckpt.config
+    shapes = range_tensor_shapes(cfg, 0, 2)
+    kept = kept_tensors(ckpt, cfg, shapes)
+    assert set(kept.values()) == {"FP8"} and len(kept) == 2 * 7
+    want = sum(math.prod(s) * (1 if n in kept else 4) for n, s in shapes.items()) + sum(
+        4 * math.prod(scale_shape(shapes[n], BLOCK)) for n in kept)
+    assert kept_bytes(ckpt, cfg, shapes, 4) == want
+    model = load_layer_range(ckpt, 0, 2, weights="quantized")
+    attn = model.layers[0].self_attn
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    want_qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    fused = concat_quant([attn.q_proj, attn.k_proj, attn.v_proj])
+    assert isinstance(fused, Fp8Linear) and torch.equal(fused(x), want_qkv)
+
+
+def test_kept_fp8_on_a_checkpoint_without_it_is_refused_by_name(tmp_path):
+    from layersplit.shards.quant_load import resolve_weight_format
+
+    ckpt = open_checkpoint(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2))
+    with pytest.raises(CheckpointError, match="this checkpoint has neither"):
+        resolve_weight_format("quantized", ckpt, ["cpu"])
+    packed = open_checkpoint(write_fp8(tmp_path / "dense", tmp_path / "fp8"))
+    assert resolve_weight_format("quantized", packed, ["cpu"])[0] == "quantized"
+    assert resolve_weight_format("auto", packed, ["cuda:0"])[0] == "dequantize"
+
+
+def test_a_random_weight_fp8_shape_keeps_its_projections(tmp_path):
+    """`random:` shapes whose config says FP8 (`configs/models/llama-8b-fp8`, for speed): the
+    projections' random values quantized and kept in FP8; the decode runs."""
+    from layersplit.shards.random_weights import RandomCheckpoint
+
+    folder = tmp_path / "shape"
     packed = write_fp8(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
                        tmp_path / "fp8")
-    ckpt = open_checkpoint(packed)
-    with pytest.raises(CheckpointError, match="its FP8 weights are dequantized at load: kept "
-                                              "in FP8 they are not implemented"):
-        kept_tensors(ckpt, ckpt.config, {})
+    folder.mkdir()
+    shutil.copy(packed / "config.json", folder / "config.json")
+    ckpt = RandomCheckpoint(folder, std=0.2)
+    assert ckpt.keeps_quantized and ckpt.kept_type("model.layers.0.mlp.up_proj.weight") == "FP8"
+    model = load_layer_range(ckpt, 0, 2, weights="quantized")
+    assert sum(isinstance(m, Fp8Linear) for m in model.modules()) == 2 * 7
+    logits = RangeExecutor(model, max_len=64).run(torch.arange(1, 9), 0, all_logits=True)
+    assert logits.shape == (8, 320) and torch.isfinite(logits).all()
+    assert open_checkpoint("random:llama-8b-fp8").fp8.block == (128, 128)

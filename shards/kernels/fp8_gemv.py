@@ -1,0 +1,131 @@
+"""A Triton GEMV over weights kept in FP8 (`layers.fp8_linear`: float8 e4m3 values, a float32
+scale per block of `block` rows x columns, `shards.fp8`), for steps of a few rows, with
+`kernels.gemv`'s norm prologue and residual / SiLU * up epilogues (the fused decode step of
+`shards.fused`).
+
+Program (block of BLOCK_N outputs, row m): the weight's rows read BLOCK_K values at a time
+(BLOCK_K divides the scale block's columns, so each row's chunk has one scale), converted to
+float32 and multiplied by their scale in registers, then by the row's activations; float32 sums,
+rounded as `kernels.gemv._gemv` rounds them. A few-row step runs it once per row (the grid's
+second axis): the weight's bytes come from DRAM once and from L2 for the other rows. The weight
+is never rounded to the run dtype (as a dequantized-at-load weight is): the products are of the
+exact float32 dequantized values (`tests/gpu/test_fp8_gemv.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from layersplit.shards.kernels.quant_planar import epilogue
+
+MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
+CFG = {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4}  # (not measured yet)
+
+
+@triton.jit
+def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
+              NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+              SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    dt = X.dtype.element_ty
+    xrow = X + m * s_x
+    scale = 1.0
+    if NORM:  # the row's RMSNorm scale, as `kernels.gemv._gemv`
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(xrow + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            sq += xs * xs
+        scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = acc
+    w_rows = W + rows[:, None] * K
+    s_rows = S + (rows // BN) * s_cols
+    s_rows_u = S + ((rows + N) // BN) * s_cols  # (the up half: rows N + offs_n)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(xrow + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
+            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        m2 = mask_n[:, None] & mask_k[None, :]
+        s = tl.load(s_rows + k0 // BK, mask=mask_n, other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += (w * s[:, None]) * x[None, :]
+        if SILU:
+            su = tl.load(s_rows_u + k0 // BK, mask=mask_n, other=0.0)
+            wu = tl.load(w_rows + N * K + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_u += (wu * su[:, None]) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    y_u = y
+    if SILU:
+        y_u = tl.sum(acc_u, axis=1)
+    epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
+
+
+def block_k(cols: int, k: int) -> int:
+    """BLOCK_K for a scale block of `cols` columns: the largest power of two up to 128 that
+    divides it (each chunk of a row one scale), no wider than K needs."""
+    b = 1
+    while b < 128 and cols % (2 * b) == 0:
+        b *= 2
+    return max(1, min(b, triton.next_power_of_2(k)))
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int], bias: torch.Tensor | None = None, *,
+             norm: tuple[torch.Tensor, float] | None = None,
+             residual: torch.Tensor | None = None, gate_up: bool = False,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+             cfg: dict | None = None) -> torch.Tensor:
+    """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the (N, K) FP8 `weight` and its float32
+    block `scale`, summed in float32 and rounded to x's dtype, with `kernels.gemv.gemv`'s
+    options: `norm` = (weight, eps); `gate_up`, the weight is the fused gate/up one (2F rows,
+    F a whole number of scale blocks) and the result SiLU(g) * u (M, F); `residual` (M, N)
+    added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be strided).
+    `cfg`: a launch shape (BLOCK_N, num_warps) other than `CFG`."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(f"fp8_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
+                         f"values, got {tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    n = weight.shape[0]
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if weight.dtype != torch.float8_e4m3fn or weight.shape != (n, k) or \
+            weight.stride() != (k, 1) or scale.dtype != torch.float32 or \
+            tuple(scale.shape) != want or scale.stride(1) != 1:
+        raise ValueError(f"fp8_gemv: weight {tuple(weight.shape)} {weight.dtype} and scale "
+                         f"{tuple(scale.shape)} {scale.dtype} do not take a row of {k} (float8 "
+                         f"e4m3 rows, float32 scales {want})")
+    if gate_up:
+        if n % 2 or (n // 2) % bn or bias is not None:
+            raise ValueError(f"fp8_gemv: a gate/up weight has an even row count, halves of "
+                             f"whole scale blocks ({bn} rows) and no bias, got {n} rows")
+        n //= 2
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"fp8_gemv: bias {tuple(bias.shape)} is not a contiguous vector of {n}")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"fp8_gemv: residual {tuple(residual.shape)} is not {m} rows of {n}")
+    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
+        raise ValueError(f"fp8_gemv: norm weight {tuple(norm[0].shape)} is not a contiguous "
+                         f"vector of {k}")
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"fp8_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
+    c = dict(cfg or CFG)
+    block_n = c.pop("BLOCK_N")
+    c["BLOCK_K"] = min(c.get("BLOCK_K", 128), block_k(bk, k))
+    r = x if residual is None else residual
+    _fp8_gemv[(triton.cdiv(n, block_n), m)](
+        x, x.stride(0), x if norm is None else norm[0], weight, scale, scale.stride(0),
+        x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
+        0.0 if norm is None else float(norm[1]), bn, bk, NORM=norm is not None,
+        HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up, BLOCK_N=block_n,
+        **c)
+    return out

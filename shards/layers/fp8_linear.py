@@ -1,0 +1,93 @@
+"""Linear layers whose weights stay in FP8 (`weight_format = "quantized"` on an FP8 checkpoint,
+`shards.fp8`): float8 e4m3 values and a float32 scale per block of `block` (rows, columns), one
+byte a weight on the device where the dequantized weight takes two (bfloat16).
+
+`Fp8Linear` stands where an `nn.Linear` stood (`quant_load.install_kept`):
+- where the Triton kernels run (`kernels.fused_kernels_available`: CUDA), steps of up to
+  `kernels.fp8_gemv.MAX_ROWS` rows run the GEMV that scales in registers (`kernels.fp8_gemv`),
+  which the fused decode step also takes with its norm and epilogues (`quant_linear.module_gemv`);
+- everywhere else (CPU; prefill chunks), `fp8_matmul`: the weight dequantized a tile of whole
+  scale blocks of rows at a time to the activations' dtype (`fp8.dequantize_fp8`: the values of
+  dequantizing at load, to the bit), then `F.linear`, so the dequantized copy alive at once is
+  bounded by `TILE_ELEMENTS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from layersplit.shards.fp8 import dequantize_fp8, scale_shape
+from layersplit.shards.kernels import fused_kernels_available
+from torch import nn
+
+TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `fp8_matmul`
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int], bias: torch.Tensor | None = None,
+               tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """F.linear of `x` (..., k) by the FP8 (n, k) `weight` and its block `scale`, dequantized
+    to x's dtype a tile of whole scale blocks of rows at a time."""
+    n, k = weight.shape
+    bn = block[0]
+    tile = max(bn, tile_elements // k // bn * bn)
+    if tile >= n:
+        return F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, tile):
+        w = dequantize_fp8(weight[n0:n0 + tile], scale[n0 // bn:(n0 + tile) // bn], block,
+                           x.dtype)
+        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
+    return out
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W (out_features, in_features) kept as float8 e4m3 values and float32
+    scales, one per `block` of rows x columns."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or \
+                tuple(scale.shape) != scale_shape(tuple(weight.shape), block):
+            raise ValueError(f"Fp8Linear: a float8 e4m3 (rows, cols) weight and its scales of "
+                             f"{block} blocks, got {tuple(weight.shape)} {weight.dtype} and "
+                             f"{tuple(scale.shape)}")
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale", scale.to(torch.float32).contiguous())
+        self.block = (int(block[0]), int(block[1]))
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernels: bool | None = None  # the Triton kernels: decided at the first call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            self.kernels = fused_kernels_available(x.device)
+        if self.kernels:
+            from layersplit.shards.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
+
+            rows = x.numel() // self.in_features
+            if rows <= MAX_ROWS:
+                y = fp8_gemv(x.reshape(rows, self.in_features).contiguous(), self.weight,
+                             self.scale, self.block, self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return fp8_matmul(x, self.weight, self.scale, self.block, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 "
+                f"e4m3, block={self.block}, bias={self.bias is not None}")
+
+
+def concat_fp8(parts: list[Fp8Linear]) -> Fp8Linear | None:
+    """One `Fp8Linear` of `parts` side by side (q/k/v, gate/up): None where they cannot be
+    (other blocks, a part that is not whole blocks of rows, some biased and some not)."""
+    first = parts[0]
+    if not all(isinstance(p, Fp8Linear) and p.block == first.block and
+               p.out_features % first.block[0] == 0 and p.in_features == first.in_features
+               for p in parts):
+        return None
+    biases = [p.bias for p in parts]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    return Fp8Linear(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
+                     first.block, None if biases[0] is None else torch.cat(biases))
