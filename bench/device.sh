@@ -127,7 +127,7 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   fi
 }
 
-stage_quant() {  # Q1-Q4
+stage_quant() {  # Q1-Q5
   local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8}
   if has "$cases" tests; then
     TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py

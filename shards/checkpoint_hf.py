@@ -20,6 +20,7 @@ from layersplit.shards.fp8 import (
     Fp8Weight,
     dequantize_fp8,
     fp8_scheme,
+    keeps,
     scale_shape,
 )
 from layersplit.shards.gpt_oss_config import is_mxfp4
@@ -95,9 +96,7 @@ class HFCheckpoint:
                 f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
                 "FP8 checkpoint's values; this checkpoint has neither (use weight_format = "
                 "\"auto\" or \"dequantize\")")
-        if source.endswith("_proj.weight") or source == "lm_head.weight":
-            return "FP8" if source + SCALE_SUFFIX in self.weight_map else None
-        return None
+        return "FP8" if keeps(source) and source + SCALE_SUFFIX in self.weight_map else None
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                     device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
@@ -171,7 +170,8 @@ class HFCheckpoint:
             del parts, w, scale
         made = sum(t.numel() * t.element_size() for t in out.values())
         log.warning("%s: %d FP8 tensors dequantized at load to %s: %.1f MB stored take %.1f MB "
-                    "of memory (%.1f x); weight_format = quantized keeps projections in FP8",
+                    "of memory (%.1f x); weight_format = quantized keeps the projections a layer "
+                    "reads through its modules in FP8",
                     self.path.name, len(out), str(dtype).removeprefix("torch."), stored / 1e6,
                     made / 1e6, made / max(stored, 1))
         return out

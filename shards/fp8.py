@@ -24,6 +24,16 @@ import torch
 from layersplit.shards.errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"  # `NAME.weight` -> `NAME.weight_scale_inv`
+# projections whose weight a layer reads whole rather than through its module (latent
+# attention's absorbed form, `layers.mla`): dequantized at load even when others are kept
+NOT_KEPT = ("kv_b_proj.weight",)
+
+
+def keeps(source: str) -> bool:
+    """Whether `weight_format = "quantized"` keeps the FP8 tensor `source` in FP8: a
+    projection's weight (`*_proj.weight`, the LM head) its module reads through `forward`."""
+    return (source.endswith("_proj.weight") or source == "lm_head.weight") and \
+        not source.endswith(NOT_KEPT)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
          "modules_to_not_convert", "dequantize", "scale_fmt"}

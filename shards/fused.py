@@ -327,7 +327,7 @@ class FusedDecode:
             rows = min(rows, QUANT_GEMV_ROWS)
         if not self.kernels or not self.gemv or not self.head_gemv or \
                 h.shape[0] > rows or not h.is_contiguous() or \
-                type(model.norm) is not RMSNorm or \
+                type(model.norm) is not RMSNorm or kept and not gemv_takes(head) or \
                 not kept and (w.dtype != h.dtype or w.stride() != (w.shape[1], 1)):
             return None
         try:

@@ -59,7 +59,8 @@ def kept_tensors(ckpt, cfg: ModelConfig,
 
 def load_kept(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
               kept: dict[str, str], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The blocks of the `kept` tensors (canonical name -> uint8 rows)."""
+    """The stored form of the `kept` tensors (canonical name -> a GGUF file's uint8 rows, or an
+    FP8 checkpoint's `fp8.Fp8Weight`)."""
     return ckpt.load_blocks({n: shapes[n] for n in kept},
                             {n: source_name(cfg, n) for n in kept}, device)
 
@@ -115,10 +116,10 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
 
 def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
     """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
-    a checkpoint that is not a GGUF file, or with a tensor of a type not kept, is refused by
-    name (`kept_tensors`); "auto" dequantizes: the quantized kernels, exact on a GPU, are
-    still slower than the dequantized weights there (bench/RESULTS.md), so they are taken only
-    when asked."""
+    a checkpoint that is neither a GGUF file nor FP8, or with a tensor of a type not kept, is
+    refused by name (`kept_tensors`); "auto" dequantizes: the quantized kernels, exact on a
+    GPU, are still slower than the dequantized weights there (bench/RESULTS.md; FP8's not
+    measured yet), so they are taken only when asked."""
     from layersplit.shards.weights import range_tensor_shapes
 
     if asked == "dequantize":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.fp8 import Fp8Weight, fp8_scheme, quantize_fp8
+from layersplit.shards.fp8 import Fp8Weight, fp8_scheme, keeps, quantize_fp8
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
@@ -38,8 +38,9 @@ class RandomCheckpoint:
         self.seed, self.std = seed, std
         # an FP8 shape (`quantization_config`, `shards.fp8`): its projections' random values
         # kept in FP8 under weight_format = "quantized" (`load_blocks`)
-        self.fp8 = None if config is not None else fp8_scheme(
-            json.loads((folder / "config.json").read_text()), folder)
+        self.fp8 = None if config is not None or self.config.gpt_oss is not None else \
+            fp8_scheme(json.loads((folder / "config.json").read_text()), folder)  # (gpt_oss:
+        # its own quantization_config, MXFP4)
 
     @property
     def keeps_quantized(self) -> bool:
@@ -52,7 +53,8 @@ class RandomCheckpoint:
                 f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
                 "FP8 checkpoint's values; this random-weight shape has neither (use "
                 "weight_format = \"auto\" or \"dequantize\")")
-        return "FP8" if source.endswith("_proj.weight") else None
+        return "FP8" if keeps(source) and source != "lm_head.weight" else None  # (the head
+        # stays unquantized, as the published FP8 checkpoints keep it)
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                     device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:

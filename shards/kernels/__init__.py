@@ -53,3 +53,13 @@ def fused_kernels_available(device: torch.device | str) -> bool:
     if dev.type == "cuda" and torch.version.hip is not None:
         return False  # written and measured on NVIDIA only
     return importlib.util.find_spec("triton") is not None
+
+
+def fp8_kernels_available(device: torch.device | str) -> bool:
+    """Whether the FP8 GEMV (`kernels.fp8_gemv`) runs for tensors on `device`: the Triton
+    kernels run there, and the GPU converts float8 e4m3 (compute capability 8.9 and later: Ada,
+    Hopper; Triton refuses it below, where `layers.fp8_linear` dequantizes tiles instead)."""
+    if not fused_kernels_available(device):
+        return False
+    dev = torch.device(device)
+    return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)

@@ -59,7 +59,8 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
         acc += (w * s[:, None]) * x[None, :]
         if SILU:
             su = tl.load(s_rows_u + k0 // BK, mask=mask_n, other=0.0)
-            wu = tl.load(w_rows + N * K + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(W + (rows + N)[:, None] * K + offs_k[None, :], mask=m2,
+                         other=0.0).to(tl.float32)
             acc_u += (wu * su[:, None]) * x[None, :]
     y = tl.sum(acc, axis=1)
     y_u = y

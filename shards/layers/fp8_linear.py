@@ -3,7 +3,8 @@
 byte a weight on the device where the dequantized weight takes two (bfloat16).
 
 `Fp8Linear` stands where an `nn.Linear` stood (`quant_load.install_kept`):
-- where the Triton kernels run (`kernels.fused_kernels_available`: CUDA), steps of up to
+- where the Triton kernels run and the GPU converts FP8 (`kernels.fp8_kernels_available`: CUDA,
+  compute capability 8.9 and later), steps of up to
   `kernels.fp8_gemv.MAX_ROWS` rows run the GEMV that scales in registers (`kernels.fp8_gemv`),
   which the fused decode step also takes with its norm and epilogues (`quant_linear.module_gemv`);
 - everywhere else (CPU; prefill chunks), `fp8_matmul`: the weight dequantized a tile of whole
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fp8 import dequantize_fp8, scale_shape
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import fp8_kernels_available
 from torch import nn
 
 TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `fp8_matmul`
@@ -62,7 +63,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
-            self.kernels = fused_kernels_available(x.device)
+            self.kernels = fp8_kernels_available(x.device)
         if self.kernels:
             from layersplit.shards.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
 
@@ -80,11 +81,13 @@ class Fp8Linear(nn.Module):
 
 def concat_fp8(parts: list[Fp8Linear]) -> Fp8Linear | None:
     """One `Fp8Linear` of `parts` side by side (q/k/v, gate/up): None where they cannot be
-    (other blocks, a part that is not whole blocks of rows, some biased and some not)."""
+    (other blocks, a part but the last that is not whole blocks of rows, some biased and some
+    not)."""
     first = parts[0]
     if not all(isinstance(p, Fp8Linear) and p.block == first.block and
-               p.out_features % first.block[0] == 0 and p.in_features == first.in_features
-               for p in parts):
+               p.in_features == first.in_features for p in parts) or \
+            any(p.out_features % first.block[0] for p in parts[:-1]):  # (the last may end
+        # in a partial block of rows, as a whole weight may)
         return None
     biases = [p.bias for p in parts]
     if any(b is None for b in biases) and not all(b is None for b in biases):

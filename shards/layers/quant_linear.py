@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import fp8_kernels_available, fused_kernels_available
 from layersplit.shards.layers.fp8_linear import Fp8Linear, concat_fp8
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
@@ -176,9 +176,11 @@ def gemv_takes(module: nn.Module, gate_up: bool = False) -> bool:
     if isinstance(module, QuantLinear):
         return True
     if isinstance(module, Fp8Linear):
-        return not gate_up or (module.out_features // 2) % module.block[0] == 0
+        return fp8_kernels_available(module.weight.device) and (
+            not gate_up or (module.out_features // 2) % module.block[0] == 0)
     return not gate_up and isinstance(module, ConcatLinear) and \
-        all(isinstance(p, (QuantLinear, Fp8Linear)) for p in module.parts)
+        all(isinstance(p, QuantLinear) or isinstance(p, Fp8Linear) and gemv_takes(p)
+            for p in module.parts)
 
 
 def module_gemv(x: torch.Tensor, module: nn.Module, *,

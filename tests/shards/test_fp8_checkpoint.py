@@ -75,7 +75,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(family, tmp_path, caplo
     for split in ((0, 3), (0, 1, 3), (0, 1, 2, 3)):
         assert torch.equal(_logits(packed, ids, split), want), split
     assert "FP8 tensors dequantized at load to float32" in caplog.text
-    assert "weight_format = quantized keeps projections in FP8" in caplog.text
+    assert "weight_format = quantized keeps the projections a layer reads" in caplog.text
 
 
 def test_transformers_reads_the_fp8_folder_as_we_do(tmp_path):
@@ -172,7 +172,7 @@ def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
         assert named in str(e.value), (case, str(e.value))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_kept_in_fp8_gives_the_dequantized_logits(family, tmp_path):
     """`weight_format = "quantized"`: the projections stay FP8 (`Fp8Linear`, a byte a value;
     a MoE layer's experts are dequantized), the logits those of dequantizing at load (float32
@@ -185,7 +185,10 @@ def test_kept_in_fp8_gives_the_dequantized_logits(family, tmp_path):
         assert torch.equal(_logits(packed, ids, split, "quantized"), want), split
     model = load_layer_range(open_checkpoint(packed), 0, 3, weights="quantized")
     kept = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert len(kept) == 3 * 4 + (3 * 3 if family == "llama" else 3)  # (q/k/v/o, dense MLPs)
+    assert len(kept) == {"llama": 3 * 7, "qwen3_moe": 3 * 4 + 3,  # (q/k/v/o, dense MLPs)
+                         "deepseek_v3": 3 * 3 + 3 + 2 * 3}[family]  # (q_a/q_b/o, the dense
+    # layer's MLP, each sparse layer's shared expert; kv_a_proj_with_mqa, and kv_b read whole
+    # by the absorbed attention: dequantized)
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in kept)
 
 
