@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.gemv_operands import checked_out
 from layersplit.shards.kernels.quant_planar import epilogue
 
 MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
@@ -108,17 +109,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"fp8_gemv: a gate/up weight has an even row count, halves of "
                              f"whole scale blocks ({bn} rows) and no bias, got {n} rows")
         n //= 2
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"fp8_gemv: bias {tuple(bias.shape)} is not a contiguous vector of {n}")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"fp8_gemv: residual {tuple(residual.shape)} is not {m} rows of {n}")
-    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
-        raise ValueError(f"fp8_gemv: norm weight {tuple(norm[0].shape)} is not a contiguous "
-                         f"vector of {k}")
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"fp8_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
+    out = checked_out("fp8_gemv", x, n, k, bias, residual, norm, out, out_dtype)
     c = dict(cfg or CFG)
     block_n = c.pop("BLOCK_N")
     c["BLOCK_K"] = min(c.get("BLOCK_K", 128), block_k(bk, k))

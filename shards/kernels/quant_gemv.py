@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.gemv_operands import checked_out
 from layersplit.shards.kernels.quant_planar import (
     PLANAR_QT,
     _half,
@@ -347,18 +348,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
             raise ValueError(f"quant_gemv: a gate/up weight has an even row count and no "
                              f"bias, got {n} rows{' and a bias' if bias is not None else ''}")
         n //= 2
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"quant_gemv: bias {tuple(bias.shape)} is not a contiguous vector of "
-                         f"{n}")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
-        raise ValueError(f"quant_gemv: residual {tuple(residual.shape)} is not {m} rows of {n}")
-    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
-        raise ValueError(f"quant_gemv: norm weight {tuple(norm[0].shape)} is not a contiguous "
-                         f"vector of {k}")
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1:
-        raise ValueError(f"quant_gemv: out {tuple(out.shape)} is not {m} rows of {n}")
+    out = checked_out("quant_gemv", x, n, k, bias, residual, norm, out, out_dtype)
     r = x if residual is None else residual
     if planar:
         c = dict(cfg or PLANAR_CFG)

@@ -1,0 +1,27 @@
+"""The checks the quantized GEMVs (`kernels.quant_gemv`, `kernels.fp8_gemv`) make on their
+options, and the result they write: one place, so that each names a bad operand alike."""
+
+from __future__ import annotations
+
+import torch
+
+
+def checked_out(fn: str, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None,
+                out: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """`out` (or a new (M, n) tensor of `out_dtype`, default x's) once `bias` (n,), `residual`
+    (M, n), `norm`'s weight (k,) and `out` (M, n; rows may be strided) are what `fn` (its name,
+    for the error) takes for rows `x` (M, k); raises ValueError naming the one that is not."""
+    m = x.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"{fn}: bias {tuple(bias.shape)} is not a contiguous vector of {n}")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"{fn}: residual {tuple(residual.shape)} is not {m} rows of {n}")
+    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
+        raise ValueError(f"{fn}: norm weight {tuple(norm[0].shape)} is not a contiguous vector "
+                         f"of {k}")
+    if out is None:
+        return torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"{fn}: out {tuple(out.shape)} is not {m} rows of {n}")
+    return out
