@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.kernels import GEMV_ROWS_MAX
+from layersplit.shards.kernels.gemv_operands import checked_out
 
 
 @triton.jit
@@ -211,14 +212,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
             raise ValueError(f"gemv: a gate/up weight has an even row count and no bias, got "
                              f"{n} rows{' and a bias' if bias is not None else ''}")
         n //= 2
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"gemv: bias {tuple(bias.shape)} is not a contiguous vector of {n}")
-    if residual is not None and (residual.shape != (rows, n) or residual.stride(1) != 1):
-        raise ValueError(f"gemv: residual {tuple(residual.shape)} is not {rows} rows of {n}")
-    if norm is not None and (norm[0].shape != (k,) or norm[0].stride(0) != 1):
-        raise ValueError(f"gemv: norm weight {tuple(norm[0].shape)} is not a contiguous vector "
-                         f"of {k}")
-    y = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    y = checked_out("gemv", x, n, k, bias, residual, norm, None, out_dtype)
     eps = 0.0 if norm is None else float(norm[1])
     nw = x if norm is None else norm[0]
     b = x if bias is None else bias

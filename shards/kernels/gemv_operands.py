@@ -1,4 +1,4 @@
-"""The checks the quantized GEMVs (`kernels.quant_gemv`, `kernels.fp8_gemv`) make on their
+"""The checks the GEMVs (`kernels.gemv`, `kernels.quant_gemv`, `kernels.fp8_gemv`) make on their
 options, and the result they write: one place, so that each names a bad operand alike."""
 
 from __future__ import annotations
