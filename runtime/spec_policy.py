@@ -431,9 +431,8 @@ class SpecPolicy:
 
     def describe(self, batch: int, sampled: bool) -> str:
         """What a decision for this bucket weighs, in words (for the DEBUG log): each rate (the
-        sizes' before `gain` discounts them), the
-        plain step's, each size's round, the switch's and the draft's wait (ms), and each size's
-        tokens a round."""
+        sizes' before `gain` discounts them), the plain step's, each size's round, the switch's
+        and the draft's wait (ms), and each size's tokens a round."""
         b = bucket(batch)
         ms = lambda t: "-" if t is None else f"{1e3 * t:.2f}"  # noqa: E731
         draft = self._draft.get(b)

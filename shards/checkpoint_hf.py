@@ -101,15 +101,16 @@ class HFCheckpoint:
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                     device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
         """The kept FP8 tensors as stored: values and block scales (`kept_type`)."""
-        out = {}
-        for name, src in sources.items():
-            part_shapes = {src: shapes[name],
-                           src + SCALE_SUFFIX: scale_shape(shapes[name], self.fp8.block)}
-            parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
-            w, scale = parts[src], parts[src + SCALE_SUFFIX]
-            _check_fp8(self.path, src, w, scale)
-            out[name] = Fp8Weight(w, scale.to(torch.float32), self.fp8.block)
-        return out
+        return {name: self._read_fp8(src, shapes[name], device) for name, src in sources.items()}
+
+    def _read_fp8(self, src: str, shape: tuple[int, ...],
+                  device: torch.device | str) -> Fp8Weight:
+        """An FP8 tensor as stored, with its block scales (as float32), checked."""
+        part_shapes = {src: shape, src + SCALE_SUFFIX: scale_shape(shape, self.fp8.block)}
+        parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
+        w, scale = parts[src], parts[src + SCALE_SUFFIX]
+        _check_fp8(self.path, src, w, scale)
+        return Fp8Weight(w, scale.to(torch.float32), self.fp8.block)
 
     def has(self, name: str) -> bool:
         return name in self.weight_map or self._packed(name)
@@ -157,17 +158,13 @@ class HFCheckpoint:
     def _load_fp8(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                   dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
         """`load` of FP8 weights: each read with its block scales, dequantized to `dtype`."""
-        block = self.fp8.block
         out, stored = {}, 0
         for name, src in sources.items():  # (one at a time: a tensor's FP8 bytes are freed
             # before the next is read)
-            part_shapes = {src: shapes[name], src + SCALE_SUFFIX: scale_shape(shapes[name], block)}
-            parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
-            w, scale = parts[src], parts[src + SCALE_SUFFIX]
-            _check_fp8(self.path, src, w, scale)
-            out[name] = dequantize_fp8(w, scale, block, dtype)
-            stored += w.numel() + scale.numel() * scale.element_size()
-            del parts, w, scale
+            f = self._read_fp8(src, shapes[name], device)
+            out[name] = dequantize_fp8(f.values, f.scale, f.block, dtype)
+            stored += f.values.numel() + 4 * f.scale.numel()
+            del f
         made = sum(t.numel() * t.element_size() for t in out.values())
         log.warning("%s: %d FP8 tensors dequantized at load to %s: %.1f MB stored take %.1f MB "
                     "of memory (%.1f x); weight_format = quantized keeps the projections a layer "

@@ -27,6 +27,10 @@ SCALE_SUFFIX = "_scale_inv"  # `NAME.weight` -> `NAME.weight_scale_inv`
 # projections whose weight a layer reads whole rather than through its module (latent
 # attention's absorbed form, `layers.mla`): dequantized at load even when others are kept
 NOT_KEPT = ("kv_b_proj.weight",)
+_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
+         "modules_to_not_convert", "dequantize", "scale_fmt"}
+# (`scale_fmt`: how the FP8 GEMM kernels round activation scales, "ue8m0" for powers of two; the
+# stored weight scales are floats whatever it says, and are read as stored)
 
 
 def keeps(source: str) -> bool:
@@ -34,11 +38,6 @@ def keeps(source: str) -> bool:
     projection's weight (`*_proj.weight`, the LM head) its module reads through `forward`."""
     return (source.endswith("_proj.weight") or source == "lm_head.weight") and \
         not source.endswith(NOT_KEPT)
-FP8_DTYPES = (torch.float8_e4m3fn,)
-_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-         "modules_to_not_convert", "dequantize", "scale_fmt"}
-# (`scale_fmt`: how the FP8 GEMM kernels round activation scales, "ue8m0" for powers of two; the
-# stored weight scales are floats whatever it says, and are read as stored)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
