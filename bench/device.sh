@@ -114,7 +114,10 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
       ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
   fi
   if has "$cases" tests; then
-    TAIL=20 run parity_tests 250 "${tf[@]}" $tests tests/gpu/test_parity.py
+    # (one xdist worker with pytest-timeout's thread method: a hung case dumps every thread's
+    # stack into the log, its worker is replaced, and the cases after it still run)
+    TAIL=60 run parity_tests 250 "${tf[@]}" $tests -n 1 --timeout=200 --timeout-method=thread \
+      tests/gpu/test_parity.py
     row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
   fi
   if has "$cases" layers; then
