@@ -12,7 +12,8 @@
 #             PARITY=default,families,tests,layers picks runs, default all but layers: layers
 #             is bench/bf16_layers.py, ours and transformers' bfloat16 paired, each family's
 #             layers, 24 prompts of 64 tokens, FAMILIES default llama,qwen3;
-#             FAMILIES_LIMIT, FAMILIES_TOKENS: prompts and tokens of `parity.py families`)
+#             FAMILIES_LIMIT, FAMILIES_TOKENS: prompts and tokens of `parity.py families`;
+#             PARITY_K: which of test_parity's cases, as pytest -k takes it, e.g. default)
 #   llamacpp  llama.cpp built (.device-carry/lcp.tgz) and run on random-weight GGUFs of the
 #             default model's and the Llama-8B shapes: the decode and prefill baselines
 #   decode    batch-1 decode, 1 shard and 2 shards on one GPU, next to llama.cpp      (D1-D3)
@@ -114,10 +115,11 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
       ${FAMILIES:+--families "$FAMILIES"} --out "$OUT/parity_families.json"
   fi
   if has "$cases" tests; then
+    default_model  # (its cases error without it: they would fetch it from the registry)
     # (one xdist worker with pytest-timeout's thread method: a hung case dumps every thread's
     # stack into the log, its worker is replaced, and the cases after it still run)
     TAIL=60 run parity_tests 250 "${tf[@]}" $tests -n 1 --timeout=200 --timeout-method=thread \
-      tests/gpu/test_parity.py
+      ${PARITY_K:+-k "$PARITY_K"} tests/gpu/test_parity.py
     row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
   fi
   if has "$cases" layers; then

@@ -6,10 +6,12 @@ captured decode step runs them, over enough copies of the weight that it is read
 L2), with the bandwidth it draws from the bytes it reads (the floor: those bytes / copy
 bandwidth). The K types (Q4_K, Q5_K, Q6_K) are timed in the layout the runtime gives them on
 a GPU, planar rows (`quant_blocks.to_planar`, 2-3 % more bytes than stored); `--layout stored`
-times the stored blocks' kernel instead.
+times the stored blocks' kernel instead. `FP8` (not a GGUF type) is the FP8 checkpoints' layout,
+float8 e4m3 values with a float32 scale per 128 x 128 block (`shards.kernels.fp8_gemv`).
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
+    python bench/quant_gemv.py --sweep --types FP8 --rows 1,4
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
+from layersplit.shards.kernels.fp8_gemv import fp8_gemv
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
 
@@ -29,6 +33,9 @@ SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for 
          for sb in (1, 4)]
 PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) for w in (4, 8)
                 for cg in (16, 32) if b >= w]
+FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32, 64)
+             for k in (64, 128) for w in (2, 4, 8)]
+FP8_BLOCK = (128, 128)
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -94,31 +101,41 @@ def main() -> None:
           f"{'graph us':>9} {'GB/s':>7} {'f16 graph us':>13}")
     for qtype in args.types.split(","):
         for proj, (n, k) in SHAPES.items():
-            blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
             planar = qtype in PLANAR_TYPES and args.layout == "planar"
-            if planar:
-                blocks = to_planar(blocks, qtype)
-            w16 = dequantize(blocks, qtype, k, torch.float16, planar=planar)
+            if qtype == "FP8":
+                blocks, scale = quantize_fp8(torch.randn(n, k, device=dev) * 0.02, FP8_BLOCK)
+                w16 = dequantize_fp8(blocks, scale, FP8_BLOCK, torch.float16)
+
+                def kernel(x, b, cfg=None, scale=scale):
+                    return fp8_gemv(x, b, scale, FP8_BLOCK, cfg=cfg)
+            else:
+                blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
+                if planar:
+                    blocks = to_planar(blocks, qtype)
+                w16 = dequantize(blocks, qtype, k, torch.float16, planar=planar)
+
+                def kernel(x, b, cfg=None, qtype=qtype, planar=planar):
+                    return quant_gemv(x, b, qtype, cfg=cfg, planar=planar)
             copies, copies16 = _copies(blocks), _copies(w16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
-                q_us = _time(lambda: quant_gemv(x, blocks, qtype, planar=planar), args.repeats)
+                err = (kernel(x, blocks).float() - F.linear(x, w16).float()).abs().max().item()
+                q_us = _time(lambda: kernel(x, blocks), args.repeats)
                 f_us = _time(lambda: F.linear(x, w16), args.repeats)
-                g_us = _graph_time([lambda b=b: quant_gemv(x, b, qtype, planar=planar)
-                                    for b in copies], args.repeats)
+                g_us = _graph_time([lambda b=b: kernel(x, b) for b in copies], args.repeats)
                 fg_us = _graph_time([lambda w=w: F.linear(x, w) for w in copies16], args.repeats)
                 gbps = blocks.numel() / g_us / 1e3
                 out.append({"type": qtype, "layout": "planar" if planar else "stored",
                             "proj": proj, "n": n, "k": k, "rows": m,
                             "quant_us": q_us, "f16_us": f_us, "quant_graph_us": g_us,
                             "quant_GBps": gbps, "f16_graph_us": fg_us,
-                            "block_bytes": blocks.numel()})
+                            "block_bytes": blocks.numel(), "max_abs_err_vs_f16": err})
                 print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {f_us:>8.1f} {g_us:>9.1f} "
-                      f"{gbps:>7.0f} {fg_us:>13.1f}")
-                for cfg in (PLANAR_SWEEP if planar else SWEEP) if args.sweep else []:
-                    us = _graph_time([lambda b=b, c=cfg: quant_gemv(x, b, qtype, cfg=c,
-                                                                    planar=planar)
-                                      for b in copies], args.repeats)
+                      f"{gbps:>7.0f} {fg_us:>13.1f}  (max |err| vs f16 {err:.3g})")
+                sweep = FP8_SWEEP if qtype == "FP8" else PLANAR_SWEEP if planar else SWEEP
+                for cfg in sweep if args.sweep else []:
+                    us = _graph_time([lambda b=b, c=cfg: kernel(x, b, cfg=c) for b in copies],
+                                     args.repeats)
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
                                 "quant_graph_us": us, "quant_GBps": blocks.numel() / us / 1e3})
                     print(f"      {str(cfg):<50} {us:>9.1f} {blocks.numel() / us / 1e3:>7.0f}")

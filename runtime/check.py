@@ -10,8 +10,9 @@ position, on the user's own model and layout.
    batches of `batch`); `greedy_equal` counts the prompts whose tokens equal the reference's,
    and the logits are compared up to the first token that differs.
 4. Features on top, each compared with the plain run: speculation (where a draft serves: its
-   tokens must equal plain decoding's), a prefix restored from RAM, and from disk after a
-   restart.
+   tokens must equal plain decoding's where every step rounds alike, under `deterministic` or
+   in float32 on CPUs; else they are counted, `equal_plain`), a prefix restored from RAM, and
+   from disk after a restart.
 """
 
 from __future__ import annotations
@@ -284,10 +285,11 @@ def _check_ours(coord, cfg: RuntimeConfig, opts: CheckOptions, prompts: list[lis
     runs: dict[str, Any] = {}
     failures: list[str] = []
     # speculation keeps plain decoding's tokens exactly where every step is computed the same
-    # way: float32 on CPUs, or deterministic mode (a batched verify step may round a near-tie
-    # otherwise); restores always do (the cached rows are the very rows of the cold run)
-    exact_spec = coord.dtype == "float32" and (
-        cfg.deterministic or all(s.device == "cpu" for s in coord.placement.shards))
+    # way: deterministic mode (each verify row through the one-row decode step), or float32 on
+    # CPUs (a batched verify step may round a near-tie otherwise); restores always do (the
+    # cached rows are the very rows of the cold run)
+    exact_spec = cfg.deterministic or (
+        coord.dtype == "float32" and all(s.device == "cpu" for s in coord.placement.shards))
     diagnose: ReferenceRun | None = None  # the first prompt whose logits went non-finite
     try:
         coord.start()

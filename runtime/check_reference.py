@@ -123,7 +123,31 @@ def load_transformers(model: str | Path, device: str, dtype: str = "float32",
         except Exception as e:  # noqa: BLE001 - named: which checkpoint, and why
             raise ReferenceUnavailable(f"transformers cannot load {spec}: {e}") from None
         hf = hf.to(device)
+    _torch_paths(hf)
     return hf.eval()
+
+
+# the functions a transformers modeling module takes from a kernel package where one is installed
+# (fla's gated delta rule, causal-conv1d): the runtime runs those same kernels, so a reference
+# through them would share their errors
+KERNEL_PACKAGE_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                            "causal_conv1d_fn", "causal_conv1d_update")
+
+
+def _torch_paths(hf) -> None:
+    """Point `hf`'s modeling module back at transformers' own torch code for each of
+    `KERNEL_PACKAGE_FUNCTIONS` it took from a kernel package (its wrapper keeps the torch
+    function as `__wrapped__`): the reference is then transformers' arithmetic alone, and no
+    Triton kernel of the package compiles or autotunes in the reference's process."""
+    import sys
+
+    module = sys.modules.get(type(hf).__module__)
+    for name in KERNEL_PACKAGE_FUNCTIONS:
+        fn = getattr(module, name, None)
+        own = getattr(fn, "__wrapped__", None)
+        if own is not None:
+            setattr(module, name, own)
+            log.info("reference: transformers' own %s, not a kernel package's", name)
 
 
 def _is_fp8(folder: Path) -> bool:

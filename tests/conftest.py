@@ -106,6 +106,35 @@ def pytest_collectreport(report):
     _write_failure(report, "collection")
 
 
+def pytest_runtest_setup(item):
+    """Where `LAYERSPLIT_TEST_FAILURES` is set: every thread's stack is appended to that file
+    + `.stacks` if the test still runs 20 s before pytest-timeout's limit (faulthandler writes
+    it from its own thread, so a test stuck in native code, which the timeout's signal or
+    thread method may fail to report from an xdist worker, is still seen where it hangs)."""
+    path = os.environ.get("LAYERSPLIT_TEST_FAILURES")
+    limit = (item.config.getoption("timeout", None) or item.config.getini("timeout")) if path \
+        else None
+    if limit:
+        import faulthandler
+
+        global _stacks
+        _stacks = _stacks or open(f"{path}.stacks", "a")  # noqa: SIM115 (open for the run)
+        _stacks.write(f"=== {item.nodeid}: every thread's stack if it runs past "
+                      f"{max(1.0, float(limit) - 20):.0f} s\n")
+        _stacks.flush()
+        faulthandler.dump_traceback_later(max(1.0, float(limit) - 20), file=_stacks)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _stacks is not None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+
+
+_stacks = None  # the `.stacks` file, where a run writes stacks
+
+
 def _write_failure(report, what: str) -> None:
     path = os.environ.get("LAYERSPLIT_TEST_FAILURES")
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # (xdist's

@@ -36,14 +36,19 @@ def test_default_model_matches_transformers(default_refs, layout):
     refs, best_half = default_refs
     cfg = {"1 shard": BASE, "2 shards": dataclasses.replace(BASE, devices=TWO),
            "eager": dataclasses.replace(BASE, cuda_graphs=False),
-           "draft": dataclasses.replace(BASE, draft="default")}[layout]
+           # (deterministic: each verify row rounds as a plain step does, so speculation's
+           # tokens are plain decoding's exactly; in the default mode a batched verify step may
+           # round a near-tie otherwise, `docs/speculative.md`)
+           "draft": dataclasses.replace(BASE, draft="default", deterministic=True,
+                                        spec_policy="on")}[layout]
     r = run_check(cfg, OPTS, refs)
     assert r["dtype"] == "float16"  # the auto rule's choice for the default model's GGUF
     assert r["top1_agreement"] >= 0.995, r
     assert r["nonfinite_positions"] == 0
     assert r["greedy_equal"] >= best_half, (r["greedy_equal"], best_half)
     if layout == "draft":
-        assert r["runs"]["speculative"]["equal_plain"] >= len(refs) - 1
+        assert r["runs"]["speculative"]["equal_plain"] == len(refs), r["runs"]["speculative"]
+        assert r["runs"]["speculative"]["speculated"] == len(refs)
 
 
 def test_default_model_batched_and_restored(default_refs):
@@ -56,8 +61,10 @@ def test_default_model_batched_and_restored(default_refs):
         assert r["runs"][tier]["equal_cold"] >= len(refs) - 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5", "qwen3_moe", "gemma3", "mistral",
-                                    "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("family", [
+    "llama", pytest.param("qwen3_5", marks=pytest.mark.timeout(420)),  # (our shards' fla
+    # kernels compile and autotune at the 27B width: minutes on a first run)
+    "qwen3_moe", "gemma3", "mistral", "gpt_oss", "glm4_moe"])
 def test_family_shape_matches_transformers(family, tmp_path_factory):
     """bfloat16 on the family's full-width shape, against transformers float32: within the
     floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the
@@ -74,6 +81,8 @@ def test_family_shape_matches_transformers(family, tmp_path_factory):
     theirs = half_agreement(model, refs, "bfloat16", "cuda:0", opts.new_tokens, stop)
     r = run_check(cfg, opts, refs)
     assert r["nonfinite_positions"] == 0
-    assert theirs["top1_agreement"] < 0.9999, "saturated logits: the check shows nothing"
+    # (saturated logits, one token taking all the probability, would show no difference: not
+    # top-1, which may well agree everywhere on a few positions, as Gemma 3's do, but the KL)
+    assert theirs["mean_kl"] > 1e-6, ("saturated logits: the check shows nothing", theirs)
     floors = r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3
     assert floors or r["mean_kl"] <= 1.25 * theirs["mean_kl"], (r, theirs)

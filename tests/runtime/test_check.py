@@ -187,6 +187,28 @@ def test_check_other_families(tmp_path, family):
     assert report["top1_agreement"] == 1.0
 
 
+def test_reference_runs_transformers_own_code_not_a_kernel_package(tmp_path, monkeypatch):
+    """Where a kernel package (fla, causal-conv1d) stands in for a function of transformers'
+    modeling code, the reference runs transformers' own torch code: the runtime runs those same
+    kernels, and a reference through them would share their errors."""
+    import functools
+    import importlib
+
+    import torch
+    from layersplit.runtime.check_reference import KERNEL_PACKAGE_FUNCTIONS, load_transformers
+
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    for name in KERNEL_PACKAGE_FUNCTIONS:
+        def kernel(*args, _name=name, **kwargs):
+            raise AssertionError(f"the kernel package's {_name} ran")
+        monkeypatch.setattr(module, name, functools.wraps(getattr(module, name))(kernel))
+    hf = load_transformers(write_tiny_hybrid(tmp_path / "h", "qwen3_5"), "cpu")
+    with torch.no_grad():  # (a prefill, then decode steps: every function of the list runs)
+        out = hf.generate(torch.tensor([[5, 9, 14, 20, 33, 41]]), max_new_tokens=3,
+                          do_sample=False)
+    assert out.shape == (1, 9)
+
+
 @pytest.mark.slow
 def test_check_fails_when_one_layer_is_off_by_one_percent(model, tmp_path):
     """The harness can fail: our runtime reads a copy whose layer-3 down projection is scaled
