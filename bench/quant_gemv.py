@@ -33,8 +33,8 @@ SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for 
          for sb in (1, 4)]
 PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) for w in (4, 8)
                 for cg in (16, 32) if b >= w]
-FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32, 64)
-             for k in (64, 128) for w in (2, 4, 8)]
+FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
+             for k in (128, 256, 512) for w in (2, 4, 8)]
 FP8_BLOCK = (128, 128)
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

@@ -3,13 +3,15 @@ scale per block of `block` rows x columns, `shards.fp8`), for steps of a few row
 `kernels.gemv`'s norm prologue and residual / SiLU * up epilogues (the fused decode step of
 `shards.fused`).
 
-Program (block of BLOCK_N outputs, row m): the weight's rows read BLOCK_K values at a time
-(BLOCK_K divides the scale block's columns, so each row's chunk has one scale), converted to
-float32 and multiplied by their scale in registers, then by the row's activations; float32 sums,
-rounded as `kernels.gemv._gemv` rounds them. A few-row step runs it once per row (the grid's
-second axis): the weight's bytes come from DRAM once and from L2 for the other rows. The weight
-is never rounded to the run dtype (as a dequantized-at-load weight is): the products are of the
-exact float32 dequantized values (`tests/gpu/test_fp8_gemv.py`).
+Program (block of BLOCK_N outputs, row m): BLOCK_N divides the scale block's rows, so the
+program's rows share one row of scales, and the scales multiply the activations, not the weight
+(sum_k w[n, k] s[k // cols] x[k]): each chunk of BLOCK_K activations times the scales of its
+columns (any BLOCK_K, one scale block or several), then the weight's chunk converted to float32
+and multiplied by it in registers; float32 sums, rounded as `kernels.gemv._gemv` rounds them. A
+few-row step runs it once per row (the grid's second axis): the weight's bytes come from DRAM once
+and from L2 for the other rows. The weight is never rounded to the run dtype (as a dequantized-at-
+load weight is): the products are of the float32 values, within float32's rounding of the
+dequantize-then-matmul result (`tests/gpu/test_fp8_gemv.py`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,26 @@ from layersplit.shards.kernels.gemv_operands import checked_out
 from layersplit.shards.kernels.quant_planar import epilogue
 
 MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
-CFG = {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4}  # (not measured yet)
+
+
+def launch_config(n: int, k: int) -> dict:
+    """The launch shape for `n` outputs of `k` inputs, from `bench/quant_gemv.py --sweep --types
+    FP8` at the Llama-8B widths (block 128, 1 row, H200; bench/RESULTS.md): wide outputs (the
+    gate/up projection) take 16 rows on 2 warps, long inputs (down) 8 rows on 8 warps, the rest
+    16 rows on 8 warps."""
+    if n >= 12288:
+        return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
+    if k >= 8192:
+        return {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}
+    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8}
 
 
 @triton.jit
 def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
               NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
               SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
     rows = offs_n.to(tl.int64)
@@ -45,8 +59,8 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = acc
     w_rows = W + rows[:, None] * K
-    s_rows = S + (rows // BN) * s_cols
-    s_rows_u = S + ((rows + N) // BN) * s_cols  # (the up half: rows N + offs_n)
+    s_row = S + (n0 // BN).to(tl.int64) * s_cols  # (the program's one row of scales)
+    s_row_u = S + ((n0 + N) // BN).to(tl.int64) * s_cols  # (the up half's: rows N + offs_n)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -55,14 +69,14 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
             nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         m2 = mask_n[:, None] & mask_k[None, :]
-        s = tl.load(s_rows + k0 // BK, mask=mask_n, other=0.0)
+        s = tl.load(s_row + offs_k // BK, mask=mask_k, other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
-        acc += (w * s[:, None]) * x[None, :]
+        acc += w * (x * s)[None, :]
         if SILU:
-            su = tl.load(s_rows_u + k0 // BK, mask=mask_n, other=0.0)
+            su = tl.load(s_row_u + offs_k // BK, mask=mask_k, other=0.0)
             wu = tl.load(W + (rows + N)[:, None] * K + offs_k[None, :], mask=m2,
                          other=0.0).to(tl.float32)
-            acc_u += (wu * su[:, None]) * x[None, :]
+            acc_u += wu * (x * su)[None, :]
     y = tl.sum(acc, axis=1)
     y_u = y
     if SILU:
@@ -70,13 +84,12 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
     epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
 
 
-def block_k(cols: int, k: int) -> int:
-    """BLOCK_K for a scale block of `cols` columns: the largest power of two up to 128 that
-    divides it (each chunk of a row one scale), no wider than K needs."""
-    b = 1
-    while b < 128 and cols % (2 * b) == 0:
-        b *= 2
-    return max(1, min(b, triton.next_power_of_2(k)))
+def _rows_per_program(block_n: int, rows: int) -> int:
+    """`block_n`, halved until it divides a scale block's `rows` (the program's rows then share
+    one row of scales)."""
+    while rows % block_n:
+        block_n //= 2
+    return block_n
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -90,7 +103,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     options: `norm` = (weight, eps); `gate_up`, the weight is the fused gate/up one (2F rows,
     F a whole number of scale blocks) and the result SiLU(g) * u (M, F); `residual` (M, N)
     added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be strided).
-    `cfg`: a launch shape (BLOCK_N, num_warps) other than `CFG`."""
+    `cfg`: a launch shape (BLOCK_N, BLOCK_K, num_warps; powers of two) other than
+    `launch_config`'s."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"fp8_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
                          f"values, got {tuple(x.shape)} strides {x.stride()}")
@@ -110,9 +124,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                              f"whole scale blocks ({bn} rows) and no bias, got {n} rows")
         n //= 2
     out = checked_out("fp8_gemv", x, n, k, bias, residual, norm, out, out_dtype)
-    c = dict(cfg or CFG)
-    block_n = c.pop("BLOCK_N")
-    c["BLOCK_K"] = min(c.get("BLOCK_K", 128), block_k(bk, k))
+    c = dict(cfg or launch_config(n, k))
+    block_n = _rows_per_program(c.pop("BLOCK_N"), bn)
+    c["BLOCK_K"] = min(c.get("BLOCK_K", 128), triton.next_power_of_2(k))
     r = x if residual is None else residual
     _fp8_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], weight, scale, scale.stride(0),
