@@ -132,25 +132,27 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   fi
 }
 
-stage_quant() {  # Q1-Q5
+stage_quant() {  # Q1-Q7
   local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8}
   if has "$cases" tests; then
     TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py
     row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py" \
       --cmd quant
   fi
-  if has "$cases" fp8; then  # (Q5: random values; the bfloat16 shape's run beside it)
+  if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     TAIL=10 run quant_fp8 200 python3 $l8b --model random:llama-8b-fp8 --layouts cuda:0 \
       --weight-format quantized --floor --json "$RUNS/quant_fp8.json"
     TAIL=10 run quant_fp8_bf16 150 python3 $l8b --layouts cuda:0 --floor \
       --json "$RUNS/quant_fp8_bf16.json"
-    row decode "$RUNS/quant_fp8.json" --what "FP8 kept (block 128)" --cmd Q5
-    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q5
+    row decode "$RUNS/quant_fp8.json" --what "FP8 kept (block 128)" --cmd Q6
+    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q6
   fi
   if has "$cases" kernels; then
     TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
     TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
       --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
+    TAIL=200 run quant_fp8_sweep 120 python3 bench/quant_gemv.py --sweep --types FP8 --rows 1 \
+      --repeats 10 --json "$RUNS/quant_fp8_sweep.json"  # (Q7)
   fi
   if has "$cases" parity && default_model; then
     local tf=()
