@@ -6,7 +6,8 @@
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
 #   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M; on
-#             TEST_WORKERS xdist workers, default 4; failures as they happen in $OUT/failures.txt)
+#             TEST_WORKERS xdist workers, default 4; failures as they happen in $OUT/failures.txt,
+#             and every thread's stack of a test near its timeout in $OUT/failures.txt.stacks)
 #   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
 #             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families;
 #             PARITY=default,families,tests,layers picks runs, default all but layers: layers
@@ -61,7 +62,7 @@
 # keeps /tmp while it is held: the model's pieces, llama.cpp's build).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { sed -n 2,55p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n "2,/^set -uo/p" "$0" | sed "$ d"; exit 2; }
 known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla families long serve \
 startup agent quant park "
 for s in "$@"; do
