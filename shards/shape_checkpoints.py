@@ -20,13 +20,16 @@ from layersplit.shards.random_weights import preset_path
 log = logging.getLogger(__name__)
 
 # family -> (configs/models preset, layers kept, config overrides). The windowed families get a
-# 64-token window so that prompts of a few hundred tokens reach past it.
+# 64-token window so that prompts of a few hundred tokens reach past it. Gemma 3's LM head is its
+# own matrix here: tied to the embedding (scaled by sqrt(hidden) on the way in), random weights
+# answer every prompt with one token repeated, where top-1 agreement cannot show a difference.
 SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("llama-8b-shape", 4, {}),
     "qwen3": ("qwen3-8b", 4, {}),
     "qwen3_5": ("qwen3.5-27b", 4, {}),  # 3 Gated DeltaNet layers, 1 gated attention layer
     "qwen3_moe": ("qwen3-30b-a3b", 4, {}),
-    "gemma3": ("gemma3-12b", 6, {"sliding_window": 64}),  # 5 local layers, 1 global
+    "gemma3": ("gemma3-12b", 6, {"sliding_window": 64,  # 5 local layers, 1 global
+                                 "tie_word_embeddings": False}),
     "mistral": ("mistral-7b", 4, {"sliding_window": 64}),
     "deepseek_v3": ("deepseek-v2-lite-shape", 4, {}),  # MLA; 1 dense layer, 3 of experts
     "gpt_oss": ("gpt-oss-20b", 4, {}),  # 2 sliding (its own 128-token window), 2 full layers
