@@ -50,8 +50,8 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 def test_packed_words_unpack_in_each_layout():
     """One word 0x76543210 (nibble i = i, low bits first) and one 0xFEDCBA98: GPTQ's qweight
-    holds eight input rows of a column (its stored zeros one less); AWQ's eight output columns in the order
-    [0, 2, 4, 6, 1, 3, 5, 7]."""
+    holds eight input rows of a column (its stored zeros one less); AWQ's eight output columns
+    in the order [0, 2, 4, 6, 1, 3, 5, 7]."""
     qweight = np.zeros((1, 8), dtype=np.int32)
     qweight[0, :2] = WORDS[0]
     got = dequantize_int4(Int4Scheme("gptq", 8), {  # (zeros 8, stored as 7s)
@@ -102,14 +102,16 @@ def test_large_weights_dequantize_a_slice_at_a_time(monkeypatch):
 
 
 @pytest.mark.parametrize("method, family, act_order", [
-    ("gptq", "llama", True), ("gptq", "qwen3_moe", False), ("awq", "llama", False),
-    ("awq", "qwen3_moe", False)])
+    ("gptq", "llama", True), ("gptq", "qwen3_moe", False), ("gptq", "deepseek_v3", True),
+    ("awq", "llama", False), ("awq", "qwen3_moe", False), ("awq", "deepseek_v3", False)])
 def test_int4_checkpoint_loads_as_its_dequantized_weights(method, family, act_order, tmp_path,
                                                           caplog):
-    """(qwen3_moe: experts stored per expert, each packed; the LM head and embedding stay
-    dense, as `modules_to_not_convert` leaves them)"""
+    """(qwen3_moe: experts stored per expert, each packed; deepseek_v3: latent attention's
+    projections, 24 input columns in groups of 8, `kv_b_proj` read whole; the LM head and
+    embedding stay dense, as `modules_to_not_convert` leaves them)"""
     dense = write_tiny_checkpoint(tmp_path / "dense", family, num_layers=3)
-    packed = write_int4(dense, tmp_path / method, method, act_order=act_order)
+    packed = write_int4(dense, tmp_path / method, method, group=8 if family == "deepseek_v3"
+                        else 32, act_order=act_order)
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
     caplog.set_level(logging.WARNING, logger="layersplit.shards.checkpoint_hf")
     want = range_logits(dense, ids)
@@ -191,7 +193,8 @@ BAD = {
     "no scales": ("awq", lambda t: t.pop(P + ".scales"), f"tensor '{P}.scales' is missing"),
     "no g_idx under desc_act": ("gptq", lambda t: t.pop(P + ".g_idx"),
                                 f"tensor '{P}.g_idx' is missing"),
-    "scales shape": ("gptq", lambda t: t.update({P + ".scales": t[P + ".scales"][:, :32].contiguous()}),
+    "scales shape": ("gptq", lambda t: t.update(
+        {P + ".scales": t[P + ".scales"][:, :32].contiguous()}),
                      f"'{P}.scales' has shape (5, 32), expected (5, 64)"),
     "qweight shape": ("awq", lambda t: t.update({P + ".qweight": t[P + ".qweight"][:80]}),
                       f"'{P}.qweight' has shape (80, 8), expected (160, 8)"),
