@@ -3,8 +3,9 @@
 Only the tensors a layer range needs are read (safetensors files are memory-mapped). A gpt-oss
 checkpoint whose `quantization_config` says `mxfp4` stores its experts as MXFP4 blocks and
 scales (`NAME_blocks`, `NAME_scales`); an FP8 one (`quant_method = "fp8"`) its linears' weights
-in float8 with block scales (`NAME_scale_inv`, `shards.fp8`). Both are dequantized at load, with
-a warning that says what that costs in memory.
+in float8 with block scales (`NAME_scale_inv`, `shards.fp8`); a GPTQ or AWQ one its linears as
+packed int4 values, zeros and scales (`X.qweight`, `X.qzeros`, `X.scales`, `shards.int4`). All are
+dequantized at load, with a warning that says what that costs in memory.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import (
     SCALE_SUFFIX,
+    Fp8Scheme,
     Fp8Weight,
     dequantize_fp8,
-    fp8_scheme,
     keeps,
     scale_shape,
 )
 from layersplit.shards.gpt_oss_config import is_mxfp4
+from layersplit.shards.int4 import Int4Scheme, check_parts, dequantize_int4, part_shapes
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.mxfp4 import dequantize_mxfp4
+from layersplit.shards.quant_config import quant_scheme
 from safetensors import safe_open
 
 log = logging.getLogger(__name__)
@@ -60,10 +63,12 @@ class HFCheckpoint:
         self.config: ModelConfig = config or read_hf_config(folder, strict)
         self.weight_map = self._weight_map()
         # (the config was read above; a gpt_oss one may say its experts are MXFP4, another
-        # that its linears are FP8)
+        # that its linears are FP8 or int4)
         raw = json.loads((folder / "config.json").read_text())
         self.mxfp4 = self.config.gpt_oss is not None and is_mxfp4(raw)
-        self.fp8 = None if self.config.gpt_oss is not None else fp8_scheme(raw, folder)
+        scheme = None if self.config.gpt_oss is not None else quant_scheme(raw, folder)
+        self.fp8 = scheme if isinstance(scheme, Fp8Scheme) else None
+        self.int4 = scheme if isinstance(scheme, Int4Scheme) else None
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_NAME
@@ -91,6 +96,11 @@ class HFCheckpoint:
     def kept_type(self, source: str) -> str | None:
         """"FP8" for a projection's weight stored in FP8 (kept as such under `weight_format =
         "quantized"`: `layers.fp8_linear`), else None (an embedding is dequantized at load)."""
+        if self.int4 is not None:
+            raise CheckpointError(
+                f"{self.path}: weight_format = \"quantized\" is not implemented for "
+                f"{self.int4.method.upper()} int4 checkpoints (their weights are dequantized at "
+                "load: use weight_format = \"auto\" or \"dequantize\")")
         if self.fp8 is None:
             raise CheckpointError(
                 f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
@@ -113,7 +123,12 @@ class HFCheckpoint:
         return Fp8Weight(w, scale.to(torch.float32), self.fp8.block)
 
     def has(self, name: str) -> bool:
-        return name in self.weight_map or self._packed(name)
+        return name in self.weight_map or self._packed(name) or self._int4(name)
+
+    def _int4(self, name: str) -> bool:
+        """Whether the weight `name` (`X.weight`) is stored as int4 parts (`X.qweight`, ...)."""
+        return self.int4 is not None and name.endswith(".weight") and \
+            name.removesuffix("weight") + "qweight" in self.weight_map
 
     def _packed(self, name: str) -> bool:
         """Whether `name` is stored as MXFP4 blocks and scales."""
@@ -131,10 +146,14 @@ class HFCheckpoint:
                   if s not in self.weight_map and self._packed(s)}
         fp8 = {n: s for n, s in sources.items()
                if self.fp8 is not None and s + SCALE_SUFFIX in self.weight_map}
+        int4 = {n: s for n, s in sources.items() if self._int4(s)}
         out = self._read(shapes, {n: s for n, s in sources.items()
-                                  if n not in packed and n not in fp8}, dtype, device)
+                                  if n not in packed and n not in fp8 and n not in int4},
+                         dtype, device)
         if fp8:
             out.update(self._load_fp8(shapes, fp8, dtype, device))
+        if int4:
+            out.update(self._load_int4(shapes, int4, dtype, device))
         if not packed:
             return out
         stored = made = 0
@@ -173,6 +192,36 @@ class HFCheckpoint:
                     made / 1e6, made / max(stored, 1))
         return out
 
+    def _load_int4(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
+                   dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """`load` of GPTQ / AWQ weights: each read as its packed parts, dequantized to
+        `dtype` (`shards.int4`)."""
+        out, stored, scheme = {}, 0, self.int4
+        for name, src in sources.items():  # (one at a time, as `_load_fp8`)
+            prefix = src.removesuffix(".weight")
+            try:
+                want = part_shapes(scheme, prefix, shapes[name])
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
+            g_idx = prefix + ".g_idx"
+            if g_idx in want and g_idx not in self.weight_map and not scheme.desc_act:
+                del want[g_idx]  # (groups of consecutive rows; under desc_act it is needed)
+            parts = self._read(want, {k: k for k in want}, None, device)
+            try:
+                check_parts(scheme, prefix, parts)
+            except CheckpointError as e:
+                raise CheckpointError(f"{self.path}: {e}") from None
+            out[name] = dequantize_int4(scheme, parts, prefix, dtype)
+            stored += sum(t.numel() * t.element_size() for t in parts.values())
+            del parts
+        made = sum(t.numel() * t.element_size() for t in out.values())
+        log.warning("%s: %d %s int4 tensors dequantized at load to %s: %.1f MB stored take "
+                    "%.1f MB of memory (%.1f x); kept-quantized int4 weights are not "
+                    "implemented", self.path.name, len(out), scheme.method.upper(),
+                    str(dtype).removeprefix("torch."), stored / 1e6, made / 1e6,
+                    made / max(stored, 1))
+        return out
+
     def _read(
         self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
         dtype: torch.dtype | None, device: torch.device | str,
@@ -181,9 +230,12 @@ class HFCheckpoint:
         by_file: dict[str, list[str]] = {}
         for name, src in sources.items():
             if src not in self.weight_map:
+                packed = src.removesuffix("weight") + "qweight" in self.weight_map
                 raise CheckpointError(
-                    f"{self.path}: tensor {src!r} is missing (needed for {name!r})"
-                )
+                    f"{self.path}: tensor {src!r} is missing (needed for {name!r})" +
+                    (f"; {src.removesuffix('weight') + 'qweight'!r} is int4 but config.json has "
+                     "no quantization_config with quant_method 'gptq' or 'awq'"
+                     if packed and self.int4 is None else ""))
             by_file.setdefault(self.weight_map[src], []).append(name)
         out: dict[str, torch.Tensor] = {}
         cache: dict[str, torch.Tensor] = {}

@@ -10,7 +10,8 @@ says what that costs in memory, or kept in FP8 under `weight_format = "quantized
 are computed in the run dtype: transformers' FP8 kernels quantize them to FP8 per group of 128
 (`activation_scheme = "dynamic"`), a second rounding this path does not make, so the reference
 for parity is the dequantized weights'. Anything else in a `quantization_config` is refused by
-name (a checkpoint read as if unquantized would answer with silently wrong tokens).
+name (`shards.quant_config`: a checkpoint read as if unquantized would answer with silently
+wrong tokens).
 """
 
 from __future__ import annotations
@@ -56,20 +57,10 @@ class Fp8Scheme:
     block: tuple[int, int]
 
 
-def fp8_scheme(raw: dict[str, Any], source: str | Path) -> Fp8Scheme | None:
-    """The FP8 layout a config.json's `quantization_config` declares (None: it has none).
-    Raises CheckpointError naming a method, format or key that is not implemented."""
-    q = raw.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict):
-        raise CheckpointError(f"{source}: quantization_config={q!r} must be an object")
-    method = q.get("quant_method")
-    if method != "fp8":
-        raise CheckpointError(
-            f"{source}: quantization_config quant_method={method!r} is not implemented (FP8 "
-            "checkpoints, quant_method 'fp8', load; a GGUF file keeps its blocks: "
-            "docs/models.md, FP8 checkpoints)")
+def fp8_scheme(q: dict[str, Any], source: str | Path) -> Fp8Scheme:
+    """The FP8 layout of a `quantization_config` whose `quant_method` is "fp8"
+    (`quant_config.quant_scheme`). Raises CheckpointError naming a format or key that is not
+    implemented."""
     unknown = sorted(set(q) - _KEYS)
     if unknown:
         raise CheckpointError(f"{source}: quantization_config field(s) {unknown} are not "

@@ -9,7 +9,6 @@ from typing import Any
 
 from layersplit.shards.config_fields import METADATA_FIELDS
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.fp8 import fp8_scheme
 from layersplit.shards.gemma_config import GEMMA_FIELDS, gemma_fields
 from layersplit.shards.glm4_moe_config import GLM4_MOE_FIELDS, Glm4MoeSpec, glm4_moe_fields
 from layersplit.shards.gpt_oss_config import GPT_OSS_FIELDS, GptOssSpec, gpt_oss_fields
@@ -21,6 +20,7 @@ from layersplit.shards.hybrid_config import (
 )
 from layersplit.shards.mla_config import MLA_FIELDS, MLA_TYPES, MLASpec, mla_fields
 from layersplit.shards.moe_config import MOE_FAMILY_FIELDS, GroupRouting, moe_fields
+from layersplit.shards.quant_config import quant_scheme
 
 # model_type -> (q/k/v bias, q/k RMSNorm)
 FAMILIES: dict[str, tuple[bool, bool]] = {
@@ -338,7 +338,7 @@ def check_fields(raw: dict[str, Any], model_type: str, source: str | Path) -> No
     ignored one (a logit soft-cap, a window, a bias) would answer with silently wrong tokens."""
     known = METADATA_FIELDS | COMMON_FIELDS | FAMILY_FIELDS[model_type]
     if "quantization_config" not in known:  # (gpt_oss reads its own: MXFP4 experts)
-        fp8_scheme(raw, source)  # an FP8 checkpoint's, or refused by name
+        quant_scheme(raw, source)  # an FP8 or int4 checkpoint's, or refused by name
         known = known | {"quantization_config"}
     for key, value in raw.items():
         if key not in known:

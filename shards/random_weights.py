@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.fp8 import Fp8Weight, fp8_scheme, keeps, quantize_fp8
+from layersplit.shards.fp8 import Fp8Scheme, Fp8Weight, keeps, quantize_fp8
 from layersplit.shards.model_config import ModelConfig, read_hf_config
+from layersplit.shards.quant_config import quant_scheme
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -38,9 +39,14 @@ class RandomCheckpoint:
         self.seed, self.std = seed, std
         # an FP8 shape (`quantization_config`, `shards.fp8`): its projections' random values
         # kept in FP8 under weight_format = "quantized" (`load_blocks`)
-        self.fp8 = None if config is not None or self.config.gpt_oss is not None else \
-            fp8_scheme(json.loads((folder / "config.json").read_text()), folder)  # (gpt_oss:
+        scheme = None if config is not None or self.config.gpt_oss is not None else \
+            quant_scheme(json.loads((folder / "config.json").read_text()), folder)  # (gpt_oss:
         # its own quantization_config, MXFP4)
+        if scheme is not None and not isinstance(scheme, Fp8Scheme):
+            raise CheckpointError(f"{folder}: random weights for a {scheme.method.upper()} int4 "
+                                  "shape are not implemented (its weights are dequantized at "
+                                  "load: the shape without quantization_config runs the same)")
+        self.fp8 = scheme
 
     @property
     def keeps_quantized(self) -> bool:

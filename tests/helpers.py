@@ -18,8 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import torch
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.generate import GenerationResult, Progress, collect
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
 from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import load_file, save_file
@@ -108,6 +111,94 @@ def write_fp8(dense: Path, out: Path, block: tuple[int, int] = (16, 32)) -> Path
                                   "weight_block_size": list(block)}
     (out / "config.json").write_text(json.dumps(raw))
     return out
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble i of a word holds column 8c + this
+
+
+def pack_rows(q: np.ndarray) -> np.ndarray:
+    """GPTQ's qweight: (K, N) values 0..15 -> (K/8, N) int32, row 8r + i in bits 4i..4i+3 of
+    word r."""
+    words = np.zeros((q.shape[0] // 8, q.shape[1]), dtype=np.uint32)
+    for i in range(8):
+        words |= q[i::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def pack_cols(q: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """(R, C) values 0..15 -> (R, C/8) int32, nibble i of word c holding column 8c + order[i]
+    (GPTQ's qzeros: in order; AWQ's qweight and qzeros: `AWQ_ORDER`)."""
+    words = np.zeros((q.shape[0], q.shape[1] // 8), dtype=np.uint32)
+    for i, col in enumerate(order):
+        words |= q[:, col::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def write_int4(dense: Path, out: Path, method: str, group: int = 32,
+               act_order: bool = False) -> Path:
+    """`dense` (an HF folder) written as a GPTQ (v1) or AWQ (GEMM) int4 checkpoint at `out`
+    (every 2-D `*_proj.weight` rounded to 4 bits with a float16 scale and a zero per group of
+    `group` input rows, -1: all, asymmetric), and `dense` itself rewritten with the dequantized
+    values: the two then hold the same model. `act_order`: GPTQ's groups over a seeded
+    permutation of the input rows (`g_idx`, as desc_act stores them)."""
+    shutil.copytree(dense, out)
+    rng = np.random.default_rng(0)
+    for f in sorted(dense.glob("*.safetensors")):
+        tensors, packed = load_file(str(f)), {}
+        for name, t in list(tensors.items()):
+            if not (name.endswith("_proj.weight") and t.dim() == 2):
+                continue
+            w = t.double().numpy().T  # (K, N): in, out
+            k = w.shape[0]
+            rows = k if group == -1 else group
+            g_idx = np.arange(k) // rows
+            if act_order:
+                g_idx[rng.permutation(k)] = np.arange(k) // rows
+            lo = np.stack([w[g_idx == g].min(0) for g in range(k // rows)])
+            hi = np.stack([w[g_idx == g].max(0) for g in range(k // rows)])
+            scale = np.maximum((hi - lo) / 15, 1e-3).astype(np.float16)
+            s = scale.astype(np.float64)
+            zero = np.clip(np.round(-lo / s), 1 if method == "gptq" else 0, 15).astype(np.int64)
+            q = np.clip(np.round(w / s[g_idx] + zero[g_idx]), 0, 15).astype(np.int64)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(
+                ((q - zero[g_idx]) * s[g_idx]).T.astype(np.float32)))
+            prefix = name.removesuffix(".weight")
+            if method == "gptq":  # (v1: the zeros stored one less)
+                parts = {"qweight": pack_rows(q), "qzeros": pack_cols(zero - 1),
+                         "g_idx": g_idx.astype(np.int32)}
+            else:
+                parts = {"qweight": pack_cols(q, AWQ_ORDER), "qzeros": pack_cols(zero, AWQ_ORDER)}
+            parts["scales"] = scale
+            packed.update({f"{prefix}.{p}": torch.from_numpy(np.ascontiguousarray(v))
+                           for p, v in parts.items()})
+        save_file(tensors, str(f))
+        kept = {n: t for n, t in tensors.items()
+                if n.removesuffix(".weight") + ".qweight" not in packed}
+        save_file({**kept, **packed}, str(out / f.name))
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = {
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+                 "sym": False, "checkpoint_format": "gptq", "damp_percent": 0.01,
+                 "true_sequential": True, "static_groups": False},
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}}[method]
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+def range_logits(folder: Path, ids, split: tuple[int, ...] | None = None,
+                 weights: str = "dequantize"):
+    """The logits of every position of `ids` through the checkpoint at `folder`, loaded range
+    by range at `split` (layer bounds; None: whole) and run in this process."""
+    ckpt = open_checkpoint(folder)
+    n = ckpt.config.num_layers
+    split = split or (0, n)
+    parts = [RangeExecutor(load_layer_range(ckpt, a, b, weights=weights), max_len=64)
+             for a, b in zip(split[:-1], split[1:])]
+    x = ids
+    for p in parts:
+        x = p.run(x, 0, all_logits=True)
+    return x
 
 
 def noisy_copy(src: Path, dst: Path, scale: float = 0.01, only: set[str] | None = None) -> Path:

@@ -26,22 +26,9 @@ from layersplit.shards.tiny import write_tiny_checkpoint
 from layersplit.shards.weights import range_tensor_shapes
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import write_fp8
+from tests.helpers import range_logits, write_fp8
 
 BLOCK = (16, 32)  # (tiny models' sides: whole blocks, but for DeepSeek-V3's 24 and 40 rows)
-
-
-def _logits(folder: Path, ids: torch.Tensor, split: tuple[int, ...] | None = None,
-            weights: str = "dequantize"):
-    ckpt = open_checkpoint(folder)
-    n = ckpt.config.num_layers
-    split = split or (0, n)
-    parts = [RangeExecutor(load_layer_range(ckpt, a, b, weights=weights), max_len=64)
-             for a, b in zip(split[:-1], split[1:])]
-    x = ids
-    for p in parts:
-        x = p.run(x, 0, all_logits=True)
-    return x
 
 
 def test_dequantized_as_transformers():
@@ -70,10 +57,10 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights(family, tmp_path, caplo
     packed = write_fp8(dense, tmp_path / "fp8")
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
     caplog.set_level(logging.WARNING, logger="layersplit.shards.checkpoint_hf")
-    want = _logits(dense, ids)
+    want = range_logits(dense, ids)
     assert "FP8" not in caplog.text
     for split in ((0, 3), (0, 1, 3), (0, 1, 2, 3)):
-        assert torch.equal(_logits(packed, ids, split), want), split
+        assert torch.equal(range_logits(packed, ids, split), want), split
     assert "FP8 tensors dequantized at load to float32" in caplog.text
     assert "weight_format = quantized keeps the projections a layer reads" in caplog.text
 
@@ -87,7 +74,7 @@ def test_transformers_reads_the_fp8_folder_as_we_do(tmp_path):
     assert hf.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # (dequantized)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    ours = _logits(packed, ids)
+    ours = range_logits(packed, ids)
     assert (ours - ref).abs().max().item() < 1e-5 * max(1.0, ref.abs().max().item())
 
 
@@ -101,8 +88,9 @@ def _edit(folder: Path, **quant) -> Path:
 
 
 @pytest.mark.parametrize("quant, named", [
-    ({"quant_method": "awq"}, "quant_method='awq' is not implemented"),
-    ({"quant_method": "gptq"}, "quant_method='gptq' is not implemented"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes' is not implemented"),
+    ({"quant_method": "compressed-tensors"},
+     "quant_method='compressed-tensors' is not implemented"),
     ({"fmt": "e5m2"}, "fmt='e5m2' is not implemented"),
     ({"activation_scheme": "static"}, "activation_scheme='static' is not implemented"),
     ({"weight_block_size": [128]}, "weight_block_size=[128] must be two positive integers"),
@@ -173,16 +161,16 @@ def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_kept_in_fp8_gives_the_dequantized_logits(family, tmp_path):
+def test_kept_in_fp8_gives_the_dequantizedrange_logits(family, tmp_path):
     """`weight_format = "quantized"`: the projections stay FP8 (`Fp8Linear`, a byte a value;
     a MoE layer's experts are dequantized), the logits those of dequantizing at load (float32
     on a CPU: the same values, each projection one tile), whole and range by range."""
     dense = write_tiny_checkpoint(tmp_path / "dense", family, num_layers=3)
     packed = write_fp8(dense, tmp_path / "fp8")
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(4))
-    want = _logits(dense, ids)
+    want = range_logits(dense, ids)
     for split in ((0, 3), (0, 1, 3)):
-        assert torch.equal(_logits(packed, ids, split, "quantized"), want), split
+        assert torch.equal(range_logits(packed, ids, split, "quantized"), want), split
     model = load_layer_range(open_checkpoint(packed), 0, 3, weights="quantized")
     kept = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(kept) == {"llama": 3 * 7, "qwen3_moe": 3 * 4 + 3,  # (q/k/v/o, dense MLPs)
