@@ -18,7 +18,9 @@ REFUSED = [
     ("llama", "mlp_bias", True, "mlp_bias"),
     ("llama", "hidden_act", "gelu", "hidden_act"),
     ("llama", "pretraining_tp", 2, "pretraining_tp"),
-    ("llama", "quantization_config", {"quant_method": "awq"}, "quantization_config"),
+    ("llama", "quantization_config", {"quant_method": "bitsandbytes"}, "bitsandbytes"),
+    ("llama", "quantization_config", {"quant_method": "awq", "version": "gemm", "group_size": 128},
+     "bits"),  # (int4 only, and said so)
     ("llama", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
     ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "longrope"),
     ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 2.0, "short_factor": [1.0]},
