@@ -126,7 +126,12 @@ def pytest_runtest_setup(item):
         faulthandler.dump_traceback_later(max(1.0, float(limit) - 20), file=_stacks)
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    """... cancelled once the test's teardown is over, fixtures' finalizers included (a hang
+    there still dumps), and even where one of them raised (no dump left armed for the next
+    test, which may never arm its own: a skip marker's test)."""
+    yield
     if _stacks is not None:
         import faulthandler
 

@@ -25,9 +25,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _cuda_shm() -> set[str]:
+def _cuda_shm(every: bool = False) -> set[str]:
     """This user's `cuda.shm.*` files but those of live processes outside this test's tree
-    (other test workers on the same GPU make their own while this test runs)."""
+    (other test workers on the same GPU make their own while this test runs); `every`: all of
+    this user's (the files before the runs: none of them can be theirs, and another worker's
+    process that ends meanwhile must not make its file look new)."""
     mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
     names = set()
     for p in Path("/dev/shm").glob("cuda.shm.*"):
@@ -37,7 +39,7 @@ def _cuda_shm() -> set[str]:
         except FileNotFoundError:  # (removed by its process meanwhile)
             continue
         pid = _cuda_shm_pid(p.name)
-        if pid in mine or pid is None or not psutil.pid_exists(pid):
+        if every or pid in mine or pid is None or not psutil.pid_exists(pid):
             names.add(p.name)
     return names
 
@@ -46,7 +48,7 @@ def test_starts_and_stops_leave_no_cuda_event_files(target, dflash):
     gpus = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
     cfg = RuntimeConfig(model=str(target), devices=gpus, transport=("cuda-ipc",),
                         draft=str(dflash), max_context=256, prefill_chunk=16)
-    before, ours = _cuda_shm(), layersplit_shm()
+    before, ours = _cuda_shm(every=True), layersplit_shm()
     made: set[str] = set()
     ran: set[int] = set()  # the runs' processes
     for _ in range(2):
