@@ -161,7 +161,7 @@ def test_bad_fp8_tensors_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_kept_in_fp8_gives_the_dequantizedrange_logits(family, tmp_path):
+def test_kept_in_fp8_gives_the_dequantized_logits(family, tmp_path):
     """`weight_format = "quantized"`: the projections stay FP8 (`Fp8Linear`, a byte a value;
     a MoE layer's experts are dequantized), the logits those of dequantizing at load (float32
     on a CPU: the same values, each projection one tile), whole and range by range."""
