@@ -7,7 +7,8 @@ L2), with the bandwidth it draws from the bytes it reads (the floor: those bytes
 bandwidth). The K types (Q4_K, Q5_K, Q6_K) are timed in the layout the runtime gives them on
 a GPU, planar rows (`quant_blocks.to_planar`, 2-3 % more bytes than stored); `--layout stored`
 times the stored blocks' kernel instead. `FP8` (not a GGUF type) is the FP8 checkpoints' layout,
-float8 e4m3 values with a float32 scale per 128 x 128 block (`shards.kernels.fp8_gemv`).
+float8 e4m3 values with a float32 scale per 128 x 128 block (`shards.kernels.fp8_gemv`), timed
+also as the fused decode step runs gate/up (`gate_up*`: SiLU(gate) * up, half the outputs).
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
@@ -100,14 +101,17 @@ def main() -> None:
     print(f"{'type':<5} {'proj':<8} {'rows':>4} {'quant us':>9} {'f16 us':>8} "
           f"{'graph us':>9} {'GB/s':>7} {'f16 graph us':>13}")
     for qtype in args.types.split(","):
-        for proj, (n, k) in SHAPES.items():
+        # (FP8 also as the fused decode step runs gate/up: SiLU(gate) * up, each program
+        # reading its rows of both halves)
+        shapes = [*SHAPES.items()] + [("gate_up*", SHAPES["gate_up"])] * (qtype == "FP8")
+        for proj, (n, k) in shapes:
             planar = qtype in PLANAR_TYPES and args.layout == "planar"
             if qtype == "FP8":
                 blocks, scale = quantize_fp8(torch.randn(n, k, device=dev) * 0.02, FP8_BLOCK)
                 w16 = dequantize_fp8(blocks, scale, FP8_BLOCK, torch.float16)
 
-                def kernel(x, b, cfg=None, scale=scale):
-                    return fp8_gemv(x, b, scale, FP8_BLOCK, cfg=cfg)
+                def kernel(x, b, cfg=None, scale=scale, silu=proj == "gate_up*"):
+                    return fp8_gemv(x, b, scale, FP8_BLOCK, cfg=cfg, gate_up=silu)
             else:
                 blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
                 if planar:
@@ -119,7 +123,11 @@ def main() -> None:
             copies, copies16 = _copies(blocks), _copies(w16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
-                err = (kernel(x, blocks).float() - F.linear(x, w16).float()).abs().max().item()
+                want = F.linear(x, w16).float()
+                if proj == "gate_up*":
+                    g, u = want.chunk(2, dim=-1)
+                    want = F.silu(g) * u
+                err = (kernel(x, blocks).float() - want).abs().max().item()
                 q_us = _time(lambda: kernel(x, blocks), args.repeats)
                 f_us = _time(lambda: F.linear(x, w16), args.repeats)
                 g_us = _graph_time([lambda b=b: kernel(x, b) for b in copies], args.repeats)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,19 @@ def write_shape_checkpoint(out: str | Path, family: str, device: str = "cuda",
     from layersplit.shards.tiny import write_tokenizer
 
     out = Path(out)
-    if (out / "config.json").is_file():
-        return out
     raw = {**shape_config(family), **overrides}
+    made = json.dumps({"config": raw, "seed": seed}, sort_keys=True)
+    stamp = out / "layersplit_shape.json"  # (what the folder was written from)
+    if (out / "config.json").is_file() and stamp.is_file() and stamp.read_text() == made:
+        return out
+    if out.exists():  # (written from another config, by an older shape table, or cut short)
+        other = [p.name for p in out.iterdir() if not (p.suffix in (".json", ".safetensors")
+                                                        and p.is_file())]
+        if other:
+            raise FileExistsError(f"{out}: not a shape checkpoint's folder (it holds {other[:3]}); "
+                                  "name an empty or new folder")
+        log.info("%s: rewritten (its config differs from the shape's now)", out)
+        shutil.rmtree(out)
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items()
                                                if k not in ("architectures", "torch_dtype")})
     torch.manual_seed(seed)
@@ -70,6 +81,7 @@ def write_shape_checkpoint(out: str | Path, family: str, device: str = "cuda",
              SHAPES[family][0], scale)
     model.save_pretrained(out)
     write_tokenizer(out, raw.get("max_position_embeddings", 4096))
+    stamp.write_text(made)  # (last: a folder cut short is written again)
     del model
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()

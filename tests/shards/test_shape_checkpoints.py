@@ -3,6 +3,8 @@ read by our loader, and equal to transformers float32 through the split runtime.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from layersplit.runtime.check import CheckOptions, run_check
 from layersplit.runtime.config import RuntimeConfig
@@ -87,3 +89,21 @@ def test_bfloat16_rounds_where_transformers_does(tmp_path, family):
         assert torch.equal(got, want.logits[0].float()), f"logits at {pos}"
         for i in range(layers):  # (HF's last hidden state is after the final norm, as taps')
             assert torch.equal(taps[i], want.hidden_states[i + 1][0]), f"layer {i} at {pos}"
+
+
+def test_a_folder_written_from_another_config_is_written_again(tmp_path):
+    """A shape's folder is reused only where it was written from the same config and seed: the
+    shape table changing (a field overridden, say) writes it again; a folder that holds anything
+    but a checkpoint's files is refused, never removed."""
+    small = SMALL["llama"]
+    path = write_shape_checkpoint(tmp_path / "llama", "llama", "cpu", **small)
+    first = (path / "model.safetensors").stat().st_mtime_ns
+    assert write_shape_checkpoint(path, "llama", "cpu", **small) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == first  # (reused)
+    write_shape_checkpoint(path, "llama", "cpu", **{**small, "tie_word_embeddings": True})
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="not a shape checkpoint's folder"):
+        write_shape_checkpoint(tmp_path / "mine", "llama", "cpu", **small)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
