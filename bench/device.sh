@@ -6,7 +6,8 @@
 # tool brings back 8 files at most. bench/README.md says what to carry and how to call it.
 #
 #   tests     the GPU tests (pytest -m gpu; TESTS=paths, default tests, or part:N/M; on
-#             TEST_WORKERS xdist workers, default 4; failures as they happen in $OUT/failures.txt,
+#             TEST_WORKERS xdist workers, default 8, TEST_DIST their --dist, default
+#             worksteal; failures as they happen in $OUT/failures.txt,
 #             and every thread's stack of a test near its timeout in $OUT/failures.txt.stacks)
 #   parity    bench/parity.py, then tests/gpu/test_parity.py (against transformers float32;
 #             PARITY_ARGS: more arguments of `parity.py default`, FAMILIES: which families;
@@ -90,12 +91,15 @@ stage_tests() {
     paths=$(grep -rl "pytest.mark.gpu" tests | sort |
       awk -v n="${BASH_REMATCH[1]}" -v m="${BASH_REMATCH[2]}" '(NR - 1) % m == n - 1' | xargs)
   fi
-  # (TEST_WORKERS pytest-xdist workers share the GPU, 4 by default: a hung test's worker is
+  # (TEST_WORKERS pytest-xdist workers share the GPU, 8 by default: a hung test's worker is
   # killed after 240 s and replaced; 0: one process, a hung test failed by a signal; each
-  # failure lands in $OUT/failures.txt as it happens)
-  local workers=${TEST_WORKERS:-4} how=thread
+  # failure lands in $OUT/failures.txt as it happens. Tests, not files, go to the workers
+  # (TEST_DIST=worksteal: an idle worker takes half of a busy one's queue): file by file, the
+  # hybrid's tests took 520 s in a row on one worker of 8 (the suite 537 s); a module's
+  # fixtures are then made once per worker that runs its tests.)
+  local workers=${TEST_WORKERS:-8} how=thread
   [ "$workers" = 0 ] && how=signal
-  local cmd="$tests -n $workers --dist loadfile --timeout=240 --timeout-method=$how"
+  local cmd="$tests -n $workers --dist ${TEST_DIST:-worksteal} --timeout=240 --timeout-method=$how"
   TAIL=40 run tests 60 $cmd --durations=25 $paths
   row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$cmd $paths"
 }
