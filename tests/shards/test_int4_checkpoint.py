@@ -59,10 +59,12 @@ def test_packed_words_unpack_in_each_layout():
         "x.scales": _t(np.ones((1, 8), dtype=np.float16)),
         "x.g_idx": _t(np.zeros(8, dtype=np.int32))}, "x", torch.float32)
     assert (got[:2] + 8).tolist() == [list(range(8)), list(range(8, 16))]
+    qweight = np.zeros((8, 1), dtype=np.int32)  # (K: a whole word of eight input rows)
+    qweight[:2] = WORDS.reshape(2, 1)
     got = dequantize_int4(Int4Scheme("awq", 1), {
-        "x.qweight": _t(WORDS.reshape(2, 1)), "x.qzeros": _t(np.zeros((2, 1), dtype=np.int32)),
-        "x.scales": _t(np.ones((2, 8), dtype=np.float16))}, "x", torch.float32)
-    assert got.t().tolist() == [[0, 4, 1, 5, 2, 6, 3, 7], [8, 12, 9, 13, 10, 14, 11, 15]]
+        "x.qweight": _t(qweight), "x.qzeros": _t(np.zeros((8, 1), dtype=np.int32)),
+        "x.scales": _t(np.ones((8, 8), dtype=np.float16))}, "x", torch.float32)
+    assert got.t()[:2].tolist() == [[0, 4, 1, 5, 2, 6, 3, 7], [8, 12, 9, 13, 10, 14, 11, 15]]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
