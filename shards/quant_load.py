@@ -139,7 +139,7 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
         kept_tensors(ckpt, cfg, shapes)  # (refuses what it cannot keep)
         return asked, "asked"
     if not getattr(ckpt, "keeps_quantized", hasattr(ckpt, "kept_type")):
-        return "dequantize", "not a GGUF file nor an FP8 checkpoint"
+        return "dequantize", "not a GGUF file nor an FP8, GPTQ or AWQ checkpoint"
     if getattr(ckpt, "fp8", None) is not None:
         return "dequantize", AUTO_DEQUANTIZES_FP8
     if getattr(ckpt, "int4", None) is not None:
