@@ -10,7 +10,7 @@ byte a weight on the device where the dequantized weight takes two (bfloat16).
 - everywhere else (CPU; prefill chunks), `fp8_matmul`: the weight dequantized a tile of whole
   scale blocks of rows at a time to the activations' dtype (`fp8.dequantize_fp8`: the values of
   dequantizing at load, to the bit), then `F.linear`, so the dequantized copy alive at once is
-  bounded by `TILE_ELEMENTS`.
+  bounded by `TILE_ELEMENTS` (`layers.tiled`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ dequantized at each lookup; the table stays quantized.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from layersplit.shards.kernels import fp8_kernels_available, fused_kernels_available
 from layersplit.shards.layers.fp8_linear import Fp8Linear, concat_fp8
 from layersplit.shards.layers.int4_linear import Int4Linear, concat_int4
+from layersplit.shards.layers.tiled import tiled_linear
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
 
@@ -50,15 +50,8 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
         raise ValueError("quant_matmul: planar rows are read by the Triton kernels only")
     else:
         tile_of = _torch_tile
-    n = blocks.shape[0]
-    tile = max(1, tile_elements // k)
-    if tile >= n:
-        return F.linear(x, tile_of(blocks, qtype, k, x.dtype), bias)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, tile):
-        w = tile_of(blocks[n0:n0 + tile], qtype, k, x.dtype)
-        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
-    return out
+    return tiled_linear(x, blocks.shape[0], max(1, tile_elements // k),
+                        lambda a, b: tile_of(blocks[a:b], qtype, k, x.dtype), bias)
 
 
 def _row_bytes(qtype: str, k: int, planar: bool) -> int:

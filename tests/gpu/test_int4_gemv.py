@@ -109,13 +109,13 @@ def test_int4_gemv_refuses_bad_input():
         _gemv(x, w, torch.zeros(40, device=DEV), gate_up=True)
 
 
-@pytest.mark.skipif(DEV == "cpu", reason="minutes under the interpreter: a device run's test")
 @pytest.mark.parametrize("method,fuse", [("gptq", False), ("gptq", True), ("awq", True)])
 def test_model_on_device_kept_int4_equals_dequantized(tmp_path, method, fuse):
     """A tiny Llama as a GPTQ (act order) or AWQ checkpoint on the device, float32: kept in int4
     (decode steps: the GEMV; prefill: tiles dequantized; `fuse`: the fused decode step, its
-    norms and residual adds folded into the int4 GEMV) against the same checkpoint dequantized
-    at load, split differently."""
+    norms and residual adds folded into the int4 GEMV, q/k/v and gate/up each one module)
+    against the same checkpoint dequantized at load, split differently. (~15 s a case under
+    the interpreter.)"""
     from layersplit.shards.tiny import write_tiny_checkpoint
 
     from tests.helpers import write_int4
@@ -124,5 +124,12 @@ def test_model_on_device_kept_int4_equals_dequantized(tmp_path, method, fuse):
     packed = write_int4(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=3),
                         tmp_path / method, method, act_order=method == "gptq")
     want = _logits(packed, "dequantize", [(0, 3)], DEV)
+    if fuse:  # (the fused step takes every layer: its projections are the int4 GEMV's)
+        from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+        from layersplit.shards.fused import fuse_projections
+
+        r = load_layer_range(open_checkpoint(packed), 0, 3, torch.float32, DEV, "quantized")
+        fuse_projections(r, compile=False)
+        assert all(hasattr(layer, "fast") for layer in r.layers)
     got = _logits(packed, "quantized", [(0, 1), (1, 3)], DEV, fuse=fuse)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
