@@ -220,8 +220,8 @@ def dequantize_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: 
 
 def int4_bytes(scheme: Int4Scheme, shape: tuple[int, ...]) -> int:
     """Bytes the kept layout (`Int4Weight`) of an (N, K) weight takes: half a byte a value, a
-    byte (zero) and four (scale) per row and group, and under `desc_act` four an input (`g_idx`,
-    where it is not groups of consecutive rows)."""
+    byte (zero) and four (scale) per row and group, and under `desc_act` four an input (`g_idx`;
+    counted though one that is groups of consecutive rows is dropped at load)."""
     n, k = shape
     g = 1 if scheme.group_size == -1 else k // scheme.group_size
     return n * k // 2 + 5 * n * g + 4 * k * scheme.desc_act
