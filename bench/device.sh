@@ -138,11 +138,16 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
 }
 
 stage_quant() {  # Q1-Q7
-  local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8}
+  local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8,int4}
   if has "$cases" tests; then
-    TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py
-    row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py" \
-      --cmd quant
+    TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py \
+      tests/gpu/test_int4_gemv.py
+    row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py, \
+test_int4_gemv.py" --cmd quant
+  fi
+  if has "$cases" int4; then  # (GPTQ / AWQ kept in int4, group 128: the GEMV against float16)
+    TAIL=200 run quant_int4_sweep 150 python3 bench/quant_gemv.py --sweep --types INT4 \
+      --rows 1,4 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     TAIL=10 run quant_fp8 200 python3 $l8b --model random:llama-8b-fp8 --layouts cuda:0 \

@@ -9,10 +9,15 @@ a GPU, planar rows (`quant_blocks.to_planar`, 2-3 % more bytes than stored); `--
 times the stored blocks' kernel instead. `FP8` (not a GGUF type) is the FP8 checkpoints' layout,
 float8 e4m3 values with a float32 scale per 128 x 128 block (`shards.kernels.fp8_gemv`), timed
 also as the fused decode step runs gate/up (`gate_up*`: SiLU(gate) * up, half the outputs).
+`INT4` is the GPTQ / AWQ checkpoints' kept layout (`int4.Int4Weight`: int32 words of eight
+4-bit values along K, a uint8 zero and a float32 scale per row and group of 128 inputs,
+`shards.kernels.int4_gemv`), random values, timed as FP8 is (gate_up* too); its GB/s count the
+words, zeros and scales.
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
     python bench/quant_gemv.py --sweep --types FP8 --rows 1,4
+    python bench/quant_gemv.py --sweep --types INT4 --rows 1,4
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
+from layersplit.shards.int4 import dequantize_packed
 from layersplit.shards.kernels.fp8_gemv import fp8_gemv
+from layersplit.shards.kernels.int4_gemv import int4_gemv
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
 
@@ -37,6 +44,9 @@ PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) fo
 FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
              for k in (128, 256, 512) for w in (2, 4, 8)]
 FP8_BLOCK = (128, 128)
+INT4_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (8, 16, 32)
+              for k in (128, 256) for w in (2, 4, 8)]
+INT4_GROUP = 128
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -86,7 +96,8 @@ def _copies(t: torch.Tensor) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--types", default=",".join(KEPT_TYPES))
+    ap.add_argument("--types", default=",".join(KEPT_TYPES),
+                    help="GGUF types, FP8 and INT4, comma-separated")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--sweep", action="store_true",
@@ -103,20 +114,34 @@ def main() -> None:
     for qtype in args.types.split(","):
         # (FP8 also as the fused decode step runs gate/up: SiLU(gate) * up, each program
         # reading its rows of both halves)
-        shapes = [*SHAPES.items()] + [("gate_up*", SHAPES["gate_up"])] * (qtype == "FP8")
+        shapes = [*SHAPES.items()] + [("gate_up*", SHAPES["gate_up"])] * (qtype in
+                                                                         ("FP8", "INT4"))
         for proj, (n, k) in shapes:
             planar = qtype in PLANAR_TYPES and args.layout == "planar"
             if qtype == "FP8":
                 blocks, scale = quantize_fp8(torch.randn(n, k, device=dev) * 0.02, FP8_BLOCK)
                 w16 = dequantize_fp8(blocks, scale, FP8_BLOCK, torch.float16)
+                nbytes = blocks.numel()
 
                 def kernel(x, b, cfg=None, scale=scale, silu=proj == "gate_up*"):
                     return fp8_gemv(x, b, scale, FP8_BLOCK, cfg=cfg, gate_up=silu)
+            elif qtype == "INT4":
+                g = k // INT4_GROUP
+                blocks = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32,
+                                       device=dev)
+                zeros = torch.randint(0, 16, (n, g), dtype=torch.uint8, device=dev)
+                scales = (torch.rand(n, g, device=dev) * 0.004).half().float()
+                w16 = dequantize_packed(blocks, zeros, scales, None, INT4_GROUP, torch.float16)
+                nbytes = blocks.numel() * 4 + zeros.numel() + scales.numel() * 4
+
+                def kernel(x, b, cfg=None, zeros=zeros, scales=scales, silu=proj == "gate_up*"):
+                    return int4_gemv(x, b, zeros, scales, INT4_GROUP, cfg=cfg, gate_up=silu)
             else:
                 blocks = torch.from_numpy(random_blocks(n, k, qtype, rng)).to(dev)
                 if planar:
                     blocks = to_planar(blocks, qtype)
                 w16 = dequantize(blocks, qtype, k, torch.float16, planar=planar)
+                nbytes = blocks.numel()
 
                 def kernel(x, b, cfg=None, qtype=qtype, planar=planar):
                     return quant_gemv(x, b, qtype, cfg=cfg, planar=planar)
@@ -132,21 +157,22 @@ def main() -> None:
                 f_us = _time(lambda: F.linear(x, w16), args.repeats)
                 g_us = _graph_time([lambda b=b: kernel(x, b) for b in copies], args.repeats)
                 fg_us = _graph_time([lambda w=w: F.linear(x, w) for w in copies16], args.repeats)
-                gbps = blocks.numel() / g_us / 1e3
+                gbps = nbytes / g_us / 1e3
                 out.append({"type": qtype, "layout": "planar" if planar else "stored",
                             "proj": proj, "n": n, "k": k, "rows": m,
                             "quant_us": q_us, "f16_us": f_us, "quant_graph_us": g_us,
                             "quant_GBps": gbps, "f16_graph_us": fg_us,
-                            "block_bytes": blocks.numel(), "max_abs_err_vs_f16": err})
+                            "block_bytes": nbytes, "max_abs_err_vs_f16": err})
                 print(f"{qtype:<5} {proj:<8} {m:>4} {q_us:>9.1f} {f_us:>8.1f} {g_us:>9.1f} "
                       f"{gbps:>7.0f} {fg_us:>13.1f}  (max |err| vs f16 {err:.3g})")
-                sweep = FP8_SWEEP if qtype == "FP8" else PLANAR_SWEEP if planar else SWEEP
+                sweep = FP8_SWEEP if qtype == "FP8" else INT4_SWEEP if qtype == "INT4" else \
+                    PLANAR_SWEEP if planar else SWEEP
                 for cfg in sweep if args.sweep else []:
                     us = _graph_time([lambda b=b, c=cfg: kernel(x, b, cfg=c) for b in copies],
                                      args.repeats)
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
-                                "quant_graph_us": us, "quant_GBps": blocks.numel() / us / 1e3})
-                    print(f"      {str(cfg):<50} {us:>9.1f} {blocks.numel() / us / 1e3:>7.0f}")
+                                "quant_graph_us": us, "quant_GBps": nbytes / us / 1e3})
+                    print(f"      {str(cfg):<50} {us:>9.1f} {nbytes / us / 1e3:>7.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"device": torch.cuda.get_device_name(0), "rows": out}, indent=1))

@@ -5,7 +5,9 @@ checkpoint whose `quantization_config` says `mxfp4` stores its experts as MXFP4 
 scales (`NAME_blocks`, `NAME_scales`); an FP8 one (`quant_method = "fp8"`) its linears' weights
 in float8 with block scales (`NAME_scale_inv`, `shards.fp8`); a GPTQ or AWQ one its linears as
 packed int4 values, zeros and scales (`X.qweight`, `X.qzeros`, `X.scales`, `shards.int4`). All are
-dequantized at load, with a warning that says what that costs in memory.
+dequantized at load, with a warning that says what that costs in memory; under `weight_format =
+"quantized"` the FP8 and int4 projections are kept as stored instead (`load_blocks`,
+`shards.quant_load`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from layersplit.shards.fp8 import (
     scale_shape,
 )
 from layersplit.shards.gpt_oss_config import is_mxfp4
-from layersplit.shards.int4 import Int4Scheme, check_parts, dequantize_int4, part_shapes
+from layersplit.shards.int4 import (
+    Int4Scheme,
+    Int4Weight,
+    check_parts,
+    dequantize_int4,
+    part_shapes,
+    repack_int4,
+)
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.mxfp4 import dequantize_mxfp4
 from layersplit.shards.quant_config import quant_scheme
@@ -90,27 +99,31 @@ class HFCheckpoint:
 
     @property
     def keeps_quantized(self) -> bool:
-        """Whether `weight_format = "quantized"` keeps some of its weights as stored (FP8)."""
-        return self.fp8 is not None
+        """Whether `weight_format = "quantized"` keeps some of its weights as stored (FP8,
+        int4)."""
+        return self.fp8 is not None or self.int4 is not None
 
     def kept_type(self, source: str) -> str | None:
-        """"FP8" for a projection's weight stored in FP8 (kept as such under `weight_format =
-        "quantized"`: `layers.fp8_linear`), else None (an embedding is dequantized at load)."""
+        """"FP8" ("INT4") for a projection's weight stored in FP8 (GPTQ / AWQ int4), kept as
+        such under `weight_format = "quantized"` (`layers.fp8_linear`, `layers.int4_linear`),
+        else None (an embedding is dequantized at load)."""
         if self.int4 is not None:
-            raise CheckpointError(
-                f"{self.path}: weight_format = \"quantized\" is not implemented for "
-                f"{self.int4.method.upper()} int4 checkpoints (their weights are dequantized at "
-                "load: use weight_format = \"auto\" or \"dequantize\")")
+            return "INT4" if keeps(source) and self._int4(source) else None
         if self.fp8 is None:
             raise CheckpointError(
                 f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
-                "FP8 checkpoint's values; this checkpoint has neither (use weight_format = "
-                "\"auto\" or \"dequantize\")")
+                "FP8, GPTQ or AWQ checkpoint's values; this checkpoint has none of them (use "
+                "weight_format = \"auto\" or \"dequantize\")")
         return "FP8" if keeps(source) and source + SCALE_SUFFIX in self.weight_map else None
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
-                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
-        """The kept FP8 tensors as stored: values and block scales (`kept_type`)."""
+                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight | Int4Weight]:
+        """The kept FP8 tensors as stored: values and block scales; the kept int4 ones repacked
+        into the layout the device keeps (`int4.repack_int4`) (`kept_type`)."""
+        if self.int4 is not None:
+            return {name: repack_int4(self.int4, self._read_int4(src, shapes[name], device),
+                                      src.removesuffix(".weight"))
+                    for name, src in sources.items()}
         return {name: self._read_fp8(src, shapes[name], device) for name, src in sources.items()}
 
     def _read_fp8(self, src: str, shape: tuple[int, ...],
@@ -192,34 +205,40 @@ class HFCheckpoint:
                     made / 1e6, made / max(stored, 1))
         return out
 
+    def _read_int4(self, src: str, shape: tuple[int, ...],
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The stored parts (`X.qweight`, ...) of the int4 weight `src` (`X.weight`), checked."""
+        prefix, scheme = src.removesuffix(".weight"), self.int4
+        try:
+            want = part_shapes(scheme, prefix, shape)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+        g_idx = prefix + ".g_idx"
+        if g_idx in want and g_idx not in self.weight_map and not scheme.desc_act:
+            del want[g_idx]  # (groups of consecutive rows; under desc_act it is needed)
+        parts = self._read(want, {k: k for k in want}, None, device)
+        try:
+            check_parts(scheme, prefix, parts)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+        return parts
+
     def _load_int4(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
                    dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
         """`load` of GPTQ / AWQ weights: each read as its packed parts, dequantized to
         `dtype` (`shards.int4`)."""
         out, stored, scheme = {}, 0, self.int4
         for name, src in sources.items():  # (one at a time, as `_load_fp8`)
-            prefix = src.removesuffix(".weight")
-            try:
-                want = part_shapes(scheme, prefix, shapes[name])
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.path}: {e}") from None
-            g_idx = prefix + ".g_idx"
-            if g_idx in want and g_idx not in self.weight_map and not scheme.desc_act:
-                del want[g_idx]  # (groups of consecutive rows; under desc_act it is needed)
-            parts = self._read(want, {k: k for k in want}, None, device)
-            try:
-                check_parts(scheme, prefix, parts)
-            except CheckpointError as e:
-                raise CheckpointError(f"{self.path}: {e}") from None
-            out[name] = dequantize_int4(scheme, parts, prefix, dtype)
+            parts = self._read_int4(src, shapes[name], device)
+            out[name] = dequantize_int4(scheme, parts, src.removesuffix(".weight"), dtype)
             stored += sum(t.numel() * t.element_size() for t in parts.values())
             del parts
         made = sum(t.numel() * t.element_size() for t in out.values())
         log.warning("%s: %d %s int4 tensors dequantized at load to %s: %.1f MB stored take "
-                    "%.1f MB of memory (%.1f x); kept-quantized int4 weights are not "
-                    "implemented", self.path.name, len(out), scheme.method.upper(),
-                    str(dtype).removeprefix("torch."), stored / 1e6, made / 1e6,
-                    made / max(stored, 1))
+                    "%.1f MB of memory (%.1f x); weight_format = quantized keeps the projections "
+                    "a layer reads through its modules in int4", self.path.name, len(out),
+                    scheme.method.upper(), str(dtype).removeprefix("torch."), stored / 1e6,
+                    made / 1e6, made / max(stored, 1))
         return out
 
     def _read(

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import attend, group_queries
-from layersplit.shards.layers.fp8_linear import Fp8Linear
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.quant_linear import (
+    KEPT_LINEARS,
     QuantLinear,
     gemv_takes,
     is_quantized,
@@ -140,7 +140,7 @@ HEAD_GEMV_MAX_K = 1024  # ... for a hidden size up to this (measured: 576)
 
 
 # the most rows of a step whose projections kept quantized take the GEMV (`kernels.
-# quant_gemv.MAX_ROWS`; more: the layer's own modules)
+# quant_gemv.MAX_ROWS`, as FP8's and int4's; more: the layer's own modules)
 QUANT_GEMV_ROWS = 16
 
 
@@ -318,7 +318,7 @@ class FusedDecode:
         if self.kernels is None:
             self.kernels = fused_kernels_available(h.device)
         head = model.lm_head
-        kept = isinstance(head, (QuantLinear, Fp8Linear))  # (kept quantized: its blocks)
+        kept = isinstance(head, (QuantLinear, *KEPT_LINEARS))  # (kept quantized: its blocks)
         w = head if kept else head.weight
         # (the few-rows head beyond the layers' `gemv_rows` was measured on a hidden of 576)
         rows = self.head_rows if head.in_features <= HEAD_GEMV_MAX_K else \

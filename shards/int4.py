@@ -11,11 +11,17 @@ optimum write them, `checkpoint_format` "gptq", their v1) and `"awq"` (AutoAWQ's
   dimension in AutoAWQ's order (the word's i-th nibble, low bits first, holds column
   8c + [0, 2, 4, 6, 1, 3, 5, 7][i]); `X.scales` float (G, N); groups of consecutive rows,
 
-G = K / `group_size` (-1: one group, the whole K). The weight is (q - zero) * scale of the row's
-group, transposed to (N, K). It is dequantized at load to the run dtype (`shards.checkpoint_hf`,
-with a warning that says what that costs in memory); kept in int4 it is not implemented
-(`weight_format = "quantized"` is refused by name). The integer difference times a float16
-scale is exact in float32, so a float32 run holds the exact values.
+G = K / `group_size` (-1: one group, the whole K; K a whole number of words of eight values). The
+weight is (q - zero) * scale of the row's group, transposed to (N, K).
+
+Both are first repacked into one layout (`repack_int4`, `Int4Weight`): rows = outputs, each row's
+values packed along K into int32 words (low bits first), the zeros unpacked to a byte each (N, G),
+the scales float32 (N, G), and `g_idx` kept only where it is not groups of consecutive rows (act
+order). From that layout a weight is dequantized at load to the run dtype (`shards.
+checkpoint_hf`, with a warning that says what that costs in memory), or kept so on the device
+under `weight_format = "quantized"` (`layers.int4_linear`), where the GEMV reads a row's words
+in order. The integer difference times a float16 scale is exact in float32, so a float32 run
+holds the exact values either way.
 """
 
 from __future__ import annotations
@@ -117,7 +123,7 @@ def part_shapes(scheme: Int4Scheme, prefix: str,
     if k % group:
         raise CheckpointError(f"{prefix + '.qweight'!r}: quantization_config group_size "
                               f"{group} does not divide its {k} input columns")
-    if n % 8 or (scheme.method == "gptq" and k % 8):
+    if n % 8 or k % 8:
         raise CheckpointError(f"{prefix + '.qweight'!r}: a weight of shape {shape} does not pack "
                               "into words of eight 4-bit values")
     g = k // group
@@ -143,38 +149,118 @@ def check_parts(scheme: Int4Scheme, prefix: str, parts: dict[str, torch.Tensor])
                                   f"{scales.shape[0] - 1}")
 
 
-def dequantize_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: str,
-                    dtype: torch.dtype) -> torch.Tensor:
-    """The (N, K) weight of the linear `prefix` from its stored parts (`part_shapes`, checked by
-    `check_parts`; a GPTQ one without `g_idx`: groups of consecutive rows): (q - zero) * scale
-    in float32, then in `dtype`; a slice of input rows at a time (small temporaries)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A linear's int4 weight in the one layout GPTQ and AWQ are repacked into (`repack_int4`):
+    what `layers.int4_linear.Int4Linear` keeps on the device."""
+
+    qweight: torch.Tensor  # int32 (N, K/8): row n's value k is nibble k % 8 of word k // 8
+    zeros: torch.Tensor  # uint8 (N, G): the zero of each row's groups (GPTQ's offset added)
+    scales: torch.Tensor  # float32 (N, G)
+    g_idx: torch.Tensor | None  # int32 (K,): each input's group; None: k // group
+    group: int  # input rows a group spans (without g_idx)
+
+
+def repack_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: str) -> Int4Weight:
+    """The stored parts of the linear `prefix` (`part_shapes`, checked by `check_parts`; a GPTQ
+    one without `g_idx`: groups of consecutive rows) in the kept layout: GPTQ's words
+    transposed, AWQ's unpacked and packed again along K a slice of rows at a time; a `g_idx`
+    that is groups of consecutive rows dropped."""
     qweight, qzeros = parts[f"{prefix}.qweight"], parts[f"{prefix}.qzeros"]
     scales = parts[f"{prefix}.scales"].to(torch.float32)
     g, n = scales.shape
-    k = qweight.shape[0] * 8 if scheme.method == "gptq" else qweight.shape[0]
     if scheme.method == "gptq":
+        k = qweight.shape[0] * 8
+        words = qweight.t().contiguous()
         zeros = unpack_cols(qzeros) + 1  # (v1's offset)
     else:
-        zeros = unpack_cols(qzeros)[:, awq_columns(n, qzeros.device)]
+        k = qweight.shape[0]
+        cols = awq_columns(n, qweight.device)
+        words = torch.empty(n, k // 8, dtype=torch.int32, device=qweight.device)
+        step = max(8, _CHUNK // 4 // max(n, 1) // 8 * 8)
+        for r in range(0, k, step):
+            values = unpack_cols(qweight[r:r + step])[:, cols]  # (rows r.., N)
+            words[:, r // 8:(r + step) // 8] = pack_rows(values).t()
+        zeros = unpack_cols(qzeros)[:, cols]
+    group = k // g
     g_idx = parts.get(f"{prefix}.g_idx")
+    if g_idx is not None and torch.equal(
+            g_idx.long(), torch.arange(k, device=g_idx.device) // group):
+        g_idx = None  # (groups of consecutive rows: the GEMV finds them without a lookup)
+    return Int4Weight(words, zeros.t().to(torch.uint8).contiguous(), scales.t().contiguous(),
+                      None if g_idx is None else g_idx.to(torch.int32).contiguous(), group)
+
+
+def dequantize_packed(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      g_idx: torch.Tensor | None, group: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The (n, K) weight of rows of the kept layout (`Int4Weight`'s parts, those rows'):
+    (q - zero) * scale in float32, then in `dtype`."""
+    k = qweight.shape[1] * 8
     groups = g_idx.long() if g_idx is not None else \
-        torch.arange(k, device=qweight.device) // (k // g)
-    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    step = max(8, _CHUNK // max(n, 1) // 8 * 8)
-    for r in range(0, k, step):
-        if scheme.method == "gptq":
-            q = unpack_rows(qweight[r // 8:(r + step) // 8])
-        else:
-            q = unpack_cols(qweight[r:r + step])[:, awq_columns(n, qweight.device)]
-        gr = groups[r:r + step]
-        out[:, r:r + step] = ((q - zeros[gr]).to(torch.float32) * scales[gr]).t().to(dtype)
+        torch.arange(k, device=qweight.device) // group
+    q = unpack_cols(qweight)
+    return ((q - zeros[:, groups]).to(torch.float32) * scales[:, groups]).to(dtype)
+
+
+def dequantize_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: str,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The (N, K) weight of the linear `prefix` from its stored parts (as `repack_int4` takes
+    them), in `dtype`: repacked, then dequantized a slice of output rows at a time (small
+    temporaries)."""
+    w = repack_int4(scheme, parts, prefix)
+    n, k = w.qweight.shape[0], w.qweight.shape[1] * 8
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    step = max(1, _CHUNK // max(k, 1))
+    for r in range(0, n, step):
+        out[r:r + step] = dequantize_packed(w.qweight[r:r + step], w.zeros[r:r + step],
+                                            w.scales[r:r + step], w.g_idx, w.group, dtype)
     return out
+
+
+def int4_bytes(scheme: Int4Scheme, shape: tuple[int, ...]) -> int:
+    """Bytes the kept layout (`Int4Weight`) of an (N, K) weight takes: half a byte a value, a
+    byte (zero) and four (scale) per row and group, and under `desc_act` four an input (`g_idx`;
+    counted though one that is groups of consecutive rows is dropped at load)."""
+    n, k = shape
+    g = 1 if scheme.group_size == -1 else k // scheme.group_size
+    return n * k // 2 + 5 * n * g + 4 * k * scheme.desc_act
+
+
+def kept_layout_error(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                      group: int, g_idx: torch.Tensor | None, k: int) -> str | None:
+    """What is wrong with the parts of a kept int4 weight (`Int4Weight`) taking rows of `k`
+    inputs, said for an error (None: nothing)."""
+    n, g = (scales.shape if scales.dim() == 2 else (-1, -1))
+    if k % 8 or qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, k // 8):
+        return (f"int32 words {tuple(qweight.shape)} {qweight.dtype} are not (N, K/8) for "
+                f"{k} inputs and {n} outputs")
+    if zeros.dtype != torch.uint8 or tuple(zeros.shape) != (n, g) or \
+            scales.dtype != torch.float32:
+        return (f"zeros {tuple(zeros.shape)} {zeros.dtype} and scales {tuple(scales.shape)} "
+                f"{scales.dtype} are not (N, G) uint8 and float32")
+    if g_idx is None and group * g != k:
+        return f"{g} groups of {group} inputs are not {k} inputs"
+    if g_idx is not None and (g_idx.dtype != torch.int32 or tuple(g_idx.shape) != (k,)):
+        return f"g_idx {tuple(g_idx.shape)} {g_idx.dtype} is not int32 ({k},)"
+    if not all(t.is_contiguous() for t in (qweight, zeros, scales)):
+        return "the words, zeros and scales must be contiguous"
+    return None
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 words -> (8R, C) values: row 8r + i is the i-th nibble (low bits first)."""
     nibbles = (packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 15
     return nibbles.reshape(-1, packed.shape[1])
+
+
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """(8R, C) values 0..15 -> (R, C) int32 words: `unpack_rows`' inverse."""
+    v = values.to(torch.int32).reshape(-1, 8, values.shape[1])
+    out = v[:, 0].clone()
+    for i in range(1, 8):
+        out |= v[:, i] << (4 * i)
+    return out
 
 
 def unpack_cols(packed: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Which tensors of a layer range stay quantized (`weights = "quantized"`), and the modules that
 hold them in place of `nn.Linear` / `nn.Embedding`.
 
-An FP8 checkpoint's projections (`layers.fp8_linear`) stay in FP8 with their block scales; its
-embedding, norms and anything stored unquantized are loaded in the run dtype. Kept in their GGUF
+An FP8 checkpoint's projections (`layers.fp8_linear`) stay in FP8 with their block scales, a
+GPTQ or AWQ one's in int4 with their zeros and scales (`layers.int4_linear`, repacked into one
+layout: `int4.repack_int4`); their embedding, norms and anything stored unquantized are loaded
+in the run dtype. Kept in their GGUF
 blocks, as llama.cpp keeps them: every linear layer's weight (attention
 q/k/v/o, the MLP's gate/up/down, a MoE layer's shared expert), the LM head (the embedding's
 blocks when tied), the token embedding (rows dequantized at each lookup) and a MoE layer's
@@ -17,8 +19,10 @@ import math
 import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import scale_shape
+from layersplit.shards.int4 import int4_bytes
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.fp8_linear import Fp8Linear
+from layersplit.shards.layers.int4_linear import Int4Linear
 from layersplit.shards.layers.quant_experts import QuantExperts
 from layersplit.shards.layers.quant_linear import QuantEmbedding, QuantLinear
 from layersplit.shards.model_config import ModelConfig
@@ -43,8 +47,9 @@ def kept_tensors(ckpt, cfg: ModelConfig,
     """Canonical name -> block type of the tensors of `shapes` kept quantized."""
     if not hasattr(ckpt, "kept_type"):
         raise CheckpointError(f"{ckpt.path}: weight_format = \"quantized\" keeps a GGUF "
-                              "file's blocks or an FP8 checkpoint's values; this checkpoint is "
-                              "neither (use weight_format = \"auto\" or \"dequantize\")")
+                              "file's blocks or an FP8, GPTQ or AWQ checkpoint's values; this "
+                              "checkpoint is none of them (use weight_format = \"auto\" or "
+                              "\"dequantize\")")
     out: dict[str, str] = {}
     for name, shape in shapes.items():
         if _kept_name(name, shape) and (qtype := ckpt.kept_type(source_name(cfg, name))):
@@ -59,8 +64,8 @@ def kept_tensors(ckpt, cfg: ModelConfig,
 
 def load_kept(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
               kept: dict[str, str], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The stored form of the `kept` tensors (canonical name -> a GGUF file's uint8 rows, or an
-    FP8 checkpoint's `fp8.Fp8Weight`)."""
+    """The stored form of the `kept` tensors (canonical name -> a GGUF file's uint8 rows, an
+    FP8 checkpoint's `fp8.Fp8Weight`, or a GPTQ / AWQ one's `int4.Int4Weight`)."""
     return ckpt.load_blocks({n: shapes[n] for n in kept},
                             {n: source_name(cfg, n) for n in kept}, device)
 
@@ -103,6 +108,10 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
             bias = old.bias if old.bias is not None and not old.bias.is_meta else None
             setattr(parent, attr, Fp8Linear(f.values, f.scale, f.block, bias))
             continue
+        if qtype == "INT4":  # (a GPTQ / AWQ checkpoint's projection: `layers.int4_linear`)
+            bias = old.bias if old.bias is not None and not old.bias.is_meta else None
+            setattr(parent, attr, Int4Linear(blocks[name], bias))
+            continue
         b, flat = rows(name, qtype)
         if isinstance(old, nn.Embedding):
             new: nn.Module = QuantEmbedding(b, qtype, old.embedding_dim, dtype, planar=flat)
@@ -116,10 +125,10 @@ def install_kept(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[s
 
 def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, str]:
     """("quantized" or "dequantize", why) for config `weight_format` = `asked`. "quantized" on
-    a checkpoint that is neither a GGUF file nor FP8, or with a tensor of a type not kept, is
-    refused by name (`kept_tensors`); "auto" dequantizes: the quantized kernels, exact on a
-    GPU, are still slower than the dequantized weights there (bench/RESULTS.md; FP8's not
-    measured yet), so they are taken only when asked."""
+    a checkpoint that is neither a GGUF file nor FP8, GPTQ or AWQ, or with a tensor of a type
+    not kept, is refused by name (`kept_tensors`); "auto" dequantizes: the quantized kernels,
+    exact on a GPU, are still slower than the dequantized weights there (bench/RESULTS.md;
+    FP8's and int4's not measured yet), so they are taken only when asked."""
     from layersplit.shards.weights import range_tensor_shapes
 
     if asked == "dequantize":
@@ -130,9 +139,11 @@ def resolve_weight_format(asked: str, ckpt, devices: list[str]) -> tuple[str, st
         kept_tensors(ckpt, cfg, shapes)  # (refuses what it cannot keep)
         return asked, "asked"
     if not getattr(ckpt, "keeps_quantized", hasattr(ckpt, "kept_type")):
-        return "dequantize", "not a GGUF file nor an FP8 checkpoint"
+        return "dequantize", "not a GGUF file nor an FP8, GPTQ or AWQ checkpoint"
     if getattr(ckpt, "fp8", None) is not None:
         return "dequantize", AUTO_DEQUANTIZES_FP8
+    if getattr(ckpt, "int4", None) is not None:
+        return "dequantize", AUTO_DEQUANTIZES_INT4
     return "dequantize", AUTO_DEQUANTIZES
 
 
@@ -141,6 +152,9 @@ AUTO_DEQUANTIZES = ("weight_format auto dequantizes while the quantized kernels 
 AUTO_DEQUANTIZES_FP8 = ("weight_format auto dequantizes FP8 weights while their kernel's speed "
                         "is not measured; weight_format = quantized keeps them in FP8 (half the "
                         "memory of bfloat16)")
+AUTO_DEQUANTIZES_INT4 = ("weight_format auto dequantizes GPTQ / AWQ int4 weights while their "
+                         "kernel's speed is not measured; weight_format = quantized keeps them in "
+                         "int4 (about a quarter of the memory of bfloat16)")
 
 
 def _install_experts(model: nn.Module, blocks: dict[str, torch.Tensor], kept: dict[str, str],
@@ -159,7 +173,8 @@ def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
                itemsize: int) -> int:
     """Bytes `shapes` take on the device with weights kept quantized: the kept tensors' blocks,
     the rest at `itemsize`; K-quant rows at their planar size where larger (a GPU repacks
-    them at load, `quant_blocks.to_planar`: the plan covers either layout)."""
+    them at load, `quant_blocks.to_planar`: the plan covers either layout); int4 weights as
+    `int4.Int4Weight` holds them (`int4_bytes`)."""
     kept = kept_tensors(ckpt, cfg, shapes)
     total = 0
     for name, shape in shapes.items():
@@ -169,6 +184,8 @@ def kept_bytes(ckpt, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
         if name in kept and kept[name] == "FP8":  # (a byte a value, a float32 a block)
             bn, bk = ckpt.fp8.block
             total += n + 4 * math.prod(scale_shape(shape, (bn, bk)))
+        elif name in kept and kept[name] == "INT4":
+            total += int4_bytes(ckpt.int4, shape)
         elif name in kept:
             t, k = kept[name], shape[-1]
             row = KEPT_TYPES[t].row_bytes(k)

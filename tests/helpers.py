@@ -140,9 +140,11 @@ def write_int4(dense: Path, out: Path, method: str, group: int = 32,
     (every 2-D `*_proj.weight` rounded to 4 bits with a float16 scale and a zero per group of
     `group` input rows, -1: all, asymmetric), and `dense` itself rewritten with the dequantized
     values: the two then hold the same model. `act_order`: GPTQ's groups over a seeded
-    permutation of the input rows (`g_idx`, as desc_act stores them)."""
+    permutation of the input rows (`g_idx`, as desc_act stores them), one per input width (as
+    GPTQ's order comes from the input, which q/k/v share, as gate/up do)."""
     shutil.copytree(dense, out)
     rng = np.random.default_rng(0)
+    perms: dict[int, np.ndarray] = {}
     for f in sorted(dense.glob("*.safetensors")):
         tensors, packed = load_file(str(f)), {}
         for name, t in list(tensors.items()):
@@ -153,7 +155,9 @@ def write_int4(dense: Path, out: Path, method: str, group: int = 32,
             rows = k if group == -1 else group
             g_idx = np.arange(k) // rows
             if act_order:
-                g_idx[rng.permutation(k)] = np.arange(k) // rows
+                if k not in perms:
+                    perms[k] = rng.permutation(k)
+                g_idx[perms[k]] = np.arange(k) // rows
             lo = np.stack([w[g_idx == g].min(0) for g in range(k // rows)])
             hi = np.stack([w[g_idx == g].max(0) for g in range(k // rows)])
             scale = np.maximum((hi - lo) / 15, 1e-3).astype(np.float16)

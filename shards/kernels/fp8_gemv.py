@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.kernels.gemv_operands import checked_out
-from layersplit.shards.kernels.quant_planar import epilogue
+from layersplit.shards.kernels.gemv_operands import check_rows, checked_out
+from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
 
@@ -50,12 +50,7 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
     xrow = X + m * s_x
     scale = 1.0
     if NORM:  # the row's RMSNorm scale, as `kernels.gemv._gemv`
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(xrow + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            sq += xs * xs
-        scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        scale = rms_scale(xrow, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = acc
     w_rows = W + rows[:, None] * K
@@ -64,10 +59,7 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        x = tl.load(xrow + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
-            nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x = activations(xrow, NW, offs_k, mask_k, scale, NORM, dt)
         m2 = mask_n[:, None] & mask_k[None, :]
         s = tl.load(s_row + offs_k // BK, mask=mask_k, other=0.0)
         w = tl.load(w_rows + offs_k[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -105,9 +97,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     added. Stored as `out_dtype` (default x's), or into `out` (M, N or F; rows may be strided).
     `cfg`: a launch shape (BLOCK_N, BLOCK_K, num_warps; powers of two) other than
     `launch_config`'s."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
-        raise ValueError(f"fp8_gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous "
-                         f"values, got {tuple(x.shape)} strides {x.stride()}")
+    check_rows("fp8_gemv", x, MAX_ROWS)
     m, k = x.shape
     n = weight.shape[0]
     bn, bk = block

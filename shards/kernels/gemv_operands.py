@@ -1,9 +1,18 @@
-"""The checks the GEMVs (`kernels.gemv`, `kernels.quant_gemv`, `kernels.fp8_gemv`) make on their
-options, and the result they write: one place, so that each names a bad operand alike."""
+"""The checks the GEMVs (`kernels.gemv`, `kernels.quant_gemv`, `kernels.fp8_gemv`,
+`kernels.int4_gemv`) make on their rows and options, and the result they write: one place, so
+that each names a bad operand alike."""
 
 from __future__ import annotations
 
 import torch
+
+
+def check_rows(fn: str, x: torch.Tensor, most: int) -> None:
+    """Raise ValueError, naming `fn`, unless `x` is 1 to `most` rows (M, K) of contiguous
+    values."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
+        raise ValueError(f"{fn}: x must be 1 to {most} rows (M, K) of contiguous values, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
 
 
 def checked_out(fn: str, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None,

@@ -51,6 +51,30 @@ def _group_scales(sm, dw, QT: tl.constexpr):
 
 
 @triton.jit
+def rms_scale(xrow, K, eps, BLOCK_K: tl.constexpr):
+    """The RMSNorm scale of the row at `xrow` (K values), as `kernels.gemv._gemv` computes it:
+    the GEMVs' norm prologue."""
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(xrow + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        sq += xs * xs
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def activations(xrow, NW, offs_k, mask_k, scale, NORM: tl.constexpr, dt):
+    """The row's activations at `offs_k` (any shape) as float32, 0 where not `mask_k`; NORM:
+    normalized by `scale` (`rms_scale`) and the norm's weight `NW`, rounded as `fused.rms_norm`
+    rounds them (w * dt(x * scale), in dt)."""
+    x = tl.load(xrow + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
 def epilogue(acc, acc_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B: tl.constexpr,
              HAS_R: tl.constexpr, SILU: tl.constexpr):
     """`kernels.gemv._gemv`'s epilogues on the float32 sums of rows offs_n (and of the up rows:

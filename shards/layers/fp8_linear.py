@@ -10,15 +10,15 @@ byte a weight on the device where the dequantized weight takes two (bfloat16).
 - everywhere else (CPU; prefill chunks), `fp8_matmul`: the weight dequantized a tile of whole
   scale blocks of rows at a time to the activations' dtype (`fp8.dequantize_fp8`: the values of
   dequantizing at load, to the bit), then `F.linear`, so the dequantized copy alive at once is
-  bounded by `TILE_ELEMENTS`.
+  bounded by `TILE_ELEMENTS` (`layers.tiled`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from layersplit.shards.fp8 import dequantize_fp8, scale_shape
 from layersplit.shards.kernels import fp8_kernels_available
+from layersplit.shards.layers.tiled import tiled_linear
 from torch import nn
 
 TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `fp8_matmul`
@@ -32,14 +32,11 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n, k = weight.shape
     bn = block[0]
     tile = max(bn, tile_elements // k // bn * bn)
-    if tile >= n:
-        return F.linear(x, dequantize_fp8(weight, scale, block, x.dtype), bias)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, tile):
-        w = dequantize_fp8(weight[n0:n0 + tile], scale[n0 // bn:(n0 + tile) // bn], block,
-                           x.dtype)
-        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
-    return out
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        return dequantize_fp8(weight[a:b], scale[a // bn:-(-b // bn)], block, x.dtype)
+
+    return tiled_linear(x, n, tile, rows, bias)
 
 
 class Fp8Linear(nn.Module):
@@ -65,14 +62,20 @@ class Fp8Linear(nn.Module):
         if self.kernels is None:
             self.kernels = fp8_kernels_available(x.device)
         if self.kernels:
-            from layersplit.shards.kernels.fp8_gemv import MAX_ROWS, fp8_gemv
+            from layersplit.shards.kernels.fp8_gemv import MAX_ROWS
 
             rows = x.numel() // self.in_features
             if rows <= MAX_ROWS:
-                y = fp8_gemv(x.reshape(rows, self.in_features).contiguous(), self.weight,
-                             self.scale, self.block, self.bias)
+                y = self.gemv(x.reshape(rows, self.in_features).contiguous())
                 return y.reshape(*x.shape[:-1], self.out_features)
         return fp8_matmul(x, self.weight, self.scale, self.block, self.bias)
+
+    def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:
+        """`kernels.fp8_gemv.fp8_gemv` of rows `x` by this weight and bias, with its
+        `options` (norm, residual, gate_up, out, out_dtype)."""
+        from layersplit.shards.kernels.fp8_gemv import fp8_gemv
+
+        return fp8_gemv(x, self.weight, self.scale, self.block, self.bias, **options)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 "

@@ -19,9 +19,10 @@ dequantized at each lookup; the table stays quantized.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from layersplit.shards.kernels import fp8_kernels_available, fused_kernels_available
 from layersplit.shards.layers.fp8_linear import Fp8Linear, concat_fp8
+from layersplit.shards.layers.int4_linear import Int4Linear, concat_int4
+from layersplit.shards.layers.tiled import tiled_linear
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
 
@@ -49,15 +50,8 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
         raise ValueError("quant_matmul: planar rows are read by the Triton kernels only")
     else:
         tile_of = _torch_tile
-    n = blocks.shape[0]
-    tile = max(1, tile_elements // k)
-    if tile >= n:
-        return F.linear(x, tile_of(blocks, qtype, k, x.dtype), bias)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, tile):
-        w = tile_of(blocks[n0:n0 + tile], qtype, k, x.dtype)
-        out[..., n0:n0 + tile] = F.linear(x, w, None if bias is None else bias[n0:n0 + tile])
-    return out
+    return tiled_linear(x, blocks.shape[0], max(1, tile_elements // k),
+                        lambda a, b: tile_of(blocks[a:b], qtype, k, x.dtype), bias)
 
 
 def _row_bytes(qtype: str, k: int, planar: bool) -> int:
@@ -149,11 +143,13 @@ class ConcatLinear(nn.Module):
 
 def concat_quant(parts: list[nn.Module]) -> nn.Module:
     """One module whose output is `parts`' outputs side by side, at least one of them a
-    `QuantLinear` (or an `Fp8Linear`): their blocks concatenated where every part is of one
-    type, else a `ConcatLinear`."""
+    `QuantLinear` (or an `Fp8Linear`, an `Int4Linear`): their blocks concatenated where every
+    part is of one type, else a `ConcatLinear`."""
     first = parts[0]
     if isinstance(first, Fp8Linear):
         return concat_fp8(list(parts)) or ConcatLinear(list(parts))
+    if isinstance(first, Int4Linear):
+        return concat_int4(list(parts)) or ConcatLinear(list(parts))
     same = all(isinstance(p, QuantLinear) and (p.qtype, p.planar) == (first.qtype, first.planar)
                for p in parts)
     if not same:
@@ -166,20 +162,27 @@ def concat_quant(parts: list[nn.Module]) -> nn.Module:
                        bias, planar=first.planar)
 
 
+KEPT_LINEARS = (Fp8Linear, Int4Linear)  # linears kept quantized that carry their own `gemv`
+
+
 def is_quantized(module: nn.Module) -> bool:
-    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear, Fp8Linear))
+    return isinstance(module, (QuantLinear, QuantEmbedding, ConcatLinear, *KEPT_LINEARS))
 
 
 def gemv_takes(module: nn.Module, gate_up: bool = False) -> bool:
-    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`, or one
-    `Fp8Linear` whose halves are whole scale blocks)."""
+    """Whether `module_gemv` takes `module` (a gate/up projection: one `QuantLinear`, one
+    `Fp8Linear` whose halves are whole scale blocks, or one `Int4Linear` of an even row count
+    without a bias)."""
     if isinstance(module, QuantLinear):
         return True
     if isinstance(module, Fp8Linear):
         return fp8_kernels_available(module.weight.device) and (
             not gate_up or (module.out_features // 2) % module.block[0] == 0)
+    if isinstance(module, Int4Linear):
+        return fused_kernels_available(module.qweight.device) and (
+            not gate_up or module.out_features % 2 == 0 and module.bias is None)
     return not gate_up and isinstance(module, ConcatLinear) and \
-        all(isinstance(p, QuantLinear) or isinstance(p, Fp8Linear) and gemv_takes(p)
+        all(isinstance(p, QuantLinear) or isinstance(p, KEPT_LINEARS) and gemv_takes(p)
             for p in module.parts)
 
 
@@ -189,14 +192,13 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`kernels.gemv.gemv`'s options (the norm prologue, the residual and SiLU * up
     epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv` (an
-    `Fp8Linear`: `kernels.fp8_gemv`): a `ConcatLinear` is its parts' GEMVs, each into its
-    columns of the result."""
-    from layersplit.shards.kernels.fp8_gemv import fp8_gemv
+    `Fp8Linear`, an `Int4Linear`: its own `gemv`, `kernels.fp8_gemv`, `kernels.int4_gemv`): a
+    `ConcatLinear` is its parts' GEMVs, each into its columns of the result."""
     from layersplit.shards.kernels.quant_gemv import quant_gemv
 
-    if isinstance(module, Fp8Linear):
-        return fp8_gemv(x, module.weight, module.scale, module.block, module.bias, norm=norm,
-                        residual=residual, gate_up=gate_up, out_dtype=out_dtype)
+    if isinstance(module, KEPT_LINEARS):
+        return module.gemv(x, norm=norm, residual=residual, gate_up=gate_up,
+                           out_dtype=out_dtype)
     if isinstance(module, QuantLinear):
         return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
                           residual=residual, gate_up=gate_up, out_dtype=out_dtype,
@@ -207,9 +209,8 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
                       device=x.device)
     col = 0
     for p in module.parts:
-        if isinstance(p, Fp8Linear):
-            fp8_gemv(x, p.weight, p.scale, p.block, p.bias, norm=norm,
-                     out=out[:, col:col + p.out_features])
+        if isinstance(p, KEPT_LINEARS):
+            p.gemv(x, norm=norm, out=out[:, col:col + p.out_features])
         else:
             quant_gemv(x, p.blocks, p.qtype, p.bias, norm=norm,
                        out=out[:, col:col + p.out_features], planar=p.planar)

@@ -3,7 +3,8 @@
 rounded to the int4 grid and stored packed loads, with a warning naming the memory cost, to the
 very logits of the same model stored dense, whole and range by range (GPTQ with act order's
 permuted groups too); and what is not implemented, in the config or the tensors, is refused by
-name."""
+name; kept in int4 (`weight_format = "quantized"`, `layers.int4_linear`) the logits are those of
+dequantizing at load."""
 
 from __future__ import annotations
 
@@ -17,10 +18,18 @@ import pytest
 import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.int4 import Int4Scheme, dequantize_int4
+from layersplit.shards.int4 import Int4Scheme, dequantize_int4, part_shapes, repack_int4
+from layersplit.shards.layers.int4_linear import Int4Linear, int4_matmul
+from layersplit.shards.layers.quant_linear import ConcatLinear, concat_quant
 from layersplit.shards.model_config import read_hf_config
-from layersplit.shards.quant_load import resolve_weight_format
+from layersplit.shards.quant_load import (
+    AUTO_DEQUANTIZES_INT4,
+    kept_bytes,
+    kept_tensors,
+    resolve_weight_format,
+)
 from layersplit.shards.tiny import write_tiny_checkpoint
+from layersplit.shards.weights import range_tensor_shapes
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import AWQ_ORDER, pack_cols, pack_rows, range_logits, write_int4
@@ -59,10 +68,12 @@ def test_packed_words_unpack_in_each_layout():
         "x.scales": _t(np.ones((1, 8), dtype=np.float16)),
         "x.g_idx": _t(np.zeros(8, dtype=np.int32))}, "x", torch.float32)
     assert (got[:2] + 8).tolist() == [list(range(8)), list(range(8, 16))]
+    qweight = np.zeros((8, 1), dtype=np.int32)  # (K: a whole word of eight input rows)
+    qweight[:2] = WORDS.reshape(2, 1)
     got = dequantize_int4(Int4Scheme("awq", 1), {
-        "x.qweight": _t(WORDS.reshape(2, 1)), "x.qzeros": _t(np.zeros((2, 1), dtype=np.int32)),
-        "x.scales": _t(np.ones((2, 8), dtype=np.float16))}, "x", torch.float32)
-    assert got.t().tolist() == [[0, 4, 1, 5, 2, 6, 3, 7], [8, 12, 9, 13, 10, 14, 11, 15]]
+        "x.qweight": _t(qweight), "x.qzeros": _t(np.zeros((8, 1), dtype=np.int32)),
+        "x.scales": _t(np.ones((8, 8), dtype=np.float16))}, "x", torch.float32)
+    assert got.t()[:2].tolist() == [[0, 4, 1, 5, 2, 6, 3, 7], [8, 12, 9, 13, 10, 14, 11, 15]]
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -225,12 +236,11 @@ def test_a_group_size_that_does_not_divide_k_is_refused_by_name(packed, tmp_path
     assert "'model.layers.0.self_attn.q_proj.qweight'" in str(e.value)
 
 
-def test_kept_int4_is_refused_by_name_and_auto_dequantizes(packed, tmp_path):
+def test_kept_int4_is_taken_when_asked_and_auto_dequantizes(packed, tmp_path):
     ckpt = open_checkpoint(packed["gptq"])
-    with pytest.raises(CheckpointError, match="weight_format = \"quantized\" is not implemented "
-                                              "for GPTQ int4 checkpoints"):
-        resolve_weight_format("quantized", ckpt, ["cpu"])
-    assert resolve_weight_format("auto", ckpt, ["cuda:0"])[0] == "dequantize"
+    assert resolve_weight_format("quantized", ckpt, ["cpu"])[0] == "quantized"
+    assert resolve_weight_format("auto", ckpt, ["cuda:0"]) == ("dequantize",
+                                                                AUTO_DEQUANTIZES_INT4)
     raw = json.loads((packed["awq"] / "config.json").read_text())
     folder = _copy(packed, "awq", tmp_path)
     del raw["quantization_config"]
@@ -238,3 +248,60 @@ def test_kept_int4_is_refused_by_name_and_auto_dequantizes(packed, tmp_path):
     with pytest.raises(CheckpointError, match="is int4 but config.json has no "
                                               "quantization_config with quant_method"):
         load_layer_range(open_checkpoint(folder), 0, 2)
+
+
+def test_a_k_of_part_words_is_refused_by_name():
+    with pytest.raises(CheckpointError, match="'x.qweight': a weight of shape \\(8, 12\\) does "
+                                              "not pack into words of eight 4-bit values"):
+        part_shapes(Int4Scheme("awq", -1), "x", (8, 12))
+
+
+@pytest.mark.parametrize("method, family, act_order", [
+    ("gptq", "llama", True), ("awq", "qwen3_moe", False), ("gptq", "deepseek_v3", True)])
+def test_kept_in_int4_gives_the_dequantized_logits(method, family, act_order, tmp_path):
+    """`weight_format = "quantized"`: the projections stay int4 (`Int4Linear`, about half a byte
+    a value; a MoE layer's experts and latent attention's `kv_b_proj` are dequantized), the
+    logits those of dequantizing at load (float32 on a CPU: the same values, each projection
+    one tile), whole and range by range; the memory plan counts their bytes as they are held."""
+    dense = write_tiny_checkpoint(tmp_path / "dense", family, num_layers=3)
+    packed = write_int4(dense, tmp_path / method, method,
+                        group=8 if family == "deepseek_v3" else 32, act_order=act_order)
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(4))
+    want = range_logits(dense, ids)
+    for split in ((0, 3), (0, 1, 3)):
+        assert torch.equal(range_logits(packed, ids, split, "quantized"), want), split
+    ckpt = open_checkpoint(packed)
+    model = load_layer_range(ckpt, 0, 3, weights="quantized")
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    assert len(kept) == {"llama": 3 * 7, "qwen3_moe": 3 * 4 + 3,  # (q/k/v/o, dense MLPs)
+                         "deepseek_v3": 3 * 3 + 3 + 2 * 3}[family]  # (as FP8's)
+    assert all((m.g_idx is not None) == act_order for m in kept.values())
+    shapes = range_tensor_shapes(ckpt.config, 0, 3)
+    names = kept_tensors(ckpt, ckpt.config, shapes)
+    held = sum(b.numel() * b.element_size() for m in kept.values() for b in m.buffers())
+    assert kept_bytes(ckpt, ckpt.config, {n: shapes[n] for n in names}, 4) == held
+
+
+def test_int4_linear_tiles_and_concatenation():
+    """A projection dequantized a tile of rows at a time gives the one-tile result; q/k/v of
+    one act order concatenate into one `Int4Linear` (the GEMV's one launch), of two into a
+    `ConcatLinear`."""
+    def linear(seed: int, act_order: bool) -> Int4Linear:
+        q, zero, scale = _known(seed, 1)
+        g_idx = np.arange(K) // GROUP
+        if act_order:
+            g_idx = g_idx[np.random.default_rng(2).permutation(K)]
+        parts = {"x.qweight": _t(pack_rows(q)), "x.qzeros": _t(pack_cols(zero - 1)),
+                 "x.scales": _t(scale), "x.g_idx": _t(g_idx.astype(np.int32))}
+        return Int4Linear(repack_int4(Int4Scheme("gptq", GROUP, act_order), parts, "x"))
+
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0))
+    lin = linear(5, True)
+    whole = lin(x)
+    torch.testing.assert_close(int4_matmul(x, lin.weight4, tile_elements=8 * K), whole,
+                               rtol=1e-6, atol=1e-6)
+    parts = [linear(s, True) for s in (6, 7, 8)]
+    fused = concat_quant(parts)
+    assert isinstance(fused, Int4Linear) and fused.out_features == 3 * N
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert isinstance(concat_quant([linear(6, True), linear(7, False)]), ConcatLinear)

@@ -263,9 +263,9 @@ def test_weight_format_rule(tmp_path):
     assert resolve_weight_format("quantized", ckpt, ["cpu"])[0] == "quantized"
     hf = open_checkpoint(write_tiny_checkpoint(tmp_path / "hf", "llama", num_layers=1))
     assert resolve_weight_format("auto", hf, ["cuda:0"]) == (
-        "dequantize", "not a GGUF file nor an FP8 checkpoint")
-    with pytest.raises(CheckpointError, match="keeps a GGUF file's blocks or an FP8 checkpoint's "
-                                              "values; this checkpoint has neither"):
+        "dequantize", "not a GGUF file nor an FP8, GPTQ or AWQ checkpoint")
+    with pytest.raises(CheckpointError, match="keeps a GGUF file's blocks or an FP8, GPTQ or AWQ "
+                                              "checkpoint's values; this checkpoint has none"):
         resolve_weight_format("quantized", hf, ["cuda:0"])
     with pytest.raises(ConfigError, match="weight_format='int4'"):
         RuntimeConfig(weight_format="int4")

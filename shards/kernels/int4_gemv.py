@@ -1,0 +1,142 @@
+"""A Triton GEMV over GPTQ / AWQ weights kept in int4 (`layers.int4_linear`, the layout of
+`int4.Int4Weight`: rows = outputs, eight 4-bit values an int32 word along K, a uint8 zero and a
+float32 scale per (row, group)), for steps of a few rows, with `kernels.gemv`'s norm prologue
+and residual / SiLU * up epilogues (the fused decode step of `shards.fused`).
+
+Program (block of BLOCK_N outputs, row m): each chunk of BLOCK_K inputs is BLOCK_K / 8 words of
+each of its rows, loaded once and split into their eight values by shifts in registers, as a
+(BLOCK_N, BLOCK_K / 8, 8) tile whose last two axes are the inputs in order. The value is (q -
+zero) * scale in float32, exact (a 5-bit integer times a float16-valued scale), so the products
+are those of the dequantized weight and the float32 sums are within float32's rounding of
+dequantize-then-matmul (`tests/gpu/test_int4_gemv.py`). Where a chunk lies in one group
+(`GROUPED`: no act order, BLOCK_K dividing the group) its rows' zero and scale are loaded once a
+chunk; else (act order's `g_idx`, or groups narrower than 32 inputs) each input's, gathered by
+its group. A few-row step runs it once per row (the grid's second axis): the weight's bytes come
+from DRAM once and from L2 for the other rows.
+
+The launch shape is not tuned: no GPU has timed it yet (`bench/quant_gemv.py --sweep --types
+INT4` does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from layersplit.shards.int4 import kept_layout_error
+from layersplit.shards.kernels.gemv_operands import check_rows, checked_out
+from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
+
+MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
+MIN_GROUPED_K = 32  # the narrowest chunk of one group the GROUPED path takes
+
+
+def launch_config(n: int, k: int) -> dict:
+    """The launch shape for `n` outputs of `k` inputs (FP8's at the same widths, untuned)."""
+    if k >= 8192:
+        return {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
+    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
+
+
+@triton.jit
+def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G, GS,
+               HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
+    """`acc` (BLOCK_N, BLOCK_K / 8, 8) plus rows `rows`' values at words `offs_w` (inputs
+    `offs_k`, (BLOCK_K / 8, 8)) times the activations `x` there."""
+    words = tl.load(W + rows[:, None] * KW + offs_w[None, :],
+                    mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
+    if GROUPED:  # (the chunk within one group: a zero and a scale a row)
+        at = rows * G + k0 // GS
+        z = tl.load(Z + at, mask=mask_n, other=0).to(tl.int32)
+        s = tl.load(S + at, mask=mask_n, other=0.0)
+        v = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
+    else:
+        if HAS_GI:
+            grp = tl.load(GI + offs_k, mask=mask_k, other=0)
+        else:
+            grp = offs_k // GS
+        at = rows[:, None, None] * G + grp[None, :, :]
+        m3 = mask_n[:, None, None] & mask_k[None, :, :]
+        z = tl.load(Z + at, mask=m3, other=0).to(tl.int32)
+        s = tl.load(S + at, mask=m3, other=0.0)
+        v = (q - z).to(tl.float32) * s
+    return acc + v * x[None, :, :]
+
+
+@triton.jit
+def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
+               NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
+               SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1).to(tl.int64)
+    mask_n = offs_n < N
+    rows = offs_n.to(tl.int64)
+    dt = X.dtype.element_ty
+    xrow = X + m * s_x
+    scale = 1.0
+    if NORM:
+        scale = rms_scale(xrow, K, eps, BLOCK_K)
+    KW = K // 8
+    jj = tl.arange(0, BLOCK_K // 8)
+    ii = tl.arange(0, 8)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+    acc_u = acc
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // 8 + jj
+        offs_k = offs_w[:, None] * 8 + ii[None, :]
+        mask_k = offs_k < K
+        x = activations(xrow, NW, offs_k, mask_k, scale, NORM, dt)
+        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G,
+                         GS, HAS_GI, GROUPED)
+        if SILU:  # (the up half: rows N + offs_n)
+            acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, offs_k, mask_k, x,
+                               k0, KW, G, GS, HAS_GI, GROUPED)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    y_u = y
+    if SILU:
+        y_u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+              group: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              *, norm: tuple[torch.Tensor, float] | None = None,
+              residual: torch.Tensor | None = None, gate_up: bool = False,
+              out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+              cfg: dict | None = None) -> torch.Tensor:
+    """F.linear of rows `x` (M, K), M <= MAX_ROWS, by the int4 weight `qweight` / `zeros` /
+    `scales` / `g_idx` of `group` inputs a group (`int4.Int4Weight`), summed in float32 and
+    rounded to x's dtype, with `kernels.gemv.gemv`'s options: `norm` = (weight, eps);
+    `gate_up`, the weight is the fused gate/up one (2F rows) and the result SiLU(g) * u (M, F);
+    `residual` (M, N) added. Stored as `out_dtype` (default x's), or into `out` (M, N or F;
+    rows may be strided). `cfg`: a launch shape (BLOCK_N, BLOCK_K, num_warps; powers of two)
+    other than `launch_config`'s."""
+    check_rows("int4_gemv", x, MAX_ROWS)
+    m, k = x.shape
+    n, g = qweight.shape[0], scales.shape[-1]
+    wrong = kept_layout_error(qweight, zeros, scales, group, g_idx, k)
+    if wrong:
+        raise ValueError(f"int4_gemv: the weight does not take a row of {k}: {wrong}")
+    if gate_up:
+        if n % 2 or bias is not None:
+            raise ValueError(f"int4_gemv: a gate/up weight has an even row count and no bias, "
+                             f"got {n} rows")
+        n //= 2
+    out = checked_out("int4_gemv", x, n, k, bias, residual, norm, out, out_dtype)
+    c = dict(cfg or launch_config(n, k))
+    block_n = c.pop("BLOCK_N")
+    block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
+    grouped = g_idx is None and (group & -group) >= MIN_GROUPED_K
+    if grouped:  # (a chunk within one group: BLOCK_K divides it)
+        block_k = min(block_k, group & -group)
+    r = x if residual is None else residual
+    _int4_gemv[(triton.cdiv(n, block_n), m)](
+        x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
+        qweight if g_idx is None else g_idx, x if bias is None else bias, r, r.stride(0), out,
+        out.stride(0), n, k, g, group, 0.0 if norm is None else float(norm[1]),
+        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None,
+        SILU=gate_up, HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n,
+        BLOCK_K=block_k, **c)
+    return out

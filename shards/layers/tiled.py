@@ -1,0 +1,25 @@
+"""F.linear by a weight kept quantized, dequantized a tile of output rows at a time: the prefill
+path of the kept layers (`layers.fp8_linear`, `layers.int4_linear`), whose dequantized copy
+alive at once is one tile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def tiled_linear(x: torch.Tensor, n: int, tile: int,
+                 rows: Callable[[int, int], torch.Tensor],
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of `x` (..., k) by the (n, k) weight whose rows a..b `rows(a, b)` dequantizes
+    (to x's dtype), `tile` rows at a time (one call where `tile` >= n: the very F.linear of
+    the whole weight)."""
+    if tile >= n:
+        return F.linear(x, rows(0, n), bias)
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, tile):
+        n1 = min(n0 + tile, n)
+        out[..., n0:n1] = F.linear(x, rows(n0, n1), None if bias is None else bias[n0:n1])
+    return out
