@@ -55,7 +55,8 @@
 #             float32 with weight_format quantized, and batch-1 decode quantized against
 #             dequantized in one run, next to llama.cpp on the same file: the default model's
 #             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
-#             against bfloat16 and the int4 GEMV (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all)
+#             against bfloat16; the int4 GEMV's launch shapes
+#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
