@@ -204,7 +204,7 @@ def test_kept_fp8_on_a_checkpoint_without_it_is_refused_by_name(tmp_path):
     from layersplit.shards.quant_load import resolve_weight_format
 
     ckpt = open_checkpoint(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2))
-    with pytest.raises(CheckpointError, match="this checkpoint has neither"):
+    with pytest.raises(CheckpointError, match="this checkpoint has none of them"):
         resolve_weight_format("quantized", ckpt, ["cpu"])
     packed = open_checkpoint(write_fp8(tmp_path / "dense", tmp_path / "fp8"))
     assert resolve_weight_format("quantized", packed, ["cpu"])[0] == "quantized"
