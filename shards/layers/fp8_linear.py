@@ -65,7 +65,7 @@ class Fp8Linear(nn.Module):
             from layersplit.shards.kernels.fp8_gemv import MAX_ROWS
 
             rows = x.numel() // self.in_features
-            if rows <= MAX_ROWS:
+            if 0 < rows <= MAX_ROWS:  # (no rows: the tiles' path, which takes none)
                 y = self.gemv(x.reshape(rows, self.in_features).contiguous())
                 return y.reshape(*x.shape[:-1], self.out_features)
         return fp8_matmul(x, self.weight, self.scale, self.block, self.bias)
