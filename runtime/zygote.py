@@ -458,6 +458,12 @@ def main() -> None:
     warnings.filterwarnings("ignore", ".*fork.*", DeprecationWarning)  # (3.12's thread count)
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         _serve(sock, parent)
+    # the channel ended: nothing here to flush or close (the children run on, on their own), and
+    # an interpreter that imported torch takes ~0.5 s of a core to tear down, which the parent
+    # waits for at its exit (`Zygote.close`): end now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,34 @@ def pytest_sessionstart(session):
         zygote()
     except ZygoteError:  # (the first shard group starts it again, or says why it cannot)
         pass
+
+
+# Started first on xdist's workers: the file whose time varies most from run to run (its Ray
+# cluster and actors take 50-170 s of a worker on the 2-core VM, as the machine is loaded).
+# xdist's loadfile hands out files by their number of tests, which put this one (7 tests)
+# among the last: when it ran long, the other worker had nothing left to do.
+FIRST_FILES = ("tests/runtime/test_ray_launcher.py",)
+
+
+def pytest_configure(config):
+    """xdist's controller hands out files in the workers' collection order (below)."""
+    if hasattr(config.option, "loadscopereorder") and not hasattr(config, "workerinput"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker: `FIRST_FILES`, then the others by their number of tests (the
+    order xdist itself would give), each file's tests in their own order. (Both workers
+    sort alike: xdist checks that their collections are the same.)"""
+    if not hasattr(config, "workerinput"):
+        return
+    count = Counter(item.nodeid.split("::")[0] for item in items)
+
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return (path not in FIRST_FILES, -count[path])
+
+    items.sort(key=rank)
 
 
 def pytest_report_header(config):
