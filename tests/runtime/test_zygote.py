@@ -87,11 +87,10 @@ def test_a_dead_zygote_is_replaced_and_its_children_stop(tmp_path, tiny_llama):
     assert psutil.Process(q.pid).ppid() == new.proc.pid
     q.proc.kill()
     q.proc.wait(5)
-    # its channel closed (our exit), the zygote ends at once, without tearing down an
-    # interpreter that imported torch (~0.5 s of a core that every CLI's exit waited for)
-    t0 = time.monotonic()
+    # its channel closed (our exit), the zygote ends, cleanly (by os._exit, without tearing
+    # down an interpreter that imported torch, ~0.5 s of a core; not timed here)
     new.close()
-    assert new.proc.returncode == 0 and time.monotonic() - t0 < 0.4
+    assert new.proc.returncode == 0
 
 
 @pytest.mark.slow
