@@ -174,7 +174,10 @@ class Relay:
 
     def _pipe(self, src, dst, flip: bool) -> None:
         seen = 0
-        src.settimeout(0.2)
+        try:
+            src.settimeout(0.2)
+        except OSError:  # (the other direction's thread ended first and closed both sockets)
+            return
         while not self.stop.is_set():
             try:
                 data = src.recv(65536)
