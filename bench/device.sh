@@ -146,15 +146,22 @@ stage_quant() {  # Q1-Q7
     row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py, \
 test_int4_gemv.py" --cmd quant
   fi
-  if has "$cases" int4; then  # (GPTQ / AWQ kept in int4, group 128: the GEMV against float16)
+  if has "$cases" int4; then  # (GPTQ / AWQ kept in int4, group 128: the GEMV against float16,
+    # then Q8: the Llama-8B shape's random values rounded to int4, against its bfloat16 run)
     TAIL=200 run quant_int4_sweep 150 python3 bench/quant_gemv.py --sweep --types INT4 \
       --rows 1,4 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
+    TAIL=10 run quant_int4 200 python3 $l8b --model random:llama-8b-int4 --layouts cuda:0 \
+      --weight-format quantized --floor --json "$RUNS/quant_int4.json"
+    [ -e "$RUNS/quant_fp8_bf16.json" ] || TAIL=10 run quant_fp8_bf16 150 python3 $l8b \
+      --layouts cuda:0 --floor --json "$RUNS/quant_fp8_bf16.json"
+    row decode "$RUNS/quant_int4.json" --what "GPTQ int4 kept (group 128)" --cmd Q8
+    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q8
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     TAIL=10 run quant_fp8 200 python3 $l8b --model random:llama-8b-fp8 --layouts cuda:0 \
       --weight-format quantized --floor --json "$RUNS/quant_fp8.json"
-    TAIL=10 run quant_fp8_bf16 150 python3 $l8b --layouts cuda:0 --floor \
-      --json "$RUNS/quant_fp8_bf16.json"
+    [ -e "$RUNS/quant_fp8_bf16.json" ] || TAIL=10 run quant_fp8_bf16 150 python3 $l8b \
+      --layouts cuda:0 --floor --json "$RUNS/quant_fp8_bf16.json"
     row decode "$RUNS/quant_fp8.json" --what "FP8 kept (block 128)" --cmd Q6
     row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q6
   fi

@@ -191,6 +191,21 @@ def repack_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: str)
                       None if g_idx is None else g_idx.to(torch.int32).contiguous(), group)
 
 
+def quantize_int4(weight: torch.Tensor, group: int) -> Int4Weight:
+    """A (N, K) weight rounded to int4 per group of `group` inputs (-1: all K), each group's
+    range mapped onto 0..15 with its own scale and zero (asymmetric round-to-nearest), in the
+    kept layout: random-weight int4 shapes, as GPTQ and AWQ files store such values."""
+    n, k = weight.shape
+    group = k if group == -1 else group
+    w = weight.float().reshape(n, k // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)
+    zeros = (-lo / scales).round().clamp(0, 15)
+    q = (w / scales[..., None]).round().add(zeros[..., None]).clamp(0, 15).reshape(n, k)
+    return Int4Weight(pack_rows(q.t()).t().contiguous(), zeros.to(torch.uint8), scales, None,
+                      group)
+
+
 def dequantize_packed(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                       g_idx: torch.Tensor | None, group: int,
                       dtype: torch.dtype) -> torch.Tensor:

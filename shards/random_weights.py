@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import Fp8Scheme, Fp8Weight, keeps, quantize_fp8
+from layersplit.shards.int4 import Int4Scheme, Int4Weight, quantize_int4
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.quant_config import quant_scheme
 
@@ -37,38 +38,42 @@ class RandomCheckpoint:
         # (`config`: a shape read elsewhere, e.g. a DFlash draft's layers, `draft.dflash`)
         self.config: ModelConfig = config or read_hf_config(folder)
         self.seed, self.std = seed, std
-        # an FP8 shape (`quantization_config`, `shards.fp8`): its projections' random values
-        # kept in FP8 under weight_format = "quantized" (`load_blocks`)
+        # an FP8 or int4 shape (`quantization_config`: `shards.fp8`, `shards.int4`): its
+        # projections' random values kept quantized under weight_format = "quantized"
+        # (`load_blocks`), the values themselves where dequantized
         scheme = None if config is not None or self.config.gpt_oss is not None else \
             quant_scheme(json.loads((folder / "config.json").read_text()), folder)  # (gpt_oss:
         # its own quantization_config, MXFP4)
-        if scheme is not None and not isinstance(scheme, Fp8Scheme):
-            raise CheckpointError(f"{folder}: random weights for a {scheme.method.upper()} int4 "
-                                  "shape are not implemented (its weights are dequantized at "
-                                  "load: the shape without quantization_config runs the same)")
-        self.fp8 = scheme
+        self.fp8 = scheme if isinstance(scheme, Fp8Scheme) else None
+        self.int4 = scheme if isinstance(scheme, Int4Scheme) else None
 
     @property
     def keeps_quantized(self) -> bool:
-        return self.fp8 is not None
+        return self.fp8 is not None or self.int4 is not None
 
     def kept_type(self, source: str) -> str | None:
-        """"FP8" for a projection of an FP8 shape (`checkpoint_hf.HFCheckpoint.kept_type`)."""
-        if self.fp8 is None:
+        """"FP8" ("INT4") for a projection of an FP8 (int4) shape
+        (`checkpoint_hf.HFCheckpoint.kept_type`)."""
+        if not self.keeps_quantized:
             raise CheckpointError(
                 f"{self.path}: weight_format = \"quantized\" keeps a GGUF file's blocks or an "
-                "FP8 checkpoint's values; this random-weight shape has neither (use "
-                "weight_format = \"auto\" or \"dequantize\")")
-        return "FP8" if keeps(source) and source != "lm_head.weight" else None  # (the head
-        # stays unquantized, as the published FP8 checkpoints keep it)
+                "FP8, GPTQ or AWQ checkpoint's values; this random-weight shape has none of them "
+                "(use weight_format = \"auto\" or \"dequantize\")")
+        if not keeps(source) or source == "lm_head.weight":  # (the head stays unquantized, as
+            return None  # the published FP8, GPTQ and AWQ checkpoints keep it)
+        return "FP8" if self.fp8 is not None else "INT4"
 
     def load_blocks(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
-                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight]:
-        """The random values of the kept projections, quantized to FP8 with block scales."""
+                    device: torch.device | str = "cpu") -> dict[str, Fp8Weight | Int4Weight]:
+        """The random values of the kept projections, quantized to FP8 with block scales, or
+        to int4 per group (`int4.quantize_int4`)."""
         out = {}
         for name, src in sources.items():
-            q, s = quantize_fp8(self.tensor(src, shapes[name], torch.float32, device),
-                                self.fp8.block)
+            w = self.tensor(src, shapes[name], torch.float32, device)
+            if self.int4 is not None:
+                out[name] = quantize_int4(w, self.int4.group_size)
+                continue
+            q, s = quantize_fp8(w, self.fp8.block)
             out[name] = Fp8Weight(q, s, self.fp8.block)
         return out
 

@@ -305,3 +305,45 @@ def test_int4_linear_tiles_and_concatenation():
     assert isinstance(fused, Int4Linear) and fused.out_features == 3 * N
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert isinstance(concat_quant([linear(6, True), linear(7, False)]), ConcatLinear)
+
+
+def test_quantize_int4_rounds_each_group_onto_its_grid():
+    """`int4.quantize_int4` (random-weight int4 shapes): values already on a group's 16 steps
+    come back exactly; others within half a step."""
+    from layersplit.shards.int4 import dequantize_packed, quantize_int4
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(N, K // GROUP, generator=g) + 0.1
+    zero = torch.randint(0, 16, (N, K // GROUP), generator=g).float()
+    q = torch.randint(0, 16, (N, K), generator=g).float()
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15  # (each group spans the whole range)
+    exact = (q - zero.repeat_interleave(GROUP, 1)) * scale.repeat_interleave(GROUP, 1)
+    w = quantize_int4(exact, GROUP)
+    back = dequantize_packed(w.qweight, w.zeros, w.scales, w.g_idx, w.group, torch.float32)
+    torch.testing.assert_close(back, exact, rtol=1e-5, atol=1e-5)
+    noisy = torch.randn(N, K, generator=g)
+    w = quantize_int4(noisy, -1)
+    back = dequantize_packed(w.qweight, w.zeros, w.scales, w.g_idx, w.group, torch.float32)
+    assert w.group == K and ((back - noisy).abs() <= w.scales / 2 + 1e-6).all()
+
+
+def test_a_random_weight_int4_shape_keeps_its_projections(tmp_path):
+    """`random:` shapes whose config says GPTQ (`configs/models/llama-8b-int4`, for speed): the
+    projections' random values rounded to int4 and kept so; the decode runs."""
+    from layersplit.shards.executor import RangeExecutor
+    from layersplit.shards.random_weights import RandomCheckpoint
+
+    folder = tmp_path / "shape"
+    packed = write_int4(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2),
+                        tmp_path / "int4", "gptq")
+    folder.mkdir()
+    shutil.copy(packed / "config.json", folder / "config.json")
+    ckpt = RandomCheckpoint(folder, std=0.2)
+    assert ckpt.keeps_quantized and ckpt.kept_type("model.layers.0.mlp.up_proj.weight") == "INT4"
+    assert ckpt.kept_type("lm_head.weight") is None
+    model = load_layer_range(ckpt, 0, 2, weights="quantized")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 2 * 7
+    logits = RangeExecutor(model, max_len=64).run(torch.arange(1, 9), 0, all_logits=True)
+    assert logits.shape == (8, 320) and torch.isfinite(logits).all()
+    big = open_checkpoint("random:llama-8b-int4")
+    assert big.int4.group_size == 128 and big.kept_type("model.layers.0.self_attn.q_proj.weight")
