@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from layersplit.shards.fp8 import dequantize_fp8, scale_shape
 from layersplit.shards.kernels import fp8_kernels_available
-from layersplit.shards.layers.tiled import tiled_linear
+from layersplit.shards.layers.tiled import gemv_or_none, tiled_linear
 from torch import nn
 
 TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `fp8_matmul`
@@ -64,10 +64,9 @@ class Fp8Linear(nn.Module):
         if self.kernels:
             from layersplit.shards.kernels.fp8_gemv import MAX_ROWS
 
-            rows = x.numel() // self.in_features
-            if 0 < rows <= MAX_ROWS:  # (no rows: the tiles' path, which takes none)
-                y = self.gemv(x.reshape(rows, self.in_features).contiguous())
-                return y.reshape(*x.shape[:-1], self.out_features)
+            y = gemv_or_none(self, x, MAX_ROWS)
+            if y is not None:
+                return y
         return fp8_matmul(x, self.weight, self.scale, self.block, self.bias)
 
     def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from layersplit.shards.int4 import Int4Weight, dequantize_packed, kept_layout_error
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.layers.tiled import tiled_linear
+from layersplit.shards.layers.tiled import gemv_or_none, tiled_linear
 from torch import nn
 
 TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `int4_matmul`
@@ -69,10 +69,9 @@ class Int4Linear(nn.Module):
         if self.kernels:
             from layersplit.shards.kernels.int4_gemv import MAX_ROWS
 
-            rows = x.numel() // self.in_features
-            if 0 < rows <= MAX_ROWS:  # (no rows: the tiles' path, which takes none)
-                y = self.gemv(x.reshape(rows, self.in_features).contiguous())
-                return y.reshape(*x.shape[:-1], self.out_features)
+            y = gemv_or_none(self, x, MAX_ROWS)
+            if y is not None:
+                return y
         return int4_matmul(x, self.weight4, self.bias)
 
     def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """F.linear by a weight kept quantized, dequantized a tile of output rows at a time: the prefill
 path of the kept layers (`layers.fp8_linear`, `layers.int4_linear`), whose dequantized copy
-alive at once is one tile."""
+alive at once is one tile; and the choice between it and their GEMV (`gemv_or_none`)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,14 @@ def tiled_linear(x: torch.Tensor, n: int, tile: int,
         n1 = min(n0 + tile, n)
         out[..., n0:n1] = F.linear(x, rows(n0, n1), None if bias is None else bias[n0:n1])
     return out
+
+
+def gemv_or_none(module, x: torch.Tensor, max_rows: int) -> torch.Tensor | None:
+    """`module.gemv` of the rows of `x` (..., in_features) where a step has 1 to `max_rows` of
+    them, shaped as `x` (..., out_features); None for the tiles' path: more rows, or none (a
+    GEMV refuses an empty step)."""
+    rows = x.numel() // module.in_features
+    if not 0 < rows <= max_rows:
+        return None
+    y = module.gemv(x.reshape(rows, module.in_features).contiguous())
+    return y.reshape(*x.shape[:-1], module.out_features)
