@@ -138,7 +138,17 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
   fi
 }
 
-stage_quant() {  # Q1-Q7
+kept_vs_bf16() {  # NAME SHAPE WHAT KEY: random:SHAPE's batch-1 decode kept quantized, and the
+  # Llama-8B shape's in bfloat16 beside it (once a call), as RESULTS.md rows under KEY
+  TAIL=10 run "quant_$1" 200 python3 $l8b --model "random:$2" --layouts cuda:0 \
+    --weight-format quantized --floor --json "$RUNS/quant_$1.json"
+  [ -e "$RUNS/quant_bf16.json" ] || TAIL=10 run quant_bf16 150 python3 $l8b --layouts cuda:0 \
+    --floor --json "$RUNS/quant_bf16.json"
+  row decode "$RUNS/quant_$1.json" --what "$3" --cmd "$4"
+  row decode "$RUNS/quant_bf16.json" --what "bfloat16, the same shape" --cmd "$4"
+}
+
+stage_quant() {  # Q1-Q8
   local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8,int4}
   if has "$cases" tests; then
     TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py \
@@ -150,20 +160,10 @@ test_int4_gemv.py" --cmd quant
     # then Q8: the Llama-8B shape's random values rounded to int4, against its bfloat16 run)
     TAIL=200 run quant_int4_sweep 150 python3 bench/quant_gemv.py --sweep --types INT4 \
       --rows 1,4 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
-    TAIL=10 run quant_int4 200 python3 $l8b --model random:llama-8b-int4 --layouts cuda:0 \
-      --weight-format quantized --floor --json "$RUNS/quant_int4.json"
-    [ -e "$RUNS/quant_fp8_bf16.json" ] || TAIL=10 run quant_fp8_bf16 150 python3 $l8b \
-      --layouts cuda:0 --floor --json "$RUNS/quant_fp8_bf16.json"
-    row decode "$RUNS/quant_int4.json" --what "GPTQ int4 kept (group 128)" --cmd Q8
-    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q8
+    kept_vs_bf16 int4 llama-8b-int4 "GPTQ int4 kept (group 128)" Q8
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
-    TAIL=10 run quant_fp8 200 python3 $l8b --model random:llama-8b-fp8 --layouts cuda:0 \
-      --weight-format quantized --floor --json "$RUNS/quant_fp8.json"
-    [ -e "$RUNS/quant_fp8_bf16.json" ] || TAIL=10 run quant_fp8_bf16 150 python3 $l8b \
-      --layouts cuda:0 --floor --json "$RUNS/quant_fp8_bf16.json"
-    row decode "$RUNS/quant_fp8.json" --what "FP8 kept (block 128)" --cmd Q6
-    row decode "$RUNS/quant_fp8_bf16.json" --what "bfloat16, the same shape" --cmd Q6
+    kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
   fi
   if has "$cases" kernels; then
     TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
