@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,15 +66,19 @@ def test_default_model_batched_and_restored(default_refs):
     "llama", pytest.param("qwen3_5", marks=pytest.mark.timeout(420)),  # (our shards' fla
     # kernels compile and autotune at the 27B width: minutes on a first run)
     "qwen3_moe", "gemma3", "mistral", "gpt_oss", "glm4_moe"])
-def test_family_shape_matches_transformers(family, tmp_path_factory):
+def test_family_shape_matches_transformers(family, tmp_path_factory, request):
     """bfloat16 on the family's full-width shape, against transformers float32: within the
     floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the
     same weights, as close to float32 as it is (mean KL within 25 %: the measure that does not
     turn on a few near-ties)."""
     from layersplit.shards.shape_checkpoints import write_shape_checkpoint
 
-    root = Path(os.environ.get("LAYERSPLIT_SHAPES") or tmp_path_factory.mktemp("shapes"))
+    kept = os.environ.get("LAYERSPLIT_SHAPES")  # (a folder the shapes stay in, for next runs)
+    root = Path(kept or tmp_path_factory.mktemp("shapes"))
     path = write_shape_checkpoint(root / family, family, "cuda:0")
+    if not kept:  # (GLM-4.5-Air's shape alone is 16 GB: several of them written at once by
+        # parallel workers filled an H200 machine's 64 GB disk)
+        request.addfinalizer(lambda: shutil.rmtree(path, ignore_errors=True))
     cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
                         dtype="bfloat16")
     opts = CheckOptions(limit=4, new_tokens=32)

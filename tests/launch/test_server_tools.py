@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from tests.helpers import shard_children
 from tests.launch.test_server import HTTP, Server
 
 openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")  # (the `server` extra installs both)
 MODEL = "llama"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",

@@ -37,8 +37,8 @@ from tests.helpers import layersplit_shm, trace, wait_gone
 # unless told it runs without a cluster network: keep all of it on loopback. Read when ray is
 # first imported, which is below (ray is a test dependency: the `test` extra installs it).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-import ray
-from ray.cluster_utils import Cluster
+ray = pytest.importorskip("ray")  # (absent on a GPU machine that runs `pytest -m gpu tests`)
+Cluster = pytest.importorskip("ray.cluster_utils").Cluster
 
 NODE = {"num_cpus": 2, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
