@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
-import torch
-from layersplit.shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint
+# Bytecode: README's test command installs without compiling (`pip --no-compile`, ~40 s less);
+# a module is compiled when first imported and cached, in this process and its children (CLI
+# runs, shard processes), even where the environment asks for no bytecode files: this suite
+# starts hundreds of interpreters, each of which would otherwise compile every module again.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from layersplit.shards.tiny import FAMILY_CONFIGS, write_tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)  # shard processes run one thread each in tests: same arithmetic path
 
