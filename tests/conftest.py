@@ -149,8 +149,9 @@ def pytest_runtest_setup(item):
     it from its own thread, so a test stuck in native code, which the timeout's signal or
     thread method may fail to report from an xdist worker, is still seen where it hangs)."""
     path = os.environ.get("LAYERSPLIT_TEST_FAILURES")
-    marker = item.get_closest_marker("timeout")
-    limit = None if not path else marker.args[0] if marker and marker.args else (
+    marker = item.get_closest_marker("timeout")  # (`timeout(N)` or `timeout(timeout=N)`)
+    mine = marker and (marker.args[0] if marker.args else marker.kwargs.get("timeout"))
+    limit = None if not path else mine or (
         item.config.getoption("timeout", None) or item.config.getini("timeout"))
     if limit:
         import faulthandler
