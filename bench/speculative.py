@@ -36,8 +36,10 @@ follow the runtime's own. A random model has no tokenizer: its prompts are `--li
 `--policies auto,on` runs each draft under each `spec_policy`: `on` (the default here) makes every
 step speculate, so a row measures speculation itself; under `auto` the runtime's policy chooses
 each step's tree size or plain decoding from what it measures (`docs/speculative.md`), and the
-rows say how many verify and plain steps it ran. `--sets check` takes the 56 chat prompts of
-`runtime/check_prompts.jsonl` (no draft's training saw them).
+rows say how many verify and plain steps it ran; `declined` runs `measured` with a policy that
+never speculates (every step plain, the draft loaded and its rows parked): what a plain step costs
+under the policy, against plain decoding without a draft in the same run. `--sets check` takes
+the 56 chat prompts of `runtime/check_prompts.jsonl` (no draft's training saw them).
 
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
@@ -65,6 +67,7 @@ from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
 from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402
+from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy  # noqa: E402
 from layersplit.runtime.speculative import SpecStats  # noqa: E402
 from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
@@ -92,14 +95,17 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         draft_device: str | None = None, push: bool = True,
         sampling: str = "coupled", deterministic: bool = False,
         micro_batches: int = 0, policy: str = "on") -> list[dict]:
-    """One row per prompt set."""
+    """One row per prompt set. `policy` `declined` (the bench's own): `measured`, with a policy
+    that never speculates (`declining`)."""
+    declined = policy == "declined"
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
                         spec_block=args.block, spec_tree=tree, threads=args.threads,
                         prefix_cache=False, spec_push=push,
                         spec_sampling=sampling, deterministic=deterministic,
-                        micro_batches=micro_batches, spec_policy=policy,
+                        micro_batches=micro_batches,
+                        spec_policy="measured" if declined else policy,
                         **({"max_seqs": args.streams, "spec_max_seqs": args.streams}
                            if args.streams > 1 else {}))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
@@ -115,6 +121,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             + ("" if policy == "on" else f" policy={policy}"))
     rows = []
     with Coordinator(cfg) as coord:
+        if declined and coord.spec_policy is not None:
+            coord.spec_policy = declining(coord.spec_policy)
         kind = coord.draft_info.get("kind", "-") if coord.draft else "-"
         transport = ",".join(s["transport_out"] for s in coord.shard_info()[:-1]) or "-"
         sets = prompt_ids(coord, args)
@@ -139,6 +147,13 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             row["prompt_ids"] = prompts
             rows.append(row)
     return rows
+
+
+def declining(policy: SpecPolicy) -> SpecPolicy:
+    """A policy of `policy`'s sizes whose first look at a batch never ends: every step a plain
+    step with the draft loaded, fed and its rows parked (`--policies declined`: what plain
+    steps cost under the policy, against plain decoding without a draft in the same run)."""
+    return SpecPolicy(policy.sizes, PolicyKnobs(refresh=1 << 40), policy.spec_seqs)
 
 
 def prompt_ids(coord: Coordinator, args) -> dict[str, list[list[int]]]:
@@ -323,7 +338,8 @@ def main() -> int:
                    "(a model without a tokenizer)")
     p.add_argument("--policies", default="on", help="comma-separated spec_policy settings to "
                    "run each draft with: on (every step speculates: speculation's own cost), "
-                   "auto or measured (the policy chooses each step's size, or plain decoding)")
+                   "auto or measured (the policy chooses each step's size, or plain decoding), "
+                   "declined (measured, never speculating: plain steps with the draft loaded)")
     p.add_argument("--json", default=None)
     p.add_argument("--log-policy", action="store_true", help="log each decision of the "
                    "speculation policy (its rates and measurements) on stderr")

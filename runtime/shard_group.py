@@ -46,6 +46,9 @@ log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the c
 CLOSE_DRAIN_S = 5.0  # at close, steps still in the chain get this long to come back
 REMOTE_CONNECT_S = 30.0
 DRAFT_STOPPED_S = 2.0  # a stopped draft process is dropped after this (speculation stops)
+# whether the draft process is stopped is looked up at most this often: it reads /proc (tens of
+# microseconds), and every step's wait checks the processes once (a decode step is ~0.65 ms)
+STOPPED_CHECK_S = 0.05
 
 
 def _name(sh: _Shard) -> str:
@@ -433,10 +436,13 @@ class ShardGroup:
             raise self.fail(why)
         if self.draft is not None and self._draft_proc is not None:
             why = self._draft_proc.failure()
+            now = time.monotonic()
+            if why is None and now < self._draft_stop_check:
+                return
+            self._draft_stop_check = now + STOPPED_CHECK_S
             if why is None and self._draft_proc.stopped():
                 # the draft is optional: one that is stopped (SIGSTOP, a debugger) for
                 # DRAFT_STOPPED_S costs speculation now rather than a step's whole deadline
-                now = time.monotonic()
                 self._draft_stopped_since = self._draft_stopped_since or now
                 if now - self._draft_stopped_since >= DRAFT_STOPPED_S:
                     why = (f"{self._draft_proc.name} (pid {self._draft_proc.pid}) is stopped "

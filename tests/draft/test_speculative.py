@@ -32,8 +32,10 @@ from layersplit.runtime.errors import DraftError
 from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.placement import PlacementError
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.runtime.shard_group import STOPPED_CHECK_S
 from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy, policy_sizes
 from layersplit.runtime.speculative import SpecStats, verify_shape
+from layersplit.runtime.supervisor import LocalProcess
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.model_config import read_hf_config
@@ -358,28 +360,44 @@ class TestOneDefaultChain:
             coord.spec_policy = was
 
 
-def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int]) -> None:
-    """The draft's rows of context 0 are bit-equal to the reference's rows of the tapped layers
-    (1 and 4) at every committed position of `prompt` and its answer `tokens`: the prompt's
-    as prefill chunks, the answer's one at a time, as decode steps."""
-    committed = len(prompt) + len(tokens) - 1
-    reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
-                                        sync=coord.feat_sid(0)))
-    rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
-    seq = prompt + tokens[:-1]
-    ex = RangeExecutor(load_layer_range(open_checkpoint(target), 0, 6), 256, taps=(1, 4))
-    want = []
-    for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
-        taps = {}
-        ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
-        want.append(torch.cat([taps[1], taps[4]], dim=-1))
-    for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
-        taps = {}
-        ex.run(torch.tensor([seq[p]]), p, taps=taps)
-        want.append(torch.cat([taps[1], taps[4]], dim=-1))
-    want = torch.cat(want).numpy()
-    assert rows.shape == want.shape
-    assert np.array_equal(rows, want)
+    @pytest.mark.slow
+    def test_plain_steps_under_a_declining_policy_do_what_plain_decoding_does(
+            self, chain, want, monkeypatch):
+        """Where the policy decides every step plain (a first look that never ends), a step of a
+        sequence with the draft loaded does what a plain decoding step does: it goes out ahead
+        of its token (decode lookahead), its feature rows stay parked on the shards, the draft
+        process gets no request, and whether it is stopped is read from /proc at most every
+        STOPPED_CHECK_S, not at each step's wait; the output is the reference's, logits bit for
+        bit."""
+        coord = chain
+        was = coord.spec_policy
+        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
+        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
+                                       PolicyKnobs(refresh=1 << 40), coord.config.spec_max_seqs)
+        looks, asked = [], []
+        stopped, request = LocalProcess.stopped, coord.draft_request
+        monkeypatch.setattr(LocalProcess, "stopped", lambda p: looks.append(1) or stopped(p))
+        monkeypatch.setattr(coord, "draft_request",
+                            lambda msg, *a: asked.append(msg["type"]) or request(msg, *a))
+        try:
+            prompt = _prompts(coord.tokenizer)[1]
+            stats = dataclasses.replace(coord.batcher.stats)
+            t0 = time.monotonic()
+            out, logits, spec = run_speculated(coord, prompt, GREEDY)
+            elapsed = time.monotonic() - t0
+            assert_same_run((out, logits), want[1, GREEDY.temperature], "declined")
+            decode = GREEDY.max_tokens - 1  # (the first token is the prefill's)
+            assert spec.verifies == 0 and spec.off_steps == decode, spec
+            sent = coord.batcher.stats.steps - stats.steps
+            ahead = coord.batcher.stats.ahead - stats.ahead
+            parked = coord.batcher.stats.parked - stats.parked
+            prefill = sent - decode - (coord.batcher.stats.ahead_dropped - stats.ahead_dropped)
+            # every decode step but the first went out ahead of its token, and each parked
+            assert ahead >= decode - 1 and parked == sent - prefill, (sent, ahead, parked)
+            assert asked == ["draft_begin"], asked
+            assert len(looks) <= 1 + elapsed / STOPPED_CHECK_S, (len(looks), elapsed)
+        finally:
+            coord.spec_policy = was
 
     @pytest.mark.slow
     @pytest.mark.parametrize("n", [1, 2, 3])
@@ -452,6 +470,30 @@ def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int])
             outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
             assert progress.spec is None
         assert outs[True] == outs[False] and outs[True].startswith('{"a":')
+
+
+def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int]) -> None:
+    """The draft's rows of context 0 are bit-equal to the reference's rows of the tapped layers
+    (1 and 4) at every committed position of `prompt` and its answer `tokens`: the prompt's
+    as prefill chunks, the answer's one at a time, as decode steps."""
+    committed = len(prompt) + len(tokens) - 1
+    reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
+                                        sync=coord.feat_sid(0)))
+    rows = np.frombuffer(reply["_frames"][0].buffer, dtype=np.float32).reshape(committed, -1)
+    seq = prompt + tokens[:-1]
+    ex = RangeExecutor(load_layer_range(open_checkpoint(target), 0, 6), 256, taps=(1, 4))
+    want = []
+    for a, b in prefill_chunks(prompt, 0, len(prompt), CHUNK, ref.eos_ids):
+        taps = {}
+        ex.run(torch.tensor(prompt[a:b]), a, taps=taps)
+        want.append(torch.cat([taps[1], taps[4]], dim=-1))
+    for p in range(len(prompt), committed):  # decoded rows: one at a time, as decode steps
+        taps = {}
+        ex.run(torch.tensor([seq[p]]), p, taps=taps)
+        want.append(torch.cat([taps[1], taps[4]], dim=-1))
+    want = torch.cat(want).numpy()
+    assert rows.shape == want.shape
+    assert np.array_equal(rows, want)
 
 
 @pytest.mark.slow
