@@ -259,6 +259,8 @@ class Zygote:
         parent changes (`watch_parent`), which is then."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+        if self.reader is not threading.current_thread():  # (its recv sees the channel's end;
+            self.reader.join(2)  # the socket closed under it would be a failure: EBADF)
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
