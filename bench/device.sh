@@ -111,7 +111,7 @@ stage_tests() {
     log "tests: test_parity's default-model cases left to the parity stage"
   fi
   TAIL=40 run tests 60 $cmd --durations=25 "${skip[@]}" $paths
-  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$cmd $paths"
+  row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$cmd ${skip[*]} $paths"
 }
 
 stage_parity() {  # (transformers from .whl-tf where it travelled: the image's may be older)

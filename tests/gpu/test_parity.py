@@ -80,9 +80,10 @@ def test_family_shape_matches_transformers(family, tmp_path_factory, request):
 
     kept = os.environ.get("LAYERSPLIT_SHAPES")  # (a folder the shapes stay in, for next runs)
     root = Path(kept or tmp_path_factory.mktemp("shapes"))
+    if not kept:  # (several written at once by parallel workers, ~35 GB, filled the disk;
+        # removed even where the write failed part way, as on a full disk)
+        request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
     path = write_shape_checkpoint(root / family, family, "cuda:0", **FEWER_LAYERS.get(family, {}))
-    if not kept:  # (several written at once by parallel workers, ~35 GB, filled the disk)
-        request.addfinalizer(lambda: shutil.rmtree(path, ignore_errors=True))
     cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
                         dtype="bfloat16")
     opts = CheckOptions(limit=4, new_tokens=32)
