@@ -83,7 +83,9 @@ def test_family_shape_matches_transformers(family, tmp_path_factory, request):
     if not kept:  # (several written at once by parallel workers, ~35 GB, filled the disk;
         # removed even where the write failed part way, as on a full disk)
         request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
-    path = write_shape_checkpoint(root / family, family, "cuda:0", **FEWER_LAYERS.get(family, {}))
+    fewer = FEWER_LAYERS.get(family, {})  # (its own folder: not the whole shape's, in a kept one)
+    name = f"{family}-{fewer['num_hidden_layers']}-layers" if fewer else family
+    path = write_shape_checkpoint(root / name, family, "cuda:0", **fewer)
     cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
                         dtype="bfloat16")
     opts = CheckOptions(limit=4, new_tokens=32)
