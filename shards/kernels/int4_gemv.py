@@ -5,17 +5,18 @@ and residual / SiLU * up epilogues (the fused decode step of `shards.fused`).
 
 Program (block of BLOCK_N outputs, row m): each chunk of BLOCK_K inputs is BLOCK_K / 8 words of
 each of its rows, loaded once and split into their eight values by shifts in registers, as a
-(BLOCK_N, BLOCK_K / 8, 8) tile whose last two axes are the inputs in order. The value is (q -
-zero) * scale in float32, exact (a 5-bit integer times a float16-valued scale), so the products
-are those of the dequantized weight and the float32 sums are within float32's rounding of
-dequantize-then-matmul (`tests/gpu/test_int4_gemv.py`). Where a chunk lies in one group
-(`GROUPED`: no act order, BLOCK_K dividing the group) its rows' zero and scale are loaded once a
-chunk; else (act order's `g_idx`, or groups narrower than 32 inputs) each input's, gathered by
-its group. A few-row step runs it once per row (the grid's second axis): the weight's bytes come
-from DRAM once and from L2 for the other rows.
-
-The launch shape is not tuned: no GPU has timed it yet (`bench/quant_gemv.py --sweep --types
-INT4` does).
+(BLOCK_N, BLOCK_K / SUB, SUB / 8, 8) tile whose last three axes are the inputs in order: sub-chunks
+of SUB inputs, their words, a word's values. The value is (q - zero) * scale in float32, exact (a
+5-bit integer times a float16-valued scale), so the products are those of the dequantized weight
+and the float32 sums are within float32's rounding of dequantize-then-matmul
+(`tests/gpu/test_int4_gemv.py`). Without act order and with groups of a whole number of words
+(`GROUPED`), SUB is the widest power of two dividing the group (at most BLOCK_K), so a sub-chunk
+lies in one group and a chunk spans one or several: a zero and a scale are loaded a row and
+sub-chunk, (BLOCK_N, BLOCK_K / SUB), and broadcast over its words (GPTQ's zeros, v1's offset
+added, and AWQ's are alike: a byte a row and group, `int4.repack_int4`). Else (act order's
+`g_idx`, or groups of a fraction of a word) SUB is BLOCK_K and each input's zero and scale are
+gathered by its group. A few-row step runs it once per row (the grid's second axis): the
+weight's bytes come from DRAM once and from L2 for the other rows.
 """
 
 from __future__ import annotations
@@ -24,51 +25,61 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
-from layersplit.shards.kernels.gemv_operands import check_rows, checked_out
+from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
 from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
-MIN_GROUPED_K = 32  # the narrowest chunk of one group the GROUPED path takes
+WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
 
 
-def launch_config(n: int, k: int) -> dict:
-    """The launch shape for `n` outputs of `k` inputs (FP8's at the same widths, untuned)."""
+def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
+    """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
+    its outputs, half the weight's rows). Untimed: `kernels.fp8_gemv.launch_config`'s shapes
+    (the FP8 sweep's bests at the Llama-8B widths) with twice the inputs a chunk, so that a
+    row's chunk is as many bytes; `bench/quant_gemv.py --sweep --types INT4` times the
+    alternatives."""
+    if gate_up:
+        return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
     if k >= 8192:
-        return {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
-    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
+        return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
+    if n >= 16384:
+        return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
+    return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2}
 
 
 @triton.jit
-def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G, GS,
-               HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
-    """`acc` (BLOCK_N, BLOCK_K / 8, 8) plus rows `rows`' values at words `offs_w` (inputs
-    `offs_k`, (BLOCK_K / 8, 8)) times the activations `x` there."""
-    words = tl.load(W + rows[:, None] * KW + offs_w[None, :],
-                    mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
-    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
-    if GROUPED:  # (the chunk within one group: a zero and a scale a row)
-        at = rows * G + k0 // GS
-        z = tl.load(Z + at, mask=mask_n, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=mask_n, other=0.0)
-        v = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
+def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, offs_g, mask_g, KW, G,
+               GS, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
+    """`acc` (BLOCK_N, NS, SUB / 8, 8) plus rows `rows`' values at words `offs_w` (NS, SUB / 8;
+    inputs `offs_k`, (NS, SUB / 8, 8)) times the activations `x` there. GROUPED: sub-chunk s
+    of SUB inputs lies in one group, `offs_g` (NS,) its first input."""
+    words = tl.load(W + rows[:, None, None] * KW + offs_w[None, :, :],
+                    mask=mask_n[:, None, None] & (offs_w < KW)[None, :, :], other=0)
+    q = (words[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 15
+    if GROUPED:  # (a zero and a scale a row and sub-chunk, broadcast over its words)
+        at = rows[:, None] * G + (offs_g // GS)[None, :]
+        m2 = mask_n[:, None] & mask_g[None, :]
+        z = tl.load(Z + at, mask=m2, other=0).to(tl.int32)
+        s = tl.load(S + at, mask=m2, other=0.0)
+        v = (q - z[:, :, None, None]).to(tl.float32) * s[:, :, None, None]
     else:
         if HAS_GI:
             grp = tl.load(GI + offs_k, mask=mask_k, other=0)
         else:
             grp = offs_k // GS
-        at = rows[:, None, None] * G + grp[None, :, :]
-        m3 = mask_n[:, None, None] & mask_k[None, :, :]
-        z = tl.load(Z + at, mask=m3, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=m3, other=0.0)
+        at = rows[:, None, None, None] * G + grp[None, :, :, :]
+        m4 = mask_n[:, None, None, None] & mask_k[None, :, :, :]
+        z = tl.load(Z + at, mask=m4, other=0).to(tl.int32)
+        s = tl.load(S + at, mask=m4, other=0.0)
         v = (q - z).to(tl.float32) * s
-    return acc + v * x[None, :, :]
+    return acc + v * x[None, :, :, :]
 
 
 @triton.jit
 def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
@@ -79,24 +90,27 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
     if NORM:
         scale = rms_scale(xrow, K, eps, BLOCK_K)
     KW = K // 8
-    jj = tl.arange(0, BLOCK_K // 8)
+    ss = tl.arange(0, BLOCK_K // SUB)
+    jj = tl.arange(0, SUB // 8)
     ii = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8, 8], dtype=tl.float32)
     acc_u = acc
     for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + jj
-        offs_k = offs_w[:, None] * 8 + ii[None, :]
+        offs_g = k0 + ss * SUB  # (each sub-chunk's first input)
+        mask_g = offs_g < K
+        offs_w = (offs_g // 8)[:, None] + jj[None, :]
+        offs_k = offs_w[:, :, None] * 8 + ii[None, None, :]
         mask_k = offs_k < K
         x = activations(xrow, NW, offs_k, mask_k, scale, NORM, dt)
-        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G,
-                         GS, HAS_GI, GROUPED)
+        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, offs_g,
+                         mask_g, KW, G, GS, HAS_GI, GROUPED)
         if SILU:  # (the up half: rows N + offs_n)
             acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, offs_k, mask_k, x,
-                               k0, KW, G, GS, HAS_GI, GROUPED)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+                               offs_g, mask_g, KW, G, GS, HAS_GI, GROUPED)
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
     y_u = y
     if SILU:
-        y_u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+        y_u = tl.sum(tl.sum(tl.sum(acc_u, axis=3), axis=2), axis=1)
     epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
 
 
@@ -125,12 +139,13 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                              f"got {n} rows")
         n //= 2
     out = checked_out("int4_gemv", x, n, k, bias, residual, norm, out, out_dtype)
-    c = dict(cfg or launch_config(n, k))
+    c = dict(cfg or launch_config(n, k, gate_up=gate_up))
     block_n = c.pop("BLOCK_N")
     block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
-    grouped = g_idx is None and (group & -group) >= MIN_GROUPED_K
-    if grouped:  # (a chunk within one group: BLOCK_K divides it)
-        block_k = min(block_k, group & -group)
+    check_launch("int4_gemv", block_n, block_k)
+    unit = group & -group  # (the widest power of two that divides a group)
+    grouped = g_idx is None and unit >= WORD
+    sub = min(unit, block_k) if grouped else block_k
     r = x if residual is None else residual
     _int4_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
@@ -138,5 +153,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         out.stride(0), n, k, g, group, 0.0 if norm is None else float(norm[1]),
         NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None,
         SILU=gate_up, HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n,
-        BLOCK_K=block_k, **c)
+        BLOCK_K=block_k, SUB=sub, **c)
     return out
