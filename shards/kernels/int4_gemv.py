@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
 from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
-from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
+from layersplit.shards.kernels.quant_planar import MAGIC, activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
 WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
@@ -48,35 +48,70 @@ def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
 
 
 @triton.jit
-def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, offs_g, mask_g, KW, G,
-               GS, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
-    """`acc` (BLOCK_N, NS, SUB / 8, 8) plus rows `rows`' values at words `offs_w` (NS, SUB / 8;
-    inputs `offs_k`, (NS, SUB / 8, 8)) times the activations `x` there. GROUPED: sub-chunk s
-    of SUB inputs lies in one group, `offs_g` (NS,) its first input."""
-    words = tl.load(W + rows[:, None, None] * KW + offs_w[None, :, :],
-                    mask=mask_n[:, None, None] & (offs_w < KW)[None, :, :], other=0)
-    q = (words[:, :, :, None] >> (tl.arange(0, 8) * 4)[None, None, None, :]) & 15
-    if GROUPED:  # (a zero and a scale a row and sub-chunk, broadcast over its words)
-        at = rows[:, None] * G + (offs_g // GS)[None, :]
-        m2 = mask_n[:, None] & mask_g[None, :]
-        z = tl.load(Z + at, mask=m2, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=m2, other=0.0)
-        v = (q - z[:, :, None, None]).to(tl.float32) * s[:, :, None, None]
-    else:
-        if HAS_GI:
-            grp = tl.load(GI + offs_k, mask=mask_k, other=0)
-        else:
-            grp = offs_k // GS
-        at = rows[:, None, None, None] * G + grp[None, :, :, :]
-        m4 = mask_n[:, None, None, None] & mask_k[None, :, :, :]
-        z = tl.load(Z + at, mask=m4, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=m4, other=0.0)
-        v = (q - z).to(tl.float32) * s
-    return acc + v * x[None, :, :, :]
+def _split8(x):
+    """The 8 slices (...) of `x` (..., 8) along its last axis, in order."""
+    c0, c1 = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2, 2]))
+    a0, a2 = tl.split(c0)
+    a1, a3 = tl.split(c1)
+    t0, t4 = tl.split(a0)
+    t2, t6 = tl.split(a2)
+    t1, t5 = tl.split(a1)
+    t3, t7 = tl.split(a3)
+    return t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
-def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
+def _field(src, p: tl.constexpr):
+    """2**23 + q * 2**p in float32, exact: q the 4-bit field at bit p (<= 12) of `src`."""
+    return ((src & (15 << p)) | MAGIC).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G,
+               GS: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
+    """`acc` (BLOCK_N, NS, SUB / 8) plus rows `rows`' products at words `offs_w` (NS, SUB / 8)
+    with the activations there, `xs`: value i of each word's (GROUPED: times 2**-(4 (i % 4))).
+    GROUPED: sub-chunk s lies in one group, `offs_g` (NS,) its first input."""
+    mask_w = mask_n[:, None, None] & (offs_w < KW)[None, :, :]
+    words = tl.load(W + rows[:, None, None] * KW + offs_w[None, :, :], mask=mask_w, other=0)
+    if GROUPED:  # (a zero and a scale a row and sub-chunk, broadcast over its words)
+        at = rows[:, None] * G + (offs_g // GS)[None, :]
+        m2 = mask_n[:, None] & mask_g[None, :]
+        z = tl.load(Z + at, mask=m2, other=0).to(tl.float32)[:, :, None]
+        s = tl.load(S + at, mask=m2, other=0.0)[:, :, None]
+        # (value i, at bit p = 4 (i % 4) of the word's low or high half: 2**23 + q 2**p less
+        # 2**23 + z 2**p is (q - z) 2**p, exact; times x 2**-p, (q - z) x rounded once)
+        c0 = z + 8388608.0
+        c1 = z * 16.0 + 8388608.0
+        c2 = z * 256.0 + 8388608.0
+        c3 = z * 4096.0 + 8388608.0
+        x0, x1, x2, x3, x4, x5, x6, x7 = xs
+        hi = words >> 16
+        d = (_field(words, 0) - c0) * x0[None, :, :]
+        d += (_field(words, 4) - c1) * x1[None, :, :]
+        d += (_field(words, 8) - c2) * x2[None, :, :]
+        d += (_field(words, 12) - c3) * x3[None, :, :]
+        d += (_field(hi, 0) - c0) * x4[None, :, :]
+        d += (_field(hi, 4) - c1) * x5[None, :, :]
+        d += (_field(hi, 8) - c2) * x6[None, :, :]
+        d += (_field(hi, 12) - c3) * x7[None, :, :]
+        acc += s * d  # (the word's sum of (q - z) x, times its group's scale)
+    else:  # (each value's zero and scale, gathered by its group)
+        for i in tl.static_range(8):
+            offs_k = offs_w * 8 + i
+            if HAS_GI:
+                grp = tl.load(GI + offs_k, mask=offs_w < KW, other=0)
+            else:
+                grp = offs_k // GS
+            at = rows[:, None, None] * G + grp[None, :, :]
+            z = tl.load(Z + at, mask=mask_w, other=0).to(tl.int32)
+            s = tl.load(S + at, mask=mask_w, other=0.0)
+            acc += (((words >> (4 * i)) & 15) - z).to(tl.float32) * s * xs[i][None, :, :]
+    return acc
+
+
+@triton.jit
+def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, eps, GS: tl.constexpr,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
@@ -93,24 +128,27 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
     ss = tl.arange(0, BLOCK_K // SUB)
     jj = tl.arange(0, SUB // 8)
     ii = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8, 8], dtype=tl.float32)
+    step = ((127 - 4 * (ii % 4)) << 23).to(tl.float32, bitcast=True)  # 2**-(4 (i % 4))
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
     acc_u = acc
     for k0 in range(0, K, BLOCK_K):
         offs_g = k0 + ss * SUB  # (each sub-chunk's first input)
         mask_g = offs_g < K
         offs_w = (offs_g // 8)[:, None] + jj[None, :]
         offs_k = offs_w[:, :, None] * 8 + ii[None, None, :]
-        mask_k = offs_k < K
-        x = activations(xrow, NW, offs_k, mask_k, scale, NORM, dt)
-        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, offs_g,
-                         mask_g, KW, G, GS, HAS_GI, GROUPED)
+        x = activations(xrow, NW, offs_k, offs_k < K, scale, NORM, dt)
+        if GROUPED:
+            x = x * step[None, None, :]
+        xs = _split8(x)
+        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G,
+                         GS, HAS_GI, GROUPED)
         if SILU:  # (the up half: rows N + offs_n)
-            acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, offs_k, mask_k, x,
-                               offs_g, mask_g, KW, G, GS, HAS_GI, GROUPED)
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+            acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, xs, offs_g,
+                               mask_g, KW, G, GS, HAS_GI, GROUPED)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     y_u = y
     if SILU:
-        y_u = tl.sum(tl.sum(tl.sum(acc_u, axis=3), axis=2), axis=1)
+        y_u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     epilogue(y, y_u, B, R, s_r, Y, s_y, m, offs_n, mask_n, dt, HAS_B, HAS_R, SILU)
 
 
@@ -150,8 +188,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     _int4_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
         qweight if g_idx is None else g_idx, x if bias is None else bias, r, r.stride(0), out,
-        out.stride(0), n, k, g, group, 0.0 if norm is None else float(norm[1]),
-        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None,
-        SILU=gate_up, HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n,
-        BLOCK_K=block_k, SUB=sub, **c)
+        out.stride(0), n, k, g, 0.0 if norm is None else float(norm[1]), GS=group,
+        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
+        HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub,
+        **c)
     return out

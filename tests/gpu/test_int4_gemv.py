@@ -78,12 +78,15 @@ def test_int4_gemv_equals_dequantize_then_matmul(rows, n, k, group, act_order):
 
 # (group, inputs, act order, launch shape): chunks of 4 groups of 32; of 64 with the last chunk
 # past K (448 = 256 + 192); one chunk of 1024 over 5 groups of 128; groups of 96 (sub-chunks of
-# 32, chunks cut groups); act order's gathered groups in a chunk of 256
+# 32, chunks cut groups); act order's gathered groups in a chunk of 256; groups of 4 and of 12
+# (half a word, a word and a half: each value's zero and scale gathered)
 SPAN = [(32, 384, False, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2}),
         (64, 448, False, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}),
         (128, 640, False, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4}),
         (96, 480, False, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8}),
-        (64, 256, True, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2})]
+        (64, 256, True, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}),
+        (4, 64, False, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1}),
+        (12, 96, False, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1})]
 
 
 @pytest.mark.parametrize("group,k,act_order,cfg", SPAN)
