@@ -4,19 +4,23 @@ float32 scale per (row, group)), for steps of a few rows, with `kernels.gemv`'s 
 and residual / SiLU * up epilogues (the fused decode step of `shards.fused`).
 
 Program (block of BLOCK_N outputs, row m): each chunk of BLOCK_K inputs is BLOCK_K / 8 words of
-each of its rows, loaded once and split into their eight values by shifts in registers, as a
-(BLOCK_N, BLOCK_K / SUB, SUB / 8, 8) tile whose last three axes are the inputs in order: sub-chunks
-of SUB inputs, their words, a word's values. The value is (q - zero) * scale in float32, exact (a
-5-bit integer times a float16-valued scale), so the products are those of the dequantized weight
-and the float32 sums are within float32's rounding of dequantize-then-matmul
-(`tests/gpu/test_int4_gemv.py`). Without act order and with groups of a whole number of words
-(`GROUPED`), SUB is the widest power of two dividing the group (at most BLOCK_K), so a sub-chunk
-lies in one group and a chunk spans one or several: a zero and a scale are loaded a row and
-sub-chunk, (BLOCK_N, BLOCK_K / SUB), and broadcast over its words (GPTQ's zeros, v1's offset
-added, and AWQ's are alike: a byte a row and group, `int4.repack_int4`). Else (act order's
-`g_idx`, or groups of a fraction of a word) SUB is BLOCK_K and each input's zero and scale are
-gathered by its group. A few-row step runs it once per row (the grid's second axis): the
-weight's bytes come from DRAM once and from L2 for the other rows.
+each of its rows, a (BLOCK_N, BLOCK_K / SUB, SUB / 8) tile (sub-chunks of SUB inputs, their
+words), loaded once; the chunk's activations are split into eight such tiles, value i of each
+word's. Without act order and with groups of a whole number of words (`GROUPED`), SUB is the
+widest power of two dividing the group (at most BLOCK_K), so a sub-chunk lies in one group and a
+chunk spans one or several: a zero and a scale are loaded a row and sub-chunk and broadcast over
+its words (GPTQ's zeros, v1's offset added, and AWQ's are alike: a byte a row and group,
+`int4.repack_int4`). A value is taken as `quant_planar` takes its own, without an integer
+conversion: the 4-bit field at bit p (0, 4, 8, 12 of the word's low or high half) OR-ed into the
+mantissa of 2**23 is 2**23 + q 2**p, less 2**23 + zero 2**p is (q - zero) 2**p, exact, and the
+activation was scaled by 2**-p (exact); so a value costs an AND/OR, a subtraction and an FMA
+into the word's sum of (q - zero) x, which is then multiplied by the group's scale. Else (act
+order's `g_idx`, or groups of a fraction of a word) SUB is BLOCK_K and each value's zero and
+scale are gathered by its group, the product (q - zero) * scale * x. Either way the weight's
+values are those of dequantizing (exact in float32: a 5-bit integer times a float16-valued
+scale), and the float32 sums are within float32's rounding of dequantize-then-matmul
+(`tests/gpu/test_int4_gemv.py`). A few-row step runs it once per row (the grid's second axis):
+the weight's bytes come from DRAM once and from L2 for the other rows.
 """
 
 from __future__ import annotations
@@ -36,12 +40,10 @@ def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
     """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
     its outputs, half the weight's rows). Untimed: `kernels.fp8_gemv.launch_config`'s shapes
     (the FP8 sweep's bests at the Llama-8B widths) with twice the inputs a chunk, so that a
-    row's chunk is as many bytes; `bench/quant_gemv.py --sweep --types INT4` times the
-    alternatives."""
+    row's chunk is as many bytes (down takes q/k/v's 2 warps: fewer instructions a value than
+    4, in the sm_90 code); `bench/quant_gemv.py --sweep --types INT4` times the others."""
     if gate_up:
         return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
-    if k >= 8192:
-        return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
     if n >= 16384:
         return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
     return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2}
@@ -111,7 +113,7 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
 
 
 @triton.jit
-def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, eps, GS: tl.constexpr,
+def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, eps, GS: tl.constexpr,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
@@ -124,17 +126,16 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, eps, GS: tl.
     scale = 1.0
     if NORM:
         scale = rms_scale(xrow, K, eps, BLOCK_K)
-    KW = K // 8
     ss = tl.arange(0, BLOCK_K // SUB)
     jj = tl.arange(0, SUB // 8)
     ii = tl.arange(0, 8)
     step = ((127 - 4 * (ii % 4)) << 23).to(tl.float32, bitcast=True)  # 2**-(4 (i % 4))
     acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
     acc_u = acc
-    for k0 in range(0, K, BLOCK_K):
-        offs_g = k0 + ss * SUB  # (each sub-chunk's first input)
+    for w0 in range(0, KW, BLOCK_K // 8):  # (KW = K / 8 words a row, BLOCK_K / 8 a chunk)
+        offs_g = w0 * 8 + ss * SUB  # (each sub-chunk's first input)
         mask_g = offs_g < K
-        offs_w = (offs_g // 8)[:, None] + jj[None, :]
+        offs_w = w0 + (ss * (SUB // 8))[:, None] + jj[None, :]
         offs_k = offs_w[:, :, None] * 8 + ii[None, None, :]
         x = activations(xrow, NW, offs_k, offs_k < K, scale, NORM, dt)
         if GROUPED:
@@ -188,7 +189,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     _int4_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
         qweight if g_idx is None else g_idx, x if bias is None else bias, r, r.stride(0), out,
-        out.stride(0), n, k, g, 0.0 if norm is None else float(norm[1]), GS=group,
+        out.stride(0), n, k, k // 8, g, 0.0 if norm is None else float(norm[1]), GS=group,
         NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
         HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub,
         **c)
