@@ -34,6 +34,9 @@ from layersplit.shards.kernels.quant_planar import MAGIC, activations, epilogue,
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
 WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
+# a value's 4 bits, passed to the kernel as an argument: as a constant, the sm_90 code moved
+# each of its shifted copies into a register before each AND (a move every other value)
+FIELD = 15
 
 
 def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
@@ -63,17 +66,18 @@ def _split8(x):
 
 
 @triton.jit
-def _field(src, p: tl.constexpr):
-    """2**23 + q * 2**p in float32, exact: q the 4-bit field at bit p (<= 12) of `src`."""
-    return ((src & (15 << p)) | MAGIC).to(tl.float32, bitcast=True)
+def _field(src, mask):
+    """2**23 + q * 2**p in float32, exact: q the 4-bit field `mask` (15 << p, p <= 12) selects
+    in `src`."""
+    return ((src & mask) | MAGIC).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G,
+def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
                GS: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
     """`acc` (BLOCK_N, NS, SUB / 8) plus rows `rows`' products at words `offs_w` (NS, SUB / 8)
     with the activations there, `xs`: value i of each word's (GROUPED: times 2**-(4 (i % 4))).
-    GROUPED: sub-chunk s lies in one group, `offs_g` (NS,) its first input."""
+    GROUPED: sub-chunk s lies in one group, `offs_g` (NS,) its first input. F: 15."""
     mask_w = mask_n[:, None, None] & (offs_w < KW)[None, :, :]
     words = tl.load(W + rows[:, None, None] * KW + offs_w[None, :, :], mask=mask_w, other=0)
     if GROUPED:  # (a zero and a scale a row and sub-chunk, broadcast over its words)
@@ -89,14 +93,14 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
         c3 = z * 4096.0 + 8388608.0
         x0, x1, x2, x3, x4, x5, x6, x7 = xs
         hi = words >> 16
-        d = (_field(words, 0) - c0) * x0[None, :, :]
-        d += (_field(words, 4) - c1) * x1[None, :, :]
-        d += (_field(words, 8) - c2) * x2[None, :, :]
-        d += (_field(words, 12) - c3) * x3[None, :, :]
-        d += (_field(hi, 0) - c0) * x4[None, :, :]
-        d += (_field(hi, 4) - c1) * x5[None, :, :]
-        d += (_field(hi, 8) - c2) * x6[None, :, :]
-        d += (_field(hi, 12) - c3) * x7[None, :, :]
+        d = (_field(words, F) - c0) * x0[None, :, :]
+        d += (_field(words, F << 4) - c1) * x1[None, :, :]
+        d += (_field(words, F << 8) - c2) * x2[None, :, :]
+        d += (_field(words, F << 12) - c3) * x3[None, :, :]
+        d += (_field(hi, F) - c0) * x4[None, :, :]
+        d += (_field(hi, F << 4) - c1) * x5[None, :, :]
+        d += (_field(hi, F << 8) - c2) * x6[None, :, :]
+        d += (_field(hi, F << 12) - c3) * x7[None, :, :]
         acc += s * d  # (the word's sum of (q - z) x, times its group's scale)
     else:  # (each value's zero and scale, gathered by its group)
         for i in tl.static_range(8):
@@ -113,7 +117,7 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
 
 
 @triton.jit
-def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, eps, GS: tl.constexpr,
+def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, F, eps, GS: tl.constexpr,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
@@ -141,11 +145,11 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, eps, GS:
         if GROUPED:
             x = x * step[None, None, :]
         xs = _split8(x)
-        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G,
+        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
                          GS, HAS_GI, GROUPED)
         if SILU:  # (the up half: rows N + offs_n)
             acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, xs, offs_g,
-                               mask_g, KW, G, GS, HAS_GI, GROUPED)
+                               mask_g, KW, G, F, GS, HAS_GI, GROUPED)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     y_u = y
     if SILU:
@@ -189,7 +193,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     _int4_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
         qweight if g_idx is None else g_idx, x if bias is None else bias, r, r.stride(0), out,
-        out.stride(0), n, k, k // 8, g, 0.0 if norm is None else float(norm[1]), GS=group,
+        out.stride(0), n, k, k // 8, g, FIELD, 0.0 if norm is None else float(norm[1]), GS=group,
         NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
         HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub,
         **c)
