@@ -41,15 +41,17 @@ FIELD = 15
 
 def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
     """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
-    its outputs, half the weight's rows). Untimed: `kernels.fp8_gemv.launch_config`'s shapes
-    (the FP8 sweep's bests at the Llama-8B widths) with twice the inputs a chunk, so that a
-    row's chunk is as many bytes (down takes q/k/v's 2 warps: fewer instructions a value than
-    4, in the sm_90 code); `bench/quant_gemv.py --sweep --types INT4` times the others."""
+    its outputs, half the weight's rows). Untimed: a program's chunk is as many bytes as in
+    `kernels.fp8_gemv.launch_config`'s shapes (the FP8 sweep's bests at the Llama-8B widths),
+    taken as more rows of fewer inputs where the compiled sm_90 loop is the shorter for it (the
+    activations' split is shared by the rows: 4.2 to 4.9 instructions a value, no spills, as
+    Triton 3.9 and ptxas compile these shapes); `bench/quant_gemv.py --sweep --types INT4`
+    times the others."""
     if gate_up:
         return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
     if n >= 16384:
-        return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
-    return {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 2}
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
 
 
 @triton.jit
