@@ -188,7 +188,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
     block_n = c.pop("BLOCK_N")
     block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
     check_launch("int4_gemv", block_n, block_k)
-    unit = group & -group  # (the widest power of two that divides a group)
+    unit = group & -group  # (the widest power of two that divides a group; the group size is a
+    # compile-time constant, GS: one compilation per size, its divisions shifts or multiplies)
     grouped = g_idx is None and unit >= WORD
     sub = min(unit, block_k) if grouped else block_k
     r = x if residual is None else residual
