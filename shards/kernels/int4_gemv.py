@@ -39,14 +39,18 @@ WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
 FIELD = 15
 
 
-def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
+def launch_config(n: int, k: int, gate_up: bool = False, gathered: bool = False) -> dict:
     """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
-    its outputs, half the weight's rows). Untimed: a program's chunk is as many bytes as in
+    its outputs, half the weight's rows; `gathered`: each value's zero and scale gathered, act
+    order's path, whose fused gate/up step at the shape below spills registers on sm_90, so it
+    takes chunks of 128 inputs of 16 rows). Untimed: a program's chunk is as many bytes as in
     `kernels.fp8_gemv.launch_config`'s shapes (the FP8 sweep's bests at the Llama-8B widths),
     taken as more rows of fewer inputs where the compiled sm_90 loop is the shorter for it (the
     activations' split is shared by the rows: 4.2 to 4.9 instructions a value, no spills, as
     Triton 3.9 and ptxas compile these shapes); `bench/quant_gemv.py --sweep --types INT4`
     times the others."""
+    if gate_up and gathered:
+        return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
     if gate_up:
         return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
     if n >= 16384:
@@ -184,13 +188,13 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                              f"got {n} rows")
         n //= 2
     out = checked_out("int4_gemv", x, n, k, bias, residual, norm, out, out_dtype)
-    c = dict(cfg or launch_config(n, k, gate_up=gate_up))
-    block_n = c.pop("BLOCK_N")
-    block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
-    check_launch("int4_gemv", block_n, block_k)
     unit = group & -group  # (the widest power of two that divides a group; the group size is a
     # compile-time constant, GS: one compilation per size, its divisions shifts or multiplies)
     grouped = g_idx is None and unit >= WORD
+    c = dict(cfg or launch_config(n, k, gate_up=gate_up, gathered=not grouped))
+    block_n = c.pop("BLOCK_N")
+    block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
+    check_launch("int4_gemv", block_n, block_k)
     sub = min(unit, block_k) if grouped else block_k
     r = x if residual is None else residual
     _int4_gemv[(triton.cdiv(n, block_n), m)](

@@ -50,8 +50,8 @@ def _gemv(x, w: Int4Weight, bias=None, **kw):
     return int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, **kw)
 
 
-# (rows, outputs, inputs, group, act order): groups of 128; one group of an odd K (the gathered
-# path); small groups (8: a zero and a scale a word, 32); act order's permuted groups; 16 rows;
+# (rows, outputs, inputs, group, act order): groups of 128; one group of an odd K (sub-chunks of
+# a word); small groups (8: a zero and a scale a word, 32); act order's permuted groups; 16 rows;
 # a group of 96 (chunks of 32, three a group)
 CASES = [(1, 256, 512, 128, False), (3, 40, 200, -1, False), (2, 24, 96, 8, False),
          (16, 40, 96, 32, False), (5, 48, 256, 64, True), (1, 8, 1024, -1, False),

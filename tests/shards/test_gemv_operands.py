@@ -49,9 +49,11 @@ def test_launch_configs_are_good_shapes(module):
     for n in (8, 576, 4096, 6144, 14336, 28672):
         for k in (64, 4096, 14336):
             for gate_up in (False, True):
-                c = module.launch_config(n, k, gate_up=gate_up)
-                check_launch(module.__name__, c["BLOCK_N"], c["BLOCK_K"])
-                assert c["BLOCK_K"] % 8 == 0 and c["num_warps"] in (1, 2, 4, 8)
+                kws = [{}, {"gathered": True}] if module is int4_gemv else [{}]
+                for kw in kws:
+                    c = module.launch_config(n, k, gate_up=gate_up, **kw)
+                    check_launch(module.__name__, c["BLOCK_N"], c["BLOCK_K"])
+                    assert c["BLOCK_K"] % 8 == 0 and c["num_warps"] in (1, 2, 4, 8)
 
 
 def test_fp8_rows_per_program_ends():
