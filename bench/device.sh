@@ -167,8 +167,8 @@ test_int4_gemv.py" --cmd quant
   fi
   if has "$cases" int4; then  # (GPTQ / AWQ kept in int4, group 128: the GEMV against float16,
     # then Q8: the Llama-8B shape's random values rounded to int4, against its bfloat16 run)
-    TAIL=200 run quant_int4_sweep 150 python3 bench/quant_gemv.py --sweep --types INT4 \
-      --rows 1,4 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
+    TAIL=250 run quant_int4_sweep 240 python3 bench/quant_gemv.py --sweep --types INT4 \
+      --rows 1 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
     kept_vs_bf16 int4 llama-8b-int4 "GPTQ int4 kept (group 128)" Q8
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)

@@ -17,7 +17,7 @@ words, zeros and scales.
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
     python bench/quant_gemv.py --sweep --types FP8 --rows 1,4
-    python bench/quant_gemv.py --sweep --types INT4 --rows 1,4
+    python bench/quant_gemv.py --sweep --types INT4 --rows 1
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from layersplit.shards.kernels.fp8_gemv import fp8_gemv
 from layersplit.shards.kernels.int4_gemv import int4_gemv
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
+from triton.runtime.errors import OutOfResources
 
 SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (2, 4, 8)
          for sb in (1, 4)]
@@ -44,9 +45,10 @@ PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) fo
 FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
              for k in (128, 256, 512) for w in (2, 4, 8)]
 FP8_BLOCK = (128, 128)
-# (BLOCK_K at most the group: `int4_gemv` narrows a wider one to it, so 256 would time 128)
-INT4_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (8, 16, 32)
-              for k in (64, 128) for w in (2, 4, 8)]
+# (a chunk of BLOCK_K inputs spans BLOCK_K / 128 groups: a row's 64 to 512 bytes of words; at
+# most 16K values a tile, as FP8's widest)
+INT4_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
+              for k in (128, 256, 512, 1024) for w in (2, 4, 8) if b * k <= 16384]
 INT4_GROUP = 128
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -169,8 +171,12 @@ def main() -> None:
                 sweep = FP8_SWEEP if qtype == "FP8" else INT4_SWEEP if qtype == "INT4" else \
                     PLANAR_SWEEP if planar else SWEEP
                 for cfg in sweep if args.sweep else []:
-                    us = _graph_time([lambda b=b, c=cfg: kernel(x, b, cfg=c) for b in copies],
-                                     args.repeats)
+                    try:
+                        us = _graph_time([lambda b=b, c=cfg: kernel(x, b, cfg=c)
+                                          for b in copies], args.repeats)
+                    except OutOfResources as e:  # (a shape the device cannot hold: said)
+                        print(f"      {str(cfg):<50} not run: {e}")
+                        continue
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
                                 "quant_graph_us": us, "quant_GBps": nbytes / us / 1e3})
                     print(f"      {str(cfg):<50} {us:>9.1f} {nbytes / us / 1e3:>7.0f}")

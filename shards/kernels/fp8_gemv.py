@@ -19,22 +19,27 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.kernels.gemv_operands import check_rows, checked_out
+from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
 from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
 
 
-def launch_config(n: int, k: int) -> dict:
-    """The launch shape for `n` outputs of `k` inputs, from `bench/quant_gemv.py --sweep --types
-    FP8` at the Llama-8B widths (block 128, 1 row, H200; bench/RESULTS.md): wide outputs (the
-    gate/up projection) take 16 rows on 2 warps, long inputs (down) 8 rows on 8 warps, the rest
-    16 rows on 8 warps."""
-    if n >= 12288:
-        return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 2}
+def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
+    """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
+    its outputs, half the weight's rows), the best of `bench/quant_gemv.py --sweep --types FP8`
+    at the Llama-8B widths (block 128, 1 row, CUDA-graph replays; bench/RESULTS.md Q7, H200,
+    2026-11-29): q/k/v and o 4 rows and chunks of 512 on 2 warps (10.3, 9.3 us), down (long
+    inputs) the same on 4 warps (27.3 us), gate/up (wide outputs) 8 rows of 256 on 2 warps
+    (36.3 us), the fused SiLU * up step 32 rows of 128 on 4 warps (40.0 us; noisy: 47-49 us at
+    the next shapes)."""
+    if gate_up:
+        return {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
     if k >= 8192:
-        return {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8}
-    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8}
+        return {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4}
+    if n >= 16384:
+        return {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}
+    return {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 2}
 
 
 @triton.jit
@@ -78,7 +83,9 @@ def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
 
 def _rows_per_program(block_n: int, rows: int) -> int:
     """`block_n`, halved until it divides a scale block's `rows` (the program's rows then share
-    one row of scales)."""
+    one row of scales): 1 at the least, where both are positive (else ValueError)."""
+    if block_n < 1 or rows < 1:
+        raise ValueError(f"fp8_gemv: {block_n} rows a program over scale blocks of {rows} rows")
     while rows % block_n:
         block_n //= 2
     return block_n
@@ -101,6 +108,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     m, k = x.shape
     n = weight.shape[0]
     bn, bk = block
+    if bn < 1 or bk < 1:
+        raise ValueError(f"fp8_gemv: scale blocks of {block} (rows, columns) are not positive")
     want = (-(-n // bn), -(-k // bk))
     if weight.dtype != torch.float8_e4m3fn or weight.shape != (n, k) or \
             weight.stride() != (k, 1) or scale.dtype != torch.float32 or \
@@ -114,9 +123,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                              f"whole scale blocks ({bn} rows) and no bias, got {n} rows")
         n //= 2
     out = checked_out("fp8_gemv", x, n, k, bias, residual, norm, out, out_dtype)
-    c = dict(cfg or launch_config(n, k))
+    c = dict(cfg or launch_config(n, k, gate_up=gate_up))
+    check_launch("fp8_gemv", c["BLOCK_N"], c.setdefault("BLOCK_K", 128))
     block_n = _rows_per_program(c.pop("BLOCK_N"), bn)
-    c["BLOCK_K"] = min(c.get("BLOCK_K", 128), triton.next_power_of_2(k))
+    c["BLOCK_K"] = min(c["BLOCK_K"], triton.next_power_of_2(k))
     r = x if residual is None else residual
     _fp8_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], weight, scale, scale.stride(0),

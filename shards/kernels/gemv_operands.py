@@ -34,3 +34,12 @@ def checked_out(fn: str, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | N
     if out.shape != (m, n) or out.stride(1) != 1:
         raise ValueError(f"{fn}: out {tuple(out.shape)} is not {m} rows of {n}")
     return out
+
+
+def check_launch(fn: str, block_n: int, block_k: int) -> None:
+    """Raise ValueError, naming `fn`, unless the launch shape's BLOCK_N and BLOCK_K are
+    powers of two (Triton's blocks; a zero or negative one would not end `fp8_gemv`'s
+    narrowing of BLOCK_N either)."""
+    for name, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+            raise ValueError(f"{fn}: launch shape {name}={v!r} is not a power of two")

@@ -4,18 +4,23 @@ float32 scale per (row, group)), for steps of a few rows, with `kernels.gemv`'s 
 and residual / SiLU * up epilogues (the fused decode step of `shards.fused`).
 
 Program (block of BLOCK_N outputs, row m): each chunk of BLOCK_K inputs is BLOCK_K / 8 words of
-each of its rows, loaded once and split into their eight values by shifts in registers, as a
-(BLOCK_N, BLOCK_K / 8, 8) tile whose last two axes are the inputs in order. The value is (q -
-zero) * scale in float32, exact (a 5-bit integer times a float16-valued scale), so the products
-are those of the dequantized weight and the float32 sums are within float32's rounding of
-dequantize-then-matmul (`tests/gpu/test_int4_gemv.py`). Where a chunk lies in one group
-(`GROUPED`: no act order, BLOCK_K dividing the group) its rows' zero and scale are loaded once a
-chunk; else (act order's `g_idx`, or groups narrower than 32 inputs) each input's, gathered by
-its group. A few-row step runs it once per row (the grid's second axis): the weight's bytes come
-from DRAM once and from L2 for the other rows.
-
-The launch shape is not tuned: no GPU has timed it yet (`bench/quant_gemv.py --sweep --types
-INT4` does).
+each of its rows, a (BLOCK_N, BLOCK_K / SUB, SUB / 8) tile (sub-chunks of SUB inputs, their
+words), loaded once; the chunk's activations are split into eight such tiles, value i of each
+word's. Without act order and with groups of a whole number of words (`GROUPED`), SUB is the
+widest power of two dividing the group (at most BLOCK_K), so a sub-chunk lies in one group and a
+chunk spans one or several: a zero and a scale are loaded a row and sub-chunk and broadcast over
+its words (GPTQ's zeros, v1's offset added, and AWQ's are alike: a byte a row and group,
+`int4.repack_int4`). A value is taken as `quant_planar` takes its own, without an integer
+conversion: the 4-bit field at bit p (0, 4, 8, 12 of the word's low or high half) OR-ed into the
+mantissa of 2**23 is 2**23 + q 2**p, less 2**23 + zero 2**p is (q - zero) 2**p, exact, and the
+activation was scaled by 2**-p (exact); so a value costs an AND/OR, a subtraction and an FMA
+into the word's sum of (q - zero) x, which is then multiplied by the group's scale. Else (act
+order's `g_idx`, or groups of a fraction of a word) SUB is BLOCK_K and each value's zero and
+scale are gathered by its group, the product (q - zero) * scale * x. Either way the weight's
+values are those of dequantizing (exact in float32: a 5-bit integer times a float16-valued
+scale), and the float32 sums are within float32's rounding of dequantize-then-matmul
+(`tests/gpu/test_int4_gemv.py`). A few-row step runs it once per row (the grid's second axis):
+the weight's bytes come from DRAM once and from L2 for the other rows.
 """
 
 from __future__ import annotations
@@ -24,51 +29,104 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
-from layersplit.shards.kernels.gemv_operands import check_rows, checked_out
-from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
+from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
+from layersplit.shards.kernels.quant_planar import MAGIC, activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
-MIN_GROUPED_K = 32  # the narrowest chunk of one group the GROUPED path takes
+WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
+# a value's 4 bits, passed to the kernel as an argument: as a constant, the sm_90 code moved
+# each of its shifted copies into a register before each AND (a move every other value)
+FIELD = 15
 
 
-def launch_config(n: int, k: int) -> dict:
-    """The launch shape for `n` outputs of `k` inputs (FP8's at the same widths, untuned)."""
-    if k >= 8192:
-        return {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4}
-    return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
-
-
-@triton.jit
-def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G, GS,
-               HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
-    """`acc` (BLOCK_N, BLOCK_K / 8, 8) plus rows `rows`' values at words `offs_w` (inputs
-    `offs_k`, (BLOCK_K / 8, 8)) times the activations `x` there."""
-    words = tl.load(W + rows[:, None] * KW + offs_w[None, :],
-                    mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)
-    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
-    if GROUPED:  # (the chunk within one group: a zero and a scale a row)
-        at = rows * G + k0 // GS
-        z = tl.load(Z + at, mask=mask_n, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=mask_n, other=0.0)
-        v = (q - z[:, None, None]).to(tl.float32) * s[:, None, None]
-    else:
-        if HAS_GI:
-            grp = tl.load(GI + offs_k, mask=mask_k, other=0)
-        else:
-            grp = offs_k // GS
-        at = rows[:, None, None] * G + grp[None, :, :]
-        m3 = mask_n[:, None, None] & mask_k[None, :, :]
-        z = tl.load(Z + at, mask=m3, other=0).to(tl.int32)
-        s = tl.load(S + at, mask=m3, other=0.0)
-        v = (q - z).to(tl.float32) * s
-    return acc + v * x[None, :, :]
+def launch_config(n: int, k: int, gate_up: bool = False, gathered: bool = False) -> dict:
+    """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
+    its outputs, half the weight's rows; `gathered`: each value's zero and scale gathered, act
+    order's path, whose fused gate/up step at the shape below spills registers on sm_90, so it
+    takes chunks of 128 inputs of 16 rows). Untimed: a program's chunk is as many bytes as in
+    `kernels.fp8_gemv.launch_config`'s shapes (the FP8 sweep's bests at the Llama-8B widths),
+    taken as more rows of fewer inputs where the compiled sm_90 loop is the shorter for it (the
+    activations' split is shared by the rows: 4.2 to 4.9 instructions a value, no spills, as
+    Triton 3.9 and ptxas compile these shapes); `bench/quant_gemv.py --sweep --types INT4`
+    times the others."""
+    if gate_up and gathered:
+        return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
+    if gate_up:
+        return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+    if n >= 16384:
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
 
 
 @triton.jit
-def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
+def _split8(x):
+    """The 8 slices (...) of `x` (..., 8) along its last axis, in order."""
+    c0, c1 = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2, 2]))
+    a0, a2 = tl.split(c0)
+    a1, a3 = tl.split(c1)
+    t0, t4 = tl.split(a0)
+    t2, t6 = tl.split(a2)
+    t1, t5 = tl.split(a1)
+    t3, t7 = tl.split(a3)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _field(src, mask):
+    """2**23 + q * 2**p in float32, exact: q the 4-bit field `mask` (15 << p, p <= 12) selects
+    in `src`."""
+    return ((src & mask) | MAGIC).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
+               GS: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
+    """`acc` (BLOCK_N, NS, SUB / 8) plus rows `rows`' products at words `offs_w` (NS, SUB / 8)
+    with the activations there, `xs`: value i of each word's (GROUPED: times 2**-(4 (i % 4))).
+    GROUPED: sub-chunk s lies in one group, `offs_g` (NS,) its first input. F: 15."""
+    mask_w = mask_n[:, None, None] & (offs_w < KW)[None, :, :]
+    words = tl.load(W + rows[:, None, None] * KW + offs_w[None, :, :], mask=mask_w, other=0)
+    if GROUPED:  # (a zero and a scale a row and sub-chunk, broadcast over its words)
+        at = rows[:, None] * G + (offs_g // GS)[None, :]
+        m2 = mask_n[:, None] & mask_g[None, :]
+        z = tl.load(Z + at, mask=m2, other=0).to(tl.float32)[:, :, None]
+        s = tl.load(S + at, mask=m2, other=0.0)[:, :, None]
+        # (value i, at bit p = 4 (i % 4) of the word's low or high half: 2**23 + q 2**p less
+        # 2**23 + z 2**p is (q - z) 2**p, exact; times x 2**-p, (q - z) x rounded once)
+        c0 = z + 8388608.0
+        c1 = z * 16.0 + 8388608.0
+        c2 = z * 256.0 + 8388608.0
+        c3 = z * 4096.0 + 8388608.0
+        x0, x1, x2, x3, x4, x5, x6, x7 = xs
+        hi = words >> 16
+        d = (_field(words, F) - c0) * x0[None, :, :]
+        d += (_field(words, F << 4) - c1) * x1[None, :, :]
+        d += (_field(words, F << 8) - c2) * x2[None, :, :]
+        d += (_field(words, F << 12) - c3) * x3[None, :, :]
+        d += (_field(hi, F) - c0) * x4[None, :, :]
+        d += (_field(hi, F << 4) - c1) * x5[None, :, :]
+        d += (_field(hi, F << 8) - c2) * x6[None, :, :]
+        d += (_field(hi, F << 12) - c3) * x7[None, :, :]
+        acc += s * d  # (the word's sum of (q - z) x, times its group's scale)
+    else:  # (each value's zero and scale, gathered by its group)
+        for i in tl.static_range(8):
+            offs_k = offs_w * 8 + i
+            if HAS_GI:
+                grp = tl.load(GI + offs_k, mask=offs_w < KW, other=0)
+            else:
+                grp = offs_k // GS
+            at = rows[:, None, None] * G + grp[None, :, :]
+            z = tl.load(Z + at, mask=mask_w, other=0).to(tl.int32)
+            s = tl.load(S + at, mask=mask_w, other=0.0)
+            acc += (((words >> (4 * i)) & 15) - z).to(tl.float32) * s * xs[i][None, :, :]
+    return acc
+
+
+@triton.jit
+def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, F, eps, GS: tl.constexpr,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
@@ -78,21 +136,26 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, G, GS, eps,
     scale = 1.0
     if NORM:
         scale = rms_scale(xrow, K, eps, BLOCK_K)
-    KW = K // 8
-    jj = tl.arange(0, BLOCK_K // 8)
+    ss = tl.arange(0, BLOCK_K // SUB)
+    jj = tl.arange(0, SUB // 8)
     ii = tl.arange(0, 8)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+    step = ((127 - 4 * (ii % 4)) << 23).to(tl.float32, bitcast=True)  # 2**-(4 (i % 4))
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SUB, SUB // 8], dtype=tl.float32)
     acc_u = acc
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + jj
-        offs_k = offs_w[:, None] * 8 + ii[None, :]
-        mask_k = offs_k < K
-        x = activations(xrow, NW, offs_k, mask_k, scale, NORM, dt)
-        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, offs_k, mask_k, x, k0, KW, G,
+    for w0 in range(0, KW, BLOCK_K // 8):  # (KW = K / 8 words a row, BLOCK_K / 8 a chunk)
+        offs_g = w0 * 8 + ss * SUB  # (each sub-chunk's first input)
+        mask_g = offs_g < K
+        offs_w = w0 + (ss * (SUB // 8))[:, None] + jj[None, :]
+        offs_k = offs_w[:, :, None] * 8 + ii[None, None, :]
+        x = activations(xrow, NW, offs_k, offs_k < K, scale, NORM, dt)
+        if GROUPED:
+            x = x * step[None, None, :]
+        xs = _split8(x)
+        acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
                          GS, HAS_GI, GROUPED)
         if SILU:  # (the up half: rows N + offs_n)
-            acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, offs_k, mask_k, x,
-                               k0, KW, G, GS, HAS_GI, GROUPED)
+            acc_u = _chunk_dot(acc_u, W, Z, S, GI, rows + N, mask_n, offs_w, xs, offs_g,
+                               mask_g, KW, G, F, GS, HAS_GI, GROUPED)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     y_u = y
     if SILU:
@@ -125,18 +188,20 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
                              f"got {n} rows")
         n //= 2
     out = checked_out("int4_gemv", x, n, k, bias, residual, norm, out, out_dtype)
-    c = dict(cfg or launch_config(n, k))
+    unit = group & -group  # (the widest power of two that divides a group; the group size is a
+    # compile-time constant, GS: one compilation per size, its divisions shifts or multiplies)
+    grouped = g_idx is None and unit >= WORD
+    c = dict(cfg or launch_config(n, k, gate_up=gate_up, gathered=not grouped))
     block_n = c.pop("BLOCK_N")
     block_k = max(16, min(c.pop("BLOCK_K", 128), triton.next_power_of_2(k)))
-    grouped = g_idx is None and (group & -group) >= MIN_GROUPED_K
-    if grouped:  # (a chunk within one group: BLOCK_K divides it)
-        block_k = min(block_k, group & -group)
+    check_launch("int4_gemv", block_n, block_k)
+    sub = min(unit, block_k) if grouped else block_k
     r = x if residual is None else residual
     _int4_gemv[(triton.cdiv(n, block_n), m)](
         x, x.stride(0), x if norm is None else norm[0], qweight, zeros, scales,
         qweight if g_idx is None else g_idx, x if bias is None else bias, r, r.stride(0), out,
-        out.stride(0), n, k, g, group, 0.0 if norm is None else float(norm[1]),
-        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None,
-        SILU=gate_up, HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n,
-        BLOCK_K=block_k, **c)
+        out.stride(0), n, k, k // 8, g, FIELD, 0.0 if norm is None else float(norm[1]), GS=group,
+        NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
+        HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub,
+        **c)
     return out

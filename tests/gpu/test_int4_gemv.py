@@ -1,8 +1,9 @@
 """The GEMV over weights kept in int4 (`shards.kernels.int4_gemv`) against dequantize-then-matmul
 (`shards.int4.dequantize_packed` in float32), for odd shapes, groups of 128, one group (-1) and
-small ones, act order's permuted groups, 1 to 16 rows, with the norm prologue, SiLU * up and
-residual epilogues; and a whole tiny model on the device kept in int4 against the same
-checkpoint dequantized at load, the fused decode step included.
+small ones, chunks of inputs spanning several groups (of 32, 64, 96, 128) and ending past K, act
+order's permuted groups, 1 to 16 rows, with the norm prologue, SiLU * up and residual
+epilogues; and a whole tiny model on the device kept in int4 against the same checkpoint
+dequantized at load, the fused decode step included.
 
 On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
 `TRITON_INTERPRET=1` (float32 only). Tolerances: products within 1e-5 (float32) or 1e-2 (bf16
@@ -49,8 +50,8 @@ def _gemv(x, w: Int4Weight, bias=None, **kw):
     return int4_gemv(x, w.qweight, w.zeros, w.scales, w.group, w.g_idx, bias, **kw)
 
 
-# (rows, outputs, inputs, group, act order): groups of 128; one group of an odd K (the gathered
-# path); small groups (8: gathered, 32: a chunk a group); act order's permuted groups; 16 rows;
+# (rows, outputs, inputs, group, act order): groups of 128; one group of an odd K (sub-chunks of
+# a word); small groups (8: a zero and a scale a word, 32); act order's permuted groups; 16 rows;
 # a group of 96 (chunks of 32, three a group)
 CASES = [(1, 256, 512, 128, False), (3, 40, 200, -1, False), (2, 24, 96, 8, False),
          (16, 40, 96, 32, False), (5, 48, 256, 64, True), (1, 8, 1024, -1, False),
@@ -75,24 +76,54 @@ def test_int4_gemv_equals_dequantize_then_matmul(rows, n, k, group, act_order):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("act_order", [False, True])
-def test_int4_gemv_fused_options_equal_torch(act_order):
+# (group, inputs, act order, launch shape): chunks of 4 groups of 32; of 64 with the last chunk
+# past K (448 = 256 + 192); one chunk of 1024 over 5 groups of 128; groups of 96 (sub-chunks of
+# 32, chunks cut groups); act order's gathered groups in a chunk of 256; groups of 4 and of 12
+# (half a word, a word and a half: each value's zero and scale gathered)
+SPAN = [(32, 384, False, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2}),
+        (64, 448, False, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2}),
+        (128, 640, False, {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 4}),
+        (96, 480, False, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8}),
+        (64, 256, True, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2}),
+        (4, 64, False, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 1}),
+        (12, 96, False, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 1})]
+
+
+@pytest.mark.parametrize("group,k,act_order,cfg", SPAN)
+def test_int4_gemv_chunks_span_groups(group, k, act_order, cfg):
+    """Chunks of several groups, each group's own zero and scale (random per group: a chunk
+    that took one group's for another's would be off by far more than the tolerance)."""
+    w, ref = _case(24, k, group, act_order, seed=group)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(k)).to(DEV)
+    want = F.linear(x, ref)
+    got = _gemv(x, w, cfg=cfg)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+# (group, inputs, act order, launch shape): the gate/up step's own shape (chunks of 256 past K);
+# act order; chunks of 2 groups of 64 on 8 rows a program
+FUSED = [(32, 160, False, None), (32, 160, True, None),
+         (64, 384, False, {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 2})]
+
+
+@pytest.mark.parametrize("group,k,act_order,cfg", FUSED)
+def test_int4_gemv_fused_options_equal_torch(group, k, act_order, cfg):
     """The norm prologue and SiLU * up (a gate/up weight), then a residual, against the torch
     ops they replace (float32)."""
     from layersplit.shards.fused import rms_norm
 
-    w, ref = _case(2 * 48, 160, 32, act_order, seed=4)
+    w, ref = _case(2 * 48, k, group, act_order, seed=4)
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 160, generator=gen).to(DEV)
-    nw = (1 + 0.1 * torch.randn(160, generator=gen)).to(DEV)
+    x = torch.randn(2, k, generator=gen).to(DEV)
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEV)
     res = torch.randn(2, 48, generator=gen).to(DEV)
     g, u = F.linear(rms_norm(x, nw, 1e-5), ref).chunk(2, dim=-1)
     want = F.silu(g) * u
-    got = _gemv(x, w, norm=(nw, 1e-5), gate_up=True)
+    got = _gemv(x, w, norm=(nw, 1e-5), gate_up=True, cfg=cfg)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     want = res + F.linear(x, ref[:48])
     half = Int4Weight(w.qweight[:48], w.zeros[:48], w.scales[:48], w.g_idx, w.group)
-    got = _gemv(x, half, residual=res)
+    got = _gemv(x, half, residual=res, cfg=cfg)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
@@ -109,6 +140,8 @@ def test_int4_gemv_refuses_bad_input():
         _gemv(torch.zeros(17, 64, device=DEV), w)
     with pytest.raises(ValueError, match="an even row count and no bias"):
         _gemv(x, w, torch.zeros(40, device=DEV), gate_up=True)
+    with pytest.raises(ValueError, match="launch shape BLOCK_N=0 is not a power of two"):
+        _gemv(x, w, cfg={"BLOCK_N": 0, "BLOCK_K": 64, "num_warps": 1})
 
 
 @pytest.mark.parametrize("method,fuse", [("gptq", False), ("gptq", True), ("awq", True)])
