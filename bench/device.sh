@@ -197,7 +197,7 @@ test_int4_gemv.py" --cmd quant
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
   fi
   if has "$cases" kernels; then
-    TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
+    TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
     TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
       --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
     TAIL=200 run quant_fp8_sweep 120 python3 bench/quant_gemv.py --sweep --types FP8 --rows 1 \
