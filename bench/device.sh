@@ -228,7 +228,7 @@ test_int4_gemv.py" --cmd quant
       --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
       --weight-format dequantize --json "$RUNS/quant_l8b_deq.json"
   fi
-  if lcp_wait 120; then
+  if { has "$cases" smol || has "$cases" l8b; } && lcp_wait 120; then
     has "$cases" smol && lcp smol /tmp/smol-q4_1.gguf
     has "$cases" l8b && [ -s /tmp/llama8b-q4km.gguf ] && lcp l8bq4km /tmp/llama8b-q4km.gguf
   fi
@@ -262,9 +262,6 @@ stage_decode() {  # D1, D2, D3; llama.cpp's runs in the same call when its build
   if [ -e /tmp/lcp.pid ] && lcp_wait 110; then
     lcp smol /tmp/smol-q4_1.gguf
     lcp l8b /tmp/llama8b-f16.gguf
-  fi
-  if has "$cases" profile && random_gguf llama-8b-shape q4_k_m /tmp/llama8b-q4km.gguf; then
-    quant_profile
   fi
   local s=() l=()
   [ -e "$RUNS/lcp_smol.json" ] && s=(--llamacpp "$RUNS/lcp_smol.json")
