@@ -223,7 +223,8 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
         return module.gemv(x, norm=norm, residual=residual, gate_up=gate_up,
                            out_dtype=out_dtype)
     if isinstance(module, QuantLinear):
-        if gate_up and module.planar and residual is None and PLANAR_SILU_APART:
+        if gate_up and module.planar and residual is None and module.bias is None and \
+                PLANAR_SILU_APART:  # (a bias: refused by `quant_gemv`, as gate/up takes none)
             from layersplit.shards.kernels import row_ops
 
             gu = quant_gemv(x, module.blocks, module.qtype, norm=norm, planar=True)

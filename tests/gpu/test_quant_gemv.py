@@ -188,7 +188,8 @@ def _assert_fused_options(rows: torch.Tensor, ref: torch.Tensor, qtype: str, **l
 def test_module_gemv_of_planar_gate_up_equals_the_silu_epilogue(qtype):
     """The fused step's gate/up over planar rows (`module_gemv`: the GEMV, then SiLU * up as a
     kernel of its own, `PLANAR_SILU_APART`) equals the GEMV with the SiLU epilogue, bit for bit
-    (the same roundings), with the norm prologue and without."""
+    (the same roundings), with the norm prologue and without; a bias is refused, as the
+    epilogue refuses it."""
     from layersplit.shards.kernels.quant_gemv import quant_gemv
     from layersplit.shards.layers import quant_linear
     from layersplit.shards.layers.quant_linear import QuantLinear, module_gemv
@@ -207,6 +208,9 @@ def test_module_gemv_of_planar_gate_up_equals_the_silu_epilogue(qtype):
             got = module_gemv(x.to(dt), mod, norm=norm, gate_up=True)
             assert got.shape == (2, 40) and got.dtype == dt
             assert torch.equal(got, want)
+    biased = QuantLinear(flat, qtype, 512, torch.zeros(80, device=DEV), planar=True)
+    with pytest.raises(ValueError, match="no bias"):  # (refused, not dropped)
+        module_gemv(x, biased, gate_up=True)
 
 
 def test_module_gemv_of_mixed_type_qkv_equals_its_parts():
