@@ -57,7 +57,11 @@
 #             dequantized in one run, next to llama.cpp on the same file: the default model's
 #             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
 #             against bfloat16; the int4 GEMV's launch shapes
-#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all)
+#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all); QUANT=profile:
+#             where a Q4_K_M token's time goes (not a row): the Llama-8B shape's decode step in
+#             one process under torch.profiler, kept Q4_K_M and bfloat16, per step kernels,
+#             busy time, host gap and the costliest kernels; its GEMVs as the step launches
+#             them; the runtime's own steps kept Q4_K_M (LAYERSPLIT_KERNEL_PROFILE)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -157,6 +161,25 @@ kept_vs_bf16() {  # NAME SHAPE WHAT KEY: random:SHAPE's batch-1 decode kept quan
   row decode "$RUNS/quant_bf16.json" --what "bfloat16, the same shape" --cmd "$4"
 }
 
+quant_profile() {  # (QUANT=profile: diagnostics, no rows; about 4 minutes on an H200)
+  local prof="bench/profile_decode.py --kv 512 --steps 50 --profile-steps 32 --top 15"
+  TAIL=20 run quant_prof_q4km 150 python3 $prof --model /tmp/llama8b-q4km.gguf \
+    --weight-format quantized --json "$RUNS/quant_prof_q4km.json"
+  TAIL=20 run quant_prof_bf16 90 python3 $prof --model random:llama-8b-shape \
+    --json "$RUNS/quant_prof_bf16.json"
+  TAIL=40 run quant_prof_gemv 60 python3 bench/quant_gemv.py --types Q4_K,Q6_K --rows 1 \
+    --repeats 10 --json "$RUNS/quant_prof_gemv.json"
+  # the runtime's steps 161-192 (the timed run's decode; its tok/s counts the profiled steps)
+  local kp=/tmp/kprof_q4km
+  rm -rf "$kp"
+  TAIL=10 run quant_prof_runtime 120 env LAYERSPLIT_KERNEL_PROFILE="$kp:160:32" python3 \
+    bench/decode.py --model /tmp/llama8b-q4km.gguf --layouts cuda:0 --prompt-len 512 \
+    --new-tokens 128 --max-context 2048 --repeats 1 --weight-format quantized \
+    --json "$RUNS/quant_prof_runtime.json"
+  [ -d "$kp" ] && TAIL=40 run quant_prof_summary 30 python3 bench/kernel_summary.py "$kp" \
+    --steps 32 --top 15 --json "$RUNS/quant_prof_summary.json"
+}
+
 stage_quant() {  # Q1-Q8
   local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8,int4}
   if has "$cases" tests; then
@@ -175,7 +198,7 @@ test_int4_gemv.py" --cmd quant
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
   fi
   if has "$cases" kernels; then
-    TAIL=80 run quant_kernels 150 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
+    TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
     TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
       --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
     TAIL=200 run quant_fp8_sweep 120 python3 bench/quant_gemv.py --sweep --types FP8 --rows 1 \
@@ -206,9 +229,12 @@ test_int4_gemv.py" --cmd quant
       --layouts cuda:0 --prompt-len 512 --new-tokens 128 --max-context 2048 --repeats 3 \
       --weight-format dequantize --json "$RUNS/quant_l8b_deq.json"
   fi
-  if lcp_wait 120; then
+  if { has "$cases" smol || has "$cases" l8b; } && lcp_wait 120; then
     has "$cases" smol && lcp smol /tmp/smol-q4_1.gguf
     has "$cases" l8b && [ -s /tmp/llama8b-q4km.gguf ] && lcp l8bq4km /tmp/llama8b-q4km.gguf
+  fi
+  if has "$cases" profile && random_gguf llama-8b-shape q4_k_m /tmp/llama8b-q4km.gguf; then
+    quant_profile
   fi
   local s=() l=()
   [ -e "$RUNS/lcp_smol.json" ] && s=(--llamacpp "$RUNS/lcp_smol.json")

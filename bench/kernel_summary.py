@@ -4,7 +4,11 @@
 Where the traces hold no GPU kernel (a CPU run), the same for torch's CPU operators.
 
     LAYERSPLIT_KERNEL_PROFILE=/tmp/kprof:200:100 python3 bench/speculative.py ... --streams 8
-    python3 bench/kernel_summary.py /tmp/kprof [--top 12] [--json out.json]
+    python3 bench/kernel_summary.py /tmp/kprof [--top 12] [--json out.json] [--steps 100]
+
+`--steps N` (the STEPS of the profile) also gives each trace's figures per step: kernels, busy
+and span, the gap between them (what the device waited on its host), and the costliest kernels'
+launches and time per step.
 
 Processes that share one GPU time-slice it: when their busy times add up to about the span of
 the steps, the device is the bound; when they add up to much less, the steps wait on hosts.
@@ -56,11 +60,25 @@ def summarize(path: Path, top: int = 12) -> dict:
             "top": [{"name": name[:90], "count": len(d), "total_us": sum(d)} for name, d in costly]}
 
 
+def per_step(got: dict, steps: int) -> dict:
+    """`summarize`'s figures of a trace of `steps` steps, per step (µs): kernels, summed,
+    busy, span, gap (span less busy), and each costly kernel's launches and time."""
+    n = max(steps, 1)
+    return {"steps": steps, "kernels": got["ops"] / n, "summed_us": got.get("summed_us", 0) / n,
+            "busy_us": got.get("busy_us", 0) / n, "span_us": got["span_us"] / n,
+            "gap_us": (got["span_us"] - got.get("busy_us", 0)) / n,
+            "top": [{"name": t["name"], "per_step": t["count"] / n,
+                     "us_per_step": t["total_us"] / n} for t in got.get("top", [])]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--steps", type=int, default=0,
+                   help="the steps each trace holds (LAYERSPLIT_KERNEL_PROFILE's STEPS): "
+                        "figures per step as well")
     args = p.parse_args()
     traces = sorted(args.folder.glob("*.json"))
     if not traces:
@@ -81,6 +99,16 @@ def main() -> int:
         print("| name | count | total ms |\n|---|---:|---:|")
         for t in g.get("top", []):
             print(f"| `{t['name']}` | {t['count']} | {t['total_us'] / 1000:.2f} |")
+    if args.steps > 0:
+        for g in got:
+            s = per_step(g, args.steps)
+            g["per_step"] = s
+            print(f"\n{g['trace']}: per step ({args.steps} steps): {s['kernels']:.0f} "
+                  f"{g['kind']}s, busy {s['busy_us'] / 1000:.3f} ms, span "
+                  f"{s['span_us'] / 1000:.3f} ms, gap {s['gap_us'] / 1000:.3f} ms")
+            print("| name | per step | µs per step |\n|---|---:|---:|")
+            for t in s["top"]:
+                print(f"| `{t['name']}` | {t['per_step']:.1f} | {t['us_per_step']:.1f} |")
     if args.json is not None:
         args.json.write_text(json.dumps(got, indent=1))
     return 0

@@ -9,6 +9,10 @@ a GPU, planar rows (`quant_blocks.to_planar`, 2-3 % more bytes than stored); `--
 times the stored blocks' kernel instead. `FP8` (not a GGUF type) is the FP8 checkpoints' layout,
 float8 e4m3 values with a float32 scale per 128 x 128 block (`shards.kernels.fp8_gemv`), timed
 also as the fused decode step runs gate/up (`gate_up*`: SiLU(gate) * up, half the outputs).
+The planar K types are also timed as the fused decode step (`shards.fused`) launches them:
+`qkv^` with the input norm as its prologue, `gate_up^` through `quant_linear.module_gemv` with
+the norm (the GEMV over both halves, then SiLU * up as a kernel of its own:
+`PLANAR_SILU_APART`), and `gate_up*` as one kernel with the SiLU epilogue, the norm too.
 `INT4` is the GPTQ / AWQ checkpoints' kept layout (`int4.Int4Weight`: int32 words of eight
 4-bit values along K, a uint8 zero and a float32 scale per row and group of 128 inputs,
 `shards.kernels.int4_gemv`), random values, timed as FP8 is (gate_up* too); its GB/s count the
@@ -31,10 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
+from layersplit.shards.fused import rms_norm
 from layersplit.shards.int4 import dequantize_packed
 from layersplit.shards.kernels.fp8_gemv import fp8_gemv
 from layersplit.shards.kernels.int4_gemv import int4_gemv
 from layersplit.shards.kernels.quant_gemv import dequantize, quant_gemv
+from layersplit.shards.layers.quant_linear import QuantLinear, module_gemv
 from layersplit.shards.quant_blocks import KEPT_TYPES, PLANAR_TYPES, random_blocks, to_planar
 from triton.runtime.errors import OutOfResources
 
@@ -53,6 +59,10 @@ INT4_GROUP = 128
 SPREAD = 256 << 20  # bytes of weight copies a graph replay walks through (past the L2)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
+# the planar K types as the fused decode step launches them (see the module doc)
+STEP_SHAPES = [("qkv^", SHAPES["qkv"]), ("gate_up^", SHAPES["gate_up"]),
+               ("gate_up*", SHAPES["gate_up"])]
+EPS = 1e-5
 
 
 def _time(f, repeats: int) -> float:
@@ -117,10 +127,11 @@ def main() -> None:
     for qtype in args.types.split(","):
         # (FP8 also as the fused decode step runs gate/up: SiLU(gate) * up, each program
         # reading its rows of both halves)
+        planar = qtype in PLANAR_TYPES and args.layout == "planar"
         shapes = [*SHAPES.items()] + [("gate_up*", SHAPES["gate_up"])] * (qtype in
                                                                          ("FP8", "INT4"))
-        for proj, (n, k) in shapes:
-            planar = qtype in PLANAR_TYPES and args.layout == "planar"
+        for proj, (n, k) in shapes + STEP_SHAPES * planar:
+            nw = (1 + 0.1 * torch.randn(k, device=dev)).half()  # (the step's input norm)
             if qtype == "FP8":
                 blocks, scale = quantize_fp8(torch.randn(n, k, device=dev) * 0.02, FP8_BLOCK)
                 w16 = dequantize_fp8(blocks, scale, FP8_BLOCK, torch.float16)
@@ -146,13 +157,23 @@ def main() -> None:
                 w16 = dequantize(blocks, qtype, k, torch.float16, planar=planar)
                 nbytes = blocks.numel()
 
-                def kernel(x, b, cfg=None, qtype=qtype, planar=planar):
-                    return quant_gemv(x, b, qtype, cfg=cfg, planar=planar)
+                mods: dict[int, QuantLinear] = {}
+
+                def kernel(x, b, cfg=None, qtype=qtype, planar=planar, proj=proj, nw=nw,
+                           mods=mods, k=k):
+                    norm = (nw, EPS) if proj.endswith(("^", "*")) else None
+                    if proj == "gate_up^":  # (the step's route: `module_gemv`)
+                        if b.data_ptr() not in mods:
+                            mods[b.data_ptr()] = QuantLinear(b, qtype, k, planar=planar)
+                        return module_gemv(x, mods[b.data_ptr()], norm=norm, gate_up=True)
+                    return quant_gemv(x, b, qtype, cfg=cfg, planar=planar, norm=norm,
+                                      gate_up=proj.startswith("gate_up") and norm is not None)
             copies, copies16 = _copies(blocks), _copies(w16)
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.float16)
-                want = F.linear(x, w16).float()
-                if proj == "gate_up*":
+                normed = rms_norm(x, nw, EPS) if planar and proj.endswith(("^", "*")) else x
+                want = F.linear(normed, w16).float()
+                if proj in ("gate_up*", "gate_up^"):
                     g, u = want.chunk(2, dim=-1)
                     want = F.silu(g) * u
                 err = (kernel(x, blocks).float() - want).abs().max().item()
@@ -170,7 +191,7 @@ def main() -> None:
                       f"{gbps:>7.0f} {fg_us:>13.1f}  (max |err| vs f16 {err:.3g})")
                 sweep = FP8_SWEEP if qtype == "FP8" else INT4_SWEEP if qtype == "INT4" else \
                     PLANAR_SWEEP if planar else SWEEP
-                for cfg in sweep if args.sweep else []:
+                for cfg in sweep if args.sweep and (proj in SHAPES or not planar) else []:
                     try:
                         us = _graph_time([lambda b=b, c=cfg: kernel(x, b, cfg=c)
                                           for b in copies], args.repeats)

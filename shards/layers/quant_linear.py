@@ -144,23 +144,45 @@ class ConcatLinear(nn.Module):
 def concat_quant(parts: list[nn.Module]) -> nn.Module:
     """One module whose output is `parts`' outputs side by side, at least one of them a
     `QuantLinear` (or an `Fp8Linear`, an `Int4Linear`): their blocks concatenated where every
-    part is of one type, else a `ConcatLinear`."""
+    part is of one type, else a `ConcatLinear` of runs of neighbours, each run of one type
+    concatenated (a Q4_K_M layer's q and k in Q4_K beside v in Q6_K: two GEMVs, not three)."""
     first = parts[0]
     if isinstance(first, Fp8Linear):
         return concat_fp8(list(parts)) or ConcatLinear(list(parts))
     if isinstance(first, Int4Linear):
         return concat_int4(list(parts)) or ConcatLinear(list(parts))
-    same = all(isinstance(p, QuantLinear) and (p.qtype, p.planar) == (first.qtype, first.planar)
-               for p in parts)
-    if not same:
-        return ConcatLinear(list(parts))
-    biases = [p.bias for p in parts]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return ConcatLinear(list(parts))
-    bias = None if biases[0] is None else torch.cat(biases)
-    return QuantLinear(torch.cat([p.blocks for p in parts]), first.qtype, first.in_features,
+    runs: list[list[nn.Module]] = []
+    for p in parts:
+        if runs and _joins(runs[-1][-1], p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [run[0] if len(run) == 1 else _cat_blocks(run) for run in runs]
+    return merged[0] if len(merged) == 1 else ConcatLinear(merged)
+
+
+def _joins(a: nn.Module, b: nn.Module) -> bool:
+    """Whether `QuantLinear`s a and b can be one `QuantLinear` (one type and layout, each with
+    a bias or neither)."""
+    return isinstance(a, QuantLinear) and isinstance(b, QuantLinear) and \
+        (a.qtype, a.planar, a.in_features, a.bias is None) == \
+        (b.qtype, b.planar, b.in_features, b.bias is None)
+
+
+def _cat_blocks(run: list[nn.Module]) -> QuantLinear:
+    first = run[0]
+    bias = None if first.bias is None else torch.cat([p.bias for p in run])
+    return QuantLinear(torch.cat([p.blocks for p in run]), first.qtype, first.in_features,
                        bias, planar=first.planar)
 
+
+# SiLU * up after a planar gate/up GEMV, not as its epilogue: the planar kernel with both
+# halves' accumulators (`quant_gemv(gate_up=True, planar=True)`, 16 rows a program) needs more
+# than the 255 registers a thread has, and ptxas spills into local memory in its main loop
+# (sm_90, Triton 3.9: 255 registers and a 216-byte stack, against 157 registers without SiLU),
+# while the GEMV over all 2F rows then `row_ops.silu_mul` (one small kernel) compute the same
+# roundings (`fused.rms_norm`'s, then SiLU's and the product's, as the epilogue does)
+PLANAR_SILU_APART = True
 
 KEPT_LINEARS = (Fp8Linear, Int4Linear)  # linears kept quantized that carry their own `gemv`
 
@@ -193,13 +215,21 @@ def module_gemv(x: torch.Tensor, module: nn.Module, *,
     """`kernels.gemv.gemv`'s options (the norm prologue, the residual and SiLU * up
     epilogues) on a module kept quantized (`gemv_takes`), through `kernels.quant_gemv` (an
     `Fp8Linear`, an `Int4Linear`: its own `gemv`, `kernels.fp8_gemv`, `kernels.int4_gemv`): a
-    `ConcatLinear` is its parts' GEMVs, each into its columns of the result."""
+    `ConcatLinear` is its parts' GEMVs, each into its columns of the result. A planar gate/up
+    weight's SiLU * up is a kernel of its own (`PLANAR_SILU_APART`)."""
     from layersplit.shards.kernels.quant_gemv import quant_gemv
 
     if isinstance(module, KEPT_LINEARS):
         return module.gemv(x, norm=norm, residual=residual, gate_up=gate_up,
                            out_dtype=out_dtype)
     if isinstance(module, QuantLinear):
+        if gate_up and module.planar and residual is None and module.bias is None and \
+                PLANAR_SILU_APART:  # (a bias: refused by `quant_gemv`, as gate/up takes none)
+            from layersplit.shards.kernels import row_ops
+
+            gu = quant_gemv(x, module.blocks, module.qtype, norm=norm, planar=True)
+            act = row_ops.silu_mul(gu)
+            return act if out_dtype in (None, act.dtype) else act.to(out_dtype)
         return quant_gemv(x, module.blocks, module.qtype, module.bias, norm=norm,
                           residual=residual, gate_up=gate_up, out_dtype=out_dtype,
                           planar=module.planar)

@@ -184,6 +184,56 @@ def _assert_fused_options(rows: torch.Tensor, ref: torch.Tensor, qtype: str, **l
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_module_gemv_of_planar_gate_up_equals_the_silu_epilogue(qtype):
+    """The fused step's gate/up over planar rows (`module_gemv`: the GEMV, then SiLU * up as a
+    kernel of its own, `PLANAR_SILU_APART`) equals the GEMV with the SiLU epilogue, bit for bit
+    (the same roundings), with the norm prologue and without; a bias is refused, as the
+    epilogue refuses it."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+    from layersplit.shards.layers import quant_linear
+    from layersplit.shards.layers.quant_linear import QuantLinear, module_gemv
+
+    assert quant_linear.PLANAR_SILU_APART
+    blocks, _ = _case(qtype, 2 * 40, 512, seed=11)
+    flat = to_planar(blocks, qtype)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 512, generator=gen).to(DEV)
+    nw = (1 + 0.1 * torch.randn(512, generator=gen)).to(DEV)
+    mod = QuantLinear(flat, qtype, 512, planar=True)
+    dtypes = [torch.float32] + [torch.bfloat16] * (DEV != "cpu")  # (the roundings that differ)
+    for dt in dtypes:
+        for norm in (None, (nw.to(dt), 1e-5)):
+            want = quant_gemv(x.to(dt), flat, qtype, norm=norm, gate_up=True, planar=True)
+            got = module_gemv(x.to(dt), mod, norm=norm, gate_up=True)
+            assert got.shape == (2, 40) and got.dtype == dt
+            assert torch.equal(got, want)
+    biased = QuantLinear(flat, qtype, 512, torch.zeros(80, device=DEV), planar=True)
+    with pytest.raises(ValueError, match="no bias"):  # (refused, not dropped)
+        module_gemv(x, biased, gate_up=True)
+
+
+def test_module_gemv_of_mixed_type_qkv_equals_its_parts():
+    """q and k in Q4_K beside v in Q6_K (a Q4_K_M layer's): fused into two GEMVs (q and k's
+    rows one `QuantLinear`), each into its columns, with the norm prologue, as the parts'."""
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+    from layersplit.shards.layers.fused_linear import concat_linears
+    from layersplit.shards.layers.quant_linear import ConcatLinear, QuantLinear, module_gemv
+
+    k = 512
+    parts = [QuantLinear(to_planar(_case(t, n, k, seed=n)[0], t), t, k, planar=True)
+             for t, n in (("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16))]
+    fused = concat_linears(*parts)
+    assert isinstance(fused, ConcatLinear) and len(fused.parts) == 2
+    assert fused.parts[0].out_features == 48
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(1, k, generator=gen).to(DEV)
+    norm = ((1 + 0.1 * torch.randn(k, generator=gen)).to(DEV), 1e-5)
+    want = torch.cat([quant_gemv(x, p.blocks, p.qtype, norm=norm, planar=True) for p in parts],
+                     dim=-1)
+    assert torch.equal(module_gemv(x, fused, norm=norm), want)
+
+
 def test_expert_gemv_and_module_equal_reference(monkeypatch):
     """The grouped GEMV over chosen experts (`experts=`): gate/up with SiLU * up, then down,
     each row by its own expert, against dequantize-then-matmul row by row; and `QuantExperts`

@@ -5,6 +5,7 @@ nothing is written."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import stat
 from pathlib import Path
@@ -160,3 +161,19 @@ def test_a_kernel_profile_records_the_steps_it_names_on_every_process(target, df
         got = ks.summarize(trace)
         assert got["kind"] == "cpu_op" and got["ops"] > 0 and got["span_us"] > 0
         assert 0 < got["busy_us"] <= got["summed_us"] and got["top"]
+
+
+def test_kernel_summary_per_step_divides_a_trace_by_its_steps(tmp_path):
+    """`kernel_summary.per_step`: a trace of 2 steps, 4 kernels (two overlapping) within a
+    100 µs span: per step 2 kernels, 12.5 µs busy (the union; 15 summed), 50 µs span, 37.5 µs
+    gap."""
+    ks = _bench("kernel_summary")
+    events = [{"ph": "X", "cat": "cpu_op", "name": "step", "ts": 0, "dur": 100}]
+    for ts, dur, name in ((0, 10, "gemv"), (5, 10, "gemv"), (40, 5, "attn"), (60, 5, "gemv")):
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur})
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = ks.per_step(ks.summarize(trace), 2)
+    assert (got["kernels"], got["busy_us"], got["summed_us"]) == (2, 12.5, 15)
+    assert (got["span_us"], got["gap_us"]) == (50, 37.5)
+    assert got["top"][0] == {"name": "gemv", "per_step": 1.5, "us_per_step": 12.5}

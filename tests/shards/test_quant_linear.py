@@ -20,6 +20,7 @@ from layersplit.shards.checkpoint_gguf import permute_rows
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.layers.quant_linear import (
+    ConcatLinear,
     QuantEmbedding,
     QuantLinear,
     concat_quant,
@@ -110,6 +111,18 @@ def test_concat_of_mixed_types_is_outputs_side_by_side():
         fused = concat_quant(parts)
         assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert isinstance(concat_quant([a, c]), QuantLinear)  # one type: the blocks concatenated
+    fused = concat_quant([a, c, b])  # (q, k in Q4_K, v in Q6_K: two parts, q and k's joined)
+    assert isinstance(fused, ConcatLinear) and len(fused.parts) == 2
+    assert isinstance(fused.parts[0], QuantLinear) and fused.parts[0].out_features == 12
+    assert torch.equal(fused(x), torch.cat([p(x) for p in (a, c, b)], dim=-1))
+    fused = concat_quant([b, a, c])  # (the Q6_K first: its run, then the Q4_K run, in order)
+    assert [p.out_features for p in fused.parts] == [4, 12]
+    assert torch.equal(fused(x), torch.cat([p(x) for p in (b, a, c)], dim=-1))
+    blocks = [p.blocks for p in (a, c)]
+    ab, cb = (QuantLinear(t, "Q4_K", 256, torch.randn(t.shape[0])) for t in blocks)
+    fused = concat_quant([ab, cb, c])  # (biases joined; a part without one stays apart)
+    assert [p.out_features for p in fused.parts] == [12, 4]
+    assert torch.equal(fused(x), torch.cat([p(x) for p in (ab, cb, c)], dim=-1))
 
 
 def write_quant_gguf(path, qtype: str, *, tied: bool, seed: int = 0, embed: str | None = None):
