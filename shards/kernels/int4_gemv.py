@@ -43,19 +43,18 @@ def launch_config(n: int, k: int, gate_up: bool = False, gathered: bool = False)
     """The launch shape for `n` outputs of `k` inputs (`gate_up`: the fused SiLU * up step, `n`
     its outputs, half the weight's rows; `gathered`: each value's zero and scale gathered, act
     order's path, whose fused gate/up step at the shape below spills registers on sm_90, so it
-    takes chunks of 128 inputs of 16 rows). Untimed: a program's chunk is as many bytes as in
-    `kernels.fp8_gemv.launch_config`'s shapes (the FP8 sweep's bests at the Llama-8B widths),
-    taken as more rows of fewer inputs where the compiled sm_90 loop is the shorter for it (the
-    activations' split is shared by the rows: 4.2 to 4.9 instructions a value, no spills, as
-    Triton 3.9 and ptxas compile these shapes); `bench/quant_gemv.py --sweep --types INT4`
-    times the others."""
+    takes chunks of 128 inputs of 16 rows). From the sweep on an H200 at the Llama-8B widths
+    (`bench/quant_gemv.py --sweep --types INT4`, bench/RESULTS.md's Q9): 8 rows of 1024 inputs on
+    4 warps is within 5 % of each of qkv's, o's and down's bests (10.9, 9.1, 24.6 us against 12.6,
+    11.1, 33.4 at 8 x 512 on 2); the unfused gate/up's and the fused step's shapes were within
+    5 % of their bests already."""
     if gate_up and gathered:
         return {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
     if gate_up:
         return {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
     if n >= 16384:
         return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
-    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
+    return {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 
 
 @triton.jit

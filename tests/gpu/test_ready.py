@@ -24,6 +24,7 @@ from layersplit.shards.compile_cache import ROOT_ENV
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytest.importorskip("fastapi", reason="the server extra (a device machine carries .whl-srv)")
 
 SLACK_S = 0.05  # (a tiny model's TTFT is milliseconds: jitter aside, a compile costs seconds)
 
