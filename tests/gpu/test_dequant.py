@@ -117,3 +117,20 @@ def test_matmul_tiles_through_kernels_equal_torch_tiles():
     want = int4_matmul(x, w, tile_elements=8 * 96)
     torch.testing.assert_close(int4_matmul(x, w, tile_elements=8 * 96, kernels=True), want,
                                rtol=0, atol=0)
+
+
+def test_kept_linears_take_the_kernels_above_the_gemv_rows():
+    """`Fp8Linear` / `Int4Linear` on a step of more rows than their GEMV takes: the tiles of
+    the Triton dequantizers (`kernels` decided at the first call), equal to their torch
+    tiles'."""
+    from layersplit.shards.layers.fp8_linear import Fp8Linear
+    from layersplit.shards.layers.int4_linear import Int4Linear
+
+    gen = torch.Generator().manual_seed(2)
+    q, s = _fp8(40, 70, (16, 32))
+    for lin in (Fp8Linear(q, s, (16, 32)), Int4Linear(_int4(24, 96, 32, False))):
+        x = torch.randn(20, lin.in_features, generator=gen).to(DEV)
+        got = lin(x)
+        assert lin.kernels
+        lin.kernels = False
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
