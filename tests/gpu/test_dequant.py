@@ -2,7 +2,8 @@
 torch ones they replace in the prefill tiles (`shards.fp8.dequantize_fp8`,
 `shards.int4.dequantize_packed`), bit for bit: FP8 with partial scale blocks on both sides and
 tiles that start inside the weight; int4 with and without act order, groups of 32 and 128 and
-one group; and `fp8_matmul` / `int4_matmul` through them against the torch tiles.
+one group; `fp8_matmul` / `int4_matmul` and the kept linears through them against the torch
+tiles; a tiny model's prefill kept in FP8 and in int4 against the checkpoint dequantized at load.
 
 On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
 `TRITON_INTERPRET=1` (float32 and float16 there; bfloat16 on a device, `DTYPES`).
@@ -134,3 +135,32 @@ def test_kept_linears_take_the_kernels_above_the_gemv_rows():
         assert lin.kernels
         lin.kernels = False
         torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+
+
+def _prefill_logits(path, weights: str) -> torch.Tensor:
+    """The last position's logits of a 24-token prefill (the layers' projections: more rows than
+    the GEMVs take, so the tiles) of a tiny model, float32, one range on DEV."""
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor
+
+    r = load_layer_range(open_checkpoint(path), 0, 2, torch.float32, DEV, weights)
+    ex = RangeExecutor(r, 64, device=DEV)
+    ex.before_step(0, 0, None)
+    tokens = torch.randint(0, 100, (24,), generator=torch.Generator().manual_seed(3))
+    return ex.run(tokens.to(DEV), 0)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "gptq"])
+def test_model_prefill_kept_equals_dequantized(tmp_path, kind):
+    """A tiny Llama kept in FP8 (blocks of 16 x 32) or GPTQ int4 (act order), its prefill
+    through the Triton dequantizers' tiles, against the same checkpoint dequantized at load."""
+    from layersplit.shards.tiny import write_tiny_checkpoint
+
+    from tests.helpers import write_fp8, write_int4
+
+    dense = write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2)
+    path = write_fp8(dense, tmp_path / kind) if kind == "fp8" else \
+        write_int4(dense, tmp_path / kind, "gptq", act_order=True)
+    want = _prefill_logits(path, "dequantize")
+    got = _prefill_logits(path, "quantized")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * want.abs().max().item())
