@@ -3,7 +3,8 @@ torch ones they replace in the prefill tiles (`shards.fp8.dequantize_fp8`,
 `shards.int4.dequantize_packed`), bit for bit: FP8 with partial scale blocks on both sides and
 tiles that start inside the weight; int4 with and without act order, groups of 32 and 128 and
 one group; `fp8_matmul` / `int4_matmul` and the kept linears through them against the torch
-tiles; a tiny model's prefill kept in FP8 and in int4 against the checkpoint dequantized at load.
+tiles, and a K-quant `QuantLinear`'s tiles; a tiny model's prefill kept in FP8 and in int4
+against the checkpoint dequantized at load.
 
 On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter with
 `TRITON_INTERPRET=1` (float32 and float16 there; bfloat16 on a device, `DTYPES`).
@@ -135,6 +136,28 @@ def test_kept_linears_take_the_kernels_above_the_gemv_rows():
         assert lin.kernels
         lin.kernels = False
         torch.testing.assert_close(got, lin(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("planar", [False, True])
+def test_kquant_linear_tiles_above_the_gemv_rows(planar):
+    """A `QuantLinear` (Q4_K, stored blocks or planar rows) on a step of more rows than its GEMV
+    takes: one tile of the kernels' size, and tiles of 8 rows, each the matmul by the weight the
+    Triton dequantizer gives whole."""
+    import numpy as np
+    from layersplit.shards.kernels.quant_gemv import dequantize
+    from layersplit.shards.layers.quant_linear import QuantLinear, quant_matmul
+    from layersplit.shards.quant_blocks import random_blocks, to_planar
+
+    blocks = torch.from_numpy(random_blocks(40, 512, "Q4_K", np.random.default_rng(4)))
+    blocks = (to_planar(blocks, "Q4_K") if planar else blocks).to(DEV)
+    w = dequantize(blocks, "Q4_K", 512, torch.float32, planar=planar)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(4)).to(DEV)
+    want = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(QuantLinear(blocks, "Q4_K", 512, planar=planar)(x), want,
+                               rtol=0, atol=0)
+    got = quant_matmul(x, blocks, "Q4_K", 512, tile_elements=8 * 512, kernels=True,
+                       planar=planar)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def _prefill_logits(path, weights: str) -> torch.Tensor:
