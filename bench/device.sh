@@ -159,7 +159,9 @@ kept_vs_bf16() {  # NAME SHAPE WHAT KEY: random:SHAPE's batch-1 decode kept quan
     --weight-format quantized --floor --json "$RUNS/quant_$1.json"
   [ -e "$RUNS/quant_bf16.json" ] || TAIL=10 run quant_bf16 150 python3 $l8b --layouts cuda:0 \
     --floor --json "$RUNS/quant_bf16.json"
-  row decode "$RUNS/quant_$1.json" --baseline "$RUNS/quant_bf16.json" --what "$3" --cmd "$4"
+  local b=()  # (bfloat16's decode and TTFT in the row, where its run ended)
+  [ -e "$RUNS/quant_bf16.json" ] && b=(--baseline "$RUNS/quant_bf16.json")
+  row decode "$RUNS/quant_$1.json" "${b[@]}" --what "$3" --cmd "$4"
   row decode "$RUNS/quant_bf16.json" --what "bfloat16, the same shape" --cmd "$4"
 }
 
@@ -206,8 +208,9 @@ test_int4_gemv.py, test_dequant.py" --cmd quant
       --weight-format quantized --json "$RUNS/quant_fp8_prefill.json"
     TAIL=8 run quant_bf16_prefill 150 python3 $pf --model random:llama-8b-shape \
       --json "$RUNS/quant_bf16_prefill.json"
-    row prefill "$RUNS/quant_fp8_prefill.json" --baseline "$RUNS/quant_bf16_prefill.json" \
-      --what "FP8 kept (block 128)" --cmd Q10
+    local b=()
+    [ -e "$RUNS/quant_bf16_prefill.json" ] && b=(--baseline "$RUNS/quant_bf16_prefill.json")
+    row prefill "$RUNS/quant_fp8_prefill.json" "${b[@]}" --what "FP8 kept (block 128)" --cmd Q10
   fi
   if has "$cases" kernels; then
     TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
