@@ -56,12 +56,14 @@
 #             float32 with weight_format quantized, and batch-1 decode quantized against
 #             dequantized in one run, next to llama.cpp on the same file: the default model's
 #             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
-#             against bfloat16; the int4 GEMV's launch shapes
-#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all); QUANT=profile:
-#             where a Q4_K_M token's time goes (not a row): the Llama-8B shape's decode step in
-#             one process under torch.profiler, kept Q4_K_M and bfloat16, per step kernels,
-#             busy time, host gap and the costliest kernels; its GEMVs as the step launches
-#             them; the runtime's own steps kept Q4_K_M (LAYERSPLIT_KERNEL_PROFILE)
+#             against bfloat16 (decode and TTFT in one row); the int4 GEMV's launch shapes;
+#             P1's 3,900-token prefill, FP8 kept against bfloat16 (fp8_prefill)
+#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4,fp8_prefill; default all);
+#             QUANT=profile: where a Q4_K_M token's time goes (not a row): the Llama-8B
+#             shape's decode step in one process under torch.profiler, kept Q4_K_M and
+#             bfloat16, per step kernels, busy time, host gap and the costliest kernels; its
+#             GEMVs as the step launches them; the runtime's own steps kept Q4_K_M
+#             (LAYERSPLIT_KERNEL_PROFILE)
 #   park      nothing: the call only parks the default model's piece it carries in /tmp
 #
 # Each run starts only if its estimate fits before DEADLINE (default 580 s into the call) and is
@@ -157,7 +159,9 @@ kept_vs_bf16() {  # NAME SHAPE WHAT KEY: random:SHAPE's batch-1 decode kept quan
     --weight-format quantized --floor --json "$RUNS/quant_$1.json"
   [ -e "$RUNS/quant_bf16.json" ] || TAIL=10 run quant_bf16 150 python3 $l8b --layouts cuda:0 \
     --floor --json "$RUNS/quant_bf16.json"
-  row decode "$RUNS/quant_$1.json" --what "$3" --cmd "$4"
+  local b=()  # (bfloat16's decode and TTFT in the row, where its run ended)
+  [ -e "$RUNS/quant_bf16.json" ] && b=(--baseline "$RUNS/quant_bf16.json")
+  row decode "$RUNS/quant_$1.json" "${b[@]}" --what "$3" --cmd "$4"
   row decode "$RUNS/quant_bf16.json" --what "bfloat16, the same shape" --cmd "$4"
 }
 
@@ -180,13 +184,13 @@ quant_profile() {  # (QUANT=profile: diagnostics, no rows; about 4 minutes on an
     --steps 32 --top 15 --json "$RUNS/quant_prof_summary.json"
 }
 
-stage_quant() {  # Q1-Q8
-  local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8,int4}
+stage_quant() {  # Q1-Q10
+  local cases=${QUANT:-tests,kernels,parity,smol,l8b,fp8,int4,fp8_prefill}
   if has "$cases" tests; then
     TAIL=20 run quant_tests 200 $tests tests/gpu/test_quant_gemv.py tests/gpu/test_fp8_gemv.py \
-      tests/gpu/test_int4_gemv.py
+      tests/gpu/test_int4_gemv.py tests/gpu/test_dequant.py
     row pytest "$RUNS/quant_tests.log" --what "tests/gpu/test_quant_gemv.py, test_fp8_gemv.py, \
-test_int4_gemv.py" --cmd quant
+test_int4_gemv.py, test_dequant.py" --cmd quant
   fi
   if has "$cases" int4; then  # (GPTQ / AWQ kept in int4, group 128: the GEMV against float16,
     # then Q8: the Llama-8B shape's random values rounded to int4, against its bfloat16 run)
@@ -196,6 +200,17 @@ test_int4_gemv.py" --cmd quant
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
+  fi
+  if has "$cases" fp8_prefill; then  # (Q10: P1's 3,900-token prefill, FP8 kept and bfloat16)
+    local pf="bench/decode.py --layouts cuda:0 --prompt-len 512 --new-tokens 16 \
+      --max-context 8192 --repeats 3 --prefill 3900 --prefill-chunk 2048"
+    TAIL=8 run quant_fp8_prefill 200 python3 $pf --model random:llama-8b-fp8 \
+      --weight-format quantized --json "$RUNS/quant_fp8_prefill.json"
+    TAIL=8 run quant_bf16_prefill 150 python3 $pf --model random:llama-8b-shape \
+      --json "$RUNS/quant_bf16_prefill.json"
+    local b=()
+    [ -e "$RUNS/quant_bf16_prefill.json" ] && b=(--baseline "$RUNS/quant_bf16_prefill.json")
+    row prefill "$RUNS/quant_fp8_prefill.json" "${b[@]}" --what "FP8 kept (block 128)" --cmd Q10
   fi
   if has "$cases" kernels; then
     TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"

@@ -6,6 +6,7 @@
 
     python3 bench/results_row.py decode decode.json --llamacpp lcp.json --cmd D1
     python3 bench/results_row.py spec greedy.json --what "greedy, 2 shards on one GPU" --cmd S1
+    python3 bench/results_row.py decode fp8.json --baseline bf16.json --what "FP8 kept" --cmd Q6
 
 Kinds: decode, split, prefill, llamacpp, hop, spec, moe, concurrency, cache, structured, agent (each
 reads the `--json` file of its bench), startup (`bench/startup_trace.py` logs), pytest (a pytest
@@ -60,10 +61,19 @@ def llamacpp(path: str | None) -> dict | None:
     return json.loads(Path(path).read_text()) if path else None
 
 
+def baseline_row(path: str | None) -> dict | None:
+    """The first row (not transformers') of another bench/decode.py run, the `--baseline`."""
+    if not path:
+        return None
+    rows = json.loads(Path(path).read_text())["rows"]
+    return next(r for r in rows if not r["layout"].startswith("HF"))
+
+
 def decode(args) -> list[tuple[str, str, str]]:
     out = json.loads(Path(args.files[0]).read_text())
     lcp = llamacpp(args.llamacpp)
     floor = out.get("floor")
+    ref = baseline_row(args.baseline)
     rows = []
     for i, r in enumerate(r for r in out["rows"] if not r["layout"].startswith("HF")):
         tok = r.get("decode_tok_s_median", r["decode_tok_s"])
@@ -73,6 +83,13 @@ def decode(args) -> list[tuple[str, str, str]]:
         if out["prompt_len"] > 4096:  # (a long prompt: its prefill is part of the story)
             ours += f"; TTFT {r['ttft_s']:.2f} s ({runs(r['ttft_s_runs'], '{:.2f}')})"
         base = []
+        if ref and i == 0:  # (another run of the shape beside it: decode and TTFT, each)
+            ms = r["ttft_s"] * 1e3
+            ours += f"; TTFT {ms:.1f} ms ({runs((t * 1e3 for t in r['ttft_s_runs']), '{:.1f}')})"
+            rtok = ref.get("decode_tok_s_median", ref["decode_tok_s"])
+            rms = ref["ttft_s"] * 1e3
+            base.append(f"{args.baseline_what} {rtok:.1f} tok/s ({tok / rtok:.2f} ×), TTFT "
+                        f"{rms:.1f} ms (ours {ms / rms:.2f} × as long)")
         if lcp:
             ratio = tok / lcp["wall_tok_s"]
             base.append(f"llama.cpp {lcp['wall_tok_s']:.1f} tok/s ({ratio:.2f} ×)")
@@ -104,6 +121,7 @@ def prefill(args) -> list[tuple[str, str, str]]:
     out = json.loads(Path(args.files[0]).read_text())
     lcp = llamacpp(args.llamacpp)
     hf = next((r for r in out["rows"] if r["layout"].startswith("HF")), None)
+    ref = baseline_row(args.baseline)
     res = []
     for r in out["rows"]:
         if r["layout"].startswith("HF"):
@@ -112,7 +130,10 @@ def prefill(args) -> list[tuple[str, str, str]]:
             n = int(key.split("_")[1])
             s = r[key]
             ours = f"**{s:.3f} s** ({runs(r[key + '_runs'], '{:.3f}')}) = {n / s / 1e3:.1f}K tok/s"
-            if hf and key in hf:
+            if ref and key in ref:
+                base = (f"{args.baseline_what} {ref[key]:.3f} s "
+                        f"({runs(ref[key + '_runs'], '{:.3f}')}; {ref[key] / s:.3f} ×)")
+            elif hf and key in hf:
                 base = f"transformers {hf[key]:.3f} s ({hf[key] / s:.3f} ×)"
             elif lcp:
                 rate = median(lcp["prefill_tok_s"])
@@ -319,6 +340,9 @@ def main() -> int:
     ap.add_argument("kind", choices=sorted(KINDS))
     ap.add_argument("files", nargs="+")
     ap.add_argument("--llamacpp", help="bench/llamacpp_decode.py's JSON: the baseline")
+    ap.add_argument("--baseline", help="decode, prefill: another bench/decode.py JSON of the "
+                    "shape (its first row), the baseline: decode and TTFT, or each prefill")
+    ap.add_argument("--baseline-what", default="bfloat16", help="what the --baseline run is")
     ap.add_argument("--what", default="", help="what the rows measure (prefix of the label)")
     ap.add_argument("--labels", default="", help="spec: a label per draft setting, in order")
     ap.add_argument("--cmd", default=DASH, help="the command's key in RESULTS.md")

@@ -8,9 +8,10 @@ byte a weight on the device where the dequantized weight takes two (bfloat16).
   `kernels.fp8_gemv.MAX_ROWS` rows run the GEMV that scales in registers (`kernels.fp8_gemv`),
   which the fused decode step also takes with its norm and epilogues (`quant_linear.module_gemv`);
 - everywhere else (CPU; prefill chunks), `fp8_matmul`: the weight dequantized a tile of whole
-  scale blocks of rows at a time to the activations' dtype (`fp8.dequantize_fp8`: the values of
-  dequantizing at load, to the bit), then `F.linear`, so the dequantized copy alive at once is
-  bounded by `TILE_ELEMENTS` (`layers.tiled`).
+  scale blocks of rows at a time to the activations' dtype (the values of dequantizing at load,
+  `fp8.dequantize_fp8`, to the bit; where the FP8 kernels run, by one Triton launch a tile,
+  `kernels.dequant`, and tiles of `tiled.KERNEL_TILE_ELEMENTS` values), then `F.linear`, so the
+  dequantized copy alive at once is one tile (`layers.tiled`).
 """
 
 from __future__ import annotations
@@ -18,23 +19,26 @@ from __future__ import annotations
 import torch
 from layersplit.shards.fp8 import dequantize_fp8, scale_shape
 from layersplit.shards.kernels import fp8_kernels_available
-from layersplit.shards.layers.tiled import gemv_or_none, tiled_linear
+from layersplit.shards.layers.tiled import gemv_or_none, tile_rows, tiled_linear
 from torch import nn
-
-TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `fp8_matmul`
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int], bias: torch.Tensor | None = None,
-               tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+               tile_elements: int | None = None, kernels: bool = False) -> torch.Tensor:
     """F.linear of `x` (..., k) by the FP8 (n, k) `weight` and its block `scale`, dequantized
-    to x's dtype a tile of whole scale blocks of rows at a time."""
+    to x's dtype a tile of whole scale blocks of rows at a time (`kernels`: by the Triton
+    dequantizer, `kernels.dequant.dequantize_fp8_rows`; else by torch ops), `tile_elements`
+    values a tile at most (default `tiled.tile_rows`')."""
     n, k = weight.shape
     bn = block[0]
-    tile = max(bn, tile_elements // k // bn * bn)
+    tile = tile_rows(k, kernels, bn, tile_elements)
+    dequantize = dequantize_fp8
+    if kernels:
+        from layersplit.shards.kernels.dequant import dequantize_fp8_rows as dequantize
 
     def rows(a: int, b: int) -> torch.Tensor:
-        return dequantize_fp8(weight[a:b], scale[a // bn:-(-b // bn)], block, x.dtype)
+        return dequantize(weight[a:b], scale[a // bn:-(-b // bn)], block, x.dtype)
 
     return tiled_linear(x, n, tile, rows, bias)
 
@@ -67,7 +71,8 @@ class Fp8Linear(nn.Module):
             y = gemv_or_none(self, x, MAX_ROWS)
             if y is not None:
                 return y
-        return fp8_matmul(x, self.weight, self.scale, self.block, self.bias)
+        return fp8_matmul(x, self.weight, self.scale, self.block, self.bias,
+                          kernels=self.kernels)
 
     def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:
         """`kernels.fp8_gemv.fp8_gemv` of rows `x` by this weight and bias, with its

@@ -11,8 +11,9 @@ fp8_linear.Fp8Linear` does:
   (`kernels.int4_gemv`), which the fused decode step also takes with its norm and epilogues
   (`quant_linear.module_gemv`);
 - everywhere else (CPU; prefill chunks), `int4_matmul`: the weight dequantized a tile of rows
-  at a time to the activations' dtype (`int4.dequantize_packed`: the values of dequantizing at
-  load, to the bit), then `F.linear` (`layers.tiled`).
+  at a time to the activations' dtype (the values of dequantizing at load, `int4.
+  dequantize_packed`, to the bit; where the kernels run, by one Triton launch a tile, `kernels.
+  dequant`, and tiles of `tiled.KERNEL_TILE_ELEMENTS` values), then `F.linear` (`layers.tiled`).
 """
 
 from __future__ import annotations
@@ -20,23 +21,26 @@ from __future__ import annotations
 import torch
 from layersplit.shards.int4 import Int4Weight, dequantize_packed, kept_layout_error
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.layers.tiled import gemv_or_none, tiled_linear
+from layersplit.shards.layers.tiled import gemv_or_none, tile_rows, tiled_linear
 from torch import nn
-
-TILE_ELEMENTS = 1 << 22  # the most weight values dequantized at once by `int4_matmul`
 
 
 def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
-                tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+                tile_elements: int | None = None, kernels: bool = False) -> torch.Tensor:
     """F.linear of `x` (..., k) by the int4 weight `w`, dequantized to x's dtype a tile of
-    rows at a time."""
+    rows at a time (`kernels`: by the Triton dequantizer, `kernels.dequant.
+    dequantize_int4_rows`; else by torch ops), `tile_elements` values a tile at most (default
+    `tiled.tile_rows`')."""
     n, k = w.qweight.shape[0], w.qweight.shape[1] * 8
+    dequantize = dequantize_packed
+    if kernels:
+        from layersplit.shards.kernels.dequant import dequantize_int4_rows as dequantize
 
     def rows(a: int, b: int) -> torch.Tensor:
-        return dequantize_packed(w.qweight[a:b], w.zeros[a:b], w.scales[a:b], w.g_idx, w.group,
-                                 x.dtype)
+        return dequantize(w.qweight[a:b], w.zeros[a:b], w.scales[a:b], w.g_idx, w.group,
+                          x.dtype)
 
-    return tiled_linear(x, n, max(1, tile_elements // k), rows, bias)
+    return tiled_linear(x, n, tile_rows(k, kernels, 1, tile_elements), rows, bias)
 
 
 class Int4Linear(nn.Module):
@@ -72,7 +76,7 @@ class Int4Linear(nn.Module):
             y = gemv_or_none(self, x, MAX_ROWS)
             if y is not None:
                 return y
-        return int4_matmul(x, self.weight4, self.bias)
+        return int4_matmul(x, self.weight4, self.bias, kernels=self.kernels)
 
     def gemv(self, x: torch.Tensor, **options) -> torch.Tensor:
         """`kernels.int4_gemv.int4_gemv` of rows `x` by this weight and bias, with its

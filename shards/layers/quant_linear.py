@@ -7,8 +7,9 @@ load):
   (`shards.kernels.quant_gemv`);
 - everywhere else (CPU; prefill chunks), `quant_matmul`: the weight dequantized a tile of
   output rows at a time to the activations' dtype (by the Triton kernel where the kernels
-  run, by torch ops on a CPU), then `F.linear`, so the dequantized copy alive at once is
-  bounded by `TILE_ELEMENTS`. In float32 on a CPU it is the same arithmetic as dequantizing
+  run, in tiles of `tiled.KERNEL_TILE_ELEMENTS` values; by torch ops on a CPU, in tiles of
+  `tiled.TILE_ELEMENTS`), then `F.linear`, so the dequantized copy alive at once is one tile
+  (`layers.tiled`). In float32 on a CPU it is the same arithmetic as dequantizing
   at load (the tile's values are bit-identical), so the two paths' logits agree to float32
   summation order (`tests/shards/test_quant_linear.py`).
 
@@ -22,12 +23,9 @@ import torch
 from layersplit.shards.kernels import fp8_kernels_available, fused_kernels_available
 from layersplit.shards.layers.fp8_linear import Fp8Linear, concat_fp8
 from layersplit.shards.layers.int4_linear import Int4Linear, concat_int4
-from layersplit.shards.layers.tiled import tiled_linear
+from layersplit.shards.layers.tiled import tile_rows, tiled_linear
 from layersplit.shards.quant_blocks import KEPT_TYPES, dequantize_rows, planar_sections
 from torch import nn
-
-# the most weight values dequantized at once by `quant_matmul` (16 MB of float32)
-TILE_ELEMENTS = 1 << 22
 
 
 def _torch_tile(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -35,12 +33,12 @@ def _torch_tile(blocks: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) ->
 
 
 def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
-                 bias: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
+                 bias: torch.Tensor | None = None, tile_elements: int | None = None,
                  kernels: bool = False, planar: bool = False) -> torch.Tensor:
     """F.linear of `x` (..., k) by the (n, k) matrix held as uint8 `blocks` (n, row_bytes),
     dequantized a tile of rows at a time to x's dtype (`kernels`: by the Triton kernel,
     `kernels.quant_gemv.dequantize`, one launch a tile, of planar rows where `planar`; else
-    by torch ops)."""
+    by torch ops), `tile_elements` values a tile at most (default `tiled.tile_rows`')."""
     if kernels:
         from layersplit.shards.kernels.quant_gemv import dequantize
 
@@ -50,7 +48,7 @@ def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: str, k: int,
         raise ValueError("quant_matmul: planar rows are read by the Triton kernels only")
     else:
         tile_of = _torch_tile
-    return tiled_linear(x, blocks.shape[0], max(1, tile_elements // k),
+    return tiled_linear(x, blocks.shape[0], tile_rows(k, kernels, 1, tile_elements),
                         lambda a, b: tile_of(blocks[a:b], qtype, k, x.dtype), bias)
 
 

@@ -1,6 +1,7 @@
 """F.linear by a weight kept quantized, dequantized a tile of output rows at a time: the prefill
-path of the kept layers (`layers.fp8_linear`, `layers.int4_linear`), whose dequantized copy
-alive at once is one tile; and the choice between it and their GEMV (`gemv_or_none`)."""
+path of the kept layers (`layers.fp8_linear`, `layers.int4_linear`, `layers.quant_linear`),
+whose dequantized copy alive at once is one tile; and the choice between it and their GEMV
+(`gemv_or_none`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,25 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+# The most weight values a tile dequantizes at once.
+# - By torch ops (CPU; GPUs without the kernels): their float32 temporaries are several times
+#   the tile, so it stays small (16 MB of float32 values).
+TILE_ELEMENTS = 1 << 22
+# - By a Triton kernel (one launch a tile, writing the activations' dtype, no temporaries): the
+#   tile alive is 64 MB in bfloat16, and a layer of the Llama-8B shape is 1 to 4 tiles a
+#   projection (8 a layer, against 54 at `TILE_ELEMENTS`), so a 512-token prefill is a few
+#   hundred launches; at fewer values the launches and the GEMMs' short shapes cost the time.
+KERNEL_TILE_ELEMENTS = 1 << 25
+
+
+def tile_rows(k: int, kernels: bool, align: int = 1, tile_elements: int | None = None) -> int:
+    """Rows of a weight of `k` inputs a tile takes: `tile_elements` values at most (default
+    `KERNEL_TILE_ELEMENTS` where the Triton dequantizers run, else `TILE_ELEMENTS`), a
+    multiple of `align` (FP8's scale blocks of rows), `align` at least."""
+    if tile_elements is None:
+        tile_elements = KERNEL_TILE_ELEMENTS if kernels else TILE_ELEMENTS
+    return max(align, tile_elements // max(k, 1) // align * align)
 
 
 def tiled_linear(x: torch.Tensor, n: int, tile: int,
