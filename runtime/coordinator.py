@@ -140,6 +140,7 @@ class Coordinator(RequestFlow, StepDriver, Replies, DraftLink, ShardGroup):
         self._draft_proc: LocalProcess | RayShard | None = None
         self._draft_stopped_since: float | None = None  # when the draft was first seen stopped
         self._draft_stop_check = 0.0  # when to look again whether it is (`_check_alive`)
+        self._alive_check = 0.0  # when `_wait` next looks whether the processes live
         self._feat_sids: dict[int, int] = {}  # draft context -> the last step whose tapped
         # rows went to it
         self._parked: dict[int, int] = {}  # draft context -> its last parked step, while its

@@ -126,7 +126,6 @@ class Replies:
         ring = self._results
         last = self.shards[-1] if self.shards else None
         spin_until = time.monotonic() + self.spin_ms / 1000.0
-        next_check = 0.0
         seen_draft: Any = False  # the draft the maps below were built with
         while True:
             if self.draft is not seen_draft:  # built again only when the draft is lost
@@ -142,9 +141,10 @@ class Replies:
                     return got
                 continue
             now = time.monotonic()
-            if now >= next_check:
+            if now >= self._alive_check:  # (every POLL_MS across waits, not at each one's
+                # start: a step's wait is one of thousands a second)
+                self._alive_check = now + POLL_MS / 1000.0
                 self._check_alive(on_draft)
-                next_check = now + POLL_MS / 1000.0
             left = deadline - now
             if left <= 0:
                 if on_draft and blame_draft():

@@ -31,8 +31,9 @@ far as the switches show it).
 
 The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look at a
 batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at the largest
-size (whose rounds teach every size's acceptance), ended after two measured rounds where even the
-fastest rounds make speculation `abandon` times slower than plain steps; it decides on its own
+size (whose rounds teach every size's acceptance), ended after two measured rounds where even its
+fastest rounds make speculating at that size `abandon` times slower than plain steps (so is a
+look at a size never measured, below); it decides on its own
 rounds at the largest size (those timed before its off phase are forgotten where it timed two: a
 window of stale ones would outvote a probe's few for good). Speculating, it decides again every
 `check` rounds on the rounds just measured (a size that loses is left within two checks, once half
@@ -45,9 +46,10 @@ decides: the best of plain and every size, but it leaves the current choice only
 better. A size whose round time was never measured is priced by linear interpolation between a plain
 step plus the draft's wait (`t_draft(b)`, the median time a round waited for its proposal: what a
 round of any size pays) and the measured sizes around it: an optimistic price (it leaves out the
-rest of a round's fixed cost), so an unmeasured smaller size is tried for `probe` rounds, then
-priced as measured; every fourth decision after a refresh or a probe for a smaller size first runs
-`probe` rounds at the largest (the only rounds that teach the larger sizes' acceptance).
+rest of a round's fixed cost), so an unmeasured smaller size is tried for `probe` rounds (left
+early where hopeless, as a probe is), then priced as measured; every fourth decision after a
+refresh or a probe for a smaller size first runs `probe` rounds at the largest (the only rounds
+that teach the larger sizes' acceptance).
 
 `spec_policy = on` never consults it: every step that can speculate does (for benchmarks and
 tests of speculation itself).
@@ -79,8 +81,8 @@ class PolicyKnobs:
     off_steps: int = 48  # plain steps before a probe, after a first decision for plain
     off_steps_max: int = 8192  # ... doubling while probes lose, up to this
     probe: int = 4  # rounds of a probe at the largest size (the first is not measured)
-    abandon: float = 1.5  # a probe ends after its first measured round where speculation at
-    # its best is this many times slower than plain decoding
+    abandon: float = 1.5  # a probe (or a look at a size) ends after two measured rounds where
+    # speculating at its size is, at its fastest, this many times slower than plain decoding
     probe_budget: float = 0.02  # a losing probe costs at most this share of the plain steps
     # before it
 
@@ -170,7 +172,9 @@ class Phase:
     end: int  # the clock at which it ends
     left: int = 0  # (spec) steps speculating after this one before a refresh: decided again
     # at `end` while some are left
-    start: int = 0  # (probe) the clock it began at
+    start: int = 0  # (probe, trial) the clock it began at
+    trial: bool = False  # (spec) a short look at a size (`probe` rounds), left early, as a
+    # probe is, once hopeless
 
 
 @dataclasses.dataclass(slots=True)
@@ -333,17 +337,16 @@ class SpecPolicy:
             return current
         return best
 
-    def _hopeless(self, batch: int, sampled: bool) -> bool:
-        """Whether speculation at its best is `abandon` times slower than plain decoding, even
-        priced by the fastest rounds measured (two at least: one may have paused): a probe
-        then ends at once."""
-        w = self._round.get((bucket(batch), self.largest))
+    def _hopeless(self, batch: int, sampled: bool, size: int) -> bool:
+        """Whether speculating at `size` is `abandon` times slower than plain decoding, even
+        priced by its fastest rounds measured (two at least: one may have paused): a probe or
+        a trial at that size then ends at once (the next decision weighs the other sizes)."""
+        w = self._round.get((bucket(batch), size))
         if w is None or w.count < 2:
             return False
         rates = self.rates(batch, sampled, fastest=True)
-        plain = rates.pop(0, None)
-        return plain is not None and bool(rates) and \
-            max(rates.values()) * self.knobs.abandon < plain
+        plain, mine = rates.get(0), rates.get(size)
+        return plain is not None and mine is not None and mine * self.knobs.abandon < plain
 
     def probe_loss(self, batch: int, sampled: bool) -> float | None:
         """Seconds a probe (`probe` rounds at the largest size and its two switches) takes
@@ -364,8 +367,8 @@ class SpecPolicy:
         if ph is None:  # a first look: plain steps measured, then a probe
             ph = self._phase[key] = Phase("first", 0, clock + self.knobs.refresh)
             self._choice[key] = self.largest  # (as configured, until the first decision)
-        while clock >= ph.end or (ph.kind == "probe" and clock >= ph.start + 2
-                                  and self._hopeless(batch, sampled)):
+        while clock >= ph.end or ((ph.kind == "probe" or ph.trial) and clock >= ph.start + 2
+                                  and self._hopeless(batch, sampled, ph.size)):
             ph = self._phase[key] = self._next(key, ph, batch, sampled, clock)
         if ph.size:
             self.stats.rounds += 1
@@ -405,9 +408,10 @@ class SpecPolicy:
             return Phase("off", 0, clock + self._off_steps(key, batch, sampled, was))
         self._off_len.pop(key, None)
         if (key[0], now) not in self._round:  # priced, not measured: a short look first
-            return Phase("spec", now, clock + k.probe)
+            return Phase("spec", now, clock + k.probe, start=clock, trial=True)
         if now != self.largest and ph.kind != "spec" and self._decisions[key] % 4 == 0:
-            return Phase("spec", self.largest, clock + k.probe)  # larger sizes' acceptance
+            # (larger sizes' acceptance)
+            return Phase("spec", self.largest, clock + k.probe, start=clock, trial=True)
         n = min(k.check, k.spec_steps)
         return Phase("spec", now, clock + n, k.spec_steps - n)
 

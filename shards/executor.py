@@ -181,13 +181,16 @@ class RangeExecutor:
         outs: list[torch.Tensor | None] = [None] * len(segs)
         if self.static is not None and self.device.type == "cuda" and not self.hybrid and \
                 not self.deterministic:  # (deterministic: each sequence's step alone)
-            group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify and s.taps is None]
-            if len(group) >= 2:
+            group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify]
+            if len(group) >= 2:  # (those that feed the draft too: the graph taps its rows)
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
+                tapped = {} if any(segs[i].taps is not None for i in group) else None
                 out = self.static.run_batch(rows.to(self.device), [segs[i].slot for i in group],
-                                            [segs[i].pos for i in group])
+                                            [segs[i].pos for i in group], tapped)
                 for j, i in enumerate(group):
                     outs[i] = out[j:j + 1]
+                    if segs[i].taps is not None:
+                        segs[i].taps.update({k: v[j:j + 1] for k, v in tapped.items()})
             if self.batch_verify:
                 self._verify_batched(x, segs, starts, outs)
         if self.batch_prefill and self._prefill_batchable():

@@ -53,7 +53,8 @@ from layersplit.shards.spec_tree import ancestors, depths
 log = logging.getLogger(__name__)
 
 Outputs = tuple[torch.Tensor, dict[int, torch.Tensor]]
-BatchGraph = tuple[torch.cuda.CUDAGraph, torch.Tensor]  # a batched step's graph, output rows
+BatchGraph = tuple[torch.cuda.CUDAGraph, Outputs]  # a batched step's graph, output and
+# tapped rows
 
 BATCH_BUCKETS = (2, 4, 8, 16, 32, 64)  # padded batch sizes; above 64, multiples of 64
 # A hybrid range's graphs are per slot, so each KV bucket costs a capture in every slot; its
@@ -396,12 +397,13 @@ class StaticDecoder:
             bufs = self.batch_inputs[bp] = (x, torch.zeros(bp, dtype=torch.long, device=x.device))
         return bufs
 
-    def _batch_step(self, lo: int, bp: int, kv_len: int) -> torch.Tensor:
+    def _batch_step(self, lo: int, bp: int, kv_len: int) -> Outputs:
         x, positions = self._batch_input(bp)
         step = StepInfo.batched(positions, lo, kv_len)
         if self.paged:
             step.tables = self._tables(bp)
-        return self.model(x, step, self.kv, lo)
+        taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
+        return self.model(x, step, self.kv, lo, taps=taps if taps else None), taps
 
     def _load_batch(self, x: torch.Tensor, slots: list[int], positions: list[int], lo: int,
                     bp: int) -> torch.Tensor:
@@ -419,11 +421,14 @@ class StaticDecoder:
         return order
 
     @torch.inference_mode()
-    def run_batch(self, x: torch.Tensor, slots: list[int], positions: list[int]) -> torch.Tensor:
+    def run_batch(self, x: torch.Tensor, slots: list[int], positions: list[int],
+                  taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step of len(slots) sequences: row i is the token (first range) or hidden
         row of the sequence in slot `slots[i]`, at position `positions[i]`. Returns the output
         rows in that order (a new tensor): hidden (B, hidden), or float32 logits (B, vocab) on
-        the last range.
+        the last range. With `taps` (a dict), the rows of this range's tapped layers are stored
+        in it by global layer index, in that order too (new tensors): sequences that feed the
+        draft batch with the others (the graph computes them in any case).
 
         The rows run padded to a window of slots (`batch_window`); every other slot's KV rows
         [0, max_len) are left as they were."""
@@ -446,9 +451,12 @@ class StaticDecoder:
             order = self._load_batch(x, slots, positions, lo, bp)
         kv_len = self.kv_len(max(positions))
         if not self.capture:
-            return self._batch_step(lo, bp, kv_len)[order]
-        graph, out = self._batch_graph(lo, bp, kv_len)
-        graph.replay()
+            out, rows = self._batch_step(lo, bp, kv_len)
+        else:
+            graph, (out, rows) = self._batch_graph(lo, bp, kv_len)
+            graph.replay()
+        if taps is not None:
+            taps.update({k: v[order] for k, v in rows.items()})
         return out[order]
 
     def _batch_graph(self, lo: int, bp: int, kv_len: int) -> BatchGraph:

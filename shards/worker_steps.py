@@ -19,7 +19,7 @@ from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
-from layersplit.shards.parked_rows import PARK_ROWS, Run, feature_messages
+from layersplit.shards.parked_rows import Run, feature_messages
 from layersplit.shards.sampling import has_processors
 from layersplit.shards.spec_sampling import check_q, check_q_form
 from layersplit.shards.spec_tree import check_path, check_tree
@@ -367,21 +367,32 @@ class StepRunner:
             if msg.get("park"):
                 fwd["park"] = True
             self.out.send(fwd, outs[0] if len(outs) == 1 else torch.cat(outs))
-        # (on the last shard, before the verdict: the draft takes them while it is made)
-        if msg.get("park"):
+        # (on the last shard, before the verdict: the draft takes them while it is made;
+        # parked ones after the sampling, which the next step waits for, not before it)
+        park = bool(msg.get("park"))
+        if park and (not self.model.is_last or self._late(msg)):
             self._park_features(msg["sid"], [s for _, s in fed])
-        else:  # (the rows parked before it went out as it came: `_step`)
+            park = False
+        elif not park:  # (the rows parked before it went out as it came: `_step`)
             for j, (_, s) in enumerate(fed):
                 self._send_features(msg["sid"], s.feed, s.pos, s.n, s.taps, j == len(fed) - 1)
         if not self.model.is_last:
             return
-        sid = msg["sid"]
-        late = [i for i, seg in enumerate(msg["seqs"])
-                if seg["sample"] is not None and seg["sample"].get("late_mask")]
-        if any((sid, i) not in self.late_masks for i in late):
+        if self._late(msg):
             self.awaiting = (msg, outs, fed, time.monotonic())  # `_on_mask` goes on
             return
-        self._sample_step(msg, outs, fed)
+        try:
+            self._sample_step(msg, outs, fed)
+        finally:
+            if park:  # (the tapped rows are the graph's until its next replay: a later step)
+                self._park_features(msg["sid"], [s for _, s in fed])
+
+    def _late(self, msg: dict[str, Any]) -> bool:
+        """Whether the last shard waits for grammar masks of the step (`late_mask`) that have
+        not come yet."""
+        sid = msg["sid"]
+        return any((sid, i) not in self.late_masks for i, seg in enumerate(msg["seqs"])
+                   if seg["sample"] is not None and seg["sample"].get("late_mask"))
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
                        taps: dict[int, torch.Tensor], step_end: bool) -> None:
@@ -395,12 +406,12 @@ class StepRunner:
 
     def _park_features(self, sid: int, fed: list[Segment]) -> None:
         """Keep a parked step's feature rows on the device (`shards.parked_rows`); all of them
-        go to the draft once PARK_ROWS are parked."""
+        go to the draft once its buffer is full."""
         if self.feed is None:
             return
         for s in fed:
             self.parked.add(sid, s.feed, s.pos, torch.cat([s.taps[t] for t in self.taps], dim=-1))
-        if self.parked.count >= PARK_ROWS:
+        if self.parked.full:
             self._send_parked(True)
 
     def _send_parked(self, last: bool) -> None:

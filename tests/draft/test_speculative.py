@@ -32,6 +32,7 @@ from layersplit.runtime.errors import DraftError
 from layersplit.runtime.generate import Progress, collect
 from layersplit.runtime.placement import PlacementError
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.runtime.replies import POLL_MS
 from layersplit.runtime.shard_group import STOPPED_CHECK_S
 from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy, policy_sizes
 from layersplit.runtime.speculative import SpecStats, verify_shape
@@ -366,17 +367,18 @@ class TestOneDefaultChain:
         """Where the policy decides every step plain (a first look that never ends), a step of a
         sequence with the draft loaded does what a plain decoding step does: it goes out ahead
         of its token (decode lookahead), its feature rows stay parked on the shards, the draft
-        process gets no request, and whether it is stopped is read from /proc at most every
-        STOPPED_CHECK_S, not at each step's wait; the output is the reference's, logits bit for
-        bit."""
+        process gets no request, whether it is stopped is read from /proc at most every
+        STOPPED_CHECK_S and whether the processes live at most every POLL_MS, not at each
+        step's wait; the output is the reference's, logits bit for bit."""
         coord = chain
         was = coord.spec_policy
         block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
                                        PolicyKnobs(refresh=1 << 40), coord.config.spec_max_seqs)
-        looks, asked = [], []
-        stopped, request = LocalProcess.stopped, coord.draft_request
+        looks, asked, lives = [], [], []
+        stopped, request, failure = LocalProcess.stopped, coord.draft_request, LocalProcess.failure
         monkeypatch.setattr(LocalProcess, "stopped", lambda p: looks.append(1) or stopped(p))
+        monkeypatch.setattr(LocalProcess, "failure", lambda p: lives.append(1) or failure(p))
         monkeypatch.setattr(coord, "draft_request",
                             lambda msg, *a: asked.append(msg["type"]) or request(msg, *a))
         try:
@@ -396,6 +398,7 @@ class TestOneDefaultChain:
             assert ahead >= decode - 1 and parked == sent - prefill, (sent, ahead, parked)
             assert asked == ["draft_begin"], asked
             assert len(looks) <= 1 + elapsed / STOPPED_CHECK_S, (len(looks), elapsed)
+            assert len(lives) <= 3 * (1 + elapsed / (POLL_MS / 1000)), (len(lives), elapsed)
         finally:
             coord.spec_policy = was
 

@@ -59,6 +59,19 @@ def test_speculation_turns_off_where_a_round_loses():
     assert policy.stats.off_steps > 2900
 
 
+def test_a_hopeless_probe_and_a_hopeless_look_at_a_smaller_size_end_early():
+    """A round costs 8 plain steps at any size and keeps one draft token (a launch-bound target,
+    or a CPU's row-by-row verify): hopeless. The first probe ends after two measured rounds at
+    the whole tree (its third), though the smallest tree, never run, is priced as if it paid;
+    the look at that one ends after its two measured rounds too, not at its end: speculation is
+    off after 11 steps that cost 5 rounds, and within a few per cent of plain decoding."""
+    policy = SpecPolicy(TREE)
+    sizes, rate = run(policy, 3000, plain, lambda s, b: 8.0, lambda s: 1)
+    assert sizes[:11] == [0] * 6 + [31] * 3 + [3] * 2 and set(sizes[11:1000]) == {0}
+    assert policy.choice(1, False) == 0
+    assert rate > 0.97
+
+
 def test_speculation_stays_on_where_it_pays():
     """A round costs 1.2 plain steps and keeps 3 draft tokens: speculation at ~3.3 x plain. It
     stays on, with a few plain steps now and then to measure plain decoding's cost."""

@@ -155,3 +155,31 @@ def test_single_steps_after_a_batched_step(tiny_llama):
     for s, p in zip(slots, positions):
         a, b = ex.run(torch.tensor([9]), p + 1, s), ref.run(torch.tensor([9]), p + 1, s)
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_step_taps_each_sequences_rows(tiny_models):
+    """Sequences that feed the draft batch with the others: a batched step returns each one's
+    rows of the tapped layers, in the order asked, as its own eager step computes them (a range
+    whose tap is its last layer's, normed, included)."""
+    ckpt = open_checkpoint(tiny_models["qwen3"])
+    ex = RangeExecutor(_range(ckpt, 0, 6, True), MAX_LEN, SLOTS, static_decode=True,
+                       graph_bucket=BUCKET, taps=(1, 5))
+    for slot, n in enumerate(PROMPT_LENS):
+        ex.run(_inputs(ex.model, n, seed=slot), 0, slot)
+    ref = RangeExecutor(load_layer_range(ckpt, 0, 6), MAX_LEN, SLOTS, static_decode=False,
+                        taps=(1, 5))
+    ref.kv.k_store.copy_(ex.kv.k_store)
+    ref.kv.v_store.copy_(ex.kv.v_store)
+    slots = [4, 0, 2]
+    positions = [PROMPT_LENS[s] for s in slots]
+    x = _inputs(ex.model, len(slots), seed=7)
+    taps: dict[int, torch.Tensor] = {}
+    ex.static.run_batch(x, slots, positions, taps)
+    assert sorted(taps) == [1, 5]
+    for i, (s, p) in enumerate(zip(slots, positions)):
+        want: dict[int, torch.Tensor] = {}
+        ref.run(x[i:i + 1], p, s, taps=want)
+        for layer in (1, 5):
+            got = taps[layer][i:i + 1]
+            assert got.shape == want[layer].shape
+            assert torch.allclose(got, want[layer], atol=1e-4, rtol=1e-5), layer

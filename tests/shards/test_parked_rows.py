@@ -14,7 +14,14 @@ from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.generate import StepRequest
 from layersplit.shards.model_config import read_hf_config
-from layersplit.shards.parked_rows import ParkedRows, feature_messages
+from layersplit.shards.parked_rows import (
+    PARK_BYTES,
+    PARK_ROWS,
+    PARK_ROWS_MAX,
+    ParkedRows,
+    feature_messages,
+    park_capacity,
+)
 from layersplit.shards.sampling import SamplingParams
 
 
@@ -39,6 +46,21 @@ def test_runs_of_consecutive_positions_in_the_order_of_their_last_step():
     assert parked.count == 0 and parked.take() == []
     parked.add(14, 0, 8, _rows(8))  # (after a take, a run starts afresh)
     assert [(r.sid, r.pos, r.end) for r in parked.take()] == [(14, 8, 9)]
+
+
+def test_a_shard_parks_rows_up_to_its_bytes_then_it_is_full():
+    """Thousands of rows of a small model (a request that never speculates sends its rows
+    once), fewer of a wide one, never under PARK_ROWS; `full` once that many are parked."""
+    assert park_capacity(4 * 576 * 2) == PARK_BYTES // (4 * 576 * 2) > 7000  # (the default
+    # model's one shard: 4 tapped layers, bf16)
+    assert park_capacity(8) == PARK_ROWS_MAX and park_capacity(1 << 20) == PARK_ROWS
+    parked = ParkedRows()
+    wide = torch.zeros(1, PARK_BYTES // 1000 // 4)  # (float32: ~1,000 rows)
+    for i in range(park_capacity(wide.shape[1] * 4)):
+        assert not parked.full
+        parked.add(i, 0, i, wide)
+    assert parked.full and parked.capacity == 1000 and len(parked.take()) == 1
+    assert not parked.full
 
 
 def test_feature_messages_hold_at_most_a_piece_and_the_last_says_so():
