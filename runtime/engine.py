@@ -40,6 +40,9 @@ class Job:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     prompt_ids: list[int] = dataclasses.field(default_factory=list)  # once tokenized
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)  # phase -> when it ended
+    # (perf_counter): `parsed` (the HTTP side's checks), `taken` (by the engine thread),
+    # `tokenized`, `queued` (in the batch); logged at the first token (`phases`)
     started: list[BatchRequest] = dataclasses.field(default_factory=list)  # its sequences
 
     def emit(self, item: tuple) -> None:
@@ -281,6 +284,7 @@ class Engine:
         """Tokenize and check a job and queue its `n` sequences in the batch; [] if it failed
         at once."""
         coord, req = self.coord, job.req
+        job.marks["taken"] = time.perf_counter()
         if coord is None:
             job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
             return []
@@ -291,6 +295,7 @@ class Engine:
                 ids = req.prompt_ids
             else:
                 ids = coord.tokenizer.encode(req.prompt_text)
+            job.marks["tokenized"] = time.perf_counter()
             if len(ids) >= coord.config.max_context:
                 field = "messages" if req.kind == "chat" else "prompt"
                 raise RequestError(f"the prompt has {len(ids)} tokens; this server's context "
@@ -320,6 +325,7 @@ class Engine:
             started.append(a)
         if shared:
             self._followers.append(started[0])
+        job.marks["queued"] = time.perf_counter()
         return started
 
     def _submit_choice(self, job: Job, index: int) -> Active | None:
@@ -366,6 +372,8 @@ class Engine:
             now = time.perf_counter()
             if a.last is None:
                 self.metrics.ttft.observe(now - a.job.arrived)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("first token: %s", phases(a.job, a.progress, now))
             else:
                 self.metrics.itl.observe(now - a.last)
             a.last = now
@@ -447,6 +455,28 @@ class Active:
     index: int = 0  # its choice of the job (n > 1)
     last: float | None = None  # when its last token went out
     sent: bool = False  # a delta of it went out
+
+
+def phases(job: Job, progress: Progress, first_out: float) -> str:
+    """Where a request's time to its first token went, phase by phase, in ms: `parse` (body
+    read and checked, grammar compiled), `wait` (for the engine thread), `tokenize` (the chat
+    template and the tokenizer), `queue` (into the batch), `slot` (for a KV slot and for a turn
+    being kept that it starts with), `restore` (its cached prefix), `prefill` (the steps of
+    the rest, to the first token sampled), `emit` (to the HTTP side)."""
+    marks = {**job.marks, **progress.marks}
+    order = [("parse", "parsed"), ("wait", "taken"), ("tokenize", "tokenized"),
+             ("queue", "queued"), ("slot", "admitted"), ("restore", "restored")]
+    out, last = [], job.arrived
+    for name, mark in order:
+        if mark in marks:
+            out.append(f"{name} {(marks[mark] - last) * 1e3:.1f}")
+            last = marks[mark]
+    if progress.first_token_at is not None:
+        out.append(f"prefill {(progress.first_token_at - last) * 1e3:.1f}")
+        last = progress.first_token_at
+    out.append(f"emit {(first_out - last) * 1e3:.1f}")
+    return (f"{', '.join(out)}; total {(first_out - job.arrived) * 1e3:.1f} ms "
+            f"({len(job.prompt_ids)} prompt tokens, {progress.cached_tokens} cached)")
 
 
 def _model_name(model: str) -> str:
