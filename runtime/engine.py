@@ -372,8 +372,7 @@ class Engine:
             now = time.perf_counter()
             if a.last is None:
                 self.metrics.ttft.observe(now - a.job.arrived)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("first token: %s", phases(a.job, a.progress, now))
+                self._observe_phases(a, now)
             else:
                 self.metrics.itl.observe(now - a.last)
             a.last = now
@@ -398,6 +397,18 @@ class Engine:
             return True
         self._finish(a)
         return True
+
+    def _observe_phases(self, a: Active, now: float) -> None:
+        """The request's time to its first token, phase by phase, in the metrics (and the
+        debug log)."""
+        got = phases(a.job, a.progress, now)
+        for name, seconds in got.items():
+            self.metrics.ttft_phase.labels(name).observe(seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("first token after %.1f ms: %s (%d prompt tokens, %d cached)",
+                      (now - a.job.arrived) * 1e3,
+                      ", ".join(f"{k} {v * 1e3:.1f}" for k, v in got.items()),
+                      a.prompt_tokens, a.progress.cached_tokens)
 
     def _finish(self, a: Active) -> None:
         coord, progress, req = self.coord, a.progress, a.job.req
@@ -457,26 +468,31 @@ class Active:
     sent: bool = False  # a delta of it went out
 
 
-def phases(job: Job, progress: Progress, first_out: float) -> str:
-    """Where a request's time to its first token went, phase by phase, in ms: `parse` (body
-    read and checked, grammar compiled), `wait` (for the engine thread), `tokenize` (the chat
-    template and the tokenizer), `queue` (into the batch), `slot` (for a KV slot and for a turn
-    being kept that it starts with), `restore` (its cached prefix), `prefill` (the steps of
-    the rest, to the first token sampled), `emit` (to the HTTP side)."""
+def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:
+    """Where a request's time to its first token went, in seconds, phase by phase (`PHASES`;
+    those it did not pass through are left out)."""
     marks = {**job.marks, **progress.marks}
-    order = [("parse", "parsed"), ("wait", "taken"), ("tokenize", "tokenized"),
-             ("queue", "queued"), ("slot", "admitted"), ("restore", "restored")]
-    out, last = [], job.arrived
-    for name, mark in order:
-        if mark in marks:
-            out.append(f"{name} {(marks[mark] - last) * 1e3:.1f}")
-            last = marks[mark]
     if progress.first_token_at is not None:
-        out.append(f"prefill {(progress.first_token_at - last) * 1e3:.1f}")
-        last = progress.first_token_at
-    out.append(f"emit {(first_out - last) * 1e3:.1f}")
-    return (f"{', '.join(out)}; total {(first_out - job.arrived) * 1e3:.1f} ms "
-            f"({len(job.prompt_ids)} prompt tokens, {progress.cached_tokens} cached)")
+        marks["sampled"] = progress.first_token_at
+    marks["out"] = first_out
+    out, last = {}, job.arrived
+    for name, mark in PHASES:
+        if mark in marks:
+            out[name] = marks[mark] - last
+            last = marks[mark]
+    return out
+
+
+PHASES = (  # (phase, the mark that ends it): a request's time to its first token
+    ("parse", "parsed"),  # its body read and checked, its grammar compiled (the HTTP side)
+    ("wait", "taken"),  # for the engine thread (busy with a step: a turn being kept, say)
+    ("tokenize", "tokenized"),  # the chat template and the tokenizer
+    ("queue", "queued"),  # into the batch
+    ("slot", "admitted"),  # for a KV slot, and for a turn being kept that it starts with
+    ("restore", "restored"),  # its cached prefix into its slot (RAM or disk tier)
+    ("prefill", "sampled"),  # the steps of the rest of its prompt, to its first token sampled
+    ("emit", "out"),  # the token's text handed to the HTTP side
+)
 
 
 def _model_name(model: str) -> str:
