@@ -353,7 +353,7 @@ class Engine:
             job = lead.job
             if job.cancelled:
                 continue
-            if lead.progress.first_token_at is None and not lead.req.done:
+            if "cached" not in lead.progress.marks and not lead.req.done:
                 waiting.append(lead)
                 continue
             for i in range(1, job.req.n):
