@@ -177,11 +177,15 @@ class RequestFlow:
             """The prompt's snapshots, then (once its first token is out) the RAM copies of
             the entries restored from disk (`CacheManager.take_deferred`), off the first
             token's path; `progress.marks["cached"]` says when they are done."""
+            t0, n = time.perf_counter(), len(snaps)
             while snaps:
                 snapshot(*snaps.pop(0))
             if cache is not None and first_out:
                 cache.take_deferred(slot)
             progress.marks["cached"] = time.perf_counter()
+            if n:
+                log.debug("%d snapshots after the first token in %.1f ms", n,
+                          (progress.marks["cached"] - t0) * 1e3)
 
         try:
             drafter = None
