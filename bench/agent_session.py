@@ -9,6 +9,12 @@ prefilled, decode tok/s; a table last, and `--json` for bench/results_row.py (`a
     python bench/agent_session.py --model default --devices cuda:0,cuda:0 --turns 10 \\
         --llamacpp $LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf --json agent.json
 
+Each turn of ours also reads the server's time to its first token phase by phase (its
+/metrics, `layersplit_time_to_first_token_phase_seconds`): `prefill` is the steps of the new
+tokens alone, the rest is everything else (parsing, tokenizing, waiting, restoring); the table
+gives both, and the medians from turn 2 (the turn after the restart left out) with TTFT /
+prefill.
+
 The sizes default to the agent shape: a system prompt of about 2,048 tokens, tool results of
 200-2,000 tokens and answers of 100-1,000 tokens (spread evenly over the turns, largest last).
 Answers run to their max_tokens (the end-of-turn token is not sampled: `ignore_eos` for ours,
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -150,6 +157,28 @@ def ask(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict
             else 0.0}
 
 
+PHASES = "layersplit_time_to_first_token_phase_seconds_sum"
+
+
+def phase_sums(url: str) -> dict[str, float]:
+    """The server's summed time-to-first-token phases so far, in seconds (its /metrics:
+    `layersplit_time_to_first_token_phase_seconds`); {} from a server without them."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for m in re.finditer(PHASES + r'\{phase="(\w+)"\} (\S+)', text):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def host_ms(t: dict) -> float | None:
+    """A turn's time to its first token in the server other than its prefill's steps."""
+    p = t.get("phases_ms")
+    return sum(v for k, v in p.items() if k != "prefill") if p else None
+
+
 def conversation(tok: TextTokenizer, args) -> tuple[str, list[str], list[int]]:
     """(system prompt, tool results, answer lengths) of the scripted session."""
     system = ("You are a coding agent. You read files and run commands through tools, then "
@@ -167,42 +196,77 @@ def run_session(name: str, server: Served, tok: TextTokenizer, args, extra: dict
                 {"role": "user", "content": "Find why the tests of the cache module fail and "
                                             "fix them. Start by reading the sources."}]
     turns, t0, away = [], time.perf_counter(), 0.0
+    sums = phase_sums(server.url)
     for i in range(args.turns):
         restart = None
         if i == args.turns // 2 and i > 0:
             t_r = time.perf_counter()
             restart = server.restart()  # (until it is ready)
             away = time.perf_counter() - t_r
+            sums = phase_sums(server.url)
         messages.append({"role": "user", "content": tools[i]})
         r = ask(server.url, model, messages, answers[i], extra)
         r.update(turn=i + 1, restart_s=restart, answer_tokens_asked=answers[i])
+        now = phase_sums(server.url)  # (the server's phases of this turn's first token)
+        if now:
+            r["phases_ms"] = {k: (v - sums.get(k, 0.0)) * 1e3 for k, v in now.items()}
+        sums = now
         if r["cached_tokens"] is not None and r["prompt_tokens"] is not None:
             r["prefilled"] = r["prompt_tokens"] - r["cached_tokens"]
         turns.append(r)
         messages.append({"role": "assistant", "content": r.pop("text")})
+        ph = r.get("phases_ms")
         print(f"{name:>10} turn {i + 1:2d}: prompt {r['prompt_tokens']} cached "
-              f"{r['cached_tokens']} ttft {r['ttft_s'] * 1e3:.0f} ms, "
+              f"{r['cached_tokens']} ttft {r['ttft_s'] * 1e3:.1f} ms, "
               f"{r['completion_tokens']} tokens at {r['decode_tok_s']:.1f} tok/s"
-              + (f" (after a restart, ready in {restart:.1f} s)" if restart else ""),
-              flush=True)
+              + (f" (after a restart, ready in {restart:.1f} s)" if restart else "")
+              + (" [" + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) + " ms]"
+                 if ph else ""), flush=True)
     return {"server": name, "turns": turns,
             "session_s": time.perf_counter() - t0 - away}  # (the restart left out)
 
 
+def later_turns(res: dict) -> list[dict]:
+    """The turns from the second on, the one after the restart left out (its prefix comes
+    from the disk)."""
+    return [t for t in res["turns"][1:] if not t["restart_s"]]
+
+
+def summary(res: dict) -> dict:
+    """Medians over `later_turns`, in ms: TTFT, the server's prefill of the new tokens (its
+    `prefill` phase), the rest of the server's time to the first token, TTFT / prefill."""
+    later = later_turns(res)
+    out = {"ttft_ms": statistics.median(t["ttft_s"] for t in later) * 1e3} if later else {}
+    timed = [t for t in later if t.get("phases_ms", {}).get("prefill")]
+    if timed:
+        out.update(prefill_ms=statistics.median(t["phases_ms"]["prefill"] for t in timed),
+                   host_ms=statistics.median(host_ms(t) for t in timed),
+                   ttft_over_prefill=statistics.median(
+                       t["ttft_s"] * 1e3 / t["phases_ms"]["prefill"] for t in timed))
+    return out
+
+
 def table(results: list[dict]) -> None:
-    print("\n| server | turn | prompt | cached | prefilled | TTFT ms | decode tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| server | turn | prompt | cached | prefilled | TTFT ms | prefill ms | rest ms | "
+          "decode tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for res in results:
         for t in res["turns"]:
             mark = " (restart)" if t["restart_s"] else ""
+            ph, rest = t.get("phases_ms") or {}, host_ms(t)
             print(f"| {res['server']} | {t['turn']}{mark} | {t['prompt_tokens']} | "
                   f"{t['cached_tokens'] if t['cached_tokens'] is not None else '—'} | "
-                  f"{t.get('prefilled', '—')} | {t['ttft_s'] * 1e3:.0f} | "
+                  f"{t.get('prefilled', '—')} | {t['ttft_s'] * 1e3:.1f} | "
+                  + (f"{ph['prefill']:.1f}" if "prefill" in ph else "—") + " | "
+                  + (f"{rest:.1f}" if rest is not None else "—") + " | "
                   f"{t['decode_tok_s']:.1f} |")
-        later = [t["ttft_s"] for t in res["turns"][1:]]
-        print(f"| {res['server']} | session (restart excluded) | | | | "
-              f"median from turn 2: {statistics.median(later) * 1e3:.0f} | "
-              f"total {res['session_s']:.2f} s |" if later else "")
+        s = summary(res)
+        if s:
+            print(f"| {res['server']} | medians from turn 2 (restart excluded) | | | | "
+                  f"{s['ttft_ms']:.1f} | "
+                  + (f"{s['prefill_ms']:.1f} | {s['host_ms']:.1f} | TTFT / prefill "
+                     f"{s['ttft_over_prefill']:.2f}; " if "prefill_ms" in s else "— | — | ")
+                  + f"session {res['session_s']:.2f} s |")
 
 
 def main() -> int:

@@ -316,6 +316,16 @@ def agent(args) -> list[tuple[str, str, str]]:
         later = x["turns"][1:]
         ttft = median(t["ttft_s"] for t in later) * 1e3 if later else float("nan")
         pre = [t["prefilled"] for t in later if t.get("prefilled") is not None]
+        timed = [t for t in later if not t.get("restart_s") and
+                 t.get("phases_ms", {}).get("prefill")]
+        if timed:  # (the server's own prefill of the new tokens, beside the whole TTFT)
+            ttft = median(t["ttft_s"] for t in timed) * 1e3
+            pre_ms = median(t["phases_ms"]["prefill"] for t in timed)
+            ratio = median(t["ttft_s"] * 1e3 / t["phases_ms"]["prefill"] for t in timed)
+            return (f"TTFT from turn 2 (restart excluded) **{ttft:.1f} ms** (median), the "
+                    f"new tokens' prefill {pre_ms:.1f} ms, TTFT / prefill **{ratio:.2f}**"
+                    + (f", prefilled {median(pre):.0f} tokens a turn" if pre else "")
+                    + f", session {x['session_s']:.1f} s")
         return (f"TTFT from turn 2 **{ttft:.0f} ms** (median)"
                 + (f", prefilled {median(pre):.0f} tokens a turn" if pre else "")
                 + f", session {x['session_s']:.1f} s")

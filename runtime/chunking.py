@@ -20,8 +20,25 @@ def cut_points(
     """Sorted cut positions in (0, end]: multiples of `chunk` and positions after turn ends."""
     end = len(tokens) if end is None else end
     cuts = set(range(chunk, end + 1, chunk))
-    cuts.update(i + 1 for i in range(end) if tokens[i] in turn_end_ids)
+    cuts.update(turn_ends(tokens, turn_end_ids, end))
     return sorted(cuts)
+
+
+def turn_ends(tokens: Sequence[int], turn_end_ids: Collection[int], end: int) -> list[int]:
+    """The positions just after every turn-end token of tokens[:end], unsorted. (`list.index`
+    scans in C: a 20K-token conversation's few turn ends are found in tens of microseconds,
+    where a loop over every token took most of a millisecond.)"""
+    seq = tokens if isinstance(tokens, (list, tuple)) else list(tokens[:end])
+    out = []
+    for t in set(turn_end_ids):
+        i = -1
+        try:
+            while True:
+                i = seq.index(t, i + 1, end)
+                out.append(i + 1)
+        except ValueError:
+            pass
+    return out
 
 
 def prefill_chunks(

@@ -40,6 +40,9 @@ class Job:
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     prompt_ids: list[int] = dataclasses.field(default_factory=list)  # once tokenized
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)  # phase -> when it ended
+    # (perf_counter): `parsed` (the HTTP side's checks), `taken` (by the engine thread),
+    # `tokenized`, `queued` (in the batch); logged at the first token (`phases`)
     started: list[BatchRequest] = dataclasses.field(default_factory=list)  # its sequences
 
     def emit(self, item: tuple) -> None:
@@ -281,6 +284,7 @@ class Engine:
         """Tokenize and check a job and queue its `n` sequences in the batch; [] if it failed
         at once."""
         coord, req = self.coord, job.req
+        job.marks["taken"] = time.perf_counter()
         if coord is None:
             job.emit(("error", 503, f"the engine is {self.status}: {self.reason}"))
             return []
@@ -291,6 +295,7 @@ class Engine:
                 ids = req.prompt_ids
             else:
                 ids = coord.tokenizer.encode(req.prompt_text)
+            job.marks["tokenized"] = time.perf_counter()
             if len(ids) >= coord.config.max_context:
                 field = "messages" if req.kind == "chat" else "prompt"
                 raise RequestError(f"the prompt has {len(ids)} tokens; this server's context "
@@ -320,6 +325,7 @@ class Engine:
             started.append(a)
         if shared:
             self._followers.append(started[0])
+        job.marks["queued"] = time.perf_counter()
         return started
 
     def _submit_choice(self, job: Job, index: int) -> Active | None:
@@ -347,7 +353,7 @@ class Engine:
             job = lead.job
             if job.cancelled:
                 continue
-            if lead.progress.first_token_at is None and not lead.req.done:
+            if "cached" not in lead.progress.marks and not lead.req.done:
                 waiting.append(lead)
                 continue
             for i in range(1, job.req.n):
@@ -366,6 +372,7 @@ class Engine:
             now = time.perf_counter()
             if a.last is None:
                 self.metrics.ttft.observe(now - a.job.arrived)
+                self._observe_phases(a, now)
             else:
                 self.metrics.itl.observe(now - a.last)
             a.last = now
@@ -390,6 +397,18 @@ class Engine:
             return True
         self._finish(a)
         return True
+
+    def _observe_phases(self, a: Active, now: float) -> None:
+        """The request's time to its first token, phase by phase, in the metrics (and the
+        debug log)."""
+        got = phases(a.job, a.progress, now)
+        for name, seconds in got.items():
+            self.metrics.ttft_phase.labels(name).observe(seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("first token after %.1f ms: %s (%d prompt tokens, %d cached)",
+                      (now - a.job.arrived) * 1e3,
+                      ", ".join(f"{k} {v * 1e3:.1f}" for k, v in got.items()),
+                      a.prompt_tokens, a.progress.cached_tokens)
 
     def _finish(self, a: Active) -> None:
         coord, progress, req = self.coord, a.progress, a.job.req
@@ -447,6 +466,33 @@ class Active:
     index: int = 0  # its choice of the job (n > 1)
     last: float | None = None  # when its last token went out
     sent: bool = False  # a delta of it went out
+
+
+def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:
+    """Where a request's time to its first token went, in seconds, phase by phase (`PHASES`;
+    those it did not pass through are left out)."""
+    marks = {**job.marks, **progress.marks}
+    if progress.first_token_at is not None:
+        marks["sampled"] = progress.first_token_at
+    marks["out"] = first_out
+    out, last = {}, job.arrived
+    for name, mark in PHASES:
+        if mark in marks:
+            out[name] = marks[mark] - last
+            last = marks[mark]
+    return out
+
+
+PHASES = (  # (phase, the mark that ends it): a request's time to its first token
+    ("parse", "parsed"),  # its body read and checked, its grammar compiled (the HTTP side)
+    ("wait", "taken"),  # for the engine thread (busy with a step: a turn being kept, say)
+    ("tokenize", "tokenized"),  # the chat template and the tokenizer
+    ("queue", "queued"),  # into the batch
+    ("slot", "admitted"),  # for a KV slot, and for a turn being kept that it starts with
+    ("restore", "restored"),  # its cached prefix into its slot (RAM or disk tier)
+    ("prefill", "sampled"),  # the steps of the rest of its prompt, to its first token sampled
+    ("emit", "out"),  # the token's text handed to the HTTP side
+)
 
 
 def _model_name(model: str) -> str:

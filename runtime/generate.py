@@ -103,6 +103,9 @@ class Progress:
     logprobs: list = dataclasses.field(default_factory=list)  # an entry per token sampled
     # (stop tokens included), when asked for (`shards.sampling.logprob_entries`)
     prompt_logprobs: list = dataclasses.field(default_factory=list)  # of prompt tokens 1..
+    marks: dict[str, float] = dataclasses.field(default_factory=dict)  # phase -> when it ended
+    # (perf_counter): `admitted` (its program started in a KV slot), `restored` (its cached
+    # prefix restored); the server logs them with its own at the first token
 
     def note_output(self, out: StepOutput) -> None:
         """Keep a sampled step's logprobs (`sequence_program`'s `on_output`)."""

@@ -16,6 +16,11 @@ class Metrics:
         self.ttft = Histogram("layersplit_time_to_first_token_seconds",
                               "request arrival to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
+        self.ttft_phase = Histogram("layersplit_time_to_first_token_phase_seconds",
+                                    "request arrival to first token, by phase (parse, wait, "
+                                    "tokenize, queue, slot, restore, prefill, emit: "
+                                    "docs/server.md)", ["phase"], buckets=LATENCY_BUCKETS,
+                                    registry=r)
         self.itl = Histogram("layersplit_inter_token_latency_seconds",
                              "time between streamed tokens", buckets=LATENCY_BUCKETS,
                              registry=r)

@@ -159,6 +159,7 @@ class RequestFlow:
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
         it already; a feeding sequence sends the draft its rows, in its slot."""
+        progress.marks["admitted"] = time.perf_counter()
         if seed is None:
             seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
@@ -169,6 +170,23 @@ class RequestFlow:
         context = (self._free_contexts.pop(0) if self.draft is not None and
                    self._free_contexts else None)
         prog = None
+        snaps: list[tuple[int, np.ndarray | None]] = []  # (end, logits): snapshots to take
+        later, first_out, cache = False, False, None
+
+        def cache_after_first(snapshot) -> None:
+            """The prompt's snapshots, then (once its first token is out) the RAM copies of
+            the entries restored from disk (`CacheManager.take_deferred`), off the first
+            token's path; `progress.marks["cached"]` says when they are done."""
+            t0, n = time.perf_counter(), len(snaps)
+            while snaps:
+                snapshot(*snaps.pop(0))
+            if cache is not None and first_out:
+                cache.take_deferred(slot)
+            progress.marks["cached"] = time.perf_counter()
+            if n:
+                log.debug("%d snapshots after the first token in %.1f ms", n,
+                          (progress.marks["cached"] - t0) * 1e3)
+
         try:
             drafter = None
             mode = self.spec_sampling_mode()
@@ -223,13 +241,22 @@ class RequestFlow:
                 self._give_back_context(context)
                 context = req.feed = None
             parent = [restored.leaf]
+            # the snapshots wait until the first token is out (they copy rows the next steps
+            # do not change); a hybrid model's state changes with the next step: at once
+            later = cache is not None and not cache.hybrid
+
+            def snapshot(end: int, logits: np.ndarray | None) -> None:
+                e = cache.snapshot(prompt, end, logits, parent[0], slot,
+                                   req.feed if live else None)
+                if e is not None:
+                    parent[0] = e
 
             def on_boundary(end: int, logits: np.ndarray | None) -> None:
                 if end in points:
-                    e = cache.snapshot(prompt, end, logits, parent[0], slot,
-                                       req.feed if live else None)
-                    if e is not None:
-                        parent[0] = e
+                    if later:
+                        snaps.append((end, logits))
+                    else:
+                        snapshot(end, logits)
 
             prog = sequence_program(prompt, params, seed, chunk=self.chunk,
                                     turn_end_ids=self.eos_ids, start=restored.length,
@@ -240,20 +267,32 @@ class RequestFlow:
                                     on_logits=None if progress.logits is None
                                     else progress.logits.append,
                                     **self._decoding_hooks(decoding, prompt, params, progress))
-            t_prefill = time.perf_counter()
+            t_prefill = progress.marks["restored"] = time.perf_counter()
             item = next(prog)
             while not isinstance(item, int):
                 item = prog.send((yield item))
-            if cache is not None:  # the first token is out: the prefill is done
-                if restored.length < len(prompt):
-                    cache.note_prefill(len(prompt), len(prompt) - restored.length,
-                                       time.perf_counter() - t_prefill)
-                cache.take_deferred(slot)
+            if cache is not None and restored.length < len(prompt):  # the prefill is done
+                cache.note_prefill(len(prompt), len(prompt) - restored.length,
+                                   time.perf_counter() - t_prefill)
+            first_out = True
+            if not later:
+                cache_after_first(snapshot)
+            got = yield item  # (the batch resumes it at once: the client has no token yet)
             while True:
-                item = prog.send((yield item))
+                if later and got is not None:  # a step's output: the first token went out
+                    later = False
+                    cache_after_first(snapshot)
+                item = prog.send(got)
+                got = yield item
         except StopIteration:
             return
         finally:
+            if later and self.failed is None:  # (it ended before a step came back: now,
+                # while its slot still holds the rows)
+                try:
+                    cache_after_first(snapshot)
+                except Exception as e:  # noqa: BLE001 - a cache entry is not worth the request
+                    log.warning("prefix-cache snapshots at the end of a request failed: %s", e)
             if prog is not None:
                 prog.close()
             if self.cache is not None:  # a RAM copy its slot did not take (cancelled or

@@ -116,13 +116,15 @@ def create_app(config: RuntimeConfig) -> FastAPI:
         return Limits(vocab=vocab, max_logprobs=config.max_logprobs, max_n=config.max_seqs)
 
     async def handle(request: Request, kind: str):
+        arrived = time.perf_counter()
         try:
             body = await _json_body(request, body_limit)
             req = parse(body, kind, engine.served_model, limits())
             loop = asyncio.get_running_loop()
             # (compiling a grammar may take a while: not on the event loop, which streams)
             await loop.run_in_executor(None, _constrain, engine, req)
-            job = Job(req, loop, asyncio.Queue())
+            job = Job(req, loop, asyncio.Queue(), arrived)
+            job.marks["parsed"] = time.perf_counter()
             engine.submit(job)
         except RequestError as e:
             return _error(e)

@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from layersplit.runtime.text_prefixes import PrefixIds
 from layersplit.runtime.tool_calls import hermes_messages, tool_format
 from layersplit.shards.errors import CheckpointError
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
@@ -256,8 +257,14 @@ class TextTokenizer:
                     add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation, ready for the assistant's turn (or, without
         `add_generation_prompt`, ending with its last message)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools=tools),
-                           add_special_tokens=False)
+        return self._prefix_ids.encode(self.render_chat(messages, add_generation_prompt,
+                                                        tools=tools))
+
+    @cached_property
+    def _prefix_ids(self) -> PrefixIds:
+        """The ids of the conversations encoded last, to encode the next turn's from
+        (`runtime.text_prefixes`): its new messages are tokenized, not the whole of it."""
+        return PrefixIds(self.tk)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

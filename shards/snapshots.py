@@ -162,7 +162,9 @@ class SnapshotStore:
         for s in list(self.entries.values()):
             s.ready.wait()
 
-    def restore(self, entry: int, slot: int) -> None:
+    def restore(self, entry: int, slot: int, sync: bool = True) -> None:
+        """Copy the entry's rows back into `slot`; on a GPU, done when this returns unless
+        `sync` is False (`snap_op` restores a chain of entries, then waits once)."""
         self.check_slot(slot)
         s = self.entries[entry]
         s.wait()
@@ -172,7 +174,7 @@ class SnapshotStore:
         for name, t in self.whole.items():
             t[:, slot].copy_(s.rows[name], non_blocking=self.cuda)
         self.forget(slot)
-        if self.cuda:
+        if self.cuda and sync:
             torch.cuda.current_stream(self.device).synchronize()
 
     def drop(self, entry: int) -> None:
@@ -407,7 +409,9 @@ def snap_op(store: SnapshotStore, msg: dict[str, Any], cache_dir: str | None,
             raise ProtocolError(f"snap_restore: no snapshot {missing[0]} here", "unknown_entry")
         store.wait_pending()
         for e in msg["entries"]:
-            store.restore(e, msg["slot"])
+            store.restore(e, msg["slot"], sync=False)
+        if store.cuda:  # (one wait for the chain's copies, not one an entry)
+            torch.cuda.current_stream(store.device).synchronize()
         return {}
     if not msg["stream"] and not entry_path_ok(msg["path"], cache_dir):
         raise ProtocolError(f"{msg['path']} is outside the cache directory", "bad_path")

@@ -294,6 +294,13 @@ def test_metrics_and_health(server):
                  "layersplit_kv_cache_usage_ratio", "layersplit_kv_host_usage_ratio",
                  'layersplit_preemptions_total{kind="swap"}'):
         assert name in text, name
+    # the time to the first token, phase by phase: its phases add up to it, request by request
+    phases = {m[1]: float(m[2]) for m in re.finditer(
+        r'layersplit_time_to_first_token_phase_seconds_sum\{phase="(\w+)"\} (\S+)', text)}
+    assert {"parse", "wait", "tokenize", "queue", "slot", "prefill", "emit"} <= set(phases)
+    assert phases["prefill"] > 0
+    ttft = float(re.search(r"layersplit_time_to_first_token_seconds_sum (\S+)", text)[1])
+    assert sum(phases.values()) == pytest.approx(ttft, rel=1e-6, abs=1e-6)
 
 
 def _metric(server: Server, name: str) -> float:

@@ -111,6 +111,31 @@ def test_ram_and_disk_hits_equal_cold(tiny_llama, ref, prompts, tmp_path, n):
 
 
 @pytest.mark.slow
+def test_snapshots_wait_for_the_first_token(tiny_llama, ref, prompts, tmp_path):
+    """A prompt's snapshots are taken once its first token is out (the next step's output
+    is back), not on its way; one that stops at its first token is snapshotted as it ends; the
+    entries restore into the cold run's output."""
+    from layersplit.runtime.generate import Progress
+
+    short, longer = prompts
+    with Coordinator(cfg(tiny_llama, 2, tmp_path)) as c:
+        stream = c.stream(short, GREEDY, Progress())
+        next(stream)  # the first token is out ...
+        assert c.cache.cached_rows(short) == 0 and not c.cache.index.entries
+        next(stream)  # ... then the snapshots: the last chunk boundary and the whole prompt
+        assert c.cache.cached_rows(short) == len(short)
+        stream.close()
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        c.generate(longer, one)  # (it ends at its first token: snapshotted as it ends)
+        assert c.cache.cached_rows(longer) == len(longer)
+        for p in prompts:
+            got = run_logged(c, p, GREEDY)
+            assert (got[0].cache_tier, got[0].cached_tokens) == ("ram", len(p))
+            assert_same_run(got, run_logged(ref, p, GREEDY), "restored")
+    assert shard_children() == []
+
+
+@pytest.mark.slow
 def test_cross_split_restore(tiny_llama, ref, prompts, short_entries, tmp_path):
     short, longer = prompts
     want = run_logged(ref, longer, GREEDY)
