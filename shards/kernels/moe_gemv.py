@@ -9,15 +9,17 @@ small kernels per layer. Here, for P = n * k (row, expert) pairs:
    expert's gate and up rows once, dots them with the pair's row and writes silu(g) * u;
 2. `_down`: one program per (pair, block of H) reads that block of the expert's down rows and
    dots it with the pair's activation, weighted by the router;
-3. `_sum_k`: each row's k weighted expert outputs summed, in order.
+3. `_sum_k`: each row's k weighted expert outputs summed in float32, rounded once.
 
 And the routing after the router's GEMV (`moe_route`: softmax over the E logits, the top k by
 repeated argmax, renormalised) in one program per row, where torch's top-k takes two kernels
 (a gather and a bitonic sort) of ~5 us each per layer.
 
 No sort, no scatter, no host sync: the kernels live inside CUDA graphs. Roundings follow the
-torch path (the projections' outputs, silu(g) * u, and each weighted expert output are rounded
-to the activation dtype, summed in expert order), so results match it within bf16 noise; the
+torch path (the projections' outputs and silu(g) * u rounded to the activation dtype, each
+expert's output times its weight in the product's dtype: float32 where the router's weights
+are, `routed_moe.pair_outputs`; the k of a row summed in float32 and rounded once,
+`routed_moe.sum_experts`), so results match it within bf16 noise; the
 GPU tests compare the two. Registered as a torch custom op so `torch.compile`d code calls it
 as one opaque node.
 """
@@ -80,8 +82,10 @@ def _down(A, W, IDS, RW, Y, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.co
         w = tl.load(base + offs_o[:, None] * WIDTH + offs_i[None, :],
                     mask=mask_o[:, None] & mask_i[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-    dt = Y.dtype.element_ty
-    tl.store(Y + p * H + offs_o, (acc.to(dt).to(tl.float32) * rw).to(dt), mask=mask_o)
+    dt = A.dtype.element_ty  # (the projection rounds to the activations' dtype; Y's is the
+    # weighted product's: float32 where the router's weights are)
+    tl.store(Y + p * H + offs_o, (acc.to(dt).to(tl.float32) * rw).to(Y.dtype.element_ty),
+             mask=mask_o)
 
 
 @triton.jit
@@ -89,12 +93,10 @@ def _sum_k(Y, OUT, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    dt = OUT.dtype.element_ty
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for kk in tl.static_range(K):  # in expert-slot order, rounded after each add
-        y = tl.load(Y + (t * K + kk) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        total = (total + y).to(dt).to(tl.float32)
-    tl.store(OUT + t * H + offs, total.to(dt), mask=mask)
+    for kk in tl.static_range(K):  # in expert-slot order, in float32, rounded once
+        total += tl.load(Y + (t * K + kk) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + offs, total.to(OUT.dtype.element_ty), mask=mask)
 
 
 def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
@@ -112,7 +114,8 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](
         x, gate_up, ids, act, H=h, WIDTH=i, K=k, BLOCK_I=gu["BLOCK_I"], BLOCK_K=gu["BLOCK_K"],
         num_warps=gu["num_warps"])
-    y = torch.empty((n * k, h), dtype=x.dtype, device=x.device)
+    y = torch.empty((n * k, h), dtype=torch.promote_types(x.dtype, weights.dtype),
+                    device=x.device)
     _down[(n * k, triton.cdiv(h, dn["BLOCK_O"]))](
         act, down, ids, rw, y, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"], BLOCK_K=dn["BLOCK_K"],
         num_warps=dn["num_warps"])

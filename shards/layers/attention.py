@@ -40,6 +40,17 @@ def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tens
     return torch.softmax(both, dim=-1)[..., :-1]
 
 
+def scores_f32(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The batched product q @ k (B, m, D) x (B, D, T) in float32 whatever their dtype: attention
+    scores as flash attention (transformers' GPU path) and our decode kernels keep them.
+    Rounded to bfloat16, a score of 20 moves by up to 0.06 (and again when scaled): the grouped
+    decode paths then erred ~5x as much as SDPA (`tests/shards/test_attention.py`). On a GPU one
+    cuBLAS call writes them in float32; elsewhere the operands are upcast first."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.bmm(q, k, out_dtype=torch.float32)
+    return torch.bmm(q.float(), k.float())
+
+
 # score elements (query rows x heads x keys) one block of `attend_sinks` computes at once
 SINK_BLOCK = 1 << 26
 
@@ -297,7 +308,7 @@ class Attention(nn.Module):
         g, d = self.num_kv_heads, self.head_dim
         r = self.num_heads // g
         n = qg.shape[1] // r
-        scores = torch.matmul(qg, keys.permute(1, 2, 0)) * self.scale  # (G, r*n, T)
+        scores = scores_f32(qg, keys.permute(1, 2, 0)) * self.scale  # (G, r*n, T)
         if mask is not None:
             scores = scores.masked_fill(~mask.repeat(r, 1), float("-inf"))
         sinks = None if self.sinks is None else \
@@ -315,7 +326,8 @@ class Attention(nn.Module):
         s, g, d = keys.shape[0], self.num_kv_heads, self.head_dim
         n, r, t = q.shape[0] // s, self.num_heads // g, keys.shape[1]
         qg = q.reshape(s, n, g, r, d).transpose(1, 2).reshape(s, g, n * r, d)  # (S, G, n*r, D)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * self.scale  # (S, G, n*r, T)
+        scores = scores_f32(qg.reshape(s * g, n * r, d), keys.permute(0, 2, 3, 1)
+                            .reshape(s * g, d, t)).view(s, g, n * r, t) * self.scale
         seen = mask.view(s, 1, n, 1, t).expand(s, 1, n, r, t).reshape(s, 1, n * r, t)
         scores = scores.masked_fill(~seen, float("-inf"))
         sinks = None if self.sinks is None else \

@@ -24,6 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.attention import scores_f32
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.rotary import apply_rope
 from layersplit.shards.layers.step import SegmentsRefused, StepInfo
@@ -159,12 +160,13 @@ class MLAttention(nn.Module):
         if 2 * half != self.latent:
             q_row = F.pad(q_row, (0, 1))
         q_k, q_v = q_row.reshape(s, r * nh, 2 * half).split(half, dim=-1)
-        scores = (torch.matmul(q_k, keys.transpose(1, 2)) +
-                  torch.matmul(q_v, values.transpose(1, 2))) * self.scale  # (S, r*H, T)
+        # (in float32, as the decode kernel's and SDPA's: `scores_f32`)
+        scores = (scores_f32(q_k, keys.transpose(1, 2)) +
+                  scores_f32(q_v, values.transpose(1, 2))) * self.scale  # (S, r*H, T)
         if mask is not None:
             seen = mask.reshape(s, r, 1, t).expand(s, r, nh, t).reshape(s, r * nh, t)
             scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(keys.dtype)
+        probs = torch.softmax(scores, dim=-1).to(keys.dtype)
         # the probabilities' sum of the latents c (the first C values of the rows)
         o_lat = torch.matmul(probs, keys[..., :self.rank])
         if self.rank > half:

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.layers.routed_moe import GATHER_ROWS, _grouped_mm, grouped_gemm_applies
+from layersplit.shards.layers.routed_moe import (
+    GATHER_ROWS,
+    _grouped_mm,
+    expert_groups,
+    grouped_gemm_applies,
+    pair_outputs,
+    sum_experts,
+)
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
 
@@ -62,24 +69,15 @@ class OssExperts(nn.Module):
         return self._loop(x, w, idx)
 
     def _loop(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """One expert at a time in increasing id over the rows that picked it, as transformers
-        (one host sync for the counts)."""
-        k = idx.shape[1]
-        out = torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        start = 0
-        for e, c in enumerate(torch.bincount(flat, minlength=self.down_proj.shape[0]).tolist()):
-            if c == 0:
-                continue
-            pick = order[start:start + c]
-            start += c
-            rows = pick // k
+        """One expert at a time in increasing id over the rows that picked it, each row's k
+        outputs summed as transformers (`routed_moe.sum_experts`; one host sync for the
+        counts)."""
+        ys = pair_outputs(x, w, idx)
+        for e, pick, rows in expert_groups(idx, self.down_proj.shape[0]):
             g = clamped_swiglu(x[rows] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e],
                                self.alpha, self.limit)
-            y = (g @ self.down_proj[e] + self.down_proj_bias[e]) * w.reshape(-1)[pick, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+            ys[pick] = (g @ self.down_proj[e] + self.down_proj_bias[e]) * w.reshape(-1)[pick, None]
+        return sum_experts(ys, idx.shape[1], x.dtype)
 
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The (token, expert) rows sorted by expert, each projection one grouped GEMM (or, where
@@ -103,7 +101,9 @@ class OssExperts(nn.Module):
                                + self.gate_up_proj_bias[ex], self.alpha, self.limit)
             y = torch.bmm(g[:, None, :], self.down_proj[ex])[:, 0] + self.down_proj_bias[ex]
         y = y * w.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+        ys = torch.empty_like(y)
+        ys[order] = y  # (back in (row, slot) order)
+        return sum_experts(ys, k, x.dtype)
 
 
 class OssMoE(nn.Module):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.layers.routed_moe import expert_groups
+from layersplit.shards.layers.routed_moe import expert_groups, pair_outputs, sum_experts
 from layersplit.shards.quant_blocks import dequantize_rows
 from torch import nn
 
@@ -92,11 +92,10 @@ class QuantExperts(nn.Module):
                 step = max(1, EXPERT_ROWS // k)
                 return torch.cat([self._grouped(x[a:a + step], w[a:a + step], idx[a:a + step])
                                   for a in range(0, n, step)])
-        out = torch.zeros_like(x)  # as `routed_moe.loop_experts`
+        ys = pair_outputs(x, w, idx)  # as `routed_moe.loop_experts`
         for e, pick, rows in expert_groups(idx, self.e):
             g, u = self._gate_up(x[rows], e, bool(self.kernels))
             d = _rows(self.down, self.h * e, self.h * (e + 1), self.down_type, self.i, x.dtype,
                       bool(self.kernels))
-            y = F.linear(F.silu(g) * u, d) * w.reshape(-1)[pick, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+            ys[pick] = F.linear(F.silu(g) * u, d) * w.reshape(-1)[pick, None]
+        return sum_experts(ys, k, x.dtype)

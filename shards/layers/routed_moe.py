@@ -71,14 +71,30 @@ def loop_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
                  gate_up: torch.Tensor | None, gate: torch.Tensor | None,
                  up: torch.Tensor | None, down: torch.Tensor) -> torch.Tensor:
     """Sum over each row's k experts of weight * down(silu(gate(x)) * up(x)), one expert at a
-    time in increasing id (each expert's rows in one matmul), as transformers computes it.
-    Give either `gate_up` (E, 2I, H) or `gate` and `up` (E, I, H); `down` is (E, H, I)."""
-    out = torch.zeros_like(x)
+    time in increasing id (each expert's rows in one matmul), summed as transformers does
+    (`sum_experts`). Give either `gate_up` (E, 2I, H) or `gate` and `up` (E, I, H); `down` is
+    (E, H, I)."""
+    ys = pair_outputs(x, w, idx)
     for e, pick, rows in expert_groups(idx, down.shape[0]):
         g, u = _gate_up(gate_up, gate, up, x[rows], e)
-        y = F.linear(F.silu(g) * u, down[e]) * w.reshape(-1)[pick, None]
-        out.index_add_(0, rows, y.to(out.dtype))
-    return out
+        ys[pick] = F.linear(F.silu(g) * u, down[e]) * w.reshape(-1)[pick, None]
+    return sum_experts(ys, idx.shape[1], x.dtype)
+
+
+def pair_outputs(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """An (n*k, H) buffer for the weighted expert outputs of each (row, slot) pair of `idx`
+    (n, k), in the product's dtype: float32 where the router's weights `w` are (GLM, DeepSeek,
+    Mixtral), else x's."""
+    return x.new_empty((idx.numel(), x.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
+
+
+def sum_experts(ys: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's k weighted expert outputs `ys` (n*k, H, slot order within a row) summed as
+    transformers' experts sum them (its default `grouped_mm` path): accumulated in float32,
+    rounded to `dtype` once. Adding them one by one into a half-dtype sum rounds k times (8
+    for GLM-4.5-Air and Qwen3-30B-A3B), and with float32 router weights each product once more
+    (`tests/shards/test_moe.py` pins transformers' sums bit for bit)."""
+    return ys.view(-1, k, ys.shape[-1]).sum(dim=1).to(dtype)
 
 
 def grouped_gemm_applies(x: torch.Tensor) -> bool:
@@ -140,7 +156,9 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
         g, u = torch.bmm(gate_up[ex], xs[:, :, None]).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(down[ex], (F.silu(g) * u)[:, :, None]).squeeze(-1)
     y = y * w.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+    ys = torch.empty_like(y)
+    ys[order] = y  # (back in (row, slot) order)
+    return sum_experts(ys, k, x.dtype)
 
 
 class Router(nn.Module):

@@ -51,6 +51,34 @@ def test_grouped_experts_equal_loop(n, norm, float_weights):
     assert torch.allclose(want[r], y, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["glm", "qwen"])
+def test_bfloat16_experts_sum_as_transformers(weights):
+    """In bfloat16, each row's k weighted expert outputs are summed as transformers' experts
+    (its default `grouped_mm` path) sum them: in float32, rounded once, bit for bit. Added one
+    at a time into a bfloat16 sum they rounded k times (and, with GLM's float32 router weights,
+    once more each): GLM-4.5-Air's 8 experts drifted further from float32 than transformers."""
+    transformers = pytest.importorskip("transformers")  # a declared test dependency
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeExperts
+
+    e, h, i, k, n = 8, 64, 32, 4, 20
+    cfg = transformers.Glm4MoeConfig(hidden_size=h, moe_intermediate_size=i,
+                                     n_routed_experts=e, num_experts_per_tok=k)
+    cfg._experts_implementation = "grouped_mm"  # (what from_pretrained picks)
+    theirs = Glm4MoeExperts(cfg)
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(e, 2 * i, h, generator=g) * h ** -0.5).to(torch.bfloat16)
+    down = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(torch.bfloat16)
+    theirs.gate_up_proj.data, theirs.down_proj.data = gate_up, down
+    x = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g).to(weights)
+    with torch.no_grad():
+        want = theirs(x, idx, w)
+    assert want.dtype == torch.bfloat16
+    assert torch.equal(loop_experts(x, w, idx, gate_up, None, None, down), want)
+    assert torch.equal(grouped_experts(x, w, idx, gate_up, down), want)
+
+
 @pytest.mark.parametrize("family", MOE)
 def test_fused_moe_decode_equals_separate(tiny_models, family):
     """The GPU layout (fused gate/up experts as grouped GEMMs, `shards.fused_moe`) run

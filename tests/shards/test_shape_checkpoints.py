@@ -21,7 +21,7 @@ SMALL = {
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                 "linear_value_head_dim": 16},
     "qwen3_moe": {**_NARROW, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
-                  "num_experts_per_tok": 2},
+                  "num_experts_per_tok": 4},
     "gemma3": {**_NARROW, "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     "mistral": {**_NARROW, "sliding_window": 16},
     "deepseek_v3": {**_NARROW, "num_key_value_heads": 4, "kv_lora_rank": 32,
@@ -31,7 +31,7 @@ SMALL = {
     "gpt_oss": {**_NARROW, "head_dim": 16, "intermediate_size": 32, "num_local_experts": 4,
                 "sliding_window": 16, "pad_token_id": None},
     "glm4_moe": {**_NARROW, "head_dim": 16, "moe_intermediate_size": 32,
-                 "n_routed_experts": 8, "num_experts_per_tok": 2, "pad_token_id": None},
+                 "n_routed_experts": 8, "num_experts_per_tok": 4, "pad_token_id": None},
 }
 
 
@@ -52,7 +52,7 @@ def test_shape_checkpoint_matches_transformers(tmp_path, family):
 
 # the families whose bfloat16 layers on the CPU are transformers' own, operation for operation
 # (the other families' bfloat16 outputs are not transformers' bit for bit: not pinned here)
-SAME_BF16 = ("llama", "qwen3", "qwen3_5", "qwen3_moe")
+SAME_BF16 = ("llama", "qwen3", "qwen3_5", "qwen3_moe", "glm4_moe")
 
 
 @pytest.mark.parametrize("family", SAME_BF16)
