@@ -78,7 +78,7 @@ def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
 
 
 # planar rows (K types): odd row counts (a partly idle block of rows), a row of 1280 (groups not
-# a whole number of the default CG), the residual, bias and norm options
+# a whole number of a chunk's), the residual, bias and norm options
 PLANAR_CASES = [(q, *shape) for q in PLANAR_TYPES
                 for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 1280)]]
 
@@ -95,7 +95,8 @@ def test_planar_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
     want = F.linear(x, ref, bias)
     got = quant_gemv(x, flat, qtype, bias, planar=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
-    for cfg in ({"BLOCK_N": 4, "num_warps": 2, "CG": 8}, {"BLOCK_N": 32, "num_warps": 4}):
+    for cfg in ({"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 2},
+                {"BLOCK_N": 32, "BLOCK_K": 1024, "num_warps": 4}):
         got = quant_gemv(x, flat, qtype, bias, planar=True, cfg=cfg)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     if DEV != "cpu":
