@@ -57,7 +57,9 @@
 #             dequantized in one run, next to llama.cpp on the same file: the default model's
 #             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
 #             against bfloat16; the int4 GEMV's launch shapes
-#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all); QUANT=profile:
+#             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all); QUANT=planar: the
+#             planar Q4_K / Q6_K GEMV's launch shapes, each projection's best (not a row);
+#             QUANT=profile:
 #             where a Q4_K_M token's time goes (not a row): the Llama-8B shape's decode step in
 #             one process under torch.profiler, kept Q4_K_M and bfloat16, per step kernels,
 #             busy time, host gap and the costliest kernels; its GEMVs as the step launches
@@ -193,6 +195,10 @@ test_int4_gemv.py" --cmd quant
     TAIL=250 run quant_int4_sweep 240 python3 bench/quant_gemv.py --sweep --types INT4 \
       --rows 1 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
     kept_vs_bf16 int4 llama-8b-int4 "GPTQ int4 kept (group 128)" Q8
+  fi
+  if has "$cases" planar; then  # (the planar K-quant GEMV's launch shapes, for tuning)
+    TAIL=60 run quant_planar_sweep 420 python3 bench/quant_gemv.py --sweep --best \
+      --types Q4_K,Q6_K --rows 1 --repeats 10 --json "$RUNS/quant_planar_sweep.json"
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
