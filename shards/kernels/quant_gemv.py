@@ -291,15 +291,16 @@ def planar_launch_config(n: int, k: int, qtype: str, gate_up: bool = False) -> d
     """The planar GEMV's launch shape for `n` outputs of `k` inputs of `qtype` (`gate_up`: the
     fused SiLU * up step, `n` its outputs: the shape of the GEMV over all 2n rows, so that its
     sums are those of that GEMV then SiLU * up apart, `quant_linear.PLANAR_SILU_APART`, bit for
-    bit). Untimed: a chunk of as many quant bytes a program as `int4_gemv.launch_config`'s (4
-    bits a value), Q6_K's of half the inputs (its high bits are half as many bytes again);
-    `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others (`PLANAR_SWEEP`)."""
+    bit). Untimed: `int4_gemv.launch_config`'s plain shapes (a chunk of as many quant bytes a
+    program; as Triton 3.9 and ptxas compile them for sm_90, no spills, the loop ~5.5 SASS
+    instructions a Q4_K value and ~7.7 a Q6_K one at 8 x 512, ~4.7 and ~6.8 at 16 x 512 on 2
+    warps); `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others
+    (`PLANAR_SWEEP`)."""
     if gate_up:
         n *= 2
-    block_k = 256 if qtype == "Q6_K" else 512
     if n >= 16384:
-        return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
-    return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 2}
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
 
 
 def _type_args(qtype: str) -> dict:
