@@ -293,7 +293,7 @@ def planar_launch_config(n: int, k: int, qtype: str, gate_up: bool = False) -> d
     sums are those of that GEMV then SiLU * up apart, `quant_linear.PLANAR_SILU_APART`, bit for
     bit). Untimed: `int4_gemv.launch_config`'s plain shapes (a chunk of as many quant bytes a
     program; as Triton 3.9 and ptxas compile them for sm_90, no spills, the loop ~5.5 SASS
-    instructions a Q4_K value and ~7.7 a Q6_K one at 8 x 512, ~4.7 and ~6.8 at 16 x 512 on 2
+    instructions a Q4_K value and ~6.4 a Q6_K one at 8 x 512, ~4.7 and ~5.7 at 16 x 512 on 2
     warps); `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others
     (`PLANAR_SWEEP`)."""
     if gate_up:

@@ -113,56 +113,72 @@ def split8(x):
 
 @triton.jit
 def field(src, mask):
-    """2**23 + q * 2**p in float32, exact: q the 4-bit field `mask` (15 << p, p <= 12) selects
-    in `src`."""
+    """2**23 + q * 2**p in float32, exact: q the field `mask` (15 << p, p <= 12; Q6_K's: 63 <<
+    p, p <= 8) selects in `src`."""
     return ((src & mask) | MAGIC).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _field_hi(src, mask, high, hmask):
-    """`field` with high bits OR-ed above the nibble: those `hmask` selects in `high` (Q5_K:
-    16 << p, Q6_K: 48 << p)."""
-    return ((src & mask) | (high & hmask) | MAGIC).to(tl.float32, bitcast=True)
+    """`field` with Q5_K's fifth bit OR-ed above the nibble: the one `hmask` (16 << p) selects
+    in `high`."""
+    return (((src & mask) | MAGIC) | (high & hmask)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _word_dot(words, h_a, h_b, xs, F, QT: tl.constexpr):
-    """Each word's sum of (q - o) x over its eight values (o = 0, or 32 for Q6_K), the
-    activations `xs` (value j's, times 2**-(4 (j % 4))): value j's field at bit p = 4 (j % 4)
-    of the word (j < 4) or of its high half; Q5_K / Q6_K: its high bits at p + 4 in `h_a`
-    (j < 4) or `h_b`."""
+    """Each Q4_K / Q5_K word's sum of q x over its eight values, the activations `xs` (value
+    j's, times 2**-(4 (j % 4))): value j's field at bit p = 4 (j % 4) of the word (j < 4) or of
+    its high half; Q5_K: its fifth bit at p + 4 in `h_a` (j < 4) or `h_b`."""
     x0, x1, x2, x3, x4, x5, x6, x7 = xs
     hi = words >> 16
-    c0 = 8388608.0  # 2**23 (+ 32 2**p: Q6_K's offset of its values, exact)
-    c1 = 8388608.0
-    c2 = 8388608.0
-    c3 = 8388608.0
-    if QT == 5:
-        c0 = 8388608.0 + 32.0
-        c1 = 8388608.0 + 512.0
-        c2 = 8388608.0 + 8192.0
-        c3 = 8388608.0 + 131072.0
+    c = 8388608.0  # 2**23
     if QT == 3:
-        d = (field(words, F) - c0) * x0[None, :, :]
-        d += (field(words, F << 4) - c1) * x1[None, :, :]
-        d += (field(words, F << 8) - c2) * x2[None, :, :]
-        d += (field(words, F << 12) - c3) * x3[None, :, :]
-        d += (field(hi, F) - c0) * x4[None, :, :]
-        d += (field(hi, F << 4) - c1) * x5[None, :, :]
-        d += (field(hi, F << 8) - c2) * x6[None, :, :]
-        d += (field(hi, F << 12) - c3) * x7[None, :, :]
+        d = (field(words, F) - c) * x0[None, :, :]
+        d += (field(words, F << 4) - c) * x1[None, :, :]
+        d += (field(words, F << 8) - c) * x2[None, :, :]
+        d += (field(words, F << 12) - c) * x3[None, :, :]
+        d += (field(hi, F) - c) * x4[None, :, :]
+        d += (field(hi, F << 4) - c) * x5[None, :, :]
+        d += (field(hi, F << 8) - c) * x6[None, :, :]
+        d += (field(hi, F << 12) - c) * x7[None, :, :]
     else:
-        H = F + 1  # (16: Q5_K's fifth bit; 48: Q6_K's two high bits)
-        if QT == 5:
-            H = H * 3
-        d = (_field_hi(words, F, h_a, H) - c0) * x0[None, :, :]
-        d += (_field_hi(words, F << 4, h_a, H << 4) - c1) * x1[None, :, :]
-        d += (_field_hi(words, F << 8, h_a, H << 8) - c2) * x2[None, :, :]
-        d += (_field_hi(words, F << 12, h_a, H << 12) - c3) * x3[None, :, :]
-        d += (_field_hi(hi, F, h_b, H) - c0) * x4[None, :, :]
-        d += (_field_hi(hi, F << 4, h_b, H << 4) - c1) * x5[None, :, :]
-        d += (_field_hi(hi, F << 8, h_b, H << 8) - c2) * x6[None, :, :]
-        d += (_field_hi(hi, F << 12, h_b, H << 12) - c3) * x7[None, :, :]
+        H = F + 1  # (16: the fifth bit)
+        d = (_field_hi(words, F, h_a, H) - c) * x0[None, :, :]
+        d += (_field_hi(words, F << 4, h_a, H << 4) - c) * x1[None, :, :]
+        d += (_field_hi(words, F << 8, h_a, H << 8) - c) * x2[None, :, :]
+        d += (_field_hi(words, F << 12, h_a, H << 12) - c) * x3[None, :, :]
+        d += (_field_hi(hi, F, h_b, H) - c) * x4[None, :, :]
+        d += (_field_hi(hi, F << 4, h_b, H << 4) - c) * x5[None, :, :]
+        d += (_field_hi(hi, F << 8, h_b, H << 8) - c) * x6[None, :, :]
+        d += (_field_hi(hi, F << 12, h_b, H << 12) - c) * x7[None, :, :]
+    return d
+
+
+@triton.jit
+def _word_dot6(words, h, xs, F):
+    """Each Q6_K word's sum of (q - 32) x over its eight values, `h` its high bits (the
+    zero-extended half: value j's at `to_planar`'s bit), the activations `xs` (value j's, times
+    2**-(8 ((j // 2) % 2))). Once a word, its values' six bits are laid out a byte apart, so
+    that a value's field is one AND/OR: E holds values 0, 2, 4, 6 (its nibbles, the high bits
+    above them), O values 1, 3, 5, 7 (the nibbles shifted down 4); byte b of each, at p = 8b
+    (b = 0, 1, or of the high half, b = 2, 3)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    e = (words & 0x0F0F0F0F) | ((h | (h << 20)) & 0x30303030)
+    o = ((words >> 4) & 0x0F0F0F0F) | (((h >> 2) | (h << 18)) & 0x30303030)
+    e16 = e >> 16
+    o16 = o >> 16
+    F6 = (F << 2) | 3  # (63: six bits)
+    c0 = 8388608.0 + 32.0  # 2**23 + 32 2**p (the values' offset, exact)
+    c8 = 8388608.0 + 8192.0
+    d = (field(e, F6) - c0) * x0[None, :, :]
+    d += (field(o, F6) - c0) * x1[None, :, :]
+    d += (field(e, F6 << 8) - c8) * x2[None, :, :]
+    d += (field(o, F6 << 8) - c8) * x3[None, :, :]
+    d += (field(e16, F6) - c0) * x4[None, :, :]
+    d += (field(o16, F6) - c0) * x5[None, :, :]
+    d += (field(e16, F6 << 8) - c8) * x6[None, :, :]
+    d += (field(o16, F6 << 8) - c8) * x7[None, :, :]
     return d
 
 
@@ -180,18 +196,18 @@ def _chunk_dot(acc, W16, W32, rows, rw, mask_n, g, mask_g, xs, sx, F, QT: tl.con
     sm = tl.load(W16 + 2 * row + SM // 2 + g[None, :], mask=m2, other=0).to(tl.int32)
     dw = tl.load(W32 + row + DW // 4 + (g // 8)[None, :], mask=m2, other=0)
     s_a, s_b = _group_scales(sm, dw, QT)  # (BLOCK_N, NG)
-    h_a = words
-    h_b = words
-    if QT == 4:  # (the group's word: value (e, j)'s fifth bit at 4j + e, to 4 (j % 4) + 4)
-        qh = tl.load(W32 + row + QH // 4 + g[None, :], mask=m2, other=0)[:, :, None]
-        h_a = qh << (4 - ee)
-        h_b = qh >> (12 + ee)
-    elif QT == 5:  # (half e: value (e, j)'s two high bits at 4 (j % 4) + 2 (j // 4))
+    if QT == 5:  # (half e: value (e, j)'s two high bits)
         qh = tl.load(W16 + 2 * row[:, :, None] + QH // 2 + (g * 4)[None, :, None] + ee,
                      mask=m3, other=0).to(tl.int32)
-        h_a = qh << 4
-        h_b = qh << 2
-    d = _word_dot(words, h_a, h_b, xs, F, QT)
+        d = _word_dot6(words, qh & 65535, xs, F)
+    else:
+        h_a = words
+        h_b = words
+        if QT == 4:  # (the group's word: value (e, j)'s fifth bit at 4j + e, to 4 (j % 4) + 4)
+            qh = tl.load(W32 + row + QH // 4 + g[None, :], mask=m2, other=0)[:, :, None]
+            h_a = qh << (4 - ee)
+            h_b = qh >> (12 + ee)
+        d = _word_dot(words, h_a, h_b, xs, F, QT)
     if QT == 5:  # (words 0, 1 are values 0..15: the first scale; 2, 3 the second)
         acc += tl.where(ee < 2, s_a[:, :, None], s_b[:, :, None]) * d
     else:  # (d sc times the word's sum of q x, less dmin m times its sum of x)
@@ -223,7 +239,10 @@ def _planar_gemv(X, s_x, NW, W16, W32, R4, B, R, s_r, Y, s_y, N, K, G, F, eps, E
     gg = tl.arange(0, BLOCK_K // 32)
     ee = tl.arange(0, 4)
     jj = tl.arange(0, 8)
-    step = ((127 - 4 * (jj % 4)) << 23).to(tl.float32, bitcast=True)  # 2**-(4 (j % 4))
+    p = 4 * (jj % 4)  # (value j's field's bit: `_word_dot`, `_word_dot6`)
+    if QT == 5:
+        p = 8 * ((jj // 2) % 2)
+    step = ((127 - p) << 23).to(tl.float32, bitcast=True)  # 2**-p
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
     acc_u = acc
     for g0 in range(0, G, BLOCK_K // 32):
@@ -262,7 +281,7 @@ def planar_values(W16, W32, row_words, offs_n, offs_k, mask, QT: tl.constexpr,
                  << 4)
     elif QT == 5:
         h = tl.load(W16 + 2 * row + QH // 2 + g * 4 + e, mask=mask, other=0).to(tl.int32)
-        q = q | (((h >> (4 * (j % 4) + 2 * (j // 4))) & 3) << 4)
+        q = q | (((h >> (2 * (j % 2) + 8 * ((j // 2) % 2) + 4 - 4 * (j // 4))) & 3) << 4)
     sm = tl.load(W16 + 2 * row + SM // 2 + g, mask=mask, other=0).to(tl.int32)
     dw = tl.load(W32 + row + DW // 4 + g // 8, mask=mask, other=0)
     s_a, s_b = _group_scales(sm, dw, QT)

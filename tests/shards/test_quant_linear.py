@@ -64,7 +64,8 @@ def _planar_values(rows: np.ndarray, qtype: str, k: int) -> np.ndarray:
         q |= ((qh >> (4 * j + e).astype(np.uint32)) & 1) << 4
     elif qtype == "Q6_K":
         qh = rows[:, high:scales].copy().view(np.uint16).astype(np.uint32).reshape(n, g, 4, 1)
-        q |= ((qh >> (4 * (j % 4) + 2 * (j // 4)).astype(np.uint32)) & 3) << 4
+        bit = 2 * (j % 2) + 8 * ((j // 2) % 2) + 4 * (1 - j // 4)
+        q |= ((qh >> bit.astype(np.uint32)) & 3) << 4
     sm = rows[:, scales:words].reshape(n, g, 2)
     dw = rows[:, words:words + k // 64].copy().view(np.float16).reshape(n, k // 256, 1, 2)
     dw = np.broadcast_to(dw, (n, k // 256, 8, 2)).reshape(n, g, 2).astype(np.float32)
