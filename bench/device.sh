@@ -58,7 +58,8 @@
 #             shape (Q4_1) and the Llama-8B shape as Q4_K_M; the Llama-8B shape kept in FP8
 #             against bfloat16; the int4 GEMV's launch shapes
 #             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4; default all); QUANT=planar: the
-#             planar Q4_K / Q6_K GEMV's launch shapes, each projection's best (not a row);
+#             planar Q4_K / Q6_K GEMV's launch shapes, each projection's best (not a row;
+#             PLANAR_TYPES=Q4_K or Q6_K: one of them);
 #             QUANT=profile:
 #             where a Q4_K_M token's time goes (not a row): the Llama-8B shape's decode step in
 #             one process under torch.profiler, kept Q4_K_M and bfloat16, per step kernels,
@@ -197,16 +198,16 @@ test_int4_gemv.py" --cmd quant
     kept_vs_bf16 int4 llama-8b-int4 "GPTQ int4 kept (group 128)" Q8
   fi
   if has "$cases" planar; then  # (the planar K-quant GEMV's launch shapes, for tuning)
-    TAIL=60 run quant_planar_sweep 420 python3 bench/quant_gemv.py --sweep --best \
-      --types Q4_K,Q6_K --rows 1 --repeats 10 --json "$RUNS/quant_planar_sweep.json"
+    # (PLANAR_TYPES=Q4_K, then =Q6_K: one type a call, where both do not fit one)
+    TAIL=60 run quant_planar_sweep 540 python3 bench/quant_gemv.py --sweep --best \
+      --types "${PLANAR_TYPES:-Q4_K,Q6_K}" --rows 1 --repeats 10 \
+      --json "$RUNS/quant_planar_sweep.json"
   fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
   fi
   if has "$cases" kernels; then
     TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
-    TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
-      --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
     TAIL=200 run quant_fp8_sweep 120 python3 bench/quant_gemv.py --sweep --types FP8 --rows 1 \
       --repeats 10 --json "$RUNS/quant_fp8_sweep.json"  # (Q7)
   fi

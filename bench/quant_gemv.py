@@ -48,9 +48,10 @@ from triton.runtime.errors import OutOfResources
 SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (2, 4, 8)
          for sb in (1, 4)]
 # (the planar K types: a chunk of BLOCK_K inputs is BLOCK_K / 32 groups, a row's 16-byte
-# quant loads; at most 16K values a tile, as int4's widest)
-PLANAR_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
-                for k in (128, 256, 512, 1024) for w in (2, 4, 8) if b * k <= 16384]
+# quant loads; 1K to 16K values a tile; STAGES 1, or 3: the loop's loads pipelined)
+PLANAR_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w, "STAGES": s}
+                for b in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4, 8)
+                for s in (1, 3) if 1024 <= b * k <= 16384]
 FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
              for k in (128, 256, 512) for w in (2, 4, 8)]
 FP8_BLOCK = (128, 128)

@@ -294,13 +294,14 @@ def planar_launch_config(n: int, k: int, qtype: str, gate_up: bool = False) -> d
     bit). Untimed: `int4_gemv.launch_config`'s plain shapes (a chunk of as many quant bytes a
     program; as Triton 3.9 and ptxas compile them for sm_90, no spills, the loop ~5.5 SASS
     instructions a Q4_K value and ~6.4 a Q6_K one at 8 x 512, ~4.7 and ~5.7 at 16 x 512 on 2
-    warps); `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others
-    (`PLANAR_SWEEP`)."""
+    warps, without STAGES); `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others
+    (`PLANAR_SWEEP`). STAGES: chunks in flight a program (`quant_planar._planar_gemv`; 3 adds
+    ~0.5 instructions a value, reading them back from shared memory)."""
     if gate_up:
         n *= 2
     if n >= 16384:
-        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}
-    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2}
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "STAGES": 3}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "STAGES": 3}
 
 
 def _type_args(qtype: str) -> dict:
@@ -347,8 +348,8 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
     (BLOCK_N, num_warps, SB: super blocks of 256 values an iteration) other than the default
     (not measured yet). `planar`: `blocks` are K-quant rows repacked by `quant_blocks.
-    to_planar`, read by `kernels.quant_planar` (`cfg`: BLOCK_N, BLOCK_K, num_warps; powers of
-    two, BLOCK_K at least 32; default `planar_launch_config`'s)."""
+    to_planar`, read by `kernels.quant_planar` (`cfg`: BLOCK_N, BLOCK_K, num_warps, powers of
+    two, BLOCK_K at least 32, and STAGES, 1 by default; default `planar_launch_config`'s)."""
     most = MAX_ROWS if experts is None else EXPERT_ROWS
     if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
@@ -371,6 +372,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
         block_n = c.pop("BLOCK_N")
         block_k = max(32, min(c.pop("BLOCK_K", 512), triton.next_power_of_2(k)))
         check_launch("quant_gemv", block_n, block_k)
+        c.setdefault("STAGES", 1)
         (w16, w32, row_words), consts = _planar_args(blocks, qtype, k)
         _planar_gemv[(triton.cdiv(n, block_n), m)](
             x, x.stride(0), x if norm is None else norm[0], w16, w32, row_words // 4,

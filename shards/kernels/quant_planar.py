@@ -220,10 +220,13 @@ def _planar_gemv(X, s_x, NW, W16, W32, R4, B, R, s_r, Y, s_y, N, K, G, F, eps, E
                  QT: tl.constexpr, QH: tl.constexpr, SM: tl.constexpr, DW: tl.constexpr,
                  NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                  SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """`quant_gemv._quant_gemv` over planar rows (4 R4 int32 words a row; QH / SM / DW the
     sections' byte offsets): program (block of BLOCK_N outputs, row m), BLOCK_K inputs (NG =
-    BLOCK_K / 32 groups) an iteration; the loop walks groups, G = K / 32 of them."""
+    BLOCK_K / 32 groups) an iteration; the loop walks groups, G = K / 32 of them. STAGES > 1:
+    the loop's loads software-pipelined, STAGES - 1 chunks ahead (Triton copies them to shared
+    memory asynchronously): a program's chunk alone is too few bytes in flight to cover the
+    DRAM's latency when all programs are resident at once, as at batch 1 they are."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
@@ -245,7 +248,7 @@ def _planar_gemv(X, s_x, NW, W16, W32, R4, B, R, s_r, Y, s_y, N, K, G, F, eps, E
     step = ((127 - p) << 23).to(tl.float32, bitcast=True)  # 2**-p
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32, 4], dtype=tl.float32)
     acc_u = acc
-    for g0 in range(0, G, BLOCK_K // 32):
+    for g0 in tl.range(0, G, BLOCK_K // 32, num_stages=STAGES):
         g = g0 + gg
         mask_g = g < G
         offs_k = (g * 32)[:, None, None] + (ee * 8)[None, :, None] + jj[None, None, :]
