@@ -59,6 +59,8 @@
 #             against bfloat16 (decode and TTFT in one row); the int4 GEMV's launch shapes;
 #             P1's 3,900-token prefill, FP8 kept against bfloat16 (fp8_prefill)
 #             (QUANT=tests,kernels,parity,smol,l8b,fp8,int4,fp8_prefill; default all);
+#             QUANT=planar: the planar Q4_K / Q6_K GEMV's launch shapes, each projection's
+#             best (not a row; PLANAR_TYPES=Q4_K or Q6_K: one of them);
 #             QUANT=profile: where a Q4_K_M token's time goes (not a row): the Llama-8B
 #             shape's decode step in one process under torch.profiler, kept Q4_K_M and
 #             bfloat16, per step kernels, busy time, host gap and the costliest kernels; its
@@ -198,6 +200,12 @@ test_int4_gemv.py, test_dequant.py" --cmd quant
       --rows 1 --repeats 10 --json "$RUNS/quant_int4_sweep.json"
     kept_vs_bf16 int4 llama-8b-int4 "GPTQ int4 kept (group 128)" Q8
   fi
+  if has "$cases" planar; then  # (the planar K-quant GEMV's launch shapes, for tuning)
+    # (PLANAR_TYPES=Q4_K, then =Q6_K: one type a call, where both do not fit one)
+    TAIL=60 run quant_planar_sweep 540 python3 bench/quant_gemv.py --sweep --best \
+      --types "${PLANAR_TYPES:-Q4_K,Q6_K}" --rows 1 --repeats 10 \
+      --json "$RUNS/quant_planar_sweep.json"
+  fi
   if has "$cases" fp8; then  # (Q6: random values; the bfloat16 shape's run beside it)
     kept_vs_bf16 fp8 llama-8b-fp8 "FP8 kept (block 128)" Q6
   fi
@@ -214,8 +222,6 @@ test_int4_gemv.py, test_dequant.py" --cmd quant
   fi
   if has "$cases" kernels; then
     TAIL=100 run quant_kernels 200 python3 bench/quant_gemv.py --json "$RUNS/quant_kernels.json"
-    TAIL=200 run quant_sweep 200 python3 bench/quant_gemv.py --sweep --types Q4_K,Q6_K \
-      --rows 1 --repeats 10 --json "$RUNS/quant_sweep.json"
     TAIL=200 run quant_fp8_sweep 120 python3 bench/quant_gemv.py --sweep --types FP8 --rows 1 \
       --repeats 10 --json "$RUNS/quant_fp8_sweep.json"  # (Q7)
   fi

@@ -20,6 +20,7 @@ words, zeros and scales.
 
     python bench/quant_gemv.py --json /tmp/quant_gemv.json
     python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1   # launch shapes, for tuning
+    python bench/quant_gemv.py --sweep --types Q4_K,Q6_K --rows 1 --best   # ... each one's best
     python bench/quant_gemv.py --sweep --types FP8 --rows 1,4
     python bench/quant_gemv.py --sweep --types INT4 --rows 1
 """
@@ -46,8 +47,11 @@ from triton.runtime.errors import OutOfResources
 
 SWEEP = [{"BLOCK_N": b, "num_warps": w, "SB": sb} for b in (1, 2, 4, 8, 16) for w in (2, 4, 8)
          for sb in (1, 4)]
-PLANAR_SWEEP = [{"BLOCK_N": b, "num_warps": w, "CG": cg} for b in (8, 16, 32) for w in (4, 8)
-                for cg in (16, 32) if b >= w]
+# (the planar K types: a chunk of BLOCK_K inputs is BLOCK_K / 32 groups, a row's 16-byte
+# quant loads; 1K to 16K values a tile; STAGES 1, or 3: the loop's loads pipelined)
+PLANAR_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w, "STAGES": s}
+                for b in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4, 8)
+                for s in (1, 3) if 1024 <= b * k <= 16384]
 FP8_SWEEP = [{"BLOCK_N": b, "BLOCK_K": k, "num_warps": w} for b in (4, 8, 16, 32)
              for k in (128, 256, 512) for w in (2, 4, 8)]
 FP8_BLOCK = (128, 128)
@@ -107,6 +111,23 @@ def _copies(t: torch.Tensor) -> list[torch.Tensor]:
     return [t] + [t.clone() for _ in range(n - 1)]
 
 
+def _print_best(rows: list[dict]) -> None:
+    """Each (type, projection, row count)'s fastest swept launch shape, beside its default's
+    time (the row without a `cfg`)."""
+    default = {(r["type"], r["proj"], r["rows"]): r["quant_graph_us"] for r in rows
+               if "cfg" not in r}
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["type"], r["proj"], r["rows"])
+        if "cfg" in r and (key not in best or r["quant_graph_us"] < best[key]["quant_graph_us"]):
+            best[key] = r
+    print(f"{'type':<5} {'proj':<8} {'rows':>4} {'default us':>10} {'best us':>8} {'GB/s':>6}  "
+          f"best launch shape")
+    for (t, proj, m), r in best.items():
+        print(f"{t:<5} {proj:<8} {m:>4} {default.get((t, proj, m), float('nan')):>10.1f} "
+              f"{r['quant_graph_us']:>8.1f} {r['quant_GBps']:>6.0f}  {r['cfg']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(KEPT_TYPES),
@@ -115,6 +136,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--sweep", action="store_true",
                     help="time every launch shape of SWEEP as well (BLOCK_N x num_warps)")
+    ap.add_argument("--best", action="store_true",
+                    help="with --sweep: print each projection's fastest launch shape at the end")
     ap.add_argument("--layout", choices=("planar", "stored"), default="planar",
                     help="the K types' rows: planar (the runtime's on a GPU) or as stored")
     ap.add_argument("--json", default=None)
@@ -201,6 +224,8 @@ def main() -> None:
                     out.append({"type": qtype, "proj": proj, "rows": m, "cfg": cfg,
                                 "quant_graph_us": us, "quant_GBps": nbytes / us / 1e3})
                     print(f"      {str(cfg):<50} {us:>9.1f} {nbytes / us / 1e3:>7.0f}")
+    if args.best:
+        _print_best(out)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"device": torch.cuda.get_device_name(0), "rows": out}, indent=1))

@@ -15,9 +15,13 @@ per matrix row (slices, concatenation and gathers work on it as on the stored ro
 K values, G = K / 32 groups of 32 values (sub-blocks), S = K / 256 super blocks:
 
 - quants: G runs of 16 bytes, the low 4 bits of the group's values: four int32 words, value
-  r = 4j + e of the group in word e, bits 4j .. 4j + 3 (j = 0..7: "plane" j);
-- high bits: Q5_K one int32 word a group, value r's fifth bit at bit r; Q6_K two words a
-  group, word e // 2 holding the two high bits of value (e, j) at bits 4j + 2 (e % 2) .. + 1;
+  r = 8e + j of the group in word e, bits 4j .. 4j + 3 (value (e, j); so the nibbles are in
+  the values' order, two a byte, low nibble first, as int4 words hold theirs);
+- high bits: Q5_K one int32 word a group, value (e, j)'s fifth bit at bit 4j + e; Q6_K four
+  int16 halves a group, half e holding the two high bits of value (e, j) at bits h(j) .. + 1,
+  h(j) = 2 (j % 2) + 8 ((j // 2) % 2) + 4 (1 - j // 4), for j = 0..7: 4, 6, 12, 14, 0, 2, 8,
+  10 (so that two shifts and an OR of a half put those of values 0, 2, 4, 6 at bits 8b + 4,
+  b = 0..3, above their nibbles taken a byte apart, and two more those of 1, 3, 5, 7);
 - scales: two bytes a group: Q4_K / Q5_K its six-bit scale and min; Q6_K the int8 scales of
   its values 0..15 and 16..31;
 - one int32 word a super block: Q4_K / Q5_K d | dmin << 16, Q6_K d (float16 bits);
@@ -223,15 +227,15 @@ def to_planar(rows: torch.Tensor, qtype: str) -> torch.Tensor:
             qh = b[..., 16:48].reshape(n, s, 1, 32) >> _shifts(list(range(8)), b.device).view(
                 8, 1)
             q = lo | ((qh & 0x01) << 4)
-    q = q.reshape(n, s * 8, 8, 4)  # (row, group, j, e): value r = 4j + e of the group
-    low = (q & 0x0F).permute(0, 1, 3, 2)  # (row, group, e, j)
+    q = q.reshape(n, s * 8, 4, 8)  # (row, group, e, j): value r = 8e + j of the group
+    low = q & 0x0F
     quants = (low[..., 0::2] | (low[..., 1::2] << 4)).reshape(n, -1)  # word e: nibble j at 4j
     parts = [quants]
-    if qtype == "Q5_K":  # bit r of the group's word: the fifth bit of value r
-        parts.append(_u8_groups((q >> 4).reshape(n, s * 8, 32) & 1, 1).reshape(n, -1))
-    elif qtype == "Q6_K":  # word e // 2, bits 4j + 2 (e % 2): value (e, j)'s two high bits
-        hi = (q >> 4).permute(0, 1, 3, 2).reshape(n, s * 8, 2, 2, 8)  # (row, group, e//2, e%2, j)
-        hi = hi.permute(0, 1, 2, 4, 3).reshape(n, s * 8, 2, 16)  # fields in bit order
+    if qtype == "Q5_K":  # bit 4j + e of the group's word: the fifth bit of value (e, j)
+        hi = (q >> 4).transpose(2, 3).reshape(n, s * 8, 32)  # (fields in bit order)
+        parts.append(_u8_groups(hi & 1, 1).reshape(n, -1))
+    elif qtype == "Q6_K":  # half e: value (e, j)'s two high bits, fields in bit order
+        hi = (q >> 4)[..., [4, 5, 0, 1, 6, 7, 2, 3]]  # (row, group, e, field)
         parts.append(_u8_groups(hi, 2).reshape(n, -1))
     parts += [scales.reshape(n, -1), word.reshape(n, -1)]
     out = torch.zeros(n, planar_sections(k, qtype)[3], dtype=torch.uint8, device=rows.device)

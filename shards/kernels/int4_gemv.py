@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
 from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
-from layersplit.shards.kernels.quant_planar import MAGIC, activations, epilogue, rms_scale
+from layersplit.shards.kernels.quant_planar import activations, epilogue, field, rms_scale, split8
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
 WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
@@ -58,26 +58,6 @@ def launch_config(n: int, k: int, gate_up: bool = False, gathered: bool = False)
 
 
 @triton.jit
-def _split8(x):
-    """The 8 slices (...) of `x` (..., 8) along its last axis, in order."""
-    c0, c1 = tl.split(tl.reshape(x, x.shape[:-1] + [2, 2, 2]))
-    a0, a2 = tl.split(c0)
-    a1, a3 = tl.split(c1)
-    t0, t4 = tl.split(a0)
-    t2, t6 = tl.split(a2)
-    t1, t5 = tl.split(a1)
-    t3, t7 = tl.split(a3)
-    return t0, t1, t2, t3, t4, t5, t6, t7
-
-
-@triton.jit
-def _field(src, mask):
-    """2**23 + q * 2**p in float32, exact: q the 4-bit field `mask` (15 << p, p <= 12) selects
-    in `src`."""
-    return ((src & mask) | MAGIC).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
                GS: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr):
     """`acc` (BLOCK_N, NS, SUB / 8) plus rows `rows`' products at words `offs_w` (NS, SUB / 8)
@@ -98,14 +78,14 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
         c3 = z * 4096.0 + 8388608.0
         x0, x1, x2, x3, x4, x5, x6, x7 = xs
         hi = words >> 16
-        d = (_field(words, F) - c0) * x0[None, :, :]
-        d += (_field(words, F << 4) - c1) * x1[None, :, :]
-        d += (_field(words, F << 8) - c2) * x2[None, :, :]
-        d += (_field(words, F << 12) - c3) * x3[None, :, :]
-        d += (_field(hi, F) - c0) * x4[None, :, :]
-        d += (_field(hi, F << 4) - c1) * x5[None, :, :]
-        d += (_field(hi, F << 8) - c2) * x6[None, :, :]
-        d += (_field(hi, F << 12) - c3) * x7[None, :, :]
+        d = (field(words, F) - c0) * x0[None, :, :]
+        d += (field(words, F << 4) - c1) * x1[None, :, :]
+        d += (field(words, F << 8) - c2) * x2[None, :, :]
+        d += (field(words, F << 12) - c3) * x3[None, :, :]
+        d += (field(hi, F) - c0) * x4[None, :, :]
+        d += (field(hi, F << 4) - c1) * x5[None, :, :]
+        d += (field(hi, F << 8) - c2) * x6[None, :, :]
+        d += (field(hi, F << 12) - c3) * x7[None, :, :]
         acc += s * d  # (the word's sum of (q - z) x, times its group's scale)
     else:  # (each value's zero and scale, gathered by its group)
         for i in tl.static_range(8):
@@ -149,7 +129,7 @@ def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, F, eps, 
         x = activations(xrow, NW, offs_k, offs_k < K, scale, NORM, dt)
         if GROUPED:
             x = x * step[None, None, :]
-        xs = _split8(x)
+        xs = split8(x)
         acc = _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G, F,
                          GS, HAS_GI, GROUPED)
         if SILU:  # (the up half: rows N + offs_n)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.kernels.gemv_operands import checked_out
+from layersplit.shards.kernels.gemv_operands import check_launch, checked_out
 from layersplit.shards.kernels.quant_planar import (
     PLANAR_QT,
     _half,
@@ -33,10 +33,10 @@ from layersplit.shards.quant_blocks import KEPT_TYPES, planar_sections
 
 QT_IDS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 MAX_ROWS = 16  # the most rows `quant_gemv` takes; more: `quant_linear.quant_matmul`
-EXPERT_ROWS = 64
-# the planar kernels' default launch shape (`quant_gemv(planar=True)`; not measured yet):
-# 4 warps, each thread 4 rows of 16-byte runs, one warp across CG groups
-PLANAR_CFG = {"BLOCK_N": 16, "num_warps": 4}  # ... of (token, expert) pairs, with `experts`
+EXPERT_ROWS = 64  # ... of (token, expert) pairs, with `experts`
+# a value's 4 bits, passed to the planar GEMV as an argument (`int4_gemv.FIELD`: as a constant
+# the sm_90 code moves each shifted copy into a register before each AND)
+FIELD = 15
 # `_chunk_dot`'s tile of a chunk of 256 values: G runs of L quant bytes (Q8_0: values)
 _TILES = {"Q8_0": (8, 32), "Q4_0": (8, 16), "Q4_1": (8, 16), "Q4_K": (4, 32), "Q5_K": (4, 32),
           "Q6_K": (8, 16)}
@@ -287,6 +287,23 @@ def _dequant(W, row_bytes, Y, N, K, QT: tl.constexpr, QK: tl.constexpr, SIZE: tl
              mask=mask)
 
 
+def planar_launch_config(n: int, k: int, qtype: str, gate_up: bool = False) -> dict:
+    """The planar GEMV's launch shape for `n` outputs of `k` inputs of `qtype` (`gate_up`: the
+    fused SiLU * up step, `n` its outputs: the shape of the GEMV over all 2n rows, so that its
+    sums are those of that GEMV then SiLU * up apart, `quant_linear.PLANAR_SILU_APART`, bit for
+    bit). Untimed: `int4_gemv.launch_config`'s plain shapes (a chunk of as many quant bytes a
+    program; as Triton 3.9 and ptxas compile them for sm_90, no spills, the loop ~5.5 SASS
+    instructions a Q4_K value and ~6.4 a Q6_K one at 8 x 512, ~4.7 and ~5.7 at 16 x 512 on 2
+    warps, without STAGES); `bench/quant_gemv.py --sweep --types Q4_K,Q6_K` times the others
+    (`PLANAR_SWEEP`). STAGES: chunks in flight a program (`quant_planar._planar_gemv`; 3 adds
+    ~0.5 instructions a value, reading them back from shared memory)."""
+    if gate_up:
+        n *= 2
+    if n >= 16384:
+        return {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "STAGES": 3}
+    return {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 2, "STAGES": 3}
+
+
 def _type_args(qtype: str) -> dict:
     t = KEPT_TYPES[qtype]
     return {"QT": QT_IDS[qtype], "QK": t.block, "SIZE": t.size}
@@ -308,10 +325,10 @@ def _check(blocks: torch.Tensor, qtype: str, k: int, planar: bool = False) -> No
 
 def _planar_args(blocks: torch.Tensor, qtype: str, k: int) -> tuple[list, dict]:
     """The planar kernels' leading arguments (the rows as int16 and int32 words, a row's
-    words) and their sections' constants (`quant_planar`)."""
+    words) and their sections' byte offsets (`quant_planar`)."""
     high, scales, words, row = planar_sections(k, qtype)
     return ([blocks.view(torch.int16), blocks.view(torch.int32), row // 4],
-            {"QT": PLANAR_QT[qtype], "QH": high // 4, "SM": scales // 2, "DW": words // 4})
+            {"QT": PLANAR_QT[qtype], "QH": high, "SM": scales, "DW": words})
 
 
 def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
@@ -331,8 +348,8 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     with `gate_up`: gate rows then up rows), up to `EXPERT_ROWS` rows. `cfg`: a launch shape
     (BLOCK_N, num_warps, SB: super blocks of 256 values an iteration) other than the default
     (not measured yet). `planar`: `blocks` are K-quant rows repacked by `quant_blocks.
-    to_planar`, read by `kernels.quant_planar` (`cfg`: BLOCK_N, num_warps, CG: groups of 32
-    values an iteration)."""
+    to_planar`, read by `kernels.quant_planar` (`cfg`: BLOCK_N, BLOCK_K, num_warps, powers of
+    two, BLOCK_K at least 32, and STAGES, 1 by default; default `planar_launch_config`'s)."""
     most = MAX_ROWS if experts is None else EXPERT_ROWS
     if x.dim() != 2 or not 1 <= x.shape[0] <= most or x.stride(1) != 1:
         raise ValueError(f"quant_gemv: x must be 1 to {most} rows (M, K) of contiguous "
@@ -351,17 +368,19 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
     out = checked_out("quant_gemv", x, n, k, bias, residual, norm, out, out_dtype)
     r = x if residual is None else residual
     if planar:
-        c = dict(cfg or PLANAR_CFG)
-        c.setdefault("CG", min(32, 1 << ((k // 32).bit_length() - 1)))  # (no idle tile)
-        lead, consts = _planar_args(blocks, qtype, k)
-        even = (k // 32) % c["CG"] == 0 and n % c["BLOCK_N"] == 0 and experts is None
-        _planar_gemv[(triton.cdiv(n, c["BLOCK_N"]), m)](
-            x, x.stride(0), x if norm is None else norm[0], *lead,
-            x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
-            0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
+        c = dict(cfg or planar_launch_config(n, k, qtype, gate_up))
+        block_n = c.pop("BLOCK_N")
+        block_k = max(32, min(c.pop("BLOCK_K", 512), triton.next_power_of_2(k)))
+        check_launch("quant_gemv", block_n, block_k)
+        c.setdefault("STAGES", 1)
+        (w16, w32, row_words), consts = _planar_args(blocks, qtype, k)
+        _planar_gemv[(triton.cdiv(n, block_n), m)](
+            x, x.stride(0), x if norm is None else norm[0], w16, w32, row_words // 4,
+            x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k, k // 32,
+            FIELD, 0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
             0 if experts is None else experts[1], **consts, NORM=norm is not None,
             HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
-            HAS_E=experts is not None, EVEN=even, **c)
+            HAS_E=experts is not None, BLOCK_N=block_n, BLOCK_K=block_k, **c)
         return out
     c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
     block_n = c.pop("BLOCK_N")

@@ -174,12 +174,12 @@ def _cat_blocks(run: list[nn.Module]) -> QuantLinear:
                        bias, planar=first.planar)
 
 
-# SiLU * up after a planar gate/up GEMV, not as its epilogue: the planar kernel with both
-# halves' accumulators (`quant_gemv(gate_up=True, planar=True)`, 16 rows a program) needs more
-# than the 255 registers a thread has, and ptxas spills into local memory in its main loop
-# (sm_90, Triton 3.9: 255 registers and a 216-byte stack, against 157 registers without SiLU),
-# while the GEMV over all 2F rows then `row_ops.silu_mul` (one small kernel) compute the same
-# roundings (`fused.rms_norm`'s, then SiLU's and the product's, as the epilogue does)
+# SiLU * up after a planar gate/up GEMV, not as its epilogue: chosen when the planar kernel
+# with both halves' accumulators spilled registers on sm_90; the one of `kernels.quant_planar`
+# now compiles without (144 registers at its launch shape, Triton 3.9), untimed against this
+# route (`bench/quant_gemv.py`: `gate_up^` is this one, `gate_up*` the epilogue). The GEMV
+# over all 2F rows then `row_ops.silu_mul` (one small kernel) compute the same roundings
+# (`fused.rms_norm`'s, then SiLU's and the product's, as the epilogue does)
 PLANAR_SILU_APART = True
 
 KEPT_LINEARS = (Fp8Linear, Int4Linear)  # linears kept quantized that carry their own `gemv`

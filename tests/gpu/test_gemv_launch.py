@@ -1,4 +1,5 @@
-"""The quantized GEMVs' launch shapes (`fp8_gemv`, `int4_gemv`; their modules import Triton):
+"""The quantized GEMVs' launch shapes (`fp8_gemv`, `int4_gemv`, the planar K-quant one of
+`quant_gemv`; their modules import Triton):
 every `launch_config` shape good, FP8's narrowing of a program's rows to a scale block's ending
 at 1 at the least, and a bad shape refused before any launch."""
 
@@ -34,6 +35,19 @@ def test_launch_configs_are_good_shapes(which):
                     assert c["BLOCK_K"] % 8 == 0 and c["num_warps"] in (1, 2, 4, 8)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_planar_launch_configs_are_good_shapes(qtype):
+    from layersplit.shards.kernels.quant_gemv import planar_launch_config
+
+    for n in (8, 576, 4096, 6144, 14336, 28672):
+        for k in (256, 4096, 14336):
+            plain = planar_launch_config(2 * n, k, qtype)
+            c = planar_launch_config(n, k, qtype, gate_up=True)
+            assert c == plain  # (the gate/up epilogue's sums: those of the GEMV then SiLU)
+            check_launch("quant_gemv", c["BLOCK_N"], c["BLOCK_K"])
+            assert c["BLOCK_K"] >= 32 and c["num_warps"] in (1, 2, 4, 8)
+
+
 def test_fp8_rows_per_program_ends():
     """Halved until it divides the scale block's rows: 1 at the least for odd blocks; a block
     or a program of no rows refused rather than dividing by zero or looping."""
@@ -59,6 +73,13 @@ def test_quantized_gemvs_refuse_a_bad_launch_shape_before_launching():
     with pytest.raises(ValueError, match=r"fp8_gemv: scale blocks of \(0, 32\)"):
         fp8_gemv.fp8_gemv(x, w8, torch.ones(2, 2), (0, 32))
     w4 = quantize_int4(torch.randn(32, 64), 32)
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+    from layersplit.shards.quant_blocks import to_planar
+
+    flat = to_planar(torch.zeros(32, 144, dtype=torch.uint8), "Q4_K")
+    with pytest.raises(ValueError, match="quant_gemv: launch shape BLOCK_K=96"):
+        quant_gemv(torch.zeros(1, 256), flat, "Q4_K", planar=True,
+                   cfg={"BLOCK_N": 8, "BLOCK_K": 96})
     with pytest.raises(ValueError, match="int4_gemv: launch shape BLOCK_N=3"):
         int4_gemv.int4_gemv(x, w4.qweight, w4.zeros, w4.scales, w4.group,
                             cfg={"BLOCK_N": 3, "BLOCK_K": 64})

@@ -78,7 +78,7 @@ def test_quant_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
 
 
 # planar rows (K types): odd row counts (a partly idle block of rows), a row of 1280 (groups not
-# a whole number of the default CG), the residual, bias and norm options
+# a whole number of a chunk's), the residual, bias and norm options
 PLANAR_CASES = [(q, *shape) for q in PLANAR_TYPES
                 for shape in [(1, 37, 512), (3, 64, 768), (16, 5, 256), (2, 9, 1280)]]
 
@@ -95,7 +95,8 @@ def test_planar_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
     want = F.linear(x, ref, bias)
     got = quant_gemv(x, flat, qtype, bias, planar=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
-    for cfg in ({"BLOCK_N": 4, "num_warps": 2, "CG": 8}, {"BLOCK_N": 32, "num_warps": 4}):
+    for cfg in ({"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 2},
+                {"BLOCK_N": 32, "BLOCK_K": 1024, "num_warps": 4}):
         got = quant_gemv(x, flat, qtype, bias, planar=True, cfg=cfg)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
     if DEV != "cpu":
@@ -103,6 +104,40 @@ def test_planar_gemv_equals_dequantize_then_matmul(qtype, rows, n, k):
         got = quant_gemv(xb, flat, qtype, planar=True).float()
         want = F.linear(xb.float(), ref)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+# full-size layers (the Llama-8B shape's qkv, down and gate/up) on a device; under the
+# interpreter a small one of each route
+FULL = [(6144, 4096), (4096, 14336), (2 * 14336, 4096)] if DEV != "cpu" else [(2 * 24, 512)]
+
+
+@pytest.mark.parametrize("n,k", FULL)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_planar_gemv_of_full_size_layers_equals_dequantize_then_matmul(qtype, n, k):
+    """The planar GEMV at its launch shapes (`planar_launch_config`) and at a chunk of the
+    sweep's widest and narrowest, 1 and 4 rows, plain and as the fused step's gate/up (the norm
+    prologue, SiLU * up), against the weight dequantized (`quant_blocks.dequantize_rows`,
+    gguf's values bit for bit) then a float32 matmul."""
+    from layersplit.shards.fused import rms_norm
+    from layersplit.shards.kernels.quant_gemv import quant_gemv
+    from layersplit.shards.quant_blocks import dequantize_rows
+
+    blocks = torch.from_numpy(random_blocks(n, k, qtype, np.random.default_rng(n + k))).to(DEV)
+    ref = dequantize_rows(blocks, qtype)
+    flat = to_planar(blocks, qtype)
+    gen = torch.Generator().manual_seed(k)
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEV)
+    for rows in (1, 4):
+        x = torch.randn(rows, k, generator=gen).to(DEV)
+        want = F.linear(x, ref)
+        for cfg in (None, {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 2},
+                    {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8}):
+            got = quant_gemv(x, flat, qtype, planar=True, cfg=cfg)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+        g, u = F.linear(rms_norm(x, nw, 1e-5), ref).chunk(2, dim=-1)
+        want = F.silu(g) * u
+        got = quant_gemv(x, flat, qtype, norm=(nw, 1e-5), gate_up=True, planar=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", PLANAR_TYPES)

@@ -55,20 +55,21 @@ def _planar_values(rows: np.ndarray, qtype: str, k: int) -> np.ndarray:
     docstring states it, with gguf's float32 expressions."""
     high, scales, words, _ = planar_sections(k, qtype)
     n, g = rows.shape[0], k // 32
-    w = rows[:, :high].copy().view(np.uint32).reshape(n, g, 1, 4)  # (row, group, j, e)
-    j = np.arange(8).reshape(1, 1, 8, 1)
-    e = np.arange(4).reshape(1, 1, 1, 4)
+    w = rows[:, :high].copy().view(np.uint32).reshape(n, g, 4, 1)  # (row, group, e, j)
+    e = np.arange(4).reshape(1, 1, 4, 1)
+    j = np.arange(8).reshape(1, 1, 1, 8)
     q = (w >> (4 * j).astype(np.uint32)) & 15
     if qtype == "Q5_K":
         qh = rows[:, high:scales].copy().view(np.uint32).reshape(n, g, 1, 1)
         q |= ((qh >> (4 * j + e).astype(np.uint32)) & 1) << 4
     elif qtype == "Q6_K":
-        qh = rows[:, high:scales].copy().view(np.uint32).reshape(n, g, 2)[:, :, e[0, 0, 0] // 2]
-        q |= ((qh.reshape(n, g, 1, 4) >> (4 * j + 2 * (e % 2)).astype(np.uint32)) & 3) << 4
+        qh = rows[:, high:scales].copy().view(np.uint16).astype(np.uint32).reshape(n, g, 4, 1)
+        bit = 2 * (j % 2) + 8 * ((j // 2) % 2) + 4 * (1 - j // 4)
+        q |= ((qh >> bit.astype(np.uint32)) & 3) << 4
     sm = rows[:, scales:words].reshape(n, g, 2)
     dw = rows[:, words:words + k // 64].copy().view(np.float16).reshape(n, k // 256, 1, 2)
     dw = np.broadcast_to(dw, (n, k // 256, 8, 2)).reshape(n, g, 2).astype(np.float32)
-    q = q.reshape(n, g, 32).astype(np.float32)  # (value r = 4j + e)
+    q = q.reshape(n, g, 32).astype(np.float32)  # (value r = 8e + j)
     if qtype == "Q6_K":
         sc = np.repeat(sm.view(np.int8).astype(np.float32), 16, axis=-1)
         return ((dw[..., :1] * sc) * (q - 32)).reshape(n, k)
