@@ -100,10 +100,9 @@ class OssExperts(nn.Module):
             g = clamped_swiglu(torch.bmm(xs[:, None, :], self.gate_up_proj[ex])[:, 0]
                                + self.gate_up_proj_bias[ex], self.alpha, self.limit)
             y = torch.bmm(g[:, None, :], self.down_proj[ex])[:, 0] + self.down_proj_bias[ex]
-        y = y * w.reshape(-1)[order, None]
         ys = torch.empty_like(y)
-        ys[order] = y  # (back in (row, slot) order)
-        return sum_experts(ys, k, x.dtype)
+        ys[order] = y  # (back in (row, slot) order, still in the run dtype: one float32 buffer)
+        return sum_experts(ys * w.reshape(-1, 1), k, x.dtype)
 
 
 class OssMoE(nn.Module):

@@ -155,10 +155,9 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
         ex = flat[order]
         g, u = torch.bmm(gate_up[ex], xs[:, :, None]).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(down[ex], (F.silu(g) * u)[:, :, None]).squeeze(-1)
-    y = y * w.reshape(-1)[order, None]
     ys = torch.empty_like(y)
-    ys[order] = y  # (back in (row, slot) order)
-    return sum_experts(ys, k, x.dtype)
+    ys[order] = y  # (back in (row, slot) order, still in the run dtype: one float32 buffer)
+    return sum_experts(ys * w.reshape(-1, 1), k, x.dtype)
 
 
 class Router(nn.Module):
