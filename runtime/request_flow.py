@@ -176,7 +176,13 @@ class RequestFlow:
         def cache_after_first(snapshot) -> None:
             """The prompt's snapshots, then (once its first token is out) the RAM copies of
             the entries restored from disk (`CacheManager.take_deferred`), off the first
-            token's path; `progress.marks["cached"]` says when they are done."""
+            token's path; `progress.marks["cached"]` says when they are done. None are taken
+            once the slot no longer holds this sequence's rows (swapped out,
+            `Request.rows_gone`): a miss later, never another sequence's rows under this
+            prompt's key."""
+            if req.rows_gone:
+                snaps.clear()  # (the finally drops the deferred RAM copies too)
+                return
             t0, n = time.perf_counter(), len(snaps)
             while snaps:
                 snapshot(*snaps.pop(0))
