@@ -170,7 +170,8 @@ class RequestFlow:
         context = (self._free_contexts.pop(0) if self.draft is not None and
                    self._free_contexts else None)
         prog = None
-        snaps: list[tuple[int, np.ndarray | None]] = []  # (end, logits): snapshots to take
+        snaps: list[tuple[int, np.ndarray | None, int | None]] = []  # (end, logits, the step
+        # that sent the draft its rows up to end): snapshots to take
         later, first_out, cache = False, False, None
 
         def cache_after_first(snapshot) -> None:
@@ -251,16 +252,18 @@ class RequestFlow:
             # do not change); a hybrid model's state changes with the next step: at once
             later = cache is not None and not cache.hybrid
 
-            def snapshot(end: int, logits: np.ndarray | None) -> None:
+            def snapshot(end: int, logits: np.ndarray | None, sync: int | None = None) -> None:
                 e = cache.snapshot(prompt, end, logits, parent[0], slot,
-                                   req.feed if live else None)
+                                   req.feed if live else None, sync)
                 if e is not None:
                     parent[0] = e
 
             def on_boundary(end: int, logits: np.ndarray | None) -> None:
                 if end in points:
-                    if later:
-                        snaps.append((end, logits))
+                    if later:  # (its draft rows are those of the prefill step just back,
+                        # never parked: not those of a decode step sent by then)
+                        snaps.append((end, logits, None if req.feed is None
+                                      else self.feat_sid(req.feed)))
                     else:
                         snapshot(end, logits)
 
