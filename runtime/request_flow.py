@@ -159,7 +159,9 @@ class RequestFlow:
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
         it already; a feeding sequence sends the draft its rows, in its slot."""
-        progress.marks["admitted"] = time.perf_counter()
+        # (a sequence preempted and prefilled again keeps its first run's marks: its
+        # `first_token_at` is that run's too)
+        progress.marks.setdefault("admitted", time.perf_counter())
         if seed is None:
             seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
@@ -276,7 +278,8 @@ class RequestFlow:
                                     on_logits=None if progress.logits is None
                                     else progress.logits.append,
                                     **self._decoding_hooks(decoding, prompt, params, progress))
-            t_prefill = progress.marks["restored"] = time.perf_counter()
+            t_prefill = time.perf_counter()
+            progress.marks.setdefault("restored", t_prefill)
             item = next(prog)
             while not isinstance(item, int):
                 item = prog.send((yield item))

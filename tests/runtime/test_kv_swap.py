@@ -494,4 +494,6 @@ def test_deferred_snapshots_are_dropped_once_the_rows_are_swapped_out(target, al
         assert b.stats.reprefills == 1 and b.stats.swapped_in == 0
         assert len(PROMPTS[1]) not in {e.length for e in index.entries.values()}
         assert pr.generated == alone[1][0].tokens  # (a re-prefill: the same tokens)
+        # (its time to the first token is its first run's, phase by phase)
+        assert pr.marks["admitted"] <= pr.marks["restored"] <= pr.first_token_at
         _all_free(c)
