@@ -103,6 +103,10 @@ class Request:
     preempted: int = 0  # times its blocks were taken back
     swapped: int | None = None  # rows its blocks held when swapped out (its KV is in the
     # host pool, in `Batcher.host`'s table for its rid); None: not swapped out
+    rows_gone: bool = False  # its slot's blocks no longer hold its program's rows (swapped
+    # out and not swapped back in: freed, maybe another sequence's now): what its program
+    # would still copy of them (a prompt's deferred snapshots, `RequestFlow._program`) is
+    # dropped
     prompt: list[int] | None = None  # its tokens, when it may share a live prefix's blocks
     cuts: list[int] = dataclasses.field(default_factory=list)  # its prompt's chunk boundaries
     prefilled: int = 0  # prompt rows whose KV the steps sent so far write (or a restore did)
@@ -561,6 +565,7 @@ class Batcher:
             self._drop_host(req, False)
             return False
         req.swapped = rows
+        req.rows_gone = True  # (until a swap-in brings them back)
         self.sched.swap_out(req.rid, need)
         self.stats.swapped_out += 1
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
@@ -575,8 +580,9 @@ class Batcher:
         blocks = self._copy_blocks(req, "in")
         self._drop_host(req, blocks is not None)  # (a swap-in frees them on the shards)
         if blocks is None:
-            self._restart(req)
+            self._restart(req)  # (its program closes with `rows_gone` still set)
             return
+        req.rows_gone = False
         self.stats.swapped_in += 1
         log.info("request %d resumed: %d blocks swapped in from host memory", req.rid, blocks)
 
@@ -620,6 +626,7 @@ class Batcher:
             prog.close()  # its cleanup (draft context, cache pins) runs now
         except BaseException as e:  # noqa: BLE001 - reported, the request goes on
             log.warning("request %d: cleanup on preemption failed: %s", req.rid, e)
+        req.rows_gone = False  # (its next program computes its rows again)
         self.stats.reprefills += 1
         req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
         if req.prompt is not None:  # it runs again from these tokens

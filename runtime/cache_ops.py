@@ -483,10 +483,14 @@ class CacheManager:
 
     # ---- snapshots ----------------------------------------------------------------------------
     def snapshot(self, prompt: Sequence[int], length: int, logits: np.ndarray | None,
-                 parent: Entry | None, slot: int, context: int | None) -> Entry | None:
+                 parent: Entry | None, slot: int, context: int | None,
+                 sync: int | None = None) -> Entry | None:
         """Cache rows [parent.length, length) of the sequence in KV slot `slot` as a child of
         `parent`; with a draft `context`, the draft holds that sequence's feature rows of
-        [0, length) there and the entry carries them."""
+        [0, length) there and the entry carries them, once the step `sync` sent them (None:
+        the last step that fed `context`; a snapshot taken later than its rows were computed
+        names the step that computed them, not a later decode step whose rows the shards
+        may hold parked)."""
         self.poll_done()
         key = self.keys(prompt, [length])[length]
         have = self.index.entries.get(key)
@@ -513,7 +517,7 @@ class CacheManager:
             if not self._room_for(e):  # (swapped-out sequences hold the rest of host memory)
                 self.index.entries.pop(e.key, None)
                 return None
-            self._take(e, slot, context)
+            self._take(e, slot, context, sync)
             if not e.features:
                 e.kv_bytes -= feature_bytes
         except BaseException:
@@ -525,14 +529,16 @@ class CacheManager:
             self._save(e)
         return e
 
-    def _take(self, e: Entry, slot: int, context: int | None) -> None:
+    def _take(self, e: Entry, slot: int, context: int | None, sync: int | None = None) -> None:
         """RAM copies of the entry's rows of KV slot `slot` on every shard, and of its feature
-        rows on the draft when the draft's `context` holds those of the whole sequence."""
+        rows on the draft when the draft's `context` holds those of the whole sequence (once
+        step `sync` sent them; None: the last step that fed `context`)."""
         ram_id = self.index.new_ram_id()
         take = message("snap_take", entry=ram_id, slot=slot, start=e.start, end=e.length)
         draft = None
         if self.taps and context is not None:  # after the rows of the last step arrive
-            draft = {**take, "slot": context, "sync": self.coord.feat_sid(context)}
+            draft = {**take, "slot": context,
+                     "sync": self.coord.feat_sid(context) if sync is None else sync}
         replies = self.coord.call_all(lambda sh: take, draft=draft)
         if self.pool is not None:
             self.pool.add_snapshot(ram_id, self.host_bytes(e))

@@ -470,7 +470,8 @@ class Active:
 
 def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:
     """Where a request's time to its first token went, in seconds, phase by phase (`PHASES`;
-    those it did not pass through are left out)."""
+    those it did not pass through are left out; none is negative: a mark set out of order,
+    a clock's step, counts as no time)."""
     marks = {**job.marks, **progress.marks}
     if progress.first_token_at is not None:
         marks["sampled"] = progress.first_token_at
@@ -478,8 +479,8 @@ def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:
     out, last = {}, job.arrived
     for name, mark in PHASES:
         if mark in marks:
-            out[name] = marks[mark] - last
-            last = marks[mark]
+            out[name] = max(0.0, marks[mark] - last)
+            last = max(last, marks[mark])
     return out
 
 

@@ -159,7 +159,9 @@ class RequestFlow:
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
         it already; a feeding sequence sends the draft its rows, in its slot."""
-        progress.marks["admitted"] = time.perf_counter()
+        # (a sequence preempted and prefilled again keeps its first run's marks: its
+        # `first_token_at` is that run's too)
+        progress.marks.setdefault("admitted", time.perf_counter())
         if seed is None:
             seed = params.seed if params.seed is not None else new_seed()
         # up to spec_max_seqs sequences at a time feed the draft their rows and speculate (each
@@ -170,13 +172,20 @@ class RequestFlow:
         context = (self._free_contexts.pop(0) if self.draft is not None and
                    self._free_contexts else None)
         prog = None
-        snaps: list[tuple[int, np.ndarray | None]] = []  # (end, logits): snapshots to take
+        snaps: list[tuple[int, np.ndarray | None, int | None]] = []  # (end, logits, the step
+        # that sent the draft its rows up to end): snapshots to take
         later, first_out, cache = False, False, None
 
         def cache_after_first(snapshot) -> None:
             """The prompt's snapshots, then (once its first token is out) the RAM copies of
             the entries restored from disk (`CacheManager.take_deferred`), off the first
-            token's path; `progress.marks["cached"]` says when they are done."""
+            token's path; `progress.marks["cached"]` says when they are done. None are taken
+            once the slot no longer holds this sequence's rows (swapped out,
+            `Request.rows_gone`): a miss later, never another sequence's rows under this
+            prompt's key."""
+            if req.rows_gone:
+                snaps.clear()  # (the finally drops the deferred RAM copies too)
+                return
             t0, n = time.perf_counter(), len(snaps)
             while snaps:
                 snapshot(*snaps.pop(0))
@@ -245,16 +254,18 @@ class RequestFlow:
             # do not change); a hybrid model's state changes with the next step: at once
             later = cache is not None and not cache.hybrid
 
-            def snapshot(end: int, logits: np.ndarray | None) -> None:
+            def snapshot(end: int, logits: np.ndarray | None, sync: int | None = None) -> None:
                 e = cache.snapshot(prompt, end, logits, parent[0], slot,
-                                   req.feed if live else None)
+                                   req.feed if live else None, sync)
                 if e is not None:
                     parent[0] = e
 
             def on_boundary(end: int, logits: np.ndarray | None) -> None:
                 if end in points:
-                    if later:
-                        snaps.append((end, logits))
+                    if later:  # (its draft rows are those of the prefill step just back,
+                        # never parked: not those of a decode step sent by then)
+                        snaps.append((end, logits, None if req.feed is None
+                                      else self.feat_sid(req.feed)))
                     else:
                         snapshot(end, logits)
 
@@ -267,7 +278,8 @@ class RequestFlow:
                                     on_logits=None if progress.logits is None
                                     else progress.logits.append,
                                     **self._decoding_hooks(decoding, prompt, params, progress))
-            t_prefill = progress.marks["restored"] = time.perf_counter()
+            t_prefill = time.perf_counter()
+            progress.marks.setdefault("restored", t_prefill)
             item = next(prog)
             while not isinstance(item, int):
                 item = prog.send((yield item))

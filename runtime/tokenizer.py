@@ -106,6 +106,8 @@ class TextTokenizer:
             tk = Tokenizer.from_file(str(tj))
         except Exception as e:
             raise CheckpointError(f"{tj}: cannot load tokenizer ({e})") from e
+        tk.no_truncation()  # (a file's truncation or padding would cut or pad every prompt,
+        tk.no_padding()  # and a prefix's ids would differ from a whole encode's)
         tcfg = _read_json(folder / "tokenizer_config.json")
         gen = _read_json(folder / "generation_config.json")
         mcfg = _read_json(folder / "config.json")

@@ -461,3 +461,39 @@ def test_a_swap_out_evicts_the_least_recently_used_snapshots(target, tmp_path, d
         assert_same_run(again, want0, "P0 after its snapshots were evicted")
         assert pool.used == [40 * row] * 2  # (P0's RAM copies taken again)
         _all_free(c)
+
+
+@pytest.mark.slow
+def test_deferred_snapshots_are_dropped_once_the_rows_are_swapped_out(target, alone):
+    """A prompt's snapshots wait for its first decode step to come back. Swapped out before
+    that (its blocks freed), the sequence takes none of them: cancelled while swapped out, it
+    leaves no entry; swapped out and its swap-in failing (its host blocks gone), it is
+    prefilled again, and no entry holds its first prompt whole (the rows its slot's new
+    blocks held then were not its own), and it yields an uninterrupted run's tokens."""
+    with Coordinator(_cfg(target, 1, max_seqs=2, kv_blocks=8, kv_host_blocks=4,
+                          prefix_cache=True)) as c:
+        b, index = c.batcher, c.cache.index
+
+        def first_token_out(params: SamplingParams, pr: Progress):
+            req = c.submit(PROMPTS[1], params, pr)
+            while not (pr.generated and req.in_flight == 0 and req.waits is None):
+                b.run_once()
+            assert not index.entries  # (deferred: no decode step came back yet)
+            b._preempt(req)
+            assert req.swapped is not None and req.rows_gone
+            return req
+
+        req = first_token_out(GREEDY, Progress())
+        b.cancel(req)
+        assert req.done and not index.entries
+        b.check()
+        pr = Progress()
+        req = first_token_out(PARAMS[1], pr)
+        c.kv_swap("drop", [[-1, h] for h in b.host.table(req.rid)])  # (the swap-in fails)
+        drive(c, [req])
+        assert b.stats.reprefills == 1 and b.stats.swapped_in == 0
+        assert len(PROMPTS[1]) not in {e.length for e in index.entries.values()}
+        assert pr.generated == alone[1][0].tokens  # (a re-prefill: the same tokens)
+        # (its time to the first token is its first run's, phase by phase)
+        assert pr.marks["admitted"] <= pr.marks["restored"] <= pr.first_token_at
+        _all_free(c)

@@ -85,6 +85,33 @@ def test_only_safe_boundaries():
     assert ids.encode("a<s>a<s>a") == sp.encode("a<s>a<s>a", add_special_tokens=False).ids
 
 
+def test_an_added_token_inside_a_longer_one_is_no_boundary():
+    """`a<e>b` holds `<e>` past its first character: encoded after a prefix that ends with
+    `<e>`, "b z" would lose the `a<e>b` a whole encode reads."""
+    tk = Tokenizer(tk_models.WordLevel({"q": 0, "a": 1, "b": 2, "c": 3, "z": 4, "[UNK]": 5},
+                                       unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.add_special_tokens([AddedToken("<e>", special=True, normalized=False),
+                           AddedToken("a<e>b", special=True, normalized=False)])
+    assert boundary_ids(tk) == {tk.token_to_id("a<e>b")}
+    ids = PrefixIds(tk)
+    for text in ("q a<e>c", "q a<e>b z"):
+        assert ids.encode(text) == tk.encode(text, add_special_tokens=False).ids
+    assert ids.encode("q a<e>b z") == [0, tk.token_to_id("a<e>b"), 4]
+
+
+def test_a_files_truncation_and_padding_are_off(tmp_path):
+    tk = tiny_tokenizer()
+    tk.enable_truncation(4)
+    tk.enable_padding(length=64)
+    tk.save(str(tmp_path / "tokenizer.json"))
+    tok = TextTokenizer.from_hf_folder(tmp_path)
+    assert tok.tk.truncation is None and tok.tk.padding is None
+    text = "a longer text than four tokens, by far"
+    assert tok.encode(text, add_special_tokens=False) == \
+        tiny_tokenizer().encode(text, add_special_tokens=False).ids
+
+
 def test_remembered_prefixes_are_bounded():
     tk = tiny_tokenizer()
     ids = PrefixIds(tk, keep=3)
