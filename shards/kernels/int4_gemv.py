@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
 from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
-from layersplit.shards.kernels.quant_planar import activations, epilogue, field, rms_scale, split8
+from layersplit.shards.kernels.quant_planar import (
+    activations,
+    epilogue,
+    nibble_dot,
+    rms_scale,
+    split8,
+)
 
 MAX_ROWS = 16  # the most rows `int4_gemv` takes; more: `layers.int4_linear.int4_matmul`
 WORD = 8  # inputs a word: groups of a multiple of it take the GROUPED path
@@ -76,17 +82,7 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
         c1 = z * 16.0 + 8388608.0
         c2 = z * 256.0 + 8388608.0
         c3 = z * 4096.0 + 8388608.0
-        x0, x1, x2, x3, x4, x5, x6, x7 = xs
-        hi = words >> 16
-        d = (field(words, F) - c0) * x0[None, :, :]
-        d += (field(words, F << 4) - c1) * x1[None, :, :]
-        d += (field(words, F << 8) - c2) * x2[None, :, :]
-        d += (field(words, F << 12) - c3) * x3[None, :, :]
-        d += (field(hi, F) - c0) * x4[None, :, :]
-        d += (field(hi, F << 4) - c1) * x5[None, :, :]
-        d += (field(hi, F << 8) - c2) * x6[None, :, :]
-        d += (field(hi, F << 12) - c3) * x7[None, :, :]
-        acc += s * d  # (the word's sum of (q - z) x, times its group's scale)
+        acc += s * nibble_dot(words, xs, F, c0, c1, c2, c3)  # (its sum of (q - z) x, times s)
     else:  # (each value's zero and scale, gathered by its group)
         for i in tl.static_range(8):
             offs_k = offs_w * 8 + i

@@ -119,6 +119,25 @@ def field(src, mask):
 
 
 @triton.jit
+def nibble_dot(words, xs, F, c0, c1, c2, c3):
+    """A word's eight 4-bit values (value j's at bit p = 4 (j % 4) of the word, j < 4, or of its
+    high half) against their activations `xs` (value j's, times 2**-p), summed: each field as
+    `field` takes it less `c0`..`c3` (the offset at p = 0, 4, 8, 12: 2**23, plus int4's zero
+    times 2**p), times its x."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    hi = words >> 16
+    d = (field(words, F) - c0) * x0[None, :, :]
+    d += (field(words, F << 4) - c1) * x1[None, :, :]
+    d += (field(words, F << 8) - c2) * x2[None, :, :]
+    d += (field(words, F << 12) - c3) * x3[None, :, :]
+    d += (field(hi, F) - c0) * x4[None, :, :]
+    d += (field(hi, F << 4) - c1) * x5[None, :, :]
+    d += (field(hi, F << 8) - c2) * x6[None, :, :]
+    d += (field(hi, F << 12) - c3) * x7[None, :, :]
+    return d
+
+
+@triton.jit
 def _field_hi(src, mask, high, hmask):
     """`field` with Q5_K's fifth bit OR-ed above the nibble: the one `hmask` (16 << p) selects
     in `high`."""
@@ -134,14 +153,7 @@ def _word_dot(words, h_a, h_b, xs, F, QT: tl.constexpr):
     hi = words >> 16
     c = 8388608.0  # 2**23
     if QT == 3:
-        d = (field(words, F) - c) * x0[None, :, :]
-        d += (field(words, F << 4) - c) * x1[None, :, :]
-        d += (field(words, F << 8) - c) * x2[None, :, :]
-        d += (field(words, F << 12) - c) * x3[None, :, :]
-        d += (field(hi, F) - c) * x4[None, :, :]
-        d += (field(hi, F << 4) - c) * x5[None, :, :]
-        d += (field(hi, F << 8) - c) * x6[None, :, :]
-        d += (field(hi, F << 12) - c) * x7[None, :, :]
+        d = nibble_dot(words, xs, F, c, c, c, c)
     else:
         H = F + 1  # (16: the fifth bit)
         d = (_field_hi(words, F, h_a, H) - c) * x0[None, :, :]
