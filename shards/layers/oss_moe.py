@@ -16,6 +16,7 @@ from layersplit.shards.layers.routed_moe import (
     grouped_gemm_applies,
     pair_outputs,
     sum_experts,
+    sum_sorted_experts,
 )
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
@@ -100,9 +101,7 @@ class OssExperts(nn.Module):
             g = clamped_swiglu(torch.bmm(xs[:, None, :], self.gate_up_proj[ex])[:, 0]
                                + self.gate_up_proj_bias[ex], self.alpha, self.limit)
             y = torch.bmm(g[:, None, :], self.down_proj[ex])[:, 0] + self.down_proj_bias[ex]
-        ys = torch.empty_like(y)
-        ys[order] = y  # (back in (row, slot) order, still in the run dtype: one float32 buffer)
-        return sum_experts(ys * w.reshape(-1, 1), k, x.dtype)
+        return sum_sorted_experts(y, order, w, x.dtype)
 
 
 class OssMoE(nn.Module):

@@ -97,6 +97,17 @@ def sum_experts(ys: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     return ys.view(-1, k, ys.shape[-1]).sum(dim=1).to(dtype)
 
 
+def sum_sorted_experts(y: torch.Tensor, order: torch.Tensor, w: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """`sum_experts` of the grouped paths' outputs `y` (n*k, H) in expert order (`order`: the
+    argsort of the (row, slot) pairs by expert): put back in (row, slot) order while still in
+    the run dtype, then weighted by the router's `w` (n, k) (in float32 where w is: one float32
+    (n*k, H) buffer at a time, not two)."""
+    ys = torch.empty_like(y)
+    ys[order] = y
+    return sum_experts(ys * w.reshape(-1, 1), w.shape[-1], dtype)
+
+
 def grouped_gemm_applies(x: torch.Tensor) -> bool:
     """Whether `grouped_experts` runs grouped GEMMs for `x` (CUDA kernels take bfloat16 only);
     else it gathers each row's expert weights, which costs memory per row."""
@@ -155,9 +166,7 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
         ex = flat[order]
         g, u = torch.bmm(gate_up[ex], xs[:, :, None]).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(down[ex], (F.silu(g) * u)[:, :, None]).squeeze(-1)
-    ys = torch.empty_like(y)
-    ys[order] = y  # (back in (row, slot) order, still in the run dtype: one float32 buffer)
-    return sum_experts(ys * w.reshape(-1, 1), k, x.dtype)
+    return sum_sorted_experts(y, order, w, x.dtype)
 
 
 class Router(nn.Module):
