@@ -179,12 +179,13 @@ class RequestFlow:
         def cache_after_first(snapshot) -> None:
             """The prompt's snapshots, then (once its first token is out) the RAM copies of
             the entries restored from disk (`CacheManager.take_deferred`), off the first
-            token's path; `progress.marks["cached"]` says when they are done. None are taken
-            once the slot no longer holds this sequence's rows (swapped out,
+            token's path; `progress.marks["cached"]` says when they are done (or dropped).
+            None are taken once the slot no longer holds this sequence's rows (swapped out,
             `Request.rows_gone`): a miss later, never another sequence's rows under this
             prompt's key."""
             if req.rows_gone:
                 snaps.clear()  # (the finally drops the deferred RAM copies too)
+                progress.marks["cached"] = time.perf_counter()  # (nothing more will be)
                 return
             t0, n = time.perf_counter(), len(snaps)
             while snaps:
