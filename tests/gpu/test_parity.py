@@ -75,7 +75,9 @@ def test_family_shape_matches_transformers(family, tmp_path_factory, request):
     """bfloat16 on the family's full-width shape, against transformers float32: within the
     floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the
     same weights, as close to float32 as it is (mean KL within 25 %: the measure that does not
-    turn on a few near-ties)."""
+    turn on a few near-ties), its bfloat16 run the way ours runs: the prompt's prefill, then a
+    token a step on its KV cache (`stepwise`; its one-forward run rounds otherwise: GLM-4.5's
+    shape, 2026-11-29, 7.9e-3 one forward against our 1.0e-2 stepwise)."""
     from layersplit.shards.shape_checkpoints import write_shape_checkpoint
 
     kept = os.environ.get("LAYERSPLIT_SHAPES")  # (a folder the shapes stay in, for next runs)
@@ -97,4 +99,4 @@ def test_family_shape_matches_transformers(family, tmp_path_factory, request):
     # top-1, which may well agree everywhere on a few positions, as Gemma 3's do, but the KL)
     assert theirs["mean_kl"] > 1e-6, ("saturated logits: the check shows nothing", theirs)
     floors = r["top1_agreement"] >= 0.99 and r["mean_kl"] <= 1e-3
-    assert floors or r["mean_kl"] <= 1.25 * theirs["mean_kl"], (r, theirs)
+    assert floors or r["mean_kl"] <= 1.25 * theirs["stepwise"]["mean_kl"], (r, theirs)

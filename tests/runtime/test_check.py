@@ -253,3 +253,21 @@ def test_check_reports_logits_that_went_nonfinite(model, tmp_path):
     assert r["mean_kl"] == "inf" and r["runs"]["plain"]["errors"] == 2
     assert any("NaN or infinity" in f for f in r["failures"])
     assert r["first_nonfinite_layer"] == "layer 4"  # (the walk, layer by layer)
+
+
+def test_half_agreement_runs_transformers_whole_and_stepwise(model):
+    """transformers against its own float32 run, in float32: the one-forward and the stepwise
+    (prefill, then a token a step on its KV cache) teacher-forced logits both equal the
+    reference's, and its free-running tokens too; a reference whose tokens are not the model's
+    shows in both."""
+    from layersplit.runtime.check_reference import half_agreement
+
+    prompts = [[5, 9, 17, 33, 2], [40, 41, 7]]
+    refs = run_reference("transformers", model, prompts, 8, [], "cpu")
+    same = half_agreement(model, refs, "float32", "cpu", 8, [])
+    assert same["positions"] == same["stepwise"]["positions"] == 16
+    assert same["mean_kl"] < 1e-9 and same["stepwise"]["mean_kl"] < 1e-9
+    assert same["greedy_equal"] == 2
+    wrong = [ReferenceRun(r.prompt, [(t + 1) % 300 for t in r.tokens], r.logits) for r in refs]
+    off = half_agreement(model, wrong, "float32", "cpu", 8, [])
+    assert off["stepwise"]["mean_kl"] > 1e-3 and off["greedy_equal"] == 0
