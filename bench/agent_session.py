@@ -338,7 +338,9 @@ def llamacpp_session(args, tok: TextTokenizer, ctx: int, work: Path) -> list[dic
             "--cache", "true", "--cache_type", "disk"], work / "lcp", work / "lcp.log",
             "/v1/models")
     except RuntimeError as e:
-        print(f"llama.cpp's server did not start: {e}", flush=True)
+        log = work / "lcp.log"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        print(f"llama.cpp's server did not start: {e}", *tail, sep="\n", flush=True)
         return []
     try:
         extra = {"logit_bias": {str(eos): -100}} if eos is not None else {}
