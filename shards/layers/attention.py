@@ -7,6 +7,7 @@ Shapes: n = tokens in this step, H = query heads, G = KV heads, D = head dim, T 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -87,12 +88,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     `causal`: `mask` is plain causal with the queries the last n of the T keys (an eager step's
     own mask): from position 0 (T == n) that is SDPA's `is_causal`, flash attention; for a chunk
-    after the first, on a GPU, it is cuDNN's attention over the prefix and over the chunk,
-    merged (`_cudnn_split`, from a prefix of `CUDNN_MIN_PREFIX` keys), or flash attention's own
-    (lower-right) causal form (`_flash_lower_right`), with GQA, so a prefill chunk attends its
-    cached prefix with no T-wide mask (and no copies of K/V where the flash op takes GQA). Else
-    `mask` (n, T) or none. On a CPU the mask stays (its kernels are the exact path the tests
-    compare).
+    after the first, on a GPU, it is flash attention's own (lower-right) causal form
+    (`_flash_lower_right`), or, where `LAYERSPLIT_CUDNN_PREFILL` asks for it, from a prefix of
+    `CUDNN_MIN_PREFIX` keys, cuDNN's attention over the prefix and over the chunk, merged
+    (`_cudnn_split`); with GQA, so a prefill chunk attends its cached prefix with no T-wide
+    mask (and no copies of K/V where the flash op takes GQA). Else `mask` (n, T) or none. On a
+    CPU the mask stays (its kernels are the exact path the tests compare).
 
     The fused kernels that take a mask do not take GQA (SDPA's fallback would materialize
     n x T scores per head), so a masked chunk after the first on a GPU repeats K/V per query
@@ -101,7 +102,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     t = keys.shape[0]
     from_start = causal and n == t and n > 1
     if causal and keys.is_cuda and 1 < n < t:
-        out = _cudnn_split(q, keys, values, scale) if t - n >= CUDNN_MIN_PREFIX else None
+        out = (_cudnn_split(q, keys, values, scale) if CUDNN_MIN_PREFIX is not None and
+               t - n >= CUDNN_MIN_PREFIX else None)
         if out is None:
             out = _flash_lower_right(q, keys, values, scale)
         if out is not None:
@@ -130,10 +132,38 @@ def _fused_sdpa_takes(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 
-# cached keys from which a chunk takes `_cudnn_split` (bench/prefill_attention.py: on an H100,
-# 1.7 x flash attention's speed at a 32K prefix; below, its second call and the merge cost more
-# than they save)
-CUDNN_MIN_PREFIX = 4096
+CUDNN_SWITCH = "LAYERSPLIT_CUDNN_PREFILL"
+
+
+def cudnn_min_prefix(value: str | None) -> int | None:
+    """The cached keys from which a chunk takes `_cudnn_split`, from `CUDNN_SWITCH`'s value:
+    unset, empty or 0, never (flash attention's lower-right form runs every chunk).
+
+    Off by default: warm, on an H100, the split ran 1.7 x flash attention's speed at a 32K
+    prefix (bench/prefill_attention.py, each shape timed after a first call), but torch builds
+    a cuDNN graph for every distinct (chunk, prefix) length pair it meets, hundreds of ms each
+    (pytorch/pytorch#155958, sgl-project/sglang#4650), and the Triton merge kernel compiles
+    per alignment class of its lengths. A chat's chunks end at message boundaries, so their
+    lengths almost never repeat: each chunk past the threshold would pay a build inside the
+    request's time to its first token and inside the keep of each answer, as an H200 agent
+    session (`bench/agent_session.py`) showed: 1-2K-token prefills of 0.4-2.5 s from a
+    4,096-key prefix on, ~0.1 s below it. `bench/prefill_attention.py` prints
+    the first call of each shape beside the warm ones.
+    of each shape."""
+    if value is None or value.strip() in ("", "0"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{CUDNN_SWITCH}={value!r}: must be a number of cached keys (0 or "
+                         "unset: cuDNN's attention never runs a prefill chunk)")
+    return n
+
+
+# cached keys from which a chunk takes `_cudnn_split`; None: never (`cudnn_min_prefix`)
+CUDNN_MIN_PREFIX: int | None = cudnn_min_prefix(os.environ.get(CUDNN_SWITCH))
 # what this process learnt of cuDNN's op: "gqa" -> whether it takes fewer K/V heads than query
 # heads; a head dim -> whether it runs for it (absent: not yet known)
 _CUDNN: dict[str | int, bool] = {}

@@ -1,6 +1,7 @@
 """`attend` on a GPU: a prefill chunk after the first takes flash attention's lower-right causal
-form (`causal=True`), or from a long prefix cuDNN's attention split in two and merged, the same
-attention as the explicit mask it replaces, within bf16."""
+form (`causal=True`), or from a long prefix where `LAYERSPLIT_CUDNN_PREFILL` asks for it, cuDNN's
+attention split in two and merged, the same attention as the explicit mask it replaces, within
+bf16."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_lower_right_causal_equals_the_mask(n, t, h, g, d, dtype):
     (5, 37, 4, 4, 64),  # MHA, a short chunk
     (64, 300, 8, 2, 128),  # GQA
     (130, 1200, 24, 4, 256),  # Qwen3.5's attention heads (where cuDNN takes them)
-    (64, 64 + 4096, 32, 8, 128),  # from attention.CUDNN_MIN_PREFIX: `attend` takes it
+    (64, 64 + 4096, 32, 8, 128),  # a prefix of CUDNN_MIN_PREFIX, where it is on
 ])
 def test_cudnn_split_equals_the_mask(n, t, h, g, d, dtype, monkeypatch):
     monkeypatch.setattr(attention, "_CUDNN", {})  # what an earlier case learnt does not count
@@ -74,7 +75,8 @@ def test_cudnn_split_equals_the_mask(n, t, h, g, d, dtype, monkeypatch):
     masked = attend(*cuda, mask.cuda(), False).float().cpu()
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     assert (split - want).abs().max() <= max(2 * (masked - want).abs().max(), tol / 4)
-    if t - n >= attention.CUDNN_MIN_PREFIX:
+    if t - n >= 4096:  # `attend` takes it where LAYERSPLIT_CUDNN_PREFILL turns it on
+        monkeypatch.setattr(attention, "CUDNN_MIN_PREFIX", 4096)
         assert torch.equal(attend(*cuda, mask.cuda(), True).float().cpu(), split)
 
 
@@ -94,3 +96,23 @@ def test_merge_kernel_equals_the_torch_merge():
     want = want.to(torch.bfloat16).float()[0].transpose(0, 1).reshape(n, -1)
     assert got.shape == (n, h * d)
     assert (got - want).abs().max() <= 1e-2  # one bf16 rounding apart at most
+
+
+def test_a_long_prefix_takes_flash_attention_by_default(monkeypatch):
+    """cuDNN's op builds a graph per chunk and prefix length: unless switched on, a chunk over
+    a long prefix never calls it."""
+    monkeypatch.setattr(attention, "CUDNN_MIN_PREFIX", None)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("cuDNN's attention ran")
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", refused)
+    n, t, h, g, d = 64, 64 + 8192, 32, 8, 128
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(n, h, d, generator=gen)
+    keys, values = (torch.randn(t, g, d, generator=gen) for _ in range(2))
+    mask = torch.arange(t)[None, :] <= (t - n + torch.arange(n))[:, None]
+    cuda = [x.to("cuda", torch.bfloat16) for x in (q, keys, values)]
+    want = attend(*cuda, mask.cuda(), False).float().cpu()
+    got = attend(*cuda, mask.cuda(), True).float().cpu()
+    assert (got - want).abs().max() <= 2e-2

@@ -118,3 +118,13 @@ def test_float32_and_odd_head_dims_are_not_sent(monkeypatch):
     assert attention._cudnn_split(*_inputs(), None) is None  # float32: the caller's path
     assert attention._cudnn_split(*(x.to(torch.bfloat16) for x in _inputs(d=60)), None) is None
     assert heads == []
+
+
+def test_the_switch_is_off_unless_set():
+    """cuDNN's split builds a graph per chunk and prefix length: off unless asked for."""
+    assert attention.cudnn_min_prefix(None) is None
+    assert attention.cudnn_min_prefix("") is None and attention.cudnn_min_prefix("0") is None
+    assert attention.cudnn_min_prefix(" 4096 ") == 4096
+    for bad in ("yes", "-1", "4k"):
+        with pytest.raises(ValueError, match="LAYERSPLIT_CUDNN_PREFILL"):
+            attention.cudnn_min_prefix(bad)
