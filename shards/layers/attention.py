@@ -148,8 +148,7 @@ def cudnn_min_prefix(value: str | None) -> int | None:
     request's time to its first token and inside the keep of each answer, as an H200 agent
     session (`bench/agent_session.py`) showed: 1-2K-token prefills of 0.4-2.5 s from a
     4,096-key prefix on, ~0.1 s below it. `bench/prefill_attention.py` prints
-    the first call of each shape beside the warm ones.
-    of each shape."""
+    the first call of each shape beside the warm ones."""
     if value is None or value.strip() in ("", "0"):
         return None
     try:
