@@ -80,11 +80,9 @@ class ParkedRows:
         [pos, pos + their rows), from step `sid`. The caller sends every parked row (`take`)
         when `full`."""
         n = parts[0].shape[0]
-        width = sum(p.shape[-1] for p in parts)
         buf = self.buffer
-        if buf is None or buf.shape[1] != width or buf.dtype != parts[0].dtype or \
-                buf.device != parts[0].device:
-            assert not self.count, "parked rows of another width, dtype or device"
+        if buf is None:  # (rows of one width, dtype and device until `clear`)
+            width = sum(p.shape[-1] for p in parts)
             self.capacity = park_capacity(width * parts[0].element_size())
             buf = self.buffer = torch.empty(self.capacity, width, dtype=parts[0].dtype,
                                             device=parts[0].device)
@@ -131,7 +129,9 @@ class ParkedRows:
         return runs
 
     def clear(self) -> None:
+        """Drop every parked row, and the buffer (the next rows may be another draft's)."""
         self.take()
+        self.buffer = None
 
 
 def feature_messages(runs: list[Run], piece: int, layers: list[int],

@@ -77,7 +77,8 @@ def test_a_parked_step_costs_the_same_however_many_rows_are_parked(monkeypatch):
 def test_rows_taken_stay_as_they_were_when_more_are_parked():
     """Rows taken (on their way to the draft: a zmq frame of a CPU tensor is read after its
     send returns) are not overwritten by the rows parked after; a step's rows that do not fit
-    are refused by name (the shard sends what is parked first: `room`)."""
+    are refused by name (the shard sends what is parked first: `room`); after `clear` (a new
+    draft link) rows of another width park."""
     parked = ParkedRows()
     parked.add(1, 0, 0, _parts(1))
     parked.add(2, 0, 1, _parts(2))
@@ -87,6 +88,9 @@ def test_rows_taken_stay_as_they_were_when_more_are_parked():
     assert parked.room(parked.capacity - 1) and not parked.room(parked.capacity)
     with pytest.raises(ValueError, match="exceed"):
         parked.add(4, 1, 0, [torch.zeros(parked.capacity, 2)])
+    parked.clear()  # (a new draft link: its rows may be of another width)
+    parked.add(5, 0, 0, [torch.ones(1, 3), torch.ones(1, 2)])
+    assert [tuple(r.rows[0].shape) for r in parked.take()] == [(1, 5)]
 
 
 def test_a_shard_parks_rows_up_to_its_bytes_then_it_is_full():
