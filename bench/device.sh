@@ -25,7 +25,8 @@
 #             (SPEC=greedy,gpus2,trees,sampled,streams,det; default greedy, and gpus2 on 2 GPUs;
 #             SPEC=auto_greedy,auto_sampled,auto_streams: spec_policy auto against plain decoding,
 #             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl; SPEC=auto_declined: auto
-#             and a policy that never speculates, greedy); and the bench oracle
+#             and a policy that never speculates, greedy; SPEC=declined_long: that policy on
+#             1,024-token answers); and the bench oracle
 #             at published draft sizes, random weights (SPEC=oracle8b,oracle8b_streams,oracle27b,
 #             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
 #             Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
@@ -381,6 +382,14 @@ stage_spec() {  # S1-S6, S12-S14: the real default model and its bundled draft; 
         --json "$RUNS/spec_auto_declined_$n.json"
       row spec "$RUNS/spec_auto_declined_$n.json" --labels "spec_policy auto,a policy that \
 never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 ($layout)"
+    fi
+    if has "$cases" declined_long; then  # (the same, 1,024-token answers: a parked step's cost
+      # must not grow with the rows parked before it)
+      TAIL=12 run spec_declined_long_$n 300 python3 $spec --devices $layout --sets check \
+        --limit 8 --new-tokens 1024 --ignore-eos --repeat 3 --policies declined \
+        --json "$RUNS/spec_declined_long_$n.json"
+      row spec "$RUNS/spec_declined_long_$n.json" --labels "a policy that never speculates \
+(declined)" --what "greedy, 1,024 tokens, $n shard(s) on one GPU" --cmd "S16 ($layout)"
     fi
     if has "$cases" auto_sampled; then
       TAIL=12 run spec_auto_sampled_$n 200 python3 $spec --devices $layout $auto \

@@ -11,6 +11,11 @@ when `park_capacity` rows are parked (32 MiB of them, thousands of rows: a reque
 not speculate at all sends them once, when its draft context is used next, and the draft
 process is not woken every few hundred steps).
 
+A parked step costs the same however many rows are parked: one copy of its rows into a buffer
+the shard makes at the first parked step and keeps (no allocation a step), and a few host
+operations (a run's end is counted as its steps park, not summed over the run's rows at each
+step: that sum grew with the request, ~60 us a step over 128 tokens on a CPU).
+
 The runs come out in the order of their last step; the draft drops rows of a step older than the
 start of its context's sequence (a context reused while its rows were parked), as it drops any
 late feature frame.
@@ -19,7 +24,7 @@ late feature frame.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,55 +44,94 @@ def park_capacity(row_bytes: int) -> int:
 
 @dataclasses.dataclass(slots=True)
 class Run:
-    """Consecutive positions of one draft context: rows [pos, pos + len(rows)), the last of
-    them from step `sid`."""
+    """Consecutive positions of one draft context: rows [pos, end), the last of them from
+    step `sid`; `rows` holds them in pieces (views of the parked rows' buffer, one per stretch
+    that lies in it in one piece)."""
 
     sid: int
     context: int
     pos: int
     rows: list[torch.Tensor]
+    end: int = -1  # pos + the rows' count, kept as they come (-1: counted from `rows`)
+    piece: tuple[int, int] | None = None  # (parked) its last piece's rows in the buffer, put
+    # in `rows` when taken (a step that goes on with it moves its end, no view made a step)
 
-    @property
-    def end(self) -> int:
-        return self.pos + sum(len(r) for r in self.rows)
+    def __post_init__(self) -> None:
+        if self.end < 0:
+            self.end = self.pos + sum(len(r) for r in self.rows)
 
 
 @dataclasses.dataclass(slots=True)
 class ParkedRows:
-    """The rows parked on a shard, in the order their steps ran: at most `capacity`
-    (`park_capacity` of the first row's size)."""
+    """The rows parked on a shard, in the order their steps ran, in one buffer of `capacity`
+    rows (`park_capacity` of the first row's size) made at the first and kept: a step's rows
+    are written into it by one copy (no allocation), and a sequence's run of parked steps lies
+    in it in one piece, sent as a view of it (no gathering)."""
 
     runs: list[Run] = dataclasses.field(default_factory=list)
     count: int = 0  # rows parked
     capacity: int = PARK_ROWS
+    buffer: torch.Tensor | None = None  # (capacity, width): the parked rows [0, count)
     _open: dict[int, Run] = dataclasses.field(default_factory=dict)  # context -> its last run
 
-    def add(self, sid: int, context: int, pos: int, rows: torch.Tensor) -> None:
-        """Park `rows` (a copy the caller made: tapped rows live in buffers the next step
-        overwrites) of `context` at positions [pos, pos + len(rows)), from step `sid`."""
-        if not self.count:
-            self.capacity = park_capacity(rows.shape[-1] * rows.element_size())
+    def add(self, sid: int, context: int, pos: int, parts: Sequence[torch.Tensor]) -> None:
+        """Park the rows `parts` (each tapped layer's, put side by side; they live in buffers
+        the next step overwrites, so they are copied) of `context` at positions
+        [pos, pos + their rows), from step `sid`. The caller sends every parked row (`take`)
+        when `full`."""
+        n = parts[0].shape[0]
+        buf = self.buffer
+        if buf is None:  # (rows of one width, dtype and device until `clear`)
+            width = sum(p.shape[-1] for p in parts)
+            self.capacity = park_capacity(width * parts[0].element_size())
+            buf = self.buffer = torch.empty(self.capacity, width, dtype=parts[0].dtype,
+                                            device=parts[0].device)
+        a = self.count
+        if a + n > self.capacity:  # (a step wider than the room left: sent first)
+            raise ValueError(f"{a + n} parked rows exceed the {self.capacity} there is room for")
+        torch.cat(parts, dim=-1, out=buf[a:a + n])
+        self.count = a + n
         run = self._open.get(context)
         if run is None or run.end != pos:  # (a new sequence, or a position written again)
-            run = self._open[context] = Run(sid, context, pos, [])
+            run = self._open[context] = Run(sid, context, pos, [], end=pos)
             self.runs.append(run)
-        run.rows.append(rows)
+        if run.piece is not None and run.piece[1] == a:  # (its last piece goes on)
+            run.piece = (run.piece[0], a + n)
+        else:
+            if run.piece is not None:
+                run.rows.append(buf[run.piece[0]:run.piece[1]])
+            run.piece = (a, a + n)
+        run.end += n
         run.sid = sid
-        self.count += len(rows)
+
+    def room(self, n: int) -> bool:
+        """Whether `n` more rows fit."""
+        return self.count + n <= self.capacity
 
     @property
     def full(self) -> bool:
         return self.count >= self.capacity
 
     def take(self) -> list[Run]:
-        """Every run, in the order of its last step; none is parked after."""
+        """Every run, in the order of its last step; none is parked after. Its rows are views
+        of the buffer, which the next `add` writes again: send them first (a device copy out
+        of them is queued on the stream the next `add`'s copy runs on)."""
         runs = sorted(self.runs, key=lambda r: r.sid)  # (stable: a context's runs keep order)
+        for run in runs:
+            if run.piece is not None:
+                run.rows.append(self.buffer[run.piece[0]:run.piece[1]])
+                run.piece = None
         self.runs, self.count = [], 0
         self._open.clear()
+        if self.buffer is not None and self.buffer.device.type == "cpu":
+            self.buffer = None  # (a zmq frame of a CPU tensor is sent without a copy, after
+            # the send returns: the next rows go to a new buffer)
         return runs
 
     def clear(self) -> None:
+        """Drop every parked row, and the buffer (the next rows may be another draft's)."""
         self.take()
+        self.buffer = None
 
 
 def feature_messages(runs: list[Run], piece: int, layers: list[int],

@@ -410,7 +410,9 @@ class StepRunner:
         if self.feed is None:
             return
         for s in fed:
-            self.parked.add(sid, s.feed, s.pos, torch.cat([s.taps[t] for t in self.taps], dim=-1))
+            if not self.parked.room(s.n):  # (a batch's rows that do not all fit: those
+                self._send_parked(False)  # parked go first, the step's own later)
+            self.parked.add(sid, s.feed, s.pos, [s.taps[t] for t in self.taps])
         if self.parked.full:
             self._send_parked(True)
 

@@ -26,17 +26,23 @@ from layersplit.shards.sampling import SamplingParams
 
 
 def _rows(*values: float) -> torch.Tensor:
-    return torch.tensor([[v, -v] for v in values])
+    return torch.tensor([[v, -v] for v in values], dtype=torch.float32)
+
+
+def _parts(*values: float) -> list[torch.Tensor]:
+    """The rows of `_rows` as two tapped layers' (side by side once parked)."""
+    rows = _rows(*values)
+    return [rows[:, :1], rows[:, 1:]]
 
 
 def test_runs_of_consecutive_positions_in_the_order_of_their_last_step():
     parked = ParkedRows()
-    parked.add(10, 0, 5, _rows(5))
-    parked.add(10, 1, 8, _rows(80))
-    parked.add(11, 0, 6, _rows(6))
-    parked.add(11, 1, 9, _rows(90))
-    parked.add(12, 1, 9, _rows(91))  # (position 9 written again: a new run, sent after)
-    parked.add(13, 0, 7, _rows(7))
+    parked.add(10, 0, 5, _parts(5))
+    parked.add(10, 1, 8, _parts(80))
+    parked.add(11, 0, 6, _parts(6))
+    parked.add(11, 1, 9, _parts(90))
+    parked.add(12, 1, 9, _parts(91))  # (position 9 written again: a new run, sent after)
+    parked.add(13, 0, 7, _parts(7))
     assert parked.count == 6
     runs = parked.take()
     assert [(r.sid, r.context, r.pos, r.end) for r in runs] == [
@@ -44,8 +50,47 @@ def test_runs_of_consecutive_positions_in_the_order_of_their_last_step():
     assert torch.equal(torch.cat(runs[2].rows), _rows(5, 6, 7))
     assert torch.equal(torch.cat(runs[0].rows), _rows(80, 90))
     assert parked.count == 0 and parked.take() == []
-    parked.add(14, 0, 8, _rows(8))  # (after a take, a run starts afresh)
+    parked.add(14, 0, 8, _parts(8))  # (after a take, a run starts afresh)
     assert [(r.sid, r.pos, r.end) for r in parked.take()] == [(14, 8, 9)]
+
+
+def test_a_parked_step_costs_the_same_however_many_rows_are_parked(monkeypatch):
+    """A step's rows go into the one buffer by one copy, and a run of a sequence's steps is
+    one view of it (no gathering when sent); parking a step does not look at the rows parked
+    before it (it once summed the run's rows at each step: quadratic in a request's length)."""
+    looked = []
+    length = torch.Tensor.__len__
+    monkeypatch.setattr(torch.Tensor, "__len__", lambda t: looked.append(1) or length(t))
+    parked = ParkedRows()
+    for i in range(2000):
+        parked.add(i, 0, 10 + i, _parts(i))
+        if i == 999:
+            parked.add(i, 1, 0, _parts(-1.0))  # (another context's row between: two pieces)
+    assert len(looked) < 100, len(looked)
+    monkeypatch.setattr(torch.Tensor, "__len__", length)
+    runs = parked.take()
+    assert [(r.context, r.pos, r.end, [len(p) for p in r.rows]) for r in runs] == [
+        (1, 0, 1, [1]), (0, 10, 2010, [1000, 1000])]
+    assert torch.equal(torch.cat(runs[1].rows), _rows(*range(2000)))
+
+
+def test_rows_taken_stay_as_they_were_when_more_are_parked():
+    """Rows taken (on their way to the draft: a zmq frame of a CPU tensor is read after its
+    send returns) are not overwritten by the rows parked after; a step's rows that do not fit
+    are refused by name (the shard sends what is parked first: `room`); after `clear` (a new
+    draft link) rows of another width park."""
+    parked = ParkedRows()
+    parked.add(1, 0, 0, _parts(1))
+    parked.add(2, 0, 1, _parts(2))
+    taken = parked.take()
+    parked.add(3, 0, 2, _parts(3))
+    assert torch.equal(taken[0].rows[0], _rows(1, 2))
+    assert parked.room(parked.capacity - 1) and not parked.room(parked.capacity)
+    with pytest.raises(ValueError, match="exceed"):
+        parked.add(4, 1, 0, [torch.zeros(parked.capacity, 2)])
+    parked.clear()  # (a new draft link: its rows may be of another width)
+    parked.add(5, 0, 0, [torch.ones(1, 3), torch.ones(1, 2)])
+    assert [tuple(r.rows[0].shape) for r in parked.take()] == [(1, 5)]
 
 
 def test_a_shard_parks_rows_up_to_its_bytes_then_it_is_full():
@@ -58,7 +103,7 @@ def test_a_shard_parks_rows_up_to_its_bytes_then_it_is_full():
     wide = torch.zeros(1, PARK_BYTES // 1000 // 4)  # (float32: ~1,000 rows)
     for i in range(park_capacity(wide.shape[1] * 4)):
         assert not parked.full
-        parked.add(i, 0, i, wide)
+        parked.add(i, 0, i, [wide])
     assert parked.full and parked.capacity == 1000 and len(parked.take()) == 1
     assert not parked.full
 
@@ -66,15 +111,15 @@ def test_a_shard_parks_rows_up_to_its_bytes_then_it_is_full():
 def test_feature_messages_hold_at_most_a_piece_and_the_last_says_so():
     parked = ParkedRows()
     for i in range(5):
-        parked.add(20 + i, 3, 10 + i, _rows(i))
-    parked.add(25, 1, 0, _rows(9))
+        parked.add(20 + i, 3, 10 + i, _parts(i))
+    parked.add(25, 1, 0, _parts(9))
     got = list(feature_messages(parked.take(), 2, [1, 4], last=True))
     assert [(h["slot"], h["pos"], h["n"], h["sid"], h["last"]) for h, _ in got] == [
         (3, 10, 2, 24, False), (3, 12, 2, 24, False), (3, 14, 1, 24, False),
         (1, 0, 1, 25, True)]
     assert torch.equal(torch.cat([r for h, r in got[:3]]), _rows(0, 1, 2, 3, 4))
     assert got[0][0]["layers"] == [1, 4] and got[0][0]["type"] == "feat"
-    parked.add(30, 0, 0, _rows(1))
+    parked.add(30, 0, 0, _parts(1))
     assert [h["last"] for h, _ in feature_messages(parked.take(), 2, [1], last=False)] == [False]
 
 
