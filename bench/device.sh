@@ -329,6 +329,7 @@ stage_split() {  # X1 (three shapes), X2 (the hop, and its host share), X3 and X
   # the host's share of a hop on this machine (send, and the receiver's take; no peer)
   TAIL=5 run hop_host 30 python3 bench/hop_latency.py --in-process --transports shm,zmq-ipc \
     --tokens 1 --hidden 4096 --iters 20000
+  TAIL=16 run hop_units 30 python3 bench/cuda_unit_costs.py
   if [ "$GPUS" -ge 4 ]; then
     TAIL=12 run split4_decode 200 python3 bench/split4.py --part decode --json "$RUNS/split4.json"
     TAIL=12 run split4_cache 200 python3 bench/split4.py --part cache --cache-parent /tmp
