@@ -326,6 +326,10 @@ stage_split() {  # X1 (three shapes), X2 (the hop, and its host share), X3 and X
     --devices cuda:0,cuda:1 --transports cuda-ipc --tokens 1 --hidden 4096 --iters 1000 \
     --json "$0/hop_$i.json" | tail -2; done' "$RUNS"
   row hop "$RUNS"/hop_[1-5].json --cmd X2
+  # the same hop without IPC events (host waits instead) and through host memory, one run each:
+  # where the hop's time goes
+  TAIL=6 run hop_kinds 60 python3 bench/hop_latency.py --devices cuda:0,cuda:1 \
+    --transports cuda-ipc,cuda-ipc-sync,shm --tokens 1 --hidden 4096 --iters 1000
   # the host's share of a hop on this machine (send, and the receiver's take; no peer)
   TAIL=5 run hop_host 30 python3 bench/hop_latency.py --in-process --transports shm,zmq-ipc \
     --tokens 1 --hidden 4096 --iters 20000

@@ -10,6 +10,10 @@ Ring transports (shm, cuda-ipc) are waited on by spinning, as the runtime does o
     python bench/hop_latency.py --devices cpu,cpu --transports zmq-ipc,zmq-tcp,shm
     python bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc
 
+`cuda-ipc-sync` is a cuda-ipc edge without its IPC events, both sides synchronizing on the host
+instead (as where a platform has none): the same run then says what the events' ordering of
+the two streams costs against host waits.
+
 Across two hosts (`bench/ray_netns.py` runs it between two network namespaces): `--bind HOST`
 is the address this side's zmq-tcp socket binds, `--peer-prefix` the command the peer is started
 under (e.g. `ip netns exec NS`), and `--curve` keys both ends as every tcp edge of a run is
@@ -45,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
-from layersplit.ipc import auth, transport  # noqa: E402
+from layersplit.ipc import auth, cuda_handoff, transport  # noqa: E402
 from layersplit.ipc.curve import secure_client, secure_server  # noqa: E402
 from layersplit.ipc.messages import message, segment  # noqa: E402
 from layersplit.ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
@@ -60,7 +64,10 @@ def _sync(dev: torch.device) -> None:
 
 def _setup(sock: zmq.Socket, kind: str, max_bytes: int, dev: torch.device):
     """Exchange ring offers with the peer: returns (sender, inbox or None) of this side."""
-    rkind = "zmq" if kind.startswith("zmq") else kind
+    rkind = "zmq" if kind.startswith("zmq") else "cuda-ipc" if kind.startswith("cuda-ipc") else kind
+    # cuda-ipc-sync: both sides as on a platform without IPC events (the sender synchronizes its
+    # copy, the receiver its stream before a slot goes back): what the events' ordering costs
+    cuda_handoff.IPC_EVENTS_OFF = kind == "cuda-ipc-sync"
     inbox, desc = transport.offer(rkind, max_bytes, dev)
     sock.send(msgpack.packb({"desc": desc}, use_bin_type=True))
     peer = msgpack.unpackb(sock.recv(), raw=False)
