@@ -118,13 +118,14 @@ class Sender(Protocol):
 class ZmqSender:
     """Header and tensor bytes as one multipart message (`route` for a ROUTER socket). The
     header's `act` of a shape sent before is reused, and the tensor goes as a numpy view of its
-    memory (no byte view made of it per message)."""
+    memory (no byte view made of it per message), the header packed by a packer kept for it."""
 
     kind = "zmq"
 
     def __init__(self, sock: zmq.Socket, route: bytes | None = None) -> None:
         self.sock, self.route = sock, route
         self._acts = Acts()
+        self._encode = encoder()  # (one thread uses it: the one that may use the socket)
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
         frames: tuple[Any, ...] = ()
@@ -138,7 +139,7 @@ class ZmqSender:
             header["act"] = self._acts.of(t)[0]
             # (numpy has no bfloat16: its bits go as int16)
             frames = (t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy(),)
-        send(self.sock, header, frames, route=self.route)
+        send(self.sock, header, frames, route=self.route, pack=self._encode)
 
     def close(self) -> None:
         pass
