@@ -313,7 +313,7 @@ stage_prefill() {  # P1; llama.cpp's prefill from this call's (or an earlier cal
   done
 }
 
-stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
+stage_split() {  # X1 (three shapes), X2 (the hop, and its host share), X3 and X4 (4 GPUs)
   two_gpus split || return 1
   for m in smollm2-135m-shape qwen3-8b llama-8b-shape; do
     local ctx=4096
@@ -327,6 +327,14 @@ stage_split() {  # X1 (three shapes), X2 (the hop), X3 and X4 (4 GPUs)
     --devices cuda:0,cuda:1 --transports cuda-ipc --tokens 1 --hidden 4096 --iters 1000 \
     --json "$0/hop_$i.json" | tail -2; done' "$RUNS"
   row hop "$RUNS"/hop_[1-5].json --cmd X2
+  # the same hop without IPC events (host waits instead) and through host memory, one run each:
+  # where the hop's time goes
+  TAIL=6 run hop_kinds 60 python3 bench/hop_latency.py --devices cuda:0,cuda:1 \
+    --transports cuda-ipc,cuda-ipc-sync,shm --tokens 1 --hidden 4096 --iters 1000
+  # the host's share of a hop on this machine (send, and the receiver's take; no peer)
+  TAIL=5 run hop_host 30 python3 bench/hop_latency.py --in-process --transports shm,zmq-ipc \
+    --tokens 1 --hidden 4096 --iters 20000
+  TAIL=16 run hop_units 30 python3 bench/cuda_unit_costs.py
   if [ "$GPUS" -ge 4 ]; then
     TAIL=12 run split4_decode 200 python3 bench/split4.py --part decode --json "$RUNS/split4.json"
     TAIL=12 run split4_cache 200 python3 bench/split4.py --part cache --cache-parent /tmp

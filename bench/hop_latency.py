@@ -10,6 +10,10 @@ Ring transports (shm, cuda-ipc) are waited on by spinning, as the runtime does o
     python bench/hop_latency.py --devices cpu,cpu --transports zmq-ipc,zmq-tcp,shm
     python bench/hop_latency.py --devices cuda:0,cuda:1 --transports cuda-ipc,shm,zmq-ipc
 
+`cuda-ipc-sync` is a cuda-ipc edge without its IPC events, both sides synchronizing on the host
+instead (as where a platform has none): the same run then says what the events' ordering of
+the two streams costs against host waits.
+
 Across two hosts (`bench/ray_netns.py` runs it between two network namespaces): `--bind HOST`
 is the address this side's zmq-tcp socket binds, `--peer-prefix` the command the peer is started
 under (e.g. `ip netns exec NS`), and `--curve` keys both ends as every tcp edge of a run is
@@ -17,12 +21,14 @@ under (e.g. `ip netns exec NS`), and `--curve` keys both ends as every tcp edge 
 
 Prints a table last; `--json FILE` also writes the rows.
 
-`--in-process` times the host side of a ring hop alone, without a peer (a busy machine's
-scheduling does not enter it): `send()` and `poll()` + `release()` of one shm ring in this
-process, medians over `--iters` messages (the send path is the one cuda-ipc shares, its device
-copy aside):
+`--in-process` times the host side of a hop alone, without a peer (a busy machine's
+scheduling does not enter it): `send()`, and the receiving side's take (a ring's `poll()` +
+`release()`; zmq's `recv()` + the tensor's view, once delivered) of one edge in this process,
+medians over `--iters` messages (shm's send path is the one cuda-ipc shares, its device copy
+aside):
 
-    python bench/hop_latency.py --in-process --tokens 1 --hidden 4096 --iters 20000
+    python bench/hop_latency.py --in-process --transports shm,zmq-ipc --tokens 1 --hidden 4096 \
+        --iters 20000
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import msgpack  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
-from layersplit.ipc import auth, transport  # noqa: E402
+from layersplit.ipc import auth, cuda_handoff, transport  # noqa: E402
 from layersplit.ipc.curve import secure_client, secure_server  # noqa: E402
 from layersplit.ipc.messages import message, segment  # noqa: E402
 from layersplit.ipc.sockets import free_tcp_port, recv, run_dir  # noqa: E402
@@ -58,7 +64,10 @@ def _sync(dev: torch.device) -> None:
 
 def _setup(sock: zmq.Socket, kind: str, max_bytes: int, dev: torch.device):
     """Exchange ring offers with the peer: returns (sender, inbox or None) of this side."""
-    rkind = "zmq" if kind.startswith("zmq") else kind
+    rkind = "zmq" if kind.startswith("zmq") else "cuda-ipc" if kind.startswith("cuda-ipc") else kind
+    # cuda-ipc-sync: both sides as on a platform without IPC events (the sender synchronizes its
+    # copy, the receiver its stream before a slot goes back): what the events' ordering costs
+    cuda_handoff.IPC_EVENTS_OFF = kind == "cuda-ipc-sync"
     inbox, desc = transport.offer(rkind, max_bytes, dev)
     sock.send(msgpack.packb({"desc": desc}, use_bin_type=True))
     peer = msgpack.unpackb(sock.recv(), raw=False)
@@ -131,31 +140,72 @@ def peer_main(args) -> None:
             inbox.close()
 
 
-def in_process(args) -> None:
-    """`--in-process`: the medians of send() and of poll() + release() of one shm ring."""
-    print(f"{'hidden':>6} {'tokens':>6} {'send us':>8} {'poll+release us':>16}")
-    for hidden in map(int, args.hidden.split(",")):
-        for tokens in map(int, args.tokens.split(",")):
-            x = torch.randn(tokens, hidden)
-            inbox, desc = transport.offer("shm", x.numel() * x.element_size(), x.device)
-            sender = transport.accept("shm", desc, None)
-            sends, polls = [], []
-            for i in range(args.iters + 100):
-                header = _step(tokens)
-                t0 = time.perf_counter_ns()
-                sender.send(header, x)
-                t1 = time.perf_counter_ns()
-                _, y, seq = inbox.poll()
-                inbox.release(seq)
-                t2 = time.perf_counter_ns()
-                if i >= 100:
-                    sends.append(t1 - t0)
-                    polls.append(t2 - t1)
-            assert torch.equal(y, x)
+def _in_process_pair(kind: str, x: torch.Tensor, where: Path):
+    """(sender, wait, take, close) of one edge in this process: `wait()` returns once a message
+    sent is there to take (zmq: delivered by its I/O thread, a transit not timed), `take()`
+    takes it (the tensor, and its ring slot handed back)."""
+    if kind == "shm":
+        inbox, desc = transport.offer("shm", x.numel() * x.element_size(), x.device)
+        sender = transport.accept("shm", desc, None)
+
+        def take():
+            _, y, seq = inbox.poll()
+            inbox.release(seq)
+            return y
+
+        def close():
             sender.close()
             inbox.close()
-            print(f"{hidden:>6} {tokens:>6} {statistics.median(sends) / 1e3:>8.2f} "
-                  f"{statistics.median(polls) / 1e3:>16.2f}")
+        return sender, lambda: None, take, close
+    if kind not in ("zmq-ipc", "zmq-tcp"):
+        raise SystemExit(f"--in-process times shm, zmq-ipc and zmq-tcp, not {kind}")
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    addr = (f"tcp://127.0.0.1:{free_tcp_port()}" if kind == "zmq-tcp"
+            else f"ipc://{where}/in.sock")
+    a.bind(addr)
+    b.connect(addr)
+    sender = transport.accept("zmq", None, None, sock=a)
+
+    def take():
+        _, msg, frames, err = recv(b)
+        assert err is None, err
+        return transport.zmq_tensor(msg, frames)
+
+    def close():
+        a.close(0)
+        b.close(0)
+    return sender, lambda: b.poll(-1), take, close
+
+
+def in_process(args) -> None:
+    """`--in-process`: the medians of send() and of the receiving side's take (ring: poll() +
+    release(); zmq: recv() + the tensor's view, once delivered) of one edge in this process."""
+    print(f"{'transport':<10} {'hidden':>6} {'tokens':>6} {'send us':>8} {'take us':>8}")
+    where = run_dir()
+    for kind in args.transports.split(","):
+        for hidden in map(int, args.hidden.split(",")):
+            for tokens in map(int, args.tokens.split(",")):
+                x = torch.randn(tokens, hidden)
+                sender, wait, take, close = _in_process_pair(kind, x, where)
+                sends, takes = [], []
+                for i in range(args.iters + 100):
+                    header = _step(tokens)
+                    t0 = time.perf_counter_ns()
+                    sender.send(header, x)
+                    t1 = time.perf_counter_ns()
+                    wait()
+                    t2 = time.perf_counter_ns()
+                    y = take()
+                    t3 = time.perf_counter_ns()
+                    if i >= 100:
+                        sends.append(t1 - t0)
+                        takes.append(t3 - t2)
+                assert torch.equal(y, x)
+                close()
+                print(f"{kind:<10} {hidden:>6} {tokens:>6} {statistics.median(sends) / 1e3:>8.2f} "
+                      f"{statistics.median(takes) / 1e3:>8.2f}")
+    os.rmdir(where) if not os.listdir(where) else None
 
 
 def main() -> None:
@@ -171,7 +221,7 @@ def main() -> None:
     ap.add_argument("--peer-prefix", default="", help="command the peer runs under")
     ap.add_argument("--curve", action="store_true", help="zmq-tcp: CurveZMQ, as a run's edges")
     ap.add_argument("--in-process", action="store_true",
-                    help="time send() and poll() + release() of one shm ring, no peer")
+                    help="time send() and the take of one edge (shm, zmq-*) in this process")
     ap.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--address", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)

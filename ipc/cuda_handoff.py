@@ -186,22 +186,32 @@ class SlotReader:
         (`ev` from the header; None when the sender synchronized its copy itself)."""
         if ev is None:
             return
-        if not (isinstance(ev, list) and len(ev) == 2 and isinstance(ev[0], int)
-                and isinstance(ev[1], bytes)):
-            raise ProtocolError(f"cuda-ipc message carries a bad ready event {ev!r}"[:200])
         known = self.ready.get(slot)
-        if known is None or known[0] != ev[1]:
-            try:
-                event = torch.cuda.Event.from_ipc_handle(self.device, ev[1])
-            except RuntimeError as e:
-                raise ProtocolError(f"cuda-ipc: cannot open the sender's ready event: {e}") \
-                    from None
-            known = self.ready[slot] = (ev[1], event, event.cuda_event)
+        if known is None or type(ev) is not list or len(ev) != 2 or known[0] != ev[1] \
+                or type(ev[0]) is not int:  # (else the slot's event as last time, checked then)
+            known = self._open(slot, ev)
         stream = self._stream()
         if self.rt is not None:
             self.rt.streamWaitEvent(self.stream_raw, known[2], 0)
         else:
             stream.wait_event(known[1])
+
+    def _open(self, slot: int, ev: Any) -> tuple[bytes, torch.cuda.Event, int]:
+        """Check a header's `ev` and open the event it names for `slot` (kept for the next
+        messages through the slot, which name the same one)."""
+        if not (isinstance(ev, list) and len(ev) == 2 and isinstance(ev[0], int)
+                and isinstance(ev[1], bytes)):
+            raise ProtocolError(f"cuda-ipc message carries a bad ready event {ev!r}"[:200])
+        known = self.ready.get(slot)
+        if known is not None and known[0] == ev[1]:
+            return known
+        try:
+            event = torch.cuda.Event.from_ipc_handle(self.device, ev[1])
+        except RuntimeError as e:
+            raise ProtocolError(f"cuda-ipc: cannot open the sender's ready event: {e}") \
+                from None
+        known = self.ready[slot] = (ev[1], event, event.cuda_event)
+        return known
 
     def close(self) -> None:
         """Before the ring is freed: no kernel of ours still reads it."""

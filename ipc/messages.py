@@ -8,6 +8,7 @@ channel is never left half-read. No pickle anywhere.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -253,17 +254,21 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
             f"{t}: protocol version {msg.get('v')!r}, this side speaks {PROTOCOL_VERSION}",
             "version",
         )
-    _check_fields(msg, SCHEMAS[t], t)
-    if t in NESTED:
-        field, schema = NESTED[t]
+    fields, nested = _CHECKS[t]
+    if not fields.valid(msg):
+        fields.walk(msg, t)
+    if nested is not None:
+        field, each = nested
         items = msg[field]
         if not 1 <= len(items) <= MAX_SEGMENTS:
             raise ProtocolError(f"{t}: {field} must hold 1..{MAX_SEGMENTS} entries, "
                                 f"got {len(items)}")
         for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise ProtocolError(f"{t}: {field}[{i}] is a {type(item).__name__}, expected a map")
-            _check_fields(item, schema, f"{t}: {field}[{i}]")
+            if not each.valid(item):
+                if not isinstance(item, dict):
+                    raise ProtocolError(f"{t}: {field}[{i}] is a {type(item).__name__}, "
+                                        "expected a map")
+                each.walk(item, f"{t}: {field}[{i}]")
     if t in CACHE_FRAMES:  # one frame per tensor a streamed cache message names
         expected = CACHE_FRAMES[t](msg)
         if payload_frames != expected or expected > MAX_CACHE_FRAMES:
@@ -278,7 +283,51 @@ def decode(frame: bytes | memoryview, payload_frames: int = 0) -> dict[str, Any]
     return msg
 
 
-def _check_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], where: str) -> None:
+class _Signatures:
+    """The fields check of one schema, and the exact type signatures (the type of each field's
+    value, in schema order) of maps it found valid before. A map of a known signature is valid
+    without the field-by-field walk: its signature is made in C (`itemgetter`, `map(type,
+    ...)`), and one set lookup checks it. Steps and results repeat a few signatures every hop."""
+
+    MAX = 256  # (signatures kept per schema; a peer cycling through more only pays the walk)
+
+    def __init__(self, schema: dict[str, tuple[type, ...]]) -> None:
+        self.schema = schema
+        fields = tuple(schema)
+        # (itemgetter of one field returns the value, not a 1-tuple)
+        self.get = operator.itemgetter(*fields) if len(fields) > 1 else None
+        self.known: set[tuple[type, ...]] = set()
+
+    def valid(self, msg: Any) -> bool:
+        """Whether `msg` is a map of a signature found valid before (False: walk it)."""
+        get = self.get
+        if get is None or type(msg) is not dict:
+            return False
+        try:
+            return tuple(map(type, get(msg))) in self.known
+        except KeyError:  # (a field missing: the walk names it)
+            return False
+
+    def walk(self, msg: dict[str, Any], where: str) -> None:
+        """Raise ProtocolError naming the first field of `msg` that is missing or of a type
+        the schema does not allow (`where`: the message's name in it); remember the signature
+        of a valid one."""
+        _walk_fields(msg, self.schema, where)
+        if self.get is not None and type(msg) is dict and len(self.known) < self.MAX:
+            self.known.add(tuple(map(type, self.get(msg))))
+
+
+def _checks(t: str) -> tuple[_Signatures, tuple[str, _Signatures] | None]:
+    nested = NESTED.get(t)
+    return _Signatures(SCHEMAS[t]), None if nested is None else (nested[0],
+                                                                 _Signatures(nested[1]))
+
+
+# message type -> (the check of its fields, (the nested field, the check of each of its maps))
+_CHECKS = {t: _checks(t) for t in SCHEMAS}
+
+
+def _walk_fields(msg: dict[str, Any], schema: dict[str, tuple[type, ...]], where: str) -> None:
     for field, types in schema.items():
         if field not in msg:
             raise ProtocolError(f"{where}: field {field!r} is missing")

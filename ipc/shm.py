@@ -132,11 +132,21 @@ def _stride(payload_bytes: int) -> int:
     return -(-(SLOT_HEADER + payload_bytes) // 64) * 64
 
 
+_U32 = struct.Struct("<I")
+
+
 class ShmRing:
     def __init__(self, name: str, mm: mmap.mmap, slots: int, payload_bytes: int) -> None:
         self.name, self.mm, self.slots, self.payload_bytes = name, mm, slots, payload_bytes
         self.stride = _stride(payload_bytes)
         self.buf = memoryview(mm)
+        # the counters as C integers over the mapping: one attribute read or write each, no
+        # struct call (ctypes' exports of the mapping, let go at `close`)
+        self._released, self._published, self._sleeping = (
+            ctypes.c_uint64.from_buffer(mm, off) for off in (_RELEASED, _PUBLISHED, _SLEEPING))
+        # each slot's header area, sliced once (a message's header is a slice of it)
+        self._headers = [self.buf[self._slot(i) + 8:self._slot(i) + 8 + HEADER_CAP]
+                         for i in range(slots)]
         self.unlinked = False
         self.closed = False
         self._known_released = 0  # the sender's last read of `released` (it only grows)
@@ -192,35 +202,29 @@ class ShmRing:
             (SHM_DIR / self.name).unlink(missing_ok=True)
             self.unlinked = True
 
-    # -- counters ---------------------------------------------------------------------------------
-    def _get(self, off: int) -> int:
-        return struct.unpack_from("<Q", self.buf, off)[0]
-
-    def _set(self, off: int, v: int) -> None:
-        struct.pack_into("<Q", self.buf, off, v)
-
+    # -- counters (after `close`, each raises AttributeError: the mapping is gone) ---------------
     @property
     def released(self) -> int:
-        return self._get(_RELEASED)
+        return self._released.value
 
     @property
     def published(self) -> int:
-        return self._get(_PUBLISHED)
+        return self._published.value
 
     @property
     def sleeping(self) -> bool:
-        return self._get(_SLEEPING) != 0
+        return self._sleeping.value != 0
 
     def set_sleeping(self, value: bool) -> None:
-        self._set(_SLEEPING, 1 if value else 0)
+        self._sleeping.value = 1 if value else 0
 
     def release(self, seq: int) -> None:
         """Receiver: every message up to and including `seq` is consumed."""
-        self._set(_RELEASED, seq + 1)
+        self._released.value = seq + 1
 
     def publish(self, seq: int) -> None:
         """Sender: message `seq` (header and payload) is complete."""
-        self._set(_PUBLISHED, seq + 1)
+        self._published.value = seq + 1
 
     def wait_free(self, seq: int, timeout_s: float = 60.0) -> int:
         """Sender: block until message `seq` may be written; return its slot. (The receiver's
@@ -244,16 +248,15 @@ class ShmRing:
         return CONTROL_BYTES + index * self.stride
 
     def write_header(self, index: int, header: bytes) -> None:
-        if len(header) > HEADER_CAP:
-            raise ValueError(f"message header of {len(header)} bytes exceeds {HEADER_CAP}")
-        off = self._slot(index)
-        self.buf[off + 8:off + 8 + len(header)] = header
-        struct.pack_into("<I", self.buf, off, len(header))
+        n = len(header)
+        if n > HEADER_CAP:
+            raise ValueError(f"message header of {n} bytes exceeds {HEADER_CAP}")
+        self._headers[index][:n] = header
+        _U32.pack_into(self.buf, CONTROL_BYTES + index * self.stride, n)
 
     def read_header(self, index: int) -> memoryview:
-        off = self._slot(index)
-        n = struct.unpack_from("<I", self.buf, off)[0]
-        return self.buf[off + 8:off + 8 + min(n, HEADER_CAP)]
+        n = _U32.unpack_from(self.buf, CONTROL_BYTES + index * self.stride)[0]
+        return self._headers[index][:n]  # (a length past the cap reads the whole area)
 
     def payload_address(self, index: int) -> int:
         """The address of slot `index`'s payload in this process (valid until `close`; a
@@ -271,6 +274,11 @@ class ShmRing:
     def close(self) -> None:
         self.unlink()
         self.closed = True
+        # (the exports of the mapping go first, or it could not be closed)
+        self._released = self._published = self._sleeping = None
+        for h in self._headers:
+            h.release()
+        self._headers = []
         try:
             self.buf.release()
             self.mm.close()

@@ -8,7 +8,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +136,11 @@ def close_monitored(sock: zmq.Socket, monitor: zmq.Socket) -> None:
 
 
 def send(sock: zmq.Socket, msg: dict[str, Any], frames: Sequence[Any] = (),
-         route: bytes | None = None) -> None:
+         route: bytes | None = None,
+         pack: Callable[[dict[str, Any]], bytes] = encode) -> None:
+    """Send one message (`pack`: a packer the caller keeps, `messages.encoder`)."""
     parts: list[Any] = [] if route is None else [route]
-    parts.append(encode(msg))
+    parts.append(pack(msg))
     parts.extend(frames)
     sock.send_multipart(parts, copy=False)
 

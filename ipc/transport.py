@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -45,11 +46,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+_INT = frozenset((int,))
 
 
 def _act(act: Any) -> tuple[torch.dtype, list[int]]:
@@ -57,8 +54,9 @@ def _act(act: Any) -> tuple[torch.dtype, list[int]]:
         raise ProtocolError(f"activation descriptor must be a map, got {type(act).__name__}")
     name, shape = act.get("dtype"), act.get("shape")
     dtype = DTYPES.get(name) if isinstance(name, str) else None
-    if dtype is None or not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    # (bool is not int here: `type`, not isinstance)
+    if dtype is None or type(shape) is not list or not _INT.issuperset(map(type, shape)) or (
+            shape and min(shape) < 0):
         raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
     return dtype, shape
 
@@ -66,7 +64,7 @@ def _act(act: Any) -> tuple[torch.dtype, list[int]]:
 def tensor_from(buf: Any, act: dict[str, Any]) -> torch.Tensor:
     """View `buf` as the tensor `act` describes (dtype, shape); refuse one that does not fit."""
     dtype, shape = _act(act)
-    numel = _numel(shape)
+    numel = math.prod(shape)
     if numel * ITEMSIZE[dtype] > len(buf):
         raise ProtocolError(f"activation of {numel * ITEMSIZE[dtype]} bytes does not fit its "
                             f"{len(buf)}-byte buffer")
@@ -118,23 +116,59 @@ class Sender(Protocol):
 
 # ---- zmq ---------------------------------------------------------------------------------------
 class ZmqSender:
-    """Header and tensor bytes as one multipart message (`route` for a ROUTER socket)."""
+    """Header and tensor bytes as one multipart message (`route` for a ROUTER socket). The
+    header's `act` of a shape sent before is reused, and the tensor goes as a numpy view of its
+    memory (no byte view made of it per message), the header packed by a packer kept for it."""
 
     kind = "zmq"
 
     def __init__(self, sock: zmq.Socket, route: bytes | None = None) -> None:
         self.sock, self.route = sock, route
+        self._acts = Acts()
+        self._encode = encoder()  # (one thread uses it: the one that may use the socket)
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
-        frames = []
+        frames: tuple[Any, ...] = ()
         if t is not None:
-            t = t.detach().to("cpu").contiguous()
-            header["act"] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
-            frames = [tensor_bytes(t)]
-        send(self.sock, header, frames, route=self.route)
+            if t.requires_grad:
+                t = t.detach()
+            if not t.is_cpu:
+                t = t.to("cpu")
+            if not t.is_contiguous():
+                t = t.contiguous()
+            header["act"] = self._acts.of(t)[0]
+            # (numpy has no bfloat16: its bits go as int16)
+            frames = (t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy(),)
+        send(self.sock, header, frames, route=self.route, pack=self._encode)
 
     def close(self) -> None:
         pass
+
+
+class Acts:
+    """The header `act` ({dtype, shape}) of each dtype and shape a sender has sent, and its
+    bytes: a decode step sends one shape every time, so its `act` is made once."""
+
+    MAX = 256
+
+    def __init__(self, cap: int | None = None, kind: str = "") -> None:
+        self.cap, self.kind = cap, kind  # (the slot's bytes, for a ring)
+        self.made: dict[tuple[torch.dtype, torch.Size], tuple[dict[str, Any], int]] = {}
+
+    def of(self, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+        """`t`'s `act` and its bytes (checked against the slot once per shape)."""
+        got = self.made.get((t.dtype, t.shape))
+        if got is not None:
+            return got
+        nbytes = t.numel() * t.element_size()
+        if self.cap is not None and nbytes > self.cap:
+            raise ValueError(f"tensor of {nbytes} bytes exceeds the {self.kind} slot "
+                             f"({self.cap} bytes)")
+        if len(self.made) >= self.MAX:
+            self.made.clear()
+        made = self.made[(t.dtype, t.shape)] = (
+            {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}, nbytes)
+        return made
 
 
 def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | None:
@@ -166,35 +200,23 @@ class RingSender:
         self.seq = 0
         self.timeout_s = 60.0  # a receiver that takes nothing for this long has stalled
         self._encode = encoder()  # (a sender is used by one thread)
-        self._acts: dict[tuple[torch.dtype, torch.Size], tuple[dict[str, Any], int]] = {}
+        self._acts = Acts(device.slot_bytes if device is not None else ring.payload_bytes,
+                          self.kind)
         self._payloads = None if device is not None else [ring.payload_address(i)
                                                           for i in range(ring.slots)]
-
-    def _act(self, t: torch.Tensor) -> tuple[dict[str, Any], int]:
-        """The header's `act` for tensors of `t`'s dtype and shape, and their bytes (checked
-        against the slot once per shape)."""
-        nbytes = t.numel() * t.element_size()
-        cap = self.device.slot_bytes if self.device is not None else self.ring.payload_bytes
-        if nbytes > cap:
-            raise ValueError(f"tensor of {nbytes} bytes exceeds the {self.kind} slot "
-                             f"({cap} bytes)")
-        if len(self._acts) >= 256:
-            self._acts.clear()
-        made = self._acts[(t.dtype, t.shape)] = (
-            {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}, nbytes)
-        return made
 
     def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
         ring = self.ring
         if ring.closed:  # (the slot addresses are gone with the mapping)
             raise ValueError(f"{self.kind} ring {ring.name} is closed")
-        slot = ring.wait_free(self.seq, self.timeout_s)
+        seq = self.seq
+        slot = ring.wait_free(seq, self.timeout_s)
         if t is not None:
             if t.requires_grad:
                 t = t.detach()
             if not t.is_contiguous():
                 t = t.contiguous()
-            act, nbytes = self._acts.get((t.dtype, t.shape)) or self._act(t)
+            act, nbytes = self._acts.of(t)
             if self.device is not None:
                 header["ev"] = self.device.write(slot, t, nbytes)
             else:
@@ -203,10 +225,10 @@ class RingSender:
                 # one memmove: no intra-op thread pool to wake, no views made for a host copy
                 ctypes.memmove(self._payloads[slot], t.data_ptr(), nbytes)
             header["act"] = act
-        header["seq"] = self.seq
+        header["seq"] = seq
         ring.write_header(slot, self._encode(header))
-        ring.publish(self.seq)
-        self.seq += 1
+        ring.publish(seq)
+        self.seq = seq + 1
         if self.doorbell is not None and ring.sleeping:
             self.doorbell()
 
@@ -238,20 +260,22 @@ class RingInbox:
         return self.ring.published > self.expected
 
     def poll(self) -> tuple[dict[str, Any], torch.Tensor | None, int] | None:
-        if self.ring.published <= self.expected:
-            return None
+        ring = self.ring
         seq = self.expected
-        slot = seq % self.ring.slots
-        self.expected += 1
+        if ring.published <= seq:
+            return None
+        slot = seq % ring.slots
+        self.expected = seq + 1
         try:
-            msg = decode(self.ring.read_header(slot))
-            if msg.get("seq") != seq:
-                raise ProtocolError(f"ring message carries seq {msg.get('seq')!r}, expected {seq}")
+            msg = decode(ring.read_header(slot))
+            got = msg.get("seq")
+            if got != seq or type(got) is not int:
+                raise ProtocolError(f"ring message carries seq {got!r}, expected {seq}")
             t = None
             act = msg.get("act")
             if act is not None:
                 t = self._view(slot, act)
-                if self.device_buffer is not None:
+                if self.reader is not None:
                     self.reader.wait(slot, msg.get("ev"))
                 elif self.device.type != "cpu":
                     t = t.to(self.device)
@@ -266,18 +290,17 @@ class RingInbox:
         tensor `act` describes. Views are kept: a decode step sends the same shape every time,
         and making one costs more than the copy it names."""
         key = None
-        if isinstance(act, dict):
+        if type(act) is dict:
             dtype, shape = act.get("dtype"), act.get("shape")
-            if isinstance(dtype, str) and isinstance(shape, list) and all(
-                    type(d) is int for d in shape):
-                key = (slot, dtype, tuple(shape))
+            if type(dtype) is str and type(shape) is list and _INT.issuperset(map(type, shape)):
+                key = (slot, dtype, *shape)
         t = self.views.get(key) if key is not None else None
         if t is None:
             if self.device_buffer is None:
                 t = tensor_from(self.ring.payload(slot), act)
             else:
                 dtype, shape = _act(act)
-                nbytes = _numel(shape) * ITEMSIZE[dtype]
+                nbytes = math.prod(shape) * ITEMSIZE[dtype]
                 if nbytes > self.device_slot_bytes:
                     raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
                 start = slot * self.device_slot_bytes

@@ -69,6 +69,29 @@ def test_bool_is_not_int_and_frame_counts_are_checked():
         decode(encode(message("ping")), payload_frames=2)
 
 
+def test_a_shape_of_message_seen_valid_lets_no_bad_value_through():
+    """Valid maps are remembered by the types of their fields (the walk is skipped for those):
+    the same message with one field of another type, a field missing or an extra segment that
+    is bad is still refused by name, however often the good one came before."""
+    good = message("step", sid=1, seqs=[segment(0, 5, 1)], act=None)
+    for _ in range(3):
+        assert decode(encode(good), payload_frames=1) == good
+    bad = [({**good, "sid": True}, "field 'sid' must be int"),
+           ({**good, "sid": 1.0}, "field 'sid' must be int"),
+           ({**good, "seqs": [{**segment(0, 5, 1), "pos": False}]}, r"seqs\[0\]: field 'pos'"),
+           ({**good, "seqs": [{**segment(0, 5, 1), "n": None}]}, r"seqs\[0\]: field 'n'"),
+           ({**good, "seqs": [segment(0, 5, 1), {**segment(1, 5, 1), "draft": "x"}]},
+            r"seqs\[1\]: field 'draft'"),
+           ({k: v for k, v in good.items() if k != "act"}, "field 'act' is missing")]
+    seg = segment(0, 5, 1)
+    del seg["prev"]
+    bad.append(({**good, "seqs": [seg]}, r"seqs\[0\]: field 'prev' is missing"))
+    for msg, why in bad:
+        with pytest.raises(ProtocolError, match=why):
+            decode(encode(msg), payload_frames=1)
+    assert decode(encode(good), payload_frames=1) == good
+
+
 def test_streamed_cache_messages_carry_one_frame_per_named_tensor():
     saved = message("saved", entry=1, path="p", checksums={}, error=None, names=["a", "b"])
     assert decode(encode(saved), payload_frames=2)["names"] == ["a", "b"]

@@ -204,3 +204,35 @@ def test_a_doorbell_never_blocks(tmp_path):
     assert 1 <= got < 100
     for s in (lonely, reader, writer):
         s.close(0)
+
+
+def test_a_ring_view_kept_for_a_shape_takes_no_lookalike_descriptor():
+    """The receiver keeps a view per slot and shape: a later descriptor that only compares
+    equal to one (a bool or float dimension, True as seq 1) is still refused, and consumed."""
+    inbox, desc = transport.offer("shm", 256, torch.device("cpu"))
+    sender = transport.accept("shm", desc, None)
+    ring = sender.ring
+    ring.write_header(0, encode({**_step(0, 1), "seq": 0, "act": None}))
+    ring.publish(0)
+    inbox.release(inbox.poll()[2])
+    ring.write_header(1, encode({**_step(1, 1), "seq": True, "act": None}))
+    ring.publish(1)
+    with pytest.raises(ProtocolError, match="seq True"):
+        inbox.poll()
+    sender.seq = 2
+    for i in range(2, 6):  # a view kept for every slot
+        sender.send(_step(i, 1), torch.full((1, 4), float(i)))
+        inbox.release(inbox.poll()[2])
+    for seq, shape in ((6, [True, 4]), (7, [1.0, 4]), (8, [1, -4])):
+        ring.write_header(seq % ring.slots, encode({**_step(seq, 1), "seq": seq,
+                                                    "act": {"dtype": "float32", "shape": shape}}))
+        ring.publish(seq)
+        with pytest.raises(ProtocolError, match="bad dtype/shape"):
+            inbox.poll()
+    assert ring.released == 9
+    sender.seq = 9
+    sender.send(_step(9, 1), torch.full((1, 4), 9.0))
+    msg, t, _ = inbox.poll()
+    assert msg["sid"] == 9 and torch.equal(t, torch.full((1, 4), 9.0))
+    sender.close()
+    inbox.close()
