@@ -90,9 +90,12 @@ class Replies:
     def _drain(self, wait_ms: int = 0) -> None:
         """Handle messages nobody waits for: finished saves; stale replies (e.g. to a rejected
         stray frame) are discarded before a new operation."""
-        if wait_ms:
-            self._poller.poll(wait_ms)
+        # (one poll of the registered sockets, then only those with a message drained: this
+        # runs before every step, and a socket's own poll builds a poller each call)
+        ready = {sock for sock, _ in self._poller.poll(wait_ms)}
         for sh in self.shards + ([self.draft] if self.draft is not None else []):
+            if sh.sock not in ready:
+                continue
             while not sh.sock.closed and sh.sock.poll(0):  # (a draft lost meanwhile: closed)
                 _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
