@@ -240,8 +240,9 @@ class RuntimeConfig:
         if self.prefill_chunk < 0:
             raise ConfigError(f"prefill_chunk={self.prefill_chunk}: must be at least 1 (0: "
                               "auto)")
-        if self.prefill_chunk == 0:  # on a GPU a 32K prompt in 2048-token chunks takes 1.076 x
-            # one piece (H100, 2026-11-26, bench/RESULTS.md); smaller chunks cost host time
+        if self.prefill_chunk == 0:  # on a GPU a 32K prompt in 2048-token chunks took 1.076 x
+            # one piece (H100, 2026-11-26, bench/RESULTS.md L2, with cuDNN's attention past 4K
+            # keys, the default then); smaller chunks cost host time
             gpu = any(str(d).startswith("cuda") for d in self.devices)
             object.__setattr__(self, "prefill_chunk",
                                GPU_PREFILL_CHUNK if gpu else CPU_PREFILL_CHUNK)

@@ -15,8 +15,8 @@ it: the shard exits when its actor does (`--parent-pid`), and the actor reports 
 - GPUs: Ray assigns each GPU bundle's actor a GPU; the shard process sees the GPUs Ray gave the
   chain's shards on its node (`cuda_visibility`), so shards of one node can still share memory.
 - Supervision: each actor holds a `wait_exit` call that returns when its shard exits and fails
-  when the actor (or its node) dies; the coordinator looks at it every poll (`failure`), and its
-  channel heartbeats and step deadlines catch a lost node or a hang within the same 1-2 s.
+  when the actor (or its node) dies; the coordinator looks at it every poll (`failure`); its
+  channel's heartbeats (`heartbeat_timeout`) and the step deadlines catch a lost node or a hang.
 - Stop: the shards are asked to exit (by the coordinator), then each actor stops its process and
   sweeps its shared memory, the actors are killed and the placement group is removed.
 """
