@@ -100,8 +100,8 @@ def pytest_sessionstart(session):
 
 
 # Started first on xdist's workers: the file whose time varies most from run to run (its Ray
-# cluster and actors take 50-170 s of a worker on the 2-core VM, as the machine is loaded).
-# xdist's loadfile hands out files by their number of tests, which put this one (7 tests)
+# cluster and actors take 30-170 s of a worker on the 2-core VM, as the machine is loaded).
+# xdist's loadfile hands out files by their number of tests, which put this one (6 tests)
 # among the last: when it ran long, the other worker had nothing left to do.
 FIRST_FILES = ("tests/runtime/test_ray_launcher.py",)
 
@@ -113,16 +113,22 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker: `FIRST_FILES`, then the others by their number of tests (the
-    order xdist itself would give), each file's tests in their own order. (Both workers
-    sort alike: xdist checks that their collections are the same.)"""
+    """On an xdist worker: `FIRST_FILES`, then the files that start processes (those with a
+    `slow` test), then the others, each group by its files' number of tests (the order xdist
+    itself would give), each file's tests in their own order. The last files handed out are
+    then unit tests of a second or less: a worker that finishes early finds work left while
+    the other ends its last file (before, files of one multi-process test of 3-9 s each came
+    last, and a worker could wait that long for the other). (Both workers sort alike: xdist
+    checks that their collections are the same.)"""
     if not hasattr(config, "workerinput"):
         return
     count = Counter(item.nodeid.split("::")[0] for item in items)
+    starts_processes = {item.nodeid.split("::")[0] for item in items
+                        if item.get_closest_marker("slow") is not None}
 
     def rank(item):
         path = item.nodeid.split("::")[0]
-        return (path not in FIRST_FILES, -count[path])
+        return (path not in FIRST_FILES, path not in starts_processes, -count[path])
 
     items.sort(key=rank)
 

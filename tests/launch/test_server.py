@@ -337,16 +337,65 @@ KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+MSGS = [{"role": "user", "content": "remember this long question about foxes and dogs"}]
+
+
 @pytest.fixture(scope="module")
-def keyed_server(tiny_llama):
+def stopped_mid_request(tiny_llama, tmp_path_factory):
+    """A server with a disk cache, sent SIGTERM while a request runs (once it runs): that
+    request's answer, and the first of a chat asked before it. (`keyed_server` starts again
+    on its cache; `test_sigterm_finishes_in_flight_request_and_a_restart_reports_cached_tokens`
+    checks both.)"""
+    cache = tmp_path_factory.mktemp("cache")
+    s = Server(tiny_llama, "--grace-s", "20", cache_dir=cache)
+    try:
+        first = s.client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4,
+                                                 temperature=0)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long",
+                            max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
+            deadline = time.monotonic() + 30  # the signal comes once the request runs
+            while _metric(s, "layersplit_running_requests") < 1:
+                assert time.monotonic() < deadline and not fut.done(), "the request never ran"
+                time.sleep(0.02)
+            s.proc.send_signal(signal.SIGTERM)
+            in_flight = fut.result(timeout=60)
+    finally:
+        rc = s.stop()
+    return cache, first, in_flight, rc
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama, stopped_mid_request):
     """A server with an API key and a draft (here a classic one: the target itself, so drafts
-    are kept): the API key's test and the speculation test share it."""
-    s = Server(tiny_llama, "--api-key", KEY, "--draft", str(tiny_llama))
+    are kept), started on the cache the server stopped mid-request left: the restart's test,
+    the API key's test and the speculation test share it."""
+    s = Server(tiny_llama, "--api-key", KEY, "--draft", str(tiny_llama),
+               cache_dir=stopped_mid_request[0])
     kids = [k.pid for k in shard_children(s.proc.pid)]
     assert len(kids) == 3  # two shards and the draft process
     yield s
     assert s.stop() == 0
     assert wait_gone(kids) == []
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_request_and_a_restart_reports_cached_tokens(
+        stopped_mid_request, keyed_server):
+    """SIGTERM: the request in flight finishes (within --grace-s), pending cache writes too,
+    and the exit is clean; the server started again (`keyed_server`) restores the first prompt
+    from disk and says so. (The module's first test on `keyed_server`: no other request of
+    the restarted server came before, so its one disk hit is this one.)"""
+    _, first, in_flight, rc = stopped_mid_request
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert in_flight.usage.completion_tokens == 150
+    assert rc == 0  # (a clean exit after the SIGTERM)
+    c = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
+    again = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert 'layersplit_prefix_cache_hits_total{tier="disk"} 1.0' in \
+        HTTP.get(keyed_server.url + "/metrics", headers=AUTH).text
 
 
 @pytest.mark.slow
@@ -398,41 +447,6 @@ def test_speculation_per_request_and_its_metrics(keyed_server):
     assert r.headers["x-layersplit-speculation"] == (
         "off: response_format/tool_choice grammar, logit_bias")
     assert "x-layersplit-speculation" not in post({**body, "speculative": False}).headers
-
-
-@pytest.mark.slow
-def test_sigterm_finishes_in_flight_request_and_a_restart_reports_cached_tokens(tiny_llama,
-                                                                              tmp_path):
-    """SIGTERM: the request in flight finishes (within --grace-s), pending cache writes too;
-    the server started again restores the first prompt from disk and says so."""
-    msgs = [{"role": "user", "content": "remember this long question about foxes and dogs"}]
-    s = Server(tiny_llama, "--grace-s", "20", cache_dir=tmp_path)
-    try:
-        first = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                                 temperature=0)
-        assert first.usage.prompt_tokens_details.cached_tokens == 0
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(s.client.completions.create, model=MODEL, prompt="long",
-                            max_tokens=150, temperature=0, extra_body={"ignore_eos": True})
-            deadline = time.monotonic() + 30  # the signal comes once the request runs
-            while _metric(s, "layersplit_running_requests") < 1:
-                assert time.monotonic() < deadline and not fut.done(), "the request never ran"
-                time.sleep(0.02)
-            s.proc.send_signal(signal.SIGTERM)
-            r = fut.result(timeout=60)
-        assert r.usage.completion_tokens == 150
-    finally:
-        assert s.stop() == 0  # (a clean exit after the SIGTERM)
-    s = Server(tiny_llama, cache_dir=tmp_path)
-    try:
-        again = s.client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                                 temperature=0)
-        assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens
-        assert again.choices[0].message.content == first.choices[0].message.content
-        assert 'layersplit_prefix_cache_hits_total{tier="disk"} 1.0' in \
-            HTTP.get(s.url + "/metrics").text
-    finally:
-        assert s.stop() == 0
 
 
 @pytest.mark.slow

@@ -268,13 +268,16 @@ LM_EVAL_DOCS = [
 LM_EVAL = textwrap.dedent("""
     import json, sys
     import lm_eval
+    import lm_eval.evaluator
     from lm_eval.tasks import TaskManager
     url, tokenizer, tasks = sys.argv[1:4]
+    # (the results' environment report runs `pip list` and more, ~1 s; nothing here reads it)
+    lm_eval.evaluator.add_env_info = lambda results: None
     res = lm_eval.simple_evaluate(
         model="local-completions",
         model_args={"base_url": url, "model": "llama", "tokenizer_backend": "huggingface",
                     "tokenizer": tokenizer, "max_retries": 1},
-        tasks=["layersplit_ll"], num_fewshot=0, log_samples=True,
+        tasks=["layersplit_ll"], num_fewshot=0, log_samples=True, torch_random_seed=None,
         task_manager=TaskManager(include_path=tasks, include_defaults=False))
     print(json.dumps([{"doc": s["doc_id"], "args": s["arguments"], "resps": s["resps"]}
                       for s in res["samples"]["layersplit_ll"]]))
