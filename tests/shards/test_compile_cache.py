@@ -126,3 +126,29 @@ def test_use_points_the_compilers_at_the_key_directory(tmp_path, monkeypatch):
     monkeypatch.delenv(compile_cache.ROOT_ENV)
     monkeypatch.setattr(compile_cache, "_current", None)
     assert compile_cache.use("cpu") is None
+
+
+def test_a_process_keys_its_cache_by_its_versions_and_gpu_model(monkeypatch):
+    """`versions`: torch's, Triton's and CUDA's versions, and the GPU's name and compute
+    capability, of the device the process computes on (torch.cuda's answers stand in for a
+    GPU's here)."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    cpu = compile_cache.versions("cpu")
+    assert cpu["torch"] == torch.__version__ and cpu["cuda"] == (torch.version.cuda or "none")
+    try:
+        assert cpu["triton"] == metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        assert cpu["triton"] == "none"
+    assert cpu["device"] == f"cpu {platform.machine()}"
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or
+                        ("NVIDIA H200" if i == 1 else "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    gpu = compile_cache.versions("cuda:1")
+    assert gpu == {**cpu, "device": "NVIDIA H200 sm90"} and asked == [1]
+    assert key_name(gpu) != key_name(compile_cache.versions("cuda:0")) != key_name(cpu)
