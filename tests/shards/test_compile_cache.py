@@ -30,9 +30,10 @@ def test_an_entry_is_written_once_then_reused(tmp_path):
 
 def test_other_versions_or_devices_get_their_own_directory(tmp_path):
     a = CompileCache.open(tmp_path, V)
-    b = CompileCache.open(tmp_path, {**V, "triton": "3.7.0"})
-    c = CompileCache.open(tmp_path, {**V, "device": "NVIDIA H100 sm90"})
-    assert len({a.dir, b.dir, c.dir}) == 3
+    others = [CompileCache.open(tmp_path, {**V, key: value}) for key, value in (
+        ("torch", "2.12.1"), ("triton", "3.7.0"), ("cuda", "12.8"),
+        ("device", "NVIDIA H100 sm90"), ("device", "NVIDIA H200 sm100"))]
+    assert len({a.dir, *(o.dir for o in others)}) == 6
     assert a.env()["TRITON_CACHE_DIR"] == str(a.dir / "triton")
 
 
@@ -53,6 +54,26 @@ def test_a_corrupt_entry_is_ignored_with_a_warning_and_rebuilt(tmp_path, caplog)
     assert "unreadable" in caplog.text and str(path) in caplog.text
     cache.record(WHAT, 3.0, 2)
     assert cache.lookup(WHAT)["seconds"] == 3.0
+
+
+def test_a_stale_entry_is_ignored_with_a_warning_and_rebuilt(tmp_path, caplog):
+    """An entry whose checksum holds but that names other versions (copied from another
+    machine's directory) or other steps than its name says is not reused."""
+    from layersplit.shards.compile_cache import _write_json
+
+    cache = CompileCache.open(tmp_path, V)
+    for stale in ({"versions": {**V, "triton": "3.5.0"}}, {"what": {**WHAT, "rows": [1]}}):
+        path = cache.record(WHAT, 3.0, 2)
+        body = json.loads(path.read_text())
+        body.pop("sha256")
+        _write_json(path, {**body, **stale})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert cache.lookup(WHAT) is None
+        assert f"compile cache entry {path}: stale" in caplog.text
+        assert not path.exists()
+    cache.record(WHAT, 4.0, 2)
+    assert cache.lookup(WHAT)["seconds"] == 4.0
 
 
 def test_a_corrupt_or_stale_manifest_empties_its_directory(tmp_path, caplog):
@@ -105,3 +126,29 @@ def test_use_points_the_compilers_at_the_key_directory(tmp_path, monkeypatch):
     monkeypatch.delenv(compile_cache.ROOT_ENV)
     monkeypatch.setattr(compile_cache, "_current", None)
     assert compile_cache.use("cpu") is None
+
+
+def test_a_process_keys_its_cache_by_its_versions_and_gpu_model(monkeypatch):
+    """`versions`: torch's, Triton's and CUDA's versions, and the GPU's name and compute
+    capability, of the device the process computes on (torch.cuda's answers stand in for a
+    GPU's here)."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    cpu = compile_cache.versions("cpu")
+    assert cpu["torch"] == torch.__version__ and cpu["cuda"] == (torch.version.cuda or "none")
+    try:
+        assert cpu["triton"] == metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        assert cpu["triton"] == "none"
+    assert cpu["device"] == f"cpu {platform.machine()}"
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: asked.append(i) or
+                        ("NVIDIA H200" if i == 1 else "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    gpu = compile_cache.versions("cuda:1")
+    assert gpu == {**cpu, "device": "NVIDIA H200 sm90"} and asked == [1]
+    assert key_name(gpu) != key_name(compile_cache.versions("cuda:0")) != key_name(cpu)

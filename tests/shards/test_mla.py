@@ -10,6 +10,9 @@ import shutil
 
 import pytest
 import torch
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.kv_pool import kv_pool_blocks
+from layersplit.runtime.placement import Placement, ShardPlan
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
@@ -62,12 +65,22 @@ def test_decode_steps_match_transformers(tiny_models, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_cache_holds_latent_rows_only(tiny_models, family):
     """KV bytes per token <= 1.05 x (kv_lora_rank + qk_rope_head_dim) x layers x dtype bytes
-    (the odd latent of `deepseek_v3-noq` pads one column)."""
+    (the odd latent of `deepseek_v3-noq` pads one column): in a contiguous cache, in the paged
+    pool a shard allocates, and in the blocks a KV budget buys."""
     ex = _executor(tiny_models[family], static=False, paged=False)
     m, layers = ex.model.cfg.mla, ex.model.num_layers
     per_token = ex.kv.nbytes / (ex.kv.max_len + 1)  # (one slot; the scratch row included)
     assert per_token <= 1.05 * m.latent_width * layers * 4
     assert ex.model.cfg.kv_bytes_per_token(layers, 4) == per_token
+    # the paged pool a shard serves from (9 blocks of 8 tokens and the scratch block), and
+    # the blocks `kv_cache_gb` buys (`runtime.kv_pool`)
+    pool = _executor(tiny_models[family], static=False, paged=True).kv
+    assert pool.nbytes / (10 * 8) <= 1.05 * m.latent_width * layers * 4
+    config = RuntimeConfig(model="m", devices=("cpu", "cpu"), kv_cache_gb=1 / 1024, kv_block=8)
+    placement = Placement((ShardPlan(0, 0, 4, "cpu", None), ShardPlan(1, 4, layers, "cpu", None)),
+                          ("shm",))
+    blocks = kv_pool_blocks(config, ex.model.cfg, placement, 4)  # (4 layers on shard 0)
+    assert (blocks + 1) * 8 >= 2**20 / (1.05 * m.latent_width * 4 * 4)
 
 
 def test_kimi_k2_is_deepseek_v3(tiny_models, tmp_path):
