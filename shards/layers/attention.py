@@ -149,7 +149,7 @@ def cudnn_min_prefix(value: str | None) -> int | None:
     session (`bench/agent_session.py`) showed: 1-2K-token prefills of 0.4-2.5 s from a
     4,096-key prefix on, ~0.1 s below it. `bench/prefill_attention.py` prints
     the first call of each shape beside the warm ones."""
-    if value is None or value.strip() in ("", "0"):
+    if value is None or not value.strip():
         return None
     try:
         n = int(value)
@@ -158,7 +158,7 @@ def cudnn_min_prefix(value: str | None) -> int | None:
     if n < 0:
         raise ValueError(f"{CUDNN_SWITCH}={value!r}: must be a number of cached keys (0 or "
                          "unset: cuDNN's attention never runs a prefill chunk)")
-    return n
+    return n or None  # (any spelling of 0: off)
 
 
 # cached keys from which a chunk takes `_cudnn_split`; None: never (`cudnn_min_prefix`)

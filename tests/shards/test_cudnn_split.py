@@ -124,6 +124,7 @@ def test_the_switch_is_off_unless_set():
     """cuDNN's split builds a graph per chunk and prefix length: off unless asked for."""
     assert attention.cudnn_min_prefix(None) is None
     assert attention.cudnn_min_prefix("") is None and attention.cudnn_min_prefix("0") is None
+    assert attention.cudnn_min_prefix("00") is None and attention.cudnn_min_prefix("+0") is None
     assert attention.cudnn_min_prefix(" 4096 ") == 4096
     for bad in ("yes", "-1", "4k"):
         with pytest.raises(ValueError, match="LAYERSPLIT_CUDNN_PREFILL"):
