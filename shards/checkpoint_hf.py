@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import (
     SCALE_SUFFIX,
@@ -40,6 +40,9 @@ from layersplit.shards.mxfp4 import dequantize_mxfp4
 from layersplit.shards.quant_config import quant_scheme
 from safetensors import safe_open
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -53,6 +56,7 @@ def _open(path: Path):
 
 
 def _check_fp8(path: Path, src: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    import torch
     if not scale.dtype.is_floating_point:
         raise CheckpointError(f"{path}: {src + SCALE_SUFFIX!r} is stored as {scale.dtype}; FP8 "
                               "block scales must be floats")
@@ -129,6 +133,7 @@ class HFCheckpoint:
     def _read_fp8(self, src: str, shape: tuple[int, ...],
                   device: torch.device | str) -> Fp8Weight:
         """An FP8 tensor as stored, with its block scales (as float32), checked."""
+        import torch
         part_shapes = {src: shape, src + SCALE_SUFFIX: scale_shape(shape, self.fp8.block)}
         parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
         w, scale = parts[src], parts[src + SCALE_SUFFIX]
