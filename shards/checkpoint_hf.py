@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _open(path: Path):
+def _open(path: Path, framework: str = "pt"):
+    """`framework` "numpy" to read names only: "pt" imports torch (the coordinator reads the
+    names, never the tensors)."""
     try:
-        return safe_open(str(path), framework="pt")
+        return safe_open(str(path), framework=framework)
     except Exception as e:  # safetensors raises its own error type for bad headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
@@ -96,7 +98,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: no *.safetensors files")
         wm: dict[str, str] = {}
         for f in files:
-            with _open(f) as st:
+            with _open(f, "numpy") as st:
                 for k in st.keys():
                     wm[k] = f.name
         return wm
