@@ -220,7 +220,7 @@ def hbm_floor(args, device: str) -> dict:
     model, its recurrent and conv states (read and written each token)."""
     ckpt = open_checkpoint(resolve_model(args.model), 0)
     cfg = ckpt.config
-    from layersplit.shards.quant_load import kept_bytes, resolve_weight_format
+    from layersplit.shards.quant_plan import kept_bytes, resolve_weight_format
     from layersplit.shards.weights import range_tensor_shapes
 
     itemsize = torch.empty((), dtype=getattr(torch, args.hf_dtype)).element_size()

@@ -10,6 +10,10 @@ One interface: a `Sender` posts (header, tensor); a ring `Inbox` is polled for (
 
 The receiving side owns the memory (`offer`), the sending side maps it (`accept`). The same ring
 carries token ids from the coordinator to shard 0 and results from the last shard back.
+
+The coordinator sends and receives host numpy arrays (`offer` with no device, `zmq_array`) and
+never imports torch: torch is imported by the functions that make or read tensors, which run in
+the shards (and the draft).
 """
 
 from __future__ import annotations
@@ -19,23 +23,24 @@ import logging
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 import zmq
-from layersplit.ipc.cuda_handoff import SlotReader, SlotWriter
 from layersplit.ipc.hosts import host_id
 from layersplit.ipc.messages import ProtocolError, decode, encoder
 from layersplit.ipc.shm import ShmRing
 from layersplit.ipc.sockets import send
 
+if TYPE_CHECKING:
+    import torch
+    from layersplit.ipc.cuda_handoff import SlotReader, SlotWriter
+
 log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "cuda-ipc", "shm", "zmq")
 RING_SLOTS = 4
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int64": torch.int64}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int64: 8}
+# the payload dtypes (torch's, and numpy's but bfloat16, of the same names) and their bytes
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
 
 # zmq frames are read-only buffers; received tensors are never written in place.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -43,34 +48,61 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    import torch
+
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
 _INT = frozenset((int,))
 
 
-def _act(act: Any) -> tuple[torch.dtype, list[int]]:
+def _act(act: Any) -> tuple[str, list[int]]:
+    """The dtype name and shape of an activation descriptor, checked."""
     if not isinstance(act, dict):
         raise ProtocolError(f"activation descriptor must be a map, got {type(act).__name__}")
     name, shape = act.get("dtype"), act.get("shape")
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
     # (bool is not int here: `type`, not isinstance)
-    if dtype is None or type(shape) is not list or not _INT.issuperset(map(type, shape)) or (
-            shape and min(shape) < 0):
+    if not isinstance(name, str) or name not in ITEMSIZE or type(shape) is not list or \
+            not _INT.issuperset(map(type, shape)) or (shape and min(shape) < 0):
         raise ProtocolError(f"activation descriptor has a bad dtype/shape: {act!r}")
-    return dtype, shape
+    return name, shape
+
+
+def _fitted(buf: Any, act: dict[str, Any]) -> tuple[str, list[int], int]:
+    """`act`'s dtype name, shape and element count; refuse one that does not fit `buf`."""
+    name, shape = _act(act)
+    numel = math.prod(shape)
+    if numel * ITEMSIZE[name] > len(buf):
+        raise ProtocolError(f"activation of {numel * ITEMSIZE[name]} bytes does not fit its "
+                            f"{len(buf)}-byte buffer")
+    return name, shape, numel
 
 
 def tensor_from(buf: Any, act: dict[str, Any]) -> torch.Tensor:
     """View `buf` as the tensor `act` describes (dtype, shape); refuse one that does not fit."""
-    dtype, shape = _act(act)
-    numel = math.prod(shape)
-    if numel * ITEMSIZE[dtype] > len(buf):
-        raise ProtocolError(f"activation of {numel * ITEMSIZE[dtype]} bytes does not fit its "
-                            f"{len(buf)}-byte buffer")
+    import torch
+
+    name, shape, numel = _fitted(buf, act)
+    dtype = getattr(torch, name)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+def array_from(buf: Any, act: dict[str, Any]) -> np.ndarray:
+    """`tensor_from` for the coordinator: a numpy view (numpy has no bfloat16: refused)."""
+    name, shape, numel = _fitted(buf, act)
+    if name == "bfloat16":
+        raise ProtocolError("a bfloat16 payload for a host array (float32 expected)")
+    return np.frombuffer(buf, dtype=name, count=numel).reshape(shape)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a torch or numpy dtype (KeyError for one the wire does not carry)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise KeyError(dtype)
+    return name
 
 
 def resolve(requested: str, sender_host: str, sender_device: str, receiver_device: str) -> str:
@@ -97,6 +129,8 @@ def resolve(requested: str, sender_host: str, sender_device: str, receiver_devic
 
 
 def cuda_peer_ok(a: str, b: str) -> bool:
+    import torch
+
     ia, ib = torch.device(a).index or 0, torch.device(b).index or 0
     if ia == ib:
         return True
@@ -109,7 +143,7 @@ def cuda_peer_ok(a: str, b: str) -> bool:
 class Sender(Protocol):
     kind: str
 
-    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None: ...
+    def send(self, header: dict[str, Any], t: torch.Tensor | np.ndarray | None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -127,9 +161,16 @@ class ZmqSender:
         self._acts = Acts()
         self._encode = encoder()  # (one thread uses it: the one that may use the socket)
 
-    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
+    def send(self, header: dict[str, Any], t: torch.Tensor | np.ndarray | None) -> None:
+        """`t`: a tensor, or a host numpy array (the coordinator's)."""
         frames: tuple[Any, ...] = ()
-        if t is not None:
+        if type(t) is np.ndarray:
+            t = np.ascontiguousarray(t)
+            header["act"] = self._acts.of(t)[0]
+            frames = (t,)
+        elif t is not None:
+            import torch
+
             if t.requires_grad:
                 t = t.detach()
             if not t.is_cpu:
@@ -153,33 +194,45 @@ class Acts:
 
     def __init__(self, cap: int | None = None, kind: str = "") -> None:
         self.cap, self.kind = cap, kind  # (the slot's bytes, for a ring)
-        self.made: dict[tuple[torch.dtype, torch.Size], tuple[dict[str, Any], int]] = {}
+        self.made: dict[tuple[Any, tuple[int, ...]], tuple[dict[str, Any], int]] = {}
 
-    def of(self, t: torch.Tensor) -> tuple[dict[str, Any], int]:
+    def of(self, t: torch.Tensor | np.ndarray) -> tuple[dict[str, Any], int]:
         """`t`'s `act` and its bytes (checked against the slot once per shape)."""
         got = self.made.get((t.dtype, t.shape))
         if got is not None:
             return got
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if self.cap is not None and nbytes > self.cap:
             raise ValueError(f"tensor of {nbytes} bytes exceeds the {self.kind} slot "
                              f"({self.cap} bytes)")
         if len(self.made) >= self.MAX:
             self.made.clear()
         made = self.made[(t.dtype, t.shape)] = (
-            {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}, nbytes)
+            {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}, nbytes)
         return made
 
 
-def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | None:
-    """The tensor of a zmq step/result message (None when it carries none)."""
+def _payload(msg: dict[str, Any], frames: list[zmq.Frame]) -> Any:
+    """The payload buffer of a zmq step/result message (None when it carries none)."""
     if msg.get("act") is None:
         if frames:
             raise ProtocolError(f"{msg['type']}: payload frame without an activation descriptor")
         return None
     if len(frames) != 1:
         raise ProtocolError(f"{msg['type']}: expected 1 payload frame, got {len(frames)}")
-    return tensor_from(frames[0].buffer, msg["act"])
+    return frames[0].buffer
+
+
+def zmq_tensor(msg: dict[str, Any], frames: list[zmq.Frame]) -> torch.Tensor | None:
+    """The tensor of a zmq step/result message (None when it carries none)."""
+    buf = _payload(msg, frames)
+    return None if buf is None else tensor_from(buf, msg["act"])
+
+
+def zmq_array(msg: dict[str, Any], frames: list[zmq.Frame]) -> np.ndarray | None:
+    """`zmq_tensor` for the coordinator: a numpy view (`array_from`)."""
+    buf = _payload(msg, frames)
+    return None if buf is None else array_from(buf, msg["act"])
 
 
 # ---- rings (shm, cuda-ipc) -----------------------------------------------------------------------
@@ -205,13 +258,21 @@ class RingSender:
         self._payloads = None if device is not None else [ring.payload_address(i)
                                                           for i in range(ring.slots)]
 
-    def send(self, header: dict[str, Any], t: torch.Tensor | None) -> None:
+    def send(self, header: dict[str, Any], t: torch.Tensor | np.ndarray | None) -> None:
+        """`t`: a tensor, or a host numpy array (the coordinator's; shm only)."""
         ring = self.ring
         if ring.closed:  # (the slot addresses are gone with the mapping)
             raise ValueError(f"{self.kind} ring {ring.name} is closed")
         seq = self.seq
         slot = ring.wait_free(seq, self.timeout_s)
-        if t is not None:
+        if type(t) is np.ndarray:
+            if self.device is not None:
+                raise ValueError("a host array over cuda-ipc")
+            t = np.ascontiguousarray(t)
+            act, nbytes = self._acts.of(t)
+            ctypes.memmove(self._payloads[slot], t.ctypes.data, nbytes)
+            header["act"] = act
+        elif t is not None:
             if t.requires_grad:
                 t = t.detach()
             if not t.is_contiguous():
@@ -243,23 +304,28 @@ class RingInbox:
     """The receiving end of a ring: `poll()` returns the next (header, tensor, seq) or None.
 
     The tensor views the ring until `release(seq)` (copy what is kept): host memory for shm
-    (moved to `device` first unless that is the CPU), a device slot for cuda-ipc, which the
-    current stream may read once `poll` returns. A malformed message is consumed before the
-    error is raised, so the ring stays in step."""
+    (moved to `device` first unless that is the CPU; with no `device`, a numpy array: the
+    coordinator's), a device slot for cuda-ipc, which the current stream may read once `poll`
+    returns. A malformed message is consumed before the error is raised, so the ring stays in
+    step."""
 
-    def __init__(self, ring: ShmRing, device: torch.device,
+    def __init__(self, ring: ShmRing, device: torch.device | None,
                  device_buffer: torch.Tensor | None = None, device_slot_bytes: int = 0) -> None:
         self.ring, self.device = ring, device
         self.device_buffer, self.device_slot_bytes = device_buffer, device_slot_bytes
-        self.reader = SlotReader(device, ring.slots) if device_buffer is not None else None
-        self.views: dict[Any, torch.Tensor] = {}  # (slot, dtype, shape) -> view of a device slot
+        self.reader: SlotReader | None = None
+        if device_buffer is not None:
+            from layersplit.ipc.cuda_handoff import SlotReader
+
+            self.reader = SlotReader(device, ring.slots)
+        self.views: dict[Any, Any] = {}  # (slot, dtype, shape) -> view of a device slot
         self.kind = "cuda-ipc" if device_buffer is not None else "shm"
         self.expected = 0
 
     def ready(self) -> bool:
         return self.ring.published > self.expected
 
-    def poll(self) -> tuple[dict[str, Any], torch.Tensor | None, int] | None:
+    def poll(self) -> tuple[dict[str, Any], Any, int] | None:
         ring = self.ring
         seq = self.expected
         if ring.published <= seq:
@@ -277,7 +343,7 @@ class RingInbox:
                 t = self._view(slot, act)
                 if self.reader is not None:
                     self.reader.wait(slot, msg.get("ev"))
-                elif self.device.type != "cpu":
+                elif self.device is not None and self.device.type != "cpu":
                     t = t.to(self.device)
         except ProtocolError as e:
             self.release(seq)
@@ -285,7 +351,7 @@ class RingInbox:
             raise
         return msg, t, seq
 
-    def _view(self, slot: int, act: Any) -> torch.Tensor:
+    def _view(self, slot: int, act: Any) -> Any:
         """The slot's payload (a device slot for cuda-ipc, else the host slot) viewed as the
         tensor `act` describes. Views are kept: a decode step sends the same shape every time,
         and making one costs more than the copy it names."""
@@ -296,15 +362,19 @@ class RingInbox:
                 key = (slot, dtype, *shape)
         t = self.views.get(key) if key is not None else None
         if t is None:
-            if self.device_buffer is None:
+            if self.device is None:
+                t = array_from(self.ring.payload(slot), act)
+            elif self.device_buffer is None:
                 t = tensor_from(self.ring.payload(slot), act)
             else:
-                dtype, shape = _act(act)
-                nbytes = math.prod(shape) * ITEMSIZE[dtype]
+                import torch
+
+                name, shape = _act(act)
+                nbytes = math.prod(shape) * ITEMSIZE[name]
                 if nbytes > self.device_slot_bytes:
                     raise ProtocolError(f"activation of {nbytes} bytes exceeds the slot")
                 start = slot * self.device_slot_bytes
-                t = self.device_buffer[start:start + nbytes].view(dtype).view(shape)
+                t = self.device_buffer[start:start + nbytes].view(getattr(torch, name)).view(shape)
             if len(self.views) >= 256:
                 self.views.clear()
             if key is not None:
@@ -343,6 +413,8 @@ def share_cuda(buffer: torch.Tensor) -> dict[str, Any]:
 
 
 def open_cuda(h: dict[str, Any]) -> torch.Tensor:
+    import torch
+
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
         h["device"], h["handle"], h["size"], h["offset"], h["ref_handle"], h["ref_offset"],
@@ -352,16 +424,19 @@ def open_cuda(h: dict[str, Any]) -> torch.Tensor:
 
 
 # ---- setup ---------------------------------------------------------------------------------------
-def offer(kind: str, payload_bytes: int, device: torch.device,
+def offer(kind: str, payload_bytes: int, device: torch.device | None,
           header_only_payload: int = 0) -> tuple[RingInbox | None, dict | None]:
     """Receiver side: create the memory of an inbound edge; return the inbox (None for zmq)
-    and what the sender needs to map it."""
+    and what the sender needs to map it. `device` None: an shm inbox of numpy arrays (the
+    coordinator's)."""
     if kind == "zmq":
         return None, None
     if kind == "shm":
         ring = ShmRing.create(RING_SLOTS, payload_bytes)
         return RingInbox(ring, device), {"ring": ring.describe()}
     if kind == "cuda-ipc":
+        import torch
+
         ring = ShmRing.create(RING_SLOTS, header_only_payload)
         try:
             buf = torch.empty(RING_SLOTS * payload_bytes, dtype=torch.uint8, device=device)
@@ -389,6 +464,8 @@ def accept(kind: str, desc: dict | None, doorbell: Callable[[], None] | None,
     if kind == "shm":
         return RingSender(ring, doorbell)
     try:
+        from layersplit.ipc.cuda_handoff import SlotWriter
+
         consumed = desc.get("consumed")
         if consumed is not None and not (
                 isinstance(consumed, list) and len(consumed) == ring.slots

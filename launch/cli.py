@@ -26,7 +26,7 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace):
-    from layersplit.shards.sampling import SamplingParams
+    from layersplit.shards.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -43,8 +43,8 @@ def _raise_on_sigterm() -> None:
 # ---- generate ------------------------------------------------------------------------------------
 def _prestart(cfg) -> list:
     """The shard processes of a local run, and its draft process, started before this process
-    imports the coordinator (and torch): their imports overlap ours
-    (`runtime.supervisor.prestart_shards`, `prestart_draft`). Those on a CPU fork from the
+    imports the coordinator: their imports (torch, which the coordinator never imports) overlap
+    ours (`runtime.supervisor.prestart_shards`, `prestart_draft`). Those on a CPU fork from the
     zygote instead (`_zygote_ahead`)."""
     from layersplit.runtime.model_store import (
         default_model_present,

@@ -54,7 +54,7 @@ from layersplit.runtime.scheduler import Ready, Scheduler, SchedulerConfig
 if TYPE_CHECKING:
     import numpy as np
     from layersplit.runtime.generate import StepOutput
-    from layersplit.shards.sampling import SamplingParams
+    from layersplit.shards.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

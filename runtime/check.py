@@ -37,7 +37,7 @@ from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.nonfinite_layer import first_nonfinite_layer
 from layersplit.runtime.parity import Agreement, Thresholds, common_prefix
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ from layersplit.runtime.supervisor import LocalProcess, Prestarted
 from layersplit.runtime.tokenizer import TextTokenizer
 from layersplit.shards.checkpoint import open_checkpoint
 from layersplit.shards.dtypes import run_dtype
-from layersplit.shards.layers.rotary import context_limit_error
-from layersplit.shards.quant_load import kept_bytes, resolve_weight_format
+from layersplit.shards.model_config import context_limit_error
+from layersplit.shards.quant_plan import kept_bytes, resolve_weight_format
 from layersplit.shards.weights import layer_bytes
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ import functools
 from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
-import torch
-from layersplit.shards.sampling import pack_bias, pack_mask
+import numpy as np
+from layersplit.shards.sampling_params import pack_bias, pack_mask
 
 # The key of a step's sample fields whose value, a callable, gives the grammar mask after the step
 # is sent (`Coordinator.send_step` sends `late_mask: true` in its place, then the mask).
@@ -31,7 +31,7 @@ class TokenGrammar(Protocol):
     """A grammar that constrains one sequence's tokens (`runtime.grammar`)."""
 
     def mask(self, generated: Sequence[int]) -> bytes | None:
-        """The packed mask (`shards.sampling.pack_mask`) of the tokens allowed after
+        """The packed mask (`shards.sampling_params.pack_mask`) of the tokens allowed after
         `generated` (the sequence's tokens so far); None: anything (it is done)."""
 
 
@@ -78,8 +78,8 @@ class StepFields:
         self.d, self.vocab, self.budget = d, vocab, budget
         self.seen = None
         if d.repetition_penalty != 1.0:
-            self.seen = torch.zeros(vocab, dtype=torch.bool)
-            self.seen[torch.tensor(sorted(set(prompt)), dtype=torch.long)] = True
+            self.seen = np.zeros(vocab, dtype=bool)
+            self.seen[np.array(sorted(set(prompt)), dtype=np.int64)] = True
         self.counted = 0  # generated tokens already in `seen`
         self.stop_ids = sorted(set(stop_ids))
         self.grammar = d.grammar() if d.grammar is not None else None
@@ -104,7 +104,7 @@ class StepFields:
             new = list(generated[self.counted:])
             self.counted = len(generated)
             if new:
-                self.seen[torch.tensor(new, dtype=torch.long)] = True
+                self.seen[np.array(new, dtype=np.int64)] = True
             out["rep"] = d.repetition_penalty
             out["rep_mask"] = pack_mask(self.seen)
         if self.grammar is not None:  # (it needs no room in the step's header)

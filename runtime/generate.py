@@ -15,7 +15,7 @@ import numpy as np
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.textstream import TextStream
 from layersplit.runtime.tokenizer import TextTokenizer
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams
 from layersplit.shards.spec_tree import depths, rows_to_move
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_numpy
 from layersplit.runtime.tokenizer import TextTokenizer
 
 
@@ -74,7 +74,7 @@ class SequenceGrammar:
         self.m = matcher
         self.vocab = vocab
         self.seen = 0
-        self.bitmask = llg_torch.allocate_token_bitmask(1, vocab)
+        self.bitmask = llg_numpy.allocate_token_bitmask(1, vocab)
 
     def mask(self, generated: Sequence[int]) -> bytes | None:
         new = list(generated[self.seen:])
@@ -82,11 +82,11 @@ class SequenceGrammar:
         if new and not self.m.consume_tokens(new):
             raise GrammarError(f"the grammar refused the sampled tokens {new}: "
                                f"{self.m.get_error()}")
-        llg_torch.fill_next_token_bitmask(self.m, self.bitmask, 0)
+        llg_numpy.fill_next_token_bitmask(self.m, self.bitmask, 0)
         if self.m.is_error():
             raise GrammarError(f"the grammar failed: {self.m.get_error()}")
         # int32 words, little-endian: bit j of word w is token 32 w + j (`shards.sampling`)
-        return zlib.compress(self.bitmask[0].numpy().tobytes(), 1)
+        return zlib.compress(self.bitmask[0].tobytes(), 1)
 
 
 def tool_call_grammar(tools: list[dict[str, Any]], names: Sequence[str],

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from layersplit.runtime.decoding import Decoding
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):

@@ -6,7 +6,6 @@ same generation loop (`runtime.generate`) the split runtime uses.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,11 +25,8 @@ from layersplit.shards.accept import accept_draft
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.sampling import SamplingParams, sample_rows
-
-
-def new_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little") >> 1
+from layersplit.shards.sampling import sample_rows
+from layersplit.shards.sampling_params import SamplingParams, new_seed
 
 
 class ReferenceEngine:

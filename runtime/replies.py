@@ -16,7 +16,7 @@ from layersplit.ipc.curve import needs_curve
 from layersplit.ipc.messages import ProtocolError, message
 from layersplit.ipc.shm import SLEEP_POLL_MS
 from layersplit.ipc.sockets import recv, send
-from layersplit.ipc.transport import RingInbox, zmq_tensor
+from layersplit.ipc.transport import RingInbox, zmq_array
 from layersplit.runtime.errors import DraftError, DraftLost
 from layersplit.runtime.shard_group import _name, _Shard
 from zmq.utils.monitor import recv_monitor_message
@@ -233,7 +233,7 @@ class Replies:
                     log.warning("shard %d: %s", sh.index, msg["message"])
                     continue
                 if match(sh, msg):
-                    return msg, zmq_tensor(msg, frames) if msg["type"] == "result" else frames
+                    return msg, zmq_array(msg, frames) if msg["type"] == "result" else frames
                 log.debug("ignoring %s from %s while waiting for %s", msg["type"], _name(sh),
                           what)
 
@@ -259,6 +259,6 @@ class Replies:
         if got is None:
             return None
         msg, t, seq = got
-        t = None if t is None else t.clone()  # the slot is released now
+        t = None if t is None else t.copy()  # the slot is released now
         ring.release(seq)
         return msg, t

@@ -30,9 +30,8 @@ from layersplit.runtime.generate import (
     collect,
     sequence_program,
 )
-from layersplit.runtime.reference import new_seed
 from layersplit.runtime.speculative import DraftClient, SpecStats
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams, new_seed
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)
 

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import message
@@ -181,7 +180,7 @@ class ShardGroup:
                 if sh is last and sh.local:  # results come back through a ring we own
                     # (a logits row for each sequence of a step at most)
                     self._results, desc = offer("shm", self.model_config.vocab_size * 4 *
-                                                cfg.max_seqs, torch.device("cpu"))
+                                                cfg.max_seqs, None)
                     extra["results"] = desc
                 if sh is first and sh.local:
                     extra["inbox"] = True

@@ -20,8 +20,7 @@ import numpy as np
 from layersplit.ipc.messages import message
 from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
 from layersplit.runtime.spec_policy import Pacer, SpecPolicy, committed_by_size, tree_ranks
-from layersplit.shards.spec_sampling import check_q
-from layersplit.shards.spec_tree import check_proposal, rows_to_move
+from layersplit.shards.spec_tree import check_proposal, check_q, rows_to_move
 
 if TYPE_CHECKING:
     from layersplit.runtime.config import RuntimeConfig

@@ -12,16 +12,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 from layersplit.ipc.messages import message, segment
 from layersplit.ipc.sockets import send
-from layersplit.ipc.transport import zmq_tensor
+from layersplit.ipc.transport import zmq_array
 from layersplit.runtime.decoding import LATE_MASK
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import StepOutput, StepRequest
 from layersplit.runtime.shard_group import _Shard
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)
 
@@ -73,7 +72,7 @@ class StepDriver:
             self._parked.update((feed, sid) for _, _, feed in segs if feed is not None)
         elif self._parked:  # every shard sends the rows parked before it as it runs it: they
             self._unparking.add(sid)  # are out once its result is back (`_stash`)
-        self._steps.send(msg, torch.tensor(ids, dtype=torch.int64))
+        self._steps.send(msg, np.array(ids, dtype=np.int64))
         ahead = [(d, k, n) for d, _, k, _, n in self._in_flight.values()]
         self._in_flight[sid] = (self.deadlines.deadline(kind, rows, time.monotonic(), ahead),
                                 time.perf_counter(), kind, len(wire), rows)
@@ -175,9 +174,9 @@ class StepDriver:
             if self.trace is not None:
                 self.trace("result", sid)
             self.deadlines.observe(kind, rows, time.perf_counter() - t0)
-            t = frames if frames is None or isinstance(frames, torch.Tensor) else \
-                zmq_tensor(msg, frames)
-            self._done[sid] = (msg, None if t is None else t.clone(), nseg)
+            t = frames if frames is None or isinstance(frames, np.ndarray) else \
+                zmq_array(msg, frames)
+            self._done[sid] = (msg, None if t is None else t.copy(), nseg)
             if sid in self._unparking:
                 self._unparking.discard(sid)
                 self._parked = {c: s for c, s in self._parked.items() if s > sid}
@@ -220,8 +219,8 @@ class StepDriver:
                 n = 1 + (o["accepted"] if isinstance(o["accepted"], int) else 0)
                 if logits is None or row + n > len(logits):
                     raise self.fail("the last shard sent a result without its logits")
-                lg = logits[row + n - 1].numpy().copy()
-                kept_lg = logits[row:row + n - 1].numpy().copy() if n > 1 else None
+                lg = logits[row + n - 1].copy()
+                kept_lg = logits[row:row + n - 1].copy() if n > 1 else None
                 row += n
             path = o["path"]
             if path is not None and (len(path) != o["accepted"] or not all(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from layersplit.ipc.kv_file import KVFileError, read_layout
 from layersplit.runtime.generate import GenerationResult
-from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from layersplit.runtime.coordinator import Coordinator

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 from layersplit.ipc.messages import ProtocolError
-from layersplit.shards.spec_sampling import check_q
-from layersplit.shards.spec_tree import check_proposal
+from layersplit.shards.spec_tree import check_proposal, check_q
 
 DRAFT_WAIT_S = 5.0  # a held step waits this long for its proposal, then runs without it
 

@@ -5,17 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.expert_weights import read_tensors
 from layersplit.shards.model_config import ModelConfig
-from layersplit.shards.models import LayerRange
-from layersplit.shards.models.qwen3_5 import HybridRange
-from layersplit.shards.models.registry import family_module
-from layersplit.shards.quant_load import install_kept, kept_tensors, load_kept
+from layersplit.shards.quant_plan import kept_tensors
 from layersplit.shards.weights import range_tensor_shapes
+
+if TYPE_CHECKING:
+    import torch
+    from layersplit.shards.models import LayerRange
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +61,23 @@ def load_layer_range(
     ckpt: Checkpoint,
     start: int,
     end: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     weights: str = "dequantize",
 ) -> LayerRange:
     """Build layers [start, end) of `ckpt`, reading only the tensors that range needs.
-    `weights`: "dequantize" (every tensor in `dtype`) or "quantized" (a GGUF file's linear
-    weights kept in their blocks: `shards.quant_load`)."""
+    `dtype`: float32 if None. `weights`: "dequantize" (every tensor in `dtype`) or "quantized"
+    (a GGUF file's linear weights kept in their blocks: `shards.quant_load`). (torch and the
+    model code are imported here: the coordinator opens checkpoints without them.)"""
+    import torch
+    from layersplit.shards.expert_weights import read_tensors
+    from layersplit.shards.models import LayerRange
+    from layersplit.shards.models.qwen3_5 import HybridRange
+    from layersplit.shards.models.registry import family_module
+    from layersplit.shards.quant_load import install_kept, load_kept
+
+    if dtype is None:
+        dtype = torch.float32
     cfg = ckpt.config
     if not 0 <= start < end <= cfg.num_layers:
         raise CheckpointError(

@@ -8,10 +8,9 @@ rotary layout; `load` undoes that per head so the HF-style rotary in `shards.mod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.gguf_header import GGUFHeader
 from layersplit.shards.gguf_hybrid import (
@@ -22,6 +21,9 @@ from layersplit.shards.gguf_hybrid import (
 )
 from layersplit.shards.model_config import ModelConfig
 from layersplit.shards.quant_blocks import KEPT_TYPES
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import gguf
@@ -274,6 +276,7 @@ class GGUFFile:
         """The stored blocks of quantized tensors as uint8 rows (rows, row_bytes), copied out
         of the file (3-D experts' rows stacked by expert; llama's q/k rows un-permuted, whole
         rows at a time)."""
+        import torch
         out: dict[str, torch.Tensor] = {}
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():
@@ -300,6 +303,7 @@ class GGUFFile:
         self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str], dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> dict[str, torch.Tensor]:
+        import torch
         out: dict[str, torch.Tensor] = {}
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():

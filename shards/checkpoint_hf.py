@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import (
     SCALE_SUFFIX,
@@ -40,19 +40,25 @@ from layersplit.shards.mxfp4 import dequantize_mxfp4
 from layersplit.shards.quant_config import quant_scheme
 from safetensors import safe_open
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _open(path: Path):
+def _open(path: Path, framework: str = "pt"):
+    """`framework` "numpy" to read names only: "pt" imports torch (the coordinator reads the
+    names, never the tensors)."""
     try:
-        return safe_open(str(path), framework="pt")
+        return safe_open(str(path), framework=framework)
     except Exception as e:  # safetensors raises its own error type for bad headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def _check_fp8(path: Path, src: str, w: torch.Tensor, scale: torch.Tensor) -> None:
+    import torch
     if not scale.dtype.is_floating_point:
         raise CheckpointError(f"{path}: {src + SCALE_SUFFIX!r} is stored as {scale.dtype}; FP8 "
                               "block scales must be floats")
@@ -92,7 +98,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: no *.safetensors files")
         wm: dict[str, str] = {}
         for f in files:
-            with _open(f) as st:
+            with _open(f, "numpy") as st:
                 for k in st.keys():
                     wm[k] = f.name
         return wm
@@ -129,6 +135,7 @@ class HFCheckpoint:
     def _read_fp8(self, src: str, shape: tuple[int, ...],
                   device: torch.device | str) -> Fp8Weight:
         """An FP8 tensor as stored, with its block scales (as float32), checked."""
+        import torch
         part_shapes = {src: shape, src + SCALE_SUFFIX: scale_shape(shape, self.fp8.block)}
         parts = self._read(part_shapes, {k: k for k in part_shapes}, None, device)
         w, scale = parts[src], parts[src + SCALE_SUFFIX]

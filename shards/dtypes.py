@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DTYPES = ("float32", "bfloat16", "float16")  # (the torch dtypes of the same names)
 
 # Families whose activations overflow float16 (vLLM refuses float16 for these too): `auto` never
 # gives them float16, whatever their checkpoint stores.
@@ -23,10 +26,11 @@ FLOAT16_MEASURED = frozenset({"llama", "mistral"})
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported (use one of {', '.join(DTYPES)})")
+    if name in DTYPES:
+        import torch
+
+        return getattr(torch, name)
+    raise ValueError(f"dtype {name!r} is not supported (use one of {', '.join(DTYPES)})")
 
 
 def stored_dtype(path: str | Path) -> str | None:

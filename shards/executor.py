@@ -24,8 +24,8 @@ from layersplit.shards.graphs import StaticDecoder
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
-from layersplit.shards.layers.rotary import context_limit_error
 from layersplit.shards.layers.step import SegmentsRefused, StepInfo
+from layersplit.shards.model_config import context_limit_error
 from layersplit.shards.models import LayerRange
 from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.sampling import sample_rows

@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from layersplit.shards.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 SCALE_SUFFIX = "_scale_inv"  # `NAME.weight` -> `NAME.weight_scale_inv`
 # projections whose weight a layer reads whole rather than through its module (latent
@@ -96,6 +98,7 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     then in `dtype`: transformers' Fp8Dequantize on whole blocks, to the bit; a partial block
     takes its own scale, as DeepSeek's `weight_dequant` and vLLM do (transformers refuses it).
     Stacked experts go one at a time (the float32 temporaries are one expert's)."""
+    import torch
     if weight.dim() > 2:
         out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
         for i in range(weight.shape[0]):
@@ -113,6 +116,7 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     """(float8 e4m3 values, float32 `weight_scale_inv`) of a (rows, cols) weight, each block
     scaled so that its largest magnitude is e4m3's largest (448), as FP8 checkpoints are made
     (random-weight FP8 shapes, tests)."""
+    import torch
     rows, cols = weight.shape
     sr, sc = scale_shape((rows, cols), block)
     pad = torch.zeros(sr * block[0], sc * block[1], device=weight.device)

@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from layersplit.shards.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 METHODS = ("gptq", "awq")
 PARTS = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales")}
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of a word's i-th nibble, within its eight
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _CHUNK = 1 << 24  # values dequantized at once (the temporaries: ~16 bytes a value)
 # keys that say how a checkpoint was calibrated or which kernel to run, not how it is stored
 _GPTQ_KEYS = {"damp_percent", "damp_auto_increment", "static_groups", "true_sequential",
@@ -134,6 +135,7 @@ def part_shapes(scheme: Int4Scheme, prefix: str,
 
 def check_parts(scheme: Int4Scheme, prefix: str, parts: dict[str, torch.Tensor]) -> None:
     """Refuse, by name, stored int4 parts of the wrong dtype or a `g_idx` naming no group."""
+    import torch
     for p in ("qweight", "qzeros", "g_idx"):
         t = parts.get(f"{prefix}.{p}")
         if t is not None and t.dtype != torch.int32:
@@ -147,6 +149,13 @@ def check_parts(scheme: Int4Scheme, prefix: str, parts: dict[str, torch.Tensor])
         if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= scales.shape[0]):
             raise CheckpointError(f"{prefix + '.g_idx'!r} names groups outside 0..."
                                   f"{scales.shape[0] - 1}")
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """The shift of each of a word's eight nibbles."""
+    import torch
+
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,6 +175,7 @@ def repack_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: str)
     one without `g_idx`: groups of consecutive rows) in the kept layout: GPTQ's words
     transposed, AWQ's unpacked and packed again along K a slice of rows at a time; a `g_idx`
     that is groups of consecutive rows dropped."""
+    import torch
     qweight, qzeros = parts[f"{prefix}.qweight"], parts[f"{prefix}.qzeros"]
     scales = parts[f"{prefix}.scales"].to(torch.float32)
     g, n = scales.shape
@@ -195,6 +205,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> Int4Weight:
     """A (N, K) weight rounded to int4 per group of `group` inputs (-1: all K), each group's
     range mapped onto 0..15 with its own scale and zero (asymmetric round-to-nearest), in the
     kept layout: random-weight int4 shapes, as GPTQ and AWQ files store such values."""
+    import torch
     n, k = weight.shape
     group = k if group == -1 else group
     w = weight.float().reshape(n, k // group, group)
@@ -211,6 +222,7 @@ def dequantize_packed(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.
                       dtype: torch.dtype) -> torch.Tensor:
     """The (n, K) weight of rows of the kept layout (`Int4Weight`'s parts, those rows'):
     (q - zero) * scale in float32, then in `dtype`."""
+    import torch
     k = qweight.shape[1] * 8
     groups = g_idx.long() if g_idx is not None else \
         torch.arange(k, device=qweight.device) // group
@@ -223,6 +235,7 @@ def dequantize_int4(scheme: Int4Scheme, parts: dict[str, torch.Tensor], prefix: 
     """The (N, K) weight of the linear `prefix` from its stored parts (as `repack_int4` takes
     them), in `dtype`: repacked, then dequantized a slice of output rows at a time (small
     temporaries)."""
+    import torch
     w = repack_int4(scheme, parts, prefix)
     n, k = w.qweight.shape[0], w.qweight.shape[1] * 8
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
@@ -246,6 +259,7 @@ def kept_layout_error(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.
                       group: int, g_idx: torch.Tensor | None, k: int) -> str | None:
     """What is wrong with the parts of a kept int4 weight (`Int4Weight`) taking rows of `k`
     inputs, said for an error (None: nothing)."""
+    import torch
     n, g = (scales.shape if scales.dim() == 2 else (-1, -1))
     if k % 8 or qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, k // 8):
         return (f"int32 words {tuple(qweight.shape)} {qweight.dtype} are not (N, K/8) for "
@@ -265,12 +279,13 @@ def kept_layout_error(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 words -> (8R, C) values: row 8r + i is the i-th nibble (low bits first)."""
-    nibbles = (packed[:, None, :] >> _SHIFTS.to(packed.device)[None, :, None]) & 15
+    nibbles = (packed[:, None, :] >> _shifts(packed.device)[None, :, None]) & 15
     return nibbles.reshape(-1, packed.shape[1])
 
 
 def pack_rows(values: torch.Tensor) -> torch.Tensor:
     """(8R, C) values 0..15 -> (R, C) int32 words: `unpack_rows`' inverse."""
+    import torch
     v = values.to(torch.int32).reshape(-1, 8, values.shape[1])
     out = v[:, 0].clone()
     for i in range(1, 8):
@@ -280,11 +295,12 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
 
 def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 words -> (R, 8C) values: column 8c + i is the i-th nibble."""
-    return ((packed[:, :, None] >> _SHIFTS.to(packed.device)) & 15).reshape(packed.shape[0], -1)
+    return ((packed[:, :, None] >> _shifts(packed.device)) & 15).reshape(packed.shape[0], -1)
 
 
 def awq_columns(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The index that puts `unpack_cols` of AWQ words into column order: column 8c + j is
     nibble `AWQ_ORDER.index(j)` of word c."""
+    import torch
     inverse = torch.tensor([AWQ_ORDER.index(j) for j in range(8)], device=device)
     return (torch.arange(0, n, 8, device=device)[:, None] + inverse).reshape(-1)

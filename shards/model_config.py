@@ -417,3 +417,18 @@ def read_hf_config(folder: Path, strict: bool = True) -> ModelConfig:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return config_from_hf(raw, path, strict)
+
+
+def context_limit_error(cfg: ModelConfig, max_len: int) -> str | None:
+    """Why a KV cache of `max_len` positions cannot be served exactly, or None.
+
+    Dynamic NTK rope recomputes its frequencies in transformers from the longest position of
+    each forward call once it passes max_position_embeddings, so the keys past it depend on how
+    the sequence was split into calls (a whole prompt at once or chunk by chunk, one token or a
+    verify block); below it, it is the default rope. Those positions are refused."""
+    if cfg.rope_type == "dynamic" and max_len > cfg.max_position_embeddings:
+        return (f"rope_scaling.rope_type='dynamic' is exact only below max_position_embeddings="
+                f"{cfg.max_position_embeddings} (past it, transformers' frequencies depend on how "
+                f"the sequence is split into steps); set max_context <= "
+                f"{cfg.max_position_embeddings} (asked for {max_len})")
+    return None

@@ -5,7 +5,11 @@ as transformers' `convert_moe_packed_tensors` does, into its layout: (.., cols, 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 # the 16 E2M1 values by code
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -16,6 +20,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
     """(E, R, G, 16) blocks and (E, R, G) scales -> (E, G * 32, R) of `dtype`, one expert at a
     time (the code indices of a whole layer would take 16 bytes a weight)."""
+    import torch
     e, r, g, b = blocks.shape
     if tuple(scales.shape) != (e, r, g):
         raise ValueError(f"MXFP4 scales of shape {tuple(scales.shape)} for blocks of shape "

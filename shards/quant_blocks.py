@@ -36,9 +36,12 @@ scales' six-bit fields unpacked), so a kernel computes gguf's float32 expression
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,10 +66,12 @@ KEPT_TYPES = {t.name: t for t in (
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Pairs of bytes (..., 2) as float16 values (...,) widened to float32."""
+    import torch
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
 def _shifts(values: list[int], device: torch.device) -> torch.Tensor:
+    import torch
     return torch.tensor(values, dtype=torch.uint8, device=device)
 
 
@@ -78,12 +83,14 @@ def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    import torch
     d = _f16(b[..., :2])
     x = b[..., 2:].contiguous().view(torch.int8).float()
     return x * d[..., None]
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    import torch
     d = _f16(b[..., :2])
     q = (_nibbles(b[..., 2:], 16).to(torch.int8) - 8).float()
     return d[..., None] * q
@@ -97,6 +104,7 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 packed bytes of a Q4_K/Q5_K super block: 8 six-bit scales and 8 six-bit mins."""
+    import torch
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
@@ -125,6 +133,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    import torch
     lead = b.shape[:-1]
     scales = b[..., 192:208].contiguous().view(torch.int8).float()
     d = _f16(b[..., 208:210])
@@ -193,6 +202,7 @@ def planar_sections(k: int, qtype: str) -> tuple[int, int, int, int]:
 def _u8_groups(v: torch.Tensor, bits: int) -> torch.Tensor:
     """Values (..., n) as bit fields of `bits` bits packed in n * bits / 8 bytes, value i at
     bit i * bits (little-endian)."""
+    import torch
     per = 8 // bits
     v = v.reshape(*v.shape[:-1], -1, per).to(torch.int32)
     out = torch.zeros(v.shape[:-1], dtype=torch.int32, device=v.device)
@@ -204,6 +214,7 @@ def _u8_groups(v: torch.Tensor, bits: int) -> torch.Tensor:
 def to_planar(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 rows (N, row_bytes) of `qtype` (one of `PLANAR_TYPES`) blocks as planar rows
     (N, `planar_sections(k)[3]`): the layout in the module's docstring."""
+    import torch
     t = KEPT_TYPES[qtype]
     n = rows.shape[0]
     s = rows.shape[1] // t.size

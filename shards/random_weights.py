@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fp8 import Fp8Scheme, Fp8Weight, keeps, quantize_fp8
 from layersplit.shards.int4 import Int4Scheme, Int4Weight, quantize_int4
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.quant_config import quant_scheme
+
+if TYPE_CHECKING:
+    import torch
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 
@@ -67,6 +70,7 @@ class RandomCheckpoint:
                     device: torch.device | str = "cpu") -> dict[str, Fp8Weight | Int4Weight]:
         """The random values of the kept projections, quantized to FP8 with block scales, or
         to int4 per group (`int4.quantize_int4`)."""
+        import torch
         out = {}
         for name, src in sources.items():
             w = self.tensor(src, shapes[name], torch.float32, device)
@@ -82,6 +86,7 @@ class RandomCheckpoint:
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | str) -> torch.Tensor:
+        import torch
         g = torch.Generator(device=device)
         # (a CPU generator reads only a seed's low 32 bits: the seed is mixed into them; seed 0
         # gives the tensors it always gave)

@@ -11,56 +11,23 @@ samples, and however the steps were batched; the noise of many rows, or of a few
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import zlib
 from collections.abc import Sequence
 
 import torch
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.sampling_params import (  # noqa: F401 - importable from here
+    SamplingParams,
+    is_greedy,
+    pack_bias,
+    pack_mask,
+)
 
 log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
 _kernel_failed = False  # the token-mask kernel failed once (`process_logits`)
 _noise_kernel_failed = False  # the noise kernel failed once (`vocab_noise`)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return is_greedy(self.temperature, self.top_k)
-
-    def wire(self) -> dict:
-        """The fields a sampling shard needs, as a plain dict for the control protocol."""
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "seed": self.seed or 0}
-
-
-def is_greedy(temperature: float, top_k: int) -> bool:
-    """Sampling that always draws the argmax."""
-    return temperature == 0 or top_k == 1
 
 
 def mix_seed(seed: int, position: int, stream: int = 0) -> int:
@@ -247,12 +214,6 @@ def check_mask(mask: object, vocab: int, name: str) -> str | None:
     return None
 
 
-def pack_bias(ids: Sequence[int], values: Sequence[float]) -> bytes:
-    """The sample's `bias`: int32 ids, then their float32 values."""
-    return (torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()
-            + torch.tensor(list(values), dtype=torch.float32).numpy().tobytes())
-
-
 def unpack_bias(b: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     n = len(b) // 8
     if not n:
@@ -273,15 +234,6 @@ def mask_bits(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
                            dtype=torch.uint8).to(device)
     bits = (raw[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1
     return bits.flatten()[:vocab].bool()
-
-
-def pack_mask(allowed: torch.Tensor) -> bytes:
-    """The inverse of `mask_bits`: (vocab,) bool -> zlib of a little-endian bitmask."""
-    a = allowed.to(torch.uint8).cpu()
-    pad = (-a.numel()) % 8
-    a = torch.cat([a, a.new_zeros(pad)]).view(-1, 8)
-    packed = (a << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-    return zlib.compress(packed.numpy().tobytes(), 1)
 
 
 def process_logits(logits: torch.Tensor, sample: dict) -> torch.Tensor:

@@ -33,7 +33,6 @@ same tokens, and the output has the target's distribution (not plain decoding's 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -46,8 +45,8 @@ from layersplit.shards.sampling import (
     unpack_bias,
     vocab_noise,
 )
+from layersplit.shards.spec_tree import Q_MAX, sampled_children
 
-Q_MAX = 32  # tokens of a proposal distribution on the wire: the draft's q is cut to its best 32
 COIN_STREAM = 1  # the acceptance coins at a position
 DRAFT_STREAM = 2  # + the proposal's position: the draft's samples
 
@@ -90,54 +89,6 @@ def pack_q(ids: Sequence[int] | torch.Tensor, probs: Sequence[float] | torch.Ten
 
 def unpack_q(b: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     return unpack_bias(b)
-
-
-def sampled_children(parents: Sequence[int], n_rows: int) -> list[list[int]]:
-    """Per row, its children's rows in row order."""
-    kids: list[list[int]] = [[] for _ in range(n_rows)]
-    for j, p in enumerate(parents, 1):
-        kids[p].append(j)
-    return kids
-
-
-def check_q_form(q: object, n: int) -> None:
-    """ValueError unless `q` has the form of a proposal of `n` draft tokens: n + 1 entries, each
-    None or up to Q_MAX packed pairs. The cheap part of `check_q`, which every shard runs (the
-    last shard, which reads q, runs the whole check)."""
-    if not isinstance(q, list) or len(q) != n + 1:
-        raise ValueError(f"q must be a list of {n + 1} entries (one per row), got "
-                         f"{str(q)[:60]}")
-    for row, entry in enumerate(q):
-        if entry is not None and (not isinstance(entry, bytes) or not entry or len(entry) % 8
-                                  or len(entry) // 8 > Q_MAX):
-            raise ValueError(f"q[{row}]: not up to {Q_MAX} packed (id, probability) pairs")
-
-
-def check_q(q: object, tokens: Sequence[int], parents: Sequence[int] | None, vocab: int) -> None:
-    """ValueError unless `q` fits a proposal: one entry per row (n + 1), None for a row whose
-    children are all point masses (or that has none), else a packed distribution (`pack_q`) of
-    at most Q_MAX tokens of the vocabulary, probabilities >= 0 summing to about 1, whose first
-    min(children, support) children carry distinct tokens of its support."""
-    n = len(tokens)
-    check_q_form(q, n)
-    kids = sampled_children(parents if parents is not None else range(n), n + 1)
-    for row, entry in enumerate(q):
-        if entry is None:
-            continue
-        ids, probs = unpack_q(entry)
-        id_list, p_list = ids.tolist(), probs.tolist()  # (host lists: no per-element tensor op)
-        if min(id_list) < 0 or max(id_list) >= vocab or len(set(id_list)) != len(id_list):
-            raise ValueError(f"q[{row}]: token ids not distinct ids of the vocabulary")
-        if not all(math.isfinite(p) and p >= 0 for p in p_list) or \
-                abs(float(probs.sum()) - 1) > 1e-3:
-            raise ValueError(f"q[{row}]: probabilities not >= 0 summing to 1")
-        if not kids[row]:
-            raise ValueError(f"q[{row}]: row {row} has no children")
-        support = {i: p for i, p in zip(id_list, p_list) if p > 0}
-        drawn = [tokens[j - 1] for j in kids[row][:len(support)]]
-        if len(set(drawn)) != len(drawn) or not all(t in support for t in drawn):
-            raise ValueError(f"q[{row}]: the children drawn from it are not distinct tokens "
-                             "of its support")
 
 
 def accept_sampled(

@@ -10,14 +10,25 @@ Row j sits at position pos + depth(j) (its rotary position) but its K/V are writ
 pos + j of the cache; it attends the committed keys [0, pos) and its own ancestors. After the
 step, the kept path (rows n_1 < n_2 < ... < n_k, one per depth) is moved to rows pos + 1 ..
 pos + k (`kept_moves`), which every shard and the draft do before the sequence's next step.
+
+A sampled proposal also carries, per row, the distribution q its children were drawn from
+(`spec_sampling.pack_q`); `check_q` checks its form (the coordinator, the first and the last
+shard run it).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+Q_MAX = 32  # tokens of a proposal distribution on the wire: the draft's q is cut to its best 32
 
 
 def chain(n: int) -> list[int]:
@@ -67,6 +78,7 @@ def depths(parents: Sequence[int]) -> list[int]:
 
 def ancestors(parents: Sequence[int]) -> torch.Tensor:
     """(n, n) bool: [i, j] when row j is row i or one of its ancestors."""
+    import torch
     n = len(parents) + 1
     anc = torch.eye(n, dtype=torch.bool)
     for j, p in enumerate(parents, 1):
@@ -109,3 +121,53 @@ def kept_moves(pos: int, path: Sequence[int]) -> tuple[list[int], list[int]]:
             src.append(base + j)
             dst.append(base + d)
     return src, dst
+
+
+def sampled_children(parents: Sequence[int], n_rows: int) -> list[list[int]]:
+    """Per row, its children's rows in row order."""
+    kids: list[list[int]] = [[] for _ in range(n_rows)]
+    for j, p in enumerate(parents, 1):
+        kids[p].append(j)
+    return kids
+
+
+def check_q_form(q: object, n: int) -> None:
+    """ValueError unless `q` has the form of a proposal of `n` draft tokens: n + 1 entries, each
+    None or up to Q_MAX packed pairs. The cheap part of `check_q`, which every shard runs (the
+    last shard, which reads q, runs the whole check)."""
+    if not isinstance(q, list) or len(q) != n + 1:
+        raise ValueError(f"q must be a list of {n + 1} entries (one per row), got "
+                         f"{str(q)[:60]}")
+    for row, entry in enumerate(q):
+        if entry is not None and (not isinstance(entry, bytes) or not entry or len(entry) % 8
+                                  or len(entry) // 8 > Q_MAX):
+            raise ValueError(f"q[{row}]: not up to {Q_MAX} packed (id, probability) pairs")
+
+
+def check_q(q: object, tokens: Sequence[int], parents: Sequence[int] | None, vocab: int) -> None:
+    """ValueError unless `q` fits a proposal: one entry per row (n + 1), None for a row whose
+    children are all point masses (or that has none), else a packed distribution (`pack_q`) of
+    at most Q_MAX tokens of the vocabulary, probabilities >= 0 summing to about 1, whose first
+    min(children, support) children carry distinct tokens of its support."""
+    n = len(tokens)
+    check_q_form(q, n)
+    kids = sampled_children(parents if parents is not None else range(n), n + 1)
+    for row, entry in enumerate(q):
+        if entry is None:
+            continue
+        m = len(entry) // 8  # (`spec_sampling.pack_q`: int32 ids, then float32 probabilities)
+        probs = np.frombuffer(entry, dtype=np.float32, count=m, offset=4 * m)
+        id_list = np.frombuffer(entry, dtype=np.int32, count=m).tolist()
+        p_list = probs.tolist()
+        if min(id_list) < 0 or max(id_list) >= vocab or len(set(id_list)) != len(id_list):
+            raise ValueError(f"q[{row}]: token ids not distinct ids of the vocabulary")
+        if not all(math.isfinite(p) and p >= 0 for p in p_list) or \
+                abs(float(probs.sum()) - 1) > 1e-3:
+            raise ValueError(f"q[{row}]: probabilities not >= 0 summing to 1")
+        if not kids[row]:
+            raise ValueError(f"q[{row}]: row {row} has no children")
+        support = {i: p for i, p in zip(id_list, p_list) if p > 0}
+        drawn = [tokens[j - 1] for j in kids[row][:len(support)]]
+        if len(set(drawn)) != len(drawn) or not all(t in support for t in drawn):
+            raise ValueError(f"q[{row}]: the children drawn from it are not distinct tokens "
+                             "of its support")

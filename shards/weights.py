@@ -114,7 +114,7 @@ def layer_bytes(cfg: ModelConfig, itemsize: int,
     """(bytes of each layer's weights, bytes the first range alone holds (the embedding), bytes
     the last range alone holds (final norm and LM head, a copy of the embedding when tied)):
     what `--split auto` balances. A MoE layer holds all its experts. `size`: the bytes a set of
-    tensors takes on the device (weights kept quantized: `quant_load.kept_bytes`); default:
+    tensors takes on the device (weights kept quantized: `quant_plan.kept_bytes`); default:
     every value at `itemsize`."""
     def plain(shapes: dict[str, tuple[int, ...]]) -> int:
         total = 0

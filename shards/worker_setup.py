@@ -192,9 +192,9 @@ class ShardSetup:
             raise ProtocolError(str(e), "bad_transport") from e
         if msg["hidden"] != self.cfg.hidden_size:
             raise ProtocolError(f"link: hidden size {msg['hidden']} != {self.cfg.hidden_size}")
-        if msg["dtype"] not in transport.DTYPES:
+        if msg["dtype"] not in transport.ITEMSIZE:
             raise ProtocolError(f"link: unknown dtype {msg['dtype']!r}")
-        itemsize = torch.empty((), dtype=transport.DTYPES[msg["dtype"]]).element_size()
+        itemsize = transport.ITEMSIZE[msg["dtype"]]
         payload = msg["max_step_tokens"] * msg["hidden"] * itemsize
         if self.inbox is not None:
             self.inbox.close()

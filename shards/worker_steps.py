@@ -21,8 +21,7 @@ from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.parked_rows import Run, feature_messages
 from layersplit.shards.sampling import has_processors
-from layersplit.shards.spec_sampling import check_q, check_q_form
-from layersplit.shards.spec_tree import check_path, check_tree
+from layersplit.shards.spec_tree import check_path, check_q, check_q_form, check_tree
 from layersplit.shards.worker_sampling import _check_sample
 from layersplit.shards.worker_setup import FEED_ROWS
 

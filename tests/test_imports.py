@@ -1,10 +1,14 @@
 """No import circle among the `layersplit.*` modules, counting the imports inside functions and
 under TYPE_CHECKING: a lazy import hides a circle from Python, not from a reader. What two
-modules both need lives in a module they both import."""
+modules both need lives in a module they both import. And the coordinator's side (the CLI, the
+server, the coordinator) imports no torch: only the shards need it."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,3 +122,18 @@ def test_no_import_circle():
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
     found = cycles(graph)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_the_coordinator_imports_no_torch():
+    """Importing torch costs a process ~2.5 s of CPU; every shard pays it (in its zygote), the
+    coordinator need not: it moves token ids and logits as numpy arrays (`ipc.transport`)."""
+    code = ("import sys\n"
+            "import layersplit.launch.cli, layersplit.runtime.coordinator\n"
+            "import layersplit.runtime.server, layersplit.runtime.grammar\n"
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", "the coordinator's side imports " + out.stdout

@@ -24,7 +24,8 @@ def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies with the scaling real checkpoints use: default, linear, llama3, yarn,
     dynamic (NTK; the same as default at positions below max_position_embeddings, the only
-    ones it serves: `context_limit_error`). Over the `rotary_dim` first dims of each head."""
+    ones it serves: `model_config.context_limit_error`). Over the `rotary_dim` first dims of
+    each head."""
     dim = cfg.rotary_dim
     inv = base_inv_freq(cfg.rope_theta, dim)
     p = cfg.rope_params
@@ -86,21 +87,6 @@ def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def rope_attention_factor(cfg: ModelConfig) -> float:
     """The factor cos and sin are scaled by (YaRN's attention factor; 1 otherwise)."""
     return _yarn(cfg)[1] if cfg.rope_type == "yarn" else 1.0
-
-
-def context_limit_error(cfg: ModelConfig, max_len: int) -> str | None:
-    """Why a KV cache of `max_len` positions cannot be served exactly, or None.
-
-    Dynamic NTK rope recomputes its frequencies in transformers from the longest position of
-    each forward call once it passes max_position_embeddings, so the keys past it depend on how
-    the sequence was split into calls (a whole prompt at once or chunk by chunk, one token or a
-    verify block); below it, it is the default rope. Those positions are refused."""
-    if cfg.rope_type == "dynamic" and max_len > cfg.max_position_embeddings:
-        return (f"rope_scaling.rope_type='dynamic' is exact only below max_position_embeddings="
-                f"{cfg.max_position_embeddings} (past it, transformers' frequencies depend on how "
-                f"the sequence is split into steps); set max_context <= "
-                f"{cfg.max_position_embeddings} (asked for {max_len})")
-    return None
 
 
 def rope_cos_sin(

@@ -297,7 +297,7 @@ def test_sampled_proposals_carry_their_distributions(server):
     """A sequence that samples (`draft_begin`'s `sample`) gets proposals drawn from the draft's
     distribution, sent with it (`q`, valid for its tokens); one prepared from a verdict equals
     the one computed when asked (the same seeded draws). Bad sampling is refused by name."""
-    from layersplit.shards.spec_sampling import check_q
+    from layersplit.shards.spec_tree import check_q
 
     sent = []
     server._reply = lambda route, msg, frames=(): sent.append(msg)

@@ -21,7 +21,7 @@ from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8, scale_shape
 from layersplit.shards.layers.fp8_linear import Fp8Linear
 from layersplit.shards.layers.quant_linear import concat_quant
 from layersplit.shards.model_config import read_hf_config
-from layersplit.shards.quant_load import kept_bytes, kept_tensors
+from layersplit.shards.quant_plan import kept_bytes, kept_tensors
 from layersplit.shards.tiny import write_tiny_checkpoint
 from layersplit.shards.weights import range_tensor_shapes
 from safetensors.torch import load_file, save_file
@@ -201,7 +201,7 @@ def test_kept_fp8_bytes_and_fused_projections(tmp_path):
 
 
 def test_kept_fp8_on_a_checkpoint_without_it_is_refused_by_name(tmp_path):
-    from layersplit.shards.quant_load import resolve_weight_format
+    from layersplit.shards.quant_plan import resolve_weight_format
 
     ckpt = open_checkpoint(write_tiny_checkpoint(tmp_path / "dense", "llama", num_layers=2))
     with pytest.raises(CheckpointError, match="this checkpoint has none of them"):

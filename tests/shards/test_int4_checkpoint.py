@@ -22,7 +22,7 @@ from layersplit.shards.int4 import Int4Scheme, dequantize_int4, part_shapes, rep
 from layersplit.shards.layers.int4_linear import Int4Linear, int4_matmul
 from layersplit.shards.layers.quant_linear import ConcatLinear, concat_quant
 from layersplit.shards.model_config import read_hf_config
-from layersplit.shards.quant_load import (
+from layersplit.shards.quant_plan import (
     AUTO_DEQUANTIZES_INT4,
     kept_bytes,
     kept_tensors,

@@ -34,7 +34,7 @@ from layersplit.shards.quant_blocks import (
     random_blocks,
     to_planar,
 )
-from layersplit.shards.quant_load import kept_bytes
+from layersplit.shards.quant_plan import kept_bytes
 from layersplit.shards.weights import layer_bytes, range_tensor_shapes
 
 TYPES = list(KEPT_TYPES)
@@ -267,7 +267,7 @@ def test_type_not_kept_is_refused_by_name(tmp_path):
 
 def test_weight_format_rule(tmp_path):
     from layersplit.runtime.config import ConfigError, RuntimeConfig
-    from layersplit.shards.quant_load import resolve_weight_format
+    from layersplit.shards.quant_plan import resolve_weight_format
     from layersplit.shards.tiny import write_tiny_checkpoint
 
     ckpt = open_checkpoint(write_quant_gguf(tmp_path / "m.gguf", "Q4_K", tied=True))

@@ -14,7 +14,6 @@ import torch
 from layersplit.shards.accept import accept_draft
 from layersplit.shards.sampling import filtered_probs, sample_rows
 from layersplit.shards.spec_sampling import (
-    check_q,
     coupled_draws,
     draw_without_replacement,
     pack_q,
@@ -23,6 +22,7 @@ from layersplit.shards.spec_sampling import (
     sampled_children,
     unpack_q,
 )
+from layersplit.shards.spec_tree import check_q
 
 V = 4  # vocabulary of the harness
 L = 2  # tokens generated per trial: their joint distribution is tested
