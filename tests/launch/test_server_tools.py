@@ -181,6 +181,16 @@ def test_json_schema_responses_validate(server, temperature):
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
      "tools[0].function.parameters"),
+    # valid JSON Schemas the grammar cannot compile: a look-around, an unimplemented keyword
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)y"}}}}}]},
+     "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}},
+     "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
      "tools[0].function.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -197,6 +207,7 @@ def test_bad_tools_and_schemas_are_refused_by_name(server, body, param):
                    json={"model": MODEL, "messages": USER, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert param in r.json()["error"]["message"]  # the message names the field too
 
 
 @pytest.fixture(scope="module")
