@@ -271,3 +271,31 @@ def test_forced_and_required_tool_calls(request, template, stream):
         want = tool or next(t for t in (WEATHER, CLOCK) if t["function"]["name"] == name)
         assert name == want["function"]["name"]
         jsonschema.validate(json.loads(arguments), want["function"]["parameters"])
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model):
+    """The default model with its own template (ChatML with a default system prompt, no tool
+    format): tools go into its system prompt in the Hermes format."""
+    s = Server(default_model, "--max-context", "2048")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.mark.slow
+def test_forced_and_required_tool_calls_with_the_default_model(default_server):
+    """A `required` tool call (not streamed) and a named one (streamed) at temperature 1.0 are
+    valid calls of a tool the request offered, with the default model. (~20 s on 2 cores: the
+    model's 30 layers and llguidance's view of its 49,152 tokens.)"""
+    c = default_server.client
+    kw = dict(model=c.models.list().data[0].id, messages=USER, tools=[WEATHER, CLOCK],
+              temperature=1.0, seed=4, max_tokens=80, parallel_tool_calls=False)
+    r = c.chat.completions.create(tool_choice="required", **kw)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    name = calls[0].function.name
+    _check_call(calls[0], next(t for t in (WEATHER, CLOCK) if t["function"]["name"] == name))
+    _, calls, finish = _streamed(c.chat.completions.create(
+        stream=True, tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw))
+    assert finish == "tool_calls" and [x["name"] for x in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), CLOCK["function"]["parameters"])
