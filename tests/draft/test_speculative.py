@@ -45,6 +45,7 @@ from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import (
+    assert_same_logits,
     assert_same_run,
     assert_speculated_equals,
     layersplit_shm,
@@ -264,21 +265,23 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
 
 
 @pytest.mark.slow
-def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted, tmp_path):
+def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted, want,
+                                                                tmp_path):
     """`spec_sampling = off` (what `auto` is for a DFlash draft where a GPU runs the target or
     the draft): a sampled request decodes plainly (no speculation statistics at all) and equals
-    plain decoding; a greedy one speculates all the same, also from a prefix a sampled request
-    cached first (the sampled one still fed the draft, so the entry carries its rows)."""
+    plain decoding (the reference's tokens and logits); a greedy one speculates all the same,
+    also from a prefix a sampled request cached first (the sampled one still fed the draft, so
+    the entry carries its rows)."""
     with Coordinator(_cfg(target, 2, fitted, spec_sampling="off",
                           kv_cache_dir=str(tmp_path))) as coord:
         assert coord.spec_sampling_mode() == "off"
         prompt = _prompts(coord.tokenizer)[1]
         for params, speculates in ((SAMPLED, False), (GREEDY, True)):
-            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
-            progress = Progress()
+            progress = Progress(logits=[])
             got = collect(coord.stream(prompt, params, progress, use_cache=False), progress,
                           len(prompt))
-            assert got.tokens == plain.tokens
+            assert_same_run((got, np.stack(progress.logits)), want[1, params.temperature],
+                            f"temperature {params.temperature}")
             if speculates:
                 assert progress.spec is not None and progress.spec.verifies > 0
             else:
@@ -550,7 +553,8 @@ def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitted, tmp_path):
+def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitted, want,
+                                                                    tmp_path):
     """A request restoring a prefix cached without the draft's feature rows (here: by a run with
     no draft) cannot speculate nor feed the draft a whole context: it gives its context back
     before its prefill, so a request that comes while it decodes speculates (spec_max_seqs 1);
@@ -564,7 +568,7 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
                           spec_max_seqs=1)) as coord:
         other = _prompts(coord.tokenizer)[1]
         params = dataclasses.replace(GREEDY, max_tokens=40, ignore_eos=True)
-        a_progress, b_progress = Progress(), Progress()
+        a_progress, b_progress = Progress(), Progress(logits=[])
         a = coord.deltas(coord.submit(prompt, params, a_progress))
         first = next(a)  # its prefill is done: it restored the prefix and gave the context back
         b = collect(coord.stream(other, GREEDY, b_progress, use_cache=False), b_progress,
@@ -573,8 +577,7 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
         for _ in a:  # (its tokens: in its progress)
             pass
         assert b_progress.spec is not None and b_progress.spec.verifies > 0
-        assert b.tokens == coord.generate(other, GREEDY, use_cache=False,
-                                          speculative=False).tokens
+        assert_same_run((b, np.stack(b_progress.logits)), want[1, GREEDY.temperature], "b")
         assert list(a_progress.generated) == coord.generate(prompt, params, use_cache=False,
                                                             speculative=False).tokens
         assert a_progress.cache_tier == "disk" and a_progress.cached_tokens == len(prompt)
@@ -582,19 +585,21 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
 
 # ---- faults ------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_draft_killed_mid_request_generation_goes_on(target, near):
+def test_draft_killed_mid_request_generation_goes_on(target, near, ref):
     before = layersplit_shm()
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, near)) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, params, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = run_logged(ref, prompt, params)
+        want = ref_run[0].tokens
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, params, progress, use_cache=False)
         got = [d.token for _, d in zip(range(5), stream)]
         pid = coord._draft_proc.pid
         os.kill(pid, signal.SIGKILL)
         got += [d.token for d in stream if d.token >= 0]
         assert got == want
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft killed")
         assert coord.draft is None and "draft" in coord.draft_down
         assert wait_gone([pid]) == []
         again = coord.generate(prompt, params, use_cache=False)  # plain from now on
@@ -604,15 +609,18 @@ def test_draft_killed_mid_request_generation_goes_on(target, near):
 
 
 @pytest.mark.slow
-def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted):
+def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted,
+                                                                         ref):
     """The first shard holds a step for the draft's proposal when the draft dies: the step runs
-    without it (the coordinator tells the shard), and the generation goes on, exact."""
+    without it (the coordinator tells the shard), and the generation goes on, exact (the
+    reference's tokens and logits)."""
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, fitted)) as coord:
         assert coord.push_drafts
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, params, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = run_logged(ref, prompt, params)
+        want = ref_run[0].tokens
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, params, progress, use_cache=False)
         got = [d.token for _, d in zip(range(12), stream)]
         assert progress.spec.prepared > 0  # steps are being held for proposals by now
@@ -620,6 +628,7 @@ def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target
         os.kill(coord._draft_proc.pid, signal.SIGKILL)
         got += [d.token for d in stream if d.token >= 0]
         assert got == want
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft killed while held")
         assert time.monotonic() - t0 < 4.0  # not the shard's whole wait (DRAFT_WAIT_S)
         assert coord.draft is None and "draft" in coord.draft_down
         assert coord.generate(prompt, params, use_cache=False).tokens == want
@@ -628,14 +637,15 @@ def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target
 
 @pytest.mark.slow
 @pytest.mark.parametrize("required", [False, True])
-def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, required):
+def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, want, required):
     """The coordinator loses the draft while a sequence is between a verdict and the step that
     asks for its proposal (or while that step is held): the step runs plain, the generation
-    goes on exact; with spec_required it fails, naming the draft."""
+    goes on exact (the reference's tokens and logits); with spec_required it fails, naming the
+    draft."""
     with Coordinator(_cfg(target, 2, fitted, spec_required=required)) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = want[0, GREEDY.temperature]
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, GREEDY, progress, use_cache=False)
         got = [d.token for _, d in zip(range(12), stream)]
         assert progress.spec.prepared > 0
@@ -646,8 +656,9 @@ def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, req
                     pass
             return
         got += [d.token for d in stream if d.token >= 0]
-        assert got == want
-        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+        assert got == ref_run[0].tokens
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft lost")
+        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == ref_run[0].tokens
 
 
 @pytest.mark.slow
