@@ -511,7 +511,7 @@ def test_random_dflash_draft_equals_plain(target, dflash, want):
 
 
 @pytest.mark.slow
-def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
+def test_restored_prefix_keeps_speculating(target, fitted, ref, want, tmp_path):
     """RAM and disk hits (after a restart) restore the draft's feature rows with the KV: the
     rows are bit-equal, speculation goes on at once with the same acceptance, the output is
     unchanged (the reference's tokens and logits)."""
@@ -545,11 +545,10 @@ def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
         assert rows(coord, n) == rows_cold
         # a longer prompt sharing the prefix restores it and speculates over the rest
         longer = prompt + coord.tokenizer.encode(" and the dog")
-        warm = coord.generate(longer, GREEDY)
+        warm, logits, _ = run_speculated(coord, longer, GREEDY, use_cache=True)
         assert warm.cache_tier == "ram" and warm.cached_tokens > 0
         assert warm.acceptance_length is not None
-        assert warm.tokens == coord.generate(longer, GREEDY, use_cache=False,
-                                             speculative=False).tokens
+        assert_same_run((warm, logits), run_logged(ref, longer, GREEDY), "longer")
 
 
 @pytest.mark.slow
@@ -662,16 +661,15 @@ def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, wan
 
 
 @pytest.mark.slow
-def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted):
+def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted, want):
     """The verdict comes from the last shard, after its rows: a last shard that taps no layer
     sends neither, so the coordinator asks for every proposal (and speculation pays as
-    before)."""
+    before; the output is the reference's, tokens and logits)."""
     with Coordinator(_cfg(target, 2, fitted, split=(5, 1))) as coord:
         assert not coord.push_drafts
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
-        got = coord.generate(prompt, GREEDY, use_cache=False)
-        assert got.tokens == want and got.acceptance_length > 1.5
+        got = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert got.acceptance_length > 1.5
 
 
 @pytest.mark.slow
@@ -689,11 +687,11 @@ def test_draft_killed_with_speculation_required_fails_clearly(target, near):
 
 
 @pytest.mark.slow
-def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
+def test_malformed_draft_frames_are_refused_without_desync(target, fitted, want):
     with Coordinator(_cfg(target, 2, fitted, transport=("zmq",))) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, use_cache=False)
-        assert want.acceptance_length > 1.5
+        first = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert first.acceptance_length > 1.5
         # a propose with payload frames it cannot have, one with a missing field, garbage
         for frames, extra in (([b"\x01\x02\x03", b"x"], {}), ([], {"drop": "token"})):
             msg = message("propose", slot=0, pos=len(prompt), n=3, token=1, start=0, sync=0,
@@ -702,9 +700,8 @@ def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
             with pytest.raises(DraftError):
                 coord.draft_request(msg, frames)
         coord.draft.sock.send(b"\xc1 not msgpack")
-        again = coord.generate(prompt, GREEDY, use_cache=False)
-        assert again.tokens == want.tokens
-        assert again.acceptance_length == want.acceptance_length
+        again = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert again.acceptance_length == first.acceptance_length
         assert coord.draft is not None
 
 
@@ -782,14 +779,15 @@ def test_speculation_required_and_the_draft_gone_fails_every_request(target, nea
 
 @pytest.mark.slow
 def test_verify_steps_never_exceed_the_prefill_chunk(target, fitted):
-    """prefill_chunk sizes every step buffer: a draft block larger than it is cut to fit."""
+    """prefill_chunk sizes every step buffer: a draft block larger than it is cut to fit (the
+    output is the reference's at that chunk, tokens and logits)."""
     cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=2,
                         max_context=256, threads=1, draft=str(fitted))
+    ref = ReferenceEngine(target, prefill_chunk=2, max_context=256)
     with Coordinator(cfg) as coord:
         prompt = _prompts(coord.tokenizer)[1]
-        plain = coord.generate(prompt, GREEDY, use_cache=False, speculative=False)
-        spec = coord.generate(prompt, GREEDY, use_cache=False)
-        assert spec.tokens == plain.tokens and spec.acceptance_length > 1.0
+        spec = assert_speculated_equals(coord, prompt, GREEDY, run_logged(ref, prompt, GREEDY))
+        assert spec.acceptance_length > 1.0
 
 
 def test_a_dflash_draft_needs_its_feeding_shards_here(target, dflash):
