@@ -129,6 +129,31 @@ def test_named_tool_choice_always_yields_a_valid_call(server):
         _check_call(calls[0], CLOCK)
 
 
+# as pydantic writes a model's schema: the nested model under $defs, referred to from the root
+BOOKING = {"type": "function", "function": {
+    "name": "book", "description": "book a table",
+    "parameters": {"type": "object", "properties": {
+        "place": {"$ref": "#/$defs/Place"}, "default": {"$ref": "#/$defs/Place"}},
+        "required": ["place", "default"], "additionalProperties": False,
+        "$defs": {"Place": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 4}},
+            "required": ["city"], "additionalProperties": False}}}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "book"}}])
+def test_forced_call_of_a_tool_whose_parameters_refer_to_their_own_defs(server, choice):
+    """Local references ("#/$defs/...") in a tool's parameters resolve from the parameters'
+    root, not from the grammar's wrapper around them."""
+    r = server.client.chat.completions.create(
+        model=MODEL, messages=USER, tools=[BOOKING], tool_choice=choice, temperature=0,
+        max_tokens=200, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_call(calls[0], BOOKING)
+
+
 SCHEMAS = [
     {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 8},
