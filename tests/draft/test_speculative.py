@@ -609,8 +609,7 @@ def test_draft_killed_mid_request_generation_goes_on(target, near, ref):
 
 
 @pytest.mark.slow
-def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted,
-                                                                         ref):
+def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted, ref):
     """The first shard holds a step for the draft's proposal when the draft dies: the step runs
     without it (the coordinator tells the shard), and the generation goes on, exact (the
     reference's tokens and logits)."""
