@@ -89,6 +89,34 @@ class SequenceGrammar:
         return zlib.compress(self.bitmask[0].tobytes(), 1)
 
 
+# keywords whose values are data, not schemas: a "$ref" inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# keywords whose values map names (which may be any word, "const" too) to schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                            "dependentSchemas"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with each local reference ("#...", resolved from its root) made to resolve from
+    a document that holds it at the JSON pointer `base`: a tool's parameters nested under
+    "arguments" keep their "#/$defs/..." references (as pydantic writes them)."""
+    if isinstance(schema, list):
+        return [_rebased(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = "#" + base + v[1:]
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k in _NAMED_SCHEMAS and isinstance(v, dict):
+            out[k] = {name: _rebased(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
 def tool_call_grammar(tools: list[dict[str, Any]], names: Sequence[str],
                       parallel: bool) -> str:
     """Lark text of one or more Hermes tool-call blocks calling one of `names` with arguments
@@ -96,7 +124,8 @@ def tool_call_grammar(tools: list[dict[str, Any]], names: Sequence[str],
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     alts = []
     for i, name in enumerate(names):
-        params = by_name[name].get("parameters") or {"type": "object"}
+        params = _rebased(by_name[name].get("parameters") or {"type": "object"},
+                          "/properties/arguments")
         schema = {"type": "object", "properties": {"name": {"const": name},
                                                    "arguments": params},
                   "required": ["name", "arguments"], "additionalProperties": False,

@@ -45,6 +45,7 @@ from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import (
+    assert_same_logits,
     assert_same_run,
     assert_speculated_equals,
     layersplit_shm,
@@ -264,21 +265,23 @@ def test_sampled_proposals_are_seeded_and_kept(target, fitted):
 
 
 @pytest.mark.slow
-def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted, tmp_path):
+def test_sampled_requests_decode_plainly_with_spec_sampling_off(target, fitted, want,
+                                                                tmp_path):
     """`spec_sampling = off` (what `auto` is for a DFlash draft where a GPU runs the target or
     the draft): a sampled request decodes plainly (no speculation statistics at all) and equals
-    plain decoding; a greedy one speculates all the same, also from a prefix a sampled request
-    cached first (the sampled one still fed the draft, so the entry carries its rows)."""
+    plain decoding (the reference's tokens and logits); a greedy one speculates all the same,
+    also from a prefix a sampled request cached first (the sampled one still fed the draft, so
+    the entry carries its rows)."""
     with Coordinator(_cfg(target, 2, fitted, spec_sampling="off",
                           kv_cache_dir=str(tmp_path))) as coord:
         assert coord.spec_sampling_mode() == "off"
         prompt = _prompts(coord.tokenizer)[1]
         for params, speculates in ((SAMPLED, False), (GREEDY, True)):
-            plain = coord.generate(prompt, params, use_cache=False, speculative=False)
-            progress = Progress()
+            progress = Progress(logits=[])
             got = collect(coord.stream(prompt, params, progress, use_cache=False), progress,
                           len(prompt))
-            assert got.tokens == plain.tokens
+            assert_same_run((got, np.stack(progress.logits)), want[1, params.temperature],
+                            f"temperature {params.temperature}")
             if speculates:
                 assert progress.spec is not None and progress.spec.verifies > 0
             else:
@@ -405,10 +408,11 @@ class TestOneDefaultChain:
     @pytest.mark.slow
     @pytest.mark.parametrize("n", [1, 2, 3])
     def test_proposals_handed_to_the_first_shard_equal_asked_ones(self, target, fitted, n,
-                                                                  request):
+                                                                  want, request):
         """The draft hands the proposals it prepares from verdicts to the first shard
-        (`spec_push`, on by default where the first shard feeds it): the same tokens, the same
-        acceptance as when the coordinator asks for each, and most steps got theirs that way.
+        (`spec_push`, on by default where the first shard feeds it): the reference's tokens and
+        logits, the same acceptance as when the coordinator asks for each, and most steps got
+        theirs that way.
         (With two shards, the run that hands them over is the shared chain's: the default.)"""
         runs = {}
         for push in (True, False):
@@ -418,11 +422,12 @@ class TestOneDefaultChain:
                   else Coordinator(cfg)) as coord:
                 assert coord.push_drafts is push
                 prompt = _prompts(coord.tokenizer)[0]
-                progress = Progress()
+                progress = Progress(logits=[])
                 runs[push] = (collect(coord.stream(prompt, GREEDY, progress, use_cache=False),
                                       progress, len(prompt)), progress.spec)
+                assert_same_run((runs[push][0], np.stack(progress.logits)),
+                                want[0, GREEDY.temperature], f"spec_push {push}")
         (pushed, stats), (asked, _) = runs[True], runs[False]
-        assert pushed.tokens == asked.tokens
         assert pushed.acceptance_length == asked.acceptance_length > 1.5
         # every verify step after the first of each run of them got its proposal from the draft
         assert stats.prepared >= stats.verifies - 3 > 0
@@ -430,7 +435,8 @@ class TestOneDefaultChain:
     @pytest.mark.slow
     def test_logprobs_under_speculation_equal_plain(self, chain):
         """Logprobs of a speculated request come from its verify steps' rows (kept tokens from
-        their parent rows in the token tree): equal to plain decoding's, greedy and sampled."""
+        their parent rows in the token tree): equal to plain decoding's, greedy and sampled,
+        bit for bit."""
         from layersplit.runtime.decoding import Decoding
 
         coord = chain
@@ -448,9 +454,7 @@ class TestOneDefaultChain:
             assert spec.generated == plain.generated
             assert len(spec.logprobs) == len(plain.logprobs) >= len(plain.generated)
             for a, b in zip(spec.logprobs, plain.logprobs):
-                assert a[0] == b[0] and a[2] == b[2]  # the token and its top 3
-                assert a[1] == pytest.approx(b[1], abs=1e-5)
-                assert a[3] == pytest.approx(b[3], abs=1e-5)
+                assert a == b  # the token, its logprob and its top 3: the same float32 bits
             assert spec.spec.accepted_at[0] > 0  # kept draft tokens had their logprobs
         # a request with a logits processor runs plainly, even when asked to speculate
         progress = Progress()
@@ -508,7 +512,7 @@ def test_random_dflash_draft_equals_plain(target, dflash, want):
 
 
 @pytest.mark.slow
-def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
+def test_restored_prefix_keeps_speculating(target, fitted, ref, want, tmp_path):
     """RAM and disk hits (after a restart) restore the draft's feature rows with the KV: the
     rows are bit-equal, speculation goes on at once with the same acceptance, the output is
     unchanged (the reference's tokens and logits)."""
@@ -542,15 +546,15 @@ def test_restored_prefix_keeps_speculating(target, fitted, want, tmp_path):
         assert rows(coord, n) == rows_cold
         # a longer prompt sharing the prefix restores it and speculates over the rest
         longer = prompt + coord.tokenizer.encode(" and the dog")
-        warm = coord.generate(longer, GREEDY)
+        warm, logits, _ = run_speculated(coord, longer, GREEDY, use_cache=True)
         assert warm.cache_tier == "ram" and warm.cached_tokens > 0
         assert warm.acceptance_length is not None
-        assert warm.tokens == coord.generate(longer, GREEDY, use_cache=False,
-                                             speculative=False).tokens
+        assert_same_run((warm, logits), run_logged(ref, longer, GREEDY), "longer")
 
 
 @pytest.mark.slow
-def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitted, tmp_path):
+def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitted, want,
+                                                                    tmp_path):
     """A request restoring a prefix cached without the draft's feature rows (here: by a run with
     no draft) cannot speculate nor feed the draft a whole context: it gives its context back
     before its prefill, so a request that comes while it decodes speculates (spec_max_seqs 1);
@@ -564,7 +568,7 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
                           spec_max_seqs=1)) as coord:
         other = _prompts(coord.tokenizer)[1]
         params = dataclasses.replace(GREEDY, max_tokens=40, ignore_eos=True)
-        a_progress, b_progress = Progress(), Progress()
+        a_progress, b_progress = Progress(), Progress(logits=[])
         a = coord.deltas(coord.submit(prompt, params, a_progress))
         first = next(a)  # its prefill is done: it restored the prefix and gave the context back
         b = collect(coord.stream(other, GREEDY, b_progress, use_cache=False), b_progress,
@@ -573,8 +577,7 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
         for _ in a:  # (its tokens: in its progress)
             pass
         assert b_progress.spec is not None and b_progress.spec.verifies > 0
-        assert b.tokens == coord.generate(other, GREEDY, use_cache=False,
-                                          speculative=False).tokens
+        assert_same_run((b, np.stack(b_progress.logits)), want[1, GREEDY.temperature], "b")
         assert list(a_progress.generated) == coord.generate(prompt, params, use_cache=False,
                                                             speculative=False).tokens
         assert a_progress.cache_tier == "disk" and a_progress.cached_tokens == len(prompt)
@@ -582,19 +585,21 @@ def test_a_prefix_without_feature_rows_gives_its_draft_context_back(target, fitt
 
 # ---- faults ------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_draft_killed_mid_request_generation_goes_on(target, near):
+def test_draft_killed_mid_request_generation_goes_on(target, near, ref):
     before = layersplit_shm()
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, near)) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, params, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = run_logged(ref, prompt, params)
+        want = ref_run[0].tokens
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, params, progress, use_cache=False)
         got = [d.token for _, d in zip(range(5), stream)]
         pid = coord._draft_proc.pid
         os.kill(pid, signal.SIGKILL)
         got += [d.token for d in stream if d.token >= 0]
         assert got == want
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft killed")
         assert coord.draft is None and "draft" in coord.draft_down
         assert wait_gone([pid]) == []
         again = coord.generate(prompt, params, use_cache=False)  # plain from now on
@@ -604,15 +609,17 @@ def test_draft_killed_mid_request_generation_goes_on(target, near):
 
 
 @pytest.mark.slow
-def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted):
+def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target, fitted, ref):
     """The first shard holds a step for the draft's proposal when the draft dies: the step runs
-    without it (the coordinator tells the shard), and the generation goes on, exact."""
+    without it (the coordinator tells the shard), and the generation goes on, exact (the
+    reference's tokens and logits)."""
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     with Coordinator(_cfg(target, 2, fitted)) as coord:
         assert coord.push_drafts
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, params, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = run_logged(ref, prompt, params)
+        want = ref_run[0].tokens
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, params, progress, use_cache=False)
         got = [d.token for _, d in zip(range(12), stream)]
         assert progress.spec.prepared > 0  # steps are being held for proposals by now
@@ -620,6 +627,7 @@ def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target
         os.kill(coord._draft_proc.pid, signal.SIGKILL)
         got += [d.token for d in stream if d.token >= 0]
         assert got == want
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft killed while held")
         assert time.monotonic() - t0 < 4.0  # not the shard's whole wait (DRAFT_WAIT_S)
         assert coord.draft is None and "draft" in coord.draft_down
         assert coord.generate(prompt, params, use_cache=False).tokens == want
@@ -628,14 +636,15 @@ def test_dflash_draft_killed_while_the_first_shard_waits_for_its_proposal(target
 
 @pytest.mark.slow
 @pytest.mark.parametrize("required", [False, True])
-def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, required):
+def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, want, required):
     """The coordinator loses the draft while a sequence is between a verdict and the step that
     asks for its proposal (or while that step is held): the step runs plain, the generation
-    goes on exact; with spec_required it fails, naming the draft."""
+    goes on exact (the reference's tokens and logits); with spec_required it fails, naming the
+    draft."""
     with Coordinator(_cfg(target, 2, fitted, spec_required=required)) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
-        progress = Progress()
+        ref_run = want[0, GREEDY.temperature]
+        progress = Progress(logits=[])
         stream = coord.stream(prompt, GREEDY, progress, use_cache=False)
         got = [d.token for _, d in zip(range(12), stream)]
         assert progress.spec.prepared > 0
@@ -646,21 +655,21 @@ def test_draft_lost_between_a_verdict_and_the_step_that_asks(target, fitted, req
                     pass
             return
         got += [d.token for d in stream if d.token >= 0]
-        assert got == want
-        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+        assert got == ref_run[0].tokens
+        assert_same_logits(np.stack(progress.logits), ref_run[1], "draft lost")
+        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == ref_run[0].tokens
 
 
 @pytest.mark.slow
-def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted):
+def test_no_handing_over_when_the_last_shard_does_not_feed_the_draft(target, fitted, want):
     """The verdict comes from the last shard, after its rows: a last shard that taps no layer
     sends neither, so the coordinator asks for every proposal (and speculation pays as
-    before)."""
+    before; the output is the reference's, tokens and logits)."""
     with Coordinator(_cfg(target, 2, fitted, split=(5, 1))) as coord:
         assert not coord.push_drafts
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, speculative=False, use_cache=False).tokens
-        got = coord.generate(prompt, GREEDY, use_cache=False)
-        assert got.tokens == want and got.acceptance_length > 1.5
+        got = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert got.acceptance_length > 1.5
 
 
 @pytest.mark.slow
@@ -678,11 +687,11 @@ def test_draft_killed_with_speculation_required_fails_clearly(target, near):
 
 
 @pytest.mark.slow
-def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
+def test_malformed_draft_frames_are_refused_without_desync(target, fitted, want):
     with Coordinator(_cfg(target, 2, fitted, transport=("zmq",))) as coord:
         prompt = _prompts(coord.tokenizer)[0]
-        want = coord.generate(prompt, GREEDY, use_cache=False)
-        assert want.acceptance_length > 1.5
+        first = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert first.acceptance_length > 1.5
         # a propose with payload frames it cannot have, one with a missing field, garbage
         for frames, extra in (([b"\x01\x02\x03", b"x"], {}), ([], {"drop": "token"})):
             msg = message("propose", slot=0, pos=len(prompt), n=3, token=1, start=0, sync=0,
@@ -691,9 +700,8 @@ def test_malformed_draft_frames_are_refused_without_desync(target, fitted):
             with pytest.raises(DraftError):
                 coord.draft_request(msg, frames)
         coord.draft.sock.send(b"\xc1 not msgpack")
-        again = coord.generate(prompt, GREEDY, use_cache=False)
-        assert again.tokens == want.tokens
-        assert again.acceptance_length == want.acceptance_length
+        again = assert_speculated_equals(coord, prompt, GREEDY, want[0, GREEDY.temperature])
+        assert again.acceptance_length == first.acceptance_length
         assert coord.draft is not None
 
 
@@ -771,14 +779,15 @@ def test_speculation_required_and_the_draft_gone_fails_every_request(target, nea
 
 @pytest.mark.slow
 def test_verify_steps_never_exceed_the_prefill_chunk(target, fitted):
-    """prefill_chunk sizes every step buffer: a draft block larger than it is cut to fit."""
+    """prefill_chunk sizes every step buffer: a draft block larger than it is cut to fit (the
+    output is the reference's at that chunk, tokens and logits)."""
     cfg = RuntimeConfig(model=str(target), devices=("cpu", "cpu"), prefill_chunk=2,
                         max_context=256, threads=1, draft=str(fitted))
+    ref = ReferenceEngine(target, prefill_chunk=2, max_context=256)
     with Coordinator(cfg) as coord:
         prompt = _prompts(coord.tokenizer)[1]
-        plain = coord.generate(prompt, GREEDY, use_cache=False, speculative=False)
-        spec = coord.generate(prompt, GREEDY, use_cache=False)
-        assert spec.tokens == plain.tokens and spec.acceptance_length > 1.0
+        spec = assert_speculated_equals(coord, prompt, GREEDY, run_logged(ref, prompt, GREEDY))
+        assert spec.acceptance_length > 1.0
 
 
 def test_a_dflash_draft_needs_its_feeding_shards_here(target, dflash):

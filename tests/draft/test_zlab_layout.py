@@ -1,7 +1,8 @@
 """DFlash drafts as z-lab publishes them: the published config (every field and key name kept,
 only widths and layer counts shrunk to a tiny target) and safetensors key names load and
-speculate losslessly against Qwen3 and Qwen3.5 (hybrid) targets; a draft that does not fit its
-target, or that needs what is not implemented, is refused by name."""
+speculate losslessly against Qwen3 and Qwen3.5 (hybrid) targets (the reference's plain runs,
+greedy and sampled, logits included); a draft that does not fit its target, or that needs what
+is not implemented, is refused by name."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ import torch
 from layersplit.draft.proposer import DFlashProposer, load_proposer
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.model_config import ModelConfig, read_hf_config
 from layersplit.shards.random_weights import PRESETS_DIR
 from layersplit.shards.sampling import SamplingParams
 from safetensors.torch import save_file
 
+from tests.helpers import assert_speculated_equals, run_logged
+
 PUBLISHED = PRESETS_DIR / "qwen3-8b-dflash-b16" / "config.json"  # z-lab/Qwen3-8B-DFlash-b16's
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.95, seed=5)
 
 
 def published_keys(layers: int, bias: bool = False) -> list[str]:
@@ -110,14 +115,16 @@ def test_published_draft_speculates_losslessly(family, qwen3, qwen35, tmp_path):
         "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
     draft = write_published(cfg, tmp_path / "draft", [1, 3, 5], **windows)
     prompt = list(range(5, 40))
+    ref = ReferenceEngine(target, prefill_chunk=16, max_context=128)
+    want = {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
+    assert len(set(want[0.0][0].tokens)) > 3  # (a target that varies its output)
     run = RuntimeConfig(model=str(target), devices=("cpu",), prefill_chunk=16, max_context=128,
                         threads=1, draft=str(draft), spec_block=6)
     with Coordinator(run) as coord:
         assert coord.draft_info["kind"] == "dflash" and coord.draft_info["taps"] == [1, 3, 5]
-        plain = coord.generate(prompt, GREEDY, use_cache=False, speculative=False)
-        spec = coord.generate(prompt, GREEDY, use_cache=False)
-    assert spec.tokens == plain.tokens and spec.acceptance_length is not None
-    assert len(set(plain.tokens)) > 3  # (a target that varies its output)
+        for p in (GREEDY, SAMPLED):  # the reference's plain runs, tokens and float32 logits
+            assert_speculated_equals(coord, prompt, p, want[p.temperature],
+                                     f"temperature {p.temperature}")
 
 
 @pytest.mark.parametrize("change,match", [

@@ -45,6 +45,11 @@ def _ask(server: Server, messages: list[dict], **kw) -> tuple[str, int, int, int
             u.prompt_tokens_details.cached_tokens)
 
 
+def _answered(turn: tuple) -> list[dict]:
+    """A turn's conversation with its answer."""
+    return [*turn[0], {"role": "assistant", "content": turn[1]}]
+
+
 def _entry_ending_at(cache: Path, length: int) -> Path:
     """The disk entry whose rows end at `length`."""
     for f in sorted(cache.glob("*.safetensors")):
@@ -95,20 +100,22 @@ def conversation(tiny_llama, tok, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def restarted(conversation, tiny_llama):
-    """The server restarted on the same directory: turns 5 and 6 again (answer, cached tokens
-    each), then two branches of a seventh turn (their conversations with the answer)."""
+    """The server restarted on the same directory: two branches of a seventh turn (their
+    conversations with the answer; the cached tokens of each), then turns 5 and 6 again
+    (answer, cached tokens each; replayed, the sixth keeps its answer again)."""
     cache, turns = conversation
     s = Server(tiny_llama, *SERVE, cache_dir=cache)
     try:
-        again = [_ask(s, messages)[::3] for messages, *_ in turns[4:]]
-        base = [*turns[-1][0], {"role": "assistant", "content": turns[-1][1]}]
-        branches = {}
+        base = _answered(turns[-1])
+        branches, cached = {}, {}
         for b in ("a", "b"):
             messages = [*base, _user(6, b)]
-            branches[b] = [*messages, {"role": "assistant", "content": _ask(s, messages)[0]}]
+            answer, _, _, cached[b] = _ask(s, messages)
+            branches[b] = [*messages, {"role": "assistant", "content": answer}]
+        again = [_ask(s, messages)[::3] for messages, *_ in turns[4:]]
     finally:
         assert s.stop() == 0
-    return again, branches
+    return again, branches, cached
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +148,24 @@ def _restored_from_disk(turns: list, got: list[tuple[str, int]], tok: TextTokeni
         assert text == want
 
 
+def _answer_restored(turns: list, cached: int, tok: TextTokenizer) -> None:
+    """A new turn after the last one restored its prompt and its answer: past the last turn's
+    own prompt entry (which a replayed turn finds whether or not answers reach the disk)."""
+    assert cached == _turn_end(tok, _answered(turns[-1])), cached
+    assert cached > max(cut_points(tok.encode_chat(turns[-1][0]), CHUNK, EOS))
+
+
 @pytest.mark.slow
 def test_a_restart_restores_every_turn_from_disk(conversation, restarted, tok):
     _restored_from_disk(conversation[1], restarted[0], tok)
+    for cached in restarted[2].values():  # the seventh turn, first asked after the restart
+        _answer_restored(conversation[1], cached, tok)
 
 
 @pytest.mark.slow
 def test_a_restart_into_another_split_restores_every_turn(conversation, other_split, tok):
     turns = conversation[1]
+    _answer_restored(turns, _ask(other_split, [*_answered(turns[-1]), _user(6, "c")])[3], tok)
     _restored_from_disk(turns, [_ask(other_split, m)[::3] for m, *_ in turns[4:]], tok)
 
 

@@ -135,6 +135,26 @@ def test_spec_sampling_auto_is_off_on_gpus_and_coupled_elsewhere():
             spec_sampling_mode(mode, ["cpu"], "classic")
 
 
+def test_spec_policy_auto_measures_where_a_gpu_runs_the_target_or_the_draft():
+    """`spec_policy = auto` (the default) is the measured policy wherever a GPU runs a shard or
+    the draft (tests/runtime/test_spec_policy.py: what it decides; tests/draft/
+    test_speculative.py: its output is the reference's), every step speculating on CPUs."""
+    from types import SimpleNamespace as NS
+
+    from layersplit.runtime.draft_link import DraftLink
+
+    def measures(setting: str, shards: list[str], draft: str) -> bool:
+        link = NS(config=NS(spec_policy=setting), draft_device=draft,
+                  placement=NS(shards=[NS(device=d) for d in shards]))
+        return DraftLink.policy_measures.fget(link)
+
+    assert from_mapping({}, "test").spec_policy == "auto"
+    assert measures("auto", ["cuda:0"], "cuda:0") and measures("auto", ["cpu"], "cuda:0")
+    assert measures("auto", ["cpu", "cuda:1"], "cpu")
+    assert not measures("auto", ["cpu", "cpu"], "cpu")
+    assert measures("measured", ["cpu"], "cpu") and not measures("on", ["cuda:0"], "cuda:0")
+
+
 def test_draft_names_resolve_or_say_what_to_pass(tmp_path):
     from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_draft
 

@@ -104,8 +104,9 @@ def test_split_equals_reference(hybrid_models, refs, tmp_path_factory, family, n
 @pytest.mark.slow
 def test_moe_hybrid_split_and_restore(hybrid_models, refs, tmp_path):
     """Qwen3.5-MoE (routed experts in every layer): the reference gives transformers' greedy
-    tokens; 3 shards over zmq equal it bit for bit; the entry they write restores after a
-    restart into 2 shards as the cold output."""
+    tokens; 3 shards over zmq equal it bit for bit, speculated runs (a classic draft) too, at
+    every accepted position's logits; the entry they write restores after a restart into 2
+    shards as the cold output."""
     model, ref = hybrid_models["qwen3_5_moe"], refs["qwen3_5_moe"]
     prompt = ref.tokenizer.encode(CHAT * 3)
     ref_tokens, ref_logits = trace(ref, prompt, 8, CHUNK)
@@ -116,13 +117,21 @@ def test_moe_hybrid_split_and_restore(hybrid_models, refs, tmp_path):
         assert cold == hf.generate(torch.tensor([prompt]), max_new_tokens=len(cold),
                                    do_sample=False, eos_token_id=None,
                                    pad_token_id=0)[0, len(prompt):].tolist()
+    want = {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
+    # (the routing flips at any noise in its layers: the draft differs in its LM head)
+    near = noisy_copy(model, tmp_path / "near", 0.03, only={"lm_head.weight"})
     with Coordinator(_cfg(model, 3, transport=("zmq",), split=(2, 2, 2),
-                          kv_cache_dir=str(tmp_path))) as coord:
+                          kv_cache_dir=str(tmp_path / "kv"), draft=str(near),
+                          spec_block=4)) as coord:
         tokens, logits = trace(coord, prompt, 8, CHUNK)
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits)  # bit for bit
-        assert coord.generate(prompt, GREEDY).tokens == cold
-    with Coordinator(_cfg(model, 2, split=(1, 5), kv_cache_dir=str(tmp_path))) as coord:
+        kept = [assert_speculated_equals(coord, prompt, p, want[p.temperature],
+                                         f"temperature {p.temperature}").acceptance_length
+                for p in (GREEDY, SAMPLED)]
+        assert any(1.0 < a < 4.0 for a in kept), kept  # partial accepts happened
+        assert coord.generate(prompt, GREEDY, speculative=False).tokens == cold
+    with Coordinator(_cfg(model, 2, split=(1, 5), kv_cache_dir=str(tmp_path / "kv"))) as coord:
         r = coord.generate(prompt, GREEDY)
         assert (r.cache_tier, r.cached_tokens) == ("disk", len(prompt))
         assert r.tokens == cold

@@ -1,7 +1,7 @@
 """A finished turn kept in the prefix cache (`RequestFlow.keep_turn`): its rows are those a cold
 prefill computes, its entry carries the DFlash draft's feature rows, and the next turn, asked at
 once, waits for it, restores it and speculates from its first token, in RAM and after a restart
-from disk, with the output of a cold run."""
+from disk, with the output of a cold run (tokens, and float32 logits bit for bit)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import shard_children
+from tests.helpers import assert_same_run, run_speculated, shard_children
 
 CHUNK = 16
 ANSWER = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -47,23 +47,25 @@ def test_a_kept_turn_restores_with_its_feature_rows(target, dflash, tmp_path):
         turn = prompt + answer + [coord.eos_ids[0]]  # (the end of turn: a chunk boundary)
         nxt = turn + tok.encode(NEXT)
         other = turn + tok.encode(OTHER)  # (asked after a restart only)
-        cold, cold_other = (coord.generate(p, ANSWER, use_cache=False, speculative=False)
+        cold, cold_other = (run_speculated(coord, p, ANSWER, speculative=False)[:2]
                             for p in (nxt, other))
         assert coord.keep_turn(prompt + answer[:2]) is None  # (too few new tokens)
         keep = coord.keep_turn(turn + tok.encode("\n"))  # cut after the end of turn
         assert keep is not None
-        warm = coord.generate(nxt, ANSWER)  # queued at once: it waits for the kept turn
+        # queued at once: it waits for the kept turn
+        warm, logits, _ = run_speculated(coord, nxt, ANSWER, use_cache=True)
         assert keep.done and warm.cache_tier == "ram" and warm.cached_tokens == len(turn)
         assert warm.acceptance_length is not None  # it speculated from its first token
-        assert warm.tokens == cold.tokens
+        assert_same_run((warm, logits), cold, "RAM")
         assert coord.keep_turn(turn) is None  # (cached already)
     assert shard_children() == []
     head = _entry(tmp_path, len(turn))
     assert "draft.feature_data" in head and json.loads(head["__metadata__"]["features"])
     with Coordinator(_cfg(target, dflash, tmp_path)) as coord:
-        disk = coord.generate(other, ANSWER)
+        disk, logits, _ = run_speculated(coord, other, ANSWER, use_cache=True)
         assert disk.cache_tier == "disk" and disk.cached_tokens == len(turn)
-        assert disk.acceptance_length is not None and disk.tokens == cold_other.tokens
+        assert disk.acceptance_length is not None
+        assert_same_run((disk, logits), cold_other, "disk")
 
 
 def test_keep_answers_is_checked():

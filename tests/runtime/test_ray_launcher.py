@@ -17,7 +17,7 @@ import pytest
 from layersplit.ipc.messages import message
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
-from layersplit.runtime.generate import Progress, collect
+from layersplit.runtime.generate import Progress
 from layersplit.runtime.placement import PlacementError, ShardPlan
 from layersplit.runtime.ray_launcher import (
     NODE_ID_LABEL,
@@ -31,7 +31,14 @@ from layersplit.runtime.ray_launcher import (
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import layersplit_shm, trace, wait_gone
+from tests.helpers import (
+    assert_same_run,
+    layersplit_shm,
+    run_logged,
+    run_speculated,
+    trace,
+    wait_gone,
+)
 
 # Ray binds its servers to every interface and rewrites 127.0.0.1 to the machine's address
 # unless told it runs without a cluster network: keep all of it on loopback. Read when ray is
@@ -129,7 +136,8 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
     ref = ReferenceEngine(target, prefill_chunk=16, max_context=256)
     prompt = ref.tokenizer.encode("ray places the shards across two nodes " * 2)
     p = SamplingParams(max_tokens=8, ignore_eos=True)
-    want = ref.generate(prompt, p)
+    ref_run = run_logged(ref, prompt, p)
+    want = ref_run[0]
     with Coordinator(cfg) as coord:
         info = coord.shard_info()
         nodes = [s.node_id for s in coord.ray.shards]
@@ -149,9 +157,9 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
         got_tokens, got_logits = trace(coord, prompt[:20], 4, 16)
         ref_tokens, ref_logits = trace(ref, prompt[:20], 4, 16)
         assert got_tokens == ref_tokens and np.array_equal(got_logits, ref_logits)
-        progress = Progress()
-        spec = collect(coord.stream(prompt, p, progress), progress, len(prompt))
-        assert progress.spec.verifies > 0 and spec.tokens == want.tokens
+        spec, logits, stats = run_speculated(coord, prompt, p, use_cache=True)
+        assert stats.verifies > 0
+        assert_same_run((spec, logits), ref_run, "speculated")  # float32 logits, bit for bit
         rows = _feature_rows(coord, len(prompt))
         assert coord.generate(prompt, p, use_cache=False, speculative=False).tokens == \
             want.tokens
@@ -163,8 +171,9 @@ def test_chain_across_two_nodes_is_exact_and_its_cache_restores_on_one(cluster, 
     with Coordinator(one_node) as coord:
         assert [s.streams_cache for s in coord.shards] == [True]
         assert coord.draft.streams_cache and coord.ray.draft.node_id == coord.ray.shards[0].node_id
-        r = coord.generate(prompt, p)
-        assert (r.cache_tier, r.cached_tokens, r.tokens) == ("disk", len(prompt), want.tokens)
+        r, logits, _ = run_speculated(coord, prompt, p, use_cache=True)
+        assert (r.cache_tier, r.cached_tokens) == ("disk", len(prompt))
+        assert_same_run((r, logits), ref_run, "restored")
         assert _feature_rows(coord, len(prompt)) == rows
         draft = coord.ray.draft
         pids, actors, pg = [i["pid"] for i in coord.shard_info()] + [draft.pid], \

@@ -1,5 +1,7 @@
 """Sliding-window models (Mistral's `sliding_window`, Qwen2's windowed upper layers) through the
-split runtime: split exactness, restore and speculation, with prompts several windows long.
+split runtime: split exactness, restore and speculation, with prompts several windows long;
+Gemma 3 (windowed layers with a local rope among global ones, a soft-capped head): speculation
+equals the reference's plain run, logits included, on 1, 2 and 3 shards.
 
 Their parity with transformers is in tests/shards/test_model_parity.py; here the runtime's own
 invariants are checked on a model whose output a missing window would change."""
@@ -92,4 +94,32 @@ def test_windowed_restore_equals_cold(model, ref, prompt, tmp_path):
         for p in (prompt, longer):
             r = c.generate(p, GREEDY)
             assert r.cache_tier == "disk" and r.tokens == want[id(p)]
+    assert shard_children() == []
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 3 (layers 2 and 5 global, the others windowed at 12 positions), its reference,
+    a prompt several windows long, the reference's plain runs (greedy and sampled) and a classic
+    draft (the target with noise on its weights)."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("gemma") / "gemma3", "gemma3_text",
+                                 std=0.2)
+    ref = ReferenceEngine(path, prefill_chunk=CHUNK, max_context=256)
+    prompt = ref.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    want = {p.temperature: run_logged(ref, prompt, p) for p in (GREEDY, SAMPLED)}
+    assert len(set(want[0.0][0].tokens)) > 3  # a model that repeats one token would prove little
+    return path, prompt, want, noisy_copy(path, tmp_path_factory.mktemp("gemma-near") / "m")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,transport", [(1, "auto"), (2, "shm"), (3, "zmq")])
+def test_gemma3_speculation_equals_reference(gemma, n, transport):
+    """Speculated runs (a classic draft), greedy and sampled, give the reference's plain tokens
+    and, at every accepted position, its float32 logits bit for bit."""
+    path, prompt, want, near = gemma
+    with Coordinator(_cfg(path, n, transport=(transport,), draft=str(near))) as coord:
+        for params in (GREEDY, SAMPLED):
+            spec = assert_speculated_equals(coord, prompt, params, want[params.temperature],
+                                            f"temperature {params.temperature}")
+            assert 1.0 < spec.acceptance_length < 5.0  # kept and rejected draft tokens
     assert shard_children() == []
