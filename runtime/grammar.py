@@ -97,16 +97,18 @@ _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definit
 
 
 def _rebased(schema: Any, base: str) -> Any:
-    """`schema` with each local reference ("#...", resolved from its root) made to resolve from
-    a document that holds it at the JSON pointer `base`: a tool's parameters nested under
-    "arguments" keep their "#/$defs/..." references (as pydantic writes them)."""
+    """`schema` with each local JSON-pointer reference ("#" or "#/...", resolved from its root)
+    made to resolve from a document that holds it at the JSON pointer `base`: a tool's
+    parameters nested under "arguments" keep their "#/$defs/..." references (as pydantic writes
+    them). A plain-name fragment ("#name", a `$anchor`) resolves anywhere in the document and
+    stays; so does a schema with its own `$id` (its references resolve from it already)."""
     if isinstance(schema, list):
         return [_rebased(x, base) for x in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or "$id" in schema:
         return schema
     out = {}
     for k, v in schema.items():
-        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
             out[k] = "#" + base + v[1:]
         elif k in _DATA_KEYWORDS:
             out[k] = v
