@@ -150,12 +150,7 @@ def test_bad_ring_message_is_consumed():
         with pytest.raises(ProtocolError, match="bad dtype/shape"):
             inbox.poll()
     assert ring.released == 4  # all consumed: the sender is not blocked
-    sender.seq = 4
-    sender.send(_step(2, 1), torch.full((1, 4), 2.0))
-    msg, t, seq = inbox.poll()
-    assert msg["sid"] == 2 and torch.equal(t, torch.full((1, 4), 2.0))
-    sender.close()
-    inbox.close()
+    _goes_on(sender, inbox, seq=4, sid=2)
 
 
 def test_resolve():
@@ -230,9 +225,14 @@ def test_a_ring_view_kept_for_a_shape_takes_no_lookalike_descriptor():
         with pytest.raises(ProtocolError, match="bad dtype/shape"):
             inbox.poll()
     assert ring.released == 9
-    sender.seq = 9
-    sender.send(_step(9, 1), torch.full((1, 4), 9.0))
+    _goes_on(sender, inbox, seq=9, sid=9)
+
+
+def _goes_on(sender, inbox, seq: int, sid: int) -> None:
+    """After the refused messages, the sender's next one (`seq`) arrives whole; both closed."""
+    sender.seq = seq
+    sender.send(_step(sid, 1), torch.full((1, 4), float(sid)))
     msg, t, _ = inbox.poll()
-    assert msg["sid"] == 9 and torch.equal(t, torch.full((1, 4), 9.0))
+    assert msg["sid"] == sid and torch.equal(t, torch.full((1, 4), float(sid)))
     sender.close()
     inbox.close()
