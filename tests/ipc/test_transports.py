@@ -1,12 +1,16 @@
 """Each CPU transport moves tensors exactly; the shm ring enforces flow control, mode 0600,
-spin/sleep signalling, and consumes a malformed message without losing step."""
+spin/sleep signalling, and consumes a malformed message without losing step. The coordinator's
+side (numpy arrays, no torch) moves token ids and results exactly, and refuses by name a payload
+it cannot hold or the wire does not carry."""
 
 from __future__ import annotations
 
+import itertools
 import stat
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -15,12 +19,14 @@ from layersplit.ipc.messages import ProtocolError, encode, message, segment
 from layersplit.ipc.shm import SHM_DIR, ShmRing
 from layersplit.ipc.sockets import recv, ring_doorbell
 
+_ADDRESSES = itertools.count()
+
 
 @pytest.fixture
 def pair():
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    addr = f"inproc://t{id(a)}"
+    addr = f"inproc://t{next(_ADDRESSES)}"  # (not id(a): a closed socket's name lingers)
     b.bind(addr)
     a.connect(addr)
     yield a, b
@@ -236,3 +242,115 @@ def _goes_on(sender, inbox, seq: int, sid: int) -> None:
     assert msg["sid"] == sid and torch.equal(t, torch.full((1, 4), float(sid)))
     sender.close()
     inbox.close()
+
+
+# ---- the coordinator's side: host numpy arrays, no torch ---------------------------------------
+def _ring(payload_bytes, device):
+    inbox, desc = transport.offer("shm", payload_bytes, device)
+    return inbox, transport.accept("shm", desc, None)
+
+
+def _result(i):
+    out = {"token": None, "accepted": 0, "logits": True, "path": None, "asked": None, "lp": None,
+           "plp": None}
+    return message("result", sid=i, outs=[out], act=None)
+
+
+def _ids(n):
+    return np.arange(n, dtype=np.int64) * 7_919 + (1 << 40)  # (above int32: all 8 bytes)
+
+
+@pytest.mark.parametrize("n", [5, 0])
+def test_host_arrays_roundtrip_through_an_shm_ring(n):
+    """Token ids the coordinator sends (a numpy int64 array) reach a shard's inbox and a numpy
+    inbox exactly; a shard's float32 results reach the coordinator's numpy inbox exactly (as
+    numpy arrays, of the sent dtype and shape: 0 rows too)."""
+    ids = _ids(n)
+    logits = torch.randn(n, 33) * 1e3
+    steps, to_shard = _ring(64 * 8, torch.device("cpu"))
+    ids_inbox, to_ids = _ring(64 * 8, None)
+    results, to_results = _ring(8 * 33 * 4, None)
+    try:
+        for i in range(3):  # (a view kept for a slot and shape is read again)
+            to_shard.send(_step(i, n), ids)
+            msg, got, seq = steps.poll()
+            assert msg["sid"] == i and got.dtype == torch.int64 and got.shape == (n,)
+            assert np.array_equal(got.numpy(), ids)
+            steps.release(seq)
+            to_ids.send(_step(i, n), ids)
+            msg, got, seq = ids_inbox.poll()
+            assert type(got) is np.ndarray and got.dtype == np.int64 and got.shape == (n,)
+            assert np.array_equal(got, ids)
+            ids_inbox.release(seq)
+            to_results.send(_result(i), logits + i)
+            msg, got, seq = results.poll()
+            assert type(got) is np.ndarray and got.dtype == np.float32 and got.shape == (n, 33)
+            assert np.array_equal(got, (logits + i).numpy())
+            results.release(seq)
+    finally:
+        for end in (to_shard, steps, to_ids, ids_inbox, to_results, results):
+            end.close()
+
+
+@pytest.mark.parametrize("n", [5, 0])
+def test_host_arrays_roundtrip_over_zmq(pair, n):
+    a, b = pair
+    ids, logits = _ids(n), torch.randn(n, 33) * 1e3
+    s = transport.accept("zmq", None, None, sock=a)
+    s.send(_step(0, n), ids)
+    _, msg, frames, err = recv(b)
+    assert err is None
+    for got in (transport.zmq_tensor(msg, frames).numpy(), transport.zmq_array(msg, frames)):
+        assert got.dtype == np.int64 and got.shape == (n,) and np.array_equal(got, ids)
+    s.send(_result(0), logits)
+    _, msg, frames, err = recv(b)
+    got = transport.zmq_array(msg, frames)
+    assert err is None and type(got) is np.ndarray and got.dtype == np.float32
+    assert got.shape == (n, 33) and np.array_equal(got, logits.numpy())
+
+
+def test_a_bfloat16_payload_into_a_host_array_is_refused(pair):
+    """numpy has no bfloat16: the coordinator's inbox refuses one by name (and consumes it)."""
+    results, sender = _ring(4 * 8 * 4, None)
+    try:
+        sender.send(_result(0), torch.ones(4, 8, dtype=torch.bfloat16))
+        with pytest.raises(ProtocolError, match="bfloat16"):
+            results.poll()
+        assert sender.ring.released == 1 and not results.ready()
+        sender.send(_result(1), torch.ones(4, 8))
+        msg, got, _ = results.poll()
+        assert msg["sid"] == 1 and np.array_equal(got, np.ones((4, 8), np.float32))
+    finally:
+        sender.close()
+        results.close()
+    a, b = pair
+    transport.accept("zmq", None, None, sock=a).send(
+        _result(0), torch.ones(4, 8, dtype=torch.bfloat16))
+    _, msg, frames, err = recv(b)
+    assert err is None
+    with pytest.raises(ProtocolError, match="bfloat16"):
+        transport.zmq_array(msg, frames)
+
+
+@pytest.mark.parametrize("bad", [np.arange(4, dtype=np.int32), np.ones(4, np.float64),
+                                 torch.arange(4, dtype=torch.int32)],
+                         ids=["np-int32", "np-float64", "torch-int32"])
+def test_a_dtype_the_wire_does_not_carry_is_refused_before_publishing(pair, bad):
+    """Refused by name before the ring sees anything: nothing published, the next message goes
+    through the same slot; over zmq nothing is sent."""
+    name = str(bad.dtype).removeprefix("torch.")
+    inbox, sender = _ring(64, None)
+    try:
+        with pytest.raises(KeyError, match=name):
+            sender.send(_step(0, 4), bad)
+        assert sender.ring.published == 0 and sender.seq == 0 and not inbox.ready()
+        sender.send(_step(1, 4), _ids(4))
+        msg, got, seq = inbox.poll()
+        assert msg["sid"] == 1 and seq == 0 and np.array_equal(got, _ids(4))
+    finally:
+        sender.close()
+        inbox.close()
+    a, b = pair
+    with pytest.raises(KeyError, match=name):
+        transport.accept("zmq", None, None, sock=a).send(_step(0, 4), bad)
+    assert not b.poll(0)
