@@ -101,7 +101,8 @@ def dtype_name(dtype: Any) -> str:
     """The wire name of a torch or numpy dtype (KeyError for one the wire does not carry)."""
     name = str(dtype).removeprefix("torch.")
     if name not in ITEMSIZE:
-        raise KeyError(dtype)
+        raise KeyError(f"dtype {dtype} is not carried between processes (these are: "
+                       f"{', '.join(ITEMSIZE)})")
     return name
 
 
