@@ -39,16 +39,45 @@ class Snap:
     rows: dict[str, torch.Tensor] | None = None  # name -> (layers, rows, ...), host
     error: str | None = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # while the copy runs: the host buffers, and how many layers of every tensor are in them
+    host: dict[str, torch.Tensor] | None = None
+    copied: int = 0
+    progress: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
     def wait(self) -> None:
         self.ready.wait()
         if self.error is not None:
             raise RuntimeError(f"snapshot copy failed: {self.error}")
 
+    def wait_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The host buffers once every tensor's rows of `layer` are in them (-1: once they
+        exist): a save writes the first layers while the later ones are still being copied."""
+        with self.progress:
+            self.progress.wait_for(lambda: self.ready.is_set() or (
+                self.host is not None and self.copied > layer))
+        if self.error is not None:
+            raise RuntimeError(f"snapshot copy failed: {self.error}")
+        assert self.host is not None
+        return self.host
+
+    def advance(self, copied: int, host: dict[str, torch.Tensor] | None = None) -> None:
+        with self.progress:
+            if host is not None:
+                self.host = host
+            self.copied = copied
+            self.progress.notify_all()
+
+    def done(self) -> None:
+        with self.progress:
+            self.ready.set()
+            self.progress.notify_all()
+
 
 class TensorRows:
     """A (layers, slots, rows, ...) tensor as the store reads and writes it (the interface of
     `shards.paged_kv.PagedRows`)."""
+
+    read_copies = False  # `read` gives a view of the live rows
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
@@ -123,26 +152,46 @@ class SnapshotStore:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
 
+        # on a CPU, a paged cache's rows (gathered through the block table) and the states are
+        # already copies of their own: they are the snapshot
+        own = set() if self.cuda else {name for name, t in self.tensors.items()
+                                       if getattr(t, "read_copies", False)} | set(self.whole)
+        layers = max((t.shape[0] for t in srcs.values()), default=0)
+
         def run() -> None:
             try:
                 if self.cuda:
                     torch.cuda.set_device(self.device)
-                rows = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                rows = {name: t if name in own else
+                        torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
                         for name, t in srcs.items()}
+                snap.advance(0, rows)
+                copy = [name for name in srcs if name not in own]
+                # layer by layer, so that a save can write each layer as soon as it is here
                 if self.cuda:
+                    copied = []
                     with torch.cuda.stream(self.copy_stream):
                         self.copy_stream.wait_event(after)
-                        for name, t in srcs.items():
-                            rows[name].copy_(t, non_blocking=True)
-                    self.copy_stream.synchronize()
+                        for layer in range(layers):
+                            for name in copy:
+                                if layer < srcs[name].shape[0]:
+                                    rows[name][layer].copy_(srcs[name][layer], non_blocking=True)
+                            copied.append(torch.cuda.Event())
+                            copied[-1].record(self.copy_stream)
+                    for layer, ev in enumerate(copied):
+                        ev.synchronize()
+                        snap.advance(layer + 1)
                 else:
-                    for name, t in srcs.items():
-                        rows[name].copy_(t)
+                    for layer in range(layers):
+                        for name in copy:
+                            if layer < srcs[name].shape[0]:
+                                rows[name][layer].copy_(srcs[name][layer])
+                        snap.advance(layer + 1)
                 snap.rows = rows
             except Exception as e:  # noqa: BLE001 - surfaces at restore/save
                 snap.error = f"{type(e).__name__}: {e}"
             finally:
-                snap.ready.set()
+                snap.done()
 
         self.entries[entry] = snap
         threading.Thread(target=run, name=f"snap-{entry}", daemon=True).start()
@@ -192,15 +241,17 @@ class SnapshotStore:
 
         def run() -> None:
             try:
-                snap.wait()
-                assert snap.rows is not None
-                views = [_bytes(snap.rows[it["kind"]][it["layer"]]) for it in items]
+                if stream:
+                    snap.wait_layer(max((it["layer"] for it in items), default=0))
+                host = snap.wait_layer(-1)
+                views = [_bytes(host[it["kind"]][it["layer"]]) for it in items]
                 if stream:
                     sums = {it["name"]: checksum(v) for it, v in zip(items, views)}
                     self.results.put((entry, path, sums, None, views))
                     return
                 sums = write_hashed(path, [it["offset"] for it in items], views,
-                                    [it["name"] for it in items])
+                                    [it["name"] for it in items],
+                                    lambda i: snap.wait_layer(items[i]["layer"]))
                 self.results.put((entry, path, sums, None, []))
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
                 self.results.put((entry, path, None, f"{type(e).__name__}: {e}", []))
@@ -294,27 +345,36 @@ class SnapshotStore:
         return self._staging[which][:nbytes]
 
 
-def write_hashed(path: str, offsets: list[int], views: list[memoryview],
-                 names: list[str]) -> dict[str, str]:
-    """Write each buffer at its offset of the file at `path` and return name -> checksum.
+def write_hashed(path: str, offsets: list[int], views: list[memoryview], names: list[str],
+                 before: Callable[[int], Any] | None = None) -> dict[str, str]:
+    """Write each buffer at its offset of the file at `path` and return name -> checksum;
+    `before(i)`, if given, returns once buffer i holds its bytes (buffers are taken in order).
 
     The checksums are computed on this thread while a writer thread writes the same buffers (the
     hash holds the GIL, the write does not), so a save takes about as long as its writes alone.
     Small buffers that lie back to back in the file go down together in one `pwritev`."""
-    runs: list[tuple[int, list[memoryview]]] = []  # (offset, buffers back to back from there)
-    for off, v in zip(offsets, views):
-        size = sum(len(b) for b in runs[-1][1]) if runs else 0
-        if runs and runs[-1][0] + size == off and size + len(v) <= WRITEV_BYTES \
-                and len(runs[-1][1]) < WRITEV_MAX:
-            runs[-1][1].append(v)
+    runs: list[list[int]] = []  # indices of buffers that lie back to back in the file
+    size = 0
+    for i, (off, v) in enumerate(zip(offsets, views)):
+        if runs and offsets[runs[-1][0]] + size == off and size + len(v) <= WRITEV_BYTES \
+                and len(runs[-1]) < WRITEV_MAX:
+            runs[-1].append(i)
+            size += len(v)
         else:
-            runs.append((off, [v]))
+            runs.append([i])
+            size = len(v)
     fd = os.open(path, os.O_WRONLY)
     pool = ThreadPoolExecutor(1, thread_name_prefix="save-write")
     writes: list[Any] = []
     try:
-        writes = [pool.submit(_pwrite_all, fd, bufs, off) for off, bufs in runs]
-        sums = {name: checksum(v) for name, v in zip(names, views)}
+        sums = {}
+        for run in runs:
+            if before is not None:
+                for i in run:
+                    before(i)
+            writes.append(pool.submit(_pwrite_all, fd, [views[i] for i in run], offsets[run[0]]))
+            for i in run:
+                sums[names[i]] = checksum(views[i])
         for w in writes:
             w.result()
         return sums

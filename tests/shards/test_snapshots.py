@@ -6,6 +6,7 @@ through partial writes, and a write that fails is reported as the save's error."
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from layersplit.ipc.kv_file import checksum
 from layersplit.ipc.messages import ProtocolError, message
 from layersplit.shards import snapshots
-from layersplit.shards.snapshots import SnapshotStore, report_saves, snap_op, write_hashed
+from layersplit.shards.snapshots import Snap, SnapshotStore, report_saves, snap_op, write_hashed
 
 
 def _store() -> SnapshotStore:
@@ -138,3 +139,32 @@ def test_a_failed_write_is_the_saves_error(tmp_path, monkeypatch):
             str(tmp_path))
     msg, frames = _saved(src)
     assert msg["checksums"] is None and "short write" in msg["error"] and frames == []
+
+
+def test_a_save_takes_each_layer_once_it_is_copied_and_never_a_failed_copy():
+    snap = Snap(0, 10, 0)
+    host = {"k": torch.zeros(3, 10)}
+    got: list = []
+
+    def waiter(layer):
+        try:
+            got.append((layer, snap.wait_layer(layer) is host))
+        except RuntimeError as e:
+            got.append((layer, str(e)))
+
+    ths = [threading.Thread(target=waiter, args=(layer,)) for layer in (-1, 1, 2)]
+    for th in ths:
+        th.start()
+    time.sleep(0.05)
+    assert got == []  # no buffers yet
+    snap.advance(0, host)
+    ths[0].join(5)
+    time.sleep(0.05)
+    assert got == [(-1, True)]  # the buffers exist; layer 1 is not copied yet
+    snap.advance(2)
+    ths[1].join(5)
+    assert got == [(-1, True), (1, True)]
+    snap.error = "RuntimeError: out of pinned memory"  # the copy of layer 2 failed
+    snap.done()
+    ths[2].join(5)
+    assert got[2] == (2, "snapshot copy failed: RuntimeError: out of pinned memory")
