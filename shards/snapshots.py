@@ -131,6 +131,7 @@ class SnapshotStore:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.results: queue.Queue = queue.Queue()  # finished saves, for the main loop
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._saves: list[threading.Thread] = []  # save threads (`saving`)
 
     @property
     def nbytes(self) -> int:
@@ -257,7 +258,14 @@ class SnapshotStore:
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
                 self.results.put((entry, path, None, f"{type(e).__name__}: {e}", []))
 
-        threading.Thread(target=run, name=f"save-{entry}", daemon=True).start()
+        th = threading.Thread(target=run, name=f"save-{entry}", daemon=True)
+        self._saves = [t for t in self._saves if t.is_alive()] + [th]
+        th.start()
+
+    @property
+    def saving(self) -> bool:
+        """A save's thread is at work, or its outcome waits in `results`."""
+        return any(t.is_alive() for t in self._saves) or not self.results.empty()
 
     def load(self, path: str | None, slot: int, items: list[dict[str, Any]],
              frames: list[Any] | None = None) -> int:
@@ -468,6 +476,16 @@ def report_saves(store: SnapshotStore | None,
         send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names),
              streamed)
     return True
+
+
+SAVE_POLL_MS = 2  # an idle process with a save in flight blocks at most this long
+
+
+def block_ms(store: SnapshotStore | None, timeout_ms: int) -> int:
+    """How long an idle main loop may block on its sockets: while a save is in flight, no
+    more than `SAVE_POLL_MS`, so its outcome goes to the coordinator as it is ready (the file's
+    rename waits for it), not after an idle process's longest sleep (`ipc.serve_loop`)."""
+    return min(timeout_ms, SAVE_POLL_MS) if store is not None and store.saving else timeout_ms
 
 
 SNAP_OPS = ("snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load")

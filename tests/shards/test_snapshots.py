@@ -168,3 +168,29 @@ def test_a_save_takes_each_layer_once_it_is_copied_and_never_a_failed_copy():
     snap.done()
     ths[2].join(5)
     assert got[2] == (2, "snapshot copy failed: RuntimeError: out of pinned memory")
+
+
+def test_an_idle_loop_blocks_briefly_while_a_save_is_in_flight(tmp_path, monkeypatch):
+    src = _store()
+    assert snapshots.block_ms(None, 200) == 200 and snapshots.block_ms(src, 200) == 200
+    gate = threading.Event()
+    real = snapshots.write_hashed
+    monkeypatch.setattr(snapshots, "write_hashed", lambda *a: (gate.wait(5), real(*a))[1])
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"\0" * 4096)
+    src.take(1, slot=0, start=0, end=10)
+    snap_op(src, message("snap_save", entry=1, path=str(path), items=_items(), stream=False),
+            str(tmp_path))
+    assert snapshots.block_ms(src, 200) == snapshots.SAVE_POLL_MS  # writing
+    gate.set()
+    deadline = time.monotonic() + 10
+    while src.results.empty():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert snapshots.block_ms(src, 200) == snapshots.SAVE_POLL_MS  # its outcome not yet sent
+    msg, _ = _saved(src)
+    assert msg["error"] is None
+    while src.saving:  # (the thread ends just after handing over its outcome)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert snapshots.block_ms(src, 200) == 200
