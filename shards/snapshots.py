@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -236,27 +237,38 @@ class SnapshotStore:
              stream: bool = False) -> None:
         """Write this shard's tensors of `entry` into `path` at their offsets, in the background.
         items: {name, layer (local index), kind (a tensor name), offset}. The outcome goes to
-        `results` as (entry, path, checksums or None, error or None, streamed): with `stream`
+        `results` as (entry, path, checksums or None, error or None, streamed, seconds waited
+        for the snapshot's host copy): with `stream`
         nothing is written here and `streamed` holds the tensors' bytes (views of the
         snapshot's host rows, no copy) for the coordinator to write, in item order."""
         snap = self.entries[entry]
 
+        waited = [0.0]  # seconds spent waiting for the snapshot's host copy
+
+        def wait_layer(layer: int) -> dict[str, torch.Tensor]:
+            t0 = time.perf_counter()
+            try:
+                return snap.wait_layer(layer)
+            finally:
+                waited[0] += time.perf_counter() - t0
+
         def run() -> None:
             try:
                 if stream:
-                    snap.wait_layer(max((it["layer"] for it in items), default=0))
-                host = snap.wait_layer(-1)
+                    wait_layer(max((it["layer"] for it in items), default=0))
+                host = wait_layer(-1)
                 views = [_bytes(host[it["kind"]][it["layer"]]) for it in items]
                 if stream:
                     sums = {it["name"]: checksum(v) for it, v in zip(items, views)}
-                    self.results.put((entry, path, sums, None, views))
+                    self.results.put((entry, path, sums, None, views, waited[0]))
                     return
                 sums = write_hashed(path, [it["offset"] for it in items], views,
                                     [it["name"] for it in items],
-                                    lambda i: snap.wait_layer(items[i]["layer"]))
-                self.results.put((entry, path, sums, None, []))
+                                    lambda i: wait_layer(items[i]["layer"]))
+                self.results.put((entry, path, sums, None, [], waited[0]))
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
-                self.results.put((entry, path, None, f"{type(e).__name__}: {e}", []))
+                self.results.put((entry, path, None, f"{type(e).__name__}: {e}", [],
+                                  waited[0]))
 
         th = threading.Thread(target=run, name=f"save-{entry}", daemon=True)
         self._saves = [t for t in self._saves if t.is_alive()] + [th]
@@ -471,10 +483,10 @@ def report_saves(store: SnapshotStore | None,
     if store is None or store.results.empty():
         return False
     while not store.results.empty():
-        entry, path, sums, err, streamed = store.results.get_nowait()
+        entry, path, sums, err, streamed, waited = store.results.get_nowait()
         names = list(sums) if streamed else []  # the frames' order (dicts keep insertion order)
-        send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names),
-             streamed)
+        send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names,
+                     copy_wait_s=waited), streamed)
     return True
 
 
