@@ -681,8 +681,7 @@ class CacheManager:
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier run)
         job.waiting.discard(shard)
-        waited = msg.get("copy_wait_s")
-        if isinstance(waited, float) and 0.0 <= waited < math.inf:
+        if isinstance(waited := msg.get("copy_wait_s"), float) and 0.0 <= waited < math.inf:
             job.copy_wait_s = max(job.copy_wait_s, waited)
         if not msg["error"]:
             why = self._take_streamed(job, shard, msg, frames)
@@ -787,10 +786,9 @@ class CacheManager:
                 log.warning("prefix cache: saving %s failed: %s", e.key[:12], err)
                 continue
             e.path = path
-            self.stats.saves += 1
-            self.stats.bytes_written += size
             st = self.stats
-            st.save_s += ended - began
+            st.saves, st.bytes_written, st.save_s = st.saves + 1, st.bytes_written + size, \
+                st.save_s + ended - began
             st.save_copy_wait_s += copy_wait
             st.save_wall_s += self.save_spans.add(began, ended)  # (they end in any order)
         if changed:
