@@ -5,10 +5,11 @@ The store serves named position-indexed rows: a shard's `k` and `v` (through the
 tables of a paged cache, `shards.paged_kv.PagedRows`), the draft's `feat` (a tensor shaped (layers,
 slots, max_len, ...), `TensorRows`). `take` copies rows [start, end) of every layer of every tensor
 into a host buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile; rows below the
-prompt's end never change during decode). `restore` copies them back. `save` writes them, from that
-same memory, into their places in an entry file the coordinator created (no staging copy), in a
-background thread; `load` reads an entry file's rows for this shard's layers straight into the live
-KV cache (CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
+prompt's end never change during decode), layer by layer. `restore` copies them back. `save` writes
+them, from that same memory, into their places in an entry file the coordinator created (no staging
+copy), in a background thread, each layer once it is copied, hashing while a writer thread
+writes; `load` reads an entry file's rows for this shard's layers straight into the live KV cache
+(CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
 """
 
 from __future__ import annotations
