@@ -125,6 +125,12 @@ def main() -> None:
             # wall time with a save in flight (a delta entry's save overlaps its parent's)
             row["save_GBps"] = st.bytes_written / max(st.save_wall_s, 1e-9) / 1e9
             row["file_bytes"] = st.bytes_written
+            # of that, the time the writers waited for the snapshots' host copies (the RAM tier's
+            # device -> host copy); the rest is the file's write, checksums, fsync and rename
+            # (one entry a length: a prompt that is a multiple of the chunk)
+            row["save_copy_wait_s"] = st.save_copy_wait_s
+            row["save_after_copy_GBps"] = st.bytes_written / max(
+                st.save_wall_s - st.save_copy_wait_s, 1e-9) / 1e9
             # the baseline at once: the same bytes written and fsynced into the same directory,
             # twice (the faster counts: a disk still busy after the saves would flatter them)
             row["raw_write_runs_GBps"] = [raw_write(d, row["file_bytes"]) / 1e9 for _ in range(2)]
@@ -154,6 +160,7 @@ def main() -> None:
         nbytes, dt = raw_read(files)
         row["raw_read_warm_GBps"] = nbytes / dt / 1e9
         row["save_vs_raw_write"] = row["save_GBps"] / row["raw_write_GBps"]
+        row["save_after_copy_vs_raw_write"] = row["save_after_copy_GBps"] / row["raw_write_GBps"]
         row["restore_vs_raw_read"] = row["disk_cold_GBps"] / row["raw_read_cold_GBps"]
         # the choice the runtime makes from the rates it measured in this run, vs the truth
         est_restore_s = row["file_bytes"] / row["disk_cold_rate_Bps"]
@@ -168,7 +175,8 @@ def main() -> None:
           "(restore + first token)")
     print(f"{'tokens':>7} {'cold ms':>9} {'RAM ms':>8} {'disk cold ms':>12} {'disk warm ms':>12} "
           f"{'disk/cold':>9} {'restore GB/s cold|warm':>22} {'raw read cold|warm':>19} "
-          f"{'save GB/s':>9} {'raw write':>9} {'save/raw':>8} {'choice/best':>15}")
+          f"{'save GB/s':>9} {'raw write':>9} {'save/raw':>8} {'copy wait s':>11} "
+          f"{'choice/best':>15}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['cold_s'] * 1e3:>9.1f} {r['ram_s'] * 1e3:>8.1f} "
               f"{r['disk_cold_s'] * 1e3:>12.1f} {r['disk_warm_s'] * 1e3:>12.1f} "
@@ -176,7 +184,8 @@ def main() -> None:
               f"{r['disk_cold_GBps']:>10.2f} | {r['disk_warm_GBps']:<9.2f} "
               f"{r['raw_read_cold_GBps']:>8.2f} | {r['raw_read_warm_GBps']:<8.2f} "
               f"{r['save_GBps']:>9.2f} {r['raw_write_GBps']:>9.2f} "
-              f"{r['save_vs_raw_write']:>8.3f} {r['choice'] + '/' + r['best']:>15}")
+              f"{r['save_vs_raw_write']:>8.3f} {r['save_copy_wait_s']:>11.3f} "
+              f"{r['choice'] + '/' + r['best']:>15}")
         if args.check_tokens:
             print(f"{'':>7} {args.check_tokens} greedy tokens after the restore equal the saving "
                   f"run's: disk cold {r['disk_cold_same_tokens']}, disk warm "

@@ -269,8 +269,11 @@ def cache(args) -> list[tuple[str, str, str]]:
         base = (f"cold prefill {r['cold_s'] * 1e3:.0f} ms; raw read "
                 f"{r['raw_read_cold_GBps']:.2f} GB/s")
         if "save_vs_raw_write" in r:
+            after = (f"; {r['save_after_copy_vs_raw_write']:.2f} × after the "
+                     f"{r['save_copy_wait_s']:.2f} s snapshot copy"
+                     if "save_copy_wait_s" in r else "")  # (rows measured before it was)
             ours += (f"; save {r['save_GBps']:.2f} GB/s ({r['save_vs_raw_write']:.2f} × raw "
-                     f"write), restore {r['restore_vs_raw_read']:.2f} × raw read")
+                     f"write{after}), restore {r['restore_vs_raw_read']:.2f} × raw read")
             base += f", raw write + fsync {r['raw_write_GBps']:.2f} GB/s"
         what = f"{r['tokens']:,}-token prompt repeated"
         res.append((f"{args.what}, {what}" if args.what else what, ours, base))

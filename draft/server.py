@@ -43,7 +43,7 @@ from layersplit.ipc.transport import tensor_bytes, zmq_tensor
 from layersplit.shards.device import use_device
 from layersplit.shards.dtypes import torch_dtype
 from layersplit.shards.kernel_profile import kernel_profile
-from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, report_saves, snap_op
+from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, block_ms, report_saves, snap_op
 from layersplit.shards.spec_tree import check_path
 
 log = logging.getLogger("layersplit.draft")
@@ -139,7 +139,7 @@ class DraftServer:
     def serve_forever(self) -> None:
         serve(lambda: self.running, self._work,
               lambda: [f.inbox for f in self.feeders if f.inbox is not None],
-              self._poll_router, lambda: self.spin_s)
+              lambda ms: self._poll_router(block_ms(self.snapshots, ms)), lambda: self.spin_s)
 
     def _work(self) -> bool:
         worked = self._report_saves()

@@ -102,6 +102,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # says what it took ({graphs, seconds})
     # (optional `verify_batch`: batched verify steps of up to that many sequences)
     "warm": {"sid": (int,), "rows": (list,), "batch": (int,)},
+    # (optional `copy_wait_s`: how long the save waited for its snapshot's host copy)
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},
     # speculative decoding: coordinator -> draft process

@@ -98,6 +98,7 @@ class SaveJob:
     # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
     streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
+    copy_wait_s: float = 0.0  # the longest any writer waited for its snapshot's host copy
     renamed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when
     # the save ended, `ok` if its file is in place: a child's file waits for its parent's
     ok: bool = False
@@ -680,6 +681,8 @@ class CacheManager:
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier run)
         job.waiting.discard(shard)
+        if isinstance(waited := msg.get("copy_wait_s"), float) and 0.0 <= waited < math.inf:
+            job.copy_wait_s = max(job.copy_wait_s, waited)
         if not msg["error"]:
             why = self._take_streamed(job, shard, msg, frames)
             if why is not None:
@@ -755,10 +758,10 @@ class CacheManager:
             fsync_dir(final.parent)
             job.ok = True
             self.done.put((job.entry, final, job.layout.file_size, None,
-                           (job.started, time.perf_counter())))
+                           (job.started, time.perf_counter(), job.copy_wait_s)))
         except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
             job.tmp.unlink(missing_ok=True)
-            self.done.put((job.entry, None, 0, str(err), (0.0, 0.0)))
+            self.done.put((job.entry, None, 0, str(err), (0.0, 0.0, 0.0)))
         finally:
             os.close(job.fd)  # releases the writer's lock
             if not job.ok:
@@ -771,7 +774,7 @@ class CacheManager:
         """Apply finished saves to the index (main thread only), then the size caps."""
         changed = False
         while not self.done.empty():
-            e, path, size, err, (began, ended) = self.done.get_nowait()
+            e, path, size, err, (began, ended, copy_wait) = self.done.get_nowait()
             e.saving = False
             if self.index.entries.get(e.key) is not e:  # dropped meanwhile: file unreachable
                 if path is not None:
@@ -783,10 +786,10 @@ class CacheManager:
                 log.warning("prefix cache: saving %s failed: %s", e.key[:12], err)
                 continue
             e.path = path
-            self.stats.saves += 1
-            self.stats.bytes_written += size
             st = self.stats
-            st.save_s += ended - began
+            st.saves, st.bytes_written, st.save_s = st.saves + 1, st.bytes_written + size, \
+                st.save_s + ended - began
+            st.save_copy_wait_s += copy_wait
             st.save_wall_s += self.save_spans.add(began, ended)  # (they end in any order)
         if changed:
             self._drop_ram(self.index.evict_disk())

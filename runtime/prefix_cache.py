@@ -64,6 +64,7 @@ class CacheStats:
     bytes_written: int = 0
     save_s: float = 0.0  # from the RAM snapshot to the renamed file, summed
     save_wall_s: float = 0.0  # the time at least one save was in flight (saves overlap)
+    save_copy_wait_s: float = 0.0  # of save_s: waiting for the snapshots' host copies, summed
     saves: int = 0
     save_errors: int = 0
     bad_files: int = 0

@@ -262,6 +262,8 @@ class PagedRows:
     """One of a paged cache's tensors as `shards.snapshots.SnapshotStore` reads and writes it:
     rows [start, end) of a slot, every layer at once, through the slot's block table."""
 
+    read_copies = True  # `read` gathers the rows into a tensor of their own
+
     def __init__(self, cache: PagedKVCache, rows: torch.Tensor) -> None:
         self.cache, self.rows = cache, rows  # rows: (layers, pool rows, G, D)
         self.layers, self.slots, self.max_len = rows.shape[0], cache.slots, cache.max_len

@@ -5,19 +5,22 @@ The store serves named position-indexed rows: a shard's `k` and `v` (through the
 tables of a paged cache, `shards.paged_kv.PagedRows`), the draft's `feat` (a tensor shaped (layers,
 slots, max_len, ...), `TensorRows`). `take` copies rows [start, end) of every layer of every tensor
 into a host buffer (pinned, on a side stream, on GPUs: decode goes on meanwhile; rows below the
-prompt's end never change during decode). `restore` copies them back. `save` writes them, from that
-same memory, into their places in an entry file the coordinator created (no staging copy), in a
-background thread; `load` reads an entry file's rows for this shard's layers straight into the live
-KV cache (CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
+prompt's end never change during decode), layer by layer. `restore` copies them back. `save` writes
+them, from that same memory, into their places in an entry file the coordinator created (no staging
+copy), in a background thread, each layer once it is copied, hashing while a writer thread
+writes; `load` reads an entry file's rows for this shard's layers straight into the live KV cache
+(CPU) or through one pinned buffer (GPU), verifying each tensor's checksum.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,16 +42,45 @@ class Snap:
     rows: dict[str, torch.Tensor] | None = None  # name -> (layers, rows, ...), host
     error: str | None = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # while the copy runs: the host buffers, and how many layers of every tensor are in them
+    host: dict[str, torch.Tensor] | None = None
+    copied: int = 0
+    progress: threading.Condition = dataclasses.field(default_factory=threading.Condition)
 
     def wait(self) -> None:
         self.ready.wait()
         if self.error is not None:
             raise RuntimeError(f"snapshot copy failed: {self.error}")
 
+    def wait_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The host buffers once every tensor's rows of `layer` are in them (-1: once they
+        exist): a save writes the first layers while the later ones are still being copied."""
+        with self.progress:
+            self.progress.wait_for(lambda: self.ready.is_set() or (
+                self.host is not None and self.copied > layer))
+        if self.error is not None:
+            raise RuntimeError(f"snapshot copy failed: {self.error}")
+        assert self.host is not None
+        return self.host
+
+    def advance(self, copied: int, host: dict[str, torch.Tensor] | None = None) -> None:
+        with self.progress:
+            if host is not None:
+                self.host = host
+            self.copied = copied
+            self.progress.notify_all()
+
+    def done(self) -> None:
+        with self.progress:
+            self.ready.set()
+            self.progress.notify_all()
+
 
 class TensorRows:
     """A (layers, slots, rows, ...) tensor as the store reads and writes it (the interface of
     `shards.paged_kv.PagedRows`)."""
+
+    read_copies = False  # `read` gives a view of the live rows
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
@@ -101,6 +133,7 @@ class SnapshotStore:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.results: queue.Queue = queue.Queue()  # finished saves, for the main loop
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._saves: list[threading.Thread] = []  # save threads (`saving`)
 
     @property
     def nbytes(self) -> int:
@@ -123,26 +156,46 @@ class SnapshotStore:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
 
+        # on a CPU, a paged cache's rows (gathered through the block table) and the states are
+        # already copies of their own: they are the snapshot
+        own = set() if self.cuda else {name for name, t in self.tensors.items()
+                                       if getattr(t, "read_copies", False)} | set(self.whole)
+        layers = max((t.shape[0] for t in srcs.values()), default=0)
+
         def run() -> None:
             try:
                 if self.cuda:
                     torch.cuda.set_device(self.device)
-                rows = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                rows = {name: t if name in own else
+                        torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
                         for name, t in srcs.items()}
+                snap.advance(0, rows)
+                copy = [name for name in srcs if name not in own]
+                # layer by layer, so that a save can write each layer as soon as it is here
                 if self.cuda:
+                    copied = []
                     with torch.cuda.stream(self.copy_stream):
                         self.copy_stream.wait_event(after)
-                        for name, t in srcs.items():
-                            rows[name].copy_(t, non_blocking=True)
-                    self.copy_stream.synchronize()
+                        for layer in range(layers):
+                            for name in copy:
+                                if layer < srcs[name].shape[0]:
+                                    rows[name][layer].copy_(srcs[name][layer], non_blocking=True)
+                            copied.append(torch.cuda.Event())
+                            copied[-1].record(self.copy_stream)
+                    for layer, ev in enumerate(copied):
+                        ev.synchronize()
+                        snap.advance(layer + 1)
                 else:
-                    for name, t in srcs.items():
-                        rows[name].copy_(t)
+                    for layer in range(layers):
+                        for name in copy:
+                            if layer < srcs[name].shape[0]:
+                                rows[name][layer].copy_(srcs[name][layer])
+                        snap.advance(layer + 1)
                 snap.rows = rows
             except Exception as e:  # noqa: BLE001 - surfaces at restore/save
                 snap.error = f"{type(e).__name__}: {e}"
             finally:
-                snap.ready.set()
+                snap.done()
 
         self.entries[entry] = snap
         threading.Thread(target=run, name=f"snap-{entry}", daemon=True).start()
@@ -185,27 +238,47 @@ class SnapshotStore:
              stream: bool = False) -> None:
         """Write this shard's tensors of `entry` into `path` at their offsets, in the background.
         items: {name, layer (local index), kind (a tensor name), offset}. The outcome goes to
-        `results` as (entry, path, checksums or None, error or None, streamed): with `stream`
+        `results` as (entry, path, checksums or None, error or None, streamed, seconds waited
+        for the snapshot's host copy): with `stream`
         nothing is written here and `streamed` holds the tensors' bytes (views of the
         snapshot's host rows, no copy) for the coordinator to write, in item order."""
         snap = self.entries[entry]
 
+        waited = [0.0]  # seconds spent waiting for the snapshot's host copy
+
+        def wait_layer(layer: int) -> dict[str, torch.Tensor]:
+            t0 = time.perf_counter()
+            try:
+                return snap.wait_layer(layer)
+            finally:
+                waited[0] += time.perf_counter() - t0
+
         def run() -> None:
             try:
-                snap.wait()
-                assert snap.rows is not None
-                views = [_bytes(snap.rows[it["kind"]][it["layer"]]) for it in items]
+                if stream:
+                    wait_layer(max((it["layer"] for it in items), default=0))
+                host = wait_layer(-1)
+                views = [_bytes(host[it["kind"]][it["layer"]]) for it in items]
                 if stream:
                     sums = {it["name"]: checksum(v) for it, v in zip(items, views)}
-                    self.results.put((entry, path, sums, None, views))
+                    self.results.put((entry, path, sums, None, views, waited[0]))
                     return
                 sums = write_hashed(path, [it["offset"] for it in items], views,
-                                    [it["name"] for it in items])
-                self.results.put((entry, path, sums, None, []))
+                                    [it["name"] for it in items],
+                                    lambda i: wait_layer(items[i]["layer"]))
+                self.results.put((entry, path, sums, None, [], waited[0]))
             except Exception as e:  # noqa: BLE001 - reported to the coordinator
-                self.results.put((entry, path, None, f"{type(e).__name__}: {e}", []))
+                self.results.put((entry, path, None, f"{type(e).__name__}: {e}", [],
+                                  waited[0]))
 
-        threading.Thread(target=run, name=f"save-{entry}", daemon=True).start()
+        th = threading.Thread(target=run, name=f"save-{entry}", daemon=True)
+        self._saves = [t for t in self._saves if t.is_alive()] + [th]
+        th.start()
+
+    @property
+    def saving(self) -> bool:
+        """A save's thread is at work, or its outcome waits in `results`."""
+        return any(t.is_alive() for t in self._saves) or not self.results.empty()
 
     def load(self, path: str | None, slot: int, items: list[dict[str, Any]],
              frames: list[Any] | None = None) -> int:
@@ -294,27 +367,36 @@ class SnapshotStore:
         return self._staging[which][:nbytes]
 
 
-def write_hashed(path: str, offsets: list[int], views: list[memoryview],
-                 names: list[str]) -> dict[str, str]:
-    """Write each buffer at its offset of the file at `path` and return name -> checksum.
+def write_hashed(path: str, offsets: list[int], views: list[memoryview], names: list[str],
+                 before: Callable[[int], Any] | None = None) -> dict[str, str]:
+    """Write each buffer at its offset of the file at `path` and return name -> checksum;
+    `before(i)`, if given, returns once buffer i holds its bytes (buffers are taken in order).
 
     The checksums are computed on this thread while a writer thread writes the same buffers (the
     hash holds the GIL, the write does not), so a save takes about as long as its writes alone.
     Small buffers that lie back to back in the file go down together in one `pwritev`."""
-    runs: list[tuple[int, list[memoryview]]] = []  # (offset, buffers back to back from there)
-    for off, v in zip(offsets, views):
-        size = sum(len(b) for b in runs[-1][1]) if runs else 0
-        if runs and runs[-1][0] + size == off and size + len(v) <= WRITEV_BYTES \
-                and len(runs[-1][1]) < WRITEV_MAX:
-            runs[-1][1].append(v)
+    runs: list[list[int]] = []  # indices of buffers that lie back to back in the file
+    size = 0
+    for i, (off, v) in enumerate(zip(offsets, views)):
+        if runs and offsets[runs[-1][0]] + size == off and size + len(v) <= WRITEV_BYTES \
+                and len(runs[-1]) < WRITEV_MAX:
+            runs[-1].append(i)
+            size += len(v)
         else:
-            runs.append((off, [v]))
+            runs.append([i])
+            size = len(v)
     fd = os.open(path, os.O_WRONLY)
     pool = ThreadPoolExecutor(1, thread_name_prefix="save-write")
     writes: list[Any] = []
     try:
-        writes = [pool.submit(_pwrite_all, fd, bufs, off) for off, bufs in runs]
-        sums = {name: checksum(v) for name, v in zip(names, views)}
+        sums = {}
+        for run in runs:
+            if before is not None:
+                for i in run:
+                    before(i)
+            writes.append(pool.submit(_pwrite_all, fd, [views[i] for i in run], offsets[run[0]]))
+            for i in run:
+                sums[names[i]] = checksum(views[i])
         for w in writes:
             w.result()
         return sums
@@ -346,6 +428,30 @@ def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
         if n <= 0:
             raise OSError(f"short write ({done} of {want} bytes at offset {offset})")
         done += n
+    start_writeback(fd, offset, want)
+
+
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # (not Linux)
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing bytes [offset, offset + nbytes) of `fd` to the disk now
+    (Linux `sync_file_range`, a hint, not durability: the save's fsync still makes the file
+    durable), so the disk writes while the rest of the file is still being written and the
+    final fsync waits for little more than the last range; without it they all wait for it."""
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)  # (an error: the fsync's)
 
 
 def check_items(store: SnapshotStore, items: Any) -> list[dict[str, Any]]:
@@ -378,11 +484,21 @@ def report_saves(store: SnapshotStore | None,
     if store is None or store.results.empty():
         return False
     while not store.results.empty():
-        entry, path, sums, err, streamed = store.results.get_nowait()
+        entry, path, sums, err, streamed, waited = store.results.get_nowait()
         names = list(sums) if streamed else []  # the frames' order (dicts keep insertion order)
-        send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names),
-             streamed)
+        send(message("saved", entry=entry, path=path, checksums=sums, error=err, names=names,
+                     copy_wait_s=waited), streamed)
     return True
+
+
+SAVE_POLL_MS = 2  # an idle process with a save in flight blocks at most this long
+
+
+def block_ms(store: SnapshotStore | None, timeout_ms: int) -> int:
+    """How long an idle main loop may block on its sockets: while a save is in flight, no
+    more than `SAVE_POLL_MS`, so its outcome goes to the coordinator as it is ready (the file's
+    rename waits for it), not after an idle process's longest sleep (`ipc.serve_loop`)."""
+    return min(timeout_ms, SAVE_POLL_MS) if store is not None and store.saving else timeout_ms
 
 
 SNAP_OPS = ("snap_take", "snap_restore", "snap_drop", "snap_save", "snap_load")

@@ -49,7 +49,7 @@ from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.kernel_profile import kernel_profile
 from layersplit.shards.parked_rows import ParkedRows
-from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, snap_op
+from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, block_ms, snap_op
 from layersplit.shards.worker_cache import ShardCacheOps
 from layersplit.shards.worker_sampling import LastShardSampling
 from layersplit.shards.worker_setup import ShardSetup
@@ -152,7 +152,7 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
     def serve_forever(self) -> None:
         serve(lambda: self.running, self._work,
               lambda: [r for r in (self.inbox, self.proposals) if r is not None],
-              self._poll_sockets, lambda: self.spin_s)
+              lambda ms: self._poll_sockets(block_ms(self.snapshots, ms)), lambda: self.spin_s)
 
     def _work(self) -> bool:
         # (results whose tokens are on the host go before the next step is taken)

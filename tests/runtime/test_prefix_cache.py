@@ -201,6 +201,7 @@ def test_ten_turn_chat_writes_only_new_rows(tiny_llama, tmp_path):
             msgs.append({"role": "assistant", "content": got[0].text})
         st = c.cache.stats
         assert 0 < st.save_wall_s <= st.save_s  # (saves overlap: wall time, not their sum)
+        assert 0 <= st.save_copy_wait_s <= st.save_s  # (the waits are part of the saves)
     for i, (prompt, got, written) in enumerate(turns):
         assert_same_run(got, run_logged(ref, prompt, SamplingParams(max_tokens=6,
                                                                     ignore_eos=True)),

@@ -6,6 +6,7 @@ through partial writes, and a write that fails is reported as the save's error."
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from layersplit.ipc.kv_file import checksum
 from layersplit.ipc.messages import ProtocolError, message
 from layersplit.shards import snapshots
-from layersplit.shards.snapshots import SnapshotStore, report_saves, snap_op, write_hashed
+from layersplit.shards.snapshots import Snap, SnapshotStore, report_saves, snap_op, write_hashed
 
 
 def _store() -> SnapshotStore:
@@ -138,3 +139,58 @@ def test_a_failed_write_is_the_saves_error(tmp_path, monkeypatch):
             str(tmp_path))
     msg, frames = _saved(src)
     assert msg["checksums"] is None and "short write" in msg["error"] and frames == []
+
+
+def test_a_save_takes_each_layer_once_it_is_copied_and_never_a_failed_copy():
+    snap = Snap(0, 10, 0)
+    host = {"k": torch.zeros(3, 10)}
+    got: list = []
+
+    def waiter(layer):
+        try:
+            got.append((layer, snap.wait_layer(layer) is host))
+        except RuntimeError as e:
+            got.append((layer, str(e)))
+
+    ths = [threading.Thread(target=waiter, args=(layer,)) for layer in (-1, 1, 2)]
+    for th in ths:
+        th.start()
+    time.sleep(0.05)
+    assert got == []  # no buffers yet
+    snap.advance(0, host)
+    ths[0].join(5)
+    time.sleep(0.05)
+    assert got == [(-1, True)]  # the buffers exist; layer 1 is not copied yet
+    snap.advance(2)
+    ths[1].join(5)
+    assert got == [(-1, True), (1, True)]
+    snap.error = "RuntimeError: out of pinned memory"  # the copy of layer 2 failed
+    snap.done()
+    ths[2].join(5)
+    assert got[2] == (2, "snapshot copy failed: RuntimeError: out of pinned memory")
+
+
+def test_an_idle_loop_blocks_briefly_while_a_save_is_in_flight(tmp_path, monkeypatch):
+    src = _store()
+    assert snapshots.block_ms(None, 200) == 200 and snapshots.block_ms(src, 200) == 200
+    gate = threading.Event()
+    real = snapshots.write_hashed
+    monkeypatch.setattr(snapshots, "write_hashed", lambda *a: (gate.wait(5), real(*a))[1])
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"\0" * 4096)
+    src.take(1, slot=0, start=0, end=10)
+    snap_op(src, message("snap_save", entry=1, path=str(path), items=_items(), stream=False),
+            str(tmp_path))
+    assert snapshots.block_ms(src, 200) == snapshots.SAVE_POLL_MS  # writing
+    gate.set()
+    deadline = time.monotonic() + 10
+    while src.results.empty():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert snapshots.block_ms(src, 200) == snapshots.SAVE_POLL_MS  # its outcome not yet sent
+    msg, _ = _saved(src)
+    assert msg["error"] is None
+    while src.saving:  # (the thread ends just after handing over its outcome)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert snapshots.block_ms(src, 200) == 200
