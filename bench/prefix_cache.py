@@ -129,8 +129,11 @@ def main() -> None:
             # device -> host copy); the rest is the file's write, checksums, fsync and rename
             # (one entry a length: a prompt that is a multiple of the chunk)
             row["save_copy_wait_s"] = st.save_copy_wait_s
-            row["save_after_copy_GBps"] = st.bytes_written / max(
-                st.save_wall_s - st.save_copy_wait_s, 1e-9) / 1e9
+            # (None where the waits, summed over overlapping saves, reach the wall time: the
+            # difference would mean nothing)
+            after = st.save_wall_s - st.save_copy_wait_s
+            row["save_after_copy_GBps"] = (st.bytes_written / after / 1e9
+                                           if after > 0.1 * st.save_wall_s else None)
             # the baseline at once: the same bytes written and fsynced into the same directory,
             # twice (the faster counts: a disk still busy after the saves would flatter them)
             row["raw_write_runs_GBps"] = [raw_write(d, row["file_bytes"]) / 1e9 for _ in range(2)]
@@ -160,7 +163,9 @@ def main() -> None:
         nbytes, dt = raw_read(files)
         row["raw_read_warm_GBps"] = nbytes / dt / 1e9
         row["save_vs_raw_write"] = row["save_GBps"] / row["raw_write_GBps"]
-        row["save_after_copy_vs_raw_write"] = row["save_after_copy_GBps"] / row["raw_write_GBps"]
+        row["save_after_copy_vs_raw_write"] = (
+            None if row["save_after_copy_GBps"] is None
+            else row["save_after_copy_GBps"] / row["raw_write_GBps"])
         row["restore_vs_raw_read"] = row["disk_cold_GBps"] / row["raw_read_cold_GBps"]
         # the choice the runtime makes from the rates it measured in this run, vs the truth
         est_restore_s = row["file_bytes"] / row["disk_cold_rate_Bps"]

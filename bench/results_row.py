@@ -271,7 +271,8 @@ def cache(args) -> list[tuple[str, str, str]]:
         if "save_vs_raw_write" in r:
             after = (f"; {r['save_after_copy_vs_raw_write']:.2f} × after the "
                      f"{r['save_copy_wait_s']:.2f} s snapshot copy"
-                     if "save_copy_wait_s" in r else "")  # (rows measured before it was)
+                     if r.get("save_after_copy_vs_raw_write") is not None else "")  # (rows
+            # measured before it was, or saves that overlapped)
             ours += (f"; save {r['save_GBps']:.2f} GB/s ({r['save_vs_raw_write']:.2f} × raw "
                      f"write{after}), restore {r['restore_vs_raw_read']:.2f} × raw read")
             base += f", raw write + fsync {r['raw_write_GBps']:.2f} GB/s"

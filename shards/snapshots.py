@@ -60,7 +60,9 @@ class Snap:
                 self.host is not None and self.copied > layer))
         if self.error is not None:
             raise RuntimeError(f"snapshot copy failed: {self.error}")
-        assert self.host is not None
+        if self.host is None or (self.rows is None and self.copied <= layer):  # (the copy's
+            # thread ended early, without an error of its own)
+            raise RuntimeError(f"snapshot copy ended before layer {layer} was copied")
         return self.host
 
     def advance(self, copied: int, host: dict[str, torch.Tensor] | None = None) -> None:
@@ -434,7 +436,7 @@ def _pwrite_all(fd: int, bufs: list[memoryview], offset: int) -> None:
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # (not Linux)
+    except (OSError, AttributeError, TypeError):  # (not Linux)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int

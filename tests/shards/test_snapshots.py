@@ -194,3 +194,16 @@ def test_an_idle_loop_blocks_briefly_while_a_save_is_in_flight(tmp_path, monkeyp
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert snapshots.block_ms(src, 200) == 200
+
+
+def test_a_copy_that_ended_early_is_never_written():
+    """A snapshot's copy whose thread ended (no error of its own) before a layer was copied:
+    a save waiting for that layer fails, rather than write rows that were never copied."""
+    from layersplit.shards.snapshots import Snap
+
+    snap = Snap(0, 4, 0, 0)
+    snap.advance(1, {"k": torch.zeros(3, 4)})
+    snap.done()
+    assert snap.wait_layer(0)["k"].shape == (3, 4)
+    with pytest.raises(RuntimeError, match="ended before layer 2"):
+        snap.wait_layer(2)
