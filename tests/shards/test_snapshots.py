@@ -199,8 +199,6 @@ def test_an_idle_loop_blocks_briefly_while_a_save_is_in_flight(tmp_path, monkeyp
 def test_a_copy_that_ended_early_is_never_written():
     """A snapshot's copy whose thread ended (no error of its own) before a layer was copied:
     a save waiting for that layer fails, rather than write rows that were never copied."""
-    from layersplit.shards.snapshots import Snap
-
     snap = Snap(0, 4, 0, 0)
     snap.advance(1, {"k": torch.zeros(3, 4)})
     snap.done()
