@@ -8,6 +8,7 @@ channel is never left half-read. No pickle anywhere.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -219,6 +220,15 @@ class ProtocolError(ValueError):
         super().__init__(message)
         self.code = code
         self.sid: int | None = None
+
+
+def optional_seconds(msg: dict[str, Any], name: str) -> float:
+    """An optional duration field of `msg` (0 where absent); ProtocolError naming it where it is
+    not a finite, non-negative float."""
+    v = msg.get(name, 0.0)
+    if type(v) is not float or not 0.0 <= v < math.inf:
+        raise ProtocolError(f"{msg.get('type')}: {name} must be a duration in seconds, got {v!r}")
+    return v
 
 
 def message(type_: str, **fields: Any) -> dict[str, Any]:

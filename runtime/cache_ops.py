@@ -40,7 +40,7 @@ from layersplit.ipc.kv_file import (
     read_layout,
     write_header,
 )
-from layersplit.ipc.messages import message
+from layersplit.ipc.messages import ProtocolError, message, optional_seconds
 from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.prefix_cache import BusySpans, Entry, PrefixIndex, fsync_dir, metadata_for
@@ -581,10 +581,8 @@ class CacheManager:
     # ---- disk writes ----------------------------------------------------------------------------
     def _save(self, e: Entry) -> None:
         vocab = self.coord.model_config.vocab_size
-        tensors = []
-        for s in range(len(self.split)):
-            for layer, kind, _, code, shape in self.shard_tensors(s, e.length - e.start):
-                tensors.append((kv_name(s, layer, kind), code, shape))
+        tensors = [(kv_name(s, layer, kind), code, shape) for s in range(len(self.split))
+                   for layer, kind, _, code, shape in self.shard_tensors(s, e.length - e.start)]
         tensors += [("tokens", "I32", (e.length,)), ("prefill_logits", "F32", (vocab,))]
         meta = np.asarray([self.feature_width, *self.taps], dtype="<i4")
         if e.features:
@@ -681,8 +679,10 @@ class CacheManager:
         if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
             return  # not one of this run's saves (e.g. a remote shard's earlier run)
         job.waiting.discard(shard)
-        if isinstance(waited := msg.get("copy_wait_s"), float) and 0.0 <= waited < math.inf:
-            job.copy_wait_s = max(job.copy_wait_s, waited)
+        try:
+            job.copy_wait_s = max(job.copy_wait_s, optional_seconds(msg, "copy_wait_s"))
+        except ProtocolError as e:  # (a statistic only: the save goes on)
+            log.warning("prefix cache: shard %d's save: %s", shard, e)
         if not msg["error"]:
             why = self._take_streamed(job, shard, msg, frames)
             if why is not None:

@@ -13,6 +13,7 @@ from layersplit.ipc.messages import (
     decode,
     encode,
     message,
+    optional_seconds,
     segment,
 )
 
@@ -131,3 +132,12 @@ def test_the_largest_step_header_fits_a_ring_slot():
     m = message("step", sid=2**40, seqs=[seg] * MAX_SEGMENTS,
                 act={"dtype": "bfloat16", "shape": [8192, 8192]})
     assert len(encode(m)) <= HEADER_CAP
+
+
+def test_an_optional_duration_is_checked_by_name():
+    saved = message("saved", entry=1, path="p", checksums=None, error=None, names=[])
+    assert optional_seconds(saved, "copy_wait_s") == 0.0  # (absent: an older shard's)
+    assert optional_seconds({**saved, "copy_wait_s": 0.25}, "copy_wait_s") == 0.25
+    for bad in (True, 1, -0.5, float("nan"), float("inf"), "0.1", None):
+        with pytest.raises(ProtocolError, match=r"saved: copy_wait_s must be a duration"):
+            optional_seconds({**saved, "copy_wait_s": bad}, "copy_wait_s")
