@@ -198,11 +198,12 @@ def _llama_cpp(model: str | Path, device: str, context: int):
 
 
 def half_agreement(model: str | Path, refs: list[ReferenceRun], dtype: str, device: str,
-                   new_tokens: int, stop_ids: Sequence[int]) -> dict:
+                   new_tokens: int, stop_ids: Sequence[int], stepwise: bool = True) -> dict:
     """transformers in `dtype` against its own float32 run (`refs`): teacher-forced on the
     float32 tokens, the whole sequence in one forward and (`stepwise`) as our check feeds the
     runtime, the prompt's prefill and then one token a step on its KV cache; and free-running.
-    (Each way rounds its own way; `stepwise` is the one shaped like ours.)"""
+    (Each way rounds its own way; `stepwise` is the one shaped like ours. It costs a forward per
+    token: `stepwise=False` leaves it out where only the free-running count is wanted.)"""
     torch = _require("transformers", "torch")
     hf = load_transformers(model, device, dtype)
     agree, equal = Agreement(), 0
@@ -215,19 +216,21 @@ def half_agreement(model: str | Path, refs: list[ReferenceRun], dtype: str, devi
         past[0] = out.past_key_values
         return out.logits[0, -1].float().cpu().numpy()
 
-    stepwise = Agreement()
+    by_step = Agreement()
     for ref in refs:
         ids = torch.tensor([ref.prompt + ref.tokens[:-1]], device=device)
         with torch.no_grad():
             logits = hf(input_ids=ids).logits[0, len(ref.prompt) - 1:].float().cpu().numpy()
         agree.add(ref.logits, logits)
-        rows = [step(list(ref.prompt), True)] + [step([t], False) for t in ref.tokens[:-1]]
-        stepwise.add(ref.logits, np.stack(rows).astype(np.float32))
+        if stepwise:
+            rows = [step(list(ref.prompt), True)] + [step([t], False) for t in ref.tokens[:-1]]
+            by_step.add(ref.logits, np.stack(rows).astype(np.float32))
         free = greedy_continuation(step, ref.prompt, new_tokens, stop_ids)
         equal += free.tokens == ref.tokens
     past[0] = None
     hf = None  # (freed before the next model loads)
     if str(device).startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"who": f"transformers {dtype}", **agree.to_json(), "stepwise": stepwise.to_json(),
+    return {"who": f"transformers {dtype}", **agree.to_json(),
+            **({"stepwise": by_step.to_json()} if stepwise else {}),
             "greedy_equal": equal, "prompts": len(refs)}

@@ -271,3 +271,5 @@ def test_half_agreement_runs_transformers_whole_and_stepwise(model):
     wrong = [ReferenceRun(r.prompt, [(t + 1) % 300 for t in r.tokens], r.logits) for r in refs]
     off = half_agreement(model, wrong, "float32", "cpu", 8, [])
     assert off["stepwise"]["mean_kl"] > 1e-3 and off["greedy_equal"] == 0
+    free_only = half_agreement(model, refs, "float32", "cpu", 8, [], stepwise=False)
+    assert "stepwise" not in free_only and free_only["greedy_equal"] == 2
