@@ -169,7 +169,7 @@ class Engine:
             while not stopping:  # take every job that waits (block only when idle, and only
                 # until the next turn to keep is due)
                 wait_s = 0.2 if not self._to_keep else \
-                    min(0.2, max(0.0, self._to_keep[0][0] - time.perf_counter()))
+                    min(0.2, max(0.0, min(w for w, _ in self._to_keep) - time.perf_counter()))
                 try:
                     job = self.jobs.get(timeout=wait_s) if not busy else self.jobs.get_nowait()
                 except queue.Empty:
@@ -329,6 +329,8 @@ class Engine:
         for i in range(1 if shared else req.n):
             a = self._submit_choice(job, i, keep_at if i == 0 else None)
             if a is None:
+                if keep_at is not None:  # (the keep it took over runs after all)
+                    self._to_keep.append((time.perf_counter(), job.prompt_ids[:keep_at]))
                 for b in started:
                     coord.batcher.cancel(b.req)
                 return []
@@ -355,7 +357,8 @@ class Engine:
                      else ("error", 503, str(e)))
             return None
         job.started.append(r)
-        return Active(job, r, progress, len(job.prompt_ids), index)
+        kept = job.prompt_ids[:keep_at] if keep_at is not None else None
+        return Active(job, r, progress, len(job.prompt_ids), index, keep=kept)
 
     def _start_followers(self) -> list[Active]:
         """The other choices of the jobs whose first choice has its first token (its prompt's
@@ -397,6 +400,9 @@ class Engine:
             self.coord.batcher.cancel(req)  # its slot is free at once
         if not req.done:
             return False
+        if a.keep is not None and a.progress.first_token_at is None:  # (it ended before its
+            # prefill passed the turn it took over: the keep runs after all)
+            self._to_keep.append((time.perf_counter(), a.keep))
         if req.error is not None and not a.job.cancelled:
             e = req.error
             if isinstance(e, ShardFailure):
@@ -507,6 +513,7 @@ class Active:
     index: int = 0  # its choice of the job (n > 1)
     last: float | None = None  # when its last token went out
     sent: bool = False  # a delta of it went out
+    keep: list[int] | None = None  # the finished turn whose keep it took over (`keep_at`)
 
 
 def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:
