@@ -11,9 +11,11 @@ prefilled, decode tok/s; a table last, and `--json` for bench/results_row.py (`a
 
 Each turn of ours also reads the server's time to its first token phase by phase (its
 /metrics, `layersplit_time_to_first_token_phase_seconds`): `prefill` is the steps of the new
-tokens alone, the rest is everything else (parsing, tokenizing, waiting, restoring); the table
-gives both, and the medians from turn 2 (the turn after the restart left out) with TTFT /
-prefill.
+tokens alone, the rest is everything else (parsing, tokenizing, waiting, restoring), and
+`outside` the TTFT outside the server's clock (HTTP and the connection both ways, the client);
+the table gives both, and the medians from turn 2 (the turn after the restart left out) with
+TTFT / prefill. The client keeps its connection across turns, as an agent's does: TTFT is
+measured from the request's send, not from building a client.
 
 The sizes default to the agent shape: a system prompt of about 2,048 tokens, tool results of
 200-2,000 tokens and answers of 100-1,000 tokens (spread evenly over the turns, largest last).
@@ -123,14 +125,18 @@ class Served:
         return self.ready_after
 
 
-def ask(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict) -> dict:
-    """One streamed chat turn: its text and timings, and the usage the server reports."""
+def ask(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int,
+        extra: dict) -> dict:
+    """One streamed chat turn: its text and timings, and the usage the server reports. `client`
+    is the session's (its connection kept alive across turns, as an agent's HTTP client keeps
+    it): building a client per turn would count its setup (httpx loads its CA bundle, ~20 ms)
+    and a new TCP connection in the TTFT."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0 = time.perf_counter()
     first = last = None
     text, usage, pieces = [], None, 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
+    t0 = time.perf_counter()
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=3600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {r.read()[:500]!r}")
         for line in r.iter_lines():
@@ -160,16 +166,29 @@ def ask(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict
 PHASES = "layersplit_time_to_first_token_phase_seconds_sum"
 
 
-def phase_sums(url: str) -> dict[str, float]:
+def phase_sums(client: httpx.Client, url: str) -> dict[str, float]:
     """The server's summed time-to-first-token phases so far, in seconds (its /metrics:
     `layersplit_time_to_first_token_phase_seconds`); {} from a server without them."""
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        text = client.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
     out = {}
     for m in re.finditer(PHASES + r'\{phase="(\w+)"\} (\S+)', text):
         out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def turn_phases(ttft_s: float, before: dict[str, float], after: dict[str, float]
+                ) -> dict[str, float]:
+    """A turn's TTFT phase by phase, in ms: the server's (the difference of its sums before and
+    after the turn), then `outside`: the rest of the client's TTFT, outside the server's clock
+    (the request's way from the client to the server's handler, the first token's chunk's way
+    back: HTTP, the connection, the client). {} without the server's phases."""
+    if not after:
+        return {}
+    out = {k: (v - before.get(k, 0.0)) * 1e3 for k, v in after.items()}
+    out["outside"] = ttft_s * 1e3 - sum(out.values())
     return out
 
 
@@ -191,25 +210,28 @@ def conversation(tok: TextTokenizer, args) -> tuple[str, list[str], list[int]]:
 
 def run_session(name: str, server: Served, tok: TextTokenizer, args, extra: dict) -> dict:
     system, tools, answers = conversation(tok, args)
-    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    client = httpx.Client()  # (one per server run: its connection is kept across turns)
+    model = client.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     messages = [{"role": "system", "content": system},
                 {"role": "user", "content": "Find why the tests of the cache module fail and "
                                             "fix them. Start by reading the sources."}]
     turns, t0, away = [], time.perf_counter(), 0.0
-    sums = phase_sums(server.url)
+    sums = phase_sums(client, server.url)
     for i in range(args.turns):
         restart = None
         if i == args.turns // 2 and i > 0:
             t_r = time.perf_counter()
             restart = server.restart()  # (until it is ready)
             away = time.perf_counter() - t_r
-            sums = phase_sums(server.url)
+            client.close()
+            client = httpx.Client()  # (its connection opened by the first /metrics)
+            sums = phase_sums(client, server.url)
         messages.append({"role": "user", "content": tools[i]})
-        r = ask(server.url, model, messages, answers[i], extra)
+        r = ask(client, server.url, model, messages, answers[i], extra)
         r.update(turn=i + 1, restart_s=restart, answer_tokens_asked=answers[i])
-        now = phase_sums(server.url)  # (the server's phases of this turn's first token)
+        now = phase_sums(client, server.url)  # (the server's phases of this turn's first token)
         if now:
-            r["phases_ms"] = {k: (v - sums.get(k, 0.0)) * 1e3 for k, v in now.items()}
+            r["phases_ms"] = turn_phases(r["ttft_s"], sums, now)
         sums = now
         if r["cached_tokens"] is not None and r["prompt_tokens"] is not None:
             r["prefilled"] = r["prompt_tokens"] - r["cached_tokens"]
@@ -222,6 +244,7 @@ def run_session(name: str, server: Served, tok: TextTokenizer, args, extra: dict
               + (f" (after a restart, ready in {restart:.1f} s)" if restart else "")
               + (" [" + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) + " ms]"
                  if ph else ""), flush=True)
+    client.close()
     return {"server": name, "turns": turns,
             "session_s": time.perf_counter() - t0 - away}  # (the restart left out)
 

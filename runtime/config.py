@@ -114,6 +114,11 @@ class RuntimeConfig:
                                    "conversation up to its end of turn, as the next turn's "
                                    "prompt starts) when at least this many of its tokens are "
                                    "not cached yet; 0 = never (docs/prefix-cache.md, answers)")
+    keep_answers_delay_ms: float = _field(50.0, "a server keeps a finished answer once this "
+                                                "long has passed with no request continuing "
+                                                "it; a request that continues it sooner "
+                                                "prefills it with its own new tokens and keeps "
+                                                "it (no wait behind the keep); 0 = at once")
     draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
                                 "target's tokenizer (classic), 'default' (the bundled draft of "
                                 "the default model), 'none'; auto = the bundled draft when the "
@@ -254,6 +259,9 @@ class RuntimeConfig:
             raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
         if self.keep_answers < 0:
             raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
+        if not self.keep_answers_delay_ms >= 0:
+            raise ConfigError(f"keep_answers_delay_ms={self.keep_answers_delay_ms}: must be at "
+                              f"least 0 (0: at once)")
         if self.spec_policy not in SPEC_POLICY:
             raise ConfigError(f"spec_policy={self.spec_policy!r}: must be one of "
                               f"{', '.join(SPEC_POLICY)}")

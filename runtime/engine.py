@@ -68,6 +68,9 @@ class Engine:
         self._stop_at = float("inf")
         self.fatal: str | None = None
         self._followers: list[Active] = []  # first choices whose job's others wait for them
+        # finished turns to keep in the prefix cache, each once its time comes (perf_counter)
+        # unless a request continues it first (`_keep_turn`, `_take_over_keep`)
+        self._to_keep: list[tuple[float, list[int]]] = []
         self._grammars: Any = None  # runtime.grammar.GrammarCompiler, once a request needs it
         self._grammars_lock = threading.Lock()
 
@@ -163,9 +166,12 @@ class Engine:
         while True:
             busy = any(not a.req.done or a.req.deltas for a in active) or (
                 self.coord is not None and self.coord.batcher.busy)
-            while not stopping:  # take every job that waits (block only when idle)
+            while not stopping:  # take every job that waits (block only when idle, and only
+                # until the next turn to keep is due)
+                wait_s = 0.2 if not self._to_keep else \
+                    min(0.2, max(0.0, min(w for w, _ in self._to_keep) - time.perf_counter()))
                 try:
-                    job = self.jobs.get(timeout=0.2) if not busy else self.jobs.get_nowait()
+                    job = self.jobs.get(timeout=wait_s) if not busy else self.jobs.get_nowait()
                 except queue.Empty:
                     break
                 self.metrics.queue.set(self.jobs.qsize())
@@ -178,6 +184,8 @@ class Engine:
                         active.extend(started)
                         busy = True
             coord = self.coord
+            if self._to_keep and coord is not None:
+                self._start_keeps(everything=stopping)  # (a server that stops keeps them all)
             if stopping:
                 active = self._shut_out(active)
             if stopping and not active and (coord is None or not coord.batcher.busy or
@@ -315,10 +323,14 @@ class Engine:
         # the others start once its first token is out, from that snapshot (no prefill)
         shared = (req.n > 1 and req.use_cache and coord.cache is not None and
                   (req.decoding is None or req.decoding.prompt_logprobs is None))
+        keep_at = self._take_over_keep(job.prompt_ids) if req.use_cache and (
+            req.decoding is None or req.decoding.prompt_logprobs is None) else None
         started = []
         for i in range(1 if shared else req.n):
-            a = self._submit_choice(job, i)
+            a = self._submit_choice(job, i, keep_at if i == 0 else None)
             if a is None:
+                if keep_at is not None:  # (the keep it took over runs after all)
+                    self._to_keep.append((time.perf_counter(), job.prompt_ids[:keep_at]))
                 for b in started:
                     coord.batcher.cancel(b.req)
                 return []
@@ -328,7 +340,8 @@ class Engine:
         job.marks["queued"] = time.perf_counter()
         return started
 
-    def _submit_choice(self, job: Job, index: int) -> Active | None:
+    def _submit_choice(self, job: Job, index: int, keep_at: int | None = None
+                       ) -> Active | None:
         """Queue choice `index` of a tokenized job; None if it failed (the job is told)."""
         coord, req = self.coord, job.req
         params = req.params
@@ -337,13 +350,15 @@ class Engine:
         progress = Progress()
         try:
             r = coord.submit(job.prompt_ids, params, progress, use_cache=req.use_cache,
-                             speculative=req.speculative, decoding=req.decoding)
+                             speculative=req.speculative, decoding=req.decoding,
+                             keep_at=keep_at)
         except (ValueError, ShardFailure) as e:
             job.emit(("error", 400, RequestError(str(e), None)) if isinstance(e, ValueError)
                      else ("error", 503, str(e)))
             return None
         job.started.append(r)
-        return Active(job, r, progress, len(job.prompt_ids), index)
+        kept = job.prompt_ids[:keep_at] if keep_at is not None else None
+        return Active(job, r, progress, len(job.prompt_ids), index, keep=kept)
 
     def _start_followers(self) -> list[Active]:
         """The other choices of the jobs whose first choice has its first token (its prompt's
@@ -385,6 +400,9 @@ class Engine:
             self.coord.batcher.cancel(req)  # its slot is free at once
         if not req.done:
             return False
+        if a.keep is not None and a.progress.first_token_at is None:  # (it ended before its
+            # prefill passed the turn it took over: the keep runs after all)
+            self._to_keep.append((time.perf_counter(), a.keep))
         if req.error is not None and not a.job.cancelled:
             e = req.error
             if isinstance(e, ShardFailure):
@@ -437,8 +455,9 @@ class Engine:
 
     def _keep_turn(self, a: Active) -> None:
         """Keep the finished conversation in the prefix cache as its next turn will start
-        (`runtime.turns`, `RequestFlow.keep_turn`); a template that cannot render it keeps
-        nothing."""
+        (`runtime.turns`, `RequestFlow.keep_turn`), `keep_answers_delay_ms` from now: a request
+        that continues it sooner keeps it itself (`_take_over_keep`), so it never waits behind
+        the keep's restore and prefill; a template that cannot render it keeps nothing."""
         try:
             tokens = next_turn_tokens(self.tokenizer, a.job.req, a.job.prompt_ids,
                                       a.progress.generated, a.progress.text)
@@ -449,10 +468,38 @@ class Engine:
             # client waits for must not turn into a 500 because a template or filter failed
             log.warning("the answer is not kept: %s: %s", type(e).__name__, e)
             return
+        delay_s = self.config.keep_answers_delay_ms / 1e3
+        if delay_s > 0:
+            kept = self.coord.turn_to_keep(tokens)
+            if kept is not None:
+                self._to_keep.append((time.perf_counter() + delay_s, kept))
+            return
+        self._keep_now(tokens)
+
+    def _keep_now(self, tokens: list[int]) -> None:
         try:
             self.coord.keep_turn(tokens)
         except ValueError as e:  # (tokens the prompt checks refuse: nothing to keep)
             log.info("the answer is not kept: %s", e)
+
+    def _start_keeps(self, everything: bool) -> None:
+        """Keep the finished turns whose time has come (all of them: `everything`)."""
+        now = time.perf_counter()
+        due = [t for when, t in self._to_keep if everything or when <= now]
+        self._to_keep = [(when, t) for when, t in self._to_keep if not everything and when > now]
+        for tokens in due:
+            self._keep_now(tokens)
+
+    def _take_over_keep(self, prompt: list[int]) -> int | None:
+        """The end of a finished turn not kept yet that `prompt` continues, or None: the
+        prompt's request snapshots there (`RequestFlow.submit`'s `keep_at`), prefilling the
+        turn's answer with its own new tokens, and the keep is dropped. (The rows are the
+        keep's: its end is a chunk boundary of both, and chunk boundaries follow the tokens.)"""
+        for i, (_, tokens) in enumerate(self._to_keep):
+            if len(tokens) <= len(prompt) and prompt[:len(tokens)] == tokens:
+                del self._to_keep[i]
+                return len(tokens)
+        return None
 
 
 @dataclasses.dataclass
@@ -466,6 +513,7 @@ class Active:
     index: int = 0  # its choice of the job (n > 1)
     last: float | None = None  # when its last token went out
     sent: bool = False  # a delta of it went out
+    keep: list[int] | None = None  # the finished turn whose keep it took over (`keep_at`)
 
 
 def phases(job: Job, progress: Progress, first_out: float) -> dict[str, float]:

@@ -52,10 +52,12 @@ class RequestFlow:
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, progress: Progress,
                use_cache: bool = True, speculative: bool | None = None,
-               decoding: Decoding | None = None) -> Request:
+               decoding: Decoding | None = None, keep_at: int | None = None) -> Request:
         """Queue one prompt in the batch (`batcher.run_once` then runs it); its tokens appear
         in the request's `tokens` as they are generated. `decoding`: logprobs and logits
-        processors (`runtime.decoding`); the logprobs land in `progress`."""
+        processors (`runtime.decoding`); the logprobs land in `progress`. `keep_at`: a chunk
+        boundary of the prompt where it snapshots too (the end of a finished turn it continues,
+        `turn_to_keep`, that no keep has cached: the entry the keep would have made)."""
         self._ensure_up()
         self.check_prompt(prompt)
         if self.tokenizer is None and params.stop:
@@ -88,7 +90,7 @@ class RequestFlow:
                 if progress.logits is not None:
                     progress.logits.clear()
             return self._program(holder[0], prompt + done, params, progress, use_cache,
-                                 speculative, slot, dec, seed, holder[0].shared)
+                                 speculative, slot, dec, seed, holder[0].shared, keep_at)
 
         # a request that takes nothing from the cache takes no live prefix either (every row
         # of a prompt-logprobs request, or of one asked to run alone, is computed)
@@ -114,6 +116,17 @@ class RequestFlow:
         with the draft's feature rows, in the RAM and disk tiers. A request whose prompt starts
         with them waits for this one and restores them. None where nothing is kept: no cache,
         or fewer than `keep_answers` new tokens (docs/prefix-cache.md, answers)."""
+        tokens = self.turn_to_keep(tokens)
+        if tokens is None:
+            return None
+        req = self.submit(tokens, SamplingParams(max_tokens=1), Progress(), use_cache=True,
+                          speculative=False)
+        self._kept.append((tokens, req))
+        return req
+
+    def turn_to_keep(self, tokens: Sequence[int]) -> list[int] | None:
+        """What `keep_turn` would keep of a finished turn's `tokens`: them cut at their last
+        chunk boundary; None where it keeps nothing."""
         if self.cache is None or self.config.keep_answers <= 0 or self.batcher is None or \
                 self.failed is not None:
             return None
@@ -123,10 +136,7 @@ class RequestFlow:
         if not tokens or end >= self.config.max_context or \
                 end - self.cache.cached_rows(tokens) < self.config.keep_answers:
             return None
-        req = self.submit(tokens, SamplingParams(max_tokens=1), Progress(), use_cache=True,
-                          speculative=False)
-        self._kept.append((tokens, req))
-        return req
+        return tokens
 
     def deltas(self, req: Request) -> Iterator[Delta]:
         """The request's text deltas as the batch produces them (running the batch meanwhile);
@@ -153,7 +163,8 @@ class RequestFlow:
     def _program(self, req: Request, prompt: list[int], params: SamplingParams,
                  progress: Progress, use_cache: bool, speculative: bool | None,
                  slot: int, decoding: Decoding | None = None,
-                 seed: int | None = None, shared: int = 0) -> Program:
+                 seed: int | None = None, shared: int = 0,
+                 keep_at: int | None = None) -> Program:
         """One request in KV slot `slot`: restore its longest cached prefix, prefill the rest in
         chunks (snapshotting at its cache points), then decode, speculatively when the draft
         serves (unless `speculative` is False) and fewer than `spec_max_seqs` sequences feed
@@ -221,7 +232,8 @@ class RequestFlow:
             if cache is not None and shared:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
                 last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
-                points = sorted({p for p in (last_cut, len(prompt)) if p > shared})
+                points = sorted({p for p in (last_cut, len(prompt), keep_at)
+                                 if p is not None and p > shared})
             elif cache is not None:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
                 restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
@@ -229,7 +241,8 @@ class RequestFlow:
                 # snapshot at the last cut inside the prompt (restorable into any longer prompt)
                 # and at its very end (an exact repeat then needs no forward pass)
                 last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
-                points = sorted({p for p in (last_cut, len(prompt)) if p > restored.length})
+                points = sorted({p for p in (last_cut, len(prompt), keep_at)
+                                 if p is not None and p > restored.length})
             # the draft's context is whole if every row it needs came from this sequence's steps
             # or from the cache with its feature rows
             req.feed = context if self.feeding else None

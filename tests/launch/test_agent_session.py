@@ -22,7 +22,8 @@ openai = pytest.importorskip("openai")
 MODEL = "llama"
 CHUNK, EOS = 16, (2,)  # the test server's prefill chunk; the tiny model's end of turn
 ANSWER = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-SERVE = ("--keep-answers", "4", "--max-context", "1024")
+SERVE = ("--keep-answers", "4", "--keep-answers-delay-ms", "0",  # (kept before the next turn)
+         "--max-context", "1024")
 SYSTEM = {"role": "system", "content": "you are an agent: read the files, then answer briefly"}
 
 
