@@ -114,11 +114,11 @@ class RuntimeConfig:
                                    "conversation up to its end of turn, as the next turn's "
                                    "prompt starts) when at least this many of its tokens are "
                                    "not cached yet; 0 = never (docs/prefix-cache.md, answers)")
-    keep_answers_delay_ms: float = _field(50.0, "a server keeps a finished answer once this "
-                                                "long has passed with no request continuing "
-                                                "it; a request that continues it sooner "
-                                                "prefills it with its own new tokens and keeps "
-                                                "it (no wait behind the keep); 0 = at once")
+    keep_answers_delay_ms: float = _field(0.0, "a server keeps a finished answer once this "
+                                               "long has passed with no request continuing "
+                                               "it; a request that continues it sooner "
+                                               "prefills it with its own new tokens and keeps "
+                                               "it (no wait behind the keep); 0 = at once")
     draft: str = _field("auto", "speculative draft: a DFlash folder, any smaller model with the "
                                 "target's tokenizer (classic), 'default' (the bundled draft of "
                                 "the default model), 'none'; auto = the bundled draft when the "
