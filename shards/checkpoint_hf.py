@@ -48,6 +48,16 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, copied where it lies in host memory at an address that is not a multiple of 64
+    bytes (a tensor read in place from a safetensors file sits at its offset in the file): CPU
+    matmul kernels take other paths, summing in another order, on unaligned operands, so a
+    weight's arithmetic would turn on where its file put it, not on its values."""
+    if t.device.type == "cpu" and t.data_ptr() % 64:
+        return t.clone()
+    return t
+
+
 def _open(path: Path, framework: str = "pt"):
     """`framework` "numpy" to read names only: "pt" imports torch (the coordinator reads the
     names, never the tensors)."""
@@ -290,6 +300,6 @@ class HFCheckpoint:
                                 + (f"without a {src + SCALE_SUFFIX!r} beside it" if self.fp8
                                    else "but config.json has no quantization_config with "
                                    "quant_method 'fp8'"))
-                        cache[src] = t.to(device=device, dtype=dtype or t.dtype)
+                        cache[src] = aligned(t.to(device=device, dtype=dtype or t.dtype))
                     out[name] = cache[src]
         return out

@@ -228,3 +228,20 @@ def test_a_random_weight_fp8_shape_keeps_its_projections(tmp_path):
     logits = RangeExecutor(model, max_len=64).run(torch.arange(1, 9), 0, all_logits=True)
     assert logits.shape == (8, 320) and torch.isfinite(logits).all()
     assert open_checkpoint("random:llama-8b-fp8").fp8.block == (128, 128)
+
+
+def test_weights_read_from_a_file_lie_aligned_as_dequantized_ones(tiny_llama, tmp_path):
+    """A dense checkpoint's weights, read in place from its safetensors file, sit at their file
+    offsets (8 past a multiple of 64 there): CPU matmul kernels on such operands sum in another
+    order than on the 64-byte aligned tensors an FP8 checkpoint dequantizes into (AVX-512
+    machines: logits 7e-6 apart on the same values). So every weight read lies aligned, and the
+    two checkpoints give the same logits on any CPU."""
+    dense = tmp_path / "dense"
+    shutil.copytree(tiny_llama, dense)
+    fp8 = write_fp8(dense, tmp_path / "fp8")
+    for path in (dense, fp8):
+        ckpt = open_checkpoint(path)
+        model = load_layer_range(ckpt, 0, ckpt.config.num_layers, torch.float32, "cpu")
+        odd = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+               if t.data_ptr() % 64]
+        assert not odd, (path.name, odd[:4])
