@@ -195,7 +195,7 @@ def turn_phases(ttft_s: float, before: dict[str, float], after: dict[str, float]
 def host_ms(t: dict) -> float | None:
     """A turn's time to its first token in the server other than its prefill's steps."""
     p = t.get("phases_ms")
-    return sum(v for k, v in p.items() if k != "prefill") if p else None
+    return sum(v for k, v in p.items() if k not in ("prefill", "outside")) if p else None
 
 
 def conversation(tok: TextTokenizer, args) -> tuple[str, list[str], list[int]]:

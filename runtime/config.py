@@ -259,9 +259,9 @@ class RuntimeConfig:
             raise ConfigError(f"warmup={self.warmup!r}: must be one of {', '.join(WARMUP)}")
         if self.keep_answers < 0:
             raise ConfigError(f"keep_answers={self.keep_answers}: must be at least 0 (0: never)")
-        if not self.keep_answers_delay_ms >= 0:
-            raise ConfigError(f"keep_answers_delay_ms={self.keep_answers_delay_ms}: must be at "
-                              f"least 0 (0: at once)")
+        if not 0 <= self.keep_answers_delay_ms <= 60_000:
+            raise ConfigError(f"keep_answers_delay_ms={self.keep_answers_delay_ms}: must be "
+                              f"from 0 (at once) to 60000 (a minute)")
         if self.spec_policy not in SPEC_POLICY:
             raise ConfigError(f"spec_policy={self.spec_policy!r}: must be one of "
                               f"{', '.join(SPEC_POLICY)}")

@@ -168,7 +168,7 @@ class Engine:
                 self.coord is not None and self.coord.batcher.busy)
             while not stopping:  # take every job that waits (block only when idle, and only
                 # until the next turn to keep is due)
-                wait_s = 0.2 if not self._to_keep else \
+                wait_s = 0.2 if not self._to_keep or self.coord is None else \
                     min(0.2, max(0.0, min(w for w, _ in self._to_keep) - time.perf_counter()))
                 try:
                     job = self.jobs.get(timeout=wait_s) if not busy else self.jobs.get_nowait()
@@ -188,6 +188,8 @@ class Engine:
                 self._start_keeps(everything=stopping)  # (a server that stops keeps them all)
             if stopping:
                 active = self._shut_out(active)
+                if self._to_keep and coord is not None:  # (keeps the requests it dropped
+                    self._start_keeps(everything=True)  # took over)
             if stopping and not active and (coord is None or not coord.batcher.busy or
                                             time.monotonic() > self._stop_at):
                 break  # (answers being kept in the prefix cache end first, within the grace)
@@ -203,6 +205,7 @@ class Engine:
                     log.exception("the batch failed")
                     for a in active:
                         a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
+                        self._requeue_keep(a)
                     active = []
                     self._recover(f"internal error: {type(e).__name__}: {e}")
                     continue
@@ -215,6 +218,7 @@ class Engine:
             if coord.failed is not None:
                 for a in active:
                     a.job.emit(("error", 503, f"the runtime is down: {coord.failed}"))
+                    self._requeue_keep(a)
                 active = []
                 self._recover(coord.failed)
 
@@ -260,6 +264,7 @@ class Engine:
             if (late or waiting) and not a.req.done:
                 self.coord.batcher.cancel(a.req)
                 a.job.emit(("error", 503, "the server is shutting down"))
+                self._requeue_keep(a)
             else:
                 keep.append(a)
         return keep
@@ -286,6 +291,7 @@ class Engine:
             a.job.emit(("error", 500, f"internal error: {type(e).__name__}: {e}"))
             if self.coord is not None and not a.req.done:
                 self.coord.batcher.cancel(a.req)
+            self._requeue_keep(a)
             return True
 
     def _start(self, job: Job) -> list[Active]:
@@ -400,9 +406,7 @@ class Engine:
             self.coord.batcher.cancel(req)  # its slot is free at once
         if not req.done:
             return False
-        if a.keep is not None and a.progress.first_token_at is None:  # (it ended before its
-            # prefill passed the turn it took over: the keep runs after all)
-            self._to_keep.append((time.perf_counter(), a.keep))
+        self._requeue_keep(a)
         if req.error is not None and not a.job.cancelled:
             e = req.error
             if isinstance(e, ShardFailure):
@@ -488,18 +492,36 @@ class Engine:
         due = [t for when, t in self._to_keep if everything or when <= now]
         self._to_keep = [(when, t) for when, t in self._to_keep if not everything and when > now]
         for tokens in due:
-            self._keep_now(tokens)
+            try:
+                self._keep_now(tokens)
+            except Exception as e:  # noqa: BLE001 - a keep is an optimisation: it must not
+                # take the engine thread down (a shard's failure shows in `coord.failed`, which
+                # the loop recovers from)
+                log.warning("the answer is not kept: %s: %s", type(e).__name__, e)
 
     def _take_over_keep(self, prompt: list[int]) -> int | None:
         """The end of a finished turn not kept yet that `prompt` continues, or None: the
         prompt's request snapshots there (`RequestFlow.submit`'s `keep_at`), prefilling the
         turn's answer with its own new tokens, and the keep is dropped. (The rows are the
         keep's: its end is a chunk boundary of both, and chunk boundaries follow the tokens.)"""
-        for i, (_, tokens) in enumerate(self._to_keep):
-            if len(tokens) <= len(prompt) and prompt[:len(tokens)] == tokens:
-                del self._to_keep[i]
-                return len(tokens)
-        return None
+        ends = [len(t) for _, t in self._to_keep if len(t) <= len(prompt) and
+                prompt[:len(t)] == t]
+        if not ends:
+            return None
+        # (every pending keep the prompt continues is dropped: the longest one's entry holds
+        # theirs)
+        self._to_keep = [(w, t) for w, t in self._to_keep if len(t) not in ends or
+                         prompt[:len(t)] != t]
+        return max(ends)
+
+    def _requeue_keep(self, a: Active) -> None:
+        """The keep request `a` took over, due at once, where `a` ended or was dropped:
+        `turn_to_keep` keeps nothing where `a`'s snapshot made the entry (its rows cached), and
+        the keep where it did not (cancelled or failed before its prefill passed the turn, or
+        its snapshot skipped)."""
+        if a.keep is not None:
+            self._to_keep.append((time.perf_counter(), a.keep))
+            a.keep = None
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from tests.launch.test_agent_session import (
 )
 from tests.launch.test_server import Server
 
-LATER_MS = "600000"  # a keep not taken over would run after the test is over
+LATER_MS = "60000"  # a keep not taken over would run after the test is over
 
 
 def _logprobs(s: Server, messages: list[dict], **body) -> list:

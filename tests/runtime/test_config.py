@@ -112,6 +112,9 @@ def test_every_key_is_documented():
     ({"max_seqs": 513}, "max_seqs=513: use 1..512"),
     ({"micro_batches": 5}, r"micro_batches=5: use 0 \(auto\) to 4"),
     ({"spec_sampling": "sometimes"}, "spec_sampling='sometimes': must be one of auto, off"),
+    ({"keep_answers_delay_ms": -1}, "keep_answers_delay_ms=-1.0: must be from 0"),
+    ({"keep_answers_delay_ms": float("inf")}, "keep_answers_delay_ms=inf: must be from 0"),
+    ({"keep_answers_delay_ms": float("nan")}, "keep_answers_delay_ms=nan: must be from 0"),
 ])
 def test_bad_speculation_keys_are_named(values, match):
     with pytest.raises(ConfigError, match=match):
