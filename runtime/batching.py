@@ -309,11 +309,23 @@ class Batcher:
         busy = {s.group for s in self.steps.values() if s.group is not None}
         idle = len({self.sched.group_of(r.rid) for r in running} - busy)
         while len(self.steps) + idle < MAX_IN_FLIGHT:
-            free = [r for r in running if self._ready(r) and not r.pending.wait]
+            free = [r for r in running if self._ready(r) and (
+                not r.pending.wait or self._last_chunk_follows(r))]
             if not free:
                 break
             self._send(free, None)
         self._send_ahead()
+
+    @staticmethod
+    def _last_chunk_follows(r: Request) -> bool:
+        """Whether `r`'s pending step is a prompt's last chunk (it samples the first token)
+        that may follow the sequence's own earlier chunks, still in flight, into the chain, as
+        they followed each other: its output is waited for, theirs are not, so nothing it
+        needs is missing, and the first token does not wait for a round trip of the chain."""
+        step = r.pending
+        return (r.in_flight > 0 and r.ahead is None and step.sample is not None
+                and step.draft is None and step.ask is None and step.tree is None
+                and step.pos + len(step.tokens) == r.prompt_tokens)
 
     def _send(self, ready: list[Request], group: int | None) -> None:
         by_rid = {r.rid: r for r in ready}
@@ -652,7 +664,7 @@ class Batcher:
             if e.runtime_down:
                 self._fail_all(e)
             return
-        for r, out in zip(step.reqs, outs):
+        for r, out, sent in zip(step.reqs, outs, step.sent):
             r.in_flight -= 1
             if r.rid in self.sched.running:  # (its first step's block copies are made)
                 self.sched.copied(r.slot)
@@ -663,6 +675,12 @@ class Batcher:
                     r.waits = None
                 self._fail(r, ShardFailure(out.error, runtime_down=False))
                 continue
+            if sent.on_out is not None and r.waits != sid and not r.cancelled:
+                try:  # (a prefill chunk's output read on the way: `StepRequest.on_out`)
+                    sent.on_out(out)
+                except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
+                    self._fail(r, e)
+                    continue
             if r.waits == sid:
                 r.waits = None
                 if not r.cancelled:

@@ -179,6 +179,8 @@ class StepRequest:
     q: list | None = None  # a sampled proposal's distributions (`shards.spec_sampling`)
     prev: int | None = None  # a lookahead step (`runtime.batching`): its token is the one step
     # `prev` samples for the sequence, taken on the device (`tokens` holds a placeholder)
+    on_out: Callable[[StepOutput], None] | None = None  # a step nobody waits for whose output
+    # is still read: called with it as it comes back (the program has gone on meanwhile)
 
     @property
     def rows(self) -> int:
@@ -213,6 +215,7 @@ def sequence_program(
     start_logits: np.ndarray | None = None,
     on_prefill_boundary: Callable[[int, np.ndarray | None], None] | None = None,
     logits_at: Collection[int] = (),
+    boundaries_wait: bool = True,
     context: int | None = None,
     drafter: Drafter | None = None,
     on_logits: Callable[[np.ndarray], None] | None = None,
@@ -225,7 +228,11 @@ def sequence_program(
     (the caller stops). KV rows [0, start) must already hold the prefix; with start ==
     len(prompt), `start_logits` are the logits of the last prompt row. `on_prefill_boundary(end,
     logits)` runs after each prefill chunk whose output was waited for; logits are returned for
-    chunk ends listed in `logits_at`. It ends when the context (`context` tokens) is full.
+    chunk ends listed in `logits_at`. A chunk that ends at one of them before the prompt's end
+    is waited for only with `boundaries_wait`; without, the next chunks follow it into the
+    pipeline at once and `on_prefill_boundary` runs as its output comes back (`StepRequest.
+    on_out`), before the prompt's last chunk is back. It ends when the context (`context`
+    tokens) is full.
 
     With a `drafter`, each step after the first token verifies the draft tokens it proposes:
     the step's rows are [last token, *draft], and it yields the draft tokens the target kept,
@@ -263,15 +270,19 @@ def sequence_program(
     else:
         out = None
         for a, b in prefill_chunks(prompt, start, n, chunk, turn_end_ids):
-            last = b == n
-            needed = last or b in logits_at or prompt_lp is not None
+            last, at = b == n, b in logits_at
+            needed = last or (at and boundaries_wait) or prompt_lp is not None
             plp = None if prompt_lp is None else {**prompt_lp, "targets": list(prompt[a + 1:b + 1])}
+            later = None  # (its logits come back while the next chunks run)
+            if at and not needed and on_prefill_boundary is not None:
+                later = _boundary_later(on_prefill_boundary, b)
             out = yield StepRequest(list(prompt[a:b]), a, params if last else None, seed,
-                                    want_logits=b in logits_at or (last and record),
-                                    wait=needed, extra=fields([]) if last else None, plp=plp)
+                                    want_logits=at or (last and record),
+                                    wait=needed, extra=fields([]) if last else None, plp=plp,
+                                    on_out=later)
             if on_output is not None and needed and (last or plp is not None):
                 on_output(out)
-            if on_prefill_boundary is not None and (last or b in logits_at):
+            if on_prefill_boundary is not None and needed and (last or at):
                 on_prefill_boundary(b, out.logits)
         assert out is not None and out.token is not None
         if record:
@@ -339,15 +350,24 @@ def sequence_program(
         token, pos = out.token, pos + 1 + out.accepted
 
 
+def _boundary_later(on_boundary: Callable[[int, np.ndarray | None], None], end: int
+                    ) -> Callable[[StepOutput], None]:
+    def on_out(out: StepOutput) -> None:
+        on_boundary(end, out.logits)
+    return on_out
+
+
 def drive(engine: Engine, program: Program) -> Iterator[int]:
     """Run a sequence program step by step on `engine`, yielding its tokens."""
     try:
         item = next(program)
         while True:
             if isinstance(item, StepRequest):
-                item = program.send(engine.forward(item.tokens, item.pos, item.sample, item.seed,
-                                                   item.want_logits, item.draft, item.tree,
-                                                   item.kept))
+                out = engine.forward(item.tokens, item.pos, item.sample, item.seed,
+                                     item.want_logits, item.draft, item.tree, item.kept)
+                if item.on_out is not None and not item.wait:
+                    item.on_out(out)
+                item = program.send(out)
             elif isinstance(item, SampleRequest):
                 item = program.send(engine.sample_logits(item.logits, item.position, item.sample,
                                                          item.seed))

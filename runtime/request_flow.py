@@ -198,6 +198,7 @@ class RequestFlow:
                 progress.marks["cached"] = time.perf_counter()  # (nothing more will be)
                 return
             t0, n = time.perf_counter(), len(snaps)
+            snaps.sort(key=lambda s: s[0])  # (each entry is its predecessor's child)
             while snaps:
                 snapshot(*snaps.pop(0))
             if cache is not None and first_out:
@@ -264,7 +265,9 @@ class RequestFlow:
                 context = req.feed = None
             parent = [restored.leaf]
             # the snapshots wait until the first token is out (they copy rows the next steps
-            # do not change); a hybrid model's state changes with the next step: at once
+            # do not change), and so the chunk ending at a cache point inside the prompt is not
+            # waited for: its logits are kept as it comes back, while the next chunks run; a
+            # hybrid model's state changes with the next step: at once, after waiting for it
             later = cache is not None and not cache.hybrid
 
             def snapshot(end: int, logits: np.ndarray | None, sync: int | None = None) -> None:
@@ -287,7 +290,8 @@ class RequestFlow:
                                     start_logits=restored.logits,
                                     context=self.config.max_context,
                                     on_prefill_boundary=on_boundary if points else None,
-                                    logits_at=points, drafter=drafter,
+                                    logits_at=points, boundaries_wait=not later,
+                                    drafter=drafter,
                                     on_logits=None if progress.logits is None
                                     else progress.logits.append,
                                     **self._decoding_hooks(decoding, prompt, params, progress))
