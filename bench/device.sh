@@ -51,7 +51,9 @@
 #   agent     a scripted 10-turn agent session against `layersplit serve` (the default model, 2
 #             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
 #             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
-#             and bench/kept_answers.py: the next turn's TTFT with an answer kept or not (A2)
+#             and bench/kept_answers.py: the next turn's TTFT with an answer kept or not (A2);
+#             AGENT_ARGS: more arguments of agent_session.py (e.g.
+#             "--serve-arg=--keep-answers-delay-ms --serve-arg=50": keeps taken over)
 #   quant     GGUF weights kept in their blocks: the quantized kernels' GPU tests and their
 #             timings (bench/quant_gemv.py), the default model checked against transformers
 #             float32 with weight_format quantized, and batch-1 decode quantized against
@@ -661,7 +663,8 @@ stage_agent() {  # A1
   local gguf=$LAYERSPLIT_HOME/models/SmolLM2-135M-Instruct.Q4_1.gguf lcp=()
   if [ -e /tmp/lcp.pid ] && lcp_wait 300; then lcp=(--llamacpp "$gguf"); fi
   TAIL=40 run agent 300 env PYTHONPATH=$PYTHONPATH:/tmp/lcpsite python3 bench/agent_session.py \
-    --model default --devices cuda:0,cuda:0 --turns 10 "${lcp[@]}" --json "$RUNS/agent.json"
+    --model default --devices cuda:0,cuda:0 --turns 10 "${lcp[@]}" ${AGENT_ARGS:-} \
+    --json "$RUNS/agent.json"
   row agent "$RUNS/agent.json" --cmd A1
   TAIL=8 run agent_keep 120 python3 bench/kept_answers.py --model default --devices \
     cuda:0,cuda:0 --tails 4,16,64,256,1024 --repeats 5 --json "$RUNS/agent_keep.json"
