@@ -64,11 +64,12 @@ def main() -> None:
             if t:
                 restores.append(restore)
                 prefills.append(prefill)
+            snaps = ("n/a" if "cached" not in m
+                     else f"{(m['cached'] - p.first_token_at) * 1e3:.1f} ms")
             print(f"shards {a.shards} turn {t}: prompt {n} cached {p.cached_tokens} "
                   f"({p.cache_tier}): restore {restore * 1e3:.1f} ms, prefill "
                   f"{prefill * 1e3:.1f} ms ({n - p.cached_tokens} new), snapshots after the "
-                  f"first token {(m.get('cached', 0.0) - p.first_token_at) * 1e3:.1f} ms",
-                  flush=True)
+                  f"first token {snaps}", flush=True)
     print(f"shards {a.shards} cached turns, median: restore "
           f"{statistics.median(restores) * 1e3:.1f} ms, prefill "
           f"{statistics.median(prefills) * 1e3:.1f} ms ({time.strftime('%Y-%m-%d')})")

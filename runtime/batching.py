@@ -677,7 +677,7 @@ class Batcher:
                 continue
             if sent.on_out is not None and r.waits != sid and not r.cancelled:
                 try:  # (a prefill chunk's output read on the way: `StepRequest.on_out`)
-                    sent.on_out(out)
+                    sent.on_out(out, sid)
                 except Exception as e:  # noqa: BLE001 - this request fails, the rest go on
                     self._fail(r, e)
                     continue

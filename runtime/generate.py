@@ -179,8 +179,9 @@ class StepRequest:
     q: list | None = None  # a sampled proposal's distributions (`shards.spec_sampling`)
     prev: int | None = None  # a lookahead step (`runtime.batching`): its token is the one step
     # `prev` samples for the sequence, taken on the device (`tokens` holds a placeholder)
-    on_out: Callable[[StepOutput], None] | None = None  # a step nobody waits for whose output
-    # is still read: called with it as it comes back (the program has gone on meanwhile)
+    on_out: Callable[[StepOutput, int | None], None] | None = None  # a step nobody waits for
+    # whose output is still read: called with it and its step id (None in one process) as it
+    # comes back (the program has gone on meanwhile)
 
     @property
     def rows(self) -> int:
@@ -350,10 +351,10 @@ def sequence_program(
         token, pos = out.token, pos + 1 + out.accepted
 
 
-def _boundary_later(on_boundary: Callable[[int, np.ndarray | None], None], end: int
-                    ) -> Callable[[StepOutput], None]:
-    def on_out(out: StepOutput) -> None:
-        on_boundary(end, out.logits)
+def _boundary_later(on_boundary: Callable[..., None], end: int
+                    ) -> Callable[[StepOutput, int | None], None]:
+    def on_out(out: StepOutput, sid: int | None) -> None:
+        on_boundary(end, out.logits, sid)
     return on_out
 
 
@@ -366,7 +367,7 @@ def drive(engine: Engine, program: Program) -> Iterator[int]:
                 out = engine.forward(item.tokens, item.pos, item.sample, item.seed,
                                      item.want_logits, item.draft, item.tree, item.kept)
                 if item.on_out is not None and not item.wait:
-                    item.on_out(out)
+                    item.on_out(out, None)
                 item = program.send(out)
             elif isinstance(item, SampleRequest):
                 item = program.send(engine.sample_logits(item.logits, item.position, item.sample,

@@ -276,11 +276,16 @@ class RequestFlow:
                 if e is not None:
                     parent[0] = e
 
-            def on_boundary(end: int, logits: np.ndarray | None) -> None:
+            def on_boundary(end: int, logits: np.ndarray | None, sid: int | None = None
+                            ) -> None:
                 if end in points:
-                    if later:  # (its draft rows are those of the prefill step just back,
-                        # never parked: not those of a decode step sent by then)
+                    if later:  # (its draft rows are those of the prefill step that ends at
+                        # `end`, never parked: `sid`, that step's id, where its output came
+                        # back while later steps ran (not theirs: a later step that fails
+                        # would leave the snapshot waiting for rows that never come); else
+                        # the step just back, the last that fed the context)
                         snaps.append((end, logits, None if req.feed is None
+                                      else sid if sid is not None
                                       else self.feat_sid(req.feed)))
                     else:
                         snapshot(end, logits)
