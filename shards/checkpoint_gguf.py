@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from layersplit.shards.errors import CheckpointError
-from layersplit.shards.gguf_header import GGUFHeader
+from layersplit.shards.gguf_header import read_header
 from layersplit.shards.gguf_hybrid import (
     HYBRID_ARCHITECTURES,
     gguf_tensor_name,
@@ -98,10 +98,24 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, d, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """A tensor's stored bytes as float32: the block types `quant_blocks` keeps in torch (its
+    `dequantize_rows`: gguf's float32 operations in gguf's order, bit for bit, on every core;
+    ~6x faster than gguf's numpy, which runs row group by row group on one core), the others
+    by `gguf.quants.dequantize`."""
+    if qtype.name not in KEPT_TYPES:
+        return dequantize(raw, qtype)
+    import torch
+    from layersplit.shards.quant_blocks import dequantize_rows
+
+    rows = torch.from_numpy(np.array(raw, copy=True))  # (the map is read-only)
+    return dequantize_rows(rows, qtype.name).numpy()
+
+
 class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.header = GGUFHeader(path)
+        self.header = read_header(path)
         self.tensors = self.header.tensors
         arch = self.field("general.architecture")
         if arch not in ARCHITECTURES and arch not in HYBRID_ARCHITECTURES:
@@ -243,7 +257,7 @@ class GGUFFile:
                 f"{self.path}: tensor {gname!r} has shape {got}, expected {shape} from the header"
             )
         try:
-            w = dequantize(self.header.raw(t), qtype)
+            w = _dequantize(self.header.raw(t), qtype)
         except Exception as e:
             raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
         return np.asarray(w, dtype=np.float32).reshape(shape)

@@ -52,9 +52,9 @@ def stored_dtype(path: str | Path) -> str | None:
         return _hf_dtype(p)
     if p.suffix == ".gguf" and p.is_file():
         from gguf import GGMLQuantizationType as Q
-        from layersplit.shards.gguf_header import GGUFHeader
+        from layersplit.shards.gguf_header import read_header
 
-        types = {t.type for t in GGUFHeader(p).tensors.values()}
+        types = {t.type for t in read_header(p).tensors.values()}
         if Q.BF16 in types:
             return "bfloat16"
         return "float32" if types and types <= {Q.F32} else None

@@ -7,6 +7,7 @@ the file and are memory-mapped on demand; dequantization uses the `gguf` package
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import struct
@@ -22,6 +23,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 STRING, ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,6 +33,30 @@ class TensorInfo:
     type: int
     offset: int  # absolute file offset of the data
     nbytes: int
+
+
+_OPENED: collections.OrderedDict[tuple, GGUFHeader] = collections.OrderedDict()
+_KEEP = 4  # headers kept parsed (a coordinator reads its model's three times at start)
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """`path`'s header, parsed once per process while the file stays the same one (device,
+    inode, size, modification and change times): the coordinator reads it for the dtype, the
+    model's shape and the tokenizer, each in its own place."""
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e})") from e
+    key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+           st.st_ctime_ns)
+    header = _OPENED.get(key)
+    if header is None:
+        header = GGUFHeader(path)
+        _OPENED[key] = header
+        while len(_OPENED) > _KEEP:
+            _OPENED.popitem(last=False)
+    _OPENED.move_to_end(key)
+    return header
 
 
 class GGUFHeader:
@@ -62,6 +88,22 @@ class GGUFHeader:
         self._pos += n
         return s
 
+    def _strings(self, count: int) -> list[str]:
+        """An array of `count` strings (a vocabulary's 50-150K tokens and merges: one tight
+        loop, no call per string)."""
+        mm, pos, size = self._mm, self._pos, len(self._mm)
+        unpack = _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            start = pos + 8
+            pos = start + unpack(mm, pos)[0]
+            if pos > size:
+                raise ValueError("string runs past the end of the file")
+            append(mm[start:pos].decode("utf-8"))
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self._unpack(_SCALARS[vtype])
@@ -77,6 +119,8 @@ class GGUFHeader:
                 arr = np.frombuffer(self._buf[self._pos:end], dtype=dt).tolist()
                 self._pos = end
                 return arr
+            if etype == STRING:
+                return self._strings(count)
             return [self._value(etype) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
 

@@ -77,9 +77,11 @@ def _shifts(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
     """Bytes (..., g * width) as their low nibbles then high nibbles per group of `width`:
-    (..., g * 2 * width) values 0..15 (ggml's order)."""
-    q = qs.reshape(*qs.shape[:-1], -1, 1, width) >> _shifts([0, 4], qs.device).view(2, 1)
-    return (q & 0x0F).reshape(*qs.shape[:-1], -1)
+    (..., g * 2 * width) values 0..15 (ggml's order). (One pass over the bytes for each half,
+    no broadcast intermediate.)"""
+    import torch
+    q = qs.reshape(*qs.shape[:-1], -1, 1, width)
+    return torch.cat([q & 0x0F, q >> 4], dim=-2).reshape(*qs.shape[:-1], -1)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _f16(b[..., :2]), _f16(b[..., 2:4])
     q = _nibbles(b[..., 4:], 16).float()
-    return d[..., None] * q + m[..., None]
+    return q.mul_(d[..., None]).add_(m[..., None])  # (d * q + m, in place)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
