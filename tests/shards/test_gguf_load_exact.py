@@ -1,0 +1,43 @@
+"""A GGUF file's block types are dequantized in torch at load (`checkpoint_gguf._dequantize`,
+`quant_blocks.dequantize_rows`): the weights, in every run dtype, are bit for bit those of
+gguf-py's numpy dequantization, q/k rows un-permuted and 3-D expert tensors included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.quants import dequantize
+from layersplit.shards import checkpoint_gguf
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_gguf
+
+
+def _both(path, start: int, end: int, dtype: torch.dtype, monkeypatch, device: str = "cpu"):
+    got = load_layer_range(open_checkpoint(path), start, end, dtype=dtype, device=device)
+    with monkeypatch.context() as m:  # the numpy path, with gguf-py's own dequantize
+        m.setattr(checkpoint_gguf, "_dequantize", dequantize)
+        want = load_layer_range(open_checkpoint(path), start, end, dtype=dtype, device=device)
+    return got.state_dict(), want.state_dict()
+
+
+def _assert_same_bits(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_gguf_loads_gguf_py_values(tmp_path, monkeypatch, qtype, dtype):
+    folder = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
+    path = write_tiny_gguf(folder, tmp_path / f"m-{qtype}.gguf", qtype)
+    _assert_same_bits(*_both(path, 0, 2, dtype, monkeypatch))
+
+
+def test_moe_gguf_experts_load_gguf_py_values(tmp_path, monkeypatch):
+    folder = write_tiny_checkpoint(tmp_path / "m", "qwen3_moe", num_layers=2)
+    path = write_tiny_gguf(folder, tmp_path / "m-q8.gguf", "Q8_0")
+    got, want = _both(path, 1, 2, torch.float32, monkeypatch)
+    assert got["layers.0.mlp.experts.gate_proj"].shape == (8, 32, 64)
+    _assert_same_bits(got, want)
