@@ -7,10 +7,11 @@ the file and are memory-mapped on demand; dequantization uses the `gguf` package
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import mmap
 import struct
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -35,27 +36,28 @@ class TensorInfo:
     nbytes: int
 
 
-_OPENED: collections.OrderedDict[tuple, GGUFHeader] = collections.OrderedDict()
-_KEEP = 4  # headers kept parsed (a coordinator reads its model's three times at start)
+# headers parsed in this process, shared while something holds them (a GGUFFile the coordinator
+# reads for the dtype, the shape and the tokenizer): held weakly, so a shard that has loaded its
+# layers and dropped its checkpoint keeps neither the file's map nor its vocabulary
+_OPENED: weakref.WeakValueDictionary[tuple, GGUFHeader] = weakref.WeakValueDictionary()
+_OPENED_LOCK = threading.Lock()
 
 
 def read_header(path: Path) -> GGUFHeader:
-    """`path`'s header, parsed once per process while the file stays the same one (device,
-    inode, size, modification and change times): the coordinator reads it for the dtype, the
-    model's shape and the tokenizer, each in its own place."""
+    """`path`'s header, parsed once while some reader of this process holds it and the file
+    stays the same one (device, inode, size, modification and change times)."""
     try:
         st = Path(path).stat()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open ({e})") from e
     key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
            st.st_ctime_ns)
-    header = _OPENED.get(key)
+    with _OPENED_LOCK:
+        header = _OPENED.get(key)
     if header is None:
-        header = GGUFHeader(path)
-        _OPENED[key] = header
-        while len(_OPENED) > _KEEP:
-            _OPENED.popitem(last=False)
-    _OPENED.move_to_end(key)
+        header = GGUFHeader(path)  # (outside the lock: two threads may parse it both)
+        with _OPENED_LOCK:
+            header = _OPENED.setdefault(key, header)
     return header
 
 

@@ -156,7 +156,7 @@ def dequantize_rows(rows: torch.Tensor, qtype: str) -> torch.Tensor:
     t = KEPT_TYPES[qtype]
     lead = rows.shape[:-1]
     blocks = rows.reshape(*lead, rows.shape[-1] // t.size, t.size)
-    return _DEQUANT[qtype](blocks).reshape(*lead, -1)
+    return _DEQUANT[qtype](blocks).reshape(*lead, blocks.shape[-2] * t.block)  # (0 rows too)
 
 
 def random_blocks(rows: int, cols: int, qtype: str, rng: np.random.Generator,

@@ -41,3 +41,39 @@ def test_moe_gguf_experts_load_gguf_py_values(tmp_path, monkeypatch):
     got, want = _both(path, 1, 2, torch.float32, monkeypatch)
     assert got["layers.0.mlp.experts.gate_proj"].shape == (8, 32, 64)
     _assert_same_bits(got, want)
+
+
+def test_a_header_is_shared_while_held_and_freed_after(tmp_path):
+    """`read_header` parses a file once while a reader holds it (the coordinator's three reads),
+    and holds nothing itself: a shard that has loaded its layers keeps neither the file's map nor
+    its vocabulary."""
+    import gc
+
+    from layersplit.shards import gguf_header
+
+    folder = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
+    path = write_tiny_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    first = gguf_header.read_header(path)
+    assert gguf_header.read_header(path) is first
+    load_layer_range(open_checkpoint(path), 0, 2, dtype=torch.float32)
+    del first
+    gc.collect()
+    assert not [k for k in gguf_header._OPENED.keys() if k[0] == str(path.resolve())]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("lead", [(3,), (2, 3)])  # (a matrix's rows; experts' rows)
+def test_every_kept_type_dequantizes_as_gguf_py(qtype, lead):
+    """`checkpoint_gguf._dequantize` on every block type it runs in torch, a matrix and a 3-D
+    stack of experts, against gguf-py's numpy on the same bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from layersplit.shards.quant_blocks import KEPT_TYPES, random_blocks
+
+    t = KEPT_TYPES[qtype]
+    rows, cols = int(np.prod(lead)), 2 * t.block
+    raw = random_blocks(rows, cols, qtype, np.random.default_rng(7)).reshape(*lead, -1)
+    q = GGMLQuantizationType[qtype]
+    got, want = checkpoint_gguf._dequantize(raw, q), dequantize(raw, q)
+    assert got.shape == want.shape == (*lead, cols)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
