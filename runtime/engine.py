@@ -184,12 +184,10 @@ class Engine:
                         active.extend(started)
                         busy = True
             coord = self.coord
-            if self._to_keep and coord is not None:
-                self._start_keeps(everything=stopping)  # (a server that stops keeps them all)
             if stopping:
                 active = self._shut_out(active)
-                if self._to_keep and coord is not None:  # (keeps the requests it dropped
-                    self._start_keeps(everything=True)  # took over)
+            if self._to_keep and coord is not None:  # (a server that stops keeps them all,
+                self._start_keeps(everything=stopping)  # those its dropped requests took too)
             if stopping and not active and (coord is None or not coord.batcher.busy or
                                             time.monotonic() > self._stop_at):
                 break  # (answers being kept in the prefix cache end first, within the grace)
@@ -336,7 +334,7 @@ class Engine:
             a = self._submit_choice(job, i, keep_at if i == 0 else None)
             if a is None:
                 if keep_at is not None:  # (the keep it took over runs after all)
-                    self._to_keep.append((time.perf_counter(), job.prompt_ids[:keep_at]))
+                    self._queue_keep(job.prompt_ids[:keep_at])
                 for b in started:
                     coord.batcher.cancel(b.req)
                 return []
@@ -476,7 +474,7 @@ class Engine:
         if delay_s > 0:
             kept = self.coord.turn_to_keep(tokens)
             if kept is not None:
-                self._to_keep.append((time.perf_counter() + delay_s, kept))
+                self._queue_keep(kept, delay_s)
             return
         self._keep_now(tokens)
 
@@ -504,15 +502,20 @@ class Engine:
         prompt's request snapshots there (`RequestFlow.submit`'s `keep_at`), prefilling the
         turn's answer with its own new tokens, and the keep is dropped. (The rows are the
         keep's: its end is a chunk boundary of both, and chunk boundaries follow the tokens.)"""
-        ends = [len(t) for _, t in self._to_keep if len(t) <= len(prompt) and
-                prompt[:len(t)] == t]
-        if not ends:
-            return None
-        # (every pending keep the prompt continues is dropped: the longest one's entry holds
-        # theirs)
-        self._to_keep = [(w, t) for w, t in self._to_keep if len(t) not in ends or
-                         prompt[:len(t)] != t]
-        return max(ends)
+        ends, pending = [], []
+        for when, t in self._to_keep:  # (every pending keep the prompt continues is dropped:
+            # the longest one's entry holds theirs)
+            if len(t) <= len(prompt) and prompt[:len(t)] == t:
+                ends.append(len(t))
+            else:
+                pending.append((when, t))
+        self._to_keep = pending
+        return max(ends, default=None)
+
+    def _queue_keep(self, tokens: list[int], delay_s: float = 0.0) -> None:
+        """Keep the finished turn `tokens` `delay_s` from now (`_start_keeps`), unless a
+        request continues it first (`_take_over_keep`)."""
+        self._to_keep.append((time.perf_counter() + delay_s, tokens))
 
     def _requeue_keep(self, a: Active) -> None:
         """The keep request `a` took over, due at once, where `a` ended or was dropped:
@@ -520,7 +523,7 @@ class Engine:
         the keep where it did not (cancelled or failed before its prefill passed the turn, or
         its snapshot skipped)."""
         if a.keep is not None:
-            self._to_keep.append((time.perf_counter(), a.keep))
+            self._queue_keep(a.keep)
             a.keep = None
 
 
