@@ -48,6 +48,8 @@ class PagedKVCache:
         self.v_store = torch.zeros(shape, dtype=layout.dtype, device=device)
         flat = (layout.layers, (num_blocks + 1) * block, layout.kv_heads, layout.head_dim)
         self.k_rows, self.v_rows = self.k_store.view(flat), self.v_store.view(flat)
+        # each layer's rows, viewed once: an eager step's layers index them without a select op
+        self.k_layers, self.v_layers = self.k_rows.unbind(0), self.v_rows.unbind(0)
         self.tables: list[list[int]] = [[] for _ in range(slots)]  # host copy
         # device copy, one column more than a table may hold: always the scratch block
         self.table = torch.full((slots, self.max_blocks + 1), num_blocks, dtype=torch.long,
@@ -149,11 +151,12 @@ class PagedKVCache:
         if step.kv_len > self.scratch_pos:
             raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
         write, read = self._step_index(slot, step)
-        self.k_rows[layer].index_copy_(0, write, k)
-        self.v_rows[layer].index_copy_(0, write, v)
+        k_rows, v_rows = self.k_layers[layer], self.v_layers[layer]
+        k_rows.index_copy_(0, write, k)
+        v_rows.index_copy_(0, write, v)
         if k.is_cuda and step.pos == 0 and step.kv_len == k.shape[0]:
             return k, v  # a first chunk attends only its own rows: no gather (the same values)
-        return self.k_rows[layer].index_select(0, read), self.v_rows[layer].index_select(0, read)
+        return k_rows.index_select(0, read), v_rows.index_select(0, read)
 
     def append_batch(
         self, layer: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
