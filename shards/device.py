@@ -26,7 +26,12 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     current stream: on the decode path that stalls the host until every kernel queued before it
     has run (on a shard, until the upstream shard's step has landed). Through pinned memory the
     copy is queued like a kernel; torch's pinned allocator keeps the buffer until it has run."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
+    return host_to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`, through pinned memory on CUDA (see `to_device`): the
+    copy is queued, the host does not wait for the stream."""
+    if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from layersplit.shards.device import host_to_device, to_device
 from layersplit.shards.spec_tree import ancestors, depths
 
 
@@ -108,8 +109,10 @@ class StepInfo:
         pos + depth(j), its K/V written at row pos + j, attending [0, pos) and its ancestors."""
         anc = ancestors(parents)
         n = anc.shape[0]
-        mask = torch.cat([torch.ones(n, pos, dtype=torch.bool), anc], dim=1).to(device)
-        positions = pos + torch.tensor(depths(parents), device=device)
+        # (through pinned memory: a pageable copy would make the host wait for the stream)
+        mask = host_to_device(torch.cat([torch.ones(n, pos, dtype=torch.bool), anc], dim=1),
+                              device)
+        positions = pos + to_device(depths(parents), device)
         return StepInfo(positions, pos + n, mask, pos)
 
     @staticmethod
