@@ -1,25 +1,29 @@
-"""Host cost of one eager prefill step of a shard's layer range, on a model so narrow that its
-arithmetic is negligible: the wall time of a few-row step after a cached prefix is the host's
-(Python and torch dispatch). Prints the median step time, the time per layer, and with
-`--profile` the aten ops of one step grouped by name (counts per layer).
+"""Host cost of one eager prefill step of a shard's layer range: the wall time of a few-row step
+after a cached prefix, on a model whose arithmetic is negligible (the default: a tiny Llama of
+hidden 64), is the host's (Python, torch dispatch, kernel launches). Prints the median step
+time and the time per layer; `--profile` adds the aten ops of one step grouped by name (counts
+per layer); `--calls` the host time of each call one layer's eager step makes, one by one.
 
-`--gpu-path` runs the layers as a GPU shard does (`FusedDecode.prefill`: fused projections, the
-row kernels around attention), the Triton row kernels replaced by their output allocations
-only (Triton does not run on a CPU): what is left is the host work of that path but the
-kernels' launches, op for op (attention stays the CPU's masked SDPA, not flash attention's
-lower-right form).
+On a CPU the layers run the CPU's torch path unless `--gpu-path`: then they run as a GPU
+shard's do (`FusedDecode.prefill`: fused projections, the row kernels around attention), the
+Triton row kernels replaced by their output allocations only (Triton does not run on a CPU),
+so that path's host work shows op for op but the kernels' launches (attention stays the CPU's
+masked SDPA, not flash attention's lower-right form). On a GPU (`--device cuda:0`) the range
+runs exactly as a shard's: fused, real kernels.
 
-    python bench/prefill_host.py [--layers 15] [--prefix 1000] [--rows 5] [--gpu-path] [--profile]
+    python bench/prefill_host.py [--layers 15] [--prefix 1000] [--rows 5] [--gpu-path]
+    python bench/prefill_host.py --device cuda:0 --dtype float16 \
+        --model random:smollm2-135m-shape --calls --profile
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,21 +31,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor, Segment  # noqa: E402
+from layersplit.shards.fused import fuse_projections  # noqa: E402
+from layersplit.shards.layers.step import StepInfo  # noqa: E402
 from layersplit.shards.tiny import write_tiny_checkpoint  # noqa: E402
 
-log = logging.getLogger("prefill_host")
 BLOCK = 16
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def build(layers: int, max_len: int, last: bool) -> RangeExecutor:
-    """A range of `layers` layers of a 2 * layers-layer tiny Llama (hidden 64) over a paged
-    cache whose slot 0 covers `max_len` rows; the last range if `last`, else the first."""
-    folder = Path(tempfile.mkdtemp(prefix="prefill_host_"))
-    write_tiny_checkpoint(folder, "llama", num_layers=2 * layers, max_position_embeddings=max_len)
-    ckpt = open_checkpoint(folder)
-    a, b = (layers, 2 * layers) if last else (0, layers)
+def build(model: str | None, layers: int, max_len: int, last: bool, dtype: torch.dtype,
+          device: str) -> RangeExecutor:
+    """`layers` layers of `model` (None: a tiny Llama of 2 x `layers` layers, hidden 64) over
+    a paged cache whose slot 0 covers `max_len` rows: the last range if `last`, else the
+    first. On a GPU fused as a shard's (`fuse_projections`)."""
+    if model is None:
+        folder = Path(tempfile.mkdtemp(prefix="prefill_host_"))
+        model = str(write_tiny_checkpoint(folder, "llama", num_layers=2 * layers,
+                                          max_position_embeddings=max_len))
+    ckpt = open_checkpoint(model)
+    total = ckpt.config.num_layers
+    a, b = (total - layers, total) if last else (0, layers)
     blocks = -(-max_len // BLOCK)
-    ex = RangeExecutor(load_layer_range(ckpt, a, b), max_len, 1, "cpu", paged=(blocks, BLOCK))
+    rng = load_layer_range(ckpt, a, b, dtype, device)
+    if torch.device(device).type == "cuda":
+        fuse_projections(rng, compile=False)
+    ex = RangeExecutor(rng, max_len, 1, device, paged=(blocks, BLOCK))
     ex.kv.set_table(0, 0, list(range(blocks)))
     return ex
 
@@ -65,18 +79,26 @@ def stub_row_kernels() -> None:
 
 def step_input(ex: RangeExecutor, rows: int) -> torch.Tensor:
     if ex.model.is_first:
-        return torch.arange(rows) % ex.model.cfg.vocab_size
-    return torch.randn(rows, ex.model.cfg.hidden_size)
+        return torch.arange(rows, device=ex.device) % ex.model.cfg.vocab_size
+    return torch.randn(rows, ex.model.cfg.hidden_size, device=ex.device, dtype=ex.dtype)
+
+
+def sync(ex: RangeExecutor) -> None:
+    if ex.device.type == "cuda":
+        torch.cuda.synchronize(ex.device)
 
 
 def time_steps(ex: RangeExecutor, pos: int, rows: int, repeat: int) -> list[float]:
-    """Wall seconds of `repeat` steps of `rows` rows at `pos` (each rewrites the same rows)."""
+    """Wall seconds of `repeat` steps of `rows` rows at `pos` (each rewrites the same rows),
+    each from an idle device: the host's time to queue the step."""
     x = step_input(ex, rows)
     out = []
     for _ in range(repeat):
+        sync(ex)
         t0 = time.perf_counter()
         ex.run_segments(x, [Segment(0, pos, rows)])
         out.append(time.perf_counter() - t0)
+    sync(ex)
     return out
 
 
@@ -85,45 +107,118 @@ def profile_step(ex: RangeExecutor, pos: int, rows: int) -> None:
 
     x = step_input(ex, rows)
     ex.run_segments(x, [Segment(0, pos, rows)])
+    sync(ex)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
         ex.run_segments(x, [Segment(0, pos, rows)])
+        sync(ex)
     layers = ex.model.num_layers
     events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     events.sort(key=lambda e: -e.count)
     total = sum(e.count for e in events)
     print(f"aten ops of one step: {total} ({total / layers:.1f} a layer)")
     for e in events[:40]:
-        print(f"  {e.key:40s} {e.count:5d} ({e.count / layers:5.1f}/layer) "
+        print(f"  {e.key:48s} {e.count:5d} ({e.count / layers:5.1f}/layer) "
               f"self cpu {e.self_cpu_time_total:8.0f} us")
+
+
+def host_us(ex: RangeExecutor, fn: Callable[[], object], n: int = 300) -> float:
+    """Median host µs of `fn()` over batches of calls (the device not waited on)."""
+    fn()
+    sync(ex)
+    batches = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            fn()
+        batches.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+        sync(ex)
+    return statistics.median(batches)
+
+
+def layer_calls(ex: RangeExecutor, pos: int, rows: int) -> None:
+    """Host µs of each call one layer's eager step makes on its fast path (`FusedDecode.
+    prefill`), called one by one with that step's operands, next to the whole layer's."""
+    from layersplit.shards import fused
+    from layersplit.shards.kernels import row_ops
+    from layersplit.shards.layers.attention import attend
+
+    model, kv = ex.model, ex.kv
+    idx = 1 if model.num_layers > 1 else 0  # (the first layer also norms its input)
+    layer = model.layers[idx]
+    fast = layer.fast
+    if fast is None:
+        print("--calls: the layers have no fused step (a GPU's, or --gpu-path)")
+        return
+    a, m = layer.self_attn, layer.mlp
+    dev, dt, hidden = ex.device, ex.dtype, model.cfg.hidden_size
+    h = torch.randn(rows, hidden, device=dev, dtype=dt)
+    nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
+    ln, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+
+    def new_step() -> StepInfo:
+        return StepInfo.eager(pos, rows, dev)
+
+    step = new_step()
+    cos, sin = (t.to(dt) for t in (torch.ones(rows, d, device=dev),) * 2)
+    qkv = fused.linear(a.qkv_proj, h)
+    q, k = row_ops.rope_qk(qkv, cos, sin, nh, ng)
+    v = qkv[:, (nh + ng) * d:].view(-1, ng, d)
+    keys, values = kv.append(idx, 0, step, k, v)
+    attn = attend(q, keys, values, step.mask, True, a.sdpa_scale)
+    gu = fused.linear(m.gate_up_proj, h)
+    act = row_ops.silu_mul(gu)
+    calls = {
+        "StepInfo.eager (once a step)": new_step,
+        "qkv projection": lambda: fused.linear(a.qkv_proj, h),
+        "row_ops.rope_qk": lambda: row_ops.rope_qk(qkv, cos, sin, nh, ng),
+        "kv.append (write + gather)": lambda: kv.append(idx, 0, step, k, v),
+        "attend": lambda: attend(q, keys, values, step.mask, True, a.sdpa_scale),
+        "o_proj": lambda: fused.linear(a.o_proj, attn),
+        "row_ops.add_rms_norm": lambda: row_ops.add_rms_norm(h, h, ln2.weight, ln2.eps),
+        "gate/up projection": lambda: fused.linear(m.gate_up_proj, h),
+        "row_ops.silu_mul": lambda: row_ops.silu_mul(gu),
+        "down projection": lambda: fused.linear(m.down_proj, act),
+        "whole layer (fast.prefill)": lambda: fast.prefill(layer, h, cos, sin, kv, idx, 0, step),
+    }
+    print(f"host us per call, one layer's eager step of {rows} rows after {pos} (norm weight "
+          f"{tuple(ln.weight.shape)}):")
+    for name, fn in calls.items():
+        print(f"  {name:32s} {host_us(ex, fn):8.1f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a checkpoint (default: a tiny Llama)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--layers", type=int, default=15)
     p.add_argument("--prefix", type=int, default=1000, help="cached tokens before the step")
     p.add_argument("--rows", type=int, default=5)
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--last", action="store_true", help="the last range (with the LM head)")
     p.add_argument("--gpu-path", action="store_true",
-                   help="the GPU shard's layer path, its Triton kernels stubbed (see above)")
-    p.add_argument("--profile", action="store_true")
+                   help="on a CPU, the GPU shard's layer path, its Triton kernels stubbed")
+    p.add_argument("--profile", action="store_true", help="aten ops of one step, by name")
+    p.add_argument("--calls", action="store_true", help="host time of each call of a layer")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    ex = build(args.layers, args.prefix + args.rows + 64, args.last)
-    if args.gpu_path:
-        from layersplit.shards.fused import fuse_projections
-
+    if torch.device(args.device).type == "cpu":
+        torch.set_num_threads(1)
+    ex = build(args.model, args.layers, args.prefix + args.rows + 64, args.last,
+               DTYPES[args.dtype], args.device)
+    if args.gpu_path and ex.device.type == "cpu":
         stub_row_kernels()
         fuse_projections(ex.model, compile=False, kernels=True)
     x = step_input(ex, args.prefix)
     ex.run_segments(x, [Segment(0, 0, args.prefix)])  # the cached prefix
     times = time_steps(ex, args.prefix, args.rows, args.repeat)
     med = statistics.median(times[3:])
-    print(f"{args.layers} layers, {args.rows} rows after {args.prefix}: median "
+    print(f"{args.layers} layers on {args.device}, {args.rows} rows after {args.prefix}: median "
           f"{med * 1e3:.3f} ms a step, {med / args.layers * 1e6:.0f} us a layer "
           f"(of {len(times) - 3} steps)")
     if args.profile:
         profile_step(ex, args.prefix, args.rows)
+    if args.calls:
+        layer_calls(ex, args.prefix, args.rows)
 
 
 if __name__ == "__main__":
