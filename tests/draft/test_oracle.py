@@ -78,3 +78,61 @@ def test_oracle_keeps_plain_tokens_at_its_acceptance(target, dflash, tmp_path, m
         assert coord.draft_info["bench_oracle"] == 2.5
         acceptance = oracle_acceptance(coord, prompts, plain, GREEDY)
     assert abs(acceptance - 2.5) <= 0.1, acceptance
+
+
+def _proposer(table: OracleTable, slots: int = 1, vocab: int = 1000):
+    """The oracle's proposer without its network: `_replace` given the draft's own tokens."""
+    from types import SimpleNamespace
+
+    from layersplit.draft.oracle import OracleProposer
+
+    p = OracleProposer.__new__(OracleProposer)
+    p.slots, p.sampling = slots, [None] * slots
+    p.cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=vocab))
+    p.set_oracle(table)
+    return p
+
+
+def _verify_run(p, target: list[int], start: int, block: int = 15) -> float:
+    """Greedy speculation of `target` (what the target model outputs, from `start` on) with
+    `p`'s proposals as a verify step judges them: the draft tokens equal to the target's kept,
+    then the target's own; the tokens committed per verify step on average."""
+    pos, verifies = start, 0
+    while pos < len(target) - 1:
+        n = min(block, len(target) - 1 - pos)
+        drafted = p._replace(0, target[pos], pos, ([999] * n, None, None))[0]
+        kept = next((j for j, t in enumerate(drafted) if t != target[pos + 1 + j]), n)
+        pos += kept + 1
+        verifies += 1
+    return (len(target) - 1 - start) / verifies
+
+
+def _chain(seed: int, n: int) -> list[int]:
+    rng = __import__("random").Random(seed)
+    return [rng.randrange(900) for _ in range(n)]
+
+
+def test_a_sequence_off_the_plain_output_follows_the_latest_pass():
+    """The target left the plain output at a near-tie (a kept draft token's position) and an
+    earlier pass's output is the target's: every round commits on the lattice, none short."""
+    plain = _chain(1, 300)
+    spec = plain[:150] + [(plain[150] + 7) % 900] + _chain(2, 149)
+    on_lattice = _verify_run(_proposer(OracleTable(6.3, (tuple(spec),), seed=1)), spec, 40)
+    assert on_lattice == pytest.approx(6.3, abs=0.15)
+    p = _proposer(OracleTable(6.3, (tuple(plain), tuple(spec)), seed=1))
+    assert _verify_run(p, spec, 40) == on_lattice
+    assert p.missed == 0
+
+
+def test_a_sequence_that_left_the_table_is_found_again():
+    """With several streams a batched verify step's rounding depends on the others' rows, so
+    the target may leave every known output at a near-tie; where it comes back onto a known
+    continuation (here: it loops), its proposals follow the table again instead of the
+    draft's own tokens to the end."""
+    loop = _chain(3, 12)
+    plain = _chain(4, 60) + loop * 20
+    target = plain[:50] + [(plain[50] + 1) % 900] + _chain(5, 10) + loop * 30
+    p = _proposer(OracleTable(6.3, (tuple(plain),), seed=1))
+    acceptance = _verify_run(p, target, 20)
+    assert acceptance > 4, acceptance
+    assert p.missed == 1 and p.reentered >= 1
