@@ -124,6 +124,10 @@ class OracleProposer(DFlashProposer):
         first = self._committed_since(slot, token, pos)
         was = self.matches[slot]
         cand = self._agreeing(slot, first, pos)
+        if not cand and first < pos:  # (the tokens before `pos` need not be its proposal's:
+            # plain steps between proposals, `spec_policy` auto): its history from `pos` on
+            self.starts[slot], self.history[slot] = pos, [token]
+            cand = self._agreeing(slot, pos, pos)
         if not cand:
             cand = self._lookup(slot, pos)
             if cand:

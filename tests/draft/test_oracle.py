@@ -198,3 +198,15 @@ def test_streams_whose_batched_steps_round_otherwise_reach_the_acceptance():
         p.set_oracle(OracleTable(6.3, tuple(table), seed=1))
     _, acceptance = _batched_pass(p, starts, 126, None)  # (20 rounds of 6.3 a stream)
     assert acceptance == pytest.approx(6.3, abs=0.02), acceptance
+
+
+def test_plain_steps_between_proposals_keep_the_sequence():
+    """Under `spec_policy` auto plain steps may commit tokens between two proposals: the
+    second is keyed from its own position on, not by the first's draft tokens."""
+    seq = _chain(6, 200)
+    p = _proposer(OracleTable(3.0, (tuple(seq),)))  # (rounds end at 53, 56, ...)
+    p._replace(0, seq[50], 50, ([999] * 7, None, None))
+    wrong = p._replace(0, seq[52], 52, ([999] * 7, None, None))[0]
+    assert wrong[0] != seq[53]  # (the round ends at 53)
+    drafted = p._replace(0, seq[54], 54, ([999] * 7, None, None))[0]  # after 2 plain steps
+    assert drafted[:2] == [seq[55], (seq[56] + 1) % 1000] and p.missed == 0
