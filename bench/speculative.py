@@ -188,9 +188,9 @@ def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> int:
     """A speculative pass's outputs join the oracle's table (read again by the draft at each
     sequence's start); how many were new to it. Where a verify step's rounding left the plain
     output (bf16 on GPUs), the next pass's proposals follow what this one produced instead of
-    the draft's own. With several streams a batched verify step's rounding also depends on
-    the other streams' (how many rows the step has), so a pass whose streams left the table
-    (and so ran longer, their steps batched otherwise) can still leave this one's outputs
+    the draft's own. With several streams a batched verify step's rounding can also depend on
+    the other streams' (the step's rows: a stream that left the table runs longer, so the
+    steps after it are batched otherwise), so the next pass can still leave this one's outputs
     later on: passes go on until one adds nothing (`--oracle-passes` at most)."""
     raw = json.loads(Path(path).read_text())
     have = {tuple(x) for x in raw["sequences"]}
