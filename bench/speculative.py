@@ -28,8 +28,9 @@ really runs at its full size and whose proposals are those outputs with errors p
 the mean tokens per verify step is A. Reports, next to each ratio, its ideal A x t_plain /
 t_verify (a round that cost only its verify step) and a round's time split into verify, draft
 (waiting for the proposal; of it, computing) and the rest (host time, hops, moves). Before
-the timed pass, `--oracle-passes` (default 1) untimed ones add their outputs to the table, so
-that where a verify step's rounding (bf16) left the plain output the timed pass's proposals
+the timed pass, untimed ones add their outputs to the table (until one adds none, at most
+`--oracle-passes`, default 6), so that where a verify step's rounding (bf16; with `--streams`
+also the other streams' rows in the step) left the plain output the timed pass's proposals
 follow the runtime's own. A random model has no tokenizer: its prompts are `--limit` (default
 12) seeded random token ids of `--prompt-len` tokens (set `random`).
 
@@ -138,10 +139,15 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         for set_name, prompts in sets.items():
             row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
             plain = None if plain_tokens is None else plain_tokens[set_name]
-            for _ in range(args.oracle_passes if oracle else 0):  # untimed
+            for k in range(1, args.oracle_passes + 1 if oracle else 0):  # untimed
                 extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
                          _measure_streams(coord, prompts, params, plain, args.streams))
-                add_to_oracle(oracle, prompts, extra["outputs"])
+                added = add_to_oracle(oracle, prompts, extra["outputs"])
+                print(f"{name}, {set_name}: untimed oracle pass {k}: acceptance "
+                      f"{extra['acceptance_length'] or 0:.2f}, {added} new outputs in the table",
+                      flush=True)
+                if not added:  # (the table is what the next pass follows: it decodes the same)
+                    break
             row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
                        _measure_streams(coord, prompts, params, plain, args.streams))
             row["prompt_ids"] = prompts
@@ -178,18 +184,25 @@ def write_oracle(base: list[dict], acceptance: float, seed: int) -> str:
     return path
 
 
-def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> None:
+def add_to_oracle(path: str, prompts: list[list[int]], outputs: dict) -> int:
     """A speculative pass's outputs join the oracle's table (read again by the draft at each
-    sequence's start): where a verify step's rounding left the plain output (bf16 on GPUs),
-    the next pass's proposals follow what this one produced instead of the draft's own."""
+    sequence's start); how many were new to it. Where a verify step's rounding left the plain
+    output (bf16 on GPUs), the next pass's proposals follow what this one produced instead of
+    the draft's own. With several streams a batched verify step's rounding can also depend on
+    the other streams' (the step's rows: a stream that left the table runs longer, so the
+    steps after it are batched otherwise), so the next pass can still leave this one's outputs
+    later on: passes go on until one adds nothing (`--oracle-passes` at most)."""
     raw = json.loads(Path(path).read_text())
     have = {tuple(x) for x in raw["sequences"]}
-    raw["sequences"] += [seq for i, out in outputs.items()
-                         if tuple(seq := prompts[i] + out) not in have]
+    new = [seq for i, out in outputs.items() if tuple(seq := prompts[i] + out) not in have]
+    if not new:
+        return 0
+    raw["sequences"] += new
     tmp = Path(path).with_suffix(".new")
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(json.dumps(raw))  # (private to the user, as the table it replaces)
     os.replace(tmp, path)
+    return len(new)
 
 
 def oracle_split(row: dict, plain_tok_s: float, streams: int) -> dict:
@@ -332,8 +345,9 @@ def main() -> int:
     p.add_argument("--oracle-acceptance", type=float, default=None, help="the drafts' "
                    "proposals are the plain greedy run's outputs, wrong where a draw says so: "
                    "mean tokens per verify step A (the bench oracle; DFlash drafts, greedy)")
-    p.add_argument("--oracle-passes", type=int, default=1, help="untimed speculative passes "
-                   "before the timed one, each adding its outputs to the oracle's table")
+    p.add_argument("--oracle-passes", type=int, default=6, help="at most this many untimed "
+                   "speculative passes before the timed one, each adding its outputs to the "
+                   "oracle's table, until one adds none")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens of each random prompt "
                    "(a model without a tokenizer)")
     p.add_argument("--policies", default="on", help="comma-separated spec_policy settings to "
