@@ -443,6 +443,7 @@ class Engine:
             self.metrics.cache_misses.inc()
         if coord.cache is not None:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
+            self.metrics.cache_resident_hits.set(coord.cache.stats.hits_resident)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
             self.metrics.observe_policy(coord.spec_policy)

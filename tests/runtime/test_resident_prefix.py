@@ -1,0 +1,132 @@
+"""Resident prefixes (`runtime.resident_kv`): a cached prefix whose KV blocks are still in the
+device pool is served from them, with no snap_restore, and the output equals a cold run's
+(invariant 3: tokens, and float32 logits bit for bit), with 1 and 2 shards; a small pool drops
+held prefixes before it fails or preempts anyone, outputs unchanged; hybrid models restore
+from RAM as before."""
+
+from __future__ import annotations
+
+import pytest
+from layersplit.runtime.config import RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
+from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.sampling import SamplingParams
+
+from tests.helpers import assert_same_run, run_logged, shard_children
+
+CHUNK = 16
+GREEDY = SamplingParams(max_tokens=9, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+
+
+def _cfg(model, n: int, **kw) -> RuntimeConfig:
+    kw = {"max_context": 256, "kv_block": 8, **kw}
+    return RuntimeConfig(model=str(model), devices=("cpu",) * n, prefill_chunk=CHUNK,
+                         threads=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_llama):
+    return ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=256)
+
+
+def _count_ram_restores(c: Coordinator) -> list[int]:
+    """Entries each snap_restore of the shards' KV carried (a RAM restore), as they happen."""
+    runs: list[int] = []
+    inner = c.cache._restore_ram
+
+    def counted(run, slot, context):
+        if run:
+            runs.append(len(run))
+        return inner(run, slot, context)
+
+    c.cache._restore_ram = counted
+    return runs
+
+
+def _turns(ref, eos: int) -> list[list[int]]:
+    """Three user messages, each closed by the end-of-turn token (a chunk boundary off the
+    block grid: the served prefix ends inside a block, whose rows are copied)."""
+    enc = ref.tokenizer.encode
+    return [enc("the quick brown fox jumps over the lazy dog and more") + [eos],
+            enc(" then it ran far away") + [eos],
+            enc(" and it came back home at night to sleep") + [eos]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 2])
+def test_conversation_turns_are_served_from_resident_blocks(tiny_llama, ref, n):
+    with Coordinator(_cfg(tiny_llama, n)) as c:
+        restores = _count_ram_restores(c)
+        turns = _turns(ref, c.eos_ids[0])
+        prompt: list[int] = []
+        asked = 0  # the previous turn's prompt
+        for k, message in enumerate(turns):
+            prompt = prompt + message
+            params = GREEDY if k % 2 == 0 else SAMPLED
+            want = run_logged(ref, prompt, params)
+            hits = c.cache.stats.hits_resident
+            got = run_logged(c, prompt, params)
+            assert_same_run(got, want, f"turn {k}")
+            if k:  # the previous turn's prompt, up to its end of turn, is still in the pool
+                assert (got[0].cache_tier, got[0].cached_tokens) == ("ram", asked)
+                assert c.cache.stats.hits_resident == hits + 1
+            asked = len(prompt)
+            prompt = prompt + got[0].tokens
+        # an exact repeat: the whole prompt, its last block partly filled, and its logits
+        last = prompt[:len(prompt) - len(got[0].tokens)]
+        assert len(last) % c.config.kv_block
+        got = run_logged(c, last, SAMPLED)
+        assert (got[0].cache_tier, got[0].cached_tokens) == ("ram", len(last))
+        assert_same_run(got, run_logged(ref, last, SAMPLED), "exact repeat")
+        assert restores == [], "a prefix still in the pool was copied in from RAM"
+        assert c.cache.stats.hits_resident == len(turns)
+        assert c.cache.stats.tokens_resident > 0
+        sched = c.batcher.sched
+        sched.check()
+        assert sched.resident.held and sched.reclaimable_blocks == sched.total_blocks
+    assert shard_children() == []
+
+
+@pytest.mark.slow
+def test_a_small_pool_drops_resident_prefixes_first(tiny_llama, ref):
+    """18 blocks of 8 rows: the prefixes the first prompts leave held fill most of the pool; a
+    long prompt then needs their blocks, which are dropped (least recently used first) before
+    anything is preempted or fails; outputs unchanged, and a dropped prefix restores from RAM."""
+    enc = ref.tokenizer.encode
+    text = enc("a long agentic conversation about many things, " * 12)
+    prompts = [text[11 * i:11 * i + 40] for i in range(3)]
+    long = text[:130]
+    want = {id(p): run_logged(ref, p, GREEDY) for p in (*prompts, long)}
+    with Coordinator(_cfg(tiny_llama, 2, max_context=144, max_seqs=2, kv_blocks=18)) as c:
+        sched = c.batcher.sched
+        for p in prompts:
+            assert_same_run(run_logged(c, p, GREEDY), want[id(p)], "cold")
+        assert len(sched.resident.held) >= 3 and sched.free_blocks < 18
+        assert_same_run(run_logged(c, long, GREEDY), want[id(long)], "long")
+        assert sched.resident.evicted >= 1 and c.batcher.stats.preemptions == 0
+        sched.check()
+        restores = _count_ram_restores(c)
+        hits = c.cache.stats.hits_resident
+        got = run_logged(c, prompts[0], GREEDY)  # (dropped: its RAM copy restores it)
+        assert_same_run(got, want[id(prompts[0])], "after eviction")
+        assert got[0].cache_tier == "ram" and got[0].cached_tokens == len(prompts[0])
+        assert restores and c.cache.stats.hits_resident == hits
+        sched.check()
+        assert sched.reclaimable_blocks == sched.total_blocks
+
+
+@pytest.mark.slow
+def test_hybrid_models_restore_from_ram(hybrid_models):
+    model = hybrid_models["qwen3_5"]
+    ref = ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
+    prompt = ref.tokenizer.encode("<|im_start|>user\nthe cat sat on the mat<|im_end|>\n" * 2)
+    cold = ref.generate(prompt, GREEDY).tokens
+    with Coordinator(_cfg(model, 1, kv_block=16)) as c:
+        assert c.cache.sched is None
+        restores = _count_ram_restores(c)
+        assert c.generate(prompt, GREEDY).tokens == cold
+        r = c.generate(prompt, GREEDY)
+        assert r.cache_tier == "ram" and r.tokens == cold
+        assert restores and c.cache.stats.hits_resident == 0
+        assert not c.batcher.sched.resident.held
