@@ -130,3 +130,34 @@ def test_hybrid_models_restore_from_ram(hybrid_models):
         assert r.cache_tier == "ram" and r.tokens == cold
         assert restores and c.cache.stats.hits_resident == 0
         assert not c.batcher.sched.resident.held
+
+
+def test_held_blocks_are_shared_copied_and_dropped_for_room():
+    """Bookkeeping alone: a slot's first blocks held under a key outlive its sequence; a new
+    sequence takes them (the partial last block copied with its first step); they are dropped,
+    least recently used first, when an admission needs their room."""
+    from layersplit.runtime.scheduler import Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(slots=2, slot_tokens=64, block_tokens=8, micro_batches=1,
+                                  step_tokens=64, num_blocks=8))
+    s.submit("a", 20)
+    [(_, slot)] = s.admit()
+    table = s.pool.table(slot)
+    assert s.resident.hold("k", slot, 20) and s.resident.rows("k") == 20
+    s.release("a")
+    s.check()
+    assert s.free_blocks == 5 and s.reclaimable_blocks == 8
+    s.submit("b", 30)
+    [(_, slot)] = s.admit()
+    assert s.share_resident(slot, "k", 20)
+    assert s.pool.table(slot)[:2] == table[:2] and s.pool.table(slot)[2] != table[2]
+    assert s.table_update(slot) == {"at": 0, "ids": s.pool.table(slot)}
+    assert s.copy_update(slot) == [[table[2], s.pool.table(slot)[2]]]
+    assert not s.share_resident(slot, "k", 20)  # (a slot's first message went out)
+    s.copied(slot)
+    s.check()
+    s.release("b")
+    s.submit("c", 64)  # the whole pool: the held prefix goes
+    [(_, slot)] = s.admit()
+    assert not s.resident.held and s.resident.evicted == 1 and s.free_blocks == 0
+    s.check()
