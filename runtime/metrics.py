@@ -102,7 +102,7 @@ class Metrics:
         `Batcher`; a new one after a restart of the shard group counts from 0)."""
         s, sched = batcher.stats, batcher.sched
         if sched.total_blocks:
-            self.kv_usage.set(1 - sched.free_blocks / sched.total_blocks)
+            self.kv_usage.set(1 - sched.reclaimable_blocks / sched.total_blocks)
         host = batcher.host
         self.kv_host_usage.set(0.0 if host is None else 1 - host.free_blocks / host.num_blocks)
         swaps, reprefills, which = self._seen

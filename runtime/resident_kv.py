@@ -22,7 +22,7 @@ holds (the coordinator attaches this only to non-hybrid runs).
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -46,15 +46,9 @@ class ResidentBlocks:
         self.held: OrderedDict[str, int] = OrderedDict()
         self.evicted = 0  # entries whose blocks were dropped for room
 
-    @property
-    def blocks(self) -> int:
-        """Distinct blocks held (some may be a live sequence's too)."""
-        return len({b for k in self.held for b in self.pool.tables[table_key(k)]})
-
     def sole_blocks(self) -> int:
         """Blocks that only held prefixes reference (free once those are dropped)."""
-        count = Counter(b for k in self.held for b in self.pool.tables[table_key(k)])
-        return sum(1 for b, n in count.items() if self.pool.refs[b] == n)
+        return self.pool.kept_only
 
     def rows(self, key: str) -> int | None:
         """Rows [0, n) of the entry still in the device pool, or None."""
@@ -71,6 +65,7 @@ class ResidentBlocks:
             return False
         self.pool.fork(slot, table_key(key), n * self.pool.block_tokens)  # (whole blocks: no
         # copy, each block one reference more)
+        self.pool.mark_kept(table_key(key))
         self.held[key] = length
         return True
 
@@ -79,6 +74,7 @@ class ResidentBlocks:
 
     def drop(self, key: str) -> None:
         if self.held.pop(key, None) is not None:
+            self.pool.mark_kept(table_key(key), False)
             self.pool.free(table_key(key))
 
     def reclaim(self, need: int) -> None:
