@@ -275,8 +275,10 @@ class Scheduler:
         held = self.resident.rows(key)
         r = next((r for r in self.running.values() if r.slot == slot), None)
         if held is None or held < tokens or r is None or slot in self.sent or \
-                self.copies.get(slot) or slot in self.pool.pins:
-            return False
+                self.copies.get(slot) or slot in self.pool.pins or \
+                tokens > r.blocks * self.config.block_tokens or \
+                any(self.pool.refs[b] != 1 for b in self.pool.tables.get(slot, ())):
+            return False  # (its own blocks, freed, make the room the share takes)
         self.share(r.rid, table_key(key), tokens)
         self.resident.touch(key)
         return True

@@ -161,3 +161,63 @@ def test_held_blocks_are_shared_copied_and_dropped_for_room():
     [(_, slot)] = s.admit()
     assert not s.resident.held and s.resident.evicted == 1 and s.free_blocks == 0
     s.check()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_holds_shares_and_drops_keep_the_pool_whole(seed):
+    """Admissions, grows, holds, shares and releases in a random order on a small pool: the
+    pool's reference counts (and the count of blocks only held prefixes reference) stay exact,
+    and once every sequence ends and every prefix is dropped, every block is free."""
+    import random
+
+    from layersplit.runtime.scheduler import PoolFull, Scheduler, SchedulerConfig
+
+    rng = random.Random(seed)
+    s = Scheduler(SchedulerConfig(slots=3, slot_tokens=40, block_tokens=4, micro_batches=1,
+                                  step_tokens=64, num_blocks=16))
+    rows: dict[int, int] = {}  # rid -> rows its table covers
+    fresh: set[int] = set()  # admitted, no message for their slot yet
+    for i in range(400):
+        op = rng.random()
+        if op < 0.25:
+            s.submit(i, rng.randrange(1, 30))
+            for rid, slot in s.admit():
+                rows[rid] = rng.randrange(1, 30)
+                s.grow(rid, rows[rid]) if s.can_grow(rid, rows[rid]) else None
+                fresh.add(rid)
+        elif op < 0.45 and fresh:
+            rid = rng.choice(sorted(fresh))
+            slot = s.running[rid].slot
+            key = f"k{rng.randrange(6)}"
+            held = s.resident.rows(key)
+            if held is not None and held <= s.running[rid].blocks * 4 and \
+                    s.share_resident(slot, key, held):
+                s.table_update(slot)
+                assert s.copy_update(slot) is not None or held % 4 == 0
+            fresh.discard(rid)
+        elif op < 0.65 and s.running:
+            rid = rng.choice(sorted(s.running))
+            have = s.running[rid].blocks * 4
+            if have:
+                s.resident.hold(f"k{rng.randrange(6)}", s.running[rid].slot,
+                                rng.randrange(1, have + 1))
+        elif op < 0.8 and s.running:
+            rid = rng.choice(sorted(s.running))
+            try:
+                s.grow(rid, min(40, s.running[rid].blocks * 4 + rng.randrange(1, 9)))
+            except PoolFull:
+                pass
+            s.copied(s.running[rid].slot)
+            fresh.discard(rid)
+        elif s.running:
+            rid = rng.choice(sorted(s.running))
+            s.release(rid)
+            fresh.discard(rid)
+        s.check()
+    for rid in list(s.running):
+        s.release(rid)
+    s.check()
+    assert s.reclaimable_blocks == s.total_blocks
+    s.resident.clear()
+    s.check()
+    assert s.free_blocks == s.total_blocks and s.pool.kept_only == 0
