@@ -199,8 +199,9 @@ class Scheduler:
 
     def _room(self, need: int) -> bool:
         """Whether `need` blocks are free, once blocks held for resident prefixes are dropped
-        where they must be (least recently used first)."""
-        if need > self.free_blocks:
+        where they must be (least recently used first). None is dropped where dropping every
+        one would still leave too few: their blocks would be freed for nobody."""
+        if self.free_blocks < need <= self.reclaimable_blocks:
             self.resident.reclaim(need)
         return need <= self.free_blocks
 

@@ -221,3 +221,29 @@ def test_random_holds_shares_and_drops_keep_the_pool_whole(seed):
     s.resident.clear()
     s.check()
     assert s.free_blocks == s.total_blocks and s.pool.kept_only == 0
+
+
+def test_held_prefixes_stay_when_dropping_them_cannot_make_the_room():
+    """An admission (or a step's growth) the pool cannot take even with every held prefix
+    dropped leaves them held: dropping them would free blocks nobody gets (a large request
+    waiting at the head of the queue would otherwise drop every prefix held, each loop)."""
+    from layersplit.runtime.scheduler import Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(slots=3, slot_tokens=32, block_tokens=4, micro_batches=1,
+                                  step_tokens=64, num_blocks=8))
+    s.submit("a", 12)
+    [(_, slot)] = s.admit()
+    assert s.resident.hold("k", slot, 12)
+    s.release("a")
+    s.submit("b", 20)
+    assert [rid for rid, _ in s.admit()] == ["b"]
+    assert s.free_blocks == 0 and s.reclaimable_blocks == 3
+    s.submit("c", 16)  # 4 blocks: more than the 3 the held prefix could give back
+    assert s.admit() == []
+    assert s.resident.rows("k") == 12 and s.resident.evicted == 0
+    assert not s.can_grow("b", 36)  # (4 blocks more than b's 5: no room either way)
+    assert s.resident.rows("k") == 12 and s.resident.evicted == 0
+    s.check()
+    assert s.can_grow("b", 28)  # (2 more: the held prefix's blocks make the room)
+    assert s.resident.rows("k") is None and s.resident.evicted == 1
+    s.check()
