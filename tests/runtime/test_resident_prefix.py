@@ -247,3 +247,22 @@ def test_held_prefixes_stay_when_dropping_them_cannot_make_the_room():
     assert s.can_grow("b", 28)  # (2 more: the held prefix's blocks make the room)
     assert s.resident.rows("k") is None and s.resident.evicted == 1
     s.check()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="admission reserves the whole prompt's blocks before the "
+                   "restore, so a conversation held in more than half the pool has its own "
+                   "prefix dropped to make that room, and restores it from RAM")
+def test_a_conversation_longer_than_half_the_pool_is_served_resident(tiny_llama, ref):
+    """17 blocks of 8 rows: the first turn's prompt (9 blocks) stays held; the next turn's
+    prompt (12 blocks) fits the pool beside the 9 full blocks it would share, but not beside
+    a copy of them."""
+    enc = ref.tokenizer.encode
+    text = enc("a long agentic conversation about many things, " * 12)
+    first, second = text[:70], text[:92]
+    with Coordinator(_cfg(tiny_llama, 1, max_context=136, max_seqs=1, kv_blocks=17)) as c:
+        assert_same_run(run_logged(c, first, GREEDY), run_logged(ref, first, GREEDY), "cold")
+        assert c.batcher.sched.resident.rows(c.cache.keys(first, [len(first)])[len(first)])
+        got = run_logged(c, second, GREEDY)
+        assert_same_run(got, run_logged(ref, second, GREEDY), "second")
+        assert got[0].cached_tokens >= 64 and c.cache.stats.hits_resident == 1
