@@ -209,6 +209,7 @@ class CacheManager:
             if served:  # (its first links' blocks are still in the device pool: no copy)
                 out.features &= feats
                 out.length, out.leaf = chain[served - 1].length, chain[served - 1]
+                out.resident = True
             for e in chain[served:]:
                 if e.in_ram:
                     ram_run.append(e)

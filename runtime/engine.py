@@ -439,11 +439,12 @@ class Engine:
         if progress.cache_tier != "none":
             self.metrics.cache_hits.labels(progress.cache_tier).inc()
             self.metrics.cached_tokens.inc(progress.cached_tokens)
+            if progress.cache_resident:
+                self.metrics.cache_resident_hits.inc()
         elif req.use_cache and coord.cache is not None:
             self.metrics.cache_misses.inc()
         if coord.cache is not None:
             self.metrics.cache_bytes_written.set(coord.cache.stats.bytes_written)
-            self.metrics.cache_resident_hits.set(coord.cache.stats.hits_resident)
         if progress.spec is not None:
             self.metrics.observe_speculation(progress.spec)
             self.metrics.observe_policy(coord.spec_policy)

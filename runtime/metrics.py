@@ -42,9 +42,9 @@ class Metrics:
                                      "prompt tokens served from the prefix cache", registry=r)
         self.cache_bytes_written = Gauge("layersplit_prefix_cache_bytes_written",
                                          "bytes written to the disk tier", registry=r)
-        self.cache_resident_hits = Gauge("layersplit_prefix_cache_resident_hits",
-                                         "RAM-tier hits served from KV blocks still in the "
-                                         "device pool, with no copy", registry=r)
+        self.cache_resident_hits = Counter("layersplit_prefix_cache_resident_hits",
+                                           "RAM-tier hits served from KV blocks still in the "
+                                           "device pool, with no copy", registry=r)
         self.acceptance = Histogram("layersplit_spec_acceptance_length",
                                     "mean tokens committed per speculative verify step, one "
                                     "observation per request",

@@ -106,6 +106,7 @@ class Restored:
     tier: str = "none"
     leaf: Entry | None = None
     features: bool = True  # the draft got the feature rows of [0, length) too
+    resident: bool = False  # its first rows were served from blocks still in the device pool
 
 
 class BusySpans:

@@ -94,7 +94,9 @@ def conversation(tiny_llama, tok, tmp_path_factory):
                 for e in cold.choices[0].logprobs.content]
         assert got == want  # float32 on CPU: the same bits
         # every turn after the first took the kept answer's blocks, still in the KV pool
-        assert _metric(s, "layersplit_prefix_cache_resident_hits") >= 5
+        assert _metric(s, "layersplit_prefix_cache_resident_hits_total") >= 5
+        assert _metric(s, "layersplit_prefix_cache_resident_hits_total") <= \
+            _metric(s, 'layersplit_prefix_cache_hits_total{tier="ram"}')
     finally:
         assert s.stop() == 0
     assert shard_children() == []
