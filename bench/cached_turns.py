@@ -70,6 +70,9 @@ def main() -> None:
                   f"({p.cache_tier}): restore {restore * 1e3:.1f} ms, prefill "
                   f"{prefill * 1e3:.1f} ms ({n - p.cached_tokens} new), snapshots after the "
                   f"first token {snaps}", flush=True)
+        st = c.cache.stats
+        print(f"shards {a.shards}: {st.hits_ram} RAM hits, {st.hits_resident} of them served "
+              "from blocks still in the KV pool (no copy)")
     print(f"shards {a.shards} cached turns, median: restore "
           f"{statistics.median(restores) * 1e3:.1f} ms, prefill "
           f"{statistics.median(prefills) * 1e3:.1f} ms ({time.strftime('%Y-%m-%d')})")

@@ -31,6 +31,10 @@ class BlockManager:
         self.refs = [0] * num_blocks
         self.tables: dict[Hashable, list[int]] = {}
         self.pins: dict[Hashable, list[int]] = {}  # seq -> the sources of its fork's copies
+        # references of tables marked `kept` (prefixes held after their sequence ended,
+        # `runtime.resident_kv`), and how many blocks only those reference (free once dropped)
+        self.kept = [0] * num_blocks
+        self.kept_only = 0
 
     # ---- queries ------------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -63,7 +67,7 @@ class BlockManager:
                               f"{self.free_blocks} of {self.num_blocks} free")
         new = [self.free_ids.pop() for _ in range(need)]
         for b in new:
-            self.refs[b] = 1
+            self.refs[b] = 1  # (a free block is referenced by no kept table)
         self.tables.setdefault(seq, []).extend(new)
         return new
 
@@ -75,9 +79,22 @@ class BlockManager:
         """`seq`'s fork copies are made (its first step is back): their sources may go."""
         self._drop(self.pins.pop(seq, ()))
 
+    def mark_kept(self, seq: Hashable, kept: bool = True) -> None:
+        """Count `seq`'s references as kept ones (`kept_only`), or no longer (before `free`)."""
+        for b in self.tables.get(seq, ()):
+            self._count(b, 0, 1 if kept else -1)
+
+    def _count(self, b: int, refs: int, kept: int = 0) -> None:
+        """Change block b's references (and its kept ones), keeping `kept_only` up to date."""
+        k = self.kept[b]
+        was = k > 0 and self.refs[b] == k
+        self.refs[b] += refs
+        self.kept[b] = k = k + kept
+        self.kept_only += (k > 0 and self.refs[b] == k) - was
+
     def _drop(self, blocks: list[int]) -> None:
         for b in blocks:
-            self.refs[b] -= 1
+            self._count(b, -1)
             if self.refs[b] == 0:
                 self.free_ids.append(b)
         if blocks:
@@ -99,7 +116,7 @@ class BlockManager:
             raise MemoryError("KV pool: no free block for the copied last block of a fork")
         shared = table[:full]
         for b in shared:
-            self.refs[b] += 1
+            self._count(b, 1)
         self.tables[dst] = list(shared)
         copies = []
         if part:
@@ -107,7 +124,7 @@ class BlockManager:
             self.refs[nb] = 1
             self.tables[dst].append(nb)
             copies.append((table[full], nb))
-            self.refs[table[full]] += 1  # (held until the copy is made: `unpin`)
+            self._count(table[full], 1)  # (held until the copy is made: `unpin`)
             self.pins[dst] = [table[full]]
         return copies
 
@@ -120,6 +137,9 @@ class BlockManager:
                 assert 0 <= b < self.num_blocks, f"block id {b} outside the pool"
                 counted[b] += 1
         assert counted == self.refs, "reference counts differ from table (and pin) references"
+        assert all(0 <= k <= r for k, r in zip(self.kept, self.refs)), "kept references"
+        assert self.kept_only == sum(1 for k, r in zip(self.kept, self.refs) if k and k == r), \
+            "kept_only differs from the blocks only kept tables reference"
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "a block is free twice"
         for b in range(self.num_blocks):

@@ -10,7 +10,6 @@ Restores read tensors by global layer, so any split can read a file any other sp
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import logging
@@ -43,11 +42,21 @@ from layersplit.ipc.kv_file import (
 from layersplit.ipc.messages import ProtocolError, message, optional_seconds
 from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.host_pool import HostPool
-from layersplit.runtime.prefix_cache import BusySpans, Entry, PrefixIndex, fsync_dir, metadata_for
+from layersplit.runtime.prefix_cache import (
+    BusySpans,
+    Entry,
+    PrefixIndex,
+    Restored,
+    SaveJob,
+    fsync_dir,
+    metadata_for,
+)
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
+from layersplit.runtime.resident_kv import serve
 
 if TYPE_CHECKING:
     from layersplit.runtime.config import RuntimeConfig
+    from layersplit.runtime.scheduler import Scheduler
     from layersplit.runtime.tokenizer import TextTokenizer
     from layersplit.shards.model_config import ModelConfig
 
@@ -78,39 +87,11 @@ class CacheHost(Protocol):
                  deadline: float | None = None, what: str = "") -> list[dict[str, Any]]: ...
     def feat_sid(self, context: int) -> int: ...
     def table_update(self, slot: int) -> dict[str, Any] | None: ...
+    def draft_request(self, msg: dict[str, Any], frames: Sequence[Any] = ()) -> dict[str, Any]: ...
 
 
 EWMA = 0.3
 PARENT_WAIT_S = 120.0  # a delta entry's save waits this long for its parent's file
-
-
-@dataclasses.dataclass
-class SaveJob:
-    entry: Entry
-    layout: Any
-    tmp: Path
-    fd: int
-    waiting: set[int]
-    sums: dict[str, str]
-    failed: str | None = None
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    without_features: bool = False  # the draft's part failed: the file is cut before it
-    # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
-    streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
-    streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
-    copy_wait_s: float = 0.0  # the longest any writer waited for its snapshot's host copy
-    renamed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when
-    # the save ended, `ok` if its file is in place: a child's file waits for its parent's
-    ok: bool = False
-
-
-@dataclasses.dataclass
-class Restored:
-    length: int = 0
-    logits: np.ndarray | None = None
-    tier: str = "none"
-    leaf: Entry | None = None
-    features: bool = True  # the draft got the feature rows of [0, length) too
 
 
 class CacheManager:
@@ -160,6 +141,8 @@ class CacheManager:
         self.feature_dtype = coord.draft_info.get("dtype", coord.dtype)
         self.feature_row_bytes = self.feature_width * itemsize[self.feature_dtype]
         self.index.mark_features(self._feature_tag())
+        self.sched: Scheduler | None = None  # the batch's, for entries whose blocks stay in the
+        # device pool (`runtime.resident_kv`; attention-only models)
 
     def _feature_tag(self) -> str:
         """What an entry's feature rows must be to serve this draft (metadata `features`)."""
@@ -221,7 +204,13 @@ class CacheManager:
         out = Restored(features=features and self._with_features(chain))
         try:
             ram_run: list[Entry] = []
-            for e in chain:
+            served, feats = (0, True) if self.sched is None else serve(
+                self, chain, n, slot, context if out.features else None)
+            if served:  # (its first links' blocks are still in the device pool: no copy)
+                out.features &= feats
+                out.length, out.leaf = chain[served - 1].length, chain[served - 1]
+                out.resident = True
+            for e in chain[served:]:
                 if e.in_ram:
                     ram_run.append(e)
                     continue
@@ -497,6 +486,7 @@ class CacheManager:
         have = self.index.entries.get(key)
         if have is not None:
             self.index.touch([have])
+            self._hold(key, slot, length)
             return have
         if logits is None:
             return None
@@ -519,6 +509,7 @@ class CacheManager:
                 self.index.entries.pop(e.key, None)
                 return None
             self._take(e, slot, context, sync)
+            self._hold(key, slot, length)
             if not e.features:
                 e.kv_bytes -= feature_bytes
         except BaseException:
@@ -545,6 +536,10 @@ class CacheManager:
             self.pool.add_snapshot(ram_id, self.host_bytes(e))
         e.ram_id = ram_id
         e.features = draft is not None and any(r["_shard"] < 0 for r in replies)
+
+    def _hold(self, key: str, slot: int, length: int) -> None:
+        if self.sched is not None:  # (the slot's blocks of rows [0, length) stay, `serve`)
+            self.sched.resident.hold(key, slot, length)
 
     def _room_for(self, e: Entry) -> bool:
         """Evict RAM copies (least recently used first) until the entry's fits the RAM tier's

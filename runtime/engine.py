@@ -439,6 +439,8 @@ class Engine:
         if progress.cache_tier != "none":
             self.metrics.cache_hits.labels(progress.cache_tier).inc()
             self.metrics.cached_tokens.inc(progress.cached_tokens)
+            if progress.cache_resident:
+                self.metrics.cache_resident_hits.inc()
         elif req.use_cache and coord.cache is not None:
             self.metrics.cache_misses.inc()
         if coord.cache is not None:

@@ -94,6 +94,7 @@ class Progress:
     text: str = ""
     cached_tokens: int = 0
     cache_tier: str = "none"
+    cache_resident: bool = False  # a RAM hit served from blocks still in the device pool
     spec: Any = None  # runtime.speculative.SpecStats, when a draft served the request
     token_times: list[float] = dataclasses.field(default_factory=list)  # when each came out
     logits: list[np.ndarray] | None = None  # set to [] to record, for each token the sequence

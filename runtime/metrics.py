@@ -42,6 +42,9 @@ class Metrics:
                                      "prompt tokens served from the prefix cache", registry=r)
         self.cache_bytes_written = Gauge("layersplit_prefix_cache_bytes_written",
                                          "bytes written to the disk tier", registry=r)
+        self.cache_resident_hits = Counter("layersplit_prefix_cache_resident_hits",
+                                           "RAM-tier hits served from KV blocks still in the "
+                                           "device pool, with no copy", registry=r)
         self.acceptance = Histogram("layersplit_spec_acceptance_length",
                                     "mean tokens committed per speculative verify step, one "
                                     "observation per request",
@@ -99,7 +102,7 @@ class Metrics:
         `Batcher`; a new one after a restart of the shard group counts from 0)."""
         s, sched = batcher.stats, batcher.sched
         if sched.total_blocks:
-            self.kv_usage.set(1 - sched.free_blocks / sched.total_blocks)
+            self.kv_usage.set(1 - sched.reclaimable_blocks / sched.total_blocks)
         host = batcher.host
         self.kv_host_usage.set(0.0 if host is None else 1 - host.free_blocks / host.num_blocks)
         swaps, reprefills, which = self._seen

@@ -18,9 +18,11 @@ import fcntl
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from layersplit.ipc.kv_file import KVFileError, read_layout
@@ -55,6 +57,8 @@ class Entry:
 class CacheStats:
     hits_ram: int = 0
     hits_disk: int = 0
+    hits_resident: int = 0  # of hits_ram: served from blocks still in the device pool, no copy
+    tokens_resident: int = 0  # of tokens_restored: those
     misses: int = 0
     skipped_slow_restore: int = 0
     tokens_restored: int = 0
@@ -73,6 +77,36 @@ class CacheStats:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class SaveJob:
+    entry: Entry
+    layout: Any
+    tmp: Path
+    fd: int
+    waiting: set[int]
+    sums: dict[str, str]
+    failed: str | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    without_features: bool = False  # the draft's part failed: the file is cut before it
+    # shard -> the names of the tensors it sends back to be written here (`streams_cache`)
+    streamed_names: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    streamed: list[tuple[int, Any]] = dataclasses.field(default_factory=list)  # (offset, bytes)
+    copy_wait_s: float = 0.0  # the longest any writer waited for its snapshot's host copy
+    renamed: threading.Event = dataclasses.field(default_factory=threading.Event)  # set when
+    # the save ended, `ok` if its file is in place: a child's file waits for its parent's
+    ok: bool = False
+
+
+@dataclasses.dataclass
+class Restored:
+    length: int = 0
+    logits: np.ndarray | None = None
+    tier: str = "none"
+    leaf: Entry | None = None
+    features: bool = True  # the draft got the feature rows of [0, length) too
+    resident: bool = False  # its first rows were served from blocks still in the device pool
 
 
 class BusySpans:

@@ -239,6 +239,7 @@ class RequestFlow:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
                 restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
                 progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
+                progress.cache_resident = restored.resident and restored.length > 0
                 # snapshot at the last cut inside the prompt (restorable into any longer prompt)
                 # and at its very end (an exact repeat then needs no forward pass)
                 last_cut = max([c for c in cuts if c <= len(prompt)], default=0)

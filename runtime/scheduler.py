@@ -34,6 +34,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from layersplit.runtime.block_manager import BlockManager
+from layersplit.runtime.resident_kv import ResidentBlocks, table_key
 
 
 class PoolFull(RuntimeError):
@@ -92,6 +93,9 @@ class Scheduler:
         self.config = config
         c = config
         self.pool = BlockManager(c.pool_blocks, c.block_tokens)  # tables keyed by slot
+        # blocks kept for prefix-cache entries after their sequence ended (`runtime.resident_kv`):
+        # dropped, least recently used first, whenever the pool is short
+        self.resident = ResidentBlocks(self.pool)
         self.sent: dict[int, int] = {}  # slot -> table entries the shards were sent
         self.copies: dict[int, list[list[int]]] = {}  # slot -> block copies not sent yet
         bounds = [g * c.slots // c.micro_batches for g in range(c.micro_batches + 1)]
@@ -126,7 +130,7 @@ class Scheduler:
             rid, prompt = self.waiting[0]
             need = self._blocks(prompt)
             if rid in self.swapped:  # back in its own slot, with blocks of its own
-                if need > self.free_blocks:
+                if not self._room(need):
                     break
                 self.waiting.popleft()
                 r = self.running[rid] = self.swapped.pop(rid)
@@ -135,7 +139,7 @@ class Scheduler:
                 admitted.append((rid, r.slot))
                 continue
             group = self._emptiest_group()
-            if group is None or need > self.free_blocks:
+            if group is None or not self._room(need):
                 break
             self.waiting.popleft()
             slot = self.free_slots[group].pop(0)
@@ -185,14 +189,27 @@ class Scheduler:
     def free_blocks(self) -> int:
         return self.pool.free_blocks
 
+    @property
+    def reclaimable_blocks(self) -> int:
+        """Free blocks, and those only resident prefixes hold (dropped when needed)."""
+        return self.free_blocks + self.resident.sole_blocks()
+
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.config.block_tokens)
+
+    def _room(self, need: int) -> bool:
+        """Whether `need` blocks are free, once blocks held for resident prefixes are dropped
+        where they must be (least recently used first). None is dropped where dropping every
+        one would still leave too few: their blocks would be freed for nobody."""
+        if self.free_blocks < need <= self.reclaimable_blocks:
+            self.resident.reclaim(need)
+        return need <= self.free_blocks
 
     def _take(self, r: Running, blocks: int) -> None:
         extra = blocks - r.blocks
         if extra <= 0:
             return
-        if blocks > self.config.blocks_per_slot or extra > self.free_blocks:
+        if blocks > self.config.blocks_per_slot or not self._room(extra):
             raise PoolFull(f"request {r.rid!r}: {blocks} KV blocks exceed its slot or the "
                            f"{self.free_blocks} free")
         self.pool.allocate(r.slot, blocks * self.config.block_tokens)
@@ -204,8 +221,8 @@ class Scheduler:
 
     def can_grow_all(self, tokens: dict[Hashable, int]) -> bool:
         """Whether the pool has the blocks for every sequence (rid -> rows) to grow at once."""
-        return sum(max(0, self._blocks(n) - self.running[rid].blocks)
-                   for rid, n in tokens.items()) <= self.free_blocks
+        return self._room(sum(max(0, self._blocks(n) - self.running[rid].blocks)
+                              for rid, n in tokens.items()))
 
     def grow(self, rid: Hashable, tokens: int) -> None:
         """The sequence's slot now holds `tokens` rows (restored and computed alike): its
@@ -237,18 +254,35 @@ class Scheduler:
         if new:
             self.pool.free(slot)
             self.sent.pop(slot, None)
+        self._room(self.pool.needed(slot, tokens))
         self.pool.allocate(slot, tokens)
 
-    def share(self, rid: Hashable, src_slot: int, tokens: int) -> None:
+    def share(self, rid: Hashable, src_slot: Hashable, tokens: int) -> None:
         """The just-admitted sequence `rid` starts with the first `tokens` rows of the sequence
-        in `src_slot` (the same tokens, already prefilled there): it shares their full blocks
-        and copies the partial last one (`copy_update`), instead of blocks of its own."""
+        in `src_slot` (the same tokens, already prefilled there; or a resident prefix's table,
+        `runtime.resident_kv`): it shares their full blocks and copies the partial last one
+        (`copy_update`), instead of blocks of its own."""
         r = self.running[rid]
         if r.slot in self.sent or r.slot == src_slot:
             raise ValueError(f"request {rid!r}: share only before its slot's first message")
         self.pool.free(r.slot)
         self.copies[r.slot] = [list(c) for c in self.pool.fork(src_slot, r.slot, tokens)]
         self.pool.allocate(r.slot, r.blocks * self.config.block_tokens)
+
+    def share_resident(self, slot: int, key: str, tokens: int) -> bool:
+        """The sequence just admitted into `slot` starts with rows [0, tokens) of the resident
+        prefix `key` (`share`); False (nothing changed) where it cannot: no such prefix held,
+        or the slot is not a new sequence's."""
+        held = self.resident.rows(key)
+        r = next((r for r in self.running.values() if r.slot == slot), None)
+        if held is None or held < tokens or r is None or slot in self.sent or \
+                self.copies.get(slot) or slot in self.pool.pins or \
+                tokens > r.blocks * self.config.block_tokens or \
+                any(self.pool.refs[b] != 1 for b in self.pool.tables.get(slot, ())):
+            return False  # (its own blocks, freed, make the room the share takes)
+        self.share(r.rid, table_key(key), tokens)
+        self.resident.touch(key)
+        return True
 
     def copied(self, slot: int) -> None:
         """A step of the slot's sequence is back: the block copies its first step carried are
@@ -341,7 +375,8 @@ class Scheduler:
             "KV blocks leaked or double-counted"
         self.pool.check_integrity()
         assert set(self.pool.tables) | set(self.pool.pins) <= \
-            {r.slot for r in self.running.values()}, "a block table (or pin) outlived its sequence"
+            {r.slot for r in self.running.values()} | {table_key(k) for k in self.resident.held}, \
+            "a block table (or pin) outlived its sequence"
         waiting = {rid for rid, _ in self.waiting}
         for r in self.swapped.values():
             assert r.blocks == 0 and r.rid in waiting, "a swapped sequence holds blocks or " \

@@ -252,6 +252,8 @@ class ShardGroup:
                 host_blocks=self.kv_host_blocks, host_pool=self.host_pool)
             # a hybrid model's sequence is also its recurrent state, which blocks do not hold
             self.batcher.share_prefixes = self.model_config.hybrid is None
+            if self.cache is not None and self.model_config.hybrid is None:  # (entries' blocks
+                self.cache.sched = self.batcher.sched  # stay in the pool: `runtime.resident_kv`)
             self.batcher.look_ahead = (cfg.decode_ahead and self.model_config.hybrid is None
                                        and (len(self.shards) == 1 or self.board))
             if cfg.decode_ahead and len(self.shards) > 1 and first.host != last.host:

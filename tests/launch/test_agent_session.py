@@ -15,7 +15,7 @@ from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.tokenizer import TextTokenizer
 
 from tests.helpers import shard_children
-from tests.launch.test_server import Server
+from tests.launch.test_server import Server, _metric
 from tests.runtime.test_prefix_cache import _corrupt
 
 openai = pytest.importorskip("openai")
@@ -93,6 +93,10 @@ def conversation(tiny_llama, tok, tmp_path_factory):
         want = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
                 for e in cold.choices[0].logprobs.content]
         assert got == want  # float32 on CPU: the same bits
+        # every turn after the first took the kept answer's blocks, still in the KV pool
+        assert _metric(s, "layersplit_prefix_cache_resident_hits_total") >= 5
+        assert _metric(s, "layersplit_prefix_cache_resident_hits_total") <= \
+            _metric(s, 'layersplit_prefix_cache_hits_total{tier="ram"}')
     finally:
         assert s.stop() == 0
     assert shard_children() == []

@@ -88,7 +88,7 @@ def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference, shards):
         assert stats.widest == 3
         coord.batcher.check()
         assert not coord.batcher.requests and not coord.batcher.steps
-        assert coord.batcher.sched.free_blocks == coord.batcher.sched.total_blocks
+        assert coord.batcher.sched.reclaimable_blocks == coord.batcher.sched.total_blocks
 
 
 @pytest.mark.slow
@@ -166,7 +166,7 @@ def test_a_pool_too_small_for_every_lookahead_skips_it(tiny_llama, reference, sh
         stats = coord.batcher.stats
         assert stats.ahead > 0 and stats.swapped_out >= 1, stats
         coord.batcher.check()
-        assert coord.batcher.sched.free_blocks == coord.batcher.sched.total_blocks
+        assert coord.batcher.sched.reclaimable_blocks == coord.batcher.sched.total_blocks
 
 
 @pytest.mark.slow

@@ -55,6 +55,9 @@ def test_a_kept_turn_restores_with_its_feature_rows(target, dflash, tmp_path):
         # queued at once: it waits for the kept turn
         warm, logits, _ = run_speculated(coord, nxt, ANSWER, use_cache=True)
         assert keep.done and warm.cache_tier == "ram" and warm.cached_tokens == len(turn)
+        st = coord.cache.stats  # (the keep took the prompt's blocks, the next turn the
+        # keep's, still in the pool; the draft's feature rows from the RAM entry: it speculates)
+        assert st.hits_resident == st.hits_ram == 2
         assert warm.acceptance_length is not None  # it speculated from its first token
         assert_same_run((warm, logits), cold, "RAM")
         assert coord.keep_turn(turn) is None  # (cached already)

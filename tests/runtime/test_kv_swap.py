@@ -65,7 +65,7 @@ def _batch(c: Coordinator) -> list:
 
 def _all_free(c: Coordinator) -> None:
     b = c.batcher
-    assert b.sched.free_blocks == b.sched.total_blocks and not b.sched.running
+    assert b.sched.reclaimable_blocks == b.sched.total_blocks and not b.sched.running
     assert not b.sched.swapped and not b.sched.waiting
     if b.host is not None:
         assert b.host.free_blocks == b.host.num_blocks and b.stats.host_blocks == 0

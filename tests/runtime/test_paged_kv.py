@@ -70,7 +70,7 @@ def test_paged_equals_reference(tiny_llama, ref, prompts, tmp_path, n, transport
         got = run_logged(c, prompts[0], SAMPLED)  # an exact RAM hit: 37 rows, 2 blocks + 5
         assert (got[0].cache_tier, got[0].cached_tokens) == ("ram", 37)
         assert_same_run(got, want[0][1], "RAM restore")
-        assert c.batcher.sched.free_blocks == c.batcher.sched.total_blocks
+        assert c.batcher.sched.reclaimable_blocks == c.batcher.sched.total_blocks
         c.batcher.sched.check()
     with Coordinator(cfg) as c:  # a restart: the disk tier, into blocks of a new pool
         got = run_logged(c, prompts[0], GREEDY)
@@ -117,12 +117,12 @@ def test_pool_exhaustion_preempts_and_resumes(target):
         assert [r.tokens for r in got] == alone
         assert c.batcher.stats.preemptions >= 1
         sched = c.batcher.sched
-        assert sched.free_blocks == sched.total_blocks == 6 and not sched.running
+        assert sched.reclaimable_blocks == sched.total_blocks == 6 and not sched.running
         sched.check()
         # a sequence that alone cannot fit the pool fails clearly (and frees what it held)
         with pytest.raises(MemoryError, match="KV pool .* cannot hold"):
             c.generate(prompts[0], SamplingParams(max_tokens=90, ignore_eos=True))
-        assert sched.free_blocks == 6
+        assert sched.reclaimable_blocks == 6
         assert [r.tokens for r in c.generate_batch(prompts[:1], [params])] == alone[:1]
 
 
