@@ -304,6 +304,9 @@ stage_prefill() {  # P1; llama.cpp's prefill from this call's (or an earlier cal
       --prompt-len 512 --new-tokens 16 --max-context 8192 --repeats 3 --prefill 3900 \
       --prefill-chunk 2048 --json "$RUNS/prefill_$m.json"
   done
+  # the host cost of a few-row eager prefill step, call by call (its log only: no row)
+  TAIL=40 run prefill_host 60 python3 bench/prefill_host.py --device cuda:0 --dtype float16 \
+    --model random:smollm2-135m-shape --layers 15 --calls --profile
   if [ -e /tmp/lcp.done ] && [ ! -e "$RUNS/lcp_smol.json" ]; then
     lcp smol /tmp/smol-q4_1.gguf
     lcp l8b /tmp/llama8b-f16.gguf
