@@ -30,6 +30,7 @@ from layersplit.runtime.openai_api import ParsedRequest, RequestError
 from layersplit.runtime.turns import next_turn_tokens
 
 log = logging.getLogger("layersplit.server")
+SAVE_POLL_S = 0.02  # an idle engine's wait for work while cache files are being written
 
 
 @dataclasses.dataclass
@@ -170,6 +171,9 @@ class Engine:
                 # until the next turn to keep is due)
                 wait_s = 0.2 if not self._to_keep or self.coord is None else \
                     min(0.2, max(0.0, min(w for w, _ in self._to_keep) - time.perf_counter()))
+                if self.coord is not None and self.coord.cache is not None and \
+                        self.coord.cache.pending():
+                    wait_s = min(wait_s, SAVE_POLL_S)  # (idle: the saves still go on)
                 try:
                     job = self.jobs.get(timeout=wait_s) if not busy else self.jobs.get_nowait()
                 except queue.Empty:
@@ -195,6 +199,7 @@ class Engine:
                 continue
             if not active and not coord.batcher.busy:  # idle: a shard that dies now is
                 coord.check_alive()  # restarted at once, not found by the next request
+                coord.poll_saves()  # (and a snapshot's file is finished, not left for it)
             if coord.batcher.busy:
                 try:
                     coord.batcher.run_once()

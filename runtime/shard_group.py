@@ -417,6 +417,21 @@ class ShardGroup:
             log.warning("prefix cache: %d saves still pending at shutdown; abandoned",
                         cache.pending())
 
+    def poll_saves(self) -> None:
+        """Move pending cache writes on while nothing else drains the shards (an idle server
+        calls this): the rows the shards stream back for a snapshot's file are taken in and
+        finished files are renamed into place, so the entry a keep made just before the server
+        went idle is on disk without waiting for the next request (a server killed while idle
+        keeps it)."""
+        cache = self.cache
+        if cache is None or self.failed is not None or not self.shards or not cache.pending():
+            return
+        try:
+            self._drain(wait_ms=0)
+            cache.poll_done()
+        except ShardFailure:
+            pass
+
     def check_alive(self) -> None:
         """Notice a local process that died while nothing waited on it (an idle server calls
         this): a dead shard marks the runtime failed (`failed`), a dead draft stops

@@ -75,9 +75,18 @@ def test_an_answer_no_request_continues_is_kept_after_the_delay(tiny_llama, tmp_
     try:
         first = [SYSTEM, _user(0)]
         answer = _ask(s, first)[0]
-        time.sleep(1.5)  # (the keep's delay, its prefill and its snapshot)
+        end = _turn_end(tok, _answered((first, answer)))
+        deadline = time.monotonic() + 30
+        while True:  # the keep started after its delay: its entry reaches the disk
+            try:
+                _entry_ending_at(tmp_path, end)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         got = _ask(s, [*_answered((first, answer)), _user(1)])
-        assert got[3] == _turn_end(tok, _answered((first, answer))), got
+        assert got[3] == end, got
     finally:
         assert s.stop() == 0
     assert shard_children() == []
