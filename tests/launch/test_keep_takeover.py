@@ -35,6 +35,18 @@ def _logprobs(s: Server, messages: list[dict], **body) -> list:
             for e in r.choices[0].logprobs.content]
 
 
+def _wait_for_entry(cache, end: int, timeout_s: float = 30.0) -> None:
+    """Until the disk entry ending at `end` is there (AssertionError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _entry_ending_at(cache, end)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
 def test_a_turn_continuing_an_answer_not_kept_yet_keeps_it_itself(tiny_llama, tmp_path):
     tok = TextTokenizer.for_model(tiny_llama)
     s = Server(tiny_llama, "--keep-answers", "4", "--keep-answers-delay-ms", LATER_MS,
@@ -49,15 +61,7 @@ def test_a_turn_continuing_an_answer_not_kept_yet_keeps_it_itself(tiny_llama, tm
         got = _ask(s, second)
         # its prompt's own entry restored, not the answer's (no keep ran: it prefilled it)
         assert got[3] == max(cut_points(tok.encode_chat(first), CHUNK, EOS)) < end, (got, end)
-        deadline = time.monotonic() + 30
-        while True:  # the answer's entry reaches the disk (its save is in the background)
-            try:
-                _entry_ending_at(tmp_path, end)
-                break
-            except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        _wait_for_entry(tmp_path, end)  # (its save runs in the background)
         third = [*_answered((second, got[0])), _user(2)]
         assert _ask(s, third)[3] >= end
         # the turn that kept the answer answered as a cold run does
@@ -76,15 +80,7 @@ def test_an_answer_no_request_continues_is_kept_after_the_delay(tiny_llama, tmp_
         first = [SYSTEM, _user(0)]
         answer = _ask(s, first)[0]
         end = _turn_end(tok, _answered((first, answer)))
-        deadline = time.monotonic() + 30
-        while True:  # the keep started after its delay: its entry reaches the disk
-            try:
-                _entry_ending_at(tmp_path, end)
-                break
-            except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        _wait_for_entry(tmp_path, end)  # (the keep started after its delay, the server idle)
         got = _ask(s, [*_answered((first, answer)), _user(1)])
         assert got[3] == end, got
     finally:
