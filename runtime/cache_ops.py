@@ -791,5 +791,10 @@ class CacheManager:
             self.enforce_ram_cap()
 
     def pending(self) -> int:
-        return len(self.jobs) + sum(th.is_alive() for th in self._threads)
+        """Saves not yet in the index: waiting for the shards' rows, being written, or written
+        and waiting for `poll_done` to apply them. Finished writer threads are let go here (the
+        engine asks while idle, every SAVE_POLL_S: a list of every save's thread would make
+        each ask cost the run's whole history of saves)."""
+        self._threads = [th for th in self._threads if th.is_alive()]
+        return len(self.jobs) + len(self._threads) + self.done.qsize()
 
