@@ -792,9 +792,8 @@ class CacheManager:
 
     def pending(self) -> int:
         """Saves not yet in the index: waiting for the shards' rows, being written, or written
-        and waiting for `poll_done` to apply them. Finished writer threads are let go here (the
-        engine asks while idle, every SAVE_POLL_S: a list of every save's thread would make
-        each ask cost the run's whole history of saves)."""
+        and not yet applied (`poll_done`). Ended writer threads are let go (an idle engine asks
+        every SAVE_POLL_S: each ask would cost every save of the run)."""
         self._threads = [th for th in self._threads if th.is_alive()]
         return len(self.jobs) + len(self._threads) + self.done.qsize()
 
