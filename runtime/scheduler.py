@@ -7,11 +7,12 @@ no tensors, no processes (`runtime.batching` drives it).
   grow. A running sequence holds one slot and a block table covering the rows it has reached;
   rows a prefix-cache restore put into the slot are its own blocks, like the rows it computes.
   A request is admitted, first come first served, when a slot and the blocks of its whole
-  prompt are free (a chunked prefill then never runs out), or its blocks past the full ones
-  of the resident prefix it would be served from (`runtime.resident_kv`: shared at once); a
-  decode or verify step grows the table first (`grow`), and when the pool is full the driver
-  preempts a sequence (`runtime.batching`). The shards learn each table from the messages
-  that use it (`table_update`).
+  prompt are free (a chunked prefill then rarely runs out), or its blocks past the full ones
+  of the resident prefix it would be served from (`runtime.resident_kv`: shared at once; where
+  its restore gives that prefix up, `unshare` may leave it fewer than its prompt's blocks); a
+  step grows the table first (`grow`), and when the pool is full the driver waits or preempts
+  a sequence (`runtime.batching`). The shards learn each table from the messages that use it
+  (`table_update`).
 - **Swapped sequences.** A sequence preempted by swap (`swap_out`: its blocks' rows went to
   the shards' host pools) keeps its slot and its place at the head of the queue, with no
   blocks; `admit` gives it back the blocks of its next step first (before any new request), in

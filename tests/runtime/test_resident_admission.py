@@ -77,9 +77,7 @@ def test_a_prefix_shared_at_admission_that_left_ram_is_given_up(tiny_llama, ref)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("disk", [False, pytest.param(True, marks=pytest.mark.skip(
-    reason="hangs: run_once never finishes once the given-up entry restores from disk into "
-           "the fewer blocks the slot got (under investigation)"))])
+@pytest.mark.parametrize("disk", [False, True])
 def test_a_given_up_prefix_the_pool_cannot_replace_at_once(tiny_llama, ref, tmp_path, disk):
     """The first turn still decodes (its table references the held prefix's blocks) when the
     next is admitted sharing them; the entry then leaves RAM: dropping held prefixes frees
