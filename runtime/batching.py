@@ -311,9 +311,8 @@ class Batcher:
         while len(self.steps) + idle < MAX_IN_FLIGHT:
             free = [r for r in running if self._ready(r) and (
                 not r.pending.wait or self._last_chunk_follows(r))]
-            if not free:
-                break
-            self._send(free, None)
+            if not free or not self._send(free, None):
+                break  # (none of them got blocks for its step: they wait for the next round)
         self._send_ahead()
 
     @staticmethod
@@ -327,14 +326,16 @@ class Batcher:
                 and step.draft is None and step.ask is None and step.tree is None
                 and step.pos + len(step.tokens) == r.prompt_tokens)
 
-    def _send(self, ready: list[Request], group: int | None) -> None:
+    def _send(self, ready: list[Request], group: int | None) -> bool:
+        """Send one step of those of `ready` the plan takes and the pool has blocks for;
+        whether a step went out."""
         by_rid = {r.rid: r for r in ready}
         chosen = self.sched.plan([Ready(r.rid, r.pending.rows,
                                         r.pending.sample is not None and r.pending.wait)
                                   for r in ready])
         reqs = self._reserve([by_rid[rid] for rid in chosen])
         if not reqs:
-            return
+            return False
         try:
             park = _parks(reqs, [r.pending for r in reqs])
             sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs], park)
@@ -344,7 +345,7 @@ class Batcher:
                 self._fail(r, e)
             if e.runtime_down:
                 self._fail_all(e)
-            return
+            return False
         self._sent(_Step(sid, reqs, group, [r.pending for r in reqs]))
         for r in reqs:
             step, r.pending = r.pending, None
@@ -357,6 +358,7 @@ class Batcher:
                 self._advance(r, None)
             if step.error is not None:  # its grammar mask failed: the sequence fails
                 self._fail(r, step.error)
+        return True
 
     def _sent(self, st: _Step) -> None:
         """Keep a step that went out, and count it."""

@@ -52,7 +52,7 @@ from layersplit.runtime.prefix_cache import (
     metadata_for,
 )
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
-from layersplit.runtime.resident_kv import serve
+from layersplit.runtime.resident_kv import serve, settle
 
 if TYPE_CHECKING:
     from layersplit.runtime.config import RuntimeConfig
@@ -190,6 +190,8 @@ class CacheManager:
         self.drop_deferred(slot)  # (a RAM copy not taken in time is simply not taken)
         n = len(prompt)
         chain = self._lookup(prompt, cuts)
+        if self.sched is not None:  # (the slot's table as admission left it: `settle`)
+            chain = settle(self.sched, slot, chain, n)
         if not chain:
             self.stats.misses += 1
             return Restored()

@@ -7,9 +7,11 @@ no tensors, no processes (`runtime.batching` drives it).
   grow. A running sequence holds one slot and a block table covering the rows it has reached;
   rows a prefix-cache restore put into the slot are its own blocks, like the rows it computes.
   A request is admitted, first come first served, when a slot and the blocks of its whole
-  prompt are free (a chunked prefill then never runs out); a decode or verify step grows the
-  table first (`grow`), and when the pool is full the driver preempts a sequence
-  (`runtime.batching`). The shards learn each table from the messages that use it
+  prompt are free (a chunked prefill then rarely runs out), or its blocks past the full ones
+  of the resident prefix it would be served from (`runtime.resident_kv`: shared at once; where
+  its restore gives that prefix up, `unshare` may leave it fewer than its prompt's blocks); a
+  step grows the table first (`grow`), and when the pool is full the driver waits or preempts
+  a sequence (`runtime.batching`). The shards learn each table from the messages that use it
   (`table_update`).
 - **Swapped sequences.** A sequence preempted by swap (`swap_out`: its blocks' rows went to
   the shards' host pools) keeps its slot and its place at the head of the queue, with no
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from layersplit.runtime.block_manager import BlockManager
@@ -96,6 +98,11 @@ class Scheduler:
         # blocks kept for prefix-cache entries after their sequence ended (`runtime.resident_kv`):
         # dropped, least recently used first, whenever the pool is short
         self.resident = ResidentBlocks(self.pool)
+        # (rid, prompt tokens) -> (key, rows) of the resident prefix a waiting request would be
+        # served from (`runtime.resident_kv.admission_hint`); None: no resident prefixes
+        self.resident_for: Callable[[Hashable, int], tuple[str, int] | None] | None = None
+        self.pre_shared: dict[int, tuple[str, int]] = {}  # slot -> (key, rows) it took at
+        # admission, until its restore serves them (`share_resident`) or gives them up
         self.sent: dict[int, int] = {}  # slot -> table entries the shards were sent
         self.copies: dict[int, list[list[int]]] = {}  # slot -> block copies not sent yet
         bounds = [g * c.slots // c.micro_batches for g in range(c.micro_batches + 1)]
@@ -139,7 +146,10 @@ class Scheduler:
                 admitted.append((rid, r.slot))
                 continue
             group = self._emptiest_group()
-            if group is None or not self._room(need):
+            if group is None:
+                break
+            pre = self._resident_share(rid, prompt, need)
+            if pre is None and not self._room(need):
                 break
             self.waiting.popleft()
             slot = self.free_slots[group].pop(0)
@@ -149,9 +159,53 @@ class Scheduler:
             self.running[rid] = Running(rid, slot, group, order)
             self.pool.free(slot)  # (a table `Coordinator.forward` left there)
             self.sent.pop(slot, None)  # a new table: the next message for the slot sends it
-            self._take(self.running[rid], need)
+            if pre is None:
+                self._take(self.running[rid], need)
+            else:
+                self._take_shared(self.running[rid], need, *pre)
             admitted.append((rid, slot))
         return admitted
+
+    def _resident_share(self, rid: Hashable, prompt: int, need: int) -> tuple[str, int] | None:
+        """Where the pool lacks the prompt's blocks: (key, rows) of the resident prefix the
+        request would be served from, when the blocks past its full ones fit with that prefix
+        kept (others dropped, least recently used first, for the room); else None (admission
+        then drops it like any held prefix, and the restore copies its rows in from RAM)."""
+        if self.free_blocks >= need or self.resident_for is None or not self.resident.held:
+            return None
+        pre = self.resident_for(rid, prompt)
+        if pre is None:
+            return None
+        key, tokens = pre
+        full = tokens // self.config.block_tokens
+        held = self.resident.rows(key)
+        if held is None or held < tokens or not full or not self._room(need - full, keep=key):
+            return None
+        return pre
+
+    def _take_shared(self, r: Running, need: int, key: str, tokens: int) -> None:
+        """The new sequence's table starts with rows [0, tokens) of the resident prefix `key`
+        (full blocks shared, the partial last one copied with its first step, as `share`
+        does), then blocks of its own up to `need` (the room `_resident_share` made)."""
+        self.copies[r.slot] = [list(c) for c in self.pool.fork(table_key(key), r.slot, tokens)]
+        self.pool.allocate(r.slot, need * self.config.block_tokens)
+        r.blocks = need
+        self.pre_shared[r.slot] = (key, tokens)
+        self.resident.touch(key)
+
+    def unshare(self, slot: int) -> None:
+        """The sequence in `slot` does not start with the prefix it shared at admission (its
+        restore cannot serve it): its table becomes blocks of its own, as many as its shared
+        table had where the pool has them (fewer otherwise: its steps grow it)."""
+        self.pre_shared.pop(slot)
+        r = next(r for r in self.running.values() if r.slot == slot)
+        want, r.blocks = r.blocks, 0
+        self.pool.free(slot)
+        self.copies.pop(slot, None)
+        self._room(want)
+        r.blocks = min(want, self.free_blocks)
+        if r.blocks:
+            self.pool.allocate(slot, r.blocks * self.config.block_tokens)
 
     def requeue(self, rid: Hashable, tokens: int) -> None:
         """A running sequence preempted: its slot and blocks are free at once, and it waits at
@@ -197,12 +251,12 @@ class Scheduler:
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.config.block_tokens)
 
-    def _room(self, need: int) -> bool:
-        """Whether `need` blocks are free, once blocks held for resident prefixes are dropped
-        where they must be (least recently used first). None is dropped where dropping every
-        one would still leave too few: their blocks would be freed for nobody."""
-        if self.free_blocks < need <= self.reclaimable_blocks:
-            self.resident.reclaim(need)
+    def _room(self, need: int, keep: str | None = None) -> bool:
+        """Whether `need` blocks are free, once blocks held for resident prefixes (but `keep`)
+        are dropped where they must be (least recently used first). None is dropped where
+        dropping every one would still leave too few: their blocks would be freed for nobody."""
+        if self.free_blocks < need <= self.free_blocks + self.resident.sole_blocks(keep):
+            self.resident.reclaim(need, keep)
         return need <= self.free_blocks
 
     def _take(self, r: Running, blocks: int) -> None:
@@ -266,6 +320,7 @@ class Scheduler:
         if r.slot in self.sent or r.slot == src_slot:
             raise ValueError(f"request {rid!r}: share only before its slot's first message")
         self.pool.free(r.slot)
+        self.pre_shared.pop(r.slot, None)  # (a live prefix longer than the one it took)
         self.copies[r.slot] = [list(c) for c in self.pool.fork(src_slot, r.slot, tokens)]
         self.pool.allocate(r.slot, r.blocks * self.config.block_tokens)
 
@@ -273,6 +328,15 @@ class Scheduler:
         """The sequence just admitted into `slot` starts with rows [0, tokens) of the resident
         prefix `key` (`share`); False (nothing changed) where it cannot: no such prefix held,
         or the slot is not a new sequence's."""
+        pre = self.pre_shared.get(slot)
+        if pre is not None:  # (taken at admission: `_take_shared`)
+            if pre != (key, tokens):
+                raise ValueError(f"slot {slot} shares {pre[1]} rows of prefix {pre[0][:12]} "
+                                 f"since admission, not {tokens} of {key[:12]}")
+            del self.pre_shared[slot]
+            if key in self.resident.held:
+                self.resident.touch(key)
+            return True
         held = self.resident.rows(key)
         r = next((r for r in self.running.values() if r.slot == slot), None)
         if held is None or held < tokens or r is None or slot in self.sent or \
@@ -319,6 +383,7 @@ class Scheduler:
         self.pool.free(r.slot)
         self.sent.pop(r.slot, None)
         self.copies.pop(r.slot, None)
+        self.pre_shared.pop(r.slot, None)
         return r
 
     def _free_slot(self, r: Running) -> None:
@@ -377,6 +442,8 @@ class Scheduler:
         assert set(self.pool.tables) | set(self.pool.pins) <= \
             {r.slot for r in self.running.values()} | {table_key(k) for k in self.resident.held}, \
             "a block table (or pin) outlived its sequence"
+        assert set(self.pre_shared) <= {r.slot for r in self.running.values()} - set(self.sent), \
+            "a prefix shared at admission outlived its sequence (or its first message)"
         waiting = {rid for rid, _ in self.waiting}
         for r in self.swapped.values():
             assert r.blocks == 0 and r.rid in waiting, "a swapped sequence holds blocks or " \

@@ -33,6 +33,7 @@ from layersplit.runtime.cache_ops import CacheManager
 from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
 from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.kv_pool import host_pool_plan, kv_pool_blocks
+from layersplit.runtime.resident_kv import admission_hint
 from layersplit.runtime.scheduler import SchedulerConfig
 from layersplit.runtime.speculative import tree_size, verify_shape
 from layersplit.runtime.supervisor import LocalProcess, drop_prestarted, spawn_shard, stop_all
@@ -254,6 +255,7 @@ class ShardGroup:
             self.batcher.share_prefixes = self.model_config.hybrid is None
             if self.cache is not None and self.model_config.hybrid is None:  # (entries' blocks
                 self.cache.sched = self.batcher.sched  # stay in the pool: `runtime.resident_kv`)
+                self.batcher.sched.resident_for = admission_hint(self.batcher, self.cache)
             self.batcher.look_ahead = (cfg.decode_ahead and self.model_config.hybrid is None
                                        and (len(self.shards) == 1 or self.board))
             if cfg.decode_ahead and len(self.shards) > 1 and first.host != last.host:

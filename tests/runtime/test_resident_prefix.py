@@ -92,7 +92,8 @@ def test_conversation_turns_are_served_from_resident_blocks(tiny_llama, ref, n):
 def test_a_small_pool_drops_resident_prefixes_first(tiny_llama, ref):
     """18 blocks of 8 rows: the prefixes the first prompts leave held fill most of the pool; a
     long prompt then needs their blocks, which are dropped (least recently used first) before
-    anything is preempted or fails; outputs unchanged, and a dropped prefix restores from RAM."""
+    anything is preempted or fails, all but the one it starts with (it shares that one's blocks
+    from admission on); outputs unchanged, and a dropped prefix restores from RAM."""
     enc = ref.tokenizer.encode
     text = enc("a long agentic conversation about many things, " * 12)
     prompts = [text[11 * i:11 * i + 40] for i in range(3)]
@@ -103,14 +104,17 @@ def test_a_small_pool_drops_resident_prefixes_first(tiny_llama, ref):
         for p in prompts:
             assert_same_run(run_logged(c, p, GREEDY), want[id(p)], "cold")
         assert len(sched.resident.held) >= 3 and sched.free_blocks < 18
-        assert_same_run(run_logged(c, long, GREEDY), want[id(long)], "long")
-        assert sched.resident.evicted >= 1 and c.batcher.stats.preemptions == 0
+        hits = c.cache.stats.hits_resident
+        got = run_logged(c, long, GREEDY)
+        assert_same_run(got, want[id(long)], "long")
+        assert sched.resident.evicted >= 2 and c.batcher.stats.preemptions == 0
+        assert got[0].cached_tokens == 2 * CHUNK and c.cache.stats.hits_resident == hits + 1
         sched.check()
         restores = _count_ram_restores(c)
         hits = c.cache.stats.hits_resident
-        got = run_logged(c, prompts[0], GREEDY)  # (dropped: its RAM copy restores it)
-        assert_same_run(got, want[id(prompts[0])], "after eviction")
-        assert got[0].cache_tier == "ram" and got[0].cached_tokens == len(prompts[0])
+        got = run_logged(c, prompts[1], GREEDY)  # (dropped: its RAM copy restores it)
+        assert_same_run(got, want[id(prompts[1])], "after eviction")
+        assert got[0].cache_tier == "ram" and got[0].cached_tokens == len(prompts[1])
         assert restores and c.cache.stats.hits_resident == hits
         sched.check()
         assert sched.reclaimable_blocks == sched.total_blocks
@@ -177,6 +181,13 @@ def test_random_holds_shares_and_drops_keep_the_pool_whole(seed):
                                   step_tokens=64, num_blocks=16))
     rows: dict[int, int] = {}  # rid -> rows its table covers
     fresh: set[int] = set()  # admitted, no message for their slot yet
+
+    def hint(rid, tokens):  # (the prefix a request would be served from: any held one)
+        key = f"k{rng.randrange(6)}"
+        held = s.resident.rows(key)
+        return None if held is None else (key, min(held, tokens, rng.randrange(1, 41)))
+
+    s.resident_for = hint
     for i in range(400):
         op = rng.random()
         if op < 0.25:
@@ -190,7 +201,13 @@ def test_random_holds_shares_and_drops_keep_the_pool_whole(seed):
             slot = s.running[rid].slot
             key = f"k{rng.randrange(6)}"
             held = s.resident.rows(key)
-            if held is not None and held <= s.running[rid].blocks * 4 and \
+            pre = s.pre_shared.get(slot)
+            if pre is not None and rng.random() < 0.5:
+                s.unshare(slot)  # (its restore cannot serve what it shared at admission)
+            elif pre is not None:
+                assert s.share_resident(slot, *pre)
+                s.table_update(slot)
+            elif held is not None and held <= s.running[rid].blocks * 4 and \
                     s.share_resident(slot, key, held):
                 s.table_update(slot)
                 assert s.copy_update(slot) is not None or held % 4 == 0
@@ -250,9 +267,6 @@ def test_held_prefixes_stay_when_dropping_them_cannot_make_the_room():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="admission reserves the whole prompt's blocks before the "
-                   "restore, so a conversation held in more than half the pool has its own "
-                   "prefix dropped to make that room, and restores it from RAM")
 def test_a_conversation_longer_than_half_the_pool_is_served_resident(tiny_llama, ref):
     """17 blocks of 8 rows: the first turn's prompt (9 blocks) stays held; the next turn's
     prompt (12 blocks) fits the pool beside the 9 full blocks it would share, but not beside
@@ -266,3 +280,50 @@ def test_a_conversation_longer_than_half_the_pool_is_served_resident(tiny_llama,
         got = run_logged(c, second, GREEDY)
         assert_same_run(got, run_logged(ref, second, GREEDY), "second")
         assert got[0].cached_tokens >= 64 and c.cache.stats.hits_resident == 1
+
+
+def test_admission_shares_the_prefix_it_would_be_served_from():
+    """Bookkeeping alone: 17 blocks of 8 rows, 9 holding a prefix of 70 rows; a prompt of 92
+    rows (12 blocks) that the first 68 serve is admitted beside that prefix's 8 full blocks
+    (the partial one copied), none dropped; its restore takes them as they are. One that
+    cannot (its entry left RAM) gets blocks of its own (the prefix dropped for them)."""
+    from types import SimpleNamespace
+
+    from layersplit.runtime.resident_kv import settle
+    from layersplit.runtime.scheduler import Scheduler, SchedulerConfig
+
+    def fresh():
+        s = Scheduler(SchedulerConfig(slots=1, slot_tokens=136, block_tokens=8,
+                                      micro_batches=1, step_tokens=64, num_blocks=17))
+        s.submit("a", 70)
+        [(_, slot)] = s.admit()
+        assert s.resident.hold("k", slot, 70)
+        held = s.pool.table(slot)
+        s.release("a")
+        s.resident_for = lambda rid, n: ("k", 68) if n == 92 else None
+        s.submit("b", 92)
+        [(_, slot)] = s.admit()
+        assert s.resident.rows("k") == 70 and s.resident.evicted == 0 and s.free_blocks == 4
+        assert s.pool.table(slot)[:8] == held[:8] and s.pool.table(slot)[8] != held[8]
+        assert s.pre_shared == {slot: ("k", 68)}
+        s.check()
+        return s, slot, held
+
+    def entry(key, length, in_ram=True):
+        return SimpleNamespace(key=key, length=length, in_ram=in_ram, logits=None)
+
+    s, slot, held = fresh()
+    chain = [entry("j", 64), entry("k", 68)]
+    assert settle(s, slot, chain, 92) == chain and s.pre_shared
+    with pytest.raises(ValueError, match="since admission"):
+        s.share_resident(slot, "j", 64)
+    assert s.share_resident(slot, "k", 68) and not s.pre_shared
+    assert s.copy_update(slot) == [[held[8], s.pool.table(slot)[8]]]
+    s.check()
+
+    s, slot, held = fresh()
+    chain = [entry("j", 64), entry("k", 68, in_ram=False)]
+    assert settle(s, slot, chain, 92) == chain  # (the prefix dropped: 12 blocks of its own)
+    assert not s.pre_shared and s.resident.evicted == 1 and s.running["b"].blocks == 12
+    assert s.copy_update(slot) is None and all(s.pool.refs[b] == 1 for b in s.pool.table(slot))
+    s.check()
