@@ -793,9 +793,8 @@ class CacheManager:
             self.enforce_ram_cap()
 
     def pending(self) -> int:
-        """Saves not yet in the index: waiting for the shards' rows, being written, or written
-        and not yet applied (`poll_done`). Ended writer threads are let go (an idle engine asks
-        every SAVE_POLL_S: each ask would cost every save of the run)."""
+        """Saves not in the index yet: waiting for rows, being written, or not yet applied
+        (`poll_done`). Ended writer threads are let go (an idle engine asks every SAVE_POLL_S)."""
         self._threads = [th for th in self._threads if th.is_alive()]
         return len(self.jobs) + len(self._threads) + self.done.qsize()
 
