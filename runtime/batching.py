@@ -498,8 +498,10 @@ class Batcher:
             cut = max((c for c in req.cuts if c <= common), default=0)
             if cut > best:
                 best, src = cut, other
+        # (not below a resident prefix shared at admission: its own blocks start past that)
+        pre = self.sched.pre_shared.get(req.slot, ("", 0))[1]
         if src is not None and best >= self.sched.config.block_tokens and \
-                best > req.cached(req.prompt):  # (else the cache restores as much or more)
+                best > max(req.cached(req.prompt), pre):  # (else the cache restores as much)
             self.sched.share(req.rid, src.slot, best)
             req.shared = req.prefilled = best
             req.share_writes = frozenset(sid for sid, st in self.steps.items()
