@@ -230,16 +230,13 @@ class RequestFlow:
             points: list[int] = []
             if shared:  # rows [0, shared) are another live sequence's blocks (`runtime.batching`)
                 restored = Restored(length=shared, features=False)
-            if cache is not None and shared:
+            if cache is not None:
                 cuts = cut_points(prompt, self.chunk, self.eos_ids)
-                last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
-                points = sorted({p for p in (last_cut, len(prompt), keep_at)
-                                 if p is not None and p > shared})
-            elif cache is not None:
-                cuts = cut_points(prompt, self.chunk, self.eos_ids)
-                restored = cache.restore(prompt, cuts, slot, context if self.feeding else None)
-                progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
-                progress.cache_resident = restored.resident and restored.length > 0
+                if not shared:
+                    restored = cache.restore(prompt, cuts, slot,
+                                             context if self.feeding else None)
+                    progress.cached_tokens, progress.cache_tier = restored.length, restored.tier
+                    progress.cache_resident = restored.resident and restored.length > 0
                 # snapshot at the last cut inside the prompt (restorable into any longer prompt)
                 # and at its very end (an exact repeat then needs no forward pass)
                 last_cut = max([c for c in cuts if c <= len(prompt)], default=0)
