@@ -198,7 +198,8 @@ class Scheduler:
         restore cannot serve it): its table becomes blocks of its own, as many as its shared
         table had where the pool has them (fewer otherwise: its steps grow it)."""
         self.pre_shared.pop(slot)
-        r = next(r for r in self.running.values() if r.slot == slot)
+        r = self._running_in(slot)
+        assert r is not None, f"slot {slot} shares a prefix but runs no sequence"
         want, r.blocks = r.blocks, 0
         self.pool.free(slot)
         self.copies.pop(slot, None)
@@ -206,6 +207,10 @@ class Scheduler:
         r.blocks = min(want, self.free_blocks)
         if r.blocks:
             self.pool.allocate(slot, r.blocks * self.config.block_tokens)
+
+    def _running_in(self, slot: int) -> Running | None:
+        """The running sequence in `slot`, or None."""
+        return next((r for r in self.running.values() if r.slot == slot), None)
 
     def requeue(self, rid: Hashable, tokens: int) -> None:
         """A running sequence preempted: its slot and blocks are free at once, and it waits at
@@ -338,7 +343,7 @@ class Scheduler:
                 self.resident.touch(key)
             return True
         held = self.resident.rows(key)
-        r = next((r for r in self.running.values() if r.slot == slot), None)
+        r = self._running_in(slot)
         if held is None or held < tokens or r is None or slot in self.sent or \
                 self.copies.get(slot) or slot in self.pool.pins or \
                 tokens > r.blocks * self.config.block_tokens or \

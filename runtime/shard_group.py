@@ -431,8 +431,9 @@ class ShardGroup:
         try:
             self._drain(wait_ms=0)
             cache.poll_done()
-        except ShardFailure:
-            pass
+        except ShardFailure as e:  # (a dead shard: `failed` is set, and the engine recovers)
+            if not e.runtime_down:
+                log.warning("prefix cache: finishing saves while idle: %s", e)
 
     def check_alive(self) -> None:
         """Notice a local process that died while nothing waited on it (an idle server calls
