@@ -27,7 +27,8 @@
 #             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl; SPEC=auto_declined: auto
 #             and a policy that never speculates, greedy; SPEC=declined_long: that policy on
 #             1,024-token answers); and the bench oracle
-#             at published draft sizes, random weights (SPEC=oracle8b,oracle8b_streams,oracle27b,
+#             at published draft sizes, random chain weights (`shards.random_weights`: their
+#             greedy tokens hold under any rounding) (SPEC=oracle8b,oracle8b_streams,oracle27b,
 #             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
 #             Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
@@ -420,9 +421,9 @@ never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 
   done
   # the bench oracle (`draft.oracle`): --new-tokens end the requests on its lattice (seed 1:
   # 1 + 252 at 6.3, 1 + 249 at 8.3), so the measured acceptance is A
-  local o8="bench/speculative.py --model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16 \
+  local o8="bench/speculative.py --model random:qwen3-8b-chain --drafts random:qwen3-8b-dflash-b16 \
     --oracle-acceptance 6.3 --new-tokens 253 --ignore-eos --repeat 3 --max-context 1024"
-  local o27="bench/speculative.py --model random:qwen3.5-27b --drafts random:qwen3.5-27b-dflash \
+  local o27="bench/speculative.py --model random:qwen3.5-27b-chain --drafts random:qwen3.5-27b-dflash \
     --oracle-acceptance 8.3 --new-tokens 250 --ignore-eos --repeat 3 --max-context 1024 --limit 4"
   if has "$cases" oracle8b; then
     TAIL=20 run spec_oracle8b 420 python3 $o8 --devices cuda:0 --limit 6 \

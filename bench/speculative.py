@@ -22,17 +22,21 @@ times over and adds each draft's median speed-up: a verify step's cost moves bet
 machine, and the ratio with it.
 
 `--oracle-acceptance A` measures speculation at a given acceptance on shapes without a trained
-draft (random weights, `--model random:qwen3-8b --drafts random:qwen3-8b-dflash-b16`): the plain
-greedy run's outputs become the table of the bench oracle (`draft.oracle`), whose draft network
-really runs at its full size and whose proposals are those outputs with errors placed so that
-the mean tokens per verify step is A. Reports, next to each ratio, its ideal A x t_plain /
+draft (random weights, `--model random:qwen3-8b-chain --drafts random:qwen3-8b-dflash-b16`): the
+plain greedy run's outputs become the table of the bench oracle (`draft.oracle`), whose draft
+network really runs at its full size and whose proposals are those outputs with errors placed so
+that the mean tokens per verify step is A. Reports, next to each ratio, its ideal A x t_plain /
 t_verify (a round that cost only its verify step) and a round's time split into verify, draft
-(waiting for the proposal; of it, computing) and the rest (host time, hops, moves). Before
-the timed pass, untimed ones add their outputs to the table (until one adds none, at most
-`--oracle-passes`, default 6), so that where a verify step's rounding (bf16; with `--streams`
-also the other streams' rows in the step) left the plain output the timed pass's proposals
-follow the runtime's own. A random model has no tokenizer: its prompts are `--limit` (default
-12) seeded random token ids of `--prompt-len` tokens (set `random`).
+(waiting for the proposal; of it, computing) and the rest (host time, hops, moves). Before the
+timed pass, untimed ones add their outputs to the table (until one adds none, at most
+`--oracle-passes`, default 6), so that where a verify step's rounding (bf16; with `--streams` also
+the other streams' rows in the step) left the plain output the timed pass's proposals follow the
+runtime's own. A target of chain weights (`random:qwen3-8b-chain`, `random:qwen3.5-27b-chain`:
+`shards.random_weights`) needs none of that: its greedy tokens are the same in every step whatever
+its rows, so the table holds and the first untimed pass adds nothing; a Gaussian target's top
+logits tie within rounding every few dozen tokens, and at 8 streams six passes left its acceptance
+at 4.7 for an A of 6.3. A random model has no tokenizer: its prompts are `--limit` (default 12)
+seeded random token ids of `--prompt-len` tokens (set `random`).
 
 `--policies auto,on` runs each draft under each `spec_policy`: `on` (the default here) makes every
 step speculate, so a row measures speculation itself; under `auto` the runtime's policy chooses

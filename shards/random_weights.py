@@ -4,6 +4,17 @@ Throughput does not depend on the values of the weights, so an 8B- or 32B-shape 
 checkpoint: each tensor is drawn from a generator seeded by (seed, tensor name), on the device
 that will hold it. Every process therefore builds exactly the tensors of its own layer range,
 and a 1-shard and a 2-shard run of the same seed hold identical weights.
+
+A shape whose folder also holds `random.json` with `{"weights": "chain"}` draws *chain* weights
+(the bench oracle's targets, `draft.oracle_table`): every tensor that writes into the residual
+stream (attention's and the linear attention's output projections, the MLPs' and experts'
+down projections) is scaled by `CHAIN_SCALE`, and the LM head is the embedding with its rows
+permuted, so that the greedy next token of token t is `chain_successor(...)[t]` by a margin no
+rounding closes. Gaussian random weights leave the top logits within rounding of each other
+every few dozen tokens: a verify step of 16 rows and a plain step of one then disagree, and a
+table of the plain run's tokens stops matching what the speculative run decodes. The shapes and
+kernels are the same (a matmul's time does not depend on its values), so a chain target's step
+costs what the Gaussian one's does.
 """
 
 from __future__ import annotations
@@ -23,6 +34,9 @@ if TYPE_CHECKING:
     import torch
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
+RANDOM_SPEC = "random.json"  # a shape folder's choice of random values (chain weights)
+CHAIN_SCALE = 1e-3  # the residual writers' scale in chain weights
+_RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj")
 
 
 def preset_path(name: str) -> Path:
@@ -49,6 +63,7 @@ class RandomCheckpoint:
         # its own quantization_config, MXFP4)
         self.fp8 = scheme if isinstance(scheme, Fp8Scheme) else None
         self.int4 = scheme if isinstance(scheme, Int4Scheme) else None
+        self.chain = config is None and read_random_spec(folder, self.config)
 
     @property
     def keeps_quantized(self) -> bool:
@@ -87,6 +102,11 @@ class RandomCheckpoint:
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device | str) -> torch.Tensor:
         import torch
+        if self.chain and name == "lm_head.weight":
+            emb = self.tensor("model.embed_tokens.weight", shape, dtype, device)
+            head = torch.empty_like(emb)
+            head[chain_successor(shape[0], self.seed, device)] = emb  # (row succ[t] = e_t)
+            return head
         g = torch.Generator(device=device)
         # (a CPU generator reads only a seed's low 32 bits: the seed is mixed into them; seed 0
         # gives the tensors it always gave)
@@ -97,6 +117,8 @@ class RandomCheckpoint:
             t = 0.02 * torch.randn(shape, generator=g, device=device)
         else:
             t = self.std * torch.randn(shape, generator=g, device=device)
+        if self.chain and any(w in name for w in _RESIDUAL_WRITERS):
+            t = t * CHAIN_SCALE
         return t.to(dtype)
 
     def load(self, shapes: dict[str, tuple[int, ...]], sources: dict[str, str],
@@ -108,3 +130,31 @@ class RandomCheckpoint:
                 made[src] = self.tensor(src, shapes[name], dtype, device)
             out[name] = made[src]
         return out
+
+
+def read_random_spec(folder: Path, config: ModelConfig) -> bool:
+    """Whether the shape at `folder` draws chain weights (its `random.json`); every other
+    key or value there is refused by name."""
+    path = folder / RANDOM_SPEC
+    if not path.is_file():
+        return False
+    try:
+        spec = json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{path}: not JSON: {e}") from None
+    if not isinstance(spec, dict) or set(spec) != {"weights"} or spec["weights"] != "chain":
+        raise CheckpointError(f"{path}: expected {{\"weights\": \"chain\"}} (the only choice "
+                              f"of random values), got {spec!r}")
+    if config.tie_word_embeddings:
+        raise CheckpointError(f"{path}: chain weights need an LM head of its own; this shape "
+                              "ties it to the embedding (tie_word_embeddings)")
+    return True
+
+
+def chain_successor(vocab: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Chain weights' greedy next token of each token: a permutation of the vocabulary drawn
+    from the seed (one cycle in expectation long enough that no run meets its own tokens)."""
+    import torch
+    g = torch.Generator(device="cpu")
+    g.manual_seed(zlib.crc32(b"chain") ^ (seed * 0x9E3779B1 & 0xFFFFFFFF))
+    return torch.randperm(vocab, generator=g).to(device)
