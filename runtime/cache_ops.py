@@ -100,7 +100,7 @@ class CacheManager:
         self.coord = coord
         tok = coord.tokenizer
         self.fingerprint = model_fingerprint(
-            coord.model_config.to_dict(), weights_identity(coord.model_path),
+            coord.model_config.to_dict(), weights_identity(coord.model_path, cfg.random_seed),
             # (KV computed from blocks kept quantized differs in the last bits: its own key)
             coord.dtype if coord.weight_format == "dequantize" else f"{coord.dtype}+blocks",
             tok.chat_template if tok else None, coord.chunk, coord.eos_ids)

@@ -21,12 +21,19 @@ def _h(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def weights_identity(model: str | Path) -> str:
+def weights_identity(model: str | Path, random_seed: int = 0) -> str:
     """Cheap identity of a checkpoint's weights: names, sizes and the first and last MiB of
-    each weights file (hashing whole 16 GB checkpoints at every start would take minutes)."""
+    each weights file (hashing whole 16 GB checkpoints at every start would take minutes). A
+    `random:` shape's: its name, the seed and its folder's choice of values (`random.json`:
+    chain weights, `shards.random_weights`), which all change the tensors."""
     s = str(model)
     if s.startswith("random:"):
-        return s
+        from layersplit.shards.random_weights import RANDOM_SPEC, preset_path
+
+        rest = s[len("random:"):]
+        spec = (Path(rest) if "/" in rest else preset_path(rest)) / RANDOM_SPEC
+        values = spec.read_text().strip() if spec.is_file() else "gaussian"
+        return f"{s} seed={random_seed} {values}"
     p = Path(model)
     files = [p] if p.is_file() else sorted(
         f for f in p.iterdir() if f.suffix in (".safetensors", ".gguf", ".json"))

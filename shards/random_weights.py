@@ -37,6 +37,7 @@ PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "models"
 RANDOM_SPEC = "random.json"  # a shape folder's choice of random values (chain weights)
 CHAIN_SCALE = 1e-3  # the residual writers' scale in chain weights
 _RESIDUAL_WRITERS = ("o_proj", "down_proj", "out_proj")
+_POST_NORMED = ("gemma3_text",)  # families whose residual writers' outputs are normed
 
 
 def preset_path(name: str) -> Path:
@@ -148,6 +149,9 @@ def read_random_spec(folder: Path, config: ModelConfig) -> bool:
     if config.tie_word_embeddings:
         raise CheckpointError(f"{path}: chain weights need an LM head of its own; this shape "
                               "ties it to the embedding (tie_word_embeddings)")
+    if config.model_type in _POST_NORMED:  # (a norm after o_proj / down_proj undoes the scale)
+        raise CheckpointError(f"{path}: chain weights scale the residual writers down, and "
+                              f"{config.model_type} normalizes their outputs (sandwich norms)")
     return True
 
 

@@ -87,3 +87,28 @@ def test_chain_weights_refuse_a_tied_head(tmp_path):
     (folder / "random.json").write_text('{"weights": "chain"}')
     with pytest.raises(CheckpointError, match="tie_word_embeddings"):
         RandomCheckpoint(folder)
+
+
+def test_prefix_cache_identity_tells_chain_weights_and_seeds_apart(tmp_path):
+    """A disk prefix cache keyed by a random shape's weights: another seed, or the same folder
+    with chain weights (`random.json`), holds other tensors and so other KV rows."""
+    from layersplit.runtime.prefix_keys import weights_identity
+    folder = write_tiny_checkpoint(tmp_path / "t", family="qwen2")
+    spec = f"random:{folder}"
+    gaussian = weights_identity(spec)
+    assert weights_identity(spec, 1) != gaussian and weights_identity(spec) == gaussian
+    (folder / "random.json").write_text('{"weights": "chain"}')
+    assert weights_identity(spec) != gaussian
+    assert weights_identity("random:qwen3-8b") != weights_identity("random:qwen3-8b-chain")
+
+
+def test_chain_weights_refuse_post_normed_writers(tmp_path):
+    """Gemma 3 norms o_proj's and down_proj's outputs before the residual add, which undoes
+    chain weights' scale (its greedy tokens then leave the chain)."""
+    import json
+    folder = write_tiny_checkpoint(tmp_path / "g", family="gemma3_text")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    (folder / "random.json").write_text('{"weights": "chain"}')
+    with pytest.raises(CheckpointError, match="sandwich norms"):
+        RandomCheckpoint(folder)
