@@ -44,7 +44,9 @@ def shape(model: str) -> str:
     name = model.removeprefix("random:")
     return {"default": "default model", "smollm2-135m-shape": "default model's shape",
             "llama-8b-shape": "Llama-8B shape", "qwen3-8b": "Qwen3-8B shape",
-            "qwen3.5-27b": "Qwen3.5-27B shape", "qwen3-32b": "Qwen3-32B shape",
+            "qwen3-8b-chain": "Qwen3-8B shape, chain weights",
+            "qwen3.5-27b": "Qwen3.5-27B shape",
+            "qwen3.5-27b-chain": "Qwen3.5-27B shape, chain weights", "qwen3-32b": "Qwen3-32B shape",
             "qwen3-30b-a3b": "Qwen3-30B-A3B shape",
             "deepseek-v2-lite-shape": "DeepSeek-V2-Lite-width MLA shape"}.get(name, name)
 
