@@ -28,10 +28,9 @@ def weights_identity(model: str | Path, random_seed: int = 0) -> str:
     chain weights, `shards.random_weights`), which all change the tensors."""
     s = str(model)
     if s.startswith("random:"):
-        from layersplit.shards.random_weights import RANDOM_SPEC, preset_path
+        from layersplit.shards.random_weights import RANDOM_SPEC, random_folder
 
-        rest = s[len("random:"):]
-        spec = (Path(rest) if "/" in rest else preset_path(rest)) / RANDOM_SPEC
+        spec = random_folder(s) / RANDOM_SPEC
         values = spec.read_text().strip() if spec.is_file() else "gaussian"
         return f"{s} seed={random_seed} {values}"
     p = Path(model)

@@ -38,11 +38,9 @@ def open_checkpoint(path: str | Path, seed: int = 0) -> Checkpoint:
     """An HF folder, a .gguf file, or `random:NAME` / `random:/path/to/folder-with-config`
     (seeded random weights of that shape, for speed work)."""
     if str(path).startswith(RANDOM_PREFIX):
-        from layersplit.shards.random_weights import RandomCheckpoint, preset_path
+        from layersplit.shards.random_weights import RandomCheckpoint, random_folder
 
-        spec = str(path)[len(RANDOM_PREFIX):]
-        folder = Path(spec) if "/" in spec else preset_path(spec)
-        return RandomCheckpoint(folder, seed)
+        return RandomCheckpoint(random_folder(path), seed)
     p = Path(path).expanduser()
     if p.is_dir():
         from layersplit.shards.checkpoint_hf import HFCheckpoint

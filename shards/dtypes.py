@@ -43,10 +43,9 @@ def stored_dtype(path: str | Path) -> str | None:
 
     spec = str(path)
     if spec.startswith(RANDOM_PREFIX):
-        from layersplit.shards.random_weights import preset_path
+        from layersplit.shards.random_weights import random_folder
 
-        rest = spec[len(RANDOM_PREFIX):]
-        return _hf_dtype(Path(rest) if "/" in rest else preset_path(rest))
+        return _hf_dtype(random_folder(spec))
     p = Path(spec).expanduser()
     if p.is_dir():
         return _hf_dtype(p)

@@ -49,6 +49,13 @@ def preset_path(name: str) -> Path:
     return p
 
 
+def random_folder(spec: str | Path) -> Path:
+    """The shape folder of a `random:NAME` (a preset, `preset_path`) or a
+    `random:/path/to/folder-with-config` model."""
+    rest = str(spec).removeprefix("random:")
+    return Path(rest) if "/" in rest else preset_path(rest)
+
+
 class RandomCheckpoint:
     def __init__(self, folder: Path, seed: int = 0, std: float = 0.02,
                  config: ModelConfig | None = None) -> None:
