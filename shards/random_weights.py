@@ -116,9 +116,7 @@ class RandomCheckpoint:
             head[chain_successor(shape[0], self.seed, device)] = emb  # (row succ[t] = e_t)
             return head
         g = torch.Generator(device=device)
-        # (a CPU generator reads only a seed's low 32 bits: the seed is mixed into them; seed 0
-        # gives the tensors it always gave)
-        g.manual_seed(zlib.crc32(name.encode()) ^ (self.seed * 0x9E3779B1 & 0xFFFFFFFF))
+        g.manual_seed(_generator_seed(name, self.seed))
         if name.endswith("norm.weight"):
             t = 1.0 + 0.05 * torch.randn(shape, generator=g, device=device)
         elif name.endswith(".bias"):
@@ -162,10 +160,17 @@ def read_random_spec(folder: Path, config: ModelConfig) -> bool:
     return True
 
 
+def _generator_seed(name: str, seed: int) -> int:
+    """The generator seed of tensor `name` under `seed`. (A CPU generator reads only a seed's
+    low 32 bits: the seed is mixed into them; seed 0 gives the tensors it always gave.)"""
+    return zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+
+
 def chain_successor(vocab: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Chain weights' greedy next token of each token: a permutation of the vocabulary drawn
-    from the seed (one cycle in expectation long enough that no run meets its own tokens)."""
+    from the seed (the cycle through a given token is shorter than n with probability
+    n / vocab)."""
     import torch
     g = torch.Generator(device="cpu")
-    g.manual_seed(zlib.crc32(b"chain") ^ (seed * 0x9E3779B1 & 0xFFFFFFFF))
+    g.manual_seed(_generator_seed("chain", seed))
     return torch.randperm(vocab, generator=g).to(device)
