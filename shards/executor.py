@@ -84,12 +84,18 @@ class RangeExecutor:
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
         # a hybrid model captures its one-token decode steps (a graph per slot: the recurrent
-        # states are the slot's); its verify steps run row by row (each row's state kept until
-        # the next step settles it), and batched steps run sequence by sequence, eager
+        # states are the slot's); its verify steps keep each row's state until the next step
+        # settles it, and batched steps run sequence by sequence, eager
         self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps,
                                      per_slot=self.hybrid) if static_decode else None)
         # batch- and verify-invariant steps (`deterministic = true`): see `rowwise_verify`
         self.deterministic = False
+        # a hybrid range's chain verify steps as one step of all their rows (a graph per
+        # slot, bucket and rows where decode steps are captured, else `_hybrid_chain`), on GPUs:
+        # row by row each row is a whole eager pass through the range (~50 ms a row on the
+        # Qwen3.5-27B shape, 2026-11-30)
+        self.hybrid_chain_verify = self.hybrid and self.device.type == "cuda"
+        self.hybrid_verify_graphs = True  # (off after a failed capture or replay: eager then)
         # the verify segments of several sequences run as one batched step (`run_segments`):
         # over a paged cache, without sliding-window layers (a tree row's key position in a
         # window is computed for one sequence's step only)
@@ -102,9 +108,10 @@ class RangeExecutor:
     @property
     def rowwise_verify(self) -> bool:
         """Whether verify steps run row by row, each row a decode step: on the CPU (bit for bit
-        a plain decode step), on a hybrid range (each row's state kept), and in deterministic
-        mode, where each row takes the very one-row step (captured graph) a plain decode step
-        takes, so speculation cannot change a token on a GPU either."""
+        a plain decode step), on a hybrid range (each row's state kept; on GPUs a chain's rows
+        run as one step instead, `hybrid_chain_verify`), and in deterministic mode, where each
+        row takes the very one-row step (captured graph) a plain decode step takes, so
+        speculation cannot change a token on a GPU either."""
         return self.device.type != "cuda" or self.hybrid or self.deterministic
 
     @property
@@ -148,12 +155,16 @@ class RangeExecutor:
             raise ValueError(
                 f"positions {pos}..{pos + n} exceed the context of {self.kv.max_len} tokens"
             )
-        if self.static is not None and self._static_step(n, pos, verify):
+        if self.static is not None and self._static_step(n, pos, verify, is_chain(tree)):
+            if self.hybrid and verify:
+                return self._hybrid_chain_graph(x, pos, slot, all_logits, taps)
             out, rows = self.static.run(x, pos, slot, tree if verify else None)
             if taps is not None:
                 taps.update(rows)
             return out if all_logits or not self.model.is_last else out[-1:]
         if verify and self.rowwise_verify:
+            if self.hybrid_chain_verify and not self.deterministic and is_chain(tree) and n > 1:
+                return self._hybrid_chain(x, pos, slot, all_logits, taps)
             return self._rowwise(x, pos, slot, all_logits, taps, tree)
         rows = None if all_logits else slice(n - 1, n)
         want = None if taps is None else dict.fromkeys(self.taps)
@@ -301,12 +312,16 @@ class RangeExecutor:
                 if s.taps is not None:
                     s.taps.update({k: v[j * n:(j + 1) * n] for k, v in tapped.items()})
 
-    def _static_step(self, n: int, pos: int, verify: bool) -> bool:
+    def _static_step(self, n: int, pos: int, verify: bool, chain: bool = True) -> bool:
         """Whether a step of n rows at `pos` runs as a static (captured) step: decode steps,
-        and verify steps of up to MAX_VERIFY_ROWS rows; on a hybrid range only decode steps
-        past position 0 (the first resets the slot's states on the host)."""
+        and verify steps of up to MAX_VERIFY_ROWS rows; on a hybrid range decode steps past
+        position 0 (the first resets the slot's states on the host) and, where
+        `hybrid_chain_verify`, chain verify steps (each row's states kept)."""
         if self.hybrid:
-            return n == 1 and not verify and pos > 0
+            if verify:
+                return self.hybrid_chain_verify and self.hybrid_verify_graphs and \
+                    not self.deterministic and chain and 1 < n <= MAX_VERIFY_ROWS and pos > 0
+            return n == 1 and pos > 0
         if self.deterministic and verify and n > 1:
             return False  # row by row (`_rowwise`), each row the one-row graph
         return n == 1 or (verify and n <= MAX_VERIFY_ROWS)
@@ -354,6 +369,45 @@ class RangeExecutor:
             taps.update({layer: torch.cat([t[layer] for t in tapped]) for layer in self.taps})
         out = torch.cat(outs)
         return out if all_logits or not self.model.is_last else out[-1:]
+
+    def _hybrid_chain_graph(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
+                            taps: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """`_hybrid_chain` as a captured step (`StaticDecoder`: a graph per slot, KV bucket and
+        rows), its rows' states kept in the decoder's shared keep buffers; a failed capture or
+        replay is logged and the eager step runs, from then on."""
+        n = x.shape[0]
+        conv, state = self.static.keep_buffers(n)
+        self.kv.own_kept_rows(state, slot)  # (the replay overwrites the shared buffers)
+        try:
+            out, rows = self.static.run(x, pos, slot, None)
+        except Exception as e:  # noqa: BLE001 - any capture or replay failure: the eager step
+            log.warning("layers %d:%d: a hybrid verify graph failed (%s: %s); chain verify "
+                        "steps run eager from now on", self.model.start, self.model.end,
+                        type(e).__name__, e)
+            self.hybrid_verify_graphs = False
+            return self._hybrid_chain(x, pos, slot, all_logits, taps)
+        self.kv.keep_rows(slot, pos, [(conv[:, j], state[:, j]) for j in range(n)])
+        if taps is not None:
+            taps.update(rows)
+        return out if all_logits or not self.model.is_last else out[-1:]
+
+    def _hybrid_chain(self, x: torch.Tensor, pos: int, slot: int, all_logits: bool,
+                      taps: dict[int, torch.Tensor] | None) -> torch.Tensor:
+        """A hybrid range's verify step of a chain as one eager step of its n rows: the K/V
+        rows written at pos .. pos + n - 1 as `_rowwise` leaves them, the linear layers' conv
+        and recurrent state after each row kept (`HybridRange.new_keep`) until the next step
+        settles on the last accepted row's; the slot's live states are left as they were. Each
+        row's output equals its row-by-row output up to rounding (a GEMM over n rows)."""
+        n = x.shape[0]
+        keep = self.model.new_keep(self.kv, n)
+        want = None if taps is None else dict.fromkeys(self.taps)
+        out = self.model(x.to(self.device), pos, self.kv, slot,
+                         logit_rows=None if all_logits else slice(n - 1, n), taps=want,
+                         keep=keep)
+        self.kv.keep_rows(slot, pos, [(keep[0][:, j], keep[1][:, j]) for j in range(n)])
+        if taps is not None:
+            taps.update(want)
+        return out
 
     def sample(self, logits: torch.Tensor, sample: dict, position: int) -> int:
         """Sample the token for `position` from one row of logits."""

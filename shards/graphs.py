@@ -28,7 +28,10 @@ A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too
 (slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
 advanced in place by the step, so the slot is part of the graph (`per_slot`); its buckets are
 `HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its
-verify steps (which keep the state after every row) and batched steps stay eager.
+chain verify steps are graphs per (slot, bucket, rows) too, captured at first need: they leave
+the slot's states as they were and write the states after each row into `keep_buffers`, which
+the executor hands to the cache (`HybridState.keep_rows`). Tree verify steps and batched steps
+stay eager.
 
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.
@@ -192,6 +195,9 @@ class StaticDecoder:
         self.vbatch_trees: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self.vbatch_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # a hybrid range's chain verify steps: rows -> the (conv, state) after each row
+        # (`HybridRange.new_keep`), one pair for every slot and KV bucket (graph inputs)
+        self.keeps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kv_len(self, pos: int, n: int = 1) -> int:
         """The KV length (bucket, `kv_buckets`) a step of n rows at `pos` attends."""
@@ -244,6 +250,14 @@ class StaticDecoder:
                                                device=self.kv.table.device)
         return t
 
+    def keep_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers a hybrid range's n-row chain verify graphs write each row's states into
+        (one pair per n: the next such replay, of any slot, overwrites them)."""
+        got = self.keeps.get(n)
+        if got is None:
+            got = self.keeps[n] = self.model.new_keep(self.kv, n)
+        return got
+
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
         if n > 1:
             step = StepInfo.static_tree(self.pos, *self._tree_input(n), kv_len)
@@ -252,7 +266,9 @@ class StaticDecoder:
         if self.paged:
             step.tables = self._tables(1)
         taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
-        out = self.model(self._input(n), step, self.kv, slot, logit_rows=slice(0, n), taps=taps)
+        keep = {"keep": self.keep_buffers(n)} if self.per_slot and n > 1 else {}
+        out = self.model(self._input(n), step, self.kv, slot, logit_rows=slice(0, n), taps=taps,
+                         **keep)
         return out, taps
 
     @torch.inference_mode()
@@ -314,7 +330,7 @@ class StaticDecoder:
         for kv_len in self.buckets:
             for n in sorted(set(rows)):
                 if self.per_slot and n > 1:
-                    continue  # a hybrid range's verify steps are eager
+                    continue  # (a hybrid range's verify graphs: captured at first need)
                 plan += [("step", slot, n, kv_len) for slot in slots]
             if self.paged and not self.per_slot:
                 plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS

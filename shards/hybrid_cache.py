@@ -65,6 +65,15 @@ class HybridState:
         last committed token); the live state stays undecided until `settle`."""
         self.pending[slot] = (pos, rows)
 
+    def own_kept_rows(self, shared: torch.Tensor, slot: int) -> None:
+        """Before a step writes the shared buffer `shared` (a verify graph's kept states,
+        `StaticDecoder.keep_buffers`): another slot's pending rows that are views of it are
+        copied out first, so that slot settles on its own rows (`slot`'s own are replaced)."""
+        ptr = shared.untyped_storage().data_ptr()
+        for other, (at, rows) in list(self.pending.items()):
+            if other != slot and rows and rows[0][1].untyped_storage().data_ptr() == ptr:
+                self.pending[other] = (at, [(c.clone(), s.clone()) for c, s in rows])
+
     def settle(self, slot: int, pos: int, kept: list[int] | None) -> None:
         """Before a step at `pos` of `slot`: if the slot's last step was a verify step, take
         the state of the last row it kept. `kept`: the kept rows of a tree (None: rows

@@ -20,8 +20,8 @@ first column unread); ours, transformers' and the prefix cache's hold the last K
 the state goes in with a zero column in front and comes out without its first. It sums in
 float32 and rounds once, after the SiLU (the torch path rounds the conv's output first).
 One-token steps keep the torch form (`shards.fused_hybrid` captures it in the step's graph).
-The verify rows of speculative decoding run one-token steps, so they use the fused recurrent
-kernel too.
+A chain's verify step runs our own kernel (`shards.kernels.gated_delta_rows`: fla's keeps the
+last row's state only); row by row (trees, deterministic mode) each row is a one-token step.
 
 `LAYERSPLIT_FLA=0` keeps the torch path on CUDA (delta rule and conv). Why fla is not used
 (off, not installed, its import or a kernel call failed) is logged once, at WARNING on a CUDA

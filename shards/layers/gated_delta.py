@@ -19,11 +19,15 @@ head dims.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels.gated_delta_fla import pick_conv, pick_rule
 from layersplit.shards.layers.fused_linear import frozen_linear
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64  # the chunk of the chunked delta rule (as transformers and fla use)
 
@@ -135,6 +139,40 @@ def recurrent_gated_delta_rule(
             kept.append(s)
     out = out.transpose(1, 2).to(dtype)
     return out, (torch.stack(kept, dim=1) if keep_states else s)
+
+
+def _torch_rows(q, k, v, g, beta, state, states):
+    """`recurrent_rows`' signature on the torch reference (the CPU's rule)."""
+    out, rows = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_states=True)
+    states.copy_(rows)
+    return out
+
+
+_rows_failed: list[str] = []  # why the Triton rows kernel failed: the torch rule runs since
+
+
+def keep_rows_rule(device: torch.device | str):
+    """The rule of a verify step's rows that keeps each row's state, `(q, k, v, g, beta,
+    state, states) -> out` (`shards.kernels.gated_delta_rows.recurrent_rows`): the Triton
+    kernel where the Triton kernels run (`fused_kernels_available`), else the torch reference;
+    a failing kernel call is logged and answered by the torch rule, from then on."""
+    from layersplit.shards.kernels import fused_kernels_available
+
+    if _rows_failed or not fused_kernels_available(device):
+        return _torch_rows
+    from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+    def rule(*args):
+        if _rows_failed:
+            return _torch_rows(*args)
+        try:
+            return recurrent_rows(*args)
+        except Exception as e:  # noqa: BLE001 - a compile or launch error: the exact path
+            _rows_failed.append(f"{type(e).__name__}: {e}")
+            log.warning("the gated delta rule's verify-rows kernel failed (%s); the torch "
+                        "rule runs from now on", _rows_failed[0])
+            return _torch_rows(*args)
+    return rule
 
 
 class GatedRMSNorm(nn.Module):
@@ -261,11 +299,13 @@ class GatedDeltaNet(nn.Module):
         state: torch.Tensor,  # (B, Hv, Dk, Dv) float32, updated in place
         recurrent: bool | None = None,
         keep_states: bool = False,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """Returns (out (B, n, hidden), kept): with `keep_states` (recurrent form), kept is the
-        conv and recurrent state after every row, (B, n, C, K - 1) and (B, n, Hv, Dk, Dv),
-        and the states passed in are left as they were (the caller keeps the accepted row's);
-        else None and the states are advanced past the n tokens. `recurrent` defaults to the
+        conv and recurrent state after every row, (B, n, C, K - 1) and (B, n, Hv, Dk, Dv)
+        (written into `into` where given: float32 and contiguous for the states), and the
+        states passed in are left as they were (the caller keeps the accepted row's); else
+        None and the states are advanced past the n tokens. `recurrent` defaults to the
         recurrent form for one token, the chunked form for more."""
         bsz, n = x.shape[:2]
         if recurrent is None:
@@ -281,8 +321,14 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         kept = None
         if keep_states:
-            out, rows = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_states=True)
-            kept = (conv_states_per_row(mixed, conv_state), rows)
+            conv_rows = conv_states_per_row(mixed, conv_state)
+            if into is None:
+                into = (conv_rows, torch.empty((bsz, n, *state.shape[1:]), dtype=torch.float32,
+                                               device=state.device))
+            else:
+                into[0].copy_(conv_rows)
+            out = keep_rows_rule(x.device)(q, k, v, g, beta, state, into[1])
+            kept = into
         else:
             rule = pick_rule(x.device, recurrent,  # fla-core's on CUDA where installed
                              recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule)

@@ -101,14 +101,21 @@ class HybridLayer(nn.Module):
         self.fast = None  # the fused one-token step (`shards.fused_hybrid`), set on GPUs
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HybridCache,
-                index: int, slot: int, step: StepInfo) -> torch.Tensor:
-        """`index`: this layer's rank among the range's layers of its kind."""
-        if self.fast is not None and h.shape[0] == 1:
+                index: int, slot: int, step: StepInfo,
+                keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`index`: this layer's rank among the range's layers of its kind. `keep`: a verify
+        step's (conv, state) after each row, (linear layers, n, ...) each, which a linear
+        layer fills at its `index` and leaves the slot's states as they were
+        (`HybridRange.forward`)."""
+        if self.fast is not None and h.shape[0] == 1 and keep is None:
             return self.fast(self, h, cos, sin, kv, index, slot, step)
         x = self.input_layernorm(h)
         if self.linear:
             s = slice(slot, slot + 1)
-            out, _ = self.linear_attn(x[None], kv.conv[index, s], kv.state[index, s])
+            into = None if keep is None else (keep[0][index][None], keep[1][index][None])
+            out, _ = self.linear_attn(x[None], kv.conv[index, s], kv.state[index, s],
+                                      recurrent=True if keep is not None else None,
+                                      keep_states=keep is not None, into=into)
             h = h + out[0]
         else:
             h = h + self.self_attn(x, cos, sin, kv, index, slot, step)
@@ -179,24 +186,31 @@ class HybridRange(nn.Module):
         slot: int = 0,
         logit_rows: slice | None = None,
         taps: dict[int, torch.Tensor] | None = None,
+        keep: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """As `LayerRange.forward`, for one sequence's rows: an eager step, or a captured
         one-token decode step (`StepInfo.static`, position on the device) of a sequence past
         position 0, which advances the slot's recurrent states in place as an eager step does.
-        Batched steps are not for hybrid ranges (each row's state is its own slot's)."""
+        Batched steps are not for hybrid ranges (each row's state is its own slot's).
+
+        `keep` makes the step a chain's verify step (`new_keep`'s buffers): the linear layers
+        run the recurrent rule over the rows and write the conv and recurrent state after each
+        row there, leaving the slot's states as they were; the caller settles on the last
+        accepted row's (`HybridState.keep_rows`)."""
         h = self.embed_tokens(x) if self.is_first else x
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
         if step.lo is not None:
             raise NotImplementedError("hybrid ranges run no batched steps")
-        if step.pos is None and h.shape[0] != 1:
+        if step.pos is None and h.shape[0] != 1 and keep is None:
             raise NotImplementedError("a hybrid range's captured steps are one-token decode "
-                                      "steps (verify steps run row by row, eager)")
+                                      "steps and chain verify steps (which keep each row's "
+                                      "states)")
         if step.pos == 0:
             kv.reset(slot)
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv, self.cache_index[i], slot, step)
+            h = layer(h, cos, sin, kv, self.cache_index[i], slot, step, keep)
             if taps is not None and self.start + i in taps:
                 last = self.start + i == self.cfg.num_layers - 1
                 taps[self.start + i] = self.norm(h) if last else h
@@ -205,6 +219,14 @@ class HybridRange(nn.Module):
         if logit_rows is not None:
             h = h[logit_rows]
         return self.lm_head(self.norm(h)).float()
+
+    def new_keep(self, kv: HybridCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty buffers for a verify step of n rows to keep each row's states in (`forward`'s
+        `keep`): conv (linear layers, n, C, K - 1) in the cache's dtype, state (linear layers,
+        n, Hv, Dk, Dv) float32."""
+        layers = kv.conv.shape[0]
+        return (kv.conv.new_empty((layers, n, *kv.conv.shape[2:])),
+                kv.state.new_empty((layers, n, *kv.state.shape[2:])))
 
     def local_name(self, name: str) -> str:
         """Map a canonical HF tensor name to this module's parameter name."""

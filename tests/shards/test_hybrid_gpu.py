@@ -242,3 +242,63 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
     assert fast is not None and fast.compiled  # no fallback to the uncompiled stages
     assert exs[1].static.graphs
     assert close(exs[0].kv.state, exs[1].kv.state, exs[2].kv.state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["captured", "eager"])
+def test_chain_verify_in_one_step_on_cuda(tiny_qwen3_5, dtype, graphs):
+    """A shard's hybrid range (fused, compiled) verifies a chain in one step (a verify graph per
+    slot and bucket, or eager: `_hybrid_chain`; the verify-rows kernel keeps each row's state)
+    with the row-by-row path's logits; two slots verify before either settles, and after each
+    number of accepted rows the next (captured) decode step gives the row-by-row executor's
+    logits and states; the kernel ran, no fallback."""
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor
+    from layersplit.shards.fused import fuse_projections
+    from layersplit.shards.layers import gated_delta
+
+    ckpt = open_checkpoint(tiny_qwen3_5)
+    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0")
+              for _ in range(2)]
+    for m in models:
+        fuse_projections(m, compile=True)
+    one, rows = (RangeExecutor(m, 256, 2, "cuda:0", graph_bucket=4, paged=(64, 16))
+                 for m in models)
+    rows.hybrid_chain_verify = False
+    assert one.hybrid_chain_verify
+    if not graphs:  # (decode steps still captured; verify steps eager)
+        one._static_step = lambda n, pos, verify, chain=True: not verify and n == 1 and pos > 0
+    for ex in (one, rows):
+        ex.kv.set_table(0, 0, list(range(0, 32, 2)))
+        ex.kv.set_table(1, 0, list(range(31, 0, -2)))
+    calls = []
+    inner = one._hybrid_chain
+    one._hybrid_chain = lambda *a: calls.append(a[2]) or inner(*a)  # (x, pos, slot, ...)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (70,), generator=g), torch.randint(0, 300, (5,), generator=g)]
+    pos = [70, 5]
+    for ex in (one, rows):
+        for s, p in enumerate(prompts):
+            ex.run(p.to("cuda:0"), 0, s)
+    chain = torch.randint(0, 300, (8,), generator=g).to("cuda:0")
+    for accepts in [(7, 0), (3, 5), (0, 7)]:
+        verified = {}
+        for slot in (0, 1):
+            a, b = (ex.run(chain, pos[slot], slot, all_logits=True, verify=True).clone()
+                    for ex in (one, rows))
+            assert near(a, b, TOL[dtype])
+            verified[slot] = b
+        for slot, accepted in zip((0, 1), accepts):
+            nxt = pos[slot] + accepted + 1
+            follow = torch.tensor([int(verified[slot][accepted].argmax())], device="cuda:0")
+            for ex in (one, rows):
+                ex.before_step(slot, nxt, None)
+            a, b = (ex.run(follow, nxt, slot) for ex in (one, rows))
+            assert near(a, b, TOL[dtype])
+            assert near(one.kv.state[:, slot], rows.kv.state[:, slot], TOL[dtype])
+            pos[slot] = nxt + 1
+    assert not gated_delta._rows_failed
+    if graphs:
+        assert calls == [] and {k[0] for k in one.static.graphs if k[2] == 8} == {0, 1}
+    else:
+        assert calls == [0, 1] * 3

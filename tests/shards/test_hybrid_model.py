@@ -301,3 +301,111 @@ def test_a_failed_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeyp
     with pytest.raises(RuntimeError, match="capture failed"):
         static.run(torch.tensor([5]), 13)
     assert torch.equal(static.kv.conv[:, 0], conv) and torch.equal(static.kv.state[:, 0], state)
+
+
+@pytest.mark.parametrize("family,paged,fused,static", [
+    ("qwen3_5", False, False, False), ("qwen3_5", True, False, False),
+    ("qwen3_next", True, False, False), ("qwen3_5", True, True, False),
+    ("qwen3_next", False, True, False), ("qwen3_5", True, False, True),
+    ("qwen3_next", False, True, True)])
+def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged, fused,
+                                                    static):
+    """A hybrid range's chain verify step as one step of all its rows (the GPU's path:
+    `_hybrid_chain`, or with `static` the verify graph's step, run uncaptured on the CPU:
+    positions on the device, the shared keep buffers) gives the row-by-row step's logits and
+    tapped rows, leaves the slot's states as they were, and for every number of accepted rows
+    the next step (settled on that row's kept states) gives the row-by-row executor's logits.
+    Two slots verify before either settles (the second verify must not overwrite the first's
+    kept rows). `fused`: the GPU's fused weights and one-token step (`shards.fused_hybrid`,
+    uncompiled here)."""
+    from layersplit.shards.fused import fuse_projections
+
+    ckpt = open_checkpoint(hybrid_models[family])
+    extra = {"paged": (64, 8)} if paged else {}
+    taps = (1, 4)
+    models = [load_layer_range(ckpt, 0, 6) for _ in range(2)]
+    if fused:
+        for m in models:
+            fuse_projections(m, compile=False)
+        assert all(layer.fast is not None for layer in models[1].layers)
+    one, rows = (RangeExecutor(m, 96, 2, static_decode=st, graph_bucket=4, taps=taps, **extra)
+                 for m, st in zip(models, (static, False)))
+    one.hybrid_chain_verify = True
+    assert not rows.hybrid_chain_verify  # (the CPU's default: bit for bit a decode step)
+    if paged:
+        for ex in (one, rows):
+            ex.kv.set_table(0, 0, list(range(0, 24, 2)))
+            ex.kv.set_table(1, 0, list(range(23, 0, -2)))
+    calls = []  # the verify steps' slots, as the one-step path took them
+    if static:
+        inner_step = one.static._step
+        one.static._step = lambda *a: (a[2] > 1 and calls.append(a[0])) or inner_step(*a)
+    else:
+        inner = one._hybrid_chain
+        one._hybrid_chain = lambda *a: calls.append(a[2]) or inner(*a)  # (x, pos, slot, ...)
+    prompts = {0: _ids(13, seed=8), 1: _ids(7, seed=9)}
+    for ex in (one, rows):
+        for slot, ids in prompts.items():
+            ex.run(ids, 0, slot)
+    chain = torch.tensor([5, 17, 3, 9, 11])
+    for accepts in [(0, 4), (2, 1), (3, 3), (4, 0)]:
+        verified = {}
+        for slot in (0, 1):  # both verify first: slot 1's step must leave slot 0's rows
+            pos = len(prompts[slot])
+            before = one.kv.save(slot)
+            got_taps, want_taps = {}, {}
+            a = one.run(chain, pos, slot, all_logits=True, taps=got_taps, verify=True).clone()
+            b = rows.run(chain, pos, slot, all_logits=True, taps=want_taps, verify=True)
+            assert a.shape == b.shape == (5, ckpt.config.vocab_size)
+            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+            assert got_taps.keys() == want_taps.keys() == set(taps)
+            for t in taps:
+                assert (got_taps[t] - want_taps[t]).abs().max().item() < 1e-5
+            assert all(torch.equal(x, y) for x, y in zip(one.kv.save(slot), before))
+            verified[slot] = b
+        for slot, accepted in zip((0, 1), accepts):
+            # the next step after `accepted` draft rows kept (their logits picked the token)
+            nxt = len(prompts[slot]) + accepted + 1
+            follow = torch.tensor([int(verified[slot][accepted].argmax())])
+            for ex in (one, rows):
+                ex.before_step(slot, nxt, None)
+            a, b = (ex.run(follow, nxt, slot) for ex in (one, rows))
+            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+            for x, y in zip(one.kv.save(slot), rows.kv.save(slot)):
+                assert (x.float() - y.float()).abs().max().item() < 1e-5
+            prompts[slot] = torch.cat([prompts[slot], chain[:accepted + 1], follow])
+    assert calls == [0, 1] * 4  # (every verify step above took the one-step path)
+
+
+def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, caplog):
+    """A hybrid verify graph that fails (its capture or replay) is logged; that step and every
+    chain verify step after it run the eager one-step path, with its logits and kept states."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    one, rows = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 1, static_decode=st,
+                               graph_bucket=4) for st in (True, False))
+    one.hybrid_chain_verify = True
+    inner = one.static.run
+
+    def failing(x, *a):
+        if x.shape[0] > 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return inner(x, *a)
+    one.static.run = failing
+    ids = _ids(11, seed=3)
+    for ex in (one, rows):
+        ex.run(ids, 0, 0)
+    chain = torch.tensor([4, 8, 15, 16])
+    pos = 11
+    for accepted in (2, 0):
+        with caplog.at_level("WARNING", logger="layersplit.shards.executor"):
+            a, b = (ex.run(chain, pos, 0, all_logits=True, verify=True) for ex in (one, rows))
+        assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+        nxt = pos + accepted + 1
+        for ex in (one, rows):
+            ex.before_step(0, nxt, None)
+        a, b = (ex.run(torch.tensor([7]), nxt, 0) for ex in (one, rows))
+        assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+        pos = nxt + 1
+    assert not one.hybrid_verify_graphs
+    assert caplog.text.count("a hybrid verify graph failed (RuntimeError: operation not "
+                             "permitted") == 1

@@ -1,0 +1,54 @@
+"""The verify rows' gated delta rule kernel (`shards.kernels.gated_delta_rows`) against the torch
+reference (`recurrent_gated_delta_rule(keep_states=True)`): each row's output and the state
+after each row, grouped heads, a value dim that is no power of two, and the states passed in
+left as they were. On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's
+interpreter with `TRITON_INTERPRET=1`. Tolerances: float32 sums in another order (1e-5
+relative); bf16 inputs are read as the reference reads them, the output rounded once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.gated_delta import keep_rows_rule, recurrent_gated_delta_rule
+
+DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fused_kernels_available(DEV),
+                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b,n,hk,hv,dk,dv", [(1, 16, 2, 4, 32, 24), (2, 5, 4, 4, 16, 16),
+                                             (1, 1, 1, 3, 8, 40)])
+def test_rows_kernel_matches_torch(b, n, hk, hv, dk, dv, dtype):
+    from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+    g = torch.Generator().manual_seed(n * dv + hv)
+    q, k = (torch.randn(b, n, hk, dk, generator=g).to(DEV, dtype) for _ in range(2))
+    v = torch.randn(b, n, hv, dv, generator=g).to(DEV, dtype)
+    gate = (-torch.rand(b, n, hv, generator=g)).to(DEV)
+    beta = torch.rand(b, n, hv, generator=g).to(DEV, dtype)
+    s0 = torch.randn(b, hv, dk, dv, generator=g).to(DEV)
+    before = s0.clone()
+    states = torch.empty(b, n, hv, dk, dv, device=DEV)
+    out = recurrent_rows(q, k, v, gate, beta, s0, states)
+    want, want_states = recurrent_gated_delta_rule(q, k, v, gate, beta, s0, keep_states=True)
+    assert torch.equal(s0, before)
+    assert out.dtype == dtype and out.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(states, want_states, rtol=1e-5, atol=1e-5)
+    assert keep_rows_rule(DEV).__name__ == "rule"  # (the kernel, not the torch fallback)
+
+
+def test_rows_kernel_refuses_a_states_buffer_of_another_shape():
+    from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+    q = torch.zeros(1, 3, 1, 8, device=DEV)
+    v = torch.zeros(1, 3, 2, 8, device=DEV)
+    gb = torch.zeros(1, 3, 2, device=DEV)
+    with pytest.raises(ValueError, match=r"contiguous float32 \(1, 3, 2, 8, 8\)"):
+        recurrent_rows(q, q, v, gb, gb, torch.zeros(1, 2, 8, 8, device=DEV),
+                       torch.zeros(1, 2, 2, 8, 8, device=DEV))
