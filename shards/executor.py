@@ -20,7 +20,7 @@ import torch
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fused import FusedDecode, prefill_kernels_take
-from layersplit.shards.graphs import StaticDecoder
+from layersplit.shards.graphs import StaticDecoder, batch_bucket
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
@@ -84,8 +84,8 @@ class RangeExecutor:
         if static_decode is None:  # CUDA graphs on GPUs; the plain eager path on CPU
             static_decode = self.device.type == "cuda"
         # a hybrid model captures its one-token decode steps (a graph per slot: the recurrent
-        # states are the slot's); its verify steps keep each row's state until the next step
-        # settles it, and batched steps run sequence by sequence, eager
+        # states are the slot's) and its batched decode steps (each row's state slot an
+        # input); its verify steps keep each row's state until the next step settles it
         self.static = (StaticDecoder(model, self.kv, graph_bucket, self.taps,
                                      per_slot=self.hybrid) if static_decode else None)
         # batch- and verify-invariant steps (`deterministic = true`): see `rowwise_verify`
@@ -101,6 +101,9 @@ class RangeExecutor:
         # window is computed for one sequence's step only)
         self.batch_verify = paged is not None and not self.hybrid and all(
             cfg.window(i) is None for i in range(model.start, model.end))
+        # the decode rows of several sequences run as one batched step (`run_segments`), a
+        # hybrid range's too (each row's state slot a graph input, `StepInfo.states`)
+        self.batch_decode = True
         # the eager prefill segments of several sequences run as one step (`run_segments`):
         # on GPUs, where the row kernels' eager path attends sequence by sequence
         self.batch_prefill = self.device.type == "cuda"
@@ -190,15 +193,19 @@ class RangeExecutor:
         for s in segs:
             starts.append(starts[-1] + s.n)
         outs: list[torch.Tensor | None] = [None] * len(segs)
-        if self.static is not None and self.device.type == "cuda" and not self.hybrid and \
+        if self.static is not None and self.device.type == "cuda" and self.batch_decode and \
                 not self.deterministic:  # (deterministic: each sequence's step alone)
-            group = [i for i, s in enumerate(segs) if s.n == 1 and not s.verify]
+            # (a hybrid range's rows past position 0: the first step of a sequence resets its
+            # states on the host)
+            group = [i for i, s in enumerate(segs)
+                     if s.n == 1 and not s.verify and (not self.hybrid or s.pos > 0)]
+            if self.hybrid and not self.model.graph_safe(batch_bucket(len(group))):
+                group = []  # (its experts would sync the host inside the graph)
             if len(group) >= 2:  # (those that feed the draft too: the graph taps its rows)
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
                 tapped = {} if any(segs[i].taps is not None for i in group) else None
-                out = self.static.run_batch(rows.to(self.device), [segs[i].slot for i in group],
-                                            [segs[i].pos for i in group], tapped)
-                for j, i in enumerate(group):
+                out = self._run_batch(rows, [segs[i] for i in group], tapped)
+                for j, i in enumerate(group if out is not None else ()):
                     outs[i] = out[j:j + 1]
                     if segs[i].taps is not None:
                         segs[i].taps.update({k: v[j:j + 1] for k, v in tapped.items()})
@@ -219,6 +226,26 @@ class RangeExecutor:
                     if s.taps:
                         s.taps.update({k: v.clone() for k, v in s.taps.items()})
         return outs
+
+    def _run_batch(self, rows: torch.Tensor, segs: list[Segment],
+                   tapped: dict[int, torch.Tensor] | None) -> torch.Tensor | None:
+        """The decode rows of `segs` as one batched step (`StaticDecoder.run_batch`); None
+        where a hybrid range's batched graph failed (logged; its capture's warm-up runs
+        advanced only the scratch states, and the rows it wrote are rewritten), so each
+        sequence runs alone, from then on."""
+        try:
+            return self.static.run_batch(rows.to(self.device), [s.slot for s in segs],
+                                         [s.pos for s in segs], tapped)
+        except (ValueError, IndexError):
+            raise  # (a bad segment: named)
+        except Exception as e:
+            if not self.hybrid:
+                raise
+            log.warning("layers %d:%d: a hybrid batched decode graph failed (%s: %s); each "
+                        "sequence's decode step runs alone from now on", self.model.start,
+                        self.model.end, type(e).__name__, e)
+            self.batch_decode = False
+            return None
 
     def _prefill_batchable(self) -> bool:
         """Whether eager segments may run as one step (`_prefill_batched`): every layer of the
@@ -320,7 +347,8 @@ class RangeExecutor:
         if self.hybrid:
             if verify:
                 return self.hybrid_chain_verify and self.hybrid_verify_graphs and \
-                    not self.deterministic and chain and 1 < n <= MAX_VERIFY_ROWS and pos > 0
+                    not self.deterministic and chain and 1 < n <= MAX_VERIFY_ROWS and \
+                    pos > 0 and self.model.graph_safe(n)
             return n == 1 and pos > 0
         if self.deterministic and verify and n > 1:
             return False  # row by row (`_rowwise`), each row the one-row graph
@@ -376,11 +404,13 @@ class RangeExecutor:
         rows), its rows' states kept in the decoder's shared keep buffers; a failed capture or
         replay is logged and the eager step runs, from then on."""
         n = x.shape[0]
-        conv, state = self.static.keep_buffers(n)
-        self.kv.own_kept_rows(state, slot)  # (the replay overwrites the shared buffers)
         try:
+            conv, state = self.static.keep_buffers(n)
+            self.kv.own_kept_rows(state, slot)  # (the replay overwrites the shared buffers)
             out, rows = self.static.run(x, pos, slot, None)
-        except Exception as e:  # noqa: BLE001 - any capture or replay failure: the eager step
+        except (ValueError, IndexError):
+            raise  # (a bad step: named, and the graphs stay on)
+        except Exception as e:  # noqa: BLE001 - a capture or replay failure: the eager step
             log.warning("layers %d:%d: a hybrid verify graph failed (%s: %s); chain verify "
                         "steps run eager from now on", self.model.start, self.model.end,
                         type(e).__name__, e)

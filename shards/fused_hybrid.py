@@ -13,8 +13,9 @@ KV cache, and `attn_post`. A mixture-of-experts MLP (Qwen3.5-MoE, Qwen3-Next) ru
 the post stage (`RoutedMoE`, its experts fused on the GPU). Weights are arguments, so one
 compilation serves every layer of a kind.
 
-Only one-token steps of one sequence take this path (decode, and the verify rows a hybrid range
-runs one at a time); prefill chunks run the module's own forward, on the fused weights. Same
+Only one-token steps of one sequence take this path (decode, and the rows of a verify step run
+row by row: a tree's, deterministic mode's); prefill chunks, chain verify steps and batched
+steps run the module's own forward, on the fused weights. Same
 math as `shards.models.qwen3_5` but for summation order (the conv as a float32 sum of products);
 the CPU tests compare the two uncompiled, the GPU tests compiled.
 

@@ -28,10 +28,13 @@ A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too
 (slot, KV-length bucket): its linear layers' conv and recurrent states are the slot's own,
 advanced in place by the step, so the slot is part of the graph (`per_slot`); its buckets are
 `HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its
-chain verify steps are graphs per (slot, bucket, rows) too, captured at first need: they leave
-the slot's states as they were and write the states after each row into `keep_buffers`, which
-the executor hands to the cache (`HybridState.keep_rows`). Tree verify steps and batched steps
-stay eager.
+chain verify steps are graphs per (bucket, rows) over a paged cache (the slot whose states they
+read a graph input), captured at first need: they leave the slot's states as they were and
+write the states after each row into `keep_buffers`, which the executor hands to the cache
+(`HybridState.keep_rows`). Its batched decode steps are one
+graph per (padded batch, bucket) as a dense range's, with each row's state slot a graph input
+(`StepInfo.states`; padding rows advance the cache's scratch slot). Tree verify steps stay
+eager.
 
 `StaticDecoder` is the seam: on CPU it runs the same static step without capture, which the
 tests compare with the eager path; on CUDA it captures and replays.
@@ -187,6 +190,7 @@ class StaticDecoder:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # batched steps: Bp -> (input rows, positions), and (lo, Bp, kv_len) -> graph, output
         self.batch_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batch_states: dict[int, torch.Tensor] = {}  # hybrid: Bp -> each row's state slot
         self.batch_graphs: dict[tuple[int, int, int], BatchGraph] = {}
         # batched verify steps (paged): (Bp, n) -> (input rows, (2, Bp, n) rows and positions,
         # (Bp, n, n) ancestors), the trees loaded, and (Bp, n, kv_len) -> graph, outputs
@@ -195,9 +199,16 @@ class StaticDecoder:
         self.vbatch_trees: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self.vbatch_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        # a hybrid range's chain verify steps: rows -> the (conv, state) after each row
-        # (`HybridRange.new_keep`), one pair for every slot and KV bucket (graph inputs)
-        self.keeps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # a hybrid range's chain verify steps: the (conv, state) after each row
+        # (`HybridRange.new_keep`), one pair for every slot, bucket and rows (graph inputs),
+        # as many rows as the longest step yet; over a paged cache the slot whose states a
+        # verify graph reads (a graph input, so one graph serves every slot); its graphs,
+        # (slot or -1, KV length, rows) -> graph, outputs, at most VBATCH_OUTPUT_BYTES of
+        # outputs held (`keep_recent`)
+        self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.verify_slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self.verify_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph,
+                                                             Outputs]] = {}
 
     def kv_len(self, pos: int, n: int = 1) -> int:
         """The KV length (bucket, `kv_buckets`) a step of n rows at `pos` attends."""
@@ -251,12 +262,16 @@ class StaticDecoder:
         return t
 
     def keep_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The buffers a hybrid range's n-row chain verify graphs write each row's states into
-        (one pair per n: the next such replay, of any slot, overwrites them)."""
-        got = self.keeps.get(n)
-        if got is None:
-            got = self.keeps[n] = self.model.new_keep(self.kv, n)
-        return got
+        """The buffers a hybrid range's n-row chain verify graphs write each row's states into:
+        the first n rows of one pair for every slot and n (the next verify replay, of any
+        slot, overwrites them). A step longer than any before gets a pair of its length; the
+        verify graphs captured over the old pair go (captured again at their next need)."""
+        if self.keep is None or self.keep[1].shape[1] < n:
+            self.verify_graphs.clear()
+            self.keep = None  # (the old pair freed before the new one is allocated)
+            self.keep = self.model.new_keep(self.kv, n)
+        conv, state = self.keep
+        return conv[:, :n], state[:, :n]
 
     def _step(self, slot: int, kv_len: int, n: int) -> Outputs:
         if n > 1:
@@ -266,7 +281,11 @@ class StaticDecoder:
         if self.paged:
             step.tables = self._tables(1)
         taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
-        keep = {"keep": self.keep_buffers(n)} if self.per_slot and n > 1 else {}
+        keep = {}
+        if self.per_slot and n > 1:  # a hybrid chain's verify step
+            keep["keep"] = self.keep_buffers(n)
+            if self.paged:
+                step.states = self.verify_slot
         out = self.model(self._input(n), step, self.kv, slot, logit_rows=slice(0, n), taps=taps,
                          **keep)
         return out, taps
@@ -291,12 +310,32 @@ class StaticDecoder:
                 raise IndexError(f"rows {pos}..{pos + n} outside slot {slot}'s block table of "
                                  f"{self.kv.capacity(slot)} rows")
             self._tables(1).copy_(self.kv.table[slot:slot + 1])
+        verify = self.per_slot and n > 1  # (a hybrid chain's)
+        if verify and self.paged:
+            self.verify_slot.fill_(slot)
         if not self.capture:
             return self._step(slot, kv_len, n)
-        graph_slot = -1 if self.paged and not self.per_slot else slot
-        graph, out = self._step_graph(graph_slot, kv_len, n)
+        graph_slot = -1 if self.paged and (verify or not self.per_slot) else slot
+        graph, out = (self._verify_graph if verify else self._step_graph)(graph_slot, kv_len, n)
         graph.replay()
         return out
+
+    def _verify_graph(self, graph_slot: int, kv_len: int, n: int
+                      ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+        """The graph of a hybrid range's n-row chain verify step over `kv_len` keys (in
+        `graph_slot`, or -1: any slot of a paged cache, `verify_slot`), captured at its first
+        need: it reads the slot's states and writes `keep_buffers`, not the states; the least
+        recently replayed go past VBATCH_OUTPUT_BYTES of outputs held."""
+        key = (graph_slot, kv_len, n)
+        entry = self.verify_graphs.get(key)
+        if entry is None:
+            self.keep_buffers(n)  # (a longer pair first: it clears the graphs)
+            entry = capture(lambda: self._step(graph_slot, kv_len, n), self.pool)
+            log.debug("captured a %d-row verify graph for layers %d:%d, %d keys", n,
+                      self.model.start, self.model.end, kv_len)
+        keep_recent(self.verify_graphs, key, entry, VBATCH_OUTPUT_BYTES,
+                    lambda e: _output_bytes(e[1]))
+        return entry
 
     def _step_graph(self, graph_slot: int, kv_len: int, n: int
                     ) -> tuple[torch.cuda.CUDAGraph, Outputs]:
@@ -332,9 +371,10 @@ class StaticDecoder:
                 if self.per_slot and n > 1:
                     continue  # (a hybrid range's verify graphs: captured at first need)
                 plan += [("step", slot, n, kv_len) for slot in slots]
-            if self.paged and not self.per_slot:
+            if self.paged:  # (a hybrid range's too: each row's state slot is a graph input)
                 plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
                          if bp <= batch_bucket(batch) and batch >= 2]
+            if self.paged and not self.per_slot:
                 plan += [("vbatch", n, bp, kv_len) for n in sorted(set(rows))
                          for bp in BATCH_BUCKETS if 1 < n and 2 <= verify_batch and
                          bp <= batch_bucket(verify_batch) and bp * n <= max_rows]
@@ -413,11 +453,23 @@ class StaticDecoder:
             bufs = self.batch_inputs[bp] = (x, torch.zeros(bp, dtype=torch.long, device=x.device))
         return bufs
 
+    def _batch_states(self, bp: int) -> torch.Tensor:
+        """A hybrid range's batched steps of `bp` rows: the static (bp,) buffer of the slot
+        whose states each row advances (`StepInfo.states`)."""
+        buf = self.batch_states.get(bp)
+        if buf is None:
+            buf = self.batch_states[bp] = torch.full((bp,), self.kv.scratch_slot,
+                                                     dtype=torch.long,
+                                                     device=self.kv.k_store.device)
+        return buf
+
     def _batch_step(self, lo: int, bp: int, kv_len: int) -> Outputs:
         x, positions = self._batch_input(bp)
         step = StepInfo.batched(positions, lo, kv_len)
         if self.paged:
             step.tables = self._tables(bp)
+        if self.per_slot:
+            step.states = self._batch_states(bp)
         taps: dict[int, torch.Tensor] = dict.fromkeys(self.taps)
         return self.model(x, step, self.kv, lo, taps=taps if taps else None), taps
 
@@ -466,10 +518,17 @@ class StaticDecoder:
             lo, bp = batch_window(slots, self.kv.slots)
             order = self._load_batch(x, slots, positions, lo, bp)
         kv_len = self.kv_len(max(positions))
-        if not self.capture:
+        graph = None
+        if self.capture:  # (before the states are loaded: a capture's warm-up runs advance them)
+            graph, (out, rows) = self._batch_graph(lo, bp, kv_len)
+        if self.per_slot:  # each row's states: its sequence's slot; padding rows: scratch
+            states = [self.kv.scratch_slot] * bp
+            for i, s in enumerate(slots):  # (row i of a paged batch; slot s - lo of a window)
+                states[i if self.paged else s - lo] = s
+            self._batch_states(bp).copy_(to_device(states, self.kv.k_store.device))
+        if graph is None:
             out, rows = self._batch_step(lo, bp, kv_len)
         else:
-            graph, (out, rows) = self._batch_graph(lo, bp, kv_len)
             graph.replay()
         if taps is not None:
             taps.update({k: v[order] for k, v in rows.items()})
@@ -481,6 +540,8 @@ class StaticDecoder:
         key = (lo, bp, kv_len)
         entry = self.batch_graphs.get(key)
         if entry is None:
+            if self.per_slot:  # (the warm-up runs advance the scratch slot's states only)
+                self._batch_states(bp).fill_(self.kv.scratch_slot)
             entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
             log.debug("captured a %d-slot batched step graph for layers %d:%d, slots %d:%d, "
                       "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)

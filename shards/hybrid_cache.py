@@ -3,10 +3,11 @@ and recurrent state of its linear-attention (Gated DeltaNet) layers.
 
 `HybridCache` is a `KVCache` (`PagedHybridCache` a `PagedKVCache`, in a shard) over the range's
 attention layers (index = the attention layer's rank within the range), plus
-- `conv`:  (linear layers, slots, conv_dim, K - 1), in the model dtype;
-- `state`: (linear layers, slots, Hv, Dk, Dv), float32 always (it accumulates over the whole
+- `conv`:  (linear layers, slots + 1, conv_dim, K - 1), in the model dtype;
+- `state`: (linear layers, slots + 1, Hv, Dk, Dv), float32 always (it accumulates over the whole
   sequence);
-indexed by the linear layer's rank within the range. A KV row can be rewritten at will (a
+indexed by the linear layer's rank within the range; slot `slots` is scratch (`scratch_slot`:
+a batched step's padding rows advance it, not a sequence's). A KV row can be rewritten at will (a
 position's row depends only on that position's token); a recurrent state cannot: it is the
 state after exactly the tokens consumed so far. So:
 - a step at position 0 starts from zeros (`reset`);
@@ -30,13 +31,18 @@ class HybridState:
 
     def _init_state(self, layout: KVLayout, device: torch.device | str, linear_layers: int,
                     conv_shape: tuple[int, int], state_shape: tuple[int, int, int]) -> None:
-        slots = self.slots
+        slots = self.slots + 1  # (and the scratch slot, `scratch_slot`)
         self.conv = torch.zeros((linear_layers, slots, *conv_shape), dtype=layout.dtype,
                                 device=device)
         self.state = torch.zeros((linear_layers, slots, *state_shape), dtype=torch.float32,
                                  device=device)
         # slot -> (position of its last verify step, [(conv, state) after each row])
         self.pending: dict[int, tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    @property
+    def scratch_slot(self) -> int:
+        """The states a batched step's padding rows read and write (no sequence's)."""
+        return self.slots
 
     @property
     def state_nbytes(self) -> int:

@@ -80,6 +80,27 @@ def attend_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
+def attend_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a batched step of S sequences of n rows (n = len(q) / len(keys): 1 for a
+    batched decode step, more for a batched verify step): query row s * n + j (n, H, D rows; its
+    H heads as G groups of H/G, no K/V repeated) attends keys[s] (T, G, D), its sequence's,
+    under mask row s * n + j ((S * n, T) bool); scores and softmax in float32 (`scores_f32`).
+    `sinks`: gpt-oss's per-head sink logits. Returns (S * n, H * D)."""
+    s, t, g, d = keys.shape
+    n, r = q.shape[0] // s, q.shape[1] // g
+    qg = q.reshape(s, n, g, r, d).transpose(1, 2).reshape(s, g, n * r, d)  # (S, G, n*r, D)
+    scores = scores_f32(qg.reshape(s * g, n * r, d), keys.permute(0, 2, 3, 1)
+                        .reshape(s * g, d, t)).view(s, g, n * r, t) * scale
+    seen = mask.view(s, 1, n, 1, t).expand(s, 1, n, r, t).reshape(s, 1, n * r, t)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        sinks = sinks.view(1, g, 1, r).expand(s, g, n, r).reshape(s, g, n * r, 1)
+    probs = sink_softmax(scores, sinks).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # (S, G, n*r, D)
+    return out.view(s, g, n, r, d).transpose(1, 2).reshape(s * n, -1)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            mask: torch.Tensor | None, causal: bool, scale: float | None = None
            ) -> torch.Tensor:
@@ -348,19 +369,4 @@ class Attention(nn.Module):
 
     def _grouped_batch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """`_grouped` for a batched step of S sequences of n rows (n = len(q) / len(keys): 1
-        for a batched decode step, more for a batched verify step): query row s * n + j (its H
-        heads as G groups of H/G) attends keys[s] (T, G, D), its sequence's, under mask row
-        s * n + j."""
-        s, g, d = keys.shape[0], self.num_kv_heads, self.head_dim
-        n, r, t = q.shape[0] // s, self.num_heads // g, keys.shape[1]
-        qg = q.reshape(s, n, g, r, d).transpose(1, 2).reshape(s, g, n * r, d)  # (S, G, n*r, D)
-        scores = scores_f32(qg.reshape(s * g, n * r, d), keys.permute(0, 2, 3, 1)
-                            .reshape(s * g, d, t)).view(s, g, n * r, t) * self.scale
-        seen = mask.view(s, 1, n, 1, t).expand(s, 1, n, r, t).reshape(s, 1, n * r, t)
-        scores = scores.masked_fill(~seen, float("-inf"))
-        sinks = None if self.sinks is None else \
-            self.sinks.view(1, g, 1, r).expand(s, g, n, r).reshape(s, g, n * r, 1)
-        probs = sink_softmax(scores, sinks).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # (S, G, n*r, D)
-        return out.view(s, g, n, r, d).transpose(1, 2).reshape(s * n, -1)
+        return attend_batch(q, keys, values, mask, self.scale, self.sinks)

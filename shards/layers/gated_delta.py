@@ -167,7 +167,11 @@ def keep_rows_rule(device: torch.device | str):
             return _torch_rows(*args)
         try:
             return recurrent_rows(*args)
+        except torch.OutOfMemoryError:
+            raise  # (not the kernel's failing)
         except Exception as e:  # noqa: BLE001 - a compile or launch error: the exact path
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise  # (the capture fails: its caller runs the step eager, this kernel again)
             _rows_failed.append(f"{type(e).__name__}: {e}")
             log.warning("the gated delta rule's verify-rows kernel failed (%s); the torch "
                         "rule runs from now on", _rows_failed[0])

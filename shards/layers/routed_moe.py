@@ -231,6 +231,13 @@ class RoutedMoE(nn.Module):
         if self.shared_expert is not None:
             self.shared_expert.fuse()
 
+    def graph_safe(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a step of `rows` tokens in `dtype` runs without a host sync on a GPU (so a
+        CUDA graph may capture it): grouped GEMMs, or few enough rows x experts to gather
+        (`Experts.forward`)."""
+        return (_grouped_mm is not None and dtype == torch.bfloat16) or \
+            rows * self.top_k <= GATHER_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.float_weights)
         out = self.experts(x, w, idx)

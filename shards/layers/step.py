@@ -48,6 +48,9 @@ class StepInfo:
     # eager steps of several sequences as one (`segments`): (slot, its own eager step, first
     # row, end row) each; attention and the KV rows go part by part, the rest over all rows
     parts: list[tuple[int, StepInfo, int, int]] | None = None
+    # a hybrid range's batched step: (n,) long on the device, the slot whose conv and recurrent
+    # states row b reads and advances (a padding row's: the cache's scratch slot)
+    states: torch.Tensor | None = None
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within `window` positions of each query

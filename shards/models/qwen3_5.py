@@ -21,7 +21,7 @@ import torch
 from layersplit.shards.hybrid_cache import HybridCache, PagedHybridCache
 from layersplit.shards.hybrid_config import HybridSpec
 from layersplit.shards.kv_cache import KVLayout
-from layersplit.shards.layers.attention import attend
+from layersplit.shards.layers.attention import attend, attend_batch
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.gated_attention import (
     ZeroCentredRMSNorm,
@@ -81,8 +81,13 @@ class GatedAttention(nn.Module):
         v = v.reshape(n, g, d)
         q = apply_partial_rope(self.q_norm(q), cos, sin)
         k = apply_partial_rope(k, cos, sin)
-        keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
-        return self.o_proj(gate_output(attend(q, keys, values, step.mask, step.causal), gate))
+        if step.lo is not None:  # a batched decode step: row b is sequence b's (`slot` unused)
+            keys, values = kv.append_batch(layer, step, k, v)  # (n, T, G, D) each
+            out = attend_batch(q, keys, values, step.mask, d ** -0.5)
+        else:
+            keys, values = kv.append(layer, slot, step, k, v)  # (T, G, D) each
+            out = attend(q, keys, values, step.mask, step.causal)
+        return self.o_proj(gate_output(out, gate))
 
 
 class HybridLayer(nn.Module):
@@ -107,13 +112,26 @@ class HybridLayer(nn.Module):
         step's (conv, state) after each row, (linear layers, n, ...) each, which a linear
         layer fills at its `index` and leaves the slot's states as they were
         (`HybridRange.forward`)."""
-        if self.fast is not None and h.shape[0] == 1 and keep is None:
+        if self.fast is not None and h.shape[0] == 1 and keep is None and step.lo is None:
             return self.fast(self, h, cos, sin, kv, index, slot, step)
         x = self.input_layernorm(h)
-        if self.linear:
+        if self.linear and step.lo is not None:  # a batched step: one row a sequence
+            # (each row's states gathered from its slot, advanced, written back: graph-safe)
+            conv = kv.conv[index].index_select(0, step.states)
+            state = kv.state[index].index_select(0, step.states)
+            out, _ = self.linear_attn(x[:, None], conv, state)
+            kv.conv[index].index_copy_(0, step.states, conv)
+            kv.state[index].index_copy_(0, step.states, state)
+            h = h + out[:, 0]
+        elif self.linear:
             s = slice(slot, slot + 1)
+            conv, state = kv.conv[index, s], kv.state[index, s]
+            if keep is not None and step.states is not None:  # (a verify graph of any slot:
+                # its slot's states, read only, are gathered)
+                conv = kv.conv[index].index_select(0, step.states)
+                state = kv.state[index].index_select(0, step.states)
             into = None if keep is None else (keep[0][index][None], keep[1][index][None])
-            out, _ = self.linear_attn(x[None], kv.conv[index, s], kv.state[index, s],
+            out, _ = self.linear_attn(x[None], conv, state,
                                       recurrent=True if keep is not None else None,
                                       keep_states=keep is not None, into=into)
             h = h + out[0]
@@ -191,7 +209,8 @@ class HybridRange(nn.Module):
         """As `LayerRange.forward`, for one sequence's rows: an eager step, or a captured
         one-token decode step (`StepInfo.static`, position on the device) of a sequence past
         position 0, which advances the slot's recurrent states in place as an eager step does.
-        Batched steps are not for hybrid ranges (each row's state is its own slot's).
+        A batched decode step (`StepInfo.batched` with `states`: row b is one token of the
+        sequence whose states are in slot `states[b]`) advances each row's slot's states.
 
         `keep` makes the step a chain's verify step (`new_keep`'s buffers): the linear layers
         run the recurrent rule over the rows and write the conv and recurrent state after each
@@ -200,9 +219,10 @@ class HybridRange(nn.Module):
         h = self.embed_tokens(x) if self.is_first else x
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
-        if step.lo is not None:
-            raise NotImplementedError("hybrid ranges run no batched steps")
-        if step.pos is None and h.shape[0] != 1 and keep is None:
+        if step.lo is not None and (step.states is None or keep is not None):
+            raise NotImplementedError("a hybrid range's batched steps are decode steps that "
+                                      "name each row's state slot (`StepInfo.states`)")
+        if step.pos is None and h.shape[0] != 1 and keep is None and step.lo is None:
             raise NotImplementedError("a hybrid range's captured steps are one-token decode "
                                       "steps and chain verify steps (which keep each row's "
                                       "states)")
@@ -219,6 +239,13 @@ class HybridRange(nn.Module):
         if logit_rows is not None:
             h = h[logit_rows]
         return self.lm_head(self.norm(h)).float()
+
+    def graph_safe(self, rows: int) -> bool:
+        """Whether a step of `rows` rows through the range may be captured: no layer's mixture
+        of experts would sync the host there (`RoutedMoE.graph_safe`)."""
+        dtype = self.layers[0].input_layernorm.weight.dtype
+        return all(layer.mlp.graph_safe(rows, dtype) for layer in self.layers
+                   if isinstance(layer.mlp, RoutedMoE))
 
     def new_keep(self, kv: HybridCache, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty buffers for a verify step of n rows to keep each row's states in (`forward`'s

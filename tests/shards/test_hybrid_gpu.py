@@ -299,6 +299,51 @@ def test_chain_verify_in_one_step_on_cuda(tiny_qwen3_5, dtype, graphs):
             pos[slot] = nxt + 1
     assert not gated_delta._rows_failed
     if graphs:
-        assert calls == [] and {k[0] for k in one.static.graphs if k[2] == 8} == {0, 1}
+        # (one graph a bucket serves both slots: the slot whose states it reads is an input)
+        assert calls == [] and {(k[0], k[2]) for k in one.static.verify_graphs} == {(-1, 8)}
     else:
         assert calls == [0, 1] * 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_batched_decode_steps_on_cuda(tiny_hybrids, family):
+    """A shard's hybrid range (fused, compiled, over a paged pool) runs the decode rows of three
+    sequences as one captured batched step (`run_segments`: each row's state slot a graph
+    input), with each sequence's own step's logits (float32), its states advanced as that
+    step's, and an idle slot's states untouched; the batched graph was captured."""
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor, Segment
+    from layersplit.shards.fused import fuse_projections
+
+    ckpt = open_checkpoint(tiny_hybrids[family])
+    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, torch.float32, "cuda:0")
+              for _ in range(2)]
+    for m in models:
+        fuse_projections(m, compile=True)
+    bat, one = (RangeExecutor(m, 256, 4, "cuda:0", graph_bucket=4, paged=(96, 16))
+                for m in models)
+    one.batch_decode = False
+    for ex in (bat, one):
+        for slot in range(4):
+            ex.kv.set_table(slot, 0, list(range(slot, 64, 4)))
+    g = torch.Generator().manual_seed(6)
+    prompts = {s: torch.randint(0, 300, (n,), generator=g) for s, n in enumerate((70, 9, 33, 5))}
+    last = {}
+    for ex in (bat, one):
+        for s, p in prompts.items():
+            last[s] = int(ex.run(p.to("cuda:0"), 0, s).argmax())
+    idle = bat.kv.save(1)
+    live = [3, 0, 2]
+    pos = {s: len(prompts[s]) for s in live}
+    for _ in range(12):
+        x = torch.tensor([last[s] for s in live], device="cuda:0")
+        segs = [Segment(s, pos[s], 1) for s in live]
+        got, want = (ex.run_segments(x, segs) for ex in (bat, one))
+        for i, s in enumerate(live):
+            assert near(got[i], want[i], TOL[torch.float32])
+            last[s] = int(want[i].argmax())
+            pos[s] += 1
+    for s in live:
+        assert near(bat.kv.state[:, s], one.kv.state[:, s], TOL[torch.float32])
+    assert all(torch.equal(a, b) for a, b in zip(bat.kv.save(1), idle))
+    assert bat.static.batch_graphs and not one.static.batch_graphs

@@ -347,8 +347,10 @@ def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged
     for ex in (one, rows):
         for slot, ids in prompts.items():
             ex.run(ids, 0, slot)
-    chain = torch.tensor([5, 17, 3, 9, 11])
-    for accepts in [(0, 4), (2, 1), (3, 3), (4, 0)]:
+    rows_of = torch.tensor([5, 17, 3, 9, 11, 2])
+    # (chains of 5, then 3 rows (views of the keep buffers), then 6 (new buffers), then 5)
+    for accepts, m in [((0, 4), 5), ((2, 1), 3), ((3, 5), 6), ((4, 0), 5)]:
+        chain = rows_of[:m]
         verified = {}
         for slot in (0, 1):  # both verify first: slot 1's step must leave slot 0's rows
             pos = len(prompts[slot])
@@ -356,7 +358,7 @@ def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged
             got_taps, want_taps = {}, {}
             a = one.run(chain, pos, slot, all_logits=True, taps=got_taps, verify=True).clone()
             b = rows.run(chain, pos, slot, all_logits=True, taps=want_taps, verify=True)
-            assert a.shape == b.shape == (5, ckpt.config.vocab_size)
+            assert a.shape == b.shape == (m, ckpt.config.vocab_size)
             assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
             assert got_taps.keys() == want_taps.keys() == set(taps)
             for t in taps:
@@ -409,3 +411,43 @@ def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, ca
     assert not one.hybrid_verify_graphs
     assert caplog.text.count("a hybrid verify graph failed (RuntimeError: operation not "
                              "permitted") == 1
+
+
+@pytest.mark.parametrize("family,paged", [("qwen3_5", True), ("qwen3_5", False),
+                                          ("qwen3_next", True), ("qwen3_5_moe", True)])
+def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, paged):
+    """A hybrid range's batched decode step (`StaticDecoder.run_batch`, uncaptured on the CPU:
+    each row's state slot an input, padded to 4 rows) gives each sequence's own decode step's
+    logits and tapped rows and leaves each slot's states as those steps do; the idle slot 1 (a
+    padding row of the contiguous cache's window) and its states are left as they were."""
+    ckpt = open_checkpoint(hybrid_models[family])
+    extra = {"paged": (96, 8)} if paged else {}
+    bat, one = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 4, static_decode=st,
+                              graph_bucket=4, taps=(2,), **extra) for st in (True, False))
+    if paged:
+        for ex in (bat, one):
+            for slot in range(4):
+                ex.kv.set_table(slot, 0, list(range(slot, 48, 4)))
+    prompts = {0: _ids(9, seed=1), 1: _ids(5, seed=2), 2: _ids(14, seed=3), 3: _ids(3, seed=4)}
+    last = {}
+    for ex in (bat, one):
+        for slot, ids in prompts.items():
+            last[slot] = int(ex.run(ids, 0, slot).argmax())
+    idle = bat.kv.save(1)
+    live = [3, 0, 2]  # (rows in this order, any slots)
+    pos = {s: len(prompts[s]) for s in live}
+    for _ in range(6):
+        x = torch.tensor([last[s] for s in live])
+        taps = {}
+        got = bat.static.run_batch(x, live, [pos[s] for s in live], taps)
+        for i, s in enumerate(live):
+            want_taps = {}
+            want = one.run(x[i:i + 1], pos[s], s, taps=want_taps)
+            assert (got[i] - want[0]).abs().max().item() < 1e-4 * want.abs().max().item()
+            assert (taps[2][i] - want_taps[2][0]).abs().max().item() < 1e-5
+            last[s] = int(want.argmax())
+            pos[s] += 1
+    for s in live:
+        for x, y in zip(bat.kv.save(s), one.kv.save(s)):
+            assert (x.float() - y.float()).abs().max().item() < 1e-5
+    assert all(torch.equal(x, y) for x, y in zip(bat.kv.save(1), idle))
