@@ -33,9 +33,9 @@
 #             Qwen3.5-27B at 8.3, 1 GPU and 2 shards)
 #   cache     the prefix cache: repeats of 1K-32K prompts, prefix sharing, the host tier's swaps
 #             (CACHE=prefix,shared,swap; default all)
-#   hybrid    the Qwen3.5-27B shape: fused decode, prefill next to transformers (.whl-tf), and on
-#             2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
-#             (HYBRID=decode,prefill,gpus2; default all)
+#   hybrid    the Qwen3.5-27B shape: fused decode, 1 and 8 streams, prefill next to transformers
+#             (.whl-tf), and on 2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
+#             (HYBRID=decode,streams,prefill,gpus2; default all)
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
 #   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
 #             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
@@ -483,8 +483,8 @@ $RESULTS_DEVICE | $RESULTS_DATE | $RESULTS_COMMIT | C5 |" | tee -a "$ROWS"
   fi
 }
 
-stage_hybrid() {  # H1-H4
-  local cases=${HYBRID:-decode,prefill,gpus2} m=random:qwen3.5-27b
+stage_hybrid() {  # H1-H5
+  local cases=${HYBRID:-decode,streams,prefill,gpus2} m=random:qwen3.5-27b
   if has "$cases" decode; then
     TAIL=10 run hybrid_fused 230 python3 bench/decode.py --model $m --layouts cuda:0 \
       cuda:0,cuda:0 --prompt-len 512 --new-tokens 128 --max-context 4096 --repeats 3 --floor \
@@ -494,6 +494,12 @@ stage_hybrid() {  # H1-H4
       --repeats 3 --floor --json "$RUNS/hybrid_unfused.json"
     row decode "$RUNS/hybrid_fused.json" --cmd H1
     row decode "$RUNS/hybrid_unfused.json" --what "unfused (LAYERSPLIT_FUSED_HYBRID=0)" --cmd H1
+  fi
+  if has "$cases" streams; then  # (batched decode: one graph a step for every sequence)
+    TAIL=12 run hybrid_streams 300 python3 bench/concurrency.py --model $m --layouts cuda:0 \
+      --streams 1,8 --prompt-len 512 --new-tokens 128 --repeats 3 \
+      --json "$RUNS/hybrid_streams.json"
+    row concurrency "$RUNS/hybrid_streams.json" --what "Qwen3.5-27B shape" --cmd H5
   fi
   if has "$cases" prefill && install_tf; then
     TAIL=10 run hybrid_prefill 300 env PYTHONPATH=$PYTHONPATH:/tmp/site-tf python3 \
