@@ -13,9 +13,10 @@ KV cache, and `attn_post`. A mixture-of-experts MLP (Qwen3.5-MoE, Qwen3-Next) ru
 the post stage (`RoutedMoE`, its experts fused on the GPU). Weights are arguments, so one
 compilation serves every layer of a kind.
 
-Only one-token steps of one sequence take this path (decode, and the rows of a verify step run
-row by row: a tree's, deterministic mode's); prefill chunks, chain verify steps and batched
-steps run the module's own forward, on the fused weights. Same
+One-token steps take this path: a sequence's (decode, and the rows of a verify step run row by
+row: a tree's, deterministic mode's) and batched decode steps' (one row of each of B sequences,
+their states gathered from their slots and written back); prefill chunks and chain verify steps
+run the module's own forward, on the fused weights. Same
 math as `shards.models.qwen3_5` but for summation order (the conv as a float32 sum of products);
 the CPU tests compare the two uncompiled, the GPU tests compiled.
 
@@ -30,7 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
-from layersplit.shards.layers.attention import attend
+from layersplit.shards.layers.attention import attend, attend_batch
 from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
 from layersplit.shards.layers.gated_delta import recurrent_gated_delta_rule
 from layersplit.shards.lazy_compile import compiled_on_first_call
@@ -64,40 +65,43 @@ def _mlp(h, ln2_w, gu_w, down_w, eps: float):
 
 def linear_pre(h, ln_w, in_w, conv_w, conv_state, a_log, dt_bias, eps: float, conv_dim: int,
                key_dim: int, value_dim: int, hk: int, hv: int, dk: int, dv: int):
-    """One token (h (1, hidden)) of a Gated DeltaNet layer up to the delta rule: q, k (1, 1, Hk,
-    Dk), v (1, 1, Hv, Dv), g (1, 1, Hv) float32, beta (1, 1, Hv), z (1, 1, Hv, Dv) and the new
-    conv state (C, K - 1). `conv_state` (C, K - 1) is the slot's, `conv_w` (C, K)."""
+    """One token of each of B sequences (h (B, hidden)) through a Gated DeltaNet layer up to
+    the delta rule: q, k (B, 1, Hk, Dk), v (B, 1, Hv, Dv), g (B, 1, Hv) float32, beta (B, 1,
+    Hv), z (B, 1, Hv, Dv) and the new conv states (B, C, K - 1). `conv_state` (B, C, K - 1) is
+    each sequence's, `conv_w` (C, K)."""
+    n = h.shape[0]
     p = F.linear(zc_norm(h, ln_w, eps), in_w)
     mixed, z, b, a = p.split([conv_dim, value_dim, hv, hv], dim=-1)
-    full = torch.cat([conv_state.to(h.dtype), mixed.t()], dim=-1)  # (C, K)
+    full = torch.cat([conv_state.to(h.dtype), mixed[:, :, None]], dim=-1)  # (B, C, K)
     conv = (full.float() * conv_w.float()).sum(-1).to(h.dtype)  # the depthwise conv, one row
     conv = F.silu(conv)
-    q, k, v = conv.split([key_dim, key_dim, value_dim])
+    q, k, v = conv.split([key_dim, key_dim, value_dim], dim=-1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return (q.reshape(1, 1, hk, dk), k.reshape(1, 1, hk, dk), v.reshape(1, 1, hv, dv),
-            g.reshape(1, 1, hv), b.sigmoid().reshape(1, 1, hv), z.reshape(1, 1, hv, dv),
-            full[:, 1:])
+    return (q.reshape(n, 1, hk, dk), k.reshape(n, 1, hk, dk), v.reshape(n, 1, hv, dv),
+            g.reshape(n, 1, hv), b.sigmoid().reshape(n, 1, hv), z.reshape(n, 1, hv, dv),
+            full[:, :, 1:])
 
 
 def linear_post(h, o, z, norm_w, norm_eps: float, out_w, ln2_w, gu_w, down_w, eps: float):
-    """The delta rule's output o (1, 1, Hv, Dv) through the gated norm and out_proj, added to h,
+    """The delta rule's output o (B, 1, Hv, Dv) through the gated norm and out_proj, added to h,
     then the MLP (dense; else h after the mixer)."""
     o32 = o.float()
     o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + norm_eps)
     y = (norm_w * o32.to(o.dtype) * F.silu(z.float())).to(o.dtype)
-    h = residual(h, F.linear(y.reshape(1, -1), out_w))
+    h = residual(h, F.linear(y.reshape(h.shape[0], -1), out_w))
     return _mlp(h, ln2_w, gu_w, down_w, eps)
 
 
 def attn_pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int, hd: int):
-    """One token's q (1, H, D), k, v (1, G, D) and output gate (1, H * D) of a gated
-    full-attention layer."""
+    """One token of each of B sequences: q (B, H, D), k, v (B, G, D) and the output gate
+    (B, H * D) of a gated full-attention layer."""
+    n = h.shape[0]
     qg, k, v = F.linear(zc_norm(h, ln_w, eps), qkv_w, qkv_b).split(
         [2 * nh * hd, ng * hd, ng * hd], dim=-1)
-    q, gate = qg.view(1, nh, 2 * hd).chunk(2, dim=-1)
+    q, gate = qg.view(n, nh, 2 * hd).chunk(2, dim=-1)
     q = apply_partial_rope(zc_norm(q, qn_w, eps), cos, sin)
-    k = apply_partial_rope(zc_norm(k.reshape(1, ng, hd), kn_w, eps), cos, sin)
-    return q, k, v.reshape(1, ng, hd), gate.reshape(1, nh * hd)
+    k = apply_partial_rope(zc_norm(k.reshape(n, ng, hd), kn_w, eps), cos, sin)
+    return q, k, v.reshape(n, ng, hd), gate.reshape(n, nh * hd)
 
 
 def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
@@ -139,9 +143,14 @@ class HybridFast:
         dense = getattr(mlp, "gate_up_proj", None)
         mlp_w = ((layer.post_attention_layernorm.weight, dense.weight, mlp.down_proj.weight)
                  if dense is not None else (None, None, None))
+        batched = step.lo is not None  # (one row of each sequence, its states in step.states)
         if layer.linear:
             a = layer.linear_attn
-            conv_state, state = kv.conv[index, slot], kv.state[index, slot:slot + 1]
+            if batched:  # (gathered copies, written back below)
+                conv_state = kv.conv[index].index_select(0, step.states)
+                state = kv.state[index].index_select(0, step.states)
+            else:
+                conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
             q, k, v, g, beta, z, new_conv = lin_pre(
                 h, layer.input_layernorm.weight, a.in_proj.weight, a.conv1d.weight.squeeze(1),
                 conv_state, a.A_log, a.dt_bias, eps, a.conv_dim, a.key_dim, a.value_dim,
@@ -152,20 +161,27 @@ class HybridFast:
                          mlp_w[1], mlp_w[2], eps)
             # the slot's states advance last: a stage that fails before this (and is run
             # again, eager, by `__call__`) leaves them as they were
-            advance = ((conv_state, new_conv), (state, new_state))
+            advance = ((kv.conv[index], conv_state, new_conv), (kv.state[index], state, new_state))
         else:
             advance = ()
             a = layer.self_attn
             q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
                                     a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
                                     eps, a.num_heads, a.num_kv_heads, a.head_dim)
-            keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
-            h = att_post(h, attend(q, keys, values, step.mask, False), gate, a.o_proj.weight,
-                         mlp_w[0], mlp_w[1], mlp_w[2], eps)
+            if batched:
+                keys, values = kv.append_batch(index, step, k, v)  # (B, T, G, D) each
+                out = attend_batch(q, keys, values, step.mask, a.head_dim ** -0.5)
+            else:
+                keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
+                out = attend(q, keys, values, step.mask, False)
+            h = att_post(h, out, gate, a.o_proj.weight, mlp_w[0], mlp_w[1], mlp_w[2], eps)
         if dense is None:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))
-        for dst, src in advance:
-            dst.copy_(src)
+        for whole, dst, src in advance:
+            if batched:
+                whole.index_copy_(0, step.states, src)
+            else:
+                dst.copy_(src)
         return h
 
 

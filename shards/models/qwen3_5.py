@@ -112,7 +112,7 @@ class HybridLayer(nn.Module):
         step's (conv, state) after each row, (linear layers, n, ...) each, which a linear
         layer fills at its `index` and leaves the slot's states as they were
         (`HybridRange.forward`)."""
-        if self.fast is not None and h.shape[0] == 1 and keep is None and step.lo is None:
+        if self.fast is not None and keep is None and (h.shape[0] == 1 or step.lo is not None):
             return self.fast(self, h, cos, sin, kv, index, slot, step)
         x = self.input_layernorm(h)
         if self.linear and step.lo is not None:  # a batched step: one row a sequence

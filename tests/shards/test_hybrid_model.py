@@ -413,17 +413,29 @@ def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, ca
                              "permitted") == 1
 
 
-@pytest.mark.parametrize("family,paged", [("qwen3_5", True), ("qwen3_5", False),
-                                          ("qwen3_next", True), ("qwen3_5_moe", True)])
-def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, paged):
+@pytest.mark.parametrize("family,paged,fused", [
+    ("qwen3_5", True, False), ("qwen3_5", False, False), ("qwen3_next", True, False),
+    ("qwen3_5_moe", True, False), ("qwen3_5", True, True), ("qwen3_5_moe", False, True)])
+def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, paged, fused):
     """A hybrid range's batched decode step (`StaticDecoder.run_batch`, uncaptured on the CPU:
     each row's state slot an input, padded to 4 rows) gives each sequence's own decode step's
     logits and tapped rows and leaves each slot's states as those steps do; the idle slot 1 (a
-    padding row of the contiguous cache's window) and its states are left as they were."""
+    padding row of the contiguous cache's window) and its states are left as they were.
+    `fused`: the GPU's fused step (`shards.fused_hybrid`, uncompiled) takes the batched rows,
+    against the unfused range's steps one sequence at a time."""
+    from layersplit.shards.fused import fuse_projections
+
     ckpt = open_checkpoint(hybrid_models[family])
     extra = {"paged": (96, 8)} if paged else {}
-    bat, one = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 4, static_decode=st,
-                              graph_bucket=4, taps=(2,), **extra) for st in (True, False))
+    models = [load_layer_range(ckpt, 0, 6) for _ in range(2)]
+    if fused:
+        fuse_projections(models[0], compile=False)
+        calls = []
+        fast = models[0].layers[0].fast
+        inner = fast._run
+        fast._run = lambda *a: calls.append(a[-1].lo is not None) or inner(*a)
+    bat, one = (RangeExecutor(m, 96, 4, static_decode=st, graph_bucket=4, taps=(2,), **extra)
+                for m, st in zip(models, (True, False)))
     if paged:
         for ex in (bat, one):
             for slot in range(4):
@@ -451,3 +463,5 @@ def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, p
         for x, y in zip(bat.kv.save(s), one.kv.save(s)):
             assert (x.float() - y.float()).abs().max().item() < 1e-5
     assert all(torch.equal(x, y) for x, y in zip(bat.kv.save(1), idle))
+    if fused:  # (every layer's batched step took the fused path: 6 layers x 6 steps)
+        assert calls.count(True) == 36
