@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.gated_delta import keep_rows_rule, recurrent_gated_delta_rule
 
-DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not fused_kernels_available(DEV),
-                                 reason="needs a CUDA device (or TRITON_INTERPRET=1) and Triton")]
-DTYPES = [torch.float32] + ([torch.bfloat16] if DEV != "cpu" else [])
+from tests.gpu import KERNEL_DEV as DEV
+from tests.gpu import KERNEL_DTYPES as DTYPES
+from tests.gpu import kernel_marks
+
+pytestmark = kernel_marks()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

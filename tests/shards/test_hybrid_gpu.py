@@ -244,6 +244,22 @@ def test_fused_compiled_steps_equal_unfused_on_cuda(tiny_hybrids, family, dtype)
     assert close(exs[0].kv.state, exs[1].kv.state, exs[2].kv.state)
 
 
+def _fused_executors(folder, dtype: torch.dtype, slots: int, blocks: int):
+    """Two executors of the whole range as a GPU shard runs it (fused, compiled, decode steps
+    captured, over a paged pool of `blocks` blocks of 16): one to test, one to compare with."""
+    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+    from layersplit.shards.executor import RangeExecutor
+    from layersplit.shards.fused import fuse_projections
+
+    ckpt = open_checkpoint(folder)
+    exs = []
+    for _ in range(2):
+        m = load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0")
+        fuse_projections(m, compile=True)
+        exs.append(RangeExecutor(m, 256, slots, "cuda:0", graph_bucket=4, paged=(blocks, 16)))
+    return exs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["captured", "eager"])
 def test_chain_verify_in_one_step_on_cuda(tiny_qwen3_5, dtype, graphs):
@@ -252,18 +268,9 @@ def test_chain_verify_in_one_step_on_cuda(tiny_qwen3_5, dtype, graphs):
     with the row-by-row path's logits; two slots verify before either settles, and after each
     number of accepted rows the next (captured) decode step gives the row-by-row executor's
     logits and states; the kernel ran, no fallback."""
-    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-    from layersplit.shards.executor import RangeExecutor
-    from layersplit.shards.fused import fuse_projections
     from layersplit.shards.layers import gated_delta
 
-    ckpt = open_checkpoint(tiny_qwen3_5)
-    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, "cuda:0")
-              for _ in range(2)]
-    for m in models:
-        fuse_projections(m, compile=True)
-    one, rows = (RangeExecutor(m, 256, 2, "cuda:0", graph_bucket=4, paged=(64, 16))
-                 for m in models)
+    one, rows = _fused_executors(tiny_qwen3_5, dtype, 2, 64)
     rows.hybrid_chain_verify = False
     assert one.hybrid_chain_verify
     if not graphs:  # (decode steps still captured; verify steps eager)
@@ -311,17 +318,9 @@ def test_batched_decode_steps_on_cuda(tiny_hybrids, family):
     sequences as one captured batched step (`run_segments`: each row's state slot a graph
     input), with each sequence's own step's logits (float32), its states advanced as that
     step's, and an idle slot's states untouched; the batched graph was captured."""
-    from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-    from layersplit.shards.executor import RangeExecutor, Segment
-    from layersplit.shards.fused import fuse_projections
+    from layersplit.shards.executor import Segment
 
-    ckpt = open_checkpoint(tiny_hybrids[family])
-    models = [load_layer_range(ckpt, 0, ckpt.config.num_layers, torch.float32, "cuda:0")
-              for _ in range(2)]
-    for m in models:
-        fuse_projections(m, compile=True)
-    bat, one = (RangeExecutor(m, 256, 4, "cuda:0", graph_bucket=4, paged=(96, 16))
-                for m in models)
+    bat, one = _fused_executors(tiny_hybrids[family], torch.float32, 4, 96)
     one.batch_decode = False
     for ex in (bat, one):
         for slot in range(4):
