@@ -1,0 +1,164 @@
+"""A hybrid range's captured batched decode and chain verify graphs, with a CPU stand-in for the
+capture (two warm-up runs, the recorded call run too; a replay runs the step once more into the
+same outputs): the paths `StaticDecoder` takes on a GPU (a graph per padded batch over any slots,
+a verify graph over any slot of a paged cache), which the uncaptured CPU path does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+
+pytest.importorskip("transformers")
+
+
+def _ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class _Replay:
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        new, taps = self.fn()
+        self.out[0].copy_(new)
+        for k, v in taps.items():
+            if v is not None:
+                self.out[1][k].copy_(v)
+
+
+def _cpu_capture(fn, pool):
+    fn()
+    fn()
+    out = fn()  # (a real capture records this call without running it)
+    return _Replay(fn, out), out
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    import layersplit.shards.graphs as graphs
+
+    monkeypatch.setattr(graphs, "capture", _cpu_capture)
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_captured_batched_decode_advances_each_slot_once(hybrid_models, captured, paged):
+    """The captured batched step (its warm-up runs on the scratch slot, then a replay with each
+    row's slot) advances each live slot's states exactly as its own decode steps do, over
+    several steps and across KV buckets (new captures while states hold real slots), and
+    leaves the idle slot alone."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    extra = {"paged": (96, 8)} if paged else {}
+    bat, one = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 4, static_decode=st,
+                              graph_bucket=4, **extra) for st in (True, False))
+    bat.static.capture = True
+    if paged:
+        for ex in (bat, one):
+            for slot in range(4):
+                ex.kv.set_table(slot, 0, list(range(slot, 48, 4)))
+    prompts = {0: _ids(9, seed=1), 1: _ids(5, seed=2), 2: _ids(14, seed=3), 3: _ids(3, seed=4)}
+    last = {}
+    for ex in (bat, one):
+        for slot, ids in prompts.items():
+            last[slot] = int(ex.run(ids, 0, slot).argmax())
+    idle = bat.kv.save(1)
+    live = [3, 0, 2]
+    pos = {s: len(prompts[s]) for s in live}
+    for _ in range(10):  # (slot 3 crosses 16 keys: a new capture mid-way)
+        x = torch.tensor([last[s] for s in live])
+        got = bat.static.run_batch(x, live, [pos[s] for s in live])
+        for i, s in enumerate(live):
+            want = one.run(x[i:i + 1], pos[s], s)
+            assert (got[i] - want[0]).abs().max().item() < 1e-4 * want.abs().max().item()
+            last[s] = int(want.argmax())
+            pos[s] += 1
+    assert len(bat.static.batch_graphs) >= 2
+    for s in live:
+        for a, b in zip(bat.kv.save(s), one.kv.save(s)):
+            assert (a.float() - b.float()).abs().max().item() < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(bat.kv.save(1), idle))
+
+
+def test_captured_verify_graph_serves_every_slot_of_a_paged_cache(hybrid_models, captured):
+    """The paged verify graph (slot -1 in its key, the slot an input) reads each slot's own
+    states: two slots verify chains through the same graph, growing the keep pair (5, 3 then
+    6 rows) while the other slot's rows pend, and each next step settles on its own rows."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    one, rows = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 2, static_decode=st,
+                               graph_bucket=4, paged=(64, 8)) for st in (True, False))
+    one.static.capture = True
+    one.hybrid_chain_verify = True
+    for ex in (one, rows):
+        ex.kv.set_table(0, 0, list(range(0, 24, 2)))
+        ex.kv.set_table(1, 0, list(range(23, 0, -2)))
+    prompts = {0: _ids(13, seed=8), 1: _ids(7, seed=9)}
+    for ex in (one, rows):
+        for slot, ids in prompts.items():
+            ex.run(ids, 0, slot)
+    rows_of = torch.tensor([5, 17, 3, 9, 11, 2])
+    for accepts, m in [((0, 4), 5), ((2, 1), 3), ((3, 5), 6), ((4, 0), 5)]:
+        chain = rows_of[:m]
+        verified = {}
+        for slot in (0, 1):
+            pos = len(prompts[slot])
+            a = one.run(chain, pos, slot, all_logits=True, verify=True).clone()
+            b = rows.run(chain, pos, slot, all_logits=True, verify=True)
+            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item(), (slot, m)
+            verified[slot] = b
+        for slot, accepted in zip((0, 1), accepts):
+            nxt = len(prompts[slot]) + accepted + 1
+            follow = torch.tensor([int(verified[slot][accepted].argmax())])
+            for ex in (one, rows):
+                ex.before_step(slot, nxt, None)
+            a, b = (ex.run(follow, nxt, slot) for ex in (one, rows))
+            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item(), (slot, m)
+            prompts[slot] = torch.cat([prompts[slot], chain[:accepted + 1], follow])
+    assert {k[0] for k in one.static.verify_graphs} == {-1}
+
+
+def test_warm_plans_no_batch_graph_whose_experts_would_sync_the_host(hybrid_models):
+    """`warm` captures the planned batched steps at start; over a mixture of experts that
+    would sync the host at that batch (`HybridRange.graph_safe`: no grouped GEMM for the
+    dtype, more rows x experts than gather), the capture would fail, so it must not be
+    planned (the executor itself never runs such a batch: `run_segments`)."""
+    from layersplit.shards.graphs import StaticDecoder
+
+    ckpt = open_checkpoint(hybrid_models["qwen3_5_moe"])
+    model = load_layer_range(ckpt, 0, 6)  # (float32: no grouped GEMM on a GPU)
+    kv = model.new_cache(96, 64, "cpu", torch.float32, paged=(256, 8))
+    static = StaticDecoder(model, kv, 4, per_slot=True)
+    plan, _ = static.warm_plan((1,), 64)
+    unsafe = [item for item in plan if item[0] == "batch" and not model.graph_safe(item[2])]
+    assert not unsafe, f"warm would capture {len(unsafe)} batched steps that sync the host"
+
+
+def test_a_failure_after_the_batched_replay_does_not_run_the_rows_again(hybrid_models):
+    """`RangeExecutor._run_batch` answers a failed hybrid batched step with None, and its rows
+    then run alone: right where the failure came before the replay (the capture's warm-up runs
+    advance only the scratch states), wrong where it came after (an allocation failing in
+    `out[order]` or the taps' gather): every row's states were advanced already, so running
+    them alone advances them twice. Here the batched step itself succeeds, then a RuntimeError
+    (an out-of-memory error) is raised: the states must not have moved if None comes back."""
+    from layersplit.shards.executor import Segment
+
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 2, static_decode=True, graph_bucket=4,
+                       paged=(64, 8))
+    for slot in range(2):
+        ex.kv.set_table(slot, 0, list(range(slot, 24, 2)))
+        ex.run(_ids(7, seed=slot), 0, slot)
+    inner = ex.static.run_batch
+
+    def fails_after(*a, **k):
+        inner(*a, **k)
+        raise torch.OutOfMemoryError("CUDA out of memory (allocating the output rows)")
+
+    ex.static.run_batch = fails_after
+    before = [ex.kv.save(s) for s in range(2)]
+    out = ex._run_batch(torch.tensor([3, 4]), [Segment(0, 7, 1), Segment(1, 7, 1)], None)
+    moved = [not all(torch.equal(a, b) for a, b in zip(ex.kv.save(s), before[s]))
+             for s in range(2)]
+    assert out is not None or not any(moved), \
+        "rows handed back to run alone after their states were advanced (twice, then)"
