@@ -20,7 +20,7 @@ import torch
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.fused import FusedDecode, prefill_kernels_take
-from layersplit.shards.graphs import StaticDecoder, batch_bucket
+from layersplit.shards.graphs import CaptureFailed, StaticDecoder
 from layersplit.shards.hybrid_cache import HybridState
 from layersplit.shards.kernels.gated_delta_fla import describe as describe_delta_rules
 from layersplit.shards.kv_cache import KVCache, KVLayout
@@ -199,7 +199,8 @@ class RangeExecutor:
             # states on the host)
             group = [i for i, s in enumerate(segs)
                      if s.n == 1 and not s.verify and (not self.hybrid or s.pos > 0)]
-            if self.hybrid and not self.model.graph_safe(batch_bucket(len(group))):
+            if self.hybrid and not self.model.graph_safe(
+                    self.static.batch_rows([segs[i].slot for i in group])):
                 group = []  # (its experts would sync the host inside the graph)
             if len(group) >= 2:  # (those that feed the draft too: the graph taps its rows)
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
@@ -230,20 +231,17 @@ class RangeExecutor:
     def _run_batch(self, rows: torch.Tensor, segs: list[Segment],
                    tapped: dict[int, torch.Tensor] | None) -> torch.Tensor | None:
         """The decode rows of `segs` as one batched step (`StaticDecoder.run_batch`); None
-        where a hybrid range's batched graph failed (logged; its capture's warm-up runs
-        advanced only the scratch states, and the rows it wrote are rewritten), so each
-        sequence runs alone, from then on."""
+        where a hybrid range's batched graph failed to capture (logged; its warm-up runs
+        advanced only the scratch states, and the KV rows they wrote are rewritten), so each
+        sequence runs alone, from then on. A failure after the capture is raised: the rows'
+        states may have advanced, and running them again would advance them twice."""
         try:
             return self.static.run_batch(rows.to(self.device), [s.slot for s in segs],
                                          [s.pos for s in segs], tapped)
-        except (ValueError, IndexError):
-            raise  # (a bad segment: named)
-        except Exception as e:
-            if not self.hybrid:
-                raise
-            log.warning("layers %d:%d: a hybrid batched decode graph failed (%s: %s); each "
-                        "sequence's decode step runs alone from now on", self.model.start,
-                        self.model.end, type(e).__name__, e)
+        except CaptureFailed as e:
+            log.warning("layers %d:%d: a hybrid batched decode graph failed to capture (%s); "
+                        "each sequence's decode step runs alone from now on", self.model.start,
+                        self.model.end, e)
             self.batch_decode = False
             return None
 

@@ -150,6 +150,12 @@ def _output_bytes(out: Outputs) -> int:
     return sum(t.numel() * t.element_size() for t in (rows, *taps.values()))
 
 
+class CaptureFailed(RuntimeError):
+    """A graph's capture (or its warm-up runs) failed: nothing of the step it was for ran past
+    them (a hybrid range's warm-up runs advance only scratch states), so its caller may run the
+    step another way."""
+
+
 def capture(fn, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     """Capture `fn()` in a CUDA graph after two warm-up runs on a side stream; returns the graph
     and what `fn` returned (static tensors that each replay overwrites)."""
@@ -268,7 +274,8 @@ class StaticDecoder:
         verify graphs captured over the old pair go (captured again at their next need)."""
         if self.keep is None or self.keep[1].shape[1] < n:
             self.verify_graphs.clear()
-            self.keep = None  # (the old pair freed before the new one is allocated)
+            self.keep = None  # (the old pair freed first, unless a slot's pending rows, views
+            # of it, keep it until that slot settles)
             self.keep = self.model.new_keep(self.kv, n)
         conv, state = self.keep
         return conv[:, :n], state[:, :n]
@@ -371,9 +378,11 @@ class StaticDecoder:
                 if self.per_slot and n > 1:
                     continue  # (a hybrid range's verify graphs: captured at first need)
                 plan += [("step", slot, n, kv_len) for slot in slots]
-            if self.paged:  # (a hybrid range's too: each row's state slot is a graph input)
+            if self.paged:  # (a hybrid range's too: each row's state slot is a graph input;
+                # not where its experts would sync the host, `HybridRange.graph_safe`)
                 plan += [("batch", 0, bp, kv_len) for bp in BATCH_BUCKETS
-                         if bp <= batch_bucket(batch) and batch >= 2]
+                         if bp <= batch_bucket(batch) and batch >= 2 and
+                         (not self.per_slot or self.model.graph_safe(bp))]
             if self.paged and not self.per_slot:
                 plan += [("vbatch", n, bp, kv_len) for n in sorted(set(rows))
                          for bp in BATCH_BUCKETS if 1 < n and 2 <= verify_batch and
@@ -534,6 +543,10 @@ class StaticDecoder:
             taps.update({k: v[order] for k, v in rows.items()})
         return out[order]
 
+    def batch_rows(self, slots: Sequence[int]) -> int:
+        """The rows a batched step of the sequences in `slots` runs, padding included."""
+        return batch_bucket(len(slots)) if self.paged else batch_window(slots, self.kv.slots)[1]
+
     def _batch_graph(self, lo: int, bp: int, kv_len: int) -> BatchGraph:
         """The graph of a batched step over slots [lo, lo + bp) and `kv_len` keys, captured at
         its first need."""
@@ -542,7 +555,12 @@ class StaticDecoder:
         if entry is None:
             if self.per_slot:  # (the warm-up runs advance the scratch slot's states only)
                 self._batch_states(bp).fill_(self.kv.scratch_slot)
-            entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
+                try:
+                    entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
+                except Exception as e:
+                    raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+            else:
+                entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
             log.debug("captured a %d-slot batched step graph for layers %d:%d, slots %d:%d, "
                       "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)
             self.batch_graphs[key] = entry

@@ -157,6 +157,9 @@ def _guarded(fla: Callable, torch_fn: Callable, what: str) -> Callable:
         try:
             return fla(*args)
         except Exception as e:  # noqa: BLE001 - any kernel failure: the exact path instead
+            if isinstance(e, torch.OutOfMemoryError) or (
+                    torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                raise  # (not the kernel's failing; a capture fails, its caller runs it eager)
             _broken.append(f"{type(e).__name__}: {e}")
             log.warning("fla-core's %s failed (%s); the torch path runs from now on", what,
                         _broken[0])

@@ -135,20 +135,13 @@ def test_warm_plans_no_batch_graph_whose_experts_would_sync_the_host(hybrid_mode
 
 
 def test_a_failure_after_the_batched_replay_does_not_run_the_rows_again(hybrid_models):
-    """`RangeExecutor._run_batch` answers a failed hybrid batched step with None, and its rows
-    then run alone: right where the failure came before the replay (the capture's warm-up runs
-    advance only the scratch states), wrong where it came after (an allocation failing in
-    `out[order]` or the taps' gather): every row's states were advanced already, so running
-    them alone advances them twice. Here the batched step itself succeeds, then a RuntimeError
-    (an out-of-memory error) is raised: the states must not have moved if None comes back."""
+    """A failure of a hybrid batched step after its replay (an allocation failing in
+    `out[order]` or the taps' gather) is raised: every row's states advanced already, so
+    running the rows alone (as after a failed capture) would advance them twice; batched
+    steps stay on."""
     from layersplit.shards.executor import Segment
 
-    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
-    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 2, static_decode=True, graph_bucket=4,
-                       paged=(64, 8))
-    for slot in range(2):
-        ex.kv.set_table(slot, 0, list(range(slot, 24, 2)))
-        ex.run(_ids(7, seed=slot), 0, slot)
+    ex = _two_slots(hybrid_models)
     inner = ex.static.run_batch
 
     def fails_after(*a, **k):
@@ -156,9 +149,42 @@ def test_a_failure_after_the_batched_replay_does_not_run_the_rows_again(hybrid_m
         raise torch.OutOfMemoryError("CUDA out of memory (allocating the output rows)")
 
     ex.static.run_batch = fails_after
+    with pytest.raises(torch.OutOfMemoryError):
+        ex._run_batch(torch.tensor([3, 4]), [Segment(0, 7, 1), Segment(1, 7, 1)], None)
+    assert ex.batch_decode
+
+
+def test_a_failed_batched_capture_runs_the_rows_alone(hybrid_models, monkeypatch, caplog):
+    """A hybrid batched graph whose capture fails (a host sync in it, say) is logged and
+    answered by None, its rows' states as they were (its warm-up runs advanced only the
+    scratch slot's), and batched decode steps are off from then on."""
+    import layersplit.shards.graphs as graphs
+    from layersplit.shards.executor import Segment
+
+    ex = _two_slots(hybrid_models)
+    ex.static.capture = True
+
+    def failing(fn, pool):
+        fn()  # (a warm-up run, then the capture fails)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "capture", failing)
     before = [ex.kv.save(s) for s in range(2)]
-    out = ex._run_batch(torch.tensor([3, 4]), [Segment(0, 7, 1), Segment(1, 7, 1)], None)
-    moved = [not all(torch.equal(a, b) for a, b in zip(ex.kv.save(s), before[s]))
-             for s in range(2)]
-    assert out is not None or not any(moved), \
-        "rows handed back to run alone after their states were advanced (twice, then)"
+    with caplog.at_level("WARNING", logger="layersplit.shards.executor"):
+        out = ex._run_batch(torch.tensor([3, 4]), [Segment(0, 7, 1), Segment(1, 7, 1)], None)
+    assert out is None and not ex.batch_decode
+    assert "a hybrid batched decode graph failed to capture (RuntimeError: operation not" in \
+        caplog.text
+    for s in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ex.kv.save(s), before[s]))
+
+
+def _two_slots(hybrid_models) -> RangeExecutor:
+    """A captured (static) paged executor of the tiny Qwen3.5 with two prompts of 7 tokens."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 2, static_decode=True, graph_bucket=4,
+                       paged=(64, 8))
+    for slot in range(2):
+        ex.kv.set_table(slot, 0, list(range(slot, 24, 2)))
+        ex.run(_ids(7, seed=slot), 0, slot)
+    return ex
