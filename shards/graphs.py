@@ -29,10 +29,10 @@ A hybrid range (`shards.models.qwen3_5`) captures its one-token decode steps too
 advanced in place by the step, so the slot is part of the graph (`per_slot`); its buckets are
 `HYBRID_BUCKET_FACTOR` times wider, so slots x buckets stays a few hundred graphs at 32K. Its
 chain verify steps are graphs per (bucket, rows) over a paged cache (the slot whose states they
-read a graph input), captured at first need: they leave the slot's states as they were and
-write the states after each row into `keep_buffers`, which the executor hands to the cache
-(`HybridState.keep_rows`). Its batched decode steps are one
-graph per (padded batch, bucket) as a dense range's, with each row's state slot a graph input
+read a graph input), captured at start with the decode steps' (`warm`): they leave the slot's
+states as they were and write the states after each row into `keep_buffers`, which the
+executor hands to the cache (`HybridState.keep_rows`). Its batched decode steps are one graph
+per (padded batch, bucket) as a dense range's, with each row's state slot a graph input
 (`StepInfo.states`; padding rows advance the cache's scratch slot). Tree verify steps stay
 eager.
 
@@ -375,8 +375,11 @@ class StaticDecoder:
         slots = range(self.kv.slots) if self.per_slot else [-1 if self.paged else 0]
         for kv_len in self.buckets:
             for n in sorted(set(rows)):
-                if self.per_slot and n > 1:
-                    continue  # (a hybrid range's verify graphs: captured at first need)
+                if self.per_slot and n > 1:  # a hybrid range's chain verify graph: one for
+                    # every slot of a paged cache (else captured at first need, per slot)
+                    if self.paged and self.model.graph_safe(n):
+                        plan.append(("verify", -1, n, kv_len))
+                    continue
                 plan += [("step", slot, n, kv_len) for slot in slots]
             if self.paged:  # (a hybrid range's too: each row's state slot is a graph input;
                 # not where its experts would sync the host, `HybridRange.graph_safe`)
@@ -406,7 +409,8 @@ class StaticDecoder:
         verify step of that many) and, over a paged cache, a batched step of each padded batch
         size up to `batch` sequences, and a batched verify step of each verify size for each
         padded batch up to `verify_batch` sequences (`run_verify_batch`; at most `max_rows`
-        rows); a hybrid range's one-row steps in every slot. The first
+        rows); a hybrid range's one-row steps in every slot, and its chain verify steps (one
+        graph for every slot of a paged cache). The first
         capture also compiles the compiled stages (`shards.fused`). Logs progress every
         `every_s` seconds with an estimate of the time left (`warm_left`; `estimate_s`: what
         the same warm-up took before). Returns (graphs captured, seconds). On the CPU nothing
@@ -428,11 +432,20 @@ class StaticDecoder:
                 for seqs in {1, *(n for kind, _, n, _ in plan if kind in ("batch", "vbatch"))}:
                     self._tables(seqs).fill_(self.kv.num_blocks)
             self.pos.zero_()
+            verify = [n for kind, _, n, _ in plan if kind == "verify"]
+            if verify:  # (the keep pair of the longest first: a longer one clears the graphs;
+                # the capture's runs read the scratch slot's states)
+                self.keep_buffers(max(verify))
+                self.verify_slot.fill_(self.kv.scratch_slot)
             for kind, slot, n, kv_len in plan:
                 if kind == "step" and (slot, kv_len, n) not in self.graphs:
                     if n > 1:  # a chain: no row of the capture's runs sees no key at all (the
                         self._load_tree(n, None)  # torch path's softmax would write NaN rows)
                     self._step_graph(slot, kv_len, n)
+                    done += 1
+                elif kind == "verify" and (slot, kv_len, n) not in self.verify_graphs:
+                    self._load_tree(n, None)
+                    self._verify_graph(slot, kv_len, n)
                     done += 1
                 elif kind == "batch" and (0, n, kv_len) not in self.batch_graphs:
                     x, positions = self._batch_input(n)

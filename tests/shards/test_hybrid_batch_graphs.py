@@ -188,3 +188,35 @@ def _two_slots(hybrid_models) -> RangeExecutor:
         ex.kv.set_table(slot, 0, list(range(slot, 24, 2)))
         ex.run(_ids(7, seed=slot), 0, slot)
     return ex
+
+
+def test_warm_captures_verify_and_batched_graphs_and_leaves_every_slot(hybrid_models, captured,
+                                                                     monkeypatch):
+    """`warm` (the shard's captures at start) takes a hybrid paged range's chain verify graphs
+    (one a bucket and rows, the keep pair of the longest made first) and its batched graphs,
+    advancing no slot's states; the verify steps after it replay them, capturing nothing."""
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    one, rows = (RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=st,
+                               graph_bucket=4, paged=(64, 8)) for st in (True, False))
+    one.static.capture = True
+    one.hybrid_chain_verify = True
+    for ex in (one, rows):
+        ex.kv.set_table(0, 0, list(range(0, 16, 2)))
+        ex.kv.set_table(1, 0, list(range(15, 0, -2)))
+        for slot in range(2):
+            ex.run(_ids(9, seed=slot), 0, slot)
+    before = [one.kv.save(s) for s in range(2)]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (no device here)
+    graphs, _ = one.static.warm((1, 3, 5), 2)
+    verify = set(one.static.verify_graphs)
+    assert {(k[0], k[2]) for k in verify} == {(-1, 3), (-1, 5)}
+    assert one.static.batch_graphs and one.static.keep[1].shape[1] == 5
+    assert graphs == len(verify) + len(one.static.graphs) + len(one.static.batch_graphs)
+    for s in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(one.kv.save(s), before[s]))
+    for slot, m in ((0, 5), (1, 3)):
+        chain = torch.tensor([4, 8, 15, 16, 23])[:m]
+        a = one.run(chain, 9, slot, all_logits=True, verify=True).clone()
+        b = rows.run(chain, 9, slot, all_logits=True, verify=True)
+        assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+    assert set(one.static.verify_graphs) == verify  # (nothing captured after the start)
