@@ -199,9 +199,9 @@ class RangeExecutor:
             # states on the host)
             group = [i for i, s in enumerate(segs)
                      if s.n == 1 and not s.verify and (not self.hybrid or s.pos > 0)]
-            if self.hybrid and not self.model.graph_safe(
-                    self.static.batch_rows([segs[i].slot for i in group])):
-                group = []  # (its experts would sync the host inside the graph)
+            if self.hybrid and ("batch" in self.static.failed or not self.model.graph_safe(
+                    self.static.batch_rows([segs[i].slot for i in group]))):
+                group = []  # (its capture failed, or its experts would sync the host in it)
             if len(group) >= 2:  # (those that feed the draft too: the graph taps its rows)
                 rows = torch.cat([x[starts[i]:starts[i] + 1] for i in group])
                 tapped = {} if any(segs[i].taps is not None for i in group) else None
@@ -345,8 +345,8 @@ class RangeExecutor:
         if self.hybrid:
             if verify:
                 return self.hybrid_chain_verify and self.hybrid_verify_graphs and \
-                    not self.deterministic and chain and 1 < n <= MAX_VERIFY_ROWS and \
-                    pos > 0 and self.model.graph_safe(n)
+                    "verify" not in self.static.failed and not self.deterministic and chain \
+                    and 1 < n <= MAX_VERIFY_ROWS and pos > 0 and self.model.graph_safe(n)
             return n == 1 and pos > 0
         if self.deterministic and verify and n > 1:
             return False  # row by row (`_rowwise`), each row the one-row graph

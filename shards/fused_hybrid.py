@@ -111,6 +111,17 @@ def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
 
 
 STAGES = (linear_pre, linear_post, attn_pre, attn_post)
+# the most rows a batched step runs through the fused stages (each row count is a compilation
+# of its own, and torch.compile allows 8 a function: 1, 2, 4 ... 64 are 7); larger batches run
+# the module's forward
+MAX_BATCH_ROWS = 64
+
+
+def compile_failure(e: BaseException) -> bool:
+    """Whether `e` came out of torch.compile (Dynamo, Inductor, or Triton compiling their
+    kernels), not out of what the step ran."""
+    mod = type(e).__module__ or ""
+    return mod.startswith(("torch._dynamo", "torch._inductor", "triton"))
 
 
 class HybridFast:
@@ -129,8 +140,9 @@ class HybridFast:
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
         except Exception as e:
-            if not self.compiled:
-                raise
+            if not self.compiled or not compile_failure(e) or (
+                    torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                raise  # (a kernel's or a capture's failure: not torch.compile's)
             log.warning("torch.compile of the hybrid decode step failed (%s: %s); running it "
                         "eager", type(e).__name__, e)
         self.uncompile()

@@ -213,6 +213,9 @@ class StaticDecoder:
         # outputs held (`keep_recent`)
         self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
         self.verify_slot = torch.zeros(1, dtype=torch.long, device=dev)
+        # a hybrid range's graphs of a kind ("verify", "batch") whose capture at start failed:
+        # the executor runs those steps another way (`RangeExecutor._static_step`, `_run_batch`)
+        self.failed: set[str] = set()
         self.verify_graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph,
                                                              Outputs]] = {}
 
@@ -444,15 +447,17 @@ class StaticDecoder:
                     self._step_graph(slot, kv_len, n)
                     done += 1
                 elif kind == "verify" and (slot, kv_len, n) not in self.verify_graphs:
-                    self._load_tree(n, None)
-                    self._verify_graph(slot, kv_len, n)
-                    done += 1
+                    if "verify" not in self.failed:
+                        self._load_tree(n, None)
+                        done += self._warm_hybrid("verify", lambda: self._verify_graph(
+                            slot, kv_len, n), label)
                 elif kind == "batch" and (0, n, kv_len) not in self.batch_graphs:
-                    x, positions = self._batch_input(n)
-                    x.zero_()
-                    positions.fill_(0)
-                    self._batch_graph(0, n, kv_len)
-                    done += 1
+                    if "batch" not in self.failed:
+                        x, positions = self._batch_input(n)
+                        x.zero_()
+                        positions.fill_(0)
+                        done += self._warm_hybrid("batch", lambda: self._batch_graph(
+                            0, n, kv_len), label)
                 elif kind == "vbatch" and (n, slot, kv_len) not in self.vbatch_graphs:
                     x, idx, _ = self._vbatch_input(n, slot)  # (slot: the rows per sequence)
                     x.zero_()
@@ -467,6 +472,22 @@ class StaticDecoder:
                              warm_left(now - t0, done, len(plan), estimate_s))
         torch.cuda.synchronize(self.kv.k_store.device)
         return done, time.perf_counter() - t0
+
+    def _warm_hybrid(self, kind: str, take: Callable[[], Any], label: str) -> int:
+        """One capture of `warm`: 1 where it was taken. A hybrid range's verify or batched
+        capture that fails is logged, and the graphs of its kind are not tried again (their
+        steps run eager: `failed`); a dense range's failure is raised."""
+        if not self.per_slot:
+            take()
+            return 1
+        try:
+            take()
+            return 1
+        except Exception as e:  # noqa: BLE001 - any capture failure: that kind's steps eager
+            self.failed.add(kind)
+            log.warning("%sa hybrid %s graph failed to capture at start (%s: %s); those steps "
+                        "run eager", label, kind, type(e).__name__, e)
+            return 0
 
     def _batch_input(self, bp: int) -> tuple[torch.Tensor, torch.Tensor]:
         bufs = self.batch_inputs.get(bp)

@@ -18,6 +18,7 @@ Shapes: n = tokens in this step, H / G = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import torch
+from layersplit.shards.fused_hybrid import MAX_BATCH_ROWS
 from layersplit.shards.hybrid_cache import HybridCache, PagedHybridCache
 from layersplit.shards.hybrid_config import HybridSpec
 from layersplit.shards.kv_cache import KVLayout
@@ -112,7 +113,8 @@ class HybridLayer(nn.Module):
         step's (conv, state) after each row, (linear layers, n, ...) each, which a linear
         layer fills at its `index` and leaves the slot's states as they were
         (`HybridRange.forward`)."""
-        if self.fast is not None and keep is None and (h.shape[0] == 1 or step.lo is not None):
+        if self.fast is not None and keep is None and (
+                h.shape[0] == 1 or (step.lo is not None and h.shape[0] <= MAX_BATCH_ROWS)):
             return self.fast(self, h, cos, sin, kv, index, slot, step)
         x = self.input_layernorm(h)
         if self.linear and step.lo is not None:  # a batched step: one row a sequence

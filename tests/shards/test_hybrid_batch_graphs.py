@@ -220,3 +220,70 @@ def test_warm_captures_verify_and_batched_graphs_and_leaves_every_slot(hybrid_mo
         b = rows.run(chain, 9, slot, all_logits=True, verify=True)
         assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
     assert set(one.static.verify_graphs) == verify  # (nothing captured after the start)
+
+
+def test_a_non_compile_failure_in_the_fused_step_keeps_the_compiled_stages(hybrid_models,
+                                                                           monkeypatch):
+    """A kernel failing inside the fused hybrid step (a delta-rule kernel re-raising inside a
+    capture, `_guarded`) is no torch.compile failure: the step raises and keeps its compiled
+    stages for the process's other steps."""
+    import layersplit.shards.fused_hybrid as fh
+
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=False)
+    ex.run(_ids(5), 0, 0)
+    fast = fh.HybridFast(compile=False)
+    fast.compiled = True  # (stands for compiled stages; eager ones keep the test fast)
+    for layer in ex.model.layers:
+        (layer.linear_attn if layer.linear else layer.self_attn).fuse()
+        layer.mlp.fuse()
+        layer.fast = fast
+
+    def failing_rule(*a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fh, "pick_rule", lambda *a: failing_rule)
+    with pytest.raises(RuntimeError):
+        ex.run(_ids(1), 5, 0)
+    assert fast.compiled, "a capture-time kernel failure turned torch.compile off"
+
+
+def test_a_failed_verify_capture_at_warm_leaves_chain_verify_eager(hybrid_models, monkeypatch):
+    """A hybrid verify graph that fails to capture at start (`warm`) is logged, not raised
+    (the start goes on), and chain verify steps then run the eager one-step path, right."""
+    import layersplit.shards.graphs as graphs
+
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=True, graph_bucket=4,
+                       paged=(64, 8))
+    ex.static.capture = True
+    ex.hybrid_chain_verify = True
+
+    class _G:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            self.fn()
+
+    def capture(fn, pool):
+        out = fn()
+        if out[0].shape[0] > 1:  # (the verify graphs: the one-row ones capture)
+            raise RuntimeError("capture failed (a kernel that is not capturable)")
+        return _G(fn, out), out
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ex.static.warm((1, 3), 0)
+    assert ex.static.graphs and not ex.static.verify_graphs and ex.static.failed == {"verify"}
+    ref = RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=False, paged=(64, 8))
+    for e in (ex, ref):
+        e.kv.set_table(0, 0, list(range(0, 16, 2)))
+        e.run(_ids(6), 0, 0)
+    calls = []
+    inner = ex._hybrid_chain
+    ex._hybrid_chain = lambda *a: calls.append(a[2]) or inner(*a)
+    chain = torch.tensor([4, 8, 15])
+    a = ex.run(chain, 6, 0, all_logits=True, verify=True)
+    b = ref.run(chain, 6, 0, all_logits=True, verify=True)
+    assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item() and calls == [0]
