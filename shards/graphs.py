@@ -280,6 +280,9 @@ class StaticDecoder:
             self.keep = None  # (the old pair freed first, unless a slot's pending rows, views
             # of it, keep it until that slot settles)
             self.keep = self.model.new_keep(self.kv, n)
+            log.info("layers %d:%d: the states after each row of a %d-row verify step: %.0f MB",
+                     self.model.start, self.model.end, n,
+                     sum(t.numel() * t.element_size() for t in self.keep) / 2**20)
         conv, state = self.keep
         return conv[:, :n], state[:, :n]
 
