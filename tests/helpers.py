@@ -362,3 +362,33 @@ def busy_load(n: int | None = None) -> Iterator[list[subprocess.Popen]]:
             p.kill()
         for p in procs:
             p.wait()
+
+
+def token_ids(n: int, seed: int = 1) -> torch.Tensor:
+    """n seeded random token ids below 320 (the tiny test models' vocabularies)."""
+    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class CpuGraph:
+    """`cpu_capture`'s stand-in for a captured CUDA graph: a replay runs the step again and
+    copies its outputs (and tapped rows) into the ones the capture returned."""
+
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        new, taps = self.fn()
+        self.out[0].copy_(new)
+        for k, v in taps.items():
+            if v is not None:
+                self.out[1][k].copy_(v)
+
+
+def cpu_capture(fn, pool):
+    """A CPU stand-in for `shards.graphs.capture` (monkeypatched in): two warm-up runs, then the
+    recorded call run too (a real capture records it without running it), so the paths
+    `StaticDecoder` takes on a GPU run on the CPU."""
+    fn()
+    fn()
+    out = fn()
+    return CpuGraph(fn, out), out

@@ -12,11 +12,10 @@ from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.fused import fuse_projections
 
+from tests.helpers import token_ids
+
 FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -53,7 +52,7 @@ def test_fused_steps_equal_the_module_forward(hybrid_models, family, static):
             x = ex.run(x, pos, all_logits=True, **kw)
         return x
 
-    ids = _ids(70, seed=3)
+    ids = token_ids(70, seed=3)
     for a, b in ((0, 40), (40, 70)):  # prefill on the fused weights
         want = run(plain, ids[a:b], a)
         assert _close(run(fused, ids[a:b], a), want)
@@ -114,7 +113,7 @@ def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybr
     fast.stages = (fused_hybrid.linear_pre, flaky_post, fused_hybrid.attn_pre,
                    fused_hybrid.attn_post)
     fused = RangeExecutor(model, 96, 1)
-    ids = _ids(20, seed=5)
+    ids = token_ids(20, seed=5)
     want, got = plain.run(ids, 0), fused.run(ids, 0)
     tok = int(want.argmax())
     for pos in range(20, 24):

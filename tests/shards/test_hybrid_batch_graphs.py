@@ -1,7 +1,6 @@
-"""A hybrid range's captured batched decode and chain verify graphs, with a CPU stand-in for the
-capture (two warm-up runs, the recorded call run too; a replay runs the step once more into the
-same outputs): the paths `StaticDecoder` takes on a GPU (a graph per padded batch over any slots,
-a verify graph over any slot of a paged cache), which the uncaptured CPU path does not."""
+"""A hybrid range's captured batched decode and chain verify graphs at start and when they fail,
+with a CPU stand-in for the capture (`tests.helpers.cpu_capture`); their answers against the
+eager steps are in `tests/shards/test_hybrid_model.py`."""
 
 from __future__ import annotations
 
@@ -10,112 +9,17 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 
+from tests.helpers import cpu_capture, token_ids
+
 pytest.importorskip("transformers")
 
-
-def _ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-class _Replay:
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self):
-        new, taps = self.fn()
-        self.out[0].copy_(new)
-        for k, v in taps.items():
-            if v is not None:
-                self.out[1][k].copy_(v)
-
-
-def _cpu_capture(fn, pool):
-    fn()
-    fn()
-    out = fn()  # (a real capture records this call without running it)
-    return _Replay(fn, out), out
 
 
 @pytest.fixture
 def captured(monkeypatch):
     import layersplit.shards.graphs as graphs
 
-    monkeypatch.setattr(graphs, "capture", _cpu_capture)
-
-
-@pytest.mark.parametrize("paged", [True, False])
-def test_captured_batched_decode_advances_each_slot_once(hybrid_models, captured, paged):
-    """The captured batched step (its warm-up runs on the scratch slot, then a replay with each
-    row's slot) advances each live slot's states exactly as its own decode steps do, over
-    several steps and across KV buckets (new captures while states hold real slots), and
-    leaves the idle slot alone."""
-    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
-    extra = {"paged": (96, 8)} if paged else {}
-    bat, one = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 4, static_decode=st,
-                              graph_bucket=4, **extra) for st in (True, False))
-    bat.static.capture = True
-    if paged:
-        for ex in (bat, one):
-            for slot in range(4):
-                ex.kv.set_table(slot, 0, list(range(slot, 48, 4)))
-    prompts = {0: _ids(9, seed=1), 1: _ids(5, seed=2), 2: _ids(14, seed=3), 3: _ids(3, seed=4)}
-    last = {}
-    for ex in (bat, one):
-        for slot, ids in prompts.items():
-            last[slot] = int(ex.run(ids, 0, slot).argmax())
-    idle = bat.kv.save(1)
-    live = [3, 0, 2]
-    pos = {s: len(prompts[s]) for s in live}
-    for _ in range(10):  # (slot 3 crosses 16 keys: a new capture mid-way)
-        x = torch.tensor([last[s] for s in live])
-        got = bat.static.run_batch(x, live, [pos[s] for s in live])
-        for i, s in enumerate(live):
-            want = one.run(x[i:i + 1], pos[s], s)
-            assert (got[i] - want[0]).abs().max().item() < 1e-4 * want.abs().max().item()
-            last[s] = int(want.argmax())
-            pos[s] += 1
-    assert len(bat.static.batch_graphs) >= 2
-    for s in live:
-        for a, b in zip(bat.kv.save(s), one.kv.save(s)):
-            assert (a.float() - b.float()).abs().max().item() < 1e-5
-    assert all(torch.equal(a, b) for a, b in zip(bat.kv.save(1), idle))
-
-
-def test_captured_verify_graph_serves_every_slot_of_a_paged_cache(hybrid_models, captured):
-    """The paged verify graph (slot -1 in its key, the slot an input) reads each slot's own
-    states: two slots verify chains through the same graph, growing the keep pair (5, 3 then
-    6 rows) while the other slot's rows pend, and each next step settles on its own rows."""
-    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
-    one, rows = (RangeExecutor(load_layer_range(ckpt, 0, 6), 96, 2, static_decode=st,
-                               graph_bucket=4, paged=(64, 8)) for st in (True, False))
-    one.static.capture = True
-    one.hybrid_chain_verify = True
-    for ex in (one, rows):
-        ex.kv.set_table(0, 0, list(range(0, 24, 2)))
-        ex.kv.set_table(1, 0, list(range(23, 0, -2)))
-    prompts = {0: _ids(13, seed=8), 1: _ids(7, seed=9)}
-    for ex in (one, rows):
-        for slot, ids in prompts.items():
-            ex.run(ids, 0, slot)
-    rows_of = torch.tensor([5, 17, 3, 9, 11, 2])
-    for accepts, m in [((0, 4), 5), ((2, 1), 3), ((3, 5), 6), ((4, 0), 5)]:
-        chain = rows_of[:m]
-        verified = {}
-        for slot in (0, 1):
-            pos = len(prompts[slot])
-            a = one.run(chain, pos, slot, all_logits=True, verify=True).clone()
-            b = rows.run(chain, pos, slot, all_logits=True, verify=True)
-            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item(), (slot, m)
-            verified[slot] = b
-        for slot, accepted in zip((0, 1), accepts):
-            nxt = len(prompts[slot]) + accepted + 1
-            follow = torch.tensor([int(verified[slot][accepted].argmax())])
-            for ex in (one, rows):
-                ex.before_step(slot, nxt, None)
-            a, b = (ex.run(follow, nxt, slot) for ex in (one, rows))
-            assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item(), (slot, m)
-            prompts[slot] = torch.cat([prompts[slot], chain[:accepted + 1], follow])
-    assert {k[0] for k in one.static.verify_graphs} == {-1}
+    monkeypatch.setattr(graphs, "capture", cpu_capture)
 
 
 def test_warm_plans_no_batch_graph_whose_experts_would_sync_the_host(hybrid_models):
@@ -186,7 +90,7 @@ def _two_slots(hybrid_models) -> RangeExecutor:
                        paged=(64, 8))
     for slot in range(2):
         ex.kv.set_table(slot, 0, list(range(slot, 24, 2)))
-        ex.run(_ids(7, seed=slot), 0, slot)
+        ex.run(token_ids(7, seed=slot), 0, slot)
     return ex
 
 
@@ -204,7 +108,7 @@ def test_warm_captures_verify_and_batched_graphs_and_leaves_every_slot(hybrid_mo
         ex.kv.set_table(0, 0, list(range(0, 16, 2)))
         ex.kv.set_table(1, 0, list(range(15, 0, -2)))
         for slot in range(2):
-            ex.run(_ids(9, seed=slot), 0, slot)
+            ex.run(token_ids(9, seed=slot), 0, slot)
     before = [one.kv.save(s) for s in range(2)]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # (no device here)
     graphs, _ = one.static.warm((1, 3, 5), 2)
@@ -231,7 +135,7 @@ def test_a_non_compile_failure_in_the_fused_step_keeps_the_compiled_stages(hybri
 
     ckpt = open_checkpoint(hybrid_models["qwen3_5"])
     ex = RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=False)
-    ex.run(_ids(5), 0, 0)
+    ex.run(token_ids(5), 0, 0)
     fast = fh.HybridFast(compile=False)
     fast.compiled = True  # (stands for compiled stages; eager ones keep the test fast)
     for layer in ex.model.layers:
@@ -244,7 +148,7 @@ def test_a_non_compile_failure_in_the_fused_step_keeps_the_compiled_stages(hybri
 
     monkeypatch.setattr(fh, "pick_rule", lambda *a: failing_rule)
     with pytest.raises(RuntimeError):
-        ex.run(_ids(1), 5, 0)
+        ex.run(token_ids(1), 5, 0)
     assert fast.compiled, "a capture-time kernel failure turned torch.compile off"
 
 
@@ -259,18 +163,10 @@ def test_a_failed_verify_capture_at_warm_leaves_chain_verify_eager(hybrid_models
     ex.static.capture = True
     ex.hybrid_chain_verify = True
 
-    class _G:
-        def __init__(self, fn, out):
-            self.fn, self.out = fn, out
-
-        def replay(self):
-            self.fn()
-
     def capture(fn, pool):
-        out = fn()
-        if out[0].shape[0] > 1:  # (the verify graphs: the one-row ones capture)
+        if fn()[0].shape[0] > 1:  # (the verify graphs: the one-row ones capture)
             raise RuntimeError("capture failed (a kernel that is not capturable)")
-        return _G(fn, out), out
+        return cpu_capture(fn, pool)
 
     monkeypatch.setattr(graphs, "capture", capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -279,7 +175,7 @@ def test_a_failed_verify_capture_at_warm_leaves_chain_verify_eager(hybrid_models
     ref = RangeExecutor(load_layer_range(ckpt, 0, 6), 64, 2, static_decode=False, paged=(64, 8))
     for e in (ex, ref):
         e.kv.set_table(0, 0, list(range(0, 16, 2)))
-        e.run(_ids(6), 0, 0)
+        e.run(token_ids(6), 0, 0)
     calls = []
     inner = ex._hybrid_chain
     ex._hybrid_chain = lambda *a: calls.append(a[2]) or inner(*a)

@@ -11,17 +11,17 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from layersplit.shards import graphs as graph_module
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
+
+from tests.helpers import cpu_capture, token_ids
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 L, F = "linear_attention", "full_attention"
 
-
-def _ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -31,7 +31,7 @@ def test_logits_match_transformers(hybrid_models, family):
     ckpt = open_checkpoint(path)
     assert ckpt.config.hybrid is not None
     ex = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=256)
-    ids = _ids(155)
+    ids = token_ids(155)
     ours = [ex.run(ids[a:b], a, all_logits=True) for a, b in ((0, 80), (80, 150))]
     ours += [ex.run(ids[t:t + 1], t) for t in range(150, 155)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -51,7 +51,7 @@ def test_range_by_range_equals_whole(hybrid_models, family, split):
     whole = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=128)
     parts = [RangeExecutor(load_layer_range(ckpt, a, b), max_len=128)
              for a, b in zip(split[:-1], split[1:])]
-    ids = _ids(92, seed=2)
+    ids = token_ids(92, seed=2)
     for a, b in ((0, 70), (70, 90), (90, 91), (91, 92)):  # prefill chunks, then decode
         x = ids[a:b]
         for p in parts:
@@ -157,7 +157,7 @@ def test_gguf_equals_hf_folder(hybrid_ggufs, family):
     assert all(n.startswith(("layers.0.", "layers.1.", "layers.2.", "layers.3.", "norm.",
                              "lm_head."))
                for n, _ in parts[1].model.named_parameters())
-    ids = _ids(90, seed=3)
+    ids = token_ids(90, seed=3)
     for a, b in ((0, 70), (70, 89), (89, 90)):
         x = ids[a:b]
         for p in parts:
@@ -219,7 +219,7 @@ def test_static_decode_steps_equal_eager(hybrid_models, family, paged):
     steps = []  # the static steps taken: every decode step below must be one
     inner = static.static._step
     static.static._step = lambda *a: steps.append(a) or inner(*a)
-    prompts = [_ids(21, seed=6), _ids(9, seed=7)]
+    prompts = [token_ids(21, seed=6), token_ids(9, seed=7)]
     tok = [[0, 0], [0, 0]]  # [executor][slot]: the last token
     for slot, ids in enumerate(prompts):
         for i, ex in enumerate((eager, static)):
@@ -271,7 +271,7 @@ def test_a_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeypatch):
     static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
                            graph_bucket=4)  # hybrid buckets: 4 x 4 keys
     static.static.capture = True
-    ids = _ids(13, seed=8)
+    ids = token_ids(13, seed=8)
     tok = [int(ex.run(ids, 0).argmax()) for ex in (eager, static)]
     for pos in range(13, 40):  # new graphs at 16, 32 and 48 keys
         a, b = eager.run(torch.tensor([tok[0]]), pos), static.run(torch.tensor([tok[1]]), pos)
@@ -296,23 +296,24 @@ def test_a_failed_capture_leaves_the_slot_state_as_it_was(hybrid_models, monkeyp
     static = RangeExecutor(load_layer_range(ckpt, 0, 6), 128, 1, static_decode=True,
                            graph_bucket=4)  # hybrid buckets: 4 x 4 keys
     static.static.capture = True
-    static.run(_ids(13, seed=8), 0)
+    static.run(token_ids(13, seed=8), 0)
     conv, state = static.kv.save(0)
     with pytest.raises(RuntimeError, match="capture failed"):
         static.run(torch.tensor([5]), 13)
     assert torch.equal(static.kv.conv[:, 0], conv) and torch.equal(static.kv.state[:, 0], state)
 
 
-@pytest.mark.parametrize("family,paged,fused,static", [
-    ("qwen3_5", False, False, False), ("qwen3_5", True, False, False),
-    ("qwen3_next", True, False, False), ("qwen3_5", True, True, False),
-    ("qwen3_next", False, True, False), ("qwen3_5", True, False, True),
-    ("qwen3_next", False, True, True)])
+@pytest.mark.parametrize("family,paged,fused,graphs", [
+    ("qwen3_5", False, False, "eager"), ("qwen3_5", True, False, "eager"),
+    ("qwen3_next", True, False, "eager"), ("qwen3_5", True, True, "eager"),
+    ("qwen3_next", False, True, "eager"), ("qwen3_5", True, False, "static"),
+    ("qwen3_next", False, True, "static"), ("qwen3_5", True, False, "captured")])
 def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged, fused,
-                                                    static):
+                                                    graphs, monkeypatch):
     """A hybrid range's chain verify step as one step of all its rows (the GPU's path:
-    `_hybrid_chain`, or with `static` the verify graph's step, run uncaptured on the CPU:
-    positions on the device, the shared keep buffers) gives the row-by-row step's logits and
+    `_hybrid_chain`; `static`: the verify graph's step, run uncaptured on the CPU: positions on
+    the device, the shared keep buffers; `captured`: through a CPU stand-in for the capture, the
+    one graph of a paged cache serving both slots) gives the row-by-row step's logits and
     tapped rows, leaves the slot's states as they were, and for every number of accepted rows
     the next step (settled on that row's kept states) gives the row-by-row executor's logits.
     Two slots verify before either settles (the second verify must not overwrite the first's
@@ -329,7 +330,10 @@ def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged
             fuse_projections(m, compile=False)
         assert all(layer.fast is not None for layer in models[1].layers)
     one, rows = (RangeExecutor(m, 96, 2, static_decode=st, graph_bucket=4, taps=taps, **extra)
-                 for m, st in zip(models, (static, False)))
+                 for m, st in zip(models, (graphs != "eager", False)))
+    if graphs == "captured":
+        monkeypatch.setattr(graph_module, "capture", cpu_capture)
+        one.static.capture = True
     one.hybrid_chain_verify = True
     assert not rows.hybrid_chain_verify  # (the CPU's default: bit for bit a decode step)
     if paged:
@@ -337,13 +341,13 @@ def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged
             ex.kv.set_table(0, 0, list(range(0, 24, 2)))
             ex.kv.set_table(1, 0, list(range(23, 0, -2)))
     calls = []  # the verify steps' slots, as the one-step path took them
-    if static:
+    if graphs == "static":
         inner_step = one.static._step
         one.static._step = lambda *a: (a[2] > 1 and calls.append(a[0])) or inner_step(*a)
     else:
         inner = one._hybrid_chain
         one._hybrid_chain = lambda *a: calls.append(a[2]) or inner(*a)  # (x, pos, slot, ...)
-    prompts = {0: _ids(13, seed=8), 1: _ids(7, seed=9)}
+    prompts = {0: token_ids(13, seed=8), 1: token_ids(7, seed=9)}
     for ex in (one, rows):
         for slot, ids in prompts.items():
             ex.run(ids, 0, slot)
@@ -376,7 +380,10 @@ def test_chain_verify_in_one_step_equals_row_by_row(hybrid_models, family, paged
             for x, y in zip(one.kv.save(slot), rows.kv.save(slot)):
                 assert (x.float() - y.float()).abs().max().item() < 1e-5
             prompts[slot] = torch.cat([prompts[slot], chain[:accepted + 1], follow])
-    assert calls == [0, 1] * 4  # (every verify step above took the one-step path)
+    if graphs == "captured":  # (every verify step replayed a graph of any slot)
+        assert calls == [] and {k[0] for k in one.static.verify_graphs} == {-1}
+    else:
+        assert calls == [0, 1] * 4  # (every verify step above took the one-step path)
 
 
 def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, caplog):
@@ -393,7 +400,7 @@ def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, ca
             raise RuntimeError("operation not permitted when stream is capturing")
         return inner(x, *a)
     one.static.run = failing
-    ids = _ids(11, seed=3)
+    ids = token_ids(11, seed=3)
     for ex in (one, rows):
         ex.run(ids, 0, 0)
     chain = torch.tensor([4, 8, 15, 16])
@@ -413,11 +420,16 @@ def test_a_failed_verify_graph_leaves_chain_verify_steps_eager(hybrid_models, ca
                              "permitted") == 1
 
 
-@pytest.mark.parametrize("family,paged,fused", [
-    ("qwen3_5", True, False), ("qwen3_5", False, False), ("qwen3_next", True, False),
-    ("qwen3_5_moe", True, False), ("qwen3_5", True, True), ("qwen3_5_moe", False, True)])
-def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, paged, fused):
-    """A hybrid range's batched decode step (`StaticDecoder.run_batch`, uncaptured on the CPU:
+@pytest.mark.parametrize("family,paged,fused,captured", [
+    ("qwen3_5", True, False, False), ("qwen3_5", False, False, False),
+    ("qwen3_next", True, False, False), ("qwen3_5_moe", True, False, False),
+    ("qwen3_5", True, True, False), ("qwen3_5_moe", False, True, False),
+    ("qwen3_5", True, False, True), ("qwen3_5", False, False, True)])
+def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, paged, fused,
+                                                        captured, monkeypatch):
+    """A hybrid range's batched decode step (`StaticDecoder.run_batch`, uncaptured on the CPU,
+    or with `captured` through a CPU stand-in for the capture: its warm-up runs on the scratch
+    slot, then a replay with each row's slot, and a new capture once a sequence crosses 16 keys;
     each row's state slot an input, padded to 4 rows) gives each sequence's own decode step's
     logits and tapped rows and leaves each slot's states as those steps do; the idle slot 1 (a
     padding row of the contiguous cache's window) and its states are left as they were.
@@ -436,11 +448,14 @@ def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, p
         fast._run = lambda *a: calls.append(a[-1].lo is not None) or inner(*a)
     bat, one = (RangeExecutor(m, 96, 4, static_decode=st, graph_bucket=4, taps=(2,), **extra)
                 for m, st in zip(models, (True, False)))
+    if captured:
+        monkeypatch.setattr(graph_module, "capture", cpu_capture)
+        bat.static.capture = True
     if paged:
         for ex in (bat, one):
             for slot in range(4):
                 ex.kv.set_table(slot, 0, list(range(slot, 48, 4)))
-    prompts = {0: _ids(9, seed=1), 1: _ids(5, seed=2), 2: _ids(14, seed=3), 3: _ids(3, seed=4)}
+    prompts = {s: token_ids(n, seed=s + 1) for s, n in enumerate((9, 5, 14, 3))}
     last = {}
     for ex in (bat, one):
         for slot, ids in prompts.items():
@@ -465,3 +480,5 @@ def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, p
     assert all(torch.equal(x, y) for x, y in zip(bat.kv.save(1), idle))
     if fused:  # (every layer's batched step took the fused path: 6 layers x 6 steps)
         assert calls.count(True) == 36
+    if captured:  # (slot 2 crossed 16 keys: a second graph, captured while slots held rows)
+        assert len(bat.static.batch_graphs) >= 2

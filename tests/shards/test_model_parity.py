@@ -8,11 +8,10 @@ from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.tiny import FAMILY_CONFIGS
 
+from tests.helpers import token_ids
+
 transformers = pytest.importorskip("transformers")  # a declared test dependency
 
-
-def _ids(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def _chunked_logits(ex: RangeExecutor, ids: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -25,7 +24,7 @@ def test_logits_match_transformers(tiny_models, family):
     path = tiny_models[family]
     ckpt = open_checkpoint(path)
     ex = RangeExecutor(load_layer_range(ckpt, 0, ckpt.config.num_layers), max_len=256)
-    ids = _ids(70)
+    ids = token_ids(70)
     ours = _chunked_logits(ex, ids, 32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -46,7 +45,7 @@ def test_range_by_range_equals_whole(tiny_models, family, split):
              for a, b in zip(split[:-1], split[1:])]
     assert parts[0].model.embed_tokens is not None and parts[0].model.lm_head is None
     assert parts[-1].model.lm_head is not None and parts[-1].model.embed_tokens is None
-    ids = _ids(40, seed=2)
+    ids = token_ids(40, seed=2)
     for a in range(0, 40, 16):  # prefill chunks, then two decode steps
         x = ids[a:a + 16]
         for p in parts:
@@ -79,7 +78,7 @@ def test_static_decode_path_matches_eager(tiny_models):
         eager = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=False)
         static = RangeExecutor(load_layer_range(ckpt, 0, 6), max_len=96, static_decode=True,
                                graph_bucket=32)
-        ids = _ids(20, seed=3)
+        ids = token_ids(20, seed=3)
         for ex in (eager, static):
             ex.run(ids, 0)
         ta = tb = int(ids[-1])
@@ -108,7 +107,7 @@ def test_fused_projections_equal_separate(tiny_models):
         model = load_layer_range(ckpt, 0, 6)
         fuse_projections(model, compile=False)
         fused = RangeExecutor(model, 96, static_decode=True, graph_bucket=32)
-        ids = _ids(20, seed=4)
+        ids = token_ids(20, seed=4)
         assert (plain.run(ids, 0) - fused.run(ids, 0)).abs().max().item() < 5e-5
         for pos in range(20, 40):
             a, b = plain.run(torch.tensor([9]), pos), fused.run(torch.tensor([9]), pos)
@@ -128,7 +127,7 @@ def test_tree_verify_rows_equal_their_paths(tiny_models, family):
     from layersplit.shards.spec_tree import ancestors
 
     ckpt = open_checkpoint(tiny_models[family])
-    ids, pos = _ids(40, seed=5), 40
+    ids, pos = token_ids(40, seed=5), 40
     rows = torch.tensor([9, 3, 5, 7, 2, 11, 4])
     parents = [0, 1, 1, 3, 0, 5]  # depths 1, 2, 2, 3, 1, 2: deeper than the window's slack
     anc = ancestors(parents)
@@ -157,7 +156,7 @@ def test_tensors_kept_in_float32(tiny_models, family, kept):
     f32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert f32 and all(n.endswith(kept) for n in f32)
     assert sum(n.endswith(kept) for n, _ in model.named_parameters()) == len(f32)
-    ids = _ids(24, seed=7)
+    ids = token_ids(24, seed=7)
     ours = RangeExecutor(model, max_len=64).run(ids, 0, all_logits=True)
     refs = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -188,7 +187,7 @@ def test_saved_by_transformers_matches_range_by_range(tmp_path, family):
                 b.normal_(0.0, 0.2)
     assert all(b.abs().sum() > 0 for n, b in hf.named_buffers() if "correction" in n)
     hf.save_pretrained(tmp_path)
-    ids = _ids(48, seed=6)
+    ids = token_ids(48, seed=6)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
     ckpt = open_checkpoint(tmp_path)
