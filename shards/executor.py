@@ -414,7 +414,7 @@ class RangeExecutor:
                         type(e).__name__, e)
             self.hybrid_verify_graphs = False
             return self._hybrid_chain(x, pos, slot, all_logits, taps)
-        self.kv.keep_rows(slot, pos, [(conv[:, j], state[:, j]) for j in range(n)])
+        self.kv.keep_pair(slot, pos, (conv, state))
         if taps is not None:
             taps.update(rows)
         return out if all_logits or not self.model.is_last else out[-1:]
@@ -432,7 +432,7 @@ class RangeExecutor:
         out = self.model(x.to(self.device), pos, self.kv, slot,
                          logit_rows=None if all_logits else slice(n - 1, n), taps=want,
                          keep=keep)
-        self.kv.keep_rows(slot, pos, [(keep[0][:, j], keep[1][:, j]) for j in range(n)])
+        self.kv.keep_pair(slot, pos, keep)
         if taps is not None:
             taps.update(want)
         return out

@@ -159,8 +159,7 @@ class HybridFast:
         if layer.linear:
             a = layer.linear_attn
             if batched:  # (gathered copies, written back below)
-                conv_state = kv.conv[index].index_select(0, step.states)
-                state = kv.state[index].index_select(0, step.states)
+                conv_state, state = kv.gather(index, step.states)
             else:
                 conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
             q, k, v, g, beta, z, new_conv = lin_pre(
@@ -173,9 +172,9 @@ class HybridFast:
                          mlp_w[1], mlp_w[2], eps)
             # the slot's states advance last: a stage that fails before this (and is run
             # again, eager, by `__call__`) leaves them as they were
-            advance = ((kv.conv[index], conv_state, new_conv), (kv.state[index], state, new_state))
+            advance = (conv_state, state, new_conv, new_state)
         else:
-            advance = ()
+            advance = None
             a = layer.self_attn
             q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
                                     a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
@@ -189,11 +188,13 @@ class HybridFast:
             h = att_post(h, out, gate, a.o_proj.weight, mlp_w[0], mlp_w[1], mlp_w[2], eps)
         if dense is None:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))
-        for whole, dst, src in advance:
+        if advance is not None:
+            conv_state, state, new_conv, new_state = advance
             if batched:
-                whole.index_copy_(0, step.states, src)
+                kv.scatter(index, step.states, new_conv, new_state)
             else:
-                dst.copy_(src)
+                conv_state.copy_(new_conv)
+                state.copy_(new_state)
         return h
 
 

@@ -65,6 +65,23 @@ class HybridState:
         self.conv[:, slot].copy_(saved[0])
         self.state[:, slot].copy_(saved[1])
 
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of linear layer `layer`'s conv and recurrent states of `slots` ((B,) long on
+        the device: graph-safe), (B, C, K - 1) and (B, Hv, Dk, Dv)."""
+        return self.conv[layer].index_select(0, slots), self.state[layer].index_select(0, slots)
+
+    def scatter(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
+                state: torch.Tensor) -> None:
+        """`gather`'s states, advanced, written back to `slots`."""
+        self.conv[layer].index_copy_(0, slots, conv)
+        self.state[layer].index_copy_(0, slots, state)
+
+    def keep_pair(self, slot: int, pos: int, keep: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """`keep_rows` of a verify step's (conv, state) after each row, (layers, n, ...) each
+        (`HybridRange.new_keep`): row j's are views of them."""
+        conv, state = keep
+        self.keep_rows(slot, pos, [(conv[:, j], state[:, j]) for j in range(conv.shape[1])])
+
     def keep_rows(self, slot: int, pos: int,
                   rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A verify step at `pos` left the state after each of its rows (`rows`, row 0 = the
