@@ -159,7 +159,7 @@ class HybridFast:
         if layer.linear:
             a = layer.linear_attn
             if batched:  # (gathered copies, written back below)
-                conv_state, state = kv.gather(index, step.states)
+                conv_state, state = kv.gather_states(index, step.states)
             else:
                 conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
             q, k, v, g, beta, z, new_conv = lin_pre(
@@ -191,7 +191,7 @@ class HybridFast:
         if advance is not None:
             conv_state, state, new_conv, new_state = advance
             if batched:
-                kv.scatter(index, step.states, new_conv, new_state)
+                kv.scatter_states(index, step.states, new_conv, new_state)
             else:
                 conv_state.copy_(new_conv)
                 state.copy_(new_state)

@@ -65,14 +65,14 @@ class HybridState:
         self.conv[:, slot].copy_(saved[0])
         self.state[:, slot].copy_(saved[1])
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_states(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of linear layer `layer`'s conv and recurrent states of `slots` ((B,) long on
         the device: graph-safe), (B, C, K - 1) and (B, Hv, Dk, Dv)."""
         return self.conv[layer].index_select(0, slots), self.state[layer].index_select(0, slots)
 
-    def scatter(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
+    def scatter_states(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
                 state: torch.Tensor) -> None:
-        """`gather`'s states, advanced, written back to `slots`."""
+        """`gather_states`'s states, advanced, written back to `slots`."""
         self.conv[layer].index_copy_(0, slots, conv)
         self.state[layer].index_copy_(0, slots, state)
 

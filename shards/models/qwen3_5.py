@@ -119,16 +119,16 @@ class HybridLayer(nn.Module):
         x = self.input_layernorm(h)
         if self.linear and step.lo is not None:  # a batched step: one row a sequence
             # (each row's states gathered from its slot, advanced, written back: graph-safe)
-            conv, state = kv.gather(index, step.states)
+            conv, state = kv.gather_states(index, step.states)
             out, _ = self.linear_attn(x[:, None], conv, state)
-            kv.scatter(index, step.states, conv, state)
+            kv.scatter_states(index, step.states, conv, state)
             h = h + out[:, 0]
         elif self.linear:
             s = slice(slot, slot + 1)
             conv, state = kv.conv[index, s], kv.state[index, s]
             if keep is not None and step.states is not None:  # (a verify graph of any slot:
                 # its slot's states, read only, are gathered)
-                conv, state = kv.gather(index, step.states)
+                conv, state = kv.gather_states(index, step.states)
             into = None if keep is None else (keep[0][index][None], keep[1][index][None])
             out, _ = self.linear_attn(x[None], conv, state,
                                       recurrent=True if keep is not None else None,
