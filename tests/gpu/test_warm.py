@@ -39,20 +39,22 @@ def _executor(path) -> RangeExecutor:
 
 def _steps(ex: RangeExecutor, hybrid: bool) -> list[torch.Tensor]:
     """Prefill each slot, then decode steps up to past the first two buckets, a verify step of
-    4 rows (dense), batched steps of all three slots and batched verify steps of two (dense)."""
+    4 rows (a hybrid range's: a chain's, all 4 kept), batched steps of all three slots and
+    batched verify steps of two (dense)."""
     dev = "cuda:0"
     outs = []
     for slot in range(SLOTS):
         outs.append(ex.run(torch.arange(3, 23 + slot, device=dev), 0, slot).clone())
     for pos in range(20, 70):
         outs.append(ex.run(torch.tensor([pos % 50 + 5], device=dev), pos, 0).clone())
+    outs.append(ex.run(torch.tensor([4, 9, 8, 7], device=dev), 70, 0, all_logits=True,
+                       verify=True).clone())
+    ex.before_step(0, 74, None)  # (a hybrid range settles on the chain's last row)
+    for pos in range(74, 80):
+        x = torch.tensor([pos % 40 + 3, 11, 12], device=dev)
+        segs = [Segment(0, pos, 1), Segment(1, pos - 53, 1), Segment(2, pos - 52, 1)]
+        outs += [o.clone() for o in ex.run_segments(x, segs)]
     if not hybrid:
-        outs.append(ex.run(torch.tensor([4, 9, 8, 7], device=dev), 70, 0, all_logits=True,
-                           verify=True).clone())
-        for pos in range(74, 80):
-            x = torch.tensor([pos % 40 + 3, 11, 12], device=dev)
-            segs = [Segment(0, pos, 1), Segment(1, pos - 53, 1), Segment(2, pos - 52, 1)]
-            outs += [o.clone() for o in ex.run_segments(x, segs)]
         for pos in (30, 34):  # two sequences' verify steps as one batched step
             x = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12], device=dev)
             segs = [Segment(1, pos, 4, verify=True, all_logits=True),
@@ -68,14 +70,18 @@ def test_warmed_steps_capture_nothing_and_equal_first_use(tiny_llama, hybrid_mod
     cold, warm = _executor(path), _executor(path)
     graphs, seconds = warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)
     buckets = warm.static.buckets
-    # rows 1 and 4; batches of 2 and 4; batched verify steps of 2 and 4 sequences of 4 rows
-    want = len(buckets) * SLOTS if hybrid else len(buckets) * 6
+    # dense: rows 1 and 4; batches of 2 and 4; batched verify steps of 2 and 4 sequences of 4
+    # rows. hybrid: one row in each slot, a chain of 4 rows in any slot, batches of 2 and 4
+    want = len(buckets) * (SLOTS + 3 if hybrid else 6)
     assert graphs == want and seconds > 0
     assert warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)[0] == 0  # all there already
     static = warm.static
-    before = (len(static.graphs), len(static.batch_graphs), len(static.vbatch_graphs))
+    def held():
+        return tuple(len(g) for g in (static.graphs, static.batch_graphs, static.vbatch_graphs,
+                                      static.verify_graphs))
+    before = held()
     got, ref = _steps(warm, hybrid), _steps(cold, hybrid)
-    assert (len(static.graphs), len(static.batch_graphs), len(static.vbatch_graphs)) == before
+    assert held() == before
     assert hybrid or cold.static.vbatch_graphs  # (the batched verify steps ran as such)
     assert len(cold.static.graphs) > 0
     for a, b in zip(got, ref, strict=True):
