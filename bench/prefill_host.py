@@ -67,7 +67,7 @@ def stub_row_kernels() -> None:
     def add_rms_norm(h, x, w, eps):
         return torch.empty_like(h), None if w is None else torch.empty_like(h)
 
-    def rope_qk(qkv, cos, sin, nh, ng, qn_w=None, kn_w=None, eps=0.0):
+    def rope_qk(qkv, cos, sin, nh, ng, qn_w=None, kn_w=None, eps=0.0, pool=None):
         n, d = qkv.shape[0], qkv.shape[1] // (nh + 2 * ng)
         return (torch.empty(n, nh, d, dtype=qkv.dtype), torch.empty(n, ng, d, dtype=qkv.dtype))
 
@@ -212,6 +212,9 @@ def main() -> None:
     ex.run_segments(x, [Segment(0, 0, args.prefix)])  # the cached prefix
     times = time_steps(ex, args.prefix, args.rows, args.repeat)
     med = statistics.median(times[3:])
+    fast = getattr(ex.model.layers[0], "fast", None)
+    if fast is not None and not fast.prefill_kernels:
+        print("the row kernels failed: the layers ran the torch path (see the log)")
     print(f"{args.layers} layers on {args.device}, {args.rows} rows after {args.prefix}: median "
           f"{med * 1e3:.3f} ms a step, {med / args.layers * 1e6:.0f} us a layer "
           f"(of {len(times) - 3} steps)")

@@ -420,11 +420,13 @@ class FusedDecode:
             return None
 
     @staticmethod
-    def _attend(a, q, k, v, kv, index, slot, step):
-        """One sequence's eager attention: its K/V rows written, then flash attention over its
-        keys (`attend`), under its own causal or windowed mask."""
+    def _attend(a, q, k, v, kv, index, slot, step, stored: bool = False):
+        """One sequence's eager attention: its K/V rows written (`stored`: they were, by
+        `rope_qk`), then flash attention over its keys (`attend`), under its own causal or
+        windowed mask."""
         mask = step.mask_for(a.window)
-        keys, values = kv.append(index, slot, step, k, v)
+        keys, values = kv.gather(index, slot, step, k, v) if stored else \
+            kv.append(index, slot, step, k, v)
         return attend(q, keys, values, mask, step.causal and mask is step.mask, a.sdpa_scale)
 
     def warm_prefill(self, layer) -> None:
@@ -473,15 +475,19 @@ class FusedDecode:
         eps = layer.input_layernorm.eps
         qkv = self._qkv(layer, h)
         nh, ng, d = a.num_heads, a.num_kv_heads, a.head_dim
+        # one sequence's rows over a paged pool of the run's dtype: the rotary kernel stores
+        # its K/V rows too (no index_copy_ launches)
+        pool = kv.step_pool(index, slot, step) if not step.parts and \
+            isinstance(kv, PagedKVCache) and kv.k_store.dtype == qkv.dtype else None
         q, k = row_ops.rope_qk(qkv, cos, sin, nh, ng,
                                None if a.q_norm is None else a.q_norm.weight,
                                None if a.k_norm is None else a.k_norm.weight,
-                               eps if a.q_norm is None else a.q_norm.eps)
+                               eps if a.q_norm is None else a.q_norm.eps, pool)
         v = qkv[:, (nh + ng) * d:].view(-1, ng, d)
         attn = torch.cat([self._attend(a, q[lo:hi], k[lo:hi], v[lo:hi], kv, index, part_slot,
                                        part)
                           for part_slot, part, lo, hi in step.parts]) if step.parts else \
-            self._attend(a, q, k, v, kv, index, slot, step)
+            self._attend(a, q, k, v, kv, index, slot, step, pool is not None)
         if hasattr(layer.mlp, "experts"):  # a sparse MLP: the add + norm kernel, then its own
             h, x = row_ops.add_rms_norm(h, linear(a.o_proj, attn),
                                         layer.post_attention_layernorm.weight, eps)

@@ -148,15 +148,30 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the step's rows and return the rows it attends, [0, step.kv_len), gathered:
         (kv_len, kv_heads, head_dim) each."""
-        if step.kv_len > self.scratch_pos:
-            raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
-        write, read = self._step_index(slot, step)
-        k_rows, v_rows = self.k_layers[layer], self.v_layers[layer]
+        k_rows, v_rows, write = self.step_pool(layer, slot, step)
         k_rows.index_copy_(0, write, k)
         v_rows.index_copy_(0, write, v)
+        return self.gather(layer, slot, step, k, v)
+
+    def step_pool(self, layer: int, slot: int, step: StepInfo
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where one sequence's step stores its K/V rows: the layer's K and V rows (pool
+        rows, G, D) and the pool row of each of the step's rows (n,). A kernel that stores
+        them itself (`row_ops.rope_qk`) takes these; `gather` then reads the step's keys."""
+        if step.kv_len > self.scratch_pos:
+            raise IndexError(f"KV cache holds {self.max_len} tokens; step needs {step.kv_len}")
+        write, _ = self._step_index(slot, step)
+        return self.k_layers[layer], self.v_layers[layer], write
+
+    def gather(self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows [0, step.kv_len) a step attends, gathered, once its own rows `k`, `v` are
+        stored (`append`, or a kernel through `step_pool`): (kv_len, kv_heads, head_dim)."""
+        _, read = self._step_index(slot, step)
         if k.is_cuda and step.pos == 0 and step.kv_len == k.shape[0]:
             return k, v  # a first chunk attends only its own rows: no gather (the same values)
-        return k_rows.index_select(0, read), v_rows.index_select(0, read)
+        return (self.k_layers[layer].index_select(0, read),
+                self.v_layers[layer].index_select(0, read))
 
     def append_batch(
         self, layer: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor

@@ -54,11 +54,13 @@ def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, d, eps,
-             HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, d, eps, ROWS, K_POOL, V_POOL, s_pool,
+             HAS_NORM: tl.constexpr, TO_POOL: tl.constexpr, BLOCK: tl.constexpr):
     """One head of one row: program (row, head), heads [0, nh) the query's, the rest the
     key's; each torch op's rounding is kept (norm as `RMSNorm`, then x * cos and
-    rotate_half(x) * sin each rounded, and their sum)."""
+    rotate_half(x) * sin each rounded, and their sum). With `TO_POOL` a key head's program
+    also stores the rotated key and the row's value head, as they are, at pool row ROWS[row]
+    of K_POOL and V_POOL (rows of s_pool elements)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -90,8 +92,13 @@ def _rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, d, eps,
     if head < nh:
         tl.store(Q + row * nh * d + head * d + cols, out, mask=ok)
     else:
-        tl.store(K + row * (tl.num_programs(1) - nh) * d + (head - nh) * d + cols, out,
-                 mask=ok)
+        ng = tl.num_programs(1) - nh
+        tl.store(K + row * ng * d + (head - nh) * d + cols, out, mask=ok)
+        if TO_POOL:
+            dst = tl.load(ROWS + row).to(tl.int64) * s_pool + (head - nh) * d
+            tl.store(K_POOL + dst + cols, out, mask=ok)
+            val = tl.load(src + ng * d + cols, mask=ok, other=0.0)  # (this head's value)
+            tl.store(V_POOL + dst + cols, val, mask=ok)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -151,10 +158,17 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, ng: int,
             qn_w: torch.Tensor | None = None, kn_w: torch.Tensor | None = None,
-            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+            eps: float = 0.0,
+            pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotated queries (n, nh, D) and keys (n, ng, D) of a fused q/k/v projection's output
     (n, (nh + 2 ng) D), each head first normalized by `qn_w` / `kn_w` when given (q/k norm),
-    as `Attention.forward` computes them in torch (`apply_rope` over cos, sin (n, D))."""
+    as `Attention.forward` computes them in torch (`apply_rope` over cos, sin (n, D)).
+
+    `pool`: (K rows, V rows, rows): a layer's KV pool tensors (pool rows, ng, D), contiguous,
+    and the (n,) long pool row of each of the step's rows: each row's rotated keys and its
+    values (the projection's last ng heads) are stored there too, as `index_copy_` would
+    store them (`PagedKVCache.append`), in the same launch."""
     _rows(qkv, "qkv")
     n, width = qkv.shape
     if width % (nh + 2 * ng):
@@ -168,12 +182,31 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, ng
             w is not None and (w.shape != (d,) or w.stride(0) != 1) for w in (qn_w, kn_w)):
         raise ValueError("row_ops: the q and k norm weights must both be contiguous vectors of "
                          f"the head dim {d}, or both None")
+    if pool is not None:
+        _pool_check(pool, n, ng, d, qkv)
     q = torch.empty(n, nh, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(n, ng, d, dtype=qkv.dtype, device=qkv.device)
+    k_pool, v_pool, rows = (qkv, qkv, qkv) if pool is None else pool
     if n:
         _rope_qk[(n, nh + ng)](qkv, qkv.stride(0), cos, sin, cos.stride(0),
                                qkv if qn_w is None else qn_w, qkv if kn_w is None else kn_w,
-                               q, k, nh, d, float(eps), HAS_NORM=qn_w is not None,
+                               q, k, nh, d, float(eps), rows, k_pool, v_pool, ng * d,
+                               HAS_NORM=qn_w is not None, TO_POOL=pool is not None,
                                BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
                                enable_fp_fusion=False)  # (x * cos + rot * sin: two roundings)
     return q, k
+
+
+def _pool_check(pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, ng: int, d: int,
+                qkv: torch.Tensor) -> None:
+    """`rope_qk`'s `pool` operands, or a ValueError naming what is wrong."""
+    k_pool, v_pool, rows = pool
+    for name, t in (("K", k_pool), ("V", v_pool)):
+        if t.dim() != 3 or t.shape[1:] != (ng, d) or not t.is_contiguous() or \
+                t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"row_ops: the {name} pool {tuple(t.shape)} ({t.dtype}, on "
+                             f"{t.device}) is not contiguous rows of ({ng}, {d}) in "
+                             f"{qkv.dtype} on {qkv.device}")
+    if rows.shape != (n,) or rows.dtype != torch.long or rows.device != qkv.device:
+        raise ValueError(f"row_ops: pool rows {tuple(rows.shape)} ({rows.dtype}) are not the "
+                         f"{n} long pool rows of the step's rows on {qkv.device}")

@@ -68,6 +68,34 @@ def test_rope_qk_matches_torch(n, nh, ng, d, norm, dtype):
         assert same > 0.98, same
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk-norm"])
+def test_rope_qk_stores_the_rows_in_the_pool_as_index_copy_does(norm):
+    """With `pool`, the kernel's outputs are as without it, and the pool rows of the step hold
+    its rotated keys and its values bit for bit, every other row untouched."""
+    from layersplit.shards.kernels.row_ops import rope_qk
+
+    n, nh, ng, d, rows = 5, 9, 3, 64, 40
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(n, (nh + 2 * ng) * d, generator=g).to(DEV)
+    cos, sin = rope_cos_sin(base_inv_freq(10000.0, d).to(DEV), torch.arange(30, 30 + n,
+                                                                             device=DEV),
+                            torch.float32)
+    w = (1 + 0.2 * torch.randn(2, d, generator=g)).to(DEV) if norm else None
+    norms = (w[0], w[1], 1e-6) if norm else (None, None, 0.0)
+    k_pool = torch.randn(rows, ng, d, generator=g).to(DEV)
+    v_pool = torch.randn(rows, ng, d, generator=g).to(DEV)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    at = torch.tensor([33, 2, 17, 18, 5], device=DEV)
+    q0, k0 = rope_qk(qkv, cos, sin, nh, ng, *norms)
+    q, k = rope_qk(qkv, cos, sin, nh, ng, *norms, pool=(k_pool, v_pool, at))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    want_k.index_copy_(0, at, k0)
+    want_v.index_copy_(0, at, qkv[:, (nh + ng) * d:].reshape(n, ng, d))
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(ValueError, match="pool rows"):
+        rope_qk(qkv, cos, sin, nh, ng, pool=(k_pool, v_pool, at[:3]))
+
+
 def test_rope_qk_refuses_bad_shapes_by_name():
     from layersplit.shards.kernels.row_ops import rope_qk
 
