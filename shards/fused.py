@@ -396,7 +396,7 @@ class FusedDecode:
         (`StepInfo.segments`), of a Llama-like layer through the row kernels around flash
         attention (`attend`): the q/k norm with the rotary in one kernel, the residual adds
         with their norms, SiLU * up; the output normed for the next layer as the decode step
-        does. About 14 kernels a dense layer where the torch layer launches ~40, whose
+        does. About 12 kernels a dense layer where the torch layer launches ~40, whose
         elementwise kernels cost a large model a quarter of its prefill's GPU time. A sparse
         layer's MLP is its own module (`RoutedMoE`), after the add + norm kernel. None where
         it does not apply: a step smaller than `PREFILL_KERNELS_MIN_ELEMENTS`, or once a
