@@ -86,8 +86,9 @@ def gguf_name(canonical: str) -> str:
     return f"blk.{parts[2]}.{_TO_GGUF_LAYER[parts[3]]}"
 
 
-def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head rotary row permutation of attn_q / attn_k."""
+def unpermute_rows(w: Any, heads: int) -> Any:
+    """Undo llama.cpp's per-head rotary row permutation of attn_q / attn_k (of a numpy array
+    or a torch tensor)."""
     d = w.shape[0] // heads // 2
     return w.reshape(heads, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -238,6 +239,16 @@ class GGUFFile:
 
     def _read_raw(self, gname: str, canonical: str, shape: tuple[int, ...]) -> np.ndarray:
         """GGUF tensor `gname` dequantized to float32, checked to be of `shape`."""
+        t, qtype = self._stored(gname, canonical, shape)
+        try:
+            w = _dequantize(self.header.raw(t), qtype)
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
+        return np.asarray(w, dtype=np.float32).reshape(shape)
+
+    def _stored(self, gname: str, canonical: str, shape: tuple[int, ...]) -> tuple[Any, Q]:
+        """GGUF tensor `gname`'s table entry and type, checked: there, of a supported type and
+        of `shape`."""
         t = self.tensors.get(gname)
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {gname!r} is missing (for {canonical!r})")
@@ -256,11 +267,35 @@ class GGUFFile:
             raise CheckpointError(
                 f"{self.path}: tensor {gname!r} has shape {got}, expected {shape} from the header"
             )
+        return t, qtype
+
+    def _read_on(self, canonical: str, shape: tuple[int, ...], device: torch.device | str
+                 ) -> torch.Tensor | None:
+        """A dense model's tensor of a kept block type (`quant_blocks.KEPT_TYPES`) dequantized
+        in float32 by torch where it is going (`device`): the stored bytes travel, not four
+        bytes a weight, and a GPU does the arithmetic (`dequantize_rows`: gguf's float32
+        operations in gguf's order, one kernel each, so the values are `_read`'s bit for bit);
+        llama's q/k rows un-permuted there too. None for the other tensors (`_read` reads
+        them)."""
+        if self.hybrid:
+            return None
+        t = self.tensors.get(gguf_name(canonical))
         try:
-            w = _dequantize(self.header.raw(t), qtype)
-        except Exception as e:
-            raise CheckpointError(f"{self.path}: cannot dequantize {gname!r}: {e}") from e
-        return np.asarray(w, dtype=np.float32).reshape(shape)
+            if t is None or Q(t.type).name not in KEPT_TYPES:
+                return None
+        except ValueError:
+            return None  # (an unknown type: `_read` names it)
+        import torch
+        from layersplit.shards.quant_blocks import dequantize_rows
+
+        t, qtype = self._stored(t.name, canonical, shape)
+        raw = torch.tensor(self.header.raw(t), device=device)  # (a copy out of the map)
+        w = dequantize_rows(raw, qtype.name).reshape(shape)
+        if self.arch == "llama" and canonical.endswith("self_attn.q_proj.weight"):
+            w = unpermute_rows(w, self.config.num_heads)
+        elif self.arch == "llama" and canonical.endswith("self_attn.k_proj.weight"):
+            w = unpermute_rows(w, self.config.num_kv_heads)
+        return w
 
     def kept_type(self, canonical: str) -> str | None:
         """The block type (`quant_blocks.KEPT_TYPES`) of the stored tensor of `canonical`, a
@@ -322,7 +357,9 @@ class GGUFFile:
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():
             if src not in cache:
-                w = self._read(src, shapes[name])
-                cache[src] = torch.tensor(w, dtype=dtype, device=device)  # copy out of the map
+                w = self._read_on(src, shapes[name], device)
+                cache[src] = (w.to(dtype) if w is not None else  # (copy out of the map:)
+                              torch.tensor(self._read(src, shapes[name]), dtype=dtype,
+                                           device=device))
             out[name] = cache[src]
         return out

@@ -1,6 +1,6 @@
-"""A GGUF file's block types are dequantized in torch at load (`checkpoint_gguf._dequantize`,
-`quant_blocks.dequantize_rows`): the weights, in every run dtype, are bit for bit those of
-gguf-py's numpy dequantization, q/k rows un-permuted and 3-D expert tensors included."""
+"""A GGUF file's block types are dequantized in torch at load (`GGUFFile._read_on`, on the
+device the weights go to): the weights, in every run dtype, are bit for bit those of gguf-py's
+numpy dequantization, q/k rows un-permuted and 3-D expert tensors included."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from layersplit.shards.tiny import write_tiny_checkpoint, write_tiny_gguf
 def _both(path, start: int, end: int, dtype: torch.dtype, monkeypatch, device: str = "cpu"):
     got = load_layer_range(open_checkpoint(path), start, end, dtype=dtype, device=device)
     with monkeypatch.context() as m:  # the numpy path, with gguf-py's own dequantize
+        m.setattr(checkpoint_gguf.GGUFFile, "_read_on", lambda *a: None)
         m.setattr(checkpoint_gguf, "_dequantize", dequantize)
         want = load_layer_range(open_checkpoint(path), start, end, dtype=dtype, device=device)
     return got.state_dict(), want.state_dict()
