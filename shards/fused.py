@@ -432,10 +432,10 @@ class FusedDecode:
     def warm_prefill(self, layer) -> None:
         """Launch `prefill`'s kernels once on two rows of zeros, so that their compilation (a
         fresh machine's; later a load from Triton's cache) is paid at start, not by the first
-        request: its own (`rope_qk`), and the row kernels around the projections, which the
-        captured one-row steps no longer launch (they take the GEMV kernels): the input norm,
-        the add + norm with and without a next norm, SiLU * up. A failure turns `prefill` off,
-        as one in a step would."""
+        request: its own (`rope_qk`, with and without a pool to store K/V rows in), and the
+        row kernels around the projections, which the captured one-row steps no longer launch
+        (they take the GEMV kernels): the input norm, the add + norm with and without a next
+        norm, SiLU * up. A failure turns `prefill` off, as one in a step would."""
         if not self.prefill_kernels:
             return
         a = layer.self_attn
@@ -450,10 +450,15 @@ class FusedDecode:
 
             qkv = torch.zeros(2, a.qkv_proj.out_features, dtype=w.dtype, device=w.device)
             cos = torch.zeros(2, d, dtype=w.dtype, device=w.device)
-            row_ops.rope_qk(qkv, cos, cos, a.num_heads, a.num_kv_heads,
-                            None if a.q_norm is None else a.q_norm.weight,
-                            None if a.k_norm is None else a.k_norm.weight,
-                            layer.input_layernorm.eps if a.q_norm is None else a.q_norm.eps)
+            # its two variants: alone, and storing the K/V rows in a paged pool of the run's
+            # dtype (`_prefill`; a kernel of its own), here a pool of two rows of its own
+            rows = torch.zeros(2, a.num_kv_heads, d, dtype=w.dtype, device=w.device)
+            for pool in (None, (rows, rows.clone(), torch.arange(2, device=w.device))):
+                row_ops.rope_qk(qkv, cos, cos, a.num_heads, a.num_kv_heads,
+                                None if a.q_norm is None else a.q_norm.weight,
+                                None if a.k_norm is None else a.k_norm.weight,
+                                layer.input_layernorm.eps if a.q_norm is None else a.q_norm.eps,
+                                pool)
             norm = layer.input_layernorm
             h = torch.zeros(2, norm.weight.shape[0], dtype=w.dtype, device=w.device)
             row_ops.rms_norm_rows(h, norm.weight, norm.eps)

@@ -219,7 +219,8 @@ def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_m
     seen, rows = [], []
     real = row_ops.rope_qk
     monkeypatch.setattr(row_ops, "rope_qk",
-                        lambda qkv, *a, **k: seen.append((qkv.shape, a[2:4], a[4] is not None))
+                        lambda qkv, *a, **k: seen.append((qkv.shape, a[2:4], a[4] is not None,
+                                                          len(a) > 7 and a[7] is not None))
                         or real(qkv, *a, **k))
     for name in ("rms_norm_rows", "add_rms_norm", "silu_mul"):
         monkeypatch.setattr(row_ops, name, lambda *a, _f=getattr(row_ops, name), _n=name, **k:
@@ -229,8 +230,9 @@ def test_warm_prefill_launches_the_kernel_once_and_a_failure_turns_it_off(tiny_m
     layer = ex.model.layers[0]
     fused.warm_prefill(ex.model)
     a = layer.self_attn
+    # (both of its variants: the one that stores K/V rows in a paged pool too)
     assert seen == [((2, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim),
-                     (a.num_heads, a.num_kv_heads), True)]
+                     (a.num_heads, a.num_kv_heads), True, pool) for pool in (False, True)]
     hidden, ff2 = layer.input_layernorm.weight.shape[0], layer.mlp.gate_up_proj.weight.shape[0]
     assert rows == [("rms_norm_rows", (2, hidden), True), ("add_rms_norm", (2, hidden), True),
                     ("add_rms_norm", (2, hidden), False), ("silu_mul", (2, ff2), False)]
