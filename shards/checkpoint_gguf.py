@@ -77,6 +77,9 @@ _GLOBAL = {
 _TO_GGUF_LAYER = {v: k for k, v in _PER_LAYER.items()}
 _TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL.items()}
 
+# values `GGUFFile._read_on` dequantizes at a time (64 MB of float32 work on the device)
+DEQUANT_CHUNK_VALUES = 1 << 24
+
 
 def gguf_name(canonical: str) -> str:
     """Canonical HF tensor name -> GGUF tensor name."""
@@ -269,14 +272,16 @@ class GGUFFile:
             )
         return t, qtype
 
-    def _read_on(self, canonical: str, shape: tuple[int, ...], device: torch.device | str
-                 ) -> torch.Tensor | None:
+    def _read_on(self, canonical: str, shape: tuple[int, ...], device: torch.device | str,
+                 dtype: torch.dtype) -> torch.Tensor | None:
         """A dense model's tensor of a kept block type (`quant_blocks.KEPT_TYPES`) dequantized
-        in float32 by torch where it is going (`device`): the stored bytes travel, not four
-        bytes a weight, and a GPU does the arithmetic (`dequantize_rows`: gguf's float32
-        operations in gguf's order, one kernel each, so the values are `_read`'s bit for bit);
-        llama's q/k rows un-permuted there too. None for the other tensors (`_read` reads
-        them)."""
+        in float32 by torch where it is going (`device`), in chunks of rows
+        (`DEQUANT_CHUNK_VALUES` values: a large embedding needs its `dtype` tensor and a
+        chunk's float32 work, not several float32 copies of itself), and rounded to `dtype`:
+        the stored bytes travel, not four bytes a weight, and a GPU does the arithmetic
+        (`dequantize_rows`: gguf's float32 operations in gguf's order, one kernel each, so the
+        values are `_read`'s bit for bit); llama's q/k rows un-permuted there too. None for the
+        other tensors (`_read` reads them)."""
         if self.hybrid:
             return None
         t = self.tensors.get(gguf_name(canonical))
@@ -289,8 +294,16 @@ class GGUFFile:
         from layersplit.shards.quant_blocks import dequantize_rows
 
         t, qtype = self._stored(t.name, canonical, shape)
-        raw = torch.tensor(self.header.raw(t), device=device)  # (a copy out of the map)
-        w = dequantize_rows(raw, qtype.name).reshape(shape)
+        raw = self.header.raw(t)
+        raw = raw.reshape(-1, raw.shape[-1])
+        cols = raw.shape[-1] // KEPT_TYPES[qtype.name].size * KEPT_TYPES[qtype.name].block
+        w = torch.empty(raw.shape[0], cols, dtype=dtype, device=device)
+        step = max(1, DEQUANT_CHUNK_VALUES // max(cols, 1))
+        for a in range(0, raw.shape[0], step):  # (in row chunks: the float32 work of a chunk
+            # at a time on the device, not of the whole tensor; each value rounds alone)
+            part = torch.tensor(raw[a:a + step], device=device)  # (a copy out of the map)
+            w[a:a + step] = dequantize_rows(part, qtype.name).to(dtype)
+        w = w.reshape(shape)
         if self.arch == "llama" and canonical.endswith("self_attn.q_proj.weight"):
             w = unpermute_rows(w, self.config.num_heads)
         elif self.arch == "llama" and canonical.endswith("self_attn.k_proj.weight"):
@@ -357,8 +370,8 @@ class GGUFFile:
         cache: dict[str, torch.Tensor] = {}
         for name, src in sources.items():
             if src not in cache:
-                w = self._read_on(src, shapes[name], device)
-                cache[src] = (w.to(dtype) if w is not None else  # (copy out of the map:)
+                w = self._read_on(src, shapes[name], device, dtype)
+                cache[src] = (w if w is not None else  # (copy out of the map:)
                               torch.tensor(self._read(src, shapes[name]), dtype=dtype,
                                            device=device))
             out[name] = cache[src]

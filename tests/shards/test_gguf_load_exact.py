@@ -30,7 +30,9 @@ def _assert_same_bits(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_gguf_loads_gguf_py_values(tmp_path, monkeypatch, qtype, dtype):
+@pytest.mark.parametrize("chunk", [1 << 24, 100], ids=["whole", "row-chunks"])
+def test_dense_gguf_loads_gguf_py_values(tmp_path, monkeypatch, qtype, dtype, chunk):
+    monkeypatch.setattr(checkpoint_gguf, "DEQUANT_CHUNK_VALUES", chunk)  # (100: a few rows)
     folder = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
     path = write_tiny_gguf(folder, tmp_path / f"m-{qtype}.gguf", qtype)
     _assert_same_bits(*_both(path, 0, 2, dtype, monkeypatch))
