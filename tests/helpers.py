@@ -392,3 +392,16 @@ def cpu_capture(fn, pool):
     fn()
     out = fn()
     return CpuGraph(fn, out), out
+def step_rows(model, n: int, seed: int) -> torch.Tensor:
+    """Seeded input of an n-row step of a layer range: token ids on the first range, else
+    hidden rows."""
+    g = torch.Generator().manual_seed(seed)
+    if model.is_first:
+        return torch.randint(3, 300, (n,), generator=g)
+    return torch.randn(n, model.cfg.hidden_size, generator=g)
+
+
+def close_rel(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
+    """`a` has `b`'s shape and is within `tol` of `b`'s largest magnitude (at least 1)."""
+    return a.shape == b.shape and \
+        float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))

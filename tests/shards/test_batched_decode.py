@@ -13,6 +13,8 @@ from layersplit.shards.fused import fuse_projections
 from layersplit.shards.graphs import batch_bucket, batch_window
 from layersplit.shards.kv_cache import KVCache, KVLayout
 
+from tests.helpers import step_rows
+
 SLOTS, MAX_LEN, BUCKET = 5, 48, 16
 PROMPT_LENS = (7, 16, 3, 20, 9)  # per slot: positions cross graph-bucket boundaries
 
@@ -68,19 +70,12 @@ def _range(ckpt, start: int, end: int, fused: bool):
     return model
 
 
-def _inputs(model, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if model.is_first:
-        return torch.randint(3, 300, (n,), generator=g)
-    return torch.randn(n, model.cfg.hidden_size, generator=g)
-
-
 def _prefilled(ckpt, start: int, end: int, fused: bool) -> RangeExecutor:
     """An executor with a static decoder whose slots hold prompts of PROMPT_LENS."""
     ex = RangeExecutor(_range(ckpt, start, end, fused), MAX_LEN, SLOTS, static_decode=True,
                        graph_bucket=BUCKET)
     for slot, n in enumerate(PROMPT_LENS):
-        ex.run(_inputs(ex.model, n, seed=slot), 0, slot)
+        ex.run(step_rows(ex.model, n, seed=slot), 0, slot)
     return ex
 
 
@@ -113,7 +108,7 @@ def _check_batched(ckpt, layers: tuple[int, int], slots: list[int], fused: bool)
     assert ex.static is not None
     positions = [PROMPT_LENS[s] for s in slots]
     for step in range(3):  # consecutive steps; slot 3 crosses a graph bucket (20 -> 32 keys)
-        x = _inputs(ex.model, len(slots), seed=100 + step)
+        x = step_rows(ex.model, len(slots), seed=100 + step)
         before = ex.kv.k.clone(), ex.kv.v.clone()
         out = ex.static.run_batch(x, slots, positions)
         want = torch.cat([ref.run(x[i:i + 1], p, s)
@@ -165,14 +160,14 @@ def test_batched_step_taps_each_sequences_rows(tiny_models):
     ex = RangeExecutor(_range(ckpt, 0, 6, True), MAX_LEN, SLOTS, static_decode=True,
                        graph_bucket=BUCKET, taps=(1, 5))
     for slot, n in enumerate(PROMPT_LENS):
-        ex.run(_inputs(ex.model, n, seed=slot), 0, slot)
+        ex.run(step_rows(ex.model, n, seed=slot), 0, slot)
     ref = RangeExecutor(load_layer_range(ckpt, 0, 6), MAX_LEN, SLOTS, static_decode=False,
                         taps=(1, 5))
     ref.kv.k_store.copy_(ex.kv.k_store)
     ref.kv.v_store.copy_(ex.kv.v_store)
     slots = [4, 0, 2]
     positions = [PROMPT_LENS[s] for s in slots]
-    x = _inputs(ex.model, len(slots), seed=7)
+    x = step_rows(ex.model, len(slots), seed=7)
     taps: dict[int, torch.Tensor] = {}
     ex.static.run_batch(x, slots, positions, taps)
     assert sorted(taps) == [1, 5]

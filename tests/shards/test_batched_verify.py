@@ -14,6 +14,8 @@ from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.layers.step import StepInfo
 
+from tests.helpers import close_rel, step_rows
+
 MAX_LEN, BLOCK, BLOCKS, SLOTS = 64, 8, 40, 4
 LENS = (13, 21, 5, 9)  # prompt per slot
 TAPS = (1, 4)
@@ -28,18 +30,6 @@ def _executor(path, start: int, end: int) -> RangeExecutor:
     return ex
 
 
-def _rows(model, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if model.is_first:
-        return torch.randint(3, 300, (n,), generator=g)
-    return torch.randn(n, model.cfg.hidden_size, generator=g)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Within 1e-4 of the larger magnitude of `b` (at least 1)."""
-    return float((a - b).abs().max()) <= 1e-4 * max(1.0, float(b.abs().max()))
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("layers", [(0, 6), (2, 5), (3, 6)], ids=["whole", "middle", "last"])
 def test_batched_verify_equals_each_verify_alone(tiny_models, family, layers):
@@ -48,25 +38,25 @@ def test_batched_verify_equals_each_verify_alone(tiny_models, family, layers):
     assert batched.batch_verify
     for ex in (solo, batched):
         for slot, n in enumerate(LENS):
-            ex.run(_rows(ex.model, n, seed=slot), 0, slot)
+            ex.run(step_rows(ex.model, n, seed=slot), 0, slot)
     # three sequences of 4 rows (a chain and two trees; slot 3 stays out): padded to a batch
     # of 4, whose padding sequence writes only the scratch block
     slots, trees = [2, 0, 1], [None, [0, 0, 1], [0, 1, 1]]
     positions = [LENS[s] for s in slots]
-    xs = [_rows(solo.model, 4, seed=10 + i) for i in range(3)]
+    xs = [step_rows(solo.model, 4, seed=10 + i) for i in range(3)]
     want = [solo.static.run(x, p, s, t) for x, p, s, t in zip(xs, positions, slots, trees)]
     want = [(o.clone(), {k: v.clone() for k, v in taps.items()}) for o, taps in want]
     idle = batched.kv.get_rows(3, list(range(LENS[3])))
     out, taps = batched.static.run_verify_batch(torch.cat(xs), slots, positions, trees)
     assert out.shape[0] == 12 and set(taps) == {t for t in TAPS if layers[0] <= t < layers[1]}
     for i, (o, tapped) in enumerate(want):
-        assert _close(out[4 * i:4 * i + 4], o), (family, i)
+        assert close_rel(out[4 * i:4 * i + 4], o), (family, i)
         for layer, rows in tapped.items():
-            assert _close(taps[layer][4 * i:4 * i + 4], rows), (family, i, layer)
+            assert close_rel(taps[layer][4 * i:4 * i + 4], rows), (family, i, layer)
     for slot, pos in zip(slots, positions):  # the same K/V rows written, none elsewhere
         got, ref = batched.kv.get_rows(slot, list(range(pos + 4))), \
             solo.kv.get_rows(slot, list(range(pos + 4)))
-        assert _close(got[0], ref[0]) and _close(got[1], ref[1])
+        assert close_rel(got[0], ref[0]) and close_rel(got[1], ref[1])
     after = batched.kv.get_rows(3, list(range(LENS[3])))
     assert torch.equal(after[0], idle[0]) and torch.equal(after[1], idle[1])
     # through the executor's grouping: two of the same rows make a group, a lone size not
@@ -84,16 +74,16 @@ def test_a_second_batch_reuses_the_buffers_and_positions_move(tiny_models):
     solo, batched = _executor(path, 0, 6), _executor(path, 0, 6)
     for ex in (solo, batched):
         for slot, n in enumerate(LENS):
-            ex.run(_rows(ex.model, n, seed=slot), 0, slot)
+            ex.run(step_rows(ex.model, n, seed=slot), 0, slot)
     for rnd, (slots, trees) in enumerate([([0, 1], [[0, 0], [0, 1]]),
                                           ([3, 1, 0], [[0, 1], None, [0, 0]])]):
         positions = [LENS[s] + 3 * rnd for s in slots]
-        xs = [_rows(solo.model, 3, seed=20 * rnd + i) for i in range(len(slots))]
+        xs = [step_rows(solo.model, 3, seed=20 * rnd + i) for i in range(len(slots))]
         want = [solo.static.run(x, p, s, t)[0].clone()
                 for x, p, s, t in zip(xs, positions, slots, trees)]
         out, _ = batched.static.run_verify_batch(torch.cat(xs), slots, positions, trees)
         for i, o in enumerate(want):
-            assert _close(out[3 * i:3 * i + 3], o), (rnd, i)
+            assert close_rel(out[3 * i:3 * i + 3], o), (rnd, i)
 
 
 def test_batched_verify_refuses_what_it_does_not_run(tiny_models):
@@ -109,7 +99,7 @@ def test_batched_verify_refuses_what_it_does_not_run(tiny_models):
     with pytest.raises(ValueError, match="sliding-window"):
         step.mask_for(4)
     ex = _executor(tiny_models["llama"], 0, 6)
-    x = _rows(ex.model, 6, seed=1)
+    x = step_rows(ex.model, 6, seed=1)
     with pytest.raises(ValueError, match="distinct slots"):
         ex.static.run_verify_batch(x, [1, 1], [3, 4], [None, None])
     with pytest.raises(ValueError, match="distinct slots"):
@@ -133,11 +123,11 @@ def test_the_executor_maps_a_batched_step_back_to_its_segments(tiny_models, monk
         solo, batched = _executor(path, *layers), _executor(path, *layers)
         for ex in (solo, batched):
             for slot, n in enumerate(LENS):
-                ex.run(_rows(ex.model, n, seed=slot), 0, slot)
+                ex.run(step_rows(ex.model, n, seed=slot), 0, slot)
         segs = [Segment(1, LENS[1], 3, verify=True, tree=[0, 0], all_logits=True, taps={}),
                 Segment(3, LENS[3], 1),
                 Segment(0, LENS[0], 3, verify=True, all_logits=True, taps={})]
-        x = torch.cat([_rows(solo.model, s.n, seed=30 + i) for i, s in enumerate(segs)])
+        x = torch.cat([step_rows(solo.model, s.n, seed=30 + i) for i, s in enumerate(segs)])
         starts = [0, 3, 4, 7]
         outs = [None] * 3
         batched._verify_batched(x, segs, starts, outs)
@@ -146,9 +136,9 @@ def test_the_executor_maps_a_batched_step_back_to_its_segments(tiny_models, monk
             taps: dict = {}
             want = solo.run(x[starts[i]:starts[i + 1]], segs[i].pos, segs[i].slot,
                             all_logits=True, taps=taps, verify=True, tree=segs[i].tree)
-            assert outs[i].shape == want.shape and _close(outs[i], want), (layers, i)
+            assert outs[i].shape == want.shape and close_rel(outs[i], want), (layers, i)
             assert set(segs[i].taps) == set(taps) and all(
-                _close(segs[i].taps[k], v) for k, v in taps.items())
+                close_rel(segs[i].taps[k], v) for k, v in taps.items())
     for error, stays in ((IndexError("rows outside"), True), (RuntimeError("boom"), False)):
         def fail(*args, error=error):
             raise error

@@ -12,15 +12,10 @@ from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.kv_cache import KVLayout
 from layersplit.shards.paged_kv import PagedKVCache
 
+from tests.helpers import step_rows
+
 MAX_LEN, BLOCK, BLOCKS, SLOTS = 64, 8, 24, 3
 LENS = (13, 21, 5)  # prompt per slot: chunks end mid-block
-
-
-def _inputs(model, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if model.is_first:
-        return torch.randint(3, 300, (n,), generator=g)
-    return torch.randn(n, model.cfg.hidden_size, generator=g)
 
 
 def _tables() -> list[list[int]]:
@@ -51,7 +46,7 @@ def test_paged_equals_contiguous(pair):
     plain, paged = pair
     for slot, n in enumerate(LENS):  # prefill in chunks of 6 rows: they end mid-block
         for a in range(0, n, 6):
-            x = _inputs(plain.model, min(6, n - a), seed=10 * slot + a)
+            x = step_rows(plain.model, min(6, n - a), seed=10 * slot + a)
             want, got = plain.run(x, a, slot, all_logits=True), paged.run(x, a, slot,
                                                                          all_logits=True)
             assert torch.equal(got, want)
@@ -59,13 +54,13 @@ def test_paged_equals_contiguous(pair):
     # static single steps (a captured graph's path): one decoder, any slot
     for step in range(3):
         for slot, n in enumerate(LENS):
-            x = _inputs(plain.model, 1, seed=100 + step)
+            x = step_rows(plain.model, 1, seed=100 + step)
             assert torch.equal(paged.run(x, n + step, slot), plain.run(x, n + step, slot))
     assert all(key[0] == -1 for key in paged.static.graphs) or not paged.static.capture
     # a verify tree, row by row through the one-row static step (deterministic mode), then
     # its kept rows moved into place
     tree, pos, slot = [0, 1, 0], LENS[1] + 3, 1
-    x = _inputs(plain.model, 4, seed=7)
+    x = step_rows(plain.model, 4, seed=7)
     for ex in (plain, paged):
         ex.deterministic = True
     want = plain.run(x, pos, slot, all_logits=True, verify=True, tree=tree)
@@ -78,7 +73,7 @@ def test_paged_equals_contiguous(pair):
     # run 2 rows (the contiguous one the window of slots 1..2), so the CPU's matmuls take the
     # same path (a different row count may round differently: AMX / AVX-512 kernels do)
     slots, positions = [2, 1], [LENS[2] + 3, pos + 3]
-    x = _inputs(plain.model, 2, seed=9)
+    x = step_rows(plain.model, 2, seed=9)
     before = paged.kv.get_rows(0, list(range(LENS[0] + 3)))
     got = paged.static.run_batch(x, slots, positions)
     want = plain.static.run_batch(x, slots, positions)
@@ -90,7 +85,7 @@ def test_paged_equals_contiguous(pair):
     # slots with a gap: the contiguous executor's window of 3 rows pads slot 1, whose padding
     # row writes only the scratch row; the outputs agree to float32 rounding (2 rows against 3)
     slots, positions = [2, 0], [LENS[2] + 4, LENS[0] + 3]
-    x = _inputs(plain.model, 2, seed=11)
+    x = step_rows(plain.model, 2, seed=11)
     kept = [t[:, 1, :pos + 3].clone() for t in (plain.kv.k, plain.kv.v)]
     got = paged.static.run_batch(x, slots, positions)
     want = plain.static.run_batch(x, slots, positions)
