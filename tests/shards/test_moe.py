@@ -15,7 +15,8 @@ from layersplit.shards.layers.routed_moe import grouped_experts, loop_experts, r
 from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
-from tests.shards.test_batched_decode import PROMPT_LENS, _inputs, _prefilled, _reference
+from tests.helpers import step_rows
+from tests.shards.test_batched_decode import PROMPT_LENS, _prefilled, _reference
 
 MOE = ("qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
 
@@ -110,7 +111,7 @@ def test_moe_batched_step_equals_eager_steps(tiny_models, family, fused):
     slots = [4, 0, 1, 3]
     positions = [PROMPT_LENS[s] for s in slots]
     for step in range(2):
-        x = _inputs(ex.model, len(slots), seed=100 + step)
+        x = step_rows(ex.model, len(slots), seed=100 + step)
         out = ex.static.run_batch(x, slots, positions)
         want = torch.cat([ref.run(x[i:i + 1], p, s)
                           for i, (s, p) in enumerate(zip(slots, positions))])
