@@ -119,8 +119,9 @@ stage_tests() {
   local skip=()
   if ! default_model; then
     skip=(--deselect tests/gpu/test_parity.py::test_default_model_matches_transformers
-          --deselect tests/gpu/test_parity.py::test_default_model_batched_and_restored)
-    log "tests: test_parity's default-model cases left to the parity stage"
+          --deselect tests/gpu/test_parity.py::test_default_model_batched_and_restored
+          --deselect tests/gpu/test_gguf_load_device.py::test_default_model_device_load_is_the_cpu_load)
+    log "tests: the default model's cases (test_parity, test_gguf_load_device) left to the parity stage"
   fi
   TAIL=40 run tests 60 $cmd --durations=25 "${skip[@]}" $paths
   row pytest "$RUNS/tests.log" --what "GPU tests (${TESTS:-tests})" --cmd "$cmd ${skip[*]} $paths"
@@ -146,8 +147,9 @@ stage_parity() {  # (transformers from .whl-tf where it travelled: the image's m
     # (one xdist worker with pytest-timeout's thread method: a hung case dumps every thread's
     # stack into the log, its worker is replaced, and the cases after it still run)
     TAIL=60 run parity_tests 250 "${tf[@]}" $tests -n 1 --timeout=200 --timeout-method=thread \
-      ${PARITY_K:+-k "$PARITY_K"} tests/gpu/test_parity.py
-    row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py" --cmd parity
+      ${PARITY_K:+-k "$PARITY_K"} tests/gpu/test_parity.py tests/gpu/test_gguf_load_device.py
+    row pytest "$RUNS/parity_tests.log" --what "tests/gpu/test_parity.py, test_gguf_load_device.py" \
+      --cmd parity
   fi
   if has "$cases" layers; then
     local fam
