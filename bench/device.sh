@@ -440,7 +440,7 @@ never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 
 8 streams, 1 shard" --cmd S9
   fi
   if has "$cases" oracle27b; then
-    TAIL=20 run spec_oracle27b 560 python3 $o27 --devices cuda:0 \
+    TAIL=20 run spec_oracle27b 420 python3 $o27 --devices cuda:0 \
       --json "$RUNS/spec_oracle27b.json"
     row spec "$RUNS/spec_oracle27b.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, 1 GPU" \
       --cmd S10
@@ -448,7 +448,7 @@ never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 
   if has "$cases" oracle27b_split; then  # 2 GPUs where there are 2, else 2 shards on one
     local two=cuda:0,cuda:0
     [ "$GPUS" -ge 2 ] && two=cuda:0,cuda:1
-    TAIL=20 run spec_oracle27b_split 560 python3 $o27 --devices $two \
+    TAIL=20 run spec_oracle27b_split 480 python3 $o27 --devices $two \
       --json "$RUNS/spec_oracle27b_split.json"
     row spec "$RUNS/spec_oracle27b_split.json" --what "bench oracle, Qwen3.5-27B shape, A 8.3, \
 2 shards ($two)" --cmd S11
