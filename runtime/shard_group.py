@@ -35,7 +35,7 @@ from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.kv_pool import host_pool_plan, kv_pool_blocks
 from layersplit.runtime.resident_kv import admission_hint
 from layersplit.runtime.scheduler import SchedulerConfig
-from layersplit.runtime.speculative import tree_size, verify_shape
+from layersplit.runtime.speculative import tree_size, verify_shape, warm_verify_rows
 from layersplit.runtime.supervisor import LocalProcess, drop_prestarted, spawn_shard, stop_all
 
 if TYPE_CHECKING:
@@ -276,9 +276,8 @@ class ShardGroup:
         rows, verify_batch = [1], 0
         if self.draft is not None and not cfg.deterministic:  # (deterministic: one-row steps)
             block, tree = verify_shape(self.draft_info, cfg, self.chunk)
-            rows += [block] + ([1 + tree] if tree else [])
-            if self.spec_policy is not None:  # every size the policy may choose
-                rows = sorted({*rows, *(1 + s for s in self.spec_policy.sizes)})
+            sizes = self.spec_policy.sizes if self.spec_policy is not None else ()
+            rows += warm_verify_rows(block, tree, sizes, self.model_config.hybrid is not None)
             # the verify steps of the sequences that speculate at once, batched
             verify_batch = min(cfg.spec_max_seqs, cfg.max_seqs)
         t0 = time.perf_counter()
