@@ -73,15 +73,16 @@ def verify_shape(info: dict[str, Any], config: RuntimeConfig, chunk: int) -> tup
 def warm_verify_rows(block: int, tree: int, policy_sizes: Sequence[int], hybrid: bool) -> list[int]:
     """The row counts of the verify steps a request may replay as graphs, for the warm-up at
     start: a chain of `block` rows, a tree of `tree` draft tokens (1 + tree rows) and each draft
-    token count the speculation policy may choose (`policy_sizes`: 1 + size rows). A hybrid
-    target's tree steps run row by row (its states kept after each row), never as a graph, so
-    there only the chain's lengths: a graph of a tree's rows would be captured for nothing, and
-    its keep buffers sized to that many rows (~147 MB a row at the Qwen3.5-27B shape)."""
-    rows = {block, *(1 + s for s in policy_sizes)}
-    if tree:
-        rows.add(1 + tree)
+    token count the speculation policy may choose (`policy_sizes`: 1 + size rows; a tree's node
+    counts where the draft has a tree, else a chain's depths). A hybrid target's tree steps run
+    row by row (its states kept after each row), never as a graph, so there only its chains:
+    the `block`-row chains alone where the draft has a tree (at a context's end), else every
+    chain length. A graph of a tree's rows would be captured for nothing, and the keep buffers
+    sized to its rows (~147 MB a row at the Qwen3.5-27B shape)."""
     if hybrid:
-        rows = {n for n in rows if n <= block}
+        rows = {block} if tree else {block, *(1 + s for s in policy_sizes)}
+    else:
+        rows = {block, *(1 + s for s in policy_sizes), *((1 + tree,) if tree else ())}
     return sorted(n for n in rows if n > 1)
 
 

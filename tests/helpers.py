@@ -392,6 +392,8 @@ def cpu_capture(fn, pool):
     fn()
     out = fn()
     return CpuGraph(fn, out), out
+
+
 def step_rows(model, n: int, seed: int) -> torch.Tensor:
     """Seeded input of an n-row step of a layer range: token ids on the first range, else
     hidden rows."""

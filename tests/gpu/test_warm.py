@@ -76,13 +76,19 @@ def test_warmed_steps_capture_nothing_and_equal_first_use(tiny_llama, hybrid_mod
     assert graphs == want and seconds > 0
     assert warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)[0] == 0  # all there already
     static = warm.static
-    def held():
-        return tuple(len(g) for g in (static.graphs, static.batch_graphs, static.vbatch_graphs,
-                                      static.verify_graphs))
+
+    def held() -> tuple[list, ...]:
+        return tuple(list(g) for g in (static.graphs, static.batch_graphs, static.vbatch_graphs,
+                                       static.verify_graphs))
+
     before = held()
     got, ref = _steps(warm, hybrid), _steps(cold, hybrid)
     assert held() == before
-    assert hybrid or cold.static.vbatch_graphs  # (the batched verify steps ran as such)
+    if hybrid:  # (the chain verify and the batched steps ran as graphs, not eager)
+        assert cold.static.verify_graphs and cold.static.batch_graphs
+        assert warm.hybrid_verify_graphs and warm.batch_decode
+    else:  # (the batched verify steps ran as such)
+        assert cold.static.vbatch_graphs
     assert len(cold.static.graphs) > 0
     for a, b in zip(got, ref, strict=True):
         assert torch.equal(a, b)

@@ -30,9 +30,12 @@ def _assert_same_bits(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk", [1 << 24, 100], ids=["whole", "row-chunks"])
+@pytest.mark.parametrize("chunk", [1 << 24, 100, 192], ids=["whole", "row-chunks",
+                                                        "row-chunks-3"])
 def test_dense_gguf_loads_gguf_py_values(tmp_path, monkeypatch, qtype, dtype, chunk):
-    monkeypatch.setattr(checkpoint_gguf, "DEQUANT_CHUNK_VALUES", chunk)  # (100: a few rows)
+    # (100: a row a chunk of the tiny model's 64- and 160-wide rows; 192: 3 rows of 64 a chunk,
+    # and a last chunk that is not full)
+    monkeypatch.setattr(checkpoint_gguf, "DEQUANT_CHUNK_VALUES", chunk)
     folder = write_tiny_checkpoint(tmp_path / "m", "llama", num_layers=2)
     path = write_tiny_gguf(folder, tmp_path / f"m-{qtype}.gguf", qtype)
     _assert_same_bits(*_both(path, 0, 2, dtype, monkeypatch))
