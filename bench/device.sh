@@ -48,7 +48,9 @@
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
 #             serve` (SERVE=streams,structured,soak; default streams,structured)
 #   startup   `layersplit generate` from the command to the first token, empty caches then warm
-#             (STARTUP=generate,shape,capture,hybrid; default generate)
+#             (STARTUP=generate,shape,capture,hybrid; default generate); STARTUP=serve: the
+#             first request after `layersplit serve` says ready, against the next ten, fresh
+#             and after a restart restoring from disk (the default model, 2 shards)      (T6)
 #   agent     a scripted 10-turn agent session against `layersplit serve` (the default model, 2
 #             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
 #             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
@@ -667,6 +669,12 @@ stage_startup() {  # T1-T4
     TAIL=14 run startup_hybrid 400 python3 bench/startup.py --model random:qwen3.5-27b \
       --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 \
       --json "$RUNS/startup_hybrid.json"
+  fi
+  if has "$cases" serve; then  # the first request after "ready", fresh and after a restart
+    default_model || return 1
+    TAIL=30 run startup_serve 240 python3 bench/first_request.py --model default \
+      --devices cuda:0,cuda:0 --json "$RUNS/startup_serve.json"
+    row first "$RUNS/startup_serve.json" --cmd T6
   fi
 }
 

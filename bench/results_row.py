@@ -345,10 +345,28 @@ def agent(args) -> list[tuple[str, str, str]]:
              f"llama.cpp server: {words(base)}" if base else DASH)]
 
 
+def first(args) -> list[tuple[str, str, str]]:
+    """bench/first_request.py: the first request's TTFT after "ready" over the median of the
+    next ones', on a fresh server and after a restart (each prompt restored from the disk)."""
+    r = json.loads(Path(args.files[0]).read_text())
+    rows = []
+    for p in r["phases"]:
+        n = len(p["requests"]) - 1
+        when = "fresh" if p["phase"] == "fresh" else \
+            "after a restart, each prompt restored from the disk"
+        what = (f"serve, {shape(r['model'])}, {layout_words(r['devices'])}: the first request "
+                f"after ready ({when}; {r['prompt_tokens']}-token prompts)")
+        rows.append((args.what + what if args.what else what,
+                     f"**{p['ratio']:.2f} ×** the next {n}'s median TTFT ({p['first_ms']:.1f} "
+                     f"ms against {p['rest_median_ms']:.1f}); ready in {p['ready_s']:.1f} s",
+                     f"the next {n} requests, same run"))
+    return rows
+
+
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
          "hop": hop, "spec": spec,
          "moe": moe, "concurrency": concurrency, "cache": cache, "structured": structured,
-         "startup": startup, "pytest": pytest_log, "agent": agent}
+         "startup": startup, "pytest": pytest_log, "agent": agent, "first": first}
 
 
 def main() -> int:
