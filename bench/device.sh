@@ -42,7 +42,8 @@
 #             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
 #   families  the gpt-oss-20b and GLM-4.5-Air shapes: parity against transformers float32 (4
 #             layers), batch 1 next to the active-parameter floor and 8 streams (GLM: 16 layers)
-#             (FAMILY_RUNS=parity,oss,glm; default all)
+#             (FAMILY_RUNS=parity,oss,glm; default all); FAMILY_DTYPE: ours in the parity runs
+#             of `families` and `mla` (default bfloat16; float32: against float32, F1's floor)
 #   long      the Qwen3-8B shape: a 128K prompt, 32K in chunks, one 64K conversation beside 15
 #             short ones (LONG=128k,chunks,mixed,gpus2; default 128k)
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
@@ -541,7 +542,8 @@ stage_mla() {  # M4; MLA=parity,speed,kernel (default all: more than one call's 
   if has "$cases" parity; then
     [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
     TAIL=40 run mla_parity 420 "${tf[@]}" python3 bench/parity.py families \
-      --families deepseek_v3 --limit 6 --new-tokens 48 --out "$OUT/parity_mla.json"
+      --families deepseek_v3 --limit 6 --new-tokens 48 --dtype "${FAMILY_DTYPE:-bfloat16}" \
+      --out "$OUT/parity_mla.json"
   fi
   if has "$cases" speed; then
     TAIL=12 run mla 330 python3 bench/moe.py --shape deepseek-v2-lite \
@@ -561,7 +563,7 @@ stage_families() {  # F1-F3 (parity against transformers float32, then decode sp
   if has "$runs" parity; then
     [ -d .whl-tf ] && install_tf && tf=(env "PYTHONPATH=$PYTHONPATH:/tmp/site-tf")
     TAIL=40 run parity_new_families 300 "${tf[@]}" python3 bench/parity.py families \
-      --families gpt_oss,glm4_moe --limit 6 --new-tokens 48 \
+      --families gpt_oss,glm4_moe --limit 6 --new-tokens 48 --dtype "${FAMILY_DTYPE:-bfloat16}" \
       --out "$OUT/parity_new_families.json"
   fi
   if has "$runs" oss; then
