@@ -636,7 +636,7 @@ stage_serve() {  # V1-V3
   fi
 }
 
-stage_startup() {  # T1-T4
+stage_startup() {  # T1-T4, T6
   local cases=${STARTUP:-generate}
   if has "$cases" generate; then  # the default model's file (a random-weight GGUF of its shape,
     # quantization and vocabulary under its name: start-up does not depend on the weights)

@@ -352,11 +352,16 @@ def first(args) -> list[tuple[str, str, str]]:
     rows = []
     for p in r["phases"]:
         n = len(p["requests"]) - 1
-        when = "fresh" if p["phase"] == "fresh" else \
-            "after a restart, each prompt restored from the disk"
+        if p["phase"] == "fresh":
+            when = "fresh"
+        elif p.get("restored"):
+            when = "after a restart, each prompt restored from the disk tier's files"
+        else:
+            when = "after a restart, NOT every prompt restored (see the run's log)"
         what = (f"serve, {shape(r['model'])}, {layout_words(r['devices'])}: the first request "
-                f"after ready ({when}; {r['prompt_tokens']}-token prompts)")
-        rows.append((args.what + what if args.what else what,
+                f"after ready ({when}; prompts of {p.get('prompt_tokens', r['prompt_tokens']):.0f}"
+                " tokens)")
+        rows.append((f"{args.what}, {what}" if args.what else what,
                      f"**{p['ratio']:.2f} ×** the next {n}'s median TTFT ({p['first_ms']:.1f} "
                      f"ms against {p['rest_median_ms']:.1f}); ready in {p['ready_s']:.1f} s",
                      f"the next {n} requests, same run"))
