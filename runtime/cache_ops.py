@@ -4,7 +4,8 @@ The coordinator sends the shards small control messages; the KV bytes never pass
 A disk save: the coordinator creates `<key>.<pid>.tmp` at its final size with the header (zeroed
 checksums) and writes the tokens and logits; every shard writes its own tensors at their
 offsets from its snapshot memory, in the background, and reports checksums; a finalizer thread
-then fills in the checksums, fsyncs, renames the file into place and fsyncs the directory.
+then fills in the checksums, fsyncs, renames the file into place and fsyncs the directory
+(`runtime.cache_saves`: the saves in flight).
 Restores read tensors by global layer, so any split can read a file any other split wrote.
 """
 
@@ -15,9 +16,7 @@ import json
 import logging
 import math
 import os
-import queue
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,16 +38,15 @@ from layersplit.ipc.kv_file import (
     read_layout,
     write_header,
 )
-from layersplit.ipc.messages import ProtocolError, message, optional_seconds
+from layersplit.ipc.messages import message
+from layersplit.runtime.cache_saves import DiskSaves
 from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.prefix_cache import (
-    BusySpans,
     Entry,
     PrefixIndex,
     Restored,
     SaveJob,
-    fsync_dir,
     metadata_for,
 )
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
@@ -91,7 +89,6 @@ class CacheHost(Protocol):
 
 
 EWMA = 0.3
-PARENT_WAIT_S = 120.0  # a delta entry's save waits this long for its parent's file
 
 
 class CacheManager:
@@ -125,14 +122,9 @@ class CacheManager:
             len(lay["linear_layers"]) * (math.prod(lay["conv_shape"]) * itemsize[lay["dtype"]]
                                          + math.prod(lay["state_shape"]) * 4)
             for lay in self.layouts if "linear_layers" in lay)
-        self.jobs: dict[int, SaveJob] = {}
-        self.saves_by_key: dict[str, SaveJob] = {}  # saves in progress, by entry key
-        self.failed_saves: set[str] = set()  # keys whose save failed (their children fail too)
-        self.done: queue.Queue = queue.Queue()
-        self.save_spans = BusySpans()  # (perf_counter) the saves in stats.save_wall_s
+        self.saves = DiskSaves(self.index, self.entry_bytes, self._after_saves)  # in flight
         self.prefill_rates: dict[int, float] = {}  # tokens/s of whole prefills, by length bucket
         self.disk_rate: float | None = None  # bytes/s, measured
-        self._threads: list[threading.Thread] = []
         self.deferred_takes: list[tuple[Entry, int, int | None]] = []  # (entry, KV slot, the
         # sequence's draft context when the draft got the entry's feature rows)
         # the draft's feature rows go with every entry while a feature-conditioned draft serves
@@ -186,7 +178,7 @@ class CacheManager:
         `context` (the sequence feeds the draft process) the draft gets the entries' feature
         rows too, into that context."""
         features = context is not None
-        self.poll_done()
+        self.saves.poll_done()
         self.drop_deferred(slot)  # (a RAM copy not taken in time is simply not taken)
         n = len(prompt)
         chain = self._lookup(prompt, cuts)
@@ -483,7 +475,7 @@ class CacheManager:
         the last step that fed `context`; a snapshot taken later than its rows were computed
         names the step that computed them, not a later decode step whose rows the shards
         may hold parked)."""
-        self.poll_done()
+        self.saves.poll_done()
         key = self.keys(prompt, [length])[length]
         have = self.index.entries.get(key)
         if have is not None:
@@ -575,6 +567,11 @@ class CacheManager:
     def enforce_ram_cap(self) -> None:
         self._drop_ram(self.index.evict_ram())
 
+    def _after_saves(self) -> None:
+        """Finished saves changed the index: the disk cap, then the RAM cap."""
+        self._drop_ram(self.index.evict_disk())
+        self.enforce_ram_cap()
+
     # ---- disk writes ----------------------------------------------------------------------------
     def _save(self, e: Entry) -> None:
         vocab = self.coord.model_config.vocab_size
@@ -612,9 +609,7 @@ class CacheManager:
             return
         writers = set(range(len(self.split))) | ({-1} if e.features else set())
         job = SaveJob(e, layout, tmp, fd, writers, sums)
-        self.jobs[e.ram_id] = job
-        self.saves_by_key[e.key] = job
-        e.saving = True
+        self.saves.add(job)
         draft = None
         if e.features:
             # (a draft on another node streams its rows; a lost one replies to nothing)
@@ -640,161 +635,11 @@ class CacheManager:
         try:
             replies = self.coord.call_all(save_message, draft=draft)
             if draft is not None and not any(r["_shard"] < 0 for r in replies):
-                self.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
-                                   "error": "the draft did not take its part of the save",
-                                   "names": []})
+                self.saves.on_saved(-1, {"entry": e.ram_id, "path": str(tmp), "checksums": None,
+                                         "error": "the draft did not take its part of the save",
+                                         "names": []})
         except BaseException:
-            self.jobs.pop(e.ram_id, None)
-            self._discard(job)
+            self.saves.cancel(job)
             raise
 
-    @staticmethod
-    def _discard(job: SaveJob) -> None:
-        job.renamed.set()  # (not ok: a child waiting for it is not saved either)
-        job.entry.saving = False
-        try:
-            os.close(job.fd)
-        except OSError:
-            pass
-        job.tmp.unlink(missing_ok=True)
-
-    def abandon_saves(self) -> None:
-        """Saves that can no longer complete (shards gone): remove their partial files."""
-        for job in self.jobs.values():
-            self._discard(job)
-        self.jobs.clear()
-
-    def draft_lost(self) -> None:
-        """The draft is gone: saves waiting for its feature rows finish without them."""
-        for ram_id, job in list(self.jobs.items()):
-            if -1 in job.waiting:
-                self.on_saved(-1, {"entry": ram_id, "path": str(job.tmp), "checksums": None,
-                                   "error": "the draft process is gone"})
-
-    def on_saved(self, shard: int, msg: dict[str, Any], frames: Sequence[Any] = ()) -> None:
-        job = self.jobs.get(msg["entry"])
-        if job is None or shard not in job.waiting or msg["path"] != str(job.tmp):
-            return  # not one of this run's saves (e.g. a remote shard's earlier run)
-        job.waiting.discard(shard)
-        try:
-            job.copy_wait_s = max(job.copy_wait_s, optional_seconds(msg, "copy_wait_s"))
-        except ProtocolError as e:  # (a statistic only: the save goes on)
-            log.warning("prefix cache: shard %d's save: %s", shard, e)
-        if not msg["error"]:
-            why = self._take_streamed(job, shard, msg, frames)
-            if why is not None:
-                msg = {**msg, "error": why}
-        if msg["error"] and shard < 0:  # the KV is still good: keep it, without the features
-            log.warning("prefix cache: %s is saved without its draft feature rows: %s",
-                        job.entry.key[:12], msg["error"])
-            job.without_features = True
-            e = job.entry
-            e.features = False
-            e.kv_bytes = self.entry_bytes(e.length - e.start)
-        elif msg["error"]:
-            job.failed = f"shard {shard}: {msg['error']}"
-        else:
-            job.sums.update(msg["checksums"])
-        if not job.waiting:
-            del self.jobs[msg["entry"]]
-            th = threading.Thread(target=self._finalize, args=(job,), daemon=True)
-            th.start()
-            self._threads.append(th)
-
-    @staticmethod
-    def _take_streamed(job: SaveJob, shard: int, msg: dict[str, Any],
-                       frames: Sequence[Any]) -> str | None:
-        """Keep the tensors a streaming shard sent for the file (written by `_finalize`); why
-        they cannot be taken, if so. Each must be the tensor it names, whole, with the checksum
-        the shard reported (which the file's header then records)."""
-        want = job.streamed_names.get(shard, [])
-        if msg["names"] != want or len(frames) != len(want):
-            return (f"sent {len(frames)} tensors named {msg['names'][:3]}..., expected "
-                    f"{len(want)} ({want[:3]}...)")
-        sums = msg["checksums"] or {}
-        for name, frame in zip(want, frames):
-            data = frame.buffer if hasattr(frame, "buffer") else frame
-            if len(data) != job.layout.tensors[name].nbytes:
-                return (f"{name}: {len(data)} bytes, the file holds "
-                        f"{job.layout.tensors[name].nbytes}")
-            if sums.get(name) != checksum(data):
-                return f"{name}: the bytes sent do not match their checksum"
-            job.streamed.append((job.layout.offset(name), data))
-        return None
-
-    def _finalize(self, job: SaveJob) -> None:
-        """Streamed tensors and checksums in, fsync, atomic rename, directory fsync (a
-        background thread)."""
-        final = self.index.path_for(job.entry.key)
-        try:
-            if job.failed:
-                raise OSError(job.failed)
-            for offset, data in job.streamed:
-                if os.pwrite(job.fd, data, offset) != len(data):
-                    raise OSError(f"short write at offset {offset}")
-            job.streamed.clear()
-            if job.without_features:  # they are the file's last tensors: cut them off
-                for name in (FEATURE_META, FEATURE_DATA):
-                    job.layout.tensors.pop(name, None)
-                    job.sums.pop(name, None)
-                job.layout.metadata.update(features="", kv_bytes=str(job.entry.kv_bytes))
-                os.ftruncate(job.fd, job.layout.file_size)
-            job.layout.checksums = job.sums
-            with os.fdopen(os.dup(job.fd), "r+b") as f:
-                write_header(f, job.layout)
-                f.flush()
-            os.fsync(job.fd)
-            # a delta entry goes in place after its parent (a kill between the two renames
-            # leaves no entry whose parent is missing); not at all if the parent's save failed
-            parent = self.saves_by_key.get(job.entry.parent or "")
-            if job.entry.parent in self.failed_saves or (
-                    parent is not None and parent is not job and (
-                        not parent.renamed.wait(PARENT_WAIT_S) or not parent.ok)):
-                raise OSError(f"its parent entry {job.entry.parent[:12]} was not saved")
-            os.replace(job.tmp, final)
-            fsync_dir(final.parent)
-            job.ok = True
-            self.done.put((job.entry, final, job.layout.file_size, None,
-                           (job.started, time.perf_counter(), job.copy_wait_s)))
-        except Exception as err:  # noqa: BLE001 - reported; the entry stays RAM-only
-            job.tmp.unlink(missing_ok=True)
-            self.done.put((job.entry, None, 0, str(err), (0.0, 0.0, 0.0)))
-        finally:
-            os.close(job.fd)  # releases the writer's lock
-            if not job.ok:
-                self.failed_saves.add(job.entry.key)
-            job.renamed.set()  # (a child that found it in saves_by_key waits on this)
-            if self.saves_by_key.get(job.entry.key) is job:  # not kept for the run's life
-                del self.saves_by_key[job.entry.key]
-
-    def poll_done(self) -> None:
-        """Apply finished saves to the index (main thread only), then the size caps."""
-        changed = False
-        while not self.done.empty():
-            e, path, size, err, (began, ended, copy_wait) = self.done.get_nowait()
-            e.saving = False
-            if self.index.entries.get(e.key) is not e:  # dropped meanwhile: file unreachable
-                if path is not None:
-                    path.unlink(missing_ok=True)
-                continue
-            changed = True
-            if err is not None:
-                self.stats.save_errors += 1
-                log.warning("prefix cache: saving %s failed: %s", e.key[:12], err)
-                continue
-            e.path = path
-            st = self.stats
-            st.saves, st.bytes_written, st.save_s = st.saves + 1, st.bytes_written + size, \
-                st.save_s + ended - began
-            st.save_copy_wait_s += copy_wait
-            st.save_wall_s += self.save_spans.add(began, ended)  # (they end in any order)
-        if changed:
-            self._drop_ram(self.index.evict_disk())
-            self.enforce_ram_cap()
-
-    def pending(self) -> int:
-        """Saves not in the index yet: waiting for rows, being written, or not yet applied
-        (`poll_done`). Ended writer threads are let go (an idle engine asks every SAVE_POLL_S)."""
-        self._threads = [th for th in self._threads if th.is_alive()]
-        return len(self.jobs) + len(self._threads) + self.done.qsize()
 

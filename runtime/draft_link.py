@@ -143,7 +143,7 @@ class DraftLink:
                 log.warning("could not tell the first shard the draft is gone (%s): a step "
                             "it holds runs after its wait", e)
         if self.cache is not None:  # saves waiting for its feature rows go on without them
-            self.cache.draft_lost()
+            self.cache.saves.draft_lost()
         for sock in (d.sock, d.monitor):
             try:
                 self._poller.unregister(sock)

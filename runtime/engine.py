@@ -172,7 +172,7 @@ class Engine:
                 wait_s = 0.2 if not self._to_keep or self.coord is None else \
                     min(0.2, max(0.0, min(w for w, _ in self._to_keep) - time.perf_counter()))
                 if not busy and self.coord is not None and self.coord.cache is not None and \
-                        self.coord.cache.pending():  # (busy: no wait, nothing to ask)
+                        self.coord.cache.saves.pending():  # (busy: no wait, nothing to ask)
                     wait_s = min(wait_s, SAVE_POLL_S)  # (idle: the saves still go on)
                 try:
                     job = self.jobs.get(timeout=wait_s) if not busy else self.jobs.get_nowait()

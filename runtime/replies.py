@@ -99,7 +99,7 @@ class Replies:
             while not sh.sock.closed and sh.sock.poll(0):  # (a draft lost meanwhile: closed)
                 _, msg, frames, err = recv(sh.sock)
                 if err is None and msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg, frames)
+                    self.cache.saves.on_saved(sh.index, msg, frames)
                     continue
                 if err is None and msg["type"] == "wake":
                     continue
@@ -206,7 +206,7 @@ class Replies:
                 if msg["type"] == "wake":
                     continue
                 if msg["type"] == "saved" and self.cache is not None:
-                    self.cache.on_saved(sh.index, msg, frames)
+                    self.cache.saves.on_saved(sh.index, msg, frames)
                     continue
                 msg["_shard"] = sh.index
                 if self._stash(sh, msg, frames):

@@ -367,7 +367,7 @@ class ShardGroup:
         if self.cache is not None and self.failed is None and self.shards:
             self._finish_saves(timeout_s=120.0)
         if self.cache is not None:
-            self.cache.abandon_saves()
+            self.cache.saves.abandon()
         self.cache = None
         for ring in (self._steps, self._results):
             if ring is not None:
@@ -408,15 +408,15 @@ class ShardGroup:
         deadline = time.monotonic() + timeout_s
         cache = self.cache
         try:
-            while cache.pending() and time.monotonic() < deadline:
+            while cache.saves.pending() and time.monotonic() < deadline:
                 self._drain(wait_ms=20)
-                cache.poll_done()
-            cache.poll_done()
+                cache.saves.poll_done()
+            cache.saves.poll_done()
         except ShardFailure:
             pass
-        if cache.pending():
+        if cache.saves.pending():
             log.warning("prefix cache: %d saves still pending at shutdown; abandoned",
-                        cache.pending())
+                        cache.saves.pending())
 
     def poll_saves(self) -> None:
         """Move pending cache writes on while nothing else drains the shards (an idle server
@@ -425,11 +425,11 @@ class ShardGroup:
         went idle is on disk without waiting for the next request (a server killed while idle
         keeps it)."""
         cache = self.cache
-        if cache is None or self.failed is not None or not self.shards or not cache.pending():
+        if cache is None or self.failed is not None or not self.shards or not cache.saves.pending():
             return
         try:
             self._drain(wait_ms=0)
-            cache.poll_done()
+            cache.saves.poll_done()
         except ShardFailure as e:  # (a dead shard: `failed` is set, and the engine recovers)
             if not e.runtime_down:
                 log.warning("prefix cache: finishing saves while idle: %s", e)

@@ -98,7 +98,7 @@ def test_a_given_up_prefix_the_pool_cannot_replace_at_once(tiny_llama, ref, tmp_
         while sched.resident.rows(key) is None or len(pa.generated) < 2 or \
                 (disk and c.cache.index.entries[key].path is None):
             b.run_once()
-            c.cache.poll_done()
+            c.cache.saves.poll_done()
             assert not ra.done
         assert sched.free_blocks < 12
         rb = c.submit(second, GREEDY, pb)
