@@ -78,21 +78,31 @@ class DiskSaves:
         self._threads: list[threading.Thread] = []
 
     def add(self, job: SaveJob) -> None:
-        """A save whose file is made: its writers answer through `on_saved`."""
+        """A save whose file is made: its writers answer through `on_saved` (a key saved again
+        after a failed save: a delta entry after it waits for this one)."""
         self.jobs[job.entry.ram_id] = job
         self.by_key[job.entry.key] = job
+        self.failed.discard(job.entry.key)
         job.entry.saving = True
 
     def cancel(self, job: SaveJob) -> None:
         """A save whose start failed."""
         self.jobs.pop(job.entry.ram_id, None)
-        discard(job)
+        self._end(job)
 
     def abandon(self) -> None:
         """Saves that can no longer complete (shards gone): remove their partial files."""
-        for job in self.jobs.values():
-            discard(job)
+        for job in list(self.jobs.values()):
+            self._end(job)
         self.jobs.clear()
+
+    def _end(self, job: SaveJob) -> None:
+        """A save that never reached its finalizer: discarded, its key failed (a delta entry
+        saved after it must not go in place without its parent's file) and not held."""
+        discard(job)
+        self.failed.add(job.entry.key)
+        if self.by_key.get(job.entry.key) is job:
+            del self.by_key[job.entry.key]
 
     def draft_lost(self) -> None:
         """The draft is gone: saves waiting for its feature rows finish without them."""
