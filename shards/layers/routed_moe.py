@@ -117,6 +117,13 @@ def grouped_gemm_applies(x: torch.Tensor) -> bool:
 # rows (tokens x k) up to which a CUDA step without grouped GEMMs still gathers weights (a
 # decode or verify step, in its graph); longer steps loop over experts (one host sync)
 GATHER_ROWS = 64
+
+
+def experts_sync_free(pairs: int, dtype: torch.dtype) -> bool:
+    """Whether a CUDA step's experts over `pairs` (token, expert) pairs in `dtype` run without
+    a host sync (`grouped_experts`, which a CUDA graph may capture): grouped GEMMs, or few
+    enough pairs to gather their weights; else `loop_experts`."""
+    return (_grouped_mm is not None and dtype == torch.bfloat16) or pairs <= GATHER_ROWS
 # tokens up to which the selected experts run as GEMVs (`shards.kernels.moe_gemv`) that read
 # only their weights, not as a grouped GEMM over all experts (LAYERSPLIT_MOE_GEMV_TOKENS=0: never,
 # for measuring one against the other)
@@ -202,7 +209,7 @@ class Experts(nn.Module):
         return torch.cat([self.gate_proj, self.up_proj], dim=1)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and (grouped_gemm_applies(x) or idx.numel() <= GATHER_ROWS):
+        if x.is_cuda and experts_sync_free(idx.numel(), x.dtype):
             # no host sync: CUDA graphs and long prefills alike
             return grouped_experts(x, w, idx, self.gate_up(), self.down_proj)
         fused = self.gate_up_proj is not None
@@ -235,8 +242,7 @@ class RoutedMoE(nn.Module):
         """Whether a step of `rows` tokens in `dtype` runs without a host sync on a GPU (so a
         CUDA graph may capture it): grouped GEMMs, or few enough rows x experts to gather
         (`Experts.forward`)."""
-        return (_grouped_mm is not None and dtype == torch.bfloat16) or \
-            rows * self.top_k <= GATHER_ROWS
+        return experts_sync_free(rows * self.top_k, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.float_weights)
