@@ -480,13 +480,12 @@ class StaticDecoder:
         """One capture of `warm`: 1 where it was taken. A hybrid range's verify or batched
         capture that fails is logged, and the graphs of its kind are not tried again (their
         steps run eager: `failed`); a dense range's failure is raised."""
-        if not self.per_slot:
-            take()
-            return 1
         try:
             take()
             return 1
         except Exception as e:  # noqa: BLE001 - any capture failure: that kind's steps eager
+            if not self.per_slot:
+                raise
             self.failed.add(kind)
             log.warning("%sa hybrid %s graph failed to capture at start (%s: %s); those steps "
                         "run eager", label, kind, type(e).__name__, e)
@@ -592,12 +591,12 @@ class StaticDecoder:
         if entry is None:
             if self.per_slot:  # (the warm-up runs advance the scratch slot's states only)
                 self._batch_states(bp).fill_(self.kv.scratch_slot)
-                try:
-                    entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
-                except Exception as e:
-                    raise CaptureFailed(f"{type(e).__name__}: {e}") from e
-            else:
+            try:
                 entry = capture(lambda: self._batch_step(lo, bp, kv_len), self.pool)
+            except Exception as e:
+                if not self.per_slot:
+                    raise
+                raise CaptureFailed(f"{type(e).__name__}: {e}") from e
             log.debug("captured a %d-slot batched step graph for layers %d:%d, slots %d:%d, "
                       "%d keys", bp, self.model.start, self.model.end, lo, lo + bp, kv_len)
             self.batch_graphs[key] = entry
