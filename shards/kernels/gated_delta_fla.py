@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,8 @@ def pick_rule(device: torch.device | str, recurrent: bool, torch_rule: Rule) -> 
     rules = delta_rules(device)
     if rules is None:
         return torch_rule
-    return _guarded(rules[1] if recurrent else rules[0], torch_rule, "gated delta rule")
+    return guarded(rules[1] if recurrent else rules[0], torch_rule,
+                   "fla-core's gated delta rule", _broken)
 
 
 def pick_conv(device: torch.device | str, torch_conv: Conv) -> Conv:
@@ -145,27 +147,30 @@ def pick_conv(device: torch.device | str, torch_conv: Conv) -> Conv:
     rule runs (and its conv imports), else `torch_conv`; a failing call is answered as in
     `pick_rule` (the conv writes nothing in place: the caller stores the state it returns)."""
     fla = _load_fla_conv() if delta_rules(device) is not None else None
-    return torch_conv if fla is None else _guarded(fla, torch_conv, "causal conv")
+    return torch_conv if fla is None else guarded(fla, torch_conv, "fla-core's causal conv",
+                                                  _broken)
 
 
-def _guarded(fla: Callable, torch_fn: Callable, what: str) -> Callable:
-    """`fla`, answered by `torch_fn` on its first failure and from then on (`_broken`)."""
+def guarded(kernel: Callable, torch_fn: Callable, what: str, broken: list[str]) -> Callable:
+    """`kernel`, answered by `torch_fn` on its first failure and from then on: the failure is
+    logged (`what` failed) and recorded in `broken`, which every kernel sharing it reads. Out
+    of memory, or a failure inside a graph capture (whose caller runs the step eager, and this
+    kernel again), is raised instead: not the kernel's failing."""
 
-    def guarded(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if _broken:
+    def call(*args: torch.Tensor) -> Any:
+        if broken:
             return torch_fn(*args)
         try:
-            return fla(*args)
+            return kernel(*args)
         except Exception as e:  # noqa: BLE001 - any kernel failure: the exact path instead
             if isinstance(e, torch.OutOfMemoryError) or (
                     torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-                raise  # (not the kernel's failing; a capture fails, its caller runs it eager)
-            _broken.append(f"{type(e).__name__}: {e}")
-            log.warning("fla-core's %s failed (%s); the torch path runs from now on", what,
-                        _broken[0])
+                raise
+            broken.append(f"{type(e).__name__}: {e}")
+            log.warning("%s failed (%s); the torch path runs from now on", what, broken[0])
             return torch_fn(*args)
 
-    return guarded
+    return call
 
 
 def describe(device: torch.device | str) -> str:

@@ -19,15 +19,11 @@ head dims.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels.gated_delta_fla import pick_conv, pick_rule
+from layersplit.shards.kernels.gated_delta_fla import guarded, pick_conv, pick_rule
 from layersplit.shards.layers.fused_linear import frozen_linear
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 64  # the chunk of the chunked delta rule (as transformers and fla use)
 
@@ -162,21 +158,8 @@ def keep_rows_rule(device: torch.device | str):
         return _torch_rows
     from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
 
-    def rule(*args):
-        if _rows_failed:
-            return _torch_rows(*args)
-        try:
-            return recurrent_rows(*args)
-        except torch.OutOfMemoryError:
-            raise  # (not the kernel's failing)
-        except Exception as e:  # noqa: BLE001 - a compile or launch error: the exact path
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise  # (the capture fails: its caller runs the step eager, this kernel again)
-            _rows_failed.append(f"{type(e).__name__}: {e}")
-            log.warning("the gated delta rule's verify-rows kernel failed (%s); the torch "
-                        "rule runs from now on", _rows_failed[0])
-            return _torch_rows(*args)
-    return rule
+    return guarded(recurrent_rows, _torch_rows, "the gated delta rule's verify-rows kernel",
+                   _rows_failed)
 
 
 class GatedRMSNorm(nn.Module):

@@ -129,7 +129,7 @@ def test_warm_captures_verify_and_batched_graphs_and_leaves_every_slot(hybrid_mo
 def test_a_non_compile_failure_in_the_fused_step_keeps_the_compiled_stages(hybrid_models,
                                                                            monkeypatch):
     """A kernel failing inside the fused hybrid step (a delta-rule kernel re-raising inside a
-    capture, `_guarded`) is no torch.compile failure: the step raises and keeps its compiled
+    capture, `guarded`) is no torch.compile failure: the step raises and keeps its compiled
     stages for the process's other steps."""
     import layersplit.shards.fused_hybrid as fh
 
