@@ -15,7 +15,7 @@ first's TTFT over the median of the others is what the start left to the first r
 directory's entries; their files were written seconds before, so they come from the page
 cache, not a cold disk). The server keeps no answers (`--keep-answers 0`): a kept answer is
 work the next request would wait behind, which the first has not. Each phase opens its
-connection before its first request. Issue floor: at most 1.5 x in both phases. `--json` for
+connection before its first request. The target: at most 1.5 x in both phases. `--json` for
 bench/results_row.py (`first`).
 """
 
