@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
 
@@ -216,10 +217,25 @@ def check_local_devices(p: Placement) -> None:
     local_cuda = [s.device for s in p.shards if s.address is None and s.device.startswith("cuda")]
     if not local_cuda:
         return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     for d in local_cuda:
         if int(d.split(":")[1]) >= count:
             raise PlacementError(f"device {d} does not exist here ({count} CUDA devices visible); "
                                  "fix devices or CUDA_VISIBLE_DEVICES")
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applies), asked of the driver
+    library itself: importing torch for it cost the coordinator ~1.2 s on a GPU host before any
+    shard could be given its arguments (the coordinator imports no torch otherwise). Where there
+    is no CUDA driver library (ROCm names its HIP devices `cuda` too) torch counts them."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0  # (no device, or a driver that cannot run: torch would see none either)
+    return count.value

@@ -5,6 +5,10 @@ cuda-ipc against one GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from layersplit.runtime.config import RuntimeConfig
@@ -127,6 +131,20 @@ def test_two_gpu_split_equals_one_gpu(tiny_llama, transport):
     with Coordinator(one) as c:
         assert c.generate(prompt, p).tokens == sampled
     assert shard_children() == [] and layersplit_shm() - before == set()
+
+
+def test_device_check_counts_as_torch_does_without_importing_it():
+    """The coordinator's device check asks the driver (`cuda_device_count`), not torch: the
+    same count, `CUDA_VISIBLE_DEVICES` applied, and no torch import in the process."""
+    code = ("import sys; from layersplit.runtime.placement import cuda_device_count; "
+            "print(cuda_device_count(), 'torch' in sys.modules)")
+    for visible, want in ((None, torch.cuda.device_count()), ("0", 1), ("", 0)):
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert out == [str(want), "False"], (visible, out)
 
 
 def test_auto_picks_cuda_ipc_between_gpus(tiny_llama):
