@@ -110,6 +110,7 @@ class DraftServer:
         self.spin_s = 0.0
         self.cache_dir: str | None = None
         self.push = False  # prepared proposals go to the first shard (the first feeder)
+        self.warm_pending = False  # (`_warm_when_linked`)
         self.trace = step_trace("draft")  # (LAYERSPLIT_STEP_TRACE)
         self.profile = kernel_profile("draft")  # (LAYERSPLIT_KERNEL_PROFILE)
         t0 = time.perf_counter()
@@ -142,7 +143,9 @@ class DraftServer:
               lambda ms: self._poll_router(block_ms(self.snapshots, ms)), lambda: self.spin_s)
 
     def _work(self) -> bool:
-        worked = self._report_saves()
+        worked = self._warm_when_linked()
+        if self._report_saves():
+            worked = True
         if self._drain_inboxes():
             worked = True
         if self._prepare():
@@ -169,12 +172,28 @@ class DraftServer:
             self._dispatch(route, msg, frames)
         return True
 
+    def _warm_when_linked(self, now: bool = False) -> bool:
+        """The warm-up `draft_configure` left pending, once every feeder has linked (`now`:
+        before a message that may touch a sequence's rows, linked or not: the warm-up's own
+        rows are a slot no sequence holds yet). A failure is logged: the proposals that follow
+        fail, and the coordinator stops speculating."""
+        if not self.warm_pending or not (now or all(f.route is not None for f in self.feeders)):
+            return False
+        self.warm_pending = False
+        try:
+            self.proposer.warm_up()
+        except Exception:  # noqa: BLE001 - the loop goes on; see above
+            log.exception("draft: the warm-up failed")
+        return True
+
     def _dispatch(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         if not self.gate.screen(route, msg, self._reply):
             return
         t = msg["type"]
         if t == "auth":
             return self._on_auth(route, msg)
+        if t not in ("feed", "draft_configure", "ping", "wake"):
+            self._warm_when_linked(now=True)
         try:
             if t in SNAP_OPS:
                 if self.snapshots is None:
@@ -258,7 +277,10 @@ class DraftServer:
             if fed != taps:
                 raise ProtocolError(f"draft_configure: feeders cover layers {fed}, the draft "
                                     f"needs {taps}")
-            p.warm_up()  # compile and capture now, not in the first request's proposal
+            # compile and capture before the first request's proposal, once every feeder has
+            # linked (`_warm_when_linked`): the shards' own warm-up, after their links, runs
+            # meanwhile instead of after it
+            self.warm_pending = True
         self._reply(route, message("configured", info=self.info()))
 
     def info(self) -> dict[str, Any]:

@@ -332,3 +332,30 @@ def test_sampled_proposals_carry_their_distributions(server):
         with pytest.raises(ProtocolError, match=f"draft_begin: sample .*{why}"):
             server._on_draft_begin(b"coord", message("draft_begin", sid=5, slot=0, sample=bad),
                                    [])
+
+
+def test_the_warm_up_waits_for_every_feeder_link(server, monkeypatch):
+    """`draft_configure` answers before the proposer's warm-up (compile, capture): that runs
+    once every feeder has linked, so the shards warm up meanwhile; a message that may touch a
+    sequence's rows before then runs it first."""
+    calls = []
+    warm = server.proposer.warm_up
+    monkeypatch.setattr(server.proposer, "warm_up", lambda: calls.append(1) or warm())
+    server._reply = lambda route, msg, frames=(): None
+    assert server.warm_pending
+    server._work()
+    _feeder(server, b"shard0", [1])
+    server._work()
+    assert calls == []  # shard 1 has not linked
+    _feeder(server, b"shard1", [4])
+    assert calls == []
+    server._work()
+    server._work()
+    assert calls == [1] and not server.warm_pending
+    # configured again, a sequence's message before the links warms first
+    server._on_draft_configure(b"coord", message(
+        "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
+        cache_dir=None, spin_ms=0, slots=2, push=True), [])
+    monkeypatch.setattr(server.gate, "screen", lambda route, msg, reply: True)
+    server._dispatch(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
+    assert calls == [1, 1] and not server.warm_pending
