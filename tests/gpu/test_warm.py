@@ -77,9 +77,9 @@ def test_warmed_steps_capture_nothing_and_equal_first_use(tiny_llama, hybrid_mod
     assert warm.static.warm((1, 4), SLOTS, verify_batch=SLOTS)[0] == 0  # all there already
     static = warm.static
 
-    def held() -> tuple[list, ...]:
-        return tuple(list(g) for g in (static.graphs, static.batch_graphs, static.vbatch_graphs,
-                                       static.verify_graphs))
+    def held() -> tuple[set, ...]:  # (sets: a replayed graph moves to its dict's end, LRU)
+        return tuple(set(g) for g in (static.graphs, static.batch_graphs, static.vbatch_graphs,
+                                      static.verify_graphs))
 
     before = held()
     got, ref = _steps(warm, hybrid), _steps(cold, hybrid)
