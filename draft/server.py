@@ -55,10 +55,12 @@ PUSH_TIMEOUT_S = 0.0  # a proposal that finds the first shard's ring full goes b
 MAX_SLOTS = 1024
 
 ALLOWED = {
-    "coordinator": {"draft_configure", "draft_begin", "propose", "draft_features", "ping",
-                    "shutdown", "wake", *SNAP_OPS},
+    "coordinator": {"draft_configure", "draft_warm", "draft_begin", "propose", "draft_features",
+                    "ping", "shutdown", "wake", *SNAP_OPS},
     "feeder": {"feed", "feat", "verdict", "wake"},
 }
+# the messages that read or write a sequence's rows (a pending warm-up runs before them)
+SLOT_OPS = frozenset({"draft_begin", "propose", "draft_features", "feat", "verdict", *SNAP_OPS})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,6 +113,7 @@ class DraftServer:
         self.cache_dir: str | None = None
         self.push = False  # prepared proposals go to the first shard (the first feeder)
         self.warm_pending = False  # (`_warm_when_linked`)
+        self.warm_failed: str | None = None
         self.trace = step_trace("draft")  # (LAYERSPLIT_STEP_TRACE)
         self.profile = kernel_profile("draft")  # (LAYERSPLIT_KERNEL_PROFILE)
         t0 = time.perf_counter()
@@ -173,18 +176,27 @@ class DraftServer:
         return True
 
     def _warm_when_linked(self, now: bool = False) -> bool:
-        """The warm-up `draft_configure` left pending, once every feeder has linked (`now`:
-        before a message that may touch a sequence's rows, linked or not: the warm-up's own
-        rows are a slot no sequence holds yet). A failure is logged: the proposals that follow
-        fail, and the coordinator stops speculating."""
+        """The warm-up `draft_configure` left pending, once every feeder has linked, so that it
+        runs while the shards warm up (`now`: before a message that touches a sequence's rows,
+        `SLOT_OPS`: the warm-up's own rows are a slot no sequence holds yet). A failure is kept
+        for the coordinator's `draft_warm`, which fails the start with it."""
         if not self.warm_pending or not (now or all(f.route is not None for f in self.feeders)):
             return False
         self.warm_pending = False
         try:
             self.proposer.warm_up()
-        except Exception:  # noqa: BLE001 - the loop goes on; see above
+        except Exception as e:  # noqa: BLE001 - answered to draft_warm
             log.exception("draft: the warm-up failed")
+            self.warm_failed = f"{type(e).__name__}: {e}"
         return True
+
+    def _on_draft_warm(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """The coordinator's last word at start: answered once the warm-up is done (within the
+        start's deadline, not a request's), with its failure if it failed."""
+        self._warm_when_linked(now=True)
+        if self.warm_failed is not None:
+            raise ProtocolError(f"warm-up failed: {self.warm_failed}", "failed")
+        self._reply(route, message("ok", info={}, sid=msg.get("sid")))
 
     def _dispatch(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         if not self.gate.screen(route, msg, self._reply):
@@ -192,7 +204,7 @@ class DraftServer:
         t = msg["type"]
         if t == "auth":
             return self._on_auth(route, msg)
-        if t not in ("feed", "draft_configure", "ping", "wake"):
+        if t in SLOT_OPS:
             self._warm_when_linked(now=True)
         try:
             if t in SNAP_OPS:
@@ -280,7 +292,7 @@ class DraftServer:
             # compile and capture before the first request's proposal, once every feeder has
             # linked (`_warm_when_linked`): the shards' own warm-up, after their links, runs
             # meanwhile instead of after it
-            self.warm_pending = True
+            self.warm_pending, self.warm_failed = True, None
         self._reply(route, message("configured", info=self.info()))
 
     def info(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 19  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 20  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -40,7 +40,8 @@ PROTOCOL_VERSION = 19  # 2: speculative decoding; 3: batched steps (several sequ
 # description its info's `board` carries and the first shard's configure passes on,
 # `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`);
 # 19: the token board's host-mode token words carry their step (`ipc.token_board.pack`); warm's
-# optional `verify_batch` (batched verify steps)
+# optional `verify_batch` (batched verify steps); 20: `draft_warm` (draft_configure answers
+# before the draft's warm-up)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -111,6 +112,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "draft_configure": {"session": (bytes,), "max_context": (int,), "max_rows": (int,),
                         "feeders": (list,), "cache_dir": (str, NoneType), "spin_ms": Num,
                         "slots": (int,), "push": (bool,)},
+    # the start's last word to the draft: answered once its warm-up (begun as the feeders
+    # link) is done, an error if it failed
+    "draft_warm": {},
     # a new sequence in `slot`: forget the context of the slot's last one. `sample`: the
     # sequence's sampling ({temperature, top_k, top_p, seed}) when the draft is to sample its
     # proposals from its own distribution and send it (`q`); None: its best guesses, no `q`

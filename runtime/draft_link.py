@@ -17,7 +17,7 @@ import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import message
 from layersplit.ipc.sockets import close_monitored, connect_dealer, free_tcp_port, send
-from layersplit.runtime.errors import DraftLost, ShardFailure
+from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
 from layersplit.runtime.placement import Placement, PlacementError, ShardPlan, check_local_devices
 from layersplit.runtime.shard_group import _Shard
 from layersplit.runtime.spec_policy import SpecPolicy, policy_sizes
@@ -127,6 +127,18 @@ class DraftLink:
                  f", taps layers {taps}" if taps else "",
                  self.draft_info["memory_bytes"] / 2**20)
         return taps
+
+    def _draft_warmed(self, deadline: float) -> None:
+        """Wait for the draft's warm-up (compile, capture), which it began as the shards linked
+        to it and ran while they warmed up: within the start's deadline, not the first
+        request's; a failed one fails the start as a failed configure does."""
+        if self.draft is None:
+            return
+        try:
+            self._call(self.draft, message("draft_warm"), deadline)
+        except (DraftLost, DraftError) as e:
+            raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
+                               f"{e}") from None
 
     def _lose_draft(self, why: str) -> None:
         """The draft failed: speculation stops for the rest of this run (logged); the shards

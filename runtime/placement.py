@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import os
 import re
 
 from layersplit.runtime.config import ConfigError, RuntimeConfig
@@ -217,18 +218,45 @@ def check_local_devices(p: Placement) -> None:
     local_cuda = [s.device for s in p.shards if s.address is None and s.device.startswith("cuda")]
     if not local_cuda:
         return
-    count = cuda_device_count()
+    quick = visible_cuda_devices()
+    if quick is not None and all(int(d.split(":")[1]) < quick for d in local_cuda):
+        return
+    count = cuda_device_count()  # (a no is the driver's, never the quick count's)
     for d in local_cuda:
         if int(d.split(":")[1]) >= count:
             raise PlacementError(f"device {d} does not exist here ({count} CUDA devices visible); "
                                  "fix devices or CUDA_VISIBLE_DEVICES")
 
 
+def visible_cuda_devices() -> int | None:
+    """The CUDA devices this process sees, counted without the driver: NVIDIA's GPUs under
+    /proc/driver/nvidia/gpus, less what `CUDA_VISIBLE_DEVICES` hides (its leading valid
+    indices; a UUID is taken as naming one). None where there is no such folder. Asking the
+    driver (`cuInit`) took ~1.5 s of the coordinator's start on an H200 host, before any shard
+    had its arguments; this may count more devices than the driver would (a UUID that names
+    none), never fewer but with MIG, so only its yes is final (`check_local_devices`)."""
+    try:
+        gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return gpus
+    count = 0
+    for item in (x.strip() for x in visible.split(",")):
+        if item.startswith(("GPU-", "MIG-")):
+            count += 1
+        elif item.isdigit() and int(item) < gpus:
+            count += 1
+        else:  # (CUDA stops at the first entry that names no device)
+            break
+    return count
+
+
 def cuda_device_count() -> int:
     """The CUDA devices this process sees (`CUDA_VISIBLE_DEVICES` applies), asked of the driver
-    library itself: importing torch for it cost the coordinator ~1.2 s on a GPU host before any
-    shard could be given its arguments (the coordinator imports no torch otherwise). Where there
-    is no CUDA driver library (ROCm names its HIP devices `cuda` too) torch counts them."""
+    library itself, not of torch (the coordinator imports no torch otherwise). Where there is no
+    CUDA driver library (ROCm names its HIP devices `cuda` too) torch counts them."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:

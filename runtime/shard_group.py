@@ -244,6 +244,7 @@ class ShardGroup:
                 )
             if cfg.capture_at_start and cfg.cuda_graphs:
                 self._warm(t0 + cfg.startup_timeout)
+            self._draft_warmed(t0 + cfg.startup_timeout)
             if cfg.prefix_cache:
                 self.cache = CacheManager(self)
             groups = min(cfg.micro_batches or len(self.shards), cfg.max_seqs, MAX_IN_FLIGHT)

@@ -336,12 +336,16 @@ def test_sampled_proposals_carry_their_distributions(server):
 
 def test_the_warm_up_waits_for_every_feeder_link(server, monkeypatch):
     """`draft_configure` answers before the proposer's warm-up (compile, capture): that runs
-    once every feeder has linked, so the shards warm up meanwhile; a message that may touch a
-    sequence's rows before then runs it first."""
-    calls = []
-    warm = server.proposer.warm_up
-    monkeypatch.setattr(server.proposer, "warm_up", lambda: calls.append(1) or warm())
-    server._reply = lambda route, msg, frames=(): None
+    once every feeder has linked, so the shards warm up meanwhile, and `draft_warm` answers
+    after it (with its failure, if it failed); a message that touches a sequence's rows before
+    then runs it first."""
+    calls, sent = [], []
+    warm, begin = server.proposer.warm_up, server.proposer.begin
+    monkeypatch.setattr(server.proposer, "warm_up", lambda: calls.append("warm") or warm())
+    monkeypatch.setattr(server.proposer, "begin",
+                        lambda slot, sample=None: calls.append(("begin", slot)) or
+                        begin(slot, sample))
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
     assert server.warm_pending
     server._work()
     _feeder(server, b"shard0", [1])
@@ -351,11 +355,24 @@ def test_the_warm_up_waits_for_every_feeder_link(server, monkeypatch):
     assert calls == []
     server._work()
     server._work()
-    assert calls == [1] and not server.warm_pending
-    # configured again, a sequence's message before the links warms first
+    assert calls == ["warm"] and not server.warm_pending
+    server._on_draft_warm(b"coord", message("draft_warm", sid=5), [])
+    assert calls == ["warm"] and sent[-1]["type"] == "ok" and sent[-1]["sid"] == 5
+    # configured again: a sequence's message before the links warms first, then runs
     server._on_draft_configure(b"coord", message(
         "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
         cache_dir=None, spin_ms=0, slots=2, push=True), [])
     monkeypatch.setattr(server.gate, "screen", lambda route, msg, reply: True)
     server._dispatch(b"coord", message("draft_begin", sid=1, slot=0, sample=None), [])
-    assert calls == [1, 1] and not server.warm_pending
+    assert calls == ["warm", "warm", ("begin", 0)] and not server.warm_pending
+    # a failed warm-up: draft_warm answers with it
+    server._on_draft_configure(b"coord", message(
+        "draft_configure", session=b"s", max_context=64, max_rows=16, feeders=[[1], [4]],
+        cache_dir=None, spin_ms=0, slots=2, push=True), [])
+
+    def broken() -> None:
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(server.proposer, "warm_up", broken)
+    server._dispatch(b"coord", message("draft_warm", sid=6), [])
+    assert sent[-1]["type"] == "error" and "capture failed" in sent[-1]["message"]

@@ -134,17 +134,23 @@ def test_two_gpu_split_equals_one_gpu(tiny_llama, transport):
 
 
 def test_device_check_counts_as_torch_does_without_importing_it():
-    """The coordinator's device check asks the driver (`cuda_device_count`), not torch: the
-    same count, `CUDA_VISIBLE_DEVICES` applied, and no torch import in the process."""
-    code = ("import sys; from layersplit.runtime.placement import cuda_device_count; "
-            "print(cuda_device_count(), 'torch' in sys.modules)")
-    for visible, want in ((None, torch.cuda.device_count()), ("0", 1), ("", 0)):
-        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    """The coordinator's device check counts without torch: the quick count (no driver call)
+    and the driver's equal torch's, `CUDA_VISIBLE_DEVICES` applied, and a check that passes
+    imports no torch."""
+    code = ("import sys; from layersplit.runtime.placement import ShardPlan, Placement, "
+            "check_local_devices, cuda_device_count, visible_cuda_devices; "
+            "n = cuda_device_count(); "
+            "n and check_local_devices(Placement((ShardPlan(0, 0, 1, f'cuda:{n - 1}', None),), "
+            "())); print(visible_cuda_devices(), n, 'torch' in sys.modules); "
+            "import torch; print(torch.cuda.device_count())")
+    for visible in (None, "0", ""):
+        env = dict(os.environ)
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True).stdout.split()
-        assert out == [str(want), "False"], (visible, out)
+        quick, driver, imported, want = out
+        assert (quick, driver, imported) == (want, want, "False"), (visible, out)
 
 
 def test_auto_picks_cuda_ipc_between_gpus(tiny_llama):
