@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layersplit.draft.dflash import load_dflash, read_dflash_config  # noqa: E402
+from layersplit.draft.dflash import load_dflash  # noqa: E402
+from layersplit.draft.dflash_config import read_dflash_config  # noqa: E402
 from layersplit.draft.measure import acceptance, greedy_labels, target_rows  # noqa: E402
 from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
 from layersplit.draft.train import continuations  # noqa: E402

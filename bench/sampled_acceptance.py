@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layersplit.draft.dflash import load_dflash, read_dflash_config  # noqa: E402
+from layersplit.draft.dflash import load_dflash  # noqa: E402
+from layersplit.draft.dflash_config import read_dflash_config  # noqa: E402
 from layersplit.draft.measure import block_logits, target_rows  # noqa: E402
 from layersplit.draft.train import continuations  # noqa: E402
 from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model  # noqa: E402

@@ -24,16 +24,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from layersplit.draft.dflash import (
-    DFlashConfig,
     DFlashDraft,
     block_step,
-    dflash_folder,
     draft_step,
     draft_step_batch,
     layer_weights,
     load_dflash,
-    read_dflash_config,
 )
+from layersplit.draft.dflash_config import DFlashConfig, dflash_folder, read_dflash_config
 from layersplit.draft.tree_shape import instantiate, width
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.shards.checkpoint import (

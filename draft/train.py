@@ -45,13 +45,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from layersplit.draft.dflash import (
-    DFlashDraft,
-    dflash_config_dict,
-    read_dflash_config,
-    read_dflash_config_dict,
-    save_dflash,
-)
+from layersplit.draft.dflash import DFlashDraft, dflash_config_dict, save_dflash
+from layersplit.draft.dflash_config import read_dflash_config, read_dflash_config_dict
 from layersplit.draft.measure import (
     TREE_TOP_K,
     Rows,

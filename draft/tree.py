@@ -11,7 +11,8 @@ import logging
 from pathlib import Path
 
 import torch
-from layersplit.draft.dflash import load_dflash, read_dflash_config, write_config
+from layersplit.draft.dflash import load_dflash, write_config
+from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import TREE_TOP_K, greedy_labels, label_ranks, target_rows, walk
 from layersplit.draft.train import load_sequences
 from layersplit.draft.tree_shape import choose_shape

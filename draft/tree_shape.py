@@ -18,11 +18,13 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.spec_tree import is_chain
+
+if TYPE_CHECKING:
+    import torch
 
 Shape = tuple[tuple[int, ...], ...]
 

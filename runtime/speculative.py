@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def draft_taps(path: str | Path | None) -> list[int]:
     """The target layers a feature-conditioned draft reads ([] for a classic draft)."""
-    from layersplit.draft.dflash import dflash_folder, read_dflash_config
+    from layersplit.draft.dflash_config import dflash_folder, read_dflash_config
 
     folder = None if path is None else dflash_folder(path)
     return [] if folder is None else list(read_dflash_config(folder).target_layer_ids)

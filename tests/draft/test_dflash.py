@@ -11,12 +11,8 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from layersplit.draft.dflash import (
-    dflash_tensor_shapes,
-    load_dflash,
-    read_dflash_config,
-    write_random_dflash,
-)
+from layersplit.draft.dflash import dflash_tensor_shapes, load_dflash, write_random_dflash
+from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import block_logits
 from layersplit.draft.proposer import DFlashProposer, load_proposer
 from layersplit.shards.errors import CheckpointError
@@ -143,7 +139,8 @@ def test_training_eager_and_static_forms_agree(any_draft, tiny_llama, fused):
 def _random_draft(tiny_llama, bias: bool, fused: bool):
     """A 2-layer random draft of the tiny target, with q/k/v biases or not, its projections
     fused (as on GPUs) or not."""
-    from layersplit.draft.dflash import DFlashDraft, dflash_config_dict, read_dflash_config_dict
+    from layersplit.draft.dflash import DFlashDraft, dflash_config_dict
+    from layersplit.draft.dflash_config import read_dflash_config_dict
     from layersplit.shards.fused import fuse_projections
 
     target = read_hf_config(tiny_llama)
@@ -310,7 +307,8 @@ def test_a_failed_batched_proposal_leaves_each_context_as_it_was(draft_dir, monk
 def test_windowed_layers_see_what_z_lab_s_mask_lets_them():
     """`block_mask`: a sliding layer's block row at position q sees keys q - window < k <= q
     (causal), a full one every key; `is_causal` makes a full layer's block causal."""
-    from layersplit.draft.dflash import block_mask, read_dflash_config_dict
+    from layersplit.draft.dflash import block_mask
+    from layersplit.draft.dflash_config import read_dflash_config_dict
 
     q, k = torch.arange(10, 13), torch.arange(0, 13)
     m = block_mask((4, True), q, k)

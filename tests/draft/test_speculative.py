@@ -16,12 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from layersplit.draft.dflash import (
-    load_dflash,
-    read_dflash_config,
-    save_dflash,
-    write_random_dflash,
-)
+from layersplit.draft.dflash import load_dflash, save_dflash, write_random_dflash
+from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import block_logits, greedy_labels, target_rows
 from layersplit.draft.train import optimize
 from layersplit.ipc.messages import message

@@ -164,7 +164,7 @@ def test_draft_of_another_family_is_refused(qwen3, qwen35, tmp_path):
                                           ("qwen3.5-27b-dflash", "qwen3.5-27b")])
 def test_presets_fit_their_targets(draft, target):
     """The random-weight drafts of the published shapes (`random:NAME`) fit their targets."""
-    from layersplit.draft.dflash import dflash_folder, read_dflash_config
+    from layersplit.draft.dflash_config import dflash_folder, read_dflash_config
     from layersplit.shards.checkpoint import open_checkpoint
 
     folder = dflash_folder(f"random:{draft}")

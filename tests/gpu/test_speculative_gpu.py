@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 import torch
-from layersplit.draft.dflash import load_dflash, read_dflash_config, write_random_dflash
+from layersplit.draft.dflash import load_dflash, write_random_dflash
+from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.proposer import DFlashProposer
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
