@@ -133,6 +133,9 @@ class DraftLink:
         to it and ran while they warmed up: within the start's deadline, not the first
         request's; a failed one fails the start as a failed configure does."""
         if self.draft is None:
+            if self.draft_path is not None:  # it died (or was lost) since its configure
+                raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
+                                   f"{self.draft_down or 'it is gone'}")
             return
         try:
             self._call(self.draft, message("draft_warm"), deadline)

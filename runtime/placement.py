@@ -230,11 +230,13 @@ def check_local_devices(p: Placement) -> None:
 
 def visible_cuda_devices() -> int | None:
     """The CUDA devices this process sees, counted without the driver: NVIDIA's GPUs under
-    /proc/driver/nvidia/gpus, less what `CUDA_VISIBLE_DEVICES` hides (its leading valid
-    indices; a UUID is taken as naming one). None where there is no such folder. Asking the
-    driver (`cuInit`) took ~1.5 s of the coordinator's start on an H200 host, before any shard
-    had its arguments; this may count more devices than the driver would (a UUID that names
-    none), never fewer but with MIG, so only its yes is final (`check_local_devices`)."""
+    /proc/driver/nvidia/gpus, less what `CUDA_VISIBLE_DEVICES` hides (its leading distinct
+    indices below that count, where CUDA stops). None where that is not known so: no such
+    folder, UUIDs (`GPU-`, `MIG-`: which of them name a device only the driver knows) or an
+    index named twice (CUDA then sees none). Asking the driver (`cuInit`) took ~1.5 s of the
+    coordinator's start on an H200 host, before any shard had its arguments, so only a device
+    this count does not find is asked about (`check_local_devices`); where it counts one the
+    driver would not (a GPU in MIG mode), the shard's own start fails on it instead."""
     try:
         gpus = len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
@@ -242,15 +244,16 @@ def visible_cuda_devices() -> int | None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return gpus
-    count = 0
+    seen: set[int] = set()
     for item in (x.strip() for x in visible.split(",")):
         if item.startswith(("GPU-", "MIG-")):
-            count += 1
-        elif item.isdigit() and int(item) < gpus:
-            count += 1
-        else:  # (CUDA stops at the first entry that names no device)
-            break
-    return count
+            return None
+        if not re.fullmatch(r"[0-9]+", item) or int(item) >= gpus:
+            break  # (CUDA stops at the first entry that names no device)
+        if int(item) in seen:
+            return None
+        seen.add(int(item))
+    return len(seen)
 
 
 def cuda_device_count() -> int:

@@ -221,6 +221,8 @@ class Replies:
                         continue
                     if msg["code"] == "feed_lost":  # a shard could not hand the draft its rows
                         self._lose_draft(msg["message"])
+                        if on_draft:  # (what this waits for will not come)
+                            raise DraftLost(msg["message"])
                         break  # the draft's socket, maybe among these events, is closed
                     if err_sid is not None and err_sid in self._back:
                         # a second report of a step that failed already (shards behind a zmq
