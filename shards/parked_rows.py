@@ -12,9 +12,11 @@ not speculate at all sends them once, when its draft context is used next, and t
 process is not woken every few hundred steps).
 
 A parked step costs the same however many rows are parked: one copy of its rows into a buffer
-the shard makes at the first parked step and keeps (no allocation a step), and a few host
-operations (a run's end is counted as its steps park, not summed over the run's rows at each
-step: that sum grew with the request, ~60 us a step over 128 tokens on a CPU).
+the shard makes at the first parked step and keeps (no allocation a step), however many
+sequences the step has (`add_step`: a copy and a view per sequence were ~100 us of host time a
+step of 8 sequences), and a few host operations (a run's end is counted as its steps park, not
+summed over the run's rows at each step: that sum grew with the request, ~60 us a step over 128
+tokens on a CPU; a run's pieces are views only once taken).
 
 The runs come out in the order of their last step; the draft drops rows of a step older than the
 start of its context's sequence (a context reused while its rows were parked), as it drops any
@@ -55,10 +57,32 @@ class Run:
     end: int = -1  # pos + the rows' count, kept as they come (-1: counted from `rows`)
     piece: tuple[int, int] | None = None  # (parked) its last piece's rows in the buffer, put
     # in `rows` when taken (a step that goes on with it moves its end, no view made a step)
+    spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parked) its
+    # earlier pieces' rows in the buffer, views in `rows` once taken (a sequence of a batch
+    # parks a piece a step: its rows and the others' alternate)
 
     def __post_init__(self) -> None:
         if self.end < 0:
             self.end = self.pos + sum(len(r) for r in self.rows)
+
+
+def adjacent(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view over `views` where each is the rows that follow the one before it in one
+    tensor's memory (the segments of a batched step, tapped from one output), else None."""
+    first = views[0]
+    if len(views) == 1:
+        return first
+    if first.dim() != 2 or first.stride(1) != 1:
+        return None
+    storage, row = first.untyped_storage().data_ptr(), first.stride(0)
+    at, rows = first.storage_offset(), 0
+    for v in views:
+        if (v.dim() != 2 or v.stride() != first.stride() or v.shape[1] != first.shape[1]
+                or v.untyped_storage().data_ptr() != storage or v.storage_offset() != at):
+            return None
+        at += v.shape[0] * row
+        rows += v.shape[0]
+    return first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +103,13 @@ class ParkedRows:
         the next step overwrites, so they are copied) of `context` at positions
         [pos, pos + their rows), from step `sid`. The caller sends every parked row (`take`)
         when `full`."""
+        self.add_step(sid, [(context, pos, parts[0].shape[0])], parts)
+
+    def add_step(self, sid: int, segments: Sequence[tuple[int, int, int]],
+                 parts: Sequence[torch.Tensor]) -> None:
+        """`add` for several sequences of one step at once, by one copy: `segments` are their
+        (context, pos, rows), whose rows lie in `parts` one after the other (a batched decode
+        step's: one row each, so a copy per sequence would be most of a parked step's cost)."""
         n = parts[0].shape[0]
         buf = self.buffer
         if buf is None:  # (rows of one width, dtype and device until `clear`)
@@ -91,6 +122,12 @@ class ParkedRows:
             raise ValueError(f"{a + n} parked rows exceed the {self.capacity} there is room for")
         torch.cat(parts, dim=-1, out=buf[a:a + n])
         self.count = a + n
+        for context, pos, rows in segments:
+            self._extend(sid, context, pos, a, rows)
+            a += rows
+
+    def _extend(self, sid: int, context: int, pos: int, a: int, n: int) -> None:
+        """`context`'s rows [pos, pos + n), parked at rows [a, a + n) of the buffer."""
         run = self._open.get(context)
         if run is None or run.end != pos:  # (a new sequence, or a position written again)
             run = self._open[context] = Run(sid, context, pos, [], end=pos)
@@ -99,7 +136,7 @@ class ParkedRows:
             run.piece = (run.piece[0], a + n)
         else:
             if run.piece is not None:
-                run.rows.append(buf[run.piece[0]:run.piece[1]])
+                run.spans.append(run.piece)
             run.piece = (a, a + n)
         run.end += n
         run.sid = sid
@@ -119,8 +156,10 @@ class ParkedRows:
         runs = sorted(self.runs, key=lambda r: r.sid)  # (stable: a context's runs keep order)
         for run in runs:
             if run.piece is not None:
-                run.rows.append(self.buffer[run.piece[0]:run.piece[1]])
+                run.spans.append(run.piece)
                 run.piece = None
+            run.rows += [self.buffer[a:b] for a, b in run.spans]  # (views made once, here)
+            run.spans = []
         self.runs, self.count = [], 0
         self._open.clear()
         if self.buffer is not None and self.buffer.device.type == "cpu":

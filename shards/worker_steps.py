@@ -19,7 +19,7 @@ from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment
 from layersplit.shards.paged_kv import PagedKVCache
-from layersplit.shards.parked_rows import Run, feature_messages
+from layersplit.shards.parked_rows import Run, adjacent, feature_messages
 from layersplit.shards.sampling import has_processors
 from layersplit.shards.spec_tree import check_path, check_q, check_q_form, check_tree
 from layersplit.shards.worker_sampling import _check_sample
@@ -408,10 +408,14 @@ class StepRunner:
         go to the draft once its buffer is full."""
         if self.feed is None:
             return
-        for s in fed:
-            if not self.parked.room(s.n):  # (a batch's rows that do not all fit: those
-                self._send_parked(False)  # parked go first, the step's own later)
-            self.parked.add(sid, s.feed, s.pos, [s.taps[t] for t in self.taps])
+        whole = [adjacent([s.taps[t] for s in fed]) for t in self.taps]
+        if all(w is not None for w in whole) and self.parked.room(whole[0].shape[0]):
+            self.parked.add_step(sid, [(s.feed, s.pos, s.n) for s in fed], whole)
+        else:  # (the sequences' rows apart, or not all in the room left)
+            for s in fed:
+                if not self.parked.room(s.n):  # (a batch's rows that do not all fit: those
+                    self._send_parked(False)  # parked go first, the step's own later)
+                self.parked.add(sid, s.feed, s.pos, [s.taps[t] for t in self.taps])
         if self.parked.full:
             self._send_parked(True)
 

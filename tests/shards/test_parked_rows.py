@@ -19,6 +19,7 @@ from layersplit.shards.parked_rows import (
     PARK_ROWS,
     PARK_ROWS_MAX,
     ParkedRows,
+    adjacent,
     feature_messages,
     park_capacity,
 )
@@ -72,6 +73,41 @@ def test_a_parked_step_costs_the_same_however_many_rows_are_parked(monkeypatch):
     assert [(r.context, r.pos, r.end, [len(p) for p in r.rows]) for r in runs] == [
         (1, 0, 1, [1]), (0, 10, 2010, [1000, 1000])]
     assert torch.equal(torch.cat(runs[1].rows), _rows(*range(2000)))
+
+
+def test_a_batched_step_parks_its_sequences_rows_by_one_copy(monkeypatch):
+    """A step of several sequences, their rows one after the other in each tapped layer's
+    output (`adjacent`), is parked by one copy (`add_step`), into the same runs and rows as a
+    copy per sequence; rows apart, or of another tensor, are not taken as one."""
+    out = torch.arange(40.0).reshape(10, 4)  # a tapped layer's rows of a step of 3 sequences
+    views = [out[0:1], out[1:4], out[4:5]]
+    assert torch.equal(adjacent(views), out[0:5]) and adjacent(views[:1]) is views[0]
+    assert adjacent([out[0:1], out[2:3]]) is None  # (a row between: another sequence's)
+    assert adjacent([out[0:1], out.clone()[1:2]]) is None
+    assert adjacent([out[0:2, :2], out[2:3, :2]]) is not None  # (columns of a wider tensor)
+    one, each = ParkedRows(), ParkedRows()
+    copies = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: copies.append(1) or cat(*a, **k))
+    for step in range(4):  # three sequences of one row each, then a wider one
+        rows = torch.arange(step * 10.0, step * 10 + 5).reshape(5, 1)
+        parts = [rows, -rows]
+        segs = [(0, 7 + step, 1), (1, 3 + step, 3 if step == 3 else 1), (2, step, 1)]
+        if step == 3:
+            segs = segs[:2] + [(2, step, 1)]
+        n = sum(r for _, _, r in segs)
+        one.add_step(step, segs, [p[:n] for p in parts])
+        a = 0
+        for context, pos, r in segs:
+            each.add(step, context, pos, [p[a:a + r] for p in parts])
+            a += r
+    assert len(copies) == 4 + 4 * 3
+    monkeypatch.setattr(torch, "cat", cat)
+    got, want = one.take(), each.take()
+    assert [(r.sid, r.context, r.pos, r.end) for r in got] == \
+        [(r.sid, r.context, r.pos, r.end) for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(torch.cat(g.rows), torch.cat(w.rows))
 
 
 def test_rows_taken_stay_as_they_were_when_more_are_parked():
