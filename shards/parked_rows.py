@@ -69,6 +69,8 @@ class Run:
 def adjacent(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """One view over `views` where each is the rows that follow the one before it in one
     tensor's memory (the segments of a batched step, tapped from one output), else None."""
+    if not views:
+        return None
     first = views[0]
     if len(views) == 1:
         return first
@@ -78,7 +80,8 @@ def adjacent(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     at, rows = first.storage_offset(), 0
     for v in views:
         if (v.dim() != 2 or v.stride() != first.stride() or v.shape[1] != first.shape[1]
-                or v.untyped_storage().data_ptr() != storage or v.storage_offset() != at):
+                or v.dtype != first.dtype or v.untyped_storage().data_ptr() != storage
+                or v.storage_offset() != at):
             return None
         at += v.shape[0] * row
         rows += v.shape[0]
@@ -111,6 +114,9 @@ class ParkedRows:
         (context, pos, rows), whose rows lie in `parts` one after the other (a batched decode
         step's: one row each, so a copy per sequence would be most of a parked step's cost)."""
         n = parts[0].shape[0]
+        if sum(rows for _, _, rows in segments) != n:
+            raise ValueError(f"segments of {sum(r for _, _, r in segments)} rows for {n} "
+                             "rows parked")
         buf = self.buffer
         if buf is None:  # (rows of one width, dtype and device until `clear`)
             width = sum(p.shape[-1] for p in parts)

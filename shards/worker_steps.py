@@ -406,7 +406,7 @@ class StepRunner:
     def _park_features(self, sid: int, fed: list[Segment]) -> None:
         """Keep a parked step's feature rows on the device (`shards.parked_rows`); all of them
         go to the draft once its buffer is full."""
-        if self.feed is None:
+        if self.feed is None or not fed:
             return
         whole = [adjacent([s.taps[t] for s in fed]) for t in self.taps]
         if all(w is not None for w in whole) and self.parked.room(whole[0].shape[0]):

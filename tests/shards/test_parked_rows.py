@@ -84,7 +84,8 @@ def test_a_batched_step_parks_its_sequences_rows_by_one_copy(monkeypatch):
     assert torch.equal(adjacent(views), out[0:5]) and adjacent(views[:1]) is views[0]
     assert adjacent([out[0:1], out[2:3]]) is None  # (a row between: another sequence's)
     assert adjacent([out[0:1], out.clone()[1:2]]) is None
-    assert adjacent([out[0:2, :2], out[2:3, :2]]) is not None  # (columns of a wider tensor)
+    assert torch.equal(adjacent([out[0:2, :2], out[2:3, :2]]), out[0:3, :2])  # (columns)
+    assert adjacent([]) is None and adjacent([out[0:1], out.half()[1:2]]) is None
     one, each = ParkedRows(), ParkedRows()
     copies = []
     cat = torch.cat
@@ -93,8 +94,6 @@ def test_a_batched_step_parks_its_sequences_rows_by_one_copy(monkeypatch):
         rows = torch.arange(step * 10.0, step * 10 + 5).reshape(5, 1)
         parts = [rows, -rows]
         segs = [(0, 7 + step, 1), (1, 3 + step, 3 if step == 3 else 1), (2, step, 1)]
-        if step == 3:
-            segs = segs[:2] + [(2, step, 1)]
         n = sum(r for _, _, r in segs)
         one.add_step(step, segs, [p[:n] for p in parts])
         a = 0
@@ -108,6 +107,13 @@ def test_a_batched_step_parks_its_sequences_rows_by_one_copy(monkeypatch):
         [(r.sid, r.context, r.pos, r.end) for r in want]
     for g, w in zip(got, want, strict=True):
         assert torch.equal(torch.cat(g.rows), torch.cat(w.rows))
+    # by value: context 1 took row 1 of steps 0-2, then rows 1-3 of step 3 (3 rows); context 2
+    # the step's last row
+    by = {r.context: torch.cat(r.rows)[:, 0].tolist() for r in got}
+    assert by == {0: [0.0, 10.0, 20.0, 30.0], 1: [1.0, 11.0, 21.0, 31.0, 32.0, 33.0],
+                  2: [2.0, 12.0, 22.0, 34.0]}
+    with pytest.raises(ValueError, match="segments of 2 rows for 3"):
+        one.add_step(9, [(0, 20, 2)], [torch.zeros(3, 1), torch.zeros(3, 1)])
 
 
 def test_rows_taken_stay_as_they_were_when_more_are_parked():
