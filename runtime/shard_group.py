@@ -94,7 +94,7 @@ class ShardGroup:
         local_cpu = sum(1 for s in shards if s.address is None and s.device == "cpu")
         threads = cfg.threads or (max(1, (os.cpu_count() or 1) // max(local_cpu, 1))
                                   if local_cpu else None)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # (the deadlines below are `_wait`'s, on this clock)
         itemsize = 4 if self.dtype == "float32" else 2
         try:
             # (under Ray every process gets `threads` or 1, as its bundle has CPUs)
@@ -265,7 +265,7 @@ class ShardGroup:
         except BaseException:
             self.close()
             raise
-        log.info("%d shards ready in %.1f s", len(self.shards), time.perf_counter() - t0)
+        log.info("%d shards ready in %.1f s", len(self.shards), time.monotonic() - t0)
 
     def _warm(self, deadline: float) -> None:
         """Every shard captures, all at once, each step graph a request may replay (and
@@ -307,8 +307,7 @@ class ShardGroup:
             draft = DraftLaunch(tuple(self._draft_argv(threads)), self.draft_device)
         started = self.ray.start(self.placement.shards, self.config.model, self.dtype,
                                  self.config.random_seed, self.secret,
-                                 time.monotonic() + self.config.startup_timeout - (
-                                     time.perf_counter() - t0), draft, self.weight_format)
+                                 t0 + self.config.startup_timeout, draft, self.weight_format)
         self.host = self.ray.host_id
         return started
 
