@@ -55,11 +55,10 @@ class Run:
     pos: int
     rows: list[torch.Tensor]
     end: int = -1  # pos + the rows' count, kept as they come (-1: counted from `rows`)
-    piece: tuple[int, int] | None = None  # (parked) its last piece's rows in the buffer, put
-    # in `rows` when taken (a step that goes on with it moves its end, no view made a step)
     spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (parked) its
-    # earlier pieces' rows in the buffer, views in `rows` once taken (a sequence of a batch
-    # parks a piece a step: its rows and the others' alternate)
+    # pieces' rows in the buffer, views in `rows` once taken: a step that goes on with its last
+    # piece moves that piece's end, no view made a step (a sequence of a batch parks a piece a
+    # step: its rows and the others' alternate)
 
     def __post_init__(self) -> None:
         if self.end < 0:
@@ -138,12 +137,10 @@ class ParkedRows:
         if run is None or run.end != pos:  # (a new sequence, or a position written again)
             run = self._open[context] = Run(sid, context, pos, [], end=pos)
             self.runs.append(run)
-        if run.piece is not None and run.piece[1] == a:  # (its last piece goes on)
-            run.piece = (run.piece[0], a + n)
+        if run.spans and run.spans[-1][1] == a:  # (its last piece goes on)
+            run.spans[-1] = (run.spans[-1][0], a + n)
         else:
-            if run.piece is not None:
-                run.spans.append(run.piece)
-            run.piece = (a, a + n)
+            run.spans.append((a, a + n))
         run.end += n
         run.sid = sid
 
@@ -161,9 +158,6 @@ class ParkedRows:
         of them is queued on the stream the next `add`'s copy runs on)."""
         runs = sorted(self.runs, key=lambda r: r.sid)  # (stable: a context's runs keep order)
         for run in runs:
-            if run.piece is not None:
-                run.spans.append(run.piece)
-                run.piece = None
             run.rows += [self.buffer[a:b] for a, b in run.spans]  # (views made once, here)
             run.spans = []
         self.runs, self.count = [], 0
