@@ -17,7 +17,7 @@ import zmq
 from layersplit.ipc import auth
 from layersplit.ipc.messages import message
 from layersplit.ipc.sockets import close_monitored, connect_dealer, free_tcp_port, send
-from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure, draft_not_started
 from layersplit.runtime.placement import Placement, PlacementError, ShardPlan, check_local_devices
 from layersplit.runtime.shard_group import _Shard
 from layersplit.runtime.spec_policy import SpecPolicy, policy_sizes
@@ -134,14 +134,12 @@ class DraftLink:
         request's; a failed one fails the start as a failed configure does."""
         if self.draft is None:
             if self.draft_path is not None:  # it died (or was lost) since its configure
-                raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
-                                   f"{self.draft_down or 'it is gone'}")
+                raise draft_not_started(self.draft_path, self.draft_down or "it is gone")
             return
         try:
             self._call(self.draft, message("draft_warm"), deadline)
         except (DraftLost, DraftError) as e:
-            raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
-                               f"{e}") from None
+            raise draft_not_started(self.draft_path, e) from None
 
     def _lose_draft(self, why: str) -> None:
         """The draft failed: speculation stops for the rest of this run (logged); the shards

@@ -18,3 +18,8 @@ class DraftLost(RuntimeError):
 
 class DraftError(RuntimeError):
     """The draft process refused one request (its message says why); it still serves."""
+
+
+def draft_not_started(path: object, why: object) -> ShardFailure:
+    """The start's failure when the draft process (`path`) fails before it serves."""
+    return ShardFailure(f"the draft process ({path}) could not start: {why}")

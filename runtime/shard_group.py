@@ -30,7 +30,7 @@ from layersplit.ipc.sockets import (
 from layersplit.ipc.transport import ZmqSender, accept, offer
 from layersplit.runtime.batching import MAX_IN_FLIGHT, Batcher
 from layersplit.runtime.cache_ops import CacheManager
-from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure
+from layersplit.runtime.errors import DraftError, DraftLost, ShardFailure, draft_not_started
 from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.kv_pool import host_pool_plan, kv_pool_blocks
 from layersplit.runtime.resident_kv import admission_hint
@@ -138,8 +138,7 @@ class ShardGroup:
             try:
                 taps = self._configure_draft(t0 + cfg.startup_timeout, max(cfg.prefill_chunk, 1))
             except (DraftLost, DraftError) as e:
-                raise ShardFailure(f"the draft process ({self.draft_path}) could not start: "
-                                   f"{e}") from None
+                raise draft_not_started(self.draft_path, e) from None
             # a step carries one prefill chunk and every sequence's decode or verify rows (a
             # token tree's for those that speculate)
             info = self.draft_info if self.draft is not None else {}
