@@ -10,6 +10,7 @@ file goes in place only after its parent's. The main thread applies finished sav
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -31,10 +32,8 @@ def discard(job: SaveJob) -> None:
     """A save that will not complete: its partial file removed, its entry no longer saving."""
     job.renamed.set()  # (not ok: a child waiting for it is not saved either)
     job.entry.saving = False
-    try:
+    with contextlib.suppress(OSError):  # (closed already)
         os.close(job.fd)
-    except OSError:
-        pass
     job.tmp.unlink(missing_ok=True)
 
 
