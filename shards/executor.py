@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from layersplit.shards.device import to_device
@@ -46,8 +46,45 @@ class Segment:
     verify: bool = False  # a speculative verify segment (last token + draft tokens)
     tree: list[int] | None = None  # a verify segment's token tree (`shards.spec_tree`); None: chain
     all_logits: bool = False  # logits of every row (else of the last), on the last range
-    taps: dict[int, torch.Tensor] | None = None  # filled with the tapped layers' rows
+    taps: dict[int, torch.Tensor] | GroupTaps | None = None  # filled with the tapped layers'
+    # rows (a batched decode step's: its row of the group's, `GroupTaps`)
     feed: int | None = None  # the sequence's draft context, when the rows go to the draft
+
+
+class GroupTaps(Mapping):
+    """A segment's tapped rows in a batched decode step: row `row` of each of the group's
+    (`rows`, global layer -> (the group's rows, hidden), in the group's order), sliced when
+    read. A shard that parks the whole group's rows takes them from `rows` at once
+    (`group_rows`): no slice a sequence, no gathering them again."""
+
+    __slots__ = ("rows", "row")
+
+    def __init__(self, rows: dict[int, torch.Tensor], row: int) -> None:
+        self.rows, self.row = rows, row
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.rows[layer][self.row:self.row + 1]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def group_rows(taps: Sequence[Mapping[int, torch.Tensor] | None]) -> dict[int, torch.Tensor] | None:
+    """The group's tapped rows (`GroupTaps.rows`) when `taps` are those of every segment of
+    one batched decode step, in its order; else None."""
+    first = taps[0] if taps else None
+    if not isinstance(first, GroupTaps):
+        return None
+    rows = first.rows
+    if len(taps) != next(iter(rows.values())).shape[0]:
+        return None
+    for j, t in enumerate(taps):
+        if not isinstance(t, GroupTaps) or t.rows is not rows or t.row != j:
+            return None
+    return rows
 
 
 class RangeExecutor:
@@ -209,7 +246,7 @@ class RangeExecutor:
                 for j, i in enumerate(group if out is not None else ()):
                     outs[i] = out[j:j + 1]
                     if segs[i].taps is not None:
-                        segs[i].taps.update({k: v[j:j + 1] for k, v in tapped.items()})
+                        segs[i].taps = GroupTaps(tapped, j)
             if self.batch_verify:
                 self._verify_batched(x, segs, starts, outs)
         if self.batch_prefill and self._prefill_batchable():

@@ -17,7 +17,7 @@ import zmq
 from layersplit.ipc.messages import ProtocolError, error, message
 from layersplit.ipc.sockets import recv
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
-from layersplit.shards.executor import Segment
+from layersplit.shards.executor import Segment, group_rows
 from layersplit.shards.paged_kv import PagedKVCache
 from layersplit.shards.parked_rows import Run, adjacent, feature_messages
 from layersplit.shards.sampling import has_processors
@@ -408,7 +408,9 @@ class StepRunner:
         go to the draft once its buffer is full."""
         if self.feed is None or not fed:
             return
-        whole = [adjacent([s.taps[t] for s in fed]) for t in self.taps]
+        group = group_rows([s.taps for s in fed])  # (a batched decode step's, all of it)
+        whole = ([group[t] for t in self.taps] if group is not None else
+                 [adjacent([s.taps[t] for s in fed]) for t in self.taps])
         if all(w is not None for w in whole) and self.parked.room(whole[0].shape[0]):
             self.parked.add_step(sid, [(s.feed, s.pos, s.n) for s in fed], whole)
         else:  # (the sequences' rows apart, or not all in the room left)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-from layersplit.shards.executor import RangeExecutor, Segment
+from layersplit.shards.executor import GroupTaps, RangeExecutor, Segment, group_rows
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.parked_rows import ParkedRows
 
 from tests.gpu import near
 from tests.gpu.test_decode_kernels import DEV, DTYPES
@@ -118,3 +119,35 @@ def test_batched_verify_equals_each_alone(tiny_models, family, dtype):
                 got = runs[name].kv.get_rows(s, rows)
                 assert near(got[0], ref[0], 1e-3 if dtype == torch.float32 else 0.1), (name, s)
     assert runs["kernels"].model.layers[0].fast.kernels  # (no fallback in any step)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="run_segments batches on CUDA only")
+def test_batched_decode_feeding_the_draft_parks_the_groups_rows_by_one_copy(tiny_models):
+    """Decode segments that feed the draft, batched by `run_segments`: each reads its row of the
+    group's tapped rows (`GroupTaps`), as its own decode step computes them, and the shard's
+    parking takes the group's rows whole (`group_rows`): the rows parked by that one copy equal
+    those parked a segment at a time."""
+    ex = _executor(tiny_models["qwen3"], torch.float32, True)
+    alone = _executor(tiny_models["qwen3"], torch.float32, True)
+    for e in (ex, alone):
+        for slot, n in enumerate(LENS):
+            e.run(torch.arange(3, 3 + n), 0, slot)
+    slots = [2, 0, 3]
+    x = torch.tensor([11, 12, 13])
+    segs = [Segment(s, LENS[s], 1, taps={}, feed=s) for s in slots]
+    ex.run_segments(x.to(DEV), segs)
+    assert all(isinstance(s.taps, GroupTaps) for s in segs)
+    group = group_rows([s.taps for s in segs])
+    assert group is not None and sorted(group) == list(TAPS)
+    one, each = ParkedRows(), ParkedRows()
+    one.add_step(1, [(s.feed, s.pos, 1) for s in segs], [group[t] for t in TAPS])
+    for i, s in enumerate(segs):
+        each.add(1, s.feed, s.pos, [s.taps[t] for t in TAPS])
+        want: dict = {}
+        alone.run(x[i:i + 1], s.pos, s.slot, taps=want)
+        for layer in TAPS:
+            assert near(s.taps[layer], want[layer], 1e-4), (i, layer)
+    got, ref = one.take(), each.take()
+    assert [(r.context, r.pos, r.end) for r in got] == [(r.context, r.pos, r.end) for r in ref]
+    for g, r in zip(got, ref, strict=True):
+        assert torch.equal(torch.cat(g.rows), torch.cat(r.rows))

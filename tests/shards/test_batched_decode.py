@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.executor import GroupTaps, RangeExecutor, group_rows
 from layersplit.shards.fused import fuse_projections
 from layersplit.shards.graphs import batch_bucket, batch_window
 from layersplit.shards.kv_cache import KVCache, KVLayout
@@ -178,3 +178,24 @@ def test_batched_step_taps_each_sequences_rows(tiny_models):
             got = taps[layer][i:i + 1]
             assert got.shape == want[layer].shape
             assert torch.allclose(got, want[layer], atol=1e-4, rtol=1e-5), layer
+
+
+def test_a_batched_groups_taps_are_each_segments_rows_and_the_whole_groups():
+    """A segment of a batched decode step reads its row of the group's tapped rows
+    (`GroupTaps`); `group_rows` gives the group's rows themselves only for every segment of
+    that group, in its order (what a shard parks by one copy), else None."""
+    rows = {1: torch.arange(12.0).reshape(3, 4), 5: -torch.arange(12.0).reshape(3, 4)}
+    taps = [GroupTaps(rows, j) for j in range(3)]
+    assert [sorted(t) for t in taps] == [[1, 5]] * 3 and all(len(t) == 2 and t for t in taps)
+    for j, t in enumerate(taps):
+        assert torch.equal(t[1], rows[1][j:j + 1]) and torch.equal(t[5], rows[5][j:j + 1])
+        assert dict(t).keys() == {1, 5}
+    with pytest.raises(KeyError):
+        taps[0][2]
+    assert group_rows(taps) is rows
+    assert group_rows(taps[:2]) is None  # (a segment of the group not fed: apart)
+    assert group_rows([taps[1], taps[0], taps[2]]) is None  # (out of order)
+    other = {k: v.clone() for k, v in rows.items()}
+    assert group_rows([taps[0], GroupTaps(other, 1), taps[2]]) is None  # (another step's)
+    assert group_rows([taps[0], {1: rows[1][1:2], 5: rows[5][1:2]}, taps[2]]) is None
+    assert group_rows([{1: rows[1]}]) is None and group_rows([]) is None
