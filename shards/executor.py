@@ -79,7 +79,8 @@ def group_rows(taps: Sequence[Mapping[int, torch.Tensor] | None]) -> dict[int, t
     if not isinstance(first, GroupTaps):
         return None
     rows = first.rows
-    if len(taps) != next(iter(rows.values())).shape[0]:
+    some = next(iter(rows.values()), None)
+    if some is None or len(taps) != some.shape[0]:
         return None
     for j, t in enumerate(taps):
         if not isinstance(t, GroupTaps) or t.rows is not rows or t.row != j:

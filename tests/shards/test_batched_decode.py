@@ -199,3 +199,4 @@ def test_a_batched_groups_taps_are_each_segments_rows_and_the_whole_groups():
     assert group_rows([taps[0], GroupTaps(other, 1), taps[2]]) is None  # (another step's)
     assert group_rows([taps[0], {1: rows[1][1:2], 5: rows[5][1:2]}, taps[2]]) is None
     assert group_rows([{1: rows[1]}]) is None and group_rows([]) is None
+    assert group_rows([GroupTaps({}, 0)]) is None  # (a range with no tapped layer)
