@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -394,7 +395,7 @@ class StepRunner:
                    if seg["sample"] is not None and seg["sample"].get("late_mask"))
 
     def _send_features(self, sid: int, context: int, pos: int, n: int,
-                       taps: dict[int, torch.Tensor], step_end: bool) -> None:
+                       taps: Mapping[int, torch.Tensor], step_end: bool) -> None:
         """Rows of the tapped layers, side by side, for the sequence's draft context
         (`context`), in pieces (`_send_runs`); the step's last piece says so (`last`: the draft
         then has all of the step's rows)."""

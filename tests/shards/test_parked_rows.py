@@ -4,6 +4,7 @@ real runtime, rows parked for one sequence never land in the next one's position
 that is not parked sends them even where it is refused."""
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from layersplit.ipc.messages import message
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.generate import StepRequest
+from layersplit.shards.executor import GroupTaps, Segment
 from layersplit.shards.model_config import read_hf_config
 from layersplit.shards.parked_rows import (
     PARK_BYTES,
@@ -24,6 +26,7 @@ from layersplit.shards.parked_rows import (
     park_capacity,
 )
 from layersplit.shards.sampling import SamplingParams
+from layersplit.shards.worker_steps import StepRunner
 
 
 def _rows(*values: float) -> torch.Tensor:
@@ -259,3 +262,38 @@ def test_an_unpark_keeps_counting_parked_steps_still_on_their_way(coord):
     coord.step_outputs(sid)
     _step(coord, 10, 5, False)
     assert not coord.parked(0)
+
+
+def test_a_shard_parks_a_whole_batched_group_as_the_graph_gave_it(monkeypatch):
+    """`StepRunner._park_features`: when every segment of a batched decode step feeds the draft
+    (`GroupTaps` of one group, in its order), the group's rows themselves are parked by one
+    `add_step`; part of a group, or its segments out of order, go the way of separate rows
+    (`adjacent`, or a copy each), into the same runs and rows."""
+    rows = {1: torch.arange(12.0).reshape(3, 4), 5: -torch.arange(12.0).reshape(3, 4)}
+    seen = []
+    add_step = ParkedRows.add_step
+    monkeypatch.setattr(ParkedRows, "add_step",
+                        lambda self, sid, segs, parts: seen.append(parts) or
+                        add_step(self, sid, segs, parts))
+
+    def park(order: list[int]) -> tuple[list, list]:
+        runner = SimpleNamespace(feed=object(), taps=(1, 5), parked=ParkedRows(),
+                                 _send_parked=lambda last: None)
+        fed = [Segment(j, 10 + j, 1, taps=GroupTaps(rows, j), feed=j) for j in order]
+        seen.clear()
+        StepRunner._park_features(runner, 7, fed)
+        return list(seen), runner.parked.take()
+
+    whole = torch.cat([rows[1], rows[5]], -1)
+    parts, runs = park([0, 1, 2])
+    assert len(parts) == 1 and parts[0][0] is rows[1] and parts[0][1] is rows[5]
+    assert [(r.context, r.pos, r.end) for r in runs] == [(0, 10, 11), (1, 11, 12), (2, 12, 13)]
+    for r in runs:
+        assert torch.equal(torch.cat(r.rows), whole[r.context:r.context + 1])
+    for order in ([0, 1], [1, 2], [2, 0, 1]):
+        parts, runs = park(order)
+        assert not any(p[0] is rows[1] for p in parts)  # (not the group's rows whole)
+        assert sorted((r.context, r.pos, r.end) for r in runs) == \
+            [(j, 10 + j, 11 + j) for j in sorted(order)]
+        for r in runs:
+            assert torch.equal(torch.cat(r.rows), whole[r.context:r.context + 1])
