@@ -37,6 +37,7 @@
 #             (.whl-tf), and on 2 GPUs the split and a 32K prefix saved on 2 GPUs restored into 1
 #             (HYBRID=decode,streams,prefill,gpus2; default all)
 #   moe       the Qwen3-30B-A3B shape: batch 1 next to its HBM floor, 8 and 32 streams
+#             (MOE=profile: where a batch-1 step's time goes, four MoE shapes, kernel by kernel)
 #   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
 #             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
 #             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
@@ -526,7 +527,15 @@ into 1" --cmd H4
   fi
 }
 
-stage_moe() {  # M1 (and M2 on 2 GPUs)
+stage_moe() {  # M1 (and M2 on 2 GPUs); MOE=profile: where a batch-1 step's time goes, per family
+  if [ "${MOE:-}" = profile ]; then  # (bench/profile_decode.py's kernel table, no rows)
+    local m
+    for m in qwen3-30b-a3b deepseek-v2-lite-shape gpt-oss-20b "glm-4.5-air --layers 16"; do
+      TAIL=45 run "moe_profile_${m%% *}" 150 python3 bench/profile_decode.py --model random:$m \
+        --kv 256 --steps 30 --top 30 --json "$RUNS/moe_profile_${m%% *}.json"
+    done
+    return
+  fi
   TAIL=12 run moe 330 python3 bench/moe.py --layouts cuda:0 cuda:0,cuda:0 --streams 8,32 \
     --repeats 3 --json "$RUNS/moe.json"
   row moe "$RUNS/moe.json" --cmd M1

@@ -46,8 +46,15 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the first N layers of a configs/models preset (random:NAME)")
     args = ap.parse_args()
-    ckpt = open_checkpoint(args.model)
+    model_name = args.model
+    if args.layers:  # (GLM-4.5-Air's 211 GB do not fit one GPU)
+        from moe import preset_shape
+        cut = Path(tempfile.mkdtemp())
+        model_name = preset_shape(args.model.removeprefix("random:"), args.layers, cut)
+    ckpt = open_checkpoint(model_name)
     cfg = ckpt.config
     t0 = time.perf_counter()
     model = load_layer_range(ckpt, 0, cfg.num_layers, torch.bfloat16, "cuda:0",

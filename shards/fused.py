@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
-from layersplit.shards.layers.attention import attend, group_queries
-from layersplit.shards.layers.norm import RMSNorm
+from layersplit.shards.layers.attention import Attention, attend, group_queries
+from layersplit.shards.layers.norm import RMSNorm, norms_as_row_kernels
 from layersplit.shards.layers.quant_linear import (
     KEPT_LINEARS,
     QuantLinear,
@@ -290,25 +290,7 @@ class FusedDecode:
                         norm=(layer.input_layernorm.weight, eps))
         else:
             qkv = self._qkv(layer, h)
-        if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
-            rows = step.positions if step.rows is None else step.rows
-            slot0, n_seqs = slot, 1
-        else:  # a batched step: `seq_rows` rows of each sequence (one per decode row); a
-            # padding row's scratch row is not written
-            rows = step.positions if step.rows is None else step.rows
-            slot0, n_seqs = step.lo, h.shape[0] // step.seq_rows
-        if step.kv_len > kv.max_len:
-            raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
-        tables = None
-        if isinstance(kv, PagedKVCache):  # each sequence's block table
-            tables = step.tables
-            if tables is None:
-                tables = kv.table[slot:slot + 1] if step.lo is None else kv.table[step.slots]
-        attn = decode_attention(
-            qkv, cos, sin, kv.k_store[index], kv.v_store[index], rows, slot0,
-            step.mask_for(a.window), n_seqs, a.num_heads,
-            None if a.q_norm is None else a.q_norm.weight,
-            None if a.k_norm is None else a.k_norm.weight, eps, None, tables)
+        attn = kernel_attention(a, qkv, cos, sin, kv, index, slot, step, eps)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         if few_rows:
@@ -500,6 +482,41 @@ class FusedDecode:
         return self._dense_rest(layer, h, attn, eps)
 
 
+def kernel_takes(a) -> bool:
+    """Whether the decode-attention kernel takes attention `a` of a layer outside the Llama
+    layout: heads a power of two of at least 16 wide, q/k norms (if any) Llama's `RMSNorm`
+    (not Gemma's offset ones). Its rotary must also span the head: checked at each step
+    (`Attention.forward`)."""
+    d = a.head_dim
+    return d >= 16 and d & (d - 1) == 0 and a.qkv_proj is not None and \
+        all(n is None or type(n) is RMSNorm for n in (a.q_norm, a.k_norm))
+
+
+def kernel_attention(a, qkv, cos, sin, kv, index, slot, step, eps: float) -> torch.Tensor:
+    """Attention `a`'s output (before o_proj) for a graph step's q/k/v rows `qkv`, through the
+    decode-attention kernel, which also applies the q/k norms (eps `eps`) and the rotary and
+    writes the step's K/V rows into layer `index` of `kv`."""
+    if step.lo is None:  # one sequence: n rows written at `rows` of `slot`
+        rows = step.positions if step.rows is None else step.rows
+        slot0, n_seqs = slot, 1
+    else:  # a batched step: `seq_rows` rows of each sequence (one per decode row); a
+        # padding row's scratch row is not written
+        rows = step.positions if step.rows is None else step.rows
+        slot0, n_seqs = step.lo, qkv.shape[0] // step.seq_rows
+    if step.kv_len > kv.max_len:
+        raise IndexError(f"KV cache holds {kv.max_len} tokens; step needs {step.kv_len}")
+    tables = None
+    if isinstance(kv, PagedKVCache):  # each sequence's block table
+        tables = step.tables
+        if tables is None:
+            tables = kv.table[slot:slot + 1] if step.lo is None else kv.table[step.slots]
+    return decode_attention(
+        qkv, cos, sin, kv.k_store[index], kv.v_store[index], rows, slot0,
+        step.mask_for(a.window), n_seqs, a.num_heads,
+        None if a.q_norm is None else a.q_norm.weight,
+        None if a.k_norm is None else a.k_norm.weight, eps, None, tables, a.sinks, a.scale)
+
+
 def decode_attention(*args):
     """`shards.kernels.decode_attention.decode_attention`, imported on first use (Triton is
     never imported where the kernels do not run)."""
@@ -549,8 +566,18 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
                     gemv_takes(m.gate_up_proj, gate_up=True) and gemv_takes(m.down_proj)
             if ok[i]:
                 layer.fast = fast
-        elif hasattr(layer, "fuse_weights"):  # unfused, but its weights in the GPU layout
-            layer.fuse_weights()
+        else:
+            if hasattr(layer, "fuse_weights"):  # unfused, but its weights in the GPU layout
+                layer.fuse_weights()
+            # where the Triton kernels run: its norms one kernel each (eight eager kernels
+            # each), and its graph steps' attention the decode-attention kernel where the layer
+            # attends as the Llama layout does (sinks or not)
+            dev = next(layer.parameters()).device
+            if fast.kernels is not False and fused_kernels_available(dev):
+                norms_as_row_kernels(layer)
+                a = getattr(layer, "self_attn", None)
+                if type(a) is Attention and kernel_takes(a):
+                    a.graph_attention = kernel_attention
     unfused = [layer for layer in layers
                if type(layer) not in (llama.DecoderLayer, moe_llama.DecoderLayer)]
     if unfused:  # (said at start: which layers take the eager torch path, and why)

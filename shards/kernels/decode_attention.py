@@ -76,6 +76,11 @@ MAX_SPLIT_KEYS = 4096
 STATIC_SPLITS = 32
 
 
+
+# the sinks' logits in the scores' units (log2: the kernels exponentiate with exp2)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 def block_n(head_dim: int, itemsize: int) -> int:
     """Keys per block of the loop: 128 for 16-bit K/V of heads up to 128 wide (measured), else
     `BLOCK_N` (float32 tiles of 128 keys do not fit in shared memory; wider 16-bit heads were
@@ -96,11 +101,12 @@ def _attend(
     MASK, s_mseq, s_mrow,  # uint8 (S, n, T): query row i of sequence s sees key t
     OUT, s_out,  # (N, H * D)
     PO, PML,  # partials when SPLIT: (S, G, splits, M_PAD, D) and (S, G, splits, M_PAD, 2)
+    SINKS,  # (H,) float32 when HAS_SINKS: each head's sink logit (gpt-oss)
     T, keys_per_split, scale,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-    PAGED: tl.constexpr, KB: tl.constexpr,
+    PAGED: tl.constexpr, KB: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -208,6 +214,12 @@ def _attend(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if not SPLIT:
+        if HAS_SINKS:  # the sink takes its share of the softmax and adds no value
+            sk = tl.load(SINKS + head, mask=ok_m, other=0.0).to(tl.float32) * LOG2E
+            m_f = tl.maximum(m_i, sk)
+            a_f = tl.exp2(m_i - m_f)
+            acc = acc * a_f[:, None]
+            l_i = l_i * a_f + tl.exp2(sk - m_f)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = OUT + qrow[:, None] * s_out + head[:, None] * D + d[None, :]
         tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
@@ -222,9 +234,10 @@ def _attend(
 
 @triton.jit
 def _combine(
-    PO, PML, OUT, s_out, splits,
+    PO, PML, OUT, s_out, splits, SINKS,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Merge the key splits' partial results of `_attend` (one program per sequence, KV head
     and query tile). `SPLITS`: `splits` where it is at most `STATIC_SPLITS` (its loops
@@ -242,6 +255,9 @@ def _combine(
     big = tl.full([BLOCK_M], float("-inf"), tl.float32)
     num = tl.zeros([BLOCK_M, D], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # (each head's sink logit, in the partials' log2 units)
+        sk = tl.load(SINKS + g * R + m % R).to(tl.float32) * LOG2E
+        big = sk
     if SPLITS > 0:  # a known count: every split's loads issued together
         for sp in tl.static_range(SPLITS):
             big = tl.maximum(big, tl.load(PML + (first + sp * M_TILES * BLOCK_M) * 2))
@@ -266,6 +282,8 @@ def _combine(
                 num += w[:, None] * tl.load(PO + part[:, None] * D + d[None, :],
                                             mask=here[:, None], other=0.0)
                 den += w * tl.load(PML + part * 2 + 1, mask=here, other=0.0)
+    if HAS_SINKS:
+        den += tl.exp2(sk - big)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
     dst = OUT + (s * NROWS + qi)[:, None] * s_out + (g * R + m % R)[:, None] * D + d[None, :]
     tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
@@ -328,10 +346,14 @@ def decode_attention(
     eps: float = 1e-6,
     split_keys: int | None = None,
     tables: torch.Tensor | None = None,  # paged: (S, W) long, each sequence's block table
+    sinks: torch.Tensor | None = None,  # (H,): each head's sink logit (gpt-oss)
+    scale: float | None = None,  # the scores' scale (None: 1 / sqrt(D))
 ) -> torch.Tensor:
     """Attention output (N, H * D) of a step's rows; writes their K/V rows into the cache.
     `split_keys`: keys per program (0: one program per sequence and KV head; None: `key_split`
-    decides). With `tables`, the cache is paged (see the module doc) and `slot0` unused."""
+    decides). With `tables`, the cache is paged (see the module doc) and `slot0` unused. With
+    `sinks`, each head's softmax has one more logit that takes probability and adds no value
+    (`layers.attention.sink_softmax`)."""
     n_rows, width = qkv.shape
     _, _, g, d = k_cache.shape
     r = num_heads // g
@@ -366,6 +388,9 @@ def decode_attention(
     else:
         po = pml = out  # unused
     has_norm = q_norm is not None
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.stride(0) != 1):
+        raise ValueError(f"decode_attention: sinks must be a contiguous ({num_heads},) vector, "
+                         f"got {tuple(sinks.shape)}")
     _attend[(n_seqs, g, splits * m_tiles)](
         qkv, qkv.stride(0),
         q_norm if has_norm else qkv, k_norm if has_norm else qkv, float(eps),
@@ -375,17 +400,18 @@ def decode_attention(
         qkv if tables is None else tables, 0 if tables is None else tables.stride(0),
         mask, mask.stride(0), mask.stride(1),
         out, out.stride(0),
-        po, pml,
-        t, per, d ** -0.5 * math.log2(math.e),
+        po, pml, qkv if sinks is None else sinks,
+        t, per, (d ** -0.5 if scale is None else scale) * math.log2(math.e),
         NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
         BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=bn, HAS_NORM=has_norm,
         SPLIT=splits > 1, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
-        KB=kb if tables is not None else 1, **_launch(),
+        KB=kb if tables is not None else 1, HAS_SINKS=sinks is not None, **_launch(),
     )
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](
-            po, pml, out, out.stride(0), splits, NROWS=n, R=r, G=g, D=d, BLOCK_M=block_m,
-            M_TILES=m_tiles, SPLITS=splits if splits <= STATIC_SPLITS else 0,
-            GROUP=STATIC_SPLITS, num_warps=4,
+            po, pml, out, out.stride(0), splits, qkv if sinks is None else sinks, NROWS=n, R=r,
+            G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
+            SPLITS=splits if splits <= STATIC_SPLITS else 0, GROUP=STATIC_SPLITS,
+            HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out

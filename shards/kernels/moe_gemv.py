@@ -11,9 +11,15 @@ small kernels per layer. Here, for P = n * k (row, expert) pairs:
    dots it with the pair's activation, weighted by the router;
 3. `_sum_k`: each row's k weighted expert outputs summed in float32, rounded once.
 
-And the routing after the router's GEMV (`moe_route`: softmax over the E logits, the top k by
-repeated argmax, renormalised) in one program per row, where torch's top-k takes two kernels
-(a gather and a bitonic sort) of ~5 us each per layer.
+gpt-oss's experts (`oss_moe_gemv`) take the same kernels with their biases and clamped SwiGLU,
+their gate and up rows interleaved.
+
+And the routing after the router's GEMV in one program per row, where torch's top-k takes two
+kernels (a gather and a bitonic sort) of ~5 us each per layer, and DeepSeek-V3's grouped routing
+~17 small kernels: `moe_route` (softmax over the E logits, the top k by repeated argmax,
+renormalised: Qwen, Mixtral), `moe_route_softmax_top` (the top k logits, then their softmax:
+gpt-oss) and `moe_route_grouped` (sigmoid scores, a correction bias for choosing, grouped top-k,
+scaled: DeepSeek-V3, Kimi K2, GLM-4.5).
 
 No sort, no scatter, no host sync: the kernels live inside CUDA graphs. Roundings follow the
 torch path (the projections' outputs and silu(g) * u rounded to the activation dtype, each
@@ -37,14 +43,21 @@ SUM_BLOCK = 1024
 
 
 @triton.jit
-def _gate_up_act(X, W, IDS, A, H: tl.constexpr, WIDTH: tl.constexpr, K: tl.constexpr,
-                 BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.constexpr,
+                 K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                 OSS: tl.constexpr):
     p = tl.program_id(0)
     ib = tl.program_id(1)
     e = tl.load(IDS + p).to(tl.int64)
     t = p // K
     offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < WIDTH
+    if OSS:  # gpt-oss: gate and up rows interleaved (2i, 2i + 1)
+        rows_g = 2 * offs_i
+        rows_u = 2 * offs_i + 1
+    else:  # the gate's I rows, then the up's
+        rows_g = offs_i
+        rows_u = WIDTH + offs_i
     base = W + e * (2 * WIDTH) * H
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -53,20 +66,31 @@ def _gate_up_act(X, W, IDS, A, H: tl.constexpr, WIDTH: tl.constexpr, K: tl.const
         mask_h = offs_h < H
         xv = tl.load(X + t * H + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         m2 = mask_i[:, None] & mask_h[None, :]
-        wg = tl.load(base + offs_i[:, None] * H + offs_h[None, :], mask=m2, other=0.0)
-        wu = tl.load(base + (WIDTH + offs_i[:, None]) * H + offs_h[None, :], mask=m2, other=0.0)
+        wg = tl.load(base + rows_g[:, None] * H + offs_h[None, :], mask=m2, other=0.0)
+        wu = tl.load(base + rows_u[:, None] * H + offs_h[None, :], mask=m2, other=0.0)
         acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
         acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
     dt = A.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(A + p * WIDTH + offs_i, (s * u).to(dt), mask=mask_i)
+    if OSS:  # + the biases, then the clamped SwiGLU (`oss_moe.clamped_swiglu`), rounded op by op
+        bg = tl.load(B + e * (2 * WIDTH) + rows_g, mask=mask_i, other=0.0).to(tl.float32)
+        bu = tl.load(B + e * (2 * WIDTH) + rows_u, mask=mask_i, other=0.0).to(tl.float32)
+        g = tl.minimum((g + bg).to(dt).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum((u + bu).to(dt).to(tl.float32), -limit), limit)
+        ga = (g * alpha).to(dt).to(tl.float32)
+        sg = (1.0 / (1.0 + tl.exp(-ga))).to(dt).to(tl.float32)
+        gs = (g * sg).to(dt).to(tl.float32)
+        out = (u + 1.0).to(dt).to(tl.float32) * gs
+    else:
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        out = s * u
+    tl.store(A + p * WIDTH + offs_i, out.to(dt), mask=mask_i)
 
 
 @triton.jit
-def _down(A, W, IDS, RW, Y, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr,
+          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     p = tl.program_id(0)
     ob = tl.program_id(1)
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -84,8 +108,11 @@ def _down(A, W, IDS, RW, Y, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.co
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     dt = A.dtype.element_ty  # (the projection rounds to the activations' dtype; Y's is the
     # weighted product's: float32 where the router's weights are)
-    tl.store(Y + p * H + offs_o, (acc.to(dt).to(tl.float32) * rw).to(Y.dtype.element_ty),
-             mask=mask_o)
+    y = acc.to(dt).to(tl.float32)
+    if HAS_BIAS:  # (gpt-oss: the expert's bias, added in the activations' dtype)
+        y = (y + tl.load(B + e * H + offs_o, mask=mask_o, other=0.0).to(tl.float32)).to(dt)
+        y = y.to(tl.float32)
+    tl.store(Y + p * H + offs_o, (y * rw).to(Y.dtype.element_ty), mask=mask_o)
 
 
 @triton.jit
@@ -101,8 +128,10 @@ def _sum_k(Y, OUT, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
 
 def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, gate_up_cfg: dict | None = None,
-             down_cfg: dict | None = None) -> torch.Tensor:
-    """The three launches (`moe_gemv`'s body; the launch shapes are arguments for the sweep)."""
+             down_cfg: dict | None = None, oss: tuple | None = None) -> torch.Tensor:
+    """The three launches (`moe_gemv`'s body; the launch shapes are arguments for the sweep).
+    `oss`: gpt-oss's experts, (gate/up bias (E, 2I), down bias (E, H), alpha, limit), their
+    gate and up rows interleaved in `gate_up`."""
     gu, dn = gate_up_cfg or GATE_UP, down_cfg or DOWN
     n, h = x.shape
     k = idx.shape[1]
@@ -110,15 +139,17 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     x = x.contiguous()
     ids = idx.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
+    gu_bias, dn_bias, alpha, limit = oss if oss is not None else (x, x, 0.0, 0.0)
     act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](
-        x, gate_up, ids, act, H=h, WIDTH=i, K=k, BLOCK_I=gu["BLOCK_I"], BLOCK_K=gu["BLOCK_K"],
+        x, gate_up, ids, act, gu_bias, float(alpha), float(limit), H=h, WIDTH=i, K=k,
+        BLOCK_I=gu["BLOCK_I"], BLOCK_K=gu["BLOCK_K"], OSS=oss is not None,
         num_warps=gu["num_warps"])
     y = torch.empty((n * k, h), dtype=torch.promote_types(x.dtype, weights.dtype),
                     device=x.device)
     _down[(n * k, triton.cdiv(h, dn["BLOCK_O"]))](
-        act, down, ids, rw, y, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"], BLOCK_K=dn["BLOCK_K"],
-        num_warps=dn["num_warps"])
+        act, down, ids, rw, y, dn_bias, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"],
+        BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None, num_warps=dn["num_warps"])
     out = torch.empty_like(x)
     _sum_k[(n, triton.cdiv(h, SUM_BLOCK))](y, out, H=h, K=k, BLOCK=SUM_BLOCK)
     return out
@@ -132,51 +163,165 @@ def moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     return run_gemv(x, weights, idx, gate_up, down)
 
 
+@torch.library.custom_op("layersplit::oss_moe_gemv", mutates_args=())
+def oss_moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                 gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor,
+                 down_bias: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts (`oss_moe.OssExperts._grouped`) for rows `x` (n, H): `gate_up`
+    (E, 2I, H), its gate and up rows interleaved, `down` (E, H, I) (each expert's matrices
+    row-major: the transposes of `OssExperts.fuse`'s layout), their biases (E, 2I) and (E, H),
+    and the clamped SwiGLU's `alpha` and `limit`."""
+    return run_gemv(x, weights, idx, gate_up, down,
+                    oss=(gate_up_bias, down_bias, alpha, limit))
+
+
 @triton.jit
 def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
-           NORM: tl.constexpr):
+           K_POW2: tl.constexpr, NORM: tl.constexpr, SOFTMAX_TOP: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.arange(0, E_POW2)
     valid = offs < E
     z = tl.load(LOGITS + t * E + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    z = z - tl.max(z, axis=0)
-    ez = tl.where(valid, tl.exp(z), 0.0)
-    p = ez / tl.sum(ez, axis=0)
-    p = tl.where(valid, p, -1.0)
-    slots = tl.arange(0, K)
-    wv = tl.zeros([K], dtype=tl.float32)
-    iv = tl.zeros([K], dtype=tl.int32)
+    if SOFTMAX_TOP:  # gpt-oss: the top k logits, then a softmax over those k
+        p = tl.where(valid, z, float("-inf"))
+    else:  # a softmax over all E, then its top k
+        z = z - tl.max(z, axis=0)
+        ez = tl.where(valid, tl.exp(z), 0.0)
+        p = ez / tl.sum(ez, axis=0)
+        p = tl.where(valid, p, -1.0)
+    slots = tl.arange(0, K_POW2)
+    wv = tl.zeros([K_POW2], dtype=tl.float32)
+    iv = tl.zeros([K_POW2], dtype=tl.int32)
     for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
         best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, offs, E_POW2), axis=0)
+        pick = tl.min(tl.where((p == best) & valid, offs, E_POW2), axis=0)
         wv = tl.where(slots == kk, best, wv)
         iv = tl.where(slots == kk, pick, iv)
-        p = tl.where(offs == pick, -2.0, p)
-    if NORM:
-        wv = wv / tl.sum(wv, axis=0)
-    tl.store(W + t * K + slots, wv)
-    tl.store(IDS + t * K + slots, iv.to(tl.int64))
+        p = tl.where(offs == pick, float("-inf"), p)
+    chosen = slots < K
+    if SOFTMAX_TOP:
+        ez = tl.where(chosen, tl.exp(wv - tl.max(tl.where(chosen, wv, float("-inf")), axis=0)),
+                      0.0)
+        wv = ez / tl.sum(ez, axis=0)
+    elif NORM:
+        wv = wv / tl.sum(tl.where(chosen, wv, 0.0), axis=0)
+    tl.store(W + t * K + slots, wv, mask=chosen)
+    tl.store(IDS + t * K + slots, iv.to(tl.int64), mask=chosen)
+
+
+def _route_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = logits.shape[0]
+    return (torch.empty((n, top_k), dtype=torch.float32, device=logits.device),
+            torch.empty((n, top_k), dtype=torch.int64, device=logits.device))
 
 
 @torch.library.custom_op("layersplit::moe_route", mutates_args=())
 def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights (n, k) float32, expert ids (n, k)) of router `logits` (n, E): `route`'s softmax,
-    top k and renormalisation. k must be a power of two (Triton's ranges)."""
+    top k and renormalisation."""
     n, e = logits.shape
-    w = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    w, ids = _route_outputs(logits, top_k)
     _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
-                 NORM=norm)
+                 K_POW2=triton.next_power_of_2(top_k), NORM=norm, SOFTMAX_TOP=False)
     return w, ids
 
 
-@moe_route.register_fake
-def _(logits, top_k, norm):
+@torch.library.custom_op("layersplit::moe_route_softmax_top", mutates_args=())
+def moe_route_softmax_top(logits: torch.Tensor,
+                          top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (n, k) float32, expert ids (n, k)): the top k of router `logits` (n, E) and a
+    softmax over those k (gpt-oss's `OssMoE.forward`)."""
+    n, e = logits.shape
+    w, ids = _route_outputs(logits, top_k)
+    _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
+                 K_POW2=triton.next_power_of_2(top_k), NORM=False, SOFTMAX_TOP=True)
+    return w, ids
+
+
+@triton.jit
+def _route_grouped(LOGITS, BIAS, W, IDS, scaling, E: tl.constexpr, G: tl.constexpr,
+                   EG: tl.constexpr, G_POW2: tl.constexpr, EG_POW2: tl.constexpr,
+                   K: tl.constexpr, K_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr):
+    t = tl.program_id(0)
+    gi = tl.arange(0, G_POW2)
+    ji = tl.arange(0, EG_POW2)
+    valid = (gi[:, None] < G) & (ji[None, :] < EG)
+    lin = gi[:, None] * EG + ji[None, :]
+    z = tl.load(LOGITS + t * E + lin, mask=valid, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-z))
+    c = tl.where(valid, s + tl.load(BIAS + lin, mask=valid, other=0.0).to(tl.float32),
+                 float("-inf"))
+    if G > 1:  # each group scored by its top 2; the best TOPK_GROUP groups stay in the race
+        m1 = tl.max(c, axis=1)
+        a1 = tl.min(tl.where(c == m1[:, None], ji[None, :], EG_POW2), axis=1)
+        m2 = tl.max(tl.where(ji[None, :] == a1[:, None], float("-inf"), c), axis=1)
+        gs = tl.where(gi < G, m1 + m2, float("-inf"))
+        keep = gi < 0
+        for _ in tl.static_range(TOPK_GROUP):  # the lower group first among equals
+            b = tl.max(gs, axis=0)
+            pick = tl.min(tl.where((gs == b) & (gi < G) & ~keep, gi, G_POW2), axis=0)
+            keep = keep | (gi == pick)
+            gs = tl.where(gi == pick, float("-inf"), gs)
+        c = tl.where(keep[:, None], c, float("-inf"))
+    slots = tl.arange(0, K_POW2)
+    wv = tl.zeros([K_POW2], dtype=tl.float32)
+    iv = tl.zeros([K_POW2], dtype=tl.int32)
+    big = G_POW2 * EG_POW2
+    for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
+        best = tl.max(tl.max(c, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where((c == best) & valid, lin, big), axis=1), axis=0)
+        hit = lin == pick
+        wv = tl.where(slots == kk, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0), wv)
+        iv = tl.where(slots == kk, pick, iv)
+        c = tl.where(hit, float("-inf"), c)
+    chosen = slots < K
+    if NORM:
+        wv = wv / (tl.sum(tl.where(chosen, wv, 0.0), axis=0) + 1e-20)
+    tl.store(W + t * K + slots, wv * scaling, mask=chosen)
+    tl.store(IDS + t * K + slots, iv.to(tl.int64), mask=chosen)
+
+
+@torch.library.custom_op("layersplit::moe_route_grouped", mutates_args=())
+def moe_route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                      topk_group: int, norm: bool,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_moe.route_grouped` after its float32 router logits (n, E): sigmoid scores, the
+    correction `bias` (E,) added for choosing, groups scored by their top 2, the top k of the
+    best `topk_group` groups, their scores renormalised when `norm`, times `scaling`. One
+    program per row."""
+    n, e = logits.shape
+    w, ids = _route_outputs(logits, top_k)
+    eg = e // n_group
+    _route_grouped[(n,)](
+        logits.contiguous(), bias.contiguous(), w, ids, float(scaling), E=e, G=n_group, EG=eg,
+        G_POW2=triton.next_power_of_2(n_group), EG_POW2=triton.next_power_of_2(eg), K=top_k,
+        K_POW2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group, NORM=norm)
+    return w, ids
+
+
+def _fake_route(logits, top_k, *args):
     n = logits.shape[0]
     return (logits.new_empty((n, top_k), dtype=torch.float32),
             logits.new_empty((n, top_k), dtype=torch.int64))
 
 
+moe_route_softmax_top.register_fake(_fake_route)
+
+
+@moe_route_grouped.register_fake
+def _(logits, bias, top_k, n_group, topk_group, norm, scaling):
+    return _fake_route(logits, top_k)
+
+
+moe_route.register_fake(_fake_route)
+
+
 @moe_gemv.register_fake
 def _(x, weights, idx, gate_up, down):
+    return torch.empty_like(x)
+
+
+@oss_moe_gemv.register_fake
+def _(x, weights, idx, gate_up, gate_up_bias, down, down_bias, alpha, limit):
     return torch.empty_like(x)

@@ -23,7 +23,8 @@ SILU_BLOCK = 1024
 
 @triton.jit
 def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
-                  HAS_X: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_X: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                  FLOAT_PRODUCT: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < d
@@ -36,7 +37,9 @@ def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
     if HAS_W:
         h32 = h.to(tl.float32)
         scale = tl.rsqrt(tl.sum(h32 * h32, axis=0) / d + eps)
-        normed = (h32 * scale).to(dtype).to(tl.float32)
+        normed = h32 * scale
+        if not FLOAT_PRODUCT:  # (Llama rounds before the weight multiplies; gpt-oss after)
+            normed = normed.to(dtype).to(tl.float32)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(N_OUT + row * s_no + cols, (w * normed).to(dtype), mask=ok)
 
@@ -109,7 +112,8 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, float_product: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _rows(h, "h")
     n, d = h.shape
     h_out = torch.empty_like(h) if x is not None else h
@@ -126,7 +130,7 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
             h if w is None else w, h_out, h_out.stride(0),
             h if normed is None else normed, 0 if normed is None else normed.stride(0),
             d, float(eps), HAS_X=x is not None, HAS_W=w is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8)
+            FLOAT_PRODUCT=float_product, num_warps=4 if block <= 2048 else 8)
     return h_out, normed
 
 
@@ -137,9 +141,11 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
     return _norm_launch(h, x, w, eps)
 
 
-def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(h, w, eps) of (rows, width) activations."""
-    return _norm_launch(h, None, w, eps)[1]
+def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float,
+                  float_product: bool = False) -> torch.Tensor:
+    """rms_norm(h, w, eps) of (rows, width) activations; `float_product`: the weight
+    multiplies the float32 norm before it is rounded (`layers.norm.FloatProductRMSNorm`)."""
+    return _norm_launch(h, None, w, eps, float_product)[1]
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

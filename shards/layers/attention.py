@@ -281,6 +281,10 @@ def _flash_lower_right(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 
 class Attention(nn.Module):
+    # graph steps (`StepInfo.grouped`) through the decode-attention kernel: set on a GPU by
+    # `shards.fused` (its `kernel_attention`) for layers that run the torch path there
+    graph_attention = None
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         h, g, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -298,7 +302,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # (H,) one logit per head that takes a share of each row's softmax (gpt-oss; set by the
-        # family): such a layer attends through `attend_sinks` and the grouped matmuls below
+        # family): such a layer attends through `attend_sinks` and the grouped matmuls below,
+        # or the decode-attention kernel (`graph_attention`)
         self.sinks: nn.Parameter | None = None
         self.qkv_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
 
@@ -329,6 +334,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if step.parts:  # (several sequences' eager steps: `FusedDecode.prefill` takes them)
             raise SegmentsRefused("torch attention runs one sequence's eager step at a time")
+        if self.graph_attention is not None and step.grouped and x.is_cuda \
+                and cos.shape[-1] == self.head_dim:  # (a partial rotary is not the kernel's)
+            eps = 1e-6 if self.q_norm is None else self.q_norm.eps
+            return self.o_proj(self.graph_attention(self, self.qkv_proj(x), cos, sin, kv, layer,
+                                                    slot, step, eps))
         q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

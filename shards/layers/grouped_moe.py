@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.routed_moe import Experts
 from layersplit.shards.model_config import ModelConfig
@@ -28,7 +29,12 @@ def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, t
     `Glm4MoeTopkRouter`: sigmoid of the float32 router logits; `bias` (the correction bias)
     added for choosing only; each group scored by the sum of its top 2; the experts of the best
     `topk_group` groups compete for the top k; their unbiased scores, renormalised when `norm`,
-    times `scaling`."""
+    times `scaling`. A few rows on a GPU take one Triton kernel after the router's GEMV
+    (`shards.kernels.moe_gemv.moe_route_grouped`)."""
+    if routed_moe.few_rows_kernels(x) and router_w.shape[0] % n_group == 0:
+        return routed_moe._kernels.moe_route_grouped(
+            F.linear(x.float(), router_w.float()), bias.float(), top_k, n_group, topk_group,
+            norm, scaling)
     scores = torch.sigmoid(F.linear(x.float(), router_w.float()))  # (n, E)
     choice = scores + bias.float()
     n, e = choice.shape

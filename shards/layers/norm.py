@@ -7,12 +7,29 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    # one Triton kernel (`kernels.row_ops.rms_norm_rows`) on a GPU instead of eight eager
+    # ones: set by `norms_as_row_kernels` for the layers that take the torch path there
+    row_kernel = False
+    float_product = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def _row_kernel_takes(self, x: torch.Tensor) -> bool:
+        return self.row_kernel and x.is_cuda and x.stride(-1) == 1 and x.numel() > 0 and \
+            (self.float_product or self.weight.dtype == x.dtype)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        from layersplit.shards.kernels.row_ops import rms_norm_rows
+
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        return rms_norm_rows(rows, self.weight, self.eps, self.float_product).view(x.shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._row_kernel_takes(x):
+            return self._rows(x)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,7 +55,21 @@ class FloatProductRMSNorm(RMSNorm):
     """gpt-oss's RMSNorm: the weight multiplied in float32 before the cast back (Llama casts
     first; the same in float32)."""
 
+    float_product = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._row_kernel_takes(x):
+            return self._rows(x)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x32).to(x.dtype)
+
+
+def norms_as_row_kernels(module: nn.Module) -> int:
+    """Switch the RMSNorms in `module` (`RMSNorm`, `FloatProductRMSNorm`) to the row kernel on a
+    GPU; the number switched. For layers that run the torch path there (`shards.fused`): the
+    fused steps fold their norms into other kernels."""
+    norms = [m for m in module.modules() if type(m) in (RMSNorm, FloatProductRMSNorm)]
+    for m in norms:
+        m.row_kernel = True
+    return len(norms)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.routed_moe import (
     GATHER_ROWS,
     _grouped_mm,
@@ -51,12 +52,15 @@ class OssExperts(nn.Module):
 
     def fuse(self) -> None:
         """The GPU layout: each expert's matrices column-major (the same logical (E, H, 2I) and
-        (E, I, H) tensors), as the grouped GEMM's kernels read their second operand."""
+        (E, I, H) tensors), as the grouped GEMM's kernels read their second operand, and the
+        GEMV kernels their rows."""
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name)
             if w.stride(-2) != 1:
                 setattr(self, name, nn.Parameter(w.transpose(1, 2).contiguous().transpose(1, 2),
                                                  requires_grad=False))
+        if self.gate_up_proj.is_cuda:
+            routed_moe.load_gemv()
 
     def _grouped_gemm(self, x: torch.Tensor) -> bool:
         """Whether `_grouped` runs grouped GEMMs (the device takes them, and the weights are
@@ -64,7 +68,17 @@ class OssExperts(nn.Module):
         return grouped_gemm_applies(x) and self.gate_up_proj.stride(-2) == 1 and \
             self.down_proj.stride(-2) == 1
 
+    def _gemv(self, x: torch.Tensor) -> bool:
+        """Whether rows `x` take `shards.kernels.moe_gemv`'s GEMVs (few rows on a GPU, the
+        weights in `fuse`'s layout)."""
+        return routed_moe.few_rows_kernels(x) and self.gate_up_proj.stride(-2) == 1 and \
+            self.down_proj.stride(-2) == 1
+
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self._gemv(x):
+            return routed_moe._kernels.oss_moe_gemv(
+                x, w, idx, self.gate_up_proj.transpose(1, 2), self.gate_up_proj_bias,
+                self.down_proj.transpose(1, 2), self.down_proj_bias, self.alpha, self.limit)
         if x.is_cuda and (self._grouped_gemm(x) or idx.numel() <= GATHER_ROWS):
             return self._grouped(x, w, idx)
         return self._loop(x, w, idx)
@@ -118,5 +132,8 @@ class OssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
+        if routed_moe.few_rows_kernels(x):  # (one kernel: the top k, their softmax)
+            w, idx = routed_moe._kernels.moe_route_softmax_top(logits, self.top_k)
+            return self.experts(x, w.to(logits.dtype), idx)
         top, idx = torch.topk(logits, self.top_k, dim=-1)
         return self.experts(x, torch.softmax(top, dim=1, dtype=top.dtype), idx)

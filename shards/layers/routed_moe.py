@@ -32,9 +32,8 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm: bool,
     top k, renormalised to sum to 1 when `norm`. The weights stay float32 with
     `float_weights` (Mixtral), else they take x's dtype (Qwen). A few rows on a GPU take one
     Triton kernel after the router's GEMV (`shards.kernels.moe_gemv.moe_route`)."""
-    if _route_kernel is not None and x.is_cuda and x.shape[0] <= GEMV_TOKENS \
-            and top_k & (top_k - 1) == 0:
-        w, idx = _route_kernel(F.linear(x, router_w), top_k, norm)
+    if few_rows_kernels(x):
+        w, idx = _kernels.moe_route(F.linear(x, router_w), top_k, norm)
         return (w if float_weights else w.to(x.dtype)), idx
     probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
@@ -130,24 +129,28 @@ def experts_sync_free(pairs: int, dtype: torch.dtype) -> bool:
 GEMV_TOKENS = int(os.environ.get("LAYERSPLIT_MOE_GEMV_TOKENS", "8"))
 
 
-_gemv = None  # `shards.kernels.moe_gemv.moe_gemv` once `load_gemv` found it usable
-_route_kernel = None  # and `moe_route`
+_kernels = None  # `shards.kernels.moe_gemv` once `load_gemv` found it usable
 
 
 def load_gemv() -> None:
-    """Import the GEMV kernels where they can run (CUDA, Triton, not switched off). Called
-    when weights are fused for a GPU, before any step is traced: `torch.compile(fullgraph=True)`
-    code cannot import or probe the environment itself."""
-    global _gemv, _route_kernel
-    if _gemv is None and GEMV_TOKENS > 0 and torch.cuda.is_available() \
+    """Import the GEMV and routing kernels where they can run (CUDA, Triton, not switched off).
+    Called when weights are fused for a GPU, before any step is traced:
+    `torch.compile(fullgraph=True)` code cannot import or probe the environment itself."""
+    global _kernels
+    if _kernels is None and GEMV_TOKENS > 0 and torch.cuda.is_available() \
             and fused_kernels_available("cuda"):
-        from layersplit.shards.kernels.moe_gemv import moe_gemv, moe_route
-        _gemv, _route_kernel = moe_gemv, moe_route
+        from layersplit.shards.kernels import moe_gemv
+        _kernels = moe_gemv
+
+
+def few_rows_kernels(x: torch.Tensor) -> bool:
+    """Whether the experts and routing of rows `x` take the kernels of
+    `shards.kernels.moe_gemv` (loaded, a CUDA step of at most `GEMV_TOKENS` rows)."""
+    return _kernels is not None and x.is_cuda and x.shape[0] <= GEMV_TOKENS
 
 
 def _gemv_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    return (_gemv is not None and x.is_cuda and x.shape[0] <= GEMV_TOKENS
-            and gate_up.is_contiguous() and down.is_contiguous())
+    return few_rows_kernels(x) and gate_up.is_contiguous() and down.is_contiguous()
 
 
 def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
@@ -156,7 +159,7 @@ def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
     can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I).
     A few rows on a GPU take the GEMV kernels instead (`GEMV_TOKENS`)."""
     if _gemv_applies(x, gate_up, down):
-        return _gemv(x, w, idx, gate_up, down)
+        return _kernels.moe_gemv(x, w, idx, gate_up, down)
     k = idx.shape[1]
     e_count = down.shape[0]
     flat = idx.reshape(-1)

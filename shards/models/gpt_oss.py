@@ -3,9 +3,10 @@ biases and a learnt sink logit per head (`Attention.sinks`: the fused attention 
 none, so its layers attend through `attend_sinks` in prefill and the grouped matmuls in decode
 and verify steps), sliding and full layers alternating, YaRN rope, RMSNorms that multiply in
 float32, and in every layer `OssMoE` (biased router, softmax over the top k, clamped SwiGLU
-experts with biases). Runs unfused on GPUs (`shards.fused`'s decode step and Triton attention
-kernel are the Llama layout's and take no sinks); its weights still take their GPU layout
-there (`fuse_weights`)."""
+experts with biases). Runs unfused on GPUs (`shards.fused`'s decode step is the Llama
+layout's), but its captured steps attend through the Triton decode-attention kernel, which takes
+the sinks (`Attention.graph_attention`), and its weights take their GPU layout there
+(`fuse_weights`)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ FLOAT32_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
 
 
 class DecoderLayer(llama.DecoderLayer):
-    UNFUSED_WHY = ("attention sinks, which the flash / cuDNN prefill kernels and the Triton "
-                   "decode-attention kernel do not take: these layers attend with matmuls and "
-                   "the sinks in the softmax (decode and verify steps inside the CUDA graphs)")
+    UNFUSED_WHY = ("attention sinks, which the flash / cuDNN prefill kernels do not take: "
+                   "prefill attends with matmuls and the sinks in the softmax; the captured "
+                   "steps attend through the Triton decode-attention kernel, which takes them")
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__(cfg, layer)

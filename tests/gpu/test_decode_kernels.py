@@ -116,11 +116,32 @@ def test_decode_attention_matches_torch_path(case, dtype):
     """One layer's kernel (norms, rotary, KV write, attention) against `pre_attention` +
     `KVCache.append` + `Attention._grouped` (`append_batch` + `_grouped_batch` for batched
     steps) on the same inputs, fresh random ones for each case."""
+    _check_against_torch(case, dtype, sinks=False)
+
+
+SINK_CASES = [CASES[1], CASES[3], CASES[6], CASES[9], CASES[11]]  # split, window, tree, batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_decode_attention_with_sinks_matches_torch_path(case, dtype):
+    """gpt-oss's attention sinks (a logit per head in each softmax that takes probability and
+    adds no value), in the kernel with and without key splits, against the torch path's
+    `sink_softmax`."""
+    _check_against_torch(case, dtype, sinks=True)
+
+
+def _check_against_torch(case: tuple, dtype: torch.dtype, sinks: bool) -> None:
     from layersplit.shards.kernels.decode_attention import decode_attention
 
     family, h, g, d, window, kind, n, kv_len, split = case
     torch.manual_seed(CASES.index(case))
     a = _attention(family, h, g, d, window, dtype)
+    if sinks:  # large enough to take a good share of some rows' softmax (drawn apart: the
+        # case's other inputs stay the ones its test without sinks draws)
+        gen = torch.Generator(device=DEV).manual_seed(99)
+        a.sinks = torch.nn.Parameter(torch.randn(h, device=DEV, generator=gen) * 2 + 1,
+                                     requires_grad=False)
     slots, max_len = (8, kv_len + 16)
     kv = KVCache(KVLayout(1, g, d, dtype), max_len, slots, DEV)
     kv.k_store.normal_()
@@ -176,7 +197,8 @@ def test_decode_attention_matches_torch_path(case, dtype):
             kv.v_store[0, slot_s, first:kv_len] = float("nan")  # still poisons p @ V)
         qkv = F.linear(x_n, a.qkv_proj.weight, a.qkv_proj.bias)
         got = decode_attention(qkv, cos, sin, kv.k_store[0], kv.v_store[0], rows, slot0, mask,
-                               n if kind == "batched" else 1, h, qn, kn, eps, split)
+                               n if kind == "batched" else 1, h, qn, kn, eps, split,
+                               sinks=a.sinks, scale=a.scale)
         for slot_s, first in past:
             kv.k_store[0, slot_s, first:kv_len] = ref_kv.k_store[0, slot_s, first:kv_len]
             kv.v_store[0, slot_s, first:kv_len] = ref_kv.v_store[0, slot_s, first:kv_len]

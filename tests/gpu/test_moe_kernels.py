@@ -79,16 +79,16 @@ def test_gemv_in_a_cuda_graph():
         assert near(out, loop_experts(x, w, idx, gate_up, None, None, down), 0.03)
 
 
-@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2)])
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2), (64, 6)])
 @pytest.mark.parametrize("norm", [True, False])
 def test_route_kernel_matches_torch_topk(monkeypatch, experts, top_k, norm):
     routed_moe.load_gemv()
-    assert routed_moe._route_kernel is not None
+    assert routed_moe._kernels is not None
     g = torch.Generator(device=DEV).manual_seed(1)
     x = torch.randn(8, 256, device=DEV, generator=g).to(torch.bfloat16)
     router = torch.randn(experts, 256, device=DEV, generator=g).to(torch.bfloat16)
     w, idx = route(x, router, top_k, norm, True)
-    monkeypatch.setattr(routed_moe, "_route_kernel", None)
+    monkeypatch.setattr(routed_moe, "_kernels", None)
     w_ref, idx_ref = route(x, router, top_k, norm, True)
     # bf16 logits tie often: the picks must have the torch picks' probabilities, in order
     probs = torch.softmax(torch.nn.functional.linear(x, router).float(), dim=-1)

@@ -1,0 +1,166 @@
+"""The kernels of gpt-oss's, DeepSeek-V3's and GLM-4.5's decode steps against the torch code they
+replace: gpt-oss's experts (`moe_gemv.oss_moe_gemv`, against `OssExperts._loop`, transformers'
+order), its routing (`moe_route_softmax_top`: the top k logits, then their softmax), DeepSeek-V3's
+grouped sigmoid routing (`moe_route_grouped`, against `grouped_moe.route_grouped`'s torch code)
+and the row-kernel RMSNorms of the layers that run the torch path (`norm.norms_as_row_kernels`).
+
+On a CUDA device (`python -m pytest -m gpu`), at published shapes; on a CPU through Triton's
+interpreter (`TRITON_INTERPRET=1`, float32, small shapes). The dispatch (`few_rows_kernels`)
+needs CUDA (`routed_moe.load_gemv`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards.layers import grouped_moe, routed_moe
+from layersplit.shards.layers.norm import FloatProductRMSNorm, RMSNorm, norms_as_row_kernels
+from layersplit.shards.layers.oss_moe import OssExperts, OssMoE
+from layersplit.shards.model_config import config_from_hf
+from layersplit.shards.tiny import FAMILY_CONFIGS
+
+from tests.gpu import KERNEL_DEV, KERNEL_DTYPES, kernel_marks, near
+
+pytestmark = kernel_marks()
+CUDA = KERNEL_DEV != "cpu"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="the dispatch loads the kernels on CUDA only")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=KERNEL_DEV).manual_seed(seed)
+
+
+def _oss_config(e: int, h: int, i: int):
+    raw = {**FAMILY_CONFIGS["gpt_oss"], "num_hidden_layers": 4, "vocab_size": 320,
+           "num_local_experts": e, "hidden_size": h, "intermediate_size": i,
+           "swiglu_limit": 7.0}  # (gpt-oss-20b's)
+    return config_from_hf(raw, "config.json")
+
+
+def _oss_experts(dtype: torch.dtype) -> OssExperts:
+    """gpt-oss-20b's expert shape on a GPU (32 experts, 2880 wide); a small one on a CPU."""
+    e, h, i = (32, 2880, 2880) if CUDA else (6, 64, 48)
+    cfg = _oss_config(e, h, i)
+    ex = OssExperts(cfg).to(KERNEL_DEV)
+    g = _gen(0)
+    with torch.no_grad():
+        for p, scale in ((ex.gate_up_proj, h ** -0.5), (ex.down_proj, i ** -0.5),
+                         (ex.gate_up_proj_bias, 0.5), (ex.down_proj_bias, 0.5)):
+            p.copy_(torch.randn(p.shape, generator=g, device=KERNEL_DEV) * scale * 4)
+    ex = ex.to(dtype)
+    ex.fuse()
+    return ex
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_oss_gemv_matches_the_expert_loop(dtype, rows):
+    from layersplit.shards.kernels.moe_gemv import moe_route_softmax_top, oss_moe_gemv
+    ex = _oss_experts(dtype)
+    e, h = ex.down_proj.shape[0], ex.down_proj.shape[2]
+    g = _gen(1)
+    x = (torch.randn(rows, h, generator=g, device=KERNEL_DEV) * 2).to(dtype)
+    logits = torch.randn(rows, e, generator=g, device=KERNEL_DEV).to(dtype)
+    w, idx = moe_route_softmax_top(logits, 4)
+    w = w.to(dtype)
+    # the clamp must bite: some gate/up values past the limit
+    gu = torch.einsum("nh,ehf->nef", x.float(), ex.gate_up_proj.float())
+    assert (gu.abs() > ex.limit).any()
+    ref = ex._loop(x, w, idx)
+    got = oss_moe_gemv(x, w, idx, ex.gate_up_proj.transpose(1, 2), ex.gate_up_proj_bias,
+                       ex.down_proj.transpose(1, 2), ex.down_proj_bias, ex.alpha, ex.limit)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert near(got, ref, 1e-4 if dtype == torch.float32 else 0.03)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("experts,top_k", [(32, 4), (128, 4), (12, 3)])
+def test_softmax_top_route_matches_torch(dtype, experts, top_k):
+    from layersplit.shards.kernels.moe_gemv import moe_route_softmax_top
+    logits = torch.randn(8, experts, generator=_gen(2), device=KERNEL_DEV).to(dtype)
+    w, idx = moe_route_softmax_top(logits, top_k)
+    top, idx_ref = torch.topk(logits, top_k, dim=-1)
+    # (bf16 logits tie: the picks must have the torch picks' logits, in order)
+    assert torch.equal(logits.gather(1, idx), top)
+    assert near(w, torch.softmax(top.float(), dim=-1), 1e-6)
+
+
+def _route_torch(x, router_w, bias, top_k, n_group, topk_group, norm, scaling):
+    saved = routed_moe._kernels
+    routed_moe._kernels = None  # (the torch code)
+    try:
+        return grouped_moe.route_grouped(x, router_w, bias, top_k, n_group, topk_group, norm,
+                                         scaling)
+    finally:
+        routed_moe._kernels = saved
+
+
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group,norm,scaling", [
+    (64, 6, 8, 4, True, 2.5),  # the DeepSeek-V2-Lite-width shape's
+    (256, 8, 8, 4, True, 2.5),  # DeepSeek-V3's
+    (128, 8, 1, 1, True, 1.0),  # GLM-4.5-Air's
+    (384, 8, 1, 1, True, 2.827),  # Kimi K2's
+    (48, 5, 3, 2, False, 1.0),  # groups and experts not powers of two, no renormalisation
+])
+def test_grouped_route_matches_torch(experts, top_k, n_group, topk_group, norm, scaling):
+    from layersplit.shards.kernels.moe_gemv import moe_route_grouped
+    g = _gen(3)
+    h = 256 if CUDA else 32
+    x = torch.randn(8, h, generator=g, device=KERNEL_DEV)
+    router_w = torch.randn(experts, h, generator=g, device=KERNEL_DEV) * h ** -0.5
+    bias = torch.randn(experts, generator=g, device=KERNEL_DEV) * 0.3
+    w_ref, idx_ref = _route_torch(x, router_w, bias, top_k, n_group, topk_group, norm, scaling)
+    w, idx = moe_route_grouped(F.linear(x, router_w), bias, top_k, n_group, topk_group, norm,
+                               scaling)
+    assert torch.equal(idx, idx_ref)
+    assert near(w, w_ref, 1e-6)
+
+
+@needs_cuda
+def test_dispatch_takes_the_kernels():
+    """`route_grouped`, `OssMoE` and `OssExperts` take the kernels for a few rows on a GPU, and
+    their torch code for more."""
+    routed_moe.load_gemv()
+    ex = _oss_experts(torch.bfloat16)
+    x = torch.randn(2, ex.down_proj.shape[2], device=KERNEL_DEV).to(torch.bfloat16)
+    assert routed_moe.few_rows_kernels(x) and ex._gemv(x)
+    assert not routed_moe.few_rows_kernels(x.repeat(routed_moe.GEMV_TOKENS, 1))
+    cfg = _oss_config(32, x.shape[1], ex.down_proj.shape[1])
+    moe = OssMoE(cfg).to(KERNEL_DEV, torch.bfloat16)
+    moe.experts = ex
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randn(32, x.shape[1], device=KERNEL_DEV) * 0.05)
+        moe.router.bias.zero_()
+    got = moe(x)
+    saved = routed_moe._kernels
+    routed_moe._kernels = None
+    try:
+        ref = moe(x)
+    finally:
+        routed_moe._kernels = saved
+    assert near(got, ref, 0.03)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("cls", [RMSNorm, FloatProductRMSNorm], ids=lambda c: c.__name__)
+def test_row_kernel_norms_match_torch(dtype, cls):
+    d = 512
+    norm = cls(d, 1e-6).to(KERNEL_DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=_gen(4), device=KERNEL_DEV))
+    norm.weight.data = norm.weight.data.to(torch.float32 if cls is FloatProductRMSNorm else dtype)
+    x = (torch.randn(5, 3, d, generator=_gen(5), device=KERNEL_DEV) * 3).to(dtype)
+    ref = norm(x)
+    view = torch.randn(4, d + 64, generator=_gen(6), device=KERNEL_DEV).to(dtype)[:, :d]
+    ref_view = norm(view)  # (a slice of wider rows, as MLA norms its latent)
+    holder = torch.nn.Sequential(norm)
+    assert norms_as_row_kernels(holder) == 1 and norm.row_kernel
+    try:
+        got, got_view = norm(x), norm(view)
+    finally:
+        norm.row_kernel = False
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    for a, b in ((got, ref), (got_view, ref_view)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
