@@ -9,9 +9,14 @@ without a GPU). `LAYERSPLIT_FUSED_KERNELS=0` switches them off, so the compiled 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LAYERSPLIT_FUSED_KERNELS"
 # the one-row GEMV kernels (`gemv`), on where the other kernels are; 0 switches them alone off
@@ -63,3 +68,27 @@ def fp8_kernels_available(device: torch.device | str) -> bool:
         return False
     dev = torch.device(device)
     return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+_FAILED: set[str] = set()  # the kernels (by name) that failed once in this process
+
+
+def kernel_failed(name: str) -> bool:
+    """Whether kernel `name` failed once in this process (`try_kernel`): its torch path runs."""
+    return name in _FAILED
+
+
+def try_kernel(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None where it raised (a Triton build or launch failure): kernel `name` is
+    then off for the rest of the process (`kernel_failed`), said once in the log, and the caller
+    runs its torch path. Out-of-memory and index errors are the step's own and propagate."""
+    try:
+        return fn(*args)
+    except (torch.cuda.OutOfMemoryError, IndexError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failing kernel: its torch path runs
+        _FAILED.add(name)
+        first = str(e).splitlines()[0][:200] if str(e) else repr(e)
+        log.warning("the %s kernel failed (%s: %s); its torch path runs from now on", name,
+                    type(e).__name__, first)
+        return None

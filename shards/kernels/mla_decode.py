@@ -30,7 +30,8 @@ import triton.language as tl
 from layersplit.shards.kernels.decode_attention import key_split
 
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
-BLOCK_N = 32  # keys per block of the loop
+BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
+# float32 latent rows, pipelined, asked 259,072 bytes of shared memory, past an H200's 232,448)
 # keys a split reads at least (a multiple of BLOCK_N): each split writes a partial of
 # rows x kv_lora_rank floats, so short splits would write more than they read (one sequence of
 # 16 heads at 32K keys: 128 splits, 4 MB of partials against 38 MB of latent rows). Not tuned.
@@ -139,7 +140,8 @@ def mla_decode(
         q, q.stride(0), q.stride(1), k_pool, v_pool, k_pool.stride(0), v_pool.stride(0),
         index, index.stride(0), mask_u8, mask_u8.stride(0), mask_u8.stride(1),
         po, pm, pl, m, t, per, scale, heads, rank, rope, half,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_C=block_c, BLOCK_R=block_r,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2,
+        BLOCK_C=block_c, BLOCK_R=block_r,
         HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
     # the splits combined: each weighted by exp(its max - the overall max)
     top = pm.amax(dim=1, keepdim=True)

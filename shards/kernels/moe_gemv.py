@@ -76,8 +76,10 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
     if OSS:  # + the biases, then the clamped SwiGLU (`oss_moe.clamped_swiglu`), rounded op by op
         bg = tl.load(B + e * (2 * WIDTH) + rows_g, mask=mask_i, other=0.0).to(tl.float32)
         bu = tl.load(B + e * (2 * WIDTH) + rows_u, mask=mask_i, other=0.0).to(tl.float32)
-        g = tl.minimum((g + bg).to(dt).to(tl.float32), limit)
+        # (clamped to the limit as the activations' dtype holds it, as torch's clamp)
+        g = tl.minimum((g + bg).to(dt).to(tl.float32), limit).to(dt).to(tl.float32)
         u = tl.minimum(tl.maximum((u + bu).to(dt).to(tl.float32), -limit), limit)
+        u = u.to(dt).to(tl.float32)
         ga = (g * alpha).to(dt).to(tl.float32)
         sg = (1.0 / (1.0 + tl.exp(-ga))).to(dt).to(tl.float32)
         gs = (g * sg).to(dt).to(tl.float32)
@@ -194,7 +196,8 @@ def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexp
     iv = tl.zeros([K_POW2], dtype=tl.int32)
     for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
         best = tl.max(p, axis=0)
-        pick = tl.min(tl.where((p == best) & valid, offs, E_POW2), axis=0)
+        # (NaN logits match nothing: an expert id past E would read past the weights)
+        pick = tl.minimum(tl.min(tl.where((p == best) & valid, offs, E_POW2), axis=0), E - 1)
         wv = tl.where(slots == kk, best, wv)
         iv = tl.where(slots == kk, pick, iv)
         p = tl.where(offs == pick, float("-inf"), p)
@@ -270,7 +273,8 @@ def _route_grouped(LOGITS, BIAS, W, IDS, scaling, E: tl.constexpr, G: tl.constex
     big = G_POW2 * EG_POW2
     for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
         best = tl.max(tl.max(c, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where((c == best) & valid, lin, big), axis=1), axis=0)
+        pick = tl.minimum(tl.min(tl.min(tl.where((c == best) & valid, lin, big), axis=1),
+                                 axis=0), E - 1)  # (NaN: as `_route`)
         hit = lin == pick
         wv = tl.where(slots == kk, tl.sum(tl.sum(tl.where(hit, s, 0.0), axis=1), axis=0), wv)
         iv = tl.where(slots == kk, pick, iv)

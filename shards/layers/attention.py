@@ -11,7 +11,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import fused_kernels_available, kernel_failed, try_kernel
 from layersplit.shards.kv_cache import KVCache
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -335,10 +335,13 @@ class Attention(nn.Module):
         if step.parts:  # (several sequences' eager steps: `FusedDecode.prefill` takes them)
             raise SegmentsRefused("torch attention runs one sequence's eager step at a time")
         if self.graph_attention is not None and step.grouped and x.is_cuda \
-                and cos.shape[-1] == self.head_dim:  # (a partial rotary is not the kernel's)
+                and cos.shape[-1] == self.head_dim and not kernel_failed("decode-attention"):
+            # (a partial rotary is not the kernel's)
             eps = 1e-6 if self.q_norm is None else self.q_norm.eps
-            return self.o_proj(self.graph_attention(self, self.qkv_proj(x), cos, sin, kv, layer,
-                                                    slot, step, eps))
+            out = try_kernel("decode-attention", self.graph_attention, self, self.qkv_proj(x),
+                             cos, sin, kv, layer, slot, step, eps)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from layersplit.shards.kernels import kernel_failed, try_kernel
 from torch import nn
 
 
@@ -19,17 +20,19 @@ class RMSNorm(nn.Module):
 
     def _row_kernel_takes(self, x: torch.Tensor) -> bool:
         return self.row_kernel and x.is_cuda and x.stride(-1) == 1 and x.numel() > 0 and \
-            (self.float_product or self.weight.dtype == x.dtype)
+            (self.float_product or self.weight.dtype == x.dtype) and not kernel_failed("norm")
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The row kernel's norm of `x`; None where it failed (then off, `try_kernel`)."""
         from layersplit.shards.kernels.row_ops import rms_norm_rows
 
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return rms_norm_rows(rows, self.weight, self.eps, self.float_product).view(x.shape)
+        out = try_kernel("norm", rms_norm_rows, rows, self.weight, self.eps, self.float_product)
+        return None if out is None else out.view(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._row_kernel_takes(x):
-            return self._rows(x)
+        if self._row_kernel_takes(x) and (out := self._rows(x)) is not None:
+            return out
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -58,8 +61,8 @@ class FloatProductRMSNorm(RMSNorm):
     float_product = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._row_kernel_takes(x):
-            return self._rows(x)
+        if self._row_kernel_takes(x) and (out := self._rows(x)) is not None:
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x32).to(x.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import kernel_failed, try_kernel
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.routed_moe import (
     GATHER_ROWS,
@@ -72,13 +73,16 @@ class OssExperts(nn.Module):
         """Whether rows `x` take `shards.kernels.moe_gemv`'s GEMVs (few rows on a GPU, the
         weights in `fuse`'s layout)."""
         return routed_moe.few_rows_kernels(x) and self.gate_up_proj.stride(-2) == 1 and \
-            self.down_proj.stride(-2) == 1
+            self.down_proj.stride(-2) == 1 and not kernel_failed("MoE GEMV")
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self._gemv(x):
-            return routed_moe._kernels.oss_moe_gemv(
-                x, w, idx, self.gate_up_proj.transpose(1, 2), self.gate_up_proj_bias,
-                self.down_proj.transpose(1, 2), self.down_proj_bias, self.alpha, self.limit)
+            out = try_kernel("MoE GEMV", routed_moe._kernels.oss_moe_gemv, x, w, idx,
+                             self.gate_up_proj.transpose(1, 2), self.gate_up_proj_bias,
+                             self.down_proj.transpose(1, 2), self.down_proj_bias, self.alpha,
+                             self.limit)
+            if out is not None:
+                return out
         if x.is_cuda and (self._grouped_gemm(x) or idx.numel() <= GATHER_ROWS):
             return self._grouped(x, w, idx)
         return self._loop(x, w, idx)
@@ -132,8 +136,11 @@ class OssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
-        if routed_moe.few_rows_kernels(x):  # (one kernel: the top k, their softmax)
-            w, idx = routed_moe._kernels.moe_route_softmax_top(logits, self.top_k)
-            return self.experts(x, w.to(logits.dtype), idx)
+        if routed_moe.few_rows_kernels(x) and not kernel_failed("MoE routing"):
+            # (one kernel: the top k, their softmax)
+            got = try_kernel("MoE routing", routed_moe._kernels.moe_route_softmax_top, logits,
+                             self.top_k)
+            if got is not None:
+                return self.experts(x, got[0].to(logits.dtype), got[1])
         top, idx = torch.topk(logits, self.top_k, dim=-1)
         return self.experts(x, torch.softmax(top, dim=1, dtype=top.dtype), idx)

@@ -84,11 +84,12 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
-@pytest.mark.parametrize("rank,rope,rows", [(32, 8, 1), (27, 8, 3)])
+@pytest.mark.parametrize("rank,rope,rows", [(32, 8, 1), (27, 8, 3), (512, 64, 1)])
 def test_key_splits_combine(rank, rope, rows):
     """Keys spread over several splits (600 keys: 3 splits of 256), rows read through a
     shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
-    the plain softmax over each sequence's latent rows."""
+    the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
+    too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
     from layersplit.shards.kernels.mla_decode import mla_decode
 
     g = torch.Generator().manual_seed(0)
