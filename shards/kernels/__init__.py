@@ -88,7 +88,7 @@ def try_kernel(name: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - a failing kernel: its torch path runs
         _FAILED.add(name)
-        first = str(e).splitlines()[0][:200] if str(e) else repr(e)
+        first = next((line for line in str(e).splitlines() if line.strip()), repr(e))[:200]
         log.warning("the %s kernel failed (%s: %s); its torch path runs from now on", name,
                     type(e).__name__, first)
         return None

@@ -187,7 +187,7 @@ class MLAttention(nn.Module):
             k_pool, v_pool, index = kv.append_pool(layer, slot, step, k_half, v_half)
             o_lat = mla_decode(q_row.reshape(index.shape[0], -1, self.latent), k_pool[:, 0],
                                v_pool[:, 0], index, step.mask, nh, self.rank, self.scale)
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, IndexError):  # (the step's own: a full cache)
             raise
         except Exception as e:  # noqa: BLE001 - a Triton build failure: the torch path runs
             _KERNEL["off"] = True

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import fused_kernels_available, kernel_failed, try_kernel
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
@@ -154,11 +154,12 @@ def _gemv_applies(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
 
 
 def grouped_experts(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                    gate_up: torch.Tensor, down: torch.Tensor, gemv: bool = True) -> torch.Tensor:
     """`loop_experts` as two grouped GEMMs over the rows sorted by expert: no host sync, so it
     can be captured in a CUDA graph. `gate_up` (E, 2I, H) (the fused layout), `down` (E, H, I).
-    A few rows on a GPU take the GEMV kernels instead (`GEMV_TOKENS`)."""
-    if _gemv_applies(x, gate_up, down):
+    A few rows on a GPU take the GEMV kernels instead (`GEMV_TOKENS`), unless `gemv` is
+    False."""
+    if gemv and _gemv_applies(x, gate_up, down):
         return _kernels.moe_gemv(x, w, idx, gate_up, down)
     k = idx.shape[1]
     e_count = down.shape[0]
@@ -213,8 +214,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and experts_sync_free(idx.numel(), x.dtype):
-            # no host sync: CUDA graphs and long prefills alike
-            return grouped_experts(x, w, idx, self.gate_up(), self.down_proj)
+            # no host sync: CUDA graphs and long prefills alike; a few rows through the GEMV
+            # kernels, unless they failed once (`try_kernel`)
+            gate_up = self.gate_up()
+            if _gemv_applies(x, gate_up, self.down_proj) and not kernel_failed("MoE GEMV"):
+                out = try_kernel("MoE GEMV", _kernels.moe_gemv, x, w, idx, gate_up,
+                                 self.down_proj)
+                if out is not None:
+                    return out
+            return grouped_experts(x, w, idx, gate_up, self.down_proj, gemv=False)
         fused = self.gate_up_proj is not None
         return loop_experts(x, w, idx, self.gate_up_proj, None if fused else self.gate_proj,
                             None if fused else self.up_proj, self.down_proj)
