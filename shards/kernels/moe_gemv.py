@@ -305,9 +305,7 @@ def moe_route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
 
 
 def _fake_route(logits, top_k, *args):
-    n = logits.shape[0]
-    return (logits.new_empty((n, top_k), dtype=torch.float32),
-            logits.new_empty((n, top_k), dtype=torch.int64))
+    return _route_outputs(logits, top_k)
 
 
 moe_route_softmax_top.register_fake(_fake_route)

@@ -32,14 +32,14 @@ def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, t
     `topk_group` groups compete for the top k; their unbiased scores, renormalised when `norm`,
     times `scaling`. A few rows on a GPU take one Triton kernel after the router's GEMV
     (`shards.kernels.moe_gemv.moe_route_grouped`)."""
+    logits = F.linear(x.float(), router_w.float())  # (n, E)
     if routed_moe.few_rows_kernels(x) and router_w.shape[0] % n_group == 0 \
             and not kernel_failed("MoE routing"):
-        got = try_kernel("MoE routing", routed_moe._kernels.moe_route_grouped,
-                         F.linear(x.float(), router_w.float()), bias.float(), top_k, n_group,
-                         topk_group, norm, scaling)
+        got = try_kernel("MoE routing", routed_moe._kernels.moe_route_grouped, logits,
+                         bias.float(), top_k, n_group, topk_group, norm, scaling)
         if got is not None:
             return got
-    scores = torch.sigmoid(F.linear(x.float(), router_w.float()))  # (n, E)
+    scores = torch.sigmoid(logits)
     choice = scores + bias.float()
     n, e = choice.shape
     if n_group > 1:
