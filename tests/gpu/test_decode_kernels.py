@@ -218,6 +218,24 @@ def _check_against_torch(case: tuple, dtype: torch.dtype, sinks: bool) -> None:
     assert float(k_err.max()) <= atol, float(k_err.max())
 
 
+@pytest.mark.parametrize("sinks_shape", [(8,), (4, 2)])
+def test_sinks_of_the_wrong_shape_are_refused_by_name(sinks_shape):
+    """A sink vector that is not one logit per query head is refused before any launch, and
+    the cache is left as it was."""
+    from layersplit.shards.kernels.decode_attention import decode_attention
+
+    h, g, d, t = 4, 2, 16, 32
+    kv = KVCache(KVLayout(1, g, d, torch.float32), t, 1, DEV)
+    before = kv.k_store.clone()
+    step = StepInfo.static(torch.tensor([t - 1], device=DEV), 1, t)
+    qkv = torch.randn(1, (h + 2 * g) * d, device=DEV)
+    cos, sin = torch.ones(1, d, device=DEV), torch.zeros(1, d, device=DEV)
+    with pytest.raises(ValueError, match="sinks must be a contiguous"):
+        decode_attention(qkv, cos, sin, kv.k_store[0], kv.v_store[0], step.positions, 0,
+                         step.mask, 1, h, sinks=torch.zeros(sinks_shape, device=DEV))
+    assert torch.equal(kv.k_store, before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_counts_past_the_static_ones_combine_in_a_loop(monkeypatch, dtype):
     """More splits than `STATIC_SPLITS` are combined in a loop over groups of that many (one
