@@ -1,9 +1,10 @@
 """One MLA layer's attention stage in a decode step (the absorbed form, `shards.layers.mla`),
 next to the floor of the bytes it reads: the latent rows of its keys and its weights. Both
-paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernel
-(`shards.kernels.mla_decode`).
+paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernels
+(`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them.
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0]
+        [--split-keys 128,256]   (the kernel's keys per split, each measured; default its own)
 
 The DeepSeek-V2-Lite-width MLA shape (configs/models/deepseek-v2-lite-shape: 16 heads, a
 512 + 64 latent, no q bottleneck), bfloat16, random weights and rows, over a paged cache (blocks
@@ -48,6 +49,8 @@ def measure(args, keys: int) -> dict:
     for a in layers:
         for p in a.parameters():
             p.data.normal_(0.0, 0.02)
+        if dev.type == "cuda":
+            a.fuse()  # (as a shard's layers: `fuse_projections`)
     blocks = -(-(keys + 1) // BLOCK)
     kv = PagedKVCache(KVLayout(args.layers, *cfg.kv_row, dtype), blocks * BLOCK, 1, blocks,
                       BLOCK, dev)
@@ -103,12 +106,22 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--split-keys", default=None,
+                    help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    from layersplit.shards.kernels import mla_decode
+
     rows = []
-    for path, switch in (("torch", "0"), ("kernel", "1")):
-        os.environ[MLA_KERNEL_SWITCH] = switch
+    os.environ[MLA_KERNEL_SWITCH] = "0"
+    rows += [{"path": "torch", **measure(args, int(k))} for k in args.keys.split(",")]
+    os.environ[MLA_KERNEL_SWITCH] = "1"
+    default = mla_decode.SPLIT_KEYS
+    for split in (args.split_keys or str(default)).split(","):
+        mla_decode.SPLIT_KEYS = int(split)
+        path = "kernel" if int(split) == default else f"kernel, splits of {split}"
         rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
+    mla_decode.SPLIT_KEYS = default
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("| path | keys | us per layer | floor us | of floor |")

@@ -4,7 +4,8 @@
     python bench/profile_decode.py --model /tmp/llama8b-q4km.gguf --weight-format quantized \
         --profile-steps 32 --json /tmp/prof_q4km.json
 
-Loads the whole model on one GPU the way a shard does (fused projections, CUDA graphs;
+Loads the whole model on one GPU the way a shard does (fused projections, CUDA graphs, a paged
+KV pool of 16-token blocks, `--contiguous`: one slot of rows instead;
 `--weight-format quantized`: a GGUF's blocks kept, as `weight_format = quantized`), times
 `--steps` decode steps with a synchronization after each (their median is the step's wall
 time), then records `--profile-steps` more under the torch profiler and prints, per step: the
@@ -34,6 +35,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_summary import per_step, summarize  # noqa: E402
 
+BLOCK = 16  # tokens per block of the paged pool (a shard's default `kv_block`)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="a contiguous KV slot instead of a shard's paged pool")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=None,
                     help="keep the first N layers of a configs/models preset (random:NAME)")
@@ -61,8 +66,12 @@ def main() -> None:
                              weights=args.weight_format)
     fuse_projections(model, compile=not args.no_compile)
     load_s = time.perf_counter() - t0
-    ex = RangeExecutor(model, args.kv + args.steps + 8, device="cuda:0",
-                       static_decode=not args.no_graphs)
+    max_len = args.kv + args.steps + 8
+    blocks = -(-max_len // BLOCK)
+    ex = RangeExecutor(model, max_len, device="cuda:0", static_decode=not args.no_graphs,
+                       paged=None if args.contiguous else (blocks, BLOCK))
+    if not args.contiguous:
+        ex.kv.set_table(0, 0, list(range(blocks)))
     ex.run(torch.randint(0, 1000, (args.kv,)), 0)
     tok = torch.tensor([5])
     t0 = time.perf_counter()
@@ -98,6 +107,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"model": args.model, "weight_format": args.weight_format, "kv": args.kv,
+             "paged": not args.contiguous,
              "graphs": not args.no_graphs, "device": torch.cuda.get_device_name(0),
              "step_wall_ms": med * 1e3, "tok_s": 1 / med, "gap_ms": gap / 1e3,
              "load_s": load_s, **step}, indent=1))

@@ -207,13 +207,12 @@ class PagedKVCache:
             got = step.paged["batch"] = (write, read)
         return got
 
-    def append_pool(
-        self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the step's rows, as `append` (or `append_batch` for a batched step), and
-        return, without gathering them, the layer's pool of K and V rows (pool rows, G, D)
-        each and the pool index of each key each sequence attends, (S, kv_len) (S = 1 but
-        for a batched step): what a kernel that reads the pool in place takes."""
+    def pool_index(self, layer: int, slot: int, step: StepInfo
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a kernel that writes the step's rows and reads the pool in place takes: the
+        layer's pool of K and V rows (pool rows, G, D) each, the pool row each step row writes
+        (n,) and the pool index of each key each sequence attends, (S, kv_len) (S = 1 but for
+        a batched step). Writes nothing."""
         if step.lo is not None:
             write, read = self._batch_index(step)
         else:
@@ -222,9 +221,17 @@ class PagedKVCache:
                                  f"{step.kv_len}")
             write, read = self._step_index(slot, step)
             read = read[None]
-        self.k_rows[layer].index_copy_(0, write, k)
-        self.v_rows[layer].index_copy_(0, write, v)
-        return self.k_rows[layer], self.v_rows[layer], read
+        return self.k_rows[layer], self.v_rows[layer], write, read
+
+    def append_pool(
+        self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the step's rows, as `append` (or `append_batch` for a batched step), and
+        return, without gathering them, `pool_index`'s pools and keys' pool indices."""
+        k_pool, v_pool, write, read = self.pool_index(layer, slot, step)
+        k_pool.index_copy_(0, write, k)
+        v_pool.index_copy_(0, write, v)
+        return k_pool, v_pool, read
 
     # ---- rows ---------------------------------------------------------------------------------
     def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:

@@ -1,33 +1,37 @@
 """Latent attention's absorbed form (`shards.layers.mla.MLAttention._absorbed`) as one Triton
-kernel that reads the latent rows where the paged pool holds them (plus a combine of its key
-splits in torch).
+kernel that reads the latent rows where the paged pool holds them, plus the combine of its key
+splits (`decode_attention._combine`, flash-decoding's second kernel).
 
 The torch path gathers each sequence's attended rows out of the pool (a copy of T latent rows a
 layer) and then reads them twice (scores, then the weighted sum). Here each program reads a
 block of keys' latent rows once, straight from the pool through the row indices of the step
-(`PagedKVCache.append_pool`), and uses each row for every query head at once (the heads share
+(`PagedKVCache.pool_index`), and uses each row for every query head at once (the heads share
 the latent: MLA's whole point), with an online softmax:
     scores = q_c . c_t + q_pe . pe_t   (q_c = q_nope W_UK, kv_lora_rank wide; pe: the rope key)
     o_lat  = softmax(scores * scale) . c
 The latent row of a key is `kv_lora_rank + qk_rope_head_dim` values stored as two halves (the
 pool's K and V rows, `ModelConfig.kv_row`); value j of the row is K[j] below the half, V[j - half]
-from it. W_UV is applied after, in torch.
+from it. W_UV is applied after (`mla_step.heads_matmul`).
 
 Programs: (sequence, tile of query rows, key split). A sequence's query rows are its r step rows
 times H heads (r = 1 in a decode step; a verify step's rows under their tree mask). Keys are
 split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
-each writes its partial
-(unnormalized sum, running max, sum of weights) and `mla_decode` combines them. Device tensors
-only: it runs inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path
-(on a CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
+with one split a program writes its rows' output; with more, each writes its partial
+(unnormalized sum, running max and sum of weights, in log2 units as `decode_attention`'s) and
+`_combine` merges them. A program reads keys only up to the last row its sequence writes in
+the step (`last`: no query sees past it), so a graph captured for a bucket of keys costs a step
+the keys it has. Device tensors only: it runs inside CUDA graphs. `tests/gpu/test_mla_kernel.py`
+compares it with the torch path (on a CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.kernels.decode_attention import key_split
+from layersplit.shards.kernels.decode_attention import STATIC_SPLITS, _combine, key_split
 
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
 BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
@@ -44,10 +48,13 @@ def _mla_attend(
     K, V, s_k, s_v,  # the layer's pool: row p's halves at K + p * s_k, V + p * s_v
     IDX, s_idx,  # (S, T) int64: the pool row of key t of sequence s
     MASK, s_mseq, s_mrow,  # uint8 (S, rows, T): step row i of sequence s sees key t
-    PO, PM, PL,  # partials: (S, splits, M, C) float32, (S, splits, M) max and sum
+    LAST,  # (S, rows) int64: the sequence rows each step row writes (keys past the last unread)
+    OUT, s_os, s_om,  # one split: the output (S, M, rank), normalized
+    PO, PML,  # splits: partials (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2): max and sum
     M, T, keys_per_split, scale, heads, rank, rope, half,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_R: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_LAST: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     mt = tl.program_id(1)
@@ -72,6 +79,11 @@ def _mla_attend(
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     lo = sp * keys_per_split
     hi = tl.minimum(lo + keys_per_split, T)
+    if HAS_LAST:
+        n_rows = M // heads
+        jr = tl.arange(0, BLOCK_ROWS)
+        last = tl.max(tl.load(LAST + s * n_rows + jr, mask=jr < n_rows, other=0), 0)
+        hi = tl.minimum(hi, last + 1)
     for t0 in range(lo, hi, BLOCK_N):
         keys = t0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
@@ -90,7 +102,7 @@ def _mla_attend(
         else:
             sc = tl.dot(q_c, tl.trans(c_t))
             sc += tl.dot(q_pe, tl.trans(pe_t))
-        sc = sc * scale
+        sc = sc * scale  # (log2 units: `scale` carries log2(e))
         seen = key_ok[None, :] & row_ok[:, None]
         if HAS_MASK:
             mk = tl.load(MASK + s * s_mseq + step_row[:, None] * s_mrow + keys[None, :],
@@ -99,8 +111,8 @@ def _mla_attend(
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows that saw no key yet)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             pv = tl.dot(p.to(c_t.dtype), c_t, input_precision="ieee")
@@ -108,10 +120,15 @@ def _mla_attend(
             pv = tl.dot(p.to(c_t.dtype), c_t)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    part = (s * splits + sp) * M + rows
-    tl.store(PO + part[:, None] * BLOCK_C + cc[None, :], acc, mask=row_ok[:, None])
-    tl.store(PM + part, m_i, mask=row_ok)
-    tl.store(PL + part, l_i, mask=row_ok)
+    if SPLIT:
+        part = (s * splits + sp) * (tl.num_programs(1) * BLOCK_M) + rows
+        tl.store(PO + part[:, None] * BLOCK_C + cc[None, :], acc)
+        tl.store(PML + part * 2, m_i)
+        tl.store(PML + part * 2 + 1, l_i)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + s * s_os + rows[:, None] * s_om + cc[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
 
 
 def mla_decode(
@@ -121,31 +138,52 @@ def mla_decode(
     index: torch.Tensor,  # (S, T) int64: the pool row of each key of each sequence
     mask: torch.Tensor | None,  # (S * r, T) bool: step row i sees key t (r = M / heads / S)
     heads: int, rank: int, scale: float,
+    last: torch.Tensor | None = None,  # (S * r,) int64: each step row's own row (key) index
+    out: torch.Tensor | None = None,  # (S, M, C) where to write (default: a new q-dtype one)
 ) -> torch.Tensor:
-    """The latent output (S, M, C) in float32 of the absorbed attention (see the module)."""
+    """The latent output (S, M, C), in q's dtype (or `out`'s), of the absorbed attention (see
+    the module). `last`: the sequence rows the step writes (a program reads no key past its
+    sequence's last; the mask still decides within)."""
     s, m, width = q.shape
     rope, half, t = width - rank, k_pool.shape[-1], index.shape[1]
+    rows = m // heads  # step rows per sequence
+    if q.stride(2) != 1 or index.stride(1) != 1 or (last is not None and (
+            last.shape != (s * rows,) or last.stride(0) != 1)):
+        raise ValueError(f"mla_decode: queries {tuple(q.shape)} and index {tuple(index.shape)} "
+                         f"need contiguous rows, `last` ({s * rows},) contiguous")
     block_c = max(16, triton.next_power_of_2(rank))
     block_r = max(16, triton.next_power_of_2(rope))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
-    po = torch.empty(s, splits, m, block_c, dtype=torch.float32, device=q.device)
-    pm = torch.empty(s, splits, m, dtype=torch.float32, device=q.device)
-    pl = torch.empty_like(pm)
-    rows = m // heads  # step rows per sequence
-    mask_u8 = (mask.reshape(s, rows, t).to(torch.uint8).contiguous() if mask is not None else
-               torch.empty(1, 1, 1, dtype=torch.uint8, device=q.device))
-    q, index = q.contiguous(), index.contiguous()
+    if out is None:
+        out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        po = torch.empty(s, splits, tiles * BLOCK_M, block_c, dtype=torch.float32,
+                         device=q.device)
+        pml = torch.empty(s, splits, tiles * BLOCK_M, 2, dtype=torch.float32, device=q.device)
+    else:
+        po = pml = out  # (unused)
+    if mask is None:
+        mask_u8 = torch.empty(1, 1, 1, dtype=torch.uint8, device=q.device)
+    else:
+        mask_u8 = mask.reshape(s, rows, t)
+        mask_u8 = (mask_u8.view(torch.uint8) if mask_u8.stride(2) == 1 else
+                   mask_u8.to(torch.uint8).contiguous())
     _mla_attend[(s, tiles, splits)](
         q, q.stride(0), q.stride(1), k_pool, v_pool, k_pool.stride(0), v_pool.stride(0),
         index, index.stride(0), mask_u8, mask_u8.stride(0), mask_u8.stride(1),
-        po, pm, pl, m, t, per, scale, heads, rank, rope, half,
+        index if last is None else last, out, out.stride(0), out.stride(1), po, pml,
+        m, t, per, scale * math.log2(math.e), heads, rank, rope, half,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2,
-        BLOCK_C=block_c, BLOCK_R=block_r,
-        HAS_MASK=mask is not None, IEEE=q.dtype == torch.float32)
-    # the splits combined: each weighted by exp(its max - the overall max)
-    top = pm.amax(dim=1, keepdim=True)
-    w = torch.exp(pm - top.masked_fill(top == float("-inf"), 0.0))  # (S, splits, M)
-    total = (pl * w).sum(dim=1)  # (S, M)
-    out = (po[..., :rank] * w[..., None]).sum(dim=1)
-    return out / total[..., None]
+        BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_ROWS=max(2, triton.next_power_of_2(rows)),
+        HAS_MASK=mask is not None, HAS_LAST=last is not None, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32)
+    if splits > 1:
+        if out.stride(2) != 1 or out.stride(1) != rank or out.stride(0) != m * rank:
+            raise ValueError("mla_decode: a split step's output must hold whole rows")
+        _combine[(s, 1, tiles)](
+            po, pml, out, heads * out.stride(1), splits, po, NROWS=rows, R=heads, G=1,
+            D=block_c, BLOCK_M=BLOCK_M, M_TILES=tiles,
+            SPLITS=splits if splits <= STATIC_SPLITS else 0, GROUP=STATIC_SPLITS, DO=rank,
+            num_warps=4)
+    return out

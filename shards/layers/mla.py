@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import fused_kernels_available
 from layersplit.shards.layers.attention import scores_f32
+from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.rotary import apply_rope
 from layersplit.shards.layers.step import SegmentsRefused, StepInfo
@@ -74,6 +75,34 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, n * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(n * self.v_dim, h, bias=bias)
+        self.in_proj: nn.Module | None = None  # `fuse`: the two projections of x as one
+        self.first_width = m.q_lora_rank or n * qk  # (q's, or its bottleneck's, in in_proj)
+
+    def fuse(self) -> None:
+        """One matmul of the step's input for the query (or its bottleneck) and the latent row
+        (a GPU's layout: one launch where there were two); once."""
+        if self.in_proj is not None:
+            return
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        self.in_proj = concat_linears(first, self.kv_a_proj_with_mqa)
+        del self.kv_a_proj_with_mqa
+        if self.q_proj is not None:
+            del self.q_proj
+            self.q_proj = None
+        else:
+            del self.q_a_proj
+            self.q_a_proj = None
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's queries (n, H * (P + R)) and kv_a_proj's latent rows (n, C + R)."""
+        if self.in_proj is not None:
+            first, a = self.in_proj(x).split([self.first_width, self.latent], dim=-1)
+        else:
+            first = (self.q_proj if self.q_proj is not None else self.q_a_proj)(x)
+            a = self.kv_a_proj_with_mqa(x)
+        if self.q_b_proj is None:
+            return first, a
+        return self.q_b_proj(self.q_a_layernorm(first)), a
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return (apply_rope_interleaved if self.interleave else apply_rope)(x, cos, sin)
@@ -90,11 +119,14 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         if step.parts:
             raise SegmentsRefused("latent attention runs one sequence's eager step at a time")
+        if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
+            out = self._kernel_step(x, cos, sin, kv, layer, slot, step)
+            if out is not None:
+                return self.o_proj(out)
         n, nh = x.shape[0], self.num_heads
-        q = self.q_proj(x) if self.q_proj is not None else \
-            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, a = self._project(x)
         q_nope, q_pe = q.view(n, nh, -1).split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c, k_pe = a.split([self.rank, self.rope], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
         row = torch.cat([self.kv_a_layernorm(c), self._rope(k_pe[:, None], cos, sin)[:, 0]],
                         dim=-1)  # (n, L): this step's latent rows
@@ -102,10 +134,6 @@ class MLAttention(nn.Module):
         if 2 * half != self.latent:  # (an odd width: one column of padding)
             row = F.pad(row, (0, 1))
         k_half, v_half = row[:, None, :half], row[:, None, half:]
-        if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
-            out = self._kernel(q_nope, q_pe, kv, layer, slot, step, k_half, v_half)
-            if out is not None:
-                return self.o_proj(out)
         if step.lo is not None:  # a batched step: each sequence's row halves (S, T, L/2)
             keys, values = kv.append_batch(layer, step, k_half, v_half)
             return self.o_proj(self._absorbed(q_nope, q_pe, keys[:, :, 0], values[:, :, 0],
@@ -134,16 +162,14 @@ class MLAttention(nn.Module):
 
     def _query_row(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """The queries in the latent row's layout, [q_nope W_UK, q_pe]: (n, H, L)."""
-        nh = q_nope.shape[1]
-        w_uk = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)[:, :self.nope]
+        w_uk = self._kv_b()[0]
         q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (n, H, C)
         return torch.cat([q_lat, q_pe], dim=-1)
 
     def _heads_out(self, o_lat: torch.Tensor) -> torch.Tensor:
         """W_UV applied to the latent outputs (n, H, C): (n, H * V)."""
-        n, nh = o_lat.shape[:2]
-        w_uv = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)[:, self.nope:]
-        out = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # (H, n, V)
+        n = o_lat.shape[0]
+        out = torch.matmul(o_lat.transpose(0, 1), self._kv_b()[1])  # (H, n, V)
         return out.transpose(0, 1).reshape(n, -1)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor,
@@ -173,28 +199,48 @@ class MLAttention(nn.Module):
             o_lat = torch.cat([o_lat, torch.matmul(probs, values[..., :self.rank - half])], -1)
         return self._heads_out(o_lat.view(n, nh, self.rank))
 
-    def _kernel(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, layer: int, slot: int,
-                step: StepInfo, k_half: torch.Tensor, v_half: torch.Tensor
-                ) -> torch.Tensor | None:
-        """`_absorbed` through the Triton kernel, reading the latent rows in the pool
-        (`shards.kernels.mla_decode`); None where the kernel failed to build (the torch path
-        then runs, from now on)."""
-        from layersplit.shards.kernels.mla_decode import mla_decode
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight as W_UK (H, P, C) and W_UV^T (H, C, V): views, no copies."""
+        nh = self.num_heads
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
 
-        n, nh = q_nope.shape[:2]
-        q_row = self._query_row(q_nope, q_pe)
+    def _kernel_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv,
+                     layer: int, slot: int, step: StepInfo) -> torch.Tensor | None:
+        """The absorbed attention through Triton kernels, up to o_proj's input (n, H * V): the
+        latent rows written and the queries' rotary (`mla_step.mla_rows`), W_UK folded into
+        the queries and W_UV applied to the latent outputs (`mla_step.heads_matmul`), the
+        attention reading the pool in place (`mla_decode`): 4-5 launches where the torch path
+        takes ~30. None where a kernel failed to build (the torch path then runs, from now
+        on)."""
+        from layersplit.shards.kernels.mla_decode import mla_decode
+        from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows
+
+        n, nh = x.shape[0], self.num_heads
         try:
-            k_pool, v_pool, index = kv.append_pool(layer, slot, step, k_half, v_half)
-            o_lat = mla_decode(q_row.reshape(index.shape[0], -1, self.latent), k_pool[:, 0],
-                               v_pool[:, 0], index, step.mask, nh, self.rank, self.scale)
+            q, a = self._project(x)
+            q = q.view(n, nh, self.nope + self.rope)
+            k_pool, v_pool, write, read = kv.pool_index(layer, slot, step)
+            q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
+            norm = self.kv_a_layernorm
+            mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
+                     q[..., self.nope:], q_row, self.interleave)
+            w_uk, w_uv = self._kv_b()
+            heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
+            s = read.shape[0]
+            last = step.positions if step.rows is None else step.rows
+            o_lat = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
+                               read, step.mask, nh, self.rank, self.scale, last)
+            out = torch.empty(n, nh, self.v_dim, dtype=q.dtype, device=q.device)
+            heads_matmul(o_lat.view(n, nh, self.rank), w_uv, out, block_n=16)
         except (torch.cuda.OutOfMemoryError, IndexError):  # (the step's own: a full cache)
             raise
         except Exception as e:  # noqa: BLE001 - a Triton build failure: the torch path runs
             _KERNEL["off"] = True
-            log.warning("the MLA decode kernel failed (%s); latent attention runs in torch "
+            log.warning("the MLA decode kernels failed (%s); latent attention runs in torch "
                         "from now on", str(e).splitlines()[0][:200] if str(e) else repr(e))
             return None
-        return self._heads_out(o_lat.to(q_row.dtype).view(n, nh, self.rank))
+        return out.view(n, -1)
 
 
 MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPUs too
@@ -204,7 +250,7 @@ _KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
 def mla_kernel_applies(kv, device: torch.device) -> bool:
     """Whether a captured step's latent attention takes the Triton kernel: a paged pool (a
     shard's) on a device where the decode kernels run, unless switched off."""
-    if _KERNEL.get("off") or not hasattr(kv, "append_pool"):
+    if _KERNEL.get("off") or not hasattr(kv, "pool_index"):
         return False
     if os.environ.get(MLA_KERNEL_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
         return False

@@ -3,7 +3,7 @@
 first `first_k_dense_replace` dense layers, a mixture of experts with grouped sigmoid routing and
 shared experts (`shards.layers.grouped_moe`, as GLM-4.5's). Runs unfused on GPUs
 (`shards.fused` compiles the Llama layout only); its experts and dense MLPs take the fused
-weights (`fuse_weights`)."""
+weights (`fuse_weights`), its attention one matmul for both projections of its input."""
 
 from __future__ import annotations
 
@@ -27,5 +27,7 @@ class DecoderLayer(llama.DecoderLayer):
         self.mlp = GroupedMoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
     def fuse_weights(self) -> None:
-        """The GPU layout of the MLP weights (one gate/up matmul; experts as one tensor)."""
+        """The GPU layout of the weights: one matmul for the query and latent projections of
+        the input (`MLAttention.fuse`), one gate/up matmul, experts as one tensor."""
+        self.self_attn.fuse()
         self.mlp.fuse()
