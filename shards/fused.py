@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
 from layersplit.shards.layers.attention import Attention, attend, group_queries
+from layersplit.shards.layers.gemv_linear import linears_as_gemv
 from layersplit.shards.layers.norm import RMSNorm, norms_as_row_kernels
 from layersplit.shards.layers.quant_linear import (
     KEPT_LINEARS,
@@ -570,11 +571,13 @@ def fuse_projections(model, compile: bool = True, kernels: bool | None = None) -
             if hasattr(layer, "fuse_weights"):  # unfused, but its weights in the GPU layout
                 layer.fuse_weights()
             # where the Triton kernels run: its norms one kernel each (eight eager kernels
-            # each), and its graph steps' attention the decode-attention kernel where the layer
-            # attends as the Llama layout does (sinks or not)
+            # each), its projections of one row the GEMV kernel, and its graph steps' attention
+            # the decode-attention kernel where the layer attends as the Llama layout does
+            # (sinks or not)
             dev = next(layer.parameters()).device
             if fast.kernels is not False and fused_kernels_available(dev):
                 norms_as_row_kernels(layer)
+                linears_as_gemv(layer)
                 a = getattr(layer, "self_attn", None)
                 if type(a) is Attention and kernel_takes(a):
                     a.graph_attention = kernel_attention

@@ -36,10 +36,14 @@ from layersplit.shards.kernels.decode_attention import STATIC_SPLITS, _combine, 
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
 BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
 # float32 latent rows, pipelined, asked 259,072 bytes of shared memory, past an H200's 232,448)
-# keys a split reads at least (a multiple of BLOCK_N): each split writes a partial of
-# rows x kv_lora_rank floats, so short splits would write more than they read (one sequence of
-# 16 heads at 32K keys: 128 splits, 4 MB of partials against 38 MB of latent rows). Not tuned.
-SPLIT_KEYS = 256
+# keys a split reads at least (a multiple of BLOCK_N): `key_split` spreads a step's keys over
+# enough programs to fill the GPU in whole runs of these. Each block of keys is one memory
+# latency in a program's loop, so a short context wants short splits: at 256 keys splits of 256
+# left one program looping over 8 blocks, 45 us a layer on an H200 (`bench/profile_decode.py
+# --model random:deepseek-v2-lite-shape --kv 256`); long contexts are split by the fill, each
+# split writing a partial of rows x kv_lora_rank floats (`bench/mla_attention.py --split-keys`
+# measures the choice)
+SPLIT_KEYS = 32
 
 
 @triton.jit

@@ -35,6 +35,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
+            # (a GPU's row of a layer off the fused step: SiLU(g) * u in the GEMV's launch)
+            fast = getattr(self.gate_up_proj, "silu_gate_up", None)
+            if fast is not None and self.act is F.silu and (h := fast(x)) is not None:
+                return self.down_proj(h)
             g, u = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

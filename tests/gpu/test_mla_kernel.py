@@ -20,7 +20,9 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.layers.gemv_linear import linears_as_gemv
 from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH
+from layersplit.shards.layers.norm import norms_as_row_kernels
 
 from tests.gpu import test_decode_kernels  # noqa: F401 - its interpreter patch (TRITON_INTERPRET)
 
@@ -35,9 +37,11 @@ LENS = (13, 21, 5)  # prompt per slot
 def _outputs(path, dtype: torch.dtype, fuse: bool = False) -> list[torch.Tensor]:
     ckpt = open_checkpoint(path)
     model = load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, DEV)
-    if fuse:  # (the GPU layout: query and latent projections as one matmul)
-        for layer in model.layers:
-            layer.self_attn.fuse()
+    if fuse:  # (as `fuse_projections` leaves the layers: query and latent projections as one
+        for layer in model.layers:  # matmul, projections of one row through the GEMV kernel)
+            layer.fuse_weights()
+            norms_as_row_kernels(layer)
+            linears_as_gemv(layer)
     ex = RangeExecutor(model, 64, 3, device=DEV, static_decode=True, graph_bucket=16,
                        paged=(30, 8))
     order = torch.randperm(30, generator=torch.Generator().manual_seed(3)).tolist()
@@ -88,22 +92,24 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
-@pytest.mark.parametrize("rank,rope,rows", [(32, 8, 1), (27, 8, 3), (512, 64, 1)])
-def test_key_splits_combine(rank, rope, rows):
-    """Keys spread over several splits (600 keys: 3 splits of 256), rows read through a
+@pytest.mark.parametrize("rank,rope,rows,t", [(32, 8, 1, 600), (27, 8, 3, 600),
+                                              (512, 64, 1, 600), (32, 8, 2, 2400)])
+def test_key_splits_combine(rank, rope, rows, t):
+    """Keys spread over several splits (600 keys: 19 of 32 on an H200; 2,400: 75, past the
+    combine's unrolled counts, `STATIC_SPLITS`), rows read through a
     shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
     the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
     too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
     from layersplit.shards.kernels.mla_decode import mla_decode
 
     g = torch.Generator().manual_seed(0)
-    s, heads, t = 2, 4, 600
+    s, heads = 2, 4
     half = -(-(rank + rope) // 2)
     pool = torch.randn(s * t + 5, 2 * half, generator=g).to(DEV)
     index = torch.randperm(s * t + 5, generator=g)[:s * t].view(s, t).to(DEV)
     q = torch.randn(s, rows * heads, rank + rope, generator=g).to(DEV)
     mask = torch.ones(s * rows, t, dtype=torch.bool)
-    mask[:, 590:] = False
+    mask[:, t - 10:] = False
     mask[1, 100:] = False  # (one row of the first sequence sees only 100 keys)
     mask = mask.to(DEV)
     got = mla_decode(q, pool[:, :half], pool[:, half:], index, mask, heads, rank, 0.3)

@@ -1,0 +1,77 @@
+"""The projections of layers off the fused step (`shards.layers.gemv_linear`): a one-row step
+through the GEMV kernel against `F.linear`, a fused gate/up's SiLU(g) * u against the torch ops,
+an MLP switched by `linears_as_gemv` against the same MLP as it was, and more rows than the
+GEMV takes staying on `F.linear`.
+
+On a CUDA device (`python -m pytest -m gpu`), at a DeepSeek-V2-Lite projection's width; on a CPU
+through Triton's interpreter (`TRITON_INTERPRET=1`, float32, small shapes).
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards.layers.gemv_linear import GemvLinear, linears_as_gemv
+from layersplit.shards.layers.mlp import MLP
+
+from tests.gpu import KERNEL_DEV, KERNEL_DTYPES, kernel_marks, near
+
+pytestmark = kernel_marks()
+CUDA = KERNEL_DEV != "cpu"
+H, F_OUT = (2048, 3648) if CUDA else (64, 96)  # (DeepSeek-V2-Lite: q and latent projections)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _linear(dtype: torch.dtype, bias: bool) -> torch.nn.Linear:
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(H, F_OUT, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(F_OUT, H, generator=g) * H ** -0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(F_OUT, generator=g))
+    return lin.to(KERNEL_DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_takes_the_kernel_and_equals_linear(dtype, bias):
+    lin = _linear(dtype, bias)
+    want_mod = copy.deepcopy(lin)
+    assert linears_as_gemv(lin) == 1 and type(lin) is GemvLinear
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEV, dtype)
+    assert lin.takes(x)
+    got, want = lin(x), F.linear(x, want_mod.weight, want_mod.bias)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert near(got, want, TOL[dtype])
+    assert set(dict(lin.named_parameters())) == set(dict(want_mod.named_parameters()))
+
+
+def test_more_rows_than_the_gemv_takes_run_linear(monkeypatch):
+    lin = _linear(torch.float32, True)
+    linears_as_gemv(lin)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(2)).to(KERNEL_DEV)
+    assert not lin.takes(x)  # (the GEMV takes one row unless LAYERSPLIT_GEMV_ROWS says more)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    monkeypatch.setenv("LAYERSPLIT_GEMV_ROWS", "8")
+    assert lin.takes(x) and near(lin(x), F.linear(x, lin.weight, lin.bias), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_switched_mlp_equals_the_torch_mlp(dtype):
+    cfg = SimpleNamespace(hidden_size=H, intermediate_size=2 * H, hidden_act="silu")
+    torch.manual_seed(3)
+    mlp = MLP(cfg)
+    for p in mlp.parameters():
+        p.data.normal_(0.0, H ** -0.5)
+    mlp = mlp.to(KERNEL_DEV, dtype)
+    mlp.fuse()
+    want_mlp = copy.deepcopy(mlp)
+    assert linears_as_gemv(mlp) == 2
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEV, dtype)
+    assert mlp.gate_up_proj.silu_gate_up(x) is not None
+    got, want = mlp(x), want_mlp(x)
+    assert near(got, want, TOL[dtype])
