@@ -4,7 +4,8 @@ paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernels
 (`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them.
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0]
-        [--split-keys 128,256]   (the kernel's keys per split, each measured; default its own)
+        [--split-keys 32,128] [--warps 4,8]   (the kernel's keys per split and warps per
+        program, each pair measured; default its own)
 
 The DeepSeek-V2-Lite-width MLA shape (configs/models/deepseek-v2-lite-shape: 16 heads, a
 512 + 64 latent, no q bottleneck), bfloat16, random weights and rows, over a paged cache (blocks
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--split-keys", default=None,
                     help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
+    ap.add_argument("--warps", default=None,
+                    help="the kernel's warps per program, comma-separated (default: LAUNCH's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from layersplit.shards.kernels import mla_decode
@@ -116,12 +119,14 @@ def main() -> None:
     os.environ[MLA_KERNEL_SWITCH] = "0"
     rows += [{"path": "torch", **measure(args, int(k))} for k in args.keys.split(",")]
     os.environ[MLA_KERNEL_SWITCH] = "1"
-    default = mla_decode.SPLIT_KEYS
-    for split in (args.split_keys or str(default)).split(","):
-        mla_decode.SPLIT_KEYS = int(split)
-        path = "kernel" if int(split) == default else f"kernel, splits of {split}"
-        rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
-    mla_decode.SPLIT_KEYS = default
+    default = (mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"])
+    for split in (args.split_keys or str(default[0])).split(","):
+        for warps in (args.warps or str(default[1])).split(","):
+            mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = int(split), int(warps)
+            path = "kernel" if (int(split), int(warps)) == default else \
+                f"kernel, splits of {split}, {warps} warps"
+            rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
+    mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("| path | keys | us per layer | floor us | of floor |")

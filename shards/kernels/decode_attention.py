@@ -237,15 +237,13 @@ def _combine(
     PO, PML, OUT, s_out, splits, SINKS,
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
-    HAS_SINKS: tl.constexpr = False, DO: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     """Merge the key splits' partial results of `_attend` (one program per sequence, KV head
     and query tile). `SPLITS`: `splits` where it is at most `STATIC_SPLITS` (its loops
     unrolled, a compile per count), else 0: a loop over groups of GROUP (a long context's
     bucket count grows with its keys, and compiling 256 unrolled splits takes minutes; each
-    group costs a memory latency, so the groups are large). `DO`: the output values of a head
-    where fewer than the partials' D (`mla_decode`'s latent rank, its partials a power of two
-    wide); 0: D."""
+    group costs a memory latency, so the groups are large)."""
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     mt = tl.program_id(2)
@@ -287,13 +285,8 @@ def _combine(
     if HAS_SINKS:
         den += tl.exp2(sk - big)
     out = num / tl.where(den > 0, den, 1.0)[:, None]
-    if DO == 0:
-        dst = OUT + (s * NROWS + qi)[:, None] * s_out + (g * R + m % R)[:, None] * D + d[None, :]
-        tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
-    else:
-        col = (g * R + m % R)[:, None] * DO + d[None, :]
-        tl.store(OUT + (s * NROWS + qi)[:, None] * s_out + col, out.to(OUT.dtype.element_ty),
-                 mask=ok_m[:, None] & (d < DO)[None, :])
+    dst = OUT + (s * NROWS + qi)[:, None] * s_out + (g * R + m % R)[:, None] * D + d[None, :]
+    tl.store(dst, out.to(OUT.dtype.element_ty), mask=ok_m[:, None])
 
 
 def _launch() -> dict:

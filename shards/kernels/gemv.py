@@ -43,11 +43,14 @@ def _chunk(P, offs_k, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+          FLOAT32: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    dt = X.dtype.element_ty  # (Y may be wider: the rounded result is stored in it)
+    # (Y may be wider: the rounded result is stored in it; FLOAT32: float32 weights, the sums
+    # kept as they are, as F.linear(x.float(), w) gives them)
+    dt = tl.float32 if FLOAT32 else X.dtype.element_ty
     if NORM:  # the row's RMSNorm scale, as `fused.rms_norm` (float32 mean of squares)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -198,13 +201,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
     tensor, rounded to x's dtype and stored as `out_dtype` (default x's). `head`: the weight is
     a vocabulary's (its launch shape); `cfg`: a launch shape other than `config`'s (one row)
-    or `rows_config`'s (more). One row runs `_gemv`, more `_gemm_rows` (tensor cores)."""
+    or `rows_config`'s (more). One row runs `_gemv`, more `_gemm_rows` (tensor cores).
+    A float32 weight of a 16-bit row (a router's), with `out_dtype` float32, gives the float32
+    sums unrounded (`F.linear(x.float(), w)`, without the row's copy); one row only."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
                          f"got {tuple(x.shape)} strides {x.stride()}")
     rows = x.shape[0]
     n, k = w.shape
-    if x.shape[1] != k or w.stride() != (k, 1) or w.dtype != x.dtype:
+    wide = w.dtype == torch.float32 != x.dtype and out_dtype == torch.float32 and rows == 1 \
+        and norm is None and not gate_up and residual is None
+    if x.shape[1] != k or w.stride() != (k, 1) or (w.dtype != x.dtype and not wide):
         raise ValueError(f"gemv: weight {tuple(w.shape)} {w.dtype} (strides {w.stride()}) does "
                          f"not take a row of {x.shape[1]} {x.dtype} (contiguous rows)")
     if gate_up:
@@ -225,7 +232,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
         _gemv[(triton.cdiv(n, block_n),)](
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, **c)
+            EVEN_K=k % block_k == 0, FLOAT32=wide, **c)
         return y
     c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
                                 head=head))

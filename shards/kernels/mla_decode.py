@@ -1,6 +1,6 @@
 """Latent attention's absorbed form (`shards.layers.mla.MLAttention._absorbed`) as one Triton
 kernel that reads the latent rows where the paged pool holds them, plus the combine of its key
-splits (`decode_attention._combine`, flash-decoding's second kernel).
+splits (flash-decoding's second kernel).
 
 The torch path gathers each sequence's attended rows out of the pool (a copy of T latent rows a
 layer) and then reads them twice (scores, then the weighted sum). Here each program reads a
@@ -17,11 +17,13 @@ Programs: (sequence, tile of query rows, key split). A sequence's query rows are
 times H heads (r = 1 in a decode step; a verify step's rows under their tree mask). Keys are
 split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
 with one split a program writes its rows' output; with more, each writes its partial
-(unnormalized sum, running max and sum of weights, in log2 units as `decode_attention`'s) and
-`_combine` merges them. A program reads keys only up to the last row its sequence writes in
-the step (`last`: no query sees past it), so a graph captured for a bucket of keys costs a step
-the keys it has. Device tensors only: it runs inside CUDA graphs. `tests/gpu/test_mla_kernel.py`
-compares it with the torch path (on a CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
+(unnormalized sum, running max and sum of weights, in log2 units) and `_mla_combine` merges
+them, its programs spread over the latent's columns and the rows (one split's partial is rows x
+kv_lora_rank floats: 8 MB at 32K keys, too much for one program a tile). A program reads keys
+only up to the last row its sequence writes in the step (`last`: no query sees past it), so a
+graph captured for a bucket of keys costs a step the keys it has. Device tensors only: it runs
+inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path (on a CPU
+through Triton's interpreter, `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from layersplit.shards.kernels.decode_attention import STATIC_SPLITS, _combine, key_split
+from layersplit.shards.kernels.decode_attention import key_split
 
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
 BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
@@ -44,6 +46,11 @@ BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek'
 # split writing a partial of rows x kv_lora_rank floats (`bench/mla_attention.py --split-keys`
 # measures the choice)
 SPLIT_KEYS = 32
+# launch shapes: the attention's warps per program; the combine's rows and latent columns per
+# program, splits whose loads it issues together, warps (not tuned: `bench/mla_attention.py
+# --warps` measures the first)
+LAUNCH = {"num_warps": 4}
+COMBINE = {"rows": 4, "cols": 32, "group": 16, "num_warps": 1}
 
 
 @triton.jit
@@ -135,6 +142,44 @@ def _mla_attend(
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def _mla_combine(
+    PO, PML,  # `_mla_attend`'s partials: (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2)
+    OUT, s_os, s_om,  # (S, M, rank): the normalized output
+    M, m_pad, splits, rank,
+    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The key splits' partials merged, each weighted by exp2(its max - the overall max): one
+    program per (sequence, columns, rows), so that a long context's partials (one split's are
+    rows x kv_lora_rank floats) are read by many programs, GROUP splits' loads issued at once."""
+    s = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.program_id(2) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < M
+    first = s * splits * m_pad + rows
+    big = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    for base in range(0, splits, GROUP):
+        for j in tl.static_range(GROUP):
+            here = row_ok & (rows * 0 + base + j < splits)  # (a tensor: the interpreter's too)
+            big = tl.maximum(big, tl.load(PML + (first + (base + j) * m_pad) * 2, mask=here,
+                                          other=float("-inf")))
+    big = tl.where(big == float("-inf"), 0.0, big)
+    num = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_ROWS], tl.float32)
+    for base in range(0, splits, GROUP):
+        for j in tl.static_range(GROUP):
+            here = row_ok & (rows * 0 + base + j < splits)
+            part = first + (base + j) * m_pad
+            w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
+            num += w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + d[None, :],
+                                        mask=here[:, None], other=0.0)
+            den += w * tl.load(PML + part * 2 + 1, mask=here, other=0.0)
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(OUT + s * s_os + rows[:, None] * s_om + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & (d < rank)[None, :])
+
+
 def mla_decode(
     q: torch.Tensor,  # (S, M, C + R): each sequence's query rows, [q W_UK, q_pe]
     k_pool: torch.Tensor,  # (pool rows, half): the latent rows' first halves
@@ -181,13 +226,11 @@ def mla_decode(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2,
         BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_ROWS=max(2, triton.next_power_of_2(rows)),
         HAS_MASK=mask is not None, HAS_LAST=last is not None, SPLIT=splits > 1,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32, num_warps=LAUNCH["num_warps"])
     if splits > 1:
-        if out.stride(2) != 1 or out.stride(1) != rank or out.stride(0) != m * rank:
-            raise ValueError("mla_decode: a split step's output must hold whole rows")
-        _combine[(s, 1, tiles)](
-            po, pml, out, heads * out.stride(1), splits, po, NROWS=rows, R=heads, G=1,
-            D=block_c, BLOCK_M=BLOCK_M, M_TILES=tiles,
-            SPLITS=splits if splits <= STATIC_SPLITS else 0, GROUP=STATIC_SPLITS, DO=rank,
-            num_warps=4)
+        rows_tile, cols = COMBINE["rows"], min(COMBINE["cols"], block_c)
+        _mla_combine[(s, triton.cdiv(rank, cols), triton.cdiv(m, rows_tile))](
+            po, pml, out, out.stride(0), out.stride(1), m, tiles * BLOCK_M, splits, rank,
+            BLOCK_C=block_c, BLOCK_ROWS=rows_tile, BLOCK_D=cols, GROUP=COMBINE["group"],
+            num_warps=COMBINE["num_warps"])
     return out

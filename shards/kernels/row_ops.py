@@ -135,10 +135,11 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, float_product: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h + x, rms_norm(h + x, w, eps)) of (rows, width) activations; with `w` None only the
-    sum (and None)."""
-    return _norm_launch(h, x, w, eps)
+    sum (and None); `float_product` as `rms_norm_rows`'s."""
+    return _norm_launch(h, x, w, eps, float_product)
 
 
 def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float,

@@ -27,11 +27,11 @@ from torch import nn
 KERNEL = "GEMV"
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-          gate_up: bool) -> torch.Tensor:
+def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gate_up: bool,
+          residual: torch.Tensor | None = None) -> torch.Tensor:
     from layersplit.shards.kernels.gemv import gemv  # (Triton: imported where it runs)
 
-    return gemv(x, w, bias=bias, gate_up=gate_up)
+    return gemv(x, w, bias=bias, gate_up=gate_up, residual=residual)
 
 
 class GemvLinear(nn.Linear):
@@ -46,6 +46,15 @@ class GemvLinear(nn.Linear):
                                               False)) is not None:
             return y
         return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """r + self(x), the add in the GEMV's launch where it takes x (the projection rounded,
+        then the sum, as the two torch ops)."""
+        if self.takes(x) and r.shape == (x.shape[0], self.out_features) and \
+                r.stride(-1) == 1 and r.dtype == x.dtype and \
+                (y := try_kernel(KERNEL, _gemv, x, self.weight, self.bias, False, r)) is not None:
+            return y
+        return r + F.linear(x, self.weight, self.bias)
 
     def silu_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(g) * u of this fused gate/up projection's output, in the same launch (`gemv`'s

@@ -23,6 +23,20 @@ from torch import nn
 ROUTER_FLOAT32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
+def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), router_w.float()): on a GPU a row of a float32 router one GEMV
+    launch (`kernels.gemv`: no copy of the row to float32, no cuBLAS split-K reduction)."""
+    if routed_moe.few_rows_kernels(x) and x.shape[0] == 1 and x.stride(1) == 1 and \
+            router_w.dtype == torch.float32 and router_w.is_contiguous() and \
+            not kernel_failed("GEMV"):
+        from layersplit.shards.kernels.gemv import gemv
+
+        got = try_kernel("GEMV", lambda a, w: gemv(a, w, out_dtype=torch.float32), x, router_w)
+        if got is not None:
+            return got
+    return F.linear(x.float(), router_w.float())
+
+
 def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, top_k: int,
                   n_group: int, topk_group: int, norm: bool, scaling: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +46,7 @@ def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, t
     `topk_group` groups compete for the top k; their unbiased scores, renormalised when `norm`,
     times `scaling`. A few rows on a GPU take one Triton kernel after the router's GEMV
     (`shards.kernels.moe_gemv.moe_route_grouped`)."""
-    logits = F.linear(x.float(), router_w.float())  # (n, E)
+    logits = router_logits(x, router_w)  # (n, E)
     if routed_moe.few_rows_kernels(x) and router_w.shape[0] % n_group == 0 \
             and not kernel_failed("MoE routing"):
         got = try_kernel("MoE routing", routed_moe._kernels.moe_route_grouped, logits,
@@ -94,5 +108,5 @@ class GroupedMoE(nn.Module):
                                self.scaling)
         out = self.experts(x, w, idx)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = self.shared_experts(x, residual=out)  # (out + shared(x))
         return out

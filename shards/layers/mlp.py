@@ -33,12 +33,18 @@ class MLP(nn.Module):
         self.gate_up_proj = concat_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of rows `x`, plus `residual` where given (a shared expert's: the routed
+        experts' sum)."""
         if self.gate_up_proj is not None:
             # (a GPU's row of a layer off the fused step: SiLU(g) * u in the GEMV's launch)
             fast = getattr(self.gate_up_proj, "silu_gate_up", None)
-            if fast is not None and self.act is F.silu and (h := fast(x)) is not None:
-                return self.down_proj(h)
-            g, u = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(self.act(g) * u)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            if fast is None or self.act is not F.silu or (h := fast(x)) is None:
+                g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+                h = self.act(g) * u
+        else:
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        if residual is None:
+            return self.down_proj(h)
+        add_to = getattr(self.down_proj, "add_to", None)  # (the add in the GEMV's launch)
+        return residual + self.down_proj(h) if add_to is None else add_to(residual, h)

@@ -30,6 +30,20 @@ class RMSNorm(nn.Module):
         out = try_kernel("norm", rms_norm_rows, rows, self.weight, self.eps, self.float_product)
         return None if out is None else out.view(x.shape)
 
+    def add_forward(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + x, this norm of it): one row kernel where the norm takes them (a residual add
+        and the next norm of a layer off the fused step), else the two torch ops."""
+        if self._row_kernel_takes(h) and h.dim() == 2 and x.shape == h.shape and \
+                x.stride(-1) == 1 and x.dtype == h.dtype:
+            from layersplit.shards.kernels.row_ops import add_rms_norm
+
+            got = try_kernel("norm", add_rms_norm, h, x, self.weight, self.eps,
+                             self.float_product)
+            if got is not None:
+                return got
+        h = h + x
+        return h, self(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._row_kernel_takes(x) and (out := self._rows(x)) is not None:
             return out

@@ -30,5 +30,6 @@ class DecoderLayer(nn.Module):
                 return out
         if step.parts:  # (several sequences' eager steps: only the row kernels' path takes it)
             raise SegmentsRefused("this layer runs several sequences' eager steps one by one")
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
+        h, normed = self.post_attention_layernorm.add_forward(h, a)  # (h + a, its norm)
+        return h + self.mlp(normed)

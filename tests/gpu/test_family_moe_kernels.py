@@ -167,3 +167,46 @@ def test_row_kernel_norms_match_torch(dtype, cls):
     for a, b in ((got, ref), (got_view, ref_view)):
         assert a.dtype == b.dtype and a.shape == b.shape
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("cls", [RMSNorm, FloatProductRMSNorm], ids=lambda c: c.__name__)
+def test_row_kernel_add_and_norm_match_torch(dtype, cls):
+    """A layer's residual add and its next norm in one row kernel (`RMSNorm.add_forward`, the
+    decoder layers off the fused step) against the two torch ops."""
+    from layersplit.shards.kernels.row_ops import add_rms_norm
+
+    d = 512
+    norm = cls(d, 1e-6).to(KERNEL_DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=_gen(7), device=KERNEL_DEV))
+    norm.weight.data = norm.weight.data.to(torch.float32 if cls is FloatProductRMSNorm else dtype)
+    h = (torch.randn(3, d, generator=_gen(8), device=KERNEL_DEV) * 3).to(dtype)
+    a = torch.randn(3, d, generator=_gen(9), device=KERNEL_DEV).to(dtype)
+    want_h, want_n = norm.add_forward(h, a)  # (the torch ops: not switched yet)
+    assert torch.equal(want_h, h + a) and torch.equal(want_n, norm(h + a))
+    norms_as_row_kernels(torch.nn.Sequential(norm))
+    try:
+        got_h, got_n = norm.add_forward(h, a) if CUDA else \
+            add_rms_norm(h, a, norm.weight, norm.eps, norm.float_product)
+    finally:
+        norm.row_kernel = False
+    assert torch.equal(got_h, want_h)  # (one rounding of the float32 sum, as torch's add)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got_n.float(), want_n.float(), rtol=tol, atol=tol)
+
+
+@needs_cuda
+@pytest.mark.parametrize("experts,hidden", [(64, 2048), (256, 7168)])  # (V2-Lite's, V3's)
+def test_router_logits_in_one_gemv_equal_the_float32_linear(experts, hidden):
+    """A bfloat16 row against the float32 router weight (`grouped_moe.router_logits`: the GEMV
+    without a float32 copy of the row) equals F.linear(x.float(), w) to float32 rounding, and
+    the routing picks the same experts from it."""
+    routed_moe.load_gemv()
+    x = torch.randn(1, hidden, generator=_gen(10), device=KERNEL_DEV).to(torch.bfloat16)
+    w = torch.randn(experts, hidden, generator=_gen(11), device=KERNEL_DEV) * hidden ** -0.5
+    got = grouped_moe.router_logits(x, w)
+    want = F.linear(x.float(), w)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert grouped_moe.router_logits(x.repeat(2, 1), w).shape == (2, experts)  # (torch's)

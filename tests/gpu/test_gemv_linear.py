@@ -75,3 +75,27 @@ def test_switched_mlp_equals_the_torch_mlp(dtype):
     assert mlp.gate_up_proj.silu_gate_up(x) is not None
     got, want = mlp(x), want_mlp(x)
     assert near(got, want, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_residual_add_in_the_gemv_equals_the_torch_add(dtype):
+    """A shared expert's down projection plus the routed experts' sum (`MLP(x, residual=r)`)
+    in the GEMV's launch, against the projection and then the add."""
+    cfg = SimpleNamespace(hidden_size=H, intermediate_size=2 * H, hidden_act="silu")
+    torch.manual_seed(5)
+    mlp = MLP(cfg)
+    for p in mlp.parameters():
+        p.data.normal_(0.0, H ** -0.5)
+    mlp = mlp.to(KERNEL_DEV, dtype)
+    mlp.fuse()
+    want_mlp = copy.deepcopy(mlp)
+    linears_as_gemv(mlp)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, H, generator=g).to(KERNEL_DEV, dtype)
+    r = torch.randn(1, H, generator=g).to(KERNEL_DEV, dtype)
+    want = want_mlp(x, residual=r)
+    assert torch.equal(want, r + want_mlp(x))
+    assert near(mlp(x, residual=r), want, TOL[dtype])
+    lin = mlp.down_proj
+    h = torch.randn(1, lin.in_features, generator=g).to(KERNEL_DEV, dtype)
+    assert near(lin.add_to(r, h), r + F.linear(h, lin.weight), TOL[dtype])
