@@ -43,13 +43,14 @@ BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek'
 # latency in a program's loop, so a short context wants short splits: at 256 keys splits of 256
 # left one program looping over 8 blocks, 45 us a layer on an H200 (`bench/profile_decode.py
 # --model random:deepseek-v2-lite-shape --kv 256`); long contexts are split by the fill, each
-# split writing a partial of rows x kv_lora_rank floats (`bench/mla_attention.py --split-keys`
-# measures the choice)
-SPLIT_KEYS = 32
+# split writing a partial of rows x kv_lora_rank floats. `bench/mla_attention.py --split-keys
+# 32,64,128 --warps 4,8` (H200, the whole attention stage of a layer at 2K / 8K / 32K keys):
+# 64 keys and 8 warps 42.1 / 56.3 / 99.3 us, the best or within 5 % of it at each length (32
+# and 4: 45.2 / 75.8 / 100.2; 128 and 8: 46.8 / 53.8 / 99.5)
+SPLIT_KEYS = 64
 # launch shapes: the attention's warps per program; the combine's rows and latent columns per
-# program, splits whose loads it issues together, warps (not tuned: `bench/mla_attention.py
-# --warps` measures the first)
-LAUNCH = {"num_warps": 4}
+# program, splits whose loads it issues together, warps (the combine's not tuned)
+LAUNCH = {"num_warps": 8}
 COMBINE = {"rows": 4, "cols": 32, "group": 16, "num_warps": 1}
 
 

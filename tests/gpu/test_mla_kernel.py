@@ -95,8 +95,8 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
 @pytest.mark.parametrize("rank,rope,rows,t", [(32, 8, 1, 600), (27, 8, 3, 600),
                                               (512, 64, 1, 600), (32, 8, 2, 2400)])
 def test_key_splits_combine(rank, rope, rows, t):
-    """Keys spread over several splits (600 keys: 19 of 32 on an H200; 2,400: 75, past the
-    combine's unrolled counts, `STATIC_SPLITS`), rows read through a
+    """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, a last group
+    of the combine's loads part empty), rows read through a
     shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
     the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
     too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
