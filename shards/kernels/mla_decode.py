@@ -207,6 +207,9 @@ def mla_decode(
     splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
     if out is None:
         out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (s, m, rank) or out.stride(2) != 1:
+        raise ValueError(f"mla_decode: out {tuple(out.shape)} is not ({s}, {m}, {rank}) with "
+                         "contiguous rows")
     if splits > 1:
         po = torch.empty(s, splits, tiles * BLOCK_M, block_c, dtype=torch.float32,
                          device=q.device)

@@ -23,5 +23,7 @@ def concat_linears(*parts: nn.Linear) -> nn.Linear:
     them); parts kept quantized: `quant_linear.concat_quant`."""
     if any(is_quantized(p) for p in parts):
         return concat_quant(list(parts))
-    bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+    # (a part without a bias adds zeros: latent attention's q_proj has none, its kv_a may)
+    bias = None if all(p.bias is None for p in parts) else torch.cat(
+        [p.weight.new_zeros(p.weight.shape[0]) if p.bias is None else p.bias for p in parts])
     return frozen_linear(torch.cat([p.weight for p in parts]), bias)

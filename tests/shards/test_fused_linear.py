@@ -23,3 +23,16 @@ def test_concat_linears_equals_its_parts_side_by_side():
     assert (fused.out_features, fused.in_features) == (8, 6)
     torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1),
                                rtol=0, atol=1e-6)
+
+
+def test_concat_linears_of_parts_with_and_without_biases():
+    """A part without a bias adds zeros (latent attention's q_proj has none where its kv_a
+    projection has one): the fused output is still the parts' outputs side by side."""
+    torch.manual_seed(1)
+    for biases in ((False, True), (True, False), (False, False)):
+        parts = [nn.Linear(6, n, bias=b) for n, b in zip((4, 3), biases)]
+        fused = concat_linears(*parts)
+        assert (fused.bias is None) == (not any(biases))
+        x = torch.randn(2, 6)
+        torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1),
+                                   rtol=0, atol=1e-6)

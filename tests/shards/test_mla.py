@@ -165,3 +165,28 @@ def test_a_missing_field_reads_as_transformers_default(field):
     assert cfg.mla.q_lora_rank == (hf.q_lora_rank or 0)
     assert cfg.norm_topk_prob == hf.norm_topk_prob
     assert cfg.mla.rope_interleave == hf.rope_interleave
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3-noq"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_input_projection_equals_the_two(family, bias):
+    """`MLAttention.fuse` (a GPU's layout: the query, or its bottleneck, and the latent
+    projection as one matmul) gives the queries and latent rows the two projections give,
+    biases included (q_proj has none where kv_a may)."""
+    from layersplit.shards.layers.mla import MLAttention
+
+    raw = {**FAMILY_CONFIGS["deepseek_v3"], "num_hidden_layers": 2, "vocab_size": 320,
+           "attention_bias": bias}
+    if family.endswith("-noq"):
+        raw["q_lora_rank"] = None
+    cfg = config_from_hf(raw, "config.json")
+    torch.manual_seed(2)
+    attn = MLAttention(cfg)
+    for p in attn.parameters():
+        p.data.normal_(0.0, 0.1)
+    x = torch.randn(3, cfg.hidden_size)
+    want = attn._project(x)
+    attn.fuse()
+    assert attn.in_proj is not None and not hasattr(attn, "kv_a_proj_with_mqa")
+    for got, ref in zip(attn._project(x), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
