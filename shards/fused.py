@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
 from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
+from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.attention import Attention, attend, group_queries
 from layersplit.shards.layers.gemv_linear import linears_as_gemv
 from layersplit.shards.layers.norm import RMSNorm, norms_as_row_kernels
@@ -277,6 +278,31 @@ class FusedDecode:
             h.is_contiguous() and not hasattr(layer.mlp, "experts") and \
             (h.shape[0] <= QUANT_GEMV_ROWS or not _kept(layer))
 
+    def _moe_row_takes(self, layer, h) -> bool:
+        """Whether a sparse layer's step runs `_moe_row`: one row (`gemv_rows`), the kernels
+        and GEMV kernels on, weights not kept quantized, no shared expert (Qwen2-MoE's gated
+        one takes the compiled stage)."""
+        m = layer.mlp
+        return bool(self.kernels) and self.gemv and h.shape[0] <= min(1, self.gemv_rows) and \
+            h.is_contiguous() and hasattr(m, "experts") and not _kept(layer) and \
+            getattr(m, "shared_expert", None) is None and routed_moe.few_rows_kernels(h) and \
+            m.experts.gate_up_proj is not None and m.experts.gate_up_proj.is_contiguous()
+
+    def _moe_row(self, layer, h, attn, eps: float):
+        """`fused_moe.post_attention_moe` of one row through kernels, nothing compiled: o_proj
+        with the residual add and the router as GEMVs (cuBLAS split them in two launches each
+        at one row), the norm as the row kernel, then the routing and experts' kernels."""
+        from layersplit.shards.kernels import row_ops
+
+        a, m = layer.self_attn, layer.mlp
+        h = _gemv(attn, _weight(a.o_proj), residual=h)
+        x = row_ops.rms_norm_rows(h, layer.post_attention_layernorm.weight, eps)
+        w, idx = routed_moe._kernels.moe_route(_gemv(x, m.gate.weight), m.top_k,
+                                                m.norm_topk_prob)
+        w = w if m.float_weights else w.to(x.dtype)
+        return h + routed_moe._kernels.moe_gemv(x, w, idx, m.experts.gate_up_proj,
+                                                 m.experts.down_proj)
+
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; few rows through the GEMV
         kernels (`kernels.gemv`: the norms, residual adds and SiLU * up folded into the
@@ -285,13 +311,16 @@ class FusedDecode:
         a, m = layer.self_attn, layer.mlp
         eps = layer.input_layernorm.eps
         few_rows = self._gemv_takes(layer, h)
-        if few_rows:
+        moe_row = not few_rows and self._moe_row_takes(layer, h)
+        if few_rows or moe_row:
             self._normed = None
             qkv = _gemv(h, _weight(a.qkv_proj), bias=getattr(a.qkv_proj, "bias", None),
                         norm=(layer.input_layernorm.weight, eps))
         else:
             qkv = self._qkv(layer, h)
         attn = kernel_attention(a, qkv, cos, sin, kv, index, slot, step, eps)
+        if moe_row:
+            return self._moe_row(layer, h, attn, eps)
         if hasattr(m, "experts"):  # a sparse MLP (its output is not normed ahead)
             return stages.post_moe(h, attn, *moe_args(layer))
         if few_rows:

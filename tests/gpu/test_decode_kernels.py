@@ -271,10 +271,12 @@ def _executor(path, family: str, dtype: torch.dtype, kernels: bool | None, slots
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral-window", "qwen3_moe",
+                                    "mixtral"])
 def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
     """Whole 6-layer models: graph decode steps, a tree verify step and batched steps with the
-    kernels against the compiled torch decode step (and the plain CPU path in float32)."""
+    kernels against the compiled torch decode step (and the plain CPU path in float32); the
+    sparse families' one-row steps through `FusedDecode._moe_row` on a GPU."""
     path = tiny_models[family]
     runs = {"kernels": _executor(path, family, dtype, True, slots=3),
             "torch": _executor(path, family, dtype, False, slots=3)}

@@ -60,10 +60,10 @@ def test_more_rows_than_the_gemv_takes_run_linear(monkeypatch):
     assert lin.takes(x) and near(lin(x), F.linear(x, lin.weight, lin.bias), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_switched_mlp_equals_the_torch_mlp(dtype):
+def _mlps(dtype: torch.dtype, seed: int) -> tuple[MLP, MLP]:
+    """(an MLP in the GPU layout switched by `linears_as_gemv`, a copy of it as it was)."""
     cfg = SimpleNamespace(hidden_size=H, intermediate_size=2 * H, hidden_act="silu")
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     mlp = MLP(cfg)
     for p in mlp.parameters():
         p.data.normal_(0.0, H ** -0.5)
@@ -71,6 +71,12 @@ def test_switched_mlp_equals_the_torch_mlp(dtype):
     mlp.fuse()
     want_mlp = copy.deepcopy(mlp)
     assert linears_as_gemv(mlp) == 2
+    return mlp, want_mlp
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_switched_mlp_equals_the_torch_mlp(dtype):
+    mlp, want_mlp = _mlps(dtype, 3)
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEV, dtype)
     assert mlp.gate_up_proj.silu_gate_up(x) is not None
     got, want = mlp(x), want_mlp(x)
@@ -81,15 +87,7 @@ def test_switched_mlp_equals_the_torch_mlp(dtype):
 def test_residual_add_in_the_gemv_equals_the_torch_add(dtype):
     """A shared expert's down projection plus the routed experts' sum (`MLP(x, residual=r)`)
     in the GEMV's launch, against the projection and then the add."""
-    cfg = SimpleNamespace(hidden_size=H, intermediate_size=2 * H, hidden_act="silu")
-    torch.manual_seed(5)
-    mlp = MLP(cfg)
-    for p in mlp.parameters():
-        p.data.normal_(0.0, H ** -0.5)
-    mlp = mlp.to(KERNEL_DEV, dtype)
-    mlp.fuse()
-    want_mlp = copy.deepcopy(mlp)
-    linears_as_gemv(mlp)
+    mlp, want_mlp = _mlps(dtype, 5)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(1, H, generator=g).to(KERNEL_DEV, dtype)
     r = torch.randn(1, H, generator=g).to(KERNEL_DEV, dtype)
