@@ -119,3 +119,78 @@ def test_key_splits_combine(rank, rope, rows, t):
     probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
     want = torch.einsum("smt,stc->smc", probs, lat[..., :rank])
     assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+
+
+def test_no_key_past_a_sequences_last_row_is_read():
+    """`last` (the rows each sequence writes in the step): a program reads no key past its
+    sequence's last row. Those keys' latent rows are NaN here, which a read would carry into
+    the output even under the mask (0 x NaN); the output equals the softmax over the keys
+    each query row sees, whether the keys are split or not."""
+    from layersplit.shards.kernels import mla_decode as mod
+
+    g = torch.Generator().manual_seed(1)
+    s, rows, heads, rank, rope, t = 2, 2, 4, 32, 8, 300
+    half = (rank + rope) // 2
+    written = torch.tensor([[150, 151], [40, 41]])  # (S, rows): each step row's own key
+    pool = torch.randn(s * t, 2 * half, generator=g)
+    index = torch.arange(s * t).view(s, t)
+    for i in range(s):
+        pool[index[i, int(written[i].max()) + 1:]] = float("nan")
+    mask = torch.arange(t)[None, :] <= written.reshape(-1, 1)  # (S * rows, T)
+    q = torch.randn(s, rows * heads, rank + rope, generator=g)
+    lat = pool.nan_to_num(0.0)[index][..., :rank + rope]
+    scores = torch.einsum("sml,stl->smt", q, lat) * 0.3
+    seen = mask.view(s, rows, 1, t).expand(s, rows, heads, t).reshape(s, rows * heads, t)
+    want = torch.einsum("smt,stc->smc",
+                        torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1),
+                        lat[..., :rank])
+    for split in (64, 1024):  # (several splits, and one: the output written directly)
+        saved, mod.SPLIT_KEYS = mod.SPLIT_KEYS, split
+        try:
+            got = mod.mla_decode(q.to(DEV), pool[:, :half].to(DEV), pool[:, half:].to(DEV),
+                                 index.to(DEV), mask.to(DEV), heads, rank, 0.3,
+                                 last=written.reshape(-1).to(DEV))
+        finally:
+            mod.SPLIT_KEYS = saved
+        assert torch.isfinite(got).all()
+        assert float((got.cpu() - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("heads,rank,rope,interleave", [
+    (16, 512, 64, False), (128, 512, 64, True),  # (DeepSeek-V2-Lite's heads; V3's and Kimi's)
+    (3, 27, 6, True)])  # (an odd latent width: the row's padding value)
+def test_latent_rows_and_query_rotary_equal_the_torch_ops(heads, rank, rope, interleave):
+    """`mla_step.mla_rows` writes each step row's latent row (kv_a_layernorm on c, the rotary
+    on k_pe) into its pool row's two halves and the queries' rotary parts into the query rows,
+    as the torch path's norm, rotary, cat and pad compute them."""
+    from layersplit.shards.kernels.mla_step import mla_rows
+    from layersplit.shards.layers.mla import LATENT_NORM_EPS, apply_rope_interleaved
+    from layersplit.shards.layers.norm import RMSNorm
+    from layersplit.shards.layers.rotary import apply_rope
+
+    g = torch.Generator().manual_seed(2)
+    n, latent = 3, rank + rope
+    half = -(-latent // 2)
+    a = torch.randn(n, latent + 5, generator=g)[:, :latent]  # (a slice of wider rows)
+    q_pe = torch.randn(n, heads, rope + 7, generator=g)[..., 7:]
+    norm = RMSNorm(rank, LATENT_NORM_EPS)
+    norm.weight.data = torch.randn(rank, generator=g)
+    ang = torch.rand(n, rope // 2, generator=g) * 6
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    write = torch.tensor([7, 2, 11])
+    k_pool, v_pool = torch.zeros(16, half), torch.zeros(16, half)
+    q_out = torch.zeros(n, heads, latent)
+    to = {"device": DEV}
+    k_dev, v_dev, q_dev = k_pool.to(**to), v_pool.to(**to), q_out.to(**to)
+    mla_rows(a.to(**to), norm.weight.to(**to), norm.eps, cos.to(**to), sin.to(**to),
+             write.to(**to), k_dev, v_dev, q_pe.to(**to), q_dev, interleave)
+    rot = apply_rope_interleaved if interleave else apply_rope
+    row = torch.cat([norm(a[:, :rank]), rot(a[:, None, rank:], cos, sin)[:, 0]], -1)
+    row = torch.nn.functional.pad(row, (0, 2 * half - latent))
+    torch.testing.assert_close(torch.cat([k_dev, v_dev], -1).cpu()[write], row,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_dev.cpu()[..., rank:], rot(q_pe, cos, sin), rtol=1e-5,
+                               atol=1e-5)
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[write] = False
+    assert not k_dev.cpu()[untouched].any() and not v_dev.cpu()[untouched].any()
