@@ -21,12 +21,14 @@ norm in one kernel, gate/up, SiLU * up in one kernel, down, and the residual add
 layer's input norm (`shards.kernels.row_ops`), so the next layer starts at its projection.
 torch.compile is made at a stage's first call, so a dense model on the kernels never imports it
 (5-8 s of a start on an H100). A mixture-of-experts layer's work after attention is
-`shards.fused_moe` (router and grouped-GEMM experts, compiled; no next-norm folding).
+`shards.fused_moe` (router and grouped-GEMM experts, compiled; no next-norm folding), but for
+a one-row step (`FusedDecode._moe_row`, below).
 
 A one-row step of one sequence (batch-1 decode, the bulk of a user's wait) goes further: its
 projections are the GEMV kernels of `shards.kernels.gemv`, with the norms as their prologue and
 the residual adds and SiLU * up as their epilogue: q/k/v, attention (two kernels), o_proj,
-gate/up, down: 6 kernels a layer. The last range's final norm and LM head are one more
+gate/up, down: 6 kernels a layer (a sparse layer: q/k/v, attention, o_proj, its norm, the
+router, the routing and the experts' three). The last range's final norm and LM head are one more
 (`FusedDecode.head`, `RangeModel.head_fast`). `LAYERSPLIT_GEMV_KERNELS=0` switches them off.
 """
 
@@ -38,7 +40,12 @@ import logging
 import torch
 import torch.nn.functional as F
 from layersplit.shards.fused_moe import moe_args, post_attention_moe, post_attention_moe_batch
-from layersplit.shards.kernels import fused_kernels_available, gemv_kernels_available, gemv_max_rows
+from layersplit.shards.kernels import (
+    fused_kernels_available,
+    gemv_kernels_available,
+    gemv_max_rows,
+    kernel_failed,
+)
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.attention import Attention, attend, group_queries
 from layersplit.shards.layers.gemv_linear import linears_as_gemv
@@ -229,11 +236,13 @@ class FusedDecode:
                 raise
             except Exception as e:  # noqa: BLE001 - a failing stage falls back, below
                 err = e
-            # a dense layer on the kernels runs nothing compiled: what failed was a kernel
-            dense_on_kernels = self.kernels and not hasattr(layer.mlp, "experts")
+            # a dense layer on the kernels, and a sparse layer's one-row step (`_moe_row`),
+            # run nothing compiled: what failed was a kernel
+            on_kernels = self.kernels and (not hasattr(layer.mlp, "experts") or
+                                           self._moe_row_takes(layer, h))
             if isinstance(err, GemvError):
                 self._gemv_failed(err)
-            elif stages.compiled and not dense_on_kernels:
+            elif stages.compiled and not on_kernels:
                 log.warning("torch.compile of the decode step failed (%s: %s); running it "
                             "eager", type(err).__name__, err)
                 stages.uncompile()
@@ -283,10 +292,13 @@ class FusedDecode:
         and GEMV kernels on, weights not kept quantized, no shared expert (Qwen2-MoE's gated
         one takes the compiled stage)."""
         m = layer.mlp
+        ex = getattr(m, "experts", None)
         return bool(self.kernels) and self.gemv and h.shape[0] <= min(1, self.gemv_rows) and \
-            h.is_contiguous() and hasattr(m, "experts") and not _kept(layer) and \
+            h.is_contiguous() and type(ex) is routed_moe.Experts and not _kept(layer) and \
             getattr(m, "shared_expert", None) is None and routed_moe.few_rows_kernels(h) and \
-            m.experts.gate_up_proj is not None and m.experts.gate_up_proj.is_contiguous()
+            ex.gate_up_proj is not None and ex.gate_up_proj.is_contiguous() and \
+            ex.down_proj.is_contiguous() and not kernel_failed("MoE GEMV") and \
+            not kernel_failed("MoE routing")
 
     def _moe_row(self, layer, h, attn, eps: float):
         """`fused_moe.post_attention_moe` of one row through kernels, nothing compiled: o_proj

@@ -340,6 +340,10 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         assert float((got - want).abs().max()) <= bound, (name, bound)
     fast = runs["kernels"].model.layers[0].fast
     assert fast.kernels and fast.gemv  # (no fallback in any of those steps)
+    sparse = [la for la in runs["kernels"].model.layers if hasattr(la.mlp, "experts")]
+    if sparse and DEV != "cpu":  # (their one-row steps took `_moe_row`: it takes such a row)
+        row = torch.zeros(1, sparse[0].self_attn.o_proj.out_features, device=DEV, dtype=dtype)
+        assert fast._moe_row_takes(sparse[0], row)
 
 
 def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny_models,
@@ -368,5 +372,34 @@ def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny
     got = runs["kernels"].run(torch.tensor([5]), 27)
     want = runs["torch"].run(torch.tensor([5]), 27)
     assert fast.kernels is False and fast.gemv is False and fast.single.compiled
+    bound = 1e-4 * max(1.0, float(want.abs().max()))
+    assert float((got.float() - want.float()).abs().max()) <= bound
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="the sparse one-row step's kernels load on CUDA only")
+def test_a_failing_kernel_of_a_sparse_one_row_step_leaves_the_stages_compiled(tiny_models,
+                                                                              monkeypatch):
+    """A sparse layer's one-row step (`FusedDecode._moe_row`) runs nothing compiled either: a
+    kernel failing there (its norm's row kernel) turns the Triton kernels off, not the compiled
+    stages, and the step is the torch path's, with the same logits."""
+    from layersplit.shards.kernels import row_ops
+
+    path = tiny_models["qwen3_moe"]
+    runs = {k: _executor(path, "qwen3_moe", torch.float32, on, compile=False)
+            for k, on in (("kernels", True), ("torch", False))}
+    ids = torch.arange(3, 30)
+    for ex in runs.values():
+        ex.run(ids, 0)
+    fast = runs["kernels"].model.layers[0].fast
+    assert fast.kernels
+    fast.single.compiled = True  # as if compiled (uncompiled here, so the stages run eager)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("row kernel broken")
+
+    monkeypatch.setattr(row_ops, "rms_norm_rows", broken)
+    got = runs["kernels"].run(torch.tensor([5]), 27)
+    want = runs["torch"].run(torch.tensor([5]), 27)
+    assert fast.kernels is False and fast.single.compiled
     bound = 1e-4 * max(1.0, float(want.abs().max()))
     assert float((got.float() - want.float()).abs().max()) <= bound
