@@ -346,16 +346,12 @@ def test_kernel_decode_matches_torch_decode(tiny_models, family, dtype):
         assert fast._moe_row_takes(sparse[0], row)
 
 
-def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny_models,
-                                                                            monkeypatch):
-    """A dense layer on the kernels runs nothing compiled, so a failure there (here: the GEMV
-    kernels raising, then the add + norm row kernel) switches the GEMV kernels off, then the
-    Triton kernels, and leaves the torch path's stages compiled; the step is then the torch
-    path's, with the same logits."""
-    from layersplit.shards.kernels import gemv, row_ops
-
-    path = tiny_models["llama"]
-    runs = {k: _executor(path, "llama", torch.float32, on, compile=False)
+def _step_with_broken_kernels(path, family: str, monkeypatch, broken: list) -> object:
+    """A one-row step of `family` on the kernels, its stages flagged compiled, with the
+    `broken` (module, name) functions raising: its logits equal the torch path's; the
+    `FusedDecode` of the kernels' run is returned for the caller's checks of what it turned
+    off."""
+    runs = {k: _executor(path, family, torch.float32, on, compile=False)
             for k, on in (("kernels", True), ("torch", False))}
     ids = torch.arange(3, 30)
     for ex in runs.values():
@@ -364,16 +360,29 @@ def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny
     assert fast.kernels
     fast.single.compiled = True  # as if compiled (uncompiled here, so the stages run eager)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("row kernel broken")
+    def fails(*args, **kwargs):
+        raise RuntimeError("kernel broken")
 
-    monkeypatch.setattr(row_ops, "add_rms_norm", broken)
-    monkeypatch.setattr(gemv, "gemv", broken)
+    for module, name in broken:
+        monkeypatch.setattr(module, name, fails)
     got = runs["kernels"].run(torch.tensor([5]), 27)
     want = runs["torch"].run(torch.tensor([5]), 27)
-    assert fast.kernels is False and fast.gemv is False and fast.single.compiled
     bound = 1e-4 * max(1.0, float(want.abs().max()))
     assert float((got.float() - want.float()).abs().max()) <= bound
+    return fast
+
+
+def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny_models,
+                                                                            monkeypatch):
+    """A dense layer on the kernels runs nothing compiled, so a failure there (here: the GEMV
+    kernels raising, then the add + norm row kernel) switches the GEMV kernels off, then the
+    Triton kernels, and leaves the torch path's stages compiled; the step is then the torch
+    path's, with the same logits."""
+    from layersplit.shards.kernels import gemv, row_ops
+
+    fast = _step_with_broken_kernels(tiny_models["llama"], "llama", monkeypatch,
+                                     [(row_ops, "add_rms_norm"), (gemv, "gemv")])
+    assert fast.kernels is False and fast.gemv is False and fast.single.compiled
 
 
 @pytest.mark.skipif(DEV == "cpu", reason="the sparse one-row step's kernels load on CUDA only")
@@ -384,22 +393,6 @@ def test_a_failing_kernel_of_a_sparse_one_row_step_leaves_the_stages_compiled(ti
     stages, and the step is the torch path's, with the same logits."""
     from layersplit.shards.kernels import row_ops
 
-    path = tiny_models["qwen3_moe"]
-    runs = {k: _executor(path, "qwen3_moe", torch.float32, on, compile=False)
-            for k, on in (("kernels", True), ("torch", False))}
-    ids = torch.arange(3, 30)
-    for ex in runs.values():
-        ex.run(ids, 0)
-    fast = runs["kernels"].model.layers[0].fast
-    assert fast.kernels
-    fast.single.compiled = True  # as if compiled (uncompiled here, so the stages run eager)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("row kernel broken")
-
-    monkeypatch.setattr(row_ops, "rms_norm_rows", broken)
-    got = runs["kernels"].run(torch.tensor([5]), 27)
-    want = runs["torch"].run(torch.tensor([5]), 27)
+    fast = _step_with_broken_kernels(tiny_models["qwen3_moe"], "qwen3_moe", monkeypatch,
+                                     [(row_ops, "rms_norm_rows")])
     assert fast.kernels is False and fast.single.compiled
-    bound = 1e-4 * max(1.0, float(want.abs().max()))
-    assert float((got.float() - want.float()).abs().max()) <= bound
