@@ -12,6 +12,11 @@ small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
     python bench/gemv_sweep.py --model smollm2-135m-shape [--model llama-8b-shape] \
         [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head] \
         [--rows 1]
+    python bench/gemv_sweep.py --plain in_proj=3648x2048 --plain o_proj=2048x2048
+
+`--plain NAME=NxK`: a plain projection of N outputs and K inputs (no norm, residual or SiLU):
+the `GemvLinear` projections of the layers `shards.fused` does not fuse (above: DeepSeek-V2-
+Lite's query and latent projection, its o_proj), swept as the ops above, without a chain.
 """
 
 from __future__ import annotations
@@ -62,6 +67,32 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",")]
 
 
+def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype) -> dict:
+    """One plain projection (N, K): cuBLAS, the GEMV's default launch shape and the sweep's
+    best five, over enough copies of the weight that the L2 cache holds none."""
+    m = args.rows
+    x = torch.randn(m, k, device=dev).to(dt)
+    copies = max(2, -(-(256 << 20) // (n * k * 2)))
+    ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(dt) for _ in range(copies)]
+    reps, mb = max(copies, 24), n * k * 2 / 1e6
+    t_blas = time_us(lambda j: F.linear(x, ws[j]), reps, 20, copies)
+    t_def = time_us(lambda j: gk.gemv(x, ws[j]), reps, 20, copies)
+    rows = []
+    cands = candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)) \
+        if m == 1 else row_candidates(m, k)
+    for cfg in cands:
+        try:
+            rows.append((time_us(lambda j: gk.gemv(x, ws[j], cfg=cfg), reps, 20, copies), cfg))
+        except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
+            print(f"  {name} {cfg}: {type(e).__name__}")
+    rows.sort(key=lambda r: r[0])
+    default = gk.config(k) if m == 1 else gk.rows_config(m, k)
+    print(f"{name} ({n}x{k}, {mb:.1f} MB): cuBLAS {t_blas:.2f} us ({mb / t_blas * 1e3:.0f} "
+          f"GB/s); default {default} {t_def:.2f} us ({mb / t_def * 1e3:.0f} GB/s); best "
+          + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
+    return {"cublas_us": t_blas, "default_us": t_def, "best": rows[:5], "mb": mb}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", action="append", default=[])
@@ -71,13 +102,19 @@ def main() -> None:
     ap.add_argument("--ops", default="qkv,o,gate_up,down,head")
     ap.add_argument("--rows", type=int, default=1,
                     help="rows a call (more than 1: the few-rows kernel, a verify tree's)")
+    ap.add_argument("--plain", action="append", default=[],
+                    help="NAME=NxK: a plain projection to sweep (no model's chain)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev, dt = "cuda:0", torch.bfloat16
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(0))
     report = {}
-    for name in args.model or ["smollm2-135m-shape"]:
+    for spec in args.plain:
+        name, _, shape = spec.partition("=")
+        n, k = (int(v) for v in shape.lower().split("x"))
+        report[f"plain/{name}"] = sweep_plain(name, n, k, args, dev, dt)
+    for name in args.model or ([] if args.plain else ["smollm2-135m-shape"]):
         c = json.loads((CONFIGS / name / "config.json").read_text())
         hd_, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
         nh, ng = c["num_attention_heads"], c["num_key_value_heads"]
