@@ -223,16 +223,6 @@ class PagedKVCache:
             read = read[None]
         return self.k_rows[layer], self.v_rows[layer], write, read
 
-    def append_pool(
-        self, layer: int, slot: int, step: StepInfo, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store the step's rows, as `append` (or `append_batch` for a batched step), and
-        return, without gathering them, `pool_index`'s pools and keys' pool indices."""
-        k_pool, v_pool, write, read = self.pool_index(layer, slot, step)
-        k_pool.index_copy_(0, write, k)
-        v_pool.index_copy_(0, write, v)
-        return k_pool, v_pool, read
-
     # ---- rows ---------------------------------------------------------------------------------
     def move_rows(self, slot: int, src: list[int], dst: list[int]) -> None:
         """Copy rows `src` of every layer of `slot` to rows `dst` (a tree verify's kept path)."""

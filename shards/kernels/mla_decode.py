@@ -189,11 +189,10 @@ def mla_decode(
     mask: torch.Tensor | None,  # (S * r, T) bool: step row i sees key t (r = M / heads / S)
     heads: int, rank: int, scale: float,
     last: torch.Tensor | None = None,  # (S * r,) int64: each step row's own row (key) index
-    out: torch.Tensor | None = None,  # (S, M, C) where to write (default: a new q-dtype one)
 ) -> torch.Tensor:
-    """The latent output (S, M, C), in q's dtype (or `out`'s), of the absorbed attention (see
-    the module). `last`: the sequence rows the step writes (a program reads no key past its
-    sequence's last; the mask still decides within)."""
+    """The latent output (S, M, C), in q's dtype, of the absorbed attention (see the module).
+    `last`: the sequence rows the step writes (a program reads no key past its sequence's last;
+    the mask still decides within)."""
     s, m, width = q.shape
     rope, half, t = width - rank, k_pool.shape[-1], index.shape[1]
     rows = m // heads  # step rows per sequence
@@ -205,11 +204,7 @@ def mla_decode(
     block_r = max(16, triton.next_power_of_2(rope))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
-    if out is None:
-        out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
-    elif out.shape != (s, m, rank) or out.stride(2) != 1:
-        raise ValueError(f"mla_decode: out {tuple(out.shape)} is not ({s}, {m}, {rank}) with "
-                         "contiguous rows")
+    out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
     if splits > 1:
         po = torch.empty(s, splits, tiles * BLOCK_M, block_c, dtype=torch.float32,
                          device=q.device)
