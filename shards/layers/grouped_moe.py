@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import gemv_kernels_available, kernel_failed, try_kernel
 from layersplit.shards.layers import routed_moe
+from layersplit.shards.layers.gemv_linear import KERNEL as GEMV
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.routed_moe import Experts
 from layersplit.shards.model_config import ModelConfig
@@ -28,10 +29,10 @@ def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
     launch (`kernels.gemv`: no copy of the row to float32, no cuBLAS split-K reduction)."""
     if routed_moe.few_rows_kernels(x) and x.shape[0] == 1 and x.stride(1) == 1 and \
             router_w.dtype == torch.float32 and router_w.is_contiguous() and \
-            gemv_kernels_available() and not kernel_failed("GEMV"):
+            gemv_kernels_available() and not kernel_failed(GEMV):
         from layersplit.shards.kernels.gemv import gemv
 
-        got = try_kernel("GEMV", lambda a, w: gemv(a, w, out_dtype=torch.float32), x, router_w)
+        got = try_kernel(GEMV, lambda a, w: gemv(a, w, out_dtype=torch.float32), x, router_w)
         if got is not None:
             return got
     return F.linear(x.float(), router_w.float())

@@ -87,10 +87,8 @@ class MLAttention(nn.Module):
         self.in_proj = concat_linears(first, self.kv_a_proj_with_mqa)
         del self.kv_a_proj_with_mqa
         if self.q_proj is not None:
-            del self.q_proj
             self.q_proj = None
         else:
-            del self.q_a_proj
             self.q_a_proj = None
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
