@@ -194,3 +194,25 @@ def test_latent_rows_and_query_rotary_equal_the_torch_ops(heads, rank, rope, int
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[write] = False
     assert not k_dev.cpu()[untouched].any() and not v_dev.cpu()[untouched].any()
+
+
+def test_operands_of_the_wrong_shape_are_refused_by_name():
+    """The MLA step's kernels refuse operands they would misread, before any launch: a `last`
+    of the wrong length, per-head matrices that do not match the rows, an odd rotary."""
+    from layersplit.shards.kernels.mla_decode import mla_decode
+    from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows
+
+    q = torch.randn(1, 4, 40, device=DEV)
+    pool = torch.randn(8, 20, device=DEV)
+    index = torch.arange(8, device=DEV)[None]
+    with pytest.raises(ValueError, match="mla_decode.*last"):
+        mla_decode(q, pool, pool, index, None, 4, 32, 0.3,
+                   last=torch.zeros(3, dtype=torch.long, device=DEV))
+    with pytest.raises(ValueError, match="heads_matmul"):
+        heads_matmul(torch.randn(2, 4, 16, device=DEV), torch.randn(4, 8, 32, device=DEV),
+                     torch.empty(2, 4, 32, device=DEV))
+    with pytest.raises(ValueError, match="mla_rows.*even rotary"):
+        mla_rows(torch.randn(1, 37, device=DEV), torch.ones(32, device=DEV), 1e-6,
+                 torch.ones(1, 5, device=DEV), torch.zeros(1, 5, device=DEV),
+                 torch.zeros(1, dtype=torch.long, device=DEV), pool, pool,
+                 torch.randn(1, 4, 5, device=DEV), torch.empty(1, 4, 37, device=DEV), False)
