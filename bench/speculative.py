@@ -262,6 +262,7 @@ def _policy_fields(total: SpecStats) -> dict:
     """What the speculation policy chose over a prompt set: verify steps, plain steps it ran,
     verify steps by draft tokens proposed."""
     return {"spec_rounds": total.verifies, "spec_off_steps": total.off_steps,
+            "spec_untapped": total.untapped, "spec_restarts": total.restarts,
             "spec_sizes": {str(k): v for k, v in sorted(total.sizes.items())}}
 
 

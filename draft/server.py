@@ -55,12 +55,13 @@ PUSH_TIMEOUT_S = 0.0  # a proposal that finds the first shard's ring full goes b
 MAX_SLOTS = 1024
 
 ALLOWED = {
-    "coordinator": {"draft_configure", "draft_warm", "draft_begin", "propose", "draft_features",
-                    "ping", "shutdown", "wake", *SNAP_OPS},
+    "coordinator": {"draft_configure", "draft_warm", "draft_begin", "draft_since", "propose",
+                    "draft_features", "ping", "shutdown", "wake", *SNAP_OPS},
     "feeder": {"feed", "feat", "verdict", "wake"},
 }
 # the messages that read or write a sequence's rows (a pending warm-up runs before them)
-SLOT_OPS = frozenset({"draft_begin", "propose", "draft_features", "feat", "verdict", *SNAP_OPS})
+SLOT_OPS = frozenset({"draft_begin", "draft_since", "propose", "draft_features", "feat",
+                      "verdict", *SNAP_OPS})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -600,6 +601,17 @@ class DraftServer:
         self.begun[slot] = msg["sid"]
         for f in self.feeders:
             f.rejected.pop(slot, None)
+        self._reply(route, message("ok", info={}, sid=msg["sid"]))
+
+    def _on_draft_since(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        p = self.proposer
+        if not isinstance(p, DFlashProposer):
+            raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
+        try:
+            p.restart(msg["slot"], msg["pos"])
+        except ValueError as e:
+            raise ProtocolError(f"draft_since: {e}") from e
+        self.prepared.forget(msg["slot"])
         self._reply(route, message("ok", info={}, sid=msg["sid"]))
 
     def _on_propose(self, route: bytes, msg: dict[str, Any], frames: list) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 20  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 21  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -41,7 +41,7 @@ PROTOCOL_VERSION = 20  # 2: speculative decoding; 3: batched steps (several sequ
 # `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`);
 # 19: the token board's host-mode token words carry their step (`ipc.token_board.pack`); warm's
 # optional `verify_batch` (batched verify steps); 20: `draft_warm` (draft_configure answers
-# before the draft's warm-up)
+# before the draft's warm-up); 21: `draft_since` (a context goes on after rows it never got)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -119,6 +119,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # sequence's sampling ({temperature, top_k, top_p, seed}) when the draft is to sample its
     # proposals from its own distribution and send it (`q`); None: its best guesses, no `q`
     "draft_begin": {"sid": (int,), "slot": (int,), "sample": (dict, NoneType)},
+    # the context of `slot`'s sequence goes on at `pos` after positions whose rows the shards
+    # never sent (plain steps untapped, `runtime.speculative.DraftClient.taps`): its proposals
+    # read the rows from `pos` on only
+    "draft_since": {"sid": (int,), "slot": (int,), "pos": (int,)},
     # `tree`: at most this many draft tokens as a tree (where the draft has a tree shape; n
     # bounds its depth), 0: a chain of n; `kept`: the tree rows the last verify step kept
     "propose": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "token": (int,),

@@ -125,6 +125,9 @@ class Request:
     # step is a plain decode step (`runtime.speculative.DraftClient.plain_next`)
     may_park: Callable[[], bool] | None = None  # a feeding sequence's: whether its plain decode
     # step going out now may park its feature rows (`DraftClient.may_park`; None: never)
+    taps: Callable[[int, bool], bool] | None = None  # a feeding sequence's: whether its step at
+    # a position going out now sends the draft its feature rows, given whether it may not (a
+    # plain decode step past its prompt) (`DraftClient.taps`; None: every step sends them)
 
 
 @dataclasses.dataclass(slots=True)
@@ -337,8 +340,10 @@ class Batcher:
         if not reqs:
             return False
         try:
-            park = _parks(reqs, [r.pending for r in reqs])
-            sid = self.coord.send_step([(r.slot, r.pending, r.feed) for r in reqs], park)
+            feeds = [_feed(r, r.pending) for r in reqs]
+            park = _parks(reqs, [r.pending for r in reqs], feeds)
+            sid = self.coord.send_step([(r.slot, r.pending, f) for r, f in zip(reqs, feeds)],
+                                       park)
             self.stats.parked += park
         except ShardFailure as e:
             for r in reqs:
@@ -402,9 +407,10 @@ class Batcher:
             for r, a in zip(st.reqs, ahead):
                 self.sched.grow(r.rid, a.pos + a.rows)
             try:
-                park = _parks(st.reqs, ahead)
-                sid = self.coord.send_step([(r.slot, a, r.feed) for r, a in zip(st.reqs, ahead)],
-                                           park)
+                feeds = [_feed(r, a) for r, a in zip(st.reqs, ahead)]
+                park = _parks(st.reqs, ahead, feeds)
+                sid = self.coord.send_step([(r.slot, a, f) for r, a, f in
+                                            zip(st.reqs, ahead, feeds)], park)
                 self.stats.parked += park
             except ShardFailure as e:
                 for r in st.reqs:
@@ -752,11 +758,20 @@ class Batcher:
             assert all(r.in_flight > 0 for r in st.reqs)
 
 
-def _parks(reqs: list[Request], steps: list[StepRequest]) -> bool:
+def _feed(r: Request, step: StepRequest) -> int | None:
+    """The draft context `r`'s segment of `step` feeds: its own, but for a plain decode step
+    past its prompt whose rows the draft will not read (`Request.taps`)."""
+    if r.feed is None or r.taps is None:
+        return r.feed
+    return r.feed if r.taps(step.pos, _plain_decode(step) and step.pos >= r.prompt_tokens) \
+        else None
+
+
+def _parks(reqs: list[Request], steps: list[StepRequest], feeds: list[int | None]) -> bool:
     """Whether a step may park its feature rows on the shards (`shards.parked_rows`): every
-    sequence of it decodes one plain row, some feed the draft, and every one that does may
-    park it (`Request.may_park`)."""
-    fed = [(r, step) for r, step in zip(reqs, steps) if r.feed is not None]
+    sequence of it decodes one plain row, some feed the draft (`feeds`, each segment's draft
+    context), and every one that does may park it (`Request.may_park`)."""
+    fed = [(r, step) for r, step, feed in zip(reqs, steps, feeds) if feed is not None]
     return bool(fed) and all(_plain_decode(step) for step in steps) and all(
         r.may_park is not None and step.pos >= r.prompt_tokens and r.may_park()
         for r, step in fed)

@@ -60,6 +60,9 @@ class Metrics:
         self.spec_off_steps = Counter("layersplit_spec_off_steps", "decode steps of "
                                       "sequences that could speculate, run plainly by the "
                                       "speculation policy (spec_policy)", registry=r)
+        self.spec_untapped_steps = Counter("layersplit_spec_untapped_steps", "of those, steps "
+                                           "that sent the draft no feature rows (far from the "
+                                           "policy's next round)", registry=r)
         self.spec_rounds_by_size = Counter("layersplit_spec_rounds", "verify steps, by the "
                                            "draft tokens they proposed (tree nodes or chain "
                                            "depth)", ["size"], registry=r)
@@ -131,6 +134,7 @@ class Metrics:
             self.spec_accepted.labels(str(j)).inc(a)
         self.spec_verifies.inc(spec.verifies)
         self.spec_off_steps.inc(spec.off_steps)
+        self.spec_untapped_steps.inc(spec.untapped)
         for size, n in spec.sizes.items():
             self.spec_rounds_by_size.labels(str(size)).inc(n)
         self.spec_draft_s.inc(spec.draft_s)

@@ -251,11 +251,12 @@ class RequestFlow:
                     log.info("no speculation for this request: the restored prefix carries no "
                              "draft feature rows")
                 drafter = None
-            req.plain_next = None if drafter is None else drafter.plain_next
-            # (a sequence that only feeds parks its rows where the policy measures: its rows
-            # are read only by a snapshot, before which the shards send them)
-            req.may_park = drafter.may_park if drafter is not None else (
-                (lambda: True) if self.spec_policy is not None else None)
+            # a sequence that only feeds sends the draft the rows of its prompt alone: they are
+            # read only by its snapshots, all inside the prompt (a kept answer is prefilled
+            # again, `keep_turn`), so its decode steps are plain ones, sent ahead as such
+            req.plain_next = drafter.plain_next if drafter is not None else _always
+            req.may_park = drafter.may_park if drafter is not None else _always
+            req.taps = drafter.taps if drafter is not None else _prompt_rows_only
             if req.feed is not None and not live:
                 # its rows could not make the draft's context whole, nor its snapshots carry
                 # them: the context goes back at once, for a request that can speculate
@@ -383,3 +384,12 @@ class RequestFlow:
             for r in reqs:  # (a stream never started does not cancel its request on close)
                 self.batcher.cancel(r)
         return [collect(iter(()), pr, len(p)) for p, pr in zip(prompts, progs, strict=True)]
+
+
+def _always() -> bool:
+    return True
+
+
+def _prompt_rows_only(pos: int, may_skip: bool) -> bool:
+    """`Request.taps` of a sequence that feeds the draft but does not speculate."""
+    return not may_skip

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from layersplit.shards.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
+TAP_LEAD = 64  # plain steps before a planned round from which a sequence's plain steps send the
+# draft their feature rows again (`DraftClient.taps`): the context its first proposal reads
+RESTART_ROWS = 16  # a round needs at least this many context rows since the draft's context
+# went on after rows it never got (`draft_since`); before, the step runs plain
 
 
 def draft_taps(path: str | Path | None) -> list[int]:
@@ -104,6 +108,8 @@ class SpecStats:
     request_lag_s: float = 0.0
     ready_lead_s: float = 0.0
     off_steps: int = 0  # plain decode steps the policy chose (`runtime.spec_policy`)
+    untapped: int = 0  # of those, steps that sent the draft no feature rows (`DraftClient.taps`)
+    restarts: int = 0  # times the draft's context went on after such steps (`draft_since`)
     sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # draft tokens verified
     # (a tree's nodes, a chain's depth) -> verify steps that proposed that many
     draft_s: float = 0.0  # proposals, as the coordinator waits for them
@@ -137,6 +143,8 @@ class SpecStats:
         self.verifies += other.verifies
         self.committed += other.committed
         self.off_steps += other.off_steps
+        self.untapped += other.untapped
+        self.restarts += other.restarts
         for size, n in other.sizes.items():
             self.sizes[size] = self.sizes.get(size, 0) + n
         self.off_chain += other.off_chain
@@ -219,6 +227,9 @@ class DraftClient:
         self._t_verified = 0.0
         self._draft_wait: float | None = None  # seconds the round in flight waited for its
         # proposal (the policy prices a round's draft part with it)
+        self._gap = False  # a step went out without its feature rows since the last that sent
+        # them (`taps`)
+        self.since = 0  # the draft's context of this sequence goes on from here (`draft_since`)
 
     def _size(self, pos: int) -> int:
         """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
@@ -228,9 +239,11 @@ class DraftClient:
         if self.pacer is not None:
             clock, batch = self.coord.spec_clock()
             size = self.pacer.step(pos, batch, clock, time.perf_counter())
-            if size and self.coord.parked(self.context):  # (a batch of another size came:
-                # its phase speculates now) the proposal needs the rows the shards parked,
-                # which a step not parked sends: this one, plain (not measured)
+            if size and (self.coord.parked(self.context) or pos - self.since < RESTART_ROWS):
+                # (a batch of another size came: its phase speculates now) the proposal needs
+                # the rows the shards parked, which a step not parked sends, or more context
+                # rows than the steps since its last untapped one sent: this one, plain (not
+                # measured)
                 self.pacer.missed()
                 size = 0
             if size == 0:
@@ -394,6 +407,35 @@ class DraftClient:
             self.pacer.plan_next(batch, clock)
         return self.pacer.told == 0
 
+    def taps(self, pos: int, may_skip: bool) -> bool:
+        """Whether the step at `pos` going out now sends the draft its feature rows: not when
+        it `may_skip` them (a plain decode step past the prompt) and the policy plans more than
+        `TAP_LEAD` plain steps for this sequence's batch from now, or the sequence no longer
+        speculates. A round's proposal reads the rows of the steps before it; those of a long
+        plain stretch would be computed, parked and dropped, a cost a draft that does not
+        propose would add to every plain step. The first step that sends rows again tells the
+        draft its context goes on from there (`draft_since`: the rows before are missing)."""
+        if may_skip and (not self.active or (
+                self.pacer is not None and not self.pacer.told and self.kind == "dflash"
+                and self._plain_left() > TAP_LEAD)):
+            self._gap = True
+            self.stats.untapped += 1
+            return False
+        if self._gap and self.active:
+            self._gap = False
+            try:
+                self.coord.draft_request(message("draft_since", slot=self.context, pos=pos))
+            except (DraftLost, DraftError) as e:
+                self._stop(e)
+                return False
+            self.since = pos
+            self.stats.restarts += 1
+        return True
+
+    def _plain_left(self) -> int:
+        clock, batch = self.coord.spec_clock()
+        return self.pacer.policy.plain_left(batch, self.pacer.sampled, clock)
+
     def may_park(self) -> bool:
         """Whether the plain decode step going out now may leave its feature rows parked on
         the shards (`shards.parked_rows`): where the policy has this sequence's next step
@@ -403,8 +445,7 @@ class DraftClient:
             return True
         if self.pacer is None or (self.pacer.told or 0) > 0:
             return False
-        clock, batch = self.coord.spec_clock()
-        return self.pacer.policy.plain_left(batch, self.pacer.sampled, clock) >= 2
+        return self._plain_left() >= 2
 
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":

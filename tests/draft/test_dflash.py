@@ -178,12 +178,16 @@ def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fuse
                                                                                atol=1e-5)
 
 
-@pytest.mark.parametrize("bias,fused", [(False, False), (True, False), (True, True)])
-def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
+@pytest.mark.parametrize("bias,fused,since", [(False, False, 0), (True, False, 0),
+                                              (True, True, 0), (False, False, 6),
+                                              (True, True, 10)])
+def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused, since):
     """`draft_step` (the captured step's function) gives the logits of the eager path
     (`write_context` + `block` + head) and the context keys and values it stores, with q/k/v
     biases too, on fused projections as on separate ones; cached rows past `done` and new
-    context rows past the block's position are not seen."""
+    context rows past the block's position are not seen, nor (`since`, a context restarted
+    after rows it never received) the rows below `since`: junk there, different in each path,
+    changes nothing."""
     from layersplit.draft.dflash import block_step, draft_step, layer_weights
     from layersplit.shards.kv_cache import KVCache, KVLayout
 
@@ -192,7 +196,8 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
     feats = torch.randn(40, cfg.width)
     embed, head = torch.randn(m.vocab_size, m.hidden_size), torch.randn(m.vocab_size,
                                                                           m.hidden_size)
-    done, pos, ids = 9, 12, torch.tensor([5, 0, 0, 0])
+    # (a restarted context's rows below `since` are never projected: done >= since)
+    done, pos, ids = max(9, since), 12, torch.tensor([5, 0, 0, 0])
     layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, torch.float32)
     eager, cache = KVCache(layout, 48, 1, "cpu"), KVCache(layout, 48, 1, "cpu")
     with torch.no_grad():
@@ -200,18 +205,28 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused):
         model.write_context(feats[:done], 0, cache)
         cache.k[:, 0, done:].normal_()  # junk past `done`: must not be seen
         cache.v[:, 0, done:].normal_()
-        h = model.block(F.embedding(ids, embed), block_step(pos, 4, torch.device("cpu")), eager)
+        whole = model.block(F.embedding(ids, embed), block_step(pos, 4, torch.device("cpu")),
+                            eager)
+        for kv in (eager, cache):  # the rows a restarted context never received
+            kv.k[:, 0, :since].normal_()
+            kv.v[:, 0, :since].normal_()
+        feats_seen = feats.clone()
+        feats_seen[:since] = torch.randn(since, cfg.width)
+        h = model.block(F.embedding(ids, embed),
+                        block_step(pos, 4, torch.device("cpu"), since), eager)
         want = h[1:] @ head.T
         k, v, logits, top = draft_step(
-            feats, torch.tensor([done]), torch.tensor([pos]), ids, cache.k[:, 0, :32],
-            cache.v[:, 0, :32], embed, model.fc.weight, model.hidden_norm.weight,
-            model.kv_weights(), [layer_weights(x) for x in model.layers], model.inv_freq,
-            model.norm.weight, head, m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim,
-            1.0, 3)
+            feats_seen, torch.tensor([done]), torch.tensor([pos]), torch.tensor([since]), ids,
+            cache.k[:, 0, :32], cache.v[:, 0, :32], embed, model.fc.weight,
+            model.hidden_norm.weight, model.kv_weights(), [layer_weights(x) for x in model.layers],
+            model.inv_freq, model.norm.weight, head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
+            m.head_dim, 1.0, 3)
     assert torch.allclose(logits, want, atol=1e-4), (logits - want).abs().max()
     assert torch.equal(top, logits.topk(3, dim=-1).indices)
     assert torch.allclose(k[:, :pos - done], eager.k[:, 0, done:pos], atol=1e-5)
     assert torch.allclose(v[:, :pos - done], eager.v[:, 0, done:pos], atol=1e-5)
+    # the mask is what hid the junk: the whole context's block is another
+    assert torch.allclose(whole, h, atol=1e-5) == (since == 0)
 
 
 def test_batched_proposals_equal_each_alone(any_draft, tiny_llama):
@@ -263,6 +278,54 @@ def test_batched_proposals_equal_each_alone(any_draft, tiny_llama):
             pos[s] += 3
     with pytest.raises(ValueError, match="outside"):
         batched.propose_batch([(1, 5, 10, 3, 0, None), (2, 5, 70, 3, 0, None)])
+
+
+def test_a_restarted_context_reads_no_row_below_its_restart(any_draft):
+    """After `restart(slot, p)` (the target sent no rows for a stretch of plain steps,
+    `runtime.speculative.DraftClient.taps`) every path of a proposal (eager, the captured
+    step, batched) reads the context rows from p on only: other junk below p in each
+    proposer changes no proposal, and the paths agree; a context not restarted reads more."""
+    from layersplit.shards.fused import fuse_projections
+
+    cfg = read_dflash_config(any_draft)
+    g = torch.Generator().manual_seed(1)
+    embed, head = torch.randn(320, 64, generator=g), torch.randn(320, 64, generator=g)
+    feats = torch.randn(3, 60, cfg.width, generator=g)
+    props = []
+    for graphs in (False, True, True):
+        model = load_dflash(any_draft, cfg, torch.float32, "cpu")
+        fuse_projections(model, compile=False)
+        p = DFlashProposer(model, embed, head, 64, torch.device("cpu"), graphs=graphs, bucket=16)
+        p.set_slots(3)
+        props.append(p)
+    eager, solo, batched = props
+    since, pos = {0: 6, 2: 30}, {0: 20, 2: 37}
+    for p in props:
+        for slot in (0, 2):
+            p.begin(slot)
+            junk = torch.randn(60, cfg.width, generator=g)  # each proposer's own
+            p.write_features(slot, 0, 0, junk)
+            p.logits(slot, 5, 4, 3)  # (junk rows below `since` projected before the gap)
+            p.restart(slot, since[slot])
+            p.write_features(slot, 0, since[slot], feats[slot, since[slot]:])
+    for rnd in range(2):
+        reqs = [(s, 7 + s + rnd, pos[s], 3, 0, None) for s in (0, 2)]
+        want = [eager.propose(s, t, p_, n, None, 0, tree, k) for s, t, p_, n, tree, k in reqs]
+        assert [solo.propose(s, t, p_, n, None, 0, tree, k)
+                for s, t, p_, n, tree, k in reqs] == want, rnd
+        assert batched.propose_batch(reqs) == want, rnd
+        for s, t, p_, n, _, _ in reqs:
+            assert torch.allclose(solo.logits(s, t, p_, n), eager.logits(s, t, p_, n),
+                                  atol=1e-4)
+            pos[s] += 3
+    whole = DFlashProposer(eager.draft, embed, head, 64, torch.device("cpu"), graphs=False)
+    whole.set_slots(3)
+    whole.begin(2)
+    whole.write_features(2, 0, 0, feats[2])
+    assert not torch.allclose(whole.logits(2, 7, pos[2], 3), eager.logits(2, 7, pos[2], 3),
+                              atol=1e-3)
+    with pytest.raises(ValueError, match="restart"):
+        eager.restart(3, 5)
 
 
 def test_a_failed_batched_proposal_leaves_each_context_as_it_was(draft_dir, monkeypatch):

@@ -376,3 +376,21 @@ def test_the_warm_up_waits_for_every_feeder_link(server, monkeypatch):
     monkeypatch.setattr(server.proposer, "warm_up", broken)
     server._dispatch(b"coord", message("draft_warm", sid=6), [])
     assert sent[-1]["type"] == "error" and "capture failed" in sent[-1]["message"]
+
+
+def test_draft_since_restarts_a_context_and_refuses_positions_outside_it(server):
+    """`draft_since` (a sequence's plain steps sent no rows for a while) sets where its
+    context's proposals read from; a slot or position outside the draft's is refused by name,
+    and the context stays as it was."""
+    sent = []
+    server._reply = lambda route, msg, frames=(): sent.append(msg)
+    server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=1, sample=None), [])
+    server._on_draft_since(b"coord", message("draft_since", sid=2, slot=1, pos=9), [])
+    assert sent[-1]["type"] == "ok" and server.proposer.since[1] == 9
+    for slot, pos in ((2, 9), (1, 64), (1, -1)):
+        with pytest.raises(ProtocolError, match="draft_since: .*restart"):
+            server._on_draft_since(b"coord", message("draft_since", sid=3, slot=slot, pos=pos),
+                                   [])
+    assert server.proposer.since[1] == 9
+    server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=None), [])
+    assert server.proposer.since[1] == 0  # (a new sequence reads its context from 0)

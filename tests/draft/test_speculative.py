@@ -21,6 +21,7 @@ from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import block_logits, greedy_labels, target_rows
 from layersplit.draft.train import optimize
 from layersplit.ipc.messages import message
+from layersplit.runtime import speculative
 from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
@@ -361,14 +362,51 @@ class TestOneDefaultChain:
 
 
     @pytest.mark.slow
+    def test_plain_stretches_send_no_rows_and_the_draft_goes_on_after_them(
+            self, target, chain, want, monkeypatch):
+        """Plain decode steps more than `TAP_LEAD` steps before the policy's next round send
+        the draft no feature rows (`DraftClient.taps`); the step that sends them again tells
+        the draft its context goes on from there (`draft_since`), and the probes' rounds read
+        the rows from there on: the output is the reference's, tokens and logits bit for bit,
+        and the draft's rows from each restart on equal the reference's."""
+        coord = chain
+        was = coord.spec_policy
+        monkeypatch.setattr(speculative, "TAP_LEAD", 4)
+        monkeypatch.setattr(speculative, "RESTART_ROWS", 3)
+        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
+        # speculation never worth it: a first look of 9 plain steps, then a probe every 9
+        # plain steps, the last 4 of each sending their rows
+        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
+            gain=100.0, refresh=9, off_steps=9, off_steps_max=9), coord.config.spec_max_seqs)
+        since, request = [], coord.draft_request
+        monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
+            since.append(msg["pos"]) if msg["type"] == "draft_since" else None) or
+            request(msg, *a))
+        try:
+            ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
+            prompt = _prompts(ref.tokenizer)[1]
+            out, logits, spec = run_speculated(coord, prompt, GREEDY)
+            assert_same_run((out, logits), want[1, GREEDY.temperature], "untapped")
+            assert spec.verifies > 0 and spec.untapped >= 8, spec
+            assert spec.restarts == len(since) >= 2, (spec, since)
+            coord.unpark()
+            committed = len(prompt) + len(out.tokens) - 1
+            fed = sorted({*range(len(prompt)), *(p + i for p in since for i in range(4)
+                                                 if p + i < committed)})
+            _assert_draft_rows(coord, target, ref, prompt, out.tokens, at=fed)
+        finally:
+            coord.spec_policy = was
+
+    @pytest.mark.slow
     def test_plain_steps_under_a_declining_policy_do_what_plain_decoding_does(
             self, chain, want, monkeypatch):
         """Where the policy decides every step plain (a first look that never ends), a step of a
         sequence with the draft loaded does what a plain decoding step does: it goes out ahead
-        of its token (decode lookahead), its feature rows stay parked on the shards, the draft
-        process gets no request, whether it is stopped is read from /proc at most every
-        STOPPED_CHECK_S and whether the processes live at most every POLL_MS, not at each
-        step's wait; the output is the reference's, logits bit for bit."""
+        of its token (decode lookahead), it sends the draft no feature rows (none computed,
+        none parked: `DraftClient.taps`), the draft process gets no request, whether it is
+        stopped is read from /proc at most every STOPPED_CHECK_S and whether the processes live
+        at most every POLL_MS, not at each step's wait; the output is the reference's, logits
+        bit for bit."""
         coord = chain
         was = coord.spec_policy
         block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
@@ -393,8 +431,10 @@ class TestOneDefaultChain:
             ahead = coord.batcher.stats.ahead - stats.ahead
             parked = coord.batcher.stats.parked - stats.parked
             prefill = sent - decode - (coord.batcher.stats.ahead_dropped - stats.ahead_dropped)
-            # every decode step but the first went out ahead of its token, and each parked
-            assert ahead >= decode - 1 and parked == sent - prefill, (sent, ahead, parked)
+            # every decode step but the first went out ahead of its token, none with rows
+            assert ahead >= decode - 1 and spec.untapped == sent - prefill and parked == 0, \
+                (sent, ahead, spec.untapped, parked)
+            assert spec.restarts == 0
             assert asked == ["draft_begin"], asked
             assert len(looks) <= 1 + elapsed / STOPPED_CHECK_S, (len(looks), elapsed)
             assert len(lives) <= 3 * (1 + elapsed / (POLL_MS / 1000)), (len(lives), elapsed)
@@ -475,10 +515,11 @@ class TestOneDefaultChain:
         assert outs[True] == outs[False] and outs[True].startswith('{"a":')
 
 
-def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int]) -> None:
+def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int],
+                       at: list[int] | None = None) -> None:
     """The draft's rows of context 0 are bit-equal to the reference's rows of the tapped layers
-    (1 and 4) at every committed position of `prompt` and its answer `tokens`: the prompt's
-    as prefill chunks, the answer's one at a time, as decode steps."""
+    (1 and 4) at every committed position of `prompt` and its answer `tokens` (or those `at`):
+    the prompt's as prefill chunks, the answer's one at a time, as decode steps."""
     committed = len(prompt) + len(tokens) - 1
     reply = coord.draft_request(message("draft_features", slot=0, start=0, end=committed,
                                         sync=coord.feat_sid(0)))
@@ -496,6 +537,8 @@ def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int])
         want.append(torch.cat([taps[1], taps[4]], dim=-1))
     want = torch.cat(want).numpy()
     assert rows.shape == want.shape
+    if at is not None:
+        rows, want = rows[at], want[at]
     assert np.array_equal(rows, want)
 
 
