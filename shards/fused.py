@@ -297,23 +297,25 @@ class FusedDecode:
             h.is_contiguous() and type(ex) is routed_moe.Experts and not _kept(layer) and \
             getattr(m, "shared_expert", None) is None and routed_moe.few_rows_kernels(h) and \
             ex.gate_up_proj is not None and ex.gate_up_proj.is_contiguous() and \
-            ex.down_proj.is_contiguous() and not kernel_failed("MoE GEMV") and \
+            ex.down_proj.is_contiguous() and m.gate.weight.dtype == h.dtype and \
+            not kernel_failed("MoE GEMV") and \
             not kernel_failed("MoE routing")
 
     def _moe_row(self, layer, h, attn, eps: float):
         """`fused_moe.post_attention_moe` of one row through kernels, nothing compiled: o_proj
-        with the residual add and the router as GEMVs (cuBLAS split them in two launches each
-        at one row), the norm as the row kernel, then the routing and experts' kernels."""
-        from layersplit.shards.kernels import row_ops
-
+        with the residual add as a GEMV (cuBLAS split it in two launches at one row), the
+        router's GEMV with the norm as its prologue (its program 0 writes the normed row for
+        the experts), the routing, and the experts' kernels, the last adding the residual: six
+        launches."""
         a, m = layer.self_attn, layer.mlp
         h = _gemv(attn, _weight(a.o_proj), residual=h)
-        x = row_ops.rms_norm_rows(h, layer.post_attention_layernorm.weight, eps)
-        w, idx = routed_moe._kernels.moe_route(_gemv(x, m.gate.weight), m.top_k,
-                                                m.norm_topk_prob)
+        x = torch.empty_like(h)
+        logits = _gemv(h, m.gate.weight, norm=(layer.post_attention_layernorm.weight, eps),
+                       norm_out=x)
+        w, idx = routed_moe._kernels.moe_route(logits, m.top_k, m.norm_topk_prob)
         w = w if m.float_weights else w.to(x.dtype)
-        return h + routed_moe._kernels.moe_gemv(x, w, idx, m.experts.gate_up_proj,
-                                                 m.experts.down_proj)
+        return routed_moe._kernels.run_gemv(x, w, idx, m.experts.gate_up_proj,
+                                            m.experts.down_proj, residual=h)
 
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; few rows through the GEMV

@@ -44,7 +44,7 @@ def _chunk(P, offs_k, K, EVEN_K: tl.constexpr):
 def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          FLOAT32: tl.constexpr = False):
+          FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -67,6 +67,9 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
         if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
             nw = _chunk(NW, offs_k, K, EVEN_K)
             x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            if WRITE_NORMED:  # (program 0 keeps the normed row for the next kernel)
+                if pid == 0:
+                    tl.store(NORM_OUT + offs_k, x.to(dt), mask=offs_k < K)
         if EVEN_K:
             m = mask_n[:, None]
         else:
@@ -195,7 +198,7 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
 def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          gate_up: bool = False, out_dtype: torch.dtype | None = None, head: bool = False,
-         cfg: dict | None = None) -> torch.Tensor:
+         cfg: dict | None = None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by `w` (N, K), with `norm` = (weight, eps):
     each row's RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result
     SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
@@ -203,7 +206,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     a vocabulary's (its launch shape); `cfg`: a launch shape other than `config`'s (one row)
     or `rows_config`'s (more). One row runs `_gemv`, more `_gemm_rows` (tensor cores).
     A float32 weight of a 16-bit row (a router's), with `out_dtype` float32, gives the float32
-    sums unrounded (`F.linear(x.float(), w)`, without the row's copy); one row only."""
+    sums unrounded (`F.linear(x.float(), w)`, without the row's copy); one row only.
+    `norm_out` (1, K) of x's dtype, with `norm` and one row: the normed row is written there
+    too (a router's GEMV handing its normed input to the experts' kernels)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
                          f"got {tuple(x.shape)} strides {x.stride()}")
@@ -227,12 +232,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     up = n * k  # the up half's offset in the gate/up weight (a Python int: int64 past 2**31)
     flags = {"NORM": norm is not None, "HAS_B": bias is not None,
              "HAS_R": residual is not None, "SILU": gate_up}
+    if norm_out is not None and (norm is None or rows != 1 or norm_out.shape != x.shape or
+                                 norm_out.dtype != x.dtype or not norm_out.is_contiguous()):
+        raise ValueError(f"gemv: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes the "
+                         f"normed row of one row {tuple(x.shape)} {x.dtype} with a norm")
     if rows == 1:
         c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head))
         block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
         _gemv[(triton.cdiv(n, block_n),)](
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_K=k % block_k == 0, FLOAT32=wide, **c)
+            EVEN_K=k % block_k == 0, FLOAT32=wide,
+            NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None, **c)
         return y
     c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
                                 head=head))

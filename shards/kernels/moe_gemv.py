@@ -118,22 +118,29 @@ def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl
 
 
 @triton.jit
-def _sum_k(Y, OUT, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_k(Y, OUT, R, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+           HAS_R: tl.constexpr = False):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for kk in tl.static_range(K):  # in expert-slot order, in float32, rounded once
         total += tl.load(Y + (t * K + kk) * H + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + t * H + offs, total.to(OUT.dtype.element_ty), mask=mask)
+    out = total.to(OUT.dtype.element_ty)
+    if HAS_R:  # h + the experts' sum: the sum rounded, then the add (as the torch ops)
+        r = tl.load(R + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+        out = (r + out.to(tl.float32)).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * H + offs, out, mask=mask)
 
 
 def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, gate_up_cfg: dict | None = None,
-             down_cfg: dict | None = None, oss: tuple | None = None) -> torch.Tensor:
+             down_cfg: dict | None = None, oss: tuple | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """The three launches (`moe_gemv`'s body; the launch shapes are arguments for the sweep).
     `oss`: gpt-oss's experts, (gate/up bias (E, 2I), down bias (E, H), alpha, limit), their
-    gate and up rows interleaved in `gate_up`."""
+    gate and up rows interleaved in `gate_up`. `residual` (n, H) of x's dtype: added to the
+    experts' sum in its last launch (`fused.FusedDecode._moe_row`: the layer's output)."""
     gu, dn = gate_up_cfg or GATE_UP, down_cfg or DOWN
     n, h = x.shape
     k = idx.shape[1]
@@ -153,7 +160,12 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
         act, down, ids, rw, y, dn_bias, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"],
         BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None, num_warps=dn["num_warps"])
     out = torch.empty_like(x)
-    _sum_k[(n, triton.cdiv(h, SUM_BLOCK))](y, out, H=h, K=k, BLOCK=SUM_BLOCK)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
+                                 not residual.is_contiguous()):
+        raise ValueError(f"moe_gemv: residual {tuple(residual.shape)} {residual.dtype} is not "
+                         f"the rows' {tuple(x.shape)} {x.dtype}, contiguous")
+    _sum_k[(n, triton.cdiv(h, SUM_BLOCK))](y, out, x if residual is None else residual, H=h,
+                                           K=k, BLOCK=SUM_BLOCK, HAS_R=residual is not None)
     return out
 
 

@@ -389,10 +389,11 @@ def test_a_failing_row_kernel_turns_the_kernels_off_not_the_compiled_stages(tiny
 def test_a_failing_kernel_of_a_sparse_one_row_step_leaves_the_stages_compiled(tiny_models,
                                                                               monkeypatch):
     """A sparse layer's one-row step (`FusedDecode._moe_row`) runs nothing compiled either: a
-    kernel failing there (its norm's row kernel) turns the Triton kernels off, not the compiled
-    stages, and the step is the torch path's, with the same logits."""
-    from layersplit.shards.kernels import row_ops
+    kernel failing there (here the step itself raising, as a failing launch of its routing or
+    experts would) turns the Triton kernels off, not the compiled stages, and the step is the
+    torch path's, with the same logits."""
+    from layersplit.shards.fused import FusedDecode
 
     fast = _step_with_broken_kernels(tiny_models["qwen3_moe"], "qwen3_moe", monkeypatch,
-                                     [(row_ops, "rms_norm_rows")])
+                                     [(FusedDecode, "_moe_row")])
     assert fast.kernels is False and fast.single.compiled
