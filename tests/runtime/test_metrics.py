@@ -46,10 +46,11 @@ def test_speculation_policy_decisions_are_shown():
     for clock in range(40):  # a first look, plain steps to measure, then off (it loses)
         policy.plan(1, False, clock)
     m = Metrics()
-    spec = SpecStats(off_steps=12, sizes={7: 5, 3: 2})
+    spec = SpecStats(off_steps=12, untapped=9, sizes={7: 5, 3: 2})
     m.observe_speculation(spec)
     m.observe_policy(policy)
     assert _value(m, "layersplit_spec_off_steps_total") == 12
+    assert _value(m, "layersplit_spec_untapped_steps_total") == 9
     assert _value(m, "layersplit_spec_rounds_total", size="7") == 5
     assert _value(m, "layersplit_spec_size", batch="1") == 0  # off
     assert _value(m, "layersplit_spec_policy_switches") == policy.stats.switches == 1
