@@ -213,7 +213,7 @@ def _attend(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, torch
     return out.view(g, r, m, d).permute(2, 0, 1, 3).reshape(m, -1)
 
 
-def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, since: torch.Tensor,
+def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, known: torch.Tensor,
                ids: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, embed: torch.Tensor,
                fc_w: torch.Tensor, hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
                inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor, eps: float,
@@ -226,7 +226,8 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, since
 
     Each block row attends the cached keys below `done` (`cache_k/v`: (L, T, G, D), T a bucket
     of the cache), the new context rows below `pos` and every block row, context rows only
-    from `since` on (`DFlashProposer.restart`: the rows below it are missing); nothing is written
+    where `known` (the slot's, (>= T,) bool) holds (`DFlashProposer.gap`: rows that never came
+    are False); nothing is written
     here. Returns the new context rows' keys and values (L, m, G, D), for the caller to store
     at [done, done + m), the logits (m - 1, V) and the top-k ids (m - 1, k). The same math as
     `DFlashDraft.write_context` + `block` + the head, in another order of sums. `kinds`: each
@@ -237,8 +238,8 @@ def draft_step(feats: torch.Tensor, done: torch.Tensor, pos: torch.Tensor, since
     ck, cv = context_kv_all(feats.index_select(0, ctx_pos.clamp_max(feats.shape[0] - 1)),
                             ctx_pos, fc_w, hn_w, kv, inv_freq, eps, kv_heads, head_dim)
     keys = torch.arange(cache_k.shape[1], device=dev)
-    seen_cache = (keys < done) & (keys >= since)
-    seen_ctx = (ctx_pos < pos) & (ctx_pos >= since)
+    seen_cache = (keys < done) & known[:cache_k.shape[1]]
+    seen_ctx = (ctx_pos < pos) & known[ctx_pos.clamp_max(known.shape[0] - 1)]
     seen_block = torch.ones(m, dtype=torch.bool, device=dev)
     h = F.embedding(ids, embed)
     if emb_scale != 1.0:
@@ -283,7 +284,7 @@ def _attend_batch(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor,
 
 
 def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tensor,
-                     pos: torch.Tensor, since: torch.Tensor, ids: torch.Tensor,
+                     pos: torch.Tensor, known: torch.Tensor, ids: torch.Tensor,
                      cache_k: torch.Tensor, cache_v: torch.Tensor, embed: torch.Tensor,
                      fc_w: torch.Tensor, hn_w: torch.Tensor, kv: list, layers: list[LayerWeights],
                      inv_freq: torch.Tensor, norm_w: torch.Tensor, head: torch.Tensor,
@@ -291,7 +292,8 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
                      k: int, kinds: tuple = ()) -> tuple[torch.Tensor, ...]:
     """`draft_step` for S contexts at once (the proposals of several speculating sequences in
     one step, `DFlashProposer.propose_batch`): `feats` is the whole feature store (contexts,
-    rows, F), `slots`, `done`, `pos`, `since` (S,) and `ids` (S, m) each context's, `cache_k/v`
+    rows, F), `slots`, `done`, `pos` (S,), `known` (S, >= T) and `ids` (S, m) each context's,
+    `cache_k/v`
     (L, S, T, G, D) each context's cached keys. Returns the new context rows' keys and values
     (L, S, m, G, D), the logits (S, m - 1, V) and the top-k ids (S, m - 1, k)."""
     s, m = ids.shape
@@ -304,8 +306,8 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
     ck, cv = ck.view(ck.shape[0], s, m, kv_heads, head_dim), cv.view(cv.shape[0], s, m,
                                                                      kv_heads, head_dim)
     keys = torch.arange(cache_k.shape[2], device=dev)[None, :]
-    seen_cache = (keys < done[:, None]) & (keys >= since[:, None])
-    seen_ctx = (ctx_pos < pos[:, None]) & (ctx_pos >= since[:, None])
+    seen_cache = (keys < done[:, None]) & known[:, :cache_k.shape[2]]
+    seen_ctx = (ctx_pos < pos[:, None]) & known.gather(1, ctx_pos.clamp_max(known.shape[1] - 1))
     seen_block = torch.ones(s, m, dtype=torch.bool, device=dev)
     h = F.embedding(ids.reshape(-1), embed)
     if emb_scale != 1.0:
@@ -335,11 +337,12 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
     return ck, cv, logits.view(s, m - 1, -1), top.view(s, m - 1, -1)
 
 
-def block_step(pos: int, m: int, device: torch.device, since: int = 0) -> StepInfo:
-    """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m, from
-    `since` on (the context's rows below it are missing: `DFlashProposer.restart`)."""
-    mask = None if since <= 0 else \
-        (torch.arange(pos + m, device=device) >= since)[None, :].expand(m, -1)
+def block_step(pos: int, m: int, device: torch.device,
+               known: torch.Tensor | None = None) -> StepInfo:
+    """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m, where
+    `known` ((>= pos + m,) bool; None: all) holds (`DFlashProposer.gap`: rows that never
+    came are False)."""
+    mask = None if known is None else known[:pos + m][None, :].expand(m, -1)
     return StepInfo(torch.arange(pos, pos + m, device=device), pos + m, mask, pos)
 
 

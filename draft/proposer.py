@@ -100,7 +100,6 @@ class DFlashProposer:
         self.capture = graphs and device.type == "cuda"
         self._done_t = torch.zeros(1, dtype=torch.long, device=device)
         self._pos_t = torch.zeros(1, dtype=torch.long, device=device)
-        self._since_t = torch.zeros(1, dtype=torch.long, device=device)
         self._ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long,
                                device=device)  # the block: [last token, mask, ...]
         self._rows = torch.arange(cfg.block_size, device=device)
@@ -118,14 +117,16 @@ class DFlashProposer:
         layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, dtype)
         self.kv = KVCache(layout, self.context_len + self.cfg.block_size, slots, self.device)
         self.done = [0] * slots  # per slot: context rows [0, done) are in the KV cache
-        self.since = [0] * slots  # per slot: the context rows a proposal reads start here
-        # (`restart`: the rows below it are missing)
+        # per slot and position: whether a proposal may read the context row there (False:
+        # rows that never came, `gap`); `holes`: whether the slot has any
+        self.known = torch.ones(slots, self.kv.max_len, dtype=torch.bool, device=self.device)
+        self.holes = [False] * slots
         self.sampling: list[dict | None] = [None] * slots  # per slot: sample its proposals
         self._forget_graphs()
 
     def _forget_graphs(self) -> None:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        # batched proposals (`propose_batch`): padded count -> (slots, done, pos, since (Sp,), ids
+        # batched proposals (`propose_batch`): padded count -> (slots, done, pos (Sp,), ids
         # (Sp, block)) static buffers; (padded count, kv_len) -> graph, outputs
         self.batch_inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.batch_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
@@ -143,19 +144,22 @@ class DFlashProposer:
         return self.features.shape[2]
 
     def begin(self, slot: int, sample: dict | None = None) -> None:
-        self.done[slot] = self.since[slot] = 0
+        self.done[slot] = 0
         self.sampling[slot] = sample
+        if self.holes[slot]:
+            self.known[slot].fill_(True)
+            self.holes[slot] = False
 
-    def restart(self, slot: int, pos: int) -> None:
-        """The context of `slot`'s sequence goes on from `pos` after rows it never received
-        (its target's steps sent none: `runtime.speculative.DraftClient.taps`): proposals read
-        the context rows from `pos` on only, as if the sequence began there (the positions
-        stay the tokens')."""
-        if not 0 <= slot < self.slots or not 0 <= pos < self.max_len:
-            raise ValueError(f"restart: slot {slot} / position {pos} outside 0..{self.slots - 1}"
-                             f" / 0..{self.max_len - 1}")
-        self.since[slot] = pos
-        self.done[slot] = max(self.done[slot], pos)
+    def gap(self, slot: int, start: int, end: int) -> None:
+        """The context rows [start, end) of `slot`'s sequence never come (its target's plain
+        steps there sent none: `runtime.speculative.DraftClient.taps`): no proposal reads
+        them (their keys are computed all the same, from whatever the store holds, and
+        masked), every other row as before."""
+        if not 0 <= slot < self.slots or not 0 <= start < end <= self.max_len:
+            raise ValueError(f"gap: slot {slot} / rows {start}..{end} outside "
+                             f"0..{self.slots - 1} / 0..{self.max_len}")
+        self.known[slot, start:end] = False
+        self.holes[slot] = True
 
     def warm_up(self) -> None:
         """Run the captured step once (compilation, capture) on rows no sequence holds yet."""
@@ -294,7 +298,7 @@ class DFlashProposer:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits, and on the captured path each row's `top_k` best ids (else None)."""
         m = n + 1
-        self.done[slot] = min(max(self.done[slot], self.since[slot]), pos)
+        self.done[slot] = min(self.done[slot], pos)
         if self.static and n == self.block_size - 1:
             return self._static_scores(slot, token, pos)
         done = self.done[slot]
@@ -302,8 +306,9 @@ class DFlashProposer:
             self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
             self.done[slot] = pos
         ids = self._block_ids(torch.tensor([token], device=self.device), m)
-        h = self.draft.block(self._embed(ids), block_step(pos, m, self.device, self.since[slot]),
-                             self.kv, slot)
+        known = self.known[slot] if self.holes[slot] else None
+        h = self.draft.block(self._embed(ids), block_step(pos, m, self.device, known), self.kv,
+                             slot)
         return h[1:] @ self.head.T, None
 
     # ---- the captured path (GPU): new context rows and the block in one graph ----------------
@@ -321,7 +326,7 @@ class DFlashProposer:
             torch._dynamo.mark_dynamic(keys, 1)
             torch._dynamo.mark_dynamic(values, 1)
         k, v, logits, top = self._step(
-            self.features[0, slot], self._done_t, self._pos_t, self._since_t, self._ids[:b],
+            self.features[0, slot], self._done_t, self._pos_t, self.known[slot], self._ids[:b],
             keys, values,
             self.embed, d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers,
             d.inv_freq, d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
@@ -340,7 +345,6 @@ class DFlashProposer:
             done = pos
         self._done_t.fill_(done)
         self._pos_t.fill_(pos)
-        self._since_t.fill_(min(self.since[slot], pos))
         self._ids[:1].fill_(token)
         kv_len = min(-(-(pos + self.block_size) // self.bucket) * self.bucket, self.kv.max_len)
         if not self.capture:
@@ -373,18 +377,18 @@ class DFlashProposer:
             z = torch.zeros(sp, dtype=torch.long, device=self.device)
             ids = torch.full((sp, self.block_size), self.cfg.mask_token_id, dtype=torch.long,
                              device=self.device)
-            bufs = self.batch_inputs[sp] = (z, z.clone(), z.clone(), z.clone(), ids)
+            bufs = self.batch_inputs[sp] = (z, z.clone(), z.clone(), ids)
         return bufs
 
     def _graph_step_batch(self, sp: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, d, m = self.block_size, self.draft, self.cfg.model
-        slots, done, pos, since, ids = self._batch_input(sp)
+        slots, done, pos, ids = self._batch_input(sp)
         k, v, logits, top = draft_step_batch(
-            self.features[0], slots, done, pos, since, ids, self.kv.k[:, slots, :kv_len],
-            self.kv.v[:, slots, :kv_len], self.embed, d.fc.weight, d.hidden_norm.weight,
-            self._kv_weights, self._layers, d.inv_freq, d.norm.weight, self.head,
-            m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim, self.cfg.embedding_scale,
-            self.top_k, self._kinds)
+            self.features[0], slots, done, pos, self.known[slots], ids,
+            self.kv.k[:, slots, :kv_len], self.kv.v[:, slots, :kv_len], self.embed,
+            d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers, d.inv_freq,
+            d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim,
+            self.cfg.embedding_scale, self.top_k, self._kinds)
         # each context's new rows at [done, done + b) (past its position: junk, as alone)
         ctx_pos = done[:, None] + self._rows[:b]
         self.kv.k[:, slots[:, None], ctx_pos] = k
@@ -398,25 +402,23 @@ class DFlashProposer:
         slot at the cache's rows past every context (`context_len`), which no proposal reads."""
         b = self.block_size
         for slot, _, pos in reqs:
-            self.done[slot] = min(max(self.done[slot], self.since[slot]), pos)
+            self.done[slot] = min(self.done[slot], pos)
             done = self.done[slot]
             if pos - done > b:  # a long new context (a prompt): eagerly first
                 self.draft.write_context(self.features[0, slot, done:pos], done, self.kv, slot)
                 self.done[slot] = pos
         sp = batch_bucket(len(reqs))
         pad = sp - len(reqs)
-        host = torch.tensor([[slot, self.done[slot], pos, min(self.since[slot], pos), token]
-                             for slot, token, pos in reqs] +
-                            [[reqs[0][0], self.context_len, self.context_len, 0,
+        host = torch.tensor([[slot, self.done[slot], pos, token] for slot, token, pos in reqs] +
+                            [[reqs[0][0], self.context_len, self.context_len,
                               self.cfg.mask_token_id]] * pad, dtype=torch.long)
-        slots, done, pos, since, ids = self._batch_input(sp)
+        slots, done, pos, ids = self._batch_input(sp)
         vals = host.pin_memory().to(self.device, non_blocking=True) if self.capture else \
             host.to(self.device)
         slots.copy_(vals[:, 0])
         done.copy_(vals[:, 1])
         pos.copy_(vals[:, 2])
-        since.copy_(vals[:, 3])
-        ids[:, 0].copy_(vals[:, 4])
+        ids[:, 0].copy_(vals[:, 3])
         top_pos = max(p for _, _, p in reqs)
         kv_len = min(-(-(top_pos + b) // self.bucket) * self.bucket, self.kv.max_len)
         if not self.capture:

@@ -55,12 +55,12 @@ PUSH_TIMEOUT_S = 0.0  # a proposal that finds the first shard's ring full goes b
 MAX_SLOTS = 1024
 
 ALLOWED = {
-    "coordinator": {"draft_configure", "draft_warm", "draft_begin", "draft_since", "propose",
+    "coordinator": {"draft_configure", "draft_warm", "draft_begin", "draft_gap", "propose",
                     "draft_features", "ping", "shutdown", "wake", *SNAP_OPS},
     "feeder": {"feed", "feat", "verdict", "wake"},
 }
 # the messages that read or write a sequence's rows (a pending warm-up runs before them)
-SLOT_OPS = frozenset({"draft_begin", "draft_since", "propose", "draft_features", "feat",
+SLOT_OPS = frozenset({"draft_begin", "draft_gap", "propose", "draft_features", "feat",
                       "verdict", *SNAP_OPS})
 
 
@@ -603,14 +603,14 @@ class DraftServer:
             f.rejected.pop(slot, None)
         self._reply(route, message("ok", info={}, sid=msg["sid"]))
 
-    def _on_draft_since(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+    def _on_draft_gap(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         p = self.proposer
         if not isinstance(p, DFlashProposer):
             raise ProtocolError("a classic draft keeps no feature rows", "unexpected")
         try:
-            p.restart(msg["slot"], msg["pos"])
+            p.gap(msg["slot"], msg["start"], msg["end"])
         except ValueError as e:
-            raise ProtocolError(f"draft_since: {e}") from e
+            raise ProtocolError(f"draft_gap: {e}") from e
         self.prepared.forget(msg["slot"])
         self._reply(route, message("ok", info={}, sid=msg["sid"]))
 

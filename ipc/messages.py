@@ -41,7 +41,7 @@ PROTOCOL_VERSION = 21  # 2: speculative decoding; 3: batched steps (several sequ
 # `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`);
 # 19: the token board's host-mode token words carry their step (`ipc.token_board.pack`); warm's
 # optional `verify_batch` (batched verify steps); 20: `draft_warm` (draft_configure answers
-# before the draft's warm-up); 21: `draft_since` (a context goes on after rows it never got)
+# before the draft's warm-up); 21: `draft_gap` (context rows that never come)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 
@@ -119,10 +119,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # sequence's sampling ({temperature, top_k, top_p, seed}) when the draft is to sample its
     # proposals from its own distribution and send it (`q`); None: its best guesses, no `q`
     "draft_begin": {"sid": (int,), "slot": (int,), "sample": (dict, NoneType)},
-    # the context of `slot`'s sequence goes on at `pos` after positions whose rows the shards
-    # never sent (plain steps untapped, `runtime.speculative.DraftClient.taps`): its proposals
-    # read the rows from `pos` on only
-    "draft_since": {"sid": (int,), "slot": (int,), "pos": (int,)},
+    # the context rows [start, end) of `slot`'s sequence never come (its plain steps there sent
+    # none, `runtime.speculative.DraftClient.taps`): no proposal reads them
+    "draft_gap": {"sid": (int,), "slot": (int,), "start": (int,), "end": (int,)},
     # `tree`: at most this many draft tokens as a tree (where the draft has a tree shape; n
     # bounds its depth), 0: a chain of n; `kept`: the tree rows the last verify step kept
     "propose": {"sid": (int,), "slot": (int,), "pos": (int,), "n": (int,), "token": (int,),

@@ -27,10 +27,10 @@ if TYPE_CHECKING:
     from layersplit.shards.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
-TAP_LEAD = 64  # plain steps before a planned round from which a sequence's plain steps send the
-# draft their feature rows again (`DraftClient.taps`): the context its first proposal reads
-RESTART_ROWS = 16  # a round needs at least this many context rows since the draft's context
-# went on after rows it never got (`draft_since`); before, the step runs plain
+TAP_LEAD = 24  # plain steps before a planned round from which a sequence's plain steps send the
+# draft their feature rows again (`DraftClient.taps`): its first proposal reads them
+RESTART_ROWS = 16  # a round needs the rows of at least this many steps since the draft's
+# context last missed some (`draft_gap`); before, the step runs plain
 
 
 def draft_taps(path: str | Path | None) -> list[int]:
@@ -109,7 +109,7 @@ class SpecStats:
     ready_lead_s: float = 0.0
     off_steps: int = 0  # plain decode steps the policy chose (`runtime.spec_policy`)
     untapped: int = 0  # of those, steps that sent the draft no feature rows (`DraftClient.taps`)
-    restarts: int = 0  # times the draft's context went on after such steps (`draft_since`)
+    restarts: int = 0  # runs of such steps the draft was told of (`draft_gap`)
     sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # draft tokens verified
     # (a tree's nodes, a chain's depth) -> verify steps that proposed that many
     draft_s: float = 0.0  # proposals, as the coordinator waits for them
@@ -227,9 +227,9 @@ class DraftClient:
         self._t_verified = 0.0
         self._draft_wait: float | None = None  # seconds the round in flight waited for its
         # proposal (the policy prices a round's draft part with it)
-        self._gap = False  # a step went out without its feature rows since the last that sent
-        # them (`taps`)
-        self.since = 0  # the draft's context of this sequence goes on from here (`draft_since`)
+        self._gap: int | None = None  # the position of the first step that went out without
+        # its feature rows since the last that sent them (`taps`)
+        self.resumed = 0  # the position from which the draft has every row again (`draft_gap`)
 
     def _size(self, pos: int) -> int:
         """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
@@ -239,10 +239,10 @@ class DraftClient:
         if self.pacer is not None:
             clock, batch = self.coord.spec_clock()
             size = self.pacer.step(pos, batch, clock, time.perf_counter())
-            if size and (self.coord.parked(self.context) or pos - self.since < RESTART_ROWS):
+            if size and (self.coord.parked(self.context) or pos - self.resumed < RESTART_ROWS):
                 # (a batch of another size came: its phase speculates now) the proposal needs
-                # the rows the shards parked, which a step not parked sends, or more context
-                # rows than the steps since its last untapped one sent: this one, plain (not
+                # the rows the shards parked, which a step not parked sends, or more recent
+                # rows than the steps since the last untapped one sent: this one, plain (not
                 # measured)
                 self.pacer.missed()
                 size = 0
@@ -414,21 +414,23 @@ class DraftClient:
         speculates. A round's proposal reads the rows of the steps before it; those of a long
         plain stretch would be computed, parked and dropped, a cost a draft that does not
         propose would add to every plain step. The first step that sends rows again tells the
-        draft its context goes on from there (`draft_since`: the rows before are missing)."""
+        draft which rows never came (`draft_gap`: its proposals read every other row)."""
         if may_skip and (not self.active or (
                 self.pacer is not None and not self.pacer.told and self.kind == "dflash"
                 and self._plain_left() > TAP_LEAD)):
-            self._gap = True
+            if self._gap is None:
+                self._gap = pos
             self.stats.untapped += 1
             return False
-        if self._gap and self.active:
-            self._gap = False
+        if self._gap is not None and self.active:
+            start, self._gap = self._gap, None
             try:
-                self.coord.draft_request(message("draft_since", slot=self.context, pos=pos))
+                self.coord.draft_request(message("draft_gap", slot=self.context, start=start,
+                                                 end=pos))
             except (DraftLost, DraftError) as e:
                 self._stop(e)
                 return False
-            self.since = pos
+            self.resumed = pos
             self.stats.restarts += 1
         return True
 

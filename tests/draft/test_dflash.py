@@ -178,16 +178,15 @@ def test_context_of_all_layers_at_once_equals_each_layers(tiny_llama, bias, fuse
                                                                                atol=1e-5)
 
 
-@pytest.mark.parametrize("bias,fused,since", [(False, False, 0), (True, False, 0),
-                                              (True, True, 0), (False, False, 6),
-                                              (True, True, 10)])
-def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused, since):
+@pytest.mark.parametrize("bias,fused,hole", [(False, False, None), (True, False, None),
+                                             (True, True, None), (False, False, (2, 6)),
+                                             (True, True, (7, 11))])
+def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused, hole):
     """`draft_step` (the captured step's function) gives the logits of the eager path
     (`write_context` + `block` + head) and the context keys and values it stores, with q/k/v
     biases too, on fused projections as on separate ones; cached rows past `done` and new
-    context rows past the block's position are not seen, nor (`since`, a context restarted
-    after rows it never received) the rows below `since`: junk there, different in each path,
-    changes nothing."""
+    context rows past the block's position are not seen, nor the rows of a `hole` (rows that
+    never came, `DFlashProposer.gap`): junk there, different in each path, changes nothing."""
     from layersplit.draft.dflash import block_step, draft_step, layer_weights
     from layersplit.shards.kv_cache import KVCache, KVLayout
 
@@ -196,8 +195,10 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused, since):
     feats = torch.randn(40, cfg.width)
     embed, head = torch.randn(m.vocab_size, m.hidden_size), torch.randn(m.vocab_size,
                                                                           m.hidden_size)
-    # (a restarted context's rows below `since` are never projected: done >= since)
-    done, pos, ids = max(9, since), 12, torch.tensor([5, 0, 0, 0])
+    done, pos, ids = 9, 12, torch.tensor([5, 0, 0, 0])
+    a, b = hole or (0, 0)
+    known = torch.ones(48, dtype=torch.bool)
+    known[a:b] = False
     layout = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, torch.float32)
     eager, cache = KVCache(layout, 48, 1, "cpu"), KVCache(layout, 48, 1, "cpu")
     with torch.no_grad():
@@ -207,26 +208,27 @@ def test_draft_step_equals_the_eager_block(tiny_llama, bias, fused, since):
         cache.v[:, 0, done:].normal_()
         whole = model.block(F.embedding(ids, embed), block_step(pos, 4, torch.device("cpu")),
                             eager)
-        for kv in (eager, cache):  # the rows a restarted context never received
-            kv.k[:, 0, :since].normal_()
-            kv.v[:, 0, :since].normal_()
+        for kv in (eager, cache):  # the rows that never came
+            kv.k[:, 0, a:b].normal_()
+            kv.v[:, 0, a:b].normal_()
         feats_seen = feats.clone()
-        feats_seen[:since] = torch.randn(since, cfg.width)
+        feats_seen[a:b] = torch.randn(b - a, cfg.width)
         h = model.block(F.embedding(ids, embed),
-                        block_step(pos, 4, torch.device("cpu"), since), eager)
+                        block_step(pos, 4, torch.device("cpu"), known), eager)
         want = h[1:] @ head.T
         k, v, logits, top = draft_step(
-            feats_seen, torch.tensor([done]), torch.tensor([pos]), torch.tensor([since]), ids,
+            feats_seen, torch.tensor([done]), torch.tensor([pos]), known, ids,
             cache.k[:, 0, :32], cache.v[:, 0, :32], embed, model.fc.weight,
             model.hidden_norm.weight, model.kv_weights(), [layer_weights(x) for x in model.layers],
             model.inv_freq, model.norm.weight, head, m.rms_norm_eps, m.num_heads, m.num_kv_heads,
             m.head_dim, 1.0, 3)
     assert torch.allclose(logits, want, atol=1e-4), (logits - want).abs().max()
     assert torch.equal(top, logits.topk(3, dim=-1).indices)
-    assert torch.allclose(k[:, :pos - done], eager.k[:, 0, done:pos], atol=1e-5)
-    assert torch.allclose(v[:, :pos - done], eager.v[:, 0, done:pos], atol=1e-5)
+    new = [p - done for p in range(done, pos) if not a <= p < b]  # (rows of the hole: junk)
+    assert torch.allclose(k[:, new], eager.k[:, 0, [done + i for i in new]], atol=1e-5)
+    assert torch.allclose(v[:, new], eager.v[:, 0, [done + i for i in new]], atol=1e-5)
     # the mask is what hid the junk: the whole context's block is another
-    assert torch.allclose(whole, h, atol=1e-5) == (since == 0)
+    assert torch.allclose(whole, h, atol=1e-5) == (hole is None)
 
 
 def test_batched_proposals_equal_each_alone(any_draft, tiny_llama):
@@ -280,11 +282,12 @@ def test_batched_proposals_equal_each_alone(any_draft, tiny_llama):
         batched.propose_batch([(1, 5, 10, 3, 0, None), (2, 5, 70, 3, 0, None)])
 
 
-def test_a_restarted_context_reads_no_row_below_its_restart(any_draft):
-    """After `restart(slot, p)` (the target sent no rows for a stretch of plain steps,
+def test_a_context_with_a_gap_reads_every_row_but_the_gap(any_draft):
+    """After `gap(slot, a, b)` (the target sent no rows for a stretch of plain steps,
     `runtime.speculative.DraftClient.taps`) every path of a proposal (eager, the captured
-    step, batched) reads the context rows from p on only: other junk below p in each
-    proposer changes no proposal, and the paths agree; a context not restarted reads more."""
+    step, batched) reads every context row but [a, b): other junk there in each proposer
+    changes no proposal, and the paths agree; a context without the gap reads it; a new
+    sequence in the slot reads every row again."""
     from layersplit.shards.fused import fuse_projections
 
     cfg = read_dflash_config(any_draft)
@@ -299,15 +302,15 @@ def test_a_restarted_context_reads_no_row_below_its_restart(any_draft):
         p.set_slots(3)
         props.append(p)
     eager, solo, batched = props
-    since, pos = {0: 6, 2: 30}, {0: 20, 2: 37}
+    gaps, pos = {0: (6, 14), 2: (20, 30)}, {0: 20, 2: 37}
     for p in props:
         for slot in (0, 2):
+            a, b = gaps[slot]
             p.begin(slot)
-            junk = torch.randn(60, cfg.width, generator=g)  # each proposer's own
-            p.write_features(slot, 0, 0, junk)
-            p.logits(slot, 5, 4, 3)  # (junk rows below `since` projected before the gap)
-            p.restart(slot, since[slot])
-            p.write_features(slot, 0, since[slot], feats[slot, since[slot]:])
+            p.write_features(slot, 0, 0, feats[slot])
+            p.logits(slot, 5, 4, 3)  # (rows projected before the gap)
+            p.write_features(slot, 0, a, torch.randn(b - a, cfg.width, generator=g))  # (junk)
+            p.gap(slot, a, b)
     for rnd in range(2):
         reqs = [(s, 7 + s + rnd, pos[s], 3, 0, None) for s in (0, 2)]
         want = [eager.propose(s, t, p_, n, None, 0, tree, k) for s, t, p_, n, tree, k in reqs]
@@ -324,8 +327,13 @@ def test_a_restarted_context_reads_no_row_below_its_restart(any_draft):
     whole.write_features(2, 0, 0, feats[2])
     assert not torch.allclose(whole.logits(2, 7, pos[2], 3), eager.logits(2, 7, pos[2], 3),
                               atol=1e-3)
-    with pytest.raises(ValueError, match="restart"):
-        eager.restart(3, 5)
+    eager.begin(2)  # (a new sequence: no gap)
+    eager.write_features(2, 0, 0, feats[2])
+    assert torch.allclose(whole.logits(2, 7, pos[2], 3), eager.logits(2, 7, pos[2], 3),
+                          atol=1e-5)
+    for slot, a, b in ((3, 1, 5), (0, 5, 5), (0, -1, 5), (0, 5, 65)):
+        with pytest.raises(ValueError, match="gap"):
+            eager.gap(slot, a, b)
 
 
 def test_a_failed_batched_proposal_leaves_each_context_as_it_was(draft_dir, monkeypatch):

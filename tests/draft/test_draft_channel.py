@@ -378,19 +378,23 @@ def test_the_warm_up_waits_for_every_feeder_link(server, monkeypatch):
     assert sent[-1]["type"] == "error" and "capture failed" in sent[-1]["message"]
 
 
-def test_draft_since_restarts_a_context_and_refuses_positions_outside_it(server):
-    """`draft_since` (a sequence's plain steps sent no rows for a while) sets where its
-    context's proposals read from; a slot or position outside the draft's is refused by name,
-    and the context stays as it was."""
+def test_draft_gap_masks_the_rows_that_never_came_and_refuses_rows_outside_the_context(
+        server):
+    """`draft_gap` (a sequence's plain steps sent no rows for a while) marks those rows unread
+    by its proposals; a slot or rows outside the draft's are refused by name, and the context
+    stays as it was; a new sequence in the slot reads every row."""
     sent = []
     server._reply = lambda route, msg, frames=(): sent.append(msg)
+    known = server.proposer.known
     server._on_draft_begin(b"coord", message("draft_begin", sid=1, slot=1, sample=None), [])
-    server._on_draft_since(b"coord", message("draft_since", sid=2, slot=1, pos=9), [])
-    assert sent[-1]["type"] == "ok" and server.proposer.since[1] == 9
-    for slot, pos in ((2, 9), (1, 64), (1, -1)):
-        with pytest.raises(ProtocolError, match="draft_since: .*restart"):
-            server._on_draft_since(b"coord", message("draft_since", sid=3, slot=slot, pos=pos),
-                                   [])
-    assert server.proposer.since[1] == 9
+    server._on_draft_gap(b"coord", message("draft_gap", sid=2, slot=1, start=4, end=9), [])
+    assert sent[-1]["type"] == "ok"
+    want = [not 4 <= p < 9 for p in range(known.shape[1])]
+    assert known[1].tolist() == want and known[0].all()
+    for slot, a, b in ((2, 4, 9), (1, 9, 9), (1, 60, 65), (1, -1, 3)):
+        with pytest.raises(ProtocolError, match="draft_gap: gap"):
+            server._on_draft_gap(b"coord", message("draft_gap", sid=3, slot=slot, start=a,
+                                                   end=b), [])
+    assert known[1].tolist() == want
     server._on_draft_begin(b"coord", message("draft_begin", sid=4, slot=1, sample=None), [])
-    assert server.proposer.since[1] == 0  # (a new sequence reads its context from 0)
+    assert known[1].all()

@@ -87,7 +87,7 @@ def _proposer(table: OracleTable, slots: int = 1, vocab: int = 1000):
     from layersplit.draft.oracle import OracleProposer
 
     p = OracleProposer.__new__(OracleProposer)
-    p.slots, p.sampling, p.done, p.since = slots, [None] * slots, [0] * slots, [0] * slots
+    p.slots, p.sampling, p.done, p.holes = slots, [None] * slots, [0] * slots, [False] * slots
     p.cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=vocab))
     p.set_oracle(table)
     return p

@@ -366,9 +366,9 @@ class TestOneDefaultChain:
             self, target, chain, want, monkeypatch):
         """Plain decode steps more than `TAP_LEAD` steps before the policy's next round send
         the draft no feature rows (`DraftClient.taps`); the step that sends them again tells
-        the draft its context goes on from there (`draft_since`), and the probes' rounds read
-        the rows from there on: the output is the reference's, tokens and logits bit for bit,
-        and the draft's rows from each restart on equal the reference's."""
+        the draft which rows never came (`draft_gap`), and the probes' rounds read every other
+        row: the output is the reference's, tokens and logits bit for bit, and the draft's
+        rows outside the gaps equal the reference's."""
         coord = chain
         was = coord.spec_policy
         monkeypatch.setattr(speculative, "TAP_LEAD", 4)
@@ -378,22 +378,24 @@ class TestOneDefaultChain:
         # plain steps, the last 4 of each sending their rows
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
             gain=100.0, refresh=9, off_steps=9, off_steps_max=9), coord.config.spec_max_seqs)
-        since, request = [], coord.draft_request
+        gaps, request = [], coord.draft_request
         monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
-            since.append(msg["pos"]) if msg["type"] == "draft_since" else None) or
-            request(msg, *a))
+            gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)
+            or request(msg, *a))
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
             prompt = _prompts(ref.tokenizer)[1]
             out, logits, spec = run_speculated(coord, prompt, GREEDY)
             assert_same_run((out, logits), want[1, GREEDY.temperature], "untapped")
             assert spec.verifies > 0 and spec.untapped >= 8, spec
-            assert spec.restarts == len(since) >= 2, (spec, since)
+            assert spec.restarts == len(gaps) >= 2, (spec, gaps)
+            assert all(len(prompt) <= a < b for a, b in gaps), gaps
             coord.unpark()
             committed = len(prompt) + len(out.tokens) - 1
-            fed = sorted({*range(len(prompt)), *(p + i for p in since for i in range(4)
-                                                 if p + i < committed)})
+            last = max(b for _, b in gaps)  # (steps after the last gap may not have sent theirs)
+            fed = [p for p in range(last) if not any(a <= p < b for a, b in gaps)]
             _assert_draft_rows(coord, target, ref, prompt, out.tokens, at=fed)
+            assert committed > last
         finally:
             coord.spec_policy = was
 
