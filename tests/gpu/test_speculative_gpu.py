@@ -69,10 +69,13 @@ def test_graph_verify_matches_eager_rows_and_cpu(tiny_llama):
     assert len(gpu.static.graphs) == graphs  # the 5-row graph of that bucket, every tree
 
 
-def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool, windowed: bool = False):
+def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool, windowed: bool = False,
+                 gap: bool = False):
     """A random 2-layer DFlash draft of the tiny target as an eager proposer and a captured
     one (float32, on cuda:0), `contexts` contexts each, and seeded feature rows for each.
-    `windowed`: its first layer a sliding-window one (window 8, its block causal)."""
+    `windowed`: its first layer a sliding-window one (window 8, its block causal); `gap`: rows
+    30..49 of each context never came (`DFlashProposer.gap`), each proposer with other junk
+    there."""
     target = read_hf_config(tiny_llama)
     path = write_random_dflash(target, tmp_path / "d", layers=2, taps=[1, 4], block_size=4)
     if windowed:
@@ -94,15 +97,20 @@ def _dflash_pair(tiny_llama, tmp_path, contexts: int, compile: bool, windowed: b
         p.set_slots(contexts)
         for slot in range(contexts):
             p.write_features(slot, 0, 0, feats[slot])
+            if gap:
+                p.write_features(slot, 0, 30, torch.randn(20, cfg.width, device=dev))
+                p.gap(slot, 30, 50)
     return eager, graph
 
 
-@pytest.mark.parametrize("compile,windowed", [(True, False), (False, False), (True, True)],
-                         ids=["compiled", "uncompiled", "compiled-windowed"])
-def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile, windowed):
+@pytest.mark.parametrize("compile,windowed,gap", [(True, False, False), (False, False, False),
+                                                  (True, True, False), (True, False, True)],
+                         ids=["compiled", "uncompiled", "compiled-windowed", "compiled-gap"])
+def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile, windowed, gap):
     """The captured step, compiled and not (`draft_compile`, off under `generate`); with a
-    sliding-window layer (z-lab's Qwen3.5-27B draft has four)."""
-    eager, graph = _dflash_pair(tiny_llama, tmp_path, 1, compile, windowed)
+    sliding-window layer (z-lab's Qwen3.5-27B draft has four); with rows that never came
+    (`gap`: masked in both, junk of each its own there)."""
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 1, compile, windowed, gap)
     assert graph.capture and graph.compiled == compile
     for pos in (20, 21, 24, 30, 57, 100):
         a = eager.logits(0, 7, pos, 3)
@@ -111,11 +119,13 @@ def test_dflash_captured_step_matches_eager(tiny_llama, tmp_path, compile, windo
     assert len(graph.graphs) >= 3
 
 
-@pytest.mark.parametrize("windowed", [False, True], ids=["full", "windowed"])
-def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path, windowed):
+@pytest.mark.parametrize("windowed,gap", [(False, False), (True, False), (False, True)],
+                         ids=["full", "windowed", "gap"])
+def test_dflash_batched_proposals_match_each_alone_on_cuda(tiny_llama, tmp_path, windowed, gap):
     """Several contexts' proposals as one captured step (`propose_batch`: the draft process
-    batches the verdicts of one batched verify step) against the eager proposal of each."""
-    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False, windowed)
+    batches the verdicts of one batched verify step) against the eager proposal of each; with
+    rows that never came too (`gap`)."""
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False, windowed, gap)
     assert graph.batches(3)
     for rnd, (slots, positions) in enumerate([([0, 2, 3], [20, 33, 9]), ([3, 1], [13, 100]),
                                                ([1, 0, 2, 3], [104, 24, 37, 17])]):
