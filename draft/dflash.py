@@ -339,10 +339,11 @@ def draft_step_batch(feats: torch.Tensor, slots: torch.Tensor, done: torch.Tenso
 
 def block_step(pos: int, m: int, device: torch.device,
                known: torch.Tensor | None = None) -> StepInfo:
-    """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m, where
-    `known` ((>= pos + m,) bool; None: all) holds (`DFlashProposer.gap`: rows that never
-    came are False)."""
-    mask = None if known is None else known[:pos + m][None, :].expand(m, -1)
+    """An eager block of m rows at [pos, pos + m): every row sees every key < pos + m, the
+    context's below pos only where `known` ((>= pos,) bool; None: all) holds
+    (`DFlashProposer.gap`: rows that never came are False)."""
+    mask = None if known is None else torch.cat([
+        known[:pos], torch.ones(m, dtype=torch.bool, device=device)])[None, :].expand(m, -1)
     return StepInfo(torch.arange(pos, pos + m, device=device), pos + m, mask, pos)
 
 
