@@ -344,7 +344,7 @@ class Batcher:
             park = _parks(reqs, [r.pending for r in reqs], feeds)
             sid = self.coord.send_step([(r.slot, r.pending, f) for r, f in zip(reqs, feeds)],
                                        park)
-            self.stats.parked += park
+            self.stats.parked += park and any(f is not None for f in feeds)
         except ShardFailure as e:
             for r in reqs:
                 self._fail(r, e)
@@ -411,7 +411,7 @@ class Batcher:
                 park = _parks(st.reqs, ahead, feeds)
                 sid = self.coord.send_step([(r.slot, a, f) for r, a, f in
                                             zip(st.reqs, ahead, feeds)], park)
-                self.stats.parked += park
+                self.stats.parked += park and any(f is not None for f in feeds)
             except ShardFailure as e:
                 for r in st.reqs:
                     self._fail(r, e)
@@ -772,7 +772,9 @@ def _parks(reqs: list[Request], steps: list[StepRequest], feeds: list[int | None
     sequence of it decodes one plain row, some feed the draft (`feeds`, each segment's draft
     context), and every one that does may park it (`Request.may_park`)."""
     fed = [(r, step) for r, step, feed in zip(reqs, steps, feeds) if feed is not None]
-    return bool(fed) and all(_plain_decode(step) for step in steps) and all(
+    if not fed:  # (parked, it does not have the shards send the rows others parked)
+        return all(_plain_decode(step) for step in steps)
+    return all(_plain_decode(step) for step in steps) and all(
         r.may_park is not None and step.pos >= r.prompt_tokens and r.may_park()
         for r, step in fed)
 

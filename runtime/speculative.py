@@ -229,7 +229,13 @@ class DraftClient:
         # proposal (the policy prices a round's draft part with it)
         self._gap: int | None = None  # the position of the first step that went out without
         # its feature rows since the last that sent them (`taps`)
-        self.resumed = 0  # the position from which the draft has every row again (`draft_gap`)
+        self.resumed = -RESTART_ROWS  # the position from which the draft has every row again
+        # (`draft_gap`; a sequence's own rows from its first)
+        self._clock: int | None = None  # the runtime's clock at this sequence's last step
+        self._pace = 1.0  # runtime steps (the policy's clock) per step of this sequence, an
+        # average: other micro-batches' steps and prefill chunks move the clock too
+        self._failed: Exception | None = None  # a draft failure met sending a step (`taps`),
+        # raised by the next proposal, in this request's own flow
 
     def _size(self, pos: int) -> int:
         """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
@@ -239,11 +245,13 @@ class DraftClient:
         if self.pacer is not None:
             clock, batch = self.coord.spec_clock()
             size = self.pacer.step(pos, batch, clock, time.perf_counter())
-            if size and (self.coord.parked(self.context) or pos - self.resumed < RESTART_ROWS):
+            if size and (self.coord.parked(self.context) or self._gap is not None
+                         or pos - self.resumed < RESTART_ROWS):
                 # (a batch of another size came: its phase speculates now) the proposal needs
-                # the rows the shards parked, which a step not parked sends, or more recent
-                # rows than the steps since the last untapped one sent: this one, plain (not
-                # measured)
+                # the rows the shards parked, which a step not parked sends, or rows a step
+                # still has to send (untapped ones: the draft is told of them as the next one
+                # that taps goes out), or more recent rows than the steps since then sent:
+                # this one, plain (not measured)
                 self.pacer.missed()
                 size = 0
             if size == 0:
@@ -279,6 +287,9 @@ class DraftClient:
 
     def propose(self, seq: Sequence[int], pos: int, n: int,
                 rows: int) -> tuple[list[int], list[int] | None, list | None]:
+        if self._failed is not None:
+            e, self._failed = self._failed, None
+            self._stop(e)
         if not self.active:
             return [], None, None
         size = self._size(pos)
@@ -414,24 +425,37 @@ class DraftClient:
         speculates. A round's proposal reads the rows of the steps before it; those of a long
         plain stretch would be computed, parked and dropped, a cost a draft that does not
         propose would add to every plain step. The first step that sends rows again tells the
-        draft which rows never came (`draft_gap`: its proposals read every other row)."""
-        if may_skip and (not self.active or (
-                self.pacer is not None and not self.pacer.told and self.kind == "dflash"
-                and self._plain_left() > TAP_LEAD)):
+        draft which rows never came (`draft_gap`: its proposals read every other row). The
+        lead is in this sequence's steps: the policy plans in runtime steps, of which other
+        micro-batches' and prefill chunks take a share (`_pace`). Never raises: a draft that
+        fails here fails this request at its next proposal, not the step's other sequences."""
+        clock = self.coord.spec_clock()[0]
+        if self._clock is not None:  # (the clock moved since this sequence's last step)
+            self._pace += 0.25 * (min(max(clock - self._clock, 1), 8) - self._pace)
+        self._clock = clock
+        if not self.active:
+            if may_skip:
+                return False
+        elif may_skip and self.pacer is not None and not self.pacer.told and \
+                self.kind == "dflash" and self._plain_left() > TAP_LEAD * self._pace:
             if self._gap is None:
                 self._gap = pos
             self.stats.untapped += 1
             return False
         if self._gap is not None and self.active:
             start, self._gap = self._gap, None
-            try:
-                self.coord.draft_request(message("draft_gap", slot=self.context, start=start,
-                                                 end=pos))
-            except (DraftLost, DraftError) as e:
-                self._stop(e)
-                return False
-            self.resumed = pos
-            self.stats.restarts += 1
+            if start < pos:  # (not when the untapped step was one sent ahead and dropped)
+                try:
+                    self.coord.draft_request(message("draft_gap", slot=self.context,
+                                                     start=start, end=pos))
+                except (DraftLost, DraftError) as e:
+                    if self.required:
+                        self._failed = e
+                    else:
+                        self._stop(e)
+                    return False
+                self.resumed = pos
+                self.stats.restarts += 1
         return True
 
     def _plain_left(self) -> int:
