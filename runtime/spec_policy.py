@@ -83,7 +83,7 @@ class PolicyKnobs:
     probe: int = 4  # rounds of a probe at the largest size (the first is not measured)
     abandon: float = 1.5  # a probe (or a look at a size) ends after two measured rounds where
     # speculating at its size is, at its fastest, this many times slower than plain decoding
-    probe_budget: float = 0.02  # a losing probe costs at most this share of the plain steps
+    probe_budget: float = 0.01  # a losing probe costs at most this share of the plain steps
     # before it
 
     def __post_init__(self) -> None:

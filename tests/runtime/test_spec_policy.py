@@ -96,15 +96,17 @@ def test_speculation_comes_back_on_and_goes_off_again_as_the_costs_change():
 def test_a_probe_decides_on_its_own_rounds_not_on_those_of_a_losing_phase_before():
     """Speculation pays, then loses for a while (a window full of slow rounds: off), then pays
     again: the first probe's few rounds decide (the slow rounds before the off phase would
-    outvote them, and off phases double while probes lose), so it comes back on at once."""
+    outvote them, and off phases double while probes lose), so it comes back on at its first
+    probe (532 steps on: the off phase long enough that a probe as losing as the phase before's
+    rounds costs at most 1 % of it, `probe_budget`)."""
     policy = SpecPolicy(TREE)
     state = [0.0, 0, 0, Pacer(policy, False)]
     run(policy, 400, plain, lambda s, b: 1.1, lambda s: 3, state=state)
     assert policy.choice(1, False) > 0
     run(policy, 300, plain, lambda s, b: 6.0, lambda s: 3, state=state)
     assert policy.choice(1, False) == 0 and policy._round[1, 31].count > 12
-    sizes, _ = run(policy, 600, plain, lambda s, b: 1.1, lambda s: 3, state=state)
-    assert policy.choice(1, False) > 0 and sum(s > 0 for s in sizes) > 400
+    sizes, _ = run(policy, 1200, plain, lambda s, b: 1.1, lambda s: 3, state=state)
+    assert policy.choice(1, False) > 0 and sum(s > 0 for s in sizes[600:]) > 500
 
 
 def test_the_size_that_pays_best_is_chosen():
