@@ -769,8 +769,10 @@ def _feed(r: Request, step: StepRequest) -> int | None:
 
 def _parks(reqs: list[Request], steps: list[StepRequest], feeds: list[int | None]) -> bool:
     """Whether a step may park its feature rows on the shards (`shards.parked_rows`): every
-    sequence of it decodes one plain row, some feed the draft (`feeds`, each segment's draft
-    context), and every one that does may park it (`Request.may_park`)."""
+    sequence of it decodes one plain row, and every one that feeds the draft (`feeds`, each
+    segment's draft context) may park it (`Request.may_park`). A step none of whose segments
+    feeds goes out parked too: it parks nothing, and leaves the rows other steps parked on
+    the shards (a step not parked has them sent)."""
     fed = [(r, step) for r, step, feed in zip(reqs, steps, feeds) if feed is not None]
     if not fed:  # (parked, it does not have the shards send the rows others parked)
         return all(_plain_decode(step) for step in steps)

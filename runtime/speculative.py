@@ -236,6 +236,8 @@ class DraftClient:
         # average: other micro-batches' steps and prefill chunks move the clock too
         self._failed: Exception | None = None  # a draft failure met sending a step (`taps`),
         # raised by the next proposal, in this request's own flow
+        self._lead_end: int | None = None  # the phase end (runtime clock) rows last went
+        # toward: until it, steps tap (`taps`)
 
     def _size(self, pos: int) -> int:
         """Draft tokens of the step at `pos` (0: a plain step), planned once per step."""
@@ -427,8 +429,10 @@ class DraftClient:
         propose would add to every plain step. The first step that sends rows again tells the
         draft which rows never came (`draft_gap`: its proposals read every other row). The
         lead is in this sequence's steps: the policy plans in runtime steps, of which other
-        micro-batches' and prefill chunks take a share (`_pace`). Never raises: a draft that
-        fails here fails this request at its next proposal, not the step's other sequences."""
+        micro-batches' and prefill chunks take a share (`_pace`); once rows go again toward a
+        phase's end they go until it (a pace that falls meanwhile makes no second gap). A
+        draft that fails here fails this request at its next proposal, not the step's other
+        sequences (only a link whose loss fails the runtime raises, `ShardFailure`)."""
         clock = self.coord.spec_clock()[0]
         if self._clock is not None:  # (the clock moved since this sequence's last step)
             self._pace += 0.25 * (min(max(clock - self._clock, 1), 8) - self._pace)
@@ -437,11 +441,16 @@ class DraftClient:
             if may_skip:
                 return False
         elif may_skip and self.pacer is not None and not self.pacer.told and \
-                self.kind == "dflash" and self._plain_left() > TAP_LEAD * self._pace:
-            if self._gap is None:
-                self._gap = pos
-            self.stats.untapped += 1
-            return False
+                self.kind == "dflash":
+            left = self._plain_left()
+            end = clock + left  # (the phase's end, on the runtime's clock)
+            if left > TAP_LEAD * self._pace and (self._lead_end is None or end > self._lead_end):
+                if self._gap is None:
+                    self._gap = pos
+                self.stats.untapped += 1
+                return False
+            if left > 0:
+                self._lead_end = end
         if self._gap is not None and self.active:
             start, self._gap = self._gap, None
             if start < pos:  # (not when the untapped step was one sent ahead and dropped)
@@ -450,6 +459,8 @@ class DraftClient:
                                                      start=start, end=pos))
                 except (DraftLost, DraftError) as e:
                     if self.required:
+                        log.warning("the draft failed telling it of untapped rows (%s); this "
+                                    "request fails at its next proposal", e)
                         self._failed = e
                     else:
                         self._stop(e)
@@ -471,7 +482,8 @@ class DraftClient:
             return True
         if self.pacer is None or (self.pacer.told or 0) > 0:
             return False
-        return self._plain_left() >= 2
+        # (this sequence's next step comes `_pace` runtime steps on: plain still, with margin)
+        return self._plain_left() > 2 * self._pace
 
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":

@@ -44,12 +44,13 @@ class _Policy:
 
     size: int = 0
     left: int = 0
+    end: int | None = None  # (set: the plain phase ends at this clock, `left` unused)
 
     def plan(self, batch: int, sampled: bool, clock: int) -> int:
         return self.size
 
     def plain_left(self, batch: int, sampled: bool, clock: int) -> int:
-        return self.left
+        return self.left if self.end is None else max(0, self.end - clock)
 
     def observe_plain(self, *a) -> None: ...
     def observe_round(self, *a) -> None: ...
@@ -155,3 +156,31 @@ def test_an_untapped_step_sent_ahead_and_dropped_leaves_no_gap():
     host.spec_policy.left = 0
     assert c.taps(70, True)  # (the same position again, now tapped)
     assert host.asked == [] and c.stats.restarts == 0
+
+
+def test_rows_that_went_again_go_until_the_phase_ends_though_the_pace_falls():
+    """A burst of other steps (3 runtime steps a step) brings the lead forward and rows go
+    again; the pace falling back after it makes no second gap before the phase's end."""
+    policy = _Policy(end=120)
+    host, c = _client(policy)
+    assert _steps(host, c, range(100, 110)) == [False] * 10  # (clock 10: 110 left)
+    burst = _steps(host, c, range(110, 125), pace=3)  # (clock 55: 65 left, 3 x TAP_LEAD ahead)
+    assert burst[-1] is True and len(host.asked) == 1
+    assert c._pace > 2.5
+    assert all(_steps(host, c, range(125, 135)))  # (pace near 1 again, 55-64 runtime steps left)
+    assert c._pace < 1.5 and [m["type"] for m in host.asked] == ["draft_gap"]
+    policy.end = host.clock + 500  # (a new off phase after the probe: a gap again)
+    assert _steps(host, c, [135]) == [False]
+
+
+def test_a_step_parks_only_where_the_sequences_next_own_step_is_plain_too():
+    """`may_park` in the sequence's own steps: with 3 runtime steps to each of its own, a plain
+    phase with 5 runtime steps left may end before its next step (that step would be a round,
+    whose proposal needs this step's rows sent): not parked; with 7 left, parked."""
+    policy = _Policy(left=1000)
+    host, c = _client(policy)
+    _steps(host, c, range(10, 30), pace=3)
+    policy.left = 5
+    assert not c.may_park()
+    policy.left = 7
+    assert c.may_park()
