@@ -26,7 +26,8 @@
 #             SPEC=auto_greedy,auto_sampled,auto_streams: spec_policy auto against plain decoding,
 #             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl; SPEC=auto_declined: auto
 #             and a policy that never speculates, greedy; SPEC=declined_long: that policy on
-#             1,024-token answers); and the bench oracle
+#             1,024-token answers; SPEC=presence_streams: 8 streams under auto, that policy, and
+#             the draft loaded with nothing fed, S17); and the bench oracle
 #             at published draft sizes, random chain weights (`shards.random_weights`: their
 #             greedy tokens hold under any rounding) (SPEC=oracle8b,oracle8b_streams,oracle27b,
 #             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
@@ -417,6 +418,13 @@ never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 
       row spec "$RUNS/spec_auto_sampled_$n.json" \
         --what "spec_policy auto, temperature 0.7, top-p 0.9, $n shard(s) on one GPU" \
         --cmd "S13 ($layout)"
+    fi
+    if has "$cases" presence_streams; then  # (8 streams: auto, a policy that never speculates,
+      # and the draft loaded with no sequence feeding it (idle): what its process alone costs)
+      TAIL=20 run spec_presence_streams_$n 280 python3 $spec --devices $layout $auto,declined,idle \
+        --streams 8 --ignore-eos --json "$RUNS/spec_presence_streams_$n.json"
+      row spec "$RUNS/spec_presence_streams_$n.json" --labels "spec_policy auto,declined,idle \
+(the draft loaded, nothing fed)" --what "8 streams, $n shard(s) on one GPU" --cmd "S17 ($layout)"
     fi
     if has "$cases" auto_streams; then
       TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \

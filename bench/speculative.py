@@ -42,8 +42,10 @@ seeded random token ids of `--prompt-len` tokens (set `random`).
 step speculate, so a row measures speculation itself; under `auto` the runtime's policy chooses
 each step's tree size or plain decoding from what it measures (`docs/speculative.md`), and the
 rows say how many verify and plain steps it ran; `declined` runs `measured` with a policy that
-never speculates (every step plain, the draft loaded and its rows parked): what a plain step costs
-under the policy, against plain decoding without a draft in the same run. `--sets check` takes
+never speculates (every step plain, the draft loaded, its rows sent only near a probe that never
+comes): what a plain step costs under the policy, against plain decoding without a draft in the
+same run; `idle` loads the draft and lets no sequence feed it (`spec_max_seqs` 0): what the
+draft process's presence alone costs. `--sets check` takes
 the 56 chat prompts of `runtime/check_prompts.jsonl` (no draft's training saw them).
 
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
@@ -101,8 +103,8 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         sampling: str = "coupled", deterministic: bool = False,
         micro_batches: int = 0, policy: str = "on") -> list[dict]:
     """One row per prompt set. `policy` `declined` (the bench's own): `measured`, with a policy
-    that never speculates (`declining`)."""
-    declined = policy == "declined"
+    that never speculates (`declining`); `idle`: the draft loaded, no sequence feeding it."""
+    declined, idle = policy == "declined", policy == "idle"
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
                         max_context=args.max_context, transport=(args.transport,),
@@ -110,9 +112,10 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                         prefix_cache=False, spec_push=push,
                         spec_sampling=sampling, deterministic=deterministic,
                         micro_batches=micro_batches,
-                        spec_policy="measured" if declined else policy,
-                        **({"max_seqs": args.streams, "spec_max_seqs": args.streams}
-                           if args.streams > 1 else {}))
+                        spec_policy="measured" if declined or idle else policy,
+                        **({"max_seqs": args.streams} if args.streams > 1 else {}),
+                        **({"spec_max_seqs": 0 if idle else args.streams}
+                           if args.streams > 1 or idle else {}))
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=args.ignore_eos,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed)
@@ -358,7 +361,8 @@ def main() -> int:
     p.add_argument("--policies", default="on", help="comma-separated spec_policy settings to "
                    "run each draft with: on (every step speculates: speculation's own cost), "
                    "auto or measured (the policy chooses each step's size, or plain decoding), "
-                   "declined (measured, never speculating: plain steps with the draft loaded)")
+                   "declined (measured, never speculating: plain steps with the draft loaded), "
+                   "idle (the draft loaded, no sequence feeding it: spec_max_seqs 0)")
     p.add_argument("--json", default=None)
     p.add_argument("--log-policy", action="store_true", help="log each decision of the "
                    "speculation policy (its rates and measurements) on stderr")
