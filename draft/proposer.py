@@ -384,7 +384,7 @@ class DFlashProposer:
         b, d, m = self.block_size, self.draft, self.cfg.model
         slots, done, pos, ids = self._batch_input(sp)
         k, v, logits, top = draft_step_batch(
-            self.features[0], slots, done, pos, self.known[slots], ids,
+            self.features[0], slots, done, pos, self.known[slots, :kv_len], ids,
             self.kv.k[:, slots, :kv_len], self.kv.v[:, slots, :kv_len], self.embed,
             d.fc.weight, d.hidden_norm.weight, self._kv_weights, self._layers, d.inv_freq,
             d.norm.weight, self.head, m.rms_norm_eps, m.num_heads, m.num_kv_heads, m.head_dim,
