@@ -73,6 +73,12 @@ def fp8_kernels_available(device: torch.device | str) -> bool:
 _FAILED: set[str] = set()  # the kernels (by name) that failed once in this process
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of `e`'s message that says something (a Triton compile error's may start
+    with an empty one), at most 200 characters; `repr(e)` where there is none."""
+    return next((line for line in str(e).splitlines() if line.strip()), repr(e))[:200]
+
+
 def kernel_failed(name: str) -> bool:
     """Whether kernel `name` failed once in this process (`try_kernel`): its torch path runs."""
     return name in _FAILED
@@ -88,7 +94,6 @@ def try_kernel(name: str, fn: Callable[..., Any], *args: Any) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - a failing kernel: its torch path runs
         _FAILED.add(name)
-        first = next((line for line in str(e).splitlines() if line.strip()), repr(e))[:200]
         log.warning("the %s kernel failed (%s: %s); its torch path runs from now on", name,
-                    type(e).__name__, first)
+                    type(e).__name__, first_line(e))
         return None

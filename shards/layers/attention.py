@@ -11,7 +11,12 @@ import os
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import fused_kernels_available, kernel_failed, try_kernel
+from layersplit.shards.kernels import (
+    first_line,
+    fused_kernels_available,
+    kernel_failed,
+    try_kernel,
+)
 from layersplit.shards.kv_cache import KVCache
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -233,7 +238,7 @@ def _cudnn_split(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         if what is not None:
             _CUDNN[what] = False
         log.warning("cuDNN attention failed (%s) for a prefill chunk (head dim %d, %d query and "
-                    "%d K/V heads); flash attention runs %s", str(e).splitlines()[0][:200], d, h,
+                    "%d K/V heads); flash attention runs %s", first_line(e), d, h,
                     g, "this chunk" if what is None else
                     "from now on for " + ("GQA" if what == "gqa" else f"head dim {d}"))
         return None

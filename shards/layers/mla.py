@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels import first_line, fused_kernels_available
 from layersplit.shards.layers.attention import scores_f32
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -236,7 +236,7 @@ class MLAttention(nn.Module):
         except Exception as e:  # noqa: BLE001 - a Triton build failure: the torch path runs
             _KERNEL["off"] = True
             log.warning("the MLA decode kernels failed (%s); latent attention runs in torch "
-                        "from now on", str(e).splitlines()[0][:200] if str(e) else repr(e))
+                        "from now on", first_line(e))
             return None
         return out.view(n, -1)
 
