@@ -340,11 +340,7 @@ class Batcher:
         if not reqs:
             return False
         try:
-            feeds = [_feed(r, r.pending) for r in reqs]
-            park = _parks(reqs, [r.pending for r in reqs], feeds)
-            sid = self.coord.send_step([(r.slot, r.pending, f) for r, f in zip(reqs, feeds)],
-                                       park)
-            self.stats.parked += park and any(f is not None for f in feeds)
+            sid = self._send_step(reqs, [r.pending for r in reqs])
         except ShardFailure as e:
             for r in reqs:
                 self._fail(r, e)
@@ -364,6 +360,16 @@ class Batcher:
             if step.error is not None:  # its grammar mask failed: the sequence fails
                 self._fail(r, step.error)
         return True
+
+    def _send_step(self, reqs: list[Request], steps: list[StepRequest]) -> int:
+        """Send the step of `reqs`' segments `steps`, each feeding the draft where it does
+        (`_feed`), parked where it may (`_parks`); its sid."""
+        feeds = [_feed(r, step) for r, step in zip(reqs, steps)]
+        park = _parks(reqs, steps, feeds)
+        sid = self.coord.send_step([(r.slot, step, f) for r, step, f in
+                                    zip(reqs, steps, feeds)], park)
+        self.stats.parked += park and any(f is not None for f in feeds)
+        return sid
 
     def _sent(self, st: _Step) -> None:
         """Keep a step that went out, and count it."""
@@ -407,11 +413,7 @@ class Batcher:
             for r, a in zip(st.reqs, ahead):
                 self.sched.grow(r.rid, a.pos + a.rows)
             try:
-                feeds = [_feed(r, a) for r, a in zip(st.reqs, ahead)]
-                park = _parks(st.reqs, ahead, feeds)
-                sid = self.coord.send_step([(r.slot, a, f) for r, a, f in
-                                            zip(st.reqs, ahead, feeds)], park)
-                self.stats.parked += park and any(f is not None for f in feeds)
+                sid = self._send_step(st.reqs, ahead)
             except ShardFailure as e:
                 for r in st.reqs:
                     self._fail(r, e)
@@ -773,12 +775,9 @@ def _parks(reqs: list[Request], steps: list[StepRequest], feeds: list[int | None
     segment's draft context) may park it (`Request.may_park`). A step none of whose segments
     feeds goes out parked too: it parks nothing, and leaves the rows other steps parked on
     the shards (a step not parked has them sent)."""
-    fed = [(r, step) for r, step, feed in zip(reqs, steps, feeds) if feed is not None]
-    if not fed:  # (parked, it does not have the shards send the rows others parked)
-        return all(_plain_decode(step) for step in steps)
     return all(_plain_decode(step) for step in steps) and all(
         r.may_park is not None and step.pos >= r.prompt_tokens and r.may_park()
-        for r, step in fed)
+        for r, step, feed in zip(reqs, steps, feeds) if feed is not None)
 
 
 def _plain_decode(step: StepRequest) -> bool:

@@ -433,7 +433,7 @@ class DraftClient:
         phase's end they go until it (a pace that falls meanwhile makes no second gap). A
         draft that fails here fails this request at its next proposal, not the step's other
         sequences (only a link whose loss fails the runtime raises, `ShardFailure`)."""
-        clock = self.coord.spec_clock()[0]
+        clock, batch = self.coord.spec_clock()
         if self._clock is not None:  # (the clock moved since this sequence's last step)
             self._pace += 0.25 * (min(max(clock - self._clock, 1), 8) - self._pace)
         self._clock = clock
@@ -442,7 +442,7 @@ class DraftClient:
                 return False
         elif may_skip and self.pacer is not None and not self.pacer.told and \
                 self.kind == "dflash":
-            left = self._plain_left()
+            left = self.pacer.policy.plain_left(batch, self.pacer.sampled, clock)
             end = clock + left  # (the phase's end, on the runtime's clock)
             if left > TAP_LEAD * self._pace and (self._lead_end is None or end > self._lead_end):
                 if self._gap is None:
