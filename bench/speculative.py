@@ -274,6 +274,7 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
     """`_measure` with the prompts decoded `streams` at a time in one batch: aggregate tok/s."""
     tokens, seconds, same = 0, 0.0, 0
     phase_tokens, phase_s, prefill_s = 0, 0.0, 0.0
+    gaps: list[list[float]] = []  # per stream
     total = SpecStats()
     outs = {}
     for lo in range(0, len(prompts), streams):
@@ -292,6 +293,7 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
             prefill_s += started - t0
             phase_s += end - started
             phase_tokens += sum(1 for t in times for x in t if x > started)
+            gaps += [step_gaps([x for x in t if x > started]) for t in times]
         for i, (r, pr) in enumerate(zip(results, progs, strict=True), start=lo):
             tokens += len(r.tokens)
             outs[i] = r.tokens
@@ -307,7 +309,32 @@ def _measure_streams(coord: Coordinator, prompts: list[list[int]], params: Sampl
             "draft_compute_ms": 1000 * total.draft_compute_s / verifies,
             "verify_ms": 1000 * total.verify_s / verifies, "outputs": outs,
             **_policy_fields(total),
-            "prefill_phase_s": prefill_s, "decode_phase_tok_s": phase_tokens / max(phase_s, 1e-9)}
+            "prefill_phase_s": prefill_s, "decode_phase_tok_s": phase_tokens / max(phase_s, 1e-9),
+            **stalls(gaps)}
+
+
+def step_gaps(times: list[float], same: float = 50e-6) -> list[float]:
+    """Seconds between a stream's steps: between the distinct moments its tokens came out
+    (those within `same` of each other, a round's kept tokens: one step's)."""
+    moments: list[float] = []
+    for t in sorted(times):
+        if not moments or t - moments[-1] > same:
+            moments.append(t)
+    return [b - a for a, b in zip(moments, moments[1:])]
+
+
+def stalls(streams: list[list[float]], factor: float = 4.0) -> dict:
+    """Where a decode phase's time went beyond its steady steps, from each stream's step gaps:
+    the median step (ms); `stall_ms`, the time steps longer than `factor` x the median took
+    beyond it, per stream (a graph captured, a kernel compiled on the decode path, a probe's
+    rounds); the five longest steps (ms)."""
+    gaps = [g for s in streams for g in s]
+    if not gaps:
+        return {"stall_ms": 0.0, "median_step_ms": 0.0, "longest_steps_ms": []}
+    med = statistics.median(gaps)
+    return {"median_step_ms": 1000 * med,
+            "stall_ms": 1000 * sum(g - med for g in gaps if g > factor * med) / len(streams),
+            "longest_steps_ms": [round(1000 * g, 2) for g in sorted(gaps)[-5:][::-1]]}
 
 
 def main() -> int:

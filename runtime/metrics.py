@@ -72,6 +72,9 @@ class Metrics:
         self.spec_probes = Gauge("layersplit_spec_policy_probes", "probes the speculation "
                                  "policy ran while speculation was off (since start)",
                                  registry=r)
+        self.spec_skipped = Gauge("layersplit_spec_policy_skipped_probes", "probes the "
+                                  "speculation policy did not run: priced from smaller "
+                                  "batches' rounds, they would lose (since start)", registry=r)
         self.spec_switches = Gauge("layersplit_spec_policy_switches", "decisions of the "
                                    "speculation policy that changed the size or turned "
                                    "speculation on or off (since start)", registry=r)
@@ -123,6 +126,7 @@ class Metrics:
         for b, size in policy.stats.size.items():
             self.spec_size.labels(str(b)).set(size)
         self.spec_probes.set(policy.stats.probes)
+        self.spec_skipped.set(policy.stats.skipped)
         self.spec_switches.set(policy.stats.switches)
 
     def observe_speculation(self, spec) -> None:

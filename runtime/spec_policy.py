@@ -41,7 +41,11 @@ its window is slow, not at the end of a phase), and after `spec_steps` decodes `
 (the plain cost drifts with the batch and the context). Turned off, it decodes plainly, then probes:
 the plain steps before a probe are at least `off_steps` (doubling, up to `off_steps_max`, while
 probes keep losing) and enough that what a probe loses against plain steps (its rounds and switches,
-as last measured) is at most `probe_budget` of their time. After a probe, a refresh or a check it
+as last measured) is at most `probe_budget` of their time; a probe of a bucket whose own rounds
+were never measured is skipped (the off phase doubling as after a losing one, up to
+`off_steps_max`, where a probe runs all the same) where rounds priced from smaller buckets
+(`prior_rates`: this bucket's plain step plus the least a smaller bucket's rounds took beyond
+its plain step) lose. After a probe, a refresh or a check it
 decides: the best of plain and every size, but it leaves the current choice only for one `margin`
 better. A size whose round time was never measured is priced by linear interpolation between a plain
 step plus the draft's wait (`t_draft(b)`, the median time a round waited for its proposal: what a
@@ -65,6 +69,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 log = logging.getLogger(__name__)
+
+
+PLAIN_LOOK = 256  # `plain_left` judges whether the probe ending an off phase will be skipped
+# within this many steps of it (a sequence's taps lead a probe by up to 24 of its own steps, up to
+# 8 runtime steps each)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -175,6 +184,8 @@ class Phase:
     start: int = 0  # (probe, trial) the clock it began at
     trial: bool = False  # (spec) a short look at a size (`probe` rounds), left early, as a
     # probe is, once hopeless
+    futile: bool | None = None  # (off, first) whether the probe at its end will be skipped,
+    # as `plain_left` last judged it (None: not yet)
 
 
 @dataclasses.dataclass(slots=True)
@@ -184,6 +195,7 @@ class PolicyStats:
     rounds: int = 0  # steps planned to speculate
     off_steps: int = 0  # steps planned plain (off, or measuring plain steps)
     probes: int = 0  # probes begun (speculation tried while off)
+    skipped: int = 0  # probes not begun: priced from smaller batches' rounds, futile
     switches: int = 0  # decisions that changed the size or turned speculation on or off
     size: dict[int, int] = dataclasses.field(default_factory=dict)  # bucket -> chosen size
     # (0: off) after its last decision
@@ -382,6 +394,10 @@ class SpecPolicy:
         if ph.kind == "spec" and not ph.left:
             return Phase("refresh", 0, clock + k.refresh)
         if ph.kind in ("off", "first"):
+            if self._futile(key, batch, sampled):  # (a probe that would lose: plain steps on)
+                self.stats.skipped += 1
+                return self._off(key, batch, sampled, clock, self._choice.get(key, 0),
+                                 f"{ph.kind} (a probe skipped, priced from smaller batches)")
             self.stats.probes += ph.kind == "off"
             return Phase("probe", self.largest, clock + k.probe, start=clock)
         was = self._choice.get(key, 0)
@@ -396,16 +412,9 @@ class SpecPolicy:
                 # window of them would outvote the probe's few rounds for good)
             now = self.decide(batch, sampled, was if ph.kind == "refresh" else 0)
             self._decisions[key] = self._decisions.get(key, 0) + 1
-        self._choice[key] = now
-        self.stats.size[key[0]] = now
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("clock %d bucket %d%s after %s: %s -> %s; %s", clock, key[0],
-                      " sampled" if sampled else "", ph.kind, was, now,
-                      self.describe(batch, sampled))
-        if now != was:
-            self.stats.switches += 1
         if now == 0:
-            return Phase("off", 0, clock + self._off_steps(key, batch, sampled, was))
+            return self._off(key, batch, sampled, clock, was, ph.kind)
+        self._chose(key, batch, sampled, clock, was, now, ph.kind)
         self._off_len.pop(key, None)
         if (key[0], now) not in self._round:  # priced, not measured: a short look first
             return Phase("spec", now, clock + k.probe, start=clock, trial=True)
@@ -414,6 +423,58 @@ class SpecPolicy:
             return Phase("spec", self.largest, clock + k.probe, start=clock, trial=True)
         n = min(k.check, k.spec_steps)
         return Phase("spec", now, clock + n, k.spec_steps - n)
+
+    def _chose(self, key: tuple[int, bool], batch: int, sampled: bool, clock: int, was: int,
+               now: int, after: str) -> None:
+        self._choice[key] = now
+        self.stats.size[key[0]] = now
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("clock %d bucket %d%s after %s: %s -> %s; %s", clock, key[0],
+                      " sampled" if sampled else "", after, was, now,
+                      self.describe(batch, sampled))
+        if now != was:
+            self.stats.switches += 1
+
+    def _off(self, key: tuple[int, bool], batch: int, sampled: bool, clock: int, was: int,
+             after: str) -> Phase:
+        """Plain steps from `clock` on (speculation decided off, or a probe found futile)."""
+        self._chose(key, batch, sampled, clock, was, 0, after)
+        return Phase("off", 0, clock + self._off_steps(key, batch, sampled, was))
+
+    def _futile(self, key: tuple[int, bool], batch: int, sampled: bool) -> bool:
+        """Whether a probe of this batch's bucket would find speculation losing before it runs:
+        priced as rounds of a smaller bucket measured (`prior_rates`), no size beats plain steps
+        by `gain`. Only while off phases are shorter than `off_steps_max`: at that length a
+        probe runs all the same (a prior may be wrong; it is checked at most that seldom)."""
+        if self._off_len.get(key, 0) >= self.knobs.off_steps_max:
+            return False
+        rates = self.prior_rates(batch, sampled)
+        plain = rates.pop(0, None)
+        return plain is not None and bool(rates) and \
+            max(rates.values()) <= plain * (1.0 + self.knobs.gain)
+
+    def prior_rates(self, batch: int, sampled: bool) -> dict[int, float]:
+        """`rates` of a bucket whose rounds were never measured, priced from smaller buckets:
+        a round of size `s` takes this bucket's plain step plus the least that rounds of `s`
+        took beyond a plain step in any smaller bucket whose rounds were measured (their
+        fastest, `round_time`; a verify step of more sequences does at least that extra work:
+        the same draft rows, the same proposal). Empty where a rate cannot be priced so: this
+        bucket's rounds measured, its plain step not, or a size's acceptance not known."""
+        b = bucket(batch)
+        plain = self.plain_time(batch)
+        if plain is None or plain <= 0 or any(bb == b for bb, _ in self._round):
+            return {}
+        smaller = sorted({bb for bb, _ in self._round if bb < b})
+        out = {0: b / plain}
+        for s in self.sizes:
+            n = self._batch_tokens(batch, sampled, s)
+            extra = [max(0.0, t - p) for bb in smaller
+                     if (t := self.round_time(bb, s, fastest=True)) is not None and
+                     (p := self.plain_time(bb)) is not None]
+            if n is None or not extra:
+                return {}
+            out[s] = n / (plain + min(extra))
+        return out
 
     def _off_steps(self, key: tuple[int, bool], batch: int, sampled: bool, was: int) -> int:
         """Plain steps before the next probe: `off_steps` after speculating, doubling while
@@ -429,9 +490,21 @@ class SpecPolicy:
 
     def plain_left(self, batch: int, sampled: bool, clock: int) -> int:
         """Plain steps the current phase of this batch's bucket plans from `clock` on, the
-        step at `clock` counted (0: the phase speculates, or none is planned yet)."""
-        ph = self._phase.get((bucket(batch), sampled))
-        return 0 if ph is None or ph.size else max(0, ph.end - clock)
+        step at `clock` counted (0: the phase speculates, or none is planned yet); past its
+        end where the probe there will be skipped (`_futile`, judged once within
+        `PLAIN_LOOK` steps of it): the steps before a probe send the draft their rows, those
+        before a skipped one need not."""
+        key = (bucket(batch), sampled)
+        ph = self._phase.get(key)
+        if ph is None or ph.size:
+            return 0
+        left = max(0, ph.end - clock)
+        if left <= PLAIN_LOOK and ph.kind in ("off", "first"):
+            if ph.futile is None:
+                ph.futile = self._futile(key, batch, sampled)
+            if ph.futile:
+                return left + self.knobs.off_steps  # (the next off phase's least length)
+        return left
 
     def describe(self, batch: int, sampled: bool) -> str:
         """What a decision for this bucket weighs, in words (for the DEBUG log): each rate (the

@@ -445,3 +445,46 @@ def test_plain_steps_left_say_which_steps_may_park_their_rows():
     for c in range(1, 7):
         pacer.step(c, 1, c, c * 0.01)
     assert policy.plain_left(1, False, 6) == 0  # the probe at 6 speculates
+
+
+def test_a_probe_priced_from_a_smaller_batch_as_futile_is_skipped():
+    """2 shards, 8 streams, one of them speculating (spec_max_seqs 1), as measured on an H200:
+    alone, a sequence's round takes 3 ms more than its plain step (1.1 ms) and keeps 2 draft
+    tokens, so speculation went off there. In the batch of 8 (a plain step 2.5 ms), a round
+    would commit 7 + 3 tokens for at least 2.5 + 3 ms: no probe is run for it (each one costs
+    its rounds, its switches and the taps before it), the off phases double as if probes had
+    lost, and once they reach `off_steps_max` a probe runs all the same (the price is a prior)."""
+    policy = SpecPolicy(TREE)
+    run_batch(policy, 200, 1, 1.1 * MS, lambda s: (4.0 + 0.003 * s) * MS, lambda s, i: 2)
+    assert policy.choice(1, False) == 0
+    assert policy.prior_rates(8, False) == {}  # (its plain step not measured yet)
+    state = []
+    sizes, rate = run_batch(policy, 3000, 8, 2.5 * MS, lambda s: 9.5 * MS, lambda s, i: 2,
+                            state=state)
+    assert set(sizes) == {0} and policy.choice(8, False) == 0
+    assert policy.stats.skipped >= 6  # (the first look's, then off phases of 48, 96, ... 1536)
+    prior = policy.prior_rates(8, False)
+    assert prior[0] == pytest.approx(8 / (2.5 * MS))
+    assert max(r for s, r in prior.items() if s) < prior[0]
+    assert rate == pytest.approx(8 / (2.5 * MS))  # (plain decoding's own)
+    # the steps before a probe that will be skipped need not send the draft rows: plain steps
+    # left run past the phase's end
+    end = policy._phase[(8, False)].end
+    assert policy.plain_left(8, False, end - 300) == 300
+    assert policy.plain_left(8, False, end - 5) >= 5 + policy.knobs.off_steps
+    probes = policy.stats.probes
+    sizes, _ = run_batch(policy, 20000, 8, 2.5 * MS, lambda s: 9.5 * MS, lambda s, i: 2,
+                         state=state)
+    assert policy.stats.probes > probes and 0 < sum(s > 0 for s in sizes) <= 8  # (at 8192)
+    assert policy.choice(8, False) == 0
+
+
+def test_a_probe_priced_from_a_smaller_batch_as_worth_it_runs():
+    """Where rounds alone cost little beyond a plain step (a large target), the bucket of 8
+    probes after its first look as ever: the prior only skips probes it prices as losing."""
+    policy = SpecPolicy(TREE)
+    run_batch(policy, 200, 1, 10 * MS, lambda s: 11 * MS, lambda s, i: 4)
+    assert policy.choice(1, False) > 0
+    sizes, _ = run_batch(policy, 40, 8, 12 * MS, lambda s: 14 * MS, lambda s, i: 4)
+    assert sizes[6:8] == [31, 31] and policy.stats.skipped == 0
+    assert policy.prior_rates(8, False) == {}  # (its own rounds measured now)
