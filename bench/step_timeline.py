@@ -239,10 +239,31 @@ def rounds(folder: Path) -> dict[str, Any]:
             "coordinator late": {"rounds": late, "of": n}}
 
 
+def slowest(folder: Path, n: int) -> list[dict[str, Any]]:
+    """The `n` longest intervals between the coordinator's sends of consecutive steps, with
+    what the step before did in them: its kind, rows and sequences, its total and its three
+    longest stages (where a stall lies: a capture or compile on first use, a wait)."""
+    out = []
+    for events, kinds, shards, sent in load(folder):
+        coord = events["coordinator"]
+        order = sorted((c["send"], sid) for sid, c in coord.items() if "send" in c)
+        for (t0, a), (t1, b) in zip(order, order[1:]):
+            st = stages(events, shards, a)
+            top = sorted(((v, k) for k, v in st.items() if k != "total"), reverse=True)[:3]
+            out.append({"interval_ms": 1000 * (t1 - t0), "sid": a, "kind": kinds.get(a, "?"),
+                        "next": kinds.get(b, "?"), "rows": sent.get(a, {}).get("rows"),
+                        "seqs": sent.get(a, {}).get("seqs"),
+                        "total_ms": 1000 * st["total"] if "total" in st else None,
+                        "stages_ms": {k: round(1000 * v, 2) for v, k in top}})
+    return sorted(out, key=lambda r: -r["interval_ms"])[:n]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--slowest", type=int, default=0, help="list the N longest intervals "
+                   "between consecutive steps' sends, and where the step before spent them")
     args = p.parse_args()
     got = summary(args.folder)
     if not got:
@@ -264,8 +285,19 @@ def main() -> int:
     for kind, by in full.items():
         for label, v in by.items():
             print(f"| {kind}: {label} | {v:.3f} |")
+    slow = slowest(args.folder, args.slowest) if args.slowest else []
+    if slow:
+        print(f"\nthe {len(slow)} longest intervals between steps' sends")
+        print("| ms | step (sid) | rows / seqs | its total ms | its longest stages (ms) | next |")
+        print("|---:|---|---|---:|---|---|")
+        for r in slow:
+            total = "-" if r["total_ms"] is None else f"{r['total_ms']:.2f}"
+            longest = ", ".join(f"{k} {v}" for k, v in r["stages_ms"].items())
+            print(f"| {r['interval_ms']:.2f} | {r['kind']} ({r['sid']}) | {r['rows']} / "
+                  f"{r['seqs']} | {total} | {longest} | {r['next']} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({**got, "rounds": path, "flow": full}, indent=1))
+        args.json.write_text(json.dumps({**got, "rounds": path, "flow": full, "slowest": slow},
+                                        indent=1))
     return 0
 
 

@@ -43,7 +43,7 @@ from layersplit.shards.checkpoint import (
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
-from layersplit.shards.graphs import batch_bucket, capture, keep_recent
+from layersplit.shards.graphs import BATCH_BUCKETS, batch_bucket, capture, keep_recent
 from layersplit.shards.kv_cache import KVCache, KVLayout
 from layersplit.shards.spec_sampling import proposal_q, sample_tree
 from layersplit.shards.spec_tree import kept_moves
@@ -161,11 +161,31 @@ class DFlashProposer:
         self.known[slot, start:end] = False
         self.holes[slot] = True
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run the captured step once (compilation, capture) on rows no sequence holds yet."""
-        if self.static:
-            self.logits(0, 0, 1, self.block_size - 1)
-            self.begin(0)
+        """Run the captured steps once (compilation, capture) on rows no sequence holds yet, at
+        the first KV bucket (where every sequence starts): on a GPU the step of each slot and
+        the batched step of each padded count up to the slots (a first proposal of several
+        contexts cost 222 ms on an H200 uncaptured), as many as their outputs fit in half of
+        `BATCH_GRAPH_BYTES` each (a draft of a large vocabulary); longer contexts capture
+        theirs on first use."""
+        if not self.static:
+            return
+        b = self.block_size
+        one = (b - 1) * self.cfg.model.vocab_size * self.embed.element_size()  # (logits)
+        budget = BATCH_GRAPH_BYTES // 2
+        singles = max(1, min(self.slots, budget // one)) if self.capture else 1
+        for slot in range(singles):
+            self.logits(slot, 0, 1, b - 1)
+        used = 0
+        for sp in BATCH_BUCKETS if self.capture and self.slots > 1 else ():
+            n = min(sp, self.slots)
+            used += sp * one
+            if batch_bucket(n) != sp or used > budget:
+                break
+            self._static_scores_batch([(slot, 0, 1) for slot in range(n)])
+        for slot in range(self.slots):
+            self.begin(slot)
 
     def write_features(self, slot: int, column: int, pos: int, rows: torch.Tensor) -> None:
         """Rows (n, w) of some tapped layers, for positions [pos, pos + n) of `slot`'s

@@ -222,3 +222,20 @@ def test_kept_tree_rows_move_once_on_gpus(tiny_llama, n):
 
     check_kept_rows_move_once(tiny_llama, tuple(_gpus()[:n]), 1e-3, dtype="float32")
     assert shard_children() == []
+
+
+def test_dflash_warm_up_captures_every_slots_step_and_each_batch_count(tiny_llama, tmp_path):
+    """The warm-up (while the shards warm theirs) captures the step of each slot and the
+    batched step of each padded count up to the slots at the first KV bucket, so no first
+    proposal waits for a capture; proposals after it equal the eager proposer's."""
+    eager, graph = _dflash_pair(tiny_llama, tmp_path, 4, False)
+    graph.warm_up()
+    assert {k[0] for k in graph.graphs} == {0, 1, 2, 3}
+    assert {k[0] for k in graph.batch_graphs} == {2, 4}
+    assert graph.done == [0] * 4  # (every slot begun again: its rows are recomputed)
+    held = (dict(graph.graphs), dict(graph.batch_graphs))
+    reqs = [(s, 7 + s, 20, 3, 0, None) for s in range(4)]
+    assert graph.propose_batch(reqs) == [eager.propose(*r[:4]) for r in reqs]
+    assert graph.propose(1, 5, 22, 3) == eager.propose(1, 5, 22, 3)
+    assert all(graph.graphs[k] is v for k, v in held[0].items())  # (replayed, none new)
+    assert set(graph.batch_graphs) == set(held[1])
