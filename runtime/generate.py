@@ -341,12 +341,8 @@ def sequence_program(
             if record:
                 on_logits(out.logits)
         else:
-            then = None  # (the next step a round: the draft prepares it from this one's verdict)
-            if drafter is not None and (context is None or
-                                        context - pos - 1 >= max(drafter.rows, drafter.block)):
-                then = drafter.then_plain(pos)
             out = yield StepRequest([token], pos, params, seed, want_logits=record, kept=kept,
-                                    extra=extra, then=then)
+                                    extra=extra)
             if on_output is not None:
                 on_output(out)
             kept = None

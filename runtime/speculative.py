@@ -485,24 +485,6 @@ class DraftClient:
         # (this sequence's next step comes `_pace` runtime steps on: plain still, with margin)
         return self._plain_left() > 2 * self._pace
 
-    def then_plain(self, pos: int) -> dict | None:
-        """The `then` of a plain decode step at `pos` whose next step the policy makes a round
-        (decided now): the draft prepares that round's proposal from this step's verdict, as
-        from a round's, and hands it to the first shard (`push`), so the first round of a
-        phase does not stall the coordinator asking for it (a round trip, and the draft
-        catching up on the rows since its last proposal: 15-20 ms for 4 sequences on an
-        H200); None where the next step is plain too."""
-        if not self.active or self.kind != "dflash" or self.pacer is None:
-            return None
-        clock, batch = self.coord.spec_clock()
-        size = self.pacer.plan_next(batch, clock + 1)
-        if size == 0:
-            return None
-        self._told = self.push
-        self._pushed_at = pos + 1 if self.push else None
-        self._then = self._shape(size, self.block - 1, self.full)
-        return {"n": self._then[0], "tree": self._then[1], "push": self.push}
-
     def then(self) -> dict | None:
         if not self.active or self.kind != "dflash":
             return None

@@ -209,11 +209,10 @@ SAMPLE_FIELDS = {"temperature": (int, float), "top_k": (int,), "top_p": (int, fl
 
 
 def _next_proposal(seg: dict[str, Any], result: dict[str, Any]) -> dict | None:
-    """What the draft will be asked to propose after this verify segment, or this one-row
-    decode segment before a round (`verdict`'s `next`): the segment's `then` at the position
-    after the kept tokens (none for a decode segment), after the target's token."""
+    """What the draft will be asked to propose after this verify segment (`verdict`'s `next`):
+    the segment's `then` at the position after the kept tokens, after the target's token."""
     then = seg["then"]
-    if then is None or result["token"] is None:
+    if then is None or seg["draft"] is None or result["token"] is None:
         return None
     return {"pos": seg["pos"] + result["accepted"] + 1, "token": result["token"],
             "kept": rows_to_move(result["path"]),

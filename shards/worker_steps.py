@@ -117,12 +117,11 @@ class StepRunner:
                                     "shard takes, from the draft process")
             tree, kept, then = seg["tree"], seg["kept"], seg["then"]
             try:
-                if then is not None and ((draft is None and seg["ask"] is None and n != 1)
-                                         or not all(isinstance(then.get(k), int) and
-                                                    not isinstance(then.get(k), bool) and
-                                                    then[k] >= 0 for k in ("n", "tree"))):
-                    raise ValueError(f"then={then!r}: not the next proposal of a verify or "
-                                     "one-row decode segment (n and tree, integers >= 0)")
+                if then is not None and ((draft is None and seg["ask"] is None) or not all(
+                        isinstance(then.get(k), int) and not isinstance(then.get(k), bool)
+                        and then[k] >= 0 for k in ("n", "tree"))):
+                    raise ValueError(f"then={then!r}: not a verify segment's next proposal "
+                                     "(n and tree, integers >= 0)")
                 if tree is not None:
                     if draft is None:
                         raise ValueError("a token tree without draft tokens")
