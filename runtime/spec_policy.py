@@ -30,7 +30,12 @@ time varies more than a plain step's, and what it costs the steps around it is p
 far as the switches show it).
 
 The policy runs in phases counted in steps of the runtime's clock (steps sent). A first look at a
-batch bucket measures `refresh` plain steps, then probes. A probe runs `probe` rounds at the largest
+batch bucket measures `refresh` plain steps that send the draft no rows (`look`: what plain steps
+cost with speculation off; one that feeds the draft costs more: 4.0 against 2.4 ms for 8 streams
+on 2 shards of an H200, where plain steps priced by those made speculating look faster than plain
+decoding), then `lead` that do (the probe's draft reads their rows), then probes. Plain decoding
+is priced by the untapped steps once measured (`plain_time`), and a probe with the tapped steps of
+its lead (`probe_loss`). A probe runs `probe` rounds at the largest
 size (whose rounds teach every size's acceptance), ended after two measured rounds where even its
 fastest rounds make speculating at that size `abandon` times slower than plain steps (so is a
 look at a size never measured, below); it decides on its own
@@ -94,6 +99,8 @@ class PolicyKnobs:
     # speculating at its size is, at its fastest, this many times slower than plain decoding
     probe_budget: float = 0.01  # a losing probe costs at most this share of the plain steps
     # before it
+    lead: int = 40  # a sequence's plain steps before a probe that send the draft their rows
+    # (`runtime.speculative`: TAP_LEAD, then RESTART_ROWS before its first round), a probe's cost
 
     def __post_init__(self) -> None:
         if not 0.0 < self.alpha <= 1.0 or min(self.margin, self.gain) < 0.0 or \
@@ -175,8 +182,9 @@ class Window:
 
 @dataclasses.dataclass(slots=True)
 class Phase:
-    kind: str  # first (plain steps measured first), spec, refresh (plain steps measured),
-    # off, probe
+    kind: str  # look (a bucket's first plain steps, sending the draft no rows: plain
+    # decoding's own, measured), first (plain steps that send rows, measured), spec, refresh
+    # (plain steps measured), off, probe
     size: int  # draft tokens of its rounds (0: plain steps)
     end: int  # the clock at which it ends
     left: int = 0  # (spec) steps speculating after this one before a refresh: decided again
@@ -218,7 +226,10 @@ class SpecPolicy:
         self.spec_seqs = max(1, spec_seqs)
         self.knobs = knobs or PolicyKnobs()
         self.stats = PolicyStats()
-        self._plain: dict[int, Window] = {}  # bucket -> seconds per plain step
+        self._plain: dict[int, Window] = {}  # bucket -> seconds per plain step (that sent
+        # the draft its rows: next to rounds, before a probe)
+        self._untapped: dict[int, Window] = {}  # ... per plain step that sent none (plain
+        # decoding's own, `runtime.speculative.DraftClient.taps`)
         self._round: dict[tuple[int, int], Window] = {}  # (bucket, size) -> seconds per round
         self._switch: dict[int, Window] = {}  # bucket -> seconds a switch adds to its step
         self._draft: dict[int, Window] = {}  # bucket -> seconds a round waits for its proposal
@@ -239,10 +250,13 @@ class SpecPolicy:
             w = table[key] = Window(self.knobs.window)
         return w
 
-    def observe_plain(self, batch: int, seconds: float, tag: int | None = None) -> None:
+    def observe_plain(self, batch: int, seconds: float, tag: int | None = None,
+                      untapped: bool = False) -> None:
         """A sequence's plain decode step took `seconds` (from its last step to this one);
-        `tag`: the runtime's step it measured (one measurement counts per step)."""
-        self._window(self._plain, bucket(batch)).add(seconds, tag)
+        `tag`: the runtime's step it measured (one measurement counts per step); `untapped`:
+        it sent the draft no rows (what a plain step costs with speculation off)."""
+        self._window(self._untapped if untapped else self._plain, bucket(batch)).add(
+            seconds, tag)
 
     def observe_round(self, batch: int, size: int, seconds: float,
                       tag: int | None = None) -> None:
@@ -272,8 +286,23 @@ class SpecPolicy:
 
     # ---- estimates ------------------------------------------------------------------------------
     def plain_time(self, batch: int) -> float | None:
-        w = self._plain.get(bucket(batch))
-        return None if w is None else w.value
+        """Seconds a plain step takes with speculation off: its untapped steps' (the steps
+        next to rounds, which send the draft their rows, cost more: 4.0 against 2.4 ms for 8
+        streams on 2 shards of an H200), else those measured."""
+        for table in (self._untapped, self._plain):
+            w = table.get(bucket(batch))
+            if w is not None and w.value is not None:
+                return w.value
+        return None
+
+    def tap_time(self, batch: int) -> float:
+        """Seconds a plain step that sends the draft its rows takes beyond one that does not
+        (0 until both are measured)."""
+        b = bucket(batch)
+        tapped, free = self._plain.get(b), self._untapped.get(b)
+        if tapped is None or free is None or tapped.value is None or free.value is None:
+            return 0.0
+        return max(0.0, tapped.value - free.value)
 
     def switch_time(self, batch: int) -> float:
         """Seconds one switch between plain steps and rounds adds (0 until measured)."""
@@ -361,14 +390,16 @@ class SpecPolicy:
         return plain is not None and mine is not None and mine * self.knobs.abandon < plain
 
     def probe_loss(self, batch: int, sampled: bool) -> float | None:
-        """Seconds a probe (`probe` rounds at the largest size and its two switches) takes
-        beyond plain steps committing as many tokens (None: not known yet)."""
+        """Seconds a probe (`probe` rounds at the largest size, its two switches and the `lead`
+        plain steps before it that send the draft their rows) takes beyond plain steps
+        committing as many tokens (None: not known yet)."""
         plain, t = self.plain_time(batch), self.round_time(batch, self.largest)
         n = self._batch_tokens(batch, sampled, self.largest)
         if plain is None or t is None or n is None:
             return None
         per_round = t - n / bucket(batch) * plain
-        return max(0.0, self.knobs.probe * per_round + 2.0 * self.switch_time(batch))
+        return max(0.0, self.knobs.probe * per_round + 2.0 * self.switch_time(batch)) + \
+            self.knobs.lead * self.tap_time(batch)
 
     # ---- the plan -------------------------------------------------------------------------------
     def plan(self, batch: int, sampled: bool, clock: int) -> int:
@@ -377,7 +408,7 @@ class SpecPolicy:
         key = (bucket(batch), sampled)
         ph = self._phase.get(key)
         if ph is None:  # a first look: plain steps measured, then a probe
-            ph = self._phase[key] = Phase("first", 0, clock + self.knobs.refresh)
+            ph = self._phase[key] = Phase("look", 0, clock + self.knobs.refresh)
             self._choice[key] = self.largest  # (as configured, until the first decision)
         while clock >= ph.end or ((ph.kind == "probe" or ph.trial) and clock >= ph.start + 2
                                   and self._hopeless(batch, sampled, ph.size)):
@@ -393,6 +424,8 @@ class SpecPolicy:
         k = self.knobs
         if ph.kind == "spec" and not ph.left:
             return Phase("refresh", 0, clock + k.refresh)
+        if ph.kind == "look":  # (then plain steps that send rows: the probe's draft reads them)
+            return Phase("first", 0, clock + max(k.lead, k.refresh))
         if ph.kind in ("off", "first"):
             if self._futile(key, batch, sampled):  # (a probe that would lose: plain steps on)
                 self.stats.skipped += 1
@@ -494,11 +527,13 @@ class SpecPolicy:
         end where the probe there will be skipped (`_futile`, judged once within
         `PLAIN_LOOK` steps of it): the steps before a probe send the draft their rows, those
         before a skipped one need not."""
-        key = (bucket(batch), sampled)
+        key, k = (bucket(batch), sampled), self.knobs
         ph = self._phase.get(key)
         if ph is None or ph.size:
             return 0
         left = max(0, ph.end - clock)
+        if ph.kind == "look":  # (its steps send the draft nothing: plain decoding's own)
+            return left + max(k.lead, k.refresh) + PLAIN_LOOK
         if left <= PLAIN_LOOK and ph.kind in ("off", "first"):
             if ph.futile is None:
                 ph.futile = self._futile(key, batch, sampled)
@@ -576,6 +611,13 @@ class Pacer:
         self._last: list | None = None  # [size, start, batch, position the next step is at,
         # clock it was planned at]
         self._before: int | None = None  # the size of the step before the last
+        self._untapped: deque[int] = deque(maxlen=8)  # the latest positions whose steps sent
+        # the draft no rows (`untapped`)
+
+    def untapped(self, pos: int) -> None:
+        """The step at `pos` sent the draft no feature rows (a plain step far from a round:
+        plain decoding's own, measured apart, `SpecPolicy.plain_time`)."""
+        self._untapped.append(pos)
 
     def step(self, pos: int, batch: int, clock: int, now: float) -> int:
         """The size of the step at `pos` (0: plain), planned at `clock` with `batch` sequences
@@ -589,7 +631,8 @@ class Pacer:
                 elif size:
                     self.policy.observe_round(b, size, now - start, tag)
                 else:
-                    self.policy.observe_plain(b, now - start, tag)
+                    self.policy.observe_plain(b, now - start, tag,
+                                              untapped=expect - 1 in self._untapped)
             self._before = size
         size = self._told if self._told is not None else self.policy.plan(
             batch, self.sampled, clock)

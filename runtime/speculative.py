@@ -448,6 +448,7 @@ class DraftClient:
                 if self._gap is None:
                     self._gap = pos
                 self.stats.untapped += 1
+                self.pacer.untapped(pos)
                 return False
             if left > 0:
                 self._lead_end = end

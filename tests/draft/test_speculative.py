@@ -175,9 +175,10 @@ def test_speculative_equals_plain(target, fitted, near, want, kind, n, transport
 
 
 def _probing(policy: SpecPolicy) -> SpecPolicy:
-    """A policy like `policy` whose off phases are 2 plain steps (a probe follows at once)."""
-    return SpecPolicy(policy.sizes, PolicyKnobs(off_steps=2, off_steps_max=2),
-                      policy.spec_seqs)
+    """A policy like `policy` whose off phases are 2 plain steps (a probe follows at once), and
+    whose first look is 2 plain steps that send the draft no rows and 16 that do."""
+    return SpecPolicy(policy.sizes, PolicyKnobs(off_steps=2, off_steps_max=2, refresh=2,
+                                                lead=16), policy.spec_seqs)
 
 
 @pytest.mark.slow
@@ -333,19 +334,24 @@ class TestOneDefaultChain:
         _assert_draft_rows(coord, target, ref, prompt, out.tokens)
 
     @pytest.mark.slow
-    def test_parked_feature_rows_reach_the_draft(self, target, chain, want):
+    def test_parked_feature_rows_reach_the_draft(self, target, chain, want, monkeypatch):
         """While the policy has speculation off, plain decode steps park their feature rows
         on the shards (`shards.parked_rows`) instead of sending them each step: the probes'
         rounds still read every row (the output is the reference's, tokens and logits, bit for
         bit), and after `unpark` the draft's rows equal the reference's at every committed
-        position, parked ones included."""
+        position, parked ones included (but the first look's, which send none)."""
         coord = chain
         was = coord.spec_policy
         block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
-        # speculation never worth it (gain 100 x): a first look of 20 plain steps (19 of them
-        # parked, one run), then a probe every 10 plain steps
+        # speculation never worth it (gain 100 x): a first look of 10 plain steps that send no
+        # rows and 16 that do (15 of them parked, one run), then a probe every 10 plain steps
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
-            gain=100.0, refresh=20, off_steps=10, off_steps_max=10), coord.config.spec_max_seqs)
+            gain=100.0, refresh=10, lead=16, off_steps=10, off_steps_max=10),
+            coord.config.spec_max_seqs)
+        gaps, request = [], coord.draft_request
+        monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
+            gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)
+            or request(msg, *a))
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
             prompt = _prompts(ref.tokenizer)[1]
@@ -356,7 +362,10 @@ class TestOneDefaultChain:
             parked = coord.batcher.stats.parked - parked
             assert parked >= 8, parked  # (the plain steps but the last before each probe)
             coord.unpark()
-            _assert_draft_rows(coord, target, ref, prompt, out.tokens)
+            assert len(gaps) == 1, gaps  # (the first look's)
+            committed = len(prompt) + len(out.tokens) - 1
+            fed = [p for p in range(committed) if not gaps[0][0] <= p < gaps[0][1]]
+            _assert_draft_rows(coord, target, ref, prompt, out.tokens, at=fed)
         finally:
             coord.spec_policy = was
 
@@ -374,10 +383,11 @@ class TestOneDefaultChain:
         monkeypatch.setattr(speculative, "TAP_LEAD", 4)
         monkeypatch.setattr(speculative, "RESTART_ROWS", 3)
         block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
-        # speculation never worth it: a first look of 9 plain steps, then a probe every 9
-        # plain steps, the last 4 of each sending their rows
+        # speculation never worth it: a first look of 9 plain steps that send no rows and 9
+        # more, then a probe every 9 plain steps, the last 4 of each sending their rows
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
-            gain=100.0, refresh=9, off_steps=9, off_steps_max=9), coord.config.spec_max_seqs)
+            gain=100.0, refresh=9, lead=7, off_steps=9, off_steps_max=9),
+            coord.config.spec_max_seqs)
         gaps, request = [], coord.draft_request
         monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
             gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)

@@ -43,7 +43,7 @@ def test_speculation_policy_decisions_are_shown():
     policy.observe_round(1, 7, 3.0)
     policy.observe_round(1, 3, 3.0)
     policy.observe_kept(False, {7: 2, 3: 2})
-    for clock in range(40):  # a first look, plain steps to measure, then off (it loses)
+    for clock in range(80):  # a first look, plain steps to measure, then off (it loses)
         policy.plan(1, False, clock)
     m = Metrics()
     spec = SpecStats(off_steps=12, untapped=9, sizes={7: 5, 3: 2})

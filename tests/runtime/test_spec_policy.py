@@ -16,6 +16,8 @@ from layersplit.runtime.spec_policy import (
 )
 
 TREE = [31, 15, 7, 3]
+LOOK = PolicyKnobs().refresh + PolicyKnobs().lead  # a bucket's first look: plain steps that send
+# the draft no rows (what plain decoding costs), then ones that do (the probe's draft reads them)
 
 
 def run(policy, steps, t_plain, t_round, accepted, batch=1, sampled=False, state=None):
@@ -52,7 +54,7 @@ def test_speculation_turns_off_where_a_round_loses():
     over the run it is within a few per cent of plain decoding's speed."""
     policy = SpecPolicy(TREE)
     sizes, rate = run(policy, 3000, plain, lambda s, b: 3.0, lambda s: 1)
-    assert sizes[:10] == [0] * 6 + [31] * 4  # a first look: plain steps, the whole tree
+    assert sizes[:LOOK + 4] == [0] * LOOK + [31] * 4  # a first look: plain steps, the tree
     assert sum(s == 0 for s in sizes[-1000:]) >= 990
     assert rate > 0.97  # plain: 1 token a second
     assert policy.choice(1, False) == 0 and policy.stats.probes >= 3
@@ -64,10 +66,11 @@ def test_a_hopeless_probe_and_a_hopeless_look_at_a_smaller_size_end_early():
     or a CPU's row-by-row verify): hopeless. The first probe ends after two measured rounds at
     the whole tree (its third), though the smallest tree, never run, is priced as if it paid;
     the look at that one ends after its two measured rounds too, not at its end: speculation is
-    off after 11 steps that cost 5 rounds, and within a few per cent of plain decoding."""
+    off after the first look and 5 rounds, and within a few per cent of plain decoding."""
     policy = SpecPolicy(TREE)
     sizes, rate = run(policy, 3000, plain, lambda s, b: 8.0, lambda s: 1)
-    assert sizes[:11] == [0] * 6 + [31] * 3 + [3] * 2 and set(sizes[11:1000]) == {0}
+    assert sizes[:LOOK + 5] == [0] * LOOK + [31] * 3 + [3] * 2
+    assert set(sizes[LOOK + 5:1000]) == {0}
     assert policy.choice(1, False) == 0
     assert rate > 0.97
 
@@ -192,28 +195,30 @@ def test_steps_after_a_switch_are_not_measured():
     only a step that came after one of the same kind is measured as a step of its kind, the
     first as a switch (what it took beyond a steady step of its kind), and only when the next
     one is where it led (one step, not two, between)."""
-    policy = SpecPolicy([3], PolicyKnobs(spec_steps=2, refresh=2, probe=2, check=2))
+    policy = SpecPolicy([3], PolicyKnobs(spec_steps=2, refresh=2, probe=2, check=2, lead=2))
+    other = Pacer(policy, False)  # (the look of the bucket: 2 steps of another sequence)
+    assert other.step(100, 1, 0, -2.0) == 0 and other.step(101, 1, 1, -1.0) == 0
     pacer = Pacer(policy, False)
-    assert pacer.step(10, 1, 0, 0.0) == 0  # a first look: plain steps
-    assert pacer.step(11, 1, 1, 1.0) == 0  # (the sequence's first step: not measured)
+    assert pacer.step(10, 1, 2, 0.0) == 0  # the rest of the first look: plain steps
+    assert pacer.step(11, 1, 3, 1.0) == 0  # (the sequence's first step: not measured)
     assert policy.plain_time(1) is None
-    assert pacer.step(12, 1, 2, 2.5) == 3  # then rounds; the second plain step took 1.5 s
+    assert pacer.step(12, 1, 4, 2.5) == 3  # then rounds; the second plain step took 1.5 s
     assert policy.plain_time(1) == pytest.approx(1.5)
     pacer.ran(3, 14, {3: 2})
-    assert pacer.step(14, 1, 3, 5.0) == 3  # the first round (a switch) took 2.5 s
+    assert pacer.step(14, 1, 5, 5.0) == 3  # the first round (a switch) took 2.5 s
     assert policy.round_time(1, 3) is None and policy.switch_time(1) == 0.0  # (no round
     # measured yet to tell what the switch cost)
     pacer.ran(3, 16, {3: 2})
-    assert pacer.step(16, 1, 4, 7.0) == 3  # decided: on; the second round took 2 s
+    assert pacer.step(16, 1, 6, 7.0) == 3  # decided: on; the second round took 2 s
     assert policy.round_time(1, 3) == pytest.approx(2.0) and policy.choice(1, False) == 3
     pacer.ran(3, 18, {3: 2})
-    assert pacer.step(18, 1, 5, 9.5) == 3
+    assert pacer.step(18, 1, 7, 9.5) == 3
     pacer.ran(3, 20, {3: 2})
-    assert pacer.step(20, 1, 6, 11.0) == 0  # plain steps measured
+    assert pacer.step(20, 1, 8, 11.0) == 0  # plain steps measured
     assert policy.round_time(1, 3) == pytest.approx(2.0)  # (the median of 2, 2.5, 1.5)
-    assert pacer.step(21, 1, 7, 14.0) == 0  # the first plain step: 3 s, 1.5 s a switch
+    assert pacer.step(21, 1, 9, 14.0) == 0  # the first plain step: 3 s, 1.5 s a switch
     assert policy.switch_time(1) == pytest.approx(1.5) and policy.plain_time(1) == 1.5
-    pacer.step(23, 1, 8, 15.0)  # a position skipped: not one step
+    pacer.step(23, 1, 10, 15.0)  # a position skipped: not one step
     assert policy.plain_time(1) == pytest.approx(1.5)
 
 
@@ -355,22 +360,23 @@ def test_one_sequence_where_a_round_pays_less_than_plain_steps_goes_off_at_once_
     policy = SpecPolicy(TREE)
     state, paused = [], [0.0]
     spikes = first_use(set(), paused)
-    sizes, _ = run_batch(policy, 40, 1, 0.78 * MS, lambda s: (0.31 + 2.0 + 0.005 * s) * MS,
+    sizes, _ = run_batch(policy, 80, 1, 0.78 * MS, lambda s: (0.31 + 2.0 + 0.005 * s) * MS,
                          lambda s, i: 1 if s < 7 else 2 if i % 3 else 1, (0.5 * MS, 0.3 * MS),
                          spikes, state, 0.31 * MS)
     # a first look (plain steps, the whole tree), then a look at the smallest tree (priced
     # from a plain step plus the draft's wait up, a size never run looks cheaper than it is),
     # plain steps: off
-    assert sizes[:20] == [0] * 6 + [31] * 4 + [3] * 4 + [0] * 6 and set(sizes[20:]) == {0}
+    assert sizes[:LOOK + 14] == [0] * LOOK + [31] * 4 + [3] * 4 + [0] * 6
+    assert set(sizes[LOOK + 14:]) == {0}
     assert policy.choice(1, False) == 0
-    total, rate = run_batch(policy, 2360, 1, 0.78 * MS,
+    total, rate = run_batch(policy, 2320, 1, 0.78 * MS,
                             lambda s: (0.31 + 2.0 + 0.005 * s) * MS,
                             lambda s, i: 1 if s < 7 else 2 if i % 3 else 1, (0.5 * MS, 0.3 * MS),
                             spikes, state, 0.31 * MS)
     assert policy.choice(1, False) == 0
     assert sum(s > 0 for s in total) <= 4 * policy.stats.probes <= 4 * 4  # (probes only)
     paused[0] -= 25 * MS  # (the first look's)
-    assert rate > 0.98 * plain_rate(1, 0.78 * MS, 2360, paused)
+    assert rate > 0.98 * plain_rate(1, 0.78 * MS, 2320, paused)
 
 
 def test_eight_streams_with_a_slow_draft_go_off_at_once_and_stay():
@@ -390,19 +396,19 @@ def test_eight_streams_with_a_slow_draft_go_off_at_once_and_stay():
         return inner(clock, size) + (20 * MS if size and clock % 10 == 0 else 0.0)
 
     state = []
-    sizes, _ = run_batch(policy, 40, 8, 1.6 * MS, t_round, lambda s, i: 1, (2 * MS, 1 * MS),
-                         spikes, state, 4.4 * MS)
+    sizes, _ = run_batch(policy, LOOK + 34, 8, 1.6 * MS, t_round, lambda s, i: 1,
+                         (2 * MS, 1 * MS), spikes, state, 4.4 * MS)
     # a first look: plain steps, then the whole tree, left after its second measured round
     # (even the fastest rounds, and a smaller tree priced from a plain step plus the draft's
     # wait up, are over 1.5 x slower than plain steps): off
-    assert sizes == [0] * 6 + [31] * 3 + [0] * 31 and policy.choice(8, False) == 0
+    assert sizes == [0] * LOOK + [31] * 3 + [0] * 31 and policy.choice(8, False) == 0
     assert policy.stats.rounds == 8 * 3  # (each sequence planned each round)
-    total, rate = run_batch(policy, 2960, 8, 1.6 * MS, t_round, lambda s, i: 1,
+    total, rate = run_batch(policy, 2920, 8, 1.6 * MS, t_round, lambda s, i: 1,
                             (2 * MS, 1 * MS), spikes, state, 4.4 * MS)
     assert policy.choice(8, False) == 0
     assert sum(s > 0 for s in total) <= 4 * policy.stats.probes <= 4 * 3
     paused[0] -= 25 * MS  # (the first look's)
-    assert rate > 0.98 * plain_rate(8, 1.6 * MS, 2960, paused)
+    assert rate > 0.98 * plain_rate(8, 1.6 * MS, 2920, paused)
 
 
 def test_a_run_of_losing_rounds_is_left_within_a_check_while_speculating():
@@ -411,7 +417,7 @@ def test_a_run_of_losing_rounds_is_left_within_a_check_while_speculating():
     at a check, within 2 x `check` rounds, not at the end of a phase."""
     policy = SpecPolicy(TREE, spec_seqs=8)
     state = []
-    run_batch(policy, 400, 8, 10 * MS, lambda s: 11.5 * MS, lambda s, i: 3, state=state)
+    run_batch(policy, 440, 8, 10 * MS, lambda s: 11.5 * MS, lambda s, i: 3, state=state)
     assert policy.choice(8, False) > 0
     sizes, _ = run_batch(policy, 200, 8, 10 * MS, lambda s: 100 * MS, lambda s, i: 3,
                          state=state)
@@ -435,16 +441,21 @@ def test_where_speculation_wins_it_turns_on_at_every_batch_size():
 
 def test_plain_steps_left_say_which_steps_may_park_their_rows():
     """`plain_left`: the plain steps the current phase plans from a clock on (what lets a step
-    park its feature rows: the next step plain too), 0 in a phase that speculates."""
-    policy = SpecPolicy(TREE, PolicyKnobs(refresh=6, probe=4))
+    park its feature rows: the next step plain too), 0 in a phase that speculates; during a
+    bucket's look, more than any lead of taps (its steps send the draft no rows)."""
+    policy = SpecPolicy(TREE, PolicyKnobs(refresh=6, probe=4, lead=8))
     assert policy.plain_left(1, False, 0) == 0  # (nothing planned yet)
     pacer = Pacer(policy, False)
-    assert pacer.step(0, 1, 0, 0.0) == 0  # a first look: 6 plain steps
-    assert [policy.plain_left(1, False, c) for c in range(7)] == [6, 5, 4, 3, 2, 1, 0]
-    assert policy.plain_left(2, False, 0) == 0 and policy.plain_left(1, True, 0) == 0
+    assert pacer.step(0, 1, 0, 0.0) == 0  # a first look: 6 plain steps that send no rows
+    assert policy.plain_left(1, False, 0) > 6 + 24 * 8  # (past the taps' lead at any pace)
     for c in range(1, 7):
+        assert pacer.step(c, 1, c, c * 0.01) == 0  # then 8 that do
+    assert [policy.plain_left(1, False, c) for c in range(6, 15)] == [8, 7, 6, 5, 4, 3, 2, 1, 0]
+    assert policy.plain_left(2, False, 0) == 0 and policy.plain_left(1, True, 0) == 0
+    for c in range(7, 14):
         pacer.step(c, 1, c, c * 0.01)
-    assert policy.plain_left(1, False, 6) == 0  # the probe at 6 speculates
+    assert pacer.step(14, 1, 14, 0.14) == 31  # the probe at 14 speculates
+    assert policy.plain_left(1, False, 14) == 0
 
 
 def test_a_probe_priced_from_a_smaller_batch_as_futile_is_skipped():
@@ -485,6 +496,95 @@ def test_a_probe_priced_from_a_smaller_batch_as_worth_it_runs():
     policy = SpecPolicy(TREE)
     run_batch(policy, 200, 1, 10 * MS, lambda s: 11 * MS, lambda s, i: 4)
     assert policy.choice(1, False) > 0
-    sizes, _ = run_batch(policy, 40, 8, 12 * MS, lambda s: 14 * MS, lambda s, i: 4)
-    assert sizes[6:8] == [31, 31] and policy.stats.skipped == 0
+    sizes, _ = run_batch(policy, LOOK + 40, 8, 12 * MS, lambda s: 14 * MS, lambda s, i: 4)
+    assert sizes[LOOK:LOOK + 2] == [31, 31] and policy.stats.skipped == 0
     assert policy.prior_rates(8, False) == {}  # (its own rounds measured now)
+
+
+LEAD = 40  # (`runtime.speculative`: TAP_LEAD + RESTART_ROWS)
+
+
+def run_tapping(policy, steps, seqs, t_plain, t_tap, t_round, kept, state=None, report=True):
+    """`run_batch` where a plain step sends the draft its rows (costing `t_tap` more) within
+    `LEAD` steps of a round (as `runtime.speculative.DraftClient.taps` has it: the
+    steps before a probe, a phase's refresh) and not further from one; each untapped step
+    reported to the sequences' Pacers (`report`) as the runtime does."""
+    now, clock, pos, pacers = state or (0.0, 0, [0] * seqs,
+                                        [Pacer(policy, False) for _ in range(seqs)])
+    sizes, t0, p0 = [], now, sum(pos)
+    for _ in range(steps):
+        size = {p.step(pos[i], seqs, clock, now) for i, p in enumerate(pacers)}.pop()
+        if size:
+            k = min(kept, size)
+            for i, p in enumerate(pacers):
+                p.ran(size, pos[i] + k + 1, committed_by_size(policy.sizes, size,
+                                                              list(range(k))))
+                pos[i] += k + 1
+            now += t_round
+        else:
+            tapped = policy.plain_left(seqs, False, clock) <= LEAD
+            for i, p in enumerate(pacers):
+                if not tapped and report:
+                    p.untapped(pos[i])
+                pos[i] += 1
+            now += t_plain + (t_tap if tapped else 0.0)
+        clock += 1
+        sizes.append(size)
+    if state is not None:
+        state[:] = [now, clock, pos, pacers]
+    return sizes, (sum(pos) - p0) / (now - t0)
+
+
+def test_plain_steps_that_feed_the_draft_are_priced_apart_and_a_probe_pays_for_its_lead():
+    """8 streams on 2 shards, all speculating, as measured on an H200: a plain step of the batch
+    takes 2.4 ms when it sends the draft no rows, 4.0 ms when it does (the 40 steps before a
+    probe, the plain steps of a refresh); a round takes 9.5 ms and keeps 2 draft tokens a
+    sequence. Priced by the steps that feed the draft, plain decoding looked 40 % dearer than it
+    is, and a probe cost its lead's extra 64 ms beyond its rounds. The policy prices plain
+    steps by the untapped ones (its first look measures some) and a probe with its lead: over
+    6,000 steps within 1.5 % of plain decoding; with plain steps priced by every one measured
+    (none told apart, no lead), the refreshes' tapped steps made speculating look faster, and
+    it speculated throughout, 25 % slower."""
+    rates = {}
+    for told in (True, False):
+        policy = SpecPolicy(TREE, PolicyKnobs() if told else PolicyKnobs(lead=0), spec_seqs=8)
+        _, rates[told] = run_tapping(policy, 6000, 8, 2.4 * MS, 1.6 * MS, 9.5 * MS, 2,
+                                     report=told)
+        if told:
+            assert policy.choice(8, False) == 0
+            assert policy.plain_time(8) == pytest.approx(2.4 * MS)
+            assert policy.tap_time(8) == pytest.approx(1.6 * MS)
+            probes = policy.stats.probes
+    plain_rate = 8 / (2.4 * MS)
+    assert rates[True] > 0.985 * plain_rate and probes <= 3
+    assert rates[False] < 0.8 * plain_rate  # (speculating all along: plain looked dearer)
+
+
+def test_a_probe_is_priced_with_the_rows_its_lead_sends():
+    """`probe_loss`: a probe's rounds and switches beyond plain steps, plus `lead` times what a
+    plain step that feeds the draft costs beyond one that does not."""
+    policy = SpecPolicy(TREE, PolicyKnobs(lead=40))
+    for i in range(6):
+        policy.observe_plain(1, 1.5 * MS, tag=i)
+        policy.observe_plain(1, 1.0 * MS, tag=100 + i, untapped=True)
+        policy.observe_round(1, 31, 3.0 * MS, tag=200 + i)
+    policy.observe_kept(False, {31: 2})
+    assert policy.plain_time(1) == pytest.approx(1.0 * MS)  # (the untapped steps')
+    assert policy.tap_time(1) == pytest.approx(0.5 * MS)
+    loss = policy.knobs.probe * (3.0 - 2 * 1.0) * MS + 40 * 0.5 * MS
+    assert policy.probe_loss(1, False) == pytest.approx(loss)
+
+
+def test_a_pacer_measures_untapped_plain_steps_apart():
+    """A plain step whose position was reported untapped is measured as plain decoding's own
+    (`plain_time`); the others as plain steps that feed the draft (`tap_time`: their extra)."""
+    policy = SpecPolicy([3])
+    pacer = Pacer(policy, False)
+    pacer.step(0, 1, 0, 0.0)
+    pacer.untapped(0)
+    pacer.step(1, 1, 1, 1.0)  # (a sequence's first step: not measured)
+    pacer.untapped(1)
+    pacer.step(2, 1, 2, 2.0)  # step 1, untapped: 1 s
+    pacer.step(3, 1, 3, 4.5)  # step 2, tapped: 2.5 s
+    assert policy.plain_time(1) == pytest.approx(1.0)
+    assert policy.tap_time(1) == pytest.approx(1.5)

@@ -184,3 +184,11 @@ def test_a_step_parks_only_where_the_sequences_next_own_step_is_plain_too():
     assert not c.may_park()
     policy.left = 7
     assert c.may_park()
+
+
+def test_untapped_steps_are_told_to_the_pacer_measuring_them():
+    """The policy prices plain decoding by steps that sent the draft no rows: each untapped
+    step's position goes to the sequence's Pacer, which measures it apart."""
+    host, c = _client(_Policy(left=1000))
+    assert _steps(host, c, range(100, 103)) == [False] * 3
+    assert list(c.pacer._untapped) == [100, 101, 102]
