@@ -288,12 +288,13 @@ class SpecPolicy:
     def plain_time(self, batch: int) -> float | None:
         """Seconds a plain step takes with speculation off: its untapped steps' (the steps
         next to rounds, which send the draft their rows, cost more: 4.0 against 2.4 ms for 8
-        streams on 2 shards of an H200), else those measured."""
-        for table in (self._untapped, self._plain):
-            w = table.get(bucket(batch))
-            if w is not None and w.value is not None:
-                return w.value
-        return None
+        streams on 2 shards of an H200), else those measured; no more than the tapped steps'
+        (while speculation wins only a refresh's tapped steps measure plain decoding again:
+        untapped ones dearer than those are out of date, a first look's among prefills)."""
+        b = bucket(batch)
+        known = [w.value for w in (self._untapped.get(b), self._plain.get(b))
+                 if w is not None and w.value is not None]
+        return min(known) if known else None
 
     def tap_time(self, batch: int) -> float:
         """Seconds a plain step that sends the draft its rows takes beyond one that does not
@@ -427,7 +428,9 @@ class SpecPolicy:
         if ph.kind == "look":  # (then plain steps that send rows: the probe's draft reads them)
             return Phase("first", 0, clock + max(k.lead, k.refresh))
         if ph.kind in ("off", "first"):
-            if self._futile(key, batch, sampled):  # (a probe that would lose: plain steps on)
+            futile = ph.futile if ph.futile is not None else self._futile(key, batch, sampled)
+            if futile:  # (a probe that would lose: plain steps on; as `plain_left` judged it,
+                # where it did: the runtime sent the draft no rows before a skipped probe)
                 self.stats.skipped += 1
                 return self._off(key, batch, sampled, clock, self._choice.get(key, 0),
                                  f"{ph.kind} (a probe skipped, priced from smaller batches)")

@@ -588,3 +588,36 @@ def test_a_pacer_measures_untapped_plain_steps_apart():
     pacer.step(3, 1, 3, 4.5)  # step 2, tapped: 2.5 s
     assert policy.plain_time(1) == pytest.approx(1.0)
     assert policy.tap_time(1) == pytest.approx(1.5)
+
+
+def test_a_probe_judged_futile_by_plain_left_is_skipped_even_where_the_prior_moved():
+    """`plain_left` judges once, within `PLAIN_LOOK` steps of an off phase's end, that its
+    probe will be skipped, and the runtime then sends the draft no rows up to that end. Plain
+    steps measured meanwhile (dearer: a longer context) may move the prior; the probe at the
+    end must still be skipped, else it runs with no rows before it (its rounds run plain)."""
+    policy = SpecPolicy(TREE)
+    run_batch(policy, 200, 1, 1.1 * MS, lambda s: (4.0 + 0.003 * s) * MS, lambda s, i: 2)
+    state = []
+    run_batch(policy, 600, 8, 2.5 * MS, lambda s: 9.5 * MS, lambda s, i: 2, state=state)
+    ph = policy._phase[(8, False)]
+    assert ph.kind == "off"
+    end = ph.end
+    assert policy.plain_left(8, False, end - 5) >= 5 + policy.knobs.off_steps  # (futile)
+    for i in range(policy.knobs.window):  # the last steps before the end cost 20 ms
+        policy.observe_plain(8, 20 * MS, tag=10**6 + i, untapped=True)
+    assert policy.plan(8, False, end) == 0  # (no rows went: no probe)
+
+
+def test_refresh_steps_move_the_plain_price_when_the_first_look_is_stale():
+    """A bucket's first look prices plain steps (2.4 ms, untapped); while speculation wins,
+    only a refresh's plain steps measure plain decoding again, and those feed the draft. Where
+    plain steps get cheaper (1.0 ms untapped, 1.2 ms tapped; a round still 5 ms for 3 tokens),
+    speculating loses, and the refreshes show it: the policy must turn off, not price plain
+    steps by the first look's forever."""
+    policy = SpecPolicy(TREE, spec_seqs=1)
+    state = []
+    sizes, _ = run_tapping(policy, 400, 1, 2.4 * MS, 0.2 * MS, 5.0 * MS, 2, state=state)
+    assert policy.choice(1, False) > 0  # (speculating wins against 2.4 ms)
+    sizes, _ = run_tapping(policy, 2000, 1, 1.0 * MS, 0.2 * MS, 5.0 * MS, 2, state=state)
+    assert policy.choice(1, False) == 0
+    assert sum(s == 0 for s in sizes[-1000:]) >= 950
