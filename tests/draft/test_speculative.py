@@ -348,10 +348,7 @@ class TestOneDefaultChain:
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
             gain=100.0, refresh=10, lead=16, off_steps=10, off_steps_max=10),
             coord.config.spec_max_seqs)
-        gaps, request = [], coord.draft_request
-        monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
-            gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)
-            or request(msg, *a))
+        gaps = _record_gaps(monkeypatch, coord)
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
             prompt = _prompts(ref.tokenizer)[1]
@@ -388,10 +385,7 @@ class TestOneDefaultChain:
         coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
             gain=100.0, refresh=9, lead=7, off_steps=9, off_steps_max=9),
             coord.config.spec_max_seqs)
-        gaps, request = [], coord.draft_request
-        monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
-            gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)
-            or request(msg, *a))
+        gaps = _record_gaps(monkeypatch, coord)
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
             prompt = _prompts(ref.tokenizer)[1]
@@ -525,6 +519,15 @@ class TestOneDefaultChain:
             outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
             assert progress.spec is None
         assert outs[True] == outs[False] and outs[True].startswith('{"a":')
+
+
+def _record_gaps(monkeypatch, coord) -> list[tuple[int, int]]:
+    """The rows [start, end) each `draft_gap` the coordinator sends names, as it sends them."""
+    gaps, request = [], coord.draft_request
+    monkeypatch.setattr(coord, "draft_request", lambda msg, *a: (
+        gaps.append((msg["start"], msg["end"])) if msg["type"] == "draft_gap" else None)
+        or request(msg, *a))
+    return gaps
 
 
 def _assert_draft_rows(coord, target, ref, prompt: list[int], tokens: list[int],
