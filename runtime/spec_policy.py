@@ -264,11 +264,12 @@ class SpecPolicy:
         self._window(self._round, (bucket(batch), size)).add(seconds, tag)
 
     def observe_switch(self, batch: int, size: int, seconds: float,
-                       tag: int | None = None) -> None:
+                       tag: int | None = None, untapped: bool = False) -> None:
         """The first step of a kind (`size` draft tokens, 0: plain) after one of another took
         `seconds`: what it took beyond a steady step of its kind is a switch's cost (not known
-        before a steady step of its kind was measured)."""
-        steady = self.round_time(batch, size) if size else self.plain_time(batch)
+        before a steady step of its kind was measured); a plain one against plain steps that
+        sent rows as it did (`untapped`: none), not against plain decoding's own."""
+        steady = self.round_time(batch, size) if size else self._plain_step(batch, untapped)
         if steady is not None:
             self._window(self._switch, bucket(batch)).add(max(0.0, seconds - steady), tag)
 
@@ -295,6 +296,11 @@ class SpecPolicy:
         known = [w.value for w in (self._untapped.get(b), self._plain.get(b))
                  if w is not None and w.value is not None]
         return min(known) if known else None
+
+    def _plain_step(self, batch: int, untapped: bool) -> float | None:
+        """The median plain step that sent the draft rows (`untapped`: none), else any."""
+        w = (self._untapped if untapped else self._plain).get(bucket(batch))
+        return w.value if w is not None and w.value is not None else self.plain_time(batch)
 
     def tap_time(self, batch: int) -> float:
         """Seconds a plain step that sends the draft its rows takes beyond one that does not
@@ -630,7 +636,8 @@ class Pacer:
             if expect == pos and size >= 0 and self._before is not None and self._before >= 0:
                 if (self._before == 0) != (size == 0):  # (a round after a round of another
                     # size is a round: the draft was told that size, nothing to catch up on)
-                    self.policy.observe_switch(b, size, now - start, tag)
+                    self.policy.observe_switch(b, size, now - start, tag,
+                                               untapped=not size and expect - 1 in self._untapped)
                 elif size:
                     self.policy.observe_round(b, size, now - start, tag)
                 else:

@@ -621,3 +621,16 @@ def test_refresh_steps_move_the_plain_price_when_the_first_look_is_stale():
     sizes, _ = run_tapping(policy, 2000, 1, 1.0 * MS, 0.2 * MS, 5.0 * MS, 2, state=state)
     assert policy.choice(1, False) == 0
     assert sum(s == 0 for s in sizes[-1000:]) >= 950
+
+
+def test_a_switch_to_plain_steps_is_measured_against_plain_steps_that_sent_rows_as_it_did():
+    """The first plain step after rounds usually sends the draft rows (a refresh's): what it
+    took beyond a plain step that sends rows is the switch, not beyond plain decoding's own
+    (that would count each switch the rows' cost over again)."""
+    for untapped, switch in ((False, 0.5), (True, 1.5)):
+        policy = SpecPolicy([3])
+        for i in range(3):
+            policy.observe_plain(1, 2.0, tag=i)
+            policy.observe_plain(1, 1.0, tag=10 + i, untapped=True)
+        policy.observe_switch(1, 0, 2.5, tag=20, untapped=untapped)
+        assert policy.switch_time(1) == pytest.approx(switch)
