@@ -342,12 +342,10 @@ class TestOneDefaultChain:
         position, parked ones included (but the first look's, which send none)."""
         coord = chain
         was = coord.spec_policy
-        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
         # speculation never worth it (gain 100 x): a first look of 10 plain steps that send no
         # rows and 16 that do (15 of them parked, one run), then a probe every 10 plain steps
-        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
-            gain=100.0, refresh=10, lead=16, off_steps=10, off_steps_max=10),
-            coord.config.spec_max_seqs)
+        coord.spec_policy = _policy_of(coord, gain=100.0, refresh=10, lead=16, off_steps=10,
+                                       off_steps_max=10)
         gaps = _record_gaps(monkeypatch, coord)
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
@@ -379,12 +377,10 @@ class TestOneDefaultChain:
         was = coord.spec_policy
         monkeypatch.setattr(speculative, "TAP_LEAD", 4)
         monkeypatch.setattr(speculative, "RESTART_ROWS", 3)
-        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
         # speculation never worth it: a first look of 9 plain steps that send no rows and 9
         # more, then a probe every 9 plain steps, the last 4 of each sending their rows
-        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(
-            gain=100.0, refresh=9, lead=7, off_steps=9, off_steps_max=9),
-            coord.config.spec_max_seqs)
+        coord.spec_policy = _policy_of(coord, gain=100.0, refresh=9, lead=7, off_steps=9,
+                                       off_steps_max=9)
         gaps = _record_gaps(monkeypatch, coord)
         try:
             ref = ReferenceEngine(target, prefill_chunk=CHUNK, max_context=256)
@@ -415,9 +411,7 @@ class TestOneDefaultChain:
         bit for bit."""
         coord = chain
         was = coord.spec_policy
-        block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
-        coord.spec_policy = SpecPolicy(policy_sizes(tree or block - 1),
-                                       PolicyKnobs(refresh=1 << 40), coord.config.spec_max_seqs)
+        coord.spec_policy = _policy_of(coord, refresh=1 << 40)
         looks, asked, lives = [], [], []
         stopped, request, failure = LocalProcess.stopped, coord.draft_request, LocalProcess.failure
         monkeypatch.setattr(LocalProcess, "stopped", lambda p: looks.append(1) or stopped(p))
@@ -519,6 +513,13 @@ class TestOneDefaultChain:
             outs[spec] = collect(coord.deltas(req), progress, len(prompt)).text
             assert progress.spec is None
         assert outs[True] == outs[False] and outs[True].startswith('{"a":')
+
+
+def _policy_of(coord, **knobs) -> SpecPolicy:
+    """A policy of `coord`'s draft sizes (its verify shape's) with these `PolicyKnobs`."""
+    block, tree = verify_shape(coord.draft_info, coord.config, coord.chunk)
+    return SpecPolicy(policy_sizes(tree or block - 1), PolicyKnobs(**knobs),
+                      coord.config.spec_max_seqs)
 
 
 def _record_gaps(monkeypatch, coord) -> list[tuple[int, int]]:
