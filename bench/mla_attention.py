@@ -3,9 +3,10 @@ next to the floor of the bytes it reads: the latent rows of its keys and its wei
 paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernels
 (`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them.
 
-    python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0]
-        [--split-keys 32,128] [--warps 4,8]   (the kernel's keys per split and warps per
-        program, each pair measured; default its own)
+    python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0] [--profile]
+        [--split-keys 32,128] [--warps 4,8] [--combine 32:4,64:8]   (the kernel's keys per
+        split and warps per program, each pair measured, and the combine's latent columns and
+        warps per program, each with the default pair; default their own)
 
 The DeepSeek-V2-Lite-width MLA shape (configs/models/deepseek-v2-lite-shape: 16 heads, a
 512 + 64 latent, no q bottleneck), bfloat16, random weights and rows, over a paged cache (blocks
@@ -93,6 +94,12 @@ def measure(args, keys: int) -> dict:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end) / 1e3 / args.layers)
+        if args.profile:  # (the graph's kernels, a replay's 27 layers each; `kernels` prints)
+            from bench.profile_draft import kernels
+
+            print(f"--- {os.environ[MLA_KERNEL_SWITCH] == '1' and 'kernel' or 'torch'}, "
+                  f"{keys} keys, {args.layers} layers a replay")
+            row.update(kernels(f"stage_{keys}", graph.replay, dev, rows=12))
     per_layer = statistics.median(times)
     bw = copy_bandwidth(args.device)  # (the other benches' floor: HBM read + write together)
     floor = (row["kv_bytes"] + weight_bytes) / bw
@@ -111,6 +118,11 @@ def main() -> None:
                     help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
     ap.add_argument("--warps", default=None,
                     help="the kernel's warps per program, comma-separated (default: LAUNCH's)")
+    ap.add_argument("--combine", default=None,
+                    help="the combine's columns:warps per program, comma-separated (default: "
+                         "COMBINE's), each measured with the default split and warps")
+    ap.add_argument("--profile", action="store_true",
+                    help="print each graph's kernel table (the torch profiler, 10 replays)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from layersplit.shards.kernels import mla_decode
@@ -127,6 +139,13 @@ def main() -> None:
                 f"kernel, splits of {split}, {warps} warps"
             rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
     mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
+    combine = dict(mla_decode.COMBINE)
+    for pair in (args.combine.split(",") if args.combine else []):
+        cols, warps = (int(v) for v in pair.split(":"))
+        mla_decode.COMBINE.update(cols=cols, num_warps=warps)
+        rows += [{"path": f"kernel, combine {cols} columns, {warps} warps", **measure(args, int(k))}
+                 for k in args.keys.split(",")]
+    mla_decode.COMBINE.update(combine)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print("| path | keys | us per layer | floor us | of floor |")

@@ -18,8 +18,9 @@ times H heads (r = 1 in a decode step; a verify step's rows under their tree mas
 split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
 with one split a program writes its rows' output; with more, each writes its partial
 (unnormalized sum, running max and sum of weights, in log2 units) and `_mla_combine` merges
-them, its programs spread over the latent's columns and the rows (one split's partial is rows x
-kv_lora_rank floats: 8 MB at 32K keys, too much for one program a tile). A program reads keys
+them, a program per query row and run of the latent's columns, its splits read in one load (one
+split's partial is rows x kv_lora_rank floats: 8 MB at 32K keys, which loads a split at a time
+read at a latency each). A program reads keys
 only up to the last row its sequence writes in the step (`last`: no query sees past it), so a
 graph captured for a bucket of keys costs a step the keys it has. Device tensors only: it runs
 inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path (on a CPU
@@ -48,10 +49,10 @@ BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek'
 # 64 keys and 8 warps 42.1 / 56.3 / 99.3 us, the best or within 5 % of it at each length (32
 # and 4: 45.2 / 75.8 / 100.2; 128 and 8: 46.8 / 53.8 / 99.5)
 SPLIT_KEYS = 64
-# launch shapes: the attention's warps per program; the combine's rows and latent columns per
-# program, splits whose loads it issues together, warps (the combine's not tuned)
+# launch shapes: the attention's warps per program; the combine's latent columns per program,
+# splits whose partials one load reads (at most), warps
 LAUNCH = {"num_warps": 8}
-COMBINE = {"rows": 4, "cols": 32, "group": 16, "num_warps": 1}
+COMBINE = {"cols": 32, "splits": 256, "num_warps": 4}
 
 
 @triton.jit
@@ -147,38 +148,36 @@ def _mla_attend(
 def _mla_combine(
     PO, PML,  # `_mla_attend`'s partials: (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2)
     OUT, s_os, s_om,  # (S, M, rank): the normalized output
-    M, m_pad, splits, rank,
-    BLOCK_C: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr,
+    m_pad, splits, rank,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The key splits' partials merged, each weighted by exp2(its max - the overall max): one
-    program per (sequence, columns, rows), so that a long context's partials (one split's are
-    rows x kv_lora_rank floats) are read by many programs, GROUP splits' loads issued at once."""
+    program per (sequence, latent columns, query row), each reading BLOCK_S splits' columns in
+    one load (a long context's partials are rows x kv_lora_rank floats a split: 8 MB at 32K
+    keys; read a split at a time, each load one memory latency, they bound the step)."""
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    rows = tl.program_id(2) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_ok = rows < M
-    first = s * splits * m_pad + rows
-    big = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
-    for base in range(0, splits, GROUP):
-        for j in tl.static_range(GROUP):
-            here = row_ok & (rows * 0 + base + j < splits)  # (a tensor: the interpreter's too)
-            big = tl.maximum(big, tl.load(PML + (first + (base + j) * m_pad) * 2, mask=here,
-                                          other=float("-inf")))
+    row = tl.program_id(2)
+    first = s * splits * m_pad + row
+    sp = tl.arange(0, BLOCK_S)
+    big = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        big = tl.maximum(big, tl.max(tl.load(PML + part * 2, mask=here, other=float("-inf")),
+                                     0))
     big = tl.where(big == float("-inf"), 0.0, big)
-    num = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
-    den = tl.zeros([BLOCK_ROWS], tl.float32)
-    for base in range(0, splits, GROUP):
-        for j in tl.static_range(GROUP):
-            here = row_ok & (rows * 0 + base + j < splits)
-            part = first + (base + j) * m_pad
-            w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
-            num += w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + d[None, :],
-                                        mask=here[:, None], other=0.0)
-            den += w * tl.load(PML + part * 2 + 1, mask=here, other=0.0)
-    out = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(OUT + s * s_os + rows[:, None] * s_om + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & (d < rank)[None, :])
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
+        den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
+        num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + d[None, :],
+                                           mask=here[:, None], other=0.0), 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + s * s_os + row * s_om + d, out.to(OUT.dtype.element_ty), mask=d < rank)
 
 
 def mla_decode(
@@ -227,9 +226,9 @@ def mla_decode(
         HAS_MASK=mask is not None, HAS_LAST=last is not None, SPLIT=splits > 1,
         IEEE=q.dtype == torch.float32, num_warps=LAUNCH["num_warps"])
     if splits > 1:
-        rows_tile, cols = COMBINE["rows"], min(COMBINE["cols"], block_c)
-        _mla_combine[(s, triton.cdiv(rank, cols), triton.cdiv(m, rows_tile))](
-            po, pml, out, out.stride(0), out.stride(1), m, tiles * BLOCK_M, splits, rank,
-            BLOCK_C=block_c, BLOCK_ROWS=rows_tile, BLOCK_D=cols, GROUP=COMBINE["group"],
-            num_warps=COMBINE["num_warps"])
+        cols = min(COMBINE["cols"], block_c)
+        _mla_combine[(s, triton.cdiv(rank, cols), m)](
+            po, pml, out, out.stride(0), out.stride(1), tiles * BLOCK_M, splits, rank,
+            BLOCK_C=block_c, BLOCK_S=min(COMBINE["splits"], triton.next_power_of_2(splits)),
+            BLOCK_D=cols, num_warps=COMBINE["num_warps"])
     return out

@@ -20,6 +20,7 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.kernels import fused_kernels_available
+from layersplit.shards.kernels.decode_attention import SPLIT_ENV
 from layersplit.shards.layers.gemv_linear import linears_as_gemv
 from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH
 from layersplit.shards.layers.norm import norms_as_row_kernels
@@ -92,16 +93,21 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
-@pytest.mark.parametrize("rank,rope,rows,t", [(32, 8, 1, 600), (27, 8, 3, 600),
-                                              (512, 64, 1, 600), (32, 8, 2, 2400)])
-def test_key_splits_combine(rank, rope, rows, t):
-    """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, a last group
-    of the combine's loads part empty), rows read through a
+@pytest.mark.parametrize("rank,rope,rows,t,chunk", [
+    (32, 8, 1, 600, 256), (27, 8, 3, 600, 256), (512, 64, 1, 600, 256), (32, 8, 2, 2400, 256),
+    (32, 8, 2, 2400, 16)])
+def test_key_splits_combine(rank, rope, rows, t, chunk, monkeypatch):
+    """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, read by the
+    combine in one load, or, splits of 64 keys on any device, in 3 loads of 16, the last part
+    empty), rows read through a
     shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
     the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
     too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
-    from layersplit.shards.kernels.mla_decode import mla_decode
+    from layersplit.shards.kernels import mla_decode as mod
 
+    monkeypatch.setitem(mod.COMBINE, "splits", chunk)
+    if chunk < 256:
+        monkeypatch.setenv(SPLIT_ENV, "64")
     g = torch.Generator().manual_seed(0)
     s, heads = 2, 4
     half = -(-(rank + rope) // 2)
@@ -112,7 +118,7 @@ def test_key_splits_combine(rank, rope, rows, t):
     mask[:, t - 10:] = False
     mask[1, 100:] = False  # (one row of the first sequence sees only 100 keys)
     mask = mask.to(DEV)
-    got = mla_decode(q, pool[:, :half], pool[:, half:], index, mask, heads, rank, 0.3)
+    got = mod.mla_decode(q, pool[:, :half], pool[:, half:], index, mask, heads, rank, 0.3)
     lat = pool[index][..., :rank + rope]  # (S, T, L)
     scores = torch.einsum("sml,stl->smt", q, lat) * 0.3
     seen = mask.view(s, rows, 1, t).expand(s, rows, heads, t).reshape(s, rows * heads, t)
