@@ -118,6 +118,9 @@ def main() -> None:
                     help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
     ap.add_argument("--warps", default=None,
                     help="the kernel's warps per program, comma-separated (default: LAUNCH's)")
+    ap.add_argument("--stages", default=None,
+                    help="the kernel's pipeline stages, comma-separated, each measured with "
+                         "the default split and warps")
     ap.add_argument("--combine", default=None,
                     help="the combine's columns:warps per program, comma-separated (default: "
                          "COMBINE's), each measured with the default split and warps")
@@ -139,6 +142,11 @@ def main() -> None:
                 f"kernel, splits of {split}, {warps} warps"
             rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
     mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
+    for stages in (args.stages.split(",") if args.stages else []):
+        mla_decode.LAUNCH["num_stages"] = int(stages)
+        rows += [{"path": f"kernel, {stages} stages", **measure(args, int(k))}
+                 for k in args.keys.split(",")]
+    mla_decode.LAUNCH["num_stages"] = None
     combine = dict(mla_decode.COMBINE)
     for pair in (args.combine.split(",") if args.combine else []):
         cols, warps = (int(v) for v in pair.split(":"))

@@ -51,7 +51,7 @@ BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek'
 SPLIT_KEYS = 64
 # launch shapes: the attention's warps per program; the combine's latent columns per program,
 # splits whose partials one load reads (at most), warps
-LAUNCH = {"num_warps": 8}
+LAUNCH = {"num_warps": 8, "num_stages": None}  # (None: Triton's own)
 COMBINE = {"cols": 32, "splits": 256, "num_warps": 4}
 
 
@@ -224,7 +224,8 @@ def mla_decode(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2,
         BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_ROWS=max(2, triton.next_power_of_2(rows)),
         HAS_MASK=mask is not None, HAS_LAST=last is not None, SPLIT=splits > 1,
-        IEEE=q.dtype == torch.float32, num_warps=LAUNCH["num_warps"])
+        IEEE=q.dtype == torch.float32, num_warps=LAUNCH["num_warps"],
+        **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}))
     if splits > 1:
         cols = min(COMBINE["cols"], block_c)
         _mla_combine[(s, triton.cdiv(rank, cols), m)](
