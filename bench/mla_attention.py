@@ -4,7 +4,8 @@ paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernels
 (`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them.
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0] [--profile]
-        [--split-keys 32,128] [--warps 4,8] [--combine 32:4,64:8]   (the kernel's keys per
+        [--split-keys 32,128] [--warps 4,8] [--block-keys 32,64] [--stages 2,4]
+        [--combine 32:4,64:8]   (the kernel's keys per
         split and warps per program, each pair measured, and the combine's latent columns and
         warps per program, each with the default pair; default their own)
 
@@ -118,6 +119,9 @@ def main() -> None:
                     help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
     ap.add_argument("--warps", default=None,
                     help="the kernel's warps per program, comma-separated (default: LAUNCH's)")
+    ap.add_argument("--block-keys", default=None,
+                    help="the kernel's keys per block of its loop, comma-separated, each "
+                         "measured with the default split and warps")
     ap.add_argument("--stages", default=None,
                     help="the kernel's pipeline stages, comma-separated, each measured with "
                          "the default split and warps")
@@ -142,6 +146,11 @@ def main() -> None:
                 f"kernel, splits of {split}, {warps} warps"
             rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
     mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
+    for block in (args.block_keys.split(",") if args.block_keys else []):
+        saved, mla_decode.BLOCK_N = mla_decode.BLOCK_N, int(block)
+        rows += [{"path": f"kernel, blocks of {block} keys", **measure(args, int(k))}
+                 for k in args.keys.split(",")]
+        mla_decode.BLOCK_N = saved
     for stages in (args.stages.split(",") if args.stages else []):
         mla_decode.LAUNCH["num_stages"] = int(stages)
         rows += [{"path": f"kernel, {stages} stages", **measure(args, int(k))}

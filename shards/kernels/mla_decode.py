@@ -53,6 +53,42 @@ SPLIT_KEYS = 64
 # splits whose partials one load reads (at most), warps
 LAUNCH = {"num_warps": 8, "num_stages": None}  # (None: Triton's own)
 COMBINE = {"cols": 32, "splits": 256, "num_warps": 4}
+OFF32_LIMIT = 2**31  # pools of fewer values than this are addressed in int32 offsets
+
+
+@triton.jit
+def _chunk(rows, key_ok, OFF: tl.constexpr, W: tl.constexpr, LEN: tl.constexpr):
+    """Columns OFF .. OFF + W of a half (LEN wide) of each key's latent row: (BLOCK_N, W)."""
+    cols = OFF + tl.arange(0, W)
+    return tl.load(rows + cols[None, :], mask=key_ok[:, None] & (cols < LEN)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _q_chunk(qbase, row_ok, OFF: tl.constexpr, W: tl.constexpr, END: tl.constexpr):
+    """The queries' columns OFF .. OFF + W (of their latent-row layout, END wide), transposed:
+    (W, BLOCK_M)."""
+    cols = OFF + tl.arange(0, W)
+    return tl.load(qbase + cols[:, None], mask=(cols < END)[:, None] & row_ok[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _store_cols(acc, dst, rows_ok, col0: tl.constexpr, W: tl.constexpr, FROM: tl.constexpr,
+                TO: tl.constexpr, RANK: tl.constexpr):
+    """acc (W, BLOCK_M) holds output columns col0 .. col0 + W; those in FROM .. TO below RANK
+    are stored at dst + column (dst: (1, BLOCK_M) pointers)."""
+    cols = col0 + tl.arange(0, W)
+    ok = (cols >= FROM) & (cols < TO) & (cols < RANK)
+    tl.store(dst + cols[:, None], acc.to(dst.dtype.element_ty),
+             mask=ok[:, None] & rows_ok[None, :])
 
 
 @triton.jit
@@ -64,84 +100,116 @@ def _mla_attend(
     LAST,  # (S, rows) int64: the sequence rows each step row writes (keys past the last unread)
     OUT, s_os, s_om,  # one split: the output (S, M, rank), normalized
     PO, PML,  # splits: partials (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2): max and sum
-    M, T, keys_per_split, scale, heads, rank, rope, half,
+    M, T, keys_per_split, scale, heads,
+    RANK: tl.constexpr, LAT: tl.constexpr, HALF: tl.constexpr,  # kv_lora_rank, + rope, half
+    K1: tl.constexpr, K2: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr,  # chunk widths
+    HAS_K2: tl.constexpr, HAS_V2: tl.constexpr,  # (a half in one chunk: K2 / V2 unused)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_LAST: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_LAST: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, OFF32: tl.constexpr,
 ):
+    """Transposed, so that the keys are the dots' long side and the heads their short one: the
+    scores (BLOCK_N keys x BLOCK_M query rows) are the key rows times the queries, and each
+    output column block (latent columns x query rows) the key rows' columns times the weights.
+    A key's latent row is read as it is stored, each half in two chunks of power-of-two widths
+    (K1 + K2 = HALF wide, V1 + V2 the rest; DeepSeek's 288: 256 + 32), every chunk straight
+    from its load into its dots: no register copy of whole rows, nor of the queries (the first
+    version held the queries, a block of whole rows and the output in registers: 255 of them a
+    thread and spills, its loads never pipelined)."""
     s = tl.program_id(0).to(tl.int64)
     mt = tl.program_id(1)
     sp = tl.program_id(2)
     splits = tl.num_programs(2)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    cc = tl.arange(0, BLOCK_C)
-    rr = tl.arange(0, BLOCK_R)
-    c_ok = cc < rank
-    r_ok = rr < rope
-    qbase = Q + s * s_qs + rows[:, None] * s_qm
-    q_c = tl.load(qbase + cc[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-    q_pe = tl.load(qbase + rank + rr[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    qbase = Q + s * s_qs + rows[None, :] * s_qm
+    qk1 = _q_chunk(qbase, row_ok, 0, K1, HALF)
+    qv1 = _q_chunk(qbase, row_ok, HALF, V1, LAT)
+    if HAS_K2:
+        qk2 = _q_chunk(qbase, row_ok, K1, K2, HALF)
+    if HAS_V2:
+        qv2 = _q_chunk(qbase, row_ok, HALF + V1, V2, LAT)
     step_row = rows // heads  # the step row each query row belongs to
-    # where each of the row's values lives: the K half below `half`, the V half from it
-    c_in_k = cc < half
-    pj = rank + rr
-    pe_in_k = pj < half
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    acc_k1 = tl.zeros([K1, BLOCK_M], tl.float32)
+    acc_k2 = tl.zeros([K2, BLOCK_M], tl.float32)
+    acc_v1 = tl.zeros([V1, BLOCK_M], tl.float32)
+    acc_v2 = tl.zeros([V2, BLOCK_M], tl.float32)
     lo = sp * keys_per_split
     hi = tl.minimum(lo + keys_per_split, T)
     if HAS_LAST:
         n_rows = M // heads
         jr = tl.arange(0, BLOCK_ROWS)
         last = tl.max(tl.load(LAST + s * n_rows + jr, mask=jr < n_rows, other=0), 0)
-        hi = tl.minimum(hi, last + 1)
+        hi = tl.minimum(hi, (last + 1).to(tl.int32))  # (an int32 loop: Triton pipelines it)
     for t0 in range(lo, hi, BLOCK_N):
         keys = t0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
         pool = tl.load(IDX + s * s_idx + keys, mask=key_ok, other=0)
+        if OFF32:  # (int32 row offsets: a tile's 64-bit addresses took most of the registers)
+            pool = pool.to(tl.int32)
         k_row, v_row = K + pool[:, None] * s_k, V + pool[:, None] * s_v
-        ok = key_ok[:, None] & c_ok[None, :]  # (each value loaded from its half alone)
-        c_t = (tl.load(k_row + cc[None, :], mask=ok & c_in_k[None, :], other=0.0)
-               + tl.load(v_row + (cc - half)[None, :], mask=ok & ~c_in_k[None, :], other=0.0))
-        ok = key_ok[:, None] & r_ok[None, :]
-        pe_t = (tl.load(k_row + pj[None, :], mask=ok & pe_in_k[None, :], other=0.0)
-                + tl.load(v_row + (pj - half)[None, :], mask=ok & ~pe_in_k[None, :],
-                          other=0.0))  # (N, R)
-        if IEEE:
-            sc = tl.dot(q_c, tl.trans(c_t), input_precision="ieee")
-            sc += tl.dot(q_pe, tl.trans(pe_t), input_precision="ieee")
-        else:
-            sc = tl.dot(q_c, tl.trans(c_t))
-            sc += tl.dot(q_pe, tl.trans(pe_t))
+        k1 = _chunk(k_row, key_ok, 0, K1, HALF)
+        sc = _dot(k1, qk1, IEEE)  # (N, M)
+        v1 = _chunk(v_row, key_ok, 0, V1, LAT - HALF)
+        sc += _dot(v1, qv1, IEEE)
+        if HAS_K2:
+            k2 = _chunk(k_row, key_ok, K1, K2, HALF)
+            sc += _dot(k2, qk2, IEEE)
+        if HAS_V2:
+            v2 = _chunk(v_row, key_ok, V1, V2, LAT - HALF)
+            sc += _dot(v2, qv2, IEEE)
         sc = sc * scale  # (log2 units: `scale` carries log2(e))
-        seen = key_ok[None, :] & row_ok[:, None]
+        seen = key_ok[:, None] & row_ok[None, :]
         if HAS_MASK:
-            mk = tl.load(MASK + s * s_mseq + step_row[:, None] * s_mrow + keys[None, :],
+            mk = tl.load(MASK + s * s_mseq + step_row[None, :] * s_mrow + keys[:, None],
                          mask=seen, other=0)
             seen = seen & (mk != 0)
         sc = tl.where(seen, sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        m_new = tl.maximum(m_i, tl.max(sc, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows that saw no key yet)
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(c_t.dtype), c_t, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(c_t.dtype), c_t)
-        acc = acc * alpha[:, None] + pv
+        p = tl.exp2(sc - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        pb = p.to(k1.dtype)
+        acc_k1 = acc_k1 * alpha[None, :] + _dot(tl.trans(k1), pb, IEEE)
+        if HAS_K2 and K1 < RANK:
+            acc_k2 = acc_k2 * alpha[None, :] + _dot(tl.trans(k2), pb, IEEE)
+        if HALF < RANK:
+            acc_v1 = acc_v1 * alpha[None, :] + _dot(tl.trans(v1), pb, IEEE)
+        if HAS_V2 and HALF + V1 < RANK:
+            acc_v2 = acc_v2 * alpha[None, :] + _dot(tl.trans(v2), pb, IEEE)
         m_i = m_new
     if SPLIT:
         part = (s * splits + sp) * (tl.num_programs(1) * BLOCK_M) + rows
-        tl.store(PO + part[:, None] * BLOCK_C + cc[None, :], acc)
+        dst = PO + part[None, :] * BLOCK_C
         tl.store(PML + part * 2, m_i)
         tl.store(PML + part * 2 + 1, l_i)
+        ok = rows >= 0  # (every row of the tile: the partials are padded to whole tiles)
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(OUT + s * s_os + rows[:, None] * s_om + cc[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        acc_k1 = acc_k1 * inv[None, :]
+        acc_k2 = acc_k2 * inv[None, :]
+        acc_v1 = acc_v1 * inv[None, :]
+        acc_v2 = acc_v2 * inv[None, :]
+        dst = OUT + s * s_os + rows[None, :] * s_om
+        ok = row_ok
+    _store_cols(acc_k1, dst, ok, 0, K1, 0, HALF, RANK)
+    if HAS_K2 and K1 < RANK:
+        _store_cols(acc_k2, dst, ok, K1, K2, 0, HALF, RANK)
+    if HALF < RANK:
+        _store_cols(acc_v1, dst, ok, HALF, V1, HALF, LAT, RANK)
+    if HAS_V2 and HALF + V1 < RANK:
+        _store_cols(acc_v2, dst, ok, HALF + V1, V2, HALF, LAT, RANK)
+
+
+def _chunks(width: int) -> tuple[int, int, bool]:
+    """A half's `width` columns as two chunks of power-of-two widths, at least 16 each (a
+    dot's least): the largest that fits, then the rest; and whether there is a rest."""
+    first = max(16, 1 << (width.bit_length() - 1))
+    rest = width - first
+    return first, max(16, triton.next_power_of_2(max(rest, 1))), rest > 0
 
 
 @triton.jit
@@ -193,14 +261,13 @@ def mla_decode(
     `last`: the sequence rows the step writes (a program reads no key past its sequence's last;
     the mask still decides within)."""
     s, m, width = q.shape
-    rope, half, t = width - rank, k_pool.shape[-1], index.shape[1]
+    half, t = k_pool.shape[-1], index.shape[1]
     rows = m // heads  # step rows per sequence
     if q.stride(2) != 1 or index.stride(1) != 1 or (last is not None and (
             last.shape != (s * rows,) or last.stride(0) != 1)):
         raise ValueError(f"mla_decode: queries {tuple(q.shape)} and index {tuple(index.shape)} "
                          f"need contiguous rows, `last` ({s * rows},) contiguous")
     block_c = max(16, triton.next_power_of_2(rank))
-    block_r = max(16, triton.next_power_of_2(rope))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
     out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
@@ -216,15 +283,19 @@ def mla_decode(
         mask_u8 = mask.reshape(s, rows, t)
         mask_u8 = (mask_u8.view(torch.uint8) if mask_u8.stride(2) == 1 else
                    mask_u8.to(torch.uint8).contiguous())
+    k1, k2, has_k2 = _chunks(half)
+    v1, v2, has_v2 = _chunks(width - half)
     _mla_attend[(s, tiles, splits)](
         q, q.stride(0), q.stride(1), k_pool, v_pool, k_pool.stride(0), v_pool.stride(0),
         index, index.stride(0), mask_u8, mask_u8.stride(0), mask_u8.stride(1),
         index if last is None else last, out, out.stride(0), out.stride(1), po, pml,
-        m, t, per, scale * math.log2(math.e), heads, rank, rope, half,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2,
-        BLOCK_C=block_c, BLOCK_R=block_r, BLOCK_ROWS=max(2, triton.next_power_of_2(rows)),
-        HAS_MASK=mask is not None, HAS_LAST=last is not None, SPLIT=splits > 1,
-        IEEE=q.dtype == torch.float32, num_warps=LAUNCH["num_warps"],
+        m, t, per, scale * math.log2(math.e), heads, RANK=rank, LAT=width, HALF=half,
+        K1=k1, K2=k2, V1=v1, V2=v2, HAS_K2=has_k2, HAS_V2=has_v2, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N if k_pool.element_size() <= 2 else BLOCK_N // 2, BLOCK_C=block_c,
+        BLOCK_ROWS=max(2, triton.next_power_of_2(rows)), HAS_MASK=mask is not None,
+        HAS_LAST=last is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+        OFF32=max(k_pool.shape[0] * k_pool.stride(0), v_pool.shape[0] * v_pool.stride(0))
+        < OFF32_LIMIT, num_warps=LAUNCH["num_warps"],
         **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}))
     if splits > 1:
         cols = min(COMBINE["cols"], block_c)

@@ -93,19 +93,21 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
-@pytest.mark.parametrize("rank,rope,rows,t,chunk", [
-    (32, 8, 1, 600, 256), (27, 8, 3, 600, 256), (512, 64, 1, 600, 256), (32, 8, 2, 2400, 256),
-    (32, 8, 2, 2400, 16)])
-def test_key_splits_combine(rank, rope, rows, t, chunk, monkeypatch):
+@pytest.mark.parametrize("rank,rope,rows,t,chunk,off32", [
+    (32, 8, 1, 600, 256, True), (27, 8, 3, 600, 256, True), (512, 64, 1, 600, 256, True),
+    (32, 8, 2, 2400, 256, True), (32, 8, 2, 2400, 16, True), (512, 64, 2, 600, 256, False)])
+def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, read by the
     combine in one load, or, splits of 64 keys on any device, in 3 loads of 16, the last part
-    empty), rows read through a
-    shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
+    empty; the pool addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
+    read through a shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
     the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
     too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
     from layersplit.shards.kernels import mla_decode as mod
 
     monkeypatch.setitem(mod.COMBINE, "splits", chunk)
+    if not off32:
+        monkeypatch.setattr(mod, "OFF32_LIMIT", 0)
     if chunk < 256:
         monkeypatch.setenv(SPLIT_ENV, "64")
     g = torch.Generator().manual_seed(0)
