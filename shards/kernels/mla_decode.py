@@ -41,17 +41,16 @@ BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek'
 # float32 latent rows, pipelined, asked 259,072 bytes of shared memory, past an H200's 232,448)
 # keys a split reads at least (a multiple of BLOCK_N): `key_split` spreads a step's keys over
 # enough programs to fill the GPU in whole runs of these. Each block of keys is one memory
-# latency in a program's loop, so a short context wants short splits: at 256 keys splits of 256
-# left one program looping over 8 blocks, 45 us a layer on an H200 (`bench/profile_decode.py
-# --model random:deepseek-v2-lite-shape --kv 256`); long contexts are split by the fill, each
-# split writing a partial of rows x kv_lora_rank floats. `bench/mla_attention.py --split-keys
-# 32,64,128 --warps 4,8` (H200, the whole attention stage of a layer at 2K / 8K / 32K keys):
-# 64 keys and 8 warps 42.1 / 56.3 / 99.3 us, the best or within 5 % of it at each length (32
-# and 4: 45.2 / 75.8 / 100.2; 128 and 8: 46.8 / 53.8 / 99.5)
+# latency in a program's loop, so a short context wants short splits; long contexts are split
+# by the fill, each split writing a partial of rows x kv_lora_rank floats. `bench/mla_attention.py
+# --split-keys 64,128,256 --warps 4,8 --block-keys 16,64` (H200, the whole attention stage of a
+# layer at 256 / 2K / 32K keys): splits of 64, 4 warps, blocks of 32 keys 34.6 / 35.9 / 56.5 us,
+# the best at each length (8 warps 36.3 / 37.6 / 71.7; blocks of 64 38.3 / 40.4 / 81.2; splits of
+# 256 49.0 / 50.0 / 58.7)
 SPLIT_KEYS = 64
-# launch shapes: the attention's warps per program; the combine's latent columns per program,
-# splits whose partials one load reads (at most), warps
-LAUNCH = {"num_warps": 8, "num_stages": None}  # (None: Triton's own)
+# launch shapes: the attention's warps per program (see SPLIT_KEYS); the combine's latent columns
+# per program, splits whose partials one load reads (at most), warps
+LAUNCH = {"num_warps": 4, "num_stages": None}  # (None: Triton's own)
 COMBINE = {"cols": 32, "splits": 256, "num_warps": 4}
 OFF32_LIMIT = 2**31  # pools of fewer values than this are addressed in int32 offsets
 
