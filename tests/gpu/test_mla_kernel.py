@@ -100,9 +100,10 @@ def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, read by the
     combine in one load, or, splits of 64 keys on any device, in 3 loads of 16, the last part
     empty; the pool addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
-    read through a shuffled pool index, a mask that hides the last keys: the kernel's latent output equals
-    the plain softmax over each sequence's latent rows. In float32, at DeepSeek's latent width
-    too (512 + 64: its keys' blocks once asked more shared memory than an H200 has)."""
+    read through a shuffled pool index, a mask that hides the last keys: the kernel's latent
+    output equals the plain softmax over each sequence's latent rows. In float32, at DeepSeek's
+    latent width too (512 + 64: its keys' blocks once asked more shared memory than an H200
+    has)."""
     from layersplit.shards.kernels import mla_decode as mod
 
     monkeypatch.setitem(mod.COMBINE, "splits", chunk)
