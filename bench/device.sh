@@ -570,7 +570,7 @@ stage_mla() {  # M4; MLA=parity,speed,kernel (default all: more than one call's 
   if has "$cases" kernel; then
     TAIL=20 run mla_kernel 150 $tests tests/gpu/test_mla_kernel.py
     row pytest "$RUNS/mla_kernel.log" --what "tests/gpu/test_mla_kernel.py" --cmd mla
-    TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 2048,8192,32768 \
+    TAIL=12 run mla_attention 150 python3 bench/mla_attention.py --keys 256,2048,8192,32768 \
       --json "$RUNS/mla_attention.json"
   fi
 }

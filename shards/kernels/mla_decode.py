@@ -18,9 +18,9 @@ times H heads (r = 1 in a decode step; a verify step's rows under their tree mas
 split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
 with one split a program writes its rows' output; with more, each writes its partial
 (unnormalized sum, running max and sum of weights, in log2 units) and `_mla_combine` merges
-them, a program per query row and run of the latent's columns, its splits read in one load (one
-split's partial is rows x kv_lora_rank floats: 8 MB at 32K keys, which loads a split at a time
-read at a latency each). A program reads keys
+them, a program per query row and run of the latent's columns, its splits read in one load (each
+split's partial is rows x kv_lora_rank floats, 8 MB in all at 32K keys, which loads of a split
+at a time read at a latency each). A program reads keys
 only up to the last row its sequence writes in the step (`last`: no query sees past it), so a
 graph captured for a bucket of keys costs a step the keys it has. Device tensors only: it runs
 inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path (on a CPU
@@ -221,8 +221,8 @@ def _mla_combine(
 ):
     """The key splits' partials merged, each weighted by exp2(its max - the overall max): one
     program per (sequence, latent columns, query row), each reading BLOCK_S splits' columns in
-    one load (a long context's partials are rows x kv_lora_rank floats a split: 8 MB at 32K
-    keys; read a split at a time, each load one memory latency, they bound the step)."""
+    one load (a long context's partials are rows x kv_lora_rank floats a split, 8 MB in all at
+    32K keys; read a split at a time, each load one memory latency, they bound the step)."""
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row = tl.program_id(2)

@@ -119,7 +119,7 @@ def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     q = torch.randn(s, rows * heads, rank + rope, generator=g).to(DEV)
     mask = torch.ones(s * rows, t, dtype=torch.bool)
     mask[:, t - 10:] = False
-    mask[1, 100:] = False  # (one row of the first sequence sees only 100 keys)
+    mask[1, 100:] = False  # (mask row 1, of the first sequence or the second, sees 100 keys)
     mask = mask.to(DEV)
     got = mod.mla_decode(q, pool[:, :half], pool[:, half:], index, mask, heads, rank, 0.3)
     lat = pool[index][..., :rank + rope]  # (S, T, L)
