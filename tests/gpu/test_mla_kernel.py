@@ -20,7 +20,6 @@ import torch
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.kernels import fused_kernels_available
-from layersplit.shards.kernels.decode_attention import SPLIT_ENV
 from layersplit.shards.layers.gemv_linear import linears_as_gemv
 from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH
 from layersplit.shards.layers.norm import norms_as_row_kernels
@@ -105,6 +104,7 @@ def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     latent width too (512 + 64: its keys' blocks once asked more shared memory than an H200
     has)."""
     from layersplit.shards.kernels import mla_decode as mod
+    from layersplit.shards.kernels.decode_attention import SPLIT_ENV
 
     monkeypatch.setitem(mod.COMBINE, "splits", chunk)
     if not off32:
