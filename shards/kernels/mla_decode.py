@@ -267,6 +267,12 @@ def mla_decode(
             last.shape != (s * rows,) or last.stride(0) != 1)):
         raise ValueError(f"mla_decode: queries {tuple(q.shape)} and index {tuple(index.shape)} "
                          f"need contiguous rows, `last` ({s * rows},) contiguous")
+    if not 0 < rank < width or not half < width <= 2 * half or \
+            k_pool.shape[-1] != v_pool.shape[-1] or k_pool.stride(-1) != 1 or \
+            v_pool.stride(-1) != 1:
+        raise ValueError(f"mla_decode: a latent row of {width} values (rank {rank} and the "
+                         f"rotary part) needs pool halves of {-(-width // 2)} contiguous values, "
+                         f"not {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
     block_c = max(16, triton.next_power_of_2(rank))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)

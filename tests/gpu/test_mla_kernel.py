@@ -207,7 +207,8 @@ def test_latent_rows_and_query_rotary_equal_the_torch_ops(heads, rank, rope, int
 
 def test_operands_of_the_wrong_shape_are_refused_by_name():
     """The MLA step's kernels refuse operands they would misread, before any launch: a `last`
-    of the wrong length, per-head matrices that do not match the rows, an odd rotary."""
+    of the wrong length, pool halves too narrow or too wide for the latent row, or strided,
+    per-head matrices that do not match the rows, an odd rotary."""
     from layersplit.shards.kernels.mla_decode import mla_decode
     from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows
 
@@ -217,6 +218,9 @@ def test_operands_of_the_wrong_shape_are_refused_by_name():
     with pytest.raises(ValueError, match="mla_decode.*last"):
         mla_decode(q, pool, pool, index, None, 4, 32, 0.3,
                    last=torch.zeros(3, dtype=torch.long, device=DEV))
+    for k_pool in (pool[:, :19], torch.randn(8, 40, device=DEV), pool.t().contiguous().t()):
+        with pytest.raises(ValueError, match="mla_decode: a latent row of 40 values"):
+            mla_decode(q, k_pool, pool, index, None, 4, 32, 0.3)
     with pytest.raises(ValueError, match="heads_matmul"):
         heads_matmul(torch.randn(2, 4, 16, device=DEV), torch.randn(4, 8, 32, device=DEV),
                      torch.empty(2, 4, 32, device=DEV))
