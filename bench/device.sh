@@ -27,7 +27,8 @@
 #             1 shard and 2 shards on cuda:0, runtime/check_prompts.jsonl; SPEC=auto_declined: auto
 #             and a policy that never speculates, greedy; SPEC=declined_long: that policy on
 #             1,024-token answers; SPEC=presence_streams: 8 streams under auto, that policy, and
-#             the draft loaded with nothing fed, S17); and the bench oracle
+#             the draft loaded with nothing fed, S17); SPEC=auto_alternate: auto and declined
+#             taking turns in one process, 5 rounds (no row); and the bench oracle
 #             at published draft sizes, random chain weights (`shards.random_weights`: their
 #             greedy tokens hold under any rounding) (SPEC=oracle8b,oracle8b_streams,oracle27b,
 #             oracle27b_split: Qwen3-8B at acceptance 6.3, batch 1 and 8 streams, 1 shard;
@@ -425,6 +426,12 @@ never speculates (declined)" --what "greedy, $n shard(s) on one GPU" --cmd "S15 
         --streams 8 --ignore-eos --json "$RUNS/spec_presence_streams_$n.json"
       row spec "$RUNS/spec_presence_streams_$n.json" --labels "spec_policy auto,declined,idle \
 (the draft loaded, nothing fed)" --what "8 streams, $n shard(s) on one GPU" --cmd "S17 ($layout)"
+    fi
+    if has "$cases" auto_alternate; then  # (auto and declined taking turns in one process, 5
+      # rounds: the policy's ratio without the spread between processes; no row, its log)
+      TAIL=16 run spec_auto_alternate_$n 300 python3 $spec --devices $layout --sets check \
+        --limit 24 --new-tokens 128 --repeat 5 --alternate auto,declined \
+        --json "$RUNS/spec_auto_alternate_$n.json"
     fi
     if has "$cases" auto_streams; then
       TAIL=14 run spec_auto_streams_$n 200 python3 $spec --devices $layout $auto --streams 8 \

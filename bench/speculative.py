@@ -48,6 +48,13 @@ same run; `idle` loads the draft and lets no sequence feed it (`spec_max_seqs` 0
 draft process's presence alone costs. `--sets check` takes
 the 56 chat prompts of `runtime/check_prompts.jsonl` (no draft's training saw them).
 
+`--alternate auto,declined` measures a policy against another in one process per draft: the two
+take turns, `--repeat` rounds, each round in the other order than the last (the measured policy
+keeps what it learnt), and the report is each round's ratio and their median. Plain decoding's
+speed differs between processes by up to 30 % on a small model (bench/RESULTS.md, S14), which
+the other modes' ratios carry; this one's does not, though it compares with plain steps that
+have the draft loaded (`declined`), not with a run without it.
+
 `--streams N` decodes the prompts N at a time in one continuous batch (`spec_max_seqs` N: each
 of them speculating with its own draft context, verified in batched steps), and reports the
 aggregate tok/s: every generated token over each group's wall time, prefill included (the same
@@ -79,6 +86,7 @@ from layersplit.runtime.speculative import SpecStats  # noqa: E402
 from layersplit.shards.sampling import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench.speculative")
+ALTERNATING = ("auto", "measured", "declined")  # `--alternate`: policies one process can switch
 UNSEEN = Path(__file__).resolve().parent / "prompts" / "unseen.jsonl"
 CHECK = Path(__file__).resolve().parents[1] / "runtime" / "check_prompts.jsonl"
 
@@ -101,9 +109,15 @@ def prompt_sets(names: list[str]) -> dict[str, list[list[dict]]]:
 def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
         draft_device: str | None = None, push: bool = True,
         sampling: str = "coupled", deterministic: bool = False,
-        micro_batches: int = 0, policy: str = "on") -> list[dict]:
+        micro_batches: int = 0, policy: str = "on",
+        alternate: tuple[str, ...] = ()) -> list[dict]:
     """One row per prompt set. `policy` `declined` (the bench's own): `measured`, with a policy
-    that never speculates (`declining`); `idle`: the draft loaded, no sequence feeding it."""
+    that never speculates (`declining`); `idle`: the draft loaded, no sequence feeding it.
+    `alternate` (`--alternate`): these policies (`ALTERNATING`) take turns in this one
+    process, `args.repeat` rounds, each round in the other order than the last: one row per
+    round, policy and set (`round`, `policy`)."""
+    if alternate:
+        policy = "measured"
     declined, idle = policy == "declined", policy == "idle"
     cfg = RuntimeConfig(model=args.model, devices=tuple(args.devices.split(",")), draft=draft,
                         draft_device=draft_device, dtype=args.dtype,
@@ -143,22 +157,43 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
                                  use_cache=False, speculative=[True] * min(args.streams,
                                                                            len(warm)))
         oracle = os.environ.get(ORACLE_ENV) if draft != "none" else None
-        for set_name, prompts in sets.items():
-            row = {"draft": name, "set": set_name, "kind": kind, "transport": transport}
-            plain = None if plain_tokens is None else plain_tokens[set_name]
-            for k in range(1, args.oracle_passes + 1 if oracle else 0):  # untimed
-                extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
-                         _measure_streams(coord, prompts, params, plain, args.streams))
-                added = add_to_oracle(oracle, prompts, extra["outputs"])
-                print(f"{name}, {set_name}: untimed oracle pass {k}: acceptance "
-                      f"{extra['acceptance_length'] or 0:.2f}, {added} new outputs in the table",
-                      flush=True)
-                if not added:  # (the table is what the next pass follows: it decodes the same)
-                    break
-            row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
-                       _measure_streams(coord, prompts, params, plain, args.streams))
-            row["prompt_ids"] = prompts
-            rows.append(row)
+        turns = [(1, policy)] if not alternate else [
+            (k + 1, pol) for k in range(args.repeat)
+            for pol in (alternate if k % 2 == 0 else alternate[::-1])]
+        measured = coord.spec_policy
+        for k, pol in turns:
+            if alternate:  # (the measured policy keeps what it learnt in its earlier turns)
+                coord.spec_policy = declining(measured) if pol == "declined" else measured
+                rows += _run_sets(coord, sets, params, plain_tokens, args, oracle,
+                                  {"draft": f"{Path(draft).name} policy={pol}", "kind": kind,
+                                   "transport": transport, "round": k, "policy": pol})
+            else:
+                rows += _run_sets(coord, sets, params, plain_tokens, args, oracle,
+                                  {"draft": name, "kind": kind, "transport": transport})
+    return rows
+
+
+def _run_sets(coord: Coordinator, sets: dict[str, list[list[int]]], params: SamplingParams,
+              plain_tokens: dict | None, args, oracle: str | None, fields: dict) -> list[dict]:
+    """One timed pass over each prompt set (after the oracle's untimed ones): a row each."""
+    rows = []
+    name = fields["draft"]
+    for set_name, prompts in sets.items():
+        row = {**fields, "set": set_name}
+        plain = None if plain_tokens is None else plain_tokens[set_name]
+        for k in range(1, args.oracle_passes + 1 if oracle else 0):  # untimed
+            extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                     _measure_streams(coord, prompts, params, plain, args.streams))
+            added = add_to_oracle(oracle, prompts, extra["outputs"])
+            print(f"{name}, {set_name}: untimed oracle pass {k}: acceptance "
+                  f"{extra['acceptance_length'] or 0:.2f}, {added} new outputs in the table",
+                  flush=True)
+            if not added:  # (the table is what the next pass follows: it decodes the same)
+                break
+        row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                   _measure_streams(coord, prompts, params, plain, args.streams))
+        row["prompt_ids"] = prompts
+        rows.append(row)
     return rows
 
 
@@ -390,6 +425,10 @@ def main() -> int:
                    "auto or measured (the policy chooses each step's size, or plain decoding), "
                    "declined (measured, never speculating: plain steps with the draft loaded), "
                    "idle (the draft loaded, no sequence feeding it: spec_max_seqs 0)")
+    p.add_argument("--alternate", default=None, help="two of auto, measured, declined: in one "
+                   "process per draft they take turns, --repeat rounds, each round in the "
+                   "other order; the first's tok/s over the second's, round by round (no "
+                   "difference between processes in the ratio)")
     p.add_argument("--json", default=None)
     p.add_argument("--log-policy", action="store_true", help="log each decision of the "
                    "speculation policy (its rates and measurements) on stderr")
@@ -401,6 +440,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     if args.log_policy:
         logging.getLogger("layersplit.runtime.spec_policy").setLevel(logging.DEBUG)
+    if args.alternate is not None:
+        return main_alternate(args)
     rows = []
     for rep in range(1, args.repeat + 1):
         base = run(args, "none", None)
@@ -488,6 +529,46 @@ def main() -> int:
             ratios = sorted(r["speedup"] for r in rows if r["draft"] == d and r["set"] == st)
             print(f"{d} ({st}): median {statistics.median(ratios):.2f} x plain over "
                   f"{len(ratios)} runs ({', '.join(f'{x:.2f}' for x in ratios)})")
+    return 0
+
+
+def main_alternate(args) -> int:
+    """`--alternate A,B`: plain decoding once (the outputs to compare with), then per draft one
+    process in which A and B take turns (`run`'s `alternate`); prints each round's A / B and
+    their median."""
+    pols = tuple(args.alternate.split(","))
+    if len(pols) != 2 or pols[0] == pols[1] or not set(pols) <= set(ALTERNATING):
+        raise SystemExit(f"--alternate {args.alternate}: two different ones of "
+                         f"{', '.join(ALTERNATING)}")
+    if args.oracle_acceptance is not None:
+        raise SystemExit("--alternate: not with --oracle-acceptance")
+    base = run(args, "none", None)
+    plain = {r["set"]: r["outputs"] for r in base}
+    rows = list(base)
+    for d in args.drafts.split(","):
+        rows += run(args, d, plain, alternate=pols)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    rate = "decode_phase_tok_s" if args.streams > 1 else "decode_tok_s"
+    print(f"\nmodel {args.model}, devices {args.devices}, prompt sets {args.sets}, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}, "
+          f"{pols[0]} and {pols[1]} taking turns in one process per draft")
+    print("| round | set | draft | tok/s | verify / plain steps | same as plain |\n"
+          "|---|---|---|---:|---|---:|")
+    for r in rows:
+        same = "-" if r["same_as_plain"] is None else f"{r['same_as_plain']}/{r['prompts']}"
+        steps = "-" if r["draft"] == "none" else f"{r['spec_rounds']} / {r['spec_off_steps']}"
+        print(f"| {r.get('round', '-')} | {r['set']} | {r['draft']} | {r[rate]:.1f} | {steps} "
+              f"| {same} |")
+    for d in args.drafts.split(","):
+        for st in dict.fromkeys(r["set"] for r in base):
+            by = {(r["round"], r["policy"]): r[rate] for r in rows
+                  if r.get("round") and r["set"] == st and r["draft"].startswith(Path(d).name)}
+            ratios = [by[(k, pols[0])] / by[(k, pols[1])]
+                      for k in range(1, args.repeat + 1) if (k, pols[0]) in by]
+            print(f"{Path(d).name} ({st}): {pols[0]} / {pols[1]} in one process: median "
+                  f"{statistics.median(ratios):.3f} over {len(ratios)} rounds "
+                  f"({', '.join(f'{x:.3f}' for x in ratios)})")
     return 0
 
 
