@@ -44,6 +44,11 @@ SHAPE = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-v
 BLOCK = 16
 
 
+def measure_keys(args, path: str) -> list[dict]:
+    """A row of `path` (the setting measured) at each of `--keys`."""
+    return [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
+
+
 def measure(args, keys: int) -> dict:
     """One row; where the kernel was asked for and failed to build (a launch shape Triton
     refuses), the layers turned it off for the process (`shards.layers.mla`): the row says so,
@@ -109,7 +114,7 @@ def _measure(args, keys: int) -> dict:
         if args.profile:  # (the graph's kernels, a replay's 27 layers each; `kernels` prints)
             from bench.profile_draft import kernels
 
-            print(f"--- {os.environ[MLA_KERNEL_SWITCH] == '1' and 'kernel' or 'torch'}, "
+            print(f"--- {'kernel' if os.environ[MLA_KERNEL_SWITCH] == '1' else 'torch'}, "
                   f"{keys} keys, {args.layers} layers a replay")
             row.update(kernels(f"stage_{keys}", graph.replay, dev, rows=12))
     per_layer = statistics.median(times)
@@ -147,7 +152,7 @@ def main() -> None:
 
     rows = []
     os.environ[MLA_KERNEL_SWITCH] = "0"
-    rows += [{"path": "torch", **measure(args, int(k))} for k in args.keys.split(",")]
+    rows += measure_keys(args, "torch")
     os.environ[MLA_KERNEL_SWITCH] = "1"
     default = (mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"])
     for split in (args.split_keys or str(default[0])).split(","):
@@ -155,24 +160,21 @@ def main() -> None:
             mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = int(split), int(warps)
             path = "kernel" if (int(split), int(warps)) == default else \
                 f"kernel, splits of {split}, {warps} warps"
-            rows += [{"path": path, **measure(args, int(k))} for k in args.keys.split(",")]
+            rows += measure_keys(args, path)
     mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
     for block in (args.block_keys.split(",") if args.block_keys else []):
         saved, mla_decode.BLOCK_N = mla_decode.BLOCK_N, int(block)
-        rows += [{"path": f"kernel, blocks of {block} keys", **measure(args, int(k))}
-                 for k in args.keys.split(",")]
+        rows += measure_keys(args, f"kernel, blocks of {block} keys")
         mla_decode.BLOCK_N = saved
     for stages in (args.stages.split(",") if args.stages else []):
         mla_decode.LAUNCH["num_stages"] = int(stages)
-        rows += [{"path": f"kernel, {stages} stages", **measure(args, int(k))}
-                 for k in args.keys.split(",")]
+        rows += measure_keys(args, f"kernel, {stages} stages")
     mla_decode.LAUNCH["num_stages"] = None
     combine = dict(mla_decode.COMBINE)
     for pair in (args.combine.split(",") if args.combine else []):
         cols, warps = (int(v) for v in pair.split(":"))
         mla_decode.COMBINE.update(cols=cols, num_warps=warps)
-        rows += [{"path": f"kernel, combine {cols} columns, {warps} warps", **measure(args, int(k))}
-                 for k in args.keys.split(",")]
+        rows += measure_keys(args, f"kernel, combine {cols} columns, {warps} warps")
     mla_decode.COMBINE.update(combine)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -162,14 +162,11 @@ def run(args, draft: str, plain_tokens: dict | None, tree: int | None = None,
             for pol in (alternate if k % 2 == 0 else alternate[::-1])]
         measured = coord.spec_policy
         for k, pol in turns:
+            fields = {"draft": name, "kind": kind, "transport": transport}
             if alternate:  # (the measured policy keeps what it learnt in its earlier turns)
                 coord.spec_policy = declining(measured) if pol == "declined" else measured
-                rows += _run_sets(coord, sets, params, plain_tokens, args, oracle,
-                                  {"draft": f"{Path(draft).name} policy={pol}", "kind": kind,
-                                   "transport": transport, "round": k, "policy": pol})
-            else:
-                rows += _run_sets(coord, sets, params, plain_tokens, args, oracle,
-                                  {"draft": name, "kind": kind, "transport": transport})
+                fields.update(draft=f"{Path(draft).name} policy={pol}", round=k, policy=pol)
+            rows += _run_sets(coord, sets, params, plain_tokens, args, oracle, fields)
     return rows
 
 
@@ -544,9 +541,8 @@ def main_alternate(args) -> int:
         raise SystemExit("--alternate: not with --oracle-acceptance")
     base = run(args, "none", None)
     plain = {r["set"]: r["outputs"] for r in base}
-    rows = list(base)
-    for d in args.drafts.split(","):
-        rows += run(args, d, plain, alternate=pols)
+    turns = {d: run(args, d, plain, alternate=pols) for d in args.drafts.split(",")}
+    rows = base + [r for rs in turns.values() for r in rs]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     rate = "decode_phase_tok_s" if args.streams > 1 else "decode_tok_s"
@@ -560,12 +556,10 @@ def main_alternate(args) -> int:
         steps = "-" if r["draft"] == "none" else f"{r['spec_rounds']} / {r['spec_off_steps']}"
         print(f"| {r.get('round', '-')} | {r['set']} | {r['draft']} | {r[rate]:.1f} | {steps} "
               f"| {same} |")
-    for d in args.drafts.split(","):
+    for d, rs in turns.items():
         for st in dict.fromkeys(r["set"] for r in base):
-            by = {(r["round"], r["policy"]): r[rate] for r in rows
-                  if r.get("round") and r["set"] == st and r["draft"].startswith(Path(d).name)}
-            ratios = [by[(k, pols[0])] / by[(k, pols[1])]
-                      for k in range(1, args.repeat + 1) if (k, pols[0]) in by]
+            by = {(r["round"], r["policy"]): r[rate] for r in rs if r["set"] == st}
+            ratios = [by[(k, pols[0])] / by[(k, pols[1])] for k in range(1, args.repeat + 1)]
             print(f"{Path(d).name} ({st}): {pols[0]} / {pols[1]} in one process: median "
                   f"{statistics.median(ratios):.3f} over {len(ratios)} rounds "
                   f"({', '.join(f'{x:.3f}' for x in ratios)})")
