@@ -142,7 +142,7 @@ def _mla_attend(
         n_rows = M // heads
         jr = tl.arange(0, BLOCK_ROWS)
         last = tl.max(tl.load(LAST + s * n_rows + jr, mask=jr < n_rows, other=0), 0)
-        hi = tl.minimum(hi, (last + 1).to(tl.int32))  # (the loop in int32, as its bounds)
+        hi = tl.minimum(hi, tl.minimum(last + 1, T).to(tl.int32))  # (int32, as its bounds)
     for t0 in range(lo, hi, BLOCK_N):
         keys = t0 + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
@@ -243,7 +243,8 @@ def _mla_combine(
         w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
         den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
         num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + d[None, :],
-                                           mask=here[:, None], other=0.0), 0)
+                                           mask=here[:, None] & (d < rank)[None, :],
+                                           other=0.0), 0)
     out = num / tl.where(den > 0, den, 1.0)
     tl.store(OUT + s * s_os + row * s_om + d, out.to(OUT.dtype.element_ty), mask=d < rank)
 
