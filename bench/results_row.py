@@ -368,10 +368,31 @@ def first(args) -> list[tuple[str, str, str]]:
     return rows
 
 
+def pdl_ab(args) -> list[tuple[str, str, str]]:
+    """Batch-1 decode with PDL on against off, same call: bench/decode.py or bench/moe.py
+    JSONs, the processes with PDL on named `*pdl1*`, those with it off `*pdl0*`; each file's
+    rate a process's median of its runs, each side's the median of its processes."""
+    sides: dict[str, list[float]] = {"pdl1": [], "pdl0": []}
+    model = ""
+    for path in args.files:
+        out = json.loads(Path(path).read_text())
+        r = out["rows"][0]
+        side = next(k for k in sides if k in Path(path).name)
+        sides[side].append(r.get("decode_tok_s_median", r["decode_tok_s"]))
+        model = shape(out["model"]) if "model" in out else \
+            MOE_SHAPES.get(out.get("shape"), out.get("shape")) + " shape"
+    on, off = median(sides["pdl1"]), median(sides["pdl0"])
+    return [(f"{model}, 1 shard, batch 1, PDL on" + (f", {args.what}" if args.what else ""),
+             f"**{on:.1f}** tok/s ({runs(sides['pdl1'])}): **{on / off:.3f} ×**",
+             f"PDL off (LAYERSPLIT_PDL=0) {off:.1f} ({runs(sides['pdl0'])}), same call, "
+             f"processes in turn")]
+
+
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
          "hop": hop, "spec": spec,
          "moe": moe, "concurrency": concurrency, "cache": cache, "structured": structured,
-         "startup": startup, "pytest": pytest_log, "agent": agent, "first": first}
+         "startup": startup, "pytest": pytest_log, "agent": agent, "first": first,
+         "pdl": pdl_ab}
 
 
 def main() -> int:

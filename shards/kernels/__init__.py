@@ -8,6 +8,7 @@ without a GPU). `LAYERSPLIT_FUSED_KERNELS=0` switches them off, so the compiled 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -68,6 +69,34 @@ def fp8_kernels_available(device: torch.device | str) -> bool:
         return False
     dev = torch.device(device)
     return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+# programmatic dependent launch of the decode kernels (`kernels.pdl`): on where it runs; 0: off
+PDL_SWITCH = "LAYERSPLIT_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_pdl(index: int) -> bool:
+    """Whether CUDA device `index` and this Triton launch kernels with PDL: NVIDIA, compute
+    capability 9.0 or later (Hopper), Triton 3.3 or later (`launch_pdl`, `gdc_wait`)."""
+    if torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the decode kernels on `device` launch with PDL (`kernels.pdl`): a CUDA device
+    where it runs (`_device_pdl`), unless `LAYERSPLIT_PDL=0`."""
+    if device.type != "cuda" or _off(PDL_SWITCH):
+        return False
+    return _device_pdl(torch.cuda.current_device() if device.index is None else device.index)
 
 
 _FAILED: set[str] = set()  # the kernels (by name) that failed once in this process

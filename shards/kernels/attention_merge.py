@@ -13,13 +13,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 BLOCK_ROWS = 16
 
 
 @triton.jit
 def _merge(O1, s1h, s1n, L1, sl1h, sl1n, O2, s2h, s2n, L2, sl2h, sl2n, OUT, s_out, n,
-           D: tl.constexpr, BLOCK_R: tl.constexpr):
+           D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     rb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # (n * H * D may pass 2**31)
@@ -51,5 +53,5 @@ def merge_attention(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
     _merge[(triton.cdiv(n, BLOCK_ROWS), h)](
         o1, o1.stride(1), o1.stride(2), l1, l1.stride(1), l1.stride(2),
         o2, o2.stride(1), o2.stride(2), l2, l2.stride(1), l2.stride(2),
-        out, out.stride(0), n, D=d, BLOCK_R=BLOCK_ROWS, num_warps=4)
+        out, out.stride(0), n, D=d, BLOCK_R=BLOCK_ROWS, num_warps=4, **pdl(o1))
     return out

@@ -48,6 +48,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 SPLIT_ENV = "LAYERSPLIT_ATTN_SPLIT_KEYS"  # keys per split (0: never split); unset: `key_split`
 BLOCK_N = 64  # keys per block of the inner loop (`block_n`: 128 where that is faster)
@@ -107,7 +108,9 @@ def _attend(
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_NORM: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     PAGED: tl.constexpr, KB: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     sp = tl.program_id(2) // M_TILES  # the key split
@@ -238,12 +241,14 @@ def _combine(
     NROWS: tl.constexpr, R: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, M_TILES: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr,
     HAS_SINKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Merge the key splits' partial results of `_attend` (one program per sequence, KV head
     and query tile). `SPLITS`: `splits` where it is at most `STATIC_SPLITS` (its loops
     unrolled, a compile per count), else 0: a loop over groups of GROUP (a long context's
     bucket count grows with its keys, and compiling 256 unrolled splits takes minutes; each
     group costs a memory latency, so the groups are large)."""
+    pdl_start(PDL)
     s = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     mt = tl.program_id(2)
@@ -406,12 +411,14 @@ def decode_attention(
         BLOCK_I=max(2, triton.next_power_of_2(n)), BLOCK_N=bn, HAS_NORM=has_norm,
         SPLIT=splits > 1, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
         KB=kb if tables is not None else 1, HAS_SINKS=sinks is not None, **_launch(),
-    )
+        **pdl(qkv),
+)
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](
             po, pml, out, out.stride(0), splits, qkv if sinks is None else sinks, NROWS=n, R=r,
             G=g, D=d, BLOCK_M=block_m, M_TILES=m_tiles,
             SPLITS=splits if splits <= STATIC_SPLITS else 0, GROUP=STATIC_SPLITS,
             HAS_SINKS=sinks is not None, num_warps=4,
-        )
+            **pdl(po),
+)
     return out

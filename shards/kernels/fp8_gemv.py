@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 from layersplit.shards.kernels.quant_planar import activations, epilogue, rms_scale
 
 MAX_ROWS = 16  # the most rows `fp8_gemv` takes; more: `layers.fp8_linear.fp8_matmul`
@@ -45,7 +46,9 @@ def launch_config(n: int, k: int, gate_up: bool = False) -> dict:
 @triton.jit
 def _fp8_gemv(X, s_x, NW, W, S, s_cols, B, R, s_r, Y, s_y, N, K, eps, BN, BK,
               NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
-              SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr = False):
+    pdl_start(PDL)
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
@@ -133,5 +136,5 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x if bias is None else bias, r, r.stride(0), out, out.stride(0), n, k,
         0.0 if norm is None else float(norm[1]), bn, bk, NORM=norm is not None,
         HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up, BLOCK_N=block_n,
-        **c)
+        **c, **pdl(x))
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 BLOCK_V = 8  # the state columns one program keeps (fla's choice for its recurrent kernel)
 
@@ -26,7 +27,8 @@ BLOCK_V = 8  # the state columns one program keeps (fla's choice for its recurre
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_rows(Q, K, V, G, BETA, H0, OUT, HS, T, scale,
                     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr):
+                    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid = tl.program_id(0).to(tl.int64)
     nv = tl.cdiv(DV, BV)
     i_v, i_nh = pid % nv, pid // nv
@@ -76,5 +78,5 @@ def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     _recurrent_rows[grid](
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
         beta.float().contiguous(), state.float().contiguous(), out, states, n, dk ** -0.5,
-        HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=1)
+        HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=1, **pdl(q))
     return out

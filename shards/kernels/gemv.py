@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from layersplit.shards.kernels import GEMV_ROWS_MAX
 from layersplit.shards.kernels.gemv_operands import checked_out
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 
 @triton.jit
@@ -44,7 +45,9 @@ def _chunk(P, offs_k, K, EVEN_K: tl.constexpr):
 def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-          FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False):
+          FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False,
+          PDL: tl.constexpr = False):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -98,9 +101,10 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
 def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """`_gemv` for a few rows (2 .. BLOCK_M) through the tensor cores (`tl.dot`): program
     (block of N, block of rows); the same prologue and epilogues, row by row."""
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -242,7 +246,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         _gemv[(triton.cdiv(n, block_n),)](
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, FLOAT32=wide,
-            NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None, **c)
+            NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None,
+            **c, **pdl(x))
         return y
     c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
                                 head=head))
@@ -252,5 +257,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
                          f"{block_m} x {block_n} x {block_k}")
     _gemm_rows[(triton.cdiv(n, block_n), triton.cdiv(rows, block_m))](
         x, x.stride(0), nw, w, b, r, r.stride(0), y, y.stride(0), rows, n, k, up, eps, **flags,
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **c)
+        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **c,
+        **pdl(x))
     return y

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from layersplit.shards.int4 import kept_layout_error
 from layersplit.shards.kernels.gemv_operands import check_launch, check_rows, checked_out
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 from layersplit.shards.kernels.quant_planar import (
     activations,
     epilogue,
@@ -101,7 +102,9 @@ def _chunk_dot(acc, W, Z, S, GI, rows, mask_n, offs_w, xs, offs_g, mask_g, KW, G
 def _int4_gemv(X, s_x, NW, W, Z, S, GI, B, R, s_r, Y, s_y, N, K, KW, G, F, eps, GS: tl.constexpr,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, HAS_GI: tl.constexpr, GROUPED: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+               PDL: tl.constexpr = False):
+    pdl_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
@@ -178,5 +181,5 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scale
         out.stride(0), n, k, k // 8, g, FIELD, 0.0 if norm is None else float(norm[1]), GS=group,
         NORM=norm is not None, HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
         HAS_GI=g_idx is not None, GROUPED=grouped, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub,
-        **c)
+        **c, **pdl(x))
     return out

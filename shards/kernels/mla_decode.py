@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.kernels.decode_attention import key_split
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
 BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
@@ -106,6 +107,7 @@ def _mla_attend(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_LAST: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, OFF32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Transposed, so that the keys are the dots' long side and the heads their short one: the
     scores (BLOCK_N keys x BLOCK_M query rows) are the key rows times the queries, and each
@@ -116,6 +118,7 @@ def _mla_attend(
     registers a thread, no spills, its loads pipelined; the first form (the queries as the
     dots' long side, whole rows read by two masked loads each) at 4 warps 255 and spills, so
     it ran at 8 warps (196), 73 us a layer at 32K keys against this form's 57."""
+    pdl_start(PDL)
     s = tl.program_id(0).to(tl.int64)
     mt = tl.program_id(1)
     sp = tl.program_id(2)
@@ -218,11 +221,13 @@ def _mla_combine(
     OUT, s_os, s_om,  # (S, M, rank): the normalized output
     m_pad, splits, rank,
     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The key splits' partials merged, each weighted by exp2(its max - the overall max): one
     program per (sequence, latent columns, query row), each reading BLOCK_S splits' columns in
     one load (a long context's partials are rows x kv_lora_rank floats a split, 8 MB in all at
     32K keys; read a split at a time, each load one memory latency, they bound the step)."""
+    pdl_start(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row = tl.program_id(2)
@@ -303,11 +308,11 @@ def mla_decode(
         HAS_LAST=last is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
         OFF32=max(k_pool.shape[0] * k_pool.stride(0), v_pool.shape[0] * v_pool.stride(0))
         < OFF32_LIMIT, num_warps=LAUNCH["num_warps"],
-        **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}))
+        **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}), **pdl(q))
     if splits > 1:
         cols = min(COMBINE["cols"], block_c)
         _mla_combine[(s, triton.cdiv(rank, cols), m)](
             po, pml, out, out.stride(0), out.stride(1), tiles * BLOCK_M, splits, rank,
             BLOCK_C=block_c, BLOCK_S=min(COMBINE["splits"], triton.next_power_of_2(splits)),
-            BLOCK_D=cols, num_warps=COMBINE["num_warps"])
+            BLOCK_D=cols, num_warps=COMBINE["num_warps"], **pdl(po))
     return out

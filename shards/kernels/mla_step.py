@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 
 @triton.jit
@@ -60,7 +61,9 @@ def _mla_rows(
     heads, rank, rope, half, latent,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     i = tl.program_id(0).to(tl.int64)
     cc = tl.arange(0, BLOCK_C)
     c_ok = cc < rank
@@ -122,7 +125,8 @@ def mla_rows(
         heads, rank, rope, half, width,
         BLOCK_C=triton.next_power_of_2(rank), BLOCK_R=max(2, triton.next_power_of_2(rope)),
         BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave, num_warps=4,
-    )
+        **pdl(a),
+)
 
 
 @triton.jit
@@ -132,7 +136,9 @@ def _heads_matmul(
     Y, s_yn, s_yh,  # y[i, h, j] at Y + i * s_yn + h * s_yh + j
     n, K, N,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     h = tl.program_id(0).to(tl.int64)
     jn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -172,4 +178,5 @@ def heads_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int
         BLOCK_M=block_m, BLOCK_K=min(128, max(16, triton.next_power_of_2(k))),
         BLOCK_N=max(16, min(block_n, triton.next_power_of_2(nn_))),
         IEEE=x.dtype == torch.float32, num_warps=4,
-    )
+        **pdl(x),
+)

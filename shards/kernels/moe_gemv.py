@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 # launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py)
 GATE_UP = {"BLOCK_I": 4, "BLOCK_K": 512, "num_warps": 2}
@@ -45,7 +46,8 @@ SUM_BLOCK = 1024
 @triton.jit
 def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.constexpr,
                  K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                 OSS: tl.constexpr):
+                 OSS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     p = tl.program_id(0)
     ib = tl.program_id(1)
     e = tl.load(IDS + p).to(tl.int64)
@@ -92,7 +94,8 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
 
 @triton.jit
 def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr,
-          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     p = tl.program_id(0)
     ob = tl.program_id(1)
     offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -119,7 +122,8 @@ def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl
 
 @triton.jit
 def _sum_k(Y, OUT, R, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
-           HAS_R: tl.constexpr = False):
+           HAS_R: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -153,19 +157,20 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](
         x, gate_up, ids, act, gu_bias, float(alpha), float(limit), H=h, WIDTH=i, K=k,
         BLOCK_I=gu["BLOCK_I"], BLOCK_K=gu["BLOCK_K"], OSS=oss is not None,
-        num_warps=gu["num_warps"])
+        num_warps=gu["num_warps"], **pdl(x))
     y = torch.empty((n * k, h), dtype=torch.promote_types(x.dtype, weights.dtype),
                     device=x.device)
     _down[(n * k, triton.cdiv(h, dn["BLOCK_O"]))](
         act, down, ids, rw, y, dn_bias, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"],
-        BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None, num_warps=dn["num_warps"])
+        BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None, num_warps=dn["num_warps"], **pdl(act))
     out = torch.empty_like(x)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
                                  not residual.is_contiguous()):
         raise ValueError(f"moe_gemv: residual {tuple(residual.shape)} {residual.dtype} is not "
                          f"the rows' {tuple(x.shape)} {x.dtype}, contiguous")
     _sum_k[(n, triton.cdiv(h, SUM_BLOCK))](y, out, x if residual is None else residual, H=h,
-                                           K=k, BLOCK=SUM_BLOCK, HAS_R=residual is not None)
+                                           K=k, BLOCK=SUM_BLOCK, HAS_R=residual is not None,
+                                           **pdl(y))
     return out
 
 
@@ -191,7 +196,9 @@ def oss_moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
 
 @triton.jit
 def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexpr,
-           K_POW2: tl.constexpr, NORM: tl.constexpr, SOFTMAX_TOP: tl.constexpr):
+           K_POW2: tl.constexpr, NORM: tl.constexpr, SOFTMAX_TOP: tl.constexpr,
+           PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, E_POW2)
     valid = offs < E
@@ -237,7 +244,7 @@ def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tenso
     n, e = logits.shape
     w, ids = _route_outputs(logits, top_k)
     _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
-                 K_POW2=triton.next_power_of_2(top_k), NORM=norm, SOFTMAX_TOP=False)
+                 K_POW2=triton.next_power_of_2(top_k), NORM=norm, SOFTMAX_TOP=False, **pdl(logits))
     return w, ids
 
 
@@ -249,7 +256,7 @@ def moe_route_softmax_top(logits: torch.Tensor,
     n, e = logits.shape
     w, ids = _route_outputs(logits, top_k)
     _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
-                 K_POW2=triton.next_power_of_2(top_k), NORM=False, SOFTMAX_TOP=True)
+                 K_POW2=triton.next_power_of_2(top_k), NORM=False, SOFTMAX_TOP=True, **pdl(logits))
     return w, ids
 
 
@@ -257,7 +264,8 @@ def moe_route_softmax_top(logits: torch.Tensor,
 def _route_grouped(LOGITS, BIAS, W, IDS, scaling, E: tl.constexpr, G: tl.constexpr,
                    EG: tl.constexpr, G_POW2: tl.constexpr, EG_POW2: tl.constexpr,
                    K: tl.constexpr, K_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   NORM: tl.constexpr):
+                   NORM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     gi = tl.arange(0, G_POW2)
     ji = tl.arange(0, EG_POW2)
@@ -312,7 +320,7 @@ def moe_route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
     _route_grouped[(n,)](
         logits.contiguous(), bias.contiguous(), w, ids, float(scaling), E=e, G=n_group, EG=eg,
         G_POW2=triton.next_power_of_2(n_group), EG_POW2=triton.next_power_of_2(eg), K=top_k,
-        K_POW2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group, NORM=norm)
+        K_POW2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group, NORM=norm, **pdl(logits))
     return w, ids
 
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from layersplit.shards.kernels.gemv_operands import check_launch, checked_out
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 from layersplit.shards.kernels.quant_planar import (
     PLANAR_QT,
     _half,
@@ -237,12 +238,13 @@ def _quant_gemv(X, s_x, NW, W, WW, row_bytes, B, R, s_r, Y, s_y, N, K, eps, E_ID
                 QT: tl.constexpr, SIZE: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
                 NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                 SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                SB: tl.constexpr):
+                SB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block of N outputs, row m): y[m, offs_n] = W[offs_n] . x[m] (+ b), 256 * SB
     columns at a time (`_chunk_dot`), with the prologue and epilogues of `kernels.gemv.
     _gemv`, rounded as it rounds them: NORM, the row's RMSNorm first; SILU, rows N + offs_n are
     the up half and y = SiLU(g) * u; HAS_R, a residual added; HAS_E, row m's weight is expert
     E_IDX[m]'s, rows E_IDX[m] * E_ROWS on of the stacked experts."""
+    pdl_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N
@@ -380,7 +382,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
             FIELD, 0.0 if norm is None else float(norm[1]), x if experts is None else experts[0],
             0 if experts is None else experts[1], **consts, NORM=norm is not None,
             HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
-            HAS_E=experts is not None, BLOCK_N=block_n, BLOCK_K=block_k, **c)
+            HAS_E=experts is not None, BLOCK_N=block_n, BLOCK_K=block_k, **c, **pdl(x))
         return out
     c = dict(cfg or {"BLOCK_N": 4, "num_warps": 4})
     block_n = c.pop("BLOCK_N")
@@ -398,7 +400,7 @@ def quant_gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: str,
         0 if experts is None else experts[1], QT=QT_IDS[qtype],
         SIZE=KEPT_TYPES[qtype].size, G=tile[0], L=tile[1], NORM=norm is not None,
         HAS_B=bias is not None, HAS_R=residual is not None, SILU=gate_up,
-        HAS_E=experts is not None, BLOCK_N=block_n, **c)
+        HAS_E=experts is not None, BLOCK_N=block_n, **c, **pdl(x))
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl_start
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 2**23: an integer below 2**23 OR-ed in is exact
 PLANAR_QT = {"Q4_K": 3, "Q5_K": 4, "Q6_K": 5}  # (the ids of `quant_gemv.QT_IDS`)
@@ -232,13 +233,14 @@ def _planar_gemv(X, s_x, NW, W16, W32, R4, B, R, s_r, Y, s_y, N, K, G, F, eps, E
                  QT: tl.constexpr, QH: tl.constexpr, SM: tl.constexpr, DW: tl.constexpr,
                  NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                  SILU: tl.constexpr, HAS_E: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """`quant_gemv._quant_gemv` over planar rows (4 R4 int32 words a row; QH / SM / DW the
     sections' byte offsets): program (block of BLOCK_N outputs, row m), BLOCK_K inputs (NG =
     BLOCK_K / 32 groups) an iteration; the loop walks groups, G = K / 32 of them. STAGES > 1:
     the loop's loads software-pipelined, STAGES - 1 chunks ahead (Triton copies them to shared
     memory asynchronously): a program's chunk alone is too few bytes in flight to cover the
     DRAM's latency when all programs are resident at once, as at batch 1 they are."""
+    pdl_start(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1).to(tl.int64)
     mask_n = offs_n < N

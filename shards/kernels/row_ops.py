@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 SILU_BLOCK = 1024
 
@@ -24,7 +25,8 @@ SILU_BLOCK = 1024
 @triton.jit
 def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
                   HAS_X: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-                  FLOAT_PRODUCT: tl.constexpr = False):
+                  FLOAT_PRODUCT: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < d
@@ -45,7 +47,9 @@ def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
 
 
 @triton.jit
-def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr):
+def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr,
+              PDL: tl.constexpr = False):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < f
@@ -58,12 +62,14 @@ def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, d, eps, ROWS, K_POOL, V_POOL, s_pool,
-             HAS_NORM: tl.constexpr, TO_POOL: tl.constexpr, BLOCK: tl.constexpr):
+             HAS_NORM: tl.constexpr, TO_POOL: tl.constexpr, BLOCK: tl.constexpr,
+             PDL: tl.constexpr = False):
     """One head of one row: program (row, head), heads [0, nh) the query's, the rest the
     key's; each torch op's rounding is kept (norm as `RMSNorm`, then x * cos and
     rotate_half(x) * sin each rounded, and their sum). With `TO_POOL` a key head's program
     also stores the rotated key and the row's value head, as they are, at pool row ROWS[row]
     of K_POOL and V_POOL (rows of s_pool elements)."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -130,7 +136,7 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
             h if w is None else w, h_out, h_out.stride(0),
             h if normed is None else normed, 0 if normed is None else normed.stride(0),
             d, float(eps), HAS_X=x is not None, HAS_W=w is not None, BLOCK=block,
-            FLOAT_PRODUCT=float_product, num_warps=4 if block <= 2048 else 8)
+            FLOAT_PRODUCT=float_product, num_warps=4 if block <= 2048 else 8, **pdl(h))
     return h_out, normed
 
 
@@ -159,7 +165,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, f, dtype=gu.dtype, device=gu.device)
     if n:
         _silu_mul[(n, triton.cdiv(f, SILU_BLOCK))](gu, gu.stride(0), out, out.stride(0), f,
-                                                   BLOCK=SILU_BLOCK, num_warps=4)
+                                                   BLOCK=SILU_BLOCK, num_warps=4, **pdl(gu))
     return out
 
 
@@ -200,7 +206,8 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nh: int, ng
                                q, k, nh, d, float(eps), rows, k_pool, v_pool, ng * d,
                                HAS_NORM=qn_w is not None, TO_POOL=pool is not None,
                                BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
-                               enable_fp_fusion=False)  # (x * cos + rot * sin: two roundings)
+                               enable_fp_fusion=False,  # (x * cos + rot * sin: two roundings)
+                               **pdl(qkv))
     return q, k
 
 
