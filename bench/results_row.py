@@ -380,7 +380,11 @@ def pdl_ab(args) -> list[tuple[str, str, str]]:
         side = next(k for k in sides if k in Path(path).name)
         sides[side].append(r.get("decode_tok_s_median", r["decode_tok_s"]))
         model = shape(out["model"]) if "model" in out else \
-            MOE_SHAPES.get(out.get("shape"), out.get("shape")) + " shape"
+            f"{MOE_SHAPES.get(out.get('shape'), out.get('shape'))} shape"
+    missing = [k for k, v in sides.items() if not v]
+    if missing:
+        raise ValueError(f"no {' or '.join(missing)} run among {args.files} (PDL on: *pdl1*, "
+                         f"off: *pdl0*)")
     on, off = median(sides["pdl1"]), median(sides["pdl0"])
     return [(f"{model}, 1 shard, batch 1, PDL on" + (f", {args.what}" if args.what else ""),
              f"**{on:.1f}** tok/s ({runs(sides['pdl1'])}): **{on / off:.3f} ×**",

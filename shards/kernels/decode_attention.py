@@ -412,7 +412,7 @@ def decode_attention(
         SPLIT=splits > 1, IEEE=qkv.dtype == torch.float32, PAGED=tables is not None,
         KB=kb if tables is not None else 1, HAS_SINKS=sinks is not None, **_launch(),
         **pdl(qkv),
-)
+    )
     if splits > 1:
         _combine[(n_seqs, g, m_tiles)](
             po, pml, out, out.stride(0), splits, qkv if sinks is None else sinks, NROWS=n, R=r,
@@ -420,5 +420,5 @@ def decode_attention(
             SPLITS=splits if splits <= STATIC_SPLITS else 0, GROUP=STATIC_SPLITS,
             HAS_SINKS=sinks is not None, num_warps=4,
             **pdl(po),
-)
+        )
     return out

@@ -126,7 +126,7 @@ def mla_rows(
         BLOCK_C=triton.next_power_of_2(rank), BLOCK_R=max(2, triton.next_power_of_2(rope)),
         BLOCK_H=triton.next_power_of_2(heads), INTERLEAVE=interleave, num_warps=4,
         **pdl(a),
-)
+    )
 
 
 @triton.jit
@@ -179,4 +179,4 @@ def heads_matmul(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_n: int
         BLOCK_N=max(16, min(block_n, triton.next_power_of_2(nn_))),
         IEEE=x.dtype == torch.float32, num_warps=4,
         **pdl(x),
-)
+    )

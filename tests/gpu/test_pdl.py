@@ -40,10 +40,13 @@ def test_a_chain_under_pdl_equals_the_plain_one(layers, monkeypatch):
                 for _ in range(layers)]
     norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(DEV, torch.bfloat16)
     x0 = torch.randn(1, k, generator=g).to(DEV, torch.bfloat16)
+    from layersplit.shards.kernels.pdl import pdl
+
     results = {}
     with torch.inference_mode():
         for mode in ("plain", "pdl"):
             monkeypatch.setenv(PDL_SWITCH, "1" if mode == "pdl" else "0")
+            assert bool(pdl(x0)) == (mode == "pdl")  # (the launches below take it, or not)
             eager = _chain(x0, weights, gate_ups, norm_w)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
