@@ -164,3 +164,32 @@ def test_missing_experts_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="gate_up_proj.*per-expert"):
         load_layer_range(open_checkpoint(path), 1, 2)
     assert load_layer_range(open_checkpoint(path), 0, 1).num_layers == 1
+
+
+@pytest.mark.parametrize("f,width", [(48, 24), (48, 16), (24, 24), (40, 24)])
+def test_shared_expert_chunks_sum_to_the_mlp(f, width):
+    """A shared expert cut into experts of the routed experts' width
+    (`grouped_moe.shared_expert_chunks`): their outputs' sum is the MLP's; a width that does
+    not divide the MLP's gives None."""
+    import torch.nn.functional as F
+    from layersplit.shards.layers.grouped_moe import shared_expert_chunks
+
+    g = torch.Generator().manual_seed(f + width)
+    h = 32
+    gate_up = torch.randn(2 * f, h, generator=g, dtype=torch.float64)
+    down = torch.randn(h, f, generator=g, dtype=torch.float64)
+    x = torch.randn(3, h, generator=g, dtype=torch.float64)
+    chunks = shared_expert_chunks(gate_up, down, width)
+    if f % width:
+        assert chunks is None
+        return
+    gu, dn = chunks
+    assert gu.shape == (f // width, 2 * width, h) and dn.shape == (f // width, h, width)
+
+    def swiglu(a, b):
+        gg, uu = F.linear(x, a).chunk(2, dim=-1)
+        return F.linear(F.silu(gg) * uu, b)
+
+    torch.testing.assert_close(sum(swiglu(a, b) for a, b in zip(gu, dn, strict=True)),
+                               swiglu(gate_up, down), rtol=1e-12, atol=1e-12)
+    assert shared_expert_chunks(gate_up[:-1], down, width) is None  # (not a gate/up pair)
