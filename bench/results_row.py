@@ -368,11 +368,12 @@ def first(args) -> list[tuple[str, str, str]]:
     return rows
 
 
-def pdl_ab(args) -> list[tuple[str, str, str]]:
-    """Batch-1 decode with PDL on against off, same call: bench/decode.py or bench/moe.py
-    JSONs, the processes with PDL on named `*pdl1*`, those with it off `*pdl0*`; each file's
-    rate a process's median of its runs, each side's the median of its processes."""
-    sides: dict[str, list[float]] = {"pdl1": [], "pdl0": []}
+def switch_ab(args) -> list[tuple[str, str, str]]:
+    """Batch-1 decode with a switch (`--what`, an environment variable) on against off, same
+    call: bench/decode.py or bench/moe.py JSONs, the processes with it on named `*ab1*`, those
+    with it off `*ab0*`; each file's rate a process's median of its runs, each side's the
+    median of its processes."""
+    sides: dict[str, list[float]] = {"ab1": [], "ab0": []}
     model = ""
     for path in args.files:
         out = json.loads(Path(path).read_text())
@@ -383,20 +384,20 @@ def pdl_ab(args) -> list[tuple[str, str, str]]:
             f"{MOE_SHAPES.get(out.get('shape'), out.get('shape'))} shape"
     missing = [k for k, v in sides.items() if not v]
     if missing:
-        raise ValueError(f"no {' or '.join(missing)} run among {args.files} (PDL on: *pdl1*, "
-                         f"off: *pdl0*)")
-    on, off = median(sides["pdl1"]), median(sides["pdl0"])
-    return [(f"{model}, 1 shard, batch 1, PDL on" + (f", {args.what}" if args.what else ""),
-             f"**{on:.1f}** tok/s ({runs(sides['pdl1'])}): **{on / off:.3f} ×**",
-             f"PDL off (LAYERSPLIT_PDL=0) {off:.1f} ({runs(sides['pdl0'])}), same call, "
-             f"processes in turn")]
+        raise ValueError(f"no {' or '.join(missing)} run among {args.files} (on: *ab1*, "
+                         f"off: *ab0*)")
+    on, off = median(sides["ab1"]), median(sides["ab0"])
+    var = args.what or "the switch"
+    return [(f"{model}, 1 shard, batch 1, {var}=1",
+             f"**{on:.1f}** tok/s ({runs(sides['ab1'])}): **{on / off:.3f} ×**",
+             f"{var}=0 {off:.1f} ({runs(sides['ab0'])}), same call, processes in turn")]
 
 
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
          "hop": hop, "spec": spec,
          "moe": moe, "concurrency": concurrency, "cache": cache, "structured": structured,
          "startup": startup, "pytest": pytest_log, "agent": agent, "first": first,
-         "pdl": pdl_ab}
+         "ab": switch_ab}
 
 
 def main() -> int:
