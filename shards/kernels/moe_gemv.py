@@ -202,13 +202,14 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
 @torch.library.custom_op("layersplit::moe_gemv", mutates_args=())
 def moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
-             shared_down: torch.Tensor | None = None) -> torch.Tensor:
+             shared_down: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[r, j] * down[e] @ (silu(g) * u), (g, u) = gate_up[e] @ x[r], e = idx[r, j]:
     `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I); with
     `shared_gate_up` (S, 2I, H) and `shared_down` (S, H, I), ids E .. E + S - 1 name those
-    (`run_gemv`'s `shared`)."""
+    (`run_gemv`'s `shared`); `residual` (n, H): added to the sum (`run_gemv`'s)."""
     shared = None if shared_gate_up is None else (shared_gate_up, shared_down)
-    return run_gemv(x, weights, idx, gate_up, down, shared=shared)
+    return run_gemv(x, weights, idx, gate_up, down, shared=shared, residual=residual)
 
 
 @torch.library.custom_op("layersplit::oss_moe_gemv", mutates_args=())
@@ -377,7 +378,7 @@ moe_route.register_fake(_fake_route)
 
 
 @moe_gemv.register_fake
-def _(x, weights, idx, gate_up, down, shared_gate_up=None, shared_down=None):
+def _(x, weights, idx, gate_up, down, shared_gate_up=None, shared_down=None, residual=None):
     return torch.empty_like(x)
 
 

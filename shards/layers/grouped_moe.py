@@ -158,13 +158,17 @@ class GroupedMoE(nn.Module):
                       chunks[0].shape[0], dn.shape[2])
         return chunks
 
-    def _few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _few_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
         """A few rows on a GPU with `shared_chunks`: the routing kernel's k experts and the
-        shared chunks, all in the experts' kernels (four launches after the router's GEMV);
-        None where a kernel failed once (the other path then runs)."""
+        shared chunks, all in the experts' kernels (four launches after the router's GEMV),
+        `residual` added in the last; None where a kernel failed once (the other path then
+        runs)."""
         gu, dn = self.experts.gate_up_proj, self.experts.down_proj
         if not routed_moe._gemv_applies(x, gu, dn) or kernel_failed("MoE routing") or \
-                kernel_failed("MoE GEMV") or self.gate.weight.shape[0] % self.n_group:
+                kernel_failed("MoE GEMV") or self.gate.weight.shape[0] % self.n_group or \
+                (residual is not None and not (residual.shape == x.shape and
+                                               residual.dtype == x.dtype and
+                                               residual.is_contiguous())):
             return None
         kernels = routed_moe._kernels
         logits = router_logits(x, self.gate.weight)
@@ -174,11 +178,16 @@ class GroupedMoE(nn.Module):
         if got is None:
             return None
         return try_kernel("MoE GEMV", kernels.moe_gemv, x, got[0], got[1], gu, dn,
-                          *self.shared_chunks)
+                          *self.shared_chunks, residual)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    ADDS_RESIDUAL = True  # (`forward`'s residual: the decoder layer's add, `llama.DecoderLayer`)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' and shared experts' output for rows `x`, plus `residual` where given
+        (the layer's residual stream: on a few rows' kernel path, added in their last launch;
+        else as the layer added it, after the MoE's own sum)."""
         if self.shared_chunks is not None and routed_moe.few_rows_kernels(x):
-            out = self._few_rows(x)
+            out = self._few_rows(x, residual)
             if out is not None:
                 return out
         w, idx = route_grouped(x, self.gate.weight, self.gate.e_score_correction_bias,
@@ -187,4 +196,4 @@ class GroupedMoE(nn.Module):
         out = self.experts(x, w, idx)
         if self.shared_experts is not None:
             out = self.shared_experts(x, residual=out)  # (out + shared(x))
-        return out
+        return out if residual is None else residual + out

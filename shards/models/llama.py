@@ -32,4 +32,6 @@ class DecoderLayer(nn.Module):
             raise SegmentsRefused("this layer runs several sequences' eager steps one by one")
         a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         h, normed = self.post_attention_layernorm.add_forward(h, a)  # (h + a, its norm)
+        if getattr(self.mlp, "ADDS_RESIDUAL", False):  # (the add in the MLP's last launch)
+            return self.mlp(normed, residual=h)
         return h + self.mlp(normed)

@@ -257,6 +257,8 @@ def test_shared_chunks_in_the_experts_kernels_equal_the_shared_mlp(dtype, rows):
     routed = moe_gemv(x, w[:, :k].contiguous(), idx[:, :k].contiguous(), gu, dn)
     want = routed.float() + _swiglu(sgu.float(), sdn.float(), x.float())
     assert near(got, want, 1e-5 if dtype == torch.float32 else 0.02)
+    r = torch.randn(rows, h, generator=g, device=KERNEL_DEV).to(dtype)  # (the layer's residual)
+    assert torch.equal(moe_gemv(x, w, idx, gu, dn, *chunks, r), r + got)
     with pytest.raises(ValueError, match="shared experts"):  # (a chunk of another width)
         moe_gemv(x, w, idx, gu, dn, chunks[0][:, :-2].contiguous(), chunks[1])
 
@@ -286,6 +288,8 @@ def test_grouped_moe_runs_its_shared_expert_in_the_experts_kernels(monkeypatch):
     moe = made()
     assert moe.shared_chunks is not None and moe.shared_chunks[0].shape[0] == 2
     got = moe(x)
+    r = torch.randn(1, 2048, generator=g, device=KERNEL_DEV).to(torch.bfloat16)
+    assert torch.equal(moe(x, residual=r), r + got)  # (added in the last launch, as torch adds)
     monkeypatch.setenv(grouped_moe.SHARED_AS_EXPERTS, "0")
     apart = made()
     assert apart.shared_chunks is None
