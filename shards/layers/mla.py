@@ -212,7 +212,7 @@ class MLAttention(nn.Module):
         takes ~30. None where a kernel failed to build (the torch path then runs, from now
         on)."""
         from layersplit.shards.kernels.mla_decode import mla_decode
-        from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows
+        from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows, rows_and_queries
 
         n, nh = x.shape[0], self.num_heads
         try:
@@ -221,10 +221,15 @@ class MLAttention(nn.Module):
             k_pool, v_pool, write, read = kv.pool_index(layer, slot, step)
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
             norm = self.kv_a_layernorm
-            mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
-                     q[..., self.nope:], q_row, self.interleave)
             w_uk, w_uv = self._kv_b()
-            heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
+            if _rows_fused():  # (one launch: the latent rows and the whole query rows)
+                rows_and_queries(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0],
+                                 v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk,
+                                 q_row, self.interleave)
+            else:
+                mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
+                         q[..., self.nope:], q_row, self.interleave)
+                heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
             s = read.shape[0]
             last = step.positions if step.rows is None else step.rows
             o_lat = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
@@ -242,6 +247,14 @@ class MLAttention(nn.Module):
 
 
 MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPUs too
+# 0: the latent rows (`mla_step.mla_rows`) and W_UK's products (`heads_matmul`) in two launches,
+# not one (`mla_step.rows_and_queries`)
+MLA_ROWS_SWITCH = "LAYERSPLIT_MLA_FUSED_ROWS"
+
+
+def _rows_fused() -> bool:
+    return os.environ.get(MLA_ROWS_SWITCH, "1").strip().lower() not in ("0", "false", "off",
+                                                                       "no")
 _KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
 
 

@@ -205,6 +205,46 @@ def test_latent_rows_and_query_rotary_equal_the_torch_ops(heads, rank, rope, int
     assert not k_dev.cpu()[untouched].any() and not v_dev.cpu()[untouched].any()
 
 
+@pytest.mark.parametrize("n,heads,rank,rope,nope,interleave", [
+    (1, 16, 512, 64, 128, False),  # (DeepSeek-V2-Lite's decode row)
+    (3, 4, 27, 6, 8, True),  # (an odd latent width)
+    (17, 3, 32, 8, 16, False)])  # (rows past one block of 16)
+def test_rows_and_queries_in_one_launch_equal_the_two(n, heads, rank, rope, nope, interleave):
+    """`mla_step.rows_and_queries` writes the same latent rows and query rows, bit for bit, as
+    `mla_rows` and `heads_matmul` (W_UK) in two launches."""
+    from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows, rows_and_queries
+
+    g = torch.Generator().manual_seed(n + heads)
+    latent = rank + rope
+    half = -(-latent // 2)
+    dt = torch.float32 if DEV == "cpu" else torch.bfloat16
+    to = {"device": DEV, "dtype": dt}
+    a = torch.randn(n, latent, generator=g).to(**to)
+    q = torch.randn(n, heads, nope + rope, generator=g).to(**to)  # (q_nope, then q_pe)
+    w_uk = (torch.randn(heads, nope, rank, generator=g) * nope ** -0.5).to(**to)
+    nw = torch.randn(rank, generator=g).to(**to)
+    ang = torch.rand(n, rope // 2, generator=g) * 6
+    cos = torch.cat([ang, ang], -1).cos().to(**to)
+    sin = torch.cat([ang, ang], -1).sin().to(**to)
+    write = torch.randperm(2 * n + 3, generator=g)[:n].to(DEV)
+    outs = []
+    for fused in (False, True):
+        k_pool = torch.zeros(2 * n + 3, half, **to)
+        v_pool = torch.zeros(2 * n + 3, half, **to)
+        q_row = torch.full((n, heads, latent), 7.0, **to)
+        if fused:
+            rows_and_queries(a, nw, 1e-6, cos, sin, write, k_pool, v_pool, q[..., nope:],
+                             q[..., :nope], w_uk, q_row, interleave)
+        else:
+            mla_rows(a, nw, 1e-6, cos, sin, write, k_pool, v_pool, q[..., nope:], q_row,
+                     interleave)
+            heads_matmul(q[..., :nope], w_uk, q_row[..., :rank])
+        outs.append((k_pool, v_pool, q_row))
+    for two, one in zip(*outs, strict=True):
+        assert torch.equal(one, two)
+    assert not (outs[1][2] == 7.0).any()  # (every value of the query rows written)
+
+
 def test_operands_of_the_wrong_shape_are_refused_by_name():
     """The MLA step's kernels refuse operands they would misread, before any launch: a `last`
     of the wrong length, pool halves too narrow or too wide for the latent row, or strided,
