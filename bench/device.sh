@@ -43,10 +43,10 @@
 #   mla       the DeepSeek-V2-Lite-width MLA shape (deepseek_v3): parity against transformers
 #             float32, batch 1 next to its HBM floor and 8 streams, the MLA decode kernel's test
 #             and its attention to 32K keys (MLA=parity,speed,kernel; default all)
-#   ab        D4: a switch's on against off, AB_VAR=1 / 0 (default LAYERSPLIT_PDL: programmatic
-#             dependent launch), processes in turn, twice each: the DeepSeek-V2-Lite-width and
-#             Llama-8B shapes' batch 1, and for PDL bench/pdl_chain.py's chains of kernels
-#             (AB_RUNS=chain,moe,dense; default all)
+#   ab        D4: a switch's on against off, VAR=1 / 0 for each VAR of AB_VAR (comma-separated;
+#             default LAYERSPLIT_PDL: programmatic dependent launch), processes in turn, twice
+#             each: the DeepSeek-V2-Lite-width and Llama-8B shapes' batch 1, and for PDL
+#             bench/pdl_chain.py's chains of kernels (AB_RUNS=chain,moe,dense; default all)
 #   families  the gpt-oss-20b and GLM-4.5-Air shapes: parity against transformers float32 (4
 #             layers), batch 1 next to the active-parameter floor and 8 streams (GLM: 16 layers)
 #             (FAMILY_RUNS=parity,oss,glm; default all); FAMILY_DTYPE: ours in the parity runs
@@ -586,26 +586,28 @@ stage_mla() {  # M4; MLA=parity,speed,kernel (default all: more than one call's 
   fi
 }
 
-stage_ab() {  # D4 (AB_VAR, default LAYERSPLIT_PDL; AB_RUNS=chain,moe,dense; default all)
-  local var=${AB_VAR:-LAYERSPLIT_PDL} runs=${AB_RUNS:-chain,moe,dense} i p
-  if has "$runs" chain && [ "$var" = LAYERSPLIT_PDL ]; then
-    TAIL=12 run pdl_chain 90 python3 bench/pdl_chain.py --json "$RUNS/pdl_chain.json"
-  fi
-  for i in 1 2; do
-    for p in 0 1; do
-      if has "$runs" moe; then
-        TAIL=6 run "moe_ab${p}_$i" 40 env "$var=$p" python3 bench/moe.py \
-          --shape deepseek-v2-lite --layouts cuda:0 --streams 8 --repeats 3 \
-          --json "$RUNS/moe_ab${p}_$i.json"
-      fi
-      if has "$runs" dense; then
-        TAIL=6 run "l8b_ab${p}_$i" 60 env "$var=$p" python3 $l8b --layouts cuda:0 \
-          --json "$RUNS/l8b_ab${p}_$i.json"
-      fi
+stage_ab() {  # D4 (AB_VAR: switches, comma-separated, default LAYERSPLIT_PDL; AB_RUNS)
+  local vars=${AB_VAR:-LAYERSPLIT_PDL} runs=${AB_RUNS:-chain,moe,dense} var i p
+  for var in ${vars//,/ }; do
+    if has "$runs" chain && [ "$var" = LAYERSPLIT_PDL ]; then
+      TAIL=12 run pdl_chain 90 python3 bench/pdl_chain.py --json "$RUNS/pdl_chain.json"
+    fi
+    for i in 1 2; do
+      for p in 0 1; do
+        if has "$runs" moe; then
+          TAIL=6 run "moe_${var}_ab${p}_$i" 40 env "$var=$p" python3 bench/moe.py \
+            --shape deepseek-v2-lite --layouts cuda:0 --streams 8 --repeats 3 \
+            --json "$RUNS/moe_${var}_ab${p}_$i.json"
+        fi
+        if has "$runs" dense; then
+          TAIL=6 run "l8b_${var}_ab${p}_$i" 60 env "$var=$p" python3 $l8b --layouts cuda:0 \
+            --json "$RUNS/l8b_${var}_ab${p}_$i.json"
+        fi
+      done
     done
+    has "$runs" moe && row ab "$RUNS"/moe_"${var}"_ab*.json --what "$var" --cmd D4
+    has "$runs" dense && row ab "$RUNS"/l8b_"${var}"_ab*.json --what "$var" --cmd D4
   done
-  has "$runs" moe && row ab "$RUNS"/moe_ab*.json --what "$var" --cmd D4
-  has "$runs" dense && row ab "$RUNS"/l8b_ab*.json --what "$var" --cmd D4
 }
 
 stage_families() {  # F1-F3 (parity against transformers float32, then decode speed)

@@ -370,10 +370,10 @@ def first(args) -> list[tuple[str, str, str]]:
 
 def switch_ab(args) -> list[tuple[str, str, str]]:
     """Batch-1 decode with a switch (`--what`, an environment variable) on against off, same
-    call: bench/decode.py or bench/moe.py JSONs, the processes with it on named `*ab1*`, those
-    with it off `*ab0*`; each file's rate a process's median of its runs, each side's the
+    call: bench/decode.py or bench/moe.py JSONs, the processes with it on named `*_ab1_*`,
+    those with it off `*_ab0_*`; each file's rate a process's median of its runs, each side's the
     median of its processes."""
-    sides: dict[str, list[float]] = {"ab1": [], "ab0": []}
+    sides: dict[str, list[float]] = {"_ab1_": [], "_ab0_": []}
     model = ""
     for path in args.files:
         out = json.loads(Path(path).read_text())
@@ -384,13 +384,13 @@ def switch_ab(args) -> list[tuple[str, str, str]]:
             f"{MOE_SHAPES.get(out.get('shape'), out.get('shape'))} shape"
     missing = [k for k, v in sides.items() if not v]
     if missing:
-        raise ValueError(f"no {' or '.join(missing)} run among {args.files} (on: *ab1*, "
-                         f"off: *ab0*)")
-    on, off = median(sides["ab1"]), median(sides["ab0"])
+        raise ValueError(f"no {' or '.join(missing)} run among {args.files} (on: *_ab1_*, "
+                         f"off: *_ab0_*)")
+    on, off = median(sides["_ab1_"]), median(sides["_ab0_"])
     var = args.what or "the switch"
     return [(f"{model}, 1 shard, batch 1, {var}=1",
-             f"**{on:.1f}** tok/s ({runs(sides['ab1'])}): **{on / off:.3f} ×**",
-             f"{var}=0 {off:.1f} ({runs(sides['ab0'])}), same call, processes in turn")]
+             f"**{on:.1f}** tok/s ({runs(sides['_ab1_'])}): **{on / off:.3f} ×**",
+             f"{var}=0 {off:.1f} ({runs(sides['_ab0_'])}), same call, processes in turn")]
 
 
 KINDS = {"decode": decode, "split": split, "prefill": prefill, "llamacpp": llamacpp_row,
