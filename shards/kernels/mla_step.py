@@ -268,7 +268,8 @@ def rows_and_queries(
     n, width = a.shape
     rank, rope, heads, half = _rows_checked("rows_and_queries", a, norm_weight, cos, sin,
                                             k_pool, v_pool, q_pe, q_out)
-    if w_uk.shape[2] != rank or q_out.shape[2] != width or q_pe.shape[:2] != (n, heads):
+    if w_uk.shape[2] != rank or q_out.shape[2] != width or q_pe.shape[:2] != (n, heads) or \
+            q_nope.shape[:2] != (n, heads):
         raise ValueError(f"rows_and_queries: W_UK {tuple(w_uk.shape)} and query rows "
                          f"{tuple(q_out.shape)} do not fit latent rows of {width} (rank {rank})")
     grid, shape = _heads_launch("rows_and_queries", q_nope, w_uk, q_out, block_n, wider=True)

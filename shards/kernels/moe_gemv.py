@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 # launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py)
@@ -44,18 +45,21 @@ SUM_BLOCK = 1024
 
 
 @triton.jit
-def _expert(W, W2, e, E_ROUTED, size, HAS_W2: tl.constexpr):
-    """Expert e's weights: W's e-th, or with HAS_W2 and e >= E_ROUTED, W2's (e - E_ROUTED)-th
-    (a shared expert's chunks, `run_gemv`'s `shared`)."""
+def _expert(W, W2, e, E_ROUTED, size, size2, stride, stride2, HAS_W2: tl.constexpr):
+    """(Where expert e's weights start, a stride): W + e * size and `stride`; with HAS_W2 and e
+    >= E_ROUTED, chunk c = e - E_ROUTED of the shared MLP's weight W2 (`run_gemv`'s `shared`),
+    W2 + c * size2 and `stride2`."""
     if HAS_W2:
-        return tl.where(e < E_ROUTED, W + e * size, W2 + (e - E_ROUTED) * size)
-    return W + e * size
+        routed = e < E_ROUTED
+        return (tl.where(routed, W + e * size, W2 + (e - E_ROUTED) * size2),
+                tl.where(routed, stride, stride2))
+    return W + e * size, stride
 
 
 @triton.jit
 def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.constexpr,
                  K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                 OSS: tl.constexpr, W2=None, E_ROUTED=0, HAS_W2: tl.constexpr = False,
+                 OSS: tl.constexpr, W2=None, E_ROUTED=0, F2=0, HAS_W2: tl.constexpr = False,
                  PDL: tl.constexpr = False):
     pdl_start(PDL)
     p = tl.program_id(0)
@@ -64,13 +68,15 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
     t = p // K
     offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < WIDTH
+    # (the up rows `up` rows after the gate's: an expert's I; the shared MLP's F2, W2's chunk
+    # c its gate rows c * I .. and up rows F2 + c * I ..)
+    base, up = _expert(W, W2, e, E_ROUTED, 2 * WIDTH * H, WIDTH * H, WIDTH, F2, HAS_W2)
     if OSS:  # gpt-oss: gate and up rows interleaved (2i, 2i + 1)
         rows_g = 2 * offs_i
         rows_u = 2 * offs_i + 1
     else:  # the gate's I rows, then the up's
         rows_g = offs_i
-        rows_u = WIDTH + offs_i
-    base = _expert(W, W2, e, E_ROUTED, 2 * WIDTH * H, HAS_W2)
+        rows_u = up + offs_i
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_K):
@@ -104,7 +110,7 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
 
 @triton.jit
 def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr,
-          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, W2=None, E_ROUTED=0,
+          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, W2=None, E_ROUTED=0, F2=0,
           HAS_W2: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     p = tl.program_id(0)
@@ -113,13 +119,14 @@ def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl
     mask_o = offs_o < H
     e = tl.load(IDS + p).to(tl.int64)
     rw = tl.load(RW + p).to(tl.float32)
-    base = _expert(W, W2, e, E_ROUTED, H * WIDTH, HAS_W2)
+    # (rows of an expert's I values; the shared MLP's of F2, W2's chunk c its columns c * I ..)
+    base, row = _expert(W, W2, e, E_ROUTED, H * WIDTH, WIDTH, WIDTH, F2, HAS_W2)
     acc = tl.zeros([BLOCK_O], dtype=tl.float32)
     for i0 in range(0, WIDTH, BLOCK_K):
         offs_i = i0 + tl.arange(0, BLOCK_K)
         mask_i = offs_i < WIDTH
         a = tl.load(A + p * WIDTH + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-        w = tl.load(base + offs_o[:, None] * WIDTH + offs_i[None, :],
+        w = tl.load(base + offs_o[:, None] * row + offs_i[None, :],
                     mask=mask_o[:, None] & mask_i[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     dt = A.dtype.element_ty  # (the projection rounds to the activations' dtype; Y's is the
@@ -157,9 +164,10 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     `oss`: gpt-oss's experts, (gate/up bias (E, 2I), down bias (E, H), alpha, limit), their
     gate and up rows interleaved in `gate_up`. `residual` (n, H) of x's dtype: added to the
     experts' sum in its last launch (`fused.FusedDecode._moe_row`: the layer's output).
-    `shared`: (gate/up (S, 2I, H), down (S, H, I)), experts E .. E + S - 1 after `gate_up` and
-    `down`'s E (a shared expert cut into chunks of I, `grouped_moe.GroupedMoE`), which `idx`
-    may name."""
+    `shared`: a shared SwiGLU MLP's fused gate/up (2F, H) (the gate's F rows, then the up's)
+    and down (H, F) weights, F a multiple of I, read in place as F / I more experts E .. after
+    `gate_up` and `down`'s E (chunk c: gate rows c * I .., up rows F + c * I .., down columns
+    c * I ..; `grouped_moe.GroupedMoE`), which `idx` may name."""
     gu, dn = gate_up_cfg or GATE_UP, down_cfg or DOWN
     n, h = x.shape
     k = idx.shape[1]
@@ -168,15 +176,14 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     ids = idx.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
     gu_bias, dn_bias, alpha, limit = oss if oss is not None else (x, x, 0.0, 0.0)
-    if shared is not None and (shared[0].shape[1:] != gate_up.shape[1:] or
-                               shared[1].shape[1:] != down.shape[1:] or
-                               shared[0].dtype != gate_up.dtype or
-                               shared[1].dtype != down.dtype or
-                               not (shared[0].is_contiguous() and shared[1].is_contiguous())):
-        raise ValueError(f"moe_gemv: shared experts {tuple(shared[0].shape)}, "
-                         f"{tuple(shared[1].shape)} are not shaped as the experts "
-                         f"{tuple(gate_up.shape)}, {tuple(down.shape)} (contiguous, same dtype)")
-    w2 = {} if shared is None else {"E_ROUTED": down.shape[0], "HAS_W2": True}
+    w2 = {}
+    if shared is not None:
+        if shared_chunks(shared[0], shared[1], i) is None or shared[0].dtype != gate_up.dtype \
+                or shared[1].dtype != down.dtype or oss is not None:
+            raise ValueError(f"moe_gemv: shared experts {tuple(shared[0].shape)}, "
+                             f"{tuple(shared[1].shape)} are no gate/up (2F, H) and down (H, F) "
+                             f"of the experts' dtype, contiguous, F a multiple of their {i}")
+        w2 = {"E_ROUTED": down.shape[0], "F2": shared[1].shape[1], "HAS_W2": True}
     act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](
         x, gate_up, ids, act, gu_bias, float(alpha), float(limit), H=h, WIDTH=i, K=k,
@@ -205,9 +212,11 @@ def moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
              shared_down: torch.Tensor | None = None,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[r, j] * down[e] @ (silu(g) * u), (g, u) = gate_up[e] @ x[r], e = idx[r, j]:
-    `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I); with
-    `shared_gate_up` (S, 2I, H) and `shared_down` (S, H, I), ids E .. E + S - 1 name those
-    (`run_gemv`'s `shared`); `residual` (n, H): added to the sum (`run_gemv`'s)."""
+    `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I); with a shared
+    MLP's `shared_gate_up` (2F, H) and `shared_down` (H, F), ids E .. E + F / I - 1 name its
+    chunks (`run_gemv`'s `shared`); `residual` (n, H): added to the sum (`run_gemv`'s)."""
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("moe_gemv: a shared expert needs both its gate/up and down weights")
     shared = None if shared_gate_up is None else (shared_gate_up, shared_down)
     return run_gemv(x, weights, idx, gate_up, down, shared=shared, residual=residual)
 

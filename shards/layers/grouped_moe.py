@@ -13,9 +13,16 @@ import os
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import gemv_kernels_available, kernel_failed, try_kernel
+from layersplit.shards.kernels import (
+    fused_kernels_available,
+    gemv_kernels_available,
+    kernel_failed,
+    try_kernel,
+)
+from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.gemv_linear import KERNEL as GEMV
+from layersplit.shards.layers.gemv_linear import GemvLinear
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.routed_moe import Experts
 from layersplit.shards.model_config import ModelConfig
@@ -79,23 +86,6 @@ def route_grouped(x: torch.Tensor, router_w: torch.Tensor, bias: torch.Tensor, t
     return w * scaling, idx
 
 
-def shared_expert_chunks(gate_up: torch.Tensor, down: torch.Tensor, width: int
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A SwiGLU MLP of fused gate/up weight (2F, H) (the gate's F rows, then the up's) and down
-    weight (H, F) as S = F / `width` experts in the routed experts' layout: gate/up (S, 2I, H)
-    (chunk c's gate rows, then its up rows) and down (S, H, I), I = `width`; the MLP's output is
-    the sum of theirs. None where F is not a multiple of `width` or the shapes do not fit."""
-    if gate_up.dim() != 2 or down.dim() != 2 or width <= 0:
-        return None
-    h, f = down.shape
-    if f % width or gate_up.shape != (2 * f, h):
-        return None
-    c = f // width
-    g, u = gate_up.view(2, c, width, h).unbind(0)
-    return (torch.cat([g, u], dim=1).contiguous(),
-            down.view(h, c, width).permute(1, 0, 2).contiguous())
-
-
 class GroupRouter(nn.Module):
     """The router's weight (E, H) and its correction bias (E,), both float32
     (`ROUTER_FLOAT32_TENSORS`)."""
@@ -122,44 +112,49 @@ class GroupedMoE(nn.Module):
         self.experts = Experts(cfg)
         s = cfg.shared_expert_intermediate_size
         self.shared_experts = MLP(cfg, s) if s else None
-        # the shared experts cut into experts of the routed experts' width, (S, 2I, H) and
-        # (S, H, I), where a few rows' steps run them in the experts' kernels
-        self.shared_chunks: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the shared experts' chunks of the routed experts' width that a few rows' steps run
+        # as experts in the experts' kernels (`shared_as_experts`); 0: none
+        self.shared_in_kernels = 0
 
     def fuse(self) -> None:
         self.experts.fuse()
         if self.shared_experts is not None:
             self.shared_experts.fuse()
-            self.shared_chunks = self.shared_as_experts()
+            self.shared_in_kernels = self.shared_as_experts()
 
-    def shared_as_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The shared experts' weights as S more experts of the routed experts' width I, where
-        their width is a multiple of I (DeepSeek-V2/V3, Kimi K2, GLM-4.5): shared(x) = sum over
-        chunks c of down_c (silu(gate_c x) * up_c x), so a few rows' step reads them in the
-        routed experts' two kernels, each chunk an expert of weight 1 that the routing kernel
-        appends to every row's k (`moe_gemv.moe_route_grouped`'s `extra`), instead of two more
-        GEMV launches. A copy of the shared weights (the MLP keeps its own for the steps of
-        many rows). None where the kernels do not run, the widths or dtypes do not fit, or
-        `LAYERSPLIT_SHARED_AS_EXPERTS=0`."""
-        gu, dn = self.experts.gate_up_proj, self.experts.down_proj
-        sh = self.shared_experts
-        if sh is None or gu is None or not gu.is_cuda or routed_moe._kernels is None or \
+    def shared_as_experts(self) -> int:
+        """How many experts of the routed experts' width I the shared experts make in a few
+        rows' steps (0: none): where their SwiGLU's width F is a multiple of I (DeepSeek-V2/V3,
+        Kimi K2, GLM-4.5), shared(x) = the sum over chunks c of down_c (silu(gate_c x) *
+        up_c x), so the routed experts' two kernels read the MLP's weights in place as F / I
+        more experts of weight 1, which the routing kernel appends to every row's k
+        (`moe_gemv.run_gemv`'s `shared`, `moe_route_grouped`'s `extra`), instead of two more
+        GEMV launches. 0 where the kernels do not run, the MLP is not a plain bias-free SwiGLU
+        of the experts' dtype, or `LAYERSPLIT_SHARED_AS_EXPERTS=0`."""
+        gu = getattr(self.experts, "gate_up_proj", None)
+        dn = getattr(self.experts, "down_proj", None)
+        sh, kernels = self.shared_experts, routed_moe._kernels
+        if sh is None or kernels is None or not isinstance(gu, torch.Tensor) or \
+                not isinstance(dn, torch.Tensor) or dn.dim() != 3 or \
+                not fused_kernels_available(gu.device) or \
                 os.environ.get(SHARED_AS_EXPERTS, "1").strip().lower() in ("0", "false", "off",
                                                                           "no"):
-            return None
-        sgu = getattr(sh.gate_up_proj, "weight", None)
-        sdn = getattr(sh.down_proj, "weight", None)
-        if not (isinstance(sgu, torch.Tensor) and isinstance(sdn, torch.Tensor)) or \
-                sgu.dtype != gu.dtype or sdn.dtype != dn.dtype:
-            return None
-        chunks = shared_expert_chunks(sgu.detach(), sdn.detach(), dn.shape[2])
-        if chunks is not None:
-            log.debug("shared experts as %d experts of width %d in the experts' kernels",
-                      chunks[0].shape[0], dn.shape[2])
-        return chunks
+            return 0
+        lin = (sh.gate_up_proj, sh.down_proj)
+        if sh.act is not F.silu or not all(type(m) in (nn.Linear, GemvLinear) and m.bias is None
+                                           for m in lin):
+            return 0
+        sgu, sdn = lin[0].weight, lin[1].weight
+        if sgu.dtype != gu.dtype or sdn.dtype != dn.dtype:
+            return 0
+        count = shared_chunks(sgu, sdn, dn.shape[2]) or 0
+        if count:
+            log.debug("shared experts as %d experts of width %d in the experts' kernels", count,
+                      dn.shape[2])
+        return count
 
     def _few_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        """A few rows on a GPU with `shared_chunks`: the routing kernel's k experts and the
+        """A few rows on a GPU with `shared_in_kernels`: the routing kernel's k experts and the
         shared chunks, all in the experts' kernels (four launches after the router's GEMV),
         `residual` added in the last; None where a kernel failed once (the other path then
         runs)."""
@@ -174,11 +169,12 @@ class GroupedMoE(nn.Module):
         logits = router_logits(x, self.gate.weight)
         got = try_kernel("MoE routing", kernels.moe_route_grouped, logits,
                          self.gate.e_score_correction_bias.float(), self.top_k, self.n_group,
-                         self.topk_group, self.norm, self.scaling, self.shared_chunks[0].shape[0])
+                         self.topk_group, self.norm, self.scaling, self.shared_in_kernels)
         if got is None:
             return None
+        sh = self.shared_experts
         return try_kernel("MoE GEMV", kernels.moe_gemv, x, got[0], got[1], gu, dn,
-                          *self.shared_chunks, residual)
+                          sh.gate_up_proj.weight, sh.down_proj.weight, residual)
 
     ADDS_RESIDUAL = True  # (`forward`'s residual: the decoder layer's add, `llama.DecoderLayer`)
 
@@ -186,7 +182,7 @@ class GroupedMoE(nn.Module):
         """The experts' and shared experts' output for rows `x`, plus `residual` where given
         (the layer's residual stream: on a few rows' kernel path, added in their last launch;
         else as the layer added it, after the MoE's own sum)."""
-        if self.shared_chunks is not None and routed_moe.few_rows_kernels(x):
+        if self.shared_in_kernels and routed_moe.few_rows_kernels(x):
             out = self._few_rows(x, residual)
             if out is not None:
                 return out

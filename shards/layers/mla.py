@@ -222,11 +222,10 @@ class MLAttention(nn.Module):
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
             norm = self.kv_a_layernorm
             w_uk, w_uv = self._kv_b()
-            if _rows_fused():  # (one launch: the latent rows and the whole query rows)
-                rows_and_queries(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0],
-                                 v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk,
-                                 q_row, self.interleave)
-            else:
+            if not (_rows_fused() and _one_launch(
+                    rows_and_queries, a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0],
+                    v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk, q_row,
+                    self.interleave)):
                 mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
                          q[..., self.nope:], q_row, self.interleave)
                 heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
@@ -250,12 +249,29 @@ MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPU
 # 0: the latent rows (`mla_step.mla_rows`) and W_UK's products (`heads_matmul`) in two launches,
 # not one (`mla_step.rows_and_queries`)
 MLA_ROWS_SWITCH = "LAYERSPLIT_MLA_FUSED_ROWS"
+_KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process ("rows off":
+# the one-launch rows)
 
 
 def _rows_fused() -> bool:
-    return os.environ.get(MLA_ROWS_SWITCH, "1").strip().lower() not in ("0", "false", "off",
-                                                                       "no")
-_KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
+    return not _KERNEL.get("rows off") and \
+        os.environ.get(MLA_ROWS_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _one_launch(fn, *args) -> bool:
+    """fn(*args) (`rows_and_queries`), False where it failed to build or launch: it is then
+    off for the process, said once, and the two launches it replaces run (the step's own
+    errors propagate)."""
+    try:
+        fn(*args)
+    except (torch.cuda.OutOfMemoryError, IndexError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
+        _KERNEL["rows off"] = True
+        log.warning("the MLA step's one-launch latent and query rows failed (%s); they take "
+                    "two launches from now on", first_line(e))
+        return False
+    return True
 
 
 def mla_kernel_applies(kv, device: torch.device) -> bool:

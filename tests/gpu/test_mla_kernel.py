@@ -92,6 +92,31 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
+def test_a_failing_one_launch_rows_step_takes_the_two(tiny_models, monkeypatch, caplog):
+    """Where the one-launch latent and query rows (`rows_and_queries`) fail to build, the step
+    takes `mla_rows` and `heads_matmul` from then on (said once), not the torch path, and
+    answers the same."""
+    from layersplit.shards.kernels import mla_step
+    from layersplit.shards.layers import mla
+
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
+    want = _outputs(tiny_models["deepseek_v3"], torch.float32)
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
+    monkeypatch.setattr(mla, "_KERNEL", {})
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(mla_step, "rows_and_queries", broken)
+    got = _outputs(tiny_models["deepseek_v3"], torch.float32, fuse=True)
+    assert len(calls) == 1 and mla._KERNEL == {"rows off": True}
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
+    assert sum("two launches" in r.message for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("rank,rope,rows,t,chunk,off32", [
     (32, 8, 1, 600, 256, True), (27, 8, 3, 600, 256, True), (512, 64, 1, 600, 256, True),
     (32, 8, 2, 2400, 256, True), (32, 8, 2, 2400, 16, True), (512, 64, 2, 600, 256, False)])
