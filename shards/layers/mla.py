@@ -91,11 +91,20 @@ class MLAttention(nn.Module):
         else:
             self.q_a_proj = None
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's queries (n, H * (P + R)) and kv_a_proj's latent rows (n, C + R)."""
+    TAKES_NORM = True  # (`forward`'s norm: the decoder layer's input norm, `llama.DecoderLayer`)
+
+    def _project(self, x: torch.Tensor, norm: nn.Module | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's queries (n, H * (P + R)) and kv_a_proj's latent rows (n, C + R); `norm`:
+        x's norm, yet to apply (in the fused input projection's launch where it takes it)."""
         if self.in_proj is not None:
-            first, a = self.in_proj(x).split([self.first_width, self.latent], dim=-1)
+            normed = getattr(self.in_proj, "normed", None)
+            y = (self.in_proj(x) if norm is None else normed(x, norm) if normed is not None
+                 else self.in_proj(norm(x)))
+            first, a = y.split([self.first_width, self.latent], dim=-1)
         else:
+            if norm is not None:
+                x = norm(x)
             first = (self.q_proj if self.q_proj is not None else self.q_a_proj)(x)
             a = self.kv_a_proj_with_mqa(x)
         if self.q_b_proj is None:
@@ -114,15 +123,16 @@ class MLAttention(nn.Module):
         layer: int,
         slot: int,
         step: StepInfo,
+        norm: nn.Module | None = None,  # x's norm, yet to apply (`TAKES_NORM`)
     ) -> torch.Tensor:
         if step.parts:
             raise SegmentsRefused("latent attention runs one sequence's eager step at a time")
         if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
-            out = self._kernel_step(x, cos, sin, kv, layer, slot, step)
+            out = self._kernel_step(x, cos, sin, kv, layer, slot, step, norm)
             if out is not None:
                 return self.o_proj(out)
         n, nh = x.shape[0], self.num_heads
-        q, a = self._project(x)
+        q, a = self._project(x, norm)
         q_nope, q_pe = q.view(n, nh, -1).split([self.nope, self.rope], dim=-1)
         c, k_pe = a.split([self.rank, self.rope], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
@@ -204,7 +214,8 @@ class MLAttention(nn.Module):
         return w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
 
     def _kernel_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv,
-                     layer: int, slot: int, step: StepInfo) -> torch.Tensor | None:
+                     layer: int, slot: int, step: StepInfo,
+                     norm: nn.Module | None = None) -> torch.Tensor | None:
         """The absorbed attention through Triton kernels, up to o_proj's input (n, H * V): the
         latent rows written and the queries' rotary (`mla_step.mla_rows`), W_UK folded into
         the queries and W_UV applied to the latent outputs (`mla_step.heads_matmul`), the
@@ -216,7 +227,7 @@ class MLAttention(nn.Module):
 
         n, nh = x.shape[0], self.num_heads
         try:
-            q, a = self._project(x)
+            q, a = self._project(x, norm)
             q = q.view(n, nh, self.nope + self.rope)
             k_pool, v_pool, write, read = kv.pool_index(layer, slot, step)
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)

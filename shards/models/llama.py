@@ -30,7 +30,10 @@ class DecoderLayer(nn.Module):
                 return out
         if step.parts:  # (several sequences' eager steps: only the row kernels' path takes it)
             raise SegmentsRefused("this layer runs several sequences' eager steps one by one")
-        a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
+        if getattr(self.self_attn, "TAKES_NORM", False):  # (the norm in its first launch)
+            a = self.self_attn(h, cos, sin, kv, layer, slot, step, norm=self.input_layernorm)
+        else:
+            a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         h, normed = self.post_attention_layernorm.add_forward(h, a)  # (h + a, its norm)
         if getattr(self.mlp, "ADDS_RESIDUAL", False):  # (the add in the MLP's last launch)
             return self.mlp(normed, residual=h)
