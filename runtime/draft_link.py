@@ -23,9 +23,22 @@ from layersplit.runtime.shard_group import _Shard
 from layersplit.runtime.spec_policy import SpecPolicy, policy_sizes
 from layersplit.runtime.speculative import draft_taps, spec_sampling_mode, verify_shape
 from layersplit.runtime.supervisor import LocalProcess, draft_argv, spawn_draft, stop_all
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.errors import CheckpointError
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)
 DRAFT_TIMEOUT_S = 60.0  # a proposal (or the draft's part of a cache operation) never takes this
+
+
+def check_same_vocab(draft: str | Path, target: str | Path) -> None:
+    """A classic draft must share the target's tokenizer: the same tokens, the same ids
+    (random weights have none: nothing to check)."""
+    a, b = TextTokenizer.for_model(draft), TextTokenizer.for_model(target)
+    if a is None or b is None:
+        return
+    if a.tk.get_vocab() != b.tk.get_vocab():
+        raise CheckpointError(f"{draft}: the draft's tokenizer differs from the target's "
+                              f"({target}); a classic draft needs the same vocabulary")
 
 
 class DraftLink:
@@ -55,6 +68,8 @@ class DraftLink:
                                  f"taps ({taps}); its rows cannot reach the draft process here. "
                                  "Use a classic draft or --draft none")
         check_local_devices(Placement((ShardPlan(-1, 0, 1, self.draft_device, None),), ()))
+        if not taps:  # (a classic draft; its process checks the vocabulary's size only)
+            check_same_vocab(self.draft_path, self.model_path)
 
     def _draft_argv(self, threads: int | None) -> list[str]:
         cfg = self.config
