@@ -511,7 +511,8 @@ def make_sequences(args: argparse.Namespace, target: LayerRange, tok: TextTokeni
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m layersplit.launch.draft_train",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--out", default=None, help="folder to write the DFlash draft to")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
