@@ -1,6 +1,6 @@
-"""A DFlash draft's acceptance on the evaluation prompts, measured as `draft/train.py` measures
-it (tokens per verify step, walking greedy answers as the runtime does), on three sets of the
-target's answers to the same 12 prompts (`draft.prompts.EVAL_*`):
+"""A DFlash draft's acceptance on the evaluation prompts, measured as `launch/draft_train.py`
+measures it (tokens per verify step, walking greedy answers as the runtime does), on three sets of
+the target's answers to the same 12 prompts (`draft.prompts.EVAL_*`):
 
 - `--outputs FILE`: the answers a run of `bench/speculative.py` decoded (its `--json`; the plain
   row's outputs), e.g. on GPUs in bf16;
@@ -31,7 +31,7 @@ from layersplit.draft.dflash import load_dflash  # noqa: E402
 from layersplit.draft.dflash_config import read_dflash_config  # noqa: E402
 from layersplit.draft.measure import acceptance, greedy_labels, target_rows  # noqa: E402
 from layersplit.draft.prompts import EVAL_CHAT, EVAL_CODE  # noqa: E402
-from layersplit.draft.train import continuations  # noqa: E402
+from layersplit.launch.draft_train import continuations  # noqa: E402
 from layersplit.runtime.config import RuntimeConfig  # noqa: E402
 from layersplit.runtime.coordinator import Coordinator  # noqa: E402
 from layersplit.runtime.generate import Progress, collect  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from layersplit.draft.dflash import load_dflash  # noqa: E402
 from layersplit.draft.dflash_config import read_dflash_config  # noqa: E402
 from layersplit.draft.measure import block_logits, target_rows  # noqa: E402
-from layersplit.draft.train import continuations  # noqa: E402
+from layersplit.launch.draft_train import continuations  # noqa: E402
 from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model  # noqa: E402
 from layersplit.runtime.tokenizer import TextTokenizer  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402

@@ -3,8 +3,8 @@
 the token a greedy verify keeps), the draft's batched forward over blocks of them
 (`block_logits`, also its training forward), the rank of the target's token among the draft's
 candidates at every draft position (`label_ranks`), and the tokens per verify step a chain or a
-token tree would commit (`walk`, `acceptance`). Training (`draft.train`) and choosing a tree
-(`draft.tree`) both use them.
+token tree would commit (`walk`, `acceptance`). Training (`launch.draft_train`) and choosing a tree
+(`launch.draft_tree`) both use them.
 """
 
 from __future__ import annotations

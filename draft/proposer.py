@@ -33,13 +33,13 @@ from layersplit.draft.dflash import (
 )
 from layersplit.draft.dflash_config import DFlashConfig, dflash_folder, read_dflash_config
 from layersplit.draft.tree_shape import instantiate, width
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.shards.checkpoint import (
     RANDOM_PREFIX,
     Checkpoint,
     load_layer_range,
     open_checkpoint,
 )
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.device import to_device
 from layersplit.shards.errors import CheckpointError
 from layersplit.shards.executor import RangeExecutor
@@ -518,18 +518,6 @@ def _target_tensors(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device
     return t[names[0]], t[names[1]]
 
 
-def _same_vocab(draft: Path, target: Path) -> None:
-    """A classic draft must share the target's tokenizer: same tokens, same ids."""
-    from layersplit.runtime.tokenizer import TextTokenizer
-
-    a, b = TextTokenizer.for_model(draft), TextTokenizer.for_model(target)
-    if a is None or b is None:
-        return
-    if a.tk.get_vocab() != b.tk.get_vocab():
-        raise CheckpointError(f"{draft}: the draft's tokenizer differs from the target's "
-                              f"({target}); a classic draft needs the same vocabulary")
-
-
 def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: torch.dtype,
                   max_len: int, graphs: bool = True, block_size: int | None = None,
                   seed: int = 0, compile: bool = True,
@@ -564,8 +552,8 @@ def load_proposer(draft: str | Path, target: str | Path, device: str, dtype: tor
     if ckpt.config.vocab_size != tc.vocab_size:
         raise CheckpointError(f"{path}: draft vocab_size {ckpt.config.vocab_size} != the "
                               f"target's {tc.vocab_size}")
-    if not str(draft).startswith("random:") and not str(target).startswith("random:"):
-        _same_vocab(path, Path(target))
+    # (the same tokens, not only as many: the coordinator checks that before it starts this
+    # process, `runtime.draft_link.check_same_vocab`)
     model = load_layer_range(ckpt, 0, ckpt.config.num_layers, dtype, dev)
     block = block_size or CLASSIC_BLOCK
     log.info("classic draft %s: %d layers, %d tokens per proposal", path.name,

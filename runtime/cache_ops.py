@@ -40,7 +40,6 @@ from layersplit.ipc.kv_file import (
 )
 from layersplit.ipc.messages import message
 from layersplit.runtime.cache_saves import DiskSaves
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.host_pool import HostPool
 from layersplit.runtime.prefix_cache import (
     Entry,
@@ -51,6 +50,7 @@ from layersplit.runtime.prefix_cache import (
 )
 from layersplit.runtime.prefix_keys import model_fingerprint, prefix_keys, weights_identity
 from layersplit.runtime.resident_kv import serve, settle
+from layersplit.shards.chunking import cut_points
 
 if TYPE_CHECKING:
     from layersplit.runtime.config import RuntimeConfig

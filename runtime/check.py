@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 from layersplit.runtime.check_reference import ReferenceRun, run_reference
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import ConfigError, RuntimeConfig
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Progress
 from layersplit.runtime.nonfinite_layer import first_nonfinite_layer
 from layersplit.runtime.parity import Agreement, Thresholds, common_prefix
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

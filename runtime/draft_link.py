@@ -23,9 +23,25 @@ from layersplit.runtime.shard_group import _Shard
 from layersplit.runtime.spec_policy import SpecPolicy, policy_sizes
 from layersplit.runtime.speculative import draft_taps, spec_sampling_mode, verify_shape
 from layersplit.runtime.supervisor import LocalProcess, draft_argv, spawn_draft, stop_all
+from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.errors import CheckpointError
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)
 DRAFT_TIMEOUT_S = 60.0  # a proposal (or the draft's part of a cache operation) never takes this
+
+
+def check_same_vocab(draft: str | Path, target: TextTokenizer | None) -> None:
+    """A classic draft must share the target's tokenizer (`target`, the coordinator's): the
+    same tokens, the same ids (random weights have none: nothing to check)."""
+    try:
+        a = TextTokenizer.for_model(draft)
+    except CheckpointError as e:
+        raise CheckpointError(f"the classic draft {draft}: {e}") from None
+    if a is None or target is None:
+        return
+    if a.tk.get_vocab() != target.tk.get_vocab():
+        raise CheckpointError(f"{draft}: the draft's tokenizer differs from the target's; a "
+                              "classic draft needs the same vocabulary")
 
 
 class DraftLink:
@@ -37,6 +53,9 @@ class DraftLink:
         feed it their rows too (`auto` gives up speculation when some shard is remote)."""
         if self.draft_path is None:
             return
+        taps = draft_taps(self.draft_path)
+        if not taps:  # (a classic draft; its process checks the vocabulary's size only)
+            check_same_vocab(self.draft_path, self.tokenizer)
         if self.config.launcher == "ray":  # placed on the first shard's node (`_start_ray`)
             first = self.placement.shards[0].device
             if self.draft_device not in ("cpu", first):
@@ -48,7 +67,6 @@ class DraftLink:
         if remote and self.config.draft == "auto":
             self.draft_path = None
             return
-        taps = draft_taps(self.draft_path)
         far = [s.index for s in remote if any(s.start <= t < s.end for t in taps)]
         if far:
             raise PlacementError(f"shard {far[0]} is remote but owns a layer the DFlash draft "

@@ -1,7 +1,7 @@
 """The generation loop shared by the single-process reference engine and the split runtime.
 
 An `Engine` runs one forward step of one sequence; this module decides the steps: prefill chunks
-(see `runtime.chunking`), then one decode step per token, and when to stop.
+(see `shards.chunking`), then one decode step per token, and when to stop.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.textstream import TextStream
 from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.sampling_params import SamplingParams
 from layersplit.shards.spec_tree import depths, rows_to_move
 

@@ -80,7 +80,7 @@ class ReferenceEngine:
 
     def logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits of every row of a fresh sequence, computed in prefill chunks."""
-        from layersplit.runtime.chunking import prefill_chunks
+        from layersplit.shards.chunking import prefill_chunks
 
         rows = []
         for a, b in prefill_chunks(tokens, 0, len(tokens), self.chunk, self.eos_ids):

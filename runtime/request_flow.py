@@ -18,7 +18,6 @@ from layersplit.ipc.messages import message
 from layersplit.ipc.shm import HEADER_CAP
 from layersplit.runtime.batching import Request
 from layersplit.runtime.cache_ops import Restored
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.decoding import Decoding, StepFields
 from layersplit.runtime.errors import DraftError, DraftLost
 from layersplit.runtime.generate import (
@@ -31,6 +30,7 @@ from layersplit.runtime.generate import (
     sequence_program,
 )
 from layersplit.runtime.speculative import DraftClient, SpecStats
+from layersplit.shards.chunking import cut_points
 from layersplit.shards.sampling_params import SamplingParams, new_seed
 
 log = logging.getLogger("layersplit.runtime.coordinator")  # (one name for the coordinator's parts)

@@ -33,8 +33,8 @@ from typing import Any
 
 from layersplit.ipc.messages import message
 from layersplit.runtime.block_manager import BlockManager
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.errors import DraftError, DraftLost
+from layersplit.shards.chunking import cut_points
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.generate import GenerationResult, Progress, collect
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.fp8 import dequantize_fp8, quantize_fp8
 from layersplit.shards.sampling import SamplingParams

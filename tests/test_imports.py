@@ -124,6 +124,31 @@ def test_no_import_circle():
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
 
 
+# the floors: a module imports only from its own folder and those below it
+BELOW = {"launch": {"launch", "runtime", "shards", "draft", "ipc"},
+         "runtime": {"runtime", "shards", "draft", "ipc"},
+         "draft": {"draft", "shards", "ipc"},  # (a process like a shard, beside them)
+         "shards": {"shards", "ipc"}, "ipc": {"ipc"}}
+# the zygote forks the shard and draft processes, whose entry point is the CLI's
+UPWARD = {("layersplit.runtime.zygote", "layersplit.launch.processes")}
+
+
+def test_each_folder_imports_only_from_below():
+    """launch -> runtime -> (shards, draft) -> ipc: the draft process depends on the shards'
+    layers and the channels, not on the coordinator's side (the runtime reaches it through
+    messages); the shards know nothing of the runtime."""
+    known = modules()
+    up = []
+    for name, path in known.items():
+        folder = name.split(".")[1] if name.count(".") else ""
+        for m in imports_of(name, path, known):
+            target = m.split(".")[1] if m.count(".") else ""
+            if folder in BELOW and target in FOLDERS and target not in BELOW[folder] and \
+                    (name, m) not in UPWARD:
+                up.append(f"{name} -> {m}")
+    assert not up, "imports from a folder above: " + "; ".join(sorted(up))
+
+
 def test_the_coordinator_imports_no_torch():
     """Importing torch costs a process ~2.5 s of CPU; every shard pays it (in its zygote), the
     coordinator need not: it moves token ids and logits as numpy arrays (`ipc.transport`). Nor

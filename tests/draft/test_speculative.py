@@ -19,10 +19,9 @@ import torch
 from layersplit.draft.dflash import load_dflash, save_dflash, write_random_dflash
 from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import block_logits, greedy_labels, target_rows
-from layersplit.draft.train import optimize
 from layersplit.ipc.messages import message
+from layersplit.launch.draft_train import optimize
 from layersplit.runtime import speculative
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator, ShardFailure
 from layersplit.runtime.errors import DraftError
@@ -35,6 +34,7 @@ from layersplit.runtime.spec_policy import PolicyKnobs, SpecPolicy, policy_sizes
 from layersplit.runtime.speculative import SpecStats, verify_shape
 from layersplit.runtime.supervisor import LocalProcess
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.model_config import read_hf_config
 from layersplit.shards.sampling import SamplingParams

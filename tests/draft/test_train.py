@@ -1,7 +1,8 @@
-"""`python -m layersplit.draft.train` end to end on a tiny target (CPU, seconds): it trains (the
-loss falls, the weights move), and writes a DFlash draft in the published layout and a classic
-draft, both of which the runtime's draft loader accepts for this target. The sequences it generates
-can be saved and trained on again; a file that is not such a sequence file is refused by name."""
+"""`python -m layersplit.launch.draft_train` end to end on a tiny target (CPU, seconds): it
+trains (the loss falls, the weights move), and writes a DFlash draft in the published layout and a
+classic draft, both of which the runtime's draft loader accepts for this target. The sequences it
+generates can be saved and trained on again; a file that is not such a sequence file is refused
+by name."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import shutil
 import pytest
 import torch
 from layersplit.draft.proposer import ClassicProposer, DFlashProposer, load_proposer
-from layersplit.draft.train import load_sequences, save_sequences
-from layersplit.draft.train import main as train
+from layersplit.launch.draft_train import load_sequences, save_sequences
+from layersplit.launch.draft_train import main as train
 from layersplit.shards.tiny import write_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 

@@ -11,8 +11,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.chunking import cut_points
 
 from tests.helpers import shard_children
 from tests.launch.test_server import Server, _metric

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.chunking import cut_points
 
 from tests.helpers import shard_children
 from tests.launch.test_agent_session import (

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from layersplit.ipc.kv_file import read_layout
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.chunking import cut_points
 from layersplit.shards.sampling import SamplingParams
 
 from tests.helpers import (

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from layersplit.runtime.chunking import cut_points, prefill_chunks
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.chunking import cut_points, prefill_chunks
 from layersplit.shards.sampling import SamplingParams
 
 

@@ -5,9 +5,9 @@ encoded whole."""
 from __future__ import annotations
 
 import pytest
-from layersplit.runtime.chunking import cut_points
 from layersplit.runtime.text_prefixes import PrefixIds, boundary_ids
 from layersplit.runtime.tokenizer import TextTokenizer
+from layersplit.shards.chunking import cut_points
 from layersplit.shards.tiny import tiny_tokenizer
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers import models as tk_models

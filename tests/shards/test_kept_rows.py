@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.sampling import SamplingParams
 
 from tests.helpers import layersplit_shm, shard_children, trace

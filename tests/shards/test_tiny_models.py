@@ -13,8 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from layersplit.runtime.chunking import prefill_chunks
 from layersplit.runtime.reference import ReferenceEngine
+from layersplit.shards.chunking import prefill_chunks
 from layersplit.shards.sampling import SamplingParams
 from layersplit.shards.tiny import FAMILY_CONFIGS
 

@@ -1,7 +1,8 @@
 """Train a DFlash-style draft for a target model, on one GPU, in minutes.
 
-    python -m layersplit.draft.train --target default --out draft/weights/smollm2-135m-dflash \\
-        --device cuda:0 --layers 3 --intermediate 1024 --seconds 300
+    python -m layersplit.launch.draft_train --target default \\
+        --out draft/weights/smollm2-135m-dflash --device cuda:0 --layers 3 --intermediate 1024 \\
+        --seconds 300
 
 Data, all offline, all the target's own text (its continuations are what the draft must
 predict): its greedy answers to template chat prompts (`draft.prompts`) and to user turns it
@@ -193,7 +194,7 @@ def load_sequences(path: Path) -> dict[str, Part]:
     try:
         data = load_file(str(path))
     except (OSError, SafetensorError) as e:
-        raise ValueError(f"{path}: not a sequence file of draft.train ({e})") from e
+        raise ValueError(f"{path}: not a sequence file of launch.draft_train ({e})") from e
     parts: dict[str, Part] = {}
     for name in sorted({k.rsplit(".", 1)[0] for k in data}):
         try:
@@ -241,7 +242,7 @@ def start_config(args: argparse.Namespace, target: ModelConfig) -> tuple[list[in
         cfg = read_dflash_config(path)
         cfg.check_target(target, path / "config.json")
     except CheckpointError as e:
-        raise SystemExit(f"draft.train: --init: {e}") from e
+        raise SystemExit(f"launch.draft_train: --init: {e}") from e
     args.layers, args.block = cfg.model.num_layers, cfg.block_size
     args.intermediate = cfg.model.intermediate_size
     return list(cfg.target_layer_ids), cfg.mask_token_id
@@ -342,8 +343,8 @@ def train_dflash(args: argparse.Namespace, target: LayerRange, raw: dict, rows: 
         try:
             draft.load_state_dict(load_file(str(Path(args.init) / "model.safetensors")))
         except (OSError, RuntimeError) as e:  # (a draft of a shape this trainer does not make)
-            raise SystemExit(f"draft.train: --init {args.init}: cannot load its weights into "
-                             f"the draft its config describes: {e}") from e
+            raise SystemExit(f"launch.draft_train: --init {args.init}: cannot load its weights "
+                             f"into the draft its config describes: {e}") from e
     draft = draft.to(dev)
     fhead = target.lm_head.weight.detach().float()
     fembed = target.embed_tokens.weight.detach().float()
@@ -510,7 +511,8 @@ def make_sequences(args: argparse.Namespace, target: LayerRange, tok: TextTokeni
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m layersplit.launch.draft_train",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--out", default=None, help="folder to write the DFlash draft to")
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -589,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 loaded = load_sequences(Path(f))
             except ValueError as e:
-                raise SystemExit(f"draft.train: --data: {e}") from e
+                raise SystemExit(f"launch.draft_train: --data: {e}") from e
             for name, (s_, st) in loaded.items():
                 sets.setdefault(name, ([], []))
                 sets[name][0].extend(s_)

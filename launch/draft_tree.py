@@ -1,4 +1,4 @@
-"""`python -m layersplit.draft.tree DRAFT --data FILE[,FILE...]`: choose the token tree of a
+"""`python -m layersplit.launch.draft_tree DRAFT --data FILE[,FILE...]`: choose the token tree of a
 trained DFlash draft (`draft.tree_shape`) from how often the target's token had each rank on
 held-out answers, and write it into the draft's config.json as `spec_tree`.
 """
@@ -14,16 +14,18 @@ import torch
 from layersplit.draft.dflash import load_dflash, write_config
 from layersplit.draft.dflash_config import read_dflash_config
 from layersplit.draft.measure import TREE_TOP_K, greedy_labels, label_ranks, target_rows, walk
-from layersplit.draft.train import load_sequences
 from layersplit.draft.tree_shape import choose_shape
+from layersplit.launch.draft_train import load_sequences
 from layersplit.runtime.model_store import BUNDLED_DRAFT, resolve_model
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     """Choose the token tree of a trained DFlash draft on held-out answers (sequence files of
-    `draft.train --save-data`, their "val" sets) and write it into the draft's config.json."""
-    p = argparse.ArgumentParser(prog="python -m layersplit.draft.tree", description=main.__doc__)
+    `launch.draft_train --save-data`, their "val" sets) and write it into the draft's
+    config.json."""
+    p = argparse.ArgumentParser(prog="python -m layersplit.launch.draft_tree",
+                                description=main.__doc__)
     p.add_argument("draft", help="a DFlash folder, or 'default' (the bundled draft)")
     p.add_argument("--data", required=True, help="comma-separated sequence files")
     p.add_argument("--nodes", type=int, default=31, help="draft tokens of the tree")
