@@ -178,11 +178,13 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     gu_bias, dn_bias, alpha, limit = oss if oss is not None else (x, x, 0.0, 0.0)
     w2 = {}
     if shared is not None:
-        if shared_chunks(shared[0], shared[1], i) is None or shared[0].dtype != gate_up.dtype \
-                or shared[1].dtype != down.dtype or oss is not None:
+        if shared_chunks(shared[0], shared[1], i) is None or shared[1].shape[0] != h or \
+                shared[0].dtype != gate_up.dtype or shared[1].dtype != down.dtype or \
+                oss is not None:
             raise ValueError(f"moe_gemv: shared experts {tuple(shared[0].shape)}, "
                              f"{tuple(shared[1].shape)} are no gate/up (2F, H) and down (H, F) "
-                             f"of the experts' dtype, contiguous, F a multiple of their {i}")
+                             f"of the experts' dtype and H ({h}), contiguous, F a multiple of "
+                             f"their {i}")
         w2 = {"E_ROUTED": down.shape[0], "F2": shared[1].shape[1], "HAS_W2": True}
     act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](

@@ -231,14 +231,14 @@ class MLAttention(nn.Module):
             q = q.view(n, nh, self.nope + self.rope)
             k_pool, v_pool, write, read = kv.pool_index(layer, slot, step)
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
-            norm = self.kv_a_layernorm
+            kv_norm = self.kv_a_layernorm
             w_uk, w_uv = self._kv_b()
             if not (_rows_fused() and _one_launch(
-                    rows_and_queries, a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0],
+                    rows_and_queries, a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
                     v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk, q_row,
                     self.interleave)):
-                mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
-                         q[..., self.nope:], q_row, self.interleave)
+                mla_rows(a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
+                         v_pool[:, 0], q[..., self.nope:], q_row, self.interleave)
                 heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
             s = read.shape[0]
             last = step.positions if step.rows is None else step.rows
@@ -275,8 +275,8 @@ def _one_launch(fn, *args) -> bool:
     errors propagate)."""
     try:
         fn(*args)
-    except (torch.cuda.OutOfMemoryError, IndexError):
-        raise
+    except (torch.cuda.OutOfMemoryError, IndexError, ValueError):  # (the step's own, and an
+        raise  # operand the kernel refuses: `_kernel_step` says so)
     except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
         _KERNEL["rows off"] = True
         log.warning("the MLA step's one-launch latent and query rows failed (%s); they take "

@@ -260,6 +260,8 @@ def test_shared_chunks_in_the_experts_kernels_equal_the_shared_mlp(dtype, rows):
     assert near(with_r, r.float() + got.float(), 1e-6 if dtype == torch.float32 else 0.01)
     with pytest.raises(ValueError, match="shared experts"):  # (a width no multiple of I)
         moe_gemv(x, w, idx, gu, dn, sgu[:-2].contiguous(), sdn[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="shared experts"):  # (another hidden size)
+        moe_gemv(x, w, idx, gu, dn, sgu[:, :-8].contiguous(), sdn[:-8].contiguous())
     with pytest.raises(ValueError, match="both"):
         moe_gemv(x, w, idx, gu, dn, sgu, None)
 
