@@ -132,7 +132,12 @@ def test_decode_attention_with_sinks_matches_torch_path(case, dtype):
 
 
 def _check_against_torch(case: tuple, dtype: torch.dtype, sinks: bool) -> None:
+    from layersplit.shards.kernels import decode_attention as da
     from layersplit.shards.kernels.decode_attention import decode_attention
+
+    if INTERPRET and -(-case[7] // case[8]) > da.STATIC_SPLITS:  # (on a GPU it runs)
+        pytest.skip("the combine's loop over groups of splits: Triton's interpreter refuses "
+                    "its mask's dtype")
 
     family, h, g, d, window, kind, n, kv_len, split = case
     torch.manual_seed(CASES.index(case))

@@ -29,7 +29,8 @@ from layersplit.ipc import transport  # noqa: E402
 from layersplit.ipc.sockets import recv  # noqa: E402
 from layersplit.shards.parked_rows import ParkedRows, feature_messages  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,  # (the shard parks its rows on a CUDA device)
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 LAYERS, HIDDEN = [1, 4, 7], 256
 WIDTH = len(LAYERS) * HIDDEN
