@@ -166,10 +166,11 @@ def main() -> None:
         saved, mla_decode.BLOCK_N = mla_decode.BLOCK_N, int(block)
         rows += measure_keys(args, f"kernel, blocks of {block} keys")
         mla_decode.BLOCK_N = saved
+    saved = mla_decode.LAUNCH["num_stages"]
     for stages in (args.stages.split(",") if args.stages else []):
         mla_decode.LAUNCH["num_stages"] = int(stages)
         rows += measure_keys(args, f"kernel, {stages} stages")
-    mla_decode.LAUNCH["num_stages"] = None
+    mla_decode.LAUNCH["num_stages"] = saved
     combine = dict(mla_decode.COMBINE)
     for pair in (args.combine.split(",") if args.combine else []):
         cols, warps = (int(v) for v in pair.split(":"))

@@ -175,20 +175,23 @@ def _run_sets(coord: Coordinator, sets: dict[str, list[list[int]]], params: Samp
     """One timed pass over each prompt set (after the oracle's untimed ones): a row each."""
     rows = []
     name = fields["draft"]
+
+    def measure(prompts: list[list[int]], plain: dict | None) -> dict:
+        return (_measure(coord, prompts, params, plain) if args.streams <= 1 else
+                _measure_streams(coord, prompts, params, plain, args.streams))
+
     for set_name, prompts in sets.items():
         row = {**fields, "set": set_name}
         plain = None if plain_tokens is None else plain_tokens[set_name]
         for k in range(1, args.oracle_passes + 1 if oracle else 0):  # untimed
-            extra = (_measure(coord, prompts, params, plain) if args.streams <= 1 else
-                     _measure_streams(coord, prompts, params, plain, args.streams))
+            extra = measure(prompts, plain)
             added = add_to_oracle(oracle, prompts, extra["outputs"])
             print(f"{name}, {set_name}: untimed oracle pass {k}: acceptance "
                   f"{extra['acceptance_length'] or 0:.2f}, {added} new outputs in the table",
                   flush=True)
             if not added:  # (the table is what the next pass follows: it decodes the same)
                 break
-        row.update(_measure(coord, prompts, params, plain) if args.streams <= 1 else
-                   _measure_streams(coord, prompts, params, plain, args.streams))
+        row.update(measure(prompts, plain))
         row["prompt_ids"] = prompts
         rows.append(row)
     return rows
