@@ -121,9 +121,9 @@ def test_a_failing_one_launch_rows_step_takes_the_two(tiny_models, monkeypatch, 
     (32, 8, 1, 600, 256, True), (27, 8, 3, 600, 256, True), (512, 64, 1, 600, 256, True),
     (32, 8, 2, 2400, 256, True), (32, 8, 2, 2400, 16, True), (512, 64, 2, 600, 256, False)])
 def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
-    """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, read by the
-    combine in one load, or, splits of 64 keys on any device, in 3 loads of 16, the last part
-    empty; the pool addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
+    """Keys spread over several splits (600 keys: 19 of 32 on an H200; 2,400: 75, read by the
+    combine in one load, or, splits of 64 keys on any device (38), in 3 loads of 16; the pool
+    addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
     read through a shuffled pool index, a mask that hides the last keys: the kernel's latent
     output equals the plain softmax over each sequence's latent rows. In float32, at DeepSeek's
     latent width too (512 + 64: its keys' blocks once asked more shared memory than an H200
@@ -178,14 +178,15 @@ def test_no_key_past_a_sequences_last_row_is_read():
     want = torch.einsum("smt,stc->smc",
                         torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1),
                         lat[..., :rank])
-    for split in (64, 1024):  # (several splits, and one: the output written directly)
-        saved, mod.SPLIT_KEYS = mod.SPLIT_KEYS, split
+    saved = mod.SPLIT_KEYS, mod.SPLIT_KEYS_ALONE
+    for split in (16, 32, 64, 1024):  # (several splits, and one: the output written directly)
+        mod.SPLIT_KEYS = mod.SPLIT_KEYS_ALONE = split
         try:
             got = mod.mla_decode(q.to(DEV), pool[:, :half].to(DEV), pool[:, half:].to(DEV),
                                  index.to(DEV), mask.to(DEV), heads, rank, 0.3,
                                  last=written.reshape(-1).to(DEV))
         finally:
-            mod.SPLIT_KEYS = saved
+            mod.SPLIT_KEYS, mod.SPLIT_KEYS_ALONE = saved
         assert torch.isfinite(got).all()
         assert float((got.cpu() - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
 
