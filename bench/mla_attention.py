@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--split-keys", default=None,
-                    help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS)")
+                    help="the kernel's keys per split, comma-separated (default: SPLIT_KEYS_ALONE)")
     ap.add_argument("--warps", default=None,
                     help="the kernel's warps per program, comma-separated (default: LAUNCH's)")
     ap.add_argument("--block-keys", default=None,
@@ -154,14 +154,17 @@ def main() -> None:
     os.environ[MLA_KERNEL_SWITCH] = "0"
     rows += measure_keys(args, "torch")
     os.environ[MLA_KERNEL_SWITCH] = "1"
-    default = (mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"])
+    default = (mla_decode.SPLIT_KEYS_ALONE, mla_decode.LAUNCH["num_warps"])  # (batch 1's)
+    saved_split = mla_decode.SPLIT_KEYS
     for split in (args.split_keys or str(default[0])).split(","):
         for warps in (args.warps or str(default[1])).split(","):
-            mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = int(split), int(warps)
+            mla_decode.SPLIT_KEYS = mla_decode.SPLIT_KEYS_ALONE = int(split)
+            mla_decode.LAUNCH["num_warps"] = int(warps)
             path = "kernel" if (int(split), int(warps)) == default else \
                 f"kernel, splits of {split}, {warps} warps"
             rows += measure_keys(args, path)
-    mla_decode.SPLIT_KEYS, mla_decode.LAUNCH["num_warps"] = default
+    mla_decode.SPLIT_KEYS_ALONE, mla_decode.LAUNCH["num_warps"] = default
+    mla_decode.SPLIT_KEYS = saved_split
     for block in (args.block_keys.split(",") if args.block_keys else []):
         saved, mla_decode.BLOCK_N = mla_decode.BLOCK_N, int(block)
         rows += measure_keys(args, f"kernel, blocks of {block} keys")

@@ -43,3 +43,16 @@ def check_launch(fn: str, block_n: int, block_k: int) -> None:
     for name, v in (("BLOCK_N", block_n), ("BLOCK_K", block_k)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
             raise ValueError(f"{fn}: launch shape {name}={v!r} is not a power of two")
+
+
+def shared_chunks(gate_up: torch.Tensor, down: torch.Tensor, width: int) -> int | None:
+    """How many experts of width `width` a shared SwiGLU MLP of fused gate/up weight (2F, H)
+    and down weight (H, F) makes (`run_gemv`'s `shared`): F / width, or None where F is no
+    multiple of it, the shapes do not pair or the weights are not contiguous."""
+    if gate_up.dim() != 2 or down.dim() != 2 or width <= 0:
+        return None
+    h, f = down.shape
+    if f % width or gate_up.shape != (2 * f, h) or not (gate_up.is_contiguous() and
+                                                         down.is_contiguous()):
+        return None
+    return f // width

@@ -40,15 +40,18 @@ from layersplit.shards.kernels.pdl import pdl, pdl_start
 BLOCK_M = 16  # query rows (rows x heads) per tile; tl.dot needs 16
 BLOCK_N = 32  # keys per block of the loop (16 for float32 rows: 32 of DeepSeek's 576-wide
 # float32 latent rows, pipelined, asked 259,072 bytes of shared memory, past an H200's 232,448)
-# keys a split reads at least (a multiple of BLOCK_N): `key_split` spreads a step's keys over
-# enough programs to fill the GPU in whole runs of these. Each block of keys is one memory
-# latency in a program's loop, so a short context wants short splits; long contexts are split
-# by the fill, each split writing a partial of rows x kv_lora_rank floats. `bench/mla_attention.py
-# --split-keys 64,128,256 --warps 4,8 --block-keys 16,64` (H200, the whole attention stage of a
-# layer at 256 / 2K / 32K keys): splits of 64, 4 warps, blocks of 32 keys 34.6 / 35.9 / 56.5 us,
-# the best at each length (8 warps 36.3 / 37.6 / 71.7; blocks of 64 38.3 / 40.4 / 81.2; splits of
-# 256 49.0 / 50.0 / 58.7)
-SPLIT_KEYS = 64
+# keys a split reads at least: `key_split` spreads a step's keys over enough programs to fill
+# the GPU in whole runs of these. Each block of keys is one memory latency in a program's loop,
+# so a short context wants short splits; long contexts are split by the fill, each split writing
+# a partial of rows x kv_lora_rank floats. SPLIT_KEYS_ALONE where a split is one program (one
+# sequence whose query rows fit one tile: batch 1), SPLIT_KEYS otherwise. DeepSeek-V2-Lite width,
+# H200, `bench/moe.py` (2026-11-30, processes in turn): splits of 16 / 32 / 64 keys, batch 1
+# 404.7 / 394.4 / 389.2 tok/s, 8 streams 1,170.1 / 1,206.5 / 1,191.5. `bench/mla_attention.py
+# --split-keys 16,32,64,128,256 --warps 4,8 --block-keys 16,64` (the whole attention stage of a
+# layer at 256 / 2K / 32K keys, batch 1): 4 warps and blocks of 32 keys the best; at 32K keys the
+# split sizes within 5 % of each other (the fill decides there)
+SPLIT_KEYS = 32
+SPLIT_KEYS_ALONE = 16
 # launch shapes: the attention's warps per program (see SPLIT_KEYS); the combine's latent columns
 # per program, splits whose partials one load reads (at most), warps
 LAUNCH = {"num_warps": 4, "num_stages": None}  # (None: Triton's own)
@@ -281,7 +284,8 @@ def mla_decode(
                          f"not {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
     block_c = max(16, triton.next_power_of_2(rank))
     tiles = triton.cdiv(m, BLOCK_M)
-    splits, per = key_split(t, s * tiles, q.device, block=SPLIT_KEYS)
+    splits, per = key_split(t, s * tiles, q.device,
+                            block=SPLIT_KEYS_ALONE if s * tiles == 1 else SPLIT_KEYS)
     out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
     if splits > 1:
         po = torch.empty(s, splits, tiles * BLOCK_M, block_c, dtype=torch.float32,

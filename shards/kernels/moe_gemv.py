@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.kernels.pdl import pdl, pdl_start
 
 # launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py)
@@ -44,9 +45,22 @@ SUM_BLOCK = 1024
 
 
 @triton.jit
+def _expert(W, W2, e, E_ROUTED, size, size2, stride, stride2, HAS_W2: tl.constexpr):
+    """(Where expert e's weights start, a stride): W + e * size and `stride`; with HAS_W2 and e
+    >= E_ROUTED, chunk c = e - E_ROUTED of the shared MLP's weight W2 (`run_gemv`'s `shared`),
+    W2 + c * size2 and `stride2`."""
+    if HAS_W2:
+        routed = e < E_ROUTED
+        return (tl.where(routed, W + e * size, W2 + (e - E_ROUTED) * size2),
+                tl.where(routed, stride, stride2))
+    return W + e * size, stride
+
+
+@triton.jit
 def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.constexpr,
                  K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                 OSS: tl.constexpr, PDL: tl.constexpr = False):
+                 OSS: tl.constexpr, W2=None, E_ROUTED=0, F2=0, HAS_W2: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     pdl_start(PDL)
     p = tl.program_id(0)
     ib = tl.program_id(1)
@@ -54,13 +68,15 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
     t = p // K
     offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
     mask_i = offs_i < WIDTH
+    # (the up rows `up` rows after the gate's: an expert's I; the shared MLP's F2, W2's chunk
+    # c its gate rows c * I .. and up rows F2 + c * I ..)
+    base, up = _expert(W, W2, e, E_ROUTED, 2 * WIDTH * H, WIDTH * H, WIDTH, F2, HAS_W2)
     if OSS:  # gpt-oss: gate and up rows interleaved (2i, 2i + 1)
         rows_g = 2 * offs_i
         rows_u = 2 * offs_i + 1
     else:  # the gate's I rows, then the up's
         rows_g = offs_i
-        rows_u = WIDTH + offs_i
-    base = W + e * (2 * WIDTH) * H
+        rows_u = up + offs_i
     acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_K):
@@ -94,7 +110,8 @@ def _gate_up_act(X, W, IDS, A, B, alpha, limit, H: tl.constexpr, WIDTH: tl.const
 
 @triton.jit
 def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl.constexpr,
-          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+          BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, W2=None, E_ROUTED=0, F2=0,
+          HAS_W2: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     p = tl.program_id(0)
     ob = tl.program_id(1)
@@ -102,13 +119,14 @@ def _down(A, W, IDS, RW, Y, B, H: tl.constexpr, WIDTH: tl.constexpr, BLOCK_O: tl
     mask_o = offs_o < H
     e = tl.load(IDS + p).to(tl.int64)
     rw = tl.load(RW + p).to(tl.float32)
-    base = W + e * H * WIDTH
+    # (rows of an expert's I values; the shared MLP's of F2, W2's chunk c its columns c * I ..)
+    base, row = _expert(W, W2, e, E_ROUTED, H * WIDTH, WIDTH, WIDTH, F2, HAS_W2)
     acc = tl.zeros([BLOCK_O], dtype=tl.float32)
     for i0 in range(0, WIDTH, BLOCK_K):
         offs_i = i0 + tl.arange(0, BLOCK_K)
         mask_i = offs_i < WIDTH
         a = tl.load(A + p * WIDTH + offs_i, mask=mask_i, other=0.0).to(tl.float32)
-        w = tl.load(base + offs_o[:, None] * WIDTH + offs_i[None, :],
+        w = tl.load(base + offs_o[:, None] * row + offs_i[None, :],
                     mask=mask_o[:, None] & mask_i[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
     dt = A.dtype.element_ty  # (the projection rounds to the activations' dtype; Y's is the
@@ -140,11 +158,16 @@ def _sum_k(Y, OUT, R, H: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
 def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, gate_up_cfg: dict | None = None,
              down_cfg: dict | None = None, oss: tuple | None = None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None,
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The three launches (`moe_gemv`'s body; the launch shapes are arguments for the sweep).
     `oss`: gpt-oss's experts, (gate/up bias (E, 2I), down bias (E, H), alpha, limit), their
     gate and up rows interleaved in `gate_up`. `residual` (n, H) of x's dtype: added to the
-    experts' sum in its last launch (`fused.FusedDecode._moe_row`: the layer's output)."""
+    experts' sum in its last launch (`fused.FusedDecode._moe_row`: the layer's output).
+    `shared`: a shared SwiGLU MLP's fused gate/up (2F, H) (the gate's F rows, then the up's)
+    and down (H, F) weights, F a multiple of I, read in place as F / I more experts E .. after
+    `gate_up` and `down`'s E (chunk c: gate rows c * I .., up rows F + c * I .., down columns
+    c * I ..; `grouped_moe.GroupedMoE`), which `idx` may name."""
     gu, dn = gate_up_cfg or GATE_UP, down_cfg or DOWN
     n, h = x.shape
     k = idx.shape[1]
@@ -153,16 +176,27 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     ids = idx.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
     gu_bias, dn_bias, alpha, limit = oss if oss is not None else (x, x, 0.0, 0.0)
+    w2 = {}
+    if shared is not None:
+        if shared_chunks(shared[0], shared[1], i) is None or shared[1].shape[0] != h or \
+                shared[0].dtype != gate_up.dtype or shared[1].dtype != down.dtype or \
+                oss is not None:
+            raise ValueError(f"moe_gemv: shared experts {tuple(shared[0].shape)}, "
+                             f"{tuple(shared[1].shape)} are no gate/up (2F, H) and down (H, F) "
+                             f"of the experts' dtype and H ({h}), contiguous, F a multiple of "
+                             f"their {i}")
+        w2 = {"E_ROUTED": down.shape[0], "F2": shared[1].shape[1], "HAS_W2": True}
     act = torch.empty((n * k, i), dtype=x.dtype, device=x.device)
     _gate_up_act[(n * k, triton.cdiv(i, gu["BLOCK_I"]))](
         x, gate_up, ids, act, gu_bias, float(alpha), float(limit), H=h, WIDTH=i, K=k,
         BLOCK_I=gu["BLOCK_I"], BLOCK_K=gu["BLOCK_K"], OSS=oss is not None,
-        num_warps=gu["num_warps"], **pdl(x))
+        W2=None if shared is None else shared[0], **w2, num_warps=gu["num_warps"], **pdl(x))
     y = torch.empty((n * k, h), dtype=torch.promote_types(x.dtype, weights.dtype),
                     device=x.device)
     _down[(n * k, triton.cdiv(h, dn["BLOCK_O"]))](
         act, down, ids, rw, y, dn_bias, H=h, WIDTH=i, BLOCK_O=dn["BLOCK_O"],
-        BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None, num_warps=dn["num_warps"], **pdl(act))
+        BLOCK_K=dn["BLOCK_K"], HAS_BIAS=oss is not None,
+        W2=None if shared is None else shared[1], **w2, num_warps=dn["num_warps"], **pdl(act))
     out = torch.empty_like(x)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or
                                  not residual.is_contiguous()):
@@ -176,10 +210,17 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
 
 @torch.library.custom_op("layersplit::moe_gemv", mutates_args=())
 def moe_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor) -> torch.Tensor:
+             down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
+             shared_down: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[r, j] * down[e] @ (silu(g) * u), (g, u) = gate_up[e] @ x[r], e = idx[r, j]:
-    `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I)."""
-    return run_gemv(x, weights, idx, gate_up, down)
+    `grouped_experts` for rows `x` (n, H); `gate_up` (E, 2I, H), `down` (E, H, I); with a shared
+    MLP's `shared_gate_up` (2F, H) and `shared_down` (H, F), ids E .. E + F / I - 1 name its
+    chunks (`run_gemv`'s `shared`); `residual` (n, H): added to the sum (`run_gemv`'s)."""
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("moe_gemv: a shared expert needs both its gate/up and down weights")
+    shared = None if shared_gate_up is None else (shared_gate_up, shared_down)
+    return run_gemv(x, weights, idx, gate_up, down, shared=shared, residual=residual)
 
 
 @torch.library.custom_op("layersplit::oss_moe_gemv", mutates_args=())
@@ -264,7 +305,8 @@ def moe_route_softmax_top(logits: torch.Tensor,
 def _route_grouped(LOGITS, BIAS, W, IDS, scaling, E: tl.constexpr, G: tl.constexpr,
                    EG: tl.constexpr, G_POW2: tl.constexpr, EG_POW2: tl.constexpr,
                    K: tl.constexpr, K_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   NORM: tl.constexpr, PDL: tl.constexpr = False):
+                   NORM: tl.constexpr, EXTRA: tl.constexpr = 0, EXTRA_POW2: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):
     pdl_start(PDL)
     t = tl.program_id(0)
     gi = tl.arange(0, G_POW2)
@@ -302,25 +344,32 @@ def _route_grouped(LOGITS, BIAS, W, IDS, scaling, E: tl.constexpr, G: tl.constex
     chosen = slots < K
     if NORM:
         wv = wv / (tl.sum(tl.where(chosen, wv, 0.0), axis=0) + 1e-20)
-    tl.store(W + t * K + slots, wv * scaling, mask=chosen)
-    tl.store(IDS + t * K + slots, iv.to(tl.int64), mask=chosen)
+    row = t * (K + EXTRA)
+    tl.store(W + row + slots, wv * scaling, mask=chosen)
+    tl.store(IDS + row + slots, iv.to(tl.int64), mask=chosen)
+    if EXTRA > 0:  # the shared experts' chunks, as experts E .. E + EXTRA - 1 of weight 1
+        xs = tl.arange(0, EXTRA_POW2)
+        tl.store(W + row + K + xs, tl.full([EXTRA_POW2], 1.0, tl.float32), mask=xs < EXTRA)
+        tl.store(IDS + row + K + xs, (E + xs).to(tl.int64), mask=xs < EXTRA)
 
 
 @torch.library.custom_op("layersplit::moe_route_grouped", mutates_args=())
 def moe_route_grouped(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
-                      topk_group: int, norm: bool,
-                      scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      topk_group: int, norm: bool, scaling: float,
+                      extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`grouped_moe.route_grouped` after its float32 router logits (n, E): sigmoid scores, the
     correction `bias` (E,) added for choosing, groups scored by their top 2, the top k of the
     best `topk_group` groups, their scores renormalised when `norm`, times `scaling`. One
-    program per row."""
+    program per row. `extra`: `extra` more columns, ids E .. E + extra - 1 of weight 1 (a
+    shared expert's chunks as experts: `grouped_moe.GroupedMoE.shared_as_experts`)."""
     n, e = logits.shape
-    w, ids = _route_outputs(logits, top_k)
+    w, ids = _route_outputs(logits, top_k + extra)
     eg = e // n_group
     _route_grouped[(n,)](
         logits.contiguous(), bias.contiguous(), w, ids, float(scaling), E=e, G=n_group, EG=eg,
         G_POW2=triton.next_power_of_2(n_group), EG_POW2=triton.next_power_of_2(eg), K=top_k,
-        K_POW2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group, NORM=norm, **pdl(logits))
+        K_POW2=triton.next_power_of_2(top_k), TOPK_GROUP=topk_group, NORM=norm, EXTRA=extra,
+        EXTRA_POW2=max(1, triton.next_power_of_2(extra)), **pdl(logits))
     return w, ids
 
 
@@ -332,15 +381,15 @@ moe_route_softmax_top.register_fake(_fake_route)
 
 
 @moe_route_grouped.register_fake
-def _(logits, bias, top_k, n_group, topk_group, norm, scaling):
-    return _fake_route(logits, top_k)
+def _(logits, bias, top_k, n_group, topk_group, norm, scaling, extra=0):
+    return _fake_route(logits, top_k + extra)
 
 
 moe_route.register_fake(_fake_route)
 
 
 @moe_gemv.register_fake
-def _(x, weights, idx, gate_up, down):
+def _(x, weights, idx, gate_up, down, shared_gate_up=None, shared_down=None, residual=None):
     return torch.empty_like(x)
 
 

@@ -22,16 +22,18 @@ from layersplit.shards.kernels import (
     kernel_failed,
     try_kernel,
 )
+from layersplit.shards.layers.norm import RMSNorm
 from torch import nn
 
 KERNEL = "GEMV"
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, gate_up: bool,
-          residual: torch.Tensor | None = None) -> torch.Tensor:
+          residual: torch.Tensor | None = None,
+          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     from layersplit.shards.kernels.gemv import gemv  # (Triton: imported where it runs)
 
-    return gemv(x, w, bias=bias, gate_up=gate_up, residual=residual)
+    return gemv(x, w, bias=bias, gate_up=gate_up, residual=residual, norm=norm)
 
 
 class GemvLinear(nn.Linear):
@@ -55,6 +57,16 @@ class GemvLinear(nn.Linear):
                 (y := try_kernel(KERNEL, _gemv, x, self.weight, self.bias, False, r)) is not None:
             return y
         return r + F.linear(x, self.weight, self.bias)
+
+    def normed(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """self(norm(x)): a plain RMSNorm of x's dtype (`layers.norm.RMSNorm`, whose rounding
+        the GEMV's prologue follows) in the GEMV's launch where it takes x; else the two."""
+        if type(norm) is RMSNorm and norm.weight.dtype == x.dtype and \
+                norm.weight.is_contiguous() and self.takes(x) and \
+                (y := try_kernel(KERNEL, _gemv, x, self.weight, self.bias, False, None,
+                                 (norm.weight, norm.eps))) is not None:
+            return y
+        return self(norm(x))
 
     def silu_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(g) * u of this fused gate/up projection's output, in the same launch (`gemv`'s

@@ -8,11 +8,21 @@ The experts themselves run as every MoE family's (`shards.layers.routed_moe.Expe
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import gemv_kernels_available, kernel_failed, try_kernel
+from layersplit.shards.kernels import (
+    fused_kernels_available,
+    gemv_kernels_available,
+    kernel_failed,
+    try_kernel,
+)
+from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.gemv_linear import KERNEL as GEMV
+from layersplit.shards.layers.gemv_linear import GemvLinear
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.routed_moe import Experts
 from layersplit.shards.model_config import ModelConfig
@@ -22,6 +32,11 @@ from torch import nn
 # them (`_keep_in_fp32_modules_strict` of DeepSeek-V3 and GLM-4.5): the bias only breaks
 # near-ties between experts. (A family module's `FLOAT32_TENSORS`, read by `shards.checkpoint`.)
 ROUTER_FLOAT32_TENSORS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+# 0: a few rows' shared experts run as their own two GEMVs, not as experts of the routed
+# experts' kernels (`GroupedMoE.shared_as_experts`)
+SHARED_AS_EXPERTS = "LAYERSPLIT_SHARED_AS_EXPERTS"
+
+log = logging.getLogger(__name__)
 
 
 def router_logits(x: torch.Tensor, router_w: torch.Tensor) -> torch.Tensor:
@@ -97,17 +112,84 @@ class GroupedMoE(nn.Module):
         self.experts = Experts(cfg)
         s = cfg.shared_expert_intermediate_size
         self.shared_experts = MLP(cfg, s) if s else None
+        # the shared experts' chunks of the routed experts' width that a few rows' steps run
+        # as experts in the experts' kernels (`shared_as_experts`); 0: none
+        self.shared_in_kernels = 0
 
     def fuse(self) -> None:
         self.experts.fuse()
         if self.shared_experts is not None:
             self.shared_experts.fuse()
+            self.shared_in_kernels = self.shared_as_experts()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def shared_as_experts(self) -> int:
+        """How many experts of the routed experts' width I the shared experts make in a few
+        rows' steps (0: none): where their SwiGLU's width F is a multiple of I (DeepSeek-V2/V3,
+        Kimi K2, GLM-4.5), shared(x) = the sum over chunks c of down_c (silu(gate_c x) *
+        up_c x), so the routed experts' two kernels read the MLP's weights in place as F / I
+        more experts of weight 1, which the routing kernel appends to every row's k
+        (`moe_gemv.run_gemv`'s `shared`, `moe_route_grouped`'s `extra`), instead of two more
+        GEMV launches. 0 where the kernels do not run, the MLP is not a plain bias-free SwiGLU
+        of the experts' dtype, or `LAYERSPLIT_SHARED_AS_EXPERTS=0`."""
+        gu = getattr(self.experts, "gate_up_proj", None)
+        dn = getattr(self.experts, "down_proj", None)
+        sh, kernels = self.shared_experts, routed_moe._kernels
+        if sh is None or kernels is None or not isinstance(gu, torch.Tensor) or \
+                not isinstance(dn, torch.Tensor) or dn.dim() != 3 or \
+                not fused_kernels_available(gu.device) or \
+                os.environ.get(SHARED_AS_EXPERTS, "1").strip().lower() in ("0", "false", "off",
+                                                                          "no"):
+            return 0
+        lin = (sh.gate_up_proj, sh.down_proj)
+        if sh.act is not F.silu or not all(type(m) in (nn.Linear, GemvLinear) and m.bias is None
+                                           for m in lin):
+            return 0
+        sgu, sdn = lin[0].weight, lin[1].weight
+        if sgu.dtype != gu.dtype or sdn.dtype != dn.dtype:
+            return 0
+        count = shared_chunks(sgu, sdn, dn.shape[2]) or 0
+        if count:
+            log.debug("shared experts as %d experts of width %d in the experts' kernels", count,
+                      dn.shape[2])
+        return count
+
+    def _few_rows(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        """A few rows on a GPU with `shared_in_kernels`: the routing kernel's k experts and the
+        shared chunks, all in the experts' kernels (four launches after the router's GEMV),
+        `residual` added in the last; None where a kernel failed once (the other path then
+        runs)."""
+        gu, dn = self.experts.gate_up_proj, self.experts.down_proj
+        if not routed_moe._gemv_applies(x, gu, dn) or kernel_failed("MoE routing") or \
+                kernel_failed("MoE GEMV") or self.gate.weight.shape[0] % self.n_group or \
+                (residual is not None and not (residual.shape == x.shape and
+                                               residual.dtype == x.dtype and
+                                               residual.is_contiguous())):
+            return None
+        kernels = routed_moe._kernels
+        logits = router_logits(x, self.gate.weight)
+        got = try_kernel("MoE routing", kernels.moe_route_grouped, logits,
+                         self.gate.e_score_correction_bias.float(), self.top_k, self.n_group,
+                         self.topk_group, self.norm, self.scaling, self.shared_in_kernels)
+        if got is None:
+            return None
+        sh = self.shared_experts
+        return try_kernel("MoE GEMV", kernels.moe_gemv, x, got[0], got[1], gu, dn,
+                          sh.gate_up_proj.weight, sh.down_proj.weight, residual)
+
+    ADDS_RESIDUAL = True  # (`forward`'s residual: the decoder layer's add, `llama.DecoderLayer`)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' and shared experts' output for rows `x`, plus `residual` where given
+        (the layer's residual stream: on a few rows' kernel path, added in their last launch;
+        else as the layer added it, after the MoE's own sum)."""
+        if self.shared_in_kernels and routed_moe.few_rows_kernels(x):
+            out = self._few_rows(x, residual)
+            if out is not None:
+                return out
         w, idx = route_grouped(x, self.gate.weight, self.gate.e_score_correction_bias,
                                self.top_k, self.n_group, self.topk_group, self.norm,
                                self.scaling)
         out = self.experts(x, w, idx)
         if self.shared_experts is not None:
             out = self.shared_experts(x, residual=out)  # (out + shared(x))
-        return out
+        return out if residual is None else residual + out

@@ -91,11 +91,20 @@ class MLAttention(nn.Module):
         else:
             self.q_a_proj = None
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's queries (n, H * (P + R)) and kv_a_proj's latent rows (n, C + R)."""
+    TAKES_NORM = True  # (`forward`'s norm: the decoder layer's input norm, `llama.DecoderLayer`)
+
+    def _project(self, x: torch.Tensor, norm: nn.Module | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's queries (n, H * (P + R)) and kv_a_proj's latent rows (n, C + R); `norm`:
+        x's norm, yet to apply (in the fused input projection's launch where it takes it)."""
         if self.in_proj is not None:
-            first, a = self.in_proj(x).split([self.first_width, self.latent], dim=-1)
+            normed = getattr(self.in_proj, "normed", None)
+            y = (self.in_proj(x) if norm is None else normed(x, norm) if normed is not None
+                 else self.in_proj(norm(x)))
+            first, a = y.split([self.first_width, self.latent], dim=-1)
         else:
+            if norm is not None:
+                x = norm(x)
             first = (self.q_proj if self.q_proj is not None else self.q_a_proj)(x)
             a = self.kv_a_proj_with_mqa(x)
         if self.q_b_proj is None:
@@ -114,15 +123,16 @@ class MLAttention(nn.Module):
         layer: int,
         slot: int,
         step: StepInfo,
+        norm: nn.Module | None = None,  # x's norm, yet to apply (`TAKES_NORM`)
     ) -> torch.Tensor:
         if step.parts:
             raise SegmentsRefused("latent attention runs one sequence's eager step at a time")
         if step.grouped and mla_kernel_applies(kv, x.device):  # (a captured step's)
-            out = self._kernel_step(x, cos, sin, kv, layer, slot, step)
+            out = self._kernel_step(x, cos, sin, kv, layer, slot, step, norm)
             if out is not None:
                 return self.o_proj(out)
         n, nh = x.shape[0], self.num_heads
-        q, a = self._project(x)
+        q, a = self._project(x, norm)
         q_nope, q_pe = q.view(n, nh, -1).split([self.nope, self.rope], dim=-1)
         c, k_pe = a.split([self.rank, self.rope], dim=-1)
         q_pe = self._rope(q_pe, cos, sin)
@@ -204,7 +214,8 @@ class MLAttention(nn.Module):
         return w[:, :self.nope], w[:, self.nope:].transpose(1, 2)
 
     def _kernel_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv,
-                     layer: int, slot: int, step: StepInfo) -> torch.Tensor | None:
+                     layer: int, slot: int, step: StepInfo,
+                     norm: nn.Module | None = None) -> torch.Tensor | None:
         """The absorbed attention through Triton kernels, up to o_proj's input (n, H * V): the
         latent rows written and the queries' rotary (`mla_step.mla_rows`), W_UK folded into
         the queries and W_UV applied to the latent outputs (`mla_step.heads_matmul`), the
@@ -212,19 +223,23 @@ class MLAttention(nn.Module):
         takes ~30. None where a kernel failed to build (the torch path then runs, from now
         on)."""
         from layersplit.shards.kernels.mla_decode import mla_decode
-        from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows
+        from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows, rows_and_queries
 
         n, nh = x.shape[0], self.num_heads
         try:
-            q, a = self._project(x)
+            q, a = self._project(x, norm)
             q = q.view(n, nh, self.nope + self.rope)
             k_pool, v_pool, write, read = kv.pool_index(layer, slot, step)
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
-            norm = self.kv_a_layernorm
-            mla_rows(a, norm.weight, norm.eps, cos, sin, write, k_pool[:, 0], v_pool[:, 0],
-                     q[..., self.nope:], q_row, self.interleave)
+            kv_norm = self.kv_a_layernorm
             w_uk, w_uv = self._kv_b()
-            heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
+            if not (n == 1 and _rows_fused() and _one_launch(
+                    rows_and_queries, a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
+                    v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk, q_row,
+                    self.interleave)):
+                mla_rows(a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
+                         v_pool[:, 0], q[..., self.nope:], q_row, self.interleave)
+                heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
             s = read.shape[0]
             last = step.positions if step.rows is None else step.rows
             o_lat = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
@@ -242,7 +257,33 @@ class MLAttention(nn.Module):
 
 
 MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPUs too
-_KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
+# 0: the latent rows (`mla_step.mla_rows`) and W_UK's products (`heads_matmul`) in two launches,
+# not one (`mla_step.rows_and_queries`). One launch only for a step of one row: DeepSeek-V2-Lite
+# width, H200, D4: batch 1 389.3 against 386.7 tok/s, but 8 streams 1,172.9 against 1,191.3
+MLA_ROWS_SWITCH = "LAYERSPLIT_MLA_FUSED_ROWS"
+_KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process ("rows off":
+# the one-launch rows)
+
+
+def _rows_fused() -> bool:
+    return not _KERNEL.get("rows off") and \
+        os.environ.get(MLA_ROWS_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _one_launch(fn, *args) -> bool:
+    """fn(*args) (`rows_and_queries`), False where it failed to build or launch: it is then
+    off for the process, said once, and the two launches it replaces run (the step's own
+    errors propagate)."""
+    try:
+        fn(*args)
+    except (torch.cuda.OutOfMemoryError, IndexError, ValueError):  # (the step's own, and an
+        raise  # operand the kernel refuses: `_kernel_step` says so)
+    except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
+        _KERNEL["rows off"] = True
+        log.warning("the MLA step's one-launch latent and query rows failed (%s); they take "
+                    "two launches from now on", first_line(e))
+        return False
+    return True
 
 
 def mla_kernel_applies(kv, device: torch.device) -> bool:

@@ -27,6 +27,8 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None  # set by `fuse_projections` (GPU)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
+    ADDS_RESIDUAL = True  # (`forward`'s residual: the decoder layer's add, `llama.DecoderLayer`)
+
     def fuse(self) -> None:
         if self.gate_up_proj is not None:  # (fused already)
             return

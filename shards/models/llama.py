@@ -3,6 +3,8 @@ differ only in config: q/k/v bias, q/k RMSNorm, sliding windows, rope scaling)."
 
 from __future__ import annotations
 
+import os
+
 import torch
 from layersplit.shards.layers.attention import Attention
 from layersplit.shards.layers.mlp import MLP
@@ -10,6 +12,12 @@ from layersplit.shards.layers.norm import RMSNorm
 from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.model_config import ModelConfig
 from torch import nn
+
+# 0: a layer off the fused step keeps its input norm and residual adds as launches of their own
+# rather than handing them to its attention's first and its MLP's last launch (`TAKES_NORM`,
+# `ADDS_RESIDUAL`); read once, at import
+HANDOFFS = os.environ.get("LAYERSPLIT_LAYER_HANDOFFS", "1").strip().lower() not in (
+    "0", "false", "off", "no")
 
 
 class DecoderLayer(nn.Module):
@@ -30,6 +38,13 @@ class DecoderLayer(nn.Module):
                 return out
         if step.parts:  # (several sequences' eager steps: only the row kernels' path takes it)
             raise SegmentsRefused("this layer runs several sequences' eager steps one by one")
-        a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
+        if HANDOFFS and getattr(self.self_attn, "TAKES_NORM", False):  # (the norm in its
+            # first launch)
+            a = self.self_attn(h, cos, sin, kv, layer, slot, step, norm=self.input_layernorm)
+        else:
+            a = self.self_attn(self.input_layernorm(h), cos, sin, kv, layer, slot, step)
         h, normed = self.post_attention_layernorm.add_forward(h, a)  # (h + a, its norm)
+        if HANDOFFS and getattr(self.mlp, "ADDS_RESIDUAL", False):  # (the add in its last
+            # launch)
+            return self.mlp(normed, residual=h)
         return h + self.mlp(normed)

@@ -210,3 +210,128 @@ def test_router_logits_in_one_gemv_equal_the_float32_linear(experts, hidden):
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert grouped_moe.router_logits(x.repeat(2, 1), w).shape == (2, experts)  # (torch's)
+
+
+@pytest.mark.parametrize("extra", [1, 2, 3])
+def test_grouped_route_appends_the_shared_chunks(extra):
+    """`extra` more columns after the k routed ones: ids E .. E + extra - 1, weight 1; the
+    routed columns as without them."""
+    from layersplit.shards.kernels.moe_gemv import moe_route_grouped
+    g = _gen(4)
+    e, k = 64, 6
+    logits = torch.randn(3, e, generator=g, device=KERNEL_DEV)
+    bias = torch.randn(e, generator=g, device=KERNEL_DEV) * 0.3
+    w0, idx0 = moe_route_grouped(logits, bias, k, 8, 4, True, 2.5)
+    w, idx = moe_route_grouped(logits, bias, k, 8, 4, True, 2.5, extra)
+    assert w.shape == idx.shape == (3, k + extra)
+    assert torch.equal(idx[:, :k], idx0) and torch.equal(w[:, :k], w0)
+    assert torch.equal(idx[:, k:].cpu(), torch.arange(e, e + extra).expand(3, extra))
+    assert torch.equal(w[:, k:].cpu(), torch.ones(3, extra))
+
+
+def _swiglu(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, down)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_shared_chunks_in_the_experts_kernels_equal_the_shared_mlp(dtype, rows):
+    """The routed experts' kernels reading a shared MLP's weights in place as F / I more
+    experts of weight 1 (`run_gemv`'s `shared`) give the routed experts' sum plus the shared
+    MLP, as the two were computed apart; the layer's residual added in their last launch."""
+    from layersplit.shards.kernels.moe_gemv import moe_gemv, moe_route_grouped
+    e, h, i, k, f = (64, 2048, 1408, 6, 2816) if CUDA else (8, 64, 24, 3, 48)
+    g = _gen(5)
+    x = torch.randn(rows, h, generator=g, device=KERNEL_DEV).to(dtype)
+    gu = (torch.randn(e, 2 * i, h, generator=g, device=KERNEL_DEV) * h ** -0.5).to(dtype)
+    dn = (torch.randn(e, h, i, generator=g, device=KERNEL_DEV) * i ** -0.5).to(dtype)
+    sgu = (torch.randn(2 * f, h, generator=g, device=KERNEL_DEV) * h ** -0.5).to(dtype)
+    sdn = (torch.randn(h, f, generator=g, device=KERNEL_DEV) * f ** -0.5).to(dtype)
+    logits = torch.randn(rows, e, generator=g, device=KERNEL_DEV)
+    bias = torch.zeros(e, device=KERNEL_DEV)
+    w, idx = moe_route_grouped(logits, bias, k, 1, 1, True, 2.5, f // i)
+    got = moe_gemv(x, w, idx, gu, dn, sgu, sdn)
+    routed = moe_gemv(x, w[:, :k].contiguous(), idx[:, :k].contiguous(), gu, dn)
+    want = routed.float() + _swiglu(sgu.float(), sdn.float(), x.float())
+    assert near(got, want, 1e-5 if dtype == torch.float32 else 0.02)
+    r = torch.randn(rows, h, generator=g, device=KERNEL_DEV).to(dtype)  # (the layer's residual)
+    with_r = moe_gemv(x, w, idx, gu, dn, sgu, sdn, r)
+    assert near(with_r, r.float() + got.float(), 1e-6 if dtype == torch.float32 else 0.01)
+    with pytest.raises(ValueError, match="shared experts"):  # (a width no multiple of I)
+        moe_gemv(x, w, idx, gu, dn, sgu[:-2].contiguous(), sdn[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="shared experts"):  # (another hidden size)
+        moe_gemv(x, w, idx, gu, dn, sgu[:, :-8].contiguous(), sdn[:-8].contiguous())
+    with pytest.raises(ValueError, match="both"):
+        moe_gemv(x, w, idx, gu, dn, sgu, None)
+
+
+def test_grouped_moe_few_rows_take_the_shared_expert_in_the_experts_kernels(monkeypatch):
+    """`GroupedMoE`'s few-rows step (`_few_rows`, the kernels' dispatch forced where they run
+    here) reads its shared MLP in place as experts and equals its torch path; off with its
+    switch."""
+    from layersplit.shards.kernels import moe_gemv
+
+    monkeypatch.setattr(routed_moe, "_kernels", moe_gemv)
+    monkeypatch.setattr(routed_moe, "few_rows_kernels", lambda x: x.shape[0] <= 4)
+    raw = {**FAMILY_CONFIGS["deepseek_v3-noq"], "num_hidden_layers": 4,  # (two shared
+           "vocab_size": 320}  # experts: one MLP twice as wide)
+    cfg = config_from_hf(raw, "config.json")
+
+    def made() -> grouped_moe.GroupedMoE:
+        moe = grouped_moe.GroupedMoE(cfg)
+        with torch.no_grad():
+            for n, prm in moe.named_parameters():
+                prm.copy_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(
+                    len(n))) * 0.3)
+        moe = moe.to(KERNEL_DEV)
+        moe.fuse()
+        return moe
+
+    moe = made()
+    assert moe.shared_in_kernels == 2
+    x = torch.randn(2, cfg.hidden_size, generator=_gen(8), device=KERNEL_DEV)
+    r = torch.randn(2, cfg.hidden_size, generator=_gen(9), device=KERNEL_DEV)
+    got = moe(x, residual=r)
+    monkeypatch.setattr(routed_moe, "few_rows_kernels", lambda x: False)  # (the torch path)
+    want = moe(x, residual=r)
+    assert near(got, want, 1e-5)
+    monkeypatch.setattr(routed_moe, "_kernels", moe_gemv)
+    monkeypatch.setenv(grouped_moe.SHARED_AS_EXPERTS, "0")
+    assert made().shared_in_kernels == 0
+
+
+@needs_cuda
+def test_grouped_moe_runs_its_shared_expert_in_the_experts_kernels(monkeypatch):
+    """A DeepSeek-V3-style MoE's step of one row takes the shared chunks (four launches after
+    the router's GEMV), and equals its step with them off (`SHARED_AS_EXPERTS`) and the torch
+    path's."""
+    routed_moe.load_gemv()
+    raw = {**FAMILY_CONFIGS["deepseek_v3-noq"], "num_hidden_layers": 4, "vocab_size": 320,
+           "hidden_size": 2048,
+           "moe_intermediate_size": 1408, "n_routed_experts": 64, "num_experts_per_tok": 6}
+    cfg = config_from_hf(raw, "config.json")
+    g = _gen(6)
+
+    def made() -> grouped_moe.GroupedMoE:
+        moe = grouped_moe.GroupedMoE(cfg).to(KERNEL_DEV)
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=_gen(7), device=KERNEL_DEV) * 0.03)
+        moe = moe.to(torch.bfloat16)
+        moe.gate.float()  # (the router's float32 tensors)
+        moe.fuse()
+        return moe
+
+    x = torch.randn(1, 2048, generator=g, device=KERNEL_DEV).to(torch.bfloat16)
+    moe = made()
+    assert moe.shared_in_kernels == 2
+    got = moe(x)
+    r = torch.randn(1, 2048, generator=g, device=KERNEL_DEV).to(torch.bfloat16)
+    assert torch.equal(moe(x, residual=r), r + got)  # (added in the last launch, as torch adds)
+    monkeypatch.setenv(grouped_moe.SHARED_AS_EXPERTS, "0")
+    apart = made()
+    assert apart.shared_in_kernels == 0
+    assert near(got, apart(x), 0.02)
+    monkeypatch.setattr(routed_moe, "_kernels", None)  # (the torch path)
+    assert near(got, apart(x), 0.03)

@@ -97,3 +97,28 @@ def test_residual_add_in_the_gemv_equals_the_torch_add(dtype):
     lin = mlp.down_proj
     h = torch.randn(1, lin.in_features, generator=g).to(KERNEL_DEV, dtype)
     assert near(lin.add_to(r, h), r + F.linear(h, lin.weight), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_input_norm_in_the_gemv_equals_the_norm_then_the_projection(dtype, bias):
+    """A layer's input RMSNorm as the GEMV's prologue (`GemvLinear.normed`: latent attention's
+    fused input projection) against the norm and then the projection; a norm whose rounding
+    the prologue does not follow (`FloatProductRMSNorm`) runs apart, as does a step of more
+    rows than the GEMV takes."""
+    from layersplit.shards.layers.norm import FloatProductRMSNorm, RMSNorm
+
+    lin = _linear(dtype, bias)
+    linears_as_gemv(lin)
+    g = torch.Generator().manual_seed(7)
+    norm = RMSNorm(H, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(H, generator=g)
+    norm = norm.to(KERNEL_DEV, dtype)
+    x = (torch.randn(1, H, generator=g) * 3).to(KERNEL_DEV, dtype)
+    want = F.linear(norm(x), lin.weight, lin.bias)
+    assert near(lin.normed(x, norm), want, TOL[dtype])
+    other = FloatProductRMSNorm(H, 1e-6).to(KERNEL_DEV, dtype)
+    other.weight.data.copy_(norm.weight)
+    assert torch.equal(lin.normed(x, other), lin(other(x)))
+    rows = x.repeat(80, 1)  # (past the GEMV's rows: F.linear)
+    assert torch.equal(lin.normed(rows, norm), F.linear(norm(rows), lin.weight, lin.bias))

@@ -92,13 +92,38 @@ def test_kernel_equals_torch_path(tiny_models, family, dtype, monkeypatch):
     assert max(kernel) < max(0.05, 2 * max(torch_path)), (kernel, torch_path)
 
 
+def test_a_failing_one_launch_rows_step_takes_the_two(tiny_models, monkeypatch, caplog):
+    """Where the one-launch latent and query rows (`rows_and_queries`) fail to build, the step
+    takes `mla_rows` and `heads_matmul` from then on (said once), not the torch path, and
+    answers the same."""
+    from layersplit.shards.kernels import mla_step
+    from layersplit.shards.layers import mla
+
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
+    want = _outputs(tiny_models["deepseek_v3"], torch.float32)
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
+    monkeypatch.setattr(mla, "_KERNEL", {})
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(mla_step, "rows_and_queries", broken)
+    got = _outputs(tiny_models["deepseek_v3"], torch.float32, fuse=True)
+    assert len(calls) == 1 and mla._KERNEL == {"rows off": True}
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
+    assert sum("two launches" in r.message for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("rank,rope,rows,t,chunk,off32", [
     (32, 8, 1, 600, 256, True), (27, 8, 3, 600, 256, True), (512, 64, 1, 600, 256, True),
     (32, 8, 2, 2400, 256, True), (32, 8, 2, 2400, 16, True), (512, 64, 2, 600, 256, False)])
 def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
-    """Keys spread over several splits (600 keys: 10 of 64 on an H200; 2,400: 38, read by the
-    combine in one load, or, splits of 64 keys on any device, in 3 loads of 16, the last part
-    empty; the pool addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
+    """Keys spread over several splits (600 keys: 19 of 32 on an H200; 2,400: 75, read by the
+    combine in one load, or, splits of 64 keys on any device (38), in 3 loads of 16; the pool
+    addressed in int32 offsets or, as a pool of 2**31 values is, in int64), rows
     read through a shuffled pool index, a mask that hides the last keys: the kernel's latent
     output equals the plain softmax over each sequence's latent rows. In float32, at DeepSeek's
     latent width too (512 + 64: its keys' blocks once asked more shared memory than an H200
@@ -153,14 +178,15 @@ def test_no_key_past_a_sequences_last_row_is_read():
     want = torch.einsum("smt,stc->smc",
                         torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1),
                         lat[..., :rank])
-    for split in (64, 1024):  # (several splits, and one: the output written directly)
-        saved, mod.SPLIT_KEYS = mod.SPLIT_KEYS, split
+    saved = mod.SPLIT_KEYS, mod.SPLIT_KEYS_ALONE
+    for split in (16, 32, 64, 1024):  # (several splits, and one: the output written directly)
+        mod.SPLIT_KEYS = mod.SPLIT_KEYS_ALONE = split
         try:
             got = mod.mla_decode(q.to(DEV), pool[:, :half].to(DEV), pool[:, half:].to(DEV),
                                  index.to(DEV), mask.to(DEV), heads, rank, 0.3,
                                  last=written.reshape(-1).to(DEV))
         finally:
-            mod.SPLIT_KEYS = saved
+            mod.SPLIT_KEYS, mod.SPLIT_KEYS_ALONE = saved
         assert torch.isfinite(got).all()
         assert float((got.cpu() - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
 
@@ -203,6 +229,46 @@ def test_latent_rows_and_query_rotary_equal_the_torch_ops(heads, rank, rope, int
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[write] = False
     assert not k_dev.cpu()[untouched].any() and not v_dev.cpu()[untouched].any()
+
+
+@pytest.mark.parametrize("n,heads,rank,rope,nope,interleave", [
+    (1, 16, 512, 64, 128, False),  # (DeepSeek-V2-Lite's decode row)
+    (3, 4, 27, 6, 8, True),  # (an odd latent width)
+    (17, 3, 32, 8, 16, False)])  # (rows past one block of 16)
+def test_rows_and_queries_in_one_launch_equal_the_two(n, heads, rank, rope, nope, interleave):
+    """`mla_step.rows_and_queries` writes the same latent rows and query rows, bit for bit, as
+    `mla_rows` and `heads_matmul` (W_UK) in two launches."""
+    from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows, rows_and_queries
+
+    g = torch.Generator().manual_seed(n + heads)
+    latent = rank + rope
+    half = -(-latent // 2)
+    dt = torch.float32 if DEV == "cpu" else torch.bfloat16
+    to = {"device": DEV, "dtype": dt}
+    a = torch.randn(n, latent, generator=g).to(**to)
+    q = torch.randn(n, heads, nope + rope, generator=g).to(**to)  # (q_nope, then q_pe)
+    w_uk = (torch.randn(heads, nope, rank, generator=g) * nope ** -0.5).to(**to)
+    nw = torch.randn(rank, generator=g).to(**to)
+    ang = torch.rand(n, rope // 2, generator=g) * 6
+    cos = torch.cat([ang, ang], -1).cos().to(**to)
+    sin = torch.cat([ang, ang], -1).sin().to(**to)
+    write = torch.randperm(2 * n + 3, generator=g)[:n].to(DEV)
+    outs = []
+    for fused in (False, True):
+        k_pool = torch.zeros(2 * n + 3, half, **to)
+        v_pool = torch.zeros(2 * n + 3, half, **to)
+        q_row = torch.full((n, heads, latent), 7.0, **to)
+        if fused:
+            rows_and_queries(a, nw, 1e-6, cos, sin, write, k_pool, v_pool, q[..., nope:],
+                             q[..., :nope], w_uk, q_row, interleave)
+        else:
+            mla_rows(a, nw, 1e-6, cos, sin, write, k_pool, v_pool, q[..., nope:], q_row,
+                     interleave)
+            heads_matmul(q[..., :nope], w_uk, q_row[..., :rank])
+        outs.append((k_pool, v_pool, q_row))
+    for two, one in zip(*outs, strict=True):
+        assert torch.equal(one, two)
+    assert not (outs[1][2] == 7.0).any()  # (every value of the query rows written)
 
 
 def test_operands_of_the_wrong_shape_are_refused_by_name():

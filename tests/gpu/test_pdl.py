@@ -25,7 +25,7 @@ def _chain(x0: torch.Tensor, weights: list[torch.Tensor], gate_ups: list[torch.T
     h, x = x0, x0
     for i, (w, gu) in enumerate(zip(weights, gate_ups, strict=True)):
         y = gemv(x, w, norm=(norm_w, 1e-6), residual=h)  # (norm prologue, residual epilogue)
-        act = gemv(y, gu, gate_up=True)  # (SiLU * up epilogue): (1, F)
+        act = gemv(x, gu, gate_up=True)  # (SiLU * up epilogue, of the normed rows): (1, F)
         h, x = add_rms_norm(y, act[:, : y.shape[1]].contiguous() if i % 2 else y, norm_w, 1e-6)
     return h.float().sum() + x.float()  # (the last: a torch kernel)
 

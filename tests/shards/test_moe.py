@@ -164,3 +164,39 @@ def test_missing_experts_are_named(tmp_path):
     with pytest.raises(CheckpointError, match="gate_up_proj.*per-expert"):
         load_layer_range(open_checkpoint(path), 1, 2)
     assert load_layer_range(open_checkpoint(path), 0, 1).num_layers == 1
+
+
+@pytest.mark.parametrize("f,width", [(48, 24), (48, 16), (24, 24), (40, 24)])
+def test_shared_expert_chunks_sum_to_the_mlp(f, width):
+    """A shared SwiGLU MLP read as F / I experts of the routed experts' width I, as the MoE
+    kernels read it in place (`gemv_operands.shared_chunks`, `moe_gemv.run_gemv`'s `shared`:
+    chunk c its gate rows c * I .., its up rows F + c * I .., its down columns c * I ..): their
+    outputs' sum is the MLP's; a width that does not divide F, a gate/up that is no pair with
+    the down weight, or a strided weight gives None."""
+    import torch.nn.functional as F
+    from layersplit.shards.kernels.gemv_operands import shared_chunks
+
+    g = torch.Generator().manual_seed(f + width)
+    h = 32
+    gate_up = torch.randn(2 * f, h, generator=g, dtype=torch.float64)
+    down = torch.randn(h, f, generator=g, dtype=torch.float64)
+    x = torch.randn(3, h, generator=g, dtype=torch.float64)
+    count = shared_chunks(gate_up, down, width)
+    if f % width:
+        assert count is None
+        return
+    assert count == f // width
+    flat_gu, flat_dn = gate_up.flatten(), down.flatten()
+
+    def chunk(c: int) -> torch.Tensor:  # (the kernels' addressing: `moe_gemv._expert`)
+        i, hh = torch.arange(width), torch.arange(h)
+        gate = flat_gu[c * width * h + i[:, None] * h + hh[None, :]]
+        up = flat_gu[c * width * h + (f + i[:, None]) * h + hh[None, :]]
+        dn = flat_dn[c * width + hh[:, None] * f + i[None, :]]
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), dn)
+
+    gg, uu = F.linear(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(sum(chunk(c) for c in range(count)),
+                               F.linear(F.silu(gg) * uu, down), rtol=1e-12, atol=1e-12)
+    assert shared_chunks(gate_up[:-1], down, width) is None  # (not a gate/up pair)
+    assert shared_chunks(gate_up, down.t().contiguous().t(), width) is None  # (strided)
