@@ -13,6 +13,7 @@ small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
         [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head] \
         [--rows 1]
     python bench/gemv_sweep.py --plain in_proj=3648x2048 --plain o_proj=2048x2048
+    python bench/gemv_sweep.py --weight-float32 --plain router=64x2048 --block-k 2048
 
 `--plain NAME=NxK`: a plain projection of N outputs and K inputs (no norm, residual or SiLU):
 the `GemvLinear` projections of the layers `shards.fused` does not fuse (above: DeepSeek-V2-
@@ -72,21 +73,25 @@ def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype) -> d
     best five, over enough copies of the weight that the L2 cache holds none."""
     m = args.rows
     x = torch.randn(m, k, device=dev).to(dt)
-    copies = max(2, -(-(256 << 20) // (n * k * 2)))
-    ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(dt) for _ in range(copies)]
-    reps, mb = max(copies, 24), n * k * 2 / 1e6
-    t_blas = time_us(lambda j: F.linear(x, ws[j]), reps, 20, copies)
-    t_def = time_us(lambda j: gk.gemv(x, ws[j]), reps, 20, copies)
+    wdt = torch.float32 if args.weight_float32 else dt  # (a router's: float32 logits out)
+    size = torch.finfo(wdt).bits // 8
+    kw = {"out_dtype": torch.float32} if args.weight_float32 else {}
+    copies = max(2, -(-(256 << 20) // (n * k * size)))
+    ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(wdt) for _ in range(copies)]
+    reps, mb = max(copies, 24), n * k * size / 1e6
+    t_blas = time_us(lambda j: F.linear(x.to(wdt), ws[j]), reps, 20, copies)
+    t_def = time_us(lambda j: gk.gemv(x, ws[j], **kw), reps, 20, copies)
     rows = []
     cands = candidates(k, ints(args.block_n), ints(args.warps), ints(args.stages)) \
         if m == 1 else row_candidates(m, k)
     for cfg in cands:
         try:
-            rows.append((time_us(lambda j: gk.gemv(x, ws[j], cfg=cfg), reps, 20, copies), cfg))
+            rows.append((time_us(lambda j: gk.gemv(x, ws[j], cfg=cfg, **kw), reps, 20, copies),
+                         cfg))
         except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
             print(f"  {name} {cfg}: {type(e).__name__}")
     rows.sort(key=lambda r: r[0])
-    default = gk.config(k) if m == 1 else gk.rows_config(m, k)
+    default = gk.config(k, n=n) if m == 1 else gk.rows_config(m, k)
     print(f"{name} ({n}x{k}, {mb:.1f} MB): cuBLAS {t_blas:.2f} us ({mb / t_blas * 1e3:.0f} "
           f"GB/s); default {default} {t_def:.2f} us ({mb / t_def * 1e3:.0f} GB/s); best "
           + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
@@ -104,6 +109,8 @@ def main() -> None:
                     help="rows a call (more than 1: the few-rows kernel, a verify tree's)")
     ap.add_argument("--plain", action="append", default=[],
                     help="NAME=NxK: a plain projection to sweep (no model's chain)")
+    ap.add_argument("--weight-float32", action="store_true",
+                    help="--plain weights in float32, the logits float32 (a MoE router's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev, dt = "cuda:0", torch.bfloat16

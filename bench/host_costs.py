@@ -2,7 +2,9 @@
 
 A decode or verify step on a GPU is a graph replay plus a handful of these; each one the host
 makes before the replay is time the GPU idles. Run: `python3 bench/host_costs.py [--device
-cuda:0]`.
+cuda:0]`. `--kernels`: the eager launches an eager prefill step makes (our Triton row kernels,
+with programmatic dependent launch on and off, a one-argument Triton kernel, torch's linear),
+5 rows of the default model's widths: the host time of a few-row prefill step is mostly these.
 """
 
 from __future__ import annotations
@@ -44,11 +46,63 @@ def graph_of(kernels: int, a: torch.Tensor) -> torch.cuda.CUDAGraph:
     return g
 
 
+def kernel_calls(dev: torch.device) -> list[tuple[str, Callable[[], object], bool]]:
+    """The eager launches of a few-row prefill step (see the module), each PDL on and off."""
+    import os
+
+    import triton
+    import triton.language as tl
+    from layersplit.shards.kernels import PDL_SWITCH
+    from layersplit.shards.kernels.gemv import gemv
+    from layersplit.shards.kernels.row_ops import add_rms_norm, rope_qk, silu_mul
+
+    @triton.jit
+    def _touch(X):
+        tl.store(X, 1.0)
+
+    n, d, f, nh, ng, hd = 5, 576, 1536, 9, 3, 64
+    bf = torch.bfloat16
+    h, x = (torch.randn(n, d, device=dev, dtype=bf) for _ in range(2))
+    w = torch.ones(d, device=dev, dtype=bf)
+    gu = torch.randn(n, 2 * f, device=dev, dtype=bf)
+    qkv = torch.randn(n, (nh + 2 * ng) * hd, device=dev, dtype=bf)
+    cos, sin = (torch.randn(n, hd, device=dev, dtype=bf) for _ in range(2))
+    w_qkv = torch.randn((nh + 2 * ng) * hd, d, device=dev, dtype=bf)
+    one = torch.zeros(1, device=dev)
+
+    def pdl(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            os.environ[PDL_SWITCH] = "1" if on else "0"
+            return fn()
+        return call
+
+    out: list[tuple[str, Callable[[], object], bool]] = [
+        ("triton: a one-argument kernel", lambda: _touch[(1,)](one), False),
+        ("torch: linear, 5 rows", lambda: torch.nn.functional.linear(x, w_qkv[:d]), False),
+        ("torch: empty_like", lambda: torch.empty_like(h), False),
+    ]
+    for on in (False, True):
+        tag = "PDL" if on else "plain"
+        out += [
+            (f"add_rms_norm ({tag})", pdl(on, lambda: add_rms_norm(h, x, w, 1e-5)), False),
+            (f"silu_mul ({tag})", pdl(on, lambda: silu_mul(gu)), False),
+            (f"rope_qk ({tag})", pdl(on, lambda: rope_qk(qkv, cos, sin, nh, ng)), False),
+            (f"gemv 1 row ({tag})", pdl(on, lambda: gemv(x[:1], w_qkv)), False),
+        ]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda:0")
-    dev = torch.device(p.parse_args().device)
+    p.add_argument("--kernels", action="store_true", help="only the eager kernel launches")
+    args = p.parse_args()
+    dev = torch.device(args.device)
     torch.cuda.set_device(dev)
+    if args.kernels:
+        for name, fn, sync in kernel_calls(dev):
+            print(f"{name:40s} {median_us(fn, 2000, sync):7.1f} µs")
+        return
     x = torch.arange(32, dtype=torch.long)  # a verify step's token ids, on the host
     buf = torch.zeros(32, dtype=torch.long, device=dev)
     pinned = torch.zeros(32, dtype=torch.long, pin_memory=True)

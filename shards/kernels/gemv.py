@@ -180,12 +180,21 @@ def rows_config(m: int, k: int, *, norm: bool = False, gate_up: bool = False,
     return out
 
 
-def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = False) -> dict:
+# a one-row GEMV of fewer outputs than this reads its rows in wide blocks: `bench/gemv_sweep.py
+# --weight-float32 --plain router64=64x2048 --plain router128=128x4096` (H200, 2026-11-30): a
+# float32 router 4.50 -> 1.46 us (DeepSeek-V2-Lite's), 8.20 -> 2.25 (GLM-4.5-Air's); bf16 128 x
+# 2048 2.08 -> 1.55, 576 x 2048 2.39 -> 2.14; 2048 x 2048 keeps blocks of 256 (3.46 against 3.70)
+FEW_OUTPUTS = 1024
+
+
+def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = False,
+           n: int | None = None) -> dict:
     """The launch shape for a weight of k inputs, from `bench/gemv_sweep.py` on an H200 at
     the default model's and the Llama-8B shapes (k = 576 .. 12288): few rows a program (one or
     two weight rows) and one or two warps fill the GPU with small programs, which keeps the
     most loads in flight; a row of up to 1024 is one block (masked), and with the norm's
-    prologue wide blocks amortise it."""
+    prologue wide blocks amortise it. `n`: the outputs; fewer than FEW_OUTPUTS of a row wider
+    than 1024 (a MoE router's, a latent projection's) read in blocks of 1024 by 8 warps."""
     whole = triton.next_power_of_2(k)
     if gate_up:  # (a gate row and an up row a program)
         return {"BLOCK_N": 1, "BLOCK_K": whole if k <= 1024 else 512,
@@ -196,6 +205,9 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
         return {"BLOCK_N": 2, "BLOCK_K": whole, "num_warps": 4}
     if norm:
         return {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
+    if n is not None and n < FEW_OUTPUTS:  # (too few programs of a row each to keep loads in
+        # flight: fewer, wider blocks)
+        return {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 8}
     return {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}
 
 
@@ -241,7 +253,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
         raise ValueError(f"gemv: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes the "
                          f"normed row of one row {tuple(x.shape)} {x.dtype} with a norm")
     if rows == 1:
-        c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head))
+        c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head, n=n))
         block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
         _gemv[(triton.cdiv(n, block_n),)](
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
