@@ -13,7 +13,7 @@ small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
         [--block-n 1,2,4,8] [--warps 1,2,4,8] [--stages 0] [--ops qkv,o,gate_up,down,head] \
         [--rows 1]
     python bench/gemv_sweep.py --plain in_proj=3648x2048 --plain o_proj=2048x2048
-    python bench/gemv_sweep.py --weight-float32 --plain router=64x2048 --block-k 2048
+    python bench/gemv_sweep.py --weight-float32 --plain router=64x2048
 
 `--plain NAME=NxK`: a plain projection of N outputs and K inputs (no norm, residual or SiLU):
 the `GemvLinear` projections of the layers `shards.fused` does not fuse (above: DeepSeek-V2-
@@ -113,6 +113,8 @@ def main() -> None:
                     help="--plain weights in float32, the logits float32 (a MoE router's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.weight_float32 and args.rows != 1:
+        ap.error("--weight-float32 takes one row (a router's float32 GEMV is one-row only)")
     dev, dt = "cuda:0", torch.bfloat16
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(0))
@@ -164,7 +166,8 @@ def main() -> None:
                 continue
             best[op] = rows[0][1]
             ref = "torch head" if op == "head" else "cuBLAS"
-            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head") \
+            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head",
+                                n=n) \
                 if m == 1 else gk.rows_config(m, k, norm=kind == "norm", gate_up=kind == "silu",
                                               head=op == "head")
             print(f"{name} {op} ({n}x{k}, {mb:.1f} MB): {ref} {t_blas:.2f} us "

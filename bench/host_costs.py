@@ -46,8 +46,9 @@ def graph_of(kernels: int, a: torch.Tensor) -> torch.cuda.CUDAGraph:
     return g
 
 
-def kernel_calls(dev: torch.device) -> list[tuple[str, Callable[[], object], bool]]:
-    """The eager launches of a few-row prefill step (see the module), each PDL on and off."""
+def kernel_calls(dev: torch.device) -> list[tuple[str, Callable[[], object], bool | None]]:
+    """The eager launches of a few-row prefill step (see the module), each PDL off, then on
+    (a row whose `sync` is None switches the mode: run, not timed)."""
     import os
 
     import triton
@@ -70,24 +71,23 @@ def kernel_calls(dev: torch.device) -> list[tuple[str, Callable[[], object], boo
     w_qkv = torch.randn((nh + 2 * ng) * hd, d, device=dev, dtype=bf)
     one = torch.zeros(1, device=dev)
 
-    def pdl(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
-        def call() -> object:
-            os.environ[PDL_SWITCH] = "1" if on else "0"
-            return fn()
-        return call
-
-    out: list[tuple[str, Callable[[], object], bool]] = [
+    out: list[tuple[str, Callable[[], object], bool | None]] = [
         ("triton: a one-argument kernel", lambda: _touch[(1,)](one), False),
         ("torch: linear, 5 rows", lambda: torch.nn.functional.linear(x, w_qkv[:d]), False),
         ("torch: empty_like", lambda: torch.empty_like(h), False),
     ]
     for on in (False, True):
         tag = "PDL" if on else "plain"
+
+        def switch(on: bool = on) -> None:  # (timed before each mode's calls: `main`)
+            os.environ[PDL_SWITCH] = "1" if on else "0"
+
         out += [
-            (f"add_rms_norm ({tag})", pdl(on, lambda: add_rms_norm(h, x, w, 1e-5)), False),
-            (f"silu_mul ({tag})", pdl(on, lambda: silu_mul(gu)), False),
-            (f"rope_qk ({tag})", pdl(on, lambda: rope_qk(qkv, cos, sin, nh, ng)), False),
-            (f"gemv 1 row ({tag})", pdl(on, lambda: gemv(x[:1], w_qkv)), False),
+            (f"(PDL {'on' if on else 'off'})", switch, None),
+            (f"add_rms_norm ({tag})", lambda: add_rms_norm(h, x, w, 1e-5), False),
+            (f"silu_mul ({tag})", lambda: silu_mul(gu), False),
+            (f"rope_qk ({tag})", lambda: rope_qk(qkv, cos, sin, nh, ng), False),
+            (f"gemv 1 row ({tag})", lambda: gemv(x[:1], w_qkv), False),
         ]
     return out
 
@@ -100,8 +100,21 @@ def main() -> None:
     dev = torch.device(args.device)
     torch.cuda.set_device(dev)
     if args.kernels:
-        for name, fn, sync in kernel_calls(dev):
-            print(f"{name:40s} {median_us(fn, 2000, sync):7.1f} µs")
+        import os
+
+        from layersplit.shards.kernels import PDL_SWITCH
+        saved = os.environ.get(PDL_SWITCH)
+        try:
+            for name, fn, sync in kernel_calls(dev):
+                if sync is None:  # (a mode's switch: set, not timed)
+                    fn()
+                    continue
+                print(f"{name:40s} {median_us(fn, 2000, sync):7.1f} µs")
+        finally:
+            if saved is None:
+                os.environ.pop(PDL_SWITCH, None)
+            else:
+                os.environ[PDL_SWITCH] = saved
         return
     x = torch.arange(32, dtype=torch.long)  # a verify step's token ids, on the host
     buf = torch.zeros(32, dtype=torch.long, device=dev)

@@ -193,8 +193,8 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
     the default model's and the Llama-8B shapes (k = 576 .. 12288): few rows a program (one or
     two weight rows) and one or two warps fill the GPU with small programs, which keeps the
     most loads in flight; a row of up to 1024 is one block (masked), and with the norm's
-    prologue wide blocks amortise it. `n`: the outputs; fewer than FEW_OUTPUTS of a row wider
-    than 1024 (a MoE router's, a latent projection's) read in blocks of 1024 by 8 warps."""
+    prologue wide blocks amortise it. `n`: the outputs; fewer than FEW_OUTPUTS of rows of whole
+    blocks of 1024 (a MoE router's, a latent projection's) read in blocks of 1024 by 8 warps."""
     whole = triton.next_power_of_2(k)
     if gate_up:  # (a gate row and an up row a program)
         return {"BLOCK_N": 1, "BLOCK_K": whole if k <= 1024 else 512,
@@ -205,8 +205,8 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
         return {"BLOCK_N": 2, "BLOCK_K": whole, "num_warps": 4}
     if norm:
         return {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
-    if n is not None and n < FEW_OUTPUTS:  # (too few programs of a row each to keep loads in
-        # flight: fewer, wider blocks)
+    if n is not None and n < FEW_OUTPUTS and k % 1024 == 0:  # (too few programs of a row each
+        # to keep loads in flight: fewer, wider blocks; measured on whole blocks only)
         return {"BLOCK_N": 1, "BLOCK_K": 1024, "num_warps": 8}
     return {"BLOCK_N": 1, "BLOCK_K": 256, "num_warps": 1}
 

@@ -15,12 +15,12 @@ from it. W_UV is applied after (`mla_step.heads_matmul`).
 
 Programs: (sequence, tile of query rows, key split). A sequence's query rows are its r step rows
 times H heads (r = 1 in a decode step; a verify step's rows under their tree mask). Keys are
-split among programs to fill the GPU (`decode_attention.key_split`, in whole `SPLIT_KEYS`);
-with one split a program writes its rows' output; with more, each writes its partial
-(unnormalized sum, running max and sum of weights, in log2 units) and `_mla_combine` merges
-them, a program per query row and run of the latent's columns, its splits read in one load (each
-split's partial is rows x kv_lora_rank floats, 8 MB in all at 32K keys, which loads of a split
-at a time read at a latency each). A program reads keys
+split among programs to fill the GPU (`decode_attention.key_split`, in whole runs of
+`SPLIT_KEYS_ALONE` or `SPLIT_KEYS` keys); with one split a program writes its rows' output; with
+more, each writes its partial (unnormalized sum, running max and sum of weights, in log2 units)
+and `_mla_combine` merges them, a program per query row and run of the latent's columns, its
+splits read up to `COMBINE["splits"]` at a load (each split's partial is rows x kv_lora_rank
+floats, 8 MB in all at 32K keys, which loads of a split at a time read at a latency each). A program reads keys
 only up to the last row its sequence writes in the step (`last`: no query sees past it), so a
 graph captured for a bucket of keys costs a step the keys it has. Device tensors only: it runs
 inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path (on a CPU

@@ -191,6 +191,32 @@ def test_no_key_past_a_sequences_last_row_is_read():
         assert float((got.cpu() - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("split", [16, 48])
+def test_a_lone_sequence_in_splits_shorter_than_the_loops_block(split, monkeypatch):
+    """Batch 1 (one sequence whose query rows fit one tile) takes `SPLIT_KEYS_ALONE`: splits of
+    16 keys where the loop reads blocks of 32 (bfloat16 rows; float32's are 16, so the loop's
+    block is doubled here), the block's other half masked, or 48 (a block and a half)."""
+    from layersplit.shards.kernels import mla_decode as mod
+
+    monkeypatch.setattr(mod, "SPLIT_KEYS_ALONE", split)
+    monkeypatch.setattr(mod, "BLOCK_N", 64)  # (float32: loops of 32 keys)
+    g = torch.Generator().manual_seed(2)
+    heads, rank, rope, t = 4, 32, 8, 600
+    half = (rank + rope) // 2
+    pool = torch.randn(t + 7, 2 * half, generator=g)
+    index = torch.randperm(t + 7, generator=g)[:t].view(1, t)
+    q = torch.randn(1, heads, rank + rope, generator=g)
+    mask = torch.ones(1, t, dtype=torch.bool)
+    mask[:, t - 5:] = False
+    got = mod.mla_decode(q.to(DEV), pool[:, :half].to(DEV), pool[:, half:].to(DEV),
+                         index.to(DEV), mask.to(DEV), heads, rank, 0.3)
+    lat = pool[index][..., :rank + rope]  # (1, T, L)
+    scores = torch.einsum("sml,stl->smt", q, lat) * 0.3
+    probs = torch.softmax(scores.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+    want = torch.einsum("smt,stc->smc", probs, lat[..., :rank])
+    assert float((got.cpu() - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
+
+
 @pytest.mark.parametrize("heads,rank,rope,interleave", [
     (16, 512, 64, False), (128, 512, 64, True),  # (DeepSeek-V2-Lite's heads; V3's and Kimi's)
     (3, 27, 6, True)])  # (an odd latent width: the row's padding value)
