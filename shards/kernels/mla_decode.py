@@ -20,9 +20,10 @@ split among programs to fill the GPU (`decode_attention.key_split`, in whole run
 more, each writes its partial (unnormalized sum, running max and sum of weights, in log2 units)
 and `_mla_combine` merges them, a program per query row and run of the latent's columns, its
 splits read up to `COMBINE["splits"]` at a load (each split's partial is rows x kv_lora_rank
-floats, 8 MB in all at 32K keys, which loads of a split at a time read at a latency each). A program reads keys
-only up to the last row its sequence writes in the step (`last`: no query sees past it), so a
-graph captured for a bucket of keys costs a step the keys it has. Device tensors only: it runs
+floats, 8 MB in all at 32K keys, which loads of a split at a time read at a latency each). A
+program reads keys only up to the last row its sequence writes in the step (`last`: no query
+sees past it), so a graph captured for a bucket of keys costs a step the keys it has. Device
+tensors only: it runs
 inside CUDA graphs. `tests/gpu/test_mla_kernel.py` compares it with the torch path (on a CPU
 through Triton's interpreter, `TRITON_INTERPRET=1`).
 """
