@@ -26,10 +26,10 @@ the CPU tests compare the two uncompiled, the GPU tests compiled.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import switched_off
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from layersplit.shards.layers.attention import attend, attend_batch
 from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
@@ -199,7 +199,7 @@ class HybridFast:
 
 
 def fused_hybrid_switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    return switched_off(ENV_SWITCH)
 
 
 def fuse_hybrid(model, compile: bool = True) -> bool:

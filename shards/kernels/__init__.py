@@ -24,7 +24,8 @@ ENV_SWITCH = "LAYERSPLIT_FUSED_KERNELS"
 GEMV_SWITCH = "LAYERSPLIT_GEMV_KERNELS"
 
 
-def _off(name: str) -> bool:
+def switched_off(name: str) -> bool:
+    """Whether the `LAYERSPLIT_*` switch `name` is set off (0, false, off or no; unset: on)."""
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
@@ -36,7 +37,7 @@ GEMV_ROWS_MAX = 64
 
 def gemv_kernels_available() -> bool:
     """Whether steps of few rows take the GEMV kernels where the decode kernels run."""
-    return not _off(GEMV_SWITCH)
+    return not switched_off(GEMV_SWITCH)
 
 
 def gemv_max_rows() -> int:
@@ -50,7 +51,7 @@ def gemv_max_rows() -> int:
 
 def fused_kernels_available(device: torch.device | str) -> bool:
     """Whether the Triton decode kernels run for tensors on `device`."""
-    if _off(ENV_SWITCH):
+    if switched_off(ENV_SWITCH):
         return False
     dev = torch.device(device)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -94,7 +95,7 @@ def _device_pdl(index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the decode kernels on `device` launch with PDL (`kernels.pdl`): a CUDA device
     where it runs (`_device_pdl`), unless `LAYERSPLIT_PDL=0`."""
-    if device.type != "cuda" or _off(PDL_SWITCH):
+    if device.type != "cuda" or switched_off(PDL_SWITCH):
         return False
     return _device_pdl(torch.cuda.current_device() if device.index is None else device.index)
 

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from layersplit.shards.kernels import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def kernel_failure() -> str | None:
 
 
 def fla_switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+    return switched_off(ENV_SWITCH)
 
 
 def delta_rules(device: torch.device | str) -> tuple[Rule, Rule] | None:

@@ -9,7 +9,6 @@ The experts themselves run as every MoE family's (`shards.layers.routed_moe.Expe
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from layersplit.shards.kernels import (
     fused_kernels_available,
     gemv_kernels_available,
     kernel_failed,
+    switched_off,
     try_kernel,
 )
 from layersplit.shards.kernels.gemv_operands import shared_chunks
@@ -137,8 +137,7 @@ class GroupedMoE(nn.Module):
         if sh is None or kernels is None or not isinstance(gu, torch.Tensor) or \
                 not isinstance(dn, torch.Tensor) or dn.dim() != 3 or \
                 not fused_kernels_available(gu.device) or \
-                os.environ.get(SHARED_AS_EXPERTS, "1").strip().lower() in ("0", "false", "off",
-                                                                          "no"):
+                switched_off(SHARED_AS_EXPERTS):
             return 0
         lin = (sh.gate_up_proj, sh.down_proj)
         if sh.act is not F.silu or not all(type(m) in (nn.Linear, GemvLinear) and m.bias is None

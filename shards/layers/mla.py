@@ -19,11 +19,10 @@ P = qk_nope_head_dim, V = v_head_dim, L = C + R (the latent row).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import first_line, fused_kernels_available
+from layersplit.shards.kernels import first_line, fused_kernels_available, switched_off
 from layersplit.shards.layers.attention import scores_f32
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -267,7 +266,7 @@ _KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process
 
 def _rows_fused() -> bool:
     return not _KERNEL.get("rows off") and \
-        os.environ.get(MLA_ROWS_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+        not switched_off(MLA_ROWS_SWITCH)
 
 
 def _one_launch(fn, *args) -> bool:
@@ -291,6 +290,6 @@ def mla_kernel_applies(kv, device: torch.device) -> bool:
     shard's) on a device where the decode kernels run, unless switched off."""
     if _KERNEL.get("off") or not hasattr(kv, "pool_index"):
         return False
-    if os.environ.get(MLA_KERNEL_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if switched_off(MLA_KERNEL_SWITCH):
         return False
     return fused_kernels_available(device)

@@ -3,9 +3,8 @@ differ only in config: q/k/v bias, q/k RMSNorm, sliding windows, rope scaling)."
 
 from __future__ import annotations
 
-import os
-
 import torch
+from layersplit.shards.kernels import switched_off
 from layersplit.shards.layers.attention import Attention
 from layersplit.shards.layers.mlp import MLP
 from layersplit.shards.layers.norm import RMSNorm
@@ -16,8 +15,7 @@ from torch import nn
 # 0: a layer off the fused step keeps its input norm and residual adds as launches of their own
 # rather than handing them to its attention's first and its MLP's last launch (`TAKES_NORM`,
 # `ADDS_RESIDUAL`); read once, at import
-HANDOFFS = os.environ.get("LAYERSPLIT_LAYER_HANDOFFS", "1").strip().lower() not in (
-    "0", "false", "off", "no")
+HANDOFFS = not switched_off("LAYERSPLIT_LAYER_HANDOFFS")
 
 
 class DecoderLayer(nn.Module):
