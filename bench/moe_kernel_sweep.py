@@ -3,7 +3,9 @@
 each timed as 100 replays of a CUDA graph of 24 calls that cycle through 12 layers' experts
 (so the L2 cache holds none of them, as in a model's step; no launch overhead), bf16.
 
-    python bench/moe_kernel_sweep.py [--rows 1,4,8]
+    python bench/moe_kernel_sweep.py [--rows 1,4,8] [--parts gate_up,down]
+        [--experts 64 --hidden 2048 --width 1408 --top-k 8]   (DeepSeek-V2-Lite's experts, its
+        6 routed and 2 shared chunks as 8)
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--parts", default="gate_up,down")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     dev, dt = "cuda:0", torch.bfloat16
     e, h, i, k = args.experts, args.hidden, args.width, args.top_k
     gate_up = [(torch.randn(e, 2 * i, h, device=dev) * h ** -0.5).to(dt) for _ in range(LAYERS)]
@@ -64,21 +68,32 @@ def main() -> None:
         grouped = time_us(lambda j: routed_moe.grouped_experts(x, w, idx, gate_up[j], down[j]))
         print(f"rows {n}: grouped GEMM {grouped:.1f} us ({bytes_read / grouped / 1e3:.0f} GB/s)")
         best = {}
-        for bi, bk, nw in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)):
-            cfg = {"BLOCK_I": bi, "BLOCK_K": bk, "num_warps": nw}
-            t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j], gate_up_cfg=cfg))
-            best.setdefault("gate_up", []).append((t, cfg))
-        for bo, bk, nw in itertools.product((16, 32, 64, 128), (128, 256, 512), (2, 4, 8)):
-            cfg = {"BLOCK_O": bo, "BLOCK_K": bk, "num_warps": nw}
-            t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j], down_cfg=cfg))
-            best.setdefault("down", []).append((t, cfg))
+        if "gate_up" in parts:
+            for bi, bk, nw in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048),
+                                                (1, 2, 4, 8)):
+                cfg = {"BLOCK_I": bi, "BLOCK_K": bk, "num_warps": nw}
+                if bk > 2 * h or bi * bk < 32 * nw * 8:  # (past the row; threads idle)
+                    continue
+                t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j],
+                                                  gate_up_cfg=cfg))
+                best.setdefault("gate_up", []).append((t, cfg))
+        if "down" in parts:
+            for bo, bk, nw in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024, 2048),
+                                                (2, 4, 8)):
+                cfg = {"BLOCK_O": bo, "BLOCK_K": bk, "num_warps": nw}
+                if bk > 2 * i or bo * bk < 32 * nw * 8:
+                    continue
+                t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j], down_cfg=cfg))
+                best.setdefault("down", []).append((t, cfg))
         for part, rows in best.items():
             rows.sort(key=lambda r: r[0])
             print(f"  {part}: " + "; ".join(f"{t:.1f} us {c}" for t, c in rows[:4]))
-        t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j],
-                                        best["gate_up"][0][1], best["down"][0][1]))
-        print(f"  GEMV, best of both: {t:.1f} us ({bytes_read / t / 1e3:.0f} GB/s); "
-              f"default: {time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j])):.1f} us")
+        t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j]))
+        print(f"  default shapes: {t:.1f} us ({bytes_read / t / 1e3:.0f} GB/s)")
+        if len(best) == 2:
+            t = time_us(lambda j: mg.run_gemv(x, w, idx, gate_up[j], down[j],
+                                              best["gate_up"][0][1], best["down"][0][1]))
+            print(f"  best of both: {t:.1f} us ({bytes_read / t / 1e3:.0f} GB/s)")
 
 
 if __name__ == "__main__":

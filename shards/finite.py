@@ -14,6 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from layersplit.shards.kernels import (
+    fused_kernels_available,
+    kernel_failed,
+    switched_off,
+    try_kernel,
+)
+
+ARGMAX = "greedy draw"  # (`try_kernel`'s name of `kernels.row_argmax`)
+ARGMAX_SWITCH = "LAYERSPLIT_ROW_ARGMAX"  # 0: the greedy draw as torch's max and marks
 
 
 class NonFiniteLogits(RuntimeError):
@@ -22,7 +31,15 @@ class NonFiniteLogits(RuntimeError):
 
 def greedy_draw(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax of each row (n, V), and the same ids with -1 where the row's maximum is NaN or
-    infinite: both stay on the device (no wait for it)."""
+    infinite: both stay on the device (no wait for it). Where the Triton kernels run, two
+    launches (`kernels.row_argmax`) for torch's three."""
+    if rows.dim() == 2 and rows.stride(1) == 1 and fused_kernels_available(rows.device) and \
+            not kernel_failed(ARGMAX) and not switched_off(ARGMAX_SWITCH):
+        from layersplit.shards.kernels.row_argmax import row_argmax
+
+        got = try_kernel(ARGMAX, row_argmax, rows)
+        if got is not None:
+            return got
     top, ids = rows.max(dim=-1)
     return ids, ids.masked_fill(~torch.isfinite(top), -1)
 
