@@ -38,10 +38,36 @@ import triton.language as tl
 from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.kernels.pdl import pdl, pdl_start
 
-# launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py)
+# launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py);
+# the shapes that `gate_up_launch` and `down_launch` pick where they were measured better
 GATE_UP = {"BLOCK_I": 4, "BLOCK_K": 512, "num_warps": 2}
 DOWN = {"BLOCK_O": 16, "BLOCK_K": 256, "num_warps": 8}
 SUM_BLOCK = 1024
+
+
+def gate_up_launch(h: int) -> dict:
+    """The gate/up kernel's launch shape for rows of h: a whole row of 2048 (or half of 4096)
+    at a load. `bench/moe_kernel_sweep.py --rows 1` (H200, 2026-12-01; the layer's two
+    launches, each shape with the other's default): H 2048 (DeepSeek-V2-Lite's and
+    Qwen3-30B-A3B's experts) {2, 2048, 1 warp} 38.0 and 21.7 us, the best of 50; H 4096
+    (GLM-4.5-Air's) {4, 2048, 4} 84.2 (its best, 8 warps, 84.1). Other widths (gpt-oss's
+    2880): `GATE_UP`."""
+    if h == 2048:
+        return {"BLOCK_I": 2, "BLOCK_K": 2048, "num_warps": 1}
+    if h == 4096:
+        return {"BLOCK_I": 4, "BLOCK_K": 2048, "num_warps": 4}
+    return GATE_UP
+
+
+def down_launch(i: int) -> dict:
+    """The down kernel's launch shape for experts of width i: a whole row at a load where i is
+    past 1024 and at most 2048. `bench/moe_kernel_sweep.py --rows 1` (as `gate_up_launch`):
+    width 1408, {4, 2048, 2 warps} 40.0 us at DeepSeek-V2-Lite's hidden size (its best 39.9)
+    and 88.4 at GLM-4.5-Air's (its best 87.4); `DOWN` ~1.7 and ~7 us slower. Qwen3-30B-A3B's
+    768: `DOWN` the best (22.1 us)."""
+    if 1024 < i <= 2048:
+        return {"BLOCK_O": 4, "BLOCK_K": 2048, "num_warps": 2}
+    return DOWN
 
 
 @triton.jit
@@ -168,10 +194,10 @@ def run_gemv(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up:
     and down (H, F) weights, F a multiple of I, read in place as F / I more experts E .. after
     `gate_up` and `down`'s E (chunk c: gate rows c * I .., up rows F + c * I .., down columns
     c * I ..; `grouped_moe.GroupedMoE`), which `idx` may name."""
-    gu, dn = gate_up_cfg or GATE_UP, down_cfg or DOWN
     n, h = x.shape
     k = idx.shape[1]
     i = down.shape[2]
+    gu, dn = gate_up_cfg or gate_up_launch(h), down_cfg or down_launch(i)
     x = x.contiguous()
     ids = idx.reshape(-1).contiguous()
     rw = weights.reshape(-1).contiguous()
