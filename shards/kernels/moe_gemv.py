@@ -47,7 +47,7 @@ SUM_BLOCK = 1024
 
 def gate_up_launch(h: int) -> dict:
     """The gate/up kernel's launch shape for rows of h: a whole row of 2048 (or half of 4096)
-    at a load. `bench/moe_kernel_sweep.py --rows 1` (H200, 2026-12-01; the layer's two
+    at a load. `bench/moe_kernel_sweep.py --rows 1` (H200, 2026-11-30; the layer's two
     launches, each shape with the other's default): H 2048 (DeepSeek-V2-Lite's and
     Qwen3-30B-A3B's experts) {2, 2048, 1 warp} 38.0 and 21.7 us, the best of 50; H 4096
     (GLM-4.5-Air's) {4, 2048, 4} 84.2 (its best, 8 warps, 84.1). Other widths (gpt-oss's
