@@ -33,12 +33,11 @@ def greedy_draw(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax of each row (n, V), and the same ids with -1 where the row's maximum is NaN or
     infinite: both stay on the device (no wait for it). Where the Triton kernels run, two
     launches (`kernels.row_argmax`) for torch's three."""
-    if rows.dim() == 2 and rows.stride(1) == 1 and fused_kernels_available(rows.device) and \
-            not kernel_failed(ARGMAX) and not switched_off(ARGMAX_SWITCH):
-        from layersplit.shards.kernels.row_argmax import row_argmax
+    if fused_kernels_available(rows.device) and not kernel_failed(ARGMAX) and \
+            not switched_off(ARGMAX_SWITCH):
+        from layersplit.shards.kernels.row_argmax import row_argmax, takes
 
-        got = try_kernel(ARGMAX, row_argmax, rows)
-        if got is not None:
+        if takes(rows) and (got := try_kernel(ARGMAX, row_argmax, rows)) is not None:
             return got
     top, ids = rows.max(dim=-1)
     return ids, ids.masked_fill(~torch.isfinite(top), -1)

@@ -4,7 +4,8 @@ torch's `max(dim=-1)` reduces a row of the vocabulary in one program per row: 21
 102,400 float32 entries, 26.2 at 128,256 on an H200, for one row (`bench/moe_kernel_sweep.py`'s
 `time_us`, 2026-11-30), the whole GPU idle but one SM; and the draw's non-finite check is two
 launches more (`isfinite`, `masked_fill`). Here the first launch spreads each row over programs
-of `BLOCK` entries, each writing its block's maximum and where it first occurs; the second
+of `BLOCK` entries, each writing its block's maximum and where it first occurs (compared in
+float32: 16-bit and float32 rows only); the second
 reduces those per row and writes the ids and the ids marked -1 where the row's maximum is NaN or
 infinite. torch's rules hold: the first index among equal maxima; a NaN anywhere wins the row
 (the first NaN's index), so a row holding one is marked.
@@ -61,18 +62,24 @@ def _parts_max(PV, PI, IDS, MARKED, P, BLOCK_P: tl.constexpr, PDL: tl.constexpr 
     tl.store(MARKED + row, tl.where(finite, ids, -1))
 
 
+def takes(rows: torch.Tensor) -> bool:
+    """Whether `row_argmax` takes `rows`: (n, V) of contiguous entries, 0 < V <= MAX_PARTS *
+    BLOCK, float32 or a 16-bit float (it compares in float32)."""
+    return rows.dim() == 2 and rows.stride(1) == 1 and \
+        0 < rows.shape[1] <= MAX_PARTS * BLOCK and \
+        rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def row_argmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the argmax of each row of `rows` (n, V), the same ids with -1 where the row's maximum
-    is NaN or infinite), both int64 (n,), on the rows' device, without a wait for it."""
-    if rows.dim() != 2 or rows.stride(1) != 1 or not rows.is_floating_point() or \
-            rows.shape[1] == 0:
-        raise ValueError(f"row_argmax: rows must be (n, V) floats of contiguous entries, got "
+    is NaN or infinite), both int64 (n,), on the rows' device, without a wait for it. Rows
+    it does not take (`takes`) raise ValueError."""
+    if not takes(rows):
+        raise ValueError(f"row_argmax: rows must be (n, V) float32, bfloat16 or float16 of "
+                         f"contiguous entries, 0 < V <= {MAX_PARTS * BLOCK}; got "
                          f"{tuple(rows.shape)} {rows.dtype} strides {rows.stride()}")
     n, v = rows.shape
     parts = triton.cdiv(v, BLOCK)
-    if parts > MAX_PARTS:
-        raise ValueError(f"row_argmax: rows of {v} entries are past its "
-                         f"{MAX_PARTS * BLOCK}")
     pv = torch.empty(n, parts, dtype=torch.float32, device=rows.device)
     pi = torch.empty(n, parts, dtype=torch.int32, device=rows.device)
     ids = torch.empty(n, dtype=torch.int64, device=rows.device)
