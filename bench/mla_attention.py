@@ -1,7 +1,9 @@
 """One MLA layer's attention stage in a decode step (the absorbed form, `shards.layers.mla`),
 next to the floor of the bytes it reads: the latent rows of its keys and its weights. Both
 paths: the torch form (`LAYERSPLIT_MLA_KERNEL=0`) and the Triton kernels
-(`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them.
+(`shards.kernels.mla_decode`, `mla_step`), the input projections fused as a shard fuses them and
+the one-row projections through the GEMV kernel as a shard runs them (since 2026-12-01; cuBLAS's
+before, ~12 us of a layer's stage).
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0] [--profile]
         [--split-keys 32,128] [--warps 4,8] [--block-keys 32,64] [--stages 2,4]
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from layersplit.shards.kv_cache import KVLayout  # noqa: E402
 from layersplit.shards.layers import mla as mla_layers  # noqa: E402
+from layersplit.shards.layers.gemv_linear import linears_as_gemv  # noqa: E402
 from layersplit.shards.layers.mla import MLA_KERNEL_SWITCH, MLAttention  # noqa: E402
 from layersplit.shards.layers.rotary import rope_cos_sin, rope_inv_freq  # noqa: E402
 from layersplit.shards.layers.step import StepInfo  # noqa: E402
@@ -69,7 +72,8 @@ def _measure(args, keys: int) -> dict:
         for p in a.parameters():
             p.data.normal_(0.0, 0.02)
         if dev.type == "cuda":
-            a.fuse()  # (as a shard's layers: `fuse_projections`)
+            a.fuse()  # (as a shard's layers: `fuse_projections`; one-row projections through
+            linears_as_gemv(a)  # the GEMV kernel, as `fuse_projections` sets an unfused layer)
     blocks = -(-(keys + 1) // BLOCK)
     kv = PagedKVCache(KVLayout(args.layers, *cfg.kv_row, dtype), blocks * BLOCK, 1, blocks,
                       BLOCK, dev)
