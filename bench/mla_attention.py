@@ -7,7 +7,7 @@ before, ~12 us of a layer's stage).
 
     python bench/mla_attention.py [--keys 2048,8192,32768] [--device cuda:0] [--profile]
         [--split-keys 32,128] [--warps 4,8] [--block-keys 32,64] [--stages 2,4]
-        [--combine 32:4,64:8]   (the kernel's keys per
+        [--per-sm 1,2,4] [--combine 32:4,64:8]   (the kernel's keys per
         split and warps per program, each pair measured, and the combine's latent columns and
         warps per program, each with the default pair; default their own)
 
@@ -145,6 +145,9 @@ def main() -> None:
     ap.add_argument("--stages", default=None,
                     help="the kernel's pipeline stages, comma-separated, each measured with "
                          "the default split and warps")
+    ap.add_argument("--per-sm", default=None,
+                    help="the programs an SM holds, for the key splits' fill, comma-separated, "
+                         "each measured with the default split and warps")
     ap.add_argument("--combine", default=None,
                     help="the combine's columns:warps per program, comma-separated (default: "
                          "COMBINE's), each measured with the default split and warps")
@@ -178,6 +181,11 @@ def main() -> None:
         mla_decode.LAUNCH["num_stages"] = int(stages)
         rows += measure_keys(args, f"kernel, {stages} stages")
     mla_decode.LAUNCH["num_stages"] = saved
+    saved = mla_decode.LAUNCH["per_sm"]
+    for per_sm in (args.per_sm.split(",") if args.per_sm else []):
+        mla_decode.LAUNCH["per_sm"] = int(per_sm)
+        rows += measure_keys(args, f"kernel, a fill of {per_sm} programs an SM")
+    mla_decode.LAUNCH["per_sm"] = saved
     combine = dict(mla_decode.COMBINE)
     for pair in (args.combine.split(",") if args.combine else []):
         cols, warps = (int(v) for v in pair.split(":"))

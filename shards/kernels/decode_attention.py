@@ -313,7 +313,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def key_split(keys: int, programs: int, device: torch.device,
-              split_keys: int | None = None, block: int = BLOCK_N) -> tuple[int, int]:
+              split_keys: int | None = None, block: int = BLOCK_N,
+              per_sm: int | None = None) -> tuple[int, int]:
     """(splits, keys per split) for `keys` keys and `programs` programs per split.
 
     Each block of keys is one memory latency in a program's loop, so a step's keys are spread
@@ -321,12 +322,13 @@ def key_split(keys: int, programs: int, device: torch.device,
     `MAX_SPLIT_KEYS` (the programs of sequences shorter than a split's start find no keys
     and end at once); `split_keys` (or
     `LAYERSPLIT_ATTN_SPLIT_KEYS`) fixes the keys per split instead, 0 for never. `block`: keys
-    per block of the loop (a split holds whole blocks)."""
+    per block of the loop (a split holds whole blocks); `per_sm`: the programs an SM holds at
+    once (`LAUNCH`'s, unless given), which the fill counts."""
     if split_keys is None and os.environ.get(SPLIT_ENV):
         split_keys = int(os.environ[SPLIT_ENV])
     blocks = -(-keys // block)
     if split_keys is None:  # fill the GPU, and spread the longest sequence's keys
-        fill = LAUNCH["per_sm"] * _multiprocessors(device) // programs
+        fill = (per_sm or LAUNCH["per_sm"]) * _multiprocessors(device) // programs
         splits = max(1, min(blocks, max(fill, -(-keys // MAX_SPLIT_KEYS))))
     else:
         splits = 1 if split_keys <= 0 else max(1, -(-keys // split_keys))

@@ -55,7 +55,9 @@ SPLIT_KEYS = 32
 SPLIT_KEYS_ALONE = 16
 # launch shapes: the attention's warps per program (see SPLIT_KEYS); the combine's latent columns
 # per program, splits whose partials one load reads (at most), warps
-LAUNCH = {"num_warps": 4, "num_stages": None}  # (None: Triton's own)
+LAUNCH = {"num_warps": 4, "num_stages": None,  # (None: Triton's own)
+          "per_sm": 2}  # programs an SM holds at once, for the fill of a long context's splits
+# (218 registers a thread at 4 warps: two programs; `bench/mla_attention.py --per-sm`)
 COMBINE = {"cols": 32, "splits": 256, "num_warps": 4}
 OFF32_LIMIT = 2**31  # pools of fewer values than this are addressed in int32 offsets
 
@@ -286,7 +288,8 @@ def mla_decode(
     block_c = max(16, triton.next_power_of_2(rank))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device,
-                            block=SPLIT_KEYS_ALONE if s * tiles == 1 else SPLIT_KEYS)
+                            block=SPLIT_KEYS_ALONE if s * tiles == 1 else SPLIT_KEYS,
+                            per_sm=LAUNCH["per_sm"])
     out = torch.empty(s, m, rank, dtype=q.dtype, device=q.device)
     if splits > 1:
         po = torch.empty(s, splits, tiles * BLOCK_M, block_c, dtype=torch.float32,
