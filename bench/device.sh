@@ -46,7 +46,8 @@
 #   ab        D4: a switch's on against off, VAR=1 / 0 for each VAR of AB_VAR (comma-separated;
 #             default LAYERSPLIT_PDL: programmatic dependent launch), processes in turn, twice
 #             each: the DeepSeek-V2-Lite-width and Llama-8B shapes' batch 1, and for PDL
-#             bench/pdl_chain.py's chains of kernels (AB_RUNS=chain,moe,dense; default all)
+#             bench/pdl_chain.py's chains of kernels (AB_RUNS=chain,moe,dense,hybrid: hybrid
+#             the Qwen3.5-27B shape's batch 1, ~8 minutes; default chain,moe,dense)
 #   families  the gpt-oss-20b and GLM-4.5-Air shapes: parity against transformers float32 (4
 #             layers), batch 1 next to the active-parameter floor and 8 streams (GLM: 16 layers)
 #             (FAMILY_RUNS=parity,oss,glm; default all); FAMILY_DTYPE: ours in the parity runs
@@ -603,10 +604,16 @@ stage_ab() {  # D4 (AB_VAR: switches, comma-separated, default LAYERSPLIT_PDL; A
           TAIL=6 run "l8b_${var}_ab${p}_$i" 60 env "$var=$p" python3 $l8b --layouts cuda:0 \
             --json "$RUNS/l8b_${var}_ab${p}_$i.json"
         fi
+        if has "$runs" hybrid; then  # (the Qwen3.5-27B shape, one process)
+          TAIL=6 run "h27_${var}_ab${p}_$i" 120 env "$var=$p" python3 bench/decode.py \
+            --model random:qwen3.5-27b --layouts cuda:0 --prompt-len 512 --new-tokens 128 \
+            --max-context 4096 --repeats 3 --floor --json "$RUNS/h27_${var}_ab${p}_$i.json"
+        fi
       done
     done
     has "$runs" moe && row ab "$RUNS"/moe_"${var}"_ab*.json --what "$var" --cmd D4
     has "$runs" dense && row ab "$RUNS"/l8b_"${var}"_ab*.json --what "$var" --cmd D4
+    has "$runs" hybrid && row ab "$RUNS"/h27_"${var}"_ab*.json --what "$var" --cmd D4
   done
 }
 

@@ -29,7 +29,14 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import switched_off
+from layersplit.shards.kernels import (
+    fused_kernels_available,
+    gemv_kernels_available,
+    kernel_failed,
+    switched_off,
+    switched_on,
+    try_kernel,
+)
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from layersplit.shards.layers.attention import attend, attend_batch
 from layersplit.shards.layers.gated_attention import apply_partial_rope, gate_output
@@ -39,6 +46,10 @@ from layersplit.shards.lazy_compile import compiled_on_first_call
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LAYERSPLIT_FUSED_HYBRID"
+# 1: a sequence's one-row steps take the GEMV kernels for their projections but q/k/v's
+# (`HybridFast._gemv_step`); off until measured against the compiled stages' cuBLAS GEMMs
+GEMV_SWITCH = "LAYERSPLIT_HYBRID_GEMV"
+GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'s)
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,11 +80,17 @@ def linear_pre(h, ln_w, in_w, conv_w, conv_state, a_log, dt_bias, eps: float, co
     the delta rule: q, k (B, 1, Hk, Dk), v (B, 1, Hv, Dv), g (B, 1, Hv) float32, beta (B, 1,
     Hv), z (B, 1, Hv, Dv) and the new conv states (B, C, K - 1). `conv_state` (B, C, K - 1) is
     each sequence's, `conv_w` (C, K)."""
-    n = h.shape[0]
-    p = F.linear(zc_norm(h, ln_w, eps), in_w)
+    return linear_conv(F.linear(zc_norm(h, ln_w, eps), in_w), conv_w, conv_state, a_log,
+                       dt_bias, conv_dim, key_dim, value_dim, hk, hv, dk, dv)
+
+
+def linear_conv(p, conv_w, conv_state, a_log, dt_bias, conv_dim: int, key_dim: int,
+                value_dim: int, hk: int, hv: int, dk: int, dv: int):
+    """`linear_pre` after its in-projection: `p` (B, conv + value + 2 Hv) its output."""
+    n = p.shape[0]
     mixed, z, b, a = p.split([conv_dim, value_dim, hv, hv], dim=-1)
-    full = torch.cat([conv_state.to(h.dtype), mixed[:, :, None]], dim=-1)  # (B, C, K)
-    conv = (full.float() * conv_w.float()).sum(-1).to(h.dtype)  # the depthwise conv, one row
+    full = torch.cat([conv_state.to(p.dtype), mixed[:, :, None]], dim=-1)  # (B, C, K)
+    conv = (full.float() * conv_w.float()).sum(-1).to(p.dtype)  # the depthwise conv, one row
     conv = F.silu(conv)
     q, k, v = conv.split([key_dim, key_dim, value_dim], dim=-1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
@@ -85,11 +102,17 @@ def linear_pre(h, ln_w, in_w, conv_w, conv_state, a_log, dt_bias, eps: float, co
 def linear_post(h, o, z, norm_w, norm_eps: float, out_w, ln2_w, gu_w, down_w, eps: float):
     """The delta rule's output o (B, 1, Hv, Dv) through the gated norm and out_proj, added to h,
     then the MLP (dense; else h after the mixer)."""
+    h = residual(h, F.linear(linear_gate(o, z, norm_w, norm_eps), out_w))
+    return _mlp(h, ln2_w, gu_w, down_w, eps)
+
+
+def linear_gate(o, z, norm_w, norm_eps: float):
+    """The delta rule's output o (B, 1, Hv, Dv) through the gated norm: out_proj's input
+    (B, Hv * Dv)."""
     o32 = o.float()
     o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + norm_eps)
     y = (norm_w * o32.to(o.dtype) * F.silu(z.float())).to(o.dtype)
-    h = residual(h, F.linear(y.reshape(h.shape[0], -1), out_w))
-    return _mlp(h, ln2_w, gu_w, down_w, eps)
+    return y.reshape(o.shape[0], -1)
 
 
 def attn_pre(h, ln_w, qkv_w, qkv_b, qn_w, kn_w, cos, sin, eps: float, nh: int, ng: int, hd: int):
@@ -111,6 +134,9 @@ def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
 
 
 STAGES = (linear_pre, linear_post, attn_pre, attn_post)
+# the stages of a one-row step whose projections (but q/k/v's) run as GEMV kernels
+# (`HybridFast._gemv_step`): the rest of each stage, compiled apart
+GEMV_STAGES = (linear_conv, linear_gate, gate_output)
 # the most rows a batched step runs through the fused stages (each row count is a compilation
 # of its own, and torch.compile allows 8 a function: 1, 2, 4 ... 64 are 7); larger batches run
 # the module's forward
@@ -130,12 +156,18 @@ class HybridFast:
     def __init__(self, compile: bool = True) -> None:
         self.compiled = compile
         self.stages = tuple(compiled_on_first_call(f) if compile else f for f in STAGES)
+        self.gemv_stages = tuple(compiled_on_first_call(f) if compile else f
+                                 for f in GEMV_STAGES)
+        self.gemv = switched_on(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
 
     def uncompile(self) -> None:
-        self.stages, self.compiled = STAGES, False
+        self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False
 
     def __call__(self, layer, h, cos, sin, kv, index, slot, step):
         try:
+            if self._gemv_takes(layer, h, step) and (got := try_kernel(
+                    GEMV, self._gemv_step, layer, h, cos, sin, kv, index, slot, step)) is not None:
+                return got
             return self._run(layer, h, cos, sin, kv, index, slot, step)
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
@@ -198,6 +230,68 @@ class HybridFast:
         return h
 
 
+    def _gemv_takes(self, layer, h, step) -> bool:
+        """Whether a step takes `_gemv_step`: switched on, one row of one sequence, the GEMV
+        kernels running there, the layer's zero-centred norms prepared (`fuse_hybrid`)."""
+        return self.gemv and step.lo is None and h.dim() == 2 and h.shape[0] == 1 and \
+            getattr(layer, "zc_weights", None) is not None and gemv_kernels_available() and \
+            fused_kernels_available(h.device) and not kernel_failed(GEMV)
+
+    def _gemv_step(self, layer, h, cos, sin, kv, index, slot, step):
+        """`_run` of one row with its projections as GEMV kernels (`kernels.gemv`): the input
+        norms as their prologue (zero-centred: a float32 1 + w, `float_product`), the residual
+        adds and SiLU * up as their epilogues; q/k/v stay the compiled stage's (cuBLAS was the
+        faster there at Qwen3.5-27B's widths). The rest of each stage is compiled apart
+        (`GEMV_STAGES`). Same math as `_run` but for the sums' order and SiLU * up rounded as
+        torch's eager ops round it."""
+        from layersplit.shards.kernels.gemv import gemv
+
+        lin_conv, lin_gate, att_gate = self.gemv_stages
+        eps = layer.input_layernorm.eps
+        ln_w, ln2_w = layer.zc_weights
+        mlp = layer.mlp
+        dense = getattr(mlp, "gate_up_proj", None)
+        advance = None
+        if layer.linear:
+            a = layer.linear_attn
+            conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
+            p = gemv(h, a.in_proj.weight, norm=(ln_w, eps), float_product=True)
+            q, k, v, g, beta, z, new_conv = lin_conv(
+                p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
+                a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
+                a.head_v_dim)
+            rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
+            o, new_state = rule(q, k, v, g, beta, state)
+            h = gemv(lin_gate(o, z, a.norm.weight, a.norm.eps), a.out_proj.weight, residual=h)
+            advance = (conv_state, state, new_conv, new_state)
+        else:
+            a = layer.self_attn
+            att_pre = self.stages[2]
+            q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                                    a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
+                                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
+            keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
+            out = attend(q, keys, values, step.mask, False)
+            h = gemv(att_gate(out, gate), a.o_proj.weight, residual=h)
+        if dense is not None:
+            act = gemv(h, dense.weight, norm=(ln2_w, eps), float_product=True, gate_up=True)
+            h = gemv(act, mlp.down_proj.weight, residual=h)
+        else:  # a sparse MLP, eager
+            h = h + mlp(layer.post_attention_layernorm(h))
+        if advance is not None:  # (last, as `_run`'s)
+            conv_state, state, new_conv, new_state = advance
+            conv_state.copy_(new_conv)
+            state.copy_(new_state)
+        return h
+
+
+def zc_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A hybrid layer's input and post-attention zero-centred norms' scales, 1 + w in float32
+    (the GEMV prologue's `float_product` weight: `zc_norm`'s product, the same rounding)."""
+    return tuple((1.0 + n.weight.detach().float()).contiguous()
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm))
+
+
 def fused_hybrid_switched_off() -> bool:
     return switched_off(ENV_SWITCH)
 
@@ -217,4 +311,7 @@ def fuse_hybrid(model, compile: bool = True) -> bool:
         (layer.linear_attn if layer.linear else layer.self_attn).fuse()
         layer.mlp.fuse()
         layer.fast = fast
+        layer.zc_weights = zc_weights(layer) if fast.gemv else None
+    if fast.gemv:
+        log.info("%s=1: one-row hybrid steps take the GEMV kernels", GEMV_SWITCH)
     return True

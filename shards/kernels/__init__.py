@@ -29,6 +29,12 @@ def switched_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
+def switched_on(name: str) -> bool:
+    """Whether the `LAYERSPLIT_*` switch `name`, off unless set, is set on (1, true, on or
+    yes): a path not yet measured where it would be the default."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 # the most rows of a step that take them: 1 (batch-1 decode, measured) unless set higher, up to
 # `gemv.MAX_ROWS` (verify trees and small batches through the tensor cores: not measured yet)
 GEMV_ROWS = "LAYERSPLIT_GEMV_ROWS"

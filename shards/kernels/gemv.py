@@ -46,14 +46,15 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
           FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False,
-          PDL: tl.constexpr = False):
+          FLOAT_PRODUCT: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # (Y may be wider: the rounded result is stored in it; FLOAT32: float32 weights, the sums
     # kept as they are, as F.linear(x.float(), w) gives them)
-    dt = tl.float32 if FLOAT32 else X.dtype.element_ty
+    xdt = X.dtype.element_ty  # (the row's: the norm rounds in it)
+    dt = tl.float32 if FLOAT32 else xdt
     if NORM:  # the row's RMSNorm scale, as `fused.rms_norm` (float32 mean of squares)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -69,10 +70,13 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
         x = _chunk(X, offs_k, K, EVEN_K)
         if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
             nw = _chunk(NW, offs_k, K, EVEN_K)
-            x = (nw * (x * scale).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            if FLOAT_PRODUCT:  # (a float32 weight times the float32 normed row, rounded once)
+                x = (nw * (x * scale)).to(xdt).to(tl.float32)
+            else:
+                x = (nw * (x * scale).to(xdt).to(tl.float32)).to(xdt).to(tl.float32)
             if WRITE_NORMED:  # (program 0 keeps the normed row for the next kernel)
                 if pid == 0:
-                    tl.store(NORM_OUT + offs_k, x.to(dt), mask=offs_k < K)
+                    tl.store(NORM_OUT + offs_k, x.to(xdt), mask=offs_k < K)
         if EVEN_K:
             m = mask_n[:, None]
         else:
@@ -101,7 +105,8 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
 def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
                NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                SILU: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLOAT_PRODUCT: tl.constexpr = False,
+               PDL: tl.constexpr = False):
     """`_gemv` for a few rows (2 .. BLOCK_M) through the tensor cores (`tl.dot`): program
     (block of N, block of rows); the same prologue and epilogues, row by row."""
     pdl_start(PDL)
@@ -130,7 +135,11 @@ def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
         x = tl.load(xrows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if NORM:
             nw = tl.load(NW + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            x = (nw[None, :] * (x.to(tl.float32) * scale[:, None]).to(dt).to(tl.float32)).to(dt)
+            if FLOAT_PRODUCT:
+                x = (nw[None, :] * (x.to(tl.float32) * scale[:, None])).to(dt)
+            else:
+                x = (nw[None, :] * (x.to(tl.float32) * scale[:, None]).to(dt).to(tl.float32)
+                     ).to(dt)
         m = mask_k[:, None] & mask_n[None, :]
         w = tl.load(cols + offs_k[:, None], mask=m, other=0.0)
         if IEEE:
@@ -214,7 +223,8 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
 def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          gate_up: bool = False, out_dtype: torch.dtype | None = None, head: bool = False,
-         cfg: dict | None = None, norm_out: torch.Tensor | None = None) -> torch.Tensor:
+         cfg: dict | None = None, norm_out: torch.Tensor | None = None,
+         float_product: bool = False) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by `w` (N, K), with `norm` = (weight, eps):
     each row's RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result
     SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
@@ -224,7 +234,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     A float32 weight of a 16-bit row (a router's), with `out_dtype` float32, gives the float32
     sums unrounded (`F.linear(x.float(), w)`, without the row's copy); one row only.
     `norm_out` (1, K) of x's dtype, with `norm` and one row: the normed row is written there
-    too (a router's GEMV handing its normed input to the experts' kernels)."""
+    too (a router's GEMV handing its normed input to the experts' kernels). `float_product`:
+    `norm`'s weight is float32 and multiplies the float32 normed row before its one rounding
+    (gpt-oss's `FloatProductRMSNorm`; a zero-centred norm's 1 + w, `fused_hybrid.zc_norm`)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
                          f"got {tuple(x.shape)} strides {x.stride()}")
@@ -246,8 +258,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     b = x if bias is None else bias
     r = x if residual is None else residual
     up = n * k  # the up half's offset in the gate/up weight (a Python int: int64 past 2**31)
+    if float_product and (norm is None or norm[0].dtype != torch.float32):
+        raise ValueError("gemv: float_product takes a norm of a float32 weight, got "
+                         f"{'none' if norm is None else norm[0].dtype}")
     flags = {"NORM": norm is not None, "HAS_B": bias is not None,
-             "HAS_R": residual is not None, "SILU": gate_up}
+             "HAS_R": residual is not None, "SILU": gate_up, "FLOAT_PRODUCT": float_product}
     if norm_out is not None and (norm is None or rows != 1 or norm_out.shape != x.shape or
                                  norm_out.dtype != x.dtype or not norm_out.is_contiguous()):
         raise ValueError(f"gemv: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes the "

@@ -1,0 +1,81 @@
+"""The hybrid layers' one-row steps through the GEMV kernels (`fused_hybrid.HybridFast.
+_gemv_step`, `LAYERSPLIT_HYBRID_GEMV=1`) against the fused stages they replace, and the GEMV's
+zero-centred norm prologue (`gemv(..., float_product=True)`) against `fused_hybrid.zc_norm`.
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter
+(`TRITON_INTERPRET=1`), float32. The kernel modules import Triton: imported where they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards import fused_hybrid
+from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
+from layersplit.shards.executor import RangeExecutor
+from layersplit.shards.fused import fuse_projections
+
+from tests.gpu import KERNEL_DEV, kernel_marks, near
+from tests.helpers import token_ids
+
+pytestmark = kernel_marks()
+CUDA = KERNEL_DEV != "cpu"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gate_up):
+    from layersplit.shards.kernels.gemv import gemv
+
+    k, n = (5120, 1024) if CUDA else (96, 40)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator(device=KERNEL_DEV).manual_seed(0)
+    x = (torch.randn(rows, k, generator=g, device=KERNEL_DEV) * 3).to(dtype)
+    w = (torch.randn(2 * n if gate_up else n, k, generator=g, device=KERNEL_DEV)
+         * k ** -0.5).to(dtype)
+    zc = (torch.randn(k, generator=g, device=KERNEL_DEV) * 0.2).to(dtype)  # (stored as w)
+    normed = fused_hybrid.zc_norm(x, zc, 1e-6)
+    want = F.linear(normed, w)
+    if gate_up:
+        gg, u = want.chunk(2, dim=-1)
+        want = F.silu(gg) * u
+    got = gemv(x, w, norm=((1.0 + zc.float()).contiguous(), 1e-6), float_product=True,
+               gate_up=gate_up)
+    assert near(got, want, 1e-5 if dtype == torch.float32 else 0.02)
+    with pytest.raises(ValueError, match="float32 weight"):
+        gemv(x, w, norm=(zc.to(torch.bfloat16), 1e-6), float_product=True)
+
+
+def _executor(path, monkeypatch, gemv: bool) -> RangeExecutor:
+    monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "1" if gemv else "0")
+    model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
+    fuse_projections(model, compile=False)
+    assert (model.layers[0].zc_weights is not None) == gemv
+    return RangeExecutor(model, 96, 1, KERNEL_DEV)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models, monkeypatch,
+                                                                  family):
+    """Every layer of a one-row step goes through `_gemv_step` (linear and full attention, a
+    dense and a sparse MLP) and its logits and states equal the fused stages' within float32
+    summation order; a prefill chunk does not take it."""
+    calls = []
+    real = fused_hybrid.HybridFast._gemv_step
+    monkeypatch.setattr(fused_hybrid.HybridFast, "_gemv_step",
+                        lambda self, layer, *a: calls.append(layer.linear) or
+                        real(self, layer, *a))
+    path = hybrid_models[family]
+    stages, kernels = _executor(path, monkeypatch, False), _executor(path, monkeypatch, True)
+    ids = token_ids(30, seed=5).to(KERNEL_DEV)
+    want, got = stages.run(ids, 0, all_logits=True), kernels.run(ids, 0, all_logits=True)
+    assert near(got, want, 1e-5) and calls == []
+    tok, pos = int(want[-1].argmax()), 30
+    for _ in range(4):
+        want = stages.run(torch.tensor([tok], device=KERNEL_DEV), pos)
+        got = kernels.run(torch.tensor([tok], device=KERNEL_DEV), pos)
+        assert near(got, want, 1e-5), pos
+        tok, pos = int(want.argmax()), pos + 1
+    assert len(calls) == 4 * 6 and set(calls) == {True, False}
+    assert near(kernels.kv.state, stages.kv.state, 1e-5)
+    assert near(kernels.kv.conv, stages.kv.conv, 1e-5)
