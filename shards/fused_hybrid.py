@@ -165,9 +165,14 @@ class HybridFast:
 
     def __call__(self, layer, h, cos, sin, kv, index, slot, step):
         try:
-            if self._gemv_takes(layer, h, step) and (got := try_kernel(
-                    GEMV, self._gemv_step, layer, h, cos, sin, kv, index, slot, step)) is not None:
-                return got
+            if self._gemv_takes(layer, h, step):
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    # (a failure inside a capture is the capture's: raised, not retried)
+                    return self._gemv_step(layer, h, cos, sin, kv, index, slot, step)
+                got = try_kernel(GEMV, self._gemv_step, layer, h, cos, sin, kv, index, slot,
+                                 step)
+                if got is not None:
+                    return got
             return self._run(layer, h, cos, sin, kv, index, slot, step)
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
@@ -232,9 +237,12 @@ class HybridFast:
 
     def _gemv_takes(self, layer, h, step) -> bool:
         """Whether a step takes `_gemv_step`: switched on, one row of one sequence, the GEMV
-        kernels running there, the layer's zero-centred norms prepared (`fuse_hybrid`)."""
+        kernels running there, the layer's zero-centred norms prepared (`fuse_hybrid`) on the
+        row's device, the row contiguous in the weights' dtype."""
+        zc = getattr(layer, "zc_weights", None)
         return self.gemv and step.lo is None and h.dim() == 2 and h.shape[0] == 1 and \
-            getattr(layer, "zc_weights", None) is not None and gemv_kernels_available() and \
+            zc is not None and zc[0].device == h.device and h.is_contiguous() and \
+            h.dtype == layer.input_layernorm.weight.dtype and gemv_kernels_available() and \
             fused_kernels_available(h.device) and not kernel_failed(GEMV)
 
     def _gemv_step(self, layer, h, cos, sin, kv, index, slot, step):
