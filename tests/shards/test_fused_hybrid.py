@@ -91,6 +91,30 @@ def test_switched_off_leaves_the_layers_unfused(hybrid_models, monkeypatch):
     assert model.layers[0].linear_attn.in_proj is None
 
 
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True),
+                                      (" Yes ", True), ("off", False)])
+def test_the_gemv_step_is_off_unless_switched_on(hybrid_models, monkeypatch, value, on):
+    """`LAYERSPLIT_HYBRID_GEMV` (`kernels.switched_on`: off unless set on) decides whether
+    `fuse_hybrid` prepares the layers' zero-centred norms for `HybridFast._gemv_step`; a CPU
+    without Triton's interpreter never takes that step."""
+    if value is None:
+        monkeypatch.delenv(fused_hybrid.GEMV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
+    fuse_projections(model, compile=False)
+    fast = model.layers[0].fast
+    assert fast.gemv is on
+    for layer in model.layers:
+        assert (layer.zc_weights is not None) is on
+        if on:  # (1 + w, float32: `zc_norm`'s scale)
+            assert torch.equal(layer.zc_weights[1],
+                               1.0 + layer.post_attention_layernorm.weight.float())
+    h = torch.zeros(1, model.cfg.hidden_size)
+    assert not fast._gemv_takes(model.layers[0], h, type("S", (), {"lo": None})())
+
+
 def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybrid_models):
     """A compiled stage that fails (here `linear_post`, once) makes the step run again on the
     eager stages; the first try must not have advanced the slot's conv and recurrent states
