@@ -234,7 +234,6 @@ class HybridFast:
                 state.copy_(new_state)
         return h
 
-
     def _gemv_takes(self, layer, h, step) -> bool:
         """Whether a step takes `_gemv_step`: switched on, one row of one sequence, the GEMV
         kernels running there, the layer's zero-centred norms prepared (`fuse_hybrid`) on the
