@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint  # noqa: E402
 from layersplit.shards.executor import RangeExecutor  # noqa: E402
+from layersplit.shards.finite import greedy_draw  # noqa: E402
 from layersplit.shards.fused import fuse_projections  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -83,13 +84,13 @@ def main() -> None:
     for _ in range(args.steps):
         t = time.perf_counter()
         out = ex.run(tok, args.kv + 3)
-        int(out.argmax())
+        int(greedy_draw(out.reshape(1, -1))[1])  # (the worker's greedy draw)
         times.append(time.perf_counter() - t)
     times.sort()
     med = times[len(times) // 2]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.profile_steps):
-            int(ex.run(tok, args.kv + 3).argmax())
+            int(greedy_draw(ex.run(tok, args.kv + 3).reshape(1, -1))[1])
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))
