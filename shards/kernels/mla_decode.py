@@ -260,6 +260,61 @@ def _mla_combine(
     tl.store(OUT + s * s_os + row * s_om + d, out.to(OUT.dtype.element_ty), mask=d < rank)
 
 
+@triton.jit
+def _mla_combine_uv(
+    PO, PML,  # `_mla_attend`'s partials: (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2)
+    W, s_wh, s_wk, s_wn,  # W_UV^T: head h's (C, V) matrix's [c, j] at W + h s_wh + c s_wk + j s_wn
+    OUT, s_os, s_om,  # (S, M, V): each query row's latent output times its head's W_UV
+    m_pad, splits, rank, heads, V,
+    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+    V_TILES: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """`_mla_combine` of a query row's whole latent output, rounded to the output's dtype as it
+    writes it, then times its head's W_UV (`mla_step.heads_matmul`'s product, float32 sums
+    rounded once): program (sequence, query row, run of V_TILES tiles of BLOCK_V outputs),
+    each merging its row's splits itself (from L2: a row's partials are read by each of its
+    programs)."""
+    pdl_start(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1)
+    h = (row % heads).to(tl.int64)
+    first = s * splits * m_pad + row
+    sp = tl.arange(0, BLOCK_S)
+    c = tl.arange(0, BLOCK_C)
+    big = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        big = tl.maximum(big, tl.max(tl.load(PML + part * 2, mask=here, other=float("-inf")),
+                                     0))
+    big = tl.where(big == float("-inf"), 0.0, big)
+    num = tl.zeros([BLOCK_C], tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
+        den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
+        num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + c[None, :],
+                                           mask=here[:, None] & (c < rank)[None, :],
+                                           other=0.0), 0)
+    o = (num / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty).to(tl.float32)
+    wh = W + h * s_wh + c[None, :] * s_wk
+    for t in tl.static_range(V_TILES):
+        j = (tl.program_id(2) * V_TILES + t) * BLOCK_V + tl.arange(0, BLOCK_V)
+        wt = tl.load(wh + j[:, None] * s_wn, mask=(j < V)[:, None] & (c < rank)[None, :],
+                     other=0.0)
+        y = tl.sum(wt.to(tl.float32) * o[None, :], 1)
+        tl.store(OUT + s * s_os + row * s_om + j, y.to(OUT.dtype.element_ty), mask=j < V)
+
+
+# the latent output's W_UV in the combine's launch (`LAYERSPLIT_MLA_COMBINE_UV=1`; off until
+# measured): outputs a program's tile, and tiles a program where a row's splits are few (its
+# programs each merge them again) or many
+UV_TILE = 16
+UV_TILES_FEW, UV_TILES_MANY, UV_MANY_SPLITS = 1, 4, 64
+
+
 def mla_decode(
     q: torch.Tensor,  # (S, M, C + R): each sequence's query rows, [q W_UK, q_pe]
     k_pool: torch.Tensor,  # (pool rows, half): the latent rows' first halves
@@ -268,8 +323,11 @@ def mla_decode(
     mask: torch.Tensor | None,  # (S * r, T) bool: step row i sees key t (r = M / heads / S)
     heads: int, rank: int, scale: float,
     last: torch.Tensor | None = None,  # (S * r,) int64: each step row's own row (key) index
+    w_uv: torch.Tensor | None = None,  # (H, C, V): W_UV^T, each head's (`MLAttention._kv_b`)
 ) -> torch.Tensor:
-    """The latent output (S, M, C), in q's dtype, of the absorbed attention (see the module).
+    """The latent output (S, M, C), in q's dtype, of the absorbed attention (see the module);
+    with `w_uv`, that output times each query row's head's W_UV, (S, M, V) (in the combine's
+    launch where the keys are split, `_mla_combine_uv`; else `mla_step.heads_matmul` after).
     `last`: the sequence rows the step writes (a program reads no key past its sequence's last;
     the mask still decides within)."""
     s, m, width = q.shape
@@ -285,6 +343,9 @@ def mla_decode(
         raise ValueError(f"mla_decode: a latent row of {width} values (rank {rank} and the "
                          f"rotary part) needs pool halves of {-(-width // 2)} contiguous values, "
                          f"not {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    if w_uv is not None and (w_uv.dim() != 3 or w_uv.shape[:2] != (heads, rank)):
+        raise ValueError(f"mla_decode: w_uv {tuple(w_uv.shape)} is not each of {heads} heads' "
+                         f"(kv_lora_rank {rank}, V) W_UV^T")
     block_c = max(16, triton.next_power_of_2(rank))
     tiles = triton.cdiv(m, BLOCK_M)
     splits, per = key_split(t, s * tiles, q.device,
@@ -317,10 +378,28 @@ def mla_decode(
         OFF32=max(k_pool.shape[0] * k_pool.stride(0), v_pool.shape[0] * v_pool.stride(0))
         < OFF32_LIMIT, num_warps=LAUNCH["num_warps"],
         **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}), **pdl(q))
+    block_s = min(COMBINE["splits"], triton.next_power_of_2(splits))
+    if w_uv is not None and splits > 1:
+        v = w_uv.shape[2]
+        uv = torch.empty(s, m, v, dtype=q.dtype, device=q.device)
+        per_program = UV_TILES_MANY if splits >= UV_MANY_SPLITS else UV_TILES_FEW
+        _mla_combine_uv[(s, m, triton.cdiv(v, UV_TILE * per_program))](
+            po, pml, w_uv, w_uv.stride(0), w_uv.stride(1), w_uv.stride(2), uv, uv.stride(0),
+            uv.stride(1), tiles * BLOCK_M, splits, rank, heads, v, BLOCK_C=block_c,
+            BLOCK_S=min(block_s, 16), BLOCK_V=UV_TILE, V_TILES=per_program,
+            num_warps=COMBINE["num_warps"], **pdl(po))
+        return uv
     if splits > 1:
         cols = min(COMBINE["cols"], block_c)
         _mla_combine[(s, triton.cdiv(rank, cols), m)](
             po, pml, out, out.stride(0), out.stride(1), tiles * BLOCK_M, splits, rank,
-            BLOCK_C=block_c, BLOCK_S=min(COMBINE["splits"], triton.next_power_of_2(splits)),
-            BLOCK_D=cols, num_warps=COMBINE["num_warps"], **pdl(po))
-    return out
+            BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_D=cols, num_warps=COMBINE["num_warps"],
+            **pdl(po))
+    if w_uv is None:
+        return out
+    from layersplit.shards.kernels.mla_step import heads_matmul
+
+    uv = torch.empty(s, m, w_uv.shape[2], dtype=q.dtype, device=q.device)
+    heads_matmul(out.view(s * rows, heads, rank), w_uv,
+                 uv.view(s * rows, heads, w_uv.shape[2]), block_n=16)
+    return uv

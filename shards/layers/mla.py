@@ -22,7 +22,12 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from layersplit.shards.kernels import first_line, fused_kernels_available, switched_off
+from layersplit.shards.kernels import (
+    first_line,
+    fused_kernels_available,
+    switched_off,
+    switched_on,
+)
 from layersplit.shards.layers.attention import scores_f32
 from layersplit.shards.layers.fused_linear import concat_linears
 from layersplit.shards.layers.norm import RMSNorm
@@ -241,10 +246,15 @@ class MLAttention(nn.Module):
                 heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
             s = read.shape[0]
             last = step.positions if step.rows is None else step.rows
-            o_lat = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
-                               read, step.mask, nh, self.rank, self.scale, last)
-            out = torch.empty(n, nh, self.v_dim, dtype=q.dtype, device=q.device)
-            heads_matmul(o_lat.view(n, nh, self.rank), w_uv, out, block_n=16)
+            uv = switched_on(COMBINE_UV_SWITCH)  # (W_UV in the combine's launch)
+            o = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
+                           read, step.mask, nh, self.rank, self.scale, last,
+                           w_uv if uv else None)
+            if uv:
+                out = o
+            else:
+                out = torch.empty(n, nh, self.v_dim, dtype=q.dtype, device=q.device)
+                heads_matmul(o.view(n, nh, self.rank), w_uv, out, block_n=16)
         except (torch.cuda.OutOfMemoryError, IndexError):  # (the step's own: a full cache)
             raise
         except Exception as e:  # noqa: BLE001 - a Triton build failure: the torch path runs
@@ -260,6 +270,9 @@ MLA_KERNEL_SWITCH = "LAYERSPLIT_MLA_KERNEL"  # 0: the torch absorbed form on GPU
 # not one (`mla_step.rows_and_queries`). One launch only for a step of one row: DeepSeek-V2-Lite
 # width, H200, D4: batch 1 389.3 against 386.7 tok/s, but 8 streams 1,172.9 against 1,191.3
 MLA_ROWS_SWITCH = "LAYERSPLIT_MLA_FUSED_ROWS"
+# 1: W_UV applied to the latent outputs in the key splits' combine (`mla_decode`'s `w_uv`), one
+# launch fewer; off until measured
+COMBINE_UV_SWITCH = "LAYERSPLIT_MLA_COMBINE_UV"
 _KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process ("rows off":
 # the one-launch rows)
 

@@ -155,6 +155,66 @@ def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("rank,rope,rows,t,v,split", [
+    (32, 8, 1, 600, 24, None), (27, 8, 2, 600, 16, None), (512, 64, 1, 300, 128, None),
+    (32, 8, 2, 2400, 40, 16), (32, 8, 1, 40, 24, 0)])
+def test_w_uv_in_the_combine_equals_the_combine_then_heads_matmul(rank, rope, rows, t, v, split,
+                                                                 monkeypatch):
+    """`mla_decode(..., w_uv=)`: the latent output times each row's head's W_UV in the
+    combine's launch (`_mla_combine_uv`; splits of 16 keys: 150 of them, past
+    `UV_MANY_SPLITS`) equals `heads_matmul` of the latent output, as does the one-split step
+    (`split` 0: no combine, `heads_matmul` after); a W_UV of the wrong shape is refused."""
+    from layersplit.shards.kernels import mla_decode as mod
+    from layersplit.shards.kernels.decode_attention import SPLIT_ENV
+    from layersplit.shards.kernels.mla_step import heads_matmul
+
+    if split is not None:
+        monkeypatch.setenv(SPLIT_ENV, str(split))
+    g = torch.Generator().manual_seed(4)
+    s, heads = 2, 4
+    half = -(-(rank + rope) // 2)
+    pool = torch.randn(s * t + 5, 2 * half, generator=g).to(DEV)
+    index = torch.randperm(s * t + 5, generator=g)[:s * t].view(s, t).to(DEV)
+    q = torch.randn(s, rows * heads, rank + rope, generator=g).to(DEV)
+    kv_b = torch.randn(heads, v, rank, generator=g).to(DEV) * rank ** -0.5  # (W_UV, V x C)
+    w_uv = kv_b.transpose(1, 2)  # (H, C, V): `_kv_b`'s view, no copy
+    args = (q, pool[:, :half], pool[:, half:], index, None, heads, rank, 0.3)
+    lat = mod.mla_decode(*args)
+    want = torch.empty(s * rows, heads, v, device=DEV)
+    heads_matmul(lat.view(s * rows, heads, rank), w_uv, want, block_n=16)
+    got = mod.mla_decode(*args, w_uv=w_uv)
+    assert got.shape == (s, rows * heads, v)
+    scale = max(1.0, float(want.abs().max()))
+    assert float((got.view_as(want) - want).abs().max()) <= 1e-4 * scale
+    with pytest.raises(ValueError, match="w_uv"):
+        mod.mla_decode(*args, w_uv=w_uv[:, :-1])
+
+
+def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, monkeypatch):
+    """`LAYERSPLIT_MLA_COMBINE_UV=1` through a paged executor's captured steps (one-row, tree
+    verify, batched, batched verify): the same outputs as the torch path's, float32."""
+    from layersplit.shards.kernels import mla_decode as mod
+    from layersplit.shards.layers.mla import COMBINE_UV_SWITCH
+
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
+    want = _outputs(tiny_models["deepseek_v3"], torch.float32)
+    monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
+    monkeypatch.setenv(COMBINE_UV_SWITCH, "1")
+    launches = []
+    kernel = mod._mla_combine_uv
+
+    class Counted:  # (the kernel, its launches counted)
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(mod, "_mla_combine_uv", Counted())
+    got = _outputs(tiny_models["deepseek_v3"], torch.float32, fuse=True)
+    assert launches  # (steps whose keys were split took it)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
+
+
 def test_no_key_past_a_sequences_last_row_is_read():
     """`last` (the rows each sequence writes in the step): a program reads no key past its
     sequence's last row. Those keys' latent rows are NaN here, which a read would carry into
