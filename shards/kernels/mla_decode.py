@@ -11,7 +11,8 @@ the latent: MLA's whole point), with an online softmax:
     o_lat  = softmax(scores * scale) . c
 The latent row of a key is `kv_lora_rank + qk_rope_head_dim` values stored as two halves (the
 pool's K and V rows, `ModelConfig.kv_row`); value j of the row is K[j] below the half, V[j - half]
-from it. W_UV is applied after (`mla_step.heads_matmul`).
+from it. W_UV is applied after (`mla_step.heads_matmul`), or, with `mla_decode`'s `w_uv`, in the
+combine's launch (`_mla_combine_uv`).
 
 Programs: (sequence, tile of query rows, key split). A sequence's query rows are its r step rows
 times H heads (r = 1 in a decode step; a verify step's rows under their tree mask). Keys are
@@ -309,10 +310,10 @@ def _mla_combine_uv(
 
 
 # the latent output's W_UV in the combine's launch (`LAYERSPLIT_MLA_COMBINE_UV=1`; off until
-# measured): outputs a program's tile, and tiles a program where a row's splits are few (its
-# programs each merge them again) or many
-UV_TILE = 16
-UV_TILES_FEW, UV_TILES_MANY, UV_MANY_SPLITS = 1, 4, 64
+# measured): outputs a program's tile, tiles a program, and the most splits it takes (each of a
+# row's V / (UV_TILE x UV_TILES) programs merges the row's splits again, a few KB each from L2
+# at a short context's 16 splits; past UV_MAX_SPLITS the combine and `heads_matmul` run apart)
+UV_TILE, UV_TILES, UV_MAX_SPLITS = 16, 1, 32
 
 
 def mla_decode(
@@ -327,7 +328,8 @@ def mla_decode(
 ) -> torch.Tensor:
     """The latent output (S, M, C), in q's dtype, of the absorbed attention (see the module);
     with `w_uv`, that output times each query row's head's W_UV, (S, M, V) (in the combine's
-    launch where the keys are split, `_mla_combine_uv`; else `mla_step.heads_matmul` after).
+    launch where the keys are split in at most UV_MAX_SPLITS, `_mla_combine_uv`; else
+    `mla_step.heads_matmul` after).
     `last`: the sequence rows the step writes (a program reads no key past its sequence's last;
     the mask still decides within)."""
     s, m, width = q.shape
@@ -379,14 +381,13 @@ def mla_decode(
         < OFF32_LIMIT, num_warps=LAUNCH["num_warps"],
         **({} if LAUNCH["num_stages"] is None else {"num_stages": LAUNCH["num_stages"]}), **pdl(q))
     block_s = min(COMBINE["splits"], triton.next_power_of_2(splits))
-    if w_uv is not None and splits > 1:
+    if w_uv is not None and 1 < splits <= UV_MAX_SPLITS:
         v = w_uv.shape[2]
         uv = torch.empty(s, m, v, dtype=q.dtype, device=q.device)
-        per_program = UV_TILES_MANY if splits >= UV_MANY_SPLITS else UV_TILES_FEW
-        _mla_combine_uv[(s, m, triton.cdiv(v, UV_TILE * per_program))](
+        _mla_combine_uv[(s, m, triton.cdiv(v, UV_TILE * UV_TILES))](
             po, pml, w_uv, w_uv.stride(0), w_uv.stride(1), w_uv.stride(2), uv, uv.stride(0),
             uv.stride(1), tiles * BLOCK_M, splits, rank, heads, v, BLOCK_C=block_c,
-            BLOCK_S=min(block_s, 16), BLOCK_V=UV_TILE, V_TILES=per_program,
+            BLOCK_S=min(block_s, 16), BLOCK_V=UV_TILE, V_TILES=UV_TILES,
             num_warps=COMBINE["num_warps"], **pdl(po))
         return uv
     if splits > 1:

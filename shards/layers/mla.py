@@ -224,7 +224,8 @@ class MLAttention(nn.Module):
         latent rows written and the queries' rotary (`mla_step.mla_rows`), W_UK folded into
         the queries and W_UV applied to the latent outputs (`mla_step.heads_matmul`), the
         attention reading the pool in place (`mla_decode`): 4-5 launches where the torch path
-        takes ~30. None where a kernel failed to build (the torch path then runs, from now
+        takes ~30 (with `LAYERSPLIT_MLA_COMBINE_UV=1`, W_UV in the combine's where the keys
+        are split). None where a kernel failed to build (the torch path then runs, from now
         on)."""
         from layersplit.shards.kernels.mla_decode import mla_decode
         from layersplit.shards.kernels.mla_step import heads_matmul, mla_rows, rows_and_queries
@@ -246,13 +247,11 @@ class MLAttention(nn.Module):
                 heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
             s = read.shape[0]
             last = step.positions if step.rows is None else step.rows
-            uv = switched_on(COMBINE_UV_SWITCH)  # (W_UV in the combine's launch)
-            o = mla_decode(q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0],
-                           read, step.mask, nh, self.rank, self.scale, last,
-                           w_uv if uv else None)
-            if uv:
-                out = o
-            else:
+            args = (q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0], read,
+                    step.mask, nh, self.rank, self.scale, last)
+            out = _uv_combined(mla_decode, args, w_uv) if _uv_combine() else None
+            if out is None:
+                o = mla_decode(*args)
                 out = torch.empty(n, nh, self.v_dim, dtype=q.dtype, device=q.device)
                 heads_matmul(o.view(n, nh, self.rank), w_uv, out, block_n=16)
         except (torch.cuda.OutOfMemoryError, IndexError):  # (the step's own: a full cache)
@@ -274,12 +273,31 @@ MLA_ROWS_SWITCH = "LAYERSPLIT_MLA_FUSED_ROWS"
 # launch fewer; off until measured
 COMBINE_UV_SWITCH = "LAYERSPLIT_MLA_COMBINE_UV"
 _KERNEL: dict[str, bool] = {}  # "off" -> the kernel failed once in this process ("rows off":
-# the one-launch rows)
+# the one-launch rows; "combine uv off": W_UV in the combine)
 
 
 def _rows_fused() -> bool:
     return not _KERNEL.get("rows off") and \
         not switched_off(MLA_ROWS_SWITCH)
+
+
+def _uv_combine() -> bool:
+    return not _KERNEL.get("combine uv off") and switched_on(COMBINE_UV_SWITCH)
+
+
+def _uv_combined(mla_decode, args: tuple, w_uv: torch.Tensor) -> torch.Tensor | None:
+    """`mla_decode(*args, w_uv=w_uv)` (W_UV in the combine's launch), None where it failed to
+    build or launch: it is then off for the process, said once, and the combine and
+    `heads_matmul` run apart (the step's own errors propagate)."""
+    try:
+        return mla_decode(*args, w_uv=w_uv)
+    except (torch.cuda.OutOfMemoryError, IndexError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
+        _KERNEL["combine uv off"] = True
+        log.warning("the MLA combine with W_UV failed (%s); the combine and W_UV take two "
+                    "launches from now on", first_line(e))
+        return None
 
 
 def _one_launch(fn, *args) -> bool:

@@ -155,17 +155,20 @@ def test_key_splits_combine(rank, rope, rows, t, chunk, off32, monkeypatch):
     assert float((got - want).abs().max()) <= 1e-4 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rank,rope,rows,t,v,split", [
     (32, 8, 1, 600, 24, None), (27, 8, 2, 600, 16, None), (512, 64, 1, 300, 128, None),
-    (32, 8, 2, 2400, 40, 16), (32, 8, 1, 40, 24, 0)])
+    (32, 8, 5, 600, 100, 64), (32, 8, 2, 2400, 40, 16), (32, 8, 1, 40, 24, 0)])
 def test_w_uv_in_the_combine_equals_the_combine_then_heads_matmul(rank, rope, rows, t, v, split,
-                                                                 monkeypatch):
+                                                                 dtype, monkeypatch):
     """`mla_decode(..., w_uv=)`: the latent output times each row's head's W_UV in the
-    combine's launch (`_mla_combine_uv`; splits of 16 keys: 150 of them, past
-    `UV_MANY_SPLITS`) equals `heads_matmul` of the latent output, as does the one-split step
-    (`split` 0: no combine, `heads_matmul` after); a W_UV of the wrong shape is refused."""
+    combine's launch (`_mla_combine_uv`: V in several programs' tiles, a V no multiple of
+    them, 20 query rows in two tiles) equals `heads_matmul` of the latent output, as do the
+    steps that run the two apart: keys in more than `UV_MAX_SPLITS` splits (2,400 keys in
+    splits of 16) and in one (`split` 0); a W_UV of the wrong shape is refused. bfloat16
+    (on a GPU): the latent output rounded as `_mla_combine` writes it, then the product."""
     from layersplit.shards.kernels import mla_decode as mod
-    from layersplit.shards.kernels.decode_attention import SPLIT_ENV
+    from layersplit.shards.kernels.decode_attention import SPLIT_ENV, key_split
     from layersplit.shards.kernels.mla_step import heads_matmul
 
     if split is not None:
@@ -173,44 +176,56 @@ def test_w_uv_in_the_combine_equals_the_combine_then_heads_matmul(rank, rope, ro
     g = torch.Generator().manual_seed(4)
     s, heads = 2, 4
     half = -(-(rank + rope) // 2)
-    pool = torch.randn(s * t + 5, 2 * half, generator=g).to(DEV)
+    pool = torch.randn(s * t + 5, 2 * half, generator=g).to(DEV, dtype)
     index = torch.randperm(s * t + 5, generator=g)[:s * t].view(s, t).to(DEV)
-    q = torch.randn(s, rows * heads, rank + rope, generator=g).to(DEV)
-    kv_b = torch.randn(heads, v, rank, generator=g).to(DEV) * rank ** -0.5  # (W_UV, V x C)
+    q = torch.randn(s, rows * heads, rank + rope, generator=g).to(DEV, dtype)
+    kv_b = (torch.randn(heads, v, rank, generator=g) * rank ** -0.5).to(DEV, dtype)  # (W_UV)
     w_uv = kv_b.transpose(1, 2)  # (H, C, V): `_kv_b`'s view, no copy
     args = (q, pool[:, :half], pool[:, half:], index, None, heads, rank, 0.3)
+    splits = key_split(t, s * -(-rows * heads // mod.BLOCK_M), torch.device(DEV),
+                       block=mod.SPLIT_KEYS)[0]
+    assert (1 < splits <= mod.UV_MAX_SPLITS) == (split in (None, 64)), splits
     lat = mod.mla_decode(*args)
-    want = torch.empty(s * rows, heads, v, device=DEV)
+    want = torch.empty(s * rows, heads, v, device=DEV, dtype=dtype)
     heads_matmul(lat.view(s * rows, heads, rank), w_uv, want, block_n=16)
     got = mod.mla_decode(*args, w_uv=w_uv)
-    assert got.shape == (s, rows * heads, v)
+    assert got.shape == (s, rows * heads, v) and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # (bf16: sums in another order, rounded)
     scale = max(1.0, float(want.abs().max()))
-    assert float((got.view_as(want) - want).abs().max()) <= 1e-4 * scale
+    assert float((got.view_as(want).float() - want.float()).abs().max()) <= tol * scale
     with pytest.raises(ValueError, match="w_uv"):
         mod.mla_decode(*args, w_uv=w_uv[:, :-1])
 
 
 def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, monkeypatch):
     """`LAYERSPLIT_MLA_COMBINE_UV=1` through a paged executor's captured steps (one-row, tree
-    verify, batched, batched verify): the same outputs as the torch path's, float32."""
+    verify, batched, batched verify), every step's keys split (in 16s): the same outputs as
+    the torch path's, float32, with no kernel turned off on the way."""
     from layersplit.shards.kernels import mla_decode as mod
+    from layersplit.shards.kernels.decode_attention import SPLIT_ENV
+    from layersplit.shards.layers import mla
     from layersplit.shards.layers.mla import COMBINE_UV_SWITCH
 
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
     want = _outputs(tiny_models["deepseek_v3"], torch.float32)
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
     monkeypatch.setenv(COMBINE_UV_SWITCH, "1")
+    monkeypatch.setenv(SPLIT_ENV, "16")
+    monkeypatch.setattr(mod, "SPLIT_KEYS", 16)  # (steps of several query tiles: splits of 16)
+    monkeypatch.setattr(mla, "_KERNEL", {})
     launches = []
     kernel = mod._mla_combine_uv
 
-    class Counted:  # (the kernel, its launches counted)
+    class Counted:  # (the kernel, its launches' grids kept)
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
     monkeypatch.setattr(mod, "_mla_combine_uv", Counted())
     got = _outputs(tiny_models["deepseek_v3"], torch.float32, fuse=True)
-    assert launches  # (steps whose keys were split took it)
+    assert not mla._KERNEL  # (nothing failed: no torch path ran in its place)
+    assert {g[0] > 1 for g in launches} == {True, False}  # (batched steps' and lone ones')
+    assert any(g[1] > 16 for g in launches)  # (a verify step's rows: more than a tile)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
 
