@@ -223,6 +223,33 @@ def _chunks(width: int) -> tuple[int, int, bool]:
 
 
 @triton.jit
+def _merged(PO, PML, first, m_pad, splits, cols, rank, BLOCK_C: tl.constexpr,
+            BLOCK_S: tl.constexpr):
+    """Columns `cols` of a query row's latent output, float32: its key splits' partials (the
+    row's first at `first`, one every m_pad rows) each weighted by exp2(its max - the overall
+    max), over the weighted sums of weights; BLOCK_S splits' columns a load."""
+    sp = tl.arange(0, BLOCK_S)
+    big = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        big = tl.maximum(big, tl.max(tl.load(PML + part * 2, mask=here, other=float("-inf")),
+                                     0))
+    big = tl.where(big == float("-inf"), 0.0, big)
+    num = tl.zeros(cols.shape, tl.float32)
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    for base in range(0, splits, BLOCK_S):
+        here = base + sp < splits
+        part = first + (base + sp) * m_pad
+        w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
+        den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
+        num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + cols[None, :],
+                                           mask=here[:, None] & (cols < rank)[None, :],
+                                           other=0.0), 0)
+    return num / tl.where(den > 0, den, 1.0)
+
+
+@triton.jit
 def _mla_combine(
     PO, PML,  # `_mla_attend`'s partials: (S, splits, m_pad, BLOCK_C) and (.., m_pad, 2)
     OUT, s_os, s_om,  # (S, M, rank): the normalized output
@@ -238,26 +265,8 @@ def _mla_combine(
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row = tl.program_id(2)
-    first = s * splits * m_pad + row
-    sp = tl.arange(0, BLOCK_S)
-    big = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    for base in range(0, splits, BLOCK_S):
-        here = base + sp < splits
-        part = first + (base + sp) * m_pad
-        big = tl.maximum(big, tl.max(tl.load(PML + part * 2, mask=here, other=float("-inf")),
-                                     0))
-    big = tl.where(big == float("-inf"), 0.0, big)
-    num = tl.zeros([BLOCK_D], tl.float32)
-    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    for base in range(0, splits, BLOCK_S):
-        here = base + sp < splits
-        part = first + (base + sp) * m_pad
-        w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
-        den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
-        num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + d[None, :],
-                                           mask=here[:, None] & (d < rank)[None, :],
-                                           other=0.0), 0)
-    out = num / tl.where(den > 0, den, 1.0)
+    out = _merged(PO, PML, s * splits * m_pad + row, m_pad, splits, d, rank, BLOCK_C,
+                  BLOCK_S)
     tl.store(OUT + s * s_os + row * s_om + d, out.to(OUT.dtype.element_ty), mask=d < rank)
 
 
@@ -279,27 +288,9 @@ def _mla_combine_uv(
     s = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1)
     h = (row % heads).to(tl.int64)
-    first = s * splits * m_pad + row
-    sp = tl.arange(0, BLOCK_S)
     c = tl.arange(0, BLOCK_C)
-    big = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    for base in range(0, splits, BLOCK_S):
-        here = base + sp < splits
-        part = first + (base + sp) * m_pad
-        big = tl.maximum(big, tl.max(tl.load(PML + part * 2, mask=here, other=float("-inf")),
-                                     0))
-    big = tl.where(big == float("-inf"), 0.0, big)
-    num = tl.zeros([BLOCK_C], tl.float32)
-    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    for base in range(0, splits, BLOCK_S):
-        here = base + sp < splits
-        part = first + (base + sp) * m_pad
-        w = tl.exp2(tl.load(PML + part * 2, mask=here, other=float("-inf")) - big)
-        den += tl.sum(w * tl.load(PML + part * 2 + 1, mask=here, other=0.0), 0)
-        num += tl.sum(w[:, None] * tl.load(PO + part[:, None] * BLOCK_C + c[None, :],
-                                           mask=here[:, None] & (c < rank)[None, :],
-                                           other=0.0), 0)
-    o = (num / tl.where(den > 0, den, 1.0)).to(OUT.dtype.element_ty).to(tl.float32)
+    o = _merged(PO, PML, s * splits * m_pad + row, m_pad, splits, c, rank, BLOCK_C, BLOCK_S)
+    o = o.to(OUT.dtype.element_ty).to(tl.float32)
     wh = W + h * s_wh + c[None, :] * s_wk
     for t in tl.static_range(V_TILES):
         j = (tl.program_id(2) * V_TILES + t) * BLOCK_V + tl.arange(0, BLOCK_V)
