@@ -19,6 +19,7 @@ P = qk_nope_head_dim, V = v_head_dim, L = C + R (the latent row).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -238,10 +239,12 @@ class MLAttention(nn.Module):
             q_row = torch.empty(n, nh, self.latent, dtype=q.dtype, device=q.device)
             kv_norm = self.kv_a_layernorm
             w_uk, w_uv = self._kv_b()
-            if not (n == 1 and _rows_fused() and _one_launch(
-                    rows_and_queries, a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
-                    v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk, q_row,
-                    self.interleave)):
+            if not (n == 1 and _rows_fused() and _optional_launch(
+                    "rows off", "the MLA step's one-launch latent and query rows",
+                    "they take two launches",
+                    rows_and_queries, a, kv_norm.weight, kv_norm.eps, cos, sin, write,
+                    k_pool[:, 0], v_pool[:, 0], q[..., self.nope:], q[..., :self.nope], w_uk,
+                    q_row, self.interleave)[0]):
                 mla_rows(a, kv_norm.weight, kv_norm.eps, cos, sin, write, k_pool[:, 0],
                          v_pool[:, 0], q[..., self.nope:], q_row, self.interleave)
                 heads_matmul(q[..., :self.nope], w_uk, q_row[..., :self.rank])
@@ -249,8 +252,11 @@ class MLAttention(nn.Module):
             last = step.positions if step.rows is None else step.rows
             args = (q_row.view(s, -1, self.latent), k_pool[:, 0], v_pool[:, 0], read,
                     step.mask, nh, self.rank, self.scale, last)
-            out = _uv_combined(mla_decode, args, w_uv) if _uv_combine() else None
-            if out is None:
+            ok, out = _optional_launch(
+                "combine uv off", "the MLA combine with W_UV",
+                "the combine and W_UV take two launches", mla_decode, *args, w_uv=w_uv
+            ) if _uv_combine() else (False, None)
+            if not ok:
                 o = mla_decode(*args)
                 out = torch.empty(n, nh, self.v_dim, dtype=q.dtype, device=q.device)
                 heads_matmul(o.view(n, nh, self.rank), w_uv, out, block_n=16)
@@ -285,35 +291,22 @@ def _uv_combine() -> bool:
     return not _KERNEL.get("combine uv off") and switched_on(COMBINE_UV_SWITCH)
 
 
-def _uv_combined(mla_decode, args: tuple, w_uv: torch.Tensor) -> torch.Tensor | None:
-    """`mla_decode(*args, w_uv=w_uv)` (W_UV in the combine's launch), None where it failed to
-    build or launch: it is then off for the process, said once, and the combine and
-    `heads_matmul` run apart (the step's own errors propagate)."""
+def _optional_launch(flag: str, what: str, instead: str, fn, *args,
+                     **kwargs) -> tuple[bool, Any]:
+    """(True, fn(*args, **kwargs)), or (False, None) where it failed to build or launch: `flag`
+    is then set in `_KERNEL` for the process and said once (`what` failed; `instead`: what
+    runs in its place); the step's own errors (out of memory, index, an operand the kernel refuses:
+    ValueError, which `_kernel_step` reports) propagate. For launches that fuse what other
+    kernels also do: `rows_and_queries` ("rows off") and W_UV in the combine ("combine uv
+    off")."""
     try:
-        return mla_decode(*args, w_uv=w_uv)
+        return True, fn(*args, **kwargs)
     except (torch.cuda.OutOfMemoryError, IndexError, ValueError):
         raise
-    except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
-        _KERNEL["combine uv off"] = True
-        log.warning("the MLA combine with W_UV failed (%s); the combine and W_UV take two "
-                    "launches from now on", first_line(e))
-        return None
-
-
-def _one_launch(fn, *args) -> bool:
-    """fn(*args) (`rows_and_queries`), False where it failed to build or launch: it is then
-    off for the process, said once, and the two launches it replaces run (the step's own
-    errors propagate)."""
-    try:
-        fn(*args)
-    except (torch.cuda.OutOfMemoryError, IndexError, ValueError):  # (the step's own, and an
-        raise  # operand the kernel refuses: `_kernel_step` says so)
-    except Exception as e:  # noqa: BLE001 - a Triton build failure: the two launches run
-        _KERNEL["rows off"] = True
-        log.warning("the MLA step's one-launch latent and query rows failed (%s); they take "
-                    "two launches from now on", first_line(e))
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - a Triton build failure: the launches it fused run
+        _KERNEL[flag] = True
+        log.warning("%s failed (%s); %s from now on", what, first_line(e), instead)
+        return False, None
 
 
 def mla_kernel_applies(kv, device: torch.device) -> bool:
