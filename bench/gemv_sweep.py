@@ -14,8 +14,14 @@ small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
         [--rows 1]
     python bench/gemv_sweep.py --plain in_proj=3648x2048 --plain o_proj=2048x2048
     python bench/gemv_sweep.py --weight-float32 --plain router=64x2048
+    python bench/gemv_sweep.py --model qwen3.5-27b --ops gate_up --zc \
+        --plain in_proj=16480x5120:norm
 
-`--plain NAME=NxK`: a plain projection of N outputs and K inputs (no norm, residual or SiLU):
+`--zc`: the hybrid step's variants (`fused_hybrid.HybridFast._gemv_step`): the norm prologue's
+weight a float32 1 + w (`float_product`), and gate/up with that norm as its prologue too.
+
+`--plain NAME=NxK[:norm]`: a plain projection of N outputs and K inputs (no residual or SiLU;
+`:norm`, the input's RMSNorm as its prologue):
 the `GemvLinear` projections of the layers `shards.fused` does not fuse (above: DeepSeek-V2-
 Lite's query and latent projection, its o_proj), swept as the ops above, without a chain.
 """
@@ -68,7 +74,16 @@ def ints(s: str) -> list[int]:
     return [int(v) for v in s.split(",")]
 
 
-def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype) -> dict:
+def norm_kw(k: int, args, dev: str, dt: torch.dtype) -> dict:
+    """`gemv`'s arguments of a norm prologue over k inputs (`--zc`: a float32 1 + w)."""
+    nw = torch.rand(k, device=dev) + 0.5
+    if args.zc:
+        return {"norm": (nw, 1e-6), "float_product": True}
+    return {"norm": (nw.to(dt), 1e-5)}
+
+
+def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype,
+                norm: bool = False) -> dict:
     """One plain projection (N, K): cuBLAS, the GEMV's default launch shape and the sweep's
     best five, over enough copies of the weight that the L2 cache holds none."""
     m = args.rows
@@ -76,6 +91,8 @@ def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype) -> d
     wdt = torch.float32 if args.weight_float32 else dt  # (a router's: float32 logits out)
     size = torch.finfo(wdt).bits // 8
     kw = {"out_dtype": torch.float32} if args.weight_float32 else {}
+    if norm:
+        kw.update(norm_kw(k, args, dev, dt))
     copies = max(2, -(-(256 << 20) // (n * k * size)))
     ws = [(torch.randn(n, k, device=dev) * k ** -0.5).to(wdt) for _ in range(copies)]
     reps, mb = max(copies, 24), n * k * size / 1e6
@@ -91,8 +108,9 @@ def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype) -> d
         except Exception as e:  # noqa: BLE001 - a launch shape the GPU refuses
             print(f"  {name} {cfg}: {type(e).__name__}")
     rows.sort(key=lambda r: r[0])
-    default = gk.config(k, n=n) if m == 1 else gk.rows_config(m, k)
-    print(f"{name} ({n}x{k}, {mb:.1f} MB): cuBLAS {t_blas:.2f} us ({mb / t_blas * 1e3:.0f} "
+    default = gk.config(k, n=n, norm=norm) if m == 1 else gk.rows_config(m, k, norm=norm)
+    print(f"{name} ({n}x{k}{', norm' if norm else ''}, {mb:.1f} MB): cuBLAS {t_blas:.2f} us "
+          f"({mb / t_blas * 1e3:.0f} "
           f"GB/s); default {default} {t_def:.2f} us ({mb / t_def * 1e3:.0f} GB/s); best "
           + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
     return {"cublas_us": t_blas, "default_us": t_def, "best": rows[:5], "mb": mb}
@@ -111,6 +129,8 @@ def main() -> None:
                     help="NAME=NxK: a plain projection to sweep (no model's chain)")
     ap.add_argument("--weight-float32", action="store_true",
                     help="--plain weights in float32, the logits float32 (a MoE router's)")
+    ap.add_argument("--zc", action="store_true",
+                    help="the hybrid step's norms: float32 1 + w, and gate/up normed too")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.weight_float32 and args.rows != 1:
@@ -121,8 +141,11 @@ def main() -> None:
     report = {}
     for spec in args.plain:
         name, _, shape = spec.partition("=")
+        shape, _, kind = shape.partition(":")
+        if kind not in ("", "norm"):
+            ap.error(f"--plain {spec}: the kind after ':' is norm or nothing")
         n, k = (int(v) for v in shape.lower().split("x"))
-        report[f"plain/{name}"] = sweep_plain(name, n, k, args, dev, dt)
+        report[f"plain/{name}"] = sweep_plain(name, n, k, args, dev, dt, kind == "norm")
     for name in args.model or ([] if args.plain else ["smollm2-135m-shape"]):
         c = json.loads((CONFIGS / name / "config.json").read_text())
         hd_, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
@@ -145,6 +168,8 @@ def main() -> None:
             mb = n * k * 2 / 1e6
             kw = {"norm": {"norm": (nw_, 1e-5)}, "res": {"residual": res},
                   "silu": {"gate_up": True}}[kind]
+            if args.zc and kind in ("norm", "silu"):  # (the hybrid step's zero-centred norms)
+                kw.update(norm_kw(k, args, dev, dt))
             t_blas = time_us(lambda j: F.linear(x[k], ws[j]), reps, 20, copies)
             rows = []
             if op == "head":  # the torch head: RMSNorm module, cuBLAS, the logits as float32
@@ -166,8 +191,8 @@ def main() -> None:
                 continue
             best[op] = rows[0][1]
             ref = "torch head" if op == "head" else "cuBLAS"
-            default = gk.config(k, norm=kind == "norm", gate_up=kind == "silu", head=op == "head",
-                                n=n) \
+            default = gk.config(k, norm="norm" in kw, gate_up=kind == "silu",
+                                head=op == "head", n=n) \
                 if m == 1 else gk.rows_config(m, k, norm=kind == "norm", gate_up=kind == "silu",
                                               head=op == "head")
             print(f"{name} {op} ({n}x{k}, {mb:.1f} MB): {ref} {t_blas:.2f} us "

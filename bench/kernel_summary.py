@@ -35,8 +35,9 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(path: Path, top: int = 12) -> dict:
-    """One trace's numbers (µs)."""
+def summarize(path: Path, top: int = 12, by_grid: bool = False) -> dict:
+    """One trace's numbers (µs); `by_grid`: a kernel's launches apart by their grid and block
+    (one kernel's calls at several widths, each its own row)."""
     try:
         events = json.loads(path.read_text()).get("traceEvents", [])
     except (OSError, ValueError) as e:  # (a process stopped while it wrote its profile)
@@ -52,12 +53,16 @@ def summarize(path: Path, top: int = 12) -> dict:
     span = max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in ops:
-        by_name[e.get("name", "?")].append(e["dur"])
+        name = e.get("name", "?")[:90]
+        if by_grid:
+            a = e.get("args", {})
+            name += f" grid {a.get('grid')} block {a.get('block')}"
+        by_name[name].append(e["dur"])
     costly = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"trace": path.name, "kind": kind, "span_us": span, "ops": len(ops),
             "summed_us": sum(e["dur"] for e in ops),
             "busy_us": _union([(e["ts"], e["ts"] + e["dur"]) for e in ops]),
-            "top": [{"name": name[:90], "count": len(d), "total_us": sum(d)} for name, d in costly]}
+            "top": [{"name": name, "count": len(d), "total_us": sum(d)} for name, d in costly]}
 
 
 def per_step(got: dict, steps: int) -> dict:

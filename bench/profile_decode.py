@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--by-grid", action="store_true",
+                    help="a kernel's launches apart by grid and block (each width its own row)")
     ap.add_argument("--contiguous", action="store_true",
                     help="a contiguous KV slot instead of a shard's paged pool")
     ap.add_argument("--json", default=None)
@@ -94,11 +96,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        got = summarize(trace, args.top)
+        got = summarize(trace, args.top, args.by_grid)
     step = per_step(got, args.profile_steps)
-    print("| kernel | per step | us per step |\n|---|---:|---:|")
+    print("| kernel | per step | us per step | us a launch |\n|---|---:|---:|---:|")
     for t in step["top"]:
-        print(f"| `{t['name']}` | {t['per_step']:.1f} | {t['us_per_step']:.1f} |")
+        print(f"| `{t['name']}` | {t['per_step']:.1f} | {t['us_per_step']:.1f} | "
+              f"{t['us_per_step'] / max(t['per_step'], 1e-9):.2f} |")
     gap = med * 1e6 - step["busy_us"]
     print(f"{args.model} ({args.weight_format}): compile={not args.no_compile} "
           f"graphs={not args.no_graphs}; load {load_s:.1f} s; first steps (compile/capture) "

@@ -136,7 +136,19 @@ def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
 STAGES = (linear_pre, linear_post, attn_pre, attn_post)
 # the stages of a one-row step whose projections (but q/k/v's) run as GEMV kernels
 # (`HybridFast._gemv_step`): the rest of each stage, compiled apart
-GEMV_STAGES = (linear_conv, linear_gate, gate_output)
+GEMV_STAGES = (linear_conv, linear_gate, gate_output, zc_norm)
+# the launch shape of the step's GEMVs without a norm prologue on rows of 4,096 inputs or more
+# (`bench/gemv_sweep.py --model qwen3.5-27b --ops gate_up,down,o --zc --block-n 1,2,4 --warps
+# 2,4,8`, H200, 2026-12-01): down 46.09 -> 42.39 us against `gemv.config`'s (cuBLAS 50.11), o
+# 17.26 -> 16.45 (cuBLAS 18.39). The in-projection takes its norm apart (`zc_norm`, compiled):
+# with the norm as its prologue (8,240 programs each summing the row's squares) it took 49.19
+# us against cuBLAS's 43.66
+WIDE_ROWS = {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
+
+
+def plain_launch(k: int) -> dict | None:
+    """`gemv`'s `cfg` for a one-row projection of k inputs without a norm (None: its own)."""
+    return dict(WIDE_ROWS) if k >= 4096 else None
 # the most rows a batched step runs through the fused stages (each row count is a compilation
 # of its own, and torch.compile allows 8 a function: 1, 2, 4 ... 64 are 7); larger batches run
 # the module's forward
@@ -245,31 +257,34 @@ class HybridFast:
             fused_kernels_available(h.device) and not kernel_failed(GEMV)
 
     def _gemv_step(self, layer, h, cos, sin, kv, index, slot, step):
-        """`_run` of one row with its projections as GEMV kernels (`kernels.gemv`): the input
-        norms as their prologue (zero-centred: a float32 1 + w, `float_product`), the residual
-        adds and SiLU * up as their epilogues; q/k/v stay the compiled stage's (cuBLAS was the
-        faster there at Qwen3.5-27B's widths). The rest of each stage is compiled apart
+        """`_run` of one row with its projections as GEMV kernels (`kernels.gemv`): the
+        post-attention norm as gate/up's prologue (zero-centred: a float32 1 + w,
+        `float_product`), the input norm apart (`zc_norm`, compiled: `WIDE_ROWS` says why), the
+        residual adds and SiLU * up as their epilogues; q/k/v stay the compiled stage's (cuBLAS
+        was the faster there at Qwen3.5-27B's widths). The rest of each stage is compiled apart
         (`GEMV_STAGES`). Same math as `_run` but for the sums' order and SiLU * up rounded as
         torch's eager ops round it."""
         from layersplit.shards.kernels.gemv import gemv
 
-        lin_conv, lin_gate, att_gate = self.gemv_stages
+        lin_conv, lin_gate, att_gate, in_norm = self.gemv_stages
         eps = layer.input_layernorm.eps
-        ln_w, ln2_w = layer.zc_weights
+        ln2_w = layer.zc_weights[1]  # (the input norm's is `in_norm`'s, compiled apart)
         mlp = layer.mlp
         dense = getattr(mlp, "gate_up_proj", None)
         advance = None
         if layer.linear:
             a = layer.linear_attn
             conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
-            p = gemv(h, a.in_proj.weight, norm=(ln_w, eps), float_product=True)
+            p = gemv(in_norm(h, layer.input_layernorm.weight, eps), a.in_proj.weight,
+                     cfg=plain_launch(h.shape[1]))
             q, k, v, g, beta, z, new_conv = lin_conv(
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim)
             rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
             o, new_state = rule(q, k, v, g, beta, state)
-            h = gemv(lin_gate(o, z, a.norm.weight, a.norm.eps), a.out_proj.weight, residual=h)
+            o = lin_gate(o, z, a.norm.weight, a.norm.eps)
+            h = gemv(o, a.out_proj.weight, residual=h, cfg=plain_launch(o.shape[1]))
             advance = (conv_state, state, new_conv, new_state)
         else:
             a = layer.self_attn
@@ -279,10 +294,11 @@ class HybridFast:
                                     eps, a.num_heads, a.num_kv_heads, a.head_dim)
             keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
             out = attend(q, keys, values, step.mask, False)
-            h = gemv(att_gate(out, gate), a.o_proj.weight, residual=h)
+            out = att_gate(out, gate)
+            h = gemv(out, a.o_proj.weight, residual=h, cfg=plain_launch(out.shape[1]))
         if dense is not None:
             act = gemv(h, dense.weight, norm=(ln2_w, eps), float_product=True, gate_up=True)
-            h = gemv(act, mlp.down_proj.weight, residual=h)
+            h = gemv(act, mlp.down_proj.weight, residual=h, cfg=plain_launch(act.shape[1]))
         else:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))
         if advance is not None:  # (last, as `_run`'s)

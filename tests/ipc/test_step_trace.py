@@ -177,3 +177,20 @@ def test_kernel_summary_per_step_divides_a_trace_by_its_steps(tmp_path):
     assert (got["kernels"], got["busy_us"], got["summed_us"]) == (2, 12.5, 15)
     assert (got["span_us"], got["gap_us"]) == (50, 37.5)
     assert got["top"][0] == {"name": "gemv", "per_step": 1.5, "us_per_step": 12.5}
+
+
+def test_kernel_summary_by_grid_keeps_a_kernels_widths_apart(tmp_path):
+    """`summarize(..., by_grid=True)`: one kernel's launches at two grids are two rows, each
+    with its own count and time; without it, one row."""
+    ks = _bench("kernel_summary")
+    events = [{"ph": "X", "cat": "kernel", "name": "_gemv", "ts": ts, "dur": dur,
+               "args": {"grid": grid, "block": [128, 1, 1]}}
+              for ts, dur, grid in ((0, 40, [8240, 1, 1]), (50, 80, [17408, 1, 1]),
+                                    (140, 42, [8240, 1, 1]))]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    rows = {t["name"]: (t["count"], t["total_us"])
+            for t in ks.summarize(trace, by_grid=True)["top"]}
+    assert rows == {"_gemv grid [8240, 1, 1] block [128, 1, 1]": (2, 82),
+                    "_gemv grid [17408, 1, 1] block [128, 1, 1]": (1, 80)}
+    assert [(t["name"], t["count"]) for t in ks.summarize(trace)["top"]] == [("_gemv", 3)]
