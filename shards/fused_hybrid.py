@@ -34,7 +34,6 @@ from layersplit.shards.kernels import (
     gemv_kernels_available,
     kernel_failed,
     switched_off,
-    switched_on,
     try_kernel,
 )
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
@@ -46,8 +45,9 @@ from layersplit.shards.lazy_compile import compiled_on_first_call
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LAYERSPLIT_FUSED_HYBRID"
-# 1: a sequence's one-row steps take the GEMV kernels for their projections but q/k/v's
-# (`HybridFast._gemv_step`); off until measured against the compiled stages' cuBLAS GEMMs
+# a sequence's one-row steps take the GEMV kernels for their projections but q/k/v's
+# (`HybridFast._gemv_step`; 0: the compiled stages' cuBLAS GEMMs): the Qwen3.5-27B shape's
+# batch 1 66.8 against 62.5 tok/s, 1.069 x (H200, 2026-12-01, bench/RESULTS.md D4)
 GEMV_SWITCH = "LAYERSPLIT_HYBRID_GEMV"
 GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'s)
 
@@ -170,7 +170,7 @@ class HybridFast:
         self.stages = tuple(compiled_on_first_call(f) if compile else f for f in STAGES)
         self.gemv_stages = tuple(compiled_on_first_call(f) if compile else f
                                  for f in GEMV_STAGES)
-        self.gemv = switched_on(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
+        self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False
@@ -335,6 +335,6 @@ def fuse_hybrid(model, compile: bool = True) -> bool:
         layer.mlp.fuse()
         layer.fast = fast
         layer.zc_weights = zc_weights(layer) if fast.gemv else None
-    if fast.gemv:
-        log.info("%s=1: one-row hybrid steps take the GEMV kernels", GEMV_SWITCH)
+    if not fast.gemv:
+        log.info("%s=0: one-row hybrid steps take the compiled stages' GEMMs", GEMV_SWITCH)
     return True

@@ -300,8 +300,8 @@ def _mla_combine_uv(
         tl.store(OUT + s * s_os + row * s_om + j, y.to(OUT.dtype.element_ty), mask=j < V)
 
 
-# the latent output's W_UV in the combine's launch (`LAYERSPLIT_MLA_COMBINE_UV=1`; off until
-# measured): outputs a program's tile, tiles a program, and the most splits it takes (each of a
+# the latent output's W_UV in the combine's launch (`LAYERSPLIT_MLA_COMBINE_UV=0`: apart):
+# outputs a program's tile, tiles a program, and the most splits it takes (each of a
 # row's V / (UV_TILE x UV_TILES) programs merges the row's splits again, a few KB each from L2
 # at a short context's 16 splits; past UV_MAX_SPLITS the combine and `heads_matmul` run apart)
 UV_TILE, UV_TILES, UV_MAX_SPLITS = 16, 1, 32

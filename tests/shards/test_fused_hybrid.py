@@ -91,10 +91,10 @@ def test_switched_off_leaves_the_layers_unfused(hybrid_models, monkeypatch):
     assert model.layers[0].linear_attn.in_proj is None
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True),
-                                      (" Yes ", True), ("off", False)])
-def test_the_gemv_step_is_off_unless_switched_on(hybrid_models, monkeypatch, value, on):
-    """`LAYERSPLIT_HYBRID_GEMV` (`kernels.switched_on`: off unless set on) decides whether
+@pytest.mark.parametrize("value,on", [(None, True), ("0", False), ("1", True),
+                                      (" Yes ", True), ("off", False), (" No ", False)])
+def test_the_gemv_step_is_on_unless_switched_off(hybrid_models, monkeypatch, value, on):
+    """`LAYERSPLIT_HYBRID_GEMV` (`kernels.switched_off`: on unless set off) decides whether
     `fuse_hybrid` prepares the layers' zero-centred norms for `HybridFast._gemv_step`; a CPU
     without Triton's interpreter never takes that step."""
     if value is None:
