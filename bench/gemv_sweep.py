@@ -18,7 +18,8 @@ small batch), the few-rows kernel (`_gemm_rows`) against cuBLAS's GEMM.
         --plain in_proj=16480x5120:norm
 
 `--zc`: the hybrid step's variants (`fused_hybrid.HybridFast._gemv_step`): the norm prologue's
-weight a float32 1 + w (`float_product`), and gate/up with that norm as its prologue too.
+weight a float32 1 + w (`float_product`), and gate/up with that norm as its prologue too;
+`--one-pass`: the norms' squares summed in the weights' loop (`gemv`'s `one_pass`).
 
 `--plain NAME=NxK[:norm]`: a plain projection of N outputs and K inputs (no residual or SiLU;
 `:norm`, the input's RMSNorm as its prologue):
@@ -77,9 +78,11 @@ def ints(s: str) -> list[int]:
 def norm_kw(k: int, args, dev: str, dt: torch.dtype) -> dict:
     """`gemv`'s arguments of a norm prologue over k inputs (`--zc`: a float32 1 + w)."""
     nw = torch.rand(k, device=dev) + 0.5
-    if args.zc:
-        return {"norm": (nw, 1e-6), "float_product": True}
-    return {"norm": (nw.to(dt), 1e-5)}
+    got = {"norm": (nw, 1e-6), "float_product": True} if args.zc else \
+        {"norm": (nw.to(dt), 1e-5)}
+    if args.one_pass:  # (the squares summed in the weights' loop: `gemv`'s `one_pass`)
+        got["one_pass"] = True
+    return got
 
 
 def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype,
@@ -131,8 +134,12 @@ def main() -> None:
                     help="--plain weights in float32, the logits float32 (a MoE router's)")
     ap.add_argument("--zc", action="store_true",
                     help="the hybrid step's norms: float32 1 + w, and gate/up normed too")
+    ap.add_argument("--one-pass", action="store_true",
+                    help="the norm prologues summed in the weights' loop (gemv's one_pass)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.one_pass and args.rows != 1:
+        ap.error("--one-pass takes one row (gemv's one_pass is one-row only)")
     if args.weight_float32 and args.rows != 1:
         ap.error("--weight-float32 takes one row (a router's float32 GEMV is one-row only)")
     dev, dt = "cuda:0", torch.bfloat16

@@ -34,6 +34,7 @@ from layersplit.shards.kernels import (
     gemv_kernels_available,
     kernel_failed,
     switched_off,
+    switched_on,
     try_kernel,
 )
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
@@ -50,6 +51,14 @@ ENV_SWITCH = "LAYERSPLIT_FUSED_HYBRID"
 # batch 1 66.8 against 62.5 tok/s, 1.069 x (H200, 2026-12-01, bench/RESULTS.md D4)
 GEMV_SWITCH = "LAYERSPLIT_HYBRID_GEMV"
 GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'s)
+# 1: the GEMV step's normed projections (the in-projection, gate/up) sum the row's squares in
+# their weights' loop (`gemv(..., one_pass=True)`) instead of in a prologue of their own, which
+# cost them most at Qwen3.5-27B's widths (`bench/gemv_sweep.py --zc`, H200: gate/up 83.09 us
+# plain, 87.84 normed; the in-projection 39.07 plain, 49.19 normed; so the in-projection's norm
+# runs apart, `zc_norm`, unless this is on). The normed row is then never rounded to the
+# weights' dtype (the stages and transformers round it once): a difference within that dtype's
+# rounding. Off until measured on the whole step
+ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,6 +180,7 @@ class HybridFast:
         self.gemv_stages = tuple(compiled_on_first_call(f) if compile else f
                                  for f in GEMV_STAGES)
         self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
+        self.one_pass = switched_on(ONE_PASS_SWITCH)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False
@@ -259,7 +269,8 @@ class HybridFast:
     def _gemv_step(self, layer, h, cos, sin, kv, index, slot, step):
         """`_run` of one row with its projections as GEMV kernels (`kernels.gemv`): the
         post-attention norm as gate/up's prologue (zero-centred: a float32 1 + w,
-        `float_product`), the input norm apart (`zc_norm`, compiled: `WIDE_ROWS` says why), the
+        `float_product`), the input norm apart (`zc_norm`, compiled: `WIDE_ROWS` says why;
+        with `ONE_PASS_SWITCH` on, both norms summed in their GEMV's weights' loop), the
         residual adds and SiLU * up as their epilogues; q/k/v stay the compiled stage's (cuBLAS
         was the faster there at Qwen3.5-27B's widths). The rest of each stage is compiled apart
         (`GEMV_STAGES`). Same math as `_run` but for the sums' order and SiLU * up rounded as
@@ -268,15 +279,19 @@ class HybridFast:
 
         lin_conv, lin_gate, att_gate, in_norm = self.gemv_stages
         eps = layer.input_layernorm.eps
-        ln2_w = layer.zc_weights[1]  # (the input norm's is `in_norm`'s, compiled apart)
+        ln_w, ln2_w = layer.zc_weights
         mlp = layer.mlp
         dense = getattr(mlp, "gate_up_proj", None)
         advance = None
         if layer.linear:
             a = layer.linear_attn
             conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
-            p = gemv(in_norm(h, layer.input_layernorm.weight, eps), a.in_proj.weight,
-                     cfg=plain_launch(h.shape[1]))
+            if self.one_pass:
+                p = gemv(h, a.in_proj.weight, norm=(ln_w, eps), float_product=True,
+                         one_pass=True, cfg=plain_launch(h.shape[1]))
+            else:  # (the norm apart: `ONE_PASS_SWITCH`'s comment says why)
+                p = gemv(in_norm(h, layer.input_layernorm.weight, eps), a.in_proj.weight,
+                         cfg=plain_launch(h.shape[1]))
             q, k, v, g, beta, z, new_conv = lin_conv(
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
@@ -297,7 +312,8 @@ class HybridFast:
             out = att_gate(out, gate)
             h = gemv(out, a.o_proj.weight, residual=h, cfg=plain_launch(out.shape[1]))
         if dense is not None:
-            act = gemv(h, dense.weight, norm=(ln2_w, eps), float_product=True, gate_up=True)
+            act = gemv(h, dense.weight, norm=(ln2_w, eps), float_product=True, gate_up=True,
+                       one_pass=self.one_pass)
             h = gemv(act, mlp.down_proj.weight, residual=h, cfg=plain_launch(act.shape[1]))
         else:  # a sparse MLP, eager
             h = h + mlp(layer.post_attention_layernorm(h))

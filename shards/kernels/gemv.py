@@ -46,7 +46,8 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           NORM: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, SILU: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
           FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False,
-          FLOAT_PRODUCT: tl.constexpr = False, PDL: tl.constexpr = False):
+          FLOAT_PRODUCT: tl.constexpr = False, ONE_PASS: tl.constexpr = False,
+          PDL: tl.constexpr = False):
     pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,12 +56,15 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
     # kept as they are, as F.linear(x.float(), w) gives them)
     xdt = X.dtype.element_ty  # (the row's: the norm rounds in it)
     dt = tl.float32 if FLOAT32 else xdt
-    if NORM:  # the row's RMSNorm scale, as `fused.rms_norm` (float32 mean of squares)
+    if NORM and not ONE_PASS:  # the row's RMSNorm scale, as `fused.rms_norm` (float32 mean
+        # of squares), before the weights' first loads
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xs = _chunk(X, k0 + tl.arange(0, BLOCK_K), K, EVEN_K)
             sq += xs * xs
         scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if ONE_PASS:  # (the squares summed in the weights' loop, the scale applied to the sums)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if SILU:
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -68,7 +72,10 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = _chunk(X, offs_k, K, EVEN_K)
-        if NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
+        if ONE_PASS:  # w * x unscaled and unrounded; the scale multiplies the sums below
+            sq += x * x
+            x = _chunk(NW, offs_k, K, EVEN_K) * x
+        elif NORM:  # w * bf16(x * scale), rounded: `fused.rms_norm`
             nw = _chunk(NW, offs_k, K, EVEN_K)
             if FLOAT_PRODUCT:  # (a float32 weight times the float32 normed row, rounded once)
                 x = (nw * (x * scale)).to(xdt).to(tl.float32)
@@ -87,12 +94,18 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
             wu = tl.load(rows + UP + offs_k[None, :], mask=m, other=0.0)
             acc_u += wu.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if ONE_PASS:
+        scale = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        y = y * scale
     if HAS_B:  # before the one rounding: the correctly rounded sum (as cuBLAS on most shapes)
         y += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y = y.to(dt)
     if SILU:  # F.silu(g) * u, each rounded as torch's ops
         g = y.to(tl.float32)
-        u = tl.sum(acc_u, axis=1).to(dt).to(tl.float32)
+        u = tl.sum(acc_u, axis=1)
+        if ONE_PASS:
+            u = u * scale
+        u = u.to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         y = (s * u).to(dt)
     if HAS_R:  # h + F.linear(...): the projection rounded, then the sum
@@ -224,7 +237,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          gate_up: bool = False, out_dtype: torch.dtype | None = None, head: bool = False,
          cfg: dict | None = None, norm_out: torch.Tensor | None = None,
-         float_product: bool = False) -> torch.Tensor:
+         float_product: bool = False, one_pass: bool = False) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by `w` (N, K), with `norm` = (weight, eps):
     each row's RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result
     SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
@@ -236,7 +249,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     `norm_out` (1, K) of x's dtype, with `norm` and one row: the normed row is written there
     too (a router's GEMV handing its normed input to the experts' kernels). `float_product`:
     `norm`'s weight is float32 and multiplies the float32 normed row before its one rounding
-    (gpt-oss's `FloatProductRMSNorm`; a zero-centred norm's 1 + w, `fused_hybrid.zc_norm`)."""
+    (gpt-oss's `FloatProductRMSNorm`; a zero-centred norm's 1 + w, `fused_hybrid.zc_norm`).
+    `one_pass` (one row, with `norm`, no `norm_out`): the row's squares summed in the weights'
+    loop, not in a pass of its own before it, and the scale applied to the sums: the weight
+    times the unscaled row in float32, never rounded (`ONE_PASS_SWITCH`'s comment says why)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
                          f"got {tuple(x.shape)} strides {x.stride()}")
@@ -267,6 +283,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
                                  norm_out.dtype != x.dtype or not norm_out.is_contiguous()):
         raise ValueError(f"gemv: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes the "
                          f"normed row of one row {tuple(x.shape)} {x.dtype} with a norm")
+    if one_pass and (norm is None or rows != 1 or norm_out is not None):
+        raise ValueError("gemv: one_pass takes one row with a norm and no norm_out, got "
+                         f"{rows} row(s), {'a' if norm is not None else 'no'} norm"
+                         f"{', norm_out' if norm_out is not None else ''}")
     if rows == 1:
         c = dict(cfg or config(k, norm=norm is not None, gate_up=gate_up, head=head, n=n))
         block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
@@ -274,7 +294,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, FLOAT32=wide,
             NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None,
-            **c, **pdl(x))
+            ONE_PASS=one_pass, **c, **pdl(x))
         return y
     c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
                                 head=head))

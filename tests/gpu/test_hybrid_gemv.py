@@ -24,7 +24,10 @@ CUDA = KERNEL_DEV != "cpu"
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("gate_up", [False, True])
-def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gate_up):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gate_up, one_pass):
+    """The norm as the GEMV's prologue, or summed in its weights' loop (`one_pass`: one row
+    only, without `norm_out`), equals the norm, then the projection."""
     from layersplit.shards.kernels.gemv import gemv
 
     k, n = (5120, 1024) if CUDA else (96, 40)
@@ -39,9 +42,21 @@ def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gat
     if gate_up:
         gg, u = want.chunk(2, dim=-1)
         want = F.silu(gg) * u
-    out = torch.empty_like(x) if rows == 1 else None  # (the normed row, written by the GEMV)
-    got = gemv(x, w, norm=((1.0 + zc.float()).contiguous(), 1e-6), float_product=True,
-               gate_up=gate_up, norm_out=out)
+    scale = (1.0 + zc.float()).contiguous()
+    if one_pass and rows > 1:
+        with pytest.raises(ValueError, match="one_pass takes one row"):
+            gemv(x, w, norm=(scale, 1e-6), float_product=True, gate_up=gate_up, one_pass=True)
+        return
+    if one_pass:
+        with pytest.raises(ValueError, match="norm_out"):
+            gemv(x, w, norm=(scale, 1e-6), float_product=True, one_pass=True,
+                 norm_out=torch.empty_like(x))
+        with pytest.raises(ValueError, match="no norm"):
+            gemv(x, w, one_pass=True)
+    # (the normed row, written by the GEMV)
+    out = torch.empty_like(x) if rows == 1 and not one_pass else None
+    got = gemv(x, w, norm=(scale, 1e-6), float_product=True, gate_up=gate_up, norm_out=out,
+               one_pass=one_pass)
     assert near(got, want, 1e-5 if dtype == torch.float32 else 0.02)
     if out is not None:  # (its one rounding, as `zc_norm`'s: bit for bit in any dtype)
         assert torch.equal(out, normed)
@@ -49,22 +64,27 @@ def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gat
         gemv(x, w, norm=(zc.to(torch.bfloat16), 1e-6), float_product=True)
 
 
-def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool) -> RangeExecutor:
+def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
+              one_pass: bool = False) -> RangeExecutor:
     monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "1" if gemv else "0")
+    monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if one_pass else "0")
     model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
     fuse_projections(model, compile=compile)
     assert (model.layers[0].zc_weights is not None) == gemv
     return RangeExecutor(model, 96, 1, KERNEL_DEV, static_decode=graphs)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
-@pytest.mark.parametrize("how", ["eager", "graphs"] + (["compiled graphs"] if CUDA else []))
+@pytest.mark.parametrize("family,how,one_pass", [
+    (family, how, False) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+    for how in ["eager", "graphs"] + (["compiled graphs"] if CUDA else [])] + [
+    ("qwen3_5", "eager", True)] + ([("qwen3_5", "compiled graphs", True)] if CUDA else []))
 def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models, monkeypatch,
-                                                                  family, how):
+                                                                  family, how, one_pass):
     """Every layer of a one-row step goes through `_gemv_step` (linear and full attention, a
     dense and a sparse MLP) and its logits and states equal the fused stages' within float32
     summation order; a prefill chunk does not take it. In CUDA graphs (where they run) the
-    captured steps replay it without calling it again; compiled, its stages compiled apart."""
+    captured steps replay it without calling it again; compiled, its stages compiled apart.
+    `one_pass`: the normed projections sum the row's squares in their weights' loop."""
     calls = []
     real = fused_hybrid.HybridFast._gemv_step
     monkeypatch.setattr(fused_hybrid.HybridFast, "_gemv_step",
@@ -72,8 +92,9 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
                         real(self, layer, *a))
     path = hybrid_models[family]
     graphs, compile = how != "eager", how == "compiled graphs"
-    stages, kernels = (_executor(path, monkeypatch, gemv, graphs, compile)
+    stages, kernels = (_executor(path, monkeypatch, gemv, graphs, compile, one_pass and gemv)
                        for gemv in (False, True))
+    assert kernels.model.layers[0].fast.one_pass is one_pass
     ids = token_ids(30, seed=5).to(KERNEL_DEV)
     want, got = stages.run(ids, 0, all_logits=True), kernels.run(ids, 0, all_logits=True)
     assert near(got, want, 1e-5) and calls == []

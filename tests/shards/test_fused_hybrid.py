@@ -115,6 +115,19 @@ def test_the_gemv_step_is_on_unless_switched_off(hybrid_models, monkeypatch, val
     assert not fast._gemv_takes(model.layers[0], h, type("S", (), {"lo": None})())
 
 
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
+def test_the_one_pass_norms_are_off_unless_switched_on(hybrid_models, monkeypatch, value, on):
+    """`LAYERSPLIT_HYBRID_ONE_PASS_NORM` (`kernels.switched_on`: off unless set on, not measured
+    yet) decides whether the GEMV step's normed projections sum their squares in one pass."""
+    if value is None:
+        monkeypatch.delenv(fused_hybrid.ONE_PASS_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, value)
+    model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
+    fuse_projections(model, compile=False)
+    assert model.layers[0].fast.one_pass is on
+
+
 def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybrid_models):
     """A compiled stage that fails (here `linear_post`, once) makes the step run again on the
     eager stages; the first try must not have advanced the slot's conv and recurrent states
