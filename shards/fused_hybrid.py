@@ -59,6 +59,13 @@ GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'
 # weights' dtype (the stages and transformers round it once): a difference within that dtype's
 # rounding. Off until measured on the whole step
 ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
+# 1: a captured GEMV step advances the slot's recurrent state in place, through the verify
+# rows' kernel at one row (`gated_delta_rows.recurrent_rows`, its state after the row written
+# over the state it read), instead of fla-core's kernel into a new state and a copy back (the
+# copy: 48 launches of ~3.2 us a Qwen3.5-27B step, H200). Only inside a capture: an eager
+# step that failed after it would be run again (`HybridFast.__call__`) on the advanced state;
+# a capture's failure is raised. Off until measured
+STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,6 +188,7 @@ class HybridFast:
                                  for f in GEMV_STAGES)
         self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
         self.one_pass = switched_on(ONE_PASS_SWITCH)
+        self.state_in_place = switched_on(STATE_IN_PLACE_SWITCH)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False
@@ -296,8 +304,13 @@ class HybridFast:
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim)
-            rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
-            o, new_state = rule(q, k, v, g, beta, state)
+            if self._advances_in_place():  # (`STATE_IN_PLACE_SWITCH`)
+                from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+                o, new_state = recurrent_rows(q, k, v, g, beta, state, state.unsqueeze(1)), None
+            else:
+                rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
+                o, new_state = rule(q, k, v, g, beta, state)
             o = lin_gate(o, z, a.norm.weight, a.norm.eps)
             h = gemv(o, a.out_proj.weight, residual=h, cfg=plain_launch(o.shape[1]))
             advance = (conv_state, state, new_conv, new_state)
@@ -320,8 +333,15 @@ class HybridFast:
         if advance is not None:  # (last, as `_run`'s)
             conv_state, state, new_conv, new_state = advance
             conv_state.copy_(new_conv)
-            state.copy_(new_state)
+            if new_state is not None:  # (None: advanced in place)
+                state.copy_(new_state)
         return h
+
+    def _advances_in_place(self) -> bool:
+        """Whether this GEMV step advances the recurrent state in place: switched on, and
+        inside a CUDA graph's capture (`STATE_IN_PLACE_SWITCH` says why only there)."""
+        return self.state_in_place and torch.cuda.is_available() and \
+            torch.cuda.is_current_stream_capturing()
 
 
 def zc_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:

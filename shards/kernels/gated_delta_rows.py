@@ -61,9 +61,12 @@ def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    beta: torch.Tensor, state: torch.Tensor, states: torch.Tensor
                    ) -> torch.Tensor:
     """The gated delta rule over n rows of B sequences: q/k (B, n, Hk, Dk) un-normalised, v
-    (B, n, Hv, Dv), g (log decay) and beta (B, n, Hv), state (B, Hv, Dk, Dv) float32 (read, not
-    written). Writes the state after each row into `states` (B, n, Hv, Dk, Dv) float32,
-    contiguous; returns the output (B, n, Hv, Dv) in v's dtype."""
+    (B, n, Hv, Dv), g (log decay) and beta (B, n, Hv) in any float dtype (the kernel reads them
+    as float32: no cast launched), state (B, Hv, Dk, Dv) float32. Writes the state after each
+    row into `states` (B, n, Hv, Dk, Dv) float32, contiguous; returns the output (B, n, Hv, Dv)
+    in v's dtype. At one row `states` may be `state` itself (`state.unsqueeze(1)`): each
+    program reads its tile of the state before it writes the same tile, and no other program
+    touches it, so the state advances in place."""
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     if hv % hk:
@@ -76,7 +79,7 @@ def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     bv = min(BLOCK_V, triton.next_power_of_2(dv))
     grid = (triton.cdiv(dv, bv) * b * hv,)
     _recurrent_rows[grid](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(),
-        beta.float().contiguous(), state.float().contiguous(), out, states, n, dk ** -0.5,
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        state.float().contiguous(), out, states, n, dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=1, **pdl(q))
     return out

@@ -52,3 +52,23 @@ def test_rows_kernel_refuses_a_states_buffer_of_another_shape():
     with pytest.raises(ValueError, match=r"contiguous float32 \(1, 3, 2, 8, 8\)"):
         recurrent_rows(q, q, v, gb, gb, torch.zeros(1, 2, 8, 8, device=DEV),
                        torch.zeros(1, 2, 2, 8, 8, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_row_advances_the_state_in_place(dtype):
+    """At one row the states buffer may be the state itself (`state.unsqueeze(1)`, as a
+    captured hybrid step passes it, `fused_hybrid.STATE_IN_PLACE_SWITCH`): the state after the
+    row is written over it, and the output is the reference's."""
+    from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(2, 1, 2, 16, generator=g).to(DEV, dtype) for _ in range(2))
+    v = torch.randn(2, 1, 4, 24, generator=g).to(DEV, dtype)
+    gate = (-torch.rand(2, 1, 4, generator=g)).to(DEV)
+    beta = torch.rand(2, 1, 4, generator=g).to(DEV, dtype)
+    state = torch.randn(2, 4, 16, 24, generator=g).to(DEV)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, gate, beta, state.clone())
+    out = recurrent_rows(q, k, v, gate, beta, state, state.unsqueeze(1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)

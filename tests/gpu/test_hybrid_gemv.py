@@ -65,26 +65,41 @@ def test_zero_centred_norm_in_the_gemv_equals_the_norm_then_the_linear(rows, gat
 
 
 def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
-              one_pass: bool = False) -> RangeExecutor:
+              extra: str | None = None) -> RangeExecutor:
     monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "1" if gemv else "0")
-    monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if one_pass else "0")
+    monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if extra == "one_pass" else "0")
+    monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1" if extra == "in_place" else "0")
     model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
     fuse_projections(model, compile=compile)
     assert (model.layers[0].zc_weights is not None) == gemv
     return RangeExecutor(model, 96, 1, KERNEL_DEV, static_decode=graphs)
 
 
-@pytest.mark.parametrize("family,how,one_pass", [
-    (family, how, False) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+@pytest.mark.parametrize("family,how,extra", [
+    (family, how, None) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
     for how in ["eager", "graphs"] + (["compiled graphs"] if CUDA else [])] + [
-    ("qwen3_5", "eager", True)] + ([("qwen3_5", "compiled graphs", True)] if CUDA else []))
+    ("qwen3_5", "eager", "one_pass"), ("qwen3_5", "eager", "in_place")] + (
+    [("qwen3_5", "compiled graphs", "one_pass"), ("qwen3_5", "compiled graphs", "in_place"),
+     ("qwen3_next", "graphs", "in_place")] if CUDA else []))
 def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models, monkeypatch,
-                                                                  family, how, one_pass):
+                                                                  family, how, extra):
     """Every layer of a one-row step goes through `_gemv_step` (linear and full attention, a
     dense and a sparse MLP) and its logits and states equal the fused stages' within float32
     summation order; a prefill chunk does not take it. In CUDA graphs (where they run) the
     captured steps replay it without calling it again; compiled, its stages compiled apart.
-    `one_pass`: the normed projections sum the row's squares in their weights' loop."""
+    `one_pass`: the normed projections sum the row's squares in their weights' loop;
+    `in_place`: the recurrent state advanced in place (inside a capture; eager here, where no
+    capture runs, by the test's say)."""
+    if extra == "in_place" and how == "eager":
+        monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place",
+                            lambda self: self.state_in_place)
+    in_place = []
+    if extra == "in_place":  # (the in-place rule's calls counted)
+        from layersplit.shards.kernels import gated_delta_rows
+
+        rows = gated_delta_rows.recurrent_rows
+        monkeypatch.setattr(gated_delta_rows, "recurrent_rows",
+                            lambda q, *a: in_place.append(q.shape) or rows(q, *a))
     calls = []
     real = fused_hybrid.HybridFast._gemv_step
     monkeypatch.setattr(fused_hybrid.HybridFast, "_gemv_step",
@@ -92,9 +107,10 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
                         real(self, layer, *a))
     path = hybrid_models[family]
     graphs, compile = how != "eager", how == "compiled graphs"
-    stages, kernels = (_executor(path, monkeypatch, gemv, graphs, compile, one_pass and gemv)
+    stages, kernels = (_executor(path, monkeypatch, gemv, graphs, compile, extra if gemv else None)
                        for gemv in (False, True))
-    assert kernels.model.layers[0].fast.one_pass is one_pass
+    fast = kernels.model.layers[0].fast
+    assert (fast.one_pass, fast.state_in_place) == (extra == "one_pass", extra == "in_place")
     ids = token_ids(30, seed=5).to(KERNEL_DEV)
     want, got = stages.run(ids, 0, all_logits=True), kernels.run(ids, 0, all_logits=True)
     assert near(got, want, 1e-5) and calls == []
@@ -110,3 +126,4 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
         assert len(calls) == 4 * 6 and set(calls) == {True, False}
     assert near(kernels.kv.state, stages.kv.state, 1e-5)
     assert near(kernels.kv.conv, stages.kv.conv, 1e-5)
+    assert bool(in_place) == (extra == "in_place")  # (the state advanced in place, or not)

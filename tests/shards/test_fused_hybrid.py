@@ -115,17 +115,25 @@ def test_the_gemv_step_is_on_unless_switched_off(hybrid_models, monkeypatch, val
     assert not fast._gemv_takes(model.layers[0], h, type("S", (), {"lo": None})())
 
 
+@pytest.mark.parametrize("switch,attr", [("ONE_PASS_SWITCH", "one_pass"),
+                                         ("STATE_IN_PLACE_SWITCH", "state_in_place")])
 @pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True)])
-def test_the_one_pass_norms_are_off_unless_switched_on(hybrid_models, monkeypatch, value, on):
-    """`LAYERSPLIT_HYBRID_ONE_PASS_NORM` (`kernels.switched_on`: off unless set on, not measured
-    yet) decides whether the GEMV step's normed projections sum their squares in one pass."""
+def test_the_unmeasured_gemv_step_variants_are_off_unless_switched_on(
+        hybrid_models, monkeypatch, switch, attr, value, on):
+    """`LAYERSPLIT_HYBRID_ONE_PASS_NORM` and `LAYERSPLIT_HYBRID_STATE_IN_PLACE`
+    (`kernels.switched_on`: off unless set on, not measured yet) decide whether the GEMV
+    step's normed projections sum their squares in one pass, and whether a captured step
+    advances the recurrent state in place; outside a capture it never does."""
+    name = getattr(fused_hybrid, switch)
     if value is None:
-        monkeypatch.delenv(fused_hybrid.ONE_PASS_SWITCH, raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, value)
+        monkeypatch.setenv(name, value)
     model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
     fuse_projections(model, compile=False)
-    assert model.layers[0].fast.one_pass is on
+    fast = model.layers[0].fast
+    assert getattr(fast, attr) is on
+    assert not fast._advances_in_place()
 
 
 def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybrid_models):
