@@ -312,8 +312,8 @@ class FusedDecode:
         x = torch.empty_like(h)
         logits = _gemv(h, m.gate.weight, norm=(layer.post_attention_layernorm.weight, eps),
                        norm_out=x)
-        w, idx = routed_moe._kernels.moe_route(logits, m.top_k, m.norm_topk_prob)
-        w = w if m.float_weights else w.to(x.dtype)
+        w, idx = routed_moe._kernels.moe_route(logits, m.top_k, m.norm_topk_prob,
+                                               None if m.float_weights else x.dtype)
         return routed_moe._kernels.run_gemv(x, w, idx, m.experts.gate_up_proj,
                                             m.experts.down_proj, residual=h)
 

@@ -294,22 +294,25 @@ def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexp
         wv = ez / tl.sum(ez, axis=0)
     elif NORM:
         wv = wv / tl.sum(tl.where(chosen, wv, 0.0), axis=0)
-    tl.store(W + t * K + slots, wv, mask=chosen)
+    tl.store(W + t * K + slots, wv.to(W.dtype.element_ty), mask=chosen)  # (rounded once)
     tl.store(IDS + t * K + slots, iv.to(tl.int64), mask=chosen)
 
 
-def _route_outputs(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_outputs(logits: torch.Tensor, top_k: int,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = logits.shape[0]
-    return (torch.empty((n, top_k), dtype=torch.float32, device=logits.device),
+    return (torch.empty((n, top_k), dtype=dtype or torch.float32, device=logits.device),
             torch.empty((n, top_k), dtype=torch.int64, device=logits.device))
 
 
 @torch.library.custom_op("layersplit::moe_route", mutates_args=())
-def moe_route(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (n, k) float32, expert ids (n, k)) of router `logits` (n, E): `route`'s softmax,
-    top k and renormalisation."""
+def moe_route(logits: torch.Tensor, top_k: int, norm: bool,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (n, k), expert ids (n, k)) of router `logits` (n, E): `route`'s softmax, top k
+    and renormalisation. The weights are float32, or stored in `dtype` (Qwen's: the row's),
+    each rounded once as `.to(dtype)` rounds it, without a launch of its own."""
     n, e = logits.shape
-    w, ids = _route_outputs(logits, top_k)
+    w, ids = _route_outputs(logits, top_k, dtype)
     _route[(n,)](logits.contiguous(), w, ids, E=e, E_POW2=triton.next_power_of_2(e), K=top_k,
                  K_POW2=triton.next_power_of_2(top_k), NORM=norm, SOFTMAX_TOP=False, **pdl(logits))
     return w, ids
@@ -411,7 +414,9 @@ def _(logits, bias, top_k, n_group, topk_group, norm, scaling, extra=0):
     return _fake_route(logits, top_k + extra)
 
 
-moe_route.register_fake(_fake_route)
+@moe_route.register_fake
+def _(logits, top_k, norm, dtype=None):
+    return _route_outputs(logits, top_k, dtype)
 
 
 @moe_gemv.register_fake

@@ -32,9 +32,9 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm: bool,
     top k, renormalised to sum to 1 when `norm`. The weights stay float32 with
     `float_weights` (Mixtral), else they take x's dtype (Qwen). A few rows on a GPU take one
     Triton kernel after the router's GEMV (`shards.kernels.moe_gemv.moe_route`)."""
-    if few_rows_kernels(x):
-        w, idx = _kernels.moe_route(F.linear(x, router_w), top_k, norm)
-        return (w if float_weights else w.to(x.dtype)), idx
+    if few_rows_kernels(x):  # (the weights stored in x's dtype by the kernel: no cast)
+        return _kernels.moe_route(F.linear(x, router_w), top_k, norm,
+                                  None if float_weights else x.dtype)
     probs = torch.softmax(F.linear(x, router_w).float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
     if norm:

@@ -86,6 +86,22 @@ def test_softmax_top_route_matches_torch(dtype, experts, top_k):
     assert near(w, torch.softmax(top.float(), dim=-1), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if CUDA else []),
+                         ids=str)
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_weights_stored_in_a_dtype_equal_the_float32_weights_rounded(dtype, norm):
+    """`moe_route(..., dtype)` (Qwen's weights in the row's dtype, no cast launched) stores each
+    weight as the float32 weights' `.to(dtype)` rounds it, with the same experts. (float16 on
+    the interpreter: it truncates bf16 conversions.)"""
+    from layersplit.shards.kernels.moe_gemv import moe_route
+
+    logits = torch.randn(8, 60, generator=_gen(3), device=KERNEL_DEV) * 3
+    w32, ids32 = moe_route(logits, 4, norm)
+    w, ids = moe_route(logits, 4, norm, dtype)
+    assert w32.dtype == torch.float32 and w.dtype == dtype
+    assert torch.equal(ids, ids32) and torch.equal(w, w32.to(dtype))
+
+
 def _route_torch(x, router_w, bias, top_k, n_group, topk_group, norm, scaling):
     saved = routed_moe._kernels
     routed_moe._kernels = None  # (the torch code)
