@@ -45,6 +45,8 @@ from layersplit.shards.kernels import (
     gemv_kernels_available,
     gemv_max_rows,
     kernel_failed,
+    switched_on,
+    try_kernel,
 )
 from layersplit.shards.layers import routed_moe
 from layersplit.shards.layers.attention import Attention, attend, group_queries
@@ -144,6 +146,10 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
     return rows * width >= PREFILL_KERNELS_MIN_ELEMENTS
 
 
+# 1: a sparse layer's one-row step routes in its router's GEMV launch (`gemv.gemv_route`: the
+# last program to finish routes the row), one launch fewer a layer; off until measured
+FUSED_ROUTE_SWITCH = "LAYERSPLIT_MOE_FUSED_ROUTE"
+FUSED_ROUTE = "MoE fused routing"  # (`try_kernel`'s name)
 HEAD_GEMV_ROWS = 32  # rows up to which the LM head takes the GEMV kernels (measured to 32)
 HEAD_GEMV_MAX_K = 1024  # ... for a hidden size up to this (measured: 576)
 
@@ -217,6 +223,7 @@ class FusedDecode:
         self.gemv = gemv_kernels_available()
         self.gemv_rows = gemv_max_rows()
         self.head_gemv = True  # the LM head's (`head`), off after its own failure
+        self.fused_route = switched_on(FUSED_ROUTE_SWITCH)  # (`_fused_route`)
         # the head takes the few-rows kernel on more rows than the layers do: at 8-32 rows of
         # the default model's head it took 18-21 us against cuBLAS's 37-42 (H200, `bench/
         # gemv_sweep.py --rows`), where the layers' projections lost to cuBLAS
@@ -305,17 +312,42 @@ class FusedDecode:
         """`fused_moe.post_attention_moe` of one row through kernels, nothing compiled: o_proj
         with the residual add as a GEMV (cuBLAS split it in two launches at one row), the
         router's GEMV with the norm as its prologue (its program 0 writes the normed row for
-        the experts), the routing, and the experts' kernels, the last adding the residual: six
-        launches."""
+        the experts), the routing (in the router's launch with `FUSED_ROUTE_SWITCH` on), and
+        the experts' kernels, the last adding the residual: six launches (five)."""
         a, m = layer.self_attn, layer.mlp
         h = _gemv(attn, _weight(a.o_proj), residual=h)
         x = torch.empty_like(h)
-        logits = _gemv(h, m.gate.weight, norm=(layer.post_attention_layernorm.weight, eps),
-                       norm_out=x)
-        w, idx = routed_moe._kernels.moe_route(logits, m.top_k, m.norm_topk_prob,
-                                               None if m.float_weights else x.dtype)
+        dtype = None if m.float_weights else x.dtype
+        norm = (layer.post_attention_layernorm.weight, eps)
+        routed = self._fused_route(m, h, norm, x, dtype)
+        if routed is None:
+            logits = _gemv(h, m.gate.weight, norm=norm, norm_out=x)
+            routed = routed_moe._kernels.moe_route(logits, m.top_k, m.norm_topk_prob, dtype)
+        w, idx = routed
         return routed_moe._kernels.run_gemv(x, w, idx, m.experts.gate_up_proj,
                                             m.experts.down_proj, residual=h)
+
+    def _fused_route(self, m, h, norm, x, dtype):
+        """(weights, expert ids) of `_moe_row`'s router GEMV with the routing in its launch
+        (`gemv.gemv_route`, `FUSED_ROUTE_SWITCH`), or None (the two launches then): switched
+        off, failed once, or inside a capture before the layer's counter exists (it is made
+        outside one: memory of a graph's pool could outlive its graph)."""
+        if not self.fused_route or kernel_failed(FUSED_ROUTE):
+            return None
+        from layersplit.shards.kernels.gemv import gemv_route, route_counter
+
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        counter = getattr(m, "route_counter", None)
+        if counter is None or counter.device != h.device:
+            if capturing:
+                return None
+            counter = m.route_counter = route_counter(h.device)
+
+        def call():
+            return gemv_route(h, m.gate.weight, counter, m.top_k, m.norm_topk_prob, norm=norm,
+                              norm_out=x, weights_dtype=dtype)
+        # (a failure inside a capture is the capture's: raised, not retried)
+        return call() if capturing else try_kernel(FUSED_ROUTE, call)
 
     def _run_kernels(self, stages: _Stages, layer, h, cos, sin, kv, index, slot, step):
         """A layer's step through the decode-attention kernel; few rows through the GEMV

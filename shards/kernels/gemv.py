@@ -29,6 +29,7 @@ import triton.language as tl
 from layersplit.shards.kernels import GEMV_ROWS_MAX
 from layersplit.shards.kernels.gemv_operands import checked_out
 from layersplit.shards.kernels.pdl import pdl, pdl_start
+from layersplit.shards.kernels.route_row import route_row
 
 
 @triton.jit
@@ -47,7 +48,10 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
           FLOAT32: tl.constexpr = False, NORM_OUT=None, WRITE_NORMED: tl.constexpr = False,
           FLOAT_PRODUCT: tl.constexpr = False, ONE_PASS: tl.constexpr = False,
-          PDL: tl.constexpr = False):
+          ROUTE: tl.constexpr = False, COUNTER=None, RW=None, RIDS=None,
+          R_E: tl.constexpr = 1, R_EPOW2: tl.constexpr = 1, R_K: tl.constexpr = 1,
+          R_KPOW2: tl.constexpr = 1, R_NORM: tl.constexpr = False,
+          R_SOFTMAX_TOP: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,6 +116,13 @@ def _gemv(X, NW, W, B, R, Y, N, K, UP, eps,
         r = tl.load(R + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         y = (r + y.to(tl.float32)).to(dt)
     tl.store(Y + offs_n, y, mask=mask_n)
+    if ROUTE:  # (`gemv_route`) the last program to finish routes the row over every logit
+        tl.debug_barrier()  # (every warp's stores issued before the release below)
+        done = tl.atomic_add(COUNTER, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            route_row(Y, RW, RIDS, 0, R_E, R_EPOW2, R_K, R_KPOW2, R_NORM, R_SOFTMAX_TOP,
+                      FRESH=True)
+            tl.store(COUNTER, 0)  # (ready for the next launch: a graph's replay)
 
 
 @triton.jit
@@ -183,6 +194,54 @@ def _gemm_rows(X, s_x, NW, W, B, R, s_r, Y, s_y, M, N, K, UP, eps,
 
 
 MAX_ROWS = GEMV_ROWS_MAX  # the most rows `gemv` takes (a verify tree, a batch)
+
+
+def route_counter(device: torch.device | str) -> torch.Tensor:
+    """A `gemv_route` call site's counter of finished programs: one int32 zero, kept by the
+    caller (a layer) and reused by every launch there (the routing program sets it back)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def gemv_route(x: torch.Tensor, w: torch.Tensor, counter: torch.Tensor, top_k: int,
+               renorm: bool, *, norm: tuple[torch.Tensor, float] | None = None,
+               norm_out: torch.Tensor | None = None, weights_dtype: torch.dtype | None = None,
+               softmax_top: bool = False, cfg: dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router's GEMV of one row `x` (1, K) by `w` (E, K) (with `norm` and `norm_out` as
+    `gemv`'s) and the routing of its logits in the same launch: (weights (1, top_k) float32 or
+    `weights_dtype`, expert ids (1, top_k) int64), equal to `gemv` then `moe_gemv.moe_route`
+    (`softmax_top`: `moe_route_softmax_top`) on the logits rounded to x's dtype. The last of
+    the GEMV's programs to finish (counted in `counter`, `route_counter`'s, which no other
+    launch may use at the same time) routes the row: one launch fewer a MoE layer's step."""
+    n, k = w.shape
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(1) != 1 or \
+            w.dtype != x.dtype or w.stride() != (k, 1):
+        raise ValueError(f"gemv_route: one row (1, {k}) of the weight's {w.dtype} and a "
+                         f"contiguous (E, K) weight, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(w.shape)} {w.dtype}")
+    if counter.shape != (1,) or counter.dtype != torch.int32 or counter.device != x.device:
+        raise ValueError(f"gemv_route: counter {tuple(counter.shape)} {counter.dtype} on "
+                         f"{counter.device} is not `route_counter`'s int32 (1,) on {x.device}")
+    if not 1 <= top_k <= n:
+        raise ValueError(f"gemv_route: top_k={top_k} of {n} experts")
+    y = checked_out("gemv_route", x, n, k, None, None, norm, None, None)
+    if norm_out is not None and (norm is None or norm_out.shape != x.shape or
+                                 norm_out.dtype != x.dtype or not norm_out.is_contiguous()):
+        raise ValueError(f"gemv_route: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes "
+                         f"the normed row {tuple(x.shape)} {x.dtype} with a norm")
+    rw = torch.empty(1, top_k, dtype=weights_dtype or torch.float32, device=x.device)
+    ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
+    c = dict(cfg or config(k, norm=norm is not None, n=n))
+    block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
+    _gemv[(triton.cdiv(n, block_n),)](
+        x, x if norm is None else norm[0], w, x, x, y, n, k, 0, 0.0 if norm is None else
+        float(norm[1]), NORM=norm is not None, HAS_B=False, HAS_R=False, SILU=False,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None,
+        ROUTE=True, COUNTER=counter, RW=rw, RIDS=ids, R_E=n,
+        R_EPOW2=triton.next_power_of_2(n), R_K=top_k, R_KPOW2=triton.next_power_of_2(top_k),
+        R_NORM=renorm, R_SOFTMAX_TOP=softmax_top, **c, **pdl(x))
+    return rw, ids
 
 
 def rows_config(m: int, k: int, *, norm: bool = False, gate_up: bool = False,

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from layersplit.shards.kernels.gemv_operands import shared_chunks
 from layersplit.shards.kernels.pdl import pdl, pdl_start
+from layersplit.shards.kernels.route_row import route_row
 
 # launch shapes measured on an H100 at Qwen3-30B-A3B's expert shape (bench/moe_kernel_sweep.py);
 # the shapes that `gate_up_launch` and `down_launch` pick where they were measured better
@@ -266,36 +267,7 @@ def _route(LOGITS, W, IDS, E: tl.constexpr, E_POW2: tl.constexpr, K: tl.constexp
            K_POW2: tl.constexpr, NORM: tl.constexpr, SOFTMAX_TOP: tl.constexpr,
            PDL: tl.constexpr = False):
     pdl_start(PDL)
-    t = tl.program_id(0)
-    offs = tl.arange(0, E_POW2)
-    valid = offs < E
-    z = tl.load(LOGITS + t * E + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    if SOFTMAX_TOP:  # gpt-oss: the top k logits, then a softmax over those k
-        p = tl.where(valid, z, float("-inf"))
-    else:  # a softmax over all E, then its top k
-        z = z - tl.max(z, axis=0)
-        ez = tl.where(valid, tl.exp(z), 0.0)
-        p = ez / tl.sum(ez, axis=0)
-        p = tl.where(valid, p, -1.0)
-    slots = tl.arange(0, K_POW2)
-    wv = tl.zeros([K_POW2], dtype=tl.float32)
-    iv = tl.zeros([K_POW2], dtype=tl.int32)
-    for kk in tl.static_range(K):  # descending, the lower id first among equals (as topk)
-        best = tl.max(p, axis=0)
-        # (NaN logits match nothing: an expert id past E would read past the weights)
-        pick = tl.minimum(tl.min(tl.where((p == best) & valid, offs, E_POW2), axis=0), E - 1)
-        wv = tl.where(slots == kk, best, wv)
-        iv = tl.where(slots == kk, pick, iv)
-        p = tl.where(offs == pick, float("-inf"), p)
-    chosen = slots < K
-    if SOFTMAX_TOP:
-        ez = tl.where(chosen, tl.exp(wv - tl.max(tl.where(chosen, wv, float("-inf")), axis=0)),
-                      0.0)
-        wv = ez / tl.sum(ez, axis=0)
-    elif NORM:
-        wv = wv / tl.sum(tl.where(chosen, wv, 0.0), axis=0)
-    tl.store(W + t * K + slots, wv.to(W.dtype.element_ty), mask=chosen)  # (rounded once)
-    tl.store(IDS + t * K + slots, iv.to(tl.int64), mask=chosen)
+    route_row(LOGITS, W, IDS, tl.program_id(0), E, E_POW2, K, K_POW2, NORM, SOFTMAX_TOP)
 
 
 def _route_outputs(logits: torch.Tensor, top_k: int,

@@ -402,3 +402,32 @@ def test_a_failing_kernel_of_a_sparse_one_row_step_leaves_the_stages_compiled(ti
     fast = _step_with_broken_kernels(tiny_models["qwen3_moe"], "qwen3_moe", monkeypatch,
                                      [(FusedDecode, "_moe_row")])
     assert fast.kernels is False and fast.single.compiled
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="a sparse one-row step takes `_moe_row` on CUDA only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_routing_in_the_routers_launch_equals_its_own_launch(tiny_models, monkeypatch,
+                                                                 family, dtype):
+    """`LAYERSPLIT_MOE_FUSED_ROUTE=1` (`gemv.gemv_route` in `FusedDecode._moe_row`): graph
+    decode steps' logits equal those with the routing in its own launch bit for bit (the same
+    logits, routed by the same code), the counters each sparse layer made back at zero after
+    every replay."""
+    from layersplit.shards import fused
+
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setenv(fused.FUSED_ROUTE_SWITCH, "1" if on else "0")
+        runs[on] = _executor(tiny_models[family], family, dtype, True)
+        runs[on].run(torch.arange(3, 33), 0)
+    pos, tok = 30, 5
+    for _ in range(40):  # (crossing KV buckets 32 and 64: captures and replays)
+        want, got = (runs[on].run(torch.tensor([tok]), pos) for on in (False, True))
+        assert torch.equal(got, want), pos
+        tok, pos = int(want.argmax()), pos + 1
+    fast = runs[True].model.layers[0].fast
+    assert fast.fused_route and not runs[False].model.layers[0].fast.fused_route
+    counters = [la.mlp.route_counter for la in runs[True].model.layers
+                if hasattr(la.mlp, "experts")]
+    assert counters and all(int(c) == 0 for c in counters)
+    assert not any(hasattr(la.mlp, "route_counter") for la in runs[False].model.layers)

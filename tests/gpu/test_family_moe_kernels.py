@@ -102,6 +102,51 @@ def test_route_weights_stored_in_a_dtype_equal_the_float32_weights_rounded(dtype
     assert torch.equal(ids, ids32) and torch.equal(w, w32.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("experts,top_k,renorm,softmax_top", [
+    (128, 8, True, False), (60, 4, False, False), (8, 2, True, False), (32, 4, False, True)])
+def test_routing_in_the_routers_gemv_equals_the_gemv_then_the_route(dtype, experts, top_k,
+                                                                    renorm, softmax_top):
+    """`gemv.gemv_route` (the last of the router GEMV's programs routes the row) against the
+    GEMV then `moe_route` / `moe_route_softmax_top` on its logits: the same experts, the same
+    weights, the normed row written for the experts; called again on the same counter (a
+    graph's replays), which it leaves at zero."""
+    from layersplit.shards.kernels.gemv import gemv, gemv_route, route_counter
+    from layersplit.shards.kernels.moe_gemv import moe_route, moe_route_softmax_top
+
+    k = 512 if CUDA else 96
+    g = _gen(experts)
+    counter = route_counter(KERNEL_DEV)
+    norm = (torch.rand(k, generator=g, device=KERNEL_DEV).to(dtype) + 0.5, 1e-6)
+    router = (torch.randn(experts, k, generator=g, device=KERNEL_DEV) * k ** -0.5).to(dtype)
+    for _ in range(3):
+        x = (torch.randn(1, k, generator=g, device=KERNEL_DEV) * 2).to(dtype)
+        normed, want_normed = torch.empty_like(x), torch.empty_like(x)
+        logits = gemv(x, router, norm=norm, norm_out=want_normed)
+        want = moe_route_softmax_top(logits, top_k) if softmax_top else \
+            moe_route(logits, top_k, renorm, dtype)
+        got = gemv_route(x, router, counter, top_k, renorm, norm=norm, norm_out=normed,
+                         weights_dtype=None if softmax_top else dtype, softmax_top=softmax_top)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        assert torch.equal(normed, want_normed) and int(counter) == 0
+
+
+def test_routing_in_the_routers_gemv_refuses_what_it_does_not_take():
+    from layersplit.shards.kernels.gemv import gemv_route, route_counter
+
+    x = torch.randn(1, 64, device=KERNEL_DEV)
+    w = torch.randn(16, 64, device=KERNEL_DEV)
+    counter = route_counter(KERNEL_DEV)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_route(torch.randn(2, 64, device=KERNEL_DEV), w, counter, 2, True)
+    with pytest.raises(ValueError, match="counter"):
+        gemv_route(x, w, torch.zeros(1, device=KERNEL_DEV), 2, True)
+    with pytest.raises(ValueError, match="top_k=17 of 16"):
+        gemv_route(x, w, counter, 17, True)
+    with pytest.raises(ValueError, match="norm_out"):
+        gemv_route(x, w, counter, 2, True, norm_out=torch.empty_like(x))
+
+
 def _route_torch(x, router_w, bias, top_k, n_group, topk_group, norm, scaling):
     saved = routed_moe._kernels
     routed_moe._kernels = None  # (the torch code)
