@@ -112,7 +112,8 @@ def sweep_plain(name: str, n: int, k: int, args, dev: str, dt: torch.dtype,
             print(f"  {name} {cfg}: {type(e).__name__}")
     rows.sort(key=lambda r: r[0])
     default = gk.config(k, n=n, norm=norm) if m == 1 else gk.rows_config(m, k, norm=norm)
-    print(f"{name} ({n}x{k}{', norm' if norm else ''}, {mb:.1f} MB): cuBLAS {t_blas:.2f} us "
+    print(f"{name} ({n}x{k}{', norm' if norm else ''}, {mb:.1f} MB): cuBLAS "
+          f"{'(without the norm) ' if norm else ''}{t_blas:.2f} us "
           f"({mb / t_blas * 1e3:.0f} "
           f"GB/s); default {default} {t_def:.2f} us ({mb / t_def * 1e3:.0f} GB/s); best "
           + "; ".join(f"{t:.2f} us {c_}" for t, c_ in rows[:5]))
@@ -140,6 +141,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.one_pass and args.rows != 1:
         ap.error("--one-pass takes one row (gemv's one_pass is one-row only)")
+    if args.one_pass and args.model and not args.zc:
+        ap.error("--one-pass takes --zc for --model's ops (their norms are --zc's then)")
+    if args.weight_float32 and any(p.endswith(":norm") for p in args.plain):
+        ap.error("--weight-float32 takes plain projections only (a router's, no norm)")
     if args.weight_float32 and args.rows != 1:
         ap.error("--weight-float32 takes one row (a router's float32 GEMV is one-row only)")
     dev, dt = "cuda:0", torch.bfloat16

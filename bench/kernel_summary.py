@@ -52,13 +52,14 @@ def summarize(path: Path, top: int = 12, by_grid: bool = False) -> dict:
         return {"trace": path.name, "kind": kind, "span_us": 0.0, "ops": 0}
     span = max(e["ts"] + e["dur"] for e in timed) - min(e["ts"] for e in timed)
     by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for e in ops:
-        name = e.get("name", "?")[:90]
+    for e in ops:  # (grouped by the whole name: cut only for the table, below)
+        name = e.get("name", "?")
         if by_grid:
             a = e.get("args", {})
-            name += f" grid {a.get('grid')} block {a.get('block')}"
+            name = (name, f" grid {a.get('grid')} block {a.get('block')}")
         by_name[name].append(e["dur"])
     costly = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    costly = [(n[0][:90] + n[1] if isinstance(n, tuple) else n[:90], d) for n, d in costly]
     return {"trace": path.name, "kind": kind, "span_us": span, "ops": len(ops),
             "summed_us": sum(e["dur"] for e in ops),
             "busy_us": _union([(e["ts"], e["ts"] + e["dur"]) for e in ops]),

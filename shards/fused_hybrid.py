@@ -20,6 +20,11 @@ run the module's own forward, on the fused weights. Same
 math as `shards.models.qwen3_5` but for summation order (the conv as a float32 sum of products);
 the CPU tests compare the two uncompiled, the GPU tests compiled.
 
+Where the GEMV kernels run (a GPU, or Triton's interpreter), a sequence's one-row steps take
+`HybridFast._gemv_step` instead: the projections but q/k/v's as GEMV kernels with the norms,
+residual adds and SiLU * up folded in, the rest of each stage compiled apart
+(`LAYERSPLIT_HYBRID_GEMV=0`: the stages; the Qwen3.5-27B shape 1.069 x faster this way).
+
 `LAYERSPLIT_FUSED_HYBRID=0` leaves hybrid layers unfused (the eager step, for comparisons).
 """
 
@@ -33,9 +38,9 @@ from layersplit.shards.kernels import (
     fused_kernels_available,
     gemv_kernels_available,
     kernel_failed,
+    note_kernel_failure,
     switched_off,
     switched_on,
-    try_kernel,
 )
 from layersplit.shards.kernels.gated_delta_fla import pick_rule
 from layersplit.shards.layers.attention import attend, attend_batch
@@ -165,6 +170,8 @@ WIDE_ROWS = {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
 def plain_launch(k: int) -> dict | None:
     """`gemv`'s `cfg` for a one-row projection of k inputs without a norm (None: its own)."""
     return dict(WIDE_ROWS) if k >= 4096 else None
+
+
 # the most rows a batched step runs through the fused stages (each row count is a compilation
 # of its own, and torch.compile allows 8 a function: 1, 2, 4 ... 64 are 7); larger batches run
 # the module's forward
@@ -176,6 +183,12 @@ def compile_failure(e: BaseException) -> bool:
     kernels), not out of what the step ran."""
     mod = type(e).__module__ or ""
     return mod.startswith(("torch._dynamo", "torch._inductor", "triton"))
+
+
+def torch_compile_failure(e: BaseException) -> bool:
+    """Whether `e` came out of Dynamo or Inductor: in the GEMV step, where our own Triton
+    kernels run too, a bare Triton error is theirs (`HybridFast._try_gemv_step`)."""
+    return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
 
 
 class HybridFast:
@@ -199,8 +212,7 @@ class HybridFast:
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     # (a failure inside a capture is the capture's: raised, not retried)
                     return self._gemv_step(layer, h, cos, sin, kv, index, slot, step)
-                got = try_kernel(GEMV, self._gemv_step, layer, h, cos, sin, kv, index, slot,
-                                 step)
+                got = self._try_gemv_step(layer, h, cos, sin, kv, index, slot, step)
                 if got is not None:
                     return got
             return self._run(layer, h, cos, sin, kv, index, slot, step)
@@ -263,6 +275,21 @@ class HybridFast:
                 conv_state.copy_(new_conv)
                 state.copy_(new_state)
         return h
+
+    def _try_gemv_step(self, layer, h, cos, sin, kv, index, slot, step):
+        """`_gemv_step`, or None where a GEMV kernel failed (the GEMV kernels are off from then
+        on, `note_kernel_failure`; the stages run). A failure of torch.compile in its compiled
+        stages is raised, for `__call__` to run the stages uncompiled, not taken for the
+        kernels'. It fails before the slot's states advance (they advance last)."""
+        try:
+            return self._gemv_step(layer, h, cos, sin, kv, index, slot, step)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if self.compiled and torch_compile_failure(e):
+                raise
+            note_kernel_failure(GEMV, e)
+            return None
 
     def _gemv_takes(self, layer, h, step) -> bool:
         """Whether a step takes `_gemv_step`: switched on, one row of one sequence, the GEMV

@@ -129,7 +129,13 @@ def try_kernel(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     except (torch.cuda.OutOfMemoryError, IndexError):
         raise
     except Exception as e:  # noqa: BLE001 - a failing kernel: its torch path runs
-        _FAILED.add(name)
-        log.warning("the %s kernel failed (%s: %s); its torch path runs from now on", name,
-                    type(e).__name__, first_line(e))
+        note_kernel_failure(name, e)
         return None
+
+
+def note_kernel_failure(name: str, e: BaseException) -> None:
+    """Kernel `name` failed with `e`: off for the rest of the process (`kernel_failed`), said
+    in the log (`try_kernel`'s handling, for callers that sort failures themselves)."""
+    _FAILED.add(name)
+    log.warning("the %s kernel failed (%s: %s); its torch path runs from now on", name,
+                type(e).__name__, first_line(e))

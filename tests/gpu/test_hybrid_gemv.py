@@ -1,6 +1,7 @@
 """The hybrid layers' one-row steps through the GEMV kernels (`fused_hybrid.HybridFast.
-_gemv_step`, `LAYERSPLIT_HYBRID_GEMV=1`) against the fused stages they replace, and the GEMV's
-zero-centred norm prologue (`gemv(..., float_product=True)`) against `fused_hybrid.zc_norm`.
+_gemv_step`, on by default; `LAYERSPLIT_HYBRID_GEMV=0`: the stages) against the fused stages
+they replace, and the GEMV's zero-centred norm prologue (`gemv(..., float_product=True)`, and
+summed in one pass, `one_pass`) against `fused_hybrid.zc_norm`.
 
 On a CUDA device (`python -m pytest -m gpu`); on a CPU through Triton's interpreter
 (`TRITON_INTERPRET=1`), float32. The kernel modules import Triton: imported where they run."""
@@ -127,3 +128,88 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
     assert near(kernels.kv.state, stages.kv.state, 1e-5)
     assert near(kernels.kv.conv, stages.kv.conv, 1e-5)
     assert bool(in_place) == (extra == "in_place")  # (the state advanced in place, or not)
+
+
+def test_one_pass_with_a_bias_and_a_residual_equals_the_norm_then_the_linear():
+    """`one_pass` beside the epilogues a normed GEMV may carry: the bias added to the scaled
+    sums, then the residual."""
+    from layersplit.shards.kernels.gemv import gemv
+
+    k, n = (5120, 256) if CUDA else (100, 24)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator(device=KERNEL_DEV).manual_seed(3)
+    x = (torch.randn(1, k, generator=g, device=KERNEL_DEV) * 3).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=KERNEL_DEV) * k ** -0.5).to(dtype)
+    b, r = (torch.randn(1, n, generator=g, device=KERNEL_DEV).to(dtype) for _ in range(2))
+    zc = (torch.randn(k, generator=g, device=KERNEL_DEV) * 0.2).to(dtype)
+    want = r + F.linear(fused_hybrid.zc_norm(x, zc, 1e-6), w, b[0])
+    got = gemv(x, w, bias=b[0], residual=r, norm=((1.0 + zc.float()).contiguous(), 1e-6),
+               float_product=True, one_pass=True)
+    assert near(got, want, 1e-5 if dtype == torch.float32 else 0.02)
+
+
+@pytest.mark.parametrize("k", [4096, 4100])
+def test_the_wide_launch_shape_equals_the_linear(k):
+    """`fused_hybrid.plain_launch` (blocks of 2 x 1,024 for 4,096+ inputs), on whole blocks
+    and a last one masked, with the residual epilogue."""
+    from layersplit.shards.kernels.gemv import gemv
+
+    assert fused_hybrid.plain_launch(k) == fused_hybrid.WIDE_ROWS
+    assert fused_hybrid.plain_launch(4095) is None
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    g = torch.Generator(device=KERNEL_DEV).manual_seed(k)
+    x = torch.randn(1, k, generator=g, device=KERNEL_DEV).to(dtype)
+    w = (torch.randn(13, k, generator=g, device=KERNEL_DEV) * k ** -0.5).to(dtype)
+    r = torch.randn(1, 13, generator=g, device=KERNEL_DEV).to(dtype)
+    got = gemv(x, w, residual=r, cfg=fused_hybrid.plain_launch(k))
+    assert near(got, r + F.linear(x, w), 1e-5 if dtype == torch.float32 else 0.02)
+
+
+@pytest.mark.parametrize("failure", ["kernel", "torch.compile"])
+def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_models, monkeypatch,
+                                                                     failure):
+    """A GEMV kernel failing in the middle of a one-row step (here gate/up's, after the delta
+    rule ran), or torch.compile failing in one of its compiled stages: the step runs again on
+    the stages with the slot's states advanced once (equal to the stages' run), the first
+    turning the GEMV kernels off, the second the compilation (the kernels stay on)."""
+    from layersplit.shards import kernels
+    from layersplit.shards.kernels import gemv as gemv_mod
+
+    path = hybrid_models["qwen3_5"]
+    stages, fused = (_executor(path, monkeypatch, gemv, False, False) for gemv in (False, True))
+    fast = fused.model.layers[0].fast
+    ids = token_ids(20, seed=3).to(KERNEL_DEV)
+    stages.run(ids, 0)
+    fused.run(ids, 0)
+    broken = [True]
+    if failure == "kernel":
+        real = gemv_mod.gemv
+
+        def gemv(x, w, **kw):
+            if kw.get("gate_up") and broken:
+                broken.pop()
+                raise RuntimeError("a kernel's launch failed")
+            return real(x, w, **kw)
+        monkeypatch.setattr(gemv_mod, "gemv", gemv)
+    else:
+        import torch._dynamo.exc as dexc
+
+        fast.compiled = True  # (as if compiled: its failure is torch.compile's)
+        lin_gate = fast.gemv_stages[1]
+
+        def failing(*a):
+            if broken:
+                broken.pop()
+                raise dexc.TorchRuntimeError("inductor failed")
+            return lin_gate(*a)
+        fast.gemv_stages = (fast.gemv_stages[0], failing, *fast.gemv_stages[2:])
+    tok = torch.tensor([7], device=KERNEL_DEV)
+    for pos in (20, 21):
+        want, got = stages.run(tok, pos), fused.run(tok, pos)
+        assert near(got, want, 1e-5), pos
+    assert near(fused.kv.state, stages.kv.state, 1e-5)
+    assert near(fused.kv.conv, stages.kv.conv, 1e-5)
+    assert not broken  # (the failure happened)
+    assert kernels.kernel_failed(fused_hybrid.GEMV) == (failure == "kernel")
+    assert fast.compiled is False
+    kernels._FAILED.discard(fused_hybrid.GEMV)  # (the failure this test made: conftest's check)

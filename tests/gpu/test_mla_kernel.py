@@ -197,10 +197,13 @@ def test_w_uv_in_the_combine_equals_the_combine_then_heads_matmul(rank, rope, ro
         mod.mla_decode(*args, w_uv=w_uv[:, :-1])
 
 
-def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, monkeypatch):
-    """`LAYERSPLIT_MLA_COMBINE_UV=1` through a paged executor's captured steps (one-row, tree
+@pytest.mark.parametrize("uv", ["1", "0"])
+def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, monkeypatch, uv):
+    """W_UV in the key splits' combine (`LAYERSPLIT_MLA_COMBINE_UV`, on by default; 0: the
+    combine, then `heads_matmul`) through a paged executor's captured steps (one-row, tree
     verify, batched, batched verify), every step's keys split (in 16s): the same outputs as
-    the torch path's, float32, with no kernel turned off on the way."""
+    the torch path's, float32, with no kernel turned off on the way; switched off, the
+    combine's W_UV launch never runs."""
     from layersplit.shards.kernels import mla_decode as mod
     from layersplit.shards.kernels.decode_attention import SPLIT_ENV
     from layersplit.shards.layers import mla
@@ -209,7 +212,7 @@ def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, mon
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "0")
     want = _outputs(tiny_models["deepseek_v3"], torch.float32)
     monkeypatch.setenv(MLA_KERNEL_SWITCH, "1")
-    monkeypatch.setenv(COMBINE_UV_SWITCH, "1")
+    monkeypatch.setenv(COMBINE_UV_SWITCH, uv)
     monkeypatch.setenv(SPLIT_ENV, "16")
     monkeypatch.setattr(mod, "SPLIT_KEYS", 16)  # (steps of several query tiles: splits of 16)
     monkeypatch.setattr(mla, "_KERNEL", {})
@@ -224,8 +227,11 @@ def test_w_uv_in_the_combine_in_the_model_equals_the_torch_path(tiny_models, mon
     monkeypatch.setattr(mod, "_mla_combine_uv", Counted())
     got = _outputs(tiny_models["deepseek_v3"], torch.float32, fuse=True)
     assert not mla._KERNEL  # (nothing failed: no torch path ran in its place)
-    assert {g[0] > 1 for g in launches} == {True, False}  # (batched steps' and lone ones')
-    assert any(g[1] > 16 for g in launches)  # (a verify step's rows: more than a tile)
+    if uv == "0":
+        assert launches == []
+    else:
+        assert {g[0] > 1 for g in launches} == {True, False}  # (batched steps' and lone ones')
+        assert any(g[1] > 16 for g in launches)  # (a verify step's rows: more than a tile)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert _rel(a, b) <= 1e-4, (i, _rel(a, b))
 

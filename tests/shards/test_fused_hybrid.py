@@ -17,6 +17,13 @@ from tests.helpers import token_ids
 FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 
 
+@pytest.fixture(autouse=True)
+def _the_stages_not_the_gemv_step(monkeypatch):
+    """These tests are the stages': under Triton's interpreter (`TRITON_INTERPRET=1`) one-row
+    steps would take the GEMV step, which tests/gpu/test_hybrid_gemv.py compares with them."""
+    monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "0")
+
+
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """float32, summed in another order (the conv, the fused GEMMs): 1e-5 of the magnitude."""
