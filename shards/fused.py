@@ -27,8 +27,9 @@ a one-row step (`FusedDecode._moe_row`, below).
 A one-row step of one sequence (batch-1 decode, the bulk of a user's wait) goes further: its
 projections are the GEMV kernels of `shards.kernels.gemv`, with the norms as their prologue and
 the residual adds and SiLU * up as their epilogue: q/k/v, attention (two kernels), o_proj,
-gate/up, down: 6 kernels a layer (a sparse layer: q/k/v, attention, o_proj, its norm, the
-router, the routing and the experts' three). The last range's final norm and LM head are one more
+gate/up, down: 6 kernels a layer (a sparse layer: q/k/v, attention, o_proj, the router with
+its norm as its prologue, the routing (in the router's launch with `FUSED_ROUTE_SWITCH`) and
+the experts' three). The last range's final norm and LM head are one more
 (`FusedDecode.head`, `RangeModel.head_fast`). `LAYERSPLIT_GEMV_KERNELS=0` switches them off.
 """
 
@@ -147,7 +148,8 @@ def prefill_kernels_take(rows: int, width: int) -> bool:
 
 
 # 1: a sparse layer's one-row step routes in its router's GEMV launch (`gemv.gemv_route`: the
-# last program to finish routes the row), one launch fewer a layer; off until measured
+# last program to finish routes the row), one launch fewer a layer; off until measured. Each
+# layer's counter serves one launch at a time: a range's steps run on one stream
 FUSED_ROUTE_SWITCH = "LAYERSPLIT_MOE_FUSED_ROUTE"
 FUSED_ROUTE = "MoE fused routing"  # (`try_kernel`'s name)
 HEAD_GEMV_ROWS = 32  # rows up to which the LM head takes the GEMV kernels (measured to 32)

@@ -64,12 +64,14 @@ GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'
 # weights' dtype (the stages and transformers round it once): a difference within that dtype's
 # rounding. Off until measured on the whole step
 ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
-# 1: a captured GEMV step advances the slot's recurrent state in place, through the verify
-# rows' kernel at one row (`gated_delta_rows.recurrent_rows`, its state after the row written
-# over the state it read), instead of fla-core's kernel into a new state and a copy back (the
-# copy: 48 launches of ~3.2 us a Qwen3.5-27B step, H200). Only inside a capture: an eager
-# step that failed after it would be run again (`HybridFast.__call__`) on the advanced state;
-# a capture's failure is raised. Off until measured
+# 1: the GEMV step's delta rule is the verify rows' kernel at one row
+# (`gated_delta_rows.recurrent_rows`), which inside a capture writes the state after the row
+# over the state it read: the slot's recurrent state advanced in place, instead of fla-core's
+# kernel into a new state and a copy back (the copy: 48 launches of ~3.2 us a Qwen3.5-27B step,
+# H200). Outside a capture the kernel writes into a new state, copied back last, as fla's: an
+# eager step that failed after it is run again (`HybridFast.__call__`) and must find the state
+# as it was; and the eager warm-ups before a capture build and load the kernel, which a capture
+# could not. Off until measured
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
 
 
@@ -187,7 +189,9 @@ def compile_failure(e: BaseException) -> bool:
 
 def torch_compile_failure(e: BaseException) -> bool:
     """Whether `e` came out of Dynamo or Inductor: in the GEMV step, where our own Triton
-    kernels run too, a bare Triton error is theirs (`HybridFast._try_gemv_step`)."""
+    kernels run too, a bare Triton error is taken for theirs (`HybridFast._try_gemv_step`;
+    one raised by a kernel Inductor generated would turn the GEMV kernels off too, and the
+    stages, still compiled, run: slower, not wrong)."""
     return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
 
 
@@ -331,10 +335,16 @@ class HybridFast:
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim)
-            if self._advances_in_place():  # (`STATE_IN_PLACE_SWITCH`)
+            if self.state_in_place:  # (`STATE_IN_PLACE_SWITCH`)
                 from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
 
-                o, new_state = recurrent_rows(q, k, v, g, beta, state, state.unsqueeze(1)), None
+                if self._advances_in_place():
+                    new_state, into = None, state.unsqueeze(1)
+                else:
+                    into = torch.empty((1, *state.shape), dtype=torch.float32,
+                                       device=state.device)
+                    new_state = into[0]
+                o = recurrent_rows(q, k, v, g, beta, state, into)
             else:
                 rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
                 o, new_state = rule(q, k, v, g, beta, state)

@@ -69,7 +69,8 @@ def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
               extra: str | None = None) -> RangeExecutor:
     monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "1" if gemv else "0")
     monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if extra == "one_pass" else "0")
-    monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1" if extra == "in_place" else "0")
+    monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH,
+                       "1" if extra in ("in_place", "new_state") else "0")
     model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
     fuse_projections(model, compile=compile)
     assert (model.layers[0].zc_weights is not None) == gemv
@@ -79,7 +80,8 @@ def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
 @pytest.mark.parametrize("family,how,extra", [
     (family, how, None) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
     for how in ["eager", "graphs"] + (["compiled graphs"] if CUDA else [])] + [
-    ("qwen3_5", "eager", "one_pass"), ("qwen3_5", "eager", "in_place")] + (
+    ("qwen3_5", "eager", "one_pass"), ("qwen3_5", "eager", "in_place"),
+    ("qwen3_5", "eager", "new_state")] + (
     [("qwen3_5", "compiled graphs", "one_pass"), ("qwen3_5", "compiled graphs", "in_place"),
      ("qwen3_next", "graphs", "in_place")] if CUDA else []))
 def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models, monkeypatch,
@@ -89,13 +91,14 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
     summation order; a prefill chunk does not take it. In CUDA graphs (where they run) the
     captured steps replay it without calling it again; compiled, its stages compiled apart.
     `one_pass`: the normed projections sum the row's squares in their weights' loop;
-    `in_place`: the recurrent state advanced in place (inside a capture; eager here, where no
-    capture runs, by the test's say)."""
+    `in_place`: the verify rows' kernel advancing the recurrent state in place (inside a
+    capture; eager here, where no capture runs, by the test's say); `new_state`: the same kernel
+    outside a capture, into a new state copied back last."""
     if extra == "in_place" and how == "eager":
         monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place",
                             lambda self: self.state_in_place)
     in_place = []
-    if extra == "in_place":  # (the in-place rule's calls counted)
+    if extra in ("in_place", "new_state"):  # (the kernel's calls counted)
         from layersplit.shards.kernels import gated_delta_rows
 
         rows = gated_delta_rows.recurrent_rows
@@ -111,7 +114,8 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
     stages, kernels = (_executor(path, monkeypatch, gemv, graphs, compile, extra if gemv else None)
                        for gemv in (False, True))
     fast = kernels.model.layers[0].fast
-    assert (fast.one_pass, fast.state_in_place) == (extra == "one_pass", extra == "in_place")
+    assert (fast.one_pass, fast.state_in_place) == (extra == "one_pass",
+                                                    extra in ("in_place", "new_state"))
     ids = token_ids(30, seed=5).to(KERNEL_DEV)
     want, got = stages.run(ids, 0, all_logits=True), kernels.run(ids, 0, all_logits=True)
     assert near(got, want, 1e-5) and calls == []
@@ -127,7 +131,7 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
         assert len(calls) == 4 * 6 and set(calls) == {True, False}
     assert near(kernels.kv.state, stages.kv.state, 1e-5)
     assert near(kernels.kv.conv, stages.kv.conv, 1e-5)
-    assert bool(in_place) == (extra == "in_place")  # (the state advanced in place, or not)
+    assert bool(in_place) == (extra in ("in_place", "new_state"))  # (the kernel ran, or not)
 
 
 def test_one_pass_with_a_bias_and_a_residual_equals_the_norm_then_the_linear():
