@@ -1,12 +1,14 @@
 """Where a decode step's time goes, in one process (no IPC): GPU kernels vs wall time.
 
     python bench/profile_decode.py --model random:qwen3-8b --kv 768 [--no-compile] [--no-graphs]
+    python bench/profile_decode.py --model random:qwen3.5-27b --kv 512 --batch 8
     python bench/profile_decode.py --model /tmp/llama8b-q4km.gguf --weight-format quantized \
         --profile-steps 32 --json /tmp/prof_q4km.json
 
 Loads the whole model on one GPU the way a shard does (fused projections, CUDA graphs, a paged
 KV pool of 16-token blocks, `--contiguous`: one slot of rows instead;
-`--weight-format quantized`: a GGUF's blocks kept, as `weight_format = quantized`), times
+`--weight-format quantized`: a GGUF's blocks kept, as `weight_format = quantized`; `--batch
+B`: B sequences in B slots, each step their batched decode step, one graph), times
 `--steps` decode steps with a synchronization after each (their median is the step's wall
 time), then records `--profile-steps` more under the torch profiler and prints, per step: the
 kernels launched, the GPU's busy time (the union of the kernels' intervals), the host gap (the
@@ -49,6 +51,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences a step (B > 1: the batched decode step of B slots, one "
+                         "graph; its wall time a step of B tokens)")
+    ap.add_argument("--device", default="cuda:0",
+                    help="cpu: a smoke run of the script itself (no graphs, no kernels)")
     ap.add_argument("--by-grid", action="store_true",
                     help="a kernel's launches apart by grid and block (each width its own row)")
     ap.add_argument("--contiguous", action="store_true",
@@ -65,34 +72,48 @@ def main() -> None:
     ckpt = open_checkpoint(model_name)
     cfg = ckpt.config
     t0 = time.perf_counter()
-    model = load_layer_range(ckpt, 0, cfg.num_layers, torch.bfloat16, "cuda:0",
-                             weights=args.weight_format)
-    fuse_projections(model, compile=not args.no_compile)
+    cuda = args.device.startswith("cuda")
+    if args.batch < 1 or args.batch > 1 and (args.no_graphs or args.contiguous):
+        ap.error("--batch takes 1 or more, and more than 1 its graphs over a paged pool")
+    model = load_layer_range(ckpt, 0, cfg.num_layers, torch.bfloat16 if cuda else torch.float32,
+                             args.device, weights=args.weight_format)
+    fuse_projections(model, compile=not args.no_compile and cuda)
     load_s = time.perf_counter() - t0
+    b = args.batch
     max_len = args.kv + args.steps + 8
     blocks = -(-max_len // BLOCK)
-    ex = RangeExecutor(model, max_len, device="cuda:0", static_decode=not args.no_graphs,
-                       paged=None if args.contiguous else (blocks, BLOCK))
-    if not args.contiguous:
-        ex.kv.set_table(0, 0, list(range(blocks)))
-    ex.run(torch.randint(0, 1000, (args.kv,)), 0)
-    tok = torch.tensor([5])
+    ex = RangeExecutor(model, max_len, b, device=args.device,
+                       static_decode=not args.no_graphs and (cuda or b > 1),
+                       paged=None if args.contiguous else (b * blocks, BLOCK))
+    for slot in range(b):  # (each sequence its own blocks and its own prompt)
+        if not args.contiguous:
+            ex.kv.set_table(slot, 0, list(range(slot * blocks, (slot + 1) * blocks)))
+        ex.run(torch.randint(0, min(1000, cfg.vocab_size), (args.kv,)), 0, slot)
+    tok = torch.tensor([5] * b)
+    slots = list(range(b))
+
+    def step(pos: int) -> None:
+        """One decode step, its tokens drawn (the worker's greedy draw, a sync)."""
+        out = ex.run(tok, pos) if b == 1 else ex.static.run_batch(tok, slots, [pos] * b)
+        greedy_draw(out.reshape(b, -1))[1].tolist()
+
     t0 = time.perf_counter()
     for i in range(3):
-        ex.run(tok, args.kv + i)
-    torch.cuda.synchronize()
+        step(args.kv + i)
+    if cuda:
+        torch.cuda.synchronize()
     warm = time.perf_counter() - t0
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        out = ex.run(tok, args.kv + 3)
-        int(greedy_draw(out.reshape(1, -1))[1])  # (the worker's greedy draw)
+        step(args.kv + 3)
         times.append(time.perf_counter() - t)
     times.sort()
     med = times[len(times) // 2]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                 ) as prof:
         for _ in range(args.profile_steps):
-            int(greedy_draw(ex.run(tok, args.kv + 3).reshape(1, -1))[1])
+            step(args.kv + 3)
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))
@@ -103,17 +124,19 @@ def main() -> None:
         print(f"| `{t['name']}` | {t['per_step']:.1f} | {t['us_per_step']:.1f} | "
               f"{t['us_per_step'] / max(t['per_step'], 1e-9):.2f} |")
     gap = med * 1e6 - step["busy_us"]
-    print(f"{args.model} ({args.weight_format}): compile={not args.no_compile} "
+    print(f"{args.model} ({args.weight_format}): compile={not args.no_compile and cuda} "
           f"graphs={not args.no_graphs}; load {load_s:.1f} s; first steps (compile/capture) "
-          f"{warm:.1f} s; step wall median {med * 1e3:.3f} ms ({1 / med:.1f} tok/s); per step "
+          f"{warm:.1f} s; step wall median {med * 1e3:.3f} ms ({b / med:.1f} tok/s, "
+          f"{b} sequence(s)); per step "
           f"{step['kernels']:.0f} kernels, GPU busy {step['busy_us'] / 1e3:.3f} ms (kernels "
           f"summed {step['summed_us'] / 1e3:.3f}), host gap {gap / 1e3:.3f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"model": args.model, "weight_format": args.weight_format, "kv": args.kv,
              "paged": not args.contiguous,
-             "graphs": not args.no_graphs, "device": torch.cuda.get_device_name(0),
-             "step_wall_ms": med * 1e3, "tok_s": 1 / med, "gap_ms": gap / 1e3,
+             "graphs": not args.no_graphs, "batch": b,
+             "device": torch.cuda.get_device_name(0) if cuda else args.device,
+             "step_wall_ms": med * 1e3, "tok_s": b / med, "gap_ms": gap / 1e3,
              "load_s": load_s, **step}, indent=1))
 
 
