@@ -65,13 +65,14 @@ GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'
 # rounding. Off until measured on the whole step
 ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # 1: the GEMV step's delta rule is the verify rows' kernel at one row
-# (`gated_delta_rows.recurrent_rows`), which inside a capture writes the state after the row
-# over the state it read: the slot's recurrent state advanced in place, instead of fla-core's
-# kernel into a new state and a copy back (the copy: 48 launches of ~3.2 us a Qwen3.5-27B step,
-# H200). Outside a capture the kernel writes into a new state, copied back last, as fla's: an
-# eager step that failed after it is run again (`HybridFast.__call__`) and must find the state
-# as it was; and the eager warm-ups before a capture build and load the kernel, which a capture
-# could not. Off until measured
+# (`gated_delta_rows.recurrent_rows`), which inside a capture writes the state after the row over
+# the state it read: the slot's recurrent state advanced in place, instead of fla-core's kernel into
+# a new state and a copy back (the copy: 48 launches of ~3.2 us a Qwen3.5-27B step, H200); a batched
+# step's rows read their slots' states in the pool and advance them there
+# (`HybridFast._slots_rule`), instead of a gather, fla's kernel and a scatter. Outside a capture the
+# kernel writes into a new state, copied back last, as fla's: an eager step that failed after it is
+# run again (`HybridFast.__call__`) and must find the state as it was; and the eager warm-ups before
+# a capture build and load the kernel, which a capture could not. Off until measured
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
 
 
@@ -239,9 +240,12 @@ class HybridFast:
         mlp_w = ((layer.post_attention_layernorm.weight, dense.weight, mlp.down_proj.weight)
                  if dense is not None else (None, None, None))
         batched = step.lo is not None  # (one row of each sequence, its states in step.states)
+        indexed = batched and self._rows_kernel_takes(h)  # (`STATE_IN_PLACE_SWITCH`)
         if layer.linear:
             a = layer.linear_attn
-            if batched:  # (gathered copies, written back below)
+            if indexed:  # (the recurrent states read in their slots by the rows kernel)
+                conv_state, state = kv.conv[index].index_select(0, step.states), None
+            elif batched:  # (gathered copies, written back below)
                 conv_state, state = kv.gather_states(index, step.states)
             else:
                 conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
@@ -249,8 +253,11 @@ class HybridFast:
                 h, layer.input_layernorm.weight, a.in_proj.weight, a.conv1d.weight.squeeze(1),
                 conv_state, a.A_log, a.dt_bias, eps, a.conv_dim, a.key_dim, a.value_dim,
                 a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim)
-            rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
-            o, new_state = rule(q, k, v, g, beta, state)
+            if indexed:
+                o, new_state = self._slots_rule(q, k, v, g, beta, kv.state[index], step.states)
+            else:
+                rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
+                o, new_state = rule(q, k, v, g, beta, state)
             h = lin_post(h, o, z, a.norm.weight, a.norm.eps, a.out_proj.weight, mlp_w[0],
                          mlp_w[1], mlp_w[2], eps)
             # the slot's states advance last: a stage that fails before this (and is run
@@ -273,7 +280,11 @@ class HybridFast:
             h = h + mlp(layer.post_attention_layernorm(h))
         if advance is not None:
             conv_state, state, new_conv, new_state = advance
-            if batched:
+            if indexed:  # (the recurrent states advanced in their slots, or to copy there)
+                kv.conv[index].index_copy_(0, step.states, new_conv)
+                if new_state is not None:
+                    kv.state[index].index_copy_(0, step.states, new_state)
+            elif batched:
                 kv.scatter_states(index, step.states, new_conv, new_state)
             else:
                 conv_state.copy_(new_conv)
@@ -373,6 +384,24 @@ class HybridFast:
             if new_state is not None:  # (None: advanced in place)
                 state.copy_(new_state)
         return h
+
+    def _rows_kernel_takes(self, h: torch.Tensor) -> bool:
+        """Whether a batched step's delta rule is the rows kernel over the slots
+        (`_slots_rule`): switched on, where the Triton kernels run."""
+        return self.state_in_place and fused_kernels_available(h.device)
+
+    def _slots_rule(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor):
+        """A batched step's delta rule, each row reading its slot's state in `pool` (one
+        layer's (S, Hv, Dk, Dv)): (out, None) with the states advanced in their slots inside
+        a capture, else (out, the new states (B, Hv, Dk, Dv)) for the caller to write back
+        last (`STATE_IN_PLACE_SWITCH` says why)."""
+        from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+        if self._advances_in_place():
+            return recurrent_rows(q, k, v, g, beta, pool, pool, slots), None
+        into = torch.empty((q.shape[0], 1, *pool.shape[1:]), dtype=torch.float32,
+                           device=pool.device)
+        return recurrent_rows(q, k, v, g, beta, pool, into, slots), into[:, 0]
 
     def _advances_in_place(self) -> bool:
         """Whether this GEMV step advances the recurrent state in place: switched on, and

@@ -72,3 +72,32 @@ def test_one_row_advances_the_state_in_place(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_pool", [False, True])
+def test_rows_over_slots_read_and_advance_each_rows_slot(in_pool):
+    """`slots` (a batched step's rows, one each): row i reads the state of slot slots[i] in a
+    pool; the state after it lands in a buffer or (`in_pool`) over that slot, the pool's other
+    slots left as they were; the output is each sequence's own."""
+    from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+    g = torch.Generator().manual_seed(11)
+    b, hk, hv, dk, dv = 3, 2, 4, 16, 24
+    q, k = (torch.randn(b, 1, hk, dk, generator=g).to(DEV) for _ in range(2))
+    v = torch.randn(b, 1, hv, dv, generator=g).to(DEV)
+    gate = (-torch.rand(b, 1, hv, generator=g)).to(DEV)
+    beta = torch.rand(b, 1, hv, generator=g).to(DEV)
+    pool = torch.randn(5, hv, dk, dv, generator=g).to(DEV)
+    before = pool.clone()
+    slots = torch.tensor([3, 0, 2], device=DEV)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, gate, beta, before[slots])
+    into = pool if in_pool else torch.empty(b, 1, hv, dk, dv, device=DEV)
+    out = recurrent_rows(q, k, v, gate, beta, pool, into, slots)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    after = pool[slots] if in_pool else into[:, 0]
+    torch.testing.assert_close(after, want_state, rtol=1e-5, atol=1e-5)
+    untouched = [1, 4] if in_pool else range(5)
+    assert all(torch.equal(pool[s], before[s]) for s in untouched)
+    with pytest.raises(ValueError, match="slots"):
+        recurrent_rows(q.repeat(1, 2, 1, 1), k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1),
+                       gate.repeat(1, 2, 1), beta.repeat(1, 2, 1), pool, pool, slots)

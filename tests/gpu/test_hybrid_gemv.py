@@ -217,3 +217,52 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
     assert kernels.kernel_failed(fused_hybrid.GEMV) == (failure == "kernel")
     assert fast.compiled is False
     kernels._FAILED.discard(fused_hybrid.GEMV)  # (the failure this test made: conftest's check)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, monkeypatch,
+                                                                in_place):
+    """`LAYERSPLIT_HYBRID_STATE_IN_PLACE=1` in a batched decode step (`HybridFast._slots_rule`):
+    each row's delta rule reads its slot's state in the pool, advanced there (`in_place`: as
+    inside a capture, by the test's say) or into new states written back last; each
+    sequence's logits and states are those of its own steps, the idle slot left as it was."""
+    from tests.helpers import token_ids as ids_of
+
+    monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1")
+    if in_place:
+        monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place", lambda self: True)
+    calls = []
+    from layersplit.shards.kernels import gated_delta_rows
+
+    rows = gated_delta_rows.recurrent_rows
+    monkeypatch.setattr(gated_delta_rows, "recurrent_rows",
+                        lambda *a: calls.append(len(a) == 8) or rows(*a))
+    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    models = [load_layer_range(ckpt, 0, 6, torch.float32, KERNEL_DEV) for _ in range(2)]
+    fuse_projections(models[0], compile=False)
+    bat, one = (RangeExecutor(m, 96, 4, KERNEL_DEV, static_decode=st, graph_bucket=4,
+                              paged=(96, 8)) for m, st in zip(models, (True, False)))
+    for ex in (bat, one):
+        for slot in range(4):
+            ex.kv.set_table(slot, 0, list(range(slot, 48, 4)))
+    prompts = {s: ids_of(n, seed=s + 1).to(KERNEL_DEV) for s, n in enumerate((9, 5, 14, 3))}
+    last = {}
+    for ex in (bat, one):
+        for slot, ids in prompts.items():
+            last[slot] = int(ex.run(ids, 0, slot).argmax())
+    idle = bat.kv.save(1)
+    live = [3, 0, 2]
+    pos = {s: len(prompts[s]) for s in live}
+    for _ in range(3):
+        x = torch.tensor([last[s] for s in live], device=KERNEL_DEV)
+        got = bat.static.run_batch(x, live, [pos[s] for s in live])
+        for i, s in enumerate(live):
+            want = one.run(x[i:i + 1], pos[s], s)
+            assert near(got[i:i + 1], want, 1e-4)
+            last[s] = int(want.argmax())
+            pos[s] += 1
+    for s in live:
+        for a, b in zip(bat.kv.save(s), one.kv.save(s)):
+            assert near(a.float(), b.float(), 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(bat.kv.save(1), idle))
+    assert calls and all(calls)  # (every batched linear layer's rule: the rows kernel, slots)
