@@ -74,6 +74,7 @@ ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # run again (`HybridFast.__call__`) and must find the state as it was; and the eager warm-ups before
 # a capture build and load the kernel, which a capture could not. Off until measured
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
+ROWS_KERNEL = "gated delta rule over slots"  # (`try_kernel`'s name of `_slots_rule`'s kernel)
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -387,8 +388,9 @@ class HybridFast:
 
     def _rows_kernel_takes(self, h: torch.Tensor) -> bool:
         """Whether a batched step's delta rule is the rows kernel over the slots
-        (`_slots_rule`): switched on, where the Triton kernels run."""
-        return self.state_in_place and fused_kernels_available(h.device)
+        (`_slots_rule`): switched on, where the Triton kernels run, and it has not failed."""
+        return self.state_in_place and fused_kernels_available(h.device) and \
+            not kernel_failed(ROWS_KERNEL)
 
     def _slots_rule(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor):
         """A batched step's delta rule, each row reading its slot's state in `pool` (one
@@ -401,7 +403,14 @@ class HybridFast:
             return recurrent_rows(q, k, v, g, beta, pool, pool, slots), None
         into = torch.empty((q.shape[0], 1, *pool.shape[1:]), dtype=torch.float32,
                            device=pool.device)
-        return recurrent_rows(q, k, v, g, beta, pool, into, slots), into[:, 0]
+        try:
+            return recurrent_rows(q, k, v, g, beta, pool, into, slots), into[:, 0]
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the kernel off; the gathered states, fla's rule
+            note_kernel_failure(ROWS_KERNEL, e)
+        rule = pick_rule(pool.device, True, recurrent_gated_delta_rule)
+        return rule(q, k, v, g, beta, pool.index_select(0, slots))
 
     def _advances_in_place(self) -> bool:
         """Whether this GEMV step advances the recurrent state in place: switched on, and

@@ -80,7 +80,9 @@ def recurrent_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     `slots` ((B,) int64, one row each): `state` is a pool of slots (S, Hv, Dk, Dv), sequence i
     reading slot slots[i]'s (a batched step's rows), and `states` either a (B, 1, Hv, Dk, Dv)
     buffer or the pool itself: the state after the row written over the slot's, in place
-    (slots distinct but for rows whose state is thrown away: a padding row's scratch slot)."""
+    (slots distinct but for rows whose state is thrown away: padding rows share one scratch
+    slot, whose state their programs then race on, as `index_copy_` with repeated indices
+    would: nothing reads it but padding rows, whose outputs are dropped)."""
     b, n, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     if hv % hk:

@@ -219,24 +219,32 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
     kernels._FAILED.discard(fused_hybrid.GEMV)  # (the failure this test made: conftest's check)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("how", ["new states", "in place", "kernel fails"])
 def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, monkeypatch,
-                                                                in_place):
+                                                                how):
     """`LAYERSPLIT_HYBRID_STATE_IN_PLACE=1` in a batched decode step (`HybridFast._slots_rule`):
-    each row's delta rule reads its slot's state in the pool, advanced there (`in_place`: as
+    each row's delta rule reads its slot's state in the pool, advanced there (`in place`: as
     inside a capture, by the test's say) or into new states written back last; each
-    sequence's logits and states are those of its own steps, the idle slot left as it was."""
+    sequence's logits and states are those of its own steps, the idle slot left as it was.
+    `kernel fails`: its first launch raises; the gathered states and fla's (here torch's) rule
+    answer, and the kernel is off from then on."""
+    from layersplit.shards import kernels
+    from layersplit.shards.kernels import gated_delta_rows
+
     from tests.helpers import token_ids as ids_of
 
     monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1")
-    if in_place:
+    if how == "in place":
         monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place", lambda self: True)
     calls = []
-    from layersplit.shards.kernels import gated_delta_rows
-
     rows = gated_delta_rows.recurrent_rows
-    monkeypatch.setattr(gated_delta_rows, "recurrent_rows",
-                        lambda *a: calls.append(len(a) == 8) or rows(*a))
+
+    def counted(*a):
+        calls.append(len(a) == 8)
+        if how == "kernel fails":
+            raise RuntimeError("the rows kernel failed to build")
+        return rows(*a)
+    monkeypatch.setattr(gated_delta_rows, "recurrent_rows", counted)
     ckpt = open_checkpoint(hybrid_models["qwen3_5"])
     models = [load_layer_range(ckpt, 0, 6, torch.float32, KERNEL_DEV) for _ in range(2)]
     fuse_projections(models[0], compile=False)
@@ -266,3 +274,6 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
             assert near(a.float(), b.float(), 1e-5)
     assert all(torch.equal(a, b) for a, b in zip(bat.kv.save(1), idle))
     assert calls and all(calls)  # (every batched linear layer's rule: the rows kernel, slots)
+    if how == "kernel fails":  # (tried once, then off)
+        assert len(calls) == 1 and kernels.kernel_failed(fused_hybrid.ROWS_KERNEL)
+        kernels._FAILED.discard(fused_hybrid.ROWS_KERNEL)  # (this test's: conftest's check)
