@@ -213,34 +213,21 @@ def gemv_route(x: torch.Tensor, w: torch.Tensor, counter: torch.Tensor, top_k: i
     (`softmax_top`: `moe_route_softmax_top`) on the logits rounded to x's dtype. The last of
     the GEMV's programs to finish (counted in `counter`, `route_counter`'s, which no other
     launch may use at the same time) routes the row: one launch fewer a MoE layer's step."""
-    n, k = w.shape
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or x.stride(1) != 1 or \
-            w.dtype != x.dtype or w.stride() != (k, 1):
-        raise ValueError(f"gemv_route: one row (1, {k}) of the weight's {w.dtype} and a "
-                         f"contiguous (E, K) weight, got {tuple(x.shape)} {x.dtype} and "
-                         f"{tuple(w.shape)} {w.dtype}")
+    n = w.shape[0]
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"gemv_route: one row (1, K), got {tuple(x.shape)}")
     if counter.shape != (1,) or counter.dtype != torch.int32 or counter.device != x.device:
         raise ValueError(f"gemv_route: counter {tuple(counter.shape)} {counter.dtype} on "
                          f"{counter.device} is not `route_counter`'s int32 (1,) on {x.device}")
     if not 1 <= top_k <= n:
         raise ValueError(f"gemv_route: top_k={top_k} of {n} experts")
-    y = checked_out("gemv_route", x, n, k, None, None, norm, None, None)
-    if norm_out is not None and (norm is None or norm_out.shape != x.shape or
-                                 norm_out.dtype != x.dtype or not norm_out.is_contiguous()):
-        raise ValueError(f"gemv_route: norm_out {tuple(norm_out.shape)} {norm_out.dtype} takes "
-                         f"the normed row {tuple(x.shape)} {x.dtype} with a norm")
     rw = torch.empty(1, top_k, dtype=weights_dtype or torch.float32, device=x.device)
     ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
-    c = dict(cfg or config(k, norm=norm is not None, n=n))
-    block_n, block_k = c.pop("BLOCK_N"), c.pop("BLOCK_K")
-    _gemv[(triton.cdiv(n, block_n),)](
-        x, x if norm is None else norm[0], w, x, x, y, n, k, 0, 0.0 if norm is None else
-        float(norm[1]), NORM=norm is not None, HAS_B=False, HAS_R=False, SILU=False,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None,
-        ROUTE=True, COUNTER=counter, RW=rw, RIDS=ids, R_E=n,
-        R_EPOW2=triton.next_power_of_2(n), R_K=top_k, R_KPOW2=triton.next_power_of_2(top_k),
-        R_NORM=renorm, R_SOFTMAX_TOP=softmax_top, **c, **pdl(x))
+    gemv(x, w, norm=norm, norm_out=norm_out, cfg=cfg, route={
+        "ROUTE": True, "COUNTER": counter, "RW": rw, "RIDS": ids, "R_E": n,
+        "R_EPOW2": triton.next_power_of_2(n), "R_K": top_k,
+        "R_KPOW2": triton.next_power_of_2(top_k), "R_NORM": renorm,
+        "R_SOFTMAX_TOP": softmax_top})
     return rw, ids
 
 
@@ -296,7 +283,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
          norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
          gate_up: bool = False, out_dtype: torch.dtype | None = None, head: bool = False,
          cfg: dict | None = None, norm_out: torch.Tensor | None = None,
-         float_product: bool = False, one_pass: bool = False) -> torch.Tensor:
+         float_product: bool = False, one_pass: bool = False,
+         route: dict | None = None) -> torch.Tensor:
     """F.linear of rows `x` (M, K), M <= MAX_ROWS, by `w` (N, K), with `norm` = (weight, eps):
     each row's RMSNorm first; `gate_up`: w is the fused (2F, K) gate/up weight and the result
     SiLU(g) * u (M, F); `residual` (M, N): added to the result. Returns a new (M, N or F)
@@ -311,7 +299,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
     (gpt-oss's `FloatProductRMSNorm`; a zero-centred norm's 1 + w, `fused_hybrid.zc_norm`).
     `one_pass` (one row, with `norm`, no `norm_out`): the row's squares summed in the weights'
     loop, not in a pass of its own before it, and the scale applied to the sums: the weight
-    times the unscaled row in float32, never rounded (`ONE_PASS_SWITCH`'s comment says why)."""
+    times the unscaled row in float32, never rounded (`ONE_PASS_SWITCH`'s comment says why).
+    `route`: `gemv_route`'s routing arguments of the one-row kernel (its own to pass)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"gemv: x must be 1 to {MAX_ROWS} rows (M, K) of contiguous values, "
                          f"got {tuple(x.shape)} strides {x.stride()}")
@@ -353,8 +342,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
             x, nw, w, b, r, y, n, k, up, eps, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_K=k % block_k == 0, FLOAT32=wide,
             NORM_OUT=x if norm_out is None else norm_out, WRITE_NORMED=norm_out is not None,
-            ONE_PASS=one_pass, **c, **pdl(x))
+            ONE_PASS=one_pass, **(route or {}), **c, **pdl(x))
         return y
+    if route is not None:
+        raise ValueError(f"gemv: route takes one row, got {rows}")
     c = dict(cfg or rows_config(rows, k, norm=norm is not None, gate_up=gate_up,
                                 head=head))
     block_m, block_n, block_k = c.pop("BLOCK_M"), c.pop("BLOCK_N"), c.pop("BLOCK_K")
