@@ -185,8 +185,7 @@ MAX_BATCH_ROWS = 64
 def compile_failure(e: BaseException) -> bool:
     """Whether `e` came out of torch.compile (Dynamo, Inductor, or Triton compiling their
     kernels), not out of what the step ran."""
-    mod = type(e).__module__ or ""
-    return mod.startswith(("torch._dynamo", "torch._inductor", "triton"))
+    return torch_compile_failure(e) or (type(e).__module__ or "").startswith("triton")
 
 
 def torch_compile_failure(e: BaseException) -> bool:
