@@ -62,7 +62,8 @@ GEMV = "GEMV"  # (`try_kernel`'s name of the GEMV kernels, `gemv_linear.KERNEL`'
 # plain, 87.84 normed; the in-projection 39.07 plain, 49.19 normed; so the in-projection's norm
 # runs apart, `zc_norm`, unless this is on). The normed row is then never rounded to the
 # weights' dtype (the stages and transformers round it once): a difference within that dtype's
-# rounding. Off until measured on the whole step
+# rounding. Off: measured slower on the whole step (the Qwen3.5-27B shape's batch 1 65.4 against
+# 67.0 tok/s, 0.976 x; H200, 2026-12-01, bench/RESULTS.md D4)
 ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # 1: the GEMV step's delta rule is the verify rows' kernel at one row
 # (`gated_delta_rows.recurrent_rows`), which inside a capture writes the state after the row over
@@ -72,7 +73,9 @@ ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # (`HybridFast._slots_rule`), instead of a gather, fla's kernel and a scatter. Outside a capture the
 # kernel writes into a new state, copied back last, as fla's: an eager step that failed after it is
 # run again (`HybridFast.__call__`) and must find the state as it was; and the eager warm-ups before
-# a capture build and load the kernel, which a capture could not. Off until measured
+# a capture build and load the kernel, which a capture could not. On by default (0: fla-core's
+# kernel and the copy, the gather and the scatter): the Qwen3.5-27B shape's 8 streams 398.4
+# against 343.8 tok/s (1.16 x), batch 1 unchanged (66.8 / 66.7, 1.002 x; H200, 2026-12-01)
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
 ROWS_KERNEL = "gated delta rule over slots"  # (`try_kernel`'s name of `_slots_rule`'s kernel)
 
@@ -206,7 +209,7 @@ class HybridFast:
                                  for f in GEMV_STAGES)
         self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
         self.one_pass = switched_on(ONE_PASS_SWITCH)
-        self.state_in_place = switched_on(STATE_IN_PLACE_SWITCH)
+        self.state_in_place = not switched_off(STATE_IN_PLACE_SWITCH)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False

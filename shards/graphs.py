@@ -70,6 +70,7 @@ HYBRID_BUCKET_FACTOR = 4
 # `warm` captures at most this many graphs, holding at most this many bytes of output rows
 WARM_GRAPHS = 1024
 WARM_OUTPUT_BYTES = 1 << 30
+SLOW_CAPTURE_S = 1.0  # a capture at start this long is logged with its key (it compiled)
 # batched verify graphs hold their output rows (bp x n rows of logits on the last range: 65 MB
 # for 8 x 16 rows of a 128K vocabulary) as long as they are kept: past this many bytes of them,
 # the least recently replayed goes (captured again when a step needs it)
@@ -444,6 +445,7 @@ class StaticDecoder:
                 self.keep_buffers(max(verify))
                 self.verify_slot.fill_(self.kv.scratch_slot)
             for kind, slot, n, kv_len in plan:
+                t_item = time.perf_counter()
                 if kind == "step" and (slot, kv_len, n) not in self.graphs:
                     if n > 1:  # a chain: no row of the capture's runs sees no key at all (the
                         self._load_tree(n, None)  # torch path's softmax would write NaN rows)
@@ -468,6 +470,9 @@ class StaticDecoder:
                     self._vbatch_graph(n, slot, kv_len)
                     done += 1
                 now = time.perf_counter()
+                if now - t_item >= SLOW_CAPTURE_S:  # (a capture that compiled or autotuned)
+                    log.info("%s%s graph of %d row(s) at %d keys: %.1f s", label, kind, n,
+                             kv_len, now - t_item)
                 if now - last >= every_s:
                     last = now
                     log.info("%scaptured %d of %d step graphs (%.0f s, about %.0f s left)",
