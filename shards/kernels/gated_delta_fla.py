@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import switched_off
+from layersplit.shards.kernels.fla_loading import import_fla, tuned_configs
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,23 @@ Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Conv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _gpu_name() -> str:
+    """The current CUDA device's model name (whose tuned configs `fla_loading` ships)."""
+    try:
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no device to name: no shipped configs
+        return ""
+
+
 @functools.cache
 def _load_fla() -> tuple[tuple[Rule, Rule] | None, str]:
     """(fla's (chunked, recurrent) rules wrapped to our signature, or None; what was used or
     why not)."""
     try:
-        from fla.ops.gated_delta_rule import (
-            chunk_gated_delta_rule,
-            fused_recurrent_gated_delta_rule,
-        )
+        with tuned_configs(_gpu_name()) as configs:
+            (gdr,) = import_fla("fla.ops.gated_delta_rule")
+        chunk_gated_delta_rule = gdr.chunk_gated_delta_rule
+        fused_recurrent_gated_delta_rule = gdr.fused_recurrent_gated_delta_rule
     except ImportError as e:
         return None, (f"fla-core is not installed ({e}); pip install fla-core (the 'cuda' "
                       "extra) for its Triton kernels")
@@ -77,6 +86,8 @@ def _load_fla() -> tuple[tuple[Rule, Rule] | None, str]:
         which = f"fla-core {version('fla-core')}"
     except PackageNotFoundError:
         which = "fla (flash-linear-attention)"
+    if configs is not None:
+        which += f", tuned configs shipped for this GPU ({configs.name})"
     return (wrap(chunk_gated_delta_rule), wrap(fused_recurrent_gated_delta_rule)), which
 
 
@@ -85,7 +96,9 @@ def _load_fla_conv() -> Conv | None:
     """fla's causal conv (with SiLU) wrapped to `causal_conv`'s signature, or None where its
     module is missing (an fla-core without it: the torch conv runs)."""
     try:
-        from fla.modules.causal_conv1d import causal_conv1d
+        with tuned_configs(_gpu_name()):
+            (mod,) = import_fla("fla.modules.causal_conv1d")
+        causal_conv1d = mod.causal_conv1d
     except Exception as e:  # noqa: BLE001 - missing or broken: the torch conv, said once
         log.warning("causal conv on CUDA: the torch path runs, not fla-core's kernel: its "
                     "causal_conv1d failed to import (%s: %s)", type(e).__name__, e)

@@ -1,0 +1,201 @@
+"""Importing fla-core's kernels the fast way: only the modules we call, and, on a GPU whose
+tuned launch configs we ship, with those configs instead of an autotune of every candidate.
+
+A cold start of the Qwen3.5-27B shape on an H200 (empty compile caches, 2026-12-01, py-spy over
+`bench/startup.py`) spent 7.4 s importing fla-core (its package `__init__`s import every op
+family it has, and its models) and ~37 s in the first prefill, compiling and timing each
+candidate launch config of its chunked delta rule's and causal conv's Triton kernels: most of the
+first request's time. vLLM ships its fused-MoE kernel's tuned configs per GPU model for the same
+reason; fla-core reads such files itself (`fla.ops.utils.cache`: `FLA_CONFIG_DIR`,
+`FLA_CACHE_MODE`), which `bench/fla_configs.py` writes from a device's own autotune into
+`fla_configs/<GPU name>/`. A kernel whose key (its head counts and widths, block sizes, dtypes)
+has no entry there autotunes as before, once per machine (Triton's own cache under
+$LAYERSPLIT_HOME keeps the result). A user's own `FLA_CONFIG_DIR` or `FLA_CACHE_MODE` wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import sys
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from layersplit.shards.kernels import switched_on
+
+log = logging.getLogger(__name__)
+
+CONFIGS = Path(__file__).resolve().parent / "fla_configs"
+# fla's packages whose `__init__` imports far more than the modules below it that we call
+HEAVY_PACKAGES = ("fla", "fla.ops", "fla.modules")
+# 1: fla's modules imported bare (`import_fla`); off until measured on a GPU: on the H200 run
+# of 2026-12-01 the bare import of `fla.ops.utils.cache` failed on `from fla import
+# __version__` (then imported whole, 9 s), which the bare `fla` now carries
+BARE_SWITCH = "LAYERSPLIT_FLA_BARE_IMPORT"
+
+
+def gpu_dir_name(gpu_name: str) -> str:
+    """A GPU's model name as fla-core names its config folders (`sanitize_gpu_name`)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu"
+
+
+def shipped_configs(gpu_name: str, root: Path = CONFIGS) -> Path | None:
+    """The folder of tuned configs shipped for this GPU model, or None."""
+    folder = root / gpu_dir_name(gpu_name)
+    return folder if any(folder.glob("*.json")) else None
+
+
+def _bare_package(name: str) -> None:
+    """Put package `name` in sys.modules without running its `__init__` (its submodules import
+    as usual): a module object with the package's spec and search path."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError(f"No module named {name!r}", name=name)
+    module = types.ModuleType(name)
+    module.__spec__, module.__file__ = spec, spec.origin
+    module.__path__ = list(spec.submodule_search_locations)
+    module.__package__ = name
+    version = _declared_version(spec.origin)
+    if version is not None:  # (fla's modules read `from fla import __version__`)
+        module.__version__ = version
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+
+
+def _declared_version(init: str | None) -> str | None:
+    """The `__version__ = "..."` a package's `__init__.py` declares, read without running it."""
+    try:
+        text = Path(init).read_text() if init else ""
+    except OSError:
+        return None
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def import_fla(*names: str, heavy: tuple[str, ...] = HEAVY_PACKAGES,
+               bare: bool | None = None) -> list[types.ModuleType]:
+    """fla-core's modules `names`; with `bare` (default: BARE_SWITCH on), imported without the
+    `__init__`s of the `heavy` packages where none of them is imported yet (where one is, or
+    where a module needs a name only they define, as usual)."""
+    if bare is None:
+        bare = switched_on(BARE_SWITCH)
+    if bare and not any(p in sys.modules for p in heavy):
+        for package in heavy:
+            _bare_package(package)
+        try:
+            return [importlib.import_module(n) for n in names]
+        except ImportError as e:  # (a module that reads a name those `__init__`s define: the
+            # usual import, the bare packages and what loaded under them dropped)
+            log.info("%s under bare packages failed (%s); importing them whole", names, e)
+            top = heavy[0]
+            for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+                del sys.modules[name]
+    return [importlib.import_module(n) for n in names]
+
+
+@contextlib.contextmanager
+def tuned_configs(gpu_name: str) -> Iterator[Path | None]:
+    """Around the import of fla's kernel modules: where configs are shipped for `gpu_name` and
+    the user set neither FLA_CONFIG_DIR nor FLA_CACHE_MODE, fla-core reads them (strict mode:
+    a config only for the exact key it was tuned for), its kernels declared with Triton's own
+    autotune included (`configure_fla_cache_autotune`, undone after). Yields the folder or
+    None."""
+    folder = shipped_configs(gpu_name)
+    ours = folder is not None and os.environ.get("FLA_CONFIG_DIR") == str(folder)
+    if folder is None or (not ours and ("FLA_CONFIG_DIR" in os.environ or
+                                        "FLA_CACHE_MODE" in os.environ)):
+        yield None
+        return
+    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"
+    try:
+        (cache,) = import_fla("fla.ops.utils.cache")  # (reads FLA_CACHE_MODE once, at import)
+        import triton
+
+        autotune = triton.autotune
+        cache.configure_fla_cache_autotune()
+    except Exception as e:  # noqa: BLE001 - an fla-core without this mechanism: it autotunes
+        log.warning("fla-core's kernels autotune: its config files could not be set up "
+                    "(%s: %s)", type(e).__name__, e)
+        yield None
+        return
+    try:
+        yield folder
+    finally:
+        triton.autotune = autotune
+
+
+def _autotuners() -> Iterator[Any]:
+    """Every Triton autotuner in fla's loaded modules (under a heuristics wrapper or not)."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            while isinstance(value, Heuristics):
+                value = value.fn
+            if isinstance(value, Autotuner) and id(value) not in seen:
+                seen.add(id(value))
+                yield value
+
+
+def config_files() -> dict[str, dict[str, Any]]:
+    """fla-core's config files ({kernel name}.json, its `KernelConfigFile` layout) for every
+    config its autotuners chose in this process: what `bench/fla_configs.py` ships."""
+    import triton
+    from fla.ops.utils.cache import AutotuneKey
+    from triton.runtime.jit import JITFunction
+
+    files: dict[str, dict[str, Any]] = {}
+    owner: dict[str, int] = {}
+    shared: set[str] = set()  # (names of two kernels that both chose configs here: fla would
+    # give either one's configs to both, so neither is written)
+    for tuner in _autotuners():
+        if not tuner.cache:
+            continue
+        fn = tuner.fn
+        while not isinstance(fn, JITFunction):
+            fn = fn.fn
+        name = fn.fn.__name__  # (the kernel's Python function: fla's `kernel_name`)
+        if owner.setdefault(name, id(tuner)) != id(tuner):
+            shared.add(name)
+        for key, cfg in tuner.cache.items():
+            entries = files.setdefault(name, {"kernel_name": name,
+                                              "triton_version": triton.__version__,
+                                              "autotune_entries": {}})["autotune_entries"]
+            entries[AutotuneKey.key_hash(list(key))] = {
+                "autotune_key": list(key),
+                "config": {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps,
+                           "num_stages": cfg.num_stages, "num_ctas": cfg.num_ctas,
+                           "maxnreg": cfg.maxnreg}}
+    for name in shared:
+        log.warning("fla-core has two kernels named %s: their configs are not written", name)
+        files.pop(name, None)
+    return files
+
+
+def write_config_files(files: dict[str, dict[str, Any]], folder: Path) -> int:
+    """Merge `files` into `folder` (entries already there for other keys stay); returns the
+    number of entries written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for name, data in files.items():
+        path = folder / f"{name}.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        entries = {**old.get("autotune_entries", {}), **data["autotune_entries"]}
+        path.write_text(json.dumps({**data, "autotune_entries": entries}, indent=1,
+                                   sort_keys=True) + "\n")
+        n += len(data["autotune_entries"])
+    return n

@@ -1,0 +1,134 @@
+"""`shards.kernels.fla_loading`: fla-core's modules imported without its heavy package
+`__init__`s, and the tuned configs shipped per GPU model (fla's kernels themselves: the GPU
+test `tests/gpu/test_fla_configs.py`)."""
+
+import json
+import os
+import sys
+
+import pytest
+from layersplit.shards.kernels import fla_loading
+
+
+@pytest.fixture()
+def fake_fla(tmp_path, monkeypatch):
+    """A package `fakefla` shaped as fla-core: `__init__`s that record that they ran, a kernel
+    module under `fakefla.ops`, and one that reads a name only `fakefla/__init__.py` defines."""
+    root = tmp_path / "fakefla"
+    (root / "ops" / "rule").mkdir(parents=True)
+    (root / "__init__.py").write_text("import sys\nsys.modules[__name__].ran = True\nNAME = 7\n"
+                                      "__version__ = '1.2.3'\n")
+    (root / "ops" / "__init__.py").write_text("raise RuntimeError('fakefla.ops ran')\n")
+    (root / "ops" / "rule" / "__init__.py").write_text("from .kernel import rule\n")
+    (root / "ops" / "rule" / "kernel.py").write_text("def rule():\n    return 42\n")
+    (root / "needs_init.py").write_text("from fakefla import NAME\n")
+    (root / "needs_version.py").write_text("from fakefla import __version__\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield ("fakefla", "fakefla.ops")
+    for name in [m for m in sys.modules if m == "fakefla" or m.startswith("fakefla.")]:
+        del sys.modules[name]
+
+
+def test_a_module_imports_without_its_packages_init(fake_fla):
+    (mod,) = fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
+    assert mod.rule() == 42
+    assert not hasattr(sys.modules["fakefla"], "ran")  # (and fakefla.ops's would have raised)
+
+
+def test_the_bare_package_carries_its_declared_version(fake_fla):
+    (mod,) = fla_loading.import_fla("fakefla.needs_version", heavy=fake_fla, bare=True)
+    assert mod.__version__ == "1.2.3"
+    assert not hasattr(sys.modules["fakefla"], "ran")
+
+
+def test_a_module_that_reads_the_packages_names_imports_it_whole(fake_fla):
+    (mod,) = fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
+    assert mod.NAME == 7 and sys.modules["fakefla"].ran
+
+
+def test_once_the_package_is_whole_later_imports_are_as_usual(fake_fla):
+    fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
+    with pytest.raises(RuntimeError, match="fakefla.ops ran"):  # (its real __init__ now)
+        fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
+
+
+@pytest.mark.parametrize("value", [None, "0"])
+def test_bare_imports_are_off_unless_switched_on(fake_fla, monkeypatch, value):
+    """`LAYERSPLIT_FLA_BARE_IMPORT` (`kernels.switched_on`: not measured on a GPU yet)."""
+    if value is None:
+        monkeypatch.delenv(fla_loading.BARE_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(fla_loading.BARE_SWITCH, value)
+    with pytest.raises(RuntimeError, match="fakefla.ops ran"):
+        fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla)
+
+
+def test_a_missing_package_is_an_import_error(monkeypatch):
+    with pytest.raises(ImportError, match="nosuchfla"):
+        fla_loading.import_fla("nosuchfla.ops.x", heavy=("nosuchfla", "nosuchfla.ops"),
+                               bare=True)
+
+
+@pytest.mark.parametrize("name,folder", [("NVIDIA H200", "NVIDIA_H200"),
+                                         ("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3"),
+                                         ("AMD Instinct MI300X", "AMD_Instinct_MI300X"),
+                                         ("", "unknown_gpu")])
+def test_gpu_folders_are_named_as_fla_names_them(name, folder):
+    assert fla_loading.gpu_dir_name(name) == folder
+
+
+def _entry(key, block):
+    return {"autotune_key": key, "config": {"kwargs": {"BV": block}, "num_warps": 4,
+                                            "num_stages": 2, "num_ctas": 1, "maxnreg": None}}
+
+
+def test_config_files_merge_with_the_entries_already_there(tmp_path):
+    folder = tmp_path / "NVIDIA_H200"
+    first = {"k": {"kernel_name": "k", "triton_version": "3.6.0",
+                   "autotune_entries": {"a": _entry([16, 48, "torch.bfloat16"], 32)}}}
+    second = {"k": {"kernel_name": "k", "triton_version": "3.6.0",
+                    "autotune_entries": {"b": _entry([16, 32, "torch.bfloat16"], 64)}}}
+    assert fla_loading.write_config_files(first, folder) == 1
+    assert fla_loading.write_config_files(second, folder) == 1
+    data = json.loads((folder / "k.json").read_text())
+    assert set(data["autotune_entries"]) == {"a", "b"}
+    assert data["autotune_entries"]["a"]["config"]["kwargs"] == {"BV": 32}
+    assert fla_loading.shipped_configs("NVIDIA H200", tmp_path) == folder
+    assert fla_loading.shipped_configs("NVIDIA H100", tmp_path) is None
+
+
+def test_no_shipped_configs_change_nothing(monkeypatch):
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    with fla_loading.tuned_configs("A GPU nobody tuned for") as folder:
+        assert folder is None
+        assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
+
+
+@pytest.mark.parametrize("var", ["FLA_CONFIG_DIR", "FLA_CACHE_MODE"])
+def test_the_users_own_fla_settings_win(tmp_path, monkeypatch, var):
+    folder = tmp_path / "NVIDIA_H200"
+    fla_loading.write_config_files({"k": {"kernel_name": "k", "autotune_entries": {
+        "a": _entry([1], 16)}}}, folder)
+    monkeypatch.setattr(fla_loading, "CONFIGS", tmp_path)
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    monkeypatch.setenv(var, "theirs")
+    with fla_loading.tuned_configs("NVIDIA H200") as used:
+        assert used is None
+    assert os.environ[var] == "theirs"
+
+
+def test_the_shipped_folder_holds_fla_config_files():
+    """Every file shipped is fla-core's layout: a kernel name and entries each with its key
+    and a whole config (what `CachedAutotuner.maybe_load_cached_config` reads)."""
+    files = sorted(fla_loading.CONFIGS.glob("*/*.json"))
+    assert files  # (H200's, bench/fla_configs.py 2026-12-01)
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["kernel_name"] == path.stem, path
+        assert data["autotune_entries"], path
+        for entry in data["autotune_entries"].values():
+            assert isinstance(entry["autotune_key"], list), path
+            assert {"kwargs", "num_warps", "num_stages", "num_ctas"} <= set(entry["config"]), path
+
