@@ -7,10 +7,13 @@ start on the same GPU model compiles one config a kernel instead of timing every
 
 Each (key heads x value heads) pair runs a Qwen3.5 linear-attention layer (`GatedDeltaNet`,
 random weights, head widths 128, conv width 4) through the prefill path a shard runs, a chunk
-of each length, in each dtype; the keys fla tunes by are head counts, widths, block sizes and
-dtypes, not the length, so lengths only reach the kernels that longer chunks launch. Entries
-merge into the files there (other keys stay). FLA_CACHE_MODE=disabled is set for the run: fla
-times every candidate again rather than reading the configs shipped.
+of each length, in each dtype, one sequence. The keys fla tunes by are mostly head counts,
+widths, block sizes and dtypes; a few hold the batch (`chunk_local_cumsum_scalar_kernel`'s B)
+or a count of row blocks (`l2norm_fwd_kernel`'s NB: batch x length x key heads / 65,536), so
+chunks longer than the lengths tuned here, or several sequences' prefill in one launch, still
+autotune those. Entries merge into the files there (other keys stay). FLA_CACHE_MODE=disabled
+is set for the run (any value you set is refused): fla times every candidate again rather than
+reading configs from files.
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="the folder to merge into (default: the one shipped for this GPU)")
     args = ap.parse_args()
-    os.environ.setdefault("FLA_CACHE_MODE", "disabled")  # (fla-core is imported below)
+    if os.environ.get("FLA_CACHE_MODE", "disabled") != "disabled":
+        sys.exit(f"FLA_CACHE_MODE={os.environ['FLA_CACHE_MODE']}: this tunes, it does not read "
+                 "configs; unset it")
+    os.environ["FLA_CACHE_MODE"] = "disabled"  # (fla-core is imported below)
     torch.cuda.set_device(args.device)
     if delta_rules(args.device) is None:
         sys.exit("fla-core's kernels do not run here (see the warning above)")

@@ -349,16 +349,10 @@ class HybridFast:
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim)
-            if self.state_in_place:  # (`STATE_IN_PLACE_SWITCH`)
-                from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
-
-                if self._advances_in_place():
-                    new_state, into = None, state.unsqueeze(1)
-                else:
-                    into = torch.empty((1, *state.shape), dtype=torch.float32,
-                                       device=state.device)
-                    new_state = into[0]
-                o = recurrent_rows(q, k, v, g, beta, state, into)
+            o = self._row_rule(q, k, v, g, beta, state) if self.state_in_place and \
+                not kernel_failed(ROWS_KERNEL) else None  # (`STATE_IN_PLACE_SWITCH`)
+            if o is not None:
+                o, new_state = o
             else:
                 rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
                 o, new_state = rule(q, k, v, g, beta, state)
@@ -387,6 +381,24 @@ class HybridFast:
             if new_state is not None:  # (None: advanced in place)
                 state.copy_(new_state)
         return h
+
+    def _row_rule(self, q, k, v, g, beta, state: torch.Tensor):
+        """The one-row step's delta rule through the rows kernel: (out, None) with the state
+        advanced in place inside a capture, else (out, the new state) for the caller to write
+        back last; None where the kernel failed outside a capture (then off under its own
+        name, `ROWS_KERNEL`, not the GEMV kernels'; fla's rule answers)."""
+        from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
+
+        if self._advances_in_place():
+            return recurrent_rows(q, k, v, g, beta, state, state.unsqueeze(1)), None
+        into = torch.empty((1, *state.shape), dtype=torch.float32, device=state.device)
+        try:
+            return recurrent_rows(q, k, v, g, beta, state, into), into[0]
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the kernel off; fla's rule instead
+            note_kernel_failure(ROWS_KERNEL, e)
+            return None
 
     def _rows_kernel_takes(self, h: torch.Tensor) -> bool:
         """Whether a batched step's delta rule is the rows kernel over the slots

@@ -1,5 +1,6 @@
-"""Importing fla-core's kernels the fast way: only the modules we call, and, on a GPU whose
-tuned launch configs we ship, with those configs instead of an autotune of every candidate.
+"""Importing fla-core's kernels the fast way: on a GPU whose tuned launch configs we ship, with
+those configs instead of an autotune of every candidate; and (`LAYERSPLIT_FLA_BARE_IMPORT=1`,
+not measured on a GPU yet) only the modules we call.
 
 A cold start of the Qwen3.5-27B shape on an H200 (empty compile caches, 2026-12-01, py-spy over
 `bench/startup.py`) spent 7.4 s importing fla-core (its package `__init__`s import every op
@@ -21,8 +22,10 @@ import importlib.util
 import json
 import logging
 import os
+import pkgutil
 import re
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,15 +51,23 @@ def gpu_dir_name(gpu_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu"
 
 
-def shipped_configs(gpu_name: str, root: Path = CONFIGS) -> Path | None:
-    """The folder of tuned configs shipped for this GPU model, or None."""
-    folder = root / gpu_dir_name(gpu_name)
+def shipped_configs(gpu_name: str, root: Path | None = None) -> Path | None:
+    """The folder of tuned configs shipped for this GPU model (under `root`, default CONFIGS),
+    or None."""
+    folder = (CONFIGS if root is None else root) / gpu_dir_name(gpu_name)
     return folder if any(folder.glob("*.json")) else None
+
+
+# import_fla's and tuned_configs' changes to sys.modules and the environment are made under
+# this lock (shards load their kernels on one thread; a second one must not interleave)
+_LOCK = threading.RLock()
+_stubs: set[str] = set()  # the bare packages `import_fla` put in sys.modules, still there
 
 
 def _bare_package(name: str) -> None:
     """Put package `name` in sys.modules without running its `__init__` (its submodules import
-    as usual): a module object with the package's spec and search path."""
+    as usual): a module object with the package's spec, search path (namespace parts included,
+    as `pkgutil.extend_path` in fla's `__init__` finds them) and declared version."""
     if name in sys.modules:
         return
     spec = importlib.util.find_spec(name)
@@ -64,15 +75,25 @@ def _bare_package(name: str) -> None:
         raise ImportError(f"No module named {name!r}", name=name)
     module = types.ModuleType(name)
     module.__spec__, module.__file__ = spec, spec.origin
-    module.__path__ = list(spec.submodule_search_locations)
+    module.__path__ = pkgutil.extend_path(list(spec.submodule_search_locations), name)
     module.__package__ = name
     version = _declared_version(spec.origin)
     if version is not None:  # (fla's modules read `from fla import __version__`)
         module.__version__ = version
     sys.modules[name] = module
+    _stubs.add(name)
     parent, _, child = name.rpartition(".")
     if parent:
         setattr(sys.modules[parent], child, module)
+
+
+def _drop(top: str, stubs_only: bool) -> None:
+    """Take `top`'s bare packages (`stubs_only`), or every module under it, out of sys.modules:
+    the next import of them runs their real `__init__`s (submodules still loaded are reused)."""
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        if not stubs_only or name in _stubs:
+            del sys.modules[name]
+    _stubs.difference_update([n for n in _stubs if n == top or n.startswith(top + ".")])
 
 
 def _declared_version(init: str | None) -> str | None:
@@ -89,56 +110,58 @@ def import_fla(*names: str, heavy: tuple[str, ...] = HEAVY_PACKAGES,
                bare: bool | None = None) -> list[types.ModuleType]:
     """fla-core's modules `names`; with `bare` (default: BARE_SWITCH on), imported without the
     `__init__`s of the `heavy` packages where none of them is imported yet (where one is, or
-    where a module needs a name only they define, as usual)."""
+    where a module needs a name only they define, as usual). The bare packages leave
+    sys.modules once `names` are loaded, so that any later `import fla` is the whole one."""
     if bare is None:
         bare = switched_on(BARE_SWITCH)
-    if bare and not any(p in sys.modules for p in heavy):
-        for package in heavy:
-            _bare_package(package)
-        try:
-            return [importlib.import_module(n) for n in names]
-        except ImportError as e:  # (a module that reads a name those `__init__`s define: the
-            # usual import, the bare packages and what loaded under them dropped)
-            log.info("%s under bare packages failed (%s); importing them whole", names, e)
-            top = heavy[0]
-            for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-                del sys.modules[name]
-    return [importlib.import_module(n) for n in names]
+    with _LOCK:
+        if bare and not any(p in sys.modules for p in heavy):
+            for package in heavy:
+                _bare_package(package)
+            try:
+                return [importlib.import_module(n) for n in names]
+            except ImportError as e:  # (a module that reads a name those `__init__`s define:
+                # the usual import, what loaded under the bare packages dropped)
+                log.info("%s under bare packages failed (%s); importing them whole", names, e)
+                _drop(heavy[0], stubs_only=False)
+            finally:
+                _drop(heavy[0], stubs_only=True)
+        return [importlib.import_module(n) for n in names]
 
 
 @contextlib.contextmanager
 def tuned_configs(gpu_name: str) -> Iterator[Path | None]:
     """Around the import of fla's kernel modules: where configs are shipped for `gpu_name` and
-    the user set neither FLA_CONFIG_DIR nor FLA_CACHE_MODE, fla-core reads them (strict mode:
-    a config only for the exact key it was tuned for), its kernels declared with Triton's own
-    autotune included (`configure_fla_cache_autotune`, undone after). Yields the folder or
-    None."""
-    folder = shipped_configs(gpu_name)
-    ours = folder is not None and os.environ.get("FLA_CONFIG_DIR") == str(folder)
-    if folder is None or (not ours and ("FLA_CONFIG_DIR" in os.environ or
-                                        "FLA_CACHE_MODE" in os.environ)):
-        yield None
-        return
-    os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(folder), "strict"
-    try:
-        (cache,) = import_fla("fla.ops.utils.cache")  # (reads FLA_CACHE_MODE once, at import)
-        import triton
-
-        autotune = triton.autotune
-        cache.configure_fla_cache_autotune()
-    except Exception as e:  # noqa: BLE001 - an fla-core without this mechanism: it autotunes
-        log.warning("fla-core's kernels autotune: its config files could not be set up "
-                    "(%s: %s)", type(e).__name__, e)
-        yield None
-        return
-    try:
+    the user set neither FLA_CONFIG_DIR nor FLA_CACHE_MODE, fla-core reads them for its kernels
+    declared with its own autotune (`fla_cache_autotune`: all of the delta rule's and the
+    conv's whose configs are shipped), in strict mode (a config only for the exact key it was
+    tuned for). Yields the folder or None (where the kernels autotune)."""
+    with _LOCK:
+        folder = shipped_configs(gpu_name)
+        ours = folder is not None and os.environ.get("FLA_CONFIG_DIR") == str(folder)
+        if folder is None or (not ours and ("FLA_CONFIG_DIR" in os.environ or
+                                            "FLA_CACHE_MODE" in os.environ)):
+            yield None
+            return
+        os.environ["FLA_CONFIG_DIR"] = str(folder)  # (fla reads it at each lookup)
+        try:
+            (cache,) = import_fla("fla.ops.utils.cache")
+            # (the mode fla read from the environment when this module was first imported,
+            # whenever that was: set where fla reads it at each call)
+            cache.FLA_CACHE_MODE = cache.FlaCacheMode.STRICT
+        except Exception as e:  # noqa: BLE001 - no fla-core, or one without config files
+            del os.environ["FLA_CONFIG_DIR"]
+            if not (isinstance(e, ImportError) and (e.name or "").split(".")[0] == "fla"):
+                log.warning("fla-core's kernels autotune: its config files could not be set "
+                            "up (%s: %s)", type(e).__name__, e)
+            yield None
+            return
         yield folder
-    finally:
-        triton.autotune = autotune
 
 
 def _autotuners() -> Iterator[Any]:
-    """Every Triton autotuner in fla's loaded modules (under a heuristics wrapper or not)."""
+    """Every Triton autotuner in fla's loaded modules (under a heuristics wrapper or not): fla's
+    own (`CachedAutotuner`, which reads config files) and Triton's."""
     from triton.runtime.autotuner import Autotuner, Heuristics
 
     seen: set[int] = set()
@@ -157,7 +180,7 @@ def config_files() -> dict[str, dict[str, Any]]:
     """fla-core's config files ({kernel name}.json, its `KernelConfigFile` layout) for every
     config its autotuners chose in this process: what `bench/fla_configs.py` ships."""
     import triton
-    from fla.ops.utils.cache import AutotuneKey
+    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner
     from triton.runtime.jit import JITFunction
 
     files: dict[str, dict[str, Any]] = {}
@@ -165,8 +188,8 @@ def config_files() -> dict[str, dict[str, Any]]:
     shared: set[str] = set()  # (names of two kernels that both chose configs here: fla would
     # give either one's configs to both, so neither is written)
     for tuner in _autotuners():
-        if not tuner.cache:
-            continue
+        if not tuner.cache or not isinstance(tuner, CachedAutotuner):  # (Triton's own
+            continue  # autotune reads no config file)
         fn = tuner.fn
         while not isinstance(fn, JITFunction):
             fn = fn.fn

@@ -169,18 +169,23 @@ def test_the_wide_launch_shape_equals_the_linear(k):
     assert near(got, r + F.linear(x, w), 1e-5 if dtype == torch.float32 else 0.02)
 
 
-@pytest.mark.parametrize("failure", ["kernel", "torch.compile"])
+@pytest.mark.parametrize("failure", ["kernel", "torch.compile", "rows kernel"])
 def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_models, monkeypatch,
                                                                      failure):
     """A GEMV kernel failing in the middle of a one-row step (here gate/up's, after the delta
     rule ran), or torch.compile failing in one of its compiled stages: the step runs again on
     the stages with the slot's states advanced once (equal to the stages' run), the first
-    turning the GEMV kernels off, the second the compilation (the kernels stay on)."""
+    turning the GEMV kernels off, the second the compilation (the kernels stay on). The delta
+    rule's rows kernel failing turns off that kernel alone: fla's rule answers in the same
+    GEMV step."""
     from layersplit.shards import kernels
+    from layersplit.shards.kernels import gated_delta_rows
     from layersplit.shards.kernels import gemv as gemv_mod
 
     path = hybrid_models["qwen3_5"]
-    stages, fused = (_executor(path, monkeypatch, gemv, False, False) for gemv in (False, True))
+    extra = "in_place" if failure == "rows kernel" else None
+    stages, fused = (_executor(path, monkeypatch, gemv, False, False, extra)
+                     for gemv in (False, True))
     fast = fused.model.layers[0].fast
     ids = token_ids(20, seed=3).to(KERNEL_DEV)
     stages.run(ids, 0)
@@ -195,6 +200,13 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
                 raise RuntimeError("a kernel's launch failed")
             return real(x, w, **kw)
         monkeypatch.setattr(gemv_mod, "gemv", gemv)
+    elif failure == "rows kernel":
+        assert fast.state_in_place
+
+        def rows(*a, **kw):
+            broken.pop()
+            raise RuntimeError("the rows kernel's launch failed")
+        monkeypatch.setattr(gated_delta_rows, "recurrent_rows", rows)
     else:
         import torch._dynamo.exc as dexc
 
@@ -215,8 +227,10 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
     assert near(fused.kv.conv, stages.kv.conv, 1e-5)
     assert not broken  # (the failure happened)
     assert kernels.kernel_failed(fused_hybrid.GEMV) == (failure == "kernel")
+    assert kernels.kernel_failed(fused_hybrid.ROWS_KERNEL) == (failure == "rows kernel")
     assert fast.compiled is False
-    kernels._FAILED.discard(fused_hybrid.GEMV)  # (the failure this test made: conftest's check)
+    for name in (fused_hybrid.GEMV, fused_hybrid.ROWS_KERNEL):  # (this test's failures:
+        kernels._FAILED.discard(name)  # conftest's check)
 
 
 @pytest.mark.parametrize("how", ["new states", "in place", "kernel fails"])

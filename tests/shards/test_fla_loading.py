@@ -5,6 +5,7 @@ test `tests/gpu/test_fla_configs.py`)."""
 import json
 import os
 import sys
+import types
 
 import pytest
 from layersplit.shards.kernels import fla_loading
@@ -16,7 +17,7 @@ def fake_fla(tmp_path, monkeypatch):
     module under `fakefla.ops`, and one that reads a name only `fakefla/__init__.py` defines."""
     root = tmp_path / "fakefla"
     (root / "ops" / "rule").mkdir(parents=True)
-    (root / "__init__.py").write_text("import sys\nsys.modules[__name__].ran = True\nNAME = 7\n"
+    (root / "__init__.py").write_text("import os\nos.environ['FAKEFLA_RAN'] = '1'\nNAME = 7\n"
                                       "__version__ = '1.2.3'\n")
     (root / "ops" / "__init__.py").write_text("raise RuntimeError('fakefla.ops ran')\n")
     (root / "ops" / "rule" / "__init__.py").write_text("from .kernel import rule\n")
@@ -24,6 +25,7 @@ def fake_fla(tmp_path, monkeypatch):
     (root / "needs_init.py").write_text("from fakefla import NAME\n")
     (root / "needs_version.py").write_text("from fakefla import __version__\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("FAKEFLA_RAN", raising=False)
     yield ("fakefla", "fakefla.ops")
     for name in [m for m in sys.modules if m == "fakefla" or m.startswith("fakefla.")]:
         del sys.modules[name]
@@ -32,18 +34,33 @@ def fake_fla(tmp_path, monkeypatch):
 def test_a_module_imports_without_its_packages_init(fake_fla):
     (mod,) = fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
     assert mod.rule() == 42
-    assert not hasattr(sys.modules["fakefla"], "ran")  # (and fakefla.ops's would have raised)
+    assert "FAKEFLA_RAN" not in os.environ  # (and fakefla.ops's would have raised)
+    assert "fakefla" not in sys.modules and not fla_loading._stubs  # (the bare ones dropped)
+
+
+def test_a_later_import_of_the_package_is_the_whole_one(fake_fla):
+    fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
+    import fakefla
+
+    assert fakefla.NAME == 7 and os.environ["FAKEFLA_RAN"] == "1"
+    assert sys.modules["fakefla.ops.rule"].rule() == 42  # (the module loaded bare, reused)
 
 
 def test_the_bare_package_carries_its_declared_version(fake_fla):
     (mod,) = fla_loading.import_fla("fakefla.needs_version", heavy=fake_fla, bare=True)
     assert mod.__version__ == "1.2.3"
-    assert not hasattr(sys.modules["fakefla"], "ran")
+    assert "FAKEFLA_RAN" not in os.environ
 
 
 def test_a_module_that_reads_the_packages_names_imports_it_whole(fake_fla):
     (mod,) = fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
-    assert mod.NAME == 7 and sys.modules["fakefla"].ran
+    assert mod.NAME == 7 and os.environ["FAKEFLA_RAN"] == "1"
+
+
+def test_a_later_bare_import_that_needs_the_whole_package_falls_back_too(fake_fla):
+    fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
+    (mod,) = fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
+    assert mod.NAME == 7 and os.environ["FAKEFLA_RAN"] == "1"
 
 
 def test_once_the_package_is_whole_later_imports_are_as_usual(fake_fla):
@@ -105,18 +122,48 @@ def test_no_shipped_configs_change_nothing(monkeypatch):
         assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
 
 
-@pytest.mark.parametrize("var", ["FLA_CONFIG_DIR", "FLA_CACHE_MODE"])
-def test_the_users_own_fla_settings_win(tmp_path, monkeypatch, var):
+@pytest.fixture()
+def shipped(tmp_path, monkeypatch):
+    """A folder of configs for "NVIDIA H200" under a CONFIGS of the test's own, the user's
+    FLA_* unset."""
     folder = tmp_path / "NVIDIA_H200"
     fla_loading.write_config_files({"k": {"kernel_name": "k", "autotune_entries": {
         "a": _entry([1], 16)}}}, folder)
     monkeypatch.setattr(fla_loading, "CONFIGS", tmp_path)
     monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    return folder
+
+
+@pytest.mark.parametrize("var", ["FLA_CONFIG_DIR", "FLA_CACHE_MODE"])
+def test_the_users_own_fla_settings_win(shipped, monkeypatch, var):
     monkeypatch.setenv(var, "theirs")
     with fla_loading.tuned_configs("NVIDIA H200") as used:
         assert used is None
     assert os.environ[var] == "theirs"
+
+
+def test_fla_reads_the_shipped_configs_strictly_whenever_it_was_imported(shipped, monkeypatch):
+    """fla-core's cache module (here a stand-in: fla is not installed on CPU machines) read
+    FLA_CACHE_MODE when it was imported, maybe before: the mode is set on the module."""
+    import enum
+
+    cache = types.ModuleType("fla.ops.utils.cache")
+    cache.FlaCacheMode = enum.Enum("FlaCacheMode", {"DISABLED": "disabled", "STRICT": "strict"})
+    cache.FLA_CACHE_MODE = cache.FlaCacheMode.DISABLED
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", cache)
+    with fla_loading.tuned_configs("NVIDIA H200") as used:
+        assert used == shipped and os.environ["FLA_CONFIG_DIR"] == str(shipped)
+        assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT
+    assert "FLA_CACHE_MODE" not in os.environ  # (not exported to child processes)
+
+
+def test_without_fla_nothing_is_left_set_and_nothing_is_said(shipped, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", None)  # (its import fails)
+    with fla_loading.tuned_configs("NVIDIA H200") as used:
+        assert used is None
+    assert "FLA_CONFIG_DIR" not in os.environ and "FLA_CACHE_MODE" not in os.environ
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_the_shipped_folder_holds_fla_config_files():
