@@ -57,9 +57,14 @@
 #   serve     many streams (continuous batching), structured output, a soak of `layersplit
 #             serve` (SERVE=streams,structured,soak; default streams,structured)
 #   startup   `layersplit generate` from the command to the first token, empty caches then warm
-#             (STARTUP=generate,shape,capture,hybrid; default generate); STARTUP=serve: the
+#             (STARTUP=generate,shape,capture,hybrid,hybrid_bare; default generate; hybrid:
+#             the Qwen3.5-27B shape's first start with fla-core's configs shipped for the GPU,
+#             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1); STARTUP=serve: the
 #             first request after `layersplit serve` says ready, against the next ten, fresh
 #             and after a restart restoring from disk (the default model, 2 shards)      (T6)
+#   fla       fla-core's launch configs tuned on this GPU for the hybrid models' linear
+#             attention (bench/fla_configs.py, FLA_HEADS), merged into shards/kernels/
+#             fla_configs/<GPU>/ and brought back as $OUT/fla_configs.tgz (no row)
 #   agent     a scripted 10-turn agent session against `layersplit serve` (the default model, 2
 #             shards on cuda:0), restarted at turn 5, next to llama.cpp's server (llama-cpp-python,
 #             where /tmp/lcpsite has llama_cpp and its server's packages)                  (A1)
@@ -737,6 +742,12 @@ stage_startup() {  # T1-T4, T6
       --devices cuda:0 --repeats 1 --new-tokens 16 --max-context 4096 --max-seqs 1 \
       --json "$RUNS/startup_hybrid_autotuned.json"
   fi
+  if has "$cases" hybrid_bare; then  # (as hybrid's first run, fla's modules imported bare)
+    TAIL=14 run startup_hybrid_bare 150 env LAYERSPLIT_HOME="$(mktemp -d)" \
+      LAYERSPLIT_FLA_BARE_IMPORT=1 python3 bench/startup.py --model random:qwen3.5-27b \
+      --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 --max-seqs 1 \
+      --json "$RUNS/startup_hybrid_bare.json"
+  fi
   if has "$cases" serve; then  # the first request after "ready", fresh and after a restart
     default_model || return 1
     TAIL=30 run startup_serve 240 python3 bench/first_request.py --model default \
@@ -755,6 +766,12 @@ stage_agent() {  # A1
   row agent "$RUNS/agent.json" --cmd A1
   TAIL=8 run agent_keep 120 python3 bench/kept_answers.py --model default --devices \
     cuda:0,cuda:0 --tails 4,16,64,256,1024 --repeats 5 --json "$RUNS/agent_keep.json"
+}
+
+stage_fla() {  # fla-core's tuned configs for this GPU, regenerated (no row): $OUT/fla_configs.tgz
+  TAIL=8 run fla_configs 240 python3 bench/fla_configs.py --heads ${FLA_HEADS:-16x48,16x32,16x16} \
+    --lengths 64,1024,8192
+  tar czf "$OUT/fla_configs.tgz" shards/kernels/fla_configs
 }
 
 stage_park() { log "parked: $(ls /tmp/smol.part* 2> /dev/null | tr '\n' ' ')"; }
