@@ -31,6 +31,8 @@ residual adds and SiLU * up folded in, the rest of each stage compiled apart
 from __future__ import annotations
 
 import logging
+import os
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -192,11 +194,26 @@ def compile_failure(e: BaseException) -> bool:
 
 
 def torch_compile_failure(e: BaseException) -> bool:
-    """Whether `e` came out of Dynamo or Inductor: in the GEMV step, where our own Triton
-    kernels run too, a bare Triton error is taken for theirs (`HybridFast._try_gemv_step`;
-    one raised by a kernel Inductor generated would turn the GEMV kernels off too, and the
-    stages, still compiled, run: slower, not wrong)."""
-    return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor"))
+    """Whether `e` came out of Dynamo or Inductor: its type is theirs, or (a Triton error, in
+    the GEMV step where our own Triton kernels run too) the last frame it passed through
+    outside Triton is Inductor's runtime or code Inductor generated (`inductor_raised`)."""
+    return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor")) or \
+        inductor_raised(e)
+
+
+def inductor_raised(e: BaseException) -> bool:
+    """Whether the innermost frame of `e`'s traceback outside Triton's own package is in
+    torch's Inductor (its runtime, which compiles and launches the kernels it generated) or in
+    a module Inductor generated (under its cache folder: TORCHINDUCTOR_CACHE_DIR, which
+    `shards.compile_cache` sets, or its default, `torchinductor_<user>` in the path)."""
+    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+    outside = [f for f in frames if f"{os.sep}triton{os.sep}" not in f]
+    if not outside:
+        return False
+    last = outside[-1]
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return f"{os.sep}_inductor{os.sep}" in last or "torchinductor" in last or \
+        bool(cache) and last.startswith(os.path.join(cache, ""))
 
 
 class HybridFast:

@@ -5,6 +5,8 @@ included). The GPU tests compare the compiled stages (`tests/shards/test_hybrid_
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from layersplit.shards import fused_hybrid
@@ -177,3 +179,46 @@ def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybr
     assert failed and not fast.compiled  # it failed once, and the eager stages took over
     assert torch.allclose(plain.kv.state, fused.kv.state, atol=1e-5)
     assert torch.allclose(plain.kv.conv, fused.kv.conv, atol=1e-5)
+
+
+def _raised_from(path: str, error: type[BaseException]) -> BaseException:
+    """`error` raised by code whose file is `path` (as a traceback records it), called from
+    here, through a frame of Triton's own package."""
+    sep = os.sep
+    triton_file = f"{sep}venv{sep}site-packages{sep}triton{sep}compiler{sep}compiler.py"
+    inner = compile("def compile_it(error):\n    raise error('failed')\n", triton_file, "exec")
+    outer = compile("def launch(compile_it, error):\n    compile_it(error)\n", path, "exec")
+    scope: dict = {}
+    exec(inner, scope)
+    exec(outer, scope)
+    try:
+        scope["launch"](scope["compile_it"], error)
+    except error as e:
+        return e
+    raise AssertionError("nothing raised")
+
+
+class _TritonError(Exception):  # (a Triton error: its type's module is Triton's)
+    __module__ = "triton.compiler.errors"
+
+
+@pytest.mark.parametrize("where,inductors", [
+    (f"{os.sep}venv{os.sep}site-packages{os.sep}torch{os.sep}_inductor{os.sep}runtime"
+     f"{os.sep}triton_heuristics.py", True),
+    (f"{os.sep}tmp{os.sep}torchinductor_me{os.sep}ab{os.sep}cabcdef.py", True),
+    ("CACHE", True),  # (under TORCHINDUCTOR_CACHE_DIR: compile_cache's folder)
+    (f"{os.sep}repo{os.sep}shards{os.sep}kernels{os.sep}gemv.py", False),  # (ours)
+])
+def test_a_triton_error_is_inductors_where_inductors_code_launched_it(
+        tmp_path, monkeypatch, where, inductors):
+    """In the GEMV step our Triton kernels run beside the compiled stages' Inductor-generated
+    ones: a Triton error counts as torch.compile's (the stages then run uncompiled, the GEMV
+    kernels stay on) where the last frame outside Triton is Inductor's, else as the GEMV
+    kernels' (they turn off)."""
+    cache = tmp_path / "compile" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    path = str(cache / "ab" / "cabc.py") if where == "CACHE" else where
+    e = _raised_from(path, _TritonError)
+    assert fused_hybrid.inductor_raised(e) is inductors
+    assert fused_hybrid.torch_compile_failure(e) is inductors
+    assert fused_hybrid.compile_failure(e)  # (a Triton error in the stages: either way)
