@@ -95,7 +95,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { sed -n "2,/^set -uo/p" "$0" | sed "$ d"; exit 2; }
 known=" tests parity llamacpp decode prefill split spec cache hybrid moe mla ab families long \
-serve startup agent quant park "
+serve startup agent quant fla park "
 for s in "$@"; do
   [[ "$known" == *" $s "* ]] || { echo "unknown stage $s (stages:$known)"; exit 2; }
 done
@@ -769,8 +769,8 @@ stage_agent() {  # A1
 }
 
 stage_fla() {  # fla-core's tuned configs for this GPU, regenerated (no row): $OUT/fla_configs.tgz
-  TAIL=8 run fla_configs 240 python3 bench/fla_configs.py --heads ${FLA_HEADS:-16x48,16x32,16x16} \
-    --lengths 64,1024,8192
+  TAIL=8 run fla_configs 240 python3 bench/fla_configs.py \
+    --heads "${FLA_HEADS:-16x48,16x32,16x16}" --lengths 64,1024,8192 || return 1
   tar czf "$OUT/fla_configs.tgz" shards/kernels/fla_configs
 }
 

@@ -194,26 +194,41 @@ def compile_failure(e: BaseException) -> bool:
 
 
 def torch_compile_failure(e: BaseException) -> bool:
-    """Whether `e` came out of Dynamo or Inductor: its type is theirs, or (a Triton error, in
-    the GEMV step where our own Triton kernels run too) the last frame it passed through
-    outside Triton is Inductor's runtime or code Inductor generated (`inductor_raised`)."""
+    """Whether `e` came out of Dynamo or Inductor: its type is theirs, or (any error, a Triton
+    one above all, in the GEMV step where our own Triton kernels run too) the last frame it
+    passed through outside Triton is Inductor's runtime or code Inductor generated
+    (`inductor_raised`): then the stages run uncompiled and the GEMV kernels stay on."""
     return (type(e).__module__ or "").startswith(("torch._dynamo", "torch._inductor")) or \
         inductor_raised(e)
 
 
 def inductor_raised(e: BaseException) -> bool:
-    """Whether the innermost frame of `e`'s traceback outside Triton's own package is in
+    """Whether the innermost frame of `e`'s traceback outside Triton's own package (and
+    outside code made with `exec`, `<string>`, as Inductor's fallback launchers are) is in
     torch's Inductor (its runtime, which compiles and launches the kernels it generated) or in
-    a module Inductor generated (under its cache folder: TORCHINDUCTOR_CACHE_DIR, which
-    `shards.compile_cache` sets, or its default, `torchinductor_<user>` in the path)."""
-    frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
-    outside = [f for f in frames if f"{os.sep}triton{os.sep}" not in f]
-    if not outside:
+    a module Inductor generated (under TORCHINDUCTOR_CACHE_DIR, which Inductor and
+    `shards.compile_cache` set to an absolute folder)."""
+    triton_dir = _triton_dir()
+    last = None
+    for frame, _ in traceback.walk_tb(e.__traceback__):
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not (triton_dir and name.startswith(triton_dir)):
+            last = name
+    if last is None:
         return False
-    last = outside[-1]
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return f"{os.sep}_inductor{os.sep}" in last or "torchinductor" in last or \
+    return f"{os.sep}_inductor{os.sep}" in last or \
         bool(cache) and last.startswith(os.path.join(cache, ""))
+
+
+def _triton_dir() -> str | None:
+    """Triton's package folder (with a trailing separator), or None where it is missing."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    return os.path.join(os.path.dirname(spec.origin), "")
 
 
 class HybridFast:

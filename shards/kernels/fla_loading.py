@@ -61,7 +61,7 @@ def shipped_configs(gpu_name: str, root: Path | None = None) -> Path | None:
 # import_fla's and tuned_configs' changes to sys.modules and the environment are made under
 # this lock (shards load their kernels on one thread; a second one must not interleave)
 _LOCK = threading.RLock()
-_stubs: set[str] = set()  # the bare packages `import_fla` put in sys.modules, still there
+_stubs: dict[str, types.ModuleType] = {}  # the bare packages `import_fla` put in sys.modules
 
 
 def _bare_package(name: str) -> None:
@@ -81,19 +81,18 @@ def _bare_package(name: str) -> None:
     if version is not None:  # (fla's modules read `from fla import __version__`)
         module.__version__ = version
     sys.modules[name] = module
-    _stubs.add(name)
+    _stubs[name] = module
     parent, _, child = name.rpartition(".")
     if parent:
         setattr(sys.modules[parent], child, module)
 
 
-def _drop(top: str, stubs_only: bool) -> None:
-    """Take `top`'s bare packages (`stubs_only`), or every module under it, out of sys.modules:
-    the next import of them runs their real `__init__`s (submodules still loaded are reused)."""
-    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-        if not stubs_only or name in _stubs:
+def _drop(top: str) -> None:
+    """Take `top`'s bare packages out of sys.modules: the next import of them runs their real
+    `__init__`s (submodules still loaded are reused)."""
+    for name in [n for n in _stubs if n == top or n.startswith(top + ".")]:
+        if sys.modules.get(name) is _stubs.pop(name):
             del sys.modules[name]
-    _stubs.difference_update([n for n in _stubs if n == top or n.startswith(top + ".")])
 
 
 def _declared_version(init: str | None) -> str | None:
@@ -116,16 +115,20 @@ def import_fla(*names: str, heavy: tuple[str, ...] = HEAVY_PACKAGES,
         bare = switched_on(BARE_SWITCH)
     with _LOCK:
         if bare and not any(p in sys.modules for p in heavy):
-            for package in heavy:
-                _bare_package(package)
+            before = set(sys.modules)
             try:
+                for package in heavy:
+                    _bare_package(package)
                 return [importlib.import_module(n) for n in names]
             except ImportError as e:  # (a module that reads a name those `__init__`s define:
-                # the usual import, what loaded under the bare packages dropped)
+                # the usual import, what this call loaded under the bare packages dropped;
+                # what earlier calls loaded stays, as configured)
                 log.info("%s under bare packages failed (%s); importing them whole", names, e)
-                _drop(heavy[0], stubs_only=False)
+                for name in set(sys.modules) - before:
+                    if name == heavy[0] or name.startswith(heavy[0] + "."):
+                        del sys.modules[name]
             finally:
-                _drop(heavy[0], stubs_only=True)
+                _drop(heavy[0])
         return [importlib.import_module(n) for n in names]
 
 
@@ -139,8 +142,8 @@ def tuned_configs(gpu_name: str) -> Iterator[Path | None]:
     with _LOCK:
         folder = shipped_configs(gpu_name)
         ours = folder is not None and os.environ.get("FLA_CONFIG_DIR") == str(folder)
-        if folder is None or (not ours and ("FLA_CONFIG_DIR" in os.environ or
-                                            "FLA_CACHE_MODE" in os.environ)):
+        if folder is None or "FLA_CACHE_MODE" in os.environ or (
+                not ours and "FLA_CONFIG_DIR" in os.environ):
             yield None
             return
         os.environ["FLA_CONFIG_DIR"] = str(folder)  # (fla reads it at each lookup)
@@ -157,6 +160,9 @@ def tuned_configs(gpu_name: str) -> Iterator[Path | None]:
             yield None
             return
         yield folder
+        now = sys.modules.get("fla.ops.utils.cache")  # (a whole import of fla in the body
+        if now is not None and now is not cache:  # loaded the module again, from the
+            now.FLA_CACHE_MODE = now.FlaCacheMode.STRICT  # environment's mode)
 
 
 def _autotuners() -> Iterator[Any]:

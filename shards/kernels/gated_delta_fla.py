@@ -43,6 +43,8 @@ from layersplit.shards.kernels.fla_loading import import_fla, tuned_configs
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "LAYERSPLIT_FLA"
+# the modules fla-core 0.6's `causal_conv1d` imports inside each call (its circular imports)
+CONV_CALL_IMPORTS = ("fla.modules.causal_conv1d.backends.cuda", "fla.modules.causal_conv1d.cp")
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Conv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -98,6 +100,11 @@ def _load_fla_conv() -> Conv | None:
     try:
         with tuned_configs(_gpu_name()):
             (mod,) = import_fla("fla.modules.causal_conv1d")
+            for lazy in CONV_CALL_IMPORTS:  # (loaded now, not in the first prefill)
+                try:
+                    import_fla(lazy)
+                except Exception as e:  # noqa: BLE001 - the call imports it, or fails, itself
+                    log.debug("fla-core: %s not preloaded (%s)", lazy, e)
         causal_conv1d = mod.causal_conv1d
     except Exception as e:  # noqa: BLE001 - missing or broken: the torch conv, said once
         log.warning("causal conv on CUDA: the torch path runs, not fla-core's kernel: its "

@@ -57,7 +57,7 @@ RUN = textwrap.dedent("""
 """)
 
 
-def _run(tmp: Path, name: str, env: dict[str, str], write: bool) -> dict[str, int]:
+def _run(tmp: Path, name: str, env: dict[str, str], write: bool) -> dict:
     code = RUN.format(root=str(ROOT), saved=str(tmp / f"{name}.pt"), write=write,
                       configs=str(tmp / "configs"))
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}

@@ -63,6 +63,20 @@ def test_a_later_bare_import_that_needs_the_whole_package_falls_back_too(fake_fl
     assert mod.NAME == 7 and os.environ["FAKEFLA_RAN"] == "1"
 
 
+def test_a_fallback_keeps_what_earlier_bare_imports_loaded(fake_fla):
+    """(fla's config cache module, loaded bare first, keeps the mode set on it.)"""
+    (rule,) = fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
+    fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
+    assert sys.modules["fakefla.ops.rule"] is rule
+
+
+def test_a_missing_heavy_package_leaves_no_bare_package_behind(fake_fla):
+    (mod,) = fla_loading.import_fla("fakefla.needs_init", heavy=("fakefla", "fakefla.nosuch"),
+                                    bare=True)
+    assert mod.NAME == 7 and sys.modules["fakefla"].NAME == 7  # (the real one)
+    assert not fla_loading._stubs
+
+
 def test_once_the_package_is_whole_later_imports_are_as_usual(fake_fla):
     fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
     with pytest.raises(RuntimeError, match="fakefla.ops ran"):  # (its real __init__ now)
@@ -143,6 +157,15 @@ def test_the_users_own_fla_settings_win(shipped, monkeypatch, var):
     assert os.environ[var] == "theirs"
 
 
+def test_the_users_cache_mode_wins_beside_the_folder_we_set(shipped, monkeypatch):
+    """(FLA_CONFIG_DIR stays set after a first use: a process started from this one, or a
+    later call, with FLA_CACHE_MODE set by the user still reads no configs.)"""
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(shipped))
+    monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
+    with fla_loading.tuned_configs("NVIDIA H200") as used:
+        assert used is None
+
+
 def test_fla_reads_the_shipped_configs_strictly_whenever_it_was_imported(shipped, monkeypatch):
     """fla-core's cache module (here a stand-in: fla is not installed on CPU machines) read
     FLA_CACHE_MODE when it was imported, maybe before: the mode is set on the module."""
@@ -156,6 +179,23 @@ def test_fla_reads_the_shipped_configs_strictly_whenever_it_was_imported(shipped
         assert used == shipped and os.environ["FLA_CONFIG_DIR"] == str(shipped)
         assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT
     assert "FLA_CACHE_MODE" not in os.environ  # (not exported to child processes)
+
+
+def test_a_cache_module_imported_again_inside_reads_the_configs_too(shipped, monkeypatch):
+    """(A whole import of fla inside the `with`, after a bare one fell back, may load fla's
+    cache module again, reading the environment's mode.)"""
+    import enum
+
+    def fake():
+        m = types.ModuleType("fla.ops.utils.cache")
+        m.FlaCacheMode = enum.Enum("FlaCacheMode", {"DISABLED": "d", "STRICT": "s"})
+        m.FLA_CACHE_MODE = m.FlaCacheMode.DISABLED
+        return m
+
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", fake())
+    with fla_loading.tuned_configs("NVIDIA H200"):
+        again = sys.modules["fla.ops.utils.cache"] = fake()
+    assert again.FLA_CACHE_MODE is again.FlaCacheMode.STRICT
 
 
 def test_without_fla_nothing_is_left_set_and_nothing_is_said(shipped, monkeypatch, caplog):

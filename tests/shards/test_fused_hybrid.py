@@ -181,18 +181,21 @@ def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybr
     assert torch.allclose(plain.kv.conv, fused.kv.conv, atol=1e-5)
 
 
+TRITON = f"{os.sep}venv{os.sep}site-packages{os.sep}triton{os.sep}"  # (its folder, here)
+
+
 def _raised_from(path: str, error: type[BaseException]) -> BaseException:
     """`error` raised by code whose file is `path` (as a traceback records it), called from
-    here, through a frame of Triton's own package."""
-    sep = os.sep
-    triton_file = f"{sep}venv{sep}site-packages{sep}triton{sep}compiler{sep}compiler.py"
+    here, through a launcher made with `exec` and a frame of Triton's own package."""
+    triton_file = f"{TRITON}compiler{os.sep}compiler.py"
     inner = compile("def compile_it(error):\n    raise error('failed')\n", triton_file, "exec")
-    outer = compile("def launch(compile_it, error):\n    compile_it(error)\n", path, "exec")
+    launcher = compile("def launcher(f, error):\n    f(error)\n", "<string>", "exec")
+    outer = compile("def launch(launcher, f, error):\n    launcher(f, error)\n", path, "exec")
     scope: dict = {}
-    exec(inner, scope)
-    exec(outer, scope)
+    for code in (inner, launcher, outer):
+        exec(code, scope)
     try:
-        scope["launch"](scope["compile_it"], error)
+        scope["launch"](scope["launcher"], scope["compile_it"], error)
     except error as e:
         return e
     raise AssertionError("nothing raised")
@@ -205,18 +208,20 @@ class _TritonError(Exception):  # (a Triton error: its type's module is Triton's
 @pytest.mark.parametrize("where,inductors", [
     (f"{os.sep}venv{os.sep}site-packages{os.sep}torch{os.sep}_inductor{os.sep}runtime"
      f"{os.sep}triton_heuristics.py", True),
-    (f"{os.sep}tmp{os.sep}torchinductor_me{os.sep}ab{os.sep}cabcdef.py", True),
     ("CACHE", True),  # (under TORCHINDUCTOR_CACHE_DIR: compile_cache's folder)
     (f"{os.sep}repo{os.sep}shards{os.sep}kernels{os.sep}gemv.py", False),  # (ours)
+    (f"{os.sep}opt{os.sep}triton{os.sep}repo{os.sep}shards{os.sep}kernels{os.sep}gemv.py",
+     False),  # (ours, in a folder named triton: not Triton's package)
 ])
 def test_a_triton_error_is_inductors_where_inductors_code_launched_it(
         tmp_path, monkeypatch, where, inductors):
     """In the GEMV step our Triton kernels run beside the compiled stages' Inductor-generated
     ones: a Triton error counts as torch.compile's (the stages then run uncompiled, the GEMV
-    kernels stay on) where the last frame outside Triton is Inductor's, else as the GEMV
-    kernels' (they turn off)."""
+    kernels stay on) where the last frame outside Triton (and `exec`'d launchers) is
+    Inductor's, else as the GEMV kernels' (they turn off)."""
     cache = tmp_path / "compile" / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(fused_hybrid, "_triton_dir", lambda: TRITON)
     path = str(cache / "ab" / "cabc.py") if where == "CACHE" else where
     e = _raised_from(path, _TritonError)
     assert fused_hybrid.inductor_raised(e) is inductors
