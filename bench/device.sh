@@ -59,7 +59,8 @@
 #   startup   `layersplit generate` from the command to the first token, empty caches then warm
 #             (STARTUP=generate,shape,capture,hybrid,hybrid_bare; default generate; hybrid:
 #             the Qwen3.5-27B shape's first start with fla-core's configs shipped for the GPU,
-#             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1); STARTUP=serve: the
+#             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1; hybrid_profile:
+#             py-spy over the first, summed in $OUT/startup_hybrid_profile.md); STARTUP=serve: the
 #             first request after `layersplit serve` says ready, against the next ten, fresh
 #             and after a restart restoring from disk (the default model, 2 shards)      (T6)
 #   fla       fla-core's launch configs tuned on this GPU for the hybrid models' linear
@@ -747,6 +748,15 @@ stage_startup() {  # T1-T4, T6
       LAYERSPLIT_FLA_BARE_IMPORT=1 python3 bench/startup.py --model random:qwen3.5-27b \
       --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 --max-seqs 1 \
       --json "$RUNS/startup_hybrid_bare.json"
+  fi
+  if has "$cases" hybrid_profile; then  # (where a first start's time goes: py-spy, no row)
+    TAIL=60 run startup_hybrid_profile 200 env LAYERSPLIT_HOME="$(mktemp -d)" \
+      /tmp/site/bin/py-spy record --subprocesses --nonblocking --format raw -r 40 \
+      -o "$RUNS/startup_hybrid_profile.txt" -- python3 bench/startup.py \
+      --model random:qwen3.5-27b --devices cuda:0 --repeats 1 --new-tokens 16 \
+      --max-context 4096 --max-seqs 1 &&
+      python3 bench/pyspy_summary.py "$RUNS/startup_hybrid_profile.txt" --top 20 \
+        > "$OUT/startup_hybrid_profile.md"
   fi
   if has "$cases" serve; then  # the first request after "ready", fresh and after a restart
     default_model || return 1
