@@ -49,10 +49,15 @@ Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Conv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+_devices: list[torch.device] = []  # the first CUDA device fla-core was asked for (`delta_rules`)
+
+
 def _gpu_name() -> str:
-    """The current CUDA device's model name (whose tuned configs `fla_loading` ships)."""
+    """The model name of the CUDA device fla-core's kernels run on (whose tuned configs
+    `fla_loading` ships): the first one `delta_rules` was asked for, else the current one."""
     try:
-        return torch.cuda.get_device_name(torch.cuda.current_device())
+        return torch.cuda.get_device_name(_devices[0] if _devices else
+                                           torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - no device to name: no shipped configs
         return ""
 
@@ -145,6 +150,8 @@ def delta_rules(device: torch.device | str) -> tuple[Rule, Rule] | None:
         return None
     if _broken:
         return None
+    if not _devices:
+        _devices.append(torch.device(device))
     rules, why = _load_fla()
     _note(why if rules is None else None)
     return rules
