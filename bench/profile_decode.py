@@ -92,28 +92,28 @@ def main() -> None:
     tok = torch.tensor([5] * b)
     slots = list(range(b))
 
-    def step(pos: int) -> None:
+    def decode_step(pos: int) -> None:
         """One decode step, its tokens drawn (the worker's greedy draw, a sync)."""
         out = ex.run(tok, pos) if b == 1 else ex.static.run_batch(tok, slots, [pos] * b)
         greedy_draw(out.reshape(b, -1))[1].tolist()
 
     t0 = time.perf_counter()
     for i in range(3):
-        step(args.kv + i)
+        decode_step(args.kv + i)
     if cuda:
         torch.cuda.synchronize()
     warm = time.perf_counter() - t0
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
-        step(args.kv + 3)
+        decode_step(args.kv + 3)
         times.append(time.perf_counter() - t)
     times.sort()
     med = times[len(times) // 2]
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                  ) as prof:
         for _ in range(args.profile_steps):
-            step(args.kv + 3)
+            decode_step(args.kv + 3)
     with tempfile.TemporaryDirectory() as d:
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))

@@ -79,7 +79,7 @@ ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # kernel and the copy, the gather and the scatter): the Qwen3.5-27B shape's 8 streams 398.4
 # against 343.8 tok/s (1.16 x), batch 1 unchanged (66.8 / 66.7, 1.002 x; H200, 2026-12-01)
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
-ROWS_KERNEL = "gated delta rule over slots"  # (`try_kernel`'s name of `_slots_rule`'s kernel)
+ROWS_KERNEL = "gated delta rule over slots"  # (the name `_rows_rule`'s kernel fails under)
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -381,13 +381,12 @@ class HybridFast:
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
                 a.head_v_dim)
-            o = self._row_rule(q, k, v, g, beta, state) if self.state_in_place and \
-                not kernel_failed(ROWS_KERNEL) else None  # (`STATE_IN_PLACE_SWITCH`)
-            if o is not None:
-                o, new_state = o
-            else:
-                rule = pick_rule(h.device, True, recurrent_gated_delta_rule)
-                o, new_state = rule(q, k, v, g, beta, state)
+            ruled = (self._rows_rule(q, k, v, g, beta, state)  # (`STATE_IN_PLACE_SWITCH`)
+                     if self._rows_kernel_takes(h) else None)
+            if ruled is None:
+                ruled = pick_rule(h.device, True, recurrent_gated_delta_rule)(
+                    q, k, v, g, beta, state)
+            o, new_state = ruled
             o = lin_gate(o, z, a.norm.weight, a.norm.eps)
             h = gemv(o, a.out_proj.weight, residual=h, cfg=plain_launch(o.shape[1]))
             advance = (conv_state, state, new_conv, new_state)
@@ -414,47 +413,43 @@ class HybridFast:
                 state.copy_(new_state)
         return h
 
-    def _row_rule(self, q, k, v, g, beta, state: torch.Tensor):
-        """The one-row step's delta rule through the rows kernel: (out, None) with the state
-        advanced in place inside a capture, else (out, the new state) for the caller to write
-        back last; None where the kernel failed outside a capture (then off under its own
-        name, `ROWS_KERNEL`, not the GEMV kernels'; fla's rule answers)."""
+    def _rows_kernel_takes(self, h: torch.Tensor) -> bool:
+        """Whether a step's delta rule is the rows kernel (`_rows_rule`): switched on, where the
+        Triton kernels run, and it has not failed."""
+        return self.state_in_place and fused_kernels_available(h.device) and \
+            not kernel_failed(ROWS_KERNEL)
+
+    def _rows_rule(self, q, k, v, g, beta, states: torch.Tensor,
+                   slots: torch.Tensor | None = None):
+        """The delta rule through the rows kernel, over one row's state `states` (1, Hv, Dk,
+        Dv), or with `slots` (a batched step) over a layer's pool of them (S, Hv, Dk, Dv), each
+        row reading its slot's: (out, None) with the states advanced in place inside a capture,
+        else (out, the new states (B, Hv, Dk, Dv)) for the caller to write back last
+        (`STATE_IN_PLACE_SWITCH` says why); None where the kernel failed outside a capture
+        (then off under its own name, `ROWS_KERNEL`, not the GEMV kernels': fla's rule
+        answers)."""
         from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
 
         if self._advances_in_place():
-            return recurrent_rows(q, k, v, g, beta, state, state.unsqueeze(1)), None
-        into = torch.empty((1, *state.shape), dtype=torch.float32, device=state.device)
+            into = states if slots is not None else states.unsqueeze(1)
+            return recurrent_rows(q, k, v, g, beta, states, into, slots), None
+        into = torch.empty((q.shape[0], 1, *states.shape[1:]), dtype=torch.float32,
+                           device=states.device)
         try:
-            return recurrent_rows(q, k, v, g, beta, state, into), into[0]
+            return recurrent_rows(q, k, v, g, beta, states, into, slots), into[:, 0]
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
         except Exception as e:  # noqa: BLE001 - the kernel off; fla's rule instead
             note_kernel_failure(ROWS_KERNEL, e)
             return None
 
-    def _rows_kernel_takes(self, h: torch.Tensor) -> bool:
-        """Whether a batched step's delta rule is the rows kernel over the slots
-        (`_slots_rule`): switched on, where the Triton kernels run, and it has not failed."""
-        return self.state_in_place and fused_kernels_available(h.device) and \
-            not kernel_failed(ROWS_KERNEL)
-
     def _slots_rule(self, q, k, v, g, beta, pool: torch.Tensor, slots: torch.Tensor):
         """A batched step's delta rule, each row reading its slot's state in `pool` (one
-        layer's (S, Hv, Dk, Dv)): (out, None) with the states advanced in their slots inside
-        a capture, else (out, the new states (B, Hv, Dk, Dv)) for the caller to write back
-        last (`STATE_IN_PLACE_SWITCH` says why)."""
-        from layersplit.shards.kernels.gated_delta_rows import recurrent_rows
-
-        if self._advances_in_place():
-            return recurrent_rows(q, k, v, g, beta, pool, pool, slots), None
-        into = torch.empty((q.shape[0], 1, *pool.shape[1:]), dtype=torch.float32,
-                           device=pool.device)
-        try:
-            return recurrent_rows(q, k, v, g, beta, pool, into, slots), into[:, 0]
-        except (torch.cuda.OutOfMemoryError, IndexError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the kernel off; the gathered states, fla's rule
-            note_kernel_failure(ROWS_KERNEL, e)
+        layer's (S, Hv, Dk, Dv)): `_rows_rule`'s, or where its kernel failed fla's rule over
+        the gathered states (out, the new states)."""
+        ruled = self._rows_rule(q, k, v, g, beta, pool, slots)
+        if ruled is not None:
+            return ruled
         rule = pick_rule(pool.device, True, recurrent_gated_delta_rule)
         return rule(q, k, v, g, beta, pool.index_select(0, slots))
 

@@ -182,12 +182,22 @@ def _autotuners() -> Iterator[Any]:
                 yield value
 
 
+def kernel_name(tuner: Any) -> str:
+    """An autotuner's kernel: its Python function's name (fla's `kernel_name`), under any
+    wrappers."""
+    from triton.runtime.jit import JITFunction
+
+    fn = tuner.fn
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn.fn.__name__
+
+
 def config_files() -> dict[str, dict[str, Any]]:
     """fla-core's config files ({kernel name}.json, its `KernelConfigFile` layout) for every
     config its autotuners chose in this process: what `bench/fla_configs.py` ships."""
     import triton
     from fla.ops.utils.cache import AutotuneKey, CachedAutotuner
-    from triton.runtime.jit import JITFunction
 
     files: dict[str, dict[str, Any]] = {}
     owner: dict[str, int] = {}
@@ -196,10 +206,7 @@ def config_files() -> dict[str, dict[str, Any]]:
     for tuner in _autotuners():
         if not tuner.cache or not isinstance(tuner, CachedAutotuner):  # (Triton's own
             continue  # autotune reads no config file)
-        fn = tuner.fn
-        while not isinstance(fn, JITFunction):
-            fn = fn.fn
-        name = fn.fn.__name__  # (the kernel's Python function: fla's `kernel_name`)
+        name = kernel_name(tuner)
         if owner.setdefault(name, id(tuner)) != id(tuner):
             shared.add(name)
         for key, cfg in tuner.cache.items():

@@ -43,14 +43,8 @@ RUN = textwrap.dedent("""
     with torch.no_grad():
         out, _ = layer(x, conv, state, recurrent=False)
     torch.save({{"out": out.cpu(), "state": state.cpu()}}, {saved!r})
-    from triton.runtime.jit import JITFunction
-    timed = []
-    for t in fla_loading._autotuners():
-        if getattr(t, "configs_timings", None):
-            fn = t.fn
-            while not isinstance(fn, JITFunction):
-                fn = fn.fn
-            timed.append(fn.fn.__name__)
+    timed = [fla_loading.kernel_name(t) for t in fla_loading._autotuners()
+             if getattr(t, "configs_timings", None)]
     files = fla_loading.config_files() if {write!r} else {{}}
     n = fla_loading.write_config_files(files, folder) if files else 0
     print("RESULT", json.dumps({{"timed": timed, "written": sorted(files), "entries": n}}))
