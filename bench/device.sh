@@ -60,7 +60,9 @@
 #             (STARTUP=generate,shape,capture,hybrid,hybrid_bare; default generate; hybrid:
 #             the Qwen3.5-27B shape's first start with fla-core's configs shipped for the GPU,
 #             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1; hybrid_profile:
-#             py-spy over the first, summed in $OUT/startup_hybrid_profile.md); STARTUP=serve: the
+#             py-spy over the first, summed in $OUT/startup_hybrid_profile.md; hybrid_ab: T4 with
+#             LAYERSPLIT_HYBRID_PREWARM=1 then 0, twice; fla_import: fla-core's import bare and
+#             whole, three times each, no row); STARTUP=serve: the
 #             first request after `layersplit serve` says ready, against the next ten, fresh
 #             and after a restart restoring from disk (the default model, 2 shards)      (T6)
 #   fla       fla-core's launch configs tuned on this GPU for the hybrid models' linear
@@ -748,6 +750,29 @@ stage_startup() {  # T1-T4, T6
       LAYERSPLIT_FLA_BARE_IMPORT=1 python3 bench/startup.py --model random:qwen3.5-27b \
       --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 --max-seqs 1 \
       --json "$RUNS/startup_hybrid_bare.json"
+  fi
+  if has "$cases" fla_import; then  # fla-core's import, bare and whole, processes in turn (no row)
+    for i in 1 2 3; do
+      for bare in 1 0; do
+        TAIL=1 run "fla_import_${bare}_$i" 60 env LAYERSPLIT_FLA_BARE_IMPORT=$bare python3 -c "
+import time, torch
+from layersplit.shards.kernels.fla_loading import import_fla
+t = time.perf_counter()
+import_fla('fla.ops.gated_delta_rule', 'fla.modules.causal_conv1d', 'fla.ops.utils.cache')
+print('fla import, bare=$bare: %.2f s' % (time.perf_counter() - t))"
+      done
+    done
+  fi
+  if has "$cases" hybrid_ab; then  # T4 with the prefill kernels compiled ahead and fla-core
+    # imported beside the load (`shards.hybrid_prewarm`) against neither, processes in turn
+    for i in 1 2; do
+      for on in 1 0; do
+        TAIL=12 run "startup_hybrid_ab_${on}_$i" 150 env LAYERSPLIT_HOME="$(mktemp -d)" \
+          LAYERSPLIT_HYBRID_PREWARM=$on python3 bench/startup.py --model random:qwen3.5-27b \
+          --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 --max-seqs 1 \
+          --json "$RUNS/startup_hybrid_ab_${on}_$i.json"
+      done
+    done
   fi
   if has "$cases" hybrid_profile; then  # (where a first start's time goes: py-spy, no row)
     TAIL=60 run startup_hybrid_profile 200 env LAYERSPLIT_HOME="$(mktemp -d)" \

@@ -27,26 +27,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from layersplit.shards.hybrid_prewarm import build_layer, prewarm_layer  # noqa: E402
 from layersplit.shards.kernels import fla_loading  # noqa: E402
 from layersplit.shards.kernels.gated_delta_fla import delta_rules  # noqa: E402
-from layersplit.shards.layers.gated_delta import GatedDeltaNet  # noqa: E402
 
 
-def run_layer(hk: int, hv: int, lengths: list[int], dtype: torch.dtype, dev: str) -> None:
-    """A prefill chunk of each length through a random `GatedDeltaNet` of these heads."""
-    layer = GatedDeltaNet(256, hk, hv, 128, 128, 4, 1e-6, fused_projections=False)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.02)
-        layer.A_log.uniform_(0, 1)
-    layer = layer.to(dev, dtype)
-    for n in lengths:
-        x = torch.randn(1, n, 256, device=dev, dtype=dtype)
-        conv_state = torch.zeros(1, layer.conv_dim, 3, device=dev, dtype=dtype)
-        state = torch.zeros(1, hv, 128, 128, device=dev, dtype=torch.float32)
-        with torch.no_grad():
-            layer(x, conv_state, state, recurrent=False)
-    torch.cuda.synchronize(dev)
+def run_layer(hk: int, hv: int, lengths: list[int], dtype: str, dev: str) -> None:
+    """A prefill chunk of each length through a random `GatedDeltaNet` of these heads
+    (`shards.hybrid_prewarm`'s, as a shard's first start compiles them)."""
+    shape = {"hidden_size": 256, "num_k_heads": hk, "num_v_heads": hv, "head_k_dim": 128,
+             "head_v_dim": 128, "conv_kernel": 4, "eps": 1e-6, "fused_projections": False,
+             "dtype": dtype, "fuse": False}
+    prewarm_layer(build_layer(shape, torch.device(dev)), tuple(lengths))
 
 
 def main() -> None:
@@ -72,7 +64,7 @@ def main() -> None:
         for pair in args.heads.split(","):
             hk, hv = (int(x) for x in pair.split("x"))
             t0 = time.perf_counter()
-            run_layer(hk, hv, lengths, getattr(torch, dtype), args.device)
+            run_layer(hk, hv, lengths, dtype, args.device)
             print(f"{gpu}: {hk} x {hv} heads, {dtype}: tuned in {time.perf_counter() - t0:.1f} s",
                   flush=True)
     out = Path(args.out) if args.out else fla_loading.CONFIGS / fla_loading.gpu_dir_name(gpu)

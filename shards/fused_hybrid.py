@@ -471,15 +471,20 @@ def fused_hybrid_switched_off() -> bool:
     return switched_off(ENV_SWITCH)
 
 
+def fuses(cfg) -> bool:
+    """Whether `fuse_hybrid` fuses a hybrid model of config `cfg` (on a GPU)."""
+    return not fused_hybrid_switched_off() and cfg.hidden_act == "silu"
+
+
 def fuse_hybrid(model, compile: bool = True) -> bool:
     """Fuse the projections of every layer of a hybrid range and install the fused one-token
     step; False (nothing changed) where switched off or the MLP's activation is not SiLU."""
-    if fused_hybrid_switched_off():
-        log.info("%s=0: hybrid decode steps run unfused", ENV_SWITCH)
-        return False
-    if model.cfg.hidden_act != "silu":
-        log.warning("hybrid layers with hidden_act=%s run unfused (the fused step is SwiGLU)",
-                    model.cfg.hidden_act)
+    if not fuses(model.cfg):
+        if fused_hybrid_switched_off():
+            log.info("%s=0: hybrid decode steps run unfused", ENV_SWITCH)
+        else:
+            log.warning("hybrid layers with hidden_act=%s run unfused (the fused step is "
+                        "SwiGLU)", model.cfg.hidden_act)
         return False
     fast = HybridFast(compile)
     for layer in model.layers:

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -38,6 +39,7 @@ from layersplit.ipc.sockets import bind_router, context, recv, send
 from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.token_board import TokenBoard
 from layersplit.ipc.transport import zmq_tensor
+from layersplit.shards import hybrid_prewarm
 from layersplit.shards.asked import asked
 from layersplit.shards.busy_clock import BusyClock
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
@@ -48,6 +50,7 @@ from layersplit.shards.early_moves import EarlyMoves
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.kernel_profile import kernel_profile
+from layersplit.shards.kernels.gated_delta_fla import prefetch as prefetch_fla
 from layersplit.shards.parked_rows import ParkedRows
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, block_ms, snap_op
 from layersplit.shards.worker_cache import ShardCacheOps
@@ -144,6 +147,14 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
+        # (a hybrid range on a GPU: fla-core's import, and on a machine's first start the
+        # compile of its prefill kernels, beside the weights' load; `shards.hybrid_prewarm`)
+        self.prewarm_shape = hybrid_prewarm.shape_of(self.cfg, spec.start, spec.end, spec.dtype)
+        self.prewarm: subprocess.Popen | None = None
+        if self.prewarm_shape is not None:
+            prefetch_fla(self.device)
+            self.prewarm = hybrid_prewarm.spawn(self.cfg, spec.start, spec.end, self.device,
+                                                spec.dtype)
         self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
                                       self.device, spec.weight_format)
         self.load_s = time.perf_counter() - t0
@@ -347,6 +358,7 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         self.running = False
 
     def close(self) -> None:
+        hybrid_prewarm.stop(self.prewarm)
         if self.trace is not None:
             self.trace.close()
         self._close_links()

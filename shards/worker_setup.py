@@ -22,7 +22,7 @@ from layersplit.ipc.peers import expect, handshake
 from layersplit.ipc.sockets import connect_dealer, request, ring_doorbell
 from layersplit.ipc.token_board import TokenBoard
 from layersplit.ipc.transport import ZmqSender
-from layersplit.shards import compile_cache
+from layersplit.shards import compile_cache, hybrid_prewarm
 from layersplit.shards.executor import MAX_VERIFY_ROWS, RangeExecutor
 from layersplit.shards.fused import fuse_projections, warm_prefill
 from layersplit.shards.host_kv import HostKVPool
@@ -281,6 +281,10 @@ class ShardSetup:
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
+        if self.prewarm_shape is not None:  # a hybrid's prefill kernels: compiled ahead by
+            hybrid_prewarm.finish(self.prewarm)  # the process the shard started, loaded now
+            self.prewarm = None
+            hybrid_prewarm.warm(self.model, self.prewarm_shape)
         state = "off" if cache is None else "reused" if entry is not None else "written"
         if cache is not None and entry is None:
             cache.record(what, time.perf_counter() - t0, graphs)

@@ -1,0 +1,204 @@
+"""fla-core's prefill kernels of a hybrid model compiled ahead, by a process of their own, while
+the shard loads its weights and compiles its step graphs.
+
+On a machine's first start (an empty compile cache) the Qwen3.5-27B shape's first request spent
+~6 s of its 10.9 s to the first token compiling fla-core's chunked delta rule and causal conv
+(Triton; py-spy over `bench/startup.py`, H200, 2026-12-01, with the tuned configs shipped; every
+candidate config timed as well where none are). A shard of a range with linear-attention layers
+on a GPU starts this process as it starts (`spawn`), unless the compile cache says it was done
+for this shape: it builds one `GatedDeltaNet` of the model's shape with random weights on the
+same device, runs its prefill forward at `LENGTHS` (the conv's kernel is specialised on a length
+divisible by 16 or not), writes its compile cache entry and exits. Triton's cache, which the
+two processes share, then holds the kernels. The shard, at its warm-up, waits for it (`finish`)
+and runs the same forward on its own first linear layer (`warm`), which loads them instead of
+compiling them: paid before "ready", beside the step graphs' compile, not by the first request.
+A shard of such a range also imports fla-core in a thread of its own while it loads its weights
+(`gated_delta_fla.prefetch`). `LAYERSPLIT_HYBRID_PREWARM=0`: neither (the first request compiles).
+
+    python -m layersplit.shards.hybrid_prewarm '{"device": "cuda:0", ...}'   # (`spawn`'s call)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+from layersplit.shards import compile_cache
+from layersplit.shards.kernels import switched_off
+from layersplit.shards.kernels.gated_delta_fla import fla_switched_off
+
+log = logging.getLogger(__name__)
+
+LENGTHS = (64, 37)  # prefill rows run: a multiple of 16 and not (Triton specialises on it)
+SWITCH = "LAYERSPLIT_HYBRID_PREWARM"  # 0: no process, no import thread
+WAIT_S = 300.0  # the longest a shard's warm-up waits for the process (an autotune included)
+
+
+def shape_of(cfg: Any, start: int, end: int, dtype: str) -> dict[str, Any] | None:
+    """What the process builds for layers start:end of a model of config `cfg` (a
+    `GatedDeltaNet`'s arguments, the run's dtype, whether the shard fuses its projections), or
+    None where the range has no linear-attention layer (or SWITCH is off)."""
+    from layersplit.shards.fused_hybrid import fuses
+
+    spec = getattr(cfg, "hybrid", None)
+    if spec is None or switched_off(SWITCH) or not any(
+            spec.is_linear(i) for i in range(start, end)):
+        return None
+    return {"hidden_size": cfg.hidden_size, "num_k_heads": spec.num_key_heads,
+            "num_v_heads": spec.num_value_heads, "head_k_dim": spec.key_head_dim,
+            "head_v_dim": spec.value_head_dim, "conv_kernel": spec.conv_kernel,
+            "eps": cfg.rms_norm_eps, "fused_projections": spec.fused_projections,
+            "dtype": dtype, "fuse": fuses(cfg)}
+
+
+def _what(shape: dict[str, Any]) -> dict[str, Any]:
+    """The compile cache entry that says these kernels were compiled (`CompileCache.lookup`)."""
+    return {"model": "fla-prefill", "layers": ["", ""], "shape": shape,
+            "lengths": list(LENGTHS)}
+
+
+def _done(shape: dict[str, Any]) -> bool:
+    cache = compile_cache.current()
+    return cache is not None and cache.lookup(_what(shape)) is not None
+
+
+def spawn(cfg: Any, start: int, end: int, device: torch.device,
+          dtype: str) -> subprocess.Popen | None:
+    """Start the process for a shard of layers start:end on `device` (after `use_device`: it
+    inherits the compile cache's environment), or None where nothing is to compile: not a GPU,
+    fla-core switched off, no linear-attention layer, no compile cache, or its entry there."""
+    if device.type != "cuda" or fla_switched_off() or compile_cache.current() is None:
+        return None
+    shape = shape_of(cfg, start, end, dtype)
+    if shape is None or _done(shape):
+        return None
+    args = {"device": str(device), "parent_pid": os.getpid(), "shape": shape}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "layersplit.shards.hybrid_prewarm",
+                                 json.dumps(args)], stdin=subprocess.DEVNULL)
+    except OSError as e:  # (the shard compiles them itself, as before)
+        log.warning("fla-core's prefill kernels not compiled ahead: %s", e)
+        return None
+    log.info("fla-core's prefill kernels compiling ahead in process %d", proc.pid)
+    return proc
+
+
+def finish(proc: subprocess.Popen | None, timeout: float = WAIT_S) -> None:
+    """Wait for `spawn`'s process (at most `timeout` seconds: then it is ended); its failure is
+    logged, and the shard's own forward (`warm`) compiles what it did not."""
+    if proc is None:
+        return
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        log.warning("fla-core's prefill kernels: the process compiling them ahead took more "
+                    "than %.0f s; ended, this shard compiles what it left", timeout)
+        return
+    if rc != 0:
+        log.warning("fla-core's prefill kernels: the process compiling them ahead exited with "
+                    "%d (its log says why); this shard compiles them", rc)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """End `spawn`'s process if it still runs (the shard closing before its warm-up)."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def prewarm_layer(layer: torch.nn.Module, lengths: tuple[int, ...] = LENGTHS) -> None:
+    """Run `layer`'s (a `GatedDeltaNet`) prefill forward on random rows at each of `lengths`,
+    with states of its own (the layer's weights and any sequence's states are left as they
+    were): what a first prefill compiles, compiled (or loaded from Triton's cache) now."""
+    w = layer.out_proj.weight
+    with torch.no_grad():
+        for n in lengths:
+            x = torch.randn(1, n, w.shape[0], dtype=w.dtype, device=w.device) * 0.1
+            conv_state = torch.zeros(1, *layer.conv_state_shape(), dtype=w.dtype,
+                                     device=w.device)
+            state = torch.zeros(1, *layer.state_shape(), dtype=torch.float32, device=w.device)
+            layer(x, conv_state, state, recurrent=False)
+    if w.device.type == "cuda":
+        torch.cuda.synchronize(w.device)
+
+
+def warm(model: Any, shape: dict[str, Any] | None) -> None:
+    """A shard's own `prewarm_layer` on its range's first linear-attention layer, on a GPU
+    (elsewhere nothing compiles); then the compile cache entry of `shape` (`shape_of`) written
+    where `spawn`'s process did not write it, so that the next start spawns none."""
+    layers = [layer for layer in getattr(model, "layers", ()) if getattr(layer, "linear", False)]
+    if not layers or shape is None:
+        return
+    attn = layers[0].linear_attn
+    if attn.out_proj.weight.device.type != "cuda" or fla_switched_off():
+        return
+    t0 = time.perf_counter()
+    prewarm_layer(attn)
+    seconds = time.perf_counter() - t0
+    log.debug("fla-core's prefill kernels warm in %.1f s", seconds)
+    cache = compile_cache.current()
+    if cache is not None and not _done(shape):
+        cache.record(_what(shape), seconds, 0)
+
+
+def build_layer(shape: dict[str, Any], device: torch.device) -> torch.nn.Module:
+    """A `GatedDeltaNet` of `shape` (`shape_of`) with random weights on `device`, its
+    projections fused where the shard's are."""
+    from layersplit.shards.dtypes import torch_dtype
+    from layersplit.shards.layers.gated_delta import GatedDeltaNet
+
+    with torch.device(device):
+        layer = GatedDeltaNet(shape["hidden_size"], shape["num_k_heads"], shape["num_v_heads"],
+                              shape["head_k_dim"], shape["head_v_dim"], shape["conv_kernel"],
+                              shape["eps"], shape["fused_projections"])
+    layer = layer.to(torch_dtype(shape["dtype"]))
+    with torch.no_grad():
+        layer.A_log.uniform_(0.0, 2.0)  # (decays in (0, 1), as a checkpoint's)
+        layer.conv1d.weight.normal_(0.0, 0.2)
+    if shape["fuse"]:
+        layer.fuse()
+    return layer
+
+
+def main(argv: list[str]) -> int:
+    """The process `spawn` starts: `argv[0]` its JSON arguments (device, parent_pid, shape)."""
+    from layersplit.shards.device import use_device
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [prewarm] %(levelname)s "
+                        "%(name)s: %(message)s", datefmt="%H:%M:%S")
+    args = json.loads(argv[0])
+    _watch_parent(int(args["parent_pid"]))
+    t0 = time.perf_counter()
+    device = use_device(args["device"], None)
+    shape = args["shape"]
+    prewarm_layer(build_layer(shape, device))
+    seconds = time.perf_counter() - t0
+    cache = compile_cache.current()
+    if cache is not None:
+        cache.record(_what(shape), seconds, 0)
+    log.info("fla-core's prefill kernels compiled ahead in %.1f s", seconds)
+    return 0
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the shard that started us is gone."""
+    import threading
+
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
