@@ -1,6 +1,6 @@
 """Importing fla-core's kernels the fast way: on a GPU whose tuned launch configs we ship, with
-those configs instead of an autotune of every candidate; and (`LAYERSPLIT_FLA_BARE_IMPORT=1`,
-not measured on a GPU yet) only the modules we call.
+those configs instead of an autotune of every candidate; and only the modules we call
+(`LAYERSPLIT_FLA_BARE_IMPORT=0`: its whole package).
 
 A cold start of the Qwen3.5-27B shape on an H200 (empty compile caches, 2026-12-01, py-spy over
 `bench/startup.py`) spent 7.4 s importing fla-core (its package `__init__`s import every op
@@ -31,18 +31,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from layersplit.shards.kernels import switched_on
+from layersplit.shards.kernels import switched_off
 
 log = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parent / "fla_configs"
 # fla's packages whose `__init__` imports far more than the modules below it that we call
 HEAVY_PACKAGES = ("fla", "fla.ops", "fla.modules")
-# 1: fla's modules imported bare (`import_fla`); off until measured on a GPU: on the H200 run
-# of 2026-12-01 the bare import of `fla.ops.utils.cache` failed on `from fla import
-# __version__` (then imported whole, 9 s), which the bare `fla` now carries. On the CPU
-# development VM (fla-core 0.6.0) the delta rule's, the conv's and the config cache's modules
-# import bare in 1.84 s (60 modules) against 8.61 s whole (274)
+# fla's modules imported bare (`import_fla`), on by default (0: fla-core's whole import): on an
+# H200 the delta rule's, the conv's and the config cache's modules import bare in 1.32 s (1.69 /
+# 1.22 / 1.32) against 3.24 s whole (2.78 / 3.34 / 3.24), processes in turn (2026-12-01,
+# `STARTUP=fla_import bash bench/device.sh startup`); on the CPU development VM 1.84 s (60
+# modules) against 8.61 s (274). Its GPU tests (`tests/gpu/test_hybrid_gemv.py`,
+# `test_gated_delta_rows.py`, `test_fla_configs.py`) passed with it on
 BARE_SWITCH = "LAYERSPLIT_FLA_BARE_IMPORT"
 
 
@@ -107,12 +108,12 @@ def _declared_version(init: str | None) -> str | None:
 
 def import_fla(*names: str, heavy: tuple[str, ...] = HEAVY_PACKAGES,
                bare: bool | None = None) -> list[types.ModuleType]:
-    """fla-core's modules `names`; with `bare` (default: BARE_SWITCH on), imported without the
+    """fla-core's modules `names`; with `bare` (default: BARE_SWITCH not off), imported without the
     `__init__`s of the `heavy` packages where none of them is imported yet (where one is, or
     where a module needs a name only they define, as usual). The bare packages leave
     sys.modules once `names` are loaded, so that any later `import fla` is the whole one."""
     if bare is None:
-        bare = switched_on(BARE_SWITCH)
+        bare = not switched_off(BARE_SWITCH)
     with _LOCK:
         if bare and not any(p in sys.modules for p in heavy):
             before = set(sys.modules)

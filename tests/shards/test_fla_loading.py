@@ -83,15 +83,19 @@ def test_once_the_package_is_whole_later_imports_are_as_usual(fake_fla):
         fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla, bare=True)
 
 
-@pytest.mark.parametrize("value", [None, "0"])
-def test_bare_imports_are_off_unless_switched_on(fake_fla, monkeypatch, value):
-    """`LAYERSPLIT_FLA_BARE_IMPORT` (`kernels.switched_on`: not measured on a GPU yet)."""
+@pytest.mark.parametrize("value", [None, "1", "0"])
+def test_bare_imports_are_on_unless_switched_off(fake_fla, monkeypatch, value):
+    """`LAYERSPLIT_FLA_BARE_IMPORT` (`kernels.switched_off`: on unless set off)."""
     if value is None:
         monkeypatch.delenv(fla_loading.BARE_SWITCH, raising=False)
     else:
         monkeypatch.setenv(fla_loading.BARE_SWITCH, value)
-    with pytest.raises(RuntimeError, match="fakefla.ops ran"):
-        fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla)
+    if value == "0":
+        with pytest.raises(RuntimeError, match="fakefla.ops ran"):
+            fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla)
+    else:
+        (rule,) = fla_loading.import_fla("fakefla.ops.rule", heavy=fake_fla)
+        assert rule.__name__ == "fakefla.ops.rule"
 
 
 def test_a_missing_package_is_an_import_error(monkeypatch):
