@@ -9,11 +9,18 @@ on a GPU starts this process as it starts (`spawn`), unless the compile cache sa
 for this shape: it builds one `GatedDeltaNet` of the model's shape with random weights on the
 same device, runs its prefill forward at `LENGTHS` (the conv's kernel is specialised on a length
 divisible by 16 or not), writes its compile cache entry and exits. Triton's cache, which the
-two processes share, then holds the kernels. The shard, at its warm-up, waits for it (`finish`)
-and runs the same forward on its own first linear layer (`warm`), which loads them instead of
-compiling them: paid before "ready", beside the step graphs' compile, not by the first request.
-A shard of such a range also imports fla-core in a thread of its own while it loads its weights
-(`gated_delta_fla.prefetch`). `LAYERSPLIT_HYBRID_PREWARM=0`: neither (the first request compiles).
+two processes share, then holds the kernels, and the shard's first prefill loads them instead of
+compiling them. The shard waits for it before it says ready (`finish`, in its warm-up): the
+process's time is paid beside the shard's own start, not by the first request.
+`LAYERSPLIT_HYBRID_PREWARM=0`: no process (the first request compiles them).
+
+Measured on one H200 (2026-12-01, `STARTUP=hybrid_ab bash bench/device.sh startup`): the
+Qwen3.5-27B shape's first start, command to first token, 32.6 / 34.2 s against 40.0 / 42.0 s
+without; its first request's TTFT 1.0 s against 11.7 / 13.0 s. The shard's own forward on its
+layer at its warm-up (loading the kernels before the first request) was tried: ~0.8 s of every
+start's ready time, for ~0.1-0.2 s of its first TTFT. fla-core's import in a thread beside the
+weights' load too: the load then took 4.8 s instead of 0.2 (the two threads' turns on the GIL),
+no faster in all.
 
     python -m layersplit.shards.hybrid_prewarm '{"device": "cuda:0", ...}'   # (`spawn`'s call)
 """
@@ -36,7 +43,7 @@ from layersplit.shards.kernels.gated_delta_fla import fla_switched_off
 log = logging.getLogger(__name__)
 
 LENGTHS = (64, 37)  # prefill rows run: a multiple of 16 and not (Triton specialises on it)
-SWITCH = "LAYERSPLIT_HYBRID_PREWARM"  # 0: no process, no import thread
+SWITCH = "LAYERSPLIT_HYBRID_PREWARM"  # 0: no process
 WAIT_S = 300.0  # the longest a shard's warm-up waits for the process (an autotune included)
 
 
@@ -91,7 +98,7 @@ def spawn(cfg: Any, start: int, end: int, device: torch.device,
 
 def finish(proc: subprocess.Popen | None, timeout: float = WAIT_S) -> None:
     """Wait for `spawn`'s process (at most `timeout` seconds: then it is ended); its failure is
-    logged, and the shard's own forward (`warm`) compiles what it did not."""
+    logged (the first prefill then compiles what it did not)."""
     if proc is None:
         return
     try:
@@ -100,11 +107,11 @@ def finish(proc: subprocess.Popen | None, timeout: float = WAIT_S) -> None:
         proc.kill()
         proc.wait()
         log.warning("fla-core's prefill kernels: the process compiling them ahead took more "
-                    "than %.0f s; ended, this shard compiles what it left", timeout)
+                    "than %.0f s; ended, the first prefill compiles what it left", timeout)
         return
     if rc != 0:
         log.warning("fla-core's prefill kernels: the process compiling them ahead exited with "
-                    "%d (its log says why); this shard compiles them", rc)
+                    "%d (its log says why); the first prefill compiles them", rc)
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -128,25 +135,6 @@ def prewarm_layer(layer: torch.nn.Module, lengths: tuple[int, ...] = LENGTHS) ->
             layer(x, conv_state, state, recurrent=False)
     if w.device.type == "cuda":
         torch.cuda.synchronize(w.device)
-
-
-def warm(model: Any, shape: dict[str, Any] | None) -> None:
-    """A shard's own `prewarm_layer` on its range's first linear-attention layer, on a GPU
-    (elsewhere nothing compiles); then the compile cache entry of `shape` (`shape_of`) written
-    where `spawn`'s process did not write it, so that the next start spawns none."""
-    layers = [layer for layer in getattr(model, "layers", ()) if getattr(layer, "linear", False)]
-    if not layers or shape is None:
-        return
-    attn = layers[0].linear_attn
-    if attn.out_proj.weight.device.type != "cuda" or fla_switched_off():
-        return
-    t0 = time.perf_counter()
-    prewarm_layer(attn)
-    seconds = time.perf_counter() - t0
-    log.debug("fla-core's prefill kernels warm in %.1f s", seconds)
-    cache = compile_cache.current()
-    if cache is not None and not _done(shape):
-        cache.record(_what(shape), seconds, 0)
 
 
 def build_layer(shape: dict[str, Any], device: torch.device) -> torch.nn.Module:

@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from typing import Any
@@ -50,7 +49,6 @@ from layersplit.shards.early_moves import EarlyMoves
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.host_kv import HostKVPool
 from layersplit.shards.kernel_profile import kernel_profile
-from layersplit.shards.kernels.gated_delta_fla import prefetch as prefetch_fla
 from layersplit.shards.parked_rows import ParkedRows
 from layersplit.shards.snapshots import SNAP_OPS, SnapshotStore, block_ms, snap_op
 from layersplit.shards.worker_cache import ShardCacheOps
@@ -147,14 +145,10 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         t0 = time.perf_counter()
         ckpt = open_checkpoint(spec.model, spec.seed)
         self.cfg = ckpt.config
-        # (a hybrid range on a GPU: fla-core's import, and on a machine's first start the
-        # compile of its prefill kernels, beside the weights' load; `shards.hybrid_prewarm`)
-        self.prewarm_shape = hybrid_prewarm.shape_of(self.cfg, spec.start, spec.end, spec.dtype)
-        self.prewarm: subprocess.Popen | None = None
-        if self.prewarm_shape is not None:
-            prefetch_fla(self.device)
-            self.prewarm = hybrid_prewarm.spawn(self.cfg, spec.start, spec.end, self.device,
-                                                spec.dtype)
+        # (a hybrid range on a GPU, a machine's first start: its prefill kernels compiled by
+        # a process of their own, beside this one's start; `shards.hybrid_prewarm`)
+        self.prewarm = hybrid_prewarm.spawn(self.cfg, spec.start, spec.end, self.device,
+                                            spec.dtype)
         self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
                                       self.device, spec.weight_format)
         self.load_s = time.perf_counter() - t0

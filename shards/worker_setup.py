@@ -281,10 +281,8 @@ class ShardSetup:
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
-        if self.prewarm_shape is not None:  # a hybrid's prefill kernels: compiled ahead by
-            hybrid_prewarm.finish(self.prewarm)  # the process the shard started, loaded now
-            self.prewarm = None
-            hybrid_prewarm.warm(self.model, self.prewarm_shape)
+        hybrid_prewarm.finish(self.prewarm)  # (a hybrid's prefill kernels compiled ahead)
+        self.prewarm = None
         state = "off" if cache is None else "reused" if entry is not None else "written"
         if cache is not None and entry is None:
             cache.record(what, time.perf_counter() - t0, graphs)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -141,45 +140,11 @@ def fla_switched_off() -> bool:
     return switched_off(ENV_SWITCH)
 
 
-_prefetch: list[threading.Thread] = []  # `prefetch`'s thread
-
-
-def prefetch(device: torch.device | str) -> None:
-    """Import fla-core's modules for `device` (`delta_rules`, then the conv's) in a thread of
-    their own, while the caller goes on: a shard loading its weights (fla-core's import took
-    2.2 s of a Qwen3.5-27B start on one H200, 12.9 s on another, 2026-12-01). The first
-    `delta_rules` or `pick_conv` call waits for it. Where the thread's import fails (two
-    threads' imports can deadlock on a module they share, which Python raises), the cached
-    answer is cleared: the first call imports again itself and says why it failed."""
-    if torch.device(device).type != "cuda" or fla_switched_off() or _prefetch:
-        return
-
-    def load() -> None:  # (`delta_rules`' work, but its note: the first call makes it)
-        if not _devices:
-            _devices.append(torch.device(device))
-        if _load_fla()[0] is None:
-            _load_fla.cache_clear()
-        elif _load_fla_conv() is None:
-            _load_fla_conv.cache_clear()
-
-    thread = threading.Thread(target=load, name="fla-import", daemon=True)
-    _prefetch.append(thread)
-    thread.start()
-
-
-def _prefetched() -> None:
-    """Wait for `prefetch`'s thread (not from itself)."""
-    for thread in _prefetch:
-        if thread is not threading.current_thread():
-            thread.join()
-
-
 def delta_rules(device: torch.device | str) -> tuple[Rule, Rule] | None:
     """fla-core's (chunked, recurrent) rules for tensors on `device`, or None where the torch
     path runs (not CUDA, switched off, fla-core missing or broken)."""
     if torch.device(device).type != "cuda":
         return None
-    _prefetched()
     if fla_switched_off():
         _note(f"{ENV_SWITCH}=0")
         return None

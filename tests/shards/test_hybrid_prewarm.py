@@ -1,7 +1,6 @@
 """Compiling a hybrid model's prefill kernels ahead (`shards.hybrid_prewarm`): which ranges ask
 for it, the process itself (run for real, on the CPU: its forward is the torch path there) and
-its compile cache entry, and fla-core's import in a thread of its own
-(`gated_delta_fla.prefetch`)."""
+its compile cache entry."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import sys
 import pytest
 import torch
 from layersplit.shards import compile_cache, fused_hybrid, hybrid_prewarm
-from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
-from layersplit.shards.kernels import gated_delta_fla
 from layersplit.shards.model_config import read_hf_config as load_config
 
 
@@ -58,14 +55,6 @@ def test_the_forward_leaves_the_layer_as_it_was(qwen3_5, fuse):
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
 
 
-def test_a_shards_own_warm_leaves_its_model_as_it_was(qwen3_5):
-    ckpt = open_checkpoint(qwen3_5)
-    model = load_layer_range(ckpt, 0, ckpt.config.num_layers, torch.float32, "cpu")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    hybrid_prewarm.warm(model, hybrid_prewarm.shape_of(ckpt.config, 0, 6, "float32"))  # (CPU:
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing)
-
-
 def test_the_process_runs_and_writes_its_entry(qwen3_5, tmp_path, monkeypatch):
     """The very process `spawn` starts (here on the CPU, which `spawn` itself never asks for):
     it builds the layer, runs its forward and writes the compile cache entry that later starts
@@ -97,31 +86,6 @@ def test_a_failed_or_slow_process_is_said_and_ended(caplog):
     assert slow.returncode is not None and "took more than" in caplog.text
     hybrid_prewarm.finish(None)
     hybrid_prewarm.stop(None)
-
-
-def test_fla_imported_in_a_thread_is_waited_for(monkeypatch):
-    """Where fla-core's import fails in `prefetch`'s thread (not installed here), its cached
-    answer is cleared: the first `delta_rules` call waits for the thread, imports again itself
-    and says why the torch path runs."""
-    monkeypatch.setattr(gated_delta_fla, "_prefetch", [])
-    monkeypatch.setattr(gated_delta_fla, "_devices", [])
-    monkeypatch.setitem(sys.modules, "fla", None)  # (an import of fla raises ImportError)
-    gated_delta_fla._load_fla.cache_clear()
-    calls = []
-    real = gated_delta_fla.import_fla
-    monkeypatch.setattr(gated_delta_fla, "import_fla",
-                        lambda *a, **k: calls.append(a) or real(*a, **k))
-    try:
-        gated_delta_fla.prefetch("cpu")
-        assert gated_delta_fla._prefetch == []  # (only for a GPU)
-        gated_delta_fla.prefetch("cuda:0")
-        (thread,) = gated_delta_fla._prefetch
-        assert gated_delta_fla.delta_rules("cuda:0") is None
-        assert not thread.is_alive()
-        assert len(calls) == 2  # the thread's import, then the call's own
-        assert "not installed" in gated_delta_fla._load_fla()[1]
-    finally:
-        gated_delta_fla._load_fla.cache_clear()
 
 
 def test_switched_off_nothing_is_warmed(qwen3_5, monkeypatch):
