@@ -14,13 +14,13 @@ compiling them. The shard waits for it before it says ready (`finish`, in its wa
 process's time is paid beside the shard's own start, not by the first request.
 `LAYERSPLIT_HYBRID_PREWARM=0`: no process (the first request compiles them).
 
-Measured on one H200 (2026-12-01, `STARTUP=hybrid_ab bash bench/device.sh startup`): the
-Qwen3.5-27B shape's first start, command to first token, 32.6 / 34.2 s against 40.0 / 42.0 s
-without; its first request's TTFT 1.0 s against 11.7 / 13.0 s. The shard's own forward on its
-layer at its warm-up (loading the kernels before the first request) was tried: ~0.8 s of every
-start's ready time, for ~0.1-0.2 s of its first TTFT. fla-core's import in a thread beside the
-weights' load too: the load then took 4.8 s instead of 0.2 (the two threads' turns on the GIL),
-no faster in all.
+Measured on one H200 (2026-12-01, 93c4173, `STARTUP=hybrid_ab bash bench/device.sh startup`
+and a third pair, processes in turn): the Qwen3.5-27B shape's first start, command to first
+token, 21.9 s (26.3 / 21.9 / 20.1) against 30.8 s (29.9 / 30.8 / 33.3) without; its first
+request's TTFT 1.0 s against 12.0 s. Tried and dropped: the shard's own forward on its layer at
+its warm-up (loading the kernels before the first request: ~0.8 s of every start's ready time,
+for ~0.1-0.2 s of its first TTFT); fla-core's import in a thread beside the weights' load (the
+load then took 4.8 s instead of 0.2, the two threads taking turns on the GIL: no faster).
 
     python -m layersplit.shards.hybrid_prewarm '{"device": "cuda:0", ...}'   # (`spawn`'s call)
 """
