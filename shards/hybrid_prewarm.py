@@ -36,9 +36,16 @@ import time
 from typing import Any
 
 import torch
+from layersplit.ipc.auth import SECRET_ENV
 from layersplit.shards import compile_cache
 from layersplit.shards.kernels import switched_off
-from layersplit.shards.kernels.gated_delta_fla import fla_switched_off
+from layersplit.shards.kernels.fla_loading import configs_in_force
+from layersplit.shards.kernels.gated_delta_fla import (
+    delta_rules,
+    describe,
+    fla_switched_off,
+    kernel_failure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +71,21 @@ def shape_of(cfg: Any, start: int, end: int, dtype: str) -> dict[str, Any] | Non
             "dtype": dtype, "fuse": fuses(cfg)}
 
 
+def fla_version() -> str | None:
+    """The installed fla-core's version, or None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fla-core")
+    except PackageNotFoundError:
+        return None
+
+
 def _what(shape: dict[str, Any]) -> dict[str, Any]:
-    """The compile cache entry that says these kernels were compiled (`CompileCache.lookup`)."""
+    """The compile cache entry that says these kernels were compiled (`CompileCache.lookup`),
+    by this fla-core."""
     return {"model": "fla-prefill", "layers": ["", ""], "shape": shape,
-            "lengths": list(LENGTHS)}
+            "lengths": list(LENGTHS), "fla": fla_version()}
 
 
 def _done(shape: dict[str, Any]) -> bool:
@@ -79,16 +97,22 @@ def spawn(cfg: Any, start: int, end: int, device: torch.device,
           dtype: str) -> subprocess.Popen | None:
     """Start the process for a shard of layers start:end on `device` (after `use_device`: it
     inherits the compile cache's environment), or None where nothing is to compile: not a GPU,
-    fla-core switched off, no linear-attention layer, no compile cache, or its entry there."""
+    fla-core switched off or not installed, no linear-attention layer, no compile cache, or its
+    entry there; or where fla-core's configs are not shipped for this GPU (or the user's own
+    are set: `fla_loading.configs_in_force`)."""
     if device.type != "cuda" or fla_switched_off() or compile_cache.current() is None:
         return None
     shape = shape_of(cfg, start, end, dtype)
-    if shape is None or _done(shape):
+    if shape is None or fla_version() is None or _done(shape):
         return None
+    if configs_in_force(torch.cuda.get_device_name(device)) is None:
+        return None  # (fla-core would time its candidates beside the shard's own GPU work, and
+        # keep what it chose: the first prefill autotunes, alone on the GPU, as before)
     args = {"device": str(device), "parent_pid": os.getpid(), "shape": shape}
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # (it talks to no one)
     try:
         proc = subprocess.Popen([sys.executable, "-m", "layersplit.shards.hybrid_prewarm",
-                                 json.dumps(args)], stdin=subprocess.DEVNULL)
+                                 json.dumps(args)], stdin=subprocess.DEVNULL, env=env)
     except OSError as e:  # (the shard compiles them itself, as before)
         log.warning("fla-core's prefill kernels not compiled ahead: %s", e)
         return None
@@ -143,14 +167,19 @@ def build_layer(shape: dict[str, Any], device: torch.device) -> torch.nn.Module:
     from layersplit.shards.dtypes import torch_dtype
     from layersplit.shards.layers.gated_delta import GatedDeltaNet
 
-    with torch.device(device):
+    with torch.device("meta"):  # (no weights until they are in the run's dtype, on device)
         layer = GatedDeltaNet(shape["hidden_size"], shape["num_k_heads"], shape["num_v_heads"],
                               shape["head_k_dim"], shape["head_v_dim"], shape["conv_kernel"],
                               shape["eps"], shape["fused_projections"])
-    layer = layer.to(torch_dtype(shape["dtype"]))
+    layer = layer.to(torch_dtype(shape["dtype"])).to_empty(device=device)
     with torch.no_grad():
-        layer.A_log.uniform_(0.0, 2.0)  # (decays in (0, 1), as a checkpoint's)
-        layer.conv1d.weight.normal_(0.0, 0.2)
+        for name, p in layer.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(0.0, 2.0)  # (decays in (0, 1), as a checkpoint's)
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.2 if "conv1d" in name else 0.02)
     if shape["fuse"]:
         layer.fuse()
     return layer
@@ -169,6 +198,10 @@ def main(argv: list[str]) -> int:
     shape = args["shape"]
     prewarm_layer(build_layer(shape, device))
     seconds = time.perf_counter() - t0
+    if device.type == "cuda" and (delta_rules(device) is None or kernel_failure() is not None):
+        log.warning("fla-core's kernels did not run here (%s): nothing compiled ahead",
+                    kernel_failure() or describe(device))
+        return 1
     cache = compile_cache.current()
     if cache is not None:
         cache.record(_what(shape), seconds, 0)

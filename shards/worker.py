@@ -149,8 +149,12 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
         # a process of their own, beside this one's start; `shards.hybrid_prewarm`)
         self.prewarm = hybrid_prewarm.spawn(self.cfg, spec.start, spec.end, self.device,
                                             spec.dtype)
-        self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
-                                      self.device, spec.weight_format)
+        try:
+            self.model = load_layer_range(ckpt, spec.start, spec.end, torch_dtype(spec.dtype),
+                                          self.device, spec.weight_format)
+        except BaseException:
+            hybrid_prewarm.stop(self.prewarm)
+            raise
         self.load_s = time.perf_counter() - t0
 
     # ---- main loop ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import zmq
 from layersplit.ipc.messages import ProtocolError, error, message
 from layersplit.ipc.sockets import recv
+from layersplit.shards import hybrid_prewarm
 from layersplit.shards.asked import DRAFT_WAIT_S, asked, check_drafted, fill, ready
 from layersplit.shards.executor import Segment, group_rows
 from layersplit.shards.paged_kv import PagedKVCache
@@ -335,6 +336,9 @@ class StepRunner:
     def _run_step(self, msg: dict[str, Any], x: torch.Tensor | None,
                   moved: bool = False) -> None:
         """Run a step (`moved`: its kept rows were moved already, while it was held)."""
+        if self.prewarm is not None:  # (no warm-up came: the kernels compiled ahead first)
+            hybrid_prewarm.finish(self.prewarm)
+            self.prewarm = None
         if not msg.get("park"):
             self._send_parked(True)  # (rows of parked steps that were queued before it)
         segs = self._segments(msg, x)

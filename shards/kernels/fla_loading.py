@@ -59,6 +59,16 @@ def shipped_configs(gpu_name: str, root: Path | None = None) -> Path | None:
     return folder if any(folder.glob("*.json")) else None
 
 
+def configs_in_force(gpu_name: str) -> Path | None:
+    """The folder of configs shipped for `gpu_name` that `tuned_configs` has fla-core read, or
+    None: none shipped, or the user's own FLA_CACHE_MODE or FLA_CONFIG_DIR set."""
+    folder = shipped_configs(gpu_name)
+    if folder is None or "FLA_CACHE_MODE" in os.environ:
+        return None
+    given = os.environ.get("FLA_CONFIG_DIR")
+    return folder if given is None or given == str(folder) else None
+
+
 # import_fla's and tuned_configs' changes to sys.modules and the environment are made under
 # this lock (shards load their kernels on one thread; a second one must not interleave)
 _LOCK = threading.RLock()
@@ -121,9 +131,10 @@ def import_fla(*names: str, heavy: tuple[str, ...] = HEAVY_PACKAGES,
                 for package in heavy:
                     _bare_package(package)
                 return [importlib.import_module(n) for n in names]
-            except ImportError as e:  # (a module that reads a name those `__init__`s define:
-                # the usual import, what this call loaded under the bare packages dropped;
-                # what earlier calls loaded stays, as configured)
+            except Exception as e:  # noqa: BLE001 - (a module that reads a name those
+                # `__init__`s define, an ImportError or another: the usual import, what this
+                # call loaded under the bare packages dropped; what earlier calls loaded stays,
+                # as configured)
                 log.info("%s under bare packages failed (%s); importing them whole", names, e)
                 for name in set(sys.modules) - before:
                     if name == heavy[0] or name.startswith(heavy[0] + "."):
@@ -141,10 +152,8 @@ def tuned_configs(gpu_name: str) -> Iterator[Path | None]:
     conv's whose configs are shipped), in strict mode (a config only for the exact key it was
     tuned for). Yields the folder or None (where the kernels autotune)."""
     with _LOCK:
-        folder = shipped_configs(gpu_name)
-        ours = folder is not None and os.environ.get("FLA_CONFIG_DIR") == str(folder)
-        if folder is None or "FLA_CACHE_MODE" in os.environ or (
-                not ours and "FLA_CONFIG_DIR" in os.environ):
+        folder = configs_in_force(gpu_name)
+        if folder is None:
             yield None
             return
         os.environ["FLA_CONFIG_DIR"] = str(folder)  # (fla reads it at each lookup)

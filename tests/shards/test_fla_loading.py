@@ -24,6 +24,7 @@ def fake_fla(tmp_path, monkeypatch):
     (root / "ops" / "rule" / "kernel.py").write_text("def rule():\n    return 42\n")
     (root / "needs_init.py").write_text("from fakefla import NAME\n")
     (root / "needs_version.py").write_text("from fakefla import __version__\n")
+    (root / "reads_attr.py").write_text("import fakefla\nN = fakefla.NAME + 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("FAKEFLA_RAN", raising=False)
     yield ("fakefla", "fakefla.ops")
@@ -55,6 +56,30 @@ def test_the_bare_package_carries_its_declared_version(fake_fla):
 def test_a_module_that_reads_the_packages_names_imports_it_whole(fake_fla):
     (mod,) = fla_loading.import_fla("fakefla.needs_init", heavy=fake_fla, bare=True)
     assert mod.NAME == 7 and os.environ["FAKEFLA_RAN"] == "1"
+
+
+def test_a_module_failing_otherwise_under_the_bare_package_imports_it_whole(fake_fla):
+    """(an AttributeError, not an ImportError: a name only the package's `__init__` defines,
+    read as an attribute)"""
+    (mod,) = fla_loading.import_fla("fakefla.reads_attr", heavy=fake_fla, bare=True)
+    assert mod.N == 8 and os.environ["FAKEFLA_RAN"] == "1"
+
+
+def test_configs_in_force_only_where_shipped_and_not_overridden(tmp_path, monkeypatch):
+    (tmp_path / "NVIDIA_H200").mkdir()
+    (tmp_path / "NVIDIA_H200" / "k.json").write_text("{}")
+    monkeypatch.setattr(fla_loading, "CONFIGS", tmp_path)
+    for key in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    assert fla_loading.configs_in_force("NVIDIA H200") == tmp_path / "NVIDIA_H200"
+    assert fla_loading.configs_in_force("NVIDIA H100") is None
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path / "NVIDIA_H200"))  # (ours, set before)
+    assert fla_loading.configs_in_force("NVIDIA H200") == tmp_path / "NVIDIA_H200"
+    monkeypatch.setenv("FLA_CONFIG_DIR", "/users/own")
+    assert fla_loading.configs_in_force("NVIDIA H200") is None
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
+    assert fla_loading.configs_in_force("NVIDIA H200") is None
 
 
 def test_a_later_bare_import_that_needs_the_whole_package_falls_back_too(fake_fla):
