@@ -12,7 +12,11 @@ divisible by 16 or not), writes its compile cache entry and exits. Triton's cach
 two processes share, then holds the kernels, and the shard's first prefill loads them instead of
 compiling them. The shard waits for it before it says ready (`finish`, in its warm-up): the
 process's time is paid beside the shard's own start, not by the first request.
-`LAYERSPLIT_HYBRID_PREWARM=0`: no process (the first request compiles them).
+Only where fla-core's tuned configs ship for the GPU (`fla_loading.configs_in_force`): elsewhere
+its kernels would time their candidates beside the shard's own GPU work and keep what they chose,
+so the first prefill autotunes them, alone on the GPU, as before. The first step waits for the
+process too where no warm-up came. `LAYERSPLIT_HYBRID_PREWARM=0`: no process (the first
+request compiles them).
 
 Measured on one H200 (2026-12-01, 93c4173, `STARTUP=hybrid_ab bash bench/device.sh startup`
 and a third pair, processes in turn): the Qwen3.5-27B shape's first start, command to first
