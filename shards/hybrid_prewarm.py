@@ -12,7 +12,7 @@ divisible by 16 or not), writes its compile cache entry and exits. Triton's cach
 two processes share, then holds the kernels, and the shard's first prefill loads them instead of
 compiling them. The shard waits for it before it says ready (`finish`, in its warm-up): the
 process's time is paid beside the shard's own start, not by the first request.
-Only where fla-core's tuned configs ship for the GPU (`fla_loading.configs_in_force`): elsewhere
+Only where fla-core's tuned configs ship for the GPU and the shape (`configs_cover`): elsewhere
 its kernels would time their candidates beside the shard's own GPU work and keep what they chose,
 so the first prefill autotunes them, alone on the GPU, as before. The first step waits for the
 process too where no warm-up came. `LAYERSPLIT_HYBRID_PREWARM=0`: no process (the first
@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from layersplit.shards.kernels.gated_delta_fla import (
 
 log = logging.getLogger(__name__)
 
+AUTOTUNE_CACHE_ENV = "TRITON_CACHE_AUTOTUNING"  # (`runtime.supervisor.compile_cache_env`)
 LENGTHS = (64, 37)  # prefill rows run: a multiple of 16 and not (Triton specialises on it)
 SWITCH = "LAYERSPLIT_HYBRID_PREWARM"  # 0: no process
 WAIT_S = 300.0  # the longest a shard's warm-up waits for the process (an autotune included)
@@ -85,6 +87,24 @@ def fla_version() -> str | None:
         return None
 
 
+def configs_cover(folder: Path | None, shape: dict[str, Any]) -> bool:
+    """Whether the shipped configs in `folder` (`fla_loading.configs_in_force`) hold this
+    shape's heads, widths and dtype: read from the entries of fla-core's chunked output kernel,
+    whose autotune key begins with (Hk, Hv, Dk, Dv) and names its tensors' dtypes, q's first."""
+    if folder is None:
+        return False
+    try:
+        entries = json.loads((folder / "chunk_fwd_kernel_o.json").read_text())["autotune_entries"]
+        heads = [shape["num_k_heads"], shape["num_v_heads"], shape["head_k_dim"],
+                 shape["head_v_dim"]]
+        dtype = f"torch.{shape['dtype']}"
+        return any(e["autotune_key"][:4] == heads and dtype == next(
+            (k for k in e["autotune_key"] if str(k).startswith("torch.")), None)
+            for e in entries.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _what(shape: dict[str, Any]) -> dict[str, Any]:
     """The compile cache entry that says these kernels were compiled (`CompileCache.lookup`),
     by this fla-core."""
@@ -109,11 +129,13 @@ def spawn(cfg: Any, start: int, end: int, device: torch.device,
     shape = shape_of(cfg, start, end, dtype)
     if shape is None or fla_version() is None or _done(shape):
         return None
-    if configs_in_force(torch.cuda.get_device_name(device)) is None:
+    if not configs_cover(configs_in_force(torch.cuda.get_device_name(device)), shape):
         return None  # (fla-core would time its candidates beside the shard's own GPU work, and
         # keep what it chose: the first prefill autotunes, alone on the GPU, as before)
     args = {"device": str(device), "parent_pid": os.getpid(), "shape": shape}
-    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # (it talks to no one)
+    # (it talks to no one: no secret; and a candidate it timed anyway, for a key the configs
+    # lack, is not kept in Triton's cache: timed beside the shard's work)
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, AUTOTUNE_CACHE_ENV)}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "layersplit.shards.hybrid_prewarm",
                                  json.dumps(args)], stdin=subprocess.DEVNULL, env=env)

@@ -1,8 +1,8 @@
 """The process a hybrid shard starts on a machine's first start (`shards.hybrid_prewarm`)
 compiles, into the compile cache the shard's process uses, every kernel the shard's own prefill
 then needs: a second process running the same forward there compiles nothing new. And once it
-ran, the next start spawns none. (Only where fla-core's configs are shipped for the GPU: else
-none is spawned.)
+ran, the next start spawns none. (Only where fla-core's configs are shipped for the GPU and
+the shape: else none is spawned.)
 
 On a CUDA device with fla-core installed (`python -m pytest -m gpu`)."""
 
@@ -37,13 +37,13 @@ def test_the_process_compiles_what_the_shards_prefill_loads(tmp_path, monkeypatc
         monkeypatch.setenv(key, os.environ[key])
     cfg = open_checkpoint("random:qwen3.5-27b").config
     proc = hybrid_prewarm.spawn(cfg, 0, 8, torch.device("cuda:0"), "bfloat16")
-    if configs_in_force(torch.cuda.get_device_name(0)) is None:  # (a GPU with no configs
-        assert proc is None  # shipped: the first prefill autotunes alone, as before)
-        return
+    shape = hybrid_prewarm.shape_of(cfg, 0, 8, "bfloat16")
+    if not hybrid_prewarm.configs_cover(configs_in_force(torch.cuda.get_device_name(0)), shape):
+        assert proc is None  # (no configs shipped for this GPU and shape: the first prefill
+        return  # autotunes alone, as before)
     assert proc is not None
     hybrid_prewarm.finish(proc)
     assert proc.returncode == 0
-    shape = hybrid_prewarm.shape_of(cfg, 0, 8, "bfloat16")
     assert hybrid_prewarm._done(shape)
     compiled = _compiled(cache)
     assert len(compiled) >= 5  # fla-core's conv and chunked delta rule's kernels at least

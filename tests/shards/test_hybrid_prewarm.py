@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from layersplit.shards import compile_cache, fused_hybrid, hybrid_prewarm
+from layersplit.shards.checkpoint import open_checkpoint
 from layersplit.shards.model_config import read_hf_config as load_config
 
 
@@ -92,3 +93,18 @@ def test_switched_off_nothing_is_warmed(qwen3_5, monkeypatch):
     monkeypatch.setenv(hybrid_prewarm.SWITCH, "0")
     cfg = load_config(qwen3_5)
     assert hybrid_prewarm.shape_of(cfg, 0, cfg.num_layers, "bfloat16") is None
+
+
+def test_configs_cover_only_the_shipped_heads_and_dtype(tmp_path):
+    """(the H200's shipped configs: Qwen3.5's 16 x 48 and 16 x 32 heads, bfloat16)"""
+    from layersplit.shards.kernels.fla_loading import shipped_configs
+
+    cfg = open_checkpoint("random:qwen3.5-27b").config
+    shape = hybrid_prewarm.shape_of(cfg, 0, 4, "bfloat16")
+    h200 = shipped_configs("NVIDIA H200")
+    assert hybrid_prewarm.configs_cover(h200, shape)
+    assert not hybrid_prewarm.configs_cover(h200, {**shape, "dtype": "float32"})
+    assert not hybrid_prewarm.configs_cover(h200, {**shape, "num_v_heads": 24})
+    assert not hybrid_prewarm.configs_cover(None, shape)
+    (tmp_path / "chunk_fwd_kernel_o.json").write_text("{not json")
+    assert not hybrid_prewarm.configs_cover(tmp_path, shape)
