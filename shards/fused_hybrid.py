@@ -80,6 +80,14 @@ ONE_PASS_SWITCH = "LAYERSPLIT_HYBRID_ONE_PASS_NORM"
 # against 343.8 tok/s (1.16 x), batch 1 unchanged (66.8 / 66.7, 1.002 x; H200, 2026-12-01)
 STATE_IN_PLACE_SWITCH = "LAYERSPLIT_HYBRID_STATE_IN_PLACE"
 ROWS_KERNEL = "gated delta rule over slots"  # (the name `_rows_rule`'s kernel fails under)
+# 1: the GEMV step's elementwise work between its GEMVs (the conv and gates, the gated norm, the
+# attention's norms, rotary and output gate, the input norm) as Triton kernels of their own
+# (`kernels.hybrid_row_ops`, `row_ops.rms_norm_rows`) instead of `GEMV_STAGES` and `attn_pre`
+# compiled by torch.compile: a one-row step then needs no Dynamo trace at each start (1.9-5 s
+# of a warm Qwen3.5-27B start on an H200, 2026-12-01) and no inductor compile at a machine's
+# first. Off until measured on a GPU (decode speed and start-up against the compiled stages)
+ROW_KERNELS_SWITCH = "LAYERSPLIT_HYBRID_ROW_KERNELS"
+ROW_KERNELS = "hybrid row kernels"  # (the name their failure turns them off under)
 
 
 def zc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,9 +172,64 @@ def attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, eps: float):
 
 
 STAGES = (linear_pre, linear_post, attn_pre, attn_post)
+
+
 # the stages of a one-row step whose projections (but q/k/v's) run as GEMV kernels
 # (`HybridFast._gemv_step`): the rest of each stage, compiled apart
 GEMV_STAGES = (linear_conv, linear_gate, gate_output, zc_norm)
+
+
+def row_kernel_conv(p, conv_w, conv_state, a_log, dt_bias, conv_dim: int, key_dim: int,
+                    value_dim: int, hk: int, hv: int, dk: int, dv: int):
+    """`linear_conv` through `hybrid_row_ops.conv_gates` (`ROW_KERNELS_SWITCH`)."""
+    from layersplit.shards.kernels.hybrid_row_ops import conv_gates
+
+    n = p.shape[0]
+    conv, g, beta, new_conv = conv_gates(p, conv_w, conv_state, a_log, dt_bias, conv_dim,
+                                         value_dim, hv)
+    q, k, v = conv.split([key_dim, key_dim, value_dim], dim=-1)
+    z = p[:, conv_dim:conv_dim + value_dim]
+    return (q.reshape(n, 1, hk, dk), k.reshape(n, 1, hk, dk), v.reshape(n, 1, hv, dv),
+            g.reshape(n, 1, hv), beta.reshape(n, 1, hv), z.reshape(n, 1, hv, dv), new_conv)
+
+
+def row_kernel_gate(o, z, norm_w, norm_eps: float):
+    """`linear_gate` through `hybrid_row_ops.gated_norm`."""
+    from layersplit.shards.kernels.hybrid_row_ops import gated_norm
+
+    return gated_norm(o, z, norm_w, norm_eps)
+
+
+def row_kernel_output_gate(attn, qkv):
+    """`gate_output`, its gate read in the q/k/v row (`row_kernel_attn_pre` hands it on)."""
+    from layersplit.shards.kernels.hybrid_row_ops import sigmoid_gate
+
+    qkv, nh, hd = qkv
+    return sigmoid_gate(attn, qkv, nh, hd)
+
+
+def row_kernel_norm(h, w32, eps: float):
+    """`zc_norm` through `row_ops.rms_norm_rows`, with the float32 1 + w (`zc_weights`)."""
+    from layersplit.shards.kernels.row_ops import rms_norm_rows
+
+    return rms_norm_rows(h, w32, eps, float_product=True)
+
+
+def row_kernel_attn_pre(h, layer, a, cos, sin, eps: float, ln_w):
+    """`attn_pre` through the row kernels: the input norm, the q/k/v projection (its GEMM),
+    then `hybrid_row_ops.zc_rope_qk`. Returns q, k, v and (the q/k/v row, heads, width) for
+    `row_kernel_output_gate`."""
+    from layersplit.shards.kernels.hybrid_row_ops import zc_rope_qk
+
+    nh, ng, hd = a.num_heads, a.num_kv_heads, a.head_dim
+    qkv = F.linear(row_kernel_norm(h, ln_w, eps), a.qkv_proj.weight, a.qkv_proj.bias)
+    qn, kn = layer.qk_zc_weights
+    q, k = zc_rope_qk(qkv, cos, sin, qn, kn, eps, nh, ng, hd)
+    v = qkv[:, 2 * nh * hd + ng * hd:].view(qkv.shape[0], ng, hd)
+    return q, k, v, (qkv, nh, hd)
+
+
+ROW_KERNEL_STAGES = (row_kernel_conv, row_kernel_gate, row_kernel_output_gate)
 # the launch shape of the step's GEMVs without a norm prologue on rows of 4,096 inputs or more
 # (`bench/gemv_sweep.py --model qwen3.5-27b --ops gate_up,down,o --zc --block-n 1,2,4 --warps
 # 2,4,8`, H200, 2026-12-01): down 46.09 -> 42.39 us against `gemv.config`'s (cuBLAS 50.11), o
@@ -242,6 +305,7 @@ class HybridFast:
         self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
         self.one_pass = switched_on(ONE_PASS_SWITCH)
         self.state_in_place = not switched_off(STATE_IN_PLACE_SWITCH)
+        self.row_kernels = switched_on(ROW_KERNELS_SWITCH)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False
@@ -331,6 +395,7 @@ class HybridFast:
         on, `note_kernel_failure`; the stages run). A failure of torch.compile in its compiled
         stages is raised, for `__call__` to run the stages uncompiled, not taken for the
         kernels'. It fails before the slot's states advance (they advance last)."""
+        rows = self._row_kernels_take()
         try:
             return self._gemv_step(layer, h, cos, sin, kv, index, slot, step)
         except (torch.cuda.OutOfMemoryError, IndexError):
@@ -338,8 +403,17 @@ class HybridFast:
         except Exception as e:  # noqa: BLE001 - sorted below
             if self.compiled and torch_compile_failure(e):
                 raise
+            if rows:  # (the row kernels off first, under their own name; then the step again)
+                note_kernel_failure(ROW_KERNELS, e)
+                return self._try_gemv_step(layer, h, cos, sin, kv, index, slot, step)
             note_kernel_failure(GEMV, e)
             return None
+
+    def _row_kernels_take(self) -> bool:
+        """Whether a GEMV step's elementwise work runs as `kernels.hybrid_row_ops`'s kernels
+        (`ROW_KERNELS_SWITCH`): switched on and not failed (the GEMV step's own predicate,
+        `_gemv_takes`, says the Triton kernels run there)."""
+        return self.row_kernels and not kernel_failed(ROW_KERNELS)
 
     def _gemv_takes(self, layer, h, step) -> bool:
         """Whether a step takes `_gemv_step`: switched on, one row of one sequence, the GEMV
@@ -363,6 +437,9 @@ class HybridFast:
         from layersplit.shards.kernels.gemv import gemv
 
         lin_conv, lin_gate, att_gate, in_norm = self.gemv_stages
+        rows = self._row_kernels_take()  # (`ROW_KERNELS_SWITCH`: no compiled stage)
+        if rows:
+            lin_conv, lin_gate, att_gate = ROW_KERNEL_STAGES
         eps = layer.input_layernorm.eps
         ln_w, ln2_w = layer.zc_weights
         mlp = layer.mlp
@@ -375,8 +452,9 @@ class HybridFast:
                 p = gemv(h, a.in_proj.weight, norm=(ln_w, eps), float_product=True,
                          one_pass=True, cfg=plain_launch(h.shape[1]))
             else:  # (the norm apart: `ONE_PASS_SWITCH`'s comment says why)
-                p = gemv(in_norm(h, layer.input_layernorm.weight, eps), a.in_proj.weight,
-                         cfg=plain_launch(h.shape[1]))
+                normed = row_kernel_norm(h, ln_w, eps) if rows else \
+                    in_norm(h, layer.input_layernorm.weight, eps)
+                p = gemv(normed, a.in_proj.weight, cfg=plain_launch(h.shape[1]))
             q, k, v, g, beta, z, new_conv = lin_conv(
                 p, a.conv1d.weight.squeeze(1), conv_state, a.A_log, a.dt_bias, a.conv_dim,
                 a.key_dim, a.value_dim, a.num_k_heads, a.num_v_heads, a.head_k_dim,
@@ -392,10 +470,13 @@ class HybridFast:
             advance = (conv_state, state, new_conv, new_state)
         else:
             a = layer.self_attn
-            att_pre = self.stages[2]
-            q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
-                                    a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
-                                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
+            if rows:  # (the gate then read in place by `row_kernel_output_gate`)
+                q, k, v, gate = row_kernel_attn_pre(h, layer, a, cos, sin, eps, ln_w)
+            else:
+                q, k, v, gate = self.stages[2](
+                    h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+                    a.q_norm.weight, a.k_norm.weight, cos, sin, eps, a.num_heads,
+                    a.num_kv_heads, a.head_dim)
             keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
             out = attend(q, keys, values, step.mask, False)
             out = att_gate(out, gate)
@@ -467,6 +548,12 @@ def zc_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
                  for n in (layer.input_layernorm, layer.post_attention_layernorm))
 
 
+def qk_zc_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated-attention layer's q and k norms' scales, 1 + w in float32 (`zc_rope_qk`'s)."""
+    return tuple((1.0 + n.weight.detach().float()).contiguous()
+                 for n in (attn.q_norm, attn.k_norm))
+
+
 def fused_hybrid_switched_off() -> bool:
     return switched_off(ENV_SWITCH)
 
@@ -492,6 +579,8 @@ def fuse_hybrid(model, compile: bool = True) -> bool:
         layer.mlp.fuse()
         layer.fast = fast
         layer.zc_weights = zc_weights(layer) if fast.gemv else None
+        layer.qk_zc_weights = (qk_zc_weights(layer.self_attn)
+                               if fast.gemv and not layer.linear else None)
     if not fast.gemv:
         log.info("%s=0: one-row hybrid steps take the compiled stages' GEMMs", GEMV_SWITCH)
     return True

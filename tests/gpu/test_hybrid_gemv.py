@@ -15,6 +15,7 @@ from layersplit.shards import fused_hybrid
 from layersplit.shards.checkpoint import load_layer_range, open_checkpoint
 from layersplit.shards.executor import RangeExecutor
 from layersplit.shards.fused import fuse_projections
+from layersplit.shards.kernels import kernel_failed
 
 from tests.gpu import KERNEL_DEV, kernel_marks, near
 from tests.helpers import token_ids
@@ -71,6 +72,7 @@ def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
     monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if extra == "one_pass" else "0")
     monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH,
                        "1" if extra in ("in_place", "new_state") else "0")
+    monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH, "1" if extra == "row_kernels" else "0")
     model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
     fuse_projections(model, compile=compile)
     assert (model.layers[0].zc_weights is not None) == gemv
@@ -81,9 +83,11 @@ def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
     (family, how, None) for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")
     for how in ["eager", "graphs"] + (["compiled graphs"] if CUDA else [])] + [
     ("qwen3_5", "eager", "one_pass"), ("qwen3_5", "eager", "in_place"),
-    ("qwen3_5", "eager", "new_state")] + (
+    ("qwen3_5", "eager", "new_state")] + [
+    (family, "eager", "row_kernels") for family in ("qwen3_5", "qwen3_next", "qwen3_5_moe")] + (
     [("qwen3_5", "compiled graphs", "one_pass"), ("qwen3_5", "compiled graphs", "in_place"),
-     ("qwen3_next", "graphs", "in_place")] if CUDA else []))
+     ("qwen3_next", "graphs", "in_place"), ("qwen3_5", "graphs", "row_kernels"),
+     ("qwen3_5", "compiled graphs", "row_kernels")] if CUDA else []))
 def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models, monkeypatch,
                                                                   family, how, extra):
     """Every layer of a one-row step goes through `_gemv_step` (linear and full attention, a
@@ -93,7 +97,8 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
     `one_pass`: the normed projections sum the row's squares in their weights' loop;
     `in_place`: the verify rows' kernel advancing the recurrent state in place (inside a
     capture; eager here, where no capture runs, by the test's say); `new_state`: the same kernel
-    outside a capture, into a new state copied back last."""
+    outside a capture, into a new state copied back last; `row_kernels`: the elementwise work
+    between the GEMVs as `hybrid_row_ops`'s kernels, no stage compiled."""
     if extra == "in_place" and how == "eager":
         monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place",
                             lambda self: self.state_in_place)
@@ -104,6 +109,14 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
         rows = gated_delta_rows.recurrent_rows
         monkeypatch.setattr(gated_delta_rows, "recurrent_rows",
                             lambda q, *a: in_place.append(q.shape) or rows(q, *a))
+    row_ops = []
+    if extra == "row_kernels":  # (each kernel's calls counted)
+        from layersplit.shards.kernels import hybrid_row_ops
+
+        for name in ("conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"):
+            real_op = getattr(hybrid_row_ops, name)
+            monkeypatch.setattr(hybrid_row_ops, name,
+                                lambda *a, _n=name, _f=real_op: row_ops.append(_n) or _f(*a))
     calls = []
     real = fused_hybrid.HybridFast._gemv_step
     monkeypatch.setattr(fused_hybrid.HybridFast, "_gemv_step",
@@ -132,6 +145,9 @@ def test_one_row_steps_take_the_gemv_kernels_and_equal_the_stages(hybrid_models,
     assert near(kernels.kv.state, stages.kv.state, 1e-5)
     assert near(kernels.kv.conv, stages.kv.conv, 1e-5)
     assert bool(in_place) == (extra in ("in_place", "new_state"))  # (the kernel ran, or not)
+    if extra == "row_kernels":  # (every one of them ran, and none failed)
+        assert set(row_ops) == {"conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"}
+        assert not kernel_failed(fused_hybrid.ROW_KERNELS)
 
 
 def test_one_pass_with_a_bias_and_a_residual_equals_the_norm_then_the_linear():
@@ -169,7 +185,7 @@ def test_the_wide_launch_shape_equals_the_linear(k):
     assert near(got, r + F.linear(x, w), 1e-5 if dtype == torch.float32 else 0.02)
 
 
-@pytest.mark.parametrize("failure", ["kernel", "torch.compile", "rows kernel"])
+@pytest.mark.parametrize("failure", ["kernel", "torch.compile", "rows kernel", "row kernels"])
 def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_models, monkeypatch,
                                                                      failure):
     """A GEMV kernel failing in the middle of a one-row step (here gate/up's, after the delta
@@ -177,13 +193,15 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
     the stages with the slot's states advanced once (equal to the stages' run), the first
     turning the GEMV kernels off, the second the compilation (the kernels stay on). The delta
     rule's rows kernel failing turns off that kernel alone: fla's rule answers in the same
-    GEMV step."""
+    GEMV step. One of the elementwise row kernels failing (`ROW_KERNELS_SWITCH`, here the
+    gated norm's, after the delta rule ran) turns them alone off: the same GEMV step runs again
+    with the compiled stages' work."""
     from layersplit.shards import kernels
-    from layersplit.shards.kernels import gated_delta_rows
+    from layersplit.shards.kernels import gated_delta_rows, hybrid_row_ops
     from layersplit.shards.kernels import gemv as gemv_mod
 
     path = hybrid_models["qwen3_5"]
-    extra = "in_place" if failure == "rows kernel" else None
+    extra = {"rows kernel": "in_place", "row kernels": "row_kernels"}.get(failure)
     stages, fused = (_executor(path, monkeypatch, gemv, False, False, extra)
                      for gemv in (False, True))
     fast = fused.model.layers[0].fast
@@ -207,6 +225,13 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
             broken.pop()
             raise RuntimeError("the rows kernel's launch failed")
         monkeypatch.setattr(gated_delta_rows, "recurrent_rows", rows)
+    elif failure == "row kernels":
+        assert fast.row_kernels
+
+        def gated_norm(*a):
+            broken.pop()
+            raise RuntimeError("the gated norm's launch failed")
+        monkeypatch.setattr(hybrid_row_ops, "gated_norm", gated_norm)
     else:
         import torch._dynamo.exc as dexc
 
@@ -228,8 +253,10 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
     assert not broken  # (the failure happened)
     assert kernels.kernel_failed(fused_hybrid.GEMV) == (failure == "kernel")
     assert kernels.kernel_failed(fused_hybrid.ROWS_KERNEL) == (failure == "rows kernel")
+    assert kernels.kernel_failed(fused_hybrid.ROW_KERNELS) == (failure == "row kernels")
     assert fast.compiled is False
-    for name in (fused_hybrid.GEMV, fused_hybrid.ROWS_KERNEL):  # (this test's failures:
+    for name in (fused_hybrid.GEMV, fused_hybrid.ROWS_KERNEL,  # (this test's failures:
+                 fused_hybrid.ROW_KERNELS):
         kernels._FAILED.discard(name)  # conftest's check)
 
 

@@ -1,0 +1,125 @@
+"""The hybrid one-row step's elementwise kernels (`shards.kernels.hybrid_row_ops`) against the
+torch functions they replace (`shards.fused_hybrid`'s `linear_conv`, `linear_gate`,
+`attn_pre`, `gate_output`), on the Qwen3.5-27B shape's widths on a CUDA device (bfloat16 and
+float32), on small widths through Triton's interpreter on a CPU (float32).
+
+On a CUDA device (`python -m pytest -m gpu`); on a CPU through `TRITON_INTERPRET=1`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from layersplit.shards import fused_hybrid
+
+from tests.gpu import KERNEL_DEV, KERNEL_DTYPES, kernel_marks, near
+
+pytestmark = kernel_marks()
+CUDA = KERNEL_DEV != "cpu"
+# (heads and widths: Qwen3.5-27B's linear layers 16 key heads x 48 value heads of 128, its
+# attention 24 query heads and 4 key heads of 256, a quarter of it rotated)
+HK, HV, DK, DV = (16, 48, 128, 128) if CUDA else (2, 4, 16, 8)
+NH, NG, HD, ROT = (24, 4, 256, 64) if CUDA else (4, 2, 32, 8)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+def _rand(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=KERNEL_DEV) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_conv_and_gates_equal_linear_conv(dtype, rows):
+
+    gen = torch.Generator(device=KERNEL_DEV).manual_seed(1)
+    kd, vd = HK * DK, HV * DV
+    c = 2 * kd + vd
+    p = _rand(rows, c + vd + 2 * HV + 5, dtype=dtype, gen=gen)[:, 5:]  # (a row stride of its own)
+    conv_w = _rand(c, 4, dtype=dtype, gen=gen, scale=0.5)
+    pool = _rand(rows + 2, c, 3, dtype=dtype, gen=gen)
+    state = pool[1:rows + 1]  # (a slice of a pool, as a slot's)
+    a_log = _rand(HV, dtype=dtype, gen=gen, scale=0.5)
+    dt_bias = _rand(HV, dtype=dtype, gen=gen)
+    want = fused_hybrid.linear_conv(p, conv_w, state, a_log, dt_bias, c, kd, vd, HK, HV, DK, DV)
+    got = fused_hybrid.row_kernel_conv(p, conv_w, state, a_log, dt_bias, c, kd, vd, HK, HV, DK,
+                                       DV)
+    for name, w, g in zip(("q", "k", "v", "g", "beta", "z", "new conv"), want, got):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert near(g, w, _tol(dtype)), name
+    assert torch.equal(got[-1], want[-1])  # (the state's shift: values moved, not computed)
+    assert torch.equal(pool[1:rows + 1], state)  # (the pool's states left as they were)
+
+
+def test_conv_refuses_a_state_of_another_shape():
+    from layersplit.shards.kernels.hybrid_row_ops import conv_gates
+
+    p = torch.zeros(1, 2 * 8 + 8 + 4, device=KERNEL_DEV)
+    with pytest.raises(ValueError, match="conv of 24 channels"):
+        conv_gates(p, torch.zeros(24, 4, device=KERNEL_DEV), torch.zeros(1, 24, 2,
+                   device=KERNEL_DEV), torch.zeros(2, device=KERNEL_DEV),
+                   torch.zeros(2, device=KERNEL_DEV), 24, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_gated_norm_equals_linear_gate(dtype):
+    gen = torch.Generator(device=KERNEL_DEV).manual_seed(2)
+    rows = 2
+    o = _rand(rows, 1, HV, DV, dtype=dtype, gen=gen, scale=3.0)
+    p = _rand(rows, HV * DV + 7, dtype=dtype, gen=gen)  # (z a view with a row stride)
+    z = p[:, 7:].reshape(rows, 1, HV, DV)
+    w = _rand(DV, dtype=dtype, gen=gen)
+    want = fused_hybrid.linear_gate(o, z, w, 1e-6)
+    got = fused_hybrid.row_kernel_gate(o, z, w, 1e-6)
+    assert got.shape == want.shape == (rows, HV * DV) and got.dtype == want.dtype
+    assert near(got, want, _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_attention_norms_rotary_and_gate_equal_attn_pre(dtype, bias):
+    """`row_kernel_attn_pre` (the input norm, the projection, then `zc_rope_qk`) and the output
+    gate read in place (`row_kernel_output_gate`) against `attn_pre` and `gate_output`."""
+    gen = torch.Generator(device=KERNEL_DEV).manual_seed(3)
+    hidden, rows = (5120, 1) if CUDA else (48, 2)
+    h = _rand(rows, hidden, dtype=dtype, gen=gen, scale=2.0)
+    ln_w = _rand(hidden, dtype=dtype, gen=gen, scale=0.2)
+    qkv_w = _rand(2 * NH * HD + 2 * NG * HD, hidden, dtype=dtype, gen=gen,
+                  scale=hidden ** -0.5)
+    qkv_b = _rand(qkv_w.shape[0], dtype=dtype, gen=gen) if bias else None
+    qn, kn = (_rand(HD, dtype=dtype, gen=gen, scale=0.2) for _ in range(2))
+    ang = torch.rand(rows, ROT // 2, generator=gen, device=KERNEL_DEV) * 6.0
+    cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(dtype)
+
+    # (what `row_kernel_attn_pre` reads of the layer and its attention)
+    a = SimpleNamespace(num_heads=NH, num_kv_heads=NG, head_dim=HD,
+                        qkv_proj=SimpleNamespace(weight=qkv_w, bias=qkv_b))
+    layer = SimpleNamespace(qk_zc_weights=tuple((1.0 + t.float()).contiguous()
+                                                for t in (qn, kn)))
+    ln32 = (1.0 + ln_w.float()).contiguous()
+    want = fused_hybrid.attn_pre(h, ln_w, qkv_w, qkv_b, qn, kn, cos, sin, 1e-6, NH, NG, HD)
+    got = fused_hybrid.row_kernel_attn_pre(h, layer, a, cos, sin, 1e-6, ln32)
+    for name, w, g in zip("qkv", want[:3], got[:3]):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert near(g, w, _tol(dtype)), name
+    attn = _rand(rows, NH * HD, dtype=dtype, gen=gen)
+    want_gated = fused_hybrid.gate_output(attn, want[3])
+    got_gated = fused_hybrid.row_kernel_output_gate(attn, got[3])
+    assert got_gated.shape == want_gated.shape and near(got_gated, want_gated, _tol(dtype))
+
+
+def test_the_input_norm_is_zc_norm_bit_for_bit():
+    """`row_kernel_norm` (`rms_norm_rows` with the float32 1 + w) rounds once, as `zc_norm`."""
+    gen = torch.Generator(device=KERNEL_DEV).manual_seed(4)
+    dtype = KERNEL_DTYPES[-1]
+    h = _rand(2, 5120 if CUDA else 64, dtype=dtype, gen=gen, scale=3.0)
+    w = _rand(h.shape[1], dtype=dtype, gen=gen, scale=0.2)
+    want = fused_hybrid.zc_norm(h, w, 1e-6)
+    got = fused_hybrid.row_kernel_norm(h, (1.0 + w.float()).contiguous(), 1e-6)
+    assert near(got, want, _tol(dtype))
+    assert F.mse_loss(got.float(), want.float()) < 1e-6
