@@ -61,8 +61,8 @@
 #             the Qwen3.5-27B shape's first start with fla-core's configs shipped for the GPU,
 #             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1; hybrid_profile:
 #             py-spy over the first, summed in $OUT/startup_hybrid_profile.md; hybrid_ab: T4 with
-#             LAYERSPLIT_HYBRID_PREWARM=1 then 0, twice; fla_import: fla-core's import bare and
-#             whole, three times each, no row); STARTUP=serve: the
+#             STARTUP_AB_VAR (default LAYERSPLIT_HYBRID_PREWARM) =1 then 0, twice; fla_import:
+#             fla-core's import bare and whole, three times each, no row); STARTUP=serve: the
 #             first request after `layersplit serve` says ready, against the next ten, fresh
 #             and after a restart restoring from disk (the default model, 2 shards)      (T6)
 #   fla       fla-core's launch configs tuned on this GPU for the hybrid models' linear
@@ -763,12 +763,13 @@ print('fla import, bare=$bare: %.2f s' % (time.perf_counter() - t))"
       done
     done
   fi
-  if has "$cases" hybrid_ab; then  # T4 with the prefill kernels compiled ahead and fla-core
-    # imported beside the load (`shards.hybrid_prewarm`) against neither, processes in turn
+  if has "$cases" hybrid_ab; then  # T4 with a switch on against off (STARTUP_AB_VAR, default
+    # LAYERSPLIT_HYBRID_PREWARM: the prefill kernels compiled ahead), processes in turn
+    local var=${STARTUP_AB_VAR:-LAYERSPLIT_HYBRID_PREWARM}
     for i in 1 2; do
       for on in 1 0; do
         TAIL=12 run "startup_hybrid_ab_${on}_$i" 150 env LAYERSPLIT_HOME="$(mktemp -d)" \
-          LAYERSPLIT_HYBRID_PREWARM=$on python3 bench/startup.py --model random:qwen3.5-27b \
+          "$var=$on" python3 bench/startup.py --model random:qwen3.5-27b \
           --devices cuda:0 --repeats 2 --new-tokens 16 --max-context 4096 --max-seqs 1 \
           --json "$RUNS/startup_hybrid_ab_${on}_$i.json"
       done
