@@ -394,7 +394,9 @@ class HybridFast:
         """`_gemv_step`, or None where a GEMV kernel failed (the GEMV kernels are off from then
         on, `note_kernel_failure`; the stages run). A failure of torch.compile in its compiled
         stages is raised, for `__call__` to run the stages uncompiled, not taken for the
-        kernels'. It fails before the slot's states advance (they advance last)."""
+        kernels'. It fails before the slot's states advance (they advance last). Where the row
+        kernels ran (`ROW_KERNELS_SWITCH`), any failure turns them off first and the step runs
+        again without them: a failure that was not theirs then fails again, as the GEMV's."""
         rows = self._row_kernels_take()
         try:
             return self._gemv_step(layer, h, cos, sin, kv, index, slot, step)

@@ -57,7 +57,9 @@ def _conv_gates(P, s_p, S, s_sn, s_sc, s_sk, W, A_LOG, DT_BIAS, OUT, NEW, G, BET
         b = tl.load(P + row * s_p + c + vd + hs, mask=hok, other=0.0).to(tl.float32)
         a = tl.load(P + row * s_p + c + vd + hv + hs, mask=hok, other=0.0).to(tl.float32)
         a = a + tl.load(DT_BIAS + hs, mask=hok, other=0.0).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # (torch's threshold)
+        e = tl.exp(a)  # softplus: log1p(exp(a)), a past torch's threshold of 20 as it is
+        u = 1.0 + e  # (log1p from log: exact where 1 + e rounds, e's own value where it is 1)
+        softplus = tl.where(a > 20.0, a, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
         decay = tl.exp(tl.load(A_LOG + hs, mask=hok, other=0.0).to(tl.float32))
         tl.store(G + row * hv + hs, -decay * softplus, mask=hok)
         tl.store(BETA + row * hv + hs, (1.0 / (1.0 + tl.exp(-b))).to(dtype), mask=hok)
@@ -155,7 +157,7 @@ def conv_gates(p: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor,
     _row_major(p, "p")
     n = p.shape[0]
     kw = conv_w.shape[1]
-    if p.shape[1] != conv_dim + value_dim + 2 * hv or conv_w.shape[0] != conv_dim or \
+    if p.shape[1] != conv_dim + value_dim + 2 * hv or conv_w.shape[0] != conv_dim or kw < 2 or \
             not conv_w.is_contiguous() or conv_state.shape != (n, conv_dim, kw - 1):
         raise ValueError(f"hybrid_row_ops.conv_gates: p {tuple(p.shape)}, conv weight "
                          f"{tuple(conv_w.shape)} and states {tuple(conv_state.shape)} do not "
@@ -176,8 +178,9 @@ def conv_gates(p: torch.Tensor, conv_w: torch.Tensor, conv_state: torch.Tensor,
 def gated_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """The delta rule's output `o` (n, 1, Hv, Dv) through the gated RMSNorm with gate `z` (n,
     1, Hv, Dv, any row stride): (n, Hv * Dv) in o's dtype."""
-    n, _, hv, dv = o.shape
-    if z.shape != o.shape or o.stride(3) != 1 or z.stride(3) != 1 or w.shape != (dv,):
+    n, rows, hv, dv = o.shape
+    if rows != 1 or z.shape != o.shape or o.stride(3) != 1 or z.stride(3) != 1 or \
+            w.shape != (dv,):
         raise ValueError(f"hybrid_row_ops.gated_norm: o {tuple(o.shape)} {o.stride()}, z "
                          f"{tuple(z.shape)} {z.stride()} and weight {tuple(w.shape)} differ")
     y = torch.empty((n, hv * dv), dtype=o.dtype, device=o.device)
