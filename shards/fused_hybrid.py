@@ -83,9 +83,11 @@ ROWS_KERNEL = "gated delta rule over slots"  # (the name `_rows_rule`'s kernel f
 # 1: the GEMV step's elementwise work between its GEMVs (the conv and gates, the gated norm, the
 # attention's norms, rotary and output gate, the input norm) as Triton kernels of their own
 # (`kernels.hybrid_row_ops`, `row_ops.rms_norm_rows`) instead of `GEMV_STAGES` and `attn_pre`
-# compiled by torch.compile: a one-row step then needs no Dynamo trace at each start (1.9-5 s
-# of a warm Qwen3.5-27B start on an H200, 2026-12-01) and no inductor compile at a machine's
-# first. Off until measured on a GPU (decode speed and start-up against the compiled stages)
+# compiled by torch.compile, and the same in the stages of batched steps (`_run`: their GEMMs
+# cuBLAS's, the norms, residual adds and SiLU * up `row_ops`'s): a decode step then needs no
+# Dynamo trace at each start (1.9-5 s of a warm Qwen3.5-27B start on an H200, 2026-12-01) and
+# no inductor compile at a machine's first. Off until measured on a GPU (decode speed, batch 1
+# and 8 streams, and start-up, against the compiled stages)
 ROW_KERNELS_SWITCH = "LAYERSPLIT_HYBRID_ROW_KERNELS"
 ROW_KERNELS = "hybrid row kernels"  # (the name their failure turns them off under)
 
@@ -215,18 +217,50 @@ def row_kernel_norm(h, w32, eps: float):
     return rms_norm_rows(h, w32, eps, float_product=True)
 
 
-def row_kernel_attn_pre(h, layer, a, cos, sin, eps: float, ln_w):
-    """`attn_pre` through the row kernels: the input norm, the q/k/v projection (its GEMM),
-    then `hybrid_row_ops.zc_rope_qk`. Returns q, k, v and (the q/k/v row, heads, width) for
-    `row_kernel_output_gate`."""
+def row_kernel_attn_pre(h, ln32, qkv_w, qkv_b, qk32, cos, sin, eps: float, nh: int, ng: int,
+                        hd: int):
+    """`attn_pre` through the row kernels: the input norm (`ln32`: float32 1 + w), the q/k/v
+    projection (its GEMM), then `hybrid_row_ops.zc_rope_qk` (`qk32`: the q and k norms' float32
+    1 + w). Returns q, k, v and (the q/k/v rows, heads, width) for `row_kernel_output_gate`."""
     from layersplit.shards.kernels.hybrid_row_ops import zc_rope_qk
 
-    nh, ng, hd = a.num_heads, a.num_kv_heads, a.head_dim
-    qkv = F.linear(row_kernel_norm(h, ln_w, eps), a.qkv_proj.weight, a.qkv_proj.bias)
-    qn, kn = layer.qk_zc_weights
-    q, k = zc_rope_qk(qkv, cos, sin, qn, kn, eps, nh, ng, hd)
+    qkv = F.linear(row_kernel_norm(h, ln32, eps), qkv_w, qkv_b)
+    q, k = zc_rope_qk(qkv, cos, sin, qk32[0], qk32[1], eps, nh, ng, hd)
     v = qkv[:, 2 * nh * hd + ng * hd:].view(qkv.shape[0], ng, hd)
     return q, k, v, (qkv, nh, hd)
+
+
+def row_kernel_mlp(h, x, ln2_32, gu_w, down_w, eps: float):
+    """h + x rounded once, then (a dense MLP: `gu_w` not None) the SwiGLU MLP through the row
+    kernels: the add with the zero-centred norm (`ln2_32`: float32 1 + w), gate/up's GEMM,
+    SiLU * up, down's GEMM and the add (`_mlp` after `residual`)."""
+    from layersplit.shards.kernels.row_ops import add_rms_norm, silu_mul
+
+    if gu_w is None:
+        return add_rms_norm(h, x, None, 0.0)[0]
+    h, normed = add_rms_norm(h, x, ln2_32, eps, float_product=True)
+    return add_rms_norm(h, F.linear(silu_mul(F.linear(normed, gu_w)), down_w), None, 0.0)[0]
+
+
+def row_linear_pre(h, ln32, in_w, conv_w, conv_state, a_log, dt_bias, eps: float,
+                   conv_dim: int, key_dim: int, value_dim: int, hk: int, hv: int, dk: int,
+                   dv: int):
+    """`linear_pre` through the row kernels (`ln32`: the input norm's float32 1 + w)."""
+    return row_kernel_conv(F.linear(row_kernel_norm(h, ln32, eps), in_w), conv_w, conv_state,
+                           a_log, dt_bias, conv_dim, key_dim, value_dim, hk, hv, dk, dv)
+
+
+def row_linear_post(h, o, z, norm_w, norm_eps: float, out_w, ln2_32, gu_w, down_w, eps: float):
+    """`linear_post` through the row kernels (`ln2_32`: the post-attention norm's float32
+    1 + w)."""
+    return row_kernel_mlp(h, F.linear(row_kernel_gate(o, z, norm_w, norm_eps), out_w), ln2_32,
+                          gu_w, down_w, eps)
+
+
+def row_attn_post(h, attn, gate, o_w, ln2_32, gu_w, down_w, eps: float):
+    """`attn_post` through the row kernels (`gate`: `row_kernel_attn_pre`'s)."""
+    return row_kernel_mlp(h, F.linear(row_kernel_output_gate(attn, gate), o_w), ln2_32, gu_w,
+                          down_w, eps)
 
 
 ROW_KERNEL_STAGES = (row_kernel_conv, row_kernel_gate, row_kernel_output_gate)
@@ -319,7 +353,7 @@ class HybridFast:
                 got = self._try_gemv_step(layer, h, cos, sin, kv, index, slot, step)
                 if got is not None:
                     return got
-            return self._run(layer, h, cos, sin, kv, index, slot, step)
+            return self._run_stages(layer, h, cos, sin, kv, index, slot, step)
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
         except Exception as e:
@@ -331,13 +365,41 @@ class HybridFast:
         self.uncompile()
         return self._run(layer, h, cos, sin, kv, index, slot, step)
 
-    def _run(self, layer, h, cos, sin, kv, index, slot, step):
+    def _run_stages(self, layer, h, cos, sin, kv, index, slot, step):
+        """`_run`, through the row kernels where they take the step (`_row_stages_take`): on
+        their failure (outside a capture) they are off, and the step runs again without them
+        (the slot's states advance last: as they were)."""
+        rows = self._row_stages_take(layer, h)
+        try:
+            return self._run(layer, h, cos, sin, kv, index, slot, step, rows)
+        except (torch.cuda.OutOfMemoryError, IndexError):
+            raise
+        except Exception as e:  # noqa: BLE001 - theirs, or raised again below
+            if not rows or (torch.cuda.is_available() and
+                            torch.cuda.is_current_stream_capturing()):
+                raise
+            note_kernel_failure(ROW_KERNELS, e)
+        return self._run(layer, h, cos, sin, kv, index, slot, step, False)
+
+    def _row_stages_take(self, layer, h) -> bool:
+        """Whether `_run`'s stages run through the row kernels (`ROW_KERNELS_SWITCH`): switched
+        on, not failed, the Triton kernels running there, and the layer's float32 norm scales
+        made (`fuse_hybrid`, with the GEMV step)."""
+        return self._row_kernels_take() and getattr(layer, "zc_weights", None) is not None \
+            and fused_kernels_available(h.device)
+
+    def _run(self, layer, h, cos, sin, kv, index, slot, step, rows: bool = False):
         lin_pre, lin_post, att_pre, att_post = self.stages
         eps = layer.input_layernorm.eps
         mlp = layer.mlp
         dense = getattr(mlp, "gate_up_proj", None)
+        ln_w = layer.input_layernorm.weight
         mlp_w = ((layer.post_attention_layernorm.weight, dense.weight, mlp.down_proj.weight)
                  if dense is not None else (None, None, None))
+        if rows:  # (the same stages through the row kernels: float32 1 + w for the norms)
+            lin_pre, lin_post, att_post = row_linear_pre, row_linear_post, row_attn_post
+            ln_w, ln2_32 = layer.zc_weights
+            mlp_w = (ln2_32, *mlp_w[1:])
         batched = step.lo is not None  # (one row of each sequence, its states in step.states)
         indexed = batched and self._rows_kernel_takes(h)  # (`STATE_IN_PLACE_SWITCH`)
         if layer.linear:
@@ -349,9 +411,9 @@ class HybridFast:
             else:
                 conv_state, state = kv.conv[index, slot:slot + 1], kv.state[index, slot:slot + 1]
             q, k, v, g, beta, z, new_conv = lin_pre(
-                h, layer.input_layernorm.weight, a.in_proj.weight, a.conv1d.weight.squeeze(1),
-                conv_state, a.A_log, a.dt_bias, eps, a.conv_dim, a.key_dim, a.value_dim,
-                a.num_k_heads, a.num_v_heads, a.head_k_dim, a.head_v_dim)
+                h, ln_w, a.in_proj.weight, a.conv1d.weight.squeeze(1), conv_state, a.A_log,
+                a.dt_bias, eps, a.conv_dim, a.key_dim, a.value_dim, a.num_k_heads,
+                a.num_v_heads, a.head_k_dim, a.head_v_dim)
             if indexed:
                 o, new_state = self._slots_rule(q, k, v, g, beta, kv.state[index], step.states)
             else:
@@ -365,9 +427,14 @@ class HybridFast:
         else:
             advance = None
             a = layer.self_attn
-            q, k, v, gate = att_pre(h, layer.input_layernorm.weight, a.qkv_proj.weight,
-                                    a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin,
-                                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
+            if rows:
+                q, k, v, gate = row_kernel_attn_pre(
+                    h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias, layer.qk_zc_weights, cos, sin,
+                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
+            else:
+                q, k, v, gate = att_pre(h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias,
+                                        a.q_norm.weight, a.k_norm.weight, cos, sin, eps,
+                                        a.num_heads, a.num_kv_heads, a.head_dim)
             if batched:
                 keys, values = kv.append_batch(index, step, k, v)  # (B, T, G, D) each
                 out = attend_batch(q, keys, values, step.mask, a.head_dim ** -0.5)
@@ -473,7 +540,9 @@ class HybridFast:
         else:
             a = layer.self_attn
             if rows:  # (the gate then read in place by `row_kernel_output_gate`)
-                q, k, v, gate = row_kernel_attn_pre(h, layer, a, cos, sin, eps, ln_w)
+                q, k, v, gate = row_kernel_attn_pre(
+                    h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias, layer.qk_zc_weights, cos, sin,
+                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
             else:
                 q, k, v, gate = self.stages[2](
                     h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,

@@ -260,21 +260,36 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
         kernels._FAILED.discard(name)  # conftest's check)
 
 
-@pytest.mark.parametrize("how", ["new states", "in place", "kernel fails"])
+@pytest.mark.parametrize("family,how", [
+    ("qwen3_5", how) for how in ("new states", "in place", "kernel fails", "row kernels",
+                                 "row kernels fail")] + [("qwen3_5_moe", "row kernels")])
 def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, monkeypatch,
-                                                                how):
+                                                                family, how):
     """`LAYERSPLIT_HYBRID_STATE_IN_PLACE=1` in a batched decode step (`HybridFast._slots_rule`):
     each row's delta rule reads its slot's state in the pool, advanced there (`in place`: as
     inside a capture, by the test's say) or into new states written back last; each
     sequence's logits and states are those of its own steps, the idle slot left as it was.
     `kernel fails`: its first launch raises; the gathered states and fla's (here torch's) rule
-    answer, and the kernel is off from then on."""
+    answer, and the kernel is off from then on. `row kernels`: the stages' elementwise work
+    through `hybrid_row_ops`'s kernels (`LAYERSPLIT_HYBRID_ROW_KERNELS`), no stage compiled;
+    `row kernels fail`: the first of them raises, and the step runs again without them."""
     from layersplit.shards import kernels
-    from layersplit.shards.kernels import gated_delta_rows
+    from layersplit.shards.kernels import gated_delta_rows, hybrid_row_ops
 
     from tests.helpers import token_ids as ids_of
 
     monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1")
+    monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH, "1" if "row" in how else "0")
+    row_ops = []
+    for name in ("conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"):
+        real_op = getattr(hybrid_row_ops, name)
+
+        def op(*a, _n=name, _f=real_op):
+            row_ops.append(_n)
+            if how == "row kernels fail":
+                raise RuntimeError("a row kernel failed to build")
+            return _f(*a)
+        monkeypatch.setattr(hybrid_row_ops, name, op)
     if how == "in place":
         monkeypatch.setattr(fused_hybrid.HybridFast, "_advances_in_place", lambda self: True)
     calls = []
@@ -286,7 +301,7 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
             raise RuntimeError("the rows kernel failed to build")
         return rows(*a)
     monkeypatch.setattr(gated_delta_rows, "recurrent_rows", counted)
-    ckpt = open_checkpoint(hybrid_models["qwen3_5"])
+    ckpt = open_checkpoint(hybrid_models[family])
     models = [load_layer_range(ckpt, 0, 6, torch.float32, KERNEL_DEV) for _ in range(2)]
     fuse_projections(models[0], compile=False)
     bat, one = (RangeExecutor(m, 96, 4, KERNEL_DEV, static_decode=st, graph_bucket=4,
@@ -318,3 +333,11 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
     if how == "kernel fails":  # (tried once, then off)
         assert len(calls) == 1 and kernels.kernel_failed(fused_hybrid.ROWS_KERNEL)
         kernels._FAILED.discard(fused_hybrid.ROWS_KERNEL)  # (this test's: conftest's check)
+    if how == "row kernels":  # (every one of them, in the batched steps)
+        assert set(row_ops) == {"conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"}
+        assert not kernels.kernel_failed(fused_hybrid.ROW_KERNELS)
+    elif how == "row kernels fail":  # (tried once, then off)
+        assert len(row_ops) == 1 and kernels.kernel_failed(fused_hybrid.ROW_KERNELS)
+        kernels._FAILED.discard(fused_hybrid.ROW_KERNELS)
+    else:
+        assert row_ops == []

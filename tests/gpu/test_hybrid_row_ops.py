@@ -7,8 +7,6 @@ On a CUDA device (`python -m pytest -m gpu`); on a CPU through `TRITON_INTERPRET
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,14 +94,11 @@ def test_attention_norms_rotary_and_gate_equal_attn_pre(dtype, bias):
     cos = torch.cat([ang.cos(), ang.cos()], dim=-1).to(dtype)
     sin = torch.cat([ang.sin(), ang.sin()], dim=-1).to(dtype)
 
-    # (what `row_kernel_attn_pre` reads of the layer and its attention)
-    a = SimpleNamespace(num_heads=NH, num_kv_heads=NG, head_dim=HD,
-                        qkv_proj=SimpleNamespace(weight=qkv_w, bias=qkv_b))
-    layer = SimpleNamespace(qk_zc_weights=tuple((1.0 + t.float()).contiguous()
-                                                for t in (qn, kn)))
+    qk32 = tuple((1.0 + t.float()).contiguous() for t in (qn, kn))
     ln32 = (1.0 + ln_w.float()).contiguous()
     want = fused_hybrid.attn_pre(h, ln_w, qkv_w, qkv_b, qn, kn, cos, sin, 1e-6, NH, NG, HD)
-    got = fused_hybrid.row_kernel_attn_pre(h, layer, a, cos, sin, 1e-6, ln32)
+    got = fused_hybrid.row_kernel_attn_pre(h, ln32, qkv_w, qkv_b, qk32, cos, sin, 1e-6, NH, NG,
+                                           HD)
     for name, w, g in zip("qkv", want[:3], got[:3]):
         assert g.shape == w.shape and g.dtype == w.dtype, name
         assert near(g, w, _tol(dtype)), name
@@ -123,3 +118,43 @@ def test_the_input_norm_is_zc_norm_bit_for_bit():
     got = fused_hybrid.row_kernel_norm(h, (1.0 + w.float()).contiguous(), 1e-6)
     assert near(got, want, _tol(dtype))
     assert F.mse_loss(got.float(), want.float()) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dense", [True, False])
+def test_the_batched_stages_equal_the_torch_stages(dtype, dense):
+    """`row_linear_pre`, `row_linear_post` and `row_attn_post` (a batched step's stages through
+    the row kernels) against `linear_pre`, `linear_post` and `attn_post`; `dense` False: a
+    sparse MLP's layer (the stage ends after the mixer's residual add)."""
+    gen = torch.Generator(device=KERNEL_DEV).manual_seed(5)
+    hidden, inter, rows = (5120, 17408, 4) if CUDA else (48, 40, 3)
+    kd, vd = HK * DK, HV * DV
+    c = 2 * kd + vd
+    h = _rand(rows, hidden, dtype=dtype, gen=gen, scale=2.0)
+    ln_w, ln2_w = (_rand(hidden, dtype=dtype, gen=gen, scale=0.2) for _ in range(2))
+    ln32, ln2_32 = ((1.0 + w.float()).contiguous() for w in (ln_w, ln2_w))
+    in_w = _rand(c + vd + 2 * HV, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
+    conv_w = _rand(c, 4, dtype=dtype, gen=gen, scale=0.5)
+    state = _rand(rows, c, 3, dtype=dtype, gen=gen)
+    a_log, dt_bias = (_rand(HV, dtype=dtype, gen=gen, scale=0.5) for _ in range(2))
+    args = (conv_w, state, a_log, dt_bias, 1e-6, c, kd, vd, HK, HV, DK, DV)
+    want = fused_hybrid.linear_pre(h, ln_w, in_w, *args)
+    got = fused_hybrid.row_linear_pre(h, ln32, in_w, *args)
+    for name, w, g in zip(("q", "k", "v", "g", "beta", "z", "new conv"), want, got):
+        assert g.shape == w.shape and near(g, w, _tol(dtype)), name
+    o = _rand(rows, 1, HV, DV, dtype=dtype, gen=gen)
+    z = want[5]
+    norm_w = _rand(DV, dtype=dtype, gen=gen)
+    out_w = _rand(hidden, vd, dtype=dtype, gen=gen, scale=vd ** -0.5)
+    gu_w = _rand(2 * inter, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5) if dense else None
+    down_w = _rand(hidden, inter, dtype=dtype, gen=gen, scale=inter ** -0.5) if dense else None
+    want = fused_hybrid.linear_post(h, o, z, norm_w, 1e-6, out_w, ln2_w, gu_w, down_w, 1e-6)
+    got = fused_hybrid.row_linear_post(h, o, z, norm_w, 1e-6, out_w, ln2_32, gu_w, down_w, 1e-6)
+    assert got.shape == want.shape and near(got, want, _tol(dtype))
+    attn = _rand(rows, NH * HD, dtype=dtype, gen=gen)
+    qkv = _rand(rows, 2 * NH * HD + 2 * NG * HD, dtype=dtype, gen=gen)
+    gate = qkv[:, :2 * NH * HD].view(rows, NH, 2 * HD)[:, :, HD:].reshape(rows, NH * HD)
+    o_w = _rand(hidden, NH * HD, dtype=dtype, gen=gen, scale=(NH * HD) ** -0.5)
+    want = fused_hybrid.attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, 1e-6)
+    got = fused_hybrid.row_attn_post(h, attn, (qkv, NH, HD), o_w, ln2_32, gu_w, down_w, 1e-6)
+    assert got.shape == want.shape and near(got, want, _tol(dtype))
