@@ -371,7 +371,7 @@ class HybridFast:
         (the slot's states advance last: as they were)."""
         rows = self._row_stages_take(layer, h)
         try:
-            return self._run(layer, h, cos, sin, kv, index, slot, step, rows)
+            return self._run(layer, h, cos, sin, kv, index, slot, step, rows=rows)
         except (torch.cuda.OutOfMemoryError, IndexError):
             raise
         except Exception as e:  # noqa: BLE001 - theirs, or raised again below
@@ -379,7 +379,7 @@ class HybridFast:
                             torch.cuda.is_current_stream_capturing()):
                 raise
             note_kernel_failure(ROW_KERNELS, e)
-        return self._run(layer, h, cos, sin, kv, index, slot, step, False)
+        return self._run(layer, h, cos, sin, kv, index, slot, step)
 
     def _row_stages_take(self, layer, h) -> bool:
         """Whether `_run`'s stages run through the row kernels (`ROW_KERNELS_SWITCH`): switched

@@ -445,7 +445,7 @@ def test_batched_decode_steps_equal_each_sequence_alone(hybrid_models, family, p
         calls = []
         fast = models[0].layers[0].fast
         inner = fast._run
-        fast._run = lambda *a: calls.append(a[-1].lo is not None) or inner(*a)
+        fast._run = lambda *a, **kw: calls.append(a[-1].lo is not None) or inner(*a, **kw)
     bat, one = (RangeExecutor(m, 96, 4, static_decode=st, graph_bucket=4, taps=(2,), **extra)
                 for m, st in zip(models, (True, False)))
     if captured:
