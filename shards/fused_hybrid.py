@@ -385,8 +385,10 @@ class HybridFast:
         """Whether `_run`'s stages run through the row kernels (`ROW_KERNELS_SWITCH`): switched
         on, not failed, the Triton kernels running there, and the layer's float32 norm scales
         made (`fuse_hybrid`, with the GEMV step)."""
-        return self._row_kernels_take() and getattr(layer, "zc_weights", None) is not None \
-            and fused_kernels_available(h.device)
+        zc = getattr(layer, "zc_weights", None)
+        return self._row_kernels_take() and zc is not None and zc[0].device == h.device and (
+            layer.linear or getattr(layer, "qk_zc_weights", None) is not None) and \
+            fused_kernels_available(h.device)
 
     def _run(self, layer, h, cos, sin, kv, index, slot, step, rows: bool = False):
         lin_pre, lin_post, att_pre, att_post = self.stages
@@ -649,9 +651,10 @@ def fuse_hybrid(model, compile: bool = True) -> bool:
         (layer.linear_attn if layer.linear else layer.self_attn).fuse()
         layer.mlp.fuse()
         layer.fast = fast
-        layer.zc_weights = zc_weights(layer) if fast.gemv else None
+        scales = fast.gemv or fast.row_kernels  # (the float32 1 + w their norms take)
+        layer.zc_weights = zc_weights(layer) if scales else None
         layer.qk_zc_weights = (qk_zc_weights(layer.self_attn)
-                               if fast.gemv and not layer.linear else None)
+                               if scales and not layer.linear else None)
     if not fast.gemv:
         log.info("%s=0: one-row hybrid steps take the compiled stages' GEMMs", GEMV_SWITCH)
     return True

@@ -72,7 +72,8 @@ def _executor(path, monkeypatch, gemv: bool, graphs: bool, compile: bool,
     monkeypatch.setenv(fused_hybrid.ONE_PASS_SWITCH, "1" if extra == "one_pass" else "0")
     monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH,
                        "1" if extra in ("in_place", "new_state") else "0")
-    monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH, "1" if extra == "row_kernels" else "0")
+    monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH,  # (the stages' executor: compiled)
+                       "1" if extra == "row_kernels" and gemv else "0")
     model = load_layer_range(open_checkpoint(path), 0, 6, torch.float32, KERNEL_DEV)
     fuse_projections(model, compile=compile)
     assert (model.layers[0].zc_weights is not None) == gemv
@@ -262,7 +263,8 @@ def test_a_gemv_step_failing_midway_leaves_the_states_for_the_stages(hybrid_mode
 
 @pytest.mark.parametrize("family,how", [
     ("qwen3_5", how) for how in ("new states", "in place", "kernel fails", "row kernels",
-                                 "row kernels fail")] + [("qwen3_5_moe", "row kernels")])
+                                 "row kernels fail", "row kernels, no GEMV step")] + [
+    ("qwen3_5_moe", "row kernels")])
 def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, monkeypatch,
                                                                 family, how):
     """`LAYERSPLIT_HYBRID_STATE_IN_PLACE=1` in a batched decode step (`HybridFast._slots_rule`):
@@ -272,7 +274,8 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
     `kernel fails`: its first launch raises; the gathered states and fla's (here torch's) rule
     answer, and the kernel is off from then on. `row kernels`: the stages' elementwise work
     through `hybrid_row_ops`'s kernels (`LAYERSPLIT_HYBRID_ROW_KERNELS`), no stage compiled;
-    `row kernels fail`: the first of them raises, and the step runs again without them."""
+    `row kernels fail`: the first of them raises, and the step runs again without them; `no
+    GEMV step`: with `LAYERSPLIT_HYBRID_GEMV=0` (they take the batched steps all the same)."""
     from layersplit.shards import kernels
     from layersplit.shards.kernels import gated_delta_rows, hybrid_row_ops
 
@@ -280,6 +283,7 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
 
     monkeypatch.setenv(fused_hybrid.STATE_IN_PLACE_SWITCH, "1")
     monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH, "1" if "row" in how else "0")
+    monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "0" if "no GEMV" in how else "1")
     row_ops = []
     for name in ("conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"):
         real_op = getattr(hybrid_row_ops, name)
@@ -333,7 +337,7 @@ def test_batched_steps_over_the_slots_equal_each_sequence_alone(hybrid_models, m
     if how == "kernel fails":  # (tried once, then off)
         assert len(calls) == 1 and kernels.kernel_failed(fused_hybrid.ROWS_KERNEL)
         kernels._FAILED.discard(fused_hybrid.ROWS_KERNEL)  # (this test's: conftest's check)
-    if how == "row kernels":  # (every one of them, in the batched steps)
+    if how in ("row kernels", "row kernels, no GEMV step"):  # (every one, in batched steps)
         assert set(row_ops) == {"conv_gates", "gated_norm", "zc_rope_qk", "sigmoid_gate"}
         assert not kernels.kernel_failed(fused_hybrid.ROW_KERNELS)
     elif how == "row kernels fail":  # (tried once, then off)
