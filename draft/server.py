@@ -690,7 +690,8 @@ def run_draft(spec: DraftSpec, secret: bytes, error_file: str | None = None) -> 
     A startup error's text goes to `error_file` too, for the coordinator to report."""
     import signal
 
-    from layersplit.shards.worker import _exit_on_signal, watch_parent
+    from layersplit.ipc.parent_watch import watch_parent
+    from layersplit.shards.worker import _exit_on_signal
 
     server: DraftServer | None = None
 
@@ -703,7 +704,7 @@ def run_draft(spec: DraftSpec, secret: bytes, error_file: str | None = None) -> 
 
     if spec.parent_pid:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        watch_parent(spec.parent_pid, cleanup)
+        watch_parent(spec.parent_pid, cleanup, role="draft")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server = DraftServer(spec, secret)

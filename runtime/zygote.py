@@ -22,7 +22,7 @@ line per child, `{"id": SERIAL, "argv": [...], "env": {...}, "cwd": DIR}`, with 
 reports each child's end, `{"exit": N, "rc": C}` (`subprocess.Popen.returncode`'s meaning:
 -signal when killed). `ForkedProcess` gives the
 parent a `Popen`'s methods over that. A zygote whose parent goes away reads the end of its
-channel and exits; its children then see their parent change (`shards.worker.watch_parent`,
+channel and exits; its children then see their parent change (`ipc.parent_watch.watch_parent`,
 given the zygote's pid) and stop. Only CPU devices: a CUDA process is started fresh
 (`runtime.supervisor`; `fork_cpu_processes = false` starts CPU ones fresh too).
 """

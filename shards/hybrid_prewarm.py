@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from layersplit.ipc.auth import SECRET_ENV
+from layersplit.ipc.parent_watch import watch_parent
 from layersplit.shards import compile_cache
 from layersplit.shards.kernels import switched_off
 from layersplit.shards.kernels.fla_loading import configs_in_force
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [prewarm] %(levelname)s "
                         "%(name)s: %(message)s", datefmt="%H:%M:%S")
     args = json.loads(argv[0])
-    _watch_parent(int(args["parent_pid"]))
+    watch_parent(int(args["parent_pid"]), lambda: None, role="prewarm")
     t0 = time.perf_counter()
     device = use_device(args["device"], None)
     shape = args["shape"]
@@ -233,18 +234,6 @@ def main(argv: list[str]) -> int:
         cache.record(_what(shape), seconds, 0)
     log.info("fla-core's prefill kernels compiled ahead in %.1f s", seconds)
     return 0
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the shard that started us is gone."""
-    import threading
-
-    def run() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(3)
-
-    threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -22,18 +22,16 @@ import dataclasses
 import logging
 import os
 import signal
-import threading
 import time
 from typing import Any
 
-import psutil
 import torch
 import zmq
 from layersplit.ipc import transport
 from layersplit.ipc.messages import ProtocolError, error, message
+from layersplit.ipc.parent_watch import watch_parent
 from layersplit.ipc.peers import AUTH_FAILED, Gate
 from layersplit.ipc.serve_loop import serve
-from layersplit.ipc.shm import release_cuda_event_files
 from layersplit.ipc.sockets import bind_router, context, recv, send
 from layersplit.ipc.step_trace import step_trace
 from layersplit.ipc.token_board import TokenBoard
@@ -364,23 +362,6 @@ class ShardServer(StepRunner, LastShardSampling, ShardCacheOps, ShardSetup):
             self.router.close(0)
         if self.profile is not None:  # (last: writing it may take a while)
             self.profile.close()
-
-
-def watch_parent(parent_pid: int, on_gone) -> threading.Thread:
-    """Exit when the coordinator that started us is gone (kill -9 included)."""
-
-    def run() -> None:
-        while True:
-            if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
-                log.warning("shard: coordinator %d is gone; exiting", parent_pid)
-                on_gone()
-                release_cuda_event_files()  # (`ipc.shm`: os._exit skips the driver's)
-                os._exit(3)
-            time.sleep(0.2)
-
-    t = threading.Thread(target=run, name="parent-watch", daemon=True)
-    t.start()
-    return t
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
