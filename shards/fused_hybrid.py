@@ -391,7 +391,7 @@ class HybridFast:
             fused_kernels_available(h.device)
 
     def _run(self, layer, h, cos, sin, kv, index, slot, step, rows: bool = False):
-        lin_pre, lin_post, att_pre, att_post = self.stages
+        lin_pre, lin_post, _, att_post = self.stages  # (attn_pre: `_attn_pre`)
         eps = layer.input_layernorm.eps
         mlp = layer.mlp
         dense = getattr(mlp, "gate_up_proj", None)
@@ -429,14 +429,7 @@ class HybridFast:
         else:
             advance = None
             a = layer.self_attn
-            if rows:
-                q, k, v, gate = row_kernel_attn_pre(
-                    h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias, layer.qk_zc_weights, cos, sin,
-                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
-            else:
-                q, k, v, gate = att_pre(h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias,
-                                        a.q_norm.weight, a.k_norm.weight, cos, sin, eps,
-                                        a.num_heads, a.num_kv_heads, a.head_dim)
+            q, k, v, gate = self._attn_pre(layer, h, cos, sin, eps, rows)
             if batched:
                 keys, values = kv.append_batch(index, step, k, v)  # (B, T, G, D) each
                 out = attend_batch(q, keys, values, step.mask, a.head_dim ** -0.5)
@@ -479,6 +472,19 @@ class HybridFast:
                 return self._try_gemv_step(layer, h, cos, sin, kv, index, slot, step)
             note_kernel_failure(GEMV, e)
             return None
+
+    def _attn_pre(self, layer, h, cos, sin, eps: float, rows: bool):
+        """A gated-attention layer's `attn_pre`: the compiled stage's, or with `rows` the row
+        kernels' (`row_kernel_attn_pre`, its norms' float32 1 + w from `fuse_hybrid`; its gate
+        then (the q/k/v rows, heads, width), read in place by `row_kernel_output_gate`)."""
+        a = layer.self_attn
+        if rows:
+            return row_kernel_attn_pre(h, layer.zc_weights[0], a.qkv_proj.weight,
+                                       a.qkv_proj.bias, layer.qk_zc_weights, cos, sin, eps,
+                                       a.num_heads, a.num_kv_heads, a.head_dim)
+        return self.stages[2](h, layer.input_layernorm.weight, a.qkv_proj.weight,
+                              a.qkv_proj.bias, a.q_norm.weight, a.k_norm.weight, cos, sin, eps,
+                              a.num_heads, a.num_kv_heads, a.head_dim)
 
     def _row_kernels_take(self) -> bool:
         """Whether a GEMV step's elementwise work runs as `kernels.hybrid_row_ops`'s kernels
@@ -541,15 +547,7 @@ class HybridFast:
             advance = (conv_state, state, new_conv, new_state)
         else:
             a = layer.self_attn
-            if rows:  # (the gate then read in place by `row_kernel_output_gate`)
-                q, k, v, gate = row_kernel_attn_pre(
-                    h, ln_w, a.qkv_proj.weight, a.qkv_proj.bias, layer.qk_zc_weights, cos, sin,
-                    eps, a.num_heads, a.num_kv_heads, a.head_dim)
-            else:
-                q, k, v, gate = self.stages[2](
-                    h, layer.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
-                    a.q_norm.weight, a.k_norm.weight, cos, sin, eps, a.num_heads,
-                    a.num_kv_heads, a.head_dim)
+            q, k, v, gate = self._attn_pre(layer, h, cos, sin, eps, rows)
             keys, values = kv.append(index, slot, step, k, v)  # (T, G, D) each
             out = attend(q, keys, values, step.mask, False)
             out = att_gate(out, gate)

@@ -45,7 +45,7 @@ from layersplit.ipc.auth import SECRET_ENV
 from layersplit.ipc.parent_watch import watch_parent
 from layersplit.shards import compile_cache
 from layersplit.shards.kernels import switched_off
-from layersplit.shards.kernels.fla_loading import configs_in_force
+from layersplit.shards.kernels.fla_loading import configs_in_force, fla_version
 from layersplit.shards.kernels.gated_delta_fla import (
     delta_rules,
     describe,
@@ -76,16 +76,6 @@ def shape_of(cfg: Any, start: int, end: int, dtype: str) -> dict[str, Any] | Non
             "head_v_dim": spec.value_head_dim, "conv_kernel": spec.conv_kernel,
             "eps": cfg.rms_norm_eps, "fused_projections": spec.fused_projections,
             "dtype": dtype, "fuse": fuses(cfg)}
-
-
-def fla_version() -> str | None:
-    """The installed fla-core's version, or None where it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fla-core")
-    except PackageNotFoundError:
-        return None
 
 
 def configs_cover(folder: Path | None, shape: dict[str, Any]) -> bool:

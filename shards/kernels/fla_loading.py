@@ -47,6 +47,16 @@ HEAVY_PACKAGES = ("fla", "fla.ops", "fla.modules")
 BARE_SWITCH = "LAYERSPLIT_FLA_BARE_IMPORT"
 
 
+def fla_version() -> str | None:
+    """The installed fla-core's version, or None where it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fla-core")
+    except PackageNotFoundError:
+        return None
+
+
 def gpu_dir_name(gpu_name: str) -> str:
     """A GPU's model name as fla-core names its config folders (`sanitize_gpu_name`)."""
     return re.sub(r"[^0-9A-Za-z]+", "_", gpu_name).strip("_") or "unknown_gpu"

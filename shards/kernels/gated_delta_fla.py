@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from layersplit.shards.kernels import switched_off
-from layersplit.shards.kernels.fla_loading import import_fla, tuned_configs
+from layersplit.shards.kernels.fla_loading import fla_version, import_fla, tuned_configs
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,8 @@ def _load_fla() -> tuple[tuple[Rule, Rule] | None, str]:
             return out.to(v.dtype), final
         return rule
 
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        which = f"fla-core {version('fla-core')}"
-    except PackageNotFoundError:
-        which = "fla (flash-linear-attention)"
+    installed = fla_version()
+    which = "fla (flash-linear-attention)" if installed is None else f"fla-core {installed}"
     if configs is not None:
         which += f", tuned configs shipped for this GPU ({configs.name})"
     return (wrap(chunk_gated_delta_rule), wrap(fused_recurrent_gated_delta_rule)), which
