@@ -158,3 +158,20 @@ def test_the_batched_stages_equal_the_torch_stages(dtype, dense):
     want = fused_hybrid.attn_post(h, attn, gate, o_w, ln2_w, gu_w, down_w, 1e-6)
     got = fused_hybrid.row_attn_post(h, attn, (qkv, NH, HD), o_w, ln2_32, gu_w, down_w, 1e-6)
     assert got.shape == want.shape and near(got, want, _tol(dtype))
+
+
+def test_shapes_the_kernels_do_not_take_are_refused_by_name():
+    """A gated norm over several rows of one sequence, q/k norm scales not in float32, an
+    attention output of another width: a ValueError naming what differs, nothing launched."""
+    from layersplit.shards.kernels.hybrid_row_ops import gated_norm, sigmoid_gate, zc_rope_qk
+
+    o = torch.zeros(1, 2, HV, DV, device=KERNEL_DEV)
+    with pytest.raises(ValueError, match="gated_norm"):
+        gated_norm(o, o, torch.ones(DV, device=KERNEL_DEV), 1e-6)
+    qkv = torch.zeros(1, 2 * NH * HD + 2 * NG * HD, device=KERNEL_DEV)
+    cos = torch.zeros(1, ROT, device=KERNEL_DEV)
+    half = torch.ones(HD, dtype=torch.float16, device=KERNEL_DEV)
+    with pytest.raises(ValueError, match="float32 weights"):
+        zc_rope_qk(qkv, cos, cos, half, half, 1e-6, NH, NG, HD)
+    with pytest.raises(ValueError, match="sigmoid_gate"):
+        sigmoid_gate(torch.zeros(1, NH * HD - 1, device=KERNEL_DEV), qkv, NH, HD)
