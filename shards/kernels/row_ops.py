@@ -47,7 +47,7 @@ def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
 
 
 @triton.jit
-def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr,
+def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr, ROUND_ACT: tl.constexpr = True,
               PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -56,7 +56,9 @@ def _silu_mul(GU, s_gu, OUT, s_out, f, BLOCK: tl.constexpr,
     dtype = OUT.dtype.element_ty
     g = tl.load(GU + row * s_gu + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * s_gu + f + cols, mask=ok, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu's output, rounded
+    act = g / (1.0 + tl.exp(-g))
+    if ROUND_ACT:  # (F.silu's output, rounded, as eager torch rounds it)
+        act = act.to(dtype).to(tl.float32)
     tl.store(OUT + row * s_out + cols, (act * u).to(dtype), mask=ok)
 
 
@@ -155,8 +157,11 @@ def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float,
     return _norm_launch(h, None, w, eps, float_product)[1]
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """SiLU(g) * u of the gate/up projection's (rows, 2 * f) output, g its first half."""
+def silu_mul(gu: torch.Tensor, round_act: bool = True) -> torch.Tensor:
+    """SiLU(g) * u of the gate/up projection's (rows, 2 * f) output, g its first half: SiLU's
+    output rounded to gu's dtype before the product, as eager torch rounds it, or with
+    `round_act` False the product of the float32 SiLU, rounded once, as a compiled stage
+    computes it (`hybrid_row_ops` says why that matters)."""
     _rows(gu, "gate/up")
     n, two_f = gu.shape
     if two_f % 2:
@@ -165,7 +170,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, f, dtype=gu.dtype, device=gu.device)
     if n:
         _silu_mul[(n, triton.cdiv(f, SILU_BLOCK))](gu, gu.stride(0), out, out.stride(0), f,
-                                                   BLOCK=SILU_BLOCK, num_warps=4, **pdl(gu))
+                                                   BLOCK=SILU_BLOCK, ROUND_ACT=round_act,
+                                                   num_warps=4, **pdl(gu))
     return out
 
 
