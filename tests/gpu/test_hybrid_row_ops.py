@@ -177,25 +177,33 @@ def test_shapes_the_kernels_do_not_take_are_refused_by_name():
         sigmoid_gate(torch.zeros(1, NH * HD - 1, device=KERNEL_DEV), qkv, NH, HD)
 
 
-def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The fraction of elements of `a` not bit-equal to `b`'s."""
-    return (a != b).float().mean().item()
+
+def _rounding_error(stage, got, *args) -> tuple[float, float]:
+    """The mean distance of `got` and of `stage` compiled by torch.compile, run on `args`
+    (bfloat16), from `stage` run in float64 on the same inputs."""
+    ideal = stage(*(a.double() if torch.is_tensor(a) else a for a in args))
+    want = torch.compile(stage, dynamic=False)(*args)
+    if torch.is_tensor(ideal):
+        got, want, ideal = (got,), (want,), (ideal,)
+    err = [sum((x.double() - i).abs().mean().item() for x, i in zip(out, ideal))
+           for out in (got, want)]
+    return err[0], err[1]
 
 
 @pytest.mark.skipif(not CUDA, reason="bfloat16 rounding; the interpreter runs float32 here")
-def test_the_kernels_round_as_the_compiled_stages_round():
-    """bfloat16 on the Qwen3.5-27B shape: the row kernels' outputs against the stages they
-    replace compiled by torch.compile (inductor keeps a stage's elementwise results in float32
-    and rounds where the stage casts or stores; eager torch rounds after each op, and answered
-    worse in bench/parity.py). Only float32 sums' order may differ: at most 1 % of the
-    elements (one more rounding after each op made 10 % and more of them differ)."""
+def test_the_kernels_round_no_worse_than_the_compiled_stages():
+    """bfloat16 on the Qwen3.5-27B shape: each row kernel's output is as near the stage it
+    replaces run in float64 as that stage compiled by torch.compile is (the kernels keep
+    float32 between ops and round where the stage casts or stores; rounded after each op as
+    eager torch rounds, they answered worse in bench/parity.py)."""
     gen = torch.Generator(device=KERNEL_DEV).manual_seed(6)
     dtype, hidden, inter = torch.bfloat16, 5120, 17408
     o = _rand(1, 1, HV, DV, dtype=dtype, gen=gen, scale=3.0)
     z = _rand(1, 1, HV, DV, dtype=dtype, gen=gen)
     norm_w = _rand(DV, dtype=dtype, gen=gen)
-    gate = torch.compile(fused_hybrid.linear_gate, dynamic=False)(o, z, norm_w, 1e-6)
-    assert _differing(fused_hybrid.row_kernel_gate(o, z, norm_w, 1e-6), gate) < 0.01
+    got = fused_hybrid.row_kernel_gate(o, z, norm_w, 1e-6)
+    mine, compiled = _rounding_error(fused_hybrid.linear_gate, got, o, z, norm_w, 1e-6)
+    assert mine <= 1.02 * compiled, ("gated norm", mine, compiled)
 
     qkv = _rand(1, 2 * NH * HD + 2 * NG * HD, dtype=dtype, gen=gen, scale=2.0)
     qn, kn = (_rand(HD, dtype=dtype, gen=gen, scale=0.2) for _ in range(2))
@@ -211,17 +219,16 @@ def test_the_kernels_round_as_the_compiled_stages_round():
 
     from layersplit.shards.kernels.hybrid_row_ops import zc_rope_qk
 
-    want = torch.compile(norms_rotary, dynamic=False)(qkv, qn, kn, cos, sin)
     got = zc_rope_qk(qkv, cos, sin, (1.0 + qn.float()).contiguous(),
                      (1.0 + kn.float()).contiguous(), 1e-6, NH, NG, HD)
-    for name, w, g in zip("qk", want, got):
-        assert _differing(g, w) < 0.01, name
+    mine, compiled = _rounding_error(norms_rotary, got, qkv, qn, kn, cos, sin)
+    assert mine <= 1.02 * compiled, ("q/k norms and rotary", mine, compiled)
 
     attn = _rand(1, NH * HD, dtype=dtype, gen=gen)
     out_gate = qkv[:, :2 * NH * HD].view(1, NH, 2 * HD)[:, :, HD:].reshape(1, NH * HD)
-    want = torch.compile(fused_hybrid.gate_output, dynamic=False)(attn, out_gate)
     got = fused_hybrid.row_kernel_output_gate(attn, (qkv, NH, HD))
-    assert _differing(got, want) < 0.01
+    mine, compiled = _rounding_error(fused_hybrid.gate_output, got, attn, out_gate)
+    assert mine <= 1.02 * compiled, ("output gate", mine, compiled)
 
     h = _rand(4, hidden, dtype=dtype, gen=gen, scale=2.0)
     x = _rand(4, hidden, dtype=dtype, gen=gen)
@@ -232,7 +239,7 @@ def test_the_kernels_round_as_the_compiled_stages_round():
     def mlp(h, x, ln2_w, gu_w, down_w):  # (`linear_post` after out_proj)
         return fused_hybrid._mlp(fused_hybrid.residual(h, x), ln2_w, gu_w, down_w, 1e-6)
 
-    want = torch.compile(mlp, dynamic=False)(h, x, ln2_w, gu_w, down_w)
     got = fused_hybrid.row_kernel_mlp(h, x, (1.0 + ln2_w.float()).contiguous(), gu_w, down_w,
                                       1e-6)
-    assert _differing(got, want) < 0.01
+    mine, compiled = _rounding_error(mlp, got, h, x, ln2_w, gu_w, down_w)
+    assert mine <= 1.02 * compiled, ("MLP", mine, compiled)
