@@ -238,7 +238,7 @@ def row_kernel_mlp(h, x, ln2_32, gu_w, down_w, eps: float):
 
     if gu_w is None:
         return add_rms_norm(h, x, None, 0.0)[0]
-    h, normed = add_rms_norm(h, x, ln2_32, eps, float_product=True)
+    h, normed = add_rms_norm(h, x, ln2_32, eps, float_product=True, float_sum=True)
     act = silu_mul(F.linear(normed, gu_w), round_act=False)  # (rounded once, as `_mlp`)
     return add_rms_norm(h, F.linear(act, down_w), None, 0.0)[0]
 

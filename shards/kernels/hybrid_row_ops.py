@@ -15,12 +15,13 @@ with torch.compile (`GEMV_STAGES` and `attn_pre`'s norms and rotary).
 With these (and `row_ops.rms_norm_rows` for the input norm), a one-row hybrid step needs no
 torch.compile: no Dynamo trace of its stages at each start, no inductor compile at a machine's
 first (`LAYERSPLIT_HYBRID_ROW_KERNELS`). Rounding follows the compiled stages they replace,
-not torch's eager ops: inductor computes a stage's elementwise ops in float32 and rounds where
-the stage casts (`.to(dtype)`) or stores a result, not after each bf16 op (its
-`emulate_precision_casts` is off). Rounded after each op, as eager torch and `row_ops` round,
-they answered worse: the Qwen3.5 shape's bfloat16 parity against transformers float32 top-1
-0.9271, mean KL 5.79e-3, against the compiled stages' 0.9444, 5.14e-3 (H200, 2026-12-01).
-Only float32 sums' order differs from the compiled stages.
+not torch's eager ops: inductor computes a fused stage's elementwise work in float32 and
+rounds only what it stores, not after each bf16 op nor at the stage's own casts to the dtype
+(`.to(dtype)` followed by float32 work): a stage compiled was nearer its float64 result than
+one rounded there (`tests/gpu/test_hybrid_row_ops.py`). Rounded after each op, as eager torch
+and `row_ops` round, the kernels answered worse: the Qwen3.5 shape's bfloat16 parity against
+transformers float32 top-1 0.9271, mean KL 5.79e-3, against the compiled stages' 0.9444,
+5.14e-3 (H200, 2026-12-01). Only float32 sums' order differs from the compiled stages.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from layersplit.shards.kernels.pdl import pdl, pdl_start
 def _conv_gates(P, s_p, S, s_sn, s_sc, s_sk, W, A_LOG, DT_BIAS, OUT, NEW, G, BETA,
                 c, vd, hv, KW: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
                 PDL: tl.constexpr = False):
-    """Program (row, block of channels); the first block of each row also computes its gates."""
+    """Program (row, block of channels); the first block of each row also computes its gates.
+    The conv's float32 sum goes into the SiLU unrounded."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -53,8 +55,7 @@ def _conv_gates(P, s_p, S, s_sn, s_sc, s_sk, W, A_LOG, DT_BIAS, OUT, NEW, G, BET
     acc += tl.load(W + cols * KW + (KW - 1), mask=ok, other=0.0).to(tl.float32) * \
         x.to(tl.float32)
     tl.store(new + (KW - 2), x, mask=ok)
-    conv = acc.to(dtype).to(tl.float32)  # (the conv's output, rounded; then F.silu's)
-    tl.store(OUT + row * c + cols, (conv / (1.0 + tl.exp(-conv))).to(dtype), mask=ok)
+    tl.store(OUT + row * c + cols, (acc / (1.0 + tl.exp(-acc))).to(dtype), mask=ok)
     if blk == 0:
         hs = tl.arange(0, BLOCK_H)
         hok = hs < hv
@@ -72,8 +73,8 @@ def _conv_gates(P, s_p, S, s_sn, s_sc, s_sk, W, A_LOG, DT_BIAS, OUT, NEW, G, BET
 @triton.jit
 def _gated_norm(OUT_H, s_on, s_oh, Z, s_zn, s_zh, W, Y, dv, eps, BLOCK: tl.constexpr,
                 PDL: tl.constexpr = False):
-    """Program (row, value head): RMSNorm of the head's output (float32, rounded), times the
-    weight and SiLU(z) in float32, rounded once."""
+    """Program (row, value head): RMSNorm of the head's output, times the weight and SiLU(z),
+    in float32, rounded once."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -81,7 +82,7 @@ def _gated_norm(OUT_H, s_on, s_oh, Z, s_zn, s_zh, W, Y, dv, eps, BLOCK: tl.const
     ok = cols < dv
     dtype = Y.dtype.element_ty
     o = tl.load(OUT_H + row * s_on + head * s_oh + cols, mask=ok, other=0.0).to(tl.float32)
-    normed = (o * tl.rsqrt(tl.sum(o * o, axis=0) / dv + eps)).to(dtype).to(tl.float32)
+    normed = o * tl.rsqrt(tl.sum(o * o, axis=0) / dv + eps)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     z = tl.load(Z + row * s_zn + head * s_zh + cols, mask=ok, other=0.0).to(tl.float32)
     y = w * normed * (z / (1.0 + tl.exp(-z)))
@@ -93,8 +94,8 @@ def _zc_rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, hd, r, eps,
                 BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, head): heads [0, nh) the query's (at head * 2 hd of the row: q then its
     gate), the rest the key's (after the nh query-and-gate heads). The head's zero-centred
-    RMSNorm (float32, times the float32 1 + w, rounded once), then the rotary on its first r
-    columns (x * cos + rotate_half(x) * sin in float32, rounded once), the rest as normed."""
+    RMSNorm (float32, times the float32 1 + w), then the rotary on its first r columns (x * cos
+    + rotate_half(x) * sin), in float32, rounded once; the rest as normed, rounded."""
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -110,12 +111,12 @@ def _zc_rope_qk(QKV, s_qkv, COS, SIN, s_cs, QN, KN, Q, K, nh, hd, r, eps,
         wp = KN
     x32 = tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
     scale = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hd + eps)
-    x = (x32 * scale * tl.load(wp + cols, mask=ok, other=0.0)).to(dtype).to(tl.float32)
+    x = x32 * scale * tl.load(wp + cols, mask=ok, other=0.0)
     rotated = cols < r
     partner = tl.where(cols < half, cols + half, cols - half)
     pok = ok & rotated
     xr32 = tl.load(src + partner, mask=pok, other=0.0).to(tl.float32)
-    xr = (xr32 * scale * tl.load(wp + partner, mask=pok, other=0.0)).to(dtype).to(tl.float32)
+    xr = xr32 * scale * tl.load(wp + partner, mask=pok, other=0.0)
     c = tl.load(COS + row * s_cs + cols, mask=pok, other=0.0).to(tl.float32)
     s = tl.load(SIN + row * s_cs + cols, mask=pok, other=0.0).to(tl.float32)
     rot = tl.where(cols < half, -xr, xr)

@@ -25,19 +25,23 @@ SILU_BLOCK = 1024
 @triton.jit
 def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
                   HAS_X: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-                  FLOAT_PRODUCT: tl.constexpr = False, PDL: tl.constexpr = False):
+                  FLOAT_PRODUCT: tl.constexpr = False, FLOAT_SUM: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < d
     dtype = H_OUT.dtype.element_ty
     h = tl.load(H + row * s_h + cols, mask=ok, other=0.0)
+    h32 = h.to(tl.float32)
     if HAS_X:
         x = tl.load(X + row * s_x + cols, mask=ok, other=0.0)
-        h = (h.to(tl.float32) + x.to(tl.float32)).to(dtype)  # rounded once, as torch's add
+        h32 = h32 + x.to(tl.float32)
+        h = h32.to(dtype)  # (rounded once, as torch's add)
         tl.store(H_OUT + row * s_ho + cols, h, mask=ok)
+        if not FLOAT_SUM:  # (the norm of the rounded sum, as eager torch; else the float32's)
+            h32 = h.to(tl.float32)
     if HAS_W:
-        h32 = h.to(tl.float32)
         scale = tl.rsqrt(tl.sum(h32 * h32, axis=0) / d + eps)
         normed = h32 * scale
         if not FLOAT_PRODUCT:  # (Llama rounds before the weight multiplies; gpt-oss after)
@@ -120,7 +124,7 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
-                 eps: float, float_product: bool = False
+                 eps: float, float_product: bool = False, float_sum: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _rows(h, "h")
     n, d = h.shape
@@ -138,16 +142,18 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
             h if w is None else w, h_out, h_out.stride(0),
             h if normed is None else normed, 0 if normed is None else normed.stride(0),
             d, float(eps), HAS_X=x is not None, HAS_W=w is not None, BLOCK=block,
-            FLOAT_PRODUCT=float_product, num_warps=4 if block <= 2048 else 8, **pdl(h))
+            FLOAT_PRODUCT=float_product, FLOAT_SUM=float_sum,
+            num_warps=4 if block <= 2048 else 8, **pdl(h))
     return h_out, normed
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
-                 eps: float, float_product: bool = False
+                 eps: float, float_product: bool = False, float_sum: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h + x, rms_norm(h + x, w, eps)) of (rows, width) activations; with `w` None only the
-    sum (and None); `float_product` as `rms_norm_rows`'s."""
-    return _norm_launch(h, x, w, eps, float_product)
+    sum (and None); `float_product` as `rms_norm_rows`'s; `float_sum`: the norm of the
+    float32 sum, not of the sum rounded (as a compiled stage computes it, `hybrid_row_ops`)."""
+    return _norm_launch(h, x, w, eps, float_product, float_sum)
 
 
 def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float,
