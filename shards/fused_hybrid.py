@@ -85,9 +85,13 @@ ROWS_KERNEL = "gated delta rule over slots"  # (the name `_rows_rule`'s kernel f
 # (`kernels.hybrid_row_ops`, `row_ops.rms_norm_rows`) instead of `GEMV_STAGES` and `attn_pre`
 # compiled by torch.compile, and the same in the stages of batched steps (`_run`: their GEMMs
 # cuBLAS's, the norms, residual adds and SiLU * up `row_ops`'s): a decode step then needs no
-# Dynamo trace at each start (1.9-5 s of a warm Qwen3.5-27B start on an H200, 2026-12-01) and
-# no inductor compile at a machine's first. Off until measured on a GPU (decode speed, batch 1
-# and 8 streams, and start-up, against the compiled stages)
+# Dynamo trace at each start and no inductor compile at a machine's first. Their rounding is
+# the compiled stages' (`kernels.hybrid_row_ops` says why). On by default (0: the compiled
+# stages). The Qwen3.5-27B shape on an H200, 2026-12-01, processes in turn: batch 1 68.6
+# against 66.3 tok/s (1.035 x), 8 streams 388.0 against 373.2 (1.04 x); `layersplit generate`
+# command to first token with warm caches 7.6 against 11.4 s, empty caches unchanged (22.3
+# against 22.8 s); bfloat16 parity against transformers float32 top-1 0.9375, mean KL 5.15e-3
+# against the compiled stages' 0.9444, 5.14e-3
 ROW_KERNELS_SWITCH = "LAYERSPLIT_HYBRID_ROW_KERNELS"
 ROW_KERNELS = "hybrid row kernels"  # (the name their failure turns them off under)
 
@@ -232,15 +236,17 @@ def row_kernel_attn_pre(h, ln32, qkv_w, qkv_b, qk32, cos, sin, eps: float, nh: i
 
 def row_kernel_mlp(h, x, ln2_32, gu_w, down_w, eps: float):
     """h + x rounded once, then (a dense MLP: `gu_w` not None) the SwiGLU MLP through the row
-    kernels: the add with the zero-centred norm (`ln2_32`: float32 1 + w), gate/up's GEMM,
-    SiLU * up, down's GEMM and the add (`_mlp` after `residual`)."""
+    kernels: the zero-centred norm of the float32 h + x (`ln2_32`: float32 1 + w), gate/up's
+    GEMM, SiLU * up, down's GEMM, and h + x + down summed in float32 (`_mlp` after `residual`
+    compiled: inductor recomputes h + x there rather than read it rounded,
+    `hybrid_row_ops` says why its rounding is followed)."""
     from layersplit.shards.kernels.row_ops import add_rms_norm, silu_mul
 
     if gu_w is None:
         return add_rms_norm(h, x, None, 0.0)[0]
-    h, normed = add_rms_norm(h, x, ln2_32, eps, float_product=True, float_sum=True)
+    normed = add_rms_norm(h, x, ln2_32, eps, float_product=True, float_sum=True)[1]
     act = silu_mul(F.linear(normed, gu_w), round_act=False)  # (rounded once, as `_mlp`)
-    return add_rms_norm(h, F.linear(act, down_w), None, 0.0)[0]
+    return add_rms_norm(h, x, None, 0.0, x2=F.linear(act, down_w))[0]
 
 
 def row_linear_pre(h, ln32, in_w, conv_w, conv_state, a_log, dt_bias, eps: float,
@@ -340,7 +346,7 @@ class HybridFast:
         self.gemv = not switched_off(GEMV_SWITCH)  # (read once: the switch of `_gemv_step`)
         self.one_pass = switched_on(ONE_PASS_SWITCH)
         self.state_in_place = not switched_off(STATE_IN_PLACE_SWITCH)
-        self.row_kernels = switched_on(ROW_KERNELS_SWITCH)
+        self.row_kernels = not switched_off(ROW_KERNELS_SWITCH)
 
     def uncompile(self) -> None:
         self.stages, self.gemv_stages, self.compiled = STAGES, GEMV_STAGES, False

@@ -23,10 +23,10 @@ SILU_BLOCK = 1024
 
 
 @triton.jit
-def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
+def _add_rms_norm(H, s_h, X, s_x, X2, s_x2, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
                   HAS_X: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
                   FLOAT_PRODUCT: tl.constexpr = False, FLOAT_SUM: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
+                  HAS_X2: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -37,6 +37,8 @@ def _add_rms_norm(H, s_h, X, s_x, W, H_OUT, s_ho, N_OUT, s_no, d, eps,
     if HAS_X:
         x = tl.load(X + row * s_x + cols, mask=ok, other=0.0)
         h32 = h32 + x.to(tl.float32)
+        if HAS_X2:  # (h + x + x2 in float32)
+            h32 = h32 + tl.load(X2 + row * s_x2 + cols, mask=ok, other=0.0).to(tl.float32)
         h = h32.to(dtype)  # (rounded once, as torch's add)
         tl.store(H_OUT + row * s_ho + cols, h, mask=ok)
         if not FLOAT_SUM:  # (the norm of the rounded sum, as eager torch; else the float32's)
@@ -124,14 +126,17 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None,
-                 eps: float, float_product: bool = False, float_sum: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, float_product: bool = False, float_sum: bool = False,
+                 x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     _rows(h, "h")
     n, d = h.shape
     h_out = torch.empty_like(h) if x is not None else h
     normed = torch.empty_like(h) if w is not None else None
     if x is not None and _rows(x, "x").shape != h.shape:
         raise ValueError(f"row_ops: x {tuple(x.shape)} does not match h {tuple(h.shape)}")
+    if x2 is not None and (x is None or _rows(x2, "x2").shape != h.shape):
+        raise ValueError(f"row_ops: x2 {tuple(x2.shape)} needs an x, and h's shape "
+                         f"{tuple(h.shape)}")
     if w is not None and (w.shape != (d,) or w.stride(0) != 1 or w.device != h.device):
         raise ValueError(f"row_ops: norm weight {tuple(w.shape)} (stride {w.stride()}, on "
                          f"{w.device}) is not a contiguous vector of width {d} on {h.device}")
@@ -139,21 +144,23 @@ def _norm_launch(h: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor | None
         block = triton.next_power_of_2(d)
         _add_rms_norm[(n,)](
             h, h.stride(0), h if x is None else x, h.stride(0) if x is None else x.stride(0),
+            h if x2 is None else x2, h.stride(0) if x2 is None else x2.stride(0),
             h if w is None else w, h_out, h_out.stride(0),
             h if normed is None else normed, 0 if normed is None else normed.stride(0),
             d, float(eps), HAS_X=x is not None, HAS_W=w is not None, BLOCK=block,
-            FLOAT_PRODUCT=float_product, FLOAT_SUM=float_sum,
+            FLOAT_PRODUCT=float_product, FLOAT_SUM=float_sum, HAS_X2=x2 is not None,
             num_warps=4 if block <= 2048 else 8, **pdl(h))
     return h_out, normed
 
 
 def add_rms_norm(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
-                 eps: float, float_product: bool = False, float_sum: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 eps: float, float_product: bool = False, float_sum: bool = False,
+                 x2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(h + x, rms_norm(h + x, w, eps)) of (rows, width) activations; with `w` None only the
     sum (and None); `float_product` as `rms_norm_rows`'s; `float_sum`: the norm of the
-    float32 sum, not of the sum rounded (as a compiled stage computes it, `hybrid_row_ops`)."""
-    return _norm_launch(h, x, w, eps, float_product, float_sum)
+    float32 sum, not of the sum rounded; `x2`: h + x + x2 summed in float32, rounded once
+    (`float_sum` and `x2`: as a compiled stage computes them, `hybrid_row_ops` says why)."""
+    return _norm_launch(h, x, w, eps, float_product, float_sum, x2)
 
 
 def rms_norm_rows(h: torch.Tensor, w: torch.Tensor, eps: float,

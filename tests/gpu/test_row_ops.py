@@ -72,6 +72,29 @@ def test_silu_mul_matches_torch(rows, width, dtype):
     _close(silu_mul(gu), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_compiled_stages_rounding(dtype):
+    """`float_sum` (the norm of the float32 sum), `x2` (h + x + x2 summed in float32, rounded
+    once) and `round_act=False` (SiLU * up rounded once): as inductor computes a compiled
+    stage, `hybrid_row_ops`."""
+    from layersplit.shards.kernels.row_ops import add_rms_norm, silu_mul
+
+    g = torch.Generator().manual_seed(7)
+    h, x, y = ((torch.randn(3, 1000, generator=g) * 3).to(DEV, dtype) for _ in range(3))
+    w = (1 + 0.1 * torch.randn(1000, generator=g)).to(DEV, torch.float32)
+    s32 = h.float() + x.float()
+    total, normed = add_rms_norm(h, x, w, 1e-6, float_product=True, float_sum=True)
+    assert torch.equal(total, s32.to(dtype))
+    want = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(dtype)
+    _close(normed, want, dtype)
+    three, none = add_rms_norm(h, x, None, 0.0, x2=y)
+    assert none is None and torch.equal(three, (s32 + y.float()).to(dtype))
+    gu = torch.cat([h, x], dim=-1)
+    _close(silu_mul(gu, round_act=False), (F.silu(h.float()) * x.float()).to(dtype), dtype)
+    with pytest.raises(ValueError, match="x2"):
+        add_rms_norm(h, None, None, 0.0, x2=y)
+
+
 def test_bad_shapes_are_refused_by_name():
     from layersplit.shards.kernels.row_ops import add_rms_norm, silu_mul
 
