@@ -104,12 +104,14 @@ def test_switched_off_leaves_the_layers_unfused(hybrid_models, monkeypatch):
                                       (" Yes ", True), ("off", False), (" No ", False)])
 def test_the_gemv_step_is_on_unless_switched_off(hybrid_models, monkeypatch, value, on):
     """`LAYERSPLIT_HYBRID_GEMV` (`kernels.switched_off`: on unless set off) decides whether
-    `fuse_hybrid` prepares the layers' zero-centred norms for `HybridFast._gemv_step`; a CPU
-    without Triton's interpreter never takes that step."""
+    `fuse_hybrid` prepares the layers' zero-centred norms for `HybridFast._gemv_step` (the row
+    kernels, which want them too, switched off here); a CPU without Triton's interpreter never
+    takes that step."""
     if value is None:
         monkeypatch.delenv(fused_hybrid.GEMV_SWITCH, raising=False)
     else:
         monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, value)
+    monkeypatch.setenv(fused_hybrid.ROW_KERNELS_SWITCH, "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
     fuse_projections(model, compile=False)
@@ -125,7 +127,8 @@ def test_the_gemv_step_is_on_unless_switched_off(hybrid_models, monkeypatch, val
 
 
 @pytest.mark.parametrize("switch,attr,default", [("ONE_PASS_SWITCH", "one_pass", False),
-                                                 ("STATE_IN_PLACE_SWITCH", "state_in_place", True)])
+                                                 ("STATE_IN_PLACE_SWITCH", "state_in_place", True),
+                                                 ("ROW_KERNELS_SWITCH", "row_kernels", True)])
 @pytest.mark.parametrize("value", [None, "0", "1"])
 def test_the_gemv_step_variants_follow_their_switches(
         hybrid_models, monkeypatch, switch, attr, default, value):
@@ -133,7 +136,9 @@ def test_the_gemv_step_variants_follow_their_switches(
     slower) and `LAYERSPLIT_HYBRID_STATE_IN_PLACE` (`kernels.switched_off`: on unless set off,
     measured faster at 8 streams) decide whether the GEMV step's normed projections sum their
     squares in one pass, and whether a captured step advances the recurrent state in place;
-    outside a capture it never does."""
+    outside a capture it never does. `LAYERSPLIT_HYBRID_ROW_KERNELS` (on unless set off,
+    measured faster) whether decode steps' elementwise work runs as `hybrid_row_ops`'s kernels,
+    which want the zero-centred norms' float32 scales even with the GEMV step off."""
     name = getattr(fused_hybrid, switch)
     if value is None:
         monkeypatch.delenv(name, raising=False)
@@ -144,6 +149,11 @@ def test_the_gemv_step_variants_follow_their_switches(
     fast = model.layers[0].fast
     assert getattr(fast, attr) is (default if value is None else value == "1")
     assert not fast._advances_in_place()
+    if attr == "row_kernels":
+        monkeypatch.setenv(fused_hybrid.GEMV_SWITCH, "0")
+        model = load_layer_range(open_checkpoint(hybrid_models["qwen3_5"]), 0, 6)
+        fuse_projections(model, compile=False)
+        assert (model.layers[0].zc_weights is not None) is (value != "0")
 
 
 def test_a_stage_failing_under_compile_leaves_the_state_for_the_eager_retry(hybrid_models):
