@@ -18,7 +18,8 @@ first (`LAYERSPLIT_HYBRID_ROW_KERNELS`, on by default).
 
 Rounding follows the compiled stages they replace, not torch's eager ops: inductor computes a
 fused stage's elementwise work in float32 and rounds only what it stores, neither after each
-bf16 op nor at the stage's own casts to the dtype (`.to(dtype)` followed by float32 work): a
+bf16 op nor at the stage's own casts to the dtype (`.to(dtype)` followed by float32 work; its
+default, `TORCHINDUCTOR_EMULATE_PRECISION_CASTS` unset): a
 stage compiled was nearer its float64 result than one rounded there
 (`tests/gpu/test_hybrid_row_ops.py`, H200). Rounded after each op, as eager torch and
 `row_ops` round, the kernels answered worse: the Qwen3.5 shape's bfloat16 parity against
