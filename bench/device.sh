@@ -62,7 +62,9 @@
 #             then without; hybrid_bare: with, LAYERSPLIT_FLA_BARE_IMPORT=1; hybrid_profile:
 #             py-spy over the first, summed in $OUT/startup_hybrid_profile.md; hybrid_ab: T4 with
 #             STARTUP_AB_VAR (default LAYERSPLIT_HYBRID_PREWARM) =1 then 0, twice; fla_import:
-#             fla-core's import bare and whole, three times each, no row); STARTUP=serve: the
+#             fla-core's import bare and whole, three times each, no row); generate_ab: T1 warm
+#             with STARTUP_AB_VAR (default LAYERSPLIT_CUDA_CONTEXT_AHEAD) =1 and 0 in turn, 4
+#             each, after one run that fills the caches; STARTUP=serve: the
 #             first request after `layersplit serve` says ready, against the next ten, fresh
 #             and after a restart restoring from disk (the default model, 2 shards)      (T6)
 #   fla       fla-core's launch configs tuned on this GPU for the hybrid models' linear
@@ -718,6 +720,28 @@ stage_startup() {  # T1-T4, T6
     done
     row startup "$RUNS"/startup_[0-3].log --what "generate, default model's file with its draft, \
 1 GPU" --cmd T1
+  fi
+  if has "$cases" generate_ab; then  # T1, warm, with a switch on against off (STARTUP_AB_VAR,
+    # default LAYERSPLIT_CUDA_CONTEXT_AHEAD: the device's context made beside torch's import),
+    # after one run that fills the caches, processes in turn, 4 each; each row's cold figure is
+    # that first run's
+    local var=${STARTUP_AB_VAR:-LAYERSPLIT_CUDA_CONTEXT_AHEAD} on
+    local gguf=/tmp/home_rnd/models/SmolLM2-135M-Instruct.Q4_1.gguf
+    random_gguf smollm2-135m-shape q4_1 $gguf || return 1
+    rm -rf /tmp/home_ab
+    for i in c 0 1 2 3; do
+      for on in 1 0; do
+        [ "$i" = c ] && [ "$on" = 0 ] && continue
+        TAIL=3 run "startup_ab_${on}_$i" 80 env LAYERSPLIT_HOME=/tmp/home_ab "$var=$on" python3 \
+          bench/startup_trace.py python3 -m layersplit.launch.cli -v generate \
+          'The capital of France is' --model $gguf --max-tokens 64 --ignore-eos --json \
+          --devices cuda:0
+      done
+    done
+    for on in 1 0; do
+      row startup "$RUNS/startup_ab_1_c.log" "$RUNS"/startup_ab_${on}_[0-3].log --what \
+        "generate, default model's file with its draft, 1 GPU, $var=$on" --cmd T1
+    done
   fi
   if has "$cases" shape; then  # the default model's shape, no draft, a prompt of token ids
     rm -rf /tmp/home_shape

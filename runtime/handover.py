@@ -26,6 +26,9 @@ def argv_from_stdin(device: str, role: str = "shard") -> list[str] | None:
     A line that is not what those write raises ValueError."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C is its parent's to handle, as a
     # shard with a parent does: `shards.worker.run_shard`)
+    from layersplit.shards.cuda_context import context_ahead
+
+    context_ahead(device)  # (the device's context made beside torch's import, where switched on)
     if role == "draft":
         import layersplit.draft.server  # (the imports that overlap the parent's)
     else:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from layersplit.shards.switches import switched_off, switched_on  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -24,15 +25,6 @@ ENV_SWITCH = "LAYERSPLIT_FUSED_KERNELS"
 GEMV_SWITCH = "LAYERSPLIT_GEMV_KERNELS"
 
 
-def switched_off(name: str) -> bool:
-    """Whether the `LAYERSPLIT_*` switch `name` is set off (0, false, off or no; unset: on)."""
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
-
-
-def switched_on(name: str) -> bool:
-    """Whether the `LAYERSPLIT_*` switch `name`, off unless set, is set on (1, true, on or
-    yes): a path not yet measured where it would be the default."""
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 # the most rows of a step that take them: 1 (batch-1 decode, measured) unless set higher, up to
