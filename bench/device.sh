@@ -725,7 +725,7 @@ stage_startup() {  # T1-T4, T6
     # default LAYERSPLIT_CUDA_CONTEXT_AHEAD: the device's context made beside torch's import),
     # after one run that fills the caches, processes in turn, 4 each; each row's cold figure is
     # that first run's
-    local var=${STARTUP_AB_VAR:-LAYERSPLIT_CUDA_CONTEXT_AHEAD} on
+    local var=${STARTUP_AB_VAR:-LAYERSPLIT_CUDA_CONTEXT_AHEAD} on i
     local gguf=/tmp/home_rnd/models/SmolLM2-135M-Instruct.Q4_1.gguf
     random_gguf smollm2-135m-shape q4_1 $gguf || return 1
     rm -rf /tmp/home_ab
@@ -738,9 +738,11 @@ stage_startup() {  # T1-T4, T6
           --devices cuda:0
       done
     done
-    for on in 1 0; do
+    for on in 1 0; do  # (the empty-cache figure of both rows: the first run's, with it on)
+      compgen -G "$RUNS/startup_ab_${on}_[0-3].log" >/dev/null || continue
       row startup "$RUNS/startup_ab_1_c.log" "$RUNS"/startup_ab_${on}_[0-3].log --what \
-        "generate, default model's file with its draft, 1 GPU, $var=$on" --cmd T1
+        "generate, default model's file with its draft, 1 GPU, $var=$on (empty caches: =1)" \
+        --cmd T1
     done
   fi
   if has "$cases" shape; then  # the default model's shape, no draft, a prompt of token ids

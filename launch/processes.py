@@ -185,6 +185,9 @@ def serve_process(args: argparse.Namespace) -> NoReturn:
     if args.command == "draft":
         prefix = "[draft] "
     setup_logging(args.verbose, prefix)
+    from layersplit.shards.cuda_context import report
+
+    report()  # (a prestarted process's context made ahead, or not: logged now)
     # `kill -USR1 PID` prints every thread's stack to stderr (a hang, seen from outside)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from layersplit.runtime.config import ConfigError

@@ -28,13 +28,16 @@ def argv_from_stdin(device: str, role: str = "shard") -> list[str] | None:
     # shard with a parent does: `shards.worker.run_shard`)
     from layersplit.shards.cuda_context import context_ahead
 
-    context_ahead(device)  # (the device's context made beside torch's import, where switched on)
+    ahead = context_ahead(device)  # (the device's context made beside torch's import, where
+    # switched on)
     if role == "draft":
         import layersplit.draft.server  # (the imports that overlap the parent's)
     else:
         import layersplit.shards.worker  # noqa: F401 - the imports that overlap the parent's
 
     if device.startswith("cuda"):
+        if ahead is not None:  # (done before torch touches the device)
+            ahead.join(timeout=60)
         _get_ready_for(device)
 
     line = sys.stdin.readline()

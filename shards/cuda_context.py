@@ -11,7 +11,8 @@ no torch, so that the thread starts before torch's import does.
 Off until measured on a GPU (`LAYERSPLIT_CUDA_CONTEXT_AHEAD=1`: the default model's
 `generate`, command to first token, with and without, `STARTUP=generate_ab`). Any failure
 (no libcuda: a CPU machine or ROCm; a driver error) is logged and leaves the context to torch,
-which reports its own errors as before.
+which reports its own errors as before. The process's logging is set up only once its
+arguments come, after this: what happened is kept (`OUTCOME`) and logged then (`report`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SWITCH = "LAYERSPLIT_CUDA_CONTEXT_AHEAD"
 LIBCUDA = "libcuda.so.1"
+OUTCOME: list[str] = []  # (what `make_context` did, for `report` once logging is set up)
 
 
 def cuda_ordinal(device: str) -> int | None:
@@ -57,7 +59,8 @@ def context_ahead(device: str) -> threading.Thread | None:
 def make_context(ordinal: int, lib: Any = None) -> bool:
     """`cuInit`, then the primary context of device `ordinal` retained (kept for the process's
     life: torch's runtime retains it too), through `lib` (libcuda's functions; None: loaded
-    here). Whether the context was made; a failure is logged, never raised."""
+    here). Whether the context was made; what happened is logged (a failure never raised) and
+    kept for `report`."""
     t0 = time.perf_counter()
     try:
         if lib is None:
@@ -69,11 +72,21 @@ def make_context(ordinal: int, lib: Any = None) -> bool:
                             lambda: lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
             rc = call()
             if rc != 0:
-                log.info("cuda:%d's context not made ahead: %s returned CUresult %s; torch "
-                         "makes it", ordinal, name, rc)
-                return False
+                return _kept(f"cuda:{ordinal}'s context not made ahead: {name} returned "
+                             f"CUresult {rc}; torch makes it", False)
     except (OSError, AttributeError) as e:  # (no libcuda here, or not the driver's)
-        log.info("cuda:%d's context not made ahead (%s); torch makes it", ordinal, e)
-        return False
-    log.debug("cuda:%d's context made ahead in %.3f s", ordinal, time.perf_counter() - t0)
-    return True
+        return _kept(f"cuda:{ordinal}'s context not made ahead ({e}); torch makes it", False)
+    return _kept(f"cuda:{ordinal}'s context made ahead in {time.perf_counter() - t0:.3f} s",
+                 True)
+
+
+def _kept(message: str, made: bool) -> bool:
+    log.info("%s", message)
+    OUTCOME.append(message)
+    return made
+
+
+def report() -> None:
+    """Log what `make_context` did (once the process's logging is set up), if it ran."""
+    while OUTCOME:
+        log.info("%s", OUTCOME.pop(0))

@@ -25,8 +25,6 @@ ENV_SWITCH = "LAYERSPLIT_FUSED_KERNELS"
 GEMV_SWITCH = "LAYERSPLIT_GEMV_KERNELS"
 
 
-
-
 # the most rows of a step that take them: 1 (batch-1 decode, measured) unless set higher, up to
 # `gemv.MAX_ROWS` (verify trees and small batches through the tensor cores: not measured yet)
 GEMV_ROWS = "LAYERSPLIT_GEMV_ROWS"

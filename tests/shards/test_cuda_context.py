@@ -53,7 +53,11 @@ class Driver:
 
 def test_the_driver_calls_in_order_and_a_failure_stops_them(caplog):
     lib = Driver()
-    assert make_context(2, lib)
+    with caplog.at_level(logging.INFO, logger=cuda_context.__name__):
+        assert make_context(2, lib)
+        caplog.clear()
+        cuda_context.report()  # (what was kept, logged once the process's logging is up)
+        assert "cuda:2's context made ahead in" in caplog.text and not cuda_context.OUTCOME
     assert lib.calls == [("cuInit", 0), ("cuDeviceGet", 2), ("cuDevicePrimaryCtxRetain", 42)]
     lib = Driver(cuDeviceGet=101)  # (CUDA_ERROR_INVALID_DEVICE)
     with caplog.at_level(logging.INFO, logger=cuda_context.__name__):
@@ -61,13 +65,15 @@ def test_the_driver_calls_in_order_and_a_failure_stops_them(caplog):
     assert lib.calls == [("cuInit", 0), ("cuDeviceGet", 5)]
     assert "cuDeviceGet returned CUresult 101" in caplog.text
     assert not make_context(0, object())  # (a library without the driver's functions)
+    cuda_context.OUTCOME.clear()
 
 
 def test_switched_on_without_a_driver_the_thread_logs_and_ends(monkeypatch, caplog):
     """On this machine (no libcuda, as CI's): started, logged, no error; CUDA_MODULE_LOADING
     set to LAZY where unset, as torch sets it before its own cuInit."""
     monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "x")  # (so that monkeypatch restores its absence)
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
     monkeypatch.setattr(cuda_context, "LIBCUDA", "libcuda-not-here.so.1")
     with caplog.at_level(logging.INFO, logger=cuda_context.__name__):
         thread = context_ahead("cuda:1")
@@ -76,6 +82,11 @@ def test_switched_on_without_a_driver_the_thread_logs_and_ends(monkeypatch, capl
     assert not thread.is_alive()
     assert "cuda:1's context not made ahead" in caplog.text
     assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    cuda_context.OUTCOME.clear()
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")  # (a user's own setting wins)
+    context_ahead("cuda:0").join(timeout=30)
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    cuda_context.OUTCOME.clear()
 
 
 def test_the_module_imports_no_torch():
@@ -94,4 +105,4 @@ def test_a_prestarted_cuda_shard_switched_on_without_a_driver_goes_on():
     cmd = [sys.executable, "-m", "layersplit.launch.cli", "shard", ARGV_ON_STDIN, "cuda:0"]
     env = {**os.environ, SWITCH: "1"}
     r = subprocess.run(cmd, input=b"", capture_output=True, timeout=120, check=False, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0 and b"Exception in thread" not in r.stderr, r.stderr[-2000:]
