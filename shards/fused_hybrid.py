@@ -619,17 +619,15 @@ class HybridFast:
             torch.cuda.is_current_stream_capturing()
 
 
+def zc_scales(*norms) -> tuple[torch.Tensor, ...]:
+    """Zero-centred norms' scales, 1 + w in float32, one per norm (the GEMV prologue's and the
+    row kernels' `float_product` weight: `zc_norm`'s product, the same rounding)."""
+    return tuple((1.0 + n.weight.detach().float()).contiguous() for n in norms)
+
+
 def zc_weights(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A hybrid layer's input and post-attention zero-centred norms' scales, 1 + w in float32
-    (the GEMV prologue's `float_product` weight: `zc_norm`'s product, the same rounding)."""
-    return tuple((1.0 + n.weight.detach().float()).contiguous()
-                 for n in (layer.input_layernorm, layer.post_attention_layernorm))
-
-
-def qk_zc_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gated-attention layer's q and k norms' scales, 1 + w in float32 (`zc_rope_qk`'s)."""
-    return tuple((1.0 + n.weight.detach().float()).contiguous()
-                 for n in (attn.q_norm, attn.k_norm))
+    """A hybrid layer's input and post-attention zero-centred norms' scales (`zc_scales`)."""
+    return zc_scales(layer.input_layernorm, layer.post_attention_layernorm)
 
 
 def fused_hybrid_switched_off() -> bool:
@@ -658,8 +656,8 @@ def fuse_hybrid(model, compile: bool = True) -> bool:
         layer.fast = fast
         scales = fast.gemv or fast.row_kernels  # (the float32 1 + w their norms take)
         layer.zc_weights = zc_weights(layer) if scales else None
-        layer.qk_zc_weights = (qk_zc_weights(layer.self_attn)
-                               if scales and not layer.linear else None)
+        layer.qk_zc_weights = (zc_scales(layer.self_attn.q_norm, layer.self_attn.k_norm)
+                               if fast.row_kernels and not layer.linear else None)
     if not fast.gemv:
-        log.info("%s=0: one-row hybrid steps take the compiled stages' GEMMs", GEMV_SWITCH)
+        log.info("%s=0: one-row hybrid steps take the stages' cuBLAS GEMMs", GEMV_SWITCH)
     return True
