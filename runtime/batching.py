@@ -119,6 +119,8 @@ class Request:
     # restore for it (a live prefix is taken only if longer); None: it shares no live prefix
     ahead: tuple[int, StepRequest] | None = None  # its lookahead step in flight (sid, step),
     # not yet the step its program asks for (`Batcher._send_ahead`)
+    stale_state: bool = False  # a recurrent state took a lookahead row its program then did
+    # not ask for: it runs again from its tokens once its steps are back (`Batcher._adopt`)
     after: Request | None = None  # queued only once this one is over (its prompt starts with
     # the turn that one keeps in the prefix cache, `RequestFlow.keep_turn`)
     plain_next: Callable[[], bool] | None = None  # a speculating sequence's: whether its next
@@ -176,6 +178,8 @@ class Batcher:
         self.step_observer: Callable[[int], None] | None = None  # sequences per step sent
         self.share_prefixes = True  # (off for models whose state is not all in the KV rows)
         self.look_ahead = False  # send decode steps ahead (`_send_ahead`: one-shard runtimes)
+        self.recurrent = False  # the model's sequences hold a recurrent state besides KV rows
+        # (a hybrid model's): a row it takes cannot be taken again, nor undone
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, make: Callable[[int], Program],
@@ -295,7 +299,8 @@ class Batcher:
 
     def _ready(self, req: Request) -> bool:
         return req.pending is not None and req.waits is None and not req.cancelled and \
-            req.swapped is None  # (a swapped one waits to be admitted again)
+            req.swapped is None and not req.stale_state  # (a swapped one waits to be
+        # admitted again; a stale one for its steps in flight, then runs again)
 
     def _send_ready(self) -> None:
         busy_groups = {s.group for s in self.steps.values() if s.group is not None}
@@ -432,14 +437,17 @@ class Batcher:
         decode step past its prompt (never a prefill chunk, even one of one token: the next
         step may then differ, and ask for the row again) of a sequence that does not
         speculate, or whose next step the speculation policy has made plain (`plain_next`:
-        it feeds the draft all the same)."""
+        it feeds the draft all the same). Where the model's state is recurrent, only a
+        sequence that never speculates: a policy that turns to speculating would ask for that
+        row again, in a verify step, and the state cannot take it twice."""
+        plain = r.feed is None and r.out.progress.spec is None
         return (r.waits == sid and r.ahead is None and not r.cancelled and not r.done
                 and _plain_decode(step)
                 and step.pos >= r.prompt_tokens
                 and step.pos + 2 <= self.sched.config.slot_tokens
                 and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
-                and ((r.feed is None and r.out.progress.spec is None) or (
-                    r.plain_next is not None and r.plain_next())))
+                and (plain or (not self.recurrent and r.plain_next is not None
+                               and r.plain_next())))
 
     def _adopt(self, r: Request, token: int | None) -> None:
         """After its program took a step's output (`token`): if the step it asks for now is its
@@ -455,6 +463,13 @@ class Batcher:
             r.pending, r.waits = None, sid
         else:  # (it stopped, or asks for something else: the step's output is dropped)
             self.stats.ahead_dropped += 1
+            if self.recurrent and p is not None and not r.cancelled and not r.done:
+                # its state took the row the program now asks for otherwise: it is stale, and
+                # the sequence runs again from its tokens once the step is back (`_dispatch`)
+                log.warning("request %d: its next step (%d rows at %d) is not the one sent "
+                            "ahead; its recurrent state took that row, so it runs again from "
+                            "its tokens", r.rid, len(p.tokens), p.pos)
+                r.stale_state = True
 
     # ---- KV blocks ----------------------------------------------------------------------------
     def _reserve(self, reqs: list[Request]) -> list[Request]:
@@ -642,7 +657,7 @@ class Batcher:
             self.host_pool.release_swap(req.rid)
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
 
-    def _restart(self, req: Request) -> None:
+    def _restart(self, req: Request, why: str = "KV pool full") -> None:
         """Take back the sequence's slot and blocks; it runs again from its prompt and the
         tokens it generated, ahead of the requests that wait (a re-prefill)."""
         prog, req.program, req.pending = req.program, None, None
@@ -657,7 +672,7 @@ class Batcher:
             req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
         req.prefilled = req.shared = 0
         req.share_writes = frozenset()
-        log.info("request %d preempted (KV pool full): it runs again from %d tokens", req.rid,
+        log.info("request %d preempted (%s): it runs again from %d tokens", req.rid, why,
                  req.prompt_tokens)
         self.sched.requeue(req.rid, req.prompt_tokens)
 
@@ -700,6 +715,9 @@ class Batcher:
                 self._adopt(r, out.token)
             if r.cancelled and r.in_flight == 0 and not r.done:
                 self._end(r)
+            elif r.stale_state and r.in_flight == 0 and not r.done:
+                r.stale_state = False
+                self._restart(r, "its recurrent state took a row sent ahead")
 
     # ---- endings ------------------------------------------------------------------------------
     def _fail(self, req: Request, e: BaseException) -> None:

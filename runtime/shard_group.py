@@ -163,11 +163,9 @@ class ShardGroup:
                      ", ".join(f"{c / 2**20:.0f}" for c in host.capacity))
             # decode lookahead (`shards.decode_ahead`): the first shard takes each lookahead
             # step's token where the last one sampled it (its own memory with one shard, else
-            # a token board the two share on one host). Not for a hybrid model: its recurrent
-            # state must never take a row twice, as a dropped lookahead row of a sequence that
-            # goes on would be
-            ahead = (cfg.decode_ahead and self.model_config.hybrid is None
-                     and len(self.shards) > 1 and first.host == last.host)
+            # a token board the two share on one host); a hybrid model's too, whose recurrent
+            # state never takes a row twice (`Batcher.recurrent`)
+            ahead = cfg.decode_ahead and len(self.shards) > 1 and first.host == last.host
             board: Any = None
             self.board = False
             for sh in reversed(self.shards):  # downstream first, so each link finds its peer
@@ -256,8 +254,8 @@ class ShardGroup:
             if self.cache is not None and self.model_config.hybrid is None:  # (entries' blocks
                 self.cache.sched = self.batcher.sched  # stay in the pool: `runtime.resident_kv`)
                 self.batcher.sched.resident_for = admission_hint(self.batcher, self.cache)
-            self.batcher.look_ahead = (cfg.decode_ahead and self.model_config.hybrid is None
-                                       and (len(self.shards) == 1 or self.board))
+            self.batcher.recurrent = self.model_config.hybrid is not None
+            self.batcher.look_ahead = cfg.decode_ahead and (len(self.shards) == 1 or self.board)
             if cfg.decode_ahead and len(self.shards) > 1 and first.host != last.host:
                 log.info("decode lookahead off: the first and last shard are on different "
                          "hosts (they share no token board)")

@@ -3,18 +3,23 @@ decode step is sent before the token it takes is back, and the first shard takes
 where the last one posted it (`ipc.token_board`: its own memory on one shard, memory the two
 share on a split runtime). Tokens and the logits of every generated position equal the
 reference engine's, greedy and sampled, alone and batched, with 1, 2 and 3 shards on both
-transports; a step sent past a stop token is dropped and its slot serves the next request
-exactly; a `prev` the first shard cannot honour is refused by name, and one whose step failed
-on its way fails at once."""
+transports, for a dense and a hybrid model (whose recurrent state takes each row once); a step
+sent past a stop token is dropped and its slot serves the next request exactly; a hybrid
+sequence whose next step is not the one sent ahead runs again from its tokens; a `prev` the
+first shard cannot honour is refused by name, and one whose step failed on its way fails at
+once."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
+import numpy as np
 import pytest
 from layersplit.ipc.messages import message, segment
 from layersplit.ipc.sockets import send
+from layersplit.runtime import request_flow
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.errors import ShardFailure
@@ -22,7 +27,13 @@ from layersplit.runtime.generate import StepRequest
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
-from tests.helpers import assert_same_run, layersplit_shm, run_logged, send_raw_step
+from tests.helpers import (
+    assert_same_logits,
+    assert_same_run,
+    layersplit_shm,
+    run_logged,
+    send_raw_step,
+)
 
 CHUNK = 16
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -39,6 +50,20 @@ def reference(tiny_llama):
     return ReferenceEngine(tiny_llama, prefill_chunk=CHUNK, max_context=256)
 
 
+FAMILIES = ["llama", "qwen3_5"]  # a dense model's and a hybrid one's (a recurrent state)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama, hybrid_models):
+    return {"llama": tiny_llama, "qwen3_5": hybrid_models["qwen3_5"]}
+
+
+@pytest.fixture(scope="module")
+def references(models, reference):
+    return {"llama": reference, "qwen3_5": ReferenceEngine(
+        models["qwen3_5"], prefill_chunk=CHUNK, max_context=256)}
+
+
 def _prompt(reference, i: int = 0) -> list[int]:
     text = f"<|im_start|>user\nthe cat sat on the mat, said dog {i}<|im_end|>\n"
     return reference.tokenizer.encode(text + "<|im_start|>assistant\n")
@@ -50,10 +75,12 @@ CHAINS = [(1, "shm"), (2, "shm"), (2, "zmq"), (3, "shm"), (3, "zmq")]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shards,transport", CHAINS, ids=[f"{t}-{n}" for n, t in CHAINS])
-def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, shards, transport):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokens_and_logits_equal_the_reference(models, references, family, shards, transport):
     before = layersplit_shm()
+    reference = references[family]
     prompt = _prompt(reference)
-    with Coordinator(_cfg(tiny_llama, shards, transport=(transport,))) as coord:
+    with Coordinator(_cfg(models[family], shards, transport=(transport,))) as coord:
         assert coord.batcher.look_ahead and coord.board == (shards > 1)
         for p in (GREEDY, SAMPLED):
             sent = coord.batcher.stats.ahead
@@ -67,20 +94,30 @@ def test_tokens_and_logits_equal_the_reference(tiny_llama, reference, shards, tr
     assert layersplit_shm() - before == set()
 
 
+def _first_new(tokens: list[int], at: int) -> int:
+    """The first index from `at` whose token did not come before it (a stop token there ends
+    the sequence there)."""
+    return next(i for i in range(at, len(tokens)) if tokens[i] not in tokens[:i])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shards", [1, 2])
-def test_a_batch_with_stops_equals_each_alone(tiny_llama, reference, shards):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batch_with_stops_equals_each_alone(models, references, family, shards):
     """Three sequences decode ahead in one micro-batch; two stop early on a stop token (their
-    lookahead steps are dropped), and the slots they free serve later requests exactly."""
+    lookahead steps are dropped: a hybrid slot's state then took a row past the sequence's
+    end), and the slots they free serve later requests exactly."""
+    reference = references[family]
     prompts = [_prompt(reference, i) for i in range(5)]
     alone = [reference.generate(p, GREEDY).tokens for p in prompts]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[0][4]]),
+    stops = [_first_new(alone[0], 4), _first_new(alone[2], 9)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[0][stops[0]]]),
               SAMPLED,
-              SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[2][9]]),
+              SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[alone[2][stops[1]]]),
               GREEDY, SAMPLED]
     want = [reference.generate(p, sp).tokens for p, sp in zip(prompts, params)]
-    assert len(want[0]) == 4 and len(want[2]) < 10
-    with Coordinator(_cfg(tiny_llama, shards, max_seqs=3, micro_batches=1)) as coord:
+    assert [len(want[0]), len(want[2])] == stops and max(stops) < 20
+    with Coordinator(_cfg(models[family], shards, max_seqs=3, micro_batches=1)) as coord:
         got = coord.generate_batch(prompts, params, use_cache=False)
         assert [r.tokens for r in got] == want
         stats = coord.batcher.stats
@@ -136,18 +173,71 @@ def test_no_step_goes_ahead_of_a_prefill_chunk(tiny_models, hybrid_models, famil
     """A prompt one token past a chunk boundary ends in a one-token prefill chunk whose step
     asks for the logits (a prefix-cache point): no step may follow it ahead (the first decode
     step differs from it and would compute its row again: wrong for a hybrid model's recurrent
-    state), and a hybrid model never decodes ahead at all. The output equals the reference's,
-    cold and from the cache."""
+    state). The output equals the reference's, cold and from the cache."""
     model = {**tiny_models, **hybrid_models}[family]
     reference = ReferenceEngine(model, prefill_chunk=CHUNK, max_context=256)
     prompt = (_prompt(reference, 1) * 3)[:2 * CHUNK + 1]
     want = reference.generate(prompt, GREEDY).tokens
     with Coordinator(_cfg(model)) as coord:
-        assert coord.batcher.look_ahead == (family == "llama")
+        assert coord.batcher.look_ahead
+        assert coord.batcher.recurrent == (family == "qwen3_5")
         for tier in ("none", "ram"):
             got = coord.generate(prompt, GREEDY)
             assert got.tokens == want and got.cache_tier == tier
         assert coord.batcher.stats.ahead_dropped == 0
+
+
+def _reseeded_once(monkeypatch, at: int) -> list[int]:
+    """Every sequence program's decode step at position `at`, the first one only, asks for
+    another seed than the step before it (a step the lookahead did not send: its output is
+    dropped); returns the list that counts the steps changed."""
+    changed: list[int] = []
+    make = request_flow.sequence_program
+
+    def wrapped(*args, **kw):
+        prog = make(*args, **kw)
+        try:
+            item = next(prog)
+            while True:
+                if not changed and isinstance(item, StepRequest) and item.pos == at \
+                        and len(item.tokens) == 1 and item.sample is not None:
+                    item = dataclasses.replace(item, seed=item.seed + 1)
+                    changed.append(at)
+                item = prog.send((yield item))
+        except StopIteration as e:
+            return e.value
+        finally:
+            prog.close()
+
+    monkeypatch.setattr(request_flow, "sequence_program", wrapped)
+    return changed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_other_than_the_one_sent_ahead(models, references, family, monkeypatch):
+    """After a lookahead step went out, the program asks for another step (the same row with
+    another seed, greedy: the same token): the lookahead's output is dropped. A dense model
+    computes the row again in that step; a hybrid model's recurrent state took the row
+    already, and would take it twice: that sequence runs again from its tokens (a re-prefill).
+    Either way the tokens and the logits equal the reference's."""
+    reference = references[family]
+    prompt = _prompt(reference)
+    want = run_logged(reference, prompt, GREEDY)
+    with Coordinator(_cfg(models[family], 1, prefix_cache=False)) as coord:
+        changed = _reseeded_once(monkeypatch, len(prompt) + 6)
+        got = run_logged(coord, prompt, GREEDY)
+        assert changed and got[0].tokens == want[0].tokens
+        stats = coord.batcher.stats
+        # (dense: the reseeded step's own lookahead, which took its seed, is dropped too)
+        assert stats.ahead > 0 and stats.ahead_dropped == (2 if family == "llama" else 1), stats
+        assert stats.reprefills == (family == "qwen3_5"), stats
+        if family == "llama":
+            assert_same_logits(got[1], want[1], family)
+        else:  # (the rows after the re-prefill come from a prefill chunk, not decode steps)
+            np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-4)
+        coord.batcher.check()
+        assert coord.generate(prompt, GREEDY).tokens == want[0].tokens
 
 
 @pytest.mark.slow
