@@ -8,8 +8,8 @@ which lets go of the GIL for the call), the context is ready when torch asks for
 CUDA runtime takes the device's primary context, the one retained here. This module imports
 no torch, so that the thread starts before torch's import does.
 
-Off until measured on a GPU (`LAYERSPLIT_CUDA_CONTEXT_AHEAD=1`: the default model's
-`generate`, command to first token, with and without, `STARTUP=generate_ab`). Any failure
+Off (`LAYERSPLIT_CUDA_CONTEXT_AHEAD=1` turns it on): on an H200 the Qwen3.5-27B shape's start
+gained nothing with it (docs/configuration.md, start-up; `STARTUP=hybrid_ab`). Any failure
 (no libcuda: a CPU machine or ROCm; a driver error) is logged and leaves the context to torch,
 which reports its own errors as before. The process's logging is set up only once its
 arguments come, after this: what happened is kept (`OUTCOME`) and logged then (`report`).
