@@ -123,6 +123,7 @@ class Request:
     # not ask for: it runs again from its tokens once its steps are back (`Batcher._adopt`)
     after: Request | None = None  # queued only once this one is over (its prompt starts with
     # the turn that one keeps in the prefix cache, `RequestFlow.keep_turn`)
+    speculates: bool = False  # it has a drafter (`RequestFlow._program`): it may speculate
     plain_next: Callable[[], bool] | None = None  # a speculating sequence's: whether its next
     # step is a plain decode step (`runtime.speculative.DraftClient.plain_next`)
     may_park: Callable[[], bool] | None = None  # a feeding sequence's: whether its plain decode
@@ -143,6 +144,8 @@ class BatchStats:
     swapped_out: int = 0  # preemptions by swap: blocks copied to the host pool
     swapped_in: int = 0  # swapped sequences whose blocks came back
     reprefills: int = 0  # preemptions by re-prefill (the sequence runs again from its tokens)
+    stale_restarts: int = 0  # sequences run again from their tokens because their recurrent
+    # state took a lookahead row their program did not then ask for (`Batcher._adopt`)
     rows: int = 0  # rows of the segments sent (a re-prefill computes rows again)
     host_blocks: int = 0  # host-pool blocks held by swapped sequences now
     ahead: int = 0  # lookahead steps sent (decode steps sent before their tokens were known;
@@ -446,8 +449,8 @@ class Batcher:
                 and step.pos >= r.prompt_tokens
                 and step.pos + 2 <= self.sched.config.slot_tokens
                 and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
-                and (plain or (not self.recurrent and r.plain_next is not None
-                               and r.plain_next())))
+                and (plain or (r.plain_next is not None and r.plain_next()
+                               and not (self.recurrent and r.speculates))))
 
     def _adopt(self, r: Request, token: int | None) -> None:
         """After its program took a step's output (`token`): if the step it asks for now is its
@@ -657,7 +660,7 @@ class Batcher:
             self.host_pool.release_swap(req.rid)
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
 
-    def _restart(self, req: Request, why: str = "KV pool full") -> None:
+    def _restart(self, req: Request, why: str | None = None) -> None:
         """Take back the sequence's slot and blocks; it runs again from its prompt and the
         tokens it generated, ahead of the requests that wait (a re-prefill)."""
         prog, req.program, req.pending = req.program, None, None
@@ -666,14 +669,15 @@ class Batcher:
         except BaseException as e:  # noqa: BLE001 - reported, the request goes on
             log.warning("request %d: cleanup on preemption failed: %s", req.rid, e)
         req.rows_gone = False  # (its next program computes its rows again)
-        self.stats.reprefills += 1
+        if why is None:  # (a preemption: the KV pool ran out)
+            self.stats.reprefills += 1
         req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
         if req.prompt is not None:  # it runs again from these tokens
             req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
         req.prefilled = req.shared = 0
         req.share_writes = frozenset()
-        log.info("request %d preempted (%s): it runs again from %d tokens", req.rid, why,
-                 req.prompt_tokens)
+        log.info("request %d preempted (%s): it runs again from %d tokens", req.rid,
+                 why or "KV pool full", req.prompt_tokens)
         self.sched.requeue(req.rid, req.prompt_tokens)
 
     def _dispatch(self, sid: int) -> None:
@@ -717,6 +721,7 @@ class Batcher:
                 self._end(r)
             elif r.stale_state and r.in_flight == 0 and not r.done:
                 r.stale_state = False
+                self.stats.stale_restarts += 1
                 self._restart(r, "its recurrent state took a row sent ahead")
 
     # ---- endings ------------------------------------------------------------------------------

@@ -254,6 +254,7 @@ class RequestFlow:
             # a sequence that only feeds sends the draft the rows of its prompt alone: they are
             # read only by its snapshots, all inside the prompt (a kept answer is prefilled
             # again, `keep_turn`), so its decode steps are plain ones, sent ahead as such
+            req.speculates = drafter is not None
             req.plain_next = drafter.plain_next if drafter is not None else _always
             req.may_park = drafter.may_park if drafter is not None else _always
             req.taps = drafter.taps if drafter is not None else _prompt_rows_only

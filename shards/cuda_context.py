@@ -9,7 +9,8 @@ CUDA runtime takes the device's primary context, the one retained here. This mod
 no torch, so that the thread starts before torch's import does.
 
 Off (`LAYERSPLIT_CUDA_CONTEXT_AHEAD=1` turns it on): on an H200 the Qwen3.5-27B shape's start
-gained nothing with it (docs/configuration.md, start-up; `STARTUP=hybrid_ab`). Any failure
+gained nothing with it (docs/configuration.md, warm-up and the compile cache;
+`STARTUP=hybrid_ab`). Any failure
 (no libcuda: a CPU machine or ROCm; a driver error) is logged and leaves the context to torch,
 which reports its own errors as before. The process's logging is set up only once its
 arguments come, after this: what happened is kept (`OUTCOME`) and logged then (`report`).

@@ -23,7 +23,7 @@ from layersplit.runtime import request_flow
 from layersplit.runtime.config import RuntimeConfig
 from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.errors import ShardFailure
-from layersplit.runtime.generate import StepRequest
+from layersplit.runtime.generate import Progress, StepRequest, collect
 from layersplit.runtime.reference import ReferenceEngine
 from layersplit.shards.sampling import SamplingParams
 
@@ -187,6 +187,32 @@ def test_no_step_goes_ahead_of_a_prefill_chunk(tiny_models, hybrid_models, famil
         assert coord.batcher.stats.ahead_dropped == 0
 
 
+@pytest.mark.slow
+def test_a_hybrid_sequence_with_a_drafter_goes_token_by_token(models, references, tmp_path):
+    """On a hybrid model with a DFlash draft, a sequence that may speculate never goes ahead
+    (were its policy to turn to speculating, it would ask for the row sent ahead again); one
+    asked not to speculate, which still feeds the draft its rows, goes ahead. Both equal the
+    reference."""
+    from layersplit.draft.dflash import write_random_dflash
+    from layersplit.shards.model_config import read_hf_config
+
+    reference = references["qwen3_5"]
+    prompt = _prompt(reference)
+    want = reference.generate(prompt, GREEDY).tokens
+    draft = write_random_dflash(read_hf_config(models["qwen3_5"]), tmp_path, layers=1,
+                                taps=[1, 4], block_size=4)
+    with Coordinator(_cfg(models["qwen3_5"], 1, draft=str(draft))) as coord:
+        assert coord.feeding
+        stats = coord.batcher.stats
+        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+        assert stats.ahead == 0, stats
+        progress = Progress()
+        plain = collect(coord.stream(prompt, GREEDY, progress, use_cache=False,
+                                     speculative=False), progress, len(prompt))
+        assert plain.tokens == want
+        assert stats.ahead == GREEDY.max_tokens - 2 and stats.stale_restarts == 0, stats
+
+
 def _reseeded_once(monkeypatch, at: int) -> list[int]:
     """Every sequence program's decode step at position `at`, the first one only, asks for
     another seed than the step before it (a step the lookahead did not send: its output is
@@ -214,24 +240,29 @@ def _reseeded_once(monkeypatch, at: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_step_other_than_the_one_sent_ahead(models, references, family, monkeypatch):
+@pytest.mark.parametrize("family,shards,cache", [("llama", 1, False), ("qwen3_5", 1, False),
+                                                 ("qwen3_5", 2, True)])
+def test_a_step_other_than_the_one_sent_ahead(models, references, family, shards, cache,
+                                              monkeypatch):
     """After a lookahead step went out, the program asks for another step (the same row with
     another seed, greedy: the same token): the lookahead's output is dropped. A dense model
     computes the row again in that step; a hybrid model's recurrent state took the row
-    already, and would take it twice: that sequence runs again from its tokens (a re-prefill).
-    Either way the tokens and the logits equal the reference's."""
+    already, and would take it twice: that sequence runs again from its tokens (a re-prefill,
+    not a preemption), once every step of it is back (on 2 shards the first may still hold the
+    lookahead step; with the cache on, the prompt's rows are restored). Either way the tokens
+    and the logits equal the reference's."""
     reference = references[family]
     prompt = _prompt(reference)
     want = run_logged(reference, prompt, GREEDY)
-    with Coordinator(_cfg(models[family], 1, prefix_cache=False)) as coord:
+    with Coordinator(_cfg(models[family], shards, prefix_cache=cache)) as coord:
         changed = _reseeded_once(monkeypatch, len(prompt) + 6)
         got = run_logged(coord, prompt, GREEDY)
         assert changed and got[0].tokens == want[0].tokens
         stats = coord.batcher.stats
         # (dense: the reseeded step's own lookahead, which took its seed, is dropped too)
         assert stats.ahead > 0 and stats.ahead_dropped == (2 if family == "llama" else 1), stats
-        assert stats.reprefills == (family == "qwen3_5"), stats
+        assert stats.stale_restarts == (family == "qwen3_5") and stats.reprefills == 0, stats
+        assert stats.preemptions == 0, stats
         if family == "llama":
             assert_same_logits(got[1], want[1], family)
         else:  # (the rows after the re-prefill come from a prefill chunk, not decode steps)
