@@ -188,6 +188,31 @@ def test_no_step_goes_ahead_of_a_prefill_chunk(tiny_models, hybrid_models, famil
 
 
 @pytest.mark.slow
+def test_a_stale_sequence_cancelled_before_its_steps_are_back(models, references, monkeypatch):
+    """A hybrid sequence goes stale (its next step is not the one sent ahead) and its client
+    goes while the lookahead step is still in flight: it ends once that step is back, runs
+    nothing again, and leaves the runtime clean for the next request."""
+    reference = references["qwen3_5"]
+    prompt = _prompt(reference)
+    want = reference.generate(prompt, GREEDY).tokens
+    with Coordinator(_cfg(models["qwen3_5"], 1, prefix_cache=False)) as coord:
+        changed = _reseeded_once(monkeypatch, len(prompt) + 6)
+        req = coord.submit(prompt, GREEDY, Progress(), use_cache=False)
+        stream = coord.deltas(req)
+        for _ in stream:
+            if req.stale_state:
+                assert req.in_flight > 0
+                break
+        stream.close()  # (the client goes: the request is cancelled)
+        assert changed and req.cancelled, req
+        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+        stats = coord.batcher.stats
+        assert req.done and stats.stale_restarts == 0 and stats.ahead_dropped == 1, stats
+        coord.batcher.check()
+        assert not coord.batcher.requests and not coord.batcher.steps
+
+
+@pytest.mark.slow
 def test_a_hybrid_sequence_with_a_drafter_goes_token_by_token(models, references, tmp_path):
     """On a hybrid model with a DFlash draft, a sequence that may speculate never goes ahead
     (were its policy to turn to speculating, it would ask for the row sent ahead again); one
