@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from layersplit.runtime.batch_stats import BatchStats
 from layersplit.runtime.block_manager import BlockManager
 from layersplit.runtime.errors import ShardFailure
 from layersplit.runtime.generate import Delta, OutputStream, Program, SampleRequest, StepRequest
@@ -131,28 +132,6 @@ class Request:
     taps: Callable[[int, bool], bool] | None = None  # a feeding sequence's: whether its step at
     # a position going out now sends the draft its feature rows, given whether it may not (a
     # plain decode step past its prompt) (`DraftClient.taps`; None: every step sends them)
-
-
-@dataclasses.dataclass(slots=True)
-class BatchStats:
-    steps: int = 0  # steps sent
-    segments: int = 0  # sequences' segments in them
-    widest: int = 0  # most segments in one step
-    most_in_flight: int = 0  # most steps in the chain at once
-    preemptions: int = 0  # sequences whose blocks were taken back (swapped or re-prefilled)
-    shared_tokens: int = 0  # prompt rows new sequences took from live ones' blocks
-    swapped_out: int = 0  # preemptions by swap: blocks copied to the host pool
-    swapped_in: int = 0  # swapped sequences whose blocks came back
-    reprefills: int = 0  # preemptions by re-prefill (the sequence runs again from its tokens)
-    stale_restarts: int = 0  # sequences run again from their tokens because their recurrent
-    # state took a lookahead row their program did not then ask for (`Batcher._adopt`)
-    rows: int = 0  # rows of the segments sent (a re-prefill computes rows again)
-    host_blocks: int = 0  # host-pool blocks held by swapped sequences now
-    ahead: int = 0  # lookahead steps sent (decode steps sent before their tokens were known;
-    # counted in `steps` too)
-    parked: int = 0  # steps whose feature rows the shards parked (`shards.parked_rows`)
-    ahead_dropped: int = 0  # lookahead segments whose output went unused: the sequence stopped
-    # (or asked for another step; its row is then computed again, the same row: KV models only)
 
 
 @dataclasses.dataclass(slots=True)
