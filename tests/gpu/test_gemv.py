@@ -72,6 +72,32 @@ def test_gemv_matches_torch(m, n, k, kind, dtype):
             assert bool((got == got.to(dtype).float()).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_wide_normed_launch_equals_the_default_one(dtype, monkeypatch):
+    """`LAYERSPLIT_GEMV_NORM_WIDE`: a normed projection of 5120 outputs from 2048 inputs in
+    blocks of 8 rows gives the default launch's result bit for bit (each row's sum is the
+    same sequence of blocks), and the torch ops' within the tolerance above."""
+    from layersplit.shards.kernels.gemv import NORM_WIDE_SWITCH, config, gemv
+
+    n, k = 5120, 2048
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, k, generator=g) * 3).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, dtype)
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(DEV, dtype)
+    monkeypatch.setenv(NORM_WIDE_SWITCH, "0")
+    assert config(k, norm=True, n=n)["BLOCK_N"] == 2
+    plain = gemv(x, w, norm=(nw, 1e-5))
+    monkeypatch.setenv(NORM_WIDE_SWITCH, "1")
+    assert config(k, norm=True, n=n)["BLOCK_N"] == 8
+    assert config(k, norm=True, n=3648)["BLOCK_N"] == 2  # (DeepSeek-V2-Lite's, unmeasured)
+    wide = gemv(x, w, norm=(nw, 1e-5))
+    assert torch.equal(wide, plain)
+    want = _want(x, w, nw, None, None, False)
+    scale = max(1.0, float(want.float().abs().max()))
+    tol = 1e-5 if dtype == torch.float32 else 2 * 2.0 ** -7
+    assert float((wide.float() - want.float()).abs().max()) <= tol * scale
+
+
 @pytest.mark.skipif(DEV == "cpu", reason="bf16: the interpreter truncates its conversions")
 @pytest.mark.parametrize("kind", ["plain", "norm+bias", "residual", "gate_up", "head"])
 @pytest.mark.parametrize("n,k", [(576, 576), (100, 300), (64, 1536), (7, 4096)])
