@@ -30,7 +30,7 @@ from layersplit.shards.kernels import GEMV_ROWS_MAX
 from layersplit.shards.kernels.gemv_operands import checked_out
 from layersplit.shards.kernels.pdl import pdl, pdl_start
 from layersplit.shards.kernels.route_row import route_row
-from layersplit.shards.switches import switched_on
+from layersplit.shards.switches import switched_off
 
 
 @triton.jit
@@ -257,7 +257,8 @@ FEW_OUTPUTS = 1024
 
 # a normed projection of many outputs from a narrow row (Qwen3-30B-A3B's q/k/v, 5120 x 2048)
 # in blocks of 8 rows: `bench/gemv_sweep.py --plain qkv=5120x2048:norm` (H200, 2026-12-01)
-# 8.64 -> 7.52 us; off until the model's step measures it (`LAYERSPLIT_GEMV_NORM_WIDE=1`)
+# 8.64 -> 7.52 us; the model's batch 1 372.1 against 361.1 tok/s, 1.030 x (bench/RESULTS.md,
+# MoE). `LAYERSPLIT_GEMV_NORM_WIDE=0`: blocks of 2 rows, as before
 NORM_WIDE_SWITCH = "LAYERSPLIT_GEMV_NORM_WIDE"
 
 
@@ -278,7 +279,7 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
     if k <= 1024:
         return {"BLOCK_N": 2, "BLOCK_K": whole, "num_warps": 4}
     if norm:
-        if k <= 2048 and n is not None and n >= 4096 and switched_on(NORM_WIDE_SWITCH):
+        if k <= 2048 and n is not None and n >= 4096 and not switched_off(NORM_WIDE_SWITCH):
             return {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
         return {"BLOCK_N": 2, "BLOCK_K": 1024, "num_warps": 4}
     if n is not None and n < FEW_OUTPUTS and k % 1024 == 0:  # (too few programs of a row each

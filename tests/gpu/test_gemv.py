@@ -74,9 +74,9 @@ def test_gemv_matches_torch(m, n, k, kind, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_wide_normed_launch_equals_the_default_one(dtype, monkeypatch):
-    """`LAYERSPLIT_GEMV_NORM_WIDE`: a normed projection of 5120 outputs from 2048 inputs in
-    blocks of 8 rows gives the default launch's result bit for bit (each row's sum is the
-    same sequence of blocks), and the torch ops' within the tolerance above."""
+    """`LAYERSPLIT_GEMV_NORM_WIDE` (on unless 0): a normed projection of 5120 outputs from
+    2048 inputs in blocks of 8 rows gives the blocks of 2's result bit for bit (each row's sum
+    is the same sequence of blocks), and the torch ops' within the tolerance above."""
     from layersplit.shards.kernels.gemv import NORM_WIDE_SWITCH, config, gemv
 
     n, k = 5120, 2048
@@ -87,7 +87,7 @@ def test_a_wide_normed_launch_equals_the_default_one(dtype, monkeypatch):
     monkeypatch.setenv(NORM_WIDE_SWITCH, "0")
     assert config(k, norm=True, n=n)["BLOCK_N"] == 2
     plain = gemv(x, w, norm=(nw, 1e-5))
-    monkeypatch.setenv(NORM_WIDE_SWITCH, "1")
+    monkeypatch.delenv(NORM_WIDE_SWITCH)
     assert config(k, norm=True, n=n)["BLOCK_N"] == 8
     assert config(k, norm=True, n=3648)["BLOCK_N"] == 2  # (DeepSeek-V2-Lite's, unmeasured)
     wide = gemv(x, w, norm=(nw, 1e-5))
