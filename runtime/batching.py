@@ -428,8 +428,8 @@ class Batcher:
                 and step.pos >= r.prompt_tokens
                 and step.pos + 2 <= self.sched.config.slot_tokens
                 and len(r.out.progress.generated) + 1 < r.out.params.max_tokens
-                and (plain or (r.plain_next is not None and r.plain_next()
-                               and not (self.recurrent and r.speculates))))
+                and (plain or (not (self.recurrent and r.speculates)
+                               and r.plain_next is not None and r.plain_next())))
 
     def _adopt(self, r: Request, token: int | None) -> None:
         """After its program took a step's output (`token`): if the step it asks for now is its
@@ -639,24 +639,26 @@ class Batcher:
             self.host_pool.release_swap(req.rid)
         self.stats.host_blocks = self.host.num_blocks - self.host.free_blocks
 
-    def _restart(self, req: Request, why: str | None = None) -> None:
+    def _restart(self, req: Request, why: str = "KV pool full", reprefill: bool = True) -> None:
         """Take back the sequence's slot and blocks; it runs again from its prompt and the
-        tokens it generated, ahead of the requests that wait (a re-prefill)."""
+        tokens it generated, ahead of the requests that wait. `reprefill`: counted in
+        `stats.reprefills` (a preemption); a restart for another reason (`why`) is counted by
+        its caller."""
         prog, req.program, req.pending = req.program, None, None
         try:
             prog.close()  # its cleanup (draft context, cache pins) runs now
         except BaseException as e:  # noqa: BLE001 - reported, the request goes on
-            log.warning("request %d: cleanup on preemption failed: %s", req.rid, e)
+            log.warning("request %d: cleanup on restart failed: %s", req.rid, e)
         req.rows_gone = False  # (its next program computes its rows again)
-        if why is None:  # (a preemption: the KV pool ran out)
+        if reprefill:
             self.stats.reprefills += 1
         req.prompt_tokens = req.base_tokens + len(req.out.progress.generated)
         if req.prompt is not None:  # it runs again from these tokens
             req.prompt = req.prompt[:req.base_tokens] + list(req.out.progress.generated)
         req.prefilled = req.shared = 0
         req.share_writes = frozenset()
-        log.info("request %d preempted (%s): it runs again from %d tokens", req.rid,
-                 why or "KV pool full", req.prompt_tokens)
+        log.info("request %d restarted (%s): it runs again from %d tokens", req.rid, why,
+                 req.prompt_tokens)
         self.sched.requeue(req.rid, req.prompt_tokens)
 
     def _dispatch(self, sid: int) -> None:
@@ -701,7 +703,7 @@ class Batcher:
             elif r.stale_state and r.in_flight == 0 and not r.done:
                 r.stale_state = False
                 self.stats.stale_restarts += 1
-                self._restart(r, "its recurrent state took a row sent ahead")
+                self._restart(r, "its recurrent state took a row sent ahead", reprefill=False)
 
     # ---- endings ------------------------------------------------------------------------------
     def _fail(self, req: Request, e: BaseException) -> None:

@@ -255,10 +255,11 @@ def rows_config(m: int, k: int, *, norm: bool = False, gate_up: bool = False,
 # 2048 2.08 -> 1.55, 576 x 2048 2.39 -> 2.14; 2048 x 2048 keeps blocks of 256 (3.46 against 3.70)
 FEW_OUTPUTS = 1024
 
-# a normed projection of many outputs from a narrow row (Qwen3-30B-A3B's q/k/v, 5120 x 2048)
-# in blocks of 8 rows: `bench/gemv_sweep.py --plain qkv=5120x2048:norm` (H200, 2026-12-01)
+# a normed projection of 4096+ outputs from a row of 1025..2048 (Qwen3-30B-A3B's q/k/v, 5120 x
+# 2048) in blocks of 8 rows: `bench/gemv_sweep.py --plain qkv=5120x2048:norm` (H200, 2026-12-01)
 # 8.64 -> 7.52 us; the model's batch 1 372.1 against 361.1 tok/s, 1.030 x (bench/RESULTS.md,
-# MoE). `LAYERSPLIT_GEMV_NORM_WIDE=0`: blocks of 2 rows, as before
+# MoE). Measured on that model only (the rule also takes Qwen3-1.7B's 4096 x 2048 q/k/v).
+# `LAYERSPLIT_GEMV_NORM_WIDE=0`: blocks of 2 rows, as before
 NORM_WIDE_SWITCH = "LAYERSPLIT_GEMV_NORM_WIDE"
 
 
@@ -269,7 +270,8 @@ def config(k: int, *, norm: bool = False, gate_up: bool = False, head: bool = Fa
     two weight rows) and one or two warps fill the GPU with small programs, which keeps the
     most loads in flight; a row of up to 1024 is one block (masked), and with the norm's
     prologue wide blocks amortise it. `n`: the outputs; fewer than FEW_OUTPUTS of rows of whole
-    blocks of 1024 (a MoE router's, a latent projection's) read in blocks of 1024 by 8 warps."""
+    blocks of 1024 (a MoE router's, a latent projection's) read in blocks of 1024 by 8 warps;
+    with the norm, 4096+ outputs from 1025..2048 inputs in blocks of 8 rows (NORM_WIDE_SWITCH)."""
     whole = triton.next_power_of_2(k)
     if gate_up:  # (a gate row and an up row a program)
         return {"BLOCK_N": 1, "BLOCK_K": whole if k <= 1024 else 512,

@@ -214,10 +214,11 @@ def test_a_stale_sequence_cancelled_before_its_steps_are_back(models, references
 
 @pytest.mark.slow
 def test_a_hybrid_sequence_with_a_drafter_goes_token_by_token(models, references, tmp_path):
-    """On a hybrid model with a DFlash draft, a sequence that may speculate never goes ahead
-    (were its policy to turn to speculating, it would ask for the row sent ahead again); one
-    asked not to speculate, which still feeds the draft its rows, goes ahead. Both equal the
-    reference."""
+    """On a hybrid model with a DFlash draft, a sequence that may speculate never goes ahead,
+    even where the measured policy makes its steps plain (a random draft's proposals are
+    never accepted): were the policy to turn to speculating, it would ask for the row sent
+    ahead again. One asked not to speculate, which still feeds the draft its rows, goes
+    ahead. Both equal the reference."""
     from layersplit.draft.dflash import write_random_dflash
     from layersplit.shards.model_config import read_hf_config
 
@@ -226,10 +227,12 @@ def test_a_hybrid_sequence_with_a_drafter_goes_token_by_token(models, references
     want = reference.generate(prompt, GREEDY).tokens
     draft = write_random_dflash(read_hf_config(models["qwen3_5"]), tmp_path, layers=1,
                                 taps=[1, 4], block_size=4)
-    with Coordinator(_cfg(models["qwen3_5"], 1, draft=str(draft))) as coord:
+    with Coordinator(_cfg(models["qwen3_5"], 1, draft=str(draft),
+                          spec_policy="measured")) as coord:
         assert coord.feeding
         stats = coord.batcher.stats
-        assert coord.generate(prompt, GREEDY, use_cache=False).tokens == want
+        first = coord.generate(prompt, GREEDY, use_cache=False)
+        assert first.tokens == want and first.spec_off_steps, first
         assert stats.ahead == 0, stats
         progress = Progress()
         plain = collect(coord.stream(prompt, GREEDY, progress, use_cache=False,
@@ -274,8 +277,8 @@ def test_a_step_other_than_the_one_sent_ahead(models, references, family, shards
     computes the row again in that step; a hybrid model's recurrent state took the row
     already, and would take it twice: that sequence runs again from its tokens (a re-prefill,
     not a preemption), once every step of it is back (on 2 shards the first may still hold the
-    lookahead step; with the cache on, the prompt's rows are restored). Either way the tokens
-    and the logits equal the reference's."""
+    lookahead step; the cache on or off). Either way the tokens and the logits equal the
+    reference's."""
     reference = references[family]
     prompt = _prompt(reference)
     want = run_logged(reference, prompt, GREEDY)
