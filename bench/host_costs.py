@@ -103,7 +103,8 @@ def profile_calls(fn: Callable[[], object], n: int = 2000, top: int = 14) -> Non
     for _ in range(n):
         fn()
     prof.disable()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     stats = pstats.Stats(prof).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     for (file, line, func), (_, calls, own, cum, _) in rows:

@@ -135,7 +135,7 @@ def host_us(ex: RangeExecutor, fn: Callable[[], object], n: int = 300) -> float:
     return statistics.median(batches)
 
 
-def layer_calls(ex: RangeExecutor, pos: int, rows: int) -> None:
+def layer_calls(ex: RangeExecutor, pos: int, rows: int, cprofile: bool = False) -> None:
     """Host µs of each call one layer's eager step makes on its fast path (`FusedDecode.
     prefill`), called one by one with that step's operands, next to the whole layer's."""
     from layersplit.shards import fused
@@ -184,6 +184,11 @@ def layer_calls(ex: RangeExecutor, pos: int, rows: int) -> None:
           f"{tuple(ln.weight.shape)}):")
     for name, fn in calls.items():
         print(f"  {name:32s} {host_us(ex, fn):8.1f}")
+    if cprofile:
+        from bench.host_costs import profile_calls
+
+        print("where the whole layer's host time goes (cProfile, own time, top 30):")
+        profile_calls(calls["whole layer (fast.prefill)"], n=300, top=30)
 
 
 def main() -> None:
@@ -200,6 +205,8 @@ def main() -> None:
                    help="on a CPU, the GPU shard's layer path, its Triton kernels stubbed")
     p.add_argument("--profile", action="store_true", help="aten ops of one step, by name")
     p.add_argument("--calls", action="store_true", help="host time of each call of a layer")
+    p.add_argument("--cprofile", action="store_true",
+                   help="with --calls: the whole layer's host time by function (cProfile)")
     args = p.parse_args()
     if torch.device(args.device).type == "cpu":
         torch.set_num_threads(1)
@@ -221,7 +228,14 @@ def main() -> None:
     if args.profile:
         profile_step(ex, args.prefix, args.rows)
     if args.calls:
-        layer_calls(ex, args.prefix, args.rows)
+        layer_calls(ex, args.prefix, args.rows, args.cprofile)
+    if args.cprofile:
+        from bench.host_costs import profile_calls
+
+        x = step_input(ex, args.rows)
+        print("where a whole step's host time goes (cProfile, own time, top 40):")
+        profile_calls(lambda: ex.run_segments(x, [Segment(0, args.prefix, args.rows)]), n=40,
+                      top=40)
 
 
 if __name__ == "__main__":

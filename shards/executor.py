@@ -28,6 +28,7 @@ from layersplit.shards.layers.step import SegmentsRefused, StepInfo
 from layersplit.shards.model_config import context_limit_error
 from layersplit.shards.models import LayerRange
 from layersplit.shards.paged_kv import PagedKVCache
+from layersplit.shards.prefill_graphs import PrefillGraphs, refusal
 from layersplit.shards.sampling import sample_rows
 from layersplit.shards.spec_tree import depths, is_chain, kept_moves
 
@@ -145,6 +146,14 @@ class RangeExecutor:
         # the eager prefill segments of several sequences run as one step (`run_segments`):
         # on GPUs, where the row kernels' eager path attends sequence by sequence
         self.batch_prefill = self.device.type == "cuda"
+        # one sequence's eager steps as piecewise CUDA graphs (a small dense range's)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.static is not None and self.device.type == "cuda" and not self.hybrid:
+            why = refusal(model, self.kv)
+            if why is None:
+                self.prefill_graphs = PrefillGraphs(model, self.kv, max_len)
+            log.info("layers %d:%d: prefill graphs %s", model.start, model.end,
+                     "on" if why is None else f"off ({why})")
 
     @property
     def rowwise_verify(self) -> bool:
@@ -209,8 +218,16 @@ class RangeExecutor:
             return self._rowwise(x, pos, slot, all_logits, taps, tree)
         rows = None if all_logits else slice(n - 1, n)
         want = None if taps is None else dict.fromkeys(self.taps)
-        step = StepInfo.tree(pos, tree, self.device) if verify and not is_chain(tree) else pos
-        out = self.model(x.to(self.device), step, self.kv, slot, logit_rows=rows, taps=want)
+        graphs = self.prefill_graphs
+        out = None
+        if graphs is not None and not verify and not self.deterministic and graphs.takes(n):
+            out = graphs.run(self.model.embed(x.to(self.device)), pos, slot, want)
+            if out is not None and self.model.is_last:
+                out = self.model.logits(out, rows)
+        if out is None:
+            step = StepInfo.tree(pos, tree, self.device) if verify and not is_chain(tree) \
+                else pos
+            out = self.model(x.to(self.device), step, self.kv, slot, logit_rows=rows, taps=want)
         if taps is not None:
             taps.update(want)
         return out

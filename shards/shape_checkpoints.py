@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 # answer every prompt with one token repeated, where top-1 agreement cannot show a difference.
 SHAPES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "llama": ("llama-8b-shape", 4, {}),
+    "smollm2": ("smollm2-135m-shape", 30, {}),  # the default model's shape, whole (a Llama)
     "qwen3": ("qwen3-8b", 4, {}),
     "qwen3_5": ("qwen3.5-27b", 4, {}),  # 3 Gated DeltaNet layers, 1 gated attention layer
     "qwen3_moe": ("qwen3-30b-a3b", 4, {}),

@@ -85,9 +85,7 @@ class LayerRange(nn.Module):
         (all rows when None). `taps`, when given, has a key per global layer index whose output
         rows (n, hidden) are stored under it (they feed a feature-conditioned draft).
         """
-        h = self.embed_tokens(x) if self.is_first else x
-        if self.is_first and self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        h = self.embed(x)
         if isinstance(step, int):
             step = StepInfo.eager(step, h.shape[0], h.device)
         cos, sin = rope_cos_sin(self.inv_freq, step.positions, h.dtype, self.rope_scale)
@@ -102,8 +100,20 @@ class LayerRange(nn.Module):
                 # as HF's hidden_states[layer + 1]: the last layer's output is after the norm
                 last = self.start + i == self.cfg.num_layers - 1
                 taps[self.start + i] = self.norm(h) if last else h
-        if not self.is_last:
-            return h
+        return self.logits(h, logit_rows) if self.is_last else h
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The range's input rows: token ids (n,) embedded on the first range, else `x`."""
+        if not self.is_first:
+            return x
+        h = self.embed_tokens(x)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
+
+    def logits(self, h: torch.Tensor, logit_rows: slice | torch.Tensor | None) -> torch.Tensor:
+        """The last range's float32 logits of rows `logit_rows` (all when None) of its output
+        `h`: the final norm and the LM head."""
         if logit_rows is not None:
             h = h[logit_rows]
         cap = self.cfg.final_logit_softcap

@@ -69,15 +69,22 @@ def test_default_model_batched_and_restored(default_refs):
 FEWER_LAYERS = {"glm4_moe": {"num_hidden_layers": 2}}
 
 
+# the half dtype a family's shape runs in (`shards.dtypes.auto_dtype`: the default model's GGUF
+# runs in float16 on GPUs); the others bfloat16
+RUN_DTYPE = {"smollm2": "float16"}
+
+
 @pytest.mark.parametrize("family", [
-    "llama", pytest.param("qwen3_5", marks=pytest.mark.timeout(420)),  # (our shards' fla
+    "llama", "smollm2",  # (the default model's shape: its prefill steps as graph pieces)
+    pytest.param("qwen3_5", marks=pytest.mark.timeout(420)),  # (our shards' fla
     # kernels compile and autotune at the 27B width: minutes on a first run)
     "qwen3_moe", "gemma3", "mistral", "gpt_oss", "glm4_moe"])
 def test_family_shape_matches_transformers(family, tmp_path_factory, request):
-    """bfloat16 on the family's full-width shape, against transformers float32: within the
-    floors (top-1 99 %, mean KL 1e-3), or, where transformers' own bfloat16 misses them on the
-    same weights, as close to float32 as it is (mean KL within 25 %: the measure that does not
-    turn on a few near-ties), its bfloat16 run the way ours runs: the prompt's prefill, then a
+    """bfloat16 (or the family's `RUN_DTYPE`) on the family's full-width shape, against
+    transformers float32: within the floors (top-1 99 %, mean KL 1e-3), or, where
+    transformers' own half dtype misses them on the same weights, as close to float32 as it is
+    (mean KL within 25 %: the measure that does not turn on a few near-ties), its half run the
+    way ours runs: the prompt's prefill, then a
     token a step on its KV cache (`stepwise`; its one-forward run rounds otherwise: GLM-4.5's
     shape, 2026-11-29, 7.9e-3 one forward against our 1.0e-2 stepwise)."""
     from layersplit.shards.shape_checkpoints import write_shape_checkpoint
@@ -90,11 +97,12 @@ def test_family_shape_matches_transformers(family, tmp_path_factory, request):
     fewer = FEWER_LAYERS.get(family, {})  # (its own folder: not the whole shape's, in a kept one)
     name = f"{family}-{fewer['num_hidden_layers']}-layers" if fewer else family
     path = write_shape_checkpoint(root / name, family, "cuda:0", **fewer)
+    dtype = RUN_DTYPE.get(family, "bfloat16")
     cfg = RuntimeConfig(model=str(path), devices=("cuda:0",), max_context=512, draft="none",
-                        dtype="bfloat16")
+                        dtype=dtype)
     opts = CheckOptions(limit=4, new_tokens=32)
     model, refs, stop = reference_runs(cfg, opts, "cuda:0")
-    theirs = half_agreement(model, refs, "bfloat16", "cuda:0", opts.new_tokens, stop)
+    theirs = half_agreement(model, refs, dtype, "cuda:0", opts.new_tokens, stop)
     r = run_check(cfg, opts, refs)
     assert r["nonfinite_positions"] == 0
     # (saturated logits, one token taking all the probability, would show no difference: not

@@ -16,6 +16,7 @@ _NARROW = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=512)
 SMALL = {
     "llama": _NARROW,
+    "smollm2": {**_NARROW, "num_hidden_layers": 4},
     "qwen3": {**_NARROW, "head_dim": 16},
     "qwen3_5": {**_NARROW, "head_dim": 16, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16,
