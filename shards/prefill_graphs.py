@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -120,11 +121,8 @@ class PrefillGraphs:
         r = next(b for b in self.buckets if b >= n)
         try:
             b = self.sets.get(r) or self._build(r)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
-            log.warning("layers %d:%d: prefill graphs of %d rows failed (%s); eager prefill "
-                        "steps run layer by layer from now on", self.model.start,
-                        self.model.end, r, e)
-            self.on = False
+        except Exception as e:  # noqa: BLE001 - the eager layers run instead
+            self._fail(r, e)
             return None
         cos, sin = rope_cos_sin(self.model.inv_freq, step.positions, h.dtype,
                                 self.model.rope_scale)
@@ -145,6 +143,32 @@ class PrefillGraphs:
             if taps is not None and g in taps:  # (HF's hidden_states[g + 1]: the last normed)
                 taps[g] = self.model.norm(b.h[:n]) if g == last else b.h[:n].clone()
         return b.h[:n].clone()
+
+    @torch.inference_mode()
+    def warm(self, max_rows: int) -> tuple[int, float]:
+        """Build every bucket a step of up to `max_rows` rows runs in, before any request (a
+        shard's `warm`: `shards.worker_setup`); (buckets built, seconds). A failure turns the
+        pieces off (logged): the eager layers run."""
+        t0, built = time.perf_counter(), 0
+        for r in self.buckets:
+            if not self.on:
+                break
+            if r not in self.sets:
+                try:
+                    self._build(r)
+                except Exception as e:  # noqa: BLE001 - the eager layers run instead
+                    self._fail(r, e)
+                    break
+                built += 1
+            if r >= max_rows:
+                break
+        return built, time.perf_counter() - t0
+
+    def _fail(self, r: int, e: BaseException) -> None:
+        log.warning("layers %d:%d: prefill graphs of %d rows failed (%s: %s); eager prefill "
+                    "steps run layer by layer from now on", self.model.start, self.model.end,
+                    r, type(e).__name__, e)
+        self.on = False
 
     def _build(self, r: int) -> _Bucket:
         """Bucket `r`'s buffers and pieces; on CUDA each piece captured (after warm-up runs,

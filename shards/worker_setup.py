@@ -281,6 +281,11 @@ class ShardSetup:
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
+        pieces = self.executor.prefill_graphs
+        if pieces is not None:  # (its buckets: `shards.prefill_graphs`)
+            built, took = pieces.warm(self.max_step)
+            log.info("shard %d: prefill graphs of %d row buckets captured in %.2f s",
+                     self.index, built, took)
         hybrid_prewarm.finish(self.prewarm)  # (a hybrid's prefill kernels compiled ahead)
         self.prewarm = None
         state = "off" if cache is None else "reused" if entry is not None else "written"

@@ -145,3 +145,30 @@ def test_a_step_larger_than_every_bucket_runs_the_eager_layers(tiny_models):
     got = ex.run(ids, 0, 1)
     assert not ex.prefill_graphs.sets
     assert _rel(got, want) == 0.0
+
+
+def test_warm_builds_the_buckets_up_to_the_largest_step(tiny_models):
+    """`warm` (a shard's, before any request) builds each bucket up to the first that holds
+    `max_rows`; a later step takes its bucket as built."""
+    ex = _executor(tiny_models["llama"], torch.float32, True)
+    built, _ = ex.prefill_graphs.warm(100)
+    assert built == 4 and sorted(ex.prefill_graphs.sets) == [16, 32, 64, 128]
+    b = ex.prefill_graphs.sets[64]
+    want = _executor(tiny_models["llama"], torch.float32, False).run(torch.arange(3, 43), 0, 1)
+    assert _rel(ex.run(torch.arange(3, 43), 0, 1), want) < 1e-4
+    assert ex.prefill_graphs.sets[64] is b and ex.prefill_graphs.warm(100)[0] == 0
+
+
+def test_a_bucket_that_fails_to_build_turns_the_pieces_off(tiny_models, monkeypatch, caplog):
+    """A failure building a bucket (a capture's, a kernel's) is logged, the step runs the
+    eager layers, and so does every later one."""
+    ex = _executor(tiny_models["llama"], torch.float32, True)
+
+    def broken(r):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(ex.prefill_graphs, "_build", broken)
+    want = _executor(tiny_models["llama"], torch.float32, False).run(torch.arange(3, 43), 0, 1)
+    assert _rel(ex.run(torch.arange(3, 43), 0, 1), want) == 0.0
+    assert not ex.prefill_graphs.on and not ex.prefill_graphs.takes(8)
+    assert "prefill graphs of 64 rows failed (RuntimeError: capture failed)" in caplog.text
