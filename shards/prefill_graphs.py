@@ -13,9 +13,10 @@ attention stays eager between the replays (its keys are any prefix: the graphs d
 on the position), reading the step's q/k/v rows from static buffers and writing its output to
 one.
 
-A step of n rows runs in the smallest bucket of at least n rows: the padding rows compute
-finite garbage that no real row reads (every launch in a piece is row by row, and attention
-takes the first n rows only) and store their K/V rows in the pool's scratch row. The kernels
+A step of n rows runs in the smallest bucket of at least n rows: the padding rows start from
+zero each step (a pass from zero: finite, whatever ran before), no real row reads them (every
+launch in a piece is row by row, and attention takes the first n rows only), and they store
+their K/V rows in the pool's scratch row, which masked reads elsewhere may touch. The kernels
 are the eager path's, in the same order: a row's values differ from it only where a GEMM of
 the bucket's rows rounds otherwise than one of n rows (as `RangeExecutor._prefill_batched`'s
 do). On a CPU (tests) the pieces run as plain calls, no capture.
@@ -131,6 +132,8 @@ class PrefillGraphs:
         b.cos[:n].copy_(cos)
         b.sin[:n].copy_(sin)
         b.h[:n].copy_(h)
+        b.h[n:].zero_()  # (padding rows start from zero each step: a pass from zero, bounded,
+        b.attn[n:].zero_()  # not the last step's outputs run through the range again)
         b.pieces[0]()
         layers, last = self.model.layers, self.model.cfg.num_layers - 1
         for i, layer in enumerate(layers):
@@ -150,6 +153,8 @@ class PrefillGraphs:
         shard's `warm`: `shards.worker_setup`); (buckets built, seconds). A failure turns the
         pieces off (logged): the eager layers run."""
         t0, built = time.perf_counter(), 0
+        if not self.takes(1):  # (the row kernels turned off: no step would replay them)
+            return 0, 0.0
         for r in self.buckets:
             if not self.on:
                 break
@@ -169,6 +174,7 @@ class PrefillGraphs:
                     "steps run layer by layer from now on", self.model.start, self.model.end,
                     r, type(e).__name__, e)
         self.on = False
+        self.sets.clear()  # (their graphs and buffers given back)
 
     def _build(self, r: int) -> _Bucket:
         """Bucket `r`'s buffers and pieces; on CUDA each piece captured (after warm-up runs,

@@ -282,7 +282,8 @@ class ShardSetup:
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
         pieces = self.executor.prefill_graphs
-        if pieces is not None:  # (its buckets: `shards.prefill_graphs`)
+        if pieces is not None and not self.executor.deterministic:  # (its buckets:
+            # `shards.prefill_graphs`; deterministic mode's steps never take them)
             built, took = pieces.warm(self.max_step)
             log.info("shard %d: prefill graphs of %d row buckets captured in %.2f s",
                      self.index, built, took)

@@ -101,18 +101,31 @@ def test_pieces_equal_the_eager_layers(tiny_models, family, dtype, monkeypatch):
         assert not bool(got[:, :8 * 16].any()), f"slot 0's {name} written"
 
 
-def test_a_middle_range_takes_and_gives_hidden_rows(tiny_models):
+def _no_eager_layer(monkeypatch) -> list:
+    """FusedDecode.prefill's calls, counted (the eager layers' path)."""
+    calls: list = []
+    real = FusedDecode.prefill
+    monkeypatch.setattr(FusedDecode, "prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_a_middle_range_takes_and_gives_hidden_rows(tiny_models, monkeypatch):
     """A range that is neither first nor last: hidden rows in, hidden rows out, as the eager
     layers' (the second shard of three)."""
     path = tiny_models["llama"]
     runs = [_executor(path, torch.float32, graphs, start=2, end=4) for graphs in (True, False)]
     g = torch.Generator().manual_seed(3)
     hidden = runs[0].model.cfg.hidden_size
+    eager = _no_eager_layer(monkeypatch)
     for a, b in ((0, 40), (40, 47)):
         x = torch.randn(b - a, hidden, generator=g).to(DEV)
-        got, want = (ex.run(x, a, 0) for ex in runs)
+        got = runs[0].run(x, a, 0)
+        assert not eager
+        want = runs[1].run(x, a, 0)
+        eager.clear()
         assert got.shape == want.shape == (b - a, hidden)
         assert _rel(got, want) < 1e-4
+    assert sorted(runs[0].prefill_graphs.sets) == [16, 64]
 
 
 def test_ranges_the_pieces_do_not_serve_are_refused_by_name(tiny_models, monkeypatch):
@@ -147,7 +160,7 @@ def test_a_step_larger_than_every_bucket_runs_the_eager_layers(tiny_models):
     assert _rel(got, want) == 0.0
 
 
-def test_warm_builds_the_buckets_up_to_the_largest_step(tiny_models):
+def test_warm_builds_the_buckets_up_to_the_largest_step(tiny_models, monkeypatch):
     """`warm` (a shard's, before any request) builds each bucket up to the first that holds
     `max_rows`; a later step takes its bucket as built."""
     ex = _executor(tiny_models["llama"], torch.float32, True)
@@ -155,7 +168,9 @@ def test_warm_builds_the_buckets_up_to_the_largest_step(tiny_models):
     assert built == 4 and sorted(ex.prefill_graphs.sets) == [16, 32, 64, 128]
     b = ex.prefill_graphs.sets[64]
     want = _executor(tiny_models["llama"], torch.float32, False).run(torch.arange(3, 43), 0, 1)
+    eager = _no_eager_layer(monkeypatch)
     assert _rel(ex.run(torch.arange(3, 43), 0, 1), want) < 1e-4
+    assert not eager
     assert ex.prefill_graphs.sets[64] is b and ex.prefill_graphs.warm(100)[0] == 0
 
 
@@ -172,3 +187,23 @@ def test_a_bucket_that_fails_to_build_turns_the_pieces_off(tiny_models, monkeypa
     assert _rel(ex.run(torch.arange(3, 43), 0, 1), want) == 0.0
     assert not ex.prefill_graphs.on and not ex.prefill_graphs.takes(8)
     assert "prefill graphs of 64 rows failed (RuntimeError: capture failed)" in caplog.text
+
+
+def test_padding_rows_start_from_zero_each_step(tiny_models):
+    """Many one-row steps in one bucket after a longer one: the padding rows are a pass from
+    zero each time (the same values at the 3rd step and the 25th, not the longer step's rows
+    run through the range again and again), and the scratch row they store their K/V in stays
+    finite."""
+    ex = _executor(tiny_models["llama"], torch.float32, True)
+    ex.run(torch.arange(3, 43), 0, 1)  # (a prefix: bucket 64)
+    ex.run(torch.arange(3, 15), 40, 1)  # 12 rows in bucket 16: real rows in its rows 1-11
+    pieces = ex.prefill_graphs
+    seen = {}
+    for i in range(25):
+        ex.run(torch.tensor([5 + i % 7]), 52 + i, 1)
+        if i in (2, 24):
+            seen[i] = pieces.sets[16].h[1:].clone()
+    assert torch.equal(seen[2], seen[24])
+    scratch = pieces.scratch
+    for rows in (ex.kv.k_rows, ex.kv.v_rows):
+        assert bool(rows[:, scratch].isfinite().all())
