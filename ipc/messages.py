@@ -104,6 +104,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # says what it took ({graphs, seconds})
     # (optional `verify_batch`: batched verify steps of up to that many sequences)
     "warm": {"sid": (int,), "rows": (list,), "batch": (int,)},
+    # capture every bucket of the eager prefill steps' graphs (`shards.prefill_graphs`): serve's
+    # warm-up, so that no request pays a capture; the `ok` says {buckets, seconds}
+    "warm_prefill": {"sid": (int,)},
     # (optional `copy_wait_s`: how long the save waited for its snapshot's host copy)
     "saved": {"entry": (int,), "path": (str,), "checksums": (dict, NoneType),
               "error": (str, NoneType), "names": (list,)},

@@ -293,6 +293,20 @@ class ShardGroup:
             log.info("compile cache entries: %s", ", ".join(
                 f"shard {k} {st}" for k, st in enumerate(states)))
 
+    def warm_prefill_graphs(self) -> int:
+        """Every shard captures its eager prefill steps' graphs, every row bucket
+        (`shards.prefill_graphs`; serve's warm-up, `runtime.warmup`); returns the buckets
+        captured (0 on CPU shards, and where the ranges do not take them)."""
+        t0 = time.perf_counter()
+        replies = self.call_all(lambda sh: message("warm_prefill"),
+                                deadline=time.monotonic() + self.config.startup_timeout,
+                                what="the prefill graphs' captures")
+        buckets = sum(int(r["info"].get("buckets", 0)) for r in replies)
+        if buckets:
+            log.info("prefill graphs: %d row buckets captured in %.1f s", buckets,
+                     time.perf_counter() - t0)
+        return buckets
+
     def _start_ray(self, t0: float, threads: int | None) -> list[RayShard]:
         """launcher = "ray": place and start every shard on the Ray cluster, and the draft
         process on the first shard's node."""

@@ -7,8 +7,10 @@ launch costs the host more than the GPU's work: on an H200 the default model's s
 ~520 us of host a layer of a 500-row step against ~75 us of GPU (`bench/prefill_host.py`,
 2026-12-02), so a prefill chunk, a kept answer and a cached turn's new message all waited on
 Python. Here the launches between one layer's attention and the next are one CUDA graph (a
-"piece"), captured once per row bucket: piece 0 is the first layer's norm, q/k/v and rotary;
-piece i + 1 is layer i's o_proj to its MLP and the next layer's norm, q/k/v and rotary. The
+"piece"), captured once per row bucket (every bucket in serve's warm-up, before it says
+ready: `warm`, the shard's `warm_prefill`; elsewhere a bucket on its first step): piece 0 is
+the first layer's norm, q/k/v and rotary; piece i + 1 is layer i's o_proj to its MLP and the
+next layer's norm, q/k/v and rotary. The
 attention stays eager between the replays (its keys are any prefix: the graphs do not depend
 on the position), reading the step's q/k/v rows from static buffers and writing its output to
 one.
@@ -150,8 +152,8 @@ class PrefillGraphs:
     @torch.inference_mode()
     def warm(self, max_rows: int) -> tuple[int, float]:
         """Build every bucket a step of up to `max_rows` rows runs in, before any request (a
-        shard's `warm`: `shards.worker_setup`); (buckets built, seconds). A failure turns the
-        pieces off (logged): the eager layers run."""
+        shard's `warm_prefill`: `shards.worker_setup`); (buckets built, seconds). A failure
+        turns the pieces off (logged): the eager layers run."""
         t0, built = time.perf_counter(), 0
         if not self.takes(1):  # (the row kernels turned off: no step would replay them)
             return 0, 0.0

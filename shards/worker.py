@@ -76,7 +76,8 @@ class ShardSpec:
 
 
 ALLOWED = {"coordinator": {"configure", "ping", "shutdown", "step", "sample", "mask", "wake",
-                           "draft_gone", "kv_swap", "warm", "void", "unpark", *SNAP_OPS},
+                           "draft_gone", "kv_swap", "warm", "warm_prefill", "void", "unpark",
+                           *SNAP_OPS},
            "upstream": {"link", "step", "wake"}}
 
 

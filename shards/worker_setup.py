@@ -281,12 +281,6 @@ class ShardSetup:
                      seconds)
         if self.fused:  # the eager steps' kernel too (`shards.fused.warm_prefill`)
             warm_prefill(self.model)
-        pieces = self.executor.prefill_graphs
-        if pieces is not None and not self.executor.deterministic:  # (its buckets:
-            # `shards.prefill_graphs`; deterministic mode's steps never take them)
-            built, took = pieces.warm(self.max_step)
-            log.info("shard %d: prefill graphs of %d row buckets captured in %.2f s",
-                     self.index, built, took)
         hybrid_prewarm.finish(self.prewarm)  # (a hybrid's prefill kernels compiled ahead)
         self.prewarm = None
         state = "off" if cache is None else "reused" if entry is not None else "written"
@@ -295,6 +289,21 @@ class ShardSetup:
         self._reply(route, message("ok", sid=msg["sid"],
                                    info={"graphs": graphs, "seconds": seconds,
                                          "compile_cache": state}))
+
+    def _on_warm_prefill(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
+        """Capture every bucket of the eager prefill steps' graphs (`shards.prefill_graphs`),
+        before any request: serve's warm-up asks for it (a `generate` captures a bucket on its
+        first use instead: its one prompt takes one or two). None to capture on a CPU shard,
+        a range the pieces do not serve, or in deterministic mode (its steps never take them)."""
+        if self.executor is None:
+            raise ProtocolError("warm_prefill before configure")
+        pieces, built, took = self.executor.prefill_graphs, 0, 0.0
+        if pieces is not None and not self.executor.deterministic:
+            built, took = pieces.warm(self.max_step)
+            log.info("shard %d: prefill graphs of %d row buckets captured in %.2f s",
+                     self.index, built, took)
+        self._reply(route, message("ok", sid=msg["sid"],
+                                   info={"buckets": built, "seconds": took}))
 
     def _drop_socket(self, sock: zmq.Socket | None) -> None:
         if sock is None:

@@ -54,6 +54,7 @@ def test_the_server_engine_warms_up_before_it_is_ready(tiny_llama, caplog, monke
             assert time.monotonic() < deadline, f"not ready: {seen}"
             time.sleep(0.002)
         said = caplog.text  # (what was logged by the time it said ready)
+        assert eng.coord.warm_prefill_graphs() == 0  # (CPU shards: none to capture)
     finally:
         eng.stop(5)
     assert ("loading", "warming up") in seen
