@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 21  # 2: speculative decoding; 3: batched steps (several sequences per step);
+PROTOCOL_VERSION = 22  # 2: speculative decoding; 3: batched steps (several sequences per step);
 # 4: cuda-ipc slots ordered by IPC events (a v3 sender would not wait on the receiver's);
 # 5: token-tree verify steps (segment `tree`, `kept`; outcome `path`; propose `tree`,
 # `kept`; proposal `parents`), proposals prepared from the verdict (segment `then`, feat `next`);
@@ -41,7 +41,8 @@ PROTOCOL_VERSION = 21  # 2: speculative decoding; 3: batched steps (several sequ
 # `ipc.token_board`; the first shard's info `board` says whether it mapped it; message `void`);
 # 19: the token board's host-mode token words carry their step (`ipc.token_board.pack`); warm's
 # optional `verify_batch` (batched verify steps); 20: `draft_warm` (draft_configure answers
-# before the draft's warm-up); 21: `draft_gap` (context rows that never come)
+# before the draft's warm-up); 21: `draft_gap` (context rows that never come); 22:
+# `warm_prefill` (the prefill steps' graphs, `shards.prefill_graphs`)
 MAX_HEADER_BYTES = 1 << 20  # a control header is small; anything larger is refused
 MAX_FRAMES = 4
 

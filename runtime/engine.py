@@ -116,6 +116,8 @@ class Engine:
         coord.start()
         try:  # ("ready" means the first request runs at the speed of the next ones)
             self.reason = "warming up"
+            if self.config.cuda_graphs and self.config.capture_at_start:
+                coord.warm_prefill_graphs()  # (every bucket: `shards.prefill_graphs`)
             warmup.run(coord)
         except BaseException:
             coord.close()

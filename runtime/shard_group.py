@@ -295,7 +295,7 @@ class ShardGroup:
 
     def warm_prefill_graphs(self) -> int:
         """Every shard captures its eager prefill steps' graphs, every row bucket
-        (`shards.prefill_graphs`; serve's warm-up, `runtime.warmup`); returns the buckets
+        (`shards.prefill_graphs`; serve, before ready: `runtime.engine`); returns the buckets
         captured (0 on CPU shards, and where the ranges do not take them)."""
         t0 = time.perf_counter()
         replies = self.call_all(lambda sh: message("warm_prefill"),

@@ -59,8 +59,6 @@ def run(coord: Coordinator, force: bool = False) -> float:
     if not (force or wanted(coord)):
         return 0.0
     cfg = coord.config
-    if cfg.cuda_graphs:  # (every bucket of the prefill steps' graphs, where a range takes them)
-        coord.warm_prefill_graphs()
     vocab = coord.model_config.vocab_size
     room = cfg.max_context - NEW_TOKENS - 1
     long_n = max(1, min(coord.chunk + PART_CHUNK, room))

@@ -7,8 +7,8 @@ launch costs the host more than the GPU's work: on an H200 the default model's s
 ~520 us of host a layer of a 500-row step against ~75 us of GPU (`bench/prefill_host.py`,
 2026-12-02), so a prefill chunk, a kept answer and a cached turn's new message all waited on
 Python. Here the launches between one layer's attention and the next are one CUDA graph (a
-"piece"), captured once per row bucket (every bucket in serve's warm-up, before it says
-ready: `warm`, the shard's `warm_prefill`; elsewhere a bucket on its first step): piece 0 is
+"piece"), captured once per row bucket (every bucket before serve says ready: `warm`,
+the shard's `warm_prefill`; elsewhere a bucket on its first step): piece 0 is
 the first layer's norm, q/k/v and rotary; piece i + 1 is layer i's o_proj to its MLP and the
 next layer's norm, q/k/v and rotary. The
 attention stays eager between the replays (its keys are any prefix: the graphs do not depend

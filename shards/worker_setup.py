@@ -292,7 +292,7 @@ class ShardSetup:
 
     def _on_warm_prefill(self, route: bytes, msg: dict[str, Any], frames: list) -> None:
         """Capture every bucket of the eager prefill steps' graphs (`shards.prefill_graphs`),
-        before any request: serve's warm-up asks for it (a `generate` captures a bucket on its
+        before any request: serve asks for it before ready (a `generate` captures a bucket on its
         first use instead: its one prompt takes one or two). None to capture on a CPU shard,
         a range the pieces do not serve, or in deterministic mode (its steps never take them)."""
         if self.executor is None:

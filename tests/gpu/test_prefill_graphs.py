@@ -176,8 +176,10 @@ def test_warm_builds_the_buckets_up_to_the_largest_step(tiny_models, monkeypatch
 
 def test_a_bucket_that_fails_to_build_turns_the_pieces_off(tiny_models, monkeypatch, caplog):
     """A failure building a bucket (a capture's, a kernel's) is logged, the step runs the
-    eager layers, and so does every later one."""
+    eager layers, and so does every later one; the buckets built before are given back."""
     ex = _executor(tiny_models["llama"], torch.float32, True)
+    ex.run(torch.arange(3, 8), 0, 1)  # (bucket 16 built)
+    assert list(ex.prefill_graphs.sets) == [16]
 
     def broken(r):
         raise RuntimeError("capture failed")
@@ -186,6 +188,7 @@ def test_a_bucket_that_fails_to_build_turns_the_pieces_off(tiny_models, monkeypa
     want = _executor(tiny_models["llama"], torch.float32, False).run(torch.arange(3, 43), 0, 1)
     assert _rel(ex.run(torch.arange(3, 43), 0, 1), want) == 0.0
     assert not ex.prefill_graphs.on and not ex.prefill_graphs.takes(8)
+    assert not ex.prefill_graphs.sets  # (the built buckets given back)
     assert "prefill graphs of 64 rows failed (RuntimeError: capture failed)" in caplog.text
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 from layersplit.runtime import engine as engine_module
 from layersplit.runtime.config import ConfigError, RuntimeConfig
+from layersplit.runtime.coordinator import Coordinator
 from layersplit.runtime.engine import Engine
 from layersplit.runtime.metrics import Metrics
 from layersplit.shards.graphs import warm_left
@@ -35,10 +36,15 @@ def test_the_estimate_is_the_pace_capped_by_the_last_warm_up():
 @pytest.mark.slow
 def test_the_server_engine_warms_up_before_it_is_ready(tiny_llama, caplog, monkeypatch):
     """`serve`'s engine, in this process: its status reads "warming up" while the warm-up
-    requests run, and once it reads ready, every one of them has run."""
+    requests run, and once it reads ready, every one of them has run, and the shards were
+    asked to capture their prefill graphs (`warm_prefill`), once."""
     # (a failed start would SIGTERM the server process, here pytest: it fails the test instead)
     monkeypatch.setattr(engine_module, "_exit_soon", lambda: None)
     caplog.set_level(logging.INFO, logger="layersplit.runtime.warmup")
+    asked: list[int] = []  # the prefill graphs' buckets each shard captured (CPU: none)
+    real = Coordinator.warm_prefill_graphs
+    monkeypatch.setattr(Coordinator, "warm_prefill_graphs",
+                        lambda self: asked.append(real(self)) or asked[-1])
     eng = Engine(RuntimeConfig(model=str(tiny_llama), devices=("cpu", "cpu"), threads=1,
                                prefill_chunk=16, max_context=256, draft="none", warmup="on"),
                  Metrics())
@@ -54,10 +60,10 @@ def test_the_server_engine_warms_up_before_it_is_ready(tiny_llama, caplog, monke
             assert time.monotonic() < deadline, f"not ready: {seen}"
             time.sleep(0.002)
         said = caplog.text  # (what was logged by the time it said ready)
-        assert eng.coord.warm_prefill_graphs() == 0  # (CPU shards: none to capture)
     finally:
         eng.stop(5)
     assert ("loading", "warming up") in seen
+    assert asked == [0]  # (asked of the shards before ready, once; CPU shards capture none)
     assert "warm-up 1 of 3: a prefill of 33 tokens and 8 greedy tokens" in said
     assert "warm-up 3 of 3: a batch of two" in said and "warm-up requests done" in said
     assert shard_children() == []
