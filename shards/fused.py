@@ -172,6 +172,36 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def rope_qk_rows(a, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention `a`'s rotated queries and keys of its q/k/v rows `qkv` through the rotary
+    kernel (`row_ops.rope_qk`): its q/k norms where it has them (their eps, else the layer's
+    `eps`); `pool`: where the kernel also stores the K/V rows (`PagedKVCache.step_pool`)."""
+    from layersplit.shards.kernels import row_ops
+
+    return row_ops.rope_qk(qkv, cos, sin, a.num_heads, a.num_kv_heads,
+                           None if a.q_norm is None else a.q_norm.weight,
+                           None if a.k_norm is None else a.k_norm.weight,
+                           eps if a.q_norm is None else a.q_norm.eps, pool)
+
+
+def dense_after_attention(layer, h: torch.Tensor, attn: torch.Tensor, eps: float,
+                          nxt: tuple[torch.Tensor, float] | None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense layer after attention through the row kernels, nothing compiled: o_proj,
+    add + norm, gate/up, SiLU * up, down, add + the next layer's input norm `nxt` (weight,
+    eps); (the layer's output, that norm of it, None without `nxt`)."""
+    from layersplit.shards.kernels import row_ops
+
+    a, m = layer.self_attn, layer.mlp
+    h, x = row_ops.add_rms_norm(h, linear(a.o_proj, attn),
+                                layer.post_attention_layernorm.weight, eps)
+    act = row_ops.silu_mul(linear(m.gate_up_proj, x))
+    nxt_w, nxt_eps = nxt if nxt is not None else (None, 0.0)
+    return row_ops.add_rms_norm(h, linear(m.down_proj, act), nxt_w, nxt_eps)
+
+
 def _kept(layer) -> bool:
     """Whether a layer holds weights kept quantized (`fuse_projections` marks it)."""
     return getattr(layer, "kept_quantized", False)
@@ -438,17 +468,9 @@ class FusedDecode:
         return linear(a.qkv_proj, x)
 
     def _dense_rest(self, layer, h, attn, eps: float):
-        """A dense layer after attention through the row kernels (`shards.kernels.row_ops`),
-        nothing compiled: o_proj, add + norm, gate/up, SiLU * up, down, add + the next layer's
-        input norm, kept for that layer (`_normed`) when it is in the range."""
-        from layersplit.shards.kernels import row_ops
-
-        a, m = layer.self_attn, layer.mlp
-        nxt_w, nxt_eps = self.next_norm.get(id(layer), (None, 0.0))
-        h, x = row_ops.add_rms_norm(h, linear(a.o_proj, attn),
-                                    layer.post_attention_layernorm.weight, eps)
-        act = row_ops.silu_mul(linear(m.gate_up_proj, x))
-        out, nxt = row_ops.add_rms_norm(h, linear(m.down_proj, act), nxt_w, nxt_eps)
+        """A dense layer after attention (`dense_after_attention`), the next layer's input
+        norm kept for that layer (`_normed`) when it is in the range."""
+        out, nxt = dense_after_attention(layer, h, attn, eps, self.next_norm.get(id(layer)))
         if nxt is not None:
             self._normed = (out, nxt)
         return out
@@ -546,10 +568,7 @@ class FusedDecode:
         # its K/V rows too (no index_copy_ launches)
         pool = kv.step_pool(index, slot, step) if not step.parts and \
             isinstance(kv, PagedKVCache) and kv.k_store.dtype == qkv.dtype else None
-        q, k = row_ops.rope_qk(qkv, cos, sin, nh, ng,
-                               None if a.q_norm is None else a.q_norm.weight,
-                               None if a.k_norm is None else a.k_norm.weight,
-                               eps if a.q_norm is None else a.q_norm.eps, pool)
+        q, k = rope_qk_rows(a, qkv, cos, sin, eps, pool)
         v = qkv[:, (nh + ng) * d:].view(-1, ng, d)
         attn = torch.cat([self._attend(a, q[lo:hi], k[lo:hi], v[lo:hi], kv, index, part_slot,
                                        part)

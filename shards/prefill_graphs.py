@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from layersplit.shards.fused import FusedDecode, linear
+from layersplit.shards.fused import FusedDecode, dense_after_attention, linear, rope_qk_rows
 from layersplit.shards.layers.attention import attend
 from layersplit.shards.layers.rotary import rope_cos_sin
 from layersplit.shards.layers.step import StepInfo
@@ -137,12 +137,11 @@ class PrefillGraphs:
         b.h[n:].zero_()  # (padding rows start from zero each step: a pass from zero, bounded,
         b.attn[n:].zero_()  # not the last step's outputs run through the range again)
         b.pieces[0]()
-        layers, last = self.model.layers, self.model.cfg.num_layers - 1
-        for i, layer in enumerate(layers):
-            a = layer.self_attn
-            mask = step.mask_for(None)
+        last = self.model.cfg.num_layers - 1
+        for i, layer in enumerate(self.model.layers):  # (full attention: the step's own mask)
             keys, values = self.kv.gather(i, slot, step, b.k[:n], b.v[:n])
-            b.attn[:n].copy_(attend(b.q[:n], keys, values, mask, step.causal, a.sdpa_scale))
+            b.attn[:n].copy_(attend(b.q[:n], keys, values, step.mask, step.causal,
+                                    layer.self_attn.sdpa_scale))
             b.pieces[i + 1]()
             g = self.model.start + i
             if taps is not None and g in taps:  # (HF's hidden_states[g + 1]: the last normed)
@@ -158,8 +157,6 @@ class PrefillGraphs:
         if not self.takes(1):  # (the row kernels turned off: no step would replay them)
             return 0, 0.0
         for r in self.buckets:
-            if not self.on:
-                break
             if r not in self.sets:
                 try:
                     self._build(r)
@@ -200,7 +197,6 @@ class PrefillGraphs:
             for fn in calls:
                 graph, _ = capture(fn, self.pool)
                 b.pieces.append(graph.replay)
-            b.h.zero_()
             log.info("layers %d:%d: prefill graphs of %d rows captured (%d pieces)",
                      self.model.start, self.model.end, r, len(calls))
         self.sets[r] = b
@@ -209,16 +205,11 @@ class PrefillGraphs:
     def _qkv_rope(self, b: _Bucket, i: int, x: torch.Tensor) -> None:
         """Layer i's q/k/v of its normed input `x`, rotated (the K/V rows stored in the pool
         by the rotary's kernel, as `FusedDecode._prefill`), into the bucket's buffers."""
-        from layersplit.shards.kernels import row_ops
-
         layer = self.model.layers[i]
-        a, eps = layer.self_attn, layer.input_layernorm.eps
+        a = layer.self_attn
         qkv = linear(a.qkv_proj, x)
-        q, k = row_ops.rope_qk(qkv, b.cos, b.sin, self.nh, self.ng,
-                               None if a.q_norm is None else a.q_norm.weight,
-                               None if a.k_norm is None else a.k_norm.weight,
-                               eps if a.q_norm is None else a.q_norm.eps,
-                               (self.kv.k_layers[i], self.kv.v_layers[i], b.rows))
+        q, k = rope_qk_rows(a, qkv, b.cos, b.sin, layer.input_layernorm.eps,
+                            (self.kv.k_layers[i], self.kv.v_layers[i], b.rows))
         b.q.copy_(q)
         b.k.copy_(k)
         b.v.copy_(qkv[:, (self.nh + self.ng) * self.d:].view(-1, self.ng, self.d))
@@ -232,20 +223,13 @@ class PrefillGraphs:
         return piece
 
     def _after(self, b: _Bucket, i: int) -> Callable[[], None]:
-        def piece() -> None:  # layer i after attention (`FusedDecode._dense_rest`), then the
-            # next layer's q/k/v
-            from layersplit.shards.kernels import row_ops
-
+        def piece() -> None:  # layer i after attention (as `FusedDecode._dense_rest`), then
+            # the next layer's q/k/v
             layers = self.model.layers
             layer = layers[i]
-            a, m, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h, x = row_ops.add_rms_norm(b.h, linear(a.o_proj, b.attn),
-                                        layer.post_attention_layernorm.weight, eps)
-            act = row_ops.silu_mul(linear(m.gate_up_proj, x))
-            out, normed = row_ops.add_rms_norm(h, linear(m.down_proj, act),
-                                               None if nxt is None else nxt.weight,
-                                               0.0 if nxt is None else nxt.eps)
+            ln = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            out, normed = dense_after_attention(layer, b.h, b.attn, layer.input_layernorm.eps,
+                                                None if ln is None else (ln.weight, ln.eps))
             b.h.copy_(out)
             if normed is not None:
                 self._qkv_rope(b, i + 1, normed)
